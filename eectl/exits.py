@@ -1,0 +1,94 @@
+"""Exit heads and exit signals: the ONE definition of what an exit computes and how confident it is.
+
+An exit after layer l maps that layer's hidden state to a prediction: an optional trained head (heads.py) into the
+input space of the frozen final norm + LM head, then either
+
+- the full vocabulary (`full`): all V logits, the K best become the token's local vocabulary (FlexEE), or
+- the local vocabulary (`local`): only the K candidate rows of the LM head are scored (cheap: K << V).
+
+`ExitHead` is a torch module; export turns exactly these methods into the exit graphs, and calibrate runs them in
+torch, so a calibrated threshold means the same thing at run time. The signals (top-1 probability and top-1/top-2
+margin of the softmax over the local vocabulary; the state-transition cosine) are computed here too.
+
+What this module does not do: decide (thresholds live in calibrate/runtime), or train heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eectl.models.adapters import Adapter
+
+# Signals an exit can be judged by. "topk-*" use the local vocabulary; "full-*" the full one (costly: a full
+# LM-head projection at every exit); "cosine" is River-LLM's state transition of the last layer before the exit.
+SIGNALS = ("topk-prob", "topk-margin", "topk-prob+margin", "full-prob", "full-margin", "cosine")
+DEFAULT_TOP_K = 64
+
+
+@dataclass
+class ExitSignals:
+    token: torch.Tensor  # [N] predicted token id (full vocabulary id)
+    prob: torch.Tensor  # [N] top-1 probability over the scored vocabulary
+    margin: torch.Tensor  # [N] top-1 minus top-2 probability
+
+
+class ExitHead(nn.Module):
+    """Optional trained head + the frozen final norm and LM head of the base model."""
+
+    def __init__(self, adapter: Adapter, head: nn.Module | None = None) -> None:
+        super().__init__()
+        self.head = head
+        self.norm = adapter.norm
+        self.lm_head_weight = adapter.lm_head.weight  # [V, H], shared with the base model, frozen
+        bias = getattr(adapter.lm_head, "bias", None)
+        self.lm_head_bias = bias
+        self.softcap = getattr(adapter.config, "final_logit_softcapping", None)
+
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden if self.head is None else self.head(hidden)
+        return self.norm(x)
+
+    def _cap(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+    def full(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] logits."""
+        logits = F.linear(self.normed(hidden), self.lm_head_weight, self.lm_head_bias)
+        return self._cap(logits)
+
+    def local(self, hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """[N, H], candidate ids [N, K] -> [N, K] logits of just those rows of the LM head."""
+        rows = self.lm_head_weight[candidates]  # [N, K, H]
+        logits = torch.einsum("nh,nkh->nk", self.normed(hidden), rows)
+        if self.lm_head_bias is not None:
+            logits = logits + self.lm_head_bias[candidates]
+        return self._cap(logits)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.full(hidden)
+
+
+def topk_candidates(full_logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, V] -> [N, K] ids of the K largest logits, best first (the token's local vocabulary)."""
+    return torch.topk(full_logits, k, dim=-1).indices
+
+
+def signals(logits: torch.Tensor, candidates: torch.Tensor | None = None) -> ExitSignals:
+    """Top-1 token, probability and top-1/top-2 margin of a softmax over `logits` [N, K or V].
+
+    With `candidates` [N, K], logits are local and the token is mapped back to its vocabulary id.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    top2 = torch.topk(probs, 2, dim=-1)
+    idx = top2.indices[:, 0]
+    token = idx if candidates is None else candidates.gather(1, idx[:, None])[:, 0]
+    return ExitSignals(token=token, prob=top2.values[:, 0], margin=top2.values[:, 0] - top2.values[:, 1])
+
+
+def transition_cosine(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
+    """River-LLM's state transition: cos(input, output) of a decoder layer, [..., H] -> [...]."""
+    return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1)

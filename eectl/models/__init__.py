@@ -1,0 +1,18 @@
+"""Model loading and the per-architecture adapters (the only code that touches transformers internals)."""
+
+from eectl.models.adapters import ADAPTERS, Adapter, Dimensions, KVCache, adapter_for, supported_model_types
+from eectl.models.loading import DEFAULT_MODEL, LoadedModel, ModelSource, load_model, resolve_source
+
+__all__ = [
+    "ADAPTERS",
+    "DEFAULT_MODEL",
+    "Adapter",
+    "Dimensions",
+    "KVCache",
+    "LoadedModel",
+    "ModelSource",
+    "adapter_for",
+    "load_model",
+    "resolve_source",
+    "supported_model_types",
+]

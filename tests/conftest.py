@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny import TINY_CONFIGS, save_tiny
+
+torch.set_num_threads(1)
+os.environ.setdefault("EECTL_QUIET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Every family's tiny model saved as a Hugging Face folder (save_pretrained layout)."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {t: save_tiny(t, root / t) for t in TINY_CONFIGS}
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS))
+def family(request) -> str:
+    return request.param

