@@ -92,3 +92,33 @@ def signals(logits: torch.Tensor, candidates: torch.Tensor | None = None) -> Exi
 def transition_cosine(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
     """River-LLM's state transition: cos(input, output) of a decoder layer, [..., H] -> [...]."""
     return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
+
+
+@dataclass
+class ThresholdChoice:
+    threshold: float  # exit when confidence >= threshold (inf: never exit)
+    coverage: float  # share of the given tokens with confidence >= threshold
+    precision: float  # agreement with the final layer among those tokens (1.0 when none)
+
+
+def threshold_for_precision(confidence: torch.Tensor, correct: torch.Tensor, target: float) -> ThresholdChoice:
+    """FlexEE's lambda* = min{ lambda : P(correct | confidence >= lambda) >= target } on a sample.
+
+    `confidence` [N] float, `correct` [N] bool (exit's top-1 == final top-1). Ties in confidence are kept together,
+    so the threshold is a value that actually splits the sample. Returns threshold inf when no lambda qualifies.
+    """
+    n = confidence.numel()
+    if n == 0:
+        return ThresholdChoice(float("inf"), 0.0, 1.0)
+    conf, order = torch.sort(confidence.double(), descending=True)
+    hits = torch.cumsum(correct[order].double(), 0)
+    counts = torch.arange(1, n + 1, dtype=torch.float64)
+    precision = hits / counts
+    # a prefix may end only where the next confidence is strictly lower (keep ties together)
+    boundary = torch.ones(n, dtype=torch.bool)
+    boundary[:-1] = conf[:-1] > conf[1:]
+    ok = torch.nonzero((precision >= target) & boundary).flatten()
+    if ok.numel() == 0:
+        return ThresholdChoice(float("inf"), 0.0, 1.0)
+    i = int(ok[-1])
+    return ThresholdChoice(float(conf[i]), (i + 1) / n, float(precision[i]))
