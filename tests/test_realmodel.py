@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from eectl.data import load_text_data
-from eectl.models import load_model
-from eectl.models import loading
+from eectl.models import load_model, loading
 from eectl.profile import profile_model
 from tests.tiny import GSM8K
 
