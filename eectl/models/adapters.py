@@ -75,6 +75,39 @@ class Dimensions:
     max_positions: int
 
 
+@dataclass
+class LayerWeights:
+    """One decoder layer's parameters and facts, as plain tensors: what export builds a graph from.
+
+    Linear weights are [out, in] (torch layout). Norm weights already include the family's offset (Gemma: 1 + w).
+    """
+
+    index: int
+    layer_type: str
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_attention_norm: torch.Tensor  # Llama: the pre-MLP norm; Gemma (sandwich): the norm of the attention output
+    pre_feedforward_norm: torch.Tensor | None  # sandwich only
+    post_feedforward_norm: torch.Tensor | None  # sandwich only
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    activation: str  # "silu" | "gelu_tanh"
+    eps: float
+    scale: float  # attention softmax scale
+    sliding_window: int | None
+    softcap: float | None  # attention logit soft-capping
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Adapters
 # ---------------------------------------------------------------------------------------------------------------
@@ -157,6 +190,86 @@ class Adapter:
         ):
             return getattr(self.config, "sliding_window", None)
         return None
+
+    def layer_weights(self, i: int) -> LayerWeights:
+        layer = self.layers[i]
+        attn, mlp = layer.self_attn, layer.mlp
+        off = self.norm_weight_offset
+
+        def norm(module: Any) -> torch.Tensor:
+            return module.weight.detach() + off
+
+        def opt_bias(lin: Any) -> torch.Tensor | None:
+            return None if lin.bias is None else lin.bias.detach()
+
+        act = getattr(self.config, "hidden_activation", None) or getattr(self.config, "hidden_act", "silu")
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ModelLoadError(f"unsupported MLP activation '{act}' in layer {i}")
+        return LayerWeights(
+            index=i,
+            layer_type=self.layer_type(i),
+            input_norm=norm(layer.input_layernorm),
+            q=attn.q_proj.weight.detach(),
+            k=attn.k_proj.weight.detach(),
+            v=attn.v_proj.weight.detach(),
+            o=attn.o_proj.weight.detach(),
+            q_bias=opt_bias(attn.q_proj),
+            k_bias=opt_bias(attn.k_proj),
+            v_bias=opt_bias(attn.v_proj),
+            o_bias=opt_bias(attn.o_proj),
+            q_norm=norm(attn.q_norm) if self.has_qk_norm else None,
+            k_norm=norm(attn.k_norm) if self.has_qk_norm else None,
+            post_attention_norm=norm(layer.post_attention_layernorm),
+            pre_feedforward_norm=norm(layer.pre_feedforward_layernorm) if self.sandwich_norm else None,
+            post_feedforward_norm=norm(layer.post_feedforward_layernorm) if self.sandwich_norm else None,
+            gate=mlp.gate_proj.weight.detach(),
+            up=mlp.up_proj.weight.detach(),
+            down=mlp.down_proj.weight.detach(),
+            activation="silu" if act == "silu" else "gelu_tanh",
+            eps=float(getattr(layer.input_layernorm, "eps", None) or getattr(layer.input_layernorm, "variance_epsilon")),
+            scale=float(attn.scaling),
+            sliding_window=self.sliding_window(i),
+            softcap=getattr(self.config, "attn_logit_softcapping", None),
+        )
+
+    def rotary_tables(self, max_positions: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer type: cos and sin [max_positions, head_dim / 2] (attention scaling included)."""
+        positions = torch.arange(max_positions, device=self.device)[None]
+        probe = torch.zeros(1, 1, self.dims.hidden_size, dtype=torch.float32, device=self.device)
+        tables = {}
+        for kind in sorted({self.layer_type(i) for i in range(self.num_layers)}):
+            cos, sin = self.rotary(probe, positions, kind)
+            half = cos.shape[-1] // 2
+            tables[kind] = (cos[0, :, :half].float(), sin[0, :, :half].float())
+        return tables
+
+    def embed_scale(self) -> float:
+        scale = getattr(self.embed_tokens, "embed_scale", None)
+        return 1.0 if scale is None else float(scale)
+
+    def final_norm_weight(self) -> tuple[torch.Tensor, float]:
+        eps = getattr(self.norm, "eps", None) or getattr(self.norm, "variance_epsilon")
+        return self.norm.weight.detach() + self.norm_weight_offset, float(eps)
+
+    def project_kv(
+        self, hidden: torch.Tensor, positions: torch.Tensor, lo: int, hi: int, cache: KVCache
+    ) -> None:
+        """The `copy` policy's reference: project one hidden state through each layer's K/V path in [lo, hi).
+
+        Every layer in the range receives the same `hidden` [B, S, H] (CALM-style state copying); the K/V it would
+        write are appended to `cache`. Uses each layer's own attention module, so rotary and K-norm match.
+        """
+        for i in range(lo, hi):
+            layer = self.layers[i]
+            kind = self.layer_type(i)
+            past = cache.length(i)
+            mask = causal_mask(hidden.shape[1], past, self.sliding_window(i), None, hidden.dtype, hidden.device)
+            layer.self_attn(
+                hidden_states=layer.input_layernorm(hidden),
+                position_embeddings=self.rotary(hidden, positions, kind),
+                attention_mask=mask,
+                cache=cache,
+            )
 
     # --- pieces of the forward ------------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

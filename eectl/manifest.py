@@ -1,0 +1,170 @@
+"""The artifact manifest: the single contract between `eectl export` and `eectl run`.
+
+It names every file (with its SHA-256), every graph input and output, the KV layout, the exits and their
+thresholds, and the export's validation result. The runner reads names from here and never rebuilds them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from eectl.errors import ArtifactError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GraphIO(_M):
+    """A graph file and its input/output names; list-valued entries are per decoder layer, in layer order."""
+
+    file: str
+    inputs: dict[str, str | list[str]]
+    outputs: dict[str, str | list[str]]
+
+
+class Segment(_M):
+    index: int
+    layers: tuple[int, int]  # decoder layers [lo, hi)
+    graph: GraphIO  # hidden + past KV -> hidden + present KV (one graph for prefill, decode and chunks)
+    kv_graph: GraphIO  # hidden -> this segment's K/V only (the `copy` policy)
+
+
+class ExitPoint(_M):
+    layer: int  # exit after this many decoder layers (== L for the final head)
+    full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits
+    local: GraphIO  # hidden [N, H] + candidates [N, K] -> candidate logits [N, K]
+    head: str | None = None  # trained head design, None for the plain logit lens
+    signal: str | None = None
+    threshold: float | None = None  # calibrated threshold for `signal`, None when not calibrated
+    margin_threshold: float | None = None
+
+
+class SharedWeight(_M):
+    file: str
+    shape: list[int]
+    dtype: str
+
+
+class KVLayout(_M):
+    layout: str = "BNSH"  # [batch, kv_heads, max_sequence, head_dim]
+    num_kv_heads: int
+    head_dim: int
+    past_key: list[str]  # per decoder layer: past_key_values.{i}.key
+    past_value: list[str]
+    present_key: list[str]  # per decoder layer: present.{i}.key
+    present_value: list[str]
+    buffer: str = "one preallocated buffer per layer, bound as both past input and present output (written in place)"
+    positions: str = "position of a token == its slot in the cache; seqlens_k = total length - 1, per row"
+
+
+class Manifest(_M):
+    schema_version: int
+    eectl_version: str
+    model: dict[str, Any]
+    family: str
+    dims: dict[str, int]
+    dtype: str
+    opset: int
+    tokenizer_dir: str
+    eos_token_ids: list[int]
+    max_positions: int
+    top_k: int
+    embedding: GraphIO
+    segments: list[Segment]
+    exits: list[ExitPoint]  # in layer order; the last one is the final head (layer == L)
+    shared_weights: dict[str, SharedWeight]
+    kv: KVLayout
+    kv_policies: list[str] = Field(default_factory=lambda: ["copy", "defer", "verify"])
+    calibration: dict[str, Any] | None = None
+    heads: dict[str, Any] | None = None
+    files: dict[str, str] = Field(default_factory=dict)  # relative path -> sha256
+    validation: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.dims["num_layers"]
+
+    @property
+    def exit_layers(self) -> list[int]:
+        return [e.layer for e in self.exits if e.layer < self.num_layers]
+
+    def exit_at(self, layer: int) -> ExitPoint:
+        for e in self.exits:
+            if e.layer == layer:
+                return e
+        raise ArtifactError(f"no exit after layer {layer} in this artifact", hint=f"exits: {self.exit_layers}")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(manifest: Manifest, folder: Path) -> None:
+    (folder / MANIFEST).write_text(json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
+
+
+def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
+    """Read and check an artifact's manifest: schema version, every listed file present and unchanged."""
+    root = Path(folder)
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise ArtifactError(f"artifact not found: {folder}", hint="create one with `eectl export`")
+    if not path.is_file():
+        raise ArtifactError(f"not an eectl artifact (no {MANIFEST}): {folder}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{path} is not valid JSON: {exc.msg}") from exc
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version != SCHEMA_VERSION:
+        raise ArtifactError(
+            f"unknown manifest schema version {version!r} in {folder} (this eectl reads {SCHEMA_VERSION})",
+            hint="re-export the artifact with this version of eectl",
+        )
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ArtifactError(f"inconsistent manifest in {folder}: {'.'.join(map(str, first['loc']))}: {first['msg']}")
+    _check_consistency(manifest, folder)
+    if verify_hashes:
+        for rel, digest in manifest.files.items():
+            f = root / rel
+            if not f.is_file():
+                raise ArtifactError(f"artifact file missing: {rel} in {folder}")
+            if sha256_file(f) != digest:
+                raise ArtifactError(f"artifact file changed since export: {rel} (hash mismatch)")
+    return manifest
+
+
+def _check_consistency(m: Manifest, folder: str | Path) -> None:
+    L = m.num_layers
+    bounds = [s.layers for s in m.segments]
+    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != L or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+        raise ArtifactError(f"inconsistent manifest in {folder}: segments do not tile layers 0..{L}")
+    cuts = {s.layers[1] for s in m.segments}
+    if not m.exits or m.exits[-1].layer != L or any(e.layer not in cuts for e in m.exits):
+        raise ArtifactError(f"inconsistent manifest in {folder}: exits must sit at segment ends, the last at {L}")
+    if len(m.kv.past_key) != L or len(m.kv.present_key) != L:
+        raise ArtifactError(f"inconsistent manifest in {folder}: KV names for {len(m.kv.past_key)} of {L} layers")
+    listed = set(m.files)
+    needed = {m.embedding.file, *(w.file for w in m.shared_weights.values())}
+    for s in m.segments:
+        needed |= {s.graph.file, s.kv_graph.file}
+    for e in m.exits:
+        needed |= {e.full.file, e.local.file}
+    if not needed <= listed:
+        raise ArtifactError(f"inconsistent manifest in {folder}: files not hashed: {sorted(needed - listed)}")

@@ -1,0 +1,1 @@
+"""The ONNX Runtime side of eectl: sessions over an exported artifact, and the early-exit runner."""
