@@ -1,0 +1,944 @@
+"""`eectl calibrate`: per-exit thresholds so that exiting tokens agree with the full model at a stated rate.
+
+The decision rule is the runner's, and calibration follows it SEQUENTIALLY:
+
+    for each exit l in ascending order:       (an exit "after layer l" reads the state after l decoder layers)
+        if every criterion c of the signal has value_c(l) >= threshold_c(l):  exit here with the exit's top-1
+    otherwise run all L layers
+
+so exit l is calibrated only on the tokens that no earlier exit took. Per exit, FlexEE's
+lambda*_l = min{ lambda : P(top1_l == top1_final | value_l >= lambda) >= target } on those tokens
+(`eectl.exits.threshold_for_precision`); with `confidence` the Clopper-Pearson lower bound on that precision must
+reach the target instead (see `threshold_with_bound`). For "topk-prob+margin" (FlexEE's AND of two tests) the
+search walks a grid of margin thresholds (0 = no margin test, then the margin values at 31 quantiles of the
+tokens that reach the exit), finds the lowest qualifying probability threshold for each, and keeps the pair that
+exits the most tokens (on ties, the smaller margin threshold).
+
+Signals are computed by eectl.exits, the code export turns into the exit graphs (module `ExitHead`):
+  - topk-*: at the FIRST listed exit one full LM-head projection (`ExitHead.full`) picks the K candidates
+    (`topk_candidates`); the first exit's local logits are those K gathered full logits; every later exit scores
+    only the K candidate rows (`ExitHead.local`). Probabilities are a softmax over the K local logits (`signals`).
+    The candidates come from the first listed exit even when its threshold says "never".
+  - full-*: a softmax over the whole vocabulary at every exit.
+  - cosine: `transition_cosine` of decoder layer l's input and output (the last layer before the exit after
+    layer l); the token is the exit's full-vocabulary top-1.
+  - with trained heads, each exit's head sits before the frozen final norm + LM head (`ExitHead(adapter, head)`).
+
+Tokens come from teacher-forced text (chunks, BOS first) and from the model's own greedy, full-depth continuations
+of the data's prompts (what the runner sees). The last `holdout` share of the chunks and of the prompts (each source
+apart) is held out: thresholds are fitted on the rest and replayed on it, so the report puts realized agreement
+next to the target.
+
+The guarantee is per threshold: the Clopper-Pearson bound treats the chosen threshold as if fixed in advance; the
+search over thresholds (and over exits, sequentially) is not corrected for. The held-out numbers are the check.
+
+What this module does not do: run ONNX Runtime, train heads, or choose where the exits are (see `eectl profile`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from torch import nn
+
+from eectl import __version__
+from eectl.errors import ArtifactError, DataError, UsageError
+from eectl.exits import (
+    DEFAULT_TOP_K,
+    SIGNALS,
+    ExitHead,
+    ExitSignals,
+    ThresholdChoice,
+    signals,
+    threshold_for_precision,
+    topk_candidates,
+    transition_cosine,
+)
+from eectl.models.adapters import Adapter, KVCache
+
+SCHEMA_VERSION = 1
+# What each signal tests: exit when every named value is >= its threshold.
+CRITERIA: dict[str, tuple[str, ...]] = {
+    "topk-prob": ("prob",),
+    "topk-margin": ("margin",),
+    "topk-prob+margin": ("prob", "margin"),
+    "full-prob": ("prob",),
+    "full-margin": ("margin",),
+    "cosine": ("cosine",),
+}
+SOURCES = ("teacher-forced", "generated")
+MARGIN_GRID = 32  # margin thresholds tried for "+margin" signals (0 and 31 quantiles)
+
+
+@dataclass
+class CalibrateOptions:
+    exits: list[int]
+    signal: str = "topk-prob"
+    target: float = 0.99
+    top_k: int = DEFAULT_TOP_K
+    tokens: int = 20000  # measured tokens, teacher-forced and generated together
+    confidence: float | None = None  # Clopper-Pearson confidence level, e.g. 0.95; None: point estimate
+    holdout: float = 0.2  # share of chunks / prompts held out
+    gen_share: float = 0.25  # share of the tokens that come from the model's own greedy continuations
+    gen_tokens: int = 32  # continuation length per prompt
+    chunk_len: int = 256  # teacher-forced chunk length (BOS included)
+    gen_batch: int = 8  # prompts generated together (left-padded)
+
+    @property
+    def generated_tokens(self) -> int:
+        return round(self.tokens * self.gen_share)
+
+    @property
+    def text_tokens(self) -> int:
+        return self.tokens - self.generated_tokens
+
+
+def parse_exits(spec: str) -> list[int]:
+    try:
+        exits = [int(x) for x in spec.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UsageError(f"--exits must be comma-separated layer numbers, got '{spec}'") from None
+    if not exits:
+        raise UsageError(f"--exits must name at least one layer, got '{spec}'")
+    return exits
+
+
+def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_size: int | None = None) -> None:
+    """Raise UsageError / DataError for options that cannot work (model facts checked when given)."""
+    if not 0.0 < opts.target <= 1.0 or math.isnan(opts.target):
+        raise UsageError(f"--target must be in (0, 1], got {opts.target}")
+    if opts.signal not in SIGNALS:
+        raise UsageError(f"--signal must be one of {', '.join(SIGNALS)}, got '{opts.signal}'")
+    if opts.confidence is not None:
+        if not 0.0 < opts.confidence < 1.0 or math.isnan(opts.confidence):
+            raise UsageError(f"--confidence must be in (0, 1), got {opts.confidence}")
+        if opts.target >= 1.0:
+            raise UsageError(
+                "--target 1 cannot be guaranteed by a finite sample", hint="lower --target or drop --confidence"
+            )
+    if not 0.0 <= opts.holdout < 1.0 or math.isnan(opts.holdout):
+        raise UsageError(f"--holdout must be in [0, 1), got {opts.holdout}")
+    if not 0.0 <= opts.gen_share <= 1.0 or math.isnan(opts.gen_share):
+        raise UsageError(f"--gen-share must be in [0, 1], got {opts.gen_share}")
+    if opts.gen_tokens < 1:
+        raise UsageError(f"--gen-tokens must be >= 1, got {opts.gen_tokens}")
+    if opts.tokens <= 0:
+        raise UsageError(f"--tokens must be positive, got {opts.tokens}")
+    if opts.top_k < 2:
+        raise UsageError(f"--top-k must be >= 2 (the margin needs two candidates), got {opts.top_k}")
+    if not opts.exits:
+        raise UsageError("no exits given", hint="pass --exits, e.g. --exits 8,12,16,20,24, or a --recipe with exits")
+    if len(set(opts.exits)) != len(opts.exits):
+        raise UsageError(f"--exits must be distinct, got {opts.exits}")
+    if num_layers is not None:
+        bad = [e for e in opts.exits if not 1 <= e <= num_layers - 1]
+        if bad:
+            raise UsageError(
+                f"--exits {bad} outside the model's layers 1..{num_layers - 1}",
+                hint=f"an exit after layer l reads the state after l of the {num_layers} decoder layers",
+            )
+    if vocab_size is not None and opts.signal.startswith("topk") and opts.top_k > vocab_size:
+        raise UsageError(f"--top-k {opts.top_k} exceeds the vocabulary ({vocab_size})")
+    if opts.confidence is not None:
+        need = min_tokens_for(opts.target, opts.confidence)
+        have = math.floor(opts.tokens * (1 - opts.holdout))
+        if have < need:
+            raise DataError(
+                f"data too small for the requested guarantee: precision >= {opts.target} at confidence "
+                f"{opts.confidence} needs at least {need} calibration tokens, --tokens {opts.tokens} with "
+                f"--holdout {opts.holdout} gives about {have}",
+                hint="raise --tokens, lower --target or --confidence",
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Clopper-Pearson, without scipy: the regularized incomplete beta function by Lentz's continued fraction
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def betainc(a: Any, b: Any, x: Any) -> torch.Tensor:
+    """Regularized incomplete beta I_x(a, b) (a, b > 0, 0 <= x <= 1), elementwise in float64, broadcasting."""
+    a, b, x = torch.broadcast_tensors(*(torch.as_tensor(v, dtype=torch.float64) for v in (a, b, x)))
+    if a.numel() == 0:
+        return torch.empty(a.shape, dtype=torch.float64)
+    # The continued fraction converges fast for x < (a + 1) / (a + b + 2); use I_x(a, b) = 1 - I_{1-x}(b, a) beyond.
+    swap = x > (a + 1) / (a + b + 2)
+    p, q, z = torch.where(swap, b, a), torch.where(swap, a, b), torch.where(swap, 1 - x, x)
+    log_front = (
+        p * torch.log(z)
+        + q * torch.log1p(-z)
+        - (torch.lgamma(p) + torch.lgamma(q) - torch.lgamma(p + q))
+        - torch.log(p)
+    )
+    tiny = 1e-300
+
+    def fix(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(t.abs() < tiny, torch.full_like(t, tiny), t)
+
+    c = torch.ones_like(z)
+    d = 1.0 / fix(1 - (p + q) * z / (p + 1))
+    h = d.clone()
+    done = torch.zeros_like(z, dtype=torch.bool)
+    max_iter = int(20 * math.sqrt(float(torch.maximum(p, q).max())) + 200)
+    for m in range(1, max_iter + 1):
+        m2 = 2 * m
+        num = m * (q - m) * z / ((p - 1 + m2) * (p + m2))
+        d = 1.0 / fix(1 + num * d)
+        c = fix(1 + num / c)
+        h = h * d * c
+        num = -(p + m) * (p + q + m) * z / ((p + m2) * (p + 1 + m2))
+        d = 1.0 / fix(1 + num * d)
+        c = fix(1 + num / c)
+        delta = d * c
+        h = h * delta
+        # a term within rounding noise of 1 ends an entry's fraction (later terms only add noise)
+        done |= (delta - 1).abs() < 1e-14
+        if bool(done.all()):
+            break
+    res = torch.exp(log_front) * h
+    res = torch.where(swap, 1 - res, res)
+    res = torch.where(x <= 0, torch.zeros_like(res), res)
+    return torch.where(x >= 1, torch.ones_like(res), res).clamp(0.0, 1.0)
+
+
+def binomial_upper_tail(k: Any, n: Any, p: Any) -> torch.Tensor:
+    """P(X >= k) for X ~ Binomial(n, p), elementwise: I_p(k, n - k + 1) for k >= 1, and 1 for k <= 0."""
+    k, n, p = torch.broadcast_tensors(*(torch.as_tensor(v, dtype=torch.float64) for v in (k, n, p)))
+    tail = betainc(k.clamp(min=1.0), (n - k + 1).clamp(min=1.0), p)
+    return torch.where(k <= 0, torch.ones_like(tail), tail)
+
+
+def clopper_pearson_lower(k: Any, n: Any, confidence: float) -> torch.Tensor:
+    """One-sided Clopper-Pearson lower bound on a binomial proportion after k successes in n trials.
+
+    The bound p_L solves P(X >= k | n, p_L) = 1 - confidence (0 when k = 0; (1 - confidence)^(1/n) when k = n).
+    Found by 9 rounds of a 32-way bracket refinement (about 1e-13 wide), vectorized over k and n.
+    """
+    k, n = torch.broadcast_tensors(torch.as_tensor(k, dtype=torch.float64), torch.as_tensor(n, dtype=torch.float64))
+    alpha = 1.0 - confidence
+    lo, hi = torch.zeros_like(k), torch.ones_like(k)
+    steps = torch.linspace(0.0, 1.0, 33, dtype=torch.float64)
+    for _ in range(9):
+        grid = lo[..., None] + (hi - lo)[..., None] * steps  # [..., 33], tail increasing along it
+        below = binomial_upper_tail(k[..., None], n[..., None], grid) <= alpha
+        idx = (below.sum(-1, keepdim=True) - 1).clamp(min=0)
+        lo, hi = grid.gather(-1, idx)[..., 0], grid.gather(-1, (idx + 1).clamp(max=32))[..., 0]
+    exact_all = torch.full_like(k, alpha) ** (1.0 / n.clamp(min=1.0))
+    out = torch.where(k >= n, exact_all, lo)
+    return torch.where(k <= 0, torch.zeros_like(out), out)
+
+
+def min_tokens_for(target: float, confidence: float) -> int:
+    """The fewest exiting tokens whose Clopper-Pearson bound can reach `target` (all of them correct)."""
+    if target >= 1.0:
+        return 2**62
+    alpha = 1.0 - confidence
+    n = max(1, math.ceil(math.log(alpha) / math.log(target)))
+    while alpha ** (1.0 / n) < target:  # float rounding of the ratio
+        n += 1
+    while n > 1 and alpha ** (1.0 / (n - 1)) >= target:
+        n -= 1
+    return n
+
+
+def threshold_with_bound(
+    confidence: torch.Tensor, correct: torch.Tensor, target: float, level: float
+) -> ThresholdChoice:
+    """The lowest threshold whose exiting tokens have a Clopper-Pearson lower bound (at `level`) >= target.
+
+    Same tie handling as `threshold_for_precision`; returns threshold inf when none qualifies. The bound reaches the
+    target exactly when P(X >= hits | n, target) <= 1 - level, so one binomial tail per candidate prefix decides.
+    """
+    n = confidence.numel()
+    if n == 0:
+        return ThresholdChoice(float("inf"), 0.0, 1.0)
+    conf, order = torch.sort(confidence.double(), descending=True)
+    hits = torch.cumsum(correct[order].double(), 0)
+    counts = torch.arange(1, n + 1, dtype=torch.float64)
+    precision = hits / counts
+    boundary = torch.ones(n, dtype=torch.bool)
+    boundary[:-1] = conf[:-1] > conf[1:]
+    # the point estimate bounds the lower bound, and n_min tokens are needed even with no error
+    cand = torch.nonzero(boundary & (precision >= target) & (counts >= min_tokens_for(target, level))).flatten()
+    alpha = 1.0 - level
+    for end in range(cand.numel(), 0, -256):  # the largest qualifying prefix is usually among the largest few
+        block = cand[max(0, end - 256) : end]
+        ok = block[binomial_upper_tail(hits[block], counts[block], target) <= alpha]
+        if ok.numel():
+            i = int(ok[-1])
+            return ThresholdChoice(float(conf[i]), (i + 1) / n, float(precision[i]))
+    return ThresholdChoice(float("inf"), 0.0, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measuring: per token, per exit, the signal values and whether the exit's top-1 equals the final layer's
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Measurements:
+    exits: list[int]
+    num_layers: int
+    values: dict[str, torch.Tensor]  # criterion -> [E, N] float32
+    correct: torch.Tensor  # [E, N] bool: the exit's top-1 == the final layer's top-1
+    source: torch.Tensor  # [N] long: index into SOURCES
+    unit: torch.Tensor  # [N] long: chunk (teacher-forced) or prompt (generated) index within its source
+
+    @property
+    def n(self) -> int:
+        return int(self.source.numel())
+
+    @staticmethod
+    def concat(parts: Sequence[Measurements]) -> Measurements:
+        first = parts[0]
+        return Measurements(
+            exits=first.exits,
+            num_layers=first.num_layers,
+            values={c: torch.cat([p.values[c] for p in parts], 1) for c in first.values},
+            correct=torch.cat([p.correct for p in parts], 1),
+            source=torch.cat([p.source for p in parts]),
+            unit=torch.cat([p.unit for p in parts]),
+        )
+
+    def take(self, n: int) -> Measurements:
+        return Measurements(
+            self.exits,
+            self.num_layers,
+            {c: v[:, :n] for c, v in self.values.items()},
+            self.correct[:, :n],
+            self.source[:n],
+            self.unit[:n],
+        )
+
+    def heldout_mask(self, holdout: float) -> torch.Tensor:
+        """[N] bool: the tokens of the last `holdout` share of each source's units (at least one, never all)."""
+        mask = torch.zeros(self.n, dtype=torch.bool)
+        if holdout <= 0:
+            return mask
+        for s in range(len(SOURCES)):
+            mine = self.source == s
+            units = torch.unique(self.unit[mine])  # sorted
+            if units.numel() < 2:
+                continue
+            k = min(units.numel() - 1, max(1, round(holdout * units.numel())))
+            mask |= mine & (self.unit >= units[-k])
+        return mask
+
+
+class ExitScorer:
+    """Every exit's signal values and top-1 for a batch of positions, computed as the runner computes them."""
+
+    def __init__(
+        self, adapter: Adapter, exits: list[int], signal: str, top_k: int, heads: dict[int, nn.Module] | None = None
+    ) -> None:
+        self.adapter = adapter
+        self.exits = sorted(exits)
+        self.signal = signal
+        self.top_k = top_k
+        self.criteria = CRITERIA[signal]
+        self.heads = {layer: ExitHead(adapter, (heads or {}).get(layer)).eval() for layer in self.exits}
+
+    @property
+    def needs_inputs(self) -> bool:
+        return self.signal == "cosine"
+
+    def exit_signals(self, states: list[torch.Tensor]) -> list[ExitSignals]:
+        """states[e] [T, H]: hidden state after exit e's layer -> each exit's token, probability and margin."""
+        if self.signal.startswith("topk"):
+            full = self.heads[self.exits[0]].full(states[0])  # [T, V]
+            cand = topk_candidates(full, self.top_k)  # [T, K]
+            out = [signals(full.gather(-1, cand), cand)]
+            for layer, h in zip(self.exits[1:], states[1:], strict=True):
+                out.append(signals(self.heads[layer].local(h, cand), cand))
+            return out
+        return [signals(self.heads[layer].full(h)) for layer, h in zip(self.exits, states, strict=True)]
+
+    @torch.no_grad()
+    def score(
+        self, states: list[torch.Tensor], inputs: list[torch.Tensor] | None, final: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """-> values {criterion: [E, T]}, correct [E, T] bool, the final layer's top-1 [T]."""
+        final_top = self.adapter.logits(final).argmax(-1)
+        values: dict[str, torch.Tensor] = {}
+        if self.signal == "cosine":
+            assert inputs is not None
+            tokens = [self.heads[layer].full(h).argmax(-1) for layer, h in zip(self.exits, states, strict=True)]
+            values["cosine"] = torch.stack([transition_cosine(i, h) for i, h in zip(inputs, states, strict=True)])
+        else:
+            sig = self.exit_signals(states)
+            tokens = [s.token for s in sig]
+            for c in self.criteria:
+                values[c] = torch.stack([getattr(s, c) for s in sig]).float()
+        correct = torch.stack([t == final_top for t in tokens])
+        return values, correct, final_top
+
+
+def _forward_capture(
+    scorer: ExitScorer,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    cache: KVCache | None,
+    key_padding: torch.Tensor | None,
+    select: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
+    """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input)."""
+    adapter = scorer.adapter
+    slot = {layer - 1: e for e, layer in enumerate(scorer.exits)}  # decoder layer index -> exit index
+    states: list[torch.Tensor] = [torch.empty(0)] * len(scorer.exits)
+    inputs: list[torch.Tensor] = [torch.empty(0)] * len(scorer.exits)
+
+    def on_layer(i: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
+        e = slot.get(i)
+        if e is not None:
+            states[e] = select(h_out)
+            if scorer.needs_inputs:
+                inputs[e] = select(h_in)
+
+    final = adapter.forward_layers(
+        adapter.embed(ids), positions, 0, adapter.num_layers, cache, key_padding, on_layer=on_layer
+    )
+    return states, (inputs if scorer.needs_inputs else None), select(final)
+
+
+def _part(
+    scorer: ExitScorer, values: dict[str, torch.Tensor], correct: torch.Tensor, source: int, units: torch.Tensor
+) -> Measurements:
+    return Measurements(scorer.exits, scorer.adapter.num_layers, values, correct, torch.full_like(units, source), units)
+
+
+@torch.no_grad()
+def measure_text(
+    scorer: ExitScorer, chunks: list[torch.Tensor], skip_first: int = 1, on_tokens: Callable[[int], None] | None = None
+) -> Measurements | None:
+    """Teacher-forced chunks [1, S]: every position from `skip_first` on is one measured token."""
+    parts: list[Measurements] = []
+    for u, ids in enumerate(chunks):
+        positions = torch.arange(ids.shape[1])[None]
+        states, inputs, final = _forward_capture(scorer, ids, positions, None, None, lambda h: h[0, skip_first:])
+        values, correct, _ = scorer.score(states, inputs, final)
+        parts.append(_part(scorer, values, correct, 0, torch.full((final.shape[0],), u, dtype=torch.long)))
+        if on_tokens is not None:
+            on_tokens(final.shape[0])
+    return Measurements.concat(parts) if parts else None
+
+
+def _last_position_of(rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Select the last position of the given rows: [B, S, H] -> [rows, H]."""
+
+    def select(h: torch.Tensor) -> torch.Tensor:
+        return h[:, -1][rows]
+
+    return select
+
+
+@torch.no_grad()
+def measure_generation(
+    scorer: ExitScorer,
+    prompts: list[list[int]],
+    n_tokens: int,
+    gen_tokens: int,
+    eos: int | None,
+    batch_size: int = 8,
+    on_tokens: Callable[[int], None] | None = None,
+) -> tuple[Measurements | None, int]:
+    """Greedy full-depth continuations of prompts (token ids, BOS included), `gen_tokens` each, stopping a row at
+    EOS. Each step's last position is one measured token (its final top-1 is the generated token). Prompts are
+    batched with left padding. Returns the first `n_tokens` measured tokens and the number of prompts used.
+    """
+    parts: list[Measurements] = []
+    measured = used = 0
+    for start in range(0, len(prompts), batch_size):
+        if measured >= n_tokens:
+            break
+        batch = prompts[start : start + batch_size]
+        used += len(batch)
+        b, s = len(batch), max(len(p) for p in batch)
+        ids = torch.zeros(b, s, dtype=torch.long)
+        real = torch.zeros(b, s, dtype=torch.bool)
+        for r, p in enumerate(batch):
+            ids[r, s - len(p) :] = torch.tensor(p, dtype=torch.long)
+            real[r, s - len(p) :] = True
+        positions = (real.long().cumsum(1) - 1).clamp(min=0)  # [B, S], each row counts from its first real token
+        cache, pad, alive = KVCache(), real, torch.ones(b, dtype=torch.bool)
+        for _ in range(gen_tokens):
+            rows = alive.clone()
+            states, inputs, final = _forward_capture(scorer, ids, positions, cache, pad, _last_position_of(rows))
+            values, correct, top = scorer.score(states, inputs, final)
+            parts.append(_part(scorer, values, correct, 1, start + torch.nonzero(rows).flatten()))
+            if on_tokens is not None:
+                on_tokens(min(int(rows.sum()), n_tokens - measured))
+            measured += int(rows.sum())
+            nxt = torch.full((b,), eos if eos is not None else 0, dtype=torch.long)
+            nxt[rows] = top
+            alive = rows if eos is None else rows & (nxt != eos)
+            if not bool(alive.any()) or measured >= n_tokens:
+                break
+            ids, positions = nxt[:, None], positions[:, -1:] + 1
+            pad = torch.cat([pad, torch.ones(b, 1, dtype=torch.bool)], 1)
+    if not parts:
+        return None, used
+    return Measurements.concat(parts).take(n_tokens), used
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sequential thresholds and their report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def passes(meas: Measurements, e: int, thresholds: dict[str, float]) -> torch.Tensor:
+    """[N] bool: exit e's test (every criterion's value >= its threshold; inf never passes)."""
+    ok = torch.ones(meas.n, dtype=torch.bool)
+    for c, t in thresholds.items():
+        ok &= meas.values[c][e] >= t
+    return ok
+
+
+def assign_exits(meas: Measurements, thresholds: list[dict[str, float]]) -> torch.Tensor:
+    """[N] long: the index of the exit each token takes under the sequential rule, len(exits) for none."""
+    taken = torch.full((meas.n,), len(meas.exits), dtype=torch.long)
+    for e in range(len(meas.exits) - 1, -1, -1):  # the earliest passing exit wins: write it last
+        taken[passes(meas, e, thresholds[e])] = e
+    return taken
+
+
+def _search_one(conf: torch.Tensor, correct: torch.Tensor, target: float, level: float | None) -> float:
+    if level is None:
+        return threshold_for_precision(conf, correct, target).threshold
+    return threshold_with_bound(conf, correct, target, level).threshold
+
+
+def search_thresholds(
+    values: dict[str, torch.Tensor], correct: torch.Tensor, target: float, level: float | None = None
+) -> dict[str, float]:
+    """Thresholds for one exit on the tokens that reach it; inf everywhere when no threshold qualifies."""
+    never = {c: float("inf") for c in values}
+    if correct.numel() == 0:
+        return never
+    if len(values) == 1:
+        ((c, v),) = values.items()
+        return {c: _search_one(v, correct, target, level)}
+    prob, margin = values["prob"], values["margin"]
+    ordered = torch.sort(margin).values
+    levels = torch.linspace(0.0, 0.97, MARGIN_GRID - 1, dtype=torch.float64)
+    grid = {0.0} | {float(ordered[int(q * (ordered.numel() - 1))]) for q in levels}
+    best, best_count = never, 0
+    for m in sorted(grid):
+        keep = margin >= m
+        t = _search_one(prob[keep], correct[keep], target, level)
+        count = int((keep & (prob >= t)).sum())
+        if count > best_count:
+            best, best_count = {"prob": t, "margin": m}, count
+    return best
+
+
+def fit_thresholds(
+    meas: Measurements, target: float, level: float | None = None, mask: torch.Tensor | None = None
+) -> list[dict[str, float]]:
+    """Sequentially: exit e's thresholds are searched on the (masked) tokens that no earlier exit took."""
+    remaining = torch.ones(meas.n, dtype=torch.bool) if mask is None else mask.clone()
+    out: list[dict[str, float]] = []
+    for e in range(len(meas.exits)):
+        idx = torch.nonzero(remaining).flatten()
+        thr = search_thresholds({c: v[e, idx] for c, v in meas.values.items()}, meas.correct[e, idx], target, level)
+        out.append(thr)
+        remaining &= ~passes(meas, e, thr)
+    return out
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SplitStats(_Model):
+    """One exit on one split."""
+
+    reached: int  # tokens that no earlier exit took
+    exited: int
+    coverage: float  # exited / all tokens of the split
+    precision: float | None  # agreement with the final top-1 among the exited tokens; None when none exited
+    lower_bound: float | None = None  # Clopper-Pearson lower bound on precision (with --confidence)
+
+
+class OverallStats(_Model):
+    tokens: int
+    exited: int
+    exit_rate: float  # share of tokens that exit early
+    precision: float | None  # agreement among tokens that exit early
+    agreement: float  # agreement over all tokens (those that run every layer agree by definition)
+    mean_layers: float  # exiting tokens count their exit layer, the others L
+    speedup_bound: float  # L / mean_layers (decision and KV costs not counted)
+
+
+class ExitResult(_Model):
+    layer: int
+    head: bool  # a trained head sits before the final norm + LM head at this exit
+    thresholds: dict[str, float | None]  # criterion -> exit when value >= threshold; None: never exits here
+    calibration: SplitStats
+    heldout: SplitStats | None = None
+    note: str | None = None
+
+
+def _rate(num: int, den: int) -> float | None:
+    return num / den if den else None
+
+
+def evaluate(
+    meas: Measurements, thresholds: list[dict[str, float]], mask: torch.Tensor, level: float | None = None
+) -> tuple[list[SplitStats], OverallStats]:
+    """Replay the sequential rule on the masked tokens: per-exit and overall numbers."""
+    taken = assign_exits(meas, thresholds)[mask]
+    correct = meas.correct[:, mask]
+    n, num_exits, L = int(mask.sum()), len(meas.exits), meas.num_layers
+    per_exit: list[SplitStats] = []
+    hits_all = exited_all = 0
+    for e in range(num_exits):
+        here = taken == e
+        exited, hits = int(here.sum()), int((here & correct[e]).sum())
+        hits_all, exited_all = hits_all + hits, exited_all + exited
+        bound = None if level is None or not exited else float(clopper_pearson_lower(hits, exited, level))
+        per_exit.append(
+            SplitStats(
+                reached=int((taken >= e).sum()),
+                exited=exited,
+                coverage=exited / n if n else 0.0,
+                precision=_rate(hits, exited),
+                lower_bound=bound,
+            )
+        )
+    layers = torch.tensor([*meas.exits, L], dtype=torch.float64)[taken]
+    mean_layers = float(layers.mean()) if n else float(L)
+    overall = OverallStats(
+        tokens=n,
+        exited=exited_all,
+        exit_rate=exited_all / n if n else 0.0,
+        precision=_rate(hits_all, exited_all),
+        agreement=(n - exited_all + hits_all) / n if n else 1.0,
+        mean_layers=mean_layers,
+        speedup_bound=L / mean_layers,
+    )
+    return per_exit, overall
+
+
+@dataclass
+class Fit:
+    thresholds: list[dict[str, float]]
+    exits: list[ExitResult]
+    calibration: OverallStats
+    heldout: OverallStats | None
+    heldout_by_source: dict[str, OverallStats]
+
+
+def fit(
+    meas: Measurements,
+    target: float,
+    confidence: float | None = None,
+    holdout: float = 0.2,
+    heads: Sequence[int] = (),
+) -> Fit:
+    """Fit on the calibration split, replay on the held-out split; DataError when the split is too small."""
+    held = meas.heldout_mask(holdout)
+    calib = ~held
+    n_calib = int(calib.sum())
+    if n_calib == 0:
+        raise DataError("no calibration tokens", hint="raise --tokens")
+    need = min_tokens_for(target, confidence) if confidence is not None else 1
+    if n_calib < need:
+        raise DataError(
+            f"data too small for the requested guarantee: precision >= {target} at confidence {confidence} needs "
+            f"at least {need} calibration tokens, got {n_calib}",
+            hint="raise --tokens, lower --target or --confidence",
+        )
+    thresholds = fit_thresholds(meas, target, confidence, calib)
+    cal_exits, cal_overall = evaluate(meas, thresholds, calib, confidence)
+    held_exits: list[SplitStats | None] = [None] * len(meas.exits)
+    held_overall = None
+    by_source: dict[str, OverallStats] = {}
+    if bool(held.any()):
+        got, held_overall = evaluate(meas, thresholds, held, confidence)
+        held_exits = list(got)
+        for s, name in enumerate(SOURCES):
+            part = held & (meas.source == s)
+            if bool(part.any()):
+                by_source[name] = evaluate(meas, thresholds, part)[1]
+    exits: list[ExitResult] = []
+    for e, layer in enumerate(meas.exits):
+        thr = {c: (None if math.isinf(t) else t) for c, t in thresholds[e].items()}
+        note = None
+        if all(t is None for t in thr.values()):
+            reached = cal_exits[e].reached
+            if confidence is not None and reached < need:
+                note = f"never exits: {reached} tokens reach it, the guarantee needs at least {need}"
+            else:
+                note = "never exits: no threshold reaches the target"
+        exits.append(
+            ExitResult(
+                layer=layer,
+                head=layer in heads,
+                thresholds=thr,
+                calibration=cal_exits[e],
+                heldout=held_exits[e],
+                note=note,
+            )
+        )
+    return Fit(thresholds, exits, cal_overall, held_overall, by_source)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# calibration.json: the schema export and run read
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ModelInfo(_Model):
+    name: str
+    kind: str
+    spec: str
+    path: str | None
+    sha256: str
+    family: str
+    num_layers: int
+
+
+class DataInfo(_Model):
+    name: str
+    description: str
+    records: int
+    tokens: int  # measured tokens in all
+    teacher_forced_tokens: int
+    generated_tokens: int
+    prompts_used: int  # prompts continued greedily (the data's prompts, last record first)
+    gen_tokens_per_prompt: int
+    chunk_len: int
+    holdout: float
+    calibration_tokens: int
+    heldout_tokens: int
+
+
+class HeadsInfo(_Model):
+    path: str
+    sha256: str
+    layers: list[int]
+
+
+class Calibration(_Model):
+    schema_version: int = SCHEMA_VERSION
+    eectl_version: str = __version__
+    model: ModelInfo
+    data: DataInfo
+    signal: str
+    criteria: list[str]  # every one must be >= its threshold for a token to exit
+    top_k: int | None  # local vocabulary size (topk-* signals)
+    candidates_layer: int | None  # where the Top-K candidates are picked: the first exit (topk-* signals)
+    target: float = Field(gt=0.0, le=1.0)
+    confidence: float | None
+    heads: HeadsInfo | None = None
+    exits: list[ExitResult]
+    calibration: OverallStats
+    heldout: OverallStats | None
+    heldout_by_source: dict[str, OverallStats] = Field(default_factory=dict)
+    threads: int = 0
+    wall_s: float = 0.0
+    seconds_per_10k_tokens: float = 0.0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Calibration:
+        if self.signal not in CRITERIA:
+            raise ValueError(f"unknown signal '{self.signal}'")
+        if tuple(self.criteria) != CRITERIA[self.signal]:
+            raise ValueError(f"criteria {self.criteria} do not match signal '{self.signal}'")
+        layers = [x.layer for x in self.exits]
+        if not layers or layers != sorted(set(layers)) or not all(1 <= x < self.model.num_layers for x in layers):
+            raise ValueError(f"exits {layers} must be distinct, ascending and within 1..{self.model.num_layers - 1}")
+        for x in self.exits:
+            if set(x.thresholds) != set(self.criteria):
+                raise ValueError(f"exit {x.layer}: thresholds {sorted(x.thresholds)} != criteria {self.criteria}")
+        topk = self.signal.startswith("topk")
+        if topk and (self.top_k is None or self.top_k < 2 or self.candidates_layer != layers[0]):
+            raise ValueError("topk signals need top_k >= 2 and candidates_layer = the first exit")
+        if self.confidence is not None and not 0.0 < self.confidence < 1.0:
+            raise ValueError(f"confidence {self.confidence} outside (0, 1)")
+        return self
+
+    def thresholds_by_layer(self) -> dict[int, dict[str, float] | None]:
+        """Exit layer -> {criterion: threshold}, or None for an exit that never exits."""
+        out: dict[int, dict[str, float] | None] = {}
+        for x in self.exits:
+            thr = x.thresholds
+            out[x.layer] = (
+                None if any(v is None for v in thr.values()) else {c: float(v or 0.0) for c, v in thr.items()}
+            )
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def write_calibration(cal: Calibration, path: str | Path) -> Path:
+    """Write atomically: a temp file in the same folder, then a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(cal.to_dict(), f, indent=2, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_calibration(path: str | Path) -> Calibration:
+    """Read and validate a calibration.json; ArtifactError (one line) when missing, edited or of another schema."""
+    p = Path(path)
+    if not p.is_file():
+        raise ArtifactError(f"calibration not found: {path}", hint="run eectl calibrate")
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{p.name} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ArtifactError(f"{p.name} is not a calibration (not a JSON object)")
+    version = raw.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ArtifactError(
+            f"{p.name} has schema_version {version!r}; this eectl reads {SCHEMA_VERSION}",
+            hint="recalibrate with this version of eectl",
+        )
+    try:
+        return Calibration.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "calibration"
+        raise ArtifactError(f"{p.name}: {where}: {first['msg']}") from exc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def prompt_ids(tokenizer: Any, prompts: Sequence[str], max_len: int) -> list[list[int]]:
+    """Token ids of each prompt, BOS first, keeping the last tokens when longer than max_len; last record first."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    out: list[list[int]] = []
+    for text in reversed(prompts):
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        keep = max_len - (1 if bos is not None else 0)
+        ids = ([bos] if bos is not None else []) + ids[-keep:]
+        if ids:
+            out.append(ids)
+    return out
+
+
+def calibrate_model(
+    loaded: Any,
+    data: Any,
+    opts: CalibrateOptions,
+    heads: dict[int, nn.Module] | None = None,
+    heads_path: str | Path | None = None,
+    on_tokens: Callable[[int], None] | None = None,
+) -> Calibration:
+    """The stage as a library call: a LoadedModel, TextData and options in; a validated Calibration out."""
+    from eectl.data import TextData, token_chunks
+    from eectl.models.loading import LoadedModel, file_sha256
+
+    assert isinstance(loaded, LoadedModel) and isinstance(data, TextData)
+    adapter = loaded.adapter
+    dims = adapter.dims
+    opts.exits = sorted(opts.exits)
+    check_options(opts, dims.num_layers, dims.vocab_size)
+    tok: Any = loaded.tokenizer
+    start = time.perf_counter()
+    scorer = ExitScorer(adapter, opts.exits, opts.signal, opts.top_k, heads)
+    parts: list[Measurements] = []
+    if opts.text_tokens > 0:
+        skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
+        chunks = token_chunks(tok, data, opts.text_tokens, opts.chunk_len)
+        text = measure_text(scorer, chunks, skip_first, on_tokens)
+        if text is not None:
+            parts.append(text)
+    prompts_used = 0
+    if opts.generated_tokens > 0:
+        max_prompt = max(8, min(dims.max_positions, 4096) - opts.gen_tokens - 1)
+        prompts = prompt_ids(tok, data.prompts, max_prompt)
+        gen, prompts_used = measure_generation(
+            scorer,
+            prompts,
+            opts.generated_tokens,
+            opts.gen_tokens,
+            getattr(tok, "eos_token_id", None),
+            opts.gen_batch,
+            on_tokens,
+        )
+        got = 0 if gen is None else gen.n
+        if got < opts.generated_tokens:
+            raise DataError(
+                f"the data's {len(prompts)} prompts gave only {got} generated tokens, fewer than the "
+                f"{opts.generated_tokens} asked for",
+                hint="lower --gen-share or --tokens, or raise --gen-tokens",
+            )
+        assert gen is not None
+        parts.append(gen)
+    meas = Measurements.concat(parts)
+    result = fit(meas, opts.target, opts.confidence, opts.holdout, sorted(heads or {}))
+    if opts.signal.startswith("topk") and result.exits[0].calibration.exited == 0 and len(result.exits) > 1:
+        first = result.exits[0]
+        first.note = (first.note or "never exits") + (
+            "; the runner still projects the full vocabulary here to pick the Top-K candidates: drop this exit "
+            "from --exits and recalibrate to save that"
+        )
+    wall = time.perf_counter() - start
+    held = meas.heldout_mask(opts.holdout)
+    source = loaded.source.to_dict()
+    return Calibration(
+        model=ModelInfo(
+            name=str(source["name"]),
+            kind=str(source["kind"]),
+            spec=str(source["spec"]),
+            path=None if source["path"] in (None, "None") else str(source["path"]),
+            sha256=str(source["sha256"]),
+            family=adapter.family,
+            num_layers=adapter.num_layers,
+        ),
+        data=DataInfo(
+            name=data.name,
+            description=data.description,
+            records=len(data.texts),
+            tokens=meas.n,
+            teacher_forced_tokens=int((meas.source == 0).sum()),
+            generated_tokens=int((meas.source == 1).sum()),
+            prompts_used=prompts_used,
+            gen_tokens_per_prompt=opts.gen_tokens,
+            chunk_len=opts.chunk_len,
+            holdout=opts.holdout,
+            calibration_tokens=int((~held).sum()),
+            heldout_tokens=int(held.sum()),
+        ),
+        signal=opts.signal,
+        criteria=list(CRITERIA[opts.signal]),
+        top_k=opts.top_k if opts.signal.startswith("topk") else None,
+        candidates_layer=opts.exits[0] if opts.signal.startswith("topk") else None,
+        target=opts.target,
+        confidence=opts.confidence,
+        heads=None
+        if heads_path is None
+        else HeadsInfo(path=str(heads_path), sha256=file_sha256(Path(heads_path)), layers=sorted(heads or {})),
+        exits=result.exits,
+        calibration=result.calibration,
+        heldout=result.heldout,
+        heldout_by_source=result.heldout_by_source,
+        threads=torch.get_num_threads(),
+        wall_s=wall,
+        seconds_per_10k_tokens=wall / max(1, meas.n) * 10_000,
+    )
