@@ -43,7 +43,7 @@ class ExitHead(nn.Module):
         super().__init__()
         self.head = head
         self.norm = adapter.norm
-        self.lm_head_weight = adapter.lm_head.weight  # [V, H], shared with the base model, frozen
+        self.lm_head_weight: torch.Tensor = adapter.lm_head.weight  # [V, H], shared with the base model, frozen
         bias = getattr(adapter.lm_head, "bias", None)
         self.lm_head_bias = bias
         self.softcap = getattr(adapter.config, "final_logit_softcapping", None)

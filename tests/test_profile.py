@@ -149,7 +149,7 @@ def test_cli_maps_errors_to_one_line(tmp_path):
     for argv, code in (
         [["profile", str(tmp_path / "missing")], 3],
         [["profile", str(bad)], 3],
-        [["export"], 6],
+        [["bench"], 6],
         [["profile", "--alpha", "-1"], 2],
     ):
         p = subprocess.run(

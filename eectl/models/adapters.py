@@ -137,19 +137,19 @@ class Adapter:
 
     # --- parts ----------------------------------------------------------------------------------------------------
     @property
-    def embed_tokens(self) -> nn.Module:
+    def embed_tokens(self) -> Any:
         return self.decoder.embed_tokens
 
     @property
-    def layers(self) -> nn.ModuleList:
+    def layers(self) -> Any:
         return self.decoder.layers
 
     @property
-    def norm(self) -> nn.Module:
+    def norm(self) -> Any:
         return self.decoder.norm
 
     @property
-    def lm_head(self) -> nn.Module:
+    def lm_head(self) -> Any:
         return self.model.lm_head
 
     @property
@@ -226,7 +226,7 @@ class Adapter:
             up=mlp.up_proj.weight.detach(),
             down=mlp.down_proj.weight.detach(),
             activation="silu" if act == "silu" else "gelu_tanh",
-            eps=float(getattr(layer.input_layernorm, "eps", None) or getattr(layer.input_layernorm, "variance_epsilon")),
+            eps=float(getattr(layer.input_layernorm, "eps", None) or layer.input_layernorm.variance_epsilon),
             scale=float(attn.scaling),
             sliding_window=self.sliding_window(i),
             softcap=getattr(self.config, "attn_logit_softcapping", None),
@@ -248,12 +248,10 @@ class Adapter:
         return 1.0 if scale is None else float(scale)
 
     def final_norm_weight(self) -> tuple[torch.Tensor, float]:
-        eps = getattr(self.norm, "eps", None) or getattr(self.norm, "variance_epsilon")
+        eps = getattr(self.norm, "eps", None) or self.norm.variance_epsilon
         return self.norm.weight.detach() + self.norm_weight_offset, float(eps)
 
-    def project_kv(
-        self, hidden: torch.Tensor, positions: torch.Tensor, lo: int, hi: int, cache: KVCache
-    ) -> None:
+    def project_kv(self, hidden: torch.Tensor, positions: torch.Tensor, lo: int, hi: int, cache: KVCache) -> None:
         """The `copy` policy's reference: project one hidden state through each layer's K/V path in [lo, hi).
 
         Every layer in the range receives the same `hidden` [B, S, H] (CALM-style state copying); the K/V it would

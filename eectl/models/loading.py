@@ -68,8 +68,8 @@ class ModelSource:
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
-    tokenizer: object
+    model: Any  # a transformers *ForCausalLM
+    tokenizer: Any
     adapter: Adapter
     source: ModelSource
 

@@ -153,8 +153,8 @@ class ArtifactRuntime:
         self.embedding = load(m.embedding)
         self.segments = [load(s.graph) for s in m.segments]
         self.kv_segments = [load(s.kv_graph) for s in m.segments]
-        self.exit_full = {e.layer: load(e.full) for e in m.exits}
-        self.exit_local = {e.layer: load(e.local) for e in m.exits}
+        self.full_graphs = {e.layer: load(e.full) for e in m.exits}
+        self.local_graphs = {e.layer: load(e.local) for e in m.exits}
         self.weights = {k: self._load_weight(w.file) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
 
@@ -237,12 +237,12 @@ class ArtifactRuntime:
         if kv_only:
             return None
         outs = io.get_outputs()
-        n = 4 * (hi - lo)  # the present K/V outputs were bound first
+        n = 2 * (hi - lo)  # the present K/V outputs were bound first
         return outs[n].numpy(), outs[n + 1].numpy()
 
     def exit_full(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """hidden [N, H] -> (logits [N, V], candidates [N, K] int64, candidate logits [N, K])."""
-        g = self.exit_full[layer]
+        g = self.full_graphs[layer]
         io = g.binding()
         io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(hidden, dtype=self.np_dtype))
         io.bind_cpu_input(g.name("top_k"), np.array([top_k], dtype=np.int64))
@@ -255,7 +255,7 @@ class ArtifactRuntime:
 
     def exit_local(self, layer: int, hidden: np.ndarray, candidates: np.ndarray) -> np.ndarray:
         """hidden [N, H], candidates [N, K] -> candidate logits [N, K]."""
-        g = self.exit_local[layer]
+        g = self.local_graphs[layer]
         io = g.binding()
         io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(hidden, dtype=self.np_dtype))
         io.bind_cpu_input(g.name("candidates"), np.ascontiguousarray(candidates, dtype=np.int64))

@@ -1,0 +1,688 @@
+"""`eectl export`: a segmented ONNX artifact with exit points, validated against PyTorch.
+
+The decoder is cut at the exit points into segments, each one ONNX graph built directly from the weights:
+
+    input_ids -> [embed] -> hidden -> [segment 0: layers 0..e1) -> hidden -> [segment 1: e1..e2) -> ... -> hidden
+                                                 |                                 |                     |
+                                              [exit e1]                         [exit e2]            [final head]
+
+A segment layer is  RMSNorm -> QKV MatMul -> (q/k norm) -> GroupQueryAttention (rotary inside, past and present KV
+share one buffer, written in place) -> O MatMul -> residual -> RMSNorm -> gate/up MatMul -> act -> down MatMul ->
+residual. One graph serves prefill, one-token decode and multi-token chunks on top of a past (batch, sequence and
+past length dynamic). Each segment also gets a K/V-only graph (the `copy` policy). Exit graphs (optional trained
+head, final norm, LM head, Top-K) take the LM-head weight as an input, so the artifact stores it once
+(weights/*.npy) and every exit session binds the same array.
+
+Why built from the weights rather than exported by torch.onnx: GroupQueryAttention with a shared KV buffer avoids
+concatenating the cache each token, the cost that dominates decode at long context (numbers in the issue notes).
+
+What this module does not do: choose exits at run time (runtime/), or calibrate (calibrate.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from eectl import __version__
+from eectl.errors import ArtifactError, UsageError
+from eectl.exits import DEFAULT_TOP_K, ExitHead
+from eectl.manifest import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    ExitPoint,
+    GraphIO,
+    KVLayout,
+    Manifest,
+    Segment,
+    SharedWeight,
+    sha256_file,
+    write_manifest,
+)
+from eectl.models.adapters import Adapter, KVCache, LayerWeights
+from eectl.models.loading import LoadedModel
+
+OPSET = 21
+IR_VERSION = 10
+DTYPES = {"fp32": (TensorProto.FLOAT, np.float32), "fp16": (TensorProto.FLOAT16, np.float16)}
+# Validation tolerance on logits (max abs difference, ORT vs torch) per artifact dtype.
+TOLERANCE = {"fp32": 1e-3, "fp16": 0.25}
+VALIDATION_DECODE_STEPS = 16
+
+
+class ExportValidationError(ArtifactError):
+    """The exported graphs do not reproduce PyTorch within tolerance."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Graph building
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Builder:
+    """A small helper over onnx.helper: unique names, initializers in the artifact dtype."""
+
+    def __init__(self, dtype: str) -> None:
+        self.elem, self.np_dtype = DTYPES[dtype]
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._n = 0
+
+    def fresh(self, base: str) -> str:
+        self._n += 1
+        return f"{base}_{self._n}"
+
+    def const(self, name: str, value: Any, float_type: bool = True) -> str:
+        arr = value.detach().float().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        if float_type:
+            arr = arr.astype(self.np_dtype)
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs: Any) -> Any:
+        outs = [self.fresh(op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, domain=domain or None, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def input(self, name: str, elem: int | None, shape: list[Any]) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, self.elem if elem is None else elem, shape))
+        return name
+
+    def output(self, src: str, name: str, elem: int | None, shape: list[Any]) -> None:
+        self.nodes.append(helper.make_node("Identity", [src], [name]))
+        self.outputs.append(helper.make_tensor_value_info(name, self.elem if elem is None else elem, shape))
+
+    def model(self, name: str) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.inits)
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)],
+            producer_name="eectl",
+            producer_version=__version__,
+        )
+        model.ir_version = IR_VERSION
+        return model
+
+
+def _rms(b: _Builder, x: str, weight: torch.Tensor, eps: float, name: str) -> str:
+    return b.op("SimplifiedLayerNormalization", [x, b.const(name, weight)], axis=-1, epsilon=eps)
+
+
+def _linear(b: _Builder, x: str, weights: list[torch.Tensor], biases: list[torch.Tensor | None], name: str) -> str:
+    """x @ concat(weights).T (+ concat(biases)): one MatMul for several projections."""
+    w = torch.cat(weights, dim=0).T.contiguous()  # [in, out]
+    y = b.op("MatMul", [x, b.const(name, w)])
+    if any(bias is not None for bias in biases):
+        full = torch.cat(
+            [bias if bias is not None else torch.zeros(wt.shape[0]) for wt, bias in zip(weights, biases, strict=True)]
+        )
+        y = b.op("Add", [y, b.const(name + ".bias", full)])
+    return y
+
+
+def _head_norm(b: _Builder, x: str, weight: torch.Tensor, eps: float, heads: int, head_dim: int, name: str) -> str:
+    """RMSNorm over each head of a [B, S, heads * D] projection (Qwen3 / Gemma3 q_norm and k_norm)."""
+    split = b.op("Reshape", [x, b.const(name + ".shape4", np.array([0, 0, heads, head_dim], np.int64), False)])
+    normed = _rms(b, split, weight, eps, name)
+    return b.op("Reshape", [normed, b.const(name + ".shape3", np.array([0, 0, heads * head_dim], np.int64), False)])
+
+
+def _layer(
+    b: _Builder,
+    x: str,
+    w: LayerWeights,
+    names: dict[str, str],
+    dims: Any,
+    rope: dict[str, tuple[str, str]],
+    kv_only: bool,
+) -> tuple[str, str, str]:
+    """One decoder layer on the residual stream x; returns (x_out, present_key, present_value)."""
+    i, nh, nkv, d = w.index, dims.num_heads, dims.num_kv_heads, dims.head_dim
+    p = f"layers.{i}"
+    h = _rms(b, x, w.input_norm, w.eps, f"{p}.input_norm")
+    qkv = _linear(b, h, [w.q, w.k, w.v], [w.q_bias, w.k_bias, w.v_bias], f"{p}.qkv")
+    q, k, v = b.op(
+        "Split", [qkv, b.const(f"{p}.qkv.split", np.array([nh * d, nkv * d, nkv * d], np.int64), False)], 3, axis=-1
+    )
+    if w.q_norm is not None and w.k_norm is not None:
+        q = _head_norm(b, q, w.q_norm, w.eps, nh, d, f"{p}.q_norm")
+        k = _head_norm(b, k, w.k_norm, w.eps, nkv, d, f"{p}.k_norm")
+    cos, sin = rope[w.layer_type]
+    attrs: dict[str, Any] = dict(num_heads=nh, kv_num_heads=nkv, scale=w.scale, do_rotary=1)
+    if w.sliding_window is not None:
+        attrs["local_window_size"] = int(w.sliding_window)
+    if w.softcap:
+        attrs["softcap"] = float(w.softcap)
+    attn, present_k, present_v = b.op(
+        "GroupQueryAttention",
+        [q, k, v, names["past_key"], names["past_value"], "seqlens_k", "total_sequence_length", cos, sin],
+        3,
+        domain="com.microsoft",
+        **attrs,
+    )
+    if kv_only:
+        return x, present_k, present_v
+    o = _linear(b, attn, [w.o], [w.o_bias], f"{p}.o")
+    if w.pre_feedforward_norm is not None and w.post_feedforward_norm is not None:  # Gemma's sandwich norms
+        x = b.op("Add", [x, _rms(b, o, w.post_attention_norm, w.eps, f"{p}.post_attention_norm")])
+        h = _rms(b, x, w.pre_feedforward_norm, w.eps, f"{p}.pre_feedforward_norm")
+    else:
+        x = b.op("Add", [x, o])
+        h = _rms(b, x, w.post_attention_norm, w.eps, f"{p}.post_attention_norm")
+    inter = w.gate.shape[0]
+    gu = _linear(b, h, [w.gate, w.up], [None, None], f"{p}.gate_up")
+    gate, up = b.op("Split", [gu, b.const(f"{p}.gate_up.split", np.array([inter, inter], np.int64), False)], 2, axis=-1)
+    if w.activation == "silu":
+        act = b.op("Mul", [gate, b.op("Sigmoid", [gate])])
+    else:
+        act = b.op("Gelu", [gate], approximate="tanh")
+    down = _linear(b, b.op("Mul", [act, up]), [w.down], [None], f"{p}.down")
+    if w.post_feedforward_norm is not None:
+        down = _rms(b, down, w.post_feedforward_norm, w.eps, f"{p}.post_feedforward_norm")
+    return b.op("Add", [x, down]), present_k, present_v
+
+
+def build_segment(
+    adapter: Adapter, lo: int, hi: int, dtype: str, max_positions: int, kv_only: bool = False
+) -> tuple[onnx.ModelProto, GraphIO]:
+    dims = adapter.dims
+    b = _Builder(dtype)
+    hidden = b.input("hidden_states", None, ["batch", "sequence", dims.hidden_size])
+    b.input("seqlens_k", TensorProto.INT32, ["batch"])
+    b.input("total_sequence_length", TensorProto.INT32, [])
+    rope: dict[str, tuple[str, str]] = {}
+    for kind, (cos, sin) in adapter.rotary_tables(max_positions).items():
+        rope[kind] = (b.const(f"rope.{kind}.cos", cos), b.const(f"rope.{kind}.sin", sin))
+    kv_shape = ["batch", dims.num_kv_heads, "max_sequence", dims.head_dim]
+    names = {k: [] for k in ("past_key", "past_value", "present_key", "present_value")}  # type: dict[str, list[str]]
+    for i in range(lo, hi):
+        names["past_key"].append(b.input(f"past_key_values.{i}.key", None, kv_shape))
+        names["past_value"].append(b.input(f"past_key_values.{i}.value", None, kv_shape))
+    x = hidden
+    layer_input = hidden
+    for j, i in enumerate(range(lo, hi)):
+        layer_input = x
+        x, pk, pv = _layer(
+            b,
+            x,
+            adapter.layer_weights(i),
+            {"past_key": names["past_key"][j], "past_value": names["past_value"][j]},
+            dims,
+            rope,
+            kv_only,
+        )
+        for kind, src in (("key", pk), ("value", pv)):
+            name = f"present.{i}.{kind}"
+            b.output(src, name, None, kv_shape)
+            names[f"present_{kind}"].append(name)
+    outputs: dict[str, str | list[str]] = {"present_key": names["present_key"], "present_value": names["present_value"]}
+    if not kv_only:
+        b.output(x, "hidden_states_out", None, ["batch", "sequence", dims.hidden_size])
+        b.output(layer_input, "last_layer_input", None, ["batch", "sequence", dims.hidden_size])
+        outputs.update(hidden_out="hidden_states_out", layer_input="last_layer_input")
+    kind = "kv" if kv_only else "segment"
+    file = f"{kind}_{lo:03d}_{hi:03d}.onnx"
+    io = GraphIO(
+        file=file,
+        inputs={
+            "hidden": "hidden_states",
+            "seqlens_k": "seqlens_k",
+            "total_sequence_length": "total_sequence_length",
+            "past_key": names["past_key"],
+            "past_value": names["past_value"],
+        },
+        outputs=outputs,
+    )
+    return b.model(f"{kind}_{lo}_{hi}"), io
+
+
+def build_embedding(adapter: Adapter, dtype: str) -> tuple[onnx.ModelProto, GraphIO]:
+    dims = adapter.dims
+    b = _Builder(dtype)
+    ids = b.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    weight = b.input("embed_weight", None, [dims.vocab_size, dims.hidden_size])
+    h = b.op("Gather", [weight, ids], axis=0)
+    scale = adapter.embed_scale()
+    if scale != 1.0:
+        h = b.op("Mul", [h, b.const("embed_scale", np.array(scale, np.float32))])
+    b.output(h, "hidden_states", None, ["batch", "sequence", dims.hidden_size])
+    io = GraphIO(
+        file="embed.onnx",
+        inputs={"input_ids": "input_ids", "weight": "embed_weight"},
+        outputs={"hidden": "hidden_states"},
+    )
+    return b.model("embed"), io
+
+
+def _head_prefix(b: _Builder, hidden: str, head: torch.nn.Module | None, hidden_size: int, name: str) -> str:
+    """Inline a trained head (hidden [N, H] -> [N, H]) exported by torch.onnx into this graph, or pass through."""
+    if head is None:
+        return hidden
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "head.onnx"
+        example = torch.zeros(2, hidden_size, dtype=torch.float32)
+        module = head.float().eval()
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                module,
+                (example,),
+                str(path),
+                dynamo=False,
+                opset_version=17,
+                input_names=["h"],
+                output_names=["y"],
+                dynamic_axes={"h": {0: "n"}, "y": {0: "n"}},
+            )
+        sub = onnx.load(str(path))
+    rename = {"h": hidden, "y": b.fresh(f"{name}.out")}
+
+    def mapped(n: str) -> str:
+        if n in rename:
+            return rename[n]
+        if n == "":
+            return n
+        return f"{name}.{n}"
+
+    for init in sub.graph.initializer:
+        arr = numpy_helper.to_array(init)
+        if arr.dtype in (np.float32, np.float64):
+            arr = arr.astype(b.np_dtype)
+        b.inits.append(numpy_helper.from_array(arr, mapped(init.name)))
+    for node in sub.graph.node:
+        new = onnx.NodeProto()
+        new.CopyFrom(node)
+        del new.input[:]
+        del new.output[:]
+        new.input.extend(mapped(n) for n in node.input)
+        new.output.extend(mapped(n) for n in node.output)
+        new.name = mapped(node.name) if node.name else ""
+        if new.op_type == "Constant" and b.np_dtype == np.float16:
+            for attr in new.attribute:
+                if attr.name == "value" and attr.t.data_type == TensorProto.FLOAT:
+                    attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float16)))
+        b.nodes.append(new)
+    return rename["y"]
+
+
+def build_exit(
+    adapter: Adapter, layer: int, dtype: str, local: bool, head: torch.nn.Module | None = None
+) -> tuple[onnx.ModelProto, GraphIO]:
+    """Exit graph after `layer`: (head) -> final norm -> LM head rows -> logits, the same math as ExitHead."""
+    dims = adapter.dims
+    b = _Builder(dtype)
+    hidden = b.input("hidden_states", None, ["n", dims.hidden_size])
+    weight = b.input("lm_head_weight", None, [dims.vocab_size, dims.hidden_size])
+    norm_w, eps = adapter.final_norm_weight()
+    x = _head_prefix(b, hidden, head, dims.hidden_size, f"exit_{layer}.head")
+    normed = _rms(b, x, norm_w, eps, "final_norm")
+    softcap = getattr(adapter.config, "final_logit_softcapping", None)
+    bias = getattr(adapter.lm_head, "bias", None)
+
+    def cap(t: str) -> str:
+        if not softcap:
+            return t
+        c = b.const(b.fresh("softcap"), np.array(softcap, np.float32))
+        return b.op("Mul", [b.op("Tanh", [b.op("Div", [t, c])]), c])
+
+    suffix = "local" if local else "full"
+    inputs: dict[str, str | list[str]] = {"hidden": "hidden_states", "weight": "lm_head_weight"}
+    if local:
+        cand = b.input("candidates", TensorProto.INT64, ["n", "k"])
+        rows = b.op("Gather", [weight, cand], axis=0)  # [N, K, H]
+        q = b.op("Unsqueeze", [normed, b.const("axis1", np.array([1], np.int64), False)])  # [N, 1, H]
+        logits = b.op("MatMul", [q, b.op("Transpose", [rows], perm=[0, 2, 1])])  # [N, 1, K]
+        logits = b.op("Squeeze", [logits, "axis1"])
+        if bias is not None:
+            logits = b.op("Add", [logits, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
+        b.output(cap(logits), "candidate_logits", None, ["n", "k"])
+        inputs["candidates"] = "candidates"
+        outputs: dict[str, str | list[str]] = {"candidate_logits": "candidate_logits"}
+    else:
+        b.input("top_k", TensorProto.INT64, [1])
+        logits = b.op("Gemm", [normed, weight], transB=1)
+        if bias is not None:
+            logits = b.op("Add", [logits, b.const("lm_head_bias", bias.detach())])
+        logits = cap(logits)
+        values, indices = b.op("TopK", [logits, "top_k"], 2, axis=-1, largest=1, sorted=1)
+        b.output(logits, "logits", None, ["n", dims.vocab_size])
+        b.output(indices, "candidates", TensorProto.INT64, ["n", "k"])
+        b.output(values, "candidate_logits", None, ["n", "k"])
+        inputs["top_k"] = "top_k"
+        outputs = {"logits": "logits", "candidates": "candidates", "candidate_logits": "candidate_logits"}
+    io = GraphIO(file=f"exit_{layer:03d}_{suffix}.onnx", inputs=inputs, outputs=outputs)
+    return b.model(f"exit_{layer}_{suffix}"), io
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExportOptions:
+    exits: list[int]
+    dtype: str = "fp32"
+    top_k: int = DEFAULT_TOP_K
+    max_positions: int | None = None  # rotary table length; default: the model's maximum
+    force: bool = False
+    validate: bool = True
+
+
+def check_exits(exits: list[int], num_layers: int) -> list[int]:
+    bad = [e for e in exits if not 1 <= e < num_layers]
+    if bad:
+        raise UsageError(f"exits {bad} are outside 1..{num_layers - 1} (the model has {num_layers} layers)")
+    if len(set(exits)) != len(exits):
+        raise UsageError(f"exits must be distinct, got {exits}")
+    return sorted(exits)
+
+
+def export_artifact(
+    loaded: LoadedModel,
+    out_dir: str | Path,
+    options: ExportOptions,
+    heads: dict[int, torch.nn.Module] | None = None,
+    heads_meta: dict[str, Any] | None = None,
+    calibration: dict[str, Any] | None = None,
+    log: Any = None,
+) -> Manifest:
+    """Build, write and validate an artifact in a temporary folder, then rename it into place."""
+    adapter = loaded.adapter
+    L = adapter.num_layers
+    exits = check_exits(options.exits, L)
+    if options.dtype not in DTYPES:
+        raise UsageError(f"--dtype must be fp32 or fp16, got '{options.dtype}'")
+    if options.top_k < 2 or options.top_k > adapter.dims.vocab_size:
+        raise UsageError(f"--top-k must be in 2..{adapter.dims.vocab_size}, got {options.top_k}")
+    heads = heads or {}
+    if set(heads) - set(exits):
+        raise UsageError(f"heads for layers {sorted(set(heads) - set(exits))} that are not exits {exits}")
+    out = Path(out_dir)
+    if out.exists() and not options.force:
+        raise ArtifactError(f"{out} already exists", hint="pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    started = time.perf_counter()
+    try:
+        manifest = _write_artifact(loaded, tmp, exits, options, heads, heads_meta, calibration, log)
+        if options.validate:
+            if log is not None:
+                log.log("validating the graphs against PyTorch (prefill + 16 greedy decode steps, every exit)")
+            manifest.validation = validate_artifact(loaded, tmp, heads, log=log)
+        manifest.validation["export_seconds"] = round(time.perf_counter() - started, 2)
+        write_manifest(manifest, tmp)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename tmp into place; an existing artifact is moved aside first and removed only after the rename."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{int(time.time() * 1000)}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_artifact(
+    loaded: LoadedModel,
+    folder: Path,
+    exits: list[int],
+    options: ExportOptions,
+    heads: dict[int, torch.nn.Module],
+    heads_meta: dict[str, Any] | None,
+    calibration: dict[str, Any] | None,
+    log: Any,
+) -> Manifest:
+    adapter = loaded.adapter
+    dims = adapter.dims
+    L = dims.num_layers
+    max_pos = options.max_positions or dims.max_positions
+    np_dtype = DTYPES[options.dtype][1]
+
+    def save(model: onnx.ModelProto, io: GraphIO) -> GraphIO:
+        onnx.save(model, str(folder / io.file))
+        return io
+
+    (folder / "weights").mkdir()
+    lm = adapter.lm_head.weight.detach().float().numpy().astype(np_dtype)
+    np.save(folder / "weights" / "lm_head.npy", lm)
+    shared = {"lm_head": SharedWeight(file="weights/lm_head.npy", shape=list(lm.shape), dtype=options.dtype)}
+    tied = adapter.embed_tokens.weight.data_ptr() == adapter.lm_head.weight.data_ptr()
+    if tied:
+        shared["embed"] = shared["lm_head"]
+    else:
+        emb = adapter.embed_tokens.weight.detach().float().numpy().astype(np_dtype)
+        np.save(folder / "weights" / "embed.npy", emb)
+        shared["embed"] = SharedWeight(file="weights/embed.npy", shape=list(emb.shape), dtype=options.dtype)
+
+    embedding = save(*build_embedding(adapter, options.dtype))
+    cuts = [0, *exits, L]
+    segments = []
+    for idx, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        if log is not None:
+            log.log(f"segment {idx}: layers {lo}..{hi - 1}")
+        graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos))
+        kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True))
+        segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph))
+    calib = {int(e["layer"]): e for e in (calibration or {}).get("exits", [])}
+    exit_points = []
+    for layer in [*exits, L]:
+        head = heads.get(layer)
+        c = calib.get(layer, {})
+        exit_points.append(
+            ExitPoint(
+                layer=layer,
+                full=save(*build_exit(adapter, layer, options.dtype, local=False, head=head)),
+                local=save(*build_exit(adapter, layer, options.dtype, local=True, head=head)),
+                head=None if head is None else str((heads_meta or {}).get("design", type(head).__name__)),
+                signal=(calibration or {}).get("signal") if layer < L else None,
+                threshold=c.get("threshold"),
+                margin_threshold=c.get("margin_threshold"),
+            )
+        )
+    tok_dir = folder / "tokenizer"
+    loaded.tokenizer.save_pretrained(str(tok_dir))  # type: ignore[attr-defined]
+    eos = loaded.model.generation_config.eos_token_id if loaded.model.generation_config is not None else None
+    eos = eos if eos is not None else getattr(loaded.tokenizer, "eos_token_id", None)
+    eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+    manifest = Manifest(
+        schema_version=SCHEMA_VERSION,
+        eectl_version=__version__,
+        model={**loaded.source.to_dict(), "model_type": adapter.config.model_type},
+        family=adapter.family,
+        dims={k: int(v) for k, v in dims.__dict__.items()},
+        dtype=options.dtype,
+        opset=OPSET,
+        tokenizer_dir="tokenizer",
+        eos_token_ids=eos_ids,
+        max_positions=max_pos,
+        top_k=options.top_k,
+        embedding=embedding,
+        segments=segments,
+        exits=exit_points,
+        shared_weights=shared,
+        kv=KVLayout(
+            num_kv_heads=dims.num_kv_heads,
+            head_dim=dims.head_dim,
+            past_key=[f"past_key_values.{i}.key" for i in range(L)],
+            past_value=[f"past_key_values.{i}.value" for i in range(L)],
+            present_key=[f"present.{i}.key" for i in range(L)],
+            present_value=[f"present.{i}.value" for i in range(L)],
+        ),
+        calibration=None if calibration is None else {k: v for k, v in calibration.items() if k != "exits"},
+        heads=heads_meta,
+    )
+    manifest.files = {
+        str(p.relative_to(folder)): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    write_manifest(manifest, folder)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+VALIDATION_PROMPT = (
+    "Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether?\nAnswer:"
+)
+
+
+@torch.no_grad()
+def validate_artifact(
+    loaded: LoadedModel, folder: Path, heads: dict[int, torch.nn.Module] | None = None, log: Any = None
+) -> dict[str, Any]:
+    """Prefill + 16 greedy decode steps through the ONNX graphs and through PyTorch, compared at every exit.
+
+    Raises ExportValidationError beyond tolerance (max abs logit difference, or a different greedy token).
+    """
+    from eectl.runtime.sessions import ArtifactRuntime
+
+    adapter = loaded.adapter
+    rt = ArtifactRuntime(folder, provider="cpu", verify=False)
+    m = rt.manifest
+    L = m.num_layers
+    tol = TOLERANCE[m.dtype]
+    ids = loaded.tokenizer(VALIDATION_PROMPT, add_special_tokens=False)["input_ids"][:48]  # type: ignore[operator]
+    exit_heads = {e.layer: ExitHead(adapter, (heads or {}).get(e.layer)) for e in m.exits}
+    kv = rt.new_kv(1, len(ids) + VALIDATION_DECODE_STEPS + 1)
+    cache = KVCache()
+    diffs = {e.layer: 0.0 for e in m.exits}
+    local_diffs = {e.layer: 0.0 for e in m.exits}
+    token_mismatch: dict[int, int] = {e.layer: 0 for e in m.exits}
+    chunk = list(ids)
+    pos = 0
+    generated: list[int] = []
+    for _ in range(VALIDATION_DECODE_STEPS + 1):
+        input_ids = torch.tensor([chunk])
+        positions = torch.arange(pos, pos + len(chunk))[None]
+        # torch reference: hidden after every layer
+        states: dict[int, torch.Tensor] = {}
+
+        def grab(i: int, _in: torch.Tensor, out: torch.Tensor, states: dict[int, torch.Tensor] = states) -> None:
+            states[i + 1] = out
+
+        adapter.forward_layers(adapter.embed(input_ids), positions, 0, L, cache, on_layer=grab)
+        # ORT
+        h = rt.embed(np.array([chunk], dtype=np.int64))
+        ort_states = {}
+        for s_idx in range(len(m.segments)):
+            h, _ = rt.run_segment(s_idx, h, kv, row=0)
+            ort_states[m.segments[s_idx].layers[1]] = h
+        for e in m.exits:
+            ref_h = states[e.layer][0]
+            ref = exit_heads[e.layer].full(ref_h).float()
+            got, cand, _ = rt.exit_full(e.layer, ort_states[e.layer][0], m.top_k)
+            diffs[e.layer] = max(diffs[e.layer], float((torch.from_numpy(got).float() - ref).abs().max()))
+            token_mismatch[e.layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
+            cand_t = torch.from_numpy(cand)
+            ref_local = exit_heads[e.layer].local(ref_h, cand_t).float()
+            got_local = torch.from_numpy(rt.exit_local(e.layer, ort_states[e.layer][0], cand)).float()
+            local_diffs[e.layer] = max(local_diffs[e.layer], float((got_local - ref_local).abs().max()))
+        final = states[L][0, -1]
+        nxt = int(exit_heads[L].full(final[None]).argmax(-1))
+        generated.append(nxt)
+        pos += len(chunk)
+        chunk = [nxt]
+    kv_diff = _validate_kv_graphs(adapter, rt, torch.tensor([ids[:8]]))
+    result = {
+        "dtype": m.dtype,
+        "tolerance": tol,
+        "prompt_tokens": len(ids),
+        "decode_steps": VALIDATION_DECODE_STEPS,
+        "max_abs_logit_diff": {str(k): v for k, v in diffs.items()},
+        "max_abs_local_logit_diff": {str(k): v for k, v in local_diffs.items()},
+        "greedy_token_mismatches": {str(k): v for k, v in token_mismatch.items()},
+        "kv_graph_max_abs_diff": kv_diff,
+        "passed": True,
+    }
+    worst = max(max(diffs.values()), max(local_diffs.values()), kv_diff)
+    mismatches = sum(token_mismatch.values())
+    strict_tokens = m.dtype == "fp32"
+    if worst > tol or (strict_tokens and mismatches):
+        result["passed"] = False
+        bad = {k: round(v, 5) for k, v in diffs.items() if v > tol}
+        raise ExportValidationError(
+            f"exported graphs differ from PyTorch: max abs logit diff {worst:.3g} (tolerance {tol}), "
+            f"{mismatches} greedy token mismatches; per exit {bad or diffs}"
+        )
+    if log is not None:
+        log.log(f"validation passed: max abs logit diff {worst:.2e} (tolerance {tol})")
+    return result
+
+
+def _validate_kv_graphs(adapter: Adapter, rt: Any, ids: torch.Tensor) -> float:
+    """The K/V-only graph of every segment against the adapter's K/V projection, on the same hidden states."""
+    m = rt.manifest
+    hidden = adapter.embed(ids) * 0.5 + 0.1  # any plausible hidden state
+    positions = torch.arange(ids.shape[1])[None]
+    cache = KVCache()
+    adapter.project_kv(hidden, positions, 0, m.num_layers, cache)
+    kv = rt.new_kv(1, ids.shape[1] + 1)
+    worst = 0.0
+    for s_idx, seg in enumerate(m.segments):
+        rt.run_segment(s_idx, hidden.numpy().astype(rt.np_dtype), kv, row=0, kv_only=True)
+        for i in range(*seg.layers):
+            n = ids.shape[1]
+            k = torch.from_numpy(np.asarray(kv.keys[0][i])[:, :, :n].astype(np.float32))
+            v = torch.from_numpy(np.asarray(kv.values[0][i])[:, :, :n].astype(np.float32))
+            worst = max(worst, float((k - cache.keys[i]).abs().max()), float((v - cache.values[i]).abs().max()))
+    return worst
+
+
+def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    return {
+        "artifact": str(folder),
+        "model": manifest.model.get("name"),
+        "dtype": manifest.dtype,
+        "segments": [list(s.layers) for s in manifest.segments],
+        "exits": manifest.exit_layers,
+        "size_mb": round(size / 1e6, 1),
+        "validation": manifest.validation,
+    }
+
+
+def load_calibration_dict(path: str | Path) -> dict[str, Any]:
+    """calibration.json as a dict (validated by calibrate.read_calibration when that stage is present)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"calibration file not found: {path}")
+    try:
+        from eectl import calibrate
+
+        reader = getattr(calibrate, "read_calibration", None)
+    except ImportError:
+        reader = None
+    if reader is not None:
+        cal = reader(p)
+        return cal.to_dict() if hasattr(cal, "to_dict") else dict(cal)
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"calibration file is not JSON: {path}") from exc

@@ -1,0 +1,185 @@
+"""Export on tiny models of every family: graphs equal PyTorch for prefill, decode and chunks at every exit;
+the manifest round-trips and is rejected when inconsistent; export is atomic."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from eectl import export as export_mod
+from eectl.cli import app
+from eectl.errors import ArtifactError, UsageError
+from eectl.exits import ExitHead
+from eectl.export import ExportOptions, ExportValidationError, export_artifact
+from eectl.manifest import MANIFEST, read_manifest
+from eectl.models import KVCache, load_model
+from eectl.runtime.sessions import ArtifactRuntime
+
+EXITS = [2, 4]
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_dirs, tmp_path_factory):
+    """family -> (loaded model, artifact folder), exported once per family."""
+    root = tmp_path_factory.mktemp("artifacts")
+    out = {}
+    for fam, folder in tiny_dirs.items():
+        loaded = load_model(str(folder))
+        art = root / fam
+        export_artifact(loaded, art, ExportOptions(exits=EXITS, top_k=8))
+        out[fam] = (loaded, art)
+    return out
+
+
+def test_manifest_records_validation_and_names(exported, family):
+    loaded, art = exported[family]
+    m = read_manifest(art)
+    assert [s.layers for s in m.segments] == [(0, 2), (2, 4), (4, 6)]
+    assert m.exit_layers == EXITS and m.exits[-1].layer == 6
+    v = m.validation
+    assert v["passed"] and v["decode_steps"] == 16
+    assert set(v["max_abs_logit_diff"]) == {"2", "4", "6"} and max(v["max_abs_logit_diff"].values()) < 1e-3
+    assert all(n == 0 for n in v["greedy_token_mismatches"].values())
+    assert m.kv.past_key[3] == "past_key_values.3.key" and m.kv.present_value[5] == "present.5.value"
+    assert m.segments[1].graph.inputs["past_key"] == ["past_key_values.2.key", "past_key_values.3.key"]
+    assert m.model["sha256"] == loaded.source.sha256 and m.family == family
+
+
+def test_ort_equals_torch_for_prefill_chunk_and_decode_at_every_exit(exported, family):
+    loaded, art = exported[family]
+    adapter = loaded.adapter
+    rt = ArtifactRuntime(art, provider="cpu", threads=1)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, adapter.dims.vocab_size, (1, 30), generator=g)
+    kv = rt.new_kv(1, 40)
+    cache = KVCache()
+    heads = {e: ExitHead(adapter) for e in [*EXITS, 6]}
+    with torch.no_grad():
+        for lo, hi in [(0, 12), (12, 19), (19, 20), (20, 21), (21, 30)]:  # prefill, chunk on a past, decodes
+            states = {}
+            adapter.forward_layers(
+                adapter.embed(ids[:, lo:hi]),
+                torch.arange(lo, hi)[None],
+                0,
+                adapter.num_layers,
+                cache,
+                on_layer=lambda i, a, b, states=states: states.__setitem__(i + 1, b),
+            )
+            h = rt.embed(ids[:, lo:hi].numpy())
+            for s in range(3):
+                h, layer_in = rt.run_segment(s, h, kv, row=0)
+                end = rt.manifest.segments[s].layers[1]
+                ref = heads[end].full(states[end][0])
+                got, cand, cand_logits = rt.exit_full(end, h[0], 8)
+                np.testing.assert_allclose(got, ref.numpy(), atol=ATOL, rtol=1e-4)
+                np.testing.assert_allclose(layer_in[0], states[end - 1][0].numpy(), atol=ATOL, rtol=1e-4)
+                local = rt.exit_local(end, h[0], cand)
+                np.testing.assert_allclose(local, cand_logits, atol=ATOL, rtol=1e-4)
+                assert (cand == torch.topk(ref, 8).indices.numpy()).all()
+        assert (kv.filled == 30).all()
+        for i in range(adapter.num_layers):
+            np.testing.assert_allclose(kv.keys[0][i][:, :, :30], cache.keys[i].numpy(), atol=ATOL, rtol=1e-4)
+
+
+def test_manifest_rejected_when_inconsistent(exported, tmp_path):
+    _, art = exported["llama"]
+    bad = tmp_path / "edited"
+    shutil.copytree(art, bad)
+    seg = bad / read_manifest(bad).segments[1].graph.file
+    seg.write_bytes(seg.read_bytes() + b"\0")
+    with pytest.raises(ArtifactError, match="hash mismatch"):
+        read_manifest(bad)
+    seg.unlink()
+    with pytest.raises(ArtifactError, match="missing"):
+        read_manifest(bad)
+    shutil.rmtree(bad)
+    shutil.copytree(art, bad)
+    doc = json.loads((bad / MANIFEST).read_text())
+    doc["schema_version"] = 99
+    (bad / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match="schema version"):
+        read_manifest(bad)
+    doc["schema_version"] = 1
+    doc["segments"] = doc["segments"][:2]
+    (bad / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match="tile"):
+        read_manifest(bad)
+    with pytest.raises(ArtifactError, match="not found"):
+        read_manifest(tmp_path / "nothing")
+    doc = read_manifest(art)
+    assert read_manifest(art) == doc  # round-trips
+
+
+def test_export_is_atomic_and_needs_force(tiny_dirs, tmp_path, monkeypatch):
+    loaded = load_model(str(tiny_dirs["qwen2"]))
+    out = tmp_path / "art"
+    export_artifact(loaded, out, ExportOptions(exits=[3]))
+    before = read_manifest(out).files
+    with pytest.raises(ArtifactError, match="already exists"):
+        export_artifact(loaded, out, ExportOptions(exits=[2]))
+    assert read_manifest(out).files == before
+    monkeypatch.setitem(export_mod.TOLERANCE, "fp32", 0.0)  # every export now fails its validation
+    with pytest.raises(ExportValidationError):
+        export_artifact(loaded, out, ExportOptions(exits=[2], force=True))
+    assert read_manifest(out).files == before  # the old artifact survived the failed replacement
+    with pytest.raises(ExportValidationError):
+        export_artifact(loaded, tmp_path / "new", ExportOptions(exits=[2]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no half-written folder left behind
+    monkeypatch.undo()
+    export_artifact(loaded, out, ExportOptions(exits=[2], force=True))
+    assert read_manifest(out).exit_layers == [2]
+
+
+@pytest.mark.parametrize("exits", [[0], [6], [2, 2], [7]])
+def test_bad_exits(tiny_dirs, tmp_path, exits):
+    loaded = load_model(str(tiny_dirs["llama"]))
+    with pytest.raises(UsageError):
+        export_artifact(loaded, tmp_path / "a", ExportOptions(exits=exits))
+    assert not (tmp_path / "a").exists()
+
+
+def test_trained_head_is_inlined_into_the_exit_graphs(tiny_dirs, tmp_path):
+    loaded = load_model(str(tiny_dirs["gemma3_text"]))
+    H = loaded.adapter.dims.hidden_size
+    torch.manual_seed(0)
+
+    class Residual(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(H, H)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + self.proj(h)
+
+    m = export_artifact(loaded, tmp_path / "a", ExportOptions(exits=[3]), heads={3: Residual().eval()})
+    assert m.validation["passed"] and m.exits[0].head == "Residual"
+
+
+def test_fp16_export_validates_at_fp16_tolerance(tiny_dirs, tmp_path):
+    loaded = load_model(str(tiny_dirs["llama"]))
+    m = export_artifact(loaded, tmp_path / "a", ExportOptions(exits=[3], dtype="fp16"))
+    v = m.validation
+    assert m.dtype == "fp16" and v["passed"] and v["tolerance"] == 0.25
+    assert 1e-5 < max(v["max_abs_logit_diff"].values()) < 0.25  # fp16 rounding is visible, and bounded
+    assert np.load(tmp_path / "a" / "weights" / "lm_head.npy").dtype == np.float16
+
+
+def test_cli_export_json(tiny_dirs, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "cli-art"
+    res = runner.invoke(
+        app, ["export", str(tiny_dirs["mistral"]), "--exits", "1,3", "--out", str(out), "--json", "--threads", "1"]
+    )
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["exits"] == [1, 3] and doc["segments"] == [[0, 1], [1, 3], [3, 6]] and doc["validation"]["passed"]
+    res = runner.invoke(app, ["export", str(tiny_dirs["mistral"]), "--exits", "1,3", "--out", str(out)])
+    assert res.exit_code == 5 and "already exists" in res.stderr
+    res = runner.invoke(app, ["export", str(tiny_dirs["mistral"]), "--exits", "9", "--out", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "outside" in res.stderr
