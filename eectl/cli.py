@@ -16,7 +16,7 @@ import typer
 from eectl import __version__
 from eectl.errors import EectlError, NotBuiltError, UsageError
 from eectl.output import Output
-from eectl.recipe import Recipe, load_recipe, pick
+from eectl.recipe import Recipe, default_exits, load_recipe, pick
 
 app = typer.Typer(
     name="eectl",
@@ -74,11 +74,15 @@ def _main(
 
 
 def _threads(requested: int | None, recipe: Recipe) -> int:
+    """One thread count for torch and ONNX Runtime's global pool (default: one per core), reported by commands."""
     import torch
 
-    n = pick(requested, recipe.threads) or os.cpu_count() or 1
-    if n < 1:
+    from eectl.runtime.sessions import init_ort
+
+    n = pick(requested, recipe.threads)
+    if n is not None and n < 1:
         raise UsageError(f"--threads must be >= 1, got {n}")
+    n = init_ort(n)
     torch.set_num_threads(n)
     return n
 
@@ -298,10 +302,73 @@ def train_heads(model: ModelArg = None, recipe: RecipeOpt = None, json_out: Json
     _not_built("train-heads", "eectl train-heads: light exit heads")
 
 
+def _parse_exits(text: str | None, default: list[int] | None) -> list[int] | None:
+    """--exits "8,12" -> [8, 12]; "none" -> []; absent -> the recipe's (None: default_exits of the model)."""
+    if text is None:
+        return default
+    if text.strip().lower() == "none":
+        return []
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--exits must be comma-separated layer numbers, got '{text}'") from None
+
+
 @command()
-def export(model: ModelArg = None, recipe: RecipeOpt = None, json_out: JsonOpt = False) -> None:
-    """Segmented ONNX graphs with exit points and a manifest, validated against PyTorch (not built yet)."""
-    _not_built("export", "eectl export: a segmented ONNX artifact")
+def export(
+    model: ModelArg = None,
+    exits: Annotated[str | None, typer.Option(help="Exit after these layers, e.g. 8,12,16,20,24.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Artifact folder (default artifacts/<model-name>).")] = None,
+    calibration: Annotated[Path | None, typer.Option(help="calibration.json from eectl calibrate.")] = None,
+    heads: Annotated[Path | None, typer.Option(help="heads.safetensors from eectl train-heads.")] = None,
+    dtype: Annotated[str, typer.Option(help="fp32, or fp16 for GPU deployment.")] = "fp32",
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Default local vocabulary size.")] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing artifact.")] = False,
+    recipe: RecipeOpt = None,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Segmented ONNX graphs cut at the exit points, exit heads and a manifest, validated against PyTorch."""
+    from eectl.export import ExportOptions, describe, export_artifact, load_calibration_dict
+    from eectl.models import load_model
+
+    out_ = Output(json_out)
+    r = load_recipe(recipe)
+    n_threads = _threads(threads, r)
+    exit_layers = _parse_exits(exits, r.exits)
+    cal = load_calibration_dict(calibration) if calibration is not None else None
+    if cal is not None and exits is None and cal.get("exits"):
+        exit_layers = sorted(int(e["layer"]) for e in cal["exits"])
+    loaded = load_model(pick(model, r.model), log=out_)
+    head_modules, heads_meta = None, None
+    if heads is not None:
+        from eectl.heads import load_heads
+
+        head_set = load_heads(heads, loaded.adapter)
+        head_modules, heads_meta = head_set.heads, head_set.meta
+        if exits is None and calibration is None:
+            exit_layers = sorted(head_modules)
+    if exit_layers is None:
+        exit_layers = default_exits(loaded.adapter.num_layers)
+    folder = out or Path("artifacts") / loaded.source.name
+    out_.log(f"exporting {loaded.source.name} with exits {exit_layers} to {folder} ({dtype}, {n_threads} threads)")
+    options = ExportOptions(exits=exit_layers, dtype=dtype, top_k=pick(top_k, r.top_k), force=force)
+    manifest = export_artifact(loaded, folder, options, head_modules, heads_meta, cal, log=out_)
+    summary = describe(manifest, folder)
+    out_.json(summary)
+    v = manifest.validation
+    out_.table(
+        f"{folder}: validation ({v.get('dtype')}, prefill {v.get('prompt_tokens')} + {v.get('decode_steps')} steps)",
+        ["exit after layer", "max abs logit diff", "local logits diff", "greedy mismatches"],
+        [
+            (k, f"{d:.2e}", f"{v['max_abs_local_logit_diff'][k]:.2e}", v["greedy_token_mismatches"][k])
+            for k, d in v.get("max_abs_logit_diff", {}).items()
+        ],
+    )
+    out_.line(
+        f"artifact: {folder} ({summary['size_mb']} MB, {len(manifest.segments)} segments, "
+        f"exported and validated in {v.get('export_seconds')} s)"
+    )
 
 
 @command()
