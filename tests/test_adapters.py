@@ -104,7 +104,9 @@ def test_threshold_for_precision_is_minimal():
     conf = torch.tensor([0.9, 0.8, 0.8, 0.7, 0.6, 0.5])
     good = torch.tensor([True, True, False, True, True, False])
     c = threshold_for_precision(conf, good, 0.75)  # prefixes: 1, 1, 2/3 (tie kept), 3/4, 4/5, 4/6
-    assert c.threshold == pytest.approx(0.6) and c.coverage == pytest.approx(5 / 6) and c.precision == pytest.approx(0.8)
+    assert (
+        c.threshold == pytest.approx(0.6) and c.coverage == pytest.approx(5 / 6) and c.precision == pytest.approx(0.8)
+    )
     assert threshold_for_precision(conf, good, 1.0).threshold == pytest.approx(0.9)
     none = threshold_for_precision(conf, torch.zeros(6, dtype=torch.bool), 0.5)
     assert none.threshold == float("inf") and none.coverage == 0.0
