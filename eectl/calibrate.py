@@ -92,7 +92,7 @@ class CalibrateOptions:
     gen_share: float = 0.25  # share of the tokens that come from the model's own greedy continuations
     gen_tokens: int = 32  # continuation length per prompt
     chunk_len: int = 256  # teacher-forced chunk length (BOS included)
-    gen_batch: int = 8  # prompts generated together (left-padded)
+    gen_batch: int = 16  # prompts generated together (left-padded)
 
     @property
     def generated_tokens(self) -> int:
@@ -114,7 +114,7 @@ def parse_exits(spec: str) -> list[int]:
 
 
 def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_size: int | None = None) -> None:
-    """Raise UsageError / DataError for options that cannot work (model facts checked when given)."""
+    """Raise UsageError / DataError for options that cannot work (the exits only once the model's depth is given)."""
     if not 0.0 < opts.target <= 1.0 or math.isnan(opts.target):
         raise UsageError(f"--target must be in (0, 1], got {opts.target}")
     if opts.signal not in SIGNALS:
@@ -136,7 +136,7 @@ def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_s
         raise UsageError(f"--tokens must be positive, got {opts.tokens}")
     if opts.top_k < 2:
         raise UsageError(f"--top-k must be >= 2 (the margin needs two candidates), got {opts.top_k}")
-    if not opts.exits:
+    if not opts.exits and num_layers is not None:
         raise UsageError("no exits given", hint="pass --exits, e.g. --exits 8,12,16,20,24, or a --recipe with exits")
     if len(set(opts.exits)) != len(opts.exits):
         raise UsageError(f"--exits must be distinct, got {opts.exits}")
@@ -448,19 +448,26 @@ def measure_generation(
     n_tokens: int,
     gen_tokens: int,
     eos: int | None,
-    batch_size: int = 8,
+    batch_size: int = 16,
     on_tokens: Callable[[int], None] | None = None,
 ) -> tuple[Measurements | None, int]:
     """Greedy full-depth continuations of prompts (token ids, BOS included), `gen_tokens` each, stopping a row at
-    EOS. Each step's last position is one measured token (its final top-1 is the generated token). Prompts are
-    batched with left padding. Returns the first `n_tokens` measured tokens and the number of prompts used.
+    EOS. Each step's last position is one measured token (its final top-1 is the generated token); its unit is the
+    prompt's index. Prompts are batched with left padding, in the given order but sorted by length within windows of
+    four batches. Returns the first `n_tokens` measured tokens and the number of prompts used.
     """
     parts: list[Measurements] = []
     measured = used = 0
-    for start in range(0, len(prompts), batch_size):
+    # prompts of similar length share a batch (less padding): sort each window of a few batches by length
+    window = 4 * batch_size
+    batches: list[list[int]] = []
+    for w in range(0, len(prompts), window):
+        idx = sorted(range(w, min(w + window, len(prompts))), key=lambda i: len(prompts[i]))
+        batches += [idx[j : j + batch_size] for j in range(0, len(idx), batch_size)]
+    for members in batches:
         if measured >= n_tokens:
             break
-        batch = prompts[start : start + batch_size]
+        batch = [prompts[i] for i in members]
         used += len(batch)
         b, s = len(batch), max(len(p) for p in batch)
         ids = torch.zeros(b, s, dtype=torch.long)
@@ -474,7 +481,7 @@ def measure_generation(
             rows = alive.clone()
             states, inputs, final = _forward_capture(scorer, ids, positions, cache, pad, _last_position_of(rows))
             values, correct, top = scorer.score(states, inputs, final)
-            parts.append(_part(scorer, values, correct, 1, start + torch.nonzero(rows).flatten()))
+            parts.append(_part(scorer, values, correct, 1, torch.tensor(members, dtype=torch.long)[rows]))
             if on_tokens is not None:
                 on_tokens(min(int(rows.sum()), n_tokens - measured))
             measured += int(rows.sum())

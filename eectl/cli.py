@@ -204,7 +204,7 @@ def calibrate(
     out = Output(json_out)
     r = load_recipe(recipe)
     opts = CalibrateOptions(
-        exits=parse_exits(exits) if exits is not None else list(r.exits),
+        exits=parse_exits(exits) if exits is not None else list(r.exits or []),
         signal=pick(signal, r.signal),
         target=pick(target, r.target),
         top_k=pick(top_k, r.top_k),
@@ -221,6 +221,7 @@ def calibrate(
     text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
     out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
     loaded = load_model(pick(model, r.model), log=out)
+    opts.exits = opts.exits or default_exits(loaded.adapter.num_layers)
     check_options(opts, loaded.adapter.num_layers, loaded.adapter.dims.vocab_size)
     head_modules = None
     if heads is not None:
