@@ -90,7 +90,8 @@ class CalibrateOptions:
     confidence: float | None = None  # Clopper-Pearson confidence level, e.g. 0.95; None: point estimate
     holdout: float = 0.2  # share of chunks / prompts held out
     gen_share: float = 0.25  # share of the tokens that come from the model's own greedy continuations
-    gen_tokens: int = 32  # continuation length per prompt
+    gen_tokens: int = 64  # continuation length per prompt (at most; a row ends at EOS)
+    raw: bool = False  # feed prompts as is; default: the tokenizer's chat template, as `eectl run` does
     chunk_len: int = 256  # teacher-forced chunk length (BOS included)
     gen_batch: int = 16  # prompts generated together (left-padded)
 
@@ -723,6 +724,7 @@ class DataInfo(_Model):
     teacher_forced_tokens: int
     generated_tokens: int
     prompts_used: int  # prompts continued greedily (the data's prompts, last record first)
+    chat_template: bool  # the prompts were wrapped in the tokenizer's chat template (as `eectl run` does)
     gen_tokens_per_prompt: int
     chunk_len: int
     holdout: float
@@ -835,39 +837,52 @@ def read_calibration(path: str | Path) -> Calibration:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def prompt_ids(tokenizer: Any, prompts: Sequence[str], max_len: int) -> list[list[int]]:
-    """Token ids of each prompt, BOS first, keeping the last tokens when longer than max_len; last record first."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    out: list[list[int]] = []
-    for text in reversed(prompts):
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        keep = max_len - (1 if bos is not None else 0)
-        ids = ([bos] if bos is not None else []) + ids[-keep:]
-        if ids:
-            out.append(ids)
-    return out
+def encode_prompt(tokenizer: Any, prompt: str, raw: bool = False) -> list[int]:
+    """A prompt as the runner feeds it (`eectl run`): the tokenizer's chat template with a generation prompt when it
+    has one and `raw` is False, else the text with the tokenizer's own special tokens."""
+    if not raw and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
 
 
-def calibrate_model(
+def prompt_ids(tokenizer: Any, prompts: Sequence[str], max_len: int, raw: bool = False) -> list[list[int]]:
+    """Each prompt encoded as the runner does (`encode_prompt`), last record first, keeping the last max_len tokens."""
+    out = [encode_prompt(tokenizer, text, raw)[-max_len:] for text in reversed(prompts)]
+    return [ids for ids in out if ids]
+
+
+@dataclass
+class Collected:
+    """What one pass over the data measured; `summarise` turns it into a Calibration for any target."""
+
+    meas: Measurements
+    prompts_used: int
+    chat_template: bool  # the prompts went through the tokenizer's chat template
+    wall_s: float
+
+
+@torch.no_grad()
+def collect(
     loaded: Any,
     data: Any,
     opts: CalibrateOptions,
     heads: dict[int, nn.Module] | None = None,
-    heads_path: str | Path | None = None,
     on_tokens: Callable[[int], None] | None = None,
-) -> Calibration:
-    """The stage as a library call: a LoadedModel, TextData and options in; a validated Calibration out."""
+) -> Collected:
+    """Measure every exit's signals on `opts.tokens` tokens: teacher-forced chunks, then greedy continuations."""
     from eectl.data import TextData, token_chunks
-    from eectl.models.loading import LoadedModel, file_sha256
+    from eectl.models.loading import LoadedModel
 
     assert isinstance(loaded, LoadedModel) and isinstance(data, TextData)
-    adapter = loaded.adapter
-    dims = adapter.dims
+    dims = loaded.adapter.dims
     opts.exits = sorted(opts.exits)
     check_options(opts, dims.num_layers, dims.vocab_size)
     tok: Any = loaded.tokenizer
     start = time.perf_counter()
-    scorer = ExitScorer(adapter, opts.exits, opts.signal, opts.top_k, heads)
+    scorer = ExitScorer(loaded.adapter, opts.exits, opts.signal, opts.top_k, heads)
     parts: list[Measurements] = []
     if opts.text_tokens > 0:
         skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
@@ -878,7 +893,7 @@ def calibrate_model(
     prompts_used = 0
     if opts.generated_tokens > 0:
         max_prompt = max(8, min(dims.max_positions, 4096) - opts.gen_tokens - 1)
-        prompts = prompt_ids(tok, data.prompts, max_prompt)
+        prompts = prompt_ids(tok, data.prompts, max_prompt, opts.raw)
         gen, prompts_used = measure_generation(
             scorer,
             prompts,
@@ -889,15 +904,30 @@ def calibrate_model(
             on_tokens,
         )
         got = 0 if gen is None else gen.n
-        if got < opts.generated_tokens:
+        if gen is None or got < opts.generated_tokens:
             raise DataError(
                 f"the data's {len(prompts)} prompts gave only {got} generated tokens, fewer than the "
                 f"{opts.generated_tokens} asked for",
                 hint="lower --gen-share or --tokens, or raise --gen-tokens",
             )
-        assert gen is not None
         parts.append(gen)
-    meas = Measurements.concat(parts)
+    chat = not opts.raw and bool(getattr(tok, "chat_template", None))
+    return Collected(Measurements.concat(parts), prompts_used, chat, time.perf_counter() - start)
+
+
+def summarise(
+    loaded: Any,
+    data: Any,
+    opts: CalibrateOptions,
+    collected: Collected,
+    heads: dict[int, nn.Module] | None = None,
+    heads_path: str | Path | None = None,
+) -> Calibration:
+    """Fit the thresholds for `opts.target` / `opts.confidence` on collected measurements; a validated Calibration."""
+    from eectl.models.loading import file_sha256
+
+    start = time.perf_counter()
+    meas = collected.meas
     result = fit(meas, opts.target, opts.confidence, opts.holdout, sorted(heads or {}))
     if opts.signal.startswith("topk") and result.exits[0].calibration.exited == 0 and len(result.exits) > 1:
         first = result.exits[0]
@@ -905,9 +935,10 @@ def calibrate_model(
             "; the runner still projects the full vocabulary here to pick the Top-K candidates: drop this exit "
             "from --exits and recalibrate to save that"
         )
-    wall = time.perf_counter() - start
+    wall = collected.wall_s + time.perf_counter() - start
     held = meas.heldout_mask(opts.holdout)
     source = loaded.source.to_dict()
+    adapter = loaded.adapter
     return Calibration(
         model=ModelInfo(
             name=str(source["name"]),
@@ -925,7 +956,8 @@ def calibrate_model(
             tokens=meas.n,
             teacher_forced_tokens=int((meas.source == 0).sum()),
             generated_tokens=int((meas.source == 1).sum()),
-            prompts_used=prompts_used,
+            prompts_used=collected.prompts_used,
+            chat_template=collected.chat_template,
             gen_tokens_per_prompt=opts.gen_tokens,
             chunk_len=opts.chunk_len,
             holdout=opts.holdout,
@@ -949,3 +981,15 @@ def calibrate_model(
         wall_s=wall,
         seconds_per_10k_tokens=wall / max(1, meas.n) * 10_000,
     )
+
+
+def calibrate_model(
+    loaded: Any,
+    data: Any,
+    opts: CalibrateOptions,
+    heads: dict[int, nn.Module] | None = None,
+    heads_path: str | Path | None = None,
+    on_tokens: Callable[[int], None] | None = None,
+) -> Calibration:
+    """The stage as a library call: a LoadedModel, TextData and options in; a validated Calibration out."""
+    return summarise(loaded, data, opts, collect(loaded, data, opts, heads, on_tokens), heads, heads_path)

@@ -188,7 +188,10 @@ def calibrate(
     gen_share: Annotated[
         float, typer.Option(help="Share of the tokens taken from the model's own greedy continuations of prompts.")
     ] = 0.25,
-    gen_tokens: Annotated[int, typer.Option(help="Continuation length per prompt.")] = 32,
+    gen_tokens: Annotated[int, typer.Option(help="Continuation length per prompt (at most; EOS ends it).")] = 64,
+    raw: Annotated[
+        bool, typer.Option(help="Continue prompts as is, without the chat template (eectl run --raw).")
+    ] = False,
     out_path: Annotated[
         Path | None, typer.Option("--out", help="Where to write it (default artifacts/<model>-calibration.json).")
     ] = None,
@@ -213,6 +216,7 @@ def calibrate(
         holdout=holdout,
         gen_share=gen_share,
         gen_tokens=gen_tokens,
+        raw=raw,
     )
     check_options(opts)
     if heads is not None and not heads.is_file():
@@ -288,7 +292,8 @@ def _print_calibration(out: Output, result: object, path: Path) -> None:
         out.line(f"  held-out {name}: {s.tokens} tokens, exit {s.exit_rate:.1%}, agreement {num(s.precision)}")
     out.line(
         f"data: {d.tokens} tokens of {d.name}: {d.teacher_forced_tokens} teacher-forced, {d.generated_tokens} "
-        f"generated ({d.prompts_used} prompts x up to {d.gen_tokens_per_prompt}); {result.wall_s:.1f}s on "
+        f"generated ({d.prompts_used} prompts{' in the chat template' if d.chat_template else ''} x up to "
+        f"{d.gen_tokens_per_prompt}); {result.wall_s:.1f}s on "
         f"{result.threads} threads ({result.seconds_per_10k_tokens:.1f}s per 10,000 tokens)"
     )
     for x in result.exits:

@@ -3,6 +3,7 @@ Clopper-Pearson bound against known values, the held-out report, calibration.jso
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -23,6 +24,7 @@ from eectl.calibrate import (
     binomial_upper_tail,
     calibrate_model,
     clopper_pearson_lower,
+    encode_prompt,
     evaluate,
     fit,
     measure_generation,
@@ -201,9 +203,22 @@ def test_batched_generation_equals_one_prompt_at_a_time(llama, gsm8k):
     assert torch.equal(a.unit[oa], b.unit[ob]) and torch.equal(a.unit[oa], torch.arange(5).repeat_interleave(10))
     torch.testing.assert_close(a.values["prob"][:, oa], b.values["prob"][:, ob], atol=1e-4, rtol=1e-4)
     assert torch.equal(a.correct[:, oa], b.correct[:, ob])
-    # the prompts are the data's, last record first, BOS first
-    assert prompts[0][0] == llama.tokenizer.bos_token_id
-    assert prompts[0][1:] == llama.tokenizer(gsm8k.prompts[4], add_special_tokens=False)["input_ids"]
+    # the prompts are the data's, last record first, encoded as the runner encodes them
+    assert prompts[0] == llama.tokenizer(gsm8k.prompts[4], add_special_tokens=True)["input_ids"]
+
+
+def test_prompts_use_the_chat_template_unless_raw(llama):
+    tok = copy.deepcopy(llama.tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
+    )
+    plain = tok("How many clips?", add_special_tokens=False)["input_ids"]
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    assert encode_prompt(tok, "How many clips?") == [bos, *plain, eos, bos]
+    assert encode_prompt(tok, "How many clips?", raw=True) == tok("How many clips?")["input_ids"]
+    # last record first, each cut to its last max_len tokens
+    want = [encode_prompt(tok, "How many clips?")[-3:], encode_prompt(tok, "a b c d e f")[-3:]]
+    assert prompt_ids(tok, ["a b c d e f", "How many clips?"], 3) == want and want[0] == [plain[-1], eos, bos]
 
 
 # --- the sequential rule -----------------------------------------------------------------------------------------
@@ -308,7 +323,9 @@ def test_heldout_split_and_report(measured):
 
 @pytest.fixture(scope="module")
 def calibration(llama, gsm8k) -> Calibration:
-    opts = CalibrateOptions(exits=[4, 2], signal="topk-prob", target=0.5, top_k=16, tokens=600, gen_tokens=10)
+    opts = CalibrateOptions(
+        exits=[4, 2], signal="topk-prob", target=0.5, top_k=16, tokens=600, gen_tokens=10, gen_batch=8
+    )
     return calibrate_model(llama, gsm8k, opts)
 
 
@@ -317,7 +334,7 @@ def test_calibrate_model_describes_what_it_did(calibration, llama):
     assert [x.layer for x in cal.exits] == [2, 4] and cal.candidates_layer == 2 and cal.top_k == 16
     d = cal.data
     assert d.tokens == 600 and (d.teacher_forced_tokens, d.generated_tokens) == (450, 150) and d.prompts_used == 16
-    assert d.calibration_tokens + d.heldout_tokens == 600 and d.heldout_tokens > 0
+    assert d.calibration_tokens + d.heldout_tokens == 600 and d.heldout_tokens > 0 and not d.chat_template
     assert cal.model.sha256 == llama.source.sha256 and cal.model.num_layers == 6 and cal.criteria == ["prob"]
     assert cal.heldout is not None and cal.seconds_per_10k_tokens > 0
 
