@@ -21,7 +21,6 @@ What this module does not do: choose exits at run time (runtime/), or calibrate 
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
@@ -409,6 +408,13 @@ def export_artifact(
         raise UsageError(f"--dtype must be fp32 or fp16, got '{options.dtype}'")
     if options.top_k < 2 or options.top_k > adapter.dims.vocab_size:
         raise UsageError(f"--top-k must be in 2..{adapter.dims.vocab_size}, got {options.top_k}")
+    if calibration is not None:
+        cal_model = calibration.get("model", {})
+        if cal_model.get("sha256") not in (None, loaded.source.sha256):
+            raise UsageError("the calibration was made for another model (its model hash differs)")
+        missing = {int(e["layer"]) for e in calibration.get("exits", [])} - set(exits)
+        if missing:
+            raise UsageError(f"calibrated exits {sorted(missing)} are not among the export's exits {exits}")
     heads = heads or {}
     if set(heads) - set(exits):
         raise UsageError(f"heads for layers {sorted(set(heads) - set(exits))} that are not exits {exits}")
@@ -497,8 +503,7 @@ def _write_artifact(
                 local=save(*build_exit(adapter, layer, options.dtype, local=True, head=head)),
                 head=None if head is None else str((heads_meta or {}).get("design", type(head).__name__)),
                 signal=(calibration or {}).get("signal") if layer < L else None,
-                threshold=c.get("threshold"),
-                margin_threshold=c.get("margin_threshold"),
+                thresholds=c.get("thresholds"),
             )
         )
     tok_dir = folder / "tokenizer"
@@ -669,20 +674,7 @@ def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
 
 
 def load_calibration_dict(path: str | Path) -> dict[str, Any]:
-    """calibration.json as a dict (validated by calibrate.read_calibration when that stage is present)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"calibration file not found: {path}")
-    try:
-        from eectl import calibrate
+    """calibration.json, validated by calibrate.read_calibration, as the dict export records in the manifest."""
+    from eectl.calibrate import read_calibration
 
-        reader = getattr(calibrate, "read_calibration", None)
-    except ImportError:
-        reader = None
-    if reader is not None:
-        cal = reader(p)
-        return cal.to_dict() if hasattr(cal, "to_dict") else dict(cal)
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"calibration file is not JSON: {path}") from exc
+    return read_calibration(path).to_dict()

@@ -43,9 +43,8 @@ class ExitPoint(_M):
     full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits
     local: GraphIO  # hidden [N, H] + candidates [N, K] -> candidate logits [N, K]
     head: str | None = None  # trained head design, None for the plain logit lens
-    signal: str | None = None
-    threshold: float | None = None  # calibrated threshold for `signal`, None when not calibrated
-    margin_threshold: float | None = None
+    signal: str | None = None  # the calibrated signal (calibrate.CRITERIA names its criteria)
+    thresholds: dict[str, float | None] | None = None  # criterion -> exit when value >= it; None: not calibrated
 
 
 class SharedWeight(_M):

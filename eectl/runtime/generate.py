@@ -1,0 +1,210 @@
+"""`eectl run` as a library call: an artifact folder, prompts and run options in; generations and a report out.
+
+Resolves the run options against the manifest (active exits, thresholds from the calibration, a scale factor or
+explicit values, the signal), applies the tokenizer's chat template, and turns token ids back into text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eectl.errors import DataError, UsageError
+from eectl.runtime.runner import CRITERIA, Generation, RunConfig, Runner
+from eectl.runtime.sessions import ArtifactRuntime
+
+
+@dataclass
+class RunOptions:
+    exits: str | None = None  # "12,20" | "none" | None (the manifest's calibrated exits, else all)
+    policy: str = "defer"
+    thresholds: str | None = None  # "0.9" for every exit, or "12:0.9,20:0.8"; None: the calibration's
+    threshold_scale: float = 1.0
+    signal: str | None = None  # None: the calibration's, else topk-prob
+    top_k: int | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    raw: bool = False
+    provider: str = "auto"
+    threads: int | None = None
+
+
+def load_tokenizer(rt: ArtifactRuntime) -> Any:
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    return AutoTokenizer.from_pretrained(str(rt.folder / rt.manifest.tokenizer_dir))
+
+
+def encode(tokenizer: Any, prompt: str, raw: bool) -> list[int]:
+    if not raw and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """A .jsonl file (field prompt / question / text per line) or a text file (one prompt per line)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"prompt file not found: {path}")
+    prompts: list[str] = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if p.suffix.lower() == ".jsonl":
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{p.name} line {n} is not JSON") from exc
+            text = next((row[k] for k in ("prompt", "question", "text") if isinstance(row, dict) and k in row), None)
+            if not isinstance(text, str):
+                raise DataError(f"{p.name} line {n} has no prompt, question or text field")
+            prompts.append(text)
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise DataError(f"no prompts in {path}")
+    return prompts
+
+
+def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -> RunConfig:
+    m = rt.manifest
+    calibrated = {e.layer: e.thresholds for e in m.exits if e.layer < m.num_layers and e.thresholds}
+    cal_signal = (m.calibration or {}).get("signal")
+    signal = opts.signal or cal_signal or "topk-prob"
+    if signal not in CRITERIA:
+        raise UsageError(f"unknown signal '{signal}'; choose from {', '.join(CRITERIA)}")
+    if opts.exits is not None and opts.exits.strip().lower() == "none":
+        exits: list[int] = []
+    elif opts.exits is not None:
+        try:
+            exits = sorted({int(x) for x in opts.exits.split(",") if x.strip()})
+        except ValueError:
+            raise UsageError(f"--exits must be comma-separated layers or 'none', got '{opts.exits}'") from None
+    else:
+        exits = sorted(calibrated) if calibrated else list(m.exit_layers)
+    criteria = CRITERIA[signal]
+    thresholds: dict[int, dict[str, float]] = {}
+    if opts.thresholds is not None:
+        thresholds = _parse_thresholds(opts.thresholds, exits, criteria)
+    elif exits:
+        if signal != cal_signal or not all(e in calibrated for e in exits):
+            raise UsageError(
+                f"no calibrated thresholds for signal {signal} at exits {exits}",
+                hint="export with --calibration, or pass --thresholds (e.g. 0.9, or 12:0.9,20:0.8)",
+            )
+        for e in exits:
+            values = calibrated[e] or {}
+            if any(values.get(c) is None for c in criteria):
+                thresholds[e] = {c: float("inf") for c in criteria}  # calibrated to never exit here
+            else:
+                thresholds[e] = {c: float(values[c] or 0.0) for c in criteria}
+    if opts.threshold_scale <= 0:
+        raise UsageError(f"--threshold-scale must be positive, got {opts.threshold_scale}")
+    thresholds = {e: {c: v * opts.threshold_scale for c, v in t.items()} for e, t in thresholds.items()}
+    if opts.temperature < 0 or not 0 < opts.top_p <= 1:
+        raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
+    return RunConfig(
+        exits=exits,
+        thresholds=thresholds,
+        signal=signal,
+        policy=opts.policy,
+        top_k=opts.top_k or m.top_k,
+        max_new_tokens=opts.max_new_tokens,
+        temperature=opts.temperature,
+        top_p=opts.top_p,
+        seed=opts.seed,
+        stop_ids=stop_ids,
+    )
+
+
+def _parse_thresholds(text: str, exits: list[int], criteria: tuple[str, ...]) -> dict[int, dict[str, float]]:
+    """'0.9' (every exit, every criterion) or '12:0.9,20:0.8' (per exit); a criterion pair as '12:0.9/0.2'."""
+    try:
+        if ":" not in text:
+            values = [float(v) for v in text.split("/")]
+            return {e: dict(zip(criteria, _fill(values, criteria), strict=True)) for e in exits}
+        out = {}
+        for part in text.split(","):
+            layer, vals = part.split(":")
+            out[int(layer)] = dict(zip(criteria, _fill([float(v) for v in vals.split("/")], criteria), strict=True))
+    except ValueError:
+        raise UsageError(f"--thresholds: cannot parse '{text}' (e.g. 0.9, or 12:0.9,20:0.8)") from None
+    missing = [e for e in exits if e not in out]
+    if missing:
+        raise UsageError(f"--thresholds gives no value for exits {missing}")
+    return {e: out[e] for e in exits}
+
+
+def _fill(values: list[float], criteria: tuple[str, ...]) -> list[float]:
+    if len(values) == 1:
+        return values * len(criteria)
+    if len(values) != len(criteria):
+        raise ValueError("wrong number of threshold values")
+    return values
+
+
+@dataclass
+class RunReport:
+    prompt: str
+    text: str
+    generation: Generation
+    num_layers: int
+
+    def to_dict(self) -> dict[str, Any]:
+        g = self.generation
+        return {
+            "prompt": self.prompt,
+            "text": self.text,
+            "prompt_ids": g.prompt_ids,
+            "token_ids": g.token_ids,
+            "exit_layers": g.exit_layers,
+            "tokens_per_s": g.tokens_per_s,
+            "ttft_s": g.ttft_s,
+            "latencies_s": g.latencies_s,
+            "mean_executed_layers": g.mean_layers(self.num_layers),
+            "decide_s": g.decide_s,
+            "drafted": g.drafted,
+            "rejected_drafts": g.rejected_drafts,
+        }
+
+
+def run_prompts(
+    artifact: str | Path,
+    prompts: list[str],
+    opts: RunOptions,
+    batch_size: int = 1,
+    on_text: Callable[[int, str], None] | None = None,
+) -> tuple[ArtifactRuntime, RunConfig, list[RunReport]]:
+    """Generate for every prompt; `on_text(prompt_index, confirmed_text)` streams the text as it settles."""
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
+    tok = load_tokenizer(rt)
+    config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
+    runner = Runner(rt, config)
+    reports: list[RunReport] = []
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        stream = None
+        if on_text is not None:
+
+            def stream(row: int, confirmed: list[int], first: int = i, cb: Callable = on_text) -> None:
+                cb(first + row, tok.decode(confirmed, skip_special_tokens=True))
+
+        gens = runner.generate([encode(tok, p, opts.raw) for p in batch], on_step=stream)
+        for p, g in zip(batch, gens, strict=True):
+            text = tok.decode(g.token_ids, skip_special_tokens=True)
+            reports.append(RunReport(p, text, g, rt.manifest.num_layers))
+    return rt, config, reports

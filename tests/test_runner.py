@@ -1,0 +1,257 @@
+"""The ONNX Runtime runner on tiny models: full depth == transformers generate, verify == full depth, defer ==
+a PyTorch simulation with exact KV, batch rows == rows alone, sampling deterministic, bad input rejected."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from eectl.cli import app
+from eectl.errors import ArtifactError, UsageError
+from eectl.exits import ExitHead, signals, topk_candidates
+from eectl.export import ExportOptions, export_artifact
+from eectl.models import load_model
+from eectl.runtime.generate import RunOptions, resolve_config
+from eectl.runtime.runner import RunConfig, Runner
+from eectl.runtime.sessions import ArtifactRuntime, cuda_usable, resolve_provider
+
+EXITS = [2, 4]
+K = 8
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("run-artifacts")
+    out = {}
+    for fam, folder in tiny_dirs.items():
+        loaded = load_model(str(folder))
+        export_artifact(loaded, root / fam, ExportOptions(exits=EXITS, top_k=K))
+        out[fam] = (loaded, ArtifactRuntime(root / fam, provider="cpu"))
+    return out
+
+
+def _prompt(seed: int, n: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def _runner(rt, policy="defer", thresholds=None, exits=EXITS, new=24, **kw) -> Runner:
+    thr = {e: {"prob": t} for e, t in (thresholds or {}).items()}
+    return Runner(rt, RunConfig(exits=exits, thresholds=thr, policy=policy, top_k=K, max_new_tokens=new, **kw))
+
+
+def test_full_depth_equals_transformers_generate(artifacts, family):
+    loaded, rt = artifacts[family]
+    prompt = _prompt(1, 11, loaded.adapter.dims.vocab_size)
+    with torch.no_grad():
+        ref = loaded.model.generate(
+            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    gen = _runner(rt, exits=[], new=24).generate([prompt])[0]
+    assert gen.token_ids == ref
+    assert gen.exit_layers == [6] * 24 and gen.mean_layers(6) == 6.0
+
+
+def _torch_simulation(loaded, prompt, new, thresholds, probs=None):
+    """Sequential topk-prob exits decided on states computed with the exact (full-model) KV of every position.
+
+    `probs`, when given, collects each exit's top-1 local probability per decode step.
+    """
+    adapter = loaded.adapter
+    heads = {e: ExitHead(adapter) for e in [*EXITS, 6]}
+    tokens = list(prompt)
+    layers = []
+    with torch.no_grad():
+        for step in range(new):
+            states = {}
+            ids = torch.tensor([tokens])
+            adapter.forward_layers(
+                adapter.embed(ids),
+                torch.arange(len(tokens))[None],
+                0,
+                6,
+                on_layer=lambda i, a, b, states=states: states.__setitem__(i + 1, b[0, -1:]),
+            )
+            token, layer = None, 6
+            if step > 0:  # the first token comes from the prefill, at full depth
+                full = heads[EXITS[0]].full(states[EXITS[0]])
+                cand = topk_candidates(full, K)
+                for e in EXITS:
+                    local = full.gather(-1, cand) if e == EXITS[0] else heads[e].local(states[e], cand)
+                    s = signals(local, cand)
+                    if probs is not None:
+                        probs.setdefault(e, []).append(float(s.prob[0]))
+                    if float(s.prob[0]) >= thresholds[e]:
+                        token, layer = int(s.token[0]), e
+                        break
+            if token is None:
+                token = int(heads[6].full(states[6]).argmax(-1)[0])
+            tokens.append(token)
+            layers.append(layer)
+    return tokens[len(prompt) :], layers
+
+
+def _median_thresholds(loaded, prompt, new=20):
+    """Thresholds that make some tokens exit and others not: 80th percentile of each exit's probability."""
+    probs: dict[int, list[float]] = {}
+    _torch_simulation(loaded, prompt, new, {e: 2.0 for e in EXITS}, probs)
+    return {e: float(torch.tensor(p).quantile(0.8)) for e, p in probs.items()}
+
+
+def _mixed(layers: list[int]) -> bool:
+    return any(x < 6 for x in layers[1:]) and any(x == 6 for x in layers[1:])
+
+
+def test_defer_equals_exact_kv_simulation(artifacts, family):
+    loaded, rt = artifacts[family]
+    prompt = _prompt(2, 9, loaded.adapter.dims.vocab_size)
+    thresholds = _median_thresholds(loaded, prompt)
+    gen = _runner(rt, "defer", thresholds, new=20).generate([prompt])[0]
+    ref_tokens, ref_layers = _torch_simulation(loaded, prompt, 20, thresholds)
+    assert _mixed(ref_layers), ref_layers  # some tokens exit early and some do not: deferred KV is exercised
+    assert gen.token_ids == ref_tokens
+    assert gen.exit_layers == ref_layers
+
+
+def test_some_tokens_exit_early(artifacts):
+    loaded, rt = artifacts["llama"]
+    prompt = _prompt(2, 9, loaded.adapter.dims.vocab_size)
+    gen = _runner(rt, "defer", {2: 0.0, 4: 0.0}, new=10).generate([prompt])[0]
+    assert gen.exit_layers == [6] + [2] * 9  # threshold 0: every decode token takes the first exit
+
+
+def test_verify_equals_full_depth(artifacts, family):
+    loaded, rt = artifacts[family]
+    prompt = _prompt(3, 10, loaded.adapter.dims.vocab_size)
+    full = _runner(rt, exits=[], new=30).generate([prompt])[0]
+    for thresholds in ({2: 0.0, 4: 0.0}, _median_thresholds(loaded, prompt, 30)):
+        gen = _runner(rt, "verify", thresholds, new=30).generate([prompt])[0]
+        assert gen.token_ids == full.token_ids, thresholds
+        assert gen.drafted > 0 and gen.rejected_drafts > 0  # drafts were proposed, and some were wrong
+
+
+def test_copy_fills_every_layer_and_matches_exit_lens_at_one_exit(artifacts, family):
+    """With one always-taken exit, earlier layers' KV are exact, so tokens follow the logit lens at that exit."""
+    loaded, rt = artifacts[family]
+    prompt = _prompt(4, 8, loaded.adapter.dims.vocab_size)
+    gen = _runner(rt, "copy", {4: 0.0}, exits=[4], new=12).generate([prompt])[0]
+    defer = _runner(rt, "defer", {4: 0.0}, exits=[4], new=12).generate([prompt])[0]
+    assert gen.token_ids == defer.token_ids and gen.exit_layers == [6] + [4] * 11
+
+
+def test_batch_rows_equal_rows_alone(artifacts):
+    loaded, rt = artifacts["qwen3"]
+    v = loaded.adapter.dims.vocab_size
+    prompts = [_prompt(5, 7, v), _prompt(6, 12, v), _prompt(7, 3, v)]
+    thresholds = _median_thresholds(loaded, prompts[0], 15)
+    for policy in ("copy", "defer", "verify"):
+        batch = _runner(rt, policy, thresholds, new=15).generate(prompts)
+        alone = [_runner(rt, policy, thresholds, new=15).generate([p])[0] for p in prompts]
+        assert any(_mixed(g.exit_layers) for g in batch), policy
+        assert [g.token_ids for g in batch] == [g.token_ids for g in alone], policy
+        assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone], policy
+
+
+def test_sampling_is_deterministic_for_a_seed(artifacts):
+    loaded, rt = artifacts["mistral"]
+    prompt = _prompt(8, 6, loaded.adapter.dims.vocab_size)
+
+    thresholds = _median_thresholds(loaded, prompt)
+
+    def sample(seed):
+        return _runner(rt, "defer", thresholds, new=20, temperature=1.5, top_p=0.95, seed=seed).generate([prompt])[0]
+
+    a, b, c = sample(1), sample(1), sample(2)
+    assert a.token_ids == b.token_ids and a.exit_layers == b.exit_layers
+    assert a.token_ids != c.token_ids
+
+
+def test_bad_run_input(artifacts, tmp_path):
+    loaded, rt = artifacts["llama"]
+    with pytest.raises(UsageError, match="not in the artifact"):
+        _runner(rt, exits=[3], thresholds={3: 0.5})
+    with pytest.raises(UsageError, match="maximum context"):
+        _runner(rt, exits=[], new=10).generate([[5] * 510])
+    with pytest.raises(UsageError, match="no prob threshold"):
+        Runner(rt, RunConfig(exits=[2], thresholds={}, top_k=K))
+    with pytest.raises(UsageError, match="no calibrated thresholds"):
+        resolve_config(rt, RunOptions(exits="2"), ())
+    cfg = resolve_config(rt, RunOptions(exits="2,4", thresholds="2:0.9,4:0.8", threshold_scale=0.5), ())
+    assert cfg.thresholds == {2: {"prob": 0.45}, 4: {"prob": 0.4}}
+    assert resolve_config(rt, RunOptions(exits="none"), ()).exits == []
+    with pytest.raises(UsageError, match="verify policy is greedy"):
+        _runner(rt, "verify", {2: 0.5, 4: 0.5}, temperature=1.0)
+
+
+def test_provider_resolution_without_a_gpu():
+    if cuda_usable():
+        pytest.skip("this machine has CUDA")
+    assert resolve_provider("auto", "fp16") == "cpu" and resolve_provider("auto", "fp32") == "cpu"
+    with pytest.raises(UsageError, match="CUDA"):
+        resolve_provider("cuda", "fp16")
+    with pytest.raises(UsageError):
+        resolve_provider("tpu", "fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDAExecutionProvider")
+def test_cuda_fp16_full_depth_matches_cpu(tiny_dirs, tmp_path):
+    loaded = load_model(str(tiny_dirs["llama"]))
+    export_artifact(loaded, tmp_path / "a", ExportOptions(exits=[3], dtype="fp16"))
+    prompt = _prompt(9, 8, loaded.adapter.dims.vocab_size)
+    cpu = _runner(ArtifactRuntime(tmp_path / "a", provider="cpu"), exits=[], new=8).generate([prompt])[0]
+    gpu = _runner(ArtifactRuntime(tmp_path / "a", provider="cuda"), exits=[], new=8).generate([prompt])[0]
+    assert gpu.token_ids == cpu.token_ids
+
+
+def test_cli_run_json_and_errors(artifacts, tmp_path):
+    _, rt = artifacts["gemma3_text"]
+    runner = CliRunner()
+    args = ["run", str(rt.folder), "12 clips", "--raw", "--max-new-tokens", "6", "--json"]
+    res = runner.invoke(app, [*args, "--exits", "none"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    r = doc["results"][0]
+    assert len(r["token_ids"]) == 6 and r["exit_layers"] == [6] * 6 and r["mean_executed_layers"] == 6.0
+    assert doc["provider"] == "cpu" and r["tokens_per_s"] > 0
+    res = runner.invoke(app, [*args, "--exits", "2", "--thresholds", "0.0", "--policy", "copy"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["results"][0]["exit_layers"][1:] == [2] * 5
+    res = runner.invoke(app, [*args, "--exits", "3", "--thresholds", "0.5"])
+    assert res.exit_code == 2 and "not in the artifact" in res.stderr
+    res = runner.invoke(app, ["run", str(tmp_path / "missing"), "hi"])
+    assert res.exit_code == 5 and "artifact not found" in res.stderr
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a b"}\n{"question": "c"}\n')
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            str(rt.folder),
+            "--prompt-file",
+            str(prompts),
+            "--raw",
+            "--json",
+            "--max-new-tokens",
+            "3",
+            "--exits",
+            "none",
+            "--batch-size",
+            "2",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert [len(x["token_ids"]) for x in json.loads(res.stdout)["results"]] == [3, 3]
+
+
+def test_edited_artifact_is_rejected(artifacts, tmp_path):
+    import shutil
+
+    _, rt = artifacts["llama"]
+    copy = tmp_path / "a"
+    shutil.copytree(rt.folder, copy)
+    (copy / "weights" / "lm_head.npy").write_bytes(b"x")
+    with pytest.raises(ArtifactError, match="changed since export"):
+        ArtifactRuntime(copy, provider="cpu")
