@@ -303,9 +303,129 @@ def _print_calibration(out: Output, result: object, path: Path) -> None:
 
 
 @command("train-heads")
-def train_heads(model: ModelArg = None, recipe: RecipeOpt = None, json_out: JsonOpt = False) -> None:
-    """Light exit heads trained against the frozen model's own final layer (not built yet)."""
-    _not_built("train-heads", "eectl train-heads: light exit heads")
+def train_heads(
+    model: ModelArg = None,
+    data: Annotated[str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).")] = None,
+    field: Annotated[str | None, typer.Option(help="The .jsonl field to read (detected by default).")] = None,
+    exits: Annotated[str | None, typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimiser steps (default: the recipe's, 500).")] = None,
+    design: Annotated[str | None, typer.Option(help="residual-linear, low-rank or mlp.")] = None,
+    rank: Annotated[int | None, typer.Option(help="Rank of low-rank heads (64) or width of mlp heads (H/2).")] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate (AdamW; warm-up, cosine decay).")] = None,
+    batch_tokens: Annotated[int, typer.Option(help="Tokens per step (per process).")] = 32,
+    ce_weight: Annotated[float, typer.Option(help="Weight of next-token cross-entropy added to the KL.")] = 0.0,
+    eval_tokens: Annotated[int, typer.Option(help="Held-out tokens (the data's last records) for the report.")] = 4096,
+    seed: Annotated[int, typer.Option(help="Seed of head initialisation and data order.")] = 0,
+    save_every: Annotated[int, typer.Option(help="Write the checkpoint (<out>.ckpt) every N steps.")] = 100,
+    resume: Annotated[Path | None, typer.Option(help="Continue from this checkpoint (<out>.ckpt).")] = None,
+    device: Annotated[str, typer.Option(help="cpu, or cuda (mixed precision).")] = "cpu",
+    out_path: Annotated[
+        Path | None, typer.Option("--out", help="heads .safetensors (default artifacts/<model>-heads.safetensors).")
+    ] = None,
+    recipe: RecipeOpt = None,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Light exit heads trained against the frozen model's own final layer (KL), reported before and after."""
+    from eectl.data import load_text_data
+    from eectl.heads import TrainConfig, resolve_device
+    from eectl.heads import train_heads as train
+    from eectl.models import load_model
+
+    out = Output(json_out)
+    r = load_recipe(recipe)
+    config = TrainConfig(
+        exits=_parse_exits(exits, r.exits or None) or [],
+        design=pick(design, r.heads.design),
+        rank=pick(rank, r.heads.rank),
+        steps=pick(steps, r.heads.steps),
+        lr=pick(lr, r.heads.lr),
+        batch_tokens=batch_tokens,
+        seed=seed,
+        ce_weight=ce_weight,
+        eval_tokens=eval_tokens,
+        save_every=save_every,
+        device=device,
+        top_k=r.top_k,
+        target=r.target,
+    )
+    given_exits = bool(config.exits)
+    if not given_exits:
+        config.exits = [1]  # placeholder so the other options are checked before the model loads
+    config.check()
+    if out_path is not None and out_path.suffix != ".safetensors":
+        raise UsageError(f"--out must name a .safetensors file, got {out_path}")
+    if resume is not None and not resume.is_file():
+        raise UsageError(f"checkpoint not found: {resume}")
+    resolve_device(device)
+    n_threads = _threads(threads, r)
+    text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
+    out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
+    loaded = load_model(pick(model, r.model), log=out)
+    if not given_exits:
+        config.exits = default_exits(loaded.adapter.num_layers)
+    config.check(loaded.adapter.num_layers)
+    path = out_path or Path("artifacts") / f"{loaded.source.name}-heads.safetensors"
+    out.log(
+        f"training {config.design} heads at exits {sorted(config.exits)} for {config.steps} steps of "
+        f"{config.batch_tokens} tokens of {text.name}, {device}, {n_threads} threads"
+    )
+    with out.progress("train-heads", total=config.steps) as bar:
+        shown = [0]  # a resumed run starts the bar at its checkpoint's step
+
+        def on_step(step: int, kl: dict[int, float]) -> None:
+            bar.advance(step - shown[0], info="KL " + " ".join(f"{layer}:{v:.2f}" for layer, v in kl.items()))
+            shown[0] = step
+
+        result = train(loaded, text, config, path, resume, on_step=on_step, log=out.log)
+    if not result.main:
+        return
+    out.json(result.to_dict())
+    _print_heads(out, result)
+
+
+def _print_heads(out: Output, result: object) -> None:
+    from eectl.heads import TrainResult, iter_report
+
+    assert isinstance(result, TrainResult)
+    meta = result.meta
+    rows = [
+        (
+            b["layer"],
+            f"{b['agreement']:.3f} -> {a['agreement']:.3f}",
+            f"{b['kl']:.3f} -> {a['kl']:.3f}",
+            f"{b['coverage_full']:.1%} -> {a['coverage_full']:.1%}",
+            f"{b['coverage_topk']:.1%} -> {a['coverage_topk']:.1%}",
+        )
+        for b, a in iter_report(meta)
+    ]
+    rep, t = meta["report"], meta["training"]
+    out.table(
+        f"{meta['base_model']['name']}: {meta['design']} heads, {rep['tokens']} held-out tokens, before -> after",
+        [
+            "exit",
+            "top-1 agree",
+            "KL(final||exit)",
+            f"coverage @{rep['target_precision']} (full)",
+            f"coverage @{rep['target_precision']} (top-{rep['top_k']})",
+        ],
+        rows,
+    )
+    L = meta["dimensions"]["num_layers"]
+    for name in ("before", "after"):
+        s = rep[name]
+        out.line(
+            f"{name}: oracle exit mean layers {s['oracle_mean_layers']:.2f} of {L}; exits at the thresholds above "
+            f"(full-vocab, in-sample): mean layers {s['sequential_mean_layers']:.2f}, "
+            f"agreement {s['sequential_agreement']:.4f}"
+        )
+    cost = meta["head_cost"]
+    out.line(
+        f"{t['steps']} steps x {t['batch_tokens']} tokens ({meta['data']['epochs']} epochs of "
+        f"{meta['data']['train_tokens']} tokens), {t['precision']} on {t['device']}; {cost['params']} params per "
+        f"head; {t['wall_s']:.1f}s ({t['train_s']:.1f}s training) on {t['threads']} threads"
+    )
+    out.line(f"written: {result.out} and {result.sidecar}; checkpoint {result.checkpoint}")
 
 
 def _parse_exits(text: str | None, default: list[int] | None) -> list[int] | None:
@@ -378,9 +498,95 @@ def export(
 
 
 @command()
-def run(artifact: Annotated[str | None, typer.Argument()] = None, json_out: JsonOpt = False) -> None:
-    """Generate with ONNX Runtime, choosing exits at run time (not built yet)."""
-    _not_built("run", "eectl run: ONNX Runtime runner")
+def run(
+    artifact: Annotated[str, typer.Argument(help="Artifact folder from eectl export.")],
+    prompt: Annotated[str | None, typer.Argument(help="The prompt (or use --prompt-file).")] = None,
+    prompt_file: Annotated[
+        Path | None, typer.Option(help=".jsonl (prompt/question/text) or one prompt per line.")
+    ] = None,
+    exits: Annotated[str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.")] = None,
+    policy: Annotated[str, typer.Option(help="KV of skipped layers: copy, defer or verify (lossless).")] = "defer",
+    thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
+    threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
+    signal: Annotated[
+        str | None, typer.Option(help="Exit signal (default: the calibration's, else topk-prob).")
+    ] = None,
+    top_k: Annotated[
+        int | None, typer.Option("--top-k", help="Local vocabulary size (default: the manifest's).")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Prompts per batch (each row decides its own exits).")] = 1,
+    provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
+    raw: Annotated[bool, typer.Option(help="Send the prompt as is (no chat template).")] = False,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Generate with ONNX Runtime, choosing exits at run time and keeping the skipped layers' KV correct."""
+    from eectl.runtime.generate import RunOptions, read_prompts, run_prompts
+
+    out = Output(json_out)
+    if (prompt is None) == (prompt_file is None):
+        raise UsageError("give one prompt argument or --prompt-file")
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    n_threads = _threads(threads, load_recipe(None))
+    prompts = [prompt] if prompt is not None else read_prompts(str(prompt_file))
+    opts = RunOptions(
+        exits=exits,
+        policy=policy,
+        thresholds=thresholds,
+        threshold_scale=threshold_scale,
+        signal=signal,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        raw=raw,
+        provider=provider,
+        threads=n_threads,
+    )
+    shown: dict[int, int] = {}
+
+    def stream(index: int, text: str) -> None:
+        if out.json_mode or batch_size > 1:
+            return
+        if index not in shown:
+            shown[index] = 0
+            if len(prompts) > 1:
+                out.out.print(f"\n[bold]> {prompts[index]}[/bold]")
+        out.out.print(text[shown[index] :], end="", markup=False, highlight=False)
+        shown[index] = len(text)
+
+    rt, config, reports = run_prompts(artifact, prompts, opts, batch_size, on_text=stream)
+    L = rt.manifest.num_layers
+    out.json(
+        {
+            "artifact": str(artifact),
+            "provider": rt.provider,
+            "threads": rt.threads,
+            "policy": config.policy,
+            "signal": config.signal,
+            "exits": config.exits,
+            "thresholds": {str(k): v for k, v in config.thresholds.items()},
+            "results": [r.to_dict() for r in reports],
+        }
+    )
+    if not out.json_mode:
+        if batch_size > 1:
+            for r in reports:
+                out.out.print(f"\n[bold]> {r.prompt}[/bold]\n{r.text}", highlight=False)
+        out.line("")
+        for r in reports:
+            g = r.generation
+            out.log(
+                f"{len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s, first token {g.ttft_s * 1000:.0f} ms, "
+                f"mean executed layers {g.mean_layers(L):.1f}/{L} ({config.policy}, exits {config.exits or 'none'}, "
+                f"{rt.provider}, {rt.threads} threads)"
+            )
 
 
 @command()
