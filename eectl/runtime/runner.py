@@ -68,6 +68,8 @@ class RowState:
     drafts: list[tuple[int, int]] = field(default_factory=list)  # verify: (position, token) not yet checked
     exit_layers: list[int] = field(default_factory=list)  # per emitted token: the layer it was decided at
     latencies: list[float] = field(default_factory=list)  # per emitted token (seconds)
+    forced: list[int] | None = None  # teacher forcing: the tokens to feed instead of the decided ones
+    nll: list[float] = field(default_factory=list)  # teacher forcing: -log p(forced token) at the decided layer
     decide_s: float = 0.0
     drafted: int = 0
     rejected: int = 0
@@ -193,6 +195,8 @@ class Runner:
                         return corrected
                 logits, _, _ = self.rt.exit_full(self.L, out[0, -1:], self.cfg.top_k)
                 st.exit_layers.append(self.L)
+                if st.forced is not None:
+                    return self._forced(st, logits[0])
                 return self._pick(logits[0])
             layer = self.exit_after_segment.get(s)
             if layer is not None and may_exit:
@@ -202,12 +206,38 @@ class Runner:
                 if token is not None:
                     self._skip(row, st, kv, s, out)
                     st.exit_layers.append(layer)
+                    if st.forced is not None:
+                        logits, _, _ = self.rt.exit_full(layer, out[0, -1:], self.cfg.top_k)
+                        return self._forced(st, logits[0])
                     if self.cfg.policy == "verify":
                         st.drafts.append((len(st.tokens), token))
                         st.drafted += 1
                     return token
             h = out
         raise AssertionError("unreachable: the final segment returns")
+
+    @staticmethod
+    def _forced(st: RowState, logits: np.ndarray) -> int:
+        assert st.forced is not None
+        token = st.forced[len(st.tokens)]
+        z = logits.astype(np.float64)
+        st.nll.append(float(np.logaddexp.reduce(z) - z[token]))
+        return token
+
+    def score(self, ids: list[int], prompt_len: int = 1) -> tuple[list[float], list[int]]:
+        """Teacher-forced: feed `ids` token by token (after a prefill of prompt_len) with exits deciding as in
+        generation; returns -log p(next token) under the distribution of the layer each position was decided
+        at (its full vocabulary), and those layers. Verify is not scored (its output equals full depth)."""
+        if self.cfg.policy == "verify":
+            raise UsageError("teacher-forced scoring covers copy and defer (verify equals full depth)")
+        if not 1 <= prompt_len < len(ids) or len(ids) + 1 > self.m.max_positions:
+            raise UsageError("text too short or longer than the maximum context")
+        kv = self.rt.new_kv(1, len(ids) + 1)
+        st = RowState(list(ids[:prompt_len]), prompt_len, [None] * len(self.m.segments), forced=list(ids))
+        st.tokens.append(self._step(0, st, kv, st.tokens))
+        while len(st.tokens) < len(ids):
+            st.tokens.append(self._step(0, st, kv, [st.tokens[-1]]))
+        return st.nll, st.exit_layers
 
     def _skip(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray) -> None:
         """The token exited after segment s: give the skipped segments their K/V per the policy."""

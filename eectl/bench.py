@@ -1,0 +1,494 @@
+"""`eectl bench`: speed and fidelity of early exit against full depth, side by side, in one run.
+
+Every speed figure is a ratio against baselines measured in the same run, with the configurations interleaved
+(A B C A B C ...) after a warm-up, because absolute times on shared machines drift:
+
+- `hf`:   transformers' own greedy `generate` on the same prompt ids and thread count (torch),
+- `full`: eectl's exported graphs at full depth (ONNX Runtime),
+- `copy`, `defer`, `verify`: early exit with the artifact's calibrated thresholds (or --thresholds).
+
+Fidelity is measured against eectl full depth on the same prompts (token agreement, exact match, first
+divergence), teacher-forced perplexity on held-out text, and GSM8K final-answer accuracy when the data has
+`#### answer` lines. What this module does not do: export or calibrate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eectl.errors import UsageError
+from eectl.runtime.generate import RunOptions, encode, load_tokenizer, resolve_config
+from eectl.runtime.runner import POLICIES, Generation, Runner
+from eectl.runtime.sessions import ArtifactRuntime
+
+CONFIGS = ("hf", "full", *POLICIES)
+
+
+@dataclass
+class BenchOptions:
+    configs: list[str] = field(default_factory=lambda: ["hf", "full", "copy", "defer", "verify"])
+    prompts: int = 10
+    max_new_tokens: int = 64
+    reps: int = 3
+    thresholds: str | None = None
+    threshold_scale: float = 1.0
+    sweep: list[float] = field(default_factory=lambda: [0.9, 1.0, 1.1])  # threshold scales for the trade-off plot
+    ppl_tokens: int = 1024
+    provider: str = "cpu"
+    threads: int | None = None
+    raw: bool = False
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    ms_per_token: float  # median over reps of (decode time / decoded tokens)
+    ms_per_token_spread: tuple[float, float]  # min, max over reps
+    tokens_per_s: float
+    ttft_ms: float  # median over prompts and reps
+    rss_mb: float  # process RSS after this configuration's runs (cumulative peak: see the notes)
+    speedup_vs_full: float | None = None
+    speedup_vs_hf: float | None = None
+    mean_layers: float | None = None
+    layer_bound: float | None = None  # L / mean executed layers
+    decide_share: float | None = None  # share of decode time spent computing exit signals
+    token_agreement: float | None = None  # vs eectl full depth, position-wise over generated tokens
+    exact_match: float | None = None
+    first_divergence: float | None = None  # mean index of the first differing token (len when none)
+    perplexity: float | None = None
+    gsm8k_accuracy: float | None = None
+    exit_histogram: dict[str, int] = field(default_factory=dict)
+    drafted: int = 0
+    rejected: int = 0
+
+
+@dataclass
+class BenchResult:
+    artifact: str
+    model: str
+    provider: str
+    threads: int
+    prompts: int
+    max_new_tokens: int
+    reps: int
+    signal: str
+    exits: list[int]
+    thresholds: dict[str, dict[str, float]]
+    configs: list[ConfigResult]
+    sweep: list[dict[str, Any]]
+    hf_matches_full: bool | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _rss_mb() -> float:
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        import os
+
+        return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
+
+
+def final_number(text: str) -> str | None:
+    """The last number in a text (GSM8K-style answers), without thousands separators."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
+@dataclass
+class _Run:
+    latencies: list[float]  # decode latencies (first token excluded), seconds
+    ttfts: list[float]
+    generations: list[list[int]]
+    exit_layers: list[int]
+    decide_s: float
+    drafted: int = 0
+    rejected: int = 0
+
+
+class _HF:
+    """transformers' greedy generate with per-token timestamps (a streamer), on the same prompt ids."""
+
+    def __init__(self, spec: str | None, max_new_tokens: int) -> None:
+        from eectl.models import load_model
+
+        self.loaded = load_model(spec)
+        self.max_new_tokens = max_new_tokens
+
+    def run(self, prompt: list[int], stop: tuple[int, ...]) -> tuple[list[int], float, list[float]]:
+        import torch
+
+        times: list[float] = []
+
+        class Stamp:
+            def put(self, value: Any) -> None:
+                times.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.loaded.model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=self.max_new_tokens,
+                do_sample=False,
+                eos_token_id=list(stop) or None,
+                pad_token_id=stop[0] if stop else 0,
+                streamer=Stamp(),
+            )
+        new = out[0, len(prompt) :].tolist()
+        stamps = times[1:]  # the first put() is the prompt
+        ttft = stamps[0] - start if stamps else 0.0
+        lat = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        return new, ttft, lat
+
+
+def run_bench(
+    artifact: str | Path,
+    prompts: list[str],
+    opts: BenchOptions,
+    heldout: list[str] | None = None,
+    answers: list[str | None] | None = None,
+    log: Any = None,
+) -> BenchResult:
+    bad = [c for c in opts.configs if c not in CONFIGS]
+    if bad:
+        raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(CONFIGS)}")
+    if opts.reps < 1 or opts.prompts < 1 or opts.max_new_tokens < 1:
+        raise UsageError("--reps, --prompts and --max-new-tokens must be >= 1")
+    if not prompts:
+        raise UsageError("no prompts to benchmark")
+    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
+    m = rt.manifest
+    L = m.num_layers
+    tok = load_tokenizer(rt)
+    stop = tuple(m.eos_token_ids)
+    ids = [encode(tok, p, opts.raw) for p in prompts[: opts.prompts]]
+    early = [c for c in opts.configs if c in POLICIES]
+    runners: dict[str, Runner] = {}
+    base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
+    runners["full"] = Runner(rt, resolve_config(rt, base, stop))
+    cfg_exits: list[int] = []
+    thresholds: dict[int, dict[str, float]] = {}
+    signal = ""
+    for policy in early:
+        ro = RunOptions(
+            policy=policy,
+            thresholds=opts.thresholds,
+            threshold_scale=opts.threshold_scale,
+            max_new_tokens=opts.max_new_tokens,
+            provider=opts.provider,
+        )
+        cfg = resolve_config(rt, ro, stop)
+        runners[policy] = Runner(rt, cfg)
+        cfg_exits, thresholds, signal = cfg.exits, cfg.thresholds, cfg.signal
+    hf = (
+        _HF(m.model.get("spec") if m.model.get("kind") != "default" else None, opts.max_new_tokens)
+        if ("hf" in opts.configs)
+        else None
+    )
+
+    def once(name: str, prompt_ids: list[list[int]]) -> _Run:
+        run = _Run([], [], [], [], 0.0)
+        for p in prompt_ids:
+            if name == "hf":
+                assert hf is not None
+                new, ttft, lat = hf.run(p, stop)
+                run.generations.append(new)
+                run.ttfts.append(ttft)
+                run.latencies.extend(lat)
+                continue
+            g: Generation = runners[name].generate([p])[0]
+            run.generations.append(g.token_ids)
+            run.ttfts.append(g.ttft_s)
+            run.latencies.extend(g.latencies_s[1:])
+            run.exit_layers.extend(g.exit_layers[1:])
+            run.decide_s += g.decide_s
+            run.drafted += g.drafted
+            run.rejected += g.rejected_drafts
+        return run
+
+    order = ["full", *[c for c in opts.configs if c != "full"]]
+    if log is not None:
+        log.log(f"warm-up, then {opts.reps} interleaved repetitions of {', '.join(order)} over {len(ids)} prompts")
+    for name in order:  # warm-up: one prompt each
+        once(name, ids[:1])
+    runs: dict[str, list[_Run]] = {n: [] for n in order}
+    rss: dict[str, float] = {}
+    for rep in range(opts.reps):
+        for name in order:
+            runs[name].append(once(name, ids))
+            rss[name] = _rss_mb()
+            if log is not None:
+                last = runs[name][-1]
+                log.log(
+                    f"  rep {rep + 1} {name}: {1000 * sum(last.latencies) / max(1, len(last.latencies)):.1f} ms/token"
+                )
+    full_tokens = runs["full"][0].generations
+    results: list[ConfigResult] = []
+    for name in order:
+        reps = runs[name]
+        per_rep = [1000 * sum(r.latencies) / max(1, len(r.latencies)) for r in reps]
+        res = ConfigResult(
+            name=name,
+            ms_per_token=statistics.median(per_rep),
+            ms_per_token_spread=(min(per_rep), max(per_rep)),
+            tokens_per_s=1000 / statistics.median(per_rep) if statistics.median(per_rep) > 0 else 0.0,
+            ttft_ms=1000 * statistics.median([t for r in reps for t in r.ttfts]),
+            rss_mb=round(rss[name], 1),
+        )
+        if name != "hf":
+            layers = reps[0].exit_layers
+            res.mean_layers = float(np.mean(layers)) if layers else float(L)
+            res.layer_bound = L / res.mean_layers
+            res.exit_histogram = {str(k): int(v) for k, v in sorted(_hist(layers).items())}
+            decode = sum(sum(r.latencies) for r in reps)
+            res.decide_share = sum(r.decide_s for r in reps) / decode if decode > 0 else 0.0
+            res.drafted = reps[0].drafted
+            res.rejected = reps[0].rejected
+        agree = _agreement(reps[0].generations, full_tokens)
+        res.token_agreement, res.exact_match, res.first_divergence = agree
+        if answers and any(a is not None for a in answers):
+            res.gsm8k_accuracy = _accuracy(tok, reps[0].generations, answers[: len(ids)])
+        results.append(res)
+    by = {r.name: r for r in results}
+    for r in results:
+        r.speedup_vs_full = by["full"].ms_per_token / r.ms_per_token if r.ms_per_token else None
+        if "hf" in by:
+            r.speedup_vs_hf = by["hf"].ms_per_token / r.ms_per_token if r.ms_per_token else None
+    if heldout:
+        text_ids = _heldout_ids(tok, heldout, opts.ppl_tokens, m.max_positions)
+        if log is not None:
+            log.log(f"teacher-forced perplexity on {len(text_ids)} held-out tokens")
+        for r in results:
+            if r.name in ("full", "copy", "defer"):
+                nll, _ = runners[r.name].score(text_ids, prompt_len=1)
+                r.perplexity = math.exp(float(np.mean(nll)))
+        if "verify" in by:
+            by["verify"].perplexity = by["full"].perplexity  # verify's output is full depth by construction
+    sweep: list[dict[str, Any]] = []
+    if early and opts.sweep:
+        policy = "defer" if "defer" in early else early[0]
+        for scale in opts.sweep:
+            ro = RunOptions(
+                policy=policy,
+                thresholds=opts.thresholds,
+                threshold_scale=opts.threshold_scale * scale,
+                max_new_tokens=opts.max_new_tokens,
+                provider=opts.provider,
+            )
+            runner = Runner(rt, resolve_config(rt, ro, stop))
+            full_run = once("full", ids)
+            t0 = sum(full_run.latencies) / max(1, len(full_run.latencies))
+            runners["_sweep"] = runner
+            sr = once("_sweep", ids)
+            t = sum(sr.latencies) / max(1, len(sr.latencies))
+            agreement, exact, _ = _agreement(sr.generations, full_tokens)
+            sweep.append(
+                {
+                    "scale": scale,
+                    "policy": policy,
+                    "speedup": t0 / t if t else 0.0,
+                    "token_agreement": agreement or 0.0,
+                    "exact_match": exact or 0.0,
+                    "mean_layers": float(np.mean(sr.exit_layers)) if sr.exit_layers else float(L),
+                }
+            )
+    hf_matches = None
+    if "hf" in runs:
+        hf_matches = runs["hf"][0].generations == full_tokens
+    notes = [
+        f"{rt.threads} ONNX Runtime threads (one global pool); torch (hf) threads set to the same count",
+        "RSS is the process's resident memory after each configuration's runs; ORT and torch share the process",
+    ]
+    return BenchResult(
+        artifact=str(artifact),
+        model=str(m.model.get("name")),
+        provider=rt.provider,
+        threads=rt.threads,
+        prompts=len(ids),
+        max_new_tokens=opts.max_new_tokens,
+        reps=opts.reps,
+        signal=signal,
+        exits=cfg_exits,
+        thresholds={str(k): v for k, v in thresholds.items()},
+        configs=results,
+        sweep=sweep,
+        hf_matches_full=hf_matches,
+        notes=notes,
+    )
+
+
+def _hist(layers: list[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for x in layers:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def _agreement(gens: list[list[int]], ref: list[list[int]]) -> tuple[float, float, float]:
+    agree = total = exact = 0
+    firsts = []
+    for g, r in zip(gens, ref, strict=True):
+        n = max(len(g), len(r))
+        same = sum(1 for a, b in zip(g, r, strict=False) if a == b)
+        agree += same
+        total += n
+        exact += int(g == r)
+        firsts.append(next((i for i, (a, b) in enumerate(zip(g, r, strict=False)) if a != b), min(len(g), len(r))))
+    return (agree / total if total else 1.0), exact / len(ref), float(np.mean(firsts))
+
+
+def _accuracy(tok: Any, gens: list[list[int]], answers: list[str | None]) -> float | None:
+    scored = [(g, a) for g, a in zip(gens, answers, strict=False) if a is not None]
+    if not scored:
+        return None
+    hits = sum(final_number(tok.decode(g, skip_special_tokens=True)) == a for g, a in scored)
+    return hits / len(scored)
+
+
+def _heldout_ids(tok: Any, texts: list[str], n: int, max_positions: int) -> list[int]:
+    ids: list[int] = []
+    for t in texts:
+        ids.extend(tok(t, add_special_tokens=False)["input_ids"])
+        if len(ids) >= n:
+            break
+    return ids[: min(n, max_positions - 2)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(result: BenchResult, plots: dict[str, str]) -> str:
+    r = result
+    lines = [
+        f"# eectl bench: {r.model}",
+        "",
+        f"Artifact `{r.artifact}`, provider {r.provider}, {r.threads} threads, {r.prompts} prompts x "
+        f"{r.max_new_tokens} new tokens, {r.reps} interleaved repetitions after a warm-up. Early exit: signal "
+        f"{r.signal or '-'}, exits {r.exits or '-'}. Speedups are ratios against baselines measured in this run.",
+        "",
+        "| config | ms/token (median, min-max) | tokens/s | TTFT ms | vs full | vs hf | mean layers | bound | "
+        "decide share | token agreement | exact match | first divergence | perplexity | GSM8K acc | RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in r.configs:
+        lines.append(
+            f"| {c.name} | {c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-{c.ms_per_token_spread[1]:.1f}) | "
+            f"{c.tokens_per_s:.1f} | {c.ttft_ms:.0f} | {_fmt(c.speedup_vs_full)}x | {_fmt(c.speedup_vs_hf)}x | "
+            f"{_fmt(c.mean_layers, '.1f')} | {_fmt(c.layer_bound)}x | {_fmt(c.decide_share, '.1%')} | "
+            f"{_fmt(c.token_agreement, '.1%')} | {_fmt(c.exact_match, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "
+            f"{_fmt(c.perplexity, '.2f')} | {_fmt(c.gsm8k_accuracy, '.0%')} | {c.rss_mb:.0f} |"
+        )
+    if r.hf_matches_full is not None:
+        lines += ["", f"transformers generate and eectl full depth produce identical tokens: {r.hf_matches_full}."]
+    if r.sweep:
+        lines += [
+            "",
+            "## Threshold scale sweep",
+            "",
+            "| scale | policy | speedup vs full | token agreement | exact match | mean layers |",
+            "|---|---|---|---|---|---|",
+        ]
+        for s in r.sweep:
+            lines.append(
+                f"| {s['scale']} | {s['policy']} | {s['speedup']:.2f}x | {s['token_agreement']:.1%} | "
+                f"{s['exact_match']:.0%} | {s['mean_layers']:.1f} |"
+            )
+    hist = [c for c in r.configs if c.exit_histogram and len(c.exit_histogram) > 1]
+    if hist:
+        lines += ["", "## Exit histograms (decode tokens, first repetition)", ""]
+        for c in hist:
+            lines.append(f"- {c.name}: " + ", ".join(f"layer {k}: {v}" for k, v in c.exit_histogram.items()))
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{k}]({v})" for k, v in plots.items()]
+    lines += ["", "Notes: " + "; ".join(r.notes) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result: BenchResult, path: str | Path) -> list[Path]:
+    """Write the markdown report, its PNG plots beside it, and a JSON twin; returns the files written."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    plots = _plots(result, p)
+    p.write_text(markdown(result, {k: v.name for k, v in plots.items()}))
+    js = p.with_suffix(".json")
+    js.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    return [p, js, *plots.values()]
+
+
+def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: dict[str, Path] = {}
+    stem = report.with_suffix("")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [c.name for c in result.configs]
+    vals = [c.ms_per_token for c in result.configs]
+    errs = [
+        [v - c.ms_per_token_spread[0] for v, c in zip(vals, result.configs, strict=True)],
+        [c.ms_per_token_spread[1] - v for v, c in zip(vals, result.configs, strict=True)],
+    ]
+    ax.bar(names, vals, yerr=errs, capsize=4)
+    ax.set_ylabel("ms / token (decode)")
+    ax.set_title(f"{result.model}: latency per configuration ({result.threads} threads)")
+    fig.tight_layout()
+    out["latency"] = stem.with_name(stem.name + "-latency.png")
+    fig.savefig(out["latency"], dpi=100)
+    plt.close(fig)
+    hist = [c for c in result.configs if c.exit_histogram]
+    if hist:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        width = 0.8 / len(hist)
+        for j, c in enumerate(hist):
+            xs = [int(k) for k in c.exit_histogram]
+            ax.bar([x + j * width for x in xs], list(c.exit_histogram.values()), width=width, label=c.name)
+        ax.set_xlabel("exit layer")
+        ax.set_ylabel("tokens")
+        ax.legend()
+        ax.set_title("exit-layer histogram")
+        fig.tight_layout()
+        out["exits"] = stem.with_name(stem.name + "-exits.png")
+        fig.savefig(out["exits"], dpi=100)
+        plt.close(fig)
+    if result.sweep:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot([s["speedup"] for s in result.sweep], [s["token_agreement"] for s in result.sweep], marker="o")
+        for s in result.sweep:
+            ax.annotate(f"x{s['scale']}", (s["speedup"], s["token_agreement"]))
+        ax.set_xlabel("speedup vs full depth")
+        ax.set_ylabel("token agreement with full depth")
+        ax.set_title("agreement vs speedup across threshold scales")
+        fig.tight_layout()
+        out["sweep"] = stem.with_name(stem.name + "-sweep.png")
+        fig.savefig(out["sweep"], dpi=100)
+        plt.close(fig)
+    return out
