@@ -590,9 +590,63 @@ def run(
 
 
 @command()
-def bench(artifact: Annotated[str | None, typer.Argument()] = None, json_out: JsonOpt = False) -> None:
-    """Speed and fidelity against full depth, side by side (not built yet)."""
-    _not_built("bench", "eectl bench: speed and fidelity side by side")
+def bench(
+    artifact: Annotated[str, typer.Argument(help="Artifact folder from eectl export.")],
+    data: Annotated[
+        str | None, typer.Option(help="Prompts: .jsonl (GSM8K question/answer...), text, or built-in.")
+    ] = None,
+    prompts: Annotated[int, typer.Option(help="Number of prompts.")] = 10,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 64,
+    policies: Annotated[
+        str, typer.Option(help="Configurations: hf, full, copy, defer, verify.")
+    ] = "hf,full,copy,defer,verify",
+    reps: Annotated[int, typer.Option(help="Interleaved repetitions after the warm-up.")] = 3,
+    thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
+    threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
+    sweep: Annotated[
+        str, typer.Option(help="Threshold scales for the agreement/speedup curve ('' for none).")
+    ] = "0.9,1.0,1.1",
+    ppl_tokens: Annotated[int, typer.Option(help="Held-out tokens for teacher-forced perplexity (0: skip).")] = 1024,
+    report: Annotated[Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).")] = None,
+    provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "cpu",
+    raw: Annotated[bool, typer.Option(help="No chat template.")] = False,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Speed and fidelity against full depth (and transformers generate), side by side, in one run."""
+    from eectl.bench import BenchOptions, markdown, run_bench, write_report
+    from eectl.data import load_text_data
+
+    out = Output(json_out)
+    n_threads = _threads(threads, load_recipe(None))
+    text = load_text_data(data)
+    try:
+        scales = [float(x) for x in sweep.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--sweep must be comma-separated numbers, got '{sweep}'") from None
+    n = min(prompts, len(text.prompts))
+    answers = [t.split("####")[-1].strip().replace(",", "") if "####" in t else None for t in text.texts[:n]]
+    heldout = text.texts[-max(1, len(text.texts) // 10) :] if ppl_tokens > 0 else None
+    opts = BenchOptions(
+        configs=[c.strip() for c in policies.split(",") if c.strip()],
+        prompts=n,
+        max_new_tokens=max_new_tokens,
+        reps=reps,
+        thresholds=thresholds,
+        threshold_scale=threshold_scale,
+        sweep=scales,
+        ppl_tokens=ppl_tokens,
+        provider=provider,
+        threads=n_threads,
+        raw=raw,
+    )
+    result = run_bench(artifact, text.prompts[:n], opts, heldout, answers, log=out)
+    files = write_report(result, report) if report is not None else []
+    out.json({**result.to_dict(), "report": [str(f) for f in files]})
+    if not out.json_mode:
+        out.out.print(markdown(result, {}), markup=False, highlight=False)
+        if files:
+            out.line(f"report: {files[0]} (plots and JSON beside it)")
 
 
 def main() -> None:
