@@ -24,10 +24,12 @@ Signals are computed by eectl.exits, the code export turns into the exit graphs 
     layer l); the token is the exit's full-vocabulary top-1.
   - with trained heads, each exit's head sits before the frozen final norm + LM head (`ExitHead(adapter, head)`).
 
-Tokens come from teacher-forced text (chunks, BOS first) and from the model's own greedy, full-depth continuations
-of the data's prompts (what the runner sees). The last `holdout` share of the chunks and of the prompts (each source
-apart) is held out: thresholds are fitted on the rest and replayed on it, so the report puts realized agreement
-next to the target.
+Tokens come from teacher-forced text (chunks, BOS first, as `eectl profile` reads it) and from the model's own
+greedy, full-depth continuations of the data's prompts, encoded as `eectl run` encodes them (the chat template unless
+`raw`): what the runner sees. The last `holdout` share of the chunks and of the prompts (each source apart) is held
+out: thresholds are fitted on the rest and replayed on it, so the report puts realized agreement next to the target.
+All hidden states are the full model's (every layer's KV exact); how far a KV policy moves them at run time is for
+`eectl bench` to measure.
 
 The guarantee is per threshold: the Clopper-Pearson bound treats the chosen threshold as if fixed in advance; the
 search over thresholds (and over exits, sequentially) is not corrected for. The held-out numbers are the check.
@@ -781,10 +783,8 @@ class Calibration(_Model):
         """Exit layer -> {criterion: threshold}, or None for an exit that never exits."""
         out: dict[int, dict[str, float] | None] = {}
         for x in self.exits:
-            thr = x.thresholds
-            out[x.layer] = (
-                None if any(v is None for v in thr.values()) else {c: float(v or 0.0) for c, v in thr.items()}
-            )
+            kept = {c: float(v) for c, v in x.thresholds.items() if v is not None}
+            out[x.layer] = kept if len(kept) == len(x.thresholds) else None
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -344,7 +344,10 @@ def test_calibration_json_round_trips_and_rejects_bad_files(calibration, tmp_pat
     assert [p.name for p in path.parent.iterdir()] == ["calibration.json"]  # no temp file left behind
     back = read_calibration(path)
     assert back == calibration and back.to_dict() == json.loads(path.read_text())
-    assert set(back.thresholds_by_layer()) == {2, 4}
+    by_layer = back.thresholds_by_layer()
+    assert set(by_layer) == {2, 4}
+    for x in back.exits:  # None for an exit that never exits, else every criterion's threshold
+        assert by_layer[x.layer] == (None if x.thresholds["prob"] is None else {"prob": x.thresholds["prob"]})
 
     raw = json.loads(path.read_text())
     for edit, text in [
