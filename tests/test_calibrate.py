@@ -114,13 +114,12 @@ def test_threshold_with_bound_is_the_lowest_qualifying_threshold():
     correct = torch.rand(400) < conf**0.1  # confident tokens are mostly right
     target, level = 0.9, 0.9
     got = threshold_with_bound(conf, correct, target, level)
-    # brute force over every distinct threshold
-    best = float("inf")
-    for t in conf.unique().tolist():
-        sel = conf >= t
-        k, n = int(correct[sel].sum()), int(sel.sum())
-        if float(clopper_pearson_lower(k, n, level)) >= target:
-            best = min(best, t)
+    # brute force over every distinct threshold (bounds computed in one vectorized call)
+    ts = conf.unique()
+    sel = conf[None, :] >= ts[:, None]  # [thresholds, tokens]
+    ks, ns = (sel & correct[None, :]).sum(1), sel.sum(1)
+    ok = clopper_pearson_lower(ks, ns, level) >= target
+    best = float(ts[ok].min()) if bool(ok.any()) else float("inf")
     assert math.isfinite(best) and got.threshold == pytest.approx(best)
     assert got.threshold > threshold_for_precision(conf, correct, target).threshold  # the bound costs coverage
     none = threshold_with_bound(conf[:10], correct[:10], target, level)  # 10 tokens cannot carry the bound
