@@ -149,7 +149,7 @@ def test_cli_maps_errors_to_one_line(tmp_path):
     for argv, code in (
         [["profile", str(tmp_path / "missing")], 3],
         [["profile", str(bad)], 3],
-        [["bench"], 6],
+        [["run", str(tmp_path / "no-artifact"), "hi"], 5],
         [["profile", "--alpha", "-1"], 2],
     ):
         p = subprocess.run(

@@ -48,3 +48,25 @@ def test_profile_default_model_on_gsm8k(smol):
     # and stays under 25% through layer 20. On 600 tokens allow a wide margin.
     assert agree[19] < 0.35 and agree[28] > 0.4
     assert 0.0 < res.eas < 0.4 and 0.0 < res.oracle_skip_ratio < 0.3
+
+
+def test_default_model_export_run_matches_transformers_generate(smol, tmp_path):
+    """Export (validated inside), then eectl full depth == transformers greedy generate, and verify == full."""
+    from eectl.export import ExportOptions, export_artifact
+    from eectl.runtime.generate import encode
+    from eectl.runtime.runner import RunConfig, Runner
+    from eectl.runtime.sessions import ArtifactRuntime
+
+    m = export_artifact(smol, tmp_path / "art", ExportOptions(exits=[15, 24]))
+    assert m.validation["passed"] and max(m.validation["max_abs_logit_diff"].values()) < 1e-3
+    rt = ArtifactRuntime(tmp_path / "art", provider="cpu")
+    prompt = encode(smol.tokenizer, "What is 12 * 7?", raw=False)
+    with torch.no_grad():
+        ref = smol.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :]
+    stop = tuple(m.eos_token_ids)
+    full = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=24, stop_ids=stop)).generate([prompt])[0]
+    assert full.token_ids == ref.tolist()
+    thr = {15: {"prob": 0.3}, 24: {"prob": 0.3}}
+    cfg = RunConfig(exits=[15, 24], thresholds=thr, policy="verify", max_new_tokens=24, stop_ids=stop)
+    verify = Runner(rt, cfg).generate([prompt])[0]
+    assert verify.token_ids == full.token_ids and verify.drafted > 0
