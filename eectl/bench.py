@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from eectl.data import encode_prompt
 from eectl.errors import UsageError
-from eectl.runtime.generate import RunOptions, encode, load_tokenizer, resolve_config
+from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
 from eectl.runtime.runner import POLICIES, Generation, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 
@@ -182,7 +183,7 @@ def run_bench(
     L = m.num_layers
     tok = load_tokenizer(rt)
     stop = tuple(m.eos_token_ids)
-    ids = [encode(tok, p, opts.raw) for p in prompts[: opts.prompts]]
+    ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
     early = [c for c in opts.configs if c in POLICIES]
     runners: dict[str, Runner] = {}
     base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)

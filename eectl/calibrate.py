@@ -54,8 +54,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from torch import nn
 
 from eectl import __version__
+from eectl.data import encode_prompt
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits import (
+    CRITERIA,
     DEFAULT_TOP_K,
     SIGNALS,
     ExitHead,
@@ -70,14 +72,6 @@ from eectl.models.adapters import Adapter, KVCache
 
 SCHEMA_VERSION = 1
 # What each signal tests: exit when every named value is >= its threshold.
-CRITERIA: dict[str, tuple[str, ...]] = {
-    "topk-prob": ("prob",),
-    "topk-margin": ("margin",),
-    "topk-prob+margin": ("prob", "margin"),
-    "full-prob": ("prob",),
-    "full-margin": ("margin",),
-    "cosine": ("cosine",),
-}
 SOURCES = ("teacher-forced", "generated")
 MARGIN_GRID = 32  # margin thresholds tried for "+margin" signals (0 and 31 quantiles)
 
@@ -835,17 +829,6 @@ def read_calibration(path: str | Path) -> Calibration:
 # ---------------------------------------------------------------------------------------------------------------
 # The stage
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def encode_prompt(tokenizer: Any, prompt: str, raw: bool = False) -> list[int]:
-    """A prompt as the runner feeds it (`eectl run`): the tokenizer's chat template with a generation prompt when it
-    has one and `raw` is False, else the text with the tokenizer's own special tokens."""
-    if not raw and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
 
 
 def prompt_ids(tokenizer: Any, prompts: Sequence[str], max_len: int, raw: bool = False) -> list[list[int]]:

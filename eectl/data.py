@@ -10,6 +10,7 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -134,3 +135,14 @@ def token_chunks(tokenizer: object, data: TextData, n_tokens: int, chunk_len: in
             hint="lower --tokens or pass more data",
         )
     return chunks
+
+
+def encode_prompt(tokenizer: Any, prompt: str, raw: bool = False) -> list[int]:
+    """A prompt as the runner feeds it (`eectl run`, and calibrate's generated tokens): the tokenizer's chat template
+    with a generation prompt when it has one and `raw` is False, else the text with the tokenizer's special tokens."""
+    if not raw and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]

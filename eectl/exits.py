@@ -25,7 +25,16 @@ from eectl.models.adapters import Adapter
 
 # Signals an exit can be judged by. "topk-*" use the local vocabulary; "full-*" the full one (costly: a full
 # LM-head projection at every exit); "cosine" is River-LLM's state transition of the last layer before the exit.
-SIGNALS = ("topk-prob", "topk-margin", "topk-prob+margin", "full-prob", "full-margin", "cosine")
+# signal -> its criteria: a token exits when every criterion's value is >= its threshold (calibrate writes these).
+CRITERIA: dict[str, tuple[str, ...]] = {
+    "topk-prob": ("prob",),
+    "topk-margin": ("margin",),
+    "topk-prob+margin": ("prob", "margin"),
+    "full-prob": ("prob",),
+    "full-margin": ("margin",),
+    "cosine": ("cosine",),
+}
+SIGNALS = tuple(CRITERIA)
 DEFAULT_TOP_K = 64
 
 

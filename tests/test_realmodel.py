@@ -52,15 +52,15 @@ def test_profile_default_model_on_gsm8k(smol):
 
 def test_default_model_export_run_matches_transformers_generate(smol, tmp_path):
     """Export (validated inside), then eectl full depth == transformers greedy generate, and verify == full."""
+    from eectl.data import encode_prompt
     from eectl.export import ExportOptions, export_artifact
-    from eectl.runtime.generate import encode
     from eectl.runtime.runner import RunConfig, Runner
     from eectl.runtime.sessions import ArtifactRuntime
 
     m = export_artifact(smol, tmp_path / "art", ExportOptions(exits=[15, 24]))
     assert m.validation["passed"] and max(m.validation["max_abs_logit_diff"].values()) < 1e-3
     rt = ArtifactRuntime(tmp_path / "art", provider="cpu")
-    prompt = encode(smol.tokenizer, "What is 12 * 7?", raw=False)
+    prompt = encode_prompt(smol.tokenizer, "What is 12 * 7?", raw=False)
     with torch.no_grad():
         ref = smol.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :]
     stop = tuple(m.eos_token_ids)

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eectl.data import encode_prompt
 from eectl.errors import DataError, UsageError
-from eectl.runtime.runner import CRITERIA, Generation, RunConfig, Runner
+from eectl.exits import CRITERIA
+from eectl.runtime.runner import Generation, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 
 
@@ -40,17 +42,6 @@ def load_tokenizer(rt: ArtifactRuntime) -> Any:
 
     hf_logging.set_verbosity_error()
     return AutoTokenizer.from_pretrained(str(rt.folder / rt.manifest.tokenizer_dir))
-
-
-def encode(tokenizer: Any, prompt: str, raw: bool) -> list[int]:
-    if not raw and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -203,7 +194,7 @@ def run_prompts(
             def stream(row: int, confirmed: list[int], first: int = i, cb: Callable = on_text) -> None:
                 cb(first + row, tok.decode(confirmed, skip_special_tokens=True))
 
-        gens = runner.generate([encode(tok, p, opts.raw) for p in batch], on_step=stream)
+        gens = runner.generate([encode_prompt(tok, p, opts.raw) for p in batch], on_step=stream)
         for p, g in zip(batch, gens, strict=True):
             text = tok.decode(g.token_ids, skip_special_tokens=True)
             reports.append(RunReport(p, text, g, rt.manifest.num_layers))

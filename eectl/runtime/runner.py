@@ -30,19 +30,10 @@ import numpy as np
 import torch
 
 from eectl.errors import UsageError
-from eectl.exits import signals, transition_cosine
+from eectl.exits import CRITERIA, signals, transition_cosine
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
 POLICIES = ("copy", "defer", "verify")
-# signal -> criteria (each must be >= its threshold); the same names calibrate.py writes.
-CRITERIA = {
-    "topk-prob": ("prob",),
-    "topk-margin": ("margin",),
-    "topk-prob+margin": ("prob", "margin"),
-    "full-prob": ("prob",),
-    "full-margin": ("margin",),
-    "cosine": ("cosine",),
-}
 
 
 @dataclass
