@@ -423,6 +423,7 @@ def export_artifact(
         raise ArtifactError(f"{out} already exists", hint="pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the artifact is an ordinary folder once renamed
     started = time.perf_counter()
     try:
         manifest = _write_artifact(loaded, tmp, exits, options, heads, heads_meta, calibration, log)

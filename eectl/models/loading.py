@@ -200,6 +200,7 @@ def gguf_to_folder(gguf: Path, log: object = None) -> Path:
     model.config.architectures = [_ARCHITECTURES[model_type]]
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    tmp.chmod(0o755)
     try:
         with _quiet_transformers():
             model.save_pretrained(tmp)

@@ -146,6 +146,19 @@ def _fill(values: list[float], criteria: tuple[str, ...]) -> list[float]:
     return values
 
 
+def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
+    """Top-K thresholds were calibrated with candidates picked at the first calibrated exit; another first exit
+    changes what the local probabilities mean."""
+    cal = rt.manifest.calibration or {}
+    first = cal.get("candidates_layer")
+    if config.signal.startswith("topk") and config.exits and first and config.exits[0] != first:
+        return (
+            f"thresholds were calibrated with Top-K candidates chosen at exit {first}; with exit "
+            f"{config.exits[0]} first they are only approximate (recalibrate with these exits)"
+        )
+    return None
+
+
 @dataclass
 class RunReport:
     prompt: str
@@ -184,6 +197,11 @@ def run_prompts(
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
     tok = load_tokenizer(rt)
     config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
+    warning = calibration_warning(rt, config) if opts.thresholds is None else None
+    if warning is not None:
+        import sys
+
+        print(f"warning: {warning}", file=sys.stderr)
     runner = Runner(rt, config)
     reports: list[RunReport] = []
     for i in range(0, len(prompts), batch_size):
