@@ -255,3 +255,27 @@ def test_edited_artifact_is_rejected(artifacts, tmp_path):
     (copy / "weights" / "lm_head.npy").write_bytes(b"x")
     with pytest.raises(ArtifactError, match="changed since export"):
         ArtifactRuntime(copy, provider="cpu")
+
+
+def test_calibrated_thresholds_are_used_and_never_exits_dropped(tiny_dirs, tmp_path):
+    loaded = load_model(str(tiny_dirs["llama"]))
+    cal = {
+        "signal": "topk-prob",
+        "candidates_layer": 2,
+        "model": {"sha256": loaded.source.sha256},
+        "exits": [
+            {"layer": 2, "thresholds": {"prob": None}},
+            {"layer": 3, "thresholds": {"prob": None}},
+            {"layer": 4, "thresholds": {"prob": 0.4}},
+        ],
+    }
+    export_artifact(loaded, tmp_path / "a", ExportOptions(exits=[2, 3, 4], top_k=K), calibration=cal)
+    rt = ArtifactRuntime(tmp_path / "a", provider="cpu")
+    cfg = resolve_config(rt, RunOptions(threshold_scale=1.25), ())
+    # exit 3 can never exit: dropped; exit 2 never exits either but picks the Top-K candidates: kept
+    assert cfg.exits == [2, 4] and cfg.signal == "topk-prob"
+    assert cfg.thresholds == {2: {"prob": float("inf")}, 4: {"prob": 0.5}}
+    with pytest.raises(UsageError, match="another model"):
+        export_artifact(
+            loaded, tmp_path / "b", ExportOptions(exits=[2, 4]), calibration={**cal, "model": {"sha256": "0"}}
+        )

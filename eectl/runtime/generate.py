@@ -7,6 +7,7 @@ explicit values, the signal), applies the tokenizer's chat template, and turns t
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,14 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
                 thresholds[e] = {c: float("inf") for c in criteria}  # calibrated to never exit here
             else:
                 thresholds[e] = {c: float(values[c] or 0.0) for c in criteria}
+        # An exit calibrated never to exit only costs time: drop it, unless it is where Top-K candidates are picked.
+        keep_first = signal.startswith("topk")
+        exits = [
+            e
+            for i, e in enumerate(exits)
+            if (keep_first and i == 0) or not all(math.isinf(v) for v in thresholds[e].values())
+        ]
+        thresholds = {e: thresholds[e] for e in exits}
     if opts.threshold_scale <= 0:
         raise UsageError(f"--threshold-scale must be positive, got {opts.threshold_scale}")
     thresholds = {e: {c: v * opts.threshold_scale for c, v in t.items()} for e, t in thresholds.items()}
