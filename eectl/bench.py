@@ -40,6 +40,7 @@ class BenchOptions:
     prompts: int = 10
     max_new_tokens: int = 64
     reps: int = 3
+    exits: str | None = None  # active exits for the early-exit configurations (default: the calibrated ones)
     thresholds: str | None = None
     threshold_scale: float = 1.0
     sweep: list[float] = field(default_factory=lambda: [0.9, 1.0, 1.1])  # threshold scales for the trade-off plot
@@ -193,6 +194,7 @@ def run_bench(
     signal = ""
     for policy in early:
         ro = RunOptions(
+            exits=opts.exits,
             policy=policy,
             thresholds=opts.thresholds,
             threshold_scale=opts.threshold_scale,
@@ -291,6 +293,7 @@ def run_bench(
         policy = "defer" if "defer" in early else early[0]
         for scale in opts.sweep:
             ro = RunOptions(
+                exits=opts.exits,
                 policy=policy,
                 thresholds=opts.thresholds,
                 threshold_scale=opts.threshold_scale * scale,
