@@ -59,9 +59,11 @@ from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits import (
     CRITERIA,
     DEFAULT_TOP_K,
+    NEVER,
     SIGNALS,
     ExitHead,
     ExitSignals,
+    Prefixes,
     ThresholdChoice,
     signals,
     threshold_for_precision,
@@ -256,25 +258,18 @@ def threshold_with_bound(
     Same tie handling as `threshold_for_precision`; returns threshold inf when none qualifies. The bound reaches the
     target exactly when P(X >= hits | n, target) <= 1 - level, so one binomial tail per candidate prefix decides.
     """
-    n = confidence.numel()
-    if n == 0:
-        return ThresholdChoice(float("inf"), 0.0, 1.0)
-    conf, order = torch.sort(confidence.double(), descending=True)
-    hits = torch.cumsum(correct[order].double(), 0)
-    counts = torch.arange(1, n + 1, dtype=torch.float64)
-    precision = hits / counts
-    boundary = torch.ones(n, dtype=torch.bool)
-    boundary[:-1] = conf[:-1] > conf[1:]
+    if confidence.numel() == 0:
+        return NEVER
+    p = Prefixes.of(confidence, correct)
     # the point estimate bounds the lower bound, and n_min tokens are needed even with no error
-    cand = torch.nonzero(boundary & (precision >= target) & (counts >= min_tokens_for(target, level))).flatten()
+    cand = torch.nonzero(p.boundary & (p.precision >= target) & (p.counts >= min_tokens_for(target, level))).flatten()
     alpha = 1.0 - level
     for end in range(cand.numel(), 0, -256):  # the largest qualifying prefix is usually among the largest few
         block = cand[max(0, end - 256) : end]
-        ok = block[binomial_upper_tail(hits[block], counts[block], target) <= alpha]
+        ok = block[binomial_upper_tail(p.hits[block], p.counts[block], target) <= alpha]
         if ok.numel():
-            i = int(ok[-1])
-            return ThresholdChoice(float(conf[i]), (i + 1) / n, float(precision[i]))
-    return ThresholdChoice(float("inf"), 0.0, 1.0)
+            return p.choice(int(ok[-1]))
+    return NEVER
 
 
 # ---------------------------------------------------------------------------------------------------------------

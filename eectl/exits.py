@@ -110,24 +110,41 @@ class ThresholdChoice:
     precision: float  # agreement with the final layer among those tokens (1.0 when none)
 
 
+@dataclass
+class Prefixes:
+    """Tokens sorted by confidence, best first, with the running agreement of each prefix (a candidate exit set)."""
+
+    conf: torch.Tensor  # [N] sorted descending (float64)
+    hits: torch.Tensor  # [N] agreeing tokens in the prefix ending here
+    counts: torch.Tensor  # [N] prefix sizes 1..N
+    precision: torch.Tensor  # [N] hits / counts
+    boundary: torch.Tensor  # [N] a prefix may end here: the next confidence is strictly lower (ties kept together)
+
+    @staticmethod
+    def of(confidence: torch.Tensor, correct: torch.Tensor) -> Prefixes:
+        n = confidence.numel()
+        conf, order = torch.sort(confidence.double(), descending=True)
+        hits = torch.cumsum(correct[order].double(), 0)
+        counts = torch.arange(1, n + 1, dtype=torch.float64)
+        boundary = torch.ones(n, dtype=torch.bool)
+        boundary[:-1] = conf[:-1] > conf[1:]
+        return Prefixes(conf, hits, counts, hits / counts, boundary)
+
+    def choice(self, i: int) -> ThresholdChoice:
+        return ThresholdChoice(float(self.conf[i]), (i + 1) / self.conf.numel(), float(self.precision[i]))
+
+
+NEVER = ThresholdChoice(float("inf"), 0.0, 1.0)
+
+
 def threshold_for_precision(confidence: torch.Tensor, correct: torch.Tensor, target: float) -> ThresholdChoice:
     """FlexEE's lambda* = min{ lambda : P(correct | confidence >= lambda) >= target } on a sample.
 
     `confidence` [N] float, `correct` [N] bool (exit's top-1 == final top-1). Ties in confidence are kept together,
     so the threshold is a value that actually splits the sample. Returns threshold inf when no lambda qualifies.
     """
-    n = confidence.numel()
-    if n == 0:
-        return ThresholdChoice(float("inf"), 0.0, 1.0)
-    conf, order = torch.sort(confidence.double(), descending=True)
-    hits = torch.cumsum(correct[order].double(), 0)
-    counts = torch.arange(1, n + 1, dtype=torch.float64)
-    precision = hits / counts
-    # a prefix may end only where the next confidence is strictly lower (keep ties together)
-    boundary = torch.ones(n, dtype=torch.bool)
-    boundary[:-1] = conf[:-1] > conf[1:]
-    ok = torch.nonzero((precision >= target) & boundary).flatten()
-    if ok.numel() == 0:
-        return ThresholdChoice(float("inf"), 0.0, 1.0)
-    i = int(ok[-1])
-    return ThresholdChoice(float(conf[i]), (i + 1) / n, float(precision[i]))
+    if confidence.numel() == 0:
+        return NEVER
+    p = Prefixes.of(confidence, correct)
+    ok = torch.nonzero((p.precision >= target) & p.boundary).flatten()
+    return NEVER if ok.numel() == 0 else p.choice(int(ok[-1]))
