@@ -41,6 +41,7 @@ class BenchOptions:
     max_new_tokens: int = 64
     reps: int = 3
     exits: str | None = None  # active exits for the early-exit configurations (default: the calibrated ones)
+    signal: str | None = None  # exit signal (default: the calibration's)
     thresholds: str | None = None
     threshold_scale: float = 1.0
     sweep: list[float] = field(default_factory=lambda: [0.9, 1.0, 1.1])  # threshold scales for the trade-off plot
@@ -195,6 +196,7 @@ def run_bench(
     for policy in early:
         ro = RunOptions(
             exits=opts.exits,
+            signal=opts.signal,
             policy=policy,
             thresholds=opts.thresholds,
             threshold_scale=opts.threshold_scale,
@@ -294,6 +296,7 @@ def run_bench(
         for scale in opts.sweep:
             ro = RunOptions(
                 exits=opts.exits,
+                signal=opts.signal,
                 policy=policy,
                 thresholds=opts.thresholds,
                 threshold_scale=opts.threshold_scale * scale,

@@ -602,6 +602,7 @@ def bench(
     ] = "hf,full,copy,defer,verify",
     reps: Annotated[int, typer.Option(help="Interleaved repetitions after the warm-up.")] = 3,
     exits: Annotated[str | None, typer.Option(help="Active exits of the early-exit configurations, e.g. 24.")] = None,
+    signal: Annotated[str | None, typer.Option(help="Exit signal (default: the calibration's).")] = None,
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
     sweep: Annotated[
@@ -634,6 +635,7 @@ def bench(
         max_new_tokens=max_new_tokens,
         reps=reps,
         exits=exits,
+        signal=signal,
         thresholds=thresholds,
         threshold_scale=threshold_scale,
         sweep=scales,
