@@ -10,7 +10,7 @@ What this module does not do: choose exits or policies (runtime/runner.py), toke
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,18 +113,6 @@ class KVBuffers:
     values: list[list[Any]]
     filled: np.ndarray  # [rows, layers] int
     max_len: int
-    on_device: bool = False
-    _np_dtype: Any = field(default=np.float32)
-
-    @property
-    def rows(self) -> int:
-        return len(self.keys)
-
-    def reset(self, row: int | None = None) -> None:
-        if row is None:
-            self.filled[:] = 0
-        else:
-            self.filled[row] = 0
 
 
 class ArtifactRuntime:
@@ -179,7 +167,7 @@ class ArtifactRuntime:
 
         keys = [[buf() for _ in range(L)] for _ in range(rows)]
         values = [[buf() for _ in range(L)] for _ in range(rows)]
-        return KVBuffers(keys, values, np.zeros((rows, L), dtype=np.int64), max_len, self.device != "cpu")
+        return KVBuffers(keys, values, np.zeros((rows, L), dtype=np.int64), max_len)
 
     # --- binding helpers -------------------------------------------------------------------------------------------
     def _bind_array(self, io: Any, name: str, arr: Any, output: bool = False) -> None:
