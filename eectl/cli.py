@@ -505,7 +505,9 @@ def run(
         Path | None, typer.Option(help=".jsonl (prompt/question/text) or one prompt per line.")
     ] = None,
     exits: Annotated[str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.")] = None,
-    policy: Annotated[str, typer.Option(help="KV of skipped layers: copy, defer or verify (lossless).")] = "defer",
+    policy: Annotated[
+        str | None, typer.Option(help="KV of skipped layers: copy, defer (default) or verify (lossless).")
+    ] = None,
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
     signal: Annotated[
@@ -521,6 +523,7 @@ def run(
     batch_size: Annotated[int, typer.Option(help="Prompts per batch (each row decides its own exits).")] = 1,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
     raw: Annotated[bool, typer.Option(help="Send the prompt as is (no chat template).")] = False,
+    recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -532,11 +535,12 @@ def run(
         raise UsageError("give one prompt argument or --prompt-file")
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    n_threads = _threads(threads, load_recipe(None))
+    r = load_recipe(recipe)
+    n_threads = _threads(threads, r)
     prompts = [prompt] if prompt is not None else read_prompts(str(prompt_file))
     opts = RunOptions(
         exits=exits,
-        policy=policy,
+        policy=pick(policy, r.kv_policy),
         thresholds=thresholds,
         threshold_scale=threshold_scale,
         signal=signal,
@@ -572,16 +576,16 @@ def run(
             "signal": config.signal,
             "exits": config.exits,
             "thresholds": {str(k): v for k, v in config.thresholds.items()},
-            "results": [r.to_dict() for r in reports],
+            "results": [rep.to_dict() for rep in reports],
         }
     )
     if not out.json_mode:
         if batch_size > 1:
-            for r in reports:
-                out.out.print(f"\n[bold]> {r.prompt}[/bold]\n{r.text}", highlight=False)
+            for rep in reports:
+                out.out.print(f"\n[bold]> {rep.prompt}[/bold]\n{rep.text}", highlight=False)
         out.line("")
-        for r in reports:
-            g = r.generation
+        for rep in reports:
+            g = rep.generation
             out.log(
                 f"{len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s, first token {g.ttft_s * 1000:.0f} ms, "
                 f"mean executed layers {g.mean_layers(L):.1f}/{L} ({config.policy}, exits {config.exits or 'none'}, "
@@ -595,12 +599,10 @@ def bench(
     data: Annotated[
         str | None, typer.Option(help="Prompts: .jsonl (GSM8K question/answer...), text, or built-in.")
     ] = None,
-    prompts: Annotated[int, typer.Option(help="Number of prompts.")] = 10,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 64,
-    policies: Annotated[
-        str, typer.Option(help="Configurations: hf, full, copy, defer, verify.")
-    ] = "hf,full,copy,defer,verify",
-    reps: Annotated[int, typer.Option(help="Interleaved repetitions after the warm-up.")] = 3,
+    prompts: Annotated[int | None, typer.Option(help="Number of prompts (default 10).")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per prompt (default 64).")] = None,
+    policies: Annotated[str | None, typer.Option(help="Configurations (default hf,full,copy,defer,verify).")] = None,
+    reps: Annotated[int | None, typer.Option(help="Interleaved repetitions after the warm-up (default 3).")] = None,
     exits: Annotated[str | None, typer.Option(help="Active exits of the early-exit configurations, e.g. 24.")] = None,
     signal: Annotated[str | None, typer.Option(help="Exit signal (default: the calibration's).")] = None,
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
@@ -612,6 +614,7 @@ def bench(
     report: Annotated[Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).")] = None,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "cpu",
     raw: Annotated[bool, typer.Option(help="No chat template.")] = False,
+    recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -620,20 +623,22 @@ def bench(
     from eectl.data import load_text_data
 
     out = Output(json_out)
-    n_threads = _threads(threads, load_recipe(None))
-    text = load_text_data(data)
+    r = load_recipe(recipe)
+    n_threads = _threads(threads, r)
+    text = load_text_data(pick(data, r.data.source), r.data.field)
+    configs = pick(policies, ",".join(r.bench.configs))
     try:
         scales = [float(x) for x in sweep.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"--sweep must be comma-separated numbers, got '{sweep}'") from None
-    n = min(prompts, len(text.prompts))
+    n = min(pick(prompts, r.bench.prompts), len(text.prompts))
     answers = [t.split("####")[-1].strip().replace(",", "") if "####" in t else None for t in text.texts[:n]]
     heldout = text.texts[-max(1, len(text.texts) // 10) :] if ppl_tokens > 0 else None
     opts = BenchOptions(
-        configs=[c.strip() for c in policies.split(",") if c.strip()],
+        configs=[c.strip() for c in configs.split(",") if c.strip()],
         prompts=n,
-        max_new_tokens=max_new_tokens,
-        reps=reps,
+        max_new_tokens=pick(max_new_tokens, r.bench.max_new_tokens),
+        reps=pick(reps, r.bench.reps),
         exits=exits,
         signal=signal,
         thresholds=thresholds,
@@ -668,6 +673,7 @@ def pipeline(
 
     name = resolve_source(r.model).name
     art = Path("artifacts")
+    art.mkdir(parents=True, exist_ok=True)
     heads_path = art / f"{name}-heads.safetensors"
     calib_path = art / f"{name}-calibration.json"
     folder = art / name
@@ -686,19 +692,9 @@ def pipeline(
     stage(3)
     export(calibration=calib_path, heads=heads_path, out=folder, force=True, recipe=recipe, threads=threads)
     stage(4)
-    run(str(folder), prompt, max_new_tokens=64, threads=threads)
+    run(str(folder), prompt, max_new_tokens=64, recipe=recipe, threads=threads)
     stage(5)
-    b = r.bench
-    bench(
-        str(folder),
-        data=r.data.source,
-        prompts=b.prompts,
-        max_new_tokens=b.max_new_tokens,
-        reps=b.reps,
-        policies=",".join(b.configs),
-        report=report,
-        threads=threads,
-    )
+    bench(str(folder), report=report, recipe=recipe, threads=threads)
     out.err.rule("[bold]done[/bold]")
     out.line(f"artifact: {folder}\nbench report: {report}\nprofile plot: {art / f'{name}-profile.png'}")
 
