@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from eectl.data import load_text_data
+from eectl.models import load_model
 from eectl.runtime.sessions import init_ort
-from tests.tiny import TINY_CONFIGS, save_tiny
+from tests.tiny import GSM8K, TINY_CONFIGS, save_tiny
 
 torch.set_num_threads(1)
 init_ort(1)  # one global ONNX Runtime pool for the whole test process
@@ -24,3 +26,14 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(params=sorted(TINY_CONFIGS))
 def family(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_dirs):
+    """The tiny Llama, loaded once per test module."""
+    return load_model(str(tiny_dirs["llama"]))
+
+
+@pytest.fixture(scope="module")
+def gsm8k():
+    return load_text_data(str(GSM8K))

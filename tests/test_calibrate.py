@@ -36,24 +36,13 @@ from eectl.calibrate import (
     write_calibration,
 )
 from eectl.cli import app
-from eectl.data import load_text_data, token_chunks
+from eectl.data import token_chunks
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits import ExitHead, signals, threshold_for_precision, topk_candidates, transition_cosine
-from eectl.models import load_model
 from tests.tiny import GSM8K
 
 runner = CliRunner()
 EXITS = [1, 2, 3, 4, 5]
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_dirs):
-    return load_model(str(tiny_dirs["llama"]))
-
-
-@pytest.fixture(scope="module")
-def gsm8k():
-    return load_text_data(str(GSM8K))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from torch import nn
 from typer.testing import CliRunner
 
 from eectl.cli import app
-from eectl.data import load_text_data
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import ExitHead, signals, topk_candidates
 from eectl.heads import (
@@ -43,16 +42,6 @@ def _config(**kw) -> TrainConfig:
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_dirs):
-    return load_model(str(tiny_dirs["llama"]))
-
-
-@pytest.fixture(scope="module")
-def gsm8k():
-    return load_text_data(str(GSM8K))
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,6 @@ from tests.tiny import GSM8K
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_dirs):
-    return load_model(str(tiny_dirs["llama"]))
-
-
 def test_profile_invariants(tiny_dirs, family):
     loaded = load_model(str(tiny_dirs[family]))
     data = load_text_data(str(GSM8K))
