@@ -13,6 +13,10 @@ past length dynamic). Each segment also gets a K/V-only graph (the `copy` policy
 head, final norm, LM head, Top-K) take the LM-head weight as an input, so the artifact stores it once
 (weights/*.npy) and every exit session binds the same array.
 
+Weights live outside the protobuf: every graph is saved as `<graph>.onnx` (structure, a few KB) plus
+`<graph>.onnx.data` (its initializers, ONNX external data, each tensor aligned for memory mapping), so no graph meets
+protobuf's 2 GB limit, and graphs are built and written one at a time: peak memory is the model plus one graph.
+
 Why built from the weights rather than exported by torch.onnx: GroupQueryAttention with a shared KV buffer avoids
 concatenating the cache each token, the cost that dominates decode at long context (numbers in the issue notes).
 
@@ -32,6 +36,7 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from onnx.external_data_helper import set_external_data
 
 from eectl import __version__
 from eectl.errors import ArtifactError, UsageError
@@ -57,6 +62,10 @@ DTYPES = {"fp32": (TensorProto.FLOAT, np.float32), "fp16": (TensorProto.FLOAT16,
 # Validation tolerance on logits (max abs difference, ORT vs torch) per artifact dtype.
 TOLERANCE = {"fp32": 1e-3, "fp16": 0.25}
 VALIDATION_DECODE_STEPS = 16
+# Initializers of at least this many bytes go to the graph's external data file; smaller ones (shapes, scalars)
+# stay inline. Offsets are aligned to 64 KiB, the largest mmap allocation granularity ORT checks for.
+EXTERNAL_MIN_BYTES = 1024
+EXTERNAL_ALIGN = 1 << 16
 
 
 class ExportValidationError(ArtifactError):
@@ -86,7 +95,7 @@ class _Builder:
     def const(self, name: str, value: Any, float_type: bool = True) -> str:
         arr = value.detach().float().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
         if float_type:
-            arr = arr.astype(self.np_dtype)
+            arr = arr.astype(self.np_dtype, copy=False)
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
         return name
 
@@ -121,7 +130,7 @@ def _rms(b: _Builder, x: str, weight: torch.Tensor, eps: float, name: str) -> st
 
 def _linear(b: _Builder, x: str, weights: list[torch.Tensor], biases: list[torch.Tensor | None], name: str) -> str:
     """x @ concat(weights).T (+ concat(biases)): one MatMul for several projections."""
-    w = torch.cat(weights, dim=0).T.contiguous()  # [in, out]
+    w = torch.cat([wt.T for wt in weights], dim=1)  # [in, out], one copy (big models: memory is the limit)
     y = b.op("MatMul", [x, b.const(name, w)])
     if any(bias is not None for bias in biases):
         full = torch.cat(
@@ -367,6 +376,35 @@ def build_exit(
     return b.model(f"exit_{layer}_{suffix}"), io
 
 
+def save_graph(model: onnx.ModelProto, io: GraphIO, folder: Path) -> GraphIO:
+    """Write `io.file` with its large initializers moved to `io.file + '.data'` (ONNX external data).
+
+    Each tensor's bytes are written and dropped from the proto one at a time, so the proto that is finally
+    serialised is small whatever the model's size. Returns io with `data` naming the weights file (None when the
+    graph has no large initializer, e.g. the embedding graph, whose table is bound at run time).
+    """
+    data_name = io.file + ".data"
+    offset = 0
+    with open(folder / data_name, "wb") as f:
+        for tensor in model.graph.initializer:
+            if len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
+                continue
+            offset = -(-offset // EXTERNAL_ALIGN) * EXTERNAL_ALIGN
+            size = len(tensor.raw_data)
+            f.seek(offset)
+            f.write(tensor.raw_data)
+            set_external_data(tensor, data_name, offset, size)
+            tensor.ClearField("raw_data")
+            offset += size
+    if offset == 0:
+        (folder / data_name).unlink()
+        data = None
+    else:
+        data = data_name
+    onnx.save(model, str(folder / io.file))
+    return io.model_copy(update={"data": data})
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The stage
 # ---------------------------------------------------------------------------------------------------------------
@@ -468,8 +506,7 @@ def _write_artifact(
     np_dtype = DTYPES[options.dtype][1]
 
     def save(model: onnx.ModelProto, io: GraphIO) -> GraphIO:
-        onnx.save(model, str(folder / io.file))
-        return io
+        return save_graph(model, io, folder)
 
     (folder / "weights").mkdir()
     lm = adapter.lm_head.weight.detach().float().numpy().astype(np_dtype)
@@ -565,57 +602,63 @@ def validate_artifact(
 ) -> dict[str, Any]:
     """Prefill + 16 greedy decode steps through the ONNX graphs and through PyTorch, compared at every exit.
 
+    PyTorch runs first (its greedy tokens feed both sides); then the graphs run segment by segment, all steps of
+    one segment before the next is loaded (each segment's output depends only on the previous segment's output and
+    its own cache), so only one segment's sessions are alive beside the torch model.
     Raises ExportValidationError beyond tolerance (max abs logit difference, or a different greedy token).
     """
     from eectl.runtime.sessions import ArtifactRuntime
 
     adapter = loaded.adapter
-    rt = ArtifactRuntime(folder, provider="cpu", verify=False)
+    rt = ArtifactRuntime(folder, provider="cpu", verify=False, lazy_segments=True)
     m = rt.manifest
     L = m.num_layers
     tol = TOLERANCE[m.dtype]
     ids = loaded.tokenizer(VALIDATION_PROMPT, add_special_tokens=False)["input_ids"][:48]  # type: ignore[operator]
     exit_heads = {e.layer: ExitHead(adapter, (heads or {}).get(e.layer)) for e in m.exits}
-    kv = rt.new_kv(1, len(ids) + VALIDATION_DECODE_STEPS + 1)
+    # torch reference: per step, the hidden state at every exit layer ([S, H]); its greedy token is the next chunk
+    chunks: list[list[int]] = [list(ids)]
+    ref_states: list[dict[int, torch.Tensor]] = []
     cache = KVCache()
-    diffs = {e.layer: 0.0 for e in m.exits}
-    local_diffs = {e.layer: 0.0 for e in m.exits}
-    token_mismatch: dict[int, int] = {e.layer: 0 for e in m.exits}
-    chunk = list(ids)
     pos = 0
-    generated: list[int] = []
     for _ in range(VALIDATION_DECODE_STEPS + 1):
-        input_ids = torch.tensor([chunk])
-        positions = torch.arange(pos, pos + len(chunk))[None]
-        # torch reference: hidden after every layer
+        chunk = chunks[-1]
         states: dict[int, torch.Tensor] = {}
 
         def grab(i: int, _in: torch.Tensor, out: torch.Tensor, states: dict[int, torch.Tensor] = states) -> None:
-            states[i + 1] = out
+            if i + 1 in exit_heads:
+                states[i + 1] = out[0]
 
-        adapter.forward_layers(adapter.embed(input_ids), positions, 0, L, cache, on_layer=grab)
-        # ORT
-        h = rt.embed(np.array([chunk], dtype=np.int64))
-        ort_states = {}
-        for s_idx in range(len(m.segments)):
-            h, _ = rt.run_segment(s_idx, h, kv, row=0)
-            ort_states[m.segments[s_idx].layers[1]] = h
-        for e in m.exits:
-            ref_h = states[e.layer][0]
-            ref = exit_heads[e.layer].full(ref_h).float()
-            got, cand, _ = rt.exit_full(e.layer, ort_states[e.layer][0], m.top_k)
-            diffs[e.layer] = max(diffs[e.layer], float((torch.from_numpy(got).float() - ref).abs().max()))
-            token_mismatch[e.layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
-            cand_t = torch.from_numpy(cand)
-            ref_local = exit_heads[e.layer].local(ref_h, cand_t).float()
-            got_local = torch.from_numpy(rt.exit_local(e.layer, ort_states[e.layer][0], cand)).float()
-            local_diffs[e.layer] = max(local_diffs[e.layer], float((got_local - ref_local).abs().max()))
-        final = states[L][0, -1]
-        nxt = int(exit_heads[L].full(final[None]).argmax(-1))
-        generated.append(nxt)
+        positions = torch.arange(pos, pos + len(chunk))[None]
+        adapter.forward_layers(adapter.embed(torch.tensor([chunk])), positions, 0, L, cache, on_layer=grab)
+        ref_states.append(states)
         pos += len(chunk)
-        chunk = [nxt]
-    kv_diff = _validate_kv_graphs(adapter, rt, torch.tensor([ids[:8]]))
+        chunks.append([int(exit_heads[L].full(states[L][-1:]).argmax(-1))])
+    chunks.pop()
+    del cache
+    diffs = {e.layer: 0.0 for e in m.exits}
+    local_diffs = {e.layer: 0.0 for e in m.exits}
+    token_mismatch: dict[int, int] = {e.layer: 0 for e in m.exits}
+    kv = rt.new_kv(1, len(ids) + VALIDATION_DECODE_STEPS + 1)
+    hidden = [rt.embed(np.array([c], dtype=np.int64)) for c in chunks]
+    kv_diff = 0.0
+    kv_ids = torch.tensor([ids[:8]])
+    for s_idx, seg in enumerate(m.segments):
+        rt.load_segment(s_idx)
+        layer = seg.layers[1]  # every segment ends at an exit
+        for t in range(len(chunks)):
+            hidden[t], _ = rt.run_segment(s_idx, hidden[t], kv, row=0)
+            ref_h = ref_states[t][layer]
+            ref = exit_heads[layer].full(ref_h).float()
+            got, cand, _ = rt.exit_full(layer, hidden[t][0], m.top_k)
+            diffs[layer] = max(diffs[layer], float((torch.from_numpy(got).float() - ref).abs().max()))
+            token_mismatch[layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
+            cand_t = torch.from_numpy(cand)
+            ref_local = exit_heads[layer].local(ref_h, cand_t).float()
+            got_local = torch.from_numpy(rt.exit_local(layer, hidden[t][0], cand)).float()
+            local_diffs[layer] = max(local_diffs[layer], float((got_local - ref_local).abs().max()))
+        kv_diff = max(kv_diff, _validate_kv_graph(adapter, rt, s_idx, kv_ids))
+        rt.release_segment(s_idx)
     result = {
         "dtype": m.dtype,
         "tolerance": tol,
@@ -642,22 +685,20 @@ def validate_artifact(
     return result
 
 
-def _validate_kv_graphs(adapter: Adapter, rt: Any, ids: torch.Tensor) -> float:
-    """The K/V-only graph of every segment against the adapter's K/V projection, on the same hidden states."""
-    m = rt.manifest
+def _validate_kv_graph(adapter: Adapter, rt: Any, s_idx: int, ids: torch.Tensor) -> float:
+    """Segment s_idx's K/V-only graph against the adapter's K/V projection, on the same hidden states."""
+    lo, hi = rt.manifest.segments[s_idx].layers
     hidden = adapter.embed(ids) * 0.5 + 0.1  # any plausible hidden state
-    positions = torch.arange(ids.shape[1])[None]
+    n = ids.shape[1]
     cache = KVCache()
-    adapter.project_kv(hidden, positions, 0, m.num_layers, cache)
-    kv = rt.new_kv(1, ids.shape[1] + 1)
+    adapter.project_kv(hidden, torch.arange(n)[None], lo, hi, cache)
+    kv = rt.new_kv(1, n + 1)
+    rt.run_segment(s_idx, hidden.numpy().astype(rt.np_dtype), kv, row=0, kv_only=True)
     worst = 0.0
-    for s_idx, seg in enumerate(m.segments):
-        rt.run_segment(s_idx, hidden.numpy().astype(rt.np_dtype), kv, row=0, kv_only=True)
-        for i in range(*seg.layers):
-            n = ids.shape[1]
-            k = torch.from_numpy(np.asarray(kv.keys[0][i])[:, :, :n].astype(np.float32))
-            v = torch.from_numpy(np.asarray(kv.values[0][i])[:, :, :n].astype(np.float32))
-            worst = max(worst, float((k - cache.keys[i]).abs().max()), float((v - cache.values[i]).abs().max()))
+    for i in range(lo, hi):
+        k = torch.from_numpy(np.asarray(kv.keys[0][i])[:, :, :n].astype(np.float32))
+        v = torch.from_numpy(np.asarray(kv.values[0][i])[:, :, :n].astype(np.float32))
+        worst = max(worst, float((k - cache.keys[i]).abs().max()), float((v - cache.values[i]).abs().max()))
     return worst
 
 

@@ -27,6 +27,7 @@ class GraphIO(_M):
     """A graph file and its input/output names; list-valued entries are per decoder layer, in layer order."""
 
     file: str
+    data: str | None = None  # the graph's weights (ONNX external data), next to `file`; None: all inline
     inputs: dict[str, str | list[str]]
     outputs: dict[str, str | list[str]]
 
@@ -166,10 +167,9 @@ def _check_consistency(m: Manifest, folder: str | Path) -> None:
     if len(m.kv.past_key) != L or len(m.kv.present_key) != L:
         raise ArtifactError(f"inconsistent manifest in {folder}: KV names for {len(m.kv.past_key)} of {L} layers")
     listed = set(m.files)
-    needed = {m.embedding.file, *(w.file for w in m.shared_weights.values())}
-    for s in m.segments:
-        needed |= {s.graph.file, s.kv_graph.file}
-    for e in m.exits:
-        needed |= {e.full.file, e.local.file}
+    graphs = [m.embedding, *(g for s in m.segments for g in (s.graph, s.kv_graph))]
+    graphs += [g for e in m.exits for g in (e.full, e.local)]
+    needed = {w.file for w in m.shared_weights.values()}
+    needed |= {f for g in graphs for f in (g.file, g.data) if f is not None}
     if not needed <= listed:
         raise ArtifactError(f"inconsistent manifest in {folder}: files not hashed: {sorted(needed - listed)}")

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -87,6 +88,24 @@ def test_ort_equals_torch_for_prefill_chunk_and_decode_at_every_exit(exported, f
             np.testing.assert_allclose(kv.keys[0][i][:, :, :30], cache.keys[i].numpy(), atol=ATOL, rtol=1e-4)
 
 
+def test_graph_weights_are_external_data_listed_and_hashed(exported):
+    _, art = exported["llama"]
+    m = read_manifest(art)
+    graphs = [g for s in m.segments for g in (s.graph, s.kv_graph)] + [g for e in m.exits for g in (e.full, e.local)]
+    for g in [m.embedding, *graphs]:
+        proto = onnx.load(str(art / g.file), load_external_data=False)
+        big = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+        inline = [t for t in proto.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+        assert all(len(t.raw_data) < export_mod.EXTERNAL_MIN_BYTES for t in inline)
+        assert all(int(d.value) % export_mod.EXTERNAL_ALIGN == 0 for t in big for d in t.external_data if d.key == "offset")
+        assert g.data == (g.file + ".data" if big else None) and g.file in m.files
+        assert g.data is None or g.data in m.files
+    assert all(s.graph.data and s.kv_graph.data for s in m.segments)
+    assert m.embedding.data is None  # its table is bound at run time
+    seg = art / m.segments[0].graph.file
+    assert seg.stat().st_size < 20_000 < (art / m.segments[0].graph.data).stat().st_size
+
+
 def test_manifest_rejected_when_inconsistent(exported, tmp_path):
     _, art = exported["llama"]
     bad = tmp_path / "edited"
@@ -97,6 +116,19 @@ def test_manifest_rejected_when_inconsistent(exported, tmp_path):
         read_manifest(bad)
     seg.unlink()
     with pytest.raises(ArtifactError, match="missing"):
+        read_manifest(bad)
+    shutil.rmtree(bad)
+    shutil.copytree(art, bad)
+    data = bad / read_manifest(bad).segments[1].graph.data
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 1  # one bit of one weight
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ArtifactError, match="hash mismatch"):
+        read_manifest(bad)
+    doc = json.loads((bad / MANIFEST).read_text())
+    del doc["files"][doc["segments"][1]["graph"]["data"]]
+    (bad / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match="not hashed"):
         read_manifest(bad)
     shutil.rmtree(bad)
     shutil.copytree(art, bad)

@@ -88,7 +88,7 @@ class Graph:
     """One graph's session and its names from the manifest."""
 
     io: GraphIO
-    session: Any
+    session: Any  # None while released (export's validation holds one segment's sessions at a time)
     device: str
 
     def name(self, key: str) -> str:
@@ -119,8 +119,15 @@ class ArtifactRuntime:
     """Loads what the manifest lists (after checking it), creates the sessions, and runs graphs."""
 
     def __init__(
-        self, folder: str | Path, provider: str = "auto", threads: int | None = None, verify: bool = True
+        self,
+        folder: str | Path,
+        provider: str = "auto",
+        threads: int | None = None,
+        verify: bool = True,
+        lazy_segments: bool = False,
     ) -> None:
+        """lazy_segments: create no segment session until load_segment(i) (a big model's export validates one
+        segment at a time, so its peak memory is the torch model plus one segment, not plus the whole artifact)."""
         self.folder = Path(folder)
         self.manifest: Manifest = read_manifest(self.folder, verify_hashes=verify)
         m = self.manifest
@@ -131,22 +138,38 @@ class ArtifactRuntime:
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if self.provider == "cuda" else None
         so = session_options(threads)
 
-        def load(io: GraphIO) -> Graph:
-            ort = _ort()
-            sess = ort.InferenceSession(
+        def session(io: GraphIO) -> Any:
+            return _ort().InferenceSession(
                 str(self.folder / io.file), sess_options=so, providers=providers or ["CPUExecutionProvider"]
             )
-            return Graph(io, sess, self.device)
 
+        def load(io: GraphIO) -> Graph:
+            return Graph(io, session(io), self.device)
+
+        self._session = session
         self.embedding = load(m.embedding)
-        self.segments = [load(s.graph) for s in m.segments]
-        self.kv_segments = [load(s.kv_graph) for s in m.segments]
+        self.segments = [Graph(s.graph, None, self.device) for s in m.segments]
+        self.kv_segments = [Graph(s.kv_graph, None, self.device) for s in m.segments]
+        if not lazy_segments:
+            for i in range(len(m.segments)):
+                self.load_segment(i)
         self.full_graphs = {e.layer: load(e.full) for e in m.exits}
         self.local_graphs = {e.layer: load(e.local) for e in m.exits}
         self.weights = {k: self._load_weight(w.file) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
 
     # --- setup ---------------------------------------------------------------------------------------------------
+    def load_segment(self, index: int) -> None:
+        """Create segment `index`'s sessions (its graph and its K/V-only graph) if they are not loaded."""
+        for g in (self.segments[index], self.kv_segments[index]):
+            if g.session is None:
+                g.session = self._session(g.io)
+
+    def release_segment(self, index: int) -> None:
+        """Drop segment `index`'s sessions and the weights they hold."""
+        self.segments[index].session = None
+        self.kv_segments[index].session = None
+
     def _load_weight(self, file: str) -> Any:
         arr = np.load(self.folder / file)
         if self.device == "cpu":
