@@ -97,7 +97,8 @@ def test_graph_weights_are_external_data_listed_and_hashed(exported):
         big = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
         inline = [t for t in proto.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
         assert all(len(t.raw_data) < export_mod.EXTERNAL_MIN_BYTES for t in inline)
-        assert all(int(d.value) % export_mod.EXTERNAL_ALIGN == 0 for t in big for d in t.external_data if d.key == "offset")
+        offsets = [int(d.value) for t in big for d in t.external_data if d.key == "offset"]
+        assert all(o % export_mod.EXTERNAL_ALIGN == 0 for o in offsets)
         assert g.data == (g.file + ".data" if big else None) and g.file in m.files
         assert g.data is None or g.data in m.files
     assert all(s.graph.data and s.kv_graph.data for s in m.segments)
