@@ -1,0 +1,225 @@
+"""The binding plan: for each graph call of one generated token, where every input and output is bound.
+
+On the CUDA EP the expensive values — hidden states [N, S, H], KV buffers, full logits [N, V] — must stay on the
+device between graphs (bound to device OrtValues and handed from one graph to the next); only what the exit decision
+reads crosses to the host: K candidate ids and scores, or one scalar per row. On the CPU EP every binding is host
+memory and the calls are the same: one plan, one code path, only the device differs.
+
+    ids (host, [N, S]) -> embed -> hidden (device) -> segment 0 -> hidden (device) -> ... -> segment n
+                                                          |                                     |
+                                             exit graph: K ids + K scores (host)    final head: K ids + scores (host)
+                                             (full logits stay on the device)       (Top-K on the device; argmax = id 0)
+
+The plan is data (`Call`s of `Binding`s, named by the manifest's graph keys), built from the manifest and a run
+configuration, so the rule "no hidden state or full logits reach the host per token" is checked on any machine by
+inspecting the plan (tests/test_binding.py), GPU or not.
+
+Device-side pieces the plan relies on beyond the exported graphs' current outputs (the runner's CUDA path must
+provide them, e.g. as tiny in-memory graphs or extra graph outputs; the plan names them so they are not forgotten):
+`last` (the last position's hidden state [N, H] of a segment output), `concat` (deferred positions joined in front of
+a segment's input, the `defer`/`verify` pending states), `logsumexp` (full-vocabulary probability from the Top-K
+logits: p1 = exp(l1 - lse)) and `cosine` (the transition cosine of a segment's last layer, one scalar per row).
+
+What this module does not do: create sessions or run graphs (sessions.py), or decide exits (runner.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eectl.errors import UsageError
+from eectl.exits import CRITERIA
+from eectl.manifest import Manifest
+
+# What a bound value is, by its size per token; the rule is about the first three.
+HIDDEN, KV, LOGITS = "hidden", "kv", "logits"
+IDS, CANDIDATES, SCORES, SCALAR, WEIGHT = "ids", "candidates", "scores", "scalar", "weight"
+PER_TOKEN_HOST_ALLOWED = (IDS, CANDIDATES, SCORES, SCALAR)  # O(K) values per row at most
+
+# Graph kind -> io key -> (kind of value, whether it is an output). Keys are the manifest's GraphIO keys; the
+# device-side helpers (last, concat, logsumexp, cosine) use the keys named here.
+KINDS: dict[str, dict[str, tuple[str, bool]]] = {
+    "embed": {"input_ids": (IDS, False), "weight": (WEIGHT, False), "hidden": (HIDDEN, True)},
+    "segment": {
+        "hidden": (HIDDEN, False),
+        "seqlens_k": (SCALAR, False),
+        "total_sequence_length": (SCALAR, False),
+        "past_key": (KV, False),
+        "past_value": (KV, False),
+        "present_key": (KV, True),
+        "present_value": (KV, True),
+        "hidden_out": (HIDDEN, True),
+        "layer_input": (HIDDEN, True),
+    },
+    "kv_segment": {
+        "hidden": (HIDDEN, False),
+        "seqlens_k": (SCALAR, False),
+        "total_sequence_length": (SCALAR, False),
+        "past_key": (KV, False),
+        "past_value": (KV, False),
+        "present_key": (KV, True),
+        "present_value": (KV, True),
+    },
+    "exit_full": {
+        "hidden": (HIDDEN, False),
+        "weight": (WEIGHT, False),
+        "top_k": (SCALAR, False),
+        "logits": (LOGITS, True),
+        "candidates": (CANDIDATES, True),
+        "candidate_logits": (SCORES, True),
+    },
+    "exit_local": {
+        "hidden": (HIDDEN, False),
+        "weight": (WEIGHT, False),
+        "candidates": (CANDIDATES, False),
+        "candidate_logits": (SCORES, True),
+    },
+    "last": {"hidden": (HIDDEN, False), "hidden_out": (HIDDEN, True)},
+    "concat": {"pending": (HIDDEN, False), "hidden": (HIDDEN, False), "hidden_out": (HIDDEN, True)},
+    "logsumexp": {"logits": (LOGITS, False), "logsumexp": (SCALAR, True)},
+    "cosine": {"layer_input": (HIDDEN, False), "hidden_out": (HIDDEN, False), "cosine": (SCALAR, True)},
+}
+
+
+@dataclass(frozen=True)
+class Binding:
+    key: str  # the manifest's io key
+    kind: str  # HIDDEN, KV, LOGITS, ...
+    output: bool
+    device: str  # "cuda" | "cpu": where the bound memory lives
+
+    @property
+    def host_read(self) -> bool:
+        """An output the runner reads as a numpy array (on the CUDA EP: a copy from the device)."""
+        return self.output and self.device == "cpu"
+
+
+@dataclass(frozen=True)
+class Call:
+    graph: str  # a KINDS key
+    at: int  # the segment index, or the exit layer for exit graphs (-1 for embed)
+    bindings: tuple[Binding, ...]
+
+    def binding(self, key: str) -> Binding:
+        return next(b for b in self.bindings if b.key == key)
+
+
+@dataclass
+class BindingPlan:
+    """Binding rules of one artifact under one provider and run configuration."""
+
+    manifest: Manifest
+    provider: str  # "cuda" | "cpu"
+    exits: list[int]  # active exit layers
+    signal: str = "topk-prob"
+    policy: str = "defer"
+    sampling: bool = False  # temperature > 0: a full-vocabulary pick samples from V logits, which go to the host
+    device: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.provider not in ("cuda", "cpu"):
+            raise UsageError(f"binding plan for an unknown provider '{self.provider}'")
+        if self.signal not in CRITERIA:
+            raise UsageError(f"unknown signal '{self.signal}'")
+        self.device = "cuda" if self.provider == "cuda" else "cpu"
+        self._segment_end = [s.layers[1] for s in self.manifest.segments]
+
+    # --- the one rule --------------------------------------------------------------------------------------------
+    def _call(self, graph: str, at: int, host_outputs: tuple[str, ...] = ()) -> Call:
+        """Bind every key of `graph`: ids and scalars in from the host, outputs the decision reads to the host,
+        everything else (hidden states, KV, logits, weights) in the provider's memory."""
+        binds = []
+        for key, (kind, output) in KINDS[graph].items():
+            if output:
+                device = "cpu" if key in host_outputs else self.device
+            else:
+                device = "cpu" if kind in (IDS, SCALAR) else self.device
+            binds.append(Binding(key, kind, output, device))
+        return Call(graph, at, tuple(binds))
+
+    # --- one token ------------------------------------------------------------------------------------------------
+    def token(self, exit_at: int | None = None, pending: bool = False, drafts: bool = False) -> list[Call]:
+        """The calls for one generated token (after the prefill) that exits after layer `exit_at` (None: full depth).
+
+        pending: deferred positions ride along into the deep segments (defer/verify); drafts: under verify, the
+        final pass checks drafts (the final head scores every flushed position; each one's Top-1 comes back).
+        """
+        L = self.manifest.num_layers
+        if exit_at is not None and exit_at not in self.exits:
+            raise UsageError(f"exit {exit_at} is not active (active: {self.exits})")
+        calls = [self._call("embed", -1)]
+        first_exit = True
+        for s, end in enumerate(self._segment_end):
+            starts_at_exit = s > 0 and self._segment_end[s - 1] in self.exits
+            if pending and starts_at_exit and self.policy in ("defer", "verify"):
+                calls.append(self._call("concat", s))  # the states that exited before this segment ride along
+            calls.append(self._call("segment", s))
+            if end == L:
+                if drafts and self.policy == "verify":
+                    calls.append(self._call("exit_full", L, ("candidates",)))
+                calls.append(self._call("last", s))
+                calls.append(self._final(L))
+                return calls
+            if end not in self.exits:
+                continue
+            calls.append(self._call("last", s))
+            calls += self._decision(end, first_exit, exiting=end == exit_at)
+            first_exit = False
+            if end == exit_at:
+                if self.policy == "copy":
+                    calls += [self._call("kv_segment", t) for t in range(s + 1, len(self._segment_end))]
+                return calls
+        raise AssertionError("unreachable: the last segment ends at the final layer")
+
+    def _decision(self, layer: int, first: bool, exiting: bool) -> list[Call]:
+        """The exit test after `layer`: what it runs and which of its outputs come to the host."""
+        sig = self.signal
+        calls: list[Call] = []
+        picked = ("candidates", "candidate_logits")  # the token (id 0 under greedy) and the K scores
+        if self.sampling and exiting:
+            picked = (*picked, "logits")
+        if sig.startswith("topk"):  # even sampling draws from the K candidates here (the runner's rule)
+            if first:
+                calls.append(self._call("exit_full", layer, ("candidates", "candidate_logits")))
+            else:
+                calls.append(self._call("exit_local", layer, ("candidate_logits",)))
+        elif sig.startswith("full"):
+            calls.append(self._call("exit_full", layer, picked))
+            calls.append(self._call("logsumexp", layer, ("logsumexp",)))
+        else:  # cosine: one scalar decides; the exit head runs only for a token that exits
+            calls.append(self._call("cosine", layer, ("cosine",)))
+            if exiting:
+                calls.append(self._call("exit_full", layer, picked))
+        return calls
+
+    def _final(self, L: int) -> Call:
+        return self._call("exit_full", L, ("candidates", "candidate_logits", *(("logits",) if self.sampling else ())))
+
+    # --- checks ---------------------------------------------------------------------------------------------------
+    def scenarios(self) -> list[list[Call]]:
+        """Every shape a generated token's calls can take under this plan: full depth and each exit, with and
+        without deferred positions, and verify's draft check."""
+        out = []
+        for exit_at in [None, *self.exits]:
+            for pending in (False, True):
+                out.append(self.token(exit_at, pending))
+        if self.policy == "verify":
+            out.append(self.token(None, pending=True, drafts=True))
+        return out
+
+    def host_copies(self, calls: list[Call]) -> list[tuple[Call, Binding]]:
+        """Outputs that cross from the device to the host (none on the CPU EP: its memory is the host's)."""
+        if self.device == "cpu":
+            return []
+        return [(c, b) for c in calls for b in c.bindings if b.host_read]
+
+
+def plan_for(
+    manifest: Manifest,
+    provider: str,
+    exits: list[int],
+    signal: str = "topk-prob",
+    policy: str = "defer",
+    temperature: float = 0.0,
+) -> BindingPlan:
+    return BindingPlan(manifest, provider, sorted(exits), signal, policy, sampling=temperature > 0)
