@@ -175,7 +175,7 @@ class BindingPlan:
         """The exit test after `layer`: what it runs and which of its outputs come to the host."""
         sig = self.signal
         calls: list[Call] = []
-        picked = ("candidates", "candidate_logits")  # the token (id 0 under greedy) and the K scores
+        picked: tuple[str, ...] = ("candidates", "candidate_logits")  # the token (id 0 under greedy) and the K scores
         if self.sampling and exiting:
             picked = (*picked, "logits")
         if sig.startswith("topk"):  # even sampling draws from the K candidates here (the runner's rule)
