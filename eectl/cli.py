@@ -493,7 +493,7 @@ def export(
     )
     out_.line(
         f"artifact: {folder} ({summary['size_mb']} MB, {len(manifest.segments)} segments, "
-        f"exported and validated in {v.get('export_seconds')} s)"
+        f"exported and validated in {v.get('export_seconds')} s, peak RSS {v.get('peak_rss_mb')} MB)"
     )
 
 

@@ -25,6 +25,7 @@ What this module does not do: choose exits at run time (runtime/), or calibrate 
 
 from __future__ import annotations
 
+import resource
 import shutil
 import tempfile
 import time
@@ -470,6 +471,8 @@ def export_artifact(
                 log.log("validating the graphs against PyTorch (prefill + 16 greedy decode steps, every exit)")
             manifest.validation = validate_artifact(loaded, tmp, heads, log=log)
         manifest.validation["export_seconds"] = round(time.perf_counter() - started, 2)
+        # the process's peak so far (model loading included): big models' export must fit in memory
+        manifest.validation["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         write_manifest(manifest, tmp)
         _replace(tmp, out)
     except BaseException:
