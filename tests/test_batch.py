@@ -1,0 +1,74 @@
+"""Batched segment calls equal single-row calls: rows of different lengths share one call (per-row seqlens_k),
+rows that sit out a call keep their K/V and length, single-row chunks run on a row's view of the batch buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eectl.export import ExportOptions, export_artifact
+from eectl.models import load_model
+from eectl.runtime.batch import new_batch_kv, run_row, run_rows
+from eectl.runtime.sessions import ArtifactRuntime
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def runtimes(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch-artifacts")
+    out = {}
+    for fam, folder in tiny_dirs.items():
+        export_artifact(load_model(str(folder)), root / fam, ExportOptions(exits=[2, 4], top_k=8, validate=False))
+        out[fam] = ArtifactRuntime(root / fam, provider="cpu")
+    return out
+
+
+def test_batched_rows_equal_rows_alone(runtimes, family):
+    """Prefill (single-row chunks on the batch buffers), then decode steps with some rows sitting out: every
+    active row's outputs and K/V equal the single-row path's; sliding windows (mistral, gemma3) are crossed."""
+    rt = runtimes[family]
+    m = rt.manifest
+    H = m.dims["hidden_size"]
+    rng = np.random.default_rng(0)
+    prompts = [5, 19, 2, 11]
+    B, steps = len(prompts), 9
+    kv = new_batch_kv(rt, B, 32)
+    alone = rt.new_kv(B, 32)
+    for s in range(len(m.segments)):
+        for r, n in enumerate(prompts):
+            x = rng.standard_normal((1, n, H)).astype(np.float32)
+            got = run_row(rt, s, x, kv, r)
+            ref = rt.run_segment(s, x, alone, row=r)
+            assert got is not None
+            np.testing.assert_allclose(got[0], ref[0], atol=ATOL)
+        for step in range(steps):
+            active = rng.random(B) < 0.7
+            active[step % B] = True
+            x = rng.standard_normal((B, 1, H)).astype(np.float32)
+            out = run_rows(rt, s, x, kv, active, kv_only=step % 4 == 3)
+            for r in np.flatnonzero(active):
+                ref = rt.run_segment(s, x[r : r + 1], alone, row=int(r), kv_only=step % 4 == 3)
+                if out is not None:
+                    np.testing.assert_allclose(out[0][r], ref[0][0], atol=ATOL)
+                    np.testing.assert_allclose(out[1][r], ref[1][0], atol=ATOL)
+    assert (kv.filled == alone.filled).all() and (kv.filled[:, 0] > np.array(prompts)).all()
+    for r in range(B):
+        for layer in range(m.num_layers):
+            n = int(kv.filled[r, layer])
+            np.testing.assert_allclose(kv.keys[layer][r, :, :n], alone.keys[r][layer][0, :, :n], atol=ATOL)
+            np.testing.assert_allclose(kv.values[layer][r, :, :n], alone.values[r][layer][0, :, :n], atol=ATOL)
+
+
+def test_batched_call_rejects_a_full_buffer(runtimes):
+    rt = runtimes["llama"]
+    kv = new_batch_kv(rt, 2, 3)
+    x = np.random.default_rng(1).standard_normal((2, 1, rt.manifest.dims["hidden_size"])).astype(np.float32)
+    for _ in range(3):
+        run_rows(rt, 0, x, kv, np.array([True, False]))
+    before = kv.keys[0][0].copy()
+    run_rows(rt, 0, x, kv, np.array([False, True]))  # the full row only rides along, on its scratch slot
+    assert list(kv.filled[:, 0]) == [3, 1]
+    np.testing.assert_array_equal(kv.keys[0][0, :, :3], before[:, :3])  # its real positions are untouched
+    with pytest.raises(Exception, match="beyond the KV buffer"):
+        run_rows(rt, 0, x, kv, np.array([True, True]))
