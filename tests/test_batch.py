@@ -9,7 +9,7 @@ import pytest
 from eectl.export import ExportOptions, export_artifact
 from eectl.models import load_model
 from eectl.runtime.batch import new_batch_kv, run_row, run_rows
-from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.sessions import ArtifactRuntime, cuda_usable
 
 ATOL = 1e-5
 
@@ -72,3 +72,24 @@ def test_batched_call_rejects_a_full_buffer(runtimes):
     np.testing.assert_array_equal(kv.keys[0][0, :, :3], before[:, :3])  # its real positions are untouched
     with pytest.raises(Exception, match="beyond the KV buffer"):
         run_rows(rt, 0, x, kv, np.array([True, True]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDAExecutionProvider")
+def test_batched_rows_on_cuda_equal_cpu(tiny_dirs, tmp_path):
+    """The same calls with the KV buffers as CUDA OrtValues (row views by device pointer) give the CPU's outputs."""
+    export_artifact(load_model(str(tiny_dirs["llama"])), tmp_path / "a", ExportOptions(exits=[3], dtype="fp16"))
+    rts = [ArtifactRuntime(tmp_path / "a", provider=p) for p in ("cpu", "cuda")]
+    H = rts[0].manifest.dims["hidden_size"]
+    rng = np.random.default_rng(0)
+    prefill = [rng.standard_normal((1, n, H)).astype(np.float16) for n in (4, 9, 2)]
+    decode = rng.standard_normal((3, 1, H)).astype(np.float16)
+    outs = []
+    for rt in rts:
+        kv = new_batch_kv(rt, 3, 16)
+        for r, x in enumerate(prefill):
+            run_row(rt, 0, x, kv, r)
+        got = run_rows(rt, 0, decode, kv, np.array([True, False, True]))
+        assert got is not None and list(kv.filled[:, 0]) == [5, 9, 3]
+        outs.append(got[0][[0, 2]].astype(np.float32))
+    np.testing.assert_allclose(outs[1], outs[0], atol=0.05)
