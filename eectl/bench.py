@@ -37,7 +37,7 @@ BASELINES = ("hf", "full")  # every other configuration is a KV policy's name (e
 
 @dataclass
 class BenchOptions:
-    configs: list[str] = field(default_factory=lambda: ["hf", "full", "copy", "defer", "verify"])
+    configs: list[str] = field(default_factory=lambda: [*BASELINES, *POLICIES])
     prompts: int = 10
     max_new_tokens: int = 64
     reps: int = 3

@@ -173,7 +173,7 @@ def calibrate(
     exits: Annotated[str | None, typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.")] = None,
     signal: Annotated[
         str | None,
-        typer.Option(help="topk-prob, topk-margin, topk-prob+margin, full-prob, full-margin or cosine."),
+        typer.Option(help="Exit signal, a name in eectl.exits.SIGNALS (topk-prob, full-prob, cosine, ...)."),
     ] = None,
     top_k: Annotated[int | None, typer.Option(help="Local vocabulary size of the topk-* signals.")] = None,
     heads: Annotated[Path | None, typer.Option(help="Trained exit heads (heads.safetensors): exits use them.")] = None,
@@ -480,7 +480,8 @@ def run(
     ] = None,
     exits: Annotated[str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.")] = None,
     policy: Annotated[
-        str | None, typer.Option(help="KV of skipped layers: copy, defer (default) or verify (lossless).")
+        str | None,
+        typer.Option(help="KV of skipped layers: defer (default), copy, verify (lossless), ... (policies.py)."),
     ] = None,
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
@@ -575,7 +576,7 @@ def bench(
     ] = None,
     prompts: Annotated[int | None, typer.Option(help="Number of prompts (default 10).")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per prompt (default 64).")] = None,
-    policies: Annotated[str | None, typer.Option(help="Configurations (default hf,full,copy,defer,verify).")] = None,
+    policies: Annotated[str | None, typer.Option(help="hf, full and KV policy names (default: all of them).")] = None,
     reps: Annotated[int | None, typer.Option(help="Interleaved repetitions after the warm-up (default 3).")] = None,
     exits: Annotated[str | None, typer.Option(help="Active exits of the early-exit configurations, e.g. 24.")] = None,
     signal: Annotated[str | None, typer.Option(help="Exit signal (default: the calibration's).")] = None,

@@ -36,11 +36,17 @@ class HeadsSpec(_Strict):
     lr: float = Field(1e-3, gt=0)
 
 
+def _policies() -> list[str]:
+    from eectl.runtime.policies import POLICIES
+
+    return list(POLICIES)
+
+
 class BenchSpec(_Strict):
     prompts: int = Field(10, gt=0)
     max_new_tokens: int = Field(64, gt=0)
     reps: int = Field(3, gt=0)
-    configs: list[str] = Field(default_factory=lambda: ["hf", "full", "copy", "defer", "verify"])
+    configs: list[str] = Field(default_factory=lambda: ["hf", "full", *_policies()])  # baselines, every KV policy
 
 
 class Recipe(_Strict):
@@ -70,10 +76,8 @@ class Recipe(_Strict):
     @field_validator("kv_policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:
-        from eectl.runtime.policies import POLICIES
-
-        if v not in POLICIES:
-            raise ValueError(f"unknown KV policy '{v}' (choose from {', '.join(POLICIES)})")
+        if v not in _policies():
+            raise ValueError(f"unknown KV policy '{v}' (choose from {', '.join(_policies())})")
         return v
 
 
