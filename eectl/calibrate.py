@@ -53,8 +53,6 @@ from eectl.calibration_file import (
     ModelInfo,
     OverallStats,
     SplitStats,
-    read_calibration,
-    write_calibration,
 )
 from eectl.data import encode_prompt
 from eectl.errors import DataError, UsageError
@@ -63,7 +61,6 @@ from eectl.models.adapters import Adapter, Capture, KVCache
 from eectl.recipe import check_exit_layers
 from eectl.thresholds import assign_exits, clopper_pearson_lower, fit_thresholds, min_tokens_for
 
-__all__ = ["Calibration", "read_calibration", "write_calibration"]  # the file's schema, re-exported for callers
 SOURCES = ("teacher-forced", "generated")
 
 

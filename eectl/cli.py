@@ -196,7 +196,8 @@ def calibrate(
     json_out: JsonOpt = False,
 ) -> None:
     """Per-exit thresholds so that exits agree with the full model at a stated rate (sequential, held-out checked)."""
-    from eectl.calibrate import CalibrateOptions, calibrate_model, check_options, write_calibration
+    from eectl.calibrate import CalibrateOptions, calibrate_model, check_options
+    from eectl.calibration_file import write_calibration
     from eectl.data import load_text_data
     from eectl.models import load_model
 

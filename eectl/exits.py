@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eectl.errors import UsageError
+
 if TYPE_CHECKING:
     from eectl.models.adapters import Adapter
 
@@ -315,8 +317,6 @@ DEFAULT_SIGNAL = "topk-prob"
 
 
 def get_signal(name: str) -> Signal:
-    from eectl.errors import UsageError
-
     if name not in SIGNALS:
         raise UsageError(f"--signal must be one of {', '.join(SIGNALS)}, got '{name}'")
     return SIGNALS[name]
