@@ -1,6 +1,6 @@
 """KV policies: what happens to the layers a token skipped when it exits early.
 
-The layers after an exit still owe later tokens their K/V. A policy is one class with four hooks the runner calls
+The layers after an exit still owe later tokens their K/V. A policy is one class with five hooks the runner calls
 during one token's pass over the segments (runner.py: `Runner._step`):
 
     may_exit(row)                       before the pass: may this token exit at all?
