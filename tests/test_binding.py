@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from eectl.exits import CRITERIA
+from eectl.exits import SIGNALS
 from eectl.export import ExportOptions, export_artifact
 from eectl.manifest import read_manifest
 from eectl.runtime.binding import HIDDEN, KV, LOGITS, PER_TOKEN_HOST_ALLOWED, plan_for
-from eectl.runtime.runner import POLICIES
+from eectl.runtime.policies import POLICIES
 
 EXITS = [2, 4]
 DEVICE_HELPERS = {"last", "concat", "logsumexp", "cosine"}  # device-side pieces beyond the exported graphs
@@ -24,7 +24,7 @@ def manifest(llama, tmp_path_factory):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("signal", sorted(CRITERIA))
+@pytest.mark.parametrize("signal", sorted(SIGNALS))
 def test_cuda_plan_keeps_hidden_kv_and_logits_on_the_device(manifest, policy, signal):
     plan = plan_for(manifest, "cuda", EXITS, signal, policy)
     for calls in plan.scenarios():

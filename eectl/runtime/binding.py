@@ -28,8 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eectl.errors import UsageError
-from eectl.exits import CRITERIA
+from eectl.exits import get_signal
 from eectl.manifest import Manifest
+from eectl.runtime.policies import Copy, Defer, KVPolicy, Verify, policy_class
 
 # What a bound value is, by its size per token; the rule is about the first three.
 HIDDEN, KV, LOGITS = "hidden", "kv", "logits"
@@ -115,12 +116,15 @@ class BindingPlan:
     policy: str = "defer"
     sampling: bool = False  # temperature > 0: a full-vocabulary pick samples from V logits, which go to the host
     device: str = field(init=False)
+    _policy: type[KVPolicy] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.provider not in ("cuda", "cpu"):
             raise UsageError(f"binding plan for an unknown provider '{self.provider}'")
-        if self.signal not in CRITERIA:
-            raise UsageError(f"unknown signal '{self.signal}'")
+        self._signal = get_signal(self.signal)
+        self._policy = policy_class(self.policy)
+        if not issubclass(self._policy, (Copy, Defer)):
+            raise UsageError(f"no binding plan for the {self.policy} policy yet")
         self.device = "cuda" if self.provider == "cuda" else "cpu"
         self._segment_end = [s.layers[1] for s in self.manifest.segments]
 
@@ -151,11 +155,11 @@ class BindingPlan:
         first_exit = True
         for s, end in enumerate(self._segment_end):
             starts_at_exit = s > 0 and self._segment_end[s - 1] in self.exits
-            if pending and starts_at_exit and self.policy in ("defer", "verify"):
+            if pending and starts_at_exit and issubclass(self._policy, Defer):
                 calls.append(self._call("concat", s))  # the states that exited before this segment ride along
             calls.append(self._call("segment", s))
             if end == L:
-                if drafts and self.policy == "verify":
+                if drafts and issubclass(self._policy, Verify):
                     calls.append(self._call("exit_full", L, ("candidates",)))
                 calls.append(self._call("last", s))
                 calls.append(self._final(L))
@@ -166,24 +170,24 @@ class BindingPlan:
             calls += self._decision(end, first_exit, exiting=end == exit_at)
             first_exit = False
             if end == exit_at:
-                if self.policy == "copy":
+                if issubclass(self._policy, Copy):
                     calls += [self._call("kv_segment", t) for t in range(s + 1, len(self._segment_end))]
                 return calls
         raise AssertionError("unreachable: the last segment ends at the final layer")
 
     def _decision(self, layer: int, first: bool, exiting: bool) -> list[Call]:
         """The exit test after `layer`: what it runs and which of its outputs come to the host."""
-        sig = self.signal
+        sig = self._signal
         calls: list[Call] = []
         picked: tuple[str, ...] = ("candidates", "candidate_logits")  # the token (id 0 under greedy) and the K scores
         if self.sampling and exiting:
             picked = (*picked, "logits")
-        if sig.startswith("topk"):  # even sampling draws from the K candidates here (the runner's rule)
+        if sig.needs_candidates:  # even sampling draws from the K candidates here (the runner's rule)
             if first:
                 calls.append(self._call("exit_full", layer, ("candidates", "candidate_logits")))
             else:
                 calls.append(self._call("exit_local", layer, ("candidate_logits",)))
-        elif sig.startswith("full"):
+        elif not sig.needs_layer_input:  # the full vocabulary's softmax
             calls.append(self._call("exit_full", layer, picked))
             calls.append(self._call("logsumexp", layer, ("logsumexp",)))
         else:  # cosine: one scalar decides; the exit head runs only for a token that exits
@@ -203,7 +207,7 @@ class BindingPlan:
         for exit_at in [None, *self.exits]:
             for pending in (False, True):
                 out.append(self.token(exit_at, pending))
-        if self.policy == "verify":
+        if issubclass(self._policy, Verify):
             out.append(self.token(None, pending=True, drafts=True))
         return out
 
