@@ -8,7 +8,7 @@ import pytest
 
 from eectl.export import ExportOptions, export_artifact
 from eectl.models import load_model
-from eectl.runtime.batch import new_batch_kv, run_row, run_rows
+from eectl.runtime.batch import new_batch_kv, run_rows
 from eectl.runtime.sessions import ArtifactRuntime, cuda_usable
 
 ATOL = 1e-5
@@ -38,7 +38,7 @@ def test_batched_rows_equal_rows_alone(runtimes, family):
     for s in range(len(m.segments)):
         for r, n in enumerate(prompts):
             x = rng.standard_normal((1, n, H)).astype(np.float32)
-            got = run_row(rt, s, x, kv, r)
+            got = rt.run_segment(s, x, kv, row=r)  # on the row's view of the batch buffers
             ref = rt.run_segment(s, x, alone, row=r)
             assert got is not None
             np.testing.assert_allclose(got[0], ref[0], atol=ATOL)
@@ -56,8 +56,8 @@ def test_batched_rows_equal_rows_alone(runtimes, family):
     for r in range(B):
         for layer in range(m.num_layers):
             n = int(kv.filled[r, layer])
-            np.testing.assert_allclose(kv.keys[layer][r, :, :n], alone.keys[r][layer][0, :, :n], atol=ATOL)
-            np.testing.assert_allclose(kv.values[layer][r, :, :n], alone.values[r][layer][0, :, :n], atol=ATOL)
+            np.testing.assert_allclose(kv.batch_keys[layer][r, :, :n], alone.keys[r][layer][0, :, :n], atol=ATOL)
+            np.testing.assert_allclose(kv.batch_values[layer][r, :, :n], alone.values[r][layer][0, :, :n], atol=ATOL)
 
 
 def test_batched_call_rejects_a_full_buffer(runtimes):
@@ -66,10 +66,10 @@ def test_batched_call_rejects_a_full_buffer(runtimes):
     x = np.random.default_rng(1).standard_normal((2, 1, rt.manifest.dims["hidden_size"])).astype(np.float32)
     for _ in range(3):
         run_rows(rt, 0, x, kv, np.array([True, False]))
-    before = kv.keys[0][0].copy()
+    before = kv.batch_keys[0][0].copy()
     run_rows(rt, 0, x, kv, np.array([False, True]))  # the full row only rides along, on its scratch slot
     assert list(kv.filled[:, 0]) == [3, 1]
-    np.testing.assert_array_equal(kv.keys[0][0, :, :3], before[:, :3])  # its real positions are untouched
+    np.testing.assert_array_equal(kv.batch_keys[0][0, :, :3], before[:, :3])  # its real positions are untouched
     with pytest.raises(Exception, match="beyond the KV buffer"):
         run_rows(rt, 0, x, kv, np.array([True, True]))
 
@@ -88,8 +88,29 @@ def test_batched_rows_on_cuda_equal_cpu(tiny_dirs, tmp_path):
     for rt in rts:
         kv = new_batch_kv(rt, 3, 16)
         for r, x in enumerate(prefill):
-            run_row(rt, 0, x, kv, r)
+            rt.run_segment(0, x, kv, row=r)
         got = run_rows(rt, 0, decode, kv, np.array([True, False, True]))
         assert got is not None and list(kv.filled[:, 0]) == [5, 9, 3]
         outs.append(got[0][[0, 2]].astype(np.float32))
     np.testing.assert_allclose(outs[1], outs[0], atol=0.05)
+
+
+def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch):
+    """Full depth, 3 rows: after the prefill every segment runs once per step for all rows, not once per row."""
+    from eectl.runtime import runner as runner_mod
+    from eectl.runtime.runner import RunConfig, Runner
+
+    rt = runtimes["qwen2"]
+    calls = []
+    real = runner_mod.run_rows
+
+    def counting(*args, **kwargs):
+        calls.append(int(args[4].sum()))  # active rows
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner_mod, "run_rows", counting)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    gens = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate(prompts)
+    assert calls == [3] * (len(rt.manifest.segments) * 5)  # 5 decode steps after the prefill, all rows each time
+    alone = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate([p])[0] for p in prompts]
+    assert [g.token_ids for g in gens] == [g.token_ids for g in alone]

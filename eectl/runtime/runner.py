@@ -5,15 +5,20 @@ is scored through `eectl.exits.ExitScoring` on the ONNX exit graphs (`OrtExitLog
 runs in torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become is the KV
 policy's business (policies.py): the runner calls its hooks and stays a loop over segments.
 
-Rows of a batch are independent sequences with their own buffers and decisions, run in lock-step.
+Rows of a batch are independent sequences with their own cache rows and decisions, run in lock-step: per token
+every row's step runs until it needs a graph call, and a segment runs once for all rows that reach it with one new
+position (runtime/batch.py; per-row lengths), the final head once for all rows that reach it. Rows that exited
+early sit out the deeper calls (they ride along on a scratch slot: GQA cannot skip rows); rows with several
+positions (prefill, deferred positions) run single-row calls on their rows of the same buffers.
 What this module does not do: tokenise or format output (generate.py / cli.py), or load torch models.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +26,7 @@ import torch
 from eectl.errors import UsageError
 from eectl.exits import DEFAULT_SIGNAL, ExitScoring, get_signal
 from eectl.recipe import check_exit_layers
+from eectl.runtime.batch import BatchKV, new_batch_kv, run_rows
 from eectl.runtime.policies import policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
@@ -155,10 +161,64 @@ class Runner:
 
     # --- one sequence step ------------------------------------------------------------------------------------
     def _step(self, row: int, st: RowState, kv: KVBuffers, chunk_ids: list[int], force_full: bool = False) -> int:
+        """One row's step on its own (teacher-forced scoring, verify's closing pass): `_steps` with one row."""
+        return self._steps(kv, {row: (st, chunk_ids)}, force_full)[row]
+
+    def _steps(
+        self, kv: KVBuffers, work: dict[int, tuple[RowState, list[int]]], force_full: bool = False
+    ) -> dict[int, int]:
+        """One step for several rows at once: each row's `_row_step` runs until it asks for a graph call; the
+        calls are gathered, so a segment runs once for all rows that reach it with one position (batched, with
+        per-row lengths; runtime/batch.py) and the final head once for all rows that reach it."""
+        gens = {r: self._row_step(r, st, kv, ids, force_full) for r, (st, ids) in work.items()}
+        asks = {r: next(g) for r, g in gens.items()}
+        tokens: dict[int, int] = {}
+        while asks:
+            segs = {r: a for r, a in asks.items() if a[0] == "segment"}
+            if segs:  # segments in order: every row's next ask is a later segment or the final head
+                s = min(a[1] for a in segs.values())
+                answers = self._run_segment_rows(s, {r: a[2] for r, a in segs.items() if a[1] == s}, kv)
+            else:
+                rows = sorted(asks)
+                logits, _, _ = self.rt.exit_full(self.L, np.concatenate([asks[r][2] for r in rows]), self.cfg.top_k)
+                answers = {r: logits[i : i + 1] for i, r in enumerate(rows)}
+            for r, answer in answers.items():
+                try:
+                    asks[r] = gens[r].send(answer)
+                except StopIteration as done:
+                    tokens[r] = done.value
+                    del asks[r]
+        return tokens
+
+    def _run_segment_rows(self, s: int, xs: dict[int, np.ndarray], kv: KVBuffers) -> dict[int, Any]:
+        """Segment s for the rows in xs (hidden [1, S, H] each): one batched call for the rows with one position
+        (when the buffers are a batch's), single-row calls on their views for the others (GQA takes several new
+        positions on a past for one row at a time)."""
+        ones = [r for r, x in xs.items() if x.shape[1] == 1]
+        answers: dict[int, Any] = {}
+        if isinstance(kv, BatchKV) and len(ones) > 1:
+            hidden = np.zeros((kv.rows, 1, xs[ones[0]].shape[-1]), dtype=xs[ones[0]].dtype)
+            active = np.zeros(kv.rows, dtype=bool)
+            for r in ones:
+                hidden[r], active[r] = xs[r][0], True
+            result = run_rows(self.rt, s, hidden, kv, active)
+            assert result is not None
+            out, layer_in = result
+            answers = {r: (out[r : r + 1], layer_in[r : r + 1]) for r in ones}
+        for r, x in xs.items():
+            if r not in answers:
+                answers[r] = self.rt.run_segment(s, x, kv, r)
+        return answers
+
+    def _row_step(
+        self, row: int, st: RowState, kv: KVBuffers, chunk_ids: list[int], force_full: bool = False
+    ) -> Generator[tuple[str, int, np.ndarray], Any, int]:
         """Process chunk_ids (the prompt, or the last token) and decide the next token; returns it.
 
-        Under verify, a final-depth pass may roll back wrong drafts: then st.tokens is shorter afterwards and the
-        returned token is the full model's token at the first wrong position.
+        Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in); ("final", L, h [1, H]) ->
+        logits [1, V]); `_steps` answers them. Under verify, a final-depth pass may roll back wrong drafts: then
+        st.tokens is shorter afterwards and the returned token is the full model's token at the first wrong
+        position.
         """
         m = self.m
         h = self.rt.embed(np.array([chunk_ids], dtype=np.int64))
@@ -166,12 +226,12 @@ class Runner:
         may_exit = len(chunk_ids) == 1 and not force_full and self.policy.may_exit(st)
         for s in range(len(m.segments)):
             x = self.policy.before_segment(st, s, h)
-            out, layer_in = self.rt.run_segment(s, x, kv, row)
+            out, layer_in = yield ("segment", s, x)
             if s == self.final_segment:
                 corrected = self.policy.on_final(row, st, kv, out)
                 if corrected is not None:
                     return corrected
-                logits, _, _ = self.rt.exit_full(self.L, out[0, -1:], self.cfg.top_k)
+                logits = yield ("final", self.L, out[0, -1:])
                 st.exit_layers.append(self.L)
                 if st.forced is not None:
                     return self._forced(st, logits[0])
@@ -218,7 +278,8 @@ class Runner:
     def generate(
         self, prompts: list[list[int]], on_step: Callable[[int, list[int]], None] | None = None
     ) -> list[Generation]:
-        """Generate for each prompt (rows in lock-step, each with its own cache and decisions).
+        """Generate for each prompt: rows in lock-step, each with its own cache rows and decisions, one graph call
+        per segment for the rows that run it (`_steps`).
 
         `on_step(row, confirmed)` sees each row's generated tokens that can no longer change (under verify: those
         before the first unchecked draft), after every step: for streaming.
@@ -233,25 +294,22 @@ class Runner:
                 f"prompt of {longest} tokens + {cfg.max_new_tokens} new tokens exceeds the maximum context "
                 f"of {self.m.max_positions}"
             )
-        kv = self.rt.new_kv(len(prompts), need)
+        kv = new_batch_kv(self.rt, len(prompts), need)
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
-        for r, st in enumerate(rows):  # prefill: always full depth
-            t0 = time.perf_counter()
-            st.tokens.append(self._step(r, st, kv, st.tokens))
-            st.latencies.append(time.perf_counter() - t0)
-            st.done = self._finished(r, st, kv)
-            if on_step is not None:
-                on_step(r, self._confirmed(st))
+        first = True  # prefill: the whole prompt, always full depth
         while not all(st.done for st in rows):
-            for r, st in enumerate(rows):
-                if st.done:
-                    continue
-                t0 = time.perf_counter()
-                st.tokens.append(self._step(r, st, kv, [st.tokens[-1]]))
-                st.latencies.append(time.perf_counter() - t0)
+            live = {r: (st, st.tokens if first else [st.tokens[-1]]) for r, st in enumerate(rows) if not st.done}
+            t0 = time.perf_counter()
+            tokens = self._steps(kv, live)
+            took = time.perf_counter() - t0  # a row's latency is its batch step's: rows wait for each other
+            for r, token in tokens.items():
+                st = rows[r]
+                st.tokens.append(token)
+                st.latencies.append(took)
                 st.done = self._finished(r, st, kv)
                 if on_step is not None:
                     on_step(r, self._confirmed(st))
+            first = False
         return [
             Generation(
                 prompt_ids=st.tokens[: st.prompt_len],

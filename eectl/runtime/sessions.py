@@ -135,6 +135,17 @@ class Graph:
         return self.session.io_binding()
 
 
+@dataclass(frozen=True)
+class DeviceView:
+    """Rows of a device buffer bound by pointer (a row of a batch's [B, ...] KV buffer on the GPU: ORT's Python API
+    has no OrtValue views, but it binds raw device memory)."""
+
+    device: str
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: Any
+
+
 @dataclass
 class KVBuffers:
     """Per row and layer: key and value buffers [1, H_kv, max_len, D], and how many positions each layer holds."""
@@ -224,11 +235,12 @@ class ArtifactRuntime:
 
     # --- binding helpers -------------------------------------------------------------------------------------------
     def _bind_array(self, io: Any, name: str, arr: Any, output: bool = False) -> None:
-        if isinstance(arr, np.ndarray):
+        if isinstance(arr, np.ndarray | DeviceView):
+            device, ptr = ("cpu", arr.ctypes.data) if isinstance(arr, np.ndarray) else (arr.device, arr.ptr)
             if output:
-                io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+                io.bind_output(name, device, 0, arr.dtype, list(arr.shape), ptr)
             else:
-                io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+                io.bind_input(name, device, 0, arr.dtype, list(arr.shape), ptr)
         elif output:
             io.bind_ortvalue_output(name, arr)
         else:
