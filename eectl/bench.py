@@ -50,6 +50,7 @@ class BenchOptions:
     provider: str = "cpu"
     threads: int | None = None
     raw: bool = False
+    batch_size: int = 1  # prompts per eectl generate call (rows in lock-step, one graph call per segment); hf: 1
 
 
 @dataclass
@@ -57,10 +58,12 @@ class ConfigResult:
     name: str
     ms_per_token: float  # median over reps of (decode time / decoded tokens)
     ms_per_token_spread: tuple[float, float]  # min, max over reps
-    tokens_per_s: float
+    tokens_per_s: float  # per row: 1000 / ms_per_token
+    throughput: float  # decoded tokens per second over all rows of a batch (median over reps)
     ttft_ms: float  # median over prompts and reps
     rss_mb: float  # process RSS after this configuration's runs (cumulative peak: see the notes)
-    speedup_vs_full: float | None = None
+    speedup_vs_full: float | None = None  # per-row latency ratio
+    throughput_vs_full: float | None = None  # all-rows throughput ratio, at the same batch size
     speedup_vs_hf: float | None = None
     mean_layers: float | None = None
     layer_bound: float | None = None  # L / mean executed layers
@@ -84,6 +87,7 @@ class BenchResult:
     prompts: int
     max_new_tokens: int
     reps: int
+    batch_size: int
     signal: str
     exits: list[int]
     thresholds: dict[str, dict[str, float]]
@@ -126,6 +130,8 @@ class _Run:
     decide_s: float
     drafted: int = 0
     rejected: int = 0
+    decode_tokens: int = 0  # over all rows
+    decode_wall_s: float = 0.0  # wall time of the decode steps (a batch's rows share each step)
 
 
 class _HF:
@@ -209,22 +215,30 @@ class _Configs:
 
     def once(self, name: str, prompt_ids: list[list[int]]) -> _Run:
         run = _Run([], [], [], [], 0.0)
-        for p in prompt_ids:
-            if name == "hf":
-                assert self.hf is not None
+        if name == "hf":  # one prompt at a time
+            assert self.hf is not None
+            for p in prompt_ids:
                 new, ttft, lat = self.hf.run(p, self.stop)
                 run.generations.append(new)
                 run.ttfts.append(ttft)
                 run.latencies.extend(lat)
-                continue
-            g: Generation = self.runners[name].generate([p])[0]
-            run.generations.append(g.token_ids)
-            run.ttfts.append(g.ttft_s)
-            run.latencies.extend(g.latencies_s[1:])
-            run.exit_layers.extend(g.exit_layers[1:])
-            run.decide_s += g.decide_s
-            run.drafted += g.drafted
-            run.rejected += g.rejected_drafts
+                run.decode_tokens += len(lat)
+                run.decode_wall_s += sum(lat)
+            return run
+        b = self.opts.batch_size
+        for i in range(0, len(prompt_ids), b):
+            gens: list[Generation] = self.runners[name].generate(prompt_ids[i : i + b])
+            for g in gens:
+                run.generations.append(g.token_ids)
+                run.ttfts.append(g.ttft_s)
+                run.latencies.extend(g.latencies_s[1:])
+                run.exit_layers.extend(g.exit_layers[1:])
+                run.decide_s += g.decide_s
+                run.drafted += g.drafted
+                run.rejected += g.rejected_drafts
+                run.decode_tokens += len(g.latencies_s) - 1
+            # the rows step together: the longest-running row was live in every decode step of the batch
+            run.decode_wall_s += max(sum(g.latencies_s[1:]) for g in gens)
         return run
 
 
@@ -256,6 +270,7 @@ def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> Config
         ms_per_token=statistics.median(per_rep),
         ms_per_token_spread=(min(per_rep), max(per_rep)),
         tokens_per_s=1000 / statistics.median(per_rep) if statistics.median(per_rep) > 0 else 0.0,
+        throughput=statistics.median([r.decode_tokens / r.decode_wall_s if r.decode_wall_s > 0 else 0.0 for r in reps]),
         ttft_ms=1000 * statistics.median([t for r in reps for t in r.ttfts]),
         rss_mb=round(rss, 1),
     )
@@ -329,8 +344,8 @@ def run_bench(
     bad = [c for c in opts.configs if c not in known]
     if bad:
         raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(known)}")
-    if opts.reps < 1 or opts.prompts < 1 or opts.max_new_tokens < 1:
-        raise UsageError("--reps, --prompts and --max-new-tokens must be >= 1")
+    if opts.reps < 1 or opts.prompts < 1 or opts.max_new_tokens < 1 or opts.batch_size < 1:
+        raise UsageError("--reps, --prompts, --max-new-tokens and --batch-size must be >= 1")
     if not prompts:
         raise UsageError("no prompts to benchmark")
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
@@ -351,6 +366,7 @@ def run_bench(
     by = {r.name: r for r in results}
     for r in results:
         r.speedup_vs_full = by["full"].ms_per_token / r.ms_per_token if r.ms_per_token else None
+        r.throughput_vs_full = r.throughput / by["full"].throughput if by["full"].throughput else None
         if "hf" in by:
             r.speedup_vs_hf = by["hf"].ms_per_token / r.ms_per_token if r.ms_per_token else None
     if heldout:
@@ -358,6 +374,8 @@ def run_bench(
     sweep = _sweep(configs, ids, full_tokens)
     notes = [
         f"{rt.threads} ONNX Runtime threads (one global pool); torch (hf) threads set to the same count",
+        f"eectl configurations run {opts.batch_size} prompt(s) per batch (hf one at a time): ms/token is a row's "
+        "latency per decode step, throughput counts decoded tokens of all rows per second of decode wall time",
         "RSS is the process's resident memory after each configuration's runs; ORT and torch share the process",
     ]
     return BenchResult(
@@ -368,6 +386,7 @@ def run_bench(
         prompts=len(ids),
         max_new_tokens=opts.max_new_tokens,
         reps=opts.reps,
+        batch_size=opts.batch_size,
         signal=configs.signal,
         exits=configs.exits,
         thresholds={str(k): v for k, v in configs.thresholds.items()},
@@ -430,17 +449,20 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         f"# eectl bench: {r.model}",
         "",
         f"Artifact `{r.artifact}`, provider {r.provider}, {r.threads} threads, {r.prompts} prompts x "
-        f"{r.max_new_tokens} new tokens, {r.reps} interleaved repetitions after a warm-up. Early exit: signal "
+        f"{r.max_new_tokens} new tokens, batch size {r.batch_size}, {r.reps} interleaved repetitions after a warm-up. "
+        "Early exit: signal "
         f"{r.signal or '-'}, exits {r.exits or '-'}. Speedups are ratios against baselines measured in this run.",
         "",
-        "| config | ms/token (median, min-max) | tokens/s | TTFT ms | vs full | vs hf | mean layers | bound | "
-        "decide share | token agreement | exact match | first divergence | perplexity | GSM8K acc | RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | ms/token (median, min-max) | tokens/s per row | throughput tokens/s (vs full) | TTFT ms | "
+        "vs full | vs hf | mean layers | bound | decide share | token agreement | exact match | first divergence | perplexity | "
+        "GSM8K acc | RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in r.configs:
         lines.append(
             f"| {c.name} | {c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-{c.ms_per_token_spread[1]:.1f}) | "
-            f"{c.tokens_per_s:.1f} | {c.ttft_ms:.0f} | {_fmt(c.speedup_vs_full)}x | {_fmt(c.speedup_vs_hf)}x | "
+            f"{c.tokens_per_s:.1f} | {c.throughput:.1f} ({_fmt(c.throughput_vs_full)}x) | {c.ttft_ms:.0f} | "
+            f"{_fmt(c.speedup_vs_full)}x | {_fmt(c.speedup_vs_hf)}x | "
             f"{_fmt(c.mean_layers, '.1f')} | {_fmt(c.layer_bound)}x | {_fmt(c.decide_share, '.1%')} | "
             f"{_fmt(c.token_agreement, '.1%')} | {_fmt(c.exact_match, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "
             f"{_fmt(c.perplexity, '.2f')} | {_fmt(c.gsm8k_accuracy, '.0%')} | {c.rss_mb:.0f} |"

@@ -590,6 +590,9 @@ def bench(
     report: Annotated[Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).")] = None,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "cpu",
     raw: Annotated[bool, typer.Option(help="No chat template.")] = False,
+    batch_size: Annotated[
+        int, typer.Option(help="Prompts per batch for eectl configurations (throughput next to per-row latency).")
+    ] = 1,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -624,6 +627,7 @@ def bench(
         provider=provider,
         threads=n_threads,
         raw=raw,
+        batch_size=batch_size,
     )
     result = run_bench(artifact, text.prompts[:n], opts, heldout, answers, log=out)
     files = write_report(result, report) if report is not None else []

@@ -111,6 +111,26 @@ def _torch_perplexity(artifact, tiny_dirs, n):
     return math.exp(float(torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]))))
 
 
+def test_bench_batch_size_reports_throughput_and_keeps_each_rows_tokens(artifact):
+    """--batch-size 2 over 3 prompts (a batch of 2, then 1): throughput beside per-row latency, and every row's
+    tokens equal its independent run alone (full depth and defer)."""
+    args = ["bench", str(artifact), "--data", str(GSM8K), "--prompts", "3", "--max-new-tokens", "12", "--reps", "1"]
+    args += ["--policies", "full,defer", "--thresholds", "0.0", "--sweep", "", "--ppl-tokens", "0", "--raw"]
+    res = CliRunner().invoke(app, [*args, "--batch-size", "2", "--json", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    by = {c["name"]: c for c in doc["configs"]}
+    assert doc["batch_size"] == 2
+    for c in by.values():
+        assert c["throughput"] > 0 and c["throughput_vs_full"] == pytest.approx(
+            c["throughput"] / by["full"]["throughput"]
+        )
+    full, early = _independent_runs(artifact, ("defer",))
+    agreement, exact, first = _agreement(early["defer"], full)
+    assert by["defer"]["token_agreement"] == pytest.approx(agreement) and by["defer"]["exact_match"] == exact
+    assert by["full"]["exact_match"] == 1.0
+
+
 def test_bench_rejects_unknown_config(artifact):
     res = CliRunner().invoke(app, ["bench", str(artifact), "--policies", "full,turbo", "--data", str(GSM8K)])
     assert res.exit_code == 2 and "unknown configuration" in res.stderr
