@@ -454,8 +454,8 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         f"{r.signal or '-'}, exits {r.exits or '-'}. Speedups are ratios against baselines measured in this run.",
         "",
         "| config | ms/token (median, min-max) | tokens/s per row | throughput tokens/s (vs full) | TTFT ms | "
-        "vs full | vs hf | mean layers | bound | decide share | token agreement | exact match | first divergence | perplexity | "
-        "GSM8K acc | RSS MB |",
+        "vs full | vs hf | mean layers | bound | decide share | token agreement | exact match | first divergence | "
+        "perplexity | GSM8K acc | RSS MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in r.configs:
