@@ -103,6 +103,16 @@ class OrtExitLogits:
         return torch.from_numpy(self.rt.exit_local(layer, hidden.numpy(), candidates.numpy()))
 
 
+@dataclass
+class Decide:
+    """A row's request for an exit test: its token's state after the exit's layer [H], the last layer's input [H]
+    (the cosine signal), and the candidates an earlier exit picked for it ([1, K] or None)."""
+
+    hidden: np.ndarray
+    layer_input: np.ndarray
+    candidates: Any = None
+
+
 class Runner:
     def __init__(self, runtime: ArtifactRuntime, config: RunConfig) -> None:
         self.rt = runtime
@@ -150,14 +160,28 @@ class Runner:
         return int(ids[i]) if ids is not None else i
 
     # --- exits -------------------------------------------------------------------------------------------------------
-    def _decide(self, layer: int, h: np.ndarray, h_in: np.ndarray, scoring: ExitScoring) -> int | None:
-        """Exit test at `layer` for the current token's hidden state h [H]; returns the token when it exits."""
-        layer_input = torch.from_numpy(h_in[None]) if self.signal.needs_layer_input else None
-        score = scoring.score(layer, torch.from_numpy(h[None]), layer_input)
-        if not bool(self.signal.passes(score.values, self.cfg.thresholds[layer])[0]):
-            return None
-        pred = score.prediction()
-        return self._pick(pred.logits[0].numpy(), None if pred.ids is None else pred.ids[0].numpy())
+    def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[int | None, Any]]:
+        """Exit test at `layer` for several rows' current tokens at once (one exit graph call for all of them);
+        per row: (the token when it exits, else None; its candidates for later exits)."""
+        rows = sorted(asks)
+        hidden = torch.from_numpy(np.stack([asks[r].hidden for r in rows]))  # [N, H]
+        layer_input = None
+        if self.signal.needs_layer_input:
+            layer_input = torch.from_numpy(np.stack([asks[r].layer_input for r in rows]))
+        scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k)
+        if asks[rows[0]].candidates is not None:  # rows at one exit passed the same earlier exits
+            scoring.candidates = torch.cat([asks[r].candidates for r in rows])
+        score = scoring.score(layer, hidden, layer_input)
+        passed = self.signal.passes(score.values, self.cfg.thresholds[layer])
+        answers: dict[int, tuple[int | None, Any]] = {}
+        for i, r in enumerate(rows):
+            cands = None if scoring.candidates is None else scoring.candidates[i : i + 1]
+            token = None
+            if bool(passed[i]):
+                pred = score.prediction()
+                token = self._pick(pred.logits[i].numpy(), None if pred.ids is None else pred.ids[i].numpy())
+            answers[r] = (token, cands)
+        return answers
 
     # --- one sequence step ------------------------------------------------------------------------------------
     def _step(self, row: int, st: RowState, kv: KVBuffers, chunk_ids: list[int], force_full: bool = False) -> int:
@@ -174,13 +198,21 @@ class Runner:
         asks = {r: next(g) for r, g in gens.items()}
         tokens: dict[int, int] = {}
         while asks:
-            segs = {r: a for r, a in asks.items() if a[0] == "segment"}
-            if segs:  # segments in order: every row's next ask is a later segment or the final head
-                s = min(a[1] for a in segs.values())
-                answers = self._run_segment_rows(s, {r: a[2] for r, a in segs.items() if a[1] == s}, kv)
+            # in pass order: segment s, then the exit after it, ..., the final head; a row only ever asks later
+            key = min(self._order(a) for a in asks.values())
+            group = {r: a for r, a in asks.items() if self._order(a) == key}
+            kind, at = next(iter(group.values()))[:2]
+            answers: dict[int, Any]
+            if kind == "segment":
+                answers = self._run_segment_rows(at, {r: a[2] for r, a in group.items()}, kv)
+            elif kind == "decide":
+                t0 = time.perf_counter()
+                answers = self._decide_rows(at, {r: a[2] for r, a in group.items()})
+                for r in group:  # every row waited for the whole batched decision
+                    work[r][0].decide_s += time.perf_counter() - t0
             else:
-                rows = sorted(asks)
-                logits, _, _ = self.rt.exit_full(self.L, np.concatenate([asks[r][2] for r in rows]), self.cfg.top_k)
+                rows = sorted(group)
+                logits, _, _ = self.rt.exit_full(self.L, np.concatenate([group[r][2] for r in rows]), self.cfg.top_k)
                 answers = {r: logits[i : i + 1] for i, r in enumerate(rows)}
             for r, answer in answers.items():
                 try:
@@ -189,6 +221,16 @@ class Runner:
                     tokens[r] = done.value
                     del asks[r]
         return tokens
+
+    def _order(self, ask: tuple[str, int, Any]) -> float:
+        """Where an ask sits in one pass: segment s -> 2s, the exit after it (exits sit at segment ends) -> 2s + 1,
+        the final head last."""
+        kind, at = ask[0], ask[1]
+        if kind == "segment":
+            return 2 * at
+        if kind == "decide":
+            return 2 * self.rt.segment_of_layer[at] + 1
+        return float("inf")
 
     def _run_segment_rows(self, s: int, xs: dict[int, np.ndarray], kv: KVBuffers) -> dict[int, Any]:
         """Segment s for the rows in xs (hidden [1, S, H] each): one batched call for the rows with one position
@@ -212,17 +254,17 @@ class Runner:
 
     def _row_step(
         self, row: int, st: RowState, kv: KVBuffers, chunk_ids: list[int], force_full: bool = False
-    ) -> Generator[tuple[str, int, np.ndarray], Any, int]:
+    ) -> Generator[tuple[str, int, Any], Any, int]:
         """Process chunk_ids (the prompt, or the last token) and decide the next token; returns it.
 
-        Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in); ("final", L, h [1, H]) ->
-        logits [1, V]); `_steps` answers them. Under verify, a final-depth pass may roll back wrong drafts: then
-        st.tokens is shorter afterwards and the returned token is the full model's token at the first wrong
-        position.
+        Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in); ("decide", layer, Decide) ->
+        (token or None, candidates); ("final", L, h [1, H]) -> logits [1, V]); `_steps` answers them. Under verify,
+        a final-depth pass may roll back wrong drafts: then st.tokens is shorter afterwards and the returned token
+        is the full model's token at the first wrong position.
         """
         m = self.m
         h = self.rt.embed(np.array([chunk_ids], dtype=np.int64))
-        scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k)
+        cands: Any = None  # this token's candidates, once the first exit picked them
         may_exit = len(chunk_ids) == 1 and not force_full and self.policy.may_exit(st)
         for s in range(len(m.segments)):
             x = self.policy.before_segment(st, s, h)
@@ -238,9 +280,7 @@ class Runner:
                 return self._pick(logits[0])
             layer = self.exit_after_segment.get(s)
             if layer is not None and may_exit:
-                t0 = time.perf_counter()
-                token = self._decide(layer, out[0, -1], layer_in[0, -1], scoring)
-                st.decide_s += time.perf_counter() - t0
+                token, cands = yield ("decide", layer, Decide(out[0, -1], layer_in[0, -1], cands))
                 if token is not None:
                     self.policy.on_exit(row, st, kv, s, out, token)
                     st.exit_layers.append(layer)
