@@ -13,7 +13,8 @@ Two limits of the op shape how calls are made (ONNX Runtime 1.31):
 - GQA cannot skip rows. A row that does not take part in a batched call still rides along: its input is zeros, it
   writes its would-be K/V to the slot just past its length (the scratch slot: never counted as filled, overwritten
   by the row's next real position), its outputs are ignored and its length does not advance. Hence capacity =
-  the longest sequence + 1.
+  the longest sequence + 1. A call spans only the rows from the first to the last active one (a contiguous view),
+  so finished rows at the ends of the batch cost nothing.
 
 What this module does not do: decide exits or policies (runner.py); it only runs segments for chosen rows.
 """
@@ -71,12 +72,17 @@ def new_batch_kv(rt: ArtifactRuntime, rows: int, max_len: int) -> BatchKV:
 
 
 def _row_view(buf: Any, row: int, dtype: Any) -> Any:
-    """Row `row` of a [B, ...] buffer as a [1, ...] buffer: contiguous, so a view (numpy) or a pointer (device)."""
+    """Row `row` of a [B, ...] buffer as a [1, ...] buffer."""
+    return _rows(buf, row, row + 1, dtype)
+
+
+def _rows(buf: Any, first: int, last: int, dtype: Any) -> Any:
+    """Rows [first, last) of a [B, ...] buffer: contiguous, so a view (numpy) or a pointer (device), no copy."""
     if isinstance(buf, np.ndarray):
-        return buf[row : row + 1]
+        return buf[first:last]
     shape = tuple(buf.shape())
     nbytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
-    return DeviceView(buf.device_name(), buf.data_ptr() + row * nbytes, (1, *shape[1:]), np.dtype(dtype))
+    return DeviceView(buf.device_name(), buf.data_ptr() + first * nbytes, (last - first, *shape[1:]), np.dtype(dtype))
 
 
 def _past(kv: BatchKV, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -107,15 +113,23 @@ def run_rows(
         raise UsageError(f"the sequence reached {longest} tokens, beyond the KV buffer of {kv.max_len}")
     if int(past.max()) + 1 > kv.capacity:  # an idle row already at its maximum has no scratch slot
         raise RuntimeError(f"row lengths {past} leave no scratch slot in a buffer of {kv.capacity}")
-    x = np.where(active[:, None, None], hidden, 0).astype(rt.np_dtype)
+    # the call spans the rows from the first to the last active one (a contiguous range: a view of the buffers);
+    # only idle rows between them ride along
+    rows = np.flatnonzero(active)
+    if rows.size == 0:
+        raise ValueError("a batched call needs at least one active row")
+    first, last = int(rows[0]), int(rows[-1]) + 1
+    span = slice(first, last)
+    x = np.where(active[span, None, None], hidden[span], 0).astype(rt.np_dtype)
     io = g.binding()
     io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(x))
-    io.bind_cpu_input(g.name("seqlens_k"), past.astype(np.int32))  # total length - 1, the new position included
-    io.bind_cpu_input(g.name("total_sequence_length"), np.array(int(past.max()) + 1, dtype=np.int32))
+    io.bind_cpu_input(g.name("seqlens_k"), past[span].astype(np.int32))  # total length - 1, new position included
+    io.bind_cpu_input(g.name("total_sequence_length"), np.array(int(past[span].max()) + 1, dtype=np.int32))
     for j, layer in enumerate(range(lo, hi)):
         for key, buf in (("key", kv.batch_keys[layer]), ("value", kv.batch_values[layer])):
-            rt._bind_array(io, g.names(f"past_{key}")[j], buf)
-            rt._bind_array(io, g.names(f"present_{key}")[j], buf, output=True)
+            view = _rows(buf, first, last, rt.np_dtype)
+            rt._bind_array(io, g.names(f"past_{key}")[j], view)
+            rt._bind_array(io, g.names(f"present_{key}")[j], view, output=True)
     if not kv_only:
         io.bind_output(g.name("hidden_out"), "cpu")
         io.bind_output(g.name("layer_input"), "cpu")
@@ -125,4 +139,7 @@ def run_rows(
         return None
     outs = io.get_outputs()
     n = 2 * (hi - lo)  # the present K/V outputs were bound first
-    return outs[n].numpy(), outs[n + 1].numpy()
+    out = np.zeros((B, 1, hidden.shape[-1]), dtype=rt.np_dtype)
+    layer_in = np.zeros_like(out)
+    out[span], layer_in[span] = outs[n].numpy(), outs[n + 1].numpy()
+    return out, layer_in
