@@ -15,6 +15,7 @@ from eectl.exits import ExitHead, signals, topk_candidates
 from eectl.export import ExportOptions, export_artifact
 from eectl.models import load_model
 from eectl.runtime.generate import RunOptions, resolve_config
+from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime, cuda_usable, resolve_provider
 from tests.conftest import EXPORT_EXITS, EXPORT_TOP_K, make_calibration
@@ -139,17 +140,36 @@ def test_copy_fills_every_layer_and_matches_exit_lens_at_one_exit(artifacts, fam
     assert gen.token_ids == defer.token_ids and gen.exit_layers == [6] + [4] * 11
 
 
-def test_batch_rows_equal_rows_alone(artifacts):
-    loaded, rt = artifacts["qwen3"]
+def test_batch_rows_equal_rows_alone(artifacts, family, monkeypatch):
+    """Batched rows (one segment call for the rows that reach it, exited rows' deferred states riding along in
+    deeper calls, or waiting with ride_along off) give each row exactly its tokens and exits alone, every policy."""
+    loaded, rt = artifacts[family]
     v = loaded.adapter.dims.vocab_size
-    prompts = [_prompt(5, 7, v), _prompt(6, 12, v), _prompt(7, 3, v)]
+    prompts = [_prompt(5, 7, v), _prompt(6, 12, v), _prompt(7, 3, v), _prompt(8, 5, v)]
     thresholds = _median_thresholds(loaded, prompts[0], 15)
-    for policy in ("copy", "defer", "verify"):
-        batch = _runner(rt, policy, thresholds, new=15).generate(prompts)
+    rides, mixed = [], []
+    ride = Runner._ride
+
+    def counting(self, st, s):  # counts the deeper calls an exited row's state actually rode along in
+        gen = ride(self, st, s)
+        try:
+            ask = next(gen)
+            while True:
+                answer = yield ask
+                rides.extend([1] if answer is not None else [])
+                ask = gen.send(answer)
+        except StopIteration:
+            return
+
+    monkeypatch.setattr(Runner, "_ride", counting)
+    for policy in POLICIES:
         alone = [_runner(rt, policy, thresholds, new=15).generate([p])[0] for p in prompts]
-        assert any(_mixed(g.exit_layers) for g in batch), policy
-        assert [g.token_ids for g in batch] == [g.token_ids for g in alone], policy
-        assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone], policy
+        for ride_along in (True, False):
+            batch = _runner(rt, policy, thresholds, new=15, ride_along=ride_along).generate(prompts)
+            mixed.append(any(_mixed(g.exit_layers) for g in batch))
+            assert [g.token_ids for g in batch] == [g.token_ids for g in alone], (policy, ride_along)
+            assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone], (policy, ride_along)
+    assert any(mixed) and rides  # rows exited at different depths, and the riding path ran
 
 
 def test_sampling_is_deterministic_for_a_seed(artifacts):

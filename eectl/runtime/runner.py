@@ -27,7 +27,7 @@ from eectl.errors import UsageError
 from eectl.exits import DEFAULT_SIGNAL, ExitScoring, get_signal
 from eectl.recipe import check_exit_layers
 from eectl.runtime.batch import BatchKV, new_batch_kv, run_rows
-from eectl.runtime.policies import policy_class
+from eectl.runtime.policies import Defer, KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
 
@@ -43,6 +43,9 @@ class RunConfig:
     top_p: float = 1.0
     seed: int = 0
     verify_block: int = 8  # verify: at most this many drafts before a forced full-depth pass
+    # batches (defer, verify): an exited row's deferred state joins the deeper segment calls that run anyway for other
+    # rows (its K/V computed now, the same values a later flush computes) instead of waiting; see `_ride`
+    ride_along: bool = True
     stop_ids: tuple[int, ...] = ()
 
 
@@ -203,7 +206,9 @@ class Runner:
             group = {r: a for r, a in asks.items() if self._order(a) == key}
             kind, at = next(iter(group.values()))[:2]
             answers: dict[int, Any]
-            if kind == "segment":
+            if all(a[0] == "ride" for a in group.values()):
+                answers = {r: None for r in group}  # no row needs this segment now: the riders' states wait
+            elif kind in ("segment", "ride"):
                 answers = self._run_segment_rows(at, {r: a[2] for r, a in group.items()}, kv)
             elif kind == "decide":
                 t0 = time.perf_counter()
@@ -226,7 +231,7 @@ class Runner:
         """Where an ask sits in one pass: segment s -> 2s, the exit after it (exits sit at segment ends) -> 2s + 1,
         the final head last."""
         kind, at = ask[0], ask[1]
-        if kind == "segment":
+        if kind in ("segment", "ride"):
             return 2 * at
         if kind == "decide":
             return 2 * self.rt.segment_of_layer[at] + 1
@@ -287,9 +292,33 @@ class Runner:
                     if st.forced is not None:
                         logits, _, _ = self.rt.exit_full(layer, out[0, -1:], self.cfg.top_k)
                         return self._forced(st, logits[0])
+                    yield from self._ride(st, s)
                     return token
             h = out
         raise AssertionError("unreachable: the final segment returns")
+
+    def _ride(self, st: RowState, s: int) -> Generator[tuple[str, int, Any], Any, None]:
+        """The token exited after segment s; in a batch, its deferred state rides along in the deeper segments.
+
+        A batched call costs about the same whatever rows are active in it (rows that sit out still ride along on
+        their scratch slot), so computing the exited state's K/V in the calls other rows need anyway is free, and it
+        spares a later single-row flush call (GQA takes several positions per row only one row at a time). A segment
+        no other row needs this token is not run for a rider: its state keeps waiting there (plain defer). Riding
+        stops before the final segment for policies that check states there (verify's drafts)."""
+        if not (self.cfg.ride_along and isinstance(self.policy, Defer)):
+            return
+        checks_final = type(self.policy).on_final is not KVPolicy.on_final
+        for t in range(s + 1, self.final_segment if checks_final else self.final_segment + 1):
+            x = st.pending[t]
+            if x is None or x.shape[1] != 1:
+                return
+            result = yield ("ride", t, x)
+            if result is None:
+                return
+            st.pending[t] = None
+            if t < self.final_segment:  # its output waits at the next segment's input, behind earlier positions
+                prev = st.pending[t + 1]
+                st.pending[t + 1] = result[0] if prev is None else np.concatenate([prev, result[0]], axis=1)
 
     @staticmethod
     def _forced(st: RowState, logits: np.ndarray) -> int:
