@@ -119,9 +119,7 @@ def _rms(b: _Builder, x: str, weight: torch.Tensor, eps: float, name: str) -> st
     return b.op("SimplifiedLayerNormalization", [x, b.const(name, weight)], axis=-1, epsilon=eps)
 
 
-def _add_rms(
-    b: _Builder, x: str, delta: str | None, weight: torch.Tensor, eps: float, name: str
-) -> tuple[str, str]:
+def _add_rms(b: _Builder, x: str, delta: str | None, weight: torch.Tensor, eps: float, name: str) -> tuple[str, str]:
     """RMSNorm(x + delta) and the sum x + delta, as one SkipSimplifiedLayerNormalization (the residual add and the
     next norm read the stream once; ORT does not fuse the pair itself when the sum has other consumers)."""
     if delta is None:

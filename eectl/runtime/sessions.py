@@ -77,18 +77,13 @@ def resolve_provider(requested: str, dtype: str) -> str:
     return "cpu"
 
 
-def session_options(threads: int | None = None, prepack: bool = True) -> Any:
-    """Session options on the shared pool. `prepack=False` keeps float MatMul weights in their [in, out] layout:
-    with one token (M = 1) MLAS then takes its matrix-vector path, which reads each weight once, where the
-    prepacked GEMM is built for many rows (measured in the perf issue: decode faster, prefill about the same)."""
+def session_options(threads: int | None = None) -> Any:
     ort = _ort()
     init_ort(threads)
     so = ort.SessionOptions()
     so.use_per_session_threads = False  # the process-wide pool from init_ort
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
-    if not prepack:
-        so.add_session_config_entry("session.disable_prepacking", "1")
     return so
 
 
@@ -149,8 +144,7 @@ class ArtifactRuntime:
         self.np_dtype = np.float16 if m.dtype == "fp16" else np.float32
         self.device = "cuda" if self.provider == "cuda" else "cpu"
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if self.provider == "cuda" else None
-        # float weights unpacked on the CPU (see session_options); CUDA's kernels do not prepack them
-        so = session_options(threads, prepack=self.provider != "cpu")
+        so = session_options(threads)
 
         def load(io: GraphIO) -> Graph:
             ort = _ort()
