@@ -349,34 +349,37 @@ def ort_profile(artifact: Path, genai_fp32: Path, ids: list[int], tokens: int, t
     r = w.generate(ids, tokens)
     w.close()
     files = [Path(p) for p in r["profiles"]]
-    out["eectl"] = _by_op(files, len(r["decode_s"]) + 1)
+    out["eectl"] = _by_op(files)
     w = genai_worker("genai-prof", genai_fp32, threads, "profile", str(prof / "genai"))
     r = w.generate(ids, tokens)
     w.close()
     files = sorted(Path.cwd().glob("genai*.json")) + sorted(prof.glob("genai*.json"))
-    out["genai-fp32"] = _by_op(files, len(r["decode_s"]) + 2)
+    out["genai-fp32"] = _by_op(files)
     return out
 
 
-def _by_op(files: list[Path], runs_per_token_div: int) -> dict[str, Any]:
+def _by_op(files: list[Path]) -> dict[str, Any]:
+    """Kernel time per decoded token by op type: in each session's profile, the first run (the prefill) is left
+    out and the rest is divided by that session's number of decode runs (one per token), then sessions add up."""
     ops: dict[str, float] = {}
-    runs = 0
-    run_us = 0.0
+    run_ms = 0.0
     for f in files:
-        for ev in json.loads(f.read_text()):
-            if ev.get("cat") == "Node" and ev["name"].endswith("_kernel_time"):
-                op = ev["args"]["op_name"]
-                ops[op] = ops.get(op, 0.0) + ev["dur"]
-            elif ev.get("cat") == "Session" and ev["name"] == "model_run":
-                runs += 1
-                run_us += ev["dur"]
-    total = sum(ops.values())
+        events = json.loads(f.read_text())
+        runs = sorted(
+            (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "Session" and e["name"] == "model_run"
+        )
+        if len(runs) < 2:
+            continue
+        start, n = runs[1][0], len(runs) - 1
+        run_ms += sum(b - a for a, b in runs[1:]) / 1000 / n
+        for e in events:
+            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= start:
+                op = e["args"]["op_name"]
+                ops[op] = ops.get(op, 0.0) + e["dur"] / 1000 / n
     return {
-        "kernel_ms_per_token": total / 1000 / runs_per_token_div,
-        "model_run_ms_per_token": run_us / 1000 / runs_per_token_div,
-        "by_op_ms_per_token": {
-            k: round(v / 1000 / runs_per_token_div, 3) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])
-        },
+        "kernel_ms_per_token": sum(ops.values()),
+        "model_run_ms_per_token": run_ms,
+        "by_op_ms_per_token": {k: round(v, 3) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])},
         "files": [str(f) for f in files],
     }
 
