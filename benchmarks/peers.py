@@ -449,8 +449,13 @@ def main() -> None:
         name, rest = spec.split("=", 1)
         path, _, src = rest.partition("@")
         labels[name] = f"{name} ({path}{' run by ' + src if src else ''})"
+        try:
+            workers.append(eectl_worker(name, Path(path), args.threads, src=Path(src) if src else ROOT))
+        except SystemExit as exc:  # another tree's runtime may not load this artifact: say so, measure the rest
+            skipped[name] = f"skipped: its worker did not start ({exc})"
+            log(skipped[name])
+            continue
         compared[name] = (Path(path), Path(src) if src else ROOT)
-        workers.append(eectl_worker(name, *compared[name][:1], args.threads, src=compared[name][1]))
     if int4_artifact is not None:
         workers.append(eectl_worker("eectl-int4", int4_artifact, args.threads))
     if genai_fp32 is not None and genai_int4 is not None:
