@@ -9,10 +9,11 @@ The decoder is cut at the exit points into segments, each one ONNX graph built d
 A segment layer is  RMSNorm -> QKV MatMul -> (q/k norm) -> GroupQueryAttention (rotary inside, packed QKV, past and
 present KV share one buffer, written in place) -> O MatMul -> residual + RMSNorm -> gate/up MatMul -> act -> down
 MatMul -> residual, with each "residual + RMSNorm" one SkipSimplifiedLayerNormalization (the MLP's residual is added
-by the next layer's input norm, or by one Add at the segment's end), the fused ops onnxruntime-genai's graphs use. One graph serves prefill, one-token decode and multi-token chunks on top of a past (batch, sequence and
-past length dynamic). Each segment also gets a K/V-only graph (the `copy` policy). Exit graphs (optional trained
-head, final norm, LM head, Top-K) take the LM-head weight as an input, so the artifact stores it once
-(weights/*.npy) and every exit session binds the same array.
+by the next layer's input norm, or by one Add at the segment's end), the fused ops onnxruntime-genai's graphs use.
+One graph serves prefill, one-token decode and multi-token chunks on top of a past (batch, sequence and past length
+dynamic). Each segment also gets a K/V-only graph (the `copy` policy). Exit graphs (optional trained head, final
+norm, LM head, Top-K, greedy token) take the LM-head weight, stored transposed [H, V], as an input, so the artifact
+stores it once (weights/*.npy) and every exit session binds the same array.
 
 Why built from the weights rather than exported by torch.onnx: GroupQueryAttention with a shared KV buffer avoids
 concatenating the cache each token, the cost that dominates decode at long context (numbers in the issue notes).
