@@ -251,8 +251,7 @@ class Runner:
         st.drafts = []
         if out.shape[1] < 2:
             return None
-        logits, _, _ = self.rt.exit_full(self.L, out[0, :-1], self.cfg.top_k)
-        full_pred = logits.argmax(-1)
+        full_pred = self.rt.greedy_token(self.L, out[0, :-1])  # the drafts are greedy: only tokens leave the graph
         for j in range(out.shape[1] - 1):
             pos = base + j + 1
             if pos in drafts and drafts[pos] != int(full_pred[j]):
