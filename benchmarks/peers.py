@@ -66,20 +66,17 @@ def run(cmd: list[str], **kw: Any) -> None:
 
 
 def model_folder() -> Path:
-    """The default model as an HF folder (eectl's GGUF cache; converted on first use)."""
+    """The default model as an HF folder with its tokenizer: eectl's GGUF cache folder (converted on first use)."""
     sys.path.insert(0, str(ROOT))
-    from eectl.models.loading import load_model
+    from eectl.models.loading import cache_dir, load_model, resolve_source
 
-    loaded = load_model(None)
-    path = Path(loaded.source.path)
-    if path.suffix == ".gguf" or not (path / "config.json").exists():
-        from eectl.models.loading import cache_dir
-
-        folders = sorted((cache_dir() / "gguf").glob(f"{path.stem}-*"))
-        if not folders:
-            raise SystemExit(f"no converted folder for {path} in {cache_dir() / 'gguf'}")
-        path = folders[-1]
-    return path
+    gguf = resolve_source(None).path
+    assert gguf is not None
+    folders = sorted((cache_dir() / "gguf").glob(f"{gguf.stem}-*"))
+    if not folders:
+        load_model(None)  # converts the GGUF into the cache once
+        folders = sorted((cache_dir() / "gguf").glob(f"{gguf.stem}-*"))
+    return folders[-1]
 
 
 def ensure_venv() -> Path:
