@@ -205,8 +205,9 @@ for line in sys.stdin:
 class Worker:
     def __init__(self, name: str, python: str, script: str, args: list[str], env: dict[str, str]) -> None:
         self.name = name
+        # cwd: `python -c` puts the working directory first on sys.path, before PYTHONPATH (the tree to run)
         self.proc = subprocess.Popen(
-            [python, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+            [python, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=WORK
         )
         ready = self._read()
         assert ready.get("ready"), ready
