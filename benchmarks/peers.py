@@ -346,7 +346,7 @@ def ort_profile(artifact: Path, genai_fp32: Path, ids: list[int], tokens: int, t
     w = eectl_worker("eectl-prof", artifact, threads, "profile", str(prof / "eectl"))
     r = w.generate(ids, tokens)
     w.close()
-    files = [Path(p) for p in r["profiles"]]
+    files = sorted({Path(p) for p in r["profiles"]})  # sessions ended in the same millisecond share a file name
     out["eectl"] = _by_op(files)
     w = genai_worker("genai-prof", genai_fp32, threads, "profile", str(prof / "genai"))
     r = w.generate(ids, tokens)
