@@ -68,6 +68,7 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
         "logits": (LOGITS, True),
         "candidates": (CANDIDATES, True),
         "candidate_logits": (SCORES, True),
+        "token": (SCALAR, True),  # the in-graph argmax (artifacts exported since the greedy token output)
     },
     "exit_local": {
         "hidden": (HIDDEN, False),
@@ -129,11 +130,26 @@ class BindingPlan:
         self._segment_end = [s.layers[1] for s in self.manifest.segments]
 
     # --- the one rule --------------------------------------------------------------------------------------------
+    def _io(self, graph: str, at: int) -> set[str] | None:
+        """The keys an exported graph has (None for the device helpers, which take all of theirs)."""
+        m = self.manifest
+        io = {
+            "embed": lambda: m.embedding,
+            "segment": lambda: m.segments[at].graph,
+            "kv_segment": lambda: m.segments[at].kv_graph,
+            "exit_full": lambda: m.exit_at(at).full,
+            "exit_local": lambda: m.exit_at(at).local,
+        }.get(graph)
+        return None if io is None else set(io().inputs) | set(io().outputs)
+
     def _call(self, graph: str, at: int, host_outputs: tuple[str, ...] = ()) -> Call:
         """Bind every key of `graph`: ids and scalars in from the host, outputs the decision reads to the host,
         everything else (hidden states, KV, logits, weights) in the provider's memory."""
         binds = []
+        present = self._io(graph, at)
         for key, (kind, output) in KINDS[graph].items():
+            if present is not None and key not in present:
+                continue
             if output:
                 device = "cpu" if key in host_outputs else self.device
             else:
@@ -159,8 +175,9 @@ class BindingPlan:
                 calls.append(self._call("concat", s))  # the states that exited before this segment ride along
             calls.append(self._call("segment", s))
             if end == L:
-                if drafts and issubclass(self._policy, Verify):
-                    calls.append(self._call("exit_full", L, ("candidates",)))
+                if drafts and issubclass(self._policy, Verify):  # each flushed position's argmax checks a draft
+                    has_token = "token" in self.manifest.exit_at(L).full.outputs
+                    calls.append(self._call("exit_full", L, ("token",) if has_token else ("candidates",)))
                 calls.append(self._call("last", s))
                 calls.append(self._final(L))
                 return calls
@@ -197,7 +214,13 @@ class BindingPlan:
         return calls
 
     def _final(self, L: int) -> Call:
-        return self._call("exit_full", L, ("candidates", "candidate_logits", *(("logits",) if self.sampling else ())))
+        """The final head: sampling reads the V logits; greedy reads the in-graph argmax (one id per row), or, in an
+        artifact without that output, the Top-K (its first id)."""
+        if self.sampling:
+            return self._call("exit_full", L, ("logits",))
+        if "token" in self.manifest.exit_at(L).full.outputs:
+            return self._call("exit_full", L, ("token",))
+        return self._call("exit_full", L, ("candidates", "candidate_logits"))
 
     # --- checks ---------------------------------------------------------------------------------------------------
     def scenarios(self) -> list[list[Call]]:

@@ -229,6 +229,10 @@ class Runner:
                 answers = self._decide_rows(at, {r: a[2] for r, a in group.items()})
                 for r in group:  # every row waited for the whole batched decision
                     work[r][0].decide_s += time.perf_counter() - t0
+            elif kind == "greedy":  # the final head's in-graph argmax: one token per row leaves the graph
+                rows = sorted(group)
+                ids = self.rt.greedy_token(self.L, np.concatenate([group[r][2] for r in rows]))
+                answers = {r: int(ids[i]) for i, r in enumerate(rows)}
             else:
                 rows = sorted(group)
                 logits, _, _ = self.rt.exit_full(self.L, np.concatenate([group[r][2] for r in rows]), self.cfg.top_k)
@@ -243,13 +247,13 @@ class Runner:
 
     def _order(self, ask: tuple[str, int, Any]) -> float:
         """Where an ask sits in one pass: segment s -> 2s, the exit after it (exits sit at segment ends) -> 2s + 1,
-        the final head last."""
+        the final head last (the rows wanting only the greedy token in one call, those wanting logits in another)."""
         kind, at = ask[0], ask[1]
-        if kind in ("segment", "ride"):
+        if kind in ("segment", "ride"):  # riders join the segment's call
             return 2 * at
         if kind == "decide":
             return 2 * self.rt.segment_of_layer[at] + 1
-        return float("inf")
+        return 2 * len(self.m.segments) + (kind == "final")  # the final head: greedy asks, then the others
 
     def _run_segment_rows(self, s: int, xs: dict[int, np.ndarray], kv: KVBuffers) -> dict[int, Any]:
         """Segment s for the rows in xs (hidden [1, S, H] each): one batched call for the rows with one position
@@ -277,7 +281,8 @@ class Runner:
         """Process chunk_ids (the prompt, or the last token) and decide the next token; returns it.
 
         Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in); ("decide", layer, Decide) ->
-        (token or None, candidates); ("final", L, h [1, H]) -> logits [1, V]); `_steps` answers them. Under verify,
+        (token or None, candidates); ("greedy", L, h [1, H]) -> token; ("final", L, h [1, H]) -> logits [1, V]);
+        `_steps` answers them. Under verify,
         a final-depth pass may roll back wrong drafts: then st.tokens is shorter afterwards and the returned token
         is the full model's token at the first wrong position.
         """
@@ -292,8 +297,10 @@ class Runner:
                 corrected = self.policy.on_final(row, st, kv, out)
                 if corrected is not None:
                     return corrected
-                logits = yield ("final", self.L, out[0, -1:])
                 st.exit_layers.append(self.L)
+                if st.forced is None and self.cfg.temperature <= 0:  # greedy: only the token leaves the graph
+                    return int((yield ("greedy", self.L, out[0, -1:])))
+                logits = yield ("final", self.L, out[0, -1:])
                 if st.forced is not None:
                     return self._forced(st, logits[0])
                 return self._pick(logits[0])
