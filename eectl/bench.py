@@ -27,6 +27,7 @@ import numpy as np
 
 from eectl.data import encode_prompt
 from eectl.errors import UsageError
+from eectl.files import atomic_write, atomic_write_text
 from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
 from eectl.runtime.runner import POLICIES, Generation, Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -180,6 +181,8 @@ def run_bench(
         raise UsageError("--reps, --prompts and --max-new-tokens must be >= 1")
     if not prompts:
         raise UsageError("no prompts to benchmark")
+    if not all(x > 0 and math.isfinite(x) for x in [opts.threshold_scale, *opts.sweep]):
+        raise UsageError("--threshold-scale and --sweep must be positive finite numbers")
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
     m = rt.manifest
     L = m.num_layers
@@ -439,13 +442,11 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
 
 
 def write_report(result: BenchResult, path: str | Path) -> list[Path]:
-    """Write the markdown report, its PNG plots beside it, and a JSON twin; returns the files written."""
+    """Write the markdown report, its PNG plots beside it, and a JSON twin, each atomically; returns the files."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     plots = _plots(result, p)
-    p.write_text(markdown(result, {k: v.name for k, v in plots.items()}))
-    js = p.with_suffix(".json")
-    js.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    atomic_write_text(p, markdown(result, {k: v.name for k, v in plots.items()}))
+    js = atomic_write_text(p.with_suffix(".json"), json.dumps(result.to_dict(), indent=2) + "\n")
     return [p, js, *plots.values()]
 
 
@@ -469,7 +470,7 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
     ax.set_title(f"{result.model}: latency per configuration ({result.threads} threads)")
     fig.tight_layout()
     out["latency"] = stem.with_name(stem.name + "-latency.png")
-    fig.savefig(out["latency"], dpi=100)
+    atomic_write(out["latency"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
     hist = [c for c in result.configs if c.exit_histogram]
     if hist:
@@ -484,7 +485,7 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
         ax.set_title("exit-layer histogram")
         fig.tight_layout()
         out["exits"] = stem.with_name(stem.name + "-exits.png")
-        fig.savefig(out["exits"], dpi=100)
+        atomic_write(out["exits"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
         plt.close(fig)
     if result.sweep:
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -496,6 +497,6 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
         ax.set_title("agreement vs speedup across threshold scales")
         fig.tight_layout()
         out["sweep"] = stem.with_name(stem.name + "-sweep.png")
-        fig.savefig(out["sweep"], dpi=100)
+        atomic_write(out["sweep"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
         plt.close(fig)
     return out

@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -70,6 +68,7 @@ from eectl.exits import (
     topk_candidates,
     transition_cosine,
 )
+from eectl.files import atomic_write_json
 from eectl.models.adapters import Adapter, KVCache
 
 SCHEMA_VERSION = 1
@@ -555,7 +554,7 @@ def fit_thresholds(
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN thresholds would never exit
 
 
 class SplitStats(_Model):
@@ -781,19 +780,8 @@ class Calibration(_Model):
 
 
 def write_calibration(cal: Calibration, path: str | Path) -> Path:
-    """Write atomically: a temp file in the same folder, then a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(cal.to_dict(), f, indent=2, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write atomically (files.atomic_write: a temp file in the same folder, then a rename), as an ordinary file."""
+    return atomic_write_json(path, cal.to_dict())
 
 
 def read_calibration(path: str | Path) -> Calibration:
@@ -902,7 +890,7 @@ def summarise(
     heads_path: str | Path | None = None,
 ) -> Calibration:
     """Fit the thresholds for `opts.target` / `opts.confidence` on collected measurements; a validated Calibration."""
-    from eectl.models.loading import file_sha256
+    from eectl.files import sha256_file
 
     start = time.perf_counter()
     meas = collected.meas
@@ -950,7 +938,7 @@ def summarise(
         confidence=opts.confidence,
         heads=None
         if heads_path is None
-        else HeadsInfo(path=str(heads_path), sha256=file_sha256(Path(heads_path)), layers=sorted(heads or {})),
+        else HeadsInfo(path=str(heads_path), sha256=sha256_file(heads_path), layers=sorted(heads or {})),
         exits=result.exits,
         calibration=result.calibration,
         heldout=result.heldout,

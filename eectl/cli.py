@@ -15,6 +15,7 @@ import typer
 
 from eectl import __version__
 from eectl.errors import EectlError, NotBuiltError, UsageError
+from eectl.files import check_output_file
 from eectl.output import Output
 from eectl.recipe import Recipe, default_exits, load_recipe, pick
 
@@ -48,6 +49,10 @@ def _mapped(fn: Callable[..., None]) -> Callable[..., None]:
             hint = f" ({exc.hint})" if exc.hint else ""
             print(f"error: {exc.message}{hint}", file=sys.stderr)
             raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            # Typer turns KeyboardInterrupt into a silent exit 130 before main() could see it: say it here.
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
 
     return wrapper
 
@@ -115,6 +120,8 @@ def profile(
         raise UsageError(f"--tokens must be positive, got {n_tokens}")
     if plot is not None and plot.suffix.lower() != ".png":
         raise UsageError(f"--plot must name a .png file, got {plot}")
+    if plot is not None:
+        check_output_file(plot, "--plot")
     n_threads = _threads(threads, r)
     text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
     out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
@@ -221,6 +228,8 @@ def calibrate(
     check_options(opts)
     if heads is not None and not heads.is_file():
         raise UsageError(f"heads not found: {heads}", hint="train them with eectl train-heads")
+    if out_path is not None:
+        check_output_file(out_path, "--out")
     n_threads = _threads(threads, r)
     text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
     out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
@@ -355,6 +364,8 @@ def train_heads(
     config.check()
     if out_path is not None and out_path.suffix != ".safetensors":
         raise UsageError(f"--out must name a .safetensors file, got {out_path}")
+    if out_path is not None:
+        check_output_file(out_path, "--out")
     if resume is not None and not resume.is_file():
         raise UsageError(f"checkpoint not found: {resume}")
     resolve_device(device)
@@ -455,16 +466,22 @@ def export(
     json_out: JsonOpt = False,
 ) -> None:
     """Segmented ONNX graphs cut at the exit points, exit heads and a manifest, validated against PyTorch."""
-    from eectl.export import ExportOptions, describe, export_artifact, load_calibration_dict
-    from eectl.models import load_model
+    from eectl.export import ExportOptions, check_options, describe, export_artifact, load_calibration_dict
+    from eectl.models import load_model, resolve_source
 
     out_ = Output(json_out)
     r = load_recipe(recipe)
-    n_threads = _threads(threads, r)
     exit_layers = _parse_exits(exits, r.exits)
     cal = load_calibration_dict(calibration) if calibration is not None else None
     if cal is not None and exits is None and cal.get("exits"):
         exit_layers = sorted(int(e["layer"]) for e in cal["exits"])
+    if heads is not None and not heads.is_file():
+        raise UsageError(f"heads not found: {heads}", hint="train them with eectl train-heads")
+    # Everything that needs no model is checked before the seconds-long load.
+    folder = out or Path("artifacts") / resolve_source(pick(model, r.model)).name
+    options = ExportOptions(exits=exit_layers or [], dtype=dtype, top_k=pick(top_k, r.top_k), force=force)
+    check_options(options, folder)
+    n_threads = _threads(threads, r)
     loaded = load_model(pick(model, r.model), log=out_)
     head_modules, heads_meta = None, None
     if heads is not None:
@@ -476,9 +493,8 @@ def export(
             exit_layers = sorted(head_modules)
     if exit_layers is None:
         exit_layers = default_exits(loaded.adapter.num_layers)
-    folder = out or Path("artifacts") / loaded.source.name
+    options.exits = exit_layers
     out_.log(f"exporting {loaded.source.name} with exits {exit_layers} to {folder} ({dtype}, {n_threads} threads)")
-    options = ExportOptions(exits=exit_layers, dtype=dtype, top_k=pick(top_k, r.top_k), force=force)
     manifest = export_artifact(loaded, folder, options, head_modules, heads_meta, cal, log=out_)
     summary = describe(manifest, folder)
     out_.json(summary)
@@ -624,6 +640,8 @@ def bench(
 
     out = Output(json_out)
     r = load_recipe(recipe)
+    if report is not None:
+        check_output_file(report, "--report")
     n_threads = _threads(threads, r)
     text = load_text_data(pick(data, r.data.source), r.data.field)
     configs = pick(policies, ",".join(r.bench.configs))

@@ -21,7 +21,6 @@ What this module does not do: choose exits at run time (runtime/), or calibrate 
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 from eectl import __version__
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import DEFAULT_TOP_K, ExitHead
+from eectl.files import STAGING_MARKER, locked_staging, output_error, sha256_file
 from eectl.manifest import (
     MANIFEST,
     SCHEMA_VERSION,
@@ -45,7 +45,7 @@ from eectl.manifest import (
     Manifest,
     Segment,
     SharedWeight,
-    sha256_file,
+    is_artifact,
     write_manifest,
 )
 from eectl.models.adapters import Adapter, KVCache, LayerWeights
@@ -382,13 +382,45 @@ class ExportOptions:
     validate: bool = True
 
 
-def check_exits(exits: list[int], num_layers: int) -> list[int]:
-    bad = [e for e in exits if not 1 <= e < num_layers]
+def check_exits(exits: list[int], num_layers: int | None = None) -> list[int]:
+    """Exit layers: distinct, and (with `num_layers`, once the model is loaded) inside 1..L-1."""
+    bad = [e for e in exits if e < 1 or (num_layers is not None and e >= num_layers)]
     if bad:
-        raise UsageError(f"exits {bad} are outside 1..{num_layers - 1} (the model has {num_layers} layers)")
+        inside = f"1..{num_layers - 1} (the model has {num_layers} layers)" if num_layers else "1..L-1"
+        raise UsageError(f"exits {bad} are outside {inside}")
     if len(set(exits)) != len(exits):
         raise UsageError(f"exits must be distinct, got {exits}")
     return sorted(exits)
+
+
+def check_options(options: ExportOptions, out: Path | None = None, vocab_size: int | None = None) -> None:
+    """Every check that needs no model (run before the seconds-long load), and the vocabulary one when given."""
+    if options.dtype not in DTYPES:
+        raise UsageError(f"--dtype must be fp32 or fp16, got '{options.dtype}'")
+    top = vocab_size if vocab_size is not None else options.top_k
+    if not 2 <= options.top_k <= top:
+        raise UsageError(f"--top-k must be in 2..{vocab_size or 'the vocabulary size'}, got {options.top_k}")
+    check_exits(options.exits)
+    if out is not None:
+        check_destination(out, options.force)
+
+
+def check_destination(out: Path, force: bool) -> None:
+    """An existing destination needs --force, and --force replaces only an eectl artifact (never a user's folder or
+    file). Checked before the work, and again under the destination lock at the rename."""
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise ArtifactError(f"{out} already exists", hint="pass --force to replace it")
+        if out.is_symlink() or not is_artifact(out):
+            raise ArtifactError(
+                f"{out} exists and is not an eectl artifact: --force replaces only artifacts",
+                hint="remove it yourself, or choose another --out",
+            )
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ArtifactError(f"cannot create {out}: {parent} is not a folder")
 
 
 def export_artifact(
@@ -400,14 +432,16 @@ def export_artifact(
     calibration: dict[str, Any] | None = None,
     log: Any = None,
 ) -> Manifest:
-    """Build, write and validate an artifact in a temporary folder, then rename it into place."""
+    """Build, write and validate an artifact in a staging folder, then rename it into place.
+
+    The destination is locked for the whole export (a second export to it fails at once), stale staging folders of
+    killed exports beside it are removed first, and "exists" is checked again at the rename.
+    """
     adapter = loaded.adapter
     L = adapter.num_layers
+    out = Path(out_dir)
+    check_options(options, out, adapter.dims.vocab_size)
     exits = check_exits(options.exits, L)
-    if options.dtype not in DTYPES:
-        raise UsageError(f"--dtype must be fp32 or fp16, got '{options.dtype}'")
-    if options.top_k < 2 or options.top_k > adapter.dims.vocab_size:
-        raise UsageError(f"--top-k must be in 2..{adapter.dims.vocab_size}, got {options.top_k}")
     if calibration is not None:
         cal_model = calibration.get("model", {})
         if cal_model.get("sha256") not in (None, loaded.source.sha256):
@@ -418,37 +452,23 @@ def export_artifact(
     heads = heads or {}
     if set(heads) - set(exits):
         raise UsageError(f"heads for layers {sorted(set(heads) - set(exits))} that are not exits {exits}")
-    out = Path(out_dir)
-    if out.exists() and not options.force:
-        raise ArtifactError(f"{out} already exists", hint="pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the artifact is an ordinary folder once renamed
     started = time.perf_counter()
-    try:
-        manifest = _write_artifact(loaded, tmp, exits, options, heads, heads_meta, calibration, log)
-        if options.validate:
-            if log is not None:
-                log.log("validating the graphs against PyTorch (prefill + 16 greedy decode steps, every exit)")
-            manifest.validation = validate_artifact(loaded, tmp, heads, log=log)
-        manifest.validation["export_seconds"] = round(time.perf_counter() - started, 2)
-        write_manifest(manifest, tmp)
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with locked_staging(out) as staging:
+        check_destination(out, options.force)  # again, now that no other eectl export can write it
+        tmp = staging.folder
+        try:
+            manifest = _write_artifact(loaded, tmp, exits, options, heads, heads_meta, calibration, log)
+            if options.validate:
+                if log is not None:
+                    log.log("validating the graphs against PyTorch (prefill + 16 greedy decode steps, every exit)")
+                manifest.validation = validate_artifact(loaded, tmp, heads, log=log)
+            manifest.validation["export_seconds"] = round(time.perf_counter() - started, 2)
+            write_manifest(manifest, tmp)
+        except OSError as exc:
+            raise output_error(out, exc) from None
+        check_destination(out, options.force)  # and at the rename: something may have appeared meanwhile
+        staging.publish(replace=lambda dest: options.force and not dest.is_symlink() and is_artifact(dest))
     return manifest
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Rename tmp into place; an existing artifact is moved aside first and removed only after the rename."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{int(time.time() * 1000)}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_artifact(
@@ -542,7 +562,7 @@ def _write_artifact(
     manifest.files = {
         str(p.relative_to(folder)): sha256_file(p)
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
+        if p.is_file() and p.relative_to(folder).as_posix() not in (MANIFEST, STAGING_MARKER)
     }
     write_manifest(manifest, folder)
     return manifest

@@ -34,7 +34,6 @@ import contextlib
 import json
 import math
 import os
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -48,12 +47,14 @@ from torch import nn
 
 from eectl.errors import ArtifactError, DataError, EectlError, UsageError
 from eectl.exits import DEFAULT_TOP_K, ExitHead, signals, threshold_for_precision, topk_candidates
+from eectl.files import atomic_write, atomic_write_text
 from eectl.models.adapters import Adapter
 
 DESIGNS = ("residual-linear", "low-rank", "mlp")
 FORMAT = "eectl-heads"
 FORMAT_VERSION = 1
 CHECKPOINT_FORMAT = "eectl-heads-checkpoint"
+CHECKPOINT_VERSION = 2  # 2: safetensors + JSON header (1 was a torch pickle, no longer read)
 DEFAULT_LOW_RANK = 64
 DEFAULT_BATCH_TOKENS = 32
 DEFAULT_EVAL_TOKENS = 4096
@@ -209,9 +210,9 @@ def save_heads(stack: HeadStack, meta: dict[str, Any], path: Path) -> Path:
 
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in stack.state_dict().items()}
     header = {"format": FORMAT, "eectl": json.dumps(meta, sort_keys=True)}
-    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
     side = sidecar_path(path)
-    _atomic_write(side, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8"))
+    atomic_write_text(side, json.dumps(meta, indent=2) + "\n")
     return side
 
 
@@ -241,7 +242,7 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
         raise ArtifactError(f"not a readable safetensors file: {p} ({exc})") from exc
     if header.get("format") != FORMAT or "eectl" not in header:
         raise ArtifactError(f"not an eectl heads file: {p}", hint="train heads with `eectl train-heads`")
-    meta: dict[str, Any] = json.loads(header["eectl"])
+    meta = _read_meta(header["eectl"], p)
     dims = adapter.dims
     want = {"num_layers": dims.num_layers, "hidden_size": dims.hidden_size, "vocab_size": dims.vocab_size}
     have = meta.get("dimensions", {})
@@ -258,8 +259,11 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
             f"{str(base.get('sha256'))[:12]}, this model {sha256[:12]}",
             hint=f"train heads for this model, or load {base.get('spec')}",
         )
-    exits = [int(e) for e in meta["exits"]]
-    stack = HeadStack({layer: make_head(meta["design"], dims.hidden_size, meta.get("rank")) for layer in exits})
+    exits = meta["exits"]
+    try:
+        stack = HeadStack({layer: make_head(meta["design"], dims.hidden_size, meta.get("rank")) for layer in exits})
+    except (UsageError, TypeError, ValueError) as exc:
+        raise ArtifactError(f"heads in {p.name} have bad metadata: {exc}") from None
     try:
         stack.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:
@@ -268,16 +272,22 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
     return HeadSet({layer: stack.head(layer) for layer in exits}, meta)
 
 
-def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
+def _read_meta(text: str, p: Path) -> dict[str, Any]:
+    """The JSON metadata of a heads file, with the keys load_heads relies on checked (one-line ArtifactError)."""
     try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        meta = json.loads(text)
+    except ValueError as exc:
+        raise ArtifactError(f"heads in {p.name} have unreadable metadata: not JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ArtifactError(f"heads in {p.name} have bad metadata: not a JSON object")
+    exits = meta.get("exits")
+    if not isinstance(exits, list) or not exits or not all(isinstance(e, int) and e > 0 for e in exits):
+        raise ArtifactError(f"heads in {p.name} have bad metadata: 'exits' must be a list of layers, got {exits!r}")
+    if meta.get("design") not in DESIGNS:
+        raise ArtifactError(f"heads in {p.name} have bad metadata: unknown design {meta.get('design')!r}")
+    if not isinstance(meta.get("dimensions"), dict) or not isinstance(meta.get("base_model"), dict):
+        raise ArtifactError(f"heads in {p.name} have bad metadata: 'dimensions' and 'base_model' must be objects")
+    return meta
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -648,39 +658,78 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def checkpoint_path(out: Path) -> Path:
-    """heads.safetensors -> heads.ckpt (optimiser state, step, RNG: what --resume needs)."""
-    return out.with_suffix(".ckpt")
+    """heads.safetensors -> heads.ckpt.safetensors (optimiser state, step, RNG: what --resume needs)."""
+    return out.with_suffix(".ckpt.safetensors")
 
 
 def _save_checkpoint(path: Path, identity: dict[str, Any], stack: HeadStack, optimizer: Any, **rest: Any) -> None:
-    state = {
+    """One safetensors file, like everything eectl writes (no pickle): the tensors (heads, AdamW moments, RNG
+    states) and, in its JSON header, the run identity, step, KL history, optimiser hyper-parameters and scaler."""
+    from safetensors.torch import save_file
+
+    tensors = {f"heads.{k}": v.detach().cpu().contiguous() for k, v in stack.state_dict().items()}
+    opt = optimizer.state_dict()
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, entry in opt["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer.{idx}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(idx), {})[name] = value
+    for name, value in rest.pop("rng").items():
+        tensors[f"rng.{name}"] = value.detach().cpu().contiguous()
+    state = {**rest, "param_groups": opt["param_groups"], "optimizer_scalars": scalars}
+    header = {
         "format": CHECKPOINT_FORMAT,
-        "version": FORMAT_VERSION,
+        "version": str(CHECKPOINT_VERSION),
         "identity": json.dumps(identity, sort_keys=True),
-        "heads": {k: v.detach().cpu() for k, v in stack.state_dict().items()},
-        "optimizer": optimizer.state_dict(),
-        **rest,
+        "state": json.dumps(state),
     }
-    _atomic_write(path, lambda tmp: torch.save(state, tmp))
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
 
 
 def _load_checkpoint(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint written by _save_checkpoint, checked to belong to this run; UsageError (one line) otherwise."""
+    from safetensors import SafetensorError, safe_open
+
     if not path.is_file():
         raise UsageError(f"checkpoint not found: {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises pickle / zip / runtime errors for files it cannot read
-        raise UsageError(f"not a readable checkpoint: {path} ({str(exc).splitlines()[0]})") from exc
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise UsageError(f"not an eectl train-heads checkpoint: {path}")
-    saved = json.loads(state["identity"])
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    except (SafetensorError, OSError) as exc:
+        raise UsageError(
+            f"not a readable checkpoint: {path} ({str(exc).splitlines()[0]})",
+            hint="eectl checkpoints are .ckpt.safetensors files written by train-heads; older pickled ones are "
+            "not read: start afresh",
+        ) from None
+    if header.get("format") != CHECKPOINT_FORMAT or header.get("version") != str(CHECKPOINT_VERSION):
+        raise UsageError(f"not an eectl train-heads checkpoint (format {CHECKPOINT_VERSION}): {path}")
+    try:
+        saved = json.loads(header["identity"])
+        state = json.loads(header["state"])
+        groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in state["param_groups"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(f"damaged checkpoint {path.name}: bad header ({type(exc).__name__}: {exc})") from None
     diff = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in identity.items() if saved.get(k) != v]
     if diff:
         raise UsageError(
             f"checkpoint {path.name} is from a different run: {'; '.join(diff)}",
             hint="resume with the same model, data and options, or start afresh without --resume",
         )
-    return state
+    per_param: dict[int, dict[str, Any]] = {int(i): dict(v) for i, v in state["optimizer_scalars"].items()}
+    for key, value in tensors.items():
+        part, _, name = key.partition(".")
+        if part == "optimizer":
+            idx, _, field = name.partition(".")
+            per_param.setdefault(int(idx), {})[field] = value
+    return {
+        **state,
+        "heads": {k.removeprefix("heads."): v for k, v in tensors.items() if k.startswith("heads.")},
+        "optimizer": {"state": per_param, "param_groups": groups},
+        "rng": {k.removeprefix("rng."): v for k, v in tensors.items() if k.startswith("rng.")},
+    }
 
 
 def train_heads(

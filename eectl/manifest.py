@@ -6,7 +6,6 @@ thresholds, and the export's validation result. The runner reads names from here
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -14,13 +13,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eectl.errors import ArtifactError
+from eectl.files import atomic_write_text, confined, read_utf8, sha256_file
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 
 
 class _M(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN threshold would silently never exit
 
 
 class GraphIO(_M):
@@ -103,20 +103,36 @@ class Manifest(_M):
         raise ArtifactError(f"no exit after layer {layer} in this artifact", hint=f"exits: {self.exit_layers}")
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_manifest(manifest: Manifest, folder: Path) -> None:
-    (folder / MANIFEST).write_text(json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
+    atomic_write_text(folder / MANIFEST, json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
+
+
+def is_artifact(folder: Path) -> bool:
+    """Whether `folder` is an eectl artifact, of any schema version: a real folder whose manifest.json is a JSON
+    object with eectl's `schema_version` and `eectl_version`. `export --force` replaces nothing else."""
+    path = folder / MANIFEST
+    if folder.is_symlink() or not folder.is_dir() or not path.is_file():
+        return False
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and isinstance(raw.get("schema_version"), int) and "eectl_version" in raw
+
+
+def artifact_paths(m: Manifest) -> list[str]:
+    """Every path the manifest names, relative to the artifact folder."""
+    paths = [m.tokenizer_dir, m.embedding.file, *m.files, *(w.file for w in m.shared_weights.values())]
+    for s in m.segments:
+        paths += [s.graph.file, s.kv_graph.file]
+    for e in m.exits:
+        paths += [e.full.file, e.local.file]
+    return paths
 
 
 def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
-    """Read and check an artifact's manifest: schema version, every listed file present and unchanged."""
+    """Read and check an artifact's manifest: schema version, every named path inside the folder (symlinks
+    resolved), every listed file present and unchanged. Nothing named by the manifest is opened before that."""
     root = Path(folder)
     path = root / MANIFEST
     if not root.is_dir():
@@ -124,9 +140,9 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     if not path.is_file():
         raise ArtifactError(f"not an eectl artifact (no {MANIFEST}): {folder}")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(read_utf8(path, ArtifactError))
     except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{path} is not valid JSON: {exc.msg}") from exc
+        raise ArtifactError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from exc
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version != SCHEMA_VERSION:
         raise ArtifactError(
@@ -139,6 +155,8 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
         first = exc.errors()[0]
         where = ".".join(map(str, first["loc"]))
         raise ArtifactError(f"inconsistent manifest in {folder}: {where}: {first['msg']}") from None
+    for rel in artifact_paths(manifest):
+        confined(root, rel, ArtifactError)
     _check_consistency(manifest, folder)
     if verify_hashes:
         for rel, digest in manifest.files.items():

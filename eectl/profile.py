@@ -223,10 +223,9 @@ def plot(result: ProfileResult, path: str) -> None:
     axes[2].set_title(f"oracle exits: skip {result.oracle_skip_ratio:.1%}, bound {result.oracle_speedup_bound:.2f}x")
     fig.suptitle(str(result.model.get("name", "")))
     fig.tight_layout()
-    from pathlib import Path
+    from eectl.files import atomic_write
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
 
 

@@ -12,10 +12,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from eectl.errors import UsageError
+from eectl.files import read_utf8
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class DataSpec(_Strict):
@@ -80,7 +81,7 @@ def load_recipe(path: str | Path | None) -> Recipe:
     if not p.is_file():
         raise UsageError(f"recipe not found: {path}")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        raw = yaml.safe_load(read_utf8(p, UsageError)) or {}
     except yaml.YAMLError as exc:
         raise UsageError(f"recipe {p.name} is not valid YAML: {str(exc).splitlines()[0]}") from exc
     if not isinstance(raw, dict):

@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from eectl.errors import UsageError
-from eectl.manifest import GraphIO, Manifest, read_manifest
+from eectl.errors import ArtifactError, UsageError
+from eectl.files import confined
+from eectl.manifest import GraphIO, Manifest, SharedWeight, read_manifest
 
 _THREADS: int | None = None
 
@@ -83,6 +84,21 @@ def session_options(threads: int | None = None) -> Any:
     return so
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _check_names(io: GraphIO, session: Any) -> None:
+    """Every input and output name the manifest gives must exist in the graph (caught at load, not mid-run)."""
+    have = {"input": {i.name for i in session.get_inputs()}, "output": {o.name for o in session.get_outputs()}}
+    for kind, names in (("input", io.inputs), ("output", io.outputs)):
+        for value in names.values():
+            for name in [value] if isinstance(value, str) else value:
+                if name not in have[kind]:
+                    raise ArtifactError(f"the graph {io.file} has no {kind} named {name!r} (the manifest names it)")
+
+
 @dataclass
 class Graph:
     """One graph's session and its names from the manifest."""
@@ -132,10 +148,14 @@ class ArtifactRuntime:
         so = session_options(threads)
 
         def load(io: GraphIO) -> Graph:
-            ort = _ort()
-            sess = ort.InferenceSession(
-                str(self.folder / io.file), sess_options=so, providers=providers or ["CPUExecutionProvider"]
-            )
+            path = confined(self.folder, io.file, ArtifactError)
+            try:
+                sess = _ort().InferenceSession(
+                    str(path), sess_options=so, providers=providers or ["CPUExecutionProvider"]
+                )
+            except Exception as exc:  # ORT raises its own pybind types (InvalidProtobuf, Fail, ...) for bad graphs
+                raise ArtifactError(f"cannot load the graph {io.file}: {_first_line(exc)}") from None
+            _check_names(io, sess)
             return Graph(io, sess, self.device)
 
         self.embedding = load(m.embedding)
@@ -143,12 +163,21 @@ class ArtifactRuntime:
         self.kv_segments = [load(s.kv_graph) for s in m.segments]
         self.full_graphs = {e.layer: load(e.full) for e in m.exits}
         self.local_graphs = {e.layer: load(e.local) for e in m.exits}
-        self.weights = {k: self._load_weight(w.file) for k, w in m.shared_weights.items()}
+        self.weights = {k: self._load_weight(w) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
 
     # --- setup ---------------------------------------------------------------------------------------------------
-    def _load_weight(self, file: str) -> Any:
-        arr = np.load(self.folder / file)
+    def _load_weight(self, weight: SharedWeight) -> Any:
+        path = confined(self.folder, weight.file, ArtifactError)
+        try:
+            arr = np.load(path, allow_pickle=False)  # object arrays (pickles) are refused here
+        except (OSError, ValueError, EOFError) as exc:
+            raise ArtifactError(f"cannot load the weight {weight.file}: {_first_line(exc)}") from None
+        if arr.dtype != self.np_dtype or list(arr.shape) != weight.shape:
+            raise ArtifactError(
+                f"the weight {weight.file} is {arr.dtype} {list(arr.shape)}; the manifest says "
+                f"{np.dtype(self.np_dtype).name} {weight.shape}"
+            )
         if self.device == "cpu":
             return np.ascontiguousarray(arr)
         return _ort().OrtValue.ortvalue_from_numpy(arr, "cuda", 0)
