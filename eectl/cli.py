@@ -337,7 +337,7 @@ def train_heads(
 ) -> None:
     """Light exit heads trained against the frozen model's own final layer (KL), reported before and after."""
     from eectl.data import load_text_data
-    from eectl.heads import TrainConfig, resolve_device
+    from eectl.heads import TrainConfig, check_checkpoint, resolve_device
     from eectl.heads import train_heads as train
     from eectl.models import load_model
 
@@ -366,8 +366,8 @@ def train_heads(
         raise UsageError(f"--out must name a .safetensors file, got {out_path}")
     if out_path is not None:
         check_output_file(out_path, "--out")
-    if resume is not None and not resume.is_file():
-        raise UsageError(f"checkpoint not found: {resume}")
+    if resume is not None:
+        check_checkpoint(resume)
     resolve_device(device)
     n_threads = _threads(threads, r)
     text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))

@@ -688,8 +688,13 @@ def _save_checkpoint(path: Path, identity: dict[str, Any], stack: HeadStack, opt
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
 
 
-def _load_checkpoint(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint written by _save_checkpoint, checked to belong to this run; UsageError (one line) otherwise."""
+def check_checkpoint(path: Path) -> None:
+    """Before the model loads: `path` is an eectl checkpoint of this format (its header only; the run identity is
+    checked by _load_checkpoint once the model and data are known)."""
+    _read_checkpoint(path, tensors=False)
+
+
+def _read_checkpoint(path: Path, tensors: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
@@ -697,7 +702,7 @@ def _load_checkpoint(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
     try:
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            found = {k: f.get_tensor(k) for k in f.keys()} if tensors else {}  # noqa: SIM118 (no __iter__)
     except (SafetensorError, OSError) as exc:
         raise UsageError(
             f"not a readable checkpoint: {path} ({str(exc).splitlines()[0]})",
@@ -706,6 +711,12 @@ def _load_checkpoint(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
         ) from None
     if header.get("format") != CHECKPOINT_FORMAT or header.get("version") != str(CHECKPOINT_VERSION):
         raise UsageError(f"not an eectl train-heads checkpoint (format {CHECKPOINT_VERSION}): {path}")
+    return header, found
+
+
+def _load_checkpoint(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint written by _save_checkpoint, checked to belong to this run; UsageError (one line) otherwise."""
+    header, tensors = _read_checkpoint(path)
     try:
         saved = json.loads(header["identity"])
         state = json.loads(header["state"])

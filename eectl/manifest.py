@@ -165,6 +165,15 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
                 raise ArtifactError(f"artifact file missing: {rel} in {folder}")
             if sha256_file(f) != digest:
                 raise ArtifactError(f"artifact file changed since export: {rel} (hash mismatch)")
+        # The tokenizer loads whatever its folder holds, so everything there must be listed (and so hashed).
+        tok = root / manifest.tokenizer_dir
+        extra = sorted(
+            p.relative_to(root).as_posix()
+            for p in (tok.rglob("*") if tok.is_dir() else [])
+            if p.is_file() and p.relative_to(root).as_posix() not in manifest.files
+        )
+        if extra:
+            raise ArtifactError(f"files in {manifest.tokenizer_dir}/ that the manifest does not list: {extra}")
     return manifest
 
 

@@ -307,6 +307,10 @@ def test_8_manifest_paths_outside_the_artifact_are_refused_before_opening(artifa
     with pytest.raises(ArtifactError, match="leaves the folder"):
         read_manifest(art)
     (art / MANIFEST).write_text(json.dumps(json.loads((artifact / MANIFEST).read_text())))
+    (art / "tokenizer" / "added.json").write_text("{}")  # the tokenizer would read it: it must be listed
+    with pytest.raises(ArtifactError, match="does not list"):
+        read_manifest(art)
+    (art / "tokenizer" / "added.json").unlink()
     (art / "embed.onnx").unlink()
     (art / "embed.onnx").symlink_to(outside / "embed.onnx")  # same bytes, same hash, outside the folder
     with pytest.raises(ArtifactError, match="'embed.onnx' leaves the folder"):
@@ -394,6 +398,7 @@ def test_12_interrupt_prints_interrupted_and_exits_130(monkeypatch):
         (["calibrate", "--out", "{existing}"], 2, "is a folder"),
         (["train-heads", "--exits", "2", "--out", "{file}/h.safetensors"], 2, "is not a folder"),
         (["profile", "--plot", "{existing}.png"], 2, "is a folder"),
+        (["train-heads", "--exits", "2", "--resume", "{file}"], 2, "not a readable checkpoint"),
     ],
 )
 def test_13_cheap_options_are_checked_before_the_model_loads(tiny_dirs, tmp_path, monkeypatch, args, code, text):
