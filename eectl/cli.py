@@ -325,8 +325,8 @@ def train_heads(
     ce_weight: Annotated[float, typer.Option(help="Weight of next-token cross-entropy added to the KL.")] = 0.0,
     eval_tokens: Annotated[int, typer.Option(help="Held-out tokens (the data's last records) for the report.")] = 4096,
     seed: Annotated[int, typer.Option(help="Seed of head initialisation and data order.")] = 0,
-    save_every: Annotated[int, typer.Option(help="Write the checkpoint (<name>.ckpt.safetensors) every N steps.")] = 100,
-    resume: Annotated[Path | None, typer.Option(help="Continue from this checkpoint (<name>.ckpt.safetensors).")] = None,
+    save_every: Annotated[int, typer.Option(help="Write the checkpoint (.ckpt.safetensors) every N steps.")] = 100,
+    resume: Annotated[Path | None, typer.Option(help="Continue from this checkpoint (.ckpt.safetensors).")] = None,
     device: Annotated[str, typer.Option(help="cpu, or cuda (mixed precision).")] = "cpu",
     out_path: Annotated[
         Path | None, typer.Option("--out", help="heads .safetensors (default artifacts/<model>-heads.safetensors).")

@@ -755,7 +755,7 @@ def train_heads(
     """The stage as a library call: a LoadedModel, TextData and a TrainConfig in; heads on disk and a report out.
 
     Moves the model to `config.device`. Writes `out` (.safetensors) and its .json sidecar, and a checkpoint
-    (`out` with suffix .ckpt.safetensors) every `config.save_every` steps and at the end. `on_step(step, kl_per_exit)` is
+    (checkpoint_path(out)) every `config.save_every` steps and at the end. `on_step(step, kl_per_exit)` is
     called after each optimiser step (1-based), on the main rank only.
     """
     from eectl.data import TextData, token_chunks
