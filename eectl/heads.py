@@ -206,11 +206,12 @@ def sidecar_path(path: Path) -> Path:
 
 def save_heads(stack: HeadStack, meta: dict[str, Any], path: Path) -> Path:
     """Write `path` (.safetensors, tensors exit_{l}.<param>, float32) and its .json sidecar, each atomically."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in stack.state_dict().items()}
     header = {"format": FORMAT, "eectl": json.dumps(meta, sort_keys=True)}
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
+    blob = save(tensors, metadata=header)  # bytes, written by Python: a full disk is an OSError, mapped to one line
+    atomic_write(path, lambda tmp: tmp.write_bytes(blob))
     side = sidecar_path(path)
     atomic_write_text(side, json.dumps(meta, indent=2) + "\n")
     return side
@@ -665,7 +666,7 @@ def checkpoint_path(out: Path) -> Path:
 def _save_checkpoint(path: Path, identity: dict[str, Any], stack: HeadStack, optimizer: Any, **rest: Any) -> None:
     """One safetensors file, like everything eectl writes (no pickle): the tensors (heads, AdamW moments, RNG
     states) and, in its JSON header, the run identity, step, KL history, optimiser hyper-parameters and scaler."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tensors = {f"heads.{k}": v.detach().cpu().contiguous() for k, v in stack.state_dict().items()}
     opt = optimizer.state_dict()
@@ -685,7 +686,8 @@ def _save_checkpoint(path: Path, identity: dict[str, Any], stack: HeadStack, opt
         "identity": json.dumps(identity, sort_keys=True),
         "state": json.dumps(state),
     }
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
+    blob = save(tensors, metadata=header)  # bytes, written by Python: a full disk is an OSError, mapped to one line
+    atomic_write(path, lambda tmp: tmp.write_bytes(blob))
 
 
 def check_checkpoint(path: Path) -> None:

@@ -224,6 +224,10 @@ def test_5_disk_full_and_read_only_are_one_line_and_leave_nothing(llama, artifac
     files.atomic_write_text(tmp_path / "c.json", "old")
     with pytest.raises(OutputError, match="No space left"):
         files.atomic_write(tmp_path / "c.json", full)
+    monkeypatch.setattr(Path, "write_bytes", full)  # heads and checkpoints are serialised, then written by Python
+    with pytest.raises(OutputError, match="No space left"):
+        save_heads(HeadStack({3: make_head("residual-linear", 8)}), {"exits": [3]}, tmp_path / "h.safetensors")
+    monkeypatch.undo()
     assert (tmp_path / "c.json").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "c.json"]
 
