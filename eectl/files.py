@@ -176,16 +176,17 @@ def lock_path(dest: Path) -> Path:
 class DestinationLock:
     """An exclusive lock on `dest` for the whole time a producer writes it: `with DestinationLock(dest): ...`.
 
-    A lock file `.NAME.eectl-lock` beside the destination is flock-ed (non-blocking: a second writer fails at once
-    with an OutputError naming the holder's PID) and removed on exit. A lock left by a killed process is not held
-    by anyone (the kernel drops flocks with their process), so it is taken over silently: stale locks need no
-    detection heuristic. After locking, the file at the path must still be the one locked (it may have been
-    removed by the previous holder between our open and our flock); otherwise the attempt is repeated.
+    A lock file `.NAME.eectl-lock` beside the destination is flock-ed (a second writer fails at once with an
+    OutputError naming the holder's PID, or with `wait` waits for it) and removed on exit. A lock left by a killed
+    process is not held by anyone (the kernel drops flocks with their process), so it is taken over silently: stale
+    locks need no detection heuristic. After locking, the file at the path must still be the one locked (it may have
+    been removed by the previous holder between our open and our flock); otherwise the attempt is repeated.
     """
 
-    def __init__(self, dest: str | Path) -> None:
+    def __init__(self, dest: str | Path, wait: bool = False) -> None:
         self.dest = Path(dest)
         self.path = lock_path(self.dest)
+        self.wait = wait  # block until the holder is done (a cache fill) instead of failing at once (an export)
         self._file: IO[str] | None = None
 
     def __enter__(self) -> DestinationLock:
@@ -199,7 +200,7 @@ class DestinationLock:
             except OSError as exc:
                 raise output_error(self.dest, exc) from None
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 f.seek(0)
                 holder = f.read().strip() or "unknown"
@@ -351,10 +352,10 @@ def clean_stale(parent: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def locked_staging(dest: str | Path) -> Iterator[Staging]:
-    """Lock `dest`, remove stale staging folders beside it, and stage a new folder for it."""
+def locked_staging(dest: str | Path, wait: bool = False) -> Iterator[Staging]:
+    """Lock `dest` (DestinationLock), remove stale staging folders beside it, and stage a new folder for it."""
     dest = Path(dest)
-    with DestinationLock(dest):
+    with DestinationLock(dest, wait):
         clean_stale(dest.parent)
         with Staging(dest) as staging:
             yield staging

@@ -189,7 +189,7 @@ def gguf_to_folder(gguf: Path, log: object = None) -> Path:
         del model.config.quantization_config
     model.config.architectures = [_ARCHITECTURES[model_type]]
     # Staged and renamed like an artifact, under a lock: two first runs convert once each, never into each other.
-    with locked_staging(target) as staging:
+    with locked_staging(target, wait=True) as staging:
         if (target / "eectl-source.json").is_file():
             return target  # converted by another process while this one waited
         try:
