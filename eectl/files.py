@@ -269,6 +269,7 @@ class Staging:
         folder = self.folder
         old: Staging | None = None
         try:
+            _ordinary_modes(folder)
             if self.dest.exists() or self.dest.is_symlink():
                 if not replace(self.dest):
                     raise OutputError(f"{self.dest} appeared during the export and was left alone")
@@ -297,6 +298,14 @@ class Staging:
 
     def __exit__(self, *exc: object) -> None:
         self._discard()
+
+
+def _ordinary_modes(folder: Path) -> None:
+    """Give everything in a staged folder the output modes: libraries write some files private (safetensors' writer
+    creates 0600 files), and one convention should hold for whatever eectl publishes."""
+    for p in [folder, *folder.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod(dir_mode() if p.is_dir() else file_mode())
 
 
 def _mark(folder: Path, dest: Path, kind: str) -> IO[str]:

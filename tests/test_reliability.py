@@ -454,3 +454,15 @@ def test_14_calibration_json_is_written_like_every_output(llama, gsm8k, tmp_path
     cal = calibrate_model(llama, gsm8k, CalibrateOptions(exits=[3], target=0.5, top_k=8, tokens=300, gen_share=0))
     path = write_calibration(cal, tmp_path / "calibration.json")
     assert path.stat().st_mode & 0o777 == files.file_mode() and read_calibration(path) == cal
+
+
+def test_14_a_published_folder_has_output_modes_and_no_marker(tmp_path):
+    with files.locked_staging(tmp_path / "out") as staging:
+        f = staging.folder / "model.safetensors"
+        f.write_bytes(b"x")
+        f.chmod(0o600)  # as safetensors' writer leaves it
+        staging.publish(replace=lambda _dest: False)
+    assert (tmp_path / "out" / "model.safetensors").stat().st_mode & 0o777 == files.file_mode()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in (tmp_path / "out").iterdir()] == [
+        "model.safetensors"
+    ]
