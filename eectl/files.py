@@ -110,6 +110,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
     try:
         write(tmp)
         os.chmod(tmp, file_mode())
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # the content is on disk before the rename makes it the file (power loss)
         os.replace(tmp, path)
     except OSError as exc:
         raise output_error(path, exc) from None
