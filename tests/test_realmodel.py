@@ -31,7 +31,7 @@ def test_gguf_conversion_is_cached(tmp_path, monkeypatch):
     gguf = loading.default_gguf_path()
     folder = loading.gguf_to_folder(gguf)
     assert (folder / "model.safetensors").is_file() and (folder / "eectl-source.json").is_file()
-    assert folder.parent == tmp_path / "gguf" and not any(p.name.startswith(".tmp-") for p in folder.parent.iterdir())
+    assert folder.parent == tmp_path / "gguf" and [p.name for p in folder.parent.iterdir()] == [folder.name]
 
     def fail(*a, **k):
         raise AssertionError("converted twice")
