@@ -38,14 +38,8 @@ class ArtifactError(EectlError):
     exit_code = 5
 
 
-class NotBuiltError(EectlError):
-    """A command that exists in the CLI but is not implemented yet."""
-
-    exit_code = 6
-
-
 class OutputError(EectlError):
     """An output cannot be written: disk full, a read-only folder, a destination that is not ours to replace, or
     another eectl process writing it. Nothing half-written is left behind."""
 
-    exit_code = 7
+    exit_code = 6

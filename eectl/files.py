@@ -152,6 +152,16 @@ def read_utf8(path: str | Path, error: type[EectlError] = DataError) -> str:
         ) from None
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def strict_json(text: str) -> Any:
+    """json.loads without Python's extensions NaN, Infinity and -Infinity (eectl never writes them: a NaN threshold
+    read back would silently never pass). JSONDecodeError (a ValueError) names line and column."""
+    return json.loads(text, parse_constant=_refuse_constant)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Paths inside a folder
 # ---------------------------------------------------------------------------------------------------------------

@@ -12,15 +12,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from eectl.calibration_file import Calibration
 from eectl.errors import ArtifactError
-from eectl.files import atomic_write_text, confined, read_utf8, sha256_file
+from eectl.files import atomic_write_text, confined, read_utf8, sha256_file, strict_json
+from eectl.heads_meta import HeadsMeta
 
-SCHEMA_VERSION = 1
+# 2: the calibration and the heads metadata are typed, and per-exit thresholds live only in `calibration`.
+SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 
 
 class _M(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN threshold would silently never exit
+    model_config = ConfigDict(extra="forbid")
 
 
 class GraphIO(_M):
@@ -43,8 +46,6 @@ class ExitPoint(_M):
     full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits
     local: GraphIO  # hidden [N, H] + candidates [N, K] -> candidate logits [N, K]
     head: str | None = None  # trained head design, None for the plain logit lens
-    signal: str | None = None  # the calibrated signal (calibrate.CRITERIA names its criteria)
-    thresholds: dict[str, float | None] | None = None  # criterion -> exit when value >= it; None: not calibrated
 
 
 class SharedWeight(_M):
@@ -82,9 +83,9 @@ class Manifest(_M):
     exits: list[ExitPoint]  # in layer order; the last one is the final head (layer == L)
     shared_weights: dict[str, SharedWeight]
     kv: KVLayout
-    kv_policies: list[str] = Field(default_factory=lambda: ["copy", "defer", "verify"])
-    calibration: dict[str, Any] | None = None
-    heads: dict[str, Any] | None = None
+    kv_policies: list[str]  # the KV policies the runner may use with this artifact (eectl.runtime.policies)
+    calibration: Calibration | None = None  # signal, exits and thresholds (inf: never exits) from eectl calibrate
+    heads: HeadsMeta | None = None
     files: dict[str, str] = Field(default_factory=dict)  # relative path -> sha256
     validation: dict[str, Any] = Field(default_factory=dict)
 
@@ -140,13 +141,17 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     if not path.is_file():
         raise ArtifactError(f"not an eectl artifact (no {MANIFEST}): {folder}")
     try:
-        raw = json.loads(read_utf8(path, ArtifactError))
+        raw = strict_json(read_utf8(path, ArtifactError))  # NaN / Infinity refused: a NaN threshold never passes
     except json.JSONDecodeError as exc:
         raise ArtifactError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from exc
+    except ValueError as exc:
+        raise ArtifactError(f"{path} is not valid JSON: {exc}") from None
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version != SCHEMA_VERSION:
+        older = isinstance(version, int) and version < SCHEMA_VERSION
         raise ArtifactError(
-            f"unknown manifest schema version {version!r} in {folder} (this eectl reads {SCHEMA_VERSION})",
+            f"{'an older' if older else 'an unknown'} manifest schema version {version!r} in {folder} "
+            f"(this eectl reads {SCHEMA_VERSION})",
             hint="re-export the artifact with this version of eectl",
         )
     try:
@@ -200,3 +205,5 @@ def _check_consistency(m: Manifest, folder: str | Path) -> None:
         needed |= {e.full.file, e.local.file}
     if not needed <= listed:
         raise ArtifactError(f"inconsistent manifest in {folder}: files not hashed: {sorted(needed - listed)}")
+    if m.calibration is not None and not set(m.calibration.exit_layers) <= set(m.exit_layers):
+        raise ArtifactError(f"inconsistent manifest in {folder}: calibrated exits are not among the artifact's")

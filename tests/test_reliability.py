@@ -21,17 +21,20 @@ from typer.testing import CliRunner
 
 from eectl import export as export_mod
 from eectl import files
-from eectl.calibrate import CalibrateOptions, calibrate_model, read_calibration, write_calibration
+from eectl.calibration_file import read_calibration, write_calibration
 from eectl.cli import app
 from eectl.data import load_text_data
 from eectl.errors import ArtifactError, DataError, OutputError, UsageError
 from eectl.export import ExportOptions, export_artifact
 from eectl.files import DestinationLock, Staging, clean_stale
-from eectl.heads import CHECKPOINT_FORMAT, FORMAT, HeadStack, _load_checkpoint, load_heads, make_head, save_heads
+from eectl.head_designs import HeadStack, head_cost, load_heads, make_head, save_heads
+from eectl.heads import CHECKPOINT_FORMAT, _load_checkpoint
+from eectl.heads_meta import FORMAT, HeadCost, HeadDims, HeadsMeta
 from eectl.manifest import MANIFEST, read_manifest
 from eectl.recipe import load_recipe
 from eectl.runtime.generate import RunOptions, load_tokenizer, read_prompts, resolve_config
 from eectl.runtime.sessions import ArtifactRuntime
+from tests.conftest import make_calibration
 from tests.tiny import GSM8K
 
 runner = CliRunner()
@@ -57,6 +60,24 @@ def _rehash(art: Path, rel: str) -> None:
     doc = json.loads((art / MANIFEST).read_text())
     doc["files"][rel] = files.sha256_file(art / rel)
     (art / MANIFEST).write_text(json.dumps(doc))
+
+
+def _meta(loaded, exits: list[int]) -> HeadsMeta:
+    H = loaded.adapter.dims.hidden_size
+    return HeadsMeta(
+        exits=exits,
+        design="residual-linear",
+        rank=None,
+        width=None,
+        head_cost=HeadCost(**head_cost("residual-linear", None, H)),
+        dimensions=HeadDims(num_layers=6, hidden_size=H, vocab_size=384),
+        base_model=loaded.source.to_dict(),
+        data={},
+        training={},
+        steps=0,
+        seed=0,
+        report={},
+    )
 
 
 def _holder(code: str) -> subprocess.Popen[str]:
@@ -226,7 +247,7 @@ def test_5_disk_full_and_read_only_are_one_line_and_leave_nothing(llama, artifac
         files.atomic_write(tmp_path / "c.json", full)
     monkeypatch.setattr(Path, "write_bytes", full)  # heads and checkpoints are serialised, then written by Python
     with pytest.raises(OutputError, match="No space left"):
-        save_heads(HeadStack({3: make_head("residual-linear", 8)}), {"exits": [3]}, tmp_path / "h.safetensors")
+        save_heads(HeadStack({3: make_head("residual-linear", 64)}), _meta(llama, [3]), tmp_path / "h.safetensors")
     monkeypatch.undo()
     assert (tmp_path / "c.json").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "c.json"]
@@ -275,19 +296,19 @@ def test_6_bad_content_behind_a_valid_hash_is_one_line(artifact, tmp_path, fault
 # --- 7. heads metadata ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "meta,message",
-    [
-        ("{not json", "not JSON"),
-        (json.dumps({"design": "residual-linear", "dimensions": {}, "base_model": {}}), "'exits' must be a list"),
-        (json.dumps({"exits": [3], "design": "cnn", "dimensions": {}, "base_model": {}}), "unknown design"),
-        (json.dumps([3]), "not a JSON object"),
-    ],
-)
-def test_7_bad_heads_metadata_is_one_line(llama, tmp_path, meta, message):
+@pytest.mark.parametrize("fault", ["not-json", "no-exits", "not-an-object", "unknown-design"])
+def test_7_bad_heads_metadata_is_one_line(llama, tmp_path, fault):
+    doc = _meta(llama, [3]).model_dump(mode="json")
+    if fault == "no-exits":
+        del doc["exits"]
+    elif fault == "unknown-design":
+        doc["design"] = "cnn"
+    text = {"not-json": "{not json", "not-an-object": "[3]"}.get(fault, json.dumps(doc))
     f = tmp_path / "h.safetensors"
-    save_file({"exit_3.proj.weight": torch.zeros(2, 2)}, str(f), metadata={"format": FORMAT, "eectl": meta})
-    with pytest.raises(ArtifactError, match=message):
+    save_file({"exit_3.weight": torch.zeros(2, 2)}, str(f), metadata={"format": FORMAT, "eectl": text})
+    with pytest.raises(
+        ArtifactError, match=f"heads in h.safetensors have invalid metadata: {'' if fault != 'no-exits' else 'exits'}"
+    ):
         load_heads(f, llama)
 
 
@@ -337,7 +358,7 @@ def test_9_checkpoints_are_safetensors_and_pickles_are_never_loaded(tmp_path):
 # --- 10. non-finite thresholds --------------------------------------------------------------------------------------
 
 
-def test_10_non_finite_thresholds_are_refused_everywhere(artifact, llama, gsm8k, tmp_path):
+def test_10_non_finite_thresholds_are_refused_everywhere(artifact, llama, tmp_path):
     rt = ArtifactRuntime(artifact, provider="cpu")
     for text in ("nan", "inf", "3:nan", "-inf"):
         with pytest.raises(UsageError, match="finite"):
@@ -346,17 +367,21 @@ def test_10_non_finite_thresholds_are_refused_everywhere(artifact, llama, gsm8k,
         resolve_config(rt, RunOptions(exits="3", thresholds="0.9", threshold_scale=math.nan), (2,))
     res = runner.invoke(app, ["run", str(artifact), "hi", "--exits", "3", "--thresholds", "nan", "--threads", "1"])
     assert res.exit_code == 2 and "finite" in res.stderr
-    cal = calibrate_model(llama, gsm8k, CalibrateOptions(exits=[3], target=0.5, top_k=8, tokens=300, gen_share=0))
-    raw = cal.to_dict()
+    cal = make_calibration(llama, {3: {"prob": 0.5}})
+    write_calibration(cal, tmp_path / "c.json")
+    raw = json.loads((tmp_path / "c.json").read_text())
     raw["exits"][0]["thresholds"]["prob"] = math.nan
     (tmp_path / "c.json").write_text(json.dumps(raw))  # json writes NaN, a Python extension of JSON
-    with pytest.raises(ArtifactError, match="thresholds"):
+    with pytest.raises(ArtifactError, match="NaN is not a JSON number"):
         read_calibration(tmp_path / "c.json")
-    art = _copy(artifact, tmp_path)
+    with pytest.raises(ValueError, match="not NaN"):  # nor can a NaN threshold be built in memory
+        make_calibration(llama, {3: {"prob": math.nan}})
+    art = tmp_path / "calibrated"
+    export_artifact(llama, art, ExportOptions(exits=[3], top_k=8), calibration=cal)
     doc = json.loads((art / MANIFEST).read_text())
-    doc["exits"][0]["thresholds"] = {"prob": math.nan}
+    doc["calibration"]["exits"][0]["thresholds"]["prob"] = math.nan
     (art / MANIFEST).write_text(json.dumps(doc))
-    with pytest.raises(ArtifactError, match="thresholds"):
+    with pytest.raises(ArtifactError, match="NaN is not a JSON number"):
         read_manifest(art)
 
 
@@ -438,7 +463,7 @@ def test_14_outputs_are_ordinary_files(llama, tmp_path, umask):
     old = os.umask(umask)
     try:
         stack = HeadStack({3: make_head("residual-linear", llama.adapter.dims.hidden_size)})
-        side = save_heads(stack, {"exits": [3]}, tmp_path / "h.safetensors")
+        side = save_heads(stack, _meta(llama, [3]), tmp_path / "h.safetensors")
         cal = files.atomic_write_json(tmp_path / "calibration.json", {"a": 1})
         art = tmp_path / "art"
         export_artifact(llama, art, ExportOptions(exits=[3], top_k=8))
@@ -450,8 +475,8 @@ def test_14_outputs_are_ordinary_files(llama, tmp_path, umask):
     assert art.stat().st_mode & 0o777 == want_dir and (art / "tokenizer").stat().st_mode & 0o777 == want_dir
 
 
-def test_14_calibration_json_is_written_like_every_output(llama, gsm8k, tmp_path):
-    cal = calibrate_model(llama, gsm8k, CalibrateOptions(exits=[3], target=0.5, top_k=8, tokens=300, gen_share=0))
+def test_14_calibration_json_is_written_like_every_output(llama, tmp_path):
+    cal = make_calibration(llama, {3: {"prob": 0.5}})
     path = write_calibration(cal, tmp_path / "calibration.json")
     assert path.stat().st_mode & 0o777 == files.file_mode() and read_calibration(path) == cal
 
