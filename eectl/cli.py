@@ -332,7 +332,8 @@ def train_heads(
 ) -> None:
     """Light exit heads trained against the frozen model's own final layer (KL), reported before and after."""
     from eectl.data import load_text_data
-    from eectl.heads import TrainConfig, check_checkpoint, resolve_device
+    from eectl.head_checkpoint import check_checkpoint
+    from eectl.heads import TrainConfig, resolve_device
     from eectl.heads import train_heads as train
     from eectl.models import load_model
 

@@ -27,8 +27,8 @@ from eectl.data import load_text_data
 from eectl.errors import ArtifactError, DataError, OutputError, UsageError
 from eectl.export import ExportOptions, export_artifact
 from eectl.files import DestinationLock, Staging, clean_stale
+from eectl.head_checkpoint import CHECKPOINT_FORMAT, load_checkpoint
 from eectl.head_designs import HeadStack, head_cost, load_heads, make_head, save_heads
-from eectl.heads import CHECKPOINT_FORMAT, _load_checkpoint
 from eectl.heads_meta import FORMAT, HeadCost, HeadDims, HeadsMeta
 from eectl.manifest import MANIFEST, read_manifest
 from eectl.recipe import load_recipe
@@ -349,7 +349,7 @@ def test_9_checkpoints_are_safetensors_and_pickles_are_never_loaded(tmp_path):
     pickled = tmp_path / "old.ckpt"
     torch.save({"format": CHECKPOINT_FORMAT, "version": 1, "identity": "{}", "step": 3}, pickled)
     with pytest.raises(UsageError, match="not a readable checkpoint"):
-        _load_checkpoint(pickled, {})
+        load_checkpoint(pickled, {})
     source = "\n".join(p.read_text() for p in (ROOT / "eectl").rglob("*.py"))
     for needle in ("torch.load(", "import pickle", "allow_pickle=True", "torch.save("):
         assert needle not in source, needle
