@@ -16,6 +16,7 @@ import typer
 from eectl import __version__
 from eectl.errors import EectlError, NotBuiltError, UsageError
 from eectl.output import Output
+from eectl.quantize import DEFAULT_MIN_AGREEMENT
 from eectl.recipe import Recipe, default_exits, load_recipe, pick
 
 app = typer.Typer(
@@ -450,6 +451,17 @@ def export(
     dtype: Annotated[str, typer.Option(help="fp32, or fp16 for GPU deployment.")] = "fp32",
     top_k: Annotated[int | None, typer.Option("--top-k", help="Default local vocabulary size.")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing artifact.")] = False,
+    weights: Annotated[str, typer.Option(help="fp32, or int4: weight-only MatMulNBits segment graphs.")] = "fp32",
+    river: Annotated[bool, typer.Option(help="Add int4 copies of the segments after the first exit.")] = False,
+    int4_block_size: Annotated[int, typer.Option(help="int4: input channels per scale.")] = 32,
+    int4_symmetric: Annotated[bool, typer.Option(help="int4: no zero points.")] = False,
+    int4_accuracy_level: Annotated[int, typer.Option(help="int4: MatMulNBits compute, 0 fp32 .. 4 int8.")] = 4,
+    int4_algorithm: Annotated[str, typer.Option(help="int4: rtn (ORT's default) or hqq.")] = "rtn",
+    int4_keep_layers: Annotated[str | None, typer.Option(help="int4: decoder layers left in fp32, e.g. 0,29.")] = None,
+    lm_head: Annotated[str, typer.Option(help="int4: the final LM head in fp32, int8 or int4.")] = "fp32",
+    min_agreement: Annotated[
+        float, typer.Option(help="int4: fail below this greedy agreement with PyTorch at the final exit.")
+    ] = DEFAULT_MIN_AGREEMENT,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -457,6 +469,17 @@ def export(
     """Segmented ONNX graphs cut at the exit points, exit heads and a manifest, validated against PyTorch."""
     from eectl.export import ExportOptions, describe, export_artifact, load_calibration_dict
     from eectl.models import load_model
+    from eectl.quantize import Int4Options, parse_layers
+
+    int4 = Int4Options(
+        block_size=int4_block_size,
+        symmetric=int4_symmetric,
+        accuracy_level=int4_accuracy_level,
+        algorithm=int4_algorithm,
+        lm_head=lm_head,
+        keep_layers=parse_layers(int4_keep_layers),
+        min_agreement=min_agreement,
+    )
 
     out_ = Output(json_out)
     r = load_recipe(recipe)
@@ -478,7 +501,9 @@ def export(
         exit_layers = default_exits(loaded.adapter.num_layers)
     folder = out or Path("artifacts") / loaded.source.name
     out_.log(f"exporting {loaded.source.name} with exits {exit_layers} to {folder} ({dtype}, {n_threads} threads)")
-    options = ExportOptions(exits=exit_layers, dtype=dtype, top_k=pick(top_k, r.top_k), force=force)
+    options = ExportOptions(
+        exits=exit_layers, dtype=dtype, top_k=pick(top_k, r.top_k), force=force, weights=weights, int4=int4, river=river
+    )
     manifest = export_artifact(loaded, folder, options, head_modules, heads_meta, cal, log=out_)
     summary = describe(manifest, folder)
     out_.json(summary)
@@ -491,6 +516,12 @@ def export(
             for k, d in v.get("max_abs_logit_diff", {}).items()
         ],
     )
+    for part in (v, v.get("river") or {}):
+        if "greedy_agreement" in part:
+            agree = part["greedy_agreement"][str(manifest.num_layers)]
+            out_.line(
+                f"{part['graphs']} graphs: greedy agreement with PyTorch {agree:.1%} (floor {part['min_agreement']})"
+            )
     out_.line(
         f"artifact: {folder} ({summary['size_mb']} MB, {len(manifest.segments)} segments, "
         f"exported and validated in {v.get('export_seconds')} s)"

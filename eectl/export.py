@@ -24,7 +24,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from eectl.manifest import (
     GraphIO,
     KVLayout,
     Manifest,
+    Quantization,
     Segment,
     SharedWeight,
     sha256_file,
@@ -50,6 +51,7 @@ from eectl.manifest import (
 )
 from eectl.models.adapters import Adapter, KVCache, LayerWeights
 from eectl.models.loading import LoadedModel
+from eectl.quantize import Int4Options, agreement_verdict, quantize_graph, quantize_lm_head
 
 OPSET = 21
 IR_VERSION = 10
@@ -380,6 +382,9 @@ class ExportOptions:
     max_positions: int | None = None  # rotary table length; default: the model's maximum
     force: bool = False
     validate: bool = True
+    weights: str = "fp32"  # fp32 or int4 (weight-only MatMulNBits segment graphs, quantize.py)
+    int4: Int4Options = field(default_factory=Int4Options)  # settings for --weights int4 and --river
+    river: bool = False  # add int4 copies of the segments after the first exit (the `river` policy)
 
 
 def check_exits(exits: list[int], num_layers: int) -> list[int]:
@@ -406,6 +411,15 @@ def export_artifact(
     exits = check_exits(options.exits, L)
     if options.dtype not in DTYPES:
         raise UsageError(f"--dtype must be fp32 or fp16, got '{options.dtype}'")
+    if options.weights not in ("fp32", "int4"):
+        raise UsageError(f"--weights must be fp32 or int4, got '{options.weights}'")
+    if (options.weights == "int4" or options.river) and options.dtype != "fp32":
+        raise UsageError("int4 weights (--weights int4, --river) run with fp32 activations: use --dtype fp32")
+    if options.weights == "int4" and options.river:
+        raise UsageError("--river adds int4 copies to an fp32 artifact; with --weights int4 every segment is int4")
+    if options.river and not exits:
+        raise UsageError("--river needs at least one exit (the river starts after the first one)")
+    options.int4.check(L)
     if options.top_k < 2 or options.top_k > adapter.dims.vocab_size:
         raise UsageError(f"--top-k must be in 2..{adapter.dims.vocab_size}, got {options.top_k}")
     if calibration is not None:
@@ -431,6 +445,8 @@ def export_artifact(
             if log is not None:
                 log.log("validating the graphs against PyTorch (prefill + 16 greedy decode steps, every exit)")
             manifest.validation = validate_artifact(loaded, tmp, heads, log=log)
+            if options.river:
+                manifest.validation["river"] = validate_artifact(loaded, tmp, heads, log=log, river=True)
         manifest.validation["export_seconds"] = round(time.perf_counter() - started, 2)
         write_manifest(manifest, tmp)
         _replace(tmp, out)
@@ -467,9 +483,11 @@ def _write_artifact(
     max_pos = options.max_positions or dims.max_positions
     np_dtype = DTYPES[options.dtype][1]
 
-    def save(model: onnx.ModelProto, io: GraphIO) -> GraphIO:
-        onnx.save(model, str(folder / io.file))
+    def save(model: onnx.ModelProto, io: GraphIO, int4: bool = False) -> GraphIO:
+        onnx.save(quantize_graph(model, options.int4) if int4 else model, str(folder / io.file))
         return io
+
+    quantized = options.weights == "int4"
 
     (folder / "weights").mkdir()
     lm = adapter.lm_head.weight.detach().float().numpy().astype(np_dtype)
@@ -489,18 +507,27 @@ def _write_artifact(
     for idx, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
         if log is not None:
             log.log(f"segment {idx}: layers {lo}..{hi - 1}")
-        graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos))
-        kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True))
-        segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph))
+        seg_model, seg_io = build_segment(adapter, lo, hi, options.dtype, max_pos)
+        graph = save(seg_model, seg_io, quantized)
+        kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True), int4=quantized)
+        river = None
+        if options.river and idx > 0:  # same input/output names: the runner binds the same KV buffers
+            river = save(seg_model, seg_io.model_copy(update={"file": f"river_{lo:03d}_{hi:03d}.onnx"}), int4=True)
+        segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph, river=river))
     calib = {int(e["layer"]): e for e in (calibration or {}).get("exits", [])}
     exit_points = []
     for layer in [*exits, L]:
         head = heads.get(layer)
         c = calib.get(layer, {})
+        full_model, full_io = build_exit(adapter, layer, options.dtype, local=False, head=head)
+        if quantized and layer == L and options.int4.lm_head != "fp32":  # the final head's own quantized table
+            weight_input = full_io.inputs.pop("weight")
+            assert isinstance(weight_input, str)
+            full_model = quantize_lm_head(full_model, weight_input, lm, options.int4)
         exit_points.append(
             ExitPoint(
                 layer=layer,
-                full=save(*build_exit(adapter, layer, options.dtype, local=False, head=head)),
+                full=save(full_model, full_io),
                 local=save(*build_exit(adapter, layer, options.dtype, local=True, head=head)),
                 head=None if head is None else str((heads_meta or {}).get("design", type(head).__name__)),
                 signal=(calibration or {}).get("signal") if layer < L else None,
@@ -537,6 +564,10 @@ def _write_artifact(
             present_value=[f"present.{i}.value" for i in range(L)],
         ),
         calibration=None if calibration is None else {k: v for k, v in calibration.items() if k != "exits"},
+        quantization=None
+        if not (quantized or options.river)
+        else Quantization(**options.int4.record("segments" if quantized else "river")),
+        kv_policies=["copy", "defer", "verify", *(["river"] if options.river else [])],
         heads=heads_meta,
     )
     manifest.files = {
@@ -561,11 +592,17 @@ VALIDATION_PROMPT = (
 
 @torch.no_grad()
 def validate_artifact(
-    loaded: LoadedModel, folder: Path, heads: dict[int, torch.nn.Module] | None = None, log: Any = None
+    loaded: LoadedModel,
+    folder: Path,
+    heads: dict[int, torch.nn.Module] | None = None,
+    log: Any = None,
+    river: bool = False,
 ) -> dict[str, Any]:
     """Prefill + 16 greedy decode steps through the ONNX graphs and through PyTorch, compared at every exit.
 
-    Raises ExportValidationError beyond tolerance (max abs logit difference, or a different greedy token).
+    Raises ExportValidationError beyond tolerance (max abs logit difference, or a different greedy token). Int4
+    graphs (and, with `river`, the int4 river copies after the first segment) are judged by their greedy
+    agreement with PyTorch at the final exit against the manifest's floor instead (quantize.agreement_verdict).
     """
     from eectl.runtime.sessions import ArtifactRuntime
 
@@ -598,7 +635,7 @@ def validate_artifact(
         h = rt.embed(np.array([chunk], dtype=np.int64))
         ort_states = {}
         for s_idx in range(len(m.segments)):
-            h, _ = rt.run_segment(s_idx, h, kv, row=0)
+            h, _ = rt.run_segment(s_idx, h, kv, row=0, river=river and s_idx > 0)
             ort_states[m.segments[s_idx].layers[1]] = h
         for e in m.exits:
             ref_h = states[e.layer][0]
@@ -616,17 +653,27 @@ def validate_artifact(
         pos += len(chunk)
         chunk = [nxt]
     kv_diff = _validate_kv_graphs(adapter, rt, torch.tensor([ids[:8]]))
-    result = {
+    result: dict[str, Any] = {
         "dtype": m.dtype,
         "tolerance": tol,
         "prompt_tokens": len(ids),
         "decode_steps": VALIDATION_DECODE_STEPS,
+        "positions": len(ids) + VALIDATION_DECODE_STEPS,  # compared greedy tokens per exit
         "max_abs_logit_diff": {str(k): v for k, v in diffs.items()},
         "max_abs_local_logit_diff": {str(k): v for k, v in local_diffs.items()},
         "greedy_token_mismatches": {str(k): v for k, v in token_mismatch.items()},
         "kv_graph_max_abs_diff": kv_diff,
         "passed": True,
     }
+    if m.quantization is not None and (river or m.quantization.scope == "segments"):
+        result["graphs"] = "river" if river else "int4"
+        failure = agreement_verdict(result, L, m.quantization.min_agreement)
+        if failure is not None:
+            result["passed"] = False
+            raise ExportValidationError(failure, hint="try a smaller --int4-block-size, or --lm-head fp32")
+        if log is not None:
+            log.log(f"{result['graphs']} validation passed: greedy agreement {result['greedy_agreement'][str(L)]:.1%}")
+        return result
     worst = max(max(diffs.values()), max(local_diffs.values()), kv_diff)
     mismatches = sum(token_mismatch.values())
     strict_tokens = m.dtype == "fp32"
@@ -670,6 +717,7 @@ def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
         "segments": [list(s.layers) for s in manifest.segments],
         "exits": manifest.exit_layers,
         "size_mb": round(size / 1e6, 1),
+        "quantization": None if manifest.quantization is None else manifest.quantization.model_dump(),
         "validation": manifest.validation,
     }
 

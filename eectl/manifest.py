@@ -36,6 +36,7 @@ class Segment(_M):
     layers: tuple[int, int]  # decoder layers [lo, hi)
     graph: GraphIO  # hidden + past KV -> hidden + present KV (one graph for prefill, decode and chunks)
     kv_graph: GraphIO  # hidden -> this segment's K/V only (the `copy` policy)
+    river: GraphIO | None = None  # `export --river`: an int4 copy with the same names (the `river` policy)
 
 
 class ExitPoint(_M):
@@ -45,6 +46,24 @@ class ExitPoint(_M):
     head: str | None = None  # trained head design, None for the plain logit lens
     signal: str | None = None  # the calibrated signal (calibrate.CRITERIA names its criteria)
     thresholds: dict[str, float | None] | None = None  # criterion -> exit when value >= it; None: not calibrated
+
+
+class Quantization(_M):
+    """Weight-only quantization (quantize.py): which graphs, and ORT's MatMulNBits settings."""
+
+    scope: str  # "segments": every segment graph (export --weights int4); "river": only the river copies
+    op: str  # com.microsoft::MatMulNBits
+    tool: str  # ORT's quantizer and version
+    bits: int
+    block_size: int
+    symmetric: bool
+    accuracy_level: int  # MatMulNBits compute type (0 unset / fp32, 4 int8 activations)
+    algorithm: str  # rtn (ORT's default block quantizer) or hqq
+    lm_head: str  # the final exit's LM head: fp32 (the shared table), int8 or int4
+    embedding: str  # precision of the embedding table
+    exit_lm_heads: str  # precision of the intermediate exits' LM head (the shared table)
+    keep_layers: list[int]  # decoder layers left in fp32
+    min_agreement: float  # the validation floor on greedy agreement with PyTorch at the final exit
 
 
 class SharedWeight(_M):
@@ -83,6 +102,7 @@ class Manifest(_M):
     shared_weights: dict[str, SharedWeight]
     kv: KVLayout
     kv_policies: list[str] = Field(default_factory=lambda: ["copy", "defer", "verify"])
+    quantization: Quantization | None = None
     calibration: dict[str, Any] | None = None
     heads: dict[str, Any] | None = None
     files: dict[str, str] = Field(default_factory=dict)  # relative path -> sha256
@@ -168,7 +188,7 @@ def _check_consistency(m: Manifest, folder: str | Path) -> None:
     listed = set(m.files)
     needed = {m.embedding.file, *(w.file for w in m.shared_weights.values())}
     for s in m.segments:
-        needed |= {s.graph.file, s.kv_graph.file}
+        needed |= {s.graph.file, s.kv_graph.file} | ({s.river.file} if s.river else set())
     for e in m.exits:
         needed |= {e.full.file, e.local.file}
     if not needed <= listed:

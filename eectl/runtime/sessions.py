@@ -141,6 +141,7 @@ class ArtifactRuntime:
         self.embedding = load(m.embedding)
         self.segments = [load(s.graph) for s in m.segments]
         self.kv_segments = [load(s.kv_graph) for s in m.segments]
+        self.river_segments = {i: load(s.river) for i, s in enumerate(m.segments) if s.river is not None}
         self.full_graphs = {e.layer: load(e.full) for e in m.exits}
         self.local_graphs = {e.layer: load(e.local) for e in m.exits}
         self.weights = {k: self._load_weight(w.file) for k, w in m.shared_weights.items()}
@@ -192,13 +193,18 @@ class ArtifactRuntime:
         g.session.run_with_iobinding(io)
         return io.get_outputs()[0].numpy()
 
-    def run_segment(self, index: int, hidden: np.ndarray, kv: KVBuffers, row: int, kv_only: bool = False) -> Any:
+    def run_segment(
+        self, index: int, hidden: np.ndarray, kv: KVBuffers, row: int, kv_only: bool = False, river: bool = False
+    ) -> Any:
         """Run segment `index` on hidden [1, S, H] for one row, appending S positions to its layers' KV in place.
 
-        Returns (hidden_out, last_layer_input), or None with kv_only (the `copy` policy's K/V projection).
+        Returns (hidden_out, last_layer_input), or None with kv_only (the `copy` policy's K/V projection). With
+        `river`, the segment's int4 copy runs instead, on the same KV buffers.
         """
         seg = self.manifest.segments[index]
-        g = self.kv_segments[index] if kv_only else self.segments[index]
+        if river and index not in self.river_segments:
+            raise UsageError(f"segment {index} has no int4 river copy", hint="export with --river")
+        g = self.river_segments[index] if river else self.kv_segments[index] if kv_only else self.segments[index]
         lo, hi = seg.layers
         past = int(kv.filled[row, lo])
         if (kv.filled[row, lo:hi] != past).any():
@@ -234,7 +240,8 @@ class ArtifactRuntime:
         io = g.binding()
         io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(hidden, dtype=self.np_dtype))
         io.bind_cpu_input(g.name("top_k"), np.array([top_k], dtype=np.int64))
-        self._bind_array(io, g.name("weight"), self.weights["lm_head"])
+        if "weight" in g.io.inputs:  # absent where the head holds its own quantized table (quantize.py)
+            self._bind_array(io, g.name("weight"), self.weights["lm_head"])
         for key in ("logits", "candidates", "candidate_logits"):
             io.bind_output(g.name(key), "cpu")
         g.session.run_with_iobinding(io)
