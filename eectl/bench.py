@@ -5,7 +5,8 @@ Every speed figure is a ratio against baselines measured in the same run, with t
 
 - `hf`:   transformers' own greedy `generate` on the same prompt ids and thread count (torch),
 - `full`: eectl's exported graphs at full depth (ONNX Runtime),
-- `copy`, `defer`, `verify`: early exit with the artifact's calibrated thresholds (or --thresholds).
+- `copy`, `defer`, `verify`: early exit with the artifact's calibrated thresholds (or --thresholds),
+- any other artifact of the same model at full depth (`compare`, e.g. an int4 export: `--compare int4=PATH`).
 
 Fidelity is measured against eectl full depth on the same prompts (token agreement, exact match, first
 divergence), teacher-forced perplexity on held-out text, and GSM8K final-answer accuracy when the data has
@@ -49,6 +50,7 @@ class BenchOptions:
     provider: str = "cpu"
     threads: int | None = None
     raw: bool = False
+    compare: dict[str, str] = field(default_factory=dict)  # config name -> another artifact, run at full depth
 
 
 @dataclass
@@ -173,9 +175,12 @@ def run_bench(
     answers: list[str | None] | None = None,
     log: Any = None,
 ) -> BenchResult:
-    bad = [c for c in opts.configs if c not in CONFIGS]
+    bad = [c for c in opts.configs if c not in CONFIGS and c not in opts.compare]
     if bad:
-        raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(CONFIGS)}")
+        raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join([*CONFIGS, *opts.compare])}")
+    clash = [c for c in opts.compare if c in CONFIGS]
+    if clash:
+        raise UsageError(f"--compare name '{clash[0]}' is a built-in configuration; pick another name")
     if opts.reps < 1 or opts.prompts < 1 or opts.max_new_tokens < 1:
         raise UsageError("--reps, --prompts and --max-new-tokens must be >= 1")
     if not prompts:
@@ -190,6 +195,11 @@ def run_bench(
     runners: dict[str, Runner] = {}
     base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
     runners["full"] = Runner(rt, resolve_config(rt, base, stop))
+    for name, path in opts.compare.items():  # other artifacts (int4 ...) at full depth, sharing the thread pool
+        other = ArtifactRuntime(path, provider=opts.provider, threads=opts.threads)
+        if other.manifest.model.get("sha256") != m.model.get("sha256"):
+            raise UsageError(f"--compare {name}: {path} was exported from another model")
+        runners[name] = Runner(other, resolve_config(other, base, stop))
     cfg_exits: list[int] = []
     thresholds: dict[int, dict[str, float]] = {}
     signal = ""
@@ -285,7 +295,7 @@ def run_bench(
         if log is not None:
             log.log(f"teacher-forced perplexity on {len(text_ids)} held-out tokens")
         for r in results:
-            if r.name in ("full", "copy", "defer"):
+            if r.name in ("full", "copy", "defer", *opts.compare):
                 nll, _ = runners[r.name].score(text_ids, prompt_len=1)
                 r.perplexity = math.exp(float(np.mean(nll)))
         if "verify" in by:

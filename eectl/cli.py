@@ -645,6 +645,9 @@ def bench(
     report: Annotated[Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).")] = None,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "cpu",
     raw: Annotated[bool, typer.Option(help="No chat template.")] = False,
+    compare: Annotated[
+        str | None, typer.Option(help="Other artifacts at full depth, as configurations: int4=PATH[,NAME=PATH].")
+    ] = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -665,8 +668,14 @@ def bench(
     n = min(pick(prompts, r.bench.prompts), len(text.prompts))
     answers = [t.split("####")[-1].strip().replace(",", "") if "####" in t else None for t in text.texts[:n]]
     heldout = text.texts[-max(1, len(text.texts) // 10) :] if ppl_tokens > 0 else None
+    pairs = [c.split("=", 1) for c in (compare or "").split(",") if c.strip()]
+    if any(len(p) != 2 or not p[0].strip() or not p[1].strip() for p in pairs):
+        raise UsageError(f"--compare must be NAME=PATH[,NAME=PATH], got '{compare}'")
+    compared = {k.strip(): v.strip() for k, v in pairs}
+    listed = [c.strip() for c in configs.split(",") if c.strip()]
     opts = BenchOptions(
-        configs=[c.strip() for c in configs.split(",") if c.strip()],
+        configs=listed + [c for c in compared if c not in listed],
+        compare=compared,
         prompts=n,
         max_new_tokens=pick(max_new_tokens, r.bench.max_new_tokens),
         reps=pick(reps, r.bench.reps),

@@ -213,6 +213,7 @@ def build_segment(
         names["past_value"].append(b.input(f"past_key_values.{i}.value", None, kv_shape))
     x = hidden
     layer_input = hidden
+    boundaries = [hidden]  # the residual stream before the first layer and after each one
     for j, i in enumerate(range(lo, hi)):
         layer_input = x
         x, pk, pv = _layer(
@@ -224,6 +225,7 @@ def build_segment(
             rope,
             kv_only,
         )
+        boundaries.append(x)
         for kind, src in (("key", pk), ("value", pv)):
             name = f"present.{i}.{kind}"
             b.output(src, name, None, kv_shape)
@@ -233,6 +235,10 @@ def build_segment(
         b.output(x, "hidden_states_out", None, ["batch", "sequence", dims.hidden_size])
         b.output(layer_input, "last_layer_input", None, ["batch", "sequence", dims.hidden_size])
         outputs.update(hidden_out="hidden_states_out", layer_input="last_layer_input")
+        # [B, (n_layers + 1) * S, H]: one Concat (no per-layer ops) so a signal can read every block's transition
+        # (River's minimum cosine over a segment's blocks); the runner binds it only when its signal needs it
+        b.output(b.op("Concat", boundaries, axis=1), "layer_states", None, ["batch", "states", dims.hidden_size])
+        outputs["layer_states"] = "layer_states"
     kind = "kv" if kv_only else "segment"
     file = f"{kind}_{lo:03d}_{hi:03d}.onnx"
     io = GraphIO(

@@ -194,12 +194,20 @@ class ArtifactRuntime:
         return io.get_outputs()[0].numpy()
 
     def run_segment(
-        self, index: int, hidden: np.ndarray, kv: KVBuffers, row: int, kv_only: bool = False, river: bool = False
+        self,
+        index: int,
+        hidden: np.ndarray,
+        kv: KVBuffers,
+        row: int,
+        kv_only: bool = False,
+        river: bool = False,
+        states: bool = False,
     ) -> Any:
         """Run segment `index` on hidden [1, S, H] for one row, appending S positions to its layers' KV in place.
 
         Returns (hidden_out, last_layer_input), or None with kv_only (the `copy` policy's K/V projection). With
-        `river`, the segment's int4 copy runs instead, on the same KV buffers.
+        `river`, the segment's int4 copy runs instead, on the same KV buffers. With `states`, a third item: the
+        residual stream at every block boundary, [n_layers + 1, S, H].
         """
         seg = self.manifest.segments[index]
         if river and index not in self.river_segments:
@@ -226,12 +234,16 @@ class ArtifactRuntime:
         if not kv_only:
             io.bind_output(g.name("hidden_out"), "cpu")
             io.bind_output(g.name("layer_input"), "cpu")
+            if states:
+                io.bind_output(g.name("layer_states"), "cpu")
         g.session.run_with_iobinding(io)
         kv.filled[row, lo:hi] = total
         if kv_only:
             return None
         outs = io.get_outputs()
         n = 2 * (hi - lo)  # the present K/V outputs were bound first
+        if states:
+            return outs[n].numpy(), outs[n + 1].numpy(), outs[n + 2].numpy()[0].reshape(hi - lo + 1, s, -1)
         return outs[n].numpy(), outs[n + 1].numpy()
 
     def exit_full(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
