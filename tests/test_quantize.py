@@ -125,3 +125,19 @@ def test_cli_int4_export_json(tiny_dirs, tmp_path):
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["validation"]["passed"] and doc["quantization"]["block_size"] == 16
+
+
+def test_river_export_adds_int4_copies_after_the_first_exit(llama, tmp_path):
+    m = export_artifact(
+        llama, tmp_path / "r", ExportOptions(exits=EXITS, top_k=8, river=True, int4=Int4Options(min_agreement=FLOOR))
+    )
+    assert m.segments[0].river is None and all(s.river is not None for s in m.segments[1:])
+    assert m.quantization is not None and m.quantization.scope == "river" and "river" in m.kv_policies
+    for s in m.segments[1:]:
+        assert s.river is not None and s.river.inputs == s.graph.inputs and s.river.outputs == s.graph.outputs
+        assert _ops(tmp_path / "r" / s.river.file).get("MatMulNBits") == 8
+        assert _ops(tmp_path / "r" / s.graph.file).get("MatMulNBits", 0) == 0  # the backbone stays fp32
+    v = m.validation
+    assert v["passed"] and "greedy_agreement" not in v and max(v["max_abs_logit_diff"].values()) < 1e-3
+    assert v["river"]["graphs"] == "river" and v["river"]["greedy_agreement"]["2"] == 1.0  # before the river
+    assert FLOOR <= v["river"]["greedy_agreement"]["6"] <= 1.0
