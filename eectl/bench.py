@@ -5,7 +5,9 @@ Every speed figure is a ratio against baselines measured in the same run, with t
 
 - `hf`:   transformers' own greedy `generate` on the same prompt ids and thread count (torch),
 - `full`: eectl's exported graphs at full depth (ONNX Runtime),
-- `copy`, `defer`, `verify`: early exit with the artifact's calibrated thresholds (or --thresholds),
+- `copy`, `defer`, `verify`, `river`: early exit with the artifact's calibrated thresholds (or --thresholds), the
+  same exits and signal for each, so they differ only in what happens after an exit; `river-exit` is `river` with
+  the token predicted at the exit instead of the river's end (River's K/V are also compared with the exact K/V),
 - any other artifact of the same model at full depth (`compare`, e.g. an int4 export: `--compare int4=PATH`).
 
 Fidelity is measured against eectl full depth on the same prompts (token agreement, exact match, first
@@ -32,7 +34,8 @@ from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
 from eectl.runtime.runner import POLICIES, Generation, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 
-CONFIGS = ("hf", "full", *POLICIES)
+RIVER_EXIT = "river-exit"  # the river policy, predicting at the exit
+CONFIGS = ("hf", "full", *POLICIES, RIVER_EXIT)
 
 
 @dataclass
@@ -92,6 +95,7 @@ class BenchResult:
     sweep: list[dict[str, Any]]
     hf_matches_full: bool | None
     notes: list[str] = field(default_factory=list)
+    river_kv: dict[str, Any] | None = None  # river_kv_cosine on the first prompt
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -191,7 +195,7 @@ def run_bench(
     tok = load_tokenizer(rt)
     stop = tuple(m.eos_token_ids)
     ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
-    early = [c for c in opts.configs if c in POLICIES]
+    early = [c for c in opts.configs if c in POLICIES or c == RIVER_EXIT]
     runners: dict[str, Runner] = {}
     base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
     runners["full"] = Runner(rt, resolve_config(rt, base, stop))
@@ -207,7 +211,8 @@ def run_bench(
         ro = RunOptions(
             exits=opts.exits,
             signal=opts.signal,
-            policy=policy,
+            policy="river" if policy == RIVER_EXIT else policy,
+            river_predict="exit" if policy == RIVER_EXIT else "end",
             thresholds=opts.thresholds,
             threshold_scale=opts.threshold_scale,
             max_new_tokens=opts.max_new_tokens,
@@ -295,14 +300,19 @@ def run_bench(
         if log is not None:
             log.log(f"teacher-forced perplexity on {len(text_ids)} held-out tokens")
         for r in results:
-            if r.name in ("full", "copy", "defer", *opts.compare):
+            if r.name in ("full", "copy", "defer", "river", RIVER_EXIT, *opts.compare):
                 nll, _ = runners[r.name].score(text_ids, prompt_len=1)
                 r.perplexity = math.exp(float(np.mean(nll)))
         if "verify" in by:
             by["verify"].perplexity = by["full"].perplexity  # verify's output is full depth by construction
+    river_kv = None
+    if "river" in runners:
+        if log is not None:
+            log.log("river: its K/V against the exact K/V of the same tokens, per layer (first prompt)")
+        river_kv = river_kv_cosine(runners["river"], ids[0])
     sweep: list[dict[str, Any]] = []
     if early and opts.sweep:
-        policy = "defer" if "defer" in early else early[0]
+        policy = "defer" if "defer" in early else "river" if early[0] == RIVER_EXIT else early[0]
         for scale in opts.sweep:
             ro = RunOptions(
                 exits=opts.exits,
@@ -352,7 +362,62 @@ def run_bench(
         sweep=sweep,
         hf_matches_full=hf_matches,
         notes=notes,
+        river_kv=river_kv,
     )
+
+
+def river_kv_cosine(runner: Runner, prompt: list[int]) -> dict[str, Any]:
+    """River's K/V against the exact K/V of the same tokens, per layer.
+
+    Generates once with `runner` (the river policy), then recomputes the cache for the same token sequence at full
+    depth in fp32 (one prefill pass: exact K/V). Per layer, the cosine between the river's and the exact K (and V)
+    vector [H_kv * D] of each position the river wrote there (the positions whose token exited at or before that
+    layer), averaged; plus the same over every generated position (the non-exited ones drift too: their attention
+    read approximate K/V).
+    """
+    rt = runner.rt
+    g = runner.generate([prompt])[0]
+    kv = runner.last_kv
+    assert kv is not None
+    n = int(kv.filled[0].min())
+    exact = rt.new_kv(1, n + 1)
+    seq = [*prompt, *g.token_ids][:n]
+    h = rt.embed(np.array([seq], dtype=np.int64))
+    for s in range(len(rt.manifest.segments)):
+        h, _ = rt.run_segment(s, h, exact, 0)
+    L = rt.manifest.num_layers
+    start = len(prompt)  # position of the first generated token; decode step j processes position start - 1 + j
+    layers_of = {start - 1 + j: e for j, e in enumerate(g.exit_layers) if j >= 1 and start - 1 + j < n}
+
+    def cos(a: Any, b: Any) -> np.ndarray:  # [1, H_kv, T, D] x2 -> [T]
+        x = np.asarray(a)[0].transpose(1, 0, 2).reshape(a.shape[2], -1).astype(np.float64)
+        y = np.asarray(b)[0].transpose(1, 0, 2).reshape(b.shape[2], -1).astype(np.float64)
+        return (x * y).sum(-1) / (np.linalg.norm(x, axis=-1) * np.linalg.norm(y, axis=-1) + 1e-12)
+
+    per_layer = []
+    gen = np.arange(start, n)
+    for i in range(L):
+        ck = cos(kv.keys[0][i][:, :, :n], exact.keys[0][i][:, :, :n])
+        cv = cos(kv.values[0][i][:, :, :n], exact.values[0][i][:, :, :n])
+        river = np.array([p for p, e in layers_of.items() if e <= i], dtype=np.int64)
+        per_layer.append(
+            {
+                "layer": i,
+                "river_positions": int(river.size),
+                "key_cosine_river": float(ck[river].mean()) if river.size else None,
+                "value_cosine_river": float(cv[river].mean()) if river.size else None,
+                "key_cosine_generated": float(ck[gen].mean()) if gen.size else None,
+                "value_cosine_generated": float(cv[gen].mean()) if gen.size else None,
+            }
+        )
+    river_values = [v for r in per_layer for v in (r["key_cosine_river"], r["value_cosine_river"]) if v is not None]
+    return {
+        "tokens": len(g.token_ids),
+        "exited": sum(1 for e in g.exit_layers[1:] if e < L),
+        "min_river_cosine": min(river_values) if river_values else None,
+        "mean_river_cosine": float(np.mean(river_values)) if river_values else None,
+        "layers": per_layer,
+    }
 
 
 def _hist(layers: list[int]) -> dict[int, int]:
@@ -436,6 +501,25 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
             lines.append(
                 f"| {s['scale']} | {s['policy']} | {s['speedup']:.2f}x | {s['token_agreement']:.1%} | "
                 f"{s['exact_match']:.0%} | {s['mean_layers']:.1f} |"
+            )
+    if r.river_kv is not None:
+        kvr = r.river_kv
+        lines += [
+            "",
+            "## River's K/V against the exact K/V (first prompt)",
+            "",
+            f"{kvr['exited']} of {kvr['tokens']} tokens exited; over the positions the river wrote, mean K/V cosine "
+            f"{_fmt(kvr['mean_river_cosine'], '.4f')}, minimum per layer {_fmt(kvr['min_river_cosine'], '.4f')}.",
+            "",
+            "| layer | river positions | K cosine (river) | V cosine (river) | K cosine (all generated) | "
+            "V cosine (all generated) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for x in kvr["layers"]:
+            lines.append(
+                f"| {x['layer']} | {x['river_positions']} | {_fmt(x['key_cosine_river'], '.4f')} | "
+                f"{_fmt(x['value_cosine_river'], '.4f')} | {_fmt(x['key_cosine_generated'], '.4f')} | "
+                f"{_fmt(x['value_cosine_generated'], '.4f')} |"
             )
     hist = [c for c in r.configs if c.exit_histogram and len(c.exit_histogram) > 1]
     if hist:

@@ -342,7 +342,7 @@ class ExitScorer:
 
     @property
     def needs_inputs(self) -> bool:
-        return self.signal == "cosine"
+        return self.signal in ("cosine", "cosine-min")
 
     def exit_signals(self, states: list[torch.Tensor]) -> list[ExitSignals]:
         """states[e] [T, H]: hidden state after exit e's layer -> each exit's token, probability and margin."""
@@ -362,10 +362,13 @@ class ExitScorer:
         """-> values {criterion: [E, T]}, correct [E, T] bool, the final layer's top-1 [T]."""
         final_top = self.adapter.logits(final).argmax(-1)
         values: dict[str, torch.Tensor] = {}
-        if self.signal == "cosine":
+        if self.signal in ("cosine", "cosine-min"):
             assert inputs is not None
             tokens = [self.heads[layer].full(h).argmax(-1) for layer, h in zip(self.exits, states, strict=True)]
-            values["cosine"] = torch.stack([transition_cosine(i, h) for i, h in zip(inputs, states, strict=True)])
+            if self.signal == "cosine":
+                values["cosine"] = torch.stack([transition_cosine(i, h) for i, h in zip(inputs, states, strict=True)])
+            else:  # _forward_capture already reduced the segment's blocks to their minimum cosine
+                values["cosine"] = torch.stack(inputs)
         else:
             sig = self.exit_signals(states)
             tokens = [s.token for s in sig]
@@ -383,17 +386,26 @@ def _forward_capture(
     key_padding: torch.Tensor | None,
     select: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
-    """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input)."""
+    """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input; for
+    `cosine-min`, the minimum transition cosine over the blocks of the segment that ends at the exit)."""
     adapter = scorer.adapter
     slot = {layer - 1: e for e, layer in enumerate(scorer.exits)}  # decoder layer index -> exit index
+    segment = {
+        i: e for e, (lo, hi) in enumerate(zip([0, *scorer.exits], scorer.exits, strict=False)) for i in range(lo, hi)
+    }
     states: list[torch.Tensor] = [torch.empty(0)] * len(scorer.exits)
     inputs: list[torch.Tensor] = [torch.empty(0)] * len(scorer.exits)
+    block_min = scorer.signal == "cosine-min"
 
     def on_layer(i: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
         e = slot.get(i)
+        if block_min and i in segment:
+            c = transition_cosine(select(h_in), select(h_out))
+            k = segment[i]
+            inputs[k] = c if i == ([0, *scorer.exits][k]) else torch.minimum(inputs[k], c)
         if e is not None:
             states[e] = select(h_out)
-            if scorer.needs_inputs:
+            if scorer.needs_inputs and not block_min:
                 inputs[e] = select(h_in)
 
     final = adapter.forward_layers(

@@ -178,7 +178,7 @@ def calibrate(
     exits: Annotated[str | None, typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.")] = None,
     signal: Annotated[
         str | None,
-        typer.Option(help="topk-prob, topk-margin, topk-prob+margin, full-prob, full-margin or cosine."),
+        typer.Option(help="topk-prob, topk-margin, topk-prob+margin, full-prob, full-margin, cosine or cosine-min."),
     ] = None,
     top_k: Annotated[int | None, typer.Option(help="Local vocabulary size of the topk-* signals.")] = None,
     heads: Annotated[Path | None, typer.Option(help="Trained exit heads (heads.safetensors): exits use them.")] = None,
@@ -537,8 +537,12 @@ def run(
     ] = None,
     exits: Annotated[str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.")] = None,
     policy: Annotated[
-        str | None, typer.Option(help="KV of skipped layers: copy, defer (default) or verify (lossless).")
+        str | None,
+        typer.Option(help="KV of skipped layers: copy, defer (default), verify (lossless) or river (int4 copies)."),
     ] = None,
+    river_predict: Annotated[
+        str, typer.Option(help="river: the token from the river's end (final head) or from the exit.")
+    ] = "end",
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
     signal: Annotated[
@@ -572,6 +576,7 @@ def run(
     opts = RunOptions(
         exits=exits,
         policy=pick(policy, r.kv_policy),
+        river_predict=river_predict,
         thresholds=thresholds,
         threshold_scale=threshold_scale,
         signal=signal,

@@ -24,7 +24,8 @@ from torch import nn
 from eectl.models.adapters import Adapter
 
 # Signals an exit can be judged by. "topk-*" use the local vocabulary; "full-*" the full one (costly: a full
-# LM-head projection at every exit); "cosine" is River-LLM's state transition of the last layer before the exit.
+# LM-head projection at every exit); "cosine" is River-LLM's state transition of the last layer before the exit,
+# "cosine-min" River's test over a whole segment: the minimum of that cosine over every block since the previous exit.
 # signal -> its criteria: a token exits when every criterion's value is >= its threshold (calibrate writes these).
 CRITERIA: dict[str, tuple[str, ...]] = {
     "topk-prob": ("prob",),
@@ -33,6 +34,7 @@ CRITERIA: dict[str, tuple[str, ...]] = {
     "full-prob": ("prob",),
     "full-margin": ("margin",),
     "cosine": ("cosine",),
+    "cosine-min": ("cosine",),
 }
 SIGNALS = tuple(CRITERIA)
 DEFAULT_TOP_K = 64
@@ -101,6 +103,12 @@ def signals(logits: torch.Tensor, candidates: torch.Tensor | None = None) -> Exi
 def transition_cosine(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
     """River-LLM's state transition: cos(input, output) of a decoder layer, [..., H] -> [...]."""
     return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
+
+
+def min_transition_cosine(blocks: torch.Tensor) -> torch.Tensor:
+    """River-LLM's exit test over a segment: blocks [n + 1, ..., H], the residual stream before the first block and
+    after each one -> [...] the minimum over the n blocks of cos(input, output)."""
+    return transition_cosine(blocks[:-1], blocks[1:]).min(dim=0).values
 
 
 @dataclass

@@ -11,6 +11,10 @@ segment s, the layers it skipped still owe later tokens their K/V. The policies:
 - `verify`: like defer, but exited tokens are drafts: when a pass reaches the final layer, the final logits of the
             pending positions check the drafts; the first wrong draft and everything after it are rolled back by
             resetting the length counters, and the full model's token is emitted instead. Output == full depth.
+- `river`:  River-LLM's exit river: the exited token flows on through the artifact's int4 copies of the remaining
+            segments (`export --river`), which write its K/V into the same buffers (no pending positions, nothing to
+            recompute; the K/V are approximate). Its token is predicted at the river's end (final norm + LM head:
+            `river_predict="end"`) or at the exit itself (`"exit"`: the river then only writes K/V).
 
 Invariant (defer/verify): segment s holds K/V for positions [0, filled_s), filled_0 >= filled_1 >= ...;
 pending[s] holds the hidden states at segment s's input for positions [filled_s, filled_{s-1}).
@@ -30,10 +34,12 @@ import numpy as np
 import torch
 
 from eectl.errors import UsageError
-from eectl.exits import CRITERIA, signals, transition_cosine
+from eectl.exits import CRITERIA, min_transition_cosine, signals, transition_cosine
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
-POLICIES = ("copy", "defer", "verify")
+POLICIES = ("copy", "defer", "verify", "river")
+RIVER_PREDICT = ("end", "exit")
+COSINE_SIGNALS = ("cosine", "cosine-min")
 
 
 @dataclass
@@ -48,6 +54,7 @@ class RunConfig:
     top_p: float = 1.0
     seed: int = 0
     verify_block: int = 8  # verify: at most this many drafts before a forced full-depth pass
+    river_predict: str = "end"  # river: the token from the river's end (final head) or from the exit itself
     stop_ids: tuple[int, ...] = ()
 
 
@@ -108,6 +115,11 @@ class Runner:
                 raise UsageError(f"no {'/'.join(sorted(missing))} threshold for exit {e}")
         if config.policy == "verify" and config.temperature > 0:
             raise UsageError("the verify policy is greedy only (it reproduces full-depth greedy output)")
+        if config.policy == "river":
+            if any(i not in runtime.river_segments for i in range(1, len(self.m.segments))):
+                raise UsageError("this artifact has no int4 river copies", hint="export it with --river")
+            if config.river_predict not in RIVER_PREDICT:
+                raise UsageError(f"--river-predict must be end or exit, got '{config.river_predict}'")
         if not 2 <= config.top_k <= self.m.dims["vocab_size"]:
             raise UsageError(f"--top-k must be in 2..{self.m.dims['vocab_size']}")
         self.exits = sorted(config.exits)
@@ -115,6 +127,9 @@ class Runner:
         self.final_segment = len(self.m.segments) - 1
         self.L = L
         self.rng = np.random.default_rng(config.seed)
+        # river predicting at its end needs no prediction at the exit: a cosine exit then projects no LM head there
+        self.river_end = config.policy == "river" and config.river_predict == "end"
+        self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
 
     # --- sampling --------------------------------------------------------------------------------------------------
     def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
@@ -134,14 +149,23 @@ class Runner:
         return int(ids[i]) if ids is not None else i
 
     # --- exits -------------------------------------------------------------------------------------------------------
-    def _decide(self, layer: int, h: np.ndarray, h_in: np.ndarray, state: dict[str, Any]) -> int | None:
-        """Exit test at `layer` for the current token's hidden state h [H]; returns the token when it exits."""
+    def _decide(
+        self, layer: int, h: np.ndarray, h_in: np.ndarray, state: dict[str, Any], blocks: np.ndarray | None = None
+    ) -> int | None:
+        """Exit test at `layer` for the current token's hidden state h [H]; returns the token when it exits (-1:
+        it exits and the river predicts its token). `blocks` [n + 1, H]: the segment's block boundaries."""
         thr = self.cfg.thresholds[layer]
         sig = self.cfg.signal
-        if sig == "cosine":
-            cos = float(transition_cosine(torch.from_numpy(h_in), torch.from_numpy(h)))
+        if sig in COSINE_SIGNALS:
+            if sig == "cosine":
+                cos = float(transition_cosine(torch.from_numpy(h_in), torch.from_numpy(h)))
+            else:
+                assert blocks is not None
+                cos = float(min_transition_cosine(torch.from_numpy(blocks)))
             if cos < thr["cosine"]:
                 return None
+            if self.river_end:
+                return -1
             logits, _, _ = self.rt.exit_full(layer, h[None], self.cfg.top_k)
             return self._pick(logits[0])
         if sig.startswith("topk"):
@@ -178,7 +202,12 @@ class Runner:
             pend = st.pending[s]
             x = h if pend is None else np.concatenate([pend, h], axis=1)
             st.pending[s] = None
-            out, layer_in = self.rt.run_segment(s, x, kv, row)
+            layer = self.exit_after_segment.get(s)
+            blocks = None
+            if self.cfg.signal == "cosine-min" and layer is not None and may_exit:
+                out, layer_in, blocks = self.rt.run_segment(s, x, kv, row, states=True)
+            else:
+                out, layer_in = self.rt.run_segment(s, x, kv, row)
             if s == self.final_segment:
                 if self.cfg.policy == "verify" and st.drafts:
                     corrected = self._verify(row, st, kv, out)
@@ -189,12 +218,15 @@ class Runner:
                 if st.forced is not None:
                     return self._forced(st, logits[0])
                 return self._pick(logits[0])
-            layer = self.exit_after_segment.get(s)
             if layer is not None and may_exit:
                 t0 = time.perf_counter()
-                token = self._decide(layer, out[0, -1], layer_in[0, -1], state)
+                token = self._decide(
+                    layer, out[0, -1], layer_in[0, -1], state, None if blocks is None else blocks[:, -1]
+                )
                 st.decide_s += time.perf_counter() - t0
                 if token is not None:
+                    if self.cfg.policy == "river":
+                        return self._river(row, st, kv, s, layer, out, token)
                     self._skip(row, st, kv, s, out)
                     st.exit_layers.append(layer)
                     if st.forced is not None:
@@ -229,6 +261,19 @@ class Runner:
         while len(st.tokens) < len(ids):
             st.tokens.append(self._step(0, st, kv, [st.tokens[-1]]))
         return st.nll, st.exit_layers
+
+    def _river(self, row: int, st: RowState, kv: KVBuffers, s: int, layer: int, out: np.ndarray, token: int) -> int:
+        """The token exited after segment s: it flows through the int4 copies of segments s+1.., which write its
+        K/V into the same buffers; its token comes from the river's end, or is the exit's own (`token`)."""
+        h = out
+        for t in range(s + 1, len(self.m.segments)):
+            h, _ = self.rt.run_segment(t, h, kv, row, river=True)
+        st.exit_layers.append(layer)
+        if self.river_end or st.forced is not None:
+            at, state = (self.L, h) if self.river_end else (layer, out)
+            logits, _, _ = self.rt.exit_full(at, state[0, -1:], self.cfg.top_k)
+            return self._forced(st, logits[0]) if st.forced is not None else self._pick(logits[0])
+        return token
 
     def _skip(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray) -> None:
         """The token exited after segment s: give the skipped segments their K/V per the policy."""
@@ -285,6 +330,7 @@ class Runner:
                 f"of {self.m.max_positions}"
             )
         kv = self.rt.new_kv(len(prompts), need)
+        self.last_kv = kv
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
         for r, st in enumerate(rows):  # prefill: always full depth
             t0 = time.perf_counter()
