@@ -312,7 +312,8 @@ def run_bench(
         river_kv = river_kv_cosine(runners["river"], ids[0])
     sweep: list[dict[str, Any]] = []
     if early and opts.sweep:
-        policy = "defer" if "defer" in early else "river" if early[0] == RIVER_EXIT else early[0]
+        # the new policy's curve when it is benched, else defer's
+        policy = next((p for p in ("river", "defer") if p in early), "river" if early[0] == RIVER_EXIT else early[0])
         for scale in opts.sweep:
             ro = RunOptions(
                 exits=opts.exits,
