@@ -526,15 +526,27 @@ def _write_artifact(
         head = heads.get(layer)
         c = calib.get(layer, {})
         full_model, full_io = build_exit(adapter, layer, options.dtype, local=False, head=head)
-        if quantized and layer == L and options.int4.lm_head != "fp32":  # the final head's own quantized table
-            weight_input = full_io.inputs.pop("weight")
+        river_head = None
+        if layer == L and options.int4.lm_head != "fp32" and (quantized or options.river):
+            # the final head's own quantized table: for every token (int4 artifact) or the river's end only
+            weight_input = full_io.inputs["weight"]
             assert isinstance(weight_input, str)
-            full_model = quantize_lm_head(full_model, weight_input, lm, options.int4)
+            q_model = quantize_lm_head(full_model, weight_input, lm, options.int4)
+            q_io = full_io.model_copy(
+                update={"inputs": {k: v for k, v in full_io.inputs.items() if k != "weight"}},
+                deep=True,
+            )
+            if quantized:
+                full_model, full_io = q_model, q_io
+            else:
+                q_io.file = f"exit_{layer:03d}_river.onnx"
+                river_head = save(q_model, q_io)
         exit_points.append(
             ExitPoint(
                 layer=layer,
                 full=save(full_model, full_io),
                 local=save(*build_exit(adapter, layer, options.dtype, local=True, head=head)),
+                river=river_head,
                 head=None if head is None else str((heads_meta or {}).get("design", type(head).__name__)),
                 signal=(calibration or {}).get("signal") if layer < L else None,
                 thresholds=c.get("thresholds"),
@@ -646,7 +658,7 @@ def validate_artifact(
         for e in m.exits:
             ref_h = states[e.layer][0]
             ref = exit_heads[e.layer].full(ref_h).float()
-            got, cand, _ = rt.exit_full(e.layer, ort_states[e.layer][0], m.top_k)
+            got, cand, _ = rt.exit_full(e.layer, ort_states[e.layer][0], m.top_k, river=river)
             diffs[e.layer] = max(diffs[e.layer], float((torch.from_numpy(got).float() - ref).abs().max()))
             token_mismatch[e.layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
             cand_t = torch.from_numpy(cand)

@@ -43,6 +43,7 @@ class ExitPoint(_M):
     layer: int  # exit after this many decoder layers (== L for the final head)
     full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits
     local: GraphIO  # hidden [N, H] + candidates [N, K] -> candidate logits [N, K]
+    river: GraphIO | None = None  # final head only, `export --river --lm-head int4|int8`: the river's quantized head
     head: str | None = None  # trained head design, None for the plain logit lens
     signal: str | None = None  # the calibrated signal (calibrate.CRITERIA names its criteria)
     thresholds: dict[str, float | None] | None = None  # criterion -> exit when value >= it; None: not calibrated
@@ -190,6 +191,6 @@ def _check_consistency(m: Manifest, folder: str | Path) -> None:
     for s in m.segments:
         needed |= {s.graph.file, s.kv_graph.file} | ({s.river.file} if s.river else set())
     for e in m.exits:
-        needed |= {e.full.file, e.local.file}
+        needed |= {e.full.file, e.local.file} | ({e.river.file} if e.river else set())
     if not needed <= listed:
         raise ArtifactError(f"inconsistent manifest in {folder}: files not hashed: {sorted(needed - listed)}")

@@ -177,3 +177,17 @@ def test_cosine_min_calibrates_as_the_minimum_over_each_segments_blocks(llama):
         a.forward_layers(a.embed(chunks[0]), torch.arange(12)[None], 0, a.num_layers, KVCache(), on_layer=grab)
     want = torch.stack([torch.stack([cos[0], cos[1]]).min(0).values, torch.stack([cos[2], cos[3]]).min(0).values])
     torch.testing.assert_close(mins.values["cosine"][:, :11], want, atol=1e-5, rtol=0)
+
+
+def test_river_head_in_int4_is_used_at_the_rivers_end_only(llama, tmp_path):
+    q = Int4Options(min_agreement=0.0, lm_head="int4")
+    m = export_artifact(llama, tmp_path / "r", ExportOptions(exits=EXITS, top_k=8, river=True, int4=q))
+    final = m.exits[-1]
+    assert final.river is not None and "weight" not in final.river.inputs and "weight" in final.full.inputs
+    assert all(e.river is None for e in m.exits[:-1]) and m.validation["river"]["passed"]
+    rt = ArtifactRuntime(tmp_path / "r", provider="cpu", threads=1)
+    h = np.random.default_rng(0).standard_normal((1, llama.adapter.dims.hidden_size)).astype(np.float32)
+    a, b = rt.exit_full(6, h, 8)[0], rt.exit_full(6, h, 8, river=True)[0]
+    assert 0 < np.abs(a - b).max() < 0.2 * np.abs(a).max()  # int4 rounding of the head, visible and bounded
+    _, g = _run(rt)
+    assert set(g.exit_layers[1:]) == {2} and len(g.token_ids) == NEW

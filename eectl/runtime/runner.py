@@ -271,7 +271,7 @@ class Runner:
         st.exit_layers.append(layer)
         if self.river_end or st.forced is not None:
             at, state = (self.L, h) if self.river_end else (layer, out)
-            logits, _, _ = self.rt.exit_full(at, state[0, -1:], self.cfg.top_k)
+            logits, _, _ = self.rt.exit_full(at, state[0, -1:], self.cfg.top_k, river=self.river_end)
             return self._forced(st, logits[0]) if st.forced is not None else self._pick(logits[0])
         return token
 

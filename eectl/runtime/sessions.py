@@ -143,6 +143,7 @@ class ArtifactRuntime:
         self.kv_segments = [load(s.kv_graph) for s in m.segments]
         self.river_segments = {i: load(s.river) for i, s in enumerate(m.segments) if s.river is not None}
         self.full_graphs = {e.layer: load(e.full) for e in m.exits}
+        self.river_heads = {e.layer: load(e.river) for e in m.exits if e.river is not None}
         self.local_graphs = {e.layer: load(e.local) for e in m.exits}
         self.weights = {k: self._load_weight(w.file) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
@@ -246,9 +247,12 @@ class ArtifactRuntime:
             return outs[n].numpy(), outs[n + 1].numpy(), outs[n + 2].numpy()[0].reshape(hi - lo + 1, s, -1)
         return outs[n].numpy(), outs[n + 1].numpy()
 
-    def exit_full(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """hidden [N, H] -> (logits [N, V], candidates [N, K] int64, candidate logits [N, K])."""
-        g = self.full_graphs[layer]
+    def exit_full(
+        self, layer: int, hidden: np.ndarray, top_k: int, river: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """hidden [N, H] -> (logits [N, V], candidates [N, K] int64, candidate logits [N, K]). With `river`, the
+        exit's quantized river head where the artifact has one."""
+        g = self.river_heads.get(layer, self.full_graphs[layer]) if river else self.full_graphs[layer]
         io = g.binding()
         io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(hidden, dtype=self.np_dtype))
         io.bind_cpu_input(g.name("top_k"), np.array([top_k], dtype=np.int64))
