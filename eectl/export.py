@@ -684,7 +684,7 @@ def validate_artifact(
         "passed": True,
     }
     if m.quantization is not None and (river or m.quantization.scope == "segments"):
-        result["graphs"] = "river" if river else "int4"
+        result["graphs"] = "river" if river else "int4"  # before the verdict: its message names them
         failure = agreement_verdict(result, L, m.quantization.min_agreement)
         if failure is not None:
             result["passed"] = False
