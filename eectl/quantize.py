@@ -84,15 +84,6 @@ class Int4Options:
         }
 
 
-def parse_layers(text: str | None) -> tuple[int, ...]:
-    if not text:
-        return ()
-    try:
-        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        raise UsageError(f"--int4-keep-layers must be comma-separated layer numbers, got '{text}'") from None
-
-
 def _config(opts: Int4Options, bits: int = 4) -> Any:
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
