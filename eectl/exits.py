@@ -24,8 +24,9 @@ Registries (each addition is one entry):
   it needs the input of the last layer before the exit, and computes its values in `measure`. To add one, write a
   `Signal` subclass (or reuse one with other criteria) and `register_signal(...)` it below; calibrate, export's
   manifest, run and bench pick it up by name. A signal that needs more than the exit state and the last layer's
-  input (e.g. River-LLM's minimum cosine over every block of a segment) adds that state to `ExitState` and to
-  what the segment graphs output (export.py) and the runner passes in.
+  input adds that state to `ExitState` and to what the segment graphs output (export.py) and the runner passes in,
+  as `cosine-min` (River-LLM's minimum cosine over every block of a segment) does with `ExitState.blocks` (the
+  segments' `layer_states` output at run time, `Capture` of every layer in calibrate).
 - `CANDIDATE_SOURCES`: how the K candidates of the local vocabulary are picked at the first exit a token reaches
   (FlexEE: Top-K of one full LM-head projection). A source gets the backend, the exit and its state and returns
   candidate ids and their logits [N, K]; later exits score those rows with `local`. To add one (a frequency
