@@ -136,9 +136,9 @@ def quantize_lm_head(
 ) -> onnx.ModelProto:
     """The final exit graph with its LM head as a constant, quantized to opts.lm_head bits.
 
-    The exit graph computes logits as Gemm(normed [N, H], weight [V, H], transB=1) with the weight a graph input
-    (the shared table). That node becomes MatMul(normed, table.T) on a constant, which the quantizer then turns
-    into MatMulNBits; the weight input is removed from the graph.
+    The exit graph computes logits as MatMul(normed [N, H], weight [H, V]) with the weight a graph input (the shared
+    table, stored transposed; `table` is it, [H, V]). The weight becomes a constant, which the quantizer then turns
+    into MatMulNBits, and the input is removed from the graph.
     """
     import onnx
     from onnx import numpy_helper
@@ -146,18 +146,12 @@ def quantize_lm_head(
     m = onnx.ModelProto()
     m.CopyFrom(model)
     users = [n for n in m.graph.node if weight_input in n.input]
-    if len(users) != 1 or users[0].op_type != "Gemm" or users[0].input[1] != weight_input:
-        raise UsageError("--lm-head int4/int8 needs an exit graph whose LM head is one Gemm on the shared weight")
-    gemm = users[0]
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gemm.attribute}
-    if attrs.get("transB", 0) != 1 or attrs.get("transA", 0) or len(gemm.input) > 2:
-        raise UsageError("--lm-head int4/int8: unexpected LM-head Gemm form (expected x @ W.T without bias)")
-    name = "lm_head.weight_t"
-    m.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(table.T.astype(np.float32)), name))
-    matmul = onnx.helper.make_node("MatMul", [gemm.input[0], name], list(gemm.output), name="lm_head.matmul")
-    idx = list(m.graph.node).index(gemm)
-    m.graph.node.remove(gemm)
-    m.graph.node.insert(idx, matmul)
+    if len(users) != 1 or users[0].op_type != "MatMul" or list(users[0].input).index(weight_input) != 1:
+        raise UsageError("--lm-head int4/int8 needs an exit graph whose LM head is one MatMul on the shared weight")
+    name = "lm_head.weight_hv"
+    m.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(table.astype(np.float32)), name))
+    users[0].input[1] = name
+    users[0].name = users[0].name or "lm_head.matmul"
     keep = [i for i in m.graph.input if i.name != weight_input]
     del m.graph.input[:]
     m.graph.input.extend(keep)

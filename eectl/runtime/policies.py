@@ -163,8 +163,7 @@ class Verify(Defer):
         st.drafts = []
         if out.shape[1] < 2:
             return None
-        logits, _, _ = self.rt.exit_full(self.num_layers, out[0, :-1], self.cfg.top_k)
-        full_pred = logits.argmax(-1)
+        full_pred = self.rt.greedy_token(self.num_layers, out[0, :-1])  # greedy drafts: only tokens leave the graph
         for j in range(out.shape[1] - 1):
             pos = base + j + 1
             if pos in drafts and drafts[pos] != int(full_pred[j]):
