@@ -420,6 +420,7 @@ def test_12_interrupt_prints_interrupted_and_exits_130(monkeypatch):
     [
         (["export", "--dtype", "fp8"], 2, "--dtype must be"),
         (["export", "--top-k", "1"], 2, "--top-k must be"),
+        (["export", "--weights", "int8"], 2, "--weights must be"),
         (["export", "--exits", "3,3"], 2, "distinct"),
         (["export", "--out", "{existing}"], 5, "already exists"),
         (["export", "--out", "{existing}", "--force"], 5, "not an eectl artifact"),
