@@ -1,0 +1,100 @@
+"""Results reused across runs: JSON documents (and files) under $EECTL_CACHE/results, keyed by content hashes.
+
+A key is the SHA-256 of a JSON description of everything the result depends on (model weights' hash, the data's
+hash, the settings, a version of the code that computes it), so a hit can only return what the same computation
+would produce again. Nothing is ever invalidated by time: a changed input is a different key.
+What this module does not do: decide what goes into a key (each stage does), or cache timings as measurements.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def results_dir() -> Path:
+    from eectl.models.loading import cache_dir
+
+    return cache_dir() / "results"
+
+
+def digest(description: Any) -> str:
+    """A stable hash of a JSON-able description (dict order does not matter)."""
+    blob = json.dumps(description, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def texts_sha256(texts: Iterable[str]) -> str:
+    h = hashlib.sha256()
+    for t in texts:
+        b = t.encode("utf-8")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def read(kind: str, key: str) -> dict[str, Any] | None:
+    path = results_dir() / kind / f"{key}.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # absent or unreadable (a partial write never lands: writes are atomic)
+    return doc if isinstance(doc, dict) and doc.get("key") == key else None
+
+
+def write(kind: str, key: str, doc: dict[str, Any]) -> Path:
+    folder = results_dir() / kind
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{key}.json"
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump({**doc, "key": key}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def stored_files(kind: str, key: str) -> Path:
+    """The folder holding the files of a cached stage output (may not exist)."""
+    return results_dir() / kind / key
+
+
+def store_files(kind: str, key: str, files: list[Path]) -> Path:
+    """Copy files into the cache atomically (a temporary folder renamed into place)."""
+    target = stored_files(kind, key)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{key}-"))
+    for f in files:
+        if f.is_dir():
+            shutil.copytree(f, tmp / f.name)
+        else:
+            shutil.copy2(f, tmp / f.name)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    return target
+
+
+def restore_files(kind: str, key: str, dest: dict[str, Path]) -> bool:
+    """Copy a cached stage output's files to their destinations (name in the cache -> path); False on a miss."""
+    src = stored_files(kind, key)
+    if not src.is_dir() or not all((src / name).exists() for name in dest):
+        return False
+    for name, path in dest.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.restoring")
+        if tmp.exists():
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        if (src / name).is_dir():
+            shutil.copytree(src / name, tmp)
+        else:
+            shutil.copy2(src / name, tmp)
+        if path.is_dir():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    return True
