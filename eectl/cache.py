@@ -98,3 +98,82 @@ def restore_files(kind: str, key: str, dest: dict[str, Path]) -> bool:
             shutil.rmtree(path)
         os.replace(tmp, path)
     return True
+
+
+def model_identity(source: Any) -> dict[str, object]:
+    """What identifies a model's computation: its weights' SHA-256 (and a folder's tokenizer files), or its
+    hub id when there are no local files to hash."""
+    ident: dict[str, object] = {"kind": source.kind, "sha256": source.sha256 if source.weight_files else None}
+    if source.kind == "hub" or not source.weight_files:
+        ident["spec"] = source.spec
+    if source.kind == "hf-folder" and source.path is not None:
+        ident["tokenizer"] = texts_sha256(
+            f.read_text(encoding="utf-8", errors="replace") for f in sorted(Path(source.path).glob("tokenizer*"))
+        )
+    return ident
+
+
+def file_sha256(path: Path) -> str:
+    from eectl.models.loading import file_sha256 as sha
+
+    return sha(path)
+
+
+class PipelineCache:
+    """The main job's stage outputs, reused when the model, data and the recipe's settings for a stage (and the
+    outputs it consumes, by hash) are unchanged. Heads and calibration files are stored in the cache; an exported
+    artifact (hundreds of MB) is not copied: its manifest's hash is recorded, and the folder in artifacts/ is
+    reused when it still has exactly that manifest (the runner checks every file's hash when it loads)."""
+
+    def __init__(self, recipe: Any, enabled: bool = True) -> None:
+        from eectl import __version__
+        from eectl.data import load_text_data
+        from eectl.models.loading import resolve_source
+
+        self.enabled = enabled
+        self.recipe = recipe
+        text = load_text_data(recipe.data.source, recipe.data.field)
+        self.base = {
+            "eectl": __version__,
+            "model": model_identity(resolve_source(recipe.model)),
+            "data": {"sha256": texts_sha256(text.texts), "field": recipe.data.field},
+            "exits": recipe.exits,
+            "top_k": recipe.top_k,
+            "target": recipe.target,
+        }
+
+    def heads_key(self) -> str:
+        return digest({**self.base, "stage": "train-heads", "heads": self.recipe.heads.model_dump()})
+
+    def calibration_key(self, heads: Path) -> str:
+        r = self.recipe
+        return digest(
+            {
+                **self.base,
+                "stage": "calibrate",
+                "heads": file_sha256(heads),
+                "signal": r.signal,
+                "tokens": r.data.tokens,
+            }
+        )
+
+    def export_key(self, heads: Path, calibration: Path) -> str:
+        return digest(
+            {**self.base, "stage": "export", "heads": file_sha256(heads), "calibration": file_sha256(calibration)}
+        )
+
+    def restore(self, stage: str, key: str, files: list[Path]) -> bool:
+        return self.enabled and restore_files(stage, key, {f.name: f for f in files})
+
+    def store(self, stage: str, key: str, files: list[Path]) -> None:
+        if self.enabled:
+            store_files(stage, key, files)
+
+    def artifact_current(self, key: str, folder: Path) -> bool:
+        hit = read("export", key) if self.enabled else None
+        manifest = folder / "manifest.json"
+        return hit is not None and manifest.is_file() and file_sha256(manifest) == hit.get("manifest_sha256")
+
+    def record_artifact(self, key: str, folder: Path) -> None:
+        if self.enabled:
+            write("export", key, {"manifest_sha256": file_sha256(folder / "manifest.json"), "folder": str(folder)})

@@ -133,7 +133,7 @@ def profile(
     out = Output(json_out)
     r = load_recipe(recipe)
     a, sim = pick(alpha, r.profile.alpha), pick(similarity, r.profile.similarity)
-    n_tokens = pick(tokens, r.data.tokens)
+    n_tokens = pick(tokens, r.profile.tokens or r.data.tokens)
     check_options(a, sim)
     if n_tokens <= 0:
         raise UsageError(f"--tokens must be positive, got {n_tokens}")
@@ -394,7 +394,9 @@ def train_heads(
     lr: Annotated[float | None, typer.Option(help="Peak learning rate (AdamW; warm-up, cosine decay).")] = None,
     batch_tokens: Annotated[int, typer.Option(help="Tokens per step (per process).")] = 32,
     ce_weight: Annotated[float, typer.Option(help="Weight of next-token cross-entropy added to the KL.")] = 0.0,
-    eval_tokens: Annotated[int, typer.Option(help="Held-out tokens (the data's last records) for the report.")] = 4096,
+    eval_tokens: Annotated[
+        int | None, typer.Option(help="Held-out tokens (the data's last records) for the report (default 4096).")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of head initialisation and data order.")] = 0,
     save_every: Annotated[int, typer.Option(help="Write the checkpoint (<out>.ckpt) every N steps.")] = 100,
     resume: Annotated[Path | None, typer.Option(help="Continue from this checkpoint (<out>.ckpt).")] = None,
@@ -423,7 +425,7 @@ def train_heads(
         batch_tokens=batch_tokens,
         seed=seed,
         ce_weight=ce_weight,
-        eval_tokens=eval_tokens,
+        eval_tokens=pick(eval_tokens, r.heads.eval_tokens),
         save_every=save_every,
         device=device,
         top_k=r.top_k,
@@ -688,9 +690,11 @@ def bench(
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
     sweep: Annotated[
-        str, typer.Option(help="Threshold scales for the agreement/speedup curve ('' for none).")
-    ] = "0.9,1.0,1.1",
-    ppl_tokens: Annotated[int, typer.Option(help="Held-out tokens for teacher-forced perplexity (0: skip).")] = 1024,
+        str | None, typer.Option(help="Threshold scales for the agreement/speedup curve ('' for none; 0.9,1.0,1.1).")
+    ] = None,
+    ppl_tokens: Annotated[
+        int | None, typer.Option(help="Held-out tokens for teacher-forced perplexity (0: skip; default 1024).")
+    ] = None,
     report: Annotated[Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).")] = None,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "cpu",
     raw: Annotated[bool, typer.Option(help="No chat template.")] = False,
@@ -699,7 +703,7 @@ def bench(
     json_out: JsonOpt = False,
 ) -> None:
     """Speed and fidelity against full depth (and transformers generate), side by side, in one run."""
-    from eectl.bench import BenchOptions, markdown, run_bench, write_report
+    from eectl.bench import BenchOptions, bench_units, markdown, run_bench, write_report
     from eectl.data import load_text_data
 
     out = Output(json_out)
@@ -708,11 +712,16 @@ def bench(
     text = load_text_data(pick(data, r.data.source), r.data.field)
     configs = pick(policies, ",".join(r.bench.configs))
     try:
-        scales = [float(x) for x in sweep.split(",") if x.strip()]
+        scales = (
+            [float(x) for x in sweep.split(",") if x.strip()]
+            if sweep is not None
+            else [float(x) for x in r.bench.sweep]
+        )
     except ValueError:
         raise UsageError(f"--sweep must be comma-separated numbers, got '{sweep}'") from None
     n = min(pick(prompts, r.bench.prompts), len(text.prompts))
     answers = [t.split("####")[-1].strip().replace(",", "") if "####" in t else None for t in text.texts[:n]]
+    ppl_tokens = pick(ppl_tokens, r.bench.ppl_tokens)
     heldout = text.texts[-max(1, len(text.texts) // 10) :] if ppl_tokens > 0 else None
     opts = BenchOptions(
         configs=[c.strip() for c in configs.split(",") if c.strip()],
@@ -729,7 +738,8 @@ def bench(
         threads=n_threads,
         raw=raw,
     )
-    result = run_bench(artifact, text.prompts[:n], opts, heldout, answers, log=out)
+    with out.progress("bench", total=bench_units(opts, n)) as bar:
+        result = run_bench(artifact, text.prompts[:n], opts, heldout, answers, log=out, progress=bar.advance)
     files = write_report(result, report) if report is not None else []
     out.json({**result.to_dict(), "report": [str(f) for f in files]})
     if not out.json_mode:
@@ -744,9 +754,17 @@ def pipeline(
         "recipes/smollm2-135m-instruct.yaml"
     ),
     prompt: Annotated[str, typer.Option(help="The sample prompt for the run stage.")] = "What is 12 * 7?",
+    cache: Annotated[
+        bool, typer.Option(help="Reuse profile, heads, calibration and artifact when their inputs are unchanged.")
+    ] = True,
     threads: ThreadsOpt = None,
 ) -> None:
     """The worked example: profile, train-heads, calibrate, export, run and bench from one recipe."""
+    import time
+
+    from eectl.cache import PipelineCache
+    from eectl.heads import sidecar_path
+
     r = load_recipe(recipe)
     out = Output()
     from eectl.models import resolve_source
@@ -759,23 +777,63 @@ def pipeline(
     folder = art / name
     report = art / f"{name}-bench.md"
     stages = ["profile", "train-heads", "calibrate", "export", "run", "bench"]
+    pc = PipelineCache(r, enabled=cache)
+    times: list[tuple[str, float, str]] = []
 
-    def stage(i: int) -> None:
+    def stage(i: int, work: Callable[[], str]) -> None:
         out.err.rule(f"[bold]{i + 1}/{len(stages)} eectl {stages[i]}[/bold]")
+        t0 = time.perf_counter()
+        how = work()
+        times.append((stages[i], time.perf_counter() - t0, how))
 
-    stage(0)
-    profile(plot=art / f"{name}-profile.png", recipe=recipe, threads=threads)
-    stage(1)
-    train_heads(out_path=heads_path, recipe=recipe, threads=threads)
-    stage(2)
-    calibrate(heads=heads_path, out_path=calib_path, recipe=recipe, threads=threads)
-    stage(3)
-    export(calibration=calib_path, heads=heads_path, out=folder, force=True, recipe=recipe, threads=threads)
-    stage(4)
-    run(str(folder), prompt, max_new_tokens=64, recipe=recipe, threads=threads)
-    stage(5)
-    bench(str(folder), report=report, recipe=recipe, threads=threads)
+    def do_profile() -> str:
+        profile(plot=art / f"{name}-profile.png", recipe=recipe, threads=threads, cache=cache)
+        return "ran (or its cached result)"
+
+    def do_heads() -> str:
+        key = pc.heads_key()
+        files = [heads_path, sidecar_path(heads_path)]
+        if pc.restore(stage="train-heads", key=key, files=files):
+            out.log(f"reused from the cache (same model, data and heads settings): {heads_path}")
+            return "cached"
+        train_heads(out_path=heads_path, recipe=recipe, threads=threads)
+        pc.store("train-heads", key, files)
+        return "ran"
+
+    def do_calibrate() -> str:
+        key = pc.calibration_key(heads_path)
+        if pc.restore(stage="calibrate", key=key, files=[calib_path]):
+            out.log(f"reused from the cache (same model, data, heads and settings): {calib_path}")
+            return "cached"
+        calibrate(heads=heads_path, out_path=calib_path, recipe=recipe, threads=threads)
+        pc.store("calibrate", key, [calib_path])
+        return "ran"
+
+    def do_export() -> str:
+        key = pc.export_key(heads_path, calib_path)
+        if pc.artifact_current(key, folder):
+            out.log(f"{folder} is already the export of these heads and calibration: reused")
+            return "cached"
+        export(calibration=calib_path, heads=heads_path, out=folder, force=True, recipe=recipe, threads=threads)
+        pc.record_artifact(key, folder)
+        return "ran"
+
+    def do_run() -> str:
+        run(str(folder), prompt, max_new_tokens=64, recipe=recipe, threads=threads)
+        return "ran"
+
+    def do_bench() -> str:
+        bench(str(folder), report=report, recipe=recipe, threads=threads)
+        return "ran (measurements are never cached)"
+
+    for i, work in enumerate((do_profile, do_heads, do_calibrate, do_export, do_run, do_bench)):
+        stage(i, work)
     out.err.rule("[bold]done[/bold]")
+    out.table(
+        "stage times",
+        ["stage", "seconds", "work"],
+        [*[(s, f"{t:.1f}", how) for s, t, how in times], ("total", f"{sum(t for _, t, _ in times):.1f}", "")],
+    )
     out.line(f"artifact: {folder}\nbench report: {report}\nprofile plot: {art / f'{name}-profile.png'}")
 
 

@@ -391,20 +391,13 @@ def plot(result: ProfileResult, path: str) -> None:
 def profile_key(source: Any, data: Any, tokens: int, chunk_len: int, similarity: str, lens_dtype: str) -> str:
     """What a profile's per-chunk sums depend on: the model's weights (and tokenizer files), the data, the
     settings. alpha is not in it: EAS at any alpha is recomputed from the same sums."""
-    from eectl.cache import digest, texts_sha256
+    from eectl.cache import digest, model_identity, texts_sha256
 
-    model_id: dict[str, object] = {"kind": source.kind, "sha256": source.sha256 if source.weight_files else None}
-    if source.kind == "hub" or not source.weight_files:
-        model_id["spec"] = source.spec
-    if source.kind == "hf-folder" and source.path is not None:
-        model_id["tokenizer"] = texts_sha256(
-            f.read_text(encoding="utf-8", errors="replace") for f in sorted(source.path.glob("tokenizer*"))
-        )
     return digest(
         {
             "stage": "profile",
             "version": PROFILE_VERSION,
-            "model": model_id,
+            "model": model_identity(source),
             "data": texts_sha256(data.texts),
             "tokens": tokens,
             "chunk_len": chunk_len,

@@ -27,6 +27,7 @@ class DataSpec(_Strict):
 class ProfileSpec(_Strict):
     alpha: float = Field(0.5, ge=0.0, le=1.0)
     similarity: Literal["top1", "js"] = "top1"
+    tokens: int | None = Field(None, gt=0)  # profile's own token budget; None: data.tokens
 
 
 class HeadsSpec(_Strict):
@@ -34,6 +35,7 @@ class HeadsSpec(_Strict):
     rank: int | None = None
     steps: int = Field(500, gt=0)
     lr: float = Field(1e-3, gt=0)
+    eval_tokens: int = Field(4096, gt=0)  # held-out tokens for the before/after report
 
 
 class BenchSpec(_Strict):
@@ -41,6 +43,8 @@ class BenchSpec(_Strict):
     max_new_tokens: int = Field(64, gt=0)
     reps: int = Field(3, gt=0)
     configs: list[str] = Field(default_factory=lambda: ["hf", "full", "copy", "defer", "verify"])
+    ppl_tokens: int = Field(1024, ge=0)  # held-out tokens for teacher-forced perplexity (0: skip)
+    sweep: list[float] = Field(default_factory=lambda: [0.9, 1.0, 1.1])  # threshold scales ([]: no sweep)
 
 
 class Recipe(_Strict):
