@@ -123,15 +123,16 @@ class PipelineCache:
     """The main job's stage outputs, reused when the model, data and the recipe's settings for a stage (and the
     outputs it consumes, by hash) are unchanged. Heads and calibration files are stored in the cache; an exported
     artifact (hundreds of MB) is not copied: its manifest's hash is recorded, and the folder in artifacts/ is
-    reused when it still has exactly that manifest (the runner checks every file's hash when it loads)."""
+    reused when it still has exactly that manifest (the runner checks every file's hash when it loads). The profile
+    caches its own results (eectl.profile); run and bench always run: they are measurements."""
 
-    def __init__(self, recipe: Any, enabled: bool = True) -> None:
+    def __init__(self, recipe: Any, plan: Any, enabled: bool = True) -> None:
         from eectl import __version__
         from eectl.data import load_text_data
         from eectl.models.loading import resolve_source
 
         self.enabled = enabled
-        self.recipe = recipe
+        self.recipe, self.plan = recipe, plan
         text = load_text_data(recipe.data.source, recipe.data.field)
         self.base = {
             "eectl": __version__,
@@ -142,38 +143,50 @@ class PipelineCache:
             "target": recipe.target,
         }
 
-    def heads_key(self) -> str:
-        return digest({**self.base, "stage": "train-heads", "heads": self.recipe.heads.model_dump()})
+    def _files(self, stage: str) -> list[Path]:
+        from eectl.heads import sidecar_path
 
-    def calibration_key(self, heads: Path) -> str:
-        r = self.recipe
-        return digest(
-            {
-                **self.base,
-                "stage": "calibrate",
-                "heads": file_sha256(heads),
-                "signal": r.signal,
-                "tokens": r.data.tokens,
-            }
-        )
+        p = self.plan
+        return [p.heads, sidecar_path(p.heads)] if stage == "train-heads" else [p.calibration]
 
-    def export_key(self, heads: Path, calibration: Path) -> str:
-        return digest(
-            {**self.base, "stage": "export", "heads": file_sha256(heads), "calibration": file_sha256(calibration)}
-        )
+    def key(self, stage: str) -> str:
+        r, p = self.recipe, self.plan
+        if stage == "train-heads":
+            return digest({**self.base, "stage": stage, "heads": r.heads.model_dump()})
+        if stage == "calibrate":
+            heads = file_sha256(p.heads)
+            return digest({**self.base, "stage": stage, "heads": heads, "signal": r.signal, "tokens": r.data.tokens})
+        if stage == "export":
+            parts = {"heads": file_sha256(p.heads), "calibration": file_sha256(p.calibration)}
+            return digest({**self.base, "stage": stage, **parts})
+        raise ValueError(stage)
 
-    def restore(self, stage: str, key: str, files: list[Path]) -> bool:
-        return self.enabled and restore_files(stage, key, {f.name: f for f in files})
+    def restore(self, stage: str) -> str | None:
+        """Put the stage's cached output in place and say so; None when the stage must run."""
+        if not self.enabled or stage not in ("train-heads", "calibrate", "export"):
+            return None
+        key = self.key(stage)
+        if stage == "export":
+            hit = read("export", key)
+            manifest = self.plan.artifact / "manifest.json"
+            if hit is not None and manifest.is_file() and file_sha256(manifest) == hit.get("manifest_sha256"):
+                return f"cached: {self.plan.artifact} is already the export of these heads and calibration"
+            return None
+        files = self._files(stage)
+        if restore_files(stage, key, {f.name: f for f in files}):
+            return f"cached: {', '.join(str(f) for f in files)} (same model, data and settings)"
+        return None
 
-    def store(self, stage: str, key: str, files: list[Path]) -> None:
-        if self.enabled:
-            store_files(stage, key, files)
-
-    def artifact_current(self, key: str, folder: Path) -> bool:
-        hit = read("export", key) if self.enabled else None
-        manifest = folder / "manifest.json"
-        return hit is not None and manifest.is_file() and file_sha256(manifest) == hit.get("manifest_sha256")
-
-    def record_artifact(self, key: str, folder: Path) -> None:
-        if self.enabled:
-            write("export", key, {"manifest_sha256": file_sha256(folder / "manifest.json"), "folder": str(folder)})
+    def store(self, stage: str) -> str:
+        """Record a stage that ran; returns how it is reported."""
+        if stage in ("run", "bench"):
+            return "ran (a measurement: never cached)"
+        if not self.enabled or stage == "profile":
+            return "ran" if stage != "profile" else "ran (results cached by the profile itself)"
+        key = self.key(stage)
+        if stage == "export":
+            manifest = self.plan.artifact / "manifest.json"
+            write("export", key, {"manifest_sha256": file_sha256(manifest), "folder": str(self.plan.artifact)})
+        else:
+            store_files(stage, key, self._files(stage))
+        return "ran"

@@ -61,6 +61,7 @@ def make_lm_class() -> type:
         return MODEL_REGISTRY["eectl"]  # type: ignore[no-any-return]
 
     from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
+    from eectl.runtime.policies import POLICIES
     from eectl.runtime.runner import RowState, Runner
     from eectl.runtime.sessions import ArtifactRuntime
 
@@ -120,9 +121,12 @@ def make_lm_class() -> type:
             self.config = resolve_config(self.rt, opts, tuple(m.eos_token_ids))
             self._runners: dict[int, Runner] = {}
             # verify's output is full depth by construction, so it scores at full depth (score covers copy/defer)
-            lossless = self.config.policy == "verify" or not self.config.exits
-            score_cfg = dataclasses.replace(self.config, exits=[], policy="defer") if lossless else self.config
-            self.scorer = _ScoringRunner(self.rt, score_cfg)
+            kind = POLICIES[self.config.policy]
+            self.scorer: _ScoringRunner | None = None
+            if kind.lossless or not self.config.exits:  # output equals full depth: score at full depth
+                self.scorer = _ScoringRunner(self.rt, dataclasses.replace(self.config, exits=[], policy="defer"))
+            elif kind.scores_text:
+                self.scorer = _ScoringRunner(self.rt, self.config)
             self.stats = EvalStats()
 
         # --- what TemplateLM needs -------------------------------------------------------------------------------
@@ -160,6 +164,8 @@ def make_lm_class() -> type:
                 prompt_len = len(ids) - len(continuation_enc)
                 if prompt_len < 1:
                     raise UsageError("a continuation longer than the maximum context is not supported")
+                if self.scorer is None:
+                    raise UsageError(f"the {self.config.policy} policy cannot score text (loglikelihood tasks)")
                 nll, layers, greedy = self.scorer.score_greedy(ids, prompt_len)
                 self.stats.add(layers, self.rt.manifest.num_layers)
                 res = (-float(np.sum(nll)), all(greedy))
@@ -264,7 +270,7 @@ class EvalStats:
 @dataclass
 class EvalOptions:
     tasks: list[str]
-    configs: list[str] = field(default_factory=lambda: ["full", "defer"])  # full | copy | defer | verify | hf
+    configs: list[str] = field(default_factory=lambda: ["full", "defer"])  # full, hf, or a KV policy's name
     exits: str | None = None
     thresholds: str | None = None
     threshold_scale: float = 1.0
@@ -278,7 +284,6 @@ class EvalOptions:
     hf_model: str | None = None  # the checkpoint lm-eval's hf model loads (default: the artifact's own)
 
 
-CONFIGS = ("full", "copy", "defer", "verify", "hf")
 
 
 @dataclass
@@ -314,9 +319,12 @@ def run_eval(
     lm_eval = _lm_eval()
     from lm_eval.tasks import TaskManager
 
-    bad = [c for c in opts.configs if c not in CONFIGS]
+    from eectl.runtime.policies import POLICIES
+
+    known = ("full", "hf", *POLICIES)
+    bad = [c for c in opts.configs if c not in known]
     if bad:
-        raise UsageError(f"unknown configuration '{bad[0]}'; choose from {', '.join(CONFIGS)}")
+        raise UsageError(f"unknown configuration '{bad[0]}'; choose from {', '.join(known)}")
     unknown = [t for t in opts.tasks if t not in TASKS]
     if unknown:
         raise UsageError(f"unknown task '{unknown[0]}'; the offline tasks are {', '.join(TASKS)}")
