@@ -284,8 +284,6 @@ class EvalOptions:
     hf_model: str | None = None  # the checkpoint lm-eval's hf model loads (default: the artifact's own)
 
 
-
-
 @dataclass
 class ConfigScores:
     config: str

@@ -25,6 +25,7 @@ from eectl.runtime.sessions import ArtifactRuntime
 class RunOptions:
     exits: str | None = None  # "12,20" | "none" | None (the manifest's calibrated exits, else all)
     policy: str = "defer"
+    river_predict: str = "end"  # river: predict at the river's end (final head) or at the exit
     thresholds: str | None = None  # "0.9" for every exit, or "12:0.9,20:0.8"; None: the calibration's
     threshold_scale: float = 1.0
     signal: str | None = None  # None: the calibration's, else topk-prob
@@ -103,6 +104,7 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
         thresholds=thresholds,
         signal=signal.name,
         policy=opts.policy,
+        river_predict=opts.river_predict,
         top_k=opts.top_k or m.top_k,
         max_new_tokens=opts.max_new_tokens,
         temperature=opts.temperature,
