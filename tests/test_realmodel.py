@@ -70,3 +70,16 @@ def test_default_model_export_run_matches_transformers_generate(smol, tmp_path):
     cfg = RunConfig(exits=[15, 24], thresholds=thr, policy="verify", max_new_tokens=24, stop_ids=stop)
     verify = Runner(rt, cfg).generate([prompt])[0]
     assert verify.token_ids == full.token_ids and verify.drafted > 0
+
+
+def test_default_recipe_dry_runs_on_the_default_model():
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-instruct.yaml"
+    res = CliRunner().invoke(app, ["pipeline", "--recipe", str(recipe), "--dry-run", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    assert "(llama, 30 layers), exits [8, 12, 16, 20, 24]" in res.stdout
