@@ -28,10 +28,9 @@ What this module does not do: choose exits at run time (runtime/), or calibrate 
 from __future__ import annotations
 
 import resource
-import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ from eectl import __version__
 from eectl.calibration_file import Calibration
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import DEFAULT_TOP_K, ExitHead
+from eectl.files import STAGING_MARKER, locked_staging, output_error, sha256_file
 from eectl.heads_meta import HeadsMeta
 from eectl.manifest import (
     MANIFEST,
@@ -53,13 +53,15 @@ from eectl.manifest import (
     GraphIO,
     KVLayout,
     Manifest,
+    Quantization,
     Segment,
     SharedWeight,
-    sha256_file,
+    is_artifact,
     write_manifest,
 )
 from eectl.models.adapters import Adapter, Capture, KVCache, LayerWeights
 from eectl.models.loading import LoadedModel
+from eectl.quantize import Int4Options, agreement_verdict, quantize_graph, quantize_lm_head
 from eectl.recipe import check_exit_layers, default_exits
 from eectl.runtime.policies import POLICIES
 
@@ -255,6 +257,7 @@ def build_segment(
         names["past_value"].append(b.input(f"past_key_values.{i}.value", None, kv_shape))
     x, delta = hidden, None
     layer_input = hidden
+    boundaries = []  # the residual stream before each layer (materialised as its input), then after the last
     for j, i in enumerate(range(lo, hi)):
         x, delta, layer_input, pk, pv = _layer(
             b,
@@ -266,6 +269,7 @@ def build_segment(
             rope,
             kv_only,
         )
+        boundaries.append(layer_input)
         for kind, src in (("key", pk), ("value", pv)):
             name = f"present.{i}.{kind}"
             b.output(src, name, None, kv_shape)
@@ -277,6 +281,11 @@ def build_segment(
         b.output(x, "hidden_states_out", None, ["batch", "sequence", dims.hidden_size])
         b.output(layer_input, "last_layer_input", None, ["batch", "sequence", dims.hidden_size])
         outputs.update(hidden_out="hidden_states_out", layer_input="last_layer_input")
+        # [B, (n_layers + 1) * S, H]: one Concat (no per-layer ops) so a signal can read every block's transition
+        # (River's minimum cosine over a segment's blocks); the runner binds it only when its signal needs it
+        states = b.op("Concat", [*boundaries, x], axis=1)
+        b.output(states, "layer_states", None, ["batch", "states", dims.hidden_size])
+        outputs["layer_states"] = "layer_states"
     kind = "kv" if kv_only else "segment"
     file = f"{kind}_{lo:03d}_{hi:03d}.onnx"
     io = GraphIO(
@@ -473,6 +482,9 @@ class ExportOptions:
     max_positions: int | None = None  # rotary table length; default: the model's maximum
     force: bool = False
     validate: bool = True
+    weights: str = "fp32"  # fp32 or int4 (weight-only MatMulNBits segment graphs, quantize.py)
+    int4: Int4Options = field(default_factory=Int4Options)  # settings for --weights int4 and --river
+    river: bool = False  # add int4 copies of the segments after the first exit (the `river` policy)
 
 
 def choose_exits(
@@ -493,6 +505,42 @@ def choose_exits(
     return recipe if recipe is not None else default_exits(num_layers)
 
 
+def check_options(options: ExportOptions, out: Path | None = None, vocab_size: int | None = None) -> None:
+    """Every check that needs no model (run before the seconds-long load), and the vocabulary one when given."""
+    if options.dtype not in DTYPES:
+        raise UsageError(f"--dtype must be fp32 or fp16, got '{options.dtype}'")
+    if options.weights not in ("fp32", "int4"):
+        raise UsageError(f"--weights must be fp32 or int4, got '{options.weights}'")
+    if (options.weights == "int4" or options.river) and options.dtype != "fp32":
+        raise UsageError("int4 weights (--weights int4, --river) run with fp32 activations: use --dtype fp32")
+    if options.weights == "int4" and options.river:
+        raise UsageError("--river adds int4 copies to an fp32 artifact; with --weights int4 every segment is int4")
+    top = vocab_size if vocab_size is not None else options.top_k
+    if not 2 <= options.top_k <= top:
+        raise UsageError(f"--top-k must be in 2..{vocab_size or 'the vocabulary size'}, got {options.top_k}")
+    check_exit_layers(options.exits, None)
+    if out is not None:
+        check_destination(out, options.force)
+
+
+def check_destination(out: Path, force: bool) -> None:
+    """An existing destination needs --force, and --force replaces only an eectl artifact (never a user's folder or
+    file). Checked before the work, and again under the destination lock at the rename."""
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise ArtifactError(f"{out} already exists", hint="pass --force to replace it")
+        if out.is_symlink() or not is_artifact(out):
+            raise ArtifactError(
+                f"{out} exists and is not an eectl artifact: --force replaces only artifacts",
+                hint="remove it yourself, or choose another --out",
+            )
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ArtifactError(f"cannot create {out}: {parent} is not a folder")
+
+
 def export_artifact(
     loaded: LoadedModel,
     out_dir: str | Path,
@@ -502,14 +550,19 @@ def export_artifact(
     calibration: Calibration | None = None,
     log: Any = None,
 ) -> Manifest:
-    """Build, write and validate an artifact in a temporary folder, then rename it into place."""
+    """Build, write and validate an artifact in a staging folder, then rename it into place.
+
+    The destination is locked for the whole export (a second export to it fails at once), stale staging folders of
+    killed exports beside it are removed first, and "exists" is checked again at the rename.
+    """
     adapter = loaded.adapter
     L = adapter.num_layers
+    out = Path(out_dir)
+    check_options(options, out, adapter.dims.vocab_size)
     exits = check_exit_layers(options.exits, L)
-    if options.dtype not in DTYPES:
-        raise UsageError(f"--dtype must be fp32 or fp16, got '{options.dtype}'")
-    if options.top_k < 2 or options.top_k > adapter.dims.vocab_size:
-        raise UsageError(f"--top-k must be in 2..{adapter.dims.vocab_size}, got {options.top_k}")
+    if options.river and not exits:
+        raise UsageError("--river needs at least one exit (the river starts after the first one)")
+    options.int4.check(L)
     if calibration is not None:
         if calibration.model.sha256 != loaded.source.sha256:
             raise UsageError("the calibration was made for another model (its model hash differs)")
@@ -519,39 +572,27 @@ def export_artifact(
     heads = heads or {}
     if set(heads) - set(exits):
         raise UsageError(f"heads for layers {sorted(set(heads) - set(exits))} that are not exits {exits}")
-    out = Path(out_dir)
-    if out.exists() and not options.force:
-        raise ArtifactError(f"{out} already exists", hint="pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the artifact is an ordinary folder once renamed
     started = time.perf_counter()
-    try:
-        manifest = _write_artifact(loaded, tmp, exits, options, heads, heads_meta, calibration, log)
-        if options.validate:
-            if log is not None:
-                log.log("validating the graphs against PyTorch (prefill + 16 greedy decode steps, every exit)")
-            manifest.validation = validate_artifact(loaded, tmp, heads, log=log)
-        manifest.validation["export_seconds"] = round(time.perf_counter() - started, 2)
-        # the process's peak so far (model loading included): big models' export must fit in memory
-        manifest.validation["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-        write_manifest(manifest, tmp)
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with locked_staging(out) as staging:
+        check_destination(out, options.force)  # again, now that no other eectl export can write it
+        tmp = staging.folder
+        try:
+            manifest = _write_artifact(loaded, tmp, exits, options, heads, heads_meta, calibration, log)
+            if options.validate:
+                if log is not None:
+                    log.log("validating the graphs against PyTorch (prefill + 16 greedy decode steps, every exit)")
+                manifest.validation = validate_artifact(loaded, tmp, heads, log=log)
+                if options.river:
+                    manifest.validation["river"] = validate_artifact(loaded, tmp, heads, log=log, river=True)
+            manifest.validation["export_seconds"] = round(time.perf_counter() - started, 2)
+            # the process's peak so far (model loading included): big models' export must fit in memory
+            manifest.validation["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+            write_manifest(manifest, tmp)
+        except OSError as exc:
+            raise output_error(out, exc) from None
+        check_destination(out, options.force)  # and at the rename: something may have appeared meanwhile
+        staging.publish(replace=lambda dest: options.force and not dest.is_symlink() and is_artifact(dest))
     return manifest
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Rename tmp into place; an existing artifact is moved aside first and removed only after the rename."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{int(time.time() * 1000)}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_artifact(
@@ -570,8 +611,11 @@ def _write_artifact(
     max_pos = options.max_positions or dims.max_positions
     np_dtype = DTYPES[options.dtype][1]
 
-    def save(model: onnx.ModelProto, io: GraphIO) -> GraphIO:
-        return save_graph(model, io, folder)
+    def save(model: onnx.ModelProto, io: GraphIO, int4: bool = False) -> GraphIO:
+        # quantized first (MatMulNBits' packed weights), then saved with its weights as external data
+        return save_graph(quantize_graph(model, options.int4) if int4 else model, io, folder)
+
+    quantized = options.weights == "int4"
 
     (folder / "weights").mkdir()
     # The LM head is stored transposed, [H, V]: MatMul on a [1, H] token is then ORT's matrix-vector path, which
@@ -596,17 +640,39 @@ def _write_artifact(
     for idx, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
         if log is not None:
             log.log(f"segment {idx}: layers {lo}..{hi - 1}")
-        graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos))
-        kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True))
-        segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph))
+        seg_model, seg_io = build_segment(adapter, lo, hi, options.dtype, max_pos)
+        river = None
+        if options.river and idx > 0:  # same input/output names: the runner binds the same KV buffers
+            # quantized before the fp32 graph is saved: saving moves a model's weights out of it (external data)
+            river = save(seg_model, seg_io.model_copy(update={"file": f"river_{lo:03d}_{hi:03d}.onnx"}), int4=True)
+        graph = save(seg_model, seg_io, quantized)
+        kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True), int4=quantized)
+        segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph, river=river))
     exit_points = []
     for layer in [*exits, L]:
         head = heads.get(layer)
+        full_model, full_io = build_exit(adapter, layer, options.dtype, local=False, head=head)
+        river_head = None
+        if layer == L and options.int4.lm_head != "fp32" and (quantized or options.river):
+            # the final head's own quantized table: for every token (int4 artifact) or the river's end only
+            weight_input = full_io.inputs["weight"]
+            assert isinstance(weight_input, str)
+            q_model = quantize_lm_head(full_model, weight_input, lm, options.int4)
+            q_io = full_io.model_copy(
+                update={"inputs": {k: v for k, v in full_io.inputs.items() if k != "weight"}},
+                deep=True,
+            )
+            if quantized:
+                full_model, full_io = q_model, q_io
+            else:
+                q_io.file = f"exit_{layer:03d}_river.onnx"
+                river_head = save(q_model, q_io)
         exit_points.append(
             ExitPoint(
                 layer=layer,
-                full=save(*build_exit(adapter, layer, options.dtype, local=False, head=head)),
+                full=save(full_model, full_io),
                 local=save(*build_exit(adapter, layer, options.dtype, local=True, head=head)),
+                river=river_head,
                 head=None if head is None else (heads_meta.design if heads_meta else type(head).__name__),
             )
         )
@@ -639,14 +705,17 @@ def _write_artifact(
             present_key=[f"present.{i}.key" for i in range(L)],
             present_value=[f"present.{i}.value" for i in range(L)],
         ),
-        kv_policies=list(POLICIES),
+        kv_policies=[n for n, policy in POLICIES.items() if options.river or not policy.needs_river_copies],
         calibration=calibration,
+        quantization=None
+        if not (quantized or options.river)
+        else Quantization(**options.int4.record("segments" if quantized else "river")),
         heads=heads_meta,
     )
     manifest.files = {
         str(p.relative_to(folder)): sha256_file(p)
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
+        if p.is_file() and p.relative_to(folder).as_posix() not in (MANIFEST, STAGING_MARKER)
     }
     write_manifest(manifest, folder)
     return manifest
@@ -665,14 +734,20 @@ VALIDATION_PROMPT = (
 
 @torch.no_grad()
 def validate_artifact(
-    loaded: LoadedModel, folder: Path, heads: dict[int, torch.nn.Module] | None = None, log: Any = None
+    loaded: LoadedModel,
+    folder: Path,
+    heads: dict[int, torch.nn.Module] | None = None,
+    log: Any = None,
+    river: bool = False,
 ) -> dict[str, Any]:
     """Prefill + 16 greedy decode steps through the ONNX graphs and through PyTorch, compared at every exit.
 
     PyTorch runs first (its greedy tokens feed both sides); then the graphs run segment by segment, all steps of
     one segment before the next is loaded (each segment's output depends only on the previous segment's output and
     its own cache), so only one segment's sessions are alive beside the torch model.
-    Raises ExportValidationError beyond tolerance (max abs logit difference, or a different greedy token).
+    Raises ExportValidationError beyond tolerance (max abs logit difference, or a different greedy token). Int4
+    graphs (and, with `river`, the int4 river copies after the first segment) are judged by their greedy
+    agreement with PyTorch at the final exit against the manifest's floor instead (quantize.agreement_verdict).
     """
     from eectl.runtime.sessions import ArtifactRuntime
 
@@ -710,10 +785,10 @@ def validate_artifact(
         rt.load_segment(s_idx)
         layer = seg.layers[1]  # every segment ends at an exit
         for t in range(len(chunks)):
-            hidden[t], _ = rt.run_segment(s_idx, hidden[t], kv, row=0)
+            hidden[t], _ = rt.run_segment(s_idx, hidden[t], kv, row=0, river=river and s_idx > 0)
             ref_h = ref_states[t][layer]
             ref = exit_heads[layer].full(ref_h).float()
-            got, cand, _ = rt.exit_full(layer, hidden[t][0], m.top_k)
+            got, cand, _ = rt.exit_full(layer, hidden[t][0], m.top_k, river=river)
             diffs[layer] = max(diffs[layer], float((torch.from_numpy(got).float() - ref).abs().max()))
             token_mismatch[layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
             cand_t = torch.from_numpy(cand)
@@ -722,17 +797,28 @@ def validate_artifact(
             local_diffs[layer] = max(local_diffs[layer], float((got_local - ref_local).abs().max()))
         kv_diff = max(kv_diff, _validate_kv_graph(adapter, rt, s_idx, kv_ids))
         rt.release_segment(s_idx)
-    result = {
+        kv.calls.clear()  # its bindings hold the released sessions
+    result: dict[str, Any] = {
         "dtype": m.dtype,
         "tolerance": tol,
         "prompt_tokens": len(ids),
         "decode_steps": VALIDATION_DECODE_STEPS,
+        "positions": len(ids) + VALIDATION_DECODE_STEPS,  # compared greedy tokens per exit
         "max_abs_logit_diff": {str(k): v for k, v in diffs.items()},
         "max_abs_local_logit_diff": {str(k): v for k, v in local_diffs.items()},
         "greedy_token_mismatches": {str(k): v for k, v in token_mismatch.items()},
         "kv_graph_max_abs_diff": kv_diff,
         "passed": True,
     }
+    if m.quantization is not None and (river or m.quantization.scope == "segments"):
+        result["graphs"] = "river" if river else "int4"  # before the verdict: its message names them
+        failure = agreement_verdict(result, L, m.quantization.min_agreement)
+        if failure is not None:
+            result["passed"] = False
+            raise ExportValidationError(failure, hint="try a smaller --int4-block-size, or --lm-head fp32")
+        if log is not None:
+            log.log(f"{result['graphs']} validation passed: greedy agreement {result['greedy_agreement'][str(L)]:.1%}")
+        return result
     worst = max(max(diffs.values()), max(local_diffs.values()), kv_diff)
     mismatches = sum(token_mismatch.values())
     strict_tokens = m.dtype == "fp32"
@@ -774,5 +860,6 @@ def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
         "segments": [list(s.layers) for s in manifest.segments],
         "exits": manifest.exit_layers,
         "size_mb": round(size / 1e6, 1),
+        "quantization": None if manifest.quantization is None else manifest.quantization.model_dump(),
         "validation": manifest.validation,
     }

@@ -9,17 +9,25 @@ import pytest
 from eectl.exits import SIGNALS
 from eectl.export import ExportOptions, export_artifact
 from eectl.manifest import read_manifest
+from eectl.quantize import Int4Options
 from eectl.runtime.binding import HIDDEN, KV, LOGITS, PER_TOKEN_HOST_ALLOWED, plan_for
 from eectl.runtime.policies import POLICIES
 
 EXITS = [2, 4]
-DEVICE_HELPERS = {"last", "concat", "logsumexp", "cosine"}  # device-side pieces beyond the exported graphs
+DEVICE_HELPERS = {
+    "last",
+    "concat",
+    "logsumexp",
+    "cosine",
+    "cosine_min",
+}  # device-side pieces beyond the exported graphs
 
 
 @pytest.fixture(scope="module")
 def manifest(llama, tmp_path_factory):
     art = tmp_path_factory.mktemp("binding") / "a"
-    export_artifact(llama, art, ExportOptions(exits=EXITS, top_k=8))
+    # with the int4 river copies, so the river policy's plan is checked too
+    export_artifact(llama, art, ExportOptions(exits=EXITS, top_k=8, river=True, int4=Int4Options(min_agreement=0.0)))
     return read_manifest(art)
 
 
@@ -73,6 +81,12 @@ def test_plan_shapes_follow_the_policy(manifest):
     assert graphs.count("exit_full") == 2 and graphs.count("exit_local") == 1  # Top-K once, then K rows only
     cosine = plan_for(manifest, "cuda", EXITS, "cosine", "defer").token(None)
     assert "exit_full" not in [c.graph for c in cosine[:-1]]  # a scalar decides; no head unless the token exits
+    river = plan_for(manifest, "cuda", EXITS, "cosine-min", "river").token(exit_at=2)
+    assert [c.at for c in river if c.graph == "river_segment"] == [1, 2]  # the int4 copies after the exit
+    assert [c.graph for c in river].count("cosine_min") == 1 and "exit_full" not in [c.graph for c in river[:-1]]
+    at_exit = plan_for(manifest, "cuda", EXITS, "cosine", "river", river_predict="exit").token(exit_at=2)
+    heads = [(c.graph, c.at) for c in at_exit if c.graph in ("exit_full", "river_head")]
+    assert heads == [("exit_full", 2)] and at_exit[-1].graph == "river_segment"  # the exit's own head; K/V only
 
 
 def test_plan_names_only_real_graph_io(manifest):
@@ -82,10 +96,15 @@ def test_plan_names_only_real_graph_io(manifest):
         "kv_segment": [s.kv_graph for s in manifest.segments],
         "exit_full": [e.full for e in manifest.exits],
         "exit_local": [e.local for e in manifest.exits],
+        "river_segment": [s.river for s in manifest.segments[1:]],
+        "river_head": [e.river for e in manifest.exits if e.river is not None],
     }
-    plan = plan_for(manifest, "cuda", EXITS, "topk-prob", "copy")
+    plans = [
+        plan_for(manifest, "cuda", EXITS, "topk-prob", "copy"),
+        plan_for(manifest, "cuda", EXITS, "cosine-min", "river"),
+    ]
     seen = set()
-    for calls in plan.scenarios():
+    for calls in (calls for plan in plans for calls in plan.scenarios()):
         for c in calls:
             seen.add(c.graph)
             for io in graphs.get(c.graph, []):

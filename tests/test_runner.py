@@ -15,7 +15,6 @@ from eectl.exits import ExitHead, signals, topk_candidates
 from eectl.export import ExportOptions, export_artifact
 from eectl.models import load_model
 from eectl.runtime.generate import RunOptions, resolve_config
-from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime, cuda_usable, resolve_provider
 from tests.conftest import EXPORT_EXITS, EXPORT_TOP_K, make_calibration
@@ -179,7 +178,7 @@ def test_batch_rows_equal_rows_alone(artifacts, family, monkeypatch):
             return
 
     monkeypatch.setattr(Runner, "_ride", counting)
-    for policy in POLICIES:
+    for policy in rt.manifest.kv_policies:  # river needs an artifact with river copies: tests/test_river.py
         alone = [_runner(rt, policy, thresholds, new=15).generate([p])[0] for p in prompts]
         for ride_along in (True, False):
             batch = _runner(rt, policy, thresholds, new=15, ride_along=ride_along).generate(prompts)

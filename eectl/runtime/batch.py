@@ -93,13 +93,20 @@ def _past(kv: BatchKV, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def run_rows(
-    rt: ArtifactRuntime, index: int, hidden: np.ndarray, kv: BatchKV, active: np.ndarray, kv_only: bool = False
-) -> tuple[np.ndarray, np.ndarray] | None:
+    rt: ArtifactRuntime,
+    index: int,
+    hidden: np.ndarray,
+    kv: BatchKV,
+    active: np.ndarray,
+    kv_only: bool = False,
+    states: bool = False,
+) -> tuple[np.ndarray, ...] | None:
     """Segment `index` for every row in one call: hidden [B, 1, H] (rows not `active` ignored, zeros fed).
 
     Active rows append one position to their K/V; the others write only their scratch slot. Returns
     (hidden_out [B, 1, H], last_layer_input [B, 1, H]) with the inactive rows' entries meaningless, or None with
-    kv_only (the `copy` policy's K/V projection).
+    kv_only (the `copy` policy's K/V projection). With `states`, a third item: the residual stream at every block
+    boundary, [B, n_layers + 1, H] (the cosine-min signal's input).
     """
     seg = rt.manifest.segments[index]
     g = rt.kv_segments[index] if kv_only else rt.segments[index]
@@ -133,6 +140,8 @@ def run_rows(
     if not kv_only:
         io.bind_output(g.name("hidden_out"), "cpu")
         io.bind_output(g.name("layer_input"), "cpu")
+        if states:
+            io.bind_output(g.name("layer_states"), "cpu")
     g.session.run_with_iobinding(io)
     kv.filled[active, lo:hi] += 1
     if kv_only:
@@ -142,4 +151,8 @@ def run_rows(
     out = np.zeros((B, 1, hidden.shape[-1]), dtype=rt.np_dtype)
     layer_in = np.zeros_like(out)
     out[span], layer_in[span] = outs[n].numpy(), outs[n + 1].numpy()
-    return out, layer_in
+    if not states:
+        return out, layer_in
+    blocks = np.zeros((B, hi - lo + 1, hidden.shape[-1]), dtype=rt.np_dtype)
+    blocks[span] = outs[n + 2].numpy()  # [rows, (n + 1) * 1, H]: one position per row
+    return out, layer_in, blocks

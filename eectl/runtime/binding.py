@@ -18,7 +18,10 @@ Device-side pieces the plan relies on beyond the exported graphs' current output
 provide them, e.g. as tiny in-memory graphs or extra graph outputs; the plan names them so they are not forgotten):
 `last` (the last position's hidden state [N, H] of a segment output), `concat` (deferred positions joined in front of
 a segment's input, the `defer`/`verify` pending states), `logsumexp` (full-vocabulary probability from the Top-K
-logits: p1 = exp(l1 - lse)) and `cosine` (the transition cosine of a segment's last layer, one scalar per row).
+logits: p1 = exp(l1 - lse)), `cosine` (the transition cosine of a segment's last layer, one scalar per row) and
+`cosine_min` (the minimum transition cosine over a segment's block states, `layer_states`, one scalar per row).
+The `river` policy's exited token runs the int4 river copies of the later segments (`river_segment`, the segment's
+bindings) and, predicting at the river's end, the final head (`river_head` where the artifact quantized it).
 
 What this module does not do: create sessions or run graphs (sessions.py), or decide exits (runner.py).
 """
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from eectl.errors import UsageError
 from eectl.exits import get_signal
 from eectl.manifest import Manifest
-from eectl.runtime.policies import Copy, Defer, KVPolicy, Verify, policy_class
+from eectl.runtime.policies import Copy, Defer, KVPolicy, River, Verify, policy_class
 
 # What a bound value is, by its size per token; the rule is about the first three.
 HIDDEN, KV, LOGITS = "hidden", "kv", "logits"
@@ -51,6 +54,7 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
         "present_value": (KV, True),
         "hidden_out": (HIDDEN, True),
         "layer_input": (HIDDEN, True),
+        "layer_states": (HIDDEN, True),  # every block boundary (cosine-min), artifacts that have the output
     },
     "kv_segment": {
         "hidden": (HIDDEN, False),
@@ -80,7 +84,10 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
     "concat": {"pending": (HIDDEN, False), "hidden": (HIDDEN, False), "hidden_out": (HIDDEN, True)},
     "logsumexp": {"logits": (LOGITS, False), "logsumexp": (SCALAR, True)},
     "cosine": {"layer_input": (HIDDEN, False), "hidden_out": (HIDDEN, False), "cosine": (SCALAR, True)},
+    "cosine_min": {"layer_states": (HIDDEN, False), "cosine": (SCALAR, True)},
 }
+KINDS["river_segment"] = KINDS["segment"]  # the int4 copy has the segment's names
+KINDS["river_head"] = KINDS["exit_full"]  # the final head with its own quantized table (no weight input)
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,7 @@ class BindingPlan:
     signal: str = "topk-prob"
     policy: str = "defer"
     sampling: bool = False  # temperature > 0: a full-vocabulary pick samples from V logits, which go to the host
+    river_predict: str = "end"  # river: the token from the river's end or from the exit itself
     device: str = field(init=False)
     _policy: type[KVPolicy] = field(init=False)
 
@@ -124,8 +132,10 @@ class BindingPlan:
             raise UsageError(f"binding plan for an unknown provider '{self.provider}'")
         self._signal = get_signal(self.signal)
         self._policy = policy_class(self.policy)
-        if not issubclass(self._policy, (Copy, Defer)):
+        if not issubclass(self._policy, (Copy, Defer, River)):
             raise UsageError(f"no binding plan for the {self.policy} policy yet")
+        if issubclass(self._policy, River) and any(s.river is None for s in self.manifest.segments[1:]):
+            raise UsageError("this artifact has no int4 river copies", hint="export it with --river")
         self.device = "cuda" if self.provider == "cuda" else "cpu"
         self._segment_end = [s.layers[1] for s in self.manifest.segments]
 
@@ -139,8 +149,14 @@ class BindingPlan:
             "kv_segment": lambda: m.segments[at].kv_graph,
             "exit_full": lambda: m.exit_at(at).full,
             "exit_local": lambda: m.exit_at(at).local,
+            "river_segment": lambda: m.segments[at].river,
+            "river_head": lambda: m.exit_at(at).river,
         }.get(graph)
-        return None if io is None else set(io().inputs) | set(io().outputs)
+        if io is None:
+            return None
+        graph_io = io()
+        assert graph_io is not None, f"the artifact has no {graph} graph at {at}"
+        return set(graph_io.inputs) | set(graph_io.outputs)
 
     def _call(self, graph: str, at: int, host_outputs: tuple[str, ...] = ()) -> Call:
         """Bind every key of `graph`: ids and scalars in from the host, outputs the decision reads to the host,
@@ -189,6 +205,12 @@ class BindingPlan:
             if end == exit_at:
                 if issubclass(self._policy, Copy):
                     calls += [self._call("kv_segment", t) for t in range(s + 1, len(self._segment_end))]
+                if issubclass(self._policy, River):  # the token flows on through the int4 copies
+                    calls += [self._call("river_segment", t) for t in range(s + 1, len(self._segment_end))]
+                    if self._river_end:
+                        calls.append(self._call("last", len(self._segment_end) - 1))
+                        river = self.manifest.exit_at(L).river is not None
+                        calls.append(self._final(L, "river_head" if river else "exit_full"))
                 return calls
         raise AssertionError("unreachable: the last segment ends at the final layer")
 
@@ -204,23 +226,31 @@ class BindingPlan:
                 calls.append(self._call("exit_full", layer, ("candidates", "candidate_logits")))
             else:
                 calls.append(self._call("exit_local", layer, ("candidate_logits",)))
-        elif not sig.needs_layer_input:  # the full vocabulary's softmax
+        elif not (sig.needs_layer_input or sig.needs_blocks):  # the full vocabulary's softmax
             calls.append(self._call("exit_full", layer, picked))
             calls.append(self._call("logsumexp", layer, ("logsumexp",)))
-        else:  # cosine: one scalar decides; the exit head runs only for a token that exits
-            calls.append(self._call("cosine", layer, ("cosine",)))
-            if exiting:
+        else:  # cosine, cosine-min: one scalar decides; the exit head runs only for a token that exits here
+            helper = "cosine_min" if sig.needs_blocks else "cosine"
+            calls.append(self._call(helper, layer, ("cosine",)))
+            if exiting and not self._river_end:  # a river predicting at its end never asks the exit's head
                 calls.append(self._call("exit_full", layer, picked))
         return calls
 
-    def _final(self, L: int) -> Call:
+    @property
+    def _river_end(self) -> bool:
+        return issubclass(self._policy, River) and self.river_predict == "end"
+
+    def _final(self, L: int, graph: str = "exit_full") -> Call:
         """The final head: sampling reads the V logits; greedy reads the in-graph argmax (one id per row), or, in an
         artifact without that output, the Top-K (its first id)."""
         if self.sampling:
-            return self._call("exit_full", L, ("logits",))
-        if "token" in self.manifest.exit_at(L).full.outputs:
-            return self._call("exit_full", L, ("token",))
-        return self._call("exit_full", L, ("candidates", "candidate_logits"))
+            return self._call(graph, L, ("logits",))
+        exit_point = self.manifest.exit_at(L)
+        head = exit_point.river if graph == "river_head" else exit_point.full
+        assert head is not None
+        if "token" in head.outputs:
+            return self._call(graph, L, ("token",))
+        return self._call(graph, L, ("candidates", "candidate_logits"))
 
     # --- checks ---------------------------------------------------------------------------------------------------
     def scenarios(self) -> list[list[Call]]:
@@ -248,5 +278,8 @@ def plan_for(
     signal: str = "topk-prob",
     policy: str = "defer",
     temperature: float = 0.0,
+    river_predict: str = "end",
 ) -> BindingPlan:
-    return BindingPlan(manifest, provider, sorted(exits), signal, policy, sampling=temperature > 0)
+    return BindingPlan(
+        manifest, provider, sorted(exits), signal, policy, sampling=temperature > 0, river_predict=river_predict
+    )

@@ -9,7 +9,8 @@ Rows of a batch are independent sequences with their own cache rows and decision
 every row's step runs until it needs a graph call, and a segment runs once for all rows that reach it with one new
 position (runtime/batch.py; per-row lengths), the final head once for all rows that reach it. Rows that exited
 early sit out the deeper calls (they ride along on a scratch slot: GQA cannot skip rows); rows with several
-positions (prefill, deferred positions) run single-row calls on their rows of the same buffers.
+positions (prefill, deferred positions) run single-row calls on their rows of the same buffers, and so do the
+river policy's int4 copies after an exit (`KVPolicy.predict`). Block states (cosine-min) come from the batched call.
 What this module does not do: tokenise or format output (generate.py / cli.py), or load torch models.
 """
 
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from eectl.errors import UsageError
-from eectl.exits import DEFAULT_SIGNAL, ExitScoring, get_signal
+from eectl.exits import DEFAULT_SIGNAL, ExitScore, ExitScoring, get_signal
 from eectl.recipe import check_exit_layers
 from eectl.runtime.batch import BatchKV, new_batch_kv, run_rows
 from eectl.runtime.policies import Defer, KVPolicy, policy_class
@@ -47,6 +48,7 @@ class RunConfig:
     # batches (defer, verify): an exited row's deferred state joins the deeper segment calls that run anyway for other
     # rows (its K/V computed now, the same values a later flush computes) instead of waiting; see `_ride`
     ride_along: bool = True
+    river_predict: str = "end"  # river: the token from the river's end (final head) or from the exit itself
     stop_ids: tuple[int, ...] = ()
 
 
@@ -122,11 +124,13 @@ def _one_torch_thread() -> Iterator[None]:
 @dataclass
 class Decide:
     """A row's request for an exit test: its token's state after the exit's layer [H], the last layer's input [H]
-    (the cosine signal), and the candidates an earlier exit picked for it ([1, K] or None)."""
+    (the cosine signal), the candidates an earlier exit picked for it ([1, K] or None), and the segment's block
+    boundaries [n + 1, H] (cosine-min) or None."""
 
     hidden: np.ndarray
     layer_input: np.ndarray
     candidates: Any = None
+    blocks: np.ndarray | None = None
 
 
 class Runner:
@@ -157,6 +161,7 @@ class Runner:
         self.final_segment = len(self.m.segments) - 1
         self.L = L
         self.rng = np.random.default_rng(config.seed)
+        self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
 
     # --- sampling --------------------------------------------------------------------------------------------------
     def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
@@ -176,29 +181,33 @@ class Runner:
         return int(ids[i]) if ids is not None else i
 
     # --- exits -------------------------------------------------------------------------------------------------------
-    def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[int | None, Any]]:
+    def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[ExitScore | None, int, Any]]:
         """Exit test at `layer` for several rows' current tokens at once (one exit graph call for all of them);
-        per row: (the token when it exits, else None; its candidates for later exits)."""
+        per row: (the score when it exits, else None; the row's index in it; its candidates for later exits)."""
         rows = sorted(asks)
         hidden = torch.from_numpy(np.stack([asks[r].hidden for r in rows]))  # [N, H]
-        layer_input = None
+        layer_input = block_states = None
         if self.signal.needs_layer_input:
             layer_input = torch.from_numpy(np.stack([asks[r].layer_input for r in rows]))
+        if self.signal.needs_blocks:  # [n + 1, N, H]
+            block_states = torch.from_numpy(np.stack([np.asarray(asks[r].blocks) for r in rows], axis=1))
         scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k)
         if asks[rows[0]].candidates is not None:  # rows at one exit passed the same earlier exits
             scoring.candidates = torch.cat([asks[r].candidates for r in rows])
         with _one_torch_thread():
-            score = scoring.score(layer, hidden, layer_input)
+            score = scoring.score(layer, hidden, layer_input, block_states)
             passed = self.signal.passes(score.values, self.cfg.thresholds[layer])
-        answers: dict[int, tuple[int | None, Any]] = {}
+        answers: dict[int, tuple[ExitScore | None, int, Any]] = {}
         for i, r in enumerate(rows):
             cands = None if scoring.candidates is None else scoring.candidates[i : i + 1]
-            token = None
-            if bool(passed[i]):
-                pred = score.prediction()
-                token = self._pick(pred.logits[i].numpy(), None if pred.ids is None else pred.ids[i].numpy())
-            answers[r] = (token, cands)
+            answers[r] = (score if bool(passed[i]) else None, i, cands)
         return answers
+
+    def _pick_score(self, score: ExitScore, i: int) -> int:
+        """Row i's token from an exit's own prediction (computed once for all rows of the decision, on demand)."""
+        with _one_torch_thread():
+            pred = score.prediction()
+        return self._pick(pred.logits[i].numpy(), None if pred.ids is None else pred.ids[i].numpy())
 
     # --- one sequence step ------------------------------------------------------------------------------------
     def _step(self, row: int, st: RowState, kv: KVBuffers, chunk_ids: list[int], force_full: bool = False) -> int:
@@ -222,8 +231,9 @@ class Runner:
             answers: dict[int, Any]
             if all(a[0] == "ride" for a in group.values()):
                 answers = {r: None for r in group}  # no row needs this segment now: the riders' states wait
-            elif kind in ("segment", "ride"):
-                answers = self._run_segment_rows(at, {r: a[2] for r, a in group.items()}, kv)
+            elif kind in ("segment", "ride", "states"):
+                states = {r for r, a in group.items() if a[0] == "states"}
+                answers = self._run_segment_rows(at, {r: a[2] for r, a in group.items()}, kv, states)
             elif kind == "decide":
                 t0 = time.perf_counter()
                 answers = self._decide_rows(at, {r: a[2] for r, a in group.items()})
@@ -249,16 +259,19 @@ class Runner:
         """Where an ask sits in one pass: segment s -> 2s, the exit after it (exits sit at segment ends) -> 2s + 1,
         the final head last (the rows wanting only the greedy token in one call, those wanting logits in another)."""
         kind, at = ask[0], ask[1]
-        if kind in ("segment", "ride"):  # riders join the segment's call
+        if kind in ("segment", "ride", "states"):  # riders and rows wanting block states join the segment's call
             return 2 * at
         if kind == "decide":
             return 2 * self.rt.segment_of_layer[at] + 1
         return 2 * len(self.m.segments) + (kind == "final")  # the final head: greedy asks, then the others
 
-    def _run_segment_rows(self, s: int, xs: dict[int, np.ndarray], kv: KVBuffers) -> dict[int, Any]:
+    def _run_segment_rows(
+        self, s: int, xs: dict[int, np.ndarray], kv: KVBuffers, states: set[int] | frozenset[int] = frozenset()
+    ) -> dict[int, Any]:
         """Segment s for the rows in xs (hidden [1, S, H] each): one batched call for the rows with one position
         (when the buffers are a batch's), single-row calls on their views for the others (GQA takes several new
-        positions on a past for one row at a time)."""
+        positions on a past for one row at a time). Rows in `states` also get the segment's block boundaries
+        ([n + 1, S, H], a third item)."""
         ones = [r for r, x in xs.items() if x.shape[1] == 1]
         answers: dict[int, Any] = {}
         if isinstance(kv, BatchKV) and len(ones) > 1:
@@ -266,13 +279,15 @@ class Runner:
             active = np.zeros(kv.rows, dtype=bool)
             for r in ones:
                 hidden[r], active[r] = xs[r][0], True
-            result = run_rows(self.rt, s, hidden, kv, active)
+            result = run_rows(self.rt, s, hidden, kv, active, states=bool(states & set(ones)))
             assert result is not None
-            out, layer_in = result
-            answers = {r: (out[r : r + 1], layer_in[r : r + 1]) for r in ones}
+            for r in ones:
+                answers[r] = tuple(part[r : r + 1] if k < 2 else part[r][:, None] for k, part in enumerate(result))
+                if r not in states:
+                    answers[r] = answers[r][:2]
         for r, x in xs.items():
             if r not in answers:
-                answers[r] = self.rt.run_segment(s, x, kv, r)
+                answers[r] = self.rt.run_segment(s, x, kv, r, states=r in states)
         return answers
 
     def _row_step(
@@ -292,7 +307,12 @@ class Runner:
         may_exit = len(chunk_ids) == 1 and not force_full and self.policy.may_exit(st)
         for s in range(len(m.segments)):
             x = self.policy.before_segment(st, s, h)
-            out, layer_in = yield ("segment", s, x)
+            layer = self.exit_after_segment.get(s)
+            # signals that read the segment's block boundaries (cosine-min) ask for them at the exits they test
+            wants_blocks = self.signal.needs_blocks and layer is not None and may_exit
+            result = yield ("states" if wants_blocks else "segment", s, x)
+            out, layer_in = result[0], result[1]
+            blocks = result[2] if wants_blocks else None
             if s == self.final_segment:
                 corrected = self.policy.on_final(row, st, kv, out)
                 if corrected is not None:
@@ -304,16 +324,20 @@ class Runner:
                 if st.forced is not None:
                     return self._forced(st, logits[0])
                 return self._pick(logits[0])
-            layer = self.exit_after_segment.get(s)
             if layer is not None and may_exit:
-                token, cands = yield ("decide", layer, Decide(out[0, -1], layer_in[0, -1], cands))
-                if token is not None:
-                    self.policy.on_exit(row, st, kv, s, out, token)
+                ask = Decide(out[0, -1], layer_in[0, -1], cands, None if blocks is None else blocks[:, -1])
+                score, i, cands = yield ("decide", layer, ask)
+                if score is not None:
+                    own = self.policy.predict(row, st, kv, s, out)  # e.g. the river's end (single-row calls)
                     st.exit_layers.append(layer)
                     if st.forced is not None:
-                        logits, _, _ = self.rt.exit_full(layer, out[0, -1:], self.cfg.top_k)
-                        return self._forced(st, logits[0])
-                    yield from self._ride(st, s)
+                        logits = own if own is not None else self.rt.exit_full(layer, out[0, -1:], self.cfg.top_k)[0][0]
+                        token = self._forced(st, logits)
+                    else:
+                        token = self._pick(own) if own is not None else self._pick_score(score, i)
+                    self.policy.on_exit(row, st, kv, s, out, token)
+                    if st.forced is None:
+                        yield from self._ride(st, s)
                     return token
             h = out
         raise AssertionError("unreachable: the final segment returns")
@@ -385,6 +409,7 @@ class Runner:
                 f"of {self.m.max_positions}"
             )
         kv = new_batch_kv(self.rt, len(prompts), need)
+        self.last_kv = kv
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
         first = True  # prefill: the whole prompt, always full depth
         while not all(st.done for st in rows):

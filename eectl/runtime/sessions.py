@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from eectl.errors import UsageError
-from eectl.manifest import GraphIO, Manifest, read_manifest
+from eectl.errors import ArtifactError, UsageError
+from eectl.files import confined
+from eectl.manifest import GraphIO, Manifest, SharedWeight, read_manifest
 
 _THREADS: int | None = None
 
@@ -117,6 +118,21 @@ def session_options(threads: int | None = None) -> Any:
     return so
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _check_names(io: GraphIO, session: Any) -> None:
+    """Every input and output name the manifest gives must exist in the graph (caught at load, not mid-run)."""
+    have = {"input": {i.name for i in session.get_inputs()}, "output": {o.name for o in session.get_outputs()}}
+    for kind, names in (("input", io.inputs), ("output", io.outputs)):
+        for value in names.values():
+            for name in [value] if isinstance(value, str) else value:
+                if name not in have[kind]:
+                    raise ArtifactError(f"the graph {io.file} has no {kind} named {name!r} (the manifest names it)")
+
+
 @dataclass
 class Graph:
     """One graph's session and its names from the manifest."""
@@ -168,7 +184,7 @@ class KVBuffers:
     values: list[list[Any]]
     filled: np.ndarray  # [rows, layers] int
     max_len: int
-    calls: dict[tuple[bool, int, int], _Call] = field(default_factory=dict)  # (kv_only, segment, row) -> binding
+    calls: dict[tuple[Any, int, bool], _Call] = field(default_factory=dict)  # (session, row, states) -> binding
 
 
 class ArtifactRuntime:
@@ -195,9 +211,15 @@ class ArtifactRuntime:
         so = session_options(threads)
 
         def session(io: GraphIO) -> Any:
-            return _ort().InferenceSession(
-                str(self.folder / io.file), sess_options=so, providers=list(ep.ort_providers)
-            )
+            path = confined(self.folder, io.file, ArtifactError)
+            if io.data is not None:  # ORT reads it beside the graph; a name leaving the folder is refused here
+                confined(self.folder, io.data, ArtifactError)
+            try:
+                sess = _ort().InferenceSession(str(path), sess_options=so, providers=list(ep.ort_providers))
+            except Exception as exc:  # ORT raises its own pybind types (InvalidProtobuf, Fail, ...) for bad graphs
+                raise ArtifactError(f"cannot load the graph {io.file}: {_first_line(exc)}") from None
+            _check_names(io, sess)
+            return sess
 
         def load(io: GraphIO) -> Graph:
             return Graph(io, session(io), self.device)
@@ -206,29 +228,44 @@ class ArtifactRuntime:
         self.embedding = load(m.embedding)
         self.segments = [Graph(s.graph, None, self.device) for s in m.segments]
         self.kv_segments = [Graph(s.kv_graph, None, self.device) for s in m.segments]
+        self.river_segments = {i: Graph(s.river, None, self.device) for i, s in enumerate(m.segments) if s.river}
         if not lazy_segments:
             for i in range(len(m.segments)):
                 self.load_segment(i)
         self.full_graphs = {e.layer: load(e.full) for e in m.exits}
+        self.river_heads = {e.layer: load(e.river) for e in m.exits if e.river is not None}
         self.local_graphs = {e.layer: load(e.local) for e in m.exits}
-        self.weights = {k: self._load_weight(w.file) for k, w in m.shared_weights.items()}
+        self.weights = {k: self._load_weight(w) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
         self._calls: dict[tuple[str, int], _Call] = {}  # (graph kind, exit layer) -> binding with its weight bound
 
     # --- setup ---------------------------------------------------------------------------------------------------
     def load_segment(self, index: int) -> None:
-        """Create segment `index`'s sessions (its graph and its K/V-only graph) if they are not loaded."""
-        for g in (self.segments[index], self.kv_segments[index]):
+        """Create segment `index`'s sessions (its graph, its K/V-only graph, its river copy) if not loaded."""
+        for g in self._segment_graphs(index):
             if g.session is None:
                 g.session = self._session(g.io)
 
     def release_segment(self, index: int) -> None:
         """Drop segment `index`'s sessions and the weights they hold."""
-        self.segments[index].session = None
-        self.kv_segments[index].session = None
+        for g in self._segment_graphs(index):
+            g.session = None
 
-    def _load_weight(self, file: str) -> Any:
-        arr = np.load(self.folder / file)
+    def _segment_graphs(self, index: int) -> list[Graph]:
+        river = [self.river_segments[index]] if index in self.river_segments else []
+        return [self.segments[index], self.kv_segments[index], *river]
+
+    def _load_weight(self, weight: SharedWeight) -> Any:
+        path = confined(self.folder, weight.file, ArtifactError)
+        try:
+            arr = np.load(path, allow_pickle=False)  # object arrays (pickles) are refused here
+        except (OSError, ValueError, EOFError) as exc:
+            raise ArtifactError(f"cannot load the weight {weight.file}: {_first_line(exc)}") from None
+        if arr.dtype != self.np_dtype or list(arr.shape) != weight.shape:
+            raise ArtifactError(
+                f"the weight {weight.file} is {arr.dtype} {list(arr.shape)}; the manifest says "
+                f"{np.dtype(self.np_dtype).name} {weight.shape}"
+            )
         if self.device == "cpu":
             return np.ascontiguousarray(arr)
         return _ort().OrtValue.ortvalue_from_numpy(arr, self.device, 0)
@@ -292,13 +329,26 @@ class ArtifactRuntime:
         g.session.run_with_iobinding(call.io)
         return out
 
-    def run_segment(self, index: int, hidden: np.ndarray, kv: KVBuffers, row: int, kv_only: bool = False) -> Any:
+    def run_segment(
+        self,
+        index: int,
+        hidden: np.ndarray,
+        kv: KVBuffers,
+        row: int,
+        kv_only: bool = False,
+        river: bool = False,
+        states: bool = False,
+    ) -> Any:
         """Run segment `index` on hidden [1, S, H] for one row, appending S positions to its layers' KV in place.
 
-        Returns (hidden_out, last_layer_input), or None with kv_only (the `copy` policy's K/V projection).
+        Returns (hidden_out, last_layer_input), or None with kv_only (the `copy` policy's K/V projection). With
+        `river`, the segment's int4 copy runs instead, on the same KV buffers. With `states`, a third item: the
+        residual stream at every block boundary, [n_layers + 1, S, H].
         """
         seg = self.manifest.segments[index]
-        g = self.kv_segments[index] if kv_only else self.segments[index]
+        if river and index not in self.river_segments:
+            raise UsageError(f"segment {index} has no int4 river copy", hint="export with --river")
+        g = self.river_segments[index] if river else self.kv_segments[index] if kv_only else self.segments[index]
         lo, hi = seg.layers
         past = int(kv.filled[row, lo])
         if (kv.filled[row, lo:hi] != past).any():
@@ -307,7 +357,10 @@ class ArtifactRuntime:
         total = past + s
         if total > kv.max_len:
             raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {kv.max_len}")
-        call = kv.calls.get((kv_only, index, row))
+        # a binding per session (graph), row and output set (`states` binds one more output); keyed by the session
+        # itself, so buffers shared by two runtimes (an int4 reference beside fp32) never reuse the other's binding
+        key = (g.session, row, states)
+        call = kv.calls.get(key)
         if call is None:  # first call for this row: bind its KV buffers (past and present share them) and scalars
             call = _Call(g.binding())
             for j, layer in enumerate(range(lo, hi)):
@@ -318,7 +371,7 @@ class ArtifactRuntime:
                 self._bind_array(call.io, g.names("present_value")[j], v, output=True)
             self._bind_array(call.io, g.name("seqlens_k"), call.seqlens_k)
             self._bind_array(call.io, g.name("total_sequence_length"), call.total)
-            kv.calls[(kv_only, index, row)] = call
+            kv.calls[key] = call
         call.seqlens_k[0] = total - 1
         call.total[()] = total
         x = self._host(hidden, self.np_dtype)
@@ -329,14 +382,24 @@ class ArtifactRuntime:
             return None
         out = self._out(call.io, g.name("hidden_out"), x.shape, self.np_dtype)
         layer_in = self._out(call.io, g.name("layer_input"), x.shape, self.np_dtype)
+        blocks = None
+        if states:  # [1, (n + 1) * S, H] from the graph, returned as [n + 1, S, H]
+            shape = (x.shape[0], (hi - lo + 1) * s, x.shape[2])
+            blocks = self._out(call.io, g.name("layer_states"), shape, self.np_dtype)
         g.session.run_with_iobinding(call.io)
         kv.filled[row, lo:hi] = total
+        if blocks is not None:
+            return out, layer_in, blocks[0].reshape(hi - lo + 1, s, -1)
         return out, layer_in
 
-    def exit_full(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """hidden [N, H] -> (logits [N, V], candidates [N, K] int64, candidate logits [N, K])."""
-        g = self.full_graphs[layer]
-        call = self._call("full", layer, g, "lm_head")
+    def exit_full(
+        self, layer: int, hidden: np.ndarray, top_k: int, river: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """hidden [N, H] -> (logits [N, V], candidates [N, K] int64, candidate logits [N, K]). With `river`, the
+        exit's quantized river head where the artifact has one (its own table: no weight to bind)."""
+        river = river and layer in self.river_heads
+        g = self.river_heads[layer] if river else self.full_graphs[layer]
+        call = self._call("river-head" if river else "full", layer, g, "lm_head")
         io = call.io
         x = self._host(hidden, self.np_dtype)
         self._bind_array(io, g.name("hidden"), x)
