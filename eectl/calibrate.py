@@ -433,6 +433,66 @@ def _last_position_of(rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tens
     return select
 
 
+def prompt_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
+    """Indices of `prompts` in batches: the given order, but sorted by length within windows of four batches, so
+    that prompts of similar length share a batch (less left padding)."""
+    window = 4 * batch_size
+    batches: list[list[int]] = []
+    for w in range(0, len(prompts), window):
+        idx = sorted(range(w, min(w + window, len(prompts))), key=lambda i: len(prompts[i]))
+        batches += [idx[j : j + batch_size] for j in range(0, len(idx), batch_size)]
+    return batches
+
+
+def left_padded(batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token id lists -> ids [B, S] (left-padded with 0), real [B, S] bool, positions [B, S] counted per row from its
+    first real token."""
+    b, s = len(batch), max(len(p) for p in batch)
+    ids = torch.zeros(b, s, dtype=torch.long)
+    real = torch.zeros(b, s, dtype=torch.bool)
+    for r, p in enumerate(batch):
+        ids[r, s - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        real[r, s - len(p) :] = True
+    return ids, real, (real.long().cumsum(1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate_continuations(
+    adapter: Adapter,
+    prompts: list[list[int]],
+    n_tokens: int,
+    gen_tokens: int,
+    eos: int | None,
+    batch_size: int = 16,
+) -> list[tuple[int, list[int]]]:
+    """Greedy full-depth continuations (the model's own text, as `measure_generation` and `eectl run` produce it):
+    (prompt index, continuation ids) per prompt, `gen_tokens` each at most, a row stopping after EOS; prompts are
+    taken in `prompt_batches` order until the continuations hold `n_tokens` tokens."""
+    out: list[tuple[int, list[int]]] = []
+    total = 0
+    for members in prompt_batches(prompts, batch_size):
+        if total >= n_tokens:
+            break
+        b = len(members)
+        ids, pad, positions = left_padded([prompts[i] for i in members])
+        cache, alive = KVCache(), torch.ones(b, dtype=torch.bool)
+        conts: list[list[int]] = [[] for _ in members]
+        for _ in range(gen_tokens):
+            hidden = adapter.forward_layers(adapter.embed(ids), positions, 0, adapter.num_layers, cache, pad)
+            top = adapter.logits(hidden[:, -1]).argmax(-1)  # [B]
+            for r in torch.nonzero(alive).flatten().tolist():
+                conts[r].append(int(top[r]))
+            alive = alive if eos is None else alive & (top != eos)
+            if not bool(alive.any()):
+                break
+            ids, positions = top[:, None], positions[:, -1:] + 1
+            pad = torch.cat([pad, torch.ones(b, 1, dtype=torch.bool)], 1)
+        for i, cont in zip(members, conts, strict=True):
+            out.append((i, cont))
+            total += len(cont)
+    return out
+
+
 @torch.no_grad()
 def measure_generation(
     scorer: ExitScorer,
@@ -450,24 +510,12 @@ def measure_generation(
     """
     parts: list[Measurements] = []
     measured = used = 0
-    # prompts of similar length share a batch (less padding): sort each window of a few batches by length
-    window = 4 * batch_size
-    batches: list[list[int]] = []
-    for w in range(0, len(prompts), window):
-        idx = sorted(range(w, min(w + window, len(prompts))), key=lambda i: len(prompts[i]))
-        batches += [idx[j : j + batch_size] for j in range(0, len(idx), batch_size)]
-    for members in batches:
+    for members in prompt_batches(prompts, batch_size):
         if measured >= n_tokens:
             break
-        batch = [prompts[i] for i in members]
-        used += len(batch)
-        b, s = len(batch), max(len(p) for p in batch)
-        ids = torch.zeros(b, s, dtype=torch.long)
-        real = torch.zeros(b, s, dtype=torch.bool)
-        for r, p in enumerate(batch):
-            ids[r, s - len(p) :] = torch.tensor(p, dtype=torch.long)
-            real[r, s - len(p) :] = True
-        positions = (real.long().cumsum(1) - 1).clamp(min=0)  # [B, S], each row counts from its first real token
+        used += len(members)
+        b = len(members)
+        ids, real, positions = left_padded([prompts[i] for i in members])
         cache, pad, alive = KVCache(), real, torch.ones(b, dtype=torch.bool)
         for _ in range(gen_tokens):
             rows = alive.clone()
