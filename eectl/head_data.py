@@ -24,6 +24,7 @@ What this module does not do: train (heads.py), or decide what an exit is.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -190,8 +191,12 @@ def _identity(loaded: Any, data: Any, spec: CacheSpec) -> dict[str, Any]:
         "base_name": loaded.source.name,
         "data": data.name,
         "records": len(data.texts),
-        "spec": {**asdict(spec), "layers": sorted(spec.layers)},
+        # token budgets are left out: a cache can be extended (sequences already there are the same ones)
+        "spec": {k: v for k, v in {**asdict(spec), "layers": sorted(spec.layers)}.items() if k not in _BUDGETS},
     }
+
+
+_BUDGETS = ("text_tokens", "gen_tokens", "eval_gen_tokens")
 
 
 def build_cache(
@@ -205,7 +210,7 @@ def build_cache(
     """Compute (or finish computing) the cache for `spec` in `folder`; an existing cache of another identity is
     refused, an identical one is reused. Text chunks first, then generated sequences, per split."""
     from eectl.calibrate import generate_continuations, prompt_ids
-    from eectl.data import token_chunks
+    from eectl.data import TextData, token_chunks
     from eectl.heads import split_records
 
     say = log or (lambda _m: None)
@@ -221,7 +226,7 @@ def build_cache(
                 f"{folder} holds a state cache of another model, data or spec",
                 hint="pass another --cache folder, or delete this one",
             )
-        if old.get("complete"):
+        if old.get("complete") and old.get("budgets") == {k: getattr(spec, k) for k in _BUDGETS}:
             return open_cache(folder)
     folder.mkdir(parents=True, exist_ok=True)
     from eectl.heads import _atomic_write
@@ -231,8 +236,13 @@ def build_cache(
     tok = loaded.tokenizer
     skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
     eos = getattr(tok, "eos_token_id", None)
-    held_tokens = spec.eval_text_tokens or 1
-    train_data, held_data = split_records(tok, data, held_tokens)
+    train_data, held_data = split_records(tok, data, spec.eval_text_tokens or 1)
+    # held-out prompts enough for the held-out generated part (EOS ends some continuations early)
+    want = math.ceil(4 * spec.eval_gen_tokens / spec.gen_len)
+    if len(held_data.texts) < want < len(data.texts):
+        k = len(data.texts) - want
+        train_data = TextData(data.name, data.description, data.texts[:k], data.prompts[:k])
+        held_data = TextData(data.name, data.description, data.texts[k:], data.prompts[k:])
     entries: list[Entry] = []
     max_prompt = max(8, min(adapter.dims.max_positions, 4096) - spec.gen_len - 1)
     plan = [
@@ -242,7 +252,9 @@ def build_cache(
     for split, part, n_text, n_gen in plan:
         (folder / split).mkdir(exist_ok=True)
         if n_text > 0:
-            chunks = token_chunks(tok, part, n_text, spec.chunk_len)
+            body = spec.chunk_len - skip_first  # whole chunks only, so a larger budget extends the same chunks
+            n_whole = math.ceil(n_text / body) * body if split == "train" else n_text
+            chunks = token_chunks(tok, part, n_whole, spec.chunk_len)
             for u, chunk in enumerate(chunks):
                 name = f"{split}/text_{u:06d}.safetensors"
                 ids = chunk[0].tolist()
@@ -303,7 +315,13 @@ def build_cache(
                 )
         say(f"state cache: {split} part done ({sum(e.tokens for e in entries if e.split == split)} tokens)")
     build_s = time.perf_counter() - start
-    doc = {"identity": identity, "complete": True, "build_s": build_s, "entries": [asdict(e) for e in entries]}
+    doc = {
+        "identity": identity,
+        "complete": True,
+        "budgets": {k: getattr(spec, k) for k in _BUDGETS},
+        "build_s": build_s,
+        "entries": [asdict(e) for e in entries],
+    }
     _atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8"))
     return StateCache(folder, identity, entries, build_s)
 

@@ -1,0 +1,75 @@
+"""Top-k + tail-bucket loss and the on-disk state cache, on the tiny seeded Llama."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eectl.exits import ExitHead
+from eectl.head_data import CacheSpec, build_cache, open_cache, read_sequence
+from eectl.heads import TeacherTopK, topk_tail_kl
+
+
+def test_topk_tail_kl_with_the_whole_vocabulary_is_the_exact_kl(llama):
+    adapter = llama.adapter
+    lens = ExitHead(adapter)
+    g = torch.Generator().manual_seed(0)
+    H, V = adapter.dims.hidden_size, adapter.dims.vocab_size
+    mapped = torch.randn(2, 5, H, generator=g)  # [E, B, H]
+    teacher_logits = torch.randn(5, V, generator=g) * 3
+    # k = V: no tail, exact normaliser -> the exact KL(p || q) of every exit
+    soft_ce, kl = topk_tail_kl(lens, mapped, TeacherTopK.of(teacher_logits, V), None)
+    p = F.softmax(teacher_logits, -1)
+    for e in range(2):
+        logq = F.log_softmax(lens.full(mapped[e]), -1)
+        exact = (p * (p.log() - logq)).sum(-1).mean()
+        torch.testing.assert_close(kl[e], exact, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(soft_ce[e], -(p * logq).sum(-1).mean(), rtol=1e-4, atol=1e-5)
+    # k < V with the exact normaliser: the bucketed KL is a lower bound of the exact one (data processing)
+    _, kl_k = topk_tail_kl(lens, mapped, TeacherTopK.of(teacher_logits, 8), None)
+    assert bool((kl_k <= kl + 1e-5).all())
+    # the sampled normaliser with every outside row sampled equals the exact normaliser
+    _, kl_s = topk_tail_kl(lens, mapped, TeacherTopK.of(teacher_logits, 8), V, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(kl_s, kl_k, rtol=1e-4, atol=1e-5)
+
+
+def test_state_cache_holds_the_base_states_and_resumes(llama, gsm8k, tmp_path):
+    spec = CacheSpec(
+        layers=[2, 4],
+        text_tokens=200,
+        gen_tokens=40,
+        eval_text_tokens=64,
+        eval_gen_tokens=4,
+        gen_len=2,
+        chunk_len=32,
+        teacher_k=4,
+        gen_batch=4,
+    )
+    cache = build_cache(llama, gsm8k, spec, tmp_path / "c")
+    assert cache.tokens("train", "text") >= 200 and cache.tokens("train", "gen") >= 40
+    assert cache.tokens("held", "text") == 64 and cache.tokens("held", "gen") >= 4
+    adapter = llama.adapter
+    entry = cache.split("train", ("gen",))[0]
+    seq = read_sequence(cache.folder / entry.file)
+    # the cached states are the base's own (float16), and the teacher is the final layer's top-k
+    states = {}
+    x = seq.ids[None]
+    pos = torch.arange(x.shape[1])[None]
+
+    def grab(i, _a, out):
+        states[i + 1] = out[0]
+
+    final = adapter.forward_layers(adapter.embed(x), pos, 0, adapter.num_layers, None, on_layer=grab)[0]
+    for layer in (2, 4):
+        torch.testing.assert_close(seq.states[layer].float(), states[layer], rtol=1e-2, atol=1e-2)
+    assert torch.equal(seq.teacher_ids[:, 0], adapter.logits(final).argmax(-1))
+    # generated sequences: measured positions predict the greedy continuation (the teacher's top-1 is the next id)
+    idx = torch.nonzero(seq.measured).flatten()
+    assert torch.equal(seq.teacher_ids[idx[:-1], 0], seq.ids[idx[:-1] + 1])
+    # a second build with a larger budget keeps the sequences already there and adds new ones
+    before = {e.file: (cache.folder / e.file).stat().st_mtime_ns for e in cache.entries}
+    spec.text_tokens = 260
+    bigger = build_cache(llama, gsm8k, spec, tmp_path / "c")
+    assert all((bigger.folder / f).stat().st_mtime_ns == t for f, t in before.items())
+    assert bigger.tokens("train", "text") > cache.tokens("train", "text")
+    assert open_cache(tmp_path / "c").tokens("train") == bigger.tokens("train")
