@@ -280,7 +280,12 @@ def build_cache(
                 conts = (
                     dict(
                         generate_continuations(
-                            adapter, [prompts[i] for i in todo], len(todo) * spec.gen_len, eos, spec.gen_batch
+                            adapter,
+                            [prompts[i] for i in todo],
+                            len(todo) * spec.gen_len,
+                            spec.gen_len,
+                            eos,
+                            spec.gen_batch,
                         )
                     )
                     if todo

@@ -37,7 +37,7 @@ import os
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,9 @@ from eectl.errors import ArtifactError, DataError, EectlError, UsageError
 from eectl.exits import DEFAULT_TOP_K, ExitHead, signals, threshold_for_precision, topk_candidates
 from eectl.models.adapters import Adapter
 
-DESIGNS = ("residual-linear", "low-rank", "mlp")
+DESIGNS = ("residual-linear", "low-rank", "mlp")  # per token
+SEQUENCE_DESIGNS = ("block",)  # need the exit's states of earlier positions (the state cache supplies them)
+BLOCK_INITS = ("last", "next", "identity")
 FORMAT = "eectl-heads"
 FORMAT_VERSION = 1
 CHECKPOINT_FORMAT = "eectl-heads-checkpoint"
@@ -105,6 +107,31 @@ class ResidualMLP(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.fc2(F.gelu(self.fc1(h)))
+
+
+class BlockHead(nn.Module):
+    """A decoder block of the model's own layer shape on the exit's hidden states (EE-LLM's block heads, Kangaroo's
+    adapter): attention + MLP over the sequence at that exit, then the frozen final norm + LM head.
+
+    Unlike the per-token designs it reads a SEQUENCE: `forward(h)` takes [S, H] (or [B, S, H]) states of positions
+    0..S-1 of one sequence. At run time its attention needs the keys and values of every earlier position at this
+    exit: every token passes the exit's layer, so the block runs for every token (its cost is a decoder layer per
+    token, paid whether or not the token exits here).
+    """
+
+    sequence = True
+
+    def __init__(self, adapter: Adapter, init_layer: int, identity: bool) -> None:
+        super().__init__()
+        self.block = adapter.new_block(init_layer, identity)
+        self.init_layer = init_layer
+        self._adapter = [adapter]  # a list: not registered as a submodule, not in the state dict
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h if h.dim() == 3 else h[None]
+        positions = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
+        out = self._adapter[0].block_forward(self.block, x, positions, self.init_layer)
+        return out if h.dim() == 3 else out[0]
 
 
 def check_design(design: str, rank: int | None) -> None:
@@ -342,7 +369,11 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
             hint=f"train heads for this model, or load {base.get('spec')}",
         )
     exits = [int(e) for e in meta["exits"]]
-    stack = HeadStack({layer: make_head(meta["design"], dims.hidden_size, meta.get("rank")) for layer in exits})
+    if meta["design"] in SEQUENCE_DESIGNS:
+        inits = {int(k): int(v) for k, v in meta["block_layers"].items()}
+        stack = HeadStack({layer: BlockHead(adapter, inits[layer], identity=False) for layer in exits})
+    else:
+        stack = HeadStack({layer: make_head(meta["design"], dims.hidden_size, meta.get("rank")) for layer in exits})
     try:
         stack.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:
@@ -544,6 +575,10 @@ class _ChunkPass:
     probs: torch.Tensor  # [T, V] final-layer distribution (teacher), float32
     entropy: torch.Tensor  # [T] its entropy, nats
     next_ids: torch.Tensor  # [T] next token id, -100 where the chunk ends
+    # sequence designs (block) read every position of the sequence: states of all S positions, and which of
+    # them are the T measured ones (None: `states` is all there is)
+    context: dict[int, torch.Tensor] | None = None  # exit layer -> [S, H]
+    measured: torch.Tensor | None = None  # [T] indices into S
 
 
 @torch.no_grad()
@@ -580,6 +615,7 @@ def evaluate(
     top_k: int = DEFAULT_TOP_K,
     target: float = 0.99,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    passes: Iterable[_ChunkPass] | None = None,
 ) -> dict[str, EvalResult]:
     """Per exit and per variant (a name -> {exit layer: head or None for the logit lens}): agreement with the final
     layer, KL, and the coverage at `target` precision that FlexEE's lambda* gives on these tokens, for the
@@ -593,10 +629,15 @@ def evaluate(
         v: {k: [] for k in ("agree", "kl", "conf", "conf_topk", "correct_topk")} for v in variants
     }
     exit_heads = {name: {layer: ExitHead(adapter, h) for layer, h in heads.items()} for name, heads in variants.items()}
+    lens = ExitHead(adapter)
+
+    def base_passes() -> Iterator[_ChunkPass]:
+        for ids in chunks:
+            with autocast():
+                yield _base_pass(adapter, ids.to(device), exits, skip_first)
+
     n = 0
-    for ids in chunks:
-        with autocast():
-            run = _base_pass(adapter, ids.to(device), exits, skip_first)
+    for run in passes if passes is not None else base_passes():
         top_final = run.probs.argmax(-1)
         logp_final = run.probs.clamp_min(1e-38).log()
         n += top_final.shape[0]
@@ -606,6 +647,12 @@ def evaluate(
             for layer in exits:
                 head = heads[layer]
                 h = run.states[layer]
+                raw = variants[name][layer]
+                if getattr(raw, "sequence", False):  # a block reads the whole sequence at its exit
+                    assert raw is not None and run.context is not None and run.measured is not None
+                    with autocast():
+                        h = raw(run.context[layer].float())[run.measured]
+                    head = lens
                 with autocast():
                     logits = head.full(h).float()
                     if candidates is None:
@@ -709,12 +756,16 @@ def _amp_dtype(device: torch.device) -> torch.dtype | None:
 
 
 def _lr_at(step: int, config: TrainConfig) -> float:
+    return lr_at(step, config.steps, config.lr)
+
+
+def lr_at(step: int, steps: int, lr: float) -> float:
     """Linear warm-up over the first 5% of steps, then cosine decay to 10% of --lr (a function of the step only)."""
-    warm = max(1, config.steps // 20)
+    warm = max(1, steps // 20)
     if step < warm:
-        return config.lr * (step + 1) / warm
-    t = (step - warm) / max(1, config.steps - warm)
-    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+        return lr * (step + 1) / warm
+    t = (step - warm) / max(1, steps - warm)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from eectl.exits import ExitHead
 from eectl.head_data import CacheSpec, build_cache, open_cache, read_sequence
-from eectl.heads import TeacherTopK, topk_tail_kl
+from eectl.heads import TeacherTopK, load_heads, topk_tail_kl
+from eectl.heads_cached import CachedConfig, train_cached
 
 
 def test_topk_tail_kl_with_the_whole_vocabulary_is_the_exact_kl(llama):
@@ -73,3 +75,44 @@ def test_state_cache_holds_the_base_states_and_resumes(llama, gsm8k, tmp_path):
     assert all((bigger.folder / f).stat().st_mtime_ns == t for f, t in before.items())
     assert bigger.tokens("train", "text") > cache.tokens("train", "text")
     assert open_cache(tmp_path / "c").tokens("train") == bigger.tokens("train")
+
+
+def _tiny_cache(llama, gsm8k, folder):
+    spec = CacheSpec(
+        layers=[2, 4],
+        text_tokens=300,
+        gen_tokens=40,
+        eval_text_tokens=96,
+        eval_gen_tokens=4,
+        gen_len=2,
+        chunk_len=32,
+        teacher_k=8,
+        gen_batch=4,
+    )
+    return build_cache(llama, gsm8k, spec, folder)
+
+
+@pytest.mark.parametrize("design,loss", [("residual-linear", "topk"), ("mlp", "exact"), ("block", "topk")])
+def test_cached_training_lowers_held_out_kl_and_resumes_bit_identically(llama, gsm8k, tmp_path, design, loss):
+    cache = _tiny_cache(llama, gsm8k, tmp_path / "c")
+    cfg = dict(
+        exits=[2, 4], design=design, steps=12, lr=3e-3, batch_tokens=32, loss=loss, tail_samples=64, save_every=6
+    )
+    res = train_cached(llama, cache, CachedConfig(**cfg), tmp_path / "a.safetensors")
+    for b, a in zip(res.meta["report"]["before"]["exits"], res.meta["report"]["after"]["exits"], strict=True):
+        assert a["kl"] < b["kl"]
+    # stop after step 6 (a checkpoint), resume: the same heads as the uninterrupted run, bit for bit
+
+    def stop(step, _tokens, _kl):
+        if step == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_cached(llama, cache, CachedConfig(**cfg), tmp_path / "b.safetensors", on_step=stop)
+    train_cached(llama, cache, CachedConfig(**cfg), tmp_path / "b.safetensors", resume=tmp_path / "b.ckpt")
+    a_heads = load_heads(tmp_path / "a.safetensors", llama)
+    b_heads = load_heads(tmp_path / "b.safetensors", llama)
+    assert a_heads.meta["design"] == design
+    for layer in a_heads.exits:
+        for p, q in zip(a_heads.heads[layer].parameters(), b_heads.heads[layer].parameters(), strict=True):
+            assert torch.equal(p, q)
