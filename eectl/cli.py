@@ -322,6 +322,13 @@ def train_heads(
     out_path: Annotated[
         Path | None, typer.Option("--out", help="heads .safetensors (default artifacts/<model>-heads.safetensors).")
     ] = None,
+    cache: Annotated[
+        Path | None, typer.Option(help="State cache folder: the base runs once into it, heads train from it.")
+    ] = None,
+    tokens: Annotated[int | None, typer.Option(help="With --cache: training tokens (recipe: 16384).")] = None,
+    gen_share: Annotated[float | None, typer.Option(help="With --cache: share of generated tokens (0.25).")] = None,
+    loss: Annotated[str | None, typer.Option(help="With --cache: topk (teacher top-k + tail) or exact.")] = None,
+    block_init: Annotated[str, typer.Option(help="block design: last, next or identity.")] = "last",
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -334,6 +341,31 @@ def train_heads(
 
     out = Output(json_out)
     r = load_recipe(recipe)
+    cache_dir = cache or (Path(r.heads.cache) if r.heads.cache else None)
+    if cache_dir is not None or pick(design, r.heads.design) == "block":
+        _train_heads_cached(
+            out,
+            r,
+            model,
+            data,
+            field,
+            exits,
+            design,
+            rank,
+            lr,
+            seed,
+            save_every,
+            resume,
+            out_path,
+            cache_dir,
+            tokens,
+            gen_share,
+            loss,
+            block_init,
+            eval_tokens,
+            threads,
+        )
+        return
     config = TrainConfig(
         exits=_parse_exits(exits, r.exits or None) or [],
         design=pick(design, r.heads.design),
@@ -380,6 +412,98 @@ def train_heads(
         result = train(loaded, text, config, path, resume, on_step=on_step, log=out.log)
     if not result.main:
         return
+    out.json(result.to_dict())
+    _print_heads(out, result)
+
+
+def _train_heads_cached(
+    out: Output,
+    r: Recipe,
+    model: str | None,
+    data: str | None,
+    field: str | None,
+    exits: str | None,
+    design: str | None,
+    rank: int | None,
+    lr: float | None,
+    seed: int,
+    save_every: int,
+    resume: Path | None,
+    out_path: Path | None,
+    cache_dir: Path | None,
+    tokens: int | None,
+    gen_share: float | None,
+    loss: str | None,
+    block_init: str,
+    eval_tokens: int,
+    threads: int | None,
+) -> None:
+    """train-heads from a state cache: build (or reuse, or extend) it, then train from it with progress and ETA."""
+    import time
+
+    from eectl.data import load_text_data
+    from eectl.head_data import CacheSpec, build_cache
+    from eectl.heads_cached import CachedConfig, train_cached
+    from eectl.models import load_model
+
+    n_threads = _threads(threads, r)
+    text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
+    loaded = load_model(pick(model, r.model), log=out)
+    layers = _parse_exits(exits, r.exits or None) or default_exits(loaded.adapter.num_layers)
+    n = pick(tokens, r.heads.tokens)
+    share = pick(gen_share, r.heads.gen_share)
+    n_gen = round(n * share)
+    spec = CacheSpec(
+        layers=layers,
+        text_tokens=n - n_gen,
+        gen_tokens=n_gen,
+        eval_text_tokens=eval_tokens,
+        eval_gen_tokens=round(eval_tokens * share),
+    )
+    folder = cache_dir or Path("artifacts") / f"{loaded.source.name}-states"
+    total = spec.text_tokens + spec.gen_tokens + spec.eval_text_tokens + spec.eval_gen_tokens
+    with out.progress("base states", total=total) as bar:
+        start = time.perf_counter()
+        done = [0]
+
+        def on_tokens(k: int) -> None:
+            done[0] += k
+            bar.advance(k, info=f"{done[0] / max(time.perf_counter() - start, 1e-9):.0f} tokens/s")
+
+        state_cache = build_cache(loaded, text, spec, folder, on_tokens, out.log)
+    batch = 256
+    config = CachedConfig(
+        exits=layers,
+        design=pick(design, r.heads.design),
+        rank=pick(rank, r.heads.rank),
+        block_init=block_init,
+        steps=max(1, n // batch),
+        lr=pick(lr, r.heads.lr),
+        batch_tokens=batch,
+        seed=seed,
+        loss=pick(loss, r.heads.loss),
+        save_every=save_every,
+        top_k=r.top_k,
+        target=r.target,
+    )
+    path = out_path or Path("artifacts") / f"{loaded.source.name}-heads.safetensors"
+    out.log(
+        f"training {config.design} heads at exits {layers}: {config.steps} steps of {batch} tokens from {folder} "
+        f"({config.loss} loss), {n_threads} threads"
+    )
+    with out.progress("train-heads", total=config.steps) as bar:
+        shown: list[int] = []  # steps seen (a resumed run starts at its checkpoint's step)
+        t0 = time.perf_counter()
+
+        def on_step(step: int, seen: int, kl: dict[int, float]) -> None:
+            if not shown:
+                shown.append(step - 1)
+            rate = (step - shown[0]) * batch / max(time.perf_counter() - t0, 1e-9)
+            info = f"{rate:.0f} tokens/s, KL " + " ".join(f"{k}:{v:.2f}" for k, v in kl.items())
+            bar.advance(step - shown[-1], info=info)
+            shown.append(step)
+
+        result = train_cached(loaded, state_cache, config, path, resume, on_step, out.log)
     out.json(result.to_dict())
     _print_heads(out, result)
 

@@ -256,7 +256,12 @@ def train_cached(
             "vocab_size": dims.vocab_size,
         },
         "base_model": {**loaded.source.to_dict(), "family": adapter.family},
-        "data": {"state_cache": cache.describe(), "sources": list(config.sources)},
+        "data": {
+            "state_cache": cache.describe(),
+            "sources": list(config.sources),
+            "train_tokens": stream.per_epoch,
+            "epochs": round(stream.epochs(config.steps), 4),
+        },
         "training": {
             "steps": config.steps,
             "lr": config.lr,
@@ -266,6 +271,7 @@ def train_cached(
             "teacher_k": cache.identity["spec"]["teacher_k"],
             "tail_samples": config.tail_samples,
             "precision": config.precision,
+            "device": "cpu",
             "seed": config.seed,
             "threads": torch.get_num_threads(),
             "train_s": round(train_s, 2),

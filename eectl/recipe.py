@@ -34,6 +34,13 @@ class HeadsSpec(_Strict):
     rank: int | None = None
     steps: int = Field(500, gt=0)
     lr: float = Field(1e-3, gt=0)
+    # With a state cache (train-heads --cache): the base's states are computed once into this folder and every
+    # design trains from them; `tokens` is the training budget (teacher-forced + generated), `gen_share` of it the
+    # model's own greedy continuations, `loss` exact or topk (teacher top-k + tail bucket).
+    cache: str | None = None
+    tokens: int = Field(16384, gt=0)
+    gen_share: float = Field(0.25, ge=0.0, le=1.0)
+    loss: Literal["exact", "topk"] = "topk"
 
 
 class BenchSpec(_Strict):

@@ -116,3 +116,39 @@ def test_cached_training_lowers_held_out_kl_and_resumes_bit_identically(llama, g
     for layer in a_heads.exits:
         for p, q in zip(a_heads.heads[layer].parameters(), b_heads.heads[layer].parameters(), strict=True):
             assert torch.equal(p, q)
+
+
+def test_cli_trains_a_block_from_a_state_cache(tiny_dirs, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+    from tests.tiny import GSM8K
+
+    args = [
+        "train-heads",
+        str(tiny_dirs["llama"]),
+        "--data",
+        str(GSM8K),
+        "--exits",
+        "2,4",
+        "--design",
+        "block",
+        "--cache",
+        str(tmp_path / "c"),
+        "--tokens",
+        "512",
+        "--eval-tokens",
+        "128",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path / "h.safetensors"),
+        "--json",
+    ]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["design"] == "block" and doc["head_cost"]["layers"] == 1.0
+    assert doc["training"]["loss"] == "topk" and (tmp_path / "c" / "cache.json").is_file()
