@@ -338,7 +338,13 @@ class ExitScorer:
         self.signal = signal
         self.top_k = top_k
         self.criteria = CRITERIA[signal]
-        self.heads = {layer: ExitHead(adapter, (heads or {}).get(layer)).eval() for layer in self.exits}
+        # Sequence heads (a decoder block, heads.BlockHead) read every position at their exit, with their own KV
+        # cache: `_forward_capture` runs them on the layer's whole output; the scorer sees their output.
+        self.sequence_heads: dict[int, Any] = {
+            layer: h for layer, h in (heads or {}).items() if getattr(h, "sequence", False)
+        }
+        token_heads = {layer: h for layer, h in (heads or {}).items() if layer not in self.sequence_heads}
+        self.heads = {layer: ExitHead(adapter, token_heads.get(layer)).eval() for layer in self.exits}
 
     @property
     def needs_inputs(self) -> bool:
@@ -382,8 +388,10 @@ def _forward_capture(
     cache: KVCache | None,
     key_padding: torch.Tensor | None,
     select: Callable[[torch.Tensor], torch.Tensor],
+    block_caches: dict[int, KVCache] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
-    """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input)."""
+    """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input).
+    A sequence head runs on the exit layer's whole output (its KV in `block_caches[layer]` when decoding)."""
     adapter = scorer.adapter
     slot = {layer - 1: e for e, layer in enumerate(scorer.exits)}  # decoder layer index -> exit index
     states: list[torch.Tensor] = [torch.empty(0)] * len(scorer.exits)
@@ -392,6 +400,10 @@ def _forward_capture(
     def on_layer(i: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
         e = slot.get(i)
         if e is not None:
+            head = scorer.sequence_heads.get(i + 1)
+            if head is not None:
+                own = None if cache is None else (block_caches or {}).setdefault(i + 1, KVCache())
+                h_out = head.step(h_out, positions, own, key_padding)
             states[e] = select(h_out)
             if scorer.needs_inputs:
                 inputs[e] = select(h_in)
@@ -517,9 +529,12 @@ def measure_generation(
         b = len(members)
         ids, real, positions = left_padded([prompts[i] for i in members])
         cache, pad, alive = KVCache(), real, torch.ones(b, dtype=torch.bool)
+        block_caches: dict[int, KVCache] = {}
         for _ in range(gen_tokens):
             rows = alive.clone()
-            states, inputs, final = _forward_capture(scorer, ids, positions, cache, pad, _last_position_of(rows))
+            states, inputs, final = _forward_capture(
+                scorer, ids, positions, cache, pad, _last_position_of(rows), block_caches
+            )
             values, correct, top = scorer.score(states, inputs, final)
             parts.append(_part(scorer, values, correct, 1, torch.tensor(members, dtype=torch.long)[rows]))
             if on_tokens is not None:

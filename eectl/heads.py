@@ -127,6 +127,13 @@ class BlockHead(nn.Module):
         self.init_layer = init_layer
         self._adapter = [adapter]  # a list: not registered as a submodule, not in the state dict
 
+    def step(
+        self, h: torch.Tensor, positions: torch.Tensor, cache: Any = None, key_padding: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[B, S, H] new positions at `positions` [B, S] on top of the block's own past in `cache` (a KVCache, None
+        for a whole sequence): what decoding runs per token."""
+        return self._adapter[0].block_forward(self.block, h, positions, self.init_layer, cache, key_padding)
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h if h.dim() == 3 else h[None]
         positions = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[0], -1)

@@ -152,3 +152,33 @@ def test_cli_trains_a_block_from_a_state_cache(tiny_dirs, tmp_path):
     doc = json.loads(res.stdout)
     assert doc["design"] == "block" and doc["head_cost"]["layers"] == 1.0
     assert doc["training"]["loss"] == "topk" and (tmp_path / "c" / "cache.json").is_file()
+
+
+def test_block_head_decoding_with_its_own_kv_equals_the_whole_sequence(llama):
+    from eectl.heads import BlockHead
+    from eectl.models.adapters import KVCache
+
+    adapter = llama.adapter
+    torch.manual_seed(0)
+    head = BlockHead(adapter, adapter.num_layers - 1, identity=False).eval()
+    h = torch.randn(1, 9, adapter.dims.hidden_size)
+    with torch.no_grad():
+        whole = head(h[0])
+        cache = KVCache()
+        steps = [head.step(h[:, :5], torch.arange(5)[None], cache)]  # prefill, then one token at a time
+        steps += [head.step(h[:, t : t + 1], torch.tensor([[t]]), cache) for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(steps, 1)[0], whole, rtol=1e-5, atol=1e-5)
+    identity = BlockHead(adapter, 3, identity=True)
+    torch.testing.assert_close(identity(h[0]), h[0])  # zeroed output projections: starts as the logit lens
+
+
+def test_calibrate_runs_block_heads_on_text_and_generation(llama, gsm8k, tmp_path):
+    from eectl.calibrate import CalibrateOptions, calibrate_model
+
+    cache = _tiny_cache(llama, gsm8k, tmp_path / "c")
+    cfg = CachedConfig(exits=[2, 4], design="block", steps=4, batch_tokens=32, tail_samples=64)
+    train_cached(llama, cache, cfg, tmp_path / "b.safetensors")
+    heads = load_heads(tmp_path / "b.safetensors", llama)
+    opts = CalibrateOptions(exits=[2, 4], target=0.5, tokens=400, gen_tokens=4, chunk_len=32)
+    cal = calibrate_model(llama, gsm8k, opts, heads.heads, tmp_path / "b.safetensors")
+    assert cal.data.generated_tokens == 100 and [x.head for x in cal.exits] == [True, True]
