@@ -334,6 +334,8 @@ def train_heads(
     json_out: JsonOpt = False,
 ) -> None:
     """Light exit heads trained against the frozen model's own final layer (KL), reported before and after."""
+    import time
+
     from eectl.data import load_text_data
     from eectl.heads import TrainConfig, resolve_device
     from eectl.heads import train_heads as train
@@ -403,11 +405,16 @@ def train_heads(
         f"{config.batch_tokens} tokens of {text.name}, {device}, {n_threads} threads"
     )
     with out.progress("train-heads", total=config.steps) as bar:
-        shown = [0]  # a resumed run starts the bar at its checkpoint's step
+        shown: list[int] = []  # a resumed run starts the bar at its checkpoint's step
+        t0 = time.perf_counter()
 
         def on_step(step: int, kl: dict[int, float]) -> None:
-            bar.advance(step - shown[0], info="KL " + " ".join(f"{layer}:{v:.2f}" for layer, v in kl.items()))
-            shown[0] = step
+            if not shown:
+                shown.append(step - 1)
+            rate = (step - shown[0]) * config.batch_tokens / max(time.perf_counter() - t0, 1e-9)
+            info = f"{rate:.0f} tokens/s, KL " + " ".join(f"{layer}:{v:.2f}" for layer, v in kl.items())
+            bar.advance(step - shown[-1], info=info)
+            shown.append(step)
 
         result = train(loaded, text, config, path, resume, on_step=on_step, log=out.log)
     if not result.main:
