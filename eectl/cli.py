@@ -490,6 +490,7 @@ def _train_heads_cached(
         seed=seed,
         loss=pick(loss, r.heads.loss),
         save_every=save_every,
+        eval_tokens=eval_tokens,
         top_k=r.top_k,
         target=r.target,
     )

@@ -73,6 +73,7 @@ class CachedConfig:
     precision: str = "fp32"  # or "bf16" (autocast on the CPU)
     sources: tuple[str, ...] = ("text", "gen")
     save_every: int = 50
+    eval_tokens: int = 4096  # held-out tokens of the report (the cache's held split may hold more, for calibration)
     top_k: int = DEFAULT_TOP_K
     target: float = 0.99
 
@@ -93,7 +94,7 @@ class CachedConfig:
 
     def identity(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("save_every", "top_k", "target"):
+        for k in ("save_every", "eval_tokens", "top_k", "target"):
             d.pop(k)
         d["sources"] = list(self.sources)
         return d
@@ -114,10 +115,20 @@ def make_stack(adapter: Adapter, config: CachedConfig) -> HeadStack:
 
 
 def _cached_passes(
-    adapter: Adapter, cache: StateCache, split: str, exits: list[int], sources: tuple[str, ...]
+    adapter: Adapter, cache: StateCache, split: str, exits: list[int], sources: tuple[str, ...], limit: int
 ) -> Iterator[_ChunkPass]:
-    """Held-out sequences of the cache as evaluate() reads them (the exact teacher from the cached final state)."""
-    for entry in cache.split(split, sources):
+    """Held-out sequences of the cache as evaluate() reads them (the exact teacher from the cached final state):
+    the first sequences of each source, about `limit` tokens in all, each source in its share of the split."""
+    total = max(1, cache.tokens(split))
+    chosen = []
+    for source in sources:
+        budget, got = limit * cache.tokens(split, source) / total, 0
+        for entry in cache.split(split, (source,)):
+            if got >= budget:
+                break
+            chosen.append(entry)
+            got += entry.tokens
+    for entry in chosen:
         seq = cache.load(entry)
         idx = torch.nonzero(seq.measured).flatten()
         logp = F.log_softmax(adapter.logits(seq.final[idx].float()), dim=-1)
@@ -227,7 +238,7 @@ def train_cached(
     if any(p.requires_grad for p in model.parameters()):
         raise EectlError("internal: a base model parameter was unfrozen during training")
 
-    say(f"evaluating on the cache's held-out split ({cache.tokens('held')} tokens)")
+    say(f"evaluating on about {config.eval_tokens} tokens of the cache's held-out split")
     report = evaluate(
         adapter,
         {"before": dict.fromkeys(exits), "after": {layer: stack.head(layer) for layer in exits}},
@@ -235,7 +246,7 @@ def train_cached(
         0,
         config.top_k,
         config.target,
-        passes=_cached_passes(adapter, cache, "held", exits, ("text", "gen")),
+        passes=_cached_passes(adapter, cache, "held", exits, ("text", "gen"), config.eval_tokens),
     )
     dims = adapter.dims
     cost = design_cost(adapter, config.design, config.rank)

@@ -74,6 +74,7 @@ def train(a: argparse.Namespace) -> None:
         precision=a.precision,
         sources=tuple(a.sources.split(",")),
         save_every=max(10, steps // 10),
+        eval_tokens=a.eval_report,
     )
     start = time.perf_counter()
 
@@ -195,6 +196,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=64)
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--holdout", type=float, default=0.5)
+    ap.add_argument("--eval-report", type=int, default=3000, help="held-out tokens of the training report")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     {"build": build, "train": train, "calib": calib}[a.step](a)
