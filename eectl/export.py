@@ -34,8 +34,10 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from eectl import __version__
+from eectl.calibration_file import Calibration
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import DEFAULT_TOP_K, ExitHead
+from eectl.heads_meta import HeadsMeta
 from eectl.manifest import (
     MANIFEST,
     SCHEMA_VERSION,
@@ -48,8 +50,10 @@ from eectl.manifest import (
     sha256_file,
     write_manifest,
 )
-from eectl.models.adapters import Adapter, KVCache, LayerWeights
+from eectl.models.adapters import Adapter, Capture, KVCache, LayerWeights
 from eectl.models.loading import LoadedModel
+from eectl.recipe import check_exit_layers, default_exits
+from eectl.runtime.policies import POLICIES
 
 OPSET = 21
 IR_VERSION = 10
@@ -382,13 +386,22 @@ class ExportOptions:
     validate: bool = True
 
 
-def check_exits(exits: list[int], num_layers: int) -> list[int]:
-    bad = [e for e in exits if not 1 <= e < num_layers]
-    if bad:
-        raise UsageError(f"exits {bad} are outside 1..{num_layers - 1} (the model has {num_layers} layers)")
-    if len(set(exits)) != len(exits):
-        raise UsageError(f"exits must be distinct, got {exits}")
-    return sorted(exits)
+def choose_exits(
+    num_layers: int,
+    requested: list[int] | None = None,
+    calibration: Calibration | None = None,
+    heads: dict[int, torch.nn.Module] | None = None,
+    recipe: list[int] | None = None,
+) -> list[int]:
+    """Where the artifact's exits go: the ones asked for (--exits), else the calibrated ones, else the trained
+    heads', else the recipe's, else `default_exits`."""
+    if requested is not None:
+        return requested
+    if calibration is not None:
+        return calibration.exit_layers
+    if heads:
+        return sorted(heads)
+    return recipe if recipe is not None else default_exits(num_layers)
 
 
 def export_artifact(
@@ -396,23 +409,22 @@ def export_artifact(
     out_dir: str | Path,
     options: ExportOptions,
     heads: dict[int, torch.nn.Module] | None = None,
-    heads_meta: dict[str, Any] | None = None,
-    calibration: dict[str, Any] | None = None,
+    heads_meta: HeadsMeta | None = None,
+    calibration: Calibration | None = None,
     log: Any = None,
 ) -> Manifest:
     """Build, write and validate an artifact in a temporary folder, then rename it into place."""
     adapter = loaded.adapter
     L = adapter.num_layers
-    exits = check_exits(options.exits, L)
+    exits = check_exit_layers(options.exits, L)
     if options.dtype not in DTYPES:
         raise UsageError(f"--dtype must be fp32 or fp16, got '{options.dtype}'")
     if options.top_k < 2 or options.top_k > adapter.dims.vocab_size:
         raise UsageError(f"--top-k must be in 2..{adapter.dims.vocab_size}, got {options.top_k}")
     if calibration is not None:
-        cal_model = calibration.get("model", {})
-        if cal_model.get("sha256") not in (None, loaded.source.sha256):
+        if calibration.model.sha256 != loaded.source.sha256:
             raise UsageError("the calibration was made for another model (its model hash differs)")
-        missing = {int(e["layer"]) for e in calibration.get("exits", [])} - set(exits)
+        missing = set(calibration.exit_layers) - set(exits)
         if missing:
             raise UsageError(f"calibrated exits {sorted(missing)} are not among the export's exits {exits}")
     heads = heads or {}
@@ -457,8 +469,8 @@ def _write_artifact(
     exits: list[int],
     options: ExportOptions,
     heads: dict[int, torch.nn.Module],
-    heads_meta: dict[str, Any] | None,
-    calibration: dict[str, Any] | None,
+    heads_meta: HeadsMeta | None,
+    calibration: Calibration | None,
     log: Any,
 ) -> Manifest:
     adapter = loaded.adapter
@@ -492,19 +504,15 @@ def _write_artifact(
         graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos))
         kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True))
         segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph))
-    calib = {int(e["layer"]): e for e in (calibration or {}).get("exits", [])}
     exit_points = []
     for layer in [*exits, L]:
         head = heads.get(layer)
-        c = calib.get(layer, {})
         exit_points.append(
             ExitPoint(
                 layer=layer,
                 full=save(*build_exit(adapter, layer, options.dtype, local=False, head=head)),
                 local=save(*build_exit(adapter, layer, options.dtype, local=True, head=head)),
-                head=None if head is None else str((heads_meta or {}).get("design", type(head).__name__)),
-                signal=(calibration or {}).get("signal") if layer < L else None,
-                thresholds=c.get("thresholds"),
+                head=None if head is None else (heads_meta.design if heads_meta else type(head).__name__),
             )
         )
     tok_dir = folder / "tokenizer"
@@ -536,7 +544,8 @@ def _write_artifact(
             present_key=[f"present.{i}.key" for i in range(L)],
             present_value=[f"present.{i}.value" for i in range(L)],
         ),
-        calibration=None if calibration is None else {k: v for k, v in calibration.items() if k != "exits"},
+        kv_policies=list(POLICIES),
+        calibration=calibration,
         heads=heads_meta,
     )
     manifest.files = {
@@ -587,13 +596,10 @@ def validate_artifact(
     for _ in range(VALIDATION_DECODE_STEPS + 1):
         input_ids = torch.tensor([chunk])
         positions = torch.arange(pos, pos + len(chunk))[None]
-        # torch reference: hidden after every layer
-        states: dict[int, torch.Tensor] = {}
-
-        def grab(i: int, _in: torch.Tensor, out: torch.Tensor, states: dict[int, torch.Tensor] = states) -> None:
-            states[i + 1] = out
-
-        adapter.forward_layers(adapter.embed(input_ids), positions, 0, L, cache, on_layer=grab)
+        # torch reference: hidden after every exit's layer
+        keep = Capture({e.layer for e in m.exits})
+        adapter.forward_layers(adapter.embed(input_ids), positions, 0, L, cache, capture=keep)
+        states = keep.states
         # ORT
         h = rt.embed(np.array([chunk], dtype=np.int64))
         ort_states = {}
@@ -672,10 +678,3 @@ def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
         "size_mb": round(size / 1e6, 1),
         "validation": manifest.validation,
     }
-
-
-def load_calibration_dict(path: str | Path) -> dict[str, Any]:
-    """calibration.json, validated by calibrate.read_calibration, as the dict export records in the manifest."""
-    from eectl.calibrate import read_calibration
-
-    return read_calibration(path).to_dict()

@@ -128,7 +128,7 @@ class StateCache:
 def write_sequence(path: Path, seq: Sequence) -> None:
     from safetensors.torch import save_file
 
-    from eectl.heads import _atomic_write
+    from eectl.head_designs import _atomic_write
 
     tensors = {
         "ids": seq.ids.to(torch.int64).contiguous(),
@@ -160,7 +160,7 @@ def read_sequence(path: Path) -> Sequence:
 @torch.no_grad()
 def base_sequence(adapter: Any, ids: list[int], measured: torch.Tensor, layers: list[int], k: int) -> Sequence:
     """The frozen base on one sequence: the cached layers' states, the final state and its top-k."""
-    from eectl.heads import TeacherTopK
+    from eectl.head_losses import TeacherTopK
 
     wanted = set(layers)
     states: dict[int, torch.Tensor] = {}
@@ -210,8 +210,7 @@ def build_cache(
     """Compute (or finish computing) the cache for `spec` in `folder`; an existing cache of another identity is
     refused, an identical one is reused. Text chunks first, then generated sequences, per split."""
     from eectl.calibrate import generate_continuations, prompt_ids
-    from eectl.data import TextData, token_chunks
-    from eectl.heads import split_records
+    from eectl.data import TextData, split_records, token_chunks
 
     say = log or (lambda _m: None)
     adapter = loaded.adapter
@@ -229,7 +228,7 @@ def build_cache(
         if old.get("complete") and old.get("budgets") == {k: getattr(spec, k) for k in _BUDGETS}:
             return open_cache(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    from eectl.heads import _atomic_write
+    from eectl.head_designs import _atomic_write
 
     _atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps({"identity": identity, "complete": False})))
     start = time.perf_counter()

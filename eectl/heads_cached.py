@@ -26,35 +26,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eectl.data import TokenStream
 from eectl.errors import EectlError, UsageError
 from eectl.exits import DEFAULT_TOP_K, ExitHead
 from eectl.head_data import StateCache
-from eectl.heads import (
+from eectl.head_designs import (
     BLOCK_INITS,
-    DEFAULT_TAIL_SAMPLES,
     DESIGNS,
-    FORMAT,
-    FORMAT_VERSION,
-    LOSSES,
     SEQUENCE_DESIGNS,
     BlockHead,
     HeadStack,
-    TeacherTopK,
-    TokenStream,
+    build_heads,
+    head_cost,
+    head_width,
+    save_heads,
+    sidecar_path,
+)
+from eectl.head_losses import DEFAULT_TAIL_SAMPLES, LOSSES, TeacherTopK, topk_tail_kl
+from eectl.heads import (
     TrainResult,
     _ChunkPass,
     _load_checkpoint,
     _save_checkpoint,
-    build_heads,
     checkpoint_path,
     evaluate,
-    head_cost,
-    head_width,
     lr_at,
-    save_heads,
-    sidecar_path,
-    topk_tail_kl,
 )
+from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
 from eectl.models.adapters import Adapter
 
 
@@ -251,29 +249,23 @@ def train_cached(
     dims = adapter.dims
     cost = design_cost(adapter, config.design, config.rank)
     tail = history[-max(1, min(20, len(history))) :]
-    meta: dict[str, Any] = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "exits": exits,
-        "design": config.design,
-        "rank": config.rank,
-        "block_init": config.block_init if sequence else None,
-        "block_layers": {str(layer): stack.head(layer).init_layer for layer in exits} if sequence else None,
-        "width": head_width(config.design, config.rank, dims.hidden_size) if not sequence else None,
-        "head_cost": cost,
-        "dimensions": {
-            "num_layers": adapter.num_layers,
-            "hidden_size": dims.hidden_size,
-            "vocab_size": dims.vocab_size,
-        },
-        "base_model": {**loaded.source.to_dict(), "family": adapter.family},
-        "data": {
+    meta = HeadsMeta(
+        exits=exits,
+        design=config.design,
+        rank=config.rank,
+        width=None if sequence else head_width(config.design, config.rank, dims.hidden_size),
+        head_cost=HeadCost(
+            params=int(cost["params"]), macs_per_token=int(cost["macs_per_token"]), layers=cost["layers"]
+        ),
+        dimensions=HeadDims(num_layers=adapter.num_layers, hidden_size=dims.hidden_size, vocab_size=dims.vocab_size),
+        base_model={**loaded.source.to_dict(), "family": adapter.family},
+        data={
             "state_cache": cache.describe(),
             "sources": list(config.sources),
             "train_tokens": stream.per_epoch,
             "epochs": round(stream.epochs(config.steps), 4),
         },
-        "training": {
+        training={
             "steps": config.steps,
             "lr": config.lr,
             "batch_tokens": config.batch_tokens,
@@ -289,17 +281,21 @@ def train_cached(
             "tokens_per_s": round(config.steps * config.batch_tokens / max(train_s, 1e-9), 1),
             "final_kl": {str(layer): sum(h[e] for h in tail) / len(tail) for e, layer in enumerate(exits)},
         },
-        "report": {
+        steps=config.steps,
+        seed=config.seed,
+        report={
             "tokens": report["after"].tokens,
             "target_precision": config.target,
             "top_k": config.top_k,
             "before": asdict(report["before"]),
             "after": asdict(report["after"]),
         },
-    }
+        block_init=config.block_init if sequence else None,
+        block_layers={str(layer): stack.head(layer).init_layer for layer in exits} if sequence else None,
+    )
     result = TrainResult(meta, out, sidecar_path(out), ckpt)
     result.wall_s = time.perf_counter() - start
-    meta["training"]["wall_s"] = round(result.wall_s, 2)
+    meta.training["wall_s"] = round(result.wall_s, 2)
     save_heads(stack, meta, out)
     return result
 

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 from eectl.data import load_text_data, token_chunks
 from eectl.exits import ExitHead
-from eectl.heads import TeacherTopK, _base_pass, build_heads, topk_tail_kl
+from eectl.head_designs import build_heads
+from eectl.head_losses import TeacherTopK, topk_tail_kl
+from eectl.heads import _base_pass
 from eectl.models import load_model
 
 

@@ -93,7 +93,8 @@ def train(a: argparse.Namespace) -> None:
     resume = out.with_suffix(".ckpt") if a.resume else None
     res = train_cached(loaded, cache, cfg, out, resume, on_step, print)
     print(file=sys.stderr)
-    m = res.meta
+    assert res.meta is not None
+    m = res.meta.model_dump(mode="json")
     print(json.dumps({"out": str(out), "training": m["training"], "head_cost": m["head_cost"]}, indent=1))
     for b, x in zip(m["report"]["before"]["exits"], m["report"]["after"]["exits"], strict=True):
         print(
@@ -110,7 +111,7 @@ def calib(a: argparse.Namespace) -> None:
     its first half of sequences (per source), replayed on the second; mean executed layers counting head cost."""
     from eectl.calibrate import SOURCES, ExitScorer, Measurements, assign_exits, fit
     from eectl.head_data import open_cache
-    from eectl.heads import load_heads
+    from eectl.head_designs import load_heads
     from eectl.heads_cached import design_cost
     from eectl.models import load_model
 
@@ -119,8 +120,8 @@ def calib(a: argparse.Namespace) -> None:
     cache = open_cache(Path(a.cache))
     if a.heads:
         hs = load_heads(a.heads, loaded)
-        exits, heads, design = hs.exits, hs.heads, hs.meta["design"]
-        cost = design_cost(adapter, design, hs.meta.get("rank"))["layers"]
+        exits, heads, design = hs.exits, hs.heads, hs.meta.design
+        cost = design_cost(adapter, design, hs.meta.rank)["layers"]
     else:
         exits, heads, design, cost = [int(x) for x in a.layers.split(",")], {}, "logit lens", 0.0
     scorer = ExitScorer(adapter, exits, "topk-prob", a.top_k, None)
@@ -149,7 +150,7 @@ def calib(a: argparse.Namespace) -> None:
     for conf in (None, 0.95):
         res = fit(meas, a.target, conf, a.holdout)
         held = meas.heldout_mask(a.holdout)
-        taken = assign_exits(meas, res.thresholds)[held]
+        taken = assign_exits(meas.values, res.thresholds)[held]
         active = [e == 0 or all(t < float("inf") for t in res.thresholds[e].values()) for e in range(len(exits))]
         layers = torch.tensor([*exits, L], dtype=torch.float64)[taken]
         paid = torch.tensor(

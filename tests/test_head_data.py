@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from eectl.exits import ExitHead
 from eectl.head_data import CacheSpec, build_cache, open_cache, read_sequence
-from eectl.heads import TeacherTopK, load_heads, topk_tail_kl
+from eectl.head_designs import load_heads
+from eectl.head_losses import TeacherTopK, topk_tail_kl
 from eectl.heads_cached import CachedConfig, train_cached
 
 
@@ -99,7 +100,7 @@ def test_cached_training_lowers_held_out_kl_and_resumes_bit_identically(llama, g
         exits=[2, 4], design=design, steps=12, lr=3e-3, batch_tokens=32, loss=loss, tail_samples=64, save_every=6
     )
     res = train_cached(llama, cache, CachedConfig(**cfg), tmp_path / "a.safetensors")
-    for b, a in zip(res.meta["report"]["before"]["exits"], res.meta["report"]["after"]["exits"], strict=True):
+    for b, a in zip(res.meta.report["before"]["exits"], res.meta.report["after"]["exits"], strict=True):
         assert a["kl"] < b["kl"]
     # stop after step 6 (a checkpoint), resume: the same heads as the uninterrupted run, bit for bit
 
@@ -112,7 +113,7 @@ def test_cached_training_lowers_held_out_kl_and_resumes_bit_identically(llama, g
     train_cached(llama, cache, CachedConfig(**cfg), tmp_path / "b.safetensors", resume=tmp_path / "b.ckpt")
     a_heads = load_heads(tmp_path / "a.safetensors", llama)
     b_heads = load_heads(tmp_path / "b.safetensors", llama)
-    assert a_heads.meta["design"] == design
+    assert a_heads.meta.design == design
     for layer in a_heads.exits:
         for p, q in zip(a_heads.heads[layer].parameters(), b_heads.heads[layer].parameters(), strict=True):
             assert torch.equal(p, q)
@@ -155,7 +156,7 @@ def test_cli_trains_a_block_from_a_state_cache(tiny_dirs, tmp_path):
 
 
 def test_block_head_decoding_with_its_own_kv_equals_the_whole_sequence(llama):
-    from eectl.heads import BlockHead
+    from eectl.head_designs import BlockHead
     from eectl.models.adapters import KVCache
 
     adapter = llama.adapter
