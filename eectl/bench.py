@@ -5,7 +5,10 @@ Every speed figure is a ratio against baselines measured in the same run, with t
 
 - `hf`:   transformers' own greedy `generate` on the same prompt ids and thread count (torch),
 - `full`: eectl's exported graphs at full depth (ONNX Runtime),
-- `copy`, `defer`, `verify`: early exit with the artifact's calibrated thresholds (or --thresholds).
+- `copy`, `defer`, `verify`, `river`: early exit with the artifact's calibrated thresholds (or --thresholds), the
+  same exits and signal for each, so they differ only in what follows an exit; `river-exit` is `river` with the
+  token predicted at the exit instead of the river's end (river's K/V are also compared with the exact K/V),
+- any other artifact of the same model at full depth (`compare`, e.g. an int4 export: `--compare int4=PATH`).
 
 Fidelity is measured against eectl full depth on the same prompts (token agreement, exact match, first
 divergence), teacher-forced perplexity on held-out text, and GSM8K final-answer accuracy when the data has
@@ -19,6 +22,7 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,17 +31,19 @@ import numpy as np
 
 from eectl.data import encode_prompt
 from eectl.errors import UsageError
+from eectl.files import atomic_write, atomic_write_text
 from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
-from eectl.runtime.policies import POLICIES
+from eectl.runtime.policies import POLICIES, default_policies
 from eectl.runtime.runner import Generation, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 
 BASELINES = ("hf", "full")  # every other configuration is a KV policy's name (eectl.runtime.policies)
+RIVER_EXIT = "river-exit"  # the river policy, predicting at the exit instead of the river's end
 
 
 @dataclass
 class BenchOptions:
-    configs: list[str] = field(default_factory=lambda: [*BASELINES, *POLICIES])
+    configs: list[str] = field(default_factory=lambda: [*BASELINES, *default_policies()])
     prompts: int = 10
     max_new_tokens: int = 64
     reps: int = 3
@@ -50,6 +56,7 @@ class BenchOptions:
     provider: str = "cpu"
     threads: int | None = None
     raw: bool = False
+    compare: dict[str, str] = field(default_factory=dict)  # config name -> another artifact, run at full depth
 
 
 @dataclass
@@ -73,6 +80,11 @@ class ConfigResult:
     exit_histogram: dict[str, int] = field(default_factory=dict)
     drafted: int = 0
     rejected: int = 0
+    # 95% intervals over prompts (the unit that varies): paired bootstrap of the speedup and token agreement,
+    # Wilson score interval of exact match
+    speedup_vs_full_ci: tuple[float, float] | None = None
+    token_agreement_ci: tuple[float, float] | None = None
+    exact_match_ci: tuple[float, float] | None = None
 
 
 @dataclass
@@ -91,6 +103,7 @@ class BenchResult:
     sweep: list[dict[str, Any]]
     hf_matches_full: bool | None
     notes: list[str] = field(default_factory=list)
+    river_kv: dict[str, Any] | None = None  # river_kv_cosine on the first prompt
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,6 +139,56 @@ class _Run:
     decide_s: float
     drafted: int = 0
     rejected: int = 0
+    per_prompt: list[tuple[float, int]] = field(default_factory=list)  # (decode seconds, decode tokens) per prompt
+
+
+BOOTSTRAP = 1000
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score 95% interval of a binomial proportion (sensible at 0 and n, unlike the normal one)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def _interval(samples: np.ndarray) -> tuple[float, float]:
+    lo, hi = np.quantile(samples, [0.025, 0.975])
+    return (float(lo), float(hi))
+
+
+def speedup_ci(base: list[_Run], other: list[_Run], seed: int = 0) -> tuple[float, float]:
+    """Paired bootstrap over prompts of (base ms/token) / (other ms/token), all repetitions pooled per prompt."""
+    b = np.array([[sum(r.per_prompt[i][k] for r in base) for k in (0, 1)] for i in range(len(base[0].per_prompt))])
+    o = np.array([[sum(r.per_prompt[i][k] for r in other) for k in (0, 1)] for i in range(len(other[0].per_prompt))])
+    idx = np.random.default_rng(seed).integers(0, len(b), (BOOTSTRAP, len(b)))
+    bs, os_ = b[idx].sum(1), o[idx].sum(1)  # [B, 2]
+    ok = (bs[:, 1] > 0) & (os_[:, 1] > 0) & (os_[:, 0] > 0)
+    if not ok.any():
+        return (math.nan, math.nan)
+    return _interval((bs[ok, 0] / bs[ok, 1]) / (os_[ok, 0] / os_[ok, 1]))
+
+
+def agreement_ci(gens: list[list[int]], ref: list[list[int]], seed: int = 0) -> tuple[float, float]:
+    """Bootstrap over prompts of the position-wise token agreement."""
+    same = np.array([sum(1 for a, b in zip(g, r, strict=False) if a == b) for g, r in zip(gens, ref, strict=True)])
+    total = np.array([max(len(g), len(r)) for g, r in zip(gens, ref, strict=True)])
+    idx = np.random.default_rng(seed).integers(0, len(same), (BOOTSTRAP, len(same)))
+    t = total[idx].sum(1)
+    return _interval(np.where(t > 0, same[idx].sum(1) / np.maximum(t, 1), 1.0))
+
+
+def bench_units(opts: BenchOptions, prompts: int) -> int:
+    """How many progress units run_bench reports: one per prompt generated, one per perplexity pass."""
+    order = len(set(opts.configs) | {"full"})
+    early = [c for c in opts.configs if c in POLICIES]
+    scored = [c for c in set(opts.configs) | {"full"} if c == "full" or (c in POLICIES and POLICIES[c].scores_text)]
+    ppl = len(scored) if opts.ppl_tokens > 0 else 0
+    sweep = len(opts.sweep) * 2 * prompts if early else 0
+    return order + opts.reps * order * prompts + ppl + sweep
 
 
 class _HF:
@@ -179,18 +242,30 @@ def heldout_texts(texts: list[str]) -> list[str]:
 class _Configs:
     """Every configuration's runner (and transformers' generate for `hf`), and one timed pass over prompts."""
 
-    def __init__(self, rt: ArtifactRuntime, opts: BenchOptions, stop: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        rt: ArtifactRuntime,
+        opts: BenchOptions,
+        stop: tuple[int, ...],
+        tick: Callable[[int], None] | None = None,
+    ) -> None:
         self.rt, self.opts, self.stop = rt, opts, stop
+        self.tick = tick or (lambda n: None)  # progress: one unit per prompt generated and per perplexity pass
         self.runners: dict[str, Runner] = {}
         base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
         self.runners["full"] = Runner(rt, resolve_config(rt, base, stop))
         self.exits: list[int] = []
         self.thresholds: dict[int, dict[str, float]] = {}
         self.signal = ""
-        for policy in [c for c in opts.configs if c in POLICIES]:
+        for policy in [c for c in opts.configs if c in POLICIES or c == RIVER_EXIT]:
             cfg = resolve_config(rt, self.early_options(policy, 1.0), stop)
             self.runners[policy] = Runner(rt, cfg)
             self.exits, self.thresholds, self.signal = cfg.exits, cfg.thresholds, cfg.signal
+        for name, path in opts.compare.items():  # other artifacts (int4 ...) at full depth, one thread pool
+            other = ArtifactRuntime(path, provider=opts.provider, threads=opts.threads)
+            if other.manifest.model.get("sha256") != rt.manifest.model.get("sha256"):
+                raise UsageError(f"--compare {name}: {path} was exported from another model")
+            self.runners[name] = Runner(other, resolve_config(other, base, stop))
         m = rt.manifest
         spec = m.model.get("spec") if m.model.get("kind") != "default" else None
         self.hf = _HF(spec, opts.max_new_tokens) if "hf" in opts.configs else None
@@ -200,7 +275,8 @@ class _Configs:
         return RunOptions(
             exits=o.exits,
             signal=o.signal,
-            policy=policy,
+            policy="river" if policy == RIVER_EXIT else policy,
+            river_predict="exit" if policy == RIVER_EXIT else "end",
             thresholds=o.thresholds,
             threshold_scale=o.threshold_scale * scale,
             max_new_tokens=o.max_new_tokens,
@@ -216,6 +292,8 @@ class _Configs:
                 run.generations.append(new)
                 run.ttfts.append(ttft)
                 run.latencies.extend(lat)
+                run.per_prompt.append((sum(lat), len(lat)))
+                self.tick(1)
                 continue
             g: Generation = self.runners[name].generate([p])[0]
             run.generations.append(g.token_ids)
@@ -225,6 +303,8 @@ class _Configs:
             run.decide_s += g.decide_s
             run.drafted += g.drafted
             run.rejected += g.rejected_drafts
+            run.per_prompt.append((sum(g.latencies_s[1:]), len(g.latencies_s) - 1))
+            self.tick(1)
         return run
 
 
@@ -279,20 +359,23 @@ def _perplexities(configs: _Configs, results: list[ConfigResult], tok: Any, held
         log.log(f"teacher-forced perplexity on {len(text_ids)} held-out tokens")
     by = {r.name: r for r in results}
     for r in results:
-        if r.name == "full" or (r.name in POLICIES and POLICIES[r.name].scores_text):
+        policy = "river" if r.name == RIVER_EXIT else r.name
+        if r.name == "full" or r.name in configs.opts.compare or (policy in POLICIES and POLICIES[policy].scores_text):
             nll, _ = configs.runners[r.name].score(text_ids, prompt_len=1)
             r.perplexity = math.exp(float(np.mean(nll)))
+            configs.tick(1)
     for r in results:
         if r.name in POLICIES and POLICIES[r.name].lossless:
             r.perplexity = by["full"].perplexity
 
 
 def _sweep(configs: _Configs, ids: list[list[int]], full_tokens: list[list[int]]) -> list[dict[str, Any]]:
-    """The early-exit policy (defer if benchmarked) at each threshold scale, each against a full-depth run."""
-    early = [c for c in configs.opts.configs if c in POLICIES]
+    """The early-exit policy (river, else defer, if benchmarked) at each threshold scale, each against a full-depth
+    run."""
+    early = [c for c in configs.opts.configs if c in POLICIES or c == RIVER_EXIT]
     if not early or not configs.opts.sweep:
         return []
-    policy = "defer" if "defer" in early else early[0]
+    policy = next((p for p in ("river", "defer") if p in early), early[0])
     L = configs.rt.manifest.num_layers
     out: list[dict[str, Any]] = []
     for scale in configs.opts.sweep:
@@ -324,8 +407,14 @@ def run_bench(
     heldout: list[str] | None = None,
     answers: list[str | None] | None = None,
     log: Any = None,
+    progress: Callable[[int], None] | None = None,
 ) -> BenchResult:
-    known = (*BASELINES, *POLICIES)
+    """Run the configurations interleaved; `progress(1)` after each prompt generated and each perplexity pass
+    (bench_units gives the total)."""
+    known = (*BASELINES, *POLICIES, RIVER_EXIT, *opts.compare)
+    clash = [c for c in opts.compare if c in (*BASELINES, *POLICIES, RIVER_EXIT)]
+    if clash:
+        raise UsageError(f"--compare name '{clash[0]}' is a built-in configuration; pick another name")
     bad = [c for c in opts.configs if c not in known]
     if bad:
         raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(known)}")
@@ -333,18 +422,25 @@ def run_bench(
         raise UsageError("--reps, --prompts and --max-new-tokens must be >= 1")
     if not prompts:
         raise UsageError("no prompts to benchmark")
+    if not all(x > 0 and math.isfinite(x) for x in [opts.threshold_scale, *opts.sweep]):
+        raise UsageError("--threshold-scale and --sweep must be positive finite numbers")
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
     m = rt.manifest
     tok = load_tokenizer(rt)
     ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
-    configs = _Configs(rt, opts, tuple(m.eos_token_ids))
+    configs = _Configs(rt, opts, tuple(m.eos_token_ids), progress)
     order = ["full", *[c for c in opts.configs if c != "full"]]
     runs, rss = _timed(configs, order, ids, opts.reps, log)
     full_tokens = runs["full"][0].generations
     results: list[ConfigResult] = []
     for name in order:
         res = _summary(name, runs[name], rss[name], m.num_layers)
-        res.token_agreement, res.exact_match, res.first_divergence = _agreement(runs[name][0].generations, full_tokens)
+        gens = runs[name][0].generations
+        res.token_agreement, res.exact_match, res.first_divergence = _agreement(gens, full_tokens)
+        res.token_agreement_ci = agreement_ci(gens, full_tokens)
+        res.exact_match_ci = wilson(sum(g == f for g, f in zip(gens, full_tokens, strict=True)), len(full_tokens))
+        if name != "full":
+            res.speedup_vs_full_ci = speedup_ci(runs["full"], runs[name])
         if answers and any(a is not None for a in answers):
             res.gsm8k_accuracy = _accuracy(tok, runs[name][0].generations, answers[: len(ids)])
         results.append(res)
@@ -355,6 +451,11 @@ def run_bench(
             r.speedup_vs_hf = by["hf"].ms_per_token / r.ms_per_token if r.ms_per_token else None
     if heldout:
         _perplexities(configs, results, tok, heldout, log)
+    river_kv = None
+    if "river" in configs.runners:
+        if log is not None:
+            log.log("river: its K/V against the exact K/V of the same tokens, per layer (first prompt)")
+        river_kv = river_kv_cosine(configs.runners["river"], ids[0])
     sweep = _sweep(configs, ids, full_tokens)
     notes = [
         f"{rt.threads} ONNX Runtime threads (one global pool); torch (hf) threads set to the same count",
@@ -375,7 +476,62 @@ def run_bench(
         sweep=sweep,
         hf_matches_full=runs["hf"][0].generations == full_tokens if "hf" in runs else None,
         notes=notes,
+        river_kv=river_kv,
     )
+
+
+def river_kv_cosine(runner: Runner, prompt: list[int]) -> dict[str, Any]:
+    """River's K/V against the exact K/V of the same tokens, per layer.
+
+    Generates once with `runner` (the river policy), then recomputes the cache for the same token sequence at full
+    depth in fp32 (one prefill pass: exact K/V). Per layer, the cosine between the river's and the exact K (and V)
+    vector [H_kv * D] of each position the river wrote there (the positions whose token exited at or before that
+    layer), averaged; plus the same over every generated position (the non-exited ones drift too: their attention
+    read approximate K/V).
+    """
+    rt = runner.rt
+    g = runner.generate([prompt])[0]
+    kv = runner.last_kv
+    assert kv is not None
+    n = int(kv.filled[0].min())
+    exact = rt.new_kv(1, n + 1)
+    seq = [*prompt, *g.token_ids][:n]
+    h = rt.embed(np.array([seq], dtype=np.int64))
+    for s in range(len(rt.manifest.segments)):
+        h, _ = rt.run_segment(s, h, exact, 0)
+    L = rt.manifest.num_layers
+    start = len(prompt)  # position of the first generated token; decode step j processes position start - 1 + j
+    layers_of = {start - 1 + j: e for j, e in enumerate(g.exit_layers) if j >= 1 and start - 1 + j < n}
+
+    def cos(a: Any, b: Any) -> np.ndarray:  # [1, H_kv, T, D] x2 -> [T]
+        x = np.asarray(a)[0].transpose(1, 0, 2).reshape(a.shape[2], -1).astype(np.float64)
+        y = np.asarray(b)[0].transpose(1, 0, 2).reshape(b.shape[2], -1).astype(np.float64)
+        return (x * y).sum(-1) / (np.linalg.norm(x, axis=-1) * np.linalg.norm(y, axis=-1) + 1e-12)
+
+    per_layer = []
+    gen = np.arange(start, n)
+    for i in range(L):
+        ck = cos(kv.keys[0][i][:, :, :n], exact.keys[0][i][:, :, :n])
+        cv = cos(kv.values[0][i][:, :, :n], exact.values[0][i][:, :, :n])
+        river = np.array([p for p, e in layers_of.items() if e <= i], dtype=np.int64)
+        per_layer.append(
+            {
+                "layer": i,
+                "river_positions": int(river.size),
+                "key_cosine_river": float(ck[river].mean()) if river.size else None,
+                "value_cosine_river": float(cv[river].mean()) if river.size else None,
+                "key_cosine_generated": float(ck[gen].mean()) if gen.size else None,
+                "value_cosine_generated": float(cv[gen].mean()) if gen.size else None,
+            }
+        )
+    river_values = [v for r in per_layer for v in (r["key_cosine_river"], r["value_cosine_river"]) if v is not None]
+    return {
+        "tokens": len(g.token_ids),
+        "exited": sum(1 for e in g.exit_layers[1:] if e < L),
+        "min_river_cosine": min(river_values) if river_values else None,
+        "mean_river_cosine": float(np.mean(river_values)) if river_values else None,
+        "layers": per_layer,
+    }
 
 
 def _hist(layers: list[int]) -> dict[int, int]:
@@ -424,6 +580,12 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _ci(v: tuple[float, float] | list[float] | None, spec: str) -> str:
+    if v is None or any(math.isnan(x) for x in v):
+        return ""
+    return f" [{format(v[0], spec)}, {format(v[1], spec)}]"
+
+
 def markdown(result: BenchResult, plots: dict[str, str]) -> str:
     r = result
     lines = [
@@ -431,18 +593,23 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         "",
         f"Artifact `{r.artifact}`, provider {r.provider}, {r.threads} threads, {r.prompts} prompts x "
         f"{r.max_new_tokens} new tokens, {r.reps} interleaved repetitions after a warm-up. Early exit: signal "
-        f"{r.signal or '-'}, exits {r.exits or '-'}. Speedups are ratios against baselines measured in this run.",
+        f"{r.signal or '-'}, exits {r.exits or '-'}. Speedups are ratios against baselines measured in this run. "
+        f"Intervals (95%, over the {r.prompts} prompts): paired bootstrap of the speedup and token agreement, "
+        "Wilson for exact match.",
         "",
-        "| config | ms/token (median, min-max) | tokens/s | TTFT ms | vs full | vs hf | mean layers | bound | "
-        "decide share | token agreement | exact match | first divergence | perplexity | GSM8K acc | RSS MB |",
+        "| config | ms/token (median, min-max) | tokens/s | TTFT ms | vs full [95% CI] | vs hf | mean layers | bound | "
+        "decide share | token agreement [95% CI] | exact match [95% CI] | first divergence | perplexity | GSM8K acc "
+        "| RSS MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in r.configs:
         lines.append(
             f"| {c.name} | {c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-{c.ms_per_token_spread[1]:.1f}) | "
-            f"{c.tokens_per_s:.1f} | {c.ttft_ms:.0f} | {_fmt(c.speedup_vs_full)}x | {_fmt(c.speedup_vs_hf)}x | "
+            f"{c.tokens_per_s:.1f} | {c.ttft_ms:.0f} | {_fmt(c.speedup_vs_full)}x{_ci(c.speedup_vs_full_ci, '.2f')} | "
+            f"{_fmt(c.speedup_vs_hf)}x | "
             f"{_fmt(c.mean_layers, '.1f')} | {_fmt(c.layer_bound)}x | {_fmt(c.decide_share, '.1%')} | "
-            f"{_fmt(c.token_agreement, '.1%')} | {_fmt(c.exact_match, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "
+            f"{_fmt(c.token_agreement, '.1%')}{_ci(c.token_agreement_ci, '.1%')} | "
+            f"{_fmt(c.exact_match, '.0%')}{_ci(c.exact_match_ci, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "
             f"{_fmt(c.perplexity, '.2f')} | {_fmt(c.gsm8k_accuracy, '.0%')} | {c.rss_mb:.0f} |"
         )
     if r.hf_matches_full is not None:
@@ -460,6 +627,25 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
                 f"| {s['scale']} | {s['policy']} | {s['speedup']:.2f}x | {s['token_agreement']:.1%} | "
                 f"{s['exact_match']:.0%} | {s['mean_layers']:.1f} |"
             )
+    if r.river_kv is not None:
+        kvr = r.river_kv
+        lines += [
+            "",
+            "## River's K/V against the exact K/V (first prompt)",
+            "",
+            f"{kvr['exited']} of {kvr['tokens']} tokens exited; over the positions the river wrote, mean K/V cosine "
+            f"{_fmt(kvr['mean_river_cosine'], '.4f')}, minimum per layer {_fmt(kvr['min_river_cosine'], '.4f')}.",
+            "",
+            "| layer | river positions | K cosine (river) | V cosine (river) | K cosine (all generated) | "
+            "V cosine (all generated) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for x in kvr["layers"]:
+            lines.append(
+                f"| {x['layer']} | {x['river_positions']} | {_fmt(x['key_cosine_river'], '.4f')} | "
+                f"{_fmt(x['value_cosine_river'], '.4f')} | {_fmt(x['key_cosine_generated'], '.4f')} | "
+                f"{_fmt(x['value_cosine_generated'], '.4f')} |"
+            )
     hist = [c for c in r.configs if c.exit_histogram and len(c.exit_histogram) > 1]
     if hist:
         lines += ["", "## Exit histograms (decode tokens, first repetition)", ""]
@@ -472,13 +658,11 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
 
 
 def write_report(result: BenchResult, path: str | Path) -> list[Path]:
-    """Write the markdown report, its PNG plots beside it, and a JSON twin; returns the files written."""
+    """Write the markdown report, its PNG plots beside it, and a JSON twin, each atomically; returns the files."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     plots = _plots(result, p)
-    p.write_text(markdown(result, {k: v.name for k, v in plots.items()}))
-    js = p.with_suffix(".json")
-    js.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    atomic_write_text(p, markdown(result, {k: v.name for k, v in plots.items()}))
+    js = atomic_write_text(p.with_suffix(".json"), json.dumps(result.to_dict(), indent=2) + "\n")
     return [p, js, *plots.values()]
 
 
@@ -502,7 +686,7 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
     ax.set_title(f"{result.model}: latency per configuration ({result.threads} threads)")
     fig.tight_layout()
     out["latency"] = stem.with_name(stem.name + "-latency.png")
-    fig.savefig(out["latency"], dpi=100)
+    atomic_write(out["latency"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
     hist = [c for c in result.configs if c.exit_histogram]
     if hist:
@@ -517,7 +701,7 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
         ax.set_title("exit-layer histogram")
         fig.tight_layout()
         out["exits"] = stem.with_name(stem.name + "-exits.png")
-        fig.savefig(out["exits"], dpi=100)
+        atomic_write(out["exits"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
         plt.close(fig)
     if result.sweep:
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -529,6 +713,6 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
         ax.set_title("agreement vs speedup across threshold scales")
         fig.tight_layout()
         out["sweep"] = stem.with_name(stem.name + "-sweep.png")
-        fig.savefig(out["sweep"], dpi=100)
+        atomic_write(out["sweep"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
         plt.close(fig)
     return out

@@ -207,14 +207,18 @@ class ExitScorer:
 
     @torch.no_grad()
     def score(
-        self, states: list[torch.Tensor], inputs: list[torch.Tensor] | None, final: torch.Tensor
+        self,
+        states: list[torch.Tensor],
+        inputs: list[torch.Tensor] | None,
+        final: torch.Tensor,
+        blocks: list[torch.Tensor] | None = None,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """states[e] [T, H] (and inputs[e], the last layer's input) -> values {criterion: [E, T]}, correct [E, T]
-        bool, the final layer's top-1 [T]."""
+        """states[e] [T, H] (and inputs[e], the last layer's input; blocks[e] [n + 1, T, H], the segment's block
+        boundaries) -> values {criterion: [E, T]}, correct [E, T] bool, the final layer's top-1 [T]."""
         final_top = self.adapter.logits(final).argmax(-1)
         scoring = ExitScoring(self.signal, TorchExitLogits(self.heads), self.top_k)
         scores = [
-            scoring.score(layer, h, None if inputs is None else inputs[e])
+            scoring.score(layer, h, None if inputs is None else inputs[e], None if blocks is None else blocks[e])
             for e, (layer, h) in enumerate(zip(self.exits, states, strict=True))
         ]
         values = {c: torch.stack([s.values[c] for s in scores]).float() for c in self.criteria}
@@ -248,15 +252,18 @@ def _forward_capture(
     key_padding: torch.Tensor | None,
     select: Callable[[torch.Tensor], torch.Tensor],
     block_caches: dict[int, KVCache] | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
-    """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input).
-    A sequence head runs on the exit layer's whole output (its KV in `block_caches[layer]` when decoding)."""
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None, torch.Tensor]:
+    """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input; with a
+    signal that needs them, every block boundary of each exit's segment). A sequence head runs on the exit layer's
+    whole output (its KV in `block_caches[layer]` when decoding)."""
     adapter = scorer.adapter
-    keep: Capture = Capture(scorer.exits, inputs=scorer.needs_inputs, select=select)
+    blocks_needed = scorer.signal.needs_blocks
+    after = range(1, scorer.exits[-1] + 1) if blocks_needed else scorer.exits  # every layer up to the last exit
+    keep: Capture = Capture(after, inputs=scorer.needs_inputs or blocks_needed, select=select)
     if scorer.sequence_heads:
         keep = _SequenceHeadCapture(
-            scorer.exits,
-            inputs=scorer.needs_inputs,
+            after,
+            inputs=scorer.needs_inputs or blocks_needed,
             select=select,
             heads=scorer.sequence_heads,
             positions=positions,
@@ -268,7 +275,14 @@ def _forward_capture(
     )
     states = [keep.states[layer] for layer in scorer.exits]
     inputs = [keep.layer_inputs[layer] for layer in scorer.exits] if scorer.needs_inputs else None
-    return states, inputs, select(final)
+    blocks = None
+    if blocks_needed:  # segment [lo, hi): the state after lo layers (the input of layer lo + 1), then after each
+        bounds = zip([0, *scorer.exits], scorer.exits, strict=False)
+        blocks = [
+            torch.stack([keep.layer_inputs[lo + 1], *(keep.states[j] for j in range(lo + 1, hi + 1))])
+            for lo, hi in bounds
+        ]
+    return states, inputs, blocks, select(final)
 
 
 def _part(
@@ -285,8 +299,10 @@ def measure_text(
     parts: list[Measurements] = []
     for u, ids in enumerate(chunks):
         positions = torch.arange(ids.shape[1])[None]
-        states, inputs, final = _forward_capture(scorer, ids, positions, None, None, lambda h: h[0, skip_first:])
-        values, correct, _ = scorer.score(states, inputs, final)
+        states, inputs, blocks, final = _forward_capture(
+            scorer, ids, positions, None, None, lambda h: h[0, skip_first:]
+        )
+        values, correct, _ = scorer.score(states, inputs, final, blocks)
         parts.append(_part(scorer, values, correct, 0, torch.full((final.shape[0],), u, dtype=torch.long)))
         if on_tokens is not None:
             on_tokens(final.shape[0])
@@ -389,10 +405,10 @@ def measure_generation(
         block_caches: dict[int, KVCache] = {}  # sequence heads' own KV, per exit
         for _ in range(gen_tokens):
             rows = alive.clone()
-            states, inputs, final = _forward_capture(
+            states, inputs, blocks, final = _forward_capture(
                 scorer, ids, positions, cache, pad, _last_position_of(rows), block_caches
             )
-            values, correct, top = scorer.score(states, inputs, final)
+            values, correct, top = scorer.score(states, inputs, final, blocks)
             parts.append(_part(scorer, values, correct, 1, torch.tensor(members, dtype=torch.long)[rows]))
             if on_tokens is not None:
                 on_tokens(min(int(rows.sum()), n_tokens - measured))
@@ -600,7 +616,7 @@ def summarise(
     heads_path: str | Path | None = None,
 ) -> Calibration:
     """Fit the thresholds for `opts.target` / `opts.confidence` on collected measurements; a validated Calibration."""
-    from eectl.models.loading import file_sha256
+    from eectl.files import sha256_file
 
     start = time.perf_counter()
     meas = collected.meas
@@ -649,7 +665,7 @@ def summarise(
         confidence=opts.confidence,
         heads=None
         if heads_path is None
-        else HeadsInfo(path=str(heads_path), sha256=file_sha256(Path(heads_path)), layers=sorted(heads or {})),
+        else HeadsInfo(path=str(heads_path), sha256=sha256_file(heads_path), layers=sorted(heads or {})),
         exits=result.exits,
         calibration=result.calibration,
         heldout=result.heldout,

@@ -9,10 +9,7 @@ What this module does not do: measure or fit anything (calibrate.py, thresholds.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,12 +18,15 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSeriali
 from eectl import __version__
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import SIGNALS
+from eectl.files import atomic_write_json, read_utf8, strict_json
 from eectl.recipe import check_exit_layers
 
 SCHEMA_VERSION = 1
 
 
 def _from_json(v: Any) -> Any:
+    if isinstance(v, float) and math.isnan(v):
+        raise ValueError("a threshold must be a number, not NaN")  # NaN never passes: the exit would never fire
     return math.inf if v is None else v
 
 
@@ -166,19 +166,8 @@ class Calibration(_Model):
 
 
 def write_calibration(cal: Calibration, path: str | Path) -> Path:
-    """Write atomically: a temp file in the same folder, then a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(cal.to_dict(), f, indent=2, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write atomically (files.atomic_write: a temp file in the same folder, then a rename), as an ordinary file."""
+    return atomic_write_json(path, cal.to_dict())
 
 
 def read_calibration(path: str | Path) -> Calibration:
@@ -187,9 +176,9 @@ def read_calibration(path: str | Path) -> Calibration:
     if not p.is_file():
         raise ArtifactError(f"calibration not found: {path}", hint="run eectl calibrate")
     try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{p.name} is not valid JSON: {exc}") from exc
+        raw = strict_json(read_utf8(p, ArtifactError))
+    except ValueError as exc:
+        raise ArtifactError(f"{p.name} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ArtifactError(f"{p.name} is not a calibration (not a JSON object)")
     version = raw.get("schema_version")

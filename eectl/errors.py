@@ -36,3 +36,10 @@ class ArtifactError(EectlError):
     """An exported artifact is missing, edited, inconsistent, or failed its validation."""
 
     exit_code = 5
+
+
+class OutputError(EectlError):
+    """An output cannot be written: disk full, a read-only folder, a destination that is not ours to replace, or
+    another eectl process writing it. Nothing half-written is left behind."""
+
+    exit_code = 6

@@ -6,12 +6,14 @@ The decoder is cut at the exit points into segments, each one ONNX graph built d
                                                  |                                 |                     |
                                               [exit e1]                         [exit e2]            [final head]
 
-A segment layer is  RMSNorm -> QKV MatMul -> (q/k norm) -> GroupQueryAttention (rotary inside, past and present KV
-share one buffer, written in place) -> O MatMul -> residual -> RMSNorm -> gate/up MatMul -> act -> down MatMul ->
-residual. One graph serves prefill, one-token decode and multi-token chunks on top of a past (batch, sequence and
-past length dynamic). Each segment also gets a K/V-only graph (the `copy` policy). Exit graphs (optional trained
-head, final norm, LM head, Top-K) take the LM-head weight as an input, so the artifact stores it once
-(weights/*.npy) and every exit session binds the same array.
+A segment layer is  RMSNorm -> QKV MatMul -> (q/k norm) -> GroupQueryAttention (rotary inside, packed QKV, past and
+present KV share one buffer, written in place) -> O MatMul -> residual + RMSNorm -> gate/up MatMul -> act -> down
+MatMul -> residual, with each "residual + RMSNorm" one SkipSimplifiedLayerNormalization (the MLP's residual is added
+by the next layer's input norm, or by one Add at the segment's end), the fused ops onnxruntime-genai's graphs use.
+One graph serves prefill, one-token decode and multi-token chunks on top of a past (batch, sequence and past length
+dynamic). Each segment also gets a K/V-only graph (the `copy` policy). Exit graphs (optional trained head, final
+norm, LM head, Top-K, greedy token) take the LM-head weight, stored transposed [H, V], as an input, so the artifact
+stores it once (weights/*.npy) and every exit session binds the same array.
 
 Why built from the weights rather than exported by torch.onnx: GroupQueryAttention with a shared KV buffer avoids
 concatenating the cache each token, the cost that dominates decode at long context (numbers in the issue notes).
@@ -21,10 +23,9 @@ What this module does not do: choose exits at run time (runtime/), or calibrate 
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from eectl import __version__
 from eectl.calibration_file import Calibration
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import DEFAULT_TOP_K, ExitHead
+from eectl.files import STAGING_MARKER, locked_staging, output_error, sha256_file
 from eectl.heads_meta import HeadsMeta
 from eectl.manifest import (
     MANIFEST,
@@ -45,13 +47,15 @@ from eectl.manifest import (
     GraphIO,
     KVLayout,
     Manifest,
+    Quantization,
     Segment,
     SharedWeight,
-    sha256_file,
+    is_artifact,
     write_manifest,
 )
 from eectl.models.adapters import Adapter, Capture, KVCache, LayerWeights
 from eectl.models.loading import LoadedModel
+from eectl.quantize import Int4Options, agreement_verdict, quantize_graph, quantize_lm_head
 from eectl.recipe import check_exit_layers, default_exits
 from eectl.runtime.policies import POLICIES
 
@@ -123,6 +127,24 @@ def _rms(b: _Builder, x: str, weight: torch.Tensor, eps: float, name: str) -> st
     return b.op("SimplifiedLayerNormalization", [x, b.const(name, weight)], axis=-1, epsilon=eps)
 
 
+def _add_rms(b: _Builder, x: str, delta: str | None, weight: torch.Tensor, eps: float, name: str) -> tuple[str, str]:
+    """RMSNorm(x + delta) and the sum x + delta, as one SkipSimplifiedLayerNormalization (the residual add and the
+    next norm read the stream once; ORT does not fuse the pair itself when the sum has other consumers)."""
+    if delta is None:
+        return _rms(b, x, weight, eps, name), x
+    normed, total = b.fresh("skip_norm"), b.fresh("residual")
+    b.nodes.append(
+        helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            [x, delta, b.const(name, weight)],
+            [normed, "", "", total],
+            domain="com.microsoft",
+            epsilon=eps,
+        )
+    )
+    return normed, total
+
+
 def _linear(b: _Builder, x: str, weights: list[torch.Tensor], biases: list[torch.Tensor | None], name: str) -> str:
     """x @ concat(weights).T (+ concat(biases)): one MatMul for several projections."""
     w = torch.cat(weights, dim=0).T.contiguous()  # [in, out]
@@ -145,21 +167,32 @@ def _head_norm(b: _Builder, x: str, weight: torch.Tensor, eps: float, heads: int
 def _layer(
     b: _Builder,
     x: str,
+    delta: str | None,
     w: LayerWeights,
     names: dict[str, str],
     dims: Any,
     rope: dict[str, tuple[str, str]],
     kv_only: bool,
-) -> tuple[str, str, str]:
-    """One decoder layer on the residual stream x; returns (x_out, present_key, present_value)."""
+) -> tuple[str, str | None, str, str, str]:
+    """One decoder layer on the residual stream x + delta (delta: an addend not yet added, or None).
+
+    Returns (x_out, delta_out, layer_input, present_key, present_value): the stream after the layer is
+    x_out + delta_out, the MLP's output is left unadded so that the next layer's input norm adds it (one
+    SkipSimplifiedLayerNormalization); layer_input is this layer's materialised input stream.
+    """
     i, nh, nkv, d = w.index, dims.num_heads, dims.num_kv_heads, dims.head_dim
     p = f"layers.{i}"
-    h = _rms(b, x, w.input_norm, w.eps, f"{p}.input_norm")
+    h, x = _add_rms(b, x, delta, w.input_norm, w.eps, f"{p}.input_norm")
+    layer_input = x
     qkv = _linear(b, h, [w.q, w.k, w.v], [w.q_bias, w.k_bias, w.v_bias], f"{p}.qkv")
-    q, k, v = b.op(
-        "Split", [qkv, b.const(f"{p}.qkv.split", np.array([nh * d, nkv * d, nkv * d], np.int64), False)], 3, axis=-1
-    )
-    if w.q_norm is not None and w.k_norm is not None:
+    q, k, v = qkv, "", ""  # packed [B, S, (nh + 2 nkv) D]: GroupQueryAttention splits it itself
+    if w.q_norm is not None and w.k_norm is not None:  # per-head norms need q and k apart
+        q, k, v = b.op(
+            "Split",
+            [qkv, b.const(f"{p}.qkv.split", np.array([nh * d, nkv * d, nkv * d], np.int64), False)],
+            3,
+            axis=-1,
+        )
         q = _head_norm(b, q, w.q_norm, w.eps, nh, d, f"{p}.q_norm")
         k = _head_norm(b, k, w.k_norm, w.eps, nkv, d, f"{p}.k_norm")
     cos, sin = rope[w.layer_type]
@@ -176,14 +209,13 @@ def _layer(
         **attrs,
     )
     if kv_only:
-        return x, present_k, present_v
+        return x, None, layer_input, present_k, present_v
     o = _linear(b, attn, [w.o], [w.o_bias], f"{p}.o")
     if w.pre_feedforward_norm is not None and w.post_feedforward_norm is not None:  # Gemma's sandwich norms
-        x = b.op("Add", [x, _rms(b, o, w.post_attention_norm, w.eps, f"{p}.post_attention_norm")])
-        h = _rms(b, x, w.pre_feedforward_norm, w.eps, f"{p}.pre_feedforward_norm")
+        o = _rms(b, o, w.post_attention_norm, w.eps, f"{p}.post_attention_norm")
+        h, x = _add_rms(b, x, o, w.pre_feedforward_norm, w.eps, f"{p}.pre_feedforward_norm")
     else:
-        x = b.op("Add", [x, o])
-        h = _rms(b, x, w.post_attention_norm, w.eps, f"{p}.post_attention_norm")
+        h, x = _add_rms(b, x, o, w.post_attention_norm, w.eps, f"{p}.post_attention_norm")
     inter = w.gate.shape[0]
     gu = _linear(b, h, [w.gate, w.up], [None, None], f"{p}.gate_up")
     gate, up = b.op("Split", [gu, b.const(f"{p}.gate_up.split", np.array([inter, inter], np.int64), False)], 2, axis=-1)
@@ -194,7 +226,7 @@ def _layer(
     down = _linear(b, b.op("Mul", [act, up]), [w.down], [None], f"{p}.down")
     if w.post_feedforward_norm is not None:
         down = _rms(b, down, w.post_feedforward_norm, w.eps, f"{p}.post_feedforward_norm")
-    return b.op("Add", [x, down]), present_k, present_v
+    return x, down, layer_input, present_k, present_v
 
 
 def build_segment(
@@ -213,28 +245,37 @@ def build_segment(
     for i in range(lo, hi):
         names["past_key"].append(b.input(f"past_key_values.{i}.key", None, kv_shape))
         names["past_value"].append(b.input(f"past_key_values.{i}.value", None, kv_shape))
-    x = hidden
+    x, delta = hidden, None
     layer_input = hidden
+    boundaries = []  # the residual stream before each layer (materialised as its input), then after the last
     for j, i in enumerate(range(lo, hi)):
-        layer_input = x
-        x, pk, pv = _layer(
+        x, delta, layer_input, pk, pv = _layer(
             b,
             x,
+            delta,
             adapter.layer_weights(i),
             {"past_key": names["past_key"][j], "past_value": names["past_value"][j]},
             dims,
             rope,
             kv_only,
         )
+        boundaries.append(layer_input)
         for kind, src in (("key", pk), ("value", pv)):
             name = f"present.{i}.{kind}"
             b.output(src, name, None, kv_shape)
             names[f"present_{kind}"].append(name)
     outputs: dict[str, str | list[str]] = {"present_key": names["present_key"], "present_value": names["present_value"]}
     if not kv_only:
+        if delta is not None:  # the last layer's MLP output, not yet added to the stream
+            x = b.op("Add", [x, delta])
         b.output(x, "hidden_states_out", None, ["batch", "sequence", dims.hidden_size])
         b.output(layer_input, "last_layer_input", None, ["batch", "sequence", dims.hidden_size])
         outputs.update(hidden_out="hidden_states_out", layer_input="last_layer_input")
+        # [B, (n_layers + 1) * S, H]: one Concat (no per-layer ops) so a signal can read every block's transition
+        # (River's minimum cosine over a segment's blocks); the runner binds it only when its signal needs it
+        states = b.op("Concat", [*boundaries, x], axis=1)
+        b.output(states, "layer_states", None, ["batch", "states", dims.hidden_size])
+        outputs["layer_states"] = "layer_states"
     kind = "kv" if kv_only else "segment"
     file = f"{kind}_{lo:03d}_{hi:03d}.onnx"
     io = GraphIO(
@@ -251,12 +292,18 @@ def build_segment(
     return b.model(f"{kind}_{lo}_{hi}"), io
 
 
-def build_embedding(adapter: Adapter, dtype: str) -> tuple[onnx.ModelProto, GraphIO]:
+def build_embedding(adapter: Adapter, dtype: str, transposed: bool) -> tuple[onnx.ModelProto, GraphIO]:
+    """input_ids -> hidden states, gathering rows of the embedding table, or its columns where the table is the
+    tied LM head stored transposed ([H, V], see _write_artifact)."""
     dims = adapter.dims
     b = _Builder(dtype)
     ids = b.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
-    weight = b.input("embed_weight", None, [dims.vocab_size, dims.hidden_size])
-    h = b.op("Gather", [weight, ids], axis=0)
+    if transposed:
+        weight = b.input("embed_weight", None, [dims.hidden_size, dims.vocab_size])
+        h = b.op("Transpose", [b.op("Gather", [weight, ids], axis=1)], perm=[1, 2, 0])  # [H, B, S] -> [B, S, H]
+    else:
+        weight = b.input("embed_weight", None, [dims.vocab_size, dims.hidden_size])
+        h = b.op("Gather", [weight, ids], axis=0)
     scale = adapter.embed_scale()
     if scale != 1.0:
         h = b.op("Mul", [h, b.const("embed_scale", np.array(scale, np.float32))])
@@ -325,11 +372,17 @@ def _head_prefix(b: _Builder, hidden: str, head: torch.nn.Module | None, hidden_
 def build_exit(
     adapter: Adapter, layer: int, dtype: str, local: bool, head: torch.nn.Module | None = None
 ) -> tuple[onnx.ModelProto, GraphIO]:
-    """Exit graph after `layer`: (head) -> final norm -> LM head rows -> logits, the same math as ExitHead."""
+    """Exit graph after `layer`: (head) -> final norm -> LM head rows -> logits, the same math as ExitHead.
+
+    The LM head is the shared table stored transposed, [H, V] (see _write_artifact): the full graph's MatMul with
+    one token is then a matrix-vector product that streams the table once, and the local graph gathers K columns.
+    The full graph also outputs the greedy token (ArgMax, first index on ties as torch): when the runner needs
+    nothing else it copies only that out, with k = 1 for the Top-K (sessions.greedy_token).
+    """
     dims = adapter.dims
     b = _Builder(dtype)
     hidden = b.input("hidden_states", None, ["n", dims.hidden_size])
-    weight = b.input("lm_head_weight", None, [dims.vocab_size, dims.hidden_size])
+    weight = b.input("lm_head_weight", None, [dims.hidden_size, dims.vocab_size])
     norm_w, eps = adapter.final_norm_weight()
     x = _head_prefix(b, hidden, head, dims.hidden_size, f"exit_{layer}.head")
     normed = _rms(b, x, norm_w, eps, "final_norm")
@@ -346,9 +399,9 @@ def build_exit(
     inputs: dict[str, str | list[str]] = {"hidden": "hidden_states", "weight": "lm_head_weight"}
     if local:
         cand = b.input("candidates", TensorProto.INT64, ["n", "k"])
-        rows = b.op("Gather", [weight, cand], axis=0)  # [N, K, H]
+        cols = b.op("Transpose", [b.op("Gather", [weight, cand], axis=1)], perm=[1, 0, 2])  # [H, N, K] -> [N, H, K]
         q = b.op("Unsqueeze", [normed, b.const("axis1", np.array([1], np.int64), False)])  # [N, 1, H]
-        logits = b.op("MatMul", [q, b.op("Transpose", [rows], perm=[0, 2, 1])])  # [N, 1, K]
+        logits = b.op("MatMul", [q, cols])  # [N, 1, K]
         logits = b.op("Squeeze", [logits, "axis1"])
         if bias is not None:
             logits = b.op("Add", [logits, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
@@ -357,7 +410,7 @@ def build_exit(
         outputs: dict[str, str | list[str]] = {"candidate_logits": "candidate_logits"}
     else:
         b.input("top_k", TensorProto.INT64, [1])
-        logits = b.op("Gemm", [normed, weight], transB=1)
+        logits = b.op("MatMul", [normed, weight])  # [N, H] @ [H, V]
         if bias is not None:
             logits = b.op("Add", [logits, b.const("lm_head_bias", bias.detach())])
         logits = cap(logits)
@@ -365,8 +418,14 @@ def build_exit(
         b.output(logits, "logits", None, ["n", dims.vocab_size])
         b.output(indices, "candidates", TensorProto.INT64, ["n", "k"])
         b.output(values, "candidate_logits", None, ["n", "k"])
+        b.output(b.op("ArgMax", [logits], axis=-1, keepdims=0), "token", TensorProto.INT64, ["n"])
         inputs["top_k"] = "top_k"
-        outputs = {"logits": "logits", "candidates": "candidates", "candidate_logits": "candidate_logits"}
+        outputs = {
+            "logits": "logits",
+            "candidates": "candidates",
+            "candidate_logits": "candidate_logits",
+            "token": "token",
+        }
     io = GraphIO(file=f"exit_{layer:03d}_{suffix}.onnx", inputs=inputs, outputs=outputs)
     return b.model(f"exit_{layer}_{suffix}"), io
 
@@ -384,6 +443,9 @@ class ExportOptions:
     max_positions: int | None = None  # rotary table length; default: the model's maximum
     force: bool = False
     validate: bool = True
+    weights: str = "fp32"  # fp32 or int4 (weight-only MatMulNBits segment graphs, quantize.py)
+    int4: Int4Options = field(default_factory=Int4Options)  # settings for --weights int4 and --river
+    river: bool = False  # add int4 copies of the segments after the first exit (the `river` policy)
 
 
 def choose_exits(
@@ -404,6 +466,42 @@ def choose_exits(
     return recipe if recipe is not None else default_exits(num_layers)
 
 
+def check_options(options: ExportOptions, out: Path | None = None, vocab_size: int | None = None) -> None:
+    """Every check that needs no model (run before the seconds-long load), and the vocabulary one when given."""
+    if options.dtype not in DTYPES:
+        raise UsageError(f"--dtype must be fp32 or fp16, got '{options.dtype}'")
+    if options.weights not in ("fp32", "int4"):
+        raise UsageError(f"--weights must be fp32 or int4, got '{options.weights}'")
+    if (options.weights == "int4" or options.river) and options.dtype != "fp32":
+        raise UsageError("int4 weights (--weights int4, --river) run with fp32 activations: use --dtype fp32")
+    if options.weights == "int4" and options.river:
+        raise UsageError("--river adds int4 copies to an fp32 artifact; with --weights int4 every segment is int4")
+    top = vocab_size if vocab_size is not None else options.top_k
+    if not 2 <= options.top_k <= top:
+        raise UsageError(f"--top-k must be in 2..{vocab_size or 'the vocabulary size'}, got {options.top_k}")
+    check_exit_layers(options.exits, None)
+    if out is not None:
+        check_destination(out, options.force)
+
+
+def check_destination(out: Path, force: bool) -> None:
+    """An existing destination needs --force, and --force replaces only an eectl artifact (never a user's folder or
+    file). Checked before the work, and again under the destination lock at the rename."""
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise ArtifactError(f"{out} already exists", hint="pass --force to replace it")
+        if out.is_symlink() or not is_artifact(out):
+            raise ArtifactError(
+                f"{out} exists and is not an eectl artifact: --force replaces only artifacts",
+                hint="remove it yourself, or choose another --out",
+            )
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ArtifactError(f"cannot create {out}: {parent} is not a folder")
+
+
 def export_artifact(
     loaded: LoadedModel,
     out_dir: str | Path,
@@ -413,14 +511,19 @@ def export_artifact(
     calibration: Calibration | None = None,
     log: Any = None,
 ) -> Manifest:
-    """Build, write and validate an artifact in a temporary folder, then rename it into place."""
+    """Build, write and validate an artifact in a staging folder, then rename it into place.
+
+    The destination is locked for the whole export (a second export to it fails at once), stale staging folders of
+    killed exports beside it are removed first, and "exists" is checked again at the rename.
+    """
     adapter = loaded.adapter
     L = adapter.num_layers
+    out = Path(out_dir)
+    check_options(options, out, adapter.dims.vocab_size)
     exits = check_exit_layers(options.exits, L)
-    if options.dtype not in DTYPES:
-        raise UsageError(f"--dtype must be fp32 or fp16, got '{options.dtype}'")
-    if options.top_k < 2 or options.top_k > adapter.dims.vocab_size:
-        raise UsageError(f"--top-k must be in 2..{adapter.dims.vocab_size}, got {options.top_k}")
+    if options.river and not exits:
+        raise UsageError("--river needs at least one exit (the river starts after the first one)")
+    options.int4.check(L)
     if calibration is not None:
         if calibration.model.sha256 != loaded.source.sha256:
             raise UsageError("the calibration was made for another model (its model hash differs)")
@@ -430,37 +533,25 @@ def export_artifact(
     heads = heads or {}
     if set(heads) - set(exits):
         raise UsageError(f"heads for layers {sorted(set(heads) - set(exits))} that are not exits {exits}")
-    out = Path(out_dir)
-    if out.exists() and not options.force:
-        raise ArtifactError(f"{out} already exists", hint="pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the artifact is an ordinary folder once renamed
     started = time.perf_counter()
-    try:
-        manifest = _write_artifact(loaded, tmp, exits, options, heads, heads_meta, calibration, log)
-        if options.validate:
-            if log is not None:
-                log.log("validating the graphs against PyTorch (prefill + 16 greedy decode steps, every exit)")
-            manifest.validation = validate_artifact(loaded, tmp, heads, log=log)
-        manifest.validation["export_seconds"] = round(time.perf_counter() - started, 2)
-        write_manifest(manifest, tmp)
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with locked_staging(out) as staging:
+        check_destination(out, options.force)  # again, now that no other eectl export can write it
+        tmp = staging.folder
+        try:
+            manifest = _write_artifact(loaded, tmp, exits, options, heads, heads_meta, calibration, log)
+            if options.validate:
+                if log is not None:
+                    log.log("validating the graphs against PyTorch (prefill + 16 greedy decode steps, every exit)")
+                manifest.validation = validate_artifact(loaded, tmp, heads, log=log)
+                if options.river:
+                    manifest.validation["river"] = validate_artifact(loaded, tmp, heads, log=log, river=True)
+            manifest.validation["export_seconds"] = round(time.perf_counter() - started, 2)
+            write_manifest(manifest, tmp)
+        except OSError as exc:
+            raise output_error(out, exc) from None
+        check_destination(out, options.force)  # and at the rename: something may have appeared meanwhile
+        staging.publish(replace=lambda dest: options.force and not dest.is_symlink() and is_artifact(dest))
     return manifest
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Rename tmp into place; an existing artifact is moved aside first and removed only after the rename."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{int(time.time() * 1000)}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_artifact(
@@ -479,14 +570,21 @@ def _write_artifact(
     max_pos = options.max_positions or dims.max_positions
     np_dtype = DTYPES[options.dtype][1]
 
-    def save(model: onnx.ModelProto, io: GraphIO) -> GraphIO:
-        onnx.save(model, str(folder / io.file))
+    def save(model: onnx.ModelProto, io: GraphIO, int4: bool = False) -> GraphIO:
+        onnx.save(quantize_graph(model, options.int4) if int4 else model, str(folder / io.file))
         return io
 
+    quantized = options.weights == "int4"
+
     (folder / "weights").mkdir()
-    lm = adapter.lm_head.weight.detach().float().numpy().astype(np_dtype)
+    # The LM head is stored transposed, [H, V]: MatMul on a [1, H] token is then ORT's matrix-vector path, which
+    # streams the table once per token; the [V, H] table with Gemm(transB) is repacked on every call (measured:
+    # 2x slower per projection on this CPU). It is a graph input, shared by every exit graph and stored once.
+    lm = np.ascontiguousarray(adapter.lm_head.weight.detach().float().numpy().astype(np_dtype).T)
     np.save(folder / "weights" / "lm_head.npy", lm)
-    shared = {"lm_head": SharedWeight(file="weights/lm_head.npy", shape=list(lm.shape), dtype=options.dtype)}
+    shared = {
+        "lm_head": SharedWeight(file="weights/lm_head.npy", shape=list(lm.shape), dtype=options.dtype, transposed=True)
+    }
     tied = adapter.embed_tokens.weight.data_ptr() == adapter.lm_head.weight.data_ptr()
     if tied:
         shared["embed"] = shared["lm_head"]
@@ -495,23 +593,44 @@ def _write_artifact(
         np.save(folder / "weights" / "embed.npy", emb)
         shared["embed"] = SharedWeight(file="weights/embed.npy", shape=list(emb.shape), dtype=options.dtype)
 
-    embedding = save(*build_embedding(adapter, options.dtype))
+    embedding = save(*build_embedding(adapter, options.dtype, transposed=tied))
     cuts = [0, *exits, L]
     segments = []
     for idx, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
         if log is not None:
             log.log(f"segment {idx}: layers {lo}..{hi - 1}")
-        graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos))
-        kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True))
-        segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph))
+        seg_model, seg_io = build_segment(adapter, lo, hi, options.dtype, max_pos)
+        graph = save(seg_model, seg_io, quantized)
+        kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True), int4=quantized)
+        river = None
+        if options.river and idx > 0:  # same input/output names: the runner binds the same KV buffers
+            river = save(seg_model, seg_io.model_copy(update={"file": f"river_{lo:03d}_{hi:03d}.onnx"}), int4=True)
+        segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph, river=river))
     exit_points = []
     for layer in [*exits, L]:
         head = heads.get(layer)
+        full_model, full_io = build_exit(adapter, layer, options.dtype, local=False, head=head)
+        river_head = None
+        if layer == L and options.int4.lm_head != "fp32" and (quantized or options.river):
+            # the final head's own quantized table: for every token (int4 artifact) or the river's end only
+            weight_input = full_io.inputs["weight"]
+            assert isinstance(weight_input, str)
+            q_model = quantize_lm_head(full_model, weight_input, lm, options.int4)
+            q_io = full_io.model_copy(
+                update={"inputs": {k: v for k, v in full_io.inputs.items() if k != "weight"}},
+                deep=True,
+            )
+            if quantized:
+                full_model, full_io = q_model, q_io
+            else:
+                q_io.file = f"exit_{layer:03d}_river.onnx"
+                river_head = save(q_model, q_io)
         exit_points.append(
             ExitPoint(
                 layer=layer,
-                full=save(*build_exit(adapter, layer, options.dtype, local=False, head=head)),
+                full=save(full_model, full_io),
                 local=save(*build_exit(adapter, layer, options.dtype, local=True, head=head)),
+                river=river_head,
                 head=None if head is None else (heads_meta.design if heads_meta else type(head).__name__),
             )
         )
@@ -544,14 +663,17 @@ def _write_artifact(
             present_key=[f"present.{i}.key" for i in range(L)],
             present_value=[f"present.{i}.value" for i in range(L)],
         ),
-        kv_policies=list(POLICIES),
+        kv_policies=[n for n, policy in POLICIES.items() if options.river or not policy.needs_river_copies],
         calibration=calibration,
+        quantization=None
+        if not (quantized or options.river)
+        else Quantization(**options.int4.record("segments" if quantized else "river")),
         heads=heads_meta,
     )
     manifest.files = {
         str(p.relative_to(folder)): sha256_file(p)
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
+        if p.is_file() and p.relative_to(folder).as_posix() not in (MANIFEST, STAGING_MARKER)
     }
     write_manifest(manifest, folder)
     return manifest
@@ -570,11 +692,17 @@ VALIDATION_PROMPT = (
 
 @torch.no_grad()
 def validate_artifact(
-    loaded: LoadedModel, folder: Path, heads: dict[int, torch.nn.Module] | None = None, log: Any = None
+    loaded: LoadedModel,
+    folder: Path,
+    heads: dict[int, torch.nn.Module] | None = None,
+    log: Any = None,
+    river: bool = False,
 ) -> dict[str, Any]:
     """Prefill + 16 greedy decode steps through the ONNX graphs and through PyTorch, compared at every exit.
 
-    Raises ExportValidationError beyond tolerance (max abs logit difference, or a different greedy token).
+    Raises ExportValidationError beyond tolerance (max abs logit difference, or a different greedy token). Int4
+    graphs (and, with `river`, the int4 river copies after the first segment) are judged by their greedy
+    agreement with PyTorch at the final exit against the manifest's floor instead (quantize.agreement_verdict).
     """
     from eectl.runtime.sessions import ArtifactRuntime
 
@@ -604,12 +732,12 @@ def validate_artifact(
         h = rt.embed(np.array([chunk], dtype=np.int64))
         ort_states = {}
         for s_idx in range(len(m.segments)):
-            h, _ = rt.run_segment(s_idx, h, kv, row=0)
+            h, _ = rt.run_segment(s_idx, h, kv, row=0, river=river and s_idx > 0)
             ort_states[m.segments[s_idx].layers[1]] = h
         for e in m.exits:
             ref_h = states[e.layer][0]
             ref = exit_heads[e.layer].full(ref_h).float()
-            got, cand, _ = rt.exit_full(e.layer, ort_states[e.layer][0], m.top_k)
+            got, cand, _ = rt.exit_full(e.layer, ort_states[e.layer][0], m.top_k, river=river)
             diffs[e.layer] = max(diffs[e.layer], float((torch.from_numpy(got).float() - ref).abs().max()))
             token_mismatch[e.layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
             cand_t = torch.from_numpy(cand)
@@ -622,17 +750,27 @@ def validate_artifact(
         pos += len(chunk)
         chunk = [nxt]
     kv_diff = _validate_kv_graphs(adapter, rt, torch.tensor([ids[:8]]))
-    result = {
+    result: dict[str, Any] = {
         "dtype": m.dtype,
         "tolerance": tol,
         "prompt_tokens": len(ids),
         "decode_steps": VALIDATION_DECODE_STEPS,
+        "positions": len(ids) + VALIDATION_DECODE_STEPS,  # compared greedy tokens per exit
         "max_abs_logit_diff": {str(k): v for k, v in diffs.items()},
         "max_abs_local_logit_diff": {str(k): v for k, v in local_diffs.items()},
         "greedy_token_mismatches": {str(k): v for k, v in token_mismatch.items()},
         "kv_graph_max_abs_diff": kv_diff,
         "passed": True,
     }
+    if m.quantization is not None and (river or m.quantization.scope == "segments"):
+        result["graphs"] = "river" if river else "int4"  # before the verdict: its message names them
+        failure = agreement_verdict(result, L, m.quantization.min_agreement)
+        if failure is not None:
+            result["passed"] = False
+            raise ExportValidationError(failure, hint="try a smaller --int4-block-size, or --lm-head fp32")
+        if log is not None:
+            log.log(f"{result['graphs']} validation passed: greedy agreement {result['greedy_agreement'][str(L)]:.1%}")
+        return result
     worst = max(max(diffs.values()), max(local_diffs.values()), kv_diff)
     mismatches = sum(token_mismatch.values())
     strict_tokens = m.dtype == "fp32"
@@ -676,5 +814,6 @@ def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
         "segments": [list(s.layers) for s in manifest.segments],
         "exits": manifest.exit_layers,
         "size_mb": round(size / 1e6, 1),
+        "quantization": None if manifest.quantization is None else manifest.quantization.model_dump(),
         "validation": manifest.validation,
     }

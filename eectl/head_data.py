@@ -128,7 +128,7 @@ class StateCache:
 def write_sequence(path: Path, seq: Sequence) -> None:
     from safetensors.torch import save_file
 
-    from eectl.head_designs import _atomic_write
+    from eectl.files import atomic_write as _atomic_write
 
     tensors = {
         "ids": seq.ids.to(torch.int64).contiguous(),
@@ -228,7 +228,7 @@ def build_cache(
         if old.get("complete") and old.get("budgets") == {k: getattr(spec, k) for k in _BUDGETS}:
             return open_cache(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    from eectl.head_designs import _atomic_write
+    from eectl.files import atomic_write as _atomic_write
 
     _atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps({"identity": identity, "complete": False})))
     start = time.perf_counter()

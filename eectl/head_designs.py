@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +29,10 @@ from torch import nn
 
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import ExitHead
+from eectl.files import atomic_write, atomic_write_text
 from eectl.heads_meta import FORMAT, HeadsMeta
 from eectl.models.adapters import Adapter
+from eectl.recipe import check_exit_layers
 
 DESIGNS = ("residual-linear", "low-rank", "mlp")  # per token
 SEQUENCE_DESIGNS = ("block",)  # read the exit's states of earlier positions (trained from a state cache)
@@ -217,14 +216,14 @@ def sidecar_path(path: Path) -> Path:
 
 def save_heads(stack: HeadStack, meta: HeadsMeta, path: Path) -> Path:
     """Write `path` (.safetensors, tensors exit_{l}.<param>, float32) and its .json sidecar, each atomically."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in stack.state_dict().items()}
     doc = meta.model_dump(mode="json")
-    header = {"format": FORMAT, "eectl": json.dumps(doc, sort_keys=True)}
-    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
+    blob = save(tensors, metadata={"format": FORMAT, "eectl": json.dumps(doc, sort_keys=True)})
+    atomic_write(path, lambda tmp: tmp.write_bytes(blob))  # written by Python: a full disk is a one-line OSError
     side = sidecar_path(path)
-    _atomic_write(side, lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8"))
+    atomic_write_text(side, json.dumps(doc, indent=2) + "\n")
     return side
 
 
@@ -277,28 +276,20 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
             hint=f"train heads for this model, or load {base.get('spec')}",
         )
     exits = list(meta.exits)
-    if meta.design in SEQUENCE_DESIGNS:
-        inits = {int(k): int(v) for k, v in (meta.block_layers or {}).items()}
-        if set(inits) != set(exits):
-            raise ArtifactError(f"heads in {p.name}: block heads without their source layers in the metadata")
-        stack = HeadStack({layer: BlockHead(adapter, inits[layer], identity=False) for layer in exits})
-    else:
-        stack = HeadStack({layer: make_head(meta.design, dims.hidden_size, meta.rank) for layer in exits})
+    try:
+        check_exit_layers(exits, dims.num_layers, "exits")
+        if meta.design in SEQUENCE_DESIGNS:
+            inits = {int(k): int(v) for k, v in (meta.block_layers or {}).items()}
+            if set(inits) != set(exits):
+                raise ArtifactError(f"heads in {p.name}: block heads without their source layers in the metadata")
+            stack = HeadStack({layer: BlockHead(adapter, inits[layer], identity=False) for layer in exits})
+        else:
+            stack = HeadStack({layer: make_head(meta.design, dims.hidden_size, meta.rank) for layer in exits})
+    except UsageError as exc:  # the file's content, not the user's options, is wrong
+        raise ArtifactError(f"heads in {p.name} have invalid metadata: {exc.message}") from None
     try:
         stack.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:
         raise ArtifactError(f"heads in {p.name} do not match their own metadata: {str(exc).splitlines()[0]}") from exc
     stack.to(device=adapter.device, dtype=adapter.dtype).eval().requires_grad_(False)
     return HeadSet({layer: stack.head(layer) for layer in exits}, meta)
-
-
-def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -23,7 +23,6 @@ What this module does not do: choose exit thresholds (calibrate), build ONNX gra
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import time
@@ -40,9 +39,9 @@ from torch import nn
 from eectl.data import TokenStream, count_tokens, split_records
 from eectl.errors import DataError, EectlError, UsageError
 from eectl.exits import DEFAULT_TOP_K, SIGNALS, ExitHead, ExitScoring, TorchExitLogits
+from eectl.head_checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from eectl.head_designs import (
     HeadStack,
-    _atomic_write,
     build_heads,
     check_design,
     head_cost,
@@ -50,12 +49,11 @@ from eectl.head_designs import (
     save_heads,
     sidecar_path,
 )
-from eectl.heads_meta import FORMAT_VERSION, HeadCost, HeadDims, HeadsMeta
+from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
 from eectl.models.adapters import Adapter, Capture
 from eectl.recipe import check_exit_layers
 from eectl.thresholds import threshold_for_precision
 
-CHECKPOINT_FORMAT = "eectl-heads-checkpoint"
 DEFAULT_BATCH_TOKENS = 32
 DEFAULT_EVAL_TOKENS = 4096
 DEFAULT_CHUNK_LEN = 256
@@ -356,42 +354,6 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def checkpoint_path(out: Path) -> Path:
-    """heads.safetensors -> heads.ckpt (optimiser state, step, RNG: what --resume needs)."""
-    return out.with_suffix(".ckpt")
-
-
-def _save_checkpoint(path: Path, identity: dict[str, Any], stack: HeadStack, optimizer: Any, **rest: Any) -> None:
-    state = {
-        "format": CHECKPOINT_FORMAT,
-        "version": FORMAT_VERSION,
-        "identity": json.dumps(identity, sort_keys=True),
-        "heads": {k: v.detach().cpu() for k, v in stack.state_dict().items()},
-        "optimizer": optimizer.state_dict(),
-        **rest,
-    }
-    _atomic_write(path, lambda tmp: torch.save(state, tmp))
-
-
-def _load_checkpoint(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
-    if not path.is_file():
-        raise UsageError(f"checkpoint not found: {path}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises pickle / zip / runtime errors for files it cannot read
-        raise UsageError(f"not a readable checkpoint: {path} ({str(exc).splitlines()[0]})") from exc
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise UsageError(f"not an eectl train-heads checkpoint: {path}")
-    saved = json.loads(state["identity"])
-    diff = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in identity.items() if saved.get(k) != v]
-    if diff:
-        raise UsageError(
-            f"checkpoint {path.name} is from a different run: {'; '.join(diff)}",
-            hint="resume with the same model, data and options, or start afresh without --resume",
-        )
-    return state
-
-
 @dataclass
 class _TrainData:
     chunks: list[torch.Tensor]  # this rank's training chunks [1, S]
@@ -462,7 +424,7 @@ def _make_trainer(
     scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None
     trainer = _Trainer(stack, module, optimizer, scaler)
     if resume is not None:
-        state = _load_checkpoint(resume, identity)
+        state = load_checkpoint(resume, identity)
         stack.load_state_dict(state["heads"])
         optimizer.load_state_dict(state["optimizer"])
         trainer.step = int(state["step"])
@@ -615,7 +577,7 @@ def train_heads(
     """The stage as a library call: a LoadedModel, TextData and a TrainConfig in; heads on disk and a report out.
 
     Moves the model to `config.device`. Writes `out` (.safetensors) and its .json sidecar, and a checkpoint
-    (`out` with suffix .ckpt) every `config.save_every` steps and at the end. `on_step(step, kl_per_exit)` is
+    (checkpoint_path(out)) every `config.save_every` steps and at the end. `on_step(step, kl_per_exit)` is
     called after each optimiser step (1-based), on the main rank only.
     """
     from eectl.data import TextData, token_chunks
@@ -659,7 +621,7 @@ def train_heads(
         if dist.main and (tr.step % config.save_every == 0 or tr.step == config.steps):
             scaler = tr.scaler.state_dict() if tr.scaler is not None else None
             rng = _rng_state(device)
-            _save_checkpoint(
+            save_checkpoint(
                 ckpt, identity, tr.stack, tr.optimizer, step=tr.step, history=tr.history, rng=rng, scaler=scaler
             )
 

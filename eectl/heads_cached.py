@@ -29,6 +29,7 @@ from torch import nn
 from eectl.data import TokenStream
 from eectl.errors import EectlError, UsageError
 from eectl.exits import DEFAULT_TOP_K, ExitHead
+from eectl.head_checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from eectl.head_data import StateCache
 from eectl.head_designs import (
     BLOCK_INITS,
@@ -43,15 +44,7 @@ from eectl.head_designs import (
     sidecar_path,
 )
 from eectl.head_losses import DEFAULT_TAIL_SAMPLES, LOSSES, TeacherTopK, topk_tail_kl
-from eectl.heads import (
-    TrainResult,
-    _ChunkPass,
-    _load_checkpoint,
-    _save_checkpoint,
-    checkpoint_path,
-    evaluate,
-    lr_at,
-)
+from eectl.heads import TrainResult, _ChunkPass, evaluate, lr_at
 from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
 from eectl.models.adapters import Adapter
 
@@ -171,7 +164,7 @@ def train_cached(
     step = 0
     history: list[list[float]] = []
     if resume is not None:
-        state = _load_checkpoint(resume, identity)
+        state = load_checkpoint(resume, identity)
         stack.load_state_dict(state["heads"])
         optimizer.load_state_dict(state["optimizer"])
         step = int(state["step"])
@@ -229,7 +222,7 @@ def train_cached(
         train_s += time.perf_counter() - t0
         history.append([float(k) for k in kl])
         if step % config.save_every == 0 or step == config.steps:
-            _save_checkpoint(ckpt, identity, stack, optimizer, step=step, history=history, rng={})
+            save_checkpoint(ckpt, identity, stack, optimizer, step=step, history=history, rng={}, scaler=None)
         if on_step is not None:
             on_step(step, step * config.batch_tokens, dict(zip(exits, history[-1], strict=True)))
     stack.eval()

@@ -6,7 +6,6 @@ thresholds, and the export's validation result. The runner reads names from here
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eectl.calibration_file import Calibration
 from eectl.errors import ArtifactError
+from eectl.files import atomic_write_text, confined, read_utf8, sha256_file, strict_json
 from eectl.heads_meta import HeadsMeta
 
 # 2: the calibration and the heads metadata are typed, and per-exit thresholds live only in `calibration`.
@@ -39,19 +39,40 @@ class Segment(_M):
     layers: tuple[int, int]  # decoder layers [lo, hi)
     graph: GraphIO  # hidden + past KV -> hidden + present KV (one graph for prefill, decode and chunks)
     kv_graph: GraphIO  # hidden -> this segment's K/V only (the `copy` policy)
+    river: GraphIO | None = None  # `export --river`: an int4 copy with the same names (the `river` policy)
 
 
 class ExitPoint(_M):
     layer: int  # exit after this many decoder layers (== L for the final head)
-    full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits
+    full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits, greedy token [N]
     local: GraphIO  # hidden [N, H] + candidates [N, K] -> candidate logits [N, K]
+    river: GraphIO | None = None  # final head only, `export --river --lm-head int4|int8`: the river's quantized head
     head: str | None = None  # trained head design, None for the plain logit lens
+
+
+class Quantization(_M):
+    """Weight-only quantization (quantize.py): which graphs, and ORT's MatMulNBits settings."""
+
+    scope: str  # "segments": every segment graph (export --weights int4); "river": only the river copies
+    op: str  # com.microsoft::MatMulNBits
+    tool: str  # ORT's quantizer and version
+    bits: int
+    block_size: int
+    symmetric: bool
+    accuracy_level: int  # MatMulNBits compute type (0 unset / fp32, 4 int8 activations)
+    algorithm: str  # rtn (ORT's default block quantizer) or hqq
+    lm_head: str  # the final exit's LM head: fp32 (the shared table), int8 or int4
+    embedding: str  # precision of the embedding table
+    exit_lm_heads: str  # precision of the intermediate exits' LM head (the shared table)
+    keep_layers: list[int]  # decoder layers left in fp32
+    min_agreement: float  # the validation floor on greedy agreement with PyTorch at the final exit
 
 
 class SharedWeight(_M):
     file: str
     shape: list[int]
     dtype: str
+    transposed: bool = False  # stored [hidden, vocab] (the LM head's MatMul layout) rather than [vocab, hidden]
 
 
 class KVLayout(_M):
@@ -84,6 +105,7 @@ class Manifest(_M):
     shared_weights: dict[str, SharedWeight]
     kv: KVLayout
     kv_policies: list[str]  # the KV policies the runner may use with this artifact (eectl.runtime.policies)
+    quantization: Quantization | None = None  # weight-only int4 graphs (export --weights int4 / --river)
     calibration: Calibration | None = None  # signal, exits and thresholds (inf: never exits) from eectl calibrate
     heads: HeadsMeta | None = None
     files: dict[str, str] = Field(default_factory=dict)  # relative path -> sha256
@@ -104,20 +126,36 @@ class Manifest(_M):
         raise ArtifactError(f"no exit after layer {layer} in this artifact", hint=f"exits: {self.exit_layers}")
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_manifest(manifest: Manifest, folder: Path) -> None:
-    (folder / MANIFEST).write_text(json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
+    atomic_write_text(folder / MANIFEST, json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
+
+
+def is_artifact(folder: Path) -> bool:
+    """Whether `folder` is an eectl artifact, of any schema version: a real folder whose manifest.json is a JSON
+    object with eectl's `schema_version` and `eectl_version`. `export --force` replaces nothing else."""
+    path = folder / MANIFEST
+    if folder.is_symlink() or not folder.is_dir() or not path.is_file():
+        return False
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and isinstance(raw.get("schema_version"), int) and "eectl_version" in raw
+
+
+def artifact_paths(m: Manifest) -> list[str]:
+    """Every path the manifest names, relative to the artifact folder."""
+    paths = [m.tokenizer_dir, m.embedding.file, *m.files, *(w.file for w in m.shared_weights.values())]
+    for s in m.segments:
+        paths += [s.graph.file, s.kv_graph.file]
+    for e in m.exits:
+        paths += [e.full.file, e.local.file]
+    return paths
 
 
 def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
-    """Read and check an artifact's manifest: schema version, every listed file present and unchanged."""
+    """Read and check an artifact's manifest: schema version, every named path inside the folder (symlinks
+    resolved), every listed file present and unchanged. Nothing named by the manifest is opened before that."""
     root = Path(folder)
     path = root / MANIFEST
     if not root.is_dir():
@@ -125,9 +163,11 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     if not path.is_file():
         raise ArtifactError(f"not an eectl artifact (no {MANIFEST}): {folder}")
     try:
-        raw = json.loads(path.read_text())
+        raw = strict_json(read_utf8(path, ArtifactError))  # NaN / Infinity refused: a NaN threshold never passes
     except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{path} is not valid JSON: {exc.msg}") from exc
+        raise ArtifactError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from exc
+    except ValueError as exc:
+        raise ArtifactError(f"{path} is not valid JSON: {exc}") from None
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version != SCHEMA_VERSION:
         older = isinstance(version, int) and version < SCHEMA_VERSION
@@ -142,6 +182,8 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
         first = exc.errors()[0]
         where = ".".join(map(str, first["loc"]))
         raise ArtifactError(f"inconsistent manifest in {folder}: {where}: {first['msg']}") from None
+    for rel in artifact_paths(manifest):
+        confined(root, rel, ArtifactError)
     _check_consistency(manifest, folder)
     if verify_hashes:
         for rel, digest in manifest.files.items():
@@ -150,6 +192,15 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
                 raise ArtifactError(f"artifact file missing: {rel} in {folder}")
             if sha256_file(f) != digest:
                 raise ArtifactError(f"artifact file changed since export: {rel} (hash mismatch)")
+        # The tokenizer loads whatever its folder holds, so everything there must be listed (and so hashed).
+        tok = root / manifest.tokenizer_dir
+        extra = sorted(
+            p.relative_to(root).as_posix()
+            for p in (tok.rglob("*") if tok.is_dir() else [])
+            if p.is_file() and p.relative_to(root).as_posix() not in manifest.files
+        )
+        if extra:
+            raise ArtifactError(f"files in {manifest.tokenizer_dir}/ that the manifest does not list: {extra}")
     return manifest
 
 
@@ -171,9 +222,9 @@ def _check_consistency(m: Manifest, folder: str | Path) -> None:
     listed = set(m.files)
     needed = {m.embedding.file, *(w.file for w in m.shared_weights.values())}
     for s in m.segments:
-        needed |= {s.graph.file, s.kv_graph.file}
+        needed |= {s.graph.file, s.kv_graph.file} | ({s.river.file} if s.river else set())
     for e in m.exits:
-        needed |= {e.full.file, e.local.file}
+        needed |= {e.full.file, e.local.file} | ({e.river.file} if e.river else set())
     if not needed <= listed:
         raise ArtifactError(f"inconsistent manifest in {folder}: files not hashed: {sorted(needed - listed)}")
     if m.calibration is not None and not set(m.calibration.exit_layers) <= set(m.exit_layers):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -64,6 +65,10 @@ class Output:
         if self.json_mode or self.quiet:
             yield ProgressTask(None, None)
             return
+        if not self.err.is_terminal or self.err.is_dumb_terminal:
+            # a log file or CI: a live bar would only show at the end; print a line every 10% or 15 s instead
+            yield PlainProgress(self.err, description, total)
+            return
         progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -91,6 +96,36 @@ class ProgressTask:
                 self._progress.advance(self._task_id, n)
             else:
                 self._progress.update(self._task_id, advance=n, info=info)
+
+
+class PlainProgress(ProgressTask):
+    """Progress as plain lines (done/total, elapsed, ETA) for stderr that is not a terminal."""
+
+    def __init__(self, console: Console, description: str, total: int | None, every_s: float = 15.0) -> None:
+        super().__init__(None, None)
+        self.console, self.description, self.total, self.every_s = console, description, total, every_s
+        self.done = 0.0
+        self.start = self._last = time.monotonic()
+        self._last_tenth = 0
+
+    def advance(self, n: float = 1, info: str | None = None) -> None:
+        self.done += n
+        now = time.monotonic()
+        tenth = int(10 * self.done / self.total) if self.total else 0
+        finished = self.total is not None and self.done >= self.total
+        if tenth == self._last_tenth and now - self._last < self.every_s and not finished:
+            return
+        self._last, self._last_tenth = now, tenth
+        elapsed = now - self.start
+        line = f"{self.description}: {self.done:g}"
+        if self.total:
+            eta = elapsed * (self.total - self.done) / self.done if self.done > 0 else float("nan")
+            line += f"/{self.total} ({self.done / self.total:.0%}), {elapsed:.0f} s elapsed, ETA {eta:.0f} s"
+        else:
+            line += f", {elapsed:.0f} s elapsed"
+        if info:
+            line += f" {info}"
+        self.console.print(line, markup=False, highlight=False)
 
 
 def _jsonable(obj: Any) -> Any:

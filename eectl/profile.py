@@ -15,14 +15,24 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from eectl.errors import UsageError
+from eectl.files import atomic_write_text
 from eectl.models.adapters import Adapter, Capture
 
 SIMILARITIES = ("top1", "js")
+EAS_ALPHAS = (0.3, 0.5, 0.7)
+AGREEMENT_LEVELS = (0.5, 0.9)
+BOOTSTRAP = 1000
+CI_LEVEL = 0.95
+MIN_CHUNKS = 10  # below this many chunks a bootstrap interval says little
+# Bumped when what the measurement computes changes: part of every cache key.
+PROFILE_VERSION = 1
 
 
 @dataclass
@@ -55,6 +65,12 @@ class ProfileResult:
     threads: int = 0
     wall_s: float = 0.0
     peak_rss_mb: float = 0.0
+    lens_dtype: str = "fp32"
+    chunks: int = 0  # the bootstrap's unit
+    eas_by_alpha: dict[str, float] = field(default_factory=dict)  # EAS at alpha 0.3, 0.5, 0.7
+    ci: dict[str, list[float]] = field(default_factory=dict)  # 95% bootstrap intervals over chunks
+    agreement_layers: dict[str, int | None] = field(default_factory=dict)  # first layer with agreement >= 0.5, 0.9
+    cached: bool = False  # reused from $EECTL_CACHE (wall_s is the original run's)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -70,7 +86,105 @@ def check_options(alpha: float, similarity: str) -> None:
         raise UsageError(f"--similarity must be one of {', '.join(SIMILARITIES)}, got '{similarity}'")
 
 
+@dataclass
+class ProfileSums:
+    """Per-chunk sums of the per-layer measures: what the cache stores, what the bootstrap resamples.
+
+    Every array is [C, L] (chunks x layers) except `n` [C]; means over tokens are sums / n. Chunks, not tokens,
+    are the bootstrap's unit: positions within a chunk share context, so resampling tokens would understate
+    the error.
+    """
+
+    n: torch.Tensor  # [C] measured tokens per chunk
+    agree: torch.Tensor  # [C, L] tokens whose layer-l top-1 equals the final top-1
+    kl: torch.Tensor
+    js: torch.Tensor
+    cosine: torch.Tensor
+    oracle: torch.Tensor  # [C, L] tokens whose earliest stable-agreement layer is l
+
+    def to_dict(self) -> dict[str, list[object]]:
+        return {k: getattr(self, k).tolist() for k in ("n", "agree", "kl", "js", "cosine", "oracle")}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> ProfileSums:
+        f64 = torch.float64
+        return cls(
+            n=torch.tensor(d["n"], dtype=torch.long),
+            agree=torch.tensor(d["agree"], dtype=f64),
+            kl=torch.tensor(d["kl"], dtype=f64),
+            js=torch.tensor(d["js"], dtype=f64),
+            cosine=torch.tensor(d["cosine"], dtype=f64),
+            oracle=torch.tensor(d["oracle"], dtype=torch.long),
+        )
+
+
+LENS_DTYPES = ("fp32", "bf16")
+
+
 @torch.no_grad()
+def measure_chunks(
+    adapter: Adapter,
+    chunks: list[torch.Tensor],
+    similarity: str = "top1",
+    skip_first: int = 1,
+    on_chunk: Callable[[int], None] | None = None,
+    lens_dtype: str = "fp32",
+) -> ProfileSums:
+    """The per-chunk sums over token chunks [1, S] (the first `skip_first` positions of each are not measured).
+
+    `lens_dtype` bf16 runs the logit lens's LM-head matmuls under CPU/CUDA autocast (the final norm and the
+    softmax stay fp32); fp32 is the reference.
+    """
+    if lens_dtype not in LENS_DTYPES:
+        raise UsageError(f"--lens-dtype must be one of {', '.join(LENS_DTYPES)}, got '{lens_dtype}'")
+    L = adapter.num_layers
+    C = len(chunks)
+    f64 = torch.float64
+    sums = ProfileSums(
+        torch.zeros(C, dtype=torch.long),
+        torch.zeros(C, L, dtype=f64),
+        torch.zeros(C, L, dtype=f64),
+        torch.zeros(C, L, dtype=f64),
+        torch.zeros(C, L, dtype=f64),
+        torch.zeros(C, L, dtype=torch.long),
+    )
+    device_type = adapter.device.type
+
+    def lens(h: torch.Tensor) -> torch.Tensor:
+        if lens_dtype == "fp32":
+            return F.log_softmax(adapter.logits(h).float(), dim=-1)
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            z = adapter.logits(h)
+        return F.log_softmax(z.float(), dim=-1)
+
+    for c, ids in enumerate(chunks):
+        keep = Capture(range(1, L + 1), inputs=True, select=lambda h: h[0, skip_first:])
+        positions = torch.arange(ids.shape[1])[None]
+        adapter.forward_layers(adapter.embed(ids), positions, 0, L, None, capture=keep)
+        outs = [keep.states[layer] for layer in range(1, L + 1)]  # outs[i]: after layer index i
+        for i in range(L):
+            sums.cosine[c, i] = F.cosine_similarity(keep.layer_inputs[i + 1], outs[i], dim=-1).double().sum()
+        logp_final = lens(outs[-1])  # [T, V]
+        top_final = logp_final.argmax(-1)
+        p_final = logp_final.exp()
+        matches = torch.ones(L, logp_final.shape[0], dtype=torch.bool)
+        for i in range(L - 1):
+            logp = lens(outs[i])
+            matches[i] = logp.argmax(-1) == top_final
+            sums.kl[c, i] = (p_final * (logp_final - logp)).sum(-1).double().sum()
+            if similarity == "js":
+                sums.js[c, i] = _js_bits(logp_final, logp).double().sum()
+        sums.agree[c] = matches.double().sum(-1)
+        # earliest layer from which every later layer agrees: reverse cumulative AND
+        stable = matches.flip(0).cumprod(0).flip(0).bool()  # [L, T]
+        first = L - stable.sum(0)  # 0-based index of the first stable layer
+        sums.oracle[c] = torch.bincount(first, minlength=L)[:L]
+        sums.n[c] = logp_final.shape[0]
+        if on_chunk is not None:
+            on_chunk(logp_final.shape[0])
+    return sums
+
+
 def profile_chunks(
     adapter: Adapter,
     chunks: list[torch.Tensor],
@@ -78,44 +192,89 @@ def profile_chunks(
     similarity: str = "top1",
     skip_first: int = 1,
     on_chunk: Callable[[int], None] | None = None,
+    lens_dtype: str = "fp32",
 ) -> ProfileResult:
     """Profile the model on token chunks [1, S] (the first `skip_first` positions of each are not measured)."""
     check_options(alpha, similarity)
-    L = adapter.num_layers
-    agree = torch.zeros(L, dtype=torch.float64)
-    kl = torch.zeros(L, dtype=torch.float64)
-    js = torch.zeros(L, dtype=torch.float64)
-    cosine = torch.zeros(L, dtype=torch.float64)
-    oracle = torch.zeros(L, dtype=torch.long)
-    n = 0
-    for ids in chunks:
-        keep = Capture(range(1, L + 1), inputs=True, select=lambda h: h[0, skip_first:])
-        positions = torch.arange(ids.shape[1])[None]
-        adapter.forward_layers(adapter.embed(ids), positions, 0, L, None, capture=keep)
-        outs = [keep.states[layer] for layer in range(1, L + 1)]  # outs[i]: after layer index i
-        for i in range(L):
-            cosine[i] += F.cosine_similarity(keep.layer_inputs[i + 1], outs[i], dim=-1).double().sum()
-        logp_final = F.log_softmax(adapter.logits(outs[-1]).float(), dim=-1)  # [T, V]
-        top_final = logp_final.argmax(-1)
-        p_final = logp_final.exp()
-        matches = torch.ones(L, logp_final.shape[0], dtype=torch.bool)
-        for i in range(L - 1):
-            logp = F.log_softmax(adapter.logits(outs[i]).float(), dim=-1)
-            matches[i] = logp.argmax(-1) == top_final
-            kl[i] += (p_final * (logp_final - logp)).sum(-1).double().sum()
-            if similarity == "js":
-                js[i] += _js_bits(logp_final, logp).double().sum()
-        agree += matches.double().sum(-1)
-        # earliest layer from which every later layer agrees: reverse cumulative AND
-        stable = matches.flip(0).cumprod(0).flip(0).bool()  # [L, T]
-        first = L - stable.sum(0)  # 0-based index of the first stable layer
-        oracle += torch.bincount(first, minlength=L)[:L]
-        n += logp_final.shape[0]
-        if on_chunk is not None:
-            on_chunk(logp_final.shape[0])
+    sums = measure_chunks(adapter, chunks, similarity, skip_first, on_chunk, lens_dtype)
+    return summarise(sums, adapter.num_layers, alpha, similarity)
+
+
+def summarise(
+    sums: ProfileSums, num_layers: int, alpha: float, similarity: str, boot: int = BOOTSTRAP, seed: int = 0
+) -> ProfileResult:
+    """Means over tokens, EAS and the oracle from the per-chunk sums, with bootstrap CIs over chunks."""
+    n = int(sums.n.sum())
     if n == 0:
         raise UsageError("nothing to profile: no measured tokens")
-    return _summarise(adapter, n, agree / n, kl / n, js / n, cosine / n, oracle, alpha, similarity)
+    tot = {k: getattr(sums, k).sum(0) for k in ("agree", "kl", "js", "cosine", "oracle")}
+    result = _summarise(
+        num_layers,
+        n,
+        tot["agree"] / n,
+        tot["kl"] / n,
+        tot["js"] / n,
+        tot["cosine"] / n,
+        tot["oracle"],
+        alpha,
+        similarity,
+    )
+    result.chunks = len(sums.n)
+    result.eas_by_alpha = {
+        str(a): float(eas_of(_similarity_of(sums, similarity, None), num_layers, a)) for a in EAS_ALPHAS
+    }
+    result.ci = bootstrap_ci(sums, num_layers, similarity, sorted({alpha, *EAS_ALPHAS}), boot, seed)
+    result.agreement_layers = {str(t): result.first_layer_reaching(t) for t in AGREEMENT_LEVELS}
+    return result
+
+
+def _similarity_of(sums: ProfileSums, similarity: str, idx: torch.Tensor | None) -> torch.Tensor:
+    """S_l per layer: [L], or [B, L] for bootstrap index sets idx [B, C]."""
+    src = sums.agree if similarity == "top1" else sums.js
+    if idx is None:
+        s = src.sum(0) / sums.n.sum()
+        return s if similarity == "top1" else 1.0 - s
+    n = sums.n[idx].sum(1, keepdim=True).double()  # [B, 1]
+    s = src[idx].sum(1) / n
+    return s if similarity == "top1" else 1.0 - s
+
+
+def eas_of(s: torch.Tensor, num_layers: int, alpha: float) -> torch.Tensor | float:
+    """EAS from S_l ([L] or [B, L]): mean over layers of S^alpha * w^(1-alpha) (0^0 = 1)."""
+    L = num_layers
+    w = (L - torch.arange(1, L + 1, dtype=torch.float64)) / L
+    sa = torch.ones_like(s) if alpha == 0 else s.clamp(min=0.0) ** alpha
+    wb = torch.ones_like(w) if alpha == 1 else w ** (1 - alpha)
+    eas = (sa * wb).mean(-1)
+    return float(eas) if eas.dim() == 0 else eas
+
+
+def bootstrap_ci(
+    sums: ProfileSums, num_layers: int, similarity: str, alphas: list[float], boot: int = BOOTSTRAP, seed: int = 0
+) -> dict[str, list[float]]:
+    """Percentile bootstrap (chunks resampled with replacement) 95% intervals of EAS per alpha, the oracle skip
+    ratio and its speedup bound. With one chunk there is nothing to resample: the intervals collapse to the point."""
+    C, L = len(sums.n), num_layers
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, C, (boot, C), generator=g)
+    n = sums.n[idx].sum(1).double()  # [B]
+    s = _similarity_of(sums, similarity, idx)
+    lo_q, hi_q = (1 - CI_LEVEL) / 2, 1 - (1 - CI_LEVEL) / 2
+
+    def interval(x: torch.Tensor) -> list[float]:
+        q = torch.quantile(x, torch.tensor([lo_q, hi_q], dtype=x.dtype))
+        return [float(q[0]), float(q[1])]
+
+    out = {f"eas@{a}": interval(torch.as_tensor(eas_of(s, L, a))) for a in alphas}
+    mean_layers = (sums.oracle[idx].sum(1).double() * torch.arange(1, L + 1, dtype=torch.float64)).sum(-1) / n
+    out["oracle_skip_ratio"] = interval((L - mean_layers) / L)
+    out["oracle_speedup_bound"] = interval(L / mean_layers)
+    agree = sums.agree[idx].sum(1) / n[:, None]  # [B, L]
+    for t in AGREEMENT_LEVELS:
+        reach = agree >= t
+        first = torch.where(reach.any(-1), reach.double().argmax(-1) + 1, torch.full_like(n, float(L)))
+        out[f"layer@{t}"] = interval(first.double())
+    return out
 
 
 def _js_bits(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -125,7 +284,7 @@ def _js_bits(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
 
 
 def _summarise(
-    adapter: Adapter,
+    num_layers: int,
     n: int,
     agree: torch.Tensor,
     kl: torch.Tensor,
@@ -135,7 +294,7 @@ def _summarise(
     alpha: float,
     similarity: str,
 ) -> ProfileResult:
-    L = adapter.num_layers
+    L = num_layers
     layers: list[LayerStats] = []
     for i in range(L):
         layer = i + 1
@@ -221,11 +380,29 @@ def plot(result: ProfileResult, path: str) -> None:
     axes[2].set_title(f"oracle exits: skip {result.oracle_skip_ratio:.1%}, bound {result.oracle_speedup_bound:.2f}x")
     fig.suptitle(str(result.model.get("name", "")))
     fig.tight_layout()
-    from pathlib import Path
+    from eectl.files import atomic_write
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
+
+
+def profile_key(source: Any, data: Any, tokens: int, chunk_len: int, similarity: str, lens_dtype: str) -> str:
+    """What a profile's per-chunk sums depend on: the model's weights (and tokenizer files), the data, the
+    settings. alpha is not in it: EAS at any alpha is recomputed from the same sums."""
+    from eectl.cache import digest, model_identity, texts_sha256
+
+    return digest(
+        {
+            "stage": "profile",
+            "version": PROFILE_VERSION,
+            "model": model_identity(source),
+            "data": texts_sha256(data.texts),
+            "tokens": tokens,
+            "chunk_len": chunk_len,
+            "js": similarity == "js",
+            "lens_dtype": lens_dtype,
+        }
+    )
 
 
 def profile_model(
@@ -236,23 +413,273 @@ def profile_model(
     similarity: str = "top1",
     chunk_len: int = 256,
     on_chunk: Callable[[int], None] | None = None,
+    lens_dtype: str = "fp32",
+    use_cache: bool = False,
 ) -> ProfileResult:
-    """The stage as a library call: a LoadedModel, TextData and a token budget in; a ProfileResult out."""
+    """The stage as a library call: a LoadedModel, TextData and a token budget in; a ProfileResult out.
+
+    `loaded` may be a callable returning the LoadedModel: with `use_cache`, a cache hit never loads the model.
+    """
     import resource
     import time
 
+    from eectl import cache
     from eectl.data import TextData, token_chunks
-    from eectl.models.loading import LoadedModel
+    from eectl.models.loading import LoadedModel, resolve_source
 
-    assert isinstance(loaded, LoadedModel) and isinstance(data, TextData)
+    assert isinstance(data, TextData)
     check_options(alpha, similarity)
-    skip_first = 1 if getattr(loaded.tokenizer, "bos_token_id", None) is not None else 0
-    chunks = token_chunks(loaded.tokenizer, data, tokens, chunk_len)
+    get = loaded if callable(loaded) else (lambda: loaded)
+    source = loaded.source if isinstance(loaded, LoadedModel) else getattr(loaded, "source", None)
+    key = None
+    if use_cache:
+        source = source or resolve_source(getattr(loaded, "spec", None))
+        key = profile_key(source, data, tokens, chunk_len, similarity, lens_dtype)
+        hit = cache.read("profile", key)
+        if hit is not None:
+            result = summarise(ProfileSums.from_dict(hit["sums"]), int(hit["num_layers"]), alpha, similarity)
+            _describe(result, hit["model"], {**data.to_dict(), "tokens": tokens}, lens_dtype)
+            result.threads, result.wall_s, result.peak_rss_mb = hit["threads"], hit["wall_s"], hit["peak_rss_mb"]
+            result.cached = True
+            return result
+    lm = get()
+    assert isinstance(lm, LoadedModel)
+    skip_first = 1 if getattr(lm.tokenizer, "bos_token_id", None) is not None else 0
+    chunks = token_chunks(lm.tokenizer, data, tokens, chunk_len)
     start = time.perf_counter()
-    result = profile_chunks(loaded.adapter, chunks, alpha, similarity, skip_first, on_chunk)
-    result.wall_s = time.perf_counter() - start
-    result.model = {**loaded.source.to_dict(), "family": loaded.adapter.family}
-    result.data = {**data.to_dict(), "tokens": tokens}
+    sums = measure_chunks(lm.adapter, chunks, similarity, skip_first, on_chunk, lens_dtype)
+    wall = time.perf_counter() - start
+    result = summarise(sums, lm.adapter.num_layers, alpha, similarity)
+    _describe(
+        result, {**lm.source.to_dict(), "family": lm.adapter.family}, {**data.to_dict(), "tokens": tokens}, lens_dtype
+    )
+    result.wall_s = wall
     result.threads = torch.get_num_threads()
     result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if key is not None:
+        cache.write(
+            "profile",
+            key,
+            {
+                "sums": sums.to_dict(),
+                "num_layers": lm.adapter.num_layers,
+                "model": result.model,
+                "threads": result.threads,
+                "wall_s": result.wall_s,
+                "peak_rss_mb": result.peak_rss_mb,
+            },
+        )
     return result
+
+
+def _describe(result: ProfileResult, model: dict[str, object], data: dict[str, object], lens_dtype: str) -> None:
+    result.model, result.data, result.lens_dtype = model, data, lens_dtype
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The suitability benchmark: several models x several workloads, one comparison
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_workloads(spec: str | None) -> list[tuple[str, str]]:
+    """'gsm8k=path.jsonl,humaneval,prose=file.txt' -> [(name, source)]; an unnamed path is named by its stem."""
+    from eectl.data import BUILTIN, DEFAULT_DATA
+
+    items = [x.strip() for x in (spec or DEFAULT_DATA).split(",") if x.strip()]
+    out: list[tuple[str, str]] = []
+    for item in items:
+        name, sep, source = item.partition("=")
+        if not sep:
+            source = item
+            name = item if item in BUILTIN else Path(item).stem
+        if not name or not source:
+            raise UsageError(f"--data entry '{item}' must be NAME=SOURCE or a source")
+        if name in (n for n, _ in out):
+            raise UsageError(f"--data names must be distinct: '{name}' appears twice")
+        out.append((name, source))
+    return out
+
+
+@dataclass
+class SuiteEntry:
+    model: str
+    workload: str
+    result: ProfileResult
+
+    def summary(self) -> dict[str, object]:
+        r = self.result
+        return {
+            "model": self.model,
+            "workload": self.workload,
+            "tokens": r.tokens,
+            "chunks": r.chunks,
+            "num_layers": r.num_layers,
+            "eas": r.eas_by_alpha,
+            "eas_ci": {str(a): r.ci[f"eas@{a}"] for a in EAS_ALPHAS},
+            "oracle_skip_ratio": r.oracle_skip_ratio,
+            "oracle_skip_ratio_ci": r.ci["oracle_skip_ratio"],
+            "oracle_speedup_bound": r.oracle_speedup_bound,
+            "oracle_speedup_bound_ci": r.ci["oracle_speedup_bound"],
+            "agreement_layers": r.agreement_layers,
+            "agreement_layers_ci": {str(t): r.ci[f"layer@{t}"] for t in AGREEMENT_LEVELS},
+            "cached": r.cached,
+            "wall_s": r.wall_s,
+        }
+
+
+@dataclass
+class Suite:
+    entries: list[SuiteEntry]
+    settings: dict[str, object]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "settings": self.settings,
+            "comparison": [e.summary() for e in self.entries],
+            "results": [{"model": e.model, "workload": e.workload, **e.result.to_dict()} for e in self.entries],
+        }
+
+
+def _ci(v: list[float], spec: str) -> str:
+    return f"[{format(v[0], spec)}, {format(v[1], spec)}]"
+
+
+def markdown_table(suite: Suite) -> str:
+    """One row per model x workload: EAS at each alpha, oracle skip and bound, the 0.5 / 0.9 agreement layers."""
+    head = (
+        "| model | workload | tokens | "
+        + " | ".join(f"EAS α={a} [95% CI]" for a in EAS_ALPHAS)
+        + " | oracle skip [95% CI] | bound | agree ≥ 0.5 from layer | agree ≥ 0.9 from layer |"
+    )
+    lines = [head, "|" + "---|" * (7 + len(EAS_ALPHAS))]
+    for e in suite.entries:
+        r = e.result
+        L = r.num_layers
+
+        def layer(t: float, r: ProfileResult = r, L: int = L) -> str:
+            x = r.agreement_layers[str(t)]
+            lo, hi = r.ci[f"layer@{t}"]
+            return f"{x}/{L} ({x / L:.2f}) [{lo:.0f}, {hi:.0f}]" if x is not None else "-"
+
+        eas = " | ".join(f"{r.eas_by_alpha[str(a)]:.3f} {_ci(r.ci[f'eas@{a}'], '.3f')}" for a in EAS_ALPHAS)
+        lines.append(
+            f"| {e.model} | {e.workload} | {r.tokens} | {eas} | {r.oracle_skip_ratio:.1%} "
+            f"{_ci(r.ci['oracle_skip_ratio'], '.1%')} | {r.oracle_speedup_bound:.2f}x | "
+            f"{layer(0.5)} | {layer(0.9)} |"
+        )
+    few = sorted({e.result.chunks for e in suite.entries if e.result.chunks < MIN_CHUNKS})
+    if few:
+        lines += ["", f"Note: intervals from fewer than {MIN_CHUNKS} chunks ({few}) are rough; raise --tokens."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(suite: Suite, path: str | Path) -> None:
+    """Top-1 agreement against relative depth l / L, one line per model x workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for e in suite.entries:
+        r = e.result
+        x = [s.layer / r.num_layers for s in r.layers]
+        ax.plot(x, [s.top1_agreement for s in r.layers], marker=".", label=f"{e.model} / {e.workload}")
+    for t in AGREEMENT_LEVELS:
+        ax.axhline(t, color="grey", linewidth=0.6, linestyle=":")
+    ax.set_xlabel("relative depth l / L")
+    ax.set_ylabel("top-1 agreement with the final layer")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlim(0, 1.0)
+    ax.legend(fontsize=8)
+    ax.set_title("logit-lens agreement by relative depth")
+    fig.tight_layout()
+    from eectl.files import atomic_write
+
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
+class LazyModel:
+    """A model known by its source (hashable without loading), loaded on the first call and kept."""
+
+    def __init__(self, spec: str | None, log: Callable[[str], None] | None = None) -> None:
+        from eectl.models.loading import resolve_source
+
+        self.spec, self.log = spec, log
+        self.source = resolve_source(spec)
+        self._loaded: Any = None
+
+    def __call__(self) -> Any:
+        if self._loaded is None:
+            from eectl.models import load_model
+
+            if self.log is not None:
+                self.log(f"loading {self.spec or 'the default model (SmolLM2-135M-Instruct)'}")
+            self._loaded = load_model(self.spec)
+        return self._loaded
+
+
+def profile_suite(
+    models: list[str | None],
+    workloads: list[tuple[str, Any]],
+    tokens: int,
+    alpha: float = 0.5,
+    similarity: str = "top1",
+    chunk_len: int = 256,
+    lens_dtype: str = "fp32",
+    use_cache: bool = True,
+    on_chunk: Callable[[int], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Suite:
+    """Profile every model on every workload (TextData), each model loaded at most once and only when one of its
+    (model, workload) results is not in the cache."""
+    check_options(alpha, similarity)
+    entries: list[SuiteEntry] = []
+    for spec in models:
+        lazy = LazyModel(spec, log)
+        source = lazy.source
+        for name, data in workloads:
+            result = profile_model(
+                lazy, data, tokens, alpha, similarity, chunk_len, on_chunk, lens_dtype, use_cache=use_cache
+            )
+            if result.cached and on_chunk is not None:
+                on_chunk(tokens)
+            if log is not None:
+                how = "from the cache" if result.cached else f"in {result.wall_s:.0f} s"
+                log(f"{source.name} x {name}: EAS {result.eas:.3f}, oracle skip {result.oracle_skip_ratio:.1%} ({how})")
+            entries.append(SuiteEntry(source.name, name, result))
+    settings = {
+        "tokens": tokens,
+        "chunk_len": chunk_len,
+        "similarity": similarity,
+        "alphas": list(EAS_ALPHAS),
+        "lens_dtype": lens_dtype,
+        "bootstrap": {"resamples": BOOTSTRAP, "unit": f"chunks of {chunk_len} tokens", "level": CI_LEVEL},
+        "threads": torch.get_num_threads(),
+    }
+    return Suite(entries, settings)
+
+
+def write_report(suite: Suite, path: str | Path, plot_path: str | Path | None = None) -> list[Path]:
+    """The comparison as markdown (table, settings, the plot when drawn) and its JSON twin, written atomically."""
+    import json
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    st = suite.settings
+    text = [
+        "# eectl profile: suitability comparison",
+        "",
+        f"{st['tokens']} tokens per model x workload (chunks of {st['chunk_len']}), similarity {st['similarity']}, "
+        f"logit lens in {st['lens_dtype']}, {st['threads']} threads. Intervals: 95% percentile bootstrap, "
+        f"{BOOTSTRAP} resamples of chunks.",
+        "",
+        markdown_table(suite),
+    ]
+    if plot_path is not None:
+        text.append(f"![agreement by relative depth]({Path(plot_path).name})\n")
+    written = []
+    for target, body in ((p, "\n".join(text)), (p.with_suffix(".json"), json.dumps(suite.to_dict(), indent=2))):
+        written.append(atomic_write_text(target, body + "\n"))
+    return written

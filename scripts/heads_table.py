@@ -53,6 +53,7 @@ def build(a: argparse.Namespace) -> None:
 
 
 def train(a: argparse.Namespace) -> None:
+    from eectl.head_checkpoint import checkpoint_path
     from eectl.head_data import open_cache
     from eectl.heads_cached import CachedConfig, train_cached
     from eectl.models import load_model
@@ -90,7 +91,7 @@ def train(a: argparse.Namespace) -> None:
         )
 
     out = Path(a.out or f"artifacts/heads-{a.design}-{a.loss}.safetensors")
-    resume = out.with_suffix(".ckpt") if a.resume else None
+    resume = checkpoint_path(out) if a.resume else None
     res = train_cached(loaded, cache, cfg, out, resume, on_step, print)
     print(file=sys.stderr)
     assert res.meta is not None

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from eectl.exits import ExitHead
+from eectl.head_checkpoint import checkpoint_path
 from eectl.head_data import CacheSpec, build_cache, open_cache, read_sequence
 from eectl.head_designs import load_heads
 from eectl.head_losses import TeacherTopK, topk_tail_kl
@@ -110,7 +111,13 @@ def test_cached_training_lowers_held_out_kl_and_resumes_bit_identically(llama, g
 
     with pytest.raises(KeyboardInterrupt):
         train_cached(llama, cache, CachedConfig(**cfg), tmp_path / "b.safetensors", on_step=stop)
-    train_cached(llama, cache, CachedConfig(**cfg), tmp_path / "b.safetensors", resume=tmp_path / "b.ckpt")
+    train_cached(
+        llama,
+        cache,
+        CachedConfig(**cfg),
+        tmp_path / "b.safetensors",
+        resume=checkpoint_path(tmp_path / "b.safetensors"),
+    )
     a_heads = load_heads(tmp_path / "a.safetensors", llama)
     b_heads = load_heads(tmp_path / "b.safetensors", llama)
     assert a_heads.meta.design == design

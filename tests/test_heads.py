@@ -15,8 +15,9 @@ from eectl.cli import app
 from eectl.data import TokenStream
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import ExitHead, signals, topk_candidates
+from eectl.head_checkpoint import checkpoint_path
 from eectl.head_designs import DESIGNS, HeadStack, build_heads, load_heads, make_head, save_heads
-from eectl.heads import TrainConfig, checkpoint_path, iter_report, train_heads
+from eectl.heads import TrainConfig, iter_report, train_heads
 from eectl.heads_meta import HeadsMeta
 from eectl.models import load_model
 from tests.tiny import GSM8K
@@ -175,7 +176,9 @@ def test_resume_equals_uninterrupted_training(llama, gsm8k, tmp_path):
     part = tmp_path / "part.safetensors"
     with pytest.raises(Stop):
         train_heads(llama, gsm8k, cfg, part, on_step=stop_at_5)
-    assert not part.exists() and torch.load(checkpoint_path(part), weights_only=True)["step"] == 3
+    with safe_open(str(checkpoint_path(part)), framework="pt") as f:  # safetensors + a JSON header, no pickle
+        assert json.loads(f.metadata()["state"])["step"] == 3
+    assert not part.exists()
     resumed = train_heads(llama, gsm8k, cfg, part, resume=checkpoint_path(part))
     tw, tr = _tensors(whole.out), _tensors(resumed.out)
     assert set(tw) == set(tr) and all(torch.equal(tw[k], tr[k]) for k in tw)

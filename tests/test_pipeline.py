@@ -12,6 +12,7 @@ from tests.tiny import GSM8K
 
 def test_pipeline_runs_every_stage_from_one_recipe(tiny_dirs, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EECTL_CACHE", str(tmp_path / "cache"))
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(
         f"""# tiny pipeline
@@ -39,3 +40,21 @@ bench: {{prompts: 2, max_new_tokens: 4, reps: 1, configs: [full, defer, verify]}
     bench = json.loads((art / f"{name}-bench.json").read_text())
     assert [c["name"] for c in bench["configs"]] == ["full", "defer", "verify"]
     assert "bench report:" in res.stdout
+
+    # Again: profile, heads, calibration and the artifact are reused (same inputs), bench measures afresh
+    heads = (art / f"{name}-heads.safetensors").read_bytes()
+    calib = (art / f"{name}-calibration.json").read_bytes()
+    again = CliRunner().invoke(app, ["pipeline", "--recipe", str(recipe), "--prompt", "12 clips"])
+    assert again.exit_code == 0, again.output
+    rows = {line.split()[1]: line for line in again.stdout.splitlines() if line.startswith("│")}
+    for stage in ("train-heads", "calibrate", "export"):
+        assert "cached" in rows[stage], again.stdout
+    assert "never cached" in rows["bench"] and "from the cache" in again.stderr
+    assert (art / f"{name}-heads.safetensors").read_bytes() == heads
+    assert (art / f"{name}-calibration.json").read_bytes() == calib
+    # A changed setting (heads steps) invalidates heads and everything downstream of them
+    recipe.write_text(recipe.read_text().replace("steps: 4", "steps: 5"))
+    third = CliRunner().invoke(app, ["pipeline", "--recipe", str(recipe), "--prompt", "12 clips"])
+    assert third.exit_code == 0, third.output
+    rows = {line.split()[1]: line for line in third.stdout.splitlines() if line.startswith("│")}
+    assert all("cached" not in rows[s] for s in ("train-heads", "calibrate", "export")), third.stdout

@@ -31,7 +31,7 @@ def test_gguf_conversion_is_cached(tmp_path, monkeypatch):
     gguf = loading.default_gguf_path()
     folder = loading.gguf_to_folder(gguf)
     assert (folder / "model.safetensors").is_file() and (folder / "eectl-source.json").is_file()
-    assert folder.parent == tmp_path / "gguf" and not any(p.name.startswith(".tmp-") for p in folder.parent.iterdir())
+    assert folder.parent == tmp_path / "gguf" and [p.name for p in folder.parent.iterdir()] == [folder.name]
 
     def fail(*a, **k):
         raise AssertionError("converted twice")
@@ -70,3 +70,16 @@ def test_default_model_export_run_matches_transformers_generate(smol, tmp_path):
     cfg = RunConfig(exits=[15, 24], thresholds=thr, policy="verify", max_new_tokens=24, stop_ids=stop)
     verify = Runner(rt, cfg).generate([prompt])[0]
     assert verify.token_ids == full.token_ids and verify.drafted > 0
+
+
+def test_default_recipe_dry_runs_on_the_default_model():
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-instruct.yaml"
+    res = CliRunner().invoke(app, ["pipeline", "--recipe", str(recipe), "--dry-run", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    assert "(llama, 30 layers), exits [8, 12, 16, 20, 24]" in res.stdout

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,6 +21,7 @@ import torch
 from torch import nn
 
 from eectl.errors import ModelLoadError
+from eectl.files import atomic_write_json, locked_staging, output_error, sha256_file
 from eectl.models.adapters import Adapter, adapter_for, supported_model_types
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -53,7 +51,7 @@ class ModelSource:
         """SHA-256 over the weight files (the GGUF file, or the folder's *.safetensors), in name order."""
         h = hashlib.sha256()
         for f in sorted(self.weight_files):
-            h.update(file_sha256(f).encode())
+            h.update(sha256_file(f).encode())
         return h.hexdigest()
 
     def to_dict(self) -> dict[str, object]:
@@ -81,14 +79,6 @@ def cache_dir() -> Path:
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("eectl"))
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def default_gguf_path() -> Path:
@@ -173,7 +163,7 @@ def _from_pretrained(folder: str, dtype: torch.dtype, spec: str) -> tuple[nn.Mod
 
 def gguf_to_folder(gguf: Path, log: object = None) -> Path:
     """Dequantise a GGUF file once into a safetensors folder in the cache; return the folder."""
-    digest = file_sha256(gguf)
+    digest = sha256_file(gguf)
     target = cache_dir() / "gguf" / f"{gguf.stem}-{digest[:16]}"
     if (target / "eectl-source.json").is_file():
         return target
@@ -198,20 +188,18 @@ def gguf_to_folder(gguf: Path, log: object = None) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.architectures = [_ARCHITECTURES[model_type]]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    tmp.chmod(0o755)
-    try:
-        with _quiet_transformers():
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-        (tmp / "eectl-source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}, indent=2))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    # Staged and renamed like an artifact, under a lock: two first runs convert once each, never into each other.
+    with locked_staging(target, wait=True) as staging:
+        if (target / "eectl-source.json").is_file():
+            return target  # converted by another process while this one waited
+        try:
+            with _quiet_transformers():
+                model.save_pretrained(staging.folder)
+                tokenizer.save_pretrained(staging.folder)
+            atomic_write_json(staging.folder / "eectl-source.json", {"gguf": str(gguf), "sha256": digest})
+        except OSError as exc:
+            raise output_error(target, exc) from None
+        staging.publish(replace=lambda _dest: True)  # an incomplete conversion (no eectl-source.json)
     return target
 
 

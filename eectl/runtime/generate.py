@@ -7,6 +7,7 @@ explicit values, the signal), applies the tokenizer's chat template, and turns t
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,17 +15,19 @@ from typing import Any
 
 from eectl.calibration_file import never_exits
 from eectl.data import encode_prompt
-from eectl.errors import DataError, UsageError
+from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits import DEFAULT_SIGNAL, get_signal
+from eectl.files import confined, read_utf8
 from eectl.recipe import parse_layers
 from eectl.runtime.runner import Generation, RunConfig, Runner
-from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.sessions import PROVIDERS, ArtifactRuntime
 
 
 @dataclass
 class RunOptions:
     exits: str | None = None  # "12,20" | "none" | None (the manifest's calibrated exits, else all)
     policy: str = "defer"
+    river_predict: str = "end"  # river: predict at the river's end (final head) or at the exit
     thresholds: str | None = None  # "0.9" for every exit, or "12:0.9,20:0.8"; None: the calibration's
     threshold_scale: float = 1.0
     signal: str | None = None  # None: the calibration's, else topk-prob
@@ -43,7 +46,14 @@ def load_tokenizer(rt: ArtifactRuntime) -> Any:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    return AutoTokenizer.from_pretrained(str(rt.folder / rt.manifest.tokenizer_dir))
+    folder = confined(rt.folder, rt.manifest.tokenizer_dir, ArtifactError)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # tokenizers / transformers raise many types for a damaged tokenizer
+        lines = str(exc).strip().splitlines()
+        raise ArtifactError(
+            f"cannot load the tokenizer in {rt.manifest.tokenizer_dir}/: {lines[0] if lines else type(exc).__name__}"
+        ) from None
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -52,14 +62,15 @@ def read_prompts(path: str | Path) -> list[str]:
     if not p.is_file():
         raise DataError(f"prompt file not found: {path}")
     prompts: list[str] = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    lines = read_utf8(p, DataError)
+    for n, line in enumerate(lines.split("\n") if p.suffix.lower() == ".jsonl" else lines.splitlines(), 1):
         if not line.strip():
             continue
         if p.suffix.lower() == ".jsonl":
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{p.name} line {n} is not JSON") from exc
+                raise DataError(f"{p.name} is not valid JSON Lines: {exc.msg}: line {n} column {exc.colno}") from None
             text = next((row[k] for k in ("prompt", "question", "text") if isinstance(row, dict) and k in row), None)
             if not isinstance(text, str):
                 raise DataError(f"{p.name} line {n} has no prompt, question or text field")
@@ -69,6 +80,18 @@ def read_prompts(path: str | Path) -> list[str]:
     if not prompts:
         raise DataError(f"no prompts in {path}")
     return prompts
+
+
+def check_options(opts: RunOptions) -> None:
+    """The checks that need no artifact, run before its graphs load (resolve_config checks the rest)."""
+    if not (opts.threshold_scale > 0 and math.isfinite(opts.threshold_scale)):
+        raise UsageError(f"--threshold-scale must be a positive finite number, got {opts.threshold_scale}")
+    if not (0 <= opts.temperature < math.inf) or not 0 < opts.top_p <= 1:
+        raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if opts.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
+    if opts.provider != "auto" and opts.provider not in PROVIDERS:
+        raise UsageError(f"--provider must be auto or one of {', '.join(PROVIDERS)}, got '{opts.provider}'")
 
 
 def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -> RunConfig:
@@ -93,16 +116,14 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
         keep_first = signal.needs_candidates
         exits = [e for i, e in enumerate(exits) if (keep_first and i == 0) or not never_exits(calibrated[e])]
         thresholds = {e: calibrated[e] for e in exits}
-    if opts.threshold_scale <= 0:
-        raise UsageError(f"--threshold-scale must be positive, got {opts.threshold_scale}")
+    check_options(opts)
     thresholds = {e: {c: v * opts.threshold_scale for c, v in t.items()} for e, t in thresholds.items()}
-    if opts.temperature < 0 or not 0 < opts.top_p <= 1:
-        raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
     return RunConfig(
         exits=exits,
         thresholds=thresholds,
         signal=signal.name,
         policy=opts.policy,
+        river_predict=opts.river_predict,
         top_k=opts.top_k or m.top_k,
         max_new_tokens=opts.max_new_tokens,
         temperature=opts.temperature,
@@ -114,20 +135,29 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
 
 def _parse_thresholds(text: str, exits: list[int], criteria: tuple[str, ...]) -> dict[int, dict[str, float]]:
     """'0.9' (every exit, every criterion) or '12:0.9,20:0.8' (per exit); a criterion pair as '12:0.9/0.2'."""
+    values: list[float] = []
     try:
         if ":" not in text:
             values = [float(v) for v in text.split("/")]
-            return {e: dict(zip(criteria, _fill(values, criteria), strict=True)) for e in exits}
-        out = {}
-        for part in text.split(","):
-            layer, vals = part.split(":")
-            out[int(layer)] = dict(zip(criteria, _fill([float(v) for v in vals.split("/")], criteria), strict=True))
+            out = {e: dict(zip(criteria, _fill(values, criteria), strict=True)) for e in exits}
+        else:
+            out = _per_exit(text, criteria)
     except ValueError:
         raise UsageError(f"--thresholds: cannot parse '{text}' (e.g. 0.9, or 12:0.9,20:0.8)") from None
+    if not all(math.isfinite(v) for t in out.values() for v in t.values()) or not all(map(math.isfinite, values)):
+        raise UsageError(f"--thresholds must be finite numbers, got '{text}'")  # NaN never passes: nothing would exit
     missing = [e for e in exits if e not in out]
     if missing:
         raise UsageError(f"--thresholds gives no value for exits {missing}")
     return {e: out[e] for e in exits}
+
+
+def _per_exit(text: str, criteria: tuple[str, ...]) -> dict[int, dict[str, float]]:
+    out = {}
+    for part in text.split(","):
+        layer, vals = part.split(":")
+        out[int(layer)] = dict(zip(criteria, _fill([float(v) for v in vals.split("/")], criteria), strict=True))
+    return out
 
 
 def _fill(values: list[float], criteria: tuple[str, ...]) -> list[float]:
@@ -188,6 +218,7 @@ def run_prompts(
     gets warnings about the options (e.g. thresholds used outside what they were calibrated for)."""
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+    check_options(opts)
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
     tok = load_tokenizer(rt)
     config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))

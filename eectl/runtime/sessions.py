@@ -4,6 +4,10 @@ Every graph call goes through here (export's validation and `eectl run` alike). 
 is one preallocated buffer [1, H_kv, max_len, D] bound as both the past input and the present output of
 GroupQueryAttention, which writes the new positions in place: nothing is concatenated or copied per token.
 
+Per-token cost outside the kernels is kept small: each (graph, row) keeps one IO binding with its KV buffers and
+its scalar inputs bound once (the scalars are updated in place), so a call rebinds only the hidden states and
+outputs, which ORT writes straight into arrays allocated here (no output lists, no copies out).
+
 What this module does not do: choose exits or policies (runtime/runner.py), tokenise, or touch torch.
 """
 
@@ -11,14 +15,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eectl.errors import UsageError
-from eectl.manifest import GraphIO, Manifest, read_manifest
+from eectl.errors import ArtifactError, UsageError
+from eectl.files import confined
+from eectl.manifest import GraphIO, Manifest, SharedWeight, read_manifest
 
 _THREADS: int | None = None
 
@@ -113,6 +118,21 @@ def session_options(threads: int | None = None) -> Any:
     return so
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _check_names(io: GraphIO, session: Any) -> None:
+    """Every input and output name the manifest gives must exist in the graph (caught at load, not mid-run)."""
+    have = {"input": {i.name for i in session.get_inputs()}, "output": {o.name for o in session.get_outputs()}}
+    for kind, names in (("input", io.inputs), ("output", io.outputs)):
+        for value in names.values():
+            for name in [value] if isinstance(value, str) else value:
+                if name not in have[kind]:
+                    raise ArtifactError(f"the graph {io.file} has no {kind} named {name!r} (the manifest names it)")
+
+
 @dataclass
 class Graph:
     """One graph's session and its names from the manifest."""
@@ -136,6 +156,16 @@ class Graph:
 
 
 @dataclass
+class _Call:
+    """One graph's IO binding kept across calls, with the small inputs it reads from (updated in place)."""
+
+    io: Any
+    seqlens_k: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int32))
+    total: np.ndarray = field(default_factory=lambda: np.zeros((), np.int32))
+    scratch: list[np.ndarray] = field(default_factory=list)  # bound arrays whose contents nobody reads
+
+
+@dataclass
 class KVBuffers:
     """Per row and layer: key and value buffers [1, H_kv, max_len, D], and how many positions each layer holds."""
 
@@ -143,6 +173,7 @@ class KVBuffers:
     values: list[list[Any]]
     filled: np.ndarray  # [rows, layers] int
     max_len: int
+    calls: dict[tuple[Any, int, bool], _Call] = field(default_factory=dict)  # (session, row, states) -> binding
 
 
 class ArtifactRuntime:
@@ -162,21 +193,37 @@ class ArtifactRuntime:
         so = session_options(threads)
 
         def load(io: GraphIO) -> Graph:
-            ort = _ort()
-            sess = ort.InferenceSession(str(self.folder / io.file), sess_options=so, providers=list(ep.ort_providers))
+            path = confined(self.folder, io.file, ArtifactError)
+            try:
+                sess = _ort().InferenceSession(str(path), sess_options=so, providers=list(ep.ort_providers))
+            except Exception as exc:  # ORT raises its own pybind types (InvalidProtobuf, Fail, ...) for bad graphs
+                raise ArtifactError(f"cannot load the graph {io.file}: {_first_line(exc)}") from None
+            _check_names(io, sess)
             return Graph(io, sess, self.device)
 
         self.embedding = load(m.embedding)
         self.segments = [load(s.graph) for s in m.segments]
         self.kv_segments = [load(s.kv_graph) for s in m.segments]
+        self.river_segments = {i: load(s.river) for i, s in enumerate(m.segments) if s.river is not None}
         self.full_graphs = {e.layer: load(e.full) for e in m.exits}
+        self.river_heads = {e.layer: load(e.river) for e in m.exits if e.river is not None}
         self.local_graphs = {e.layer: load(e.local) for e in m.exits}
-        self.weights = {k: self._load_weight(w.file) for k, w in m.shared_weights.items()}
+        self.weights = {k: self._load_weight(w) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
+        self._calls: dict[tuple[str, int], _Call] = {}  # (graph kind, exit layer) -> binding with its weight bound
 
     # --- setup ---------------------------------------------------------------------------------------------------
-    def _load_weight(self, file: str) -> Any:
-        arr = np.load(self.folder / file)
+    def _load_weight(self, weight: SharedWeight) -> Any:
+        path = confined(self.folder, weight.file, ArtifactError)
+        try:
+            arr = np.load(path, allow_pickle=False)  # object arrays (pickles) are refused here
+        except (OSError, ValueError, EOFError) as exc:
+            raise ArtifactError(f"cannot load the weight {weight.file}: {_first_line(exc)}") from None
+        if arr.dtype != self.np_dtype or list(arr.shape) != weight.shape:
+            raise ArtifactError(
+                f"the weight {weight.file} is {arr.dtype} {list(arr.shape)}; the manifest says "
+                f"{np.dtype(self.np_dtype).name} {weight.shape}"
+            )
         if self.device == "cpu":
             return np.ascontiguousarray(arr)
         return _ort().OrtValue.ortvalue_from_numpy(arr, self.device, 0)
@@ -209,24 +256,56 @@ class ArtifactRuntime:
         else:
             io.bind_ortvalue_input(name, arr)
 
+    def _host(self, arr: np.ndarray, dtype: Any) -> np.ndarray:
+        """A C-contiguous array of dtype, the same object when it already is one (no copy per call)."""
+        return np.ascontiguousarray(arr, dtype=dtype)
+
+    def _out(self, io: Any, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A fresh host array bound as output `name`: ORT writes into it (fresh: callers may keep what it returns)."""
+        arr = np.empty(shape, dtype=dtype)
+        io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        return arr
+
+    def _call(self, kind: str, layer: int, g: Graph, weight: str) -> _Call:
+        call = self._calls.get((kind, layer))
+        if call is None:
+            call = _Call(g.binding())
+            if "weight" in g.io.inputs:
+                self._bind_array(call.io, g.name("weight"), self.weights[weight])
+            self._calls[(kind, layer)] = call
+        return call
+
     # --- graph calls -------------------------------------------------------------------------------------------------
     def embed(self, input_ids: np.ndarray) -> np.ndarray:
         """[N, S] int64 -> [N, S, H] hidden states."""
         g = self.embedding
-        io = g.binding()
-        io.bind_cpu_input(g.name("input_ids"), np.ascontiguousarray(input_ids, dtype=np.int64))
-        self._bind_array(io, g.name("weight"), self.weights["embed"])
-        io.bind_output(g.name("hidden"), "cpu")
-        g.session.run_with_iobinding(io)
-        return io.get_outputs()[0].numpy()
+        call = self._call("embed", 0, g, "embed")
+        ids = self._host(input_ids, np.int64)
+        self._bind_array(call.io, g.name("input_ids"), ids)
+        out = self._out(call.io, g.name("hidden"), (*ids.shape, self.manifest.dims["hidden_size"]), self.np_dtype)
+        g.session.run_with_iobinding(call.io)
+        return out
 
-    def run_segment(self, index: int, hidden: np.ndarray, kv: KVBuffers, row: int, kv_only: bool = False) -> Any:
+    def run_segment(
+        self,
+        index: int,
+        hidden: np.ndarray,
+        kv: KVBuffers,
+        row: int,
+        kv_only: bool = False,
+        river: bool = False,
+        states: bool = False,
+    ) -> Any:
         """Run segment `index` on hidden [1, S, H] for one row, appending S positions to its layers' KV in place.
 
-        Returns (hidden_out, last_layer_input), or None with kv_only (the `copy` policy's K/V projection).
+        Returns (hidden_out, last_layer_input), or None with kv_only (the `copy` policy's K/V projection). With
+        `river`, the segment's int4 copy runs instead, on the same KV buffers. With `states`, a third item: the
+        residual stream at every block boundary, [n_layers + 1, S, H].
         """
         seg = self.manifest.segments[index]
-        g = self.kv_segments[index] if kv_only else self.segments[index]
+        if river and index not in self.river_segments:
+            raise UsageError(f"segment {index} has no int4 river copy", hint="export with --river")
+        g = self.river_segments[index] if river else self.kv_segments[index] if kv_only else self.segments[index]
         lo, hi = seg.layers
         past = int(kv.filled[row, lo])
         if (kv.filled[row, lo:hi] != past).any():
@@ -235,47 +314,98 @@ class ArtifactRuntime:
         total = past + s
         if total > kv.max_len:
             raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {kv.max_len}")
-        io = g.binding()
-        io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(hidden, dtype=self.np_dtype))
-        io.bind_cpu_input(g.name("seqlens_k"), np.array([total - 1], dtype=np.int32))
-        io.bind_cpu_input(g.name("total_sequence_length"), np.array(total, dtype=np.int32))
-        for j, layer in enumerate(range(lo, hi)):
-            k, v = kv.keys[row][layer], kv.values[row][layer]
-            self._bind_array(io, g.names("past_key")[j], k)
-            self._bind_array(io, g.names("past_value")[j], v)
-            self._bind_array(io, g.names("present_key")[j], k, output=True)
-            self._bind_array(io, g.names("present_value")[j], v, output=True)
-        if not kv_only:
-            io.bind_output(g.name("hidden_out"), "cpu")
-            io.bind_output(g.name("layer_input"), "cpu")
-        g.session.run_with_iobinding(io)
-        kv.filled[row, lo:hi] = total
+        # a binding per session (graph), row and output set (`states` binds one more output); keyed by the session
+        # itself, so buffers shared by two runtimes (an int4 reference beside fp32) never reuse the other's binding
+        key = (g.session, row, states)
+        call = kv.calls.get(key)
+        if call is None:  # first call for this row: bind its KV buffers (past and present share them) and scalars
+            call = _Call(g.binding())
+            for j, layer in enumerate(range(lo, hi)):
+                k, v = kv.keys[row][layer], kv.values[row][layer]
+                self._bind_array(call.io, g.names("past_key")[j], k)
+                self._bind_array(call.io, g.names("past_value")[j], v)
+                self._bind_array(call.io, g.names("present_key")[j], k, output=True)
+                self._bind_array(call.io, g.names("present_value")[j], v, output=True)
+            self._bind_array(call.io, g.name("seqlens_k"), call.seqlens_k)
+            self._bind_array(call.io, g.name("total_sequence_length"), call.total)
+            kv.calls[key] = call
+        call.seqlens_k[0] = total - 1
+        call.total[()] = total
+        x = self._host(hidden, self.np_dtype)
+        self._bind_array(call.io, g.name("hidden"), x)
         if kv_only:
+            g.session.run_with_iobinding(call.io)
+            kv.filled[row, lo:hi] = total
             return None
-        outs = io.get_outputs()
-        n = 2 * (hi - lo)  # the present K/V outputs were bound first
-        return outs[n].numpy(), outs[n + 1].numpy()
+        out = self._out(call.io, g.name("hidden_out"), x.shape, self.np_dtype)
+        layer_in = self._out(call.io, g.name("layer_input"), x.shape, self.np_dtype)
+        blocks = None
+        if states:  # [1, (n + 1) * S, H] from the graph, returned as [n + 1, S, H]
+            shape = (x.shape[0], (hi - lo + 1) * s, x.shape[2])
+            blocks = self._out(call.io, g.name("layer_states"), shape, self.np_dtype)
+        g.session.run_with_iobinding(call.io)
+        kv.filled[row, lo:hi] = total
+        if blocks is not None:
+            return out, layer_in, blocks[0].reshape(hi - lo + 1, s, -1)
+        return out, layer_in
 
-    def exit_full(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """hidden [N, H] -> (logits [N, V], candidates [N, K] int64, candidate logits [N, K])."""
-        g = self.full_graphs[layer]
-        io = g.binding()
-        io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(hidden, dtype=self.np_dtype))
-        io.bind_cpu_input(g.name("top_k"), np.array([top_k], dtype=np.int64))
-        self._bind_array(io, g.name("weight"), self.weights["lm_head"])
-        for key in ("logits", "candidates", "candidate_logits"):
-            io.bind_output(g.name(key), "cpu")
+    def exit_full(
+        self, layer: int, hidden: np.ndarray, top_k: int, river: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """hidden [N, H] -> (logits [N, V], candidates [N, K] int64, candidate logits [N, K]). With `river`, the
+        exit's quantized river head where the artifact has one (its own table: no weight to bind)."""
+        river = river and layer in self.river_heads
+        g = self.river_heads[layer] if river else self.full_graphs[layer]
+        call = self._call("river-head" if river else "full", layer, g, "lm_head")
+        io = call.io
+        x = self._host(hidden, self.np_dtype)
+        self._bind_array(io, g.name("hidden"), x)
+        k = np.array([top_k], dtype=np.int64)  # bound by address: alive until the run returns
+        self._bind_array(io, g.name("top_k"), k)
+        n, vocab = x.shape[0], self.manifest.dims["vocab_size"]
+        logits = self._out(io, g.name("logits"), (n, vocab), self.np_dtype)
+        cand = self._out(io, g.name("candidates"), (n, top_k), np.int64)
+        cand_logits = self._out(io, g.name("candidate_logits"), (n, top_k), self.np_dtype)
+        if "token" in g.io.outputs:  # bound too, so a binding shared with greedy_token never has a stale output
+            self._out(io, g.name("token"), (n,), np.int64)
         g.session.run_with_iobinding(io)
-        logits, cand, cand_logits = (o.numpy() for o in io.get_outputs())
         return logits, cand, cand_logits
+
+    def greedy_token(self, layer: int, hidden: np.ndarray) -> np.ndarray:
+        """hidden [N, H] -> the argmax token [N] at exit `layer`, computed in the graph.
+
+        Only the token is copied out; the logits and a Top-1 (k = 1: a scan, not a sort) land in scratch arrays
+        that stay bound across calls.
+        """
+        g = self.full_graphs[layer]
+        if "token" not in g.io.outputs:  # an artifact exported before the token output
+            return self.exit_full(layer, hidden, 2)[0].argmax(-1)
+        x = self._host(hidden, self.np_dtype)
+        n = x.shape[0]
+        call = self._calls.get(("greedy", layer))
+        if call is None or call.scratch[1].shape[0] != n:
+            call = self._call("greedy", layer, g, "lm_head")
+            call.scratch = [
+                np.ones(1, np.int64),
+                np.empty((n, self.manifest.dims["vocab_size"]), self.np_dtype),
+                np.empty((n, 1), np.int64),
+                np.empty((n, 1), self.np_dtype),
+            ]
+            for key, arr in zip(("top_k", "logits", "candidates", "candidate_logits"), call.scratch, strict=True):
+                self._bind_array(call.io, g.name(key), arr, output=key != "top_k")
+        self._bind_array(call.io, g.name("hidden"), x)
+        token = self._out(call.io, g.name("token"), (n,), np.int64)
+        g.session.run_with_iobinding(call.io)
+        return token
 
     def exit_local(self, layer: int, hidden: np.ndarray, candidates: np.ndarray) -> np.ndarray:
         """hidden [N, H], candidates [N, K] -> candidate logits [N, K]."""
         g = self.local_graphs[layer]
-        io = g.binding()
-        io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(hidden, dtype=self.np_dtype))
-        io.bind_cpu_input(g.name("candidates"), np.ascontiguousarray(candidates, dtype=np.int64))
-        self._bind_array(io, g.name("weight"), self.weights["lm_head"])
-        io.bind_output(g.name("candidate_logits"), "cpu")
-        g.session.run_with_iobinding(io)
-        return io.get_outputs()[0].numpy()
+        call = self._call("local", layer, g, "lm_head")
+        x = self._host(hidden, self.np_dtype)
+        cand = self._host(candidates, np.int64)
+        self._bind_array(call.io, g.name("hidden"), x)
+        self._bind_array(call.io, g.name("candidates"), cand)
+        out = self._out(call.io, g.name("candidate_logits"), cand.shape, self.np_dtype)
+        g.session.run_with_iobinding(call.io)
+        return out

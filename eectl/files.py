@@ -1,0 +1,394 @@
+"""Writing and reading eectl's files safely: atomic writes, one hash, one permissions convention, folder staging
+with a destination lock, stale-temp cleanup, UTF-8 decoding and path confinement.
+
+Every producer (calibrate, train-heads, export, bench, profile, the GGUF cache) writes through here, so the
+guarantees are stated once:
+
+- **Atomic**: a file is written to a temporary name in the destination's folder and renamed over the destination
+  (`os.replace`); a folder is built in a staging folder beside it and renamed into place. A reader sees the old
+  file or the new one, never half of one; a failed write leaves nothing behind.
+- **Permissions**: outputs are ordinary files, as `open()` and `mkdir` create them: 0o666 / 0o777 minus the umask
+  (0644 / 0755 under the usual umask 022). `mkstemp`/`mkdtemp` create private (0600 / 0700) temporaries; they are
+  widened before the rename.
+- **Locks**: `DestinationLock` holds an exclusive `flock` on a lock file beside the destination for as long as a
+  producer writes it. Why flock rather than a PID file: the kernel releases the lock when its process dies (SIGKILL
+  and crashes included), so a lock left by a dead process is simply free again, with no PID-reuse guesswork and no
+  clean-up needed; the PID written in the file only serves the error message.
+- **Stale temps**: staging folders are named `.<name>.eectl-tmp-<random>` and hold a marker file
+  (`.eectl-staging`, JSON naming eectl) that their writer keeps flock-ed. A later export removes a folder only when
+  it has both the name and the marker and nobody holds the marker's lock (its writer is dead): never anything else.
+- **Errors**: OS failures (disk full, read-only folder, a file where a folder should be) become one-line
+  `OutputError`s naming the path.
+
+What this module does not do: decide what goes into a file (the stages do) or check an artifact's contents
+(manifest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from eectl.errors import DataError, EectlError, OutputError, UsageError
+
+STAGING_MARKER = ".eectl-staging"  # inside a staging folder; its writer holds an flock on it
+_STAGING = re.compile(r"^\.(?P<name>.+)\.eectl-(?:tmp|old)-[A-Za-z0-9_]+$")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hashing and permissions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """SHA-256 of a file's bytes, hex (read in 4 MB blocks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where /proc allows (os.umask can only set-and-return)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode of an output file: what open() would create (0o666 minus the umask)."""
+    return 0o666 & ~_umask()
+
+
+def dir_mode() -> int:
+    """The mode of an output folder: what mkdir would create (0o777 minus the umask)."""
+    return 0o777 & ~_umask()
+
+
+def output_error(path: str | Path, exc: OSError) -> OutputError:
+    """One line for an OS failure while writing `path`: what failed, where."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    where = exc.filename if exc.filename and str(exc.filename) != str(path) else None
+    return OutputError(f"cannot write {path}: {reason}" + (f" ({where})" if where else ""))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Atomic files
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
+    """Write `path` atomically: `write(tmp)` fills a temporary file beside it, which is then renamed over `path`.
+
+    The result has the output mode (file_mode); on any failure the temporary is removed, `path` is untouched, and an
+    OS error becomes an OutputError naming the path.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".eectl-part", dir=path.parent)
+    except OSError as exc:
+        raise output_error(path, exc) from None
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        os.chmod(tmp, file_mode())
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # the content is on disk before the rename makes it the file (power loss)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise output_error(path, exc) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_json(path: str | Path, doc: Any) -> Path:
+    """JSON, indented, strict (NaN and infinity are refused: they are not JSON)."""
+    return atomic_write_text(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading text
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def read_utf8(path: str | Path, error: type[EectlError] = DataError) -> str:
+    """A text file decoded as UTF-8; bytes that are not UTF-8 are refused with one line naming the byte offset and
+    line (no guessing at other encodings: a silently mis-decoded prompt or recipe is worse than an error)."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise error(f"cannot read {p}: {exc.strerror or exc}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise error(
+            f"{p} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start} (line {line})",
+            hint="convert it to UTF-8, e.g. iconv -f latin1 -t utf-8",
+        ) from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def strict_json(text: str) -> Any:
+    """json.loads without Python's extensions NaN, Infinity and -Infinity (eectl never writes them: a NaN threshold
+    read back would silently never pass). JSONDecodeError (a ValueError) names line and column."""
+    return json.loads(text, parse_constant=_refuse_constant)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Paths inside a folder
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def confined(root: str | Path, rel: str, error: type[EectlError]) -> Path:
+    """`root/rel` resolved (symlinks followed); `error` when it leaves `root` (.., absolute paths, symlinks out)."""
+    base = Path(root).resolve()
+    target = (base / rel).resolve()
+    if target != base and not target.is_relative_to(base):
+        raise error(f"path {rel!r} leaves the folder {root}", hint="refusing to open anything outside it")
+    return target
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Locks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def lock_path(dest: Path) -> Path:
+    return dest.parent / f".{dest.name}.eectl-lock"
+
+
+class DestinationLock:
+    """An exclusive lock on `dest` for the whole time a producer writes it: `with DestinationLock(dest): ...`.
+
+    A lock file `.NAME.eectl-lock` beside the destination is flock-ed (a second writer fails at once with an
+    OutputError naming the holder's PID, or with `wait` waits for it) and removed on exit. A lock left by a killed
+    process is not held by anyone (the kernel drops flocks with their process), so it is taken over silently: stale
+    locks need no detection heuristic. After locking, the file at the path must still be the one locked (it may have
+    been removed by the previous holder between our open and our flock); otherwise the attempt is repeated.
+    """
+
+    def __init__(self, dest: str | Path, wait: bool = False) -> None:
+        self.dest = Path(dest)
+        self.path = lock_path(self.dest)
+        self.wait = wait  # block until the holder is done (a cache fill) instead of failing at once (an export)
+        self._file: IO[str] | None = None
+
+    def __enter__(self) -> DestinationLock:
+        try:
+            self.dest.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise output_error(self.dest, exc) from None
+        for _ in range(20):
+            try:
+                f = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held until __exit__)
+            except OSError as exc:
+                raise output_error(self.dest, exc) from None
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                f.close()
+                raise OutputError(
+                    f"{self.dest} is being written by another eectl process ({holder})",
+                    hint="wait for it to finish, or choose another --out",
+                ) from None
+            try:
+                same = os.fstat(f.fileno()).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                f.seek(0)
+                f.truncate()
+                f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+                f.flush()
+                self._file = f
+                return self
+            f.close()  # the previous holder removed it after our open: lock the new one
+        raise OutputError(f"cannot lock {self.dest}: the lock file keeps changing ({self.path})")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            self.path.unlink(missing_ok=True)  # before unlocking: a waiter then finds it gone and retries
+            self._file.close()
+            self._file = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Staging folders
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Staging:
+    """A marked staging folder beside `dest`, removed unless published: `with Staging(dest) as s: ...; s.publish()`.
+
+    The marker file inside it stays flock-ed while this process lives, so `clean_stale` can tell a folder whose
+    writer died from one still being written. Call it under a DestinationLock for `dest`.
+    """
+
+    def __init__(self, dest: str | Path, kind: str = "tmp") -> None:
+        self.dest = Path(dest)
+        self.kind = kind
+        self.path: Path | None = None
+        self._marker: IO[str] | None = None
+
+    def __enter__(self) -> Staging:
+        try:
+            self.path = Path(tempfile.mkdtemp(prefix=f".{self.dest.name}.eectl-{self.kind}-", dir=self.dest.parent))
+            self.path.chmod(dir_mode())  # mkdtemp makes it private; once renamed it is an ordinary folder
+            self._marker = _mark(self.path, self.dest, self.kind)
+        except OSError as exc:
+            self._discard()
+            raise output_error(self.dest, exc) from None
+        return self
+
+    @property
+    def folder(self) -> Path:
+        assert self.path is not None, "use Staging as a context manager"
+        return self.path
+
+    def publish(self, replace: Callable[[Path], bool]) -> None:
+        """Rename the staging folder to `dest`. An existing `dest` is replaced only when `replace(dest)` says so
+        (else OutputError): it is moved aside into a marked folder first and removed after the rename."""
+        folder = self.folder
+        old: Staging | None = None
+        try:
+            _ordinary_modes(folder)
+            if self.dest.exists() or self.dest.is_symlink():
+                if not replace(self.dest):
+                    raise OutputError(f"{self.dest} appeared during the export and was left alone")
+                old = Staging(self.dest, kind="old").__enter__()
+                self.dest.rename(old.folder / self.dest.name)
+            folder.rename(self.dest)
+            self.path = None
+            # Removed only once renamed: a crash before this leaves a marked (cleanable) folder, never an unmarked one.
+            (self.dest / STAGING_MARKER).unlink(missing_ok=True)
+        except OSError as exc:
+            if old is not None and not self.dest.exists():
+                with contextlib.suppress(OSError):
+                    (old.folder / self.dest.name).rename(self.dest)  # put the previous one back
+            raise output_error(self.dest, exc) from None
+        finally:
+            if old is not None:
+                old.__exit__(None, None, None)
+
+    def _discard(self) -> None:
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+        if self._marker is not None:
+            self._marker.close()
+            self._marker = None
+
+    def __exit__(self, *exc: object) -> None:
+        self._discard()
+
+
+def _ordinary_modes(folder: Path) -> None:
+    """Give everything in a staged folder the output modes: libraries write some files private (safetensors' writer
+    creates 0600 files), and one convention should hold for whatever eectl publishes."""
+    for p in [folder, *folder.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod(dir_mode() if p.is_dir() else file_mode())
+
+
+def _mark(folder: Path, dest: Path, kind: str) -> IO[str]:
+    f = open(folder / STAGING_MARKER, "w", encoding="utf-8")  # noqa: SIM115 (held while the folder is in use)
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    doc = {"eectl": "staging", "kind": kind, "dest": dest.name, "pid": os.getpid(), "created": time.time()}
+    f.write(json.dumps(doc) + "\n")
+    f.flush()
+    return f
+
+
+def _stale(folder: Path) -> dict[str, Any] | None:
+    """The marker of a staging folder whose writer is gone, or None (not ours, unreadable, or still in use)."""
+    if not _STAGING.match(folder.name) or folder.is_symlink() or not folder.is_dir():
+        return None
+    marker = folder / STAGING_MARKER
+    try:
+        with open(marker, encoding="utf-8") as f:
+            doc = json.loads(f.read())
+            if not isinstance(doc, dict) or doc.get("eectl") != "staging":
+                return None
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: its writer is dead (flocks die with processes)
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return doc
+    except (OSError, ValueError):
+        return None
+
+
+def clean_stale(parent: Path) -> list[Path]:
+    """Remove the staging folders in `parent` left by killed eectl processes; return what was removed.
+
+    Only folders named `.<name>.eectl-tmp-*` / `.<name>.eectl-old-*` holding an unlocked eectl marker qualify. A
+    moved-aside previous artifact (`old`) whose destination is missing is put back rather than deleted.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for folder in entries:
+        doc = _stale(folder)
+        if doc is None:
+            continue
+        if doc.get("kind") == "old":
+            dest = parent / str(doc.get("dest"))
+            inner = folder / dest.name
+            if not dest.exists() and inner.is_dir():
+                with contextlib.suppress(OSError):
+                    inner.rename(dest)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+@contextlib.contextmanager
+def locked_staging(dest: str | Path, wait: bool = False) -> Iterator[Staging]:
+    """Lock `dest` (DestinationLock), remove stale staging folders beside it, and stage a new folder for it."""
+    dest = Path(dest)
+    with DestinationLock(dest, wait):
+        clean_stale(dest.parent)
+        with Staging(dest) as staging:
+            yield staging
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Cheap checks of an output file's path before any work: not an existing folder, and the nearest existing
+    ancestor is a folder (mkdir creates the rest). UsageError (one line) otherwise."""
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a folder; give a file name")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{option} {path}: {parent} is not a folder")

