@@ -1,7 +1,8 @@
 #!/bin/bash
-# #13 measurements in one hold of the heavy lock: state cache, today's path speed, the four designs, exact vs top-k
+# #13 measurements in one hold of the heavy lock (run it as: flock /tmp/eectl-heavy.lock scripts/heads_table_all.sh):
+# state cache, the four designs trained and calibrated, exact vs top-k KL, then the full test suite
 set -x
-cd /work/wt/heads
+cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
 P=/work/main/.venv/bin/python
 T=scripts/heads_table.py
