@@ -45,7 +45,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,20 +57,26 @@ from eectl import __version__
 from eectl.data import encode_prompt
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits import (
+    CANDIDATE_SOURCES,
     CRITERIA,
+    DEFAULT_CANDIDATES,
+    DEFAULT_SHORTLIST,
     DEFAULT_TOP_K,
     NEVER,
     SIGNALS,
+    CandidateSource,
     ExitHead,
     ExitSignals,
     Prefixes,
     ThresholdChoice,
+    frequency_shortlist,
+    make_source,
     signals,
     threshold_for_precision,
-    topk_candidates,
     transition_cosine,
 )
 from eectl.models.adapters import Adapter, KVCache
+from eectl.plan import MAX_SUBSET, VERIFY_PRECISIONS, ExitOption, Option
 
 SCHEMA_VERSION = 1
 # What each signal tests: exit when every named value is >= its threshold.
@@ -84,8 +90,11 @@ class CalibrateOptions:
     signal: str = "topk-prob"
     target: float = 0.99
     top_k: int = DEFAULT_TOP_K
+    candidates: str = DEFAULT_CANDIDATES  # topk signals: the candidate source at the first exit (exits.py)
+    shortlist: int = DEFAULT_SHORTLIST  # rows of the frequency-ranked shortlist
     tokens: int = 20000  # measured tokens, teacher-forced and generated together
-    confidence: float | None = None  # Clopper-Pearson confidence level, e.g. 0.95; None: point estimate
+    confidence: float | None = 0.95  # Clopper-Pearson confidence level; None: point estimate
+    options: bool = True  # also fit every subset of up to MAX_SUBSET exits (the menu export's cost model picks from)
     holdout: float = 0.2  # share of chunks / prompts held out
     gen_share: float = 0.25  # share of the tokens that come from the model's own greedy continuations
     gen_tokens: int = 64  # continuation length per prompt (at most; a row ends at EOS)
@@ -135,6 +144,10 @@ def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_s
         raise UsageError(f"--tokens must be positive, got {opts.tokens}")
     if opts.top_k < 2:
         raise UsageError(f"--top-k must be >= 2 (the margin needs two candidates), got {opts.top_k}")
+    if opts.candidates not in CANDIDATE_SOURCES:
+        raise UsageError(f"--candidates must be one of {', '.join(CANDIDATE_SOURCES)}, got '{opts.candidates}'")
+    if opts.shortlist < opts.top_k:
+        raise UsageError(f"--shortlist ({opts.shortlist}) must be at least --top-k ({opts.top_k})")
     if not opts.exits and num_layers is not None:
         raise UsageError("no exits given", hint="pass --exits, e.g. --exits 8,12,16,20,24, or a --recipe with exits")
     if len(set(opts.exits)) != len(opts.exits):
@@ -277,6 +290,15 @@ def threshold_with_bound(
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def heldout_units(units: torch.Tensor, holdout: float) -> torch.Tensor:
+    """The held-out units among `units` (sorted unique ids of one source): the last `holdout` share, at least one,
+    never all (a source with fewer than two units holds nothing out)."""
+    if holdout <= 0 or units.numel() < 2:
+        return units[:0]
+    k = min(units.numel() - 1, max(1, round(holdout * units.numel())))
+    return units[-k:]
+
+
 @dataclass
 class Measurements:
     exits: list[int]
@@ -285,6 +307,10 @@ class Measurements:
     correct: torch.Tensor  # [E, N] bool: the exit's top-1 == the final layer's top-1
     source: torch.Tensor  # [N] long: index into SOURCES
     unit: torch.Tensor  # [N] long: chunk (teacher-forced) or prompt (generated) index within its source
+    # topk signals depend on where the candidates were picked: [F, E, N] with the candidates picked at exit F
+    # (the first active exit), valid for E >= F; `values`/`correct` are the F = 0 slice. None for other signals.
+    pair_values: dict[str, torch.Tensor] | None = None
+    pair_correct: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -293,6 +319,10 @@ class Measurements:
     @staticmethod
     def concat(parts: Sequence[Measurements]) -> Measurements:
         first = parts[0]
+        pv = pc = None
+        if first.pair_values is not None:
+            pv = {c: torch.cat([p.pair_values[c] for p in parts if p.pair_values], 2) for c in first.pair_values}
+            pc = torch.cat([p.pair_correct for p in parts if p.pair_correct is not None], 2)
         return Measurements(
             exits=first.exits,
             num_layers=first.num_layers,
@@ -300,6 +330,8 @@ class Measurements:
             correct=torch.cat([p.correct for p in parts], 1),
             source=torch.cat([p.source for p in parts]),
             unit=torch.cat([p.unit for p in parts]),
+            pair_values=pv,
+            pair_correct=pc,
         )
 
     def take(self, n: int) -> Measurements:
@@ -310,20 +342,30 @@ class Measurements:
             self.correct[:, :n],
             self.source[:n],
             self.unit[:n],
+            None if self.pair_values is None else {c: v[:, :, :n] for c, v in self.pair_values.items()},
+            None if self.pair_correct is None else self.pair_correct[:, :, :n],
         )
+
+    def restrict(self, exits: Sequence[int]) -> Measurements:
+        """The measurements a run with only these active exits sees (topk: candidates picked at the first)."""
+        idx = [self.exits.index(e) for e in exits]
+        if self.pair_values is not None and self.pair_correct is not None:
+            f = idx[0]
+            values = {c: v[f, idx] for c, v in self.pair_values.items()}
+            correct = self.pair_correct[f, idx]
+        else:
+            values = {c: v[idx] for c, v in self.values.items()}
+            correct = self.correct[idx]
+        return Measurements(list(exits), self.num_layers, values, correct, self.source, self.unit)
 
     def heldout_mask(self, holdout: float) -> torch.Tensor:
         """[N] bool: the tokens of the last `holdout` share of each source's units (at least one, never all)."""
         mask = torch.zeros(self.n, dtype=torch.bool)
-        if holdout <= 0:
-            return mask
         for s in range(len(SOURCES)):
             mine = self.source == s
-            units = torch.unique(self.unit[mine])  # sorted
-            if units.numel() < 2:
-                continue
-            k = min(units.numel() - 1, max(1, round(holdout * units.numel())))
-            mask |= mine & (self.unit >= units[-k])
+            held = heldout_units(torch.unique(self.unit[mine]), holdout)
+            if held.numel():
+                mask |= mine & (self.unit >= held[0])
         return mask
 
 
@@ -331,7 +373,13 @@ class ExitScorer:
     """Every exit's signal values and top-1 for a batch of positions, computed as the runner computes them."""
 
     def __init__(
-        self, adapter: Adapter, exits: list[int], signal: str, top_k: int, heads: dict[int, nn.Module] | None = None
+        self,
+        adapter: Adapter,
+        exits: list[int],
+        signal: str,
+        top_k: int,
+        heads: dict[int, nn.Module] | None = None,
+        source: CandidateSource | None = None,
     ) -> None:
         self.adapter = adapter
         self.exits = sorted(exits)
@@ -339,18 +387,19 @@ class ExitScorer:
         self.top_k = top_k
         self.criteria = CRITERIA[signal]
         self.heads = {layer: ExitHead(adapter, (heads or {}).get(layer)).eval() for layer in self.exits}
+        self.source = source or CandidateSource()
 
     @property
     def needs_inputs(self) -> bool:
         return self.signal == "cosine"
 
-    def exit_signals(self, states: list[torch.Tensor]) -> list[ExitSignals]:
-        """states[e] [T, H]: hidden state after exit e's layer -> each exit's token, probability and margin."""
+    def exit_signals(self, states: list[torch.Tensor], first: int = 0) -> list[ExitSignals]:
+        """states[e] [T, H]: hidden state after exit e's layer -> the signals of exits first.. (topk: candidates
+        picked by the candidate source at exit `first`, later exits score only those rows)."""
         if self.signal.startswith("topk"):
-            full = self.heads[self.exits[0]].full(states[0])  # [T, V]
-            cand = topk_candidates(full, self.top_k)  # [T, K]
-            out = [signals(full.gather(-1, cand), cand)]
-            for layer, h in zip(self.exits[1:], states[1:], strict=True):
+            cand, cand_logits = self.source.pick(self.heads[self.exits[first]], states[first], self.top_k)  # [T, K]
+            out = [signals(cand_logits, cand)]
+            for layer, h in zip(self.exits[first + 1 :], states[first + 1 :], strict=True):
                 out.append(signals(self.heads[layer].local(h, cand), cand))
             return out
         return [signals(self.heads[layer].full(h)) for layer, h in zip(self.exits, states, strict=True)]
@@ -360,19 +409,39 @@ class ExitScorer:
         self, states: list[torch.Tensor], inputs: list[torch.Tensor] | None, final: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """-> values {criterion: [E, T]}, correct [E, T] bool, the final layer's top-1 [T]."""
+        values, correct, final_top, _, _ = self.score_pairs(states, inputs, final, pairs=False)
+        return values, correct, final_top
+
+    @torch.no_grad()
+    def score_pairs(
+        self, states: list[torch.Tensor], inputs: list[torch.Tensor] | None, final: torch.Tensor, pairs: bool = True
+    ) -> tuple[
+        dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None, torch.Tensor | None
+    ]:
+        """As `score`, plus (topk signals, `pairs`) the values and correctness [F, E, T] with the candidates picked
+        at every exit F in turn (entries E < F are 0 / False): what any subset of active exits would see."""
         final_top = self.adapter.logits(final).argmax(-1)
         values: dict[str, torch.Tensor] = {}
         if self.signal == "cosine":
             assert inputs is not None
             tokens = [self.heads[layer].full(h).argmax(-1) for layer, h in zip(self.exits, states, strict=True)]
             values["cosine"] = torch.stack([transition_cosine(i, h) for i, h in zip(inputs, states, strict=True)])
-        else:
+            return values, torch.stack([t == final_top for t in tokens]), final_top, None, None
+        if not (pairs and self.signal.startswith("topk")):
             sig = self.exit_signals(states)
-            tokens = [s.token for s in sig]
             for c in self.criteria:
                 values[c] = torch.stack([getattr(s, c) for s in sig]).float()
-        correct = torch.stack([t == final_top for t in tokens])
-        return values, correct, final_top
+            return values, torch.stack([s.token == final_top for s in sig]), final_top, None, None
+        num, t = len(self.exits), final.shape[0]
+        pv = {c: torch.zeros(num, num, t) for c in self.criteria}
+        pc = torch.zeros(num, num, t, dtype=torch.bool)
+        for f in range(num):
+            for j, s in enumerate(self.exit_signals(states, f)):
+                for c in self.criteria:
+                    pv[c][f, f + j] = getattr(s, c).float()
+                pc[f, f + j] = s.token == final_top
+        values = {c: v[0].clone() for c, v in pv.items()}
+        return values, pc[0].clone(), final_top, pv, pc
 
 
 def _forward_capture(
@@ -403,37 +472,144 @@ def _forward_capture(
 
 
 def _part(
-    scorer: ExitScorer, values: dict[str, torch.Tensor], correct: torch.Tensor, source: int, units: torch.Tensor
+    scorer: ExitScorer,
+    scored: tuple[Any, ...],
+    source: int,
+    units: torch.Tensor,
 ) -> Measurements:
-    return Measurements(scorer.exits, scorer.adapter.num_layers, values, correct, torch.full_like(units, source), units)
+    values, correct, _, pv, pc = scored
+    src = torch.full_like(units, source)
+    return Measurements(scorer.exits, scorer.adapter.num_layers, values, correct, src, units, pv, pc)
 
 
 @torch.no_grad()
 def measure_text(
-    scorer: ExitScorer, chunks: list[torch.Tensor], skip_first: int = 1, on_tokens: Callable[[int], None] | None = None
+    scorer: ExitScorer,
+    chunks: list[torch.Tensor],
+    skip_first: int = 1,
+    on_tokens: Callable[[int], None] | None = None,
+    pairs: bool = False,
 ) -> Measurements | None:
     """Teacher-forced chunks [1, S]: every position from `skip_first` on is one measured token."""
     parts: list[Measurements] = []
     for u, ids in enumerate(chunks):
         positions = torch.arange(ids.shape[1])[None]
         states, inputs, final = _forward_capture(scorer, ids, positions, None, None, lambda h: h[0, skip_first:])
-        values, correct, _ = scorer.score(states, inputs, final)
-        parts.append(_part(scorer, values, correct, 0, torch.full((final.shape[0],), u, dtype=torch.long)))
+        scored = scorer.score_pairs(states, inputs, final, pairs)
+        parts.append(_part(scorer, scored, 0, torch.full((final.shape[0],), u, dtype=torch.long)))
         if on_tokens is not None:
             on_tokens(final.shape[0])
     return Measurements.concat(parts) if parts else None
 
 
-def _last_position_of(rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Select the last position of the given rows: [B, S, H] -> [rows, H]."""
+@dataclass
+class Continuation:
+    unit: int  # the prompt's index
+    prompt: list[int]
+    generated: list[int]  # greedy full-depth tokens (the last may be EOS)
 
-    def select(h: torch.Tensor) -> torch.Tensor:
-        return h[:, -1][rows]
 
-    return select
+def _padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded ids [B, S], real-slot mask [B, S], positions [B, S] counting from each row's first real token."""
+    b, s = len(seqs), max(len(p) for p in seqs)
+    ids = torch.zeros(b, s, dtype=torch.long)
+    real = torch.zeros(b, s, dtype=torch.bool)
+    for r, p in enumerate(seqs):
+        ids[r, s - len(p) :] = torch.tensor(p, dtype=torch.long)
+        real[r, s - len(p) :] = True
+    return ids, real, (real.long().cumsum(1) - 1).clamp(min=0)
+
+
+def _length_batches(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
+    """Prompt indices in order, sorted by length within windows of four batches (less padding per batch)."""
+    window = 4 * batch_size
+    batches: list[list[int]] = []
+    for w in range(0, len(prompts), window):
+        idx = sorted(range(w, min(w + window, len(prompts))), key=lambda i: len(prompts[i]))
+        batches += [idx[j : j + batch_size] for j in range(0, len(idx), batch_size)]
+    return batches
 
 
 @torch.no_grad()
+def generate_continuations(
+    adapter: Adapter,
+    prompts: list[list[int]],
+    n_tokens: int,
+    gen_tokens: int,
+    eos: int | None,
+    batch_size: int = 16,
+    on_tokens: Callable[[int], None] | None = None,
+) -> tuple[list[Continuation], int]:
+    """Greedy full-depth continuations of prompts (token ids, BOS included), `gen_tokens` each, a row stopping at
+    EOS, until `n_tokens` tokens are generated (the last continuation is cut to make it exact). Prompts are batched
+    with left padding. Returns the continuations (in generation order) and the number of prompts used."""
+    out: list[Continuation] = []
+    measured = used = 0
+    for members in _length_batches(prompts, batch_size):
+        if measured >= n_tokens:
+            break
+        batch = [prompts[i] for i in members]
+        used += len(batch)
+        b = len(batch)
+        ids, pad, positions = _padded(batch)
+        cache, alive = KVCache(), torch.ones(b, dtype=torch.bool)
+        gen: list[list[int]] = [[] for _ in range(b)]
+        for _ in range(gen_tokens):
+            rows = alive.clone()
+            final = adapter.forward_layers(adapter.embed(ids), positions, 0, adapter.num_layers, cache, pad)
+            top = adapter.logits(final[:, -1]).argmax(-1)
+            for r in torch.nonzero(rows).flatten().tolist():
+                gen[r].append(int(top[r]))
+            if on_tokens is not None:
+                on_tokens(min(int(rows.sum()), n_tokens - measured))
+            measured += int(rows.sum())
+            nxt = torch.full((b,), eos if eos is not None else 0, dtype=torch.long)
+            nxt[rows] = top[rows]
+            alive = rows if eos is None else rows & (nxt != eos)
+            if not bool(alive.any()) or measured >= n_tokens:
+                break
+            ids, positions = nxt[:, None], positions[:, -1:] + 1
+            pad = torch.cat([pad, torch.ones(b, 1, dtype=torch.bool)], 1)
+        out += [Continuation(members[r], batch[r], gen[r]) for r in range(b) if gen[r]]
+    over = sum(len(c.generated) for c in out) - n_tokens
+    while over > 0 and out:  # cut the latest continuations to exactly n_tokens
+        cut = min(over, len(out[-1].generated))
+        out[-1].generated = out[-1].generated[: len(out[-1].generated) - cut]
+        over -= cut
+        if not out[-1].generated:
+            out.pop()
+    return out, used
+
+
+@torch.no_grad()
+def measure_sequences(
+    scorer: ExitScorer, conts: list[Continuation], batch_size: int = 16, pairs: bool = False
+) -> Measurements | None:
+    """Teacher-forced prompt + continuation: position P-1+j (its final top-1 is generated token j) is one measured
+    token, unit = the prompt's index. The same states as generating step by step, computed in one pass."""
+    parts: list[Measurements] = []
+    for i in range(0, len(conts), batch_size):
+        batch = conts[i : i + batch_size]
+        seqs = [c.prompt + c.generated[:-1] for c in batch]
+        ids, real, positions = _padded(seqs)
+        width = ids.shape[1]
+        rows = torch.cat([torch.full((len(c.generated),), r, dtype=torch.long) for r, c in enumerate(batch)])
+        cols = torch.cat(
+            [
+                torch.arange(len(c.generated)) + width - len(seq) + len(c.prompt) - 1
+                for c, seq in zip(batch, seqs, strict=True)
+            ]
+        )
+
+        def select(h: torch.Tensor, rows: torch.Tensor = rows, cols: torch.Tensor = cols) -> torch.Tensor:
+            return h[rows, cols]
+
+        states, inputs, final = _forward_capture(scorer, ids, positions, KVCache(), real, select)
+        units = torch.tensor([c.unit for c in batch], dtype=torch.long)[rows]
+        parts.append(_part(scorer, scorer.score_pairs(states, inputs, final, pairs), 1, units))
+    return Measurements.concat(parts) if parts else None
+
+
 def measure_generation(
     scorer: ExitScorer,
     prompts: list[list[int]],
@@ -443,50 +619,10 @@ def measure_generation(
     batch_size: int = 16,
     on_tokens: Callable[[int], None] | None = None,
 ) -> tuple[Measurements | None, int]:
-    """Greedy full-depth continuations of prompts (token ids, BOS included), `gen_tokens` each, stopping a row at
-    EOS. Each step's last position is one measured token (its final top-1 is the generated token); its unit is the
-    prompt's index. Prompts are batched with left padding, in the given order but sorted by length within windows of
-    four batches. Returns the first `n_tokens` measured tokens and the number of prompts used.
-    """
-    parts: list[Measurements] = []
-    measured = used = 0
-    # prompts of similar length share a batch (less padding): sort each window of a few batches by length
-    window = 4 * batch_size
-    batches: list[list[int]] = []
-    for w in range(0, len(prompts), window):
-        idx = sorted(range(w, min(w + window, len(prompts))), key=lambda i: len(prompts[i]))
-        batches += [idx[j : j + batch_size] for j in range(0, len(idx), batch_size)]
-    for members in batches:
-        if measured >= n_tokens:
-            break
-        batch = [prompts[i] for i in members]
-        used += len(batch)
-        b, s = len(batch), max(len(p) for p in batch)
-        ids = torch.zeros(b, s, dtype=torch.long)
-        real = torch.zeros(b, s, dtype=torch.bool)
-        for r, p in enumerate(batch):
-            ids[r, s - len(p) :] = torch.tensor(p, dtype=torch.long)
-            real[r, s - len(p) :] = True
-        positions = (real.long().cumsum(1) - 1).clamp(min=0)  # [B, S], each row counts from its first real token
-        cache, pad, alive = KVCache(), real, torch.ones(b, dtype=torch.bool)
-        for _ in range(gen_tokens):
-            rows = alive.clone()
-            states, inputs, final = _forward_capture(scorer, ids, positions, cache, pad, _last_position_of(rows))
-            values, correct, top = scorer.score(states, inputs, final)
-            parts.append(_part(scorer, values, correct, 1, torch.tensor(members, dtype=torch.long)[rows]))
-            if on_tokens is not None:
-                on_tokens(min(int(rows.sum()), n_tokens - measured))
-            measured += int(rows.sum())
-            nxt = torch.full((b,), eos if eos is not None else 0, dtype=torch.long)
-            nxt[rows] = top
-            alive = rows if eos is None else rows & (nxt != eos)
-            if not bool(alive.any()) or measured >= n_tokens:
-                break
-            ids, positions = nxt[:, None], positions[:, -1:] + 1
-            pad = torch.cat([pad, torch.ones(b, 1, dtype=torch.bool)], 1)
-    if not parts:
-        return None, used
-    return Measurements.concat(parts).take(n_tokens), used
+    """Greedy continuations (`generate_continuations`), then measured teacher-forced (`measure_sequences`).
+    Returns the first `n_tokens` measured tokens and the number of prompts used."""
+    conts, used = generate_continuations(scorer.adapter, prompts, n_tokens, gen_tokens, eos, batch_size, on_tokens)
+    return measure_sequences(scorer, conts, batch_size), used
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -729,6 +865,14 @@ class HeadsInfo(_Model):
     layers: list[int]
 
 
+class CandidatesInfo(_Model):
+    """The candidate source of topk signals (exits.py): export builds its graph from this, the runner uses it."""
+
+    name: str  # full | shortlist | int8
+    size: int | None = None  # shortlist rows
+    ids: list[int] | None = None  # the shortlist's token ids, most frequent first
+
+
 class Calibration(_Model):
     schema_version: int = SCHEMA_VERSION
     eectl_version: str = __version__
@@ -738,6 +882,7 @@ class Calibration(_Model):
     criteria: list[str]  # every one must be >= its threshold for a token to exit
     top_k: int | None  # local vocabulary size (topk-* signals)
     candidates_layer: int | None  # where the Top-K candidates are picked: the first exit (topk-* signals)
+    candidates: CandidatesInfo | None = None  # how they are picked (None: the full LM head)
     target: float = Field(gt=0.0, le=1.0)
     confidence: float | None
     heads: HeadsInfo | None = None
@@ -745,6 +890,7 @@ class Calibration(_Model):
     calibration: OverallStats
     heldout: OverallStats | None
     heldout_by_source: dict[str, OverallStats] = Field(default_factory=dict)
+    options: list[Option] = Field(default_factory=list)  # the cost model's menu (fit_options), held-out numbers
     threads: int = 0
     wall_s: float = 0.0
     seconds_per_10k_tokens: float = 0.0
@@ -840,6 +986,8 @@ class Collected:
     prompts_used: int
     chat_template: bool  # the prompts went through the tokenizer's chat template
     wall_s: float
+    candidates: dict[str, Any] = field(default_factory=lambda: {"name": "full"})  # the candidate source
+    shortlist: torch.Tensor | None = None  # its token ids (shortlist source), most frequent first
 
 
 @torch.no_grad()
@@ -850,47 +998,112 @@ def collect(
     heads: dict[int, nn.Module] | None = None,
     on_tokens: Callable[[int], None] | None = None,
 ) -> Collected:
-    """Measure every exit's signals on `opts.tokens` tokens: teacher-forced chunks, then greedy continuations."""
+    """Measure every exit's signals on `opts.tokens` tokens: teacher-forced chunks and greedy continuations.
+
+    The continuations are generated first, because the shortlist candidate source is ranked on the calibration
+    split's tokens: the text's and the model's own generations (never the held-out units')."""
     from eectl.data import TextData, token_chunks
     from eectl.models.loading import LoadedModel
 
     assert isinstance(loaded, LoadedModel) and isinstance(data, TextData)
-    dims = loaded.adapter.dims
+    adapter = loaded.adapter
+    dims = adapter.dims
     opts.exits = sorted(opts.exits)
     check_options(opts, dims.num_layers, dims.vocab_size)
     tok: Any = loaded.tokenizer
     start = time.perf_counter()
-    scorer = ExitScorer(loaded.adapter, opts.exits, opts.signal, opts.top_k, heads)
-    parts: list[Measurements] = []
+    chunks: list[torch.Tensor] = []
     if opts.text_tokens > 0:
-        skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
         chunks = token_chunks(tok, data, opts.text_tokens, opts.chunk_len)
-        text = measure_text(scorer, chunks, skip_first, on_tokens)
-        if text is not None:
-            parts.append(text)
     prompts_used = 0
+    conts: list[Continuation] = []
     if opts.generated_tokens > 0:
         max_prompt = max(8, min(dims.max_positions, 4096) - opts.gen_tokens - 1)
         prompts = prompt_ids(tok, data.prompts, max_prompt, opts.raw)
-        gen, prompts_used = measure_generation(
-            scorer,
-            prompts,
-            opts.generated_tokens,
-            opts.gen_tokens,
-            getattr(tok, "eos_token_id", None),
-            opts.gen_batch,
-            on_tokens,
+        eos = getattr(tok, "eos_token_id", None)
+        conts, prompts_used = generate_continuations(
+            adapter, prompts, opts.generated_tokens, opts.gen_tokens, eos, opts.gen_batch, on_tokens
         )
-        got = 0 if gen is None else gen.n
-        if gen is None or got < opts.generated_tokens:
+        got = sum(len(c.generated) for c in conts)
+        if got < opts.generated_tokens:
             raise DataError(
                 f"the data's {len(prompts)} prompts gave only {got} generated tokens, fewer than the "
                 f"{opts.generated_tokens} asked for",
                 hint="lower --gen-share or --tokens, or raise --gen-tokens",
             )
+    shortlist = None
+    topk = opts.signal.startswith("topk")
+    if topk and opts.candidates == "shortlist":
+        shortlist = frequency_shortlist(
+            _calibration_tokens(chunks, conts, opts.holdout), opts.shortlist, dims.vocab_size
+        )
+    source = make_source(opts.candidates if topk else "full", adapter.lm_head.weight, shortlist)
+    scorer = ExitScorer(adapter, opts.exits, opts.signal, opts.top_k, heads, source)
+    pairs = topk and opts.options
+    parts: list[Measurements] = []
+    if chunks:
+        skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
+        text = measure_text(scorer, chunks, skip_first, on_tokens, pairs)
+        if text is not None:
+            parts.append(text)
+    if conts:
+        gen = measure_sequences(scorer, conts, opts.gen_batch, pairs)
+        assert gen is not None
         parts.append(gen)
     chat = not opts.raw and bool(getattr(tok, "chat_template", None))
-    return Collected(Measurements.concat(parts), prompts_used, chat, time.perf_counter() - start)
+    return Collected(
+        Measurements.concat(parts), prompts_used, chat, time.perf_counter() - start, source.describe(), shortlist
+    )
+
+
+def _calibration_tokens(chunks: list[torch.Tensor], conts: list[Continuation], holdout: float) -> torch.Tensor:
+    """The token ids of the calibration split: the text chunks and the continuations not held out."""
+    held_text = set(heldout_units(torch.arange(len(chunks)), holdout).tolist())
+    units = torch.unique(torch.tensor([c.unit for c in conts], dtype=torch.long))
+    held_gen = set(heldout_units(units, holdout).tolist())
+    ids = [c[0] for u, c in enumerate(chunks) if u not in held_text]
+    ids += [torch.tensor(c.generated, dtype=torch.long) for c in conts if c.unit not in held_gen]
+    return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+
+
+def fit_options(
+    meas: Measurements, target: float, confidence: float | None, holdout: float, max_subset: int = MAX_SUBSET
+) -> list[Option]:
+    """The menu for the cost model (plan.py): every subset of up to `max_subset` exits, fitted sequentially on the
+    calibration split at the fidelity target (kind "target", with `confidence`) and at each of verify's precisions
+    (kind "verify", point estimates: verify is lossless, its threshold only trades drafts for rollbacks), with the
+    held-out coverage and precision per exit. Options where an exit never exits are left out (a smaller subset
+    without it is on the menu and is cheaper)."""
+    from itertools import combinations
+
+    held = meas.heldout_mask(holdout)
+    calib = ~held
+    judge = held if bool(held.any()) else calib
+    fits: list[tuple[str, float, float | None]] = [("target", target, confidence)]
+    fits += [("verify", q, None) for q in VERIFY_PRECISIONS]
+    out: list[Option] = []
+    for size in range(1, min(max_subset, len(meas.exits)) + 1):
+        for subset in combinations(meas.exits, size):
+            sub = meas.restrict(subset)
+            for kind, q, level in fits:
+                thresholds = fit_thresholds(sub, q, level, calib)
+                if any(all(math.isinf(v) for v in t.values()) for t in thresholds):
+                    continue
+                per_exit, overall = evaluate(sub, thresholds, judge)
+                out.append(
+                    Option(
+                        exits=list(subset),
+                        kind=kind,
+                        target=q,
+                        confidence=level,
+                        per_exit=[
+                            ExitOption(layer=layer, thresholds=t, coverage=st.coverage, precision=st.precision)
+                            for layer, t, st in zip(subset, thresholds, per_exit, strict=True)
+                        ],
+                        agreement=overall.agreement,
+                    )
+                )
+    return out
 
 
 def summarise(
@@ -910,8 +1123,8 @@ def summarise(
     if opts.signal.startswith("topk") and result.exits[0].calibration.exited == 0 and len(result.exits) > 1:
         first = result.exits[0]
         first.note = (first.note or "never exits") + (
-            "; the runner still projects the full vocabulary here to pick the Top-K candidates: drop this exit "
-            "from --exits and recalibrate to save that"
+            "; the candidate source still runs here when it is the first active exit (export's cost model "
+            "leaves it out unless it pays)"
         )
     wall = collected.wall_s + time.perf_counter() - start
     held = meas.heldout_mask(opts.holdout)
@@ -946,6 +1159,14 @@ def summarise(
         criteria=list(CRITERIA[opts.signal]),
         top_k=opts.top_k if opts.signal.startswith("topk") else None,
         candidates_layer=opts.exits[0] if opts.signal.startswith("topk") else None,
+        candidates=CandidatesInfo(
+            name=str(collected.candidates["name"]),
+            size=None if collected.shortlist is None else int(collected.shortlist.numel()),
+            ids=None if collected.shortlist is None else [int(i) for i in collected.shortlist],
+        )
+        if opts.signal.startswith("topk")
+        else None,
+        options=fit_options(meas, opts.target, opts.confidence, opts.holdout) if opts.options else [],
         target=opts.target,
         confidence=opts.confidence,
         heads=None

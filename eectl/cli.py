@@ -182,8 +182,17 @@ def calibrate(
     top_k: Annotated[int | None, typer.Option(help="Local vocabulary size of the topk-* signals.")] = None,
     heads: Annotated[Path | None, typer.Option(help="Trained exit heads (heads.safetensors): exits use them.")] = None,
     confidence: Annotated[
-        float | None, typer.Option(help="Require the Clopper-Pearson lower bound at this level to reach --target.")
-    ] = None,
+        float,
+        typer.Option(
+            help="Require the Clopper-Pearson lower bound at this level to reach --target (0: point estimate)."
+        ),
+    ] = 0.95,
+    candidates: Annotated[
+        str, typer.Option(help="Candidate source of topk signals at the first exit: shortlist, int8 or full.")
+    ] = "shortlist",
+    shortlist: Annotated[
+        int, typer.Option(help="Rows of the frequency-ranked shortlist (--candidates shortlist).")
+    ] = 4096,
     holdout: Annotated[float, typer.Option(help="Share of chunks and prompts held out to check the thresholds.")] = 0.2,
     gen_share: Annotated[
         float, typer.Option(help="Share of the tokens taken from the model's own greedy continuations of prompts.")
@@ -212,7 +221,9 @@ def calibrate(
         target=pick(target, r.target),
         top_k=pick(top_k, r.top_k),
         tokens=pick(tokens, r.data.tokens),
-        confidence=confidence,
+        confidence=None if confidence == 0 else confidence,
+        candidates=candidates,
+        shortlist=shortlist,
         holdout=holdout,
         gen_share=gen_share,
         gen_tokens=gen_tokens,
@@ -449,6 +460,9 @@ def export(
     heads: Annotated[Path | None, typer.Option(help="heads.safetensors from eectl train-heads.")] = None,
     dtype: Annotated[str, typer.Option(help="fp32, or fp16 for GPU deployment.")] = "fp32",
     top_k: Annotated[int | None, typer.Option("--top-k", help="Default local vocabulary size.")] = None,
+    candidates: Annotated[
+        str | None, typer.Option(help="Candidate source graph: shortlist, int8 or full (default: the calibration's).")
+    ] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing artifact.")] = False,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
@@ -478,7 +492,9 @@ def export(
         exit_layers = default_exits(loaded.adapter.num_layers)
     folder = out or Path("artifacts") / loaded.source.name
     out_.log(f"exporting {loaded.source.name} with exits {exit_layers} to {folder} ({dtype}, {n_threads} threads)")
-    options = ExportOptions(exits=exit_layers, dtype=dtype, top_k=pick(top_k, r.top_k), force=force)
+    options = ExportOptions(
+        exits=exit_layers, dtype=dtype, top_k=pick(top_k, r.top_k), force=force, candidates=candidates
+    )
     manifest = export_artifact(loaded, folder, options, head_modules, heads_meta, cal, log=out_)
     summary = describe(manifest, folder)
     out_.json(summary)
@@ -495,6 +511,8 @@ def export(
         f"artifact: {folder} ({summary['size_mb']} MB, {len(manifest.segments)} segments, "
         f"exported and validated in {v.get('export_seconds')} s)"
     )
+    if manifest.plan is not None:
+        out_.line(manifest.plan.summary())
 
 
 @command()
@@ -506,7 +524,8 @@ def run(
     ] = None,
     exits: Annotated[str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.")] = None,
     policy: Annotated[
-        str | None, typer.Option(help="KV of skipped layers: copy, defer (default) or verify (lossless).")
+        str | None,
+        typer.Option(help="KV of skipped layers: copy, defer or verify (lossless); default: the artifact's plan."),
     ] = None,
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
@@ -523,6 +542,9 @@ def run(
     batch_size: Annotated[int, typer.Option(help="Prompts per batch (each row decides its own exits).")] = 1,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
     raw: Annotated[bool, typer.Option(help="Send the prompt as is (no chat template).")] = False,
+    profile_costs: Annotated[
+        bool, typer.Option(help="Re-measure the graph costs on this machine and re-plan the exits first.")
+    ] = False,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -552,6 +574,7 @@ def run(
         raw=raw,
         provider=provider,
         threads=n_threads,
+        profile_costs=profile_costs,
     )
     shown: dict[int, int] = {}
 
@@ -576,6 +599,8 @@ def run(
             "signal": config.signal,
             "exits": config.exits,
             "thresholds": {str(k): v for k, v in config.thresholds.items()},
+            "plan": config.note,
+            "costs": None if rt.manifest.costs is None else rt.manifest.costs.model_dump(),
             "results": [rep.to_dict() for rep in reports],
         }
     )

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eectl.errors import ArtifactError
+from eectl.plan import Costs, Plan
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -42,6 +43,7 @@ class ExitPoint(_M):
     layer: int  # exit after this many decoder layers (== L for the final head)
     full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits
     local: GraphIO  # hidden [N, H] + candidates [N, K] -> candidate logits [N, K]
+    candidates: GraphIO | None = None  # hidden [N, H] -> K candidates [N, K] + exact logits (the candidate source)
     head: str | None = None  # trained head design, None for the plain logit lens
     signal: str | None = None  # the calibrated signal (calibrate.CRITERIA names its criteria)
     thresholds: dict[str, float | None] | None = None  # criterion -> exit when value >= it; None: not calibrated
@@ -84,6 +86,10 @@ class Manifest(_M):
     kv: KVLayout
     kv_policies: list[str] = Field(default_factory=lambda: ["copy", "defer", "verify"])
     calibration: dict[str, Any] | None = None
+    # how the first active exit picks the K candidates: {"name": full|shortlist|int8, "size": S, "ids": [...]}
+    candidate_source: dict[str, Any] = Field(default_factory=lambda: {"name": "full"})
+    costs: Costs | None = None  # measured per-graph costs (costs.py), the cost model's input
+    plan: Plan | None = None  # the exits and thresholds chosen by predicted speed (plan.py); run/bench default
     heads: dict[str, Any] | None = None
     files: dict[str, str] = Field(default_factory=dict)  # relative path -> sha256
     validation: dict[str, Any] = Field(default_factory=dict)
@@ -170,6 +176,6 @@ def _check_consistency(m: Manifest, folder: str | Path) -> None:
     for s in m.segments:
         needed |= {s.graph.file, s.kv_graph.file}
     for e in m.exits:
-        needed |= {e.full.file, e.local.file}
+        needed |= {e.full.file, e.local.file} | ({e.candidates.file} if e.candidates is not None else set())
     if not needed <= listed:
         raise ArtifactError(f"inconsistent manifest in {folder}: files not hashed: {sorted(needed - listed)}")

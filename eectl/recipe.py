@@ -50,7 +50,7 @@ class Recipe(_Strict):
     signal: str = "topk-prob"
     target: float = Field(0.99, gt=0.0, le=1.0)
     top_k: int = Field(64, gt=1)
-    kv_policy: Literal["copy", "defer", "verify"] = "defer"
+    kv_policy: Literal["copy", "defer", "verify"] | None = None  # None: the artifact's plan chooses
     threads: int | None = None  # None: one per CPU core
     data: DataSpec = Field(default_factory=DataSpec)
     profile: ProfileSpec = Field(default_factory=ProfileSpec)

@@ -22,8 +22,8 @@ from eectl.runtime.sessions import ArtifactRuntime
 
 @dataclass
 class RunOptions:
-    exits: str | None = None  # "12,20" | "none" | None (the manifest's calibrated exits, else all)
-    policy: str = "defer"
+    exits: str | None = None  # "12,20" | "none" | None (the manifest's plan, else its calibrated exits, else all)
+    policy: str | None = None  # None: the plan's default (full depth when nothing pays), else defer
     thresholds: str | None = None  # "0.9" for every exit, or "12:0.9,20:0.8"; None: the calibration's
     threshold_scale: float = 1.0
     signal: str | None = None  # None: the calibration's, else topk-prob
@@ -35,6 +35,7 @@ class RunOptions:
     raw: bool = False
     provider: str = "auto"
     threads: int | None = None
+    profile_costs: bool = False  # re-measure the graph costs here and re-plan before running
 
 
 def load_tokenizer(rt: ArtifactRuntime) -> Any:
@@ -71,12 +72,18 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -> RunConfig:
+    """Active exits, thresholds and policy: explicit options, else the manifest's plan (exits chosen by predicted
+    speed; full depth when nothing pays), else the calibration's exits and thresholds."""
     m = rt.manifest
-    calibrated = {e.layer: e.thresholds for e in m.exits if e.layer < m.num_layers and e.thresholds}
     cal_signal = (m.calibration or {}).get("signal")
     signal = opts.signal or cal_signal or "topk-prob"
     if signal not in CRITERIA:
         raise UsageError(f"unknown signal '{signal}'; choose from {', '.join(CRITERIA)}")
+    plan = m.plan
+    if plan is not None and plan.choices and opts.exits is None and opts.thresholds is None and signal == cal_signal:
+        return _from_plan(rt, opts, stop_ids, signal)
+    policy = opts.policy or "defer"
+    calibrated = {e.layer: e.thresholds for e in m.exits if e.layer < m.num_layers and e.thresholds}
     if opts.exits is not None and opts.exits.strip().lower() == "none":
         exits: list[int] = []
     elif opts.exits is not None:
@@ -110,6 +117,41 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
             if (keep_first and i == 0) or not all(math.isinf(v) for v in thresholds[e].values())
         ]
         thresholds = {e: thresholds[e] for e in exits}
+    return _config(rt, opts, stop_ids, signal, policy, exits, thresholds, "")
+
+
+def _from_plan(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], signal: str) -> RunConfig:
+    plan = rt.manifest.plan
+    assert plan is not None
+    policy = opts.policy or plan.default
+    if policy == "full":
+        return _config(rt, opts, stop_ids, signal, "defer", [], {}, plan.summary(), planned=True)
+    choice = plan.choices.get(policy)
+    if choice is None:
+        raise UsageError(f"--policy must be one of {', '.join(plan.choices)}, got '{policy}'")
+    if not choice.exits:
+        best = choice.best
+        tail = f" (best: exits {best.exits}, {best.speedup:.3f}x)" if best is not None else ""
+        note = f"plan: {policy} is not predicted >= {1 + plan.min_gain:.2f}x full depth{tail}; running at full depth"
+        return _config(rt, opts, stop_ids, signal, policy, [], {}, note, planned=True)
+    thresholds = {int(k): dict(v) for k, v in choice.thresholds.items()}
+    note = f"plan: {policy} at exits {choice.exits}, predicted {choice.prediction.speedup:.2f}x full depth" + (
+        "" if opts.policy else " (the default)"
+    )
+    return _config(rt, opts, stop_ids, signal, policy, list(choice.exits), thresholds, note, planned=True)
+
+
+def _config(
+    rt: ArtifactRuntime,
+    opts: RunOptions,
+    stop_ids: tuple[int, ...],
+    signal: str,
+    policy: str,
+    exits: list[int],
+    thresholds: dict[int, dict[str, float]],
+    note: str,
+    planned: bool = False,
+) -> RunConfig:
     if opts.threshold_scale <= 0:
         raise UsageError(f"--threshold-scale must be positive, got {opts.threshold_scale}")
     thresholds = {e: {c: v * opts.threshold_scale for c, v in t.items()} for e, t in thresholds.items()}
@@ -119,13 +161,15 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
         exits=exits,
         thresholds=thresholds,
         signal=signal,
-        policy=opts.policy,
-        top_k=opts.top_k or m.top_k,
+        policy=policy,
+        top_k=opts.top_k or rt.manifest.top_k,
         max_new_tokens=opts.max_new_tokens,
         temperature=opts.temperature,
         top_p=opts.top_p,
         seed=opts.seed,
         stop_ids=stop_ids,
+        note=note,
+        planned=planned,
     )
 
 
@@ -160,12 +204,24 @@ def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
     changes what the local probabilities mean."""
     cal = rt.manifest.calibration or {}
     first = cal.get("candidates_layer")
+    if config.planned:  # the plan's thresholds were fitted with the candidates at its own first exit
+        return None
     if config.signal.startswith("topk") and config.exits and first and config.exits[0] != first:
         return (
             f"thresholds were calibrated with Top-K candidates chosen at exit {first}; with exit "
             f"{config.exits[0]} first they are only approximate (recalibrate with these exits)"
         )
     return None
+
+
+def replan(rt: ArtifactRuntime) -> None:
+    """Re-measure the artifact's graph costs on this machine and re-choose the exits (in memory, for this run)."""
+    from eectl.costs import measure_costs
+    from eectl.plan import plan_manifest
+
+    m = rt.manifest
+    m.costs = measure_costs(rt, signal=str((m.calibration or {}).get("signal") or "topk-prob"))
+    m.plan = plan_manifest(m, m.costs)
 
 
 @dataclass
@@ -203,13 +259,17 @@ def run_prompts(
     """Generate for every prompt; `on_text(prompt_index, confirmed_text)` streams the text as it settles."""
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+    import sys
+
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
     tok = load_tokenizer(rt)
+    if opts.profile_costs:
+        replan(rt)
     config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
+    if config.note:
+        print(config.note, file=sys.stderr)
     warning = calibration_warning(rt, config) if opts.thresholds is None else None
     if warning is not None:
-        import sys
-
         print(f"warning: {warning}", file=sys.stderr)
     runner = Runner(rt, config)
     reports: list[RunReport] = []

@@ -49,6 +49,8 @@ class RunConfig:
     seed: int = 0
     verify_block: int = 8  # verify: at most this many drafts before a forced full-depth pass
     stop_ids: tuple[int, ...] = ()
+    note: str = ""  # how the configuration was chosen (one line for run and bench)
+    planned: bool = False  # exits and thresholds come from the manifest's plan
 
 
 @dataclass
@@ -145,8 +147,8 @@ class Runner:
             logits, _, _ = self.rt.exit_full(layer, h[None], self.cfg.top_k)
             return self._pick(logits[0])
         if sig.startswith("topk"):
-            if "candidates" not in state:
-                _, cand, cand_logits = self.rt.exit_full(layer, h[None], self.cfg.top_k)
+            if "candidates" not in state:  # the first active exit: the artifact's candidate source picks K
+                cand, cand_logits = self.rt.exit_candidates(layer, h[None], self.cfg.top_k)
                 state["candidates"] = cand
             else:
                 cand = state["candidates"]
@@ -181,10 +183,14 @@ class Runner:
             out, layer_in = self.rt.run_segment(s, x, kv, row)
             if s == self.final_segment:
                 if self.cfg.policy == "verify" and st.drafts:
-                    corrected = self._verify(row, st, kv, out)
+                    # one final-head call for the drafts' positions and this one: the head's weight is read once
+                    rows, _, _ = self.rt.exit_full(self.L, out[0], self.cfg.top_k)
+                    corrected = self._verify(row, st, kv, out, rows[:-1])
                     if corrected is not None:
                         return corrected
-                logits, _, _ = self.rt.exit_full(self.L, out[0, -1:], self.cfg.top_k)
+                    logits = rows[-1:]
+                else:
+                    logits, _, _ = self.rt.exit_full(self.L, out[0, -1:], self.cfg.top_k)
                 st.exit_layers.append(self.L)
                 if st.forced is not None:
                     return self._forced(st, logits[0])
@@ -239,17 +245,15 @@ class Runner:
             prev = st.pending[s + 1]
             st.pending[s + 1] = out if prev is None else np.concatenate([prev, out], axis=1)
 
-    def _verify(self, row: int, st: RowState, kv: KVBuffers, out: np.ndarray) -> int | None:
-        """Check the drafts against the final states of the flushed positions; roll back at the first wrong one.
-
-        out[0, j] is the final state of position base + j and predicts the token at base + j + 1.
+    def _verify(self, row: int, st: RowState, kv: KVBuffers, out: np.ndarray, logits: np.ndarray) -> int | None:
+        """Check the drafts against the final logits [P-1, V] of the flushed positions but the last; roll back at
+        the first wrong one. out[0, j] is the final state of position base + j and predicts the token at base+j+1.
         """
         base = int(kv.filled[row, -1]) - out.shape[1]
         drafts = dict(st.drafts)
         st.drafts = []
         if out.shape[1] < 2:
             return None
-        logits, _, _ = self.rt.exit_full(self.L, out[0, :-1], self.cfg.top_k)
         full_pred = logits.argmax(-1)
         for j in range(out.shape[1] - 1):
             pos = base + j + 1

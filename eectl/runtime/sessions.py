@@ -143,6 +143,7 @@ class ArtifactRuntime:
         self.kv_segments = [load(s.kv_graph) for s in m.segments]
         self.full_graphs = {e.layer: load(e.full) for e in m.exits}
         self.local_graphs = {e.layer: load(e.local) for e in m.exits}
+        self.candidate_graphs = {e.layer: load(e.candidates) for e in m.exits if e.candidates is not None}
         self.weights = {k: self._load_weight(w.file) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
 
@@ -251,3 +252,21 @@ class ArtifactRuntime:
         io.bind_output(g.name("candidate_logits"), "cpu")
         g.session.run_with_iobinding(io)
         return io.get_outputs()[0].numpy()
+
+    def exit_candidates(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+        """hidden [N, H] -> (candidates [N, K] int64, their exact logits [N, K]) by the artifact's candidate source
+        (the full exit graph's Top-K where the artifact has no candidate graph)."""
+        g = self.candidate_graphs.get(layer)
+        if g is None:
+            _, cand, cand_logits = self.exit_full(layer, hidden, top_k)
+            return cand, cand_logits
+        io = g.binding()
+        io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(hidden, dtype=self.np_dtype))
+        io.bind_cpu_input(g.name("top_k"), np.array([top_k], dtype=np.int64))
+        if "weight" in g.io.inputs:
+            self._bind_array(io, g.name("weight"), self.weights["lm_head"])
+        for key in ("candidates", "candidate_logits"):
+            io.bind_output(g.name(key), "cpu")
+        g.session.run_with_iobinding(io)
+        cand, cand_logits = (o.numpy() for o in io.get_outputs())
+        return cand, cand_logits

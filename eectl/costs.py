@@ -1,0 +1,124 @@
+"""What each graph of an artifact costs on the machine at hand: the cost model's input (plan.py).
+
+Every graph is called through the runtime the runner uses (ArtifactRuntime: the same sessions, IO binding and thread
+pool), at decode shape: one token on top of `past` positions of KV cache, and one more position where the defer and
+verify policies carry pending states along. Each figure is the median of `repeats` calls after `warmup` calls. The
+decisions are timed with the signal computation the runner does after the graph (`exits.signals`). The full-depth
+step is timed through the runner itself, so whatever Python adds per step is in the model too.
+
+What this module does not do: predict or choose (plan.py); it only measures.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from eectl.exits import signals
+from eectl.plan import Costs
+from eectl.runtime.runner import RunConfig, Runner
+from eectl.runtime.sessions import ArtifactRuntime
+
+DEFAULT_PAST = 128
+DEFAULT_REPEATS = 15
+FULL_STEPS = 16  # decode steps timed through the runner at full depth
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def measure_costs(
+    rt: ArtifactRuntime,
+    past: int = DEFAULT_PAST,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = 3,
+    top_k: int | None = None,
+    signal: str = "topk-prob",
+    seed: int = 0,
+) -> Costs:
+    m = rt.manifest
+    dims = m.dims
+    k = top_k or m.top_k
+    L = m.num_layers
+    past = max(1, min(past, m.max_positions - FULL_STEPS - 4))
+    rng = np.random.default_rng(seed)
+    h1 = rng.standard_normal((1, 1, dims["hidden_size"])).astype(rt.np_dtype)
+    h2 = rng.standard_normal((1, 2, dims["hidden_size"])).astype(rt.np_dtype)
+    kv = rt.new_kv(1, past + 4)
+
+    def segment(i: int, h: np.ndarray, kv_only: bool = False) -> Callable[[], object]:
+        lo, hi = m.segments[i].layers
+
+        def call() -> object:
+            kv.filled[0, lo:hi] = past
+            return rt.run_segment(i, h, kv, 0, kv_only=kv_only)
+
+        return call
+
+    seg1 = [_median_ms(segment(i, h1), repeats, warmup) for i in range(len(m.segments))]
+    seg2 = [_median_ms(segment(i, h2), repeats, warmup) for i in range(len(m.segments))]
+    kv_ms = [_median_ms(segment(i, h1, kv_only=True), repeats, warmup) for i in range(len(m.segments))]
+    embed = _median_ms(lambda: rt.embed(np.array([[1]], dtype=np.int64)), repeats, warmup)
+    row1, row2 = h1[0], h2[0]
+    head1 = _median_ms(lambda: rt.exit_full(L, row1, k), repeats, warmup)
+    head2 = _median_ms(lambda: rt.exit_full(L, row2, k), repeats, warmup)
+    topk = signal.startswith("topk")
+    cand_ms: dict[str, float] = {}
+    local_ms: dict[str, float] = {}
+    for layer in m.exit_layers:
+
+        def first(layer: int = layer) -> object:
+            if not topk:
+                logits, _, _ = rt.exit_full(layer, row1, k)
+                return signals(torch.from_numpy(logits))
+            cand, cand_logits = rt.exit_candidates(layer, row1, k)
+            return signals(torch.from_numpy(cand_logits), torch.from_numpy(cand))
+
+        cand = rt.exit_candidates(layer, row1, k)[0]
+
+        def later(layer: int = layer, cand: np.ndarray = cand) -> object:
+            if not topk:
+                logits, _, _ = rt.exit_full(layer, row1, k)
+                return signals(torch.from_numpy(logits))
+            return signals(torch.from_numpy(rt.exit_local(layer, row1, cand)), torch.from_numpy(cand))
+
+        cand_ms[str(layer)] = _median_ms(first, repeats, warmup)
+        local_ms[str(layer)] = _median_ms(later, repeats, warmup)
+    return Costs(
+        provider=rt.provider,
+        threads=rt.threads,
+        past=past,
+        repeats=repeats,
+        embed_ms=embed,
+        segment_ms=seg1,
+        segment_extra_ms=[max(0.0, b - a) for a, b in zip(seg1, seg2, strict=True)],
+        kv_ms=kv_ms,
+        final_head_ms=head1,
+        final_head_extra_ms=max(0.0, head2 - head1),
+        candidates_ms=cand_ms,
+        local_ms=local_ms,
+        full_step_ms=full_step_ms(rt, past, seed),
+        candidate_source=str(m.candidate_source.get("name", "full")),
+    )
+
+
+def full_step_ms(rt: ArtifactRuntime, past: int, seed: int = 0) -> float:
+    """Median decode-step latency of the runner at full depth after a `past`-token prompt (random ids)."""
+    vocab = rt.manifest.dims["vocab_size"]
+    prompt = np.random.default_rng(seed).integers(0, vocab, size=past).tolist()
+    runner = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=FULL_STEPS + 1, stop_ids=()))
+    runner.generate([prompt])  # warm-up
+    g = runner.generate([prompt])[0]
+    return 1000 * statistics.median(g.latencies_s[1:])
