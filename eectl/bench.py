@@ -27,8 +27,8 @@ import numpy as np
 
 from eectl.data import encode_prompt
 from eectl.errors import UsageError
-from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
-from eectl.runtime.runner import POLICIES, Generation, Runner
+from eectl.runtime.generate import RunOptions, load_tokenizer, replan, resolve_config
+from eectl.runtime.runner import POLICIES, Generation, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 
 CONFIGS = ("hf", "full", *POLICIES)
@@ -49,6 +49,7 @@ class BenchOptions:
     provider: str = "cpu"
     threads: int | None = None
     raw: bool = False
+    profile_costs: bool = False  # re-measure the graph costs here and re-plan before benchmarking
 
 
 @dataclass
@@ -72,6 +73,10 @@ class ConfigResult:
     exit_histogram: dict[str, int] = field(default_factory=dict)
     drafted: int = 0
     rejected: int = 0
+    exits: list[int] = field(default_factory=list)  # the active exits of this configuration
+    predicted_speedup: float | None = None  # the plan's prediction (held-out coverage, the manifest's costs)
+    model_speedup: float | None = None  # the cost model at this run's realized exits (and rollbacks)
+    note: str = ""  # how the configuration was chosen
 
 
 @dataclass
@@ -90,6 +95,8 @@ class BenchResult:
     sweep: list[dict[str, Any]]
     hf_matches_full: bool | None
     notes: list[str] = field(default_factory=list)
+    default: str = ""  # the configuration `eectl run` uses by default (the plan's: a policy or full), if planned
+    plan: str = ""  # the plan's one-line summary
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,6 +188,8 @@ def run_bench(
     if not prompts:
         raise UsageError("no prompts to benchmark")
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
+    if opts.profile_costs:
+        replan(rt)
     m = rt.manifest
     L = m.num_layers
     tok = load_tokenizer(rt)
@@ -193,6 +202,7 @@ def run_bench(
     cfg_exits: list[int] = []
     thresholds: dict[int, dict[str, float]] = {}
     signal = ""
+    configs: dict[str, RunConfig] = {}
     for policy in early:
         ro = RunOptions(
             exits=opts.exits,
@@ -205,7 +215,11 @@ def run_bench(
         )
         cfg = resolve_config(rt, ro, stop)
         runners[policy] = Runner(rt, cfg)
-        cfg_exits, thresholds, signal = cfg.exits, cfg.thresholds, cfg.signal
+        configs[policy] = cfg
+        if log is not None and cfg.note:
+            log.log(cfg.note)
+        if cfg.exits or not cfg_exits:
+            cfg_exits, thresholds, signal = cfg.exits, cfg.thresholds, cfg.signal
     hf = (
         _HF(m.model.get("spec") if m.model.get("kind") != "default" else None, opts.max_new_tokens)
         if ("hf" in opts.configs)
@@ -270,6 +284,8 @@ def run_bench(
             res.decide_share = sum(r.decide_s for r in reps) / decode if decode > 0 else 0.0
             res.drafted = reps[0].drafted
             res.rejected = reps[0].rejected
+        if name in configs:
+            _predictions(res, configs[name], m, reps, L)
         agree = _agreement(reps[0].generations, full_tokens)
         res.token_agreement, res.exact_match, res.first_divergence = agree
         if answers and any(a is not None for a in answers):
@@ -327,8 +343,21 @@ def run_bench(
         f"{rt.threads} ONNX Runtime threads (one global pool); torch (hf) threads set to the same count",
         "RSS is the process's resident memory after each configuration's runs; ORT and torch share the process",
     ]
+    default = ""
+    plan_line = ""
+    if m.plan is not None:
+        plan_line = m.plan.summary()
+        default = m.plan.default
+        notes.append(plan_line)
+        if m.costs is not None:
+            notes.append(
+                f"costs measured at export on {m.costs.provider} with {m.costs.threads} threads "
+                f"(full-depth step {m.costs.full_step_ms:.1f} ms at a past of {m.costs.past})"
+            )
     return BenchResult(
         artifact=str(artifact),
+        default=default,
+        plan=plan_line,
         model=str(m.model.get("name")),
         provider=rt.provider,
         threads=rt.threads,
@@ -343,6 +372,32 @@ def run_bench(
         hf_matches_full=hf_matches,
         notes=notes,
     )
+
+
+def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run], L: int) -> None:
+    """The plan's predicted speedup for this configuration, and the cost model at the exits this run realized."""
+    from eectl.plan import predict
+
+    res.exits = list(cfg.exits)
+    res.note = cfg.note
+    if m.plan is not None and cfg.planned:
+        choice = m.plan.choices.get(cfg.policy)
+        res.predicted_speedup = choice.prediction.speedup if choice is not None and cfg.exits else 1.0
+    if m.costs is None:
+        return
+    boundaries = [s.layers[1] for s in m.segments]
+    emitted = sum(len(r.exit_layers) for r in reps)
+    rejected = sum(r.rejected for r in reps)
+    steps = emitted + rejected
+    if not cfg.exits or steps == 0:
+        res.model_speedup = 1.0
+        return
+    counts = {e: sum(r.exit_layers.count(e) for r in reps) for e in cfg.exits}
+    exited = sum(counts.values())
+    # rolled-back drafts exited too (at layers no longer recorded): spread them like the accepted ones
+    per_exit = [(e, (c + (rejected * c / exited if exited else 0.0)) / steps, None) for e, c in sorted(counts.items())]
+    lost = rejected / steps if cfg.policy == "verify" else None
+    res.model_speedup = predict(m.costs, boundaries, cfg.policy, per_exit, lost_rate=lost).speedup
 
 
 def _hist(layers: list[int]) -> dict[int, int]:
@@ -400,18 +455,25 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         f"{r.max_new_tokens} new tokens, {r.reps} interleaved repetitions after a warm-up. Early exit: signal "
         f"{r.signal or '-'}, exits {r.exits or '-'}. Speedups are ratios against baselines measured in this run.",
         "",
-        "| config | ms/token (median, min-max) | tokens/s | TTFT ms | vs full | vs hf | mean layers | bound | "
-        "decide share | token agreement | exact match | first divergence | perplexity | GSM8K acc | RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | exits | ms/token (median, min-max) | tokens/s | TTFT ms | vs full | predicted | model at realized "
+        "exits | vs hf | mean layers | bound | decide share | token agreement | exact match | first divergence | "
+        "perplexity | GSM8K acc | RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in r.configs:
+        name = f"{c.name} (default)" if c.name == r.default else c.name
+        exits = ",".join(map(str, c.exits)) if c.exits else ("-" if c.name in ("full", "hf") else "none")
         lines.append(
-            f"| {c.name} | {c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-{c.ms_per_token_spread[1]:.1f}) | "
-            f"{c.tokens_per_s:.1f} | {c.ttft_ms:.0f} | {_fmt(c.speedup_vs_full)}x | {_fmt(c.speedup_vs_hf)}x | "
+            f"| {name} | {exits} | {c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-"
+            f"{c.ms_per_token_spread[1]:.1f}) | "
+            f"{c.tokens_per_s:.1f} | {c.ttft_ms:.0f} | {_fmt(c.speedup_vs_full)}x | {_fmt(c.predicted_speedup)}x | "
+            f"{_fmt(c.model_speedup)}x | {_fmt(c.speedup_vs_hf)}x | "
             f"{_fmt(c.mean_layers, '.1f')} | {_fmt(c.layer_bound)}x | {_fmt(c.decide_share, '.1%')} | "
             f"{_fmt(c.token_agreement, '.1%')} | {_fmt(c.exact_match, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "
             f"{_fmt(c.perplexity, '.2f')} | {_fmt(c.gsm8k_accuracy, '.0%')} | {c.rss_mb:.0f} |"
         )
+    if r.plan:
+        lines += ["", r.plan + "."]
     if r.hf_matches_full is not None:
         lines += ["", f"transformers generate and eectl full depth produce identical tokens: {r.hf_matches_full}."]
     if r.sweep:

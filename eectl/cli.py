@@ -625,6 +625,9 @@ def bench(
         str | None, typer.Option(help="Prompts: .jsonl (GSM8K question/answer...), text, or built-in.")
     ] = None,
     prompts: Annotated[int | None, typer.Option(help="Number of prompts (default 10).")] = None,
+    offset: Annotated[
+        int, typer.Option(help="Skip this many of the data's prompts (keep bench prompts out of calibration's).")
+    ] = 0,
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per prompt (default 64).")] = None,
     policies: Annotated[str | None, typer.Option(help="Configurations (default hf,full,copy,defer,verify).")] = None,
     reps: Annotated[int | None, typer.Option(help="Interleaved repetitions after the warm-up (default 3).")] = None,
@@ -639,6 +642,9 @@ def bench(
     report: Annotated[Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).")] = None,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "cpu",
     raw: Annotated[bool, typer.Option(help="No chat template.")] = False,
+    profile_costs: Annotated[
+        bool, typer.Option(help="Re-measure the graph costs on this machine and re-plan the exits first.")
+    ] = False,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -656,8 +662,11 @@ def bench(
         scales = [float(x) for x in sweep.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"--sweep must be comma-separated numbers, got '{sweep}'") from None
-    n = min(pick(prompts, r.bench.prompts), len(text.prompts))
-    answers = [t.split("####")[-1].strip().replace(",", "") if "####" in t else None for t in text.texts[:n]]
+    if offset < 0 or offset >= len(text.prompts):
+        raise UsageError(f"--offset must be in 0..{len(text.prompts) - 1}, got {offset}")
+    n = min(pick(prompts, r.bench.prompts), len(text.prompts) - offset)
+    window = slice(offset, offset + n)
+    answers = [t.split("####")[-1].strip().replace(",", "") if "####" in t else None for t in text.texts[window]]
     heldout = text.texts[-max(1, len(text.texts) // 10) :] if ppl_tokens > 0 else None
     opts = BenchOptions(
         configs=[c.strip() for c in configs.split(",") if c.strip()],
@@ -673,8 +682,9 @@ def bench(
         provider=provider,
         threads=n_threads,
         raw=raw,
+        profile_costs=profile_costs,
     )
-    result = run_bench(artifact, text.prompts[:n], opts, heldout, answers, log=out)
+    result = run_bench(artifact, text.prompts[window], opts, heldout, answers, log=out)
     files = write_report(result, report) if report is not None else []
     out.json({**result.to_dict(), "report": [str(f) for f in files]})
     if not out.json_mode:
