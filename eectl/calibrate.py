@@ -870,6 +870,7 @@ class CandidatesInfo(_Model):
 
     name: str  # full | shortlist | int8
     size: int | None = None  # shortlist rows
+    heldout_hit_rate: float | None = None  # share of held-out tokens (text and generated) inside the shortlist
     ids: list[int] | None = None  # the shortlist's token ids, most frequent first
 
 
@@ -1038,6 +1039,11 @@ def collect(
             _calibration_tokens(chunks, conts, opts.holdout), opts.shortlist, dims.vocab_size
         )
     source = make_source(opts.candidates if topk else "full", adapter.lm_head.weight, shortlist)
+    described = source.describe()
+    if shortlist is not None:  # how often a held-out token is one the shortlist can predict at all
+        held_ids = _calibration_tokens(chunks, conts, opts.holdout, held=True)
+        inside = torch.isin(held_ids, shortlist)
+        described["heldout_hit_rate"] = float(inside.float().mean()) if held_ids.numel() else None
     scorer = ExitScorer(adapter, opts.exits, opts.signal, opts.top_k, heads, source)
     pairs = topk and opts.options
     parts: list[Measurements] = []
@@ -1051,18 +1057,19 @@ def collect(
         assert gen is not None
         parts.append(gen)
     chat = not opts.raw and bool(getattr(tok, "chat_template", None))
-    return Collected(
-        Measurements.concat(parts), prompts_used, chat, time.perf_counter() - start, source.describe(), shortlist
-    )
+    return Collected(Measurements.concat(parts), prompts_used, chat, time.perf_counter() - start, described, shortlist)
 
 
-def _calibration_tokens(chunks: list[torch.Tensor], conts: list[Continuation], holdout: float) -> torch.Tensor:
-    """The token ids of the calibration split: the text chunks and the continuations not held out."""
+def _calibration_tokens(
+    chunks: list[torch.Tensor], conts: list[Continuation], holdout: float, held: bool = False
+) -> torch.Tensor:
+    """The token ids of the calibration split (or, with `held`, of the held-out split): text chunks and
+    continuations."""
     held_text = set(heldout_units(torch.arange(len(chunks)), holdout).tolist())
     units = torch.unique(torch.tensor([c.unit for c in conts], dtype=torch.long))
     held_gen = set(heldout_units(units, holdout).tolist())
-    ids = [c[0] for u, c in enumerate(chunks) if u not in held_text]
-    ids += [torch.tensor(c.generated, dtype=torch.long) for c in conts if c.unit not in held_gen]
+    ids = [c[0] for u, c in enumerate(chunks) if (u in held_text) == held]
+    ids += [torch.tensor(c.generated, dtype=torch.long) for c in conts if (c.unit in held_gen) == held]
     return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
 
 
@@ -1162,6 +1169,7 @@ def summarise(
         candidates=CandidatesInfo(
             name=str(collected.candidates["name"]),
             size=None if collected.shortlist is None else int(collected.shortlist.numel()),
+            heldout_hit_rate=collected.candidates.get("heldout_hit_rate"),
             ids=None if collected.shortlist is None else [int(i) for i in collected.shortlist],
         )
         if opts.signal.startswith("topk")

@@ -307,6 +307,11 @@ def _print_calibration(out: Output, result: object, path: Path) -> None:
         f"{d.gen_tokens_per_prompt}); {result.wall_s:.1f}s on "
         f"{result.threads} threads ({result.seconds_per_10k_tokens:.1f}s per 10,000 tokens)"
     )
+    cand = result.candidates
+    if cand is not None:
+        size = f" ({cand.size} rows" if cand.size else ""
+        hit = f", {cand.heldout_hit_rate:.1%} of held-out tokens inside)" if cand.heldout_hit_rate is not None else ""
+        out.line(f"candidates: {cand.name}{size}{hit or (')' if size else '')}; {len(result.options)} menu options")
     for x in result.exits:
         if x.note:
             out.line(f"exit {x.layer}: {x.note}")
