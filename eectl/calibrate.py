@@ -892,6 +892,7 @@ class Calibration(_Model):
     heldout: OverallStats | None
     heldout_by_source: dict[str, OverallStats] = Field(default_factory=dict)
     options: list[Option] = Field(default_factory=list)  # the cost model's menu (fit_options), held-out numbers
+    options_judged_on: int = 0  # tokens the menu's coverage was measured on (options_judge)
     threads: int = 0
     wall_s: float = 0.0
     seconds_per_10k_tokens: float = 0.0
@@ -1073,19 +1074,32 @@ def _calibration_tokens(
     return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
 
 
+MIN_JUDGE_TOKENS = 500  # held-out generated tokens needed to judge the menu on them alone
+
+
+def options_judge(meas: Measurements, holdout: float) -> torch.Tensor:
+    """The tokens the menu's coverage is measured on: the held-out GENERATED tokens when there are enough (what
+    `eectl run` decodes; teacher-forced text exits several times less often), else all held-out tokens, else all."""
+    held = meas.heldout_mask(holdout)
+    generated = held & (meas.source == SOURCES.index("generated"))
+    if int(generated.sum()) >= MIN_JUDGE_TOKENS:
+        return generated
+    return held if bool(held.any()) else ~held
+
+
 def fit_options(
     meas: Measurements, target: float, confidence: float | None, holdout: float, max_subset: int = MAX_SUBSET
 ) -> list[Option]:
     """The menu for the cost model (plan.py): every subset of up to `max_subset` exits, fitted sequentially on the
     calibration split at the fidelity target (kind "target", with `confidence`) and at each of verify's precisions
     (kind "verify", point estimates: verify is lossless, its threshold only trades drafts for rollbacks), with the
-    held-out coverage and precision per exit. Options where an exit never exits are left out (a smaller subset
-    without it is on the menu and is cheaper)."""
+    coverage and precision per exit on `options_judge`'s tokens. Options where an exit never exits are left out
+    (a smaller subset without it is on the menu and is cheaper)."""
     from itertools import combinations
 
     held = meas.heldout_mask(holdout)
     calib = ~held
-    judge = held if bool(held.any()) else calib
+    judge = options_judge(meas, holdout)
     fits: list[tuple[str, float, float | None]] = [("target", target, confidence)]
     fits += [("verify", q, None) for q in VERIFY_PRECISIONS]
     out: list[Option] = []
@@ -1175,6 +1189,7 @@ def summarise(
         if opts.signal.startswith("topk")
         else None,
         options=fit_options(meas, opts.target, opts.confidence, opts.holdout) if opts.options else [],
+        options_judged_on=int(options_judge(meas, opts.holdout).sum()) if opts.options else 0,
         target=opts.target,
         confidence=opts.confidence,
         heads=None
