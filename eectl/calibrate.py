@@ -95,6 +95,7 @@ class CalibrateOptions:
     tokens: int = 20000  # measured tokens, teacher-forced and generated together
     confidence: float | None = 0.95  # Clopper-Pearson confidence level; None: point estimate
     options: bool = True  # also fit every subset of up to MAX_SUBSET exits (the menu export's cost model picks from)
+    compare: list[str] = field(default_factory=list)  # other candidate sources to measure on the same tokens
     holdout: float = 0.2  # share of chunks / prompts held out
     gen_share: float = 0.25  # share of the tokens that come from the model's own greedy continuations
     gen_tokens: int = 64  # continuation length per prompt (at most; a row ends at EOS)
@@ -491,15 +492,27 @@ def measure_text(
     pairs: bool = False,
 ) -> Measurements | None:
     """Teacher-forced chunks [1, S]: every position from `skip_first` on is one measured token."""
-    parts: list[Measurements] = []
+    return _measure_text_all([scorer], chunks, skip_first, on_tokens, pairs)[0]
+
+
+def _measure_text_all(
+    scorers: Sequence[ExitScorer],
+    chunks: list[torch.Tensor],
+    skip_first: int,
+    on_tokens: Callable[[int], None] | None,
+    pairs: bool,
+) -> list[Measurements | None]:
+    """As `measure_text`, for several scorers (candidate sources, same exits) on the same states."""
+    parts: list[list[Measurements]] = [[] for _ in scorers]
     for u, ids in enumerate(chunks):
         positions = torch.arange(ids.shape[1])[None]
-        states, inputs, final = _forward_capture(scorer, ids, positions, None, None, lambda h: h[0, skip_first:])
-        scored = scorer.score_pairs(states, inputs, final, pairs)
-        parts.append(_part(scorer, scored, 0, torch.full((final.shape[0],), u, dtype=torch.long)))
+        states, inputs, final = _forward_capture(scorers[0], ids, positions, None, None, lambda h: h[0, skip_first:])
+        units = torch.full((final.shape[0],), u, dtype=torch.long)
+        for j, sc in enumerate(scorers):
+            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs), 0, units))
         if on_tokens is not None:
             on_tokens(final.shape[0])
-    return Measurements.concat(parts) if parts else None
+    return [Measurements.concat(p) if p else None for p in parts]
 
 
 @dataclass
@@ -587,7 +600,14 @@ def measure_sequences(
 ) -> Measurements | None:
     """Teacher-forced prompt + continuation: position P-1+j (its final top-1 is generated token j) is one measured
     token, unit = the prompt's index. The same states as generating step by step, computed in one pass."""
-    parts: list[Measurements] = []
+    return _measure_sequences_all([scorer], conts, batch_size, pairs)[0]
+
+
+def _measure_sequences_all(
+    scorers: Sequence[ExitScorer], conts: list[Continuation], batch_size: int, pairs: bool
+) -> list[Measurements | None]:
+    """As `measure_sequences`, for several scorers (candidate sources, same exits) on the same states."""
+    parts: list[list[Measurements]] = [[] for _ in scorers]
     for i in range(0, len(conts), batch_size):
         batch = conts[i : i + batch_size]
         seqs = [c.prompt + c.generated[:-1] for c in batch]
@@ -604,10 +624,11 @@ def measure_sequences(
         def select(h: torch.Tensor, rows: torch.Tensor = rows, cols: torch.Tensor = cols) -> torch.Tensor:
             return h[rows, cols]
 
-        states, inputs, final = _forward_capture(scorer, ids, positions, KVCache(), real, select)
+        states, inputs, final = _forward_capture(scorers[0], ids, positions, KVCache(), real, select)
         units = torch.tensor([c.unit for c in batch], dtype=torch.long)[rows]
-        parts.append(_part(scorer, scorer.score_pairs(states, inputs, final, pairs), 1, units))
-    return Measurements.concat(parts) if parts else None
+        for j, sc in enumerate(scorers):
+            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs), 1, units))
+    return [Measurements.concat(p) if p else None for p in parts]
 
 
 def measure_generation(
@@ -874,6 +895,15 @@ class CandidatesInfo(_Model):
     ids: list[int] | None = None  # the shortlist's token ids, most frequent first
 
 
+class ComparedSource(_Model):
+    """Another candidate source measured on the same tokens, fitted the same way (a comparison; not exported)."""
+
+    exits: list[ExitResult]
+    calibration: OverallStats
+    heldout: OverallStats | None
+    options: list[Option] = Field(default_factory=list)
+
+
 class Calibration(_Model):
     schema_version: int = SCHEMA_VERSION
     eectl_version: str = __version__
@@ -893,6 +923,7 @@ class Calibration(_Model):
     heldout_by_source: dict[str, OverallStats] = Field(default_factory=dict)
     options: list[Option] = Field(default_factory=list)  # the cost model's menu (fit_options), held-out numbers
     options_judged_on: int = 0  # tokens the menu's coverage was measured on (options_judge)
+    compared: dict[str, ComparedSource] = Field(default_factory=dict)  # --compare: other candidate sources
     threads: int = 0
     wall_s: float = 0.0
     seconds_per_10k_tokens: float = 0.0
@@ -990,6 +1021,7 @@ class Collected:
     wall_s: float
     candidates: dict[str, Any] = field(default_factory=lambda: {"name": "full"})  # the candidate source
     shortlist: torch.Tensor | None = None  # its token ids (shortlist source), most frequent first
+    compared: dict[str, Measurements] = field(default_factory=dict)  # other sources on the same tokens
 
 
 @torch.no_grad()
@@ -1046,19 +1078,35 @@ def collect(
         inside = torch.isin(held_ids, shortlist)
         described["heldout_hit_rate"] = float(inside.float().mean()) if held_ids.numel() else None
     scorer = ExitScorer(adapter, opts.exits, opts.signal, opts.top_k, heads, source)
+    # other candidate sources scored on the same states: a comparison for the report (fitted, never exported)
+    others = [o for o in (opts.compare if topk else []) if o != opts.candidates]
+    scorers = [scorer] + [
+        ExitScorer(
+            adapter, opts.exits, opts.signal, opts.top_k, heads, make_source(o, adapter.lm_head.weight, shortlist)
+        )
+        for o in others
+    ]
     pairs = topk and opts.options
-    parts: list[Measurements] = []
+    parts: list[list[Measurements]] = [[] for _ in scorers]
     if chunks:
         skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
-        text = measure_text(scorer, chunks, skip_first, on_tokens, pairs)
-        if text is not None:
-            parts.append(text)
+        for j, measured in enumerate(_measure_text_all(scorers, chunks, skip_first, on_tokens, pairs)):
+            if measured is not None:
+                parts[j].append(measured)
     if conts:
-        gen = measure_sequences(scorer, conts, opts.gen_batch, pairs)
-        assert gen is not None
-        parts.append(gen)
+        for j, measured in enumerate(_measure_sequences_all(scorers, conts, opts.gen_batch, pairs)):
+            assert measured is not None
+            parts[j].append(measured)
     chat = not opts.raw and bool(getattr(tok, "chat_template", None))
-    return Collected(Measurements.concat(parts), prompts_used, chat, time.perf_counter() - start, described, shortlist)
+    return Collected(
+        Measurements.concat(parts[0]),
+        prompts_used,
+        chat,
+        time.perf_counter() - start,
+        described,
+        shortlist,
+        {o: Measurements.concat(p) for o, p in zip(others, parts[1:], strict=True)},
+    )
 
 
 def _calibration_tokens(
@@ -1190,6 +1238,7 @@ def summarise(
         else None,
         options=fit_options(meas, opts.target, opts.confidence, opts.holdout) if opts.options else [],
         options_judged_on=int(options_judge(meas, opts.holdout).sum()) if opts.options else 0,
+        compared={name: _compared(m, opts, heads) for name, m in collected.compared.items()},
         target=opts.target,
         confidence=opts.confidence,
         heads=None
@@ -1203,6 +1252,12 @@ def summarise(
         wall_s=wall,
         seconds_per_10k_tokens=wall / max(1, meas.n) * 10_000,
     )
+
+
+def _compared(meas: Measurements, opts: CalibrateOptions, heads: dict[int, nn.Module] | None) -> ComparedSource:
+    result = fit(meas, opts.target, opts.confidence, opts.holdout, sorted(heads or {}))
+    options = fit_options(meas, opts.target, opts.confidence, opts.holdout) if opts.options else []
+    return ComparedSource(exits=result.exits, calibration=result.calibration, heldout=result.heldout, options=options)
 
 
 def calibrate_model(

@@ -193,6 +193,9 @@ def calibrate(
     shortlist: Annotated[
         int, typer.Option(help="Rows of the frequency-ranked shortlist (--candidates shortlist).")
     ] = 4096,
+    compare: Annotated[
+        str, typer.Option(help="Other candidate sources to measure on the same tokens, e.g. int8,full (report).")
+    ] = "",
     holdout: Annotated[float, typer.Option(help="Share of chunks and prompts held out to check the thresholds.")] = 0.2,
     gen_share: Annotated[
         float, typer.Option(help="Share of the tokens taken from the model's own greedy continuations of prompts.")
@@ -224,6 +227,7 @@ def calibrate(
         confidence=None if confidence == 0 else confidence,
         candidates=candidates,
         shortlist=shortlist,
+        compare=[c.strip() for c in compare.split(",") if c.strip()],
         holdout=holdout,
         gen_share=gen_share,
         gen_tokens=gen_tokens,
@@ -312,6 +316,13 @@ def _print_calibration(out: Output, result: object, path: Path) -> None:
         size = f" ({cand.size} rows" if cand.size else ""
         hit = f", {cand.heldout_hit_rate:.1%} of held-out tokens inside)" if cand.heldout_hit_rate is not None else ""
         out.line(f"candidates: {cand.name}{size}{hit or (')' if size else '')}; {len(result.options)} menu options")
+    for name, comp in result.compared.items():
+        held = comp.heldout or comp.calibration
+        out.line(
+            f"compared, candidates {name}: held-out exit rate {held.exit_rate:.1%}, agreement "
+            f"{num(held.precision)} among them, mean executed layers {held.mean_layers:.2f} "
+            f"({len(comp.options)} menu options)"
+        )
     for x in result.exits:
         if x.note:
             out.line(f"exit {x.layer}: {x.note}")

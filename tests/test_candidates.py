@@ -175,3 +175,25 @@ def test_costs_and_plan_are_in_the_manifest_and_run_follows_the_plan(planned):
     # explicit exits and thresholds bypass the plan
     cfg = resolve_config(rt, RunOptions(exits="3", thresholds="0.5"), ())
     assert cfg.exits == [3] and not cfg.planned
+
+
+def test_compared_source_is_measured_on_the_same_tokens(llama, gsm8k, calibrations):
+    """--compare int8 in a shortlist calibration gives what an int8 calibration on the same data measures."""
+    opts = CalibrateOptions(
+        exits=[2, 3, 4],
+        target=0.5,
+        tokens=1500,
+        top_k=K,
+        candidates="shortlist",
+        shortlist=64,
+        confidence=None,
+        compare=["int8"],
+    )
+    cal = calibrate_model(llama, gsm8k, opts)
+    assert set(cal.compared) == {"int8"}
+    alone = calibrations["int8"]
+    got = cal.compared["int8"]
+    assert got.calibration == alone.calibration and got.heldout == alone.heldout
+    assert [x.thresholds for x in got.exits] == [x.thresholds for x in alone.exits]
+    assert len(got.options) == len(alone.options)
+    assert cal.calibration == calibrations["shortlist"].calibration  # the main source is unchanged
