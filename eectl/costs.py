@@ -2,7 +2,8 @@
 
 Every graph is called through the runtime the runner uses (ArtifactRuntime: the same sessions, IO binding and thread
 pool), at decode shape: one token on top of `past` positions of KV cache, and one more position where the defer and
-verify policies carry pending states along. Each figure is the median of `repeats` calls after `warmup` calls. The
+verify policies carry pending states along. Each figure is the median of `repeats` calls after `warmup` calls, in
+rounds that call every graph once (so each graph meets the CPU caches a decode step leaves it). The
 decisions are timed with the signal computation the runner does after the graph (`exits.signals`). The full-depth
 step is timed through the runner itself, so whatever Python adds per step is in the model too.
 
@@ -28,15 +29,18 @@ DEFAULT_REPEATS = 15
 FULL_STEPS = 16  # decode steps timed through the runner at full depth
 
 
-def _median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+def _interleaved_ms(calls: dict[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, float]:
+    """Median ms of each call, timed in rounds that call every graph once: as in a decode step, the other graphs
+    evict a small graph's weights from the CPU caches between two of its calls (timing one graph in a loop would
+    find them cached and underestimate it)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(warmup + repeats):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: 1000 * statistics.median(ts) for name, ts in times.items()}
 
 
 def measure_costs(
@@ -67,16 +71,15 @@ def measure_costs(
 
         return call
 
-    seg1 = [_median_ms(segment(i, h1), repeats, warmup) for i in range(len(m.segments))]
-    seg2 = [_median_ms(segment(i, h2), repeats, warmup) for i in range(len(m.segments))]
-    kv_ms = [_median_ms(segment(i, h1, kv_only=True), repeats, warmup) for i in range(len(m.segments))]
-    embed = _median_ms(lambda: rt.embed(np.array([[1]], dtype=np.int64)), repeats, warmup)
+    calls: dict[str, Callable[[], object]] = {"embed": lambda: rt.embed(np.array([[1]], dtype=np.int64))}
+    for i in range(len(m.segments)):
+        calls[f"seg1.{i}"] = segment(i, h1)
+        calls[f"seg2.{i}"] = segment(i, h2)
+        calls[f"kv.{i}"] = segment(i, h1, kv_only=True)
     row1, row2 = h1[0], h2[0]
-    head1 = _median_ms(lambda: rt.exit_full(L, row1, k), repeats, warmup)
-    head2 = _median_ms(lambda: rt.exit_full(L, row2, k), repeats, warmup)
+    calls["head1"] = lambda: rt.exit_full(L, row1, k)
+    calls["head2"] = lambda: rt.exit_full(L, row2, k)
     topk = signal.startswith("topk")
-    cand_ms: dict[str, float] = {}
-    local_ms: dict[str, float] = {}
     for layer in m.exit_layers:
 
         def first(layer: int = layer) -> object:
@@ -94,8 +97,16 @@ def measure_costs(
                 return signals(torch.from_numpy(logits))
             return signals(torch.from_numpy(rt.exit_local(layer, row1, cand)), torch.from_numpy(cand))
 
-        cand_ms[str(layer)] = _median_ms(first, repeats, warmup)
-        local_ms[str(layer)] = _median_ms(later, repeats, warmup)
+        calls[f"cand.{layer}"] = first
+        calls[f"local.{layer}"] = later
+    t = _interleaved_ms(calls, repeats, warmup)
+    n = len(m.segments)
+    seg1 = [t[f"seg1.{i}"] for i in range(n)]
+    seg2 = [t[f"seg2.{i}"] for i in range(n)]
+    kv_ms = [t[f"kv.{i}"] for i in range(n)]
+    embed, head1, head2 = t["embed"], t["head1"], t["head2"]
+    cand_ms = {str(layer): t[f"cand.{layer}"] for layer in m.exit_layers}
+    local_ms = {str(layer): t[f"local.{layer}"] for layer in m.exit_layers}
     return Costs(
         provider=rt.provider,
         threads=rt.threads,
