@@ -131,7 +131,10 @@ def _from_plan(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...],
         raise UsageError(f"--policy must be one of {', '.join(plan.choices)}, got '{policy}'")
     if not choice.exits:
         best = choice.best
-        tail = f" (best: exits {best.exits}, {best.speedup:.3f}x)" if best is not None else ""
+        if best is not None:
+            tail = f" (best: exits {best.exits}, {best.speedup:.3f}x)"
+        else:
+            tail = " (no calibrated exit subset qualifies for it)"
         note = f"plan: {policy} is not predicted >= {1 + plan.min_gain:.2f}x full depth{tail}; running at full depth"
         return _config(rt, opts, stop_ids, signal, policy, [], {}, note, planned=True)
     thresholds = {int(k): dict(v) for k, v in choice.thresholds.items()}
