@@ -28,15 +28,16 @@ import numpy as np
 from eectl.data import encode_prompt
 from eectl.errors import UsageError
 from eectl.runtime.generate import RunOptions, load_tokenizer, replan, resolve_config
-from eectl.runtime.runner import POLICIES, Generation, RunConfig, Runner
+from eectl.runtime.policies import POLICIES
+from eectl.runtime.runner import Generation, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 
-CONFIGS = ("hf", "full", *POLICIES)
+BASELINES = ("hf", "full")  # every other configuration is a KV policy's name (eectl.runtime.policies)
 
 
 @dataclass
 class BenchOptions:
-    configs: list[str] = field(default_factory=lambda: ["hf", "full", "copy", "defer", "verify"])
+    configs: list[str] = field(default_factory=lambda: [*BASELINES, *POLICIES])
     prompts: int = 10
     max_new_tokens: int = 64
     reps: int = 3
@@ -172,71 +173,61 @@ class _HF:
         return new, ttft, lat
 
 
-def run_bench(
-    artifact: str | Path,
-    prompts: list[str],
-    opts: BenchOptions,
-    heldout: list[str] | None = None,
-    answers: list[str | None] | None = None,
-    log: Any = None,
-) -> BenchResult:
-    bad = [c for c in opts.configs if c not in CONFIGS]
-    if bad:
-        raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(CONFIGS)}")
-    if opts.reps < 1 or opts.prompts < 1 or opts.max_new_tokens < 1:
-        raise UsageError("--reps, --prompts and --max-new-tokens must be >= 1")
-    if not prompts:
-        raise UsageError("no prompts to benchmark")
-    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
-    if opts.profile_costs:
-        replan(rt)
-    m = rt.manifest
-    L = m.num_layers
-    tok = load_tokenizer(rt)
-    stop = tuple(m.eos_token_ids)
-    ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
-    early = [c for c in opts.configs if c in POLICIES]
-    runners: dict[str, Runner] = {}
-    base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
-    runners["full"] = Runner(rt, resolve_config(rt, base, stop))
-    cfg_exits: list[int] = []
-    thresholds: dict[int, dict[str, float]] = {}
-    signal = ""
-    configs: dict[str, RunConfig] = {}
-    for policy in early:
-        ro = RunOptions(
-            exits=opts.exits,
-            signal=opts.signal,
-            policy=policy,
-            thresholds=opts.thresholds,
-            threshold_scale=opts.threshold_scale,
-            max_new_tokens=opts.max_new_tokens,
-            provider=opts.provider,
-        )
-        cfg = resolve_config(rt, ro, stop)
-        runners[policy] = Runner(rt, cfg)
-        configs[policy] = cfg
-        if log is not None and cfg.note:
-            log.log(cfg.note)
-        if cfg.exits or not cfg_exits:
-            cfg_exits, thresholds, signal = cfg.exits, cfg.thresholds, cfg.signal
-    hf = (
-        _HF(m.model.get("spec") if m.model.get("kind") != "default" else None, opts.max_new_tokens)
-        if ("hf" in opts.configs)
-        else None
-    )
+def gsm8k_answers(texts: list[str]) -> list[str | None]:
+    """The final answer of GSM8K-style records (after '####', without thousands separators), None elsewhere."""
+    return [t.split("####")[-1].strip().replace(",", "") if "####" in t else None for t in texts]
 
-    def once(name: str, prompt_ids: list[list[int]]) -> _Run:
+
+def heldout_texts(texts: list[str]) -> list[str]:
+    """The last tenth of the records (at least one): the text teacher-forced perplexity is measured on."""
+    return texts[-max(1, len(texts) // 10) :]
+
+
+class _Configs:
+    """Every configuration's runner (and transformers' generate for `hf`), and one timed pass over prompts."""
+
+    def __init__(self, rt: ArtifactRuntime, opts: BenchOptions, stop: tuple[int, ...]) -> None:
+        self.rt, self.opts, self.stop = rt, opts, stop
+        self.runners: dict[str, Runner] = {}
+        base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
+        self.runners["full"] = Runner(rt, resolve_config(rt, base, stop))
+        self.exits: list[int] = []
+        self.thresholds: dict[int, dict[str, float]] = {}
+        self.signal = ""
+        self.configs: dict[str, RunConfig] = {}
+        for policy in [c for c in opts.configs if c in POLICIES]:
+            cfg = resolve_config(rt, self.early_options(policy, 1.0), stop)
+            self.runners[policy] = Runner(rt, cfg)
+            self.configs[policy] = cfg
+            if cfg.exits or not self.exits:
+                self.exits, self.thresholds, self.signal = cfg.exits, cfg.thresholds, cfg.signal
+        m = rt.manifest
+        spec = m.model.get("spec") if m.model.get("kind") != "default" else None
+        self.hf = _HF(spec, opts.max_new_tokens) if "hf" in opts.configs else None
+
+    def early_options(self, policy: str, scale: float) -> RunOptions:
+        o = self.opts
+        return RunOptions(
+            exits=o.exits,
+            signal=o.signal,
+            policy=policy,
+            thresholds=o.thresholds,
+            threshold_scale=o.threshold_scale * scale,
+            max_new_tokens=o.max_new_tokens,
+            provider=o.provider,
+        )
+
+    def once(self, name: str, prompt_ids: list[list[int]]) -> _Run:
         run = _Run([], [], [], [], 0.0)
         for p in prompt_ids:
             if name == "hf":
-                assert hf is not None
-                new, ttft, lat = hf.run(p, stop)
+                assert self.hf is not None
+                new, ttft, lat = self.hf.run(p, self.stop)
                 run.generations.append(new)
                 run.ttfts.append(ttft)
                 run.latencies.extend(lat)
                 continue
-            g: Generation = runners[name].generate([p])[0]
+            g: Generation = self.runners[name].generate([p])[0]
             run.generations.append(g.token_ids)
             run.ttfts.append(g.ttft_s)
             run.latencies.extend(g.latencies_s[1:])
@@ -246,50 +237,134 @@ def run_bench(
             run.rejected += g.rejected_drafts
         return run
 
-    order = ["full", *[c for c in opts.configs if c != "full"]]
+
+def _timed(configs: _Configs, order: list[str], ids: list[list[int]], reps: int, log: Any) -> tuple[dict, dict]:
+    """A warm-up (one prompt each), then `reps` interleaved repetitions: runs and RSS per configuration."""
     if log is not None:
-        log.log(f"warm-up, then {opts.reps} interleaved repetitions of {', '.join(order)} over {len(ids)} prompts")
-    for name in order:  # warm-up: one prompt each
-        once(name, ids[:1])
+        log.log(f"warm-up, then {reps} interleaved repetitions of {', '.join(order)} over {len(ids)} prompts")
+    for name in order:
+        configs.once(name, ids[:1])
     runs: dict[str, list[_Run]] = {n: [] for n in order}
     rss: dict[str, float] = {}
-    for rep in range(opts.reps):
+    for rep in range(reps):
         for name in order:
-            runs[name].append(once(name, ids))
+            runs[name].append(configs.once(name, ids))
             rss[name] = _rss_mb()
             if log is not None:
                 last = runs[name][-1]
                 log.log(
                     f"  rep {rep + 1} {name}: {1000 * sum(last.latencies) / max(1, len(last.latencies)):.1f} ms/token"
                 )
+    return runs, rss
+
+
+def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> ConfigResult:
+    """Speed of one configuration over its repetitions, and (eectl configurations) where its tokens exited."""
+    per_rep = [1000 * sum(r.latencies) / max(1, len(r.latencies)) for r in reps]
+    res = ConfigResult(
+        name=name,
+        ms_per_token=statistics.median(per_rep),
+        ms_per_token_spread=(min(per_rep), max(per_rep)),
+        tokens_per_s=1000 / statistics.median(per_rep) if statistics.median(per_rep) > 0 else 0.0,
+        ttft_ms=1000 * statistics.median([t for r in reps for t in r.ttfts]),
+        rss_mb=round(rss, 1),
+    )
+    if name != "hf":
+        layers = reps[0].exit_layers
+        res.mean_layers = float(np.mean(layers)) if layers else float(num_layers)
+        res.layer_bound = num_layers / res.mean_layers
+        res.exit_histogram = {str(k): int(v) for k, v in sorted(_hist(layers).items())}
+        decode = sum(sum(r.latencies) for r in reps)
+        res.decide_share = sum(r.decide_s for r in reps) / decode if decode > 0 else 0.0
+        res.drafted = reps[0].drafted
+        res.rejected = reps[0].rejected
+    return res
+
+
+def _perplexities(configs: _Configs, results: list[ConfigResult], tok: Any, heldout: list[str], log: Any) -> None:
+    """Teacher-forced perplexity of every configuration whose policy can score text; a lossless policy's is full
+    depth's by construction."""
+    text_ids = _heldout_ids(tok, heldout, configs.opts.ppl_tokens, configs.rt.manifest.max_positions)
+    if log is not None:
+        log.log(f"teacher-forced perplexity on {len(text_ids)} held-out tokens")
+    by = {r.name: r for r in results}
+    for r in results:
+        if r.name == "full" or (r.name in POLICIES and POLICIES[r.name].scores_text):
+            nll, _ = configs.runners[r.name].score(text_ids, prompt_len=1)
+            r.perplexity = math.exp(float(np.mean(nll)))
+    for r in results:
+        if r.name in POLICIES and POLICIES[r.name].lossless:
+            r.perplexity = by["full"].perplexity
+
+
+def _sweep(configs: _Configs, ids: list[list[int]], full_tokens: list[list[int]]) -> list[dict[str, Any]]:
+    """The early-exit policy (defer if benchmarked) at each threshold scale, each against a full-depth run."""
+    early = [c for c in configs.opts.configs if c in POLICIES]
+    if not early or not configs.opts.sweep:
+        return []
+    policy = "defer" if "defer" in early else early[0]
+    L = configs.rt.manifest.num_layers
+    out: list[dict[str, Any]] = []
+    for scale in configs.opts.sweep:
+        configs.runners["_sweep"] = Runner(
+            configs.rt, resolve_config(configs.rt, configs.early_options(policy, scale), configs.stop)
+        )
+        full_run = configs.once("full", ids)
+        t0 = sum(full_run.latencies) / max(1, len(full_run.latencies))
+        sr = configs.once("_sweep", ids)
+        t = sum(sr.latencies) / max(1, len(sr.latencies))
+        agreement, exact, _ = _agreement(sr.generations, full_tokens)
+        out.append(
+            {
+                "scale": scale,
+                "policy": policy,
+                "speedup": t0 / t if t else 0.0,
+                "token_agreement": agreement or 0.0,
+                "exact_match": exact or 0.0,
+                "mean_layers": float(np.mean(sr.exit_layers)) if sr.exit_layers else float(L),
+            }
+        )
+    return out
+
+
+def run_bench(
+    artifact: str | Path,
+    prompts: list[str],
+    opts: BenchOptions,
+    heldout: list[str] | None = None,
+    answers: list[str | None] | None = None,
+    log: Any = None,
+) -> BenchResult:
+    known = (*BASELINES, *POLICIES)
+    bad = [c for c in opts.configs if c not in known]
+    if bad:
+        raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(known)}")
+    if opts.reps < 1 or opts.prompts < 1 or opts.max_new_tokens < 1:
+        raise UsageError("--reps, --prompts and --max-new-tokens must be >= 1")
+    if not prompts:
+        raise UsageError("no prompts to benchmark")
+    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
+    if opts.profile_costs:
+        replan(rt)
+    m = rt.manifest
+    tok = load_tokenizer(rt)
+    ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
+    configs = _Configs(rt, opts, tuple(m.eos_token_ids))
+    if log is not None:
+        for cfg in configs.configs.values():
+            if cfg.note:
+                log.log(cfg.note)
+    order = ["full", *[c for c in opts.configs if c != "full"]]
+    runs, rss = _timed(configs, order, ids, opts.reps, log)
     full_tokens = runs["full"][0].generations
     results: list[ConfigResult] = []
     for name in order:
-        reps = runs[name]
-        per_rep = [1000 * sum(r.latencies) / max(1, len(r.latencies)) for r in reps]
-        res = ConfigResult(
-            name=name,
-            ms_per_token=statistics.median(per_rep),
-            ms_per_token_spread=(min(per_rep), max(per_rep)),
-            tokens_per_s=1000 / statistics.median(per_rep) if statistics.median(per_rep) > 0 else 0.0,
-            ttft_ms=1000 * statistics.median([t for r in reps for t in r.ttfts]),
-            rss_mb=round(rss[name], 1),
-        )
-        if name != "hf":
-            layers = reps[0].exit_layers
-            res.mean_layers = float(np.mean(layers)) if layers else float(L)
-            res.layer_bound = L / res.mean_layers
-            res.exit_histogram = {str(k): int(v) for k, v in sorted(_hist(layers).items())}
-            decode = sum(sum(r.latencies) for r in reps)
-            res.decide_share = sum(r.decide_s for r in reps) / decode if decode > 0 else 0.0
-            res.drafted = reps[0].drafted
-            res.rejected = reps[0].rejected
-        if name in configs:
-            _predictions(res, configs[name], m, reps, L)
-        agree = _agreement(reps[0].generations, full_tokens)
-        res.token_agreement, res.exact_match, res.first_divergence = agree
+        res = _summary(name, runs[name], rss[name], m.num_layers)
+        if name in configs.configs:
+            _predictions(res, configs.configs[name], m, runs[name])
+        res.token_agreement, res.exact_match, res.first_divergence = _agreement(runs[name][0].generations, full_tokens)
         if answers and any(a is not None for a in answers):
-            res.gsm8k_accuracy = _accuracy(tok, reps[0].generations, answers[: len(ids)])
+            res.gsm8k_accuracy = _accuracy(tok, runs[name][0].generations, answers[: len(ids)])
         results.append(res)
     by = {r.name: r for r in results}
     for r in results:
@@ -297,63 +372,21 @@ def run_bench(
         if "hf" in by:
             r.speedup_vs_hf = by["hf"].ms_per_token / r.ms_per_token if r.ms_per_token else None
     if heldout:
-        text_ids = _heldout_ids(tok, heldout, opts.ppl_tokens, m.max_positions)
-        if log is not None:
-            log.log(f"teacher-forced perplexity on {len(text_ids)} held-out tokens")
-        for r in results:
-            if r.name in ("full", "copy", "defer"):
-                nll, _ = runners[r.name].score(text_ids, prompt_len=1)
-                r.perplexity = math.exp(float(np.mean(nll)))
-        if "verify" in by:
-            by["verify"].perplexity = by["full"].perplexity  # verify's output is full depth by construction
-    sweep: list[dict[str, Any]] = []
-    if early and opts.sweep:
-        policy = "defer" if "defer" in early else early[0]
-        for scale in opts.sweep:
-            ro = RunOptions(
-                exits=opts.exits,
-                signal=opts.signal,
-                policy=policy,
-                thresholds=opts.thresholds,
-                threshold_scale=opts.threshold_scale * scale,
-                max_new_tokens=opts.max_new_tokens,
-                provider=opts.provider,
-            )
-            runner = Runner(rt, resolve_config(rt, ro, stop))
-            full_run = once("full", ids)
-            t0 = sum(full_run.latencies) / max(1, len(full_run.latencies))
-            runners["_sweep"] = runner
-            sr = once("_sweep", ids)
-            t = sum(sr.latencies) / max(1, len(sr.latencies))
-            agreement, exact, _ = _agreement(sr.generations, full_tokens)
-            sweep.append(
-                {
-                    "scale": scale,
-                    "policy": policy,
-                    "speedup": t0 / t if t else 0.0,
-                    "token_agreement": agreement or 0.0,
-                    "exact_match": exact or 0.0,
-                    "mean_layers": float(np.mean(sr.exit_layers)) if sr.exit_layers else float(L),
-                }
-            )
-    hf_matches = None
-    if "hf" in runs:
-        hf_matches = runs["hf"][0].generations == full_tokens
+        _perplexities(configs, results, tok, heldout, log)
+    sweep = _sweep(configs, ids, full_tokens)
     notes = [
         f"{rt.threads} ONNX Runtime threads (one global pool); torch (hf) threads set to the same count",
         "RSS is the process's resident memory after each configuration's runs; ORT and torch share the process",
     ]
-    default = ""
-    plan_line = ""
+    default = plan_line = ""
     if m.plan is not None:
-        plan_line = m.plan.summary()
-        default = m.plan.default
+        plan_line, default = m.plan.summary(), m.plan.default
         notes.append(plan_line)
-        if m.costs is not None:
-            notes.append(
-                f"costs measured at export on {m.costs.provider} with {m.costs.threads} threads "
-                f"(full-depth step {m.costs.full_step_ms:.1f} ms at a past of {m.costs.past})"
-            )
+    if m.costs is not None:
+        notes.append(
+            f"costs {'re-measured here' if opts.profile_costs else 'measured at export'} on {m.costs.provider} with "
+            f"{m.costs.threads} threads (full-depth step {m.costs.full_step_ms:.1f} ms at a past of {m.costs.past})"
+        )
     return BenchResult(
         artifact=str(artifact),
         default=default,
@@ -364,17 +397,17 @@ def run_bench(
         prompts=len(ids),
         max_new_tokens=opts.max_new_tokens,
         reps=opts.reps,
-        signal=signal,
-        exits=cfg_exits,
-        thresholds={str(k): v for k, v in thresholds.items()},
+        signal=configs.signal,
+        exits=configs.exits,
+        thresholds={str(k): v for k, v in configs.thresholds.items()},
         configs=results,
         sweep=sweep,
-        hf_matches_full=hf_matches,
+        hf_matches_full=runs["hf"][0].generations == full_tokens if "hf" in runs else None,
         notes=notes,
     )
 
 
-def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run], L: int) -> None:
+def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) -> None:
     """The plan's predicted speedup for this configuration, and the cost model at the exits this run realized."""
     from eectl.plan import predict
 

@@ -8,13 +8,11 @@ The decision rule is the runner's, and calibration follows it SEQUENTIALLY:
 
 so exit l is calibrated only on the tokens that no earlier exit took. Per exit, FlexEE's
 lambda*_l = min{ lambda : P(top1_l == top1_final | value_l >= lambda) >= target } on those tokens
-(`eectl.exits.threshold_for_precision`); with `confidence` the Clopper-Pearson lower bound on that precision must
-reach the target instead (see `threshold_with_bound`). For "topk-prob+margin" (FlexEE's AND of two tests) the
-search walks a grid of margin thresholds (0 = no margin test, then the margin values at 31 quantiles of the
-tokens that reach the exit), finds the lowest qualifying probability threshold for each, and keeps the pair that
-exits the most tokens (on ties, the smaller margin threshold).
+with `confidence` the Clopper-Pearson lower bound on that precision must reach the target instead. The statistics
+and the sequential fit live in eectl.thresholds; the calibration.json schema in eectl.calibration_file.
 
-Signals are computed by eectl.exits, the code export turns into the exit graphs (module `ExitHead`):
+Signals are scored by eectl.exits (`ExitScoring`, the path the runner takes too) on `ExitHead`, the code export
+turns into the exit graphs:
   - topk-*: at the FIRST listed exit one full LM-head projection (`ExitHead.full`) picks the K candidates
     (`topk_candidates`); the first exit's local logits are those K gathered full logits; every later exit scores
     only the K candidate rows (`ExitHead.local`). Probabilities are a softmax over the K local logits (`signals`).
@@ -31,18 +29,13 @@ out: thresholds are fitted on the rest and replayed on it, so the report puts re
 All hidden states are the full model's (every layer's KV exact); how far a KV policy moves them at run time is for
 `eectl bench` to measure.
 
-The guarantee is per threshold: the Clopper-Pearson bound treats the chosen threshold as if fixed in advance; the
-search over thresholds (and over exits, sequentially) is not corrected for. The held-out numbers are the check.
-
-What this module does not do: run ONNX Runtime, train heads, or choose where the exits are (see `eectl profile`).
+What this module does not do: fit thresholds (thresholds.py), define the file (calibration_file.py), run ONNX
+Runtime, train heads, or choose where the exits are (see `eectl profile`).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,44 +43,47 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch import nn
 
-from eectl import __version__
+from eectl.calibration_file import (
+    Calibration,
+    CandidatesInfo,
+    ComparedSource,
+    DataInfo,
+    ExitResult,
+    HeadsInfo,
+    ModelInfo,
+    OverallStats,
+    SplitStats,
+)
 from eectl.data import encode_prompt
-from eectl.errors import ArtifactError, DataError, UsageError
+from eectl.errors import DataError, UsageError
 from eectl.exits import (
     CANDIDATE_SOURCES,
-    CRITERIA,
     DEFAULT_CANDIDATES,
     DEFAULT_SHORTLIST,
+    DEFAULT_SIGNAL,
     DEFAULT_TOP_K,
-    NEVER,
-    SIGNALS,
     CandidateSource,
     ExitHead,
-    ExitSignals,
-    Prefixes,
-    ThresholdChoice,
+    ExitScoring,
+    TorchExitLogits,
     frequency_shortlist,
+    get_signal,
     make_source,
-    signals,
-    threshold_for_precision,
-    transition_cosine,
 )
-from eectl.models.adapters import Adapter, KVCache
+from eectl.models.adapters import Adapter, Capture, KVCache
 from eectl.plan import MAX_SUBSET, VERIFY_PRECISIONS, ExitOption, Option
+from eectl.recipe import check_exit_layers
+from eectl.thresholds import assign_exits, clopper_pearson_lower, fit_thresholds, min_tokens_for
 
-SCHEMA_VERSION = 1
-# What each signal tests: exit when every named value is >= its threshold.
 SOURCES = ("teacher-forced", "generated")
-MARGIN_GRID = 32  # margin thresholds tried for "+margin" signals (0 and 31 quantiles)
 
 
 @dataclass
 class CalibrateOptions:
     exits: list[int]
-    signal: str = "topk-prob"
+    signal: str = DEFAULT_SIGNAL
     target: float = 0.99
     top_k: int = DEFAULT_TOP_K
     candidates: str = DEFAULT_CANDIDATES  # topk signals: the candidate source at the first exit (exits.py)
@@ -112,22 +108,11 @@ class CalibrateOptions:
         return self.tokens - self.generated_tokens
 
 
-def parse_exits(spec: str) -> list[int]:
-    try:
-        exits = [int(x) for x in spec.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise UsageError(f"--exits must be comma-separated layer numbers, got '{spec}'") from None
-    if not exits:
-        raise UsageError(f"--exits must name at least one layer, got '{spec}'")
-    return exits
-
-
 def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_size: int | None = None) -> None:
     """Raise UsageError / DataError for options that cannot work (the exits only once the model's depth is given)."""
     if not 0.0 < opts.target <= 1.0 or math.isnan(opts.target):
         raise UsageError(f"--target must be in (0, 1], got {opts.target}")
-    if opts.signal not in SIGNALS:
-        raise UsageError(f"--signal must be one of {', '.join(SIGNALS)}, got '{opts.signal}'")
+    signal = get_signal(opts.signal)
     if opts.confidence is not None:
         if not 0.0 < opts.confidence < 1.0 or math.isnan(opts.confidence):
             raise UsageError(f"--confidence must be in (0, 1), got {opts.confidence}")
@@ -145,22 +130,15 @@ def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_s
         raise UsageError(f"--tokens must be positive, got {opts.tokens}")
     if opts.top_k < 2:
         raise UsageError(f"--top-k must be >= 2 (the margin needs two candidates), got {opts.top_k}")
-    if opts.candidates not in CANDIDATE_SOURCES:
-        raise UsageError(f"--candidates must be one of {', '.join(CANDIDATE_SOURCES)}, got '{opts.candidates}'")
+    for name in [opts.candidates, *opts.compare]:
+        if name not in CANDIDATE_SOURCES:
+            raise UsageError(f"--candidates must be one of {', '.join(CANDIDATE_SOURCES)}, got '{name}'")
     if opts.shortlist < opts.top_k:
         raise UsageError(f"--shortlist ({opts.shortlist}) must be at least --top-k ({opts.top_k})")
     if not opts.exits and num_layers is not None:
         raise UsageError("no exits given", hint="pass --exits, e.g. --exits 8,12,16,20,24, or a --recipe with exits")
-    if len(set(opts.exits)) != len(opts.exits):
-        raise UsageError(f"--exits must be distinct, got {opts.exits}")
-    if num_layers is not None:
-        bad = [e for e in opts.exits if not 1 <= e <= num_layers - 1]
-        if bad:
-            raise UsageError(
-                f"--exits {bad} outside the model's layers 1..{num_layers - 1}",
-                hint=f"an exit after layer l reads the state after l of the {num_layers} decoder layers",
-            )
-    if vocab_size is not None and opts.signal.startswith("topk") and opts.top_k > vocab_size:
+    check_exit_layers(opts.exits, num_layers)
+    if vocab_size is not None and signal.needs_candidates and opts.top_k > vocab_size:
         raise UsageError(f"--top-k {opts.top_k} exceeds the vocabulary ({vocab_size})")
     if opts.confidence is not None:
         need = min_tokens_for(opts.target, opts.confidence)
@@ -172,118 +150,6 @@ def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_s
                 f"--holdout {opts.holdout} gives about {have}",
                 hint="raise --tokens, lower --target or --confidence",
             )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Clopper-Pearson, without scipy: the regularized incomplete beta function by Lentz's continued fraction
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def betainc(a: Any, b: Any, x: Any) -> torch.Tensor:
-    """Regularized incomplete beta I_x(a, b) (a, b > 0, 0 <= x <= 1), elementwise in float64, broadcasting."""
-    a, b, x = torch.broadcast_tensors(*(torch.as_tensor(v, dtype=torch.float64) for v in (a, b, x)))
-    if a.numel() == 0:
-        return torch.empty(a.shape, dtype=torch.float64)
-    # The continued fraction converges fast for x < (a + 1) / (a + b + 2); use I_x(a, b) = 1 - I_{1-x}(b, a) beyond.
-    swap = x > (a + 1) / (a + b + 2)
-    p, q, z = torch.where(swap, b, a), torch.where(swap, a, b), torch.where(swap, 1 - x, x)
-    log_front = (
-        p * torch.log(z)
-        + q * torch.log1p(-z)
-        - (torch.lgamma(p) + torch.lgamma(q) - torch.lgamma(p + q))
-        - torch.log(p)
-    )
-    tiny = 1e-300
-
-    def fix(t: torch.Tensor) -> torch.Tensor:
-        return torch.where(t.abs() < tiny, torch.full_like(t, tiny), t)
-
-    c = torch.ones_like(z)
-    d = 1.0 / fix(1 - (p + q) * z / (p + 1))
-    h = d.clone()
-    done = torch.zeros_like(z, dtype=torch.bool)
-    max_iter = int(20 * math.sqrt(float(torch.maximum(p, q).max())) + 200)
-    for m in range(1, max_iter + 1):
-        m2 = 2 * m
-        num = m * (q - m) * z / ((p - 1 + m2) * (p + m2))
-        d = 1.0 / fix(1 + num * d)
-        c = fix(1 + num / c)
-        h = h * d * c
-        num = -(p + m) * (p + q + m) * z / ((p + m2) * (p + 1 + m2))
-        d = 1.0 / fix(1 + num * d)
-        c = fix(1 + num / c)
-        delta = d * c
-        h = h * delta
-        # a term within rounding noise of 1 ends an entry's fraction (later terms only add noise)
-        done |= (delta - 1).abs() < 1e-14
-        if bool(done.all()):
-            break
-    res = torch.exp(log_front) * h
-    res = torch.where(swap, 1 - res, res)
-    res = torch.where(x <= 0, torch.zeros_like(res), res)
-    return torch.where(x >= 1, torch.ones_like(res), res).clamp(0.0, 1.0)
-
-
-def binomial_upper_tail(k: Any, n: Any, p: Any) -> torch.Tensor:
-    """P(X >= k) for X ~ Binomial(n, p), elementwise: I_p(k, n - k + 1) for k >= 1, and 1 for k <= 0."""
-    k, n, p = torch.broadcast_tensors(*(torch.as_tensor(v, dtype=torch.float64) for v in (k, n, p)))
-    tail = betainc(k.clamp(min=1.0), (n - k + 1).clamp(min=1.0), p)
-    return torch.where(k <= 0, torch.ones_like(tail), tail)
-
-
-def clopper_pearson_lower(k: Any, n: Any, confidence: float) -> torch.Tensor:
-    """One-sided Clopper-Pearson lower bound on a binomial proportion after k successes in n trials.
-
-    The bound p_L solves P(X >= k | n, p_L) = 1 - confidence (0 when k = 0; (1 - confidence)^(1/n) when k = n).
-    Found by 9 rounds of a 32-way bracket refinement (about 1e-13 wide), vectorized over k and n.
-    """
-    k, n = torch.broadcast_tensors(torch.as_tensor(k, dtype=torch.float64), torch.as_tensor(n, dtype=torch.float64))
-    alpha = 1.0 - confidence
-    lo, hi = torch.zeros_like(k), torch.ones_like(k)
-    steps = torch.linspace(0.0, 1.0, 33, dtype=torch.float64)
-    for _ in range(9):
-        grid = lo[..., None] + (hi - lo)[..., None] * steps  # [..., 33], tail increasing along it
-        below = binomial_upper_tail(k[..., None], n[..., None], grid) <= alpha
-        idx = (below.sum(-1, keepdim=True) - 1).clamp(min=0)
-        lo, hi = grid.gather(-1, idx)[..., 0], grid.gather(-1, (idx + 1).clamp(max=32))[..., 0]
-    exact_all = torch.full_like(k, alpha) ** (1.0 / n.clamp(min=1.0))
-    out = torch.where(k >= n, exact_all, lo)
-    return torch.where(k <= 0, torch.zeros_like(out), out)
-
-
-def min_tokens_for(target: float, confidence: float) -> int:
-    """The fewest exiting tokens whose Clopper-Pearson bound can reach `target` (all of them correct)."""
-    if target >= 1.0:
-        return 2**62
-    alpha = 1.0 - confidence
-    n = max(1, math.ceil(math.log(alpha) / math.log(target)))
-    while alpha ** (1.0 / n) < target:  # float rounding of the ratio
-        n += 1
-    while n > 1 and alpha ** (1.0 / (n - 1)) >= target:
-        n -= 1
-    return n
-
-
-def threshold_with_bound(
-    confidence: torch.Tensor, correct: torch.Tensor, target: float, level: float
-) -> ThresholdChoice:
-    """The lowest threshold whose exiting tokens have a Clopper-Pearson lower bound (at `level`) >= target.
-
-    Same tie handling as `threshold_for_precision`; returns threshold inf when none qualifies. The bound reaches the
-    target exactly when P(X >= hits | n, target) <= 1 - level, so one binomial tail per candidate prefix decides.
-    """
-    if confidence.numel() == 0:
-        return NEVER
-    p = Prefixes.of(confidence, correct)
-    # the point estimate bounds the lower bound, and n_min tokens are needed even with no error
-    cand = torch.nonzero(p.boundary & (p.precision >= target) & (p.counts >= min_tokens_for(target, level))).flatten()
-    alpha = 1.0 - level
-    for end in range(cand.numel(), 0, -256):  # the largest qualifying prefix is usually among the largest few
-        block = cand[max(0, end - 256) : end]
-        ok = block[binomial_upper_tail(p.hits[block], p.counts[block], target) <= alpha]
-        if ok.numel():
-            return p.choice(int(ok[-1]))
-    return NEVER
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -371,7 +237,7 @@ class Measurements:
 
 
 class ExitScorer:
-    """Every exit's signal values and top-1 for a batch of positions, computed as the runner computes them."""
+    """Every exit's signal values and top-1 for a batch of positions, scored as the runner scores them."""
 
     def __init__(
         self,
@@ -384,32 +250,34 @@ class ExitScorer:
     ) -> None:
         self.adapter = adapter
         self.exits = sorted(exits)
-        self.signal = signal
+        self.signal = get_signal(signal)
         self.top_k = top_k
-        self.criteria = CRITERIA[signal]
+        self.criteria = self.signal.criteria
         self.heads = {layer: ExitHead(adapter, (heads or {}).get(layer)).eval() for layer in self.exits}
-        self.source = source or CandidateSource()
+        self.source = source or make_source("first-exit-topk", adapter.lm_head.weight)
 
     @property
     def needs_inputs(self) -> bool:
-        return self.signal == "cosine"
+        return self.signal.needs_layer_input
 
-    def exit_signals(self, states: list[torch.Tensor], first: int = 0) -> list[ExitSignals]:
-        """states[e] [T, H]: hidden state after exit e's layer -> the signals of exits first.. (topk: candidates
-        picked by the candidate source at exit `first`, later exits score only those rows)."""
-        if self.signal.startswith("topk"):
-            cand, cand_logits = self.source.pick(self.heads[self.exits[first]], states[first], self.top_k)  # [T, K]
-            out = [signals(cand_logits, cand)]
-            for layer, h in zip(self.exits[first + 1 :], states[first + 1 :], strict=True):
-                out.append(signals(self.heads[layer].local(h, cand), cand))
-            return out
-        return [signals(self.heads[layer].full(h)) for layer, h in zip(self.exits, states, strict=True)]
+    def _scores(
+        self, states: list[torch.Tensor], inputs: list[torch.Tensor] | None, first: int, final_top: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Exits first.. scored in order, the candidates picked at exit `first`: values {c: [E', T]}, correct."""
+        scoring = ExitScoring(self.signal, TorchExitLogits(self.heads), self.top_k, self.source)
+        scores = [
+            scoring.score(layer, h, None if inputs is None else inputs[first + e])
+            for e, (layer, h) in enumerate(zip(self.exits[first:], states[first:], strict=True))
+        ]
+        values = {c: torch.stack([s.values[c] for s in scores]).float() for c in self.criteria}
+        return values, torch.stack([s.prediction().token == final_top for s in scores])
 
     @torch.no_grad()
     def score(
         self, states: list[torch.Tensor], inputs: list[torch.Tensor] | None, final: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """-> values {criterion: [E, T]}, correct [E, T] bool, the final layer's top-1 [T]."""
+        """states[e] [T, H] (and inputs[e], the last layer's input) -> values {criterion: [E, T]}, correct [E, T]
+        bool, the final layer's top-1 [T]."""
         values, correct, final_top, _, _ = self.score_pairs(states, inputs, final, pairs=False)
         return values, correct, final_top
 
@@ -419,30 +287,25 @@ class ExitScorer:
     ) -> tuple[
         dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None, torch.Tensor | None
     ]:
-        """As `score`, plus (topk signals, `pairs`) the values and correctness [F, E, T] with the candidates picked
-        at every exit F in turn (entries E < F are 0 / False): what any subset of active exits would see."""
+        """As `score`, plus (signals with candidates, `pairs`) the values and correctness [F, E, T] with the
+        candidates picked at every exit F in turn (entries E < F are 0 / False): what any subset of active exits
+        would see."""
         final_top = self.adapter.logits(final).argmax(-1)
-        values: dict[str, torch.Tensor] = {}
-        if self.signal == "cosine":
-            assert inputs is not None
-            tokens = [self.heads[layer].full(h).argmax(-1) for layer, h in zip(self.exits, states, strict=True)]
-            values["cosine"] = torch.stack([transition_cosine(i, h) for i, h in zip(inputs, states, strict=True)])
-            return values, torch.stack([t == final_top for t in tokens]), final_top, None, None
-        if not (pairs and self.signal.startswith("topk")):
-            sig = self.exit_signals(states)
-            for c in self.criteria:
-                values[c] = torch.stack([getattr(s, c) for s in sig]).float()
-            return values, torch.stack([s.token == final_top for s in sig]), final_top, None, None
+        values, correct = self._scores(states, inputs, 0, final_top)
+        if not (pairs and self.signal.needs_candidates):
+            return values, correct, final_top, None, None
         num, t = len(self.exits), final.shape[0]
         pv = {c: torch.zeros(num, num, t) for c in self.criteria}
         pc = torch.zeros(num, num, t, dtype=torch.bool)
-        for f in range(num):
-            for j, s in enumerate(self.exit_signals(states, f)):
-                for c in self.criteria:
-                    pv[c][f, f + j] = getattr(s, c).float()
-                pc[f, f + j] = s.token == final_top
-        values = {c: v[0].clone() for c, v in pv.items()}
-        return values, pc[0].clone(), final_top, pv, pc
+        for c in self.criteria:
+            pv[c][0] = values[c]
+        pc[0] = correct
+        for f in range(1, num):
+            v, ok = self._scores(states, inputs, f, final_top)
+            for c in self.criteria:
+                pv[c][f, f:] = v[c]
+            pc[f, f:] = ok
+        return values, correct, final_top, pv, pc
 
 
 def _forward_capture(
@@ -455,21 +318,13 @@ def _forward_capture(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
     """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input)."""
     adapter = scorer.adapter
-    slot = {layer - 1: e for e, layer in enumerate(scorer.exits)}  # decoder layer index -> exit index
-    states: list[torch.Tensor] = [torch.empty(0)] * len(scorer.exits)
-    inputs: list[torch.Tensor] = [torch.empty(0)] * len(scorer.exits)
-
-    def on_layer(i: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
-        e = slot.get(i)
-        if e is not None:
-            states[e] = select(h_out)
-            if scorer.needs_inputs:
-                inputs[e] = select(h_in)
-
+    keep = Capture(scorer.exits, inputs=scorer.needs_inputs, select=select)
     final = adapter.forward_layers(
-        adapter.embed(ids), positions, 0, adapter.num_layers, cache, key_padding, on_layer=on_layer
+        adapter.embed(ids), positions, 0, adapter.num_layers, cache, key_padding, capture=keep
     )
-    return states, (inputs if scorer.needs_inputs else None), select(final)
+    states = [keep.states[layer] for layer in scorer.exits]
+    inputs = [keep.layer_inputs[layer] for layer in scorer.exits] if scorer.needs_inputs else None
+    return states, inputs, select(final)
 
 
 def _part(
@@ -651,99 +506,6 @@ def measure_generation(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def passes(meas: Measurements, e: int, thresholds: dict[str, float]) -> torch.Tensor:
-    """[N] bool: exit e's test (every criterion's value >= its threshold; inf never passes)."""
-    ok = torch.ones(meas.n, dtype=torch.bool)
-    for c, t in thresholds.items():
-        ok &= meas.values[c][e] >= t
-    return ok
-
-
-def assign_exits(meas: Measurements, thresholds: list[dict[str, float]]) -> torch.Tensor:
-    """[N] long: the index of the exit each token takes under the sequential rule, len(exits) for none."""
-    taken = torch.full((meas.n,), len(meas.exits), dtype=torch.long)
-    for e in range(len(meas.exits) - 1, -1, -1):  # the earliest passing exit wins: write it last
-        taken[passes(meas, e, thresholds[e])] = e
-    return taken
-
-
-def _search_one(conf: torch.Tensor, correct: torch.Tensor, target: float, level: float | None) -> float:
-    if level is None:
-        return threshold_for_precision(conf, correct, target).threshold
-    return threshold_with_bound(conf, correct, target, level).threshold
-
-
-def search_thresholds(
-    values: dict[str, torch.Tensor], correct: torch.Tensor, target: float, level: float | None = None
-) -> dict[str, float]:
-    """Thresholds for one exit on the tokens that reach it; inf everywhere when no threshold qualifies."""
-    never = {c: float("inf") for c in values}
-    if correct.numel() == 0:
-        return never
-    if len(values) == 1:
-        ((c, v),) = values.items()
-        return {c: _search_one(v, correct, target, level)}
-    prob, margin = values["prob"], values["margin"]
-    ordered = torch.sort(margin).values
-    levels = torch.linspace(0.0, 0.97, MARGIN_GRID - 1, dtype=torch.float64)
-    grid = {0.0} | {float(ordered[int(q * (ordered.numel() - 1))]) for q in levels}
-    best, best_count = never, 0
-    for m in sorted(grid):
-        keep = margin >= m
-        t = _search_one(prob[keep], correct[keep], target, level)
-        count = int((keep & (prob >= t)).sum())
-        if count > best_count:
-            best, best_count = {"prob": t, "margin": m}, count
-    return best
-
-
-def fit_thresholds(
-    meas: Measurements, target: float, level: float | None = None, mask: torch.Tensor | None = None
-) -> list[dict[str, float]]:
-    """Sequentially: exit e's thresholds are searched on the (masked) tokens that no earlier exit took."""
-    remaining = torch.ones(meas.n, dtype=torch.bool) if mask is None else mask.clone()
-    out: list[dict[str, float]] = []
-    for e in range(len(meas.exits)):
-        idx = torch.nonzero(remaining).flatten()
-        thr = search_thresholds({c: v[e, idx] for c, v in meas.values.items()}, meas.correct[e, idx], target, level)
-        out.append(thr)
-        remaining &= ~passes(meas, e, thr)
-    return out
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SplitStats(_Model):
-    """One exit on one split."""
-
-    reached: int  # tokens that no earlier exit took
-    exited: int
-    coverage: float  # exited / all tokens of the split
-    precision: float | None  # agreement with the final top-1 among the exited tokens; None when none exited
-    lower_bound: float | None = None  # Clopper-Pearson lower bound on precision (with --confidence)
-
-
-class OverallStats(_Model):
-    tokens: int
-    exited: int
-    exit_rate: float  # share of tokens that exit early
-    precision: float | None  # agreement among tokens that exit early
-    agreement: float  # agreement over all tokens (those that run every layer agree by definition)
-    mean_layers: float  # exiting tokens count their exit layer, the others L
-    speedup_bound: float  # L / mean_layers (decision and KV costs not counted)
-
-
-class ExitResult(_Model):
-    layer: int
-    head: bool  # a trained head sits before the final norm + LM head at this exit
-    thresholds: dict[str, float | None]  # criterion -> exit when value >= threshold; None: never exits here
-    calibration: SplitStats
-    heldout: SplitStats | None = None
-    note: str | None = None
-
-
 def _rate(num: int, den: int) -> float | None:
     return num / den if den else None
 
@@ -752,7 +514,7 @@ def evaluate(
     meas: Measurements, thresholds: list[dict[str, float]], mask: torch.Tensor, level: float | None = None
 ) -> tuple[list[SplitStats], OverallStats]:
     """Replay the sequential rule on the masked tokens: per-exit and overall numbers."""
-    taken = assign_exits(meas, thresholds)[mask]
+    taken = assign_exits(meas.values, thresholds)[mask]
     correct = meas.correct[:, mask]
     n, num_exits, L = int(mask.sum()), len(meas.exits), meas.num_layers
     per_exit: list[SplitStats] = []
@@ -814,7 +576,7 @@ def fit(
             f"at least {need} calibration tokens, got {n_calib}",
             hint="raise --tokens, lower --target or --confidence",
         )
-    thresholds = fit_thresholds(meas, target, confidence, calib)
+    thresholds = fit_thresholds(meas.values, meas.correct, target, confidence, calib)
     cal_exits, cal_overall = evaluate(meas, thresholds, calib, confidence)
     held_exits: list[SplitStats | None] = [None] * len(meas.exits)
     held_overall = None
@@ -828,9 +590,9 @@ def fit(
                 by_source[name] = evaluate(meas, thresholds, part)[1]
     exits: list[ExitResult] = []
     for e, layer in enumerate(meas.exits):
-        thr = {c: (None if math.isinf(t) else t) for c, t in thresholds[e].items()}
+        thr = thresholds[e]
         note = None
-        if all(t is None for t in thr.values()):
+        if all(math.isinf(t) for t in thr.values()):
             reached = cal_exits[e].reached
             if confidence is not None and reached < need:
                 note = f"never exits: {reached} tokens reach it, the guarantee needs at least {need}"
@@ -847,157 +609,6 @@ def fit(
             )
         )
     return Fit(thresholds, exits, cal_overall, held_overall, by_source)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# calibration.json: the schema export and run read
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class ModelInfo(_Model):
-    name: str
-    kind: str
-    spec: str
-    path: str | None
-    sha256: str
-    family: str
-    num_layers: int
-
-
-class DataInfo(_Model):
-    name: str
-    description: str
-    records: int
-    tokens: int  # measured tokens in all
-    teacher_forced_tokens: int
-    generated_tokens: int
-    prompts_used: int  # prompts continued greedily (the data's prompts, last record first)
-    chat_template: bool  # the prompts were wrapped in the tokenizer's chat template (as `eectl run` does)
-    gen_tokens_per_prompt: int
-    chunk_len: int
-    holdout: float
-    calibration_tokens: int
-    heldout_tokens: int
-
-
-class HeadsInfo(_Model):
-    path: str
-    sha256: str
-    layers: list[int]
-
-
-class CandidatesInfo(_Model):
-    """The candidate source of topk signals (exits.py): export builds its graph from this, the runner uses it."""
-
-    name: str  # full | shortlist | int8
-    size: int | None = None  # shortlist rows
-    heldout_hit_rate: float | None = None  # share of held-out tokens (text and generated) inside the shortlist
-    ids: list[int] | None = None  # the shortlist's token ids, most frequent first
-
-
-class ComparedSource(_Model):
-    """Another candidate source measured on the same tokens, fitted the same way (a comparison; not exported)."""
-
-    exits: list[ExitResult]
-    calibration: OverallStats
-    heldout: OverallStats | None
-    options: list[Option] = Field(default_factory=list)
-
-
-class Calibration(_Model):
-    schema_version: int = SCHEMA_VERSION
-    eectl_version: str = __version__
-    model: ModelInfo
-    data: DataInfo
-    signal: str
-    criteria: list[str]  # every one must be >= its threshold for a token to exit
-    top_k: int | None  # local vocabulary size (topk-* signals)
-    candidates_layer: int | None  # where the Top-K candidates are picked: the first exit (topk-* signals)
-    candidates: CandidatesInfo | None = None  # how they are picked (None: the full LM head)
-    target: float = Field(gt=0.0, le=1.0)
-    confidence: float | None
-    heads: HeadsInfo | None = None
-    exits: list[ExitResult]
-    calibration: OverallStats
-    heldout: OverallStats | None
-    heldout_by_source: dict[str, OverallStats] = Field(default_factory=dict)
-    options: list[Option] = Field(default_factory=list)  # the cost model's menu (fit_options), held-out numbers
-    options_judged_on: int = 0  # tokens the menu's coverage was measured on (options_judge)
-    compared: dict[str, ComparedSource] = Field(default_factory=dict)  # --compare: other candidate sources
-    threads: int = 0
-    wall_s: float = 0.0
-    seconds_per_10k_tokens: float = 0.0
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Calibration:
-        if self.signal not in CRITERIA:
-            raise ValueError(f"unknown signal '{self.signal}'")
-        if tuple(self.criteria) != CRITERIA[self.signal]:
-            raise ValueError(f"criteria {self.criteria} do not match signal '{self.signal}'")
-        layers = [x.layer for x in self.exits]
-        if not layers or layers != sorted(set(layers)) or not all(1 <= x < self.model.num_layers for x in layers):
-            raise ValueError(f"exits {layers} must be distinct, ascending and within 1..{self.model.num_layers - 1}")
-        for x in self.exits:
-            if set(x.thresholds) != set(self.criteria):
-                raise ValueError(f"exit {x.layer}: thresholds {sorted(x.thresholds)} != criteria {self.criteria}")
-        topk = self.signal.startswith("topk")
-        if topk and (self.top_k is None or self.top_k < 2 or self.candidates_layer != layers[0]):
-            raise ValueError("topk signals need top_k >= 2 and candidates_layer = the first exit")
-        if self.confidence is not None and not 0.0 < self.confidence < 1.0:
-            raise ValueError(f"confidence {self.confidence} outside (0, 1)")
-        return self
-
-    def thresholds_by_layer(self) -> dict[int, dict[str, float] | None]:
-        """Exit layer -> {criterion: threshold}, or None for an exit that never exits."""
-        out: dict[int, dict[str, float] | None] = {}
-        for x in self.exits:
-            kept = {c: float(v) for c, v in x.thresholds.items() if v is not None}
-            out[x.layer] = kept if len(kept) == len(x.thresholds) else None
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
-
-
-def write_calibration(cal: Calibration, path: str | Path) -> Path:
-    """Write atomically: a temp file in the same folder, then a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(cal.to_dict(), f, indent=2, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def read_calibration(path: str | Path) -> Calibration:
-    """Read and validate a calibration.json; ArtifactError (one line) when missing, edited or of another schema."""
-    p = Path(path)
-    if not p.is_file():
-        raise ArtifactError(f"calibration not found: {path}", hint="run eectl calibrate")
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{p.name} is not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ArtifactError(f"{p.name} is not a calibration (not a JSON object)")
-    version = raw.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ArtifactError(
-            f"{p.name} has schema_version {version!r}; this eectl reads {SCHEMA_VERSION}",
-            hint="recalibrate with this version of eectl",
-        )
-    try:
-        return Calibration.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "calibration"
-        raise ArtifactError(f"{p.name}: {where}: {first['msg']}") from exc
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1066,12 +677,12 @@ def collect(
                 hint="lower --gen-share or --tokens, or raise --gen-tokens",
             )
     shortlist = None
-    topk = opts.signal.startswith("topk")
+    topk = get_signal(opts.signal).needs_candidates
     if topk and opts.candidates == "shortlist":
         shortlist = frequency_shortlist(
             _calibration_tokens(chunks, conts, opts.holdout), opts.shortlist, dims.vocab_size
         )
-    source = make_source(opts.candidates if topk else "full", adapter.lm_head.weight, shortlist)
+    source = make_source(opts.candidates if topk else "first-exit-topk", adapter.lm_head.weight, shortlist)
     described = source.describe()
     if shortlist is not None:  # how often a held-out token is one the shortlist can predict at all
         held_ids = _calibration_tokens(chunks, conts, opts.holdout, held=True)
@@ -1155,7 +766,7 @@ def fit_options(
         for subset in combinations(meas.exits, size):
             sub = meas.restrict(subset)
             for kind, q, level in fits:
-                thresholds = fit_thresholds(sub, q, level, calib)
+                thresholds = fit_thresholds(sub.values, sub.correct, q, level, calib)
                 if any(all(math.isinf(v) for v in t.values()) for t in thresholds):
                     continue
                 per_exit, overall = evaluate(sub, thresholds, judge)
@@ -1189,7 +800,8 @@ def summarise(
     start = time.perf_counter()
     meas = collected.meas
     result = fit(meas, opts.target, opts.confidence, opts.holdout, sorted(heads or {}))
-    if opts.signal.startswith("topk") and result.exits[0].calibration.exited == 0 and len(result.exits) > 1:
+    signal = get_signal(opts.signal)
+    if signal.needs_candidates and result.exits[0].calibration.exited == 0 and len(result.exits) > 1:
         first = result.exits[0]
         first.note = (first.note or "never exits") + (
             "; the candidate source still runs here when it is the first active exit (export's cost model "
@@ -1225,16 +837,16 @@ def summarise(
             heldout_tokens=int(held.sum()),
         ),
         signal=opts.signal,
-        criteria=list(CRITERIA[opts.signal]),
-        top_k=opts.top_k if opts.signal.startswith("topk") else None,
-        candidates_layer=opts.exits[0] if opts.signal.startswith("topk") else None,
+        criteria=list(signal.criteria),
+        top_k=opts.top_k if signal.needs_candidates else None,
+        candidates_layer=opts.exits[0] if signal.needs_candidates else None,
         candidates=CandidatesInfo(
             name=str(collected.candidates["name"]),
             size=None if collected.shortlist is None else int(collected.shortlist.numel()),
             heldout_hit_rate=collected.candidates.get("heldout_hit_rate"),
             ids=None if collected.shortlist is None else [int(i) for i in collected.shortlist],
         )
-        if opts.signal.startswith("topk")
+        if signal.needs_candidates
         else None,
         options=fit_options(meas, opts.target, opts.confidence, opts.holdout) if opts.options else [],
         options_judged_on=int(options_judge(meas, opts.holdout).sum()) if opts.options else 0,

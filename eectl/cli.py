@@ -14,9 +14,9 @@ from typing import Annotated, Any
 import typer
 
 from eectl import __version__
-from eectl.errors import EectlError, NotBuiltError, UsageError
+from eectl.errors import EectlError, UsageError
 from eectl.output import Output
-from eectl.recipe import Recipe, default_exits, load_recipe, pick
+from eectl.recipe import Recipe, default_exits, load_recipe, parse_layers, pick
 
 app = typer.Typer(
     name="eectl",
@@ -159,10 +159,6 @@ def _print_profile(out: Output, result: object, plot: Path | None) -> None:
         out.line(f"plot: {plot}")
 
 
-def _not_built(command: str, issue: str) -> None:
-    raise NotBuiltError(f"'eectl {command}' is not built yet", hint=f"it is tracked by the issue '{issue}'")
-
-
 @command()
 def calibrate(
     model: ModelArg = None,
@@ -177,7 +173,7 @@ def calibrate(
     exits: Annotated[str | None, typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.")] = None,
     signal: Annotated[
         str | None,
-        typer.Option(help="topk-prob, topk-margin, topk-prob+margin, full-prob, full-margin or cosine."),
+        typer.Option(help="Exit signal, a name in eectl.exits.SIGNALS (topk-prob, full-prob, cosine, ...)."),
     ] = None,
     top_k: Annotated[int | None, typer.Option(help="Local vocabulary size of the topk-* signals.")] = None,
     heads: Annotated[Path | None, typer.Option(help="Trained exit heads (heads.safetensors): exits use them.")] = None,
@@ -188,7 +184,7 @@ def calibrate(
         ),
     ] = 0.95,
     candidates: Annotated[
-        str, typer.Option(help="Candidate source of topk signals at the first exit: shortlist, int8 or full.")
+        str, typer.Option(help="Candidate source at the first exit: shortlist, int8 or first-exit-topk.")
     ] = "shortlist",
     shortlist: Annotated[
         int, typer.Option(help="Rows of the frequency-ranked shortlist (--candidates shortlist).")
@@ -212,14 +208,15 @@ def calibrate(
     json_out: JsonOpt = False,
 ) -> None:
     """Per-exit thresholds so that exits agree with the full model at a stated rate (sequential, held-out checked)."""
-    from eectl.calibrate import CalibrateOptions, calibrate_model, check_options, parse_exits, write_calibration
+    from eectl.calibrate import CalibrateOptions, calibrate_model, check_options
+    from eectl.calibration_file import write_calibration
     from eectl.data import load_text_data
     from eectl.models import load_model
 
     out = Output(json_out)
     r = load_recipe(recipe)
     opts = CalibrateOptions(
-        exits=parse_exits(exits) if exits is not None else list(r.exits or []),
+        exits=pick(parse_layers(exits), r.exits or []),
         signal=pick(signal, r.signal),
         target=pick(target, r.target),
         top_k=pick(top_k, r.top_k),
@@ -244,10 +241,8 @@ def calibrate(
     check_options(opts, loaded.adapter.num_layers, loaded.adapter.dims.vocab_size)
     head_modules = None
     if heads is not None:
-        try:
-            from eectl.heads import load_heads
-        except ImportError:
-            raise NotBuiltError("--heads needs eectl.heads, which is not built yet") from None
+        from eectl.head_designs import load_heads
+
         head_modules = dict(load_heads(heads, loaded).heads)  # checks the heads were trained on this checkpoint
     path = out_path or Path("artifacts") / f"{loaded.source.name}-calibration.json"
     out.log(
@@ -262,7 +257,7 @@ def calibrate(
 
 
 def _print_calibration(out: Output, result: object, path: Path) -> None:
-    from eectl.calibrate import Calibration, SplitStats
+    from eectl.calibration_file import Calibration, SplitStats
 
     assert isinstance(result, Calibration)
 
@@ -278,7 +273,7 @@ def _print_calibration(out: Output, result: object, path: Path) -> None:
     bound = result.confidence is not None
     rows = []
     for x in result.exits:
-        thr = ", ".join("never" if v is None else f"{c} >= {v:.4g}" for c, v in x.thresholds.items())
+        thr = "never" if x.never else ", ".join(f"{c} >= {v:.4g}" for c, v in x.thresholds.items())
         c, h = x.calibration, x.heldout
         row = [x.layer, thr + (" (head)" if x.head else ""), c.reached, pct(c.coverage), prec(c)]
         if bound:
@@ -362,7 +357,7 @@ def train_heads(
     out = Output(json_out)
     r = load_recipe(recipe)
     config = TrainConfig(
-        exits=_parse_exits(exits, r.exits or None) or [],
+        exits=pick(parse_layers(exits), r.exits or []),
         design=pick(design, r.heads.design),
         rank=pick(rank, r.heads.rank),
         steps=pick(steps, r.heads.steps),
@@ -376,10 +371,7 @@ def train_heads(
         top_k=r.top_k,
         target=r.target,
     )
-    given_exits = bool(config.exits)
-    if not given_exits:
-        config.exits = [1]  # placeholder so the other options are checked before the model loads
-    config.check()
+    config.check()  # before the model loads (no exits yet: the model's default_exits)
     if out_path is not None and out_path.suffix != ".safetensors":
         raise UsageError(f"--out must name a .safetensors file, got {out_path}")
     if resume is not None and not resume.is_file():
@@ -389,8 +381,7 @@ def train_heads(
     text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
     out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
     loaded = load_model(pick(model, r.model), log=out)
-    if not given_exits:
-        config.exits = default_exits(loaded.adapter.num_layers)
+    config.exits = config.exits or default_exits(loaded.adapter.num_layers)
     config.check(loaded.adapter.num_layers)
     path = out_path or Path("artifacts") / f"{loaded.source.name}-heads.safetensors"
     out.log(
@@ -414,7 +405,7 @@ def train_heads(
 def _print_heads(out: Output, result: object) -> None:
     from eectl.heads import TrainResult, iter_report
 
-    assert isinstance(result, TrainResult)
+    assert isinstance(result, TrainResult) and result.meta is not None
     meta = result.meta
     rows = [
         (
@@ -426,9 +417,9 @@ def _print_heads(out: Output, result: object) -> None:
         )
         for b, a in iter_report(meta)
     ]
-    rep, t = meta["report"], meta["training"]
+    rep, t = meta.report, meta.training
     out.table(
-        f"{meta['base_model']['name']}: {meta['design']} heads, {rep['tokens']} held-out tokens, before -> after",
+        f"{meta.base_model['name']}: {meta.design} heads, {rep['tokens']} held-out tokens, before -> after",
         [
             "exit",
             "top-1 agree",
@@ -438,7 +429,7 @@ def _print_heads(out: Output, result: object) -> None:
         ],
         rows,
     )
-    L = meta["dimensions"]["num_layers"]
+    L = meta.dimensions.num_layers
     for name in ("before", "after"):
         s = rep[name]
         out.line(
@@ -446,25 +437,13 @@ def _print_heads(out: Output, result: object) -> None:
             f"(full-vocab, in-sample): mean layers {s['sequential_mean_layers']:.2f}, "
             f"agreement {s['sequential_agreement']:.4f}"
         )
-    cost = meta["head_cost"]
+    cost = meta.head_cost
     out.line(
-        f"{t['steps']} steps x {t['batch_tokens']} tokens ({meta['data']['epochs']} epochs of "
-        f"{meta['data']['train_tokens']} tokens), {t['precision']} on {t['device']}; {cost['params']} params per "
+        f"{t['steps']} steps x {t['batch_tokens']} tokens ({meta.data['epochs']} epochs of "
+        f"{meta.data['train_tokens']} tokens), {t['precision']} on {t['device']}; {cost.params} params per "
         f"head; {t['wall_s']:.1f}s ({t['train_s']:.1f}s training) on {t['threads']} threads"
     )
     out.line(f"written: {result.out} and {result.sidecar}; checkpoint {result.checkpoint}")
-
-
-def _parse_exits(text: str | None, default: list[int] | None) -> list[int] | None:
-    """--exits "8,12" -> [8, 12]; "none" -> []; absent -> the recipe's (None: default_exits of the model)."""
-    if text is None:
-        return default
-    if text.strip().lower() == "none":
-        return []
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--exits must be comma-separated layer numbers, got '{text}'") from None
 
 
 @command()
@@ -477,7 +456,8 @@ def export(
     dtype: Annotated[str, typer.Option(help="fp32, or fp16 for GPU deployment.")] = "fp32",
     top_k: Annotated[int | None, typer.Option("--top-k", help="Default local vocabulary size.")] = None,
     candidates: Annotated[
-        str | None, typer.Option(help="Candidate source graph: shortlist, int8 or full (default: the calibration's).")
+        str | None,
+        typer.Option(help="Candidate source: shortlist, int8, first-exit-topk (default: the calibration's)."),
     ] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing artifact.")] = False,
     recipe: RecipeOpt = None,
@@ -485,27 +465,23 @@ def export(
     json_out: JsonOpt = False,
 ) -> None:
     """Segmented ONNX graphs cut at the exit points, exit heads and a manifest, validated against PyTorch."""
-    from eectl.export import ExportOptions, describe, export_artifact, load_calibration_dict
+    from eectl.calibration_file import read_calibration
+    from eectl.export import ExportOptions, choose_exits, describe, export_artifact
     from eectl.models import load_model
 
     out_ = Output(json_out)
     r = load_recipe(recipe)
     n_threads = _threads(threads, r)
-    exit_layers = _parse_exits(exits, r.exits)
-    cal = load_calibration_dict(calibration) if calibration is not None else None
-    if cal is not None and exits is None and cal.get("exits"):
-        exit_layers = sorted(int(e["layer"]) for e in cal["exits"])
+    requested = parse_layers(exits)
+    cal = read_calibration(calibration) if calibration is not None else None
     loaded = load_model(pick(model, r.model), log=out_)
     head_modules, heads_meta = None, None
     if heads is not None:
-        from eectl.heads import load_heads
+        from eectl.head_designs import load_heads
 
         head_set = load_heads(heads, loaded)  # checks they were trained on this checkpoint
         head_modules, heads_meta = head_set.heads, head_set.meta
-        if exits is None and calibration is None:
-            exit_layers = sorted(head_modules)
-    if exit_layers is None:
-        exit_layers = default_exits(loaded.adapter.num_layers)
+    exit_layers = choose_exits(loaded.adapter.num_layers, requested, cal, head_modules, r.exits)
     folder = out or Path("artifacts") / loaded.source.name
     out_.log(f"exporting {loaded.source.name} with exits {exit_layers} to {folder} ({dtype}, {n_threads} threads)")
     options = ExportOptions(
@@ -541,7 +517,7 @@ def run(
     exits: Annotated[str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.")] = None,
     policy: Annotated[
         str | None,
-        typer.Option(help="KV of skipped layers: copy, defer or verify (lossless); default: the artifact's plan."),
+        typer.Option(help="KV of skipped layers: defer, copy, verify (lossless), ...; default: the artifact's plan."),
     ] = None,
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
@@ -604,7 +580,7 @@ def run(
         out.out.print(text[shown[index] :], end="", markup=False, highlight=False)
         shown[index] = len(text)
 
-    rt, config, reports = run_prompts(artifact, prompts, opts, batch_size, on_text=stream)
+    rt, config, reports = run_prompts(artifact, prompts, opts, batch_size, on_text=stream, warn=out.warn)
     L = rt.manifest.num_layers
     out.json(
         {
@@ -645,7 +621,7 @@ def bench(
         int, typer.Option(help="Skip this many of the data's prompts (keep bench prompts out of calibration's).")
     ] = 0,
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per prompt (default 64).")] = None,
-    policies: Annotated[str | None, typer.Option(help="Configurations (default hf,full,copy,defer,verify).")] = None,
+    policies: Annotated[str | None, typer.Option(help="hf, full and KV policy names (default: all of them).")] = None,
     reps: Annotated[int | None, typer.Option(help="Interleaved repetitions after the warm-up (default 3).")] = None,
     exits: Annotated[str | None, typer.Option(help="Active exits of the early-exit configurations, e.g. 24.")] = None,
     signal: Annotated[str | None, typer.Option(help="Exit signal (default: the calibration's).")] = None,
@@ -666,7 +642,7 @@ def bench(
     json_out: JsonOpt = False,
 ) -> None:
     """Speed and fidelity against full depth (and transformers generate), side by side, in one run."""
-    from eectl.bench import BenchOptions, markdown, run_bench, write_report
+    from eectl.bench import BenchOptions, gsm8k_answers, heldout_texts, markdown, run_bench, write_report
     from eectl.data import load_text_data
 
     out = Output(json_out)
@@ -682,8 +658,8 @@ def bench(
         raise UsageError(f"--offset must be in 0..{len(text.prompts) - 1}, got {offset}")
     n = min(pick(prompts, r.bench.prompts), len(text.prompts) - offset)
     window = slice(offset, offset + n)
-    answers = [t.split("####")[-1].strip().replace(",", "") if "####" in t else None for t in text.texts[window]]
-    heldout = text.texts[-max(1, len(text.texts) // 10) :] if ppl_tokens > 0 else None
+    answers = gsm8k_answers(text.texts[window])
+    heldout = heldout_texts(text.texts) if ppl_tokens > 0 else None
     opts = BenchOptions(
         configs=[c.strip() for c in configs.split(",") if c.strip()],
         prompts=n,
@@ -718,36 +694,23 @@ def pipeline(
     threads: ThreadsOpt = None,
 ) -> None:
     """The worked example: profile, train-heads, calibrate, export, run and bench from one recipe."""
-    r = load_recipe(recipe)
+    from eectl.pipeline import plan
+
     out = Output()
-    from eectl.models import resolve_source
-
-    name = resolve_source(r.model).name
-    art = Path("artifacts")
-    art.mkdir(parents=True, exist_ok=True)
-    heads_path = art / f"{name}-heads.safetensors"
-    calib_path = art / f"{name}-calibration.json"
-    folder = art / name
-    report = art / f"{name}-bench.md"
-    stages = ["profile", "train-heads", "calibrate", "export", "run", "bench"]
-
-    def stage(i: int) -> None:
-        out.err.rule(f"[bold]{i + 1}/{len(stages)} eectl {stages[i]}[/bold]")
-
-    stage(0)
-    profile(plot=art / f"{name}-profile.png", recipe=recipe, threads=threads)
-    stage(1)
-    train_heads(out_path=heads_path, recipe=recipe, threads=threads)
-    stage(2)
-    calibrate(heads=heads_path, out_path=calib_path, recipe=recipe, threads=threads)
-    stage(3)
-    export(calibration=calib_path, heads=heads_path, out=folder, force=True, recipe=recipe, threads=threads)
-    stage(4)
-    run(str(folder), prompt, max_new_tokens=64, recipe=recipe, threads=threads)
-    stage(5)
-    bench(str(folder), report=report, recipe=recipe, threads=threads)
+    p = plan(recipe, prompt, threads)
+    commands: dict[str, Callable[..., None]] = {
+        "profile": profile,
+        "train-heads": train_heads,
+        "calibrate": calibrate,
+        "export": export,
+        "run": run,
+        "bench": bench,
+    }
+    for i, (stage, kwargs) in enumerate(p.steps):
+        out.err.rule(f"[bold]{i + 1}/{len(p.steps)} eectl {stage}[/bold]")
+        commands[stage](**kwargs)
     out.err.rule("[bold]done[/bold]")
-    out.line(f"artifact: {folder}\nbench report: {report}\nprofile plot: {art / f'{name}-profile.png'}")
+    out.line(f"artifact: {p.artifact}\nbench report: {p.report}\nprofile plot: {p.profile_plot}")
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Calibration and evaluation text: a text file, a .jsonl file, or a named built-in set (no network).
+"""Calibration and evaluation text: a text file, a .jsonl file, or a named built-in set (no network); cutting it
+into token chunks, holding out its last records, and a seeded, resumable stream over training chunks.
 
 What this module does not do: tokenise for a particular stage's needs beyond cutting token streams into chunks.
 """
@@ -146,3 +147,84 @@ def encode_prompt(tokenizer: Any, prompt: str, raw: bool = False) -> list[int]:
             ids = ids["input_ids"]
         return [int(i) for i in ids]
     return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data: held-out split, and a resumable token stream over the training chunks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def split_records(tokenizer: Any, data: TextData, eval_tokens: int) -> tuple[TextData, TextData]:
+    """(train, held-out): the last records of `data`, enough for `eval_tokens` tokens, are held out."""
+    assert isinstance(data, TextData)
+    eos = 1 if getattr(tokenizer, "eos_token_id", None) is not None else 0
+    n = 0
+    k = len(data.texts)
+    while k > 0 and n < eval_tokens:
+        k -= 1
+        n += len(tokenizer(data.texts[k], add_special_tokens=False)["input_ids"]) + eos
+    if n < eval_tokens or k == 0:
+        raise DataError(
+            f"{data.name} is too small: {len(data.texts)} records cannot give {eval_tokens} held-out tokens "
+            "and still leave training records",
+            hint="pass more data or lower --eval-tokens",
+        )
+    train = TextData(data.name, data.description, data.texts[:k], data.prompts[:k])
+    held = TextData(data.name, data.description, data.texts[k:], data.prompts[k:])
+    return train, held
+
+
+def count_tokens(tokenizer: Any, data: TextData, up_to: int) -> int:
+    """Tokens in the data's stream (records + EOS), counting stops once `up_to` is reached."""
+    eos = 1 if getattr(tokenizer, "eos_token_id", None) is not None else 0
+    n = 0
+    for text in data.texts:
+        n += len(tokenizer(text, add_special_tokens=False)["input_ids"]) + eos
+        if n >= up_to:
+            break
+    return min(n, up_to)
+
+
+class TokenStream:
+    """The training tokens of one rank in a seeded order: step s reads tokens [s*B, (s+1)*B) of an endless
+    sequence of epochs, each epoch a seeded permutation of the rank's chunks. Stateless in the step, so a resumed
+    run reads exactly what an uninterrupted one would. Positions before `skip_first` (BOS) are never used.
+    """
+
+    def __init__(self, lengths: list[int], batch_tokens: int, seed: int) -> None:
+        self.lengths = lengths  # measured positions per chunk
+        self.per_epoch = sum(lengths)
+        self.batch_tokens = batch_tokens
+        self.seed = seed
+        self._orders: dict[int, tuple[list[int], list[int]]] = {}
+
+    def _epoch(self, epoch: int) -> tuple[list[int], list[int]]:
+        if epoch not in self._orders:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(len(self.lengths), generator=g).tolist()
+            starts, pos = [], 0
+            for c in order:
+                starts.append(pos)
+                pos += self.lengths[c]
+            self._orders = {epoch: (order, starts)}  # keep one epoch: steps only move forward
+        return self._orders[epoch]
+
+    def batch(self, step: int) -> list[tuple[int, int, int]]:
+        """(chunk, start, end) pieces of measured positions that make up step `step`'s batch."""
+        import bisect
+
+        g, end = step * self.batch_tokens, (step + 1) * self.batch_tokens
+        pieces: list[tuple[int, int, int]] = []
+        while g < end:
+            epoch, offset = divmod(g, self.per_epoch)
+            order, starts = self._epoch(epoch)
+            i = bisect.bisect_right(starts, offset) - 1
+            chunk = order[i]
+            a = offset - starts[i]
+            b = min(self.lengths[chunk], a + (end - g))
+            pieces.append((chunk, a, b))
+            g += b - a
+        return pieces
+
+    def epochs(self, steps: int) -> float:
+        return steps * self.batch_tokens / self.per_epoch

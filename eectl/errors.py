@@ -36,9 +36,3 @@ class ArtifactError(EectlError):
     """An exported artifact is missing, edited, inconsistent, or failed its validation."""
 
     exit_code = 5
-
-
-class NotBuiltError(EectlError):
-    """A command that exists in the CLI but is not implemented yet."""
-
-    exit_code = 6

@@ -1,48 +1,56 @@
-"""Exit heads and exit signals: the ONE definition of what an exit computes and how confident it is.
+"""Exit heads and exit signals: the ONE definition of what an exit computes, how confident it is, and whether a
+token leaves there.
 
 An exit after layer l maps that layer's hidden state to a prediction: an optional trained head (heads.py) into the
 input space of the frozen final norm + LM head, then either
 
-- the full vocabulary (`full`): all V logits, the K best become the token's local vocabulary (FlexEE), or
-- the local vocabulary (`local`): only the K candidate rows of the LM head are scored (cheap: K << V).
+- the full vocabulary (`full`): all V logits, or
+- the local vocabulary (`local`): only K candidate rows of the LM head are scored (cheap: K << V).
 
-`ExitHead` is a torch module; export turns exactly these methods into the exit graphs, and calibrate runs them in
-torch, so a calibrated threshold means the same thing at run time. The signals (top-1 probability and top-1/top-2
-margin of the softmax over the local vocabulary; the state-transition cosine) are computed here too.
+`ExitHead` is a torch module; export turns exactly these methods into the exit graphs. Where the logits come from
+is an `ExitLogits` backend: `TorchExitLogits` (ExitHead modules: calibrate, the heads report) or the ONNX exit
+graphs (`eectl.runtime.runner.OrtExitLogits`). Every caller scores exits through one path:
 
-What this module does not do: decide (thresholds live in calibrate/runtime), or train heads.
+    scoring = ExitScoring(SIGNALS[name], backend, top_k)     # one per token batch, exits visited in order
+    score = scoring.score(layer, hidden, layer_input)         # values {criterion: [N]}, lazy prediction
+    passes(score.values, thresholds)                          # [N] bool: every criterion >= its threshold
+    score.prediction().token                                  # the exit's top-1 (vocabulary ids)
+
+so calibrate, `eectl train-heads`' report and `eectl run` compute the same numbers and apply the same test.
+
+Registries (each addition is one entry):
+
+- `SIGNALS`: a `Signal` names its criteria, whether it scores the local vocabulary (needs candidates) and whether
+  it needs the input of the last layer before the exit, and computes its values in `measure`. To add one, write a
+  `Signal` subclass (or reuse one with other criteria) and `register_signal(...)` it below; calibrate, export's
+  manifest, run and bench pick it up by name. A signal that needs more than the exit state and the last layer's
+  input (e.g. River-LLM's minimum cosine over every block of a segment) adds that state to `ExitState` and to
+  what the segment graphs output (export.py) and the runner passes in.
+- `CANDIDATE_SOURCES`: how the K candidates of the local vocabulary are picked at the first exit a token reaches
+  (FlexEE: Top-K of one full LM-head projection). A source gets the backend, the exit and its state and returns
+  candidate ids and their logits [N, K]; later exits score those rows with `local`. To add one (a frequency
+  shortlist, an int8 LM head), subclass `CandidateSource`, `register_candidates(...)` it, and pass its name as
+  `ExitScoring(..., source=name)` (calibrate and run take the same name, so thresholds mean the same thing).
+
+What this module does not do: fit thresholds (thresholds.py), train heads (heads.py), or run ONNX Runtime.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eectl.models.adapters import Adapter
+from eectl.errors import UsageError
 
-# Signals an exit can be judged by. "topk-*" use the local vocabulary; "full-*" the full one (costly: a full
-# LM-head projection at every exit); "cosine" is River-LLM's state transition of the last layer before the exit.
-# signal -> its criteria: a token exits when every criterion's value is >= its threshold (calibrate writes these).
-CRITERIA: dict[str, tuple[str, ...]] = {
-    "topk-prob": ("prob",),
-    "topk-margin": ("margin",),
-    "topk-prob+margin": ("prob", "margin"),
-    "full-prob": ("prob",),
-    "full-margin": ("margin",),
-    "cosine": ("cosine",),
-}
-SIGNALS = tuple(CRITERIA)
+if TYPE_CHECKING:
+    from eectl.models.adapters import Adapter
+
 DEFAULT_TOP_K = 64
-
-
-@dataclass
-class ExitSignals:
-    token: torch.Tensor  # [N] predicted token id (full vocabulary id)
-    prob: torch.Tensor  # [N] top-1 probability over the scored vocabulary
-    margin: torch.Tensor  # [N] top-1 minus top-2 probability
 
 
 class ExitHead(nn.Module):
@@ -81,6 +89,136 @@ class ExitHead(nn.Module):
         return self.full(hidden)
 
 
+def topk_candidates(full_logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, V] -> [N, K] ids of the K largest logits, best first (the token's local vocabulary)."""
+    return torch.topk(full_logits, k, dim=-1).indices
+
+
+@dataclass
+class ExitSignals:
+    token: torch.Tensor  # [N] predicted token id (full vocabulary id)
+    prob: torch.Tensor  # [N] top-1 probability over the scored vocabulary
+    margin: torch.Tensor  # [N] top-1 minus top-2 probability
+
+
+def signals(logits: torch.Tensor, candidates: torch.Tensor | None = None) -> ExitSignals:
+    """Top-1 token, probability and top-1/top-2 margin of a softmax over `logits` [N, K or V].
+
+    With `candidates` [N, K], logits are local and the token is mapped back to its vocabulary id.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    top2 = torch.topk(probs, 2, dim=-1)
+    idx = top2.indices[:, 0]
+    token = idx if candidates is None else candidates.gather(1, idx[:, None])[:, 0]
+    return ExitSignals(token=token, prob=top2.values[:, 0], margin=top2.values[:, 0] - top2.values[:, 1])
+
+
+def transition_cosine(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
+    """River-LLM's state transition: cos(input, output) of a decoder layer, [..., H] -> [...]."""
+    return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
+
+
+def passes(values: dict[str, torch.Tensor], thresholds: dict[str, float]) -> torch.Tensor:
+    """[N] bool: every criterion's value >= its threshold (a threshold of inf never passes: "never exits")."""
+    ok: torch.Tensor | None = None
+    for c, t in thresholds.items():
+        here = values[c] >= t
+        ok = here if ok is None else ok & here
+    assert ok is not None, "an exit test needs at least one criterion"
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where logits come from, and how candidates are picked
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ExitLogits(Protocol):
+    """An exit's logits for hidden states [N, H] at the exit after `layer` (torch modules or ONNX graphs)."""
+
+    def full(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, V] logits over the whole vocabulary."""
+        ...
+
+    def full_topk(self, layer: int, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K best of the full logits: ids [N, K] and their logits [N, K], best first."""
+        ...
+
+    def local(self, layer: int, hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """[N, K] logits of the candidate rows only."""
+        ...
+
+    def candidates(
+        self, source: CandidateSource, layer: int, hidden: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A candidate source's K candidates and their exact logits [N, K] (its torch code, or its exit graph)."""
+        ...
+
+
+class TorchExitLogits:
+    """ExitLogits from ExitHead modules (exit layer -> head). The last full projection is kept, so a caller that
+    needs the full logits and a Top-K pick at the same exit pays for one projection."""
+
+    def __init__(self, heads: dict[int, ExitHead]) -> None:
+        self.heads = heads
+        self._last: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def full(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        if self._last is not None and self._last[0] == layer and self._last[1] is hidden:
+            return self._last[2]
+        logits = self.heads[layer].full(hidden)
+        self._last = (layer, hidden, logits)
+        return logits
+
+    def full_topk(self, layer: int, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        full = self.full(layer, hidden)
+        ids = topk_candidates(full, k)
+        return ids, full.gather(-1, ids)
+
+    def local(self, layer: int, hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        return self.heads[layer].local(hidden, candidates)
+
+    def candidates(
+        self, source: CandidateSource, layer: int, hidden: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return source.torch_pick(self.heads[layer], hidden, k)
+
+
+class CandidateSource:
+    """Picks a token's K candidates (its local vocabulary) at the first exit it reaches.
+
+    A source with its own computation (a shortlist, an int8 head) defines it once in torch (`torch_pick`, on the
+    exit's ExitHead: calibrate) and export builds the same computation as the exit's candidate graph (the runner);
+    the backend chooses (`ExitLogits.candidates`). Sources that carry data (the shortlist's ids, the int8 weights)
+    are instances made per model by `make_source`; the registry holds their names."""
+
+    name = ""
+
+    def pick(
+        self, logits: ExitLogits, layer: int, state: ExitState, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [N, K], their logits at this exit [N, K]
+        return logits.candidates(self, layer, state.hidden, k)
+
+    def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name}
+
+
+class FirstExitTopK(CandidateSource):
+    """FlexEE: one full LM-head projection at the first exit; its K best logits are the candidates."""
+
+    name = "first-exit-topk"
+
+    def pick(self, logits: ExitLogits, layer: int, state: ExitState, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return logits.full_topk(layer, state.hidden, k)
+
+    def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        top = torch.topk(head.full(hidden), k, dim=-1)
+        return top.indices, top.values
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Candidate sources: how the first active exit picks the token's K-candidate local vocabulary
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,7 +228,7 @@ class ExitHead(nn.Module):
 # candidates for less; the K candidate logits are always the exact rows of the LM head (what later exits score
 # too), and a token that reaches the final layer still gets the exact full LM head (runtime/).
 #
-# - full:      the full LM head, Top-K (FlexEE; the exact reference).
+# - first-exit-topk: the full LM head, Top-K (FlexEE; the exact reference).
 # - shortlist: only S rows of the LM head, the S most frequent tokens of the calibration data and of the model's
 #              own greedy generations (FR-Spec, VocabTrim); Top-K among them. A token whose final prediction is
 #              outside the shortlist cannot exit (its exits predict a shortlist token, which disagrees).
@@ -101,8 +239,6 @@ class ExitHead(nn.Module):
 # Each is one torch class here (calibrate runs it) and one exit graph in export.py (the runner runs it), built
 # from the same tensors (`shortlist ids`, `quantize_rows_int8`).
 
-CANDIDATE_SOURCES = ("full", "shortlist", "int8")
-DEFAULT_CANDIDATES = "shortlist"
 DEFAULT_SHORTLIST = 4096  # rows of the shortlist (clamped to the vocabulary)
 
 
@@ -149,20 +285,6 @@ def int8_scores(normed: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tenso
     return acc.float() * (xscale[:, None] * wscale[None, :])
 
 
-class CandidateSource:
-    """Picks each token's K candidates at the first active exit: -> (ids [N, K], their exact logits [N, K])."""
-
-    name = "full"
-
-    def pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        full = head.full(hidden)  # [N, V]
-        top = torch.topk(full, k, dim=-1)
-        return top.indices, top.values
-
-    def describe(self) -> dict[str, object]:
-        return {"name": self.name}
-
-
 class Shortlist(CandidateSource):
     """The S most frequent tokens (ids best first); Top-K among their exact logits."""
 
@@ -171,7 +293,7 @@ class Shortlist(CandidateSource):
     def __init__(self, ids: torch.Tensor) -> None:
         self.ids = ids.long()
 
-    def pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = head.lm_head_weight[self.ids]  # [S, H]
         logits = F.linear(head.normed(hidden), rows, None if head.lm_head_bias is None else head.lm_head_bias[self.ids])
         top = torch.topk(head.cap(logits), min(k, self.ids.numel()), dim=-1)
@@ -186,10 +308,11 @@ class Int8Ranking(CandidateSource):
 
     name = "int8"
 
-    def __init__(self, lm_head_weight: torch.Tensor) -> None:
-        self.qweight, self.scale = quantize_rows_int8(lm_head_weight)
+    def __init__(self, lm_head_weight: torch.Tensor | None) -> None:
+        empty = (torch.zeros(0, 0, dtype=torch.int8), torch.zeros(0))
+        self.qweight, self.scale = empty if lm_head_weight is None else quantize_rows_int8(lm_head_weight)
 
-    def pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         approx = int8_scores(head.normed(hidden), self.qweight, self.scale)
         cand = torch.topk(approx, k, dim=-1).indices
         return cand, head.local(hidden, cand)
@@ -205,82 +328,173 @@ def frequency_shortlist(token_ids: torch.Tensor, size: int, vocab_size: int) -> 
     return order[:size].clone()
 
 
+CANDIDATE_SOURCES: dict[str, CandidateSource] = {}
+DEFAULT_CANDIDATES = Shortlist.name
+
+
+def register_candidates(source: CandidateSource) -> CandidateSource:
+    CANDIDATE_SOURCES[source.name] = source
+    return source
+
+
+register_candidates(FirstExitTopK())
+register_candidates(Shortlist(torch.zeros(0, dtype=torch.long)))  # a name: make_source fills in the ids
+register_candidates(Int8Ranking(None))  # a name: make_source quantizes the model's head
+
+
 def make_source(name: str, head_weight: torch.Tensor, shortlist: torch.Tensor | None = None) -> CandidateSource:
-    if name == "full":
-        return CandidateSource()
-    if name == "shortlist":
+    """The named source for one model: a shortlist with its ids, an int8 ranking with the model's head quantized."""
+    if name == FirstExitTopK.name:
+        return CANDIDATE_SOURCES[name]
+    if name == Shortlist.name:
         if shortlist is None:
-            raise ValueError("the shortlist source needs its token ids")
+            raise UsageError("the shortlist candidate source needs its token ids (a calibration made with it)")
         return Shortlist(shortlist)
-    if name == "int8":
+    if name == Int8Ranking.name:
         return Int8Ranking(head_weight)
-    raise ValueError(f"unknown candidate source '{name}' (choose from {', '.join(CANDIDATE_SOURCES)})")
+    raise UsageError(f"--candidates must be one of {', '.join(CANDIDATE_SOURCES)}, got '{name}'")
 
 
-def topk_candidates(full_logits: torch.Tensor, k: int) -> torch.Tensor:
-    """[N, V] -> [N, K] ids of the K largest logits, best first (the token's local vocabulary)."""
-    return torch.topk(full_logits, k, dim=-1).indices
-
-
-def signals(logits: torch.Tensor, candidates: torch.Tensor | None = None) -> ExitSignals:
-    """Top-1 token, probability and top-1/top-2 margin of a softmax over `logits` [N, K or V].
-
-    With `candidates` [N, K], logits are local and the token is mapped back to its vocabulary id.
-    """
-    probs = torch.softmax(logits.float(), dim=-1)
-    top2 = torch.topk(probs, 2, dim=-1)
-    idx = top2.indices[:, 0]
-    token = idx if candidates is None else candidates.gather(1, idx[:, None])[:, 0]
-    return ExitSignals(token=token, prob=top2.values[:, 0], margin=top2.values[:, 0] - top2.values[:, 1])
-
-
-def transition_cosine(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
-    """River-LLM's state transition: cos(input, output) of a decoder layer, [..., H] -> [...]."""
-    return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
+# ---------------------------------------------------------------------------------------------------------------
+# Signals
+# ---------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
-class ThresholdChoice:
-    threshold: float  # exit when confidence >= threshold (inf: never exit)
-    coverage: float  # share of the given tokens with confidence >= threshold
-    precision: float  # agreement with the final layer among those tokens (1.0 when none)
+class ExitState:
+    """What an exit sees of a token batch: the state after the exit's layer and, for signals that ask for it, the
+    input of the last layer before the exit."""
+
+    hidden: torch.Tensor  # [N, H]
+    layer_input: torch.Tensor | None = None  # [N, H]
 
 
 @dataclass
-class Prefixes:
-    """Tokens sorted by confidence, best first, with the running agreement of each prefix (a candidate exit set)."""
+class Prediction:
+    logits: torch.Tensor  # [N, K] local or [N, V] full: what a token is picked (or sampled) from
+    ids: torch.Tensor | None = None  # [N, K] vocabulary ids of local logits; None for the full vocabulary
+    top1: torch.Tensor | None = None  # [N] when the signal already knows it
 
-    conf: torch.Tensor  # [N] sorted descending (float64)
-    hits: torch.Tensor  # [N] agreeing tokens in the prefix ending here
-    counts: torch.Tensor  # [N] prefix sizes 1..N
-    precision: torch.Tensor  # [N] hits / counts
-    boundary: torch.Tensor  # [N] a prefix may end here: the next confidence is strictly lower (ties kept together)
-
-    @staticmethod
-    def of(confidence: torch.Tensor, correct: torch.Tensor) -> Prefixes:
-        n = confidence.numel()
-        conf, order = torch.sort(confidence.double(), descending=True)
-        hits = torch.cumsum(correct[order].double(), 0)
-        counts = torch.arange(1, n + 1, dtype=torch.float64)
-        boundary = torch.ones(n, dtype=torch.bool)
-        boundary[:-1] = conf[:-1] > conf[1:]
-        return Prefixes(conf, hits, counts, hits / counts, boundary)
-
-    def choice(self, i: int) -> ThresholdChoice:
-        return ThresholdChoice(float(self.conf[i]), (i + 1) / self.conf.numel(), float(self.precision[i]))
+    @property
+    def token(self) -> torch.Tensor:
+        """[N] the top-1 vocabulary id."""
+        if self.top1 is not None:
+            return self.top1
+        idx = self.logits.argmax(-1)
+        return idx if self.ids is None else self.ids.gather(1, idx[:, None])[:, 0]
 
 
-NEVER = ThresholdChoice(float("inf"), 0.0, 1.0)
+@dataclass
+class ExitScore:
+    values: dict[str, torch.Tensor]  # criterion -> [N]
+    predict: Callable[[], Prediction]  # computed on demand: a cosine exit projects the LM head only when it exits
+    _prediction: Prediction | None = field(default=None, repr=False)
+
+    def prediction(self) -> Prediction:
+        if self._prediction is None:
+            self._prediction = self.predict()
+        return self._prediction
 
 
-def threshold_for_precision(confidence: torch.Tensor, correct: torch.Tensor, target: float) -> ThresholdChoice:
-    """FlexEE's lambda* = min{ lambda : P(correct | confidence >= lambda) >= target } on a sample.
+class Signal:
+    """An exit signal: its criteria (a token exits when every value is >= its threshold) and how it is measured."""
 
-    `confidence` [N] float, `correct` [N] bool (exit's top-1 == final top-1). Ties in confidence are kept together,
-    so the threshold is a value that actually splits the sample. Returns threshold inf when no lambda qualifies.
-    """
-    if confidence.numel() == 0:
-        return NEVER
-    p = Prefixes.of(confidence, correct)
-    ok = torch.nonzero((p.precision >= target) & p.boundary).flatten()
-    return NEVER if ok.numel() == 0 else p.choice(int(ok[-1]))
+    name: str = ""
+    criteria: tuple[str, ...] = ()
+    needs_candidates: bool = False  # scores the local vocabulary: the first exit picks candidates
+    needs_layer_input: bool = False  # reads ExitState.layer_input
+
+    def __init__(self, name: str, criteria: tuple[str, ...]) -> None:
+        self.name, self.criteria = name, criteria
+
+    def measure(self, scoring: ExitScoring, layer: int, state: ExitState) -> ExitScore:
+        raise NotImplementedError
+
+    def passes(self, values: dict[str, torch.Tensor], thresholds: dict[str, float]) -> torch.Tensor:
+        return passes(values, {c: thresholds[c] for c in self.criteria})
+
+
+class LocalSoftmax(Signal):
+    """Top-1 probability / top-1 minus top-2 margin of a softmax over the K candidates (FlexEE's Top-K local
+    vocabulary)."""
+
+    needs_candidates = True
+
+    def measure(self, scoring: ExitScoring, layer: int, state: ExitState) -> ExitScore:
+        ids, logits = scoring.local_logits(layer, state)
+        s = signals(logits, ids)
+        pred = Prediction(logits, ids, s.token)
+        return ExitScore({c: getattr(s, c) for c in self.criteria}, lambda: pred, pred)
+
+
+class FullSoftmax(Signal):
+    """The same over the whole vocabulary (a full LM-head projection at every exit)."""
+
+    def measure(self, scoring: ExitScoring, layer: int, state: ExitState) -> ExitScore:
+        logits = scoring.logits.full(layer, state.hidden)
+        s = signals(logits)
+        pred = Prediction(logits, None, s.token)
+        return ExitScore({c: getattr(s, c) for c in self.criteria}, lambda: pred, pred)
+
+
+class TransitionCosine(Signal):
+    """River-LLM's state transition: cos(input, output) of the last decoder layer before the exit; the token is the
+    exit's full-vocabulary top-1, projected only when asked for."""
+
+    needs_layer_input = True
+
+    def measure(self, scoring: ExitScoring, layer: int, state: ExitState) -> ExitScore:
+        assert state.layer_input is not None, "the cosine signal needs the last layer's input"
+        cos = transition_cosine(state.layer_input, state.hidden)
+        return ExitScore({"cosine": cos}, lambda: Prediction(scoring.logits.full(layer, state.hidden)))
+
+
+SIGNALS: dict[str, Signal] = {}
+
+
+def register_signal(signal: Signal) -> Signal:
+    SIGNALS[signal.name] = signal
+    return signal
+
+
+register_signal(LocalSoftmax("topk-prob", ("prob",)))
+register_signal(LocalSoftmax("topk-margin", ("margin",)))
+register_signal(LocalSoftmax("topk-prob+margin", ("prob", "margin")))
+register_signal(FullSoftmax("full-prob", ("prob",)))
+register_signal(FullSoftmax("full-margin", ("margin",)))
+register_signal(TransitionCosine("cosine", ("cosine",)))
+DEFAULT_SIGNAL = "topk-prob"
+
+
+def get_signal(name: str) -> Signal:
+    if name not in SIGNALS:
+        raise UsageError(f"--signal must be one of {', '.join(SIGNALS)}, got '{name}'")
+    return SIGNALS[name]
+
+
+class ExitScoring:
+    """Scores one batch of tokens at its exits, visited in ascending order; remembers the candidates the first
+    exit picked for the later ones (the one place the "Top-K at the first exit, local rows after" rule lives)."""
+
+    def __init__(
+        self,
+        signal: Signal,
+        logits: ExitLogits,
+        top_k: int = DEFAULT_TOP_K,
+        source: str | CandidateSource = FirstExitTopK.name,
+    ) -> None:
+        self.signal = signal
+        self.logits = logits
+        self.top_k = top_k
+        self.source = CANDIDATE_SOURCES[source] if isinstance(source, str) else source
+        self.candidates: torch.Tensor | None = None  # [N, K], once the first exit picked them
+
+    def local_logits(self, layer: int, state: ExitState) -> tuple[torch.Tensor, torch.Tensor]:
+        """(candidate ids [N, K], their logits at this exit [N, K])."""
+        if self.candidates is None:
+            self.candidates, logits = self.source.pick(self.logits, layer, state, self.top_k)
+            return self.candidates, logits
+        return self.candidates, self.logits.local(layer, state.hidden, self.candidates)
+
+    def score(self, layer: int, hidden: torch.Tensor, layer_input: torch.Tensor | None = None) -> ExitScore:
+        return self.signal.measure(self, layer, ExitState(hidden, layer_input))

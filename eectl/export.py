@@ -34,8 +34,10 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from eectl import __version__
+from eectl.calibration_file import Calibration
 from eectl.errors import ArtifactError, UsageError
-from eectl.exits import DEFAULT_TOP_K, CandidateSource, ExitHead, Int8Ranking, Shortlist, make_source
+from eectl.exits import DEFAULT_TOP_K, CandidateSource, ExitHead, FirstExitTopK, Int8Ranking, Shortlist, make_source
+from eectl.heads_meta import HeadsMeta
 from eectl.manifest import (
     MANIFEST,
     SCHEMA_VERSION,
@@ -48,8 +50,10 @@ from eectl.manifest import (
     sha256_file,
     write_manifest,
 )
-from eectl.models.adapters import Adapter, KVCache, LayerWeights
+from eectl.models.adapters import Adapter, Capture, KVCache, LayerWeights
 from eectl.models.loading import LoadedModel
+from eectl.recipe import check_exit_layers, default_exits
+from eectl.runtime.policies import POLICIES
 
 OPSET = 21
 IR_VERSION = 10
@@ -457,13 +461,22 @@ class ExportOptions:
     cost_past: int = 128  # KV positions in the cache while timing (a prompt plus some generated tokens)
 
 
-def check_exits(exits: list[int], num_layers: int) -> list[int]:
-    bad = [e for e in exits if not 1 <= e < num_layers]
-    if bad:
-        raise UsageError(f"exits {bad} are outside 1..{num_layers - 1} (the model has {num_layers} layers)")
-    if len(set(exits)) != len(exits):
-        raise UsageError(f"exits must be distinct, got {exits}")
-    return sorted(exits)
+def choose_exits(
+    num_layers: int,
+    requested: list[int] | None = None,
+    calibration: Calibration | None = None,
+    heads: dict[int, torch.nn.Module] | None = None,
+    recipe: list[int] | None = None,
+) -> list[int]:
+    """Where the artifact's exits go: the ones asked for (--exits), else the calibrated ones, else the trained
+    heads', else the recipe's, else `default_exits`."""
+    if requested is not None:
+        return requested
+    if calibration is not None:
+        return calibration.exit_layers
+    if heads:
+        return sorted(heads)
+    return recipe if recipe is not None else default_exits(num_layers)
 
 
 def export_artifact(
@@ -471,23 +484,22 @@ def export_artifact(
     out_dir: str | Path,
     options: ExportOptions,
     heads: dict[int, torch.nn.Module] | None = None,
-    heads_meta: dict[str, Any] | None = None,
-    calibration: dict[str, Any] | None = None,
+    heads_meta: HeadsMeta | None = None,
+    calibration: Calibration | None = None,
     log: Any = None,
 ) -> Manifest:
     """Build, write and validate an artifact in a temporary folder, then rename it into place."""
     adapter = loaded.adapter
     L = adapter.num_layers
-    exits = check_exits(options.exits, L)
+    exits = check_exit_layers(options.exits, L)
     if options.dtype not in DTYPES:
         raise UsageError(f"--dtype must be fp32 or fp16, got '{options.dtype}'")
     if options.top_k < 2 or options.top_k > adapter.dims.vocab_size:
         raise UsageError(f"--top-k must be in 2..{adapter.dims.vocab_size}, got {options.top_k}")
     if calibration is not None:
-        cal_model = calibration.get("model", {})
-        if cal_model.get("sha256") not in (None, loaded.source.sha256):
+        if calibration.model.sha256 != loaded.source.sha256:
             raise UsageError("the calibration was made for another model (its model hash differs)")
-        missing = {int(e["layer"]) for e in calibration.get("exits", [])} - set(exits)
+        missing = set(calibration.exit_layers) - set(exits)
         if missing:
             raise UsageError(f"calibrated exits {sorted(missing)} are not among the export's exits {exits}")
     heads = heads or {}
@@ -523,24 +535,19 @@ def export_artifact(
 
 
 def candidate_source(
-    adapter: Adapter, requested: str | None, calibration: dict[str, Any] | None
+    adapter: Adapter, requested: str | None, calibration: Calibration | None
 ) -> tuple[CandidateSource, dict[str, Any]]:
     """The candidate source to build: the calibration's (so the thresholds mean what they were fitted for), or
     an explicit one; a shortlist needs the calibration's token ids."""
-    cal = (calibration or {}).get("candidates") or {}
-    name = requested or cal.get("name") or "full"
-    if requested is not None and cal.get("name") not in (None, requested):
+    cal = calibration.candidates if calibration is not None else None
+    name = requested or (cal.name if cal is not None else None) or FirstExitTopK.name
+    if requested is not None and cal is not None and cal.name != requested:
         raise UsageError(
-            f"--candidates {requested} differs from the calibration's source '{cal.get('name')}'",
+            f"--candidates {requested} differs from the calibration's source '{cal.name}'",
             hint="recalibrate with --candidates, or export without it",
         )
-    ids = cal.get("ids")
-    if name == "shortlist" and not ids:
-        raise UsageError("the shortlist candidate source needs a calibration made with it (its token ids)")
-    try:
-        source = make_source(name, adapter.lm_head.weight, None if ids is None else torch.tensor(ids))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    ids = cal.ids if cal is not None else None
+    source = make_source(name, adapter.lm_head.weight, None if ids is None else torch.tensor(ids))
     info: dict[str, Any] = {"name": name}
     if isinstance(source, Shortlist):
         info.update(size=int(source.ids.numel()), ids=[int(i) for i in source.ids])
@@ -554,9 +561,9 @@ def profile_and_plan(manifest: Manifest, folder: Path, past: int = 128) -> None:
     from eectl.runtime.sessions import ArtifactRuntime
 
     rt = ArtifactRuntime(folder, provider="auto", verify=False)
-    signal = (manifest.calibration or {}).get("signal") or "topk-prob"
-    manifest.costs = measure_costs(rt, past=past, signal=str(signal))
-    calibrated_menu = bool((manifest.calibration or {}).get("options"))
+    signal = manifest.calibration.signal if manifest.calibration is not None else "topk-prob"
+    manifest.costs = measure_costs(rt, past=past, signal=signal)
+    calibrated_menu = manifest.calibration is not None and bool(manifest.calibration.options)
     manifest.plan = plan_manifest(manifest, manifest.costs) if calibrated_menu else None
 
 
@@ -577,8 +584,8 @@ def _write_artifact(
     exits: list[int],
     options: ExportOptions,
     heads: dict[int, torch.nn.Module],
-    heads_meta: dict[str, Any] | None,
-    calibration: dict[str, Any] | None,
+    heads_meta: HeadsMeta | None,
+    calibration: Calibration | None,
     log: Any,
 ) -> Manifest:
     adapter = loaded.adapter
@@ -612,14 +619,12 @@ def _write_artifact(
         graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos))
         kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True))
         segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph))
-    calib = {int(e["layer"]): e for e in (calibration or {}).get("exits", [])}
     source, source_info = candidate_source(adapter, options.candidates, calibration)
     exit_points = []
     for layer in [*exits, L]:
         head = heads.get(layer)
-        c = calib.get(layer, {})
         cand_graph = None
-        if layer < L and source.name != "full":
+        if layer < L and source.name != FirstExitTopK.name:
             cand_graph = save(*build_candidates(adapter, layer, options.dtype, source, head))
         exit_points.append(
             ExitPoint(
@@ -627,9 +632,7 @@ def _write_artifact(
                 full=save(*build_exit(adapter, layer, options.dtype, local=False, head=head)),
                 local=save(*build_exit(adapter, layer, options.dtype, local=True, head=head)),
                 candidates=cand_graph,
-                head=None if head is None else str((heads_meta or {}).get("design", type(head).__name__)),
-                signal=(calibration or {}).get("signal") if layer < L else None,
-                thresholds=c.get("thresholds"),
+                head=None if head is None else (heads_meta.design if heads_meta else type(head).__name__),
             )
         )
     tok_dir = folder / "tokenizer"
@@ -661,7 +664,8 @@ def _write_artifact(
             present_key=[f"present.{i}.key" for i in range(L)],
             present_value=[f"present.{i}.value" for i in range(L)],
         ),
-        calibration=None if calibration is None else {k: v for k, v in calibration.items() if k != "exits"},
+        kv_policies=list(POLICIES),
+        calibration=calibration,
         candidate_source=source_info,
         heads=heads_meta,
     )
@@ -712,20 +716,19 @@ def validate_artifact(
     generated: list[int] = []
     info = m.candidate_source
     source = make_source(
-        str(info.get("name", "full")), adapter.lm_head.weight, torch.tensor(info["ids"]) if info.get("ids") else None
+        str(info.get("name", FirstExitTopK.name)),
+        adapter.lm_head.weight,
+        torch.tensor(info["ids"]) if info.get("ids") else None,
     )
     cand_checks = cand_mismatch = 0
     cand_diff = 0.0
     for _ in range(VALIDATION_DECODE_STEPS + 1):
         input_ids = torch.tensor([chunk])
         positions = torch.arange(pos, pos + len(chunk))[None]
-        # torch reference: hidden after every layer
-        states: dict[int, torch.Tensor] = {}
-
-        def grab(i: int, _in: torch.Tensor, out: torch.Tensor, states: dict[int, torch.Tensor] = states) -> None:
-            states[i + 1] = out
-
-        adapter.forward_layers(adapter.embed(input_ids), positions, 0, L, cache, on_layer=grab)
+        # torch reference: hidden after every exit's layer
+        keep = Capture({e.layer for e in m.exits})
+        adapter.forward_layers(adapter.embed(input_ids), positions, 0, L, cache, capture=keep)
+        states = keep.states
         # ORT
         h = rt.embed(np.array([chunk], dtype=np.int64))
         ort_states = {}
@@ -743,7 +746,7 @@ def validate_artifact(
             got_local = torch.from_numpy(rt.exit_local(e.layer, ort_states[e.layer][0], cand)).float()
             local_diffs[e.layer] = max(local_diffs[e.layer], float((got_local - ref_local).abs().max()))
             if e.candidates is not None:  # the candidate source at the last position, as the runner calls it
-                want_c, _ = source.pick(exit_heads[e.layer], ref_h[-1:], m.top_k)
+                want_c, _ = source.torch_pick(exit_heads[e.layer], ref_h[-1:], m.top_k)
                 got_c, got_l = rt.exit_candidates(e.layer, ort_states[e.layer][0][-1:], m.top_k)
                 cand_checks += 1
                 cand_mismatch += int(set(want_c[0].tolist()) != set(got_c[0].tolist()))
@@ -818,10 +821,3 @@ def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
         "costs": None if manifest.costs is None else manifest.costs.model_dump(),
         "plan": None if manifest.plan is None else manifest.plan.model_dump(),
     }
-
-
-def load_calibration_dict(path: str | Path) -> dict[str, Any]:
-    """calibration.json, validated by calibrate.read_calibration, as the dict export records in the manifest."""
-    from eectl.calibrate import read_calibration
-
-    return read_calibration(path).to_dict()

@@ -1,13 +1,6 @@
 """`eectl train-heads`: light exit heads trained against the frozen model's own final layer.
 
-One head per exit: a small trainable map from the exit's hidden state [.., H] into the input space of the frozen
-final norm + LM head, so `ExitHead(adapter, head)` (exits.py) scores it, full vocabulary or Top-K local vocabulary,
-exactly as it scores the plain logit lens. Every design is residual and starts at the identity (its last map is
-zero-initialised), so training starts from the logit lens:
-
-    residual-linear   h + W h + b                 H*H + H parameters
-    low-rank          h + B (A h)                 2*r*H        (r = --rank, default 64)
-    mlp               h + W2 gelu(W1 h + b1) + b2 2*m*H + m + H (m = --rank, default H/2)
+The head designs and the heads file live in head_designs.py; this module trains them and reports.
 
 One training step, all exits in one pass (the base runs once per chunk of text, under no_grad):
 
@@ -22,8 +15,7 @@ function of (seed, step) only, so a run resumed from a checkpoint reads the same
 and, on the CPU, ends with bit-identical heads. Under `torchrun` / `accelerate launch` (WORLD_SIZE > 1) each rank
 trains on its own shard of the chunks and the heads are wrapped in DistributedDataParallel.
 
-Output: `<name>.safetensors` with tensors `exit_{l}.<param>` (the metadata header holds the same JSON as the
-`<name>.json` written next to it), both written atomically. `load_heads` reads them back for calibrate and export.
+Output: a heads file (head_designs.save_heads); `head_designs.load_heads` reads it back for calibrate and export.
 
 What this module does not do: choose exit thresholds (calibrate), build ONNX graphs (export), load checkpoints.
 """
@@ -34,11 +26,10 @@ import contextlib
 import json
 import math
 import os
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,238 +37,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eectl.errors import ArtifactError, DataError, EectlError, UsageError
-from eectl.exits import DEFAULT_TOP_K, ExitHead, signals, threshold_for_precision, topk_candidates
-from eectl.models.adapters import Adapter
+from eectl.data import TokenStream, count_tokens, split_records
+from eectl.errors import DataError, EectlError, UsageError
+from eectl.exits import DEFAULT_TOP_K, SIGNALS, ExitHead, ExitScoring, TorchExitLogits
+from eectl.head_designs import (
+    HeadStack,
+    _atomic_write,
+    build_heads,
+    check_design,
+    head_cost,
+    head_width,
+    save_heads,
+    sidecar_path,
+)
+from eectl.heads_meta import FORMAT_VERSION, HeadCost, HeadDims, HeadsMeta
+from eectl.models.adapters import Adapter, Capture
+from eectl.recipe import check_exit_layers
+from eectl.thresholds import threshold_for_precision
 
-DESIGNS = ("residual-linear", "low-rank", "mlp")
-FORMAT = "eectl-heads"
-FORMAT_VERSION = 1
 CHECKPOINT_FORMAT = "eectl-heads-checkpoint"
-DEFAULT_LOW_RANK = 64
 DEFAULT_BATCH_TOKENS = 32
 DEFAULT_EVAL_TOKENS = 4096
 DEFAULT_CHUNK_LEN = 256
 DEVICES = ("cpu", "cuda")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Head designs
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class ResidualLinear(nn.Module):
-    """h + W h + b, W and b zero-initialised (starts as the logit lens)."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden, hidden))  # [H, H]
-        self.bias = nn.Parameter(torch.zeros(hidden))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + F.linear(h, self.weight, self.bias)
-
-
-class LowRank(nn.Module):
-    """h + B (A h): A [r, H] small random, B [H, r] zero (LoRA-style, starts as the logit lens)."""
-
-    def __init__(self, hidden: int, rank: int, generator: torch.Generator | None = None) -> None:
-        super().__init__()
-        self.down = nn.Parameter(torch.randn(rank, hidden, generator=generator) / math.sqrt(hidden))  # A
-        self.up = nn.Parameter(torch.zeros(hidden, rank))  # B
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + F.linear(F.linear(h, self.down), self.up)
-
-
-class ResidualMLP(nn.Module):
-    """h + W2 gelu(W1 h + b1) + b2 with W2, b2 zero-initialised (starts as the logit lens)."""
-
-    def __init__(self, hidden: int, width: int, generator: torch.Generator | None = None) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(hidden, width)
-        self.fc2 = nn.Linear(width, hidden)
-        with torch.no_grad():
-            self.fc1.weight.copy_(torch.randn(width, hidden, generator=generator) / math.sqrt(hidden))
-            self.fc1.bias.zero_()
-            self.fc2.weight.zero_()
-            self.fc2.bias.zero_()
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.fc2(F.gelu(self.fc1(h)))
-
-
-def check_design(design: str, rank: int | None) -> None:
-    if design not in DESIGNS:
-        raise UsageError(f"unknown head design '{design}'", hint=f"choose one of: {', '.join(DESIGNS)}")
-    if rank is not None:
-        if design == "residual-linear":
-            raise UsageError("--rank applies to low-rank and mlp heads, not residual-linear")
-        if rank < 1:
-            raise UsageError(f"--rank must be >= 1, got {rank}")
-
-
-def head_width(design: str, rank: int | None, hidden: int) -> int | None:
-    """The rank (low-rank) or hidden width (mlp) a head gets: the given one or the design's default."""
-    if design == "low-rank":
-        return rank or DEFAULT_LOW_RANK
-    if design == "mlp":
-        return rank or max(1, hidden // 2)
-    return None
-
-
-def make_head(design: str, hidden: int, rank: int | None = None, generator: torch.Generator | None = None) -> nn.Module:
-    """A fresh head of a design, at the identity. Random parts (low-rank A, mlp W1) come from `generator`."""
-    check_design(design, rank)
-    width = head_width(design, rank, hidden)
-    if design == "residual-linear":
-        return ResidualLinear(hidden)
-    assert width is not None
-    if design == "low-rank":
-        return LowRank(hidden, width, generator)
-    return ResidualMLP(hidden, width, generator)
-
-
-def head_cost(design: str, rank: int | None, hidden: int) -> dict[str, int]:
-    """Parameters per exit and multiply-adds per token of one head (the LM head costs H*V per token on top)."""
-    width = head_width(design, rank, hidden) or 0
-    if design == "residual-linear":
-        params = hidden * hidden + hidden
-        macs = hidden * hidden
-    elif design == "low-rank":
-        params = macs = 2 * width * hidden
-    else:
-        params = 2 * width * hidden + width + hidden
-        macs = 2 * width * hidden
-    return {"params": params, "macs_per_token": macs}
-
-
-class HeadStack(nn.Module):
-    """The trainable part only: one head per exit, registered as `exit_{l}`.
-
-    Its state dict keys are exactly the tensor names in heads.safetensors (`exit_{l}.<param>`); `forward` maps
-    {l: h_l} to {l: head_l(h_l)} so that DistributedDataParallel can wrap the whole set in one module.
-    """
-
-    def __init__(self, heads: dict[int, nn.Module]) -> None:
-        super().__init__()
-        self.exits = sorted(heads)
-        for layer in self.exits:
-            self.add_module(f"exit_{layer}", heads[layer])
-
-    def head(self, layer: int) -> nn.Module:
-        return self.get_submodule(f"exit_{layer}")
-
-    def forward(self, states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        return {layer: self.head(layer)(h) for layer, h in states.items()}
-
-
-def build_heads(design: str, hidden: int, exits: list[int], rank: int | None, seed: int) -> HeadStack:
-    generator = torch.Generator().manual_seed(seed)
-    return HeadStack({layer: make_head(design, hidden, rank, generator) for layer in sorted(exits)})
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Saved heads
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class HeadSet:
-    """Trained heads read back from disk: exit layer -> head module (eval, frozen, on the adapter's dtype/device)."""
-
-    heads: dict[int, nn.Module]
-    meta: dict[str, Any]
-
-    @property
-    def exits(self) -> list[int]:
-        return sorted(self.heads)
-
-    def exit_head(self, adapter: Adapter, layer: int) -> ExitHead:
-        """The exit after `layer` with its head: `.full(h)` and `.local(h, candidates)` as for the logit lens."""
-        return ExitHead(adapter, self.heads[layer])
-
-
-def sidecar_path(path: Path) -> Path:
-    """heads.safetensors -> heads.json (the human-readable copy of the metadata)."""
-    return path.with_suffix(".json")
-
-
-def save_heads(stack: HeadStack, meta: dict[str, Any], path: Path) -> Path:
-    """Write `path` (.safetensors, tensors exit_{l}.<param>, float32) and its .json sidecar, each atomically."""
-    from safetensors.torch import save_file
-
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in stack.state_dict().items()}
-    header = {"format": FORMAT, "eectl": json.dumps(meta, sort_keys=True)}
-    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
-    side = sidecar_path(path)
-    _atomic_write(side, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8"))
-    return side
-
-
-def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> HeadSet:
-    """Read heads.safetensors for the model behind `adapter` (an Adapter, or a LoadedModel).
-
-    Checks the file's dimensions against the adapter (layers, hidden size, vocabulary) and the base model hash
-    against `sha256` (pass `loaded.source.sha256`; a LoadedModel passed as `adapter` supplies it): heads only mean
-    something on the checkpoint they were trained on. Raises ArtifactError (an EectlError) on any mismatch.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    from eectl.models.loading import LoadedModel
-
-    if isinstance(adapter, LoadedModel):
-        sha256 = sha256 or adapter.source.sha256
-        adapter = adapter.adapter
-    assert isinstance(adapter, Adapter)
-    p = Path(path)
-    if not p.is_file():
-        raise ArtifactError(f"heads file not found: {p}", hint="train heads with `eectl train-heads`")
-    try:
-        with safe_open(str(p), framework="pt") as f:
-            header = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-    except (SafetensorError, OSError) as exc:
-        raise ArtifactError(f"not a readable safetensors file: {p} ({exc})") from exc
-    if header.get("format") != FORMAT or "eectl" not in header:
-        raise ArtifactError(f"not an eectl heads file: {p}", hint="train heads with `eectl train-heads`")
-    meta: dict[str, Any] = json.loads(header["eectl"])
-    dims = adapter.dims
-    want = {"num_layers": dims.num_layers, "hidden_size": dims.hidden_size, "vocab_size": dims.vocab_size}
-    have = meta.get("dimensions", {})
-    wrong = [f"{k} {have.get(k)} (model: {v})" for k, v in want.items() if have.get(k) != v]
-    base = meta.get("base_model", {})
-    if wrong:
-        raise ArtifactError(
-            f"heads in {p.name} do not fit this model: {', '.join(wrong)}",
-            hint=f"they were trained on {base.get('name')} ({str(base.get('sha256'))[:12]})",
-        )
-    if sha256 is not None and base.get("sha256") != sha256:
-        raise ArtifactError(
-            f"heads in {p.name} were trained on another checkpoint: base model hash "
-            f"{str(base.get('sha256'))[:12]}, this model {sha256[:12]}",
-            hint=f"train heads for this model, or load {base.get('spec')}",
-        )
-    exits = [int(e) for e in meta["exits"]]
-    stack = HeadStack({layer: make_head(meta["design"], dims.hidden_size, meta.get("rank")) for layer in exits})
-    try:
-        stack.load_state_dict(tensors, strict=True)
-    except RuntimeError as exc:
-        raise ArtifactError(f"heads in {p.name} do not match their own metadata: {str(exc).splitlines()[0]}") from exc
-    stack.to(device=adapter.device, dtype=adapter.dtype).eval().requires_grad_(False)
-    return HeadSet({layer: stack.head(layer) for layer in exits}, meta)
-
-
-def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -303,19 +85,12 @@ class TrainConfig:
     target: float = 0.99  # precision at which the report's coverage is measured
 
     def check(self, num_layers: int | None = None) -> None:
-        """Raise UsageError on values no run could use (exits checked when the model's depth is known)."""
+        """Raise UsageError on values no run could use (before the model loads, exits may still be empty: the
+        model's default_exits)."""
         check_design(self.design, self.rank)
-        if not self.exits:
+        if not self.exits and num_layers is not None:
             raise UsageError("no exits given", hint="pass --exits 8,12,16 (layers 1..L-1)")
-        if len(set(self.exits)) != len(self.exits):
-            raise UsageError(f"--exits has repeated layers: {self.exits}")
-        if num_layers is not None:
-            bad = [e for e in self.exits if not 1 <= e <= num_layers - 1]
-            if bad:
-                raise UsageError(
-                    f"exits {bad} outside 1..{num_layers - 1}",
-                    hint=f"the model has {num_layers} layers; an exit after layer l reads the state after l layers",
-                )
+        check_exit_layers(self.exits, num_layers)
         for name in ("steps", "batch_tokens", "eval_tokens", "save_every", "top_k"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -361,7 +136,7 @@ class EvalResult:
 
 @dataclass
 class TrainResult:
-    meta: dict[str, Any]  # everything in heads.json
+    meta: HeadsMeta | None  # everything in heads.json (None on the non-main ranks)
     out: Path
     sidecar: Path
     checkpoint: Path
@@ -369,90 +144,8 @@ class TrainResult:
     wall_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"out": str(self.out), "json": str(self.sidecar), "checkpoint": str(self.checkpoint), **self.meta}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Data: held-out split, and a resumable token stream over the training chunks
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def split_records(tokenizer: Any, data: Any, eval_tokens: int) -> tuple[Any, Any]:
-    """(train, held-out): the last records of `data`, enough for `eval_tokens` tokens, are held out."""
-    from eectl.data import TextData
-
-    assert isinstance(data, TextData)
-    eos = 1 if getattr(tokenizer, "eos_token_id", None) is not None else 0
-    n = 0
-    k = len(data.texts)
-    while k > 0 and n < eval_tokens:
-        k -= 1
-        n += len(tokenizer(data.texts[k], add_special_tokens=False)["input_ids"]) + eos
-    if n < eval_tokens or k == 0:
-        raise DataError(
-            f"{data.name} is too small: {len(data.texts)} records cannot give {eval_tokens} held-out tokens "
-            "and still leave training records",
-            hint="pass more data or lower --eval-tokens",
-        )
-    train = TextData(data.name, data.description, data.texts[:k], data.prompts[:k])
-    held = TextData(data.name, data.description, data.texts[k:], data.prompts[k:])
-    return train, held
-
-
-def count_tokens(tokenizer: Any, data: Any, up_to: int) -> int:
-    """Tokens in the data's stream (records + EOS), counting stops once `up_to` is reached."""
-    eos = 1 if getattr(tokenizer, "eos_token_id", None) is not None else 0
-    n = 0
-    for text in data.texts:
-        n += len(tokenizer(text, add_special_tokens=False)["input_ids"]) + eos
-        if n >= up_to:
-            break
-    return min(n, up_to)
-
-
-class TokenStream:
-    """The training tokens of one rank in a seeded order: step s reads tokens [s*B, (s+1)*B) of an endless
-    sequence of epochs, each epoch a seeded permutation of the rank's chunks. Stateless in the step, so a resumed
-    run reads exactly what an uninterrupted one would. Positions before `skip_first` (BOS) are never used.
-    """
-
-    def __init__(self, lengths: list[int], batch_tokens: int, seed: int) -> None:
-        self.lengths = lengths  # measured positions per chunk
-        self.per_epoch = sum(lengths)
-        self.batch_tokens = batch_tokens
-        self.seed = seed
-        self._orders: dict[int, tuple[list[int], list[int]]] = {}
-
-    def _epoch(self, epoch: int) -> tuple[list[int], list[int]]:
-        if epoch not in self._orders:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = torch.randperm(len(self.lengths), generator=g).tolist()
-            starts, pos = [], 0
-            for c in order:
-                starts.append(pos)
-                pos += self.lengths[c]
-            self._orders = {epoch: (order, starts)}  # keep one epoch: steps only move forward
-        return self._orders[epoch]
-
-    def batch(self, step: int) -> list[tuple[int, int, int]]:
-        """(chunk, start, end) pieces of measured positions that make up step `step`'s batch."""
-        import bisect
-
-        g, end = step * self.batch_tokens, (step + 1) * self.batch_tokens
-        pieces: list[tuple[int, int, int]] = []
-        while g < end:
-            epoch, offset = divmod(g, self.per_epoch)
-            order, starts = self._epoch(epoch)
-            i = bisect.bisect_right(starts, offset) - 1
-            chunk = order[i]
-            a = offset - starts[i]
-            b = min(self.lengths[chunk], a + (end - g))
-            pieces.append((chunk, a, b))
-            g += b - a
-        return pieces
-
-    def epochs(self, steps: int) -> float:
-        return steps * self.batch_tokens / self.per_epoch
+        meta = {} if self.meta is None else self.meta.model_dump(mode="json")
+        return {"out": str(self.out), "json": str(self.sidecar), "checkpoint": str(self.checkpoint), **meta}
 
 
 @dataclass
@@ -466,15 +159,10 @@ class _ChunkPass:
 @torch.no_grad()
 def _base_pass(adapter: Adapter, ids: torch.Tensor, exits: list[int], skip_first: int) -> _ChunkPass:
     """The frozen base on one chunk [1, S]: exit states and the teacher distribution at the measured positions."""
-    wanted = set(exits)
-    states: dict[int, torch.Tensor] = {}
-
-    def on_layer(i: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
-        if i + 1 in wanted:  # layer index i produces the state after i + 1 layers
-            states[i + 1] = h_out[0, skip_first:]
-
+    keep = Capture(set(exits), select=lambda h: h[0, skip_first:])
     positions = torch.arange(ids.shape[1], device=ids.device)[None]
-    final = adapter.forward_layers(adapter.embed(ids), positions, 0, adapter.num_layers, None, on_layer=on_layer)
+    final = adapter.forward_layers(adapter.embed(ids), positions, 0, adapter.num_layers, None, capture=keep)
+    states = keep.states
     logp = F.log_softmax(adapter.logits(final[0, skip_first:]).float(), dim=-1)  # [T, V]
     probs = logp.exp()
     entropy = -(probs * logp).sum(-1)
@@ -509,7 +197,11 @@ def evaluate(
     acc: dict[str, dict[str, list[torch.Tensor]]] = {
         v: {k: [] for k in ("agree", "kl", "conf", "conf_topk", "correct_topk")} for v in variants
     }
-    exit_heads = {name: {layer: ExitHead(adapter, h) for layer, h in heads.items()} for name, heads in variants.items()}
+    exit_logits = {
+        name: TorchExitLogits({layer: ExitHead(adapter, h) for layer, h in heads.items()})
+        for name, heads in variants.items()
+    }
+    local_prob = SIGNALS["topk-prob"]
     n = 0
     for ids in chunks:
         with autocast():
@@ -517,24 +209,20 @@ def evaluate(
         top_final = run.probs.argmax(-1)
         logp_final = run.probs.clamp_min(1e-38).log()
         n += top_final.shape[0]
-        for name, heads in exit_heads.items():
+        for name, backend in exit_logits.items():
             agree, kl, conf, conf_k, corr_k = [], [], [], [], []
-            candidates: torch.Tensor | None = None
+            scoring = ExitScoring(local_prob, backend, min(top_k, adapter.dims.vocab_size))  # the runner's Top-K rule
             for layer in exits:
-                head = heads[layer]
                 h = run.states[layer]
                 with autocast():
-                    logits = head.full(h).float()
-                    if candidates is None:
-                        candidates = topk_candidates(logits, min(top_k, logits.shape[-1]))
-                    local = head.local(h, candidates).float()
+                    logits = backend.full(layer, h).float()
+                    local = scoring.score(layer, h)
                 logq = F.log_softmax(logits, dim=-1)
                 agree.append(logq.argmax(-1) == top_final)
                 kl.append((run.probs * (logp_final - logq)).sum(-1).double())
                 conf.append(logq.max(-1).values.exp())
-                sig = signals(local, candidates)
-                conf_k.append(sig.prob)
-                corr_k.append(sig.token == top_final)
+                conf_k.append(local.values["prob"])
+                corr_k.append(local.prediction().token == top_final)
             for key, vals in (
                 ("agree", agree),
                 ("kl", kl),
@@ -683,6 +371,217 @@ def _load_checkpoint(path: Path, identity: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+@dataclass
+class _TrainData:
+    chunks: list[torch.Tensor]  # this rank's training chunks [1, S]
+    stream: TokenStream
+    train: Any  # TextData: the records before the held-out ones
+    held: Any  # TextData: the held-out records at the end
+    train_tokens: int  # measured training tokens over all ranks
+    skip_first: int  # positions not measured at each chunk's start (BOS)
+
+
+def _training_data(loaded: Any, data: Any, config: TrainConfig, dist: _Dist) -> _TrainData:
+    """Held-out records at the end; training chunks from the start, sharded over ranks, in a seeded stream."""
+    from eectl.data import token_chunks
+
+    tok = loaded.tokenizer
+    skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
+    train_data, held_data = split_records(tok, data, config.eval_tokens)
+    body = config.chunk_len - skip_first  # measured tokens per chunk
+    need = math.ceil(config.steps * config.batch_tokens / body) * body * dist.world  # whole chunks on every rank
+    n_train = count_tokens(tok, train_data, need)
+    all_chunks = token_chunks(tok, train_data, n_train, config.chunk_len) if n_train > 0 else []
+    if len(all_chunks) < dist.world:
+        raise DataError(f"{data.name} leaves too few training tokens ({n_train}) after the held-out part")
+    all_chunks = all_chunks[: len(all_chunks) - len(all_chunks) % dist.world]  # the same number on every rank
+    n_train = sum(c.shape[1] - skip_first for c in all_chunks)
+    chunks = all_chunks[dist.rank :: dist.world]
+    stream = TokenStream([c.shape[1] - skip_first for c in chunks], config.batch_tokens, config.seed)
+    return _TrainData(chunks, stream, train_data, held_data, n_train, skip_first)
+
+
+@dataclass
+class _Trainer:
+    """The heads, what trains them (DDP-wrapped across ranks), the optimiser state and the run so far."""
+
+    stack: HeadStack
+    module: nn.Module  # `stack`, or DistributedDataParallel(stack)
+    optimizer: torch.optim.Optimizer
+    scaler: Any  # torch.amp.GradScaler for fp16 autocast, else None
+    step: int = 0
+    history: list[list[float]] = field(default_factory=list)  # per step, KL per exit
+
+
+def _make_trainer(
+    config: TrainConfig,
+    hidden: int,
+    exits: list[int],
+    device: torch.device,
+    amp: torch.dtype | None,
+    dist: _Dist,
+    resume: Path | None,
+    identity: dict[str, Any],
+    say: Callable[[str], None],
+) -> _Trainer:
+    """Heads, optimiser, (multi-process) DDP, and the state of a resumed checkpoint."""
+    torch.manual_seed(config.seed)
+    stack = build_heads(config.design, hidden, exits, config.rank, config.seed).to(device)
+    module: nn.Module = stack
+    if dist.world > 1:
+        import torch.distributed as tdist
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not tdist.is_initialized():
+            tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        module = DistributedDataParallel(stack, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(stack.parameters(), lr=config.lr, weight_decay=0.0)
+    scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None
+    trainer = _Trainer(stack, module, optimizer, scaler)
+    if resume is not None:
+        state = _load_checkpoint(resume, identity)
+        stack.load_state_dict(state["heads"])
+        optimizer.load_state_dict(state["optimizer"])
+        trainer.step = int(state["step"])
+        trainer.history = [list(h) for h in state["history"]]
+        _set_rng_state(state["rng"], device)
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        say(f"resumed from {resume} at step {trainer.step}/{config.steps}")
+    return trainer
+
+
+def _train_loop(
+    adapter: Adapter,
+    td: _TrainData,
+    tr: _Trainer,
+    config: TrainConfig,
+    exits: list[int],
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    save: Callable[[], None],
+    on_step: Callable[[int, dict[int, float]], None] | None,
+) -> None:
+    """Optimiser steps until config.steps: KL(final || exit) over every exit in one pass; `save` checkpoints."""
+    lens = ExitHead(adapter)  # frozen final norm + LM head; ExitHead(adapter, head).full(h) == lens.full(head(h))
+    cache: OrderedDict[int, _ChunkPass] = OrderedDict()
+
+    def chunk_pass(c: int) -> _ChunkPass:
+        if c not in cache:
+            with autocast():
+                cache[c] = _base_pass(adapter, td.chunks[c].to(device), exits, td.skip_first)
+            while len(cache) > 2:
+                cache.popitem(last=False)
+        return cache[c]
+
+    tr.stack.train()
+    while tr.step < config.steps:
+        pieces = [(chunk_pass(c), a, b) for c, a, b in td.stream.batch(tr.step)]
+        states = {layer: torch.cat([p.states[layer][a:b] for p, a, b in pieces]) for layer in exits}
+        probs = torch.cat([p.probs[a:b] for p, a, b in pieces])
+        entropy = torch.cat([p.entropy[a:b] for p, a, b in pieces]).mean()
+        next_ids = torch.cat([p.next_ids[a:b] for p, a, b in pieces])
+        for group in tr.optimizer.param_groups:
+            group["lr"] = _lr_at(tr.step, config)
+        with autocast():
+            mapped = tr.module({layer: s.float() for layer, s in states.items()})
+            # All exits through the LM head in one matmul: on a CPU, reading the [V, H] weight dominates small batches.
+            logits = lens.full(torch.cat([mapped[layer] for layer in exits])).float()
+            logits = logits.view(len(exits), -1, logits.shape[-1])  # [E, B, V]
+            losses, kls = [], []
+            for e in range(len(exits)):
+                soft_ce = F.cross_entropy(logits[e], probs)  # -sum p log q; KL(p || q) = this - H(p)
+                loss = soft_ce
+                if config.ce_weight > 0 and bool((next_ids >= 0).any()):
+                    loss = loss + config.ce_weight * F.cross_entropy(logits[e], next_ids, ignore_index=-100)
+                losses.append(loss)
+                kls.append(soft_ce.detach() - entropy)
+            total = torch.stack(losses).sum()
+        tr.optimizer.zero_grad(set_to_none=True)
+        if tr.scaler is not None:
+            tr.scaler.scale(total).backward()
+            tr.scaler.step(tr.optimizer)
+            tr.scaler.update()
+        else:
+            total.backward()
+            tr.optimizer.step()
+        tr.step += 1
+        kl_now = [float(k) for k in kls]
+        tr.history.append(kl_now)
+        save()
+        if on_step is not None:
+            on_step(tr.step, dict(zip(exits, kl_now, strict=True)))
+    tr.stack.eval()
+
+
+def _metadata(
+    loaded: Any,
+    data: Any,
+    config: TrainConfig,
+    exits: list[int],
+    td: _TrainData,
+    tr: _Trainer,
+    report: dict[str, EvalResult],
+    device: torch.device,
+    amp: torch.dtype | None,
+    world: int,
+    train_s: float,
+) -> HeadsMeta:
+    """What heads.json says: design, dimensions, base model, data, training and the held-out report."""
+    adapter = loaded.adapter
+    dims = adapter.dims
+    tail = tr.history[-max(1, min(50, len(tr.history))) :]
+    return HeadsMeta(
+        exits=exits,
+        design=config.design,
+        rank=config.rank,
+        width=head_width(config.design, config.rank, dims.hidden_size),
+        head_cost=HeadCost(**head_cost(config.design, config.rank, dims.hidden_size)),
+        dimensions=HeadDims(num_layers=dims.num_layers, hidden_size=dims.hidden_size, vocab_size=dims.vocab_size),
+        base_model={**loaded.source.to_dict(), "family": adapter.family},
+        data={
+            **data.to_dict(),
+            "train_records_available": len(td.train.texts),
+            "train_tokens": td.train_tokens,
+            "epochs": round(td.stream.epochs(config.steps), 4),
+            "held_out_records": len(td.held.texts),
+            "held_out_tokens": config.eval_tokens,
+            "chunk_len": config.chunk_len,
+            "held_out": "the last records of the data; training reads the records before them",
+        },
+        training={
+            "steps": config.steps,
+            "lr": config.lr,
+            "schedule": "linear warm-up 5%, cosine to 10%",
+            "batch_tokens": config.batch_tokens,
+            "ce_weight": config.ce_weight,
+            "seed": config.seed,
+            "device": device.type,
+            "precision": "fp32" if amp is None else f"autocast {str(amp).removeprefix('torch.')}",
+            "world_size": world,
+            "threads": torch.get_num_threads(),
+            "train_s": round(train_s, 2),
+            "final_kl": {str(layer): sum(h[e] for h in tail) / len(tail) for e, layer in enumerate(exits)},
+        },
+        steps=config.steps,
+        seed=config.seed,
+        report={
+            "tokens": report["after"].tokens,
+            "target_precision": config.target,
+            "top_k": config.top_k,
+            "signals": (
+                "coverage_full: exit's full-vocabulary top-1 probability; coverage_topk: its probability over the "
+                "top-k local vocabulary picked at the first exit; coverage = share of held-out tokens at or above "
+                "the lowest threshold whose exits agree with the final layer at the target precision"
+            ),
+            "before": asdict(report["before"]),
+            "after": asdict(report["after"]),
+        },
+    )
+
+
 def train_heads(
     loaded: Any,
     data: Any,
@@ -704,8 +603,7 @@ def train_heads(
     assert isinstance(loaded, LoadedModel) and isinstance(data, TextData)
     say = log or (lambda _msg: None)
     adapter = loaded.adapter
-    L = adapter.num_layers
-    config.check(L)
+    config.check(adapter.num_layers)
     if out.suffix != ".safetensors":
         raise UsageError(f"--out must name a .safetensors file, got {out}")
     dist = _dist_from_env()
@@ -718,130 +616,38 @@ def train_heads(
     # The base: frozen, eval, never handed to the optimiser.
     model = loaded.model
     model.eval().requires_grad_(False).to(device)
-
-    # Data: held-out records at the end; training chunks from the start, sharded over ranks.
-    tok = loaded.tokenizer
-    skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
-    train_data, held_data = split_records(tok, data, config.eval_tokens)
-    body = config.chunk_len - skip_first  # measured tokens per chunk
-    need = math.ceil(config.steps * config.batch_tokens / body) * body * dist.world  # whole chunks on every rank
-    n_train = count_tokens(tok, train_data, need)
-    all_chunks = token_chunks(tok, train_data, n_train, config.chunk_len) if n_train > 0 else []
-    if len(all_chunks) < dist.world:
-        raise DataError(f"{data.name} leaves too few training tokens ({n_train}) after the held-out part")
-    all_chunks = all_chunks[: len(all_chunks) - len(all_chunks) % dist.world]  # the same number on every rank
-    n_train = sum(c.shape[1] - skip_first for c in all_chunks)
-    chunks = all_chunks[dist.rank :: dist.world]
-    stream = TokenStream([c.shape[1] - skip_first for c in chunks], config.batch_tokens, config.seed)
+    td = _training_data(loaded, data, config, dist)
     identity = {
         **config.identity(),
         "exits": exits,
         "base_sha256": loaded.source.sha256,
         "data": data.name,
-        "train_tokens": n_train,
+        "train_tokens": td.train_tokens,
         "world_size": dist.world,
     }
-
-    # Heads, optimiser, and (multi-process) DDP.
-    torch.manual_seed(config.seed)
-    stack = build_heads(config.design, adapter.dims.hidden_size, exits, config.rank, config.seed).to(device)
-    trainer: nn.Module = stack
-    if dist.world > 1:
-        import torch.distributed as tdist
-        from torch.nn.parallel import DistributedDataParallel
-
-        if not tdist.is_initialized():
-            tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        trainer = DistributedDataParallel(stack, device_ids=[device.index] if device.type == "cuda" else None)
+    tr = _make_trainer(config, adapter.dims.hidden_size, exits, device, amp, dist, resume, identity, say)
     if any(p.requires_grad for p in model.parameters()):
         raise EectlError("internal: a base model parameter requires grad")
-    optimizer = torch.optim.AdamW(stack.parameters(), lr=config.lr, weight_decay=0.0)
-    scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None
-    step = 0
-    history: list[list[float]] = []  # per step, KL per exit
-    if resume is not None:
-        state = _load_checkpoint(resume, identity)
-        stack.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = int(state["step"])
-        history = [list(h) for h in state["history"]]
-        _set_rng_state(state["rng"], device)
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        say(f"resumed from {resume} at step {step}/{config.steps}")
 
     def autocast() -> contextlib.AbstractContextManager[Any]:
         if amp is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=amp)
 
-    lens = ExitHead(adapter)  # frozen final norm + LM head; ExitHead(adapter, head).full(h) == lens.full(head(h))
-    cache: OrderedDict[int, _ChunkPass] = OrderedDict()
-
-    def chunk_pass(c: int) -> _ChunkPass:
-        if c not in cache:
-            with autocast():
-                cache[c] = _base_pass(adapter, chunks[c].to(device), exits, skip_first)
-            while len(cache) > 2:
-                cache.popitem(last=False)
-        return cache[c]
-
-    stack.train()
-    while step < config.steps:
-        pieces = [(chunk_pass(c), a, b) for c, a, b in stream.batch(step)]
-        states = {layer: torch.cat([p.states[layer][a:b] for p, a, b in pieces]) for layer in exits}
-        probs = torch.cat([p.probs[a:b] for p, a, b in pieces])
-        entropy = torch.cat([p.entropy[a:b] for p, a, b in pieces]).mean()
-        next_ids = torch.cat([p.next_ids[a:b] for p, a, b in pieces])
-        for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, config)
-        with autocast():
-            mapped = trainer({layer: s.float() for layer, s in states.items()})
-            # All exits through the LM head in one matmul: on a CPU, reading the [V, H] weight dominates small batches.
-            logits = lens.full(torch.cat([mapped[layer] for layer in exits])).float()
-            logits = logits.view(len(exits), -1, logits.shape[-1])  # [E, B, V]
-            losses, kls = [], []
-            for e in range(len(exits)):
-                soft_ce = F.cross_entropy(logits[e], probs)  # -sum p log q; KL(p || q) = this - H(p)
-                loss = soft_ce
-                if config.ce_weight > 0 and bool((next_ids >= 0).any()):
-                    loss = loss + config.ce_weight * F.cross_entropy(logits[e], next_ids, ignore_index=-100)
-                losses.append(loss)
-                kls.append(soft_ce.detach() - entropy)
-            total = torch.stack(losses).sum()
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(total).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            total.backward()
-            optimizer.step()
-        step += 1
-        kl_now = [float(k) for k in kls]
-        history.append(kl_now)
-        if dist.main and (step % config.save_every == 0 or step == config.steps):
+    def save() -> None:
+        if dist.main and (tr.step % config.save_every == 0 or tr.step == config.steps):
+            scaler = tr.scaler.state_dict() if tr.scaler is not None else None
+            rng = _rng_state(device)
             _save_checkpoint(
-                ckpt,
-                identity,
-                stack,
-                optimizer,
-                step=step,
-                history=history,
-                rng=_rng_state(device),
-                scaler=scaler.state_dict() if scaler is not None else None,
+                ckpt, identity, tr.stack, tr.optimizer, step=tr.step, history=tr.history, rng=rng, scaler=scaler
             )
-        if dist.main and on_step is not None:
-            on_step(step, dict(zip(exits, kl_now, strict=True)))
-    stack.eval()
-    train_s = time.perf_counter() - start
 
+    _train_loop(adapter, td, tr, config, exits, device, autocast, save, on_step if dist.main else None)
+    train_s = time.perf_counter() - start
     if any(p.requires_grad for p in model.parameters()):
         raise EectlError("internal: a base model parameter was unfrozen during training")
 
-    result = TrainResult({}, out, sidecar_path(out), ckpt, main=dist.main)
+    result = TrainResult(None, out, sidecar_path(out), ckpt, main=dist.main)
     if dist.world > 1:
         import torch.distributed as tdist
 
@@ -851,71 +657,21 @@ def train_heads(
             result.wall_s = time.perf_counter() - start
             return result
     # Report on held-out data, before (logit lens) and after (heads), in one pass of the base.
-    held_chunks = token_chunks(tok, held_data, config.eval_tokens, config.chunk_len)
-    say(f"evaluating on {config.eval_tokens} held-out tokens ({len(held_data.texts)} records at the end of the data)")
+    held_chunks = token_chunks(loaded.tokenizer, td.held, config.eval_tokens, config.chunk_len)
+    say(f"evaluating on {config.eval_tokens} held-out tokens ({len(td.held.texts)} records at the end of the data)")
     report = evaluate(
         adapter,
-        {"before": dict.fromkeys(exits), "after": {layer: stack.head(layer) for layer in exits}},
+        {"before": dict.fromkeys(exits), "after": {layer: tr.stack.head(layer) for layer in exits}},
         held_chunks,
-        skip_first,
+        td.skip_first,
         config.top_k,
         config.target,
         autocast,
     )
-    tail = history[-max(1, min(50, len(history))) :]
-    dims = adapter.dims
-    meta: dict[str, Any] = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "exits": exits,
-        "design": config.design,
-        "rank": config.rank,
-        "width": head_width(config.design, config.rank, dims.hidden_size),
-        "head_cost": head_cost(config.design, config.rank, dims.hidden_size),
-        "dimensions": {"num_layers": L, "hidden_size": dims.hidden_size, "vocab_size": dims.vocab_size},
-        "base_model": {**loaded.source.to_dict(), "family": adapter.family},
-        "data": {
-            **data.to_dict(),
-            "train_records_available": len(train_data.texts),
-            "train_tokens": n_train,
-            "epochs": round(stream.epochs(config.steps), 4),
-            "held_out_records": len(held_data.texts),
-            "held_out_tokens": config.eval_tokens,
-            "chunk_len": config.chunk_len,
-            "held_out": "the last records of the data; training reads the records before them",
-        },
-        "training": {
-            "steps": config.steps,
-            "lr": config.lr,
-            "schedule": "linear warm-up 5%, cosine to 10%",
-            "batch_tokens": config.batch_tokens,
-            "ce_weight": config.ce_weight,
-            "seed": config.seed,
-            "device": device.type,
-            "precision": "fp32" if amp is None else f"autocast {str(amp).removeprefix('torch.')}",
-            "world_size": dist.world,
-            "threads": torch.get_num_threads(),
-            "train_s": round(train_s, 2),
-            "final_kl": {str(layer): sum(h[e] for h in tail) / len(tail) for e, layer in enumerate(exits)},
-        },
-        "steps": config.steps,
-        "seed": config.seed,
-        "report": {
-            "tokens": report["after"].tokens,
-            "target_precision": config.target,
-            "top_k": config.top_k,
-            "signals": (
-                "coverage_full: exit's full-vocabulary top-1 probability; coverage_topk: its probability over the "
-                "top-k local vocabulary picked at the first exit; coverage = share of held-out tokens at or above "
-                "the lowest threshold whose exits agree with the final layer at the target precision"
-            ),
-            "before": asdict(report["before"]),
-            "after": asdict(report["after"]),
-        },
-    }
+    meta = _metadata(loaded, data, config, exits, td, tr, report, device, amp, dist.world, train_s)
     result.wall_s = time.perf_counter() - start
-    meta["training"]["wall_s"] = round(result.wall_s, 2)  # training + held-out evaluation
-    save_heads(stack, meta, out)
+    meta.training["wall_s"] = round(result.wall_s, 2)  # training + held-out evaluation
+    save_heads(tr.stack, meta, out)
     result.meta = meta
     if dist.world > 1:
         import torch.distributed as tdist
@@ -925,7 +681,7 @@ def train_heads(
     return result
 
 
-def iter_report(meta: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+def iter_report(meta: HeadsMeta) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     """(before, after) metrics per exit from a heads.json report."""
-    report = meta["report"]
+    report = meta.report
     yield from zip(report["before"]["exits"], report["after"]["exits"], strict=True)

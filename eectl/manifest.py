@@ -13,10 +13,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from eectl.calibration_file import Calibration
 from eectl.errors import ArtifactError
+from eectl.heads_meta import HeadsMeta
 from eectl.plan import Costs, Plan
 
-SCHEMA_VERSION = 1
+# 2: the calibration and the heads metadata are typed, and per-exit thresholds live only in `calibration`.
+SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 
 
@@ -45,8 +48,6 @@ class ExitPoint(_M):
     local: GraphIO  # hidden [N, H] + candidates [N, K] -> candidate logits [N, K]
     candidates: GraphIO | None = None  # hidden [N, H] -> K candidates [N, K] + exact logits (the candidate source)
     head: str | None = None  # trained head design, None for the plain logit lens
-    signal: str | None = None  # the calibrated signal (calibrate.CRITERIA names its criteria)
-    thresholds: dict[str, float | None] | None = None  # criterion -> exit when value >= it; None: not calibrated
 
 
 class SharedWeight(_M):
@@ -84,13 +85,13 @@ class Manifest(_M):
     exits: list[ExitPoint]  # in layer order; the last one is the final head (layer == L)
     shared_weights: dict[str, SharedWeight]
     kv: KVLayout
-    kv_policies: list[str] = Field(default_factory=lambda: ["copy", "defer", "verify"])
-    calibration: dict[str, Any] | None = None
-    # how the first active exit picks the K candidates: {"name": full|shortlist|int8, "size": S, "ids": [...]}
-    candidate_source: dict[str, Any] = Field(default_factory=lambda: {"name": "full"})
+    kv_policies: list[str]  # the KV policies the runner may use with this artifact (eectl.runtime.policies)
+    calibration: Calibration | None = None  # signal, exits and thresholds (inf: never exits) from eectl calibrate
+    # how the first active exit picks the K candidates: {"name": first-exit-topk|shortlist|int8, "size", "ids"}
+    candidate_source: dict[str, Any] = Field(default_factory=lambda: {"name": "first-exit-topk"})
     costs: Costs | None = None  # measured per-graph costs (costs.py), the cost model's input
     plan: Plan | None = None  # the exits and thresholds chosen by predicted speed (plan.py); run/bench default
-    heads: dict[str, Any] | None = None
+    heads: HeadsMeta | None = None
     files: dict[str, str] = Field(default_factory=dict)  # relative path -> sha256
     validation: dict[str, Any] = Field(default_factory=dict)
 
@@ -135,8 +136,10 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
         raise ArtifactError(f"{path} is not valid JSON: {exc.msg}") from exc
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version != SCHEMA_VERSION:
+        older = isinstance(version, int) and version < SCHEMA_VERSION
         raise ArtifactError(
-            f"unknown manifest schema version {version!r} in {folder} (this eectl reads {SCHEMA_VERSION})",
+            f"{'an older' if older else 'an unknown'} manifest schema version {version!r} in {folder} "
+            f"(this eectl reads {SCHEMA_VERSION})",
             hint="re-export the artifact with this version of eectl",
         )
     try:
@@ -179,3 +182,5 @@ def _check_consistency(m: Manifest, folder: str | Path) -> None:
         needed |= {e.full.file, e.local.file} | ({e.candidates.file} if e.candidates is not None else set())
     if not needed <= listed:
         raise ArtifactError(f"inconsistent manifest in {folder}: files not hashed: {sorted(needed - listed)}")
+    if m.calibration is not None and not set(m.calibration.exit_layers) <= set(m.exit_layers):
+        raise ArtifactError(f"inconsistent manifest in {folder}: calibrated exits are not among the artifact's")

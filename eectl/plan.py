@@ -248,17 +248,11 @@ def choose(costs: Costs, boundaries: Sequence[int], options: Sequence[Option], m
     return Plan(default=default, min_gain=min_gain, choices=choices)
 
 
-def options_of(calibration: dict[str, object] | None) -> list[Option]:
-    """The calibrated menu recorded in a manifest's calibration (empty without one)."""
-    raw = (calibration or {}).get("options") or []
-    assert isinstance(raw, list)
-    return [Option.model_validate(o) for o in raw]
-
-
 def plan_manifest(manifest: object, costs: Costs) -> Plan:
-    """Choose for an artifact (a Manifest) with these costs."""
+    """Choose for an artifact (a Manifest) with these costs, from its calibration's menu."""
     from eectl.manifest import Manifest
 
     assert isinstance(manifest, Manifest)
     boundaries = [s.layers[1] for s in manifest.segments]
-    return choose(costs, boundaries, options_of(manifest.calibration))
+    options = manifest.calibration.options if manifest.calibration is not None else []
+    return choose(costs, boundaries, options)

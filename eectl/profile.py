@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from eectl.errors import UsageError
-from eectl.models.adapters import Adapter
+from eectl.models.adapters import Adapter, Capture
 
 SIMILARITIES = ("top1", "js")
 
@@ -89,14 +89,12 @@ def profile_chunks(
     oracle = torch.zeros(L, dtype=torch.long)
     n = 0
     for ids in chunks:
-        outs: list[torch.Tensor] = []
-
-        def on_layer(i: int, h_in: torch.Tensor, h_out: torch.Tensor, outs: list[torch.Tensor] = outs) -> None:
-            cosine[i] += F.cosine_similarity(h_in[0, skip_first:], h_out[0, skip_first:], dim=-1).double().sum()
-            outs.append(h_out[0, skip_first:])
-
+        keep = Capture(range(1, L + 1), inputs=True, select=lambda h: h[0, skip_first:])
         positions = torch.arange(ids.shape[1])[None]
-        adapter.forward_layers(adapter.embed(ids), positions, 0, L, None, on_layer=on_layer)
+        adapter.forward_layers(adapter.embed(ids), positions, 0, L, None, capture=keep)
+        outs = [keep.states[layer] for layer in range(1, L + 1)]  # outs[i]: after layer index i
+        for i in range(L):
+            cosine[i] += F.cosine_similarity(keep.layer_inputs[i + 1], outs[i], dim=-1).double().sum()
         logp_final = F.log_softmax(adapter.logits(outs[-1]).float(), dim=-1)  # [T, V]
         top_final = logp_final.argmax(-1)
         p_final = logp_final.exp()

@@ -36,11 +36,17 @@ class HeadsSpec(_Strict):
     lr: float = Field(1e-3, gt=0)
 
 
+def _policies() -> list[str]:
+    from eectl.runtime.policies import POLICIES
+
+    return list(POLICIES)
+
+
 class BenchSpec(_Strict):
     prompts: int = Field(10, gt=0)
     max_new_tokens: int = Field(64, gt=0)
     reps: int = Field(3, gt=0)
-    configs: list[str] = Field(default_factory=lambda: ["hf", "full", "copy", "defer", "verify"])
+    configs: list[str] = Field(default_factory=lambda: ["hf", "full", *_policies()])  # baselines, every KV policy
 
 
 class Recipe(_Strict):
@@ -50,7 +56,7 @@ class Recipe(_Strict):
     signal: str = "topk-prob"
     target: float = Field(0.99, gt=0.0, le=1.0)
     top_k: int = Field(64, gt=1)
-    kv_policy: Literal["copy", "defer", "verify"] | None = None  # None: the artifact's plan chooses
+    kv_policy: str | None = None  # a name in eectl.runtime.policies.POLICIES; None: the artifact's plan chooses
     threads: int | None = None  # None: one per CPU core
     data: DataSpec = Field(default_factory=DataSpec)
     profile: ProfileSpec = Field(default_factory=ProfileSpec)
@@ -62,9 +68,44 @@ class Recipe(_Strict):
     def _sorted_unique(cls, v: list[int] | None) -> list[int] | None:
         if v is None:
             return v
-        if any(e < 1 for e in v) or len(set(v)) != len(v):
-            raise ValueError("exits must be distinct layer numbers >= 1")
-        return sorted(v)
+        try:
+            return check_exit_layers(v, None)
+        except UsageError as exc:
+            raise ValueError(exc.message) from None
+
+    @field_validator("kv_policy")
+    @classmethod
+    def _known_policy(cls, v: str | None) -> str | None:
+        if v is not None and v not in _policies():
+            raise ValueError(f"unknown KV policy '{v}' (choose from {', '.join(_policies())})")
+        return v
+
+
+def parse_layers(text: str | None, option: str = "--exits") -> list[int] | None:
+    """The one parser of exit lists: "8,12" -> [8, 12]; "none" -> [] (full depth); None (not given) -> None."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return []
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UsageError(f"{option} must be comma-separated layer numbers or 'none', got '{text}'") from None
+
+
+def check_exit_layers(exits: list[int], num_layers: int | None, option: str = "--exits") -> list[int]:
+    """The one check of exit lists: distinct layers, each in 1..L-1 once the model's depth L is known; sorted."""
+    if len(set(exits)) != len(exits):
+        raise UsageError(f"{option} must be distinct, got {exits}")
+    top = None if num_layers is None else num_layers - 1
+    bad = [e for e in exits if e < 1 or (top is not None and e > top)]
+    if bad:
+        where = "(an exit sits after layer 1 or later)" if top is None else f"1..{top}"
+        raise UsageError(
+            f"{option} {bad} outside the model's layers {where}",
+            hint=None if top is None else f"an exit after layer l reads the state after l of the {num_layers} layers",
+        )
+    return sorted(exits)
 
 
 def default_exits(num_layers: int) -> list[int]:

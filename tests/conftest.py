@@ -6,7 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from eectl.calibration_file import Calibration, DataInfo, ExitResult, ModelInfo, OverallStats, SplitStats
 from eectl.data import load_text_data
+from eectl.exits import SIGNALS
+from eectl.export import ExportOptions, export_artifact
 from eectl.models import load_model
 from eectl.runtime.sessions import init_ort
 from tests.tiny import GSM8K, TINY_CONFIGS, save_tiny
@@ -37,3 +40,66 @@ def llama(tiny_dirs):
 @pytest.fixture(scope="module")
 def gsm8k():
     return load_text_data(str(GSM8K))
+
+
+EXPORT_EXITS = [2, 4]
+EXPORT_TOP_K = 8
+
+
+@pytest.fixture(scope="session")
+def exported(tiny_dirs, tmp_path_factory):
+    """family -> (loaded model, artifact folder): every family exported once, exits 2 and 4, K = 8."""
+    root = tmp_path_factory.mktemp("artifacts")
+    out = {}
+    for fam, folder in tiny_dirs.items():
+        loaded = load_model(str(folder))
+        export_artifact(loaded, root / fam, ExportOptions(exits=EXPORT_EXITS, top_k=EXPORT_TOP_K))
+        out[fam] = (loaded, root / fam)
+    return out
+
+
+def make_calibration(loaded, thresholds: dict[int, dict[str, float]], signal: str = "topk-prob", top_k: int = 8):
+    """A valid Calibration for `loaded` with the given per-exit thresholds (inf: never exits) and empty statistics."""
+    a = loaded.adapter
+    src = loaded.source.to_dict()
+    split = SplitStats(reached=0, exited=0, coverage=0.0, precision=None)
+    overall = OverallStats(
+        tokens=0, exited=0, exit_rate=0.0, precision=None, agreement=1.0, mean_layers=6.0, speedup_bound=1.0
+    )
+    layers = sorted(thresholds)
+    local = SIGNALS[signal].needs_candidates
+    return Calibration(
+        model=ModelInfo(
+            name=str(src["name"]),
+            kind=str(src["kind"]),
+            spec=str(src["spec"]),
+            path=None,
+            sha256=loaded.source.sha256,
+            family=a.family,
+            num_layers=a.num_layers,
+        ),
+        data=DataInfo(
+            name="test",
+            description="test",
+            records=0,
+            tokens=0,
+            teacher_forced_tokens=0,
+            generated_tokens=0,
+            prompts_used=0,
+            chat_template=False,
+            gen_tokens_per_prompt=0,
+            chunk_len=0,
+            holdout=0.0,
+            calibration_tokens=0,
+            heldout_tokens=0,
+        ),
+        signal=signal,
+        criteria=list(SIGNALS[signal].criteria),
+        top_k=top_k if local else None,
+        candidates_layer=layers[0] if local else None,
+        target=0.9,
+        confidence=None,
+        exits=[ExitResult(layer=e, head=False, thresholds=thresholds[e], calibration=split) for e in layers],
+        calibration=overall,
+        heldout=None,
+    )

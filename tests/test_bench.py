@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
-from eectl.bench import _agreement, final_number
+from eectl.bench import _agreement, _heldout_ids, final_number, heldout_texts
 from eectl.cli import app
+from eectl.data import encode_prompt, load_text_data
 from eectl.export import ExportOptions, export_artifact
 from eectl.models import load_model
+from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
 from tests.tiny import GSM8K
 
 
@@ -21,7 +27,7 @@ def artifact(tiny_dirs, tmp_path_factory):
     return out
 
 
-def test_bench_cli_report(artifact, tmp_path):
+def test_bench_cli_report(artifact, tiny_dirs, tmp_path):
     report = tmp_path / "bench.md"
     res = CliRunner().invoke(
         app,
@@ -55,7 +61,9 @@ def test_bench_cli_report(artifact, tmp_path):
     by = {c["name"]: c for c in doc["configs"]}
     assert list(by) == ["full", "hf", "copy", "defer", "verify"]
     assert doc["hf_matches_full"] is True  # transformers generate and eectl full depth: the same tokens
-    assert by["full"]["token_agreement"] == 1.0 and by["full"]["speedup_vs_full"] == 1.0
+    for c in by.values():  # every speedup is the ratio of two latencies measured in this run
+        assert c["speedup_vs_full"] == pytest.approx(by["full"]["ms_per_token"] / c["ms_per_token"])
+        assert c["speedup_vs_hf"] == pytest.approx(by["hf"]["ms_per_token"] / c["ms_per_token"])
     assert by["verify"]["token_agreement"] == 1.0 and by["verify"]["exact_match"] == 1.0
     for c in by.values():
         assert c["ms_per_token"] > 0 and c["ms_per_token_spread"][0] <= c["ms_per_token"] <= c["ms_per_token_spread"][1]
@@ -64,11 +72,43 @@ def test_bench_cli_report(artifact, tmp_path):
         assert c["mean_layers"] == 2.0 and c["layer_bound"] == 3.0 and 0 < c["decide_share"] < 1  # threshold 0
         assert c["exit_histogram"] == {"2": sum(c["exit_histogram"].values())}
         assert c["perplexity"] > 0
-    assert by["full"]["perplexity"] > 0 and by["verify"]["perplexity"] == by["full"]["perplexity"]
+    # fidelity against an independent run: the same prompts through the runner, full depth and each policy
+    full, early = _independent_runs(artifact, ("copy", "defer"))
+    for name, gens in early.items():
+        agreement, exact, first = _agreement(gens, full)
+        assert by[name]["token_agreement"] == pytest.approx(agreement) and by[name]["exact_match"] == exact
+        assert by[name]["first_divergence"] == pytest.approx(first)
+    # full-depth perplexity equals transformers' own loss on the same held-out tokens
+    assert by["full"]["perplexity"] == pytest.approx(_torch_perplexity(artifact, tiny_dirs, 64), rel=1e-3)
     assert [s["scale"] for s in doc["sweep"]] == [0.5, 1.0]
     assert by["full"]["gsm8k_accuracy"] is not None
     assert report.is_file() and "| full |" in report.read_text()
     assert (tmp_path / "bench-latency.png").is_file() and (tmp_path / "bench.json").is_file()
+
+
+def _independent_runs(artifact, policies):
+    """The bench's first three GSM8K prompts (raw), 12 new tokens: full depth and each policy at threshold 0."""
+    rt = ArtifactRuntime(artifact, provider="cpu")
+    tok = load_tokenizer(rt)
+    ids = [encode_prompt(tok, p, raw=True) for p in load_text_data(str(GSM8K)).prompts[:3]]
+    stop = tuple(rt.manifest.eos_token_ids)
+
+    def gens(opts: RunOptions) -> list[list[int]]:
+        runner = Runner(rt, resolve_config(rt, opts, stop))
+        return [runner.generate([p])[0].token_ids for p in ids]
+
+    full = gens(RunOptions(exits="none", max_new_tokens=12))
+    return full, {p: gens(RunOptions(policy=p, thresholds="0.0", max_new_tokens=12)) for p in policies}
+
+
+def _torch_perplexity(artifact, tiny_dirs, n):
+    rt = ArtifactRuntime(artifact, provider="cpu")
+    texts = load_text_data(str(GSM8K)).texts
+    ids = _heldout_ids(load_tokenizer(rt), heldout_texts(texts), n, rt.manifest.max_positions)
+    model = load_model(str(tiny_dirs["llama"])).model
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    return math.exp(float(torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]))))
 
 
 def test_bench_rejects_unknown_config(artifact):

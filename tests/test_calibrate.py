@@ -17,28 +17,29 @@ from typer.testing import CliRunner
 from eectl.calibrate import (
     SOURCES,
     CalibrateOptions,
-    Calibration,
     ExitScorer,
     Measurements,
-    betainc,
-    binomial_upper_tail,
     calibrate_model,
-    clopper_pearson_lower,
     encode_prompt,
     evaluate,
     fit,
     measure_generation,
     measure_text,
-    min_tokens_for,
     prompt_ids,
-    read_calibration,
-    threshold_with_bound,
-    write_calibration,
 )
+from eectl.calibration_file import Calibration, read_calibration, write_calibration
 from eectl.cli import app
 from eectl.data import token_chunks
 from eectl.errors import ArtifactError, DataError, UsageError
-from eectl.exits import ExitHead, signals, threshold_for_precision, topk_candidates, transition_cosine
+from eectl.exits import ExitHead, signals, topk_candidates, transition_cosine
+from eectl.thresholds import (
+    betainc,
+    binomial_upper_tail,
+    clopper_pearson_lower,
+    min_tokens_for,
+    threshold_for_precision,
+    threshold_with_bound,
+)
 from tests.tiny import GSM8K
 
 runner = CliRunner()
@@ -334,8 +335,10 @@ def test_calibration_json_round_trips_and_rejects_bad_files(calibration, tmp_pat
     assert back == calibration and back.to_dict() == json.loads(path.read_text())
     by_layer = back.thresholds_by_layer()
     assert set(by_layer) == {2, 4}
-    for x in back.exits:  # None for an exit that never exits, else every criterion's threshold
-        assert by_layer[x.layer] == (None if x.thresholds["prob"] is None else {"prob": x.thresholds["prob"]})
+    on_disk = {x["layer"]: x["thresholds"]["prob"] for x in json.loads(path.read_text())["exits"]}
+    for x in back.exits:  # inf in memory for an exit that never exits, null in the file; else the threshold
+        assert by_layer[x.layer] == x.thresholds
+        assert on_disk[x.layer] == (None if math.isinf(x.thresholds["prob"]) else x.thresholds["prob"])
 
     raw = json.loads(path.read_text())
     for edit, text in [
@@ -416,7 +419,7 @@ def test_cli_calibrate_human_output_and_default_path(tiny_dirs, tmp_path, monkey
 
 
 def test_cli_calibrate_with_heads(tiny_dirs, tmp_path, monkeypatch):
-    """--heads goes through eectl.heads.load_heads (faked here) and every exit with a head uses it."""
+    """--heads goes through eectl.head_designs.load_heads (faked here) and every exit with a head uses it."""
     seen = {}
 
     def load_heads(path, adapter):
@@ -424,7 +427,7 @@ def test_cli_calibrate_with_heads(tiny_dirs, tmp_path, monkeypatch):
         torch.manual_seed(0)
         return types.SimpleNamespace(heads={3: nn.Linear(64, 64), 9: nn.Linear(64, 64)})
 
-    monkeypatch.setitem(sys.modules, "eectl.heads", types.SimpleNamespace(load_heads=load_heads))
+    monkeypatch.setitem(sys.modules, "eectl.head_designs", types.SimpleNamespace(load_heads=load_heads))
     heads = tmp_path / "heads.safetensors"
     heads.write_bytes(b"fake heads")
     out = tmp_path / "c.json"

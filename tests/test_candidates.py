@@ -122,7 +122,7 @@ def planned(llama, calibrations, tmp_path_factory):
     root = tmp_path_factory.mktemp("planned")
     out = {}
     for source, cal in calibrations.items():
-        export_artifact(llama, root / source, ExportOptions(exits=[2, 3, 4], top_k=K), calibration=cal.to_dict())
+        export_artifact(llama, root / source, ExportOptions(exits=[2, 3, 4], top_k=K), calibration=cal)
         out[source] = ArtifactRuntime(root / source, provider="cpu")
     return out
 
@@ -140,7 +140,7 @@ def test_candidate_graph_equals_the_torch_source(planned, llama, calibrations, s
     hidden = torch.randn(6, llama.adapter.dims.hidden_size, generator=torch.Generator().manual_seed(3))
     for layer in (2, 3):
         head = ExitHead(llama.adapter)
-        want_c, want_l = src.pick(head, hidden, K)
+        want_c, want_l = src.torch_pick(head, hidden, K)
         for row in range(hidden.shape[0]):  # one token per call, as the runner calls it
             got_c, got_l = rt.exit_candidates(layer, hidden[row : row + 1].numpy(), K)
             assert got_c[0].tolist() == want_c[row].tolist()

@@ -16,25 +16,15 @@ from eectl.cli import app
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import ExitHead
 from eectl.export import ExportOptions, ExportValidationError, export_artifact
-from eectl.manifest import MANIFEST, read_manifest
+from eectl.head_designs import head_cost, make_head
+from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
+from eectl.manifest import MANIFEST, SCHEMA_VERSION, read_manifest, write_manifest
 from eectl.models import KVCache, load_model
 from eectl.runtime.sessions import ArtifactRuntime
+from tests.conftest import make_calibration
 
 EXITS = [2, 4]
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def exported(tiny_dirs, tmp_path_factory):
-    """family -> (loaded model, artifact folder), exported once per family."""
-    root = tmp_path_factory.mktemp("artifacts")
-    out = {}
-    for fam, folder in tiny_dirs.items():
-        loaded = load_model(str(folder))
-        art = root / fam
-        export_artifact(loaded, art, ExportOptions(exits=EXITS, top_k=8))
-        out[fam] = (loaded, art)
-    return out
 
 
 def test_manifest_records_validation_and_names(exported, family):
@@ -106,14 +96,49 @@ def test_manifest_rejected_when_inconsistent(exported, tmp_path):
     with pytest.raises(ArtifactError, match="schema version"):
         read_manifest(bad)
     doc["schema_version"] = 1
+    (bad / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match="older manifest schema version 1"):  # artifacts of an older eectl
+        read_manifest(bad)
+    doc["schema_version"] = SCHEMA_VERSION
     doc["segments"] = doc["segments"][:2]
     (bad / MANIFEST).write_text(json.dumps(doc))
     with pytest.raises(ArtifactError, match="tile"):
         read_manifest(bad)
     with pytest.raises(ArtifactError, match="not found"):
         read_manifest(tmp_path / "nothing")
-    doc = read_manifest(art)
-    assert read_manifest(art) == doc  # round-trips
+
+
+def test_manifest_round_trips_with_its_calibration_and_heads(tiny_dirs, tmp_path):
+    """Written by export with a typed calibration and heads metadata, read back equal, rewritten byte-identical."""
+    loaded = load_model(str(tiny_dirs["llama"]))
+    cal = make_calibration(loaded, {2: {"prob": float("inf")}, 4: {"prob": 0.25}})
+    heads = {4: make_head("low-rank", loaded.adapter.dims.hidden_size, 4, torch.Generator().manual_seed(0))}
+    meta = HeadsMeta(
+        exits=[4],
+        design="low-rank",
+        rank=4,
+        width=4,
+        head_cost=HeadCost(**head_cost("low-rank", 4, loaded.adapter.dims.hidden_size)),
+        dimensions=HeadDims(num_layers=6, hidden_size=loaded.adapter.dims.hidden_size, vocab_size=384),
+        base_model=loaded.source.to_dict(),
+        data={},
+        training={},
+        steps=0,
+        seed=0,
+        report={},
+    )
+    art = tmp_path / "a"
+    written = export_artifact(loaded, art, ExportOptions(exits=[2, 4], top_k=8), heads, meta, cal)
+    back = read_manifest(art)
+    assert back == written and back.calibration == cal and back.heads == meta
+    assert back.calibration is not None and back.calibration.exits[0].never  # inf survives the file's null
+    assert json.loads((art / MANIFEST).read_text())["calibration"]["exits"][0]["thresholds"] == {"prob": None}
+    again = tmp_path / "b"
+    shutil.copytree(art, again)
+    (again / MANIFEST).unlink()
+    write_manifest(back, again)
+    assert (again / MANIFEST).read_bytes() == (art / MANIFEST).read_bytes()
+    assert read_manifest(again) == back
 
 
 def test_export_is_atomic_and_needs_force(tiny_dirs, tmp_path, monkeypatch):

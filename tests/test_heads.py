@@ -12,21 +12,12 @@ from torch import nn
 from typer.testing import CliRunner
 
 from eectl.cli import app
+from eectl.data import TokenStream
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import ExitHead, signals, topk_candidates
-from eectl.heads import (
-    DESIGNS,
-    HeadStack,
-    TokenStream,
-    TrainConfig,
-    build_heads,
-    checkpoint_path,
-    iter_report,
-    load_heads,
-    make_head,
-    save_heads,
-    train_heads,
-)
+from eectl.head_designs import DESIGNS, HeadStack, build_heads, load_heads, make_head, save_heads
+from eectl.heads import TrainConfig, checkpoint_path, iter_report, train_heads
+from eectl.heads_meta import HeadsMeta
 from eectl.models import load_model
 from tests.tiny import GSM8K
 
@@ -108,7 +99,7 @@ def test_short_training_lowers_held_out_kl(trained):
     for before, after in pairs:
         assert before["tokens"] == after["tokens"] == 256
         assert after["kl"] < 0.9 * before["kl"], (before, after)
-    rep = result.meta["report"]
+    rep = result.meta.report
     for name in ("before", "after"):
         assert 2.0 <= rep[name]["oracle_mean_layers"] <= 6.0
         assert 2.0 <= rep[name]["sequential_mean_layers"] <= 6.0
@@ -118,7 +109,7 @@ def test_saved_heads_reload_to_identical_outputs(trained, llama, gsm8k, tmp_path
     result, _ = trained
     meta = result.meta
     on_disk = json.loads(result.sidecar.read_text())
-    assert on_disk == json.loads(json.dumps(meta))
+    assert on_disk == meta.model_dump(mode="json")
     for key in ("exits", "design", "rank", "dimensions", "steps", "seed", "report", "data"):
         assert key in on_disk
     assert on_disk["base_model"]["sha256"] == llama.source.sha256
@@ -126,7 +117,7 @@ def test_saved_heads_reload_to_identical_outputs(trained, llama, gsm8k, tmp_path
     assert not any(p.name.endswith(".tmp") for p in result.out.parent.iterdir())
 
     heads = load_heads(result.out, llama.adapter, sha256=llama.source.sha256)
-    assert heads.exits == EXITS and heads.meta == on_disk
+    assert heads.exits == EXITS and heads.meta.model_dump(mode="json") == on_disk
     h = torch.randn(5, llama.adapter.dims.hidden_size)
     tensors = _tensors(result.out)
     for layer in EXITS:
@@ -152,7 +143,7 @@ def test_load_heads_refuses_another_model(trained, tiny_dirs, tmp_path):
     meta = json.loads(result.sidecar.read_text())
     meta["dimensions"]["hidden_size"] = 32
     bad = tmp_path / "bad.safetensors"
-    save_heads(HeadStack(load_heads(result.out, qwen2.adapter).heads), meta, bad)
+    save_heads(HeadStack(load_heads(result.out, qwen2.adapter).heads), HeadsMeta.model_validate(meta), bad)
     with pytest.raises(ArtifactError, match="hidden_size 32"):
         load_heads(bad, qwen2.adapter)
     with pytest.raises(ArtifactError, match="not found"):
@@ -167,7 +158,7 @@ def test_same_seed_gives_identical_heads(llama, gsm8k, tmp_path):
     ta, tb, tc = _tensors(a.out), _tensors(b.out), _tensors(c.out)
     assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
     assert not all(torch.equal(ta[k], tc[k]) for k in ta)
-    assert a.meta["report"] == b.meta["report"]
+    assert a.meta.report == b.meta.report
 
 
 def test_resume_equals_uninterrupted_training(llama, gsm8k, tmp_path):
@@ -188,7 +179,7 @@ def test_resume_equals_uninterrupted_training(llama, gsm8k, tmp_path):
     resumed = train_heads(llama, gsm8k, cfg, part, resume=checkpoint_path(part))
     tw, tr = _tensors(whole.out), _tensors(resumed.out)
     assert set(tw) == set(tr) and all(torch.equal(tw[k], tr[k]) for k in tw)
-    assert whole.meta["training"]["final_kl"] == resumed.meta["training"]["final_kl"]
+    assert whole.meta.training["final_kl"] == resumed.meta.training["final_kl"]
     # A checkpoint only resumes the run it came from.
     with pytest.raises(UsageError, match="different run"):
         train_heads(llama, gsm8k, _config(design="low-rank", rank=8, steps=9, lr=1e-2), part, checkpoint_path(part))
@@ -212,8 +203,8 @@ def test_token_stream_is_a_seeded_function_of_the_step():
 @pytest.mark.parametrize(
     "args,code,text",
     [
-        (["--exits", "0,2"], 2, "outside 1..5"),
-        (["--exits", "2,6"], 2, "outside 1..5"),
+        (["--exits", "0,2"], 2, "outside the model's layers"),
+        (["--exits", "2,6"], 2, "outside the model's layers 1..5"),
         (["--exits", "2,x"], 2, "comma-separated"),
         (["--design", "transformer"], 2, "unknown head design"),
         (["--steps", "0"], 2, "--steps must be positive"),

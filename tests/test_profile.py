@@ -36,7 +36,6 @@ def test_profile_invariants(tiny_dirs, family):
     assert res.eas == pytest.approx(sum(s.eas_term for s in res.layers) / L)
     for s in res.layers:
         assert s.eas_term == pytest.approx(math.sqrt(s.js_similarity * (L - s.layer) / L), rel=1e-6)
-    assert res.oracle_speedup_bound == pytest.approx(1 / (1 - res.oracle_skip_ratio))
     assert 1.0 <= res.oracle_mean_layers <= L
 
 
@@ -49,16 +48,21 @@ def test_oracle_matches_brute_force(llama):
     L = adapter.num_layers
     counts = [0] * L
     agree = [0] * L
+    cosines = [0.0] * L
     with torch.no_grad():
         for ids in chunks:
-            states = []
+            states, inputs = [], []
             adapter.forward_layers(
                 adapter.embed(ids),
                 torch.arange(ids.shape[1])[None],
                 0,
                 L,
-                on_layer=lambda i, a, b, states=states: states.append(b),
+                on_layer=lambda i, a, b, states=states, inputs=inputs: (states.append(b), inputs.append(a)),
             )
+            for i in range(L):
+                cosines[i] += float(
+                    torch.nn.functional.cosine_similarity(inputs[i][0, 1:], states[i][0, 1:], dim=-1).sum()
+                )
             tops = torch.stack([adapter.logits(h)[0, 1:].argmax(-1) for h in states])  # [L, T]
             for t in range(tops.shape[1]):
                 first = L - 1
@@ -69,7 +73,13 @@ def test_oracle_matches_brute_force(llama):
                     agree[i] += int(tops[i, t] == tops[-1, t])
     assert [s.oracle_exits for s in res.layers] == counts
     assert [s.top1_agreement for s in res.layers] == pytest.approx([a / res.tokens for a in agree])
+    assert [s.transition_cosine for s in res.layers] == pytest.approx([c / res.tokens for c in cosines], abs=1e-5)
     assert res.tokens == 120
+    # the model-level oracle numbers, from the brute-force exits: mean exit layer, skipped share, speedup bound
+    mean_exit = sum((i + 1) * c for i, c in enumerate(counts)) / res.tokens
+    assert res.oracle_mean_layers == pytest.approx(mean_exit)
+    assert res.oracle_skip_ratio == pytest.approx((L - mean_exit) / L)
+    assert res.oracle_speedup_bound == pytest.approx(L / mean_exit)
 
 
 def test_eas_term_edges():

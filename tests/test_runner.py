@@ -17,20 +17,17 @@ from eectl.models import load_model
 from eectl.runtime.generate import RunOptions, resolve_config
 from eectl.runtime.runner import RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime, cuda_usable, resolve_provider
+from tests.conftest import EXPORT_EXITS, EXPORT_TOP_K, make_calibration
 
 EXITS = [2, 4]
 K = 8
 
 
 @pytest.fixture(scope="module")
-def artifacts(tiny_dirs, tmp_path_factory):
-    root = tmp_path_factory.mktemp("run-artifacts")
-    out = {}
-    for fam, folder in tiny_dirs.items():
-        loaded = load_model(str(folder))
-        export_artifact(loaded, root / fam, ExportOptions(exits=EXITS, top_k=K))
-        out[fam] = (loaded, ArtifactRuntime(root / fam, provider="cpu"))
-    return out
+def artifacts(exported):
+    """family -> (loaded model, its artifact's runtime): the five-family export shared with test_export."""
+    assert EXITS == EXPORT_EXITS and K == EXPORT_TOP_K
+    return {fam: (loaded, ArtifactRuntime(art, provider="cpu")) for fam, (loaded, art) in exported.items()}
 
 
 def _prompt(seed: int, n: int, vocab: int) -> list[int]:
@@ -259,16 +256,8 @@ def test_edited_artifact_is_rejected(artifacts, tmp_path):
 
 def test_calibrated_thresholds_are_used_and_never_exits_dropped(tiny_dirs, tmp_path):
     loaded = load_model(str(tiny_dirs["llama"]))
-    cal = {
-        "signal": "topk-prob",
-        "candidates_layer": 2,
-        "model": {"sha256": loaded.source.sha256},
-        "exits": [
-            {"layer": 2, "thresholds": {"prob": None}},
-            {"layer": 3, "thresholds": {"prob": None}},
-            {"layer": 4, "thresholds": {"prob": 0.4}},
-        ],
-    }
+    never = {"prob": float("inf")}
+    cal = make_calibration(loaded, {2: never, 3: never, 4: {"prob": 0.4}})
     export_artifact(loaded, tmp_path / "a", ExportOptions(exits=[2, 3, 4], top_k=K), calibration=cal)
     rt = ArtifactRuntime(tmp_path / "a", provider="cpu")
     cfg = resolve_config(rt, RunOptions(threshold_scale=1.25), ())
@@ -277,5 +266,8 @@ def test_calibrated_thresholds_are_used_and_never_exits_dropped(tiny_dirs, tmp_p
     assert cfg.thresholds == {2: {"prob": float("inf")}, 4: {"prob": 0.5}}
     with pytest.raises(UsageError, match="another model"):
         export_artifact(
-            loaded, tmp_path / "b", ExportOptions(exits=[2, 4]), calibration={**cal, "model": {"sha256": "0"}}
+            loaded,
+            tmp_path / "b",
+            ExportOptions(exits=[2, 4]),
+            calibration=cal.model_copy(update={"model": cal.model.model_copy(update={"sha256": "0"})}),
         )

@@ -13,7 +13,7 @@ layer l" reads that state. forward_layers(lo, hi) maps the state after `lo` laye
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -111,6 +111,25 @@ class LayerWeights:
 # ---------------------------------------------------------------------------------------------------------------
 # Adapters
 # ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Capture:
+    """The hidden states `forward_layers` keeps: after each layer l in `after` (the state after l decoder layers,
+    i.e. the output of layer index l - 1) and, with `inputs`, that layer's input; each passed through `select`
+    (e.g. some positions: [B, S, H] -> [N, H]). Filled in `states` / `layer_inputs`, keyed by l."""
+
+    after: Collection[int]
+    inputs: bool = False
+    select: Callable[[torch.Tensor], torch.Tensor] = lambda h: h
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+    layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def keep(self, layer: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
+        if layer in self.after:
+            self.states[layer] = self.select(h_out)
+            if self.inputs:
+                self.layer_inputs[layer] = self.select(h_in)
 
 
 class Adapter:
@@ -315,14 +334,16 @@ class Adapter:
         cache: KVCache | None = None,
         key_padding: torch.Tensor | None = None,
         on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+        capture: Capture | None = None,
     ) -> torch.Tensor:
         """Run decoder layers [lo, hi) on `hidden` [B, S, H] at absolute `positions` [B, S].
 
         `cache` holds the past of each layer (its length P may differ per layer: defer/copy policies leave
         some layers behind); the new S positions are appended to it. The queries sit at cache slots P..P+S-1 and
         attend causally to slots <= their own (and inside the sliding window where the layer has one).
-        `key_padding` [B, P+S] is True for real slots, False for padding. `on_layer(i, h_in, h_out)` sees each
-        layer's input and output (profiling). Returns the hidden state after layer hi-1.
+        `key_padding` [B, P+S] is True for real slots, False for padding. `capture` keeps the states a caller
+        asks for (after which layers, with or without each one's input, which positions); `on_layer(i, h_in,
+        h_out)` is the raw per-layer hook underneath. Returns the hidden state after layer hi-1.
         """
         if not 0 <= lo <= hi <= self.num_layers:
             raise ValueError(f"layer range [{lo}, {hi}) outside 0..{self.num_layers}")
@@ -341,6 +362,8 @@ class Adapter:
             out = self._call_layer(i, hidden, masks[(past, window)], positions, ropes[kind], cache)
             if on_layer is not None:
                 on_layer(i, hidden, out)
+            if capture is not None:
+                capture.keep(i + 1, hidden, out)
             hidden = out
         return hidden
 

@@ -7,15 +7,16 @@ explicit values, the signal), applies the tokenizer's chat template, and turns t
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eectl.calibration_file import never_exits
 from eectl.data import encode_prompt
 from eectl.errors import DataError, UsageError
-from eectl.exits import CRITERIA
+from eectl.exits import DEFAULT_SIGNAL, get_signal
+from eectl.recipe import parse_layers
 from eectl.runtime.runner import Generation, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 
@@ -75,49 +76,31 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
     """Active exits, thresholds and policy: explicit options, else the manifest's plan (exits chosen by predicted
     speed; full depth when nothing pays), else the calibration's exits and thresholds."""
     m = rt.manifest
-    cal_signal = (m.calibration or {}).get("signal")
-    signal = opts.signal or cal_signal or "topk-prob"
-    if signal not in CRITERIA:
-        raise UsageError(f"unknown signal '{signal}'; choose from {', '.join(CRITERIA)}")
+    cal = m.calibration
+    calibrated = cal.thresholds_by_layer() if cal is not None else {}
+    signal = get_signal(opts.signal or (cal.signal if cal is not None else DEFAULT_SIGNAL))
     plan = m.plan
-    if plan is not None and plan.choices and opts.exits is None and opts.thresholds is None and signal == cal_signal:
-        return _from_plan(rt, opts, stop_ids, signal)
-    policy = opts.policy or "defer"
-    calibrated = {e.layer: e.thresholds for e in m.exits if e.layer < m.num_layers and e.thresholds}
-    if opts.exits is not None and opts.exits.strip().lower() == "none":
-        exits: list[int] = []
-    elif opts.exits is not None:
-        try:
-            exits = sorted({int(x) for x in opts.exits.split(",") if x.strip()})
-        except ValueError:
-            raise UsageError(f"--exits must be comma-separated layers or 'none', got '{opts.exits}'") from None
-    else:
+    same_signal = cal is not None and signal.name == cal.signal
+    if plan is not None and plan.choices and opts.exits is None and opts.thresholds is None and same_signal:
+        return _from_plan(rt, opts, stop_ids, signal.name)
+    exits = parse_layers(opts.exits)
+    if exits is None:
         exits = sorted(calibrated) if calibrated else list(m.exit_layers)
-    criteria = CRITERIA[signal]
+    exits = sorted(set(exits))
     thresholds: dict[int, dict[str, float]] = {}
     if opts.thresholds is not None:
-        thresholds = _parse_thresholds(opts.thresholds, exits, criteria)
+        thresholds = _parse_thresholds(opts.thresholds, exits, signal.criteria)
     elif exits:
-        if signal != cal_signal or not all(e in calibrated for e in exits):
+        if cal is None or signal.name != cal.signal or not all(e in calibrated for e in exits):
             raise UsageError(
-                f"no calibrated thresholds for signal {signal} at exits {exits}",
+                f"no calibrated thresholds for signal {signal.name} at exits {exits}",
                 hint="export with --calibration, or pass --thresholds (e.g. 0.9, or 12:0.9,20:0.8)",
             )
-        for e in exits:
-            values = calibrated[e] or {}
-            if any(values.get(c) is None for c in criteria):
-                thresholds[e] = {c: float("inf") for c in criteria}  # calibrated to never exit here
-            else:
-                thresholds[e] = {c: float(values[c] or 0.0) for c in criteria}
-        # An exit calibrated never to exit only costs time: drop it, unless it is where Top-K candidates are picked.
-        keep_first = signal.startswith("topk")
-        exits = [
-            e
-            for i, e in enumerate(exits)
-            if (keep_first and i == 0) or not all(math.isinf(v) for v in thresholds[e].values())
-        ]
-        thresholds = {e: thresholds[e] for e in exits}
-    return _config(rt, opts, stop_ids, signal, policy, exits, thresholds, "")
+        # An exit calibrated never to exit only costs time: drop it, unless it is where candidates are picked.
+        keep_first = signal.needs_candidates
+        exits = [e for i, e in enumerate(exits) if (keep_first and i == 0) or not never_exits(calibrated[e])]
+        thresholds = {e: calibrated[e] for e in exits}
+    return _config(rt, opts, stop_ids, signal.name, opts.policy or "defer", exits, thresholds, "")
 
 
 def _from_plan(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], signal: str) -> RunConfig:
@@ -203,13 +186,13 @@ def _fill(values: list[float], criteria: tuple[str, ...]) -> list[float]:
 
 
 def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
-    """Top-K thresholds were calibrated with candidates picked at the first calibrated exit; another first exit
-    changes what the local probabilities mean."""
-    cal = rt.manifest.calibration or {}
-    first = cal.get("candidates_layer")
+    """Local-vocabulary thresholds were calibrated with candidates picked at the first calibrated exit; another
+    first exit changes what the local probabilities mean."""
+    cal = rt.manifest.calibration
+    first = cal.candidates_layer if cal is not None else None
     if config.planned:  # the plan's thresholds were fitted with the candidates at its own first exit
         return None
-    if config.signal.startswith("topk") and config.exits and first and config.exits[0] != first:
+    if get_signal(config.signal).needs_candidates and config.exits and first and config.exits[0] != first:
         return (
             f"thresholds were calibrated with Top-K candidates chosen at exit {first}; with exit "
             f"{config.exits[0]} first they are only approximate (recalibrate with these exits)"
@@ -223,7 +206,7 @@ def replan(rt: ArtifactRuntime) -> None:
     from eectl.plan import plan_manifest
 
     m = rt.manifest
-    m.costs = measure_costs(rt, signal=str((m.calibration or {}).get("signal") or "topk-prob"))
+    m.costs = measure_costs(rt, signal=m.calibration.signal if m.calibration is not None else DEFAULT_SIGNAL)
     m.plan = plan_manifest(m, m.costs)
 
 
@@ -258,22 +241,22 @@ def run_prompts(
     opts: RunOptions,
     batch_size: int = 1,
     on_text: Callable[[int, str], None] | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> tuple[ArtifactRuntime, RunConfig, list[RunReport]]:
-    """Generate for every prompt; `on_text(prompt_index, confirmed_text)` streams the text as it settles."""
+    """Generate for every prompt; `on_text(prompt_index, confirmed_text)` streams the text as it settles, `warn`
+    gets warnings about the options (e.g. thresholds used outside what they were calibrated for)."""
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
-    import sys
-
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
     tok = load_tokenizer(rt)
     if opts.profile_costs:
         replan(rt)
     config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
-    if config.note:
-        print(config.note, file=sys.stderr)
+    if config.note and warn is not None:
+        warn(config.note)
     warning = calibration_warning(rt, config) if opts.thresholds is None else None
-    if warning is not None:
-        print(f"warning: {warning}", file=sys.stderr)
+    if warning is not None and warn is not None:
+        warn(warning)
     runner = Runner(rt, config)
     reports: list[RunReport] = []
     for i in range(0, len(prompts), batch_size):

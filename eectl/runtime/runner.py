@@ -1,19 +1,9 @@
 """The early-exit runner: exits chosen at run time over an exported artifact, with the KV cache kept correct.
 
 Per generated token, the segments run in order; after each segment that ends at an active exit, the exit's signal
-is computed (Top-K local vocabulary by default: the first active exit projects the full LM head once and picks K
-candidates, later exits score only those rows) and compared with the exit's thresholds. When a token exits after
-segment s, the layers it skipped still owe later tokens their K/V. The policies:
-
-- `copy`:   the skipped segments' K/V-only graphs project the exit hidden state into their caches (approximate).
-- `defer`:  the exit hidden state waits at the boundary ("pending"); the next token that runs those segments
-            carries it along as an extra position, so its K/V are exactly the full model's for that state.
-- `verify`: like defer, but exited tokens are drafts: when a pass reaches the final layer, the final logits of the
-            pending positions check the drafts; the first wrong draft and everything after it are rolled back by
-            resetting the length counters, and the full model's token is emitted instead. Output == full depth.
-
-Invariant (defer/verify): segment s holds K/V for positions [0, filled_s), filled_0 >= filled_1 >= ...;
-pending[s] holds the hidden states at segment s's input for positions [filled_s, filled_{s-1}).
+is scored through `eectl.exits.ExitScoring` on the ONNX exit graphs (`OrtExitLogits`): the same code calibrate
+runs in torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become is the KV
+policy's business (policies.py): the runner calls its hooks and stays a loop over segments.
 
 Rows of a batch are independent sequences with their own buffers and decisions, run in lock-step.
 What this module does not do: tokenise or format output (generate.py / cli.py), or load torch models.
@@ -24,23 +14,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from eectl.errors import UsageError
-from eectl.exits import CRITERIA, signals, transition_cosine
+from eectl.exits import CANDIDATE_SOURCES, DEFAULT_SIGNAL, CandidateSource, ExitScoring, FirstExitTopK, get_signal
+from eectl.recipe import check_exit_layers
+from eectl.runtime.policies import policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
-
-POLICIES = ("copy", "defer", "verify")
 
 
 @dataclass
 class RunConfig:
     exits: list[int]  # active exit layers ([] = full depth)
     thresholds: dict[int, dict[str, float]]  # exit layer -> criterion -> threshold (exit when value >= it)
-    signal: str = "topk-prob"
+    signal: str = DEFAULT_SIGNAL
     policy: str = "defer"
     top_k: int = 64
     max_new_tokens: int = 128
@@ -67,6 +56,7 @@ class RowState:
     drafted: int = 0
     rejected: int = 0
     done: bool = False
+    final_logits: np.ndarray | None = None  # [1, V] this step's final-head row when a policy already computed it
 
 
 @dataclass
@@ -90,29 +80,59 @@ class Generation:
         return float(np.mean(self.exit_layers)) if self.exit_layers else float(num_layers)
 
 
+class OrtExitLogits:
+    """`eectl.exits.ExitLogits` on the artifact's exit graphs: numpy in and out of ONNX Runtime, torch for scoring.
+
+    The full graph computes its Top-K in-graph (TopK), so a first-exit candidate pick costs no extra pass."""
+
+    def __init__(self, rt: ArtifactRuntime) -> None:
+        self.rt = rt
+
+    def full(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        logits, _, _ = self.rt.exit_full(layer, hidden.numpy(), 2)
+        return torch.from_numpy(logits)
+
+    def full_topk(self, layer: int, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _, cand, cand_logits = self.rt.exit_full(layer, hidden.numpy(), k)
+        return torch.from_numpy(cand), torch.from_numpy(cand_logits)
+
+    def local(self, layer: int, hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.rt.exit_local(layer, hidden.numpy(), candidates.numpy()))
+
+    def candidates(
+        self, source: CandidateSource, layer: int, hidden: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The artifact's candidate graph at this exit (export built it from `source`'s torch code)."""
+        cand, cand_logits = self.rt.exit_candidates(layer, hidden.numpy(), k)
+        return torch.from_numpy(cand), torch.from_numpy(cand_logits)
+
+
 class Runner:
     def __init__(self, runtime: ArtifactRuntime, config: RunConfig) -> None:
         self.rt = runtime
         self.m = runtime.manifest
         self.cfg = config
         L = self.m.num_layers
-        if config.policy not in POLICIES:
-            raise UsageError(f"--policy must be one of {', '.join(POLICIES)}, got '{config.policy}'")
-        if config.signal not in CRITERIA:
-            raise UsageError(f"unknown signal '{config.signal}'; choose from {', '.join(CRITERIA)}")
+        policy = policy_class(config.policy)
+        if config.policy not in self.m.kv_policies:
+            raise UsageError(f"this artifact was exported for the policies {self.m.kv_policies}, not {config.policy}")
+        policy.check(config)
+        self.signal = get_signal(config.signal)
         available = self.m.exit_layers
         bad = [e for e in config.exits if e not in available]
         if bad:
             raise UsageError(f"exit {bad[0]} is not in the artifact (its exits: {available})")
         for e in config.exits:
-            missing = set(CRITERIA[config.signal]) - set(config.thresholds.get(e, {}))
+            missing = set(self.signal.criteria) - set(config.thresholds.get(e, {}))
             if missing:
                 raise UsageError(f"no {'/'.join(sorted(missing))} threshold for exit {e}")
-        if config.policy == "verify" and config.temperature > 0:
-            raise UsageError("the verify policy is greedy only (it reproduces full-depth greedy output)")
         if not 2 <= config.top_k <= self.m.dims["vocab_size"]:
             raise UsageError(f"--top-k must be in 2..{self.m.dims['vocab_size']}")
-        self.exits = sorted(config.exits)
+        self.policy = policy(runtime, config)
+        self.exit_logits = OrtExitLogits(runtime)
+        source = str(self.m.candidate_source.get("name", FirstExitTopK.name))
+        self.source = CANDIDATE_SOURCES.get(source, CANDIDATE_SOURCES[FirstExitTopK.name])
+        self.exits = check_exit_layers(config.exits, L)
         self.exit_after_segment = {self.rt.segment_of_layer[e]: e for e in self.exits}
         self.final_segment = len(self.m.segments) - 1
         self.L = L
@@ -136,32 +156,14 @@ class Runner:
         return int(ids[i]) if ids is not None else i
 
     # --- exits -------------------------------------------------------------------------------------------------------
-    def _decide(self, layer: int, h: np.ndarray, h_in: np.ndarray, state: dict[str, Any]) -> int | None:
+    def _decide(self, layer: int, h: np.ndarray, h_in: np.ndarray, scoring: ExitScoring) -> int | None:
         """Exit test at `layer` for the current token's hidden state h [H]; returns the token when it exits."""
-        thr = self.cfg.thresholds[layer]
-        sig = self.cfg.signal
-        if sig == "cosine":
-            cos = float(transition_cosine(torch.from_numpy(h_in), torch.from_numpy(h)))
-            if cos < thr["cosine"]:
-                return None
-            logits, _, _ = self.rt.exit_full(layer, h[None], self.cfg.top_k)
-            return self._pick(logits[0])
-        if sig.startswith("topk"):
-            if "candidates" not in state:  # the first active exit: the artifact's candidate source picks K
-                cand, cand_logits = self.rt.exit_candidates(layer, h[None], self.cfg.top_k)
-                state["candidates"] = cand
-            else:
-                cand = state["candidates"]
-                cand_logits = self.rt.exit_local(layer, h[None], cand)
-            s = signals(torch.from_numpy(cand_logits), torch.from_numpy(cand))
-            if all(float(getattr(s, c)[0]) >= thr[c] for c in CRITERIA[sig]):
-                return self._pick(cand_logits[0], cand[0])
+        layer_input = torch.from_numpy(h_in[None]) if self.signal.needs_layer_input else None
+        score = scoring.score(layer, torch.from_numpy(h[None]), layer_input)
+        if not bool(self.signal.passes(score.values, self.cfg.thresholds[layer])[0]):
             return None
-        logits, _, _ = self.rt.exit_full(layer, h[None], self.cfg.top_k)
-        s = signals(torch.from_numpy(logits))
-        if all(float(getattr(s, c)[0]) >= thr[c] for c in CRITERIA[sig]):
-            return self._pick(logits[0])
-        return None
+        pred = score.prediction()
+        return self._pick(pred.logits[0].numpy(), None if pred.ids is None else pred.ids[0].numpy())
 
     # --- one sequence step ------------------------------------------------------------------------------------
     def _step(self, row: int, st: RowState, kv: KVBuffers, chunk_ids: list[int], force_full: bool = False) -> int:
@@ -172,23 +174,17 @@ class Runner:
         """
         m = self.m
         h = self.rt.embed(np.array([chunk_ids], dtype=np.int64))
-        state: dict[str, Any] = {}
-        may_exit = len(chunk_ids) == 1 and not force_full
-        if self.cfg.policy == "verify" and len(st.drafts) >= self.cfg.verify_block:
-            may_exit = False
+        scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k, self.source)
+        may_exit = len(chunk_ids) == 1 and not force_full and self.policy.may_exit(st)
         for s in range(len(m.segments)):
-            pend = st.pending[s]
-            x = h if pend is None else np.concatenate([pend, h], axis=1)
-            st.pending[s] = None
+            x = self.policy.before_segment(st, s, h)
             out, layer_in = self.rt.run_segment(s, x, kv, row)
             if s == self.final_segment:
-                if self.cfg.policy == "verify" and st.drafts:
-                    # one final-head call for the drafts' positions and this one: the head's weight is read once
-                    rows, _, _ = self.rt.exit_full(self.L, out[0], self.cfg.top_k)
-                    corrected = self._verify(row, st, kv, out, rows[:-1])
-                    if corrected is not None:
-                        return corrected
-                    logits = rows[-1:]
+                corrected = self.policy.on_final(row, st, kv, out)
+                if corrected is not None:
+                    return corrected
+                if st.final_logits is not None:  # verify read this row with the drafts' (one head pass)
+                    logits, st.final_logits = st.final_logits, None
                 else:
                     logits, _, _ = self.rt.exit_full(self.L, out[0, -1:], self.cfg.top_k)
                 st.exit_layers.append(self.L)
@@ -198,17 +194,14 @@ class Runner:
             layer = self.exit_after_segment.get(s)
             if layer is not None and may_exit:
                 t0 = time.perf_counter()
-                token = self._decide(layer, out[0, -1], layer_in[0, -1], state)
+                token = self._decide(layer, out[0, -1], layer_in[0, -1], scoring)
                 st.decide_s += time.perf_counter() - t0
                 if token is not None:
-                    self._skip(row, st, kv, s, out)
+                    self.policy.on_exit(row, st, kv, s, out, token)
                     st.exit_layers.append(layer)
                     if st.forced is not None:
                         logits, _, _ = self.rt.exit_full(layer, out[0, -1:], self.cfg.top_k)
                         return self._forced(st, logits[0])
-                    if self.cfg.policy == "verify":
-                        st.drafts.append((len(st.tokens), token))
-                        st.drafted += 1
                     return token
             h = out
         raise AssertionError("unreachable: the final segment returns")
@@ -225,8 +218,8 @@ class Runner:
         """Teacher-forced: feed `ids` token by token (after a prefill of prompt_len) with exits deciding as in
         generation; returns -log p(next token) under the distribution of the layer each position was decided
         at (its full vocabulary), and those layers. Verify is not scored (its output equals full depth)."""
-        if self.cfg.policy == "verify":
-            raise UsageError("teacher-forced scoring covers copy and defer (verify equals full depth)")
+        if not self.policy.scores_text:
+            raise UsageError(f"teacher-forced scoring does not cover the {self.cfg.policy} policy")
         if not 1 <= prompt_len < len(ids) or len(ids) + 1 > self.m.max_positions:
             raise UsageError("text too short or longer than the maximum context")
         kv = self.rt.new_kv(1, len(ids) + 1)
@@ -235,39 +228,6 @@ class Runner:
         while len(st.tokens) < len(ids):
             st.tokens.append(self._step(0, st, kv, [st.tokens[-1]]))
         return st.nll, st.exit_layers
-
-    def _skip(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray) -> None:
-        """The token exited after segment s: give the skipped segments their K/V per the policy."""
-        if self.cfg.policy == "copy":  # no pending positions under copy: `out` is this token's exit state
-            for t in range(s + 1, len(self.m.segments)):
-                self.rt.run_segment(t, out, kv, row, kv_only=True)
-        else:  # defer, verify: wait at the boundary; the next deep pass computes the exact K/V
-            prev = st.pending[s + 1]
-            st.pending[s + 1] = out if prev is None else np.concatenate([prev, out], axis=1)
-
-    def _verify(self, row: int, st: RowState, kv: KVBuffers, out: np.ndarray, logits: np.ndarray) -> int | None:
-        """Check the drafts against the final logits [P-1, V] of the flushed positions but the last; roll back at
-        the first wrong one. out[0, j] is the final state of position base + j and predicts the token at base+j+1.
-        """
-        base = int(kv.filled[row, -1]) - out.shape[1]
-        drafts = dict(st.drafts)
-        st.drafts = []
-        if out.shape[1] < 2:
-            return None
-        full_pred = logits.argmax(-1)
-        for j in range(out.shape[1] - 1):
-            pos = base + j + 1
-            if pos in drafts and drafts[pos] != int(full_pred[j]):
-                keep = pos - st.prompt_len  # generated tokens before the wrong draft
-                st.rejected += len(st.tokens) - pos
-                del st.tokens[pos:]
-                del st.exit_layers[keep:]
-                del st.latencies[keep:]
-                kv.filled[row] = np.minimum(kv.filled[row], pos)
-                st.pending = [None] * len(st.pending)
-                st.exit_layers.append(self.L)
-                return int(full_pred[j])
-        return None
 
     # --- generation -------------------------------------------------------------------------------------------
     def generate(
@@ -331,9 +291,9 @@ class Runner:
         generated = len(st.tokens) - st.prompt_len
         if st.tokens[-1] not in self.cfg.stop_ids and generated < self.cfg.max_new_tokens:
             return False
-        if self.cfg.policy != "verify" or not st.drafts:
+        if not self.policy.unchecked(st):
             return True
-        # verify: the drafts still outstanding must be checked by one full-depth pass before we stop
+        # e.g. verify's drafts: what is still unchecked must go through one full-depth pass before we stop
         last = st.tokens[-1]
         n_before = len(st.tokens)
         t0 = time.perf_counter()

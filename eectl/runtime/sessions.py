@@ -10,6 +10,7 @@ What this module does not do: choose exits or policies (runtime/runner.py), toke
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,17 +61,46 @@ def cuda_usable() -> bool:
     return any(Path(p).exists() for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"))
 
 
+@dataclass(frozen=True)
+class ExecutionProvider:
+    """An ONNX Runtime execution provider as `--provider` names it. To add one (e.g. TensorRT, DirectML): one
+    `register_provider(...)` entry below; buffers on a non-CPU device are bound as OrtValues on `device`."""
+
+    name: str
+    ort_providers: tuple[str, ...]  # handed to InferenceSession, in preference order
+    device: str  # where bound inputs and KV buffers live: "cpu", or an OrtValue device name ("cuda")
+    usable: Callable[[], bool]  # checked without creating a session
+    auto_dtypes: tuple[str, ...] = ()  # artifact dtypes `--provider auto` picks it for
+
+
+PROVIDERS: dict[str, ExecutionProvider] = {}
+
+
+def register_provider(provider: ExecutionProvider) -> ExecutionProvider:
+    PROVIDERS[provider.name] = provider
+    return provider
+
+
+register_provider(ExecutionProvider("cpu", ("CPUExecutionProvider",), "cpu", lambda: True))
+register_provider(
+    ExecutionProvider("cuda", ("CUDAExecutionProvider", "CPUExecutionProvider"), "cuda", cuda_usable, ("fp16",))
+)
+
+
 def resolve_provider(requested: str, dtype: str) -> str:
-    """auto -> cuda for fp16 artifacts where CUDA is usable, else cpu. Explicit cuda without CUDA is an error."""
-    if requested not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"--provider must be auto, cpu or cuda, got '{requested}'")
-    if requested == "cuda":
-        if not cuda_usable():
-            raise UsageError("the CUDA execution provider is not available on this machine", hint="use --provider cpu")
-        return "cuda"
-    if requested == "auto" and dtype == "fp16" and cuda_usable():
-        return "cuda"
-    return "cpu"
+    """auto -> the first registered provider that is usable and meant for this dtype (cuda for fp16 artifacts where
+    CUDA is usable), else cpu. An explicit provider that cannot load here is an error."""
+    if requested == "auto":
+        return next((p.name for p in PROVIDERS.values() if dtype in p.auto_dtypes and p.usable()), "cpu")
+    if requested not in PROVIDERS:
+        raise UsageError(f"--provider must be auto or one of {', '.join(PROVIDERS)}, got '{requested}'")
+    provider = PROVIDERS[requested]
+    if not provider.usable():
+        raise UsageError(
+            f"the {provider.ort_providers[0]} execution provider is not available on this machine",
+            hint="use --provider cpu",
+        )
+    return requested
 
 
 def session_options(threads: int | None = None) -> Any:
@@ -127,15 +157,13 @@ class ArtifactRuntime:
         self.provider = resolve_provider(provider, m.dtype)
         self.threads = init_ort(threads)
         self.np_dtype = np.float16 if m.dtype == "fp16" else np.float32
-        self.device = "cuda" if self.provider == "cuda" else "cpu"
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if self.provider == "cuda" else None
+        ep = PROVIDERS[self.provider]
+        self.device = ep.device
         so = session_options(threads)
 
         def load(io: GraphIO) -> Graph:
             ort = _ort()
-            sess = ort.InferenceSession(
-                str(self.folder / io.file), sess_options=so, providers=providers or ["CPUExecutionProvider"]
-            )
+            sess = ort.InferenceSession(str(self.folder / io.file), sess_options=so, providers=list(ep.ort_providers))
             return Graph(io, sess, self.device)
 
         self.embedding = load(m.embedding)
@@ -152,7 +180,7 @@ class ArtifactRuntime:
         arr = np.load(self.folder / file)
         if self.device == "cpu":
             return np.ascontiguousarray(arr)
-        return _ort().OrtValue.ortvalue_from_numpy(arr, "cuda", 0)
+        return _ort().OrtValue.ortvalue_from_numpy(arr, self.device, 0)
 
     def new_kv(self, rows: int, max_len: int) -> KVBuffers:
         m = self.manifest
@@ -164,7 +192,7 @@ class ArtifactRuntime:
         def buf() -> Any:
             if self.device == "cpu":
                 return np.zeros(shape, dtype=self.np_dtype)
-            return _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), self.np_dtype, "cuda", 0)
+            return _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), self.np_dtype, self.device, 0)
 
         keys = [[buf() for _ in range(L)] for _ in range(rows)]
         values = [[buf() for _ in range(L)] for _ in range(rows)]

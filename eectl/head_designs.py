@@ -1,0 +1,264 @@
+"""Exit head designs and heads files: what a trained head is, and how it is saved and loaded.
+
+One head per exit: a small trainable map from the exit's hidden state [.., H] into the input space of the frozen
+final norm + LM head, so `ExitHead(adapter, head)` (exits.py) scores it exactly as it scores the plain logit lens.
+Every design is residual and starts at the identity (its last map is zero-initialised):
+
+    residual-linear   h + W h + b                 H*H + H parameters
+    low-rank          h + B (A h)                 2*r*H        (r = --rank, default 64)
+    mlp               h + W2 gelu(W1 h + b1) + b2 2*m*H + m + H (m = --rank, default H/2)
+
+A heads file is `<name>.safetensors` with tensors `exit_{l}.<param>` (float32); its metadata header holds the
+same JSON (heads_meta.HeadsMeta) as the `<name>.json` written next to it, both written atomically.
+
+What this module does not do: train heads (heads.py) or choose thresholds (calibrate.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import ValidationError
+from torch import nn
+
+from eectl.errors import ArtifactError, UsageError
+from eectl.exits import ExitHead
+from eectl.heads_meta import FORMAT, HeadsMeta
+from eectl.models.adapters import Adapter
+
+DESIGNS = ("residual-linear", "low-rank", "mlp")
+DEFAULT_LOW_RANK = 64
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Head designs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ResidualLinear(nn.Module):
+    """h + W h + b, W and b zero-initialised (starts as the logit lens)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden, hidden))  # [H, H]
+        self.bias = nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.linear(h, self.weight, self.bias)
+
+
+class LowRank(nn.Module):
+    """h + B (A h): A [r, H] small random, B [H, r] zero (LoRA-style, starts as the logit lens)."""
+
+    def __init__(self, hidden: int, rank: int, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.down = nn.Parameter(torch.randn(rank, hidden, generator=generator) / math.sqrt(hidden))  # A
+        self.up = nn.Parameter(torch.zeros(hidden, rank))  # B
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.linear(F.linear(h, self.down), self.up)
+
+
+class ResidualMLP(nn.Module):
+    """h + W2 gelu(W1 h + b1) + b2 with W2, b2 zero-initialised (starts as the logit lens)."""
+
+    def __init__(self, hidden: int, width: int, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, width)
+        self.fc2 = nn.Linear(width, hidden)
+        with torch.no_grad():
+            self.fc1.weight.copy_(torch.randn(width, hidden, generator=generator) / math.sqrt(hidden))
+            self.fc1.bias.zero_()
+            self.fc2.weight.zero_()
+            self.fc2.bias.zero_()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc2(F.gelu(self.fc1(h)))
+
+
+def check_design(design: str, rank: int | None) -> None:
+    if design not in DESIGNS:
+        raise UsageError(f"unknown head design '{design}'", hint=f"choose one of: {', '.join(DESIGNS)}")
+    if rank is not None:
+        if design == "residual-linear":
+            raise UsageError("--rank applies to low-rank and mlp heads, not residual-linear")
+        if rank < 1:
+            raise UsageError(f"--rank must be >= 1, got {rank}")
+
+
+def head_width(design: str, rank: int | None, hidden: int) -> int | None:
+    """The rank (low-rank) or hidden width (mlp) a head gets: the given one or the design's default."""
+    if design == "low-rank":
+        return rank or DEFAULT_LOW_RANK
+    if design == "mlp":
+        return rank or max(1, hidden // 2)
+    return None
+
+
+def make_head(design: str, hidden: int, rank: int | None = None, generator: torch.Generator | None = None) -> nn.Module:
+    """A fresh head of a design, at the identity. Random parts (low-rank A, mlp W1) come from `generator`."""
+    check_design(design, rank)
+    width = head_width(design, rank, hidden)
+    if design == "residual-linear":
+        return ResidualLinear(hidden)
+    assert width is not None
+    if design == "low-rank":
+        return LowRank(hidden, width, generator)
+    return ResidualMLP(hidden, width, generator)
+
+
+def head_cost(design: str, rank: int | None, hidden: int) -> dict[str, int]:
+    """Parameters per exit and multiply-adds per token of one head (the LM head costs H*V per token on top)."""
+    width = head_width(design, rank, hidden) or 0
+    if design == "residual-linear":
+        params = hidden * hidden + hidden
+        macs = hidden * hidden
+    elif design == "low-rank":
+        params = macs = 2 * width * hidden
+    else:
+        params = 2 * width * hidden + width + hidden
+        macs = 2 * width * hidden
+    return {"params": params, "macs_per_token": macs}
+
+
+class HeadStack(nn.Module):
+    """The trainable part only: one head per exit, registered as `exit_{l}`.
+
+    Its state dict keys are exactly the tensor names in heads.safetensors (`exit_{l}.<param>`); `forward` maps
+    {l: h_l} to {l: head_l(h_l)} so that DistributedDataParallel can wrap the whole set in one module.
+    """
+
+    def __init__(self, heads: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.exits = sorted(heads)
+        for layer in self.exits:
+            self.add_module(f"exit_{layer}", heads[layer])
+
+    def head(self, layer: int) -> nn.Module:
+        return self.get_submodule(f"exit_{layer}")
+
+    def forward(self, states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return {layer: self.head(layer)(h) for layer, h in states.items()}
+
+
+def build_heads(design: str, hidden: int, exits: list[int], rank: int | None, seed: int) -> HeadStack:
+    generator = torch.Generator().manual_seed(seed)
+    return HeadStack({layer: make_head(design, hidden, rank, generator) for layer in sorted(exits)})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Saved heads
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HeadSet:
+    """Trained heads read back from disk: exit layer -> head module (eval, frozen, on the adapter's dtype/device)."""
+
+    heads: dict[int, nn.Module]
+    meta: HeadsMeta
+
+    @property
+    def exits(self) -> list[int]:
+        return sorted(self.heads)
+
+    def exit_head(self, adapter: Adapter, layer: int) -> ExitHead:
+        """The exit after `layer` with its head: `.full(h)` and `.local(h, candidates)` as for the logit lens."""
+        return ExitHead(adapter, self.heads[layer])
+
+
+def sidecar_path(path: Path) -> Path:
+    """heads.safetensors -> heads.json (the human-readable copy of the metadata)."""
+    return path.with_suffix(".json")
+
+
+def save_heads(stack: HeadStack, meta: HeadsMeta, path: Path) -> Path:
+    """Write `path` (.safetensors, tensors exit_{l}.<param>, float32) and its .json sidecar, each atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in stack.state_dict().items()}
+    doc = meta.model_dump(mode="json")
+    header = {"format": FORMAT, "eectl": json.dumps(doc, sort_keys=True)}
+    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
+    side = sidecar_path(path)
+    _atomic_write(side, lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8"))
+    return side
+
+
+def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> HeadSet:
+    """Read heads.safetensors for the model behind `adapter` (an Adapter, or a LoadedModel).
+
+    Checks the file's dimensions against the adapter (layers, hidden size, vocabulary) and the base model hash
+    against `sha256` (pass `loaded.source.sha256`; a LoadedModel passed as `adapter` supplies it): heads only mean
+    something on the checkpoint they were trained on. Raises ArtifactError (an EectlError) on any mismatch.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from eectl.models.loading import LoadedModel
+
+    if isinstance(adapter, LoadedModel):
+        sha256 = sha256 or adapter.source.sha256
+        adapter = adapter.adapter
+    assert isinstance(adapter, Adapter)
+    p = Path(path)
+    if not p.is_file():
+        raise ArtifactError(f"heads file not found: {p}", hint="train heads with `eectl train-heads`")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    except (SafetensorError, OSError) as exc:
+        raise ArtifactError(f"not a readable safetensors file: {p} ({exc})") from exc
+    if header.get("format") != FORMAT or "eectl" not in header:
+        raise ArtifactError(f"not an eectl heads file: {p}", hint="train heads with `eectl train-heads`")
+    try:
+        meta = HeadsMeta.model_validate_json(header["eectl"])
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ArtifactError(f"heads in {p.name} have invalid metadata: {where}: {first['msg']}") from None
+    dims = adapter.dims
+    want = {"num_layers": dims.num_layers, "hidden_size": dims.hidden_size, "vocab_size": dims.vocab_size}
+    have = meta.dimensions.model_dump()
+    wrong = [f"{k} {have.get(k)} (model: {v})" for k, v in want.items() if have.get(k) != v]
+    base = meta.base_model
+    if wrong:
+        raise ArtifactError(
+            f"heads in {p.name} do not fit this model: {', '.join(wrong)}",
+            hint=f"they were trained on {base.get('name')} ({str(base.get('sha256'))[:12]})",
+        )
+    if sha256 is not None and base.get("sha256") != sha256:
+        raise ArtifactError(
+            f"heads in {p.name} were trained on another checkpoint: base model hash "
+            f"{str(base.get('sha256'))[:12]}, this model {sha256[:12]}",
+            hint=f"train heads for this model, or load {base.get('spec')}",
+        )
+    exits = list(meta.exits)
+    stack = HeadStack({layer: make_head(meta.design, dims.hidden_size, meta.rank) for layer in exits})
+    try:
+        stack.load_state_dict(tensors, strict=True)
+    except RuntimeError as exc:
+        raise ArtifactError(f"heads in {p.name} do not match their own metadata: {str(exc).splitlines()[0]}") from exc
+    stack.to(device=adapter.device, dtype=adapter.dtype).eval().requires_grad_(False)
+    return HeadSet({layer: stack.head(layer) for layer in exits}, meta)
+
+
+def _atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

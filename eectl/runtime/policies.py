@@ -1,0 +1,168 @@
+"""KV policies: what happens to the layers a token skipped when it exits early.
+
+The layers after an exit still owe later tokens their K/V. A policy is one class with five hooks the runner calls
+during one token's pass over the segments (runner.py: `Runner._step`):
+
+    may_exit(row)                       before the pass: may this token exit at all?
+    before_segment(row, s, h) -> x      before segment s runs: its input (h, plus positions waiting here)
+    on_exit(row, kv, s, out, token)     the token exited after segment s with state `out` [1, 1, H]
+    on_final(row, kv, out) -> token?    the pass reached the final layer; a token replaces the model's (rollback)
+    unchecked(row) -> bool              generation wants to stop: is there work a final pass must still check?
+
+The built-in policies:
+
+- `copy`:   the skipped segments' K/V-only graphs project the exit hidden state into their caches (approximate).
+- `defer`:  the exit hidden state waits at the boundary ("pending"); the next token that runs those segments
+            carries it along as an extra position, so its K/V are exactly the full model's for that state.
+- `verify`: like defer, but exited tokens are drafts: when a pass reaches the final layer, the final logits of
+            the pending positions check the drafts; the first wrong draft and everything after it are rolled back
+            by resetting the length counters, and the full model's token is emitted instead. Output == full depth.
+
+Invariant (defer/verify): segment s holds K/V for positions [0, filled_s), filled_0 >= filled_1 >= ...;
+pending[s] holds the hidden states at segment s's input for positions [filled_s, filled_{s-1}).
+
+To add a policy (e.g. River-LLM's, where an exited token flows through cheap copies of the remaining segments that
+write its K/V into the same buffers): subclass `KVPolicy`, implement `on_exit` (and any other hook), and decorate
+it with `@register_policy`. The CLI, recipes, the manifest's list and bench take their names from `POLICIES`.
+
+What this module does not do: decide exits (runner.py, exits.py) or build graphs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from eectl.errors import UsageError
+
+if TYPE_CHECKING:
+    from eectl.runtime.runner import RowState, RunConfig
+    from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
+
+
+class KVPolicy:
+    name: ClassVar[str]
+    lossless: ClassVar[bool] = False  # output equals full depth by construction
+    greedy_only: ClassVar[bool] = False
+    scores_text: ClassVar[bool] = True  # supports teacher-forced scoring (Runner.score)
+
+    def __init__(self, rt: ArtifactRuntime, config: RunConfig) -> None:
+        self.rt = rt
+        self.cfg = config
+        self.num_layers = rt.manifest.num_layers
+        self.num_segments = len(rt.manifest.segments)
+
+    @classmethod
+    def check(cls, config: RunConfig) -> None:
+        """Raise UsageError for run options this policy cannot honour."""
+        if cls.greedy_only and config.temperature > 0:
+            raise UsageError(f"the {cls.name} policy is greedy only (it reproduces full-depth greedy output)")
+
+    def may_exit(self, st: RowState) -> bool:
+        return True
+
+    def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
+        return h
+
+    def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
+        raise NotImplementedError
+
+    def on_final(self, row: int, st: RowState, kv: KVBuffers, out: np.ndarray) -> int | None:
+        return None
+
+    def unchecked(self, st: RowState) -> bool:
+        return False
+
+
+POLICIES: dict[str, type[KVPolicy]] = {}
+
+
+def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def policy_class(name: str) -> type[KVPolicy]:
+    if name not in POLICIES:
+        raise UsageError(f"--policy must be one of {', '.join(POLICIES)}, got '{name}'")
+    return POLICIES[name]
+
+
+@register_policy
+class Copy(KVPolicy):
+    """The skipped segments' K/V-only graphs project the exit state into their caches (approximate K/V)."""
+
+    name = "copy"
+
+    def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
+        # no pending positions under copy: `out` is this token's exit state
+        for t in range(s + 1, self.num_segments):
+            self.rt.run_segment(t, out, kv, row, kv_only=True)
+
+
+@register_policy
+class Defer(KVPolicy):
+    """The exit state waits at the boundary; the next deep pass computes the skipped layers' exact K/V."""
+
+    name = "defer"
+
+    def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
+        pend = st.pending[s]
+        st.pending[s] = None
+        return h if pend is None else np.concatenate([pend, h], axis=1)
+
+    def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
+        prev = st.pending[s + 1]
+        st.pending[s + 1] = out if prev is None else np.concatenate([prev, out], axis=1)
+
+
+@register_policy
+class Verify(Defer):
+    """Defer, with exited tokens as drafts that the next final-depth pass checks (and rolls back when wrong)."""
+
+    name = "verify"
+    lossless = True
+    greedy_only = True
+    scores_text = False
+
+    def may_exit(self, st: RowState) -> bool:
+        return len(st.drafts) < self.cfg.verify_block  # then a forced full-depth pass checks them
+
+    def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
+        super().on_exit(row, st, kv, s, out, token)
+        st.drafts.append((len(st.tokens), token))
+        st.drafted += 1
+
+    def unchecked(self, st: RowState) -> bool:
+        return bool(st.drafts)
+
+    def on_final(self, row: int, st: RowState, kv: KVBuffers, out: np.ndarray) -> int | None:
+        """Check the drafts against the final states of the flushed positions; roll back at the first wrong one.
+
+        out[0, j] is the final state of position base + j and predicts the token at base + j + 1.
+        """
+        if not st.drafts:
+            return None
+        base = int(kv.filled[row, -1]) - out.shape[1]
+        drafts = dict(st.drafts)
+        st.drafts = []
+        if out.shape[1] < 2:
+            return None
+        # one final-head call for the drafts' positions and this one: the head's weight is read once
+        rows, _, _ = self.rt.exit_full(self.num_layers, out[0], self.cfg.top_k)
+        full_pred = rows[:-1].argmax(-1)
+        for j in range(out.shape[1] - 1):
+            pos = base + j + 1
+            if pos in drafts and drafts[pos] != int(full_pred[j]):
+                keep = pos - st.prompt_len  # generated tokens before the wrong draft
+                st.rejected += len(st.tokens) - pos
+                del st.tokens[pos:]
+                del st.exit_layers[keep:]
+                del st.latencies[keep:]
+                kv.filled[row] = np.minimum(kv.filled[row], pos)
+                st.pending = [None] * len(st.pending)
+                st.exit_layers.append(self.num_layers)
+                return int(full_pred[j])
+        st.final_logits = rows[-1:]  # every draft held: the runner picks this step's token from the same pass
+        return None
