@@ -6,12 +6,14 @@ The decoder is cut at the exit points into segments, each one ONNX graph built d
                                                  |                                 |                     |
                                               [exit e1]                         [exit e2]            [final head]
 
-A segment layer is  RMSNorm -> QKV MatMul -> (q/k norm) -> GroupQueryAttention (rotary inside, past and present KV
-share one buffer, written in place) -> O MatMul -> residual -> RMSNorm -> gate/up MatMul -> act -> down MatMul ->
-residual. One graph serves prefill, one-token decode and multi-token chunks on top of a past (batch, sequence and
-past length dynamic). Each segment also gets a K/V-only graph (the `copy` policy). Exit graphs (optional trained
-head, final norm, LM head, Top-K) take the LM-head weight as an input, so the artifact stores it once
-(weights/*.npy) and every exit session binds the same array.
+A segment layer is  RMSNorm -> QKV MatMul -> (q/k norm) -> GroupQueryAttention (rotary inside, packed QKV, past and
+present KV share one buffer, written in place) -> O MatMul -> residual + RMSNorm -> gate/up MatMul -> act -> down
+MatMul -> residual, with each "residual + RMSNorm" one SkipSimplifiedLayerNormalization (the MLP's residual is added
+by the next layer's input norm, or by one Add at the segment's end), the fused ops onnxruntime-genai's graphs use.
+One graph serves prefill, one-token decode and multi-token chunks on top of a past (batch, sequence and past length
+dynamic). Each segment also gets a K/V-only graph (the `copy` policy). Exit graphs (optional trained head, final
+norm, LM head, Top-K, greedy token) take the LM-head weight, stored transposed [H, V], as an input, so the artifact
+stores it once (weights/*.npy) and every exit session binds the same array.
 
 Why built from the weights rather than exported by torch.onnx: GroupQueryAttention with a shared KV buffer avoids
 concatenating the cache each token, the cost that dominates decode at long context (numbers in the issue notes).
@@ -123,6 +125,24 @@ def _rms(b: _Builder, x: str, weight: torch.Tensor, eps: float, name: str) -> st
     return b.op("SimplifiedLayerNormalization", [x, b.const(name, weight)], axis=-1, epsilon=eps)
 
 
+def _add_rms(b: _Builder, x: str, delta: str | None, weight: torch.Tensor, eps: float, name: str) -> tuple[str, str]:
+    """RMSNorm(x + delta) and the sum x + delta, as one SkipSimplifiedLayerNormalization (the residual add and the
+    next norm read the stream once; ORT does not fuse the pair itself when the sum has other consumers)."""
+    if delta is None:
+        return _rms(b, x, weight, eps, name), x
+    normed, total = b.fresh("skip_norm"), b.fresh("residual")
+    b.nodes.append(
+        helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            [x, delta, b.const(name, weight)],
+            [normed, "", "", total],
+            domain="com.microsoft",
+            epsilon=eps,
+        )
+    )
+    return normed, total
+
+
 def _linear(b: _Builder, x: str, weights: list[torch.Tensor], biases: list[torch.Tensor | None], name: str) -> str:
     """x @ concat(weights).T (+ concat(biases)): one MatMul for several projections."""
     w = torch.cat(weights, dim=0).T.contiguous()  # [in, out]
@@ -145,21 +165,32 @@ def _head_norm(b: _Builder, x: str, weight: torch.Tensor, eps: float, heads: int
 def _layer(
     b: _Builder,
     x: str,
+    delta: str | None,
     w: LayerWeights,
     names: dict[str, str],
     dims: Any,
     rope: dict[str, tuple[str, str]],
     kv_only: bool,
-) -> tuple[str, str, str]:
-    """One decoder layer on the residual stream x; returns (x_out, present_key, present_value)."""
+) -> tuple[str, str | None, str, str, str]:
+    """One decoder layer on the residual stream x + delta (delta: an addend not yet added, or None).
+
+    Returns (x_out, delta_out, layer_input, present_key, present_value): the stream after the layer is
+    x_out + delta_out, the MLP's output is left unadded so that the next layer's input norm adds it (one
+    SkipSimplifiedLayerNormalization); layer_input is this layer's materialised input stream.
+    """
     i, nh, nkv, d = w.index, dims.num_heads, dims.num_kv_heads, dims.head_dim
     p = f"layers.{i}"
-    h = _rms(b, x, w.input_norm, w.eps, f"{p}.input_norm")
+    h, x = _add_rms(b, x, delta, w.input_norm, w.eps, f"{p}.input_norm")
+    layer_input = x
     qkv = _linear(b, h, [w.q, w.k, w.v], [w.q_bias, w.k_bias, w.v_bias], f"{p}.qkv")
-    q, k, v = b.op(
-        "Split", [qkv, b.const(f"{p}.qkv.split", np.array([nh * d, nkv * d, nkv * d], np.int64), False)], 3, axis=-1
-    )
-    if w.q_norm is not None and w.k_norm is not None:
+    q, k, v = qkv, "", ""  # packed [B, S, (nh + 2 nkv) D]: GroupQueryAttention splits it itself
+    if w.q_norm is not None and w.k_norm is not None:  # per-head norms need q and k apart
+        q, k, v = b.op(
+            "Split",
+            [qkv, b.const(f"{p}.qkv.split", np.array([nh * d, nkv * d, nkv * d], np.int64), False)],
+            3,
+            axis=-1,
+        )
         q = _head_norm(b, q, w.q_norm, w.eps, nh, d, f"{p}.q_norm")
         k = _head_norm(b, k, w.k_norm, w.eps, nkv, d, f"{p}.k_norm")
     cos, sin = rope[w.layer_type]
@@ -176,14 +207,13 @@ def _layer(
         **attrs,
     )
     if kv_only:
-        return x, present_k, present_v
+        return x, None, layer_input, present_k, present_v
     o = _linear(b, attn, [w.o], [w.o_bias], f"{p}.o")
     if w.pre_feedforward_norm is not None and w.post_feedforward_norm is not None:  # Gemma's sandwich norms
-        x = b.op("Add", [x, _rms(b, o, w.post_attention_norm, w.eps, f"{p}.post_attention_norm")])
-        h = _rms(b, x, w.pre_feedforward_norm, w.eps, f"{p}.pre_feedforward_norm")
+        o = _rms(b, o, w.post_attention_norm, w.eps, f"{p}.post_attention_norm")
+        h, x = _add_rms(b, x, o, w.pre_feedforward_norm, w.eps, f"{p}.pre_feedforward_norm")
     else:
-        x = b.op("Add", [x, o])
-        h = _rms(b, x, w.post_attention_norm, w.eps, f"{p}.post_attention_norm")
+        h, x = _add_rms(b, x, o, w.post_attention_norm, w.eps, f"{p}.post_attention_norm")
     inter = w.gate.shape[0]
     gu = _linear(b, h, [w.gate, w.up], [None, None], f"{p}.gate_up")
     gate, up = b.op("Split", [gu, b.const(f"{p}.gate_up.split", np.array([inter, inter], np.int64), False)], 2, axis=-1)
@@ -194,7 +224,7 @@ def _layer(
     down = _linear(b, b.op("Mul", [act, up]), [w.down], [None], f"{p}.down")
     if w.post_feedforward_norm is not None:
         down = _rms(b, down, w.post_feedforward_norm, w.eps, f"{p}.post_feedforward_norm")
-    return b.op("Add", [x, down]), present_k, present_v
+    return x, down, layer_input, present_k, present_v
 
 
 def build_segment(
@@ -213,13 +243,13 @@ def build_segment(
     for i in range(lo, hi):
         names["past_key"].append(b.input(f"past_key_values.{i}.key", None, kv_shape))
         names["past_value"].append(b.input(f"past_key_values.{i}.value", None, kv_shape))
-    x = hidden
+    x, delta = hidden, None
     layer_input = hidden
     for j, i in enumerate(range(lo, hi)):
-        layer_input = x
-        x, pk, pv = _layer(
+        x, delta, layer_input, pk, pv = _layer(
             b,
             x,
+            delta,
             adapter.layer_weights(i),
             {"past_key": names["past_key"][j], "past_value": names["past_value"][j]},
             dims,
@@ -232,6 +262,8 @@ def build_segment(
             names[f"present_{kind}"].append(name)
     outputs: dict[str, str | list[str]] = {"present_key": names["present_key"], "present_value": names["present_value"]}
     if not kv_only:
+        if delta is not None:  # the last layer's MLP output, not yet added to the stream
+            x = b.op("Add", [x, delta])
         b.output(x, "hidden_states_out", None, ["batch", "sequence", dims.hidden_size])
         b.output(layer_input, "last_layer_input", None, ["batch", "sequence", dims.hidden_size])
         outputs.update(hidden_out="hidden_states_out", layer_input="last_layer_input")
@@ -251,12 +283,18 @@ def build_segment(
     return b.model(f"{kind}_{lo}_{hi}"), io
 
 
-def build_embedding(adapter: Adapter, dtype: str) -> tuple[onnx.ModelProto, GraphIO]:
+def build_embedding(adapter: Adapter, dtype: str, transposed: bool) -> tuple[onnx.ModelProto, GraphIO]:
+    """input_ids -> hidden states, gathering rows of the embedding table, or its columns where the table is the
+    tied LM head stored transposed ([H, V], see _write_artifact)."""
     dims = adapter.dims
     b = _Builder(dtype)
     ids = b.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
-    weight = b.input("embed_weight", None, [dims.vocab_size, dims.hidden_size])
-    h = b.op("Gather", [weight, ids], axis=0)
+    if transposed:
+        weight = b.input("embed_weight", None, [dims.hidden_size, dims.vocab_size])
+        h = b.op("Transpose", [b.op("Gather", [weight, ids], axis=1)], perm=[1, 2, 0])  # [H, B, S] -> [B, S, H]
+    else:
+        weight = b.input("embed_weight", None, [dims.vocab_size, dims.hidden_size])
+        h = b.op("Gather", [weight, ids], axis=0)
     scale = adapter.embed_scale()
     if scale != 1.0:
         h = b.op("Mul", [h, b.const("embed_scale", np.array(scale, np.float32))])
@@ -325,11 +363,17 @@ def _head_prefix(b: _Builder, hidden: str, head: torch.nn.Module | None, hidden_
 def build_exit(
     adapter: Adapter, layer: int, dtype: str, local: bool, head: torch.nn.Module | None = None
 ) -> tuple[onnx.ModelProto, GraphIO]:
-    """Exit graph after `layer`: (head) -> final norm -> LM head rows -> logits, the same math as ExitHead."""
+    """Exit graph after `layer`: (head) -> final norm -> LM head rows -> logits, the same math as ExitHead.
+
+    The LM head is the shared table stored transposed, [H, V] (see _write_artifact): the full graph's MatMul with
+    one token is then a matrix-vector product that streams the table once, and the local graph gathers K columns.
+    The full graph also outputs the greedy token (ArgMax, first index on ties as torch): when the runner needs
+    nothing else it copies only that out, with k = 1 for the Top-K (sessions.greedy_token).
+    """
     dims = adapter.dims
     b = _Builder(dtype)
     hidden = b.input("hidden_states", None, ["n", dims.hidden_size])
-    weight = b.input("lm_head_weight", None, [dims.vocab_size, dims.hidden_size])
+    weight = b.input("lm_head_weight", None, [dims.hidden_size, dims.vocab_size])
     norm_w, eps = adapter.final_norm_weight()
     x = _head_prefix(b, hidden, head, dims.hidden_size, f"exit_{layer}.head")
     normed = _rms(b, x, norm_w, eps, "final_norm")
@@ -346,9 +390,9 @@ def build_exit(
     inputs: dict[str, str | list[str]] = {"hidden": "hidden_states", "weight": "lm_head_weight"}
     if local:
         cand = b.input("candidates", TensorProto.INT64, ["n", "k"])
-        rows = b.op("Gather", [weight, cand], axis=0)  # [N, K, H]
+        cols = b.op("Transpose", [b.op("Gather", [weight, cand], axis=1)], perm=[1, 0, 2])  # [H, N, K] -> [N, H, K]
         q = b.op("Unsqueeze", [normed, b.const("axis1", np.array([1], np.int64), False)])  # [N, 1, H]
-        logits = b.op("MatMul", [q, b.op("Transpose", [rows], perm=[0, 2, 1])])  # [N, 1, K]
+        logits = b.op("MatMul", [q, cols])  # [N, 1, K]
         logits = b.op("Squeeze", [logits, "axis1"])
         if bias is not None:
             logits = b.op("Add", [logits, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
@@ -357,7 +401,7 @@ def build_exit(
         outputs: dict[str, str | list[str]] = {"candidate_logits": "candidate_logits"}
     else:
         b.input("top_k", TensorProto.INT64, [1])
-        logits = b.op("Gemm", [normed, weight], transB=1)
+        logits = b.op("MatMul", [normed, weight])  # [N, H] @ [H, V]
         if bias is not None:
             logits = b.op("Add", [logits, b.const("lm_head_bias", bias.detach())])
         logits = cap(logits)
@@ -365,8 +409,14 @@ def build_exit(
         b.output(logits, "logits", None, ["n", dims.vocab_size])
         b.output(indices, "candidates", TensorProto.INT64, ["n", "k"])
         b.output(values, "candidate_logits", None, ["n", "k"])
+        b.output(b.op("ArgMax", [logits], axis=-1, keepdims=0), "token", TensorProto.INT64, ["n"])
         inputs["top_k"] = "top_k"
-        outputs = {"logits": "logits", "candidates": "candidates", "candidate_logits": "candidate_logits"}
+        outputs = {
+            "logits": "logits",
+            "candidates": "candidates",
+            "candidate_logits": "candidate_logits",
+            "token": "token",
+        }
     io = GraphIO(file=f"exit_{layer:03d}_{suffix}.onnx", inputs=inputs, outputs=outputs)
     return b.model(f"exit_{layer}_{suffix}"), io
 
@@ -423,11 +473,11 @@ def build_candidates(
             ],
         )
         _, cand = b.op("TopK", [approx, "top_k"], 2, axis=-1, largest=1, sorted=1)
-        weight = b.input("lm_head_weight", None, [dims.vocab_size, dims.hidden_size])
+        weight = b.input("lm_head_weight", None, [dims.hidden_size, dims.vocab_size])  # stored [H, V]
         inputs["weight"] = weight
-        rows = b.op("Gather", [weight, cand], axis=0)  # [N, K, H]
+        cols = b.op("Transpose", [b.op("Gather", [weight, cand], axis=1)], perm=[1, 0, 2])  # [H, N, K] -> [N, H, K]
         q = b.op("Unsqueeze", [normed, b.const("axis1", np.array([1], np.int64), False)])  # [N, 1, H]
-        exact = b.op("Squeeze", [b.op("MatMul", [q, b.op("Transpose", [rows], perm=[0, 2, 1])]), "axis1"])
+        exact = b.op("Squeeze", [b.op("MatMul", [q, cols]), "axis1"])
         if bias is not None:
             exact = b.op("Add", [exact, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
         cand_logits = cap(exact)
@@ -599,9 +649,14 @@ def _write_artifact(
         return io
 
     (folder / "weights").mkdir()
-    lm = adapter.lm_head.weight.detach().float().numpy().astype(np_dtype)
+    # The LM head is stored transposed, [H, V]: MatMul on a [1, H] token is then ORT's matrix-vector path, which
+    # streams the table once per token; the [V, H] table with Gemm(transB) is repacked on every call (measured:
+    # 2x slower per projection on this CPU). It is a graph input, shared by every exit graph and stored once.
+    lm = np.ascontiguousarray(adapter.lm_head.weight.detach().float().numpy().astype(np_dtype).T)
     np.save(folder / "weights" / "lm_head.npy", lm)
-    shared = {"lm_head": SharedWeight(file="weights/lm_head.npy", shape=list(lm.shape), dtype=options.dtype)}
+    shared = {
+        "lm_head": SharedWeight(file="weights/lm_head.npy", shape=list(lm.shape), dtype=options.dtype, transposed=True)
+    }
     tied = adapter.embed_tokens.weight.data_ptr() == adapter.lm_head.weight.data_ptr()
     if tied:
         shared["embed"] = shared["lm_head"]
@@ -610,7 +665,7 @@ def _write_artifact(
         np.save(folder / "weights" / "embed.npy", emb)
         shared["embed"] = SharedWeight(file="weights/embed.npy", shape=list(emb.shape), dtype=options.dtype)
 
-    embedding = save(*build_embedding(adapter, options.dtype))
+    embedding = save(*build_embedding(adapter, options.dtype, transposed=tied))
     cuts = [0, *exits, L]
     segments = []
     for idx, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):

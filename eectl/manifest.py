@@ -44,7 +44,7 @@ class Segment(_M):
 
 class ExitPoint(_M):
     layer: int  # exit after this many decoder layers (== L for the final head)
-    full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits
+    full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits, greedy token [N]
     local: GraphIO  # hidden [N, H] + candidates [N, K] -> candidate logits [N, K]
     candidates: GraphIO | None = None  # hidden [N, H] -> K candidates [N, K] + exact logits (the candidate source)
     head: str | None = None  # trained head design, None for the plain logit lens
@@ -54,6 +54,7 @@ class SharedWeight(_M):
     file: str
     shape: list[int]
     dtype: str
+    transposed: bool = False  # stored [hidden, vocab] (the LM head's MatMul layout) rather than [vocab, hidden]
 
 
 class KVLayout(_M):

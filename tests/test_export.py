@@ -68,6 +68,8 @@ def test_ort_equals_torch_for_prefill_chunk_and_decode_at_every_exit(exported, f
                 ref = heads[end].full(states[end][0])
                 got, cand, cand_logits = rt.exit_full(end, h[0], 8)
                 np.testing.assert_allclose(got, ref.numpy(), atol=ATOL, rtol=1e-4)
+                # the in-graph greedy token, for a chunk of positions then one (its scratch arrays resize)
+                assert (rt.greedy_token(end, h[0]) == ref.argmax(-1).numpy()).all()
                 np.testing.assert_allclose(layer_in[0], states[end - 1][0].numpy(), atol=ATOL, rtol=1e-4)
                 local = rt.exit_local(end, h[0], cand)
                 np.testing.assert_allclose(local, cand_logits, atol=ATOL, rtol=1e-4)

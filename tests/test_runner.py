@@ -52,6 +52,23 @@ def test_full_depth_equals_transformers_generate(artifacts, family):
     assert gen.exit_layers == [6] * 24 and gen.mean_layers(6) == 6.0
 
 
+def test_full_depth_without_the_token_output_uses_the_logits(artifacts, tmp_path):
+    """An artifact whose final exit graph lists no greedy token output (exported before it existed): the runner
+    takes the argmax of the logits instead, with the same tokens."""
+    import shutil
+
+    loaded, rt = artifacts["llama"]
+    prompt = _prompt(3, 9, loaded.adapter.dims.vocab_size)
+    want = _runner(rt, exits=[], new=12).generate([prompt])[0].token_ids
+    old = tmp_path / "old"
+    shutil.copytree(rt.folder, old)
+    doc = json.loads((old / "manifest.json").read_text())
+    for e in doc["exits"]:
+        del e["full"]["outputs"]["token"]
+    (old / "manifest.json").write_text(json.dumps(doc))
+    assert _runner(ArtifactRuntime(old, provider="cpu"), exits=[], new=12).generate([prompt])[0].token_ids == want
+
+
 def _torch_simulation(loaded, prompt, new, thresholds, probs=None):
     """Sequential topk-prob exits decided on states computed with the exact (full-model) KV of every position.
 

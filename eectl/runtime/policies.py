@@ -149,9 +149,7 @@ class Verify(Defer):
         st.drafts = []
         if out.shape[1] < 2:
             return None
-        # one final-head call for the drafts' positions and this one: the head's weight is read once
-        rows, _, _ = self.rt.exit_full(self.num_layers, out[0], self.cfg.top_k)
-        full_pred = rows[:-1].argmax(-1)
+        full_pred = self.rt.greedy_token(self.num_layers, out[0, :-1])  # greedy drafts: only tokens leave the graph
         for j in range(out.shape[1] - 1):
             pos = base + j + 1
             if pos in drafts and drafts[pos] != int(full_pred[j]):
@@ -164,5 +162,4 @@ class Verify(Defer):
                 st.pending = [None] * len(st.pending)
                 st.exit_layers.append(self.num_layers)
                 return int(full_pred[j])
-        st.final_logits = rows[-1:]  # every draft held: the runner picks this step's token from the same pass
         return None

@@ -56,7 +56,6 @@ class RowState:
     drafted: int = 0
     rejected: int = 0
     done: bool = False
-    final_logits: np.ndarray | None = None  # [1, V] this step's final-head row when a policy already computed it
 
 
 @dataclass
@@ -183,11 +182,10 @@ class Runner:
                 corrected = self.policy.on_final(row, st, kv, out)
                 if corrected is not None:
                     return corrected
-                if st.final_logits is not None:  # verify read this row with the drafts' (one head pass)
-                    logits, st.final_logits = st.final_logits, None
-                else:
-                    logits, _, _ = self.rt.exit_full(self.L, out[0, -1:], self.cfg.top_k)
                 st.exit_layers.append(self.L)
+                if st.forced is None and self.cfg.temperature <= 0:  # greedy: only the token leaves the graph
+                    return int(self.rt.greedy_token(self.L, out[0, -1:])[0])
+                logits, _, _ = self.rt.exit_full(self.L, out[0, -1:], self.cfg.top_k)
                 if st.forced is not None:
                     return self._forced(st, logits[0])
                 return self._pick(logits[0])

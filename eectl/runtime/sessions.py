@@ -4,6 +4,10 @@ Every graph call goes through here (export's validation and `eectl run` alike). 
 is one preallocated buffer [1, H_kv, max_len, D] bound as both the past input and the present output of
 GroupQueryAttention, which writes the new positions in place: nothing is concatenated or copied per token.
 
+Per-token cost outside the kernels is kept small: each (graph, row) keeps one IO binding with its KV buffers and
+its scalar inputs bound once (the scalars are updated in place), so a call rebinds only the hidden states and
+outputs, which ORT writes straight into arrays allocated here (no output lists, no copies out).
+
 What this module does not do: choose exits or policies (runtime/runner.py), tokenise, or touch torch.
 """
 
@@ -11,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +140,16 @@ class Graph:
 
 
 @dataclass
+class _Call:
+    """One graph's IO binding kept across calls, with the small inputs it reads from (updated in place)."""
+
+    io: Any
+    seqlens_k: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int32))
+    total: np.ndarray = field(default_factory=lambda: np.zeros((), np.int32))
+    scratch: list[np.ndarray] = field(default_factory=list)  # bound arrays whose contents nobody reads
+
+
+@dataclass
 class KVBuffers:
     """Per row and layer: key and value buffers [1, H_kv, max_len, D], and how many positions each layer holds."""
 
@@ -143,6 +157,7 @@ class KVBuffers:
     values: list[list[Any]]
     filled: np.ndarray  # [rows, layers] int
     max_len: int
+    calls: dict[tuple[bool, int, int], _Call] = field(default_factory=dict)  # (kv_only, segment, row) -> binding
 
 
 class ArtifactRuntime:
@@ -174,6 +189,7 @@ class ArtifactRuntime:
         self.candidate_graphs = {e.layer: load(e.candidates) for e in m.exits if e.candidates is not None}
         self.weights = {k: self._load_weight(w.file) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
+        self._calls: dict[tuple[str, int], _Call] = {}  # (graph kind, exit layer) -> binding with its weight bound
 
     # --- setup ---------------------------------------------------------------------------------------------------
     def _load_weight(self, file: str) -> Any:
@@ -210,16 +226,35 @@ class ArtifactRuntime:
         else:
             io.bind_ortvalue_input(name, arr)
 
+    def _host(self, arr: np.ndarray, dtype: Any) -> np.ndarray:
+        """A C-contiguous array of dtype, the same object when it already is one (no copy per call)."""
+        return np.ascontiguousarray(arr, dtype=dtype)
+
+    def _out(self, io: Any, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A fresh host array bound as output `name`: ORT writes into it (fresh: callers may keep what it returns)."""
+        arr = np.empty(shape, dtype=dtype)
+        io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        return arr
+
+    def _call(self, kind: str, layer: int, g: Graph, weight: str) -> _Call:
+        call = self._calls.get((kind, layer))
+        if call is None:
+            call = _Call(g.binding())
+            if "weight" in g.io.inputs:
+                self._bind_array(call.io, g.name("weight"), self.weights[weight])
+            self._calls[(kind, layer)] = call
+        return call
+
     # --- graph calls -------------------------------------------------------------------------------------------------
     def embed(self, input_ids: np.ndarray) -> np.ndarray:
         """[N, S] int64 -> [N, S, H] hidden states."""
         g = self.embedding
-        io = g.binding()
-        io.bind_cpu_input(g.name("input_ids"), np.ascontiguousarray(input_ids, dtype=np.int64))
-        self._bind_array(io, g.name("weight"), self.weights["embed"])
-        io.bind_output(g.name("hidden"), "cpu")
-        g.session.run_with_iobinding(io)
-        return io.get_outputs()[0].numpy()
+        call = self._call("embed", 0, g, "embed")
+        ids = self._host(input_ids, np.int64)
+        self._bind_array(call.io, g.name("input_ids"), ids)
+        out = self._out(call.io, g.name("hidden"), (*ids.shape, self.manifest.dims["hidden_size"]), self.np_dtype)
+        g.session.run_with_iobinding(call.io)
+        return out
 
     def run_segment(self, index: int, hidden: np.ndarray, kv: KVBuffers, row: int, kv_only: bool = False) -> Any:
         """Run segment `index` on hidden [1, S, H] for one row, appending S positions to its layers' KV in place.
@@ -236,50 +271,88 @@ class ArtifactRuntime:
         total = past + s
         if total > kv.max_len:
             raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {kv.max_len}")
-        io = g.binding()
-        io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(hidden, dtype=self.np_dtype))
-        io.bind_cpu_input(g.name("seqlens_k"), np.array([total - 1], dtype=np.int32))
-        io.bind_cpu_input(g.name("total_sequence_length"), np.array(total, dtype=np.int32))
-        for j, layer in enumerate(range(lo, hi)):
-            k, v = kv.keys[row][layer], kv.values[row][layer]
-            self._bind_array(io, g.names("past_key")[j], k)
-            self._bind_array(io, g.names("past_value")[j], v)
-            self._bind_array(io, g.names("present_key")[j], k, output=True)
-            self._bind_array(io, g.names("present_value")[j], v, output=True)
-        if not kv_only:
-            io.bind_output(g.name("hidden_out"), "cpu")
-            io.bind_output(g.name("layer_input"), "cpu")
-        g.session.run_with_iobinding(io)
-        kv.filled[row, lo:hi] = total
+        call = kv.calls.get((kv_only, index, row))
+        if call is None:  # first call for this row: bind its KV buffers (past and present share them) and scalars
+            call = _Call(g.binding())
+            for j, layer in enumerate(range(lo, hi)):
+                k, v = kv.keys[row][layer], kv.values[row][layer]
+                self._bind_array(call.io, g.names("past_key")[j], k)
+                self._bind_array(call.io, g.names("past_value")[j], v)
+                self._bind_array(call.io, g.names("present_key")[j], k, output=True)
+                self._bind_array(call.io, g.names("present_value")[j], v, output=True)
+            self._bind_array(call.io, g.name("seqlens_k"), call.seqlens_k)
+            self._bind_array(call.io, g.name("total_sequence_length"), call.total)
+            kv.calls[(kv_only, index, row)] = call
+        call.seqlens_k[0] = total - 1
+        call.total[()] = total
+        x = self._host(hidden, self.np_dtype)
+        self._bind_array(call.io, g.name("hidden"), x)
         if kv_only:
+            g.session.run_with_iobinding(call.io)
+            kv.filled[row, lo:hi] = total
             return None
-        outs = io.get_outputs()
-        n = 2 * (hi - lo)  # the present K/V outputs were bound first
-        return outs[n].numpy(), outs[n + 1].numpy()
+        out = self._out(call.io, g.name("hidden_out"), x.shape, self.np_dtype)
+        layer_in = self._out(call.io, g.name("layer_input"), x.shape, self.np_dtype)
+        g.session.run_with_iobinding(call.io)
+        kv.filled[row, lo:hi] = total
+        return out, layer_in
 
     def exit_full(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """hidden [N, H] -> (logits [N, V], candidates [N, K] int64, candidate logits [N, K])."""
         g = self.full_graphs[layer]
-        io = g.binding()
-        io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(hidden, dtype=self.np_dtype))
-        io.bind_cpu_input(g.name("top_k"), np.array([top_k], dtype=np.int64))
-        self._bind_array(io, g.name("weight"), self.weights["lm_head"])
-        for key in ("logits", "candidates", "candidate_logits"):
-            io.bind_output(g.name(key), "cpu")
+        call = self._call("full", layer, g, "lm_head")
+        io = call.io
+        x = self._host(hidden, self.np_dtype)
+        self._bind_array(io, g.name("hidden"), x)
+        k = np.array([top_k], dtype=np.int64)  # bound by address: alive until the run returns
+        self._bind_array(io, g.name("top_k"), k)
+        n, vocab = x.shape[0], self.manifest.dims["vocab_size"]
+        logits = self._out(io, g.name("logits"), (n, vocab), self.np_dtype)
+        cand = self._out(io, g.name("candidates"), (n, top_k), np.int64)
+        cand_logits = self._out(io, g.name("candidate_logits"), (n, top_k), self.np_dtype)
+        if "token" in g.io.outputs:  # bound too, so a binding shared with greedy_token never has a stale output
+            self._out(io, g.name("token"), (n,), np.int64)
         g.session.run_with_iobinding(io)
-        logits, cand, cand_logits = (o.numpy() for o in io.get_outputs())
         return logits, cand, cand_logits
+
+    def greedy_token(self, layer: int, hidden: np.ndarray) -> np.ndarray:
+        """hidden [N, H] -> the argmax token [N] at exit `layer`, computed in the graph.
+
+        Only the token is copied out; the logits and a Top-1 (k = 1: a scan, not a sort) land in scratch arrays
+        that stay bound across calls.
+        """
+        g = self.full_graphs[layer]
+        if "token" not in g.io.outputs:  # an artifact exported before the token output
+            return self.exit_full(layer, hidden, 2)[0].argmax(-1)
+        x = self._host(hidden, self.np_dtype)
+        n = x.shape[0]
+        call = self._calls.get(("greedy", layer))
+        if call is None or call.scratch[1].shape[0] != n:
+            call = self._call("greedy", layer, g, "lm_head")
+            call.scratch = [
+                np.ones(1, np.int64),
+                np.empty((n, self.manifest.dims["vocab_size"]), self.np_dtype),
+                np.empty((n, 1), np.int64),
+                np.empty((n, 1), self.np_dtype),
+            ]
+            for key, arr in zip(("top_k", "logits", "candidates", "candidate_logits"), call.scratch, strict=True):
+                self._bind_array(call.io, g.name(key), arr, output=key != "top_k")
+        self._bind_array(call.io, g.name("hidden"), x)
+        token = self._out(call.io, g.name("token"), (n,), np.int64)
+        g.session.run_with_iobinding(call.io)
+        return token
 
     def exit_local(self, layer: int, hidden: np.ndarray, candidates: np.ndarray) -> np.ndarray:
         """hidden [N, H], candidates [N, K] -> candidate logits [N, K]."""
         g = self.local_graphs[layer]
-        io = g.binding()
-        io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(hidden, dtype=self.np_dtype))
-        io.bind_cpu_input(g.name("candidates"), np.ascontiguousarray(candidates, dtype=np.int64))
-        self._bind_array(io, g.name("weight"), self.weights["lm_head"])
-        io.bind_output(g.name("candidate_logits"), "cpu")
-        g.session.run_with_iobinding(io)
-        return io.get_outputs()[0].numpy()
+        call = self._call("local", layer, g, "lm_head")
+        x = self._host(hidden, self.np_dtype)
+        cand = self._host(candidates, np.int64)
+        self._bind_array(call.io, g.name("hidden"), x)
+        self._bind_array(call.io, g.name("candidates"), cand)
+        out = self._out(call.io, g.name("candidate_logits"), cand.shape, self.np_dtype)
+        g.session.run_with_iobinding(call.io)
+        return out
 
     def exit_candidates(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
         """hidden [N, H] -> (candidates [N, K] int64, their exact logits [N, K]) by the artifact's candidate source
@@ -288,13 +361,12 @@ class ArtifactRuntime:
         if g is None:
             _, cand, cand_logits = self.exit_full(layer, hidden, top_k)
             return cand, cand_logits
-        io = g.binding()
-        io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(hidden, dtype=self.np_dtype))
-        io.bind_cpu_input(g.name("top_k"), np.array([top_k], dtype=np.int64))
-        if "weight" in g.io.inputs:
-            self._bind_array(io, g.name("weight"), self.weights["lm_head"])
-        for key in ("candidates", "candidate_logits"):
-            io.bind_output(g.name(key), "cpu")
-        g.session.run_with_iobinding(io)
-        cand, cand_logits = (o.numpy() for o in io.get_outputs())
+        call = self._call("candidates", layer, g, "lm_head")
+        x = self._host(hidden, self.np_dtype)
+        k = np.array([top_k], dtype=np.int64)  # bound by address: alive until the run returns
+        self._bind_array(call.io, g.name("hidden"), x)
+        self._bind_array(call.io, g.name("top_k"), k)
+        cand = self._out(call.io, g.name("candidates"), (x.shape[0], top_k), np.int64)
+        cand_logits = self._out(call.io, g.name("candidate_logits"), (x.shape[0], top_k), self.np_dtype)
+        g.session.run_with_iobinding(call.io)
         return cand, cand_logits
