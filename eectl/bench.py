@@ -5,7 +5,10 @@ Every speed figure is a ratio against baselines measured in the same run, with t
 
 - `hf`:   transformers' own greedy `generate` on the same prompt ids and thread count (torch),
 - `full`: eectl's exported graphs at full depth (ONNX Runtime),
-- `copy`, `defer`, `verify`: early exit with the artifact's calibrated thresholds (or --thresholds).
+- `copy`, `defer`, `verify`, `river`: early exit with the artifact's calibrated thresholds (or --thresholds), the
+  same exits and signal for each, so they differ only in what follows an exit; `river-exit` is `river` with the
+  token predicted at the exit instead of the river's end (river's K/V are also compared with the exact K/V),
+- any other artifact of the same model at full depth (`compare`, e.g. an int4 export: `--compare int4=PATH`).
 
 Fidelity is measured against eectl full depth on the same prompts (token agreement, exact match, first
 divergence), teacher-forced perplexity on held-out text, and GSM8K final-answer accuracy when the data has
@@ -28,16 +31,17 @@ import numpy as np
 from eectl.data import encode_prompt
 from eectl.errors import UsageError
 from eectl.runtime.generate import RunOptions, load_tokenizer, replan, resolve_config
-from eectl.runtime.policies import POLICIES
+from eectl.runtime.policies import POLICIES, default_policies
 from eectl.runtime.runner import Generation, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 
 BASELINES = ("hf", "full")  # every other configuration is a KV policy's name (eectl.runtime.policies)
+RIVER_EXIT = "river-exit"  # the river policy, predicting at the exit instead of the river's end
 
 
 @dataclass
 class BenchOptions:
-    configs: list[str] = field(default_factory=lambda: [*BASELINES, *POLICIES])
+    configs: list[str] = field(default_factory=lambda: [*BASELINES, *default_policies()])
     prompts: int = 10
     max_new_tokens: int = 64
     reps: int = 3
@@ -51,6 +55,7 @@ class BenchOptions:
     threads: int | None = None
     raw: bool = False
     profile_costs: bool = False  # re-measure the graph costs here and re-plan before benchmarking
+    compare: dict[str, str] = field(default_factory=dict)  # config name -> another artifact, run at full depth
 
 
 @dataclass
@@ -98,6 +103,7 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
     default: str = ""  # the configuration `eectl run` uses by default (the plan's: a policy or full), if planned
     plan: str = ""  # the plan's one-line summary
+    river_kv: dict[str, Any] | None = None  # river_kv_cosine on the first prompt
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -195,12 +201,17 @@ class _Configs:
         self.thresholds: dict[int, dict[str, float]] = {}
         self.signal = ""
         self.configs: dict[str, RunConfig] = {}
-        for policy in [c for c in opts.configs if c in POLICIES]:
+        for policy in [c for c in opts.configs if c in POLICIES or c == RIVER_EXIT]:
             cfg = resolve_config(rt, self.early_options(policy, 1.0), stop)
             self.runners[policy] = Runner(rt, cfg)
             self.configs[policy] = cfg
             if cfg.exits or not self.exits:
                 self.exits, self.thresholds, self.signal = cfg.exits, cfg.thresholds, cfg.signal
+        for name, path in opts.compare.items():  # other artifacts (int4 ...) at full depth, one thread pool
+            other = ArtifactRuntime(path, provider=opts.provider, threads=opts.threads)
+            if other.manifest.model.get("sha256") != rt.manifest.model.get("sha256"):
+                raise UsageError(f"--compare {name}: {path} was exported from another model")
+            self.runners[name] = Runner(other, resolve_config(other, base, stop))
         m = rt.manifest
         spec = m.model.get("spec") if m.model.get("kind") != "default" else None
         self.hf = _HF(spec, opts.max_new_tokens) if "hf" in opts.configs else None
@@ -210,7 +221,8 @@ class _Configs:
         return RunOptions(
             exits=o.exits,
             signal=o.signal,
-            policy=policy,
+            policy="river" if policy == RIVER_EXIT else policy,
+            river_predict="exit" if policy == RIVER_EXIT else "end",
             thresholds=o.thresholds,
             threshold_scale=o.threshold_scale * scale,
             max_new_tokens=o.max_new_tokens,
@@ -289,7 +301,8 @@ def _perplexities(configs: _Configs, results: list[ConfigResult], tok: Any, held
         log.log(f"teacher-forced perplexity on {len(text_ids)} held-out tokens")
     by = {r.name: r for r in results}
     for r in results:
-        if r.name == "full" or (r.name in POLICIES and POLICIES[r.name].scores_text):
+        policy = "river" if r.name == RIVER_EXIT else r.name
+        if r.name == "full" or r.name in configs.opts.compare or (policy in POLICIES and POLICIES[policy].scores_text):
             nll, _ = configs.runners[r.name].score(text_ids, prompt_len=1)
             r.perplexity = math.exp(float(np.mean(nll)))
     for r in results:
@@ -298,11 +311,12 @@ def _perplexities(configs: _Configs, results: list[ConfigResult], tok: Any, held
 
 
 def _sweep(configs: _Configs, ids: list[list[int]], full_tokens: list[list[int]]) -> list[dict[str, Any]]:
-    """The early-exit policy (defer if benchmarked) at each threshold scale, each against a full-depth run."""
-    early = [c for c in configs.opts.configs if c in POLICIES]
+    """The early-exit policy (river, else defer, if benchmarked) at each threshold scale, each against a full-depth
+    run."""
+    early = [c for c in configs.opts.configs if c in POLICIES or c == RIVER_EXIT]
     if not early or not configs.opts.sweep:
         return []
-    policy = "defer" if "defer" in early else early[0]
+    policy = next((p for p in ("river", "defer") if p in early), early[0])
     L = configs.rt.manifest.num_layers
     out: list[dict[str, Any]] = []
     for scale in configs.opts.sweep:
@@ -335,7 +349,10 @@ def run_bench(
     answers: list[str | None] | None = None,
     log: Any = None,
 ) -> BenchResult:
-    known = (*BASELINES, *POLICIES)
+    known = (*BASELINES, *POLICIES, RIVER_EXIT, *opts.compare)
+    clash = [c for c in opts.compare if c in (*BASELINES, *POLICIES, RIVER_EXIT)]
+    if clash:
+        raise UsageError(f"--compare name '{clash[0]}' is a built-in configuration; pick another name")
     bad = [c for c in opts.configs if c not in known]
     if bad:
         raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(known)}")
@@ -373,6 +390,11 @@ def run_bench(
             r.speedup_vs_hf = by["hf"].ms_per_token / r.ms_per_token if r.ms_per_token else None
     if heldout:
         _perplexities(configs, results, tok, heldout, log)
+    river_kv = None
+    if "river" in configs.runners:
+        if log is not None:
+            log.log("river: its K/V against the exact K/V of the same tokens, per layer (first prompt)")
+        river_kv = river_kv_cosine(configs.runners["river"], ids[0])
     sweep = _sweep(configs, ids, full_tokens)
     notes = [
         f"{rt.threads} ONNX Runtime threads (one global pool); torch (hf) threads set to the same count",
@@ -404,6 +426,7 @@ def run_bench(
         sweep=sweep,
         hf_matches_full=runs["hf"][0].generations == full_tokens if "hf" in runs else None,
         notes=notes,
+        river_kv=river_kv,
     )
 
 
@@ -431,6 +454,60 @@ def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) ->
     per_exit = [(e, (c + (rejected * c / exited if exited else 0.0)) / steps, None) for e, c in sorted(counts.items())]
     lost = rejected / steps if cfg.policy == "verify" else None
     res.model_speedup = predict(m.costs, boundaries, cfg.policy, per_exit, lost_rate=lost).speedup
+
+
+def river_kv_cosine(runner: Runner, prompt: list[int]) -> dict[str, Any]:
+    """River's K/V against the exact K/V of the same tokens, per layer.
+
+    Generates once with `runner` (the river policy), then recomputes the cache for the same token sequence at full
+    depth in fp32 (one prefill pass: exact K/V). Per layer, the cosine between the river's and the exact K (and V)
+    vector [H_kv * D] of each position the river wrote there (the positions whose token exited at or before that
+    layer), averaged; plus the same over every generated position (the non-exited ones drift too: their attention
+    read approximate K/V).
+    """
+    rt = runner.rt
+    g = runner.generate([prompt])[0]
+    kv = runner.last_kv
+    assert kv is not None
+    n = int(kv.filled[0].min())
+    exact = rt.new_kv(1, n + 1)
+    seq = [*prompt, *g.token_ids][:n]
+    h = rt.embed(np.array([seq], dtype=np.int64))
+    for s in range(len(rt.manifest.segments)):
+        h, _ = rt.run_segment(s, h, exact, 0)
+    L = rt.manifest.num_layers
+    start = len(prompt)  # position of the first generated token; decode step j processes position start - 1 + j
+    layers_of = {start - 1 + j: e for j, e in enumerate(g.exit_layers) if j >= 1 and start - 1 + j < n}
+
+    def cos(a: Any, b: Any) -> np.ndarray:  # [1, H_kv, T, D] x2 -> [T]
+        x = np.asarray(a)[0].transpose(1, 0, 2).reshape(a.shape[2], -1).astype(np.float64)
+        y = np.asarray(b)[0].transpose(1, 0, 2).reshape(b.shape[2], -1).astype(np.float64)
+        return (x * y).sum(-1) / (np.linalg.norm(x, axis=-1) * np.linalg.norm(y, axis=-1) + 1e-12)
+
+    per_layer = []
+    gen = np.arange(start, n)
+    for i in range(L):
+        ck = cos(kv.keys[0][i][:, :, :n], exact.keys[0][i][:, :, :n])
+        cv = cos(kv.values[0][i][:, :, :n], exact.values[0][i][:, :, :n])
+        river = np.array([p for p, e in layers_of.items() if e <= i], dtype=np.int64)
+        per_layer.append(
+            {
+                "layer": i,
+                "river_positions": int(river.size),
+                "key_cosine_river": float(ck[river].mean()) if river.size else None,
+                "value_cosine_river": float(cv[river].mean()) if river.size else None,
+                "key_cosine_generated": float(ck[gen].mean()) if gen.size else None,
+                "value_cosine_generated": float(cv[gen].mean()) if gen.size else None,
+            }
+        )
+    river_values = [v for r in per_layer for v in (r["key_cosine_river"], r["value_cosine_river"]) if v is not None]
+    return {
+        "tokens": len(g.token_ids),
+        "exited": sum(1 for e in g.exit_layers[1:] if e < L),
+        "min_river_cosine": min(river_values) if river_values else None,
+        "mean_river_cosine": float(np.mean(river_values)) if river_values else None,
+        "layers": per_layer,
+    }
 
 
 def _hist(layers: list[int]) -> dict[int, int]:
@@ -521,6 +598,25 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
             lines.append(
                 f"| {s['scale']} | {s['policy']} | {s['speedup']:.2f}x | {s['token_agreement']:.1%} | "
                 f"{s['exact_match']:.0%} | {s['mean_layers']:.1f} |"
+            )
+    if r.river_kv is not None:
+        kvr = r.river_kv
+        lines += [
+            "",
+            "## River's K/V against the exact K/V (first prompt)",
+            "",
+            f"{kvr['exited']} of {kvr['tokens']} tokens exited; over the positions the river wrote, mean K/V cosine "
+            f"{_fmt(kvr['mean_river_cosine'], '.4f')}, minimum per layer {_fmt(kvr['min_river_cosine'], '.4f')}.",
+            "",
+            "| layer | river positions | K cosine (river) | V cosine (river) | K cosine (all generated) | "
+            "V cosine (all generated) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for x in kvr["layers"]:
+            lines.append(
+                f"| {x['layer']} | {x['river_positions']} | {_fmt(x['key_cosine_river'], '.4f')} | "
+                f"{_fmt(x['value_cosine_river'], '.4f')} | {_fmt(x['key_cosine_generated'], '.4f')} | "
+                f"{_fmt(x['value_cosine_generated'], '.4f')} |"
             )
     hist = [c for c in r.configs if c.exit_histogram and len(c.exit_histogram) > 1]
     if hist:

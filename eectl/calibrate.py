@@ -261,29 +261,47 @@ class ExitScorer:
         return self.signal.needs_layer_input
 
     def _scores(
-        self, states: list[torch.Tensor], inputs: list[torch.Tensor] | None, first: int, final_top: torch.Tensor
+        self,
+        states: list[torch.Tensor],
+        inputs: list[torch.Tensor] | None,
+        first: int,
+        final_top: torch.Tensor,
+        blocks: list[torch.Tensor] | None = None,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Exits first.. scored in order, the candidates picked at exit `first`: values {c: [E', T]}, correct."""
         scoring = ExitScoring(self.signal, TorchExitLogits(self.heads), self.top_k, self.source)
         scores = [
-            scoring.score(layer, h, None if inputs is None else inputs[first + e])
+            scoring.score(
+                layer,
+                h,
+                None if inputs is None else inputs[first + e],
+                None if blocks is None else blocks[first + e],
+            )
             for e, (layer, h) in enumerate(zip(self.exits[first:], states[first:], strict=True))
         ]
         values = {c: torch.stack([s.values[c] for s in scores]).float() for c in self.criteria}
         return values, torch.stack([s.prediction().token == final_top for s in scores])
 
-    @torch.no_grad()
     def score(
-        self, states: list[torch.Tensor], inputs: list[torch.Tensor] | None, final: torch.Tensor
+        self,
+        states: list[torch.Tensor],
+        inputs: list[torch.Tensor] | None,
+        final: torch.Tensor,
+        blocks: list[torch.Tensor] | None = None,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """states[e] [T, H] (and inputs[e], the last layer's input) -> values {criterion: [E, T]}, correct [E, T]
-        bool, the final layer's top-1 [T]."""
-        values, correct, final_top, _, _ = self.score_pairs(states, inputs, final, pairs=False)
+        """states[e] [T, H] (and inputs[e], the last layer's input; blocks[e] [n + 1, T, H], the segment's block
+        boundaries) -> values {criterion: [E, T]}, correct [E, T] bool, the final layer's top-1 [T]."""
+        values, correct, final_top, _, _ = self.score_pairs(states, inputs, final, pairs=False, blocks=blocks)
         return values, correct, final_top
 
     @torch.no_grad()
     def score_pairs(
-        self, states: list[torch.Tensor], inputs: list[torch.Tensor] | None, final: torch.Tensor, pairs: bool = True
+        self,
+        states: list[torch.Tensor],
+        inputs: list[torch.Tensor] | None,
+        final: torch.Tensor,
+        pairs: bool = True,
+        blocks: list[torch.Tensor] | None = None,
     ) -> tuple[
         dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None, torch.Tensor | None
     ]:
@@ -291,7 +309,7 @@ class ExitScorer:
         candidates picked at every exit F in turn (entries E < F are 0 / False): what any subset of active exits
         would see."""
         final_top = self.adapter.logits(final).argmax(-1)
-        values, correct = self._scores(states, inputs, 0, final_top)
+        values, correct = self._scores(states, inputs, 0, final_top, blocks)
         if not (pairs and self.signal.needs_candidates):
             return values, correct, final_top, None, None
         num, t = len(self.exits), final.shape[0]
@@ -301,7 +319,7 @@ class ExitScorer:
             pv[c][0] = values[c]
         pc[0] = correct
         for f in range(1, num):
-            v, ok = self._scores(states, inputs, f, final_top)
+            v, ok = self._scores(states, inputs, f, final_top, blocks)
             for c in self.criteria:
                 pv[c][f, f:] = v[c]
             pc[f, f:] = ok
@@ -315,16 +333,26 @@ def _forward_capture(
     cache: KVCache | None,
     key_padding: torch.Tensor | None,
     select: Callable[[torch.Tensor], torch.Tensor],
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
-    """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input)."""
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None, torch.Tensor]:
+    """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input; with a
+    signal that needs them, every block boundary of each exit's segment)."""
     adapter = scorer.adapter
-    keep = Capture(scorer.exits, inputs=scorer.needs_inputs, select=select)
+    blocks_needed = scorer.signal.needs_blocks
+    after = range(1, scorer.exits[-1] + 1) if blocks_needed else scorer.exits  # every layer up to the last exit
+    keep = Capture(after, inputs=scorer.needs_inputs or blocks_needed, select=select)
     final = adapter.forward_layers(
         adapter.embed(ids), positions, 0, adapter.num_layers, cache, key_padding, capture=keep
     )
     states = [keep.states[layer] for layer in scorer.exits]
     inputs = [keep.layer_inputs[layer] for layer in scorer.exits] if scorer.needs_inputs else None
-    return states, inputs, select(final)
+    blocks = None
+    if blocks_needed:  # segment [lo, hi): the state after lo layers (the input of layer lo + 1), then after each
+        bounds = zip([0, *scorer.exits], scorer.exits, strict=False)
+        blocks = [
+            torch.stack([keep.layer_inputs[lo + 1], *(keep.states[j] for j in range(lo + 1, hi + 1))])
+            for lo, hi in bounds
+        ]
+    return states, inputs, blocks, select(final)
 
 
 def _part(
@@ -361,10 +389,12 @@ def _measure_text_all(
     parts: list[list[Measurements]] = [[] for _ in scorers]
     for u, ids in enumerate(chunks):
         positions = torch.arange(ids.shape[1])[None]
-        states, inputs, final = _forward_capture(scorers[0], ids, positions, None, None, lambda h: h[0, skip_first:])
+        states, inputs, blocks, final = _forward_capture(
+            scorers[0], ids, positions, None, None, lambda h: h[0, skip_first:]
+        )
         units = torch.full((final.shape[0],), u, dtype=torch.long)
         for j, sc in enumerate(scorers):
-            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs), 0, units))
+            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs, blocks), 0, units))
         if on_tokens is not None:
             on_tokens(final.shape[0])
     return [Measurements.concat(p) if p else None for p in parts]
@@ -479,10 +509,10 @@ def _measure_sequences_all(
         def select(h: torch.Tensor, rows: torch.Tensor = rows, cols: torch.Tensor = cols) -> torch.Tensor:
             return h[rows, cols]
 
-        states, inputs, final = _forward_capture(scorers[0], ids, positions, KVCache(), real, select)
+        states, inputs, blocks, final = _forward_capture(scorers[0], ids, positions, KVCache(), real, select)
         units = torch.tensor([c.unit for c in batch], dtype=torch.long)[rows]
         for j, sc in enumerate(scorers):
-            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs), 1, units))
+            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs, blocks), 1, units))
     return [Measurements.concat(p) if p else None for p in parts]
 
 

@@ -16,6 +16,7 @@ import typer
 from eectl import __version__
 from eectl.errors import EectlError, UsageError
 from eectl.output import Output
+from eectl.quantize import DEFAULT_MIN_AGREEMENT
 from eectl.recipe import Recipe, default_exits, load_recipe, parse_layers, pick
 
 app = typer.Typer(
@@ -460,6 +461,17 @@ def export(
         typer.Option(help="Candidate source: shortlist, int8, first-exit-topk (default: the calibration's)."),
     ] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing artifact.")] = False,
+    weights: Annotated[str, typer.Option(help="fp32, or int4: weight-only MatMulNBits segment graphs.")] = "fp32",
+    river: Annotated[bool, typer.Option(help="Add int4 copies of the segments after the first exit.")] = False,
+    int4_block_size: Annotated[int, typer.Option(help="int4: input channels per scale.")] = 32,
+    int4_symmetric: Annotated[bool, typer.Option(help="int4: no zero points.")] = False,
+    int4_accuracy_level: Annotated[int, typer.Option(help="int4: MatMulNBits compute, 0 fp32 .. 4 int8.")] = 4,
+    int4_algorithm: Annotated[str, typer.Option(help="int4: rtn (ORT's default) or hqq.")] = "rtn",
+    int4_keep_layers: Annotated[str | None, typer.Option(help="int4: decoder layers left in fp32, e.g. 0,29.")] = None,
+    lm_head: Annotated[str, typer.Option(help="int4: the final LM head in fp32, int8 or int4.")] = "fp32",
+    min_agreement: Annotated[
+        float, typer.Option(help="int4: fail below this greedy agreement with PyTorch at the final exit.")
+    ] = DEFAULT_MIN_AGREEMENT,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -468,6 +480,17 @@ def export(
     from eectl.calibration_file import read_calibration
     from eectl.export import ExportOptions, choose_exits, describe, export_artifact
     from eectl.models import load_model
+    from eectl.quantize import Int4Options
+
+    int4 = Int4Options(
+        block_size=int4_block_size,
+        symmetric=int4_symmetric,
+        accuracy_level=int4_accuracy_level,
+        algorithm=int4_algorithm,
+        lm_head=lm_head,
+        keep_layers=tuple(sorted(set(parse_layers(int4_keep_layers, "--int4-keep-layers") or []))),
+        min_agreement=min_agreement,
+    )
 
     out_ = Output(json_out)
     r = load_recipe(recipe)
@@ -485,7 +508,14 @@ def export(
     folder = out or Path("artifacts") / loaded.source.name
     out_.log(f"exporting {loaded.source.name} with exits {exit_layers} to {folder} ({dtype}, {n_threads} threads)")
     options = ExportOptions(
-        exits=exit_layers, dtype=dtype, top_k=pick(top_k, r.top_k), force=force, candidates=candidates
+        exits=exit_layers,
+        dtype=dtype,
+        top_k=pick(top_k, r.top_k),
+        force=force,
+        weights=weights,
+        int4=int4,
+        river=river,
+        candidates=candidates,
     )
     manifest = export_artifact(loaded, folder, options, head_modules, heads_meta, cal, log=out_)
     summary = describe(manifest, folder)
@@ -499,6 +529,12 @@ def export(
             for k, d in v.get("max_abs_logit_diff", {}).items()
         ],
     )
+    for part in (v, v.get("river") or {}):
+        if "greedy_agreement" in part:
+            agree = part["greedy_agreement"][str(manifest.num_layers)]
+            out_.line(
+                f"{part['graphs']} graphs: greedy agreement with PyTorch {agree:.1%} (floor {part['min_agreement']})"
+            )
     out_.line(
         f"artifact: {folder} ({summary['size_mb']} MB, {len(manifest.segments)} segments, "
         f"exported and validated in {v.get('export_seconds')} s)"
@@ -519,6 +555,9 @@ def run(
         str | None,
         typer.Option(help="KV of skipped layers: defer, copy, verify (lossless), ...; default: the artifact's plan."),
     ] = None,
+    river_predict: Annotated[
+        str, typer.Option(help="river: the token from the river's end (final head) or from the exit.")
+    ] = "end",
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
     signal: Annotated[
@@ -555,6 +594,7 @@ def run(
     opts = RunOptions(
         exits=exits,
         policy=pick(policy, r.kv_policy),
+        river_predict=river_predict,
         thresholds=thresholds,
         threshold_scale=threshold_scale,
         signal=signal,
@@ -637,6 +677,9 @@ def bench(
     profile_costs: Annotated[
         bool, typer.Option(help="Re-measure the graph costs on this machine and re-plan the exits first.")
     ] = False,
+    compare: Annotated[
+        str | None, typer.Option(help="Other artifacts at full depth, as configurations: int4=PATH[,NAME=PATH].")
+    ] = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -660,8 +703,14 @@ def bench(
     window = slice(offset, offset + n)
     answers = gsm8k_answers(text.texts[window])
     heldout = heldout_texts(text.texts) if ppl_tokens > 0 else None
+    pairs = [c.split("=", 1) for c in (compare or "").split(",") if c.strip()]
+    if any(len(p) != 2 or not p[0].strip() or not p[1].strip() for p in pairs):
+        raise UsageError(f"--compare must be NAME=PATH[,NAME=PATH], got '{compare}'")
+    compared = {k.strip(): v.strip() for k, v in pairs}
+    listed = [c.strip() for c in configs.split(",") if c.strip()]
     opts = BenchOptions(
-        configs=[c.strip() for c in configs.split(",") if c.strip()],
+        configs=listed + [c for c in compared if c not in listed],
+        compare=compared,
         prompts=n,
         max_new_tokens=pick(max_new_tokens, r.bench.max_new_tokens),
         reps=pick(reps, r.bench.reps),

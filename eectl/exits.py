@@ -24,8 +24,9 @@ Registries (each addition is one entry):
   it needs the input of the last layer before the exit, and computes its values in `measure`. To add one, write a
   `Signal` subclass (or reuse one with other criteria) and `register_signal(...)` it below; calibrate, export's
   manifest, run and bench pick it up by name. A signal that needs more than the exit state and the last layer's
-  input (e.g. River-LLM's minimum cosine over every block of a segment) adds that state to `ExitState` and to
-  what the segment graphs output (export.py) and the runner passes in.
+  input adds that state to `ExitState` and to what the segment graphs output (export.py) and the runner passes in,
+  as `cosine-min` (River-LLM's minimum cosine over every block of a segment) does with `ExitState.blocks` (the
+  segments' `layer_states` output at run time, `Capture` of every layer in calibrate).
 - `CANDIDATE_SOURCES`: how the K candidates of the local vocabulary are picked at the first exit a token reaches
   (FlexEE: Top-K of one full LM-head projection). A source gets the backend, the exit and its state and returns
   candidate ids and their logits [N, K]; later exits score those rows with `local`. To add one (a frequency
@@ -116,6 +117,12 @@ def signals(logits: torch.Tensor, candidates: torch.Tensor | None = None) -> Exi
 def transition_cosine(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
     """River-LLM's state transition: cos(input, output) of a decoder layer, [..., H] -> [...]."""
     return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
+
+
+def min_transition_cosine(blocks: torch.Tensor) -> torch.Tensor:
+    """River-LLM's exit test over a segment: blocks [n + 1, ..., H], the residual stream before the first block and
+    after each one -> [...] the minimum over the n blocks of cos(input, output)."""
+    return transition_cosine(blocks[:-1], blocks[1:]).min(dim=0).values
 
 
 def passes(values: dict[str, torch.Tensor], thresholds: dict[str, float]) -> torch.Tensor:
@@ -367,6 +374,7 @@ class ExitState:
 
     hidden: torch.Tensor  # [N, H]
     layer_input: torch.Tensor | None = None  # [N, H]
+    blocks: torch.Tensor | None = None  # [n + 1, N, H]: every block boundary of the segment that ends at the exit
 
 
 @dataclass
@@ -403,6 +411,7 @@ class Signal:
     criteria: tuple[str, ...] = ()
     needs_candidates: bool = False  # scores the local vocabulary: the first exit picks candidates
     needs_layer_input: bool = False  # reads ExitState.layer_input
+    needs_blocks: bool = False  # reads ExitState.blocks (segment graphs output them as `layer_states`)
 
     def __init__(self, name: str, criteria: tuple[str, ...]) -> None:
         self.name, self.criteria = name, criteria
@@ -449,6 +458,19 @@ class TransitionCosine(Signal):
         return ExitScore({"cosine": cos}, lambda: Prediction(scoring.logits.full(layer, state.hidden)))
 
 
+class MinTransitionCosine(Signal):
+    """River-LLM's exit test: the minimum over the segment's blocks (those since the previous exit) of cos(block
+    input, block output); the token is the exit's full-vocabulary top-1, projected only when asked for (a river
+    that predicts at its end never asks)."""
+
+    needs_blocks = True
+
+    def measure(self, scoring: ExitScoring, layer: int, state: ExitState) -> ExitScore:
+        assert state.blocks is not None, "the cosine-min signal needs the segment's block states"
+        cos = min_transition_cosine(state.blocks)
+        return ExitScore({"cosine": cos}, lambda: Prediction(scoring.logits.full(layer, state.hidden)))
+
+
 SIGNALS: dict[str, Signal] = {}
 
 
@@ -463,6 +485,7 @@ register_signal(LocalSoftmax("topk-prob+margin", ("prob", "margin")))
 register_signal(FullSoftmax("full-prob", ("prob",)))
 register_signal(FullSoftmax("full-margin", ("margin",)))
 register_signal(TransitionCosine("cosine", ("cosine",)))
+register_signal(MinTransitionCosine("cosine-min", ("cosine",)))
 DEFAULT_SIGNAL = "topk-prob"
 
 
@@ -496,5 +519,11 @@ class ExitScoring:
             return self.candidates, logits
         return self.candidates, self.logits.local(layer, state.hidden, self.candidates)
 
-    def score(self, layer: int, hidden: torch.Tensor, layer_input: torch.Tensor | None = None) -> ExitScore:
-        return self.signal.measure(self, layer, ExitState(hidden, layer_input))
+    def score(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        layer_input: torch.Tensor | None = None,
+        blocks: torch.Tensor | None = None,
+    ) -> ExitScore:
+        return self.signal.measure(self, layer, ExitState(hidden, layer_input, blocks))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from eectl.manifest import (
     GraphIO,
     KVLayout,
     Manifest,
+    Quantization,
     Segment,
     SharedWeight,
     sha256_file,
@@ -54,6 +55,7 @@ from eectl.manifest import (
 )
 from eectl.models.adapters import Adapter, Capture, KVCache, LayerWeights
 from eectl.models.loading import LoadedModel
+from eectl.quantize import Int4Options, agreement_verdict, quantize_graph, quantize_lm_head
 from eectl.recipe import check_exit_layers, default_exits
 from eectl.runtime.policies import POLICIES
 
@@ -245,6 +247,7 @@ def build_segment(
         names["past_value"].append(b.input(f"past_key_values.{i}.value", None, kv_shape))
     x, delta = hidden, None
     layer_input = hidden
+    boundaries = []  # the residual stream before each layer (materialised as its input), then after the last
     for j, i in enumerate(range(lo, hi)):
         x, delta, layer_input, pk, pv = _layer(
             b,
@@ -256,6 +259,7 @@ def build_segment(
             rope,
             kv_only,
         )
+        boundaries.append(layer_input)
         for kind, src in (("key", pk), ("value", pv)):
             name = f"present.{i}.{kind}"
             b.output(src, name, None, kv_shape)
@@ -267,6 +271,11 @@ def build_segment(
         b.output(x, "hidden_states_out", None, ["batch", "sequence", dims.hidden_size])
         b.output(layer_input, "last_layer_input", None, ["batch", "sequence", dims.hidden_size])
         outputs.update(hidden_out="hidden_states_out", layer_input="last_layer_input")
+        # [B, (n_layers + 1) * S, H]: one Concat (no per-layer ops) so a signal can read every block's transition
+        # (River's minimum cosine over a segment's blocks); the runner binds it only when its signal needs it
+        states = b.op("Concat", [*boundaries, x], axis=1)
+        b.output(states, "layer_states", None, ["batch", "states", dims.hidden_size])
+        outputs["layer_states"] = "layer_states"
     kind = "kv" if kv_only else "segment"
     file = f"{kind}_{lo:03d}_{hi:03d}.onnx"
     io = GraphIO(
@@ -509,6 +518,9 @@ class ExportOptions:
     candidates: str | None = None  # candidate source; None: the calibration's (full without one)
     profile_costs: bool = True  # time every graph and write the costs and the plan into the manifest
     cost_past: int = 128  # KV positions in the cache while timing (a prompt plus some generated tokens)
+    weights: str = "fp32"  # fp32 or int4 (weight-only MatMulNBits segment graphs, quantize.py)
+    int4: Int4Options = field(default_factory=Int4Options)  # settings for --weights int4 and --river
+    river: bool = False  # add int4 copies of the segments after the first exit (the `river` policy)
 
 
 def choose_exits(
@@ -544,6 +556,15 @@ def export_artifact(
     exits = check_exit_layers(options.exits, L)
     if options.dtype not in DTYPES:
         raise UsageError(f"--dtype must be fp32 or fp16, got '{options.dtype}'")
+    if options.weights not in ("fp32", "int4"):
+        raise UsageError(f"--weights must be fp32 or int4, got '{options.weights}'")
+    if (options.weights == "int4" or options.river) and options.dtype != "fp32":
+        raise UsageError("int4 weights (--weights int4, --river) run with fp32 activations: use --dtype fp32")
+    if options.weights == "int4" and options.river:
+        raise UsageError("--river adds int4 copies to an fp32 artifact; with --weights int4 every segment is int4")
+    if options.river and not exits:
+        raise UsageError("--river needs at least one exit (the river starts after the first one)")
+    options.int4.check(L)
     if options.top_k < 2 or options.top_k > adapter.dims.vocab_size:
         raise UsageError(f"--top-k must be in 2..{adapter.dims.vocab_size}, got {options.top_k}")
     if calibration is not None:
@@ -568,6 +589,8 @@ def export_artifact(
             if log is not None:
                 log.log("validating the graphs against PyTorch (prefill + 16 greedy decode steps, every exit)")
             manifest.validation = validate_artifact(loaded, tmp, heads, log=log)
+            if options.river:
+                manifest.validation["river"] = validate_artifact(loaded, tmp, heads, log=log, river=True)
         write_manifest(manifest, tmp)
         if options.profile_costs:
             if log is not None:
@@ -644,9 +667,11 @@ def _write_artifact(
     max_pos = options.max_positions or dims.max_positions
     np_dtype = DTYPES[options.dtype][1]
 
-    def save(model: onnx.ModelProto, io: GraphIO) -> GraphIO:
-        onnx.save(model, str(folder / io.file))
+    def save(model: onnx.ModelProto, io: GraphIO, int4: bool = False) -> GraphIO:
+        onnx.save(quantize_graph(model, options.int4) if int4 else model, str(folder / io.file))
         return io
+
+    quantized = options.weights == "int4"
 
     (folder / "weights").mkdir()
     # The LM head is stored transposed, [H, V]: MatMul on a [1, H] token is then ORT's matrix-vector path, which
@@ -671,9 +696,13 @@ def _write_artifact(
     for idx, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
         if log is not None:
             log.log(f"segment {idx}: layers {lo}..{hi - 1}")
-        graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos))
-        kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True))
-        segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph))
+        seg_model, seg_io = build_segment(adapter, lo, hi, options.dtype, max_pos)
+        graph = save(seg_model, seg_io, quantized)
+        kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True), int4=quantized)
+        river = None
+        if options.river and idx > 0:  # same input/output names: the runner binds the same KV buffers
+            river = save(seg_model, seg_io.model_copy(update={"file": f"river_{lo:03d}_{hi:03d}.onnx"}), int4=True)
+        segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph, river=river))
     source, source_info = candidate_source(adapter, options.candidates, calibration)
     exit_points = []
     for layer in [*exits, L]:
@@ -681,12 +710,29 @@ def _write_artifact(
         cand_graph = None
         if layer < L and source.name != FirstExitTopK.name:
             cand_graph = save(*build_candidates(adapter, layer, options.dtype, source, head))
+        full_model, full_io = build_exit(adapter, layer, options.dtype, local=False, head=head)
+        river_head = None
+        if layer == L and options.int4.lm_head != "fp32" and (quantized or options.river):
+            # the final head's own quantized table: for every token (int4 artifact) or the river's end only
+            weight_input = full_io.inputs["weight"]
+            assert isinstance(weight_input, str)
+            q_model = quantize_lm_head(full_model, weight_input, lm, options.int4)
+            q_io = full_io.model_copy(
+                update={"inputs": {k: v for k, v in full_io.inputs.items() if k != "weight"}},
+                deep=True,
+            )
+            if quantized:
+                full_model, full_io = q_model, q_io
+            else:
+                q_io.file = f"exit_{layer:03d}_river.onnx"
+                river_head = save(q_model, q_io)
         exit_points.append(
             ExitPoint(
                 layer=layer,
-                full=save(*build_exit(adapter, layer, options.dtype, local=False, head=head)),
+                full=save(full_model, full_io),
                 local=save(*build_exit(adapter, layer, options.dtype, local=True, head=head)),
                 candidates=cand_graph,
+                river=river_head,
                 head=None if head is None else (heads_meta.design if heads_meta else type(head).__name__),
             )
         )
@@ -719,9 +765,12 @@ def _write_artifact(
             present_key=[f"present.{i}.key" for i in range(L)],
             present_value=[f"present.{i}.value" for i in range(L)],
         ),
-        kv_policies=list(POLICIES),
+        kv_policies=[n for n, policy in POLICIES.items() if options.river or not policy.needs_river_copies],
         calibration=calibration,
         candidate_source=source_info,
+        quantization=None
+        if not (quantized or options.river)
+        else Quantization(**options.int4.record("segments" if quantized else "river")),
         heads=heads_meta,
     )
     manifest.files = {
@@ -746,11 +795,17 @@ VALIDATION_PROMPT = (
 
 @torch.no_grad()
 def validate_artifact(
-    loaded: LoadedModel, folder: Path, heads: dict[int, torch.nn.Module] | None = None, log: Any = None
+    loaded: LoadedModel,
+    folder: Path,
+    heads: dict[int, torch.nn.Module] | None = None,
+    log: Any = None,
+    river: bool = False,
 ) -> dict[str, Any]:
     """Prefill + 16 greedy decode steps through the ONNX graphs and through PyTorch, compared at every exit.
 
-    Raises ExportValidationError beyond tolerance (max abs logit difference, or a different greedy token).
+    Raises ExportValidationError beyond tolerance (max abs logit difference, or a different greedy token). Int4
+    graphs (and, with `river`, the int4 river copies after the first segment) are judged by their greedy
+    agreement with PyTorch at the final exit against the manifest's floor instead (quantize.agreement_verdict).
     """
     from eectl.runtime.sessions import ArtifactRuntime
 
@@ -788,12 +843,12 @@ def validate_artifact(
         h = rt.embed(np.array([chunk], dtype=np.int64))
         ort_states = {}
         for s_idx in range(len(m.segments)):
-            h, _ = rt.run_segment(s_idx, h, kv, row=0)
+            h, _ = rt.run_segment(s_idx, h, kv, row=0, river=river and s_idx > 0)
             ort_states[m.segments[s_idx].layers[1]] = h
         for e in m.exits:
             ref_h = states[e.layer][0]
             ref = exit_heads[e.layer].full(ref_h).float()
-            got, cand, _ = rt.exit_full(e.layer, ort_states[e.layer][0], m.top_k)
+            got, cand, _ = rt.exit_full(e.layer, ort_states[e.layer][0], m.top_k, river=river)
             diffs[e.layer] = max(diffs[e.layer], float((torch.from_numpy(got).float() - ref).abs().max()))
             token_mismatch[e.layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
             cand_t = torch.from_numpy(cand)
@@ -813,11 +868,12 @@ def validate_artifact(
         pos += len(chunk)
         chunk = [nxt]
     kv_diff = _validate_kv_graphs(adapter, rt, torch.tensor([ids[:8]]))
-    result = {
+    result: dict[str, Any] = {
         "dtype": m.dtype,
         "tolerance": tol,
         "prompt_tokens": len(ids),
         "decode_steps": VALIDATION_DECODE_STEPS,
+        "positions": len(ids) + VALIDATION_DECODE_STEPS,  # compared greedy tokens per exit
         "max_abs_logit_diff": {str(k): v for k, v in diffs.items()},
         "max_abs_local_logit_diff": {str(k): v for k, v in local_diffs.items()},
         "greedy_token_mismatches": {str(k): v for k, v in token_mismatch.items()},
@@ -828,6 +884,15 @@ def validate_artifact(
         "candidate_logit_max_abs_diff": cand_diff,
         "passed": True,
     }
+    if m.quantization is not None and (river or m.quantization.scope == "segments"):
+        result["graphs"] = "river" if river else "int4"  # before the verdict: its message names them
+        failure = agreement_verdict(result, L, m.quantization.min_agreement)
+        if failure is not None:
+            result["passed"] = False
+            raise ExportValidationError(failure, hint="try a smaller --int4-block-size, or --lm-head fp32")
+        if log is not None:
+            log.log(f"{result['graphs']} validation passed: greedy agreement {result['greedy_agreement'][str(L)]:.1%}")
+        return result
     worst = max(max(diffs.values()), max(local_diffs.values()), kv_diff, cand_diff)
     mismatches = sum(token_mismatch.values())
     strict_tokens = m.dtype == "fp32"
@@ -871,6 +936,7 @@ def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
         "segments": [list(s.layers) for s in manifest.segments],
         "exits": manifest.exit_layers,
         "size_mb": round(size / 1e6, 1),
+        "quantization": None if manifest.quantization is None else manifest.quantization.model_dump(),
         "validation": manifest.validation,
         "candidate_source": {k: v for k, v in manifest.candidate_source.items() if k != "ids"},
         "costs": None if manifest.costs is None else manifest.costs.model_dump(),

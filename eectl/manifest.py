@@ -40,6 +40,7 @@ class Segment(_M):
     layers: tuple[int, int]  # decoder layers [lo, hi)
     graph: GraphIO  # hidden + past KV -> hidden + present KV (one graph for prefill, decode and chunks)
     kv_graph: GraphIO  # hidden -> this segment's K/V only (the `copy` policy)
+    river: GraphIO | None = None  # `export --river`: an int4 copy with the same names (the `river` policy)
 
 
 class ExitPoint(_M):
@@ -47,7 +48,26 @@ class ExitPoint(_M):
     full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits, greedy token [N]
     local: GraphIO  # hidden [N, H] + candidates [N, K] -> candidate logits [N, K]
     candidates: GraphIO | None = None  # hidden [N, H] -> K candidates [N, K] + exact logits (the candidate source)
+    river: GraphIO | None = None  # final head only, `export --river --lm-head int4|int8`: the river's quantized head
     head: str | None = None  # trained head design, None for the plain logit lens
+
+
+class Quantization(_M):
+    """Weight-only quantization (quantize.py): which graphs, and ORT's MatMulNBits settings."""
+
+    scope: str  # "segments": every segment graph (export --weights int4); "river": only the river copies
+    op: str  # com.microsoft::MatMulNBits
+    tool: str  # ORT's quantizer and version
+    bits: int
+    block_size: int
+    symmetric: bool
+    accuracy_level: int  # MatMulNBits compute type (0 unset / fp32, 4 int8 activations)
+    algorithm: str  # rtn (ORT's default block quantizer) or hqq
+    lm_head: str  # the final exit's LM head: fp32 (the shared table), int8 or int4
+    embedding: str  # precision of the embedding table
+    exit_lm_heads: str  # precision of the intermediate exits' LM head (the shared table)
+    keep_layers: list[int]  # decoder layers left in fp32
+    min_agreement: float  # the validation floor on greedy agreement with PyTorch at the final exit
 
 
 class SharedWeight(_M):
@@ -87,6 +107,7 @@ class Manifest(_M):
     shared_weights: dict[str, SharedWeight]
     kv: KVLayout
     kv_policies: list[str]  # the KV policies the runner may use with this artifact (eectl.runtime.policies)
+    quantization: Quantization | None = None  # weight-only int4 graphs (export --weights int4 / --river)
     calibration: Calibration | None = None  # signal, exits and thresholds (inf: never exits) from eectl calibrate
     # how the first active exit picks the K candidates: {"name": first-exit-topk|shortlist|int8, "size", "ids"}
     candidate_source: dict[str, Any] = Field(default_factory=lambda: {"name": "first-exit-topk"})
@@ -178,9 +199,10 @@ def _check_consistency(m: Manifest, folder: str | Path) -> None:
     listed = set(m.files)
     needed = {m.embedding.file, *(w.file for w in m.shared_weights.values())}
     for s in m.segments:
-        needed |= {s.graph.file, s.kv_graph.file}
+        needed |= {s.graph.file, s.kv_graph.file} | ({s.river.file} if s.river else set())
     for e in m.exits:
-        needed |= {e.full.file, e.local.file} | ({e.candidates.file} if e.candidates is not None else set())
+        needed |= {e.full.file, e.local.file} | ({e.river.file} if e.river else set())
+        needed |= {e.candidates.file} if e.candidates is not None else set()
     if not needed <= listed:
         raise ArtifactError(f"inconsistent manifest in {folder}: files not hashed: {sorted(needed - listed)}")
     if m.calibration is not None and not set(m.calibration.exit_layers) <= set(m.exit_layers):

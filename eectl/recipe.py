@@ -37,16 +37,18 @@ class HeadsSpec(_Strict):
 
 
 def _policies() -> list[str]:
-    from eectl.runtime.policies import POLICIES
+    from eectl.runtime.policies import default_policies
 
-    return list(POLICIES)
+    return default_policies()
 
 
 class BenchSpec(_Strict):
     prompts: int = Field(10, gt=0)
     max_new_tokens: int = Field(64, gt=0)
     reps: int = Field(3, gt=0)
-    configs: list[str] = Field(default_factory=lambda: ["hf", "full", *_policies()])  # baselines, every KV policy
+    configs: list[str] = Field(
+        default_factory=lambda: ["hf", "full", *_policies()]
+    )  # baselines, every KV policy any artifact has
 
 
 class Recipe(_Strict):

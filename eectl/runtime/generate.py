@@ -25,6 +25,7 @@ from eectl.runtime.sessions import ArtifactRuntime
 class RunOptions:
     exits: str | None = None  # "12,20" | "none" | None (the manifest's plan, else its calibrated exits, else all)
     policy: str | None = None  # None: the plan's default (full depth when nothing pays), else defer
+    river_predict: str = "end"  # river: predict at the river's end (final head) or at the exit
     thresholds: str | None = None  # "0.9" for every exit, or "12:0.9,20:0.8"; None: the calibration's
     threshold_scale: float = 1.0
     signal: str | None = None  # None: the calibration's, else topk-prob
@@ -148,6 +149,7 @@ def _config(
         thresholds=thresholds,
         signal=signal,
         policy=policy,
+        river_predict=opts.river_predict,
         top_k=opts.top_k or rt.manifest.top_k,
         max_new_tokens=opts.max_new_tokens,
         temperature=opts.temperature,

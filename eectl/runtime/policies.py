@@ -1,10 +1,12 @@
 """KV policies: what happens to the layers a token skipped when it exits early.
 
-The layers after an exit still owe later tokens their K/V. A policy is one class with five hooks the runner calls
+The layers after an exit still owe later tokens their K/V. A policy is one class with six hooks the runner calls
 during one token's pass over the segments (runner.py: `Runner._step`):
 
     may_exit(row)                       before the pass: may this token exit at all?
     before_segment(row, s, h) -> x      before segment s runs: its input (h, plus positions waiting here)
+    predict(row, kv, s, out) -> logits? the token exited after segment s: logits [V] to pick it from instead of the
+                                        exit's own prediction (river: the river's end), or None
     on_exit(row, kv, s, out, token)     the token exited after segment s with state `out` [1, 1, H]
     on_final(row, kv, out) -> token?    the pass reached the final layer; a token replaces the model's (rollback)
     unchecked(row) -> bool              generation wants to stop: is there work a final pass must still check?
@@ -17,13 +19,16 @@ The built-in policies:
 - `verify`: like defer, but exited tokens are drafts: when a pass reaches the final layer, the final logits of
             the pending positions check the drafts; the first wrong draft and everything after it are rolled back
             by resetting the length counters, and the full model's token is emitted instead. Output == full depth.
+- `river`:  River-LLM's exit river: the exited token flows on through int4 copies of the remaining segments
+            (`export --river`), which write its K/V into the same buffers in place (no pending positions, nothing
+            recomputed, no rollback; the K/V are approximate). Its token comes from the river's end (final norm +
+            LM head, `river_predict="end"`) or from the exit itself (`"exit"`: the river then only writes K/V).
 
 Invariant (defer/verify): segment s holds K/V for positions [0, filled_s), filled_0 >= filled_1 >= ...;
 pending[s] holds the hidden states at segment s's input for positions [filled_s, filled_{s-1}).
 
-To add a policy (e.g. River-LLM's, where an exited token flows through cheap copies of the remaining segments that
-write its K/V into the same buffers): subclass `KVPolicy`, implement `on_exit` (and any other hook), and decorate
-it with `@register_policy`. The CLI, recipes, the manifest's list and bench take their names from `POLICIES`.
+To add a policy: subclass `KVPolicy`, implement `on_exit` (and any other hook), and decorate it with
+`@register_policy`. The CLI, recipes, the manifest's list and bench take their names from `POLICIES`.
 
 What this module does not do: decide exits (runner.py, exits.py) or build graphs.
 """
@@ -46,6 +51,7 @@ class KVPolicy:
     lossless: ClassVar[bool] = False  # output equals full depth by construction
     greedy_only: ClassVar[bool] = False
     scores_text: ClassVar[bool] = True  # supports teacher-forced scoring (Runner.score)
+    needs_river_copies: ClassVar[bool] = False  # runs the int4 segment copies of `export --river`
 
     def __init__(self, rt: ArtifactRuntime, config: RunConfig) -> None:
         self.rt = rt
@@ -65,6 +71,9 @@ class KVPolicy:
     def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
         return h
 
+    def predict(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray) -> np.ndarray | None:
+        return None
+
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
         raise NotImplementedError
 
@@ -81,6 +90,11 @@ POLICIES: dict[str, type[KVPolicy]] = {}
 def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
     POLICIES[cls.name] = cls
     return cls
+
+
+def default_policies() -> list[str]:
+    """The policies every artifact supports (river needs the copies `export --river` adds): bench's default set."""
+    return [n for n, p in POLICIES.items() if not p.needs_river_copies]
 
 
 def policy_class(name: str) -> type[KVPolicy]:
@@ -163,3 +177,37 @@ class Verify(Defer):
                 st.exit_layers.append(self.num_layers)
                 return int(full_pred[j])
         return None
+
+
+RIVER_PREDICT = ("end", "exit")
+
+
+@register_policy
+class River(KVPolicy):
+    """The exited token flows through the int4 copies of the remaining segments, which write its K/V in place."""
+
+    name = "river"
+    needs_river_copies = True
+
+    def __init__(self, rt: ArtifactRuntime, config: RunConfig) -> None:
+        super().__init__(rt, config)
+        if any(i not in rt.river_segments for i in range(1, self.num_segments)):
+            raise UsageError("this artifact has no int4 river copies", hint="export it with --river")
+
+    @classmethod
+    def check(cls, config: RunConfig) -> None:
+        super().check(config)
+        if config.river_predict not in RIVER_PREDICT:
+            raise UsageError(f"--river-predict must be end or exit, got '{config.river_predict}'")
+
+    def predict(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray) -> np.ndarray | None:
+        h = out  # [1, 1, H]: no pending positions under river, `out` is this token's exit state
+        for t in range(s + 1, self.num_segments):
+            h, _ = self.rt.run_segment(t, h, kv, row, river=True)
+        if self.cfg.river_predict != "end":
+            return None
+        logits, _, _ = self.rt.exit_full(self.num_layers, h[0, -1:], self.cfg.top_k, river=True)
+        return logits[0]
+
+    def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
+        pass  # predict() already wrote the token's K/V through the river

@@ -19,7 +19,15 @@ import numpy as np
 import torch
 
 from eectl.errors import UsageError
-from eectl.exits import CANDIDATE_SOURCES, DEFAULT_SIGNAL, CandidateSource, ExitScoring, FirstExitTopK, get_signal
+from eectl.exits import (
+    CANDIDATE_SOURCES,
+    DEFAULT_SIGNAL,
+    CandidateSource,
+    ExitScore,
+    ExitScoring,
+    FirstExitTopK,
+    get_signal,
+)
 from eectl.recipe import check_exit_layers
 from eectl.runtime.policies import policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
@@ -37,6 +45,7 @@ class RunConfig:
     top_p: float = 1.0
     seed: int = 0
     verify_block: int = 8  # verify: at most this many drafts before a forced full-depth pass
+    river_predict: str = "end"  # river: the token from the river's end (final head) or from the exit itself
     stop_ids: tuple[int, ...] = ()
     note: str = ""  # how the configuration was chosen (one line for run and bench)
     planned: bool = False  # exits and thresholds come from the manifest's plan
@@ -136,6 +145,7 @@ class Runner:
         self.final_segment = len(self.m.segments) - 1
         self.L = L
         self.rng = np.random.default_rng(config.seed)
+        self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
 
     # --- sampling --------------------------------------------------------------------------------------------------
     def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
@@ -155,12 +165,19 @@ class Runner:
         return int(ids[i]) if ids is not None else i
 
     # --- exits -------------------------------------------------------------------------------------------------------
-    def _decide(self, layer: int, h: np.ndarray, h_in: np.ndarray, scoring: ExitScoring) -> int | None:
-        """Exit test at `layer` for the current token's hidden state h [H]; returns the token when it exits."""
+    def _decide(
+        self, layer: int, h: np.ndarray, h_in: np.ndarray, blocks: np.ndarray | None, scoring: ExitScoring
+    ) -> ExitScore | None:
+        """Exit test at `layer` for the current token's hidden state h [H] (blocks [n + 1, H]: the segment's block
+        boundaries, for signals that read them); returns the score when it exits (its prediction is lazy)."""
         layer_input = torch.from_numpy(h_in[None]) if self.signal.needs_layer_input else None
-        score = scoring.score(layer, torch.from_numpy(h[None]), layer_input)
+        block_states = torch.from_numpy(blocks[:, None]) if blocks is not None else None
+        score = scoring.score(layer, torch.from_numpy(h[None]), layer_input, block_states)
         if not bool(self.signal.passes(score.values, self.cfg.thresholds[layer])[0]):
             return None
+        return score
+
+    def _pick_score(self, score: ExitScore) -> int:
         pred = score.prediction()
         return self._pick(pred.logits[0].numpy(), None if pred.ids is None else pred.ids[0].numpy())
 
@@ -177,7 +194,12 @@ class Runner:
         may_exit = len(chunk_ids) == 1 and not force_full and self.policy.may_exit(st)
         for s in range(len(m.segments)):
             x = self.policy.before_segment(st, s, h)
-            out, layer_in = self.rt.run_segment(s, x, kv, row)
+            layer = self.exit_after_segment.get(s)
+            blocks = None
+            if self.signal.needs_blocks and layer is not None and may_exit:
+                out, layer_in, blocks = self.rt.run_segment(s, x, kv, row, states=True)
+            else:
+                out, layer_in = self.rt.run_segment(s, x, kv, row)
             if s == self.final_segment:
                 corrected = self.policy.on_final(row, st, kv, out)
                 if corrected is not None:
@@ -189,17 +211,21 @@ class Runner:
                 if st.forced is not None:
                     return self._forced(st, logits[0])
                 return self._pick(logits[0])
-            layer = self.exit_after_segment.get(s)
             if layer is not None and may_exit:
                 t0 = time.perf_counter()
-                token = self._decide(layer, out[0, -1], layer_in[0, -1], scoring)
+                score = self._decide(
+                    layer, out[0, -1], layer_in[0, -1], None if blocks is None else blocks[:, -1], scoring
+                )
                 st.decide_s += time.perf_counter() - t0
-                if token is not None:
-                    self.policy.on_exit(row, st, kv, s, out, token)
+                if score is not None:
+                    own = self.policy.predict(row, st, kv, s, out)  # e.g. the river's end
                     st.exit_layers.append(layer)
                     if st.forced is not None:
-                        logits, _, _ = self.rt.exit_full(layer, out[0, -1:], self.cfg.top_k)
-                        return self._forced(st, logits[0])
+                        logits = own if own is not None else self.rt.exit_full(layer, out[0, -1:], self.cfg.top_k)[0][0]
+                        token = self._forced(st, logits)
+                    else:
+                        token = self._pick(own) if own is not None else self._pick_score(score)
+                    self.policy.on_exit(row, st, kv, s, out, token)
                     return token
             h = out
         raise AssertionError("unreachable: the final segment returns")
@@ -247,6 +273,7 @@ class Runner:
                 f"of {self.m.max_positions}"
             )
         kv = self.rt.new_kv(len(prompts), need)
+        self.last_kv = kv
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
         for r, st in enumerate(rows):  # prefill: always full depth
             t0 = time.perf_counter()

@@ -157,7 +157,7 @@ class KVBuffers:
     values: list[list[Any]]
     filled: np.ndarray  # [rows, layers] int
     max_len: int
-    calls: dict[tuple[bool, int, int], _Call] = field(default_factory=dict)  # (kv_only, segment, row) -> binding
+    calls: dict[tuple[Any, int, bool], _Call] = field(default_factory=dict)  # (session, row, states) -> binding
 
 
 class ArtifactRuntime:
@@ -184,7 +184,9 @@ class ArtifactRuntime:
         self.embedding = load(m.embedding)
         self.segments = [load(s.graph) for s in m.segments]
         self.kv_segments = [load(s.kv_graph) for s in m.segments]
+        self.river_segments = {i: load(s.river) for i, s in enumerate(m.segments) if s.river is not None}
         self.full_graphs = {e.layer: load(e.full) for e in m.exits}
+        self.river_heads = {e.layer: load(e.river) for e in m.exits if e.river is not None}
         self.local_graphs = {e.layer: load(e.local) for e in m.exits}
         self.candidate_graphs = {e.layer: load(e.candidates) for e in m.exits if e.candidates is not None}
         self.weights = {k: self._load_weight(w.file) for k, w in m.shared_weights.items()}
@@ -256,13 +258,26 @@ class ArtifactRuntime:
         g.session.run_with_iobinding(call.io)
         return out
 
-    def run_segment(self, index: int, hidden: np.ndarray, kv: KVBuffers, row: int, kv_only: bool = False) -> Any:
+    def run_segment(
+        self,
+        index: int,
+        hidden: np.ndarray,
+        kv: KVBuffers,
+        row: int,
+        kv_only: bool = False,
+        river: bool = False,
+        states: bool = False,
+    ) -> Any:
         """Run segment `index` on hidden [1, S, H] for one row, appending S positions to its layers' KV in place.
 
-        Returns (hidden_out, last_layer_input), or None with kv_only (the `copy` policy's K/V projection).
+        Returns (hidden_out, last_layer_input), or None with kv_only (the `copy` policy's K/V projection). With
+        `river`, the segment's int4 copy runs instead, on the same KV buffers. With `states`, a third item: the
+        residual stream at every block boundary, [n_layers + 1, S, H].
         """
         seg = self.manifest.segments[index]
-        g = self.kv_segments[index] if kv_only else self.segments[index]
+        if river and index not in self.river_segments:
+            raise UsageError(f"segment {index} has no int4 river copy", hint="export with --river")
+        g = self.river_segments[index] if river else self.kv_segments[index] if kv_only else self.segments[index]
         lo, hi = seg.layers
         past = int(kv.filled[row, lo])
         if (kv.filled[row, lo:hi] != past).any():
@@ -271,7 +286,10 @@ class ArtifactRuntime:
         total = past + s
         if total > kv.max_len:
             raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {kv.max_len}")
-        call = kv.calls.get((kv_only, index, row))
+        # a binding per session (graph), row and output set (`states` binds one more output); keyed by the session
+        # itself, so buffers shared by two runtimes (an int4 reference beside fp32) never reuse the other's binding
+        key = (g.session, row, states)
+        call = kv.calls.get(key)
         if call is None:  # first call for this row: bind its KV buffers (past and present share them) and scalars
             call = _Call(g.binding())
             for j, layer in enumerate(range(lo, hi)):
@@ -282,7 +300,7 @@ class ArtifactRuntime:
                 self._bind_array(call.io, g.names("present_value")[j], v, output=True)
             self._bind_array(call.io, g.name("seqlens_k"), call.seqlens_k)
             self._bind_array(call.io, g.name("total_sequence_length"), call.total)
-            kv.calls[(kv_only, index, row)] = call
+            kv.calls[key] = call
         call.seqlens_k[0] = total - 1
         call.total[()] = total
         x = self._host(hidden, self.np_dtype)
@@ -293,14 +311,24 @@ class ArtifactRuntime:
             return None
         out = self._out(call.io, g.name("hidden_out"), x.shape, self.np_dtype)
         layer_in = self._out(call.io, g.name("layer_input"), x.shape, self.np_dtype)
+        blocks = None
+        if states:  # [1, (n + 1) * S, H] from the graph, returned as [n + 1, S, H]
+            shape = (x.shape[0], (hi - lo + 1) * s, x.shape[2])
+            blocks = self._out(call.io, g.name("layer_states"), shape, self.np_dtype)
         g.session.run_with_iobinding(call.io)
         kv.filled[row, lo:hi] = total
+        if blocks is not None:
+            return out, layer_in, blocks[0].reshape(hi - lo + 1, s, -1)
         return out, layer_in
 
-    def exit_full(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """hidden [N, H] -> (logits [N, V], candidates [N, K] int64, candidate logits [N, K])."""
-        g = self.full_graphs[layer]
-        call = self._call("full", layer, g, "lm_head")
+    def exit_full(
+        self, layer: int, hidden: np.ndarray, top_k: int, river: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """hidden [N, H] -> (logits [N, V], candidates [N, K] int64, candidate logits [N, K]). With `river`, the
+        exit's quantized river head where the artifact has one (its own table: no weight to bind)."""
+        river = river and layer in self.river_heads
+        g = self.river_heads[layer] if river else self.full_graphs[layer]
+        call = self._call("river-head" if river else "full", layer, g, "lm_head")
         io = call.io
         x = self._host(hidden, self.np_dtype)
         self._bind_array(io, g.name("hidden"), x)

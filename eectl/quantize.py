@@ -1,0 +1,197 @@
+"""Weight-only int4 graphs: ONNX Runtime's own MatMulNBits quantizer applied to eectl's built graphs.
+
+`eectl export --weights int4` passes every segment graph (and its K/V-only twin) through
+`onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`: each MatMul whose weight is a constant
+becomes a block-wise `com.microsoft::MatMulNBits` (4-bit weights, one scale per block of `block_size` input
+channels, a zero point unless symmetric). Activations stay fp32; `accuracy_level` picks the kernel's compute type
+(0: unset, fp32; 4: int8 activations, the fast path on CPUs with VNNI). `eectl export --river` writes int4 copies of
+the segments after the first exit with the same quantizer (River-LLM's W4A16 exit river).
+
+What stays in higher precision, and why:
+- the embedding (a Gather over the shared fp32 table: a lookup, not a matmul, so int4 would save no time);
+- the exit graphs' LM head: exits bind the one shared fp32 table. The **final** head may be quantized
+  (`lm_head`: int8 or int4) because at int4 depth it becomes the largest single matmul of a token; it then gets
+  its own constant copy of the table in the final exit graph (the shared table stays for the embedding and the
+  intermediate exits);
+- decoder layers listed in `keep_layers` (their MatMuls are excluded from the quantizer).
+
+What this module does not do: build graphs (export.py), or write a quantizer of its own (ORT's is the real one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from eectl.errors import UsageError
+
+if TYPE_CHECKING:  # onnx is imported where graphs are touched: the CLI imports this module for its defaults
+    import onnx
+
+ALGORITHMS = ("rtn", "hqq")  # ORT's DefaultWeightOnlyQuantConfig (round to nearest, per block) and HQQ
+LM_HEAD_PRECISIONS = ("fp32", "int8", "int4")
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+# Greedy agreement with PyTorch (teacher-forced, final exit) below which an int4 export fails. A floor against broken
+# graphs (random tokens agree on ~1/V), not a quality target: small models lose a lot to int4 (SmolLM2-135M, whose
+# source is a Q4_1 GGUF re-quantized here: 71% at block 32); raise it for models where int4 is known to hold up.
+DEFAULT_MIN_AGREEMENT = 0.5
+
+
+@dataclass(frozen=True)
+class Int4Options:
+    block_size: int = 32  # input channels per scale (a power of two >= 16)
+    symmetric: bool = False  # no zero points (int4 in [-8, 7]) vs a zero point per block (uint4)
+    accuracy_level: int = 4  # MatMulNBits compute type: 0 unset (fp32), 1 fp32, 2 fp16, 3 bf16, 4 int8
+    algorithm: str = "rtn"
+    lm_head: str = "fp32"  # the final exit's LM head: fp32 (shared table), int8 or int4 (own constant copy)
+    keep_layers: tuple[int, ...] = ()  # decoder layers whose MatMuls stay fp32
+    min_agreement: float = DEFAULT_MIN_AGREEMENT  # validation floor on greedy agreement at the final exit
+
+    def check(self, num_layers: int) -> Int4Options:
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise UsageError(f"--int4-block-size must be a power of two >= 16, got {self.block_size}")
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise UsageError(f"--int4-accuracy-level must be one of 0..4, got {self.accuracy_level}")
+        if self.algorithm not in ALGORITHMS:
+            raise UsageError(f"--int4-algorithm must be one of {', '.join(ALGORITHMS)}, got '{self.algorithm}'")
+        if self.lm_head not in LM_HEAD_PRECISIONS:
+            raise UsageError(f"--lm-head must be one of {', '.join(LM_HEAD_PRECISIONS)}, got '{self.lm_head}'")
+        bad = [i for i in self.keep_layers if not 0 <= i < num_layers]
+        if bad:
+            raise UsageError(f"--int4-keep-layers {bad} are outside 0..{num_layers - 1}")
+        if self.algorithm == "hqq" and self.symmetric:
+            raise UsageError("--int4-algorithm hqq is asymmetric (zero points per block); drop --int4-symmetric")
+        if not 0.0 <= self.min_agreement <= 1.0:
+            raise UsageError(f"--min-agreement must be in [0, 1], got {self.min_agreement}")
+        return self
+
+    def record(self, scope: str) -> dict[str, Any]:
+        """What the manifest's `quantization` field holds (manifest.Quantization)."""
+        import onnxruntime
+
+        d = asdict(self)
+        d["keep_layers"] = list(self.keep_layers)
+        return {
+            **d,
+            "scope": scope,
+            "bits": 4,
+            "op": "com.microsoft::MatMulNBits",
+            "tool": f"onnxruntime.quantization.matmul_nbits_quantizer {onnxruntime.__version__}",
+            "embedding": "fp32",
+            "exit_lm_heads": "fp32",
+        }
+
+
+def _config(opts: Int4Options, bits: int = 4) -> Any:
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        HQQWeightOnlyQuantConfig,
+    )
+
+    if opts.algorithm == "hqq" and bits == 4:
+        return HQQWeightOnlyQuantConfig(block_size=opts.block_size, bits=4)
+    return DefaultWeightOnlyQuantConfig(
+        block_size=opts.block_size,
+        is_symmetric=opts.symmetric,
+        accuracy_level=opts.accuracy_level or None,
+        bits=bits,
+    )
+
+
+def quantize_graph(model: onnx.ModelProto, opts: Int4Options, bits: int = 4) -> onnx.ModelProto:
+    """A copy of `model` with every constant-weight MatMul as MatMulNBits, except the layers kept in fp32.
+
+    Nodes are named after their weight initializer first (eectl's builder names weights `layers.{i}.<proj>`), so
+    the quantizer's exclusion list can name the kept layers.
+    """
+    import logging
+
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    inits = {i.name for i in m.graph.initializer}
+    exclude = []
+    for n, node in enumerate(m.graph.node):
+        if node.op_type == "MatMul" and len(node.input) > 1 and node.input[1] in inits:
+            node.name = node.name or f"{node.input[1]}.matmul_{n}"
+            if any(node.input[1].startswith(f"layers.{i}.") for i in opts.keep_layers):
+                exclude.append(node.name)
+    q = MatMulNBitsQuantizer(m, algo_config=_config(opts, bits), nodes_to_exclude=exclude)
+    q.process()
+    out: onnx.ModelProto = q.model.model
+    if opts.accuracy_level:  # ORT's HQQ path leaves the (optional) compute-type attribute unset
+        for node in out.graph.node:
+            if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
+                node.attribute.append(onnx.helper.make_attribute("accuracy_level", opts.accuracy_level))
+    return out
+
+
+def quantize_lm_head(
+    model: onnx.ModelProto, weight_input: str, table: np.ndarray, opts: Int4Options
+) -> onnx.ModelProto:
+    """The final exit graph with its LM head as a constant, quantized to opts.lm_head bits.
+
+    The exit graph computes logits as MatMul(normed [N, H], weight [H, V]) with the weight a graph input (the shared
+    table, stored transposed; `table` is it, [H, V]). The weight becomes a constant, which the quantizer then turns
+    into MatMulNBits, and the input is removed from the graph.
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    users = [n for n in m.graph.node if weight_input in n.input]
+    if len(users) != 1 or users[0].op_type != "MatMul" or list(users[0].input).index(weight_input) != 1:
+        raise UsageError("--lm-head int4/int8 needs an exit graph whose LM head is one MatMul on the shared weight")
+    name = "lm_head.weight_hv"
+    m.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(table.astype(np.float32)), name))
+    users[0].input[1] = name
+    users[0].name = users[0].name or "lm_head.matmul"
+    keep = [i for i in m.graph.input if i.name != weight_input]
+    del m.graph.input[:]
+    m.graph.input.extend(keep)
+    bits = 8 if opts.lm_head == "int8" else 4
+    return quantize_graph(m, Int4Options(**{**asdict(opts), "keep_layers": (), "algorithm": "rtn"}), bits=bits)
+
+
+def agreement_verdict(result: dict[str, Any], final_layer: int, floor: float) -> str | None:
+    """Greedy agreement at the final exit (teacher-forced over the validation positions) against the floor.
+
+    Adds `greedy_agreement` (per exit) to the validation result; returns a failure message or None.
+    """
+    positions = int(result["positions"])
+    result["greedy_agreement"] = {
+        k: round(1.0 - v / positions, 4) for k, v in result["greedy_token_mismatches"].items()
+    }
+    result["min_agreement"] = floor
+    got = result["greedy_agreement"][str(final_layer)]
+    if got < floor or not all(np.isfinite(v) for v in result["max_abs_logit_diff"].values()):
+        return (
+            f"{result.get('graphs', 'int4')} graphs agree with PyTorch on {got:.1%} of greedy tokens at the final "
+            f"exit, below the floor "
+            f"{floor:.0%} (max abs logit diff {result['max_abs_logit_diff'][str(final_layer)]:.3g})"
+        )
+    return None
+
+
+@dataclass
+class QuantSummary:
+    """For reports: how many MatMuls became MatMulNBits in a graph."""
+
+    quantized: int = 0
+    kept: int = 0
+    ops: dict[str, int] = field(default_factory=dict)
+
+
+def summarise(model: onnx.ModelProto) -> QuantSummary:
+    s = QuantSummary()
+    for node in model.graph.node:
+        s.ops[node.op_type] = s.ops.get(node.op_type, 0) + 1
+    s.quantized = s.ops.get("MatMulNBits", 0)
+    s.kept = s.ops.get("MatMul", 0)
+    return s

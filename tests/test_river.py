@@ -1,0 +1,193 @@
+"""The river policy on the tiny Llama: an exited token flows through the int4 copies of the remaining segments,
+which write its K/V into the backbone's own buffers.
+
+References are independent of the policy code: an int4 artifact exported with the first segment's layers kept in
+fp32 holds exactly the graphs a river token runs (the same quantizer, the same settings), so stepping it by hand on
+KV buffers prefilled by the fp32 artifact is what the river must reproduce, token for token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eectl.errors import UsageError
+from eectl.export import ExportOptions, export_artifact
+from eectl.quantize import Int4Options
+from eectl.runtime.runner import RunConfig, Runner
+from eectl.runtime.sessions import ArtifactRuntime
+
+EXITS = [2, 4]
+PROMPT = [5, 17, 33, 9, 101, 7]
+NEW = 10
+NEVER, ALWAYS = 2.0, -2.0  # cosine thresholds: a cosine is never >= 2, always >= -2
+
+
+@pytest.fixture(scope="module")
+def arts(llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("river")
+    q = Int4Options(min_agreement=0.0)
+    export_artifact(llama, root / "river", ExportOptions(exits=EXITS, top_k=8, river=True, int4=q))
+    # layers 0..1 (segment 0) in fp32, the rest int4: the graphs a token exiting at layer 2 runs
+    keep = Int4Options(min_agreement=0.0, keep_layers=(0, 1))
+    export_artifact(llama, root / "ref", ExportOptions(exits=EXITS, top_k=8, weights="int4", int4=keep))
+    export_artifact(llama, root / "plain", ExportOptions(exits=EXITS, top_k=8))
+    return {k: ArtifactRuntime(root / k, provider="cpu", threads=1) for k in ("river", "ref", "plain")}
+
+
+def _run(rt, policy="river", signal="cosine", thr=ALWAYS, exits=(2,), predict="end"):
+    cfg = RunConfig(
+        exits=list(exits),
+        thresholds={e: {"cosine": thr} for e in exits},
+        signal=signal,
+        policy=policy,
+        max_new_tokens=NEW,
+        river_predict=predict,
+    )
+    runner = Runner(rt, cfg)
+    return runner, runner.generate([PROMPT])[0]
+
+
+def _reference(arts, predict: str) -> list[int]:
+    """Prefill with the fp32 graphs; every decode token through the `ref` artifact (fp32 segment 0, int4 after),
+    predicted at the final head (`end`) or at exit 2 (`exit`), on the same KV buffers."""
+    fp, ref = arts["river"], arts["ref"]
+    kv = fp.new_kv(1, len(PROMPT) + NEW + 1)
+    h = fp.embed(np.array([PROMPT]))
+    for s in range(3):
+        h, _ = fp.run_segment(s, h, kv, 0)
+    tokens = [int(fp.exit_full(6, h[0, -1:], 8)[0].argmax())]
+    while len(tokens) < NEW:
+        h = ref.embed(np.array([[tokens[-1]]]))
+        h0, _ = fp.run_segment(0, h, kv, 0)
+        h, _ = ref.run_segment(1, h0, kv, 0)
+        h, _ = ref.run_segment(2, h, kv, 0)
+        at = (6, h) if predict == "end" else (2, h0)
+        tokens.append(int(ref.exit_full(at[0], at[1][0, -1:], 8)[0].argmax()))
+    return tokens
+
+
+def test_river_that_never_fires_equals_full_depth(arts):
+    _, full = _run(arts["plain"], policy="defer", exits=())
+    _, g = _run(arts["river"], thr=NEVER, exits=EXITS)
+    assert g.token_ids == full.token_ids and set(g.exit_layers) == {6}
+
+
+@pytest.mark.parametrize("predict", ["end", "exit"])
+def test_river_tokens_flow_through_the_int4_copies_and_write_kv_in_place(arts, predict):
+    runner, g = _run(arts["river"], predict=predict)
+    assert g.exit_layers[0] == 6 and set(g.exit_layers[1:]) == {2}  # prefill is full depth, then every token exits
+    assert g.token_ids == _reference(arts, predict)
+    kv = runner.last_kv
+    assert kv is not None and (kv.filled[0] == len(PROMPT) + NEW - 1).all()  # every layer holds every position
+
+
+def test_river_end_differs_from_fp32_only_through_int4(arts):
+    """Sanity of the reference itself: the int4 river changes the logits (else the test above proves nothing)."""
+    fp, ref = arts["plain"], arts["ref"]
+    kv1, kv2 = fp.new_kv(1, 8), fp.new_kv(1, 8)
+    h = fp.embed(np.array([PROMPT]))
+    a, _ = fp.run_segment(1, fp.run_segment(0, h, kv1, 0)[0], kv1, 0)
+    b, _ = ref.run_segment(1, fp.run_segment(0, h, kv2, 0)[0], kv2, 0)
+    assert 0 < np.abs(a - b).max() < 0.5 * np.abs(a).max()
+
+
+def test_river_needs_river_copies(arts):
+    with pytest.raises(UsageError, match="river"):
+        _run(arts["plain"])
+
+
+def test_segment_block_states_equal_torch(llama, arts):
+    """The segment graphs' `layer_states` (River's min-cosine input) are the residual stream at every block
+    boundary, as the adapter's layer-range forward computes it."""
+    import torch
+
+    from eectl.models import KVCache
+
+    rt = arts["plain"]
+    ids = torch.tensor([PROMPT])
+    states: dict[int, torch.Tensor] = {}
+
+    def grab(i: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
+        states[i] = h_in
+        states[i + 1] = h_out
+
+    with torch.no_grad():
+        a = llama.adapter
+        a.forward_layers(a.embed(ids), torch.arange(len(PROMPT))[None], 0, a.num_layers, KVCache(), on_layer=grab)
+    kv = rt.new_kv(1, 8)
+    h = rt.embed(ids.numpy())
+    for s, seg in enumerate(rt.manifest.segments):
+        h, _, blocks = rt.run_segment(s, h, kv, 0, states=True)
+        lo, hi = seg.layers
+        assert blocks.shape == (hi - lo + 1, len(PROMPT), a.dims.hidden_size)
+        for j in range(hi - lo + 1):
+            np.testing.assert_allclose(blocks[j], states[lo + j][0].numpy(), atol=1e-4)
+
+
+def test_bench_river_side_by_side_with_int4_and_kv_cosine(arts):
+    """One bench run: full, an int4 artifact at full depth (--compare), river at both prediction points, defer;
+    river's K/V compared with the exact K/V per layer."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+    from tests.tiny import GSM8K
+
+    args = ["bench", str(arts["river"].folder), "--data", str(GSM8K), "--prompts", "2", "--max-new-tokens", "8"]
+    args += ["--reps", "1", "--signal", "cosine-min", "--thresholds", "-1", "--sweep", "", "--ppl-tokens", "32"]
+    args += ["--policies", "full,river,river-exit,defer", "--compare", f"int4={arts['ref'].folder}", "--raw"]
+    res = CliRunner().invoke(app, [*args, "--json", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    by = {c["name"]: c for c in doc["configs"]}
+    assert list(by) == ["full", "river", "river-exit", "defer", "int4"]
+    assert by["river"]["mean_layers"] == 2.0 and by["river"]["perplexity"] is not None  # every token exits at 2
+    kvr = doc["river_kv"]
+    assert kvr["exited"] == kvr["tokens"] - 1 and len(kvr["layers"]) == 6
+    assert kvr["layers"][0]["river_positions"] == 0 and kvr["layers"][0]["key_cosine_river"] is None
+    assert kvr["layers"][2]["river_positions"] == kvr["exited"]  # layers 2.. were written by the river
+    assert -1.0 <= kvr["min_river_cosine"] < 1.0
+    assert kvr["layers"][0]["key_cosine_generated"] == pytest.approx(1.0, abs=1e-5)  # fp32 segment 0: exact
+
+
+def test_cosine_min_calibrates_as_the_minimum_over_each_segments_blocks(llama):
+    """calibrate's `cosine-min` values are the minimum, over the blocks since the previous exit, of the blocks'
+    transition cosines (so never above the last block's, which is the `cosine` signal)."""
+    import torch
+
+    from eectl.calibrate import ExitScorer, measure_text
+    from eectl.exits import transition_cosine
+    from eectl.models import KVCache
+
+    g = torch.Generator().manual_seed(3)
+    chunks = [torch.randint(3, llama.adapter.dims.vocab_size, (1, 12), generator=g) for _ in range(2)]
+    mins = measure_text(ExitScorer(llama.adapter, EXITS, "cosine-min", 8), chunks)
+    last = measure_text(ExitScorer(llama.adapter, EXITS, "cosine", 8), chunks)
+    assert mins is not None and last is not None
+    assert (mins.values["cosine"] <= last.values["cosine"] + 1e-6).all()
+    assert (mins.values["cosine"] < last.values["cosine"] - 1e-4).any()
+    cos: dict[int, torch.Tensor] = {}
+
+    def grab(i: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
+        cos[i] = transition_cosine(h_in, h_out)[0, 1:]
+
+    with torch.no_grad():
+        a = llama.adapter
+        a.forward_layers(a.embed(chunks[0]), torch.arange(12)[None], 0, a.num_layers, KVCache(), on_layer=grab)
+    want = torch.stack([torch.stack([cos[0], cos[1]]).min(0).values, torch.stack([cos[2], cos[3]]).min(0).values])
+    torch.testing.assert_close(mins.values["cosine"][:, :11], want, atol=1e-5, rtol=0)
+
+
+def test_river_head_in_int4_is_used_at_the_rivers_end_only(llama, tmp_path):
+    q = Int4Options(min_agreement=0.0, lm_head="int4")
+    m = export_artifact(llama, tmp_path / "r", ExportOptions(exits=EXITS, top_k=8, river=True, int4=q))
+    final = m.exits[-1]
+    assert final.river is not None and "weight" not in final.river.inputs and "weight" in final.full.inputs
+    assert all(e.river is None for e in m.exits[:-1]) and m.validation["river"]["passed"]
+    rt = ArtifactRuntime(tmp_path / "r", provider="cpu", threads=1)
+    h = np.random.default_rng(0).standard_normal((1, llama.adapter.dims.hidden_size)).astype(np.float32)
+    a, b = rt.exit_full(6, h, 8)[0], rt.exit_full(6, h, 8, river=True)[0]
+    assert 0 < np.abs(a - b).max() < 0.2 * np.abs(a).max()  # int4 rounding of the head, visible and bounded
+    _, g = _run(rt)
+    assert set(g.exit_layers[1:]) == {2} and len(g.token_ids) == NEW
