@@ -267,8 +267,20 @@ def calibrate(
     top_k: Annotated[int | None, typer.Option(help="Local vocabulary size of the topk-* signals.")] = None,
     heads: Annotated[Path | None, typer.Option(help="Trained exit heads (heads.safetensors): exits use them.")] = None,
     confidence: Annotated[
-        float | None, typer.Option(help="Require the Clopper-Pearson lower bound at this level to reach --target.")
-    ] = None,
+        float,
+        typer.Option(
+            help="Require the Clopper-Pearson lower bound at this level to reach --target (0: point estimate)."
+        ),
+    ] = 0.95,
+    candidates: Annotated[
+        str, typer.Option(help="Candidate source at the first exit: shortlist, int8 or first-exit-topk.")
+    ] = "shortlist",
+    shortlist: Annotated[
+        int, typer.Option(help="Rows of the frequency-ranked shortlist (--candidates shortlist).")
+    ] = 4096,
+    compare: Annotated[
+        str, typer.Option(help="Other candidate sources to measure on the same tokens, e.g. int8,full (report).")
+    ] = "",
     holdout: Annotated[float, typer.Option(help="Share of chunks and prompts held out to check the thresholds.")] = 0.2,
     gen_share: Annotated[
         float, typer.Option(help="Share of the tokens taken from the model's own greedy continuations of prompts.")
@@ -298,7 +310,10 @@ def calibrate(
         target=pick(target, r.target),
         top_k=pick(top_k, r.top_k),
         tokens=pick(tokens, r.data.tokens),
-        confidence=confidence,
+        confidence=None if confidence == 0 else confidence,
+        candidates=candidates,
+        shortlist=shortlist,
+        compare=[c.strip() for c in compare.split(",") if c.strip()],
         holdout=holdout,
         gen_share=gen_share,
         gen_tokens=gen_tokens,
@@ -382,6 +397,18 @@ def _print_calibration(out: Output, result: object, path: Path) -> None:
         f"{d.gen_tokens_per_prompt}); {result.wall_s:.1f}s on "
         f"{result.threads} threads ({result.seconds_per_10k_tokens:.1f}s per 10,000 tokens)"
     )
+    cand = result.candidates
+    if cand is not None:
+        size = f" ({cand.size} rows" if cand.size else ""
+        hit = f", {cand.heldout_hit_rate:.1%} of held-out tokens inside)" if cand.heldout_hit_rate is not None else ""
+        out.line(f"candidates: {cand.name}{size}{hit or (')' if size else '')}; {len(result.options)} menu options")
+    for name, comp in result.compared.items():
+        held = comp.heldout or comp.calibration
+        out.line(
+            f"compared, candidates {name}: held-out exit rate {held.exit_rate:.1%}, agreement "
+            f"{num(held.precision)} among them, mean executed layers {held.mean_layers:.2f} "
+            f"({len(comp.options)} menu options)"
+        )
     for x in result.exits:
         if x.note:
             out.line(f"exit {x.layer}: {x.note}")
@@ -656,6 +683,10 @@ def export(
     heads: Annotated[Path | None, typer.Option(help="heads.safetensors from eectl train-heads.")] = None,
     dtype: Annotated[str, typer.Option(help="fp32, or fp16 for GPU deployment.")] = "fp32",
     top_k: Annotated[int | None, typer.Option("--top-k", help="Default local vocabulary size.")] = None,
+    candidates: Annotated[
+        str | None,
+        typer.Option(help="Candidate source: shortlist, int8, first-exit-topk (default: the calibration's)."),
+    ] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing artifact.")] = False,
     weights: Annotated[str, typer.Option(help="fp32, or int4: weight-only MatMulNBits segment graphs.")] = "fp32",
     river: Annotated[bool, typer.Option(help="Add int4 copies of the segments after the first exit.")] = False,
@@ -704,6 +735,7 @@ def export(
         weights=weights,
         int4=int4,
         river=river,
+        candidates=candidates,
     )
     check_options(options, folder)
     n_threads = _threads(threads, r)
@@ -739,6 +771,8 @@ def export(
         f"artifact: {folder} ({summary['size_mb']} MB, {len(manifest.segments)} segments, "
         f"exported and validated in {v.get('export_seconds')} s)"
     )
+    if manifest.plan is not None:
+        out_.line(manifest.plan.summary())
 
 
 @command()
@@ -751,7 +785,7 @@ def run(
     exits: Annotated[str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.")] = None,
     policy: Annotated[
         str | None,
-        typer.Option(help="KV of skipped layers: defer (default), copy, verify (lossless), ... (policies.py)."),
+        typer.Option(help="KV of skipped layers: defer, copy, verify (lossless), ...; default: the artifact's plan."),
     ] = None,
     river_predict: Annotated[
         str, typer.Option(help="river: the token from the river's end (final head) or from the exit.")
@@ -771,6 +805,9 @@ def run(
     batch_size: Annotated[int, typer.Option(help="Prompts per batch (each row decides its own exits).")] = 1,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
     raw: Annotated[bool, typer.Option(help="Send the prompt as is (no chat template).")] = False,
+    profile_costs: Annotated[
+        bool, typer.Option(help="Re-measure the graph costs on this machine and re-plan the exits first.")
+    ] = False,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -801,6 +838,7 @@ def run(
         raw=raw,
         provider=provider,
         threads=n_threads,
+        profile_costs=profile_costs,
     )
     shown: dict[int, int] = {}
 
@@ -825,6 +863,8 @@ def run(
             "signal": config.signal,
             "exits": config.exits,
             "thresholds": {str(k): v for k, v in config.thresholds.items()},
+            "plan": config.note,
+            "costs": None if rt.manifest.costs is None else rt.manifest.costs.model_dump(),
             "results": [rep.to_dict() for rep in reports],
         }
     )
@@ -849,6 +889,9 @@ def bench(
         str | None, typer.Option(help="Prompts: .jsonl (GSM8K question/answer...), text, or built-in.")
     ] = None,
     prompts: Annotated[int | None, typer.Option(help="Number of prompts (default 10).")] = None,
+    offset: Annotated[
+        int, typer.Option(help="Skip this many of the data's prompts (keep bench prompts out of calibration's).")
+    ] = 0,
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per prompt (default 64).")] = None,
     policies: Annotated[str | None, typer.Option(help="hf, full and KV policy names (default: all of them).")] = None,
     reps: Annotated[int | None, typer.Option(help="Interleaved repetitions after the warm-up (default 3).")] = None,
@@ -865,6 +908,9 @@ def bench(
     report: Annotated[Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).")] = None,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "cpu",
     raw: Annotated[bool, typer.Option(help="No chat template.")] = False,
+    profile_costs: Annotated[
+        bool, typer.Option(help="Re-measure the graph costs on this machine and re-plan the exits first.")
+    ] = False,
     compare: Annotated[
         str | None, typer.Option(help="Other artifacts at full depth, as configurations: int4=PATH[,NAME=PATH].")
     ] = None,
@@ -895,8 +941,11 @@ def bench(
         scales = [float(x) for x in (sweep.split(",") if sweep is not None else r.bench.sweep) if str(x).strip()]
     except ValueError:
         raise UsageError(f"--sweep must be comma-separated numbers, got '{sweep}'") from None
-    n = min(pick(prompts, r.bench.prompts), len(text.prompts))
-    answers = gsm8k_answers(text.texts[:n])
+    if offset < 0 or offset >= len(text.prompts):
+        raise UsageError(f"--offset must be in 0..{len(text.prompts) - 1}, got {offset}")
+    n = min(pick(prompts, r.bench.prompts), len(text.prompts) - offset)
+    window = slice(offset, offset + n)
+    answers = gsm8k_answers(text.texts[window])
     ppl_tokens = pick(ppl_tokens, r.bench.ppl_tokens)
     heldout = heldout_texts(text.texts) if ppl_tokens > 0 else None
     pairs = [c.split("=", 1) for c in (compare or "").split(",") if c.strip()]
@@ -919,9 +968,10 @@ def bench(
         provider=provider,
         threads=n_threads,
         raw=raw,
+        profile_costs=profile_costs,
     )
     with out.progress("bench", total=bench_units(opts, n)) as bar:
-        result = run_bench(artifact, text.prompts[:n], opts, heldout, answers, log=out, progress=bar.advance)
+        result = run_bench(artifact, text.prompts[window], opts, heldout, answers, log=out, progress=bar.advance)
     files = write_report(result, report) if report is not None else []
     out.json({**result.to_dict(), "report": [str(f) for f in files]})
     if not out.json_mode:

@@ -277,16 +277,17 @@ def build_cache(
                 window = order[b0 : b0 + spec.gen_batch * 4]
                 todo = [i for i in window if not (folder / f"{split}/gen_{i:06d}.safetensors").is_file()]
                 conts = (
-                    dict(
-                        generate_continuations(
+                    {
+                        c.unit: c.generated
+                        for c in generate_continuations(
                             adapter,
                             [prompts[i] for i in todo],
                             len(todo) * spec.gen_len,
                             spec.gen_len,
                             eos,
                             spec.gen_batch,
-                        )
-                    )
+                        )[0]
+                    }
                     if todo
                     else {}
                 )
@@ -295,7 +296,7 @@ def build_cache(
                         break
                     name = f"{split}/gen_{i:06d}.safetensors"
                     if i in todo:
-                        cont = conts[todo.index(i)]
+                        cont = conts.get(todo.index(i), [])
                         if not cont:
                             continue
                         ids = prompts[i] + cont

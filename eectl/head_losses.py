@@ -78,7 +78,7 @@ def topk_tail_kl(
         pos = torch.searchsorted(support, teacher.ids)  # [B, k] index into rows
         extra = math.log(max(1, V - support.numel()) / max(1, outside.numel()))
     z = F.linear(normed, lens.lm_head_weight[rows], None if lens.lm_head_bias is None else lens.lm_head_bias[rows])
-    z = lens._cap(z).float()  # [E, B, R]
+    z = lens.cap(z).float()  # [E, B, R]
     if extra is None:
         log_z = torch.logsumexp(z, dim=-1)
     else:

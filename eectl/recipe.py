@@ -71,7 +71,7 @@ class Recipe(_Strict):
     signal: str = "topk-prob"
     target: float = Field(0.99, gt=0.0, le=1.0)
     top_k: int = Field(64, gt=1)
-    kv_policy: str = "defer"  # a name in eectl.runtime.policies.POLICIES
+    kv_policy: str | None = None  # a name in eectl.runtime.policies.POLICIES; None: the artifact's plan chooses
     threads: int | None = None  # None: one per CPU core
     data: DataSpec = Field(default_factory=DataSpec)
     profile: ProfileSpec = Field(default_factory=ProfileSpec)
@@ -90,8 +90,8 @@ class Recipe(_Strict):
 
     @field_validator("kv_policy")
     @classmethod
-    def _known_policy(cls, v: str) -> str:
-        if v not in _policies():
+    def _known_policy(cls, v: str | None) -> str | None:
+        if v is not None and v not in _policies():
             raise ValueError(f"unknown KV policy '{v}' (choose from {', '.join(_policies())})")
         return v
 

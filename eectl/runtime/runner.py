@@ -19,7 +19,15 @@ import numpy as np
 import torch
 
 from eectl.errors import UsageError
-from eectl.exits import DEFAULT_SIGNAL, ExitScore, ExitScoring, get_signal
+from eectl.exits import (
+    CANDIDATE_SOURCES,
+    DEFAULT_SIGNAL,
+    CandidateSource,
+    ExitScore,
+    ExitScoring,
+    FirstExitTopK,
+    get_signal,
+)
 from eectl.recipe import check_exit_layers
 from eectl.runtime.policies import policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
@@ -39,6 +47,8 @@ class RunConfig:
     verify_block: int = 8  # verify: at most this many drafts before a forced full-depth pass
     river_predict: str = "end"  # river: the token from the river's end (final head) or from the exit itself
     stop_ids: tuple[int, ...] = ()
+    note: str = ""  # how the configuration was chosen (one line for run and bench)
+    planned: bool = False  # exits and thresholds come from the manifest's plan
 
 
 @dataclass
@@ -97,6 +107,13 @@ class OrtExitLogits:
     def local(self, layer: int, hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.rt.exit_local(layer, hidden.numpy(), candidates.numpy()))
 
+    def candidates(
+        self, source: CandidateSource, layer: int, hidden: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The artifact's candidate graph at this exit (export built it from `source`'s torch code)."""
+        cand, cand_logits = self.rt.exit_candidates(layer, hidden.numpy(), k)
+        return torch.from_numpy(cand), torch.from_numpy(cand_logits)
+
 
 class Runner:
     def __init__(self, runtime: ArtifactRuntime, config: RunConfig) -> None:
@@ -121,6 +138,8 @@ class Runner:
             raise UsageError(f"--top-k must be in 2..{self.m.dims['vocab_size']}")
         self.policy = policy(runtime, config)
         self.exit_logits = OrtExitLogits(runtime)
+        source = str(self.m.candidate_source.get("name", FirstExitTopK.name))
+        self.source = CANDIDATE_SOURCES.get(source, CANDIDATE_SOURCES[FirstExitTopK.name])
         self.exits = check_exit_layers(config.exits, L)
         self.exit_after_segment = {self.rt.segment_of_layer[e]: e for e in self.exits}
         self.final_segment = len(self.m.segments) - 1
@@ -171,7 +190,7 @@ class Runner:
         """
         m = self.m
         h = self.rt.embed(np.array([chunk_ids], dtype=np.int64))
-        scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k)
+        scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k, self.source)
         may_exit = len(chunk_ids) == 1 and not force_full and self.policy.may_exit(st)
         for s in range(len(m.segments)):
             x = self.policy.before_segment(st, s, h)
