@@ -32,9 +32,9 @@ import numpy as np
 from eectl.data import encode_prompt
 from eectl.errors import UsageError
 from eectl.files import atomic_write, atomic_write_text
-from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
+from eectl.runtime.generate import RunOptions, load_tokenizer, replan, resolve_config
 from eectl.runtime.policies import POLICIES, default_policies
-from eectl.runtime.runner import Generation, Runner
+from eectl.runtime.runner import Generation, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 
 BASELINES = ("hf", "full")  # every other configuration is a KV policy's name (eectl.runtime.policies)
@@ -57,6 +57,7 @@ class BenchOptions:
     threads: int | None = None
     raw: bool = False
     batch_size: int = 1  # prompts per eectl generate call (rows in lock-step, one graph call per segment); hf: 1
+    profile_costs: bool = False  # re-measure the graph costs here and re-plan before benchmarking
     compare: dict[str, str] = field(default_factory=dict)  # config name -> another artifact, run at full depth
 
 
@@ -88,6 +89,10 @@ class ConfigResult:
     speedup_vs_full_ci: tuple[float, float] | None = None
     token_agreement_ci: tuple[float, float] | None = None
     exact_match_ci: tuple[float, float] | None = None
+    exits: list[int] = field(default_factory=list)  # the active exits of this configuration
+    predicted_speedup: float | None = None  # the plan's prediction (held-out coverage, the manifest's costs)
+    model_speedup: float | None = None  # the cost model at this run's realized exits (and rollbacks)
+    note: str = ""  # how the configuration was chosen
 
 
 @dataclass
@@ -107,6 +112,8 @@ class BenchResult:
     sweep: list[dict[str, Any]]
     hf_matches_full: bool | None
     notes: list[str] = field(default_factory=list)
+    default: str = ""  # the configuration `eectl run` uses by default (the plan's: a policy or full), if planned
+    plan: str = ""  # the plan's one-line summary
     river_kv: dict[str, Any] | None = None  # river_kv_cosine on the first prompt
 
     def to_dict(self) -> dict[str, Any]:
@@ -263,10 +270,13 @@ class _Configs:
         self.exits: list[int] = []
         self.thresholds: dict[int, dict[str, float]] = {}
         self.signal = ""
+        self.configs: dict[str, RunConfig] = {}
         for policy in [c for c in opts.configs if c in POLICIES or c == RIVER_EXIT]:
             cfg = resolve_config(rt, self.early_options(policy, 1.0), stop)
             self.runners[policy] = Runner(rt, cfg)
-            self.exits, self.thresholds, self.signal = cfg.exits, cfg.thresholds, cfg.signal
+            self.configs[policy] = cfg
+            if cfg.exits or not self.exits:
+                self.exits, self.thresholds, self.signal = cfg.exits, cfg.thresholds, cfg.signal
         for name, path in opts.compare.items():  # other artifacts (int4 ...) at full depth, one thread pool
             other = ArtifactRuntime(path, provider=opts.provider, threads=opts.threads)
             if other.manifest.model.get("sha256") != rt.manifest.model.get("sha256"):
@@ -441,16 +451,24 @@ def run_bench(
     if not all(x > 0 and math.isfinite(x) for x in [opts.threshold_scale, *opts.sweep]):
         raise UsageError("--threshold-scale and --sweep must be positive finite numbers")
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
+    if opts.profile_costs:
+        replan(rt)
     m = rt.manifest
     tok = load_tokenizer(rt)
     ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
     configs = _Configs(rt, opts, tuple(m.eos_token_ids), progress)
+    if log is not None:
+        for cfg in configs.configs.values():
+            if cfg.note:
+                log.log(cfg.note)
     order = ["full", *[c for c in opts.configs if c != "full"]]
     runs, rss = _timed(configs, order, ids, opts.reps, log)
     full_tokens = runs["full"][0].generations
     results: list[ConfigResult] = []
     for name in order:
         res = _summary(name, runs[name], rss[name], m.num_layers)
+        if name in configs.configs:
+            _predictions(res, configs.configs[name], m, runs[name])
         gens = runs[name][0].generations
         res.token_agreement, res.exact_match, res.first_divergence = _agreement(gens, full_tokens)
         res.token_agreement_ci = agreement_ci(gens, full_tokens)
@@ -480,8 +498,19 @@ def run_bench(
         "latency per decode step, throughput counts decoded tokens of all rows per second of decode wall time",
         "RSS is the process's resident memory after each configuration's runs; ORT and torch share the process",
     ]
+    default = plan_line = ""
+    if m.plan is not None:
+        plan_line, default = m.plan.summary(), m.plan.default
+        notes.append(plan_line)
+    if m.costs is not None:
+        notes.append(
+            f"costs {'re-measured here' if opts.profile_costs else 'measured at export'} on {m.costs.provider} with "
+            f"{m.costs.threads} threads (full-depth step {m.costs.full_step_ms:.1f} ms at a past of {m.costs.past})"
+        )
     return BenchResult(
         artifact=str(artifact),
+        default=default,
+        plan=plan_line,
         model=str(m.model.get("name")),
         provider=rt.provider,
         threads=rt.threads,
@@ -498,6 +527,32 @@ def run_bench(
         notes=notes,
         river_kv=river_kv,
     )
+
+
+def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) -> None:
+    """The plan's predicted speedup for this configuration, and the cost model at the exits this run realized."""
+    from eectl.plan import predict
+
+    res.exits = list(cfg.exits)
+    res.note = cfg.note
+    if m.plan is not None and cfg.planned:
+        choice = m.plan.choices.get(cfg.policy)
+        res.predicted_speedup = choice.prediction.speedup if choice is not None and cfg.exits else 1.0
+    if m.costs is None:
+        return
+    boundaries = [s.layers[1] for s in m.segments]
+    emitted = sum(len(r.exit_layers) for r in reps)
+    rejected = sum(r.rejected for r in reps)
+    steps = emitted + rejected
+    if not cfg.exits or steps == 0:
+        res.model_speedup = 1.0
+        return
+    counts = {e: sum(r.exit_layers.count(e) for r in reps) for e in cfg.exits}
+    exited = sum(counts.values())
+    # rolled-back drafts exited too (at layers no longer recorded): spread them like the accepted ones
+    per_exit = [(e, (c + (rejected * c / exited if exited else 0.0)) / steps, None) for e, c in sorted(counts.items())]
+    lost = rejected / steps if cfg.policy == "verify" else None
+    res.model_speedup = predict(m.costs, boundaries, cfg.policy, per_exit, lost_rate=lost).speedup
 
 
 def river_kv_cosine(runner: Runner, prompt: list[int]) -> dict[str, Any]:
@@ -617,21 +672,27 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         f"measured in this run. Intervals (95%, over the {r.prompts} prompts): paired bootstrap of the speedup and "
         "token agreement, Wilson for exact match.",
         "",
-        "| config | ms/token (median, min-max) | tokens/s per row | throughput tokens/s (vs full) | TTFT ms | "
-        "vs full [95% CI] | vs hf | mean layers | bound | decide share | token agreement [95% CI] | "
-        "exact match [95% CI] | first divergence | perplexity | GSM8K acc | RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | exits | ms/token (median, min-max) | tokens/s per row | throughput tokens/s (vs full) | TTFT ms | "
+        "vs full [95% CI] | predicted | model at realized exits | vs hf | mean layers | bound | decide share | "
+        "token agreement [95% CI] | exact match [95% CI] | first divergence | perplexity | GSM8K acc | RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in r.configs:
+        name = f"{c.name} (default)" if c.name == r.default else c.name
+        exits = ",".join(map(str, c.exits)) if c.exits else ("-" if c.name in ("full", "hf") else "none")
         lines.append(
-            f"| {c.name} | {c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-{c.ms_per_token_spread[1]:.1f}) | "
+            f"| {name} | {exits} | {c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-"
+            f"{c.ms_per_token_spread[1]:.1f}) | "
             f"{c.tokens_per_s:.1f} | {c.throughput:.1f} ({_fmt(c.throughput_vs_full)}x) | {c.ttft_ms:.0f} | "
-            f"{_fmt(c.speedup_vs_full)}x{_ci(c.speedup_vs_full_ci, '.2f')} | {_fmt(c.speedup_vs_hf)}x | "
+            f"{_fmt(c.speedup_vs_full)}x{_ci(c.speedup_vs_full_ci, '.2f')} | "
+            f"{_fmt(c.predicted_speedup)}x | {_fmt(c.model_speedup)}x | {_fmt(c.speedup_vs_hf)}x | "
             f"{_fmt(c.mean_layers, '.1f')} | {_fmt(c.layer_bound)}x | {_fmt(c.decide_share, '.1%')} | "
             f"{_fmt(c.token_agreement, '.1%')}{_ci(c.token_agreement_ci, '.1%')} | "
             f"{_fmt(c.exact_match, '.0%')}{_ci(c.exact_match_ci, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "
             f"{_fmt(c.perplexity, '.2f')} | {_fmt(c.gsm8k_accuracy, '.0%')} | {c.rss_mb:.0f} |"
         )
+    if r.plan:
+        lines += ["", r.plan + "."]
     if r.hf_matches_full is not None:
         lines += ["", f"transformers generate and eectl full depth produce identical tokens: {r.hf_matches_full}."]
     if r.sweep:

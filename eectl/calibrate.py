@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,8 @@ from torch import nn
 
 from eectl.calibration_file import (
     Calibration,
+    CandidatesInfo,
+    ComparedSource,
     DataInfo,
     ExitResult,
     HeadsInfo,
@@ -56,8 +58,22 @@ from eectl.calibration_file import (
 )
 from eectl.data import encode_prompt
 from eectl.errors import DataError, UsageError
-from eectl.exits import DEFAULT_SIGNAL, DEFAULT_TOP_K, ExitHead, ExitScoring, TorchExitLogits, get_signal
+from eectl.exits import (
+    CANDIDATE_SOURCES,
+    DEFAULT_CANDIDATES,
+    DEFAULT_SHORTLIST,
+    DEFAULT_SIGNAL,
+    DEFAULT_TOP_K,
+    CandidateSource,
+    ExitHead,
+    ExitScoring,
+    TorchExitLogits,
+    frequency_shortlist,
+    get_signal,
+    make_source,
+)
 from eectl.models.adapters import Adapter, Capture, KVCache
+from eectl.plan import MAX_SUBSET, VERIFY_PRECISIONS, ExitOption, Option
 from eectl.recipe import check_exit_layers
 from eectl.thresholds import assign_exits, clopper_pearson_lower, fit_thresholds, min_tokens_for
 
@@ -70,8 +86,12 @@ class CalibrateOptions:
     signal: str = DEFAULT_SIGNAL
     target: float = 0.99
     top_k: int = DEFAULT_TOP_K
+    candidates: str = DEFAULT_CANDIDATES  # topk signals: the candidate source at the first exit (exits.py)
+    shortlist: int = DEFAULT_SHORTLIST  # rows of the frequency-ranked shortlist
     tokens: int = 20000  # measured tokens, teacher-forced and generated together
-    confidence: float | None = None  # Clopper-Pearson confidence level, e.g. 0.95; None: point estimate
+    confidence: float | None = 0.95  # Clopper-Pearson confidence level; None: point estimate
+    options: bool = True  # also fit every subset of up to MAX_SUBSET exits (the menu export's cost model picks from)
+    compare: list[str] = field(default_factory=list)  # other candidate sources to measure on the same tokens
     holdout: float = 0.2  # share of chunks / prompts held out
     gen_share: float = 0.25  # share of the tokens that come from the model's own greedy continuations
     gen_tokens: int = 64  # continuation length per prompt (at most; a row ends at EOS)
@@ -110,6 +130,11 @@ def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_s
         raise UsageError(f"--tokens must be positive, got {opts.tokens}")
     if opts.top_k < 2:
         raise UsageError(f"--top-k must be >= 2 (the margin needs two candidates), got {opts.top_k}")
+    for name in [opts.candidates, *opts.compare]:
+        if name not in CANDIDATE_SOURCES:
+            raise UsageError(f"--candidates must be one of {', '.join(CANDIDATE_SOURCES)}, got '{name}'")
+    if opts.shortlist < opts.top_k:
+        raise UsageError(f"--shortlist ({opts.shortlist}) must be at least --top-k ({opts.top_k})")
     if not opts.exits and num_layers is not None:
         raise UsageError("no exits given", hint="pass --exits, e.g. --exits 8,12,16,20,24, or a --recipe with exits")
     check_exit_layers(opts.exits, num_layers)
@@ -132,6 +157,15 @@ def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_s
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def heldout_units(units: torch.Tensor, holdout: float) -> torch.Tensor:
+    """The held-out units among `units` (sorted unique ids of one source): the last `holdout` share, at least one,
+    never all (a source with fewer than two units holds nothing out)."""
+    if holdout <= 0 or units.numel() < 2:
+        return units[:0]
+    k = min(units.numel() - 1, max(1, round(holdout * units.numel())))
+    return units[-k:]
+
+
 @dataclass
 class Measurements:
     exits: list[int]
@@ -140,6 +174,10 @@ class Measurements:
     correct: torch.Tensor  # [E, N] bool: the exit's top-1 == the final layer's top-1
     source: torch.Tensor  # [N] long: index into SOURCES
     unit: torch.Tensor  # [N] long: chunk (teacher-forced) or prompt (generated) index within its source
+    # topk signals depend on where the candidates were picked: [F, E, N] with the candidates picked at exit F
+    # (the first active exit), valid for E >= F; `values`/`correct` are the F = 0 slice. None for other signals.
+    pair_values: dict[str, torch.Tensor] | None = None
+    pair_correct: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -148,6 +186,10 @@ class Measurements:
     @staticmethod
     def concat(parts: Sequence[Measurements]) -> Measurements:
         first = parts[0]
+        pv = pc = None
+        if first.pair_values is not None:
+            pv = {c: torch.cat([p.pair_values[c] for p in parts if p.pair_values], 2) for c in first.pair_values}
+            pc = torch.cat([p.pair_correct for p in parts if p.pair_correct is not None], 2)
         return Measurements(
             exits=first.exits,
             num_layers=first.num_layers,
@@ -155,6 +197,8 @@ class Measurements:
             correct=torch.cat([p.correct for p in parts], 1),
             source=torch.cat([p.source for p in parts]),
             unit=torch.cat([p.unit for p in parts]),
+            pair_values=pv,
+            pair_correct=pc,
         )
 
     def take(self, n: int) -> Measurements:
@@ -165,20 +209,30 @@ class Measurements:
             self.correct[:, :n],
             self.source[:n],
             self.unit[:n],
+            None if self.pair_values is None else {c: v[:, :, :n] for c, v in self.pair_values.items()},
+            None if self.pair_correct is None else self.pair_correct[:, :, :n],
         )
+
+    def restrict(self, exits: Sequence[int]) -> Measurements:
+        """The measurements a run with only these active exits sees (topk: candidates picked at the first)."""
+        idx = [self.exits.index(e) for e in exits]
+        if self.pair_values is not None and self.pair_correct is not None:
+            f = idx[0]
+            values = {c: v[f, idx] for c, v in self.pair_values.items()}
+            correct = self.pair_correct[f, idx]
+        else:
+            values = {c: v[idx] for c, v in self.values.items()}
+            correct = self.correct[idx]
+        return Measurements(list(exits), self.num_layers, values, correct, self.source, self.unit)
 
     def heldout_mask(self, holdout: float) -> torch.Tensor:
         """[N] bool: the tokens of the last `holdout` share of each source's units (at least one, never all)."""
         mask = torch.zeros(self.n, dtype=torch.bool)
-        if holdout <= 0:
-            return mask
         for s in range(len(SOURCES)):
             mine = self.source == s
-            units = torch.unique(self.unit[mine])  # sorted
-            if units.numel() < 2:
-                continue
-            k = min(units.numel() - 1, max(1, round(holdout * units.numel())))
-            mask |= mine & (self.unit >= units[-k])
+            held = heldout_units(torch.unique(self.unit[mine]), holdout)
+            if held.numel():
+                mask |= mine & (self.unit >= held[0])
         return mask
 
 
@@ -186,20 +240,54 @@ class ExitScorer:
     """Every exit's signal values and top-1 for a batch of positions, scored as the runner scores them."""
 
     def __init__(
-        self, adapter: Adapter, exits: list[int], signal: str, top_k: int, heads: dict[int, nn.Module] | None = None
+        self,
+        adapter: Adapter,
+        exits: list[int],
+        signal: str,
+        top_k: int,
+        heads: dict[int, nn.Module] | None = None,
+        source: CandidateSource | None = None,
     ) -> None:
         self.adapter = adapter
         self.exits = sorted(exits)
         self.signal = get_signal(signal)
         self.top_k = top_k
         self.criteria = self.signal.criteria
-        self.heads = {layer: ExitHead(adapter, (heads or {}).get(layer)).eval() for layer in self.exits}
+        # Sequence heads (a decoder block, head_designs.BlockHead) read every position at their exit, with their own
+        # KV cache: `_forward_capture` runs them on the layer's whole output; the scorer sees their output.
+        self.sequence_heads: dict[int, Any] = {
+            layer: h for layer, h in (heads or {}).items() if getattr(h, "sequence", False)
+        }
+        token_heads = {layer: h for layer, h in (heads or {}).items() if layer not in self.sequence_heads}
+        self.heads = {layer: ExitHead(adapter, token_heads.get(layer)).eval() for layer in self.exits}
+        self.source = source or make_source("first-exit-topk", adapter.lm_head.weight)
 
     @property
     def needs_inputs(self) -> bool:
         return self.signal.needs_layer_input
 
-    @torch.no_grad()
+    def _scores(
+        self,
+        states: list[torch.Tensor],
+        inputs: list[torch.Tensor] | None,
+        first: int,
+        final_top: torch.Tensor,
+        blocks: list[torch.Tensor] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Exits first.. scored in order, the candidates picked at exit `first`: values {c: [E', T]}, correct."""
+        scoring = ExitScoring(self.signal, TorchExitLogits(self.heads), self.top_k, self.source)
+        scores = [
+            scoring.score(
+                layer,
+                h,
+                None if inputs is None else inputs[first + e],
+                None if blocks is None else blocks[first + e],
+            )
+            for e, (layer, h) in enumerate(zip(self.exits[first:], states[first:], strict=True))
+        ]
+        values = {c: torch.stack([s.values[c] for s in scores]).float() for c in self.criteria}
+        return values, torch.stack([s.prediction().token == final_top for s in scores])
+
     def score(
         self,
         states: list[torch.Tensor],
@@ -209,15 +297,57 @@ class ExitScorer:
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """states[e] [T, H] (and inputs[e], the last layer's input; blocks[e] [n + 1, T, H], the segment's block
         boundaries) -> values {criterion: [E, T]}, correct [E, T] bool, the final layer's top-1 [T]."""
-        final_top = self.adapter.logits(final).argmax(-1)
-        scoring = ExitScoring(self.signal, TorchExitLogits(self.heads), self.top_k)
-        scores = [
-            scoring.score(layer, h, None if inputs is None else inputs[e], None if blocks is None else blocks[e])
-            for e, (layer, h) in enumerate(zip(self.exits, states, strict=True))
-        ]
-        values = {c: torch.stack([s.values[c] for s in scores]).float() for c in self.criteria}
-        correct = torch.stack([s.prediction().token == final_top for s in scores])
+        values, correct, final_top, _, _ = self.score_pairs(states, inputs, final, pairs=False, blocks=blocks)
         return values, correct, final_top
+
+    @torch.no_grad()
+    def score_pairs(
+        self,
+        states: list[torch.Tensor],
+        inputs: list[torch.Tensor] | None,
+        final: torch.Tensor,
+        pairs: bool = True,
+        blocks: list[torch.Tensor] | None = None,
+    ) -> tuple[
+        dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None, torch.Tensor | None
+    ]:
+        """As `score`, plus (signals with candidates, `pairs`) the values and correctness [F, E, T] with the
+        candidates picked at every exit F in turn (entries E < F are 0 / False): what any subset of active exits
+        would see."""
+        final_top = self.adapter.logits(final).argmax(-1)
+        values, correct = self._scores(states, inputs, 0, final_top, blocks)
+        if not (pairs and self.signal.needs_candidates):
+            return values, correct, final_top, None, None
+        num, t = len(self.exits), final.shape[0]
+        pv = {c: torch.zeros(num, num, t) for c in self.criteria}
+        pc = torch.zeros(num, num, t, dtype=torch.bool)
+        for c in self.criteria:
+            pv[c][0] = values[c]
+        pc[0] = correct
+        for f in range(1, num):
+            v, ok = self._scores(states, inputs, f, final_top, blocks)
+            for c in self.criteria:
+                pv[c][f, f:] = v[c]
+            pc[f, f:] = ok
+        return values, correct, final_top, pv, pc
+
+
+@dataclass
+class _SequenceHeadCapture(Capture):
+    """Runs each sequence head (a block) on its exit layer's whole output before the positions are selected; with
+    `caches`, each head keeps its own KV there (decoding), else it reads the whole sequence."""
+
+    heads: dict[int, Any] = field(default_factory=dict)
+    positions: torch.Tensor | None = None
+    key_padding: torch.Tensor | None = None
+    caches: dict[int, KVCache] | None = None
+
+    def keep(self, layer: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
+        head = self.heads.get(layer)
+        if head is not None and layer in self.after:
+            own = None if self.caches is None else self.caches.setdefault(layer, KVCache())
+            h_out = head.step(h_out, self.positions, own, self.key_padding)
+        super().keep(layer, h_in, h_out)
 
 
 def _forward_capture(
@@ -227,13 +357,25 @@ def _forward_capture(
     cache: KVCache | None,
     key_padding: torch.Tensor | None,
     select: Callable[[torch.Tensor], torch.Tensor],
+    block_caches: dict[int, KVCache] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None, torch.Tensor]:
     """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input; with a
-    signal that needs them, every block boundary of each exit's segment)."""
+    signal that needs them, every block boundary of each exit's segment). A sequence head runs on the exit layer's
+    whole output (its KV in `block_caches[layer]` when decoding)."""
     adapter = scorer.adapter
     blocks_needed = scorer.signal.needs_blocks
     after = range(1, scorer.exits[-1] + 1) if blocks_needed else scorer.exits  # every layer up to the last exit
-    keep = Capture(after, inputs=scorer.needs_inputs or blocks_needed, select=select)
+    keep: Capture = Capture(after, inputs=scorer.needs_inputs or blocks_needed, select=select)
+    if scorer.sequence_heads:
+        keep = _SequenceHeadCapture(
+            after,
+            inputs=scorer.needs_inputs or blocks_needed,
+            select=select,
+            heads=scorer.sequence_heads,
+            positions=positions,
+            key_padding=key_padding,
+            caches=None if cache is None else (block_caches if block_caches is not None else {}),
+        )
     final = adapter.forward_layers(
         adapter.embed(ids), positions, 0, adapter.num_layers, cache, key_padding, capture=keep
     )
@@ -250,39 +392,168 @@ def _forward_capture(
 
 
 def _part(
-    scorer: ExitScorer, values: dict[str, torch.Tensor], correct: torch.Tensor, source: int, units: torch.Tensor
+    scorer: ExitScorer,
+    scored: tuple[Any, ...],
+    source: int,
+    units: torch.Tensor,
 ) -> Measurements:
-    return Measurements(scorer.exits, scorer.adapter.num_layers, values, correct, torch.full_like(units, source), units)
+    values, correct, _, pv, pc = scored
+    src = torch.full_like(units, source)
+    return Measurements(scorer.exits, scorer.adapter.num_layers, values, correct, src, units, pv, pc)
 
 
 @torch.no_grad()
 def measure_text(
-    scorer: ExitScorer, chunks: list[torch.Tensor], skip_first: int = 1, on_tokens: Callable[[int], None] | None = None
+    scorer: ExitScorer,
+    chunks: list[torch.Tensor],
+    skip_first: int = 1,
+    on_tokens: Callable[[int], None] | None = None,
+    pairs: bool = False,
 ) -> Measurements | None:
     """Teacher-forced chunks [1, S]: every position from `skip_first` on is one measured token."""
-    parts: list[Measurements] = []
+    return _measure_text_all([scorer], chunks, skip_first, on_tokens, pairs)[0]
+
+
+def _measure_text_all(
+    scorers: Sequence[ExitScorer],
+    chunks: list[torch.Tensor],
+    skip_first: int,
+    on_tokens: Callable[[int], None] | None,
+    pairs: bool,
+) -> list[Measurements | None]:
+    """As `measure_text`, for several scorers (candidate sources, same exits) on the same states."""
+    parts: list[list[Measurements]] = [[] for _ in scorers]
     for u, ids in enumerate(chunks):
         positions = torch.arange(ids.shape[1])[None]
         states, inputs, blocks, final = _forward_capture(
-            scorer, ids, positions, None, None, lambda h: h[0, skip_first:]
+            scorers[0], ids, positions, None, None, lambda h: h[0, skip_first:]
         )
-        values, correct, _ = scorer.score(states, inputs, final, blocks)
-        parts.append(_part(scorer, values, correct, 0, torch.full((final.shape[0],), u, dtype=torch.long)))
+        units = torch.full((final.shape[0],), u, dtype=torch.long)
+        for j, sc in enumerate(scorers):
+            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs, blocks), 0, units))
         if on_tokens is not None:
             on_tokens(final.shape[0])
-    return Measurements.concat(parts) if parts else None
+    return [Measurements.concat(p) if p else None for p in parts]
 
 
-def _last_position_of(rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Select the last position of the given rows: [B, S, H] -> [rows, H]."""
+@dataclass
+class Continuation:
+    unit: int  # the prompt's index
+    prompt: list[int]
+    generated: list[int]  # greedy full-depth tokens (the last may be EOS)
 
-    def select(h: torch.Tensor) -> torch.Tensor:
-        return h[:, -1][rows]
 
-    return select
+def prompt_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
+    """Indices of `prompts` in batches: the given order, but sorted by length within windows of four batches, so
+    that prompts of similar length share a batch (less left padding)."""
+    window = 4 * batch_size
+    batches: list[list[int]] = []
+    for w in range(0, len(prompts), window):
+        idx = sorted(range(w, min(w + window, len(prompts))), key=lambda i: len(prompts[i]))
+        batches += [idx[j : j + batch_size] for j in range(0, len(idx), batch_size)]
+    return batches
+
+
+def left_padded(batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token id lists -> ids [B, S] (left-padded with 0), real [B, S] bool, positions [B, S] counted per row from its
+    first real token."""
+    b, s = len(batch), max(len(p) for p in batch)
+    ids = torch.zeros(b, s, dtype=torch.long)
+    real = torch.zeros(b, s, dtype=torch.bool)
+    for r, p in enumerate(batch):
+        ids[r, s - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        real[r, s - len(p) :] = True
+    return ids, real, (real.long().cumsum(1) - 1).clamp(min=0)
 
 
 @torch.no_grad()
+def generate_continuations(
+    adapter: Adapter,
+    prompts: list[list[int]],
+    n_tokens: int,
+    gen_tokens: int,
+    eos: int | None,
+    batch_size: int = 16,
+    on_tokens: Callable[[int], None] | None = None,
+) -> tuple[list[Continuation], int]:
+    """Greedy full-depth continuations of prompts (token ids, BOS included), `gen_tokens` each, a row stopping at
+    EOS, until `n_tokens` tokens are generated (the last continuation is cut to make it exact). Prompts are batched
+    with left padding. Returns the continuations (in generation order) and the number of prompts used."""
+    out: list[Continuation] = []
+    measured = used = 0
+    for members in prompt_batches(prompts, batch_size):
+        if measured >= n_tokens:
+            break
+        batch = [prompts[i] for i in members]
+        used += len(batch)
+        b = len(batch)
+        ids, pad, positions = left_padded(batch)
+        cache, alive = KVCache(), torch.ones(b, dtype=torch.bool)
+        gen: list[list[int]] = [[] for _ in range(b)]
+        for _ in range(gen_tokens):
+            rows = alive.clone()
+            final = adapter.forward_layers(adapter.embed(ids), positions, 0, adapter.num_layers, cache, pad)
+            top = adapter.logits(final[:, -1]).argmax(-1)
+            for r in torch.nonzero(rows).flatten().tolist():
+                gen[r].append(int(top[r]))
+            if on_tokens is not None:
+                on_tokens(min(int(rows.sum()), n_tokens - measured))
+            measured += int(rows.sum())
+            nxt = torch.full((b,), eos if eos is not None else 0, dtype=torch.long)
+            nxt[rows] = top[rows]
+            alive = rows if eos is None else rows & (nxt != eos)
+            if not bool(alive.any()) or measured >= n_tokens:
+                break
+            ids, positions = nxt[:, None], positions[:, -1:] + 1
+            pad = torch.cat([pad, torch.ones(b, 1, dtype=torch.bool)], 1)
+        out += [Continuation(members[r], batch[r], gen[r]) for r in range(b) if gen[r]]
+    over = sum(len(c.generated) for c in out) - n_tokens
+    while over > 0 and out:  # cut the latest continuations to exactly n_tokens
+        cut = min(over, len(out[-1].generated))
+        out[-1].generated = out[-1].generated[: len(out[-1].generated) - cut]
+        over -= cut
+        if not out[-1].generated:
+            out.pop()
+    return out, used
+
+
+@torch.no_grad()
+def measure_sequences(
+    scorer: ExitScorer, conts: list[Continuation], batch_size: int = 16, pairs: bool = False
+) -> Measurements | None:
+    """Teacher-forced prompt + continuation: position P-1+j (its final top-1 is generated token j) is one measured
+    token, unit = the prompt's index. The same states as generating step by step, computed in one pass."""
+    return _measure_sequences_all([scorer], conts, batch_size, pairs)[0]
+
+
+def _measure_sequences_all(
+    scorers: Sequence[ExitScorer], conts: list[Continuation], batch_size: int, pairs: bool
+) -> list[Measurements | None]:
+    """As `measure_sequences`, for several scorers (candidate sources, same exits) on the same states."""
+    parts: list[list[Measurements]] = [[] for _ in scorers]
+    for i in range(0, len(conts), batch_size):
+        batch = conts[i : i + batch_size]
+        seqs = [c.prompt + c.generated[:-1] for c in batch]
+        ids, real, positions = left_padded(seqs)
+        width = ids.shape[1]
+        rows = torch.cat([torch.full((len(c.generated),), r, dtype=torch.long) for r, c in enumerate(batch)])
+        cols = torch.cat(
+            [
+                torch.arange(len(c.generated)) + width - len(seq) + len(c.prompt) - 1
+                for c, seq in zip(batch, seqs, strict=True)
+            ]
+        )
+
+        def select(h: torch.Tensor, rows: torch.Tensor = rows, cols: torch.Tensor = cols) -> torch.Tensor:
+            return h[rows, cols]
+
+        states, inputs, blocks, final = _forward_capture(scorers[0], ids, positions, KVCache(), real, select)
+        units = torch.tensor([c.unit for c in batch], dtype=torch.long)[rows]
+        for j, sc in enumerate(scorers):
+            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs, blocks), 1, units))
+    return [Measurements.concat(p) if p else None for p in parts]
+
+
 def measure_generation(
     scorer: ExitScorer,
     prompts: list[list[int]],
@@ -292,52 +563,10 @@ def measure_generation(
     batch_size: int = 16,
     on_tokens: Callable[[int], None] | None = None,
 ) -> tuple[Measurements | None, int]:
-    """Greedy full-depth continuations of prompts (token ids, BOS included), `gen_tokens` each, stopping a row at
-    EOS. Each step's last position is one measured token (its final top-1 is the generated token); its unit is the
-    prompt's index. Prompts are batched with left padding, in the given order but sorted by length within windows of
-    four batches. Returns the first `n_tokens` measured tokens and the number of prompts used.
-    """
-    parts: list[Measurements] = []
-    measured = used = 0
-    # prompts of similar length share a batch (less padding): sort each window of a few batches by length
-    window = 4 * batch_size
-    batches: list[list[int]] = []
-    for w in range(0, len(prompts), window):
-        idx = sorted(range(w, min(w + window, len(prompts))), key=lambda i: len(prompts[i]))
-        batches += [idx[j : j + batch_size] for j in range(0, len(idx), batch_size)]
-    for members in batches:
-        if measured >= n_tokens:
-            break
-        batch = [prompts[i] for i in members]
-        used += len(batch)
-        b, s = len(batch), max(len(p) for p in batch)
-        ids = torch.zeros(b, s, dtype=torch.long)
-        real = torch.zeros(b, s, dtype=torch.bool)
-        for r, p in enumerate(batch):
-            ids[r, s - len(p) :] = torch.tensor(p, dtype=torch.long)
-            real[r, s - len(p) :] = True
-        positions = (real.long().cumsum(1) - 1).clamp(min=0)  # [B, S], each row counts from its first real token
-        cache, pad, alive = KVCache(), real, torch.ones(b, dtype=torch.bool)
-        for _ in range(gen_tokens):
-            rows = alive.clone()
-            states, inputs, blocks, final = _forward_capture(
-                scorer, ids, positions, cache, pad, _last_position_of(rows)
-            )
-            values, correct, top = scorer.score(states, inputs, final, blocks)
-            parts.append(_part(scorer, values, correct, 1, torch.tensor(members, dtype=torch.long)[rows]))
-            if on_tokens is not None:
-                on_tokens(min(int(rows.sum()), n_tokens - measured))
-            measured += int(rows.sum())
-            nxt = torch.full((b,), eos if eos is not None else 0, dtype=torch.long)
-            nxt[rows] = top
-            alive = rows if eos is None else rows & (nxt != eos)
-            if not bool(alive.any()) or measured >= n_tokens:
-                break
-            ids, positions = nxt[:, None], positions[:, -1:] + 1
-            pad = torch.cat([pad, torch.ones(b, 1, dtype=torch.bool)], 1)
-    if not parts:
-        return None, used
-    return Measurements.concat(parts).take(n_tokens), used
+    """Greedy continuations (`generate_continuations`), then measured teacher-forced (`measure_sequences`).
+    Returns the first `n_tokens` measured tokens and the number of prompts used."""
+    conts, used = generate_continuations(scorer.adapter, prompts, n_tokens, gen_tokens, eos, batch_size, on_tokens)
+    return measure_sequences(scorer, conts, batch_size), used
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -469,6 +698,9 @@ class Collected:
     prompts_used: int
     chat_template: bool  # the prompts went through the tokenizer's chat template
     wall_s: float
+    candidates: dict[str, Any] = field(default_factory=lambda: {"name": "full"})  # the candidate source
+    shortlist: torch.Tensor | None = None  # its token ids (shortlist source), most frequent first
+    compared: dict[str, Measurements] = field(default_factory=dict)  # other sources on the same tokens
 
 
 @torch.no_grad()
@@ -479,47 +711,147 @@ def collect(
     heads: dict[int, nn.Module] | None = None,
     on_tokens: Callable[[int], None] | None = None,
 ) -> Collected:
-    """Measure every exit's signals on `opts.tokens` tokens: teacher-forced chunks, then greedy continuations."""
+    """Measure every exit's signals on `opts.tokens` tokens: teacher-forced chunks and greedy continuations.
+
+    The continuations are generated first, because the shortlist candidate source is ranked on the calibration
+    split's tokens: the text's and the model's own generations (never the held-out units')."""
     from eectl.data import TextData, token_chunks
     from eectl.models.loading import LoadedModel
 
     assert isinstance(loaded, LoadedModel) and isinstance(data, TextData)
-    dims = loaded.adapter.dims
+    adapter = loaded.adapter
+    dims = adapter.dims
     opts.exits = sorted(opts.exits)
     check_options(opts, dims.num_layers, dims.vocab_size)
     tok: Any = loaded.tokenizer
     start = time.perf_counter()
-    scorer = ExitScorer(loaded.adapter, opts.exits, opts.signal, opts.top_k, heads)
-    parts: list[Measurements] = []
+    chunks: list[torch.Tensor] = []
     if opts.text_tokens > 0:
-        skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
         chunks = token_chunks(tok, data, opts.text_tokens, opts.chunk_len)
-        text = measure_text(scorer, chunks, skip_first, on_tokens)
-        if text is not None:
-            parts.append(text)
     prompts_used = 0
+    conts: list[Continuation] = []
     if opts.generated_tokens > 0:
         max_prompt = max(8, min(dims.max_positions, 4096) - opts.gen_tokens - 1)
         prompts = prompt_ids(tok, data.prompts, max_prompt, opts.raw)
-        gen, prompts_used = measure_generation(
-            scorer,
-            prompts,
-            opts.generated_tokens,
-            opts.gen_tokens,
-            getattr(tok, "eos_token_id", None),
-            opts.gen_batch,
-            on_tokens,
+        eos = getattr(tok, "eos_token_id", None)
+        conts, prompts_used = generate_continuations(
+            adapter, prompts, opts.generated_tokens, opts.gen_tokens, eos, opts.gen_batch, on_tokens
         )
-        got = 0 if gen is None else gen.n
-        if gen is None or got < opts.generated_tokens:
+        got = sum(len(c.generated) for c in conts)
+        if got < opts.generated_tokens:
             raise DataError(
                 f"the data's {len(prompts)} prompts gave only {got} generated tokens, fewer than the "
                 f"{opts.generated_tokens} asked for",
                 hint="lower --gen-share or --tokens, or raise --gen-tokens",
             )
-        parts.append(gen)
+    shortlist = None
+    topk = get_signal(opts.signal).needs_candidates
+    if topk and opts.candidates == "shortlist":
+        shortlist = frequency_shortlist(
+            _calibration_tokens(chunks, conts, opts.holdout), opts.shortlist, dims.vocab_size
+        )
+    source = make_source(opts.candidates if topk else "first-exit-topk", adapter.lm_head.weight, shortlist)
+    described = source.describe()
+    if shortlist is not None:  # how often a held-out token is one the shortlist can predict at all
+        held_ids = _calibration_tokens(chunks, conts, opts.holdout, held=True)
+        inside = torch.isin(held_ids, shortlist)
+        described["heldout_hit_rate"] = float(inside.float().mean()) if held_ids.numel() else None
+    scorer = ExitScorer(adapter, opts.exits, opts.signal, opts.top_k, heads, source)
+    # other candidate sources scored on the same states: a comparison for the report (fitted, never exported)
+    others = [o for o in (opts.compare if topk else []) if o != opts.candidates]
+    scorers = [scorer] + [
+        ExitScorer(
+            adapter, opts.exits, opts.signal, opts.top_k, heads, make_source(o, adapter.lm_head.weight, shortlist)
+        )
+        for o in others
+    ]
+    pairs = topk and opts.options
+    parts: list[list[Measurements]] = [[] for _ in scorers]
+    if chunks:
+        skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
+        for j, measured in enumerate(_measure_text_all(scorers, chunks, skip_first, on_tokens, pairs)):
+            if measured is not None:
+                parts[j].append(measured)
+    if conts:
+        for j, measured in enumerate(_measure_sequences_all(scorers, conts, opts.gen_batch, pairs)):
+            assert measured is not None
+            parts[j].append(measured)
     chat = not opts.raw and bool(getattr(tok, "chat_template", None))
-    return Collected(Measurements.concat(parts), prompts_used, chat, time.perf_counter() - start)
+    return Collected(
+        Measurements.concat(parts[0]),
+        prompts_used,
+        chat,
+        time.perf_counter() - start,
+        described,
+        shortlist,
+        {o: Measurements.concat(p) for o, p in zip(others, parts[1:], strict=True)},
+    )
+
+
+def _calibration_tokens(
+    chunks: list[torch.Tensor], conts: list[Continuation], holdout: float, held: bool = False
+) -> torch.Tensor:
+    """The token ids of the calibration split (or, with `held`, of the held-out split): text chunks and
+    continuations."""
+    held_text = set(heldout_units(torch.arange(len(chunks)), holdout).tolist())
+    units = torch.unique(torch.tensor([c.unit for c in conts], dtype=torch.long))
+    held_gen = set(heldout_units(units, holdout).tolist())
+    ids = [c[0] for u, c in enumerate(chunks) if (u in held_text) == held]
+    ids += [torch.tensor(c.generated, dtype=torch.long) for c in conts if (c.unit in held_gen) == held]
+    return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+
+
+MIN_JUDGE_TOKENS = 500  # held-out generated tokens needed to judge the menu on them alone
+
+
+def options_judge(meas: Measurements, holdout: float) -> torch.Tensor:
+    """The tokens the menu's coverage is measured on: the held-out GENERATED tokens when there are enough (what
+    `eectl run` decodes; teacher-forced text exits several times less often), else all held-out tokens, else all."""
+    held = meas.heldout_mask(holdout)
+    generated = held & (meas.source == SOURCES.index("generated"))
+    if int(generated.sum()) >= MIN_JUDGE_TOKENS:
+        return generated
+    return held if bool(held.any()) else ~held
+
+
+def fit_options(
+    meas: Measurements, target: float, confidence: float | None, holdout: float, max_subset: int = MAX_SUBSET
+) -> list[Option]:
+    """The menu for the cost model (plan.py): every subset of up to `max_subset` exits, fitted sequentially on the
+    calibration split at the fidelity target (kind "target", with `confidence`) and at each of verify's precisions
+    (kind "verify", point estimates: verify is lossless, its threshold only trades drafts for rollbacks), with the
+    coverage and precision per exit on `options_judge`'s tokens. Options where an exit never exits are left out
+    (a smaller subset without it is on the menu and is cheaper)."""
+    from itertools import combinations
+
+    held = meas.heldout_mask(holdout)
+    calib = ~held
+    judge = options_judge(meas, holdout)
+    fits: list[tuple[str, float, float | None]] = [("target", target, confidence)]
+    fits += [("verify", q, None) for q in VERIFY_PRECISIONS]
+    out: list[Option] = []
+    for size in range(1, min(max_subset, len(meas.exits)) + 1):
+        for subset in combinations(meas.exits, size):
+            sub = meas.restrict(subset)
+            for kind, q, level in fits:
+                thresholds = fit_thresholds(sub.values, sub.correct, q, level, calib)
+                if any(all(math.isinf(v) for v in t.values()) for t in thresholds):
+                    continue
+                per_exit, overall = evaluate(sub, thresholds, judge)
+                out.append(
+                    Option(
+                        exits=list(subset),
+                        kind=kind,
+                        target=q,
+                        confidence=level,
+                        per_exit=[
+                            ExitOption(layer=layer, thresholds=t, coverage=st.coverage, precision=st.precision)
+                            for layer, t, st in zip(subset, thresholds, per_exit, strict=True)
+                        ],
+                        agreement=overall.agreement,
+                    )
+                )
+    return out
 
 
 def summarise(
@@ -540,8 +872,8 @@ def summarise(
     if signal.needs_candidates and result.exits[0].calibration.exited == 0 and len(result.exits) > 1:
         first = result.exits[0]
         first.note = (first.note or "never exits") + (
-            "; the runner still picks the candidates here (a full LM-head projection): drop this exit "
-            "from --exits and recalibrate to save that"
+            "; the candidate source still runs here when it is the first active exit (export's cost model "
+            "leaves it out unless it pays)"
         )
     wall = collected.wall_s + time.perf_counter() - start
     held = meas.heldout_mask(opts.holdout)
@@ -576,6 +908,17 @@ def summarise(
         criteria=list(signal.criteria),
         top_k=opts.top_k if signal.needs_candidates else None,
         candidates_layer=opts.exits[0] if signal.needs_candidates else None,
+        candidates=CandidatesInfo(
+            name=str(collected.candidates["name"]),
+            size=None if collected.shortlist is None else int(collected.shortlist.numel()),
+            heldout_hit_rate=collected.candidates.get("heldout_hit_rate"),
+            ids=None if collected.shortlist is None else [int(i) for i in collected.shortlist],
+        )
+        if signal.needs_candidates
+        else None,
+        options=fit_options(meas, opts.target, opts.confidence, opts.holdout) if opts.options else [],
+        options_judged_on=int(options_judge(meas, opts.holdout).sum()) if opts.options else 0,
+        compared={name: _compared(m, opts, heads) for name, m in collected.compared.items()},
         target=opts.target,
         confidence=opts.confidence,
         heads=None
@@ -589,6 +932,12 @@ def summarise(
         wall_s=wall,
         seconds_per_10k_tokens=wall / max(1, meas.n) * 10_000,
     )
+
+
+def _compared(meas: Measurements, opts: CalibrateOptions, heads: dict[int, nn.Module] | None) -> ComparedSource:
+    result = fit(meas, opts.target, opts.confidence, opts.holdout, sorted(heads or {}))
+    options = fit_options(meas, opts.target, opts.confidence, opts.holdout) if opts.options else []
+    return ComparedSource(exits=result.exits, calibration=result.calibration, heldout=result.heldout, options=options)
 
 
 def calibrate_model(

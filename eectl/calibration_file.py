@@ -19,6 +19,7 @@ from eectl import __version__
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import SIGNALS
 from eectl.files import atomic_write_json, read_utf8, strict_json
+from eectl.plan import Option
 from eectl.recipe import check_exit_layers
 
 SCHEMA_VERSION = 1
@@ -111,6 +112,24 @@ class HeadsInfo(_Model):
     layers: list[int]
 
 
+class CandidatesInfo(_Model):
+    """The candidate source of signals that score candidates (exits.py): export builds its graph from this."""
+
+    name: str  # first-exit-topk | shortlist | int8
+    size: int | None = None  # shortlist rows
+    heldout_hit_rate: float | None = None  # share of held-out tokens (text and generated) inside the shortlist
+    ids: list[int] | None = None  # the shortlist's token ids, most frequent first
+
+
+class ComparedSource(_Model):
+    """Another candidate source measured on the same tokens, fitted the same way (a comparison; not exported)."""
+
+    exits: list[ExitResult]
+    calibration: OverallStats
+    heldout: OverallStats | None
+    options: list[Option] = Field(default_factory=list)
+
+
 class Calibration(_Model):
     schema_version: int = SCHEMA_VERSION
     eectl_version: str = __version__
@@ -120,6 +139,7 @@ class Calibration(_Model):
     criteria: list[str]  # every one must be >= its threshold for a token to exit
     top_k: int | None  # local vocabulary size (signals that score candidates)
     candidates_layer: int | None  # where the candidates are picked: the first exit (signals that score candidates)
+    candidates: CandidatesInfo | None = None  # how they are picked (None: the full LM head's Top-K)
     target: float = Field(gt=0.0, le=1.0)
     confidence: float | None
     heads: HeadsInfo | None = None
@@ -127,6 +147,9 @@ class Calibration(_Model):
     calibration: OverallStats
     heldout: OverallStats | None
     heldout_by_source: dict[str, OverallStats] = Field(default_factory=dict)
+    options: list[Option] = Field(default_factory=list)  # the cost model's menu (calibrate.fit_options)
+    options_judged_on: int = 0  # tokens the menu's coverage was measured on (calibrate.options_judge)
+    compared: dict[str, ComparedSource] = Field(default_factory=dict)  # --compare: other candidate sources
     threads: int = 0
     wall_s: float = 0.0
     seconds_per_10k_tokens: float = 0.0

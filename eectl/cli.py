@@ -267,8 +267,20 @@ def calibrate(
     top_k: Annotated[int | None, typer.Option(help="Local vocabulary size of the topk-* signals.")] = None,
     heads: Annotated[Path | None, typer.Option(help="Trained exit heads (heads.safetensors): exits use them.")] = None,
     confidence: Annotated[
-        float | None, typer.Option(help="Require the Clopper-Pearson lower bound at this level to reach --target.")
-    ] = None,
+        float,
+        typer.Option(
+            help="Require the Clopper-Pearson lower bound at this level to reach --target (0: point estimate)."
+        ),
+    ] = 0.95,
+    candidates: Annotated[
+        str, typer.Option(help="Candidate source at the first exit: shortlist, int8 or first-exit-topk.")
+    ] = "shortlist",
+    shortlist: Annotated[
+        int, typer.Option(help="Rows of the frequency-ranked shortlist (--candidates shortlist).")
+    ] = 4096,
+    compare: Annotated[
+        str, typer.Option(help="Other candidate sources to measure on the same tokens, e.g. int8,full (report).")
+    ] = "",
     holdout: Annotated[float, typer.Option(help="Share of chunks and prompts held out to check the thresholds.")] = 0.2,
     gen_share: Annotated[
         float, typer.Option(help="Share of the tokens taken from the model's own greedy continuations of prompts.")
@@ -298,7 +310,10 @@ def calibrate(
         target=pick(target, r.target),
         top_k=pick(top_k, r.top_k),
         tokens=pick(tokens, r.data.tokens),
-        confidence=confidence,
+        confidence=None if confidence == 0 else confidence,
+        candidates=candidates,
+        shortlist=shortlist,
+        compare=[c.strip() for c in compare.split(",") if c.strip()],
         holdout=holdout,
         gen_share=gen_share,
         gen_tokens=gen_tokens,
@@ -382,6 +397,18 @@ def _print_calibration(out: Output, result: object, path: Path) -> None:
         f"{d.gen_tokens_per_prompt}); {result.wall_s:.1f}s on "
         f"{result.threads} threads ({result.seconds_per_10k_tokens:.1f}s per 10,000 tokens)"
     )
+    cand = result.candidates
+    if cand is not None:
+        size = f" ({cand.size} rows" if cand.size else ""
+        hit = f", {cand.heldout_hit_rate:.1%} of held-out tokens inside)" if cand.heldout_hit_rate is not None else ""
+        out.line(f"candidates: {cand.name}{size}{hit or (')' if size else '')}; {len(result.options)} menu options")
+    for name, comp in result.compared.items():
+        held = comp.heldout or comp.calibration
+        out.line(
+            f"compared, candidates {name}: held-out exit rate {held.exit_rate:.1%}, agreement "
+            f"{num(held.precision)} among them, mean executed layers {held.mean_layers:.2f} "
+            f"({len(comp.options)} menu options)"
+        )
     for x in result.exits:
         if x.note:
             out.line(f"exit {x.layer}: {x.note}")
@@ -410,11 +437,20 @@ def train_heads(
     out_path: Annotated[
         Path | None, typer.Option("--out", help="heads .safetensors (default artifacts/<model>-heads.safetensors).")
     ] = None,
+    cache: Annotated[
+        Path | None, typer.Option(help="State cache folder: the base runs once into it, heads train from it.")
+    ] = None,
+    tokens: Annotated[int | None, typer.Option(help="With --cache: training tokens (recipe: 16384).")] = None,
+    gen_share: Annotated[float | None, typer.Option(help="With --cache: share of generated tokens (0.25).")] = None,
+    loss: Annotated[str | None, typer.Option(help="With --cache: topk (teacher top-k + tail) or exact.")] = None,
+    block_init: Annotated[str, typer.Option(help="block design: last, next or identity.")] = "last",
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Light exit heads trained against the frozen model's own final layer (KL), reported before and after."""
+    import time
+
     from eectl.data import load_text_data
     from eectl.head_checkpoint import check_checkpoint
     from eectl.heads import TrainConfig, resolve_device
@@ -423,6 +459,31 @@ def train_heads(
 
     out = Output(json_out)
     r = load_recipe(recipe)
+    cache_dir = cache or (Path(r.heads.cache) if r.heads.cache else None)
+    if cache_dir is not None or pick(design, r.heads.design) == "block":
+        _train_heads_cached(
+            out,
+            r,
+            model,
+            data,
+            field,
+            exits,
+            design,
+            rank,
+            lr,
+            seed,
+            save_every,
+            resume,
+            out_path,
+            cache_dir,
+            tokens,
+            gen_share,
+            loss,
+            block_init,
+            pick(eval_tokens, r.heads.eval_tokens),
+            threads,
+        )
+        return
     config = TrainConfig(
         exits=pick(parse_layers(exits), r.exits or []),
         design=pick(design, r.heads.design),
@@ -458,15 +519,113 @@ def train_heads(
         f"{config.batch_tokens} tokens of {text.name}, {device}, {n_threads} threads"
     )
     with out.progress("train-heads", total=config.steps) as bar:
-        shown = [0]  # a resumed run starts the bar at its checkpoint's step
+        shown: list[int] = []  # a resumed run starts the bar at its checkpoint's step
+        t0 = time.perf_counter()
 
         def on_step(step: int, kl: dict[int, float]) -> None:
-            bar.advance(step - shown[0], info="KL " + " ".join(f"{layer}:{v:.2f}" for layer, v in kl.items()))
-            shown[0] = step
+            if not shown:
+                shown.append(step - 1)
+            rate = (step - shown[0]) * config.batch_tokens / max(time.perf_counter() - t0, 1e-9)
+            info = f"{rate:.0f} tokens/s, KL " + " ".join(f"{layer}:{v:.2f}" for layer, v in kl.items())
+            bar.advance(step - shown[-1], info=info)
+            shown.append(step)
 
         result = train(loaded, text, config, path, resume, on_step=on_step, log=out.log)
     if not result.main:
         return
+    out.json(result.to_dict())
+    _print_heads(out, result)
+
+
+def _train_heads_cached(
+    out: Output,
+    r: Recipe,
+    model: str | None,
+    data: str | None,
+    field: str | None,
+    exits: str | None,
+    design: str | None,
+    rank: int | None,
+    lr: float | None,
+    seed: int,
+    save_every: int,
+    resume: Path | None,
+    out_path: Path | None,
+    cache_dir: Path | None,
+    tokens: int | None,
+    gen_share: float | None,
+    loss: str | None,
+    block_init: str,
+    eval_tokens: int,
+    threads: int | None,
+) -> None:
+    """train-heads from a state cache: build (or reuse, or extend) it, then train from it with progress and ETA."""
+    import time
+
+    from eectl.data import load_text_data
+    from eectl.head_data import CacheSpec, build_cache
+    from eectl.heads_cached import CachedConfig, train_cached
+    from eectl.models import load_model
+
+    n_threads = _threads(threads, r)
+    text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
+    loaded = load_model(pick(model, r.model), log=out)
+    layers = pick(parse_layers(exits), r.exits or []) or default_exits(loaded.adapter.num_layers)
+    n = pick(tokens, r.heads.tokens)
+    share = pick(gen_share, r.heads.gen_share)
+    n_gen = round(n * share)
+    spec = CacheSpec(
+        layers=layers,
+        text_tokens=n - n_gen,
+        gen_tokens=n_gen,
+        eval_text_tokens=eval_tokens,
+        eval_gen_tokens=round(eval_tokens * share),
+    )
+    folder = cache_dir or Path("artifacts") / f"{loaded.source.name}-states"
+    total = spec.text_tokens + spec.gen_tokens + spec.eval_text_tokens + spec.eval_gen_tokens
+    with out.progress("base states", total=total) as bar:
+        start = time.perf_counter()
+        done = [0]
+
+        def on_tokens(k: int) -> None:
+            done[0] += k
+            bar.advance(k, info=f"{done[0] / max(time.perf_counter() - start, 1e-9):.0f} tokens/s")
+
+        state_cache = build_cache(loaded, text, spec, folder, on_tokens, out.log)
+    batch = 256
+    config = CachedConfig(
+        exits=layers,
+        design=pick(design, r.heads.design),
+        rank=pick(rank, r.heads.rank),
+        block_init=block_init,
+        steps=max(1, n // batch),
+        lr=pick(lr, r.heads.lr),
+        batch_tokens=batch,
+        seed=seed,
+        loss=pick(loss, r.heads.loss),
+        save_every=save_every,
+        eval_tokens=eval_tokens,
+        top_k=r.top_k,
+        target=r.target,
+    )
+    path = out_path or Path("artifacts") / f"{loaded.source.name}-heads.safetensors"
+    out.log(
+        f"training {config.design} heads at exits {layers}: {config.steps} steps of {batch} tokens from {folder} "
+        f"({config.loss} loss), {n_threads} threads"
+    )
+    with out.progress("train-heads", total=config.steps) as bar:
+        shown: list[int] = []  # steps seen (a resumed run starts at its checkpoint's step)
+        t0 = time.perf_counter()
+
+        def on_step(step: int, seen: int, kl: dict[int, float]) -> None:
+            if not shown:
+                shown.append(step - 1)
+            rate = (step - shown[0]) * batch / max(time.perf_counter() - t0, 1e-9)
+            info = f"{rate:.0f} tokens/s, KL " + " ".join(f"{k}:{v:.2f}" for k, v in kl.items())
+            bar.advance(step - shown[-1], info=info)
+            shown.append(step)
+
+        result = train_cached(loaded, state_cache, config, path, resume, on_step, out.log)
     out.json(result.to_dict())
     _print_heads(out, result)
 
@@ -524,6 +683,10 @@ def export(
     heads: Annotated[Path | None, typer.Option(help="heads.safetensors from eectl train-heads.")] = None,
     dtype: Annotated[str, typer.Option(help="fp32, or fp16 for GPU deployment.")] = "fp32",
     top_k: Annotated[int | None, typer.Option("--top-k", help="Default local vocabulary size.")] = None,
+    candidates: Annotated[
+        str | None,
+        typer.Option(help="Candidate source: shortlist, int8, first-exit-topk (default: the calibration's)."),
+    ] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing artifact.")] = False,
     weights: Annotated[str, typer.Option(help="fp32, or int4: weight-only MatMulNBits segment graphs.")] = "fp32",
     river: Annotated[bool, typer.Option(help="Add int4 copies of the segments after the first exit.")] = False,
@@ -572,6 +735,7 @@ def export(
         weights=weights,
         int4=int4,
         river=river,
+        candidates=candidates,
     )
     check_options(options, folder)
     n_threads = _threads(threads, r)
@@ -607,6 +771,8 @@ def export(
         f"artifact: {folder} ({summary['size_mb']} MB, {len(manifest.segments)} segments, "
         f"exported and validated in {v.get('export_seconds')} s, peak RSS {v.get('peak_rss_mb')} MB)"
     )
+    if manifest.plan is not None:
+        out_.line(manifest.plan.summary())
 
 
 @command()
@@ -619,7 +785,7 @@ def run(
     exits: Annotated[str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.")] = None,
     policy: Annotated[
         str | None,
-        typer.Option(help="KV of skipped layers: defer (default), copy, verify (lossless), ... (policies.py)."),
+        typer.Option(help="KV of skipped layers: defer, copy, verify (lossless), ...; default: the artifact's plan."),
     ] = None,
     river_predict: Annotated[
         str, typer.Option(help="river: the token from the river's end (final head) or from the exit.")
@@ -639,6 +805,9 @@ def run(
     batch_size: Annotated[int, typer.Option(help="Prompts per batch (each row decides its own exits).")] = 1,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
     raw: Annotated[bool, typer.Option(help="Send the prompt as is (no chat template).")] = False,
+    profile_costs: Annotated[
+        bool, typer.Option(help="Re-measure the graph costs on this machine and re-plan the exits first.")
+    ] = False,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -669,6 +838,7 @@ def run(
         raw=raw,
         provider=provider,
         threads=n_threads,
+        profile_costs=profile_costs,
     )
     shown: dict[int, int] = {}
 
@@ -693,6 +863,8 @@ def run(
             "signal": config.signal,
             "exits": config.exits,
             "thresholds": {str(k): v for k, v in config.thresholds.items()},
+            "plan": config.note,
+            "costs": None if rt.manifest.costs is None else rt.manifest.costs.model_dump(),
             "results": [rep.to_dict() for rep in reports],
         }
     )
@@ -717,6 +889,9 @@ def bench(
         str | None, typer.Option(help="Prompts: .jsonl (GSM8K question/answer...), text, or built-in.")
     ] = None,
     prompts: Annotated[int | None, typer.Option(help="Number of prompts (default 10).")] = None,
+    offset: Annotated[
+        int, typer.Option(help="Skip this many of the data's prompts (keep bench prompts out of calibration's).")
+    ] = 0,
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per prompt (default 64).")] = None,
     policies: Annotated[str | None, typer.Option(help="hf, full and KV policy names (default: all of them).")] = None,
     reps: Annotated[int | None, typer.Option(help="Interleaved repetitions after the warm-up (default 3).")] = None,
@@ -736,6 +911,9 @@ def bench(
     batch_size: Annotated[
         int, typer.Option(help="Prompts per batch for eectl configurations (throughput next to per-row latency).")
     ] = 1,
+    profile_costs: Annotated[
+        bool, typer.Option(help="Re-measure the graph costs on this machine and re-plan the exits first.")
+    ] = False,
     compare: Annotated[
         str | None, typer.Option(help="Other artifacts at full depth, as configurations: int4=PATH[,NAME=PATH].")
     ] = None,
@@ -766,8 +944,11 @@ def bench(
         scales = [float(x) for x in (sweep.split(",") if sweep is not None else r.bench.sweep) if str(x).strip()]
     except ValueError:
         raise UsageError(f"--sweep must be comma-separated numbers, got '{sweep}'") from None
-    n = min(pick(prompts, r.bench.prompts), len(text.prompts))
-    answers = gsm8k_answers(text.texts[:n])
+    if offset < 0 or offset >= len(text.prompts):
+        raise UsageError(f"--offset must be in 0..{len(text.prompts) - 1}, got {offset}")
+    n = min(pick(prompts, r.bench.prompts), len(text.prompts) - offset)
+    window = slice(offset, offset + n)
+    answers = gsm8k_answers(text.texts[window])
     ppl_tokens = pick(ppl_tokens, r.bench.ppl_tokens)
     heldout = heldout_texts(text.texts) if ppl_tokens > 0 else None
     pairs = [c.split("=", 1) for c in (compare or "").split(",") if c.strip()]
@@ -791,9 +972,10 @@ def bench(
         threads=n_threads,
         raw=raw,
         batch_size=batch_size,
+        profile_costs=profile_costs,
     )
     with out.progress("bench", total=bench_units(opts, n)) as bar:
-        result = run_bench(artifact, text.prompts[:n], opts, heldout, answers, log=out, progress=bar.advance)
+        result = run_bench(artifact, text.prompts[window], opts, heldout, answers, log=out, progress=bar.advance)
     files = write_report(result, report) if report is not None else []
     out.json({**result.to_dict(), "report": [str(f) for f in files]})
     if not out.json_mode:

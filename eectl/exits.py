@@ -70,13 +70,13 @@ class ExitHead(nn.Module):
         x = hidden if self.head is None else self.head(hidden)
         return self.norm(x)
 
-    def _cap(self, logits: torch.Tensor) -> torch.Tensor:
+    def cap(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
 
     def full(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] logits."""
         logits = F.linear(self.normed(hidden), self.lm_head_weight, self.lm_head_bias)
-        return self._cap(logits)
+        return self.cap(logits)
 
     def local(self, hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """[N, H], candidate ids [N, K] -> [N, K] logits of just those rows of the LM head."""
@@ -84,7 +84,7 @@ class ExitHead(nn.Module):
         logits = torch.einsum("nh,nkh->nk", self.normed(hidden), rows)
         if self.lm_head_bias is not None:
             logits = logits + self.lm_head_bias[candidates]
-        return self._cap(logits)
+        return self.cap(logits)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.full(hidden)
@@ -155,6 +155,12 @@ class ExitLogits(Protocol):
         """[N, K] logits of the candidate rows only."""
         ...
 
+    def candidates(
+        self, source: CandidateSource, layer: int, hidden: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A candidate source's K candidates and their exact logits [N, K] (its torch code, or its exit graph)."""
+        ...
+
 
 class TorchExitLogits:
     """ExitLogits from ExitHead modules (exit layer -> head). The last full projection is kept, so a caller that
@@ -179,16 +185,35 @@ class TorchExitLogits:
     def local(self, layer: int, hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         return self.heads[layer].local(hidden, candidates)
 
+    def candidates(
+        self, source: CandidateSource, layer: int, hidden: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return source.torch_pick(self.heads[layer], hidden, k)
+
 
 class CandidateSource:
-    """Picks a token's K candidates (its local vocabulary) at the first exit it reaches."""
+    """Picks a token's K candidates (its local vocabulary) at the first exit it reaches.
+
+    A source with its own computation (a shortlist, an int8 head) defines it once in torch (`torch_pick`, on the
+    exit's ExitHead: calibrate) and export builds the same computation as the exit's candidate graph (the runner);
+    the backend chooses (`ExitLogits.candidates`). Sources that carry data (the shortlist's ids, the int8 weights)
+    are instances made per model by `make_source`; the registry holds their names."""
+
+    # rows of a batch may be picked in one call, each row's candidates those it gets alone (the runner's batches)
+    batch_rows: bool = True
 
     name = ""
 
     def pick(
         self, logits: ExitLogits, layer: int, state: ExitState, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [N, K], their logits at this exit [N, K]
+        return logits.candidates(self, layer, state.hidden, k)
+
+    def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name}
 
 
 class FirstExitTopK(CandidateSource):
@@ -199,9 +224,123 @@ class FirstExitTopK(CandidateSource):
     def pick(self, logits: ExitLogits, layer: int, state: ExitState, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return logits.full_topk(layer, state.hidden, k)
 
+    def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        top = torch.topk(head.full(hidden), k, dim=-1)
+        return top.indices, top.values
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Candidate sources: how the first active exit picks the token's K-candidate local vocabulary
+# ---------------------------------------------------------------------------------------------------------------
+#
+# The full LM head is V x H (49,152 x 576 on the default model: ~7 decoder layers of memory traffic per token), so
+# projecting it once per token at the first exit costs more than most exits save. A candidate source picks the K
+# candidates for less; the K candidate logits are always the exact rows of the LM head (what later exits score
+# too), and a token that reaches the final layer still gets the exact full LM head (runtime/).
+#
+# - first-exit-topk: the full LM head, Top-K (FlexEE; the exact reference).
+# - shortlist: only S rows of the LM head, the S most frequent tokens of the calibration data and of the model's
+#              own greedy generations (FR-Spec, VocabTrim); Top-K among them. A token whose final prediction is
+#              outside the shortlist cannot exit (its exits predict a shortlist token, which disagrees).
+# - int8:      the whole vocabulary ranked by an int8 copy of the LM head (symmetric per-row weights, the input
+#              dynamically quantized to uint8 as ONNX DynamicQuantizeLinear does; ORT's MatMulInteger), then the K
+#              best rows rescored in full precision.
+#
+# Each is one torch class here (calibrate runs it) and one exit graph in export.py (the runner runs it), built
+# from the same tensors (`shortlist ids`, `quantize_rows_int8`).
+
+DEFAULT_SHORTLIST = 4096  # rows of the shortlist (clamped to the vocabulary)
+
+
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[V, H] float -> (int8 [V, H], scale float32 [V]): symmetric per row, q = round(w / s), s = max|w| / 127."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dynamic_quantize_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ONNX DynamicQuantizeLinear applied to each row of x [N, H]: (uint8 values as float, scale [N], zero point [N]).
+
+    scale = (max(0, max x) - min(0, min x)) / 255, zero point = saturate(round(-min / scale)),
+    q = saturate(round(x / scale) + zero point); round half to even, as ORT does. The runner quantizes one token
+    (one row) at a time, so per row here equals ORT's per tensor there.
+    """
+    x = x.float()
+    lo = torch.clamp(x.amin(dim=1), max=0.0)
+    hi = torch.clamp(x.amax(dim=1), min=0.0)
+    scale = (hi - lo) / 255.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zp = torch.clamp(torch.round(-lo / scale), 0, 255)
+    q = torch.clamp(torch.round(x / scale[:, None]) + zp[:, None], 0, 255)
+    return q, scale, zp
+
+
+def int8_scores(normed: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
+    """[N, H] -> [N, V] approximate logits: (q(x) - zp) @ qweight.T * (x_scale * w_scale), the integer product exact.
+
+    The integer dot products are summed in float32 over halves of H (each partial sum stays below 2^24, so it is
+    exact whatever the summation order) and the halves added in float64: the same integers MatMulInteger computes.
+    """
+    q, xscale, zp = dynamic_quantize_uint8(normed)
+    a = q - zp[:, None]  # [N, H] integers in [-255, 255]
+    w = qweight.float()
+    h = a.shape[1]
+    acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float64)
+    step = max(1, (1 << 24) // (255 * 127))  # terms per exact float32 partial sum
+    for lo in range(0, h, step):
+        acc += (a[:, lo : lo + step] @ w[:, lo : lo + step].T).double()
+    return acc.float() * (xscale[:, None] * wscale[None, :])
+
+
+class Shortlist(CandidateSource):
+    """The S most frequent tokens (ids best first); Top-K among their exact logits."""
+
+    name = "shortlist"
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids.long()
+
+    def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = head.lm_head_weight[self.ids]  # [S, H]
+        logits = F.linear(head.normed(hidden), rows, None if head.lm_head_bias is None else head.lm_head_bias[self.ids])
+        top = torch.topk(head.cap(logits), min(k, self.ids.numel()), dim=-1)
+        return self.ids[top.indices], top.values
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "size": int(self.ids.numel())}
+
+
+class Int8Ranking(CandidateSource):
+    """The whole vocabulary ranked by the int8 LM head; the K best rescored with the exact rows."""
+
+    name = "int8"
+    batch_rows = False  # DynamicQuantizeLinear scales the whole input: rows picked together would share a scale
+
+    def __init__(self, lm_head_weight: torch.Tensor | None) -> None:
+        empty = (torch.zeros(0, 0, dtype=torch.int8), torch.zeros(0))
+        self.qweight, self.scale = empty if lm_head_weight is None else quantize_rows_int8(lm_head_weight)
+
+    def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        approx = int8_scores(head.normed(hidden), self.qweight, self.scale)
+        cand = torch.topk(approx, k, dim=-1).indices
+        return cand, head.local(hidden, cand)
+
+
+def frequency_shortlist(token_ids: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent ids in `token_ids` (ties: the lower id first), topped up with the lowest unseen
+    ids when fewer distinct ids occur. [size] long, most frequent first."""
+    size = min(size, vocab_size)
+    counts = torch.bincount(token_ids.flatten().long(), minlength=vocab_size)[:vocab_size]
+    # a stable sort on -count keeps ascending ids among equal counts
+    order = torch.sort(-counts, stable=True).indices
+    return order[:size].clone()
+
 
 CANDIDATE_SOURCES: dict[str, CandidateSource] = {}
-DEFAULT_CANDIDATES = FirstExitTopK.name
+DEFAULT_CANDIDATES = Shortlist.name
 
 
 def register_candidates(source: CandidateSource) -> CandidateSource:
@@ -210,6 +349,21 @@ def register_candidates(source: CandidateSource) -> CandidateSource:
 
 
 register_candidates(FirstExitTopK())
+register_candidates(Shortlist(torch.zeros(0, dtype=torch.long)))  # a name: make_source fills in the ids
+register_candidates(Int8Ranking(None))  # a name: make_source quantizes the model's head
+
+
+def make_source(name: str, head_weight: torch.Tensor, shortlist: torch.Tensor | None = None) -> CandidateSource:
+    """The named source for one model: a shortlist with its ids, an int8 ranking with the model's head quantized."""
+    if name == FirstExitTopK.name:
+        return CANDIDATE_SOURCES[name]
+    if name == Shortlist.name:
+        if shortlist is None:
+            raise UsageError("the shortlist candidate source needs its token ids (a calibration made with it)")
+        return Shortlist(shortlist)
+    if name == Int8Ranking.name:
+        return Int8Ranking(head_weight)
+    raise UsageError(f"--candidates must be one of {', '.join(CANDIDATE_SOURCES)}, got '{name}'")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -350,12 +504,16 @@ class ExitScoring:
     exit picked for the later ones (the one place the "Top-K at the first exit, local rows after" rule lives)."""
 
     def __init__(
-        self, signal: Signal, logits: ExitLogits, top_k: int = DEFAULT_TOP_K, source: str = DEFAULT_CANDIDATES
+        self,
+        signal: Signal,
+        logits: ExitLogits,
+        top_k: int = DEFAULT_TOP_K,
+        source: str | CandidateSource = FirstExitTopK.name,
     ) -> None:
         self.signal = signal
         self.logits = logits
         self.top_k = top_k
-        self.source = CANDIDATE_SOURCES[source]
+        self.source = CANDIDATE_SOURCES[source] if isinstance(source, str) else source
         self.candidates: torch.Tensor | None = None  # [N, K], once the first exit picked them
 
     def local_logits(self, layer: int, state: ExitState) -> tuple[torch.Tensor, torch.Tensor]:

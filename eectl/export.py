@@ -43,7 +43,7 @@ from onnx.external_data_helper import set_external_data
 from eectl import __version__
 from eectl.calibration_file import Calibration
 from eectl.errors import ArtifactError, UsageError
-from eectl.exits import DEFAULT_TOP_K, ExitHead
+from eectl.exits import DEFAULT_TOP_K, CandidateSource, ExitHead, FirstExitTopK, Int8Ranking, Shortlist, make_source
 from eectl.files import STAGING_MARKER, locked_staging, output_error, sha256_file
 from eectl.heads_meta import HeadsMeta
 from eectl.manifest import (
@@ -469,6 +469,78 @@ def save_graph(model: onnx.ModelProto, io: GraphIO, folder: Path) -> GraphIO:
     return io.model_copy(update={"data": data})
 
 
+def build_candidates(
+    adapter: Adapter, layer: int, dtype: str, source: CandidateSource, head: torch.nn.Module | None = None
+) -> tuple[onnx.ModelProto, GraphIO]:
+    """The candidate source at exit `layer` as a graph: hidden [N, H] -> K candidates [N, K] and their exact logits.
+
+        hidden -> (head) -> final norm -+- shortlist: MatMul [H, S] rows -> TopK -> Gather shortlist ids
+                                        +- int8: DynamicQuantizeLinear -> MatMulInteger [H, V] int8 -> scales -> TopK
+                                                 -> Gather the K exact rows of lm_head_weight -> exact logits
+
+    The same tensors as the torch source (exits.py): the shortlist's ids and rows, `quantize_rows_int8`'s weights.
+    Weights are initializers so ONNX Runtime can prepack them. DynamicQuantizeLinear quantizes per tensor: the
+    runner passes one token (N = 1), where that is per row, as calibrate computes it.
+    """
+    dims = adapter.dims
+    b = _Builder(dtype)
+    hidden = b.input("hidden_states", None, ["n", dims.hidden_size])
+    b.input("top_k", TensorProto.INT64, [1])
+    norm_w, eps = adapter.final_norm_weight()
+    x = _head_prefix(b, hidden, head, dims.hidden_size, f"exit_{layer}.head")
+    normed = _rms(b, x, norm_w, eps, "final_norm")
+    softcap = getattr(adapter.config, "final_logit_softcapping", None)
+    bias = getattr(adapter.lm_head, "bias", None)
+    weight_t = adapter.lm_head.weight.detach()
+
+    def cap(t: str) -> str:
+        if not softcap:
+            return t
+        c = b.const(b.fresh("softcap"), np.array(softcap, np.float32))
+        return b.op("Mul", [b.op("Tanh", [b.op("Div", [t, c])]), c])
+
+    inputs: dict[str, str | list[str]] = {"hidden": "hidden_states", "top_k": "top_k"}
+    if isinstance(source, Shortlist):
+        ids = source.ids
+        logits = b.op("MatMul", [normed, b.const("shortlist_rows", weight_t[ids].T.contiguous())])  # [N, S]
+        if bias is not None:
+            logits = b.op("Add", [logits, b.const("shortlist_bias", bias.detach()[ids])])
+        values, idx = b.op("TopK", [cap(logits), "top_k"], 2, axis=-1, largest=1, sorted=1)
+        cand = b.op("Gather", [b.const("shortlist_ids", ids.numpy().astype(np.int64), False), idx], axis=0)
+        cand_logits = values
+    elif isinstance(source, Int8Ranking):
+        x32 = normed if b.elem == TensorProto.FLOAT else b.op("Cast", [normed], to=TensorProto.FLOAT)
+        xq, xs, xzp = b.op("DynamicQuantizeLinear", [x32], 3)
+        wq = b.const("lm_head_int8", source.qweight.T.contiguous().numpy(), False)  # [H, V] int8
+        acc = b.op("MatMulInteger", [xq, wq, xzp])  # [N, V] int32, exact
+        approx = b.op(
+            "Mul",
+            [
+                b.op("Mul", [b.op("Cast", [acc], to=TensorProto.FLOAT), xs]),
+                b.const("lm_head_int8_scale", source.scale.numpy().astype(np.float32), False),
+            ],
+        )
+        _, cand = b.op("TopK", [approx, "top_k"], 2, axis=-1, largest=1, sorted=1)
+        weight = b.input("lm_head_weight", None, [dims.hidden_size, dims.vocab_size])  # stored [H, V]
+        inputs["weight"] = weight
+        cols = b.op("Transpose", [b.op("Gather", [weight, cand], axis=1)], perm=[1, 0, 2])  # [H, N, K] -> [N, H, K]
+        q = b.op("Unsqueeze", [normed, b.const("axis1", np.array([1], np.int64), False)])  # [N, 1, H]
+        exact = b.op("Squeeze", [b.op("MatMul", [q, cols]), "axis1"])
+        if bias is not None:
+            exact = b.op("Add", [exact, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
+        cand_logits = cap(exact)
+    else:
+        raise UsageError(f"no candidate graph for source '{source.name}' (the full source uses the full exit graph)")
+    b.output(cand, "candidates", TensorProto.INT64, ["n", "k"])
+    b.output(cand_logits, "candidate_logits", None, ["n", "k"])
+    io = GraphIO(
+        file=f"exit_{layer:03d}_{source.name}.onnx",
+        inputs=inputs,
+        outputs={"candidates": "candidates", "candidate_logits": "candidate_logits"},
+    )
+    return b.model(f"exit_{layer}_{source.name}"), io
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The stage
 # ---------------------------------------------------------------------------------------------------------------
@@ -482,6 +554,9 @@ class ExportOptions:
     max_positions: int | None = None  # rotary table length; default: the model's maximum
     force: bool = False
     validate: bool = True
+    candidates: str | None = None  # candidate source; None: the calibration's (full without one)
+    profile_costs: bool = True  # time every graph and write the costs and the plan into the manifest
+    cost_past: int = 128  # KV positions in the cache while timing (a prompt plus some generated tokens)
     weights: str = "fp32"  # fp32 or int4 (weight-only MatMulNBits segment graphs, quantize.py)
     int4: Int4Options = field(default_factory=Int4Options)  # settings for --weights int4 and --river
     river: bool = False  # add int4 copies of the segments after the first exit (the `river` policy)
@@ -584,6 +659,13 @@ def export_artifact(
                 manifest.validation = validate_artifact(loaded, tmp, heads, log=log)
                 if options.river:
                     manifest.validation["river"] = validate_artifact(loaded, tmp, heads, log=log, river=True)
+            write_manifest(manifest, tmp)
+            if options.profile_costs:
+                if log is not None:
+                    log.log("timing every graph at decode shape, then choosing exits by predicted speed")
+                profile_and_plan(manifest, tmp, options.cost_past)
+                if log is not None and manifest.plan is not None:
+                    log.log(manifest.plan.summary())
             manifest.validation["export_seconds"] = round(time.perf_counter() - started, 2)
             # the process's peak so far (model loading included): big models' export must fit in memory
             manifest.validation["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -593,6 +675,39 @@ def export_artifact(
         check_destination(out, options.force)  # and at the rename: something may have appeared meanwhile
         staging.publish(replace=lambda dest: options.force and not dest.is_symlink() and is_artifact(dest))
     return manifest
+
+
+def candidate_source(
+    adapter: Adapter, requested: str | None, calibration: Calibration | None
+) -> tuple[CandidateSource, dict[str, Any]]:
+    """The candidate source to build: the calibration's (so the thresholds mean what they were fitted for), or
+    an explicit one; a shortlist needs the calibration's token ids."""
+    cal = calibration.candidates if calibration is not None else None
+    name = requested or (cal.name if cal is not None else None) or FirstExitTopK.name
+    if requested is not None and cal is not None and cal.name != requested:
+        raise UsageError(
+            f"--candidates {requested} differs from the calibration's source '{cal.name}'",
+            hint="recalibrate with --candidates, or export without it",
+        )
+    ids = cal.ids if cal is not None else None
+    source = make_source(name, adapter.lm_head.weight, None if ids is None else torch.tensor(ids))
+    info: dict[str, Any] = {"name": name}
+    if isinstance(source, Shortlist):
+        info.update(size=int(source.ids.numel()), ids=[int(i) for i in source.ids])
+    return source, info
+
+
+def profile_and_plan(manifest: Manifest, folder: Path, past: int = 128) -> None:
+    """Measure the artifact's graph costs on its provider (costs.py) and choose exits by them (plan.py)."""
+    from eectl.costs import measure_costs
+    from eectl.plan import plan_manifest
+    from eectl.runtime.sessions import ArtifactRuntime
+
+    rt = ArtifactRuntime(folder, provider="auto", verify=False)
+    signal = manifest.calibration.signal if manifest.calibration is not None else "topk-prob"
+    manifest.costs = measure_costs(rt, past=past, signal=signal)
+    calibrated_menu = manifest.calibration is not None and bool(manifest.calibration.options)
+    manifest.plan = plan_manifest(manifest, manifest.costs) if calibrated_menu else None
 
 
 def _write_artifact(
@@ -648,9 +763,13 @@ def _write_artifact(
         graph = save(seg_model, seg_io, quantized)
         kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True), int4=quantized)
         segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph, river=river))
+    source, source_info = candidate_source(adapter, options.candidates, calibration)
     exit_points = []
     for layer in [*exits, L]:
         head = heads.get(layer)
+        cand_graph = None
+        if layer < L and source.name != FirstExitTopK.name:
+            cand_graph = save(*build_candidates(adapter, layer, options.dtype, source, head))
         full_model, full_io = build_exit(adapter, layer, options.dtype, local=False, head=head)
         river_head = None
         if layer == L and options.int4.lm_head != "fp32" and (quantized or options.river):
@@ -672,6 +791,7 @@ def _write_artifact(
                 layer=layer,
                 full=save(full_model, full_io),
                 local=save(*build_exit(adapter, layer, options.dtype, local=True, head=head)),
+                candidates=cand_graph,
                 river=river_head,
                 head=None if head is None else (heads_meta.design if heads_meta else type(head).__name__),
             )
@@ -707,6 +827,7 @@ def _write_artifact(
         ),
         kv_policies=[n for n, policy in POLICIES.items() if options.river or not policy.needs_river_copies],
         calibration=calibration,
+        candidate_source=source_info,
         quantization=None
         if not (quantized or options.river)
         else Quantization(**options.int4.record("segments" if quantized else "river")),
@@ -777,6 +898,14 @@ def validate_artifact(
     diffs = {e.layer: 0.0 for e in m.exits}
     local_diffs = {e.layer: 0.0 for e in m.exits}
     token_mismatch: dict[int, int] = {e.layer: 0 for e in m.exits}
+    info = m.candidate_source
+    source = make_source(
+        str(info.get("name", FirstExitTopK.name)),
+        adapter.lm_head.weight,
+        torch.tensor(info["ids"]) if info.get("ids") else None,
+    )
+    cand_checks = cand_mismatch = 0
+    cand_diff = 0.0
     kv = rt.new_kv(1, len(ids) + VALIDATION_DECODE_STEPS + 1)
     hidden = [rt.embed(np.array([c], dtype=np.int64)) for c in chunks]
     kv_diff = 0.0
@@ -784,6 +913,7 @@ def validate_artifact(
     for s_idx, seg in enumerate(m.segments):
         rt.load_segment(s_idx)
         layer = seg.layers[1]  # every segment ends at an exit
+        e = m.exit_at(layer)
         for t in range(len(chunks)):
             hidden[t], _ = rt.run_segment(s_idx, hidden[t], kv, row=0, river=river and s_idx > 0)
             ref_h = ref_states[t][layer]
@@ -795,6 +925,13 @@ def validate_artifact(
             ref_local = exit_heads[layer].local(ref_h, cand_t).float()
             got_local = torch.from_numpy(rt.exit_local(layer, hidden[t][0], cand)).float()
             local_diffs[layer] = max(local_diffs[layer], float((got_local - ref_local).abs().max()))
+            if e.candidates is not None:  # the candidate source at the last position, as the runner calls it
+                want_c, _ = source.torch_pick(exit_heads[layer], ref_h[-1:], m.top_k)
+                got_c, got_l = rt.exit_candidates(layer, hidden[t][0][-1:], m.top_k)
+                cand_checks += 1
+                cand_mismatch += int(set(want_c[0].tolist()) != set(got_c[0].tolist()))
+                exact = exit_heads[layer].local(ref_h[-1:], torch.from_numpy(got_c)).float()
+                cand_diff = max(cand_diff, float((torch.from_numpy(got_l).float() - exact).abs().max()))
         kv_diff = max(kv_diff, _validate_kv_graph(adapter, rt, s_idx, kv_ids))
         rt.release_segment(s_idx)
         kv.calls.clear()  # its bindings hold the released sessions
@@ -808,6 +945,10 @@ def validate_artifact(
         "max_abs_local_logit_diff": {str(k): v for k, v in local_diffs.items()},
         "greedy_token_mismatches": {str(k): v for k, v in token_mismatch.items()},
         "kv_graph_max_abs_diff": kv_diff,
+        "candidate_source": source.name,
+        "candidate_checks": cand_checks,
+        "candidate_set_mismatches": cand_mismatch,  # int8 ranking ties may flip the K-th candidate
+        "candidate_logit_max_abs_diff": cand_diff,
         "passed": True,
     }
     if m.quantization is not None and (river or m.quantization.scope == "segments"):
@@ -819,7 +960,7 @@ def validate_artifact(
         if log is not None:
             log.log(f"{result['graphs']} validation passed: greedy agreement {result['greedy_agreement'][str(L)]:.1%}")
         return result
-    worst = max(max(diffs.values()), max(local_diffs.values()), kv_diff)
+    worst = max(max(diffs.values()), max(local_diffs.values()), kv_diff, cand_diff)
     mismatches = sum(token_mismatch.values())
     strict_tokens = m.dtype == "fp32"
     if worst > tol or (strict_tokens and mismatches):
@@ -862,4 +1003,7 @@ def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
         "size_mb": round(size / 1e6, 1),
         "quantization": None if manifest.quantization is None else manifest.quantization.model_dump(),
         "validation": manifest.validation,
+        "candidate_source": {k: v for k, v in manifest.candidate_source.items() if k != "ids"},
+        "costs": None if manifest.costs is None else manifest.costs.model_dump(),
+        "plan": None if manifest.plan is None else manifest.plan.model_dump(),
     }

@@ -34,7 +34,9 @@ from eectl.heads_meta import FORMAT, HeadsMeta
 from eectl.models.adapters import Adapter
 from eectl.recipe import check_exit_layers
 
-DESIGNS = ("residual-linear", "low-rank", "mlp")
+DESIGNS = ("residual-linear", "low-rank", "mlp")  # per token
+SEQUENCE_DESIGNS = ("block",)  # read the exit's states of earlier positions (trained from a state cache)
+BLOCK_INITS = ("last", "next", "identity")
 DEFAULT_LOW_RANK = 64
 
 
@@ -82,6 +84,38 @@ class ResidualMLP(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.fc2(F.gelu(self.fc1(h)))
+
+
+class BlockHead(nn.Module):
+    """A decoder block of the model's own layer shape on the exit's hidden states (EE-LLM's block heads, Kangaroo's
+    adapter): attention + MLP over the sequence at that exit, then the frozen final norm + LM head.
+
+    Unlike the per-token designs it reads a SEQUENCE: `forward(h)` takes [S, H] (or [B, S, H]) states of positions
+    0..S-1 of one sequence. At run time its attention needs the keys and values of every earlier position at this
+    exit: every token passes the exit's layer, so the block runs for every token (its cost is a decoder layer per
+    token, paid whether or not the token exits here).
+    """
+
+    sequence = True
+
+    def __init__(self, adapter: Adapter, init_layer: int, identity: bool) -> None:
+        super().__init__()
+        self.block = adapter.new_block(init_layer, identity)
+        self.init_layer = init_layer
+        self._adapter = [adapter]  # a list: not registered as a submodule, not in the state dict
+
+    def step(
+        self, h: torch.Tensor, positions: torch.Tensor, cache: Any = None, key_padding: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[B, S, H] new positions at `positions` [B, S] on top of the block's own past in `cache` (a KVCache, None
+        for a whole sequence): what decoding runs per token."""
+        return self._adapter[0].block_forward(self.block, h, positions, self.init_layer, cache, key_padding)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h if h.dim() == 3 else h[None]
+        positions = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
+        out = self._adapter[0].block_forward(self.block, x, positions, self.init_layer)
+        return out if h.dim() == 3 else out[0]
 
 
 def check_design(design: str, rank: int | None) -> None:
@@ -244,7 +278,13 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
     exits = list(meta.exits)
     try:
         check_exit_layers(exits, dims.num_layers, "exits")
-        stack = HeadStack({layer: make_head(meta.design, dims.hidden_size, meta.rank) for layer in exits})
+        if meta.design in SEQUENCE_DESIGNS:
+            inits = {int(k): int(v) for k, v in (meta.block_layers or {}).items()}
+            if set(inits) != set(exits):
+                raise ArtifactError(f"heads in {p.name}: block heads without their source layers in the metadata")
+            stack = HeadStack({layer: BlockHead(adapter, inits[layer], identity=False) for layer in exits})
+        else:
+            stack = HeadStack({layer: make_head(meta.design, dims.hidden_size, meta.rank) for layer in exits})
     except UsageError as exc:  # the file's content, not the user's options, is wrong
         raise ArtifactError(f"heads in {p.name} have invalid metadata: {exc.message}") from None
     try:

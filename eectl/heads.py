@@ -27,7 +27,7 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,6 +152,10 @@ class _ChunkPass:
     probs: torch.Tensor  # [T, V] final-layer distribution (teacher), float32
     entropy: torch.Tensor  # [T] its entropy, nats
     next_ids: torch.Tensor  # [T] next token id, -100 where the chunk ends
+    # sequence designs (block) read every position of the sequence: states of all S positions, and which of
+    # them are the T measured ones (None: `states` is all there is)
+    context: dict[int, torch.Tensor] | None = None  # exit layer -> [S, H]
+    measured: torch.Tensor | None = None  # [T] indices into S
 
 
 @torch.no_grad()
@@ -183,6 +187,7 @@ def evaluate(
     top_k: int = DEFAULT_TOP_K,
     target: float = 0.99,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    passes: Iterable[_ChunkPass] | None = None,
 ) -> dict[str, EvalResult]:
     """Per exit and per variant (a name -> {exit layer: head or None for the logit lens}): agreement with the final
     layer, KL, and the coverage at `target` precision that FlexEE's lambda* gives on these tokens, for the
@@ -195,15 +200,22 @@ def evaluate(
     acc: dict[str, dict[str, list[torch.Tensor]]] = {
         v: {k: [] for k in ("agree", "kl", "conf", "conf_topk", "correct_topk")} for v in variants
     }
+    # a sequence head (block) is applied to the whole sequence first; its exit then scores like the logit lens
     exit_logits = {
-        name: TorchExitLogits({layer: ExitHead(adapter, h) for layer, h in heads.items()})
+        name: TorchExitLogits(
+            {layer: ExitHead(adapter, None if getattr(h, "sequence", False) else h) for layer, h in heads.items()}
+        )
         for name, heads in variants.items()
     }
     local_prob = SIGNALS["topk-prob"]
+
+    def base_passes() -> Iterator[_ChunkPass]:
+        for ids in chunks:
+            with autocast():
+                yield _base_pass(adapter, ids.to(device), exits, skip_first)
+
     n = 0
-    for ids in chunks:
-        with autocast():
-            run = _base_pass(adapter, ids.to(device), exits, skip_first)
+    for run in passes if passes is not None else base_passes():
         top_final = run.probs.argmax(-1)
         logp_final = run.probs.clamp_min(1e-38).log()
         n += top_final.shape[0]
@@ -212,6 +224,11 @@ def evaluate(
             scoring = ExitScoring(local_prob, backend, min(top_k, adapter.dims.vocab_size))  # the runner's Top-K rule
             for layer in exits:
                 h = run.states[layer]
+                raw = variants[name][layer]
+                if getattr(raw, "sequence", False):  # a block reads the whole sequence at its exit
+                    assert raw is not None and run.context is not None and run.measured is not None
+                    with autocast():
+                        h = raw(run.context[layer].float())[run.measured]
                 with autocast():
                     logits = backend.full(layer, h).float()
                     local = scoring.score(layer, h)
@@ -312,12 +329,16 @@ def _amp_dtype(device: torch.device) -> torch.dtype | None:
 
 
 def _lr_at(step: int, config: TrainConfig) -> float:
+    return lr_at(step, config.steps, config.lr)
+
+
+def lr_at(step: int, steps: int, lr: float) -> float:
     """Linear warm-up over the first 5% of steps, then cosine decay to 10% of --lr (a function of the step only)."""
-    warm = max(1, config.steps // 20)
+    warm = max(1, steps // 20)
     if step < warm:
-        return config.lr * (step + 1) / warm
-    t = (step - warm) / max(1, config.steps - warm)
-    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+        return lr * (step + 1) / warm
+    t = (step - warm) / max(1, steps - warm)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:

@@ -21,6 +21,7 @@ class _M(BaseModel):
 class HeadCost(_M):
     params: int  # per exit
     macs_per_token: int  # of the head alone (the LM head costs H*V per token on top)
+    layers: float | None = None  # macs_per_token in decoder-layer units (a block is 1.0)
 
 
 class HeadDims(_M):
@@ -44,3 +45,5 @@ class HeadsMeta(_M):
     steps: int
     seed: int
     report: dict[str, Any]  # held-out before/after metrics per exit (heads.EvalResult as dicts)
+    block_init: str | None = None  # block design: last | next | identity
+    block_layers: dict[str, int] | None = None  # block design: exit layer -> the decoder layer index it copies

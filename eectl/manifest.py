@@ -16,6 +16,7 @@ from eectl.calibration_file import Calibration
 from eectl.errors import ArtifactError
 from eectl.files import atomic_write_text, confined, read_utf8, sha256_file, strict_json
 from eectl.heads_meta import HeadsMeta
+from eectl.plan import Costs, Plan
 
 # 2: the calibration and the heads metadata are typed, and per-exit thresholds live only in `calibration`.
 SCHEMA_VERSION = 2
@@ -47,6 +48,7 @@ class ExitPoint(_M):
     layer: int  # exit after this many decoder layers (== L for the final head)
     full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits, greedy token [N]
     local: GraphIO  # hidden [N, H] + candidates [N, K] -> candidate logits [N, K]
+    candidates: GraphIO | None = None  # hidden [N, H] -> K candidates [N, K] + exact logits (the candidate source)
     river: GraphIO | None = None  # final head only, `export --river --lm-head int4|int8`: the river's quantized head
     head: str | None = None  # trained head design, None for the plain logit lens
 
@@ -108,6 +110,10 @@ class Manifest(_M):
     kv_policies: list[str]  # the KV policies the runner may use with this artifact (eectl.runtime.policies)
     quantization: Quantization | None = None  # weight-only int4 graphs (export --weights int4 / --river)
     calibration: Calibration | None = None  # signal, exits and thresholds (inf: never exits) from eectl calibrate
+    # how the first active exit picks the K candidates: {"name": first-exit-topk|shortlist|int8, "size", "ids"}
+    candidate_source: dict[str, Any] = Field(default_factory=lambda: {"name": "first-exit-topk"})
+    costs: Costs | None = None  # measured per-graph costs (costs.py), the cost model's input
+    plan: Plan | None = None  # the exits and thresholds chosen by predicted speed (plan.py); run/bench default
     heads: HeadsMeta | None = None
     files: dict[str, str] = Field(default_factory=dict)  # relative path -> sha256
     validation: dict[str, Any] = Field(default_factory=dict)
@@ -224,7 +230,7 @@ def _check_consistency(m: Manifest, folder: str | Path) -> None:
     graphs = [m.embedding, *(g for s in m.segments for g in (s.graph, s.kv_graph))]
     graphs += [g for e in m.exits for g in (e.full, e.local)]
     graphs += [s.river for s in m.segments if s.river is not None]
-    graphs += [e.river for e in m.exits if e.river is not None]
+    graphs += [g for e in m.exits for g in (e.river, e.candidates) if g is not None]
     needed = {w.file for w in m.shared_weights.values()}
     needed |= {f for g in graphs for f in (g.file, g.data) if f is not None}
     if not needed <= listed:

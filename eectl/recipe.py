@@ -37,6 +37,13 @@ class HeadsSpec(_Strict):
     steps: int = Field(500, gt=0)
     lr: float = Field(1e-3, gt=0)
     eval_tokens: int = Field(4096, gt=0)  # held-out tokens for the before/after report
+    # With a state cache (train-heads --cache): the base's states are computed once into this folder and every
+    # design trains from them; `tokens` is the training budget (teacher-forced + generated), `gen_share` of it the
+    # model's own greedy continuations, `loss` exact or topk (teacher top-k + tail bucket).
+    cache: str | None = None
+    tokens: int = Field(16384, gt=0)
+    gen_share: float = Field(0.25, ge=0.0, le=1.0)
+    loss: Literal["exact", "topk"] = "topk"
 
 
 def _policies() -> list[str]:
@@ -64,7 +71,7 @@ class Recipe(_Strict):
     signal: str = "topk-prob"
     target: float = Field(0.99, gt=0.0, le=1.0)
     top_k: int = Field(64, gt=1)
-    kv_policy: str = "defer"  # a name in eectl.runtime.policies.POLICIES
+    kv_policy: str | None = None  # a name in eectl.runtime.policies.POLICIES; None: the artifact's plan chooses
     threads: int | None = None  # None: one per CPU core
     data: DataSpec = Field(default_factory=DataSpec)
     profile: ProfileSpec = Field(default_factory=ProfileSpec)
@@ -83,8 +90,8 @@ class Recipe(_Strict):
 
     @field_validator("kv_policy")
     @classmethod
-    def _known_policy(cls, v: str) -> str:
-        if v not in _policies():
+    def _known_policy(cls, v: str | None) -> str | None:
+        if v is not None and v not in _policies():
             raise ValueError(f"unknown KV policy '{v}' (choose from {', '.join(_policies())})")
         return v
 

@@ -431,7 +431,20 @@ def test_cli_calibrate_with_heads(tiny_dirs, tmp_path, monkeypatch):
     heads = tmp_path / "heads.safetensors"
     heads.write_bytes(b"fake heads")
     out = tmp_path / "c.json"
-    res = _cli(tiny_dirs, "--tokens", "300", "--exits", "3,5", "--heads", str(heads), "--out", str(out), "--json")
+    res = _cli(
+        tiny_dirs,
+        "--tokens",
+        "300",
+        "--exits",
+        "3,5",
+        "--heads",
+        str(heads),
+        "--out",
+        str(out),
+        "--json",
+        "--confidence",
+        "0",
+    )
     assert res.exit_code == 0, res.output
     cal = read_calibration(out)
     assert seen["path"] == str(heads) and cal.heads is not None and cal.heads.layers == [3, 9]
@@ -456,6 +469,7 @@ def test_cli_calibrate_with_heads(tiny_dirs, tmp_path, monkeypatch):
 )
 def test_cli_calibrate_bad_input(tiny_dirs, tmp_path, args, code, text):
     base = ["--tokens", "200", "--exits", "3"] if "--exits" not in args else ["--tokens", "200"]
+    base += [] if "--confidence" in args else ["--confidence", "0"]  # 200 tokens carry no 95% guarantee
     res = _cli(tiny_dirs, *base, "--out", str(tmp_path / "c.json"), *args)
     assert res.exit_code == code, res.output
     last = res.stderr.strip().splitlines()[-1]

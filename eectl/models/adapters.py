@@ -288,6 +288,47 @@ class Adapter:
                 cache=cache,
             )
 
+    def new_block(self, init_layer: int, identity: bool) -> nn.Module:
+        """A trainable decoder layer of the model's own shape: a float32 copy of layer `init_layer` (the block exit
+        design). `identity` zeroes its attention output and MLP down projections, so that it starts as the identity
+        (its residual stream passes through untouched)."""
+        import copy
+
+        block = copy.deepcopy(self.layers[init_layer]).float().requires_grad_(True)
+        if identity:
+            with torch.no_grad():
+                for lin in (block.self_attn.o_proj, block.mlp.down_proj):
+                    lin.weight.zero_()
+                    if lin.bias is not None:
+                        lin.bias.zero_()
+        return block
+
+    def block_forward(
+        self,
+        block: nn.Module,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        init_layer: int,
+        cache: KVCache | None = None,
+        key_padding: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run a block from `new_block` on [B, S, H] at `positions` [B, S], as layer `init_layer` runs (its rotary
+        and attention window); `cache` holds the block's own past keys and values under its layer index."""
+        kind = self.layer_type(init_layer)
+        past = cache.length(init_layer) if cache is not None else 0
+        mask = causal_mask(
+            hidden.shape[1], past, self.sliding_window(init_layer), key_padding, hidden.dtype, hidden.device
+        )
+        out = block(
+            hidden,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=self.rotary(hidden, positions, kind),
+        )
+        return out[0] if isinstance(out, tuple) else out
+
     # --- pieces of the forward ------------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, S] token ids -> [B, S, H] hidden state before layer 0."""

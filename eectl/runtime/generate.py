@@ -25,8 +25,8 @@ from eectl.runtime.sessions import PROVIDERS, ArtifactRuntime
 
 @dataclass
 class RunOptions:
-    exits: str | None = None  # "12,20" | "none" | None (the manifest's calibrated exits, else all)
-    policy: str = "defer"
+    exits: str | None = None  # "12,20" | "none" | None (the manifest's plan, else its calibrated exits, else all)
+    policy: str | None = None  # None: the plan's default (full depth when nothing pays), else defer
     river_predict: str = "end"  # river: predict at the river's end (final head) or at the exit
     thresholds: str | None = None  # "0.9" for every exit, or "12:0.9,20:0.8"; None: the calibration's
     threshold_scale: float = 1.0
@@ -39,6 +39,7 @@ class RunOptions:
     raw: bool = False
     provider: str = "auto"
     threads: int | None = None
+    profile_costs: bool = False  # re-measure the graph costs here and re-plan before running
 
 
 def load_tokenizer(rt: ArtifactRuntime) -> Any:
@@ -95,10 +96,16 @@ def check_options(opts: RunOptions) -> None:
 
 
 def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -> RunConfig:
+    """Active exits, thresholds and policy: explicit options, else the manifest's plan (exits chosen by predicted
+    speed; full depth when nothing pays), else the calibration's exits and thresholds."""
     m = rt.manifest
     cal = m.calibration
     calibrated = cal.thresholds_by_layer() if cal is not None else {}
     signal = get_signal(opts.signal or (cal.signal if cal is not None else DEFAULT_SIGNAL))
+    plan = m.plan
+    same_signal = cal is not None and signal.name == cal.signal
+    if plan is not None and plan.choices and opts.exits is None and opts.thresholds is None and same_signal:
+        return _from_plan(rt, opts, stop_ids, signal.name)
     exits = parse_layers(opts.exits)
     if exits is None:
         exits = sorted(calibrated) if calibrated else list(m.exit_layers)
@@ -116,20 +123,60 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
         keep_first = signal.needs_candidates
         exits = [e for i, e in enumerate(exits) if (keep_first and i == 0) or not never_exits(calibrated[e])]
         thresholds = {e: calibrated[e] for e in exits}
+    return _config(rt, opts, stop_ids, signal.name, opts.policy or "defer", exits, thresholds, "")
+
+
+def _from_plan(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], signal: str) -> RunConfig:
+    plan = rt.manifest.plan
+    assert plan is not None
+    policy = opts.policy or plan.default
+    if policy == "full":
+        return _config(rt, opts, stop_ids, signal, "defer", [], {}, plan.summary(), planned=True)
+    choice = plan.choices.get(policy)
+    if choice is None:
+        raise UsageError(f"--policy must be one of {', '.join(plan.choices)}, got '{policy}'")
+    if not choice.exits:
+        best = choice.best
+        if best is not None:
+            tail = f" (best: exits {best.exits}, {best.speedup:.3f}x)"
+        else:
+            tail = " (no calibrated exit subset qualifies for it)"
+        note = f"plan: {policy} is not predicted >= {1 + plan.min_gain:.2f}x full depth{tail}; running at full depth"
+        return _config(rt, opts, stop_ids, signal, policy, [], {}, note, planned=True)
+    thresholds = {int(k): dict(v) for k, v in choice.thresholds.items()}
+    note = f"plan: {policy} at exits {choice.exits}, predicted {choice.prediction.speedup:.2f}x full depth" + (
+        "" if opts.policy else " (the default)"
+    )
+    return _config(rt, opts, stop_ids, signal, policy, list(choice.exits), thresholds, note, planned=True)
+
+
+def _config(
+    rt: ArtifactRuntime,
+    opts: RunOptions,
+    stop_ids: tuple[int, ...],
+    signal: str,
+    policy: str,
+    exits: list[int],
+    thresholds: dict[int, dict[str, float]],
+    note: str,
+    planned: bool = False,
+) -> RunConfig:
     check_options(opts)
     thresholds = {e: {c: v * opts.threshold_scale for c, v in t.items()} for e, t in thresholds.items()}
     return RunConfig(
         exits=exits,
         thresholds=thresholds,
-        signal=signal.name,
-        policy=opts.policy,
+        signal=signal,
+        policy=policy,
         river_predict=opts.river_predict,
-        top_k=opts.top_k or m.top_k,
+        top_k=opts.top_k or rt.manifest.top_k,
         max_new_tokens=opts.max_new_tokens,
         temperature=opts.temperature,
         top_p=opts.top_p,
         seed=opts.seed,
         stop_ids=stop_ids,
+        note=note,
+        planned=planned,
     )
 
 
@@ -173,12 +220,24 @@ def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
     first exit changes what the local probabilities mean."""
     cal = rt.manifest.calibration
     first = cal.candidates_layer if cal is not None else None
+    if config.planned:  # the plan's thresholds were fitted with the candidates at its own first exit
+        return None
     if get_signal(config.signal).needs_candidates and config.exits and first and config.exits[0] != first:
         return (
             f"thresholds were calibrated with Top-K candidates chosen at exit {first}; with exit "
             f"{config.exits[0]} first they are only approximate (recalibrate with these exits)"
         )
     return None
+
+
+def replan(rt: ArtifactRuntime) -> None:
+    """Re-measure the artifact's graph costs on this machine and re-choose the exits (in memory, for this run)."""
+    from eectl.costs import measure_costs
+    from eectl.plan import plan_manifest
+
+    m = rt.manifest
+    m.costs = measure_costs(rt, signal=m.calibration.signal if m.calibration is not None else DEFAULT_SIGNAL)
+    m.plan = plan_manifest(m, m.costs)
 
 
 @dataclass
@@ -221,7 +280,11 @@ def run_prompts(
     check_options(opts)
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
     tok = load_tokenizer(rt)
+    if opts.profile_costs:
+        replan(rt)
     config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
+    if config.note and warn is not None:
+        warn(config.note)
     warning = calibration_warning(rt, config) if opts.thresholds is None else None
     if warning is not None and warn is not None:
         warn(warning)

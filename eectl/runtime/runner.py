@@ -26,7 +26,15 @@ import numpy as np
 import torch
 
 from eectl.errors import UsageError
-from eectl.exits import DEFAULT_SIGNAL, ExitScore, ExitScoring, get_signal
+from eectl.exits import (
+    CANDIDATE_SOURCES,
+    DEFAULT_SIGNAL,
+    CandidateSource,
+    ExitScore,
+    ExitScoring,
+    FirstExitTopK,
+    get_signal,
+)
 from eectl.recipe import check_exit_layers
 from eectl.runtime.batch import BatchKV, new_batch_kv, run_rows
 from eectl.runtime.policies import Defer, KVPolicy, policy_class
@@ -50,6 +58,8 @@ class RunConfig:
     ride_along: bool = True
     river_predict: str = "end"  # river: the token from the river's end (final head) or from the exit itself
     stop_ids: tuple[int, ...] = ()
+    note: str = ""  # how the configuration was chosen (one line for run and bench)
+    planned: bool = False  # exits and thresholds come from the manifest's plan
 
 
 @dataclass
@@ -108,6 +118,13 @@ class OrtExitLogits:
     def local(self, layer: int, hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.rt.exit_local(layer, hidden.numpy(), candidates.numpy()))
 
+    def candidates(
+        self, source: CandidateSource, layer: int, hidden: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The artifact's candidate graph at this exit (export built it from `source`'s torch code)."""
+        cand, cand_logits = self.rt.exit_candidates(layer, hidden.numpy(), k)
+        return torch.from_numpy(cand), torch.from_numpy(cand_logits)
+
 
 @contextmanager
 def _one_torch_thread() -> Iterator[None]:
@@ -156,6 +173,8 @@ class Runner:
             raise UsageError(f"--top-k must be in 2..{self.m.dims['vocab_size']}")
         self.policy = policy(runtime, config)
         self.exit_logits = OrtExitLogits(runtime)
+        source = str(self.m.candidate_source.get("name", FirstExitTopK.name))
+        self.source = CANDIDATE_SOURCES.get(source, CANDIDATE_SOURCES[FirstExitTopK.name])
         self.exits = check_exit_layers(config.exits, L)
         self.exit_after_segment = {self.rt.segment_of_layer[e]: e for e in self.exits}
         self.final_segment = len(self.m.segments) - 1
@@ -191,7 +210,10 @@ class Runner:
             layer_input = torch.from_numpy(np.stack([asks[r].layer_input for r in rows]))
         if self.signal.needs_blocks:  # [n + 1, N, H]
             block_states = torch.from_numpy(np.stack([np.asarray(asks[r].blocks) for r in rows], axis=1))
-        scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k)
+        first_pick = self.signal.needs_candidates and asks[rows[0]].candidates is None
+        if len(rows) > 1 and first_pick and not self.source.batch_rows:  # e.g. int8: per-row quantization scale
+            return {r: self._decide_rows(layer, {r: asks[r]})[r] for r in rows}
+        scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k, self.source)
         if asks[rows[0]].candidates is not None:  # rows at one exit passed the same earlier exits
             scoring.candidates = torch.cat([asks[r].candidates for r in rows])
         with _one_torch_thread():

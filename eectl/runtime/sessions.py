@@ -235,6 +235,7 @@ class ArtifactRuntime:
         self.full_graphs = {e.layer: load(e.full) for e in m.exits}
         self.river_heads = {e.layer: load(e.river) for e in m.exits if e.river is not None}
         self.local_graphs = {e.layer: load(e.local) for e in m.exits}
+        self.candidate_graphs = {e.layer: load(e.candidates) for e in m.exits if e.candidates is not None}
         self.weights = {k: self._load_weight(w) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
         self._calls: dict[tuple[str, int], _Call] = {}  # (graph kind, exit layer) -> binding with its weight bound
@@ -452,3 +453,20 @@ class ArtifactRuntime:
         out = self._out(call.io, g.name("candidate_logits"), cand.shape, self.np_dtype)
         g.session.run_with_iobinding(call.io)
         return out
+
+    def exit_candidates(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+        """hidden [N, H] -> (candidates [N, K] int64, their exact logits [N, K]) by the artifact's candidate source
+        (the full exit graph's Top-K where the artifact has no candidate graph)."""
+        g = self.candidate_graphs.get(layer)
+        if g is None:
+            _, cand, cand_logits = self.exit_full(layer, hidden, top_k)
+            return cand, cand_logits
+        call = self._call("candidates", layer, g, "lm_head")
+        x = self._host(hidden, self.np_dtype)
+        k = np.array([top_k], dtype=np.int64)  # bound by address: alive until the run returns
+        self._bind_array(call.io, g.name("hidden"), x)
+        self._bind_array(call.io, g.name("top_k"), k)
+        cand = self._out(call.io, g.name("candidates"), (x.shape[0], top_k), np.int64)
+        cand_logits = self._out(call.io, g.name("candidate_logits"), (x.shape[0], top_k), self.np_dtype)
+        g.session.run_with_iobinding(call.io)
+        return cand, cand_logits

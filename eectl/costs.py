@@ -1,0 +1,148 @@
+"""What each graph of an artifact costs on the machine at hand: the cost model's input (plan.py).
+
+Every graph is called through the runtime the runner uses (ArtifactRuntime: the same sessions, IO binding and thread
+pool), at decode shape: one token on top of `past` positions of KV cache, and one more position where the defer and
+verify policies carry pending states along. Each figure is the median of `repeats` calls after `warmup` calls, in
+rounds that call every graph once (so each graph meets the CPU caches a decode step leaves it). The
+decisions are timed with the signal computation the runner does after the graph (`exits.signals`). The full-depth
+step is timed through the runner itself, so whatever Python adds per step is in the model too.
+
+What this module does not do: predict or choose (plan.py); it only measures.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from eectl.exits import signals
+from eectl.plan import Costs
+from eectl.runtime.runner import RowState, RunConfig, Runner
+from eectl.runtime.sessions import ArtifactRuntime
+
+DEFAULT_PAST = 128
+DEFAULT_REPEATS = 15
+FULL_STEPS = 16  # room kept in the cache beyond `past`
+
+
+def _interleaved_ms(calls: dict[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, float]:
+    """Median ms of each call, timed in rounds that call every graph once: as in a decode step, the other graphs
+    evict a small graph's weights from the CPU caches between two of its calls (timing one graph in a loop would
+    find them cached and underestimate it)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(warmup + repeats):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: 1000 * statistics.median(ts) for name, ts in times.items()}
+
+
+def measure_costs(
+    rt: ArtifactRuntime,
+    past: int = DEFAULT_PAST,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = 3,
+    top_k: int | None = None,
+    signal: str = "topk-prob",
+    seed: int = 0,
+) -> Costs:
+    m = rt.manifest
+    dims = m.dims
+    k = top_k or m.top_k
+    L = m.num_layers
+    past = max(1, min(past, m.max_positions - FULL_STEPS - 4))
+    rng = np.random.default_rng(seed)
+    h1 = rng.standard_normal((1, 1, dims["hidden_size"])).astype(rt.np_dtype)
+    h2 = rng.standard_normal((1, 2, dims["hidden_size"])).astype(rt.np_dtype)
+    kv = rt.new_kv(1, past + 4)
+
+    def segment(i: int, h: np.ndarray, kv_only: bool = False) -> Callable[[], object]:
+        lo, hi = m.segments[i].layers
+
+        def call() -> object:
+            kv.filled[0, lo:hi] = past
+            return rt.run_segment(i, h, kv, 0, kv_only=kv_only)
+
+        return call
+
+    # the full-depth step is timed in the same rounds as the graphs, so load from other processes inflates both
+    # alike and the runner's own overhead (step minus graphs) stays what it is
+    calls: dict[str, Callable[[], object]] = {
+        "step": full_step_call(rt, past, seed),
+        "embed": lambda: rt.embed(np.array([[1]], dtype=np.int64)),
+    }
+    for i in range(len(m.segments)):
+        calls[f"seg1.{i}"] = segment(i, h1)
+        calls[f"seg2.{i}"] = segment(i, h2)
+        calls[f"kv.{i}"] = segment(i, h1, kv_only=True)
+    row1, row2 = h1[0], h2[0]
+    calls["head1"] = lambda: rt.exit_full(L, row1, k)
+    calls["head2"] = lambda: rt.exit_full(L, row2, k)
+    topk = signal.startswith("topk")
+    for layer in m.exit_layers:
+
+        def first(layer: int = layer) -> object:
+            if not topk:
+                logits, _, _ = rt.exit_full(layer, row1, k)
+                return signals(torch.from_numpy(logits))
+            cand, cand_logits = rt.exit_candidates(layer, row1, k)
+            return signals(torch.from_numpy(cand_logits), torch.from_numpy(cand))
+
+        cand = rt.exit_candidates(layer, row1, k)[0]
+
+        def later(layer: int = layer, cand: np.ndarray = cand) -> object:
+            if not topk:
+                logits, _, _ = rt.exit_full(layer, row1, k)
+                return signals(torch.from_numpy(logits))
+            return signals(torch.from_numpy(rt.exit_local(layer, row1, cand)), torch.from_numpy(cand))
+
+        calls[f"cand.{layer}"] = first
+        calls[f"local.{layer}"] = later
+    t = _interleaved_ms(calls, repeats, warmup)
+    n = len(m.segments)
+    seg1 = [t[f"seg1.{i}"] for i in range(n)]
+    seg2 = [t[f"seg2.{i}"] for i in range(n)]
+    kv_ms = [t[f"kv.{i}"] for i in range(n)]
+    embed, head1, head2 = t["embed"], t["head1"], t["head2"]
+    cand_ms = {str(layer): t[f"cand.{layer}"] for layer in m.exit_layers}
+    local_ms = {str(layer): t[f"local.{layer}"] for layer in m.exit_layers}
+    return Costs(
+        provider=rt.provider,
+        threads=rt.threads,
+        past=past,
+        repeats=repeats,
+        embed_ms=embed,
+        segment_ms=seg1,
+        segment_extra_ms=[max(0.0, b - a) for a, b in zip(seg1, seg2, strict=True)],
+        kv_ms=kv_ms,
+        final_head_ms=head1,
+        final_head_extra_ms=max(0.0, head2 - head1),
+        candidates_ms=cand_ms,
+        local_ms=local_ms,
+        full_step_ms=t["step"],
+        candidate_source=str(m.candidate_source.get("name", "full")),
+    )
+
+
+def full_step_call(rt: ArtifactRuntime, past: int, seed: int = 0) -> Callable[[], object]:
+    """One full-depth decode step through the runner (`Runner._step`, the path `eectl run` takes), on top of a
+    `past`-token prompt (random ids) prefilled once; each call rewinds the cache and steps again."""
+    m = rt.manifest
+    prompt = np.random.default_rng(seed).integers(0, m.dims["vocab_size"], size=past).tolist()
+    runner = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=FULL_STEPS + 1, stop_ids=()))
+    kv = rt.new_kv(1, past + 4)
+    st = RowState(list(prompt), past, [None] * len(m.segments))
+    nxt = runner._step(0, st, kv, st.tokens)  # prefill
+
+    def call() -> object:
+        kv.filled[0, :] = past
+        st.exit_layers.clear()
+        return runner._step(0, st, kv, [nxt])
+
+    return call

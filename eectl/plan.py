@@ -1,0 +1,258 @@
+"""Exits chosen by what they save: a cost model of one decode step, and the choice of active exits per policy.
+
+Inputs are two measurements of the artifact, both model-agnostic:
+- the calibrated **options** (calibrate.py): for a subset of exits and a precision target, the per-exit thresholds
+  and the held-out share of all tokens that exit at each exit (`coverage`) and their agreement with the final layer
+  (`precision`): what a run with exactly those exits active sees (Top-K candidates picked at the subset's first exit);
+- the measured **costs** (costs.py): milliseconds per graph call on the runner's provider and thread count.
+
+Per-token time of an option under a policy (exit a_1 < ... < a_m active, c_i the coverage at a_i, c_0 = 1 - sum c_i):
+
+    exit at a_i:  embed + segments up to a_i + decisions at a_1..a_i + policy extra_i
+    no exit:      the full-depth step (measured) + decisions at a_1..a_m
+    decisions:    the candidate source at a_1, a local K-row exit at a_2.. (each with its signal computation)
+    extra_i:      copy: the K/V-only graphs of the segments after a_i
+                  defer, verify: one more position in every later segment (the pending state rides along)
+                  verify: one more row in the final head (the draft is checked there)
+    verify:       a wrong draft (1 - precision_i) is rolled back with the drafts after it (r / (1 - r) of them on
+                  average, r = the exit rate): time per accepted token = time per step / (1 - lost tokens per step)
+
+The choice maximises predicted speed: for copy and defer over the options fitted at the fidelity target, for
+verify (lossless) over the options fitted at any precision of a grid (there the threshold is a speed knob). A policy
+whose best option is not predicted at least MIN_GAIN faster than full depth runs at full depth. `copy` is never the
+default: its approximate K/V change later tokens in a way calibration does not measure.
+
+What this module does not do: measure (costs.py, calibrate.py) or run anything; it is pure arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MIN_GAIN = 0.03  # a configuration must be predicted at least 3% faster than full depth to be chosen
+PLAN_POLICIES = ("copy", "defer", "verify")
+MAX_SUBSET = 3  # exits per option: each active exit adds a decision, and subsets grow as 2^E
+VERIFY_PRECISIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # verify's speed knob: thresholds fitted at these
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ExitOption(_M):
+    layer: int
+    thresholds: dict[str, float]  # criterion -> exit when value >= it
+    coverage: float  # held-out share of ALL tokens that exit here
+    precision: float | None  # held-out agreement with the final top-1 among them (None: none exited)
+
+
+class Option(_M):
+    """One calibrated configuration: these exits active, with thresholds fitted at `target`."""
+
+    exits: list[int]
+    kind: str  # "target": fitted at the calibration's fidelity target (copy, defer); "verify": a speed knob
+    target: float
+    confidence: float | None
+    per_exit: list[ExitOption]
+    agreement: float  # held-out agreement over all tokens (exit or not)
+
+    @property
+    def exit_rate(self) -> float:
+        return sum(x.coverage for x in self.per_exit)
+
+    def thresholds(self) -> dict[int, dict[str, float]]:
+        return {x.layer: dict(x.thresholds) for x in self.per_exit}
+
+
+class Costs(_M):
+    """Milliseconds per call, medians of short repeated runs at decode shape (one token, `past` positions)."""
+
+    provider: str
+    threads: int
+    past: int  # KV positions already in the cache when timed
+    repeats: int
+    embed_ms: float
+    segment_ms: list[float]  # per segment: one position
+    segment_extra_ms: list[float]  # per segment: one more position (two minus one)
+    kv_ms: list[float]  # per segment: its K/V-only graph on one position (copy)
+    final_head_ms: float  # the exact full LM head at the final layer, one row
+    final_head_extra_ms: float  # one more row (verify checks drafts there)
+    candidates_ms: dict[str, float]  # exit layer -> the candidate source + signal, one token (first active exit)
+    local_ms: dict[str, float]  # exit layer -> the local K-row exit + signal, one token (later active exits)
+    full_step_ms: float  # one full-depth decode step through the runner (all of the above + Python)
+    candidate_source: str = "full"
+
+    def overhead_per_segment(self) -> float:
+        """The runner's per-step cost outside the timed graphs, spread over the segment calls."""
+        parts = self.embed_ms + sum(self.segment_ms) + self.final_head_ms
+        return max(0.0, self.full_step_ms - parts) / max(1, len(self.segment_ms))
+
+
+class Prediction(_M):
+    policy: str
+    exits: list[int]
+    ms_per_token: float
+    full_ms: float
+    speedup: float  # full_ms / ms_per_token
+    decision_ms: float  # expected decision time per token
+    exit_rate: float
+    lost_per_step: float = 0.0  # verify: tokens rolled back per step
+
+
+class Choice(_M):
+    policy: str
+    exits: list[int]  # [] = full depth
+    thresholds: dict[str, dict[str, float]]  # exit layer (str, JSON keys) -> criterion -> threshold
+    option: Option | None
+    prediction: Prediction  # of what runs: the option, or full depth when no option pays
+    best: Prediction | None = None  # the best option's prediction, chosen or not
+
+
+class Plan(_M):
+    """What export (or `eectl run --profile-costs`) chose, per policy, and the default configuration."""
+
+    default: str  # a policy name, or "full"
+    min_gain: float = MIN_GAIN
+    choices: dict[str, Choice] = Field(default_factory=dict)  # policy -> its best option (full depth if none pays)
+
+    def summary(self) -> str:
+        """One line for run and bench."""
+        if self.default == "full":
+            bests = [c.best for p, c in self.choices.items() if c.best is not None and p != "copy"]
+            top = max(bests, key=lambda b: b.speedup, default=None)
+            tail = f" (best: {top.policy} at exits {top.exits}, {top.speedup:.3f}x)" if top is not None else ""
+            return (
+                f"plan: no exit configuration is predicted >= {1 + self.min_gain:.2f}x full depth{tail}; "
+                "the default is full depth"
+            )
+        c = self.choices[self.default]
+        return (
+            f"plan: {c.policy} at exits {c.exits}, predicted {c.prediction.speedup:.2f}x full depth "
+            f"(decisions {c.prediction.decision_ms:.2f} ms/token)"
+        )
+
+
+def _segment_of(boundaries: Sequence[int], layer: int) -> int:
+    """Index of the segment that ends at `layer` (boundaries: each segment's end layer, in order)."""
+    return list(boundaries).index(layer)
+
+
+def predict(
+    costs: Costs,
+    boundaries: Sequence[int],
+    policy: str,
+    per_exit: Sequence[tuple[int, float, float | None]],
+    lost_rate: float | None = None,
+) -> Prediction:
+    """Expected ms per emitted token for active exits (layer, coverage, precision), ascending by layer.
+
+    `boundaries` are the artifact's segment end layers (the last = L). `lost_rate` (verify) overrides the tokens
+    lost per step that precisions imply (bench passes its measured rate).
+    """
+    over = costs.overhead_per_segment()
+    full = costs.full_step_ms
+    exits = [layer for layer, _, _ in per_exit]
+    if not exits:
+        return Prediction(
+            policy=policy, exits=[], ms_per_token=full, full_ms=full, speedup=1.0, decision_ms=0.0, exit_rate=0.0
+        )
+    decisions = [
+        costs.candidates_ms[str(layer)] if i == 0 else costs.local_ms[str(layer)] for i, layer in enumerate(exits)
+    ]
+    n_seg = len(boundaries)
+    step = 0.0
+    decision = 0.0
+    rate = 0.0
+    for i, (layer, cov, _) in enumerate(per_exit):
+        s = _segment_of(boundaries, layer)
+        paid = costs.embed_ms + sum(costs.segment_ms[: s + 1]) + over * (s + 1) + sum(decisions[: i + 1])
+        later = range(s + 1, n_seg)
+        if policy == "copy":
+            paid += sum(costs.kv_ms[t] for t in later) + over * len(later)
+        else:  # defer, verify: the exited state rides along with a later step through every later segment
+            paid += sum(costs.segment_extra_ms[t] for t in later)
+            if policy == "verify":
+                paid += costs.final_head_extra_ms
+        step += cov * paid
+        decision += cov * sum(decisions[: i + 1])
+        rate += cov
+    rest = max(0.0, 1.0 - rate)
+    step += rest * (full + sum(decisions))
+    decision += rest * sum(decisions)
+    lost = 0.0
+    if policy == "verify":
+        if lost_rate is not None:
+            lost = lost_rate
+        else:
+            chain = 1.0 + (rate / (1.0 - rate) if rate < 1.0 else 0.0)
+            lost = sum(cov * (1.0 - (p if p is not None else 1.0)) for _, cov, p in per_exit) * chain
+        lost = min(lost, 0.95)
+    per_token = step / (1.0 - lost)
+    return Prediction(
+        policy=policy,
+        exits=exits,
+        ms_per_token=per_token,
+        full_ms=full,
+        speedup=full / per_token,
+        decision_ms=decision / (1.0 - lost),
+        exit_rate=rate,
+        lost_per_step=lost,
+    )
+
+
+def predict_option(costs: Costs, boundaries: Sequence[int], policy: str, option: Option) -> Prediction:
+    return predict(costs, boundaries, policy, [(x.layer, x.coverage, x.precision) for x in option.per_exit])
+
+
+def _usable(costs: Costs, boundaries: Sequence[int], opt: Option) -> bool:
+    inner = {str(b) for b in boundaries[:-1]}
+    return (
+        bool(opt.exits)
+        and all(str(e) in inner and str(e) in costs.local_ms for e in opt.exits)
+        and str(opt.exits[0]) in costs.candidates_ms
+    )
+
+
+def choose(costs: Costs, boundaries: Sequence[int], options: Sequence[Option], min_gain: float = MIN_GAIN) -> Plan:
+    """The fastest predicted option per policy (full depth when none beats it by min_gain), and the default:
+    the faster of defer and verify, or full depth."""
+    choices: dict[str, Choice] = {}
+    for policy in PLAN_POLICIES:
+        kind = "verify" if policy == "verify" else "target"
+        best: tuple[Prediction, Option] | None = None
+        for opt in options:
+            if opt.kind != kind or not _usable(costs, boundaries, opt):
+                continue
+            pred = predict_option(costs, boundaries, policy, opt)
+            if best is None or pred.speedup > best[0].speedup:
+                best = (pred, opt)
+        if best is not None and best[0].speedup >= 1.0 + min_gain:
+            pred, opt = best
+            thresholds = {str(k): v for k, v in opt.thresholds().items()}
+            choices[policy] = Choice(
+                policy=policy, exits=opt.exits, thresholds=thresholds, option=opt, prediction=pred, best=pred
+            )
+        else:
+            choices[policy] = Choice(
+                policy=policy,
+                exits=[],
+                thresholds={},
+                option=None,
+                prediction=predict(costs, boundaries, policy, []),
+                best=None if best is None else best[0],
+            )
+    ranked = [p for p in ("defer", "verify") if choices[p].exits]
+    default = max(ranked, key=lambda p: choices[p].prediction.speedup) if ranked else "full"
+    return Plan(default=default, min_gain=min_gain, choices=choices)
+
+
+def plan_manifest(manifest: object, costs: Costs) -> Plan:
+    """Choose for an artifact (a Manifest) with these costs, from its calibration's menu."""
+    from eectl.manifest import Manifest
+
+    assert isinstance(manifest, Manifest)
+    boundaries = [s.layers[1] for s in manifest.segments]
+    options = manifest.calibration.options if manifest.calibration is not None else []
+    return choose(costs, boundaries, options)

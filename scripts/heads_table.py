@@ -1,0 +1,208 @@
+"""The train-heads comparison of issue #13, as steps that each fit a few minutes (run them under the heavy lock):
+
+    python scripts/heads_table.py build --cache artifacts/states --text 16000 --gen 4000
+    python scripts/heads_table.py train --cache artifacts/states --design mlp --tokens 20000 --loss topk
+    python scripts/heads_table.py calib --cache artifacts/states --heads artifacts/heads-mlp.safetensors
+
+`build` computes the frozen base's states once (eectl.head_data); `train` trains one design from them
+(eectl.heads_cached); `calib` fits calibrate's sequential thresholds (--confidence 0.95) on half of the held-out
+split and replays them on the other half, counting each head's cost in decoder-layer units.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _progress(total: int, what: str):
+    start = time.perf_counter()
+    done = [0]
+
+    def tick(n: int) -> None:
+        done[0] += n
+        el = time.perf_counter() - start
+        rate = done[0] / max(el, 1e-9)
+        eta = (total - done[0]) / max(rate, 1e-9)
+        print(f"\r{what}: {done[0]}/{total} tokens, {rate:.0f} tokens/s, ETA {eta:.0f} s   ", end="", file=sys.stderr)
+
+    return tick
+
+
+def build(a: argparse.Namespace) -> None:
+    from eectl.data import load_text_data
+    from eectl.head_data import CacheSpec, build_cache
+    from eectl.models import load_model
+
+    loaded = load_model(a.model)
+    spec = CacheSpec(
+        layers=[int(x) for x in a.layers.split(",")],
+        text_tokens=a.text,
+        gen_tokens=a.gen,
+        eval_text_tokens=a.eval_text,
+        eval_gen_tokens=a.eval_gen,
+    )
+    total = a.text + a.gen + a.eval_text + a.eval_gen
+    cache = build_cache(loaded, load_text_data(a.data), spec, Path(a.cache), _progress(total, "states"), print)
+    print(json.dumps(cache.describe(), indent=1))
+
+
+def train(a: argparse.Namespace) -> None:
+    from eectl.head_checkpoint import checkpoint_path
+    from eectl.head_data import open_cache
+    from eectl.heads_cached import CachedConfig, train_cached
+    from eectl.models import load_model
+
+    loaded = load_model(a.model)
+    cache = open_cache(Path(a.cache))
+    steps = max(1, a.tokens // a.batch)
+    cfg = CachedConfig(
+        exits=[int(x) for x in a.layers.split(",")],
+        design=a.design,
+        rank=a.rank,
+        block_init=a.block_init,
+        steps=steps,
+        lr=a.lr,
+        batch_tokens=a.batch,
+        seed=a.seed,
+        loss=a.loss,
+        tail_samples=None if a.tail < 0 else a.tail,
+        precision=a.precision,
+        sources=tuple(a.sources.split(",")),
+        save_every=max(10, steps // 10),
+        eval_tokens=a.eval_report,
+    )
+    start = time.perf_counter()
+
+    def on_step(step: int, tokens: int, kl: dict[int, float]) -> None:
+        el = time.perf_counter() - start
+        rate = step / max(el, 1e-9)
+        print(
+            f"\rstep {step}/{steps}, {tokens} tokens, {tokens / el:.0f} tokens/s, ETA {(steps - step) / rate:.0f} s, "
+            + "KL "
+            + " ".join(f"{k}:{v:.2f}" for k, v in kl.items()),
+            end="",
+            file=sys.stderr,
+        )
+
+    out = Path(a.out or f"artifacts/heads-{a.design}-{a.loss}.safetensors")
+    resume = checkpoint_path(out) if a.resume else None
+    res = train_cached(loaded, cache, cfg, out, resume, on_step, print)
+    print(file=sys.stderr)
+    assert res.meta is not None
+    m = res.meta.model_dump(mode="json")
+    print(json.dumps({"out": str(out), "training": m["training"], "head_cost": m["head_cost"]}, indent=1))
+    for b, x in zip(m["report"]["before"]["exits"], m["report"]["after"]["exits"], strict=True):
+        print(
+            f"exit {b['layer']}: agree {b['agreement']:.3f} -> {x['agreement']:.3f}  KL {b['kl']:.2f} -> {x['kl']:.2f}"
+            f"  cov0.99 full {x['coverage_full']:.1%} top-k {x['coverage_topk']:.1%}"
+        )
+    r = m["report"]["after"]
+    print(f"oracle mean layers {r['oracle_mean_layers']:.2f}; in-sample sequential {r['sequential_mean_layers']:.2f}")
+
+
+@torch.no_grad()
+def calib(a: argparse.Namespace) -> None:
+    """Calibrate's sequential thresholds (topk-prob, K = 64) through the heads on the cache's held-out split: fitted on
+    its first half of sequences (per source), replayed on the second; mean executed layers counting head cost."""
+    from eectl.calibrate import SOURCES, ExitScorer, Measurements, assign_exits, fit
+    from eectl.head_data import open_cache
+    from eectl.head_designs import load_heads
+    from eectl.heads_cached import design_cost
+    from eectl.models import load_model
+
+    loaded = load_model(a.model)
+    adapter = loaded.adapter
+    cache = open_cache(Path(a.cache))
+    if a.heads:
+        hs = load_heads(a.heads, loaded)
+        exits, heads, design = hs.exits, hs.heads, hs.meta.design
+        cost = design_cost(adapter, design, hs.meta.rank)["layers"]
+    else:
+        exits, heads, design, cost = [int(x) for x in a.layers.split(",")], {}, "logit lens", 0.0
+    scorer = ExitScorer(adapter, exits, "topk-prob", a.top_k, None)
+    parts = []
+    for u, entry in enumerate(cache.split("held")):
+        seq = cache.load(entry)
+        idx = torch.nonzero(seq.measured).flatten()
+        mapped = []
+        for layer in exits:
+            h = seq.states[layer].float()
+            head = heads.get(layer)
+            if head is None:
+                mapped.append(h[idx])
+            elif getattr(head, "sequence", False):
+                mapped.append(head(h)[idx])
+            else:
+                mapped.append(head(h[idx]))
+        values, correct, _ = scorer.score(mapped, None, seq.final[idx].float())
+        src = SOURCES.index("teacher-forced" if entry.source == "text" else "generated")
+        n = idx.numel()
+        parts.append(
+            Measurements(exits, adapter.num_layers, values, correct, torch.full((n,), src), torch.full((n,), u))
+        )
+    meas = Measurements.concat(parts)
+    L = adapter.num_layers
+    for conf in (None, 0.95):
+        res = fit(meas, a.target, conf, a.holdout)
+        held = meas.heldout_mask(a.holdout)
+        taken = assign_exits(meas.values, res.thresholds)[held]
+        active = [e == 0 or all(t < float("inf") for t in res.thresholds[e].values()) for e in range(len(exits))]
+        layers = torch.tensor([*exits, L], dtype=torch.float64)[taken]
+        paid = torch.tensor(
+            [cost * sum(1 for e in range(min(t, len(exits) - 1) + 1) if active[e]) for t in taken.tolist()],
+            dtype=torch.float64,
+        )
+        o = res.heldout
+        assert o is not None
+        print(
+            f"{design}: target {a.target} confidence {conf}: held-out tokens {o.tokens}, exit rate {o.exit_rate:.3f}, "
+            f"precision {o.precision}, mean layers {o.mean_layers:.2f}, "
+            f"with head cost {float((layers + paid).mean()):.2f}"
+            f" (head {cost:.3f} layers per exit passed); per exit "
+            + ", ".join(f"{x.layer}: {x.heldout.coverage:.3f}" if x.heldout else f"{x.layer}: -" for x in res.exits)
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("step", choices=["build", "train", "calib"])
+    ap.add_argument("--cache", default="artifacts/states")
+    ap.add_argument("--model", default=None, help="default: the built-in SmolLM2-135M-Instruct")
+    ap.add_argument("--data", default="/work/shared/data/gsm8k/train.jsonl")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", default="8,12,16,20,24")
+    ap.add_argument("--text", type=int, default=16000)
+    ap.add_argument("--gen", type=int, default=4000)
+    ap.add_argument("--eval-text", type=int, default=4000)
+    ap.add_argument("--eval-gen", type=int, default=2000)
+    ap.add_argument("--design", default="residual-linear")
+    ap.add_argument("--rank", type=int, default=None)
+    ap.add_argument("--block-init", default="last")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loss", default="topk")
+    ap.add_argument("--tail", type=int, default=1024, help="tail samples; -1: the exact normaliser")
+    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--sources", default="text,gen")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--heads", default=None)
+    ap.add_argument("--top-k", type=int, default=64)
+    ap.add_argument("--target", type=float, default=0.99)
+    ap.add_argument("--holdout", type=float, default=0.5)
+    ap.add_argument("--eval-report", type=int, default=3000, help="held-out tokens of the training report")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    {"build": build, "train": train, "calib": calib}[a.step](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Candidate sources (exits.py) against their exit graphs (export.py) in ONNX Runtime, the menu of exit subsets
+calibrate writes, and the plan export writes and run follows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from eectl.calibrate import CalibrateOptions, ExitScorer, calibrate_model, measure_text
+from eectl.data import token_chunks
+from eectl.exits import (
+    ExitHead,
+    Int8Ranking,
+    Shortlist,
+    dynamic_quantize_uint8,
+    frequency_shortlist,
+    int8_scores,
+    quantize_rows_int8,
+)
+from eectl.export import ExportOptions, export_artifact
+from eectl.runtime.generate import RunOptions, resolve_config
+from eectl.runtime.runner import RunConfig, Runner
+from eectl.runtime.sessions import ArtifactRuntime, _ort, session_options
+
+K = 8
+
+
+def test_frequency_shortlist_ranks_by_count_then_id():
+    ids = torch.tensor([5, 3, 5, 9, 3, 5, 1])
+    assert frequency_shortlist(ids, 3, 10).tolist() == [5, 3, 1]  # 1 and 9 tie: the lower id first
+    # fewer distinct ids than asked: topped up with the lowest unseen ids; never beyond the vocabulary
+    assert frequency_shortlist(ids, 6, 10).tolist() == [5, 3, 1, 9, 0, 2]
+    assert frequency_shortlist(ids, 50, 10).numel() == 10
+
+
+def test_int8_scores_equal_ort_dynamic_quantize_and_matmul_integer():
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(300, 48, generator=g)
+    x = torch.randn(5, 48, generator=g) * 3
+    q, scale = quantize_rows_int8(weight)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    torch.testing.assert_close(q.float() * scale[:, None], weight, atol=float(scale.max()) / 2 + 1e-6, rtol=0)
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xzp"]),
+        helper.make_node("MatMulInteger", ["xq", "w", "xzp"], ["acc"]),
+        helper.make_node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["accf", "xs"], ["a"]),
+        helper.make_node("Mul", ["a", "ws"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "q",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 48])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 300]),
+            helper.make_tensor_value_info("xq", TensorProto.UINT8, [1, 48]),
+        ],
+        [numpy_helper.from_array(q.T.contiguous().numpy(), "w"), numpy_helper.from_array(scale.numpy(), "ws")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    sess = _ort().InferenceSession(model.SerializeToString(), sess_options=session_options())
+    want = int8_scores(x, q, scale)
+    xq, _, _ = dynamic_quantize_uint8(x)
+    for row in range(x.shape[0]):  # the runner quantizes one token at a time
+        y, got_q = sess.run(None, {"x": x[row : row + 1].numpy()})
+        assert np.array_equal(got_q[0], xq[row].numpy().astype(np.uint8))
+        np.testing.assert_allclose(y[0], want[row].numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def calibrations(llama, gsm8k):
+    """Tiny-llama calibrations with each cheap source (shortlist of 64 rows), the menu included."""
+    out = {}
+    for source in ("shortlist", "int8"):
+        opts = CalibrateOptions(
+            exits=[2, 3, 4], target=0.5, tokens=1500, top_k=K, candidates=source, shortlist=64, confidence=None
+        )
+        out[source] = calibrate_model(llama, gsm8k, opts)
+    return out
+
+
+def test_shortlist_is_ranked_on_calibration_tokens(calibrations, llama):
+    cal = calibrations["shortlist"]
+    assert cal.candidates is not None and cal.candidates.name == "shortlist" and cal.candidates.size == 64
+    assert len(set(cal.candidates.ids or [])) == 64
+    assert calibrations["int8"].candidates is not None and calibrations["int8"].candidates.ids is None
+
+
+@torch.no_grad()
+def test_menu_options_are_what_a_run_with_only_those_exits_measures(llama, gsm8k):
+    """Subsets are fitted on measurements with the candidates picked at the subset's own first exit."""
+    adapter = llama.adapter
+    source = Shortlist(torch.arange(0, 200))
+    chunks = token_chunks(llama.tokenizer, gsm8k, 300, 100)
+    wide = measure_text(ExitScorer(adapter, [1, 3, 5], "topk-prob+margin", K, source=source), chunks, pairs=True)
+    alone = measure_text(ExitScorer(adapter, [3, 5], "topk-prob+margin", K, source=source), chunks)
+    assert wide is not None and alone is not None
+    sub = wide.restrict([3, 5])
+    for c in ("prob", "margin"):
+        torch.testing.assert_close(sub.values[c], alone.values[c])
+    assert torch.equal(sub.correct, alone.correct)
+    # the first-exit slice is the ordinary measurement
+    plain = measure_text(ExitScorer(adapter, [1, 3, 5], "topk-prob+margin", K, source=source), chunks)
+    assert plain is not None and torch.equal(wide.correct, plain.correct)
+
+
+def test_menu_holds_target_and_verify_options(calibrations):
+    options = calibrations["shortlist"].options
+    kinds = {o.kind for o in options}
+    assert kinds <= {"target", "verify"} and "verify" in kinds
+    assert all(len(o.exits) <= 3 and o.exits == sorted(o.exits) for o in options)
+    for o in options:
+        assert all(x.thresholds["prob"] < float("inf") for x in o.per_exit)
+        assert 0.0 <= o.exit_rate <= 1.0
+
+
+@pytest.fixture(scope="module")
+def planned(llama, calibrations, tmp_path_factory):
+    root = tmp_path_factory.mktemp("planned")
+    out = {}
+    for source, cal in calibrations.items():
+        export_artifact(llama, root / source, ExportOptions(exits=[2, 3, 4], top_k=K), calibration=cal)
+        out[source] = ArtifactRuntime(root / source, provider="cpu")
+    return out
+
+
+@pytest.mark.parametrize("source", ["shortlist", "int8"])
+def test_candidate_graph_equals_the_torch_source(planned, llama, calibrations, source):
+    rt = planned[source]
+    m = rt.manifest
+    assert m.candidate_source["name"] == source
+    v = m.validation
+    assert v["candidate_checks"] > 0 and v["candidate_set_mismatches"] == 0
+    assert v["candidate_logit_max_abs_diff"] < 1e-4
+    ids = m.candidate_source.get("ids")
+    src = Shortlist(torch.tensor(ids)) if source == "shortlist" else Int8Ranking(llama.adapter.lm_head.weight)
+    hidden = torch.randn(6, llama.adapter.dims.hidden_size, generator=torch.Generator().manual_seed(3))
+    for layer in (2, 3):
+        head = ExitHead(llama.adapter)
+        want_c, want_l = src.torch_pick(head, hidden, K)
+        for row in range(hidden.shape[0]):  # one token per call, as the runner calls it
+            got_c, got_l = rt.exit_candidates(layer, hidden[row : row + 1].numpy(), K)
+            assert got_c[0].tolist() == want_c[row].tolist()
+            np.testing.assert_allclose(got_l[0], want_l[row].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_token_outside_the_shortlist_never_exits(planned):
+    rt = planned["shortlist"]
+    shortlist = set(rt.manifest.candidate_source["ids"])
+    cfg = RunConfig(exits=[2], thresholds={2: {"prob": 0.0}}, top_k=K, max_new_tokens=20)  # every token exits
+    g = Runner(rt, cfg).generate([[1, 7, 30, 2, 99]])[0]
+    assert g.exit_layers[1:] == [2] * 19 and set(g.token_ids[1:]) <= shortlist
+
+
+def test_costs_and_plan_are_in_the_manifest_and_run_follows_the_plan(planned):
+    rt = planned["shortlist"]
+    m = rt.manifest
+    assert m.costs is not None and m.plan is not None
+    c = m.costs
+    assert len(c.segment_ms) == len(m.segments) == len(c.kv_ms) == len(c.segment_extra_ms)
+    assert set(c.candidates_ms) == set(c.local_ms) == {"2", "3", "4"} and c.full_step_ms > 0
+    assert set(m.plan.choices) == {"copy", "defer", "verify"}
+    cfg = resolve_config(rt, RunOptions(), ())
+    assert cfg.planned and cfg.note.startswith("plan:")
+    want = m.plan.choices.get(m.plan.default)
+    assert cfg.exits == (want.exits if want is not None else [])
+    # a policy whose best option does not pay runs at full depth, and says so
+    m.plan.choices["verify"].exits = []
+    m.plan.choices["verify"].thresholds = {}
+    cfg = resolve_config(rt, RunOptions(policy="verify"), ())
+    assert cfg.exits == [] and "running at full depth" in cfg.note
+    # explicit exits and thresholds bypass the plan
+    cfg = resolve_config(rt, RunOptions(exits="3", thresholds="0.5"), ())
+    assert cfg.exits == [3] and not cfg.planned
+
+
+def test_compared_source_is_measured_on_the_same_tokens(llama, gsm8k, calibrations):
+    """--compare int8 in a shortlist calibration gives what an int8 calibration on the same data measures."""
+    opts = CalibrateOptions(
+        exits=[2, 3, 4],
+        target=0.5,
+        tokens=1500,
+        top_k=K,
+        candidates="shortlist",
+        shortlist=64,
+        confidence=None,
+        compare=["int8"],
+    )
+    cal = calibrate_model(llama, gsm8k, opts)
+    assert set(cal.compared) == {"int8"}
+    alone = calibrations["int8"]
+    got = cal.compared["int8"]
+    assert got.calibration == alone.calibration and got.heldout == alone.heldout
+    assert [x.thresholds for x in got.exits] == [x.thresholds for x in alone.exits]
+    assert len(got.options) == len(alone.options)
+    assert cal.calibration == calibrations["shortlist"].calibration  # the main source is unchanged
+
+
+@pytest.mark.parametrize("source", ["shortlist", "int8"])
+def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
+    """A batch picks each row's candidates as the row alone would (int8's per-input quantization scale: one row per
+    pick; the shortlist: one call for all rows)."""
+    rt = planned[source]
+    prompts = [[1, 7, 30, 2, 99], [5, 9], [44, 3, 8, 61, 2, 17, 90], [12]]
+    cfg = RunConfig(exits=[2, 3], thresholds={2: {"prob": 0.15}, 3: {"prob": 0.15}}, top_k=K, max_new_tokens=12)
+    alone = [Runner(rt, cfg).generate([p])[0] for p in prompts]
+    batch = Runner(rt, cfg).generate(prompts)
+    assert [g.token_ids for g in batch] == [g.token_ids for g in alone]
+    assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone]
+    layers = {x for g in batch for x in g.exit_layers[1:]}
+    assert len(layers) > 1, layers  # rows at different depths

@@ -1,0 +1,192 @@
+"""Top-k + tail-bucket loss and the on-disk state cache, on the tiny seeded Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eectl.exits import ExitHead
+from eectl.head_checkpoint import checkpoint_path
+from eectl.head_data import CacheSpec, build_cache, open_cache, read_sequence
+from eectl.head_designs import load_heads
+from eectl.head_losses import TeacherTopK, topk_tail_kl
+from eectl.heads_cached import CachedConfig, train_cached
+
+
+def test_topk_tail_kl_with_the_whole_vocabulary_is_the_exact_kl(llama):
+    adapter = llama.adapter
+    lens = ExitHead(adapter)
+    g = torch.Generator().manual_seed(0)
+    H, V = adapter.dims.hidden_size, adapter.dims.vocab_size
+    mapped = torch.randn(2, 5, H, generator=g)  # [E, B, H]
+    teacher_logits = torch.randn(5, V, generator=g) * 3
+    # k = V: no tail, exact normaliser -> the exact KL(p || q) of every exit
+    soft_ce, kl = topk_tail_kl(lens, mapped, TeacherTopK.of(teacher_logits, V), None)
+    p = F.softmax(teacher_logits, -1)
+    for e in range(2):
+        logq = F.log_softmax(lens.full(mapped[e]), -1)
+        exact = (p * (p.log() - logq)).sum(-1).mean()
+        torch.testing.assert_close(kl[e], exact, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(soft_ce[e], -(p * logq).sum(-1).mean(), rtol=1e-4, atol=1e-5)
+    # k < V with the exact normaliser: the bucketed KL is a lower bound of the exact one (data processing)
+    _, kl_k = topk_tail_kl(lens, mapped, TeacherTopK.of(teacher_logits, 8), None)
+    assert bool((kl_k <= kl + 1e-5).all())
+    # the sampled normaliser with every outside row sampled equals the exact normaliser
+    _, kl_s = topk_tail_kl(lens, mapped, TeacherTopK.of(teacher_logits, 8), V, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(kl_s, kl_k, rtol=1e-4, atol=1e-5)
+
+
+def test_state_cache_holds_the_base_states_and_resumes(llama, gsm8k, tmp_path):
+    spec = CacheSpec(
+        layers=[2, 4],
+        text_tokens=200,
+        gen_tokens=40,
+        eval_text_tokens=64,
+        eval_gen_tokens=4,
+        gen_len=2,
+        chunk_len=32,
+        teacher_k=4,
+        gen_batch=4,
+    )
+    cache = build_cache(llama, gsm8k, spec, tmp_path / "c")
+    assert cache.tokens("train", "text") >= 200 and cache.tokens("train", "gen") >= 40
+    assert cache.tokens("held", "text") == 64 and cache.tokens("held", "gen") >= 4
+    adapter = llama.adapter
+    entry = cache.split("train", ("gen",))[0]
+    seq = read_sequence(cache.folder / entry.file)
+    # the cached states are the base's own (float16), and the teacher is the final layer's top-k
+    states = {}
+    x = seq.ids[None]
+    pos = torch.arange(x.shape[1])[None]
+
+    def grab(i, _a, out):
+        states[i + 1] = out[0]
+
+    final = adapter.forward_layers(adapter.embed(x), pos, 0, adapter.num_layers, None, on_layer=grab)[0]
+    for layer in (2, 4):
+        torch.testing.assert_close(seq.states[layer].float(), states[layer], rtol=1e-2, atol=1e-2)
+    assert torch.equal(seq.teacher_ids[:, 0], adapter.logits(final).argmax(-1))
+    # generated sequences: measured positions predict the greedy continuation (the teacher's top-1 is the next id)
+    idx = torch.nonzero(seq.measured).flatten()
+    assert torch.equal(seq.teacher_ids[idx[:-1], 0], seq.ids[idx[:-1] + 1])
+    # a second build with a larger budget keeps the sequences already there and adds new ones
+    before = {e.file: (cache.folder / e.file).stat().st_mtime_ns for e in cache.entries}
+    spec.text_tokens = 260
+    bigger = build_cache(llama, gsm8k, spec, tmp_path / "c")
+    assert all((bigger.folder / f).stat().st_mtime_ns == t for f, t in before.items())
+    assert bigger.tokens("train", "text") > cache.tokens("train", "text")
+    assert open_cache(tmp_path / "c").tokens("train") == bigger.tokens("train")
+
+
+def _tiny_cache(llama, gsm8k, folder):
+    spec = CacheSpec(
+        layers=[2, 4],
+        text_tokens=300,
+        gen_tokens=40,
+        eval_text_tokens=96,
+        eval_gen_tokens=4,
+        gen_len=2,
+        chunk_len=32,
+        teacher_k=8,
+        gen_batch=4,
+    )
+    return build_cache(llama, gsm8k, spec, folder)
+
+
+@pytest.mark.parametrize("design,loss", [("residual-linear", "topk"), ("mlp", "exact"), ("block", "topk")])
+def test_cached_training_lowers_held_out_kl_and_resumes_bit_identically(llama, gsm8k, tmp_path, design, loss):
+    cache = _tiny_cache(llama, gsm8k, tmp_path / "c")
+    cfg = dict(
+        exits=[2, 4], design=design, steps=12, lr=3e-3, batch_tokens=32, loss=loss, tail_samples=64, save_every=6
+    )
+    res = train_cached(llama, cache, CachedConfig(**cfg), tmp_path / "a.safetensors")
+    for b, a in zip(res.meta.report["before"]["exits"], res.meta.report["after"]["exits"], strict=True):
+        assert a["kl"] < b["kl"]
+    # stop after step 6 (a checkpoint), resume: the same heads as the uninterrupted run, bit for bit
+
+    def stop(step, _tokens, _kl):
+        if step == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_cached(llama, cache, CachedConfig(**cfg), tmp_path / "b.safetensors", on_step=stop)
+    train_cached(
+        llama,
+        cache,
+        CachedConfig(**cfg),
+        tmp_path / "b.safetensors",
+        resume=checkpoint_path(tmp_path / "b.safetensors"),
+    )
+    a_heads = load_heads(tmp_path / "a.safetensors", llama)
+    b_heads = load_heads(tmp_path / "b.safetensors", llama)
+    assert a_heads.meta.design == design
+    for layer in a_heads.exits:
+        for p, q in zip(a_heads.heads[layer].parameters(), b_heads.heads[layer].parameters(), strict=True):
+            assert torch.equal(p, q)
+
+
+def test_cli_trains_a_block_from_a_state_cache(tiny_dirs, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+    from tests.tiny import GSM8K
+
+    args = [
+        "train-heads",
+        str(tiny_dirs["llama"]),
+        "--data",
+        str(GSM8K),
+        "--exits",
+        "2,4",
+        "--design",
+        "block",
+        "--cache",
+        str(tmp_path / "c"),
+        "--tokens",
+        "512",
+        "--eval-tokens",
+        "128",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path / "h.safetensors"),
+        "--json",
+    ]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["design"] == "block" and doc["head_cost"]["layers"] == 1.0
+    assert doc["training"]["loss"] == "topk" and (tmp_path / "c" / "cache.json").is_file()
+
+
+def test_block_head_decoding_with_its_own_kv_equals_the_whole_sequence(llama):
+    from eectl.head_designs import BlockHead
+    from eectl.models.adapters import KVCache
+
+    adapter = llama.adapter
+    torch.manual_seed(0)
+    head = BlockHead(adapter, adapter.num_layers - 1, identity=False).eval()
+    h = torch.randn(1, 9, adapter.dims.hidden_size)
+    with torch.no_grad():
+        whole = head(h[0])
+        cache = KVCache()
+        steps = [head.step(h[:, :5], torch.arange(5)[None], cache)]  # prefill, then one token at a time
+        steps += [head.step(h[:, t : t + 1], torch.tensor([[t]]), cache) for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(steps, 1)[0], whole, rtol=1e-5, atol=1e-5)
+    identity = BlockHead(adapter, 3, identity=True)
+    torch.testing.assert_close(identity(h[0]), h[0])  # zeroed output projections: starts as the logit lens
+
+
+def test_calibrate_runs_block_heads_on_text_and_generation(llama, gsm8k, tmp_path):
+    from eectl.calibrate import CalibrateOptions, calibrate_model
+
+    cache = _tiny_cache(llama, gsm8k, tmp_path / "c")
+    cfg = CachedConfig(exits=[2, 4], design="block", steps=4, batch_tokens=32, tail_samples=64)
+    train_cached(llama, cache, cfg, tmp_path / "b.safetensors")
+    heads = load_heads(tmp_path / "b.safetensors", llama)
+    opts = CalibrateOptions(exits=[2, 4], target=0.5, tokens=400, gen_tokens=4, chunk_len=32)
+    cal = calibrate_model(llama, gsm8k, opts, heads.heads, tmp_path / "b.safetensors")
+    assert cal.data.generated_tokens == 100 and [x.head for x in cal.exits] == [True, True]

@@ -1,0 +1,125 @@
+"""The cost model and the choice of exits (plan.py): pure arithmetic, checked against hand computations."""
+
+from __future__ import annotations
+
+import pytest
+
+from eectl.plan import MIN_GAIN, Costs, ExitOption, Option, choose, predict
+
+# three segments ending at layers 4, 8 and 12 (L = 12): exits can sit at 4 and 8
+BOUNDARIES = [4, 8, 12]
+
+
+def _costs(**kw) -> Costs:
+    base = dict(
+        provider="cpu",
+        threads=1,
+        past=128,
+        repeats=5,
+        embed_ms=0.0,
+        segment_ms=[4.0, 4.0, 4.0],
+        segment_extra_ms=[0.5, 0.5, 0.5],
+        kv_ms=[1.0, 1.0, 1.0],
+        final_head_ms=3.0,
+        final_head_extra_ms=0.2,
+        candidates_ms={"4": 0.3, "8": 0.3},
+        local_ms={"4": 0.05, "8": 0.05},
+        full_step_ms=15.0,  # 12 ms of segments + 3 ms of head: no unexplained overhead
+    )
+    base.update(kw)
+    return Costs(**base)
+
+
+def _option(exits, coverage, precision=None, kind="target", target=0.99) -> Option:
+    precision = precision or [1.0] * len(exits)
+    return Option(
+        exits=exits,
+        kind=kind,
+        target=target,
+        confidence=None,
+        per_exit=[
+            ExitOption(layer=e, thresholds={"prob": 0.9}, coverage=c, precision=p)
+            for e, c, p in zip(exits, coverage, precision, strict=True)
+        ],
+        agreement=1.0,
+    )
+
+
+def test_no_exits_is_the_measured_full_step():
+    p = predict(_costs(), BOUNDARIES, "defer", [])
+    assert p.ms_per_token == 15.0 and p.speedup == 1.0 and p.decision_ms == 0.0
+
+
+def test_defer_by_hand():
+    # 40% exit at 4: they pay segment 0 (4) + the candidate source (0.3) + one more position in segments 1, 2 (1.0)
+    # the rest pay the full step (15) + the decision (0.3)
+    p = predict(_costs(), BOUNDARIES, "defer", [(4, 0.4, 1.0)])
+    want = 0.4 * (4 + 0.3 + 1.0) + 0.6 * (15 + 0.3)
+    assert p.ms_per_token == pytest.approx(want)
+    assert p.speedup == pytest.approx(15 / want) and p.decision_ms == pytest.approx(0.3)
+    assert p.exit_rate == pytest.approx(0.4)
+
+
+def test_two_exits_pay_the_decisions_they_pass():
+    # exit 8 pays the candidates at 4 and the local exit at 8; tokens that exit at 4 never see exit 8
+    p = predict(_costs(), BOUNDARIES, "defer", [(4, 0.1, 1.0), (8, 0.3, 1.0)])
+    at4 = 4 + 0.3 + 1.0
+    at8 = 8 + 0.35 + 0.5
+    rest = 15 + 0.35
+    assert p.ms_per_token == pytest.approx(0.1 * at4 + 0.3 * at8 + 0.6 * rest)
+    assert p.decision_ms == pytest.approx(0.1 * 0.3 + 0.9 * 0.35)
+
+
+def test_copy_pays_the_kv_graphs_of_skipped_segments():
+    p = predict(_costs(), BOUNDARIES, "copy", [(4, 0.4, 1.0)])
+    assert p.ms_per_token == pytest.approx(0.4 * (4 + 0.3 + 2 * 1.0) + 0.6 * 15.3)
+
+
+def test_verify_loses_rejected_drafts_and_the_chain_after_them():
+    exact = predict(_costs(), BOUNDARIES, "verify", [(4, 0.4, 1.0)])
+    step = 0.4 * (4 + 0.3 + 1.0 + 0.2) + 0.6 * 15.3
+    assert exact.ms_per_token == pytest.approx(step) and exact.lost_per_step == 0.0
+    wrong = predict(_costs(), BOUNDARIES, "verify", [(4, 0.4, 0.75)])
+    lost = 0.4 * 0.25 * (1 + 0.4 / 0.6)  # the wrong draft and, on average, the drafts that followed it
+    assert wrong.lost_per_step == pytest.approx(lost)
+    assert wrong.ms_per_token == pytest.approx(step / (1 - lost))
+    measured = predict(_costs(), BOUNDARIES, "verify", [(4, 0.4, None)], lost_rate=0.1)
+    assert measured.ms_per_token == pytest.approx(step / 0.9)
+
+
+def test_unexplained_step_time_is_spread_over_segment_calls():
+    c = _costs(full_step_ms=18.0)  # 3 ms outside the timed graphs: 1 ms per segment call
+    assert c.overhead_per_segment() == pytest.approx(1.0)
+    p = predict(c, BOUNDARIES, "defer", [(4, 1.0, 1.0)])
+    assert p.ms_per_token == pytest.approx(4 + 1 + 0.3 + 1.0)
+
+
+def test_choose_the_fastest_and_fall_back_to_full_depth():
+    options = [
+        _option([4], [0.05]),  # pays too little
+        _option([8], [0.5]),
+        _option([4, 8], [0.02, 0.45]),  # exit 4 adds a decision to most tokens for 2% exits
+        _option([4], [0.6], [0.9], kind="verify", target=0.9),
+    ]
+    plan = choose(_costs(), BOUNDARIES, options)
+    assert plan.choices["defer"].exits == [8] and plan.choices["copy"].exits == [8]
+    want = predict(_costs(), BOUNDARIES, "defer", [(8, 0.5, 1.0)]).speedup
+    assert plan.choices["defer"].prediction.speedup == pytest.approx(want)
+    assert plan.choices["verify"].exits == [4]  # only verify options are verify's
+    assert plan.default in ("defer", "verify") and plan.choices[plan.default].prediction.speedup == max(
+        plan.choices[p].prediction.speedup for p in ("defer", "verify")
+    )
+    # nothing is predicted MIN_GAIN faster: full depth, with the best option kept for the one-line explanation
+    slow = choose(_costs(), BOUNDARIES, [_option([8], [0.02])])
+    assert slow.default == "full" and slow.choices["defer"].exits == []
+    assert slow.choices["defer"].prediction.speedup == 1.0 and slow.choices["defer"].best is not None
+    assert slow.choices["defer"].best.speedup < 1 + MIN_GAIN
+    assert "full depth" in slow.summary() and "defer at exits [8]" in slow.summary()
+    # copy is never the default, even when it is the fastest
+    only_copy = choose(_costs(kv_ms=[0.0, 0.0, 0.0], segment_extra_ms=[3.0] * 3), BOUNDARIES, [_option([4], [0.5])])
+    assert only_copy.choices["copy"].exits == [4] and only_copy.default != "copy"
+
+
+def test_options_at_exits_the_artifact_lacks_are_skipped():
+    plan = choose(_costs(), BOUNDARIES, [_option([6], [0.9])])
+    assert plan.default == "full" and plan.choices["defer"].best is None
