@@ -655,6 +655,11 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _x(v: float | None) -> str:
+    """A speed ratio: 1.23x, or - when there is none."""
+    return "-" if v is None else f"{v:.2f}x"
+
+
 def _ci(v: tuple[float, float] | list[float] | None, spec: str) -> str:
     if v is None or any(math.isnan(x) for x in v):
         return ""
@@ -683,10 +688,10 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         lines.append(
             f"| {name} | {exits} | {c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-"
             f"{c.ms_per_token_spread[1]:.1f}) | "
-            f"{c.tokens_per_s:.1f} | {c.throughput:.1f} ({_fmt(c.throughput_vs_full)}x) | {c.ttft_ms:.0f} | "
-            f"{_fmt(c.speedup_vs_full)}x{_ci(c.speedup_vs_full_ci, '.2f')} | "
-            f"{_fmt(c.predicted_speedup)}x | {_fmt(c.model_speedup)}x | {_fmt(c.speedup_vs_hf)}x | "
-            f"{_fmt(c.mean_layers, '.1f')} | {_fmt(c.layer_bound)}x | {_fmt(c.decide_share, '.1%')} | "
+            f"{c.tokens_per_s:.1f} | {c.throughput:.1f} ({_x(c.throughput_vs_full)}) | {c.ttft_ms:.0f} | "
+            f"{_x(c.speedup_vs_full)}{_ci(c.speedup_vs_full_ci, '.2f')} | "
+            f"{_x(c.predicted_speedup)} | {_x(c.model_speedup)} | {_x(c.speedup_vs_hf)} | "
+            f"{_fmt(c.mean_layers, '.1f')} | {_x(c.layer_bound)} | {_fmt(c.decide_share, '.1%')} | "
             f"{_fmt(c.token_agreement, '.1%')}{_ci(c.token_agreement_ci, '.1%')} | "
             f"{_fmt(c.exact_match, '.0%')}{_ci(c.exact_match_ci, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "
             f"{_fmt(c.perplexity, '.2f')} | {_fmt(c.gsm8k_accuracy, '.0%')} | {c.rss_mb:.0f} |"
