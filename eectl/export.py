@@ -233,83 +233,13 @@ def _write_artifact(
     dims = adapter.dims
     L = dims.num_layers
     max_pos = options.max_positions or dims.max_positions
-    np_dtype = DTYPES[options.dtype][1]
-
-    def save(model: onnx.ModelProto, io: GraphIO, int4: bool = False) -> GraphIO:
-        # quantized first (MatMulNBits' packed weights), then saved with its weights as external data
-        return save_graph(quantize_graph(model, options.int4) if int4 else model, io, folder)
-
     quantized = options.weights == "int4"
-
-    (folder / "weights").mkdir()
-    # The LM head is stored transposed, [H, V]: MatMul on a [1, H] token is then ORT's matrix-vector path, which
-    # streams the table once per token; the [V, H] table with Gemm(transB) is repacked on every call (measured:
-    # 2x slower per projection on this CPU). It is a graph input, shared by every exit graph and stored once.
-    lm = np.ascontiguousarray(adapter.lm_head.weight.detach().float().numpy().astype(np_dtype).T)
-    np.save(folder / "weights" / "lm_head.npy", lm)
-    shared = {
-        "lm_head": SharedWeight(file="weights/lm_head.npy", shape=list(lm.shape), dtype=options.dtype, transposed=True)
-    }
-    tied = adapter.embed_tokens.weight.data_ptr() == adapter.lm_head.weight.data_ptr()
-    if tied:
-        shared["embed"] = shared["lm_head"]
-    else:
-        emb = adapter.embed_tokens.weight.detach().float().numpy().astype(np_dtype)
-        np.save(folder / "weights" / "embed.npy", emb)
-        shared["embed"] = SharedWeight(file="weights/embed.npy", shape=list(emb.shape), dtype=options.dtype)
-
-    embedding = save(*build_embedding(adapter, options.dtype, transposed=tied))
-    cuts = [0, *exits, L]
-    segments = []
-    for idx, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
-        if log is not None:
-            log.log(f"segment {idx}: layers {lo}..{hi - 1}")
-        seg_model, seg_io = build_segment(adapter, lo, hi, options.dtype, max_pos)
-        river = None
-        if options.river and idx > 0:  # same input/output names: the runner binds the same KV buffers
-            # quantized before the fp32 graph is saved: saving moves a model's weights out of it (external data)
-            river = save(seg_model, seg_io.model_copy(update={"file": f"river_{lo:03d}_{hi:03d}.onnx"}), int4=True)
-        graph = save(seg_model, seg_io, quantized)
-        kv_graph = save(*build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True), int4=quantized)
-        segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph, river=river))
+    lm, shared, tied = _write_shared_weights(adapter, folder, options.dtype)
+    embedding = _save(folder, options, *build_embedding(adapter, options.dtype, transposed=tied))
+    segments = _write_segments(adapter, folder, exits, options, max_pos, log)
     source, source_info = candidate_source(adapter, options.candidates, calibration)
-    exit_points = []
-    for layer in [*exits, L]:
-        head = heads.get(layer)
-        cand_graph = None
-        if layer < L and source.name != FirstExitTopK.name:
-            cand_graph = save(*build_candidates(adapter, layer, options.dtype, source, head))
-        full_model, full_io = build_exit(adapter, layer, options.dtype, local=False, head=head)
-        river_head = None
-        if layer == L and options.int4.lm_head != "fp32" and (quantized or options.river):
-            # the final head's own quantized table: for every token (int4 artifact) or the river's end only
-            weight_input = full_io.inputs["weight"]
-            assert isinstance(weight_input, str)
-            q_model = quantize_lm_head(full_model, weight_input, lm, options.int4)
-            q_io = full_io.model_copy(
-                update={"inputs": {k: v for k, v in full_io.inputs.items() if k != "weight"}},
-                deep=True,
-            )
-            if quantized:
-                full_model, full_io = q_model, q_io
-            else:
-                q_io.file = f"exit_{layer:03d}_river.onnx"
-                river_head = save(q_model, q_io)
-        exit_points.append(
-            ExitPoint(
-                layer=layer,
-                full=save(full_model, full_io),
-                local=save(*build_exit(adapter, layer, options.dtype, local=True, head=head)),
-                candidates=cand_graph,
-                river=river_head,
-                head=None if head is None else (heads_meta.design if heads_meta else type(head).__name__),
-            )
-        )
-    tok_dir = folder / "tokenizer"
-    loaded.tokenizer.save_pretrained(str(tok_dir))  # type: ignore[attr-defined]
-    eos = loaded.model.generation_config.eos_token_id if loaded.model.generation_config is not None else None
-    eos = eos if eos is not None else getattr(loaded.tokenizer, "eos_token_id", None)
-    eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+    exit_points = _write_exits(adapter, folder, exits, options, heads, heads_meta, source, lm)
+    loaded.tokenizer.save_pretrained(str(folder / "tokenizer"))  # type: ignore[attr-defined]
     manifest = Manifest(
         schema_version=SCHEMA_VERSION,
         eectl_version=__version__,
@@ -319,7 +249,7 @@ def _write_artifact(
         dtype=options.dtype,
         opset=OPSET,
         tokenizer_dir="tokenizer",
-        eos_token_ids=eos_ids,
+        eos_token_ids=_eos_ids(loaded),
         max_positions=max_pos,
         top_k=options.top_k,
         embedding=embedding,
@@ -351,9 +281,110 @@ def _write_artifact(
     return manifest
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Validation
-# ---------------------------------------------------------------------------------------------------------------
+def _save(folder: Path, options: ExportOptions, model: onnx.ModelProto, io: GraphIO, int4: bool = False) -> GraphIO:
+    # quantized first (MatMulNBits' packed weights), then saved with its weights as external data
+    return save_graph(quantize_graph(model, options.int4) if int4 else model, io, folder)
+
+
+def _write_shared_weights(
+    adapter: Adapter, folder: Path, dtype: str
+) -> tuple[np.ndarray, dict[str, SharedWeight], bool]:
+    """weights/lm_head.npy (and embed.npy unless tied): (the transposed LM head, the manifest's entries, tied)."""
+    np_dtype = DTYPES[dtype][1]
+    (folder / "weights").mkdir()
+    # The LM head is stored transposed, [H, V]: MatMul on a [1, H] token is then ORT's matrix-vector path, which
+    # streams the table once per token; the [V, H] table with Gemm(transB) is repacked on every call (measured:
+    # 2x slower per projection on this CPU). It is a graph input, shared by every exit graph and stored once.
+    lm = np.ascontiguousarray(adapter.lm_head.weight.detach().float().numpy().astype(np_dtype).T)
+    np.save(folder / "weights" / "lm_head.npy", lm)
+    shared = {"lm_head": SharedWeight(file="weights/lm_head.npy", shape=list(lm.shape), dtype=dtype, transposed=True)}
+    tied = adapter.embed_tokens.weight.data_ptr() == adapter.lm_head.weight.data_ptr()
+    if tied:
+        shared["embed"] = shared["lm_head"]
+    else:
+        emb = adapter.embed_tokens.weight.detach().float().numpy().astype(np_dtype)
+        np.save(folder / "weights" / "embed.npy", emb)
+        shared["embed"] = SharedWeight(file="weights/embed.npy", shape=list(emb.shape), dtype=dtype)
+    return lm, shared, tied
+
+
+def _write_segments(
+    adapter: Adapter, folder: Path, exits: list[int], options: ExportOptions, max_pos: int, log: Any
+) -> list[Segment]:
+    """One segment graph (plus its K/V-only twin, and with --river an int4 copy after the first exit) per cut."""
+    quantized = options.weights == "int4"
+    cuts = [0, *exits, adapter.num_layers]
+    segments = []
+    for idx, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        if log is not None:
+            log.log(f"segment {idx}: layers {lo}..{hi - 1}")
+        seg_model, seg_io = build_segment(adapter, lo, hi, options.dtype, max_pos)
+        river = None
+        if options.river and idx > 0:  # same input/output names: the runner binds the same KV buffers
+            # quantized before the fp32 graph is saved: saving moves a model's weights out of it (external data)
+            river_io = seg_io.model_copy(update={"file": f"river_{lo:03d}_{hi:03d}.onnx"})
+            river = _save(folder, options, seg_model, river_io, int4=True)
+        graph = _save(folder, options, seg_model, seg_io, quantized)
+        kv_model, kv_io = build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True)
+        kv_graph = _save(folder, options, kv_model, kv_io, int4=quantized)
+        segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph, river=river))
+    return segments
+
+
+def _write_exits(
+    adapter: Adapter,
+    folder: Path,
+    exits: list[int],
+    options: ExportOptions,
+    heads: dict[int, torch.nn.Module],
+    heads_meta: HeadsMeta | None,
+    source: CandidateSource,
+    lm: np.ndarray,
+) -> list[ExitPoint]:
+    """The full, local and candidate graphs of every exit and of the final layer (and the final head's quantized
+    table for int4 artifacts or the river's end)."""
+    L = adapter.num_layers
+    quantized = options.weights == "int4"
+    exit_points = []
+    for layer in [*exits, L]:
+        head = heads.get(layer)
+        cand_graph = None
+        if layer < L and source.name != FirstExitTopK.name:
+            cand_graph = _save(folder, options, *build_candidates(adapter, layer, options.dtype, source, head))
+        full_model, full_io = build_exit(adapter, layer, options.dtype, local=False, head=head)
+        river_head = None
+        if layer == L and options.int4.lm_head != "fp32" and (quantized or options.river):
+            # the final head's own quantized table: for every token (int4 artifact) or the river's end only
+            weight_input = full_io.inputs["weight"]
+            assert isinstance(weight_input, str)
+            q_model = quantize_lm_head(full_model, weight_input, lm, options.int4)
+            q_io = full_io.model_copy(
+                update={"inputs": {k: v for k, v in full_io.inputs.items() if k != "weight"}},
+                deep=True,
+            )
+            if quantized:
+                full_model, full_io = q_model, q_io
+            else:
+                q_io.file = f"exit_{layer:03d}_river.onnx"
+                river_head = _save(folder, options, q_model, q_io)
+        exit_points.append(
+            ExitPoint(
+                layer=layer,
+                full=_save(folder, options, full_model, full_io),
+                local=_save(folder, options, *build_exit(adapter, layer, options.dtype, local=True, head=head)),
+                candidates=cand_graph,
+                river=river_head,
+                head=None if head is None else (heads_meta.design if heads_meta else type(head).__name__),
+            )
+        )
+    return exit_points
+
+
+def _eos_ids(loaded: LoadedModel) -> list[int]:
+    """The generation config's end-of-sequence ids, else the tokenizer's."""
+    eos = loaded.model.generation_config.eos_token_id if loaded.model.generation_config is not None else None
+    eos = eos if eos is not None else getattr(loaded.tokenizer, "eos_token_id", None)
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
 
 
 def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:

@@ -6,6 +6,7 @@ and the stage (export.py) leaves nothing half-written.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ import numpy as np
 import torch
 
 from eectl.errors import ArtifactError
-from eectl.exits import ExitHead, FirstExitTopK, make_source
+from eectl.exits import CandidateSource, ExitHead, FirstExitTopK, make_source
+from eectl.manifest import Manifest
 from eectl.models.adapters import Adapter, Capture, KVCache
 from eectl.models.loading import LoadedModel
 from eectl.quantize import agreement_verdict
@@ -55,11 +57,58 @@ def validate_artifact(
     adapter = loaded.adapter
     rt = ArtifactRuntime(folder, provider="cpu", verify=False, lazy_segments=True)
     m = rt.manifest
-    L = m.num_layers
-    tol = TOLERANCE[m.dtype]
     ids = loaded.tokenizer(VALIDATION_PROMPT, add_special_tokens=False)["input_ids"][:48]  # type: ignore[operator]
     exit_heads = {e.layer: ExitHead(adapter, (heads or {}).get(e.layer)) for e in m.exits}
-    # torch reference: per step, the hidden state at every exit layer ([S, H]); its greedy token is the next chunk
+    chunks, ref_states = _torch_reference(adapter, exit_heads, ids, m.num_layers)
+    info = m.candidate_source
+    source = make_source(
+        str(info.get("name", FirstExitTopK.name)),
+        adapter.lm_head.weight,
+        torch.tensor(info["ids"]) if info.get("ids") else None,
+    )
+    d = _Diffs(
+        logits={e.layer: 0.0 for e in m.exits},
+        local={e.layer: 0.0 for e in m.exits},
+        tokens={e.layer: 0 for e in m.exits},
+    )
+    _compare_graphs(rt, adapter, exit_heads, source, chunks, ref_states, len(ids), river, d)
+    result: dict[str, Any] = {
+        "dtype": m.dtype,
+        "tolerance": TOLERANCE[m.dtype],
+        "prompt_tokens": len(ids),
+        "decode_steps": VALIDATION_DECODE_STEPS,
+        "positions": len(ids) + VALIDATION_DECODE_STEPS,  # compared greedy tokens per exit
+        "max_abs_logit_diff": {str(k): v for k, v in d.logits.items()},
+        "max_abs_local_logit_diff": {str(k): v for k, v in d.local.items()},
+        "greedy_token_mismatches": {str(k): v for k, v in d.tokens.items()},
+        "kv_graph_max_abs_diff": d.kv,
+        "candidate_source": source.name,
+        "candidate_checks": d.cand_checks,
+        "candidate_set_mismatches": d.cand_mismatch,  # int8 ranking ties may flip the K-th candidate
+        "candidate_logit_max_abs_diff": d.cand_logits,
+        "passed": True,
+    }
+    return _verdict(result, m, d, river, log)
+
+
+@dataclass
+class _Diffs:
+    """What validation measured so far: max abs differences and mismatch counts, per exit layer where keyed."""
+
+    logits: dict[int, float]  # full exit graph's logits vs torch
+    local: dict[int, float]  # local (candidate rows) exit graph's logits vs torch
+    tokens: dict[int, int]  # greedy token mismatches
+    kv: float = 0.0  # K/V-only graphs vs the adapter's K/V projection
+    cand_checks: int = 0
+    cand_mismatch: int = 0  # candidate sets that differ from the torch source's
+    cand_logits: float = 0.0
+
+
+def _torch_reference(
+    adapter: Adapter, exit_heads: dict[int, ExitHead], ids: list[int], L: int
+) -> tuple[list[list[int]], list[dict[int, torch.Tensor]]]:
+    """The token chunks both sides run (the prompt, then torch's greedy tokens) and, per chunk, the hidden state at
+    every exit layer ([S, H])."""
     chunks: list[list[int]] = [list(ids)]
     ref_states: list[dict[int, torch.Tensor]] = []
     cache = KVCache()
@@ -74,22 +123,25 @@ def validate_artifact(
         pos += len(chunk)
         chunks.append([int(exit_heads[L].full(states[L][-1:]).argmax(-1))])
     chunks.pop()
-    del cache
-    diffs = {e.layer: 0.0 for e in m.exits}
-    local_diffs = {e.layer: 0.0 for e in m.exits}
-    token_mismatch: dict[int, int] = {e.layer: 0 for e in m.exits}
-    info = m.candidate_source
-    source = make_source(
-        str(info.get("name", FirstExitTopK.name)),
-        adapter.lm_head.weight,
-        torch.tensor(info["ids"]) if info.get("ids") else None,
-    )
-    cand_checks = cand_mismatch = 0
-    cand_diff = 0.0
-    kv = rt.new_kv(1, len(ids) + VALIDATION_DECODE_STEPS + 1)
+    return chunks, ref_states
+
+
+def _compare_graphs(
+    rt: Any,
+    adapter: Adapter,
+    exit_heads: dict[int, ExitHead],
+    source: CandidateSource,
+    chunks: list[list[int]],
+    ref_states: list[dict[int, torch.Tensor]],
+    prompt_len: int,
+    river: bool,
+    d: _Diffs,
+) -> None:
+    """Run the graphs segment by segment over every chunk and accumulate their differences from torch into `d`."""
+    m = rt.manifest
+    kv = rt.new_kv(1, prompt_len + VALIDATION_DECODE_STEPS + 1)
     hidden = [rt.embed(np.array([c], dtype=np.int64)) for c in chunks]
-    kv_diff = 0.0
-    kv_ids = torch.tensor([ids[:8]])
+    kv_ids = torch.tensor([chunks[0][:8]])
     for s_idx, seg in enumerate(m.segments):
         rt.load_segment(s_idx)
         layer = seg.layers[1]  # every segment ends at an exit
@@ -99,38 +151,28 @@ def validate_artifact(
             ref_h = ref_states[t][layer]
             ref = exit_heads[layer].full(ref_h).float()
             got, cand, _ = rt.exit_full(layer, hidden[t][0], m.top_k, river=river)
-            diffs[layer] = max(diffs[layer], float((torch.from_numpy(got).float() - ref).abs().max()))
-            token_mismatch[layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
+            d.logits[layer] = max(d.logits[layer], float((torch.from_numpy(got).float() - ref).abs().max()))
+            d.tokens[layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
             cand_t = torch.from_numpy(cand)
             ref_local = exit_heads[layer].local(ref_h, cand_t).float()
             got_local = torch.from_numpy(rt.exit_local(layer, hidden[t][0], cand)).float()
-            local_diffs[layer] = max(local_diffs[layer], float((got_local - ref_local).abs().max()))
+            d.local[layer] = max(d.local[layer], float((got_local - ref_local).abs().max()))
             if e.candidates is not None:  # the candidate source at the last position, as the runner calls it
                 want_c, _ = source.torch_pick(exit_heads[layer], ref_h[-1:], m.top_k)
                 got_c, got_l = rt.exit_candidates(layer, hidden[t][0][-1:], m.top_k)
-                cand_checks += 1
-                cand_mismatch += int(set(want_c[0].tolist()) != set(got_c[0].tolist()))
+                d.cand_checks += 1
+                d.cand_mismatch += int(set(want_c[0].tolist()) != set(got_c[0].tolist()))
                 exact = exit_heads[layer].local(ref_h[-1:], torch.from_numpy(got_c)).float()
-                cand_diff = max(cand_diff, float((torch.from_numpy(got_l).float() - exact).abs().max()))
-        kv_diff = max(kv_diff, _validate_kv_graph(adapter, rt, s_idx, kv_ids))
+                d.cand_logits = max(d.cand_logits, float((torch.from_numpy(got_l).float() - exact).abs().max()))
+        d.kv = max(d.kv, _validate_kv_graph(adapter, rt, s_idx, kv_ids))
         rt.release_segment(s_idx)
         kv.calls.clear()  # its bindings hold the released sessions
-    result: dict[str, Any] = {
-        "dtype": m.dtype,
-        "tolerance": tol,
-        "prompt_tokens": len(ids),
-        "decode_steps": VALIDATION_DECODE_STEPS,
-        "positions": len(ids) + VALIDATION_DECODE_STEPS,  # compared greedy tokens per exit
-        "max_abs_logit_diff": {str(k): v for k, v in diffs.items()},
-        "max_abs_local_logit_diff": {str(k): v for k, v in local_diffs.items()},
-        "greedy_token_mismatches": {str(k): v for k, v in token_mismatch.items()},
-        "kv_graph_max_abs_diff": kv_diff,
-        "candidate_source": source.name,
-        "candidate_checks": cand_checks,
-        "candidate_set_mismatches": cand_mismatch,  # int8 ranking ties may flip the K-th candidate
-        "candidate_logit_max_abs_diff": cand_diff,
-        "passed": True,
-    }
+
+
+def _verdict(result: dict[str, Any], m: Manifest, d: _Diffs, river: bool, log: Any) -> dict[str, Any]:
+    """Pass or raise ExportValidationError: int4 graphs by greedy agreement, the others by tolerance."""
+    L = m.num_layers
+    tol = TOLERANCE[m.dtype]
     if m.quantization is not None and (river or m.quantization.scope == "segments"):
         result["graphs"] = "river" if river else "int4"  # before the verdict: its message names them
         failure = agreement_verdict(result, L, m.quantization.min_agreement)
@@ -140,15 +182,15 @@ def validate_artifact(
         if log is not None:
             log.log(f"{result['graphs']} validation passed: greedy agreement {result['greedy_agreement'][str(L)]:.1%}")
         return result
-    worst = max(max(diffs.values()), max(local_diffs.values()), kv_diff, cand_diff)
-    mismatches = sum(token_mismatch.values())
+    worst = max(max(d.logits.values()), max(d.local.values()), d.kv, d.cand_logits)
+    mismatches = sum(d.tokens.values())
     strict_tokens = m.dtype == "fp32"
     if worst > tol or (strict_tokens and mismatches):
         result["passed"] = False
-        bad = {k: round(v, 5) for k, v in diffs.items() if v > tol}
+        bad = {k: round(v, 5) for k, v in d.logits.items() if v > tol}
         raise ExportValidationError(
             f"exported graphs differ from PyTorch: max abs logit diff {worst:.3g} (tolerance {tol}), "
-            f"{mismatches} greedy token mismatches; per exit {bad or diffs}"
+            f"{mismatches} greedy token mismatches; per exit {bad or d.logits}"
         )
     if log is not None:
         log.log(f"validation passed: max abs logit diff {worst:.2e} (tolerance {tol})")
