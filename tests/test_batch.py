@@ -133,7 +133,9 @@ def test_batched_rows_on_cuda_equal_cpu(tiny_dirs, tmp_path):
             rt.run_segment(0, x, kv, row=r)
         got = run_rows(rt, 0, decode, kv, np.array([True, False, True]))
         assert got is not None and list(kv.filled[:, 0]) == [5, 9, 3]
-        outs.append(got[0][[0, 2]].astype(np.float32))
+        padded = new_batch_kv(rt, 3, 16)  # the prompts as one right-padded first-prompt call
+        pre = run_prefill(rt, 0, dict(enumerate(prefill)), padded)
+        outs.append(np.concatenate([got[0][[0, 2]], pre[1][0][:, -1:]]).astype(np.float32))
     np.testing.assert_allclose(outs[1], outs[0], atol=0.05)
 
 
