@@ -25,7 +25,7 @@ import numpy as np
 from eectl.runtime.batch import BatchKV, _past, _rows
 from eectl.runtime.binding import HIDDEN, BindingPlan, Call, plan_for
 from eectl.runtime.device_ops import DeviceOps
-from eectl.runtime.sessions import ArtifactRuntime, DeviceView, _ort
+from eectl.runtime.sessions import ArtifactRuntime, _ort
 
 
 class DeviceStep:
@@ -45,10 +45,6 @@ class DeviceStep:
     def _device(self, shape: tuple[int, ...], dtype: Any = None) -> Any:
         dt = self.rt.np_dtype if dtype is None else dtype
         return _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), dt, self.rt.device, 0)
-
-    def _view(self, value: Any, shape: tuple[int, ...]) -> DeviceView:
-        """The same device memory under another shape (a contiguous [n, 1, H] read as [n, H]): no copy."""
-        return DeviceView(self.rt.device, value.data_ptr(), shape, np.dtype(self.rt.np_dtype))
 
     def step(self, kv: BatchKV, last_tokens: dict[int, int]) -> dict[int, int]:
         """Rows in last_tokens each process their last token at full depth; returns each one's greedy next token."""

@@ -187,6 +187,7 @@ class Runner:
         self.L = L
         self.rng = np.random.default_rng(config.seed)
         self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
+        self._device: Any = None  # the plan-executing step (runtime/device_path.py), once used
 
     # --- sampling --------------------------------------------------------------------------------------------------
     def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
@@ -488,9 +489,11 @@ class Runner:
             wanted = self.rt.device != "cpu"
         if not wanted or self.exits or self.cfg.temperature > 0:
             return None
-        from eectl.runtime.device_path import DeviceStep
+        if self._device is None:  # kept: its device pieces are sessions
+            from eectl.runtime.device_path import DeviceStep
 
-        return DeviceStep(self.rt)
+            self._device = DeviceStep(self.rt)
+        return self._device
 
     @staticmethod
     def _confirmed(st: RowState) -> list[int]:
