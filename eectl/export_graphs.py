@@ -407,6 +407,14 @@ def build_exit(
     return b.model(f"exit_{layer}_{suffix}"), io
 
 
+def _nbytes(tensor: onnx.TensorProto) -> int:
+    """A raw-data tensor's size in bytes from its dims and type (no copy of its bytes; packed int4: 2 per byte)."""
+    count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+    if tensor.data_type in (TensorProto.INT4, TensorProto.UINT4):
+        return (count + 1) // 2
+    return count * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
 def save_graph(model: onnx.ModelProto, io: GraphIO, folder: Path) -> GraphIO:
     """Write `io.file` with its large initializers moved to `io.file + '.data'` (ONNX external data).
 
@@ -418,12 +426,16 @@ def save_graph(model: onnx.ModelProto, io: GraphIO, folder: Path) -> GraphIO:
     offset = 0
     with open(folder / data_name, "wb") as f:
         for tensor in model.graph.initializer:
-            if len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
+            # the size from the dims: each read of `raw_data` hands out a fresh copy of the bytes (measured on the
+            # 2.33 GB model: three reads per tensor took the export's peak RSS from ~6 GB to 9.3 GB)
+            if not tensor.HasField("raw_data") or _nbytes(tensor) < EXTERNAL_MIN_BYTES:
                 continue
             offset = -(-offset // EXTERNAL_ALIGN) * EXTERNAL_ALIGN
-            size = len(tensor.raw_data)
+            raw = tensor.raw_data  # the one copy
+            size = len(raw)
             f.seek(offset)
-            f.write(tensor.raw_data)
+            f.write(raw)
+            del raw
             set_external_data(tensor, data_name, offset, size)
             tensor.ClearField("raw_data")
             offset += size
