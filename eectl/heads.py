@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -499,6 +499,55 @@ def _train_loop(
     tr.stack.eval()
 
 
+class MetaConfig(Protocol):
+    """What `heads_meta` reads of a trainer's config (heads.TrainConfig, heads_cached.CachedConfig)."""
+
+    design: str
+    rank: int | None
+    steps: int
+    seed: int
+    target: float
+    top_k: int
+
+
+def heads_meta(
+    loaded: Any,
+    config: MetaConfig,
+    exits: list[int],
+    report: dict[str, EvalResult],
+    report_notes: dict[str, str] | None = None,
+    **fields: Any,
+) -> HeadsMeta:
+    """heads.json as every trainer fills it: design, dimensions, base model, steps, seed and the held-out report
+    (before/after, with `report_notes`), plus the trainer's own `fields` (width, head_cost, data, training, ...)."""
+    adapter = loaded.adapter
+    dims = adapter.dims
+    return HeadsMeta(
+        exits=exits,
+        design=config.design,
+        rank=config.rank,
+        dimensions=HeadDims(num_layers=dims.num_layers, hidden_size=dims.hidden_size, vocab_size=dims.vocab_size),
+        base_model={**loaded.source.to_dict(), "family": adapter.family},
+        steps=config.steps,
+        seed=config.seed,
+        report={
+            "tokens": report["after"].tokens,
+            "target_precision": config.target,
+            "top_k": config.top_k,
+            **(report_notes or {}),
+            "before": asdict(report["before"]),
+            "after": asdict(report["after"]),
+        },
+        **fields,
+    )
+
+
+def final_kl(history: list[list[float]], exits: list[int], last: int) -> dict[str, float]:
+    """KL per exit averaged over the last `last` steps (the end of the loss curve, not one noisy step)."""
+    tail = history[-max(1, min(last, len(history))) :]
+    return {str(layer): sum(h[e] for h in tail) / len(tail) for e, layer in enumerate(exits)}
+
+
 def _metadata(
     loaded: Any,
     data: Any,
@@ -513,17 +562,21 @@ def _metadata(
     train_s: float,
 ) -> HeadsMeta:
     """What heads.json says: design, dimensions, base model, data, training and the held-out report."""
-    adapter = loaded.adapter
-    dims = adapter.dims
-    tail = tr.history[-max(1, min(50, len(tr.history))) :]
-    return HeadsMeta(
-        exits=exits,
-        design=config.design,
-        rank=config.rank,
-        width=head_width(config.design, config.rank, dims.hidden_size),
-        head_cost=HeadCost(**head_cost(config.design, config.rank, dims.hidden_size)),
-        dimensions=HeadDims(num_layers=dims.num_layers, hidden_size=dims.hidden_size, vocab_size=dims.vocab_size),
-        base_model={**loaded.source.to_dict(), "family": adapter.family},
+    hidden = loaded.adapter.dims.hidden_size
+    return heads_meta(
+        loaded,
+        config,
+        exits,
+        report,
+        report_notes={
+            "signals": (
+                "coverage_full: exit's full-vocabulary top-1 probability; coverage_topk: its probability over the "
+                "top-k local vocabulary picked at the first exit; coverage = share of held-out tokens at or above "
+                "the lowest threshold whose exits agree with the final layer at the target precision"
+            )
+        },
+        width=head_width(config.design, config.rank, hidden),
+        head_cost=HeadCost(**head_cost(config.design, config.rank, hidden)),
         data={
             **data.to_dict(),
             "train_records_available": len(td.train.texts),
@@ -546,21 +599,7 @@ def _metadata(
             "world_size": world,
             "threads": torch.get_num_threads(),
             "train_s": round(train_s, 2),
-            "final_kl": {str(layer): sum(h[e] for h in tail) / len(tail) for e, layer in enumerate(exits)},
-        },
-        steps=config.steps,
-        seed=config.seed,
-        report={
-            "tokens": report["after"].tokens,
-            "target_precision": config.target,
-            "top_k": config.top_k,
-            "signals": (
-                "coverage_full: exit's full-vocabulary top-1 probability; coverage_topk: its probability over the "
-                "top-k local vocabulary picked at the first exit; coverage = share of held-out tokens at or above "
-                "the lowest threshold whose exits agree with the final layer at the target precision"
-            ),
-            "before": asdict(report["before"]),
-            "after": asdict(report["after"]),
+            "final_kl": final_kl(tr.history, exits, 50),
         },
     )
 
