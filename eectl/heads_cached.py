@@ -8,7 +8,7 @@ One step reads `batch_tokens` measured positions (TokenStream over the cache's t
     loss "topk":  the teacher's top-k + tail-bucket KL (heads.topk_tail_kl): |S| + tail_samples LM-head rows
 
 Block heads (design "block") read the sequence: each piece of a batch runs the block over its sequence's prefix and
-keeps the measured rows. The report (held-out split of the cache) is heads.evaluate's, with the exact teacher.
+keeps the measured rows. The report (held-out split of the cache) is heads_report.evaluate's, with the exact teacher.
 
 What this module does not do: compute the base's states (head_data), or write other formats than heads.save_heads.
 """
@@ -44,8 +44,9 @@ from eectl.head_designs import (
     sidecar_path,
 )
 from eectl.head_losses import DEFAULT_TAIL_SAMPLES, LOSSES, TeacherTopK, topk_tail_kl
-from eectl.heads import EvalResult, TrainResult, _ChunkPass, evaluate, final_kl, heads_meta, lr_at
+from eectl.heads import TrainResult, lr_at
 from eectl.heads_meta import HeadCost, HeadsMeta
+from eectl.heads_report import ChunkPass, EvalResult, evaluate, final_kl, heads_meta
 from eectl.models.adapters import Adapter
 
 
@@ -107,7 +108,7 @@ def make_stack(adapter: Adapter, config: CachedConfig) -> HeadStack:
 
 def _cached_passes(
     adapter: Adapter, cache: StateCache, split: str, exits: list[int], sources: tuple[str, ...], limit: int
-) -> Iterator[_ChunkPass]:
+) -> Iterator[ChunkPass]:
     """Held-out sequences of the cache as evaluate() reads them (the exact teacher from the cached final state):
     the first sequences of each source, about `limit` tokens in all, each source in its share of the split."""
     total = max(1, cache.tokens(split))
@@ -124,7 +125,7 @@ def _cached_passes(
         idx = torch.nonzero(seq.measured).flatten()
         logp = F.log_softmax(adapter.logits(seq.final[idx].float()), dim=-1)
         probs = logp.exp()
-        yield _ChunkPass(
+        yield ChunkPass(
             states={layer: seq.states[layer][idx].float() for layer in exits},
             probs=probs,
             entropy=-(probs * logp).sum(-1),

@@ -231,7 +231,8 @@ def _train_heads_cached(
 
 
 def _print_heads(out: Output, result: object) -> None:
-    from eectl.heads import TrainResult, iter_report
+    from eectl.heads import TrainResult
+    from eectl.heads_report import iter_report
 
     assert isinstance(result, TrainResult) and result.meta is not None
     meta = result.meta
