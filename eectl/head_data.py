@@ -56,6 +56,18 @@ class CacheSpec:
     raw: bool = False  # prompts as is; default: the tokenizer's chat template
     gen_batch: int = 16  # prompts generated together
 
+    @classmethod
+    def for_budget(cls, layers: list[int], tokens: int, gen_share: float, eval_tokens: int) -> CacheSpec:
+        """`tokens` training tokens, `gen_share` of them generated; `eval_tokens` held out, in the same shares."""
+        n_gen = round(tokens * gen_share)
+        return cls(
+            layers=layers,
+            text_tokens=tokens - n_gen,
+            gen_tokens=n_gen,
+            eval_text_tokens=eval_tokens,
+            eval_gen_tokens=round(eval_tokens * gen_share),
+        )
+
     def check(self, num_layers: int) -> None:
         bad = [x for x in self.layers if not 1 <= x <= num_layers - 1]
         if not self.layers or bad:
