@@ -205,3 +205,19 @@ def test_plan_executed_on_cuda_equals_the_host_path(tiny_dirs, tmp_path):
         for d in (True, False)
     ]
     assert [g.token_ids for g in gens[0]] == [g.token_ids for g in gens[1]]
+
+
+def test_generate_with_padded_prompt_calls_equals_rows_alone(runtimes, monkeypatch):
+    """The runner's padded prompt calls (on by default only off the CPU EP) give each row its own tokens."""
+    from eectl.runtime import runner as runner_mod
+    from eectl.runtime.runner import RunConfig, Runner
+
+    rt = runtimes["qwen3"]
+    calls = []
+    real = runner_mod.run_prefill
+    monkeypatch.setattr(runner_mod, "run_prefill", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16, 17]]
+    gens = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6, batch_prompts=True)).generate(prompts)
+    assert calls == [3] * len(rt.manifest.segments)  # one call per segment for all three prompts
+    alone = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate([p])[0] for p in prompts]
+    assert [g.token_ids for g in gens] == [g.token_ids for g in alone]
