@@ -62,12 +62,12 @@ def measure_costs(
     h2 = rng.standard_normal((1, 2, dims["hidden_size"])).astype(rt.np_dtype)
     kv = rt.new_kv(1, past + 4)
 
-    def segment(i: int, h: np.ndarray, kv_only: bool = False) -> Callable[[], object]:
+    def segment(i: int, h: np.ndarray, kv_only: bool = False, river: bool = False) -> Callable[[], object]:
         lo, hi = m.segments[i].layers
 
         def call() -> object:
             kv.filled[0, lo:hi] = past
-            return rt.run_segment(i, h, kv, 0, kv_only=kv_only)
+            return rt.run_segment(i, h, kv, 0, kv_only=kv_only, river=river)
 
         return call
 
@@ -81,9 +81,13 @@ def measure_costs(
         calls[f"seg1.{i}"] = segment(i, h1)
         calls[f"seg2.{i}"] = segment(i, h2)
         calls[f"kv.{i}"] = segment(i, h1, kv_only=True)
+        if i in rt.river_segments:  # `export --river`: the int4 copy the river runs instead
+            calls[f"river.{i}"] = segment(i, h1, river=True)
     row1, row2 = h1[0], h2[0]
     calls["head1"] = lambda: rt.exit_full(L, row1, k)
     calls["head2"] = lambda: rt.exit_full(L, row2, k)
+    if L in rt.river_heads:
+        calls["river_head"] = lambda: rt.exit_full(L, row1, k, river=True)
     topk = signal.startswith("topk")
     for layer in m.exit_layers:
 
@@ -127,6 +131,8 @@ def measure_costs(
         local_ms=local_ms,
         full_step_ms=t["step"],
         candidate_source=str(m.candidate_source.get("name", "full")),
+        river_ms=[t.get(f"river.{i}") for i in range(n)] if rt.river_segments else None,
+        river_head_ms=t.get("river_head"),
     )
 
 
