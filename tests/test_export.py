@@ -12,11 +12,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from eectl import export as export_mod
+from eectl import export_graphs, export_validation
 from eectl.cli import app
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import ExitHead
-from eectl.export import ExportOptions, ExportValidationError, export_artifact
+from eectl.export import ExportOptions, export_artifact
+from eectl.export_validation import ExportValidationError
 from eectl.head_designs import head_cost, make_head
 from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
 from eectl.manifest import MANIFEST, SCHEMA_VERSION, read_manifest, write_manifest
@@ -88,22 +89,22 @@ def test_external_data_aligns_large_tensors_and_packs_small_ones(tmp_path):
     from eectl.manifest import GraphIO
 
     rng = np.random.default_rng(0)
-    big = export_mod.EXTERNAL_ALIGN_MIN_BYTES // 4 + 3  # float32 elements: just over the threshold
+    big = export_graphs.EXTERNAL_ALIGN_MIN_BYTES // 4 + 3  # float32 elements: just over the threshold
     arrays = {"s0": rng.standard_normal(700), "w0": rng.standard_normal(big), "s1": rng.standard_normal(600)}
     arrays |= {"w1": rng.standard_normal(big), "s2": rng.standard_normal(500)}
     inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
     nodes = [helper.make_node("Identity", [k], [f"{k}_out"]) for k in arrays]
     outs = [helper.make_tensor_value_info(f"{k}_out", onnx.TensorProto.FLOAT, None) for k in arrays]
     model = helper.make_model(helper.make_graph(nodes, "g", [], outs, inits))
-    io = export_mod.save_graph(model, GraphIO(file="g.onnx", inputs={}, outputs={}), tmp_path)
+    io = export_graphs.save_graph(model, GraphIO(file="g.onnx", inputs={}, outputs={}), tmp_path)
     proto = onnx.load(str(tmp_path / "g.onnx"), load_external_data=False)
     place = {
         t.name: {d.key: int(d.value) for d in t.external_data if d.key != "location"} for t in proto.graph.initializer
     }
     assert io.data == "g.onnx.data"
     assert (
-        place["w0"]["offset"] % export_mod.EXTERNAL_ALIGN == 0
-        and place["w1"]["offset"] % export_mod.EXTERNAL_ALIGN == 0
+        place["w0"]["offset"] % export_graphs.EXTERNAL_ALIGN == 0
+        and place["w1"]["offset"] % export_graphs.EXTERNAL_ALIGN == 0
     )
     assert place["s0"]["offset"] == 0 and place["s1"]["offset"] == place["w0"]["offset"] + place["w0"]["length"]
     assert place["s2"]["offset"] == place["w1"]["offset"] + place["w1"]["length"]
@@ -120,10 +121,10 @@ def test_graph_weights_are_external_data_listed_and_hashed(exported):
         proto = onnx.load(str(art / g.file), load_external_data=False)
         big = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
         inline = [t for t in proto.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
-        assert all(len(t.raw_data) < export_mod.EXTERNAL_MIN_BYTES for t in inline)
+        assert all(len(t.raw_data) < export_graphs.EXTERNAL_MIN_BYTES for t in inline)
         places = [{d.key: int(d.value) for d in t.external_data if d.key != "location"} for t in big]
-        aligned = [p["offset"] for p in places if p["length"] >= export_mod.EXTERNAL_ALIGN_MIN_BYTES]
-        assert all(o % export_mod.EXTERNAL_ALIGN == 0 for o in aligned)
+        aligned = [p["offset"] for p in places if p["length"] >= export_graphs.EXTERNAL_ALIGN_MIN_BYTES]
+        assert all(o % export_graphs.EXTERNAL_ALIGN == 0 for o in aligned)
         spans = sorted((p["offset"], p["offset"] + p["length"]) for p in places)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no overlap
         assert g.data == (g.file + ".data" if big else None) and g.file in m.files
@@ -219,7 +220,7 @@ def test_export_is_atomic_and_needs_force(tiny_dirs, tmp_path, monkeypatch):
     with pytest.raises(ArtifactError, match="already exists"):
         export_artifact(loaded, out, ExportOptions(exits=[2]))
     assert read_manifest(out).files == before
-    monkeypatch.setitem(export_mod.TOLERANCE, "fp32", 0.0)  # every export now fails its validation
+    monkeypatch.setitem(export_validation.TOLERANCE, "fp32", 0.0)  # every export now fails its validation
     with pytest.raises(ExportValidationError):
         export_artifact(loaded, out, ExportOptions(exits=[2], force=True))
     assert read_manifest(out).files == before  # the old artifact survived the failed replacement
