@@ -10,7 +10,8 @@ Per-token time of an option under a policy (exit a_1 < ... < a_m active, c_i the
 
     exit at a_i:  embed + segments up to a_i + decisions at a_1..a_i + policy extra_i
     no exit:      the full-depth step (measured) + decisions at a_1..a_m
-    decisions:    the candidate source at a_1, a local K-row exit at a_2.. (each with its signal computation)
+    decisions:    the candidate source at a_1, a local K-row exit at a_2.. (each with its signal computation);
+                  a cosine signal reads block states only, and an exiting token then pays the exit's LM head
     extra_i:      copy: the K/V-only graphs of the segments after a_i
                   defer, verify: one more position in every later segment (the pending state rides along)
                   verify: one more row in the final head (the draft is checked there)
@@ -92,6 +93,9 @@ class Costs(_M):
     # head the river's end asks (its quantized copy where the artifact has one)
     river_ms: list[float | None] | None = None
     river_head_ms: float | None = None
+    # signals that decide without an LM head (cosine): exit layer -> the exit's full head, which an exiting token's
+    # own prediction then costs (None: the decision already carries the prediction, e.g. Top-K candidates)
+    exit_predict_ms: dict[str, float] | None = None
 
     def overhead_per_segment(self) -> float:
         """The runner's per-step cost outside the timed graphs, spread over the segment calls."""
@@ -184,6 +188,8 @@ def predict(
     for i, (layer, cov, _) in enumerate(per_exit):
         s = _segment_of(boundaries, layer)
         paid = costs.embed_ms + sum(costs.segment_ms[: s + 1]) + over * (s + 1) + sum(decisions[: i + 1])
+        if costs.exit_predict_ms is not None and policy != "river":  # the river's end predicts instead
+            paid += costs.exit_predict_ms[str(layer)]
         later = range(s + 1, n_seg)
         if policy == "copy":
             paid += sum(costs.kv_ms[t] for t in later) + over * len(later)

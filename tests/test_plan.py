@@ -136,3 +136,16 @@ def test_river_pays_the_int4_copies_after_its_exit_and_the_final_head_at_its_end
     assert quantized_head.ms_per_token == pytest.approx(8 + 0.3 + 1.5 + 1.0)  # exit 8 alone: its candidates
     with pytest.raises(ValueError, match="river"):
         predict(_costs(), BOUNDARIES, "river", [(4, 0.4, 1.0)])  # costs without river timings
+
+
+def test_a_state_only_signal_pays_the_exit_head_only_for_tokens_that_take_their_own_prediction():
+    # cosine: deciding reads block states (0.02 ms); an exiting token's own token costs the exit's LM head (3 ms)
+    c = _costs(
+        candidates_ms={"4": 0.02, "8": 0.02}, local_ms={"4": 0.02, "8": 0.02}, exit_predict_ms={"4": 3.0, "8": 3.0}
+    )
+    defer = predict(c, BOUNDARIES, "defer", [(4, 0.4, 1.0)])
+    assert defer.ms_per_token == pytest.approx(0.4 * (4 + 0.02 + 3.0 + 1.0) + 0.6 * 15.02)
+    river = predict(c.model_copy(update={"river_ms": [None, 1.5, 1.5]}), BOUNDARIES, "river", [(4, 0.4, 1.0)])
+    assert river.ms_per_token == pytest.approx(
+        0.4 * (4 + 0.02 + 3.0 + 3.0) + 0.6 * 15.02
+    )  # the final head, not the exit's

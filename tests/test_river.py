@@ -136,6 +136,12 @@ def test_costs_time_the_river_copies_and_model_the_river(arts):
     assert predict(c, boundaries, "river", [(2, 1.0, None)]).speedup > 0
     plain = measure_costs(arts["plain"], past=8, repeats=1, warmup=0, signal="cosine")
     assert plain.river_ms is None
+    # a cosine decision reads block states; the exit's LM head is timed apart, for tokens taking their own prediction
+    assert c.exit_predict_ms is not None and set(c.exit_predict_ms) == {str(e) for e in rt.manifest.exit_layers}
+    blocks = measure_costs(rt, past=8, repeats=1, warmup=0, signal="cosine-min")  # over each segment's blocks
+    assert blocks.exit_predict_ms is not None and all(ms > 0 for ms in blocks.candidates_ms.values())
+    topk = measure_costs(rt, past=8, repeats=1, warmup=0, signal="topk-prob")
+    assert topk.exit_predict_ms is None  # the candidates carry the token
 
 
 def test_bench_river_side_by_side_with_int4_and_kv_cosine(arts):
