@@ -62,7 +62,9 @@ class _Builder:
     def __init__(self, dtype: str) -> None:
         self.elem, self.np_dtype = DTYPES[dtype]
         self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
+        # (name, array) until model(): arrays are often views of the torch weights, and each becomes a TensorProto
+        # only as it is moved into the model, so a graph's weights are held about once, not once per proto copy
+        self.inits: list[tuple[str, np.ndarray]] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self._n = 0
@@ -75,7 +77,8 @@ class _Builder:
         arr = value.detach().float().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
         if float_type:
             arr = arr.astype(self.np_dtype, copy=False)
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        # a scalar is stored as shape [1], as np.ascontiguousarray made it before (the graphs broadcast either way)
+        self.inits.append((name, arr.reshape(1) if arr.ndim == 0 else arr))
         return name
 
     def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs: Any) -> Any:
@@ -92,7 +95,13 @@ class _Builder:
         self.outputs.append(helper.make_tensor_value_info(name, self.elem if elem is None else elem, shape))
 
     def model(self, name: str) -> onnx.ModelProto:
-        graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.inits)
+        """The model, with the initializers added last, one at a time, straight into its graph.
+
+        make_graph and make_model each copy the initializers they are given (protobuf messages are copied, never
+        moved, on append and CopyFrom), which held a segment's weights three times at once. Each tensor's bytes
+        are instead written once, into the model's own proto, and the builder's array is dropped right after.
+        """
+        graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs)
         model = helper.make_model(
             graph,
             opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)],
@@ -100,6 +109,22 @@ class _Builder:
             producer_version=__version__,
         )
         model.ir_version = IR_VERSION
+        pending, self.inits = self.inits, []
+        pending.reverse()
+        while pending:
+            init_name, arr = pending.pop()
+            tensor = model.graph.initializer.add()
+            if arr.dtype.kind in "biuf":  # numpy_helper.from_array's fields, without its intermediate proto
+                tensor.dims.extend(arr.shape)
+                tensor.name = init_name
+                tensor.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+                raw = numpy_helper.tobytes_little_endian(arr)
+                del arr  # the array (often the builder's own copy, e.g. a concatenated MLP) before protobuf's copy
+                tensor.raw_data = raw
+                del raw
+            else:  # strings, packed sub-byte types: from_array's own handling
+                tensor.CopyFrom(numpy_helper.from_array(arr, init_name))
+                del arr
         return model
 
 
@@ -332,7 +357,7 @@ def _head_prefix(b: _Builder, hidden: str, head: torch.nn.Module | None, hidden_
         arr = numpy_helper.to_array(init)
         if arr.dtype in (np.float32, np.float64):
             arr = arr.astype(b.np_dtype)
-        b.inits.append(numpy_helper.from_array(arr, mapped(init.name)))
+        b.inits.append((mapped(init.name), arr))
     for node in sub.graph.node:
         new = onnx.NodeProto()
         new.CopyFrom(node)
