@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from eectl.exits import signals
 from eectl.plan import Costs
@@ -90,17 +89,17 @@ def measure_costs(
         def first(layer: int = layer) -> object:
             if not topk:
                 logits, _, _ = rt.exit_full(layer, row1, k)
-                return signals(torch.from_numpy(logits))
+                return signals(logits)
             cand, cand_logits = rt.exit_candidates(layer, row1, k)
-            return signals(torch.from_numpy(cand_logits), torch.from_numpy(cand))
+            return signals(cand_logits, cand)
 
         cand = rt.exit_candidates(layer, row1, k)[0]
 
         def later(layer: int = layer, cand: np.ndarray = cand) -> object:
             if not topk:
                 logits, _, _ = rt.exit_full(layer, row1, k)
-                return signals(torch.from_numpy(logits))
-            return signals(torch.from_numpy(rt.exit_local(layer, row1, cand)), torch.from_numpy(cand))
+                return signals(logits)
+            return signals(rt.exit_local(layer, row1, cand), cand)
 
         calls[f"cand.{layer}"] = first
         calls[f"local.{layer}"] = later

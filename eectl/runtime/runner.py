@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,36 +100,36 @@ class Generation:
 
 
 class OrtExitLogits:
-    """`eectl.exits.ExitLogits` on the artifact's exit graphs: numpy in and out of ONNX Runtime, torch for scoring.
+    """`eectl.exits.ExitLogits` on the artifact's exit graphs: numpy in and out of ONNX Runtime, and numpy into the
+    signal's math (exits.signals): a decision is one token, where torch's per-op dispatch cost more than the math.
 
     The full graph computes its Top-K in-graph (TopK), so a first-exit candidate pick costs no extra pass."""
 
     def __init__(self, rt: ArtifactRuntime) -> None:
         self.rt = rt
 
-    def full(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        logits, _, _ = self.rt.exit_full(layer, hidden.numpy(), 2)
-        return torch.from_numpy(logits)
+    def full(self, layer: int, hidden: np.ndarray) -> np.ndarray:
+        return self.rt.exit_full(layer, hidden, 2)[0]
 
-    def full_topk(self, layer: int, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        _, cand, cand_logits = self.rt.exit_full(layer, hidden.numpy(), k)
-        return torch.from_numpy(cand), torch.from_numpy(cand_logits)
+    def full_topk(self, layer: int, hidden: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        _, cand, cand_logits = self.rt.exit_full(layer, hidden, k)
+        return cand, cand_logits
 
-    def local(self, layer: int, hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.rt.exit_local(layer, hidden.numpy(), candidates.numpy()))
+    def local(self, layer: int, hidden: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+        return self.rt.exit_local(layer, hidden, candidates)
 
     def candidates(
-        self, source: CandidateSource, layer: int, hidden: torch.Tensor, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, source: CandidateSource, layer: int, hidden: np.ndarray, k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The artifact's candidate graph at this exit (export built it from `source`'s torch code)."""
-        cand, cand_logits = self.rt.exit_candidates(layer, hidden.numpy(), k)
-        return torch.from_numpy(cand), torch.from_numpy(cand_logits)
+        return self.rt.exit_candidates(layer, hidden, k)
 
 
 @contextmanager
 def _one_torch_thread() -> Iterator[None]:
-    """The decision's torch math is tiny ([N, K] softmaxes); with torch's own pool awake beside ONNX Runtime's
-    spinning one it took ~6 ms per call on 2 cores (measured), on one thread microseconds."""
+    """For signals with torch math (the cosines; the softmax signals are numpy): the math is tiny, and with torch's
+    own pool awake beside ONNX Runtime's spinning one it took ~6 ms per call on 2 cores (measured), on one thread
+    microseconds."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -204,19 +204,19 @@ class Runner:
         """Exit test at `layer` for several rows' current tokens at once (one exit graph call for all of them);
         per row: (the score when it exits, else None; the row's index in it; its candidates for later exits)."""
         rows = sorted(asks)
-        hidden = torch.from_numpy(np.stack([asks[r].hidden for r in rows]))  # [N, H]
+        hidden = asks[rows[0]].hidden[None] if len(rows) == 1 else np.stack([asks[r].hidden for r in rows])  # [N, H]
         layer_input = block_states = None
         if self.signal.needs_layer_input:
-            layer_input = torch.from_numpy(np.stack([asks[r].layer_input for r in rows]))
+            layer_input = np.stack([asks[r].layer_input for r in rows])
         if self.signal.needs_blocks:  # [n + 1, N, H]
-            block_states = torch.from_numpy(np.stack([np.asarray(asks[r].blocks) for r in rows], axis=1))
+            block_states = np.stack([np.asarray(asks[r].blocks) for r in rows], axis=1)
         first_pick = self.signal.needs_candidates and asks[rows[0]].candidates is None
         if len(rows) > 1 and first_pick and not self.source.batch_rows:  # e.g. int8: per-row quantization scale
             return {r: self._decide_rows(layer, {r: asks[r]})[r] for r in rows}
         scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k, self.source)
         if asks[rows[0]].candidates is not None:  # rows at one exit passed the same earlier exits
-            scoring.candidates = torch.cat([asks[r].candidates for r in rows])
-        with _one_torch_thread():
+            scoring.candidates = np.concatenate([asks[r].candidates for r in rows])
+        with _one_torch_thread() if self.signal.torch_math else nullcontext():
             score = scoring.score(layer, hidden, layer_input, block_states)
             passed = self.signal.passes(score.values, self.cfg.thresholds[layer])
         answers: dict[int, tuple[ExitScore | None, int, Any]] = {}
@@ -227,9 +227,8 @@ class Runner:
 
     def _pick_score(self, score: ExitScore, i: int) -> int:
         """Row i's token from an exit's own prediction (computed once for all rows of the decision, on demand)."""
-        with _one_torch_thread():
-            pred = score.prediction()
-        return self._pick(pred.logits[i].numpy(), None if pred.ids is None else pred.ids[i].numpy())
+        pred = score.prediction()  # numpy: the exit graphs' outputs
+        return self._pick(np.asarray(pred.logits[i]), None if pred.ids is None else np.asarray(pred.ids[i]))
 
     # --- one sequence step ------------------------------------------------------------------------------------
     def _step(self, row: int, st: RowState, kv: KVBuffers, chunk_ids: list[int], force_full: bool = False) -> int:
