@@ -75,6 +75,7 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         ]
     if r.plan:
         lines += ["", r.plan + "."]
+    lines += [f"- {c.name}: {c.note}" for c in r.configs if c.note]  # how each configuration was chosen
     if r.hf_matches_full is not None:
         lines += ["", f"transformers generate and eectl full depth produce identical tokens: {r.hf_matches_full}."]
     if r.sweep:
