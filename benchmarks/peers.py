@@ -491,6 +491,7 @@ def main() -> None:
     for spec in args.compare:
         name, rest = spec.split("=", 1)
         path, _, src = rest.partition("@")
+        path, src = str(Path(path).resolve()), str(Path(src).resolve()) if src else ""  # workers start elsewhere
         labels[name] = f"{name} ({path}{' run by ' + src if src else ''})"
         try:
             workers.append(eectl_worker(name, Path(path), args.threads, src=Path(src) if src else ROOT))
