@@ -132,6 +132,9 @@ art, threads, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 variant = json.loads(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] else {}
 if variant:  # ORT session settings to A/B against eectl's own (--variant): applied to every session it creates
     from eectl.runtime import sessions
+    if variant.get("per_session"):  # ORT refuses per-session pools once the process-wide one exists
+        from onnxruntime.capi import _pybind_state
+        _pybind_state.set_global_thread_pool_sizes = lambda *a: None
     own = sessions.session_options
     def patched(n=None):
         so = own(n)
