@@ -37,6 +37,7 @@ from eectl.exits import (
 )
 from eectl.recipe import check_exit_layers
 from eectl.runtime.batch import BatchKV, new_batch_kv, prefill_runs, run_prefill, run_rows
+from eectl.runtime.chain import DecodeChain
 from eectl.runtime.policies import Defer, KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
@@ -450,6 +451,7 @@ class Runner:
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
         device = self._device_step()
         first = True  # prefill: the whole prompt, always full depth
+        chain = self._chain(kv, len(rows)) if device is None else None
         while not all(st.done for st in rows):
             live = {r: (st, st.tokens if first else [st.tokens[-1]]) for r, st in enumerate(rows) if not st.done}
             t0 = time.perf_counter()
@@ -457,6 +459,9 @@ class Runner:
                 tokens = device.step(kv, {r: ids[0] for r, (_, ids) in live.items()})
                 for r in tokens:
                     rows[r].exit_layers.append(self.L)
+            elif chain is not None and not first:  # plain full-depth greedy decode of one row: calls bound once
+                tokens = {0: chain.step(rows[0].tokens[-1])}
+                rows[0].exit_layers.append(self.L)
             else:
                 tokens = self._steps(kv, live)
             took = time.perf_counter() - t0  # a row's latency is its batch step's: rows wait for each other
@@ -482,6 +487,16 @@ class Runner:
             )
             for st in rows
         ]
+
+    def _chain(self, kv: KVBuffers, rows: int) -> DecodeChain | None:
+        """The bound call chain (runtime/chain.py) where every decode step is the same full-depth greedy pass:
+        one row, no active exit (so no policy hook ever acts), greedy, a final head with the in-graph argmax."""
+        final = self.rt.full_graphs[self.L]
+        if rows != 1 or self.exits or self.cfg.temperature > 0 or "token" not in final.io.outputs:
+            return None
+        if any(g.session is None for g in self.rt.segments):  # a runtime holding one segment at a time
+            return None
+        return DecodeChain(self.rt, kv, 0)
 
     def _device_step(self) -> Any:
         """The plan-executing step (runtime/device_path.py) where it applies: full depth, greedy; by default only on
