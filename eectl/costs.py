@@ -2,10 +2,11 @@
 
 Every graph is called through the runtime the runner uses (ArtifactRuntime: the same sessions, IO binding and thread
 pool), at decode shape: one token on top of `past` positions of KV cache, and one more position where the defer and
-verify policies carry pending states along. Each figure is the median of `repeats` calls after `warmup` calls, in
-rounds that call every graph once (so each graph meets the CPU caches a decode step leaves it). The
-decisions are timed with the signal computation the runner does after the graph (`exits.signals`). The full-depth
-step is timed through the runner itself, so whatever Python adds per step is in the model too.
+verify policies carry pending states along; each block exit head's graph on one position. Each figure is the median
+of `repeats` calls after `warmup` calls, in rounds that call every graph once (so each graph meets the CPU caches a
+decode step leaves it). The decisions are timed with the signal computation the runner does after the graph
+(`exits.signals`). The full-depth step is timed through the runner itself, so whatever Python adds per step is in
+the model too.
 
 What this module does not do: predict or choose (plan.py); it only measures.
 """
@@ -21,8 +22,9 @@ import torch
 
 from eectl.exits import signals
 from eectl.plan import Costs
+from eectl.runtime.blocks import run_block
 from eectl.runtime.runner import RowState, RunConfig, Runner
-from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
 DEFAULT_PAST = 128
 DEFAULT_REPEATS = 15
@@ -104,6 +106,8 @@ def measure_costs(
 
         calls[f"cand.{layer}"] = first
         calls[f"local.{layer}"] = later
+        if layer in rt.block_graphs:
+            calls[f"block.{layer}"] = block_call(rt, kv, layer, h1, past)
     t = _interleaved_ms(calls, repeats, warmup)
     n = len(m.segments)
     seg1 = [t[f"seg1.{i}"] for i in range(n)]
@@ -126,8 +130,21 @@ def measure_costs(
         candidates_ms=cand_ms,
         local_ms=local_ms,
         full_step_ms=t["step"],
+        block_ms={str(layer): t[f"block.{layer}"] for layer in m.exit_layers if layer in rt.block_graphs},
         candidate_source=str(m.candidate_source.get("name", "full")),
     )
+
+
+def block_call(rt: ArtifactRuntime, kv: KVBuffers, layer: int, h: np.ndarray, past: int) -> Callable[[], object]:
+    """The block exit head at `layer` on one position on top of `past` (its segment holding the same positions)."""
+    slot = rt.manifest.exit_at(layer).block.kv_slot  # type: ignore[union-attr]
+
+    def call() -> object:
+        kv.filled[0, slot] = past
+        kv.filled[0, layer - 1] = past + 1
+        return run_block(rt, layer, h, kv, 0)
+
+    return call
 
 
 def full_step_call(rt: ArtifactRuntime, past: int, seed: int = 0) -> Callable[[], object]:

@@ -724,6 +724,8 @@ def _write_artifact(
     dims = adapter.dims
     L = dims.num_layers
     max_pos = options.max_positions or dims.max_positions
+    from eectl.export_block import export_block, is_block  # it builds on this module's graph pieces
+
     np_dtype = DTYPES[options.dtype][1]
 
     def save(model: onnx.ModelProto, io: GraphIO, int4: bool = False) -> GraphIO:
@@ -765,8 +767,15 @@ def _write_artifact(
         segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph, river=river))
     source, source_info = candidate_source(adapter, options.candidates, calibration)
     exit_points = []
+    block_slots = L  # block exit heads' KV buffers follow the decoder layers'
     for layer in [*exits, L]:
         head = heads.get(layer)
+        design = None if head is None else (heads_meta.design if heads_meta else type(head).__name__)
+        block = None
+        if is_block(head):  # its own graphs and KV; the exit graphs below score its output (export_block.py)
+            block = export_block(adapter, head, layer, options.dtype, max_pos, block_slots, save)
+            block_slots += 1
+            head = None
         cand_graph = None
         if layer < L and source.name != FirstExitTopK.name:
             cand_graph = save(*build_candidates(adapter, layer, options.dtype, source, head))
@@ -793,7 +802,8 @@ def _write_artifact(
                 local=save(*build_exit(adapter, layer, options.dtype, local=True, head=head)),
                 candidates=cand_graph,
                 river=river_head,
-                head=None if head is None else (heads_meta.design if heads_meta else type(head).__name__),
+                head=design,
+                block=block,
             )
         )
     tok_dir = folder / "tokenizer"
@@ -870,6 +880,8 @@ def validate_artifact(
     graphs (and, with `river`, the int4 river copies after the first segment) are judged by their greedy
     agreement with PyTorch at the final exit against the manifest's floor instead (quantize.agreement_verdict).
     """
+    from eectl.export_block import block_kv_diff, is_block, torch_block_states, validate_block_kv
+    from eectl.runtime.blocks import run_block
     from eectl.runtime.sessions import ArtifactRuntime
 
     adapter = loaded.adapter
@@ -878,7 +890,11 @@ def validate_artifact(
     L = m.num_layers
     tol = TOLERANCE[m.dtype]
     ids = loaded.tokenizer(VALIDATION_PROMPT, add_special_tokens=False)["input_ids"][:48]  # type: ignore[operator]
-    exit_heads = {e.layer: ExitHead(adapter, (heads or {}).get(e.layer)) for e in m.exits}
+    heads = heads or {}
+    # a block head runs on the exit's states with its own KV (torch_block_states); its exit graphs have no head
+    token_heads = {layer: h for layer, h in heads.items() if not is_block(h)}
+    exit_heads = {e.layer: ExitHead(adapter, token_heads.get(e.layer)) for e in m.exits}
+    block_caches: dict[int, KVCache] = {}
     # torch reference: per step, the hidden state at every exit layer ([S, H]); its greedy token is the next chunk
     chunks: list[list[int]] = [list(ids)]
     ref_states: list[dict[int, torch.Tensor]] = []
@@ -889,7 +905,7 @@ def validate_artifact(
         positions = torch.arange(pos, pos + len(chunk))[None]
         keep = Capture(set(exit_heads))  # the hidden state after every exit's layer
         adapter.forward_layers(adapter.embed(torch.tensor([chunk])), positions, 0, L, cache, capture=keep)
-        states = {layer: h[0] for layer, h in keep.states.items()}
+        states = torch_block_states(heads, {layer: h[0] for layer, h in keep.states.items()}, positions, block_caches)
         ref_states.append(states)
         pos += len(chunk)
         chunks.append([int(exit_heads[L].full(states[L][-1:]).argmax(-1))])
@@ -908,7 +924,7 @@ def validate_artifact(
     cand_diff = 0.0
     kv = rt.new_kv(1, len(ids) + VALIDATION_DECODE_STEPS + 1)
     hidden = [rt.embed(np.array([c], dtype=np.int64)) for c in chunks]
-    kv_diff = 0.0
+    kv_diff = block_diff = 0.0
     kv_ids = torch.tensor([ids[:8]])
     for s_idx, seg in enumerate(m.segments):
         rt.load_segment(s_idx)
@@ -916,23 +932,30 @@ def validate_artifact(
         e = m.exit_at(layer)
         for t in range(len(chunks)):
             hidden[t], _ = rt.run_segment(s_idx, hidden[t], kv, row=0, river=river and s_idx > 0)
+            exit_in = hidden[t] if e.block is None else run_block(rt, layer, hidden[t], kv, 0)
+            assert exit_in is not None
             ref_h = ref_states[t][layer]
             ref = exit_heads[layer].full(ref_h).float()
-            got, cand, _ = rt.exit_full(layer, hidden[t][0], m.top_k, river=river)
+            got, cand, _ = rt.exit_full(layer, exit_in[0], m.top_k, river=river)
             diffs[layer] = max(diffs[layer], float((torch.from_numpy(got).float() - ref).abs().max()))
             token_mismatch[layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
             cand_t = torch.from_numpy(cand)
             ref_local = exit_heads[layer].local(ref_h, cand_t).float()
-            got_local = torch.from_numpy(rt.exit_local(layer, hidden[t][0], cand)).float()
+            got_local = torch.from_numpy(rt.exit_local(layer, exit_in[0], cand)).float()
             local_diffs[layer] = max(local_diffs[layer], float((got_local - ref_local).abs().max()))
             if e.candidates is not None:  # the candidate source at the last position, as the runner calls it
                 want_c, _ = source.torch_pick(exit_heads[layer], ref_h[-1:], m.top_k)
-                got_c, got_l = rt.exit_candidates(layer, hidden[t][0][-1:], m.top_k)
+                got_c, got_l = rt.exit_candidates(layer, exit_in[0][-1:], m.top_k)
                 cand_checks += 1
                 cand_mismatch += int(set(want_c[0].tolist()) != set(got_c[0].tolist()))
                 exact = exit_heads[layer].local(ref_h[-1:], torch.from_numpy(got_c)).float()
                 cand_diff = max(cand_diff, float((torch.from_numpy(got_l).float() - exact).abs().max()))
         kv_diff = max(kv_diff, _validate_kv_graph(adapter, rt, s_idx, kv_ids))
+        if e.block is not None:  # its KV after every step == the torch block's; its K/V-only graph == torch's
+            head = heads[layer]
+            assert is_block(head)
+            block_diff = max(block_diff, block_kv_diff(rt, kv, layer, block_caches[layer], e.block.init_layer))
+            kv_diff = max(kv_diff, validate_block_kv(adapter, rt, head, layer, kv_ids))
         rt.release_segment(s_idx)
         kv.calls.clear()  # its bindings hold the released sessions
     result: dict[str, Any] = {
@@ -945,6 +968,7 @@ def validate_artifact(
         "max_abs_local_logit_diff": {str(k): v for k, v in local_diffs.items()},
         "greedy_token_mismatches": {str(k): v for k, v in token_mismatch.items()},
         "kv_graph_max_abs_diff": kv_diff,
+        "block_kv_max_abs_diff": block_diff,  # block exit heads' KV buffers after every step vs torch's
         "candidate_source": source.name,
         "candidate_checks": cand_checks,
         "candidate_set_mismatches": cand_mismatch,  # int8 ranking ties may flip the K-th candidate
@@ -960,7 +984,7 @@ def validate_artifact(
         if log is not None:
             log.log(f"{result['graphs']} validation passed: greedy agreement {result['greedy_agreement'][str(L)]:.1%}")
         return result
-    worst = max(max(diffs.values()), max(local_diffs.values()), kv_diff, cand_diff)
+    worst = max(max(diffs.values()), max(local_diffs.values()), kv_diff, cand_diff, block_diff)
     mismatches = sum(token_mismatch.values())
     strict_tokens = m.dtype == "fp32"
     if worst > tol or (strict_tokens and mismatches):
