@@ -1018,6 +1018,7 @@ def _validate_kv_graph(adapter: Adapter, rt: Any, s_idx: int, ids: torch.Tensor)
 
 def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    L = manifest.num_layers
     return {
         "artifact": str(folder),
         "model": manifest.model.get("name"),
@@ -1029,5 +1030,14 @@ def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
         "validation": manifest.validation,
         "candidate_source": {k: v for k, v in manifest.candidate_source.items() if k != "ids"},
         "costs": None if manifest.costs is None else manifest.costs.model_dump(),
+        # block exit heads: per token, in decoder layers (static shape ratio; measured on this machine where timed)
+        "block_heads": {
+            str(e.layer): {
+                "cost_layers": e.block.cost_layers,
+                "measured_layers": None if manifest.costs is None else manifest.costs.block_layers(L).get(str(e.layer)),
+            }
+            for e in manifest.exits
+            if e.block is not None
+        },
         "plan": None if manifest.plan is None else manifest.plan.model_dump(),
     }

@@ -265,3 +265,39 @@ def test_inactive_block_exit_costs_nothing_and_a_block_out_of_step_is_refused(bl
     assert kv.filled[0, rt.manifest.exit_at(4).block.kv_slot] == kv.filled[0, 3]
     with pytest.raises(RuntimeError, match="out of step"):
         run_block(rt, 2, np.zeros((1, 1, loaded.adapter.dims.hidden_size), rt.np_dtype), kv, 0)
+
+
+def test_trained_block_heads_calibrate_export_and_run_through_the_cli(llama, gsm8k, tiny_dirs, tmp_path):
+    """train-heads --design block -> calibrate with them -> `eectl export --heads --calibration` -> `eectl run`
+    (verify: output == full depth)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from eectl.calibrate import CalibrateOptions, calibrate_model
+    from eectl.calibration_file import write_calibration
+    from eectl.cli import app
+    from eectl.head_designs import load_heads
+    from eectl.heads_cached import CachedConfig, train_cached
+    from tests.test_head_data import _tiny_cache
+
+    cache = _tiny_cache(llama, gsm8k, tmp_path / "c")
+    cfg = CachedConfig(exits=[2, 4], design="block", steps=4, batch_tokens=32, tail_samples=64)
+    train_cached(llama, cache, cfg, tmp_path / "b.safetensors")
+    heads = load_heads(tmp_path / "b.safetensors", llama)
+    opts = CalibrateOptions(exits=[2, 4], target=0.5, tokens=400, gen_tokens=4, chunk_len=32)
+    write_calibration(calibrate_model(llama, gsm8k, opts, heads.heads, tmp_path / "b.safetensors"), tmp_path / "c.json")
+    runner = CliRunner()
+    art = tmp_path / "art"
+    args = ["export", str(tiny_dirs["llama"]), "--heads", str(tmp_path / "b.safetensors")]
+    res = runner.invoke(app, [*args, "--calibration", str(tmp_path / "c.json"), "--out", str(art), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["validation"]["passed"] and set(doc["costs"]["block_ms"]) == {"2", "4"}
+    assert {k: v["cost_layers"] for k, v in doc["block_heads"].items()} == {"2": 1.0, "4": 1.0}
+    run = ["run", str(art), "12 clips", "--raw", "--max-new-tokens", "12", "--json"]
+    full = runner.invoke(app, [*run, "--exits", "none"])
+    verify = runner.invoke(app, [*run, "--exits", "2,4", "--policy", "verify"])
+    assert full.exit_code == 0 and verify.exit_code == 0, verify.output
+    want, got = json.loads(full.stdout)["results"][0], json.loads(verify.stdout)["results"][0]
+    assert got["token_ids"] == want["token_ids"]
