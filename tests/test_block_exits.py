@@ -240,16 +240,23 @@ def test_copy_with_blocks_equals_incremental_copy_simulation(block_artifacts, bl
             np.testing.assert_allclose(np.asarray(got)[0, :, :n], want[0].numpy(), rtol=1e-4, atol=1e-4)
 
 
-def test_batch_rows_with_blocks_equal_rows_alone(block_artifacts):
-    loaded, heads, rt = block_artifacts["llama"]
+def test_batch_rows_with_blocks_equal_rows_alone(block_artifacts, monkeypatch):
+    """Batched rows (their blocks batched like their segments, rows with several positions alone) == rows alone."""
+    import eectl.runtime.runner as runner_module
+
+    loaded, heads, rt = block_artifacts["gemma3_text"]
     v = loaded.adapter.dims.vocab_size
-    prompts = [_prompt(5, 7, v), _prompt(6, 12, v), _prompt(7, 3, v)]
+    prompts = [_prompt(5, 7, v), _prompt(6, 12, v), _prompt(7, 3, v), _prompt(9, 5, v)]
     thresholds = _thresholds(loaded.adapter, heads, prompts[0], 15)
+    batched = []
+    original = runner_module.run_block_rows
+    monkeypatch.setattr(runner_module, "run_block_rows", lambda *a: batched.append(int(a[-1].sum())) or original(*a))
     for policy in ("defer", "verify", "copy"):
         alone = [_runner(rt, policy, thresholds, new=15).generate([p])[0] for p in prompts]
         batch = _runner(rt, policy, thresholds, new=15).generate(prompts)
         assert [g.token_ids for g in batch] == [g.token_ids for g in alone], policy
         assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone], policy
+    assert batched and max(batched) > 1  # the batched block call ran, for several rows at once
 
 
 def test_inactive_block_exit_costs_nothing_and_a_block_out_of_step_is_refused(block_artifacts):

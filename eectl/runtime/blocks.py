@@ -13,6 +13,9 @@ under every policy because each one moves the block with its segment:
 - copy: a skipped segment's K/V-only graph is followed by the block's K/V-only graph on the same exit state;
 - river: the int4 copies' output at a block exit runs the (fp32) block, as the segment's output would.
 
+Batched rows (runtime/batch.py) with one new position each run their blocks in one call, as their segment did
+(`run_block_rows`: per-row lengths, idle rows writing their scratch slot); rows with several positions run alone.
+
 What this module does not do: decide exits (runner.py) or build the graphs (export_block.py).
 """
 
@@ -22,6 +25,7 @@ from collections.abc import Collection
 
 import numpy as np
 
+from eectl.runtime.batch import BatchKV, _rows
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers, _Call
 
 
@@ -75,4 +79,36 @@ def run_block(
     out = None if kv_only else rt._out(call.io, g.name("hidden_out"), x.shape, rt.np_dtype)
     g.session.run_with_iobinding(call.io)
     kv.filled[row, slot] = total
+    return out
+
+
+def run_block_rows(rt: ArtifactRuntime, layer: int, hidden: np.ndarray, kv: BatchKV, active: np.ndarray) -> np.ndarray:
+    """The block head at exit `layer` for every active row in one call: hidden [B, 1, H] (the rows' segment outputs;
+    inactive rows ignored), as `batch.run_rows` runs a segment. Returns the block outputs [B, 1, H] (meaningless
+    for inactive rows)."""
+    block = rt.manifest.exit_at(layer).block
+    assert block is not None
+    g = rt.block_graphs[layer][0]
+    slot = block.kv_slot
+    rows = np.flatnonzero(active)
+    past = kv.filled[:, slot]
+    behind = rows[past[rows] + 1 != kv.filled[rows, layer - 1]]
+    if behind.size:
+        raise RuntimeError(f"the block head at exit {layer} is out of step with its segment in rows {behind.tolist()}")
+    first, last = int(rows[0]), int(rows[-1]) + 1
+    span = slice(first, last)
+    x = np.where(active[span, None, None], hidden[span], 0).astype(rt.np_dtype)
+    io = g.binding()
+    io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(x))
+    io.bind_cpu_input(g.name("seqlens_k"), past[span].astype(np.int32))  # total length - 1, new position included
+    io.bind_cpu_input(g.name("total_sequence_length"), np.array(int(past[span].max()) + 1, dtype=np.int32))
+    for key, buf in (("key", kv.batch_keys[slot]), ("value", kv.batch_values[slot])):
+        view = _rows(buf, first, last, rt.np_dtype)
+        rt._bind_array(io, g.names(f"past_{key}")[0], view)
+        rt._bind_array(io, g.names(f"present_{key}")[0], view, output=True)
+    io.bind_output(g.name("hidden_out"), "cpu")
+    g.session.run_with_iobinding(io)
+    kv.filled[active, slot] += 1
+    out = np.zeros((kv.rows, 1, hidden.shape[-1]), dtype=rt.np_dtype)
+    out[span] = io.get_outputs()[2].numpy()  # after the present key and value
     return out

@@ -37,7 +37,7 @@ from eectl.exits import (
 )
 from eectl.recipe import check_exit_layers
 from eectl.runtime.batch import BatchKV, new_batch_kv, run_rows
-from eectl.runtime.blocks import active_block, run_block
+from eectl.runtime.blocks import active_block, run_block, run_block_rows
 from eectl.runtime.policies import Defer, KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
@@ -316,9 +316,20 @@ class Runner:
             if r not in answers:
                 answers[r] = self.rt.run_segment(s, x, kv, r, states=r in states)
         block = self.block_after_segment.get(s)
+        exit_in: dict[int, np.ndarray] = {}
+        if block is not None and isinstance(kv, BatchKV) and len(ones) > 1:  # the block batched as its segment was
+            active = np.zeros(kv.rows, dtype=bool)
+            hidden = np.zeros((kv.rows, 1, xs[ones[0]].shape[-1]), dtype=self.rt.np_dtype)
+            for r in ones:
+                hidden[r], active[r] = answers[r][0][0], True
+            out = run_block_rows(self.rt, block, hidden, kv, active)
+            exit_in = {r: out[r : r + 1] for r in ones}
         for r, a in answers.items():
-            exit_in = a[0] if block is None else run_block(self.rt, block, a[0], kv, r)
-            answers[r] = (a[0], a[1], a[2] if len(a) > 2 else None, exit_in)
+            if r not in exit_in:
+                own = a[0] if block is None else run_block(self.rt, block, a[0], kv, r)
+                assert own is not None
+                exit_in[r] = own
+            answers[r] = (a[0], a[1], a[2] if len(a) > 2 else None, exit_in[r])
         return answers
 
     def _row_step(
