@@ -308,3 +308,19 @@ def test_trained_block_heads_calibrate_export_and_run_through_the_cli(llama, gsm
     assert full.exit_code == 0 and verify.exit_code == 0, verify.output
     want, got = json.loads(full.stdout)["results"][0], json.loads(verify.stdout)["results"][0]
     assert got["token_ids"] == want["token_ids"]
+
+
+def test_river_runs_later_block_heads_on_the_rivers_state(tiny_dirs, tmp_path):
+    """Under the river the exited token flows on through int4 copies; a later active block head runs on the river's
+    state there, so its KV keeps its segment's positions (the runner checks it on every call)."""
+    loaded = load_model(str(tiny_dirs["llama"]))
+    heads = _block_heads(loaded.adapter)
+    opts = ExportOptions(exits=EXITS, top_k=K, profile_costs=False, river=True)
+    export_artifact(loaded, tmp_path / "r", opts, heads=heads)
+    rt = ArtifactRuntime(tmp_path / "r", provider="cpu")
+    assert rt.manifest.validation["river"]["block_kv_max_abs_diff"] is not None
+    runner = _runner(rt, "river", {2: 0.0, 4: 0.0}, new=8)
+    gen = runner.generate([_prompt(10, 6, loaded.adapter.dims.vocab_size)])[0]
+    kv = runner.last_kv
+    assert gen.exit_layers == [L] + [2] * 7  # every decode token exits at 2 and flows on through the river
+    assert kv.filled[0, rt.manifest.exit_at(4).block.kv_slot] == kv.filled[0, 3] == kv.filled[0, L - 1]
