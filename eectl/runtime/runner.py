@@ -298,7 +298,7 @@ class Runner:
         (when the buffers are a batch's), single-row calls on their views for the others (GQA takes several new
         positions on a past for one row at a time). Per row: (hidden out, last layer input, the segment's block
         boundaries [n + 1, S, H] for rows in `states` else None, the exit's input): the exit's input is the block
-        head's output where the active exit after s has one (run per row on the same positions), else hidden out."""
+        head's output where the active exit after s has one (run on the same positions), else hidden out."""
         ones = [r for r, x in xs.items() if x.shape[1] == 1]
         answers: dict[int, Any] = {}
         if isinstance(kv, BatchKV) and len(ones) > 1:
@@ -337,7 +337,8 @@ class Runner:
     ) -> Generator[tuple[str, int, Any], Any, int]:
         """Process chunk_ids (the prompt, or the last token) and decide the next token; returns it.
 
-        Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in); ("decide", layer, Decide) ->
+        Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in, block states or None,
+        the exit's input: a block head's output, else out); ("decide", layer, Decide) ->
         (token or None, candidates); ("greedy", L, h [1, H]) -> token; ("final", L, h [1, H]) -> logits [1, V]);
         `_steps` answers them. Under verify,
         a final-depth pass may roll back wrong drafts: then st.tokens is shorter afterwards and the returned token
