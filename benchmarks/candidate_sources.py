@@ -22,7 +22,7 @@ import onnx
 import torch
 
 from eectl.exits import DEFAULT_TOP_K, Int8Ranking, Shortlist
-from eectl.export import build_candidates, build_exit
+from eectl.export_graphs import build_candidates, build_exit
 from eectl.models import load_model
 from eectl.runtime.sessions import _ort, session_options
 

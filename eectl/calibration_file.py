@@ -4,7 +4,7 @@ Thresholds are floats everywhere in memory, with inf meaning "never exits here" 
 runner's test, `eectl.exits.passes`, understands directly). JSON has no inf, so the file writes null; the
 conversion happens here, in the `Threshold` type, and nowhere else.
 
-What this module does not do: measure or fit anything (calibrate.py, thresholds.py).
+What this module does not do: measure or fit anything (calibrate_measure.py, calibrate_fit.py, thresholds.py).
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ class Calibration(_Model):
     calibration: OverallStats
     heldout: OverallStats | None
     heldout_by_source: dict[str, OverallStats] = Field(default_factory=dict)
-    options: list[Option] = Field(default_factory=list)  # the cost model's menu (calibrate.fit_options)
-    options_judged_on: int = 0  # tokens the menu's coverage was measured on (calibrate.options_judge)
+    options: list[Option] = Field(default_factory=list)  # the cost model's menu (calibrate_fit.fit_options)
+    options_judged_on: int = 0  # tokens the menu's coverage was measured on (calibrate_fit.options_judge)
     compared: dict[str, ComparedSource] = Field(default_factory=dict)  # --compare: other candidate sources
     threads: int = 0
     wall_s: float = 0.0

@@ -1,4 +1,4 @@
-"""Domain errors. Raised deep in the library, mapped to a one-line message and an exit code once, in cli.py."""
+"""Domain errors. Raised deep in the library, mapped to a one-line message and an exit code once, in cli/app.py."""
 
 from __future__ import annotations
 

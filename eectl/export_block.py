@@ -20,7 +20,7 @@ What this module does not do: run the graphs (runtime/blocks.py) or train the bl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeGuard
 
 import numpy as np
@@ -28,7 +28,7 @@ import onnx
 import torch
 from onnx import TensorProto
 
-from eectl.export import _Builder, _layer
+from eectl.export_graphs import _Builder, _layer
 from eectl.head_designs import BlockHead
 from eectl.manifest import BlockExit, GraphIO
 from eectl.models.adapters import Adapter, KVCache
@@ -96,7 +96,7 @@ def export_block(
 
 @torch.no_grad()
 def torch_block_states(
-    heads: dict[int, torch.nn.Module],
+    heads: Mapping[int, torch.nn.Module],
     states: dict[int, torch.Tensor],
     positions: torch.Tensor,
     caches: dict[int, KVCache],

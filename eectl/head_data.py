@@ -6,7 +6,7 @@ it stopped: files already there are kept):
     cache.json                       identity (model hash, data, layers, lengths, teacher k) and the sequence list
     train/text_000000.safetensors    teacher-forced chunk of the data (BOS first)
     train/gen_000000.safetensors     one prompt (in the chat template, as `eectl run` feeds it) + the model's own
-                                     greedy continuation (`calibrate.generate_continuations`, calibrate's code)
+                                     greedy continuation (`calibrate_measure.generate_continuations`, calibrate's code)
     held/...                         the same from the last records of the data (held out from training)
 
 Per sequence of S tokens: `ids` [S]; `measured` [S] bool (the positions whose next-token prediction is trained and
@@ -209,7 +209,7 @@ def build_cache(
 ) -> StateCache:
     """Compute (or finish computing) the cache for `spec` in `folder`; an existing cache of another identity is
     refused, an identical one is reused. Text chunks first, then generated sequences, per split."""
-    from eectl.calibrate import generate_continuations, prompt_ids
+    from eectl.calibrate_measure import generate_continuations, prompt_ids
     from eectl.data import TextData, split_records, token_chunks
 
     say = log or (lambda _m: None)

@@ -16,6 +16,7 @@ and, on the CPU, ends with bit-identical heads. Under `torchrun` / `accelerate l
 trains on its own shard of the chunks and the heads are wrapped in DistributedDataParallel.
 
 Output: a heads file (head_designs.save_heads); `head_designs.load_heads` reads it back for calibrate and export.
+The before/after report and heads.json's metadata are heads_report.py's.
 
 What this module does not do: choose exit thresholds (calibrate), build ONNX graphs (export), load checkpoints.
 """
@@ -27,7 +28,7 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from torch import nn
 
 from eectl.data import TokenStream, count_tokens, split_records
 from eectl.errors import DataError, EectlError, UsageError
-from eectl.exits import DEFAULT_TOP_K, SIGNALS, ExitHead, ExitScoring, TorchExitLogits
+from eectl.exits import DEFAULT_TOP_K, ExitHead
 from eectl.head_checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from eectl.head_designs import (
     HeadStack,
@@ -49,10 +50,17 @@ from eectl.head_designs import (
     save_heads,
     sidecar_path,
 )
-from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
-from eectl.models.adapters import Adapter, Capture
+from eectl.heads_meta import HeadCost, HeadsMeta
+from eectl.heads_report import (
+    ChunkPass,
+    EvalResult,
+    base_pass,
+    evaluate,
+    final_kl,
+    heads_meta,
+)
+from eectl.models.adapters import Adapter
 from eectl.recipe import check_exit_layers
-from eectl.thresholds import threshold_for_precision
 
 DEFAULT_BATCH_TOKENS = 32
 DEFAULT_EVAL_TOKENS = 4096
@@ -112,27 +120,6 @@ class TrainConfig:
 
 
 @dataclass
-class ExitMetrics:
-    layer: int
-    tokens: int
-    agreement: float  # top-1 == final top-1
-    kl: float  # KL(final || exit), nats, mean over tokens
-    coverage_full: float  # share of tokens exiting at `target` precision, full-vocabulary top-1 probability
-    threshold_full: float
-    coverage_topk: float  # same with the top-k local-vocabulary probability (candidates from the first exit)
-    threshold_topk: float
-
-
-@dataclass
-class EvalResult:
-    tokens: int
-    exits: list[ExitMetrics]
-    oracle_mean_layers: float  # exit at the first exit whose top-1 equals the final one
-    sequential_mean_layers: float  # exit at the first exit whose full-vocab prob passes its threshold (in-sample)
-    sequential_agreement: float  # agreement of the tokens produced that way with the final layer
-
-
-@dataclass
 class TrainResult:
     meta: HeadsMeta | None  # everything in heads.json (None on the non-main ranks)
     out: Path
@@ -144,144 +131,6 @@ class TrainResult:
     def to_dict(self) -> dict[str, Any]:
         meta = {} if self.meta is None else self.meta.model_dump(mode="json")
         return {"out": str(self.out), "json": str(self.sidecar), "checkpoint": str(self.checkpoint), **meta}
-
-
-@dataclass
-class _ChunkPass:
-    states: dict[int, torch.Tensor]  # exit layer -> [T, H] hidden states after that layer
-    probs: torch.Tensor  # [T, V] final-layer distribution (teacher), float32
-    entropy: torch.Tensor  # [T] its entropy, nats
-    next_ids: torch.Tensor  # [T] next token id, -100 where the chunk ends
-    # sequence designs (block) read every position of the sequence: states of all S positions, and which of
-    # them are the T measured ones (None: `states` is all there is)
-    context: dict[int, torch.Tensor] | None = None  # exit layer -> [S, H]
-    measured: torch.Tensor | None = None  # [T] indices into S
-
-
-@torch.no_grad()
-def _base_pass(adapter: Adapter, ids: torch.Tensor, exits: list[int], skip_first: int) -> _ChunkPass:
-    """The frozen base on one chunk [1, S]: exit states and the teacher distribution at the measured positions."""
-    keep = Capture(set(exits), select=lambda h: h[0, skip_first:])
-    positions = torch.arange(ids.shape[1], device=ids.device)[None]
-    final = adapter.forward_layers(adapter.embed(ids), positions, 0, adapter.num_layers, None, capture=keep)
-    states = keep.states
-    logp = F.log_softmax(adapter.logits(final[0, skip_first:]).float(), dim=-1)  # [T, V]
-    probs = logp.exp()
-    entropy = -(probs * logp).sum(-1)
-    next_ids = torch.full((logp.shape[0],), -100, dtype=torch.long, device=ids.device)
-    next_ids[:-1] = ids[0, skip_first + 1 :]
-    return _ChunkPass(states, probs, entropy, next_ids)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Evaluation: before (logit lens) and after (heads), on held-out chunks
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate(
-    adapter: Adapter,
-    variants: dict[str, dict[int, nn.Module | None]],
-    chunks: list[torch.Tensor],
-    skip_first: int,
-    top_k: int = DEFAULT_TOP_K,
-    target: float = 0.99,
-    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-    passes: Iterable[_ChunkPass] | None = None,
-) -> dict[str, EvalResult]:
-    """Per exit and per variant (a name -> {exit layer: head or None for the logit lens}): agreement with the final
-    layer, KL, and the coverage at `target` precision that FlexEE's lambda* gives on these tokens, for the
-    full-vocabulary top-1 probability and for the top-k local vocabulary (candidates: top-k of the first exit's full
-    logits, as the runner picks them). The base runs once per chunk for all variants.
-    """
-    L = adapter.num_layers
-    exits = sorted(next(iter(variants.values())))
-    device = adapter.device
-    acc: dict[str, dict[str, list[torch.Tensor]]] = {
-        v: {k: [] for k in ("agree", "kl", "conf", "conf_topk", "correct_topk")} for v in variants
-    }
-    # a sequence head (block) is applied to the whole sequence first; its exit then scores like the logit lens
-    exit_logits = {
-        name: TorchExitLogits(
-            {layer: ExitHead(adapter, None if getattr(h, "sequence", False) else h) for layer, h in heads.items()}
-        )
-        for name, heads in variants.items()
-    }
-    local_prob = SIGNALS["topk-prob"]
-
-    def base_passes() -> Iterator[_ChunkPass]:
-        for ids in chunks:
-            with autocast():
-                yield _base_pass(adapter, ids.to(device), exits, skip_first)
-
-    n = 0
-    for run in passes if passes is not None else base_passes():
-        top_final = run.probs.argmax(-1)
-        logp_final = run.probs.clamp_min(1e-38).log()
-        n += top_final.shape[0]
-        for name, backend in exit_logits.items():
-            agree, kl, conf, conf_k, corr_k = [], [], [], [], []
-            scoring = ExitScoring(local_prob, backend, min(top_k, adapter.dims.vocab_size))  # the runner's Top-K rule
-            for layer in exits:
-                h = run.states[layer]
-                raw = variants[name][layer]
-                if getattr(raw, "sequence", False):  # a block reads the whole sequence at its exit
-                    assert raw is not None and run.context is not None and run.measured is not None
-                    with autocast():
-                        h = raw(run.context[layer].float())[run.measured]
-                with autocast():
-                    logits = backend.full(layer, h).float()
-                    local = scoring.score(layer, h)
-                logq = F.log_softmax(logits, dim=-1)
-                agree.append(logq.argmax(-1) == top_final)
-                kl.append((run.probs * (logp_final - logq)).sum(-1).double())
-                conf.append(logq.max(-1).values.exp())
-                conf_k.append(local.values["prob"])
-                corr_k.append(local.prediction().token == top_final)
-            for key, vals in (
-                ("agree", agree),
-                ("kl", kl),
-                ("conf", conf),
-                ("conf_topk", conf_k),
-                ("correct_topk", corr_k),
-            ):
-                acc[name][key].append(torch.stack(vals).cpu())  # [E, T]
-    if n == 0:
-        raise DataError("no held-out tokens to evaluate on")
-    results: dict[str, EvalResult] = {}
-    for name in variants:
-        a = {k: torch.cat(v, dim=1) for k, v in acc[name].items()}  # [E, N]
-        metrics = []
-        thresholds = []
-        for e, layer in enumerate(exits):
-            full = threshold_for_precision(a["conf"][e], a["agree"][e], target)
-            topk = threshold_for_precision(a["conf_topk"][e], a["correct_topk"][e], target)
-            thresholds.append(full.threshold)
-            metrics.append(
-                ExitMetrics(
-                    layer=layer,
-                    tokens=n,
-                    agreement=float(a["agree"][e].double().mean()),
-                    kl=float(a["kl"][e].mean()),
-                    coverage_full=full.coverage,
-                    threshold_full=full.threshold,
-                    coverage_topk=topk.coverage,
-                    threshold_topk=topk.threshold,
-                )
-            )
-        layers = torch.tensor(exits + [L], dtype=torch.float64)
-        ones = torch.ones(1, n, dtype=torch.bool)
-        oracle = torch.cat([a["agree"], ones]).double().argmax(0)  # first True: the first exit that agrees
-        passes = torch.cat([a["conf"] >= torch.tensor(thresholds)[:, None], ones]).double().argmax(0)
-        taken_agree = torch.cat([a["agree"], ones]).gather(0, passes[None])[0]
-        results[name] = EvalResult(
-            tokens=n,
-            exits=metrics,
-            oracle_mean_layers=float(layers[oracle].mean()),
-            sequential_mean_layers=float(layers[passes].mean()),
-            sequential_agreement=float(taken_agree.double().mean()),
-        )
-    return results
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -449,12 +298,12 @@ def _train_loop(
 ) -> None:
     """Optimiser steps until config.steps: KL(final || exit) over every exit in one pass; `save` checkpoints."""
     lens = ExitHead(adapter)  # frozen final norm + LM head; ExitHead(adapter, head).full(h) == lens.full(head(h))
-    cache: OrderedDict[int, _ChunkPass] = OrderedDict()
+    cache: OrderedDict[int, ChunkPass] = OrderedDict()
 
-    def chunk_pass(c: int) -> _ChunkPass:
+    def chunk_pass(c: int) -> ChunkPass:
         if c not in cache:
             with autocast():
-                cache[c] = _base_pass(adapter, td.chunks[c].to(device), exits, td.skip_first)
+                cache[c] = base_pass(adapter, td.chunks[c].to(device), exits, td.skip_first)
             while len(cache) > 2:
                 cache.popitem(last=False)
         return cache[c]
@@ -513,17 +362,21 @@ def _metadata(
     train_s: float,
 ) -> HeadsMeta:
     """What heads.json says: design, dimensions, base model, data, training and the held-out report."""
-    adapter = loaded.adapter
-    dims = adapter.dims
-    tail = tr.history[-max(1, min(50, len(tr.history))) :]
-    return HeadsMeta(
-        exits=exits,
-        design=config.design,
-        rank=config.rank,
-        width=head_width(config.design, config.rank, dims.hidden_size),
-        head_cost=HeadCost(**head_cost(config.design, config.rank, dims.hidden_size)),
-        dimensions=HeadDims(num_layers=dims.num_layers, hidden_size=dims.hidden_size, vocab_size=dims.vocab_size),
-        base_model={**loaded.source.to_dict(), "family": adapter.family},
+    hidden = loaded.adapter.dims.hidden_size
+    return heads_meta(
+        loaded,
+        config,
+        exits,
+        report,
+        report_notes={
+            "signals": (
+                "coverage_full: exit's full-vocabulary top-1 probability; coverage_topk: its probability over the "
+                "top-k local vocabulary picked at the first exit; coverage = share of held-out tokens at or above "
+                "the lowest threshold whose exits agree with the final layer at the target precision"
+            )
+        },
+        width=head_width(config.design, config.rank, hidden),
+        head_cost=HeadCost(**head_cost(config.design, config.rank, hidden)),
         data={
             **data.to_dict(),
             "train_records_available": len(td.train.texts),
@@ -546,21 +399,7 @@ def _metadata(
             "world_size": world,
             "threads": torch.get_num_threads(),
             "train_s": round(train_s, 2),
-            "final_kl": {str(layer): sum(h[e] for h in tail) / len(tail) for e, layer in enumerate(exits)},
-        },
-        steps=config.steps,
-        seed=config.seed,
-        report={
-            "tokens": report["after"].tokens,
-            "target_precision": config.target,
-            "top_k": config.top_k,
-            "signals": (
-                "coverage_full: exit's full-vocabulary top-1 probability; coverage_topk: its probability over the "
-                "top-k local vocabulary picked at the first exit; coverage = share of held-out tokens at or above "
-                "the lowest threshold whose exits agree with the final layer at the target precision"
-            ),
-            "before": asdict(report["before"]),
-            "after": asdict(report["after"]),
+            "final_kl": final_kl(tr.history, exits, 50),
         },
     )
 
@@ -662,9 +501,3 @@ def train_heads(
         tdist.barrier()
         tdist.destroy_process_group()
     return result
-
-
-def iter_report(meta: HeadsMeta) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-    """(before, after) metrics per exit from a heads.json report."""
-    report = meta.report
-    yield from zip(report["before"]["exits"], report["after"]["exits"], strict=True)

@@ -8,7 +8,7 @@ One step reads `batch_tokens` measured positions (TokenStream over the cache's t
     loss "topk":  the teacher's top-k + tail-bucket KL (heads.topk_tail_kl): |S| + tail_samples LM-head rows
 
 Block heads (design "block") read the sequence: each piece of a batch runs the block over its sequence's prefix and
-keeps the measured rows. The report (held-out split of the cache) is heads.evaluate's, with the exact teacher.
+keeps the measured rows. The report (held-out split of the cache) is heads_report.evaluate's, with the exact teacher.
 
 What this module does not do: compute the base's states (head_data), or write other formats than heads.save_heads.
 """
@@ -44,8 +44,9 @@ from eectl.head_designs import (
     sidecar_path,
 )
 from eectl.head_losses import DEFAULT_TAIL_SAMPLES, LOSSES, TeacherTopK, topk_tail_kl
-from eectl.heads import TrainResult, _ChunkPass, evaluate, lr_at
-from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
+from eectl.heads import TrainResult, lr_at
+from eectl.heads_meta import HeadCost, HeadsMeta
+from eectl.heads_report import ChunkPass, EvalResult, evaluate, final_kl, heads_meta
 from eectl.models.adapters import Adapter
 
 
@@ -107,7 +108,7 @@ def make_stack(adapter: Adapter, config: CachedConfig) -> HeadStack:
 
 def _cached_passes(
     adapter: Adapter, cache: StateCache, split: str, exits: list[int], sources: tuple[str, ...], limit: int
-) -> Iterator[_ChunkPass]:
+) -> Iterator[ChunkPass]:
     """Held-out sequences of the cache as evaluate() reads them (the exact teacher from the cached final state):
     the first sequences of each source, about `limit` tokens in all, each source in its share of the split."""
     total = max(1, cache.tokens(split))
@@ -124,7 +125,7 @@ def _cached_passes(
         idx = torch.nonzero(seq.measured).flatten()
         logp = F.log_softmax(adapter.logits(seq.final[idx].float()), dim=-1)
         probs = logp.exp()
-        yield _ChunkPass(
+        yield ChunkPass(
             states={layer: seq.states[layer][idx].float() for layer in exits},
             probs=probs,
             entropy=-(probs * logp).sum(-1),
@@ -171,48 +172,13 @@ def train_cached(
         history = [list(h) for h in state["history"]]
         say(f"resumed from {resume} at step {step}/{config.steps}")
     lens = ExitHead(adapter)
-    sequence = config.design in SEQUENCE_DESIGNS
-
-    def autocast() -> contextlib.AbstractContextManager[Any]:
-        if config.precision == "bf16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     start = time.perf_counter()
     train_s = 0.0
     stack.train()
     while step < config.steps:
         t0 = time.perf_counter()
-        mapped_parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in exits}
-        teachers, finals = [], []
-        with autocast():
-            for i, a, b in stream.batch(step):
-                seq = cache.load(entries[i])
-                idx = torch.nonzero(seq.measured).flatten()[a:b]
-                teachers.append(TeacherTopK(seq.teacher_ids[idx], seq.teacher_logp[idx]))
-                if config.loss == "exact":
-                    finals.append(seq.final[idx])
-                for layer in exits:
-                    head = stack.head(layer)
-                    if sequence:
-                        end = int(idx[-1]) + 1  # the block sees the prefix of the sequence up to the last row
-                        mapped_parts[layer].append(head(seq.states[layer][:end].float())[idx])
-                    else:
-                        mapped_parts[layer].append(head(seq.states[layer][idx].float()))
-            mapped = torch.stack([torch.cat(mapped_parts[layer]) for layer in exits])  # [E, B, H]
-            teacher = TeacherTopK.cat(teachers)
-            if config.loss == "topk":
-                g = torch.Generator().manual_seed(config.seed * 1_000_003 + step)  # resumable: a function of step
-                soft_ce, kl = topk_tail_kl(lens, mapped, teacher, config.tail_samples, g)
-            else:
-                with torch.no_grad():
-                    logp = F.log_softmax(adapter.logits(torch.cat(finals).float()), dim=-1)
-                    probs = logp.exp()
-                    entropy = -(probs * logp).sum(-1).mean()
-                logits = lens.full(mapped.flatten(0, 1)).float().view(len(exits), -1, probs.shape[-1])
-                soft_ce = torch.stack([F.cross_entropy(logits[e], probs) for e in range(len(exits))])
-                kl = soft_ce.detach() - entropy
-            total = soft_ce.sum()
+        total, kl = _cached_loss(adapter, lens, cache, entries, stream, stack, config, step)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config.steps, config.lr)
         optimizer.zero_grad(set_to_none=True)
@@ -239,19 +205,87 @@ def train_cached(
         config.target,
         passes=_cached_passes(adapter, cache, "held", exits, ("text", "gen"), config.eval_tokens),
     )
-    dims = adapter.dims
+    meta = _cached_meta(loaded, cache, config, stream, stack, history, report, train_s)
+    result = TrainResult(meta, out, sidecar_path(out), ckpt)
+    result.wall_s = time.perf_counter() - start
+    meta.training["wall_s"] = round(result.wall_s, 2)
+    save_heads(stack, meta, out)
+    return result
+
+
+def _cached_loss(
+    adapter: Adapter,
+    lens: ExitHead,
+    cache: StateCache,
+    entries: list[Any],
+    stream: TokenStream,
+    stack: HeadStack,
+    config: CachedConfig,
+    step: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's batch through every exit's head: (the loss summed over exits, KL per exit [E], detached)."""
+    exits = config.exits
+    sequence = config.design in SEQUENCE_DESIGNS
+    autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if config.precision == "bf16":
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    mapped_parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in exits}
+    teachers, finals = [], []
+    with autocast:
+        for i, a, b in stream.batch(step):
+            seq = cache.load(entries[i])
+            idx = torch.nonzero(seq.measured).flatten()[a:b]
+            teachers.append(TeacherTopK(seq.teacher_ids[idx], seq.teacher_logp[idx]))
+            if config.loss == "exact":
+                finals.append(seq.final[idx])
+            for layer in exits:
+                head = stack.head(layer)
+                if sequence:
+                    end = int(idx[-1]) + 1  # the block sees the prefix of the sequence up to the last row
+                    mapped_parts[layer].append(head(seq.states[layer][:end].float())[idx])
+                else:
+                    mapped_parts[layer].append(head(seq.states[layer][idx].float()))
+        mapped = torch.stack([torch.cat(mapped_parts[layer]) for layer in exits])  # [E, B, H]
+        teacher = TeacherTopK.cat(teachers)
+        if config.loss == "topk":
+            g = torch.Generator().manual_seed(config.seed * 1_000_003 + step)  # resumable: a function of step
+            soft_ce, kl = topk_tail_kl(lens, mapped, teacher, config.tail_samples, g)
+        else:
+            with torch.no_grad():
+                logp = F.log_softmax(adapter.logits(torch.cat(finals).float()), dim=-1)
+                probs = logp.exp()
+                entropy = -(probs * logp).sum(-1).mean()
+            logits = lens.full(mapped.flatten(0, 1)).float().view(len(exits), -1, probs.shape[-1])
+            soft_ce = torch.stack([F.cross_entropy(logits[e], probs) for e in range(len(exits))])
+            kl = soft_ce.detach() - entropy
+        total = soft_ce.sum()
+    return total, kl
+
+
+def _cached_meta(
+    loaded: Any,
+    cache: StateCache,
+    config: CachedConfig,
+    stream: TokenStream,
+    stack: HeadStack,
+    history: list[list[float]],
+    report: dict[str, EvalResult],
+    train_s: float,
+) -> HeadsMeta:
+    """heads.json for heads trained from a state cache (heads.heads_meta plus the cache, loss and block fields)."""
+    adapter = loaded.adapter
+    exits = config.exits
+    sequence = config.design in SEQUENCE_DESIGNS
     cost = design_cost(adapter, config.design, config.rank)
-    tail = history[-max(1, min(20, len(history))) :]
-    meta = HeadsMeta(
-        exits=exits,
-        design=config.design,
-        rank=config.rank,
-        width=None if sequence else head_width(config.design, config.rank, dims.hidden_size),
+    return heads_meta(
+        loaded,
+        config,
+        exits,
+        report,
+        width=None if sequence else head_width(config.design, config.rank, adapter.dims.hidden_size),
         head_cost=HeadCost(
             params=int(cost["params"]), macs_per_token=int(cost["macs_per_token"]), layers=cost["layers"]
         ),
-        dimensions=HeadDims(num_layers=adapter.num_layers, hidden_size=dims.hidden_size, vocab_size=dims.vocab_size),
-        base_model={**loaded.source.to_dict(), "family": adapter.family},
         data={
             "state_cache": cache.describe(),
             "sources": list(config.sources),
@@ -272,25 +306,11 @@ def train_cached(
             "threads": torch.get_num_threads(),
             "train_s": round(train_s, 2),
             "tokens_per_s": round(config.steps * config.batch_tokens / max(train_s, 1e-9), 1),
-            "final_kl": {str(layer): sum(h[e] for h in tail) / len(tail) for e, layer in enumerate(exits)},
-        },
-        steps=config.steps,
-        seed=config.seed,
-        report={
-            "tokens": report["after"].tokens,
-            "target_precision": config.target,
-            "top_k": config.top_k,
-            "before": asdict(report["before"]),
-            "after": asdict(report["after"]),
+            "final_kl": final_kl(history, exits, 20),
         },
         block_init=config.block_init if sequence else None,
         block_layers={str(layer): stack.head(layer).init_layer for layer in exits} if sequence else None,
     )
-    result = TrainResult(meta, out, sidecar_path(out), ckpt)
-    result.wall_s = time.perf_counter() - start
-    meta.training["wall_s"] = round(result.wall_s, 2)
-    save_heads(stack, meta, out)
-    return result
 
 
 def layer_macs(adapter: Adapter) -> int:

@@ -44,6 +44,6 @@ class HeadsMeta(_M):
     training: dict[str, Any]  # optimiser, schedule, device, precision, timings, final KL per exit
     steps: int
     seed: int
-    report: dict[str, Any]  # held-out before/after metrics per exit (heads.EvalResult as dicts)
+    report: dict[str, Any]  # held-out before/after metrics per exit (heads_report.EvalResult as dicts)
     block_init: str | None = None  # block design: last | next | identity
     block_layers: dict[str, int] | None = None  # block design: exit layer -> the decoder layer index it copies

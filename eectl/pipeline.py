@@ -5,7 +5,7 @@ working directory, named after the model). The CLI runs each step with its own c
 exactly what the command of the same name does.
 
 `dry_run` checks a recipe against its model without running a stage; `with_model` points a recipe at another
-copy of its checkpoint. What this module does not do: implement a stage (the stage modules) or print (cli.py).
+copy of its checkpoint. What this module does not do: implement a stage (the stage modules) or print (cli/).
 """
 
 from __future__ import annotations

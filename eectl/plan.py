@@ -1,7 +1,7 @@
 """Exits chosen by what they save: a cost model of one decode step, and the choice of active exits per policy.
 
 Inputs are two measurements of the artifact, both model-agnostic:
-- the calibrated **options** (calibrate.py): for a subset of exits and a precision target, the per-exit thresholds
+- the calibrated **options** (calibrate_fit.py): for a subset of exits and a precision target, the per-exit thresholds
   and the held-out share of all tokens that exit at each exit (`coverage`) and their agreement with the final layer
   (`precision`): what a run with exactly those exits active sees (Top-K candidates picked at the subset's first exit);
 - the measured **costs** (costs.py): milliseconds per graph call on the runner's provider and thread count.

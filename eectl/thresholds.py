@@ -8,9 +8,9 @@ must reach the target instead (`threshold_with_bound`). A threshold of inf means
 one in-memory representation (files write it as null, see calibration_file.py).
 
 The bound is per threshold: it treats the chosen threshold as fixed in advance; the search over thresholds (and
-over exits, sequentially) is not corrected for. Held-out replay (calibrate.py) is the check.
+over exits, sequentially) is not corrected for. Held-out replay (calibrate_fit.py) is the check.
 
-What this module does not do: measure signals (calibrate.py, exits.py) or read and write files.
+What this module does not do: measure signals (calibrate_measure.py, exits.py) or read and write files.
 """
 
 from __future__ import annotations

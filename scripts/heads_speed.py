@@ -19,7 +19,7 @@ from eectl.data import load_text_data, token_chunks
 from eectl.exits import ExitHead
 from eectl.head_designs import build_heads
 from eectl.head_losses import TeacherTopK, topk_tail_kl
-from eectl.heads import _base_pass
+from eectl.heads_report import base_pass as _base_pass
 from eectl.models import load_model
 
 

@@ -110,11 +110,13 @@ def train(a: argparse.Namespace) -> None:
 def calib(a: argparse.Namespace) -> None:
     """Calibrate's sequential thresholds (topk-prob, K = 64) through the heads on the cache's held-out split: fitted on
     its first half of sequences (per source), replayed on the second; mean executed layers counting head cost."""
-    from eectl.calibrate import SOURCES, ExitScorer, Measurements, assign_exits, fit
+    from eectl.calibrate_fit import fit
+    from eectl.calibrate_measure import SOURCES, ExitScorer, Measurements
     from eectl.head_data import open_cache
     from eectl.head_designs import load_heads
     from eectl.heads_cached import design_cost
     from eectl.models import load_model
+    from eectl.thresholds import assign_exits
 
     loaded = load_model(a.model)
     adapter = loaded.adapter

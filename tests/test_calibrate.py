@@ -14,22 +14,12 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from eectl.calibrate import (
-    SOURCES,
-    CalibrateOptions,
-    ExitScorer,
-    Measurements,
-    calibrate_model,
-    encode_prompt,
-    evaluate,
-    fit,
-    measure_generation,
-    measure_text,
-    prompt_ids,
-)
+from eectl.calibrate import CalibrateOptions, calibrate_model
+from eectl.calibrate_fit import evaluate, fit
+from eectl.calibrate_measure import SOURCES, ExitScorer, Measurements, measure_generation, measure_text, prompt_ids
 from eectl.calibration_file import Calibration, read_calibration, write_calibration
 from eectl.cli import app
-from eectl.data import token_chunks
+from eectl.data import encode_prompt, token_chunks
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits import ExitHead, signals, topk_candidates, transition_cosine
 from eectl.thresholds import (

@@ -8,7 +8,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from eectl.calibrate import CalibrateOptions, ExitScorer, calibrate_model, measure_text
+from eectl.calibrate import CalibrateOptions, calibrate_model
+from eectl.calibrate_measure import ExitScorer, measure_text
 from eectl.data import token_chunks
 from eectl.exits import (
     ExitHead,

@@ -12,11 +12,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from eectl import export as export_mod
+from eectl import export_graphs, export_validation
 from eectl.cli import app
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import ExitHead
-from eectl.export import ExportOptions, ExportValidationError, export_artifact
+from eectl.export import ExportOptions, export_artifact
+from eectl.export_validation import ExportValidationError
 from eectl.head_designs import head_cost, make_head
 from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
 from eectl.manifest import MANIFEST, SCHEMA_VERSION, read_manifest, write_manifest
@@ -88,9 +89,9 @@ def test_graph_weights_are_external_data_listed_and_hashed(exported):
         proto = onnx.load(str(art / g.file), load_external_data=False)
         big = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
         inline = [t for t in proto.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
-        assert all(len(t.raw_data) < export_mod.EXTERNAL_MIN_BYTES for t in inline)
+        assert all(len(t.raw_data) < export_graphs.EXTERNAL_MIN_BYTES for t in inline)
         offsets = [int(d.value) for t in big for d in t.external_data if d.key == "offset"]
-        assert all(o % export_mod.EXTERNAL_ALIGN == 0 for o in offsets)
+        assert all(o % export_graphs.EXTERNAL_ALIGN == 0 for o in offsets)
         assert g.data == (g.file + ".data" if big else None) and g.file in m.files
         assert g.data is None or g.data in m.files
     assert all(s.graph.data and s.kv_graph.data for s in m.segments)
@@ -184,7 +185,7 @@ def test_export_is_atomic_and_needs_force(tiny_dirs, tmp_path, monkeypatch):
     with pytest.raises(ArtifactError, match="already exists"):
         export_artifact(loaded, out, ExportOptions(exits=[2]))
     assert read_manifest(out).files == before
-    monkeypatch.setitem(export_mod.TOLERANCE, "fp32", 0.0)  # every export now fails its validation
+    monkeypatch.setitem(export_validation.TOLERANCE, "fp32", 0.0)  # every export now fails its validation
     with pytest.raises(ExportValidationError):
         export_artifact(loaded, out, ExportOptions(exits=[2], force=True))
     assert read_manifest(out).files == before  # the old artifact survived the failed replacement

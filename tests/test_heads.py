@@ -17,8 +17,9 @@ from eectl.errors import ArtifactError, UsageError
 from eectl.exits import ExitHead, signals, topk_candidates
 from eectl.head_checkpoint import checkpoint_path
 from eectl.head_designs import DESIGNS, HeadStack, build_heads, load_heads, make_head, save_heads
-from eectl.heads import TrainConfig, iter_report, train_heads
+from eectl.heads import TrainConfig, train_heads
 from eectl.heads_meta import HeadsMeta
+from eectl.heads_report import iter_report
 from eectl.models import load_model
 from tests.tiny import GSM8K
 

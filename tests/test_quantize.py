@@ -16,7 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from eectl.cli import app
-from eectl.export import ExportOptions, ExportValidationError, export_artifact
+from eectl.export import ExportOptions, export_artifact
+from eectl.export_validation import ExportValidationError
 from eectl.manifest import read_manifest
 from eectl.quantize import Int4Options
 from eectl.runtime.runner import RunConfig, Runner

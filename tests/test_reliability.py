@@ -436,7 +436,7 @@ def test_12_interrupt_prints_interrupted_and_exits_130(monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("eectl.cli.load_recipe", interrupted)
+    monkeypatch.setattr("eectl.cli.cmd_run.load_recipe", interrupted)
     res = runner.invoke(app, ["run", "art", "hi"])
     assert res.exit_code == 130 and res.stderr == "interrupted\n"
 

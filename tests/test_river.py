@@ -156,7 +156,7 @@ def test_cosine_min_calibrates_as_the_minimum_over_each_segments_blocks(llama):
     transition cosines (so never above the last block's, which is the `cosine` signal)."""
     import torch
 
-    from eectl.calibrate import ExitScorer, measure_text
+    from eectl.calibrate_measure import ExitScorer, measure_text
     from eectl.exits import transition_cosine
     from eectl.models import KVCache
 

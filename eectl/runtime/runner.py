@@ -11,7 +11,7 @@ position (runtime/batch.py; per-row lengths), the final head once for all rows t
 early sit out the deeper calls (they ride along on a scratch slot: GQA cannot skip rows); rows with several
 positions (prefill, deferred positions) run single-row calls on their rows of the same buffers, and so do the
 river policy's int4 copies after an exit (`KVPolicy.predict`). Block states (cosine-min) come from the batched call.
-What this module does not do: tokenise or format output (generate.py / cli.py), or load torch models.
+What this module does not do: tokenise or format output (generate.py / cli/), or load torch models.
 """
 
 from __future__ import annotations

@@ -1,0 +1,184 @@
+"""Calibration's fit: sequential thresholds on the calibration split replayed on the held-out split, and the menu
+of exit subsets (each fitted at the target and at verify's precisions) that export's cost model chooses from.
+
+The statistics (lambda*, Clopper-Pearson, the sequential rule) are eectl.thresholds'; this module turns them into the
+calibration file's per-exit and overall numbers.
+
+What this module does not do: measure signals (calibrate_measure.py) or read and write files.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from eectl.calibrate_measure import SOURCES, Measurements
+from eectl.calibration_file import (
+    ExitResult,
+    OverallStats,
+    SplitStats,
+)
+from eectl.errors import DataError
+from eectl.plan import MAX_SUBSET, VERIFY_PRECISIONS, ExitOption, Option
+from eectl.thresholds import assign_exits, clopper_pearson_lower, fit_thresholds, min_tokens_for
+
+
+def _rate(num: int, den: int) -> float | None:
+    return num / den if den else None
+
+
+def evaluate(
+    meas: Measurements, thresholds: list[dict[str, float]], mask: torch.Tensor, level: float | None = None
+) -> tuple[list[SplitStats], OverallStats]:
+    """Replay the sequential rule on the masked tokens: per-exit and overall numbers."""
+    taken = assign_exits(meas.values, thresholds)[mask]
+    correct = meas.correct[:, mask]
+    n, num_exits, L = int(mask.sum()), len(meas.exits), meas.num_layers
+    per_exit: list[SplitStats] = []
+    hits_all = exited_all = 0
+    for e in range(num_exits):
+        here = taken == e
+        exited, hits = int(here.sum()), int((here & correct[e]).sum())
+        hits_all, exited_all = hits_all + hits, exited_all + exited
+        bound = None if level is None or not exited else float(clopper_pearson_lower(hits, exited, level))
+        per_exit.append(
+            SplitStats(
+                reached=int((taken >= e).sum()),
+                exited=exited,
+                coverage=exited / n if n else 0.0,
+                precision=_rate(hits, exited),
+                lower_bound=bound,
+            )
+        )
+    layers = torch.tensor([*meas.exits, L], dtype=torch.float64)[taken]
+    mean_layers = float(layers.mean()) if n else float(L)
+    overall = OverallStats(
+        tokens=n,
+        exited=exited_all,
+        exit_rate=exited_all / n if n else 0.0,
+        precision=_rate(hits_all, exited_all),
+        agreement=(n - exited_all + hits_all) / n if n else 1.0,
+        mean_layers=mean_layers,
+        speedup_bound=L / mean_layers,
+    )
+    return per_exit, overall
+
+
+@dataclass
+class Fit:
+    thresholds: list[dict[str, float]]
+    exits: list[ExitResult]
+    calibration: OverallStats
+    heldout: OverallStats | None
+    heldout_by_source: dict[str, OverallStats]
+
+
+def fit(
+    meas: Measurements,
+    target: float,
+    confidence: float | None = None,
+    holdout: float = 0.2,
+    heads: Sequence[int] = (),
+) -> Fit:
+    """Fit on the calibration split, replay on the held-out split; DataError when the split is too small."""
+    held = meas.heldout_mask(holdout)
+    calib = ~held
+    n_calib = int(calib.sum())
+    if n_calib == 0:
+        raise DataError("no calibration tokens", hint="raise --tokens")
+    need = min_tokens_for(target, confidence) if confidence is not None else 1
+    if n_calib < need:
+        raise DataError(
+            f"data too small for the requested guarantee: precision >= {target} at confidence {confidence} needs "
+            f"at least {need} calibration tokens, got {n_calib}",
+            hint="raise --tokens, lower --target or --confidence",
+        )
+    thresholds = fit_thresholds(meas.values, meas.correct, target, confidence, calib)
+    cal_exits, cal_overall = evaluate(meas, thresholds, calib, confidence)
+    held_exits: list[SplitStats | None] = [None] * len(meas.exits)
+    held_overall = None
+    by_source: dict[str, OverallStats] = {}
+    if bool(held.any()):
+        got, held_overall = evaluate(meas, thresholds, held, confidence)
+        held_exits = list(got)
+        for s, name in enumerate(SOURCES):
+            part = held & (meas.source == s)
+            if bool(part.any()):
+                by_source[name] = evaluate(meas, thresholds, part)[1]
+    exits: list[ExitResult] = []
+    for e, layer in enumerate(meas.exits):
+        thr = thresholds[e]
+        note = None
+        if all(math.isinf(t) for t in thr.values()):
+            reached = cal_exits[e].reached
+            if confidence is not None and reached < need:
+                note = f"never exits: {reached} tokens reach it, the guarantee needs at least {need}"
+            else:
+                note = "never exits: no threshold reaches the target"
+        exits.append(
+            ExitResult(
+                layer=layer,
+                head=layer in heads,
+                thresholds=thr,
+                calibration=cal_exits[e],
+                heldout=held_exits[e],
+                note=note,
+            )
+        )
+    return Fit(thresholds, exits, cal_overall, held_overall, by_source)
+
+
+MIN_JUDGE_TOKENS = 500  # held-out generated tokens needed to judge the menu on them alone
+
+
+def options_judge(meas: Measurements, holdout: float) -> torch.Tensor:
+    """The tokens the menu's coverage is measured on: the held-out GENERATED tokens when there are enough (what
+    `eectl run` decodes; teacher-forced text exits several times less often), else all held-out tokens, else all."""
+    held = meas.heldout_mask(holdout)
+    generated = held & (meas.source == SOURCES.index("generated"))
+    if int(generated.sum()) >= MIN_JUDGE_TOKENS:
+        return generated
+    return held if bool(held.any()) else ~held
+
+
+def fit_options(
+    meas: Measurements, target: float, confidence: float | None, holdout: float, max_subset: int = MAX_SUBSET
+) -> list[Option]:
+    """The menu for the cost model (plan.py): every subset of up to `max_subset` exits, fitted sequentially on the
+    calibration split at the fidelity target (kind "target", with `confidence`) and at each of verify's precisions
+    (kind "verify", point estimates: verify is lossless, its threshold only trades drafts for rollbacks), with the
+    coverage and precision per exit on `options_judge`'s tokens. Options where an exit never exits are left out
+    (a smaller subset without it is on the menu and is cheaper)."""
+    from itertools import combinations
+
+    held = meas.heldout_mask(holdout)
+    calib = ~held
+    judge = options_judge(meas, holdout)
+    fits: list[tuple[str, float, float | None]] = [("target", target, confidence)]
+    fits += [("verify", q, None) for q in VERIFY_PRECISIONS]
+    out: list[Option] = []
+    for size in range(1, min(max_subset, len(meas.exits)) + 1):
+        for subset in combinations(meas.exits, size):
+            sub = meas.restrict(subset)
+            for kind, q, level in fits:
+                thresholds = fit_thresholds(sub.values, sub.correct, q, level, calib)
+                if any(all(math.isinf(v) for v in t.values()) for t in thresholds):
+                    continue
+                per_exit, overall = evaluate(sub, thresholds, judge)
+                out.append(
+                    Option(
+                        exits=list(subset),
+                        kind=kind,
+                        target=q,
+                        confidence=level,
+                        per_exit=[
+                            ExitOption(layer=layer, thresholds=t, coverage=st.coverage, precision=st.precision)
+                            for layer, t, st in zip(subset, thresholds, per_exit, strict=True)
+                        ],
+                        agreement=overall.agreement,
+                    )
+                )
+    return out

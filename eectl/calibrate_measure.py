@@ -1,0 +1,450 @@
+"""Calibration's measurements: per token and exit, the exit signal's values and whether the exit's top-1 equals
+the final layer's, on teacher-forced text and on the model's own greedy continuations.
+
+`ExitScorer` scores exits as the runner does (eectl.exits' `ExitScoring` on `ExitHead`); `Measurements` holds the
+result ([E, N] per criterion, and for signals with candidates [F, E, N] with the candidates picked at each exit F,
+so any subset of active exits can be replayed). `generate_continuations` is also the state cache's generator
+(head_data.py).
+
+What this module does not do: fit thresholds (calibrate_fit.py, thresholds.py) or write anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from eectl.data import encode_prompt
+from eectl.exits import (
+    CandidateSource,
+    ExitHead,
+    ExitScoring,
+    TorchExitLogits,
+    get_signal,
+    make_source,
+)
+from eectl.models.adapters import Adapter, Capture, KVCache
+
+SOURCES = ("teacher-forced", "generated")
+
+
+def heldout_units(units: torch.Tensor, holdout: float) -> torch.Tensor:
+    """The held-out units among `units` (sorted unique ids of one source): the last `holdout` share, at least one,
+    never all (a source with fewer than two units holds nothing out)."""
+    if holdout <= 0 or units.numel() < 2:
+        return units[:0]
+    k = min(units.numel() - 1, max(1, round(holdout * units.numel())))
+    return units[-k:]
+
+
+@dataclass
+class Measurements:
+    exits: list[int]
+    num_layers: int
+    values: dict[str, torch.Tensor]  # criterion -> [E, N] float32
+    correct: torch.Tensor  # [E, N] bool: the exit's top-1 == the final layer's top-1
+    source: torch.Tensor  # [N] long: index into SOURCES
+    unit: torch.Tensor  # [N] long: chunk (teacher-forced) or prompt (generated) index within its source
+    # topk signals depend on where the candidates were picked: [F, E, N] with the candidates picked at exit F
+    # (the first active exit), valid for E >= F; `values`/`correct` are the F = 0 slice. None for other signals.
+    pair_values: dict[str, torch.Tensor] | None = None
+    pair_correct: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.source.numel())
+
+    @staticmethod
+    def concat(parts: Sequence[Measurements]) -> Measurements:
+        first = parts[0]
+        pv = pc = None
+        if first.pair_values is not None:
+            pv = {c: torch.cat([p.pair_values[c] for p in parts if p.pair_values], 2) for c in first.pair_values}
+            pc = torch.cat([p.pair_correct for p in parts if p.pair_correct is not None], 2)
+        return Measurements(
+            exits=first.exits,
+            num_layers=first.num_layers,
+            values={c: torch.cat([p.values[c] for p in parts], 1) for c in first.values},
+            correct=torch.cat([p.correct for p in parts], 1),
+            source=torch.cat([p.source for p in parts]),
+            unit=torch.cat([p.unit for p in parts]),
+            pair_values=pv,
+            pair_correct=pc,
+        )
+
+    def take(self, n: int) -> Measurements:
+        return Measurements(
+            self.exits,
+            self.num_layers,
+            {c: v[:, :n] for c, v in self.values.items()},
+            self.correct[:, :n],
+            self.source[:n],
+            self.unit[:n],
+            None if self.pair_values is None else {c: v[:, :, :n] for c, v in self.pair_values.items()},
+            None if self.pair_correct is None else self.pair_correct[:, :, :n],
+        )
+
+    def restrict(self, exits: Sequence[int]) -> Measurements:
+        """The measurements a run with only these active exits sees (topk: candidates picked at the first)."""
+        idx = [self.exits.index(e) for e in exits]
+        if self.pair_values is not None and self.pair_correct is not None:
+            f = idx[0]
+            values = {c: v[f, idx] for c, v in self.pair_values.items()}
+            correct = self.pair_correct[f, idx]
+        else:
+            values = {c: v[idx] for c, v in self.values.items()}
+            correct = self.correct[idx]
+        return Measurements(list(exits), self.num_layers, values, correct, self.source, self.unit)
+
+    def heldout_mask(self, holdout: float) -> torch.Tensor:
+        """[N] bool: the tokens of the last `holdout` share of each source's units (at least one, never all)."""
+        mask = torch.zeros(self.n, dtype=torch.bool)
+        for s in range(len(SOURCES)):
+            mine = self.source == s
+            held = heldout_units(torch.unique(self.unit[mine]), holdout)
+            if held.numel():
+                mask |= mine & (self.unit >= held[0])
+        return mask
+
+
+class ExitScorer:
+    """Every exit's signal values and top-1 for a batch of positions, scored as the runner scores them."""
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        exits: list[int],
+        signal: str,
+        top_k: int,
+        heads: dict[int, nn.Module] | None = None,
+        source: CandidateSource | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.exits = sorted(exits)
+        self.signal = get_signal(signal)
+        self.top_k = top_k
+        self.criteria = self.signal.criteria
+        # Sequence heads (a decoder block, head_designs.BlockHead) read every position at their exit, with their own
+        # KV cache: `_forward_capture` runs them on the layer's whole output; the scorer sees their output.
+        self.sequence_heads: dict[int, Any] = {
+            layer: h for layer, h in (heads or {}).items() if getattr(h, "sequence", False)
+        }
+        token_heads = {layer: h for layer, h in (heads or {}).items() if layer not in self.sequence_heads}
+        self.heads = {layer: ExitHead(adapter, token_heads.get(layer)).eval() for layer in self.exits}
+        self.source = source or make_source("first-exit-topk", adapter.lm_head.weight)
+
+    @property
+    def needs_inputs(self) -> bool:
+        return self.signal.needs_layer_input
+
+    def _scores(
+        self,
+        states: list[torch.Tensor],
+        inputs: list[torch.Tensor] | None,
+        first: int,
+        final_top: torch.Tensor,
+        blocks: list[torch.Tensor] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Exits first.. scored in order, the candidates picked at exit `first`: values {c: [E', T]}, correct."""
+        scoring = ExitScoring(self.signal, TorchExitLogits(self.heads), self.top_k, self.source)
+        scores = [
+            scoring.score(
+                layer,
+                h,
+                None if inputs is None else inputs[first + e],
+                None if blocks is None else blocks[first + e],
+            )
+            for e, (layer, h) in enumerate(zip(self.exits[first:], states[first:], strict=True))
+        ]
+        values = {c: torch.stack([s.values[c] for s in scores]).float() for c in self.criteria}
+        return values, torch.stack([s.prediction().token == final_top for s in scores])
+
+    def score(
+        self,
+        states: list[torch.Tensor],
+        inputs: list[torch.Tensor] | None,
+        final: torch.Tensor,
+        blocks: list[torch.Tensor] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """states[e] [T, H] (and inputs[e], the last layer's input; blocks[e] [n + 1, T, H], the segment's block
+        boundaries) -> values {criterion: [E, T]}, correct [E, T] bool, the final layer's top-1 [T]."""
+        values, correct, final_top, _, _ = self.score_pairs(states, inputs, final, pairs=False, blocks=blocks)
+        return values, correct, final_top
+
+    @torch.no_grad()
+    def score_pairs(
+        self,
+        states: list[torch.Tensor],
+        inputs: list[torch.Tensor] | None,
+        final: torch.Tensor,
+        pairs: bool = True,
+        blocks: list[torch.Tensor] | None = None,
+    ) -> tuple[
+        dict[str, torch.Tensor], torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None, torch.Tensor | None
+    ]:
+        """As `score`, plus (signals with candidates, `pairs`) the values and correctness [F, E, T] with the
+        candidates picked at every exit F in turn (entries E < F are 0 / False): what any subset of active exits
+        would see."""
+        final_top = self.adapter.logits(final).argmax(-1)
+        values, correct = self._scores(states, inputs, 0, final_top, blocks)
+        if not (pairs and self.signal.needs_candidates):
+            return values, correct, final_top, None, None
+        num, t = len(self.exits), final.shape[0]
+        pv = {c: torch.zeros(num, num, t) for c in self.criteria}
+        pc = torch.zeros(num, num, t, dtype=torch.bool)
+        for c in self.criteria:
+            pv[c][0] = values[c]
+        pc[0] = correct
+        for f in range(1, num):
+            v, ok = self._scores(states, inputs, f, final_top, blocks)
+            for c in self.criteria:
+                pv[c][f, f:] = v[c]
+            pc[f, f:] = ok
+        return values, correct, final_top, pv, pc
+
+
+@dataclass
+class _SequenceHeadCapture(Capture):
+    """Runs each sequence head (a block) on its exit layer's whole output before the positions are selected; with
+    `caches`, each head keeps its own KV there (decoding), else it reads the whole sequence."""
+
+    heads: dict[int, Any] = field(default_factory=dict)
+    positions: torch.Tensor | None = None
+    key_padding: torch.Tensor | None = None
+    caches: dict[int, KVCache] | None = None
+
+    def keep(self, layer: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
+        head = self.heads.get(layer)
+        if head is not None and layer in self.after:
+            own = None if self.caches is None else self.caches.setdefault(layer, KVCache())
+            h_out = head.step(h_out, self.positions, own, self.key_padding)
+        super().keep(layer, h_in, h_out)
+
+
+def _forward_capture(
+    scorer: ExitScorer,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    cache: KVCache | None,
+    key_padding: torch.Tensor | None,
+    select: Callable[[torch.Tensor], torch.Tensor],
+    block_caches: dict[int, KVCache] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None, torch.Tensor]:
+    """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input; with a
+    signal that needs them, every block boundary of each exit's segment). A sequence head runs on the exit layer's
+    whole output (its KV in `block_caches[layer]` when decoding)."""
+    adapter = scorer.adapter
+    blocks_needed = scorer.signal.needs_blocks
+    after = range(1, scorer.exits[-1] + 1) if blocks_needed else scorer.exits  # every layer up to the last exit
+    keep: Capture = Capture(after, inputs=scorer.needs_inputs or blocks_needed, select=select)
+    if scorer.sequence_heads:
+        keep = _SequenceHeadCapture(
+            after,
+            inputs=scorer.needs_inputs or blocks_needed,
+            select=select,
+            heads=scorer.sequence_heads,
+            positions=positions,
+            key_padding=key_padding,
+            caches=None if cache is None else (block_caches if block_caches is not None else {}),
+        )
+    final = adapter.forward_layers(
+        adapter.embed(ids), positions, 0, adapter.num_layers, cache, key_padding, capture=keep
+    )
+    states = [keep.states[layer] for layer in scorer.exits]
+    inputs = [keep.layer_inputs[layer] for layer in scorer.exits] if scorer.needs_inputs else None
+    blocks = None
+    if blocks_needed:  # segment [lo, hi): the state after lo layers (the input of layer lo + 1), then after each
+        bounds = zip([0, *scorer.exits], scorer.exits, strict=False)
+        blocks = [
+            torch.stack([keep.layer_inputs[lo + 1], *(keep.states[j] for j in range(lo + 1, hi + 1))])
+            for lo, hi in bounds
+        ]
+    return states, inputs, blocks, select(final)
+
+
+def _part(
+    scorer: ExitScorer,
+    scored: tuple[Any, ...],
+    source: int,
+    units: torch.Tensor,
+) -> Measurements:
+    values, correct, _, pv, pc = scored
+    src = torch.full_like(units, source)
+    return Measurements(scorer.exits, scorer.adapter.num_layers, values, correct, src, units, pv, pc)
+
+
+@torch.no_grad()
+def measure_text(
+    scorer: ExitScorer,
+    chunks: list[torch.Tensor],
+    skip_first: int = 1,
+    on_tokens: Callable[[int], None] | None = None,
+    pairs: bool = False,
+) -> Measurements | None:
+    """Teacher-forced chunks [1, S]: every position from `skip_first` on is one measured token."""
+    return measure_text_all([scorer], chunks, skip_first, on_tokens, pairs)[0]
+
+
+def measure_text_all(
+    scorers: Sequence[ExitScorer],
+    chunks: list[torch.Tensor],
+    skip_first: int,
+    on_tokens: Callable[[int], None] | None,
+    pairs: bool,
+) -> list[Measurements | None]:
+    """As `measure_text`, for several scorers (candidate sources, same exits) on the same states."""
+    parts: list[list[Measurements]] = [[] for _ in scorers]
+    for u, ids in enumerate(chunks):
+        positions = torch.arange(ids.shape[1])[None]
+        states, inputs, blocks, final = _forward_capture(
+            scorers[0], ids, positions, None, None, lambda h: h[0, skip_first:]
+        )
+        units = torch.full((final.shape[0],), u, dtype=torch.long)
+        for j, sc in enumerate(scorers):
+            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs, blocks), 0, units))
+        if on_tokens is not None:
+            on_tokens(final.shape[0])
+    return [Measurements.concat(p) if p else None for p in parts]
+
+
+@dataclass
+class Continuation:
+    unit: int  # the prompt's index
+    prompt: list[int]
+    generated: list[int]  # greedy full-depth tokens (the last may be EOS)
+
+
+def prompt_ids(tokenizer: Any, prompts: Sequence[str], max_len: int, raw: bool = False) -> list[list[int]]:
+    """Each prompt encoded as the runner does (`encode_prompt`), last record first, keeping the last max_len tokens."""
+    out = [encode_prompt(tokenizer, text, raw)[-max_len:] for text in reversed(prompts)]
+    return [ids for ids in out if ids]
+
+
+def prompt_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
+    """Indices of `prompts` in batches: the given order, but sorted by length within windows of four batches, so
+    that prompts of similar length share a batch (less left padding)."""
+    window = 4 * batch_size
+    batches: list[list[int]] = []
+    for w in range(0, len(prompts), window):
+        idx = sorted(range(w, min(w + window, len(prompts))), key=lambda i: len(prompts[i]))
+        batches += [idx[j : j + batch_size] for j in range(0, len(idx), batch_size)]
+    return batches
+
+
+def left_padded(batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token id lists -> ids [B, S] (left-padded with 0), real [B, S] bool, positions [B, S] counted per row from its
+    first real token."""
+    b, s = len(batch), max(len(p) for p in batch)
+    ids = torch.zeros(b, s, dtype=torch.long)
+    real = torch.zeros(b, s, dtype=torch.bool)
+    for r, p in enumerate(batch):
+        ids[r, s - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        real[r, s - len(p) :] = True
+    return ids, real, (real.long().cumsum(1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate_continuations(
+    adapter: Adapter,
+    prompts: list[list[int]],
+    n_tokens: int,
+    gen_tokens: int,
+    eos: int | None,
+    batch_size: int = 16,
+    on_tokens: Callable[[int], None] | None = None,
+) -> tuple[list[Continuation], int]:
+    """Greedy full-depth continuations of prompts (token ids, BOS included), `gen_tokens` each, a row stopping at
+    EOS, until `n_tokens` tokens are generated (the last continuation is cut to make it exact). Prompts are batched
+    with left padding. Returns the continuations (in generation order) and the number of prompts used."""
+    out: list[Continuation] = []
+    measured = used = 0
+    for members in prompt_batches(prompts, batch_size):
+        if measured >= n_tokens:
+            break
+        batch = [prompts[i] for i in members]
+        used += len(batch)
+        b = len(batch)
+        ids, pad, positions = left_padded(batch)
+        cache, alive = KVCache(), torch.ones(b, dtype=torch.bool)
+        gen: list[list[int]] = [[] for _ in range(b)]
+        for _ in range(gen_tokens):
+            rows = alive.clone()
+            final = adapter.forward_layers(adapter.embed(ids), positions, 0, adapter.num_layers, cache, pad)
+            top = adapter.logits(final[:, -1]).argmax(-1)
+            for r in torch.nonzero(rows).flatten().tolist():
+                gen[r].append(int(top[r]))
+            if on_tokens is not None:
+                on_tokens(min(int(rows.sum()), n_tokens - measured))
+            measured += int(rows.sum())
+            nxt = torch.full((b,), eos if eos is not None else 0, dtype=torch.long)
+            nxt[rows] = top[rows]
+            alive = rows if eos is None else rows & (nxt != eos)
+            if not bool(alive.any()) or measured >= n_tokens:
+                break
+            ids, positions = nxt[:, None], positions[:, -1:] + 1
+            pad = torch.cat([pad, torch.ones(b, 1, dtype=torch.bool)], 1)
+        out += [Continuation(members[r], batch[r], gen[r]) for r in range(b) if gen[r]]
+    over = sum(len(c.generated) for c in out) - n_tokens
+    while over > 0 and out:  # cut the latest continuations to exactly n_tokens
+        cut = min(over, len(out[-1].generated))
+        out[-1].generated = out[-1].generated[: len(out[-1].generated) - cut]
+        over -= cut
+        if not out[-1].generated:
+            out.pop()
+    return out, used
+
+
+@torch.no_grad()
+def measure_sequences(
+    scorer: ExitScorer, conts: list[Continuation], batch_size: int = 16, pairs: bool = False
+) -> Measurements | None:
+    """Teacher-forced prompt + continuation: position P-1+j (its final top-1 is generated token j) is one measured
+    token, unit = the prompt's index. The same states as generating step by step, computed in one pass."""
+    return measure_sequences_all([scorer], conts, batch_size, pairs)[0]
+
+
+def measure_sequences_all(
+    scorers: Sequence[ExitScorer], conts: list[Continuation], batch_size: int, pairs: bool
+) -> list[Measurements | None]:
+    """As `measure_sequences`, for several scorers (candidate sources, same exits) on the same states."""
+    parts: list[list[Measurements]] = [[] for _ in scorers]
+    for i in range(0, len(conts), batch_size):
+        batch = conts[i : i + batch_size]
+        seqs = [c.prompt + c.generated[:-1] for c in batch]
+        ids, real, positions = left_padded(seqs)
+        width = ids.shape[1]
+        rows = torch.cat([torch.full((len(c.generated),), r, dtype=torch.long) for r, c in enumerate(batch)])
+        cols = torch.cat(
+            [
+                torch.arange(len(c.generated)) + width - len(seq) + len(c.prompt) - 1
+                for c, seq in zip(batch, seqs, strict=True)
+            ]
+        )
+
+        def select(h: torch.Tensor, rows: torch.Tensor = rows, cols: torch.Tensor = cols) -> torch.Tensor:
+            return h[rows, cols]
+
+        states, inputs, blocks, final = _forward_capture(scorers[0], ids, positions, KVCache(), real, select)
+        units = torch.tensor([c.unit for c in batch], dtype=torch.long)[rows]
+        for j, sc in enumerate(scorers):
+            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs, blocks), 1, units))
+    return [Measurements.concat(p) if p else None for p in parts]
+
+
+def measure_generation(
+    scorer: ExitScorer,
+    prompts: list[list[int]],
+    n_tokens: int,
+    gen_tokens: int,
+    eos: int | None,
+    batch_size: int = 16,
+    on_tokens: Callable[[int], None] | None = None,
+) -> tuple[Measurements | None, int]:
+    """Greedy continuations (`generate_continuations`), then measured teacher-forced (`measure_sequences`).
+    Returns the first `n_tokens` measured tokens and the number of prompts used."""
+    conts, used = generate_continuations(scorer.adapter, prompts, n_tokens, gen_tokens, eos, batch_size, on_tokens)
+    return measure_sequences(scorer, conts, batch_size), used

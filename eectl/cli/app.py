@@ -1,0 +1,97 @@
+"""The typer app and what every command shares: the common options, the error mapping (domain errors to one line
+and an exit code, once; traceback with EECTL_DEBUG=1) and the thread set-up.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from eectl import __version__
+from eectl.errors import EectlError, UsageError
+from eectl.recipe import Recipe, pick
+
+app = typer.Typer(
+    name="eectl",
+    help="Early-exit LLM inference: profile, calibrate, train heads, export to ONNX, run, bench.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="Recipe YAML (recipes/*.yaml); options override it.")]
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout; progress off.")]
+
+
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads (default: one per core).")]
+
+
+ModelArg = Annotated[
+    str | None,
+    typer.Argument(help="HF model folder, .gguf file, or nothing for the built-in SmolLM2-135M-Instruct."),
+]
+
+
+def _mapped(fn: Callable[..., None]) -> Callable[..., None]:
+    """Map domain errors to one line on stderr and the error's exit code (traceback with EECTL_DEBUG=1)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except EectlError as exc:
+            if os.environ.get("EECTL_DEBUG"):
+                raise
+            hint = f" ({exc.hint})" if exc.hint else ""
+            print(f"error: {exc.message}{hint}", file=sys.stderr)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            # Typer turns KeyboardInterrupt into a silent exit 130 before main() could see it: say it here.
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def command(name: str | None = None) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        app.command(name)(_mapped(fn))
+        return fn
+
+    return register
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"eectl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show version.")] = False,
+) -> None:
+    """eectl turns a decoder-only LLM checkpoint into an exit-enabled artifact and measures what it buys."""
+
+
+def set_threads(requested: int | None, recipe: Recipe) -> int:
+    """One thread count for torch and ONNX Runtime's global pool (default: one per core), reported by commands."""
+    import torch
+
+    from eectl.runtime.sessions import init_ort
+
+    n = pick(requested, recipe.threads)
+    if n is not None and n < 1:
+        raise UsageError(f"--threads must be >= 1, got {n}")
+    n = init_ort(n)
+    torch.set_num_threads(n)
+    return n

@@ -1,0 +1,116 @@
+"""`eectl bench`: options, the call into bench.py, the side-by-side table and report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.errors import UsageError
+from eectl.files import check_output_file
+from eectl.output import Output
+from eectl.recipe import load_recipe, pick
+
+
+@command()
+def bench(
+    artifact: Annotated[str, typer.Argument(help="Artifact folder from eectl export.")],
+    data: Annotated[
+        str | None, typer.Option(help="Prompts: .jsonl (GSM8K question/answer...), text, or built-in.")
+    ] = None,
+    prompts: Annotated[int | None, typer.Option(help="Number of prompts (default 10).")] = None,
+    offset: Annotated[
+        int, typer.Option(help="Skip this many of the data's prompts (keep bench prompts out of calibration's).")
+    ] = 0,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per prompt (default 64).")] = None,
+    policies: Annotated[str | None, typer.Option(help="hf, full and KV policy names (default: all of them).")] = None,
+    reps: Annotated[int | None, typer.Option(help="Interleaved repetitions after the warm-up (default 3).")] = None,
+    exits: Annotated[str | None, typer.Option(help="Active exits of the early-exit configurations, e.g. 24.")] = None,
+    signal: Annotated[str | None, typer.Option(help="Exit signal (default: the calibration's).")] = None,
+    thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
+    threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
+    sweep: Annotated[
+        str | None, typer.Option(help="Threshold scales for the agreement/speedup curve ('' for none; 0.9,1.0,1.1).")
+    ] = None,
+    ppl_tokens: Annotated[
+        int | None, typer.Option(help="Held-out tokens for teacher-forced perplexity (0: skip; default 1024).")
+    ] = None,
+    report: Annotated[Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).")] = None,
+    provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "cpu",
+    raw: Annotated[bool, typer.Option(help="No chat template.")] = False,
+    batch_size: Annotated[
+        int, typer.Option(help="Prompts per batch for eectl configurations (throughput next to per-row latency).")
+    ] = 1,
+    profile_costs: Annotated[
+        bool, typer.Option(help="Re-measure the graph costs on this machine and re-plan the exits first.")
+    ] = False,
+    compare: Annotated[
+        str | None, typer.Option(help="Other artifacts at full depth, as configurations: int4=PATH[,NAME=PATH].")
+    ] = None,
+    recipe: RecipeOpt = None,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Speed and fidelity against full depth (and transformers generate), side by side, in one run."""
+    from eectl.bench import (
+        BenchOptions,
+        bench_units,
+        gsm8k_answers,
+        heldout_texts,
+        markdown,
+        run_bench,
+        write_report,
+    )
+    from eectl.data import load_text_data
+
+    out = Output(json_out)
+    r = load_recipe(recipe)
+    if report is not None:
+        check_output_file(report, "--report")
+    n_threads = set_threads(threads, r)
+    text = load_text_data(pick(data, r.data.source), r.data.field)
+    configs = pick(policies, ",".join(r.bench.configs))
+    try:
+        scales = [float(x) for x in (sweep.split(",") if sweep is not None else r.bench.sweep) if str(x).strip()]
+    except ValueError:
+        raise UsageError(f"--sweep must be comma-separated numbers, got '{sweep}'") from None
+    if offset < 0 or offset >= len(text.prompts):
+        raise UsageError(f"--offset must be in 0..{len(text.prompts) - 1}, got {offset}")
+    n = min(pick(prompts, r.bench.prompts), len(text.prompts) - offset)
+    window = slice(offset, offset + n)
+    answers = gsm8k_answers(text.texts[window])
+    ppl_tokens = pick(ppl_tokens, r.bench.ppl_tokens)
+    heldout = heldout_texts(text.texts) if ppl_tokens > 0 else None
+    pairs = [c.split("=", 1) for c in (compare or "").split(",") if c.strip()]
+    if any(len(p) != 2 or not p[0].strip() or not p[1].strip() for p in pairs):
+        raise UsageError(f"--compare must be NAME=PATH[,NAME=PATH], got '{compare}'")
+    compared = {k.strip(): v.strip() for k, v in pairs}
+    listed = [c.strip() for c in configs.split(",") if c.strip()]
+    opts = BenchOptions(
+        configs=listed + [c for c in compared if c not in listed],
+        compare=compared,
+        prompts=n,
+        max_new_tokens=pick(max_new_tokens, r.bench.max_new_tokens),
+        reps=pick(reps, r.bench.reps),
+        exits=exits,
+        signal=signal,
+        thresholds=thresholds,
+        threshold_scale=threshold_scale,
+        sweep=scales,
+        ppl_tokens=ppl_tokens,
+        provider=provider,
+        threads=n_threads,
+        raw=raw,
+        batch_size=batch_size,
+        profile_costs=profile_costs,
+    )
+    with out.progress("bench", total=bench_units(opts, n)) as bar:
+        result = run_bench(artifact, text.prompts[window], opts, heldout, answers, log=out, progress=bar.advance)
+    files = write_report(result, report) if report is not None else []
+    out.json({**result.to_dict(), "report": [str(f) for f in files]})
+    if not out.json_mode:
+        out.out.print(markdown(result, {}), markup=False, highlight=False)
+        if files:
+            out.line(f"report: {files[0]} (plots and JSON beside it)")

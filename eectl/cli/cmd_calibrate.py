@@ -1,0 +1,181 @@
+"""`eectl calibrate`: options, the call into calibrate.py, the thresholds table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.errors import UsageError
+from eectl.files import check_output_file
+from eectl.output import Output
+from eectl.recipe import default_exits, load_recipe, parse_layers, pick
+
+
+@command()
+def calibrate(
+    model: ModelArg = None,
+    data: Annotated[str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).")] = None,
+    field: Annotated[str | None, typer.Option(help="The .jsonl field to read (detected by default).")] = None,
+    tokens: Annotated[
+        int | None, typer.Option(help="Tokens to measure, teacher-forced and generated together (default 20000).")
+    ] = None,
+    target: Annotated[
+        float | None, typer.Option(help="Agreement with the final layer's top-1 among exiting tokens, in (0, 1].")
+    ] = None,
+    exits: Annotated[str | None, typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.")] = None,
+    signal: Annotated[
+        str | None,
+        typer.Option(help="Exit signal, a name in eectl.exits.SIGNALS (topk-prob, full-prob, cosine, ...)."),
+    ] = None,
+    top_k: Annotated[int | None, typer.Option(help="Local vocabulary size of the topk-* signals.")] = None,
+    heads: Annotated[Path | None, typer.Option(help="Trained exit heads (heads.safetensors): exits use them.")] = None,
+    confidence: Annotated[
+        float,
+        typer.Option(
+            help="Require the Clopper-Pearson lower bound at this level to reach --target (0: point estimate)."
+        ),
+    ] = 0.95,
+    candidates: Annotated[
+        str, typer.Option(help="Candidate source at the first exit: shortlist, int8 or first-exit-topk.")
+    ] = "shortlist",
+    shortlist: Annotated[
+        int, typer.Option(help="Rows of the frequency-ranked shortlist (--candidates shortlist).")
+    ] = 4096,
+    compare: Annotated[
+        str, typer.Option(help="Other candidate sources to measure on the same tokens, e.g. int8,full (report).")
+    ] = "",
+    holdout: Annotated[float, typer.Option(help="Share of chunks and prompts held out to check the thresholds.")] = 0.2,
+    gen_share: Annotated[
+        float, typer.Option(help="Share of the tokens taken from the model's own greedy continuations of prompts.")
+    ] = 0.25,
+    gen_tokens: Annotated[int, typer.Option(help="Continuation length per prompt (at most; EOS ends it).")] = 64,
+    raw: Annotated[
+        bool, typer.Option(help="Continue prompts as is, without the chat template (eectl run --raw).")
+    ] = False,
+    out_path: Annotated[
+        Path | None, typer.Option("--out", help="Where to write it (default artifacts/<model>-calibration.json).")
+    ] = None,
+    recipe: RecipeOpt = None,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Per-exit thresholds so that exits agree with the full model at a stated rate (sequential, held-out checked)."""
+    from eectl.calibrate import CalibrateOptions, calibrate_model, check_options
+    from eectl.calibration_file import write_calibration
+    from eectl.data import load_text_data
+    from eectl.models import load_model
+
+    out = Output(json_out)
+    r = load_recipe(recipe)
+    opts = CalibrateOptions(
+        exits=pick(parse_layers(exits), r.exits or []),
+        signal=pick(signal, r.signal),
+        target=pick(target, r.target),
+        top_k=pick(top_k, r.top_k),
+        tokens=pick(tokens, r.data.tokens),
+        confidence=None if confidence == 0 else confidence,
+        candidates=candidates,
+        shortlist=shortlist,
+        compare=[c.strip() for c in compare.split(",") if c.strip()],
+        holdout=holdout,
+        gen_share=gen_share,
+        gen_tokens=gen_tokens,
+        raw=raw,
+    )
+    check_options(opts)
+    if heads is not None and not heads.is_file():
+        raise UsageError(f"heads not found: {heads}", hint="train them with eectl train-heads")
+    if out_path is not None:
+        check_output_file(out_path, "--out")
+    n_threads = set_threads(threads, r)
+    text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
+    out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
+    loaded = load_model(pick(model, r.model), log=out)
+    opts.exits = opts.exits or default_exits(loaded.adapter.num_layers)
+    check_options(opts, loaded.adapter.num_layers, loaded.adapter.dims.vocab_size)
+    head_modules = None
+    if heads is not None:
+        from eectl.head_designs import load_heads
+
+        head_modules = dict(load_heads(heads, loaded).heads)  # checks the heads were trained on this checkpoint
+    path = out_path or Path("artifacts") / f"{loaded.source.name}-calibration.json"
+    out.log(
+        f"calibrating exits {opts.exits} on {opts.tokens} tokens of {text.name} ({opts.text_tokens} teacher-forced, "
+        f"{opts.generated_tokens} generated), signal {opts.signal}, target {opts.target}, {n_threads} threads"
+    )
+    with out.progress("calibrate", total=opts.tokens) as bar:
+        result = calibrate_model(loaded, text, opts, head_modules, heads, on_tokens=lambda n: bar.advance(n))
+    write_calibration(result, path)
+    out.json(result.to_dict())
+    _print_calibration(out, result, path)
+
+
+def _print_calibration(out: Output, result: object, path: Path) -> None:
+    from eectl.calibration_file import Calibration, SplitStats
+
+    assert isinstance(result, Calibration)
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    def prec(s: SplitStats | None) -> str:
+        return num(None if s is None else s.precision)
+
+    bound = result.confidence is not None
+    rows = []
+    for x in result.exits:
+        thr = "never" if x.never else ", ".join(f"{c} >= {v:.4g}" for c, v in x.thresholds.items())
+        c, h = x.calibration, x.heldout
+        row = [x.layer, thr + (" (head)" if x.head else ""), c.reached, pct(c.coverage), prec(c)]
+        if bound:
+            row.append(num(c.lower_bound))
+        row += [pct(h.coverage if h else None), prec(h)]
+        rows.append(row)
+    columns = ["exit", "threshold", "reached", "coverage", "precision"]
+    columns += [f"CP bound {result.confidence:.0%}"] if bound else []
+    columns += ["held-out cov.", "held-out agree"]
+    d = result.data
+    out.table(
+        f"{result.model.name}: {result.signal}"
+        + (f" (K={result.top_k})" if result.top_k else "")
+        + f", target {result.target}: {d.calibration_tokens} calibration + {d.heldout_tokens} held-out tokens",
+        columns,
+        rows,
+    )
+    for name, s in (("calibration", result.calibration), ("held-out", result.heldout)):
+        if s is not None:
+            out.line(
+                f"{name}: {s.exit_rate:.1%} of {s.tokens} tokens exit early (agreement {num(s.precision)} among "
+                f"them, {s.agreement:.4f} overall); mean executed layers {s.mean_layers:.2f} of "
+                f"{result.model.num_layers}, speedup bound {s.speedup_bound:.3f}x"
+            )
+    for name, s in result.heldout_by_source.items():
+        out.line(f"  held-out {name}: {s.tokens} tokens, exit {s.exit_rate:.1%}, agreement {num(s.precision)}")
+    out.line(
+        f"data: {d.tokens} tokens of {d.name}: {d.teacher_forced_tokens} teacher-forced, {d.generated_tokens} "
+        f"generated ({d.prompts_used} prompts{' in the chat template' if d.chat_template else ''} x up to "
+        f"{d.gen_tokens_per_prompt}); {result.wall_s:.1f}s on "
+        f"{result.threads} threads ({result.seconds_per_10k_tokens:.1f}s per 10,000 tokens)"
+    )
+    cand = result.candidates
+    if cand is not None:
+        size = f" ({cand.size} rows" if cand.size else ""
+        hit = f", {cand.heldout_hit_rate:.1%} of held-out tokens inside)" if cand.heldout_hit_rate is not None else ""
+        out.line(f"candidates: {cand.name}{size}{hit or (')' if size else '')}; {len(result.options)} menu options")
+    for name, comp in result.compared.items():
+        held = comp.heldout or comp.calibration
+        out.line(
+            f"compared, candidates {name}: held-out exit rate {held.exit_rate:.1%}, agreement "
+            f"{num(held.precision)} among them, mean executed layers {held.mean_layers:.2f} "
+            f"({len(comp.options)} menu options)"
+        )
+    for x in result.exits:
+        if x.note:
+            out.line(f"exit {x.layer}: {x.note}")
+    out.line(f"written: {path}")

@@ -1,0 +1,66 @@
+"""`eectl eval`: options, the call into lmeval.py (lm-evaluation-harness), the scores table."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from eectl.cli.app import JsonOpt, ThreadsOpt, command, set_threads
+from eectl.errors import UsageError
+from eectl.output import Output
+from eectl.recipe import load_recipe
+
+
+@command("eval")
+def eval_(
+    artifact: Annotated[str, typer.Argument(help="Artifact folder from eectl export.")],
+    tasks: Annotated[
+        str, typer.Option(help="Offline lm-eval tasks: eectl_gsm8k, eectl_gsm8k_loglik, eectl_humaneval.")
+    ] = "eectl_gsm8k",
+    configs: Annotated[
+        str, typer.Option(help="full, copy, defer, verify (the artifact), hf (lm-eval's own hf model).")
+    ] = "full,defer",
+    gsm8k: Annotated[Path | None, typer.Option(help="GSM8K-format .jsonl for the eectl_gsm8k* tasks.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Documents per task (the first N).")] = None,
+    num_fewshot: Annotated[int | None, typer.Option(help="Few-shot examples (default: the task's, 0).")] = None,
+    max_gen_toks: Annotated[int | None, typer.Option(help="Generation budget per document (task default).")] = None,
+    exits: Annotated[str | None, typer.Option(help="Active exits of the early-exit configs, e.g. 20,24.")] = None,
+    thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
+    threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
+    signal: Annotated[str | None, typer.Option(help="Exit signal (default: the calibration's).")] = None,
+    allow_code_execution: Annotated[
+        bool, typer.Option(help="Let eectl_humaneval run the generated code (in a subprocess) to score it.")
+    ] = False,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """lm-evaluation-harness tasks on an artifact, per policy, with deltas against full depth (offline tasks)."""
+
+    from eectl.lmeval import EvalOptions, markdown, run_eval
+
+    out = Output(json_out)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks read local files; never reach for a hub
+    n_threads = set_threads(threads, load_recipe(None))
+    opts = EvalOptions(
+        tasks=[t.strip() for t in tasks.split(",") if t.strip()],
+        configs=[c.strip() for c in configs.split(",") if c.strip()],
+        exits=exits,
+        thresholds=thresholds,
+        threshold_scale=threshold_scale,
+        signal=signal,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        max_gen_toks=max_gen_toks,
+        gsm8k_path=str(gsm8k) if gsm8k is not None else None,
+        allow_code_execution=allow_code_execution,
+        threads=n_threads,
+    )
+    if limit is not None and limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {limit}")
+    scores, settings = run_eval(artifact, opts, log=out.log)
+    out.json({"artifact": artifact, "threads": n_threads, **settings, "scores": [vars(s) for s in scores]})
+    if not out.json_mode:
+        out.out.print(markdown(scores), markup=False, highlight=False)

@@ -1,0 +1,120 @@
+"""`eectl run`: options, the call into runtime/generate.py, streamed text and per-prompt speed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.errors import UsageError
+from eectl.output import Output
+from eectl.recipe import load_recipe, pick
+
+
+@command()
+def run(
+    artifact: Annotated[str, typer.Argument(help="Artifact folder from eectl export.")],
+    prompt: Annotated[str | None, typer.Argument(help="The prompt (or use --prompt-file).")] = None,
+    prompt_file: Annotated[
+        Path | None, typer.Option(help=".jsonl (prompt/question/text) or one prompt per line.")
+    ] = None,
+    exits: Annotated[str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.")] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option(help="KV of skipped layers: defer, copy, verify (lossless), ...; default: the artifact's plan."),
+    ] = None,
+    river_predict: Annotated[
+        str, typer.Option(help="river: the token from the river's end (final head) or from the exit.")
+    ] = "end",
+    thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
+    threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
+    signal: Annotated[
+        str | None, typer.Option(help="Exit signal (default: the calibration's, else topk-prob).")
+    ] = None,
+    top_k: Annotated[
+        int | None, typer.Option("--top-k", help="Local vocabulary size (default: the manifest's).")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Prompts per batch (each row decides its own exits).")] = 1,
+    provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
+    raw: Annotated[bool, typer.Option(help="Send the prompt as is (no chat template).")] = False,
+    profile_costs: Annotated[
+        bool, typer.Option(help="Re-measure the graph costs on this machine and re-plan the exits first.")
+    ] = False,
+    recipe: RecipeOpt = None,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Generate with ONNX Runtime, choosing exits at run time and keeping the skipped layers' KV correct."""
+    from eectl.runtime.generate import RunOptions, read_prompts, run_prompts
+
+    out = Output(json_out)
+    if (prompt is None) == (prompt_file is None):
+        raise UsageError("give one prompt argument or --prompt-file")
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    r = load_recipe(recipe)
+    n_threads = set_threads(threads, r)
+    prompts = [prompt] if prompt is not None else read_prompts(str(prompt_file))
+    opts = RunOptions(
+        exits=exits,
+        policy=pick(policy, r.kv_policy),
+        river_predict=river_predict,
+        thresholds=thresholds,
+        threshold_scale=threshold_scale,
+        signal=signal,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        raw=raw,
+        provider=provider,
+        threads=n_threads,
+        profile_costs=profile_costs,
+    )
+    shown: dict[int, int] = {}
+
+    def stream(index: int, text: str) -> None:
+        if out.json_mode or batch_size > 1:
+            return
+        if index not in shown:
+            shown[index] = 0
+            if len(prompts) > 1:
+                out.out.print(f"\n[bold]> {prompts[index]}[/bold]")
+        out.out.print(text[shown[index] :], end="", markup=False, highlight=False)
+        shown[index] = len(text)
+
+    rt, config, reports = run_prompts(artifact, prompts, opts, batch_size, on_text=stream, warn=out.warn)
+    L = rt.manifest.num_layers
+    out.json(
+        {
+            "artifact": str(artifact),
+            "provider": rt.provider,
+            "threads": rt.threads,
+            "policy": config.policy,
+            "signal": config.signal,
+            "exits": config.exits,
+            "thresholds": {str(k): v for k, v in config.thresholds.items()},
+            "plan": config.note,
+            "costs": None if rt.manifest.costs is None else rt.manifest.costs.model_dump(),
+            "results": [rep.to_dict() for rep in reports],
+        }
+    )
+    if not out.json_mode:
+        if batch_size > 1:
+            for rep in reports:
+                out.out.print(f"\n[bold]> {rep.prompt}[/bold]\n{rep.text}", highlight=False)
+        out.line("")
+        for rep in reports:
+            g = rep.generation
+            out.log(
+                f"{len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s, first token {g.ttft_s * 1000:.0f} ms, "
+                f"mean executed layers {g.mean_layers(L):.1f}/{L} ({config.policy}, exits {config.exits or 'none'}, "
+                f"{rt.provider}, {rt.threads} threads)"
+            )

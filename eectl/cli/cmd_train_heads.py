@@ -1,0 +1,275 @@
+"""`eectl train-heads`: options, the call into heads.py (or, from a state cache, head_data.py and heads_cached.py), the
+before/after report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.errors import UsageError
+from eectl.files import check_output_file
+from eectl.output import Output
+from eectl.recipe import Recipe, default_exits, load_recipe, parse_layers, pick
+
+
+@command("train-heads")
+def train_heads(
+    model: ModelArg = None,
+    data: Annotated[str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).")] = None,
+    field: Annotated[str | None, typer.Option(help="The .jsonl field to read (detected by default).")] = None,
+    exits: Annotated[str | None, typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimiser steps (default: the recipe's, 500).")] = None,
+    design: Annotated[str | None, typer.Option(help="residual-linear, low-rank or mlp.")] = None,
+    rank: Annotated[int | None, typer.Option(help="Rank of low-rank heads (64) or width of mlp heads (H/2).")] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate (AdamW; warm-up, cosine decay).")] = None,
+    batch_tokens: Annotated[int, typer.Option(help="Tokens per step (per process).")] = 32,
+    ce_weight: Annotated[float, typer.Option(help="Weight of next-token cross-entropy added to the KL.")] = 0.0,
+    eval_tokens: Annotated[
+        int | None, typer.Option(help="Held-out tokens (the data's last records) for the report (default 4096).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of head initialisation and data order.")] = 0,
+    save_every: Annotated[int, typer.Option(help="Write the checkpoint (.ckpt.safetensors) every N steps.")] = 100,
+    resume: Annotated[Path | None, typer.Option(help="Continue from this checkpoint (.ckpt.safetensors).")] = None,
+    device: Annotated[str, typer.Option(help="cpu, or cuda (mixed precision).")] = "cpu",
+    out_path: Annotated[
+        Path | None, typer.Option("--out", help="heads .safetensors (default artifacts/<model>-heads.safetensors).")
+    ] = None,
+    cache: Annotated[
+        Path | None, typer.Option(help="State cache folder: the base runs once into it, heads train from it.")
+    ] = None,
+    tokens: Annotated[int | None, typer.Option(help="With --cache: training tokens (recipe: 16384).")] = None,
+    gen_share: Annotated[float | None, typer.Option(help="With --cache: share of generated tokens (0.25).")] = None,
+    loss: Annotated[str | None, typer.Option(help="With --cache: topk (teacher top-k + tail) or exact.")] = None,
+    block_init: Annotated[str, typer.Option(help="block design: last, next or identity.")] = "last",
+    recipe: RecipeOpt = None,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Light exit heads trained against the frozen model's own final layer (KL), reported before and after."""
+    import time
+
+    from eectl.data import load_text_data
+    from eectl.head_checkpoint import check_checkpoint
+    from eectl.heads import TrainConfig, resolve_device
+    from eectl.heads import train_heads as train
+    from eectl.models import load_model
+
+    out = Output(json_out)
+    r = load_recipe(recipe)
+    cache_dir = cache or (Path(r.heads.cache) if r.heads.cache else None)
+    if cache_dir is not None or pick(design, r.heads.design) == "block":
+        _train_heads_cached(
+            out,
+            r,
+            model,
+            data,
+            field,
+            exits,
+            design,
+            rank,
+            lr,
+            seed,
+            save_every,
+            resume,
+            out_path,
+            cache_dir,
+            tokens,
+            gen_share,
+            loss,
+            block_init,
+            pick(eval_tokens, r.heads.eval_tokens),
+            threads,
+        )
+        return
+    config = TrainConfig(
+        exits=pick(parse_layers(exits), r.exits or []),
+        design=pick(design, r.heads.design),
+        rank=pick(rank, r.heads.rank),
+        steps=pick(steps, r.heads.steps),
+        lr=pick(lr, r.heads.lr),
+        batch_tokens=batch_tokens,
+        seed=seed,
+        ce_weight=ce_weight,
+        eval_tokens=pick(eval_tokens, r.heads.eval_tokens),
+        save_every=save_every,
+        device=device,
+        top_k=r.top_k,
+        target=r.target,
+    )
+    config.check()  # before the model loads (no exits yet: the model's default_exits)
+    if out_path is not None and out_path.suffix != ".safetensors":
+        raise UsageError(f"--out must name a .safetensors file, got {out_path}")
+    if out_path is not None:
+        check_output_file(out_path, "--out")
+    if resume is not None:
+        check_checkpoint(resume)
+    resolve_device(device)
+    n_threads = set_threads(threads, r)
+    text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
+    out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
+    loaded = load_model(pick(model, r.model), log=out)
+    config.exits = config.exits or default_exits(loaded.adapter.num_layers)
+    config.check(loaded.adapter.num_layers)
+    path = out_path or Path("artifacts") / f"{loaded.source.name}-heads.safetensors"
+    out.log(
+        f"training {config.design} heads at exits {sorted(config.exits)} for {config.steps} steps of "
+        f"{config.batch_tokens} tokens of {text.name}, {device}, {n_threads} threads"
+    )
+    with out.progress("train-heads", total=config.steps) as bar:
+        shown: list[int] = []  # a resumed run starts the bar at its checkpoint's step
+        t0 = time.perf_counter()
+
+        def on_step(step: int, kl: dict[int, float]) -> None:
+            if not shown:
+                shown.append(step - 1)
+            rate = (step - shown[0]) * config.batch_tokens / max(time.perf_counter() - t0, 1e-9)
+            info = f"{rate:.0f} tokens/s, KL " + " ".join(f"{layer}:{v:.2f}" for layer, v in kl.items())
+            bar.advance(step - shown[-1], info=info)
+            shown.append(step)
+
+        result = train(loaded, text, config, path, resume, on_step=on_step, log=out.log)
+    if not result.main:
+        return
+    out.json(result.to_dict())
+    _print_heads(out, result)
+
+
+def _train_heads_cached(
+    out: Output,
+    r: Recipe,
+    model: str | None,
+    data: str | None,
+    field: str | None,
+    exits: str | None,
+    design: str | None,
+    rank: int | None,
+    lr: float | None,
+    seed: int,
+    save_every: int,
+    resume: Path | None,
+    out_path: Path | None,
+    cache_dir: Path | None,
+    tokens: int | None,
+    gen_share: float | None,
+    loss: str | None,
+    block_init: str,
+    eval_tokens: int,
+    threads: int | None,
+) -> None:
+    """train-heads from a state cache: build (or reuse, or extend) it, then train from it with progress and ETA."""
+    import time
+
+    from eectl.data import load_text_data
+    from eectl.head_data import CacheSpec, build_cache
+    from eectl.heads_cached import CachedConfig, train_cached
+    from eectl.models import load_model
+
+    n_threads = set_threads(threads, r)
+    text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
+    loaded = load_model(pick(model, r.model), log=out)
+    layers = pick(parse_layers(exits), r.exits or []) or default_exits(loaded.adapter.num_layers)
+    n = pick(tokens, r.heads.tokens)
+    share = pick(gen_share, r.heads.gen_share)
+    n_gen = round(n * share)
+    spec = CacheSpec(
+        layers=layers,
+        text_tokens=n - n_gen,
+        gen_tokens=n_gen,
+        eval_text_tokens=eval_tokens,
+        eval_gen_tokens=round(eval_tokens * share),
+    )
+    folder = cache_dir or Path("artifacts") / f"{loaded.source.name}-states"
+    total = spec.text_tokens + spec.gen_tokens + spec.eval_text_tokens + spec.eval_gen_tokens
+    with out.progress("base states", total=total) as bar:
+        start = time.perf_counter()
+        done = [0]
+
+        def on_tokens(k: int) -> None:
+            done[0] += k
+            bar.advance(k, info=f"{done[0] / max(time.perf_counter() - start, 1e-9):.0f} tokens/s")
+
+        state_cache = build_cache(loaded, text, spec, folder, on_tokens, out.log)
+    batch = 256
+    config = CachedConfig(
+        exits=layers,
+        design=pick(design, r.heads.design),
+        rank=pick(rank, r.heads.rank),
+        block_init=block_init,
+        steps=max(1, n // batch),
+        lr=pick(lr, r.heads.lr),
+        batch_tokens=batch,
+        seed=seed,
+        loss=pick(loss, r.heads.loss),
+        save_every=save_every,
+        eval_tokens=eval_tokens,
+        top_k=r.top_k,
+        target=r.target,
+    )
+    path = out_path or Path("artifacts") / f"{loaded.source.name}-heads.safetensors"
+    out.log(
+        f"training {config.design} heads at exits {layers}: {config.steps} steps of {batch} tokens from {folder} "
+        f"({config.loss} loss), {n_threads} threads"
+    )
+    with out.progress("train-heads", total=config.steps) as bar:
+        shown: list[int] = []  # steps seen (a resumed run starts at its checkpoint's step)
+        t0 = time.perf_counter()
+
+        def on_step(step: int, seen: int, kl: dict[int, float]) -> None:
+            if not shown:
+                shown.append(step - 1)
+            rate = (step - shown[0]) * batch / max(time.perf_counter() - t0, 1e-9)
+            info = f"{rate:.0f} tokens/s, KL " + " ".join(f"{k}:{v:.2f}" for k, v in kl.items())
+            bar.advance(step - shown[-1], info=info)
+            shown.append(step)
+
+        result = train_cached(loaded, state_cache, config, path, resume, on_step, out.log)
+    out.json(result.to_dict())
+    _print_heads(out, result)
+
+
+def _print_heads(out: Output, result: object) -> None:
+    from eectl.heads import TrainResult
+    from eectl.heads_report import iter_report
+
+    assert isinstance(result, TrainResult) and result.meta is not None
+    meta = result.meta
+    rows = [
+        (
+            b["layer"],
+            f"{b['agreement']:.3f} -> {a['agreement']:.3f}",
+            f"{b['kl']:.3f} -> {a['kl']:.3f}",
+            f"{b['coverage_full']:.1%} -> {a['coverage_full']:.1%}",
+            f"{b['coverage_topk']:.1%} -> {a['coverage_topk']:.1%}",
+        )
+        for b, a in iter_report(meta)
+    ]
+    rep, t = meta.report, meta.training
+    out.table(
+        f"{meta.base_model['name']}: {meta.design} heads, {rep['tokens']} held-out tokens, before -> after",
+        [
+            "exit",
+            "top-1 agree",
+            "KL(final||exit)",
+            f"coverage @{rep['target_precision']} (full)",
+            f"coverage @{rep['target_precision']} (top-{rep['top_k']})",
+        ],
+        rows,
+    )
+    L = meta.dimensions.num_layers
+    for name in ("before", "after"):
+        s = rep[name]
+        out.line(
+            f"{name}: oracle exit mean layers {s['oracle_mean_layers']:.2f} of {L}; exits at the thresholds above "
+            f"(full-vocab, in-sample): mean layers {s['sequential_mean_layers']:.2f}, "
+            f"agreement {s['sequential_agreement']:.4f}"
+        )
+    cost = meta.head_cost
+    out.line(
+        f"{t['steps']} steps x {t['batch_tokens']} tokens ({meta.data['epochs']} epochs of "
+        f"{meta.data['train_tokens']} tokens), {t['precision']} on {t['device']}; {cost.params} params per "
+        f"head; {t['wall_s']:.1f}s ({t['train_s']:.1f}s training) on {t['threads']} threads"
+    )
+    out.line(f"written: {result.out} and {result.sidecar}; checkpoint {result.checkpoint}")
