@@ -135,7 +135,7 @@ class PipelineCache:
         }
 
     def _files(self, stage: str) -> list[Path]:
-        from eectl.heads import sidecar_path
+        from eectl.head_designs import sidecar_path
 
         p = self.plan
         return [p.heads, sidecar_path(p.heads)] if stage == "train-heads" else [p.calibration]

@@ -56,6 +56,18 @@ class CacheSpec:
     raw: bool = False  # prompts as is; default: the tokenizer's chat template
     gen_batch: int = 16  # prompts generated together
 
+    @classmethod
+    def for_budget(cls, layers: list[int], tokens: int, gen_share: float, eval_tokens: int) -> CacheSpec:
+        """`tokens` training tokens, `gen_share` of them generated; `eval_tokens` held out, in the same shares."""
+        n_gen = round(tokens * gen_share)
+        return cls(
+            layers=layers,
+            text_tokens=tokens - n_gen,
+            gen_tokens=n_gen,
+            eval_text_tokens=eval_tokens,
+            eval_gen_tokens=round(eval_tokens * gen_share),
+        )
+
     def check(self, num_layers: int) -> None:
         bad = [x for x in self.layers if not 1 <= x <= num_layers - 1]
         if not self.layers or bad:
@@ -209,8 +221,7 @@ def build_cache(
 ) -> StateCache:
     """Compute (or finish computing) the cache for `spec` in `folder`; an existing cache of another identity is
     refused, an identical one is reused. Text chunks first, then generated sequences, per split."""
-    from eectl.calibrate_measure import generate_continuations, prompt_ids
-    from eectl.data import TextData, split_records, token_chunks
+    from eectl.files import atomic_write as _atomic_write
 
     say = log or (lambda _m: None)
     adapter = loaded.adapter
@@ -228,22 +239,11 @@ def build_cache(
         if old.get("complete") and old.get("budgets") == {k: getattr(spec, k) for k in _BUDGETS}:
             return open_cache(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    from eectl.files import atomic_write as _atomic_write
-
     _atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps({"identity": identity, "complete": False})))
     start = time.perf_counter()
     tok = loaded.tokenizer
-    skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
-    eos = getattr(tok, "eos_token_id", None)
-    train_data, held_data = split_records(tok, data, spec.eval_text_tokens or 1)
-    # held-out prompts enough for the held-out generated part (EOS ends some continuations early)
-    want = math.ceil(4 * spec.eval_gen_tokens / spec.gen_len)
-    if len(held_data.texts) < want < len(data.texts):
-        k = len(data.texts) - want
-        train_data = TextData(data.name, data.description, data.texts[:k], data.prompts[:k])
-        held_data = TextData(data.name, data.description, data.texts[k:], data.prompts[k:])
+    train_data, held_data = _split_data(tok, data, spec)
     entries: list[Entry] = []
-    max_prompt = max(8, min(adapter.dims.max_positions, 4096) - spec.gen_len - 1)
     plan = [
         ("train", train_data, spec.text_tokens, spec.gen_tokens),
         ("held", held_data, spec.eval_text_tokens, spec.eval_gen_tokens),
@@ -251,73 +251,10 @@ def build_cache(
     for split, part, n_text, n_gen in plan:
         (folder / split).mkdir(exist_ok=True)
         if n_text > 0:
-            body = spec.chunk_len - skip_first  # whole chunks only, so a larger budget extends the same chunks
-            n_whole = math.ceil(n_text / body) * body if split == "train" else n_text
-            chunks = token_chunks(tok, part, n_whole, spec.chunk_len)
-            for u, chunk in enumerate(chunks):
-                name = f"{split}/text_{u:06d}.safetensors"
-                ids = chunk[0].tolist()
-                n = len(ids) - skip_first
-                if not (folder / name).is_file():
-                    measured = torch.zeros(len(ids), dtype=torch.bool)
-                    measured[skip_first:] = True
-                    write_sequence(folder / name, base_sequence(adapter, ids, measured, spec.layers, spec.teacher_k))
-                entries.append(Entry(split, "text", name, n, len(ids)))
-                if on_tokens is not None:
-                    on_tokens(n)
+            entries += _cache_text(adapter, tok, folder, split, part, n_text, spec, on_tokens)
         if n_gen > 0:
-            prompts = prompt_ids(tok, part.prompts, max_prompt, spec.raw)
             done = {e.file for e in entries}
-            # Generation is the slow part: continuations are generated batch by batch and cached one by one.
-            got = 0
-            order = list(range(len(prompts)))
-            for b0 in range(0, len(order), spec.gen_batch * 4):
-                if got >= n_gen:
-                    break
-                window = order[b0 : b0 + spec.gen_batch * 4]
-                todo = [i for i in window if not (folder / f"{split}/gen_{i:06d}.safetensors").is_file()]
-                conts = (
-                    {
-                        c.unit: c.generated
-                        for c in generate_continuations(
-                            adapter,
-                            [prompts[i] for i in todo],
-                            len(todo) * spec.gen_len,
-                            spec.gen_len,
-                            eos,
-                            spec.gen_batch,
-                        )[0]
-                    }
-                    if todo
-                    else {}
-                )
-                for i in window:
-                    if got >= n_gen:
-                        break
-                    name = f"{split}/gen_{i:06d}.safetensors"
-                    if i in todo:
-                        cont = conts.get(todo.index(i), [])
-                        if not cont:
-                            continue
-                        ids = prompts[i] + cont
-                        measured = torch.zeros(len(ids), dtype=torch.bool)
-                        # position j predicts token j + 1: the last prompt position predicts the first continuation
-                        measured[len(prompts[i]) - 1 : len(ids) - 1] = True
-                        write_sequence(
-                            folder / name, base_sequence(adapter, ids, measured, spec.layers, spec.teacher_k)
-                        )
-                    if name in done:
-                        continue
-                    seq_measured = int(read_sequence(folder / name).measured.sum())
-                    entries.append(Entry(split, "gen", name, seq_measured, 0))
-                    got += seq_measured
-                    if on_tokens is not None:
-                        on_tokens(seq_measured)
-            if got < n_gen:
-                raise DataError(
-                    f"the {split} part's {len(prompts)} prompts gave only {got} generated tokens, fewer than {n_gen}",
-                    hint="lower the generated token budget or pass more data",
-                )
+            entries += _cache_generated(adapter, tok, folder, split, part, n_gen, spec, done, on_tokens)
         say(f"state cache: {split} part done ({sum(e.tokens for e in entries if e.split == split)} tokens)")
     build_s = time.perf_counter() - start
     doc = {
@@ -329,6 +266,121 @@ def build_cache(
     }
     _atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8"))
     return StateCache(folder, identity, entries, build_s)
+
+
+def _split_data(tok: Any, data: Any, spec: CacheSpec) -> tuple[Any, Any]:
+    """The training records and the held-out records at the end of the data, with held-out prompts enough for the
+    held-out generated part."""
+    from eectl.data import TextData, split_records
+
+    train_data, held_data = split_records(tok, data, spec.eval_text_tokens or 1)
+    # held-out prompts enough for the held-out generated part (EOS ends some continuations early)
+    want = math.ceil(4 * spec.eval_gen_tokens / spec.gen_len)
+    if len(held_data.texts) < want < len(data.texts):
+        k = len(data.texts) - want
+        train_data = TextData(data.name, data.description, data.texts[:k], data.prompts[:k])
+        held_data = TextData(data.name, data.description, data.texts[k:], data.prompts[k:])
+    return train_data, held_data
+
+
+def _cache_text(
+    adapter: Any,
+    tok: Any,
+    folder: Path,
+    split: str,
+    part: Any,
+    n_text: int,
+    spec: CacheSpec,
+    on_tokens: Callable[[int], None] | None,
+) -> list[Entry]:
+    """The split's teacher-forced chunks, each computed unless its file is already there."""
+    from eectl.data import token_chunks
+
+    skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
+    body = spec.chunk_len - skip_first  # whole chunks only, so a larger budget extends the same chunks
+    n_whole = math.ceil(n_text / body) * body if split == "train" else n_text
+    entries = []
+    for u, chunk in enumerate(token_chunks(tok, part, n_whole, spec.chunk_len)):
+        name = f"{split}/text_{u:06d}.safetensors"
+        ids = chunk[0].tolist()
+        n = len(ids) - skip_first
+        if not (folder / name).is_file():
+            measured = torch.zeros(len(ids), dtype=torch.bool)
+            measured[skip_first:] = True
+            write_sequence(folder / name, base_sequence(adapter, ids, measured, spec.layers, spec.teacher_k))
+        entries.append(Entry(split, "text", name, n, len(ids)))
+        if on_tokens is not None:
+            on_tokens(n)
+    return entries
+
+
+def _cache_generated(
+    adapter: Any,
+    tok: Any,
+    folder: Path,
+    split: str,
+    part: Any,
+    n_gen: int,
+    spec: CacheSpec,
+    done: set[str],
+    on_tokens: Callable[[int], None] | None,
+) -> list[Entry]:
+    """The split's prompts + greedy continuations until `n_gen` measured tokens; files already there are kept."""
+    from eectl.calibrate_measure import generate_continuations, prompt_ids
+
+    max_prompt = max(8, min(adapter.dims.max_positions, 4096) - spec.gen_len - 1)
+    prompts = prompt_ids(tok, part.prompts, max_prompt, spec.raw)
+    eos = getattr(tok, "eos_token_id", None)
+    entries = []
+    # Generation is the slow part: continuations are generated batch by batch and cached one by one.
+    got = 0
+    order = list(range(len(prompts)))
+    for b0 in range(0, len(order), spec.gen_batch * 4):
+        if got >= n_gen:
+            break
+        window = order[b0 : b0 + spec.gen_batch * 4]
+        todo = [i for i in window if not (folder / f"{split}/gen_{i:06d}.safetensors").is_file()]
+        conts = (
+            {
+                c.unit: c.generated
+                for c in generate_continuations(
+                    adapter,
+                    [prompts[i] for i in todo],
+                    len(todo) * spec.gen_len,
+                    spec.gen_len,
+                    eos,
+                    spec.gen_batch,
+                )[0]
+            }
+            if todo
+            else {}
+        )
+        for i in window:
+            if got >= n_gen:
+                break
+            name = f"{split}/gen_{i:06d}.safetensors"
+            if i in todo:
+                cont = conts.get(todo.index(i), [])
+                if not cont:
+                    continue
+                ids = prompts[i] + cont
+                measured = torch.zeros(len(ids), dtype=torch.bool)
+                # position j predicts token j + 1: the last prompt position predicts the first continuation
+                measured[len(prompts[i]) - 1 : len(ids) - 1] = True
+                write_sequence(folder / name, base_sequence(adapter, ids, measured, spec.layers, spec.teacher_k))
+            if name in done:
+                continue
+            seq_measured = int(read_sequence(folder / name).measured.sum())
+            entries.append(Entry(split, "gen", name, seq_measured, 0))
+            got += seq_measured
+            if on_tokens is not None:
+                on_tokens(seq_measured)
+    if got < n_gen:
+        raise DataError(
+            f"the {split} part's {len(prompts)} prompts gave only {got} generated tokens, fewer than {n_gen}",
+            hint="lower the generated token budget or pass more data",
+        )
+    return entries
 
 
 def open_cache(folder: Path) -> StateCache:

@@ -144,40 +144,42 @@ def evaluate(
                 acc[name][key].append(torch.stack(vals).cpu())  # [E, T]
     if n == 0:
         raise DataError("no held-out tokens to evaluate on")
-    results: dict[str, EvalResult] = {}
-    for name in variants:
-        a = {k: torch.cat(v, dim=1) for k, v in acc[name].items()}  # [E, N]
-        metrics = []
-        thresholds = []
-        for e, layer in enumerate(exits):
-            full = threshold_for_precision(a["conf"][e], a["agree"][e], target)
-            topk = threshold_for_precision(a["conf_topk"][e], a["correct_topk"][e], target)
-            thresholds.append(full.threshold)
-            metrics.append(
-                ExitMetrics(
-                    layer=layer,
-                    tokens=n,
-                    agreement=float(a["agree"][e].double().mean()),
-                    kl=float(a["kl"][e].mean()),
-                    coverage_full=full.coverage,
-                    threshold_full=full.threshold,
-                    coverage_topk=topk.coverage,
-                    threshold_topk=topk.threshold,
-                )
+    return {name: _summarise(acc[name], exits, n, L, target) for name in variants}
+
+
+def _summarise(acc: dict[str, list[torch.Tensor]], exits: list[int], n: int, L: int, target: float) -> EvalResult:
+    """One variant's per-chunk [E, T] results -> per-exit metrics and the oracle / sequential mean layers."""
+    a = {k: torch.cat(v, dim=1) for k, v in acc.items()}  # [E, N]
+    metrics = []
+    thresholds = []
+    for e, layer in enumerate(exits):
+        full = threshold_for_precision(a["conf"][e], a["agree"][e], target)
+        topk = threshold_for_precision(a["conf_topk"][e], a["correct_topk"][e], target)
+        thresholds.append(full.threshold)
+        metrics.append(
+            ExitMetrics(
+                layer=layer,
+                tokens=n,
+                agreement=float(a["agree"][e].double().mean()),
+                kl=float(a["kl"][e].mean()),
+                coverage_full=full.coverage,
+                threshold_full=full.threshold,
+                coverage_topk=topk.coverage,
+                threshold_topk=topk.threshold,
             )
-        layers = torch.tensor(exits + [L], dtype=torch.float64)
-        ones = torch.ones(1, n, dtype=torch.bool)
-        oracle = torch.cat([a["agree"], ones]).double().argmax(0)  # first True: the first exit that agrees
-        passes = torch.cat([a["conf"] >= torch.tensor(thresholds)[:, None], ones]).double().argmax(0)
-        taken_agree = torch.cat([a["agree"], ones]).gather(0, passes[None])[0]
-        results[name] = EvalResult(
-            tokens=n,
-            exits=metrics,
-            oracle_mean_layers=float(layers[oracle].mean()),
-            sequential_mean_layers=float(layers[passes].mean()),
-            sequential_agreement=float(taken_agree.double().mean()),
         )
-    return results
+    layers = torch.tensor(exits + [L], dtype=torch.float64)
+    ones = torch.ones(1, n, dtype=torch.bool)
+    oracle = torch.cat([a["agree"], ones]).double().argmax(0)  # first True: the first exit that agrees
+    passes = torch.cat([a["conf"] >= torch.tensor(thresholds)[:, None], ones]).double().argmax(0)
+    taken_agree = torch.cat([a["agree"], ones]).gather(0, passes[None])[0]
+    return EvalResult(
+        tokens=n,
+        exits=metrics,
+        oracle_mean_layers=float(layers[oracle].mean()),
+        sequential_mean_layers=float(layers[passes].mean()),
+        sequential_agreement=float(taken_agree.double().mean()),
+    )
 
 
 class MetaConfig(Protocol):

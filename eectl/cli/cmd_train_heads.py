@@ -64,24 +64,24 @@ def train_heads(
         _train_heads_cached(
             out,
             r,
-            model,
-            data,
-            field,
-            exits,
-            design,
-            rank,
-            lr,
-            seed,
-            save_every,
-            resume,
-            out_path,
-            cache_dir,
-            tokens,
-            gen_share,
-            loss,
-            block_init,
-            pick(eval_tokens, r.heads.eval_tokens),
-            threads,
+            model=model,
+            data=data,
+            field=field,
+            exits=exits,
+            design=design,
+            rank=rank,
+            lr=lr,
+            seed=seed,
+            save_every=save_every,
+            resume=resume,
+            out_path=out_path,
+            cache_dir=cache_dir,
+            tokens=tokens,
+            gen_share=gen_share,
+            loss=loss,
+            block_init=block_init,
+            eval_tokens=pick(eval_tokens, r.heads.eval_tokens),
+            threads=threads,
         )
         return
     config = TrainConfig(
@@ -140,6 +140,7 @@ def train_heads(
 def _train_heads_cached(
     out: Output,
     r: Recipe,
+    *,
     model: str | None,
     data: str | None,
     field: str | None,
@@ -172,15 +173,7 @@ def _train_heads_cached(
     loaded = load_model(pick(model, r.model), log=out)
     layers = pick(parse_layers(exits), r.exits or []) or default_exits(loaded.adapter.num_layers)
     n = pick(tokens, r.heads.tokens)
-    share = pick(gen_share, r.heads.gen_share)
-    n_gen = round(n * share)
-    spec = CacheSpec(
-        layers=layers,
-        text_tokens=n - n_gen,
-        gen_tokens=n_gen,
-        eval_text_tokens=eval_tokens,
-        eval_gen_tokens=round(eval_tokens * share),
-    )
+    spec = CacheSpec.for_budget(layers, n, pick(gen_share, r.heads.gen_share), eval_tokens)
     folder = cache_dir or Path("artifacts") / f"{loaded.source.name}-states"
     total = spec.text_tokens + spec.gen_tokens + spec.eval_text_tokens + spec.eval_gen_tokens
     with out.progress("base states", total=total) as bar:
