@@ -535,7 +535,7 @@ def run_bench(
 
 def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) -> None:
     """The plan's predicted speedup for this configuration, and the cost model at the exits this run realized."""
-    from eectl.plan import predict
+    from eectl.plan import RIVER_POLICIES, predict
 
     res.exits = list(cfg.exits)
     res.note = cfg.note
@@ -556,7 +556,10 @@ def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) ->
     # rolled-back drafts exited too (at layers no longer recorded): spread them like the accepted ones
     per_exit = [(e, (c + (rejected * c / exited if exited else 0.0)) / steps, None) for e, c in sorted(counts.items())]
     lost = rejected / steps if cfg.policy == "verify" else None
-    res.model_speedup = predict(m.costs, boundaries, cfg.policy, per_exit, lost_rate=lost).speedup
+    policy = RIVER_EXIT if cfg.policy == "river" and cfg.river_predict == "exit" else cfg.policy
+    if policy in RIVER_POLICIES and m.costs.river_ms is None:
+        return  # costs measured before river copies were timed: no model for them
+    res.model_speedup = predict(m.costs, boundaries, policy, per_exit, lost_rate=lost).speedup
 
 
 def river_kv_cosine(runner: Runner, prompt: list[int]) -> dict[str, Any]:

@@ -5,8 +5,9 @@ pool), at decode shape: one token on top of `past` positions of KV cache, and on
 verify policies carry pending states along; each block exit head's graph on one position. Each figure is the median
 of `repeats` calls after `warmup` calls, in rounds that call every graph once (so each graph meets the CPU caches a
 decode step leaves it). The decisions are timed with the signal computation the runner does after the graph
-(`exits.signals`). The full-depth step is timed through the runner itself, so whatever Python adds per step is in
-the model too.
+(`exits.signals`); a cosine signal's decision reads only block states, and the LM head at the exit is timed apart
+(`exit_predict_ms`: what an exiting token's own prediction costs, which a river predicting at its end never asks
+for). The full-depth step is timed through the runner itself, so whatever Python adds per step is in the model too.
 
 What this module does not do: predict or choose (plan.py); it only measures.
 """
@@ -20,10 +21,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from eectl.exits import signals
+from eectl.exits import ExitScoring, FullSoftmax, Signal, get_signal, signals
 from eectl.plan import Costs
 from eectl.runtime.blocks import run_block
-from eectl.runtime.runner import RowState, RunConfig, Runner
+from eectl.runtime.runner import OrtExitLogits, RowState, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
 DEFAULT_PAST = 128
@@ -64,12 +65,12 @@ def measure_costs(
     h2 = rng.standard_normal((1, 2, dims["hidden_size"])).astype(rt.np_dtype)
     kv = rt.new_kv(1, past + 4)
 
-    def segment(i: int, h: np.ndarray, kv_only: bool = False) -> Callable[[], object]:
+    def segment(i: int, h: np.ndarray, kv_only: bool = False, river: bool = False) -> Callable[[], object]:
         lo, hi = m.segments[i].layers
 
         def call() -> object:
             kv.filled[0, lo:hi] = past
-            return rt.run_segment(i, h, kv, 0, kv_only=kv_only)
+            return rt.run_segment(i, h, kv, 0, kv_only=kv_only, river=river)
 
         return call
 
@@ -83,14 +84,23 @@ def measure_costs(
         calls[f"seg1.{i}"] = segment(i, h1)
         calls[f"seg2.{i}"] = segment(i, h2)
         calls[f"kv.{i}"] = segment(i, h1, kv_only=True)
+        if i in rt.river_segments:  # `export --river`: the int4 copy the river runs instead
+            calls[f"river.{i}"] = segment(i, h1, river=True)
     row1, row2 = h1[0], h2[0]
     calls["head1"] = lambda: rt.exit_full(L, row1, k)
     calls["head2"] = lambda: rt.exit_full(L, row2, k)
-    topk = signal.startswith("topk")
+    if L in rt.river_heads:
+        calls["river_head"] = lambda: rt.exit_full(L, row1, k, river=True)
+    sig = get_signal(signal)
+    topk = sig.needs_candidates
+    state_only = not topk and not isinstance(sig, FullSoftmax)  # cosine signals: no LM head to decide
+    hidden_t = torch.from_numpy(row1.astype(np.float32))
     for layer in m.exit_layers:
 
         def first(layer: int = layer) -> object:
             if not topk:
+                if state_only:
+                    return _state_decision(sig, rt, layer, hidden_t, k)
                 logits, _, _ = rt.exit_full(layer, row1, k)
                 return signals(torch.from_numpy(logits))
             cand, cand_logits = rt.exit_candidates(layer, row1, k)
@@ -100,14 +110,19 @@ def measure_costs(
 
         def later(layer: int = layer, cand: np.ndarray = cand) -> object:
             if not topk:
-                logits, _, _ = rt.exit_full(layer, row1, k)
-                return signals(torch.from_numpy(logits))
+                return first(layer)
             return signals(torch.from_numpy(rt.exit_local(layer, row1, cand)), torch.from_numpy(cand))
 
         calls[f"cand.{layer}"] = first
         calls[f"local.{layer}"] = later
         if layer in rt.block_graphs:
             calls[f"block.{layer}"] = block_call(rt, kv, layer, h1, past)
+        if state_only:  # an exiting token's own token then costs the exit's LM head (not for a river's end)
+
+            def predict(layer: int = layer) -> object:
+                return rt.exit_full(layer, row1, k)
+
+            calls[f"predict.{layer}"] = predict
     t = _interleaved_ms(calls, repeats, warmup)
     n = len(m.segments)
     seg1 = [t[f"seg1.{i}"] for i in range(n)]
@@ -132,6 +147,9 @@ def measure_costs(
         full_step_ms=t["step"],
         block_ms={str(layer): t[f"block.{layer}"] for layer in m.exit_layers if layer in rt.block_graphs},
         candidate_source=str(m.candidate_source.get("name", "full")),
+        exit_predict_ms={str(e): t[f"predict.{e}"] for e in m.exit_layers} if state_only else None,
+        river_ms=[t.get(f"river.{i}") for i in range(n)] if rt.river_segments else None,
+        river_head_ms=t.get("river_head"),
     )
 
 
@@ -145,6 +163,14 @@ def block_call(rt: ArtifactRuntime, kv: KVBuffers, layer: int, h: np.ndarray, pa
         return run_block(rt, layer, h, kv, 0)
 
     return call
+
+
+def _state_decision(sig: Signal, rt: ArtifactRuntime, layer: int, hidden: torch.Tensor, k: int) -> object:
+    """A cosine signal's decision as the runner makes it: the signal over the exit's block states, no LM head."""
+    lo, hi = rt.manifest.segments[rt.segment_of_layer[layer]].layers
+    blocks = hidden.expand(hi - lo + 1, 1, -1)  # [n + 1, N, H]: the segment's block boundaries
+    scoring = ExitScoring(sig, OrtExitLogits(rt), k)
+    return scoring.score(layer, hidden[None], hidden[None], blocks).values
 
 
 def full_step_call(rt: ArtifactRuntime, past: int, seed: int = 0) -> Callable[[], object]:

@@ -10,11 +10,14 @@ Per-token time of an option under a policy (exit a_1 < ... < a_m active, c_i the
 
     exit at a_i:  embed + segments up to a_i + decisions at a_1..a_i + policy extra_i
     no exit:      the full-depth step (measured) + decisions at a_1..a_m
-    decisions:    the candidate source at a_1, a local K-row exit at a_2.. (each with its signal computation),
+    decisions:    the candidate source at a_1, a local K-row exit at a_2.. (each with its signal computation);
+                  a cosine signal reads block states only, and an exiting token then pays the exit's LM head;
                   plus a block head's graph where the exit has one (it runs for every token reaching the exit)
     extra_i:      copy: the K/V-only graphs of the segments after a_i
                   defer, verify: one more position in every later segment (the pending state rides along)
                   verify: one more row in the final head (the draft is checked there)
+    river:        the int4 copies of the segments after a_i (one position each) and, predicting at the river's
+                  end, the final head (`river-exit` predicts at the exit: no final head)
     verify:       a wrong draft (1 - precision_i) is rolled back with the drafts after it (r / (1 - r) of them on
                   average, r = the exit rate): time per accepted token = time per step / (1 - lost tokens per step)
 
@@ -34,6 +37,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MIN_GAIN = 0.03  # a configuration must be predicted at least 3% faster than full depth to be chosen
 PLAN_POLICIES = ("copy", "defer", "verify")
+# predicted (bench's check of the model) but never planned: like copy, the river's approximate K/V change later
+# tokens in a way calibration does not measure. `river-exit` is the river predicting at the exit.
+RIVER_POLICIES = ("river", "river-exit")
 MAX_SUBSET = 3  # exits per option: each active exit adds a decision, and subsets grow as 2^E
 VERIFY_PRECISIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # verify's speed knob: thresholds fitted at these
 
@@ -86,6 +92,13 @@ class Costs(_M):
     # exit layer -> its block head's graph on one position (block exits only): paid by every token reaching the exit
     block_ms: dict[str, float] = Field(default_factory=dict)
     candidate_source: str = "full"
+    # river artifacts (`export --river`): per segment its int4 copy on one position (None: no copy), and the final
+    # head the river's end asks (its quantized copy where the artifact has one)
+    river_ms: list[float | None] | None = None
+    river_head_ms: float | None = None
+    # signals that decide without an LM head (cosine): exit layer -> the exit's full head, which an exiting token's
+    # own prediction then costs (None: the decision already carries the prediction, e.g. Top-K candidates)
+    exit_predict_ms: dict[str, float] | None = None
 
     def block_layers(self, num_layers: int) -> dict[str, float]:
         """Each block head's measured cost per token in decoder-layer units (its ms over a segment layer's mean)."""
@@ -142,6 +155,13 @@ class Plan(_M):
         )
 
 
+def _river_ms(costs: Costs, segment: int) -> float:
+    ms = None if costs.river_ms is None else costs.river_ms[segment]
+    if ms is None:
+        raise ValueError(f"no river timing for segment {segment}: the costs were measured without river copies")
+    return ms
+
+
 def _segment_of(boundaries: Sequence[int], layer: int) -> int:
     """Index of the segment that ends at `layer` (boundaries: each segment's end layer, in order)."""
     return list(boundaries).index(layer)
@@ -177,9 +197,15 @@ def predict(
     for i, (layer, cov, _) in enumerate(per_exit):
         s = _segment_of(boundaries, layer)
         paid = costs.embed_ms + sum(costs.segment_ms[: s + 1]) + over * (s + 1) + sum(decisions[: i + 1])
+        if costs.exit_predict_ms is not None and policy != "river":  # the river's end predicts instead
+            paid += costs.exit_predict_ms[str(layer)]
         later = range(s + 1, n_seg)
         if policy == "copy":
             paid += sum(costs.kv_ms[t] for t in later) + over * len(later)
+        elif policy in RIVER_POLICIES:  # the exited token flows on through the int4 copies
+            paid += sum(_river_ms(costs, t) for t in later) + over * len(later)
+            if policy == "river":
+                paid += costs.river_head_ms if costs.river_head_ms is not None else costs.final_head_ms
         else:  # defer, verify: the exited state rides along with a later step through every later segment
             paid += sum(costs.segment_extra_ms[t] for t in later)
             if policy == "verify":

@@ -81,6 +81,38 @@ def test_ort_equals_torch_for_prefill_chunk_and_decode_at_every_exit(exported, f
             np.testing.assert_allclose(kv.keys[0][i][:, :, :30], cache.keys[i].numpy(), atol=ATOL, rtol=1e-4)
 
 
+def test_external_data_aligns_large_tensors_and_packs_small_ones(tmp_path):
+    """Tensors >= EXTERNAL_ALIGN_MIN_BYTES start on a 64 KiB boundary (mappable); smaller ones follow each other
+    without padding, and every tensor reads back as written."""
+    from onnx import helper, numpy_helper
+
+    from eectl.manifest import GraphIO
+
+    rng = np.random.default_rng(0)
+    big = export_graphs.EXTERNAL_ALIGN_MIN_BYTES // 4 + 3  # float32 elements: just over the threshold
+    arrays = {"s0": rng.standard_normal(700), "w0": rng.standard_normal(big), "s1": rng.standard_normal(600)}
+    arrays |= {"w1": rng.standard_normal(big), "s2": rng.standard_normal(500)}
+    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    nodes = [helper.make_node("Identity", [k], [f"{k}_out"]) for k in arrays]
+    outs = [helper.make_tensor_value_info(f"{k}_out", onnx.TensorProto.FLOAT, None) for k in arrays]
+    model = helper.make_model(helper.make_graph(nodes, "g", [], outs, inits))
+    io = export_graphs.save_graph(model, GraphIO(file="g.onnx", inputs={}, outputs={}), tmp_path)
+    proto = onnx.load(str(tmp_path / "g.onnx"), load_external_data=False)
+    place = {
+        t.name: {d.key: int(d.value) for d in t.external_data if d.key != "location"} for t in proto.graph.initializer
+    }
+    assert io.data == "g.onnx.data"
+    assert (
+        place["w0"]["offset"] % export_graphs.EXTERNAL_ALIGN == 0
+        and place["w1"]["offset"] % export_graphs.EXTERNAL_ALIGN == 0
+    )
+    assert place["s0"]["offset"] == 0 and place["s1"]["offset"] == place["w0"]["offset"] + place["w0"]["length"]
+    assert place["s2"]["offset"] == place["w1"]["offset"] + place["w1"]["length"]
+    loaded = onnx.load(str(tmp_path / "g.onnx"))
+    for t in loaded.graph.initializer:
+        np.testing.assert_array_equal(numpy_helper.to_array(t), arrays[t.name].astype(np.float32))
+
+
 def test_graph_weights_are_external_data_listed_and_hashed(exported):
     _, art = exported["llama"]
     m = read_manifest(art)
@@ -90,8 +122,11 @@ def test_graph_weights_are_external_data_listed_and_hashed(exported):
         big = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
         inline = [t for t in proto.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
         assert all(len(t.raw_data) < export_graphs.EXTERNAL_MIN_BYTES for t in inline)
-        offsets = [int(d.value) for t in big for d in t.external_data if d.key == "offset"]
-        assert all(o % export_graphs.EXTERNAL_ALIGN == 0 for o in offsets)
+        places = [{d.key: int(d.value) for d in t.external_data if d.key != "location"} for t in big]
+        aligned = [p["offset"] for p in places if p["length"] >= export_graphs.EXTERNAL_ALIGN_MIN_BYTES]
+        assert all(o % export_graphs.EXTERNAL_ALIGN == 0 for o in aligned)
+        spans = sorted((p["offset"], p["offset"] + p["length"]) for p in places)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no overlap
         assert g.data == (g.file + ".data" if big else None) and g.file in m.files
         assert g.data is None or g.data in m.files
     assert all(s.graph.data and s.kv_graph.data for s in m.segments)

@@ -133,3 +133,29 @@ def test_choose_the_fastest_and_fall_back_to_full_depth():
 def test_options_at_exits_the_artifact_lacks_are_skipped():
     plan = choose(_costs(), BOUNDARIES, [_option([6], [0.9])])
     assert plan.default == "full" and plan.choices["defer"].best is None
+
+
+def test_river_pays_the_int4_copies_after_its_exit_and_the_final_head_at_its_end():
+    c = _costs(river_ms=[None, 1.5, 1.5])
+    end = predict(c, BOUNDARIES, "river", [(4, 0.4, 1.0)])
+    # exit at 4: segment 0 (4) + the candidates (0.3) + the int4 copies of segments 1, 2 (3.0) + the final head (3)
+    assert end.ms_per_token == pytest.approx(0.4 * (4 + 0.3 + 3.0 + 3.0) + 0.6 * 15.3)
+    at_exit = predict(c, BOUNDARIES, "river-exit", [(4, 0.4, 1.0)])  # the exit's own prediction: no final head
+    assert at_exit.ms_per_token == pytest.approx(0.4 * (4 + 0.3 + 3.0) + 0.6 * 15.3)
+    quantized_head = predict(_costs(river_ms=[None, 1.5, 1.5], river_head_ms=1.0), BOUNDARIES, "river", [(8, 1.0, 1.0)])
+    assert quantized_head.ms_per_token == pytest.approx(8 + 0.3 + 1.5 + 1.0)  # exit 8 alone: its candidates
+    with pytest.raises(ValueError, match="river"):
+        predict(_costs(), BOUNDARIES, "river", [(4, 0.4, 1.0)])  # costs without river timings
+
+
+def test_a_state_only_signal_pays_the_exit_head_only_for_tokens_that_take_their_own_prediction():
+    # cosine: deciding reads block states (0.02 ms); an exiting token's own token costs the exit's LM head (3 ms)
+    c = _costs(
+        candidates_ms={"4": 0.02, "8": 0.02}, local_ms={"4": 0.02, "8": 0.02}, exit_predict_ms={"4": 3.0, "8": 3.0}
+    )
+    defer = predict(c, BOUNDARIES, "defer", [(4, 0.4, 1.0)])
+    assert defer.ms_per_token == pytest.approx(0.4 * (4 + 0.02 + 3.0 + 1.0) + 0.6 * 15.02)
+    river = predict(c.model_copy(update={"river_ms": [None, 1.5, 1.5]}), BOUNDARIES, "river", [(4, 0.4, 1.0)])
+    assert river.ms_per_token == pytest.approx(
+        0.4 * (4 + 0.02 + 3.0 + 3.0) + 0.6 * 15.02
+    )  # the final head, not the exit's

@@ -124,6 +124,26 @@ def test_segment_block_states_equal_torch(llama, arts):
             np.testing.assert_allclose(blocks[j], states[lo + j][0].numpy(), atol=1e-4)
 
 
+def test_costs_time_the_river_copies_and_model_the_river(arts):
+    from eectl.costs import measure_costs
+    from eectl.plan import predict
+
+    rt = arts["river"]
+    c = measure_costs(rt, past=8, repeats=2, warmup=1, signal="cosine")
+    assert c.river_ms is not None and c.river_ms[0] is None  # segment 0 runs in fp32 before any exit
+    assert all(ms is not None and ms > 0 for ms in c.river_ms[1:]) and c.river_head_ms is None
+    boundaries = [s.layers[1] for s in rt.manifest.segments]
+    assert predict(c, boundaries, "river", [(2, 1.0, None)]).speedup > 0
+    plain = measure_costs(arts["plain"], past=8, repeats=1, warmup=0, signal="cosine")
+    assert plain.river_ms is None
+    # a cosine decision reads block states; the exit's LM head is timed apart, for tokens taking their own prediction
+    assert c.exit_predict_ms is not None and set(c.exit_predict_ms) == {str(e) for e in rt.manifest.exit_layers}
+    blocks = measure_costs(rt, past=8, repeats=1, warmup=0, signal="cosine-min")  # over each segment's blocks
+    assert blocks.exit_predict_ms is not None and all(ms > 0 for ms in blocks.candidates_ms.values())
+    topk = measure_costs(rt, past=8, repeats=1, warmup=0, signal="topk-prob")
+    assert topk.exit_predict_ms is None  # the candidates carry the token
+
+
 def test_bench_river_side_by_side_with_int4_and_kv_cosine(arts):
     """One bench run: full, an int4 artifact at full depth (--compare), river at both prediction points, defer;
     river's K/V compared with the exact K/V per layer."""
@@ -149,6 +169,8 @@ def test_bench_river_side_by_side_with_int4_and_kv_cosine(arts):
     assert kvr["layers"][2]["river_positions"] == kvr["exited"]  # layers 2.. were written by the river
     assert -1.0 <= kvr["min_river_cosine"] < 1.0
     assert kvr["layers"][0]["key_cosine_generated"] == pytest.approx(1.0, abs=1e-5)  # fp32 segment 0: exact
+    # every token exits at 2: the cost model at the realized exits prices the river's int4 copies
+    assert by["river"]["model_speedup"] is not None and by["river-exit"]["model_speedup"] is not None
 
 
 def test_cosine_min_calibrates_as_the_minimum_over_each_segments_blocks(llama):
