@@ -8,7 +8,7 @@ import pytest
 
 from eectl.export import ExportOptions, export_artifact
 from eectl.models import load_model
-from eectl.runtime.batch import new_batch_kv, run_rows
+from eectl.runtime.batch import new_batch_kv, prefill_runs, run_prefill, run_rows
 from eectl.runtime.sessions import ArtifactRuntime, cuda_usable
 
 ATOL = 1e-5
@@ -60,6 +60,48 @@ def test_batched_rows_equal_rows_alone(runtimes, family):
             np.testing.assert_allclose(kv.batch_values[layer][r, :, :n], alone.values[r][layer][0, :, :n], atol=ATOL)
 
 
+def test_padded_prompts_in_one_call_equal_rows_alone(runtimes, family):
+    """Prompts of different lengths, right-padded into one first-prompt call per segment (GQA's no-past case),
+    give every row the outputs and K/V of its own single-row prefill (the mistral/gemma3 windows are crossed);
+    then a batched decode step on top of them agrees too."""
+    rt = runtimes[family]
+    m = rt.manifest
+    H = m.dims["hidden_size"]
+    rng = np.random.default_rng(3)
+    prompts = [5, 19, 1, 11]
+    B = len(prompts)
+    kv, alone = new_batch_kv(rt, B, 32), rt.new_kv(B, 32)
+    for s in range(len(m.segments)):
+        xs = {r: rng.standard_normal((1, n, H)).astype(np.float32) for r, n in enumerate(prompts)}
+        got = run_prefill(rt, s, xs, kv)
+        for r in range(B):
+            ref = rt.run_segment(s, xs[r], alone, row=r)
+            assert got[r][0].shape == (1, prompts[r], H)
+            np.testing.assert_allclose(got[r][0], ref[0], atol=ATOL)
+            np.testing.assert_allclose(got[r][1], ref[1], atol=ATOL)
+        x = rng.standard_normal((B, 1, H)).astype(np.float32)
+        out = run_rows(rt, s, x, kv, np.ones(B, dtype=bool))
+        assert out is not None
+        for r in range(B):
+            np.testing.assert_allclose(out[0][r], rt.run_segment(s, x[r : r + 1], alone, row=r)[0][0], atol=ATOL)
+    assert (kv.filled == alone.filled).all()
+    for r in range(B):
+        for layer in range(m.num_layers):
+            n = int(kv.filled[r, layer])
+            np.testing.assert_allclose(kv.batch_keys[layer][r, :, :n], alone.keys[r][layer][0, :, :n], atol=ATOL)
+
+
+def test_padded_prompt_calls_take_only_empty_consecutive_rows(runtimes):
+    rt = runtimes["llama"]
+    kv = new_batch_kv(rt, 5, 8)
+    kv.filled[2, :] = 3  # row 2 holds K/V: a padded call over it would overwrite them from position 0
+    assert prefill_runs(kv, [0, 1, 2, 3, 4], 0, 2) == [[0, 1], [3, 4]]
+    assert prefill_runs(kv, [0, 4], 0, 2) == [[0], [4]]
+    x = np.zeros((1, 2, rt.manifest.dims["hidden_size"]), np.float32)
+    with pytest.raises(ValueError, match="consecutive rows holding no K/V"):
+        run_prefill(rt, 0, {1: x, 2: x}, kv)
+
+
 def test_batched_call_rejects_a_full_buffer(runtimes):
     rt = runtimes["llama"]
     kv = new_batch_kv(rt, 2, 3)
@@ -91,7 +133,9 @@ def test_batched_rows_on_cuda_equal_cpu(tiny_dirs, tmp_path):
             rt.run_segment(0, x, kv, row=r)
         got = run_rows(rt, 0, decode, kv, np.array([True, False, True]))
         assert got is not None and list(kv.filled[:, 0]) == [5, 9, 3]
-        outs.append(got[0][[0, 2]].astype(np.float32))
+        padded = new_batch_kv(rt, 3, 16)  # the prompts as one right-padded first-prompt call
+        pre = run_prefill(rt, 0, dict(enumerate(prefill)), padded)
+        outs.append(np.concatenate([got[0][[0, 2]], pre[1][0][:, -1:]]).astype(np.float32))
     np.testing.assert_allclose(outs[1], outs[0], atol=0.05)
 
 
@@ -112,5 +156,68 @@ def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
     gens = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate(prompts)
     assert calls == [3] * (len(rt.manifest.segments) * 5)  # 5 decode steps after the prefill, all rows each time
+    alone = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate([p])[0] for p in prompts]
+    assert [g.token_ids for g in gens] == [g.token_ids for g in alone]
+
+
+@pytest.mark.parametrize("fam", ["llama", "gemma3_text"])
+def test_plan_executed_on_device_values_equals_the_host_path(runtimes, fam):
+    """Full-depth greedy decode steps run as the binding plan says (runtime/device_path.py: hidden states and
+    logits as OrtValues between graphs, here on the CPU EP) give the host path's tokens, rows of different lengths
+    finishing at different steps; the only value read on the host is the final head's token."""
+    from eectl.runtime.runner import RunConfig, Runner
+
+    rt = runtimes[fam]
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [13], [20, 21]]
+    probe = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=9)).generate(prompts)
+    stop = (probe[2].token_ids[3],)  # row 2 stops after 4 tokens: later steps run without it
+
+    def run(device: bool):
+        cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=9, stop_ids=stop, device_resident=device)
+        runner = Runner(rt, cfg)
+        return runner, runner.generate(prompts)
+
+    runner, got = run(True)
+    _, ref = run(False)
+    assert [g.token_ids for g in got] == [g.token_ids for g in ref]
+    assert [g.exit_layers for g in got] == [g.exit_layers for g in ref]
+    assert len(ref[2].token_ids) == 4 and max(len(g.token_ids) for g in ref) == 9
+    step = runner._device_step()
+    assert step is not None
+    kv = new_batch_kv(rt, 2, 8)
+    kv.filled[:] = 1
+    step.step(kv, {0: 5, 1: 6})
+    assert step.host_reads == [("exit_full", rt.manifest.num_layers, "token")]
+    assert [c.graph for c in step.calls][0] == "embed" and "last" in [c.graph for c in step.calls]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDAExecutionProvider")
+def test_plan_executed_on_cuda_equals_the_host_path(tiny_dirs, tmp_path):
+    """On the CUDA EP (fp16), the device-resident full-depth steps give the tokens of the host-bound path."""
+    from eectl.runtime.runner import RunConfig, Runner
+
+    export_artifact(load_model(str(tiny_dirs["llama"])), tmp_path / "a", ExportOptions(exits=[3], dtype="fp16"))
+    rt = ArtifactRuntime(tmp_path / "a", provider="cuda")
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    gens = [
+        Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=8, device_resident=d)).generate(prompts)
+        for d in (True, False)
+    ]
+    assert [g.token_ids for g in gens[0]] == [g.token_ids for g in gens[1]]
+
+
+def test_generate_with_padded_prompt_calls_equals_rows_alone(runtimes, monkeypatch):
+    """The runner's padded prompt calls (on by default only off the CPU EP) give each row its own tokens."""
+    from eectl.runtime import runner as runner_mod
+    from eectl.runtime.runner import RunConfig, Runner
+
+    rt = runtimes["qwen3"]
+    calls = []
+    real = runner_mod.run_prefill
+    monkeypatch.setattr(runner_mod, "run_prefill", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16, 17]]
+    gens = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6, batch_prompts=True)).generate(prompts)
+    assert calls == [3] * len(rt.manifest.segments)  # one call per segment for all three prompts
     alone = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate([p])[0] for p in prompts]
     assert [g.token_ids for g in gens] == [g.token_ids for g in alone]

@@ -17,8 +17,9 @@ from tests.tiny import tiny_tokenizer
 PROTOBUF_LIMIT = 2**31
 
 
-@pytest.mark.slow
-def test_segment_past_2gb_exports_validates_and_runs(tmp_path):
+def wide_model() -> LoadedModel:
+    """One wide Llama layer of seeded random weights, a 384-token vocabulary: its one segment is 2.33 GB in fp32
+    (benchmarks/export_big.py measures this model's export)."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -38,7 +39,13 @@ def test_segment_past_2gb_exports_validates_and_runs(tmp_path):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     source = ModelSource("wide", "hf-folder", "in-process", None, [])  # never written to disk: too big to be quick
-    loaded = LoadedModel(model, tiny_tokenizer(384), adapter_for(model), source)
+    return LoadedModel(model, tiny_tokenizer(384), adapter_for(model), source)
+
+
+@pytest.mark.slow
+def test_segment_past_2gb_exports_validates_and_runs(tmp_path):
+    loaded = wide_model()
+    model = loaded.model
     art = tmp_path / "wide"
     m = export_artifact(loaded, art, ExportOptions(exits=[]))  # the one segment is the whole model
     seg = m.segments[0].graph

@@ -156,3 +156,59 @@ def run_rows(
     blocks = np.zeros((B, hi - lo + 1, hidden.shape[-1]), dtype=rt.np_dtype)
     blocks[span] = outs[n + 2].numpy()  # [rows, (n + 1) * 1, H]: one position per row
     return out, layer_in, blocks
+
+
+def prefill_runs(kv: BatchKV, rows: list[int], lo: int, hi: int) -> list[list[int]]:
+    """The rows (of those with several new positions) that can share one padded first-prompt call: rows holding no
+    K/V yet in layers [lo, hi), grouped into runs of consecutive indices (a call spans a contiguous range of the
+    buffers, and a row with K/V inside that range would have its positions overwritten from 0)."""
+    empty = sorted(r for r in rows if not kv.filled[r, lo:hi].any())
+    runs: list[list[int]] = []
+    for r in empty:
+        if runs and runs[-1][-1] == r - 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return runs
+
+
+def run_prefill(
+    rt: ArtifactRuntime, index: int, xs: dict[int, np.ndarray], kv: BatchKV
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Segment `index` on several rows' prompts in one call: xs maps consecutive rows holding no K/V yet to their
+    hidden states [1, S_r, H]. Returns per row (hidden_out, last_layer_input), each [1, S_r, H].
+
+    GroupQueryAttention takes several new positions per row at batch > 1 only as a first prompt (no past: total
+    length == the new positions), so the prompts are right-padded to the longest, S, with seqlens_k = S_r - 1 per
+    row: each row attends to its own S_r positions, and its K/V land at positions [0, S_r) (the padding's K/V
+    beyond a row's length are never counted, and its next positions overwrite them)."""
+    seg = rt.manifest.segments[index]
+    g = rt.segments[index]
+    lo, hi = seg.layers
+    rows = sorted(xs)
+    first, last = rows[0], rows[-1] + 1
+    if rows != list(range(first, last)) or kv.filled[first:last, lo:hi].any():
+        raise ValueError(f"a padded prompt call takes consecutive rows holding no K/V yet, got {rows}")
+    lengths = np.array([xs[r].shape[1] for r in rows])
+    S = int(lengths.max())
+    if kv.max_len < S:
+        raise UsageError(f"the sequence reached {S} tokens, beyond the KV buffer of {kv.max_len}")
+    H = xs[first].shape[-1]
+    x = np.zeros((len(rows), S, H), dtype=rt.np_dtype)
+    for i, r in enumerate(rows):
+        x[i, : lengths[i]] = xs[r][0]
+    io = g.binding()
+    io.bind_cpu_input(g.name("hidden"), x)
+    io.bind_cpu_input(g.name("seqlens_k"), (lengths - 1).astype(np.int32))
+    io.bind_cpu_input(g.name("total_sequence_length"), np.array(S, dtype=np.int32))
+    for j, layer in enumerate(range(lo, hi)):
+        for key, buf in (("key", kv.batch_keys[layer]), ("value", kv.batch_values[layer])):
+            view = _rows(buf, first, last, rt.np_dtype)
+            rt._bind_array(io, g.names(f"past_{key}")[j], view)
+            rt._bind_array(io, g.names(f"present_{key}")[j], view, output=True)
+    out, layer_in = np.empty_like(x), np.empty_like(x)
+    rt._bind_array(io, g.name("hidden_out"), out, output=True)
+    rt._bind_array(io, g.name("layer_input"), layer_in, output=True)
+    g.session.run_with_iobinding(io)
+    kv.filled[first:last, lo:hi] = lengths[:, None]
+    return {r: (out[i : i + 1, : lengths[i]], layer_in[i : i + 1, : lengths[i]]) for i, r in enumerate(rows)}

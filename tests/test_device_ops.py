@@ -1,0 +1,63 @@
+"""The binding plan's device pieces (runtime/device_ops.py) equal the numpy / torch code they stand in for, on the
+CPU EP with OrtValue inputs and outputs (the CUDA run is the gpu-marked test)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from eectl.exits import min_transition_cosine, transition_cosine
+from eectl.runtime.device_ops import DeviceOps
+from eectl.runtime.sessions import _ort, cuda_usable
+
+
+def _ops(provider: str, dtype) -> DeviceOps:
+    return DeviceOps(provider, dtype)
+
+
+def _check_pieces(ops: DeviceOps, dtype, atol: float) -> None:
+    rng = np.random.default_rng(0)
+    N, S, H, V = 3, 5, 16, 50
+    device = ops.device
+
+    def dev(x: np.ndarray):
+        return _ort().OrtValue.ortvalue_from_numpy(x.astype(dtype), device, 0)
+
+    hidden = rng.standard_normal((N, S, H)).astype(dtype)
+    positions = np.array([4, 0, 2])
+    got = ops.last(dev(hidden), positions)  # on the device
+    assert got.device_name().lower() == device
+    np.testing.assert_array_equal(got.numpy(), hidden[np.arange(N), positions])
+
+    pending = rng.standard_normal((1, 2, H)).astype(dtype)
+    joined = ops.concat(dev(pending), dev(hidden[:1]), on_device=False)
+    np.testing.assert_array_equal(joined, np.concatenate([pending, hidden[:1]], axis=1))
+
+    logits = (rng.standard_normal((N, V)) * 4).astype(dtype)
+    lse = ops.logsumexp(dev(logits))
+    assert isinstance(lse, np.ndarray) and lse.dtype == np.float32
+    np.testing.assert_allclose(lse, torch.logsumexp(torch.from_numpy(logits).float(), -1).numpy(), atol=atol)
+
+    a, b = hidden[:, 0], hidden[:, 1] + 0.5 * hidden[:, 0]
+    cos = ops.cosine(dev(a), dev(b))
+    ref = transition_cosine(torch.from_numpy(a), torch.from_numpy(b)).numpy()
+    np.testing.assert_allclose(cos, ref, atol=atol)
+
+    blocks = np.cumsum(rng.standard_normal((N, 4, H)), axis=1).astype(dtype)  # [N, n + 1, H]
+    cmin = ops.cosine_min(dev(blocks))
+    ref = min_transition_cosine(torch.from_numpy(blocks).transpose(0, 1)).numpy()  # eectl.exits: [n + 1, N, H]
+    np.testing.assert_allclose(cmin, ref, atol=atol)
+    zero = np.zeros((N, H), dtype)  # a zero state: the eps floor, no NaN (torch's cosine gives 0 too)
+    np.testing.assert_allclose(ops.cosine(dev(zero), dev(a)), np.zeros(N), atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_device_pieces_equal_the_host_code_on_cpu(dtype):
+    _check_pieces(_ops("cpu", dtype), dtype, 1e-5 if dtype == np.float32 else 2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDAExecutionProvider")
+def test_device_pieces_on_cuda():
+    _check_pieces(_ops("cuda", np.float16), np.float16, 2e-3)
