@@ -565,7 +565,7 @@ def river_kv_cosine(runner: Runner, prompt: list[int]) -> dict[str, Any]:
     g = runner.generate([prompt])[0]
     kv = runner.last_kv
     assert kv is not None
-    n = int(kv.filled[0].min())
+    n = int(kv.filled[0, : rt.manifest.num_layers].min())  # the decoder layers (block exit heads' slots follow)
     exact = rt.new_kv(1, n + 1)
     seq = [*prompt, *g.token_ids][:n]
     h = rt.embed(np.array([seq], dtype=np.int64))

@@ -37,6 +37,7 @@ from eectl.exits import (
 )
 from eectl.recipe import check_exit_layers
 from eectl.runtime.batch import BatchKV, new_batch_kv, prefill_runs, run_prefill, run_rows
+from eectl.runtime.blocks import active_block, run_block, run_block_rows
 from eectl.runtime.chain import DecodeChain
 from eectl.runtime.policies import Defer, KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
@@ -186,6 +187,9 @@ class Runner:
         self.source = CANDIDATE_SOURCES.get(source, CANDIDATE_SOURCES[FirstExitTopK.name])
         self.exits = check_exit_layers(config.exits, L)
         self.exit_after_segment = {self.rt.segment_of_layer[e]: e for e in self.exits}
+        # active exits with a block head: the block runs on every position its segment runs (runtime/blocks.py)
+        blocks = {s: active_block(runtime, self.exits, s) for s in self.exit_after_segment}
+        self.block_after_segment = {s: e for s, e in blocks.items() if e is not None}
         self.final_segment = len(self.m.segments) - 1
         self.L = L
         self.rng = np.random.default_rng(config.seed)
@@ -301,8 +305,9 @@ class Runner:
     ) -> dict[int, Any]:
         """Segment s for the rows in xs (hidden [1, S, H] each): one batched call for the rows with one position
         (when the buffers are a batch's), single-row calls on their views for the others (GQA takes several new
-        positions on a past for one row at a time). Rows in `states` also get the segment's block boundaries
-        ([n + 1, S, H], a third item)."""
+        positions on a past for one row at a time). Per row: (hidden out, last layer input, the segment's block
+        boundaries [n + 1, S, H] for rows in `states` else None, the exit's input): the exit's input is the block
+        head's output where the active exit after s has one (run on the same positions), else hidden out."""
         ones = [r for r, x in xs.items() if x.shape[1] == 1]
         answers: dict[int, Any] = {}
         if isinstance(kv, BatchKV) and len(ones) > 1:
@@ -326,6 +331,21 @@ class Runner:
         for r, x in xs.items():
             if r not in answers:
                 answers[r] = self.rt.run_segment(s, x, kv, r, states=r in states)
+        block = self.block_after_segment.get(s)
+        exit_in: dict[int, np.ndarray] = {}
+        if block is not None and isinstance(kv, BatchKV) and len(ones) > 1:  # the block batched as its segment was
+            active = np.zeros(kv.rows, dtype=bool)
+            hidden = np.zeros((kv.rows, 1, xs[ones[0]].shape[-1]), dtype=self.rt.np_dtype)
+            for r in ones:
+                hidden[r], active[r] = answers[r][0][0], True
+            out = run_block_rows(self.rt, block, hidden, kv, active)
+            exit_in = {r: out[r : r + 1] for r in ones}
+        for r, a in answers.items():
+            if r not in exit_in:
+                own = a[0] if block is None else run_block(self.rt, block, a[0], kv, r)
+                assert own is not None
+                exit_in[r] = own
+            answers[r] = (a[0], a[1], a[2] if len(a) > 2 else None, exit_in[r])
         return answers
 
     def _row_step(
@@ -333,7 +353,8 @@ class Runner:
     ) -> Generator[tuple[str, int, Any], Any, int]:
         """Process chunk_ids (the prompt, or the last token) and decide the next token; returns it.
 
-        Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in); ("decide", layer, Decide) ->
+        Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in, block states or None,
+        the exit's input: a block head's output, else out); ("decide", layer, Decide) ->
         (token or None, candidates); ("greedy", L, h [1, H]) -> token; ("final", L, h [1, H]) -> logits [1, V]);
         `_steps` answers them. Under verify,
         a final-depth pass may roll back wrong drafts: then st.tokens is shorter afterwards and the returned token
@@ -349,8 +370,7 @@ class Runner:
             # signals that read the segment's block boundaries (cosine-min) ask for them at the exits they test
             wants_blocks = self.signal.needs_blocks and layer is not None and may_exit
             result = yield ("states" if wants_blocks else "segment", s, x)
-            out, layer_in = result[0], result[1]
-            blocks = result[2] if wants_blocks else None
+            out, layer_in, blocks, exit_in = result  # exit_in: a block head's output, else out
             if s == self.final_segment:
                 corrected = self.policy.on_final(row, st, kv, out)
                 if corrected is not None:
@@ -363,14 +383,15 @@ class Runner:
                     return self._forced(st, logits[0])
                 return self._pick(logits[0])
             if layer is not None and may_exit:
-                ask = Decide(out[0, -1], layer_in[0, -1], cands, None if blocks is None else blocks[:, -1])
+                ask = Decide(exit_in[0, -1], layer_in[0, -1], cands, None if blocks is None else blocks[:, -1])
                 score, i, cands = yield ("decide", layer, ask)
                 if score is not None:
                     own = self.policy.predict(row, st, kv, s, out)  # e.g. the river's end (single-row calls)
                     st.exit_layers.append(layer)
                     if st.forced is not None:
-                        logits = own if own is not None else self.rt.exit_full(layer, out[0, -1:], self.cfg.top_k)[0][0]
-                        token = self._forced(st, logits)
+                        if own is None:  # the exit's full vocabulary (after its block head, where it has one)
+                            own = self.rt.exit_full(layer, exit_in[0, -1:], self.cfg.top_k)[0][0]
+                        token = self._forced(st, own)
                     else:
                         token = self._pick(own) if own is not None else self._pick_score(score, i)
                     self.policy.on_exit(row, st, kv, s, out, token)
