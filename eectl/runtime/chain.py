@@ -99,10 +99,11 @@ class DecodeChain:
 
     def step(self, token: int) -> int:
         """Feed `token` at the row's next position through every layer; return the greedy next token."""
-        kv, row = self.kv, self.row
+        kv, row, L = self.kv, self.row, self.rt.manifest.num_layers
+        # the decoder layers' slots only: block exit heads' slots (after them) are not run when no exit is active
         past = int(kv.filled[row, 0])
-        if (kv.filled[row] != past).any():
-            raise RuntimeError(f"the layers of row {row} hold different lengths: {kv.filled[row]}")
+        if (kv.filled[row, :L] != past).any():
+            raise RuntimeError(f"the layers of row {row} hold different lengths: {kv.filled[row, :L]}")
         total = past + 1
         if total > kv.max_len:
             raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {kv.max_len}")
@@ -111,5 +112,5 @@ class DecodeChain:
         self.total[()] = total
         for session, io in self.calls:
             session.run_with_iobinding(io)
-        kv.filled[row] = total
+        kv.filled[row, :L] = total
         return int(self.token[0])
