@@ -129,6 +129,23 @@ import numpy as np
 from eectl.runtime.runner import RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 art, threads, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+variant = json.loads(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] else {}
+if variant:  # ORT session settings to A/B against eectl's own (--variant): applied to every session it creates
+    from eectl.runtime import sessions
+    if variant.get("per_session"):  # ORT refuses per-session pools once the process-wide one exists
+        from onnxruntime.capi import _pybind_state
+        _pybind_state.set_global_thread_pool_sizes = lambda *a: None
+    own = sessions.session_options
+    def patched(n=None):
+        so = own(n)
+        if variant.get("per_session"):  # each session its own pool instead of the process-wide one
+            so.use_per_session_threads = True
+            so.intra_op_num_threads = n or 1
+            so.inter_op_num_threads = 1
+        for k, v in variant.get("config", {}).items():
+            so.add_session_config_entry(k, str(v))
+        return so
+    sessions.session_options = patched
 rt = ArtifactRuntime(art, provider="cpu", threads=threads)
 inside = [0.0]
 if mode in ("overhead", "profile"):
@@ -233,10 +250,17 @@ class Worker:
 
 
 def eectl_worker(
-    name: str, artifact: Path, threads: int, mode: str = "time", extra: str = "", src: Path = ROOT
+    name: str,
+    artifact: Path,
+    threads: int,
+    mode: str = "time",
+    extra: str = "",
+    src: Path = ROOT,
+    variant: dict[str, Any] | None = None,
 ) -> Worker:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
-    return Worker(name, sys.executable, EECTL_WORKER, [str(artifact), str(threads), mode, extra], env)
+    args = [str(artifact), str(threads), mode, extra, json.dumps(variant) if variant else ""]
+    return Worker(name, sys.executable, EECTL_WORKER, args, env)
 
 
 def genai_worker(name: str, folder: Path, threads: int, mode: str = "time", extra: str = "") -> Worker:
@@ -309,16 +333,30 @@ def table(result: dict[str, Any], base: str, labels: dict[str, str]) -> str:
             agree = "—"
         else:
             div = [first_divergence(a, b) for a, b in zip(toks[name], toks[base], strict=True)]
+            prompts = list(zip(toks[name], toks[base], strict=True))
+            same = sum(sum(x == y for x, y in zip(a, b, strict=False)) for a, b in prompts)
+            total = sum(max(len(a), len(b)) for a, b in prompts)
             agree = (
                 "identical"
                 if all(d is None for d in div)
-                else "diverges at " + ", ".join("never" if d is None else str(d) for d in div)
+                else f"{100 * same / total:.0f}% of positions; first divergence at "
+                + ", ".join("never" if d is None else str(d) for d in div)
             )
         lines.append(
             f"| {label} | {statistics.median(ms[name]):.2f} ({min(ms[name]):.2f}-{max(ms[name]):.2f}) | "
             f"{speed} | {agree} |"
         )
     return "\n".join(lines)
+
+
+def pairs(result: dict[str, Any]) -> list[str]:
+    """eectl against the genai build of the same precision, per round (the issue's targets): speed ratio."""
+    ms, out = result["ms_per_token"], []
+    for ours, theirs in [("eectl", "genai-fp32")] + [(n, "genai-int4") for n in ms if n.startswith("eectl-int4")]:
+        if ours in ms and theirs in ms:
+            r = [b / a for a, b in zip(ms[ours], ms[theirs], strict=True)]
+            out.append(f"{ours} vs {theirs}: {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f} over rounds)")
+    return out
 
 
 def overhead(artifact: Path, ids: list[list[int]], tokens: int, threads: int, src: Path = ROOT) -> dict[str, float]:
@@ -392,9 +430,13 @@ def main() -> None:
     ap.add_argument(
         "--artifact", type=Path, default=WORK / "eectl-fp32", help="eectl fp32 artifact (exported if missing)"
     )
-    ap.add_argument("--int4-artifact", type=Path, default=WORK / "eectl-int4")
     ap.add_argument("--block-size", type=int, default=32, help="int4 block size (genai and eectl)")
     ap.add_argument("--accuracy-level", type=int, default=4, help="MatMulNBits accuracy level (4: int8 activations)")
+    ap.add_argument(
+        "--int4-lm-heads",
+        default="fp32,int4",
+        help="eectl int4 rows, one per final LM-head precision (genai's int4 build quantizes its LM head too)",
+    )
     ap.add_argument(
         "--compare",
         action="append",
@@ -403,7 +445,16 @@ def main() -> None:
         help="another eectl artifact at full depth in the same run, run by the eectl source tree SRC "
         "(default this one): e.g. an older commit's export and runtime, for before/after ratios",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="eectl fp32 full depth again, with ORT session settings changed, e.g. "
+        'nospin=\'{"per_session": true, "config": {"session.intra_op.allow_spinning": 0}}\' (A/B of settings)',
+    )
     ap.add_argument("--no-genai", action="store_true")
+    ap.add_argument("--no-int4", action="store_true", help="fp32 rows only")
     ap.add_argument("--overhead", action="store_true", help="also measure eectl's time outside ORT's run calls")
     ap.add_argument("--ort-profile", action="store_true", help="also profile eectl and genai fp32 by op type")
     ap.add_argument("--json", type=Path, help="write the results here too")
@@ -420,32 +471,30 @@ def main() -> None:
         model = model_folder()
         genai_fp32 = ensure_genai(py, model, "fp32", args.block_size, args.accuracy_level, args.threads)
         genai_int4 = ensure_genai(py, model, "int4", args.block_size, args.accuracy_level, args.threads)
-    int4_label = f"eectl int4 full depth (block {args.block_size}, accuracy level {args.accuracy_level})"
-    labels["eectl-int4"] = int4_label
-    int4_artifact = None
-    if eectl_has_int4():
-        int4_artifact = ensure_eectl(
-            args.int4_artifact,
+    int4_artifacts: dict[str, Path] = {}
+    for head in [] if args.no_int4 else args.int4_lm_heads.split(","):
+        name = "eectl-int4" if head == "fp32" else f"eectl-int4-lm{head}"
+        labels[name] = (
+            f"eectl int4 full depth (block {args.block_size}, accuracy level {args.accuracy_level}, LM head {head})"
+        )
+        if not eectl_has_int4():
+            skipped[name] = "skipped: this eectl has no `export --weights int4` yet"
+            log(skipped[name])
+            continue
+        int4_artifacts[name] = ensure_eectl(
+            WORK / f"{name}-b{args.block_size}-a{args.accuracy_level}",
             args.exits,
             args.threads,
-            [
-                "--weights",
-                "int4",
-                "--int4-block-size",
-                str(args.block_size),
-                "--int4-accuracy-level",
-                str(args.accuracy_level),
-            ],
+            ["--weights", "int4", "--int4-block-size", str(args.block_size)]
+            + ["--int4-accuracy-level", str(args.accuracy_level), "--lm-head", head],
         )
-    else:
-        skipped["eectl-int4"] = "skipped: this eectl has no `export --weights int4` yet"
-        log(skipped["eectl-int4"])
     ids = prompt_ids(artifact, args.prompts)
     workers.append(eectl_worker("eectl", artifact, args.threads))
     compared: dict[str, tuple[Path, Path]] = {"eectl": (artifact, ROOT)}
     for spec in args.compare:
         name, rest = spec.split("=", 1)
         path, _, src = rest.partition("@")
+        path, src = str(Path(path).resolve()), str(Path(src).resolve()) if src else ""  # workers start elsewhere
         labels[name] = f"{name} ({path}{' run by ' + src if src else ''})"
         try:
             workers.append(eectl_worker(name, Path(path), args.threads, src=Path(src) if src else ROOT))
@@ -454,15 +503,20 @@ def main() -> None:
             log(skipped[name])
             continue
         compared[name] = (Path(path), Path(src) if src else ROOT)
-    if int4_artifact is not None:
-        workers.append(eectl_worker("eectl-int4", int4_artifact, args.threads))
-    if genai_fp32 is not None and genai_int4 is not None:
+    for spec in args.variant:
+        name, settings = spec.split("=", 1)
+        labels[name] = f"{name}: eectl fp32 full depth, ORT settings {settings}"
+        workers.append(eectl_worker(name, artifact, args.threads, variant=json.loads(settings)))
+    for name, path in int4_artifacts.items():
+        workers.append(eectl_worker(name, path, args.threads))
+    if genai_fp32 is not None:
         labels["genai-fp32"] = "onnxruntime-genai 0.18 fp32 (its model builder, one graph)"
+        workers.append(genai_worker("genai-fp32", genai_fp32, args.threads))
+    if genai_int4 is not None and not args.no_int4:
         labels["genai-int4"] = (
             f"onnxruntime-genai 0.18 int4 (builder -p int4, block {args.block_size}, "
-            f"accuracy level {args.accuracy_level})"
+            f"accuracy level {args.accuracy_level}, LM head int4)"
         )
-        workers.append(genai_worker("genai-fp32", genai_fp32, args.threads))
         workers.append(genai_worker("genai-int4", genai_int4, args.threads))
     log(
         f"{len(workers)} configurations, {args.prompts} prompts x {args.tokens} tokens, {args.rounds} rounds, "
@@ -482,6 +536,8 @@ def main() -> None:
         "seconds": round(time.perf_counter() - started, 1),
     }
     print(table(result, "eectl", labels))
+    result["pairs"] = pairs(result)
+    print("\n".join(["", *result["pairs"]]))
     if args.overhead:
         result["overhead"] = {}
         for name, (path, src) in compared.items():

@@ -5,6 +5,7 @@ Every speed figure is a ratio against baselines measured in the same run, with t
 
 - `hf`:   transformers' own greedy `generate` on the same prompt ids and thread count (torch),
 - `full`: eectl's exported graphs at full depth (ONNX Runtime),
+- `full-aa`: a second copy of `full` (the A/A control, always run): its ratio to `full` is the run's noise floor,
 - `copy`, `defer`, `verify`, `river`: early exit with the artifact's calibrated thresholds (or --thresholds), the
   same exits and signal for each, so they differ only in what follows an exit; `river-exit` is `river` with the
   token predicted at the exit instead of the river's end (river's K/V are also compared with the exact K/V),
@@ -12,15 +13,14 @@ Every speed figure is a ratio against baselines measured in the same run, with t
 
 Fidelity is measured against eectl full depth on the same prompts (token agreement, exact match, first
 divergence), teacher-forced perplexity on held-out text, and GSM8K final-answer accuracy when the data has
-`#### answer` lines. What this module does not do: export or calibrate.
+`#### answer` lines. Speed is one statistic, with its interval (bench_stats.py); the report is bench_report.py.
+What this module does not do: export or calibrate.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,15 +29,25 @@ from typing import Any
 
 import numpy as np
 
+from eectl.bench_report import AA, markdown, write_report
+from eectl.bench_stats import (
+    agreement,
+    agreement_ci,
+    per_prompt_totals,
+    seconds_per_token,
+    speed_ratio,
+    speed_ratio_ci,
+    wilson,
+)
 from eectl.data import encode_prompt
 from eectl.errors import UsageError
-from eectl.files import atomic_write, atomic_write_text
 from eectl.runtime.generate import RunOptions, load_tokenizer, replan, resolve_config
 from eectl.runtime.policies import POLICIES, default_policies
 from eectl.runtime.runner import Generation, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 
-BASELINES = ("hf", "full")  # every other configuration is a KV policy's name (eectl.runtime.policies)
+BASELINES = ("hf", "full", AA)  # every other configuration is a KV policy's name (eectl.runtime.policies)
+__all__ = ["markdown", "write_report"]  # the report's entry points, re-exported for the CLI
 RIVER_EXIT = "river-exit"  # the river policy, predicting at the exit instead of the river's end
 
 
@@ -155,48 +165,9 @@ class _Run:
     per_prompt: list[tuple[float, int]] = field(default_factory=list)  # (decode seconds, decode tokens) per prompt
 
 
-BOOTSTRAP = 1000
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score 95% interval of a binomial proportion (sensible at 0 and n, unlike the normal one)."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-def _interval(samples: np.ndarray) -> tuple[float, float]:
-    lo, hi = np.quantile(samples, [0.025, 0.975])
-    return (float(lo), float(hi))
-
-
-def speedup_ci(base: list[_Run], other: list[_Run], seed: int = 0) -> tuple[float, float]:
-    """Paired bootstrap over prompts of (base ms/token) / (other ms/token), all repetitions pooled per prompt."""
-    b = np.array([[sum(r.per_prompt[i][k] for r in base) for k in (0, 1)] for i in range(len(base[0].per_prompt))])
-    o = np.array([[sum(r.per_prompt[i][k] for r in other) for k in (0, 1)] for i in range(len(other[0].per_prompt))])
-    idx = np.random.default_rng(seed).integers(0, len(b), (BOOTSTRAP, len(b)))
-    bs, os_ = b[idx].sum(1), o[idx].sum(1)  # [B, 2]
-    ok = (bs[:, 1] > 0) & (os_[:, 1] > 0) & (os_[:, 0] > 0)
-    if not ok.any():
-        return (math.nan, math.nan)
-    return _interval((bs[ok, 0] / bs[ok, 1]) / (os_[ok, 0] / os_[ok, 1]))
-
-
-def agreement_ci(gens: list[list[int]], ref: list[list[int]], seed: int = 0) -> tuple[float, float]:
-    """Bootstrap over prompts of the position-wise token agreement."""
-    same = np.array([sum(1 for a, b in zip(g, r, strict=False) if a == b) for g, r in zip(gens, ref, strict=True)])
-    total = np.array([max(len(g), len(r)) for g, r in zip(gens, ref, strict=True)])
-    idx = np.random.default_rng(seed).integers(0, len(same), (BOOTSTRAP, len(same)))
-    t = total[idx].sum(1)
-    return _interval(np.where(t > 0, same[idx].sum(1) / np.maximum(t, 1), 1.0))
-
-
 def bench_units(opts: BenchOptions, prompts: int) -> int:
     """How many progress units run_bench reports: one per prompt generated, one per perplexity pass."""
-    order = len(set(opts.configs) | {"full"})
+    order = len(set(opts.configs) | {"full", AA})
     early = [c for c in opts.configs if c in POLICIES]
     scored = [c for c in set(opts.configs) | {"full"} if c == "full" or (c in POLICIES and POLICIES[c].scores_text)]
     ppl = len(scored) if opts.ppl_tokens > 0 else 0
@@ -267,6 +238,7 @@ class _Configs:
         self.runners: dict[str, Runner] = {}
         base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
         self.runners["full"] = Runner(rt, resolve_config(rt, base, stop))
+        self.runners[AA] = Runner(rt, resolve_config(rt, base, stop))  # the A/A control: the same, run again
         self.exits: list[int] = []
         self.thresholds: dict[int, dict[str, float]] = {}
         self.signal = ""
@@ -358,15 +330,17 @@ def _timed(configs: _Configs, order: list[str], ids: list[list[int]], reps: int,
 
 
 def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> ConfigResult:
-    """Speed of one configuration over its repetitions, and (eectl configurations) where its tokens exited."""
-    per_rep = [1000 * sum(r.latencies) / max(1, len(r.latencies)) for r in reps]
+    """Speed of one configuration over its repetitions (one statistic: total decode time over total decode tokens,
+    every prompt and repetition pooled), and (eectl configurations) where its tokens exited."""
+    per_rep = [1000 * seconds_per_token(per_prompt_totals([r.per_prompt])) for r in reps]
+    ms = 1000 * seconds_per_token(per_prompt_totals([r.per_prompt for r in reps]))
     res = ConfigResult(
         name=name,
-        ms_per_token=statistics.median(per_rep),
+        ms_per_token=ms,
         ms_per_token_spread=(min(per_rep), max(per_rep)),
-        tokens_per_s=1000 / statistics.median(per_rep) if statistics.median(per_rep) > 0 else 0.0,
-        throughput=statistics.median([r.decode_tokens / r.decode_wall_s if r.decode_wall_s > 0 else 0.0 for r in reps]),
-        ttft_ms=1000 * statistics.median([t for r in reps for t in r.ttfts]),
+        tokens_per_s=1000 / ms if ms > 0 else 0.0,
+        throughput=_throughput(reps),
+        ttft_ms=1000 * float(np.median([t for r in reps for t in r.ttfts])),
         rss_mb=round(rss, 1),
     )
     if name != "hf":
@@ -379,6 +353,12 @@ def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> Config
         res.drafted = reps[0].drafted
         res.rejected = reps[0].rejected
     return res
+
+
+def _throughput(reps: list[_Run]) -> float:
+    """Decoded tokens of all rows per second of decode wall time, every repetition pooled."""
+    wall = sum(r.decode_wall_s for r in reps)
+    return sum(r.decode_tokens for r in reps) / wall if wall > 0 else 0.0
 
 
 def _perplexities(configs: _Configs, results: list[ConfigResult], tok: Any, heldout: list[str], log: Any) -> None:
@@ -413,16 +393,15 @@ def _sweep(configs: _Configs, ids: list[list[int]], full_tokens: list[list[int]]
             configs.rt, resolve_config(configs.rt, configs.early_options(policy, scale), configs.stop)
         )
         full_run = configs.once("full", ids)
-        t0 = sum(full_run.latencies) / max(1, len(full_run.latencies))
         sr = configs.once("_sweep", ids)
-        t = sum(sr.latencies) / max(1, len(sr.latencies))
-        agreement, exact, _ = _agreement(sr.generations, full_tokens)
+        agree, exact, _ = agreement(sr.generations, full_tokens)
+        ratio = speed_ratio(per_prompt_totals([full_run.per_prompt]), per_prompt_totals([sr.per_prompt]))
         out.append(
             {
                 "scale": scale,
                 "policy": policy,
-                "speedup": t0 / t if t else 0.0,
-                "token_agreement": agreement or 0.0,
+                "speedup": ratio if math.isfinite(ratio) else 0.0,
+                "token_agreement": agree or 0.0,
                 "exact_match": exact or 0.0,
                 "mean_layers": float(np.mean(sr.exit_layers)) if sr.exit_layers else float(L),
             }
@@ -465,29 +444,11 @@ def run_bench(
         for cfg in configs.configs.values():
             if cfg.note:
                 log.log(cfg.note)
-    order = ["full", *[c for c in opts.configs if c != "full"]]
+    # the A/A control always runs, right after full in the first repetition (the rotation moves both)
+    order = ["full", AA, *[c for c in opts.configs if c not in ("full", AA)]]
     runs, rss = _timed(configs, order, ids, opts.reps, log)
     full_tokens = runs["full"][0].generations
-    results: list[ConfigResult] = []
-    for name in order:
-        res = _summary(name, runs[name], rss[name], m.num_layers)
-        if name in configs.configs:
-            _predictions(res, configs.configs[name], m, runs[name])
-        gens = runs[name][0].generations
-        res.token_agreement, res.exact_match, res.first_divergence = _agreement(gens, full_tokens)
-        res.token_agreement_ci = agreement_ci(gens, full_tokens)
-        res.exact_match_ci = wilson(sum(g == f for g, f in zip(gens, full_tokens, strict=True)), len(full_tokens))
-        if name != "full":
-            res.speedup_vs_full_ci = speedup_ci(runs["full"], runs[name])
-        if answers and any(a is not None for a in answers):
-            res.gsm8k_accuracy = _accuracy(tok, runs[name][0].generations, answers[: len(ids)])
-        results.append(res)
-    by = {r.name: r for r in results}
-    for r in results:
-        r.speedup_vs_full = by["full"].ms_per_token / r.ms_per_token if r.ms_per_token else None
-        r.throughput_vs_full = r.throughput / by["full"].throughput if by["full"].throughput else None
-        if "hf" in by:
-            r.speedup_vs_hf = by["hf"].ms_per_token / r.ms_per_token if r.ms_per_token else None
+    results = [_result(name, runs, rss[name], configs, tok, answers) for name in order]
     if heldout:
         _perplexities(configs, results, tok, heldout, log)
     river_kv = None
@@ -533,6 +494,35 @@ def run_bench(
     )
 
 
+def _result(
+    name: str, runs: dict[str, list[_Run]], rss: float, configs: _Configs, tok: Any, answers: list[str | None] | None
+) -> ConfigResult:
+    """One configuration's row: speed (the ratio statistic against full and hf, with its paired interval),
+    predictions, fidelity against full depth's first repetition."""
+    m = configs.rt.manifest
+    res = _summary(name, runs[name], rss, m.num_layers)
+    if name in configs.configs:
+        _predictions(res, configs.configs[name], m, runs[name])
+    totals = per_prompt_totals([r.per_prompt for r in runs[name]])
+    full = per_prompt_totals([r.per_prompt for r in runs["full"]])
+    ratio = speed_ratio(full, totals)
+    res.speedup_vs_full = ratio if math.isfinite(ratio) else None
+    if name != "full":
+        res.speedup_vs_full_ci = speed_ratio_ci(full, totals)
+    if "hf" in runs:
+        ratio = speed_ratio(per_prompt_totals([r.per_prompt for r in runs["hf"]]), totals)
+        res.speedup_vs_hf = ratio if math.isfinite(ratio) else None
+    full_throughput = _throughput(runs["full"])
+    res.throughput_vs_full = res.throughput / full_throughput if full_throughput > 0 else None
+    gens, ref = runs[name][0].generations, runs["full"][0].generations
+    res.token_agreement, res.exact_match, res.first_divergence = agreement(gens, ref)
+    res.token_agreement_ci = agreement_ci(gens, ref)
+    res.exact_match_ci = wilson(sum(g == f for g, f in zip(gens, ref, strict=True)), len(ref))
+    if answers and any(a is not None for a in answers):
+        res.gsm8k_accuracy = _accuracy(tok, gens, answers[: len(gens)])
+    return res
+
+
 def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) -> None:
     """The plan's predicted speedup for this configuration, and the cost model at the exits this run realized."""
     from eectl.plan import RIVER_POLICIES, predict
@@ -575,7 +565,7 @@ def river_kv_cosine(runner: Runner, prompt: list[int]) -> dict[str, Any]:
     g = runner.generate([prompt])[0]
     kv = runner.last_kv
     assert kv is not None
-    n = int(kv.filled[0].min())
+    n = int(kv.filled[0, : rt.manifest.num_layers].min())  # the decoder layers (block exit heads' slots follow)
     exact = rt.new_kv(1, n + 1)
     seq = [*prompt, *g.token_ids][:n]
     h = rt.embed(np.array([seq], dtype=np.int64))
@@ -623,19 +613,6 @@ def _hist(layers: list[int]) -> dict[int, int]:
     return out
 
 
-def _agreement(gens: list[list[int]], ref: list[list[int]]) -> tuple[float, float, float]:
-    agree = total = exact = 0
-    firsts = []
-    for g, r in zip(gens, ref, strict=True):
-        n = max(len(g), len(r))
-        same = sum(1 for a, b in zip(g, r, strict=False) if a == b)
-        agree += same
-        total += n
-        exact += int(g == r)
-        firsts.append(next((i for i, (a, b) in enumerate(zip(g, r, strict=False)) if a != b), min(len(g), len(r))))
-    return (agree / total if total else 1.0), exact / len(ref), float(np.mean(firsts))
-
-
 def _accuracy(tok: Any, gens: list[list[int]], answers: list[str | None]) -> float | None:
     scored = [(g, a) for g, a in zip(gens, answers, strict=False) if a is not None]
     if not scored:
@@ -651,161 +628,3 @@ def _heldout_ids(tok: Any, texts: list[str], n: int, max_positions: int) -> list
         if len(ids) >= n:
             break
     return ids[: min(n, max_positions - 2)]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Report
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _fmt(v: Any, spec: str = ".2f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def _x(v: float | None) -> str:
-    """A speed ratio: 1.23x, or - when there is none."""
-    return "-" if v is None else f"{v:.2f}x"
-
-
-def _ci(v: tuple[float, float] | list[float] | None, spec: str) -> str:
-    if v is None or any(math.isnan(x) for x in v):
-        return ""
-    return f" [{format(v[0], spec)}, {format(v[1], spec)}]"
-
-
-def markdown(result: BenchResult, plots: dict[str, str]) -> str:
-    r = result
-    lines = [
-        f"# eectl bench: {r.model}",
-        "",
-        f"Artifact `{r.artifact}`, provider {r.provider}, {r.threads} threads, {r.prompts} prompts x "
-        f"{r.max_new_tokens} new tokens, batch size {r.batch_size}, {r.reps} interleaved repetitions after a warm-up. "
-        f"Early exit: signal {r.signal or '-'}, exits {r.exits or '-'}. Speedups are ratios against baselines "
-        f"measured in this run. Intervals (95%, over the {r.prompts} prompts): paired bootstrap of the speedup and "
-        "token agreement, Wilson for exact match.",
-        "",
-        "| config | exits | ms/token (median, min-max) | tokens/s per row | throughput tokens/s (vs full) | TTFT ms | "
-        "vs full [95% CI] | predicted | model at realized exits | vs hf | mean layers | bound | decide share | "
-        "token agreement [95% CI] | exact match [95% CI] | first divergence | perplexity | GSM8K acc | RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c in r.configs:
-        name = f"{c.name} (default)" if c.name == r.default else c.name
-        exits = ",".join(map(str, c.exits)) if c.exits else ("-" if c.name in ("full", "hf") else "none")
-        lines.append(
-            f"| {name} | {exits} | {c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-"
-            f"{c.ms_per_token_spread[1]:.1f}) | "
-            f"{c.tokens_per_s:.1f} | {c.throughput:.1f} ({_x(c.throughput_vs_full)}) | {c.ttft_ms:.0f} | "
-            f"{_x(c.speedup_vs_full)}{_ci(c.speedup_vs_full_ci, '.2f')} | "
-            f"{_x(c.predicted_speedup)} | {_x(c.model_speedup)} | {_x(c.speedup_vs_hf)} | "
-            f"{_fmt(c.mean_layers, '.1f')} | {_x(c.layer_bound)} | {_fmt(c.decide_share, '.1%')} | "
-            f"{_fmt(c.token_agreement, '.1%')}{_ci(c.token_agreement_ci, '.1%')} | "
-            f"{_fmt(c.exact_match, '.0%')}{_ci(c.exact_match_ci, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "
-            f"{_fmt(c.perplexity, '.2f')} | {_fmt(c.gsm8k_accuracy, '.0%')} | {c.rss_mb:.0f} |"
-        )
-    if r.plan:
-        lines += ["", r.plan + "."]
-    if r.hf_matches_full is not None:
-        lines += ["", f"transformers generate and eectl full depth produce identical tokens: {r.hf_matches_full}."]
-    if r.sweep:
-        lines += [
-            "",
-            "## Threshold scale sweep",
-            "",
-            "| scale | policy | speedup vs full | token agreement | exact match | mean layers |",
-            "|---|---|---|---|---|---|",
-        ]
-        for s in r.sweep:
-            lines.append(
-                f"| {s['scale']} | {s['policy']} | {s['speedup']:.2f}x | {s['token_agreement']:.1%} | "
-                f"{s['exact_match']:.0%} | {s['mean_layers']:.1f} |"
-            )
-    if r.river_kv is not None:
-        kvr = r.river_kv
-        lines += [
-            "",
-            "## River's K/V against the exact K/V (first prompt)",
-            "",
-            f"{kvr['exited']} of {kvr['tokens']} tokens exited; over the positions the river wrote, mean K/V cosine "
-            f"{_fmt(kvr['mean_river_cosine'], '.4f')}, minimum per layer {_fmt(kvr['min_river_cosine'], '.4f')}.",
-            "",
-            "| layer | river positions | K cosine (river) | V cosine (river) | K cosine (all generated) | "
-            "V cosine (all generated) |",
-            "|---|---|---|---|---|---|",
-        ]
-        for x in kvr["layers"]:
-            lines.append(
-                f"| {x['layer']} | {x['river_positions']} | {_fmt(x['key_cosine_river'], '.4f')} | "
-                f"{_fmt(x['value_cosine_river'], '.4f')} | {_fmt(x['key_cosine_generated'], '.4f')} | "
-                f"{_fmt(x['value_cosine_generated'], '.4f')} |"
-            )
-    hist = [c for c in r.configs if c.exit_histogram and len(c.exit_histogram) > 1]
-    if hist:
-        lines += ["", "## Exit histograms (decode tokens, first repetition)", ""]
-        for c in hist:
-            lines.append(f"- {c.name}: " + ", ".join(f"layer {k}: {v}" for k, v in c.exit_histogram.items()))
-    if plots:
-        lines += ["", "## Plots", ""] + [f"![{k}]({v})" for k, v in plots.items()]
-    lines += ["", "Notes: " + "; ".join(r.notes) + "."]
-    return "\n".join(lines) + "\n"
-
-
-def write_report(result: BenchResult, path: str | Path) -> list[Path]:
-    """Write the markdown report, its PNG plots beside it, and a JSON twin, each atomically; returns the files."""
-    p = Path(path)
-    plots = _plots(result, p)
-    atomic_write_text(p, markdown(result, {k: v.name for k, v in plots.items()}))
-    js = atomic_write_text(p.with_suffix(".json"), json.dumps(result.to_dict(), indent=2) + "\n")
-    return [p, js, *plots.values()]
-
-
-def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out: dict[str, Path] = {}
-    stem = report.with_suffix("")
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = [c.name for c in result.configs]
-    vals = [c.ms_per_token for c in result.configs]
-    errs = [
-        [v - c.ms_per_token_spread[0] for v, c in zip(vals, result.configs, strict=True)],
-        [c.ms_per_token_spread[1] - v for v, c in zip(vals, result.configs, strict=True)],
-    ]
-    ax.bar(names, vals, yerr=errs, capsize=4)
-    ax.set_ylabel("ms / token (decode)")
-    ax.set_title(f"{result.model}: latency per configuration ({result.threads} threads)")
-    fig.tight_layout()
-    out["latency"] = stem.with_name(stem.name + "-latency.png")
-    atomic_write(out["latency"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
-    plt.close(fig)
-    hist = [c for c in result.configs if c.exit_histogram]
-    if hist:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        width = 0.8 / len(hist)
-        for j, c in enumerate(hist):
-            xs = [int(k) for k in c.exit_histogram]
-            ax.bar([x + j * width for x in xs], list(c.exit_histogram.values()), width=width, label=c.name)
-        ax.set_xlabel("exit layer")
-        ax.set_ylabel("tokens")
-        ax.legend()
-        ax.set_title("exit-layer histogram")
-        fig.tight_layout()
-        out["exits"] = stem.with_name(stem.name + "-exits.png")
-        atomic_write(out["exits"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
-        plt.close(fig)
-    if result.sweep:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot([s["speedup"] for s in result.sweep], [s["token_agreement"] for s in result.sweep], marker="o")
-        for s in result.sweep:
-            ax.annotate(f"x{s['scale']}", (s["speedup"], s["token_agreement"]))
-        ax.set_xlabel("speedup vs full depth")
-        ax.set_ylabel("token agreement with full depth")
-        ax.set_title("agreement vs speedup across threshold scales")
-        fig.tight_layout()
-        out["sweep"] = stem.with_name(stem.name + "-sweep.png")
-        atomic_write(out["sweep"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
-        plt.close(fig)
-    return out

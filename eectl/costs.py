@@ -2,12 +2,12 @@
 
 Every graph is called through the runtime the runner uses (ArtifactRuntime: the same sessions, IO binding and thread
 pool), at decode shape: one token on top of `past` positions of KV cache, and one more position where the defer and
-verify policies carry pending states along. Each figure is the median of `repeats` calls after `warmup` calls, in
-rounds that call every graph once (so each graph meets the CPU caches a decode step leaves it). The
-decisions are timed with the signal computation the runner does after the graph (`exits.signals`); a cosine signal's
-decision reads only block states, and the LM head at the exit is timed apart (`exit_predict_ms`: what an exiting
-token's own prediction costs, which a river predicting at its end never asks for). The full-depth
-step is timed through the runner itself, so whatever Python adds per step is in the model too.
+verify policies carry pending states along; each block exit head's graph on one position. Each figure is the median
+of `repeats` calls after `warmup` calls, in rounds that call every graph once (so each graph meets the CPU caches a
+decode step leaves it). The decisions are timed with the signal computation the runner does after the graph
+(`exits.signals`); a cosine signal's decision reads only block states, and the LM head at the exit is timed apart
+(`exit_predict_ms`: what an exiting token's own prediction costs, which a river predicting at its end never asks
+for). The full-depth step is timed through the runner itself, so whatever Python adds per step is in the model too.
 
 What this module does not do: predict or choose (plan.py); it only measures.
 """
@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from eectl.exits import ExitScoring, FullSoftmax, Signal, get_signal, signals
 from eectl.plan import Costs
+from eectl.runtime.blocks import run_block
 from eectl.runtime.runner import OrtExitLogits, RowState, RunConfig, Runner
-from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
 DEFAULT_PAST = 128
 DEFAULT_REPEATS = 15
@@ -93,7 +93,7 @@ def measure_costs(
     sig = get_signal(signal)
     topk = sig.needs_candidates
     state_only = not topk and not isinstance(sig, FullSoftmax)  # cosine signals: no LM head to decide
-    hidden_t = torch.from_numpy(row1.astype(np.float32))
+    hidden_t = row1.astype(np.float32)
     for layer in m.exit_layers:
 
         def first(layer: int = layer) -> object:
@@ -101,19 +101,21 @@ def measure_costs(
                 if state_only:
                     return _state_decision(sig, rt, layer, hidden_t, k)
                 logits, _, _ = rt.exit_full(layer, row1, k)
-                return signals(torch.from_numpy(logits))
+                return signals(logits)
             cand, cand_logits = rt.exit_candidates(layer, row1, k)
-            return signals(torch.from_numpy(cand_logits), torch.from_numpy(cand))
+            return signals(cand_logits, cand)
 
         cand = rt.exit_candidates(layer, row1, k)[0]
 
         def later(layer: int = layer, cand: np.ndarray = cand) -> object:
             if not topk:
                 return first(layer)
-            return signals(torch.from_numpy(rt.exit_local(layer, row1, cand)), torch.from_numpy(cand))
+            return signals(rt.exit_local(layer, row1, cand), cand)
 
         calls[f"cand.{layer}"] = first
         calls[f"local.{layer}"] = later
+        if layer in rt.block_graphs:
+            calls[f"block.{layer}"] = block_call(rt, kv, layer, h1, past)
         if state_only:  # an exiting token's own token then costs the exit's LM head (not for a river's end)
 
             def predict(layer: int = layer) -> object:
@@ -142,6 +144,7 @@ def measure_costs(
         candidates_ms=cand_ms,
         local_ms=local_ms,
         full_step_ms=t["step"],
+        block_ms={str(layer): t[f"block.{layer}"] for layer in m.exit_layers if layer in rt.block_graphs},
         candidate_source=str(m.candidate_source.get("name", "full")),
         exit_predict_ms={str(e): t[f"predict.{e}"] for e in m.exit_layers} if state_only else None,
         river_ms=[t.get(f"river.{i}") for i in range(n)] if rt.river_segments else None,
@@ -149,10 +152,23 @@ def measure_costs(
     )
 
 
-def _state_decision(sig: Signal, rt: ArtifactRuntime, layer: int, hidden: torch.Tensor, k: int) -> object:
-    """A cosine signal's decision as the runner makes it: the signal over the exit's block states, no LM head."""
+def block_call(rt: ArtifactRuntime, kv: KVBuffers, layer: int, h: np.ndarray, past: int) -> Callable[[], object]:
+    """The block exit head at `layer` on one position on top of `past` (its segment holding the same positions)."""
+    slot = rt.manifest.exit_at(layer).block.kv_slot  # type: ignore[union-attr]
+
+    def call() -> object:
+        kv.filled[0, slot] = past
+        kv.filled[0, layer - 1] = past + 1
+        return run_block(rt, layer, h, kv, 0)
+
+    return call
+
+
+def _state_decision(sig: Signal, rt: ArtifactRuntime, layer: int, hidden: np.ndarray, k: int) -> object:
+    """A cosine signal's decision as the runner makes it (numpy in): the signal over the exit's block states, no LM
+    head."""
     lo, hi = rt.manifest.segments[rt.segment_of_layer[layer]].layers
-    blocks = hidden.expand(hi - lo + 1, 1, -1)  # [n + 1, N, H]: the segment's block boundaries
+    blocks = np.repeat(hidden[None], hi - lo + 1, axis=0)  # [n + 1, N, H]: the segment's block boundaries
     scoring = ExitScoring(sig, OrtExitLogits(rt), k)
     return scoring.score(layer, hidden[None], hidden[None], blocks).values
 

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
     from eectl.models.adapters import Adapter
 
 DEFAULT_TOP_K = 64
+# An exit's tensors: torch tensors in calibrate (TorchExitLogits, ExitHead modules), numpy arrays in the runner (the
+# ONNX exit graphs' outputs as they are: no conversion, no per-op dispatch on its one-token decisions).
+Array = Any
 
 
 class ExitHead(nn.Module):
@@ -97,21 +101,34 @@ def topk_candidates(full_logits: torch.Tensor, k: int) -> torch.Tensor:
 
 @dataclass
 class ExitSignals:
-    token: torch.Tensor  # [N] predicted token id (full vocabulary id)
-    prob: torch.Tensor  # [N] top-1 probability over the scored vocabulary
-    margin: torch.Tensor  # [N] top-1 minus top-2 probability
+    """Tensors when the logits were torch tensors (calibrate), numpy arrays when they were arrays (the runner)."""
+
+    token: Any  # [N] predicted token id (full vocabulary id)
+    prob: Any  # [N] top-1 probability over the scored vocabulary
+    margin: Any  # [N] top-1 minus top-2 probability
 
 
-def signals(logits: torch.Tensor, candidates: torch.Tensor | None = None) -> ExitSignals:
+def signals(logits: Any, candidates: Any = None) -> ExitSignals:
     """Top-1 token, probability and top-1/top-2 margin of a softmax over `logits` [N, K or V].
 
-    With `candidates` [N, K], logits are local and the token is mapped back to its vocabulary id.
+    With `candidates` [N, K], logits are local and the token is mapped back to its vocabulary id. The one formula
+    is numpy's: the runner decides one token at a time, where each torch op's dispatch (~10 us) costs more than its
+    math, so calibrate's tensors go through the same numpy code (and come back as tensors) rather than a twin.
     """
-    probs = torch.softmax(logits.float(), dim=-1)
-    top2 = torch.topk(probs, 2, dim=-1)
-    idx = top2.indices[:, 0]
-    token = idx if candidates is None else candidates.gather(1, idx[:, None])[:, 0]
-    return ExitSignals(token=token, prob=top2.values[:, 0], margin=top2.values[:, 0] - top2.values[:, 1])
+    if isinstance(logits, torch.Tensor):
+        ids = None if candidates is None else candidates.numpy()
+        out = signals(logits.detach().float().numpy(), ids)
+        return ExitSignals(*(torch.from_numpy(np.ascontiguousarray(x)) for x in (out.token, out.prob, out.margin)))
+    z = np.asarray(logits, dtype=np.float32)  # [N, K]
+    rows = np.arange(z.shape[0])
+    idx = z.argmax(-1)
+    e = np.exp(z - z.max(-1, keepdims=True))  # the top-1 term is exp(0) = 1
+    total = e.sum(-1)
+    prob = 1.0 / total
+    e[rows, idx] = 0.0  # the top-1 out: the largest left is the top-2 (equal to it on a tie: margin 0)
+    margin = prob - e.max(-1) / total
+    token = idx if candidates is None else np.asarray(candidates)[rows, idx]
+    return ExitSignals(token=token.astype(np.int64, copy=False), prob=prob, margin=margin)
 
 
 def transition_cosine(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
@@ -125,9 +142,10 @@ def min_transition_cosine(blocks: torch.Tensor) -> torch.Tensor:
     return transition_cosine(blocks[:-1], blocks[1:]).min(dim=0).values
 
 
-def passes(values: dict[str, torch.Tensor], thresholds: dict[str, float]) -> torch.Tensor:
-    """[N] bool: every criterion's value >= its threshold (a threshold of inf never passes: "never exits")."""
-    ok: torch.Tensor | None = None
+def passes(values: dict[str, Any], thresholds: dict[str, float]) -> Any:
+    """[N] bool (a tensor or an array, as the values): every criterion's value >= its threshold (a threshold of inf
+    never passes: "never exits")."""
+    ok: Any = None
     for c, t in thresholds.items():
         here = values[c] >= t
         ok = here if ok is None else ok & here
@@ -143,21 +161,19 @@ def passes(values: dict[str, torch.Tensor], thresholds: dict[str, float]) -> tor
 class ExitLogits(Protocol):
     """An exit's logits for hidden states [N, H] at the exit after `layer` (torch modules or ONNX graphs)."""
 
-    def full(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+    def full(self, layer: int, hidden: Array) -> Array:
         """[N, V] logits over the whole vocabulary."""
         ...
 
-    def full_topk(self, layer: int, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def full_topk(self, layer: int, hidden: Array, k: int) -> tuple[Array, Array]:
         """The K best of the full logits: ids [N, K] and their logits [N, K], best first."""
         ...
 
-    def local(self, layer: int, hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    def local(self, layer: int, hidden: Array, candidates: Array) -> Array:
         """[N, K] logits of the candidate rows only."""
         ...
 
-    def candidates(
-        self, source: CandidateSource, layer: int, hidden: torch.Tensor, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def candidates(self, source: CandidateSource, layer: int, hidden: Array, k: int) -> tuple[Array, Array]:
         """A candidate source's K candidates and their exact logits [N, K] (its torch code, or its exit graph)."""
         ...
 
@@ -206,7 +222,7 @@ class CandidateSource:
 
     def pick(
         self, logits: ExitLogits, layer: int, state: ExitState, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [N, K], their logits at this exit [N, K]
+    ) -> tuple[Array, Array]:  # ids [N, K], their logits at this exit [N, K]
         return logits.candidates(self, layer, state.hidden, k)
 
     def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +237,7 @@ class FirstExitTopK(CandidateSource):
 
     name = "first-exit-topk"
 
-    def pick(self, logits: ExitLogits, layer: int, state: ExitState, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def pick(self, logits: ExitLogits, layer: int, state: ExitState, k: int) -> tuple[Array, Array]:
         return logits.full_topk(layer, state.hidden, k)
 
     def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,29 +392,33 @@ class ExitState:
     """What an exit sees of a token batch: the state after the exit's layer and, for signals that ask for it, the
     input of the last layer before the exit."""
 
-    hidden: torch.Tensor  # [N, H]
-    layer_input: torch.Tensor | None = None  # [N, H]
-    blocks: torch.Tensor | None = None  # [n + 1, N, H]: every block boundary of the segment that ends at the exit
+    hidden: Array  # [N, H]
+    layer_input: Array | None = None  # [N, H]
+    blocks: Array | None = None  # [n + 1, N, H]: every block boundary of the segment that ends at the exit
 
 
 @dataclass
 class Prediction:
-    logits: torch.Tensor  # [N, K] local or [N, V] full: what a token is picked (or sampled) from
-    ids: torch.Tensor | None = None  # [N, K] vocabulary ids of local logits; None for the full vocabulary
-    top1: torch.Tensor | None = None  # [N] when the signal already knows it
+    logits: Array  # [N, K] local or [N, V] full: what a token is picked (or sampled) from
+    ids: Array | None = None  # [N, K] vocabulary ids of local logits; None for the full vocabulary
+    top1: Array | None = None  # [N] when the signal already knows it
 
     @property
-    def token(self) -> torch.Tensor:
+    def token(self) -> Array:
         """[N] the top-1 vocabulary id."""
         if self.top1 is not None:
             return self.top1
         idx = self.logits.argmax(-1)
-        return idx if self.ids is None else self.ids.gather(1, idx[:, None])[:, 0]
+        if self.ids is None:
+            return idx
+        if isinstance(self.ids, torch.Tensor):
+            return self.ids.gather(1, idx[:, None])[:, 0]
+        return self.ids[np.arange(len(idx)), idx]
 
 
 @dataclass
 class ExitScore:
-    values: dict[str, torch.Tensor]  # criterion -> [N]
+    values: dict[str, Array]  # criterion -> [N]
     predict: Callable[[], Prediction]  # computed on demand: a cosine exit projects the LM head only when it exits
     _prediction: Prediction | None = field(default=None, repr=False)
 
@@ -416,6 +436,7 @@ class Signal:
     needs_candidates: bool = False  # scores the local vocabulary: the first exit picks candidates
     needs_layer_input: bool = False  # reads ExitState.layer_input
     needs_blocks: bool = False  # reads ExitState.blocks (segment graphs output them as `layer_states`)
+    torch_math: bool = False  # measures with torch ops (the runner runs them on one torch thread beside ORT's pool)
 
     def __init__(self, name: str, criteria: tuple[str, ...]) -> None:
         self.name, self.criteria = name, criteria
@@ -423,7 +444,7 @@ class Signal:
     def measure(self, scoring: ExitScoring, layer: int, state: ExitState) -> ExitScore:
         raise NotImplementedError
 
-    def passes(self, values: dict[str, torch.Tensor], thresholds: dict[str, float]) -> torch.Tensor:
+    def passes(self, values: dict[str, Array], thresholds: dict[str, float]) -> Array:
         return passes(values, {c: thresholds[c] for c in self.criteria})
 
 
@@ -455,10 +476,11 @@ class TransitionCosine(Signal):
     exit's full-vocabulary top-1, projected only when asked for."""
 
     needs_layer_input = True
+    torch_math = True
 
     def measure(self, scoring: ExitScoring, layer: int, state: ExitState) -> ExitScore:
         assert state.layer_input is not None, "the cosine signal needs the last layer's input"
-        cos = transition_cosine(state.layer_input, state.hidden)
+        cos = transition_cosine(torch.as_tensor(state.layer_input), torch.as_tensor(state.hidden))
         return ExitScore({"cosine": cos}, lambda: Prediction(scoring.logits.full(layer, state.hidden)))
 
 
@@ -468,10 +490,11 @@ class MinTransitionCosine(Signal):
     that predicts at its end never asks)."""
 
     needs_blocks = True
+    torch_math = True
 
     def measure(self, scoring: ExitScoring, layer: int, state: ExitState) -> ExitScore:
         assert state.blocks is not None, "the cosine-min signal needs the segment's block states"
-        cos = min_transition_cosine(state.blocks)
+        cos = min_transition_cosine(torch.as_tensor(state.blocks))
         return ExitScore({"cosine": cos}, lambda: Prediction(scoring.logits.full(layer, state.hidden)))
 
 
@@ -514,9 +537,9 @@ class ExitScoring:
         self.logits = logits
         self.top_k = top_k
         self.source = CANDIDATE_SOURCES[source] if isinstance(source, str) else source
-        self.candidates: torch.Tensor | None = None  # [N, K], once the first exit picked them
+        self.candidates: Array | None = None  # [N, K], once the first exit picked them
 
-    def local_logits(self, layer: int, state: ExitState) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_logits(self, layer: int, state: ExitState) -> tuple[Array, Array]:
         """(candidate ids [N, K], their logits at this exit [N, K])."""
         if self.candidates is None:
             self.candidates, logits = self.source.pick(self.logits, layer, state, self.top_k)
@@ -526,8 +549,8 @@ class ExitScoring:
     def score(
         self,
         layer: int,
-        hidden: torch.Tensor,
-        layer_input: torch.Tensor | None = None,
-        blocks: torch.Tensor | None = None,
+        hidden: Array,
+        layer_input: Array | None = None,
+        blocks: Array | None = None,
     ) -> ExitScore:
         return self.signal.measure(self, layer, ExitState(hidden, layer_input, blocks))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import resource
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from eectl import __version__
 from eectl.calibration_file import Calibration
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import DEFAULT_TOP_K, CandidateSource, FirstExitTopK, Shortlist, make_source
+from eectl.export_block import export_block, is_block
 from eectl.export_graphs import (
     DTYPES,
     OPSET,
@@ -238,7 +240,7 @@ def _write_artifact(
     embedding = _save(folder, options, *build_embedding(adapter, options.dtype, transposed=tied))
     segments = _write_segments(adapter, folder, exits, options, max_pos, log)
     source, source_info = candidate_source(adapter, options.candidates, calibration)
-    exit_points = _write_exits(adapter, folder, exits, options, heads, heads_meta, source, lm)
+    exit_points = _write_exits(adapter, folder, exits, options, heads, heads_meta, source, lm, max_pos)
     loaded.tokenizer.save_pretrained(str(folder / "tokenizer"))  # type: ignore[attr-defined]
     manifest = Manifest(
         schema_version=SCHEMA_VERSION,
@@ -340,14 +342,23 @@ def _write_exits(
     heads_meta: HeadsMeta | None,
     source: CandidateSource,
     lm: np.ndarray,
+    max_pos: int,
 ) -> list[ExitPoint]:
     """The full, local and candidate graphs of every exit and of the final layer (and the final head's quantized
-    table for int4 artifacts or the river's end)."""
+    table for int4 artifacts or the river's end); a block head's own graphs (export_block.py)."""
     L = adapter.num_layers
     quantized = options.weights == "int4"
     exit_points = []
+    block_slots = L  # block exit heads' KV buffers follow the decoder layers'
     for layer in [*exits, L]:
         head = heads.get(layer)
+        design = None if head is None else (heads_meta.design if heads_meta else type(head).__name__)
+        block = None
+        if is_block(head):  # its own graphs and KV; the exit graphs below score its output
+            save = partial(_save, folder, options)
+            block = export_block(adapter, head, layer, options.dtype, max_pos, block_slots, save)
+            block_slots += 1
+            head = None
         cand_graph = None
         if layer < L and source.name != FirstExitTopK.name:
             cand_graph = _save(folder, options, *build_candidates(adapter, layer, options.dtype, source, head))
@@ -374,7 +385,8 @@ def _write_exits(
                 local=_save(folder, options, *build_exit(adapter, layer, options.dtype, local=True, head=head)),
                 candidates=cand_graph,
                 river=river_head,
-                head=None if head is None else (heads_meta.design if heads_meta else type(head).__name__),
+                head=design,
+                block=block,
             )
         )
     return exit_points
@@ -389,6 +401,7 @@ def _eos_ids(loaded: LoadedModel) -> list[int]:
 
 def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    L = manifest.num_layers
     return {
         "artifact": str(folder),
         "model": manifest.model.get("name"),
@@ -400,5 +413,14 @@ def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
         "validation": manifest.validation,
         "candidate_source": {k: v for k, v in manifest.candidate_source.items() if k != "ids"},
         "costs": None if manifest.costs is None else manifest.costs.model_dump(),
+        # block exit heads: per token, in decoder layers (static shape ratio; measured on this machine where timed)
+        "block_heads": {
+            str(e.layer): {
+                "cost_layers": e.block.cost_layers,
+                "measured_layers": None if manifest.costs is None else manifest.costs.block_layers(L).get(str(e.layer)),
+            }
+            for e in manifest.exits
+            if e.block is not None
+        },
         "plan": None if manifest.plan is None else manifest.plan.model_dump(),
     }

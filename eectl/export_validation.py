@@ -15,10 +15,13 @@ import torch
 
 from eectl.errors import ArtifactError
 from eectl.exits import CandidateSource, ExitHead, FirstExitTopK, make_source
+from eectl.export_block import block_kv_diff, is_block, torch_block_states, validate_block_kv
+from eectl.head_designs import BlockHead
 from eectl.manifest import Manifest
 from eectl.models.adapters import Adapter, Capture, KVCache
 from eectl.models.loading import LoadedModel
 from eectl.quantize import agreement_verdict
+from eectl.runtime.blocks import run_block
 
 # Validation tolerance on logits (max abs difference, ORT vs torch) per artifact dtype.
 TOLERANCE = {"fp32": 1e-3, "fp16": 0.25}
@@ -58,8 +61,12 @@ def validate_artifact(
     rt = ArtifactRuntime(folder, provider="cpu", verify=False, lazy_segments=True)
     m = rt.manifest
     ids = loaded.tokenizer(VALIDATION_PROMPT, add_special_tokens=False)["input_ids"][:48]  # type: ignore[operator]
-    exit_heads = {e.layer: ExitHead(adapter, (heads or {}).get(e.layer)) for e in m.exits}
-    chunks, ref_states = _torch_reference(adapter, exit_heads, ids, m.num_layers)
+    # a block head runs on the exit's states with its own KV (export_block.torch_block_states): the exit graphs
+    # score its output with no head
+    blocks = {layer: h for layer, h in (heads or {}).items() if is_block(h)}
+    token_heads = {layer: h for layer, h in (heads or {}).items() if layer not in blocks}
+    exit_heads = {e.layer: ExitHead(adapter, token_heads.get(e.layer)) for e in m.exits}
+    chunks, ref_states, block_caches = _torch_reference(adapter, exit_heads, ids, m.num_layers, blocks)
     info = m.candidate_source
     source = make_source(
         str(info.get("name", FirstExitTopK.name)),
@@ -71,7 +78,8 @@ def validate_artifact(
         local={e.layer: 0.0 for e in m.exits},
         tokens={e.layer: 0 for e in m.exits},
     )
-    _compare_graphs(rt, adapter, exit_heads, source, chunks, ref_states, len(ids), river, d)
+    own = {layer: (head, block_caches[layer]) for layer, head in blocks.items()}
+    _compare_graphs(rt, adapter, exit_heads, source, chunks, ref_states, len(ids), river, d, own)
     result: dict[str, Any] = {
         "dtype": m.dtype,
         "tolerance": TOLERANCE[m.dtype],
@@ -82,6 +90,7 @@ def validate_artifact(
         "max_abs_local_logit_diff": {str(k): v for k, v in d.local.items()},
         "greedy_token_mismatches": {str(k): v for k, v in d.tokens.items()},
         "kv_graph_max_abs_diff": d.kv,
+        "block_kv_max_abs_diff": d.block_kv,  # block exit heads' KV buffers after every step vs the torch blocks'
         "candidate_source": source.name,
         "candidate_checks": d.cand_checks,
         "candidate_set_mismatches": d.cand_mismatch,  # int8 ranking ties may flip the K-th candidate
@@ -99,16 +108,18 @@ class _Diffs:
     local: dict[int, float]  # local (candidate rows) exit graph's logits vs torch
     tokens: dict[int, int]  # greedy token mismatches
     kv: float = 0.0  # K/V-only graphs vs the adapter's K/V projection
+    block_kv: float = 0.0  # block exit heads' own KV after every step vs the torch blocks' caches
     cand_checks: int = 0
     cand_mismatch: int = 0  # candidate sets that differ from the torch source's
     cand_logits: float = 0.0
 
 
 def _torch_reference(
-    adapter: Adapter, exit_heads: dict[int, ExitHead], ids: list[int], L: int
-) -> tuple[list[list[int]], list[dict[int, torch.Tensor]]]:
+    adapter: Adapter, exit_heads: dict[int, ExitHead], ids: list[int], L: int, blocks: dict[int, BlockHead]
+) -> tuple[list[list[int]], list[dict[int, torch.Tensor]], dict[int, KVCache]]:
     """The token chunks both sides run (the prompt, then torch's greedy tokens) and, per chunk, the hidden state at
-    every exit layer ([S, H])."""
+    every exit layer ([S, H]: a block exit head's output where the exit has one), and the blocks' own KV caches."""
+    block_caches: dict[int, KVCache] = {}
     chunks: list[list[int]] = [list(ids)]
     ref_states: list[dict[int, torch.Tensor]] = []
     cache = KVCache()
@@ -118,12 +129,12 @@ def _torch_reference(
         positions = torch.arange(pos, pos + len(chunk))[None]
         keep = Capture(set(exit_heads))  # the hidden state after every exit's layer
         adapter.forward_layers(adapter.embed(torch.tensor([chunk])), positions, 0, L, cache, capture=keep)
-        states = {layer: h[0] for layer, h in keep.states.items()}
+        states = torch_block_states(blocks, {layer: h[0] for layer, h in keep.states.items()}, positions, block_caches)
         ref_states.append(states)
         pos += len(chunk)
         chunks.append([int(exit_heads[L].full(states[L][-1:]).argmax(-1))])
     chunks.pop()
-    return chunks, ref_states
+    return chunks, ref_states, block_caches
 
 
 def _compare_graphs(
@@ -136,6 +147,7 @@ def _compare_graphs(
     prompt_len: int,
     river: bool,
     d: _Diffs,
+    blocks: dict[int, tuple[BlockHead, KVCache]],
 ) -> None:
     """Run the graphs segment by segment over every chunk and accumulate their differences from torch into `d`."""
     m = rt.manifest
@@ -148,23 +160,29 @@ def _compare_graphs(
         e = m.exit_at(layer)
         for t in range(len(chunks)):
             hidden[t], _ = rt.run_segment(s_idx, hidden[t], kv, row=0, river=river and s_idx > 0)
+            exit_in = hidden[t] if e.block is None else run_block(rt, layer, hidden[t], kv, 0)
+            assert exit_in is not None
             ref_h = ref_states[t][layer]
             ref = exit_heads[layer].full(ref_h).float()
-            got, cand, _ = rt.exit_full(layer, hidden[t][0], m.top_k, river=river)
+            got, cand, _ = rt.exit_full(layer, exit_in[0], m.top_k, river=river)
             d.logits[layer] = max(d.logits[layer], float((torch.from_numpy(got).float() - ref).abs().max()))
             d.tokens[layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
             cand_t = torch.from_numpy(cand)
             ref_local = exit_heads[layer].local(ref_h, cand_t).float()
-            got_local = torch.from_numpy(rt.exit_local(layer, hidden[t][0], cand)).float()
+            got_local = torch.from_numpy(rt.exit_local(layer, exit_in[0], cand)).float()
             d.local[layer] = max(d.local[layer], float((got_local - ref_local).abs().max()))
             if e.candidates is not None:  # the candidate source at the last position, as the runner calls it
                 want_c, _ = source.torch_pick(exit_heads[layer], ref_h[-1:], m.top_k)
-                got_c, got_l = rt.exit_candidates(layer, hidden[t][0][-1:], m.top_k)
+                got_c, got_l = rt.exit_candidates(layer, exit_in[0][-1:], m.top_k)
                 d.cand_checks += 1
                 d.cand_mismatch += int(set(want_c[0].tolist()) != set(got_c[0].tolist()))
                 exact = exit_heads[layer].local(ref_h[-1:], torch.from_numpy(got_c)).float()
                 d.cand_logits = max(d.cand_logits, float((torch.from_numpy(got_l).float() - exact).abs().max()))
         d.kv = max(d.kv, _validate_kv_graph(adapter, rt, s_idx, kv_ids))
+        if e.block is not None:  # its KV after every step == the torch block's; its K/V-only graph == torch's
+            head, cache = blocks[layer]
+            d.block_kv = max(d.block_kv, block_kv_diff(rt, kv, layer, cache, e.block.init_layer))
+            d.kv = max(d.kv, validate_block_kv(adapter, rt, head, layer, kv_ids))
         rt.release_segment(s_idx)
         kv.calls.clear()  # its bindings hold the released sessions
 
@@ -182,7 +200,7 @@ def _verdict(result: dict[str, Any], m: Manifest, d: _Diffs, river: bool, log: A
         if log is not None:
             log.log(f"{result['graphs']} validation passed: greedy agreement {result['greedy_agreement'][str(L)]:.1%}")
         return result
-    worst = max(max(d.logits.values()), max(d.local.values()), d.kv, d.cand_logits)
+    worst = max(max(d.logits.values()), max(d.local.values()), d.kv, d.cand_logits, d.block_kv)
     mismatches = sum(d.tokens.values())
     strict_tokens = m.dtype == "fp32"
     if worst > tol or (strict_tokens and mismatches):

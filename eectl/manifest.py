@@ -44,6 +44,18 @@ class Segment(_M):
     river: GraphIO | None = None  # `export --river`: an int4 copy with the same names (the `river` policy)
 
 
+class BlockExit(_M):
+    """A block exit head (head_designs.BlockHead): one decoder layer of the model's shape between the exit's state
+    and the frozen final norm + LM head, with its own KV buffer. Every position that passes the exit's layer runs
+    it (while the exit is active), so its KV holds exactly the positions its segment's KV holds."""
+
+    graph: GraphIO  # hidden [1, S, H] + its past KV -> block output [1, S, H] + present KV (in place, one buffer)
+    kv_graph: GraphIO  # hidden -> the block's K/V only (the `copy` policy projects a skipped token's state into it)
+    kv_slot: int  # index of its KV buffer in the runner's buffers: after the L decoder layers' (L, L + 1, ...)
+    init_layer: int  # the decoder layer it runs as (rotary kind, attention window) and was initialised from
+    cost_layers: float  # multiply-adds per token relative to a decoder layer (1.0: the same shape), attention aside
+
+
 class ExitPoint(_M):
     layer: int  # exit after this many decoder layers (== L for the final head)
     full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits, greedy token [N]
@@ -51,6 +63,7 @@ class ExitPoint(_M):
     candidates: GraphIO | None = None  # hidden [N, H] -> K candidates [N, K] + exact logits (the candidate source)
     river: GraphIO | None = None  # final head only, `export --river --lm-head int4|int8`: the river's quantized head
     head: str | None = None  # trained head design, None for the plain logit lens
+    block: BlockExit | None = None  # a block head: full/local/candidates then score the block's output (no head)
 
 
 class Quantization(_M):
@@ -125,6 +138,11 @@ class Manifest(_M):
     @property
     def exit_layers(self) -> list[int]:
         return [e.layer for e in self.exits if e.layer < self.num_layers]
+
+    @property
+    def kv_slots(self) -> int:
+        """KV buffers per row: one per decoder layer, then one per block exit head."""
+        return self.num_layers + sum(e.block is not None for e in self.exits)
 
     def exit_at(self, layer: int) -> ExitPoint:
         for e in self.exits:

@@ -11,7 +11,8 @@ Per-token time of an option under a policy (exit a_1 < ... < a_m active, c_i the
     exit at a_i:  embed + segments up to a_i + decisions at a_1..a_i + policy extra_i
     no exit:      the full-depth step (measured) + decisions at a_1..a_m
     decisions:    the candidate source at a_1, a local K-row exit at a_2.. (each with its signal computation);
-                  a cosine signal reads block states only, and an exiting token then pays the exit's LM head
+                  a cosine signal reads block states only, and an exiting token then pays the exit's LM head;
+                  plus a block head's graph where the exit has one (it runs for every token reaching the exit)
     extra_i:      copy: the K/V-only graphs of the segments after a_i
                   defer, verify: one more position in every later segment (the pending state rides along)
                   verify: one more row in the final head (the draft is checked there)
@@ -88,6 +89,8 @@ class Costs(_M):
     candidates_ms: dict[str, float]  # exit layer -> the candidate source + signal, one token (first active exit)
     local_ms: dict[str, float]  # exit layer -> the local K-row exit + signal, one token (later active exits)
     full_step_ms: float  # one full-depth decode step through the runner (all of the above + Python)
+    # exit layer -> its block head's graph on one position (block exits only): paid by every token reaching the exit
+    block_ms: dict[str, float] = Field(default_factory=dict)
     candidate_source: str = "full"
     # river artifacts (`export --river`): per segment its int4 copy on one position (None: no copy), and the final
     # head the river's end asks (its quantized copy where the artifact has one)
@@ -96,6 +99,11 @@ class Costs(_M):
     # signals that decide without an LM head (cosine): exit layer -> the exit's full head, which an exiting token's
     # own prediction then costs (None: the decision already carries the prediction, e.g. Top-K candidates)
     exit_predict_ms: dict[str, float] | None = None
+
+    def block_layers(self, num_layers: int) -> dict[str, float]:
+        """Each block head's measured cost per token in decoder-layer units (its ms over a segment layer's mean)."""
+        per_layer = sum(self.segment_ms) / max(1, num_layers)
+        return {k: round(v / per_layer, 3) for k, v in self.block_ms.items()} if per_layer > 0 else {}
 
     def overhead_per_segment(self) -> float:
         """The runner's per-step cost outside the timed graphs, spread over the segment calls."""
@@ -179,7 +187,8 @@ def predict(
             policy=policy, exits=[], ms_per_token=full, full_ms=full, speedup=1.0, decision_ms=0.0, exit_rate=0.0
         )
     decisions = [
-        costs.candidates_ms[str(layer)] if i == 0 else costs.local_ms[str(layer)] for i, layer in enumerate(exits)
+        (costs.candidates_ms[str(layer)] if i == 0 else costs.local_ms[str(layer)]) + costs.block_ms.get(str(layer), 0)
+        for i, layer in enumerate(exits)
     ]
     n_seg = len(boundaries)
     step = 0.0

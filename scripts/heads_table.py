@@ -125,6 +125,8 @@ def calib(a: argparse.Namespace) -> None:
         hs = load_heads(a.heads, loaded)
         exits, heads, design = hs.exits, hs.heads, hs.meta.design
         cost = design_cost(adapter, design, hs.meta.rank)["layers"]
+        if a.head_cost is not None:  # e.g. the exported head's measured cost (`eectl export`: block_heads)
+            cost = a.head_cost
     else:
         exits, heads, design, cost = [int(x) for x in a.layers.split(",")], {}, "logit lens", 0.0
     scorer = ExitScorer(adapter, exits, "topk-prob", a.top_k, None)
@@ -197,6 +199,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--heads", default=None)
+    ap.add_argument("--head-cost", type=float, default=None, help="head cost per exit passed, in decoder layers")
     ap.add_argument("--top-k", type=int, default=64)
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--holdout", type=float, default=0.5)

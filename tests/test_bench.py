@@ -9,7 +9,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from eectl.bench import _agreement, _heldout_ids, final_number, heldout_texts
+from eectl.bench import _heldout_ids, final_number, heldout_texts
+from eectl.bench_stats import agreement as _agreement
 from eectl.cli import app
 from eectl.data import encode_prompt, load_text_data
 from eectl.export import ExportOptions, export_artifact
@@ -59,7 +60,11 @@ def test_bench_cli_report(artifact, tiny_dirs, tmp_path):
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     by = {c["name"]: c for c in doc["configs"]}
-    assert list(by) == ["full", "hf", "copy", "defer", "verify"]
+    assert list(by) == ["full", "full-aa", "hf", "copy", "defer", "verify"]
+    aa = by["full-aa"]  # the A/A control: full depth again, the same tokens, its ratio the run's noise floor
+    assert aa["exact_match"] == 1.0 and aa["mean_layers"] == by["full"]["mean_layers"] and aa["decide_share"] == 0.0
+    lo, hi = aa["speedup_vs_full_ci"]
+    assert lo <= aa["speedup_vs_full"] <= hi  # one statistic: the point estimate sits inside its interval
     assert doc["hf_matches_full"] is True  # transformers generate and eectl full depth: the same tokens
     for c in by.values():  # every speedup is the ratio of two latencies measured in this run
         assert c["speedup_vs_full"] == pytest.approx(by["full"]["ms_per_token"] / c["ms_per_token"])

@@ -18,7 +18,9 @@ from eectl.exits import (
     dynamic_quantize_uint8,
     frequency_shortlist,
     int8_scores,
+    passes,
     quantize_rows_int8,
+    signals,
 )
 from eectl.export import ExportOptions, export_artifact
 from eectl.runtime.generate import RunOptions, resolve_config
@@ -213,3 +215,25 @@ def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
     assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone]
     layers = {x for g in batch for x in g.exit_layers[1:]}
     assert len(layers) > 1, layers  # rows at different depths
+
+
+def test_signals_one_formula_for_tensors_and_arrays():
+    """The runner scores numpy arrays and calibrate torch tensors through the same numpy formula; both equal a
+    torch softmax's top-1 probability, top-1 - top-2 margin and top-1 id (ties included: margin 0)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 64, generator=g) * 3
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie at the top
+    cand = torch.randint(0, 1000, (7, 64), generator=g)
+    probs = torch.softmax(logits, -1)
+    top2 = torch.topk(probs, 2, -1)
+    from_tensors, from_arrays = signals(logits, cand), signals(logits.numpy(), cand.numpy())
+    assert isinstance(from_tensors.prob, torch.Tensor) and isinstance(from_arrays.prob, np.ndarray)
+    for s in (from_tensors, from_arrays):
+        assert np.allclose(np.asarray(s.prob), top2.values[:, 0].numpy(), atol=1e-6)
+        assert np.allclose(np.asarray(s.margin), (top2.values[:, 0] - top2.values[:, 1]).numpy(), atol=1e-6)
+        assert np.asarray(s.token)[3] == cand[3, 10] and float(np.asarray(s.margin)[3]) == 0.0
+        rows = [r for r in range(7) if r != 3]
+        assert np.array_equal(np.asarray(s.token)[rows], cand[rows].gather(1, top2.indices[rows, :1])[:, 0].numpy())
+    assert np.array_equal(from_tensors.prob.numpy(), from_arrays.prob)  # bit for bit: one code path
+    passed = passes({"prob": from_arrays.prob}, {"prob": 0.5})
+    assert passed.dtype == bool and np.array_equal(passed, from_arrays.prob >= 0.5)

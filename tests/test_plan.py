@@ -70,6 +70,16 @@ def test_two_exits_pay_the_decisions_they_pass():
     assert p.decision_ms == pytest.approx(0.1 * 0.3 + 0.9 * 0.35)
 
 
+def test_block_heads_are_paid_by_every_token_reaching_their_exit():
+    # a block head at 8 (2 ms): tokens exiting at 4 never run it; those exiting at 8 and those going on pay it
+    p = predict(_costs(block_ms={"8": 2.0}), BOUNDARIES, "defer", [(4, 0.1, 1.0), (8, 0.3, 1.0)])
+    at4 = 4 + 0.3 + 1.0
+    at8 = 8 + 0.35 + 2.0 + 0.5
+    rest = 15 + 0.35 + 2.0
+    assert p.ms_per_token == pytest.approx(0.1 * at4 + 0.3 * at8 + 0.6 * rest)
+    assert _costs(block_ms={"8": 2.0}).block_layers(12) == {"8": 2.0}  # 1 ms per decoder layer here
+
+
 def test_copy_pays_the_kv_graphs_of_skipped_segments():
     p = predict(_costs(), BOUNDARIES, "copy", [(4, 0.4, 1.0)])
     assert p.ms_per_token == pytest.approx(0.4 * (4 + 0.3 + 2 * 1.0) + 0.6 * 15.3)

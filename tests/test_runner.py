@@ -307,3 +307,29 @@ def test_calibrated_thresholds_are_used_and_never_exits_dropped(tiny_dirs, tmp_p
             ExportOptions(exits=[2, 4]),
             calibration=cal.model_copy(update={"model": cal.model.model_copy(update={"sha256": "0"})}),
         )
+
+
+def test_full_depth_decode_chain_equals_the_general_path(artifacts, family, monkeypatch):
+    """Full-depth greedy decode of one row runs the bound call chain (runtime/chain.py) after the prefill: same
+    tokens and the same KV cache as the general per-segment path, which the chain's runner never calls again."""
+    loaded, rt = artifacts[family]
+    prompt = _prompt(5, 7, loaded.adapter.dims.vocab_size)
+    runner = _runner(rt, exits=[], new=16)
+    calls = []
+    general = Runner._steps
+    monkeypatch.setattr(Runner, "_steps", lambda self, *a, **kw: calls.append(1) or general(self, *a, **kw))
+    chained = runner.generate([prompt])[0]
+    kv_chained = runner.last_kv
+    assert len(calls) == 1  # the prefill only
+    monkeypatch.setattr(Runner, "_chain", lambda self, kv, rows: None)
+    plain = runner.generate([prompt])[0]
+    assert chained.token_ids == plain.token_ids and chained.exit_layers == plain.exit_layers == [6] * 16
+    assert kv_chained is not None and runner.last_kv is not None
+    assert (kv_chained.filled == runner.last_kv.filled).all()
+    n = len(prompt) + 15  # positions written: the prompt and every generated token but the last
+    for mine, theirs in zip(
+        kv_chained.batch_keys + kv_chained.batch_values,
+        runner.last_kv.batch_keys + runner.last_kv.batch_values,
+        strict=True,
+    ):
+        assert (mine[:, :, :n] == theirs[:, :, :n]).all()

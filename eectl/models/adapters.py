@@ -210,8 +210,10 @@ class Adapter:
             return getattr(self.config, "sliding_window", None)
         return None
 
-    def layer_weights(self, i: int) -> LayerWeights:
-        layer = self.layers[i]
+    def layer_weights(self, i: int, layer: Any = None) -> LayerWeights:
+        """Layer i's weights; with `layer`, those of a module of layer i's shape standing in for it (a block exit
+        head from `new_block`, run as layer i runs: its rotary kind and attention window)."""
+        layer = self.layers[i] if layer is None else layer
         attn, mlp = layer.self_attn, layer.mlp
         off = self.norm_weight_offset
 
@@ -302,6 +304,20 @@ class Adapter:
                     if lin.bias is not None:
                         lin.bias.zero_()
         return block
+
+    def block_project_kv(
+        self, block: Any, hidden: torch.Tensor, positions: torch.Tensor, init_layer: int, cache: KVCache
+    ) -> None:
+        """`project_kv` for a block from `new_block` (the `copy` policy's reference for a block exit's own KV):
+        `hidden` [B, S, H] through the block's K/V path only, appended to `cache` under its layer index."""
+        past = cache.length(init_layer)
+        mask = causal_mask(hidden.shape[1], past, self.sliding_window(init_layer), None, hidden.dtype, hidden.device)
+        block.self_attn(
+            hidden_states=block.input_layernorm(hidden),
+            position_embeddings=self.rotary(hidden, positions, self.layer_type(init_layer)),
+            attention_mask=mask,
+            cache=cache,
+        )
 
     def block_forward(
         self,

@@ -59,7 +59,7 @@ def new_batch_kv(rt: ArtifactRuntime, rows: int, max_len: int) -> BatchKV:
             return np.zeros(shape, dtype=rt.np_dtype)
         return _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), rt.np_dtype, rt.device, 0)
 
-    L = m.num_layers
+    L = m.kv_slots  # the decoder layers', then the block exit heads'
     keys, values = [buf() for _ in range(L)], [buf() for _ in range(L)]
     return BatchKV(
         keys=[[_row_view(k, r, rt.np_dtype) for k in keys] for r in range(rows)],

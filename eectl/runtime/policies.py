@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from eectl.errors import UsageError
+from eectl.runtime.blocks import active_block, run_block
 
 if TYPE_CHECKING:
     from eectl.runtime.runner import RowState, RunConfig
@@ -113,6 +114,9 @@ class Copy(KVPolicy):
         # no pending positions under copy: `out` is this token's exit state
         for t in range(s + 1, self.num_segments):
             self.rt.run_segment(t, out, kv, row, kv_only=True)
+            block = active_block(self.rt, self.cfg.exits, t)
+            if block is not None:  # a later active block head's own KV gets the same stand-in state
+                run_block(self.rt, block, out, kv, row, kv_only=True)
 
 
 @register_policy
@@ -158,7 +162,7 @@ class Verify(Defer):
         """
         if not st.drafts:
             return None
-        base = int(kv.filled[row, -1]) - out.shape[1]
+        base = int(kv.filled[row, self.num_layers - 1]) - out.shape[1]
         drafts = dict(st.drafts)
         st.drafts = []
         if out.shape[1] < 2:
@@ -172,7 +176,7 @@ class Verify(Defer):
                 del st.tokens[pos:]
                 del st.exit_layers[keep:]
                 del st.latencies[keep:]
-                kv.filled[row] = np.minimum(kv.filled[row], pos)
+                kv.filled[row] = np.minimum(kv.filled[row], pos)  # every slot: the block exit heads' KV too
                 st.pending = [None] * len(st.pending)
                 st.exit_layers.append(self.num_layers)
                 return int(full_pred[j])
@@ -204,6 +208,9 @@ class River(KVPolicy):
         h = out  # [1, 1, H]: no pending positions under river, `out` is this token's exit state
         for t in range(s + 1, self.num_segments):
             h, _ = self.rt.run_segment(t, h, kv, row, river=True)
+            block = active_block(self.rt, self.cfg.exits, t)
+            if block is not None:  # a later active block head's KV: the block runs on the river's state there
+                run_block(self.rt, block, h, kv, row)
         if self.cfg.river_predict != "end":
             return None
         logits, _, _ = self.rt.exit_full(self.num_layers, h[0, -1:], self.cfg.top_k, river=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,8 @@ from eectl.exits import (
 )
 from eectl.recipe import check_exit_layers
 from eectl.runtime.batch import BatchKV, new_batch_kv, prefill_runs, run_prefill, run_rows
+from eectl.runtime.blocks import active_block, run_block, run_block_rows
+from eectl.runtime.chain import DecodeChain
 from eectl.runtime.policies import Defer, KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
@@ -108,36 +110,36 @@ class Generation:
 
 
 class OrtExitLogits:
-    """`eectl.exits.ExitLogits` on the artifact's exit graphs: numpy in and out of ONNX Runtime, torch for scoring.
+    """`eectl.exits.ExitLogits` on the artifact's exit graphs: numpy in and out of ONNX Runtime, and numpy into the
+    signal's math (exits.signals): a decision is one token, where torch's per-op dispatch cost more than the math.
 
     The full graph computes its Top-K in-graph (TopK), so a first-exit candidate pick costs no extra pass."""
 
     def __init__(self, rt: ArtifactRuntime) -> None:
         self.rt = rt
 
-    def full(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        logits, _, _ = self.rt.exit_full(layer, hidden.numpy(), 2)
-        return torch.from_numpy(logits)
+    def full(self, layer: int, hidden: np.ndarray) -> np.ndarray:
+        return self.rt.exit_full(layer, hidden, 2)[0]
 
-    def full_topk(self, layer: int, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        _, cand, cand_logits = self.rt.exit_full(layer, hidden.numpy(), k)
-        return torch.from_numpy(cand), torch.from_numpy(cand_logits)
+    def full_topk(self, layer: int, hidden: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        _, cand, cand_logits = self.rt.exit_full(layer, hidden, k)
+        return cand, cand_logits
 
-    def local(self, layer: int, hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.rt.exit_local(layer, hidden.numpy(), candidates.numpy()))
+    def local(self, layer: int, hidden: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+        return self.rt.exit_local(layer, hidden, candidates)
 
     def candidates(
-        self, source: CandidateSource, layer: int, hidden: torch.Tensor, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, source: CandidateSource, layer: int, hidden: np.ndarray, k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The artifact's candidate graph at this exit (export built it from `source`'s torch code)."""
-        cand, cand_logits = self.rt.exit_candidates(layer, hidden.numpy(), k)
-        return torch.from_numpy(cand), torch.from_numpy(cand_logits)
+        return self.rt.exit_candidates(layer, hidden, k)
 
 
 @contextmanager
 def _one_torch_thread() -> Iterator[None]:
-    """The decision's torch math is tiny ([N, K] softmaxes); with torch's own pool awake beside ONNX Runtime's
-    spinning one it took ~6 ms per call on 2 cores (measured), on one thread microseconds."""
+    """For signals with torch math (the cosines; the softmax signals are numpy): the math is tiny, and with torch's
+    own pool awake beside ONNX Runtime's spinning one it took ~6 ms per call on 2 cores (measured), on one thread
+    microseconds."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -185,6 +187,9 @@ class Runner:
         self.source = CANDIDATE_SOURCES.get(source, CANDIDATE_SOURCES[FirstExitTopK.name])
         self.exits = check_exit_layers(config.exits, L)
         self.exit_after_segment = {self.rt.segment_of_layer[e]: e for e in self.exits}
+        # active exits with a block head: the block runs on every position its segment runs (runtime/blocks.py)
+        blocks = {s: active_block(runtime, self.exits, s) for s in self.exit_after_segment}
+        self.block_after_segment = {s: e for s, e in blocks.items() if e is not None}
         self.final_segment = len(self.m.segments) - 1
         self.L = L
         self.rng = np.random.default_rng(config.seed)
@@ -213,19 +218,19 @@ class Runner:
         """Exit test at `layer` for several rows' current tokens at once (one exit graph call for all of them);
         per row: (the score when it exits, else None; the row's index in it; its candidates for later exits)."""
         rows = sorted(asks)
-        hidden = torch.from_numpy(np.stack([asks[r].hidden for r in rows]))  # [N, H]
+        hidden = asks[rows[0]].hidden[None] if len(rows) == 1 else np.stack([asks[r].hidden for r in rows])  # [N, H]
         layer_input = block_states = None
         if self.signal.needs_layer_input:
-            layer_input = torch.from_numpy(np.stack([asks[r].layer_input for r in rows]))
+            layer_input = np.stack([asks[r].layer_input for r in rows])
         if self.signal.needs_blocks:  # [n + 1, N, H]
-            block_states = torch.from_numpy(np.stack([np.asarray(asks[r].blocks) for r in rows], axis=1))
+            block_states = np.stack([np.asarray(asks[r].blocks) for r in rows], axis=1)
         first_pick = self.signal.needs_candidates and asks[rows[0]].candidates is None
         if len(rows) > 1 and first_pick and not self.source.batch_rows:  # e.g. int8: per-row quantization scale
             return {r: self._decide_rows(layer, {r: asks[r]})[r] for r in rows}
         scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k, self.source)
         if asks[rows[0]].candidates is not None:  # rows at one exit passed the same earlier exits
-            scoring.candidates = torch.cat([asks[r].candidates for r in rows])
-        with _one_torch_thread():
+            scoring.candidates = np.concatenate([asks[r].candidates for r in rows])
+        with _one_torch_thread() if self.signal.torch_math else nullcontext():
             score = scoring.score(layer, hidden, layer_input, block_states)
             passed = self.signal.passes(score.values, self.cfg.thresholds[layer])
         answers: dict[int, tuple[ExitScore | None, int, Any]] = {}
@@ -236,9 +241,8 @@ class Runner:
 
     def _pick_score(self, score: ExitScore, i: int) -> int:
         """Row i's token from an exit's own prediction (computed once for all rows of the decision, on demand)."""
-        with _one_torch_thread():
-            pred = score.prediction()
-        return self._pick(pred.logits[i].numpy(), None if pred.ids is None else pred.ids[i].numpy())
+        pred = score.prediction()  # numpy: the exit graphs' outputs
+        return self._pick(np.asarray(pred.logits[i]), None if pred.ids is None else np.asarray(pred.ids[i]))
 
     # --- one sequence step ------------------------------------------------------------------------------------
     def _step(self, row: int, st: RowState, kv: KVBuffers, chunk_ids: list[int], force_full: bool = False) -> int:
@@ -301,8 +305,9 @@ class Runner:
     ) -> dict[int, Any]:
         """Segment s for the rows in xs (hidden [1, S, H] each): one batched call for the rows with one position
         (when the buffers are a batch's), single-row calls on their views for the others (GQA takes several new
-        positions on a past for one row at a time). Rows in `states` also get the segment's block boundaries
-        ([n + 1, S, H], a third item)."""
+        positions on a past for one row at a time). Per row: (hidden out, last layer input, the segment's block
+        boundaries [n + 1, S, H] for rows in `states` else None, the exit's input): the exit's input is the block
+        head's output where the active exit after s has one (run on the same positions), else hidden out."""
         ones = [r for r, x in xs.items() if x.shape[1] == 1]
         answers: dict[int, Any] = {}
         if isinstance(kv, BatchKV) and len(ones) > 1:
@@ -326,6 +331,21 @@ class Runner:
         for r, x in xs.items():
             if r not in answers:
                 answers[r] = self.rt.run_segment(s, x, kv, r, states=r in states)
+        block = self.block_after_segment.get(s)
+        exit_in: dict[int, np.ndarray] = {}
+        if block is not None and isinstance(kv, BatchKV) and len(ones) > 1:  # the block batched as its segment was
+            active = np.zeros(kv.rows, dtype=bool)
+            hidden = np.zeros((kv.rows, 1, xs[ones[0]].shape[-1]), dtype=self.rt.np_dtype)
+            for r in ones:
+                hidden[r], active[r] = answers[r][0][0], True
+            out = run_block_rows(self.rt, block, hidden, kv, active)
+            exit_in = {r: out[r : r + 1] for r in ones}
+        for r, a in answers.items():
+            if r not in exit_in:
+                own = a[0] if block is None else run_block(self.rt, block, a[0], kv, r)
+                assert own is not None
+                exit_in[r] = own
+            answers[r] = (a[0], a[1], a[2] if len(a) > 2 else None, exit_in[r])
         return answers
 
     def _row_step(
@@ -333,7 +353,8 @@ class Runner:
     ) -> Generator[tuple[str, int, Any], Any, int]:
         """Process chunk_ids (the prompt, or the last token) and decide the next token; returns it.
 
-        Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in); ("decide", layer, Decide) ->
+        Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in, block states or None,
+        the exit's input: a block head's output, else out); ("decide", layer, Decide) ->
         (token or None, candidates); ("greedy", L, h [1, H]) -> token; ("final", L, h [1, H]) -> logits [1, V]);
         `_steps` answers them. Under verify,
         a final-depth pass may roll back wrong drafts: then st.tokens is shorter afterwards and the returned token
@@ -349,8 +370,7 @@ class Runner:
             # signals that read the segment's block boundaries (cosine-min) ask for them at the exits they test
             wants_blocks = self.signal.needs_blocks and layer is not None and may_exit
             result = yield ("states" if wants_blocks else "segment", s, x)
-            out, layer_in = result[0], result[1]
-            blocks = result[2] if wants_blocks else None
+            out, layer_in, blocks, exit_in = result  # exit_in: a block head's output, else out
             if s == self.final_segment:
                 corrected = self.policy.on_final(row, st, kv, out)
                 if corrected is not None:
@@ -363,14 +383,15 @@ class Runner:
                     return self._forced(st, logits[0])
                 return self._pick(logits[0])
             if layer is not None and may_exit:
-                ask = Decide(out[0, -1], layer_in[0, -1], cands, None if blocks is None else blocks[:, -1])
+                ask = Decide(exit_in[0, -1], layer_in[0, -1], cands, None if blocks is None else blocks[:, -1])
                 score, i, cands = yield ("decide", layer, ask)
                 if score is not None:
                     own = self.policy.predict(row, st, kv, s, out)  # e.g. the river's end (single-row calls)
                     st.exit_layers.append(layer)
                     if st.forced is not None:
-                        logits = own if own is not None else self.rt.exit_full(layer, out[0, -1:], self.cfg.top_k)[0][0]
-                        token = self._forced(st, logits)
+                        if own is None:  # the exit's full vocabulary (after its block head, where it has one)
+                            own = self.rt.exit_full(layer, exit_in[0, -1:], self.cfg.top_k)[0][0]
+                        token = self._forced(st, own)
                     else:
                         token = self._pick(own) if own is not None else self._pick_score(score, i)
                     self.policy.on_exit(row, st, kv, s, out, token)
@@ -451,6 +472,7 @@ class Runner:
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
         device = self._device_step()
         first = True  # prefill: the whole prompt, always full depth
+        chain = self._chain(kv, len(rows)) if device is None else None
         while not all(st.done for st in rows):
             live = {r: (st, st.tokens if first else [st.tokens[-1]]) for r, st in enumerate(rows) if not st.done}
             t0 = time.perf_counter()
@@ -458,6 +480,9 @@ class Runner:
                 tokens = device.step(kv, {r: ids[0] for r, (_, ids) in live.items()})
                 for r in tokens:
                     rows[r].exit_layers.append(self.L)
+            elif chain is not None and not first:  # plain full-depth greedy decode of one row: calls bound once
+                tokens = {0: chain.step(rows[0].tokens[-1])}
+                rows[0].exit_layers.append(self.L)
             else:
                 tokens = self._steps(kv, live)
             took = time.perf_counter() - t0  # a row's latency is its batch step's: rows wait for each other
@@ -483,6 +508,16 @@ class Runner:
             )
             for st in rows
         ]
+
+    def _chain(self, kv: KVBuffers, rows: int) -> DecodeChain | None:
+        """The bound call chain (runtime/chain.py) where every decode step is the same full-depth greedy pass:
+        one row, no active exit (so no policy hook ever acts), greedy, a final head with the in-graph argmax."""
+        final = self.rt.full_graphs[self.L]
+        if rows != 1 or self.exits or self.cfg.temperature > 0 or "token" not in final.io.outputs:
+            return None
+        if any(g.session is None for g in self.rt.segments):  # a runtime holding one segment at a time
+            return None
+        return DecodeChain(self.rt, kv, 0)
 
     def _device_step(self) -> Any:
         """The plan-executing step (runtime/device_path.py) where it applies: full depth, greedy; by default only on

@@ -236,6 +236,8 @@ class ArtifactRuntime:
         self.river_heads = {e.layer: load(e.river) for e in m.exits if e.river is not None}
         self.local_graphs = {e.layer: load(e.local) for e in m.exits}
         self.candidate_graphs = {e.layer: load(e.candidates) for e in m.exits if e.candidates is not None}
+        # block exit heads: (the block graph, its K/V-only graph) per exit; one decoder layer each (runtime/blocks.py)
+        self.block_graphs = {e.layer: (load(e.block.graph), load(e.block.kv_graph)) for e in m.exits if e.block}
         self.weights = {k: self._load_weight(w) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
         self._calls: dict[tuple[str, int], _Call] = {}  # (graph kind, exit layer) -> binding with its weight bound
@@ -276,7 +278,7 @@ class ArtifactRuntime:
         if max_len > m.max_positions:
             raise UsageError(f"context of {max_len} tokens exceeds the model's maximum of {m.max_positions}")
         shape = (1, m.kv.num_kv_heads, max_len, m.kv.head_dim)
-        L = m.num_layers
+        L = m.kv_slots  # the decoder layers', then the block exit heads' (their own KV)
 
         def buf() -> Any:
             if self.device == "cpu":

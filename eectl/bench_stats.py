@@ -1,0 +1,87 @@
+"""The statistics bench reports: one speed statistic with its interval, agreement, exact match.
+
+Speed is ONE statistic everywhere: a configuration's decode time per token over the whole run (total decode seconds
+over total decode tokens, every prompt of every repetition pooled), and a speedup is the ratio of two of those. Its
+95% interval is a paired bootstrap over prompts (the unit that varies) of that same ratio, each prompt's time and
+tokens summed over the repetitions first, so the point estimate and its interval describe the same number. (The
+earlier point estimate, a ratio of per-repetition medians, could fall outside its own bootstrap interval.)
+
+What this module does not do: run or time anything (bench.py), or format (bench_report.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+BOOTSTRAP = 1000
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score 95% interval of a binomial proportion (sensible at 0 and n, unlike the normal one)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def interval(samples: np.ndarray) -> tuple[float, float]:
+    lo, hi = np.quantile(samples, [0.025, 0.975])
+    return (float(lo), float(hi))
+
+
+def per_prompt_totals(reps: list[list[tuple[float, int]]]) -> np.ndarray:
+    """Per repetition, per prompt (decode seconds, decode tokens) -> [P, 2]: each prompt summed over repetitions."""
+    return np.array(reps, dtype=np.float64).sum(axis=0).reshape(-1, 2)
+
+
+def seconds_per_token(totals: np.ndarray) -> float:
+    """[P, 2] (seconds, tokens) -> the run's seconds per decode token (all prompts pooled); nan without tokens."""
+    seconds, tokens = totals.sum(axis=0)
+    return float(seconds / tokens) if tokens > 0 else math.nan
+
+
+def speed_ratio(base: np.ndarray, other: np.ndarray) -> float:
+    """How many times faster `other` decodes than `base`: base's seconds per token over other's, each pooled over
+    prompts and repetitions ([P, 2] totals). nan when either has no decode time."""
+    b, o = seconds_per_token(base), seconds_per_token(other)
+    return b / o if o > 0 and math.isfinite(b) else math.nan
+
+
+def speed_ratio_ci(base: np.ndarray, other: np.ndarray, seed: int = 0) -> tuple[float, float]:
+    """95% paired bootstrap interval over prompts of `speed_ratio(base, other)`: the same prompts resampled for
+    both configurations, the statistic recomputed on each resample."""
+    if len(base) != len(other) or len(base) == 0:
+        raise ValueError("a paired interval needs the same prompts in both configurations")
+    idx = np.random.default_rng(seed).integers(0, len(base), (BOOTSTRAP, len(base)))
+    bs, os_ = base[idx].sum(1), other[idx].sum(1)  # [B, 2]
+    ok = (bs[:, 1] > 0) & (os_[:, 1] > 0) & (os_[:, 0] > 0)
+    if not ok.any():
+        return (math.nan, math.nan)
+    return interval((bs[ok, 0] / bs[ok, 1]) / (os_[ok, 0] / os_[ok, 1]))
+
+
+def agreement(gens: list[list[int]], ref: list[list[int]]) -> tuple[float, float, float]:
+    """Position-wise token agreement (over the longer of each pair), exact-match share, mean first divergence."""
+    agree = total = exact = 0
+    firsts = []
+    for g, r in zip(gens, ref, strict=True):
+        n = max(len(g), len(r))
+        same = sum(1 for a, b in zip(g, r, strict=False) if a == b)
+        agree += same
+        total += n
+        exact += int(g == r)
+        firsts.append(next((i for i, (a, b) in enumerate(zip(g, r, strict=False)) if a != b), min(len(g), len(r))))
+    return (agree / total if total else 1.0), exact / len(ref), float(np.mean(firsts))
+
+
+def agreement_ci(gens: list[list[int]], ref: list[list[int]], seed: int = 0) -> tuple[float, float]:
+    """Bootstrap over prompts of the position-wise token agreement."""
+    same = np.array([sum(1 for a, b in zip(g, r, strict=False) if a == b) for g, r in zip(gens, ref, strict=True)])
+    total = np.array([max(len(g), len(r)) for g, r in zip(gens, ref, strict=True)])
+    idx = np.random.default_rng(seed).integers(0, len(same), (BOOTSTRAP, len(same)))
+    t = total[idx].sum(1)
+    return interval(np.where(t > 0, same[idx].sum(1) / np.maximum(t, 1), 1.0))

@@ -1,0 +1,114 @@
+"""Block exit heads at run time: one decoder layer per exit with its own KV buffer, kept in step with the segments.
+
+A block exit (manifest `ExitPoint.block`, head_designs.BlockHead) attends over every earlier position at its exit,
+so while the exit is active every position that passes its layer runs the block, prompt and deferred positions
+included, and the block's K/V land in its own buffer (slot `kv_slot` of the runner's buffers, after the decoder
+layers'; the same in-place GroupQueryAttention as the segments). The exit graphs then score the block's output.
+
+Invariant, checked on every call: the block's buffer holds exactly the positions its segment's layers hold. It holds
+under every policy because each one moves the block with its segment:
+
+- defer / verify: the block runs on whatever its segment's call ran on (the token, pending positions, riders);
+  verify's rollback cuts every slot's length at once (`kv.filled[row] = min(..., pos)`), the blocks' included;
+- copy: a skipped segment's K/V-only graph is followed by the block's K/V-only graph on the same exit state;
+- river: the int4 copies' output at a block exit runs the (fp32) block, as the segment's output would.
+
+Batched rows (runtime/batch.py) with one new position each run their blocks in one call, as their segment did
+(`run_block_rows`: per-row lengths, idle rows writing their scratch slot); rows with several positions run alone.
+
+What this module does not do: decide exits (runner.py) or build the graphs (export_block.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+
+from eectl.runtime.batch import BatchKV, _rows
+from eectl.runtime.sessions import ArtifactRuntime, KVBuffers, _Call
+
+
+def active_block(rt: ArtifactRuntime, exits: Collection[int], segment: int) -> int | None:
+    """The exit layer at the end of `segment` when that exit is active and has a block head, else None."""
+    m = rt.manifest
+    if segment >= len(m.segments) - 1:
+        return None
+    layer = m.segments[segment].layers[1]
+    return layer if layer in exits and layer in rt.block_graphs else None
+
+
+def run_block(
+    rt: ArtifactRuntime, layer: int, hidden: np.ndarray, kv: KVBuffers, row: int, kv_only: bool = False
+) -> np.ndarray | None:
+    """The block head at exit `layer` on hidden [1, S, H] (its segment's output for those positions), appending S
+    positions to its own KV in place; returns its output [1, S, H] (None with kv_only: K/V only, the copy policy).
+
+    Called right after the segment ran on the same positions, so its segment's last layer already holds them.
+    """
+    m = rt.manifest
+    block = m.exit_at(layer).block
+    assert block is not None
+    g = rt.block_graphs[layer][1 if kv_only else 0]
+    slot = block.kv_slot
+    past = int(kv.filled[row, slot])
+    s = hidden.shape[1]
+    total = past + s
+    segment_len = int(kv.filled[row, layer - 1])
+    if total != segment_len:
+        raise RuntimeError(
+            f"the block head at exit {layer} would hold {total} positions of row {row}; its segment holds "
+            f"{segment_len}: its KV is out of step"
+        )
+    key = (g.session, row, False)
+    call = kv.calls.get(key)
+    if call is None:  # bind its KV buffer (past and present share it) and the scalars once per row
+        call = _Call(g.binding())
+        k, v = kv.keys[row][slot], kv.values[row][slot]
+        rt._bind_array(call.io, g.names("past_key")[0], k)
+        rt._bind_array(call.io, g.names("past_value")[0], v)
+        rt._bind_array(call.io, g.names("present_key")[0], k, output=True)
+        rt._bind_array(call.io, g.names("present_value")[0], v, output=True)
+        rt._bind_array(call.io, g.name("seqlens_k"), call.seqlens_k)
+        rt._bind_array(call.io, g.name("total_sequence_length"), call.total)
+        kv.calls[key] = call
+    call.seqlens_k[0] = total - 1
+    call.total[()] = total
+    x = rt._host(hidden, rt.np_dtype)
+    rt._bind_array(call.io, g.name("hidden"), x)
+    out = None if kv_only else rt._out(call.io, g.name("hidden_out"), x.shape, rt.np_dtype)
+    g.session.run_with_iobinding(call.io)
+    kv.filled[row, slot] = total
+    return out
+
+
+def run_block_rows(rt: ArtifactRuntime, layer: int, hidden: np.ndarray, kv: BatchKV, active: np.ndarray) -> np.ndarray:
+    """The block head at exit `layer` for every active row in one call: hidden [B, 1, H] (the rows' segment outputs;
+    inactive rows ignored), as `batch.run_rows` runs a segment. Returns the block outputs [B, 1, H] (meaningless
+    for inactive rows)."""
+    block = rt.manifest.exit_at(layer).block
+    assert block is not None
+    g = rt.block_graphs[layer][0]
+    slot = block.kv_slot
+    rows = np.flatnonzero(active)
+    past = kv.filled[:, slot]
+    behind = rows[past[rows] + 1 != kv.filled[rows, layer - 1]]
+    if behind.size:
+        raise RuntimeError(f"the block head at exit {layer} is out of step with its segment in rows {behind.tolist()}")
+    first, last = int(rows[0]), int(rows[-1]) + 1
+    span = slice(first, last)
+    x = np.where(active[span, None, None], hidden[span], 0).astype(rt.np_dtype)
+    io = g.binding()
+    io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(x))
+    io.bind_cpu_input(g.name("seqlens_k"), past[span].astype(np.int32))  # total length - 1, new position included
+    io.bind_cpu_input(g.name("total_sequence_length"), np.array(int(past[span].max()) + 1, dtype=np.int32))
+    for key, buf in (("key", kv.batch_keys[slot]), ("value", kv.batch_values[slot])):
+        view = _rows(buf, first, last, rt.np_dtype)
+        rt._bind_array(io, g.names(f"past_{key}")[0], view)
+        rt._bind_array(io, g.names(f"present_{key}")[0], view, output=True)
+    io.bind_output(g.name("hidden_out"), "cpu")
+    g.session.run_with_iobinding(io)
+    kv.filled[active, slot] += 1
+    out = np.zeros((kv.rows, 1, hidden.shape[-1]), dtype=rt.np_dtype)
+    out[span] = io.get_outputs()[2].numpy()  # after the present key and value
+    return out
