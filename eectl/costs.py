@@ -90,7 +90,50 @@ def measure_costs(
     calls["head2"] = lambda: rt.exit_full(L, row2, k)
     if L in rt.river_heads:
         calls["river_head"] = lambda: rt.exit_full(L, row1, k, river=True)
-    sig = get_signal(signal)
+    state_only = _exit_calls(calls, rt, get_signal(signal), kv, h1, past, k)
+    t = _interleaved_ms(calls, repeats, warmup)
+    n = len(m.segments)
+    seg1 = [t[f"seg1.{i}"] for i in range(n)]
+    seg2 = [t[f"seg2.{i}"] for i in range(n)]
+    kv_ms = [t[f"kv.{i}"] for i in range(n)]
+    embed, head1, head2 = t["embed"], t["head1"], t["head2"]
+    cand_ms = {str(layer): t[f"cand.{layer}"] for layer in m.exit_layers}
+    local_ms = {str(layer): t[f"local.{layer}"] for layer in m.exit_layers}
+    return Costs(
+        provider=rt.provider,
+        threads=rt.threads,
+        past=past,
+        repeats=repeats,
+        embed_ms=embed,
+        segment_ms=seg1,
+        segment_extra_ms=[max(0.0, b - a) for a, b in zip(seg1, seg2, strict=True)],
+        kv_ms=kv_ms,
+        final_head_ms=head1,
+        final_head_extra_ms=max(0.0, head2 - head1),
+        candidates_ms=cand_ms,
+        local_ms=local_ms,
+        full_step_ms=t["step"],
+        block_ms={str(layer): t[f"block.{layer}"] for layer in m.exit_layers if layer in rt.block_graphs},
+        candidate_source=str(m.candidate_source.get("name", "full")),
+        exit_predict_ms={str(e): t[f"predict.{e}"] for e in m.exit_layers} if state_only else None,
+        river_ms=[t.get(f"river.{i}") for i in range(n)] if rt.river_segments else None,
+        river_head_ms=t.get("river_head"),
+    )
+
+
+def _exit_calls(
+    calls: dict[str, Callable[[], object]],
+    rt: ArtifactRuntime,
+    sig: Signal,
+    kv: KVBuffers,
+    h1: np.ndarray,
+    past: int,
+    k: int,
+) -> bool:
+    """Add each exit's decision calls (first active exit, later exits, block head, own prediction) to `calls`, as
+    the runner makes them; return whether the signal decides on states alone (no LM head: the cosine signals)."""
+    m = rt.manifest
+    row1 = h1[0]
     topk = sig.needs_candidates
     state_only = not topk and not isinstance(sig, FullSoftmax)  # cosine signals: no LM head to decide
     hidden_t = row1.astype(np.float32)
@@ -122,34 +165,7 @@ def measure_costs(
                 return rt.exit_full(layer, row1, k)
 
             calls[f"predict.{layer}"] = predict
-    t = _interleaved_ms(calls, repeats, warmup)
-    n = len(m.segments)
-    seg1 = [t[f"seg1.{i}"] for i in range(n)]
-    seg2 = [t[f"seg2.{i}"] for i in range(n)]
-    kv_ms = [t[f"kv.{i}"] for i in range(n)]
-    embed, head1, head2 = t["embed"], t["head1"], t["head2"]
-    cand_ms = {str(layer): t[f"cand.{layer}"] for layer in m.exit_layers}
-    local_ms = {str(layer): t[f"local.{layer}"] for layer in m.exit_layers}
-    return Costs(
-        provider=rt.provider,
-        threads=rt.threads,
-        past=past,
-        repeats=repeats,
-        embed_ms=embed,
-        segment_ms=seg1,
-        segment_extra_ms=[max(0.0, b - a) for a, b in zip(seg1, seg2, strict=True)],
-        kv_ms=kv_ms,
-        final_head_ms=head1,
-        final_head_extra_ms=max(0.0, head2 - head1),
-        candidates_ms=cand_ms,
-        local_ms=local_ms,
-        full_step_ms=t["step"],
-        block_ms={str(layer): t[f"block.{layer}"] for layer in m.exit_layers if layer in rt.block_graphs},
-        candidate_source=str(m.candidate_source.get("name", "full")),
-        exit_predict_ms={str(e): t[f"predict.{e}"] for e in m.exit_layers} if state_only else None,
-        river_ms=[t.get(f"river.{i}") for i in range(n)] if rt.river_segments else None,
-        river_head_ms=t.get("river_head"),
-    )
+    return state_only
 
 
 def block_call(rt: ArtifactRuntime, kv: KVBuffers, layer: int, h: np.ndarray, past: int) -> Callable[[], object]:
