@@ -305,6 +305,11 @@ class _Configs:
         return run
 
 
+# Pause before each timed configuration: the previous one's worker threads (ORT's spinning pool, torch's OpenMP
+# threads after `hf`) keep spinning for a while after their last call, and whoever runs next would pay for it.
+SETTLE_S = 0.5
+
+
 def _timed(configs: _Configs, order: list[str], ids: list[list[int]], reps: int, log: Any) -> tuple[dict, dict]:
     """A warm-up (one prompt each), then `reps` interleaved repetitions (rotated order): runs and RSS per config."""
     if log is not None:
@@ -319,6 +324,7 @@ def _timed(configs: _Configs, order: list[str], ids: list[list[int]], reps: int,
         # 1.11-1.16x "vs full" with `full` always first).
         shift = rep % len(order)
         for name in order[shift:] + order[:shift]:
+            time.sleep(SETTLE_S)
             runs[name].append(configs.once(name, ids))
             rss[name] = _rss_mb()
             if log is not None:

@@ -19,6 +19,12 @@ init_ort(1)  # one global ONNX Runtime pool for the whole test process
 os.environ.setdefault("EECTL_QUIET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _no_bench_settle(monkeypatch) -> None:
+    """bench pauses before each timed configuration so spinning threads go idle; tests time nothing."""
+    monkeypatch.setattr("eectl.bench.SETTLE_S", 0.0)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """Every family's tiny model saved as a Hugging Face folder (save_pretrained layout)."""
