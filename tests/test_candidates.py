@@ -237,3 +237,33 @@ def test_signals_one_formula_for_tensors_and_arrays():
     assert np.array_equal(from_tensors.prob.numpy(), from_arrays.prob)  # bit for bit: one code path
     passed = passes({"prob": from_arrays.prob}, {"prob": 0.5})
     assert passed.dtype == bool and np.array_equal(passed, from_arrays.prob >= 0.5)
+
+
+@pytest.mark.parametrize("source", ["shortlist", "int8"])
+def test_kept_exit_bindings_equal_fresh_ones_call_after_call(planned, source):
+    """The exit graphs' bindings are kept and their buffers reused: calls with changing inputs (rows, K, layers
+    interleaved) must equal calls on fresh bindings bit for bit, and a result kept by a caller must not change."""
+    rt = planned[source]
+    fresh = ArtifactRuntime(rt.folder, provider="cpu")
+    g = torch.Generator().manual_seed(11)
+    H = rt.manifest.dims["hidden_size"]
+    kept: list[tuple[np.ndarray, ...]] = []
+    for step in range(8):
+        hidden = (torch.randn(1 + step % 3, H, generator=g) * 4).numpy()
+        k, layer, later = (K, 2, 3) if step % 2 else (4, 3, 4)
+        fresh._bounds.clear()
+        want_c, want_cl = fresh.exit_candidates(layer, hidden, k)
+        fresh._bounds.clear()
+        want_local = fresh.exit_local(later, hidden, want_c)
+        fresh._bounds.clear()
+        want_full = fresh.exit_full(layer, hidden, k)
+        got_c, got_cl = rt.exit_candidates(layer, hidden, k)
+        got_local = rt.exit_local(later, hidden, got_c)
+        got_full = rt.exit_full(layer, hidden, k)
+        pairs = zip((got_c, got_cl, got_local, *got_full), (want_c, want_cl, want_local, *want_full), strict=True)
+        for got, want in pairs:
+            np.testing.assert_array_equal(got, want)
+        kept.append((got_c.copy(), got_c, got_local.copy(), got_local))
+    for snapshot, returned, local_snapshot, local in kept:  # later calls wrote nothing into earlier results
+        np.testing.assert_array_equal(returned, snapshot)
+        np.testing.assert_array_equal(local, local_snapshot)

@@ -177,6 +177,23 @@ class _Call:
 
 
 @dataclass
+class _Bound:
+    """An exit graph's IO binding for one input shape, bound once to host arrays kept here: a call copies its
+    inputs into `inputs` and ORT writes `outputs` in place, so a decision rebinds nothing (like chain.py)."""
+
+    io: Any
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+
+
+_Shapes = dict[str, tuple[tuple[int, ...], Any]]  # a graph input's/output's manifest key -> (shape, dtype)
+
+# Rows up to which an exit graph's binding is kept per shape (decode: one row, or a batch's rows); longer inputs
+# (export's validation over a whole prompt) get a binding per call instead of host buffers held for good.
+_KEEP_ROWS = 16
+
+
+@dataclass
 class KVBuffers:
     """Per row and layer: key and value buffers [1, H_kv, max_len, D], and how many positions each layer holds."""
 
@@ -241,6 +258,7 @@ class ArtifactRuntime:
         self.weights = {k: self._load_weight(w) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
         self._calls: dict[tuple[str, int], _Call] = {}  # (graph kind, exit layer) -> binding with its weight bound
+        self._bounds: dict[tuple[Any, ...], _Bound] = {}  # (graph kind, exit layer, shapes) -> exit graph binding
 
     # --- setup ---------------------------------------------------------------------------------------------------
     def load_segment(self, index: int) -> None:
@@ -320,6 +338,32 @@ class ArtifactRuntime:
                 self._bind_array(call.io, g.name("weight"), self.weights[weight])
             self._calls[(kind, layer)] = call
         return call
+
+    def _bound(
+        self,
+        kind: str,
+        layer: int,
+        g: Graph,
+        inputs: _Shapes,
+        outputs: _Shapes,
+    ) -> _Bound:
+        """The binding of exit graph `g` for these input/output shapes, created and bound on first use (the weight
+        too); every input and output it names is bound to a host array of its own, so no call sees another's."""
+        rows = next(iter(inputs.values()))[0][0]
+        key = (kind, layer, *(shape for shape, _ in inputs.values()), *(shape for shape, _ in outputs.values()))
+        bound = self._bounds.get(key)
+        if bound is None:
+            io = g.binding()
+            if "weight" in g.io.inputs:
+                self._bind_array(io, g.name("weight"), self.weights["lm_head"])
+            bound = _Bound(io, {}, {})
+            for names, arrays, out in ((inputs, bound.inputs, False), (outputs, bound.outputs, True)):
+                for name, (shape, dtype) in names.items():
+                    arrays[name] = np.zeros(shape, dtype)
+                    self._bind_array(io, g.name(name), arrays[name], output=out)
+            if rows <= _KEEP_ROWS:
+                self._bounds[key] = bound
+        return bound
 
     # --- graph calls -------------------------------------------------------------------------------------------------
     def embed(self, input_ids: np.ndarray) -> np.ndarray:
@@ -402,20 +446,31 @@ class ArtifactRuntime:
         exit's quantized river head where the artifact has one (its own table: no weight to bind)."""
         river = river and layer in self.river_heads
         g = self.river_heads[layer] if river else self.full_graphs[layer]
-        call = self._call("river-head" if river else "full", layer, g, "lm_head")
-        io = call.io
-        x = self._host(hidden, self.np_dtype)
-        self._bind_array(io, g.name("hidden"), x)
-        k = np.array([top_k], dtype=np.int64)  # bound by address: alive until the run returns
-        self._bind_array(io, g.name("top_k"), k)
-        n, vocab = x.shape[0], self.manifest.dims["vocab_size"]
-        logits = self._out(io, g.name("logits"), (n, vocab), self.np_dtype)
-        cand = self._out(io, g.name("candidates"), (n, top_k), np.int64)
-        cand_logits = self._out(io, g.name("candidate_logits"), (n, top_k), self.np_dtype)
-        if "token" in g.io.outputs:  # bound too, so a binding shared with greedy_token never has a stale output
-            self._out(io, g.name("token"), (n,), np.int64)
-        g.session.run_with_iobinding(io)
-        return logits, cand, cand_logits
+        n, dt = hidden.shape[0], self.np_dtype
+        outputs: _Shapes = {
+            "logits": ((n, self.manifest.dims["vocab_size"]), dt),
+            "candidates": ((n, top_k), np.int64),
+            "candidate_logits": ((n, top_k), dt),
+        }
+        if "token" in g.io.outputs:  # bound too: every output of the graph has a buffer
+            outputs["token"] = ((n,), np.int64)
+        b = self._bound("river-head" if river else "full", layer, g, self._exit_inputs(hidden), outputs)
+        self._run_bound(g, b, hidden)
+        out = b.outputs  # copies: callers keep them across calls (the next call writes these buffers)
+        return out["logits"].copy(), out["candidates"].copy(), out["candidate_logits"].copy()
+
+    def _exit_inputs(self, hidden: np.ndarray) -> _Shapes:
+        """The inputs of a graph that picks Top-K: the hidden rows and K (set from the bound outputs' width)."""
+        return {"hidden": (hidden.shape, self.np_dtype), "top_k": ((1,), np.int64)}
+
+    def _run_bound(self, g: Graph, b: _Bound, hidden: np.ndarray, **small: Any) -> None:
+        """Copy the hidden rows (and the small inputs) into `b`'s bound arrays, then run `g` on them."""
+        np.copyto(b.inputs["hidden"], hidden, casting="unsafe")  # the cast np.ascontiguousarray(dtype=) made
+        if "top_k" in b.inputs:  # the K of this binding: its outputs' width
+            b.inputs["top_k"][0] = b.outputs["candidates"].shape[1]
+        for name, value in small.items():
+            np.copyto(b.inputs[name], value, casting="unsafe")
+        g.session.run_with_iobinding(b.io)
 
     def greedy_token(self, layer: int, hidden: np.ndarray) -> np.ndarray:
         """hidden [N, H] -> the argmax token [N] at exit `layer`, computed in the graph.
@@ -447,14 +502,11 @@ class ArtifactRuntime:
     def exit_local(self, layer: int, hidden: np.ndarray, candidates: np.ndarray) -> np.ndarray:
         """hidden [N, H], candidates [N, K] -> candidate logits [N, K]."""
         g = self.local_graphs[layer]
-        call = self._call("local", layer, g, "lm_head")
-        x = self._host(hidden, self.np_dtype)
-        cand = self._host(candidates, np.int64)
-        self._bind_array(call.io, g.name("hidden"), x)
-        self._bind_array(call.io, g.name("candidates"), cand)
-        out = self._out(call.io, g.name("candidate_logits"), cand.shape, self.np_dtype)
-        g.session.run_with_iobinding(call.io)
-        return out
+        shape = candidates.shape
+        inputs = {"hidden": (hidden.shape, self.np_dtype), "candidates": (shape, np.int64)}
+        b = self._bound("local", layer, g, inputs, {"candidate_logits": (shape, self.np_dtype)})
+        self._run_bound(g, b, hidden, candidates=candidates)
+        return b.outputs["candidate_logits"].copy()
 
     def exit_candidates(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
         """hidden [N, H] -> (candidates [N, K] int64, their exact logits [N, K]) by the artifact's candidate source
@@ -463,12 +515,8 @@ class ArtifactRuntime:
         if g is None:
             _, cand, cand_logits = self.exit_full(layer, hidden, top_k)
             return cand, cand_logits
-        call = self._call("candidates", layer, g, "lm_head")
-        x = self._host(hidden, self.np_dtype)
-        k = np.array([top_k], dtype=np.int64)  # bound by address: alive until the run returns
-        self._bind_array(call.io, g.name("hidden"), x)
-        self._bind_array(call.io, g.name("top_k"), k)
-        cand = self._out(call.io, g.name("candidates"), (x.shape[0], top_k), np.int64)
-        cand_logits = self._out(call.io, g.name("candidate_logits"), (x.shape[0], top_k), self.np_dtype)
-        g.session.run_with_iobinding(call.io)
-        return cand, cand_logits
+        n = hidden.shape[0]
+        outputs: _Shapes = {"candidates": ((n, top_k), np.int64), "candidate_logits": ((n, top_k), self.np_dtype)}
+        b = self._bound("candidates", layer, g, self._exit_inputs(hidden), outputs)
+        self._run_bound(g, b, hidden)
+        return b.outputs["candidates"].copy(), b.outputs["candidate_logits"].copy()
