@@ -23,6 +23,7 @@ import numpy as np
 from eectl.exits import ExitScoring, FullSoftmax, Signal, get_signal, signals
 from eectl.plan import Costs
 from eectl.runtime.blocks import run_block
+from eectl.runtime.chain import DecodeChain
 from eectl.runtime.runner import OrtExitLogits, RowState, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
@@ -77,6 +78,7 @@ def measure_costs(
     # alike and the runner's own overhead (step minus graphs) stays what it is
     calls: dict[str, Callable[[], object]] = {
         "step": full_step_call(rt, past, seed),
+        **({"chain": chain} if (chain := chain_step_call(rt, past)) is not None else {}),
         "embed": lambda: rt.embed(np.array([[1]], dtype=np.int64)),
     }
     for i in range(len(m.segments)):
@@ -113,6 +115,7 @@ def measure_costs(
         candidates_ms=cand_ms,
         local_ms=local_ms,
         full_step_ms=t["step"],
+        chain_step_ms=t.get("chain"),
         block_ms={str(layer): t[f"block.{layer}"] for layer in m.exit_layers if layer in rt.block_graphs},
         candidate_source=str(m.candidate_source.get("name", "full")),
         exit_predict_ms={str(e): t[f"predict.{e}"] for e in m.exit_layers} if state_only else None,
@@ -187,6 +190,22 @@ def _state_decision(sig: Signal, rt: ArtifactRuntime, layer: int, hidden: np.nda
     blocks = np.repeat(hidden[None], hi - lo + 1, axis=0)  # [n + 1, N, H]: the segment's block boundaries
     scoring = ExitScoring(sig, OrtExitLogits(rt), k)
     return scoring.score(layer, hidden[None], hidden[None], blocks).values
+
+
+def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object] | None:
+    """One full-depth greedy step through the bound decode chain (runtime/chain.py), the path `eectl run` takes for
+    one row with no exit active, on top of `past` cached positions; None where the artifact cannot chain."""
+    m = rt.manifest
+    if "token" not in rt.full_graphs[m.num_layers].io.outputs or any(g.session is None for g in rt.segments):
+        return None
+    kv = rt.new_kv(1, past + 4)
+    chain = DecodeChain(rt, kv, 0)
+
+    def call() -> object:
+        kv.filled[0, : m.num_layers] = past  # rewind: every call decodes the same position
+        return chain.step(1)
+
+    return call
 
 
 def full_step_call(rt: ArtifactRuntime, past: int, seed: int = 0) -> Callable[[], object]:

@@ -89,6 +89,9 @@ class Costs(_M):
     candidates_ms: dict[str, float]  # exit layer -> the candidate source + signal, one token (first active exit)
     local_ms: dict[str, float]  # exit layer -> the local K-row exit + signal, one token (later active exits)
     full_step_ms: float  # one full-depth decode step through the runner (all of the above + Python)
+    # full depth as the runner runs it when no exit is active (runtime/chain.py: every call bound once), the
+    # baseline a configuration must beat; None (artifacts before the chain, or no chain): full_step_ms
+    chain_step_ms: float | None = None
     # exit layer -> its block head's graph on one position (block exits only): paid by every token reaching the exit
     block_ms: dict[str, float] = Field(default_factory=dict)
     candidate_source: str = "full"
@@ -104,6 +107,10 @@ class Costs(_M):
         """Each block head's measured cost per token in decoder-layer units (its ms over a segment layer's mean)."""
         per_layer = sum(self.segment_ms) / max(1, num_layers)
         return {k: round(v / per_layer, 3) for k, v in self.block_ms.items()} if per_layer > 0 else {}
+
+    def baseline_ms(self) -> float:
+        """A full-depth token as `eectl run` decodes it with no exit active: what every speedup is against."""
+        return self.chain_step_ms if self.chain_step_ms is not None else self.full_step_ms
 
     def overhead_per_segment(self) -> float:
         """The runner's per-step cost outside the timed graphs, spread over the segment calls."""
@@ -180,11 +187,12 @@ def predict(
     lost per step that precisions imply (bench passes its measured rate).
     """
     over = costs.overhead_per_segment()
-    full = costs.full_step_ms
+    full = costs.full_step_ms  # a token that passes every exit: the general per-call path, plus its decisions
+    base = costs.baseline_ms()  # full depth with no exit active (the bound chain where the runner has one)
     exits = [layer for layer, _, _ in per_exit]
     if not exits:
         return Prediction(
-            policy=policy, exits=[], ms_per_token=full, full_ms=full, speedup=1.0, decision_ms=0.0, exit_rate=0.0
+            policy=policy, exits=[], ms_per_token=base, full_ms=base, speedup=1.0, decision_ms=0.0, exit_rate=0.0
         )
     decisions = [
         (costs.candidates_ms[str(layer)] if i == 0 else costs.local_ms[str(layer)]) + costs.block_ms.get(str(layer), 0)
@@ -229,8 +237,8 @@ def predict(
         policy=policy,
         exits=exits,
         ms_per_token=per_token,
-        full_ms=full,
-        speedup=full / per_token,
+        full_ms=base,
+        speedup=base / per_token,
         decision_ms=decision / (1.0 - lost),
         exit_rate=rate,
         lost_per_step=lost,

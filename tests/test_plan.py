@@ -159,3 +159,18 @@ def test_a_state_only_signal_pays_the_exit_head_only_for_tokens_that_take_their_
     assert river.ms_per_token == pytest.approx(
         0.4 * (4 + 0.02 + 3.0 + 3.0) + 0.6 * 15.02
     )  # the final head, not the exit's
+
+
+def test_speedups_are_against_the_chained_full_depth_step_where_the_runner_has_one():
+    # the general path (per-call binding) costs 18 ms, the bound chain 15: exiting tokens and the tokens that pass
+    # every exit take the general path, but full depth with no exit runs the chain, so that is the baseline
+    general = _costs(full_step_ms=18.0)
+    chained = _costs(full_step_ms=18.0, chain_step_ms=15.0)
+    assert chained.baseline_ms() == 15.0 and general.baseline_ms() == 18.0
+    a = predict(general, BOUNDARIES, "defer", [(4, 0.4, 1.0)])
+    b = predict(chained, BOUNDARIES, "defer", [(4, 0.4, 1.0)])
+    assert b.ms_per_token == pytest.approx(a.ms_per_token)  # the same work per token
+    assert b.full_ms == 15.0 and b.speedup == pytest.approx(15.0 / a.ms_per_token)
+    assert b.speedup == pytest.approx(a.speedup * 15.0 / 18.0)
+    none = predict(chained, BOUNDARIES, "defer", [])
+    assert none.ms_per_token == 15.0 and none.speedup == 1.0
