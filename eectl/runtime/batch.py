@@ -21,13 +21,14 @@ What this module does not do: decide exits or policies (runner.py); it only runs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from eectl.errors import UsageError
-from eectl.runtime.sessions import ArtifactRuntime, DeviceView, KVBuffers, _ort
+from eectl.runtime.sessions import ArtifactRuntime, DeviceView, Graph, KVBuffers, _ort
 
 
 @dataclass
@@ -92,6 +93,37 @@ def _past(kv: BatchKV, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return past
 
 
+def bind_rows(
+    rt: ArtifactRuntime,
+    g: Graph,
+    kv: BatchKV,
+    slots: Sequence[int],
+    hidden: np.ndarray,
+    active: np.ndarray,
+    past: np.ndarray,
+) -> tuple[Any, slice]:
+    """A binding of graph `g` for one call over the active rows: the inputs, and its layers' K/V bound to the
+    buffers at `slots` for the rows it spans (segments and block exit heads alike). Returns it and the span."""
+    # the call spans the rows from the first to the last active one (a contiguous range: a view of the buffers);
+    # only idle rows between them ride along
+    rows = np.flatnonzero(active)
+    if rows.size == 0:
+        raise ValueError("a batched call needs at least one active row")
+    first, last = int(rows[0]), int(rows[-1]) + 1
+    span = slice(first, last)
+    x = np.where(active[span, None, None], hidden[span], 0).astype(rt.np_dtype)
+    io = g.binding()
+    io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(x))
+    io.bind_cpu_input(g.name("seqlens_k"), past[span].astype(np.int32))  # total length - 1, new position included
+    io.bind_cpu_input(g.name("total_sequence_length"), np.array(int(past[span].max()) + 1, dtype=np.int32))
+    for j, slot in enumerate(slots):
+        for key, buf in (("key", kv.batch_keys[slot]), ("value", kv.batch_values[slot])):
+            view = _rows(buf, first, last, rt.np_dtype)
+            rt._bind_array(io, g.names(f"past_{key}")[j], view)
+            rt._bind_array(io, g.names(f"present_{key}")[j], view, output=True)
+    return io, span
+
+
 def run_rows(
     rt: ArtifactRuntime,
     index: int,
@@ -120,23 +152,7 @@ def run_rows(
         raise UsageError(f"the sequence reached {longest} tokens, beyond the KV buffer of {kv.max_len}")
     if int(past.max()) + 1 > kv.capacity:  # an idle row already at its maximum has no scratch slot
         raise RuntimeError(f"row lengths {past} leave no scratch slot in a buffer of {kv.capacity}")
-    # the call spans the rows from the first to the last active one (a contiguous range: a view of the buffers);
-    # only idle rows between them ride along
-    rows = np.flatnonzero(active)
-    if rows.size == 0:
-        raise ValueError("a batched call needs at least one active row")
-    first, last = int(rows[0]), int(rows[-1]) + 1
-    span = slice(first, last)
-    x = np.where(active[span, None, None], hidden[span], 0).astype(rt.np_dtype)
-    io = g.binding()
-    io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(x))
-    io.bind_cpu_input(g.name("seqlens_k"), past[span].astype(np.int32))  # total length - 1, new position included
-    io.bind_cpu_input(g.name("total_sequence_length"), np.array(int(past[span].max()) + 1, dtype=np.int32))
-    for j, layer in enumerate(range(lo, hi)):
-        for key, buf in (("key", kv.batch_keys[layer]), ("value", kv.batch_values[layer])):
-            view = _rows(buf, first, last, rt.np_dtype)
-            rt._bind_array(io, g.names(f"past_{key}")[j], view)
-            rt._bind_array(io, g.names(f"present_{key}")[j], view, output=True)
+    io, span = bind_rows(rt, g, kv, range(lo, hi), hidden, active, past)
     if not kv_only:
         io.bind_output(g.name("hidden_out"), "cpu")
         io.bind_output(g.name("layer_input"), "cpu")

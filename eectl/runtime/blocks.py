@@ -25,8 +25,8 @@ from collections.abc import Collection
 
 import numpy as np
 
-from eectl.runtime.batch import BatchKV, _rows
-from eectl.runtime.sessions import ArtifactRuntime, KVBuffers, _Call
+from eectl.runtime.batch import BatchKV, bind_rows
+from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
 
 def active_block(rt: ArtifactRuntime, exits: Collection[int], segment: int) -> int | None:
@@ -60,18 +60,7 @@ def run_block(
             f"the block head at exit {layer} would hold {total} positions of row {row}; its segment holds "
             f"{segment_len}: its KV is out of step"
         )
-    key = (g.session, row, False)
-    call = kv.calls.get(key)
-    if call is None:  # bind its KV buffer (past and present share it) and the scalars once per row
-        call = _Call(g.binding())
-        k, v = kv.keys[row][slot], kv.values[row][slot]
-        rt._bind_array(call.io, g.names("past_key")[0], k)
-        rt._bind_array(call.io, g.names("past_value")[0], v)
-        rt._bind_array(call.io, g.names("present_key")[0], k, output=True)
-        rt._bind_array(call.io, g.names("present_value")[0], v, output=True)
-        rt._bind_array(call.io, g.name("seqlens_k"), call.seqlens_k)
-        rt._bind_array(call.io, g.name("total_sequence_length"), call.total)
-        kv.calls[key] = call
+    call = rt.kv_call(g, kv, row, [slot])  # its own KV slot, bound once per row like a segment's layers
     call.seqlens_k[0] = total - 1
     call.total[()] = total
     x = rt._host(hidden, rt.np_dtype)
@@ -95,17 +84,7 @@ def run_block_rows(rt: ArtifactRuntime, layer: int, hidden: np.ndarray, kv: Batc
     behind = rows[past[rows] + 1 != kv.filled[rows, layer - 1]]
     if behind.size:
         raise RuntimeError(f"the block head at exit {layer} is out of step with its segment in rows {behind.tolist()}")
-    first, last = int(rows[0]), int(rows[-1]) + 1
-    span = slice(first, last)
-    x = np.where(active[span, None, None], hidden[span], 0).astype(rt.np_dtype)
-    io = g.binding()
-    io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(x))
-    io.bind_cpu_input(g.name("seqlens_k"), past[span].astype(np.int32))  # total length - 1, new position included
-    io.bind_cpu_input(g.name("total_sequence_length"), np.array(int(past[span].max()) + 1, dtype=np.int32))
-    for key, buf in (("key", kv.batch_keys[slot]), ("value", kv.batch_values[slot])):
-        view = _rows(buf, first, last, rt.np_dtype)
-        rt._bind_array(io, g.names(f"past_{key}")[0], view)
-        rt._bind_array(io, g.names(f"present_{key}")[0], view, output=True)
+    io, span = bind_rows(rt, g, kv, [slot], hidden, active, past)
     io.bind_output(g.name("hidden_out"), "cpu")
     g.session.run_with_iobinding(io)
     kv.filled[active, slot] += 1

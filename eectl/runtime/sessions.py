@@ -14,7 +14,7 @@ What this module does not do: choose exits or policies (runtime/runner.py), toke
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -376,6 +376,24 @@ class ArtifactRuntime:
         g.session.run_with_iobinding(call.io)
         return out
 
+    def kv_call(self, g: Graph, kv: KVBuffers, row: int, slots: Sequence[int], states: bool = False) -> _Call:
+        """The kept binding of graph `g` for `row`: its layers' K/V bound to the row's buffers at `slots` (past and
+        present share them) and the scalars, bound on the first call. Segments and block exit heads alike."""
+        key = (g.session, row, states)
+        call = kv.calls.get(key)
+        if call is None:
+            call = _Call(g.binding())
+            for j, slot in enumerate(slots):
+                k, v = kv.keys[row][slot], kv.values[row][slot]
+                self._bind_array(call.io, g.names("past_key")[j], k)
+                self._bind_array(call.io, g.names("past_value")[j], v)
+                self._bind_array(call.io, g.names("present_key")[j], k, output=True)
+                self._bind_array(call.io, g.names("present_value")[j], v, output=True)
+            self._bind_array(call.io, g.name("seqlens_k"), call.seqlens_k)
+            self._bind_array(call.io, g.name("total_sequence_length"), call.total)
+            kv.calls[key] = call
+        return call
+
     def run_segment(
         self,
         index: int,
@@ -406,19 +424,7 @@ class ArtifactRuntime:
             raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {kv.max_len}")
         # a binding per session (graph), row and output set (`states` binds one more output); keyed by the session
         # itself, so buffers shared by two runtimes (an int4 reference beside fp32) never reuse the other's binding
-        key = (g.session, row, states)
-        call = kv.calls.get(key)
-        if call is None:  # first call for this row: bind its KV buffers (past and present share them) and scalars
-            call = _Call(g.binding())
-            for j, layer in enumerate(range(lo, hi)):
-                k, v = kv.keys[row][layer], kv.values[row][layer]
-                self._bind_array(call.io, g.names("past_key")[j], k)
-                self._bind_array(call.io, g.names("past_value")[j], v)
-                self._bind_array(call.io, g.names("present_key")[j], k, output=True)
-                self._bind_array(call.io, g.names("present_value")[j], v, output=True)
-            self._bind_array(call.io, g.name("seqlens_k"), call.seqlens_k)
-            self._bind_array(call.io, g.name("total_sequence_length"), call.total)
-            kv.calls[key] = call
+        call = self.kv_call(g, kv, row, range(lo, hi), states)
         call.seqlens_k[0] = total - 1
         call.total[()] = total
         x = self._host(hidden, self.np_dtype)
