@@ -316,6 +316,17 @@ class Continuation:
     unit: int  # the prompt's index
     prompt: list[int]
     generated: list[int]  # greedy full-depth tokens (the last may be EOS)
+    # with `keep_layers`: the states the generation computed, at prompt + generated[:-1] (every position but the
+    # last token's, which no step fed): layer -> [P + n - 1, H] float16, and under key 0 the last layer's (before the
+    # final norm, in the model's dtype)
+    states: dict[int, torch.Tensor] | None = None
+
+    def cut(self, n: int) -> None:
+        """Keep the first n generated tokens (and their states)."""
+        self.generated = self.generated[:n]
+        if self.states is not None:
+            keep = len(self.prompt) + max(n, 1) - 1
+            self.states = {k: v[:keep] for k, v in self.states.items()}
 
 
 def prompt_ids(tokenizer: Any, prompts: Sequence[str], max_len: int, raw: bool = False) -> list[list[int]]:
@@ -356,10 +367,13 @@ def generate_continuations(
     eos: int | None,
     batch_size: int = 16,
     on_tokens: Callable[[int], None] | None = None,
+    keep_layers: Sequence[int] | None = None,
 ) -> tuple[list[Continuation], int]:
     """Greedy full-depth continuations of prompts (token ids, BOS included), `gen_tokens` each, a row stopping at
     EOS, until `n_tokens` tokens are generated (the last continuation is cut to make it exact). Prompts are batched
-    with left padding. Returns the continuations (in generation order) and the number of prompts used."""
+    with left padding. With `keep_layers`, each continuation also keeps the states the generation computed (after
+    those layers and the last), so a caller that needs them (the state cache) does not run the base again.
+    Returns the continuations (in generation order) and the number of prompts used."""
     out: list[Continuation] = []
     measured = used = 0
     for members in prompt_batches(prompts, batch_size):
@@ -371,9 +385,13 @@ def generate_continuations(
         ids, pad, positions = left_padded(batch)
         cache, alive = KVCache(), torch.ones(b, dtype=torch.bool)
         gen: list[list[int]] = [[] for _ in range(b)]
+        kept = _StepStates(keep_layers)
         for _ in range(gen_tokens):
             rows = alive.clone()
-            final = adapter.forward_layers(adapter.embed(ids), positions, 0, adapter.num_layers, cache, pad)
+            final = adapter.forward_layers(
+                adapter.embed(ids), positions, 0, adapter.num_layers, cache, pad, on_layer=kept.on_layer
+            )
+            kept.end_step(final)
             top = adapter.logits(final[:, -1]).argmax(-1)
             for r in torch.nonzero(rows).flatten().tolist():
                 gen[r].append(int(top[r]))
@@ -387,15 +405,49 @@ def generate_continuations(
                 break
             ids, positions = nxt[:, None], positions[:, -1:] + 1
             pad = torch.cat([pad, torch.ones(b, 1, dtype=torch.bool)], 1)
-        out += [Continuation(members[r], batch[r], gen[r]) for r in range(b) if gen[r]]
+        out += [
+            Continuation(members[r], batch[r], gen[r], kept.row(r, len(batch[r]), len(gen[r])))
+            for r in range(b)
+            if gen[r]
+        ]
     over = sum(len(c.generated) for c in out) - n_tokens
     while over > 0 and out:  # cut the latest continuations to exactly n_tokens
         cut = min(over, len(out[-1].generated))
-        out[-1].generated = out[-1].generated[: len(out[-1].generated) - cut]
+        out[-1].cut(len(out[-1].generated) - cut)
         over -= cut
         if not out[-1].generated:
             out.pop()
     return out, used
+
+
+class _StepStates:
+    """The states of one batch's generation steps, kept per layer in `layers` (float16) and the final one (key 0):
+    the prefill [B, S0, H], then one [B, 1, H] per step."""
+
+    def __init__(self, layers: Sequence[int] | None) -> None:
+        self.layers = set(layers) if layers is not None else None
+        self.steps: list[dict[int, torch.Tensor]] = []
+        self._now: dict[int, torch.Tensor] = {}
+        self.on_layer = None if layers is None else self._keep
+
+    def _keep(self, i: int, _h_in: torch.Tensor, h_out: torch.Tensor) -> None:
+        if self.layers is not None and i + 1 in self.layers:
+            self._now[i + 1] = h_out.to(torch.float16)
+
+    def end_step(self, final: torch.Tensor) -> None:
+        if self.layers is not None:
+            self._now[0] = final  # as computed: the state cache takes the teacher from it
+            self.steps.append(self._now)
+            self._now = {}
+
+    def row(self, r: int, prompt_len: int, n: int) -> dict[int, torch.Tensor] | None:
+        """Row r's states at its prompt (the prefill's last prompt_len columns) and its first n - 1 fed tokens."""
+        if self.layers is None or not self.steps:
+            return None
+        return {
+            k: torch.cat([self.steps[0][k][r, -prompt_len:], *(s[k][r] for s in self.steps[1:n])])
+            for k in self.steps[0]
+        }
 
 
 @torch.no_grad()

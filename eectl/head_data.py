@@ -6,7 +6,8 @@ it stopped: files already there are kept):
     cache.json                       identity (model hash, data, layers, lengths, teacher k) and the sequence list
     train/text_000000.safetensors    teacher-forced chunk of the data (BOS first)
     train/gen_000000.safetensors     one prompt (in the chat template, as `eectl run` feeds it) + the model's own
-                                     greedy continuation (`calibrate_measure.generate_continuations`, calibrate's code)
+                                     greedy continuation (`calibrate_measure.generate_continuations`, calibrate's code,
+                                     which keeps the states it computes: no second base pass)
     held/...                         the same from the last records of the data (held out from training)
 
 Per sequence of S tokens: `ids` [S]; `measured` [S] bool (the positions whose next-token prediction is trained and
@@ -14,7 +15,13 @@ evaluated: every position after BOS for text, the positions that predict the con
 sequences; the prompt's positions are there because attention (the block design) needs their keys and values);
 `state_{l}` [S, H] float16, the hidden state after layer l for every cached layer; `final` [S, H] float16, the last
 layer's state before the final norm (the exact teacher is `adapter.logits(final)`); `teacher_ids` / `teacher_logp`
-[S, k], the final layer's top-k tokens and log-probabilities (the top-k loss needs nothing else).
+[M, k], the final layer's top-k tokens and log-probabilities at the M measured positions, in order (the top-k loss
+needs nothing else; the LM head is not run where nothing is measured). A generated sequence ends at the last token
+the generation fed (prompt + continuation without its last token, which is the last measured position's label).
+
+Where the time goes (default model, 2 threads): generation's decode steps, then the prompts' prefill; the base is
+run in batches of `text_batch` chunks for text and not again for generated sequences. `cache.json` keeps the
+seconds per phase (`timing`).
 
 Several designs and losses train from one cache; only the layers they use must be in it.
 
@@ -37,7 +44,7 @@ import torch
 from eectl.errors import DataError, UsageError
 
 CACHE_FORMAT = "eectl-head-states"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: teacher rows at measured positions only; generated states kept from the generation
 SPLITS = ("train", "held")
 
 
@@ -54,7 +61,8 @@ class CacheSpec:
     chunk_len: int = 256  # teacher-forced chunk length (BOS included)
     teacher_k: int = 32  # the final layer's top-k kept per position
     raw: bool = False  # prompts as is; default: the tokenizer's chat template
-    gen_batch: int = 16  # prompts generated together
+    gen_batch: int = 64  # prompts generated together (decode steps are cheaper per row in larger batches)
+    text_batch: int = 4  # teacher-forced chunks per base call
 
     @classmethod
     def for_budget(cls, layers: list[int], tokens: int, gen_share: float, eval_tokens: int) -> CacheSpec:
@@ -77,8 +85,8 @@ class CacheSpec:
                 raise UsageError(f"{name.replace('_', ' ')} must be >= 0, got {getattr(self, name)}")
         if self.text_tokens + self.gen_tokens <= 0 or self.eval_text_tokens + self.eval_gen_tokens <= 0:
             raise UsageError("the cache needs training and held-out tokens")
-        if self.teacher_k < 2 or self.gen_len < 1 or self.chunk_len < 2 or self.gen_batch < 1:
-            raise UsageError("teacher k >= 2, gen len >= 1, chunk len >= 2 and gen batch >= 1 are needed")
+        if self.teacher_k < 2 or self.gen_len < 1 or self.chunk_len < 2 or min(self.gen_batch, self.text_batch) < 1:
+            raise UsageError("teacher k >= 2, gen len >= 1, chunk len >= 2 and gen/text batch >= 1 are needed")
 
 
 @dataclass
@@ -96,8 +104,8 @@ class Sequence:
     measured: torch.Tensor  # [S] bool
     states: dict[int, torch.Tensor]  # layer -> [S, H] float16
     final: torch.Tensor  # [S, H] float16
-    teacher_ids: torch.Tensor  # [S, k] long
-    teacher_logp: torch.Tensor  # [S, k] float32
+    teacher_ids: torch.Tensor  # [M, k] long, at the measured positions
+    teacher_logp: torch.Tensor  # [M, k] float32
 
 
 @dataclass
@@ -106,6 +114,7 @@ class StateCache:
     identity: dict[str, Any]
     entries: list[Entry] = field(default_factory=list)
     build_s: float = 0.0
+    timing: dict[str, float] = field(default_factory=dict)
     _loaded: OrderedDict[str, Sequence] = field(default_factory=OrderedDict, repr=False)
 
     @property
@@ -134,6 +143,7 @@ class StateCache:
             "held_tokens": {s: self.tokens("held", s) for s in ("text", "gen")},
             "teacher_k": self.identity["spec"]["teacher_k"],
             "build_s": round(self.build_s, 1),
+            "timing": {k: round(v, 1) for k, v in self.timing.items()},
         }
 
 
@@ -169,27 +179,47 @@ def read_sequence(path: Path) -> Sequence:
     )
 
 
-@torch.no_grad()
-def base_sequence(adapter: Any, ids: list[int], measured: torch.Tensor, layers: list[int], k: int) -> Sequence:
-    """The frozen base on one sequence: the cached layers' states, the final state and its top-k."""
-    from eectl.head_losses import TeacherTopK
+class Timing(dict[str, float]):
+    """Seconds per phase of a build (base pass, generation, teacher top-k, writing)."""
 
+    def add(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self[phase] = self.get(phase, 0.0) + now - since
+        return now
+
+
+@torch.no_grad()
+def base_states(adapter: Any, rows: list[list[int]], layers: list[int]) -> list[dict[int, torch.Tensor]]:
+    """The frozen base on sequences of equal length in one call: per row, the cached layers' states (float16) and
+    the final one (key 0, as computed: the teacher is taken from it) [S, H]."""
     wanted = set(layers)
     states: dict[int, torch.Tensor] = {}
 
     def on_layer(i: int, _h_in: torch.Tensor, h_out: torch.Tensor) -> None:
         if i + 1 in wanted:
-            states[i + 1] = h_out[0].to(torch.float16)
+            states[i + 1] = h_out.to(torch.float16)
 
-    x = torch.tensor([ids], dtype=torch.long, device=adapter.device)
-    positions = torch.arange(x.shape[1], device=x.device)[None]
-    final = adapter.forward_layers(adapter.embed(x), positions, 0, adapter.num_layers, None, on_layer=on_layer)[0]
-    teacher = TeacherTopK.of(adapter.logits(final), k)
+    x = torch.tensor(rows, dtype=torch.long, device=adapter.device)
+    positions = torch.arange(x.shape[1], device=x.device)[None].expand_as(x)
+    states[0] = adapter.forward_layers(adapter.embed(x), positions, 0, adapter.num_layers, None, on_layer=on_layer)
+    return [{k: v[r].cpu() for k, v in states.items()} for r in range(len(rows))]
+
+
+@torch.no_grad()
+def make_sequence(
+    adapter: Any, ids: list[int], measured: torch.Tensor, states: dict[int, torch.Tensor], k: int
+) -> Sequence:
+    """A sequence from its states (key 0: the final one): the teacher's top-k at the measured positions."""
+    from eectl.head_losses import TeacherTopK
+
+    final = states[0]
+    teacher = TeacherTopK.of(adapter.logits(final[measured].float()), k)
+    layers = {layer: h for layer, h in states.items() if layer != 0}
     return Sequence(
-        x[0].cpu(),
+        torch.tensor(ids, dtype=torch.long),
         measured,
-        {k_: v.cpu() for k_, v in states.items()},
-        final.to(torch.float16).cpu(),
+        layers,
+        final.to(torch.float16),
         teacher.ids.cpu(),
         teacher.logp.cpu(),
     )
@@ -204,7 +234,12 @@ def _identity(loaded: Any, data: Any, spec: CacheSpec) -> dict[str, Any]:
         "data": data.name,
         "records": len(data.texts),
         # token budgets are left out: a cache can be extended (sequences already there are the same ones)
-        "spec": {k: v for k, v in {**asdict(spec), "layers": sorted(spec.layers)}.items() if k not in _BUDGETS},
+        # so are the batch sizes, which change how fast, not what
+        "spec": {
+            k: v
+            for k, v in {**asdict(spec), "layers": sorted(spec.layers)}.items()
+            if k not in _BUDGETS + ("gen_batch", "text_batch")
+        },
     }
 
 
@@ -241,6 +276,7 @@ def build_cache(
     folder.mkdir(parents=True, exist_ok=True)
     _atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps({"identity": identity, "complete": False})))
     start = time.perf_counter()
+    timing = Timing()
     tok = loaded.tokenizer
     train_data, held_data = _split_data(tok, data, spec)
     entries: list[Entry] = []
@@ -251,10 +287,9 @@ def build_cache(
     for split, part, n_text, n_gen in plan:
         (folder / split).mkdir(exist_ok=True)
         if n_text > 0:
-            entries += _cache_text(adapter, tok, folder, split, part, n_text, spec, on_tokens)
+            entries += _cache_text(adapter, tok, folder, split, part, n_text, spec, timing, on_tokens)
         if n_gen > 0:
-            done = {e.file for e in entries}
-            entries += _cache_generated(adapter, tok, folder, split, part, n_gen, spec, done, on_tokens)
+            entries += _cache_generated(adapter, tok, folder, split, part, n_gen, spec, timing, on_tokens)
         say(f"state cache: {split} part done ({sum(e.tokens for e in entries if e.split == split)} tokens)")
     build_s = time.perf_counter() - start
     doc = {
@@ -262,10 +297,11 @@ def build_cache(
         "complete": True,
         "budgets": {k: getattr(spec, k) for k in _BUDGETS},
         "build_s": build_s,
+        "timing": dict(timing),
         "entries": [asdict(e) for e in entries],
     }
     _atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8"))
-    return StateCache(folder, identity, entries, build_s)
+    return StateCache(folder, identity, entries, build_s, dict(timing))
 
 
 def _split_data(tok: Any, data: Any, spec: CacheSpec) -> tuple[Any, Any]:
@@ -291,26 +327,44 @@ def _cache_text(
     part: Any,
     n_text: int,
     spec: CacheSpec,
+    timing: Timing,
     on_tokens: Callable[[int], None] | None,
 ) -> list[Entry]:
-    """The split's teacher-forced chunks, each computed unless its file is already there."""
+    """The split's teacher-forced chunks, each computed unless its file is already there, `text_batch` at a time."""
     from eectl.data import token_chunks
 
     skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
     body = spec.chunk_len - skip_first  # whole chunks only, so a larger budget extends the same chunks
     n_whole = math.ceil(n_text / body) * body if split == "train" else n_text
-    entries = []
-    for u, chunk in enumerate(token_chunks(tok, part, n_whole, spec.chunk_len)):
+    entries, todo = [], []
+    chunks = [c[0].tolist() for c in token_chunks(tok, part, n_whole, spec.chunk_len)]
+    for u, ids in enumerate(chunks):
         name = f"{split}/text_{u:06d}.safetensors"
-        ids = chunk[0].tolist()
-        n = len(ids) - skip_first
         if not (folder / name).is_file():
-            measured = torch.zeros(len(ids), dtype=torch.bool)
-            measured[skip_first:] = True
-            write_sequence(folder / name, base_sequence(adapter, ids, measured, spec.layers, spec.teacher_k))
-        entries.append(Entry(split, "text", name, n, len(ids)))
-        if on_tokens is not None:
-            on_tokens(n)
+            todo.append((name, ids))
+        entries.append(Entry(split, "text", name, len(ids) - skip_first, len(ids)))
+    done = {e.file: e.tokens for e in entries} if on_tokens is not None else {}
+    if on_tokens is not None:
+        on_tokens(sum(done.values()) - sum(done[n] for n, _ in todo))
+    # equal lengths batch without padding (only a split's last chunk may be shorter)
+    groups: dict[int, list[tuple[str, list[int]]]] = {}
+    for name, ids in todo:
+        groups.setdefault(len(ids), []).append((name, ids))
+    for group in groups.values():
+        for g0 in range(0, len(group), spec.text_batch):
+            part_ = group[g0 : g0 + spec.text_batch]
+            t = time.perf_counter()
+            states = base_states(adapter, [ids for _, ids in part_], spec.layers)
+            t = timing.add("text base", t)
+            for (name, ids), st in zip(part_, states, strict=True):
+                measured = torch.zeros(len(ids), dtype=torch.bool)
+                measured[skip_first:] = True
+                seq = make_sequence(adapter, ids, measured, st, spec.teacher_k)
+                t = timing.add("teacher", t)
+                write_sequence(folder / name, seq)
+                t = timing.add("write", t)
+                if on_tokens is not None:
+                    on_tokens(done[name])
     return entries
 
 
@@ -322,65 +376,73 @@ def _cache_generated(
     part: Any,
     n_gen: int,
     spec: CacheSpec,
-    done: set[str],
+    timing: Timing,
     on_tokens: Callable[[int], None] | None,
 ) -> list[Entry]:
-    """The split's prompts + greedy continuations until `n_gen` measured tokens; files already there are kept."""
+    """The split's prompts + greedy continuations until `n_gen` measured tokens; files already there are kept.
+    The generation keeps the states it computes (calibrate's generator with `keep_layers`): the base does not run
+    again on the generated sequences."""
     from eectl.calibrate_measure import generate_continuations, prompt_ids
 
     max_prompt = max(8, min(adapter.dims.max_positions, 4096) - spec.gen_len - 1)
     prompts = prompt_ids(tok, part.prompts, max_prompt, spec.raw)
     eos = getattr(tok, "eos_token_id", None)
-    entries = []
-    # Generation is the slow part: continuations are generated batch by batch and cached one by one.
+    entries: list[Entry] = []
     got = 0
-    order = list(range(len(prompts)))
-    for b0 in range(0, len(order), spec.gen_batch * 4):
+    window = spec.gen_batch * 4  # generate_continuations sorts prompts by length within windows of 4 batches
+    for b0 in range(0, len(prompts), window):
         if got >= n_gen:
             break
-        window = order[b0 : b0 + spec.gen_batch * 4]
-        todo = [i for i in window if not (folder / f"{split}/gen_{i:06d}.safetensors").is_file()]
-        conts = (
-            {
-                c.unit: c.generated
-                for c in generate_continuations(
-                    adapter,
-                    [prompts[i] for i in todo],
-                    len(todo) * spec.gen_len,
-                    spec.gen_len,
-                    eos,
-                    spec.gen_batch,
-                )[0]
-            }
-            if todo
-            else {}
-        )
-        for i in window:
-            if got >= n_gen:
-                break
-            name = f"{split}/gen_{i:06d}.safetensors"
-            if i in todo:
-                cont = conts.get(todo.index(i), [])
-                if not cont:
-                    continue
-                ids = prompts[i] + cont
+        members = range(b0, min(b0 + window, len(prompts)))
+        todo = [i for i in members if not (folder / f"{split}/gen_{i:06d}.safetensors").is_file()]
+        if todo:
+            t = time.perf_counter()
+            conts, _ = generate_continuations(
+                adapter,
+                [prompts[i] for i in todo],
+                min(len(todo) * spec.gen_len, n_gen - got),
+                spec.gen_len,
+                eos,
+                spec.gen_batch,
+                keep_layers=spec.layers,
+            )
+            t = timing.add("generation", t)
+            for c in conts:
+                assert c.states is not None
+                p, n = len(c.prompt), len(c.generated)
+                # position j predicts token j + 1: the last prompt position predicts the first continuation token;
+                # the last generated token is only a label (no step fed it), so the sequence ends before it
+                ids = (c.prompt + c.generated)[: p + n - 1]
                 measured = torch.zeros(len(ids), dtype=torch.bool)
-                # position j predicts token j + 1: the last prompt position predicts the first continuation
-                measured[len(prompts[i]) - 1 : len(ids) - 1] = True
-                write_sequence(folder / name, base_sequence(adapter, ids, measured, spec.layers, spec.teacher_k))
-            if name in done:
+                measured[p - 1 :] = True
+                seq = make_sequence(adapter, ids, measured, c.states, spec.teacher_k)
+                t = timing.add("teacher", t)
+                write_sequence(folder / f"{split}/gen_{todo[c.unit]:06d}.safetensors", seq)
+                t = timing.add("write", t)
+        for i in members:
+            name = f"{split}/gen_{i:06d}.safetensors"
+            if got >= n_gen or not (folder / name).is_file():
                 continue
-            seq_measured = int(read_sequence(folder / name).measured.sum())
-            entries.append(Entry(split, "gen", name, seq_measured, 0))
-            got += seq_measured
+            n, length = _counts(folder / name)
+            entries.append(Entry(split, "gen", name, n, length))
+            got += n
             if on_tokens is not None:
-                on_tokens(seq_measured)
+                on_tokens(n)
     if got < n_gen:
         raise DataError(
             f"the {split} part's {len(prompts)} prompts gave only {got} generated tokens, fewer than {n_gen}",
             hint="lower the generated token budget or pass more data",
         )
     return entries
+
+
+def _counts(path: Path) -> tuple[int, int]:
+    """A sequence file's measured positions and length, without reading its states."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
+        measured = f.get_tensor("measured")
+    return int(measured.sum()), int(measured.numel())
 
 
 def open_cache(folder: Path) -> StateCache:
@@ -390,4 +452,5 @@ def open_cache(folder: Path) -> StateCache:
     doc = json.loads(meta_path.read_text(encoding="utf-8"))
     if not doc.get("complete"):
         raise UsageError(f"the state cache in {folder} is incomplete", hint="run the build again to finish it")
-    return StateCache(folder, doc["identity"], [Entry(**e) for e in doc["entries"]], float(doc.get("build_s", 0)))
+    entries = [Entry(**e) for e in doc["entries"]]
+    return StateCache(folder, doc["identity"], entries, float(doc.get("build_s", 0)), doc.get("timing", {}))

@@ -235,7 +235,7 @@ def _cached_loss(
         for i, a, b in stream.batch(step):
             seq = cache.load(entries[i])
             idx = torch.nonzero(seq.measured).flatten()[a:b]
-            teachers.append(TeacherTopK(seq.teacher_ids[idx], seq.teacher_logp[idx]))
+            teachers.append(TeacherTopK(seq.teacher_ids[a:b], seq.teacher_logp[a:b]))  # rows: measured only
             if config.loss == "exact":
                 finals.append(seq.final[idx])
             for layer in exits:

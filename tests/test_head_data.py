@@ -53,23 +53,31 @@ def test_state_cache_holds_the_base_states_and_resumes(llama, gsm8k, tmp_path):
     assert cache.tokens("train", "text") >= 200 and cache.tokens("train", "gen") >= 40
     assert cache.tokens("held", "text") == 64 and cache.tokens("held", "gen") >= 4
     adapter = llama.adapter
-    entry = cache.split("train", ("gen",))[0]
-    seq = read_sequence(cache.folder / entry.file)
-    # the cached states are the base's own (float16), and the teacher is the final layer's top-k
-    states = {}
-    x = seq.ids[None]
-    pos = torch.arange(x.shape[1])[None]
+    assert set(cache.timing) == {"text base", "generation", "teacher", "write"}
+    for entry in cache.split("train", ("gen",))[:3] + cache.split("train", ("text",))[:1]:
+        seq = read_sequence(cache.folder / entry.file)
+        assert entry.length == seq.ids.numel() and entry.tokens == int(seq.measured.sum())
+        # the cached states (kept from the batched, left-padded generation for generated sequences) are the
+        # base's own on the sequence alone (float16), and the teacher is the final layer's top-k where measured
+        states = {}
+        x = seq.ids[None]
+        pos = torch.arange(x.shape[1])[None]
 
-    def grab(i, _a, out):
-        states[i + 1] = out[0]
+        def grab(i, _a, out):
+            states[i + 1] = out[0]
 
-    final = adapter.forward_layers(adapter.embed(x), pos, 0, adapter.num_layers, None, on_layer=grab)[0]
-    for layer in (2, 4):
-        torch.testing.assert_close(seq.states[layer].float(), states[layer], rtol=1e-2, atol=1e-2)
-    assert torch.equal(seq.teacher_ids[:, 0], adapter.logits(final).argmax(-1))
-    # generated sequences: measured positions predict the greedy continuation (the teacher's top-1 is the next id)
-    idx = torch.nonzero(seq.measured).flatten()
-    assert torch.equal(seq.teacher_ids[idx[:-1], 0], seq.ids[idx[:-1] + 1])
+        final = adapter.forward_layers(adapter.embed(x), pos, 0, adapter.num_layers, None, on_layer=grab)[0]
+        for layer in (2, 4):
+            torch.testing.assert_close(seq.states[layer].float(), states[layer], rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(seq.final.float(), final, rtol=1e-2, atol=1e-2)
+        idx = torch.nonzero(seq.measured).flatten()
+        assert seq.teacher_ids.shape == (idx.numel(), 4)
+        assert torch.equal(seq.teacher_ids[:, 0], adapter.logits(final[idx]).argmax(-1))
+        if entry.source == "gen":
+            # measured positions predict the greedy continuation: the last prompt position onwards, the teacher's
+            # top-1 is the next id (the last one's label, the continuation's last token, is not stored)
+            assert bool(seq.measured[idx[0] :].all()) and int(idx[-1]) == seq.ids.numel() - 1
+            assert torch.equal(seq.teacher_ids[:-1, 0], seq.ids[idx[:-1] + 1])
     # a second build with a larger budget keeps the sequences already there and adds new ones
     before = {e.file: (cache.folder / e.file).stat().st_mtime_ns for e in cache.entries}
     spec.text_tokens = 260
@@ -190,3 +198,30 @@ def test_calibrate_runs_block_heads_on_text_and_generation(llama, gsm8k, tmp_pat
     opts = CalibrateOptions(exits=[2, 4], target=0.5, tokens=400, gen_tokens=4, chunk_len=32)
     cal = calibrate_model(llama, gsm8k, opts, heads.heads, tmp_path / "b.safetensors")
     assert cal.data.generated_tokens == 100 and [x.head for x in cal.exits] == [True, True]
+
+
+def test_generation_keeps_the_states_calibrate_does_not_ask_for(llama, gsm8k):
+    """Calibrate's generator, shared with the state cache: keeping states changes no token, and the kept states
+    are the ones the generation computed (prompt and fed tokens of each row, padding left out)."""
+    from eectl.calibrate_measure import generate_continuations, prompt_ids
+
+    adapter = llama.adapter
+    prompts = prompt_ids(llama.tokenizer, gsm8k.prompts[:5], 64)
+    plain, used = generate_continuations(adapter, prompts, 17, 4, None, batch_size=3)
+    kept, used_k = generate_continuations(adapter, prompts, 17, 4, None, batch_size=3, keep_layers=[3])
+    assert used == used_k and [c.generated for c in plain] == [c.generated for c in kept]
+    assert sum(len(c.generated) for c in kept) == 17 and plain[0].states is None
+    for c in kept:
+        ids = torch.tensor([(c.prompt + c.generated)[:-1]])
+        states = {}
+        final = adapter.forward_layers(
+            adapter.embed(ids),
+            torch.arange(ids.shape[1])[None],
+            0,
+            adapter.num_layers,
+            None,
+            on_layer=lambda i, _a, out: states.__setitem__(i + 1, out[0]),
+        )[0]
+        assert set(c.states) == {0, 3} and c.states[3].dtype == torch.float16
+        torch.testing.assert_close(c.states[3].float(), states[3], rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(c.states[0], final, rtol=1e-4, atol=1e-4)
