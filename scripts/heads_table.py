@@ -46,10 +46,12 @@ def build(a: argparse.Namespace) -> None:
         gen_tokens=a.gen,
         eval_text_tokens=a.eval_text,
         eval_gen_tokens=a.eval_gen,
+        gen_batch=a.gen_batch,
     )
     total = a.text + a.gen + a.eval_text + a.eval_gen
     cache = build_cache(loaded, load_text_data(a.data), spec, Path(a.cache), _progress(total, "states"), print)
     print(json.dumps(cache.describe(), indent=1))
+    print(f"{total / cache.build_s:.1f} tokens/s over this build's {cache.build_s:.0f} s (files already there count)")
 
 
 def train(a: argparse.Namespace) -> None:
@@ -185,6 +187,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=4000)
     ap.add_argument("--eval-text", type=int, default=4000)
     ap.add_argument("--eval-gen", type=int, default=2000)
+    ap.add_argument("--gen-batch", type=int, default=64)
     ap.add_argument("--design", default="residual-linear")
     ap.add_argument("--rank", type=int, default=None)
     ap.add_argument("--block-init", default="last")
