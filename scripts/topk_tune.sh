@@ -8,10 +8,11 @@ export PYTHONPATH=$PWD
 P=/work/main/.venv/bin/python
 CACHE=${1:?cache folder}
 TOKENS=${2:-6400}
-EVAL=${3:-6000}
+EVAL=${3:-4000}
+RUNS=${4:-"exact:-1 topk:1024 topk:4096 topk:16384 topk:-1"}
 uptime
-for run in "exact -1" "topk 1024" "topk 4096" "topk 16384" "topk -1" "exact -1" "topk 4096"; do
-  set -- $run
+for run in $RUNS; do
+  set -- ${run/:/ }
   out=artifacts/tune-$1-$2.safetensors
   $P scripts/heads_table.py train --cache "$CACHE" --design residual-linear --loss $1 --tail $2 --tokens $TOKENS \
     --batch 64 --eval-report $EVAL --out $out 2>/dev/null >artifacts/tune.log

@@ -37,6 +37,19 @@ def test_topk_tail_kl_with_the_whole_vocabulary_is_the_exact_kl(llama):
     torch.testing.assert_close(kl_s, kl_k, rtol=1e-4, atol=1e-5)
 
 
+def _alone(adapter, ids):
+    """The base on one sequence alone: the state after every layer, and the final one."""
+    states = {}
+
+    def grab(i, _a, out):
+        states[i + 1] = out[0]
+
+    x = ids[None]
+    pos = torch.arange(x.shape[1])[None]
+    final = adapter.forward_layers(adapter.embed(x), pos, 0, adapter.num_layers, None, None, grab)
+    return states, final[0]
+
+
 def test_state_cache_holds_the_base_states_and_resumes(llama, gsm8k, tmp_path):
     spec = CacheSpec(
         layers=[2, 4],
@@ -59,14 +72,7 @@ def test_state_cache_holds_the_base_states_and_resumes(llama, gsm8k, tmp_path):
         assert entry.length == seq.ids.numel() and entry.tokens == int(seq.measured.sum())
         # the cached states (kept from the batched, left-padded generation for generated sequences) are the
         # base's own on the sequence alone (float16), and the teacher is the final layer's top-k where measured
-        states = {}
-        x = seq.ids[None]
-        pos = torch.arange(x.shape[1])[None]
-
-        def grab(i, _a, out):
-            states[i + 1] = out[0]
-
-        final = adapter.forward_layers(adapter.embed(x), pos, 0, adapter.num_layers, None, on_layer=grab)[0]
+        states, final = _alone(adapter, seq.ids)
         for layer in (2, 4):
             torch.testing.assert_close(seq.states[layer].float(), states[layer], rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(seq.final.float(), final, rtol=1e-2, atol=1e-2)
@@ -212,16 +218,7 @@ def test_generation_keeps_the_states_calibrate_does_not_ask_for(llama, gsm8k):
     assert used == used_k and [c.generated for c in plain] == [c.generated for c in kept]
     assert sum(len(c.generated) for c in kept) == 17 and plain[0].states is None
     for c in kept:
-        ids = torch.tensor([(c.prompt + c.generated)[:-1]])
-        states = {}
-        final = adapter.forward_layers(
-            adapter.embed(ids),
-            torch.arange(ids.shape[1])[None],
-            0,
-            adapter.num_layers,
-            None,
-            on_layer=lambda i, _a, out: states.__setitem__(i + 1, out[0]),
-        )[0]
+        states, final = _alone(adapter, torch.tensor((c.prompt + c.generated)[:-1]))
         assert set(c.states) == {0, 3} and c.states[3].dtype == torch.float16
         torch.testing.assert_close(c.states[3].float(), states[3], rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(c.states[0], final, rtol=1e-4, atol=1e-4)
