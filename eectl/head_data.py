@@ -135,6 +135,23 @@ class StateCache:
                 self._loaded.popitem(last=False)
         return self._loaded[entry.file]
 
+    def frequent_tokens(self, entries: list[Entry], n: int) -> torch.Tensor:
+        """The n most frequent teacher top-1 tokens over `entries` (sorted ids; ties by id, so deterministic)."""
+        from safetensors import safe_open
+
+        counts = torch.zeros(0, dtype=torch.long)
+        for entry in entries:
+            with safe_open(str(self.folder / entry.file), framework="pt") as f:  # type: ignore[no-untyped-call]
+                top1 = f.get_tensor("teacher_ids")[:, 0].long()
+            c = torch.bincount(top1)
+            if c.numel() > counts.numel():
+                c[: counts.numel()] += counts
+                counts = c
+            else:
+                counts[: c.numel()] += c
+        order = sorted(range(counts.numel()), key=lambda i: (-int(counts[i]), i))
+        return torch.tensor(sorted(order[:n]), dtype=torch.long)
+
     def describe(self) -> dict[str, Any]:
         return {
             "folder": str(self.folder),

@@ -53,6 +53,7 @@ def topk_tail_kl(
     teacher: TeacherTopK,
     tail_samples: int | None,
     generator: torch.Generator | None = None,
+    shortlist: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KL over buckets {teacher's top-k tokens one by one, everything else}, for E exits at once.
 
@@ -60,13 +61,15 @@ def topk_tail_kl(
     normaliser Z = sum over V of exp(z): with `tail_samples` None it is exact (every LM-head row, as costly as the
     exact KL's forward); otherwise Z = sum over S (the union of the batch's teacher top-k ids) + an unbiased
     estimate of the rest from `tail_samples` rows drawn uniformly outside S, so only |S| + tail_samples rows of
-    the LM head are read (about 1.5K of 49K for SmolLM2 at k = 32, B = 32). Returns (soft cross-entropy, KL)
-    per exit [E], means over the B tokens; KL = soft CE - the teacher's bucket entropy.
+    the LM head are read (about 1.5K of 49K for SmolLM2 at k = 32, B = 32). `shortlist` (token ids, e.g. the most
+    frequent teacher tokens of the training data) joins S: the rows where a student's tail mass mostly sits are
+    then counted exactly, not estimated (the sampled estimate's variance is what biases log Z). Returns (soft
+    cross-entropy, KL) per exit [E], means over the B tokens; KL = soft CE - the teacher's bucket entropy.
     """
     E, B, _ = mapped.shape
     V = lens.lm_head_weight.shape[0]
     normed = lens.norm(mapped)  # [E, B, H]
-    support = torch.unique(teacher.ids)  # [M] sorted
+    support = torch.unique(teacher.ids if shortlist is None else torch.cat([teacher.ids.flatten(), shortlist]))
     if tail_samples is None:
         rows = torch.arange(V, device=mapped.device)
         pos = teacher.ids  # row index = token id

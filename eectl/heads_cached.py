@@ -62,6 +62,7 @@ class CachedConfig:
     seed: int = 0
     loss: str = "topk"
     tail_samples: int | None = DEFAULT_TAIL_SAMPLES  # None: the exact normaliser (all LM-head rows)
+    shortlist: int = 0  # topk: the training split's most frequent teacher top-1 tokens, always counted exactly
     precision: str = "fp32"  # or "bf16" (autocast on the CPU)
     sources: tuple[str, ...] = ("text", "gen")
     save_every: int = 50
@@ -172,13 +173,14 @@ def train_cached(
         history = [list(h) for h in state["history"]]
         say(f"resumed from {resume} at step {step}/{config.steps}")
     lens = ExitHead(adapter)
+    shortlist = cache.frequent_tokens(entries, config.shortlist) if config.shortlist > 0 else None
 
     start = time.perf_counter()
     train_s = 0.0
     stack.train()
     while step < config.steps:
         t0 = time.perf_counter()
-        total, kl = _cached_loss(adapter, lens, cache, entries, stream, stack, config, step)
+        total, kl = _cached_loss(adapter, lens, cache, entries, stream, stack, config, step, shortlist)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config.steps, config.lr)
         optimizer.zero_grad(set_to_none=True)
@@ -222,6 +224,7 @@ def _cached_loss(
     stack: HeadStack,
     config: CachedConfig,
     step: int,
+    shortlist: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's batch through every exit's head: (the loss summed over exits, KL per exit [E], detached)."""
     exits = config.exits
@@ -249,7 +252,7 @@ def _cached_loss(
         teacher = TeacherTopK.cat(teachers)
         if config.loss == "topk":
             g = torch.Generator().manual_seed(config.seed * 1_000_003 + step)  # resumable: a function of step
-            soft_ce, kl = topk_tail_kl(lens, mapped, teacher, config.tail_samples, g)
+            soft_ce, kl = topk_tail_kl(lens, mapped, teacher, config.tail_samples, g, shortlist)
         else:
             with torch.no_grad():
                 logp = F.log_softmax(adapter.logits(torch.cat(finals).float()), dim=-1)
@@ -300,6 +303,7 @@ def _cached_meta(
             "loss": config.loss,
             "teacher_k": cache.identity["spec"]["teacher_k"],
             "tail_samples": config.tail_samples,
+            "shortlist": config.shortlist,
             "precision": config.precision,
             "device": "cpu",
             "seed": config.seed,

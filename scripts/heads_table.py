@@ -74,6 +74,7 @@ def train(a: argparse.Namespace) -> None:
         seed=a.seed,
         loss=a.loss,
         tail_samples=None if a.tail < 0 else a.tail,
+        shortlist=a.shortlist,
         precision=a.precision,
         sources=tuple(a.sources.split(",")),
         save_every=max(10, steps // 10),
@@ -197,6 +198,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--loss", default="topk")
     ap.add_argument("--tail", type=int, default=1024, help="tail samples; -1: the exact normaliser")
+    ap.add_argument("--shortlist", type=int, default=0, help="topk: most frequent teacher tokens counted exactly")
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--sources", default="text,gen")
     ap.add_argument("--out", default=None)

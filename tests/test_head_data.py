@@ -222,3 +222,17 @@ def test_generation_keeps_the_states_calibrate_does_not_ask_for(llama, gsm8k):
         assert set(c.states) == {0, 3} and c.states[3].dtype == torch.float16
         torch.testing.assert_close(c.states[3].float(), states[3], rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(c.states[0], final, rtol=1e-4, atol=1e-4)
+
+
+def test_shortlist_rows_join_the_exact_part_of_the_normaliser(llama):
+    """With every row outside the teacher's top-k in the shortlist, the sampled tail is empty and the loss is the
+    bucketed KL with the exact normaliser."""
+    adapter = llama.adapter
+    lens = ExitHead(adapter)
+    g = torch.Generator().manual_seed(0)
+    H, V = adapter.dims.hidden_size, adapter.dims.vocab_size
+    mapped = torch.randn(2, 5, H, generator=g)
+    teacher = TeacherTopK.of(torch.randn(5, V, generator=g) * 3, 8)
+    _, exact_z = topk_tail_kl(lens, mapped, teacher, None)
+    _, all_listed = topk_tail_kl(lens, mapped, teacher, 16, torch.Generator().manual_seed(1), torch.arange(V))
+    torch.testing.assert_close(all_listed, exact_z, rtol=1e-4, atol=1e-5)
