@@ -17,7 +17,10 @@ from eectl.exits import ExitHead
 
 LOSSES = ("exact", "topk")
 DEFAULT_TEACHER_K = 32
-DEFAULT_TAIL_SAMPLES = 1024
+# 4,096 sampled + the 4,096 most frequent tokens: held-out agreement within 0.3 points of the exact KL at 4.8x its
+# tokens/s on the default model (README, train-heads); 1,024 alone is 20x but about one point lower
+DEFAULT_TAIL_SAMPLES = 4096
+DEFAULT_SHORTLIST = 4096
 
 
 @dataclass

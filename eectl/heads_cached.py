@@ -43,7 +43,7 @@ from eectl.head_designs import (
     save_heads,
     sidecar_path,
 )
-from eectl.head_losses import DEFAULT_TAIL_SAMPLES, LOSSES, TeacherTopK, topk_tail_kl
+from eectl.head_losses import DEFAULT_SHORTLIST, DEFAULT_TAIL_SAMPLES, LOSSES, TeacherTopK, topk_tail_kl
 from eectl.heads import TrainResult, lr_at
 from eectl.heads_meta import HeadCost, HeadsMeta
 from eectl.heads_report import ChunkPass, EvalResult, evaluate, final_kl, heads_meta
@@ -62,7 +62,7 @@ class CachedConfig:
     seed: int = 0
     loss: str = "topk"
     tail_samples: int | None = DEFAULT_TAIL_SAMPLES  # None: the exact normaliser (all LM-head rows)
-    shortlist: int = 0  # topk: the training split's most frequent teacher top-1 tokens, always counted exactly
+    shortlist: int = DEFAULT_SHORTLIST  # topk: the training split's most frequent teacher top-1 tokens, always counted exactly
     precision: str = "fp32"  # or "bf16" (autocast on the CPU)
     sources: tuple[str, ...] = ("text", "gen")
     save_every: int = 50
