@@ -62,7 +62,7 @@ class CachedConfig:
     seed: int = 0
     loss: str = "topk"
     tail_samples: int | None = DEFAULT_TAIL_SAMPLES  # None: the exact normaliser (all LM-head rows)
-    shortlist: int = DEFAULT_SHORTLIST  # topk: the training split's most frequent teacher top-1 tokens, always counted exactly
+    shortlist: int = DEFAULT_SHORTLIST  # topk: the most frequent teacher top-1 tokens, always counted exactly
     precision: str = "fp32"  # or "bf16" (autocast on the CPU)
     sources: tuple[str, ...] = ("text", "gen")
     save_every: int = 50
