@@ -41,6 +41,7 @@ import numpy as np
 
 from eectl.errors import UsageError
 from eectl.runtime.blocks import active_block, run_block
+from eectl.runtime.device_ops import concat
 
 if TYPE_CHECKING:
     from eectl.runtime.runner import RowState, RunConfig
@@ -128,11 +129,11 @@ class Defer(KVPolicy):
     def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
         pend = st.pending[s]
         st.pending[s] = None
-        return h if pend is None else np.concatenate([pend, h], axis=1)
+        return h if pend is None else concat(self.rt, [pend, h], 1)
 
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
         prev = st.pending[s + 1]
-        st.pending[s + 1] = out if prev is None else np.concatenate([prev, out], axis=1)
+        st.pending[s + 1] = out if prev is None else concat(self.rt, [prev, out], 1)
 
 
 @register_policy
