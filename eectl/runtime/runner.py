@@ -398,10 +398,10 @@ class Runner:
                     st.exit_layers.append(layer)
                     if st.forced is not None:
                         if own is None:  # the exit's full vocabulary (after its block head, where it has one)
-                            own = self.rt.exit_full(layer, exit_in[0, -1:], self.cfg.top_k)[0][0]
-                        token = self._forced(st, own)
+                            own = (self.rt.exit_full(layer, exit_in[0, -1:], self.cfg.top_k)[0][0], None)
+                        token = self._forced(st, own[0])
                     else:
-                        token = self._pick(own) if own is not None else self._pick_score(score, i)
+                        token = self._pick(*own) if own is not None else self._pick_score(score, i)
                     self.policy.on_exit(row, st, kv, s, out, token)
                     if st.forced is None:
                         yield from self._ride(st, s)
@@ -524,12 +524,12 @@ class Runner:
         """Steps with active exits executed as the binding plan says (runtime/binding.py): while generating, hidden
         states, KV and full logits stay device values between graphs (`ArtifactRuntime.resident`); only the exit
         tests' K candidate ids and scores or one scalar per row, and the tokens, are read on the host. By default
-        only off the CPU EP (`RunConfig.device_resident`); greedy only; not for river (its int4 copies' end picks
-        from the full vocabulary on the host)."""
+        only off the CPU EP (`RunConfig.device_resident`); greedy only (sampling and teacher-forced scoring pick from
+        the full vocabulary on the host: they run the host path)."""
         wanted = self.cfg.device_resident
         if wanted is None:
             wanted = self.rt.device != "cpu"
-        on = bool(wanted and self.exits and self.cfg.temperature <= 0 and not self.policy.needs_river_copies)
+        on = bool(wanted and self.exits and self.cfg.temperature <= 0)
         before = self.rt.resident
         self.rt.resident = on
         try:

@@ -537,7 +537,8 @@ class ArtifactRuntime:
         river = river and layer in self.river_heads
         g = self.river_heads[layer] if river else self.full_graphs[layer]
         if self.resident:
-            return self._resident_exit(g, "exit_full", layer, hidden, top_k, "river-head" if river else "full")
+            graph = "river_head" if river else "exit_full"
+            return self._resident_exit(g, graph, layer, hidden, top_k, "river-head" if river else "full")
         n, dt = hidden.shape[0], self.np_dtype
         outputs: _Shapes = {
             "logits": ((n, self.manifest.dims["vocab_size"]), dt),
@@ -584,26 +585,28 @@ class ArtifactRuntime:
             np.copyto(b.inputs[name], value, casting="unsafe")
         g.session.run_with_iobinding(b.io)
 
-    def greedy_token(self, layer: int, hidden: np.ndarray) -> np.ndarray:
+    def greedy_token(self, layer: int, hidden: Any, river: bool = False) -> np.ndarray:
         """hidden [N, H] -> the argmax token [N] at exit `layer`, computed in the graph.
 
         Only the token is copied out; the logits and a Top-1 (k = 1: a scan, not a sort) land in scratch arrays
         that stay bound across calls.
         """
-        g = self.full_graphs[layer]
-        if "token" not in g.io.outputs:  # an artifact exported before the token output
+        river = river and layer in self.river_heads  # the river's own quantized head where the artifact has one
+        g = self.river_heads[layer] if river else self.full_graphs[layer]
+        if "token" not in g.io.outputs or river and not self.resident:  # no in-graph argmax (or its binding) here
             if self.resident:  # its Top-1: the logits stay on the device
-                return self.exit_full(layer, hidden, 2)[1][:, 0]
-            return self.exit_full(layer, hidden, 2)[0].argmax(-1)
+                return self.exit_full(layer, hidden, 2, river=river)[1][:, 0]
+            return self.exit_full(layer, hidden, 2, river=river)[0].argmax(-1)
         x = self._host(hidden, self.np_dtype)
         n = x.shape[0]
         if self.resident:  # the logits and the Top-1 stay on the device; the token is read
-            bound = self._call("resident-greedy", layer, g, "lm_head")
+            bound = self._call("resident-greedy-river" if river else "resident-greedy", layer, g, "lm_head")
             self._bind_array(bound.io, g.name("top_k"), _TOP_1)  # k = 1: a scan, not a sort
             for key in ("logits", "candidates", "candidate_logits"):
                 bound.io.bind_output(g.name(key), self.device)
             self._bind_array(bound.io, g.name("hidden"), x)
-            token = self._read(bound.io, g.name("token"), (n,), np.int64, ("exit_full", layer, "token"))
+            where = ("river_head" if river else "exit_full", layer, "token")
+            token = self._read(bound.io, g.name("token"), (n,), np.int64, where)
             g.session.run_with_iobinding(bound.io)
             return token
         call = self._calls.get(("greedy", layer))
