@@ -21,7 +21,14 @@ a segment's input, the `defer`/`verify` pending states), `logsumexp` (full-vocab
 logits: p1 = exp(l1 - lse)), `cosine` (the transition cosine of a segment's last layer, one scalar per row) and
 `cosine_min` (the minimum transition cosine over a segment's block states, `layer_states`, one scalar per row).
 The `river` policy's exited token runs the int4 river copies of the later segments (`river_segment`, the segment's
-bindings) and, predicting at the river's end, the final head (`river_head` where the artifact quantized it).
+bindings) and, predicting at the river's end, the final head (`river_head` where the artifact quantized it). Block
+exit heads (`block`: one decoder layer with its own KV, runtime/blocks.py) run after their segment while their exit
+is active, and `block_kv` fills a skipped block's KV under copy; an artifact with a candidate source graph
+(shortlist, int8) picks the first exit's candidates with it (`candidates`).
+
+Who executes it: runtime/device_path.py for full-depth greedy batch steps (bound calls, no Python per row), and the
+runner itself for steps with active exits (`ArtifactRuntime.resident`: every state output a DeviceView, each host
+read recorded in `ArtifactRuntime.host_reads`, which tests compare with this plan per step).
 
 What this module does not do: create sessions or run graphs (sessions.py), or decide exits (runner.py).
 """

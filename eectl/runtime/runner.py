@@ -11,6 +11,10 @@ position (runtime/batch.py; per-row lengths), the final head once for all rows t
 early sit out the deeper calls (they ride along on a scratch slot: GQA cannot skip rows); rows with several
 positions (prefill, deferred positions) run single-row calls on their rows of the same buffers, and so do the
 river policy's int4 copies after an exit (`KVPolicy.predict`). Block states (cosine-min) come from the batched call.
+
+Device-resident (`RunConfig.device_resident`, the default off the CPU EP): the same loop with every state a device
+value (sessions.DeviceView) handed between graphs, joined and sliced on the device (device_ops.concat, views), and
+exit tests reading K scores or one scalar per row (runtime/resident.py): the binding plan (binding.py), executed.
 What this module does not do: tokenise or format output (generate.py / cli/), or load torch models.
 """
 
@@ -65,8 +69,10 @@ class RunConfig:
     # call is compute-bound and the padding costs what the shared call saves (default model, 16 HumanEval prompts
     # of 88-189 tokens: padded 14.7 s vs single-row 13.6 s)
     batch_prompts: bool | None = None
-    # full-depth greedy decode steps of a batch executed as the binding plan says (runtime/device_path.py): hidden
-    # states and logits stay device values between graphs, only the token is read. None: on non-CPU providers.
+    # greedy steps executed as the binding plan says: hidden states, KV and logits stay device values between
+    # graphs; only the exit tests' K ids/scores or one scalar per row, and the tokens, are read (full depth:
+    # runtime/device_path.py; with exits: the runner's loop in resident mode). None: on non-CPU providers (on the
+    # CPU EP the host path's bound numpy arrays are the same memory, with less work per call)
     device_resident: bool | None = None
     river_predict: str = "end"  # river: the token from the river's end (final head) or from the exit itself
     stop_ids: tuple[int, ...] = ()
