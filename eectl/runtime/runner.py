@@ -35,15 +35,13 @@ from eectl.exits import (
     FirstExitTopK,
     get_signal,
 )
+from eectl.plan import BOUND_POLICIES
 from eectl.recipe import check_exit_layers
 from eectl.runtime.batch import BatchKV, new_batch_kv, prefill_runs, run_prefill, run_rows
 from eectl.runtime.blocks import active_block, run_block, run_block_rows
 from eectl.runtime.chain import DecodeChain, Handover, chain_exits_supported
 from eectl.runtime.policies import Defer, KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
-
-# policies whose exit steps run on the bound chain: an exited token needs only its state (runtime/chain.py)
-CHAIN_POLICIES = ("defer", "verify", "copy")
 
 
 @dataclass
@@ -537,7 +535,7 @@ class Runner:
         if any(g.session is None for g in self.rt.segments):  # a runtime holding one segment at a time
             return None
         if self.exits and (
-            self.cfg.policy not in CHAIN_POLICIES or not chain_exits_supported(self.rt, self.exits, self.signal)
+            self.cfg.policy not in BOUND_POLICIES or not chain_exits_supported(self.rt, self.exits, self.signal)
         ):
             return None
         thresholds = {e: self.cfg.thresholds[e] for e in self.exits}
