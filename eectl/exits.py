@@ -495,13 +495,15 @@ def decision_nodes(b: OpBuilder, logits: str, ids: str | None, thresholds: str) 
     m = b.op("ReduceMax", [z, last], keepdims=1)  # [N, 1]
     total = b.op("ReduceSum", [b.op("Exp", [b.op("Sub", [z, m])]), last], keepdims=1)
     prob = b.op("Reciprocal", [total])
-    top2, _ = b.op("TopK", [z, ints("two", 2)], 2, axis=-1, largest=1, sorted=1)  # [N, 2]
-    second = b.op("Slice", [top2, ints("from", 1), ints("to", 2), last])  # [N, 1]
+    idx = b.op("ArgMax", [z], axis=-1, keepdims=1)  # [N, 1], the first on ties as numpy
+    # the top-2 as numpy finds it: the top-1 entry out (-inf), the largest left (a tie: equal; K = 1: -inf, margin =
+    # prob)
+    minus_inf = b.op("Add", [m, b.const(b.fresh("minus_inf"), np.array([-np.inf], np.float32), False)])
+    second = b.op("ReduceMax", [b.op("ScatterElements", [z, idx, minus_inf], axis=1), last], keepdims=1)
     margin = b.op("Sub", [prob, b.op("Div", [b.op("Exp", [b.op("Sub", [second, m])]), total])])
     values = b.op("Concat", [prob, margin], axis=-1)  # [N, 2], GRAPH_CRITERIA order
     met = b.op("Cast", [b.op("Not", [b.op("Less", [values, thresholds])])], to=TensorProto.INT32)  # value >= t
     passed = b.op("Cast", [b.op("ReduceMin", [met, last], keepdims=0)], to=TensorProto.BOOL)  # [N]: every criterion
-    idx = b.op("ArgMax", [z], axis=-1, keepdims=1)  # [N, 1], the first on ties as numpy
     token = idx if ids is None else b.op("GatherElements", [ids, idx], axis=1)
     return passed, b.op("Squeeze", [token, last])
 

@@ -82,3 +82,14 @@ def test_the_graph_thresholds_cover_every_softmax_criterion():
     assert t.dtype == np.float32 and t[0] == -np.inf and t[1] == 0.25
     with pytest.raises(KeyError):
         graph_thresholds(get_signal("topk-prob"), {})
+
+
+def test_one_candidate_decides_with_the_margin_equal_to_the_probability(exported):
+    """K = 1 (a caller asking the full graph for its top-1 only): no second candidate, as numpy: margin = prob = 1."""
+    _, folder = exported["llama"]
+    rt = ArtifactRuntime(folder, provider="cpu")
+    g = rt.full_graphs[rt.manifest.exit_layers[0]]
+    feeds = _feeds(rt, g, _hidden(rt)[:1], k=1)
+    feeds["thresholds"] = np.array([1.0, 1.0], np.float32)
+    passed, token, logits = g.session.run(["passed", "exit_token", "logits"], feeds)
+    assert bool(passed[0]) and token[0] == logits[0].argmax()

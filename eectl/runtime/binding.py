@@ -73,11 +73,13 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
         "candidates": (CANDIDATES, True),
         "candidate_logits": (SCORES, True),
         "token": (SCALAR, True),  # the in-graph argmax (artifacts exported since the greedy token output)
-        **(DECISION := {  # the exit decision in the graph (exits.decision_nodes; artifacts exported since it)
-            "thresholds": (SCALAR, False),
-            "passed": (SCALAR, True),
-            "exit_token": (SCALAR, True),
-        }),
+        **(
+            DECISION := {  # the exit decision in the graph (exits.decision_nodes; artifacts exported since it)
+                "thresholds": (SCALAR, False),
+                "passed": (SCALAR, True),
+                "exit_token": (SCALAR, True),
+            }
+        ),
     },
     "exit_local": {
         "hidden": (HIDDEN, False),

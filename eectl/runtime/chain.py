@@ -80,7 +80,8 @@ def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal)
 
 
 class DecodeChain:
-    """Greedy full-depth decode of one row of `kv`, one position per step."""
+    """Greedy decode of one row of `kv`, one position per step: full depth (`step`), or with active exits decided
+    in their graphs (`step_exits`)."""
 
     def __init__(
         self,
