@@ -10,6 +10,9 @@ starting one configuration later. Per configuration: throughput (decoded tokens 
 batch's steps are shared by its rows), a row's latency per decode step (median), prefill wall time, and the ratio
 of throughput to full depth at the same batch size. Tokens are checked against full depth at batch 1 (full at batch
 B and verify must be identical). `--profile` instead profiles one batch-B full-depth generate (cProfile, top 25).
+`--resident` adds each policy at batch B executed as the binding plan says (`RunConfig.device_resident`: the states
+as OrtValues between graphs, the CUDA path's code on the CPU EP), `--exits 24 --thresholds 0.9` overrides the
+artifact's plan (an artifact without calibration).
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ def main() -> None:
     ap.add_argument("--policies-b1", action="store_true", help="also run each policy at batch 1")
     ap.add_argument("--no-ride", action="store_true", help="also run defer with riding along off")
     ap.add_argument("--row-prefill", action="store_true", help="also run full depth at batch B with per-row prefill")
+    ap.add_argument("--resident", action="store_true", help="also run each policy device-resident at batch B")
+    ap.add_argument("--exits", default=None, help="active exits, e.g. 24 (default: the artifact's plan)")
+    ap.add_argument("--thresholds", default=None, help="e.g. 0.9 (default: the calibration's)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -75,10 +81,13 @@ def main() -> None:
     stop = tuple(rt.manifest.eos_token_ids)
     L = rt.manifest.num_layers
 
-    def runner(policy: str | None, ride: bool = True, batch_prompts: bool = True) -> Runner:
-        opts = RunOptions(policy=policy, max_new_tokens=args.max_new_tokens, exits="none" if policy is None else None)
+    def runner(policy: str | None, ride: bool = True, batch_prompts: bool = True, resident: bool = False) -> Runner:
+        exits = "none" if policy is None else args.exits
+        opts = RunOptions(
+            policy=policy, max_new_tokens=args.max_new_tokens, exits=exits, thresholds=args.thresholds, raw=False
+        )
         cfg = resolve_config(rt, opts, stop)
-        cfg.ride_along, cfg.batch_prompts = ride, batch_prompts
+        cfg.ride_along, cfg.batch_prompts, cfg.device_resident = ride, batch_prompts, resident
         if policy is not None:
             print(f"{policy}: {cfg.note or f'exits {cfg.exits}'}")
         return Runner(rt, cfg)
@@ -101,6 +110,8 @@ def main() -> None:
         configs[f"{p} b{args.batch}"] = (r, args.batch)
         if args.policies_b1:
             configs[f"{p} b1"] = (r, 1)
+        if args.resident:
+            configs[f"{p} b{args.batch} resident"] = (runner(p, resident=True), args.batch)
         if args.no_ride and p == "defer":
             configs[f"{p} b{args.batch} no-ride"] = (runner(p, ride=False), args.batch)
     order = list(configs)

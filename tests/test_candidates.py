@@ -3,6 +3,8 @@ calibrate writes, and the plan export writes and run follows."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -206,7 +208,8 @@ def test_compared_source_is_measured_on_the_same_tokens(llama, gsm8k, calibratio
 @pytest.mark.parametrize("source", ["shortlist", "int8"])
 def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
     """A batch picks each row's candidates as the row alone would (int8's per-input quantization scale: one row per
-    pick; the shortlist: one call for all rows)."""
+    pick; the shortlist: one call for all rows); so does the plan-executing path (device-resident states), which
+    reads the candidate graph's K ids and logits only."""
     rt = planned[source]
     prompts = [[1, 7, 30, 2, 99], [5, 9], [44, 3, 8, 61, 2, 17, 90], [12]]
     cfg = RunConfig(exits=[2, 3], thresholds={2: {"prob": 0.15}, 3: {"prob": 0.15}}, top_k=K, max_new_tokens=12)
@@ -214,6 +217,14 @@ def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
     batch = Runner(rt, cfg).generate(prompts)
     assert [g.token_ids for g in batch] == [g.token_ids for g in alone]
     assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone]
+    resident = Runner(rt, replace(cfg, device_resident=True))
+    assert [g.token_ids for g in resident.generate(prompts)] == [g.token_ids for g in batch]
+    reads = {(graph, key) for step in resident.step_reads for graph, _, key in step}
+    assert ("candidates", "candidates") in reads and not {k for _, k in reads} - {
+        "candidates",
+        "candidate_logits",
+        "token",
+    }
     layers = {x for g in batch for x in g.exit_layers[1:]}
     assert len(layers) > 1, layers  # rows at different depths
 

@@ -244,3 +244,35 @@ def test_batch_rows_equal_rows_alone_every_policy(arts, signal):
             assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone], (policy, predict)
             mixed.append(sorted({x for g in batch for x in g.exit_layers[1:]}))
     assert all(len(m) > 1 for m in mixed), mixed  # tokens exited at different depths under every policy
+
+
+@pytest.mark.parametrize("signal", ["cosine", "cosine-min"])
+def test_river_runs_device_resident_with_the_host_paths_tokens(arts, signal):
+    """The plan-executing path (states as device values; here CPU OrtValues) under river, both predictions, one row
+    and batched: the host path's tokens and exits, and the river's end reads only its greedy token."""
+    rt = arts["river"]
+    prompts = [PROMPT, [9, 4, 77, 12], [31, 8, 2, 64, 5, 19, 3, 40]]
+    thr = {e: {"cosine": THRESHOLD[signal]} for e in EXITS}
+    for predict in ("end", "exit"):
+        for rows in (prompts[:1], prompts):
+            runs = []
+            for resident in (False, True):
+                cfg = RunConfig(
+                    exits=EXITS,
+                    thresholds=thr,
+                    signal=signal,
+                    policy="river",
+                    max_new_tokens=NEW,
+                    river_predict=predict,
+                    device_resident=resident,
+                )
+                runner = Runner(rt, cfg)
+                runs.append((runner, runner.generate(rows)))
+            (_, host), (runner, got) = runs
+            assert [g.token_ids for g in got] == [g.token_ids for g in host], (predict, len(rows))
+            assert [g.exit_layers for g in got] == [g.exit_layers for g in host], (predict, len(rows))
+            assert any(x < rt.manifest.num_layers for g in got for x in g.exit_layers[1:])
+            reads = {(graph, key) for step in runner.step_reads for graph, _, key in step}
+            assert {key for _, key in reads} <= {"token", "candidates", "candidate_logits", "cosine"}, reads
+            head = "river_head" if rt.manifest.num_layers in rt.river_heads else "exit_full"
+            assert (head, "token") in reads, reads  # the river's end (predict end) and full-depth tokens

@@ -93,27 +93,57 @@ def _past(kv: BatchKV, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return past
 
 
+def span_of(active: np.ndarray) -> slice:
+    """A call spans the rows from the first to the last active one (a contiguous range: a view of the buffers);
+    only idle rows between them ride along."""
+    rows = np.flatnonzero(active)
+    if rows.size == 0:
+        raise ValueError("a batched call needs at least one active row")
+    return slice(int(rows[0]), int(rows[-1]) + 1)
+
+
+def join_rows(rt: ArtifactRuntime, xs: dict[int, Any], rows: int) -> tuple[Any, np.ndarray]:
+    """The rows' one-position states xs (row -> [1, 1, H]) as one call's input, and the active flags [rows].
+
+    Host states: [rows, 1, H] (zeros for the rows sitting out). Device-resident states (DeviceViews): only the
+    span's rows, joined on the device, [span, 1, H]; a row sitting out inside the span takes another row's state
+    (its input only ever writes its scratch slot, and its outputs are ignored)."""
+    active = np.zeros(rows, dtype=bool)
+    active[list(xs)] = True
+    any_x = next(iter(xs.values()))
+    if isinstance(any_x, np.ndarray):
+        hidden = np.zeros((rows, 1, any_x.shape[-1]), dtype=rt.np_dtype)
+        for r, x in xs.items():
+            hidden[r] = x[0]
+        return hidden, active
+    span = span_of(active)
+    from eectl.runtime.device_ops import concat
+
+    return concat(rt, [xs.get(r, any_x) for r in range(span.start, span.stop)], 0), active
+
+
 def bind_rows(
     rt: ArtifactRuntime,
     g: Graph,
     kv: BatchKV,
     slots: Sequence[int],
-    hidden: np.ndarray,
+    hidden: Any,
     active: np.ndarray,
     past: np.ndarray,
 ) -> tuple[Any, slice]:
     """A binding of graph `g` for one call over the active rows: the inputs, and its layers' K/V bound to the
-    buffers at `slots` for the rows it spans (segments and block exit heads alike). Returns it and the span."""
-    # the call spans the rows from the first to the last active one (a contiguous range: a view of the buffers);
-    # only idle rows between them ride along
-    rows = np.flatnonzero(active)
-    if rows.size == 0:
-        raise ValueError("a batched call needs at least one active row")
-    first, last = int(rows[0]), int(rows[-1]) + 1
-    span = slice(first, last)
-    x = np.where(active[span, None, None], hidden[span], 0).astype(rt.np_dtype)
+    buffers at `slots` for the rows it spans (segments and block exit heads alike). Returns it and the span.
+
+    hidden: [B, 1, H] host rows (inactive rows ignored), or a device-resident [span, 1, H] (`join_rows`)."""
+    span = span_of(active)
+    first, last = span.start, span.stop
     io = g.binding()
-    io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(x))
+    if isinstance(hidden, np.ndarray):
+        x = np.where(active[span, None, None], hidden[span], 0).astype(rt.np_dtype)
+        io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(x))
+    else:
+        assert hidden.shape[0] == last - first, (hidden.shape, span)
+        rt._bind_array(io, g.name("hidden"), hidden)
     io.bind_cpu_input(g.name("seqlens_k"), past[span].astype(np.int32))  # total length - 1, new position included
     io.bind_cpu_input(g.name("total_sequence_length"), np.array(int(past[span].max()) + 1, dtype=np.int32))
     for j, slot in enumerate(slots):
@@ -127,24 +157,27 @@ def bind_rows(
 def run_rows(
     rt: ArtifactRuntime,
     index: int,
-    hidden: np.ndarray,
+    hidden: Any,
     kv: BatchKV,
     active: np.ndarray,
     kv_only: bool = False,
     states: bool = False,
-) -> tuple[np.ndarray, ...] | None:
+) -> tuple[Any, ...] | None:
     """Segment `index` for every row in one call: hidden [B, 1, H] (rows not `active` ignored, zeros fed).
 
     Active rows append one position to their K/V; the others write only their scratch slot. Returns
     (hidden_out [B, 1, H], last_layer_input [B, 1, H]) with the inactive rows' entries meaningless, or None with
     kv_only (the `copy` policy's K/V projection). With `states`, a third item: the residual stream at every block
     boundary, [B, n_layers + 1, H] (the cosine-min signal's input).
+
+    Device-resident (`rt.resident`, hidden from `join_rows`): the outputs stay on the device, for the span's rows
+    only ([span, ...] DeviceViews: row r is at r - span.start).
     """
     seg = rt.manifest.segments[index]
     g = rt.kv_segments[index] if kv_only else rt.segments[index]
     lo, hi = seg.layers
     B = kv.rows
-    if hidden.shape[:2] != (B, 1) or active.shape != (B,):
+    if isinstance(hidden, np.ndarray) and hidden.shape[:2] != (B, 1) or active.shape != (B,):
         raise ValueError(f"batched calls take [B={B}, 1, H] hidden states and B flags, got {hidden.shape}")
     past = _past(kv, np.arange(B), lo, hi)
     longest = int(past[active].max(initial=0)) + 1
@@ -153,6 +186,15 @@ def run_rows(
     if int(past.max()) + 1 > kv.capacity:  # an idle row already at its maximum has no scratch slot
         raise RuntimeError(f"row lengths {past} leave no scratch slot in a buffer of {kv.capacity}")
     io, span = bind_rows(rt, g, kv, range(lo, hi), hidden, active, past)
+    H = rt.manifest.dims["hidden_size"]
+    if rt.resident:
+        n = span.stop - span.start
+        shapes = {"hidden_out": (n, 1, H), "layer_input": (n, 1, H), "layer_states": (n, hi - lo + 1, H)}
+        keys = [] if kv_only else ["hidden_out", "layer_input", *(["layer_states"] if states else [])]
+        outs_dev = [rt._state_out(io, g.name(k), shapes[k]) for k in keys]
+        g.session.run_with_iobinding(io)
+        kv.filled[active, lo:hi] += 1
+        return None if kv_only else tuple(outs_dev)
     if not kv_only:
         io.bind_output(g.name("hidden_out"), "cpu")
         io.bind_output(g.name("layer_input"), "cpu")
@@ -164,12 +206,12 @@ def run_rows(
         return None
     outs = io.get_outputs()
     n = 2 * (hi - lo)  # the present K/V outputs were bound first
-    out = np.zeros((B, 1, hidden.shape[-1]), dtype=rt.np_dtype)
+    out = np.zeros((B, 1, H), dtype=rt.np_dtype)
     layer_in = np.zeros_like(out)
     out[span], layer_in[span] = outs[n].numpy(), outs[n + 1].numpy()
     if not states:
         return out, layer_in
-    blocks = np.zeros((B, hi - lo + 1, hidden.shape[-1]), dtype=rt.np_dtype)
+    blocks = np.zeros((B, hi - lo + 1, H), dtype=rt.np_dtype)
     blocks[span] = outs[n + 2].numpy()  # [rows, (n + 1) * 1, H]: one position per row
     return out, layer_in, blocks
 

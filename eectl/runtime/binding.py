@@ -21,7 +21,14 @@ a segment's input, the `defer`/`verify` pending states), `logsumexp` (full-vocab
 logits: p1 = exp(l1 - lse)), `cosine` (the transition cosine of a segment's last layer, one scalar per row) and
 `cosine_min` (the minimum transition cosine over a segment's block states, `layer_states`, one scalar per row).
 The `river` policy's exited token runs the int4 river copies of the later segments (`river_segment`, the segment's
-bindings) and, predicting at the river's end, the final head (`river_head` where the artifact quantized it).
+bindings) and, predicting at the river's end, the final head (`river_head` where the artifact quantized it). Block
+exit heads (`block`: one decoder layer with its own KV, runtime/blocks.py) run after their segment while their exit
+is active, and `block_kv` fills a skipped block's KV under copy; an artifact with a candidate source graph
+(shortlist, int8) picks the first exit's candidates with it (`candidates`).
+
+Who executes it: runtime/device_path.py for full-depth greedy batch steps (bound calls, no Python per row), and the
+runner itself for steps with active exits (`ArtifactRuntime.resident`: every state output a DeviceView, each host
+read recorded in `ArtifactRuntime.host_reads`, which tests compare with this plan per step).
 
 What this module does not do: create sessions or run graphs (sessions.py), or decide exits (runner.py).
 """
@@ -29,6 +36,7 @@ What this module does not do: create sessions or run graphs (sessions.py), or de
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from eectl.errors import UsageError
 from eectl.exits import get_signal
@@ -88,6 +96,13 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
         "candidate_logits": (SCORES, True),
         **DECISION,
     },
+    "candidates": {  # the artifact's candidate source graph (shortlist, int8) at the first active exit
+        "hidden": (HIDDEN, False),
+        "weight": (WEIGHT, False),
+        "top_k": (SCALAR, False),
+        "candidates": (CANDIDATES, True),
+        "candidate_logits": (SCORES, True),
+    },
     "last": {"hidden": (HIDDEN, False), "hidden_out": (HIDDEN, True)},
     "concat": {"pending": (HIDDEN, False), "hidden": (HIDDEN, False), "hidden_out": (HIDDEN, True)},
     "logsumexp": {"logits": (LOGITS, False), "logsumexp": (SCALAR, True)},
@@ -95,6 +110,9 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
     "cosine_min": {"layer_states": (HIDDEN, False), "cosine": (SCALAR, True)},
 }
 KINDS["river_segment"] = KINDS["segment"]  # the int4 copy has the segment's names
+# a block exit head (runtime/blocks.py): one decoder layer with its own KV after its segment; `at` is the exit layer
+KINDS["block"] = {k: v for k, v in KINDS["segment"].items() if k not in ("layer_input", "layer_states")}
+KINDS["block_kv"] = KINDS["kv_segment"]  # copy: the skipped token's state into the block's KV
 KINDS["river_head"] = KINDS["exit_full"]  # the final head with its own quantized table (no weight input)
 
 
@@ -159,6 +177,9 @@ class BindingPlan:
             "exit_local": lambda: m.exit_at(at).local,
             "river_segment": lambda: m.segments[at].river,
             "river_head": lambda: m.exit_at(at).river,
+            "candidates": lambda: m.exit_at(at).candidates,
+            "block": lambda: _block(m, at).graph,
+            "block_kv": lambda: _block(m, at).kv_graph,
         }.get(graph)
         if io is None:
             return None
@@ -198,6 +219,7 @@ class BindingPlan:
             if pending and starts_at_exit and issubclass(self._policy, Defer):
                 calls.append(self._call("concat", s))  # the states that exited before this segment ride along
             calls.append(self._call("segment", s))
+            calls += self._block_after(end, "block")  # its exit's block head runs on what the segment ran on
             if end == L:
                 if drafts and issubclass(self._policy, Verify):  # each flushed position's argmax checks a draft
                     has_token = "token" in self.manifest.exit_at(L).full.outputs
@@ -212,15 +234,23 @@ class BindingPlan:
             first_exit = False
             if end == exit_at:
                 if issubclass(self._policy, Copy):
-                    calls += [self._call("kv_segment", t) for t in range(s + 1, len(self._segment_end))]
+                    for t in range(s + 1, len(self._segment_end)):
+                        calls += [self._call("kv_segment", t), *self._block_after(self._segment_end[t], "block_kv")]
                 if issubclass(self._policy, River):  # the token flows on through the int4 copies
-                    calls += [self._call("river_segment", t) for t in range(s + 1, len(self._segment_end))]
+                    for t in range(s + 1, len(self._segment_end)):
+                        calls += [self._call("river_segment", t), *self._block_after(self._segment_end[t], "block")]
                     if self._river_end:
                         calls.append(self._call("last", len(self._segment_end) - 1))
                         river = self.manifest.exit_at(L).river is not None
                         calls.append(self._final(L, "river_head" if river else "exit_full"))
                 return calls
         raise AssertionError("unreachable: the last segment ends at the final layer")
+
+    def _block_after(self, end: int, graph: str) -> list[Call]:
+        """The block head's call after a segment ending at an active exit that has one (none at the final layer)."""
+        if end in self.exits and end < self.manifest.num_layers and self.manifest.exit_at(end).block is not None:
+            return [self._call(graph, end)]
+        return []
 
     def _decision(self, layer: int, first: bool, exiting: bool) -> list[Call]:
         """The exit test after `layer`: what it runs and which of its outputs come to the host."""
@@ -230,8 +260,9 @@ class BindingPlan:
         if self.sampling and exiting:
             picked = (*picked, "logits")
         if sig.needs_candidates:  # even sampling draws from the K candidates here (the runner's rule)
-            if first:
-                calls.append(self._call("exit_full", layer, ("candidates", "candidate_logits")))
+            if first:  # the artifact's candidate graph where it has one, else the exit's own Top-K
+                source = "candidates" if self.manifest.exit_at(layer).candidates is not None else "exit_full"
+                calls.append(self._call(source, layer, ("candidates", "candidate_logits")))
             else:
                 calls.append(self._call("exit_local", layer, ("candidate_logits",)))
         elif not (sig.needs_layer_input or sig.needs_blocks):  # the full vocabulary's softmax
@@ -277,6 +308,12 @@ class BindingPlan:
         if self.device == "cpu":
             return []
         return [(c, b) for c in calls for b in c.bindings if b.host_read]
+
+
+def _block(m: Manifest, layer: int) -> Any:
+    block = m.exit_at(layer).block
+    assert block is not None, f"the exit at {layer} has no block head"
+    return block
 
 
 def plan_for(

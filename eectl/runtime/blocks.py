@@ -22,6 +22,7 @@ What this module does not do: decide exits (runner.py) or build the graphs (expo
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 import numpy as np
 
@@ -38,9 +39,7 @@ def active_block(rt: ArtifactRuntime, exits: Collection[int], segment: int) -> i
     return layer if layer in exits and layer in rt.block_graphs else None
 
 
-def run_block(
-    rt: ArtifactRuntime, layer: int, hidden: np.ndarray, kv: KVBuffers, row: int, kv_only: bool = False
-) -> np.ndarray | None:
+def run_block(rt: ArtifactRuntime, layer: int, hidden: Any, kv: KVBuffers, row: int, kv_only: bool = False) -> Any:
     """The block head at exit `layer` on hidden [1, S, H] (its segment's output for those positions), appending S
     positions to its own KV in place; returns its output [1, S, H] (None with kv_only: K/V only, the copy policy).
 
@@ -65,16 +64,16 @@ def run_block(
     call.total[()] = total
     x = rt._host(hidden, rt.np_dtype)
     rt._bind_array(call.io, g.name("hidden"), x)
-    out = None if kv_only else rt._out(call.io, g.name("hidden_out"), x.shape, rt.np_dtype)
+    out = None if kv_only else rt._state_out(call.io, g.name("hidden_out"), x.shape)
     g.session.run_with_iobinding(call.io)
     kv.filled[row, slot] = total
     return out
 
 
-def run_block_rows(rt: ArtifactRuntime, layer: int, hidden: np.ndarray, kv: BatchKV, active: np.ndarray) -> np.ndarray:
+def run_block_rows(rt: ArtifactRuntime, layer: int, hidden: Any, kv: BatchKV, active: np.ndarray) -> Any:
     """The block head at exit `layer` for every active row in one call: hidden [B, 1, H] (the rows' segment outputs;
     inactive rows ignored), as `batch.run_rows` runs a segment. Returns the block outputs [B, 1, H] (meaningless
-    for inactive rows)."""
+    for inactive rows); device-resident (hidden from `batch.join_rows`): [span, 1, H] on the device."""
     block = rt.manifest.exit_at(layer).block
     assert block is not None
     g = rt.block_graphs[layer][0]
@@ -85,6 +84,11 @@ def run_block_rows(rt: ArtifactRuntime, layer: int, hidden: np.ndarray, kv: Batc
     if behind.size:
         raise RuntimeError(f"the block head at exit {layer} is out of step with its segment in rows {behind.tolist()}")
     io, span = bind_rows(rt, g, kv, [slot], hidden, active, past)
+    if rt.resident:
+        out_dev = rt._state_out(io, g.name("hidden_out"), (span.stop - span.start, 1, rt.manifest.dims["hidden_size"]))
+        g.session.run_with_iobinding(io)
+        kv.filled[active, slot] += 1
+        return out_dev
     io.bind_output(g.name("hidden_out"), "cpu")
     g.session.run_with_iobinding(io)
     kv.filled[active, slot] += 1

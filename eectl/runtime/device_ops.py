@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from eectl.runtime.sessions import PROVIDERS, _ort, session_options
+from eectl.runtime.sessions import PROVIDERS, DeviceView, _ort, session_options
 
 EPS = 1e-8  # torch.nn.functional.cosine_similarity's floor on each norm
 
@@ -153,6 +153,18 @@ def cosine_min_graph(dtype: Any) -> Any:
     )
 
 
+def join_graph(dtype: Any, n: int, axis: int, rank: int) -> Any:
+    """x0 .. x{n-1} (each of `rank` axes) -> their concatenation along `axis` (rows of a batch, or a row's
+    positions)."""
+    t = _tensor_type(dtype)
+    names = [f"x{i}" for i in range(n)]
+    return _model(
+        [helper.make_node("Concat", names, ["joined"], axis=axis)],
+        [helper.make_tensor_value_info(x, t, [f"{x}_{d}" for d in range(rank)]) for x in names],
+        [helper.make_tensor_value_info("joined", t, [f"j_{d}" for d in range(rank)])],
+    )
+
+
 BUILDERS = {
     "last": last_graph,
     "concat": concat_graph,
@@ -176,7 +188,11 @@ class DeviceOps:
     def session(self, op: str) -> Any:
         sess = self._sessions.get(op)
         if sess is None:
-            model = BUILDERS[op](self.dtype)
+            if op.startswith("join"):  # join<n>_<axis>_<rank>: one graph per arity
+                n, axis, rank = (int(v) for v in op[4:].split("_"))
+                model = join_graph(self.dtype, n, axis, rank)
+            else:
+                model = BUILDERS[op](self.dtype)
             onnx.checker.check_model(model)
             sess = _ort().InferenceSession(
                 model.SerializeToString(), sess_options=session_options(self.threads), providers=self.providers
@@ -192,12 +208,20 @@ class DeviceOps:
         for name, value in inputs.items():
             if isinstance(value, np.ndarray):
                 io.bind_cpu_input(name, np.ascontiguousarray(value))
+            elif isinstance(value, DeviceView):
+                io.bind_input(name, value.device, 0, value.dtype, list(value.shape), value.ptr)
             else:
                 io.bind_ortvalue_input(name, value)
         io.bind_output(output, self.device if on_device else "cpu")
         sess.run_with_iobinding(io)
         out = io.get_outputs()[0]
         return out if on_device else out.numpy()
+
+    def join(self, parts: list[Any], axis: int) -> DeviceView:
+        """Values (DeviceViews or OrtValues) concatenated along `axis`, on the device."""
+        inputs = {f"x{i}": p for i, p in enumerate(parts)}
+        rank = len(parts[0].shape) if isinstance(parts[0], DeviceView) else len(parts[0].shape())
+        return DeviceView.of(self.run(f"join{len(parts)}_{axis}_{rank}", inputs, "joined", on_device=True))
 
     # --- the pieces ------------------------------------------------------------------------------------------------
     def last(self, hidden: Any, positions: np.ndarray, on_device: bool = True) -> Any:
@@ -216,3 +240,20 @@ class DeviceOps:
 
     def cosine_min(self, layer_states: Any) -> np.ndarray:
         return self.run("cosine_min", {"layer_states": layer_states}, "cosine")
+
+
+def concat(rt: Any, parts: list[Any], axis: int) -> Any:
+    """np.concatenate for the runner's states, host arrays or device-resident ones (then joined on the device by
+    the artifact runtime's `ops`; nothing is copied through the host)."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts, axis=axis)
+    if len(parts) == 1:
+        return parts[0]
+    return rt.ops.join(parts, axis)
+
+
+def stack(rt: Any, parts: list[Any]) -> Any:
+    """np.stack (a new first axis) for host arrays or device-resident states."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.stack(parts)
+    return concat(rt, [p.reshape(1, *p.shape) for p in parts], 0)

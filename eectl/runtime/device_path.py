@@ -9,9 +9,9 @@ a device provider even when the artifact runs on the CPU EP, so this same code r
 so tests check the rule on the execution itself, not only on the plan.
 
 Scope: the decode steps of a batch with no active exit and greedy decoding (`eectl run --exits none`, a plan whose
-default is full depth), all rows in one call per segment. Steps with exits (the exit tests' candidates and scores,
-deferred positions, verify's drafts, river) still run the host path in runner.py; the device pieces they need
-(`last`, `concat`, `logsumexp`, `cosine`, `cosine_min`) are built (device_ops.py) but not wired in yet.
+default is full depth), all rows in one call per segment. Steps with exits run the same plan through the runner's
+own loop in resident mode (runner.py `Runner._resident`, sessions.py `ArtifactRuntime.resident`), where per-row
+decisions, deferred positions, drafts and river copies need the runner's policy hooks.
 
 What this module does not do: decide exits, prefill, or apply policies (runner.py).
 """

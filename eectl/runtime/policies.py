@@ -5,8 +5,9 @@ during one token's pass over the segments (runner.py: `Runner._step`):
 
     may_exit(row)                       before the pass: may this token exit at all?
     before_segment(row, s, h) -> x      before segment s runs: its input (h, plus positions waiting here)
-    predict(row, kv, s, out) -> logits? the token exited after segment s: logits [V] to pick it from instead of the
-                                        exit's own prediction (river: the river's end), or None
+    predict(row, kv, s, out) -> (logits, ids)?  the token exited after segment s: logits [V] (ids None) or [K]
+                                        with their vocabulary ids to pick it from instead of the exit's own
+                                        prediction (river: the river's end), or None
     on_exit(row, kv, s, out, token)     the token exited after segment s with state `out` [1, 1, H]
     on_final(row, kv, out) -> token?    the pass reached the final layer; a token replaces the model's (rollback)
     unchecked(row) -> bool              generation wants to stop: is there work a final pass must still check?
@@ -35,12 +36,15 @@ What this module does not do: decide exits (runner.py, exits.py) or build graphs
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from eectl.errors import UsageError
 from eectl.runtime.blocks import active_block, run_block
+from eectl.runtime.device_ops import concat
+
+Prediction = tuple[np.ndarray, np.ndarray | None]  # logits [V] (ids None) or [K] with their vocabulary ids [K]
 
 if TYPE_CHECKING:
     from eectl.runtime.runner import RowState, RunConfig
@@ -72,7 +76,7 @@ class KVPolicy:
     def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
         return h
 
-    def predict(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray) -> np.ndarray | None:
+    def predict(self, row: int, st: RowState, kv: KVBuffers, s: int, out: Any) -> Prediction | None:
         return None
 
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
@@ -128,11 +132,11 @@ class Defer(KVPolicy):
     def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
         pend = st.pending[s]
         st.pending[s] = None
-        return h if pend is None else np.concatenate([pend, h], axis=1)
+        return h if pend is None else concat(self.rt, [pend, h], 1)
 
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
         prev = st.pending[s + 1]
-        st.pending[s + 1] = out if prev is None else np.concatenate([prev, out], axis=1)
+        st.pending[s + 1] = out if prev is None else concat(self.rt, [prev, out], 1)
 
 
 @register_policy
@@ -204,7 +208,7 @@ class River(KVPolicy):
         if config.river_predict not in RIVER_PREDICT:
             raise UsageError(f"--river-predict must be end or exit, got '{config.river_predict}'")
 
-    def predict(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray) -> np.ndarray | None:
+    def predict(self, row: int, st: RowState, kv: KVBuffers, s: int, out: Any) -> Prediction | None:
         h = out  # [1, 1, H]: no pending positions under river, `out` is this token's exit state
         for t in range(s + 1, self.num_segments):
             h, _ = self.rt.run_segment(t, h, kv, row, river=True)
@@ -213,8 +217,11 @@ class River(KVPolicy):
                 run_block(self.rt, block, h, kv, row)
         if self.cfg.river_predict != "end":
             return None
+        if self.rt.resident:  # the river's end on the device: its greedy token is the one value read
+            token = self.rt.greedy_token(self.num_layers, h[0, -1:], river=True)
+            return np.zeros(1, np.float32), token[:1]
         logits, _, _ = self.rt.exit_full(self.num_layers, h[0, -1:], self.cfg.top_k, river=True)
-        return logits[0]
+        return logits[0], None
 
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
         pass  # predict() already wrote the token's K/V through the river

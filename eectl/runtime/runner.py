@@ -11,6 +11,10 @@ position (runtime/batch.py; per-row lengths), the final head once for all rows t
 early sit out the deeper calls (they ride along on a scratch slot: GQA cannot skip rows); rows with several
 positions (prefill, deferred positions) run single-row calls on their rows of the same buffers, and so do the
 river policy's int4 copies after an exit (`KVPolicy.predict`). Block states (cosine-min) come from the batched call.
+
+Device-resident (`RunConfig.device_resident`, the default off the CPU EP): the same loop with every state a device
+value (sessions.DeviceView) handed between graphs, joined and sliced on the device (device_ops.concat, views), and
+exit tests reading K scores or one scalar per row (runtime/resident.py): the binding plan (binding.py), executed.
 What this module does not do: tokenise or format output (generate.py / cli/), or load torch models.
 """
 
@@ -37,9 +41,11 @@ from eectl.exits import (
 )
 from eectl.plan import BOUND_POLICIES
 from eectl.recipe import check_exit_layers
-from eectl.runtime.batch import BatchKV, new_batch_kv, prefill_runs, run_prefill, run_rows
+from eectl.runtime import resident
+from eectl.runtime.batch import BatchKV, join_rows, new_batch_kv, prefill_runs, run_prefill, run_rows
 from eectl.runtime.blocks import active_block, run_block, run_block_rows
 from eectl.runtime.chain import DecodeChain, Handover, chain_exits_supported
+from eectl.runtime.device_ops import concat, stack
 from eectl.runtime.policies import Defer, KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
@@ -64,8 +70,10 @@ class RunConfig:
     # call is compute-bound and the padding costs what the shared call saves (default model, 16 HumanEval prompts
     # of 88-189 tokens: padded 14.7 s vs single-row 13.6 s)
     batch_prompts: bool | None = None
-    # full-depth greedy decode steps of a batch executed as the binding plan says (runtime/device_path.py): hidden
-    # states and logits stay device values between graphs, only the token is read. None: on non-CPU providers.
+    # greedy steps executed as the binding plan says: hidden states, KV and logits stay device values between
+    # graphs; only the exit tests' K ids/scores or one scalar per row, and the tokens, are read (full depth:
+    # runtime/device_path.py; with exits: the runner's loop in resident mode). None: on non-CPU providers (on the
+    # CPU EP the host path's bound numpy arrays are the same memory, with less work per call)
     device_resident: bool | None = None
     river_predict: str = "end"  # river: the token from the river's end (final head) or from the exit itself
     stop_ids: tuple[int, ...] = ()
@@ -219,11 +227,11 @@ class Runner:
         """Exit test at `layer` for several rows' current tokens at once (one exit graph call for all of them);
         per row: (the score when it exits, else None; the row's index in it; its candidates for later exits)."""
         rows = sorted(asks)
-        hidden = asks[rows[0]].hidden[None] if len(rows) == 1 else np.stack([asks[r].hidden for r in rows])  # [N, H]
+        hidden = stack(self.rt, [asks[r].hidden for r in rows])  # [N, H]
         layer_input = block_states = None
         if self.signal.needs_layer_input:
-            layer_input = np.stack([asks[r].layer_input for r in rows])
-        if self.signal.needs_blocks:  # [n + 1, N, H]
+            layer_input = stack(self.rt, [asks[r].layer_input for r in rows])
+        if self.signal.needs_blocks and not self.rt.resident:  # [n + 1, N, H]
             block_states = np.stack([np.asarray(asks[r].blocks) for r in rows], axis=1)
         first_pick = self.signal.needs_candidates and asks[rows[0]].candidates is None
         if len(rows) > 1 and first_pick and not self.source.batch_rows:  # e.g. int8: per-row quantization scale
@@ -231,9 +239,14 @@ class Runner:
         scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k, self.source)
         if asks[rows[0]].candidates is not None:  # rows at one exit passed the same earlier exits
             scoring.candidates = np.concatenate([asks[r].candidates for r in rows])
-        with _one_torch_thread() if self.signal.torch_math else nullcontext():
-            score = scoring.score(layer, hidden, layer_input, block_states)
+        if self.rt.resident and not self.signal.needs_candidates:  # one scalar per row read (runtime/resident.py)
+            blocks = [asks[r].blocks for r in rows]
+            score = resident.score(self.rt, self.signal, layer, hidden, layer_input, blocks, self.cfg.top_k)
             passed = self.signal.passes(score.values, self.cfg.thresholds[layer])
+        else:
+            with _one_torch_thread() if self.signal.torch_math else nullcontext():
+                score = scoring.score(layer, hidden, layer_input, block_states)
+                passed = self.signal.passes(score.values, self.cfg.thresholds[layer])
         answers: dict[int, tuple[ExitScore | None, int, Any]] = {}
         for i, r in enumerate(rows):
             cands = None if scoring.candidates is None else scoring.candidates[i : i + 1]
@@ -283,7 +296,7 @@ class Runner:
                     work[r][0].decide_s += time.perf_counter() - t0
             elif kind == "greedy":  # the final head's in-graph argmax: one token per row leaves the graph
                 rows = sorted(group)
-                ids = self.rt.greedy_token(self.L, np.concatenate([group[r][2] for r in rows]))
+                ids = self.rt.greedy_token(self.L, concat(self.rt, [group[r][2] for r in rows], 0))
                 answers = {r: int(ids[i]) for i, r in enumerate(rows)}
             else:
                 rows = sorted(group)
@@ -317,19 +330,22 @@ class Runner:
         head's output where the active exit after s has one (run on the same positions), else hidden out."""
         ones = [r for r, x in xs.items() if x.shape[1] == 1]
         answers: dict[int, Any] = {}
+        # device-resident states (self.rt.resident) come back for the call's span of rows only: row r at r - first
+        first = min(ones) if self.rt.resident and ones else 0
         if isinstance(kv, BatchKV) and len(ones) > 1:
-            hidden = np.zeros((kv.rows, 1, xs[ones[0]].shape[-1]), dtype=xs[ones[0]].dtype)
-            active = np.zeros(kv.rows, dtype=bool)
-            for r in ones:
-                hidden[r], active[r] = xs[r][0], True
+            hidden, active = join_rows(self.rt, {r: xs[r] for r in ones}, kv.rows)
             result = run_rows(self.rt, s, hidden, kv, active, states=bool(states & set(ones)))
             assert result is not None
             for r in ones:
-                answers[r] = tuple(part[r : r + 1] if k < 2 else part[r][:, None] for k, part in enumerate(result))
+                i = r - first
+                answers[r] = tuple(
+                    part[i : i + 1] if k < 2 else part[i].reshape(part.shape[1], 1, part.shape[2])
+                    for k, part in enumerate(result)
+                )
                 if r not in states:
                     answers[r] = answers[r][:2]
         pad = self.cfg.batch_prompts if self.cfg.batch_prompts is not None else self.rt.device != "cpu"
-        if isinstance(kv, BatchKV) and pad:
+        if isinstance(kv, BatchKV) and pad and not self.rt.resident:  # the padded call takes host prompts
             lo, hi = self.m.segments[s].layers
             several = [r for r, x in xs.items() if x.shape[1] > 1 and r not in states]
             for run in prefill_runs(kv, several, lo, hi):
@@ -341,12 +357,9 @@ class Runner:
         block = self.block_after_segment.get(s)
         exit_in: dict[int, np.ndarray] = {}
         if block is not None and isinstance(kv, BatchKV) and len(ones) > 1:  # the block batched as its segment was
-            active = np.zeros(kv.rows, dtype=bool)
-            hidden = np.zeros((kv.rows, 1, xs[ones[0]].shape[-1]), dtype=self.rt.np_dtype)
-            for r in ones:
-                hidden[r], active[r] = answers[r][0][0], True
+            hidden, active = join_rows(self.rt, {r: answers[r][0] for r in ones}, kv.rows)
             out = run_block_rows(self.rt, block, hidden, kv, active)
-            exit_in = {r: out[r : r + 1] for r in ones}
+            exit_in = {r: out[r - first : r - first + 1] for r in ones}
         for r, a in answers.items():
             if r not in exit_in:
                 own = a[0] if block is None else run_block(self.rt, block, a[0], kv, r)
@@ -400,17 +413,18 @@ class Runner:
                     return self._forced(st, logits[0])
                 return self._pick(logits[0])
             if layer is not None and may_exit:
-                ask = Decide(exit_in[0, -1], layer_in[0, -1], cands, None if blocks is None else blocks[:, -1])
+                last = None if blocks is None else resident.last_positions(self.rt, blocks)
+                ask = Decide(exit_in[0, -1], layer_in[0, -1], cands, last)
                 score, i, cands = yield ("decide", layer, ask)
                 if score is not None:
                     own = self.policy.predict(row, st, kv, s, out)  # e.g. the river's end (single-row calls)
                     st.exit_layers.append(layer)
                     if st.forced is not None:
                         if own is None:  # the exit's full vocabulary (after its block head, where it has one)
-                            own = self.rt.exit_full(layer, exit_in[0, -1:], self.cfg.top_k)[0][0]
-                        token = self._forced(st, own)
+                            own = (self.rt.exit_full(layer, exit_in[0, -1:], self.cfg.top_k)[0][0], None)
+                        token = self._forced(st, own[0])
                     else:
-                        token = self._pick(own) if own is not None else self._pick_score(score, i)
+                        token = self._pick(*own) if own is not None else self._pick_score(score, i)
                     self.policy.on_exit(row, st, kv, s, out, token)
                     if st.forced is None:
                         yield from self._ride(st, s)
@@ -439,7 +453,7 @@ class Runner:
             st.pending[t] = None
             if t < self.final_segment:  # its output waits at the next segment's input, behind earlier positions
                 prev = st.pending[t + 1]
-                st.pending[t + 1] = result[0] if prev is None else np.concatenate([prev, result[0]], axis=1)
+                st.pending[t + 1] = result[0] if prev is None else concat(self.rt, [prev, result[0]], 1)
 
     @staticmethod
     def _forced(st: RowState, logits: np.ndarray) -> int:
@@ -488,11 +502,25 @@ class Runner:
         self.last_kv = kv
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
         device = self._device_step()
-        first = True  # prefill: the whole prompt, always full depth
         chain = self._chain(kv, len(rows)) if device is None else None
+        self.step_reads: list[list[tuple[str, int, str]]] = []  # resident: per step, what was read on the host
+        with self._resident() if device is None and chain is None else nullcontext():
+            self._loop(kv, rows, device, chain, on_step)
+        return self._results(rows)
+
+    def _loop(
+        self,
+        kv: BatchKV,
+        rows: list[RowState],
+        device: Any,
+        chain: DecodeChain | None,
+        on_step: Callable[[int, list[int]], None] | None,
+    ) -> None:
+        first = True  # prefill: the whole prompt, always full depth
         while not all(st.done for st in rows):
             live = {r: (st, st.tokens if first else [st.tokens[-1]]) for r, st in enumerate(rows) if not st.done}
             t0 = time.perf_counter()
+            self.rt.host_reads = []
             if device is not None and not first:
                 tokens = device.step(kv, {r: ids[0] for r, (_, ids) in live.items()})
                 for r in tokens:
@@ -509,7 +537,29 @@ class Runner:
                 st.done = self._finished(r, st, kv)
                 if on_step is not None:
                     on_step(r, self._confirmed(st))
+            if self.rt.resident:
+                self.step_reads.append(self.rt.host_reads)
             first = False
+
+    @contextmanager
+    def _resident(self) -> Iterator[None]:
+        """Steps with active exits executed as the binding plan says (runtime/binding.py): while generating, hidden
+        states, KV and full logits stay device values between graphs (`ArtifactRuntime.resident`); only the exit
+        tests' K candidate ids and scores or one scalar per row, and the tokens, are read on the host. By default
+        only off the CPU EP (`RunConfig.device_resident`); greedy only (sampling and teacher-forced scoring pick from
+        the full vocabulary on the host: they run the host path)."""
+        wanted = self.cfg.device_resident
+        if wanted is None:
+            wanted = self.rt.device != "cpu"
+        on = bool(wanted and self.exits and self.cfg.temperature <= 0)
+        before = self.rt.resident
+        self.rt.resident = on
+        try:
+            yield
+        finally:
+            self.rt.resident = before
+
+    def _results(self, rows: list[RowState]) -> list[Generation]:
         return [
             Generation(
                 prompt_ids=st.tokens[: st.prompt_len],

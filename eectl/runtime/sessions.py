@@ -159,13 +159,61 @@ class Graph:
 
 @dataclass(frozen=True)
 class DeviceView:
-    """Rows of a device buffer bound by pointer (a row of a batch's [B, ...] KV buffer on the GPU: ORT's Python API
-    has no OrtValue views, but it binds raw device memory)."""
+    """A contiguous piece of a device buffer bound by pointer (a row of a batch's [B, ...] KV buffer on the GPU, or a
+    row / the last position of a device-resident hidden state: ORT's Python API has no OrtValue views, but it binds
+    raw device memory). `owner` keeps the OrtValue that holds the memory alive as long as the view.
+
+    Indexing takes the leading-axes forms whose result stays contiguous (`x[r]`, `x[a:b]`, `x[0, -1:]`, `x[0, -1]`,
+    `x[0, :-1]`); anything else raises, so a strided copy never happens silently. There is no `.numpy()`: a
+    device-resident state cannot be read on the host by accident (sessions.ArtifactRuntime._read is the one way out,
+    for the outputs the binding plan sends to the host)."""
 
     device: str
     ptr: int
     shape: tuple[int, ...]
     dtype: Any
+    owner: Any = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, value: Any) -> DeviceView:
+        """An OrtValue (a tensor on any device) as a view of its whole memory."""
+        return cls(value.device_name(), value.data_ptr(), tuple(value.shape()), _np_dtype(value), value)
+
+    def reshape(self, *shape: int) -> DeviceView:
+        if int(np.prod(shape)) != int(np.prod(self.shape)):
+            raise ValueError(f"cannot reshape {self.shape} to {shape}")
+        return DeviceView(self.device, self.ptr, tuple(shape), self.dtype, self.owner)
+
+    def __getitem__(self, index: Any) -> DeviceView:
+        items = index if isinstance(index, tuple) else (index,)
+        shape, ptr = list(self.shape), self.ptr
+        axis = 0  # the axis the next item indexes, in `shape` as it shrinks
+        sliced = False
+        for item in items:
+            if sliced:
+                raise IndexError(f"a device view takes no index after a slice (contiguous only): {index}")
+            n = shape[axis]
+            inner = int(np.prod(shape[axis + 1 :])) * np.dtype(self.dtype).itemsize
+            if isinstance(item, slice):
+                start, stop, step = item.indices(n)
+                if step != 1:
+                    raise IndexError(f"a device view takes no strided slice: {index}")
+                ptr += start * inner
+                shape[axis] = max(stop - start, 0)
+                axis += 1
+                sliced = shape[axis - 1] > 1  # a longer kept axis: indexing inside it would stride
+            else:
+                i = int(item) + n if int(item) < 0 else int(item)
+                if not 0 <= i < n:
+                    raise IndexError(f"index {item} out of range for axis of {n}")
+                ptr += i * inner
+                del shape[axis]
+        return DeviceView(self.device, ptr, tuple(shape), self.dtype, self.owner)
+
+
+def _np_dtype(value: Any) -> Any:
+    """An OrtValue's element type as numpy's."""
+    return {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}[value.data_type()]
 
 
 @dataclass
@@ -193,6 +241,7 @@ _Shapes = dict[str, tuple[tuple[int, ...], Any]]  # a graph input's/output's man
 # Rows up to which an exit graph's binding is kept per shape (decode: one row, or a batch's rows); longer inputs
 # (export's validation over a whole prompt) get a binding per call instead of host buffers held for good.
 _KEEP_ROWS = 16
+_TOP_1 = np.ones(1, np.int64)  # bound by pointer: lives as long as the module
 
 
 @dataclass
@@ -261,6 +310,13 @@ class ArtifactRuntime:
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
         self._calls: dict[tuple[str, int], _Call] = {}  # (graph kind, exit layer) -> binding with its weight bound
         self._bounds: dict[tuple[Any, ...], _Bound] = {}  # (graph kind, exit layer, shapes) -> exit graph binding
+        # Device-resident states (the binding plan executed, runtime/binding.py): while `resident`, every hidden
+        # state a graph outputs stays in the provider's memory (a DeviceView of an OrtValue; on the CPU EP that
+        # memory is the host's, so the same code runs in the CPU tests), full logits too; only the outputs the plan
+        # sends to the host are read, each through `_read`, which records it in `host_reads`.
+        self.resident = False
+        self.host_reads: list[tuple[str, int, str]] = []  # (graph, exit layer or -1, output key) read while resident
+        self._ops: Any = None
 
     # --- setup ---------------------------------------------------------------------------------------------------
     def load_segment(self, index: int) -> None:
@@ -322,9 +378,37 @@ class ArtifactRuntime:
         else:
             io.bind_ortvalue_input(name, arr)
 
-    def _host(self, arr: np.ndarray, dtype: Any) -> np.ndarray:
-        """A C-contiguous array of dtype, the same object when it already is one (no copy per call)."""
+    def _host(self, arr: Any, dtype: Any) -> Any:
+        """A C-contiguous array of dtype, the same object when it already is one (no copy per call); a device-resident
+        state (DeviceView) as it is."""
+        if isinstance(arr, DeviceView):
+            assert np.dtype(arr.dtype) == np.dtype(dtype), (arr.dtype, dtype)
+            return arr
         return np.ascontiguousarray(arr, dtype=dtype)
+
+    @property
+    def ops(self) -> Any:
+        """The device pieces (runtime/device_ops.py) on this runtime's provider, created on first use."""
+        if self._ops is None:
+            from eectl.runtime.device_ops import DeviceOps
+
+            self._ops = DeviceOps(self.provider, self.np_dtype, self.threads)
+        return self._ops
+
+    def _state_out(self, io: Any, name: str, shape: tuple[int, ...]) -> Any:
+        """Output `name`, a hidden state or logits: a fresh host array, or while resident a fresh OrtValue on the
+        provider's device (as a DeviceView) that the next graph takes as it is."""
+        if not self.resident:
+            return self._out(io, name, shape, self.np_dtype)
+        value = _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), self.np_dtype, self.device, 0)
+        io.bind_ortvalue_output(name, value)
+        return DeviceView.of(value)
+
+    def _read(self, io: Any, name: str, shape: tuple[int, ...], dtype: Any, where: tuple[str, int, str]) -> np.ndarray:
+        """Output `name` into a fresh host array: the one way a value leaves the device while resident (recorded)."""
+        if self.resident:
+            self.host_reads.append(where)
+        return self._out(io, name, shape, dtype)
 
     def _out(self, io: Any, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """A fresh host array bound as output `name`: ORT writes into it (fresh: callers may keep what it returns)."""
@@ -374,7 +458,7 @@ class ArtifactRuntime:
         call = self._call("embed", 0, g, "embed")
         ids = self._host(input_ids, np.int64)
         self._bind_array(call.io, g.name("input_ids"), ids)
-        out = self._out(call.io, g.name("hidden"), (*ids.shape, self.manifest.dims["hidden_size"]), self.np_dtype)
+        out = self._state_out(call.io, g.name("hidden"), (*ids.shape, self.manifest.dims["hidden_size"]))
         g.session.run_with_iobinding(call.io)
         return out
 
@@ -435,16 +519,16 @@ class ArtifactRuntime:
             g.session.run_with_iobinding(call.io)
             kv.filled[row, lo:hi] = total
             return None
-        out = self._out(call.io, g.name("hidden_out"), x.shape, self.np_dtype)
-        layer_in = self._out(call.io, g.name("layer_input"), x.shape, self.np_dtype)
+        out = self._state_out(call.io, g.name("hidden_out"), x.shape)
+        layer_in = self._state_out(call.io, g.name("layer_input"), x.shape)
         blocks = None
         if states:  # [1, (n + 1) * S, H] from the graph, returned as [n + 1, S, H]
             shape = (x.shape[0], (hi - lo + 1) * s, x.shape[2])
-            blocks = self._out(call.io, g.name("layer_states"), shape, self.np_dtype)
+            blocks = self._state_out(call.io, g.name("layer_states"), shape)
         g.session.run_with_iobinding(call.io)
         kv.filled[row, lo:hi] = total
         if blocks is not None:
-            return out, layer_in, blocks[0].reshape(hi - lo + 1, s, -1)
+            return out, layer_in, blocks[0].reshape(hi - lo + 1, s, x.shape[2])
         return out, layer_in
 
     def exit_full(
@@ -454,6 +538,9 @@ class ArtifactRuntime:
         exit's quantized river head where the artifact has one (its own table: no weight to bind)."""
         river = river and layer in self.river_heads
         g = self.river_heads[layer] if river else self.full_graphs[layer]
+        if self.resident:
+            graph = "river_head" if river else "exit_full"
+            return self._resident_exit(g, graph, layer, hidden, top_k, "river-head" if river else "full")
         n, dt = hidden.shape[0], self.np_dtype
         outputs: _Shapes = {
             "logits": ((n, self.manifest.dims["vocab_size"]), dt),
@@ -466,6 +553,26 @@ class ArtifactRuntime:
         self._run_bound(g, b, hidden)
         out = b.outputs  # copies: callers keep them across calls (the next call writes these buffers)
         return out["logits"].copy(), out["candidates"].copy(), out["candidate_logits"].copy()
+
+    def _resident_exit(self, g: Graph, graph: str, layer: int, hidden: Any, top_k: int, kind: str) -> Any:
+        """An exit graph's Top-K with the hidden rows and the full logits on the device: (logits as a DeviceView,
+        candidates [N, K], their logits [N, K]) — only the K ids and scores are read on the host."""
+        call = self._call(f"resident-{kind}", layer, g, "lm_head")
+        n = hidden.shape[0]
+        self._bind_array(call.io, g.name("hidden"), self._host(hidden, self.np_dtype))
+        k = np.array([top_k], np.int64)
+        if "top_k" in g.io.inputs:
+            self._bind_array(call.io, g.name("top_k"), k)
+        logits = None
+        if "logits" in g.io.outputs:
+            logits = self._state_out(call.io, g.name("logits"), (n, self.manifest.dims["vocab_size"]))
+        if "token" in g.io.outputs:  # computed in the graph, never read here
+            call.io.bind_output(g.name("token"), self.device)
+        cand = self._read(call.io, g.name("candidates"), (n, top_k), np.int64, (graph, layer, "candidates"))
+        where = (graph, layer, "candidate_logits")
+        cand_logits = self._read(call.io, g.name("candidate_logits"), (n, top_k), self.np_dtype, where)
+        g.session.run_with_iobinding(call.io)
+        return logits, cand, cand_logits
 
     def _exit_inputs(self, hidden: np.ndarray) -> _Shapes:
         """The inputs of a graph that picks Top-K: the hidden rows and K (set from the bound outputs' width)."""
@@ -480,17 +587,30 @@ class ArtifactRuntime:
             np.copyto(b.inputs[name], value, casting="unsafe")
         g.session.run_with_iobinding(b.io)
 
-    def greedy_token(self, layer: int, hidden: np.ndarray) -> np.ndarray:
+    def greedy_token(self, layer: int, hidden: Any, river: bool = False) -> np.ndarray:
         """hidden [N, H] -> the argmax token [N] at exit `layer`, computed in the graph.
 
         Only the token is copied out; the logits and a Top-1 (k = 1: a scan, not a sort) land in scratch arrays
         that stay bound across calls.
         """
-        g = self.full_graphs[layer]
-        if "token" not in g.io.outputs:  # an artifact exported before the token output
-            return self.exit_full(layer, hidden, 2)[0].argmax(-1)
+        river = river and layer in self.river_heads  # the river's own quantized head where the artifact has one
+        g = self.river_heads[layer] if river else self.full_graphs[layer]
+        if "token" not in g.io.outputs or river and not self.resident:  # no in-graph argmax (or its binding) here
+            if self.resident:  # its Top-1: the logits stay on the device
+                return self.exit_full(layer, hidden, 2, river=river)[1][:, 0]
+            return self.exit_full(layer, hidden, 2, river=river)[0].argmax(-1)
         x = self._host(hidden, self.np_dtype)
         n = x.shape[0]
+        if self.resident:  # the logits and the Top-1 stay on the device; the token is read
+            bound = self._call("resident-greedy-river" if river else "resident-greedy", layer, g, "lm_head")
+            self._bind_array(bound.io, g.name("top_k"), _TOP_1)  # k = 1: a scan, not a sort
+            for key in ("logits", "candidates", "candidate_logits"):
+                bound.io.bind_output(g.name(key), self.device)
+            self._bind_array(bound.io, g.name("hidden"), x)
+            where = ("river_head" if river else "exit_full", layer, "token")
+            token = self._read(bound.io, g.name("token"), (n,), np.int64, where)
+            g.session.run_with_iobinding(bound.io)
+            return token
         call = self._calls.get(("greedy", layer))
         if call is None or call.scratch[1].shape[0] != n:
             call = self._call("greedy", layer, g, "lm_head")
@@ -511,6 +631,15 @@ class ArtifactRuntime:
         """hidden [N, H], candidates [N, K] -> candidate logits [N, K]."""
         g = self.local_graphs[layer]
         shape = candidates.shape
+        if self.resident:  # the hidden rows on the device, the K candidate ids in, their K logits out
+            call = self._call("resident-local", layer, g, "lm_head")
+            self._bind_array(call.io, g.name("hidden"), self._host(hidden, self.np_dtype))
+            ids = np.ascontiguousarray(candidates, np.int64)
+            self._bind_array(call.io, g.name("candidates"), ids)
+            where = ("exit_local", layer, "candidate_logits")
+            out = self._read(call.io, g.name("candidate_logits"), shape, self.np_dtype, where)
+            g.session.run_with_iobinding(call.io)
+            return out
         inputs = {"hidden": (hidden.shape, self.np_dtype), "candidates": (shape, np.int64)}
         b = self._bound("local", layer, g, inputs, {"candidate_logits": (shape, self.np_dtype)})
         self._run_bound(g, b, hidden, candidates=candidates)
@@ -522,6 +651,9 @@ class ArtifactRuntime:
         g = self.candidate_graphs.get(layer)
         if g is None:
             _, cand, cand_logits = self.exit_full(layer, hidden, top_k)
+            return cand, cand_logits
+        if self.resident:
+            _, cand, cand_logits = self._resident_exit(g, "candidates", layer, hidden, top_k, "candidates")
             return cand, cand_logits
         n = hidden.shape[0]
         outputs: _Shapes = {"candidates": ((n, top_k), np.int64), "candidate_logits": ((n, top_k), self.np_dtype)}
