@@ -102,6 +102,7 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
         "top_k": (SCALAR, False),
         "candidates": (CANDIDATES, True),
         "candidate_logits": (SCORES, True),
+        **DECISION,
     },
     "last": {"hidden": (HIDDEN, False), "hidden_out": (HIDDEN, True)},
     "concat": {"pending": (HIDDEN, False), "hidden": (HIDDEN, False), "hidden_out": (HIDDEN, True)},
