@@ -541,6 +541,10 @@ class Runner:
                 self.step_reads.append(self.rt.host_reads)
             first = False
 
+    def _resident_wanted(self) -> bool:
+        wanted = self.cfg.device_resident
+        return self.rt.device != "cpu" if wanted is None else wanted
+
     @contextmanager
     def _resident(self) -> Iterator[None]:
         """Steps with active exits executed as the binding plan says (runtime/binding.py): while generating, hidden
@@ -548,10 +552,7 @@ class Runner:
         tests' K candidate ids and scores or one scalar per row, and the tokens, are read on the host. By default
         only off the CPU EP (`RunConfig.device_resident`); greedy only (sampling and teacher-forced scoring pick from
         the full vocabulary on the host: they run the host path)."""
-        wanted = self.cfg.device_resident
-        if wanted is None:
-            wanted = self.rt.device != "cpu"
-        on = bool(wanted and self.exits and self.cfg.temperature <= 0)
+        on = bool(self._resident_wanted() and self.exits and self.cfg.temperature <= 0)
         before = self.rt.resident
         self.rt.resident = on
         try:
@@ -585,7 +586,9 @@ class Runner:
         if any(g.session is None for g in self.rt.segments):  # a runtime holding one segment at a time
             return None
         if self.exits and (
-            self.cfg.policy not in BOUND_POLICIES or not chain_exits_supported(self.rt, self.exits, self.signal)
+            self.cfg.policy not in BOUND_POLICIES
+            or not chain_exits_supported(self.rt, self.exits, self.signal)
+            or self._resident_wanted()  # the binding plan's executor keeps exit steps device-resident (#15)
         ):
             return None
         thresholds = {e: self.cfg.thresholds[e] for e in self.exits}
