@@ -44,8 +44,9 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         "decode tokens, every prompt and repetition pooled (min-max: per repetition); a speedup is the ratio of two "
         "of those, measured in this run. Intervals (95%, over the "
         f"{r.prompts} prompts): paired bootstrap of that same ratio and of token agreement, Wilson for exact match. "
-        f"`{AA}` is a second copy of `full`, interleaved and rotated like every configuration: its speedup is this "
-        "run's noise floor.",
+        f"Run order: a Williams design (every configuration in every position and after every other once per "
+        f"cycle of repetitions). `{AA}` is a second copy of `full`: its speedup against `full` is this run's noise "
+        f'floor; every other "vs full" is against `full` and `{AA}` pooled.',
         "",
         "| config | exits | ms/token (pooled, min-max) | tokens/s per row | throughput tokens/s (vs full) | TTFT ms | "
         "vs full [95% CI] | predicted | model at realized exits | vs hf | mean layers | bound | decide share | "

@@ -6,6 +6,11 @@ over total decode tokens, every prompt of every repetition pooled), and a speedu
 tokens summed over the repetitions first, so the point estimate and its interval describe the same number. (The
 earlier point estimate, a ratio of per-repetition medians, could fall outside its own bootstrap interval.)
 
+The run order is a Williams design (`balanced_orders`): each configuration runs once in every position of a
+repetition and right after every other configuration once, over len(orders) repetitions; so what a position (the
+first after the warm-up) or a predecessor (e.g. torch's threads after `hf`) costs falls on every configuration
+alike. The baseline `full` is pooled with its A/A copy (`pooled`): two copies at different positions.
+
 What this module does not do: run or time anything (bench.py), or format (bench_report.py).
 """
 
@@ -85,3 +90,36 @@ def agreement_ci(gens: list[list[int]], ref: list[list[int]], seed: int = 0) -> 
     idx = np.random.default_rng(seed).integers(0, len(same), (BOOTSTRAP, len(same)))
     t = total[idx].sum(1)
     return interval(np.where(t > 0, same[idx].sum(1) / np.maximum(t, 1), 1.0))
+
+
+def balanced_orders(names: list[str]) -> list[list[str]]:
+    """A Williams design over `names`: n orders for even n (2n for odd: each order and its reverse) in which every
+    name sits in every position equally often and directly follows every other name equally often (first-order
+    carryover balanced). Order 0 starts with names[0]."""
+    n = len(names)
+    if n < 2:
+        return [list(names)]
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(j + i) % n for j in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[names[j] for j in row] for row in rows]
+
+
+def rep_orders(names: list[str], reps: int) -> list[list[str]]:
+    """The order of each repetition: the Williams design's orders in turn (balanced when reps is a multiple of
+    their number)."""
+    orders = balanced_orders(names)
+    return [orders[r % len(orders)] for r in range(reps)]
+
+
+def pooled(*runs: np.ndarray) -> np.ndarray:
+    """[P, 2] totals of several copies of one configuration, summed per prompt (the pooled baseline)."""
+    return np.sum(runs, axis=0)

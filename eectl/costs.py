@@ -7,7 +7,9 @@ of `repeats` calls after `warmup` calls, in rounds that call every graph once (s
 decode step leaves it). The decisions are timed with the signal computation the runner does after the graph
 (`exits.signals`); a cosine signal's decision reads only block states, and the LM head at the exit is timed apart
 (`exit_predict_ms`: what an exiting token's own prediction costs, which a river predicting at its end never asks
-for). The full-depth step is timed through the runner itself, so whatever Python adds per step is in the model too.
+for). Where the runner decides on the bound chain (runtime/chain.py), the decisions are timed as it makes them
+there instead: the bound exit graph deciding in-graph, two scalars read (`Costs.bound_exits`). The full-depth step
+is timed through the runner itself, so whatever Python adds per step is in the model too.
 
 What this module does not do: predict or choose (plan.py); it only measures.
 """
@@ -23,7 +25,7 @@ import numpy as np
 from eectl.exits import ExitScoring, FullSoftmax, Signal, get_signal, signals
 from eectl.plan import Costs
 from eectl.runtime.blocks import run_block
-from eectl.runtime.chain import DecodeChain
+from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.runner import OrtExitLogits, RowState, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
@@ -92,7 +94,9 @@ def measure_costs(
     calls["head2"] = lambda: rt.exit_full(L, row2, k)
     if L in rt.river_heads:
         calls["river_head"] = lambda: rt.exit_full(L, row1, k, river=True)
-    state_only = _exit_calls(calls, rt, get_signal(signal), kv, h1, past, k)
+    sig = get_signal(signal)
+    state_only = _exit_calls(calls, rt, sig, kv, h1, past, k)
+    bound = _bound_exit_calls(calls, rt, sig, h1, past, k)  # replaces the decisions the bound chain makes
     t = _interleaved_ms(calls, repeats, warmup)
     n = len(m.segments)
     seg1 = [t[f"seg1.{i}"] for i in range(n)]
@@ -116,6 +120,7 @@ def measure_costs(
         local_ms=local_ms,
         full_step_ms=t["step"],
         chain_step_ms=t.get("chain"),
+        bound_exits=bound,
         block_ms={str(layer): t[f"block.{layer}"] for layer in m.exit_layers if layer in rt.block_graphs},
         candidate_source=str(m.candidate_source.get("name", "full")),
         exit_predict_ms={str(e): t[f"predict.{e}"] for e in m.exit_layers} if state_only else None,
@@ -169,6 +174,42 @@ def _exit_calls(
 
             calls[f"predict.{layer}"] = predict
     return state_only
+
+
+def _bound_exit_calls(
+    calls: dict[str, Callable[[], object]], rt: ArtifactRuntime, sig: Signal, h1: np.ndarray, past: int, k: int
+) -> bool:
+    """Where the runner decides exits on the bound chain (runtime/chain.py: one row, greedy, the decision inside
+    the exit graph), time each exit's decision as that chain makes it: its bound graph call and the two scalars it
+    reads. Each exit as the first active one (its candidates picked) and as a later one (scoring the candidates an
+    earlier exit bound). Returns whether it did (False: the artifact's exit graphs cannot decide in-graph, or the
+    signal is not one they decide)."""
+    m = rt.manifest
+    exits = list(m.exit_layers)
+    if "chain" not in calls or not chain_exits_supported(rt, exits, sig):
+        return False
+    never = {c: float("inf") for c in sig.criteria}  # thresholds do not change the graph's work
+
+    def decision(chain: DecodeChain, layer: int) -> Callable[[], object]:
+        s = rt.segment_of_layer[layer]
+        if isinstance(chain.hops[s + 1], np.ndarray):  # the exit reads its segment's output buffer
+            chain.hops[s + 1][...] = h1
+        ex = chain.exits[s]
+
+        def call(chain: DecodeChain = chain) -> object:  # the chain owns the buffers bound: it must stay alive
+            ex.session.run_with_iobinding(ex.io)
+            return bool(ex.passed[0]), int(ex.token[0])
+
+        return call
+
+    for layer in exits:
+        alone = DecodeChain(rt, rt.new_kv(1, past + 4), 0, {layer: never}, sig, k)
+        calls[f"cand.{layer}"] = decision(alone, layer)
+        if layer > exits[0]:  # as a later exit, scoring the candidates the first exit bound (picked once here)
+            pair = DecodeChain(rt, rt.new_kv(1, past + 4), 0, {exits[0]: never, layer: never}, sig, k)
+            decision(pair, exits[0])()
+            calls[f"local.{layer}"] = decision(pair, layer)
+    return True
 
 
 def block_call(rt: ArtifactRuntime, kv: KVBuffers, layer: int, h: np.ndarray, past: int) -> Callable[[], object]:

@@ -437,6 +437,7 @@ class Signal:
     needs_layer_input: bool = False  # reads ExitState.layer_input
     needs_blocks: bool = False  # reads ExitState.blocks (segment graphs output them as `layer_states`)
     torch_math: bool = False  # measures with torch ops (the runner runs them on one torch thread beside ORT's pool)
+    in_graph: bool = False  # its test is `decision_nodes` over the local logits (the exit graphs decide it)
 
     def __init__(self, name: str, criteria: tuple[str, ...]) -> None:
         self.name, self.criteria = name, criteria
@@ -448,11 +449,71 @@ class Signal:
         return passes(values, {c: thresholds[c] for c in self.criteria})
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The decision inside an exit graph: a softmax signal's test as ONNX nodes (export appends them to the exit graphs)
+# ---------------------------------------------------------------------------------------------------------------
+#
+# The runner's bound path (runtime/chain.py) reads two scalars per decision, whether the token passes and its
+# candidate token, instead of K logits and numpy math. The nodes are `signals` + `passes` op for op: float32 logits,
+# m = max, e = exp(z - m), prob = 1 / sum(e), margin = prob - exp(z2 - m) / sum(e) (z2 the second largest logit),
+# pass = prob >= t_prob and margin >= t_margin; the token is the first argmax, as numpy's. The thresholds are one
+# graph input [2] in `GRAPH_CRITERIA` order; a criterion the signal does not test gets -inf (always met). Summation
+# order and exp may differ from numpy's by float32 rounding: values agree within ~1e-6 (tests), so a decision can
+# differ only for a value within that of its threshold.
+
+GRAPH_CRITERIA = ("prob", "margin")
+
+
+class OpBuilder(Protocol):
+    """What the decision nodes need of export's graph builder (export_graphs._Builder)."""
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs: Any) -> Any: ...
+
+    def const(self, name: str, value: Any, float_type: bool = True) -> str: ...
+
+    def fresh(self, base: str) -> str: ...
+
+
+def graph_thresholds(signal: Signal, thresholds: dict[str, float]) -> np.ndarray:
+    """The thresholds input [2] float32 of an exit graph's decision for `signal`'s criteria."""
+    return np.array(
+        [thresholds[c] if c in signal.criteria else -np.inf for c in GRAPH_CRITERIA],
+        dtype=np.float32,
+    )
+
+
+def decision_nodes(b: OpBuilder, logits: str, ids: str | None, thresholds: str) -> tuple[str, str]:
+    """Append the softmax decision over `logits` [N, K] (vocabulary ids [N, K], or None: logits over the whole
+    vocabulary) with `thresholds` [2] float32; returns (passed [N] bool, token [N] int64)."""
+    from onnx import TensorProto
+
+    def ints(name: str, *v: int) -> str:
+        return b.const(b.fresh(name), np.array(v, np.int64), False)
+
+    last = ints("last_axis", -1)
+    z = b.op("Cast", [logits], to=TensorProto.FLOAT)
+    m = b.op("ReduceMax", [z, last], keepdims=1)  # [N, 1]
+    total = b.op("ReduceSum", [b.op("Exp", [b.op("Sub", [z, m])]), last], keepdims=1)
+    prob = b.op("Reciprocal", [total])
+    idx = b.op("ArgMax", [z], axis=-1, keepdims=1)  # [N, 1], the first on ties as numpy
+    # the top-2 as numpy finds it: the top-1 entry out (-inf), the largest left (a tie: equal; K = 1: -inf, margin =
+    # prob)
+    minus_inf = b.op("Add", [m, b.const(b.fresh("minus_inf"), np.array([-np.inf], np.float32), False)])
+    second = b.op("ReduceMax", [b.op("ScatterElements", [z, idx, minus_inf], axis=1), last], keepdims=1)
+    margin = b.op("Sub", [prob, b.op("Div", [b.op("Exp", [b.op("Sub", [second, m])]), total])])
+    values = b.op("Concat", [prob, margin], axis=-1)  # [N, 2], GRAPH_CRITERIA order
+    met = b.op("Cast", [b.op("Not", [b.op("Less", [values, thresholds])])], to=TensorProto.INT32)  # value >= t
+    passed = b.op("Cast", [b.op("ReduceMin", [met, last], keepdims=0)], to=TensorProto.BOOL)  # [N]: every criterion
+    token = idx if ids is None else b.op("GatherElements", [ids, idx], axis=1)
+    return passed, b.op("Squeeze", [token, last])
+
+
 class LocalSoftmax(Signal):
     """Top-1 probability / top-1 minus top-2 margin of a softmax over the K candidates (FlexEE's Top-K local
     vocabulary)."""
 
     needs_candidates = True
+    in_graph = True  # the decision nodes above compute its test inside the exit graphs
 
     def measure(self, scoring: ExitScoring, layer: int, state: ExitState) -> ExitScore:
         ids, logits = scoring.local_logits(layer, state)

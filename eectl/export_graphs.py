@@ -40,7 +40,7 @@ from onnx.external_data_helper import set_external_data
 
 from eectl import __version__
 from eectl.errors import UsageError
-from eectl.exits import CandidateSource, Int8Ranking, Shortlist
+from eectl.exits import GRAPH_CRITERIA, CandidateSource, Int8Ranking, Shortlist, decision_nodes
 from eectl.manifest import GraphIO
 from eectl.models.adapters import Adapter, LayerWeights
 
@@ -374,6 +374,19 @@ def _head_prefix(b: _Builder, hidden: str, head: torch.nn.Module | None, hidden_
     return rename["y"]
 
 
+def _decision(b: _Builder, logits: str, ids: str | None, inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
+    """The exit's decision inside its graph (exits.decision_nodes): a `thresholds` input [2] float32, whose
+    default [inf, inf] (an initializer: callers that do not bind it never pass) keeps the graph's other uses as
+    they were, and the outputs `passed` [N] bool and `exit_token` [N] int64 (the token it would emit)."""
+    thresholds = b.input("thresholds", TensorProto.FLOAT, [len(GRAPH_CRITERIA)])
+    b.const(thresholds, np.full(len(GRAPH_CRITERIA), np.inf, np.float32), False)
+    passed, token = decision_nodes(b, logits, ids, thresholds)
+    b.output(passed, "passed", TensorProto.BOOL, ["n"])
+    b.output(token, "exit_token", TensorProto.INT64, ["n"])
+    inputs["thresholds"] = "thresholds"
+    outputs.update(passed="passed", exit_token="exit_token")
+
+
 def build_exit(
     adapter: Adapter, layer: int, dtype: str, local: bool, head: torch.nn.Module | None = None
 ) -> tuple[onnx.ModelProto, GraphIO]:
@@ -410,9 +423,11 @@ def build_exit(
         logits = b.op("Squeeze", [logits, "axis1"])
         if bias is not None:
             logits = b.op("Add", [logits, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
-        b.output(cap(logits), "candidate_logits", None, ["n", "k"])
+        logits = cap(logits)
+        b.output(logits, "candidate_logits", None, ["n", "k"])
         inputs["candidates"] = "candidates"
         outputs: dict[str, str | list[str]] = {"candidate_logits": "candidate_logits"}
+        _decision(b, logits, cand, inputs, outputs)
     else:
         b.input("top_k", TensorProto.INT64, [1])
         logits = b.op("MatMul", [normed, weight])  # [N, H] @ [H, V]
@@ -431,6 +446,8 @@ def build_exit(
             "candidate_logits": "candidate_logits",
             "token": "token",
         }
+        if layer < dims.num_layers:  # an exit's first decision under the full Top-K source: over its K best
+            _decision(b, values, indices, inputs, outputs)
     io = GraphIO(file=f"exit_{layer:03d}_{suffix}.onnx", inputs=inputs, outputs=outputs)
     return b.model(f"exit_{layer}_{suffix}"), io
 
@@ -529,9 +546,7 @@ def build_candidates(
         raise UsageError(f"no candidate graph for source '{source.name}' (the full source uses the full exit graph)")
     b.output(cand, "candidates", TensorProto.INT64, ["n", "k"])
     b.output(cand_logits, "candidate_logits", None, ["n", "k"])
-    io = GraphIO(
-        file=f"exit_{layer:03d}_{source.name}.onnx",
-        inputs=inputs,
-        outputs={"candidates": "candidates", "candidate_logits": "candidate_logits"},
-    )
+    outputs: dict[str, str | list[str]] = {"candidates": "candidates", "candidate_logits": "candidate_logits"}
+    _decision(b, cand_logits, cand, inputs, outputs)
+    io = GraphIO(file=f"exit_{layer:03d}_{source.name}.onnx", inputs=inputs, outputs=outputs)
     return b.model(f"exit_{layer}_{source.name}"), io

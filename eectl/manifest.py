@@ -19,7 +19,12 @@ from eectl.heads_meta import HeadsMeta
 from eectl.plan import Costs, Plan
 
 # 2: the calibration and the heads metadata are typed, and per-exit thresholds live only in `calibration`.
-SCHEMA_VERSION = 2
+# 3: optional fields an eectl reading 2 does not know: block exit heads (`ExitPoint.block`), the bound chain's costs
+#    (`Costs.chain_step_ms`, `bound_exits`) and the exit graphs' in-graph decision io. Written as 3, so an older eectl
+#    says "unknown schema version" instead of a field error; version 2 artifacts still load (all of 3's additions are
+#    optional, and the runner falls back where a graph lacks them).
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 MANIFEST = "manifest.json"
 
 
@@ -194,11 +199,11 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     except ValueError as exc:
         raise ArtifactError(f"{path} is not valid JSON: {exc}") from None
     version = raw.get("schema_version") if isinstance(raw, dict) else None
-    if version != SCHEMA_VERSION:
-        older = isinstance(version, int) and version < SCHEMA_VERSION
+    if version not in READABLE_VERSIONS:
+        older = isinstance(version, int) and version < min(READABLE_VERSIONS)
         raise ArtifactError(
             f"{'an older' if older else 'an unknown'} manifest schema version {version!r} in {folder} "
-            f"(this eectl reads {SCHEMA_VERSION})",
+            f"(this eectl reads {', '.join(map(str, READABLE_VERSIONS))})",
             hint="re-export the artifact with this version of eectl",
         )
     try:

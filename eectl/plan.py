@@ -40,6 +40,9 @@ PLAN_POLICIES = ("copy", "defer", "verify")
 # predicted (bench's check of the model) but never planned: like copy, the river's approximate K/V change later
 # tokens in a way calibration does not measure. `river-exit` is the river predicting at the exit.
 RIVER_POLICIES = ("river", "river-exit")
+# policies whose one-row greedy exit steps run on the bound chain (runtime/chain.py): an exited token needs only its
+# state; the river's int4 copies run per call
+BOUND_POLICIES = ("defer", "verify", "copy")
 MAX_SUBSET = 3  # exits per option: each active exit adds a decision, and subsets grow as 2^E
 VERIFY_PRECISIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # verify's speed knob: thresholds fitted at these
 
@@ -102,6 +105,10 @@ class Costs(_M):
     # signals that decide without an LM head (cosine): exit layer -> the exit's full head, which an exiting token's
     # own prediction then costs (None: the decision already carries the prediction, e.g. Top-K candidates)
     exit_predict_ms: dict[str, float] | None = None
+    # one-row greedy exit steps run on the bound chain (runtime/chain.py) and the decisions above were timed there:
+    # a step pays the chain's per-call overhead, except a token that meets pending positions (defer's and verify's
+    # flush), which continues on the general path. False: every exit step pays the general path (older artifacts)
+    bound_exits: bool = False
 
     def block_layers(self, num_layers: int) -> dict[str, float]:
         """Each block head's measured cost per token in decoder-layer units (its ms over a segment layer's mean)."""
@@ -112,10 +119,12 @@ class Costs(_M):
         """A full-depth token as `eectl run` decodes it with no exit active: what every speedup is against."""
         return self.chain_step_ms if self.chain_step_ms is not None else self.full_step_ms
 
-    def overhead_per_segment(self) -> float:
-        """The runner's per-step cost outside the timed graphs, spread over the segment calls."""
+    def overhead_per_segment(self, bound: bool = False) -> float:
+        """The runner's per-step cost outside the timed graphs, spread over the segment calls: on the general path,
+        or (`bound`) on the bound chain."""
         parts = self.embed_ms + sum(self.segment_ms) + self.final_head_ms
-        return max(0.0, self.full_step_ms - parts) / max(1, len(self.segment_ms))
+        step = self.baseline_ms() if bound else self.full_step_ms
+        return max(0.0, step - parts) / max(1, len(self.segment_ms))
 
 
 class Prediction(_M):
@@ -186,9 +195,12 @@ def predict(
     `boundaries` are the artifact's segment end layers (the last = L). `lost_rate` (verify) overrides the tokens
     lost per step that precisions imply (bench passes its measured rate).
     """
-    over = costs.overhead_per_segment()
-    full = costs.full_step_ms  # a token that passes every exit: the general per-call path, plus its decisions
     base = costs.baseline_ms()  # full depth with no exit active (the bound chain where the runner has one)
+    bound = costs.bound_exits and policy in BOUND_POLICIES
+    over = costs.overhead_per_segment(bound)
+    # a token that passes every exit: the general per-call path, plus its decisions; on the bound chain, the
+    # chain's step unless pending positions wait (defer, verify: after an exited token, about `rate` of the time)
+    full = costs.full_step_ms
     exits = [layer for layer, _, _ in per_exit]
     if not exits:
         return Prediction(
@@ -222,6 +234,9 @@ def predict(
         decision += cov * sum(decisions[: i + 1])
         rate += cov
     rest = max(0.0, 1.0 - rate)
+    if bound:
+        flushing = rate if policy in ("defer", "verify") else 0.0
+        full = flushing * costs.full_step_ms + (1.0 - flushing) * base
     step += rest * (full + sum(decisions))
     decision += rest * sum(decisions)
     lost = 0.0

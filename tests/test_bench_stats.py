@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from eectl.bench_stats import per_prompt_totals, speed_ratio, speed_ratio_ci
+from eectl.bench_stats import balanced_orders, per_prompt_totals, pooled, rep_orders, speed_ratio, speed_ratio_ci
 
 
 def _prompts(rng, n):
@@ -56,3 +56,59 @@ def test_pooled_statistic_is_total_time_over_total_tokens():
     assert math.isnan(speed_ratio(b, np.zeros((2, 2))))
     with pytest.raises(ValueError):
         speed_ratio_ci(b, o[:1])
+
+
+def _orders_timed(orders, names, effect, prompts, rng, noise=0.0):
+    """Synthetic timings where every configuration is full depth (30 ms/token) and the run order costs: `effect`
+    (position, predecessor) -> factor. Returns name -> per-repetition [(seconds, tokens)] per prompt."""
+    runs = {n: [] for n in names}
+    for order in orders:
+        for pos, name in enumerate(order):
+            f = effect(pos, order[pos - 1] if pos else None)
+            runs[name].append([(s * f, n) for s, n in _config(rng, prompts, 30.0, 1, noise)[0]])
+    return runs
+
+
+def _effect(pos, before):
+    # the first configuration after the warm-up pays 9%; the one after `hf` (torch's threads still spinning) 7%
+    return (1.09 if pos == 0 else 1.0) * (1.07 if before == "hf" else 1.0)
+
+
+def test_williams_orders_balance_positions_and_predecessors():
+    for n in range(2, 8):
+        names = [f"c{i}" for i in range(n)]
+        orders = balanced_orders(names)
+        assert len(orders) == (n if n % 2 == 0 else 2 * n) and orders[0][0] == "c0"
+        for name in names:  # every position equally often
+            assert len({o.index(name) for o in orders}) == n
+            assert sum(o.index(name) == 0 for o in orders) == len(orders) // n
+        pairs = [(o[i - 1], o[i]) for o in orders for i in range(1, n)]
+        assert len(set(pairs)) == n * (n - 1) and len(pairs) == len(orders) // n * n * (n - 1)
+    assert rep_orders(["a", "b"], 3) == [["a", "b"], ["b", "a"], ["a", "b"]]
+
+
+def test_order_effects_do_not_bias_the_ratio_with_the_balanced_order_and_pooled_baseline():
+    """All configurations are the same (true ratio 1). Under the rotation by one, the position and predecessor
+    effects bias "vs full" (copy, always after hf, reads slow; full, first after the warm-up, makes others read
+    fast); under the Williams design over a whole cycle with full and full-aa pooled, every ratio is exactly 1."""
+    names = ["full", "full-aa", "hf", "copy", "defer", "verify"]
+    rng = np.random.default_rng(0)
+    prompts = _prompts(rng, 6)
+    rotation = [names[r:] + names[:r] for r in range(len(names))]
+    old = _orders_timed(rotation, names, _effect, prompts, rng)
+    old_full = per_prompt_totals(old["full"])
+    assert speed_ratio(old_full, per_prompt_totals(old["copy"])) < 0.96  # biased
+
+    new = _orders_timed(balanced_orders(names), names, _effect, prompts, rng)
+    base = pooled(per_prompt_totals(new["full"]), per_prompt_totals(new["full-aa"]))
+    for name in names:
+        ratio = speed_ratio(base, per_prompt_totals(new[name]))
+        if name == "hf":  # a configuration never follows itself: the one leaving the carryover escapes it
+            assert ratio == pytest.approx((4 + 1.09 + 1.07) / (5 + 1.09))  # per cycle: 6 runs each
+        else:
+            assert ratio == pytest.approx(1.0, abs=1e-9), name
+    assert speed_ratio(per_prompt_totals(new["full"]), per_prompt_totals(new["full-aa"])) == pytest.approx(1.0)
+    # with noise, the A/A interval of the balanced order still contains 1
+    noisy = _orders_timed(balanced_orders(names), names, _effect, prompts, rng, noise=0.05)
+    lo, hi = speed_ratio_ci(per_prompt_totals(noisy["full"]), per_prompt_totals(noisy["full-aa"]))
+    assert lo <= 1.0 <= hi

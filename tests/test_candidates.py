@@ -279,3 +279,12 @@ def test_kept_exit_bindings_equal_fresh_ones_call_after_call(planned, source):
     for snapshot, returned, local_snapshot, local in kept:  # later calls wrote nothing into earlier results
         np.testing.assert_array_equal(returned, snapshot)
         np.testing.assert_array_equal(local, local_snapshot)
+
+
+@pytest.mark.parametrize("source", ["shortlist", "int8"])
+def test_candidate_graph_decisions_equal_the_signals(planned, source):
+    """The candidate graphs decide in-graph as exits.signals does on their candidates (tests/test_exit_decision)."""
+    from tests.test_exit_decision import _check, _hidden
+
+    rt = planned[source]
+    assert _check(rt, rt.candidate_graphs[2], _hidden(rt), k=K) > 100

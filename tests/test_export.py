@@ -170,6 +170,9 @@ def test_manifest_rejected_when_inconsistent(exported, tmp_path):
     (bad / MANIFEST).write_text(json.dumps(doc))
     with pytest.raises(ArtifactError, match="older manifest schema version 1"):  # artifacts of an older eectl
         read_manifest(bad)
+    doc["schema_version"] = 2  # version 3 only added optional fields: a version 2 artifact still loads
+    (bad / MANIFEST).write_text(json.dumps(doc))
+    assert read_manifest(bad, verify_hashes=False).schema_version == 2
     doc["schema_version"] = SCHEMA_VERSION
     doc["segments"] = doc["segments"][:2]
     (bad / MANIFEST).write_text(json.dumps(doc))

@@ -66,6 +66,7 @@ def _thresholds(rt, signal: str, prompts, monkeypatch) -> dict:
     never = {e: {criteria: float("inf")} for e in EXPORT_EXITS}
     with monkeypatch.context() as m:
         m.setattr(Signal, "passes", record)
+        m.setattr(Runner, "_chain", lambda self, kv, rows: None)  # the general host path (one row: not the chain)
         Runner(rt, _config(signal, "defer", never, False)).generate(prompts)
     return {e: {criteria: float(np.quantile(v, 0.7))} for e, v in seen.items()}
 

@@ -142,6 +142,9 @@ def test_costs_time_the_river_copies_and_model_the_river(arts):
     assert blocks.exit_predict_ms is not None and all(ms > 0 for ms in blocks.candidates_ms.values())
     topk = measure_costs(rt, past=8, repeats=1, warmup=0, signal="topk-prob")
     assert topk.exit_predict_ms is None  # the candidates carry the token
+    # the softmax decisions are timed on the bound chain, where the runner makes them; cosines on the general path
+    assert topk.bound_exits and not c.bound_exits and not blocks.bound_exits
+    assert set(topk.local_ms) == set(topk.candidates_ms) and all(ms > 0 for ms in topk.local_ms.values())
 
 
 def test_bench_river_side_by_side_with_int4_and_kv_cosine(arts):

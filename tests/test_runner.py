@@ -333,3 +333,33 @@ def test_full_depth_decode_chain_equals_the_general_path(artifacts, family, monk
         strict=True,
     ):
         assert (mine[:, :, :n] == theirs[:, :, :n]).all()
+
+
+@pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
+def test_bound_exit_steps_equal_the_general_path(artifacts, family, policy, monkeypatch):
+    """Steps with active exits run the bound chain (decisions inside the exit graphs) unless a segment holds
+    pending positions: same tokens, exit layers, drafts and KV cache as the general path alone, and most steps
+    never enter it."""
+    loaded, rt = artifacts[family]
+    prompt = _prompt(6, 9, loaded.adapter.dims.vocab_size)
+    thresholds = _median_thresholds(loaded, prompt, 24)
+    runner = _runner(rt, policy, thresholds, new=24)
+    calls = []
+    general = Runner._steps
+    monkeypatch.setattr(Runner, "_steps", lambda self, *a, **kw: calls.append(1) or general(self, *a, **kw))
+    bound = runner.generate([prompt])[0]
+    kv_bound = runner.last_kv
+    n_general = len(calls)
+    monkeypatch.setattr(Runner, "_chain", lambda self, kv, rows: None)
+    plain = runner.generate([prompt])[0]
+    # some tokens exit (verify: are drafted, then kept or rolled back) and some do not
+    assert plain.drafted > 0 if policy == "verify" else _mixed(plain.exit_layers), plain.exit_layers
+    assert bound.token_ids == plain.token_ids and bound.exit_layers == plain.exit_layers
+    assert (bound.drafted, bound.rejected_drafts) == (plain.drafted, plain.rejected_drafts)
+    assert n_general < len(plain.token_ids)  # the prefill, hand-overs and verify's closing pass only
+    assert kv_bound is not None and runner.last_kv is not None
+    assert (kv_bound.filled == runner.last_kv.filled).all()
+    n = int(kv_bound.filled[0].min())  # positions every layer holds
+    ours, theirs = kv_bound.batch_keys + kv_bound.batch_values, runner.last_kv.batch_keys + runner.last_kv.batch_values
+    for mine, other in zip(ours, theirs, strict=True):
+        assert (mine[:, :, :n] == other[:, :, :n]).all()

@@ -81,12 +81,20 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
         "candidates": (CANDIDATES, True),
         "candidate_logits": (SCORES, True),
         "token": (SCALAR, True),  # the in-graph argmax (artifacts exported since the greedy token output)
+        **(
+            DECISION := {  # the exit decision in the graph (exits.decision_nodes; artifacts exported since it)
+                "thresholds": (SCALAR, False),
+                "passed": (SCALAR, True),
+                "exit_token": (SCALAR, True),
+            }
+        ),
     },
     "exit_local": {
         "hidden": (HIDDEN, False),
         "weight": (WEIGHT, False),
         "candidates": (CANDIDATES, False),
         "candidate_logits": (SCORES, True),
+        **DECISION,
     },
     "candidates": {  # the artifact's candidate source graph (shortlist, int8) at the first active exit
         "hidden": (HIDDEN, False),
@@ -94,6 +102,7 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
         "top_k": (SCALAR, False),
         "candidates": (CANDIDATES, True),
         "candidate_logits": (SCORES, True),
+        **DECISION,
     },
     "last": {"hidden": (HIDDEN, False), "hidden_out": (HIDDEN, True)},
     "concat": {"pending": (HIDDEN, False), "hidden": (HIDDEN, False), "hidden_out": (HIDDEN, True)},

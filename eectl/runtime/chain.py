@@ -7,24 +7,93 @@ device), the KV buffers are bound as in `ArtifactRuntime.run_segment`, and the i
 token id, `seqlens_k`, `total_sequence_length`) are small host arrays written in place. A step is then the graph
 calls and two scalar writes, about what onnxruntime-genai's one-graph decode costs outside its kernels.
 
-What it does not do: exits, sampling, teacher forcing, several positions per call (the prompt), batches of rows:
-the runner's general path (`Runner._steps`) handles those, and writes the same cache this chain continues.
+Steps with active exits (`step_exits`) run the same chain with each active exit's decision bound after its
+segment: the exit graph reads the segment's output buffer, decides inside the graph (exits.decision_nodes: the
+thresholds bound once as an input) and writes two scalars, whether the token passes and its token; the first
+exit's candidates land in a buffer the later exits' local graphs read. A token that exits stops there; one that
+passes every exit reaches the final head as in `step`. Only the single-position case is bound: a segment that
+holds pending positions (defer's and verify's deferred states) hands the token over to the general path at that
+segment (`Handover`), which then carries them along.
+
+What it does not do: sampling, teacher forcing, several positions per call (the prompt), batches of rows, signals
+not decided in the graph (the cosines, full-vocabulary softmax), block exit heads: the runner's general path
+(`Runner._steps`) handles those, and writes the same cache this chain continues.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from eectl.errors import UsageError
+from eectl.exits import Signal, graph_thresholds
 from eectl.runtime.sessions import ArtifactRuntime, Graph, KVBuffers, _ort
 
 
-class DecodeChain:
-    """Greedy full-depth decode of one row of `kv`, one position per step."""
+@dataclass
+class BoundExit:
+    """One active exit's decision bound after its segment: run `io` on `session`, then read `passed` and `token`."""
 
-    def __init__(self, rt: ArtifactRuntime, kv: KVBuffers, row: int) -> None:
+    layer: int
+    session: Any
+    io: Any
+    passed: np.ndarray  # [1] bool
+    token: np.ndarray  # [1] int64
+
+
+@dataclass
+class ExitStep:
+    """What a bound step with exits did: the token, and where it was decided (the final layer when no exit took
+    it); for an exit, its segment and the token's state there (a copy [1, 1, H]: the policy keeps it)."""
+
+    token: int
+    layer: int
+    segment: int | None = None
+    state: np.ndarray | None = None
+    decide_s: float = 0.0
+
+
+@dataclass
+class Handover:
+    """The step reached segment `segment`, which holds pending positions: the general path continues the token
+    from there with its state at that segment's input [1, 1, H] and the candidates the first exit picked."""
+
+    segment: int
+    hidden: np.ndarray
+    candidates: np.ndarray | None
+    decide_s: float = 0.0
+
+
+def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal) -> bool:
+    """Whether `step_exits` can run these active exits: a signal decided in the graph, exit graphs exported with the
+    decision (older artifacts take the general path), and no block exit head among them."""
+    if not exits:
+        return True
+    if not signal.in_graph or any(e in rt.block_graphs for e in exits):
+        return False
+    first = rt.candidate_graphs.get(exits[0], rt.full_graphs[exits[0]])
+    graphs = [first, *(rt.local_graphs[e] for e in exits[1:])]
+    return all("passed" in g.io.outputs for g in graphs)
+
+
+class DecodeChain:
+    """Greedy decode of one row of `kv`, one position per step: full depth (`step`), or with active exits decided
+    in their graphs (`step_exits`)."""
+
+    def __init__(
+        self,
+        rt: ArtifactRuntime,
+        kv: KVBuffers,
+        row: int,
+        exits: dict[int, dict[str, float]] | None = None,
+        signal: Signal | None = None,
+        top_k: int = 0,
+    ) -> None:
+        """`exits`: active exit layer -> its thresholds, decided by `signal` over `top_k` candidates (see
+        `chain_exits_supported`); none: full depth only (`step`)."""
         m = rt.manifest
         final = rt.full_graphs[m.num_layers]
         if "token" not in final.io.outputs:  # an artifact exported before the in-graph argmax
@@ -60,6 +129,13 @@ class DecodeChain:
             rt._bind_array(io, g.name("hidden_out"), hops[s + 1], output=True)
             # outputs nobody reads this step (the last layer's input for the cosine signal): a scratch buffer
             rt._bind_array(io, g.name("layer_input"), self._buffer((1, 1, H), dtype), output=True)
+        self.segment_calls = self.calls[1:]  # (session, io) of segment s at index s
+        self.exits: dict[int, BoundExit] = {}  # segment -> the active exit after it
+        self.candidates: Any = None  # [1, K]: the first active exit's candidates, which the later ones score
+        for layer in sorted(exits or {}):
+            assert signal is not None and exits is not None
+            self.exits[rt.segment_of_layer[layer]] = self._bind_exit(layer, hops, signal, exits[layer], top_k)
+        self.hops = hops
         io = self._bind(final)
         rt._bind_array(io, final.name("hidden"), self._view(hops[-1], (1, H), dtype))
         if "weight" in final.io.inputs:
@@ -70,6 +146,35 @@ class DecodeChain:
         rt._bind_array(io, final.name("logits"), self._buffer((1, V), dtype), output=True)
         rt._bind_array(io, final.name("candidates"), self._buffer((1, 1), np.int64), output=True)
         rt._bind_array(io, final.name("candidate_logits"), self._buffer((1, 1), dtype), output=True)
+
+    def _bind_exit(
+        self, layer: int, hops: list[Any], signal: Signal, thresholds: dict[str, float], k: int
+    ) -> BoundExit:
+        """Bind the decision at `layer`: the first active exit picks candidates (the artifact's candidate graph, or
+        the full graph's Top-K), later ones score them (the local graph); both decide in the graph."""
+        rt, H, dtype = self.rt, self.rt.manifest.dims["hidden_size"], self.rt.np_dtype
+        first = self.candidates is None
+        g = rt.candidate_graphs.get(layer, rt.full_graphs[layer]) if first else rt.local_graphs[layer]
+        io = g.session.io_binding()  # not in self.calls: an exit runs only when the step asks for it
+        rt._bind_array(io, g.name("hidden"), self._view(hops[rt.segment_of_layer[layer] + 1], (1, H), dtype))
+        if "weight" in g.io.inputs:
+            rt._bind_array(io, g.name("weight"), rt.weights["lm_head"])
+        rt._bind_array(io, g.name("thresholds"), self._host(graph_thresholds(signal, thresholds)))
+        if first:
+            self.candidates = self._buffer((1, k), np.int64)
+            rt._bind_array(io, g.name("top_k"), self._host(np.array([k], np.int64)))
+            rt._bind_array(io, g.name("candidates"), self.candidates, output=True)
+            if "logits" in g.io.outputs:  # the full graph: its logits and greedy token are scratch
+                V = rt.manifest.dims["vocab_size"]
+                rt._bind_array(io, g.name("logits"), self._buffer((1, V), dtype), output=True)
+                rt._bind_array(io, g.name("token"), self._buffer((1,), np.int64), output=True)
+        else:
+            rt._bind_array(io, g.name("candidates"), self.candidates)
+        rt._bind_array(io, g.name("candidate_logits"), self._buffer((1, k), dtype), output=True)
+        passed, token = self._host(np.zeros(1, bool)), self._host(np.zeros(1, np.int64))
+        rt._bind_array(io, g.name("passed"), passed, output=True)
+        rt._bind_array(io, g.name("exit_token"), token, output=True)
+        return BoundExit(layer, g.session, io, passed, token)
 
     def _bind(self, g: Graph) -> Any:
         io = g.session.io_binding()
@@ -114,3 +219,46 @@ class DecodeChain:
             session.run_with_iobinding(io)
         kv.filled[row, :L] = total
         return int(self.token[0])
+
+    def step_exits(self, token: int, may_exit: bool, pending: list[bool]) -> ExitStep | Handover:
+        """Feed `token` at the row's next position, testing the active exits (when `may_exit`) after their segments.
+
+        `pending[s]`: segment s holds deferred positions; the step hands over to the general path there. Every
+        segment this step runs holds the row's whole past (a segment without pending positions is up to date)."""
+        kv, row, rt = self.kv, self.row, self.rt
+        past = int(kv.filled[row, 0])
+        total = past + 1
+        if total > kv.max_len:
+            raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {kv.max_len}")
+        self.ids[0, 0] = token
+        self.seqlens_k[0] = past
+        self.total[()] = total
+        session, io = self.calls[0]
+        session.run_with_iobinding(io)  # embed
+        decide = 0.0
+        for s, (session, io) in enumerate(self.segment_calls):
+            if pending[s]:
+                cand = None if self.candidates is None or not may_exit else self._host_copy(self.candidates)
+                return Handover(s, self._host_copy(self.hops[s]), cand, decide)
+            lo, hi = rt.manifest.segments[s].layers
+            if (kv.filled[row, lo:hi] != past).any():
+                raise RuntimeError(f"layers {lo}..{hi - 1} of row {row} hold {kv.filled[row, lo:hi]}, not {past}")
+            session.run_with_iobinding(io)
+            kv.filled[row, lo:hi] = total
+            ex = self.exits.get(s) if may_exit else None
+            if ex is None:
+                continue
+            t0 = time.perf_counter()
+            ex.session.run_with_iobinding(ex.io)
+            passed = bool(ex.passed[0])
+            decide += time.perf_counter() - t0
+            if passed:
+                return ExitStep(int(ex.token[0]), ex.layer, s, self._host_copy(self.hops[s + 1]), decide)
+        session, io = self.calls[-1]
+        session.run_with_iobinding(io)  # the final head's in-graph argmax
+        return ExitStep(int(self.token[0]), rt.manifest.num_layers, decide_s=decide)
+
+    @staticmethod
+    def _host_copy(buf: Any) -> np.ndarray:
+        """A host copy of a bound buffer (the next step overwrites it)."""
+        return buf.copy() if isinstance(buf, np.ndarray) else buf.numpy()

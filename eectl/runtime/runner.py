@@ -39,11 +39,12 @@ from eectl.exits import (
     FirstExitTopK,
     get_signal,
 )
+from eectl.plan import BOUND_POLICIES
 from eectl.recipe import check_exit_layers
 from eectl.runtime import resident
 from eectl.runtime.batch import BatchKV, join_rows, new_batch_kv, prefill_runs, run_prefill, run_rows
 from eectl.runtime.blocks import active_block, run_block, run_block_rows
-from eectl.runtime.chain import DecodeChain
+from eectl.runtime.chain import DecodeChain, Handover, chain_exits_supported
 from eectl.runtime.device_ops import concat, stack
 from eectl.runtime.policies import Defer, KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
@@ -263,12 +264,18 @@ class Runner:
         return self._steps(kv, {row: (st, chunk_ids)}, force_full)[row]
 
     def _steps(
-        self, kv: KVBuffers, work: dict[int, tuple[RowState, list[int]]], force_full: bool = False
+        self,
+        kv: KVBuffers,
+        work: dict[int, tuple[RowState, list[int]]],
+        force_full: bool = False,
+        resume: dict[int, Handover] | None = None,
     ) -> dict[int, int]:
         """One step for several rows at once: each row's `_row_step` runs until it asks for a graph call; the
         calls are gathered, so a segment runs once for all rows that reach it with one position (batched, with
-        per-row lengths; runtime/batch.py) and the final head once for all rows that reach it."""
-        gens = {r: self._row_step(r, st, kv, ids, force_full) for r, (st, ids) in work.items()}
+        per-row lengths; runtime/batch.py) and the final head once for all rows that reach it. `resume`: rows whose
+        step the bound chain began (runtime/chain.py), continued from the segment where it handed over."""
+        resume = resume or {}
+        gens = {r: self._row_step(r, st, kv, ids, force_full, resume.get(r)) for r, (st, ids) in work.items()}
         asks = {r: next(g) for r, g in gens.items()}
         tokens: dict[int, int] = {}
         while asks:
@@ -362,7 +369,13 @@ class Runner:
         return answers
 
     def _row_step(
-        self, row: int, st: RowState, kv: KVBuffers, chunk_ids: list[int], force_full: bool = False
+        self,
+        row: int,
+        st: RowState,
+        kv: KVBuffers,
+        chunk_ids: list[int],
+        force_full: bool = False,
+        resume: Handover | None = None,
     ) -> Generator[tuple[str, int, Any], Any, int]:
         """Process chunk_ids (the prompt, or the last token) and decide the next token; returns it.
 
@@ -371,13 +384,17 @@ class Runner:
         (token or None, candidates); ("greedy", L, h [1, H]) -> token; ("final", L, h [1, H]) -> logits [1, V]);
         `_steps` answers them. Under verify,
         a final-depth pass may roll back wrong drafts: then st.tokens is shorter afterwards and the returned token
-        is the full model's token at the first wrong position.
+        is the full model's token at the first wrong position. With `resume`, the bound chain ran the segments
+        before `resume.segment` (and their exits): the step continues from there.
         """
         m = self.m
-        h = self.rt.embed(np.array([chunk_ids], dtype=np.int64))
-        cands: Any = None  # this token's candidates, once the first exit picked them
+        if resume is None:
+            h, cands, start = self.rt.embed(np.array([chunk_ids], dtype=np.int64)), None, 0
+        else:
+            h, cands, start = resume.hidden, resume.candidates, resume.segment
+        # cands: this token's candidates, once the first exit picked them
         may_exit = len(chunk_ids) == 1 and not force_full and self.policy.may_exit(st)
-        for s in range(len(m.segments)):
+        for s in range(start, len(m.segments)):
             x = self.policy.before_segment(st, s, h)
             layer = self.exit_after_segment.get(s)
             # signals that read the segment's block boundaries (cosine-min) ask for them at the exits they test
@@ -508,9 +525,8 @@ class Runner:
                 tokens = device.step(kv, {r: ids[0] for r, (_, ids) in live.items()})
                 for r in tokens:
                     rows[r].exit_layers.append(self.L)
-            elif chain is not None and not first:  # plain full-depth greedy decode of one row: calls bound once
-                tokens = {0: chain.step(rows[0].tokens[-1])}
-                rows[0].exit_layers.append(self.L)
+            elif chain is not None and not first:  # greedy decode of one row: calls bound once
+                tokens = {0: self._chain_step(chain, rows[0], kv)}
             else:
                 tokens = self._steps(kv, live)
             took = time.perf_counter() - t0  # a row's latency is its batch step's: rows wait for each other
@@ -525,6 +541,10 @@ class Runner:
                 self.step_reads.append(self.rt.host_reads)
             first = False
 
+    def _resident_wanted(self) -> bool:
+        wanted = self.cfg.device_resident
+        return self.rt.device != "cpu" if wanted is None else wanted
+
     @contextmanager
     def _resident(self) -> Iterator[None]:
         """Steps with active exits executed as the binding plan says (runtime/binding.py): while generating, hidden
@@ -532,10 +552,7 @@ class Runner:
         tests' K candidate ids and scores or one scalar per row, and the tokens, are read on the host. By default
         only off the CPU EP (`RunConfig.device_resident`); greedy only (sampling and teacher-forced scoring pick from
         the full vocabulary on the host: they run the host path)."""
-        wanted = self.cfg.device_resident
-        if wanted is None:
-            wanted = self.rt.device != "cpu"
-        on = bool(wanted and self.exits and self.cfg.temperature <= 0)
+        on = bool(self._resident_wanted() and self.exits and self.cfg.temperature <= 0)
         before = self.rt.resident
         self.rt.resident = on
         try:
@@ -560,14 +577,41 @@ class Runner:
         ]
 
     def _chain(self, kv: KVBuffers, rows: int) -> DecodeChain | None:
-        """The bound call chain (runtime/chain.py) where every decode step is the same full-depth greedy pass:
-        one row, no active exit (so no policy hook ever acts), greedy, a final head with the in-graph argmax."""
+        """The bound call chain (runtime/chain.py) for greedy decode of one row with a final head that has the
+        in-graph argmax: full depth, or active exits whose decisions the exit graphs make (defer, verify, copy:
+        the policies whose exited token needs nothing but its state; `chain_exits_supported`)."""
         final = self.rt.full_graphs[self.L]
-        if rows != 1 or self.exits or self.cfg.temperature > 0 or "token" not in final.io.outputs:
+        if rows != 1 or self.cfg.temperature > 0 or "token" not in final.io.outputs:
             return None
         if any(g.session is None for g in self.rt.segments):  # a runtime holding one segment at a time
             return None
-        return DecodeChain(self.rt, kv, 0)
+        if self.exits and (
+            self.cfg.policy not in BOUND_POLICIES
+            or not chain_exits_supported(self.rt, self.exits, self.signal)
+            or self._resident_wanted()  # the binding plan's executor keeps exit steps device-resident (#15)
+        ):
+            return None
+        thresholds = {e: self.cfg.thresholds[e] for e in self.exits}
+        return DecodeChain(self.rt, kv, 0, thresholds, self.signal, self.cfg.top_k)
+
+    def _chain_step(self, chain: DecodeChain, st: RowState, kv: KVBuffers) -> int:
+        """One decode step of row 0 on the bound chain; the policy's hooks as `_row_step` calls them. A step that
+        meets pending positions (defer's flush, verify's check) continues on the general path."""
+        token = st.tokens[-1]
+        if not self.exits:
+            st.exit_layers.append(self.L)
+            return chain.step(token)
+        done = chain.step_exits(token, self.policy.may_exit(st), [p is not None for p in st.pending])
+        st.decide_s += done.decide_s
+        if isinstance(done, Handover):
+            return self._steps(kv, {0: (st, [token])}, resume={0: done})[0]
+        st.exit_layers.append(done.layer)
+        if done.segment is not None:
+            assert done.state is not None
+            self.policy.on_exit(0, st, kv, done.segment, done.state, done.token)
+        else:  # reached the final layer with nothing pending: no draft to check (drafts are pending states)
+            assert not st.drafts
+        return done.token
 
     def _device_step(self) -> Any:
         """The plan-executing step (runtime/device_path.py) where it applies: full depth, greedy; by default only on

@@ -125,7 +125,9 @@ def _first_line(exc: BaseException) -> str:
 
 def _check_names(io: GraphIO, session: Any) -> None:
     """Every input and output name the manifest gives must exist in the graph (caught at load, not mid-run)."""
-    have = {"input": {i.name for i in session.get_inputs()}, "output": {o.name for o in session.get_outputs()}}
+    # inputs with a default (an initializer, e.g. an exit's decision thresholds) are listed apart by ORT
+    inputs = [*session.get_inputs(), *session.get_overridable_initializers()]
+    have = {"input": {i.name for i in inputs}, "output": {o.name for o in session.get_outputs()}}
     for kind, names in (("input", io.inputs), ("output", io.outputs)):
         for value in names.values():
             for name in [value] if isinstance(value, str) else value:
