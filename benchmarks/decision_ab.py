@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from eectl.exits import CANDIDATE_SOURCES, ExitScoring, get_signal
-from eectl.runtime.runner import OrtExitLogits
+from eectl.runtime.runner import OrtExitLogits, _one_torch_thread
 from eectl.runtime.sessions import ArtifactRuntime
 
 
@@ -52,16 +51,6 @@ def _torch_prob(logits: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     return top2.values[:, 0]
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("artifact")
@@ -79,10 +68,10 @@ def main() -> None:
 
     def before() -> None:
         x = torch.from_numpy(np.stack([h[0]]))
-        with _one_thread():
+        with _one_torch_thread():
             cand, logits = source.pick(old, args.first, SimpleNamespace(hidden=x), k)
             bool((_torch_prob(logits, cand) >= threshold["prob"])[0])
-        with _one_thread():
+        with _one_torch_thread():
             bool((_torch_prob(old.local(args.later, x, cand[0:1]), cand[0:1]) >= threshold["prob"])[0])
 
     def now() -> None:
