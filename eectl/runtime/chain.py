@@ -202,6 +202,16 @@ class DecodeChain:
 
         return DeviceView(buf.device_name(), buf.data_ptr(), shape, np.dtype(dtype))
 
+    def _feed(self, token: int, past: int) -> int:
+        """Write the step's host inputs in place (the token at position `past`); return the new total length."""
+        total = past + 1
+        if total > self.kv.max_len:
+            raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {self.kv.max_len}")
+        self.ids[0, 0] = token
+        self.seqlens_k[0] = past
+        self.total[()] = total
+        return total
+
     def step(self, token: int) -> int:
         """Feed `token` at the row's next position through every layer; return the greedy next token."""
         kv, row, L = self.kv, self.row, self.rt.manifest.num_layers
@@ -209,12 +219,7 @@ class DecodeChain:
         past = int(kv.filled[row, 0])
         if (kv.filled[row, :L] != past).any():
             raise RuntimeError(f"the layers of row {row} hold different lengths: {kv.filled[row, :L]}")
-        total = past + 1
-        if total > kv.max_len:
-            raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {kv.max_len}")
-        self.ids[0, 0] = token
-        self.seqlens_k[0] = total - 1
-        self.total[()] = total
+        total = self._feed(token, past)
         for session, io in self.calls:
             session.run_with_iobinding(io)
         kv.filled[row, :L] = total
@@ -227,12 +232,7 @@ class DecodeChain:
         segment this step runs holds the row's whole past (a segment without pending positions is up to date)."""
         kv, row, rt = self.kv, self.row, self.rt
         past = int(kv.filled[row, 0])
-        total = past + 1
-        if total > kv.max_len:
-            raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {kv.max_len}")
-        self.ids[0, 0] = token
-        self.seqlens_k[0] = past
-        self.total[()] = total
+        total = self._feed(token, past)
         session, io = self.calls[0]
         session.run_with_iobinding(io)  # embed
         decide = 0.0
