@@ -54,8 +54,9 @@ from eectl.calibrate_measure import (
     ExitScorer,
     Measurements,
     generate_continuations,
+    generation_keep,
     heldout_units,
-    measure_sequences_all,
+    measure_kept_all,
     measure_text_all,
     prompt_ids,
 )
@@ -99,7 +100,7 @@ class CalibrateOptions:
     gen_tokens: int = 64  # continuation length per prompt (at most; a row ends at EOS)
     raw: bool = False  # feed prompts as is; default: the tokenizer's chat template, as `eectl run` does
     chunk_len: int = 256  # teacher-forced chunk length (BOS included)
-    gen_batch: int = 16  # prompts generated together (left-padded)
+    gen_batch: int = 64  # prompts generated together (left-padded): speed only, never which tokens are measured
 
     @property
     def generated_tokens(self) -> int:
@@ -128,6 +129,8 @@ def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_s
         raise UsageError(f"--gen-share must be in [0, 1], got {opts.gen_share}")
     if opts.gen_tokens < 1:
         raise UsageError(f"--gen-tokens must be >= 1, got {opts.gen_tokens}")
+    if opts.gen_batch < 1:
+        raise UsageError(f"--gen-batch must be >= 1, got {opts.gen_batch}")
     if opts.tokens <= 0:
         raise UsageError(f"--tokens must be positive, got {opts.tokens}")
     if opts.top_k < 2:
@@ -194,12 +197,16 @@ def collect(
         chunks = token_chunks(tok, data, opts.text_tokens, opts.chunk_len)
     prompts_used = 0
     conts: list[Continuation] = []
+    topk = get_signal(opts.signal).needs_candidates
     if opts.generated_tokens > 0:
         max_prompt = max(8, min(dims.max_positions, 4096) - opts.gen_tokens - 1)
         prompts = prompt_ids(tok, data.prompts, max_prompt, opts.raw)
         eos = getattr(tok, "eos_token_id", None)
+        # the generation keeps the states the scorers read at the measured positions (candidate sources read the
+        # same states): no second base pass over prompt + continuation
+        keep = generation_keep(ExitScorer(adapter, opts.exits, opts.signal, opts.top_k, heads))
         conts, prompts_used = generate_continuations(
-            adapter, prompts, opts.generated_tokens, opts.gen_tokens, eos, opts.gen_batch, on_tokens
+            adapter, prompts, opts.generated_tokens, opts.gen_tokens, eos, opts.gen_batch, on_tokens, keep
         )
         got = sum(len(c.generated) for c in conts)
         if got < opts.generated_tokens:
@@ -209,7 +216,6 @@ def collect(
                 hint="lower --gen-share or --tokens, or raise --gen-tokens",
             )
     shortlist = None
-    topk = get_signal(opts.signal).needs_candidates
     if topk and opts.candidates == "shortlist":
         shortlist = frequency_shortlist(
             _calibration_tokens(chunks, conts, opts.holdout), opts.shortlist, dims.vocab_size
@@ -237,7 +243,7 @@ def collect(
             if measured is not None:
                 parts[j].append(measured)
     if conts:
-        for j, measured in enumerate(measure_sequences_all(scorers, conts, opts.gen_batch, pairs)):
+        for j, measured in enumerate(measure_kept_all(scorers, conts, pairs)):
             assert measured is not None
             parts[j].append(measured)
     chat = not opts.raw and bool(getattr(tok, "chat_template", None))

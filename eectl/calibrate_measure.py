@@ -11,8 +11,9 @@ What this module does not do: fit thresholds (calibrate_fit.py, thresholds.py) o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -141,6 +142,26 @@ class ExitScorer:
     def needs_inputs(self) -> bool:
         return self.signal.needs_layer_input
 
+    def keep(self) -> Keep:
+        """The states this scorer reads: after each exit (with a signal that needs them, after every layer up to
+        the last exit, for the segments' block boundaries), with the layers' inputs where the signal reads them, a
+        sequence head's output at its exit."""
+        blocks_needed = self.signal.needs_blocks
+        after = range(1, self.exits[-1] + 1) if blocks_needed else self.exits
+        return Keep(after, self.needs_inputs or blocks_needed, heads=self.sequence_heads)
+
+    def assemble(
+        self, states: dict[int, torch.Tensor], inputs: dict[int, torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """What `keep` kept (layer -> [T, H]) -> `score`'s states, inputs and blocks."""
+        out = [states[layer] for layer in self.exits]
+        ins = [inputs[layer] for layer in self.exits] if self.needs_inputs else None
+        blocks = None
+        if self.signal.needs_blocks:  # segment [lo, hi): the state after lo layers (the input of layer lo + 1), then
+            bounds = zip([0, *self.exits], self.exits, strict=False)  # the state after each of its layers
+            blocks = [torch.stack([inputs[lo + 1], *(states[j] for j in range(lo + 1, hi + 1))]) for lo, hi in bounds]
+        return out, ins, blocks
+
     def _scores(
         self,
         states: list[torch.Tensor],
@@ -208,6 +229,41 @@ class ExitScorer:
 
 
 @dataclass
+class Keep:
+    """Which states a forward pass keeps (`capture`), and how a generation stores them per continuation
+    (`generate_continuations(keep=...)`)."""
+
+    after: Collection[int]  # the state after these layers
+    inputs: bool = False  # and each of those layers' input
+    # sequence heads (a decoder block, head_designs.BlockHead) by exit layer: each runs on its layer's whole output,
+    # with its own KV cache when decoding, and its output is what is kept at that exit
+    heads: dict[int, Any] = field(default_factory=dict)
+    last_only: bool = False  # generation: only each step's last position (the one that predicts the next token)
+    float16: bool = False  # generation: the layers' states in float16 (the final state stays as computed)
+
+    def capture(
+        self,
+        select: Callable[[torch.Tensor], torch.Tensor],
+        positions: torch.Tensor,
+        key_padding: torch.Tensor | None,
+        caches: dict[int, KVCache] | None,
+    ) -> Capture:
+        """A Capture for one forward call at `positions`; `caches` holds the sequence heads' own KV (decoding), None
+        runs them on the whole sequence."""
+        if not self.heads:
+            return Capture(self.after, self.inputs, select)
+        return _SequenceHeadCapture(
+            self.after,
+            self.inputs,
+            select,
+            heads=self.heads,
+            positions=positions,
+            key_padding=key_padding,
+            caches=caches,
+        )
+
+
+@dataclass
 class _SequenceHeadCapture(Capture):
     """Runs each sequence head (a block) on its exit layer's whole output before the positions are selected; with
     `caches`, each head keeps its own KV there (decoding), else it reads the whole sequence."""
@@ -232,38 +288,15 @@ def _forward_capture(
     cache: KVCache | None,
     key_padding: torch.Tensor | None,
     select: Callable[[torch.Tensor], torch.Tensor],
-    block_caches: dict[int, KVCache] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor] | None, torch.Tensor]:
-    """All L layers on ids [B, S]; the selected positions' states at each exit (and the exit layer's input; with a
-    signal that needs them, every block boundary of each exit's segment). A sequence head runs on the exit layer's
-    whole output (its KV in `block_caches[layer]` when decoding)."""
+    """All L layers on ids [B, S]; the selected positions' states the scorer reads (`ExitScorer.keep`) and the
+    final state. A sequence head runs on the exit layer's whole output (with its own KV when `cache` is given)."""
     adapter = scorer.adapter
-    blocks_needed = scorer.signal.needs_blocks
-    after = range(1, scorer.exits[-1] + 1) if blocks_needed else scorer.exits  # every layer up to the last exit
-    keep: Capture = Capture(after, inputs=scorer.needs_inputs or blocks_needed, select=select)
-    if scorer.sequence_heads:
-        keep = _SequenceHeadCapture(
-            after,
-            inputs=scorer.needs_inputs or blocks_needed,
-            select=select,
-            heads=scorer.sequence_heads,
-            positions=positions,
-            key_padding=key_padding,
-            caches=None if cache is None else (block_caches if block_caches is not None else {}),
-        )
+    keep = scorer.keep().capture(select, positions, key_padding, None if cache is None else {})
     final = adapter.forward_layers(
         adapter.embed(ids), positions, 0, adapter.num_layers, cache, key_padding, capture=keep
     )
-    states = [keep.states[layer] for layer in scorer.exits]
-    inputs = [keep.layer_inputs[layer] for layer in scorer.exits] if scorer.needs_inputs else None
-    blocks = None
-    if blocks_needed:  # segment [lo, hi): the state after lo layers (the input of layer lo + 1), then after each
-        bounds = zip([0, *scorer.exits], scorer.exits, strict=False)
-        blocks = [
-            torch.stack([keep.layer_inputs[lo + 1], *(keep.states[j] for j in range(lo + 1, hi + 1))])
-            for lo, hi in bounds
-        ]
-    return states, inputs, blocks, select(final)
+    return (*scorer.assemble(keep.states, keep.layer_inputs), select(final))
 
 
 def _part(
@@ -316,34 +349,28 @@ class Continuation:
     unit: int  # the prompt's index
     prompt: list[int]
     generated: list[int]  # greedy full-depth tokens (the last may be EOS)
-    # with `keep_layers`: the states the generation computed, at prompt + generated[:-1] (every position but the
-    # last token's, which no step fed): layer -> [P + n - 1, H] float16, and under key 0 the last layer's (before the
-    # final norm, in the model's dtype)
+    # with `keep`: the states the generation computed, layer -> [T, H] (under key 0 the last layer's, before the
+    # final norm, as computed) and, with `Keep.inputs`, those layers' inputs; at positions `first`.. of
+    # prompt + generated[:-1] (the last token is one no step fed): every position (first = 0) or, with
+    # `Keep.last_only`, the n positions that predict the generated tokens (first = P - 1)
     states: dict[int, torch.Tensor] | None = None
+    inputs: dict[int, torch.Tensor] | None = None
+    first: int = 0
 
     def cut(self, n: int) -> None:
         """Keep the first n generated tokens (and their states)."""
         self.generated = self.generated[:n]
-        if self.states is not None:
-            keep = len(self.prompt) + max(n, 1) - 1
-            self.states = {k: v[:keep] for k, v in self.states.items()}
+        keep = len(self.prompt) + max(n, 1) - 1 - self.first
+        for kept in (self.states, self.inputs):
+            if kept is not None:
+                for k in kept:
+                    kept[k] = kept[k][:keep]
 
 
 def prompt_ids(tokenizer: Any, prompts: Sequence[str], max_len: int, raw: bool = False) -> list[list[int]]:
     """Each prompt encoded as the runner does (`encode_prompt`), last record first, keeping the last max_len tokens."""
     out = [encode_prompt(tokenizer, text, raw)[-max_len:] for text in reversed(prompts)]
     return [ids for ids in out if ids]
-
-
-def prompt_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
-    """Indices of `prompts` in batches: the given order, but sorted by length within windows of four batches, so
-    that prompts of similar length share a batch (less left padding)."""
-    window = 4 * batch_size
-    batches: list[list[int]] = []
-    for w in range(0, len(prompts), window):
-        idx = sorted(range(w, min(w + window, len(prompts))), key=lambda i: len(prompts[i]))
-        batches += [idx[j : j + batch_size] for j in range(0, len(idx), batch_size)]
-    return batches
 
 
 def left_padded(batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -365,53 +392,37 @@ def generate_continuations(
     n_tokens: int,
     gen_tokens: int,
     eos: int | None,
-    batch_size: int = 16,
+    batch_size: int = 64,
     on_tokens: Callable[[int], None] | None = None,
-    keep_layers: Sequence[int] | None = None,
+    keep: Keep | None = None,
 ) -> tuple[list[Continuation], int]:
-    """Greedy full-depth continuations of prompts (token ids, BOS included), `gen_tokens` each, a row stopping at
-    EOS, until `n_tokens` tokens are generated (the last continuation is cut to make it exact). Prompts are batched
-    with left padding. With `keep_layers`, each continuation also keeps the states the generation computed (after
-    those layers and the last), so a caller that needs them (the state cache) does not run the base again.
-    Returns the continuations (in generation order) and the number of prompts used."""
+    """Greedy full-depth continuations of the first prompts (token ids, BOS included), in order, `gen_tokens` each
+    (a row stops at EOS), until `n_tokens` tokens are generated (the last continuation is cut to make it exact).
+
+    Which prompts and tokens does not depend on `batch_size` (a speed knob): each round takes only as many of the
+    next prompts as could still be needed (each gives at most `gen_tokens`), sorts them by length into batches of
+    `batch_size` (prompts of similar length share a batch: less left padding) and generates every batch to its end.
+    With `keep`, each continuation also keeps the states the generation computed (`Keep`), so a caller that needs
+    them (calibrate, the state cache) does not run the base again. Returns the continuations (in prompt order) and
+    the number of prompts used."""
     out: list[Continuation] = []
-    measured = used = 0
-    for members in prompt_batches(prompts, batch_size):
-        if measured >= n_tokens:
-            break
-        batch = [prompts[i] for i in members]
-        used += len(batch)
-        b = len(batch)
-        ids, pad, positions = left_padded(batch)
-        cache, alive = KVCache(), torch.ones(b, dtype=torch.bool)
-        gen: list[list[int]] = [[] for _ in range(b)]
-        kept = _StepStates(keep_layers)
-        for _ in range(gen_tokens):
-            rows = alive.clone()
-            final = adapter.forward_layers(
-                adapter.embed(ids), positions, 0, adapter.num_layers, cache, pad, on_layer=kept.on_layer
-            )
-            kept.end_step(final)
-            top = adapter.logits(final[:, -1]).argmax(-1)
-            for r in torch.nonzero(rows).flatten().tolist():
-                gen[r].append(int(top[r]))
-            if on_tokens is not None:
-                on_tokens(min(int(rows.sum()), n_tokens - measured))
-            measured += int(rows.sum())
-            nxt = torch.full((b,), eos if eos is not None else 0, dtype=torch.long)
-            nxt[rows] = top[rows]
-            alive = rows if eos is None else rows & (nxt != eos)
-            if not bool(alive.any()) or measured >= n_tokens:
-                break
-            ids, positions = nxt[:, None], positions[:, -1:] + 1
-            pad = torch.cat([pad, torch.ones(b, 1, dtype=torch.bool)], 1)
-        out += [
-            Continuation(members[r], batch[r], gen[r], kept.row(r, len(batch[r]), len(gen[r])))
-            for r in range(b)
-            if gen[r]
-        ]
+    got = used = 0
+
+    def ticks(n: int) -> None:  # progress up to n_tokens (the last round may generate a few more)
+        nonlocal got
+        if on_tokens is not None:
+            on_tokens(max(0, min(n, n_tokens - got)))
+        got += n
+
+    while got < n_tokens and used < len(prompts):
+        take = min(len(prompts) - used, math.ceil((n_tokens - got) / gen_tokens))
+        members = sorted(range(used, used + take), key=lambda i: len(prompts[i]))
+        used += take
+        for b0 in range(0, take, batch_size):
+            out += _generate_batch(adapter, prompts, members[b0 : b0 + batch_size], gen_tokens, eos, keep, ticks)
+    out.sort(key=lambda c: c.unit)
     over = sum(len(c.generated) for c in out) - n_tokens
-    while over > 0 and out:  # cut the latest continuations to exactly n_tokens
+    while over > 0 and out:  # cut the last continuations to exactly n_tokens
         cut = min(over, len(out[-1].generated))
         out[-1].cut(len(out[-1].generated) - cut)
         over -= cut
@@ -420,50 +431,122 @@ def generate_continuations(
     return out, used
 
 
+def _generate_batch(
+    adapter: Adapter,
+    prompts: list[list[int]],
+    members: list[int],
+    gen_tokens: int,
+    eos: int | None,
+    keep: Keep | None,
+    on_tokens: Callable[[int], None],
+) -> list[Continuation]:
+    """One left-padded batch of prompts, each row to EOS or `gen_tokens` tokens."""
+    batch = [prompts[i] for i in members]
+    b = len(batch)
+    ids, pad, positions = left_padded(batch)
+    cache, alive = KVCache(), torch.ones(b, dtype=torch.bool)
+    gen: list[list[int]] = [[] for _ in range(b)]
+    kept = _StepStates(keep)
+    for _ in range(gen_tokens):
+        rows = alive.clone()
+        capture = kept.capture(positions, pad)
+        final = adapter.forward_layers(
+            adapter.embed(ids), positions, 0, adapter.num_layers, cache, pad, capture=capture
+        )
+        kept.end_step(capture, final)
+        top = adapter.logits(final[:, -1]).argmax(-1)
+        for r in torch.nonzero(rows).flatten().tolist():
+            gen[r].append(int(top[r]))
+        on_tokens(int(rows.sum()))
+        nxt = torch.full((b,), eos if eos is not None else 0, dtype=torch.long)
+        nxt[rows] = top[rows]
+        alive = rows if eos is None else rows & (nxt != eos)
+        if not bool(alive.any()):
+            break
+        ids, positions = nxt[:, None], positions[:, -1:] + 1
+        pad = torch.cat([pad, torch.ones(b, 1, dtype=torch.bool)], 1)
+    out = []
+    for r in range(b):
+        if gen[r]:
+            c = Continuation(members[r], batch[r], gen[r])
+            kept.fill(c, r)
+            out.append(c)
+    return out
+
+
 class _StepStates:
-    """The states of one batch's generation steps, kept per layer in `layers` (float16) and the final one (key 0):
-    the prefill [B, S0, H], then one [B, 1, H] per step."""
+    """What one batch's generation keeps of its steps (`Keep`): per step, the kept layers' states (and inputs) and
+    the final state, over the prefill [B, S0, H] then [B, 1, H] per decode step (only the last column with
+    `last_only`); the sequence heads' own KV caches live here for the batch."""
 
-    def __init__(self, layers: Sequence[int] | None) -> None:
-        self.layers = set(layers) if layers is not None else None
-        self.steps: list[dict[int, torch.Tensor]] = []
-        self._now: dict[int, torch.Tensor] = {}
-        self.on_layer = None if layers is None else self._keep
+    def __init__(self, keep: Keep | None) -> None:
+        self.keep = keep
+        self.steps: list[tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]] = []
+        self.caches: dict[int, KVCache] = {}
 
-    def _keep(self, i: int, _h_in: torch.Tensor, h_out: torch.Tensor) -> None:
-        if self.layers is not None and i + 1 in self.layers:
-            self._now[i + 1] = h_out.to(torch.float16)
+    def _select(self, h: torch.Tensor, final: bool = False) -> torch.Tensor:
+        assert self.keep is not None
+        h = h[:, -1:] if self.keep.last_only else h
+        return h.to(torch.float16) if self.keep.float16 and not final else h
 
-    def end_step(self, final: torch.Tensor) -> None:
-        if self.layers is not None:
-            self._now[0] = final  # as computed: the state cache takes the teacher from it
-            self.steps.append(self._now)
-            self._now = {}
+    def capture(self, positions: torch.Tensor, pad: torch.Tensor) -> Capture | None:
+        return None if self.keep is None else self.keep.capture(self._select, positions, pad, self.caches)
 
-    def row(self, r: int, prompt_len: int, n: int) -> dict[int, torch.Tensor] | None:
-        """Row r's states at its prompt (the prefill's last prompt_len columns) and its first n - 1 fed tokens."""
-        if self.layers is None or not self.steps:
-            return None
-        return {
-            k: torch.cat([self.steps[0][k][r, -prompt_len:], *(s[k][r] for s in self.steps[1:n])])
-            for k in self.steps[0]
-        }
+    def end_step(self, capture: Capture | None, final: torch.Tensor) -> None:
+        if capture is not None:
+            self.steps.append(({0: self._select(final, final=True), **capture.states}, capture.layer_inputs))
+
+    def fill(self, c: Continuation, r: int) -> None:
+        """Continuation c (row r): its states at its prompt (the prefill's last columns: its own, no padding; with
+        `last_only`, the last) and its first n - 1 fed tokens."""
+        if self.keep is None or not self.steps:
+            return
+        n, width = len(c.generated), 1 if self.keep.last_only else len(c.prompt)
+
+        def row(part: int) -> dict[int, torch.Tensor]:
+            first = self.steps[0][part]
+            return {k: torch.cat([first[k][r, -width:], *(s[part][k][r] for s in self.steps[1:n])]) for k in first}
+
+        c.states, c.first = row(0), len(c.prompt) - width
+        c.inputs = row(1) if self.keep.inputs else None
+
+
+def measure_kept_all(
+    scorers: Sequence[ExitScorer], conts: list[Continuation], pairs: bool, tokens_per_call: int = 1024
+) -> list[Measurements | None]:
+    """Generated tokens scored on the states their generation kept (`generate_continuations(keep=scorer.keep()`
+    with `last_only`): position P-1+j of each continuation (its final top-1 is generated token j) is one measured
+    token, unit = the prompt's index; about `tokens_per_call` tokens are scored together. No base pass."""
+    parts: list[list[Measurements]] = [[] for _ in scorers]
+    i = 0
+    while i < len(conts):
+        group = [conts[i]]
+        n = len(conts[i].generated)
+        while i + len(group) < len(conts) and n < tokens_per_call:
+            group.append(conts[i + len(group)])
+            n += len(group[-1].generated)
+        i += len(group)
+        for c in group:
+            assert c.states is not None and c.first == len(c.prompt) - 1, "states kept with Keep(last_only=True)"
+            assert all(v.shape[0] == len(c.generated) for v in c.states.values())
+        states = {k: torch.cat([c.states[k] for c in group if c.states]) for k in group[0].states or {}}
+        inputs = {k: torch.cat([c.inputs[k] for c in group if c.inputs]) for k in group[0].inputs or {}}
+        exit_states, exit_inputs, blocks = scorers[0].assemble(states, inputs)
+        units = torch.cat([torch.full((len(c.generated),), c.unit, dtype=torch.long) for c in group])
+        for j, sc in enumerate(scorers):
+            scored = sc.score_pairs(exit_states, exit_inputs, states[0], pairs, blocks)
+            parts[j].append(_part(sc, scored, 1, units))
+    return [Measurements.concat(p) if p else None for p in parts]
 
 
 @torch.no_grad()
 def measure_sequences(
     scorer: ExitScorer, conts: list[Continuation], batch_size: int = 16, pairs: bool = False
 ) -> Measurements | None:
-    """Teacher-forced prompt + continuation: position P-1+j (its final top-1 is generated token j) is one measured
-    token, unit = the prompt's index. The same states as generating step by step, computed in one pass."""
-    return measure_sequences_all([scorer], conts, batch_size, pairs)[0]
-
-
-def measure_sequences_all(
-    scorers: Sequence[ExitScorer], conts: list[Continuation], batch_size: int, pairs: bool
-) -> list[Measurements | None]:
-    """As `measure_sequences`, for several scorers (candidate sources, same exits) on the same states."""
-    parts: list[list[Measurements]] = [[] for _ in scorers]
+    """Continuations measured teacher-forced, by a second base pass over prompt + continuation (position P-1+j, whose
+    final top-1 is generated token j, is one measured token; unit = the prompt's index): the reference the states
+    kept by the generation (`measure_kept_all`, what calibrate runs) are tested against."""
+    parts: list[Measurements] = []
     for i in range(0, len(conts), batch_size):
         batch = conts[i : i + batch_size]
         seqs = [c.prompt + c.generated[:-1] for c in batch]
@@ -480,11 +563,15 @@ def measure_sequences_all(
         def select(h: torch.Tensor, rows: torch.Tensor = rows, cols: torch.Tensor = cols) -> torch.Tensor:
             return h[rows, cols]
 
-        states, inputs, blocks, final = _forward_capture(scorers[0], ids, positions, KVCache(), real, select)
+        states, inputs, blocks, final = _forward_capture(scorer, ids, positions, KVCache(), real, select)
         units = torch.tensor([c.unit for c in batch], dtype=torch.long)[rows]
-        for j, sc in enumerate(scorers):
-            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs, blocks), 1, units))
-    return [Measurements.concat(p) if p else None for p in parts]
+        parts.append(_part(scorer, scorer.score_pairs(states, inputs, final, pairs, blocks), 1, units))
+    return Measurements.concat(parts) if parts else None
+
+
+def generation_keep(scorer: ExitScorer) -> Keep:
+    """What calibrate's generation keeps for `scorer`: its states at the measured positions only."""
+    return replace(scorer.keep(), last_only=True)
 
 
 def measure_generation(
@@ -493,10 +580,13 @@ def measure_generation(
     n_tokens: int,
     gen_tokens: int,
     eos: int | None,
-    batch_size: int = 16,
+    batch_size: int = 64,
     on_tokens: Callable[[int], None] | None = None,
+    pairs: bool = False,
 ) -> tuple[Measurements | None, int]:
-    """Greedy continuations (`generate_continuations`), then measured teacher-forced (`measure_sequences`).
-    Returns the first `n_tokens` measured tokens and the number of prompts used."""
-    conts, used = generate_continuations(scorer.adapter, prompts, n_tokens, gen_tokens, eos, batch_size, on_tokens)
-    return measure_sequences(scorer, conts, batch_size), used
+    """Greedy continuations (`generate_continuations`), measured on the states the generation kept. Returns the
+    first `n_tokens` measured tokens and the number of prompts used."""
+    conts, used = generate_continuations(
+        scorer.adapter, prompts, n_tokens, gen_tokens, eos, batch_size, on_tokens, generation_keep(scorer)
+    )
+    return measure_kept_all([scorer], conts, pairs)[0], used

@@ -397,16 +397,16 @@ def _cache_generated(
     on_tokens: Callable[[int], None] | None,
 ) -> list[Entry]:
     """The split's prompts + greedy continuations until `n_gen` measured tokens; files already there are kept.
-    The generation keeps the states it computes (calibrate's generator with `keep_layers`): the base does not run
+    The generation keeps the states it computes (calibrate's generator with `keep`): the base does not run
     again on the generated sequences."""
-    from eectl.calibrate_measure import generate_continuations, prompt_ids
+    from eectl.calibrate_measure import Keep, generate_continuations, prompt_ids
 
     max_prompt = max(8, min(adapter.dims.max_positions, 4096) - spec.gen_len - 1)
     prompts = prompt_ids(tok, part.prompts, max_prompt, spec.raw)
     eos = getattr(tok, "eos_token_id", None)
     entries: list[Entry] = []
     got = 0
-    window = spec.gen_batch * 4  # generate_continuations sorts prompts by length within windows of 4 batches
+    window = spec.gen_batch * 4  # prompts per call: sorted by length into batches there, files written after it
     for b0 in range(0, len(prompts), window):
         if got >= n_gen:
             break
@@ -421,7 +421,7 @@ def _cache_generated(
                 spec.gen_len,
                 eos,
                 spec.gen_batch,
-                keep_layers=spec.layers,
+                keep=Keep(spec.layers, float16=True),
             )
             t = timing.add("generation", t)
             for c in conts:

@@ -209,12 +209,12 @@ def test_calibrate_runs_block_heads_on_text_and_generation(llama, gsm8k, tmp_pat
 def test_generation_keeps_the_states_calibrate_does_not_ask_for(llama, gsm8k):
     """Calibrate's generator, shared with the state cache: keeping states changes no token, and the kept states
     are the ones the generation computed (prompt and fed tokens of each row, padding left out)."""
-    from eectl.calibrate_measure import generate_continuations, prompt_ids
+    from eectl.calibrate_measure import Keep, generate_continuations, prompt_ids
 
     adapter = llama.adapter
     prompts = prompt_ids(llama.tokenizer, gsm8k.prompts[:5], 64)
     plain, used = generate_continuations(adapter, prompts, 17, 4, None, batch_size=3)
-    kept, used_k = generate_continuations(adapter, prompts, 17, 4, None, batch_size=3, keep_layers=[3])
+    kept, used_k = generate_continuations(adapter, prompts, 17, 4, None, batch_size=3, keep=Keep([3], float16=True))
     assert used == used_k and [c.generated for c in plain] == [c.generated for c in kept]
     assert sum(len(c.generated) for c in kept) == 17 and plain[0].states is None
     for c in kept:
