@@ -3,8 +3,10 @@ the final layer's, on teacher-forced text and on the model's own greedy continua
 
 `ExitScorer` scores exits as the runner does (eectl.exits' `ExitScoring` on `ExitHead`); `Measurements` holds the
 result ([E, N] per criterion, and for signals with candidates [F, E, N] with the candidates picked at each exit F,
-so any subset of active exits can be replayed). `generate_continuations` is also the state cache's generator
-(head_data.py).
+so any subset of active exits can be replayed). Generated tokens are scored on the states their generation computed
+(`generate_continuations` with `Keep`: the scorer's layers at the measured positions, a block head decoding with its
+own KV), not by a second base pass over prompt + continuation (`measure_sequences`, the reference the tests compare
+against). `generate_continuations` is also the state cache's generator (head_data.py).
 
 What this module does not do: fit thresholds (calibrate_fit.py, thresholds.py) or write anything.
 """

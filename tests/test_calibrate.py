@@ -313,7 +313,7 @@ def test_calibrate_model_describes_what_it_did(calibration, llama):
     cal = calibration
     assert [x.layer for x in cal.exits] == [2, 4] and cal.candidates_layer == 2 and cal.top_k == 16
     d = cal.data
-    assert d.tokens == 600 and (d.teacher_forced_tokens, d.generated_tokens) == (450, 150) and d.prompts_used == 16
+    assert d.tokens == 600 and (d.teacher_forced_tokens, d.generated_tokens) == (450, 150) and d.prompts_used == 15
     assert d.calibration_tokens + d.heldout_tokens == 600 and d.heldout_tokens > 0 and not d.chat_template
     assert cal.model.sha256 == llama.source.sha256 and cal.model.num_layers == 6 and cal.criteria == ["prob"]
     assert cal.heldout is not None and cal.seconds_per_10k_tokens > 0
@@ -364,6 +364,7 @@ def test_options_are_checked_before_any_work():
         (dict(exits=[2, 2]), UsageError),
         (dict(top_k=1), UsageError),
         (dict(holdout=1.0), UsageError),
+        (dict(gen_batch=0), UsageError),
         (dict(confidence=1.0), UsageError),
         (dict(tokens=200, confidence=0.95), DataError),
     ]:

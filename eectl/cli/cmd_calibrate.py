@@ -52,6 +52,9 @@ def calibrate(
         float, typer.Option(help="Share of the tokens taken from the model's own greedy continuations of prompts.")
     ] = 0.25,
     gen_tokens: Annotated[int, typer.Option(help="Continuation length per prompt (at most; EOS ends it).")] = 64,
+    gen_batch: Annotated[
+        int, typer.Option(help="Prompts generated together (speed and memory only: the tokens are the same).")
+    ] = 64,
     raw: Annotated[
         bool, typer.Option(help="Continue prompts as is, without the chat template (eectl run --raw).")
     ] = False,
@@ -83,6 +86,7 @@ def calibrate(
         holdout=holdout,
         gen_share=gen_share,
         gen_tokens=gen_tokens,
+        gen_batch=gen_batch,
         raw=raw,
     )
     check_options(opts)
