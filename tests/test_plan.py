@@ -221,7 +221,7 @@ def test_a_configuration_at_the_line_runs_at_full_depth_whatever_the_noise():
     # defer at exit 8 with 11.3% coverage is truly 1.0298x (the line is 1.03): under 20% per-sample noise over 15
     # rounds its point estimate lands on either side of the line (the point rule flips from seed to seed), while the
     # low end of its 90% interval stays below it (simulated over 300 seeds: activated in 2, 0.7%; the point rule
-    # in 83). Fixed seeds: this checks those 20, not a rate
+    # in 82). Fixed seeds: this checks those 20, not a rate
     option = _option([8], [0.113])
     assert predict(_costs(), BOUNDARIES, "defer", [(8, 0.113, 1.0)]).speedup == pytest.approx(1.0298, abs=1e-4)
     plans = [choose(_noisy(seed), BOUNDARIES, [option]) for seed in range(20)]
