@@ -119,8 +119,8 @@ class Costs(_M):
     # own prediction then costs (None: the decision already carries the prediction, e.g. Top-K candidates)
     exit_predict_ms: dict[str, float] | None = None
     # one-row greedy exit steps run on the bound chain (runtime/chain.py) and the decisions above were timed there:
-    # a step pays the chain's per-call overhead, except a token that meets pending positions (defer's and verify's
-    # flush), which continues on the general path. False: every exit step pays the general path (older artifacts)
+    # a step pays the chain's per-call overhead, a token that meets pending positions (defer's and verify's flush)
+    # included (wide calls). False: every exit step pays the general path (older artifacts)
     bound_exits: bool = False
     # each timed figure above by its path (`full_step_ms`, `segment_ms.2`, `candidates_ms.8`), its milliseconds in
     # every timing round, rounds aligned across graphs (round r of every graph ran in the same pass): each figure is
@@ -278,8 +278,8 @@ def predict(
     bound = costs.bound_exits and policy in BOUND_POLICIES
     over = costs.overhead_per_segment(bound)
     # a token that passes every exit: the general per-call path, plus its decisions; on the bound chain, the
-    # chain's step unless pending positions wait (defer, verify: after an exited token, about `rate` of the time)
-    full = costs.full_step_ms
+    # chain's step (the pending positions it carries along are charged to the tokens that left them: extra_i)
+    full = base if bound else costs.full_step_ms
     exits = [layer for layer, _, _ in per_exit]
     if not exits:
         return Prediction(
@@ -313,9 +313,6 @@ def predict(
         decision += cov * sum(decisions[: i + 1])
         rate += cov
     rest = max(0.0, 1.0 - rate)
-    if bound:
-        flushing = rate if policy in ("defer", "verify") else 0.0
-        full = flushing * costs.full_step_ms + (1.0 - flushing) * base
     step += rest * (full + sum(decisions))
     decision += rest * sum(decisions)
     lost = 0.0

@@ -177,15 +177,14 @@ def test_speedups_are_against_the_chained_full_depth_step_where_the_runner_has_o
     assert none.ms_per_token == 15.0 and none.speedup == 1.0
 
 
-def test_bound_exit_steps_pay_the_chain_and_passing_tokens_after_an_exit_the_general_path():
+def test_bound_exit_steps_pay_the_chain():
     # general path 18 ms (2 ms of overhead over 3 segments), chain 15 (none): with bound exits, an exiting token
-    # pays no overhead; a passing token pays the chain, or the general path when pending positions wait (defer:
-    # after an exited token, 40% of the time); copy never has pending positions
+    # pays no overhead, and a passing token the chain's step, pending positions or not (the chain's wide calls:
+    # the extra position is charged to the token that exited, in its later segments)
     costs = _costs(full_step_ms=18.0, chain_step_ms=15.0, bound_exits=True)
     assert costs.overhead_per_segment(bound=True) == 0.0 and costs.overhead_per_segment() == pytest.approx(1.0)
     p = predict(costs, BOUNDARIES, "defer", [(4, 0.4, 1.0)])
-    passing = 0.4 * 18.0 + 0.6 * 15.0
-    assert p.ms_per_token == pytest.approx(0.4 * (4 + 0.3 + 1.0) + 0.6 * (passing + 0.3))
+    assert p.ms_per_token == pytest.approx(0.4 * (4 + 0.3 + 1.0) + 0.6 * (15.0 + 0.3))
     c = predict(costs, BOUNDARIES, "copy", [(4, 0.4, 1.0)])
     assert c.ms_per_token == pytest.approx(0.4 * (4 + 0.3 + 2.0) + 0.6 * (15.0 + 0.3))
     # the river runs its int4 copies per call: the general path's overhead, as without bound exits
