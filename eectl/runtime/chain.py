@@ -66,7 +66,6 @@ class ExitStep:
     state: np.ndarray | None = None
     decide_s: float = 0.0
     flushed: list[int] = field(default_factory=list)
-    final_tokens: np.ndarray | None = None  # [P + 1]: the final head's greedy token at every wide position (drafts)
 
 
 @dataclass
@@ -257,15 +256,11 @@ class DecodeChain:
         kv.filled[row, :L] = total
         return int(self.token[0])
 
-    def step_exits(
-        self, token: int, may_exit: bool, pending: list[np.ndarray | None], drafts: bool = False
-    ) -> ExitStep:
+    def step_exits(self, token: int, may_exit: bool, pending: list[np.ndarray | None]) -> ExitStep:
         """Feed `token` at the row's next position, testing the active exits (when `may_exit`) after their segments.
 
         `pending[s]`: the states [1, P, H] waiting at segment s's input (the policy's; read, not changed), or None.
-        A segment with pending states, and every segment after one, runs wide (the module docstring). `drafts`:
-        the waiting positions are drafts to check (verify): a step that reaches the final layer wide then projects
-        every position in one final-head call (the head's weights read once for all rows) instead of the token's."""
+        A segment with pending states, and every segment after one, runs wide (the module docstring)."""
         if self.rt.device != "cpu":
             raise UsageError("exit steps on the bound chain need host buffers (the CPU EP)")
         kv, row, rt = self.kv, self.row, self.rt
@@ -309,11 +304,7 @@ class DecodeChain:
             if passed:
                 state = (self.hops[s + 1] if flow is None else flow).copy()
                 return ExitStep(int(ex.token[0]), ex.layer, s, state, decide, flushed)
-        L = rt.manifest.num_layers
-        if flow is not None and drafts:
-            tokens = rt.greedy_token(L, flow[0])  # [P + 1]: the drafts' checks and this token's, one call
-            return ExitStep(int(tokens[-1]), L, None, flow.copy(), decide, flushed, tokens)
         session, io = self.calls[-1]
         session.run_with_iobinding(io)  # the final head's in-graph argmax
         final = None if flow is None else flow.copy()
-        return ExitStep(int(self.token[0]), L, None, final, decide, flushed)
+        return ExitStep(int(self.token[0]), rt.manifest.num_layers, None, final, decide, flushed)

@@ -9,9 +9,7 @@ during one token's pass over the segments (runner.py: `Runner._step`):
                                         with their vocabulary ids to pick it from instead of the exit's own
                                         prediction (river: the river's end), or None
     on_exit(row, kv, s, out, token)     the token exited after segment s with state `out` [1, 1, H]
-    on_final(row, kv, out, tokens?) -> token?  the pass reached the final layer; a token replaces the model's
-                                        (rollback); `tokens`: the final greedy token at every position of `out`,
-                                        where the caller projected them already (the decode chain)
+    on_final(row, kv, out) -> token?    the pass reached the final layer; a token replaces the model's (rollback)
     unchecked(row) -> bool              generation wants to stop: is there work a final pass must still check?
 
 The built-in policies:
@@ -84,9 +82,7 @@ class KVPolicy:
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
         raise NotImplementedError
 
-    def on_final(
-        self, row: int, st: RowState, kv: KVBuffers, out: np.ndarray, tokens: np.ndarray | None = None
-    ) -> int | None:
+    def on_final(self, row: int, st: RowState, kv: KVBuffers, out: np.ndarray) -> int | None:
         return None
 
     def unchecked(self, st: RowState) -> bool:
@@ -163,13 +159,10 @@ class Verify(Defer):
     def unchecked(self, st: RowState) -> bool:
         return bool(st.drafts)
 
-    def on_final(
-        self, row: int, st: RowState, kv: KVBuffers, out: np.ndarray, tokens: np.ndarray | None = None
-    ) -> int | None:
+    def on_final(self, row: int, st: RowState, kv: KVBuffers, out: np.ndarray) -> int | None:
         """Check the drafts against the final states of the flushed positions; roll back at the first wrong one.
 
-        out[0, j] is the final state of position base + j and predicts the token at base + j + 1 (`tokens[j]`,
-        where the caller projected them: else projected here).
+        out[0, j] is the final state of position base + j and predicts the token at base + j + 1.
         """
         if not st.drafts:
             return None
@@ -178,8 +171,7 @@ class Verify(Defer):
         st.drafts = []
         if out.shape[1] < 2:
             return None
-        # greedy drafts: only tokens leave the graph
-        full_pred = tokens[:-1] if tokens is not None else self.rt.greedy_token(self.num_layers, out[0, :-1])
+        full_pred = self.rt.greedy_token(self.num_layers, out[0, :-1])  # greedy drafts: only tokens leave the graph
         for j in range(out.shape[1] - 1):
             pos = base + j + 1
             if pos in drafts and drafts[pos] != int(full_pred[j]):

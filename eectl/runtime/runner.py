@@ -596,7 +596,7 @@ class Runner:
         if not self.exits:
             st.exit_layers.append(self.L)
             return chain.step(token)
-        done = chain.step_exits(token, self.policy.may_exit(st), st.pending, drafts=bool(st.drafts))
+        done = chain.step_exits(token, self.policy.may_exit(st), st.pending)
         st.decide_s += done.decide_s
         for s in done.flushed:
             st.pending[s] = None
@@ -606,7 +606,7 @@ class Runner:
             self.policy.on_exit(0, st, kv, done.segment, done.state, done.token)
             return done.token
         if done.state is not None:  # the final segment ran wide: the positions it carried, then this token's
-            corrected = self.policy.on_final(0, st, kv, done.state, done.final_tokens)
+            corrected = self.policy.on_final(0, st, kv, done.state)
             if corrected is not None:
                 return corrected
         else:  # reached the final layer with nothing pending: no draft to check (drafts are pending states)
