@@ -265,6 +265,8 @@ def menu(a: argparse.Namespace) -> None:
                 )
             )
     meas = Measurements.concat(parts)
+    if a.save:  # for offline analysis of the fit (torch.load(..., weights_only=False))
+        torch.save(meas, a.save)
     L = adapter.num_layers
     held = meas.heldout_mask(a.holdout)
     calib = ~held
@@ -361,6 +363,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=64)
     ap.add_argument("--candidates", default="shortlist", help="menu: the candidate source (the runner's default)")
     ap.add_argument("--confidence", type=float, default=0.95, help="menu: the fit's confidence")
+    ap.add_argument("--save", default=None, help="menu: torch.save the measurements here")
     ap.add_argument("--show", type=int, default=5, help="menu: best subsets shown (and all exits)")
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--holdout", type=float, default=0.5)
