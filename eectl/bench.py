@@ -104,6 +104,7 @@ class ConfigResult:
     exact_match_ci: tuple[float, float] | None = None
     exits: list[int] = field(default_factory=list)  # the active exits of this configuration
     predicted_speedup: float | None = None  # the plan's prediction (held-out coverage, the manifest's costs)
+    predicted_interval: tuple[float, float] | None = None  # its 90% interval over the costs' timing rounds (plan.py)
     model_speedup: float | None = None  # the cost model at this run's realized exits (and rollbacks)
     note: str = ""  # how the configuration was chosen
 
@@ -546,7 +547,9 @@ def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) ->
     res.note = cfg.note
     if m.plan is not None and cfg.planned:
         choice = m.plan.choices.get(cfg.policy)
-        res.predicted_speedup = choice.prediction.speedup if choice is not None and cfg.exits else 1.0
+        active = choice is not None and bool(cfg.exits)
+        res.predicted_speedup = choice.prediction.speedup if choice is not None and active else 1.0
+        res.predicted_interval = choice.prediction.interval if choice is not None and active else None
     if m.costs is None:
         return
     boundaries = [s.layers[1] for s in m.segments]

@@ -43,13 +43,14 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         f"Early exit: signal {r.signal or '-'}, exits {r.exits or '-'}. ms/token is total decode time over total "
         "decode tokens, every prompt and repetition pooled (min-max: per repetition); a speedup is the ratio of two "
         "of those, measured in this run. Intervals (95%, over the "
-        f"{r.prompts} prompts): paired bootstrap of that same ratio and of token agreement, Wilson for exact match. "
+        f"{r.prompts} prompts): paired bootstrap of that same ratio and of token agreement, Wilson for exact match; "
+        "the predicted speedup's (90%) is over the cost model's timing rounds (plan.py). "
         f"Run order: a Williams design (every configuration in every position and after every other once per "
         f"cycle of repetitions). `{AA}` is a second copy of `full`: its speedup against `full` is this run's noise "
         f'floor; every other "vs full" is against `full` and `{AA}` pooled.',
         "",
         "| config | exits | ms/token (pooled, min-max) | tokens/s per row | throughput tokens/s (vs full) | TTFT ms | "
-        "vs full [95% CI] | predicted | model at realized exits | vs hf | mean layers | bound | decide share | "
+        "vs full [95% CI] | predicted [90%] | model at realized exits | vs hf | mean layers | bound | decide share | "
         "token agreement [95% CI] | exact match [95% CI] | first divergence | perplexity | GSM8K acc | RSS MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -61,7 +62,8 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
             f"{c.ms_per_token_spread[1]:.1f}) | "
             f"{c.tokens_per_s:.1f} | {c.throughput:.1f} ({_x(c.throughput_vs_full)}) | {c.ttft_ms:.0f} | "
             f"{_x(c.speedup_vs_full)}{_ci(c.speedup_vs_full_ci, '.2f')} | "
-            f"{_x(c.predicted_speedup)} | {_x(c.model_speedup)} | {_x(c.speedup_vs_hf)} | "
+            f"{_x(c.predicted_speedup)}{_ci(c.predicted_interval, '.2f')} | {_x(c.model_speedup)} | "
+            f"{_x(c.speedup_vs_hf)} | "
             f"{_fmt(c.mean_layers, '.1f')} | {_x(c.layer_bound)} | {_fmt(c.decide_share, '.1%')} | "
             f"{_fmt(c.token_agreement, '.1%')}{_ci(c.token_agreement_ci, '.1%')} | "
             f"{_fmt(c.exact_match, '.0%')}{_ci(c.exact_match_ci, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "

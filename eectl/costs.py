@@ -4,12 +4,14 @@ Every graph is called through the runtime the runner uses (ArtifactRuntime: the 
 pool), at decode shape: one token on top of `past` positions of KV cache, and one more position where the defer and
 verify policies carry pending states along; each block exit head's graph on one position. Each figure is the median
 of `repeats` calls after `warmup` calls, in rounds that call every graph once (so each graph meets the CPU caches a
-decode step leaves it). The decisions are timed with the signal computation the runner does after the graph
-(`exits.signals`); a cosine signal's decision reads only block states, and the LM head at the exit is timed apart
-(`exit_predict_ms`: what an exiting token's own prediction costs, which a river predicting at its end never asks
-for). Where the runner decides on the bound chain (runtime/chain.py), the decisions are timed as it makes them
-there instead: the bound exit graph deciding in-graph, two scalars read (`Costs.bound_exits`). The full-depth step
-is timed through the runner itself, so whatever Python adds per step is in the model too.
+decode step leaves it); every round's figure is kept (`Costs.samples_ms`: the plan's intervals are resampled from
+them), and `--profile-costs` times more rounds while the plan is undecided (`measure_costs`'s `decided`). The
+decisions are timed with the signal computation the runner does after the graph (`exits.signals`); a cosine
+signal's decision reads only block states, and the LM head at the exit is timed apart (`exit_predict_ms`: what an
+exiting token's own prediction costs, which a river predicting at its end never asks for). Where the runner
+decides on the bound chain (runtime/chain.py), the decisions are timed as it makes them there instead: the bound
+exit graph deciding in-graph, two scalars read (`Costs.bound_exits`). The full-depth step is timed through the
+runner itself, so whatever Python adds per step is in the model too.
 
 What this module does not do: predict or choose (plan.py); it only measures.
 """
@@ -31,21 +33,26 @@ from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
 DEFAULT_PAST = 128
 DEFAULT_REPEATS = 15
+# `--profile-costs` (runtime/generate.py `replan`): more rounds, DEFAULT_REPEATS at a time, while the plan's choice
+# is undecided (an option's interval straddles the line), for at most this long. About 10 batches on the default
+# model at 2 threads; the interval narrows as one over the square root of the rounds
+RETIME_BUDGET_S = 30.0
 FULL_STEPS = 16  # room kept in the cache beyond `past`
 
 
-def _interleaved_ms(calls: dict[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, float]:
-    """Median ms of each call, timed in rounds that call every graph once: as in a decode step, the other graphs
-    evict a small graph's weights from the CPU caches between two of its calls (timing one graph in a loop would
-    find them cached and underestimate it)."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
+def _time_rounds(
+    calls: dict[str, Callable[[], object]], repeats: int, warmup: int, times: dict[str, list[float]]
+) -> None:
+    """Append each call's ms in `repeats` rounds (after `warmup` untimed ones) to `times`, every graph once per
+    round: as in a decode step, the other graphs evict a small graph's weights from the CPU caches between two of
+    its calls (timing one graph in a loop would find them cached and underestimate it), and round r of every graph
+    meets the same load of the moment (the plan's bootstrap resamples whole rounds: plan.py)."""
     for r in range(warmup + repeats):
         for name, fn in calls.items():
             t0 = time.perf_counter()
             fn()
             if r >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    return {name: 1000 * statistics.median(ts) for name, ts in times.items()}
+                times[name].append(round(1000 * (time.perf_counter() - t0), 4))
 
 
 def measure_costs(
@@ -56,7 +63,11 @@ def measure_costs(
     top_k: int | None = None,
     signal: str = "topk-prob",
     seed: int = 0,
+    decided: Callable[[Costs], bool] | None = None,
+    budget_s: float = RETIME_BUDGET_S,
 ) -> Costs:
+    """Time every graph in `repeats` rounds. With `decided` (the plan's question: are the costs precise enough for
+    its choice?), time `repeats` more rounds at a time until it says yes or `budget_s` seconds have passed."""
     m = rt.manifest
     dims = m.dims
     k = top_k or m.top_k
@@ -97,36 +108,73 @@ def measure_costs(
     sig = get_signal(signal)
     state_only = _exit_calls(calls, rt, sig, kv, h1, past, k)
     bound = _bound_exit_calls(calls, rt, sig, h1, past, k)  # replaces the decisions the bound chain makes
-    t = _interleaved_ms(calls, repeats, warmup)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    _time_rounds(calls, repeats, warmup, times)
+    costs = _costs(rt, times, past, state_only, bound)
+    start = time.perf_counter()
+    while decided is not None and not decided(costs) and time.perf_counter() - start < budget_s:
+        _time_rounds(calls, repeats, 1, times)  # one untimed round: the plan's arithmetic ran in between
+        costs = _costs(rt, times, past, state_only, bound)
+    return costs
+
+
+def _costs(rt: ArtifactRuntime, times: dict[str, list[float]], past: int, state_only: bool, bound: bool) -> Costs:
+    """The Costs of these timing rounds: each figure the median of its per-round samples (kept, by the figure's
+    path, in `samples_ms`); the one-more-position figures are per-round differences (paired within a round)."""
+    m = rt.manifest
     n = len(m.segments)
-    seg1 = [t[f"seg1.{i}"] for i in range(n)]
-    seg2 = [t[f"seg2.{i}"] for i in range(n)]
-    kv_ms = [t[f"kv.{i}"] for i in range(n)]
-    embed, head1, head2 = t["embed"], t["head1"], t["head2"]
-    cand_ms = {str(layer): t[f"cand.{layer}"] for layer in m.exit_layers}
-    local_ms = {str(layer): t[f"local.{layer}"] for layer in m.exit_layers}
-    return Costs(
+    extra = {f"segment_extra_ms.{i}": _minus(times[f"seg2.{i}"], times[f"seg1.{i}"]) for i in range(n)}
+    samples: dict[str, list[float]] = {
+        "full_step_ms": times["step"],
+        **({"chain_step_ms": times["chain"]} if "chain" in times else {}),
+        "embed_ms": times["embed"],
+        **{f"segment_ms.{i}": times[f"seg1.{i}"] for i in range(n)},
+        **extra,
+        **{f"kv_ms.{i}": times[f"kv.{i}"] for i in range(n)},
+        "final_head_ms": times["head1"],
+        "final_head_extra_ms": _minus(times["head2"], times["head1"]),
+        **{f"candidates_ms.{e}": times[f"cand.{e}"] for e in m.exit_layers},
+        **{f"local_ms.{e}": times[f"local.{e}"] for e in m.exit_layers},
+        **{f"block_ms.{e}": times[f"block.{e}"] for e in m.exit_layers if e in rt.block_graphs},
+        **({f"exit_predict_ms.{e}": times[f"predict.{e}"] for e in m.exit_layers} if state_only else {}),
+        **{f"river_ms.{i}": times[f"river.{i}"] for i in range(n) if f"river.{i}" in times},
+        **({"river_head_ms": times["river_head"]} if "river_head" in times else {}),
+    }
+    med = {path: float(statistics.median(v)) for path, v in samples.items()}
+
+    def per(prefix: str, keys: list[str]) -> dict[str, float]:
+        return {k: med[f"{prefix}.{k}"] for k in keys if f"{prefix}.{k}" in med}
+
+    exits = [str(e) for e in m.exit_layers]
+    costs = Costs(
         provider=rt.provider,
         threads=rt.threads,
         past=past,
-        repeats=repeats,
-        embed_ms=embed,
-        segment_ms=seg1,
-        segment_extra_ms=[max(0.0, b - a) for a, b in zip(seg1, seg2, strict=True)],
-        kv_ms=kv_ms,
-        final_head_ms=head1,
-        final_head_extra_ms=max(0.0, head2 - head1),
-        candidates_ms=cand_ms,
-        local_ms=local_ms,
-        full_step_ms=t["step"],
-        chain_step_ms=t.get("chain"),
+        repeats=len(times["step"]),
+        embed_ms=med["embed_ms"],
+        segment_ms=[med[f"segment_ms.{i}"] for i in range(n)],
+        segment_extra_ms=[med[f"segment_extra_ms.{i}"] for i in range(n)],
+        kv_ms=[med[f"kv_ms.{i}"] for i in range(n)],
+        final_head_ms=med["final_head_ms"],
+        final_head_extra_ms=med["final_head_extra_ms"],
+        candidates_ms=per("candidates_ms", exits),
+        local_ms=per("local_ms", exits),
+        full_step_ms=med["full_step_ms"],
+        chain_step_ms=med.get("chain_step_ms"),
         bound_exits=bound,
-        block_ms={str(layer): t[f"block.{layer}"] for layer in m.exit_layers if layer in rt.block_graphs},
+        block_ms=per("block_ms", exits),
         candidate_source=str(m.candidate_source.get("name", "full")),
-        exit_predict_ms={str(e): t[f"predict.{e}"] for e in m.exit_layers} if state_only else None,
-        river_ms=[t.get(f"river.{i}") for i in range(n)] if rt.river_segments else None,
-        river_head_ms=t.get("river_head"),
+        exit_predict_ms=per("exit_predict_ms", exits) if state_only else None,
+        river_ms=[med.get(f"river_ms.{i}") for i in range(n)] if rt.river_segments else None,
+        river_head_ms=med.get("river_head_ms"),
+        samples_ms={path: list(v) for path, v in samples.items()},
     )
+    return costs
+
+
+def _minus(a: list[float], b: list[float]) -> list[float]:
+    """Per round, a - b (at least 0): what one more position or row costs, within one round's load."""
+    return [round(max(0.0, x - y), 4) for x, y in zip(a, b, strict=True)]
 
 
 def _exit_calls(

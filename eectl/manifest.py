@@ -20,9 +20,10 @@ from eectl.plan import Costs, Plan
 
 # 2: the calibration and the heads metadata are typed, and per-exit thresholds live only in `calibration`.
 # 3: optional fields an eectl reading 2 does not know: block exit heads (`ExitPoint.block`), the bound chain's costs
-#    (`Costs.chain_step_ms`, `bound_exits`) and the exit graphs' in-graph decision io. Written as 3, so an older eectl
-#    says "unknown schema version" instead of a field error; version 2 artifacts still load (all of 3's additions are
-#    optional, and the runner falls back where a graph lacks them).
+#    (`Costs.chain_step_ms`, `bound_exits`), the exit graphs' in-graph decision io, and the cost samples and plan
+#    intervals (`Costs.samples_ms`, `Prediction.interval`, `Plan.level`; without them the costs are planned as exact).
+#    Written as 3, so an older eectl says "unknown schema version" instead of a field error; version 2 artifacts
+#    still load (all of 3's additions are optional, and the runner falls back where a graph lacks them).
 SCHEMA_VERSION = 3
 READABLE_VERSIONS = (2, 3)
 MANIFEST = "manifest.json"

@@ -22,9 +22,18 @@ Per-token time of an option under a policy (exit a_1 < ... < a_m active, c_i the
                   average, r = the exit rate): time per accepted token = time per step / (1 - lost tokens per step)
 
 The choice maximises predicted speed: for copy and defer over the options fitted at the fidelity target, for
-verify (lossless) over the options fitted at any precision of a grid (there the threshold is a speed knob). A policy
-whose best option is not predicted at least MIN_GAIN faster than full depth runs at full depth. `copy` is never the
-default: its approximate K/V change later tokens in a way calibration does not measure.
+verify (lossless) over the options fitted at any precision of a grid (there the threshold is a speed knob). `copy` is
+never the default: its approximate K/V change later tokens in a way calibration does not measure.
+
+A configuration is activated only when the LOW end of its predicted speedup's 90% interval clears 1 + MIN_GAIN;
+otherwise the policy runs at full depth. The interval comes from the costs' per-round samples (`Costs.samples_ms`):
+a paired bootstrap over timing rounds. A replicate draws R rounds with replacement out of the R measured, takes
+each graph's median over them (as the point estimate does over all rounds) and predicts again; the interval is the
+5th-95th percentile of the replicates' speedups. Resampling whole rounds keeps what one round shares (the load of
+the moment falls on every graph timed in it, the full step included), so it cancels in a speedup as it does in the
+point estimate, and only the round-to-round disagreement widens the interval. The replicates are drawn with a
+fixed seed: the same costs always give the same plan. Costs without samples (artifacts exported before the
+intervals) are taken as exact: the interval is the point, and the choice is the point estimate's, as it was.
 
 What this module does not do: measure (costs.py, calibrate.py) or run anything; it is pure arithmetic.
 """
@@ -33,9 +42,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-MIN_GAIN = 0.03  # a configuration must be predicted at least 3% faster than full depth to be chosen
+MIN_GAIN = 0.03  # the low end of a configuration's predicted speedup must be >= 1 + MIN_GAIN for it to be chosen
+LEVEL = 0.90  # the predicted speedup's interval: 5th to 95th percentile of the bootstrap replicates
+RESAMPLES = 200  # bootstrap replicates of the costs (the percentiles move by < 0.005x between seeds at 200)
+INTERVAL_TOP = 8  # per policy, the options with the highest point estimates get an interval (the rest cannot win)
 PLAN_POLICIES = ("copy", "defer", "verify")
 # predicted (bench's check of the model) but never planned: like copy, the river's approximate K/V change later
 # tokens in a way calibration does not measure. `river-exit` is the river predicting at the exit.
@@ -106,9 +119,49 @@ class Costs(_M):
     # own prediction then costs (None: the decision already carries the prediction, e.g. Top-K candidates)
     exit_predict_ms: dict[str, float] | None = None
     # one-row greedy exit steps run on the bound chain (runtime/chain.py) and the decisions above were timed there:
-    # a step pays the chain's per-call overhead, except a token that meets pending positions (defer's and verify's
-    # flush), which continues on the general path. False: every exit step pays the general path (older artifacts)
+    # a step pays the chain's per-call overhead, a token that meets pending positions (defer's and verify's flush)
+    # included (wide calls). False: every exit step pays the general path (older artifacts)
     bound_exits: bool = False
+    # each timed figure above by its path (`full_step_ms`, `segment_ms.2`, `candidates_ms.8`), its milliseconds in
+    # every timing round, rounds aligned across graphs (round r of every graph ran in the same pass): each figure is
+    # the median of its list. What the predicted speedups' intervals are resampled from (`resamples`). None:
+    # artifacts exported before the intervals (medians only), planned as exact
+    samples_ms: dict[str, list[float]] | None = None
+
+    def rounds(self) -> int:
+        return min((len(v) for v in self.samples_ms.values()), default=0) if self.samples_ms else 0
+
+    def with_values(self, values: dict[str, float]) -> Costs:
+        """A copy with the figures at these paths replaced (the samples shared, not copied)."""
+        update: dict[str, object] = {}
+        for path, v in values.items():
+            name, _, key = path.partition(".")
+            if not key:
+                update[name] = v
+                continue
+            held = update.get(name)
+            if held is None:
+                old = getattr(self, name)
+                held = list(old) if isinstance(old, list) else dict(old)
+                update[name] = held
+            if isinstance(held, list):
+                held[int(key)] = v
+            else:
+                assert isinstance(held, dict)
+                held[key] = v
+        return self.model_copy(update=update)
+
+    def resamples(self, n: int = RESAMPLES, seed: int = 0) -> list[Costs]:
+        """`n` bootstrap replicates: each redraws the timing rounds with replacement (whole rounds, every graph
+        together) and takes each figure's median over them. [] without samples."""
+        if not self.samples_ms or self.rounds() < 2:
+            return []
+        keys = sorted(self.samples_ms)
+        r = self.rounds()
+        times = np.array([self.samples_ms[k][:r] for k in keys])  # [G, R]
+        draws = np.random.default_rng(seed).integers(0, r, size=(n, r))  # [n, R]: one row of rounds per replicate
+        medians = np.median(times[:, draws], axis=2)  # [G, n]
+        return [self.with_values(dict(zip(keys, medians[:, b].tolist(), strict=True))) for b in range(n)]
 
     def block_layers(self, num_layers: int) -> dict[str, float]:
         """Each block head's measured cost per token in decoder-layer units (its ms over a segment layer's mean)."""
@@ -136,6 +189,21 @@ class Prediction(_M):
     decision_ms: float  # expected decision time per token
     exit_rate: float
     lost_per_step: float = 0.0  # verify: tokens rolled back per step
+    # the speedup's LEVEL interval (bootstrap over the costs' timing rounds); None: not computed, or costs without
+    # samples (then the point is all there is)
+    interval: tuple[float, float] | None = None
+
+    def low(self) -> float:
+        return self.interval[0] if self.interval is not None else self.speedup
+
+    def high(self) -> float:
+        return self.interval[1] if self.interval is not None else self.speedup
+
+    def describe(self) -> str:
+        """`1.06x [1.04, 1.08]`, or `1.06x (point estimate: no cost spread)`."""
+        if self.interval is None:
+            return f"{self.speedup:.3f}x (point estimate: no cost spread recorded)"
+        return f"{self.speedup:.3f}x [{self.interval[0]:.3f}, {self.interval[1]:.3f}]"
 
 
 class Choice(_M):
@@ -153,22 +221,33 @@ class Plan(_M):
     default: str  # a policy name, or "full"
     min_gain: float = MIN_GAIN
     choices: dict[str, Choice] = Field(default_factory=dict)  # policy -> its best option (full depth if none pays)
+    level: float = LEVEL  # the predictions' intervals (plans before them: their point estimates decided)
+
+    def line(self) -> str:
+        """The rule, in words: `the low end of its 90% interval >= 1.03x`."""
+        return f"the low end of its {self.level:.0%} interval >= {1 + self.min_gain:.2f}x full depth"
 
     def summary(self) -> str:
         """One line for run and bench."""
         if self.default == "full":
             bests = [c.best for p, c in self.choices.items() if c.best is not None and p != "copy"]
             top = max(bests, key=lambda b: b.speedup, default=None)
-            tail = f" (best: {top.policy} at exits {top.exits}, {top.speedup:.3f}x)" if top is not None else ""
-            return (
-                f"plan: no exit configuration is predicted >= {1 + self.min_gain:.2f}x full depth{tail}; "
-                "the default is full depth"
-            )
+            tail = f" (best: {top.policy} at exits {top.exits}, {top.describe()})" if top is not None else ""
+            return f"plan: no exit configuration has {self.line()}{tail}; the default is full depth"
         c = self.choices[self.default]
         return (
-            f"plan: {c.policy} at exits {c.exits}, predicted {c.prediction.speedup:.2f}x full depth "
-            f"(decisions {c.prediction.decision_ms:.2f} ms/token)"
+            f"plan: {c.policy} at exits {c.exits}, predicted {c.prediction.describe()} full depth "
+            f"({self.level:.0%} interval; decisions {c.prediction.decision_ms:.2f} ms/token)"
         )
+
+    def undecided(self) -> list[str]:
+        """Policies whose choice more timing could change: none chosen, yet the best option's interval reaches
+        the line (its high end >= 1 + min_gain while its low end is below)."""
+        return [
+            p
+            for p, c in self.choices.items()
+            if not c.exits and c.best is not None and c.best.high() >= 1.0 + self.min_gain
+        ]
 
 
 def _river_ms(costs: Costs, segment: int) -> float:
@@ -199,8 +278,8 @@ def predict(
     bound = costs.bound_exits and policy in BOUND_POLICIES
     over = costs.overhead_per_segment(bound)
     # a token that passes every exit: the general per-call path, plus its decisions; on the bound chain, the
-    # chain's step unless pending positions wait (defer, verify: after an exited token, about `rate` of the time)
-    full = costs.full_step_ms
+    # chain's step (the pending positions it carries along are charged to the tokens that left them: extra_i)
+    full = base if bound else costs.full_step_ms
     exits = [layer for layer, _, _ in per_exit]
     if not exits:
         return Prediction(
@@ -234,9 +313,6 @@ def predict(
         decision += cov * sum(decisions[: i + 1])
         rate += cov
     rest = max(0.0, 1.0 - rate)
-    if bound:
-        flushing = rate if policy in ("defer", "verify") else 0.0
-        full = flushing * costs.full_step_ms + (1.0 - flushing) * base
     step += rest * (full + sum(decisions))
     decision += rest * sum(decisions)
     lost = 0.0
@@ -273,20 +349,45 @@ def _usable(costs: Costs, boundaries: Sequence[int], opt: Option) -> bool:
     )
 
 
-def choose(costs: Costs, boundaries: Sequence[int], options: Sequence[Option], min_gain: float = MIN_GAIN) -> Plan:
-    """The fastest predicted option per policy (full depth when none beats it by min_gain), and the default:
-    the faster of defer and verify, or full depth."""
+def with_interval(
+    pred: Prediction, replicates: Sequence[Costs], boundaries: Sequence[int], option: Option, level: float = LEVEL
+) -> Prediction:
+    """`pred` with its speedup's interval over the cost replicates (`Costs.resamples`); unchanged without them."""
+    if not replicates:
+        return pred
+    speedups = [predict_option(c, boundaries, pred.policy, option).speedup for c in replicates]
+    tail = (1.0 - level) / 2
+    lo, hi = np.quantile(speedups, [tail, 1.0 - tail])
+    return pred.model_copy(update={"interval": (round(float(lo), 4), round(float(hi), 4))})
+
+
+def choose(
+    costs: Costs,
+    boundaries: Sequence[int],
+    options: Sequence[Option],
+    min_gain: float = MIN_GAIN,
+    level: float = LEVEL,
+) -> Plan:
+    """Per policy, the fastest predicted option among those whose speedup's interval clears 1 + min_gain at its
+    low end (full depth when none does), and the default: the faster of defer and verify, or full depth."""
+    replicates = costs.resamples()
     choices: dict[str, Choice] = {}
     for policy in PLAN_POLICIES:
         kind = "verify" if policy == "verify" else "target"
-        best: tuple[Prediction, Option] | None = None
-        for opt in options:
-            if opt.kind != kind or not _usable(costs, boundaries, opt):
-                continue
-            pred = predict_option(costs, boundaries, policy, opt)
-            if best is None or pred.speedup > best[0].speedup:
-                best = (pred, opt)
-        if best is not None and best[0].speedup >= 1.0 + min_gain:
+        ranked = sorted(
+            (
+                (predict_option(costs, boundaries, policy, opt), opt)
+                for opt in options
+                if opt.kind == kind and _usable(costs, boundaries, opt)
+            ),
+            key=lambda po: -po[0].speedup,
+        )
+        # intervals for the top few by point estimate only (each costs RESAMPLES predictions): an option further
+        # down would need a much narrower interval than all of those for its low end alone to clear the line
+        top = [(with_interval(p, replicates, boundaries, o, level), o) for p, o in ranked[:INTERVAL_TOP]]
+        clear = [(p, o) for p, o in top if p.low() >= 1.0 + min_gain]
+        best: tuple[Prediction, Option] | None = max(clear or top, key=lambda po: po[0].speedup, default=None)
+        if clear and best is not None:
             pred, opt = best
             thresholds = {str(k): v for k, v in opt.thresholds().items()}
             choices[policy] = Choice(
@@ -301,9 +402,9 @@ def choose(costs: Costs, boundaries: Sequence[int], options: Sequence[Option], m
                 prediction=predict(costs, boundaries, policy, []),
                 best=None if best is None else best[0],
             )
-    ranked = [p for p in ("defer", "verify") if choices[p].exits]
-    default = max(ranked, key=lambda p: choices[p].prediction.speedup) if ranked else "full"
-    return Plan(default=default, min_gain=min_gain, choices=choices)
+    active = [p for p in ("defer", "verify") if choices[p].exits]
+    default = max(active, key=lambda p: choices[p].prediction.speedup) if active else "full"
+    return Plan(default=default, min_gain=min_gain, choices=choices, level=level)
 
 
 def plan_manifest(manifest: object, costs: Costs) -> Plan:

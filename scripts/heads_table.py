@@ -174,11 +174,166 @@ def calib(a: argparse.Namespace) -> None:
             f" (head {cost:.3f} layers per exit passed); per exit "
             + ", ".join(f"{x.layer}: {x.heldout.coverage:.3f}" if x.heldout else f"{x.layer}: -" for x in res.exits)
         )
+        for name, st in res.heldout_by_source.items():  # generated = the distribution `eectl run` sees
+            print(
+                f"  {name}: held-out tokens {st.tokens}, exit rate {st.exit_rate:.3f}, precision {st.precision}, "
+                f"mean layers {st.mean_layers:.2f}"
+            )
+
+
+def adapter_layer_macs(adapter) -> float:
+    """Multiply-adds per token of one decoder layer, in units of LM-head rows (H each)."""
+    from eectl.heads_cached import layer_macs
+
+    return layer_macs(adapter) / adapter.lm_head.weight.shape[1]
+
+
+def menu(a: argparse.Namespace) -> None:
+    """Calibrate's menu as `eectl calibrate --heads` measures it: the runner's candidate source (the shortlist, ranked
+    on the fit half's tokens), every subset of up to 3 exits (candidates at its first active exit) and all exits,
+    each fitted sequentially (topk-prob, target, --confidence 0.95) on the first half of the held-out sequences and
+    replayed on the other half; mean executed layers with the head cost per active exit passed, on the held-out
+    generated tokens (what `eectl run` decodes; calibrate's menu judges on them) and on all held-out tokens."""
+    from itertools import combinations
+
+    from eectl.calibrate_fit import evaluate
+    from eectl.calibrate_measure import SOURCES, ExitScorer, Measurements
+    from eectl.exits import frequency_shortlist, make_source
+    from eectl.head_data import open_cache
+    from eectl.head_designs import load_heads
+    from eectl.heads_cached import design_cost
+    from eectl.models import load_model
+    from eectl.thresholds import assign_exits, fit_thresholds
+
+    loaded = load_model(a.model)
+    adapter = loaded.adapter
+    cache = open_cache(Path(a.cache))
+    if a.heads:
+        hs = load_heads(a.heads, loaded)
+        exits, heads, design = hs.exits, hs.heads, hs.meta.design
+        cost = design_cost(adapter, design, hs.meta.rank)["layers"] if a.head_cost is None else a.head_cost
+    else:
+        exits, heads, design, cost = [int(x) for x in a.layers.split(",")], {}, "logit lens", 0.0
+    entries = list(cache.split("held"))
+    src_of = [SOURCES.index("teacher-forced" if e.source == "text" else "generated") for e in entries]
+    unit_of = []
+    counters = [0] * len(SOURCES)
+    for s_ in src_of:
+        unit_of.append(counters[s_])
+        counters[s_] += 1
+    # the fit half's tokens rank the shortlist (calibrate ranks it on its calibration split)
+    fit_ids = []
+    for u, entry in enumerate(entries):
+        if unit_of[u] < counters[src_of[u]] - min(
+            counters[src_of[u]] - 1, max(1, round(a.holdout * counters[src_of[u]]))
+        ):
+            seq = cache.load(entry)
+            fit_ids.append(seq.ids[1:][seq.measured[:-1]])
+    shortlist = None
+    if a.candidates == "shortlist":
+        shortlist = frequency_shortlist(torch.cat(fit_ids), a.shortlist, adapter.lm_head.weight.shape[0])
+    scorer = ExitScorer(
+        adapter, exits, "topk-prob", a.top_k, None, make_source(a.candidates, adapter.lm_head.weight, shortlist)
+    )
+    parts = []
+    with torch.no_grad():
+        for u, entry in enumerate(entries):
+            seq = cache.load(entry)
+            idx = torch.nonzero(seq.measured).flatten()
+            mapped = []
+            for layer in exits:
+                h = seq.states[layer].float()
+                head = heads.get(layer)
+                if head is None:
+                    mapped.append(h[idx])
+                elif getattr(head, "sequence", False):
+                    mapped.append(head(h)[idx])
+                else:
+                    mapped.append(head(h[idx]))
+            values, correct, _, pv, pc = scorer.score_pairs(mapped, None, seq.final[idx].float())
+            n = idx.numel()
+            parts.append(
+                Measurements(
+                    exits,
+                    adapter.num_layers,
+                    values,
+                    correct,
+                    torch.full((n,), src_of[u]),
+                    torch.full((n,), unit_of[u]),
+                    pv,
+                    pc,
+                )
+            )
+    meas = Measurements.concat(parts)
+    if a.save:  # for offline analysis of the fit (torch.load(..., weights_only=False))
+        torch.save(meas, a.save)
+    L = adapter.num_layers
+    held = meas.heldout_mask(a.holdout)
+    calib = ~held
+    gen = held & (meas.source == SOURCES.index("generated"))
+    subsets = [c for k in range(1, 4) for c in combinations(exits, k)]
+    if len(exits) > 3:
+        subsets.append(tuple(exits))
+    assert meas.pair_values is not None and meas.pair_correct is not None
+    # "own": every active exit picks its own candidates (the diagonal of the pairs), one more shortlist projection
+    # per active exit passed after the first: what re-picking would buy against the runner's pinned candidates
+    e_idx = range(len(exits))
+    own = Measurements(
+        exits,
+        L,
+        {c: torch.stack([v[e, e] for e in e_idx]) for c, v in meas.pair_values.items()},
+        torch.stack([meas.pair_correct[e, e] for e in e_idx]),
+        meas.source,
+        meas.unit,
+    )
+    pick = a.shortlist / adapter_layer_macs(adapter)  # one shortlist projection in decoder layers
+    print(
+        f"{design}: candidates {a.candidates} (K = {a.top_k}), target {a.target}, confidence {a.confidence}; "
+        f"fit on {int(calib.sum())} tokens; held-out generated {int(gen.sum())}, all {int(held.sum())}; "
+        f"a re-pick costs {pick:.2f} layers"
+    )
+    for mode, source in (("pinned", meas), ("own", own)):
+        rows = []
+        for subset in subsets:
+            if mode == "own" and len(subset) == 1:
+                continue  # the same as pinned
+            sub = source.restrict(list(subset))
+            thr = fit_thresholds(sub.values, sub.correct, a.target, a.confidence, calib)
+            active = [all(t < float("inf") for t in x.values()) for x in thr]
+            if not any(active):
+                continue
+            first = active.index(True)
+            per_exit = cost + (pick if mode == "own" else 0.0)
+            out = []
+            for mask in (gen, held):
+                _, overall = evaluate(sub, thr, mask)
+                taken = assign_exits(sub.values, thr)[mask]
+                layers = torch.tensor([*subset, L], dtype=torch.float64)[taken]
+                paid = torch.tensor(
+                    [
+                        sum(cost if e == first else per_exit for e in range(min(t, len(subset) - 1) + 1) if active[e])
+                        for t in taken.tolist()
+                    ],
+                    dtype=torch.float64,
+                )
+                out.append((overall, float((layers + paid).mean())))
+            rows.append((out[0][1], subset, out, active))
+        rows.sort(key=lambda r: r[0])
+        for rank, (_, subset, out, active) in enumerate(rows):
+            if rank >= a.show and len(subset) != len(exits):
+                continue
+            (g, gl), (h, hl) = out
+            used = [x for x, on in zip(subset, active, strict=True) if on]
+            print(
+                f"  {mode} exits {list(subset)} (exiting at {used}): generated: mean layers {g.mean_layers:.2f} "
+                f"(+ cost {gl:.2f}), exit rate {g.exit_rate:.3f}, precision {g.precision}; all held-out: "
+                f"{h.mean_layers:.2f} (+ cost {hl:.2f}), precision {h.precision}"
+            )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["build", "train", "calib"])
+    ap.add_argument("step", choices=["build", "train", "calib", "menu"])
     ap.add_argument("--cache", default="artifacts/states")
     ap.add_argument("--model", default=None, help="default: the built-in SmolLM2-135M-Instruct")
     ap.add_argument("--data", default="/work/shared/data/gsm8k/train.jsonl")
@@ -206,12 +361,16 @@ def main() -> None:
     ap.add_argument("--heads", default=None)
     ap.add_argument("--head-cost", type=float, default=None, help="head cost per exit passed, in decoder layers")
     ap.add_argument("--top-k", type=int, default=64)
+    ap.add_argument("--candidates", default="shortlist", help="menu: the candidate source (the runner's default)")
+    ap.add_argument("--confidence", type=float, default=0.95, help="menu: the fit's confidence")
+    ap.add_argument("--save", default=None, help="menu: torch.save the measurements here")
+    ap.add_argument("--show", type=int, default=5, help="menu: best subsets shown (and all exits)")
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--holdout", type=float, default=0.5)
     ap.add_argument("--eval-report", type=int, default=3000, help="held-out tokens of the training report")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    {"build": build, "train": train, "calib": calib}[a.step](a)
+    {"build": build, "train": train, "calib": calib, "menu": menu}[a.step](a)
 
 
 if __name__ == "__main__":

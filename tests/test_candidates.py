@@ -183,6 +183,36 @@ def test_costs_and_plan_are_in_the_manifest_and_run_follows_the_plan(planned):
     assert cfg.exits == [3] and not cfg.planned
 
 
+def test_costs_keep_every_round_and_time_more_while_the_plan_is_undecided(planned):
+    from eectl.costs import measure_costs
+    from eectl.runtime.generate import replan
+
+    rt = planned["shortlist"]
+    asked: list[int] = []
+
+    def decided(costs) -> bool:  # undecided twice, then decided
+        asked.append(costs.rounds())
+        return len(asked) == 3
+
+    c = measure_costs(rt, past=8, repeats=2, warmup=0, decided=decided, budget_s=3600)
+    assert asked == [2, 4, 6] and c.rounds() == 6 and c.repeats == 6
+    s = c.samples_ms
+    assert s is not None and c.segment_ms[1] == pytest.approx(float(np.median(s["segment_ms.1"])))
+    assert c.chain_step_ms == pytest.approx(float(np.median(s["chain_step_ms"])))
+    assert c.candidates_ms["3"] == pytest.approx(float(np.median(s["candidates_ms.3"])))
+    # one more position: per-round differences (seg2 - seg1 in the same round), never negative
+    assert len(s["segment_extra_ms.0"]) == 6 and min(s["segment_extra_ms.0"]) >= 0.0
+    # out of time budget: one batch of rounds, whatever the plan says
+    assert measure_costs(rt, past=8, repeats=2, warmup=0, decided=lambda _: False, budget_s=0).rounds() == 2
+    # `--profile-costs`: re-measured costs carry their samples, and the plan its intervals
+    fresh = ArtifactRuntime(rt.folder, provider="cpu")
+    replan(fresh, budget_s=0)
+    m = fresh.manifest
+    assert m.costs is not None and m.costs.rounds() >= 2 and m.plan is not None
+    bests = [ch.best for ch in m.plan.choices.values() if ch.best is not None]
+    assert bests and all(b.interval is not None for b in bests)
+
+
 def test_compared_source_is_measured_on_the_same_tokens(llama, gsm8k, calibrations):
     """--compare int8 in a shortlist calibration gives what an int8 calibration on the same data measures."""
     opts = CalibrateOptions(

@@ -14,6 +14,7 @@ from eectl.errors import ArtifactError, UsageError
 from eectl.exits import ExitHead, signals, topk_candidates
 from eectl.export import ExportOptions, export_artifact
 from eectl.models import load_model
+from eectl.runtime.chain import DecodeChain
 from eectl.runtime.generate import RunOptions, resolve_config
 from eectl.runtime.runner import RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime, cuda_usable, resolve_provider
@@ -337,26 +338,35 @@ def test_full_depth_decode_chain_equals_the_general_path(artifacts, family, monk
 
 @pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
 def test_bound_exit_steps_equal_the_general_path(artifacts, family, policy, monkeypatch):
-    """Steps with active exits run the bound chain (decisions inside the exit graphs) unless a segment holds
-    pending positions: same tokens, exit layers, drafts and KV cache as the general path alone, and most steps
-    never enter it."""
+    """Steps with active exits run the bound chain (decisions inside the exit graphs), steps that meet pending
+    positions included (defer's flush, verify's drafts: wide segment calls): same tokens, exit layers, drafts and
+    KV cache as the general path alone, which decodes no step but the prefill and verify's closing passes."""
     loaded, rt = artifacts[family]
     prompt = _prompt(6, 9, loaded.adapter.dims.vocab_size)
     thresholds = _median_thresholds(loaded, prompt, 24)
     runner = _runner(rt, policy, thresholds, new=24)
-    calls = []
+    decode_steps = []  # general-path calls for a one-token step the chain could have taken
     general = Runner._steps
-    monkeypatch.setattr(Runner, "_steps", lambda self, *a, **kw: calls.append(1) or general(self, *a, **kw))
+
+    def counted(self, kv, work, force_full=False):
+        decode_steps.extend(1 for _, ids in work.values() if len(ids) == 1 and not force_full)
+        return general(self, kv, work, force_full)
+
+    monkeypatch.setattr(Runner, "_steps", counted)
+    wide = []
+    wide_call = DecodeChain._wide
+    monkeypatch.setattr(DecodeChain, "_wide", lambda self, s, n: wide.append((s, n)) or wide_call(self, s, n))
     bound = runner.generate([prompt])[0]
     kv_bound = runner.last_kv
-    n_general = len(calls)
+    assert decode_steps == []
+    # defer and verify met pending positions; copy never has any
+    assert (len(wide) > 0) == (policy != "copy") and all(n >= 2 for _, n in wide)
     monkeypatch.setattr(Runner, "_chain", lambda self, kv, rows: None)
     plain = runner.generate([prompt])[0]
     # some tokens exit (verify: are drafted, then kept or rolled back) and some do not
     assert plain.drafted > 0 if policy == "verify" else _mixed(plain.exit_layers), plain.exit_layers
     assert bound.token_ids == plain.token_ids and bound.exit_layers == plain.exit_layers
     assert (bound.drafted, bound.rejected_drafts) == (plain.drafted, plain.rejected_drafts)
-    assert n_general < len(plain.token_ids)  # the prefill, hand-overs and verify's closing pass only
     assert kv_bound is not None and runner.last_kv is not None
     assert (kv_bound.filled == runner.last_kv.filled).all()
     n = int(kv_bound.filled[0].min())  # positions every layer holds

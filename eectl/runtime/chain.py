@@ -7,23 +7,31 @@ device), the KV buffers are bound as in `ArtifactRuntime.run_segment`, and the i
 token id, `seqlens_k`, `total_sequence_length`) are small host arrays written in place. A step is then the graph
 calls and two scalar writes, about what onnxruntime-genai's one-graph decode costs outside its kernels.
 
-Steps with active exits (`step_exits`) run the same chain with each active exit's decision bound after its
-segment: the exit graph reads the segment's output buffer, decides inside the graph (exits.decision_nodes: the
-thresholds bound once as an input) and writes two scalars, whether the token passes and its token; the first
-exit's candidates land in a buffer the later exits' local graphs read. A token that exits stops there; one that
-passes every exit reaches the final head as in `step`. Only the single-position case is bound: a segment that
-holds pending positions (defer's and verify's deferred states) hands the token over to the general path at that
-segment (`Handover`), which then carries them along.
+Steps with active exits (`step_exits`, host buffers: the CPU EP) run the same chain with each active exit's
+decision bound after its segment: the exit graph reads the segment's output buffer, decides inside the graph
+(exits.decision_nodes: the thresholds bound once as an input) and writes two scalars, whether the token passes and
+its token; the first exit's candidates land in a buffer the later exits' local graphs read. A token that exits
+stops there; one that passes every exit reaches the final head as in `step`. A segment that holds pending
+positions (defer's and verify's deferred states, P of them) runs a **wide** call instead: the same segment bound
+for P + 1 positions (bound once per segment and width, on first use), its input the pending states then the
+token's state, its output what the next segment continues from (after that segment's own pending states, where it
+has some); the last position is copied to where the exit after it, or the final head, reads. The step returns the
+wide output at the exit or at the final layer, and which segments it flushed: the policy keeps the first, checks
+drafts in the second (verify) and clears the third, as the general path's hooks do.
 
-What it does not do: sampling, teacher forcing, several positions per call (the prompt), batches of rows, signals
-not decided in the graph (the cosines, full-vocabulary softmax), block exit heads: the runner's general path
-(`Runner._steps`) handles those, and writes the same cache this chain continues.
+    token ─ embed ─ hops[0] ─ seg 0 ─ hops[1] ─ exit? ─ seg 1 ─ ...                    one position per call
+    pending[s] ─┐
+    hops[s] ────┴─ wide[s, P + 1] ─ out [1, P + 1, H] ─(last)→ hops[s + 1] ─ exit?      (and on to s + 1)
+
+What it does not do: sampling, teacher forcing, the prompt, batches of rows, signals not decided in the graph
+(the cosines, full-vocabulary softmax), block exit heads, exit steps on a device (pending states are host arrays):
+the runner's general path (`Runner._steps`) handles those, and writes the same cache this chain continues.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,24 +55,29 @@ class BoundExit:
 @dataclass
 class ExitStep:
     """What a bound step with exits did: the token, and where it was decided (the final layer when no exit took
-    it); for an exit, its segment and the token's state there (a copy [1, 1, H]: the policy keeps it)."""
+    it); for an exit, its segment and the states there (a copy [1, P + 1, H], the pending positions the step
+    carried then the token's: the policy keeps them); at the final layer after a wide call, the final segment's
+    output [1, P + 1, H] (verify checks its drafts there), else None; and the segments whose pending positions the
+    step consumed."""
 
     token: int
     layer: int
     segment: int | None = None
     state: np.ndarray | None = None
     decide_s: float = 0.0
+    flushed: list[int] = field(default_factory=list)
 
 
 @dataclass
-class Handover:
-    """The step reached segment `segment`, which holds pending positions: the general path continues the token
-    from there with its state at that segment's input [1, 1, H] and the candidates the first exit picked."""
+class _Wide:
+    """Segment s bound for n positions: its input x [1, n, H] and output out [1, n, H] (host), lengths set per call."""
 
-    segment: int
-    hidden: np.ndarray
-    candidates: np.ndarray | None
-    decide_s: float = 0.0
+    session: Any
+    io: Any
+    x: np.ndarray
+    out: np.ndarray
+    seqlens_k: np.ndarray
+    total: np.ndarray
 
 
 def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal) -> bool:
@@ -113,23 +126,11 @@ class DecodeChain:
         if "weight" in rt.embedding.io.inputs:
             rt._bind_array(io, rt.embedding.name("weight"), rt.weights["embed"])
         rt._bind_array(io, rt.embedding.name("hidden"), hops[0], output=True)
-        for s, seg in enumerate(m.segments):
-            g = rt.segments[s]
-            io = self._bind(g)
-            lo, hi = seg.layers
-            for j, layer in enumerate(range(lo, hi)):
-                k, v = kv.keys[row][layer], kv.values[row][layer]
-                rt._bind_array(io, g.names("past_key")[j], k)
-                rt._bind_array(io, g.names("past_value")[j], v)
-                rt._bind_array(io, g.names("present_key")[j], k, output=True)
-                rt._bind_array(io, g.names("present_value")[j], v, output=True)
-            rt._bind_array(io, g.name("seqlens_k"), self.seqlens_k)
-            rt._bind_array(io, g.name("total_sequence_length"), self.total)
-            rt._bind_array(io, g.name("hidden"), hops[s])
-            rt._bind_array(io, g.name("hidden_out"), hops[s + 1], output=True)
-            # outputs nobody reads this step (the last layer's input for the cosine signal): a scratch buffer
-            rt._bind_array(io, g.name("layer_input"), self._buffer((1, 1, H), dtype), output=True)
+        for s in range(len(m.segments)):
+            io = self._bind(rt.segments[s])
+            self._bind_segment(io, s, hops[s], hops[s + 1], self.seqlens_k, self.total)
         self.segment_calls = self.calls[1:]  # (session, io) of segment s at index s
+        self.wide: dict[tuple[int, int], _Wide] = {}  # (segment, positions) -> its wide call, bound on first use
         self.exits: dict[int, BoundExit] = {}  # segment -> the active exit after it
         self.candidates: Any = None  # [1, K]: the first active exit's candidates, which the later ones score
         for layer in sorted(exits or {}):
@@ -146,6 +147,36 @@ class DecodeChain:
         rt._bind_array(io, final.name("logits"), self._buffer((1, V), dtype), output=True)
         rt._bind_array(io, final.name("candidates"), self._buffer((1, 1), np.int64), output=True)
         rt._bind_array(io, final.name("candidate_logits"), self._buffer((1, 1), dtype), output=True)
+
+    def _bind_segment(self, io: Any, s: int, x: Any, out: Any, seqlens_k: np.ndarray, total: np.ndarray) -> None:
+        """Bind segment s: the row's KV buffers as past and present (written in place), input x, output out
+        [1, n, H], the length scalars."""
+        rt, g = self.rt, self.rt.segments[s]
+        lo, hi = rt.manifest.segments[s].layers
+        for j, layer in enumerate(range(lo, hi)):
+            k, v = self.kv.keys[self.row][layer], self.kv.values[self.row][layer]
+            rt._bind_array(io, g.names("past_key")[j], k)
+            rt._bind_array(io, g.names("past_value")[j], v)
+            rt._bind_array(io, g.names("present_key")[j], k, output=True)
+            rt._bind_array(io, g.names("present_value")[j], v, output=True)
+        rt._bind_array(io, g.name("seqlens_k"), seqlens_k)
+        rt._bind_array(io, g.name("total_sequence_length"), total)
+        rt._bind_array(io, g.name("hidden"), x)
+        rt._bind_array(io, g.name("hidden_out"), out, output=True)
+        # outputs nobody reads this step (the last layer's input for the cosine signal): a scratch buffer
+        rt._bind_array(io, g.name("layer_input"), self._buffer(tuple(out.shape), self.rt.np_dtype), output=True)
+
+    def _wide(self, s: int, n: int) -> _Wide:
+        """Segment s bound for n positions (host buffers), on first use."""
+        if (s, n) not in self.wide:
+            H, dtype = self.rt.manifest.dims["hidden_size"], self.rt.np_dtype
+            x, out = self._host(np.zeros((1, n, H), dtype)), self._host(np.zeros((1, n, H), dtype))
+            seqlens_k, total = self._host(np.zeros(1, np.int32)), self._host(np.zeros((), np.int32))
+            g = self.rt.segments[s]
+            io = g.session.io_binding()
+            self._bind_segment(io, s, x, out, seqlens_k, total)
+            self.wide[(s, n)] = _Wide(g.session, io, x, out, seqlens_k, total)
+        return self.wide[(s, n)]
 
     def _bind_exit(
         self, layer: int, hops: list[Any], signal: Signal, thresholds: dict[str, float], k: int
@@ -225,25 +256,43 @@ class DecodeChain:
         kv.filled[row, :L] = total
         return int(self.token[0])
 
-    def step_exits(self, token: int, may_exit: bool, pending: list[bool]) -> ExitStep | Handover:
+    def step_exits(self, token: int, may_exit: bool, pending: list[np.ndarray | None]) -> ExitStep:
         """Feed `token` at the row's next position, testing the active exits (when `may_exit`) after their segments.
 
-        `pending[s]`: segment s holds deferred positions; the step hands over to the general path there. Every
-        segment this step runs holds the row's whole past (a segment without pending positions is up to date)."""
+        `pending[s]`: the states [1, P, H] waiting at segment s's input (the policy's; read, not changed), or None.
+        A segment with pending states, and every segment after one, runs wide (the module docstring)."""
+        if self.rt.device != "cpu":
+            raise UsageError("exit steps on the bound chain need host buffers (the CPU EP)")
         kv, row, rt = self.kv, self.row, self.rt
         past = int(kv.filled[row, 0])
         total = self._feed(token, past)
         session, io = self.calls[0]
         session.run_with_iobinding(io)  # embed
         decide = 0.0
+        flow: np.ndarray | None = None  # the last wide call's output [1, n, H]: what the next segment continues
+        flushed: list[int] = []
         for s, (session, io) in enumerate(self.segment_calls):
-            if pending[s]:
-                cand = None if self.candidates is None or not may_exit else self._host_copy(self.candidates)
-                return Handover(s, self._host_copy(self.hops[s]), cand, decide)
             lo, hi = rt.manifest.segments[s].layers
-            if (kv.filled[row, lo:hi] != past).any():
-                raise RuntimeError(f"layers {lo}..{hi - 1} of row {row} hold {kv.filled[row, lo:hi]}, not {past}")
-            session.run_with_iobinding(io)
+            pend = pending[s]
+            if pend is None and flow is None:
+                parts = []  # one position: the chain's own call
+            else:  # wide: the positions waiting here, then what arrives (the token's state, or the last wide output)
+                parts = ([] if pend is None else [pend]) + [self.hops[s] if flow is None else flow]
+            n = sum(p.shape[1] for p in parts) if parts else 1  # positions this call appends
+            held = kv.filled[row, lo:hi]
+            if (held != total - n).any():
+                raise RuntimeError(f"layers {lo}..{hi - 1} of row {row} hold {held}: {n} positions arrive, to {total}")
+            if not parts:
+                session.run_with_iobinding(io)
+            else:
+                wide = self._wide(s, n)
+                np.concatenate(parts, axis=1, out=wide.x)
+                wide.seqlens_k[0], wide.total[()] = total - 1, total
+                wide.session.run_with_iobinding(wide.io)
+                flow = wide.out
+                self.hops[s + 1][...] = flow[:, -1:]  # the token's state, where the exit and the next call read it
+                if pend is not None:
+                    flushed.append(s)
             kv.filled[row, lo:hi] = total
             ex = self.exits.get(s) if may_exit else None
             if ex is None:
@@ -253,12 +302,9 @@ class DecodeChain:
             passed = bool(ex.passed[0])
             decide += time.perf_counter() - t0
             if passed:
-                return ExitStep(int(ex.token[0]), ex.layer, s, self._host_copy(self.hops[s + 1]), decide)
+                state = (self.hops[s + 1] if flow is None else flow).copy()
+                return ExitStep(int(ex.token[0]), ex.layer, s, state, decide, flushed)
         session, io = self.calls[-1]
         session.run_with_iobinding(io)  # the final head's in-graph argmax
-        return ExitStep(int(self.token[0]), rt.manifest.num_layers, decide_s=decide)
-
-    @staticmethod
-    def _host_copy(buf: Any) -> np.ndarray:
-        """A host copy of a bound buffer (the next step overwrites it)."""
-        return buf.copy() if isinstance(buf, np.ndarray) else buf.numpy()
+        final = None if flow is None else flow.copy()
+        return ExitStep(int(self.token[0]), rt.manifest.num_layers, None, final, decide, flushed)

@@ -138,14 +138,15 @@ def _from_plan(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...],
     if not choice.exits:
         best = choice.best
         if best is not None:
-            tail = f" (best: exits {best.exits}, {best.speedup:.3f}x)"
+            tail = f" (best: exits {best.exits}, {best.describe()})"
         else:
             tail = " (no calibrated exit subset qualifies for it)"
-        note = f"plan: {policy} is not predicted >= {1 + plan.min_gain:.2f}x full depth{tail}; running at full depth"
+        note = f"plan: no {policy} configuration has {plan.line()}{tail}; running at full depth"
         return _config(rt, opts, stop_ids, signal, policy, [], {}, note, planned=True)
     thresholds = {int(k): dict(v) for k, v in choice.thresholds.items()}
-    note = f"plan: {policy} at exits {choice.exits}, predicted {choice.prediction.speedup:.2f}x full depth" + (
-        "" if opts.policy else " (the default)"
+    note = (
+        f"plan: {policy} at exits {choice.exits}, predicted {choice.prediction.describe()} full depth "
+        f"({plan.level:.0%} interval)" + ("" if opts.policy else " (the default)")
     )
     return _config(rt, opts, stop_ids, signal, policy, list(choice.exits), thresholds, note, planned=True)
 
@@ -230,13 +231,20 @@ def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
     return None
 
 
-def replan(rt: ArtifactRuntime) -> None:
-    """Re-measure the artifact's graph costs on this machine and re-choose the exits (in memory, for this run)."""
-    from eectl.costs import measure_costs
+def replan(rt: ArtifactRuntime, budget_s: float | None = None) -> None:
+    """Re-measure the artifact's graph costs on this machine and re-choose the exits (in memory, for this run):
+    timing more rounds while a policy's choice is undecided (its best option's interval straddles the plan's line),
+    for at most `budget_s` seconds (costs.RETIME_BUDGET_S)."""
+    from eectl.costs import RETIME_BUDGET_S, measure_costs
     from eectl.plan import plan_manifest
 
     m = rt.manifest
-    m.costs = measure_costs(rt, signal=m.calibration.signal if m.calibration is not None else DEFAULT_SIGNAL)
+    m.costs = measure_costs(
+        rt,
+        signal=m.calibration.signal if m.calibration is not None else DEFAULT_SIGNAL,
+        decided=lambda costs: not plan_manifest(m, costs).undecided(),
+        budget_s=RETIME_BUDGET_S if budget_s is None else budget_s,
+    )
     m.plan = plan_manifest(m, m.costs)
 
 

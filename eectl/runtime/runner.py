@@ -44,7 +44,7 @@ from eectl.recipe import check_exit_layers
 from eectl.runtime import resident
 from eectl.runtime.batch import BatchKV, join_rows, new_batch_kv, prefill_runs, run_prefill, run_rows
 from eectl.runtime.blocks import active_block, run_block, run_block_rows
-from eectl.runtime.chain import DecodeChain, Handover, chain_exits_supported
+from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.device_ops import concat, stack
 from eectl.runtime.policies import Defer, KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
@@ -268,14 +268,11 @@ class Runner:
         kv: KVBuffers,
         work: dict[int, tuple[RowState, list[int]]],
         force_full: bool = False,
-        resume: dict[int, Handover] | None = None,
     ) -> dict[int, int]:
         """One step for several rows at once: each row's `_row_step` runs until it asks for a graph call; the
         calls are gathered, so a segment runs once for all rows that reach it with one position (batched, with
-        per-row lengths; runtime/batch.py) and the final head once for all rows that reach it. `resume`: rows whose
-        step the bound chain began (runtime/chain.py), continued from the segment where it handed over."""
-        resume = resume or {}
-        gens = {r: self._row_step(r, st, kv, ids, force_full, resume.get(r)) for r, (st, ids) in work.items()}
+        per-row lengths; runtime/batch.py) and the final head once for all rows that reach it."""
+        gens = {r: self._row_step(r, st, kv, ids, force_full) for r, (st, ids) in work.items()}
         asks = {r: next(g) for r, g in gens.items()}
         tokens: dict[int, int] = {}
         while asks:
@@ -375,7 +372,6 @@ class Runner:
         kv: KVBuffers,
         chunk_ids: list[int],
         force_full: bool = False,
-        resume: Handover | None = None,
     ) -> Generator[tuple[str, int, Any], Any, int]:
         """Process chunk_ids (the prompt, or the last token) and decide the next token; returns it.
 
@@ -384,17 +380,13 @@ class Runner:
         (token or None, candidates); ("greedy", L, h [1, H]) -> token; ("final", L, h [1, H]) -> logits [1, V]);
         `_steps` answers them. Under verify,
         a final-depth pass may roll back wrong drafts: then st.tokens is shorter afterwards and the returned token
-        is the full model's token at the first wrong position. With `resume`, the bound chain ran the segments
-        before `resume.segment` (and their exits): the step continues from there.
+        is the full model's token at the first wrong position.
         """
         m = self.m
-        if resume is None:
-            h, cands, start = self.rt.embed(np.array([chunk_ids], dtype=np.int64)), None, 0
-        else:
-            h, cands, start = resume.hidden, resume.candidates, resume.segment
-        # cands: this token's candidates, once the first exit picked them
+        h = self.rt.embed(np.array([chunk_ids], dtype=np.int64))
+        cands: Any = None  # this token's candidates, once the first exit picked them
         may_exit = len(chunk_ids) == 1 and not force_full and self.policy.may_exit(st)
-        for s in range(start, len(m.segments)):
+        for s in range(len(m.segments)):
             x = self.policy.before_segment(st, s, h)
             layer = self.exit_after_segment.get(s)
             # signals that read the segment's block boundaries (cosine-min) ask for them at the exits they test
@@ -589,28 +581,37 @@ class Runner:
             self.cfg.policy not in BOUND_POLICIES
             or not chain_exits_supported(self.rt, self.exits, self.signal)
             or self._resident_wanted()  # the binding plan's executor keeps exit steps device-resident (#15)
+            or self.rt.device != "cpu"  # exit steps hand pending states (host arrays) to wide calls
         ):
             return None
         thresholds = {e: self.cfg.thresholds[e] for e in self.exits}
         return DecodeChain(self.rt, kv, 0, thresholds, self.signal, self.cfg.top_k)
 
     def _chain_step(self, chain: DecodeChain, st: RowState, kv: KVBuffers) -> int:
-        """One decode step of row 0 on the bound chain; the policy's hooks as `_row_step` calls them. A step that
-        meets pending positions (defer's flush, verify's check) continues on the general path."""
+        """One decode step of row 0 on the bound chain; the policy's hooks as `_row_step` calls them: the pending
+        states the step carried along (defer's flush, verify's drafts: its wide calls) are the policy's no more,
+        an exited token's states go to `on_exit`, and the final segment's wide output to `on_final` (verify's
+        check, which may roll back and return the full model's token)."""
         token = st.tokens[-1]
         if not self.exits:
             st.exit_layers.append(self.L)
             return chain.step(token)
-        done = chain.step_exits(token, self.policy.may_exit(st), [p is not None for p in st.pending])
+        done = chain.step_exits(token, self.policy.may_exit(st), st.pending)
         st.decide_s += done.decide_s
-        if isinstance(done, Handover):
-            return self._steps(kv, {0: (st, [token])}, resume={0: done})[0]
-        st.exit_layers.append(done.layer)
+        for s in done.flushed:
+            st.pending[s] = None
         if done.segment is not None:
             assert done.state is not None
+            st.exit_layers.append(done.layer)
             self.policy.on_exit(0, st, kv, done.segment, done.state, done.token)
+            return done.token
+        if done.state is not None:  # the final segment ran wide: the positions it carried, then this token's
+            corrected = self.policy.on_final(0, st, kv, done.state)
+            if corrected is not None:
+                return corrected
         else:  # reached the final layer with nothing pending: no draft to check (drafts are pending states)
             assert not st.drafts
+        st.exit_layers.append(self.L)
         return done.token
 
     def _device_step(self) -> Any:

@@ -1,0 +1,52 @@
+"""Does the plan's choice hold from one cost measurement to the next? Re-measures an artifact's costs and re-plans
+(`eectl run --profile-costs`'s `replan`) several times in one process, and prints per run: the plan's line, the
+rounds timed, the seconds it took, and what the point-estimate rule (before #11's intervals) would have chosen.
+
+    /work/wt/measure timeout 900 python benchmarks/plan_stability.py ARTIFACT --runs 4 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from eectl.plan import MIN_GAIN
+from eectl.runtime.generate import replan
+from eectl.runtime.sessions import ArtifactRuntime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("artifact")
+    ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--budget-s", type=float, default=None, help="re-timing budget (default: the runner's)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rt = ArtifactRuntime(args.artifact, provider="cpu", threads=args.threads)
+    for run in range(args.runs):
+        t0 = time.perf_counter()
+        replan(rt, args.budget_s)
+        took = time.perf_counter() - t0
+        m = rt.manifest
+        assert m.plan is not None and m.costs is not None
+        bests = {p: c.best for p, c in m.plan.choices.items() if c.best is not None and p != "copy"}
+        top = max(bests.values(), key=lambda b: b.speedup, default=None)
+        point = "full" if top is None or top.speedup < 1 + MIN_GAIN else f"{top.policy} {top.exits}"
+        doc = {
+            "run": run,
+            "plan": m.plan.summary(),
+            "rounds": m.costs.rounds(),
+            "seconds": round(took, 1),
+            "chain_step_ms": round(m.costs.baseline_ms(), 2),
+            "point_rule_would_run": point,
+            "best": {p: [b.exits, round(b.speedup, 4), b.interval] for p, b in bests.items()},
+        }
+        print(json.dumps(doc), flush=True)
+
+
+if __name__ == "__main__":
+    main()
