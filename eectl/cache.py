@@ -110,6 +110,11 @@ def model_identity(source: Any) -> dict[str, object]:
     return ident
 
 
+# Bumped when calibrate's choice of measured tokens changes for the same settings (2: generation takes the data's
+# prompts in order, whatever --gen-batch), so a cached calibration of the old sample is not reused.
+CALIBRATE_SAMPLE = 2
+
+
 class PipelineCache:
     """The main job's stage outputs, reused when the model, data and the recipe's settings for a stage (and the
     outputs it consumes, by hash) are unchanged. Heads and calibration files are stored in the cache; an exported
@@ -146,7 +151,17 @@ class PipelineCache:
             return digest({**self.base, "stage": stage, "heads": r.heads.model_dump()})
         if stage == "calibrate":
             heads = sha256_file(p.heads)
-            return digest({**self.base, "stage": stage, "heads": heads, "signal": r.signal, "tokens": r.data.tokens})
+            sample = CALIBRATE_SAMPLE
+            return digest(
+                {
+                    **self.base,
+                    "stage": stage,
+                    "heads": heads,
+                    "signal": r.signal,
+                    "tokens": r.data.tokens,
+                    "sample": sample,
+                }
+            )
         if stage == "export":
             parts = {"heads": sha256_file(p.heads), "calibration": sha256_file(p.calibration)}
             return digest({**self.base, "stage": stage, **parts})
