@@ -110,43 +110,55 @@ def train(a: argparse.Namespace) -> None:
 
 
 @torch.no_grad()
+def _heads(a: argparse.Namespace, loaded) -> tuple[list[int], dict, str, float]:
+    """--heads (or the logit lens at --layers): exits, heads by layer, design, cost per exit passed in layers."""
+    from eectl.head_designs import load_heads
+    from eectl.heads_cached import design_cost
+
+    if not a.heads:
+        return [int(x) for x in a.layers.split(",")], {}, "logit lens", 0.0
+    hs = load_heads(a.heads, loaded)
+    cost = design_cost(loaded.adapter, hs.meta.design, hs.meta.rank)["layers"]
+    if a.head_cost is not None:  # e.g. the exported head's measured cost (`eectl export`: block_heads)
+        cost = a.head_cost
+    return hs.exits, hs.heads, hs.meta.design, cost
+
+
+def _exit_states(seq, exits: list[int], heads: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A cached sequence's measured positions and each exit's state there, through its head (a sequence head, the
+    block, runs over the whole sequence)."""
+    idx = torch.nonzero(seq.measured).flatten()
+    mapped = []
+    for layer in exits:
+        h = seq.states[layer].float()
+        head = heads.get(layer)
+        if head is None:
+            mapped.append(h[idx])
+        elif getattr(head, "sequence", False):
+            mapped.append(head(h)[idx])
+        else:
+            mapped.append(head(h[idx]))
+    return idx, mapped
+
+
 def calib(a: argparse.Namespace) -> None:
     """Calibrate's sequential thresholds (topk-prob, K = 64) through the heads on the cache's held-out split: fitted on
     its first half of sequences (per source), replayed on the second; mean executed layers counting head cost."""
     from eectl.calibrate_fit import fit
     from eectl.calibrate_measure import SOURCES, ExitScorer, Measurements
     from eectl.head_data import open_cache
-    from eectl.head_designs import load_heads
-    from eectl.heads_cached import design_cost
     from eectl.models import load_model
     from eectl.thresholds import assign_exits
 
     loaded = load_model(a.model)
     adapter = loaded.adapter
     cache = open_cache(Path(a.cache))
-    if a.heads:
-        hs = load_heads(a.heads, loaded)
-        exits, heads, design = hs.exits, hs.heads, hs.meta.design
-        cost = design_cost(adapter, design, hs.meta.rank)["layers"]
-        if a.head_cost is not None:  # e.g. the exported head's measured cost (`eectl export`: block_heads)
-            cost = a.head_cost
-    else:
-        exits, heads, design, cost = [int(x) for x in a.layers.split(",")], {}, "logit lens", 0.0
+    exits, heads, design, cost = _heads(a, loaded)
     scorer = ExitScorer(adapter, exits, "topk-prob", a.top_k, None)
     parts = []
     for u, entry in enumerate(cache.split("held")):
         seq = cache.load(entry)
-        idx = torch.nonzero(seq.measured).flatten()
-        mapped = []
-        for layer in exits:
-            h = seq.states[layer].float()
-            head = heads.get(layer)
-            if head is None:
-                mapped.append(h[idx])
-            elif getattr(head, "sequence", False):
-                mapped.append(head(h)[idx])
-            else:
-                mapped.append(head(h[idx]))
+        idx, mapped = _exit_states(seq, exits, heads)
         values, correct, _ = scorer.score(mapped, None, seq.final[idx].float())
         src = SOURCES.index("teacher-forced" if entry.source == "text" else "generated")
         n = idx.numel()
@@ -197,23 +209,16 @@ def menu(a: argparse.Namespace) -> None:
     from itertools import combinations
 
     from eectl.calibrate_fit import evaluate
-    from eectl.calibrate_measure import SOURCES, ExitScorer, Measurements
+    from eectl.calibrate_measure import SOURCES, ExitScorer, Measurements, heldout_units
     from eectl.exits import frequency_shortlist, make_source
     from eectl.head_data import open_cache
-    from eectl.head_designs import load_heads
-    from eectl.heads_cached import design_cost
     from eectl.models import load_model
     from eectl.thresholds import assign_exits, fit_thresholds
 
     loaded = load_model(a.model)
     adapter = loaded.adapter
     cache = open_cache(Path(a.cache))
-    if a.heads:
-        hs = load_heads(a.heads, loaded)
-        exits, heads, design = hs.exits, hs.heads, hs.meta.design
-        cost = design_cost(adapter, design, hs.meta.rank)["layers"] if a.head_cost is None else a.head_cost
-    else:
-        exits, heads, design, cost = [int(x) for x in a.layers.split(",")], {}, "logit lens", 0.0
+    exits, heads, design, cost = _heads(a, loaded)
     entries = list(cache.split("held"))
     src_of = [SOURCES.index("teacher-forced" if e.source == "text" else "generated") for e in entries]
     unit_of = []
@@ -222,11 +227,10 @@ def menu(a: argparse.Namespace) -> None:
         unit_of.append(counters[s_])
         counters[s_] += 1
     # the fit half's tokens rank the shortlist (calibrate ranks it on its calibration split)
+    held_units = [set(heldout_units(torch.arange(c), a.holdout).tolist()) for c in counters]
     fit_ids = []
     for u, entry in enumerate(entries):
-        if unit_of[u] < counters[src_of[u]] - min(
-            counters[src_of[u]] - 1, max(1, round(a.holdout * counters[src_of[u]]))
-        ):
+        if unit_of[u] not in held_units[src_of[u]]:
             seq = cache.load(entry)
             fit_ids.append(seq.ids[1:][seq.measured[:-1]])
     shortlist = None
@@ -239,17 +243,7 @@ def menu(a: argparse.Namespace) -> None:
     with torch.no_grad():
         for u, entry in enumerate(entries):
             seq = cache.load(entry)
-            idx = torch.nonzero(seq.measured).flatten()
-            mapped = []
-            for layer in exits:
-                h = seq.states[layer].float()
-                head = heads.get(layer)
-                if head is None:
-                    mapped.append(h[idx])
-                elif getattr(head, "sequence", False):
-                    mapped.append(head(h)[idx])
-                else:
-                    mapped.append(head(h[idx]))
+            idx, mapped = _exit_states(seq, exits, heads)
             values, correct, _, pv, pc = scorer.score_pairs(mapped, None, seq.final[idx].float())
             n = idx.numel()
             parts.append(
