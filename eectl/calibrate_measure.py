@@ -29,6 +29,7 @@ from eectl.exits import (
     TorchExitLogits,
     get_signal,
     make_source,
+    no_probe_error,
 )
 from eectl.models.adapters import Adapter, Capture, KVCache
 
@@ -138,6 +139,8 @@ class ExitScorer:
         }
         token_heads = {layer: h for layer, h in (heads or {}).items() if layer not in self.sequence_heads}
         self.heads = {layer: ExitHead(adapter, token_heads.get(layer)).eval() for layer in self.exits}
+        if self.signal.needs_probe and (lacking := [e for e in self.exits if self.heads[e].probe is None]):
+            raise no_probe_error(lacking)
         self.source = source or make_source("first-exit-topk", adapter.lm_head.weight)
 
     @property

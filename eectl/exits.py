@@ -58,6 +58,61 @@ DEFAULT_TOP_K = 64
 Array = Any
 
 
+@dataclass
+class Probe:
+    """The `learned` signal's exit test at one exit: a logistic regression's logit (monotone in its probability, so
+    no sigmoid), fitted by eectl.probe on the head's training tokens to predict "the exit's top-1 is the final
+    layer's":
+
+        score = weight . z + w_prob * prob + w_margin * margin + bias
+
+    z [H] the exit's normed state (the final norm's output: the vector the exit multiplies with the LM-head rows),
+    prob and margin the local softmax's (`signals` over the K candidates). The features' standardisation is folded
+    into the weights when fitted. Cost: H + 2 multiply-adds per token, nothing beside the K LM-head rows."""
+
+    weight: np.ndarray  # [H] float32
+    w_prob: float
+    w_margin: float
+    bias: float
+
+    def score(self, z: Any, prob: Any, margin: Any) -> Any:
+        """[N, H], [N], [N] -> [N] float32 (tensors in, a tensor out; arrays in, an array out). The one formula:
+        numpy's, as `signals` (the runner decides one token at a time; calibrate's tensors go through it too)."""
+        if isinstance(z, torch.Tensor):
+            out = self.score(z.detach().float().numpy(), np.asarray(prob), np.asarray(margin))
+            return torch.from_numpy(out)
+        zz = np.asarray(z, dtype=np.float32)
+        f32 = np.float32
+        lin = zz @ self.weight.astype(np.float32, copy=False)
+        return (lin + f32(self.w_prob) * np.asarray(prob, f32) + f32(self.w_margin) * np.asarray(margin, f32)) + f32(
+            self.bias
+        )
+
+    def coef(self) -> np.ndarray:
+        """[3] float32: (w_prob, w_margin, bias), as the heads file stores them beside `weight`."""
+        return np.array([self.w_prob, self.w_margin, self.bias], np.float32)
+
+    @classmethod
+    def of(cls, weight: Any, coef: Any) -> Probe:
+        w = np.asarray(weight, np.float32).reshape(-1)
+        c = np.asarray(coef, np.float32).reshape(-1)
+        return cls(w, float(c[0]), float(c[1]), float(c[2]))
+
+
+# The probe travels with its head module (it was fitted on that head's outputs): every place that gets a heads dict
+# (calibrate, export, validation) gets the probes with it. A plain attribute, not a submodule: the head's state dict
+# (its tensors in the heads file) stays exactly as before.
+PROBE_ATTR = "exit_probe"
+
+
+def probe_of(head: nn.Module | None) -> Probe | None:
+    return None if head is None else getattr(head, PROBE_ATTR, None)
+
+
+def attach_probe(head: nn.Module, probe: Probe | None) -> None:
+    object.__setattr__(head, PROBE_ATTR, probe)
+
+
 class ExitHead(nn.Module):
     """Optional trained head + the frozen final norm and LM head of the base model."""
 
@@ -69,6 +124,7 @@ class ExitHead(nn.Module):
         bias = getattr(adapter.lm_head, "bias", None)
         self.lm_head_bias = bias
         self.softcap = getattr(adapter.config, "final_logit_softcapping", None)
+        self.probe = probe_of(head)  # the learned exit test fitted on this head's outputs (None: none fitted)
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden if self.head is None else self.head(hidden)
@@ -177,6 +233,11 @@ class ExitLogits(Protocol):
         """A candidate source's K candidates and their exact logits [N, K] (its torch code, or its exit graph)."""
         ...
 
+    def probe_score(self, layer: int, hidden: Array, prob: Array, margin: Array) -> Array:
+        """[N] the exit's probe score (`Probe.score`) for the rows whose local logits this backend just computed at
+        `layer` (prob, margin: their softmax's)."""
+        ...
+
 
 class TorchExitLogits:
     """ExitLogits from ExitHead modules (exit layer -> head). The last full projection is kept, so a caller that
@@ -205,6 +266,23 @@ class TorchExitLogits:
         self, source: CandidateSource, layer: int, hidden: torch.Tensor, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return source.torch_pick(self.heads[layer], hidden, k)
+
+    def probe_score(self, layer: int, hidden: torch.Tensor, prob: Any, margin: Any) -> torch.Tensor:
+        head = self.heads[layer]
+        if head.probe is None:
+            raise no_probe_error([layer])
+        with torch.no_grad():
+            return head.probe.score(head.normed(hidden), prob, margin)
+
+
+def no_probe_error(layers: list[int]) -> UsageError:
+    """The one message for `--signal learned` without probes (heads files written before probes, or no heads)."""
+    return UsageError(
+        f"--signal learned needs exit probes, and exit{'s' if len(layers) > 1 else ''} "
+        f"{', '.join(map(str, layers))} ha{'ve' if len(layers) > 1 else 's'} none",
+        hint="fit them onto the heads: eectl train-heads --probe-only --heads FILE --cache DIR "
+        "(and calibrate/export with those heads)",
+    )
 
 
 class CandidateSource:
@@ -438,6 +516,7 @@ class Signal:
     needs_blocks: bool = False  # reads ExitState.blocks (segment graphs output them as `layer_states`)
     torch_math: bool = False  # measures with torch ops (the runner runs them on one torch thread beside ORT's pool)
     in_graph: bool = False  # its test is `decision_nodes` over the local logits (the exit graphs decide it)
+    needs_probe: bool = False  # reads the exit's Probe (heads fitted with probes; exit graphs with a `score` output)
 
     def __init__(self, name: str, criteria: tuple[str, ...]) -> None:
         self.name, self.criteria = name, criteria
@@ -456,12 +535,17 @@ class Signal:
 # The runner's bound path (runtime/chain.py) reads two scalars per decision, whether the token passes and its
 # candidate token, instead of K logits and numpy math. The nodes are `signals` + `passes` op for op: float32 logits,
 # m = max, e = exp(z - m), prob = 1 / sum(e), margin = prob - exp(z2 - m) / sum(e) (z2 the second largest logit),
-# pass = prob >= t_prob and margin >= t_margin; the token is the first argmax, as numpy's. The thresholds are one
-# graph input [2] in `GRAPH_CRITERIA` order; a criterion the signal does not test gets -inf (always met). Summation
-# order and exp may differ from numpy's by float32 rounding: values agree within ~1e-6 (tests), so a decision can
-# differ only for a value within that of its threshold.
+# pass = prob >= t_prob and margin >= t_margin; the token is the first argmax, as numpy's. With a probe (the `learned`
+# signal), a third value: score = z @ weight + w_prob * prob + w_margin * margin + bias (`Probe.score`, op for op; z
+# the graph's normed state, the weights constants of the graph). The thresholds are one graph input [2], or [3] in a
+# graph with a probe, in `GRAPH_CRITERIA` order; a criterion the signal does not test gets -inf (always met). An
+# exit graph without a probe is exactly what it was before probes (its thresholds [2]), so artifacts exported before
+# run as they did: the runner reads the declared length (`graph_thresholds`). Summation order and exp may differ
+# from numpy's by float32 rounding: values agree within ~1e-6 (tests), so a decision can differ only for a value
+# within that of its threshold.
 
-GRAPH_CRITERIA = ("prob", "margin")
+GRAPH_CRITERIA = ("prob", "margin", "score")
+SOFTMAX_CRITERIA = 2  # the thresholds' length in a graph without a probe (every artifact exported before probes)
 
 
 class OpBuilder(Protocol):
@@ -474,21 +558,32 @@ class OpBuilder(Protocol):
     def fresh(self, base: str) -> str: ...
 
 
-def graph_thresholds(signal: Signal, thresholds: dict[str, float]) -> np.ndarray:
-    """The thresholds input [2] float32 of an exit graph's decision for `signal`'s criteria."""
-    return np.array(
-        [thresholds[c] if c in signal.criteria else -np.inf for c in GRAPH_CRITERIA],
-        dtype=np.float32,
-    )
+def graph_thresholds(signal: Signal, thresholds: dict[str, float], size: int = len(GRAPH_CRITERIA)) -> np.ndarray:
+    """The thresholds input [size] float32 of an exit graph's decision for `signal`'s criteria (`size`: the length
+    the graph declares, 2 without a probe, 3 with one)."""
+    names = GRAPH_CRITERIA[:size]
+    missing = [c for c in signal.criteria if c not in names]
+    if missing:
+        raise UsageError(
+            f"this artifact's exit graphs do not compute the {missing[0]} criterion of --signal {signal.name}",
+            hint="export it with heads that carry probes (eectl train-heads --probe-only)",
+        )
+    return np.array([thresholds[c] if c in signal.criteria else -np.inf for c in names], dtype=np.float32)
 
 
-def decision_nodes(b: OpBuilder, logits: str, ids: str | None, thresholds: str) -> tuple[str, str]:
+def decision_nodes(
+    b: OpBuilder, logits: str, ids: str | None, thresholds: str, probe: tuple[str, Probe] | None = None
+) -> tuple[str, str, str | None]:
     """Append the softmax decision over `logits` [N, K] (vocabulary ids [N, K], or None: logits over the whole
-    vocabulary) with `thresholds` [2] float32; returns (passed [N] bool, token [N] int64)."""
+    vocabulary) with `thresholds` [2] float32 ([3] with `probe`: (the normed state [N, H], its Probe)); returns
+    (passed [N] bool, token [N] int64, the probe's score [N] float32 or None)."""
     from onnx import TensorProto
 
     def ints(name: str, *v: int) -> str:
         return b.const(b.fresh(name), np.array(v, np.int64), False)
+
+    def f32(name: str, v: Any) -> str:
+        return b.const(b.fresh(name), np.asarray(v, np.float32), False)
 
     last = ints("last_axis", -1)
     z = b.op("Cast", [logits], to=TensorProto.FLOAT)
@@ -501,11 +596,20 @@ def decision_nodes(b: OpBuilder, logits: str, ids: str | None, thresholds: str) 
     minus_inf = b.op("Add", [m, b.const(b.fresh("minus_inf"), np.array([-np.inf], np.float32), False)])
     second = b.op("ReduceMax", [b.op("ScatterElements", [z, idx, minus_inf], axis=1), last], keepdims=1)
     margin = b.op("Sub", [prob, b.op("Div", [b.op("Exp", [b.op("Sub", [second, m])]), total])])
-    values = b.op("Concat", [prob, margin], axis=-1)  # [N, 2], GRAPH_CRITERIA order
+    columns = [prob, margin]
+    score = None
+    if probe is not None:  # Probe.score: z @ weight + w_prob * prob + w_margin * margin + bias, [N, 1]
+        state, p = probe
+        lin = b.op("MatMul", [b.op("Cast", [state], to=TensorProto.FLOAT), f32("probe_weight", p.weight[:, None])])
+        score = b.op("Add", [lin, b.op("Mul", [prob, f32("probe_w_prob", [p.w_prob])])])
+        score = b.op("Add", [score, b.op("Mul", [margin, f32("probe_w_margin", [p.w_margin])])])
+        score = b.op("Add", [score, f32("probe_bias", [p.bias])])
+        columns.append(score)
+    values = b.op("Concat", columns, axis=-1)  # [N, 2 or 3], GRAPH_CRITERIA order
     met = b.op("Cast", [b.op("Not", [b.op("Less", [values, thresholds])])], to=TensorProto.INT32)  # value >= t
     passed = b.op("Cast", [b.op("ReduceMin", [met, last], keepdims=0)], to=TensorProto.BOOL)  # [N]: every criterion
     token = idx if ids is None else b.op("GatherElements", [ids, idx], axis=1)
-    return passed, b.op("Squeeze", [token, last])
+    return passed, b.op("Squeeze", [token, last]), None if score is None else b.op("Squeeze", [score, last])
 
 
 class LocalSoftmax(Signal):
@@ -520,6 +624,23 @@ class LocalSoftmax(Signal):
         s = signals(logits, ids)
         pred = Prediction(logits, ids, s.token)
         return ExitScore({c: getattr(s, c) for c in self.criteria}, lambda: pred, pred)
+
+
+class LearnedScore(Signal):
+    """The exit's probe (`Probe`, fitted by `eectl train-heads`) over its normed state and the local softmax's prob
+    and margin: the same candidates and local logits as topk-prob, one more dot product. The score comes from the
+    backend (`ExitLogits.probe_score`: the head's probe in torch, the exit graph's `score` output at run time)."""
+
+    needs_candidates = True
+    in_graph = True  # decision_nodes computes the score inside exit graphs exported with a probe
+    needs_probe = True
+
+    def measure(self, scoring: ExitScoring, layer: int, state: ExitState) -> ExitScore:
+        ids, logits = scoring.local_logits(layer, state)
+        s = signals(logits, ids)
+        pred = Prediction(logits, ids, s.token)
+        score = scoring.logits.probe_score(layer, state.hidden, s.prob, s.margin)
+        return ExitScore({"score": score}, lambda: pred, pred)
 
 
 class FullSoftmax(Signal):
@@ -570,11 +691,15 @@ def register_signal(signal: Signal) -> Signal:
 register_signal(LocalSoftmax("topk-prob", ("prob",)))
 register_signal(LocalSoftmax("topk-margin", ("margin",)))
 register_signal(LocalSoftmax("topk-prob+margin", ("prob", "margin")))
+register_signal(LearnedScore("learned", ("score",)))
 register_signal(FullSoftmax("full-prob", ("prob",)))
 register_signal(FullSoftmax("full-margin", ("margin",)))
 register_signal(TransitionCosine("cosine", ("cosine",)))
 register_signal(MinTransitionCosine("cosine-min", ("cosine",)))
 DEFAULT_SIGNAL = "topk-prob"
+# The default when the heads carry probes (calibrate with --heads, no --signal): set to "learned" to make the probe
+# the default once measured (README, calibrate); DEFAULT_SIGNAL otherwise.
+DEFAULT_SIGNAL_WITH_PROBES = DEFAULT_SIGNAL
 
 
 def get_signal(name: str) -> Signal:

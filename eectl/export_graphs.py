@@ -40,7 +40,16 @@ from onnx.external_data_helper import set_external_data
 
 from eectl import __version__
 from eectl.errors import UsageError
-from eectl.exits import GRAPH_CRITERIA, CandidateSource, Int8Ranking, Shortlist, decision_nodes
+from eectl.exits import (
+    GRAPH_CRITERIA,
+    SOFTMAX_CRITERIA,
+    CandidateSource,
+    Int8Ranking,
+    Probe,
+    Shortlist,
+    decision_nodes,
+    probe_of,
+)
 from eectl.manifest import GraphIO
 from eectl.models.adapters import Adapter, LayerWeights
 
@@ -374,17 +383,36 @@ def _head_prefix(b: _Builder, hidden: str, head: torch.nn.Module | None, hidden_
     return rename["y"]
 
 
-def _decision(b: _Builder, logits: str, ids: str | None, inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
-    """The exit's decision inside its graph (exits.decision_nodes): a `thresholds` input [2] float32, whose
-    default [inf, inf] (an initializer: callers that do not bind it never pass) keeps the graph's other uses as
-    they were, and the outputs `passed` [N] bool and `exit_token` [N] int64 (the token it would emit)."""
-    thresholds = b.input("thresholds", TensorProto.FLOAT, [len(GRAPH_CRITERIA)])
-    b.const(thresholds, np.full(len(GRAPH_CRITERIA), np.inf, np.float32), False)
-    passed, token = decision_nodes(b, logits, ids, thresholds)
+def _decision(
+    b: _Builder,
+    logits: str,
+    ids: str | None,
+    inputs: dict[str, Any],
+    outputs: dict[str, Any],
+    probe: tuple[str, Probe] | None = None,
+) -> None:
+    """The exit's decision inside its graph (exits.decision_nodes): a `thresholds` input [2] float32 ([3] with the
+    exit's probe: the learned signal's score is the third criterion), whose default [inf, ...] (an initializer:
+    callers that do not bind it never pass) keeps the graph's other uses as they were, and the outputs `passed` [N]
+    bool and `exit_token` [N] int64 (the token it would emit), and with a probe `score` [N] float32 (the runner's
+    host path reads it: the score's one computation at run time)."""
+    size = len(GRAPH_CRITERIA) if probe is not None else SOFTMAX_CRITERIA
+    thresholds = b.input("thresholds", TensorProto.FLOAT, [size])
+    b.const(thresholds, np.full(size, np.inf, np.float32), False)
+    passed, token, score = decision_nodes(b, logits, ids, thresholds, probe)
     b.output(passed, "passed", TensorProto.BOOL, ["n"])
     b.output(token, "exit_token", TensorProto.INT64, ["n"])
     inputs["thresholds"] = "thresholds"
     outputs.update(passed="passed", exit_token="exit_token")
+    if score is not None:
+        b.output(score, "score", TensorProto.FLOAT, ["n"])
+        outputs["score"] = "score"
+
+
+def _probe(normed: str, head: torch.nn.Module | None) -> tuple[str, Probe] | None:
+    """The exit's probe (the learned signal) over the graph's normed state, where its head carries one."""
+    probe = probe_of(head)
+    return None if probe is None else (normed, probe)
 
 
 def build_exit(
@@ -427,7 +455,7 @@ def build_exit(
         b.output(logits, "candidate_logits", None, ["n", "k"])
         inputs["candidates"] = "candidates"
         outputs: dict[str, str | list[str]] = {"candidate_logits": "candidate_logits"}
-        _decision(b, logits, cand, inputs, outputs)
+        _decision(b, logits, cand, inputs, outputs, _probe(normed, head))
     else:
         b.input("top_k", TensorProto.INT64, [1])
         logits = b.op("MatMul", [normed, weight])  # [N, H] @ [H, V]
@@ -447,7 +475,7 @@ def build_exit(
             "token": "token",
         }
         if layer < dims.num_layers:  # an exit's first decision under the full Top-K source: over its K best
-            _decision(b, values, indices, inputs, outputs)
+            _decision(b, values, indices, inputs, outputs, _probe(normed, head))
     io = GraphIO(file=f"exit_{layer:03d}_{suffix}.onnx", inputs=inputs, outputs=outputs)
     return b.model(f"exit_{layer}_{suffix}"), io
 
@@ -547,6 +575,6 @@ def build_candidates(
     b.output(cand, "candidates", TensorProto.INT64, ["n", "k"])
     b.output(cand_logits, "candidate_logits", None, ["n", "k"])
     outputs: dict[str, str | list[str]] = {"candidates": "candidates", "candidate_logits": "candidate_logits"}
-    _decision(b, cand_logits, cand, inputs, outputs)
+    _decision(b, cand_logits, cand, inputs, outputs, _probe(normed, head))
     io = GraphIO(file=f"exit_{layer:03d}_{source.name}.onnx", inputs=inputs, outputs=outputs)
     return b.model(f"exit_{layer}_{source.name}"), io

@@ -32,6 +32,7 @@ from eectl.exits import ExitHead
 from eectl.files import atomic_write, atomic_write_text
 from eectl.heads_meta import FORMAT, HeadsMeta
 from eectl.models.adapters import Adapter
+from eectl.probe import attach_probe_tensors, probe_tensors
 from eectl.recipe import check_exit_layers
 
 DESIGNS = ("residual-linear", "low-rank", "mlp")  # per token
@@ -219,6 +220,7 @@ def save_heads(stack: HeadStack, meta: HeadsMeta, path: Path) -> Path:
     from safetensors.torch import save
 
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in stack.state_dict().items()}
+    tensors.update(probe_tensors({layer: stack.head(layer) for layer in meta.exits}))  # the learned signal's
     doc = meta.model_dump(mode="json")
     blob = save(tensors, metadata={"format": FORMAT, "eectl": json.dumps(doc, sort_keys=True)})
     atomic_write(path, lambda tmp: tmp.write_bytes(blob))  # written by Python: a full disk is a one-line OSError
@@ -287,9 +289,12 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
             stack = HeadStack({layer: make_head(meta.design, dims.hidden_size, meta.rank) for layer in exits})
     except UsageError as exc:  # the file's content, not the user's options, is wrong
         raise ArtifactError(f"heads in {p.name} have invalid metadata: {exc.message}") from None
+    probes = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("probe.")]}
     try:
         stack.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:
         raise ArtifactError(f"heads in {p.name} do not match their own metadata: {str(exc).splitlines()[0]}") from exc
     stack.to(device=adapter.device, dtype=adapter.dtype).eval().requires_grad_(False)
-    return HeadSet({layer: stack.head(layer) for layer in exits}, meta)
+    heads = {layer: stack.head(layer) for layer in exits}
+    attach_probe_tensors(heads, probes)
+    return HeadSet(heads, meta)

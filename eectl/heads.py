@@ -28,7 +28,7 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from torch import nn
 
 from eectl.data import TokenStream, count_tokens, split_records
 from eectl.errors import DataError, EectlError, UsageError
-from eectl.exits import DEFAULT_TOP_K, ExitHead
+from eectl.exits import DEFAULT_SHORTLIST, DEFAULT_TOP_K, ExitHead, Shortlist, frequency_shortlist
 from eectl.head_checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from eectl.head_designs import (
     HeadStack,
@@ -60,6 +60,7 @@ from eectl.heads_report import (
     heads_meta,
 )
 from eectl.models.adapters import Adapter
+from eectl.probe import ProbeConfig, ProbeFit, fit_probes
 from eectl.recipe import check_exit_layers
 
 DEFAULT_BATCH_TOKENS = 32
@@ -348,6 +349,31 @@ def _train_loop(
     tr.stack.eval()
 
 
+def _fit_probes(
+    adapter: Adapter,
+    td: _TrainData,
+    stack: HeadStack,
+    exits: list[int],
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    config: ProbeConfig,
+) -> ProbeFit:
+    """The learned signal's probes from the training chunks (one more base pass over them, in order), with the
+    chunks' frequency shortlist as the candidate source (the runner's default)."""
+    heads = {layer: stack.head(layer) for layer in exits}
+    vocab = adapter.dims.vocab_size
+    source = Shortlist(frequency_shortlist(torch.cat([c[0] for c in td.chunks]), DEFAULT_SHORTLIST, vocab))
+    exit_heads = {layer: ExitHead(adapter, heads[layer]).eval() for layer in exits}
+
+    def samples() -> Iterator[tuple[dict[int, torch.Tensor], torch.Tensor]]:
+        for chunk in td.chunks:
+            with autocast():
+                p = base_pass(adapter, chunk.to(device), exits, td.skip_first)
+            yield {layer: s.float().cpu() for layer, s in p.states.items()}, p.probs.argmax(-1).cpu()
+
+    return fit_probes(heads, exit_heads, samples(), source, config)
+
+
 def _metadata(
     loaded: Any,
     data: Any,
@@ -468,6 +494,10 @@ def train_heads(
     train_s = time.perf_counter() - start
     if any(p.requires_grad for p in model.parameters()):
         raise EectlError("internal: a base model parameter was unfrozen during training")
+    probe_fit = None
+    if dist.main:
+        say(f"fitting exit probes (the learned signal) on up to {ProbeConfig().tokens} training tokens")
+        probe_fit = _fit_probes(adapter, td, tr.stack, exits, device, autocast, ProbeConfig(seed=config.seed))
 
     result = TrainResult(None, out, sidecar_path(out), ckpt, main=dist.main)
     if dist.world > 1:
@@ -491,6 +521,7 @@ def train_heads(
         autocast,
     )
     meta = _metadata(loaded, data, config, exits, td, tr, report, device, amp, dist.world, train_s)
+    meta.probe = None if probe_fit is None else probe_fit.to_dict()
     result.wall_s = time.perf_counter() - start
     meta.training["wall_s"] = round(result.wall_s, 2)  # training + held-out evaluation
     save_heads(tr.stack, meta, out)

@@ -28,7 +28,8 @@ from torch import nn
 
 from eectl.data import TokenStream
 from eectl.errors import EectlError, UsageError
-from eectl.exits import DEFAULT_TOP_K, ExitHead
+from eectl.exits import DEFAULT_SHORTLIST as CANDIDATE_SHORTLIST
+from eectl.exits import DEFAULT_TOP_K, ExitHead, Shortlist
 from eectl.head_checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from eectl.head_data import StateCache
 from eectl.head_designs import (
@@ -40,6 +41,7 @@ from eectl.head_designs import (
     build_heads,
     head_cost,
     head_width,
+    load_heads,
     save_heads,
     sidecar_path,
 )
@@ -48,6 +50,7 @@ from eectl.heads import TrainResult, lr_at
 from eectl.heads_meta import HeadCost, HeadsMeta
 from eectl.heads_report import ChunkPass, EvalResult, evaluate, final_kl, heads_meta
 from eectl.models.adapters import Adapter
+from eectl.probe import ProbeConfig, ProbeFit, fit_probes
 
 
 @dataclass
@@ -196,6 +199,11 @@ def train_cached(
     stack.eval()
     if any(p.requires_grad for p in model.parameters()):
         raise EectlError("internal: a base model parameter was unfrozen during training")
+    probe_fit = None
+    if config.design not in SEQUENCE_DESIGNS:  # a block head reads the sequence: no per-token probe features yet
+        say(f"fitting exit probes (the learned signal) on {ProbeConfig().tokens} training tokens")
+        heads = {layer: stack.head(layer) for layer in exits}
+        probe_fit = fit_cached_probes(adapter, cache, heads, ProbeConfig(seed=config.seed, top_k=config.top_k))
 
     say(f"evaluating on about {config.eval_tokens} tokens of the cache's held-out split")
     report = evaluate(
@@ -208,11 +216,65 @@ def train_cached(
         passes=_cached_passes(adapter, cache, "held", exits, ("text", "gen"), config.eval_tokens),
     )
     meta = _cached_meta(loaded, cache, config, stream, stack, history, report, train_s)
+    meta.probe = None if probe_fit is None else probe_fit.to_dict()
     result = TrainResult(meta, out, sidecar_path(out), ckpt)
     result.wall_s = time.perf_counter() - start
     meta.training["wall_s"] = round(result.wall_s, 2)
     save_heads(stack, meta, out)
     return result
+
+
+def cached_probe_samples(
+    cache: StateCache, exits: list[int], sources: tuple[str, ...] = ("text", "gen"), seed: int = 0
+) -> Iterator[tuple[dict[int, torch.Tensor], torch.Tensor]]:
+    """The probes' samples from the cache's training split: (exit states [M, H], the final layer's top-1 [M]) per
+    sequence, its measured positions, in an order seeded by `seed` (teacher-forced and generated sequences mixed,
+    as the runner sees both)."""
+    entries = cache.split("train", sources)
+    order = torch.randperm(len(entries), generator=torch.Generator().manual_seed(seed)).tolist()
+    for i in order:
+        seq = cache.load(entries[i])
+        idx = torch.nonzero(seq.measured).flatten()
+        yield {layer: seq.states[layer][idx].float() for layer in exits}, seq.teacher_ids[:, 0]
+
+
+def fit_cached_probes(
+    adapter: Adapter,
+    cache: StateCache,
+    heads: dict[int, nn.Module],
+    config: ProbeConfig,
+    on_tokens: Callable[[int], None] | None = None,
+) -> ProbeFit:
+    """Fit the learned signal's probes onto `heads` (attached to them) from the cache's training sequences, with the
+    cache's frequency shortlist as the candidate source (the runner's default)."""
+    exits = sorted(heads)
+    shortlist = Shortlist(cache.frequent_tokens(cache.split("train"), CANDIDATE_SHORTLIST))
+    exit_heads = {layer: ExitHead(adapter, heads[layer]).eval() for layer in exits}
+    samples = cached_probe_samples(cache, exits, seed=config.seed)
+    return fit_probes(heads, exit_heads, samples, shortlist, config, on_tokens)
+
+
+def add_probes(
+    loaded: Any,
+    heads_path: Path,
+    cache: StateCache,
+    out: Path,
+    config: ProbeConfig,
+    on_tokens: Callable[[int], None] | None = None,
+) -> ProbeFit:
+    """`eectl train-heads --probe-only`: fit the learned signal's probes onto an existing heads file (probes it
+    already has are replaced) from the cache's training sequences, and write heads + probes to `out` (atomically;
+    it may be `heads_path`)."""
+    head_set = load_heads(heads_path, loaded)
+    if head_set.meta.design in SEQUENCE_DESIGNS:
+        raise UsageError("probes for block heads are not supported yet (they read the sequence, not one token)")
+    missing = sorted(set(head_set.exits) - set(cache.layers))
+    if missing:
+        raise UsageError(f"the state cache has no states for exits {missing}", hint=f"it has {cache.layers}")
+    fit = fit_cached_probes(loaded.adapter, cache, head_set.heads, config, on_tokens)
+    meta = head_set.meta.model_copy(update={"probe": {**fit.to_dict(), "cache": cache.identity}})
+    save_heads(HeadStack(head_set.heads), meta, out)
+    return fit
 
 
 def _cached_loss(

@@ -47,3 +47,6 @@ class HeadsMeta(_M):
     report: dict[str, Any]  # held-out before/after metrics per exit (heads_report.EvalResult as dicts)
     block_init: str | None = None  # block design: last | next | identity
     block_layers: dict[str, int] | None = None  # block design: exit layer -> the decoder layer index it copies
+    # the `learned` signal's probes stored beside the heads (eectl.probe.ProbeFit: features, K, candidates, tokens,
+    # time); None in files without probes
+    probe: dict[str, Any] | None = None

@@ -105,6 +105,10 @@ def calibrate(
         from eectl.head_designs import load_heads
 
         head_modules = dict(load_heads(heads, loaded).heads)  # checks the heads were trained on this checkpoint
+        from eectl.exits import DEFAULT_SIGNAL_WITH_PROBES, probe_of
+
+        if signal is None and all(probe_of(head_modules.get(e)) is not None for e in opts.exits):
+            opts.signal = DEFAULT_SIGNAL_WITH_PROBES  # heads with probes: the one constant decides (exits.py)
     path = out_path or Path("artifacts") / f"{loaded.source.name}-calibration.json"
     out.log(
         f"calibrating exits {opts.exits} on {opts.tokens} tokens of {text.name} ({opts.text_tokens} teacher-forced, "

@@ -44,6 +44,11 @@ def train_heads(
     gen_share: Annotated[float | None, typer.Option(help="With --cache: share of generated tokens (0.25).")] = None,
     loss: Annotated[str | None, typer.Option(help="With --cache: topk (teacher top-k + tail) or exact.")] = None,
     block_init: Annotated[str, typer.Option(help="block design: last, next or identity.")] = "last",
+    probe_only: Annotated[
+        bool, typer.Option(help="Only fit the learned signal's probes onto --heads (from --cache), write --out.")
+    ] = False,
+    heads: Annotated[Path | None, typer.Option(help="With --probe-only: the heads file to fit probes onto.")] = None,
+    probe_tokens: Annotated[int | None, typer.Option(help="Training tokens the probes are fitted on (32768).")] = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -60,6 +65,9 @@ def train_heads(
     out = Output(json_out)
     r = load_recipe(recipe)
     cache_dir = cache or (Path(r.heads.cache) if r.heads.cache else None)
+    if probe_only:
+        _probe_only(out, r, model, heads, cache_dir, out_path, probe_tokens, seed, threads)
+        return
     if cache_dir is not None or pick(design, r.heads.design) == "block":
         _train_heads_cached(
             out,
@@ -221,6 +229,46 @@ def _train_heads_cached(
         result = train_cached(loaded, state_cache, config, path, resume, on_step, out.log)
     out.json(result.to_dict())
     _print_heads(out, result)
+
+
+def _probe_only(
+    out: Output,
+    r: Recipe,
+    model: str | None,
+    heads: Path | None,
+    cache_dir: Path | None,
+    out_path: Path | None,
+    probe_tokens: int | None,
+    seed: int,
+    threads: int | None,
+) -> None:
+    """train-heads --probe-only: the probes fitted onto an existing heads file, from a state cache."""
+    from eectl.head_data import open_cache
+    from eectl.heads_cached import add_probes
+    from eectl.models import load_model
+    from eectl.probe import ProbeConfig
+
+    if heads is None or cache_dir is None:
+        raise UsageError("--probe-only needs --heads FILE and --cache DIR (the state cache the probes read)")
+    if not heads.is_file():
+        raise UsageError(f"heads not found: {heads}")
+    target = out_path or heads
+    if target.suffix != ".safetensors":
+        raise UsageError(f"--out must name a .safetensors file, got {target}")
+    cache = open_cache(cache_dir)
+    config = ProbeConfig(seed=seed, top_k=r.top_k, **({} if probe_tokens is None else {"tokens": probe_tokens}))
+    if config.tokens < 1:
+        raise UsageError("--probe-tokens must be positive")
+    n_threads = set_threads(threads, r)
+    loaded = load_model(pick(model, r.model), log=out)
+    out.log(f"fitting exit probes onto {heads} from {config.tokens} tokens of {cache_dir}, {n_threads} threads")
+    with out.progress("probes", total=config.tokens) as bar:
+        fit = add_probes(loaded, heads, cache, target, config, on_tokens=lambda n: bar.advance(n))
+    out.json({"heads": str(target), "probe": fit.to_dict()})
+    out.log(
+        f"probes for exits {sorted(fit.agreement)} fitted on {fit.tokens} tokens in {fit.train_s:.1f} s "
+        f"(label rate {' '.join(f'{k}:{v:.3f}' for k, v in fit.agreement.items())}); wrote {target}"
+    )
 
 
 def _print_heads(out: Output, result: object) -> None:

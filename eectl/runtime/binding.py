@@ -86,6 +86,7 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
                 "thresholds": (SCALAR, False),
                 "passed": (SCALAR, True),
                 "exit_token": (SCALAR, True),
+                "score": (SCALAR, True),  # the learned signal's probe score (graphs exported with a probe)
             }
         ),
     },
@@ -260,12 +261,13 @@ class BindingPlan:
         picked: tuple[str, ...] = ("candidates", "candidate_logits")  # the token (id 0 under greedy) and the K scores
         if self.sampling and exiting:
             picked = (*picked, "logits")
+        probe = ("score",) if sig.needs_probe else ()  # the learned signal reads the graph's score too
         if sig.needs_candidates:  # even sampling draws from the K candidates here (the runner's rule)
             if first:  # the artifact's candidate graph where it has one, else the exit's own Top-K
                 source = "candidates" if self.manifest.exit_at(layer).candidates is not None else "exit_full"
-                calls.append(self._call(source, layer, ("candidates", "candidate_logits")))
+                calls.append(self._call(source, layer, ("candidates", "candidate_logits", *probe)))
             else:
-                calls.append(self._call("exit_local", layer, ("candidate_logits",)))
+                calls.append(self._call("exit_local", layer, ("candidate_logits", *probe)))
         elif not (sig.needs_layer_input or sig.needs_blocks):  # the full vocabulary's softmax
             calls.append(self._call("exit_full", layer, picked))
             calls.append(self._call("logsumexp", layer, ("logsumexp",)))

@@ -89,6 +89,8 @@ def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal)
         return False
     first = rt.candidate_graphs.get(exits[0], rt.full_graphs[exits[0]])
     graphs = [first, *(rt.local_graphs[e] for e in exits[1:])]
+    if signal.needs_probe and not all("score" in g.io.outputs for g in graphs):
+        return False
     return all("passed" in g.io.outputs for g in graphs)
 
 
@@ -190,7 +192,9 @@ class DecodeChain:
         rt._bind_array(io, g.name("hidden"), self._view(hops[rt.segment_of_layer[layer] + 1], (1, H), dtype))
         if "weight" in g.io.inputs:
             rt._bind_array(io, g.name("weight"), rt.weights["lm_head"])
-        rt._bind_array(io, g.name("thresholds"), self._host(graph_thresholds(signal, thresholds)))
+        # the length the graph declares: [2] without a probe (every artifact exported before probes), [3] with one
+        size = next(i.shape[0] for i in g.session.get_inputs() if i.name == g.name("thresholds"))
+        rt._bind_array(io, g.name("thresholds"), self._host(graph_thresholds(signal, thresholds, size)))
         if first:
             self.candidates = self._buffer((1, k), np.int64)
             rt._bind_array(io, g.name("top_k"), self._host(np.array([k], np.int64)))

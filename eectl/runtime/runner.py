@@ -38,6 +38,7 @@ from eectl.exits import (
     ExitScoring,
     FirstExitTopK,
     get_signal,
+    no_probe_error,
 )
 from eectl.plan import BOUND_POLICIES
 from eectl.recipe import check_exit_layers
@@ -143,6 +144,14 @@ class OrtExitLogits:
         """The artifact's candidate graph at this exit (export built it from `source`'s torch code)."""
         return self.rt.exit_candidates(layer, hidden, k)
 
+    def probe_score(self, layer: int, hidden: np.ndarray, prob: np.ndarray, margin: np.ndarray) -> np.ndarray:
+        """The exit graph's own `score` output of the call that just returned these rows' local logits (the graph
+        computes it from the same logits: exits.decision_nodes mirrors Probe.score)."""
+        score = self.rt.exit_scores.get(layer)
+        if score is None or score.shape[0] != np.shape(prob)[0]:
+            raise no_probe_error([layer])
+        return score
+
 
 @contextmanager
 def _one_torch_thread() -> Iterator[None]:
@@ -192,6 +201,12 @@ class Runner:
             raise UsageError(f"--top-k must be in 2..{self.m.dims['vocab_size']}")
         self.policy = policy(runtime, config)
         self.exit_logits = OrtExitLogits(runtime)
+        if self.signal.needs_probe:  # the score is computed in the exit graphs: exported with heads that carry probes
+            graphs = [runtime.local_graphs[e] for e in config.exits]
+            graphs += [runtime.candidate_graphs.get(e, runtime.full_graphs[e]) for e in config.exits]
+            lacking = sorted({e for e, g in zip(config.exits * 2, graphs, strict=True) if "score" not in g.io.outputs})
+            if lacking:
+                raise no_probe_error(lacking)
         source = str(self.m.candidate_source.get("name", FirstExitTopK.name))
         self.source = CANDIDATE_SOURCES.get(source, CANDIDATE_SOURCES[FirstExitTopK.name])
         self.exits = check_exit_layers(config.exits, L)

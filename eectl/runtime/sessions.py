@@ -317,6 +317,9 @@ class ArtifactRuntime:
         self.resident = False
         self.host_reads: list[tuple[str, int, str]] = []  # (graph, exit layer or -1, output key) read while resident
         self._ops: Any = None
+        # exit layer -> the `score` output [N] of the last exit-graph call there (graphs with a probe: the learned
+        # signal's score, computed in the graph from the same local logits the call returned; OrtExitLogits reads it)
+        self.exit_scores: dict[int, np.ndarray] = {}
 
     # --- setup ---------------------------------------------------------------------------------------------------
     def load_segment(self, index: int) -> None:
@@ -549,9 +552,12 @@ class ArtifactRuntime:
         }
         if "token" in g.io.outputs:  # bound too: every output of the graph has a buffer
             outputs["token"] = ((n,), np.int64)
+        if "score" in g.io.outputs:
+            outputs["score"] = ((n,), np.float32)
         b = self._bound("river-head" if river else "full", layer, g, self._exit_inputs(hidden), outputs)
         self._run_bound(g, b, hidden)
         out = b.outputs  # copies: callers keep them across calls (the next call writes these buffers)
+        self._keep_score(layer, out)
         return out["logits"].copy(), out["candidates"].copy(), out["candidate_logits"].copy()
 
     def _resident_exit(self, g: Graph, graph: str, layer: int, hidden: Any, top_k: int, kind: str) -> Any:
@@ -571,8 +577,23 @@ class ArtifactRuntime:
         cand = self._read(call.io, g.name("candidates"), (n, top_k), np.int64, (graph, layer, "candidates"))
         where = (graph, layer, "candidate_logits")
         cand_logits = self._read(call.io, g.name("candidate_logits"), (n, top_k), self.np_dtype, where)
+        score = self._read_score(call.io, g, graph, layer, n)
         g.session.run_with_iobinding(call.io)
+        self._keep_score(layer, {"score": score})
         return logits, cand, cand_logits
+
+    def _read_score(self, io: Any, g: Graph, graph: str, layer: int, n: int) -> np.ndarray | None:
+        """A graph's probe `score` [N] into a host array (resident: one more read of N floats), where it has one."""
+        if "score" not in g.io.outputs:
+            return None
+        return self._read(io, g.name("score"), (n,), np.float32, (graph, layer, "score"))
+
+    def _keep_score(self, layer: int, outputs: dict[str, Any]) -> None:
+        score = outputs.get("score")
+        if score is not None:
+            self.exit_scores[layer] = score.copy()
+        else:
+            self.exit_scores.pop(layer, None)
 
     def _exit_inputs(self, hidden: np.ndarray) -> _Shapes:
         """The inputs of a graph that picks Top-K: the hidden rows and K (set from the bound outputs' width)."""
@@ -638,11 +659,17 @@ class ArtifactRuntime:
             self._bind_array(call.io, g.name("candidates"), ids)
             where = ("exit_local", layer, "candidate_logits")
             out = self._read(call.io, g.name("candidate_logits"), shape, self.np_dtype, where)
+            score = self._read_score(call.io, g, "exit_local", layer, shape[0])
             g.session.run_with_iobinding(call.io)
+            self._keep_score(layer, {"score": score})
             return out
         inputs = {"hidden": (hidden.shape, self.np_dtype), "candidates": (shape, np.int64)}
-        b = self._bound("local", layer, g, inputs, {"candidate_logits": (shape, self.np_dtype)})
+        outputs: _Shapes = {"candidate_logits": (shape, self.np_dtype)}
+        if "score" in g.io.outputs:
+            outputs["score"] = ((shape[0],), np.float32)
+        b = self._bound("local", layer, g, inputs, outputs)
         self._run_bound(g, b, hidden, candidates=candidates)
+        self._keep_score(layer, b.outputs)
         return b.outputs["candidate_logits"].copy()
 
     def exit_candidates(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -657,6 +684,9 @@ class ArtifactRuntime:
             return cand, cand_logits
         n = hidden.shape[0]
         outputs: _Shapes = {"candidates": ((n, top_k), np.int64), "candidate_logits": ((n, top_k), self.np_dtype)}
+        if "score" in g.io.outputs:
+            outputs["score"] = ((n,), np.float32)
         b = self._bound("candidates", layer, g, self._exit_inputs(hidden), outputs)
         self._run_bound(g, b, hidden)
+        self._keep_score(layer, b.outputs)
         return b.outputs["candidates"].copy(), b.outputs["candidate_logits"].copy()
