@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eectl.errors import UsageError
 from eectl.exits import GRAPH_CRITERIA, get_signal, graph_thresholds, signals
 from eectl.runtime.sessions import ArtifactRuntime
 
@@ -45,7 +46,7 @@ def _check(rt: ArtifactRuntime, g, hidden: np.ndarray, **extra) -> int:
             grid = {c: [0.0, 1.0, values[c], values[c] - 1e-3, values[c] + 1e-3, 0.5] for c in sig.criteria}
             for i in range(6):
                 thr = {c: grid[c][i] for c in sig.criteria}
-                feeds["thresholds"] = graph_thresholds(sig, thr)
+                feeds["thresholds"] = graph_thresholds(sig, thr, 2)  # a graph without a probe
                 passed, token = g.session.run([g.name("passed"), g.name("exit_token")], feeds)
                 assert token[0] == want.token[0]
                 if all(abs(values[c] - thr[c]) > TOL for c in sig.criteria):
@@ -77,11 +78,16 @@ def test_graph_decisions_equal_the_signals(exported, family):
 
 
 def test_the_graph_thresholds_cover_every_softmax_criterion():
-    assert GRAPH_CRITERIA == ("prob", "margin")
-    t = graph_thresholds(get_signal("topk-margin"), {"margin": 0.25})
-    assert t.dtype == np.float32 and t[0] == -np.inf and t[1] == 0.25
+    assert GRAPH_CRITERIA == ("prob", "margin", "score")
+    t = graph_thresholds(get_signal("topk-margin"), {"margin": 0.25}, 2)  # a graph without a probe (and before)
+    assert t.dtype == np.float32 and t.tolist() == [-np.inf, 0.25]
+    t = graph_thresholds(get_signal("learned"), {"score": 1.5}, 3)  # a graph with a probe
+    assert t.tolist() == [-np.inf, -np.inf, 1.5]
+    assert graph_thresholds(get_signal("topk-prob"), {"prob": 0.5}, 3).tolist() == [0.5, -np.inf, -np.inf]
     with pytest.raises(KeyError):
-        graph_thresholds(get_signal("topk-prob"), {})
+        graph_thresholds(get_signal("topk-prob"), {}, 2)
+    with pytest.raises(UsageError, match="score"):  # the learned signal on an artifact without probes
+        graph_thresholds(get_signal("learned"), {"score": 0.0}, 2)
 
 
 def test_one_candidate_decides_with_the_margin_equal_to_the_probability(exported):

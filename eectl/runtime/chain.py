@@ -193,7 +193,9 @@ class DecodeChain:
         if "weight" in g.io.inputs:
             rt._bind_array(io, g.name("weight"), rt.weights["lm_head"])
         # the length the graph declares: [2] without a probe (every artifact exported before probes), [3] with one
-        size = next(i.shape[0] for i in g.session.get_inputs() if i.name == g.name("thresholds"))
+        # (an input with a default is an overridable initializer to ORT, not among get_inputs())
+        declared = [*g.session.get_inputs(), *g.session.get_overridable_initializers()]
+        size = next(int(i.shape[0]) for i in declared if i.name == g.name("thresholds"))
         rt._bind_array(io, g.name("thresholds"), self._host(graph_thresholds(signal, thresholds, size)))
         if first:
             self.candidates = self._buffer((1, k), np.int64)

@@ -1,0 +1,273 @@
+"""The learned exit signal (exits.Probe, eectl.probe): its fit is deterministic for a seed, the heads file keeps it,
+its score is one number whether torch (calibrate), numpy (Probe.score) or the exit graphs (the runner) compute it,
+and the runner with it keeps verify exact and decides as a torch simulation with exact KV does. Heads without
+probes fail with one clear line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from eectl.cli import app
+from eectl.errors import UsageError
+from eectl.exits import (
+    CANDIDATE_SOURCES,
+    ExitHead,
+    ExitScoring,
+    TorchExitLogits,
+    get_signal,
+    graph_thresholds,
+    probe_of,
+    signals,
+)
+from eectl.export import ExportOptions, export_artifact
+from eectl.head_designs import HeadStack, build_heads, load_heads, save_heads
+from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
+from eectl.probe import ProbeConfig, fit_probes
+from eectl.runtime.runner import OrtExitLogits, RunConfig, Runner
+from eectl.runtime.sessions import ArtifactRuntime
+
+EXITS = [2, 4]
+K = 8
+L = 6
+SCORE_TOL = 1e-5  # |graph or numpy score - torch score|: float32 rounding of a dot product over H and of exp/sum
+LEARNED = get_signal("learned")
+FIRST = CANDIDATE_SOURCES["first-exit-topk"]
+
+
+def _states(loaded, seed: int, n_seq: int = 6, length: int = 24):
+    """(exit states [T, H] by layer, the final top-1 [T]) per random sequence: the probes' training samples."""
+    adapter = loaded.adapter
+    lens = ExitHead(adapter)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n_seq):
+        ids = torch.randint(3, adapter.dims.vocab_size, (1, length), generator=g)
+        states: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            adapter.forward_layers(
+                adapter.embed(ids),
+                torch.arange(length)[None],
+                0,
+                L,
+                on_layer=lambda i, a, b, states=states: states.__setitem__(i + 1, b[0].float()),
+            )
+            teacher = lens.full(states[L]).argmax(-1)
+        yield {e: states[e] for e in EXITS}, teacher
+
+
+def _heads_with_probes(loaded, seed: int = 0):
+    """Residual-linear heads (perturbed from identity so each exit differs) with probes fitted on random text."""
+    H = loaded.adapter.dims.hidden_size
+    stack = build_heads("residual-linear", H, EXITS, None, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    heads = {e: stack.head(e) for e in EXITS}
+    exit_heads = {e: ExitHead(loaded.adapter, heads[e]).eval() for e in EXITS}
+    fit = fit_probes(heads, exit_heads, _states(loaded, 7), FIRST, ProbeConfig(tokens=100, steps=60, batch=64, top_k=K))
+    return stack, heads, fit
+
+
+def _meta(loaded, fit=None) -> HeadsMeta:
+    d = loaded.adapter.dims
+    return HeadsMeta(
+        exits=EXITS,
+        design="residual-linear",
+        rank=None,
+        width=None,
+        head_cost=HeadCost(params=0, macs_per_token=0),
+        dimensions=HeadDims(num_layers=d.num_layers, hidden_size=d.hidden_size, vocab_size=d.vocab_size),
+        base_model=loaded.source.to_dict(),
+        data={},
+        training={},
+        steps=0,
+        seed=0,
+        report={},
+        probe=None if fit is None else fit.to_dict(),
+    )
+
+
+@pytest.fixture(scope="module")
+def probed(llama, tmp_path_factory):
+    """(heads dict with probes, heads file, artifact folder exported with them)."""
+    root = tmp_path_factory.mktemp("probe")
+    stack, heads, fit = _heads_with_probes(llama)
+    path = root / "heads.safetensors"
+    save_heads(stack, _meta(llama, fit), path)
+    folder = root / "art"
+    export_artifact(llama, folder, ExportOptions(exits=EXITS, top_k=K), heads)
+    return heads, path, folder
+
+
+def test_probe_fit_is_deterministic_for_a_seed(llama):
+    _, a, fa = _heads_with_probes(llama)
+    _, b, fb = _heads_with_probes(llama)
+    assert fa.tokens == fb.tokens == 100 and fa.features == ["normed", "prob", "margin"]
+    for e in EXITS:
+        pa, pb = probe_of(a[e]), probe_of(b[e])
+        assert pa is not None and pb is not None
+        assert np.array_equal(pa.weight, pb.weight) and pa.coef().tolist() == pb.coef().tolist()
+    _, c, _ = _heads_with_probes(llama, seed=3)
+    assert not np.array_equal(probe_of(c[2]).weight, probe_of(a[2]).weight)
+
+
+def test_heads_file_keeps_the_probes_and_old_files_load_without(llama, probed, tmp_path):
+    heads, path, _ = probed
+    again = load_heads(path, llama)
+    assert again.meta.probe is not None and again.meta.probe["top_k"] == K
+    for e in EXITS:
+        want, got = probe_of(heads[e]), probe_of(again.heads[e])
+        assert np.array_equal(want.weight, got.weight) and want.coef().tolist() == got.coef().tolist()
+    old = tmp_path / "old.safetensors"  # a heads file written before probes: no probe keys, no meta entry
+    save_heads(build_heads("residual-linear", llama.adapter.dims.hidden_size, EXITS, None, 0), _meta(llama), old)
+    loaded = load_heads(old, llama)
+    assert all(probe_of(h) is None for h in loaded.heads.values()) and loaded.meta.probe is None
+
+
+def test_score_is_the_same_in_torch_numpy_and_the_exit_graphs(llama, probed):
+    """The learned score of rows from sharp to flat softmaxes: torch (calibrate's path) == numpy Probe.score ==
+    the exit graphs' `score` output (the runner's), within SCORE_TOL; decisions in the graph equal numpy's."""
+    heads, _, folder = probed
+    rt = ArtifactRuntime(folder, provider="cpu")
+    H = llama.adapter.dims.hidden_size
+    rng = np.random.default_rng(3)
+    hidden = (rng.standard_normal((10, H)) * np.geomspace(0.1, 30, 10)[:, None]).astype(np.float32)
+    exit_heads = {e: ExitHead(llama.adapter, heads[e]).eval() for e in EXITS}
+    t = ExitScoring(LEARNED, TorchExitLogits(exit_heads), K, FIRST)
+    o = ExitScoring(LEARNED, OrtExitLogits(rt), K, FIRST)
+    compared = 0
+    for e in EXITS:
+        st, so = t.score(e, torch.from_numpy(hidden)), o.score(e, hidden)
+        want = st.values["score"].numpy()
+        ids, logits = t.candidates, st.prediction().logits
+        s = signals(logits, ids)
+        z = exit_heads[e].normed(torch.from_numpy(hidden)).detach().numpy()
+        np.testing.assert_allclose(probe_of(heads[e]).score(z, s.prob.numpy(), s.margin.numpy()), want, atol=1e-6)
+        np.testing.assert_allclose(so.values["score"], want, atol=SCORE_TOL, rtol=0)
+        assert (so.prediction().token == st.prediction().token.numpy()).all()
+        # the bound path's decision: the graph's `passed` at thresholds around each row's score
+        g = rt.full_graphs[e] if e == EXITS[0] else rt.local_graphs[e]
+        for row in range(len(hidden)):
+            feeds = {g.name("hidden"): hidden[row : row + 1]}
+            if "weight" in g.io.inputs:
+                feeds[g.name("weight")] = rt.weights["lm_head"]
+            if e == EXITS[0]:
+                feeds[g.name("top_k")] = np.array([K], np.int64)
+            else:
+                feeds[g.name("candidates")] = np.asarray(t.candidates[row : row + 1])
+            v = float(want[row])
+            for thr in (v - 1e-3, v + 1e-3, v - 1.0, v + 1.0):
+                feeds[g.name("thresholds")] = graph_thresholds(LEARNED, {"score": thr}, 3)
+                (passed,) = g.session.run([g.name("passed")], feeds)
+                assert bool(passed[0]) == (v >= thr)
+                compared += 1
+    assert compared == 2 * 10 * 4
+
+
+def _simulation(loaded, heads, prompt, new, thresholds, scores=None):
+    """Sequential learned exits decided on states computed with the exact KV of every position (defer's cache)."""
+    adapter = loaded.adapter
+    exit_heads = {e: ExitHead(adapter, heads[e]).eval() for e in EXITS}
+    lens = ExitHead(adapter)
+    tokens, layers = list(prompt), []
+    with torch.no_grad():
+        for step in range(new):
+            states: dict[int, torch.Tensor] = {}
+            ids = torch.tensor([tokens])
+            adapter.forward_layers(
+                adapter.embed(ids),
+                torch.arange(len(tokens))[None],
+                0,
+                L,
+                on_layer=lambda i, a, b, states=states: states.__setitem__(i + 1, b[0, -1:]),
+            )
+            token, layer = None, L
+            if step > 0:  # the first token comes from the prefill, at full depth
+                scoring = ExitScoring(LEARNED, TorchExitLogits(exit_heads), K, FIRST)
+                for e in EXITS:
+                    sc = scoring.score(e, states[e])
+                    v = float(sc.values["score"][0])
+                    if scores is not None:
+                        scores.setdefault(e, []).append(v)
+                    if v >= thresholds[e]:
+                        token, layer = int(sc.prediction().token[0]), e
+                        break
+            if token is None:
+                token = int(lens.full(states[L]).argmax(-1)[0])
+            tokens.append(token)
+            layers.append(layer)
+    return tokens[len(prompt) :], layers
+
+
+def _run(rt, policy, thresholds, exits=EXITS, new=20):
+    thr = {e: {"score": t} for e, t in thresholds.items()}
+    cfg = RunConfig(exits=exits, thresholds=thr, signal="learned", policy=policy, top_k=K, max_new_tokens=new)
+    return Runner(rt, cfg)
+
+
+def test_runner_with_the_learned_signal_decides_as_torch_and_verify_is_exact(llama, probed):
+    heads, _, folder = probed
+    rt = ArtifactRuntime(folder, provider="cpu")
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(3, llama.adapter.dims.vocab_size, (9,), generator=g).tolist()
+    scores: dict[int, list[float]] = {}
+    _simulation(llama, heads, prompt, 20, {e: float("inf") for e in EXITS}, scores)
+    thresholds = {e: float(np.quantile(v, 0.6)) for e, v in scores.items()}
+    ref_tokens, ref_layers = _simulation(llama, heads, prompt, 20, thresholds)
+    assert any(x < L for x in ref_layers[1:]) and any(x == L for x in ref_layers[1:]), ref_layers
+    gen = _run(rt, "defer", thresholds).generate([prompt])[0]  # the bound chain (in-graph score) decides
+    assert gen.token_ids == ref_tokens and gen.exit_layers == ref_layers
+    plain = _run(rt, "defer", thresholds)
+    plain._chain = lambda kv, rows: None  # the general path: ExitScoring on the graphs' score output
+    again = plain.generate([prompt])[0]
+    assert again.token_ids == ref_tokens and again.exit_layers == ref_layers
+    full = _run(rt, "defer", {}, exits=[], new=20).generate([prompt])[0]
+    verify = _run(rt, "verify", thresholds).generate([prompt])[0]
+    assert verify.token_ids == full.token_ids and verify.drafted > 0
+    copy_bound = _run(rt, "copy", thresholds).generate([prompt])[0]
+    copy_plain = _run(rt, "copy", thresholds)
+    copy_plain._chain = lambda kv, rows: None
+    assert copy_plain.generate([prompt])[0].exit_layers == copy_bound.exit_layers
+
+
+def test_learned_without_probes_is_one_clear_error(llama, exported, tiny_dirs, tmp_path):
+    from eectl.calibrate_measure import ExitScorer
+
+    with pytest.raises(UsageError, match="needs exit probes"):
+        ExitScorer(llama.adapter, EXITS, "learned", K)
+    _, folder = exported["llama"]  # exported without heads: graphs without a score
+    with pytest.raises(UsageError, match="needs exit probes"):
+        _run(ArtifactRuntime(folder, provider="cpu"), "defer", {e: 0.0 for e in EXITS})
+    old = tmp_path / "old.safetensors"
+    save_heads(build_heads("residual-linear", llama.adapter.dims.hidden_size, EXITS, None, 0), _meta(llama), old)
+    args = ["calibrate", str(tiny_dirs["llama"]), "--heads", str(old), "--signal", "learned", "--exits", "2,4"]
+    result = CliRunner().invoke(app, [*args, "--tokens", "64", "--confidence", "0", "--out", str(tmp_path / "c.json")])
+    assert result.exit_code != 0 and "needs exit probes" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_probe_only_fits_onto_a_heads_file_from_a_cache(llama, tmp_path):
+    """`train-heads --probe-only`'s library call: the probes fitted from a state cache, written beside the heads."""
+    from eectl.data import load_text_data
+    from eectl.head_data import CacheSpec, build_cache
+    from eectl.heads_cached import add_probes
+    from tests.tiny import GSM8K
+
+    spec = CacheSpec.for_budget(EXITS, 256, 0.0, 64)
+    cache = build_cache(llama, load_text_data(str(GSM8K)), spec, tmp_path / "cache", lambda n: None, lambda m: None)
+    heads = tmp_path / "h.safetensors"
+    save_heads(HeadStack({e: h for e, h in _heads_with_probes(llama)[1].items()}), _meta(llama), heads)
+    out = tmp_path / "h2.safetensors"
+    fit = add_probes(llama, heads, cache, out, ProbeConfig(tokens=128, steps=20, batch=32, top_k=K))
+    again = load_heads(out, llama)
+    assert fit.tokens == 128 and again.meta.probe is not None and again.meta.probe["tokens"] == 128
+    assert all(probe_of(h) is not None for h in again.heads.values())
+    fit2 = add_probes(
+        llama, heads, cache, tmp_path / "h3.safetensors", ProbeConfig(tokens=128, steps=20, batch=32, top_k=K)
+    )
+    third = load_heads(tmp_path / "h3.safetensors", llama)
+    assert fit2.agreement == fit.agreement
+    assert np.array_equal(probe_of(third.heads[2]).weight, probe_of(again.heads[2]).weight)
