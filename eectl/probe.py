@@ -144,7 +144,7 @@ def fit_probes(
             on_tokens(take)
     if got == 0:
         raise ValueError("no tokens to fit the probes on")
-    agreement = {}
+    agreement = {}  # by exit, in layer order
     for layer in sorted(exit_heads):
         x, y = torch.cat(xs.pop(layer)), torch.cat(ys.pop(layer))
         probe = fit_probe(x, y, config)

@@ -90,7 +90,12 @@ def test_base_is_frozen_and_only_head_parameters_are_new(trained, llama):
     with_heads = nn.ModuleDict({"base": type(llama.model)(llama.model.config), "heads": stack})
     missing, unexpected = with_heads.load_state_dict({f"base.{k}": v for k, v in before.items()}, strict=False)
     assert unexpected == []
-    assert set(missing) == {f"heads.{k}" for k in _tensors(result.out)}
+    # the file's other tensors are the learned signal's probes (not module parameters: eectl.probe)
+    stored = _tensors(result.out)
+    assert set(missing) == {f"heads.{k}" for k in stored if not k.startswith("probe.")}
+    assert {k for k in stored if k.startswith("probe.")} == {
+        f"probe.exit_{e}.{p}" for e in heads.exits for p in ("weight", "coef")
+    }
     assert set(_tensors(result.out)) == {f"exit_{e}.{p}" for e in EXITS for p in ("weight", "bias")}
 
 

@@ -266,7 +266,7 @@ def _probe_only(
         fit = add_probes(loaded, heads, cache, target, config, on_tokens=lambda n: bar.advance(n))
     out.json({"heads": str(target), "probe": fit.to_dict()})
     out.log(
-        f"probes for exits {sorted(fit.agreement)} fitted on {fit.tokens} tokens in {fit.train_s:.1f} s "
+        f"probes for exits {', '.join(fit.agreement)} fitted on {fit.tokens} tokens in {fit.train_s:.1f} s "
         f"(label rate {' '.join(f'{k}:{v:.3f}' for k, v in fit.agreement.items())}); wrote {target}"
     )
 
