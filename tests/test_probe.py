@@ -202,9 +202,9 @@ def _simulation(loaded, heads, prompt, new, thresholds, scores=None):
     return tokens[len(prompt) :], layers
 
 
-def _run(rt, policy, thresholds, exits=EXITS, new=20):
+def _run(rt, policy, thresholds, exits=EXITS, new=20, **kw):
     thr = {e: {"score": t} for e, t in thresholds.items()}
-    cfg = RunConfig(exits=exits, thresholds=thr, signal="learned", policy=policy, top_k=K, max_new_tokens=new)
+    cfg = RunConfig(exits=exits, thresholds=thr, signal="learned", policy=policy, top_k=K, max_new_tokens=new, **kw)
     return Runner(rt, cfg)
 
 
@@ -224,6 +224,11 @@ def test_runner_with_the_learned_signal_decides_as_torch_and_verify_is_exact(lla
     plain._chain = lambda kv, rows: None  # the general path: ExitScoring on the graphs' score output
     again = plain.generate([prompt])[0]
     assert again.token_ids == ref_tokens and again.exit_layers == ref_layers
+    resident = _run(rt, "defer", thresholds, device_resident=True).generate([prompt])[0]  # runtime/resident.py
+    assert resident.token_ids == ref_tokens and resident.exit_layers == ref_layers
+    other = torch.randint(3, llama.adapter.dims.vocab_size, (5,), generator=g).tolist()
+    rows = _run(rt, "defer", thresholds).generate([prompt, other])  # a batch: rows decided in one graph call
+    assert rows[0].token_ids == ref_tokens and rows[0].exit_layers == ref_layers
     full = _run(rt, "defer", {}, exits=[], new=20).generate([prompt])[0]
     verify = _run(rt, "verify", thresholds).generate([prompt])[0]
     assert verify.token_ids == full.token_ids and verify.drafted > 0
