@@ -276,3 +276,15 @@ def test_probe_only_fits_onto_a_heads_file_from_a_cache(llama, tmp_path):
     third = load_heads(tmp_path / "h3.safetensors", llama)
     assert fit2.agreement == fit.agreement
     assert np.array_equal(probe_of(third.heads[2]).weight, probe_of(again.heads[2]).weight)
+
+
+def test_costs_time_the_learned_decision_as_the_runner_makes_it(probed):
+    """export's cost model times each exit's decision with the learned signal (the bound chain's in-graph score)."""
+    from eectl.costs import measure_costs
+
+    _, _, folder = probed
+    rt = ArtifactRuntime(folder, provider="cpu")
+    c = measure_costs(rt, past=8, repeats=2, warmup=0, signal="learned")
+    assert c.bound_exits  # the decisions timed on the bound chain, as `eectl run` makes them
+    for e in EXITS:
+        assert c.candidates_ms[str(e)] > 0 and (e == EXITS[0] or c.local_ms[str(e)] > 0)
