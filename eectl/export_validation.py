@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from eectl.errors import ArtifactError
-from eectl.exits import CandidateSource, ExitHead, FirstExitTopK, make_source
+from eectl.exits import CandidateSource, ExitHead, FirstExitTopK, make_source, signals
 from eectl.export_block import block_kv_diff, is_block, torch_block_states, validate_block_kv
 from eectl.head_designs import BlockHead
 from eectl.manifest import Manifest
@@ -95,6 +95,7 @@ def validate_artifact(
         "candidate_checks": d.cand_checks,
         "candidate_set_mismatches": d.cand_mismatch,  # int8 ranking ties may flip the K-th candidate
         "candidate_logit_max_abs_diff": d.cand_logits,
+        "probe_score_max_abs_diff": d.score,  # exit graphs with a probe (the learned signal); 0 without
         "passed": True,
     }
     return _verdict(result, m, d, river, log)
@@ -112,6 +113,7 @@ class _Diffs:
     cand_checks: int = 0
     cand_mismatch: int = 0  # candidate sets that differ from the torch source's
     cand_logits: float = 0.0
+    score: float = 0.0  # the learned signal's score in the local exit graphs vs Probe.score in torch
 
 
 def _torch_reference(
@@ -171,6 +173,12 @@ def _compare_graphs(
             ref_local = exit_heads[layer].local(ref_h, cand_t).float()
             got_local = torch.from_numpy(rt.exit_local(layer, exit_in[0], cand)).float()
             d.local[layer] = max(d.local[layer], float((got_local - ref_local).abs().max()))
+            probe = exit_heads[layer].probe
+            if probe is not None and layer in rt.exit_scores:  # the score of the same call, from the graph's logits
+                s = signals(ref_local, cand_t)
+                want = probe.score(exit_heads[layer].normed(ref_h), s.prob, s.margin)
+                got_score = torch.from_numpy(rt.exit_scores[layer]).float()
+                d.score = max(d.score, float((got_score - want).abs().max()))
             if e.candidates is not None:  # the candidate source at the last position, as the runner calls it
                 want_c, _ = source.torch_pick(exit_heads[layer], ref_h[-1:], m.top_k)
                 got_c, got_l = rt.exit_candidates(layer, exit_in[0][-1:], m.top_k)
@@ -200,7 +208,10 @@ def _verdict(result: dict[str, Any], m: Manifest, d: _Diffs, river: bool, log: A
         if log is not None:
             log.log(f"{result['graphs']} validation passed: greedy agreement {result['greedy_agreement'][str(L)]:.1%}")
         return result
-    worst = max(max(d.logits.values()), max(d.local.values()), d.kv, d.cand_logits, d.block_kv)
+    # the probe's score is a dot product over H of the normed state: fp16's rounding of z, times the probe's weights,
+    # exceeds the logits' tolerance, so it is held to it in fp32 artifacts and reported in every one
+    score = d.score if m.dtype == "fp32" else 0.0
+    worst = max(max(d.logits.values()), max(d.local.values()), d.kv, d.cand_logits, d.block_kv, score)
     mismatches = sum(d.tokens.values())
     strict_tokens = m.dtype == "fp32"
     if worst > tol or (strict_tokens and mismatches):

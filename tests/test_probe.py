@@ -98,7 +98,8 @@ def probed(llama, tmp_path_factory):
     path = root / "heads.safetensors"
     save_heads(stack, _meta(llama, fit), path)
     folder = root / "art"
-    export_artifact(llama, folder, ExportOptions(exits=EXITS, top_k=K), heads)
+    manifest = export_artifact(llama, folder, ExportOptions(exits=EXITS, top_k=K), heads)
+    assert 0 < manifest.validation["probe_score_max_abs_diff"] < SCORE_TOL  # export checked the graphs' score
     return heads, path, folder
 
 
