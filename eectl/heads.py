@@ -497,7 +497,8 @@ def train_heads(
     probe_fit = None
     if dist.main:
         say(f"fitting exit probes (the learned signal) on up to {ProbeConfig().tokens} training tokens")
-        probe_fit = _fit_probes(adapter, td, tr.stack, exits, device, autocast, ProbeConfig(seed=config.seed))
+        probes = ProbeConfig(seed=config.seed, top_k=config.top_k)
+        probe_fit = _fit_probes(adapter, td, tr.stack, exits, device, autocast, probes)
 
     result = TrainResult(None, out, sidecar_path(out), ckpt, main=dist.main)
     if dist.world > 1:
