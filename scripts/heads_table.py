@@ -125,25 +125,21 @@ def _heads(a: argparse.Namespace, loaded) -> tuple[list[int], dict, str, float]:
 
 
 def _exit_states(seq, exits: list[int], heads: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A cached sequence's measured positions and each exit's state there, through its head (a sequence head, the
-    block, runs over the whole sequence)."""
+    """A cached sequence's measured positions and each exit's state there, as ExitScorer reads it: a sequence head
+    (the block) already run over the whole sequence, a token head not (the scorer runs it, with its probe)."""
     idx = torch.nonzero(seq.measured).flatten()
     mapped = []
     for layer in exits:
         h = seq.states[layer].float()
         head = heads.get(layer)
-        if head is None:
-            mapped.append(h[idx])
-        elif getattr(head, "sequence", False):
-            mapped.append(head(h)[idx])
-        else:
-            mapped.append(head(h[idx]))
+        mapped.append(head(h)[idx] if getattr(head, "sequence", False) else h[idx])
     return idx, mapped
 
 
 def calib(a: argparse.Namespace) -> None:
-    """Calibrate's sequential thresholds (topk-prob, K = 64) through the heads on the cache's held-out split: fitted on
-    its first half of sequences (per source), replayed on the second; mean executed layers counting head cost."""
+    """Calibrate's sequential thresholds (--signal, default topk-prob; K = 64) through the heads on the cache's
+    held-out split: fitted on its first half of sequences (per source), replayed on the second; mean executed layers
+    counting head cost."""
     from eectl.calibrate_fit import fit
     from eectl.calibrate_measure import SOURCES, ExitScorer, Measurements
     from eectl.head_data import open_cache
@@ -154,7 +150,7 @@ def calib(a: argparse.Namespace) -> None:
     adapter = loaded.adapter
     cache = open_cache(Path(a.cache))
     exits, heads, design, cost = _heads(a, loaded)
-    scorer = ExitScorer(adapter, exits, "topk-prob", a.top_k, None)
+    scorer = ExitScorer(adapter, exits, a.signal, a.top_k, heads)
     parts = []
     for u, entry in enumerate(cache.split("held")):
         seq = cache.load(entry)
@@ -203,7 +199,7 @@ def adapter_layer_macs(adapter) -> float:
 def menu(a: argparse.Namespace) -> None:
     """Calibrate's menu as `eectl calibrate --heads` measures it: the runner's candidate source (the shortlist, ranked
     on the fit half's tokens), every subset of up to 3 exits (candidates at its first active exit) and all exits,
-    each fitted sequentially (topk-prob, target, --confidence 0.95) on the first half of the held-out sequences and
+    each fitted sequentially (--signal, target, --confidence 0.95) on the first half of the held-out sequences and
     replayed on the other half; mean executed layers with the head cost per active exit passed, on the held-out
     generated tokens (what `eectl run` decodes; calibrate's menu judges on them) and on all held-out tokens."""
     from itertools import combinations
@@ -237,7 +233,7 @@ def menu(a: argparse.Namespace) -> None:
     if a.candidates == "shortlist":
         shortlist = frequency_shortlist(torch.cat(fit_ids), a.shortlist, adapter.lm_head.weight.shape[0])
     scorer = ExitScorer(
-        adapter, exits, "topk-prob", a.top_k, None, make_source(a.candidates, adapter.lm_head.weight, shortlist)
+        adapter, exits, a.signal, a.top_k, heads, make_source(a.candidates, adapter.lm_head.weight, shortlist)
     )
     parts = []
     with torch.no_grad():
@@ -282,7 +278,8 @@ def menu(a: argparse.Namespace) -> None:
     )
     pick = a.shortlist / adapter_layer_macs(adapter)  # one shortlist projection in decoder layers
     print(
-        f"{design}: candidates {a.candidates} (K = {a.top_k}), target {a.target}, confidence {a.confidence}; "
+        f"{design}, signal {a.signal}: candidates {a.candidates} (K = {a.top_k}), target {a.target}, "
+        f"confidence {a.confidence}; "
         f"fit on {int(calib.sum())} tokens; held-out generated {int(gen.sum())}, all {int(held.sum())}; "
         f"a re-pick costs {pick:.2f} layers"
     )
@@ -355,6 +352,7 @@ def main() -> None:
     ap.add_argument("--heads", default=None)
     ap.add_argument("--head-cost", type=float, default=None, help="head cost per exit passed, in decoder layers")
     ap.add_argument("--top-k", type=int, default=64)
+    ap.add_argument("--signal", default="topk-prob", help="calib, menu: the exit signal (learned: heads with probes)")
     ap.add_argument("--candidates", default="shortlist", help="menu: the candidate source (the runner's default)")
     ap.add_argument("--confidence", type=float, default=0.95, help="menu: the fit's confidence")
     ap.add_argument("--save", default=None, help="menu: torch.save the measurements here")
