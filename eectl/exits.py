@@ -697,9 +697,19 @@ register_signal(FullSoftmax("full-margin", ("margin",)))
 register_signal(TransitionCosine("cosine", ("cosine",)))
 register_signal(MinTransitionCosine("cosine-min", ("cosine",)))
 DEFAULT_SIGNAL = "topk-prob"
-# The default when the heads carry probes (calibrate with --heads, no --signal): set to "learned" to make the probe
-# the default once measured (README, calibrate); DEFAULT_SIGNAL otherwise.
-DEFAULT_SIGNAL_WITH_PROBES = DEFAULT_SIGNAL
+# The default when every exit's head carries a probe (measured in the README, calibrate: more tokens exit at the same
+# held-out precision than with `topk-prob` through the same heads); DEFAULT_SIGNAL otherwise.
+DEFAULT_SIGNAL_WITH_PROBES = "learned"
+
+
+def choose_signal(named: str | None, heads: dict[int, nn.Module] | None, exits: list[int]) -> str:
+    """The signal calibrate measures: the one named (--signal, else the recipe's), or, when none is, the probes'
+    where every exit's head carries one, DEFAULT_SIGNAL otherwise."""
+    if named is not None:
+        return named
+    if heads and all(probe_of(heads.get(e)) is not None for e in exits):
+        return DEFAULT_SIGNAL_WITH_PROBES
+    return DEFAULT_SIGNAL
 
 
 def get_signal(name: str) -> Signal:

@@ -114,7 +114,8 @@ def dry_run(recipe: Recipe) -> DryRun:
     bad = [e for e in exits if not 1 <= e < L]
     if bad:
         raise UsageError(f"recipe {recipe.name}: exit {bad[0]} is not in 1..{L - 1} for this {L}-layer model")
-    get_signal(recipe.signal)
+    if recipe.signal is not None:
+        get_signal(recipe.signal)
     if not 2 <= recipe.top_k <= a.dims.vocab_size:
         raise UsageError(f"recipe {recipe.name}: top_k {recipe.top_k} not in 2..{a.dims.vocab_size}")
     check_design(recipe.heads.design, recipe.heads.rank)
@@ -126,7 +127,11 @@ def dry_run(recipe: Recipe) -> DryRun:
     stages = [
         ("profile", f"{pr.tokens or recipe.data.tokens} tokens of {text.name}, alpha {pr.alpha}, {pr.similarity}"),
         ("train-heads", f"{h.design} heads at exits {exits}, {h.steps} steps, {h.eval_tokens} held-out tokens"),
-        ("calibrate", f"{recipe.signal} (K={recipe.top_k}) to {recipe.target} on {recipe.data.tokens} tokens"),
+        (
+            "calibrate",
+            f"{recipe.signal or 'learned (heads with probes)'} (K={recipe.top_k}) to {recipe.target} "
+            f"on {recipe.data.tokens} tokens",
+        ),
         ("export", f"{len(exits) + 1} segments, exits {exits}, fp32"),
         ("run", f"one sample prompt, policy {recipe.kv_policy}"),
         (

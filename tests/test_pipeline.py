@@ -35,7 +35,7 @@ bench: {{prompts: 2, max_new_tokens: 4, reps: 1, configs: [full, defer, verify]}
     for f in (f"{name}-profile.png", f"{name}-heads.safetensors", f"{name}-calibration.json", f"{name}-bench.md"):
         assert (art / f).is_file(), f
     manifest = json.loads((art / name / "manifest.json").read_text())
-    assert manifest["heads"] is not None and manifest["calibration"]["signal"] == "topk-prob"
+    assert manifest["heads"] is not None and manifest["calibration"]["signal"] == "learned"  # heads carry probes
     assert [e["layer"] for e in manifest["exits"]] == [2, 4, 6] and manifest["validation"]["passed"]
     bench = json.loads((art / f"{name}-bench.json").read_text())
     assert [c["name"] for c in bench["configs"]] == ["full", "full-aa", "defer", "verify"]  # full-aa: the A/A control

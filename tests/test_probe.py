@@ -17,6 +17,7 @@ from eectl.exits import (
     ExitHead,
     ExitScoring,
     TorchExitLogits,
+    choose_signal,
     get_signal,
     graph_thresholds,
     probe_of,
@@ -126,6 +127,16 @@ def test_heads_file_keeps_the_probes_and_old_files_load_without(llama, probed, t
     save_heads(build_heads("residual-linear", llama.adapter.dims.hidden_size, EXITS, None, 0), _meta(llama), old)
     loaded = load_heads(old, llama)
     assert all(probe_of(h) is None for h in loaded.heads.values()) and loaded.meta.probe is None
+
+
+def test_the_signal_is_the_named_one_else_learned_where_every_exit_has_a_probe(llama, probed):
+    heads, _, _ = probed
+    assert choose_signal(None, heads, EXITS) == "learned"
+    assert choose_signal("topk-prob", heads, EXITS) == "topk-prob"  # --signal, or a recipe that names one, wins
+    assert choose_signal(None, None, EXITS) == "topk-prob"  # no heads (the logit lens)
+    plain = build_heads("residual-linear", llama.adapter.dims.hidden_size, EXITS, None, 0)
+    mixed = {e: (heads[e] if e != EXITS[-1] else plain.head(e)) for e in EXITS}  # one exit without a probe
+    assert choose_signal(None, mixed, EXITS) == "topk-prob"
 
 
 def test_score_is_the_same_in_torch_numpy_and_the_exit_graphs(llama, probed):

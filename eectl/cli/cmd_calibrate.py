@@ -69,13 +69,14 @@ def calibrate(
     from eectl.calibrate import CalibrateOptions, calibrate_model, check_options
     from eectl.calibration_file import write_calibration
     from eectl.data import load_text_data
+    from eectl.exits import DEFAULT_SIGNAL, choose_signal
     from eectl.models import load_model
 
     out = Output(json_out)
     r = load_recipe(recipe)
     opts = CalibrateOptions(
         exits=pick(parse_layers(exits), r.exits or []),
-        signal=pick(signal, r.signal),
+        signal=pick(signal, r.signal) or DEFAULT_SIGNAL,  # checked here; chosen with the heads below
         target=pick(target, r.target),
         top_k=pick(top_k, r.top_k),
         tokens=pick(tokens, r.data.tokens),
@@ -99,16 +100,13 @@ def calibrate(
     out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
     loaded = load_model(pick(model, r.model), log=out)
     opts.exits = opts.exits or default_exits(loaded.adapter.num_layers)
-    check_options(opts, loaded.adapter.num_layers, loaded.adapter.dims.vocab_size)
     head_modules = None
     if heads is not None:
         from eectl.head_designs import load_heads
 
         head_modules = dict(load_heads(heads, loaded).heads)  # checks the heads were trained on this checkpoint
-        from eectl.exits import DEFAULT_SIGNAL_WITH_PROBES, probe_of
-
-        if signal is None and all(probe_of(head_modules.get(e)) is not None for e in opts.exits):
-            opts.signal = DEFAULT_SIGNAL_WITH_PROBES  # heads with probes: the one constant decides (exits.py)
+    opts.signal = choose_signal(pick(signal, r.signal), head_modules, opts.exits)
+    check_options(opts, loaded.adapter.num_layers, loaded.adapter.dims.vocab_size)
     path = out_path or Path("artifacts") / f"{loaded.source.name}-calibration.json"
     out.log(
         f"calibrating exits {opts.exits} on {opts.tokens} tokens of {text.name} ({opts.text_tokens} teacher-forced, "
