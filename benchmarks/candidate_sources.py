@@ -21,7 +21,8 @@ import numpy as np
 import onnx
 import torch
 
-from eectl.exits import DEFAULT_TOP_K, Int8Ranking, Shortlist
+from eectl.candidates import Int8Ranking, Shortlist
+from eectl.exits import DEFAULT_TOP_K
 from eectl.export_graphs import build_candidates, build_exit
 from eectl.models import load_model
 from eectl.runtime.sessions import _ort, session_options

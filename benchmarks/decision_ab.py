@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from eectl.exits import CANDIDATE_SOURCES, ExitScoring, get_signal
+from eectl.candidates import CANDIDATE_SOURCES
+from eectl.exits import ExitScoring, get_signal
 from eectl.runtime.runner import OrtExitLogits, _one_torch_thread
 from eectl.runtime.sessions import ArtifactRuntime
 

@@ -68,17 +68,9 @@ from eectl.calibration_file import (
     HeadsInfo,
     ModelInfo,
 )
+from eectl.candidates import CANDIDATE_SOURCES, DEFAULT_CANDIDATES, DEFAULT_SHORTLIST, frequency_shortlist, make_source
 from eectl.errors import DataError, UsageError
-from eectl.exits import (
-    CANDIDATE_SOURCES,
-    DEFAULT_CANDIDATES,
-    DEFAULT_SHORTLIST,
-    DEFAULT_SIGNAL,
-    DEFAULT_TOP_K,
-    frequency_shortlist,
-    get_signal,
-    make_source,
-)
+from eectl.exits import DEFAULT_SIGNAL, DEFAULT_TOP_K, get_signal
 from eectl.recipe import check_exit_layers
 from eectl.thresholds import min_tokens_for
 
@@ -89,7 +81,7 @@ class CalibrateOptions:
     signal: str = DEFAULT_SIGNAL
     target: float = 0.99
     top_k: int = DEFAULT_TOP_K
-    candidates: str = DEFAULT_CANDIDATES  # topk signals: the candidate source at the first exit (exits.py)
+    candidates: str = DEFAULT_CANDIDATES  # topk signals: the candidate source at the first exit (candidates.py)
     shortlist: int = DEFAULT_SHORTLIST  # rows of the frequency-ranked shortlist
     tokens: int = 20000  # measured tokens, teacher-forced and generated together
     confidence: float | None = 0.95  # Clopper-Pearson confidence level; None: point estimate

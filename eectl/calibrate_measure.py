@@ -21,16 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from eectl.candidates import CandidateSource, make_source
 from eectl.data import encode_prompt
-from eectl.exits import (
-    CandidateSource,
-    ExitHead,
-    ExitScoring,
-    TorchExitLogits,
-    get_signal,
-    make_source,
-    no_probe_error,
-)
+from eectl.exits import ExitHead, ExitScoring, TorchExitLogits, get_signal, no_probe_error
 from eectl.models.adapters import Adapter, Capture, KVCache
 
 SOURCES = ("teacher-forced", "generated")

@@ -113,7 +113,7 @@ class HeadsInfo(_Model):
 
 
 class CandidatesInfo(_Model):
-    """The candidate source of signals that score candidates (exits.py): export builds its graph from this."""
+    """The candidate source of signals that score candidates (candidates.py): export builds its graph from this."""
 
     name: str  # first-exit-topk | shortlist | int8
     size: int | None = None  # shortlist rows

@@ -27,13 +27,15 @@ Registries (each addition is one entry):
   input adds that state to `ExitState` and to what the segment graphs output (export.py) and the runner passes in,
   as `cosine-min` (River-LLM's minimum cosine over every block of a segment) does with `ExitState.blocks` (the
   segments' `layer_states` output at run time, `Capture` of every layer in calibrate).
-- `CANDIDATE_SOURCES`: how the K candidates of the local vocabulary are picked at the first exit a token reaches
-  (FlexEE: Top-K of one full LM-head projection). A source gets the backend, the exit and its state and returns
-  candidate ids and their logits [N, K]; later exits score those rows with `local`. To add one (a frequency
-  shortlist, an int8 LM head), subclass `CandidateSource`, `register_candidates(...)` it, and pass its name as
-  `ExitScoring(..., source=name)` (calibrate and run take the same name, so thresholds mean the same thing).
+- `CANDIDATE_SOURCES` (eectl/candidates.py): how the K candidates of the local vocabulary are picked at the first
+  exit a token reaches (FlexEE: Top-K of one full LM-head projection; a frequency shortlist; an int8 LM head). A
+  source gets the backend, the exit and its state and returns candidate ids and their logits [N, K]; later exits
+  score those rows with `local`. To add one, subclass `CandidateSource` there, `register_candidates(...)` it, and
+  pass its name as `ExitScoring(..., source=name)` (calibrate and run take the same name, so thresholds mean the
+  same thing).
 
-What this module does not do: fit thresholds (thresholds.py), train heads (heads.py), or run ONNX Runtime.
+What this module does not do: pick candidates (candidates.py), fit thresholds (thresholds.py), train heads
+(heads.py), or run ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eectl.candidates import CANDIDATE_SOURCES, CandidateSource, FirstExitTopK
 from eectl.errors import UsageError
 
 if TYPE_CHECKING:
@@ -210,7 +213,7 @@ def passes(values: dict[str, Any], thresholds: dict[str, float]) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Where logits come from, and how candidates are picked
+# Where logits come from (how candidates are picked: candidates.py)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -283,181 +286,6 @@ def no_probe_error(layers: list[int]) -> UsageError:
         hint="fit them onto the heads: eectl train-heads --probe-only --heads FILE --cache DIR "
         "(and calibrate/export with those heads)",
     )
-
-
-class CandidateSource:
-    """Picks a token's K candidates (its local vocabulary) at the first exit it reaches.
-
-    A source with its own computation (a shortlist, an int8 head) defines it once in torch (`torch_pick`, on the
-    exit's ExitHead: calibrate) and export builds the same computation as the exit's candidate graph (the runner);
-    the backend chooses (`ExitLogits.candidates`). Sources that carry data (the shortlist's ids, the int8 weights)
-    are instances made per model by `make_source`; the registry holds their names."""
-
-    # rows of a batch may be picked in one call, each row's candidates those it gets alone (the runner's batches)
-    batch_rows: bool = True
-
-    name = ""
-
-    def pick(
-        self, logits: ExitLogits, layer: int, state: ExitState, k: int
-    ) -> tuple[Array, Array]:  # ids [N, K], their logits at this exit [N, K]
-        return logits.candidates(self, layer, state.hidden, k)
-
-    def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def describe(self) -> dict[str, object]:
-        return {"name": self.name}
-
-
-class FirstExitTopK(CandidateSource):
-    """FlexEE: one full LM-head projection at the first exit; its K best logits are the candidates."""
-
-    name = "first-exit-topk"
-
-    def pick(self, logits: ExitLogits, layer: int, state: ExitState, k: int) -> tuple[Array, Array]:
-        return logits.full_topk(layer, state.hidden, k)
-
-    def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        top = torch.topk(head.full(hidden), k, dim=-1)
-        return top.indices, top.values
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Candidate sources: how the first active exit picks the token's K-candidate local vocabulary
-# ---------------------------------------------------------------------------------------------------------------
-#
-# The full LM head is V x H (49,152 x 576 on the default model: ~7 decoder layers of memory traffic per token), so
-# projecting it once per token at the first exit costs more than most exits save. A candidate source picks the K
-# candidates for less; the K candidate logits are always the exact rows of the LM head (what later exits score
-# too), and a token that reaches the final layer still gets the exact full LM head (runtime/).
-#
-# - first-exit-topk: the full LM head, Top-K (FlexEE; the exact reference).
-# - shortlist: only S rows of the LM head, the S most frequent tokens of the calibration data and of the model's
-#              own greedy generations (FR-Spec, VocabTrim); Top-K among them. A token whose final prediction is
-#              outside the shortlist cannot exit (its exits predict a shortlist token, which disagrees).
-# - int8:      the whole vocabulary ranked by an int8 copy of the LM head (symmetric per-row weights, the input
-#              dynamically quantized to uint8 as ONNX DynamicQuantizeLinear does; ORT's MatMulInteger), then the K
-#              best rows rescored in full precision.
-#
-# Each is one torch class here (calibrate runs it) and one exit graph in export.py (the runner runs it), built
-# from the same tensors (`shortlist ids`, `quantize_rows_int8`).
-
-DEFAULT_SHORTLIST = 4096  # rows of the shortlist (clamped to the vocabulary)
-
-
-def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[V, H] float -> (int8 [V, H], scale float32 [V]): symmetric per row, q = round(w / s), s = max|w| / 127."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def dynamic_quantize_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ONNX DynamicQuantizeLinear applied to each row of x [N, H]: (uint8 values as float, scale [N], zero point [N]).
-
-    scale = (max(0, max x) - min(0, min x)) / 255, zero point = saturate(round(-min / scale)),
-    q = saturate(round(x / scale) + zero point); round half to even, as ORT does. The runner quantizes one token
-    (one row) at a time, so per row here equals ORT's per tensor there.
-    """
-    x = x.float()
-    lo = torch.clamp(x.amin(dim=1), max=0.0)
-    hi = torch.clamp(x.amax(dim=1), min=0.0)
-    scale = (hi - lo) / 255.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zp = torch.clamp(torch.round(-lo / scale), 0, 255)
-    q = torch.clamp(torch.round(x / scale[:, None]) + zp[:, None], 0, 255)
-    return q, scale, zp
-
-
-def int8_scores(normed: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
-    """[N, H] -> [N, V] approximate logits: (q(x) - zp) @ qweight.T * (x_scale * w_scale), the integer product exact.
-
-    The integer dot products are summed in float32 over halves of H (each partial sum stays below 2^24, so it is
-    exact whatever the summation order) and the halves added in float64: the same integers MatMulInteger computes.
-    """
-    q, xscale, zp = dynamic_quantize_uint8(normed)
-    a = q - zp[:, None]  # [N, H] integers in [-255, 255]
-    w = qweight.float()
-    h = a.shape[1]
-    acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float64)
-    step = max(1, (1 << 24) // (255 * 127))  # terms per exact float32 partial sum
-    for lo in range(0, h, step):
-        acc += (a[:, lo : lo + step] @ w[:, lo : lo + step].T).double()
-    return acc.float() * (xscale[:, None] * wscale[None, :])
-
-
-class Shortlist(CandidateSource):
-    """The S most frequent tokens (ids best first); Top-K among their exact logits."""
-
-    name = "shortlist"
-
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids.long()
-
-    def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = head.lm_head_weight[self.ids]  # [S, H]
-        logits = F.linear(head.normed(hidden), rows, None if head.lm_head_bias is None else head.lm_head_bias[self.ids])
-        top = torch.topk(head.cap(logits), min(k, self.ids.numel()), dim=-1)
-        return self.ids[top.indices], top.values
-
-    def describe(self) -> dict[str, object]:
-        return {"name": self.name, "size": int(self.ids.numel())}
-
-
-class Int8Ranking(CandidateSource):
-    """The whole vocabulary ranked by the int8 LM head; the K best rescored with the exact rows."""
-
-    name = "int8"
-    batch_rows = False  # DynamicQuantizeLinear scales the whole input: rows picked together would share a scale
-
-    def __init__(self, lm_head_weight: torch.Tensor | None) -> None:
-        empty = (torch.zeros(0, 0, dtype=torch.int8), torch.zeros(0))
-        self.qweight, self.scale = empty if lm_head_weight is None else quantize_rows_int8(lm_head_weight)
-
-    def torch_pick(self, head: ExitHead, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        approx = int8_scores(head.normed(hidden), self.qweight, self.scale)
-        cand = torch.topk(approx, k, dim=-1).indices
-        return cand, head.local(hidden, cand)
-
-
-def frequency_shortlist(token_ids: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` most frequent ids in `token_ids` (ties: the lower id first), topped up with the lowest unseen
-    ids when fewer distinct ids occur. [size] long, most frequent first."""
-    size = min(size, vocab_size)
-    counts = torch.bincount(token_ids.flatten().long(), minlength=vocab_size)[:vocab_size]
-    # a stable sort on -count keeps ascending ids among equal counts
-    order = torch.sort(-counts, stable=True).indices
-    return order[:size].clone()
-
-
-CANDIDATE_SOURCES: dict[str, CandidateSource] = {}
-DEFAULT_CANDIDATES = Shortlist.name
-
-
-def register_candidates(source: CandidateSource) -> CandidateSource:
-    CANDIDATE_SOURCES[source.name] = source
-    return source
-
-
-register_candidates(FirstExitTopK())
-register_candidates(Shortlist(torch.zeros(0, dtype=torch.long)))  # a name: make_source fills in the ids
-register_candidates(Int8Ranking(None))  # a name: make_source quantizes the model's head
-
-
-def make_source(name: str, head_weight: torch.Tensor, shortlist: torch.Tensor | None = None) -> CandidateSource:
-    """The named source for one model: a shortlist with its ids, an int8 ranking with the model's head quantized."""
-    if name == FirstExitTopK.name:
-        return CANDIDATE_SOURCES[name]
-    if name == Shortlist.name:
-        if shortlist is None:
-            raise UsageError("the shortlist candidate source needs its token ids (a calibration made with it)")
-        return Shortlist(shortlist)
-    if name == Int8Ranking.name:
-        return Int8Ranking(head_weight)
-    raise UsageError(f"--candidates must be one of {', '.join(CANDIDATE_SOURCES)}, got '{name}'")
 
 
 # ---------------------------------------------------------------------------------------------------------------

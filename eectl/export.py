@@ -22,8 +22,9 @@ import torch
 
 from eectl import __version__
 from eectl.calibration_file import Calibration
+from eectl.candidates import CandidateSource, FirstExitTopK, Shortlist, make_source
 from eectl.errors import ArtifactError, UsageError
-from eectl.exits import DEFAULT_TOP_K, CandidateSource, FirstExitTopK, Shortlist, make_source
+from eectl.exits import DEFAULT_TOP_K
 from eectl.export_block import export_block, is_block
 from eectl.export_graphs import (
     DTYPES,

@@ -39,17 +39,9 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import set_external_data
 
 from eectl import __version__
+from eectl.candidates import CandidateSource, Int8Ranking, Shortlist
 from eectl.errors import UsageError
-from eectl.exits import (
-    GRAPH_CRITERIA,
-    SOFTMAX_CRITERIA,
-    CandidateSource,
-    Int8Ranking,
-    Probe,
-    Shortlist,
-    decision_nodes,
-    probe_of,
-)
+from eectl.exits import GRAPH_CRITERIA, SOFTMAX_CRITERIA, Probe, decision_nodes, probe_of
 from eectl.manifest import GraphIO
 from eectl.models.adapters import Adapter, LayerWeights
 
@@ -519,7 +511,7 @@ def build_candidates(
                                         +- int8: DynamicQuantizeLinear -> MatMulInteger [H, V] int8 -> scales -> TopK
                                                  -> Gather the K exact rows of lm_head_weight -> exact logits
 
-    The same tensors as the torch source (exits.py): the shortlist's ids and rows, `quantize_rows_int8`'s weights.
+    The same tensors as the torch source (candidates.py): the shortlist's ids and rows, `quantize_rows_int8`'s weights.
     Weights are initializers so ONNX Runtime can prepack them. DynamicQuantizeLinear quantizes per tensor: the
     runner passes one token (N = 1), where that is per row, as calibrate computes it.
     """

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from eectl.candidates import CandidateSource, FirstExitTopK, make_source
 from eectl.errors import ArtifactError
-from eectl.exits import CandidateSource, ExitHead, FirstExitTopK, make_source, signals
+from eectl.exits import ExitHead, signals
 from eectl.export_block import block_kv_diff, is_block, torch_block_states, validate_block_kv
 from eectl.head_designs import BlockHead
 from eectl.manifest import Manifest

@@ -37,9 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eectl.candidates import DEFAULT_SHORTLIST, Shortlist, frequency_shortlist
 from eectl.data import TokenStream, count_tokens, split_records
 from eectl.errors import DataError, EectlError, UsageError
-from eectl.exits import DEFAULT_SHORTLIST, DEFAULT_TOP_K, ExitHead, Shortlist, frequency_shortlist
+from eectl.exits import DEFAULT_TOP_K, ExitHead
 from eectl.head_checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from eectl.head_designs import (
     HeadStack,

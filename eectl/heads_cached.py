@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eectl.candidates import DEFAULT_SHORTLIST as CANDIDATE_SHORTLIST
+from eectl.candidates import Shortlist
 from eectl.data import TokenStream
 from eectl.errors import EectlError, UsageError
-from eectl.exits import DEFAULT_SHORTLIST as CANDIDATE_SHORTLIST
-from eectl.exits import DEFAULT_TOP_K, ExitHead, Shortlist
+from eectl.exits import DEFAULT_TOP_K, ExitHead
 from eectl.head_checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from eectl.head_data import StateCache
 from eectl.head_designs import (

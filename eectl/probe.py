@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from eectl.candidates import CandidateSource
 from eectl.exits import (
     DEFAULT_TOP_K,
-    CandidateSource,
     ExitHead,
     ExitScoring,
     ExitState,

@@ -206,7 +206,7 @@ def menu(a: argparse.Namespace) -> None:
 
     from eectl.calibrate_fit import evaluate
     from eectl.calibrate_measure import SOURCES, ExitScorer, Measurements, heldout_units
-    from eectl.exits import frequency_shortlist, make_source
+    from eectl.candidates import frequency_shortlist, make_source
     from eectl.head_data import open_cache
     from eectl.models import load_model
     from eectl.thresholds import assign_exits, fit_thresholds

@@ -10,6 +10,8 @@ from eectl.calibration_file import Calibration, DataInfo, ExitResult, ModelInfo,
 from eectl.data import load_text_data
 from eectl.exits import SIGNALS
 from eectl.export import ExportOptions, export_artifact
+from eectl.head_designs import head_cost, head_width
+from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
 from eectl.models import load_model
 from eectl.runtime.sessions import init_ort
 from tests.tiny import GSM8K, TINY_CONFIGS, save_tiny
@@ -108,4 +110,27 @@ def make_calibration(loaded, thresholds: dict[int, dict[str, float]], signal: st
         exits=[ExitResult(layer=e, head=False, thresholds=thresholds[e], calibration=split) for e in layers],
         calibration=overall,
         heldout=None,
+    )
+
+
+def make_heads_meta(
+    loaded, exits: list[int], design: str = "residual-linear", rank: int | None = None, probe: dict | None = None
+) -> HeadsMeta:
+    """Valid HeadsMeta for heads of `design` at `exits` on `loaded` (the design's real cost), with empty training
+    records and the given probe metadata."""
+    d = loaded.adapter.dims
+    return HeadsMeta(
+        exits=exits,
+        design=design,
+        rank=rank,
+        width=head_width(design, rank, d.hidden_size),
+        head_cost=HeadCost(**head_cost(design, rank, d.hidden_size)),
+        dimensions=HeadDims(num_layers=d.num_layers, hidden_size=d.hidden_size, vocab_size=d.vocab_size),
+        base_model=loaded.source.to_dict(),
+        data={},
+        training={},
+        steps=0,
+        seed=0,
+        report={},
+        probe=probe,
     )

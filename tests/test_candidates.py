@@ -1,5 +1,5 @@
-"""Candidate sources (exits.py) against their exit graphs (export.py) in ONNX Runtime, the menu of exit subsets
-calibrate writes, and the plan export writes and run follows."""
+"""Candidate sources (candidates.py) against their exit graphs (export_graphs.py) in ONNX Runtime, the menu of exit
+subsets calibrate writes, and the plan export writes and run follows."""
 
 from __future__ import annotations
 
@@ -12,18 +12,16 @@ from onnx import TensorProto, helper, numpy_helper
 
 from eectl.calibrate import CalibrateOptions, calibrate_model
 from eectl.calibrate_measure import ExitScorer, measure_text
-from eectl.data import token_chunks
-from eectl.exits import (
-    ExitHead,
+from eectl.candidates import (
     Int8Ranking,
     Shortlist,
     dynamic_quantize_uint8,
     frequency_shortlist,
     int8_scores,
-    passes,
     quantize_rows_int8,
-    signals,
 )
+from eectl.data import token_chunks
+from eectl.exits import ExitHead, passes, signals
 from eectl.export import ExportOptions, export_artifact
 from eectl.runtime.generate import RunOptions, resolve_config
 from eectl.runtime.runner import RunConfig, Runner

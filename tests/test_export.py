@@ -18,12 +18,11 @@ from eectl.errors import ArtifactError, UsageError
 from eectl.exits import ExitHead
 from eectl.export import ExportOptions, export_artifact
 from eectl.export_validation import ExportValidationError
-from eectl.head_designs import head_cost, make_head
-from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
+from eectl.head_designs import make_head
 from eectl.manifest import MANIFEST, SCHEMA_VERSION, read_manifest, write_manifest
 from eectl.models import KVCache, load_model
 from eectl.runtime.sessions import ArtifactRuntime
-from tests.conftest import make_calibration
+from tests.conftest import make_calibration, make_heads_meta
 
 EXITS = [2, 4]
 ATOL = 1e-4
@@ -187,20 +186,7 @@ def test_manifest_round_trips_with_its_calibration_and_heads(tiny_dirs, tmp_path
     loaded = load_model(str(tiny_dirs["llama"]))
     cal = make_calibration(loaded, {2: {"prob": float("inf")}, 4: {"prob": 0.25}})
     heads = {4: make_head("low-rank", loaded.adapter.dims.hidden_size, 4, torch.Generator().manual_seed(0))}
-    meta = HeadsMeta(
-        exits=[4],
-        design="low-rank",
-        rank=4,
-        width=4,
-        head_cost=HeadCost(**head_cost("low-rank", 4, loaded.adapter.dims.hidden_size)),
-        dimensions=HeadDims(num_layers=6, hidden_size=loaded.adapter.dims.hidden_size, vocab_size=384),
-        base_model=loaded.source.to_dict(),
-        data={},
-        training={},
-        steps=0,
-        seed=0,
-        report={},
-    )
+    meta = make_heads_meta(loaded, [4], "low-rank", rank=4)
     art = tmp_path / "a"
     written = export_artifact(loaded, art, ExportOptions(exits=[2, 4], top_k=8), heads, meta, cal)
     back = read_manifest(art)

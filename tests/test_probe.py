@@ -10,10 +10,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from eectl.candidates import CANDIDATE_SOURCES
 from eectl.cli import app
 from eectl.errors import UsageError
 from eectl.exits import (
-    CANDIDATE_SOURCES,
     ExitHead,
     ExitScoring,
     TorchExitLogits,
@@ -25,10 +25,10 @@ from eectl.exits import (
 )
 from eectl.export import ExportOptions, export_artifact
 from eectl.head_designs import HeadStack, build_heads, load_heads, save_heads
-from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
 from eectl.probe import ProbeConfig, fit_probes
 from eectl.runtime.runner import OrtExitLogits, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime
+from tests.conftest import make_heads_meta
 
 EXITS = [2, 4]
 K = 8
@@ -72,32 +72,13 @@ def _heads_with_probes(loaded, seed: int = 0):
     return stack, heads, fit
 
 
-def _meta(loaded, fit=None) -> HeadsMeta:
-    d = loaded.adapter.dims
-    return HeadsMeta(
-        exits=EXITS,
-        design="residual-linear",
-        rank=None,
-        width=None,
-        head_cost=HeadCost(params=0, macs_per_token=0),
-        dimensions=HeadDims(num_layers=d.num_layers, hidden_size=d.hidden_size, vocab_size=d.vocab_size),
-        base_model=loaded.source.to_dict(),
-        data={},
-        training={},
-        steps=0,
-        seed=0,
-        report={},
-        probe=None if fit is None else fit.to_dict(),
-    )
-
-
 @pytest.fixture(scope="module")
 def probed(llama, tmp_path_factory):
     """(heads dict with probes, heads file, artifact folder exported with them)."""
     root = tmp_path_factory.mktemp("probe")
     stack, heads, fit = _heads_with_probes(llama)
     path = root / "heads.safetensors"
-    save_heads(stack, _meta(llama, fit), path)
+    save_heads(stack, make_heads_meta(llama, EXITS, probe=fit.to_dict()), path)
     folder = root / "art"
     manifest = export_artifact(llama, folder, ExportOptions(exits=EXITS, top_k=K), heads)
     assert 0 < manifest.validation["probe_score_max_abs_diff"] < SCORE_TOL  # export checked the graphs' score
@@ -124,7 +105,11 @@ def test_heads_file_keeps_the_probes_and_old_files_load_without(llama, probed, t
         want, got = probe_of(heads[e]), probe_of(again.heads[e])
         assert np.array_equal(want.weight, got.weight) and want.coef().tolist() == got.coef().tolist()
     old = tmp_path / "old.safetensors"  # a heads file written before probes: no probe keys, no meta entry
-    save_heads(build_heads("residual-linear", llama.adapter.dims.hidden_size, EXITS, None, 0), _meta(llama), old)
+    save_heads(
+        build_heads("residual-linear", llama.adapter.dims.hidden_size, EXITS, None, 0),
+        make_heads_meta(llama, EXITS),
+        old,
+    )
     loaded = load_heads(old, llama)
     assert all(probe_of(h) is None for h in loaded.heads.values()) and loaded.meta.probe is None
 
@@ -259,7 +244,11 @@ def test_learned_without_probes_is_one_clear_error(llama, exported, tiny_dirs, t
     with pytest.raises(UsageError, match="needs exit probes"):
         _run(ArtifactRuntime(folder, provider="cpu"), "defer", {e: 0.0 for e in EXITS})
     old = tmp_path / "old.safetensors"
-    save_heads(build_heads("residual-linear", llama.adapter.dims.hidden_size, EXITS, None, 0), _meta(llama), old)
+    save_heads(
+        build_heads("residual-linear", llama.adapter.dims.hidden_size, EXITS, None, 0),
+        make_heads_meta(llama, EXITS),
+        old,
+    )
     args = ["calibrate", str(tiny_dirs["llama"]), "--heads", str(old), "--signal", "learned", "--exits", "2,4"]
     result = CliRunner().invoke(app, [*args, "--tokens", "64", "--confidence", "0", "--out", str(tmp_path / "c.json")])
     assert result.exit_code != 0 and "needs exit probes" in result.output
@@ -276,7 +265,7 @@ def test_probe_only_fits_onto_a_heads_file_from_a_cache(llama, tmp_path):
     spec = CacheSpec.for_budget(EXITS, 256, 0.0, 64)
     cache = build_cache(llama, load_text_data(str(GSM8K)), spec, tmp_path / "cache", lambda n: None, lambda m: None)
     heads = tmp_path / "h.safetensors"
-    save_heads(HeadStack({e: h for e, h in _heads_with_probes(llama)[1].items()}), _meta(llama), heads)
+    save_heads(HeadStack({e: h for e, h in _heads_with_probes(llama)[1].items()}), make_heads_meta(llama, EXITS), heads)
     out = tmp_path / "h2.safetensors"
     fit = add_probes(llama, heads, cache, out, ProbeConfig(tokens=128, steps=20, batch=32, top_k=K))
     again = load_heads(out, llama)

@@ -28,13 +28,13 @@ from eectl.errors import ArtifactError, DataError, OutputError, UsageError
 from eectl.export import ExportOptions, export_artifact
 from eectl.files import DestinationLock, Staging, clean_stale
 from eectl.head_checkpoint import CHECKPOINT_FORMAT, load_checkpoint
-from eectl.head_designs import HeadStack, head_cost, load_heads, make_head, save_heads
-from eectl.heads_meta import FORMAT, HeadCost, HeadDims, HeadsMeta
+from eectl.head_designs import HeadStack, load_heads, make_head, save_heads
+from eectl.heads_meta import FORMAT
 from eectl.manifest import MANIFEST, read_manifest
 from eectl.recipe import load_recipe
 from eectl.runtime.generate import RunOptions, load_tokenizer, read_prompts, resolve_config
 from eectl.runtime.sessions import ArtifactRuntime
-from tests.conftest import make_calibration
+from tests.conftest import make_calibration, make_heads_meta
 from tests.tiny import GSM8K
 
 runner = CliRunner()
@@ -60,24 +60,6 @@ def _rehash(art: Path, rel: str) -> None:
     doc = json.loads((art / MANIFEST).read_text())
     doc["files"][rel] = files.sha256_file(art / rel)
     (art / MANIFEST).write_text(json.dumps(doc))
-
-
-def _meta(loaded, exits: list[int]) -> HeadsMeta:
-    H = loaded.adapter.dims.hidden_size
-    return HeadsMeta(
-        exits=exits,
-        design="residual-linear",
-        rank=None,
-        width=None,
-        head_cost=HeadCost(**head_cost("residual-linear", None, H)),
-        dimensions=HeadDims(num_layers=6, hidden_size=H, vocab_size=384),
-        base_model=loaded.source.to_dict(),
-        data={},
-        training={},
-        steps=0,
-        seed=0,
-        report={},
-    )
 
 
 def _holder(code: str) -> subprocess.Popen[str]:
@@ -247,7 +229,9 @@ def test_5_disk_full_and_read_only_are_one_line_and_leave_nothing(llama, artifac
         files.atomic_write(tmp_path / "c.json", full)
     monkeypatch.setattr(Path, "write_bytes", full)  # heads and checkpoints are serialised, then written by Python
     with pytest.raises(OutputError, match="No space left"):
-        save_heads(HeadStack({3: make_head("residual-linear", 64)}), _meta(llama, [3]), tmp_path / "h.safetensors")
+        save_heads(
+            HeadStack({3: make_head("residual-linear", 64)}), make_heads_meta(llama, [3]), tmp_path / "h.safetensors"
+        )
     monkeypatch.undo()
     assert (tmp_path / "c.json").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "c.json"]
@@ -298,7 +282,7 @@ def test_6_bad_content_behind_a_valid_hash_is_one_line(artifact, tmp_path, fault
 
 @pytest.mark.parametrize("fault", ["not-json", "no-exits", "not-an-object", "unknown-design"])
 def test_7_bad_heads_metadata_is_one_line(llama, tmp_path, fault):
-    doc = _meta(llama, [3]).model_dump(mode="json")
+    doc = make_heads_meta(llama, [3]).model_dump(mode="json")
     if fault == "no-exits":
         del doc["exits"]
     elif fault == "unknown-design":
@@ -493,7 +477,7 @@ def test_14_outputs_are_ordinary_files(llama, tmp_path, umask):
     old = os.umask(umask)
     try:
         stack = HeadStack({3: make_head("residual-linear", llama.adapter.dims.hidden_size)})
-        side = save_heads(stack, _meta(llama, [3]), tmp_path / "h.safetensors")
+        side = save_heads(stack, make_heads_meta(llama, [3]), tmp_path / "h.safetensors")
         cal = files.atomic_write_json(tmp_path / "calibration.json", {"a": 1})
         art = tmp_path / "art"
         export_artifact(llama, art, ExportOptions(exits=[3], top_k=8))

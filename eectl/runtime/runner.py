@@ -29,17 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from eectl.candidates import CANDIDATE_SOURCES, CandidateSource, FirstExitTopK
 from eectl.errors import UsageError
-from eectl.exits import (
-    CANDIDATE_SOURCES,
-    DEFAULT_SIGNAL,
-    CandidateSource,
-    ExitScore,
-    ExitScoring,
-    FirstExitTopK,
-    get_signal,
-    no_probe_error,
-)
+from eectl.exits import DEFAULT_SIGNAL, ExitScore, ExitScoring, get_signal, no_probe_error
 from eectl.plan import BOUND_POLICIES
 from eectl.recipe import check_exit_layers
 from eectl.runtime import resident
