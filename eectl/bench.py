@@ -106,6 +106,8 @@ class ConfigResult:
     predicted_speedup: float | None = None  # the plan's prediction (held-out coverage, the manifest's costs)
     predicted_interval: tuple[float, float] | None = None  # its 90% interval over the costs' timing rounds (plan.py)
     model_speedup: float | None = None  # the cost model at this run's realized exits (and rollbacks)
+    # copy/defer as planned: the token agreement the calibrated option implies over this run's continuation length
+    predicted_agreement: float | None = None
     note: str = ""  # how the configuration was chosen
 
 
@@ -541,7 +543,7 @@ def _result(
 
 def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) -> None:
     """The plan's predicted speedup for this configuration, and the cost model at the exits this run realized."""
-    from eectl.plan import RIVER_POLICIES, predict
+    from eectl.plan import RIVER_POLICIES, predict, sequence_agreement
 
     res.exits = list(cfg.exits)
     res.note = cfg.note
@@ -550,6 +552,9 @@ def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) ->
         active = choice is not None and bool(cfg.exits)
         res.predicted_speedup = choice.prediction.speedup if choice is not None and active else 1.0
         res.predicted_interval = choice.prediction.interval if choice is not None and active else None
+        if active and choice is not None and choice.option is not None and choice.option.kind == "target":
+            # copy/defer change the tokens: the option's per-token disagreement, compounded over a continuation
+            res.predicted_agreement = sequence_agreement(1.0 - choice.option.agreement, cfg.max_new_tokens)
     if m.costs is None:
         return
     boundaries = [s.layers[1] for s in m.segments]

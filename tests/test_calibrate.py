@@ -22,6 +22,7 @@ from eectl.cli import app
 from eectl.data import encode_prompt, token_chunks
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits import ExitHead, signals, topk_candidates, transition_cosine
+from eectl.plan import sequence_agreement
 from eectl.thresholds import (
     betainc,
     binomial_upper_tail,
@@ -408,6 +409,10 @@ def test_cli_calibrate_human_output_and_default_path(tiny_dirs, tmp_path, monkey
     assert path.is_file() and "held-out" in res.stdout and "speedup bound" in res.stdout and path.name in res.stdout
     cal = read_calibration(path)
     assert [x.layer for x in cal.exits] == [2, 3, 4, 5] and cal.top_k is None  # the recipe's default exits
+    # the generated tokens' per-token disagreement, compounded over one continuation (what bench will see)
+    gen, n = cal.heldout_by_source["generated"], cal.data.gen_tokens_per_prompt
+    want = f"{n}-token continuations under copy/defer agree {sequence_agreement(1 - gen.agreement, n):.1%}"
+    assert want in " ".join(res.stdout.split())
 
 
 def test_cli_calibrate_with_heads(tiny_dirs, tmp_path, monkeypatch):

@@ -281,3 +281,51 @@ def test_undecided_when_the_best_interval_straddles_the_line():
     assert ("defer" in plan.undecided()) == (best.high() >= 1 + MIN_GAIN)
     slow = choose(_noisy(0), BOUNDARIES, [_option([8], [0.02])])  # clearly below the line: decided
     assert slow.undecided() == []
+
+
+# --- fidelity: per-token disagreement compounded over a continuation ------------------------------------------
+
+
+def test_sequence_agreement_is_the_mean_survival_and_matches_a_simulation():
+    from eectl.plan import sequence_agreement
+
+    assert sequence_agreement(0.0, 48) == 1.0 and sequence_agreement(0.01, 0) == 1.0
+    assert sequence_agreement(1.0, 48) == 0.0
+    for h, n in ((0.003, 48), (0.01, 64), (0.2, 5)):
+        direct = sum((1 - h) ** i for i in range(1, n + 1)) / n  # position i agrees iff no disagreement at 1..i
+        assert sequence_agreement(h, n) == pytest.approx(direct, rel=1e-12)
+    # independent disagreements, the first one parting the continuation for good: a seeded simulation
+    rng = np.random.default_rng(0)
+    h, n = 0.01, 64
+    wrong = rng.random((20000, n)) < h
+    parted = np.cumsum(wrong, axis=1) > 0
+    assert sequence_agreement(h, n) == pytest.approx(1 - parted.mean(), abs=0.003)  # 20,000 sequences: se ~0.001
+    assert sequence_agreement(0.003, 48) < 1 - 0.003  # a sequence agrees less than a token does
+
+
+def test_bench_predicts_agreement_for_planned_copy_and_defer_only():
+    from types import SimpleNamespace
+
+    from eectl.bench import ConfigResult, _predictions
+    from eectl.plan import sequence_agreement
+    from eectl.runtime.runner import RunConfig
+
+    target = _option([4], [0.5], precision=[0.99])
+    target.agreement = 0.995  # held-out, over all generated tokens: half exit, 1% of those wrong
+    verify = _option([4], [0.6], precision=[0.9], kind="verify", target=0.9)
+    plan = choose(_costs(), BOUNDARIES, [target, verify])
+    m = SimpleNamespace(plan=plan, costs=None)
+
+    def predicted(policy: str, planned: bool = True, exits=(4,)) -> float | None:
+        res = ConfigResult(name=policy, ms_per_token=1.0, ms_per_token_spread=(1.0, 1.0), tokens_per_s=1.0,
+                           throughput=1.0, ttft_ms=1.0, rss_mb=1.0)  # fmt: skip
+        cfg = RunConfig(exits=list(exits), thresholds={}, policy=policy, max_new_tokens=48, planned=planned)
+        _predictions(res, cfg, m, [])
+        return res.predicted_agreement
+
+    assert plan.choices["defer"].exits == [4] and plan.choices["verify"].exits == [4]
+    assert predicted("defer") == pytest.approx(sequence_agreement(0.005, 48))  # 0.89: 0.5% per token, 48 tokens
+    assert predicted("copy") == pytest.approx(sequence_agreement(0.005, 48))
+    assert predicted("verify") is None  # lossless: nothing to predict
+    assert predicted("defer", planned=False) is None  # forced exits/thresholds: no calibrated option behind them
+    assert predicted("defer", exits=()) is None  # the plan ran full depth

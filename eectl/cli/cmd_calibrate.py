@@ -11,6 +11,7 @@ from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set
 from eectl.errors import UsageError
 from eectl.files import check_output_file
 from eectl.output import Output
+from eectl.plan import sequence_agreement
 from eectl.recipe import default_exits, load_recipe, parse_layers, pick
 
 
@@ -163,6 +164,13 @@ def _print_calibration(out: Output, result: object, path: Path) -> None:
             )
     for name, s in result.heldout_by_source.items():
         out.line(f"  held-out {name}: {s.tokens} tokens, exit {s.exit_rate:.1%}, agreement {num(s.precision)}")
+        if name == "generated" and d.gen_tokens_per_prompt:
+            n = d.gen_tokens_per_prompt
+            out.line(
+                f"  with every exit active, {1 - s.agreement:.2%} of generated tokens disagree with full depth: "
+                f"{n}-token continuations under copy/defer agree {sequence_agreement(1 - s.agreement, n):.1%} "
+                "position-wise (predicted: the first disagreement parts them)"
+            )
     out.line(
         f"data: {d.tokens} tokens of {d.name}: {d.teacher_forced_tokens} teacher-forced, {d.generated_tokens} "
         f"generated ({d.prompts_used} prompts{' in the chat template' if d.chat_template else ''} x up to "
