@@ -23,7 +23,15 @@ Where the time goes (default model, 2 threads): generation's decode steps, then 
 run in batches of `text_batch` chunks for text and not again for generated sequences. `cache.json` keeps the
 seconds per phase (`timing`).
 
-Several designs and losses train from one cache; only the layers they use must be in it.
+Several designs and losses train from one cache; only the layers they use must be in it. A complete cache is
+widened in place to more layers (`build_cache` with a spec that differs only by its layers: same model, data,
+budgets and every other field): the frozen base runs teacher-forced over each stored sequence's `ids` (up to the
+last new layer) and the new `state_{l}` are added to its file, rewritten atomically; the stored tensors are kept as
+they are, byte for byte, and nothing is generated again. A generated sequence's new states are therefore
+teacher-forced over the generation's own tokens: the same tokens, so the same states as the generation's up to
+float rounding (it ran them in a KV-cached, left-padded batch). `cache.json` is rewritten last with the union of the
+layers (entries and budgets kept, the widen's seconds a `widen` phase of `timing`); until then it names the old
+layers, and a stopped widen resumes: files that already hold every new layer are skipped.
 
 What this module does not do: train (heads.py), or decide what an exit is.
 """
@@ -206,10 +214,14 @@ class Timing(dict[str, float]):
 
 
 @torch.no_grad()
-def base_states(adapter: Any, rows: list[list[int]], layers: list[int]) -> list[dict[int, torch.Tensor]]:
+def base_states(
+    adapter: Any, rows: list[list[int]], layers: list[int], final: bool = True
+) -> list[dict[int, torch.Tensor]]:
     """The frozen base on sequences of equal length in one call: per row, the cached layers' states (float16) and
-    the final one (key 0, as computed: the teacher is taken from it) [S, H]."""
+    the final one (key 0, as computed: the teacher is taken from it) [S, H]. Without `final` the base stops after
+    the last of `layers` (no key 0)."""
     wanted = set(layers)
+    hi = adapter.num_layers if final else max(layers)
     states: dict[int, torch.Tensor] = {}
 
     def on_layer(i: int, _h_in: torch.Tensor, h_out: torch.Tensor) -> None:
@@ -218,7 +230,9 @@ def base_states(adapter: Any, rows: list[list[int]], layers: list[int]) -> list[
 
     x = torch.tensor(rows, dtype=torch.long, device=adapter.device)
     positions = torch.arange(x.shape[1], device=x.device)[None].expand_as(x)
-    states[0] = adapter.forward_layers(adapter.embed(x), positions, 0, adapter.num_layers, None, on_layer=on_layer)
+    out = adapter.forward_layers(adapter.embed(x), positions, 0, hi, None, on_layer=on_layer)
+    if final:
+        states[0] = out
     return [{k: v[r].cpu() for k, v in states.items()} for r in range(len(rows))]
 
 
@@ -272,7 +286,8 @@ def build_cache(
     log: Callable[[str], None] | None = None,
 ) -> StateCache:
     """Compute (or finish computing) the cache for `spec` in `folder`; an existing cache of another identity is
-    refused, an identical one is reused. Text chunks first, then generated sequences, per split."""
+    refused, an identical one is reused, a complete one that lacks only some of the layers is widened to them
+    (`widen_cache`). Text chunks first, then generated sequences, per split."""
     from eectl.files import atomic_write as _atomic_write
 
     say = log or (lambda _m: None)
@@ -284,6 +299,13 @@ def build_cache(
     if meta_path.is_file():
         old = json.loads(meta_path.read_text(encoding="utf-8"))
         if old.get("identity") != identity:
+            if _only_layers_differ(old.get("identity"), identity):
+                if old.get("complete") and old.get("budgets") == {k: getattr(spec, k) for k in _BUDGETS}:
+                    return widen_cache(loaded, folder, spec.layers, spec.text_batch, on_tokens, log)
+                raise UsageError(
+                    f"{folder} holds a state cache of other layers that is incomplete or has other token budgets",
+                    hint="finish or widen it with its own budgets first (see its cache.json), then change one thing",
+                )
             raise UsageError(
                 f"{folder} holds a state cache of another model, data or spec",
                 hint="pass another --cache folder, or delete this one",
@@ -319,6 +341,75 @@ def build_cache(
     }
     _atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8"))
     return StateCache(folder, identity, entries, build_s, dict(timing))
+
+
+def _only_layers_differ(old: Any, new: dict[str, Any]) -> bool:
+    """Two cache identities that are equal but for the spec's layers."""
+    if not isinstance(old, dict) or not isinstance(old.get("spec"), dict):
+        return False
+    return {**old, "spec": {**old["spec"], "layers": None}} == {**new, "spec": {**new["spec"], "layers": None}}
+
+
+def widen_cache(
+    loaded: Any,
+    folder: Path,
+    layers: list[int],
+    batch: int = 4,
+    on_tokens: Callable[[int], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> StateCache:
+    """Add the states of `layers` the complete cache in `folder` does not hold to every sequence file (teacher-forced
+    on its stored ids, `batch` sequences of equal length per base call), then name the union in `cache.json`.
+    `on_tokens` counts measured tokens per file done (files already widened first), as the build does."""
+    from safetensors import safe_open
+
+    from eectl.files import atomic_write as _atomic_write
+
+    say = log or (lambda _m: None)
+    cache = open_cache(folder)
+    doc = json.loads((folder / "cache.json").read_text(encoding="utf-8"))
+    adapter = loaded.adapter
+    new = sorted(set(layers) - set(cache.layers))
+    if not new:
+        return cache
+    CacheSpec(layers=new).check(adapter.num_layers)
+    names = {f"state_{layer}" for layer in new}
+    todo: dict[int, list[Entry]] = {}  # by length: equal lengths batch without padding
+    skipped = 0
+    for entry in cache.entries:
+        with safe_open(str(folder / entry.file), framework="pt") as f:  # type: ignore[no-untyped-call]
+            have = set(f.keys())
+        if names <= have:
+            skipped += entry.tokens
+        else:
+            todo.setdefault(entry.length, []).append(entry)
+    n_todo = sum(len(g) for g in todo.values())
+    say(f"state cache: widening {n_todo} of {len(cache.entries)} sequences to layers {new} (the others hold them)")
+    if on_tokens is not None:
+        on_tokens(skipped)
+    start = time.perf_counter()
+    positions = 0
+    for group in todo.values():
+        for g0 in range(0, len(group), batch):
+            part = group[g0 : g0 + batch]
+            seqs = [read_sequence(folder / e.file) for e in part]
+            states = base_states(adapter, [s.ids.tolist() for s in seqs], new, final=False)
+            for entry, seq, st in zip(part, seqs, states, strict=True):
+                seq.states.update(st)
+                write_sequence(folder / entry.file, seq)
+                positions += entry.length
+                if on_tokens is not None:
+                    on_tokens(entry.tokens)
+    widen_s = time.perf_counter() - start
+    say(
+        f"state cache: widened {n_todo} sequences ({positions} positions) in {widen_s:.0f} s, "
+        f"{positions / max(widen_s, 1e-9):.0f} positions/s"
+    )
+    doc["identity"]["spec"]["layers"] = sorted(set(cache.layers) | set(new))
+    doc["timing"] = {**doc.get("timing", {}), "widen": doc.get("timing", {}).get("widen", 0.0) + widen_s}
+    doc["build_s"] = float(doc.get("build_s", 0.0)) + widen_s
+    _atomic_write(folder / "cache.json", lambda tmp: tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8"))
+    return open_cache(folder)
 
 
 def _split_data(tok: Any, data: Any, spec: CacheSpec) -> tuple[Any, Any]:

@@ -236,3 +236,77 @@ def test_shortlist_rows_join_the_exact_part_of_the_normaliser(llama):
     _, exact_z = topk_tail_kl(lens, mapped, teacher, None)
     _, all_listed = topk_tail_kl(lens, mapped, teacher, 16, torch.Generator().manual_seed(1), torch.arange(V))
     torch.testing.assert_close(all_listed, exact_z, rtol=1e-4, atol=1e-5)
+
+
+def _widen_spec(layers, text_tokens=200):
+    return CacheSpec(
+        layers=layers,
+        text_tokens=text_tokens,
+        gen_tokens=40,
+        eval_text_tokens=64,
+        eval_gen_tokens=4,
+        gen_len=2,
+        chunk_len=32,
+        teacher_k=4,
+        gen_batch=4,
+    )
+
+
+def test_a_cache_is_widened_to_more_layers_without_generating_again(llama, gsm8k, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from eectl import calibrate_measure
+    from eectl.errors import UsageError
+
+    narrow = build_cache(llama, gsm8k, _widen_spec([2]), tmp_path / "c")
+    before = {e.file: load_file(str(narrow.folder / e.file)) for e in narrow.entries}
+    fresh = build_cache(llama, gsm8k, _widen_spec([2, 4]), tmp_path / "fresh")
+
+    def no_generation(*_a, **_k):
+        raise AssertionError("a widen generates nothing")
+
+    monkeypatch.setattr(calibrate_measure, "generate_continuations", no_generation)
+    # stop the widen after two files: cache.json still names layer 2 only, and the rerun skips the files done
+    calls = []
+
+    def stop(n):
+        calls.append(n)
+        if len(calls) == 3:  # the first call counts the files already widened (none)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_cache(llama, gsm8k, _widen_spec([2, 4]), tmp_path / "c", on_tokens=stop)
+    assert open_cache(tmp_path / "c").layers == [2]
+    stamps = {e.file: (narrow.folder / e.file).stat().st_mtime_ns for e in narrow.entries}
+    counted = []
+    wide = build_cache(llama, gsm8k, _widen_spec([4, 2]), tmp_path / "c", on_tokens=counted.append)
+    assert counted[0] == sum(calls[1:]) > 0  # the two files done before the stop: skipped, counted first
+    assert sum(counted) == narrow.tokens("train") + narrow.tokens("held")
+    assert sum(stamps[f] == (wide.folder / f).stat().st_mtime_ns for f in stamps) == 2
+    assert wide.layers == [2, 4] and [asdict_(e) for e in wide.entries] == [asdict_(e) for e in narrow.entries]
+    assert "widen" in wide.timing and wide.timing["generation"] == narrow.timing["generation"]
+    assert [e.file for e in fresh.entries] == [e.file for e in wide.entries]
+    for entry in wide.entries:
+        got = load_file(str(wide.folder / entry.file))
+        assert set(got) == set(before[entry.file]) | {"state_4"}
+        for name, t in before[entry.file].items():  # what was stored is kept byte for byte
+            assert t.dtype == got[name].dtype and torch.equal(t, got[name])
+        # the new layer as a fresh build computes it: text the same way (equal up to batch composition), generated
+        # teacher-forced against the generation's KV-cached, left-padded batch: float16 rounding apart (1e-2)
+        want = load_file(str(fresh.folder / entry.file))
+        assert torch.equal(got["ids"], want["ids"])
+        torch.testing.assert_close(got["state_4"].float(), want["state_4"].float(), rtol=1e-2, atol=1e-2)
+    # a cache asked for a layer it holds is reused; a spec that differs in more than layers is still refused
+    assert build_cache(llama, gsm8k, _widen_spec([4]), tmp_path / "c").layers == [2, 4]
+    with pytest.raises(UsageError, match="other token budgets"):
+        build_cache(llama, gsm8k, _widen_spec([2, 3], text_tokens=260), tmp_path / "c")
+    other = _widen_spec([2, 3])
+    other.teacher_k = 8
+    with pytest.raises(UsageError, match="another model, data or spec"):
+        build_cache(llama, gsm8k, other, tmp_path / "c")
+
+
+def asdict_(entry):
+    from dataclasses import asdict
+
+    return asdict(entry)
