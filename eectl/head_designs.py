@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from eectl.errors import ArtifactError, UsageError
-from eectl.exits import ExitHead
+from eectl.exits import ExitHead, attach_probe
 from eectl.files import atomic_write, atomic_write_text
 from eectl.heads_meta import FORMAT, HeadsMeta
 from eectl.models.adapters import Adapter
@@ -298,3 +298,55 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
     heads = {layer: stack.head(layer) for layer in exits}
     attach_probe_tensors(heads, probes)
     return HeadSet(heads, meta)
+
+
+def merge_heads(paths: list[Path], loaded: Any, out: Path) -> HeadsMeta:
+    """One heads file from several trained on the same model with the same design and shape at disjoint exits (e.g.
+    later exits trained after the first ones), written to `out` with its sidecar.
+
+    Each head is kept as trained; the metadata names the union of the exits and keeps each input's data, training
+    and report under `merged_from` (their reports were measured per file). Probes are not carried over: a probe
+    is fitted with the other exits' candidates in view, so fit them onto the merged file (`eectl train-heads
+    --probe-only`). Heads of other models, designs, shapes or overlapping exits are refused (ArtifactError)."""
+    if len(paths) < 2:
+        raise UsageError("merging heads needs two heads files or more")
+    sets = [load_heads(p, loaded) for p in paths]
+    first = sets[0].meta
+    same = ("design", "rank", "width", "head_cost", "dimensions", "block_init")
+    heads: dict[int, nn.Module] = {}
+    for path, hs in zip(paths, sets, strict=True):
+        differ = [k for k in same if getattr(hs.meta, k) != getattr(first, k)]
+        if hs.meta.base_model.get("sha256") != first.base_model.get("sha256"):
+            differ.insert(0, "base model")
+        if differ:
+            raise ArtifactError(f"heads in {Path(path).name} differ from {Path(paths[0]).name} in {', '.join(differ)}")
+        overlap = sorted(set(hs.exits) & set(heads))
+        if overlap:
+            raise ArtifactError(f"heads in {Path(path).name} repeat exits {overlap} of another file")
+        for layer, head in hs.heads.items():
+            attach_probe(head, None)
+            heads[layer] = head
+    exits = sorted(heads)
+    blocks = {k: v for hs in sets for k, v in (hs.meta.block_layers or {}).items()}
+
+    def merged(what: str) -> dict[str, Any]:
+        return {
+            "merged_from": [
+                {"file": str(p), "exits": hs.exits, what: getattr(hs.meta, what)}
+                for p, hs in zip(paths, sets, strict=True)
+            ]
+        }
+
+    meta = first.model_copy(
+        update={
+            "exits": exits,
+            "data": merged("data"),
+            "training": merged("training"),
+            "report": merged("report"),
+            "steps": max(hs.meta.steps for hs in sets),
+            "block_layers": blocks or None,
+            "probe": None,
+        }
+    )
+    save_heads(HeadStack(heads), meta, out)
+    return meta

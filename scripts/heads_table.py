@@ -7,7 +7,8 @@
 `build` computes the frozen base's states once (eectl.head_data; with more --layers than a complete cache holds, and
 the same budgets, it widens that cache: no generation again); `train` trains one design from them
 (eectl.heads_cached); `calib` fits calibrate's sequential thresholds (--confidence 0.95) on half of the held-out
-split and replays them on the other half, counting each head's cost in decoder-layer units.
+split and replays them on the other half, counting each head's cost in decoder-layer units. `merge` joins heads
+files trained at disjoint exits (--heads A,B --out M).
 """
 
 from __future__ import annotations
@@ -326,9 +327,21 @@ def menu(a: argparse.Namespace) -> None:
             )
 
 
+def merge(a: argparse.Namespace) -> None:
+    """--heads A,B,...: one heads file at --out with every exit (same model and design, disjoint exits; probes
+    dropped: fit them onto the result with `eectl train-heads --probe-only`)."""
+    from eectl.head_designs import merge_heads
+    from eectl.models import load_model
+
+    if not a.heads or not a.out:
+        sys.exit("merge needs --heads A,B,... and --out FILE")
+    meta = merge_heads([Path(p) for p in a.heads.split(",")], load_model(a.model), Path(a.out))
+    print(f"wrote {a.out}: {meta.design} heads at exits {meta.exits} (no probes)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["build", "train", "calib", "menu"])
+    ap.add_argument("step", choices=["build", "train", "calib", "menu", "merge"])
     ap.add_argument("--cache", default="artifacts/states")
     ap.add_argument("--model", default=None, help="default: the built-in SmolLM2-135M-Instruct")
     ap.add_argument("--data", default="/work/shared/data/gsm8k/train.jsonl")
@@ -366,7 +379,7 @@ def main() -> None:
     ap.add_argument("--eval-report", type=int, default=3000, help="held-out tokens of the training report")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    {"build": build, "train": train, "calib": calib, "menu": menu}[a.step](a)
+    {"build": build, "train": train, "calib": calib, "menu": menu, "merge": merge}[a.step](a)
 
 
 if __name__ == "__main__":

@@ -310,3 +310,28 @@ def asdict_(entry):
     from dataclasses import asdict
 
     return asdict(entry)
+
+
+def test_heads_trained_at_other_exits_merge_into_one_file(llama, gsm8k, tmp_path):
+    from eectl.errors import ArtifactError
+    from eectl.head_designs import merge_heads
+
+    cache = _tiny_cache(llama, gsm8k, tmp_path / "c")
+    common = dict(design="residual-linear", steps=3, batch_tokens=32, tail_samples=64)
+    for name, exits in (("a", [4]), ("b", [2]), ("c", [2])):
+        train_cached(llama, cache, CachedConfig(exits=exits, **common), tmp_path / f"{name}.safetensors")
+    train_cached(llama, cache, CachedConfig(exits=[2], **{**common, "design": "mlp"}), tmp_path / "m.safetensors")
+    a, b = load_heads(tmp_path / "a.safetensors", llama), load_heads(tmp_path / "b.safetensors", llama)
+    assert a.meta.probe is not None  # the trainer fits probes; a merge drops them (refit onto the merged file)
+    meta = merge_heads([tmp_path / "a.safetensors", tmp_path / "b.safetensors"], llama, tmp_path / "ab.safetensors")
+    ab = load_heads(tmp_path / "ab.safetensors", llama)
+    assert ab.exits == meta.exits == [2, 4] and ab.meta.probe is None and ab.meta.design == "residual-linear"
+    assert [x["exits"] for x in ab.meta.training["merged_from"]] == [[4], [2]]
+    for layer, src in ((2, b), (4, a)):  # each head as trained, bit for bit
+        for p, q in zip(ab.heads[layer].parameters(), src.heads[layer].parameters(), strict=True):
+            assert torch.equal(p, q)
+    with pytest.raises(ArtifactError, match="repeat exits"):
+        merge_heads([tmp_path / "b.safetensors", tmp_path / "c.safetensors"], llama, tmp_path / "x.safetensors")
+    with pytest.raises(ArtifactError, match="design"):
+        merge_heads([tmp_path / "a.safetensors", tmp_path / "m.safetensors"], llama, tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
