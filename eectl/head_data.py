@@ -374,35 +374,39 @@ def widen_cache(
         return cache
     CacheSpec(layers=new).check(adapter.num_layers)
     names = {f"state_{layer}" for layer in new}
-    todo: dict[int, list[Entry]] = {}  # by length: equal lengths batch without padding
+    todo: list[Entry] = []
     skipped = 0
-    for entry in cache.entries:
+    for entry in _widen_order(cache.entries):
         with safe_open(str(folder / entry.file), framework="pt") as f:  # type: ignore[no-untyped-call]
             have = set(f.keys())
         if names <= have:
             skipped += entry.tokens
         else:
-            todo.setdefault(entry.length, []).append(entry)
-    n_todo = sum(len(g) for g in todo.values())
-    say(f"state cache: widening {n_todo} of {len(cache.entries)} sequences to layers {new} (the others hold them)")
+            todo.append(entry)
+    say(f"state cache: widening {len(todo)} of {len(cache.entries)} sequences to layers {new} (the others hold them)")
     if on_tokens is not None:
         on_tokens(skipped)
     start = time.perf_counter()
     positions = 0
-    for group in todo.values():
-        for g0 in range(0, len(group), batch):
-            part = group[g0 : g0 + batch]
-            seqs = [read_sequence(folder / e.file) for e in part]
-            states = base_states(adapter, [s.ids.tolist() for s in seqs], new, final=False)
-            for entry, seq, st in zip(part, seqs, states, strict=True):
-                seq.states.update(st)
-                write_sequence(folder / entry.file, seq)
-                positions += entry.length
-                if on_tokens is not None:
-                    on_tokens(entry.tokens)
+    window = 16 * batch  # sequences per window, batched by equal length inside it (no padding)
+    for w0 in range(0, len(todo), window):
+        groups: dict[int, list[Entry]] = {}
+        for entry in todo[w0 : w0 + window]:
+            groups.setdefault(entry.length, []).append(entry)
+        for group in groups.values():
+            for g0 in range(0, len(group), batch):
+                part = group[g0 : g0 + batch]
+                seqs = [read_sequence(folder / e.file) for e in part]
+                states = base_states(adapter, [s.ids.tolist() for s in seqs], new, final=False)
+                for entry, seq, st in zip(part, seqs, states, strict=True):
+                    seq.states.update(st)
+                    write_sequence(folder / entry.file, seq)
+                    positions += entry.length
+                    if on_tokens is not None:
+                        on_tokens(entry.tokens)
     widen_s = time.perf_counter() - start
     say(
-        f"state cache: widened {n_todo} sequences ({positions} positions) in {widen_s:.0f} s, "
+        f"state cache: widened {len(todo)} sequences ({positions} positions) in {widen_s:.0f} s, "
         f"{positions / max(widen_s, 1e-9):.0f} positions/s"
     )
     doc["identity"]["spec"]["layers"] = sorted(set(cache.layers) | set(new))
@@ -410,6 +414,21 @@ def widen_cache(
     doc["build_s"] = float(doc.get("build_s", 0.0)) + widen_s
     _atomic_write(folder / "cache.json", lambda tmp: tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8"))
     return open_cache(folder)
+
+
+def _widen_order(entries: list[Entry]) -> list[Entry]:
+    """The order a widen takes: the held-out split first (every evaluation reads all of it), then the training split
+    with its sources interleaved in proportion, so a widen stopped early has widened a sample of the training data
+    that is mixed as the whole is (text chunks and generated sequences), not only its first source."""
+    by_source: dict[tuple[str, str], list[Entry]] = {}
+    for entry in entries:
+        by_source.setdefault((entry.split, entry.source), []).append(entry)
+    keyed = [
+        (split == "train", i / len(group), source, e)
+        for (split, source), group in by_source.items()
+        for i, e in enumerate(group)
+    ]
+    return [e for *_k, e in sorted(keyed, key=lambda k: k[:3])]
 
 
 def _split_data(tok: Any, data: Any, spec: CacheSpec) -> tuple[Any, Any]:
