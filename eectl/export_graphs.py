@@ -412,15 +412,15 @@ def build_exit(
 ) -> tuple[onnx.ModelProto, GraphIO]:
     """Exit graph after `layer`: (head) -> final norm -> LM head rows -> logits, the same math as ExitHead.
 
-    The LM head is the shared table stored transposed, [H, V] (see _write_artifact): the full graph's MatMul with
-    one token is then a matrix-vector product that streams the table once, and the local graph gathers K columns.
+    The LM head is a shared table stored twice (export._write_shared_weights): transposed, [H, V], for the full
+    graph's MatMul (one token: a matrix-vector product that streams the table once), and row-major, [V, H], for the
+    local graph, which gathers its K candidates' rows (`_candidate_logits`).
     The full graph also outputs the greedy token (ArgMax, first index on ties as torch): when the runner needs
     nothing else it copies only that out, with k = 1 for the Top-K (sessions.greedy_token).
     """
     dims = adapter.dims
     b = _Builder(dtype)
     hidden = b.input("hidden_states", None, ["n", dims.hidden_size])
-    weight = b.input("lm_head_weight", None, [dims.hidden_size, dims.vocab_size])
     norm_w, eps = adapter.final_norm_weight()
     x = _head_prefix(b, hidden, head, dims.hidden_size, f"exit_{layer}.head")
     normed = _rms(b, x, norm_w, eps, "final_norm")
@@ -434,23 +434,19 @@ def build_exit(
         return b.op("Mul", [b.op("Tanh", [b.op("Div", [t, c])]), c])
 
     suffix = "local" if local else "full"
-    inputs: dict[str, str | list[str]] = {"hidden": "hidden_states", "weight": "lm_head_weight"}
+    inputs: dict[str, str | list[str]] = {"hidden": "hidden_states"}
     if local:
         cand = b.input("candidates", TensorProto.INT64, ["n", "k"])
-        cols = b.op("Transpose", [b.op("Gather", [weight, cand], axis=1)], perm=[1, 0, 2])  # [H, N, K] -> [N, H, K]
-        q = b.op("Unsqueeze", [normed, b.const("axis1", np.array([1], np.int64), False)])  # [N, 1, H]
-        logits = b.op("MatMul", [q, cols])  # [N, 1, K]
-        logits = b.op("Squeeze", [logits, "axis1"])
-        if bias is not None:
-            logits = b.op("Add", [logits, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
-        logits = cap(logits)
+        inputs["rows"] = _ROWS
+        logits = cap(_candidate_logits(b, adapter, normed, cand))
         b.output(logits, "candidate_logits", None, ["n", "k"])
         inputs["candidates"] = "candidates"
         outputs: dict[str, str | list[str]] = {"candidate_logits": "candidate_logits"}
         _decision(b, logits, cand, inputs, outputs, _probe(normed, head))
     else:
+        inputs["weight"] = b.input("lm_head_weight", None, [dims.hidden_size, dims.vocab_size])  # stored [H, V]
         b.input("top_k", TensorProto.INT64, [1])
-        logits = b.op("MatMul", [normed, weight])  # [N, H] @ [H, V]
+        logits = b.op("MatMul", [normed, "lm_head_weight"])  # [N, H] @ [H, V]
         if bias is not None:
             logits = b.op("Add", [logits, b.const("lm_head_bias", bias.detach())])
         logits = cap(logits)
@@ -500,6 +496,23 @@ def save_graph(model: onnx.ModelProto, io: GraphIO, folder: Path) -> GraphIO:
         data = data_name
     onnx.save(model, str(folder / io.file))
     return io.model_copy(update={"data": data})
+
+
+_ROWS = "lm_head_rows"  # the graph input bound to the shared row-major LM head (manifest.LM_HEAD_ROWS)
+
+
+def _candidate_logits(b: _Builder, adapter: Adapter, normed: str, cand: str) -> str:
+    """The exact logits of K candidates [N, K]: their rows of the row-major LM head (input `lm_head_rows`, [V, H]),
+    gathered (K contiguous rows), times the normed state; plus their bias entries where the head has a bias."""
+    dims = adapter.dims
+    b.input(_ROWS, None, [dims.vocab_size, dims.hidden_size])
+    rows = b.op("Gather", [_ROWS, cand], axis=0)  # [N, K, H]
+    q = b.op("Unsqueeze", [normed, b.const("axis2", np.array([2], np.int64), False)])  # [N, H, 1]
+    logits = b.op("Squeeze", [b.op("MatMul", [rows, q]), "axis2"])  # [N, K, H] @ [N, H, 1] -> [N, K]
+    bias = getattr(adapter.lm_head, "bias", None)
+    if bias is not None:
+        logits = b.op("Add", [logits, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
+    return logits
 
 
 def build_candidates(
@@ -554,14 +567,8 @@ def build_candidates(
             ],
         )
         _, cand = b.op("TopK", [approx, "top_k"], 2, axis=-1, largest=1, sorted=1)
-        weight = b.input("lm_head_weight", None, [dims.hidden_size, dims.vocab_size])  # stored [H, V]
-        inputs["weight"] = weight
-        cols = b.op("Transpose", [b.op("Gather", [weight, cand], axis=1)], perm=[1, 0, 2])  # [H, N, K] -> [N, H, K]
-        q = b.op("Unsqueeze", [normed, b.const("axis1", np.array([1], np.int64), False)])  # [N, 1, H]
-        exact = b.op("Squeeze", [b.op("MatMul", [q, cols]), "axis1"])
-        if bias is not None:
-            exact = b.op("Add", [exact, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
-        cand_logits = cap(exact)
+        inputs["rows"] = _ROWS
+        cand_logits = cap(_candidate_logits(b, adapter, normed, cand))
     else:
         raise UsageError(f"no candidate graph for source '{source.name}' (the full source uses the full exit graph)")
     b.output(cand, "candidates", TensorProto.INT64, ["n", "k"])
