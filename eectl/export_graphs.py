@@ -39,7 +39,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import set_external_data
 
 from eectl import __version__
-from eectl.candidates import CandidateSource, Int8Ranking, Shortlist
+from eectl.candidates import CandidateSource, Int8Ranking, Shortlist, ShortlistInt8
 from eectl.errors import UsageError
 from eectl.exits import GRAPH_CRITERIA, SOFTMAX_CRITERIA, Probe, decision_nodes, probe_of
 from eectl.manifest import GraphIO
@@ -515,6 +515,18 @@ def _candidate_logits(b: _Builder, adapter: Adapter, normed: str, cand: str) -> 
     return logits
 
 
+def _int8_scores(b: _Builder, normed: str, qweight: torch.Tensor, scale: torch.Tensor) -> str:
+    """candidates.int8_scores as nodes: DynamicQuantizeLinear -> MatMulInteger with the int8 rows (stored [H, R]) ->
+    times the input's and the rows' scales: [N, R] approximate logits."""
+    x32 = normed if b.elem == TensorProto.FLOAT else b.op("Cast", [normed], to=TensorProto.FLOAT)
+    xq, xs, xzp = b.op("DynamicQuantizeLinear", [x32], 3)
+    wq = b.const("rows_int8", qweight.T.contiguous().numpy(), False)  # [H, R] int8
+    acc = b.op("MatMulInteger", [xq, wq, xzp])  # [N, R] int32, exact
+    float_acc = b.op("Cast", [acc], to=TensorProto.FLOAT)
+    row_scale = b.const("rows_int8_scale", scale.numpy().astype(np.float32), False)
+    return b.op("Mul", [b.op("Mul", [float_acc, xs]), row_scale])
+
+
 def build_candidates(
     adapter: Adapter, layer: int, dtype: str, source: CandidateSource, head: torch.nn.Module | None = None
 ) -> tuple[onnx.ModelProto, GraphIO]:
@@ -546,7 +558,13 @@ def build_candidates(
         return b.op("Mul", [b.op("Tanh", [b.op("Div", [t, c])]), c])
 
     inputs: dict[str, str | list[str]] = {"hidden": "hidden_states", "top_k": "top_k"}
-    if isinstance(source, Shortlist):
+    if isinstance(source, ShortlistInt8):  # before Shortlist: it is one
+        approx = _int8_scores(b, normed, source.qweight, source.scale)  # [N, S]
+        _, idx = b.op("TopK", [approx, "top_k"], 2, axis=-1, largest=1, sorted=1)
+        cand = b.op("Gather", [b.const("shortlist_ids", source.ids.numpy().astype(np.int64), False), idx], axis=0)
+        inputs["rows"] = _ROWS
+        cand_logits = cap(_candidate_logits(b, adapter, normed, cand))
+    elif isinstance(source, Shortlist):
         ids = source.ids
         logits = b.op("MatMul", [normed, b.const("shortlist_rows", weight_t[ids].T.contiguous())])  # [N, S]
         if bias is not None:
@@ -555,17 +573,7 @@ def build_candidates(
         cand = b.op("Gather", [b.const("shortlist_ids", ids.numpy().astype(np.int64), False), idx], axis=0)
         cand_logits = values
     elif isinstance(source, Int8Ranking):
-        x32 = normed if b.elem == TensorProto.FLOAT else b.op("Cast", [normed], to=TensorProto.FLOAT)
-        xq, xs, xzp = b.op("DynamicQuantizeLinear", [x32], 3)
-        wq = b.const("lm_head_int8", source.qweight.T.contiguous().numpy(), False)  # [H, V] int8
-        acc = b.op("MatMulInteger", [xq, wq, xzp])  # [N, V] int32, exact
-        approx = b.op(
-            "Mul",
-            [
-                b.op("Mul", [b.op("Cast", [acc], to=TensorProto.FLOAT), xs]),
-                b.const("lm_head_int8_scale", source.scale.numpy().astype(np.float32), False),
-            ],
-        )
+        approx = _int8_scores(b, normed, source.qweight, source.scale)  # [N, V]
         _, cand = b.op("TopK", [approx, "top_k"], 2, axis=-1, largest=1, sorted=1)
         inputs["rows"] = _ROWS
         cand_logits = cap(_candidate_logits(b, adapter, normed, cand))
