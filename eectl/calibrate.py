@@ -68,7 +68,14 @@ from eectl.calibration_file import (
     HeadsInfo,
     ModelInfo,
 )
-from eectl.candidates import CANDIDATE_SOURCES, DEFAULT_CANDIDATES, DEFAULT_SHORTLIST, frequency_shortlist, make_source
+from eectl.candidates import (
+    CANDIDATE_SOURCES,
+    DEFAULT_CANDIDATES,
+    DEFAULT_SHORTLIST,
+    Shortlist,
+    frequency_shortlist,
+    make_source,
+)
 from eectl.errors import DataError, UsageError
 from eectl.exits import DEFAULT_SIGNAL, DEFAULT_TOP_K, get_signal
 from eectl.recipe import check_exit_layers
@@ -208,7 +215,7 @@ def collect(
                 hint="lower --gen-share or --tokens, or raise --gen-tokens",
             )
     shortlist = None
-    if topk and opts.candidates == "shortlist":
+    if topk and isinstance(CANDIDATE_SOURCES.get(opts.candidates), Shortlist):  # ranked here, on calibration units
         shortlist = frequency_shortlist(
             _calibration_tokens(chunks, conts, opts.holdout), opts.shortlist, dims.vocab_size
         )

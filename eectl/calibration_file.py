@@ -115,7 +115,7 @@ class HeadsInfo(_Model):
 class CandidatesInfo(_Model):
     """The candidate source of signals that score candidates (candidates.py): export builds its graph from this."""
 
-    name: str  # first-exit-topk | shortlist | int8
+    name: str  # first-exit-topk | shortlist | shortlist-int8 | int8
     size: int | None = None  # shortlist rows
     heldout_hit_rate: float | None = None  # share of held-out tokens (text and generated) inside the shortlist
     ids: list[int] | None = None  # the shortlist's token ids, most frequent first

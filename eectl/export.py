@@ -39,6 +39,7 @@ from eectl.export_validation import validate_artifact
 from eectl.files import STAGING_MARKER, locked_staging, output_error, sha256_file
 from eectl.heads_meta import HeadsMeta
 from eectl.manifest import (
+    LM_HEAD_ROWS,
     MANIFEST,
     SCHEMA_VERSION,
     ExitPoint,
@@ -301,6 +302,13 @@ def _write_shared_weights(
     lm = np.ascontiguousarray(adapter.lm_head.weight.detach().float().numpy().astype(np_dtype).T)
     np.save(folder / "weights" / "lm_head.npy", lm)
     shared = {"lm_head": SharedWeight(file="weights/lm_head.npy", shape=list(lm.shape), dtype=dtype, transposed=True)}
+    # and row-major for the graphs that gather K rows (local exits, the int8 source): a column of the [H, V] table
+    # is H strided reads, one cache miss each (measured, 64 candidates of the default model's head, 2 threads:
+    # 0.80 ms gathering columns of [H, V], 0.011 ms gathering rows of [V, H]). The runtime maps it from disk, so
+    # only the rows gathered are read.
+    rows = np.ascontiguousarray(lm.T)
+    np.save(folder / "weights" / "lm_head_rows.npy", rows)
+    shared[LM_HEAD_ROWS] = SharedWeight(file="weights/lm_head_rows.npy", shape=list(rows.shape), dtype=dtype)
     tied = adapter.embed_tokens.weight.data_ptr() == adapter.lm_head.weight.data_ptr()
     if tied:
         shared["embed"] = shared["lm_head"]

@@ -39,7 +39,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import set_external_data
 
 from eectl import __version__
-from eectl.candidates import CandidateSource, Int8Ranking, Shortlist
+from eectl.candidates import CandidateSource, Int8Ranking, Shortlist, ShortlistInt8
 from eectl.errors import UsageError
 from eectl.exits import GRAPH_CRITERIA, SOFTMAX_CRITERIA, Probe, decision_nodes, probe_of
 from eectl.manifest import GraphIO
@@ -412,15 +412,15 @@ def build_exit(
 ) -> tuple[onnx.ModelProto, GraphIO]:
     """Exit graph after `layer`: (head) -> final norm -> LM head rows -> logits, the same math as ExitHead.
 
-    The LM head is the shared table stored transposed, [H, V] (see _write_artifact): the full graph's MatMul with
-    one token is then a matrix-vector product that streams the table once, and the local graph gathers K columns.
+    The LM head is a shared table stored twice (export._write_shared_weights): transposed, [H, V], for the full
+    graph's MatMul (one token: a matrix-vector product that streams the table once), and row-major, [V, H], for the
+    local graph, which gathers its K candidates' rows (`_candidate_logits`).
     The full graph also outputs the greedy token (ArgMax, first index on ties as torch): when the runner needs
     nothing else it copies only that out, with k = 1 for the Top-K (sessions.greedy_token).
     """
     dims = adapter.dims
     b = _Builder(dtype)
     hidden = b.input("hidden_states", None, ["n", dims.hidden_size])
-    weight = b.input("lm_head_weight", None, [dims.hidden_size, dims.vocab_size])
     norm_w, eps = adapter.final_norm_weight()
     x = _head_prefix(b, hidden, head, dims.hidden_size, f"exit_{layer}.head")
     normed = _rms(b, x, norm_w, eps, "final_norm")
@@ -434,23 +434,19 @@ def build_exit(
         return b.op("Mul", [b.op("Tanh", [b.op("Div", [t, c])]), c])
 
     suffix = "local" if local else "full"
-    inputs: dict[str, str | list[str]] = {"hidden": "hidden_states", "weight": "lm_head_weight"}
+    inputs: dict[str, str | list[str]] = {"hidden": "hidden_states"}
     if local:
         cand = b.input("candidates", TensorProto.INT64, ["n", "k"])
-        cols = b.op("Transpose", [b.op("Gather", [weight, cand], axis=1)], perm=[1, 0, 2])  # [H, N, K] -> [N, H, K]
-        q = b.op("Unsqueeze", [normed, b.const("axis1", np.array([1], np.int64), False)])  # [N, 1, H]
-        logits = b.op("MatMul", [q, cols])  # [N, 1, K]
-        logits = b.op("Squeeze", [logits, "axis1"])
-        if bias is not None:
-            logits = b.op("Add", [logits, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
-        logits = cap(logits)
+        inputs["rows"] = _ROWS
+        logits = cap(_candidate_logits(b, adapter, normed, cand))
         b.output(logits, "candidate_logits", None, ["n", "k"])
         inputs["candidates"] = "candidates"
         outputs: dict[str, str | list[str]] = {"candidate_logits": "candidate_logits"}
         _decision(b, logits, cand, inputs, outputs, _probe(normed, head))
     else:
+        inputs["weight"] = b.input("lm_head_weight", None, [dims.hidden_size, dims.vocab_size])  # stored [H, V]
         b.input("top_k", TensorProto.INT64, [1])
-        logits = b.op("MatMul", [normed, weight])  # [N, H] @ [H, V]
+        logits = b.op("MatMul", [normed, "lm_head_weight"])  # [N, H] @ [H, V]
         if bias is not None:
             logits = b.op("Add", [logits, b.const("lm_head_bias", bias.detach())])
         logits = cap(logits)
@@ -502,6 +498,35 @@ def save_graph(model: onnx.ModelProto, io: GraphIO, folder: Path) -> GraphIO:
     return io.model_copy(update={"data": data})
 
 
+_ROWS = "lm_head_rows"  # the graph input bound to the shared row-major LM head (manifest.LM_HEAD_ROWS)
+
+
+def _candidate_logits(b: _Builder, adapter: Adapter, normed: str, cand: str) -> str:
+    """The exact logits of K candidates [N, K]: their rows of the row-major LM head (input `lm_head_rows`, [V, H]),
+    gathered (K contiguous rows), times the normed state; plus their bias entries where the head has a bias."""
+    dims = adapter.dims
+    b.input(_ROWS, None, [dims.vocab_size, dims.hidden_size])
+    rows = b.op("Gather", [_ROWS, cand], axis=0)  # [N, K, H]
+    q = b.op("Unsqueeze", [normed, b.const("axis2", np.array([2], np.int64), False)])  # [N, H, 1]
+    logits = b.op("Squeeze", [b.op("MatMul", [rows, q]), "axis2"])  # [N, K, H] @ [N, H, 1] -> [N, K]
+    bias = getattr(adapter.lm_head, "bias", None)
+    if bias is not None:
+        logits = b.op("Add", [logits, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
+    return logits
+
+
+def _int8_scores(b: _Builder, normed: str, qweight: torch.Tensor, scale: torch.Tensor) -> str:
+    """candidates.int8_scores as nodes: DynamicQuantizeLinear -> MatMulInteger with the int8 rows (stored [H, R]) ->
+    times the input's and the rows' scales: [N, R] approximate logits."""
+    x32 = normed if b.elem == TensorProto.FLOAT else b.op("Cast", [normed], to=TensorProto.FLOAT)
+    xq, xs, xzp = b.op("DynamicQuantizeLinear", [x32], 3)
+    wq = b.const("rows_int8", qweight.T.contiguous().numpy(), False)  # [H, R] int8
+    acc = b.op("MatMulInteger", [xq, wq, xzp])  # [N, R] int32, exact
+    float_acc = b.op("Cast", [acc], to=TensorProto.FLOAT)
+    row_scale = b.const("rows_int8_scale", scale.numpy().astype(np.float32), False)
+    return b.op("Mul", [b.op("Mul", [float_acc, xs]), row_scale])
+
+
 def build_candidates(
     adapter: Adapter, layer: int, dtype: str, source: CandidateSource, head: torch.nn.Module | None = None
 ) -> tuple[onnx.ModelProto, GraphIO]:
@@ -533,7 +558,13 @@ def build_candidates(
         return b.op("Mul", [b.op("Tanh", [b.op("Div", [t, c])]), c])
 
     inputs: dict[str, str | list[str]] = {"hidden": "hidden_states", "top_k": "top_k"}
-    if isinstance(source, Shortlist):
+    if isinstance(source, ShortlistInt8):  # before Shortlist: it is one
+        approx = _int8_scores(b, normed, source.qweight, source.scale)  # [N, S]
+        _, idx = b.op("TopK", [approx, "top_k"], 2, axis=-1, largest=1, sorted=1)
+        cand = b.op("Gather", [b.const("shortlist_ids", source.ids.numpy().astype(np.int64), False), idx], axis=0)
+        inputs["rows"] = _ROWS
+        cand_logits = cap(_candidate_logits(b, adapter, normed, cand))
+    elif isinstance(source, Shortlist):
         ids = source.ids
         logits = b.op("MatMul", [normed, b.const("shortlist_rows", weight_t[ids].T.contiguous())])  # [N, S]
         if bias is not None:
@@ -542,26 +573,10 @@ def build_candidates(
         cand = b.op("Gather", [b.const("shortlist_ids", ids.numpy().astype(np.int64), False), idx], axis=0)
         cand_logits = values
     elif isinstance(source, Int8Ranking):
-        x32 = normed if b.elem == TensorProto.FLOAT else b.op("Cast", [normed], to=TensorProto.FLOAT)
-        xq, xs, xzp = b.op("DynamicQuantizeLinear", [x32], 3)
-        wq = b.const("lm_head_int8", source.qweight.T.contiguous().numpy(), False)  # [H, V] int8
-        acc = b.op("MatMulInteger", [xq, wq, xzp])  # [N, V] int32, exact
-        approx = b.op(
-            "Mul",
-            [
-                b.op("Mul", [b.op("Cast", [acc], to=TensorProto.FLOAT), xs]),
-                b.const("lm_head_int8_scale", source.scale.numpy().astype(np.float32), False),
-            ],
-        )
+        approx = _int8_scores(b, normed, source.qweight, source.scale)  # [N, V]
         _, cand = b.op("TopK", [approx, "top_k"], 2, axis=-1, largest=1, sorted=1)
-        weight = b.input("lm_head_weight", None, [dims.hidden_size, dims.vocab_size])  # stored [H, V]
-        inputs["weight"] = weight
-        cols = b.op("Transpose", [b.op("Gather", [weight, cand], axis=1)], perm=[1, 0, 2])  # [H, N, K] -> [N, H, K]
-        q = b.op("Unsqueeze", [normed, b.const("axis1", np.array([1], np.int64), False)])  # [N, 1, H]
-        exact = b.op("Squeeze", [b.op("MatMul", [q, cols]), "axis1"])
-        if bias is not None:
-            exact = b.op("Add", [exact, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
-        cand_logits = cap(exact)
+        inputs["rows"] = _ROWS
+        cand_logits = cap(_candidate_logits(b, adapter, normed, cand))
     else:
         raise UsageError(f"no candidate graph for source '{source.name}' (the full source uses the full exit graph)")
     b.output(cand, "candidates", TensorProto.INT64, ["n", "k"])

@@ -90,6 +90,12 @@ class Quantization(_M):
     min_agreement: float  # the validation floor on greedy agreement with PyTorch at the final exit
 
 
+# The shared table key of the LM head stored row-major, [V, H] (beside `lm_head`, stored [H, V] for the full
+# projection): a graph gathering K rows reads K contiguous rows of it instead of K strided columns of `lm_head`.
+# Artifacts exported before it have no such table; their local exits gather columns of `lm_head` and run as they did.
+LM_HEAD_ROWS = "lm_head_rows"
+
+
 class SharedWeight(_M):
     file: str
     shape: list[int]

@@ -15,6 +15,7 @@ from eectl.calibrate_measure import ExitScorer, measure_text
 from eectl.candidates import (
     Int8Ranking,
     Shortlist,
+    ShortlistInt8,
     dynamic_quantize_uint8,
     frequency_shortlist,
     int8_scores,
@@ -28,6 +29,7 @@ from eectl.runtime.runner import RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime, _ort, session_options
 
 K = 8
+SOURCES = ("shortlist", "shortlist-int8", "int8")  # the cheap candidate sources, each calibrated and exported below
 
 
 def test_frequency_shortlist_ranks_by_count_then_id():
@@ -77,7 +79,7 @@ def test_int8_scores_equal_ort_dynamic_quantize_and_matmul_integer():
 def calibrations(llama, gsm8k):
     """Tiny-llama calibrations with each cheap source (shortlist of 64 rows), the menu included."""
     out = {}
-    for source in ("shortlist", "int8"):
+    for source in SOURCES:
         opts = CalibrateOptions(
             exits=[2, 3, 4], target=0.5, tokens=1500, top_k=K, candidates=source, shortlist=64, confidence=None
         )
@@ -89,6 +91,8 @@ def test_shortlist_is_ranked_on_calibration_tokens(calibrations, llama):
     cal = calibrations["shortlist"]
     assert cal.candidates is not None and cal.candidates.name == "shortlist" and cal.candidates.size == 64
     assert len(set(cal.candidates.ids or [])) == 64
+    ranked = calibrations["shortlist-int8"].candidates  # the same shortlist, ranked by its int8 rows at run time
+    assert ranked is not None and ranked.name == "shortlist-int8" and ranked.ids == cal.candidates.ids
     assert calibrations["int8"].candidates is not None and calibrations["int8"].candidates.ids is None
 
 
@@ -130,7 +134,7 @@ def planned(llama, calibrations, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("source", ["shortlist", "int8"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_candidate_graph_equals_the_torch_source(planned, llama, calibrations, source):
     rt = planned[source]
     m = rt.manifest
@@ -139,7 +143,12 @@ def test_candidate_graph_equals_the_torch_source(planned, llama, calibrations, s
     assert v["candidate_checks"] > 0 and v["candidate_set_mismatches"] == 0
     assert v["candidate_logit_max_abs_diff"] < 1e-4
     ids = m.candidate_source.get("ids")
-    src = Shortlist(torch.tensor(ids)) if source == "shortlist" else Int8Ranking(llama.adapter.lm_head.weight)
+    weight = llama.adapter.lm_head.weight
+    src = {
+        "shortlist": lambda: Shortlist(torch.tensor(ids)),
+        "shortlist-int8": lambda: ShortlistInt8(torch.tensor(ids), weight),
+        "int8": lambda: Int8Ranking(weight),
+    }[source]()
     hidden = torch.randn(6, llama.adapter.dims.hidden_size, generator=torch.Generator().manual_seed(3))
     for layer in (2, 3):
         head = ExitHead(llama.adapter)
@@ -150,8 +159,9 @@ def test_candidate_graph_equals_the_torch_source(planned, llama, calibrations, s
             np.testing.assert_allclose(got_l[0], want_l[row].numpy(), rtol=1e-4, atol=1e-4)
 
 
-def test_a_token_outside_the_shortlist_never_exits(planned):
-    rt = planned["shortlist"]
+@pytest.mark.parametrize("source", ["shortlist", "shortlist-int8"])
+def test_a_token_outside_the_shortlist_never_exits(planned, source):
+    rt = planned[source]
     shortlist = set(rt.manifest.candidate_source["ids"])
     cfg = RunConfig(exits=[2], thresholds={2: {"prob": 0.0}}, top_k=K, max_new_tokens=20)  # every token exits
     g = Runner(rt, cfg).generate([[1, 7, 30, 2, 99]])[0]
@@ -233,7 +243,7 @@ def test_compared_source_is_measured_on_the_same_tokens(llama, gsm8k, calibratio
     assert cal.calibration == calibrations["shortlist"].calibration  # the main source is unchanged
 
 
-@pytest.mark.parametrize("source", ["shortlist", "int8"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
     """A batch picks each row's candidates as the row alone would (int8's per-input quantization scale: one row per
     pick; the shortlist: one call for all rows); so does the plan-executing path (device-resident states), which
@@ -279,7 +289,7 @@ def test_signals_one_formula_for_tensors_and_arrays():
     assert passed.dtype == bool and np.array_equal(passed, from_arrays.prob >= 0.5)
 
 
-@pytest.mark.parametrize("source", ["shortlist", "int8"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_kept_exit_bindings_equal_fresh_ones_call_after_call(planned, source):
     """The exit graphs' bindings are kept and their buffers reused: calls with changing inputs (rows, K, layers
     interleaved) must equal calls on fresh bindings bit for bit, and a result kept by a caller must not change."""
@@ -309,7 +319,7 @@ def test_kept_exit_bindings_equal_fresh_ones_call_after_call(planned, source):
         np.testing.assert_array_equal(local, local_snapshot)
 
 
-@pytest.mark.parametrize("source", ["shortlist", "int8"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_candidate_graph_decisions_equal_the_signals(planned, source):
     """The candidate graphs decide in-graph as exits.signals does on their candidates (tests/test_exit_decision)."""
     from tests.test_exit_decision import _check, _hidden

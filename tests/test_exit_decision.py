@@ -16,9 +16,7 @@ TOL = 1e-6  # |graph value - numpy value| bound, float32 rounding of exp and of 
 
 
 def _feeds(rt: ArtifactRuntime, g, hidden: np.ndarray, **extra) -> dict:
-    feeds = {g.name("hidden"): hidden.astype(rt.np_dtype)}
-    if "weight" in g.io.inputs:
-        feeds[g.name("weight")] = rt.weights["lm_head"]
+    feeds = {g.name("hidden"): hidden.astype(rt.np_dtype), **rt.weight_feeds(g)}
     if "top_k" in g.io.inputs:
         feeds[g.name("top_k")] = np.array([extra.pop("k")], np.int64)
     for key, value in extra.items():

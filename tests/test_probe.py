@@ -148,9 +148,7 @@ def test_score_is_the_same_in_torch_numpy_and_the_exit_graphs(llama, probed):
         # the bound path's decision: the graph's `passed` at thresholds around each row's score
         g = rt.full_graphs[e] if e == EXITS[0] else rt.local_graphs[e]
         for row in range(len(hidden)):
-            feeds = {g.name("hidden"): hidden[row : row + 1]}
-            if "weight" in g.io.inputs:
-                feeds[g.name("weight")] = rt.weights["lm_head"]
+            feeds = {g.name("hidden"): hidden[row : row + 1], **rt.weight_feeds(g)}
             if e == EXITS[0]:
                 feeds[g.name("top_k")] = np.array([K], np.int64)
             else:

@@ -245,7 +245,7 @@ def test_5_disk_full_and_read_only_are_one_line_and_leave_nothing(llama, artifac
     [
         ("truncated-onnx", "cannot load the graph segment_000_003.onnx"),
         ("truncated-npy", "cannot load the weight weights/lm_head.npy"),
-        ("object-npy", "cannot load the weight weights/lm_head.npy: Object arrays"),
+        ("object-npy", "cannot load the weight weights/lm_head.npy: Array can.t be memory-mapped: Python objects"),
         ("wrong-shape-npy", "the weight weights/lm_head.npy is float32 [3, 3]"),
         ("input-name", "has no input named 'no_such_input'"),
         ("tokenizer", "cannot load the tokenizer in tokenizer/"),

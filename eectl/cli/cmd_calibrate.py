@@ -40,10 +40,11 @@ def calibrate(
         ),
     ] = 0.95,
     candidates: Annotated[
-        str, typer.Option(help="Candidate source at the first exit: shortlist, int8 or first-exit-topk.")
+        str,
+        typer.Option(help="Candidate source at the first exit: shortlist, shortlist-int8, int8 or first-exit-topk."),
     ] = "shortlist",
     shortlist: Annotated[
-        int, typer.Option(help="Rows of the frequency-ranked shortlist (--candidates shortlist).")
+        int, typer.Option(help="Rows of the frequency-ranked shortlist (--candidates shortlist, shortlist-int8).")
     ] = 4096,
     compare: Annotated[
         str, typer.Option(help="Other candidate sources to measure on the same tokens, e.g. int8,full (report).")

@@ -92,7 +92,8 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
     },
     "exit_local": {
         "hidden": (HIDDEN, False),
-        "weight": (WEIGHT, False),
+        "weight": (WEIGHT, False),  # artifacts before the row-major table: the [H, V] head, K columns gathered
+        "rows": (WEIGHT, False),
         "candidates": (CANDIDATES, False),
         "candidate_logits": (SCORES, True),
         **DECISION,
@@ -100,6 +101,7 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
     "candidates": {  # the artifact's candidate source graph (shortlist, int8) at the first active exit
         "hidden": (HIDDEN, False),
         "weight": (WEIGHT, False),
+        "rows": (WEIGHT, False),
         "top_k": (SCALAR, False),
         "candidates": (CANDIDATES, True),
         "candidate_logits": (SCORES, True),

@@ -125,8 +125,7 @@ class DecodeChain:
         hops = [self._buffer((1, 1, H), dtype) for _ in range(len(m.segments) + 1)]
         io = self._bind(rt.embedding)
         rt._bind_array(io, rt.embedding.name("input_ids"), self.ids)
-        if "weight" in rt.embedding.io.inputs:
-            rt._bind_array(io, rt.embedding.name("weight"), rt.weights["embed"])
+        rt.bind_weights(io, rt.embedding, "embed")
         rt._bind_array(io, rt.embedding.name("hidden"), hops[0], output=True)
         for s in range(len(m.segments)):
             io = self._bind(rt.segments[s])
@@ -141,8 +140,7 @@ class DecodeChain:
         self.hops = hops
         io = self._bind(final)
         rt._bind_array(io, final.name("hidden"), self._view(hops[-1], (1, H), dtype))
-        if "weight" in final.io.inputs:
-            rt._bind_array(io, final.name("weight"), rt.weights["lm_head"])
+        rt.bind_weights(io, final)
         rt._bind_array(io, final.name("top_k"), self._host(np.ones(1, np.int64)))
         rt._bind_array(io, final.name("token"), self.token, output=True)
         V = m.dims["vocab_size"]  # the logits and a Top-1 land in scratch buffers (on the device where there is one)
@@ -190,8 +188,7 @@ class DecodeChain:
         g = rt.candidate_graphs.get(layer, rt.full_graphs[layer]) if first else rt.local_graphs[layer]
         io = g.session.io_binding()  # not in self.calls: an exit runs only when the step asks for it
         rt._bind_array(io, g.name("hidden"), self._view(hops[rt.segment_of_layer[layer] + 1], (1, H), dtype))
-        if "weight" in g.io.inputs:
-            rt._bind_array(io, g.name("weight"), rt.weights["lm_head"])
+        rt.bind_weights(io, g)
         # the length the graph declares: [2] without a probe (every artifact exported before probes), [3] with one
         # (an input with a default is an overridable initializer to ORT, not among get_inputs())
         declared = [*g.session.get_inputs(), *g.session.get_overridable_initializers()]

@@ -77,8 +77,7 @@ class DeviceStep:
         io = g.binding()
         assert not call.binding("input_ids").output and call.binding("hidden").device != "cpu"
         io.bind_cpu_input(g.name("input_ids"), ids)  # ids are the plan's host input
-        if "weight" in g.io.inputs:
-            self.rt._bind_array(io, g.name("weight"), self.rt.weights["embed"])
+        self.rt.bind_weights(io, g, "embed")
         out = self._device((ids.shape[0], 1, self.H))
         io.bind_ortvalue_output(g.name("hidden"), out)
         g.session.run_with_iobinding(io)
@@ -122,8 +121,7 @@ class DeviceStep:
         g = rt.full_graphs[self.L]
         io = g.binding()
         io.bind_ortvalue_input(g.name("hidden"), hidden)
-        if "weight" in g.io.inputs:
-            rt._bind_array(io, g.name("weight"), rt.weights["lm_head"])
+        rt.bind_weights(io, g)
         io.bind_cpu_input(g.name("top_k"), np.ones(1, np.int64))  # the Top-1 output is never read: a scan, no sort
         host: dict[str, np.ndarray] = {}
         for b in call.bindings:

@@ -23,7 +23,7 @@ import numpy as np
 
 from eectl.errors import ArtifactError, UsageError
 from eectl.files import confined
-from eectl.manifest import GraphIO, Manifest, SharedWeight, read_manifest
+from eectl.manifest import LM_HEAD_ROWS, GraphIO, Manifest, SharedWeight, read_manifest
 
 _THREADS: int | None = None
 
@@ -340,7 +340,9 @@ class ArtifactRuntime:
     def _load_weight(self, weight: SharedWeight) -> Any:
         path = confined(self.folder, weight.file, ArtifactError)
         try:
-            arr = np.load(path, allow_pickle=False)  # object arrays (pickles) are refused here
+            # mapped, not read: pages are read as graphs touch them (a K-row gather reads K rows of a table), and
+            # two keys naming one file (a tied embedding) share its pages; object arrays (pickles) are refused
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError, EOFError) as exc:
             raise ArtifactError(f"cannot load the weight {weight.file}: {_first_line(exc)}") from None
         if arr.dtype != self.np_dtype or list(arr.shape) != weight.shape:
@@ -349,8 +351,8 @@ class ArtifactRuntime:
                 f"{np.dtype(self.np_dtype).name} {weight.shape}"
             )
         if self.device == "cpu":
-            return np.ascontiguousarray(arr)
-        return _ort().OrtValue.ortvalue_from_numpy(arr, self.device, 0)
+            return arr  # .npy data is C-contiguous; ORT reads it in place
+        return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), self.device, 0)
 
     def new_kv(self, rows: int, max_len: int) -> KVBuffers:
         m = self.manifest
@@ -419,12 +421,23 @@ class ArtifactRuntime:
         io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
         return arr
 
+    def weight_feeds(self, g: Graph, weight: str = "lm_head") -> dict[str, Any]:
+        """The shared tables graph `g` takes, by its input names: `weight` (the LM head stored [H, V], or the
+        embedding) and `rows` (the LM head row-major, [V, H]: local exits and the int8 source gather their K
+        candidates' rows from it; artifacts before it gather columns of `weight`)."""
+        tables = {"weight": weight, "rows": LM_HEAD_ROWS}
+        return {g.name(key): self.weights[table] for key, table in tables.items() if key in g.io.inputs}
+
+    def bind_weights(self, io: Any, g: Graph, weight: str = "lm_head") -> None:
+        """Bind the shared tables graph `g` takes (`weight_feeds`)."""
+        for name, table in self.weight_feeds(g, weight).items():
+            self._bind_array(io, name, table)
+
     def _call(self, kind: str, layer: int, g: Graph, weight: str) -> _Call:
         call = self._calls.get((kind, layer))
         if call is None:
             call = _Call(g.binding())
-            if "weight" in g.io.inputs:
-                self._bind_array(call.io, g.name("weight"), self.weights[weight])
+            self.bind_weights(call.io, g, weight)
             self._calls[(kind, layer)] = call
         return call
 
@@ -443,8 +456,7 @@ class ArtifactRuntime:
         bound = self._bounds.get(key)
         if bound is None:
             io = g.binding()
-            if "weight" in g.io.inputs:
-                self._bind_array(io, g.name("weight"), self.weights["lm_head"])
+            self.bind_weights(io, g)
             bound = _Bound(io, {}, {})
             for names, arrays, out in ((inputs, bound.inputs, False), (outputs, bound.outputs, True)):
                 for name, (shape, dtype) in names.items():
