@@ -50,10 +50,11 @@ def _alone(adapter, ids):
     return states, final[0]
 
 
-def test_state_cache_holds_the_base_states_and_resumes(llama, gsm8k, tmp_path):
-    spec = CacheSpec(
-        layers=[2, 4],
-        text_tokens=200,
+def _small_spec(layers, text_tokens=200):
+    """A tiny cache's spec: a few hundred tokens, short chunks and continuations."""
+    return CacheSpec(
+        layers=layers,
+        text_tokens=text_tokens,
         gen_tokens=40,
         eval_text_tokens=64,
         eval_gen_tokens=4,
@@ -62,6 +63,10 @@ def test_state_cache_holds_the_base_states_and_resumes(llama, gsm8k, tmp_path):
         teacher_k=4,
         gen_batch=4,
     )
+
+
+def test_state_cache_holds_the_base_states_and_resumes(llama, gsm8k, tmp_path):
+    spec = _small_spec([2, 4])
     cache = build_cache(llama, gsm8k, spec, tmp_path / "c")
     assert cache.tokens("train", "text") >= 200 and cache.tokens("train", "gen") >= 40
     assert cache.tokens("held", "text") == 64 and cache.tokens("held", "gen") >= 4
@@ -238,29 +243,15 @@ def test_shortlist_rows_join_the_exact_part_of_the_normaliser(llama):
     torch.testing.assert_close(all_listed, exact_z, rtol=1e-4, atol=1e-5)
 
 
-def _widen_spec(layers, text_tokens=200):
-    return CacheSpec(
-        layers=layers,
-        text_tokens=text_tokens,
-        gen_tokens=40,
-        eval_text_tokens=64,
-        eval_gen_tokens=4,
-        gen_len=2,
-        chunk_len=32,
-        teacher_k=4,
-        gen_batch=4,
-    )
-
-
 def test_a_cache_is_widened_to_more_layers_without_generating_again(llama, gsm8k, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     from eectl import calibrate_measure
     from eectl.errors import UsageError
 
-    narrow = build_cache(llama, gsm8k, _widen_spec([2]), tmp_path / "c")
+    narrow = build_cache(llama, gsm8k, _small_spec([2]), tmp_path / "c")
     before = {e.file: load_file(str(narrow.folder / e.file)) for e in narrow.entries}
-    fresh = build_cache(llama, gsm8k, _widen_spec([2, 4]), tmp_path / "fresh")
+    fresh = build_cache(llama, gsm8k, _small_spec([2, 4]), tmp_path / "fresh")
 
     def no_generation(*_a, **_k):
         raise AssertionError("a widen generates nothing")
@@ -275,11 +266,11 @@ def test_a_cache_is_widened_to_more_layers_without_generating_again(llama, gsm8k
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build_cache(llama, gsm8k, _widen_spec([2, 4]), tmp_path / "c", on_tokens=stop)
+        build_cache(llama, gsm8k, _small_spec([2, 4]), tmp_path / "c", on_tokens=stop)
     assert open_cache(tmp_path / "c").layers == [2]
     stamps = {e.file: (narrow.folder / e.file).stat().st_mtime_ns for e in narrow.entries}
     counted = []
-    wide = build_cache(llama, gsm8k, _widen_spec([4, 2]), tmp_path / "c", on_tokens=counted.append)
+    wide = build_cache(llama, gsm8k, _small_spec([4, 2]), tmp_path / "c", on_tokens=counted.append)
     assert counted[0] == sum(calls[1:]) > 0  # the two files done before the stop: skipped, counted first
     assert sum(counted) == narrow.tokens("train") + narrow.tokens("held")
     assert sum(stamps[f] == (wide.folder / f).stat().st_mtime_ns for f in stamps) == 2
@@ -297,10 +288,10 @@ def test_a_cache_is_widened_to_more_layers_without_generating_again(llama, gsm8k
         assert torch.equal(got["ids"], want["ids"])
         torch.testing.assert_close(got["state_4"].float(), want["state_4"].float(), rtol=1e-2, atol=1e-2)
     # a cache asked for a layer it holds is reused; a spec that differs in more than layers is still refused
-    assert build_cache(llama, gsm8k, _widen_spec([4]), tmp_path / "c").layers == [2, 4]
+    assert build_cache(llama, gsm8k, _small_spec([4]), tmp_path / "c").layers == [2, 4]
     with pytest.raises(UsageError, match="other token budgets"):
-        build_cache(llama, gsm8k, _widen_spec([2, 3], text_tokens=260), tmp_path / "c")
-    other = _widen_spec([2, 3])
+        build_cache(llama, gsm8k, _small_spec([2, 3], text_tokens=260), tmp_path / "c")
+    other = _small_spec([2, 3])
     other.teacher_k = 8
     with pytest.raises(UsageError, match="another model, data or spec"):
         build_cache(llama, gsm8k, other, tmp_path / "c")
