@@ -518,16 +518,17 @@ def _candidate_logits(b: _Builder, adapter: Adapter, normed: str, cand: str) -> 
 def _int8_scores(b: _Builder, normed: str, qweight: torch.Tensor, scale: torch.Tensor) -> str:
     """candidates.int8_scores as nodes: [N, H] -> [N, R] approximate logits, each row quantized on its own.
 
-        x [N, H] -> ReduceMin / ReduceMax over H, with 0 -> scale [N, 1] = (hi - lo) / 255 (1 where 0),
-                                                            zero point zp [N, 1] = clip(round(-lo / scale), 0, 255)
-          -> q = clip(round(x / scale) + zp, 0, 255) uint8 -> MatMulInteger(q, W [H, R] int8) int32 [N, R]
-          -> - zp * colsum(W) [R] int32 -> float -> * (scale [N, 1] * the rows' scales [R])
+        x [N, H] -> ReduceMin / ReduceMax over H, with 0 -> lo, hi [N, 1] -> scale = (hi - lo) / 255 (1 where 0)
+          -> q = min(round(x / scale) - round(lo / scale), 255) uint8 -> MatMulInteger(q, W [H, R] int8) int32
+          -> + round(lo / scale) * colsum(W) [R] int32 -> float -> * (scale [N, 1] * the rows' scales [R])
 
     Not DynamicQuantizeLinear: it quantizes per tensor, so rows called together would share a scale and a row's
     candidates would depend on its batch. ORT's CPU MatMulInteger takes one zero point for all of A (checked,
-    onnxruntime 1.31), so the row's zero point comes off afterwards, in int32: q @ W - zp * colsum(W) is
-    (q - zp) @ W exactly (every term is below 255 * 127 * H in magnitude). The scales multiply in torch's order,
-    so the scores equal `int8_scores` bit for bit.
+    onnxruntime 1.31), so each row's zero point zp = -round(lo / scale) (round is odd: = round(-lo / scale)) comes
+    off afterwards, in int32: q @ W - zp * colsum(W) is (q - zp) @ W exactly (each term below 255 * 127 * H in
+    magnitude). torch's clamps that cannot bind are left out: zp is in [0, 255] (0 <= -lo <= hi - lo), and
+    round(x / scale) >= round(lo / scale) (round is monotone), so only q's upper clamp remains. The scales multiply
+    in torch's order, so the scores equal `int8_scores` bit for bit (tests/test_candidates.py).
     """
     f32 = TensorProto.FLOAT
     x = normed if b.elem == f32 else b.op("Cast", [normed], to=f32)  # [N, H] float32, as torch quantizes
@@ -538,13 +539,13 @@ def _int8_scores(b: _Builder, normed: str, qweight: torch.Tensor, scale: torch.T
     hi = b.op("Max", [b.op("ReduceMax", [x, axis], keepdims=1), zero])
     span = b.op("Div", [b.op("Sub", [hi, lo]), top])
     xs = b.op("Where", [b.op("Greater", [span, zero]), span, b.const("int8_one", np.array([1.0], np.float32), False)])
-    zp = b.op("Min", [b.op("Max", [b.op("Round", [b.op("Div", [b.op("Neg", [lo]), xs])]), zero]), top])  # [N, 1]
-    shifted = b.op("Add", [b.op("Round", [b.op("Div", [x, xs])]), zp])
-    xq = b.op("Cast", [b.op("Min", [b.op("Max", [shifted, zero]), top])], to=TensorProto.UINT8)  # [N, H]
+    neg_zp = b.op("Round", [b.op("Div", [lo, xs])])  # [N, 1], -zp
+    shifted = b.op("Sub", [b.op("Round", [b.op("Div", [x, xs])]), neg_zp])  # round(x / scale) + zp >= 0
+    xq = b.op("Cast", [b.op("Min", [shifted, top])], to=TensorProto.UINT8)  # [N, H]
     wq = b.const("rows_int8", qweight.T.contiguous().numpy(), False)  # [H, R] int8
     colsum = b.const("rows_int8_colsum", qweight.int().sum(dim=1).numpy().astype(np.int32), False)  # [R]
     acc = b.op("MatMulInteger", [xq, wq])  # [N, R] int32, exact
-    acc = b.op("Sub", [acc, b.op("Mul", [b.op("Cast", [zp], to=TensorProto.INT32), colsum])])  # (q - zp) @ W
+    acc = b.op("Add", [acc, b.op("Mul", [b.op("Cast", [neg_zp], to=TensorProto.INT32), colsum])])  # (q - zp) @ W
     row_scale = b.const("rows_int8_scale", scale.numpy().astype(np.float32), False)  # [R]
     return b.op("Mul", [b.op("Cast", [acc], to=f32), b.op("Mul", [xs, row_scale])])
 

@@ -104,7 +104,10 @@ def test_int8_graph_quantizes_each_row_as_torch_does(dtype):
     b.input("x", None, ["n", 48])
     b.output(_int8_scores(b, "x", q, scale), "y", TensorProto.FLOAT, ["n", 300])
     sess = _ort().InferenceSession(b.model("int8").SerializeToString(), sess_options=session_options())
-    x = _rows_of_different_shapes(48, 2).numpy().astype(DTYPES[dtype][1])
+    sym = torch.randn(1, 48, generator=g).clamp(-2, 2)
+    sym[0, :2] = torch.tensor([-3.0, 3.0])  # round(3 / s) + round(3 / s) = 256: the upper clamp binds
+    spread = torch.randn(100, 48, generator=g) * torch.logspace(-3, 3, 100)[:, None] + torch.randn(100, 1, generator=g)
+    x = torch.cat([_rows_of_different_shapes(48, 2), sym, spread]).numpy().astype(DTYPES[dtype][1])
     want = int8_scores(torch.from_numpy(x).float(), q, scale).numpy()
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
     for row in range(x.shape[0]):
