@@ -61,22 +61,51 @@ DEFAULT_TOP_K = 64
 Array = Any
 
 
+# The probe's scalar features, in this order: the local softmax's prob and margin (every probe reads them), then
+# transforms a linear first layer cannot form (an MLP probe reads all six): log p and log(1 - p) resolve the
+# confident end, where prob is within 1e-3 of 1 for most exiting tokens. p is clipped to [PROB_CLIP, 1 - PROB_CLIP]
+# for the logs. A probe reads the first F of them (F = its w_scalar rows): a logistic probe fitted before the MLP
+# probes reads two.
+PROBE_SCALARS = ("prob", "margin", "log_prob", "log_rest", "margin_sq", "prob_margin")
+PROB_CLIP = 1e-6
+
+
+def probe_scalars(prob: Any, margin: Any, n: int) -> np.ndarray:
+    """[N] prob, [N] margin -> [N, n] float32: the first n of PROBE_SCALARS (decision_nodes builds the same)."""
+    f32 = np.float32
+    p = np.asarray(prob, f32).reshape(-1, 1)
+    m = np.asarray(margin, f32).reshape(-1, 1)
+    cols = [p, m]
+    if n > 2:
+        pc = np.clip(p, f32(PROB_CLIP), f32(1 - PROB_CLIP))
+        cols += [np.log(pc), np.log(f32(1) - pc), m * m, p * m]
+    return np.concatenate(cols[:n], axis=1)
+
+
 @dataclass
 class Probe:
-    """The `learned` signal's exit test at one exit: a logistic regression's logit (monotone in its probability, so
-    no sigmoid), fitted by eectl.probe on the head's training tokens to predict "the exit's top-1 is the final
-    layer's":
+    """The `learned` signal's exit test at one exit, fitted by eectl.probe on the head's training tokens to predict
+    "the exit's top-1 is the final layer's": a small MLP (or a logistic regression) whose output logit is the score
+    (monotone in its probability, so no sigmoid):
 
-        score = weight . z + w_prob * prob + w_margin * margin + bias
+        a = z @ w_state + f @ w_scalar + b                          [N, D]
+        score = relu(a) @ w_out + b_out    (MLP: D hidden units)     or   a[:, 0]  (logistic: w_out None, D = 1)
 
     z [H] the exit's normed state (the final norm's output: the vector the exit multiplies with the LM-head rows),
-    prob and margin the local softmax's (`signals` over the K candidates). The features' standardisation is folded
-    into the weights when fitted. Cost: H + 2 multiply-adds per token, nothing beside the K LM-head rows."""
+    f the first F of PROBE_SCALARS (`probe_scalars`, from the local softmax over the K candidates). The features'
+    standardisation is folded into the weights when fitted. Cost: (H + F + 1) * D multiply-adds per token (D = 32:
+    18.7K, 0.5% of a SmolLM2 decoder layer), nothing beside the K LM-head rows."""
 
-    weight: np.ndarray  # [H] float32
-    w_prob: float
-    w_margin: float
-    bias: float
+    w_state: np.ndarray  # [H, D] float32
+    w_scalar: np.ndarray  # [F, D] float32
+    b: np.ndarray  # [D] float32
+    w_out: np.ndarray | None = None  # [D] float32; None: logistic (D = 1, the first layer is the score)
+    b_out: float = 0.0
+
+    @property
+    def hidden(self) -> int:
+        """Hidden units (0: a logistic regression)."""
+        return 0 if self.w_out is None else int(self.w_state.shape[1])
 
     def score(self, z: Any, prob: Any, margin: Any) -> Any:
         """[N, H], [N], [N] -> [N] float32 (tensors in, a tensor out; arrays in, an array out). The one formula:
@@ -85,21 +114,30 @@ class Probe:
             out = self.score(z.detach().float().numpy(), np.asarray(prob), np.asarray(margin))
             return torch.from_numpy(out)
         zz = np.asarray(z, dtype=np.float32)
-        f32 = np.float32
-        lin = zz @ self.weight.astype(np.float32, copy=False)
-        return (lin + f32(self.w_prob) * np.asarray(prob, f32) + f32(self.w_margin) * np.asarray(margin, f32)) + f32(
-            self.bias
-        )
+        f = probe_scalars(prob, margin, self.w_scalar.shape[0])
+        a = (zz @ self.w_state + f @ self.w_scalar) + self.b
+        if self.w_out is None:
+            return a[:, 0]
+        return np.maximum(a, np.float32(0)) @ self.w_out + np.float32(self.b_out)
 
-    def coef(self) -> np.ndarray:
-        """[3] float32: (w_prob, w_margin, bias), as the heads file stores them beside `weight`."""
-        return np.array([self.w_prob, self.w_margin, self.bias], np.float32)
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The heads file's tensors (keys after `probe.exit_{l}.`), float32."""
+        out = {"w_state": self.w_state, "w_scalar": self.w_scalar, "b": self.b}
+        if self.w_out is not None:
+            out |= {"w_out": self.w_out, "b_out": np.array([self.b_out], np.float32)}
+        return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
     @classmethod
-    def of(cls, weight: Any, coef: Any) -> Probe:
-        w = np.asarray(weight, np.float32).reshape(-1)
-        c = np.asarray(coef, np.float32).reshape(-1)
-        return cls(w, float(c[0]), float(c[1]), float(c[2]))
+    def of(cls, t: dict[str, np.ndarray]) -> Probe:
+        """The inverse of `tensors`; also reads heads files written before MLP probes (`weight` [H] and `coef`
+        [3] = w_prob, w_margin, bias: a logistic probe on prob and margin)."""
+        t = {k: np.asarray(v, np.float32) for k, v in t.items()}
+        if "weight" in t:
+            c = t["coef"].reshape(-1)
+            return cls(t["weight"].reshape(-1, 1), c[:2].reshape(2, 1), c[2:3])
+        w_out = t.get("w_out")
+        b_out = float(t["b_out"].reshape(-1)[0]) if w_out is not None else 0.0
+        return cls(t["w_state"], t["w_scalar"], t["b"].reshape(-1), None if w_out is None else w_out.reshape(-1), b_out)
 
 
 # The probe travels with its head module (it was fitted on that head's outputs): every place that gets a heads dict
@@ -360,17 +398,17 @@ class Signal:
 # The decision inside an exit graph: a softmax signal's test as ONNX nodes (export appends them to the exit graphs)
 # ---------------------------------------------------------------------------------------------------------------
 #
-# The runner's bound path (runtime/chain.py) reads two scalars per decision, whether the token passes and its
-# candidate token, instead of K logits and numpy math. The nodes are `signals` + `passes` op for op: float32 logits,
-# m = max, e = exp(z - m), prob = 1 / sum(e), margin = prob - exp(z2 - m) / sum(e) (z2 the second largest logit),
-# pass = prob >= t_prob and margin >= t_margin; the token is the first argmax, as numpy's. With a probe (the `learned`
-# signal), a third value: score = z @ weight + w_prob * prob + w_margin * margin + bias (`Probe.score`, op for op; z
-# the graph's normed state, the weights constants of the graph). The thresholds are one graph input [2], or [3] in a
-# graph with a probe, in `GRAPH_CRITERIA` order; a criterion the signal does not test gets -inf (always met). An
-# exit graph without a probe is exactly what it was before probes (its thresholds [2]), so artifacts exported before
-# run as they did: the runner reads the declared length (`graph_thresholds`). Summation order and exp may differ
-# from numpy's by float32 rounding: values agree within ~1e-6 (tests), so a decision can differ only for a value
-# within that of its threshold.
+# The runner's bound path (runtime/chain.py) reads two scalars per decision, whether the token passes and its candidate
+# token, instead of K logits and numpy math. The nodes are `signals` + `passes` op for op: float32 logits, m = max, e =
+# exp(z - m), prob = 1 / sum(e), margin = prob - exp(z2 - m) / sum(e) (z2 the second largest logit), pass = prob >=
+# t_prob and margin >= t_margin; the token is the first argmax, as numpy's. With a probe (the `learned` signal), a third
+# value: the probe's score (`Probe.score`, op for op: its MLP or logistic regression over z, the graph's normed state,
+# and the softmax's scalars; the weights constants of the graph). The thresholds are one graph input [2], or [3] in a
+# graph with a probe, in `GRAPH_CRITERIA` order; a criterion the signal does not test gets -inf (always met). An exit
+# graph without a probe is exactly what it was before probes (its thresholds [2]), so artifacts exported before run as
+# they did: the runner reads the declared length (`graph_thresholds`). Summation order and exp may differ from numpy's
+# by float32 rounding: values agree within ~1e-6 (tests), so a decision can differ only for a value within that of its
+# threshold.
 
 GRAPH_CRITERIA = ("prob", "margin", "score")
 SOFTMAX_CRITERIA = 2  # the thresholds' length in a graph without a probe (every artifact exported before probes)
@@ -426,12 +464,30 @@ def decision_nodes(
     margin = b.op("Sub", [prob, b.op("Div", [b.op("Exp", [b.op("Sub", [second, m])]), total])])
     columns = [prob, margin]
     score = None
-    if probe is not None:  # Probe.score: z @ weight + w_prob * prob + w_margin * margin + bias, [N, 1]
+    if probe is not None:  # Probe.score, op for op: [N, 1]
         state, p = probe
-        lin = b.op("MatMul", [b.op("Cast", [state], to=TensorProto.FLOAT), f32("probe_weight", p.weight[:, None])])
-        score = b.op("Add", [lin, b.op("Mul", [prob, f32("probe_w_prob", [p.w_prob])])])
-        score = b.op("Add", [score, b.op("Mul", [margin, f32("probe_w_margin", [p.w_margin])])])
-        score = b.op("Add", [score, f32("probe_bias", [p.bias])])
+        feats = [prob, margin]
+        if p.w_scalar.shape[0] > 2:  # probe_scalars
+            pc = b.op("Clip", [prob, f32("prob_lo", PROB_CLIP), f32("prob_hi", 1 - PROB_CLIP)])
+            rest = b.op("Sub", [f32("one", 1.0), pc])
+            feats += [
+                b.op("Log", [pc]),
+                b.op("Log", [rest]),
+                b.op("Mul", [margin, margin]),
+                b.op("Mul", [prob, margin]),
+            ]
+        scalars = b.op("Concat", feats[: p.w_scalar.shape[0]], axis=-1)  # [N, F]
+        zf = b.op("Cast", [state], to=TensorProto.FLOAT)
+        a = b.op("MatMul", [zf, f32("probe_w_state", p.w_state)])
+        a = b.op(
+            "Add", [b.op("Add", [a, b.op("MatMul", [scalars, f32("probe_w_scalar", p.w_scalar)])]), f32("probe_b", p.b)]
+        )
+        score = a  # [N, 1]: the logistic's
+        if p.w_out is not None:
+            hidden = b.op("Relu", [a])
+            score = b.op(
+                "Add", [b.op("MatMul", [hidden, f32("probe_w_out", p.w_out[:, None])]), f32("probe_b_out", [p.b_out])]
+            )
         columns.append(score)
     values = b.op("Concat", columns, axis=-1)  # [N, 2 or 3], GRAPH_CRITERIA order
     met = b.op("Cast", [b.op("Not", [b.op("Less", [values, thresholds])])], to=TensorProto.INT32)  # value >= t

@@ -1,6 +1,6 @@
-"""Fitting the `learned` exit signal's probes (exits.Probe): per exit, a logistic regression on the exit's normed
-state and its local softmax's prob and margin, predicting "the exit's top-1 over its K candidates is the final
-layer's top-1".
+"""Fitting the `learned` exit signal's probes (exits.Probe): per exit, a small MLP (or a logistic regression) on the
+exit's normed state and its local softmax's prob and margin (and transforms of them: exits.PROBE_SCALARS),
+predicting "the exit's top-1 over its K candidates is the final layer's top-1".
 
 Both trainers call `fit_probes` after their heads are trained (heads.py on its chunk passes, heads_cached.py on its
 cached sequences), and `eectl train-heads --probe-only` fits probes onto an existing heads file: every caller hands
@@ -8,7 +8,10 @@ over (exit states, teacher top-1) samples of its own training tokens. Features a
 them (exits.ExitScoring on the head's ExitHead, the given candidate source), each exit scored as if it were the
 first active one (its own K candidates): the probe then means the same at whichever exits run.
 
-Fit: features standardised, Adam (lr 3e-3, weight decay 1e-4), `steps` minibatches of `batch` tokens drawn by a
+Fit (`fit_probe`): features standardised; the logistic regression by Adam (`steps` minibatches of `batch`), the MLP
+(`hidden` ReLU units) by AdamW with a cosine schedule (`mlp_steps` of `mlp_batch`), both on the tokens left after a
+`validation` share is held out, and the one that lets more held-out tokens exit at calibrate's precisions is kept (per
+exit: an MLP overfits a few thousand tokens and ranks better on 10^5). Minibatches and initial weights come from a
 generator seeded with `seed` (deterministic on the CPU); the standardisation is folded into the saved weights.
 
 What this module does not do: train heads, pick thresholds (calibrate fits the score's threshold like any
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -28,6 +31,7 @@ from torch import nn
 from eectl.candidates import CandidateSource
 from eectl.exits import (
     DEFAULT_TOP_K,
+    PROBE_SCALARS,
     ExitHead,
     ExitScoring,
     ExitState,
@@ -36,19 +40,27 @@ from eectl.exits import (
     attach_probe,
     get_signal,
     probe_of,
+    probe_scalars,
     signals,
 )
 
-PROBE_FEATURES = ("normed", "prob", "margin")  # the heads file's meta names them: what a Probe's weights read
+PROBE_FEATURES = ("normed", *PROBE_SCALARS)  # the heads file's meta names them: what a Probe's weights may read
 
 
 @dataclass
 class ProbeConfig:
-    tokens: int = 32768  # training tokens sampled (the first ones the caller hands over)
-    steps: int = 400
+    tokens: int = 131072  # training tokens sampled (the first ones the caller hands over)
+    hidden: int = 32  # the MLP probe's hidden units (0: the logistic regression only)
+    validation: float = 0.1  # share of the tokens held out to choose between the MLP and the logistic regression
+    min_validation: int = 1000  # fewer held-out tokens than this cannot judge the confident tail: logistic only
+    steps: int = 400  # the logistic regression's
     batch: int = 8192
     lr: float = 3e-3
     weight_decay: float = 1e-4
+    mlp_steps: int = 3000  # the MLP's (cosine-decayed learning rate)
+    mlp_batch: int = 4096
+    mlp_lr: float = 2e-3
+    mlp_weight_decay: float = 1e-3
     seed: int = 0
     top_k: int = DEFAULT_TOP_K
 
@@ -64,6 +76,9 @@ class ProbeFit:
     agreement: dict[str, float]  # per exit: the share of training tokens whose label is 1
     train_s: float
     config: dict[str, object]
+    # per exit: the probe kept ("mlp" or "logistic") and both fits' tail coverage on the validation tokens
+    chosen: dict[str, str] = field(default_factory=dict)
+    validation: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -92,27 +107,104 @@ def probe_features(
     return out
 
 
-def fit_probe(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig) -> Probe:
-    """A logistic regression on features x [T, 2 + H] (prob, margin, z), labels y [T]; standardisation folded in."""
-    g = torch.Generator().manual_seed(config.seed)
-    mu, sd = x.mean(0), x.std(0) + 1e-6
-    xn = (x - mu) / sd
-    w = torch.zeros(x.shape[1], requires_grad=True)
+def _inputs(x: torch.Tensor, n_scalars: int) -> torch.Tensor:
+    """Features [T, 2 + H] (prob, margin, z) -> the probe's inputs [T, H + F]: z, then the first F PROBE_SCALARS."""
+    f = torch.from_numpy(probe_scalars(x[:, 0].numpy(), x[:, 1].numpy(), n_scalars))
+    return torch.cat([x[:, 2:], f], dim=1)
+
+
+def _fit_logistic(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig, g: torch.Generator) -> Probe:
+    """A logistic regression on z and prob, margin (full-batch-free Adam on minibatches); standardisation folded."""
+    u = _inputs(x, 2)
+    mu, sd = u.mean(0), u.std(0) + 1e-6
+    un = (u - mu) / sd
+    w = torch.zeros(u.shape[1], requires_grad=True)
     b = torch.zeros(1, requires_grad=True)
     opt = torch.optim.Adam([w, b], lr=config.lr, weight_decay=config.weight_decay)
-    yf = y.float()
-    n = len(yf)
+    yf, n = y.float(), len(y)
     for _ in range(config.steps):
         pick = torch.randint(0, n, (min(config.batch, n),), generator=g)
-        loss = nn.functional.binary_cross_entropy_with_logits(xn[pick] @ w + b, yf[pick])
+        loss = nn.functional.binary_cross_entropy_with_logits(un[pick] @ w + b, yf[pick])
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
-        wf = w / sd  # sum w_i (x_i - mu_i) / sd_i + b = sum (w_i / sd_i) x_i + (b - sum w_i mu_i / sd_i)
+        wf = w / sd  # sum w_i (u_i - mu_i) / sd_i + b = sum (w_i / sd_i) u_i + (b - sum w_i mu_i / sd_i)
         bias = b - (wf * mu).sum()
-    coef = torch.stack([wf[0], wf[1], bias[0]]).numpy()
-    return Probe.of(wf[2:].numpy(), coef)
+    h = x.shape[1] - 2
+    return Probe(wf[:h, None].numpy(), wf[h:, None].numpy(), bias.detach().numpy().astype(np.float32))
+
+
+def _fit_mlp(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig, g: torch.Generator) -> Probe:
+    """One hidden ReLU layer of `config.hidden` units on z and every PROBE_SCALARS; standardisation folded into the
+    first layer. Weights drawn from `g` (deterministic for the seed)."""
+    u = _inputs(x, len(PROBE_SCALARS))
+    mu, sd = u.mean(0), u.std(0) + 1e-6
+    un = (u - mu) / sd
+    d, width = config.hidden, u.shape[1]
+    w1 = (torch.randn(width, d, generator=g) / width**0.5).requires_grad_()
+    b1 = torch.zeros(d, requires_grad=True)
+    w2 = (torch.randn(d, generator=g) / d**0.5).requires_grad_()
+    b2 = torch.zeros(1, requires_grad=True)
+    params = [w1, b1, w2, b2]
+    opt = torch.optim.AdamW(params, lr=config.mlp_lr, weight_decay=config.mlp_weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, config.mlp_steps)
+    yf, n = y.float(), len(y)
+    for _ in range(config.mlp_steps):
+        pick = torch.randint(0, n, (min(config.mlp_batch, n),), generator=g)
+        out = torch.relu(un[pick] @ w1 + b1) @ w2 + b2
+        loss = nn.functional.binary_cross_entropy_with_logits(out, yf[pick])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    with torch.no_grad():
+        wf = w1 / sd[:, None]  # (u - mu) / sd @ w1 + b1 = u @ (w1 / sd) + (b1 - mu @ (w1 / sd))
+        bias = b1 - mu @ wf
+    h = x.shape[1] - 2
+    return Probe(wf[:h].numpy(), wf[h:].numpy(), bias.numpy(), w2.detach().numpy(), float(b2.detach()))
+
+
+TAIL_PRECISIONS = (0.95, 0.98, 0.99)  # the precisions calibrate's targets ask of exiting tokens
+
+
+def tail_coverage(score: np.ndarray, y: torch.Tensor, precisions: tuple[float, ...] = TAIL_PRECISIONS) -> float:
+    """Mean over `precisions` of the largest share of tokens that, taken from the highest score down, keep that
+    precision: how many tokens a threshold on this score lets exit at a target (the bulk of uncertain tokens, which
+    the log loss weighs most, never exits)."""
+    order = np.argsort(-score, kind="stable")
+    hits = y.numpy()[order].astype(np.float64)
+    prec = np.cumsum(hits) / np.arange(1, len(hits) + 1)
+    out = []
+    for p in precisions:
+        ok = np.nonzero(prec >= p)[0]
+        out.append(0.0 if ok.size == 0 else (ok[-1] + 1) / len(hits))
+    return float(np.mean(out))
+
+
+def fit_probe(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig) -> tuple[Probe, str, dict[str, float]]:
+    """A probe on features x [T, 2 + H] (prob, margin, z), labels y [T]: (the probe, "mlp" or "logistic", each
+    fit's `tail_coverage` on the validation tokens).
+
+    With `config.hidden` > 0 and enough tokens, a seeded `config.validation` share of them is held out; the MLP and
+    the logistic regression are fitted on the rest and the one whose score lets more held-out tokens exit at
+    calibrate's precisions is kept (an MLP on a few thousand tokens overfits; on 10^5 it ranks exits better: README,
+    calibrate; the log loss cannot tell them apart, its bulk never exits). Otherwise the logistic regression on every
+    token."""
+    g = torch.Generator().manual_seed(config.seed)
+    n_val = int(len(y) * config.validation) if config.hidden > 0 else 0
+    if n_val < max(1, config.min_validation):
+        return _fit_logistic(x, y, config, g), "logistic", {}
+    order = torch.randperm(len(y), generator=g)
+    fit, val = order[n_val:], order[:n_val]
+    fits = {"logistic": _fit_logistic(x[fit], y[fit], config, g), "mlp": _fit_mlp(x[fit], y[fit], config, g)}
+    xv = x[val]
+    cover = {
+        name: round(tail_coverage(p.score(xv[:, 2:].numpy(), xv[:, 0].numpy(), xv[:, 1].numpy()), y[val]), 5)
+        for name, p in fits.items()
+    }
+    kind = max(cover, key=lambda k: (cover[k], k == "logistic"))  # a tie keeps the cheaper logistic
+    return fits[kind], kind, cover
 
 
 def fit_probes(
@@ -144,13 +236,14 @@ def fit_probes(
             on_tokens(take)
     if got == 0:
         raise ValueError("no tokens to fit the probes on")
-    agreement = {}  # by exit, in layer order
+    agreement, chosen, cover = {}, {}, {}  # by exit, in layer order
     for layer in sorted(exit_heads):
         x, y = torch.cat(xs.pop(layer)), torch.cat(ys.pop(layer))
-        probe = fit_probe(x, y, config)
+        probe, kind, coverage = fit_probe(x, y, config)
         attach_probe(heads[layer], probe)
         exit_heads[layer].probe = probe
         agreement[str(layer)] = round(float(y.float().mean()), 4)
+        chosen[str(layer)], cover[str(layer)] = kind, coverage
     return ProbeFit(
         features=list(PROBE_FEATURES),
         top_k=config.top_k,
@@ -159,24 +252,27 @@ def fit_probes(
         agreement=agreement,
         train_s=round(time.perf_counter() - start, 2),
         config={k: v for k, v in asdict(config).items() if k != "top_k"},
+        chosen=chosen,
+        validation=cover,
     )
 
 
 def probe_tensors(heads: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
-    """The heads file's probe tensors: `probe.exit_{l}.weight` [H] and `probe.exit_{l}.coef` [3] (w_prob, w_margin,
-    bias), float32, for every head that carries a probe."""
-    out = {}
+    """The heads file's probe tensors: `probe.exit_{l}.<name>` for `Probe.tensors`' names, float32, for every head
+    that carries a probe."""
+    out: dict[str, torch.Tensor] = {}
     for layer, head in heads.items():
         p = probe_of(head)
         if p is not None:
-            out[f"probe.exit_{layer}.weight"] = torch.from_numpy(np.ascontiguousarray(p.weight, np.float32))
-            out[f"probe.exit_{layer}.coef"] = torch.from_numpy(p.coef())
+            out |= {f"probe.exit_{layer}.{k}": torch.from_numpy(v) for k, v in p.tensors().items()}
     return out
 
 
 def attach_probe_tensors(heads: dict[int, nn.Module], tensors: dict[str, torch.Tensor]) -> None:
-    """The inverse of `probe_tensors`: attach each stored probe to its head (tensors: the file's probe.* keys)."""
+    """The inverse of `probe_tensors`: attach each stored probe to its head (tensors: the file's probe.* keys; files
+    written before MLP probes store `weight` and `coef`, read as the logistic probe they are)."""
     for layer, head in heads.items():
-        w, c = tensors.get(f"probe.exit_{layer}.weight"), tensors.get(f"probe.exit_{layer}.coef")
-        if w is not None and c is not None:
-            attach_probe(head, Probe.of(w.float().numpy(), c.float().numpy()))
+        prefix = f"probe.exit_{layer}."
+        mine = {k[len(prefix) :]: v.float().numpy() for k, v in tensors.items() if k.startswith(prefix)}
+        if mine:
+            attach_probe(head, Probe.of(mine))

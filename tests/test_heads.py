@@ -94,8 +94,8 @@ def test_base_is_frozen_and_only_head_parameters_are_new(trained, llama):
     stored = _tensors(result.out)
     assert set(missing) == {f"heads.{k}" for k in stored if not k.startswith("probe.")}
     assert {k for k in stored if k.startswith("probe.")} == {
-        f"probe.exit_{e}.{p}" for e in heads.exits for p in ("weight", "coef")
-    }
+        f"probe.exit_{e}.{p}" for e in heads.exits for p in ("w_state", "w_scalar", "b")
+    }  # a few training tokens: logistic probes (an MLP probe adds w_out, b_out)
     heads_only = {k for k in _tensors(result.out) if not k.startswith("probe.")}
     assert heads_only == {f"exit_{e}.{p}" for e in EXITS for p in ("weight", "bias")}
 

@@ -14,9 +14,12 @@ from eectl.candidates import CANDIDATE_SOURCES
 from eectl.cli import app
 from eectl.errors import UsageError
 from eectl.exits import (
+    PROBE_SCALARS,
     ExitHead,
     ExitScoring,
+    Probe,
     TorchExitLogits,
+    attach_probe,
     choose_signal,
     get_signal,
     graph_thresholds,
@@ -25,7 +28,7 @@ from eectl.exits import (
 )
 from eectl.export import ExportOptions, export_artifact
 from eectl.head_designs import HeadStack, build_heads, load_heads, save_heads
-from eectl.probe import ProbeConfig, fit_probes
+from eectl.probe import ProbeConfig, fit_probe, fit_probes
 from eectl.runtime.runner import OrtExitLogits, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from tests.conftest import make_heads_meta
@@ -58,8 +61,29 @@ def _states(loaded, seed: int, n_seq: int = 6, length: int = 24):
         yield {e: states[e] for e in EXITS}, teacher
 
 
+def _same(a, b) -> bool:
+    """Two probes with identical tensors."""
+    ta, tb = a.tensors(), b.tensors()
+    return ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta)
+
+
+def _mlp_probe(H: int, seed: int, hidden: int = 8) -> Probe:
+    """A random MLP probe over every scalar feature (scores spread over a few units on the tiny model's states)."""
+    rng = np.random.default_rng(seed)
+    f = len(PROBE_SCALARS)
+    return Probe(
+        (rng.standard_normal((H, hidden)) / np.sqrt(H)).astype(np.float32),
+        rng.standard_normal((f, hidden)).astype(np.float32),
+        rng.standard_normal(hidden).astype(np.float32),
+        rng.standard_normal(hidden).astype(np.float32),
+        0.25,
+    )
+
+
 def _heads_with_probes(loaded, seed: int = 0):
-    """Residual-linear heads (perturbed from identity so each exit differs) with probes fitted on random text."""
+    """Residual-linear heads (perturbed from identity so each exit differs) with probes fitted on random text (few
+    tokens: logistic regressions), the first exit's then replaced by a random MLP probe, so the graphs,
+    the runner and the heads file carry both kinds."""
     H = loaded.adapter.dims.hidden_size
     stack = build_heads("residual-linear", H, EXITS, None, seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -68,7 +92,9 @@ def _heads_with_probes(loaded, seed: int = 0):
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     heads = {e: stack.head(e) for e in EXITS}
     exit_heads = {e: ExitHead(loaded.adapter, heads[e]).eval() for e in EXITS}
-    fit = fit_probes(heads, exit_heads, _states(loaded, 7), FIRST, ProbeConfig(tokens=100, steps=60, batch=64, top_k=K))
+    config = ProbeConfig(tokens=100, hidden=0, steps=60, batch=64, top_k=K)
+    fit = fit_probes(heads, exit_heads, _states(loaded, 7), FIRST, config)
+    attach_probe(heads[EXITS[0]], _mlp_probe(H, seed))
     return stack, heads, fit
 
 
@@ -88,13 +114,40 @@ def probed(llama, tmp_path_factory):
 def test_probe_fit_is_deterministic_for_a_seed(llama):
     _, a, fa = _heads_with_probes(llama)
     _, b, fb = _heads_with_probes(llama)
-    assert fa.tokens == fb.tokens == 100 and fa.features == ["normed", "prob", "margin"]
+    assert fa.tokens == fb.tokens == 100 and fa.features == ["normed", *PROBE_SCALARS]
+    assert fa.chosen == fb.chosen and fa.validation == fb.validation and set(fa.chosen) == {"2", "4"}
     for e in EXITS:
         pa, pb = probe_of(a[e]), probe_of(b[e])
-        assert pa is not None and pb is not None
-        assert np.array_equal(pa.weight, pb.weight) and pa.coef().tolist() == pb.coef().tolist()
+        assert pa is not None and pb is not None and _same(pa, pb)
     _, c, _ = _heads_with_probes(llama, seed=3)
-    assert not np.array_equal(probe_of(c[2]).weight, probe_of(a[2]).weight)
+    assert not _same(probe_of(c[4]), probe_of(a[4]))
+
+
+def test_fit_keeps_the_mlp_where_it_generalises_and_the_logistic_where_not():
+    """fit_probe's choice on the held-out share: labels a nonlinear function of the scalars (confident AND sharp: an
+    MLP fits it, a linear score cannot) with many tokens -> the MLP, more held-out tokens covered at the tail's
+    precisions; 40 tokens (too few to judge the tail) -> the logistic regression."""
+    g = torch.Generator().manual_seed(0)
+    n, H = 12000, 16
+    prob = torch.rand(n, generator=g)
+    margin = prob * torch.rand(n, generator=g)
+    z = torch.randn(n, H, generator=g)
+    x = torch.cat([prob[:, None], margin[:, None], z], 1)
+    y = ((prob > 0.5) ^ (margin > 0.25)) | (z[:, 0] > 1.5)
+    config = ProbeConfig(hidden=16, mlp_steps=600, mlp_batch=512, steps=200, batch=1024)
+    probe, kind, cover = fit_probe(x, y, config)
+    assert kind == "mlp" and probe.hidden == 16 and cover["mlp"] > cover["logistic"] + 0.05, cover
+
+    def accuracy(p: Probe) -> float:
+        return float(((torch.from_numpy(p.score(z.numpy(), prob.numpy(), margin.numpy())) > 0) == y).float().mean())
+
+    mlp = probe
+    noise = torch.rand(40, generator=g) > 0.5
+    probe, kind, cover = fit_probe(x[:40], noise, config)
+    assert kind == "logistic" and probe.hidden == 0 and probe.w_scalar.shape == (2, 1), cover
+    logistic, kind, cover = fit_probe(x, y, ProbeConfig(hidden=0, steps=200, batch=1024))
+    assert kind == "logistic" and cover == {}
+    assert accuracy(mlp) > accuracy(logistic) + 0.04, (accuracy(mlp), accuracy(logistic))  # (0.85 vs 0.79 when written)
 
 
 def test_heads_file_keeps_the_probes_and_old_files_load_without(llama, probed, tmp_path):
@@ -102,8 +155,8 @@ def test_heads_file_keeps_the_probes_and_old_files_load_without(llama, probed, t
     again = load_heads(path, llama)
     assert again.meta.probe is not None and again.meta.probe["top_k"] == K
     for e in EXITS:
-        want, got = probe_of(heads[e]), probe_of(again.heads[e])
-        assert np.array_equal(want.weight, got.weight) and want.coef().tolist() == got.coef().tolist()
+        assert _same(probe_of(heads[e]), probe_of(again.heads[e]))
+    assert probe_of(again.heads[EXITS[0]]).hidden == 8 and probe_of(again.heads[EXITS[1]]).hidden == 0
     old = tmp_path / "old.safetensors"  # a heads file written before probes: no probe keys, no meta entry
     save_heads(
         build_heads("residual-linear", llama.adapter.dims.hidden_size, EXITS, None, 0),
@@ -253,6 +306,9 @@ def test_learned_without_probes_is_one_clear_error(llama, exported, tiny_dirs, t
     assert "Traceback" not in result.output
 
 
+SMALL = ProbeConfig(tokens=128, steps=20, batch=32, mlp_steps=20, mlp_batch=32, top_k=K)
+
+
 def test_probe_only_fits_onto_a_heads_file_from_a_cache(llama, tmp_path):
     """`train-heads --probe-only`'s library call: the probes fitted from a state cache, written beside the heads."""
     from eectl.data import load_text_data
@@ -265,16 +321,46 @@ def test_probe_only_fits_onto_a_heads_file_from_a_cache(llama, tmp_path):
     heads = tmp_path / "h.safetensors"
     save_heads(HeadStack({e: h for e, h in _heads_with_probes(llama)[1].items()}), make_heads_meta(llama, EXITS), heads)
     out = tmp_path / "h2.safetensors"
-    fit = add_probes(llama, heads, cache, out, ProbeConfig(tokens=128, steps=20, batch=32, top_k=K))
+    fit = add_probes(llama, heads, cache, out, SMALL)
     again = load_heads(out, llama)
     assert fit.tokens == 128 and again.meta.probe is not None and again.meta.probe["tokens"] == 128
     assert all(probe_of(h) is not None for h in again.heads.values())
     fit2 = add_probes(
-        llama, heads, cache, tmp_path / "h3.safetensors", ProbeConfig(tokens=128, steps=20, batch=32, top_k=K)
+        llama,
+        heads,
+        cache,
+        tmp_path / "h3.safetensors",
+        SMALL,
     )
     third = load_heads(tmp_path / "h3.safetensors", llama)
     assert fit2.agreement == fit.agreement
-    assert np.array_equal(probe_of(third.heads[2]).weight, probe_of(again.heads[2]).weight)
+    assert _same(probe_of(third.heads[2]), probe_of(again.heads[2]))
+
+
+def test_heads_files_with_logistic_probes_of_before_load_and_score_as_then(llama, tmp_path):
+    """A heads file written before MLP probes stores `weight` [H] and `coef` [3] (w_prob, w_margin, bias): it loads
+    as a logistic probe scoring z . weight + w_prob * prob + w_margin * margin + bias."""
+    from safetensors.torch import load_file, save_file
+
+    H = llama.adapter.dims.hidden_size
+    path = tmp_path / "old.safetensors"
+    save_heads(build_heads("residual-linear", H, EXITS, None, 0), make_heads_meta(llama, EXITS), path)
+    tensors = load_file(str(path))
+    rng = np.random.default_rng(0)
+    weight, coef = rng.standard_normal(H).astype(np.float32), np.array([2.0, -1.0, 0.5], np.float32)
+    for e in EXITS:
+        tensors[f"probe.exit_{e}.weight"] = torch.from_numpy(weight.copy())
+        tensors[f"probe.exit_{e}.coef"] = torch.from_numpy(coef.copy())
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
+        meta = f.metadata()
+    save_file(tensors, str(path), metadata=meta)
+    probe = probe_of(load_heads(path, llama).heads[EXITS[0]])
+    z, prob, margin = rng.standard_normal((5, H)).astype(np.float32), rng.random(5), rng.random(5) * 0.3
+    want = z @ weight + 2.0 * prob - 1.0 * margin + 0.5
+    assert probe.hidden == 0
+    np.testing.assert_allclose(probe.score(z, prob, margin), want, atol=1e-5)
 
 
 def test_costs_time_the_learned_decision_as_the_runner_makes_it(probed):

@@ -48,7 +48,11 @@ def train_heads(
         bool, typer.Option(help="Only fit the learned signal's probes onto --heads (from --cache), write --out.")
     ] = False,
     heads: Annotated[Path | None, typer.Option(help="With --probe-only: the heads file to fit probes onto.")] = None,
-    probe_tokens: Annotated[int | None, typer.Option(help="Training tokens the probes are fitted on (32768).")] = None,
+    probe_tokens: Annotated[int | None, typer.Option(help="Training tokens the probes are fitted on (131072).")] = None,
+    probe_hidden: Annotated[
+        int | None,
+        typer.Option(help="Hidden units of the MLP probe, kept per exit where it beats a logistic one (32; 0: never)."),
+    ] = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -66,7 +70,7 @@ def train_heads(
     r = load_recipe(recipe)
     cache_dir = cache or (Path(r.heads.cache) if r.heads.cache else None)
     if probe_only:
-        _probe_only(out, r, model, heads, cache_dir, out_path, probe_tokens, seed, threads)
+        _probe_only(out, r, model, heads, cache_dir, out_path, probe_tokens, probe_hidden, seed, threads)
         return
     if cache_dir is not None or pick(design, r.heads.design) == "block":
         _train_heads_cached(
@@ -239,6 +243,7 @@ def _probe_only(
     cache_dir: Path | None,
     out_path: Path | None,
     probe_tokens: int | None,
+    probe_hidden: int | None,
     seed: int,
     threads: int | None,
 ) -> None:
@@ -256,9 +261,12 @@ def _probe_only(
     if target.suffix != ".safetensors":
         raise UsageError(f"--out must name a .safetensors file, got {target}")
     cache = open_cache(cache_dir)
-    config = ProbeConfig(seed=seed, top_k=r.top_k, **({} if probe_tokens is None else {"tokens": probe_tokens}))
+    given = {"tokens": probe_tokens, "hidden": probe_hidden}
+    config = ProbeConfig(seed=seed, top_k=r.top_k, **{k: v for k, v in given.items() if v is not None})
     if config.tokens < 1:
         raise UsageError("--probe-tokens must be positive")
+    if config.hidden < 0:
+        raise UsageError("--probe-hidden must be >= 0")
     n_threads = set_threads(threads, r)
     loaded = load_model(pick(model, r.model), log=out)
     out.log(f"fitting exit probes onto {heads} from {config.tokens} tokens of {cache_dir}, {n_threads} threads")
@@ -267,7 +275,8 @@ def _probe_only(
     out.json({"heads": str(target), "probe": fit.to_dict()})
     out.log(
         f"probes for exits {', '.join(fit.agreement)} fitted on {fit.tokens} tokens in {fit.train_s:.1f} s "
-        f"(label rate {' '.join(f'{k}:{v:.3f}' for k, v in fit.agreement.items())}); wrote {target}"
+        f"(label rate {' '.join(f'{k}:{v:.3f}' for k, v in fit.agreement.items())}; kept "
+        f"{' '.join(f'{k}:{v}' for k, v in fit.chosen.items())}); wrote {target}"
     )
 
 
