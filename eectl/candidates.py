@@ -28,10 +28,8 @@ class CandidateSource:
     A source with its own computation (a shortlist, an int8 head) defines it once in torch (`torch_pick`, on the
     exit's ExitHead: calibrate) and export builds the same computation as the exit's candidate graph (the runner);
     the backend chooses (`ExitLogits.candidates`). Sources that carry data (the shortlist's ids, the int8 weights)
-    are instances made per model by `make_source`; the registry holds their names."""
-
-    # rows of a batch may be picked in one call, each row's candidates those it gets alone (the runner's batches)
-    batch_rows: bool = True
+    are instances made per model by `make_source`; the registry holds their names. Every source picks each row of a
+    batch as it would pick the row alone, so the runner picks for all rows of a batch in one call."""
 
     name = ""
 
@@ -74,8 +72,8 @@ class FirstExitTopK(CandidateSource):
 #              own greedy generations (FR-Spec, VocabTrim); Top-K among them. A token whose final prediction is
 #              outside the shortlist cannot exit (its exits predict a shortlist token, which disagrees).
 # - int8:      the whole vocabulary ranked by an int8 copy of the LM head (symmetric per-row weights, the input
-#              dynamically quantized to uint8 as ONNX DynamicQuantizeLinear does; ORT's MatMulInteger), then the K
-#              best rows rescored in full precision.
+#              dynamically quantized to uint8 row by row, ORT's MatMulInteger), then the K best rows rescored in
+#              full precision.
 # - shortlist-int8: the shortlist's S rows ranked by their int8 copy (int8's arithmetic), the K best rescored.
 #
 # Each is one torch class here (calibrate runs it) and one exit graph in export_graphs.py (the runner runs it), built
@@ -94,11 +92,12 @@ def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def dynamic_quantize_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ONNX DynamicQuantizeLinear applied to each row of x [N, H]: (uint8 values as float, scale [N], zero point [N]).
+    """ONNX DynamicQuantizeLinear's arithmetic applied to each row of x [N, H] on its own: (uint8 values as float,
+    scale [N], zero point [N]).
 
     scale = (max(0, max x) - min(0, min x)) / 255, zero point = saturate(round(-min / scale)),
-    q = saturate(round(x / scale) + zero point); round half to even, as ORT does. The runner quantizes one token
-    (one row) at a time, so per row here equals ORT's per tensor there.
+    q = saturate(round(x / scale) + zero point); round half to even, as ONNX Round does. Per row, not per tensor: a
+    row's candidates do not depend on the rows batched with it (the exit graph builds the same, export_graphs.py).
     """
     x = x.float()
     lo = torch.clamp(x.amin(dim=1), max=0.0)
@@ -149,7 +148,6 @@ class Int8Ranking(CandidateSource):
     """The whole vocabulary ranked by the int8 LM head; the K best rescored with the exact rows."""
 
     name = "int8"
-    batch_rows = False  # DynamicQuantizeLinear scales the whole input: rows picked together would share a scale
 
     def __init__(self, lm_head_weight: torch.Tensor | None) -> None:
         empty = (torch.zeros(0, 0, dtype=torch.int8), torch.zeros(0))
@@ -169,7 +167,6 @@ class ShortlistInt8(Shortlist):
     A token outside the shortlist still never exits there."""
 
     name = "shortlist-int8"
-    batch_rows = False  # DynamicQuantizeLinear scales the whole input: rows picked together would share a scale
 
     def __init__(self, ids: torch.Tensor, lm_head_weight: torch.Tensor | None) -> None:
         super().__init__(ids)

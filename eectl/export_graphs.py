@@ -516,15 +516,38 @@ def _candidate_logits(b: _Builder, adapter: Adapter, normed: str, cand: str) -> 
 
 
 def _int8_scores(b: _Builder, normed: str, qweight: torch.Tensor, scale: torch.Tensor) -> str:
-    """candidates.int8_scores as nodes: DynamicQuantizeLinear -> MatMulInteger with the int8 rows (stored [H, R]) ->
-    times the input's and the rows' scales: [N, R] approximate logits."""
-    x32 = normed if b.elem == TensorProto.FLOAT else b.op("Cast", [normed], to=TensorProto.FLOAT)
-    xq, xs, xzp = b.op("DynamicQuantizeLinear", [x32], 3)
+    """candidates.int8_scores as nodes: [N, H] -> [N, R] approximate logits, each row quantized on its own.
+
+        x [N, H] -> ReduceMin / ReduceMax over H, with 0 -> lo, hi [N, 1] -> scale = (hi - lo) / 255 (1 where 0)
+          -> q = min(round(x / scale) - round(lo / scale), 255) uint8 -> MatMulInteger(q, W [H, R] int8) int32
+          -> + round(lo / scale) * colsum(W) [R] int32 -> float -> * (scale [N, 1] * the rows' scales [R])
+
+    Not DynamicQuantizeLinear: it quantizes per tensor, so rows called together would share a scale and a row's
+    candidates would depend on its batch. ORT's CPU MatMulInteger takes one zero point for all of A (checked,
+    onnxruntime 1.31), so each row's zero point zp = -round(lo / scale) (round is odd: = round(-lo / scale)) comes
+    off afterwards, in int32: q @ W - zp * colsum(W) is (q - zp) @ W exactly (each term below 255 * 127 * H in
+    magnitude). torch's clamps that cannot bind are left out: zp is in [0, 255] (0 <= -lo <= hi - lo), and
+    round(x / scale) >= round(lo / scale) (round is monotone), so only q's upper clamp remains. The scales multiply
+    in torch's order, so the scores equal `int8_scores` bit for bit (tests/test_candidates.py).
+    """
+    f32 = TensorProto.FLOAT
+    x = normed if b.elem == f32 else b.op("Cast", [normed], to=f32)  # [N, H] float32, as torch quantizes
+    axis = b.const("int8_axis1", np.array([1], np.int64), False)
+    zero = b.const("int8_zero", np.array([0.0], np.float32), False)
+    top = b.const("int8_255", np.array([255.0], np.float32), False)
+    lo = b.op("Min", [b.op("ReduceMin", [x, axis], keepdims=1), zero])  # [N, 1]
+    hi = b.op("Max", [b.op("ReduceMax", [x, axis], keepdims=1), zero])
+    span = b.op("Div", [b.op("Sub", [hi, lo]), top])
+    xs = b.op("Where", [b.op("Greater", [span, zero]), span, b.const("int8_one", np.array([1.0], np.float32), False)])
+    neg_zp = b.op("Round", [b.op("Div", [lo, xs])])  # [N, 1], -zp
+    shifted = b.op("Sub", [b.op("Round", [b.op("Div", [x, xs])]), neg_zp])  # round(x / scale) + zp >= 0
+    xq = b.op("Cast", [b.op("Min", [shifted, top])], to=TensorProto.UINT8)  # [N, H]
     wq = b.const("rows_int8", qweight.T.contiguous().numpy(), False)  # [H, R] int8
-    acc = b.op("MatMulInteger", [xq, wq, xzp])  # [N, R] int32, exact
-    float_acc = b.op("Cast", [acc], to=TensorProto.FLOAT)
-    row_scale = b.const("rows_int8_scale", scale.numpy().astype(np.float32), False)
-    return b.op("Mul", [b.op("Mul", [float_acc, xs]), row_scale])
+    colsum = b.const("rows_int8_colsum", qweight.int().sum(dim=1).numpy().astype(np.int32), False)  # [R]
+    acc = b.op("MatMulInteger", [xq, wq])  # [N, R] int32, exact
+    acc = b.op("Add", [acc, b.op("Mul", [b.op("Cast", [neg_zp], to=TensorProto.INT32), colsum])])  # (q - zp) @ W
+    row_scale = b.const("rows_int8_scale", scale.numpy().astype(np.float32), False)  # [R]
+    return b.op("Mul", [b.op("Cast", [acc], to=f32), b.op("Mul", [xs, row_scale])])
 
 
 def build_candidates(
@@ -533,12 +556,12 @@ def build_candidates(
     """The candidate source at exit `layer` as a graph: hidden [N, H] -> K candidates [N, K] and their exact logits.
 
         hidden -> (head) -> final norm -+- shortlist: MatMul [H, S] rows -> TopK -> Gather shortlist ids
-                                        +- int8: DynamicQuantizeLinear -> MatMulInteger [H, V] int8 -> scales -> TopK
+                                        +- int8: per-row uint8 -> MatMulInteger [H, V] int8 -> scales -> TopK
                                                  -> Gather the K exact rows of lm_head_weight -> exact logits
 
     The same tensors as the torch source (candidates.py): the shortlist's ids and rows, `quantize_rows_int8`'s weights.
-    Weights are initializers so ONNX Runtime can prepack them. DynamicQuantizeLinear quantizes per tensor: the
-    runner passes one token (N = 1), where that is per row, as calibrate computes it.
+    Weights are initializers so ONNX Runtime can prepack them. Every source picks each row as it would alone (int8
+    quantizes each row with its own scale, as calibrate computes it), so the runner calls it once for all rows.
     """
     dims = adapter.dims
     b = _Builder(dtype)

@@ -69,10 +69,49 @@ def test_int8_scores_equal_ort_dynamic_quantize_and_matmul_integer():
     sess = _ort().InferenceSession(model.SerializeToString(), sess_options=session_options())
     want = int8_scores(x, q, scale)
     xq, _, _ = dynamic_quantize_uint8(x)
-    for row in range(x.shape[0]):  # the runner quantizes one token at a time
+    for row in range(x.shape[0]):  # DynamicQuantizeLinear is per tensor: per row is one row per call
         y, got_q = sess.run(None, {"x": x[row : row + 1].numpy()})
         assert np.array_equal(got_q[0], xq[row].numpy().astype(np.uint8))
         np.testing.assert_allclose(y[0], want[row].numpy(), rtol=1e-6, atol=1e-6)
+
+
+def _rows_of_different_shapes(h: int, seed: int) -> torch.Tensor:
+    """[6, h] rows whose ranges differ by orders of magnitude, also after a final norm (which rescales each row):
+    Gaussian rows of scale 1e-3 and 1e3, a row with one large positive spike, one with a large negative spike, an
+    all-positive row and an all-zero row."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(6, h, generator=g)
+    rows[0] *= 1e-3
+    rows[1] *= 1e3
+    rows[2, 5] = 300.0
+    rows[3, 9] = -300.0
+    rows[4] = rows[4].abs() + 0.5
+    rows[5] = 0.0
+    return rows
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_int8_graph_quantizes_each_row_as_torch_does(dtype):
+    """export_graphs._int8_scores equals candidates.int8_scores bit for bit on a batch of rows of very different
+    ranges, called together or one by one: each row has its own scale and zero point (the integer product exact,
+    the scales multiplied in the same order). fp16: the graph quantizes the fp16 input cast to float32, as torch."""
+    from eectl.export_graphs import DTYPES, _Builder, _int8_scores
+
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(300, 48, generator=g)
+    q, scale = quantize_rows_int8(weight)
+    b = _Builder(dtype)
+    b.input("x", None, ["n", 48])
+    b.output(_int8_scores(b, "x", q, scale), "y", TensorProto.FLOAT, ["n", 300])
+    sess = _ort().InferenceSession(b.model("int8").SerializeToString(), sess_options=session_options())
+    sym = torch.randn(1, 48, generator=g).clamp(-2, 2)
+    sym[0, :2] = torch.tensor([-3.0, 3.0])  # round(3 / s) + round(3 / s) = 256: the upper clamp binds
+    spread = torch.randn(100, 48, generator=g) * torch.logspace(-3, 3, 100)[:, None] + torch.randn(100, 1, generator=g)
+    x = torch.cat([_rows_of_different_shapes(48, 2), sym, spread]).numpy().astype(DTYPES[dtype][1])
+    want = int8_scores(torch.from_numpy(x).float(), q, scale).numpy()
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
+    for row in range(x.shape[0]):
+        np.testing.assert_array_equal(sess.run(None, {"x": x[row : row + 1]})[0][0], want[row])
 
 
 @pytest.fixture(scope="module")
@@ -153,10 +192,47 @@ def test_candidate_graph_equals_the_torch_source(planned, llama, calibrations, s
     for layer in (2, 3):
         head = ExitHead(llama.adapter)
         want_c, want_l = src.torch_pick(head, hidden, K)
-        for row in range(hidden.shape[0]):  # one token per call, as the runner calls it
+        for row in range(hidden.shape[0]):  # one token per call (a batch: the test below)
             got_c, got_l = rt.exit_candidates(layer, hidden[row : row + 1].numpy(), K)
             assert got_c[0].tolist() == want_c[row].tolist()
             np.testing.assert_allclose(got_l[0], want_l[row].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def _per_tensor_pick(source, head: ExitHead, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """What an int8 source would pick with one scale and zero point for the whole batch (DynamicQuantizeLinear's
+    per-tensor quantization): [N, K] ids. The rows as one row of N * H values quantize with the batch's range."""
+    normed = head.normed(hidden)
+    n, h = normed.shape
+    xq, xscale, zp = dynamic_quantize_uint8(normed.reshape(1, n * h))
+    a = (xq - zp[:, None]).reshape(n, h)
+    approx = (a.double() @ source.qweight.double().T).float() * (xscale * source.scale[None, :])
+    top = torch.topk(approx, k, dim=-1).indices
+    return source.ids[top] if isinstance(source, Shortlist) else top
+
+
+@pytest.mark.parametrize("source", ["shortlist-int8", "int8"])
+def test_int8_candidate_graph_picks_each_row_of_a_batch_as_alone(planned, llama, source):
+    """The int8 sources' candidate graphs quantize each row on its own: a batch of rows of very different ranges
+    gets, in one call, exactly each row's candidates alone and the torch source's; per-tensor quantization (one
+    scale for the batch) would pick other candidates for some row of this batch, so the check can fail.
+    Candidate logits: the same fp32 rows summed in another order (ORT's batched MatMul vs torch), atol 1e-4."""
+    rt = planned[source]
+    ids = rt.manifest.candidate_source.get("ids")
+    weight = llama.adapter.lm_head.weight
+    src = ShortlistInt8(torch.tensor(ids), weight) if source == "shortlist-int8" else Int8Ranking(weight)
+    # not the all-zero row: every score ties there, and torch's and ORT's Top-K order ties differently
+    hidden = _rows_of_different_shapes(llama.adapter.dims.hidden_size, 4)[:5]
+    for layer in (2, 3):
+        head = ExitHead(llama.adapter)
+        want_c, want_l = src.torch_pick(head, hidden, K)
+        assert not torch.equal(_per_tensor_pick(src, head, hidden, K), want_c)
+        got_c, got_l = rt.exit_candidates(layer, hidden.numpy(), K)
+        assert got_c.tolist() == want_c.tolist()
+        np.testing.assert_allclose(got_l, want_l.numpy(), rtol=1e-4, atol=1e-4)
+        for row in range(hidden.shape[0]):
+            alone_c, alone_l = rt.exit_candidates(layer, hidden[row : row + 1].numpy(), K)
+            assert alone_c[0].tolist() == got_c[row].tolist()
+            np.testing.assert_allclose(alone_l[0], got_l[row], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("source", ["shortlist", "shortlist-int8"])
@@ -245,9 +321,9 @@ def test_compared_source_is_measured_on_the_same_tokens(llama, gsm8k, calibratio
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
-    """A batch picks each row's candidates as the row alone would (int8's per-input quantization scale: one row per
-    pick; the shortlist: one call for all rows); so does the plan-executing path (device-resident states), which
-    reads the candidate graph's K ids and logits only."""
+    """A batch picks each row's candidates as the row alone would (one candidate-graph call for all rows: int8
+    quantizes each row on its own); so does the plan-executing path (device-resident states), which reads the
+    candidate graph's K ids and logits only."""
     rt = planned[source]
     prompts = [[1, 7, 30, 2, 99], [5, 9], [44, 3, 8, 61, 2, 17, 90], [12]]
     cfg = RunConfig(exits=[2, 3], thresholds={2: {"prob": 0.15}, 3: {"prob": 0.15}}, top_k=K, max_new_tokens=12)

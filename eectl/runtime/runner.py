@@ -240,9 +240,6 @@ class Runner:
             layer_input = stack(self.rt, [asks[r].layer_input for r in rows])
         if self.signal.needs_blocks and not self.rt.resident:  # [n + 1, N, H]
             block_states = np.stack([np.asarray(asks[r].blocks) for r in rows], axis=1)
-        first_pick = self.signal.needs_candidates and asks[rows[0]].candidates is None
-        if len(rows) > 1 and first_pick and not self.source.batch_rows:  # e.g. int8: per-row quantization scale
-            return {r: self._decide_rows(layer, {r: asks[r]})[r] for r in rows}
         scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k, self.source)
         if asks[rows[0]].candidates is not None:  # rows at one exit passed the same earlier exits
             scoring.candidates = np.concatenate([asks[r].candidates for r in rows])
