@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eectl.candidates import DEFAULT_SHORTLIST, Shortlist, frequency_shortlist
+from eectl.candidates import DEFAULT_CANDIDATES, DEFAULT_SHORTLIST, frequency_shortlist, make_source
 from eectl.data import TokenStream, count_tokens, split_records
 from eectl.errors import DataError, EectlError, UsageError
 from eectl.exits import DEFAULT_TOP_K, ExitHead
@@ -360,10 +360,11 @@ def _fit_probes(
     config: ProbeConfig,
 ) -> ProbeFit:
     """The learned signal's probes from the training chunks (one more base pass over them, in order), with the
-    chunks' frequency shortlist as the candidate source (the runner's default)."""
+    chunks' frequency shortlist in the runner's default candidate source."""
     heads = {layer: stack.head(layer) for layer in exits}
     vocab = adapter.dims.vocab_size
-    source = Shortlist(frequency_shortlist(torch.cat([c[0] for c in td.chunks]), DEFAULT_SHORTLIST, vocab))
+    ids = frequency_shortlist(torch.cat([c[0] for c in td.chunks]), DEFAULT_SHORTLIST, vocab)
+    source = make_source(DEFAULT_CANDIDATES, adapter.lm_head.weight, ids)
     exit_heads = {layer: ExitHead(adapter, heads[layer]).eval() for layer in exits}
 
     def samples() -> Iterator[tuple[dict[int, torch.Tensor], torch.Tensor]]:

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eectl.candidates import DEFAULT_CANDIDATES, make_source
 from eectl.candidates import DEFAULT_SHORTLIST as CANDIDATE_SHORTLIST
-from eectl.candidates import Shortlist
 from eectl.data import TokenStream
 from eectl.errors import EectlError, UsageError
 from eectl.exits import DEFAULT_TOP_K, ExitHead
@@ -247,9 +247,10 @@ def fit_cached_probes(
     on_tokens: Callable[[int], None] | None = None,
 ) -> ProbeFit:
     """Fit the learned signal's probes onto `heads` (attached to them) from the cache's training sequences, with the
-    cache's frequency shortlist as the candidate source (the runner's default)."""
+    cache's frequency shortlist in the runner's default candidate source."""
     exits = sorted(heads)
-    shortlist = Shortlist(cache.frequent_tokens(cache.split("train"), CANDIDATE_SHORTLIST))
+    ids = cache.frequent_tokens(cache.split("train"), CANDIDATE_SHORTLIST)
+    shortlist = make_source(DEFAULT_CANDIDATES, adapter.lm_head.weight, ids)
     exit_heads = {layer: ExitHead(adapter, heads[layer]).eval() for layer in exits}
     samples = cached_probe_samples(cache, exits, seed=config.seed)
     return fit_probes(heads, exit_heads, samples, shortlist, config, on_tokens)

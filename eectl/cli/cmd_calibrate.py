@@ -41,8 +41,8 @@ def calibrate(
     ] = 0.95,
     candidates: Annotated[
         str,
-        typer.Option(help="Candidate source at the first exit: shortlist, shortlist-int8, int8 or first-exit-topk."),
-    ] = "shortlist",
+        typer.Option(help="Candidate source at the first exit: shortlist-int8, shortlist, int8 or first-exit-topk."),
+    ] = "shortlist-int8",  # candidates.DEFAULT_CANDIDATES (a literal: the CLI imports no torch up front)
     shortlist: Annotated[
         int, typer.Option(help="Rows of the frequency-ranked shortlist (--candidates shortlist, shortlist-int8).")
     ] = 4096,
