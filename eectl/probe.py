@@ -5,8 +5,9 @@ predicting "the exit's top-1 over its K candidates is the final layer's top-1".
 Both trainers call `fit_probes` after their heads are trained (heads.py on its chunk passes, heads_cached.py on its
 cached sequences), and `eectl train-heads --probe-only` fits probes onto an existing heads file: every caller hands
 over (exit states, teacher top-1) samples of its own training tokens. Features are measured as the runner measures
-them (exits.ExitScoring on the head's ExitHead, the given candidate source), each exit scored as if it were the
-first active one (its own K candidates): the probe then means the same at whichever exits run.
+them (exits.ExitScoring on the head's ExitHead, the given candidate source), each token's at an exit on the
+candidates of an exit drawn among it and the earlier ones (the runner's first active exit, whichever the plan makes
+it): the probe then means the same at whichever exits run.
 
 Fit (`fit_probe`): features standardised; the logistic regression by Adam (`steps` minibatches of `batch`), the MLP
 (`hidden` ReLU units) by AdamW with a cosine schedule (`mlp_steps` of `mlp_batch`), both on the tokens left after a
@@ -91,17 +92,33 @@ def probe_features(
     teacher: torch.Tensor,
     source: CandidateSource,
     k: int,
+    generator: torch.Generator | None = None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per exit: (features [T, 2 + H] = prob, margin, z; labels [T] bool) of T tokens' states after the exit's layer
-    and the final layer's top-1 `teacher` [T]."""
+    and the final layer's top-1 `teacher` [T].
+
+    Whose candidates: the runner scores every exit on the K candidates of the first active exit, and which exit that
+    is depends on the plan (any exit at or before this one). With `generator`, each token's candidates come from an
+    exit drawn uniformly among those (seeded), so the probe learns the softmax scalars of every case it will see (an
+    exit's own candidates are its sharpest; an earlier exit's, picked from a worse state, flatten or miss its top-1);
+    without, every exit scores its own."""
     out = {}
     signal = get_signal("topk-prob")  # the candidates and local logits of the topk-* signals (and of `learned`)
-    for layer, head in exit_heads.items():
+    backend = TorchExitLogits(exit_heads)
+    exits = sorted(exit_heads)
+    picked: dict[int, torch.Tensor] = {}
+    for layer in exits:
         h = states[layer].float()
-        scoring = ExitScoring(signal, TorchExitLogits(exit_heads), k, source)  # each exit as the first active one
+        scoring = ExitScoring(signal, backend, k, source)  # this exit as the first active one
         ids, logits = scoring.local_logits(layer, ExitState(h))
+        picked[layer] = ids
+        if generator is not None and layer != exits[0]:
+            earlier = [e for e in exits if e <= layer]
+            draw = torch.randint(0, len(earlier), (len(h),), generator=generator)
+            ids = torch.stack([picked[e] for e in earlier])[draw, torch.arange(len(h))]  # [T, K]
+            logits = backend.local(layer, h, ids)
         s = signals(logits, ids)
-        z = head.normed(h).float()
+        z = exit_heads[layer].normed(h).float()
         x = torch.cat([s.prob[:, None].float(), s.margin[:, None].float(), z], dim=1)
         out[layer] = (x, s.token == teacher)
     return out
@@ -222,12 +239,13 @@ def fit_probes(
     xs: dict[int, list[torch.Tensor]] = {layer: [] for layer in exit_heads}
     ys: dict[int, list[torch.Tensor]] = {layer: [] for layer in exit_heads}
     got = 0
+    draw = torch.Generator().manual_seed(config.seed)  # whose candidates each token's features score (probe_features)
     for states, teacher in samples:
         take = min(len(teacher), config.tokens - got)
         if take <= 0:
             break
         cut = {layer: v[:take] for layer, v in states.items()}
-        feats = probe_features(exit_heads, cut, teacher[:take], source, config.top_k)
+        feats = probe_features(exit_heads, cut, teacher[:take], source, config.top_k, draw)
         for layer, (x, y) in feats.items():
             xs[layer].append(x)
             ys[layer].append(y)

@@ -28,7 +28,7 @@ from eectl.exits import (
 )
 from eectl.export import ExportOptions, export_artifact
 from eectl.head_designs import HeadStack, build_heads, load_heads, save_heads
-from eectl.probe import ProbeConfig, fit_probe, fit_probes
+from eectl.probe import ProbeConfig, fit_probe, fit_probes, probe_features
 from eectl.runtime.runner import OrtExitLogits, RunConfig, Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from tests.conftest import make_heads_meta
@@ -121,6 +121,33 @@ def test_probe_fit_is_deterministic_for_a_seed(llama):
         assert pa is not None and pb is not None and _same(pa, pb)
     _, c, _ = _heads_with_probes(llama, seed=3)
     assert not _same(probe_of(c[4]), probe_of(a[4]))
+
+
+def test_features_score_each_token_on_the_candidates_of_an_exit_at_or_before_it(llama):
+    """probe_features with a generator: at the first exit every token's own candidates; at a later exit, per token,
+    the candidates of a drawn exit at or before it (both occur), the softmax scalars and label over those rows."""
+    H = llama.adapter.dims.hidden_size
+    stack = build_heads("residual-linear", H, EXITS, None, 0)
+    exit_heads = {e: ExitHead(llama.adapter, stack.head(e)).eval() for e in EXITS}
+    states, teacher = next(_states(llama, 5, n_seq=1, length=64))
+    own = probe_features(exit_heads, states, teacher, FIRST, K)
+    mixed = probe_features(exit_heads, states, teacher, FIRST, K, torch.Generator().manual_seed(0))
+    assert torch.equal(mixed[EXITS[0]][0], own[EXITS[0]][0])
+    backend = TorchExitLogits(exit_heads)
+    later = EXITS[1]
+    cands = {e: backend.full_topk(e, states[e], K)[0] for e in EXITS}  # each exit's own pick (first-exit-topk)
+    seen = set()
+    for t in range(len(teacher)):
+        row = mixed[later][0][t]
+        matches = []
+        for e in EXITS:
+            s = signals(backend.local(later, states[later][t : t + 1], cands[e][t : t + 1]), cands[e][t : t + 1])
+            if abs(float(s.prob[0]) - float(row[0])) < 1e-6 and abs(float(s.margin[0]) - float(row[1])) < 1e-6:
+                matches.append(e)
+                assert bool(mixed[later][1][t]) == bool(s.token[0] == teacher[t])
+        assert matches, t
+        seen.update(matches)
+    assert seen == set(EXITS)  # both exits' candidates were drawn
 
 
 def test_fit_keeps_the_mlp_where_it_generalises_and_the_logistic_where_not():
