@@ -130,12 +130,17 @@ def _inputs(x: torch.Tensor, n_scalars: int) -> torch.Tensor:
     return torch.cat([x[:, 2:], f], dim=1)
 
 
-def _fit_logistic(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig, g: torch.Generator) -> Probe:
-    """A logistic regression on z and prob, margin (full-batch-free Adam on minibatches); standardisation folded."""
-    u = _inputs(x, 2)
+def _standardised(x: torch.Tensor, n_scalars: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The probe's inputs (`_inputs`) standardised: (inputs [T, H + F] standardised, their mean, their std)."""
+    u = _inputs(x, n_scalars)
     mu, sd = u.mean(0), u.std(0) + 1e-6
-    un = (u - mu) / sd
-    w = torch.zeros(u.shape[1], requires_grad=True)
+    return (u - mu) / sd, mu, sd
+
+
+def _fit_logistic(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig, g: torch.Generator) -> Probe:
+    """A logistic regression on z and prob, margin (Adam on minibatches); standardisation folded."""
+    un, mu, sd = _standardised(x, 2)
+    w = torch.zeros(un.shape[1], requires_grad=True)
     b = torch.zeros(1, requires_grad=True)
     opt = torch.optim.Adam([w, b], lr=config.lr, weight_decay=config.weight_decay)
     yf, n = y.float(), len(y)
@@ -155,10 +160,8 @@ def _fit_logistic(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig, g: torc
 def _fit_mlp(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig, g: torch.Generator) -> Probe:
     """One hidden ReLU layer of `config.hidden` units on z and every PROBE_SCALARS; standardisation folded into the
     first layer. Weights drawn from `g` (deterministic for the seed)."""
-    u = _inputs(x, len(PROBE_SCALARS))
-    mu, sd = u.mean(0), u.std(0) + 1e-6
-    un = (u - mu) / sd
-    d, width = config.hidden, u.shape[1]
+    un, mu, sd = _standardised(x, len(PROBE_SCALARS))
+    d, width = config.hidden, un.shape[1]
     w1 = (torch.randn(width, d, generator=g) / width**0.5).requires_grad_()
     b1 = torch.zeros(d, requires_grad=True)
     w2 = (torch.randn(d, generator=g) / d**0.5).requires_grad_()

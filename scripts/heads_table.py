@@ -211,7 +211,13 @@ def menu(a: argparse.Namespace) -> None:
 
     from eectl.calibrate_fit import evaluate
     from eectl.calibrate_measure import SOURCES, ExitScorer, Measurements, heldout_units
-    from eectl.candidates import frequency_shortlist, make_source
+    from eectl.candidates import (
+        CANDIDATE_SOURCES,
+        DEFAULT_CANDIDATES,
+        Shortlist,
+        frequency_shortlist,
+        make_source,
+    )
     from eectl.head_data import open_cache
     from eectl.models import load_model
     from eectl.thresholds import assign_exits, fit_thresholds
@@ -235,7 +241,8 @@ def menu(a: argparse.Namespace) -> None:
             seq = cache.load(entry)
             fit_ids.append(seq.ids[1:][seq.measured[:-1]])
     shortlist = None
-    if a.candidates in ("shortlist", "shortlist-int8"):
+    a.candidates = a.candidates or DEFAULT_CANDIDATES
+    if isinstance(CANDIDATE_SOURCES.get(a.candidates), Shortlist):  # shortlist, shortlist-int8: ids from the fit half
         shortlist = frequency_shortlist(torch.cat(fit_ids), a.shortlist, adapter.lm_head.weight.shape[0])
     scorer = ExitScorer(
         adapter, exits, a.signal, a.top_k, heads, make_source(a.candidates, adapter.lm_head.weight, shortlist)
@@ -370,7 +377,7 @@ def main() -> None:
     ap.add_argument("--head-cost", type=float, default=None, help="head cost per exit passed, in decoder layers")
     ap.add_argument("--top-k", type=int, default=64)
     ap.add_argument("--signal", default="topk-prob", help="calib, menu: the exit signal (learned: heads with probes)")
-    ap.add_argument("--candidates", default="shortlist-int8", help="menu: the candidate source (the runner's default)")
+    ap.add_argument("--candidates", default=None, help="menu: the candidate source (default: the runner's)")
     ap.add_argument("--confidence", type=float, default=0.95, help="menu: the fit's confidence")
     ap.add_argument("--save", default=None, help="menu: torch.save the measurements here")
     ap.add_argument("--show", type=int, default=5, help="menu: best subsets shown (and all exits)")
