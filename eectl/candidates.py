@@ -91,39 +91,36 @@ def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale
 
 
-def dynamic_quantize_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ONNX DynamicQuantizeLinear's arithmetic applied to each row of x [N, H] on its own: (uint8 values as float,
-    scale [N], zero point [N]).
+def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x [N, H] quantized on its own, symmetric: (integers in [-127, 127] as float, scale [N]).
 
-    scale = (max(0, max x) - min(0, min x)) / 255, zero point = saturate(round(-min / scale)),
-    q = saturate(round(x / scale) + zero point); round half to even, as ONNX Round does. Per row, not per tensor: a
-    row's candidates do not depend on the rows batched with it (the exit graph builds the same, export_graphs.py).
+    scale = max(max |x| / 127, the smallest normal float32), q = round(x / scale), half to even as ONNX Round.
+    |x / scale| <= 127 (1 + 2^-23) < 127.5, so no clamp binds. Per row, not per tensor: a row's candidates do not
+    depend on the rows batched with it. Symmetric (no zero point) so the exit graph builds it from a dozen nodes
+    (export_graphs._int8_scores): a node there costs more than its arithmetic. The fp32 top-1 stayed in the int8
+    top-64 on every one of 8,418 GSM8K tokens at each exit of the default model, as with the asymmetric
+    quantization it replaced (top-64 overlap 0.981-0.988 vs 0.986-0.990 at exits 8-24).
     """
     x = x.float()
-    lo = torch.clamp(x.amin(dim=1), max=0.0)
-    hi = torch.clamp(x.amax(dim=1), min=0.0)
-    scale = (hi - lo) / 255.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zp = torch.clamp(torch.round(-lo / scale), 0, 255)
-    q = torch.clamp(torch.round(x / scale[:, None]) + zp[:, None], 0, 255)
-    return q, scale, zp
+    scale = (x.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.round(x / scale[:, None]), scale
 
 
 def int8_scores(normed: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
-    """[N, H] -> [N, V] approximate logits: (q(x) - zp) @ qweight.T * (x_scale * w_scale), the integer product exact.
+    """[N, H] -> [N, V] approximate logits: (q(x) @ qweight.T) * w_scale * x_scale, the integer product exact.
 
-    The integer dot products are summed in float32 over halves of H (each partial sum stays below 2^24, so it is
-    exact whatever the summation order) and the halves added in float64: the same integers MatMulInteger computes.
+    The integer dot products are summed in float32 over slices of H (each partial sum stays below 2^24, so it is
+    exact whatever the summation order) and the slices added in float64: the same integers MatMulInteger computes.
     """
-    q, xscale, zp = dynamic_quantize_uint8(normed)
-    a = q - zp[:, None]  # [N, H] integers in [-255, 255]
+    a, xscale = quantize_activations_int8(normed)  # [N, H] integers in [-127, 127]
     w = qweight.float()
     h = a.shape[1]
     acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float64)
-    step = max(1, (1 << 24) // (255 * 127))  # terms per exact float32 partial sum
+    step = max(1, (1 << 24) // (127 * 127))  # terms per exact float32 partial sum
     for lo in range(0, h, step):
         acc += (a[:, lo : lo + step] @ w[:, lo : lo + step].T).double()
-    return acc.float() * (xscale[:, None] * wscale[None, :])
+    # this order: ORT fuses the graph's MatMulInteger, Cast and Muls into MatMulIntegerToFloat, which multiplies so
+    return acc.float() * wscale[None, :] * xscale[:, None]
 
 
 class Shortlist(CandidateSource):

@@ -419,9 +419,11 @@ class OpBuilder(Protocol):
 
     def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs: Any) -> Any: ...
 
-    def const(self, name: str, value: Any, float_type: bool = True) -> str: ...
+    def const(self, name: str, value: Any, float_type: bool = True, scalar: bool = False) -> str: ...
 
     def fresh(self, base: str) -> str: ...
+
+    elem: int  # the graph's activations' element type (the artifact dtype's)
 
 
 def graph_thresholds(signal: Signal, thresholds: dict[str, float], size: int = len(GRAPH_CRITERIA)) -> np.ndarray:
@@ -452,19 +454,23 @@ def decision_nodes(
         return b.const(b.fresh(name), np.asarray(v, np.float32), False)
 
     last = ints("last_axis", -1)
-    z = b.op("Cast", [logits], to=TensorProto.FLOAT)
-    m = b.op("ReduceMax", [z, last], keepdims=1)  # [N, 1]
+    as_float = b.elem == TensorProto.FLOAT  # float32 activations need no Cast
+    # nodes, not flops, are what a one-token decision costs: each node reads code and state a decoder segment has
+    # just evicted from the caches (~5 us a node, ~65 us a session call, measured after a segment on 2 threads), so
+    # the test is built from as few nodes as its exact arithmetic allows
+    z = logits if as_float else b.op("Cast", [logits], to=TensorProto.FLOAT)
+    # the top two as numpy finds them: ties to the lower index; a -inf column after the K so that K = 1 has a second
+    # (margin = prob there)
+    minus_inf = b.const(b.fresh("minus_inf"), np.array(-np.inf, np.float32), False, scalar=True)
+    padded = b.op("Pad", [z, ints("pad_last", 0, 0, 0, 1), minus_inf])  # [N, K + 1]
+    top, top_idx = b.op("TopK", [padded, ints("two", 2)], 2, axis=-1, largest=1, sorted=1)  # [N, 2]
+    m, second = b.op("Split", [top], 2, axis=-1, num_outputs=2)  # [N, 1] each
     total = b.op("ReduceSum", [b.op("Exp", [b.op("Sub", [z, m])]), last], keepdims=1)
     prob = b.op("Reciprocal", [total])
-    idx = b.op("ArgMax", [z], axis=-1, keepdims=1)  # [N, 1], the first on ties as numpy
-    # the top-2 as numpy finds it: the top-1 entry out (-inf), the largest left (a tie: equal; K = 1: -inf, margin =
-    # prob)
-    minus_inf = b.op("Add", [m, b.const(b.fresh("minus_inf"), np.array([-np.inf], np.float32), False)])
-    second = b.op("ReduceMax", [b.op("ScatterElements", [z, idx, minus_inf], axis=1), last], keepdims=1)
     margin = b.op("Sub", [prob, b.op("Div", [b.op("Exp", [b.op("Sub", [second, m])]), total])])
     columns = [prob, margin]
     score = None
-    if probe is not None:  # Probe.score, op for op: [N, 1]
+    if probe is not None:  # Probe.score: [z, f] @ [w_state; w_scalar] + b, then relu @ w_out + b_out: [N, 1]
         state, p = probe
         feats = [prob, margin]
         if p.w_scalar.shape[0] > 2:  # probe_scalars
@@ -476,24 +482,21 @@ def decision_nodes(
                 b.op("Mul", [margin, margin]),
                 b.op("Mul", [prob, margin]),
             ]
-        scalars = b.op("Concat", feats[: p.w_scalar.shape[0]], axis=-1)  # [N, F]
-        zf = b.op("Cast", [state], to=TensorProto.FLOAT)
-        a = b.op("MatMul", [zf, f32("probe_w_state", p.w_state)])
-        a = b.op(
-            "Add", [b.op("Add", [a, b.op("MatMul", [scalars, f32("probe_w_scalar", p.w_scalar)])]), f32("probe_b", p.b)]
-        )
-        score = a  # [N, 1]: the logistic's
+        zf = state if as_float else b.op("Cast", [state], to=TensorProto.FLOAT)
+        x = b.op("Concat", [zf, *feats[: p.w_scalar.shape[0]]], axis=-1)  # [N, H + F]
+        w = np.concatenate([p.w_state, p.w_scalar], axis=0)
+        score = b.op("Gemm", [x, f32("probe_w", w), f32("probe_b", p.b)])  # [N, D]; the logistic's: D = 1
         if p.w_out is not None:
-            hidden = b.op("Relu", [a])
             score = b.op(
-                "Add", [b.op("MatMul", [hidden, f32("probe_w_out", p.w_out[:, None])]), f32("probe_b_out", [p.b_out])]
+                "Gemm", [b.op("Relu", [score]), f32("probe_w_out", p.w_out[:, None]), f32("probe_b_out", [p.b_out])]
             )
         columns.append(score)
     values = b.op("Concat", columns, axis=-1)  # [N, 2 or 3], GRAPH_CRITERIA order
-    met = b.op("Cast", [b.op("Not", [b.op("Less", [values, thresholds])])], to=TensorProto.INT32)  # value >= t
-    passed = b.op("Cast", [b.op("ReduceMin", [met, last], keepdims=0)], to=TensorProto.BOOL)  # [N]: every criterion
-    token = idx if ids is None else b.op("GatherElements", [ids, idx], axis=1)
-    return passed, b.op("Squeeze", [token, last]), None if score is None else b.op("Squeeze", [score, last])
+    met = b.op("GreaterOrEqual", [values, thresholds])  # a NaN value never passes
+    passed = b.op("ReduceMin", [met, last], keepdims=0)  # [N] bool: every criterion
+    idx = b.op("Gather", [top_idx, ints("first", 0)], axis=1)  # [N, 1]: the top-1's column
+    token = b.op("Squeeze", [idx if ids is None else b.op("GatherElements", [ids, idx], axis=1), last])  # [N]
+    return passed, token, None if score is None else b.op("Squeeze", [score, last])
 
 
 class LocalSoftmax(Signal):

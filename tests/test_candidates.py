@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto
 
 from eectl.calibrate import CalibrateOptions, calibrate_model
 from eectl.calibrate_measure import ExitScorer, measure_text
@@ -16,9 +16,9 @@ from eectl.candidates import (
     Int8Ranking,
     Shortlist,
     ShortlistInt8,
-    dynamic_quantize_uint8,
     frequency_shortlist,
     int8_scores,
+    quantize_activations_int8,
     quantize_rows_int8,
 )
 from eectl.data import token_chunks
@@ -40,39 +40,23 @@ def test_frequency_shortlist_ranks_by_count_then_id():
     assert frequency_shortlist(ids, 50, 10).numel() == 10
 
 
-def test_int8_scores_equal_ort_dynamic_quantize_and_matmul_integer():
+def test_int8_scores_are_the_exact_integer_product_of_each_row_quantized_alone():
+    """int8_scores = (q(x) @ q(W).T) * (x_scale * w_scale) with the integer product exact (summed in int64 here), each
+    row of x quantized symmetrically on its own: integers in [-127, 127] that dequantize to x within half a step."""
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(300, 48, generator=g)
-    x = torch.randn(5, 48, generator=g) * 3
+    weight = torch.randn(300, 2000, generator=g)  # H = 2000: more terms than one exact float32 partial sum holds
+    x = torch.randn(5, 2000, generator=g) * torch.tensor([1e-3, 1.0, 3.0, 1e3, 0.0])[:, None]
     q, scale = quantize_rows_int8(weight)
     assert q.dtype == torch.int8 and q.abs().max() <= 127
     torch.testing.assert_close(q.float() * scale[:, None], weight, atol=float(scale.max()) / 2 + 1e-6, rtol=0)
-    nodes = [
-        helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xzp"]),
-        helper.make_node("MatMulInteger", ["xq", "w", "xzp"], ["acc"]),
-        helper.make_node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
-        helper.make_node("Mul", ["accf", "xs"], ["a"]),
-        helper.make_node("Mul", ["a", "ws"], ["y"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "q",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 48])],
-        [
-            helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 300]),
-            helper.make_tensor_value_info("xq", TensorProto.UINT8, [1, 48]),
-        ],
-        [numpy_helper.from_array(q.T.contiguous().numpy(), "w"), numpy_helper.from_array(scale.numpy(), "ws")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    sess = _ort().InferenceSession(model.SerializeToString(), sess_options=session_options())
-    want = int8_scores(x, q, scale)
-    xq, _, _ = dynamic_quantize_uint8(x)
-    for row in range(x.shape[0]):  # DynamicQuantizeLinear is per tensor: per row is one row per call
-        y, got_q = sess.run(None, {"x": x[row : row + 1].numpy()})
-        assert np.array_equal(got_q[0], xq[row].numpy().astype(np.uint8))
-        np.testing.assert_allclose(y[0], want[row].numpy(), rtol=1e-6, atol=1e-6)
+    xq, xscale = quantize_activations_int8(x)
+    assert xq.abs().max() <= 127 and torch.equal(xq, xq.round())
+    assert (xq.abs().amax(dim=1)[:4] == 127).all() and (xq[4] == 0).all()  # each row's peak maps to 127; zeros to 0
+    assert ((xq * xscale[:, None] - x).abs() <= xscale[:, None] / 2 * (1 + 1e-6)).all()
+    exact = (xq.long() @ q.long().T).float() * scale[None, :] * xscale[:, None]
+    assert torch.equal(int8_scores(x, q, scale), exact)
+    for row in range(x.shape[0]):  # per row: a row's scores do not depend on the rows beside it
+        assert torch.equal(int8_scores(x[row : row + 1], q, scale)[0], exact[row])
 
 
 def _rows_of_different_shapes(h: int, seed: int) -> torch.Tensor:
@@ -105,7 +89,7 @@ def test_int8_graph_quantizes_each_row_as_torch_does(dtype):
     b.output(_int8_scores(b, "x", q, scale), "y", TensorProto.FLOAT, ["n", 300])
     sess = _ort().InferenceSession(b.model("int8").SerializeToString(), sess_options=session_options())
     sym = torch.randn(1, 48, generator=g).clamp(-2, 2)
-    sym[0, :2] = torch.tensor([-3.0, 3.0])  # round(3 / s) + round(3 / s) = 256: the upper clamp binds
+    sym[0, :2] = torch.tensor([-3.0, 3.0])  # both ends of the range: -127 and 127, uint8 1 and 255
     spread = torch.randn(100, 48, generator=g) * torch.logspace(-3, 3, 100)[:, None] + torch.randn(100, 1, generator=g)
     x = torch.cat([_rows_of_different_shapes(48, 2), sym, spread]).numpy().astype(DTYPES[dtype][1])
     want = int8_scores(torch.from_numpy(x).float(), q, scale).numpy()
@@ -199,13 +183,12 @@ def test_candidate_graph_equals_the_torch_source(planned, llama, calibrations, s
 
 
 def _per_tensor_pick(source, head: ExitHead, hidden: torch.Tensor, k: int) -> torch.Tensor:
-    """What an int8 source would pick with one scale and zero point for the whole batch (DynamicQuantizeLinear's
-    per-tensor quantization): [N, K] ids. The rows as one row of N * H values quantize with the batch's range."""
+    """What an int8 source would pick with one scale for the whole batch (per-tensor quantization): [N, K] ids. The
+    rows as one row of N * H values quantize with the batch's range."""
     normed = head.normed(hidden)
     n, h = normed.shape
-    xq, xscale, zp = dynamic_quantize_uint8(normed.reshape(1, n * h))
-    a = (xq - zp[:, None]).reshape(n, h)
-    approx = (a.double() @ source.qweight.double().T).float() * (xscale * source.scale[None, :])
+    xq, xscale = quantize_activations_int8(normed.reshape(1, n * h))
+    approx = (xq.reshape(n, h).double() @ source.qweight.double().T).float() * (xscale * source.scale[None, :])
     top = torch.topk(approx, k, dim=-1).indices
     return source.ids[top] if isinstance(source, Shortlist) else top
 
