@@ -423,7 +423,7 @@ class OpBuilder(Protocol):
 
     def fresh(self, base: str) -> str: ...
 
-    elem: int  # the graph's activations' element type (the artifact dtype's)
+    elem: Any  # the graph's activations' element type (onnx TensorProto.DataType: the artifact dtype's)
 
 
 def graph_thresholds(signal: Signal, thresholds: dict[str, float], size: int = len(GRAPH_CRITERIA)) -> np.ndarray:
