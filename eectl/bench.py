@@ -38,6 +38,7 @@ from eectl.bench_stats import (
     pooled,
     rep_orders,
     seconds_per_token,
+    share_ci,
     speed_ratio,
     speed_ratio_ci,
     wilson,
@@ -108,6 +109,12 @@ class ConfigResult:
     model_speedup: float | None = None  # the cost model at this run's realized exits (and rollbacks)
     # copy/defer as planned: the token agreement the calibrated option implies over this run's continuation length
     predicted_agreement: float | None = None
+    # per token on the configuration's own path: the share of its generated tokens that full depth chooses after the
+    # same prefix (what calibrate's target bounds; position-wise agreement compounds the first difference), with its
+    # 95% interval over prompts, and the calibrated option's held-out per-token agreement it is checked against
+    step_agreement: float | None = None
+    step_agreement_ci: tuple[float, float] | None = None
+    predicted_step_agreement: float | None = None
     note: str = ""  # how the configuration was chosen
 
 
@@ -178,7 +185,15 @@ def bench_units(opts: BenchOptions, prompts: int) -> int:
     scored = [c for c in set(opts.configs) | {"full"} if c == "full" or (c in POLICIES and POLICIES[c].scores_text)]
     ppl = len(scored) if opts.ppl_tokens > 0 else 0
     sweep = len(opts.sweep) * 2 * prompts if early else 0
-    return order + opts.reps * order * prompts + ppl + sweep
+    steps = sum(1 for c in set(opts.configs) if _changes_tokens(c, opts)) * prompts
+    return order + opts.reps * order * prompts + ppl + sweep + steps
+
+
+def _changes_tokens(name: str, opts: BenchOptions) -> bool:
+    """Whether a configuration's tokens may differ from full depth's (a lossless policy's never do)."""
+    if name in ("full", AA, "hf"):
+        return False
+    return name not in POLICIES or not POLICIES[name].lossless
 
 
 class _HF:
@@ -395,6 +410,29 @@ def _perplexities(configs: _Configs, results: list[ConfigResult], tok: Any, held
             r.perplexity = by["full"].perplexity
 
 
+def _step_agreements(
+    configs: _Configs, runs: dict[str, list[_Run]], ids: list[list[int]], results: list[ConfigResult]
+) -> None:
+    """Per-token agreement of each configuration that may change the tokens, on its own path: full depth
+    teacher-forced over each prompt + the configuration's first-repetition tokens chooses, after every prefix, the
+    token it would emit; the share equal to the configuration's (pooled over prompts, bootstrap interval). This is
+    the quantity calibrate's target (e.g. 0.99) is about, where position-wise agreement compounds the first
+    difference over the continuation."""
+    full = configs.runners["full"]
+    for r in results:
+        if not _changes_tokens(r.name, configs.opts):
+            continue
+        same, total = [], []
+        for prompt, gen in zip(ids, runs[r.name][0].generations, strict=True):
+            want = full.greedy_choices(prompt + gen, len(prompt)) if gen else []
+            same.append(sum(a == b for a, b in zip(gen, want, strict=True)))
+            total.append(len(gen))
+            configs.tick(1)
+        if sum(total):
+            r.step_agreement = sum(same) / sum(total)
+            r.step_agreement_ci = share_ci(np.array(same), np.array(total))
+
+
 def _sweep(configs: _Configs, ids: list[list[int]], full_tokens: list[list[int]]) -> list[dict[str, Any]]:
     """The early-exit policy (river, else defer, if benchmarked) at each threshold scale, each against a full-depth
     run."""
@@ -465,6 +503,7 @@ def run_bench(
     runs, rss = _timed(configs, order, ids, opts.reps, log)
     full_tokens = runs["full"][0].generations
     results = [_result(name, runs, rss[name], configs, tok, answers) for name in order]
+    _step_agreements(configs, runs, ids, results)
     if heldout:
         _perplexities(configs, results, tok, heldout, log)
     river_kv = None
@@ -555,6 +594,7 @@ def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) ->
         if active and choice is not None and choice.option is not None and choice.option.kind == "target":
             # copy/defer change the tokens: the option's per-token disagreement, compounded over a continuation
             res.predicted_agreement = sequence_agreement(1.0 - choice.option.agreement, cfg.max_new_tokens)
+            res.predicted_step_agreement = choice.option.agreement
     if m.costs is None:
         return
     boundaries = [s.layers[1] for s in m.segments]

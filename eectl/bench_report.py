@@ -47,15 +47,18 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         "the predicted speedup's (90%) is over the cost model's timing rounds (plan.py). Predicted agreement "
         "(copy, defer as planned): the option's held-out per-token disagreement on generated tokens, compounded "
         "over the continuation as if the first disagreement parted it from full depth (plan.sequence_agreement). "
+        "Step agreement: per token on the configuration's own path, the share of its tokens that full depth "
+        "(teacher-forced over the same prefix) would emit, against the calibrated option's held-out per-token "
+        "agreement: the quantity the calibration target bounds. "
         f"Run order: a Williams design (every configuration in every position and after every other once per "
         f"cycle of repetitions). `{AA}` is a second copy of `full`: its speedup against `full` is this run's noise "
         f'floor; every other "vs full" is against `full` and `{AA}` pooled.',
         "",
         "| config | exits | ms/token (pooled, min-max) | tokens/s per row | throughput tokens/s (vs full) | TTFT ms | "
         "vs full [95% CI] | predicted [90%] | model at realized exits | vs hf | mean layers | bound | decide share | "
-        "token agreement [95% CI] | predicted agreement | exact match [95% CI] | first divergence | perplexity | "
-        "GSM8K acc | RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "token agreement [95% CI] | predicted agreement | step agreement [95% CI] | calibrated step agreement | "
+        "exact match [95% CI] | first divergence | perplexity | GSM8K acc | RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in r.configs:
         name = f"{c.name} (default)" if c.name == r.default else c.name
@@ -70,6 +73,8 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
             f"{_fmt(c.mean_layers, '.1f')} | {_x(c.layer_bound)} | {_fmt(c.decide_share, '.1%')} | "
             f"{_fmt(c.token_agreement, '.1%')}{_ci(c.token_agreement_ci, '.1%')} | "
             f"{_fmt(c.predicted_agreement, '.1%')} | "
+            f"{_fmt(c.step_agreement, '.2%')}{_ci(c.step_agreement_ci, '.2%')} | "
+            f"{_fmt(c.predicted_step_agreement, '.2%')} | "
             f"{_fmt(c.exact_match, '.0%')}{_ci(c.exact_match_ci, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "
             f"{_fmt(c.perplexity, '.2f')} | {_fmt(c.gsm8k_accuracy, '.0%')} | {c.rss_mb:.0f} |"
         )

@@ -87,6 +87,11 @@ def agreement_ci(gens: list[list[int]], ref: list[list[int]], seed: int = 0) -> 
     """Bootstrap over prompts of the position-wise token agreement."""
     same = np.array([sum(1 for a, b in zip(g, r, strict=False) if a == b) for g, r in zip(gens, ref, strict=True)])
     total = np.array([max(len(g), len(r)) for g, r in zip(gens, ref, strict=True)])
+    return share_ci(same, total, seed)
+
+
+def share_ci(same: np.ndarray, total: np.ndarray, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap over prompts of a pooled share: sum(same) / sum(total), one (same, total) per prompt."""
     idx = np.random.default_rng(seed).integers(0, len(same), (BOOTSTRAP, len(same)))
     t = total[idx].sum(1)
     return interval(np.where(t > 0, same[idx].sum(1) / np.maximum(t, 1), 1.0))

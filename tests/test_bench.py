@@ -88,6 +88,12 @@ def test_bench_cli_report(artifact, tiny_dirs, tmp_path):
         agreement, exact, first = _agreement(gens, full)
         assert by[name]["token_agreement"] == pytest.approx(agreement) and by[name]["exact_match"] == exact
         assert by[name]["first_divergence"] == pytest.approx(first)
+        # per token on the policy's own path: transformers' argmax after each prefix of prompt + its tokens
+        same, total = _torch_step_agreement(tiny_dirs, artifact, gens)
+        assert total > 0 and by[name]["step_agreement"] == pytest.approx(same / total)
+        lo, hi = by[name]["step_agreement_ci"]
+        assert lo <= by[name]["step_agreement"] <= hi
+    assert by["verify"]["step_agreement"] is None and by["full-aa"]["step_agreement"] is None  # cannot differ
     # full-depth perplexity equals transformers' own loss on the same held-out tokens
     assert by["full"]["perplexity"] == pytest.approx(_torch_perplexity(artifact, tiny_dirs, 64), rel=1e-3)
     assert [s["scale"] for s in doc["sweep"]] == [0.5, 1.0]
@@ -109,6 +115,23 @@ def _independent_runs(artifact, policies):
 
     full = gens(RunOptions(exits="none", max_new_tokens=12))
     return full, {p: gens(RunOptions(policy=p, thresholds="0.0", max_new_tokens=12)) for p in policies}
+
+
+def _torch_step_agreement(tiny_dirs, artifact, gens):
+    """(tokens transformers' full depth also chooses after the same prefix, tokens) over the bench's three prompts:
+    one causal pass over prompt + generated tokens, the argmax at each position before a generated token."""
+    rt = ArtifactRuntime(artifact, provider="cpu")
+    tok = load_tokenizer(rt)
+    ids = [encode_prompt(tok, p, raw=True) for p in load_text_data(str(GSM8K)).prompts[:3]]
+    model = load_model(str(tiny_dirs["llama"])).model
+    same = total = 0
+    with torch.no_grad():
+        for prompt, gen in zip(ids, gens, strict=True):
+            logits = model(torch.tensor([prompt + gen])).logits[0]
+            want = logits[len(prompt) - 1 : len(prompt) - 1 + len(gen)].argmax(-1).tolist()
+            same += sum(a == b for a, b in zip(gen, want, strict=True))
+            total += len(gen)
+    return same, total
 
 
 def _torch_perplexity(artifact, tiny_dirs, n):

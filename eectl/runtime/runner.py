@@ -84,6 +84,7 @@ class RowState:
     latencies: list[float] = field(default_factory=list)  # per emitted token (seconds)
     forced: list[int] | None = None  # teacher forcing: the tokens to feed instead of the decided ones
     nll: list[float] = field(default_factory=list)  # teacher forcing: -log p(forced token) at the decided layer
+    greedy: list[int] = field(default_factory=list)  # teacher forcing: the decided layer's argmax at each position
     decide_s: float = 0.0
     drafted: int = 0
     rejected: int = 0
@@ -457,12 +458,22 @@ class Runner:
         token = st.forced[len(st.tokens)]
         z = logits.astype(np.float64)
         st.nll.append(float(np.logaddexp.reduce(z) - z[token]))
+        st.greedy.append(int(np.argmax(z)))
         return token
 
     def score(self, ids: list[int], prompt_len: int = 1) -> tuple[list[float], list[int]]:
         """Teacher-forced: feed `ids` token by token (after a prefill of prompt_len) with exits deciding as in
         generation; returns -log p(next token) under the distribution of the layer each position was decided
         at (its full vocabulary), and those layers. Verify is not scored (its output equals full depth)."""
+        st = self._teacher_forced(ids, prompt_len)
+        return st.nll, st.exit_layers
+
+    def greedy_choices(self, ids: list[int], prompt_len: int) -> list[int]:
+        """Teacher-forced as `score`: the greedy token this configuration chooses after each prefix ids[:i], for i
+        from prompt_len to len(ids) - 1 (on full depth: what full depth would emit after another path's tokens)."""
+        return self._teacher_forced(ids, prompt_len).greedy
+
+    def _teacher_forced(self, ids: list[int], prompt_len: int) -> RowState:
         if not self.policy.scores_text:
             raise UsageError(f"teacher-forced scoring does not cover the {self.cfg.policy} policy")
         if not 1 <= prompt_len < len(ids) or len(ids) + 1 > self.m.max_positions:
@@ -472,7 +483,7 @@ class Runner:
         st.tokens.append(self._step(0, st, kv, st.tokens))
         while len(st.tokens) < len(ids):
             st.tokens.append(self._step(0, st, kv, [st.tokens[-1]]))
-        return st.nll, st.exit_layers
+        return st
 
     # --- generation -------------------------------------------------------------------------------------------
     def generate(
