@@ -459,7 +459,8 @@ def build_exit(
     if local:
         cand = b.input("candidates", TensorProto.INT64, ["n", "k"])
         inputs["rows"] = _ROWS
-        logits = cap(_candidate_logits(b, adapter, normed, cand))
+        logits, _ = _candidate_logits(b, adapter, normed, cand)
+        logits = cap(logits)
         b.output(logits, "candidate_logits", None, ["n", "k"])
         inputs["candidates"] = "candidates"
         outputs: dict[str, str | list[str]] = {"candidate_logits": "candidate_logits"}
@@ -522,18 +523,23 @@ def save_graph(model: onnx.ModelProto, io: GraphIO, folder: Path) -> GraphIO:
 _ROWS = "lm_head_rows"  # the graph input bound to the shared row-major LM head (manifest.LM_HEAD_ROWS)
 
 
-def _candidate_logits(b: _Builder, adapter: Adapter, normed: str, cand: str) -> str:
+def _candidate_logits(b: _Builder, adapter: Adapter, normed: str, cand: str) -> tuple[str, str]:
     """The exact logits of K candidates [N, K]: their rows of the row-major LM head (input `lm_head_rows`, [V, H]),
-    gathered (K contiguous rows), times the normed state; plus their bias entries where the head has a bias."""
+    gathered (K contiguous rows), times the normed state; plus their bias entries where the head has a bias. Also
+    the gathered rows [N, K, H].
+
+    The table's first dimension is declared symbolic: a local exit after the first can be bound to the K rows the
+    first exit gathered ([K, H], candidates 0..K-1: runtime/chain.py), which it then reads contiguously instead of
+    gathering K scattered rows of the V-row table again (~30 us per decision after a segment, measured)."""
     dims = adapter.dims
-    b.input(_ROWS, None, [dims.vocab_size, dims.hidden_size])
+    b.input(_ROWS, None, ["rows", dims.hidden_size])
     rows = b.op("Gather", [_ROWS, cand], axis=0)  # [N, K, H]
     q = b.op("Unsqueeze", [normed, b.const("axis2", np.array([2], np.int64), False)])  # [N, H, 1]
     logits = b.op("Squeeze", [b.op("MatMul", [rows, q]), "axis2"])  # [N, K, H] @ [N, H, 1] -> [N, K]
     bias = getattr(adapter.lm_head, "bias", None)
     if bias is not None:
         logits = b.op("Add", [logits, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
-    return logits
+    return logits, rows
 
 
 def _int8_scores(b: _Builder, normed: str, qweight: torch.Tensor, scale: torch.Tensor) -> str:
@@ -601,12 +607,14 @@ def build_candidates(
         return b.op("Mul", [b.op("Tanh", [b.op("Div", [t, c])]), c])
 
     inputs: dict[str, str | list[str]] = {"hidden": "hidden_states", "top_k": "top_k"}
+    cand_rows: str | None = None
     if isinstance(source, ShortlistInt8):  # before Shortlist: it is one
         approx = _int8_scores(b, normed, source.qweight, source.scale)  # [N, S]
         _, idx = b.op("TopK", [approx, "top_k"], 2, axis=-1, largest=1, sorted=1)
         cand = b.op("Gather", [b.const("shortlist_ids", source.ids.numpy().astype(np.int64), False), idx], axis=0)
         inputs["rows"] = _ROWS
-        cand_logits = cap(_candidate_logits(b, adapter, normed, cand))
+        cand_logits, cand_rows = _candidate_logits(b, adapter, normed, cand)
+        cand_logits = cap(cand_logits)
     elif isinstance(source, Shortlist):
         ids = source.ids
         logits = b.op("MatMul", [normed, b.const("shortlist_rows", weight_t[ids].T.contiguous())])  # [N, S]
@@ -619,12 +627,16 @@ def build_candidates(
         approx = _int8_scores(b, normed, source.qweight, source.scale)  # [N, V]
         _, cand = b.op("TopK", [approx, "top_k"], 2, axis=-1, largest=1, sorted=1)
         inputs["rows"] = _ROWS
-        cand_logits = cap(_candidate_logits(b, adapter, normed, cand))
+        cand_logits, cand_rows = _candidate_logits(b, adapter, normed, cand)
+        cand_logits = cap(cand_logits)
     else:
         raise UsageError(f"no candidate graph for source '{source.name}' (the full source uses the full exit graph)")
     b.output(cand, "candidates", TensorProto.INT64, ["n", "k"])
     b.output(cand_logits, "candidate_logits", None, ["n", "k"])
     outputs: dict[str, str | list[str]] = {"candidates": "candidates", "candidate_logits": "candidate_logits"}
+    if cand_rows is not None:  # the K exact rows it gathered: the later local exits can read them (chain.py)
+        b.output(cand_rows, "candidate_rows", None, ["n", "k", dims.hidden_size])
+        outputs["candidate_rows"] = "candidate_rows"
     _decision(b, cand_logits, cand, inputs, outputs, _probe(normed, head))
     io = GraphIO(file=f"exit_{layer:03d}_{source.name}.onnx", inputs=inputs, outputs=outputs)
     return b.model(f"exit_{layer}_{source.name}"), io

@@ -324,6 +324,14 @@ def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
     }
     layers = {x for g in batch for x in g.exit_layers[1:]}
     assert len(layers) > 1, layers  # rows at different depths
+    # alone, a row decodes on the bound chain; with an int8 source the second exit scores the K rows the first
+    # gathered (its graph's table bound to them, candidates 0..K-1), and decided as the batch's general path above
+    runner = Runner(rt, cfg)
+    chain = runner._chain(runner.rt.new_kv(1, 32), 1)
+    assert chain is not None
+    second = chain.exits[rt.segment_of_layer[3]]
+    assert (second.ids is not None) == (source != "shortlist")  # the shortlist's graph gathers no rows
+    assert any(3 in g.exit_layers[1:] for g in alone)  # tokens that exited there
 
 
 def test_signals_one_formula_for_tensors_and_arrays():

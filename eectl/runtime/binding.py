@@ -105,6 +105,7 @@ KINDS: dict[str, dict[str, tuple[str, bool]]] = {
         "top_k": (SCALAR, False),
         "candidates": (CANDIDATES, True),
         "candidate_logits": (SCORES, True),
+        "candidate_rows": (HIDDEN, True),  # the K exact rows gathered (artifacts exported since chain.py reads them)
         **DECISION,
     },
     "last": {"hidden": (HIDDEN, False), "hidden_out": (HIDDEN, True)},

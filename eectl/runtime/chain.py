@@ -50,6 +50,11 @@ class BoundExit:
     io: Any
     passed: np.ndarray  # [1] bool
     token: np.ndarray  # [1] int64
+    ids: np.ndarray | None = None  # [1, K]: `token` is a column of these candidates (a local exit on the first's rows)
+
+    def exit_token(self) -> int:
+        t = int(self.token[0])
+        return t if self.ids is None else int(self.ids[0, t])
 
 
 @dataclass
@@ -134,6 +139,7 @@ class DecodeChain:
         self.wide: dict[tuple[int, int], _Wide] = {}  # (segment, positions) -> its wide call, bound on first use
         self.exits: dict[int, BoundExit] = {}  # segment -> the active exit after it
         self.candidates: Any = None  # [1, K]: the first active exit's candidates, which the later ones score
+        self.rows: Any = None  # [1, K, H]: their exact LM-head rows, where the first exit's graph outputs them
         for layer in sorted(exits or {}):
             assert signal is not None and exits is not None
             self.exits[rt.segment_of_layer[layer]] = self._bind_exit(layer, hops, signal, exits[layer], top_k)
@@ -188,27 +194,38 @@ class DecodeChain:
         g = rt.candidate_graphs.get(layer, rt.full_graphs[layer]) if first else rt.local_graphs[layer]
         io = g.session.io_binding()  # not in self.calls: an exit runs only when the step asks for it
         rt._bind_array(io, g.name("hidden"), self._view(hops[rt.segment_of_layer[layer] + 1], (1, H), dtype))
-        rt.bind_weights(io, g)
         # the length the graph declares: [2] without a probe (every artifact exported before probes), [3] with one
         # (an input with a default is an overridable initializer to ORT, not among get_inputs())
-        declared = [*g.session.get_inputs(), *g.session.get_overridable_initializers()]
-        size = next(int(i.shape[0]) for i in declared if i.name == g.name("thresholds"))
+        declared = {i.name: i.shape for i in [*g.session.get_inputs(), *g.session.get_overridable_initializers()]}
+        size = int(declared[g.name("thresholds")][0])
         rt._bind_array(io, g.name("thresholds"), self._host(graph_thresholds(signal, thresholds, size)))
+        ids = None
         if first:
+            rt.bind_weights(io, g)
             self.candidates = self._buffer((1, k), np.int64)
             rt._bind_array(io, g.name("top_k"), self._host(np.array([k], np.int64)))
             rt._bind_array(io, g.name("candidates"), self.candidates, output=True)
+            if "candidate_rows" in g.io.outputs and rt.device == "cpu":  # the later exits read these K rows
+                self.rows = self._buffer((1, k, H), dtype)
+                rt._bind_array(io, g.name("candidate_rows"), self.rows, output=True)
             if "logits" in g.io.outputs:  # the full graph: its logits and greedy token are scratch
                 V = rt.manifest.dims["vocab_size"]
                 rt._bind_array(io, g.name("logits"), self._buffer((1, V), dtype), output=True)
                 rt._bind_array(io, g.name("token"), self._buffer((1,), np.int64), output=True)
+        elif self.rows is not None and "rows" in g.io.inputs and isinstance(declared[g.name("rows")][0], str):
+            # the first exit's K rows as this graph's table, its candidates 0..K-1: the same rows, read contiguously
+            # instead of gathered from the V-row table again; the graph's token is then a column of the candidates
+            rt._bind_array(io, g.name("rows"), self.rows.reshape(k, H))
+            rt._bind_array(io, g.name("candidates"), self._host(np.arange(k, dtype=np.int64)[None]))
+            ids = self.candidates
         else:
+            rt.bind_weights(io, g)
             rt._bind_array(io, g.name("candidates"), self.candidates)
         rt._bind_array(io, g.name("candidate_logits"), self._buffer((1, k), dtype), output=True)
         passed, token = self._host(np.zeros(1, bool)), self._host(np.zeros(1, np.int64))
         rt._bind_array(io, g.name("passed"), passed, output=True)
         rt._bind_array(io, g.name("exit_token"), token, output=True)
-        return BoundExit(layer, g.session, io, passed, token)
+        return BoundExit(layer, g.session, io, passed, token, ids)
 
     def _bind(self, g: Graph) -> Any:
         io = g.session.io_binding()
@@ -306,7 +323,7 @@ class DecodeChain:
             decide += time.perf_counter() - t0
             if passed:
                 state = (self.hops[s + 1] if flow is None else flow).copy()
-                return ExitStep(int(ex.token[0]), ex.layer, s, state, decide, flushed)
+                return ExitStep(ex.exit_token(), ex.layer, s, state, decide, flushed)
         session, io = self.calls[-1]
         session.run_with_iobinding(io)  # the final head's in-graph argmax
         final = None if flow is None else flow.copy()
