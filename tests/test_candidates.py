@@ -3,6 +3,7 @@ subsets calibrate writes, and the plan export writes and run follows."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -278,6 +279,30 @@ def test_costs_keep_every_round_and_time_more_while_the_plan_is_undecided(planne
     assert m.costs is not None and m.costs.rounds() >= 2 and m.plan is not None
     bests = [ch.best for ch in m.plan.choices.values() if ch.best is not None]
     assert bests and all(b.interval is not None for b in bests)
+
+
+def test_each_exit_decision_is_timed_right_after_its_segment(planned):
+    """The cost model times an exit's decision just after its segment's call, as a decode step makes it (the
+    segment's weights through the caches first), and not that segment's time: prelude untimed."""
+    from eectl.costs import _time_rounds, after_segments
+
+    rt = planned["shortlist-int8"]
+    log: list[str] = []
+    calls = {f"seg1.{i}": (lambda i=i: log.append(f"seg1.{i}")) for i in range(len(rt.manifest.segments))}
+    calls |= {f"{kind}.{e}": (lambda n=f"{kind}.{e}": log.append(n)) for kind in ("cand", "local") for e in (2, 3)}
+    timed = after_segments(calls, rt)
+    assert timed["cand.3"] == (calls[f"seg1.{rt.segment_of_layer[3]}"], calls["cand.3"])
+    _time_rounds(timed, 1, 0, {n: [] for n in timed})
+    for name in ("cand.2", "local.2", "cand.3", "local.3"):
+        at = log.index(name)
+        assert log[at - 1] == f"seg1.{rt.segment_of_layer[int(name.split('.')[1])]}"
+
+    def slow() -> None:
+        time.sleep(0.05)
+
+    times: dict[str, list[float]] = {"x": []}
+    _time_rounds({"x": (slow, lambda: None)}, 2, 0, times)
+    assert len(times["x"]) == 2 and max(times["x"]) < 25  # ms: the prelude's 50 ms are not in it
 
 
 def test_compared_source_is_measured_on_the_same_tokens(llama, gsm8k, calibrations):
