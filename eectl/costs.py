@@ -4,7 +4,8 @@ Every graph is called through the runtime the runner uses (ArtifactRuntime: the 
 pool), at decode shape: one token on top of `past` positions of KV cache, and one more position where the defer and
 verify policies carry pending states along; each block exit head's graph on one position. Each figure is the median
 of `repeats` calls after `warmup` calls, in rounds that call every graph once (so each graph meets the CPU caches a
-decode step leaves it); every round's figure is kept (`Costs.samples_ms`: the plan's intervals are resampled from
+decode step leaves it; an exit's decision right after its segment's call, as in decode: `after_segments`); every
+round's figure is kept (`Costs.samples_ms`: the plan's intervals are resampled from
 them), and `--profile-costs` times more rounds while the plan is undecided (`measure_costs`'s `decided`). The
 decisions are timed with the signal computation the runner does after the graph (`exits.signals`); a cosine
 signal's decision reads only block states, and the LM head at the exit is timed apart (`exit_predict_ms`: what an
