@@ -95,6 +95,7 @@ def validate_artifact(
         "candidate_source": source.name,
         "candidate_checks": d.cand_checks,
         "candidate_set_mismatches": d.cand_mismatch,  # int8 ranking ties may flip the K-th candidate
+        "candidate_batch_vs_alone_mismatches": d.cand_alone_mismatch,
         "candidate_logit_max_abs_diff": d.cand_logits,
         "probe_score_max_abs_diff": d.score,  # exit graphs with a probe (the learned signal); 0 without
         "passed": True,
@@ -113,6 +114,7 @@ class _Diffs:
     block_kv: float = 0.0  # block exit heads' own KV after every step vs the torch blocks' caches
     cand_checks: int = 0
     cand_mismatch: int = 0  # candidate sets that differ from the torch source's
+    cand_alone_mismatch: int = 0  # a row's candidate set alone vs in its batch (int8 sources: 0 by construction)
     cand_logits: float = 0.0
     score: float = 0.0  # the learned signal's score in the local exit graphs vs Probe.score in torch
 
@@ -180,13 +182,16 @@ def _compare_graphs(
                 want = probe.score(exit_heads[layer].normed(ref_h), s.prob, s.margin)
                 got_score = torch.from_numpy(rt.exit_scores[layer]).float()
                 d.score = max(d.score, float((got_score - want).abs().max()))
-            if e.candidates is not None:  # the candidate source at the last position, as the runner calls it
-                want_c, _ = source.torch_pick(exit_heads[layer], ref_h[-1:], m.top_k)
-                got_c, got_l = rt.exit_candidates(layer, exit_in[0][-1:], m.top_k)
-                d.cand_checks += 1
-                d.cand_mismatch += int(set(want_c[0].tolist()) != set(got_c[0].tolist()))
-                exact = exit_heads[layer].local(ref_h[-1:], torch.from_numpy(got_c)).float()
+            if e.candidates is not None:  # the candidate source at every position in one call, as a batch of rows
+                want_c, _ = source.torch_pick(exit_heads[layer], ref_h, m.top_k)
+                got_c, got_l = rt.exit_candidates(layer, exit_in[0], m.top_k)
+                d.cand_checks += got_c.shape[0]
+                d.cand_mismatch += sum(set(w) != set(g) for w, g in zip(want_c.tolist(), got_c.tolist(), strict=True))
+                exact = exit_heads[layer].local(ref_h, torch.from_numpy(got_c)).float()
                 d.cand_logits = max(d.cand_logits, float((torch.from_numpy(got_l).float() - exact).abs().max()))
+                # and the last position alone, as the one-row runner calls it: the same candidates as in the batch
+                alone, _ = rt.exit_candidates(layer, exit_in[0][-1:], m.top_k)
+                d.cand_alone_mismatch += int(set(alone[0].tolist()) != set(got_c[-1].tolist()))
         d.kv = max(d.kv, _validate_kv_graph(adapter, rt, s_idx, kv_ids))
         if e.block is not None:  # its KV after every step == the torch block's; its K/V-only graph == torch's
             head, cache = blocks[layer]
