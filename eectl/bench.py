@@ -185,11 +185,11 @@ def bench_units(opts: BenchOptions, prompts: int) -> int:
     scored = [c for c in set(opts.configs) | {"full"} if c == "full" or (c in POLICIES and POLICIES[c].scores_text)]
     ppl = len(scored) if opts.ppl_tokens > 0 else 0
     sweep = len(opts.sweep) * 2 * prompts if early else 0
-    steps = sum(1 for c in set(opts.configs) if _changes_tokens(c, opts)) * prompts
+    steps = sum(1 for c in set(opts.configs) if _changes_tokens(c)) * prompts
     return order + opts.reps * order * prompts + ppl + sweep + steps
 
 
-def _changes_tokens(name: str, opts: BenchOptions) -> bool:
+def _changes_tokens(name: str) -> bool:
     """Whether a configuration's tokens may differ from full depth's (a lossless policy's never do)."""
     if name in ("full", AA, "hf"):
         return False
@@ -420,7 +420,7 @@ def _step_agreements(
     difference over the continuation."""
     full = configs.runners["full"]
     for r in results:
-        if not _changes_tokens(r.name, configs.opts):
+        if not _changes_tokens(r.name):
             continue
         same, total = [], []
         for prompt, gen in zip(ids, runs[r.name][0].generations, strict=True):

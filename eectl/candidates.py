@@ -119,7 +119,8 @@ def int8_scores(normed: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tenso
     step = max(1, (1 << 24) // (127 * 127))  # terms per exact float32 partial sum
     for lo in range(0, h, step):
         acc += (a[:, lo : lo + step] @ w[:, lo : lo + step].T).double()
-    # this order: ORT fuses the graph's MatMulInteger, Cast and Muls into MatMulIntegerToFloat, which multiplies so
+    # this order, written out in the graph too: given Cast(acc) * (x_scale * w_scale), ORT fuses it into
+    # MatMulIntegerToFloat, which rounds as (acc * w_scale) * x_scale; the explicit order is not fused
     return acc.float() * wscale[None, :] * xscale[:, None]
 
 

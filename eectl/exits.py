@@ -455,9 +455,9 @@ def decision_nodes(
 
     last = ints("last_axis", -1)
     as_float = b.elem == TensorProto.FLOAT  # float32 activations need no Cast
-    # nodes, not flops, are what a one-token decision costs: each node reads code and state a decoder segment has
-    # just evicted from the caches (~5 us a node, ~65 us a session call, measured after a segment on 2 threads), so
-    # the test is built from as few nodes as its exact arithmetic allows
+    # a one-token decision's cost is what a decoder segment has just evicted from the caches: its weights' bytes
+    # first, then ~1 us a node and 27-65 us a session call (measured after a segment on 2 threads), so the test is
+    # built from as few nodes as its exact arithmetic allows
     z = logits if as_float else b.op("Cast", [logits], to=TensorProto.FLOAT)
     # the top two as numpy finds them: ties to the lower index; a -inf column after the K so that K = 1 has a second
     # (margin = prob there)
