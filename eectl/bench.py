@@ -45,6 +45,7 @@ from eectl.bench_stats import (
 )
 from eectl.data import encode_prompt
 from eectl.errors import UsageError
+from eectl.gates import GATE
 from eectl.runtime.generate import RunOptions, load_tokenizer, replan, resolve_config
 from eectl.runtime.policies import POLICIES, default_policies
 from eectl.runtime.runner import Generation, RunConfig, Runner
@@ -175,6 +176,8 @@ class _Run:
     rejected: int = 0
     decode_tokens: int = 0  # over all rows
     decode_wall_s: float = 0.0  # wall time of the decode steps (a batch's rows share each step)
+    decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there (gates skip some)
+    picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked candidates there
     per_prompt: list[tuple[float, int]] = field(default_factory=list)  # (decode seconds, decode tokens) per prompt
 
 
@@ -315,6 +318,10 @@ class _Configs:
                 run.latencies.extend(g.latencies_s[1:])
                 run.exit_layers.extend(g.exit_layers[1:])
                 run.decide_s += g.decide_s
+                for layer, n in g.decided.items():
+                    run.decided[layer] = run.decided.get(layer, 0) + n
+                for layer, n in g.picked.items():
+                    run.picked[layer] = run.picked.get(layer, 0) + n
                 run.drafted += g.drafted
                 run.rejected += g.rejected_drafts
                 # a row's own decode time (its steps' wall time, shared with the other rows) and tokens
@@ -612,7 +619,12 @@ def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) ->
     policy = RIVER_EXIT if cfg.policy == "river" and cfg.river_predict == "exit" else cfg.policy
     if policy in RIVER_POLICIES and m.costs.river_ms is None:
         return  # costs measured before river copies were timed: no model for them
-    res.model_speedup = predict(m.costs, boundaries, policy, per_exit, lost_rate=lost).speedup
+    runs = None
+    if any(GATE in cfg.thresholds.get(e, {}) for e in cfg.exits):  # gated: the decisions the run made
+        decided = {e: sum(r.decided.get(e, 0) for r in reps) for e in cfg.exits}
+        picked = {e: sum(r.picked.get(e, 0) for r in reps) for e in cfg.exits}
+        runs = [(decided[e] / steps, picked[e] / steps) for e in sorted(cfg.exits)]
+    res.model_speedup = predict(m.costs, boundaries, policy, per_exit, lost_rate=lost, runs=runs).speedup
 
 
 def river_kv_cosine(runner: Runner, prompt: list[int]) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eectl.calibrate_fit import fit, fit_options, options_judge
+from eectl.calibrate_fit import fit, fit_gates, fit_options, options_judge
 from eectl.calibrate_measure import (
     Continuation,
     ExitScorer,
@@ -78,6 +78,7 @@ from eectl.candidates import (
 )
 from eectl.errors import DataError, UsageError
 from eectl.exits import DEFAULT_SIGNAL, DEFAULT_TOP_K, get_signal
+from eectl.gates import DEFAULT_GATE_KEEP, Gate
 from eectl.recipe import check_exit_layers
 from eectl.thresholds import min_tokens_for
 
@@ -100,6 +101,8 @@ class CalibrateOptions:
     raw: bool = False  # feed prompts as is; default: the tokenizer's chat template, as `eectl run` does
     chunk_len: int = 256  # teacher-forced chunk length (BOS included)
     gen_batch: int = 64  # prompts generated together (left-padded): speed only, never which tokens are measured
+    # the menu's gated options (eectl.gates): the share of each option's passing decisions its gates keep; 0: no gates
+    gate_keep: float = DEFAULT_GATE_KEEP
 
     @property
     def generated_tokens(self) -> int:
@@ -128,6 +131,8 @@ def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_s
         raise UsageError(f"--gen-share must be in [0, 1], got {opts.gen_share}")
     if opts.gen_tokens < 1:
         raise UsageError(f"--gen-tokens must be >= 1, got {opts.gen_tokens}")
+    if not 0.0 <= opts.gate_keep <= 1.0 or math.isnan(opts.gate_keep):
+        raise UsageError(f"--gate-keep must be in [0, 1] (0: no gates), got {opts.gate_keep}")
     if opts.gen_batch < 1:
         raise UsageError(f"--gen-batch must be >= 1, got {opts.gen_batch}")
     if opts.tokens <= 0:
@@ -235,14 +240,15 @@ def collect(
         for o in others
     ]
     pairs = topk and opts.options
+    states = opts.options and opts.gate_keep > 0  # the exits' states, for fitting gates (then dropped)
     parts: list[list[Measurements]] = [[] for _ in scorers]
     if chunks:
         skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
-        for j, measured in enumerate(measure_text_all(scorers, chunks, skip_first, on_tokens, pairs)):
+        for j, measured in enumerate(measure_text_all(scorers, chunks, skip_first, on_tokens, pairs, states)):
             if measured is not None:
                 parts[j].append(measured)
     if conts:
-        for j, measured in enumerate(measure_kept_all(scorers, conts, pairs)):
+        for j, measured in enumerate(measure_kept_all(scorers, conts, pairs, keep_states=states)):
             assert measured is not None
             parts[j].append(measured)
     chat = not opts.raw and bool(getattr(tok, "chat_template", None))
@@ -283,6 +289,9 @@ def summarise(
 
     start = time.perf_counter()
     meas = collected.meas
+    gates: dict[int, Gate] = {}
+    if meas.hidden is not None and opts.options and opts.gate_keep > 0:
+        gates, meas = fit_gates(meas, opts.target, opts.confidence, opts.holdout)
     result = fit(meas, opts.target, opts.confidence, opts.holdout, sorted(heads or {}))
     signal = get_signal(opts.signal)
     if signal.needs_candidates and result.exits[0].calibration.exited == 0 and len(result.exits) > 1:
@@ -332,7 +341,11 @@ def summarise(
         )
         if signal.needs_candidates
         else None,
-        options=fit_options(meas, opts.target, opts.confidence, opts.holdout) if opts.options else [],
+        options=fit_options(meas, opts.target, opts.confidence, opts.holdout, gate_keep=opts.gate_keep)
+        if opts.options
+        else [],
+        gates={str(layer): g for layer, g in gates.items()},
+        gate_keep=opts.gate_keep if gates else None,
         options_judged_on=int(options_judge(meas, opts.holdout).sum()) if opts.options else 0,
         compared={name: _compared(m, opts, heads) for name, m in collected.compared.items()},
         target=opts.target,

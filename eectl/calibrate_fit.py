@@ -22,6 +22,8 @@ from eectl.calibration_file import (
     SplitStats,
 )
 from eectl.errors import DataError
+from eectl.exits import passes
+from eectl.gates import GATE, Gate, fit_gate, gate_logits, gate_threshold
 from eectl.plan import MAX_SUBSET, VERIFY_PRECISIONS, ExitOption, Option
 from eectl.thresholds import assign_exits, clopper_pearson_lower, fit_thresholds, min_tokens_for
 
@@ -144,14 +146,55 @@ def options_judge(meas: Measurements, holdout: float) -> torch.Tensor:
     return held if bool(held.any()) else ~held
 
 
+def fit_gates(
+    meas: Measurements, target: float, confidence: float | None, holdout: float
+) -> tuple[dict[int, Gate], Measurements]:
+    """Each exit's gate (eectl.gates), fitted on the calibration split's kept states (`meas.hidden`), labelled
+    "this exit alone passes the token" (its own candidates, its one-exit thresholds at the target; where it never
+    passes, "its top-1 agrees with the final layer"); and `meas` with the gates' logits (`gate_logits`) and without
+    the states."""
+    assert meas.hidden is not None, "gates need the exits' states: measure with keep_states"
+    calib = ~meas.heldout_mask(holdout)
+    gates: dict[int, Gate] = {}
+    logits = []
+    for i, layer in enumerate(meas.exits):
+        one = meas.restrict([layer])
+        values = {c: v[0] for c, v in one.values.items()}
+        thr = fit_thresholds(one.values, one.correct, target, confidence, calib)[0]
+        label = one.correct[0] if all(math.isinf(t) for t in thr.values()) else passes(values, thr)
+        gate = fit_gate(meas.hidden[i][calib], label[calib])
+        gates[layer] = gate
+        logits.append(gate_logits(meas.hidden[i], *gate.arrays()))
+    kept = Measurements(
+        meas.exits,
+        meas.num_layers,
+        meas.values,
+        meas.correct,
+        meas.source,
+        meas.unit,
+        meas.pair_values,
+        meas.pair_correct,
+        gate_logits=torch.stack(logits),
+    )
+    return gates, kept
+
+
 def fit_options(
-    meas: Measurements, target: float, confidence: float | None, holdout: float, max_subset: int = MAX_SUBSET
+    meas: Measurements,
+    target: float,
+    confidence: float | None,
+    holdout: float,
+    max_subset: int = MAX_SUBSET,
+    gate_keep: float | None = None,
 ) -> list[Option]:
     """The menu for the cost model (plan.py): every subset of up to `max_subset` exits, fitted sequentially on the
     calibration split at the fidelity target (kind "target", with `confidence`) and at each of verify's precisions
     (kind "verify", point estimates: verify is lossless, its threshold only trades drafts for rollbacks), with the
     coverage and precision per exit on `options_judge`'s tokens. Options where an exit never exits are left out
-    (a smaller subset without it is on the menu and is cheaper)."""
+    (a smaller subset without it is on the menu and is cheaper).
+
+    With gates (`meas.gate_logits` and `gate_keep`), every option also comes gated (`_gated_option`): the cost
+    model weighs the decisions a gate skips against the exits it loses."""
     from itertools import combinations
 
     held = meas.heldout_mask(holdout)
@@ -159,6 +202,7 @@ def fit_options(
     judge = options_judge(meas, holdout)
     fits: list[tuple[str, float, float | None]] = [("target", target, confidence)]
     fits += [("verify", q, None) for q in VERIFY_PRECISIONS]
+    gated = meas.gate_logits is not None and gate_keep is not None and gate_keep > 0
     out: list[Option] = []
     for size in range(1, min(max_subset, len(meas.exits)) + 1):
         for subset in combinations(meas.exits, size):
@@ -167,18 +211,86 @@ def fit_options(
                 thresholds = fit_thresholds(sub.values, sub.correct, q, level, calib)
                 if any(all(math.isinf(v) for v in t.values()) for t in thresholds):
                     continue
-                per_exit, overall = evaluate(sub, thresholds, judge)
-                out.append(
-                    Option(
-                        exits=list(subset),
-                        kind=kind,
-                        target=q,
-                        confidence=level,
-                        per_exit=[
-                            ExitOption(layer=layer, thresholds=t, coverage=st.coverage, precision=st.precision)
-                            for layer, t, st in zip(subset, thresholds, per_exit, strict=True)
-                        ],
-                        agreement=overall.agreement,
-                    )
-                )
+                out.append(_option(sub, list(subset), kind, q, level, thresholds, judge))
+                if gated:
+                    assert gate_keep is not None
+                    option = _gated_option(meas, list(subset), kind, q, level, thresholds, calib, judge, gate_keep)
+                    if option is not None:
+                        out.append(option)
     return out
+
+
+def _option(
+    sub: Measurements,
+    subset: list[int],
+    kind: str,
+    q: float,
+    level: float | None,
+    thresholds: list[dict[str, float]],
+    judge: torch.Tensor,
+    gate_ok: torch.Tensor | None = None,
+) -> Option:
+    """An option as evaluated on the judged tokens; with `gate_ok` [E', N], each exit's share of those tokens
+    whose decision runs there (`decided`) and, of those, picks the candidates there (`picked`)."""
+    per_exit, overall = evaluate(sub, thresholds, judge)
+    decided: list[float | None] = [None] * len(subset)
+    picked: list[float | None] = [None] * len(subset)
+    if gate_ok is not None:
+        taken = assign_exits(sub.values, thresholds)[judge]
+        ok = gate_ok[:, judge]
+        n = max(1, int(judge.sum()))
+        before = torch.zeros_like(ok[0])
+        for i in range(len(subset)):
+            runs = (taken >= i) & ok[i]
+            decided[i] = int(runs.sum()) / n
+            picked[i] = int((runs & ~before).sum()) / n
+            before = before | ok[i]
+    return Option(
+        exits=subset,
+        kind=kind,
+        target=q,
+        confidence=level,
+        per_exit=[
+            ExitOption(
+                layer=layer,
+                thresholds=t,
+                coverage=st.coverage,
+                precision=st.precision,
+                decided=d,
+                picked=p,
+            )
+            for layer, t, st, d, p in zip(subset, thresholds, per_exit, decided, picked, strict=True)
+        ],
+        agreement=overall.agreement,
+    )
+
+
+def _gated_option(
+    meas: Measurements,
+    subset: list[int],
+    kind: str,
+    q: float,
+    level: float | None,
+    ungated: list[dict[str, float]],
+    calib: torch.Tensor,
+    judge: torch.Tensor,
+    keep: float,
+) -> Option | None:
+    """The option with gates: each exit's gate threshold keeps `keep` of the calibration tokens the ungated
+    option's decision passes there; the thresholds are then refitted on what the gated run sees (candidates picked at
+    the first exit whose gate passes: `Measurements.restrict(gate_ok=...)`), so the option's precision is the gated
+    run's. None when an exit then never exits."""
+    assert meas.gate_logits is not None
+    logits = meas.gate_logits[[meas.exits.index(e) for e in subset]]  # [E', N]
+    taken = assign_exits(meas.restrict(subset).values, ungated)
+    gammas = [gate_threshold(logits[i][calib & (taken == i)], keep) for i in range(len(subset))]
+    gate_ok = torch.stack([logits[i] >= g for i, g in enumerate(gammas)])
+    sub = meas.restrict(subset, gate_ok)
+    thresholds = fit_thresholds(sub.values, sub.correct, q, level, calib)
+    if any(all(math.isinf(v) for v in t.values()) for t in thresholds):
+        return None
+    with_gates = [{**t, GATE: g} for t, g in zip(thresholds, gammas, strict=True)]
+    option = _option(sub, subset, kind, q, level, thresholds, judge, gate_ok)
+    for x, t in zip(option.per_exit, with_gates, strict=True):
+        x.thresholds = t
+    return option

@@ -50,6 +50,10 @@ class Measurements:
     # (the first active exit), valid for E >= F; `values`/`correct` are the F = 0 slice. None for other signals.
     pair_values: dict[str, torch.Tensor] | None = None
     pair_correct: torch.Tensor | None = None
+    # the decision's input state at each exit [E, N, H] (kept for fitting gates: eectl.gates), and the gates' logits
+    # [E, N] once fitted; None when not kept
+    hidden: torch.Tensor | None = None
+    gate_logits: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -62,6 +66,12 @@ class Measurements:
         if first.pair_values is not None:
             pv = {c: torch.cat([p.pair_values[c] for p in parts if p.pair_values], 2) for c in first.pair_values}
             pc = torch.cat([p.pair_correct for p in parts if p.pair_correct is not None], 2)
+        hidden = None
+        if first.hidden is not None:
+            hidden = torch.cat([p.hidden for p in parts if p.hidden is not None], 1)
+        gl = None
+        if first.gate_logits is not None:
+            gl = torch.cat([p.gate_logits for p in parts if p.gate_logits is not None], 1)
         return Measurements(
             exits=first.exits,
             num_layers=first.num_layers,
@@ -71,6 +81,8 @@ class Measurements:
             unit=torch.cat([p.unit for p in parts]),
             pair_values=pv,
             pair_correct=pc,
+            hidden=hidden,
+            gate_logits=gl,
         )
 
     def take(self, n: int) -> Measurements:
@@ -83,11 +95,19 @@ class Measurements:
             self.unit[:n],
             None if self.pair_values is None else {c: v[:, :, :n] for c, v in self.pair_values.items()},
             None if self.pair_correct is None else self.pair_correct[:, :, :n],
+            None if self.hidden is None else self.hidden[:, :n],
+            None if self.gate_logits is None else self.gate_logits[:, :n],
         )
 
-    def restrict(self, exits: Sequence[int]) -> Measurements:
-        """The measurements a run with only these active exits sees (topk: candidates picked at the first)."""
+    def restrict(self, exits: Sequence[int], gate_ok: torch.Tensor | None = None) -> Measurements:
+        """The measurements a run with only these active exits sees (topk: candidates picked at the first).
+
+        `gate_ok` [len(exits), N] bool: the exits' gates (eectl.gates): where an exit's gate fails its decision does
+        not run (its values are -inf: no threshold passes), and the candidates are picked at the first exit whose
+        gate passes, the later ones scoring those."""
         idx = [self.exits.index(e) for e in exits]
+        if gate_ok is not None:
+            return self._gated(idx, list(exits), gate_ok)
         if self.pair_values is not None and self.pair_correct is not None:
             f = idx[0]
             values = {c: v[f, idx] for c, v in self.pair_values.items()}
@@ -96,6 +116,26 @@ class Measurements:
             values = {c: v[idx] for c, v in self.values.items()}
             correct = self.correct[idx]
         return Measurements(list(exits), self.num_layers, values, correct, self.source, self.unit)
+
+    def _gated(self, idx: list[int], exits: list[int], gate_ok: torch.Tensor) -> Measurements:
+        n = self.n
+        values = {c: torch.full((len(idx), n), float("-inf")) for c in self.values}
+        correct = torch.zeros(len(idx), n, dtype=torch.bool)
+        picker = torch.full((n,), -1, dtype=torch.long)  # the exit (index into self.exits) that picked candidates
+        for i, e in enumerate(idx):
+            ok = gate_ok[i]
+            picker[ok & (picker < 0)] = e
+            if self.pair_values is None or self.pair_correct is None:
+                for c, v in self.values.items():
+                    values[c][i, ok] = v[e, ok]
+                correct[i, ok] = self.correct[e, ok]
+                continue
+            for f in torch.unique(picker[ok]).tolist():
+                sel = ok & (picker == f)
+                for c, v in self.pair_values.items():
+                    values[c][i, sel] = v[f, e, sel]
+                correct[i, sel] = self.pair_correct[f, e, sel]
+        return Measurements(exits, self.num_layers, values, correct, self.source, self.unit)
 
     def heldout_mask(self, holdout: float) -> torch.Tensor:
         """[N] bool: the tokens of the last `holdout` share of each source's units (at least one, never all)."""
@@ -302,10 +342,13 @@ def _part(
     scored: tuple[Any, ...],
     source: int,
     units: torch.Tensor,
+    states: list[torch.Tensor] | None = None,
 ) -> Measurements:
+    """One batch's Measurements; `states` (the exits' input states, [T, H] each): kept as `hidden`."""
     values, correct, _, pv, pc = scored
     src = torch.full_like(units, source)
-    return Measurements(scorer.exits, scorer.adapter.num_layers, values, correct, src, units, pv, pc)
+    hidden = None if states is None else torch.stack([s.float() for s in states])
+    return Measurements(scorer.exits, scorer.adapter.num_layers, values, correct, src, units, pv, pc, hidden)
 
 
 @torch.no_grad()
@@ -326,8 +369,10 @@ def measure_text_all(
     skip_first: int,
     on_tokens: Callable[[int], None] | None,
     pairs: bool,
+    keep_states: bool = False,
 ) -> list[Measurements | None]:
-    """As `measure_text`, for several scorers (candidate sources, same exits) on the same states."""
+    """As `measure_text`, for several scorers (candidate sources, same exits) on the same states (`keep_states`:
+    the first scorer's measurements keep them, `Measurements.hidden`)."""
     parts: list[list[Measurements]] = [[] for _ in scorers]
     for u, ids in enumerate(chunks):
         positions = torch.arange(ids.shape[1])[None]
@@ -336,7 +381,8 @@ def measure_text_all(
         )
         units = torch.full((final.shape[0],), u, dtype=torch.long)
         for j, sc in enumerate(scorers):
-            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs, blocks), 0, units))
+            kept = states if keep_states and j == 0 else None
+            parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs, blocks), 0, units, kept))
         if on_tokens is not None:
             on_tokens(final.shape[0])
     return [Measurements.concat(p) if p else None for p in parts]
@@ -510,7 +556,11 @@ class _StepStates:
 
 
 def measure_kept_all(
-    scorers: Sequence[ExitScorer], conts: list[Continuation], pairs: bool, tokens_per_call: int = 1024
+    scorers: Sequence[ExitScorer],
+    conts: list[Continuation],
+    pairs: bool,
+    tokens_per_call: int = 1024,
+    keep_states: bool = False,
 ) -> list[Measurements | None]:
     """Generated tokens scored on the states their generation kept (`generate_continuations(keep=scorer.keep()`
     with `last_only`): position P-1+j of each continuation (its final top-1 is generated token j) is one measured
@@ -533,7 +583,7 @@ def measure_kept_all(
         units = torch.cat([torch.full((len(c.generated),), c.unit, dtype=torch.long) for c in group])
         for j, sc in enumerate(scorers):
             scored = sc.score_pairs(exit_states, exit_inputs, states[0], pairs, blocks)
-            parts[j].append(_part(sc, scored, 1, units))
+            parts[j].append(_part(sc, scored, 1, units, exit_states if keep_states and j == 0 else None))
     return [Measurements.concat(p) if p else None for p in parts]
 
 

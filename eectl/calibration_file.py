@@ -19,6 +19,7 @@ from eectl import __version__
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import SIGNALS
 from eectl.files import atomic_write_json, read_utf8, strict_json
+from eectl.gates import GATE, Gate
 from eectl.plan import Option
 from eectl.recipe import check_exit_layers
 
@@ -150,6 +151,10 @@ class Calibration(_Model):
     options: list[Option] = Field(default_factory=list)  # the cost model's menu (calibrate_fit.fit_options)
     options_judged_on: int = 0  # tokens the menu's coverage was measured on (calibrate_fit.options_judge)
     compared: dict[str, ComparedSource] = Field(default_factory=dict)  # --compare: other candidate sources
+    # exit layer (str) -> its gate (eectl.gates: a linear test on the state that skips the decision), which gated
+    # options' thresholds ("gate") refer to; and the share of passing decisions their thresholds keep. Empty: none
+    gates: dict[str, Gate] = Field(default_factory=dict)
+    gate_keep: float | None = None
     threads: int = 0
     wall_s: float = 0.0
     seconds_per_10k_tokens: float = 0.0
@@ -174,6 +179,10 @@ class Calibration(_Model):
             raise ValueError(f"{self.signal} needs top_k >= 2 and candidates_layer = the first exit")
         if self.confidence is not None and not 0.0 < self.confidence < 1.0:
             raise ValueError(f"confidence {self.confidence} outside (0, 1)")
+        for o in self.options:
+            lacking = [x.layer for x in o.per_exit if GATE in x.thresholds and str(x.layer) not in self.gates]
+            if lacking:
+                raise ValueError(f"option at exits {o.exits}: a gate threshold at exit {lacking[0]} without its gate")
         return self
 
     @property

@@ -69,6 +69,11 @@ class ExitOption(_M):
     thresholds: dict[str, float]  # criterion -> exit when value >= it
     coverage: float  # held-out share of ALL tokens that exit here
     precision: float | None  # held-out agreement with the final top-1 among them (None: none exited)
+    # gated options (thresholds hold a "gate": eectl.gates): held-out share of ALL tokens whose decision runs here,
+    # and of those, the share that picks the candidates here (no earlier gate passed). None: ungated, every token
+    # reaching the exit decides there, the first exit picking
+    decided: float | None = None
+    picked: float | None = None
 
 
 class Option(_M):
@@ -87,6 +92,10 @@ class Option(_M):
 
     def thresholds(self) -> dict[int, dict[str, float]]:
         return {x.layer: dict(x.thresholds) for x in self.per_exit}
+
+    @property
+    def gated(self) -> bool:
+        return any(x.decided is not None for x in self.per_exit)
 
 
 class Costs(_M):
@@ -286,11 +295,14 @@ def predict(
     policy: str,
     per_exit: Sequence[tuple[int, float, float | None]],
     lost_rate: float | None = None,
+    runs: Sequence[tuple[float, float]] | None = None,
 ) -> Prediction:
     """Expected ms per emitted token for active exits (layer, coverage, precision), ascending by layer.
 
     `boundaries` are the artifact's segment end layers (the last = L). `lost_rate` (verify) overrides the tokens
-    lost per step that precisions imply (bench passes its measured rate).
+    lost per step that precisions imply (bench passes its measured rate). `runs` (gated options): per exit, the
+    share of all tokens whose decision runs there and the share that picks the candidates there; without it every
+    token reaching an exit decides there, the first exit picking.
     """
     base = costs.baseline_ms()  # full depth with no exit active (the bound chain where the runner has one)
     bound = costs.bound_exits and policy in BOUND_POLICIES
@@ -303,17 +315,27 @@ def predict(
         return Prediction(
             policy=policy, exits=[], ms_per_token=base, full_ms=base, speedup=1.0, decision_ms=0.0, exit_rate=0.0
         )
-    decisions = [
-        (costs.candidates_ms[str(layer)] if i == 0 else costs.local_ms[str(layer)]) + costs.block_ms.get(str(layer), 0)
-        for i, layer in enumerate(exits)
-    ]
-    n_seg = len(boundaries)
-    step = 0.0
+    reach = 1.0
+    shares: list[tuple[float, float]] = []  # per exit: (decides there as a later exit, picks there)
+    for i, (_, cov, _) in enumerate(per_exit):
+        shares.append((0.0 if i == 0 else reach, reach if i == 0 else 0.0))
+        reach -= cov
+    if runs is not None:
+        shares = [(d - p, p) for d, p in runs]
+    # the expected decision time per token: each exit's decisions at the share of tokens making them there (a block
+    # head runs for every token reaching its exit, gate or not)
     decision = 0.0
+    reach = 1.0
+    for (layer, cov, _), (local, pick) in zip(per_exit, shares, strict=True):
+        decision += local * costs.local_ms[str(layer)] + pick * costs.candidates_ms[str(layer)]
+        decision += reach * costs.block_ms.get(str(layer), 0.0)
+        reach -= cov
+    n_seg = len(boundaries)
+    step = decision
     rate = 0.0
-    for i, (layer, cov, _) in enumerate(per_exit):
+    for layer, cov, _ in per_exit:
         s = _segment_of(boundaries, layer)
-        paid = costs.embed_ms + sum(costs.segment_ms[: s + 1]) + over * (s + 1) + sum(decisions[: i + 1])
+        paid = costs.embed_ms + sum(costs.segment_ms[: s + 1]) + over * (s + 1)
         if costs.exit_predict_ms is not None and policy != "river":  # the river's end predicts instead
             paid += costs.exit_predict_ms[str(layer)]
         later = range(s + 1, n_seg)
@@ -328,11 +350,8 @@ def predict(
             if policy == "verify":
                 paid += costs.final_head_extra_ms
         step += cov * paid
-        decision += cov * sum(decisions[: i + 1])
         rate += cov
-    rest = max(0.0, 1.0 - rate)
-    step += rest * (full + sum(decisions))
-    decision += rest * sum(decisions)
+    step += max(0.0, 1.0 - rate) * full
     lost = 0.0
     if policy == "verify":
         if lost_rate is not None:
@@ -355,15 +374,19 @@ def predict(
 
 
 def predict_option(costs: Costs, boundaries: Sequence[int], policy: str, option: Option) -> Prediction:
-    return predict(costs, boundaries, policy, [(x.layer, x.coverage, x.precision) for x in option.per_exit])
+    runs = None
+    if option.gated:
+        runs = [(x.decided or 0.0, x.picked or 0.0) for x in option.per_exit]
+    return predict(costs, boundaries, policy, [(x.layer, x.coverage, x.precision) for x in option.per_exit], runs=runs)
 
 
 def _usable(costs: Costs, boundaries: Sequence[int], opt: Option) -> bool:
     inner = {str(b) for b in boundaries[:-1]}
+    pickers = opt.exits if opt.gated else opt.exits[:1]  # gated: any exit may pick the candidates
     return (
         bool(opt.exits)
         and all(str(e) in inner and str(e) in costs.local_ms for e in opt.exits)
-        and str(opt.exits[0]) in costs.candidates_ms
+        and all(str(e) in costs.candidates_ms for e in pickers)
     )
 
 

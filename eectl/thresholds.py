@@ -205,12 +205,14 @@ def fit_thresholds(
     mask: torch.Tensor | None = None,
 ) -> list[dict[str, float]]:
     """values {criterion: [E, N]}, correct [E, N]: exit e's thresholds are searched on the (masked) tokens that no
-    earlier exit took."""
+    earlier exit took and that exit e decides: a value of -inf marks a decision that does not run (its gate failed:
+    eectl.gates), which no threshold lets pass."""
     num_exits, n = correct.shape
     remaining = torch.ones(n, dtype=torch.bool) if mask is None else mask.clone()
     out: list[dict[str, float]] = []
     for e in range(num_exits):
-        idx = torch.nonzero(remaining).flatten()
+        decided = torch.stack([v[e] > float("-inf") for v in values.values()]).all(0)
+        idx = torch.nonzero(remaining & decided).flatten()
         thr = search_thresholds({c: v[e, idx] for c, v in values.items()}, correct[e, idx], target, level)
         out.append(thr)
         remaining &= ~passes({c: v[e] for c, v in values.items()}, thr)

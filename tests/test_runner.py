@@ -13,6 +13,7 @@ from eectl.cli import app
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits import ExitHead, signals, topk_candidates
 from eectl.export import ExportOptions, export_artifact
+from eectl.gates import GATE, Gate, gate_logits, gate_open
 from eectl.models import load_model
 from eectl.runtime.chain import DecodeChain
 from eectl.runtime.generate import RunOptions, resolve_config
@@ -70,10 +71,12 @@ def test_full_depth_without_the_token_output_uses_the_logits(artifacts, tmp_path
     assert _runner(ArtifactRuntime(old, provider="cpu"), exits=[], new=12).generate([prompt])[0].token_ids == want
 
 
-def _torch_simulation(loaded, prompt, new, thresholds, probs=None):
+def _torch_simulation(loaded, prompt, new, thresholds, probs=None, gates=None, seen=None):
     """Sequential topk-prob exits decided on states computed with the exact (full-model) KV of every position.
 
-    `probs`, when given, collects each exit's top-1 local probability per decode step.
+    `probs`, when given, collects each exit's top-1 local probability per decode step; `seen` each exit's state.
+    `gates` (exit -> (weight, bias, threshold), eectl.gates): an exit decides only where its gate opens, the first
+    exit that decides picks the candidates.
     """
     adapter = loaded.adapter
     heads = {e: ExitHead(adapter) for e in [*EXITS, 6]}
@@ -92,10 +95,18 @@ def _torch_simulation(loaded, prompt, new, thresholds, probs=None):
             )
             token, layer = None, 6
             if step > 0:  # the first token comes from the prefill, at full depth
-                full = heads[EXITS[0]].full(states[EXITS[0]])
-                cand = topk_candidates(full, K)
+                cand = None
                 for e in EXITS:
-                    local = full.gather(-1, cand) if e == EXITS[0] else heads[e].local(states[e], cand)
+                    if seen is not None:
+                        seen.setdefault(e, []).append(states[e][0])
+                    if gates is not None and not gate_open(gates.get(e), states[e].numpy()):
+                        continue
+                    if cand is None:
+                        full = heads[e].full(states[e])
+                        cand = topk_candidates(full, K)
+                        local = full.gather(-1, cand)
+                    else:
+                        local = heads[e].local(states[e], cand)
                     s = signals(local, cand)
                     if probs is not None:
                         probs.setdefault(e, []).append(float(s.prob[0]))
@@ -373,3 +384,60 @@ def test_bound_exit_steps_equal_the_general_path(artifacts, family, policy, monk
     ours, theirs = kv_bound.batch_keys + kv_bound.batch_values, runner.last_kv.batch_keys + runner.last_kv.batch_values
     for mine, other in zip(ours, theirs, strict=True):
         assert (mine[:, :, :n] == other[:, :, :n]).all()
+
+
+def _gated(loaded, art, prompt, new, shut_first):
+    """A runtime of `art` whose calibration holds a gate at each exit (seeded weights), thresholds that make some
+    tokens exit, and the gates (weight, bias, threshold) as the runner and the simulation take them. The gates'
+    thresholds: with `shut_first`, exit 2's never opens and exit 4's always does (exit 4 picks every candidate set);
+    else quantiles of the logits of the exit's states in the gated decode itself (re-set a few times, as the gates
+    change which tokens follow)."""
+    thresholds = _median_thresholds(loaded, prompt, new)
+    g = torch.Generator().manual_seed(11)
+    H = loaded.adapter.dims.hidden_size
+    gates = {e: Gate(weight=(torch.randn(H, generator=g) / H**0.5).tolist(), bias=0.0) for e in EXITS}
+    if shut_first:
+        sim = {e: (*gates[e].arrays(), t) for e, t in zip(EXITS, (float("inf"), float("-inf")), strict=True)}
+    else:
+        sim = None
+        for _ in range(3):
+            seen: dict[int, list[torch.Tensor]] = {}
+            _torch_simulation(loaded, prompt, new, thresholds, gates=sim, seen=seen)
+            sim = {}
+            for e, q in zip(EXITS, (0.7, 0.2), strict=True):
+                logits = gate_logits(torch.stack(seen[e]), *gates[e].arrays())
+                sim[e] = (*gates[e].arrays(), float(logits.quantile(q)) + 1e-4)  # off the logits: no float-noise tie
+    assert sim is not None
+    rt = ArtifactRuntime(art, provider="cpu")
+    rt.manifest.calibration = make_calibration(loaded, {e: {"prob": thresholds[e]} for e in EXITS}).model_copy(
+        update={"gates": {str(e): gate for e, gate in gates.items()}}
+    )
+    run_thr = {e: {"prob": thresholds[e], GATE: sim[e][2]} for e in EXITS}
+    return rt, run_thr, thresholds, sim
+
+
+@pytest.mark.parametrize("shut_first", [True, False], ids=["first-shut", "mixed"])
+@pytest.mark.parametrize("policy", ["defer", "verify"])
+def test_gated_exits_equal_the_simulation_on_both_paths(exported, family, policy, shut_first, monkeypatch):
+    """Gated exits (eectl.gates): a decision runs only where its gate opens, and the first exit whose gate opens
+    picks the candidates. The bound chain and the general path make the same decisions, and under defer (exact KV
+    when read) the same as the PyTorch simulation of that rule; verify stays lossless."""
+    loaded, art = exported[family]
+    prompt = _prompt(8, 9, loaded.adapter.dims.vocab_size)
+    rt, thr, plain_thr, sim = _gated(loaded, art, prompt, 24, shut_first)
+    runner = Runner(rt, RunConfig(exits=EXITS, thresholds=thr, policy=policy, top_k=K, max_new_tokens=24))
+    assert sorted(runner.gates) == EXITS
+    bound = runner.generate([prompt])[0]
+    monkeypatch.setattr(Runner, "_chain", lambda self, kv, rows: None)
+    plain = runner.generate([prompt])[0]
+    assert bound.token_ids == plain.token_ids and bound.exit_layers == plain.exit_layers
+    assert (bound.decided, bound.picked) == (plain.decided, plain.picked)
+    if shut_first:  # every decode step decides at exit 4 only, on the candidates it picked itself
+        steps = len(plain.exit_layers) - 1 + plain.rejected_drafts  # the first token is the prefill's
+        assert plain.decided == {4: steps} and plain.picked == {4: steps}
+    if policy == "defer":
+        tokens, layers = _torch_simulation(loaded, prompt, 24, plain_thr, gates=sim)
+        assert plain.token_ids == tokens and plain.exit_layers == layers
+    else:
+        full = _runner(rt, exits=[], new=24).generate([prompt])[0]
+        assert plain.token_ids == full.token_ids

@@ -60,6 +60,12 @@ def calibrate(
     raw: Annotated[
         bool, typer.Option(help="Continue prompts as is, without the chat template (eectl run --raw).")
     ] = False,
+    gate_keep: Annotated[
+        float,
+        typer.Option(
+            help="Gated options on the menu: each exit's gate keeps this share of the decisions that pass (0: none)."
+        ),
+    ] = 0.99,  # gates.DEFAULT_GATE_KEEP
     out_path: Annotated[
         Path | None, typer.Option("--out", help="Where to write it (default artifacts/<model>-calibration.json).")
     ] = None,
@@ -91,6 +97,7 @@ def calibrate(
         gen_tokens=gen_tokens,
         gen_batch=gen_batch,
         raw=raw,
+        gate_keep=gate_keep,
     )
     check_options(opts)
     if heads is not None and not heads.is_file():

@@ -38,6 +38,7 @@ import numpy as np
 
 from eectl.errors import UsageError
 from eectl.exits import Signal, graph_thresholds
+from eectl.gates import gate_open
 from eectl.runtime.sessions import ArtifactRuntime, Graph, KVBuffers, _ort
 
 
@@ -71,6 +72,8 @@ class ExitStep:
     state: np.ndarray | None = None
     decide_s: float = 0.0
     flushed: list[int] = field(default_factory=list)
+    decided: list[int] = field(default_factory=list)  # the exits whose decision ran (gates skip some)
+    picked: int | None = None  # the exit whose decision picked the candidates
 
 
 @dataclass
@@ -111,9 +114,11 @@ class DecodeChain:
         exits: dict[int, dict[str, float]] | None = None,
         signal: Signal | None = None,
         top_k: int = 0,
+        gates: dict[int, tuple[np.ndarray, float, float]] | None = None,
     ) -> None:
         """`exits`: active exit layer -> its thresholds, decided by `signal` over `top_k` candidates (see
-        `chain_exits_supported`); none: full depth only (`step`)."""
+        `chain_exits_supported`); none: full depth only (`step`). `gates`: exit layer -> its gate (eectl.gates:
+        weight, bias, threshold), tested on the exit's input state before its decision."""
         m = rt.manifest
         final = rt.full_graphs[m.num_layers]
         if "token" not in final.io.outputs:  # an artifact exported before the in-graph argmax
@@ -137,13 +142,18 @@ class DecodeChain:
             self._bind_segment(io, s, hops[s], hops[s + 1], self.seqlens_k, self.total)
         self.segment_calls = self.calls[1:]  # (session, io) of segment s at index s
         self.wide: dict[tuple[int, int], _Wide] = {}  # (segment, positions) -> its wide call, bound on first use
-        self.exits: dict[int, BoundExit] = {}  # segment -> the active exit after it
-        self.candidates: Any = None  # [1, K]: the first active exit's candidates, which the later ones score
-        self.rows: Any = None  # [1, K, H]: their exact LM-head rows, where the first exit's graph outputs them
-        for layer in sorted(exits or {}):
-            assert signal is not None and exits is not None
-            self.exits[rt.segment_of_layer[layer]] = self._bind_exit(layer, hops, signal, exits[layer], top_k)
         self.hops = hops
+        self.exits: dict[int, BoundExit] = {}  # segment -> the active exit after it (later ones on the first's picks)
+        # exit layer -> the candidates [1, K] it picked and their exact LM-head rows [1, K, H] (None where its graph
+        # does not output them): what the later exits score
+        self.picked: dict[int, tuple[Any, Any]] = {}
+        self.gates = {rt.segment_of_layer[e]: g for e, g in (gates or {}).items()}  # segment -> the gate after it
+        self._decisions: dict[tuple[int, int | None], BoundExit] = {}  # (layer, picker) -> bound, on first use
+        self._signal, self._thresholds, self._k = signal, exits or {}, top_k
+        first: int | None = None
+        for layer in sorted(exits or {}):
+            self.exits[rt.segment_of_layer[layer]] = self._decision(layer, first)
+            first = layer if first is None else first
         io = self._bind(final)
         rt._bind_array(io, final.name("hidden"), self._view(hops[-1], (1, H), dtype))
         rt.bind_weights(io, final)
@@ -184,13 +194,23 @@ class DecodeChain:
             self.wide[(s, n)] = _Wide(g.session, io, x, out, seqlens_k, total)
         return self.wide[(s, n)]
 
+    def _decision(self, layer: int, picker: int | None) -> BoundExit:
+        """The decision at `layer` bound on first use: picking candidates (`picker` None) or scoring those exit
+        `picker` picked."""
+        key = (layer, picker)
+        if key not in self._decisions:
+            assert self._signal is not None
+            self._decisions[key] = self._bind_exit(layer, picker, self._signal, self._thresholds[layer], self._k)
+        return self._decisions[key]
+
     def _bind_exit(
-        self, layer: int, hops: list[Any], signal: Signal, thresholds: dict[str, float], k: int
+        self, layer: int, picker: int | None, signal: Signal, thresholds: dict[str, float], k: int
     ) -> BoundExit:
-        """Bind the decision at `layer`: the first active exit picks candidates (the artifact's candidate graph, or
-        the full graph's Top-K), later ones score them (the local graph); both decide in the graph."""
-        rt, H, dtype = self.rt, self.rt.manifest.dims["hidden_size"], self.rt.np_dtype
-        first = self.candidates is None
+        """Bind the decision at `layer`: with no `picker`, it picks candidates (the artifact's candidate graph, or
+        the full graph's Top-K); else it scores the candidates exit `picker` picked (the local graph); both decide
+        in the graph."""
+        rt, H, dtype, hops = self.rt, self.rt.manifest.dims["hidden_size"], self.rt.np_dtype, self.hops
+        first = picker is None
         g = rt.candidate_graphs.get(layer, rt.full_graphs[layer]) if first else rt.local_graphs[layer]
         io = g.session.io_binding()  # not in self.calls: an exit runs only when the step asks for it
         rt._bind_array(io, g.name("hidden"), self._view(hops[rt.segment_of_layer[layer] + 1], (1, H), dtype))
@@ -200,27 +220,30 @@ class DecodeChain:
         size = int(declared[g.name("thresholds")][0])
         rt._bind_array(io, g.name("thresholds"), self._host(graph_thresholds(signal, thresholds, size)))
         ids = None
-        if first:
+        if picker is None:
             rt.bind_weights(io, g)
-            self.candidates = self._buffer((1, k), np.int64)
+            candidates, rows = self._buffer((1, k), np.int64), None
             rt._bind_array(io, g.name("top_k"), self._host(np.array([k], np.int64)))
-            rt._bind_array(io, g.name("candidates"), self.candidates, output=True)
+            rt._bind_array(io, g.name("candidates"), candidates, output=True)
             if "candidate_rows" in g.io.outputs and rt.device == "cpu":  # the later exits read these K rows
-                self.rows = self._buffer((1, k, H), dtype)
-                rt._bind_array(io, g.name("candidate_rows"), self.rows, output=True)
+                rows = self._buffer((1, k, H), dtype)
+                rt._bind_array(io, g.name("candidate_rows"), rows, output=True)
             if "logits" in g.io.outputs:  # the full graph: its logits and greedy token are scratch
                 V = rt.manifest.dims["vocab_size"]
                 rt._bind_array(io, g.name("logits"), self._buffer((1, V), dtype), output=True)
                 rt._bind_array(io, g.name("token"), self._buffer((1,), np.int64), output=True)
-        elif self.rows is not None and "rows" in g.io.inputs and isinstance(declared[g.name("rows")][0], str):
-            # the first exit's K rows as this graph's table, its candidates 0..K-1: the same rows, read contiguously
-            # instead of gathered from the V-row table again; the graph's token is then a column of the candidates
-            rt._bind_array(io, g.name("rows"), self.rows.reshape(k, H))
-            rt._bind_array(io, g.name("candidates"), self._host(np.arange(k, dtype=np.int64)[None]))
-            ids = self.candidates
+            self.picked[layer] = (candidates, rows)
         else:
-            rt.bind_weights(io, g)
-            rt._bind_array(io, g.name("candidates"), self.candidates)
+            candidates, rows = self.picked[picker]
+            if rows is not None and "rows" in g.io.inputs and isinstance(declared[g.name("rows")][0], str):
+                # the picker's K rows as this graph's table, its candidates 0..K-1: the same rows, read contiguously
+                # instead of gathered from the V-row table again; the graph's token is then a column of the candidates
+                rt._bind_array(io, g.name("rows"), rows.reshape(k, H))
+                rt._bind_array(io, g.name("candidates"), self._host(np.arange(k, dtype=np.int64)[None]))
+                ids = candidates
+            else:
+                rt.bind_weights(io, g)
+                rt._bind_array(io, g.name("candidates"), candidates)
         rt._bind_array(io, g.name("candidate_logits"), self._buffer((1, k), dtype), output=True)
         passed, token = self._host(np.zeros(1, bool)), self._host(np.zeros(1, np.int64))
         rt._bind_array(io, g.name("passed"), passed, output=True)
@@ -291,6 +314,8 @@ class DecodeChain:
         decide = 0.0
         flow: np.ndarray | None = None  # the last wide call's output [1, n, H]: what the next segment continues
         flushed: list[int] = []
+        decided: list[int] = []
+        picker: int | None = None  # the exit that picked this token's candidates, once one did
         for s, (session, io) in enumerate(self.segment_calls):
             lo, hi = rt.manifest.segments[s].layers
             pend = pending[s]
@@ -318,13 +343,20 @@ class DecodeChain:
             if ex is None:
                 continue
             t0 = time.perf_counter()
+            if s in self.gates:  # gated: the decision runs only when the gate opens; the first to run picks
+                if not gate_open(self.gates[s], self.hops[s + 1]):
+                    decide += time.perf_counter() - t0
+                    continue
+                ex = self._decision(ex.layer, picker)
             ex.session.run_with_iobinding(ex.io)
             passed = bool(ex.passed[0])
             decide += time.perf_counter() - t0
+            decided.append(ex.layer)
+            picker = ex.layer if picker is None else picker
             if passed:
                 state = (self.hops[s + 1] if flow is None else flow).copy()
-                return ExitStep(ex.exit_token(), ex.layer, s, state, decide, flushed)
+                return ExitStep(ex.exit_token(), ex.layer, s, state, decide, flushed, decided, picker)
         session, io = self.calls[-1]
         session.run_with_iobinding(io)  # the final head's in-graph argmax
         final = None if flow is None else flow.copy()
-        return ExitStep(int(self.token[0]), rt.manifest.num_layers, None, final, decide, flushed)
+        return ExitStep(int(self.token[0]), rt.manifest.num_layers, None, final, decide, flushed, decided, picker)

@@ -18,6 +18,7 @@ from eectl.data import encode_prompt
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits import DEFAULT_SIGNAL, get_signal
 from eectl.files import confined, read_utf8
+from eectl.gates import GATE
 from eectl.recipe import parse_layers
 from eectl.runtime.runner import Generation, RunConfig, Runner
 from eectl.runtime.sessions import PROVIDERS, ArtifactRuntime
@@ -163,7 +164,10 @@ def _config(
     planned: bool = False,
 ) -> RunConfig:
     check_options(opts)
-    thresholds = {e: {c: v * opts.threshold_scale for c, v in t.items()} for e, t in thresholds.items()}
+    # the scale is the signal's (a gate's threshold is a logit, not a confidence: left as fitted)
+    thresholds = {
+        e: {c: v if c == GATE else v * opts.threshold_scale for c, v in t.items()} for e, t in thresholds.items()
+    }
     return RunConfig(
         exits=exits,
         thresholds=thresholds,

@@ -32,6 +32,7 @@ import torch
 from eectl.candidates import CANDIDATE_SOURCES, CandidateSource, FirstExitTopK
 from eectl.errors import UsageError
 from eectl.exits import DEFAULT_SIGNAL, ExitScore, ExitScoring, get_signal, no_probe_error
+from eectl.gates import active_gates, gate_open
 from eectl.plan import BOUND_POLICIES
 from eectl.recipe import check_exit_layers
 from eectl.runtime import resident
@@ -86,9 +87,17 @@ class RowState:
     nll: list[float] = field(default_factory=list)  # teacher forcing: -log p(forced token) at the decided layer
     greedy: list[int] = field(default_factory=list)  # teacher forcing: the decided layer's argmax at each position
     decide_s: float = 0.0
+    decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there (gates skip some)
+    picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked the candidates there
     drafted: int = 0
     rejected: int = 0
     done: bool = False
+
+    def count_decisions(self, decided: list[int], picked: int | None) -> None:
+        for layer in decided:
+            self.decided[layer] = self.decided.get(layer, 0) + 1
+        if picked is not None:
+            self.picked[picked] = self.picked.get(picked, 0) + 1
 
 
 @dataclass
@@ -102,6 +111,8 @@ class Generation:
     total_s: float
     drafted: int = 0  # verify: draft tokens proposed by exits
     rejected_drafts: int = 0  # verify: positions rolled back
+    decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there
+    picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked candidates there
 
     @property
     def tokens_per_s(self) -> float:
@@ -203,6 +214,9 @@ class Runner:
         source = str(self.m.candidate_source.get("name", FirstExitTopK.name))
         self.source = CANDIDATE_SOURCES.get(source, CANDIDATE_SOURCES[FirstExitTopK.name])
         self.exits = check_exit_layers(config.exits, L)
+        cal = self.m.calibration
+        # gated exits (eectl.gates): the decision runs only where the gate on the exit's state opens
+        self.gates = active_gates(cal.gates if cal is not None else None, {e: config.thresholds[e] for e in self.exits})
         self.exit_after_segment = {self.rt.segment_of_layer[e]: e for e in self.exits}
         # active exits with a block head: the block runs on every position its segment runs (runtime/blocks.py)
         blocks = {s: active_block(runtime, self.exits, s) for s in self.exit_after_segment}
@@ -234,6 +248,11 @@ class Runner:
     def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[ExitScore | None, int, Any]]:
         """Exit test at `layer` for several rows' current tokens at once (one exit graph call for all of them);
         per row: (the score when it exits, else None; the row's index in it; its candidates for later exits)."""
+        picking = {r: a for r, a in asks.items() if a.candidates is None}
+        if picking and len(picking) < len(asks):  # gated: some rows picked candidates earlier, some pick them here
+            split = self._decide_rows(layer, picking)
+            split.update(self._decide_rows(layer, {r: a for r, a in asks.items() if r not in picking}))
+            return split
         rows = sorted(asks)
         hidden = stack(self.rt, [asks[r].hidden for r in rows])  # [N, H]
         layer_input = block_states = None
@@ -390,6 +409,7 @@ class Runner:
         m = self.m
         h = self.rt.embed(np.array([chunk_ids], dtype=np.int64))
         cands: Any = None  # this token's candidates, once the first exit picked them
+        first_decided = self.L  # the first exit whose decision ran for this token (it picked the candidates)
         may_exit = len(chunk_ids) == 1 and not force_full and self.policy.may_exit(st)
         for s in range(len(m.segments)):
             x = self.policy.before_segment(st, s, h)
@@ -409,9 +429,11 @@ class Runner:
                 if st.forced is not None:
                     return self._forced(st, logits[0])
                 return self._pick(logits[0])
-            if layer is not None and may_exit:
+            if layer is not None and may_exit and self._gate_open(st, layer, exit_in):
                 last = None if blocks is None else resident.last_positions(self.rt, blocks)
                 ask = Decide(exit_in[0, -1], layer_in[0, -1], cands, last)
+                st.count_decisions([layer], None if layer > first_decided else layer)
+                first_decided = min(first_decided, layer)
                 score, i, cands = yield ("decide", layer, ask)
                 if score is not None:
                     own = self.policy.predict(row, st, kv, s, out)  # e.g. the river's end (single-row calls)
@@ -428,6 +450,23 @@ class Runner:
                     return token
             h = out
         raise AssertionError("unreachable: the final segment returns")
+
+    def _gate_open(self, st: RowState, layer: int, exit_in: Any) -> bool:
+        """Whether the decision at `layer` runs for this row's token (eectl.gates; no gate there: it does). A
+        device-resident state is read to the host for it ([H]: one more read)."""
+        gate = self.gates.get(layer)
+        if gate is None:
+            return True
+        t0 = time.perf_counter()
+        h = exit_in[0, -1]
+        if not isinstance(h, np.ndarray):
+            H = self.m.dims["hidden_size"]
+            h = self.rt.ops.last(exit_in[0, -1:].reshape(1, 1, H), np.zeros(1, np.int64), on_device=False)
+            if self.rt.resident:
+                self.rt.host_reads.append(("gate", layer, "hidden"))
+        opened = gate_open(gate, np.asarray(h))
+        st.decide_s += time.perf_counter() - t0
+        return opened
 
     def _ride(self, st: RowState, s: int) -> Generator[tuple[str, int, Any], Any, None]:
         """The token exited after segment s; in a batch, its deferred state rides along in the deeper segments.
@@ -579,6 +618,8 @@ class Runner:
                 total_s=float(sum(st.latencies)),
                 drafted=st.drafted,
                 rejected_drafts=st.rejected,
+                decided=dict(st.decided),
+                picked=dict(st.picked),
             )
             for st in rows
         ]
@@ -600,7 +641,7 @@ class Runner:
         ):
             return None
         thresholds = {e: self.cfg.thresholds[e] for e in self.exits}
-        return DecodeChain(self.rt, kv, 0, thresholds, self.signal, self.cfg.top_k)
+        return DecodeChain(self.rt, kv, 0, thresholds, self.signal, self.cfg.top_k, self.gates)
 
     def _chain_step(self, chain: DecodeChain, st: RowState, kv: KVBuffers) -> int:
         """One decode step of row 0 on the bound chain; the policy's hooks as `_row_step` calls them: the pending
@@ -613,6 +654,7 @@ class Runner:
             return chain.step(token)
         done = chain.step_exits(token, self.policy.may_exit(st), st.pending)
         st.decide_s += done.decide_s
+        st.count_decisions(done.decided, done.picked)
         for s in done.flushed:
             st.pending[s] = None
         if done.segment is not None:
