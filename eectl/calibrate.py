@@ -29,6 +29,10 @@ out: thresholds are fitted on the rest and replayed on it, so the report puts re
 All hidden states are the full model's (every layer's KV exact); how far a KV policy moves them at run time is for
 `eectl bench` to measure.
 
+Gates (eectl.gates): with `gate_keep` > 0, each exit also gets a logistic gate on its input state, fitted on the
+calibration split, and every menu option also comes gated (the decision runs only where the gate opens; candidates
+picked at the first open gate; thresholds refitted on that replay): export's cost model chooses between them.
+
 Where things live: measuring (calibrate_measure.py), the fit and the menu (calibrate_fit.py; the statistics in
 thresholds.py); this module holds the options, the pass over the data (`collect`) and the Calibration it becomes.
 

@@ -589,7 +589,11 @@ def measure_kept_all(
 
 @torch.no_grad()
 def measure_sequences(
-    scorer: ExitScorer, conts: list[Continuation], batch_size: int = 16, pairs: bool = False
+    scorer: ExitScorer,
+    conts: list[Continuation],
+    batch_size: int = 16,
+    pairs: bool = False,
+    keep_states: bool = False,
 ) -> Measurements | None:
     """Continuations measured teacher-forced, by a second base pass over prompt + continuation (position P-1+j, whose
     final top-1 is generated token j, is one measured token; unit = the prompt's index): the reference the states
@@ -613,7 +617,8 @@ def measure_sequences(
 
         states, inputs, blocks, final = _forward_capture(scorer, ids, positions, KVCache(), real, select)
         units = torch.tensor([c.unit for c in batch], dtype=torch.long)[rows]
-        parts.append(_part(scorer, scorer.score_pairs(states, inputs, final, pairs, blocks), 1, units))
+        scored = scorer.score_pairs(states, inputs, final, pairs, blocks)
+        parts.append(_part(scorer, scored, 1, units, states if keep_states else None))
     return Measurements.concat(parts) if parts else None
 
 

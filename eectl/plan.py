@@ -262,8 +262,9 @@ class Plan(_M):
             tail = f" (best: {top.policy} at exits {top.exits}, {top.describe()})" if top is not None else ""
             return f"plan: no exit configuration has {self.line()}{tail}; the default is full depth"
         c = self.choices[self.default]
+        gated = " (gated)" if c.option is not None and c.option.gated else ""
         return (
-            f"plan: {c.policy} at exits {c.exits}, predicted {c.prediction.describe()} full depth "
+            f"plan: {c.policy} at exits {c.exits}{gated}, predicted {c.prediction.describe()} full depth "
             f"({self.level:.0%} interval; decisions {c.prediction.decision_ms:.2f} ms/token)"
         )
 

@@ -138,18 +138,28 @@ def test_calibrate_fits_the_same_thresholds_as_with_a_second_pass(loaded, gsm8k,
     hs = _heads(loaded.adapter, heads)
     new = collect(loaded, gsm8k, opts, hs)
 
-    def second_pass(scorers, conts, pairs):
-        return [measure_sequences(sc, conts, 16, pairs) for sc in scorers]
+    def second_pass(scorers, conts, pairs, keep_states=False):
+        return [measure_sequences(sc, conts, 16, pairs, keep_states and j == 0) for j, sc in enumerate(scorers)]
 
     monkeypatch.setattr("eectl.calibrate.measure_kept_all", second_pass)
     old = collect(loaded, gsm8k, opts, hs)
     _assert_same(new.meas, old.meas, True)
+    # the states the gates are fitted on (eectl.gates)
+    assert new.meas.hidden is not None and old.meas.hidden is not None
+    torch.testing.assert_close(new.meas.hidden, old.meas.hidden, atol=ATOL, rtol=0)
     a, b = summarise(loaded, gsm8k, opts, new, hs), summarise(loaded, gsm8k, opts, old, hs)
     assert a.data.generated_tokens == 200 and len(a.options) == len(b.options) > 0
+    assert sorted(a.gates) == sorted(b.gates) == [str(e) for e in EXITS]
     # a threshold is some token's signal value, so it moves by as much as the values do (within ATOL); which
-    # tokens exit where, hence every coverage and precision, is identical
-    for field in ("exits", "options", "calibration", "heldout", "heldout_by_source"):
+    # tokens exit where, hence every coverage and precision, is identical. (Not the gated options: a gate's
+    # threshold is a logit of weights fitted on the states, which moves further than ATOL.)
+    for field in ("exits", "calibration", "heldout", "heldout_by_source"):
         _assert_close(a.to_dict()[field], b.to_dict()[field])
+    ungated = [
+        [o for o in c.to_dict()["options"] if not any(x["decided"] is not None for x in o["per_exit"])] for c in (a, b)
+    ]
+    assert ungated[0] and len(ungated[0]) < len(a.options)
+    _assert_close(*ungated)
 
 
 def _assert_close(a, b) -> None:

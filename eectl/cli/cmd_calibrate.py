@@ -190,6 +190,13 @@ def _print_calibration(out: Output, result: object, path: Path) -> None:
         size = f" ({cand.size} rows" if cand.size else ""
         hit = f", {cand.heldout_hit_rate:.1%} of held-out tokens inside)" if cand.heldout_hit_rate is not None else ""
         out.line(f"candidates: {cand.name}{size}{hit or (')' if size else '')}; {len(result.options)} menu options")
+    if result.gates:
+        gated = [o for o in result.options if o.gated]
+        out.line(
+            f"gates: exits {sorted(int(k) for k in result.gates)}, each keeping {result.gate_keep:.1%} of an "
+            f"option's passing decisions; {len(gated)} gated options on the menu (export's cost model weighs the "
+            "decisions they skip against the exits they lose)"
+        )
     for name, comp in result.compared.items():
         held = comp.heldout or comp.calibration
         out.line(

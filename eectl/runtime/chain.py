@@ -10,7 +10,10 @@ calls and two scalar writes, about what onnxruntime-genai's one-graph decode cos
 Steps with active exits (`step_exits`, host buffers: the CPU EP) run the same chain with each active exit's
 decision bound after its segment: the exit graph reads the segment's output buffer, decides inside the graph
 (exits.decision_nodes: the thresholds bound once as an input) and writes two scalars, whether the token passes and
-its token; the first exit's candidates land in a buffer the later exits' local graphs read. A token that exits
+its token; the first exit's candidates land in a buffer the later exits' local graphs read. A gated exit
+(eectl.gates) first tests its gate on the segment's output (H multiply-adds on the host buffer): shut, its decision
+does not run, and the first exit whose gate opens picks the candidates (each (exit, picker) pair bound on first
+use). A token that exits
 stops there; one that passes every exit reaches the final head as in `step`. A segment that holds pending
 positions (defer's and verify's deferred states, P of them) runs a **wide** call instead: the same segment bound
 for P + 1 positions (bound once per segment and width, on first use), its input the pending states then the

@@ -145,8 +145,9 @@ def _from_plan(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...],
         note = f"plan: no {policy} configuration has {plan.line()}{tail}; running at full depth"
         return _config(rt, opts, stop_ids, signal, policy, [], {}, note, planned=True)
     thresholds = {int(k): dict(v) for k, v in choice.thresholds.items()}
+    gated = " (gated)" if choice.option is not None and choice.option.gated else ""
     note = (
-        f"plan: {policy} at exits {choice.exits}, predicted {choice.prediction.describe()} full depth "
+        f"plan: {policy} at exits {choice.exits}{gated}, predicted {choice.prediction.describe()} full depth "
         f"({plan.level:.0%} interval)" + ("" if opts.policy else " (the default)")
     )
     return _config(rt, opts, stop_ids, signal, policy, list(choice.exits), thresholds, note, planned=True)
