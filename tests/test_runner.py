@@ -432,6 +432,14 @@ def test_gated_exits_equal_the_simulation_on_both_paths(exported, family, policy
     plain = runner.generate([prompt])[0]
     assert bound.token_ids == plain.token_ids and bound.exit_layers == plain.exit_layers
     assert (bound.decided, bound.picked) == (plain.decided, plain.picked)
+    # device-resident states (here CPU OrtValues): the gate reads the exit's state back to the host
+    cfg = RunConfig(exits=EXITS, thresholds=thr, policy=policy, top_k=K, max_new_tokens=24, device_resident=True)
+    on_device = Runner(rt, cfg)
+    resident = on_device.generate([prompt])[0]
+    reads = [r for step in on_device.step_reads for r in step if r[0] == "gate"]
+    assert {r[1] for r in reads} <= set(EXITS) and len(reads) >= len(resident.exit_layers) - 1  # one per step at least
+    assert resident.token_ids == plain.token_ids and resident.exit_layers == plain.exit_layers
+    assert (resident.decided, resident.picked) == (plain.decided, plain.picked)
     if shut_first:  # every decode step decides at exit 4 only, on the candidates it picked itself
         steps = len(plain.exit_layers) - 1 + plain.rejected_drafts  # the first token is the prefill's
         assert plain.decided == {4: steps} and plain.picked == {4: steps}
