@@ -14,6 +14,7 @@ from onnx import TensorProto
 from eectl.calibrate import CalibrateOptions, calibrate_model
 from eectl.calibrate_measure import ExitScorer, measure_text
 from eectl.candidates import (
+    WEIGHT_LEVELS,
     Int8Ranking,
     Shortlist,
     ShortlistInt8,
@@ -48,7 +49,9 @@ def test_int8_scores_are_the_exact_integer_product_of_each_row_quantized_alone()
     weight = torch.randn(300, 2000, generator=g)  # H = 2000: more terms than one exact float32 partial sum holds
     x = torch.randn(5, 2000, generator=g) * torch.tensor([1e-3, 1.0, 3.0, 1e3, 0.0])[:, None]
     q, scale = quantize_rows_int8(weight)
-    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    # the weights on 7 bits (WEIGHT_LEVELS = 63): each row's peak maps to 63, the product exact on AVX2's kernel
+    assert q.dtype == torch.int8 and q.abs().max() <= WEIGHT_LEVELS == 63
+    assert (q.abs().amax(dim=1) == WEIGHT_LEVELS).all()
     torch.testing.assert_close(q.float() * scale[:, None], weight, atol=float(scale.max()) / 2 + 1e-6, rtol=0)
     xq, xscale = quantize_activations_int8(x)
     assert xq.abs().max() <= 127 and torch.equal(xq, xq.round())
@@ -84,6 +87,8 @@ def test_int8_graph_quantizes_each_row_as_torch_does(dtype):
 
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(300, 48, generator=g)
+    weight[0] = 1.0  # with the all-ones row of x below: every product at its peak (uint8 255 x int8 63), where an
+    # int8 weight of 127 overflowed the int16 pair sums of ORT's AVX2 kernel (wrong scores on a CPU without VNNI)
     q, scale = quantize_rows_int8(weight)
     b = _Builder(dtype)
     b.input("x", None, ["n", 48])
@@ -92,7 +97,8 @@ def test_int8_graph_quantizes_each_row_as_torch_does(dtype):
     sym = torch.randn(1, 48, generator=g).clamp(-2, 2)
     sym[0, :2] = torch.tensor([-3.0, 3.0])  # both ends of the range: -127 and 127, uint8 1 and 255
     spread = torch.randn(100, 48, generator=g) * torch.logspace(-3, 3, 100)[:, None] + torch.randn(100, 1, generator=g)
-    x = torch.cat([_rows_of_different_shapes(48, 2), sym, spread]).numpy().astype(DTYPES[dtype][1])
+    peak = torch.ones(1, 48)
+    x = torch.cat([_rows_of_different_shapes(48, 2), sym, spread, peak]).numpy().astype(DTYPES[dtype][1])
     want = int8_scores(torch.from_numpy(x).float(), q, scale).numpy()
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
     for row in range(x.shape[0]):
