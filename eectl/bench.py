@@ -105,6 +105,9 @@ class ConfigResult:
     token_agreement_ci: tuple[float, float] | None = None
     exact_match_ci: tuple[float, float] | None = None
     exits: list[int] = field(default_factory=list)  # the active exits of this configuration
+    # exit decisions run per decode step (all exits together; a gate skips some: eectl.gates), and whether gated
+    decisions_per_step: float | None = None
+    gated: bool = False
     predicted_speedup: float | None = None  # the plan's prediction (held-out coverage, the manifest's costs)
     predicted_interval: tuple[float, float] | None = None  # its 90% interval over the costs' timing rounds (plan.py)
     model_speedup: float | None = None  # the cost model at this run's realized exits (and rollbacks)
@@ -388,6 +391,8 @@ def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> Config
         res.exit_histogram = {str(k): int(v) for k, v in sorted(_hist(layers).items())}
         decode = sum(sum(r.latencies) for r in reps)
         res.decide_share = sum(r.decide_s for r in reps) / decode if decode > 0 else 0.0
+        steps = sum(len(r.exit_layers) + r.rejected for r in reps)
+        res.decisions_per_step = sum(sum(r.decided.values()) for r in reps) / steps if steps else None
         res.drafted = reps[0].drafted
         res.rejected = reps[0].rejected
     return res
@@ -592,6 +597,7 @@ def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) ->
     from eectl.plan import RIVER_POLICIES, predict, sequence_agreement
 
     res.exits = list(cfg.exits)
+    res.gated = any(GATE in cfg.thresholds.get(e, {}) for e in cfg.exits)
     res.note = cfg.note
     if m.plan is not None and cfg.planned:
         choice = m.plan.choices.get(cfg.policy)
@@ -620,7 +626,7 @@ def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) ->
     if policy in RIVER_POLICIES and m.costs.river_ms is None:
         return  # costs measured before river copies were timed: no model for them
     runs = None
-    if any(GATE in cfg.thresholds.get(e, {}) for e in cfg.exits):  # gated: the decisions the run made
+    if res.gated:  # the decisions the run made
         decided = {e: sum(r.decided.get(e, 0) for r in reps) for e in cfg.exits}
         picked = {e: sum(r.picked.get(e, 0) for r in reps) for e in cfg.exits}
         runs = [(decided[e] / steps, picked[e] / steps) for e in sorted(cfg.exits)]

@@ -63,6 +63,8 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
     for c in r.configs:
         name = f"{c.name} (default)" if c.name == r.default else c.name
         exits = ",".join(map(str, c.exits)) if c.exits else ("-" if c.name in ("full", "hf") else "none")
+        if c.exits and c.decisions_per_step is not None:  # how many decisions a step made (gates skip some)
+            exits += f" ({'gated, ' if c.gated else ''}{c.decisions_per_step:.2f} decisions/step)"
         lines.append(
             f"| {name} | {exits} | {c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-"
             f"{c.ms_per_token_spread[1]:.1f}) | "

@@ -81,6 +81,7 @@ def test_bench_cli_report(artifact, tiny_dirs, tmp_path):
         c = by[name]
         assert c["mean_layers"] == 2.0 and c["layer_bound"] == 3.0 and 0 < c["decide_share"] < 1  # threshold 0
         assert c["exit_histogram"] == {"2": sum(c["exit_histogram"].values())}
+        assert c["decisions_per_step"] == 1.0 and c["gated"] is False  # every step decides once, at exit 2
         assert c["perplexity"] > 0
     # fidelity against an independent run: the same prompts through the runner, full depth and each policy
     full, early = _independent_runs(artifact, ("copy", "defer"))
