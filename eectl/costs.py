@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from eectl.exits import ExitScoring, FullSoftmax, Signal, get_signal, signals
+from eectl.gates import gate_open
 from eectl.plan import Costs
 from eectl.runtime.blocks import run_block
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
@@ -137,7 +138,7 @@ def after_segments(calls: dict[str, Call], rt: ArtifactRuntime) -> dict[str, Tim
     out: dict[str, Timed] = dict(calls)
     for layer in rt.manifest.exit_layers:
         segment = calls[f"seg1.{rt.segment_of_layer[layer]}"]
-        for kind in ("cand", "local", "block", "predict"):
+        for kind in ("cand", "local", "block", "predict", "gate"):
             name = f"{kind}.{layer}"
             if name in calls:
                 out[name] = (segment, calls[name])
@@ -161,6 +162,7 @@ def _costs(rt: ArtifactRuntime, times: dict[str, list[float]], past: int, state_
         "final_head_extra_ms": _minus(times["head2"], times["head1"]),
         **{f"candidates_ms.{e}": times[f"cand.{e}"] for e in m.exit_layers},
         **{f"local_ms.{e}": times[f"local.{e}"] for e in m.exit_layers},
+        **{f"gate_ms.{e}": times[f"gate.{e}"] for e in m.exit_layers if f"gate.{e}" in times},
         **{f"block_ms.{e}": times[f"block.{e}"] for e in m.exit_layers if e in rt.block_graphs},
         **({f"exit_predict_ms.{e}": times[f"predict.{e}"] for e in m.exit_layers} if state_only else {}),
         **{f"river_ms.{i}": times[f"river.{i}"] for i in range(n) if f"river.{i}" in times},
@@ -185,6 +187,7 @@ def _costs(rt: ArtifactRuntime, times: dict[str, list[float]], past: int, state_
         final_head_extra_ms=med["final_head_extra_ms"],
         candidates_ms=per("candidates_ms", exits),
         local_ms=per("local_ms", exits),
+        gate_ms=per("gate_ms", exits),
         full_step_ms=med["full_step_ms"],
         chain_step_ms=med.get("chain_step_ms"),
         bound_exits=bound,
@@ -239,6 +242,7 @@ def _exit_calls(
 
         calls[f"cand.{layer}"] = first
         calls[f"local.{layer}"] = later
+        calls[f"gate.{layer}"] = _gate_call(rt, layer, row1)
         if layer in rt.block_graphs:
             calls[f"block.{layer}"] = block_call(rt, kv, layer, h1, past)
         if state_only:  # an exiting token's own token then costs the exit's LM head (not for a river's end)
@@ -248,6 +252,21 @@ def _exit_calls(
 
             calls[f"predict.{layer}"] = predict
     return state_only
+
+
+def _gate_call(rt: ArtifactRuntime, layer: int, hidden: np.ndarray) -> Callable[[], object]:
+    """The exit's gate test on one state (eectl.gates: host arithmetic), as the runner makes it: the calibration's
+    gate where there is one, else one of the same size (its cost does not depend on the values)."""
+    cal = rt.manifest.calibration
+    gate = cal.gates.get(str(layer)) if cal is not None else None
+    weight, bias = gate.arrays() if gate is not None else (np.ones(hidden.shape[-1], np.float32), 0.0)
+    test = (weight, bias, 0.0)
+    state = hidden.reshape(1, 1, -1)  # the chain's hop buffer's shape
+
+    def call() -> object:
+        return gate_open(test, state)
+
+    return call
 
 
 def _bound_exit_calls(

@@ -5,7 +5,7 @@ source's rows, the K exact LM-head rows, all evicted by the segment that ran jus
 decision in decode on the default model, most of it bytes). A gate reads only the state the decision would read
 (H multiply-adds, nothing else) and skips the decision where it predicts the decision would not pass:
 
-    gate logit = w . h + b          (h: the exit's input state [H], float64 arithmetic)
+    gate logit = w . h + b          (h: the exit's input state [H], float32 arithmetic)
     the decision runs   iff   gate logit >= the option's gate threshold  (thresholds[exit]["gate"])
 
 The weights are a logistic regression fitted by calibrate, per exit, on the calibration split: features the states
@@ -46,14 +46,18 @@ class Gate(BaseModel):
     bias: float
 
     def arrays(self) -> tuple[np.ndarray, float]:
-        return np.asarray(self.weight, np.float64), float(self.bias)
+        return np.asarray(self.weight, np.float32), float(self.bias)
 
 
 def gate_logits(h: Any, weight: np.ndarray, bias: float) -> Any:
-    """h [..., H] (numpy or torch) -> logits [...] in float64: the one arithmetic calibrate and the runner share."""
+    """h [..., H] (numpy or torch) -> logits [...]: a float32 dot product plus the bias, calibrate's (torch) and the
+    runner's (numpy) alike. Float32, not 64: in decode the host op runs on caches the segment just evicted, where
+    numpy's float64 conversion and product took ~85 us against ~44 us (default model, measured). The two libraries
+    may sum in different orders, so a logit can differ by float32 rounding (~1e-6 relative): a gate decision can
+    differ only for a logit within that of its threshold, as a probe score's can (exits.py)."""
     if isinstance(h, torch.Tensor):
-        return h.double() @ torch.from_numpy(weight) + bias
-    return np.asarray(h, np.float64) @ weight + bias
+        return (h.float() @ torch.from_numpy(weight)).double() + bias
+    return float(np.dot(h, weight)) + bias if h.ndim == 1 else np.asarray(h, np.float32) @ weight + bias
 
 
 def gate_open(gate: tuple[np.ndarray, float, float] | None, h: np.ndarray) -> bool:
@@ -61,7 +65,7 @@ def gate_open(gate: tuple[np.ndarray, float, float] | None, h: np.ndarray) -> bo
     if gate is None:
         return True
     weight, bias, threshold = gate
-    return bool(float(gate_logits(h.reshape(-1), weight, bias)) >= threshold)
+    return bool(gate_logits(h.reshape(-1), weight, bias) >= threshold)
 
 
 def fit_gate(states: torch.Tensor, labels: torch.Tensor) -> Gate:

@@ -119,6 +119,9 @@ class Costs(_M):
     chain_step_ms: float | None = None
     # exit layer -> its block head's graph on one position (block exits only): paid by every token reaching the exit
     block_ms: dict[str, float] = Field(default_factory=dict)
+    # exit layer -> its gate's test on one state (eectl.gates, host arithmetic right after the segment): paid by every
+    # token reaching a gated exit. Empty: costs timed before gates (their gates then cost nothing here)
+    gate_ms: dict[str, float] = Field(default_factory=dict)
     candidate_source: str = "full"
     # river artifacts (`export --river`): per segment its int4 copy on one position (None: no copy), and the final
     # head the river's end asks (its quantized copy where the artifact has one)
@@ -330,6 +333,8 @@ def predict(
     for (layer, cov, _), (local, pick) in zip(per_exit, shares, strict=True):
         decision += local * costs.local_ms[str(layer)] + pick * costs.candidates_ms[str(layer)]
         decision += reach * costs.block_ms.get(str(layer), 0.0)
+        if runs is not None:  # gated: every token reaching the exit tests its gate
+            decision += reach * costs.gate_ms.get(str(layer), 0.0)
         reach -= cov
     n_seg = len(boundaries)
     step = decision

@@ -244,6 +244,7 @@ def test_costs_and_plan_are_in_the_manifest_and_run_follows_the_plan(planned):
     c = m.costs
     assert len(c.segment_ms) == len(m.segments) == len(c.kv_ms) == len(c.segment_extra_ms)
     assert set(c.candidates_ms) == set(c.local_ms) == {"2", "3", "4"} and c.full_step_ms > 0
+    assert set(c.gate_ms) == {"2", "3", "4"} and all(v > 0 for v in c.gate_ms.values())  # each exit's gate test
     assert c.chain_step_ms is not None and c.chain_step_ms > 0  # the bound full-depth path, the baseline
     assert set(m.plan.choices) == {"copy", "defer", "verify"}
     cfg = resolve_config(rt, RunOptions(), ())
