@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -165,18 +165,7 @@ def fit_gates(
         gate = fit_gate(meas.hidden[i][calib], label[calib])
         gates[layer] = gate
         logits.append(gate_logits(meas.hidden[i], *gate.arrays()))
-    kept = Measurements(
-        meas.exits,
-        meas.num_layers,
-        meas.values,
-        meas.correct,
-        meas.source,
-        meas.unit,
-        meas.pair_values,
-        meas.pair_correct,
-        gate_logits=torch.stack(logits),
-    )
-    return gates, kept
+    return gates, replace(meas, hidden=None, gate_logits=torch.stack(logits))
 
 
 def fit_options(
@@ -229,10 +218,13 @@ def _option(
     thresholds: list[dict[str, float]],
     judge: torch.Tensor,
     gate_ok: torch.Tensor | None = None,
+    gammas: list[float] | None = None,
 ) -> Option:
-    """An option as evaluated on the judged tokens; with `gate_ok` [E', N], each exit's share of those tokens
-    whose decision runs there (`decided`) and, of those, picks the candidates there (`picked`)."""
+    """An option as evaluated on the judged tokens; with `gate_ok` [E', N] (the gates' thresholds `gammas`, recorded
+    beside the criteria's), each exit's share of those tokens whose decision runs there (`decided`) and, of those,
+    picks the candidates there (`picked`)."""
     per_exit, overall = evaluate(sub, thresholds, judge)
+    recorded = thresholds if gammas is None else [{**t, GATE: g} for t, g in zip(thresholds, gammas, strict=True)]
     decided: list[float | None] = [None] * len(subset)
     picked: list[float | None] = [None] * len(subset)
     if gate_ok is not None:
@@ -259,7 +251,7 @@ def _option(
                 decided=d,
                 picked=p,
             )
-            for layer, t, st, d, p in zip(subset, thresholds, per_exit, decided, picked, strict=True)
+            for layer, t, st, d, p in zip(subset, recorded, per_exit, decided, picked, strict=True)
         ],
         agreement=overall.agreement,
     )
@@ -289,8 +281,4 @@ def _gated_option(
     thresholds = fit_thresholds(sub.values, sub.correct, q, level, calib)
     if any(all(math.isinf(v) for v in t.values()) for t in thresholds):
         return None
-    with_gates = [{**t, GATE: g} for t, g in zip(thresholds, gammas, strict=True)]
-    option = _option(sub, subset, kind, q, level, thresholds, judge, gate_ok)
-    for x, t in zip(option.per_exit, with_gates, strict=True):
-        x.thresholds = t
-    return option
+    return _option(sub, subset, kind, q, level, thresholds, judge, gate_ok, gammas)

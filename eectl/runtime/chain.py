@@ -12,8 +12,8 @@ decision bound after its segment: the exit graph reads the segment's output buff
 (exits.decision_nodes: the thresholds bound once as an input) and writes two scalars, whether the token passes and
 its token; the first exit's candidates land in a buffer the later exits' local graphs read. A gated exit
 (eectl.gates) first tests its gate on the segment's output (H multiply-adds on the host buffer): shut, its decision
-does not run, and the first exit whose gate opens picks the candidates (each (exit, picker) pair bound on first
-use). A token that exits
+does not run, and the first exit whose gate opens picks the candidates (each (exit, picker) pair bound up
+front). A token that exits
 stops there; one that passes every exit reaches the final head as in `step`. A segment that holds pending
 positions (defer's and verify's deferred states, P of them) runs a **wide** call instead: the same segment bound
 for P + 1 positions (bound once per segment and width, on first use), its input the pending states then the
@@ -151,12 +151,15 @@ class DecodeChain:
         # does not output them): what the later exits score
         self.picked: dict[int, tuple[Any, Any]] = {}
         self.gates = {rt.segment_of_layer[e]: g for e, g in (gates or {}).items()}  # segment -> the gate after it
-        self._decisions: dict[tuple[int, int | None], BoundExit] = {}  # (layer, picker) -> bound, on first use
+        self._decisions: dict[tuple[int, int | None], BoundExit] = {}  # (layer, picker) -> bound
         self._signal, self._thresholds, self._k = signal, exits or {}, top_k
-        first: int | None = None
-        for layer in sorted(exits or {}):
-            self.exits[rt.segment_of_layer[layer]] = self._decision(layer, first)
-            first = layer if first is None else first
+        layers = sorted(exits or {})
+        for i, layer in enumerate(layers):
+            self.exits[rt.segment_of_layer[layer]] = self._decision(layer, layers[0] if i else None)
+        if self.gates:  # any exit may pick (the first whose gate opens), any later one score its picks: bound now,
+            for i, layer in enumerate(layers):  # not in the decode step that first needs them
+                for picker in [None, *layers[:i]]:
+                    self._decision(layer, picker)
         io = self._bind(final)
         rt._bind_array(io, final.name("hidden"), self._view(hops[-1], (1, H), dtype))
         rt.bind_weights(io, final)
@@ -198,8 +201,8 @@ class DecodeChain:
         return self.wide[(s, n)]
 
     def _decision(self, layer: int, picker: int | None) -> BoundExit:
-        """The decision at `layer` bound on first use: picking candidates (`picker` None) or scoring those exit
-        `picker` picked."""
+        """The decision at `layer` (bound once): picking candidates (`picker` None) or scoring those exit `picker`
+        picked."""
         key = (layer, picker)
         if key not in self._decisions:
             assert self._signal is not None

@@ -409,7 +409,7 @@ class Runner:
         m = self.m
         h = self.rt.embed(np.array([chunk_ids], dtype=np.int64))
         cands: Any = None  # this token's candidates, once the first exit picked them
-        first_decided = self.L  # the first exit whose decision ran for this token (it picked the candidates)
+        decided = False  # a decision ran for this token already (the first one picked its candidates)
         may_exit = len(chunk_ids) == 1 and not force_full and self.policy.may_exit(st)
         for s in range(len(m.segments)):
             x = self.policy.before_segment(st, s, h)
@@ -432,8 +432,8 @@ class Runner:
             if layer is not None and may_exit and self._gate_open(st, layer, exit_in):
                 last = None if blocks is None else resident.last_positions(self.rt, blocks)
                 ask = Decide(exit_in[0, -1], layer_in[0, -1], cands, last)
-                st.count_decisions([layer], None if layer > first_decided else layer)
-                first_decided = min(first_decided, layer)
+                st.count_decisions([layer], None if decided else layer)
+                decided = True
                 score, i, cands = yield ("decide", layer, ask)
                 if score is not None:
                     own = self.policy.predict(row, st, kv, s, out)  # e.g. the river's end (single-row calls)
