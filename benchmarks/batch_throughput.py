@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from eectl.data import encode_prompt, load_text_data
-from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
-from eectl.runtime.runner import Generation, Runner
+from eectl.run.generate import RunOptions, load_tokenizer, resolve_config
+from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import Generation
 
 
 @dataclass

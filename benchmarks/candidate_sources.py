@@ -21,11 +21,11 @@ import numpy as np
 import onnx
 import torch
 
-from eectl.candidates import Int8Ranking, Shortlist
-from eectl.exits import DEFAULT_TOP_K
-from eectl.export_graphs import build_candidates, build_exit
+from eectl.exits.base import DEFAULT_TOP_K
+from eectl.exits.candidates import Int8Ranking, Shortlist
+from eectl.export.graphs import build_candidates, build_exit
 from eectl.models import load_model
-from eectl.runtime.sessions import _ort, session_options
+from eectl.runtime.ort import _ort, session_options
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 
 `before` re-creates the runner's earlier decision: the exit graphs' outputs wrapped as torch tensors, a torch
 softmax + top-2 (+ gather) per decision and torch's thread count switched to one around it; `now` is the runner's
-code path (eectl.exits.ExitScoring on OrtExitLogits: numpy throughout); `graphs` the two exit graph calls alone
+code path (eectl.exits.signals.ExitScoring on OrtExitLogits: numpy throughout); `graphs` the two exit graph calls alone
 (the first exit's candidate pick, a later exit's local rows). Medians of 40 interleaved rounds of 25 calls.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from eectl.candidates import CANDIDATE_SOURCES
-from eectl.exits import ExitScoring, get_signal
+from eectl.exits.candidates import CANDIDATE_SOURCES
+from eectl.exits.signals import ExitScoring, get_signal
 from eectl.runtime.runner import OrtExitLogits, _one_torch_thread
 from eectl.runtime.sessions import ArtifactRuntime
 

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from eectl.data import encode_prompt, load_text_data
-from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
+from eectl.run.generate import RunOptions, load_tokenizer, resolve_config
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 
-from eectl.export import ExportOptions, export_artifact
-from eectl.runtime.runner import RunConfig, Runner
-from eectl.runtime.sessions import ArtifactRuntime, init_ort
+from eectl.export.exporter import ExportOptions, export_artifact
+from eectl.runtime.ort import init_ort
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
 from tests.test_export_big import wide_model
 
 

@@ -21,9 +21,10 @@ import statistics
 import torch
 
 from eectl.data import encode_prompt, load_text_data
-from eectl.runtime.generate import load_tokenizer
-from eectl.runtime.runner import RunConfig, Runner
+from eectl.run.generate import load_tokenizer
+from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
 
 
 def main() -> None:

@@ -21,9 +21,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from eectl.export.quantize import Int4Options, quantize_graph
 from eectl.models import load_model
-from eectl.quantize import Int4Options, quantize_graph
-from eectl.runtime.sessions import _ort, session_options
+from eectl.runtime.ort import _ort, session_options
 
 
 def _graph(w: np.ndarray) -> onnx.ModelProto:

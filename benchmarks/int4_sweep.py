@@ -51,14 +51,16 @@ def main() -> None:
 
     import torch
 
-    from eectl.bench import _agreement
+    from eectl.contracts.layers import default_exits
     from eectl.data import encode_prompt, load_text_data
-    from eectl.export import ExportOptions, export_artifact
+    from eectl.evaluate.stats import agreement as _agreement
+    from eectl.export.exporter import ExportOptions, export_artifact
+    from eectl.export.quantize import Int4Options
     from eectl.models import load_model
-    from eectl.quantize import Int4Options
-    from eectl.recipe import default_exits
-    from eectl.runtime.runner import RunConfig, Runner
-    from eectl.runtime.sessions import ArtifactRuntime, init_ort
+    from eectl.runtime.ort import init_ort
+    from eectl.runtime.runner import Runner
+    from eectl.runtime.sessions import ArtifactRuntime
+    from eectl.runtime.state import RunConfig
 
     torch.set_num_threads(args.threads)
     init_ort(args.threads)

@@ -68,7 +68,8 @@ def run(cmd: list[str], **kw: Any) -> None:
 def model_folder() -> Path:
     """The default model as an HF folder with its tokenizer: eectl's GGUF cache folder (converted on first use)."""
     sys.path.insert(0, str(ROOT))
-    from eectl.models.loading import cache_dir, load_model, resolve_source
+    from eectl.cache import cache_dir
+    from eectl.models.loading import load_model, resolve_source
 
     gguf = resolve_source(None).path
     assert gguf is not None
@@ -278,7 +279,7 @@ def prompt_ids(artifact: Path, n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(ROOT))
-    from eectl.manifest import read_manifest
+    from eectl.contracts.manifest import read_manifest
 
     m = read_manifest(artifact, verify_hashes=False)
     tok = AutoTokenizer.from_pretrained(str(artifact / m.tokenizer_dir))

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from eectl.plan import MIN_GAIN
-from eectl.runtime.generate import replan
+from eectl.contracts.plan import MIN_GAIN
+from eectl.run.generate import replan
 from eectl.runtime.sessions import ArtifactRuntime
 
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from eectl.bench import BenchOptions, run_bench
+from eectl.contracts.manifest import read_manifest
 from eectl.data import load_text_data
-from eectl.manifest import read_manifest
+from eectl.evaluate.bench import run_bench
+from eectl.evaluate.results import BenchOptions
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ import json
 
 import numpy as np
 
-from eectl.bench import _agreement, river_kv_cosine
 from eectl.data import encode_prompt, load_text_data
-from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
+from eectl.evaluate.stats import agreement as _agreement, river_kv_cosine
+from eectl.run.generate import RunOptions, load_tokenizer, resolve_config
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 

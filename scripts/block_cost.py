@@ -24,12 +24,12 @@ def main() -> None:
     ap.add_argument("--exits", default="8,12,16,20,24")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    from eectl.runtime.sessions import init_ort
+    from eectl.runtime.ort import init_ort
 
     torch.set_num_threads(a.threads)
     init_ort(a.threads)
-    from eectl.export import ExportOptions, describe, export_artifact
-    from eectl.head_designs import BlockHead, load_heads
+    from eectl.exits.designs import BlockHead, load_heads
+    from eectl.export.exporter import ExportOptions, describe, export_artifact
     from eectl.models import load_model
 
     loaded = load_model(a.model)

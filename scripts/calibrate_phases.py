@@ -4,7 +4,8 @@ second teacher-forced pass over prompt + continuation on a real model.
     python scripts/calibrate_phases.py --label after --threads 2 --tokens 6144 --gen-tokens 48
     python scripts/calibrate_phases.py --check --threads 2 --tokens 6144 --gen-tokens 48
 
-Phases are exclusive wall times of calibrate's own functions, wrapped where `eectl.calibrate` calls them (so the
+Phases are exclusive wall times of calibrate's own functions, wrapped where `eectl.calibrate.calibrator` calls them (so
+the
 same script times older versions of the code, where the second pass is `measure_sequences_all`): generation,
 the teacher-forced text pass, the second pass over the continuations (old) or the kept states' assembly (new),
 signal computation (`ExitScorer.score_pairs`), the shortlist, and the fit (`summarise`: thresholds and menu).
@@ -56,7 +57,7 @@ class Timer:
 
 
 def options(a: argparse.Namespace) -> Any:
-    from eectl.calibrate import CalibrateOptions
+    from eectl.calibrate.calibrator import CalibrateOptions
 
     extra = {} if a.gen_batch is None else {"gen_batch": a.gen_batch}
     return CalibrateOptions(
@@ -70,8 +71,8 @@ def options(a: argparse.Namespace) -> Any:
 
 
 def timed_run(a: argparse.Namespace, loaded: Any, data: Any) -> dict[str, Any]:
-    import eectl.calibrate as cal
-    import eectl.calibrate_measure as cm
+    import eectl.calibrate.calibrator as cal
+    import eectl.exits.measure as cm
 
     timer = Timer()
     for fn, phase in PHASES.items():
@@ -100,8 +101,8 @@ def timed_run(a: argparse.Namespace, loaded: Any, data: Any) -> dict[str, Any]:
 def check(a: argparse.Namespace, loaded: Any, data: Any) -> dict[str, Any]:
     """The same continuations measured on the kept states and by the second pass (batches of 16): per-token
     differences, decisions, and the thresholds fitted from each (generated tokens only)."""
-    from eectl.calibrate_fit import fit
-    from eectl.calibrate_measure import (
+    from eectl.calibrate.fit import fit
+    from eectl.exits.measure import (
         ExitScorer,
         generate_continuations,
         generation_keep,

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from eectl.data import load_text_data, token_chunks
-from eectl.exits import ExitHead
-from eectl.head_designs import build_heads
-from eectl.head_losses import TeacherTopK, topk_tail_kl
-from eectl.heads_report import base_pass as _base_pass
+from eectl.exits.base import ExitHead
+from eectl.exits.designs import build_heads
+from eectl.heads.losses import TeacherTopK, topk_tail_kl
+from eectl.heads.report import base_pass as _base_pass
 from eectl.models import load_model
 
 

@@ -4,9 +4,10 @@
     python scripts/heads_table.py train --cache artifacts/states --design mlp --tokens 20000 --loss topk
     python scripts/heads_table.py calib --cache artifacts/states --heads artifacts/heads-mlp.safetensors
 
-`build` computes the frozen base's states once (eectl.head_data; with more --layers than a complete cache holds, and
+`build` computes the frozen base's states once (eectl.heads.state_cache; with more --layers than a complete cache
+holds, and
 the same budgets, it widens that cache: no generation again); `train` trains one design from them
-(eectl.heads_cached); `calib` fits calibrate's sequential thresholds (--confidence 0.95) on half of the held-out
+(eectl.heads.cached); `calib` fits calibrate's sequential thresholds (--confidence 0.95) on half of the held-out
 split and replays them on the other half, counting each head's cost in decoder-layer units. `merge` joins heads
 files trained at disjoint exits (--heads A,B --out M).
 """
@@ -38,7 +39,7 @@ def _progress(total: int, what: str):
 
 def build(a: argparse.Namespace) -> None:
     from eectl.data import load_text_data
-    from eectl.head_data import CacheSpec, build_cache
+    from eectl.heads.state_cache import CacheSpec, build_cache
     from eectl.models import load_model
 
     loaded = load_model(a.model)
@@ -60,9 +61,9 @@ def build(a: argparse.Namespace) -> None:
 
 
 def train(a: argparse.Namespace) -> None:
-    from eectl.head_checkpoint import checkpoint_path
-    from eectl.head_data import open_cache
-    from eectl.heads_cached import CachedConfig, train_cached
+    from eectl.heads.cached import CachedConfig, train_cached
+    from eectl.heads.checkpoint import checkpoint_path
+    from eectl.heads.state_cache import open_cache
     from eectl.models import load_model
 
     loaded = load_model(a.model)
@@ -117,8 +118,8 @@ def train(a: argparse.Namespace) -> None:
 @torch.no_grad()
 def _heads(a: argparse.Namespace, loaded) -> tuple[list[int], dict, str, float]:
     """--heads (or the logit lens at --layers): exits, heads by layer, design, cost per exit passed in layers."""
-    from eectl.head_designs import load_heads
-    from eectl.heads_cached import design_cost
+    from eectl.exits.designs import load_heads
+    from eectl.heads.cached import design_cost
 
     if not a.heads:
         return [int(x) for x in a.layers.split(",")], {}, "logit lens", 0.0
@@ -145,11 +146,11 @@ def calib(a: argparse.Namespace) -> None:
     """Calibrate's sequential thresholds (--signal, default topk-prob; K = 64) through the heads on the cache's
     held-out split: fitted on its first half of sequences (per source), replayed on the second; mean executed layers
     counting head cost."""
-    from eectl.calibrate_fit import fit
-    from eectl.calibrate_measure import SOURCES, ExitScorer, Measurements
-    from eectl.head_data import open_cache
+    from eectl.calibrate.fit import fit
+    from eectl.exits.measure import SOURCES, ExitScorer, Measurements
+    from eectl.exits.thresholds import assign_exits
+    from eectl.heads.state_cache import open_cache
     from eectl.models import load_model
-    from eectl.thresholds import assign_exits
 
     loaded = load_model(a.model)
     adapter = loaded.adapter
@@ -196,7 +197,7 @@ def calib(a: argparse.Namespace) -> None:
 
 def adapter_layer_macs(adapter) -> float:
     """Multiply-adds per token of one decoder layer, in units of LM-head rows (H each)."""
-    from eectl.heads_cached import layer_macs
+    from eectl.heads.cached import layer_macs
 
     return layer_macs(adapter) / adapter.lm_head.weight.shape[1]
 
@@ -209,18 +210,18 @@ def menu(a: argparse.Namespace) -> None:
     generated tokens (what `eectl run` decodes; calibrate's menu judges on them) and on all held-out tokens."""
     from itertools import combinations
 
-    from eectl.calibrate_fit import evaluate
-    from eectl.calibrate_measure import SOURCES, ExitScorer, Measurements, heldout_units
-    from eectl.candidates import (
+    from eectl.calibrate.fit import evaluate
+    from eectl.exits.candidates import (
         CANDIDATE_SOURCES,
         DEFAULT_CANDIDATES,
         Shortlist,
         frequency_shortlist,
         make_source,
     )
-    from eectl.head_data import open_cache
+    from eectl.exits.measure import SOURCES, ExitScorer, Measurements, heldout_units
+    from eectl.exits.thresholds import assign_exits, fit_thresholds
+    from eectl.heads.state_cache import open_cache
     from eectl.models import load_model
-    from eectl.thresholds import assign_exits, fit_thresholds
 
     loaded = load_model(a.model)
     adapter = loaded.adapter
@@ -337,7 +338,7 @@ def menu(a: argparse.Namespace) -> None:
 def merge(a: argparse.Namespace) -> None:
     """--heads A,B,...: one heads file at --out with every exit (same model and design, disjoint exits; probes
     dropped: fit them onto the result with `eectl train-heads --probe-only`)."""
-    from eectl.head_designs import merge_heads
+    from eectl.exits.designs import merge_heads
     from eectl.models import load_model
 
     if not a.heads or not a.out:

@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-from eectl.calibrate_measure import SOURCES
-from eectl.thresholds import binomial_upper_tail, min_tokens_for, threshold_with_bound
+from eectl.exits.measure import SOURCES
+from eectl.exits.thresholds import binomial_upper_tail, min_tokens_for, threshold_with_bound
 
 
 def fixed_sequence(conf: torch.Tensor, correct: torch.Tensor, target: float, level: float) -> float:

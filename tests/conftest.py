@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from eectl.calibration_file import Calibration, DataInfo, ExitResult, ModelInfo, OverallStats, SplitStats
+from eectl.contracts.calibration import Calibration, DataInfo, ExitResult, ModelInfo, OverallStats, SplitStats
+from eectl.contracts.heads import HeadCost, HeadDims, HeadsMeta
 from eectl.data import load_text_data
-from eectl.exits import SIGNALS
-from eectl.export import ExportOptions, export_artifact
-from eectl.head_designs import head_cost, head_width
-from eectl.heads_meta import HeadCost, HeadDims, HeadsMeta
+from eectl.exits.designs import head_cost, head_width
+from eectl.exits.signals import SIGNALS
+from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
-from eectl.runtime.sessions import init_ort
+from eectl.runtime.ort import init_ort
 from tests.tiny import GSM8K, TINY_CONFIGS, save_tiny
 
 torch.set_num_threads(1)
@@ -24,7 +24,7 @@ os.environ.setdefault("EECTL_QUIET", "1")
 @pytest.fixture(autouse=True)
 def _no_bench_settle(monkeypatch) -> None:
     """bench pauses before each timed configuration so spinning threads go idle; tests time nothing."""
-    monkeypatch.setattr("eectl.bench.SETTLE_S", 0.0)
+    monkeypatch.setattr("eectl.evaluate.bench.SETTLE_S", 0.0)
 
 
 @pytest.fixture(scope="session")

@@ -99,7 +99,7 @@ def test_load_hf_folder(tiny_dirs, family):
 
 
 def test_threshold_for_precision_is_minimal():
-    from eectl.thresholds import threshold_for_precision
+    from eectl.exits.thresholds import threshold_for_precision
 
     conf = torch.tensor([0.9, 0.8, 0.8, 0.7, 0.6, 0.5])
     good = torch.tensor([True, True, False, True, True, False])

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eectl.export import ExportOptions, export_artifact
+from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
 from eectl.runtime.batch import new_batch_kv, prefill_runs, run_prefill, run_rows
-from eectl.runtime.sessions import ArtifactRuntime, cuda_usable
+from eectl.runtime.ort import cuda_usable
+from eectl.runtime.sessions import ArtifactRuntime
 
 ATOL = 1e-5
 
@@ -142,7 +143,8 @@ def test_batched_rows_on_cuda_equal_cpu(tiny_dirs, tmp_path):
 def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch):
     """Full depth, 3 rows: after the prefill every segment runs once per step for all rows, not once per row."""
     from eectl.runtime import runner as runner_mod
-    from eectl.runtime.runner import RunConfig, Runner
+    from eectl.runtime.runner import Runner
+    from eectl.runtime.state import RunConfig
 
     rt = runtimes["qwen2"]
     calls = []
@@ -165,7 +167,8 @@ def test_plan_executed_on_device_values_equals_the_host_path(runtimes, fam):
     """Full-depth greedy decode steps run as the binding plan says (runtime/device_path.py: hidden states and
     logits as OrtValues between graphs, here on the CPU EP) give the host path's tokens, rows of different lengths
     finishing at different steps; the only value read on the host is the final head's token."""
-    from eectl.runtime.runner import RunConfig, Runner
+    from eectl.runtime.runner import Runner
+    from eectl.runtime.state import RunConfig
 
     rt = runtimes[fam]
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [13], [20, 21]]
@@ -195,7 +198,8 @@ def test_plan_executed_on_device_values_equals_the_host_path(runtimes, fam):
 @pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDAExecutionProvider")
 def test_plan_executed_on_cuda_equals_the_host_path(tiny_dirs, tmp_path):
     """On the CUDA EP (fp16), the device-resident full-depth steps give the tokens of the host-bound path."""
-    from eectl.runtime.runner import RunConfig, Runner
+    from eectl.runtime.runner import Runner
+    from eectl.runtime.state import RunConfig
 
     export_artifact(load_model(str(tiny_dirs["llama"])), tmp_path / "a", ExportOptions(exits=[3], dtype="fp16"))
     rt = ArtifactRuntime(tmp_path / "a", provider="cuda")
@@ -210,7 +214,8 @@ def test_plan_executed_on_cuda_equals_the_host_path(tiny_dirs, tmp_path):
 def test_generate_with_padded_prompt_calls_equals_rows_alone(runtimes, monkeypatch):
     """The runner's padded prompt calls (on by default only off the CPU EP) give each row its own tokens."""
     from eectl.runtime import runner as runner_mod
-    from eectl.runtime.runner import RunConfig, Runner
+    from eectl.runtime.runner import Runner
+    from eectl.runtime.state import RunConfig
 
     rt = runtimes["qwen3"]
     calls = []

@@ -9,13 +9,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from eectl.bench import _heldout_ids, final_number, heldout_texts
-from eectl.bench_stats import agreement as _agreement
 from eectl.cli import app
 from eectl.data import encode_prompt, load_text_data
-from eectl.export import ExportOptions, export_artifact
+from eectl.evaluate.bench import _heldout_ids, final_number, heldout_texts
+from eectl.evaluate.stats import agreement as _agreement
+from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
-from eectl.runtime.generate import RunOptions, load_tokenizer, resolve_config
+from eectl.run.generate import RunOptions, load_tokenizer, resolve_config
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from tests.tiny import GSM8K

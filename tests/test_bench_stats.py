@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from eectl.bench_stats import balanced_orders, per_prompt_totals, pooled, rep_orders, speed_ratio, speed_ratio_ci
+from eectl.evaluate.stats import balanced_orders, per_prompt_totals, pooled, rep_orders, speed_ratio, speed_ratio_ci
 
 
 def _prompts(rng, n):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from eectl.exits import SIGNALS
-from eectl.export import ExportOptions, export_artifact
-from eectl.manifest import read_manifest
-from eectl.quantize import Int4Options
+from eectl.contracts.manifest import read_manifest
+from eectl.exits.signals import SIGNALS
+from eectl.export.exporter import ExportOptions, export_artifact
+from eectl.export.quantize import Int4Options
 from eectl.runtime.binding import HIDDEN, KV, LOGITS, PER_TOKEN_HOST_ALLOWED, plan_for
 from eectl.runtime.policies import POLICIES
 

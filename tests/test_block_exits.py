@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from eectl.exits import ExitHead, signals, topk_candidates
-from eectl.export import ExportOptions, export_artifact
-from eectl.head_designs import BlockHead
+from eectl.exits.base import ExitHead, signals, topk_candidates
+from eectl.exits.designs import BlockHead
+from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
 from eectl.models.adapters import KVCache
-from eectl.runtime.runner import RunConfig, Runner
+from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
 
 EXITS = [2, 4]
 L = 6
@@ -281,11 +282,11 @@ def test_trained_block_heads_calibrate_export_and_run_through_the_cli(llama, gsm
 
     from typer.testing import CliRunner
 
-    from eectl.calibrate import CalibrateOptions, calibrate_model
-    from eectl.calibration_file import write_calibration
+    from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model
     from eectl.cli import app
-    from eectl.head_designs import load_heads
-    from eectl.heads_cached import CachedConfig, train_cached
+    from eectl.contracts.calibration import write_calibration
+    from eectl.exits.designs import load_heads
+    from eectl.heads.cached import CachedConfig, train_cached
     from tests.test_head_data import _tiny_cache
 
     cache = _tiny_cache(llama, gsm8k, tmp_path / "c")

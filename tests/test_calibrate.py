@@ -1,4 +1,4 @@
-"""Calibrate on tiny models: the sequential rule replayed by brute force, signals equal to eectl.exits, the
+"""Calibrate on tiny models: the sequential rule replayed by brute force, signals equal to eectl.exits.signals, the
 Clopper-Pearson bound against known values, the held-out report, calibration.json round trips, CLI behaviour."""
 
 from __future__ import annotations
@@ -14,16 +14,15 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from eectl.calibrate import CalibrateOptions, calibrate_model
-from eectl.calibrate_fit import evaluate, fit
-from eectl.calibrate_measure import SOURCES, ExitScorer, Measurements, measure_generation, measure_text, prompt_ids
-from eectl.calibration_file import Calibration, read_calibration, write_calibration
+from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model
+from eectl.calibrate.fit import evaluate, fit
 from eectl.cli import app
+from eectl.contracts.calibration import Calibration, read_calibration, write_calibration
 from eectl.data import encode_prompt, token_chunks
 from eectl.errors import ArtifactError, DataError, UsageError
-from eectl.exits import ExitHead, signals, topk_candidates, transition_cosine
-from eectl.plan import sequence_agreement
-from eectl.thresholds import (
+from eectl.exits.base import ExitHead, signals, topk_candidates, transition_cosine
+from eectl.exits.measure import SOURCES, ExitScorer, Measurements, measure_generation, measure_text, prompt_ids
+from eectl.exits.thresholds import (
     betainc,
     binomial_upper_tail,
     clopper_pearson_lower,
@@ -31,6 +30,7 @@ from eectl.thresholds import (
     threshold_for_precision,
     threshold_with_bound,
 )
+from eectl.plan.choose import sequence_agreement
 from tests.tiny import GSM8K
 
 runner = CliRunner()
@@ -369,12 +369,12 @@ def test_options_are_checked_before_any_work():
         (dict(confidence=1.0), UsageError),
         (dict(tokens=200, confidence=0.95), DataError),
     ]:
-        from eectl.calibrate import check_options
+        from eectl.calibrate.calibrator import check_options
 
         opts = CalibrateOptions(**{**ok.__dict__, **bad})
         with pytest.raises(err):
             check_options(opts, num_layers=6, vocab_size=384)
-    from eectl.calibrate import check_options
+    from eectl.calibrate.calibrator import check_options
 
     with pytest.raises(UsageError, match="outside the model's layers 1..5"):
         check_options(CalibrateOptions(exits=[2, 6]), num_layers=6)
@@ -416,7 +416,7 @@ def test_cli_calibrate_human_output_and_default_path(tiny_dirs, tmp_path, monkey
 
 
 def test_cli_calibrate_with_heads(tiny_dirs, tmp_path, monkeypatch):
-    """--heads goes through eectl.head_designs.load_heads (faked here) and every exit with a head uses it."""
+    """--heads goes through eectl.exits.designs.load_heads (faked here) and every exit with a head uses it."""
     seen = {}
 
     def load_heads(path, adapter):
@@ -424,7 +424,7 @@ def test_cli_calibrate_with_heads(tiny_dirs, tmp_path, monkeypatch):
         torch.manual_seed(0)
         return types.SimpleNamespace(heads={3: nn.Linear(64, 64), 9: nn.Linear(64, 64)})
 
-    monkeypatch.setitem(sys.modules, "eectl.head_designs", types.SimpleNamespace(load_heads=load_heads))
+    monkeypatch.setitem(sys.modules, "eectl.exits.designs", types.SimpleNamespace(load_heads=load_heads))
     heads = tmp_path / "heads.safetensors"
     heads.write_bytes(b"fake heads")
     out = tmp_path / "c.json"

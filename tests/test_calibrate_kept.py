@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eectl.calibrate import CalibrateOptions, collect, summarise
-from eectl.calibrate_measure import (
+from eectl.calibrate.calibrator import CalibrateOptions, collect, summarise
+from eectl.exits.designs import BlockHead, make_head
+from eectl.exits.measure import (
     ExitScorer,
     Keep,
     generate_continuations,
@@ -18,7 +19,6 @@ from eectl.calibrate_measure import (
     measure_sequences,
     prompt_ids,
 )
-from eectl.head_designs import BlockHead, make_head
 from eectl.models import load_model
 
 EXITS = [2, 4]
@@ -141,10 +141,10 @@ def test_calibrate_fits_the_same_thresholds_as_with_a_second_pass(loaded, gsm8k,
     def second_pass(scorers, conts, pairs, keep_states=False):
         return [measure_sequences(sc, conts, 16, pairs, keep_states and j == 0) for j, sc in enumerate(scorers)]
 
-    monkeypatch.setattr("eectl.calibrate.measure_kept_all", second_pass)
+    monkeypatch.setattr("eectl.calibrate.calibrator.measure_kept_all", second_pass)
     old = collect(loaded, gsm8k, opts, hs)
     _assert_same(new.meas, old.meas, True)
-    # the states the gates are fitted on (eectl.gates)
+    # the states the gates are fitted on (eectl.exits.gates)
     assert new.meas.hidden is not None and old.meas.hidden is not None
     torch.testing.assert_close(new.meas.hidden, old.meas.hidden, atol=ATOL, rtol=0)
     a, b = summarise(loaded, gsm8k, opts, new, hs), summarise(loaded, gsm8k, opts, old, hs)

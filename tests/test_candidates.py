@@ -11,9 +11,10 @@ import pytest
 import torch
 from onnx import TensorProto
 
-from eectl.calibrate import CalibrateOptions, calibrate_model
-from eectl.calibrate_measure import ExitScorer, measure_text
-from eectl.candidates import (
+from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model
+from eectl.data import token_chunks
+from eectl.exits.base import ExitHead, passes, signals
+from eectl.exits.candidates import (
     WEIGHT_LEVELS,
     Int8Ranking,
     Shortlist,
@@ -23,12 +24,13 @@ from eectl.candidates import (
     quantize_activations_int8,
     quantize_rows_int8,
 )
-from eectl.data import token_chunks
-from eectl.exits import ExitHead, passes, signals
-from eectl.export import ExportOptions, export_artifact
-from eectl.runtime.generate import RunOptions, resolve_config
-from eectl.runtime.runner import RunConfig, Runner
-from eectl.runtime.sessions import ArtifactRuntime, _ort, session_options
+from eectl.exits.measure import ExitScorer, measure_text
+from eectl.export.exporter import ExportOptions, export_artifact
+from eectl.run.generate import RunOptions, resolve_config
+from eectl.runtime.ort import _ort, session_options
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
 
 K = 8
 SOURCES = ("shortlist", "shortlist-int8", "int8")  # the cheap candidate sources, each calibrated and exported below
@@ -83,7 +85,7 @@ def test_int8_graph_quantizes_each_row_as_torch_does(dtype):
     """export_graphs._int8_scores equals candidates.int8_scores bit for bit on a batch of rows of very different
     ranges, called together or one by one: each row has its own scale and zero point (the integer product exact,
     the scales multiplied in the same order). fp16: the graph quantizes the fp16 input cast to float32, as torch."""
-    from eectl.export_graphs import DTYPES, _Builder, _int8_scores
+    from eectl.export.graphs import DTYPES, _Builder, _int8_scores
 
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(300, 48, generator=g)
@@ -262,8 +264,8 @@ def test_costs_and_plan_are_in_the_manifest_and_run_follows_the_plan(planned):
 
 
 def test_costs_keep_every_round_and_time_more_while_the_plan_is_undecided(planned):
-    from eectl.costs import measure_costs
-    from eectl.runtime.generate import replan
+    from eectl.plan.costs import measure_costs
+    from eectl.run.generate import replan
 
     rt = planned["shortlist"]
     asked: list[int] = []
@@ -294,7 +296,7 @@ def test_costs_keep_every_round_and_time_more_while_the_plan_is_undecided(planne
 def test_each_exit_decision_is_timed_right_after_its_segment(planned):
     """The cost model times an exit's decision just after its segment's call, as a decode step makes it (the
     segment's weights through the caches first), and not that segment's time: prelude untimed."""
-    from eectl.costs import _time_rounds, after_segments
+    from eectl.plan.costs import _time_rounds, after_segments
 
     rt = planned["shortlist-int8"]
     log: list[str] = []

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from eectl.contracts.recipe import load_recipe
 from eectl.data import load_text_data, token_chunks
 from eectl.errors import DataError, UsageError
-from eectl.recipe import load_recipe
 from tests.tiny import GSM8K, tiny_tokenizer
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
@@ -65,7 +65,7 @@ def test_every_recipe_loads_and_documents_itself(path):
 
 
 def test_default_exits():
-    from eectl.recipe import default_exits
+    from eectl.contracts.layers import default_exits
 
     assert default_exits(30) == [8, 12, 16, 20, 24]
     assert default_exits(6) == [2, 3, 4, 5] and default_exits(2) == [1]

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from eectl.exits import min_transition_cosine, transition_cosine
+from eectl.exits.base import min_transition_cosine, transition_cosine
 from eectl.runtime.device_ops import DeviceOps
-from eectl.runtime.sessions import _ort, cuda_usable
+from eectl.runtime.ort import _ort, cuda_usable
 
 
 def _ops(provider: str, dtype) -> DeviceOps:
@@ -46,7 +46,7 @@ def _check_pieces(ops: DeviceOps, dtype, atol: float) -> None:
 
     blocks = np.cumsum(rng.standard_normal((N, 4, H)), axis=1).astype(dtype)  # [N, n + 1, H]
     cmin = ops.cosine_min(dev(blocks))
-    ref = min_transition_cosine(torch.from_numpy(blocks).transpose(0, 1)).numpy()  # eectl.exits: [n + 1, N, H]
+    ref = min_transition_cosine(torch.from_numpy(blocks).transpose(0, 1)).numpy()  # eectl.exits.signals: [n + 1, N, H]
     np.testing.assert_allclose(cmin, ref, atol=atol)
     zero = np.zeros((N, H), dtype)  # a zero state: the eps floor, no NaN (torch's cosine gives 0 too)
     np.testing.assert_allclose(ops.cosine(dev(zero), dev(a)), np.zeros(N), atol=atol)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from eectl.errors import UsageError
-from eectl.exits import GRAPH_CRITERIA, get_signal, graph_thresholds, signals
+from eectl.exits.base import signals
+from eectl.exits.signals import GRAPH_CRITERIA, get_signal, graph_thresholds
 from eectl.runtime.sessions import ArtifactRuntime
 
 TOL = 1e-6  # |graph value - numpy value| bound, float32 rounding of exp and of the sum's order

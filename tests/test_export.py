@@ -12,14 +12,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from eectl import export_graphs, export_validation
 from eectl.cli import app
+from eectl.contracts.manifest import MANIFEST, SCHEMA_VERSION, read_manifest, write_manifest
 from eectl.errors import ArtifactError, UsageError
-from eectl.exits import ExitHead
-from eectl.export import ExportOptions, export_artifact
-from eectl.export_validation import ExportValidationError
-from eectl.head_designs import make_head
-from eectl.manifest import MANIFEST, SCHEMA_VERSION, read_manifest, write_manifest
+from eectl.exits.base import ExitHead
+from eectl.exits.designs import make_head
+from eectl.export import graphs as export_graphs
+from eectl.export import validation as export_validation
+from eectl.export.exporter import ExportOptions, export_artifact
+from eectl.export.validation import ExportValidationError
 from eectl.models import KVCache, load_model
 from eectl.runtime.sessions import ArtifactRuntime
 from tests.conftest import make_calibration, make_heads_meta
@@ -85,7 +86,7 @@ def test_external_data_aligns_large_tensors_and_packs_small_ones(tmp_path):
     without padding, and every tensor reads back as written."""
     from onnx import helper, numpy_helper
 
-    from eectl.manifest import GraphIO
+    from eectl.contracts.manifest import GraphIO
 
     rng = np.random.default_rng(0)
     big = export_graphs.EXTERNAL_ALIGN_MIN_BYTES // 4 + 3  # float32 elements: just over the threshold

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eectl.export import ExportOptions, export_artifact
+from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models.adapters import adapter_for
 from eectl.models.loading import LoadedModel, ModelSource
-from eectl.runtime.runner import RunConfig, Runner
+from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
 from tests.tiny import tiny_tokenizer
 
 PROTOBUF_LIMIT = 2**31

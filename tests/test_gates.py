@@ -1,4 +1,5 @@
-"""Exit gates (eectl.gates): the fit, the threshold, the gated replay calibrate fits options on (candidates picked at
+"""Exit gates (eectl.exits.gates): the fit, the threshold, the gated replay calibrate fits options on (candidates
+picked at
 the first exit whose gate opens), thresholds that never pass a decision a gate skipped, the cost model's decision
 shares, and gated options in a calibration."""
 
@@ -10,17 +11,20 @@ import numpy as np
 import pytest
 import torch
 
-from eectl.calibrate import CalibrateOptions, calibrate_model
-from eectl.calibrate_fit import fit_gates, fit_options
-from eectl.calibrate_measure import ExitScorer, Measurements, measure_text_all
-from eectl.calibration_file import Calibration
-from eectl.candidates import Shortlist
+from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model
+from eectl.calibrate.fit import fit_gates, fit_options
+from eectl.contracts.calibration import Calibration
+from eectl.contracts.gates import GATE, Gate
+from eectl.contracts.plan import Costs
 from eectl.data import token_chunks
 from eectl.errors import UsageError
-from eectl.exits import ExitScoring, TorchExitLogits
-from eectl.gates import GATE, Gate, active_gates, fit_gate, gate_logits, gate_open, gate_threshold
-from eectl.plan import Costs, predict, predict_option
-from eectl.thresholds import assign_exits, fit_thresholds
+from eectl.exits.base import TorchExitLogits
+from eectl.exits.candidates import Shortlist
+from eectl.exits.gates import active_gates, fit_gate, gate_logits, gate_open, gate_threshold
+from eectl.exits.measure import ExitScorer, Measurements, measure_text_all
+from eectl.exits.signals import ExitScoring
+from eectl.exits.thresholds import assign_exits, fit_thresholds
+from eectl.plan.choose import predict, predict_option
 
 K = 8
 

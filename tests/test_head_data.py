@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eectl.exits import ExitHead
-from eectl.head_checkpoint import checkpoint_path
-from eectl.head_data import CacheSpec, build_cache, open_cache, read_sequence
-from eectl.head_designs import load_heads
-from eectl.head_losses import TeacherTopK, topk_tail_kl
-from eectl.heads_cached import CachedConfig, train_cached
+from eectl.exits.base import ExitHead
+from eectl.exits.designs import load_heads
+from eectl.heads.cached import CachedConfig, train_cached
+from eectl.heads.checkpoint import checkpoint_path
+from eectl.heads.losses import TeacherTopK, topk_tail_kl
+from eectl.heads.state_cache import CacheSpec, build_cache, open_cache, read_sequence
 
 
 def test_topk_tail_kl_with_the_whole_vocabulary_is_the_exact_kl(llama):
@@ -182,7 +182,7 @@ def test_cli_trains_a_block_from_a_state_cache(tiny_dirs, tmp_path):
 
 
 def test_block_head_decoding_with_its_own_kv_equals_the_whole_sequence(llama):
-    from eectl.head_designs import BlockHead
+    from eectl.exits.designs import BlockHead
     from eectl.models.adapters import KVCache
 
     adapter = llama.adapter
@@ -200,7 +200,7 @@ def test_block_head_decoding_with_its_own_kv_equals_the_whole_sequence(llama):
 
 
 def test_calibrate_runs_block_heads_on_text_and_generation(llama, gsm8k, tmp_path):
-    from eectl.calibrate import CalibrateOptions, calibrate_model
+    from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model
 
     cache = _tiny_cache(llama, gsm8k, tmp_path / "c")
     cfg = CachedConfig(exits=[2, 4], design="block", steps=4, batch_tokens=32, tail_samples=64)
@@ -214,7 +214,7 @@ def test_calibrate_runs_block_heads_on_text_and_generation(llama, gsm8k, tmp_pat
 def test_generation_keeps_the_states_calibrate_does_not_ask_for(llama, gsm8k):
     """Calibrate's generator, shared with the state cache: keeping states changes no token, and the kept states
     are the ones the generation computed (prompt and fed tokens of each row, padding left out)."""
-    from eectl.calibrate_measure import Keep, generate_continuations, prompt_ids
+    from eectl.exits.measure import Keep, generate_continuations, prompt_ids
 
     adapter = llama.adapter
     prompts = prompt_ids(llama.tokenizer, gsm8k.prompts[:5], 64)
@@ -246,8 +246,8 @@ def test_shortlist_rows_join_the_exact_part_of_the_normaliser(llama):
 def test_a_cache_is_widened_to_more_layers_without_generating_again(llama, gsm8k, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from eectl import calibrate_measure
     from eectl.errors import UsageError
+    from eectl.exits import measure as calibrate_measure
 
     narrow = build_cache(llama, gsm8k, _small_spec([2]), tmp_path / "c")
     before = {e.file: load_file(str(narrow.folder / e.file)) for e in narrow.entries}
@@ -305,7 +305,7 @@ def asdict_(entry):
 
 def test_heads_trained_at_other_exits_merge_into_one_file(llama, gsm8k, tmp_path):
     from eectl.errors import ArtifactError
-    from eectl.head_designs import merge_heads
+    from eectl.exits.designs import merge_heads
 
     cache = _tiny_cache(llama, gsm8k, tmp_path / "c")
     common = dict(design="residual-linear", steps=3, batch_tokens=32, tail_samples=64)

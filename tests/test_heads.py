@@ -12,14 +12,14 @@ from torch import nn
 from typer.testing import CliRunner
 
 from eectl.cli import app
+from eectl.contracts.heads import HeadsMeta
 from eectl.data import TokenStream
 from eectl.errors import ArtifactError, UsageError
-from eectl.exits import ExitHead, signals, topk_candidates
-from eectl.head_checkpoint import checkpoint_path
-from eectl.head_designs import DESIGNS, HeadStack, build_heads, load_heads, make_head, save_heads
-from eectl.heads import TrainConfig, train_heads
-from eectl.heads_meta import HeadsMeta
-from eectl.heads_report import iter_report
+from eectl.exits.base import ExitHead, signals, topk_candidates
+from eectl.exits.designs import DESIGNS, HeadStack, build_heads, load_heads, make_head, save_heads
+from eectl.heads.checkpoint import checkpoint_path
+from eectl.heads.report import iter_report
+from eectl.heads.train import TrainConfig, train_heads
 from eectl.models import load_model
 from tests.tiny import GSM8K
 
@@ -90,7 +90,7 @@ def test_base_is_frozen_and_only_head_parameters_are_new(trained, llama):
     with_heads = nn.ModuleDict({"base": type(llama.model)(llama.model.config), "heads": stack})
     missing, unexpected = with_heads.load_state_dict({f"base.{k}": v for k, v in before.items()}, strict=False)
     assert unexpected == []
-    # the file's other tensors are the learned signal's probes (not module parameters: eectl.probe)
+    # the file's other tensors are the learned signal's probes (not module parameters: eectl.exits.probe)
     stored = _tensors(result.out)
     assert set(missing) == {f"heads.{k}" for k in stored if not k.startswith("probe.")}
     assert {k for k in stored if k.startswith("probe.")} == {

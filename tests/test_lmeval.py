@@ -12,8 +12,8 @@ pytest.importorskip("lm_eval")
 
 from eectl.cli import app  # noqa: E402
 from eectl.errors import UsageError  # noqa: E402
-from eectl.export import ExportOptions, export_artifact  # noqa: E402
-from eectl.lmeval import EvalOptions, markdown, run_eval  # noqa: E402
+from eectl.evaluate.lmeval import EvalOptions, markdown, run_eval  # noqa: E402
+from eectl.export.exporter import ExportOptions, export_artifact  # noqa: E402
 from eectl.models import load_model  # noqa: E402
 from tests.tiny import GSM8K  # noqa: E402
 
@@ -68,7 +68,7 @@ def _texts(x) -> list[str]:
 
 
 def test_humaneval_task_runs_offline_and_scores_code(artifact):
-    from eectl.lmeval_tasks.utils import pass_at_1
+    from eectl.evaluate.lmeval_tasks.utils import pass_at_1
 
     assert pass_at_1(["assert f(2) == 4"], [["def f(x):\n    return 2 * x\n"]]) == 1.0
     assert pass_at_1(["assert f(2) == 4"], [["def f(x):\n    return x\n"]]) == 0.0

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eectl.plan import MIN_GAIN, Costs, ExitOption, Option, choose, predict
+from eectl.contracts.plan import MIN_GAIN, Costs, ExitOption, Option
+from eectl.plan.choose import choose, predict
 
 # three segments ending at layers 4, 8 and 12 (L = 12): exits can sit at 4 and 8
 BOUNDARIES = [4, 8, 12]
@@ -287,7 +288,7 @@ def test_undecided_when_the_best_interval_straddles_the_line():
 
 
 def test_sequence_agreement_is_the_mean_survival_and_matches_a_simulation():
-    from eectl.plan import sequence_agreement
+    from eectl.plan.choose import sequence_agreement
 
     assert sequence_agreement(0.0, 48) == 1.0 and sequence_agreement(0.01, 0) == 1.0
     assert sequence_agreement(1.0, 48) == 0.0
@@ -306,9 +307,10 @@ def test_sequence_agreement_is_the_mean_survival_and_matches_a_simulation():
 def test_bench_predicts_agreement_for_planned_copy_and_defer_only():
     from types import SimpleNamespace
 
-    from eectl.bench import ConfigResult, _predictions
-    from eectl.plan import sequence_agreement
-    from eectl.runtime.runner import RunConfig
+    from eectl.evaluate.bench import _predictions
+    from eectl.evaluate.results import ConfigResult
+    from eectl.plan.choose import sequence_agreement
+    from eectl.runtime.state import RunConfig
 
     target = _option([4], [0.5], precision=[0.99])
     target.agreement = 0.995  # held-out, over all generated tokens: half exit, 1% of those wrong

@@ -1,4 +1,5 @@
-"""The learned exit signal (exits.Probe, eectl.probe): its fit is deterministic for a seed, the heads file keeps it,
+"""The learned exit signal (exits.Probe, eectl.exits.probe): its fit is deterministic for a seed, the heads file keeps
+it,
 its score is one number whether torch (calibrate), numpy (Probe.score) or the exit graphs (the runner) compute it,
 and the runner with it keeps verify exact and decides as a torch simulation with exact KV does. Heads without
 probes fail with one clear line."""
@@ -10,27 +11,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from eectl.candidates import CANDIDATE_SOURCES
 from eectl.cli import app
 from eectl.errors import UsageError
-from eectl.exits import (
-    PROBE_SCALARS,
-    ExitHead,
-    ExitScoring,
-    Probe,
-    TorchExitLogits,
-    attach_probe,
-    choose_signal,
-    get_signal,
-    graph_thresholds,
-    probe_of,
-    signals,
-)
-from eectl.export import ExportOptions, export_artifact
-from eectl.head_designs import HeadStack, build_heads, load_heads, save_heads
-from eectl.probe import ProbeConfig, fit_probe, fit_probes, probe_features
-from eectl.runtime.runner import OrtExitLogits, RunConfig, Runner
+from eectl.exits.base import PROBE_SCALARS, ExitHead, Probe, TorchExitLogits, attach_probe, probe_of, signals
+from eectl.exits.candidates import CANDIDATE_SOURCES
+from eectl.exits.designs import HeadStack, build_heads, load_heads, save_heads
+from eectl.exits.probe import ProbeConfig, fit_probe, fit_probes, probe_features
+from eectl.exits.signals import ExitScoring, choose_signal, get_signal, graph_thresholds
+from eectl.export.exporter import ExportOptions, export_artifact
+from eectl.runtime.runner import OrtExitLogits, Runner
 from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
 from tests.conftest import make_heads_meta
 
 EXITS = [2, 4]
@@ -314,7 +305,7 @@ def test_runner_with_the_learned_signal_decides_as_torch_and_verify_is_exact(lla
 
 
 def test_learned_without_probes_is_one_clear_error(llama, exported, tiny_dirs, tmp_path):
-    from eectl.calibrate_measure import ExitScorer
+    from eectl.exits.measure import ExitScorer
 
     with pytest.raises(UsageError, match="needs exit probes"):
         ExitScorer(llama.adapter, EXITS, "learned", K)
@@ -339,8 +330,8 @@ SMALL = ProbeConfig(tokens=128, steps=20, batch=32, mlp_steps=20, mlp_batch=32, 
 def test_probe_only_fits_onto_a_heads_file_from_a_cache(llama, tmp_path):
     """`train-heads --probe-only`'s library call: the probes fitted from a state cache, written beside the heads."""
     from eectl.data import load_text_data
-    from eectl.head_data import CacheSpec, build_cache
-    from eectl.heads_cached import add_probes
+    from eectl.heads.cached import add_probes
+    from eectl.heads.state_cache import CacheSpec, build_cache
     from tests.tiny import GSM8K
 
     spec = CacheSpec.for_budget(EXITS, 256, 0.0, 64)
@@ -392,7 +383,7 @@ def test_heads_files_with_logistic_probes_of_before_load_and_score_as_then(llama
 
 def test_costs_time_the_learned_decision_as_the_runner_makes_it(probed):
     """export's cost model times each exit's decision with the learned signal (the bound chain's in-graph score)."""
-    from eectl.costs import measure_costs
+    from eectl.plan.costs import measure_costs
 
     _, _, folder = probed
     rt = ArtifactRuntime(folder, provider="cpu")

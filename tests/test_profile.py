@@ -13,7 +13,7 @@ from eectl.cli import app
 from eectl.data import load_text_data, token_chunks
 from eectl.errors import UsageError
 from eectl.models import load_model
-from eectl.profile import _eas_term, profile_chunks, profile_model
+from eectl.profile.lens import _eas_term, profile_chunks, profile_model
 from tests.tiny import GSM8K
 
 runner = CliRunner()

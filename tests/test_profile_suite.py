@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from eectl.data import load_text_data, token_chunks
 from eectl.errors import UsageError
-from eectl.profile import (
+from eectl.profile.lens import (
     EAS_ALPHAS,
     ProfileSums,
     bootstrap_ci,

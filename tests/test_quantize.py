@@ -16,12 +16,13 @@ import pytest
 from typer.testing import CliRunner
 
 from eectl.cli import app
-from eectl.export import ExportOptions, export_artifact
-from eectl.export_validation import ExportValidationError
-from eectl.manifest import read_manifest
-from eectl.quantize import Int4Options
-from eectl.runtime.runner import RunConfig, Runner
+from eectl.contracts.manifest import read_manifest
+from eectl.export.exporter import ExportOptions, export_artifact
+from eectl.export.quantize import Int4Options
+from eectl.export.validation import ExportValidationError
+from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
 
 FLOOR = 0.5
 EXITS = [2, 4]

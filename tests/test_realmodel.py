@@ -7,7 +7,7 @@ import torch
 
 from eectl.data import load_text_data
 from eectl.models import load_model, loading
-from eectl.profile import profile_model
+from eectl.profile.lens import profile_model
 from tests.tiny import GSM8K
 
 pytestmark = pytest.mark.realmodel
@@ -53,9 +53,10 @@ def test_profile_default_model_on_gsm8k(smol):
 def test_default_model_export_run_matches_transformers_generate(smol, tmp_path):
     """Export (validated inside), then eectl full depth == transformers greedy generate, and verify == full."""
     from eectl.data import encode_prompt
-    from eectl.export import ExportOptions, export_artifact
-    from eectl.runtime.runner import RunConfig, Runner
+    from eectl.export.exporter import ExportOptions, export_artifact
+    from eectl.runtime.runner import Runner
     from eectl.runtime.sessions import ArtifactRuntime
+    from eectl.runtime.state import RunConfig
 
     m = export_artifact(smol, tmp_path / "art", ExportOptions(exits=[15, 24]))
     assert m.validation["passed"] and max(m.validation["max_abs_logit_diff"].values()) < 1e-3

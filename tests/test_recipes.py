@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from eectl.cli import app
+from eectl.contracts.recipe import load_recipe
 from eectl.models.adapters import supported_model_types
-from eectl.recipe import load_recipe
 
 RECIPES = {p.stem: p for p in sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))}
 BY_FAMILY = {load_recipe(p).family: p for p in RECIPES.values()}

@@ -19,20 +19,20 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from eectl import export as export_mod
 from eectl import files
-from eectl.calibration_file import read_calibration, write_calibration
 from eectl.cli import app
+from eectl.contracts.calibration import read_calibration, write_calibration
+from eectl.contracts.heads import FORMAT
+from eectl.contracts.manifest import MANIFEST, read_manifest
+from eectl.contracts.recipe import load_recipe
 from eectl.data import load_text_data
 from eectl.errors import ArtifactError, DataError, OutputError, UsageError
-from eectl.export import ExportOptions, export_artifact
+from eectl.exits.designs import HeadStack, load_heads, make_head, save_heads
+from eectl.export import exporter as export_mod
+from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.files import DestinationLock, Staging, clean_stale
-from eectl.head_checkpoint import CHECKPOINT_FORMAT, load_checkpoint
-from eectl.head_designs import HeadStack, load_heads, make_head, save_heads
-from eectl.heads_meta import FORMAT
-from eectl.manifest import MANIFEST, read_manifest
-from eectl.recipe import load_recipe
-from eectl.runtime.generate import RunOptions, load_tokenizer, read_prompts, resolve_config
+from eectl.heads.checkpoint import CHECKPOINT_FORMAT, load_checkpoint
+from eectl.run.generate import RunOptions, load_tokenizer, read_prompts, resolve_config
 from eectl.runtime.sessions import ArtifactRuntime
 from tests.conftest import make_calibration, make_heads_meta
 from tests.tiny import GSM8K

@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from eectl.exits import Signal
-from eectl.export import ExportOptions, export_artifact
+from eectl.exits.signals import Signal
+from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
 from eectl.runtime.binding import plan_for
-from eectl.runtime.runner import RunConfig, Runner
-from eectl.runtime.sessions import ArtifactRuntime, DeviceView, cuda_usable
+from eectl.runtime.ort import DeviceView, cuda_usable
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
 from tests.conftest import EXPORT_EXITS, EXPORT_TOP_K
 
 FAMILIES = ["llama", "qwen3", "gemma3_text"]

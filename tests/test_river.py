@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from eectl.errors import UsageError
-from eectl.export import ExportOptions, export_artifact
-from eectl.quantize import Int4Options
-from eectl.runtime.runner import RunConfig, Runner
+from eectl.export.exporter import ExportOptions, export_artifact
+from eectl.export.quantize import Int4Options
+from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
 
 EXITS = [2, 4]
 PROMPT = [5, 17, 33, 9, 101, 7]
@@ -125,8 +126,8 @@ def test_segment_block_states_equal_torch(llama, arts):
 
 
 def test_costs_time_the_river_copies_and_model_the_river(arts):
-    from eectl.costs import measure_costs
-    from eectl.plan import predict
+    from eectl.plan.choose import predict
+    from eectl.plan.costs import measure_costs
 
     rt = arts["river"]
     c = measure_costs(rt, past=8, repeats=2, warmup=1, signal="cosine")
@@ -181,8 +182,8 @@ def test_cosine_min_calibrates_as_the_minimum_over_each_segments_blocks(llama):
     transition cosines (so never above the last block's, which is the `cosine` signal)."""
     import torch
 
-    from eectl.calibrate_measure import ExitScorer, measure_text
-    from eectl.exits import transition_cosine
+    from eectl.exits.base import transition_cosine
+    from eectl.exits.measure import ExitScorer, measure_text
     from eectl.models import KVCache
 
     g = torch.Generator().manual_seed(3)

@@ -10,15 +10,18 @@ import torch
 from typer.testing import CliRunner
 
 from eectl.cli import app
+from eectl.contracts.gates import GATE, Gate
 from eectl.errors import ArtifactError, UsageError
-from eectl.exits import ExitHead, signals, topk_candidates
-from eectl.export import ExportOptions, export_artifact
-from eectl.gates import GATE, Gate, gate_logits, gate_open
+from eectl.exits.base import ExitHead, signals, topk_candidates
+from eectl.exits.gates import gate_logits, gate_open
+from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
+from eectl.run.generate import RunOptions, resolve_config
 from eectl.runtime.chain import DecodeChain
-from eectl.runtime.generate import RunOptions, resolve_config
-from eectl.runtime.runner import RunConfig, Runner
-from eectl.runtime.sessions import ArtifactRuntime, cuda_usable, resolve_provider
+from eectl.runtime.ort import cuda_usable, resolve_provider
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
 from tests.conftest import EXPORT_EXITS, EXPORT_TOP_K, make_calibration
 
 EXITS = [2, 4]
@@ -75,7 +78,7 @@ def _torch_simulation(loaded, prompt, new, thresholds, probs=None, gates=None, s
     """Sequential topk-prob exits decided on states computed with the exact (full-model) KV of every position.
 
     `probs`, when given, collects each exit's top-1 local probability per decode step; `seen` each exit's state.
-    `gates` (exit -> (weight, bias, threshold), eectl.gates): an exit decides only where its gate opens, the first
+    `gates` (exit -> (weight, bias, threshold), eectl.exits.gates): an exit decides only where its gate opens, the first
     exit that decides picks the candidates.
     """
     adapter = loaded.adapter
@@ -419,7 +422,7 @@ def _gated(loaded, art, prompt, new, shut_first):
 @pytest.mark.parametrize("shut_first", [True, False], ids=["first-shut", "mixed"])
 @pytest.mark.parametrize("policy", ["defer", "verify"])
 def test_gated_exits_equal_the_simulation_on_both_paths(exported, family, policy, shut_first, monkeypatch):
-    """Gated exits (eectl.gates): a decision runs only where its gate opens, and the first exit whose gate opens
+    """Gated exits (eectl.exits.gates): a decision runs only where its gate opens, and the first exit whose gate opens
     picks the candidates. The bound chain and the general path make the same decisions, and under defer (exact KV
     when read) the same as the PyTorch simulation of that rule; verify stays lossless."""
     loaded, art = exported[family]

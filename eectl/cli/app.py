@@ -14,8 +14,8 @@ from typing import Annotated, Any
 import typer
 
 from eectl import __version__
+from eectl.contracts.recipe import Recipe, pick
 from eectl.errors import EectlError, UsageError
-from eectl.recipe import Recipe, pick
 
 app = typer.Typer(
     name="eectl",
@@ -87,7 +87,7 @@ def set_threads(requested: int | None, recipe: Recipe) -> int:
     """One thread count for torch and ONNX Runtime's global pool (default: one per core), reported by commands."""
     import torch
 
-    from eectl.runtime.sessions import init_ort
+    from eectl.runtime.ort import init_ort
 
     n = pick(requested, recipe.threads)
     if n is not None and n < 1:

@@ -8,10 +8,10 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.files import check_output_file
 from eectl.output import Output
-from eectl.recipe import load_recipe, pick
 
 
 @command()
@@ -54,16 +54,10 @@ def bench(
     json_out: JsonOpt = False,
 ) -> None:
     """Speed and fidelity against full depth (and transformers generate), side by side, in one run."""
-    from eectl.bench import (
-        BenchOptions,
-        bench_units,
-        gsm8k_answers,
-        heldout_texts,
-        markdown,
-        run_bench,
-        write_report,
-    )
     from eectl.data import load_text_data
+    from eectl.evaluate.bench import bench_units, gsm8k_answers, heldout_texts, run_bench
+    from eectl.evaluate.report import markdown, write_report
+    from eectl.evaluate.results import BenchOptions
 
     out = Output(json_out)
     r = load_recipe(recipe)

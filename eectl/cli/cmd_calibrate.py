@@ -8,11 +8,12 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.contracts.layers import default_exits, parse_layers
+from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.files import check_output_file
 from eectl.output import Output
-from eectl.plan import sequence_agreement
-from eectl.recipe import default_exits, load_recipe, parse_layers, pick
+from eectl.plan.choose import sequence_agreement
 
 
 @command()
@@ -29,7 +30,7 @@ def calibrate(
     exits: Annotated[str | None, typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.")] = None,
     signal: Annotated[
         str | None,
-        typer.Option(help="Exit signal, a name in eectl.exits.SIGNALS (topk-prob, full-prob, cosine, ...)."),
+        typer.Option(help="Exit signal, a name in eectl.exits.signals.SIGNALS (topk-prob, full-prob, cosine, ...)."),
     ] = None,
     top_k: Annotated[int | None, typer.Option(help="Local vocabulary size of the topk-* signals.")] = None,
     heads: Annotated[Path | None, typer.Option(help="Trained exit heads (heads.safetensors): exits use them.")] = None,
@@ -74,10 +75,10 @@ def calibrate(
     json_out: JsonOpt = False,
 ) -> None:
     """Per-exit thresholds so that exits agree with the full model at a stated rate (sequential, held-out checked)."""
-    from eectl.calibrate import CalibrateOptions, calibrate_model, check_options
-    from eectl.calibration_file import write_calibration
+    from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model, check_options
+    from eectl.contracts.calibration import write_calibration
     from eectl.data import load_text_data
-    from eectl.exits import DEFAULT_SIGNAL, choose_signal
+    from eectl.exits.signals import DEFAULT_SIGNAL, choose_signal
     from eectl.models import load_model
 
     out = Output(json_out)
@@ -111,7 +112,7 @@ def calibrate(
     opts.exits = opts.exits or default_exits(loaded.adapter.num_layers)
     head_modules = None
     if heads is not None:
-        from eectl.head_designs import load_heads
+        from eectl.exits.designs import load_heads
 
         head_modules = dict(load_heads(heads, loaded).heads)  # checks the heads were trained on this checkpoint
     opts.signal = choose_signal(pick(signal, r.signal), head_modules, opts.exits)
@@ -129,7 +130,7 @@ def calibrate(
 
 
 def _print_calibration(out: Output, result: object, path: Path) -> None:
-    from eectl.calibration_file import Calibration, SplitStats
+    from eectl.contracts.calibration import Calibration, SplitStats
 
     assert isinstance(result, Calibration)
 

@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, ThreadsOpt, command, set_threads
+from eectl.contracts.recipe import load_recipe
 from eectl.errors import UsageError
 from eectl.output import Output
-from eectl.recipe import load_recipe
 
 
 @command("eval")
@@ -39,7 +39,7 @@ def eval_(
 ) -> None:
     """lm-evaluation-harness tasks on an artifact, per policy, with deltas against full depth (offline tasks)."""
 
-    from eectl.lmeval import EvalOptions, markdown, run_eval
+    from eectl.evaluate.lmeval import EvalOptions, markdown, run_eval
 
     out = Output(json_out)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks read local files; never reach for a hub

@@ -8,10 +8,11 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.contracts.layers import parse_layers
+from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
+from eectl.export.quantize import DEFAULT_MIN_AGREEMENT
 from eectl.output import Output
-from eectl.quantize import DEFAULT_MIN_AGREEMENT
-from eectl.recipe import load_recipe, parse_layers, pick
 
 
 @command()
@@ -44,10 +45,10 @@ def export(
     json_out: JsonOpt = False,
 ) -> None:
     """Segmented ONNX graphs cut at the exit points, exit heads and a manifest, validated against PyTorch."""
-    from eectl.calibration_file import read_calibration
-    from eectl.export import ExportOptions, check_options, choose_exits, describe, export_artifact
+    from eectl.contracts.calibration import read_calibration
+    from eectl.export.exporter import ExportOptions, check_options, choose_exits, describe, export_artifact
+    from eectl.export.quantize import Int4Options
     from eectl.models import load_model, resolve_source
-    from eectl.quantize import Int4Options
 
     int4 = Int4Options(
         block_size=int4_block_size,
@@ -82,7 +83,7 @@ def export(
     loaded = load_model(pick(model, r.model), log=out_)
     head_modules, heads_meta = None, None
     if heads is not None:
-        from eectl.head_designs import load_heads
+        from eectl.exits.designs import load_heads
 
         head_set = load_heads(heads, loaded)  # checks they were trained on this checkpoint
         head_modules, heads_meta = head_set.heads, head_set.meta

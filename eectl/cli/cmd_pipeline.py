@@ -15,8 +15,8 @@ from eectl.cli.cmd_export import export
 from eectl.cli.cmd_profile import profile
 from eectl.cli.cmd_run import run
 from eectl.cli.cmd_train_heads import train_heads
+from eectl.contracts.recipe import load_recipe
 from eectl.output import Output
-from eectl.recipe import load_recipe
 
 
 @command()
@@ -39,9 +39,9 @@ def pipeline(
     """The worked example: profile, train-heads, calibrate, export, run and bench from one recipe."""
     import time
 
-    from eectl.cache import PipelineCache
-    from eectl.pipeline import dry_run as check_recipe
-    from eectl.pipeline import plan, with_model
+    from eectl.pipeline.cache import PipelineCache
+    from eectl.pipeline.steps import dry_run as check_recipe
+    from eectl.pipeline.steps import plan, with_model
 
     out = Output()
     if model is not None:  # every stage reads the recipe: give them one that names this model

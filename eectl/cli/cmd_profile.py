@@ -9,10 +9,10 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.files import check_output_file
 from eectl.output import Output
-from eectl.recipe import load_recipe, pick
 
 ModelsArg = Annotated[
     list[str] | None,
@@ -46,7 +46,7 @@ def profile(
     """Per-layer agreement with the final layer, state transitions, oracle exits and the EAS of checkpoints:
     one model on one workload, or a comparison of several models x workloads with bootstrap CIs."""
     from eectl.data import load_text_data
-    from eectl.profile import (
+    from eectl.profile.lens import (
         LENS_DTYPES,
         check_options,
         markdown_table,
@@ -54,7 +54,7 @@ def profile(
         plot_comparison,
         profile_suite,
     )
-    from eectl.profile import plot as plot_profile
+    from eectl.profile.lens import plot as plot_profile
 
     out = Output(json_out)
     r = load_recipe(recipe)
@@ -101,7 +101,7 @@ def profile(
             plot_comparison(suite, plot)
     table = markdown_table(suite)
     if report is not None:
-        from eectl.profile import write_report
+        from eectl.profile.lens import write_report
 
         write_report(suite, report, plot)
     out.json(suite.entries[0].result.to_dict() if single else suite.to_dict())
@@ -120,7 +120,7 @@ def profile(
 
 
 def _print_profile(out: Output, result: object, plot: Path | None) -> None:
-    from eectl.profile import ProfileResult
+    from eectl.profile.lens import ProfileResult
 
     assert isinstance(result, ProfileResult)
     rows = [

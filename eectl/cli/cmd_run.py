@@ -8,9 +8,9 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.output import Output
-from eectl.recipe import load_recipe, pick
 
 
 @command()
@@ -51,7 +51,7 @@ def run(
     json_out: JsonOpt = False,
 ) -> None:
     """Generate with ONNX Runtime, choosing exits at run time and keeping the skipped layers' KV correct."""
-    from eectl.runtime.generate import RunOptions, read_prompts, run_prompts
+    from eectl.run.generate import RunOptions, read_prompts, run_prompts
 
     out = Output(json_out)
     if (prompt is None) == (prompt_file is None):

@@ -9,10 +9,11 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.contracts.layers import default_exits, parse_layers
+from eectl.contracts.recipe import Recipe, load_recipe, pick
 from eectl.errors import UsageError
 from eectl.files import check_output_file
 from eectl.output import Output
-from eectl.recipe import Recipe, default_exits, load_recipe, parse_layers, pick
 
 
 @command("train-heads")
@@ -61,9 +62,9 @@ def train_heads(
     import time
 
     from eectl.data import load_text_data
-    from eectl.head_checkpoint import check_checkpoint
-    from eectl.heads import TrainConfig, resolve_device
-    from eectl.heads import train_heads as train
+    from eectl.heads.checkpoint import check_checkpoint
+    from eectl.heads.train import TrainConfig, resolve_device
+    from eectl.heads.train import train_heads as train
     from eectl.models import load_model
 
     out = Output(json_out)
@@ -176,8 +177,8 @@ def _train_heads_cached(
     import time
 
     from eectl.data import load_text_data
-    from eectl.head_data import CacheSpec, build_cache
-    from eectl.heads_cached import CachedConfig, train_cached
+    from eectl.heads.cached import CachedConfig, train_cached
+    from eectl.heads.state_cache import CacheSpec, build_cache
     from eectl.models import load_model
 
     n_threads = set_threads(threads, r)
@@ -248,10 +249,10 @@ def _probe_only(
     threads: int | None,
 ) -> None:
     """train-heads --probe-only: the probes fitted onto an existing heads file, from a state cache."""
-    from eectl.head_data import open_cache
-    from eectl.heads_cached import add_probes
+    from eectl.exits.probe import ProbeConfig
+    from eectl.heads.cached import add_probes
+    from eectl.heads.state_cache import open_cache
     from eectl.models import load_model
-    from eectl.probe import ProbeConfig
 
     if heads is None or cache_dir is None:
         raise UsageError("--probe-only needs --heads FILE and --cache DIR (the state cache the probes read)")
@@ -281,8 +282,8 @@ def _probe_only(
 
 
 def _print_heads(out: Output, result: object) -> None:
-    from eectl.heads import TrainResult
-    from eectl.heads_report import iter_report
+    from eectl.heads.report import iter_report
+    from eectl.heads.train import TrainResult
 
     assert isinstance(result, TrainResult) and result.meta is not None
     meta = result.meta

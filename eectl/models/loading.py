@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eectl.cache import cache_dir
 from eectl.errors import ModelLoadError
 from eectl.files import atomic_write_json, locked_staging, output_error, sha256_file
 from eectl.models.adapters import Adapter, adapter_for, supported_model_types
@@ -70,15 +70,6 @@ class LoadedModel:
     tokenizer: Any
     adapter: Adapter
     source: ModelSource
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("EECTL_CACHE")
-    if env:
-        return Path(env)
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("eectl"))
 
 
 def default_gguf_path() -> Path:

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from eectl.errors import UsageError
-from eectl.runtime.sessions import ArtifactRuntime, DeviceView, Graph, KVBuffers, _ort
+from eectl.runtime.ort import DeviceView, Graph, _ort
+from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
 
 @dataclass

@@ -38,9 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from eectl.contracts.manifest import Manifest
 from eectl.errors import UsageError
-from eectl.exits import get_signal
-from eectl.manifest import Manifest
+from eectl.exits.signals import get_signal
 from eectl.runtime.policies import Copy, Defer, KVPolicy, River, Verify, policy_class
 
 # What a bound value is, by its size per token; the rule is about the first three.

@@ -11,7 +11,8 @@ Steps with active exits (`step_exits`, host buffers: the CPU EP) run the same ch
 decision bound after its segment: the exit graph reads the segment's output buffer, decides inside the graph
 (exits.decision_nodes: the thresholds bound once as an input) and writes two scalars, whether the token passes and
 its token; the first exit's candidates land in a buffer the later exits' local graphs read. A gated exit
-(eectl.gates) first tests its gate on the segment's output (H multiply-adds on the host buffer): shut, its decision
+(eectl.exits.gates) first tests its gate on the segment's output (H multiply-adds on the host buffer): shut, its
+decision
 does not run, and the first exit whose gate opens picks the candidates (each (exit, picker) pair bound up
 front). A token that exits
 stops there; one that passes every exit reaches the final head as in `step`. A segment that holds pending
@@ -40,9 +41,10 @@ from typing import Any
 import numpy as np
 
 from eectl.errors import UsageError
-from eectl.exits import Signal, graph_thresholds
-from eectl.gates import gate_open
-from eectl.runtime.sessions import ArtifactRuntime, Graph, KVBuffers, _ort
+from eectl.exits.gates import gate_open
+from eectl.exits.signals import Signal, graph_thresholds
+from eectl.runtime.ort import Graph, _ort
+from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
 
 @dataclass
@@ -120,7 +122,7 @@ class DecodeChain:
         gates: dict[int, tuple[np.ndarray, float, float]] | None = None,
     ) -> None:
         """`exits`: active exit layer -> its thresholds, decided by `signal` over `top_k` candidates (see
-        `chain_exits_supported`); none: full depth only (`step`). `gates`: exit layer -> its gate (eectl.gates:
+        `chain_exits_supported`); none: full depth only (`step`). `gates`: exit layer -> its gate (eectl.exits.gates:
         weight, bias, threshold), tested on the exit's input state before its decision."""
         m = rt.manifest
         final = rt.full_graphs[m.num_layers]
@@ -278,7 +280,7 @@ class DecodeChain:
         """The same memory under another shape (the last segment's [1, 1, H] output as the head's [1, H] input)."""
         if isinstance(buf, np.ndarray):
             return buf.reshape(shape)
-        from eectl.runtime.sessions import DeviceView
+        from eectl.runtime.ort import DeviceView
 
         return DeviceView(buf.device_name(), buf.data_ptr(), shape, np.dtype(dtype))
 

@@ -10,7 +10,7 @@ on the CPU EP (where tests check it against the torch code calibrate uses) and o
 outputs as device OrtValues, only the scalars copied out).
 
 Values in and out are numpy arrays (host) or OrtValues (any device); `on_device=True` keeps an output on the
-provider's device. The cosines are computed in float32 (fp16 inputs are cast first), as eectl.exits does.
+provider's device. The cosines are computed in float32 (fp16 inputs are cast first), as eectl.exits.signals does.
 
 What this module does not do: decide anything (runner.py), or run the exported graphs (sessions.py).
 """
@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from eectl.runtime.sessions import PROVIDERS, DeviceView, _ort, session_options
+from eectl.runtime.ort import PROVIDERS, DeviceView, _ort, session_options
 
 EPS = 1e-8  # torch.nn.functional.cosine_similarity's floor on each norm
 

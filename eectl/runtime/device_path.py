@@ -25,7 +25,8 @@ import numpy as np
 from eectl.runtime.batch import BatchKV, _past, _rows
 from eectl.runtime.binding import HIDDEN, BindingPlan, Call, plan_for
 from eectl.runtime.device_ops import DeviceOps
-from eectl.runtime.sessions import ArtifactRuntime, _ort
+from eectl.runtime.ort import _ort
+from eectl.runtime.sessions import ArtifactRuntime
 
 
 class DeviceStep:

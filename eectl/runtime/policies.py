@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from eectl.contracts.names import POLICY_SPECS, PolicySpec
 from eectl.errors import UsageError
 from eectl.runtime.blocks import active_block, run_block
 from eectl.runtime.device_ops import concat
@@ -47,8 +48,8 @@ from eectl.runtime.device_ops import concat
 Prediction = tuple[np.ndarray, np.ndarray | None]  # logits [V] (ids None) or [K] with their vocabulary ids [K]
 
 if TYPE_CHECKING:
-    from eectl.runtime.runner import RowState, RunConfig
     from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
+    from eectl.runtime.state import RowState, RunConfig
 
 
 class KVPolicy:
@@ -93,13 +94,11 @@ POLICIES: dict[str, type[KVPolicy]] = {}
 
 
 def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
+    spec = POLICY_SPECS.get(cls.name)
+    if spec is None or spec != PolicySpec(cls.needs_river_copies):
+        raise TypeError(f"policy '{cls.name}' does not match its entry in eectl.contracts.names.POLICY_SPECS")
     POLICIES[cls.name] = cls
     return cls
-
-
-def default_policies() -> list[str]:
-    """The policies every artifact supports (river needs the copies `export --river` adds): bench's default set."""
-    return [n for n, p in POLICIES.items() if not p.needs_river_copies]
 
 
 def policy_class(name: str) -> type[KVPolicy]:

@@ -1,6 +1,6 @@
 """Exit decisions on device-resident states: what an exit test reads on the host when the states stay on the device.
 
-The runner's host path scores an exit through `eectl.exits.ExitScoring` on numpy arrays. With the binding plan
+The runner's host path scores an exit through `eectl.exits.signals.ExitScoring` on numpy arrays. With the binding plan
 executed (`ArtifactRuntime.resident`: hidden states, KV and full logits stay device values between graphs), the
 softmax signals over Top-K candidates work unchanged (the exit graphs' K ids and K logits are read, the full logits
 stay on the device: sessions.ArtifactRuntime._resident_exit). The other signals read one scalar per row instead of
@@ -23,9 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from eectl.exits import ExitScore, Prediction, Signal
+from eectl.exits.base import ExitScore, Prediction
+from eectl.exits.signals import Signal
 from eectl.runtime.device_ops import concat
-from eectl.runtime.sessions import ArtifactRuntime, DeviceView
+from eectl.runtime.ort import DeviceView
+from eectl.runtime.sessions import ArtifactRuntime
 
 
 def last_positions(rt: ArtifactRuntime, blocks: Any) -> Any:

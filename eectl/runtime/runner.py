@@ -1,7 +1,7 @@
 """The early-exit runner: exits chosen at run time over an exported artifact, with the KV cache kept correct.
 
 Per generated token, the segments run in order; after each segment that ends at an active exit, the exit's signal
-is scored through `eectl.exits.ExitScoring` on the ONNX exit graphs (`OrtExitLogits`): the same code calibrate
+is scored through `eectl.exits.signals.ExitScoring` on the ONNX exit graphs (`OrtExitLogits`): the same code calibrate
 runs in torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become is the KV
 policy's business (policies.py): the runner calls its hooks and stays a loop over segments.
 
@@ -23,18 +23,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from eectl.candidates import CANDIDATE_SOURCES, CandidateSource, FirstExitTopK
+from eectl.contracts.layers import check_exit_layers
+from eectl.contracts.plan import BOUND_POLICIES
 from eectl.errors import UsageError
-from eectl.exits import DEFAULT_SIGNAL, ExitScore, ExitScoring, get_signal, no_probe_error
-from eectl.gates import active_gates, gate_open
-from eectl.plan import BOUND_POLICIES
-from eectl.recipe import check_exit_layers
+from eectl.exits.base import CandidateSource, ExitScore, no_probe_error
+from eectl.exits.candidates import CANDIDATE_SOURCES, FirstExitTopK
+from eectl.exits.gates import active_gates, gate_open
+from eectl.exits.signals import ExitScoring, get_signal
 from eectl.runtime import resident
 from eectl.runtime.batch import BatchKV, join_rows, new_batch_kv, prefill_runs, run_prefill, run_rows
 from eectl.runtime.blocks import active_block, run_block, run_block_rows
@@ -42,89 +43,12 @@ from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.device_ops import concat, stack
 from eectl.runtime.policies import Defer, KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
-
-
-@dataclass
-class RunConfig:
-    exits: list[int]  # active exit layers ([] = full depth)
-    thresholds: dict[int, dict[str, float]]  # exit layer -> criterion -> threshold (exit when value >= it)
-    signal: str = DEFAULT_SIGNAL
-    policy: str = "defer"
-    top_k: int = 64
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int = 0
-    verify_block: int = 8  # verify: at most this many drafts before a forced full-depth pass
-    # batches (defer, verify): an exited row's deferred state joins the deeper segment calls that run anyway for other
-    # rows (its K/V computed now, the same values a later flush computes) instead of waiting; see `_ride`
-    ride_along: bool = True
-    # batches: the rows' prompts run as one padded first-prompt call per segment (GQA's no-past case, runtime/batch.py
-    # `run_prefill`) rather than one single-row call each. None: on non-CPU providers only; on the CPU EP a prompt
-    # call is compute-bound and the padding costs what the shared call saves (default model, 16 HumanEval prompts
-    # of 88-189 tokens: padded 14.7 s vs single-row 13.6 s)
-    batch_prompts: bool | None = None
-    # greedy steps executed as the binding plan says: hidden states, KV and logits stay device values between
-    # graphs; only the exit tests' K ids/scores or one scalar per row, and the tokens, are read (full depth:
-    # runtime/device_path.py; with exits: the runner's loop in resident mode). None: on non-CPU providers (on the
-    # CPU EP the host path's bound numpy arrays are the same memory, with less work per call)
-    device_resident: bool | None = None
-    river_predict: str = "end"  # river: the token from the river's end (final head) or from the exit itself
-    stop_ids: tuple[int, ...] = ()
-    note: str = ""  # how the configuration was chosen (one line for run and bench)
-    planned: bool = False  # exits and thresholds come from the manifest's plan
-
-
-@dataclass
-class RowState:
-    tokens: list[int]  # prompt + generated so far (the last one not yet processed)
-    prompt_len: int
-    pending: list[np.ndarray | None]  # per segment: [1, P, H] hidden at its input, or None
-    drafts: list[tuple[int, int]] = field(default_factory=list)  # verify: (position, token) not yet checked
-    exit_layers: list[int] = field(default_factory=list)  # per emitted token: the layer it was decided at
-    latencies: list[float] = field(default_factory=list)  # per emitted token (seconds)
-    forced: list[int] | None = None  # teacher forcing: the tokens to feed instead of the decided ones
-    nll: list[float] = field(default_factory=list)  # teacher forcing: -log p(forced token) at the decided layer
-    greedy: list[int] = field(default_factory=list)  # teacher forcing: the decided layer's argmax at each position
-    decide_s: float = 0.0
-    decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there (gates skip some)
-    picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked the candidates there
-    drafted: int = 0
-    rejected: int = 0
-    done: bool = False
-
-    def count_decisions(self, decided: list[int], picked: int | None) -> None:
-        for layer in decided:
-            self.decided[layer] = self.decided.get(layer, 0) + 1
-        if picked is not None:
-            self.picked[picked] = self.picked.get(picked, 0) + 1
-
-
-@dataclass
-class Generation:
-    prompt_ids: list[int]
-    token_ids: list[int]
-    exit_layers: list[int]
-    ttft_s: float
-    latencies_s: list[float]
-    decide_s: float  # time spent computing exit signals and decisions
-    total_s: float
-    drafted: int = 0  # verify: draft tokens proposed by exits
-    rejected_drafts: int = 0  # verify: positions rolled back
-    decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there
-    picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked candidates there
-
-    @property
-    def tokens_per_s(self) -> float:
-        decode = sum(self.latencies_s[1:])
-        return (len(self.token_ids) - 1) / decode if decode > 0 and len(self.token_ids) > 1 else 0.0
-
-    def mean_layers(self, num_layers: int) -> float:
-        return float(np.mean(self.exit_layers)) if self.exit_layers else float(num_layers)
+from eectl.runtime.state import Generation, RowState, RunConfig
 
 
 class OrtExitLogits:
-    """`eectl.exits.ExitLogits` on the artifact's exit graphs: numpy in and out of ONNX Runtime, and numpy into the
+    """`eectl.exits.signals.ExitLogits` on the artifact's exit graphs: numpy in and out of ONNX Runtime, and numpy into
+    the
     signal's math (exits.signals): a decision is one token, where torch's per-op dispatch cost more than the math.
 
     The full graph computes its Top-K in-graph (TopK), so a first-exit candidate pick costs no extra pass."""
@@ -215,7 +139,7 @@ class Runner:
         self.source = CANDIDATE_SOURCES.get(source, CANDIDATE_SOURCES[FirstExitTopK.name])
         self.exits = check_exit_layers(config.exits, L)
         cal = self.m.calibration
-        # gated exits (eectl.gates): the decision runs only where the gate on the exit's state opens
+        # gated exits (eectl.exits.gates): the decision runs only where the gate on the exit's state opens
         self.gates = active_gates(cal.gates if cal is not None else None, {e: config.thresholds[e] for e in self.exits})
         self.exit_after_segment = {self.rt.segment_of_layer[e]: e for e in self.exits}
         # active exits with a block head: the block runs on every position its segment runs (runtime/blocks.py)
@@ -452,7 +376,7 @@ class Runner:
         raise AssertionError("unreachable: the final segment returns")
 
     def _gate_open(self, st: RowState, layer: int, exit_in: Any) -> bool:
-        """Whether the decision at `layer` runs for this row's token (eectl.gates; no gate there: it does). A
+        """Whether the decision at `layer` runs for this row's token (eectl.exits.gates; no gate there: it does). A
         device-resident state is read to the host for it ([H]: one more read)."""
         gate = self.gates.get(layer)
         if gate is None:

@@ -1,0 +1,269 @@
+"""The artifact manifest: the single contract between `eectl export` and `eectl run`.
+
+It names every file (with its SHA-256), every graph input and output, the KV layout, the exits and their
+thresholds, and the export's validation result. The runner reads names from here and never rebuilds them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from eectl.contracts.calibration import Calibration
+from eectl.contracts.heads import HeadsMeta
+from eectl.contracts.plan import Costs, Plan
+from eectl.errors import ArtifactError
+from eectl.files import atomic_write_text, confined, read_utf8, sha256_file, strict_json
+
+# 2: the calibration and the heads metadata are typed, and per-exit thresholds live only in `calibration`.
+# 3: optional fields an eectl reading 2 does not know: block exit heads (`ExitPoint.block`), the bound chain's costs
+#    (`Costs.chain_step_ms`, `bound_exits`), the exit graphs' in-graph decision io, and the cost samples and plan
+#    intervals (`Costs.samples_ms`, `Prediction.interval`, `Plan.level`; without them the costs are planned as exact).
+#    Written as 3, so an older eectl says "unknown schema version" instead of a field error; version 2 artifacts
+#    still load (all of 3's additions are optional, and the runner falls back where a graph lacks them).
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (2, 3)
+MANIFEST = "manifest.json"
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GraphIO(_M):
+    """A graph file and its input/output names; list-valued entries are per decoder layer, in layer order."""
+
+    file: str
+    data: str | None = None  # the graph's weights (ONNX external data), next to `file`; None: all inline
+    inputs: dict[str, str | list[str]]
+    outputs: dict[str, str | list[str]]
+
+
+class Segment(_M):
+    index: int
+    layers: tuple[int, int]  # decoder layers [lo, hi)
+    graph: GraphIO  # hidden + past KV -> hidden + present KV (one graph for prefill, decode and chunks)
+    kv_graph: GraphIO  # hidden -> this segment's K/V only (the `copy` policy)
+    river: GraphIO | None = None  # `export --river`: an int4 copy with the same names (the `river` policy)
+
+
+class BlockExit(_M):
+    """A block exit head (head_designs.BlockHead): one decoder layer of the model's shape between the exit's state
+    and the frozen final norm + LM head, with its own KV buffer. Every position that passes the exit's layer runs
+    it (while the exit is active), so its KV holds exactly the positions its segment's KV holds."""
+
+    graph: GraphIO  # hidden [1, S, H] + its past KV -> block output [1, S, H] + present KV (in place, one buffer)
+    kv_graph: GraphIO  # hidden -> the block's K/V only (the `copy` policy projects a skipped token's state into it)
+    kv_slot: int  # index of its KV buffer in the runner's buffers: after the L decoder layers' (L, L + 1, ...)
+    init_layer: int  # the decoder layer it runs as (rotary kind, attention window) and was initialised from
+    cost_layers: float  # multiply-adds per token relative to a decoder layer (1.0: the same shape), attention aside
+
+
+class ExitPoint(_M):
+    layer: int  # exit after this many decoder layers (== L for the final head)
+    full: GraphIO  # hidden [N, H] -> logits [N, V], Top-K candidates and their logits, greedy token [N]
+    local: GraphIO  # hidden [N, H] + candidates [N, K] -> candidate logits [N, K]
+    candidates: GraphIO | None = None  # hidden [N, H] -> K candidates [N, K] + exact logits (the candidate source)
+    river: GraphIO | None = None  # final head only, `export --river --lm-head int4|int8`: the river's quantized head
+    head: str | None = None  # trained head design, None for the plain logit lens
+    block: BlockExit | None = None  # a block head: full/local/candidates then score the block's output (no head)
+
+
+class Quantization(_M):
+    """Weight-only quantization (quantize.py): which graphs, and ORT's MatMulNBits settings."""
+
+    scope: str  # "segments": every segment graph (export --weights int4); "river": only the river copies
+    op: str  # com.microsoft::MatMulNBits
+    tool: str  # ORT's quantizer and version
+    bits: int
+    block_size: int
+    symmetric: bool
+    accuracy_level: int  # MatMulNBits compute type (0 unset / fp32, 4 int8 activations)
+    algorithm: str  # rtn (ORT's default block quantizer) or hqq
+    lm_head: str  # the final exit's LM head: fp32 (the shared table), int8 or int4
+    embedding: str  # precision of the embedding table
+    exit_lm_heads: str  # precision of the intermediate exits' LM head (the shared table)
+    keep_layers: list[int]  # decoder layers left in fp32
+    min_agreement: float  # the validation floor on greedy agreement with PyTorch at the final exit
+
+
+# The shared table key of the LM head stored row-major, [V, H] (beside `lm_head`, stored [H, V] for the full
+# projection): a graph gathering K rows reads K contiguous rows of it instead of K strided columns of `lm_head`.
+# Artifacts exported before it have no such table; their local exits gather columns of `lm_head` and run as they did.
+LM_HEAD_ROWS = "lm_head_rows"
+
+
+class SharedWeight(_M):
+    file: str
+    shape: list[int]
+    dtype: str
+    transposed: bool = False  # stored [hidden, vocab] (the LM head's MatMul layout) rather than [vocab, hidden]
+
+
+class KVLayout(_M):
+    layout: str = "BNSH"  # [batch, kv_heads, max_sequence, head_dim]
+    num_kv_heads: int
+    head_dim: int
+    past_key: list[str]  # per decoder layer: past_key_values.{i}.key
+    past_value: list[str]
+    present_key: list[str]  # per decoder layer: present.{i}.key
+    present_value: list[str]
+    buffer: str = "one preallocated buffer per layer, bound as both past input and present output (written in place)"
+    positions: str = "position of a token == its slot in the cache; seqlens_k = total length - 1, per row"
+
+
+class Manifest(_M):
+    schema_version: int
+    eectl_version: str
+    model: dict[str, Any]
+    family: str
+    dims: dict[str, int]
+    dtype: str
+    opset: int
+    tokenizer_dir: str
+    eos_token_ids: list[int]
+    max_positions: int
+    top_k: int
+    embedding: GraphIO
+    segments: list[Segment]
+    exits: list[ExitPoint]  # in layer order; the last one is the final head (layer == L)
+    shared_weights: dict[str, SharedWeight]
+    kv: KVLayout
+    kv_policies: list[str]  # the KV policies the runner may use with this artifact (eectl.runtime.policies)
+    quantization: Quantization | None = None  # weight-only int4 graphs (export --weights int4 / --river)
+    calibration: Calibration | None = None  # signal, exits and thresholds (inf: never exits) from eectl calibrate
+    # how the first active exit picks the K candidates: {"name": first-exit-topk|shortlist|int8, "size", "ids"}
+    candidate_source: dict[str, Any] = Field(default_factory=lambda: {"name": "first-exit-topk"})
+    costs: Costs | None = None  # measured per-graph costs (costs.py), the cost model's input
+    plan: Plan | None = None  # the exits and thresholds chosen by predicted speed (plan.py); run/bench default
+    heads: HeadsMeta | None = None
+    files: dict[str, str] = Field(default_factory=dict)  # relative path -> sha256
+    validation: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.dims["num_layers"]
+
+    @property
+    def exit_layers(self) -> list[int]:
+        return [e.layer for e in self.exits if e.layer < self.num_layers]
+
+    @property
+    def kv_slots(self) -> int:
+        """KV buffers per row: one per decoder layer, then one per block exit head."""
+        return self.num_layers + sum(e.block is not None for e in self.exits)
+
+    def exit_at(self, layer: int) -> ExitPoint:
+        for e in self.exits:
+            if e.layer == layer:
+                return e
+        raise ArtifactError(f"no exit after layer {layer} in this artifact", hint=f"exits: {self.exit_layers}")
+
+
+def write_manifest(manifest: Manifest, folder: Path) -> None:
+    atomic_write_text(folder / MANIFEST, json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
+
+
+def is_artifact(folder: Path) -> bool:
+    """Whether `folder` is an eectl artifact, of any schema version: a real folder whose manifest.json is a JSON
+    object with eectl's `schema_version` and `eectl_version`. `export --force` replaces nothing else."""
+    path = folder / MANIFEST
+    if folder.is_symlink() or not folder.is_dir() or not path.is_file():
+        return False
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and isinstance(raw.get("schema_version"), int) and "eectl_version" in raw
+
+
+def artifact_paths(m: Manifest) -> list[str]:
+    """Every path the manifest names, relative to the artifact folder."""
+    paths = [m.tokenizer_dir, m.embedding.file, *m.files, *(w.file for w in m.shared_weights.values())]
+    for s in m.segments:
+        paths += [s.graph.file, s.kv_graph.file]
+    for e in m.exits:
+        paths += [e.full.file, e.local.file]
+    return paths
+
+
+def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
+    """Read and check an artifact's manifest: schema version, every named path inside the folder (symlinks
+    resolved), every listed file present and unchanged. Nothing named by the manifest is opened before that."""
+    root = Path(folder)
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise ArtifactError(f"artifact not found: {folder}", hint="create one with `eectl export`")
+    if not path.is_file():
+        raise ArtifactError(f"not an eectl artifact (no {MANIFEST}): {folder}")
+    try:
+        raw = strict_json(read_utf8(path, ArtifactError))  # NaN / Infinity refused: a NaN threshold never passes
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from exc
+    except ValueError as exc:
+        raise ArtifactError(f"{path} is not valid JSON: {exc}") from None
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version not in READABLE_VERSIONS:
+        older = isinstance(version, int) and version < min(READABLE_VERSIONS)
+        raise ArtifactError(
+            f"{'an older' if older else 'an unknown'} manifest schema version {version!r} in {folder} "
+            f"(this eectl reads {', '.join(map(str, READABLE_VERSIONS))})",
+            hint="re-export the artifact with this version of eectl",
+        )
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise ArtifactError(f"inconsistent manifest in {folder}: {where}: {first['msg']}") from None
+    for rel in artifact_paths(manifest):
+        confined(root, rel, ArtifactError)
+    _check_consistency(manifest, folder)
+    if verify_hashes:
+        for rel, digest in manifest.files.items():
+            f = root / rel
+            if not f.is_file():
+                raise ArtifactError(f"artifact file missing: {rel} in {folder}")
+            if sha256_file(f) != digest:
+                raise ArtifactError(f"artifact file changed since export: {rel} (hash mismatch)")
+        # The tokenizer loads whatever its folder holds, so everything there must be listed (and so hashed).
+        tok = root / manifest.tokenizer_dir
+        extra = sorted(
+            p.relative_to(root).as_posix()
+            for p in (tok.rglob("*") if tok.is_dir() else [])
+            if p.is_file() and p.relative_to(root).as_posix() not in manifest.files
+        )
+        if extra:
+            raise ArtifactError(f"files in {manifest.tokenizer_dir}/ that the manifest does not list: {extra}")
+    return manifest
+
+
+def _check_consistency(m: Manifest, folder: str | Path) -> None:
+    L = m.num_layers
+    bounds = [s.layers for s in m.segments]
+    if (
+        not bounds
+        or bounds[0][0] != 0
+        or bounds[-1][1] != L
+        or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    ):
+        raise ArtifactError(f"inconsistent manifest in {folder}: segments do not tile layers 0..{L}")
+    cuts = {s.layers[1] for s in m.segments}
+    if not m.exits or m.exits[-1].layer != L or any(e.layer not in cuts for e in m.exits):
+        raise ArtifactError(f"inconsistent manifest in {folder}: exits must sit at segment ends, the last at {L}")
+    if len(m.kv.past_key) != L or len(m.kv.present_key) != L:
+        raise ArtifactError(f"inconsistent manifest in {folder}: KV names for {len(m.kv.past_key)} of {L} layers")
+    listed = set(m.files)
+    graphs = [m.embedding, *(g for s in m.segments for g in (s.graph, s.kv_graph))]
+    graphs += [g for e in m.exits for g in (e.full, e.local)]
+    graphs += [s.river for s in m.segments if s.river is not None]
+    graphs += [g for e in m.exits for g in (e.river, e.candidates) if g is not None]
+    needed = {w.file for w in m.shared_weights.values()}
+    needed |= {f for g in graphs for f in (g.file, g.data) if f is not None}
+    if not needed <= listed:
+        raise ArtifactError(f"inconsistent manifest in {folder}: files not hashed: {sorted(needed - listed)}")
+    if m.calibration is not None and not set(m.calibration.exit_layers) <= set(m.exit_layers):
+        raise ArtifactError(f"inconsistent manifest in {folder}: calibrated exits are not among the artifact's")

@@ -1,0 +1,47 @@
+"""The names that the files between stages use for exit signals and KV policies, written once as data.
+
+A calibration file names its signal and criteria, a recipe or a manifest names KV policies; validating them must
+not import torch or ONNX Runtime, so the names live here and the registries that implement them
+(`eectl.exits.signals.SIGNALS`, `eectl.runtime.policies.POLICIES`) refuse at import to register a name that is not
+here or that disagrees with its entry. To add a signal or a policy: add its entry here, then its class there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SignalSpec:
+    criteria: tuple[str, ...]  # a token exits when every criterion's value is >= its threshold
+    needs_candidates: bool  # scores the local vocabulary: the first exit picks candidates
+
+
+SIGNAL_SPECS: dict[str, SignalSpec] = {
+    "topk-prob": SignalSpec(("prob",), True),
+    "topk-margin": SignalSpec(("margin",), True),
+    "topk-prob+margin": SignalSpec(("prob", "margin"), True),
+    "learned": SignalSpec(("score",), True),
+    "full-prob": SignalSpec(("prob",), False),
+    "full-margin": SignalSpec(("margin",), False),
+    "cosine": SignalSpec(("cosine",), False),
+    "cosine-min": SignalSpec(("cosine",), False),
+}
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    needs_river_copies: bool = False  # runs the int4 segment copies that `export --river` adds
+
+
+POLICY_SPECS: dict[str, PolicySpec] = {
+    "copy": PolicySpec(),
+    "defer": PolicySpec(),
+    "verify": PolicySpec(),
+    "river": PolicySpec(needs_river_copies=True),
+}
+
+
+def default_policies() -> list[str]:
+    """The policies every artifact supports (river needs the copies `export --river` adds): bench's default set."""
+    return [n for n, p in POLICY_SPECS.items() if not p.needs_river_copies]

@@ -1,0 +1,245 @@
+"""The plan's types: calibrated options, measured costs, predictions and the chosen plan (the manifest's
+`plan` and `costs`; the calibration file's `options`).
+
+What this module does not do: predict or choose (eectl.plan.choose) or measure (eectl.plan.costs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+MIN_GAIN = 0.03  # the low end of a configuration's predicted speedup must be >= 1 + MIN_GAIN for it to be chosen
+
+
+LEVEL = 0.90  # the predicted speedup's interval: 5th to 95th percentile of the bootstrap replicates
+
+
+RESAMPLES = 200  # bootstrap replicates of the costs (the percentiles move by < 0.005x between seeds at 200)
+
+
+INTERVAL_TOP = 8  # per policy, the options with the highest point estimates get an interval (the rest cannot win)
+
+
+PLAN_POLICIES = ("copy", "defer", "verify")
+
+
+# predicted (bench's check of the model) but never planned: like copy, the river's approximate K/V change later
+# tokens in a way calibration does not measure. `river-exit` is the river predicting at the exit.
+RIVER_POLICIES = ("river", "river-exit")
+
+
+# policies whose one-row greedy exit steps run on the bound chain (runtime/chain.py): an exited token needs only its
+# state; the river's int4 copies run per call
+BOUND_POLICIES = ("defer", "verify", "copy")
+
+
+MAX_SUBSET = 3  # exits per option: each active exit adds a decision, and subsets grow as 2^E
+
+
+VERIFY_PRECISIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # verify's speed knob: thresholds fitted at these
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ExitOption(_M):
+    layer: int
+    thresholds: dict[str, float]  # criterion -> exit when value >= it
+    coverage: float  # held-out share of ALL tokens that exit here
+    precision: float | None  # held-out agreement with the final top-1 among them (None: none exited)
+    # gated options (thresholds hold a "gate": eectl.exits.gates): held-out share of ALL tokens whose decision runs
+    # here,
+    # and of those, the share that picks the candidates here (no earlier gate passed). None: ungated, every token
+    # reaching the exit decides there, the first exit picking
+    decided: float | None = None
+    picked: float | None = None
+
+
+class Option(_M):
+    """One calibrated configuration: these exits active, with thresholds fitted at `target`."""
+
+    exits: list[int]
+    kind: str  # "target": fitted at the calibration's fidelity target (copy, defer); "verify": a speed knob
+    target: float
+    confidence: float | None
+    per_exit: list[ExitOption]
+    agreement: float  # held-out agreement over all tokens (exit or not)
+
+    @property
+    def exit_rate(self) -> float:
+        return sum(x.coverage for x in self.per_exit)
+
+    def thresholds(self) -> dict[int, dict[str, float]]:
+        return {x.layer: dict(x.thresholds) for x in self.per_exit}
+
+    @property
+    def gated(self) -> bool:
+        return any(x.decided is not None for x in self.per_exit)
+
+
+class Costs(_M):
+    """Milliseconds per call, medians of short repeated runs at decode shape (one token, `past` positions)."""
+
+    provider: str
+    threads: int
+    past: int  # KV positions already in the cache when timed
+    repeats: int
+    embed_ms: float
+    segment_ms: list[float]  # per segment: one position
+    segment_extra_ms: list[float]  # per segment: one more position (two minus one)
+    kv_ms: list[float]  # per segment: its K/V-only graph on one position (copy)
+    final_head_ms: float  # the exact full LM head at the final layer, one row
+    final_head_extra_ms: float  # one more row (verify checks drafts there)
+    candidates_ms: dict[str, float]  # exit layer -> the candidate source + signal, one token (first active exit)
+    local_ms: dict[str, float]  # exit layer -> the local K-row exit + signal, one token (later active exits)
+    full_step_ms: float  # one full-depth decode step through the runner (all of the above + Python)
+    # full depth as the runner runs it when no exit is active (runtime/chain.py: every call bound once), the
+    # baseline a configuration must beat; None (artifacts before the chain, or no chain): full_step_ms
+    chain_step_ms: float | None = None
+    # exit layer -> its block head's graph on one position (block exits only): paid by every token reaching the exit
+    block_ms: dict[str, float] = Field(default_factory=dict)
+    # exit layer -> its gate's test on one state (eectl.exits.gates, host arithmetic right after the segment): paid by
+    # every
+    # token reaching a gated exit. Empty: costs timed before gates (their gates then cost nothing here)
+    gate_ms: dict[str, float] = Field(default_factory=dict)
+    candidate_source: str = "full"
+    # river artifacts (`export --river`): per segment its int4 copy on one position (None: no copy), and the final
+    # head the river's end asks (its quantized copy where the artifact has one)
+    river_ms: list[float | None] | None = None
+    river_head_ms: float | None = None
+    # signals that decide without an LM head (cosine): exit layer -> the exit's full head, which an exiting token's
+    # own prediction then costs (None: the decision already carries the prediction, e.g. Top-K candidates)
+    exit_predict_ms: dict[str, float] | None = None
+    # one-row greedy exit steps run on the bound chain (runtime/chain.py) and the decisions above were timed there:
+    # a step pays the chain's per-call overhead, a token that meets pending positions (defer's and verify's flush)
+    # included (wide calls). False: every exit step pays the general path (older artifacts)
+    bound_exits: bool = False
+    # each timed figure above by its path (`full_step_ms`, `segment_ms.2`, `candidates_ms.8`), its milliseconds in
+    # every timing round, rounds aligned across graphs (round r of every graph ran in the same pass): each figure is
+    # the median of its list. What the predicted speedups' intervals are resampled from (`resamples`). None:
+    # artifacts exported before the intervals (medians only), planned as exact
+    samples_ms: dict[str, list[float]] | None = None
+
+    def rounds(self) -> int:
+        return min((len(v) for v in self.samples_ms.values()), default=0) if self.samples_ms else 0
+
+    def with_values(self, values: dict[str, float]) -> Costs:
+        """A copy with the figures at these paths replaced (the samples shared, not copied)."""
+        update: dict[str, object] = {}
+        for path, v in values.items():
+            name, _, key = path.partition(".")
+            if not key:
+                update[name] = v
+                continue
+            held = update.get(name)
+            if held is None:
+                old = getattr(self, name)
+                held = list(old) if isinstance(old, list) else dict(old)
+                update[name] = held
+            if isinstance(held, list):
+                held[int(key)] = v
+            else:
+                assert isinstance(held, dict)
+                held[key] = v
+        return self.model_copy(update=update)
+
+    def resamples(self, n: int = RESAMPLES, seed: int = 0) -> list[Costs]:
+        """`n` bootstrap replicates: each redraws the timing rounds with replacement (whole rounds, every graph
+        together) and takes each figure's median over them. [] without samples."""
+        if not self.samples_ms or self.rounds() < 2:
+            return []
+        keys = sorted(self.samples_ms)
+        r = self.rounds()
+        times = np.array([self.samples_ms[k][:r] for k in keys])  # [G, R]
+        draws = np.random.default_rng(seed).integers(0, r, size=(n, r))  # [n, R]: one row of rounds per replicate
+        medians = np.median(times[:, draws], axis=2)  # [G, n]
+        return [self.with_values(dict(zip(keys, medians[:, b].tolist(), strict=True))) for b in range(n)]
+
+    def block_layers(self, num_layers: int) -> dict[str, float]:
+        """Each block head's measured cost per token in decoder-layer units (its ms over a segment layer's mean)."""
+        per_layer = sum(self.segment_ms) / max(1, num_layers)
+        return {k: round(v / per_layer, 3) for k, v in self.block_ms.items()} if per_layer > 0 else {}
+
+    def baseline_ms(self) -> float:
+        """A full-depth token as `eectl run` decodes it with no exit active: what every speedup is against."""
+        return self.chain_step_ms if self.chain_step_ms is not None else self.full_step_ms
+
+    def overhead_per_segment(self, bound: bool = False) -> float:
+        """The runner's per-step cost outside the timed graphs, spread over the segment calls: on the general path,
+        or (`bound`) on the bound chain."""
+        parts = self.embed_ms + sum(self.segment_ms) + self.final_head_ms
+        step = self.baseline_ms() if bound else self.full_step_ms
+        return max(0.0, step - parts) / max(1, len(self.segment_ms))
+
+
+class Prediction(_M):
+    policy: str
+    exits: list[int]
+    ms_per_token: float
+    full_ms: float
+    speedup: float  # full_ms / ms_per_token
+    decision_ms: float  # expected decision time per token
+    exit_rate: float
+    lost_per_step: float = 0.0  # verify: tokens rolled back per step
+    # the speedup's LEVEL interval (bootstrap over the costs' timing rounds); None: not computed, or costs without
+    # samples (then the point is all there is)
+    interval: tuple[float, float] | None = None
+
+    def low(self) -> float:
+        return self.interval[0] if self.interval is not None else self.speedup
+
+    def high(self) -> float:
+        return self.interval[1] if self.interval is not None else self.speedup
+
+    def describe(self) -> str:
+        """`1.06x [1.04, 1.08]`, or `1.06x (point estimate: no cost spread)`."""
+        if self.interval is None:
+            return f"{self.speedup:.3f}x (point estimate: no cost spread recorded)"
+        return f"{self.speedup:.3f}x [{self.interval[0]:.3f}, {self.interval[1]:.3f}]"
+
+
+class Choice(_M):
+    policy: str
+    exits: list[int]  # [] = full depth
+    thresholds: dict[str, dict[str, float]]  # exit layer (str, JSON keys) -> criterion -> threshold
+    option: Option | None
+    prediction: Prediction  # of what runs: the option, or full depth when no option pays
+    best: Prediction | None = None  # the best option's prediction, chosen or not
+
+
+class Plan(_M):
+    """What export (or `eectl run --profile-costs`) chose, per policy, and the default configuration."""
+
+    default: str  # a policy name, or "full"
+    min_gain: float = MIN_GAIN
+    choices: dict[str, Choice] = Field(default_factory=dict)  # policy -> its best option (full depth if none pays)
+    level: float = LEVEL  # the predictions' intervals (plans before them: their point estimates decided)
+
+    def line(self) -> str:
+        """The rule, in words: `the low end of its 90% interval >= 1.03x`."""
+        return f"the low end of its {self.level:.0%} interval >= {1 + self.min_gain:.2f}x full depth"
+
+    def summary(self) -> str:
+        """One line for run and bench."""
+        if self.default == "full":
+            bests = [c.best for p, c in self.choices.items() if c.best is not None and p != "copy"]
+            top = max(bests, key=lambda b: b.speedup, default=None)
+            tail = f" (best: {top.policy} at exits {top.exits}, {top.describe()})" if top is not None else ""
+            return f"plan: no exit configuration has {self.line()}{tail}; the default is full depth"
+        c = self.choices[self.default]
+        gated = " (gated)" if c.option is not None and c.option.gated else ""
+        return (
+            f"plan: {c.policy} at exits {c.exits}{gated}, predicted {c.prediction.describe()} full depth "
+            f"({self.level:.0%} interval; decisions {c.prediction.decision_ms:.2f} ms/token)"
+        )
+
+    def undecided(self) -> list[str]:
+        """Policies whose choice more timing could change: none chosen, yet the best option's interval reaches
+        the line (its high end >= 1 + min_gain while its low end is below)."""
+        return [
+            p
+            for p, c in self.choices.items()
+            if not c.exits and c.best is not None and c.best.high() >= 1.0 + self.min_gain
+        ]

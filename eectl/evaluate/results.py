@@ -1,0 +1,102 @@
+"""The bench's options and its result schema (what bench writes and the report reads)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from eectl.contracts.names import default_policies
+
+AA = "full-aa"  # the A/A control: a second copy of full depth (bench.py adds it to every run)
+BASELINES = ("hf", "full", AA)  # every other configuration is a KV policy's name (eectl.runtime.policies)
+
+
+@dataclass
+class BenchOptions:
+    configs: list[str] = field(default_factory=lambda: [*BASELINES, *default_policies()])
+    prompts: int = 10
+    max_new_tokens: int = 64
+    reps: int = 3
+    exits: str | None = None  # active exits for the early-exit configurations (default: the calibrated ones)
+    signal: str | None = None  # exit signal (default: the calibration's)
+    thresholds: str | None = None
+    threshold_scale: float = 1.0
+    sweep: list[float] = field(default_factory=lambda: [0.9, 1.0, 1.1])  # threshold scales for the trade-off plot
+    ppl_tokens: int = 1024
+    provider: str = "cpu"
+    threads: int | None = None
+    raw: bool = False
+    batch_size: int = 1  # prompts per eectl generate call (rows in lock-step, one graph call per segment); hf: 1
+    profile_costs: bool = False  # re-measure the graph costs here and re-plan before benchmarking
+    compare: dict[str, str] = field(default_factory=dict)  # config name -> another artifact, run at full depth
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    ms_per_token: float  # median over reps of (decode time / decoded tokens)
+    ms_per_token_spread: tuple[float, float]  # min, max over reps
+    tokens_per_s: float  # per row: 1000 / ms_per_token
+    throughput: float  # decoded tokens per second over all rows of a batch (median over reps)
+    ttft_ms: float  # median over prompts and reps
+    rss_mb: float  # process RSS after this configuration's runs (cumulative peak: see the notes)
+    speedup_vs_full: float | None = None  # per-row latency ratio
+    throughput_vs_full: float | None = None  # all-rows throughput ratio, at the same batch size
+    speedup_vs_hf: float | None = None
+    mean_layers: float | None = None
+    layer_bound: float | None = None  # L / mean executed layers
+    decide_share: float | None = None  # share of decode time spent computing exit signals
+    token_agreement: float | None = None  # vs eectl full depth, position-wise over generated tokens
+    exact_match: float | None = None
+    first_divergence: float | None = None  # mean index of the first differing token (len when none)
+    perplexity: float | None = None
+    gsm8k_accuracy: float | None = None
+    exit_histogram: dict[str, int] = field(default_factory=dict)
+    drafted: int = 0
+    rejected: int = 0
+    # 95% intervals over prompts (the unit that varies): paired bootstrap of the speedup and token agreement,
+    # Wilson score interval of exact match
+    speedup_vs_full_ci: tuple[float, float] | None = None
+    token_agreement_ci: tuple[float, float] | None = None
+    exact_match_ci: tuple[float, float] | None = None
+    exits: list[int] = field(default_factory=list)  # the active exits of this configuration
+    # exit decisions run per decode step (all exits together; a gate skips some: eectl.exits.gates), and whether gated
+    decisions_per_step: float | None = None
+    gated: bool = False
+    predicted_speedup: float | None = None  # the plan's prediction (held-out coverage, the manifest's costs)
+    predicted_interval: tuple[float, float] | None = None  # its 90% interval over the costs' timing rounds (plan.py)
+    model_speedup: float | None = None  # the cost model at this run's realized exits (and rollbacks)
+    # copy/defer as planned: the token agreement the calibrated option implies over this run's continuation length
+    predicted_agreement: float | None = None
+    # per token on the configuration's own path: the share of its generated tokens that full depth chooses after the
+    # same prefix (what calibrate's target bounds; position-wise agreement compounds the first difference), with its
+    # 95% interval over prompts, and the calibrated option's held-out per-token agreement it is checked against
+    step_agreement: float | None = None
+    step_agreement_ci: tuple[float, float] | None = None
+    predicted_step_agreement: float | None = None
+    note: str = ""  # how the configuration was chosen
+
+
+@dataclass
+class BenchResult:
+    artifact: str
+    model: str
+    provider: str
+    threads: int
+    prompts: int
+    max_new_tokens: int
+    reps: int
+    batch_size: int
+    signal: str
+    exits: list[int]
+    thresholds: dict[str, dict[str, float]]
+    configs: list[ConfigResult]
+    sweep: list[dict[str, Any]]
+    hf_matches_full: bool | None
+    notes: list[str] = field(default_factory=list)
+    default: str = ""  # the configuration `eectl run` uses by default (the plan's: a policy or full), if planned
+    plan: str = ""  # the plan's one-line summary
+    river_kv: dict[str, Any] | None = None  # river_kv_cosine on the first prompt
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,347 @@
+"""Exit head designs and heads files: what a trained head is, and how it is saved and loaded.
+
+One head per exit: a small trainable map from the exit's hidden state [.., H] into the input space of the frozen
+final norm + LM head, so `ExitHead(adapter, head)` (exits.py) scores it exactly as it scores the plain logit lens.
+Every design is residual and starts at the identity (its last map is zero-initialised):
+
+    residual-linear   h + W h + b                 H*H + H parameters
+    low-rank          h + B (A h)                 2*r*H        (r = --rank, default 64)
+    mlp               h + W2 gelu(W1 h + b1) + b2 2*m*H + m + H (m = --rank, default H/2)
+
+A heads file is `<name>.safetensors` with tensors `exit_{l}.<param>` (float32); its metadata header holds the
+same JSON (heads_meta.HeadsMeta) as the `<name>.json` written next to it, both written atomically.
+
+What this module does not do: train heads (heads.py) or choose thresholds (calibrate.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import ValidationError
+from torch import nn
+
+from eectl.contracts.heads import FORMAT, HeadsMeta, sidecar_path
+from eectl.contracts.layers import check_exit_layers
+from eectl.errors import ArtifactError, UsageError
+from eectl.exits.base import ExitHead, attach_probe
+from eectl.exits.probe import attach_probe_tensors, probe_tensors
+from eectl.files import atomic_write, atomic_write_text
+from eectl.models.adapters import Adapter
+
+DESIGNS = ("residual-linear", "low-rank", "mlp")  # per token
+SEQUENCE_DESIGNS = ("block",)  # read the exit's states of earlier positions (trained from a state cache)
+BLOCK_INITS = ("last", "next", "identity")
+DEFAULT_LOW_RANK = 64
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Head designs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ResidualLinear(nn.Module):
+    """h + W h + b, W and b zero-initialised (starts as the logit lens)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden, hidden))  # [H, H]
+        self.bias = nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.linear(h, self.weight, self.bias)
+
+
+class LowRank(nn.Module):
+    """h + B (A h): A [r, H] small random, B [H, r] zero (LoRA-style, starts as the logit lens)."""
+
+    def __init__(self, hidden: int, rank: int, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.down = nn.Parameter(torch.randn(rank, hidden, generator=generator) / math.sqrt(hidden))  # A
+        self.up = nn.Parameter(torch.zeros(hidden, rank))  # B
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.linear(F.linear(h, self.down), self.up)
+
+
+class ResidualMLP(nn.Module):
+    """h + W2 gelu(W1 h + b1) + b2 with W2, b2 zero-initialised (starts as the logit lens)."""
+
+    def __init__(self, hidden: int, width: int, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, width)
+        self.fc2 = nn.Linear(width, hidden)
+        with torch.no_grad():
+            self.fc1.weight.copy_(torch.randn(width, hidden, generator=generator) / math.sqrt(hidden))
+            self.fc1.bias.zero_()
+            self.fc2.weight.zero_()
+            self.fc2.bias.zero_()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc2(F.gelu(self.fc1(h)))
+
+
+class BlockHead(nn.Module):
+    """A decoder block of the model's own layer shape on the exit's hidden states (EE-LLM's block heads, Kangaroo's
+    adapter): attention + MLP over the sequence at that exit, then the frozen final norm + LM head.
+
+    Unlike the per-token designs it reads a SEQUENCE: `forward(h)` takes [S, H] (or [B, S, H]) states of positions
+    0..S-1 of one sequence. At run time its attention needs the keys and values of every earlier position at this
+    exit: every token passes the exit's layer, so the block runs for every token (its cost is a decoder layer per
+    token, paid whether or not the token exits here).
+    """
+
+    sequence = True
+
+    def __init__(self, adapter: Adapter, init_layer: int, identity: bool) -> None:
+        super().__init__()
+        self.block = adapter.new_block(init_layer, identity)
+        self.init_layer = init_layer
+        self._adapter = [adapter]  # a list: not registered as a submodule, not in the state dict
+
+    def step(
+        self, h: torch.Tensor, positions: torch.Tensor, cache: Any = None, key_padding: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[B, S, H] new positions at `positions` [B, S] on top of the block's own past in `cache` (a KVCache, None
+        for a whole sequence): what decoding runs per token."""
+        return self._adapter[0].block_forward(self.block, h, positions, self.init_layer, cache, key_padding)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h if h.dim() == 3 else h[None]
+        positions = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
+        out = self._adapter[0].block_forward(self.block, x, positions, self.init_layer)
+        return out if h.dim() == 3 else out[0]
+
+
+def check_design(design: str, rank: int | None) -> None:
+    if design not in DESIGNS:
+        raise UsageError(f"unknown head design '{design}'", hint=f"choose one of: {', '.join(DESIGNS)}")
+    if rank is not None:
+        if design == "residual-linear":
+            raise UsageError("--rank applies to low-rank and mlp heads, not residual-linear")
+        if rank < 1:
+            raise UsageError(f"--rank must be >= 1, got {rank}")
+
+
+def head_width(design: str, rank: int | None, hidden: int) -> int | None:
+    """The rank (low-rank) or hidden width (mlp) a head gets: the given one or the design's default."""
+    if design == "low-rank":
+        return rank or DEFAULT_LOW_RANK
+    if design == "mlp":
+        return rank or max(1, hidden // 2)
+    return None
+
+
+def make_head(design: str, hidden: int, rank: int | None = None, generator: torch.Generator | None = None) -> nn.Module:
+    """A fresh head of a design, at the identity. Random parts (low-rank A, mlp W1) come from `generator`."""
+    check_design(design, rank)
+    width = head_width(design, rank, hidden)
+    if design == "residual-linear":
+        return ResidualLinear(hidden)
+    assert width is not None
+    if design == "low-rank":
+        return LowRank(hidden, width, generator)
+    return ResidualMLP(hidden, width, generator)
+
+
+def head_cost(design: str, rank: int | None, hidden: int) -> dict[str, int]:
+    """Parameters per exit and multiply-adds per token of one head (the LM head costs H*V per token on top)."""
+    width = head_width(design, rank, hidden) or 0
+    if design == "residual-linear":
+        params = hidden * hidden + hidden
+        macs = hidden * hidden
+    elif design == "low-rank":
+        params = macs = 2 * width * hidden
+    else:
+        params = 2 * width * hidden + width + hidden
+        macs = 2 * width * hidden
+    return {"params": params, "macs_per_token": macs}
+
+
+class HeadStack(nn.Module):
+    """The trainable part only: one head per exit, registered as `exit_{l}`.
+
+    Its state dict keys are exactly the tensor names in heads.safetensors (`exit_{l}.<param>`); `forward` maps
+    {l: h_l} to {l: head_l(h_l)} so that DistributedDataParallel can wrap the whole set in one module.
+    """
+
+    def __init__(self, heads: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.exits = sorted(heads)
+        for layer in self.exits:
+            self.add_module(f"exit_{layer}", heads[layer])
+
+    def head(self, layer: int) -> nn.Module:
+        return self.get_submodule(f"exit_{layer}")
+
+    def forward(self, states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return {layer: self.head(layer)(h) for layer, h in states.items()}
+
+
+def build_heads(design: str, hidden: int, exits: list[int], rank: int | None, seed: int) -> HeadStack:
+    generator = torch.Generator().manual_seed(seed)
+    return HeadStack({layer: make_head(design, hidden, rank, generator) for layer in sorted(exits)})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Saved heads
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HeadSet:
+    """Trained heads read back from disk: exit layer -> head module (eval, frozen, on the adapter's dtype/device)."""
+
+    heads: dict[int, nn.Module]
+    meta: HeadsMeta
+
+    @property
+    def exits(self) -> list[int]:
+        return sorted(self.heads)
+
+    def exit_head(self, adapter: Adapter, layer: int) -> ExitHead:
+        """The exit after `layer` with its head: `.full(h)` and `.local(h, candidates)` as for the logit lens."""
+        return ExitHead(adapter, self.heads[layer])
+
+
+def save_heads(stack: HeadStack, meta: HeadsMeta, path: Path) -> Path:
+    """Write `path` (.safetensors, tensors exit_{l}.<param>, float32) and its .json sidecar, each atomically."""
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in stack.state_dict().items()}
+    tensors.update(probe_tensors({layer: stack.head(layer) for layer in meta.exits}))  # the learned signal's
+    doc = meta.model_dump(mode="json")
+    blob = save(tensors, metadata={"format": FORMAT, "eectl": json.dumps(doc, sort_keys=True)})
+    atomic_write(path, lambda tmp: tmp.write_bytes(blob))  # written by Python: a full disk is a one-line OSError
+    side = sidecar_path(path)
+    atomic_write_text(side, json.dumps(doc, indent=2) + "\n")
+    return side
+
+
+def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> HeadSet:
+    """Read heads.safetensors for the model behind `adapter` (an Adapter, or a LoadedModel).
+
+    Checks the file's dimensions against the adapter (layers, hidden size, vocabulary) and the base model hash
+    against `sha256` (pass `loaded.source.sha256`; a LoadedModel passed as `adapter` supplies it): heads only mean
+    something on the checkpoint they were trained on. Raises ArtifactError (an EectlError) on any mismatch.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from eectl.models.loading import LoadedModel
+
+    if isinstance(adapter, LoadedModel):
+        sha256 = sha256 or adapter.source.sha256
+        adapter = adapter.adapter
+    assert isinstance(adapter, Adapter)
+    p = Path(path)
+    if not p.is_file():
+        raise ArtifactError(f"heads file not found: {p}", hint="train heads with `eectl train-heads`")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    except (SafetensorError, OSError) as exc:
+        raise ArtifactError(f"not a readable safetensors file: {p} ({exc})") from exc
+    if header.get("format") != FORMAT or "eectl" not in header:
+        raise ArtifactError(f"not an eectl heads file: {p}", hint="train heads with `eectl train-heads`")
+    try:
+        meta = HeadsMeta.model_validate_json(header["eectl"])
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ArtifactError(f"heads in {p.name} have invalid metadata: {where}: {first['msg']}") from None
+    dims = adapter.dims
+    want = {"num_layers": dims.num_layers, "hidden_size": dims.hidden_size, "vocab_size": dims.vocab_size}
+    have = meta.dimensions.model_dump()
+    wrong = [f"{k} {have.get(k)} (model: {v})" for k, v in want.items() if have.get(k) != v]
+    base = meta.base_model
+    if wrong:
+        raise ArtifactError(
+            f"heads in {p.name} do not fit this model: {', '.join(wrong)}",
+            hint=f"they were trained on {base.get('name')} ({str(base.get('sha256'))[:12]})",
+        )
+    if sha256 is not None and base.get("sha256") != sha256:
+        raise ArtifactError(
+            f"heads in {p.name} were trained on another checkpoint: base model hash "
+            f"{str(base.get('sha256'))[:12]}, this model {sha256[:12]}",
+            hint=f"train heads for this model, or load {base.get('spec')}",
+        )
+    exits = list(meta.exits)
+    try:
+        check_exit_layers(exits, dims.num_layers, "exits")
+        if meta.design in SEQUENCE_DESIGNS:
+            inits = {int(k): int(v) for k, v in (meta.block_layers or {}).items()}
+            if set(inits) != set(exits):
+                raise ArtifactError(f"heads in {p.name}: block heads without their source layers in the metadata")
+            stack = HeadStack({layer: BlockHead(adapter, inits[layer], identity=False) for layer in exits})
+        else:
+            stack = HeadStack({layer: make_head(meta.design, dims.hidden_size, meta.rank) for layer in exits})
+    except UsageError as exc:  # the file's content, not the user's options, is wrong
+        raise ArtifactError(f"heads in {p.name} have invalid metadata: {exc.message}") from None
+    probes = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("probe.")]}
+    try:
+        stack.load_state_dict(tensors, strict=True)
+    except RuntimeError as exc:
+        raise ArtifactError(f"heads in {p.name} do not match their own metadata: {str(exc).splitlines()[0]}") from exc
+    stack.to(device=adapter.device, dtype=adapter.dtype).eval().requires_grad_(False)
+    heads = {layer: stack.head(layer) for layer in exits}
+    attach_probe_tensors(heads, probes)
+    return HeadSet(heads, meta)
+
+
+def merge_heads(paths: list[Path], loaded: Any, out: Path) -> HeadsMeta:
+    """One heads file from several trained on the same model with the same design and shape at disjoint exits (e.g.
+    later exits trained after the first ones), written to `out` with its sidecar.
+
+    Each head is kept as trained; the metadata names the union of the exits and keeps each input's data, training
+    and report under `merged_from` (their reports were measured per file). Probes are not carried over: a probe
+    is fitted with the other exits' candidates in view, so fit them onto the merged file (`eectl train-heads
+    --probe-only`). Heads of other models, designs, shapes or overlapping exits are refused (ArtifactError)."""
+    if len(paths) < 2:
+        raise UsageError("merging heads needs two heads files or more")
+    sets = [load_heads(p, loaded) for p in paths]
+    first = sets[0].meta
+    same = ("design", "rank", "width", "head_cost", "dimensions", "block_init")
+    heads: dict[int, nn.Module] = {}
+    for path, hs in zip(paths, sets, strict=True):
+        differ = [k for k in same if getattr(hs.meta, k) != getattr(first, k)]
+        if hs.meta.base_model.get("sha256") != first.base_model.get("sha256"):
+            differ.insert(0, "base model")
+        if differ:
+            raise ArtifactError(f"heads in {Path(path).name} differ from {Path(paths[0]).name} in {', '.join(differ)}")
+        overlap = sorted(set(hs.exits) & set(heads))
+        if overlap:
+            raise ArtifactError(f"heads in {Path(path).name} repeat exits {overlap} of another file")
+        for layer, head in hs.heads.items():
+            attach_probe(head, None)
+            heads[layer] = head
+    exits = sorted(heads)
+    blocks = {k: v for hs in sets for k, v in (hs.meta.block_layers or {}).items()}
+
+    def merged(what: str) -> dict[str, Any]:
+        return {
+            "merged_from": [
+                {"file": str(p), "exits": hs.exits, what: getattr(hs.meta, what)}
+                for p, hs in zip(paths, sets, strict=True)
+            ]
+        }
+
+    meta = first.model_copy(
+        update={
+            "exits": exits,
+            "data": merged("data"),
+            "training": merged("training"),
+            "report": merged("report"),
+            "steps": max(hs.meta.steps for hs in sets),
+            "block_layers": blocks or None,
+            "probe": None,
+        }
+    )
+    save_heads(HeadStack(heads), meta, out)
+    return meta

@@ -1,0 +1,643 @@
+"""ONNX graphs built directly from a model's weights: embedding, segments, exits, candidate sources.
+
+The decoder is cut at the exit points into segments, each one ONNX graph:
+
+    input_ids -> [embed] -> hidden -> [segment 0: layers 0..e1) -> hidden -> [segment 1: e1..e2) -> ... -> hidden
+                                                 |                                 |                     |
+                                              [exit e1]                         [exit e2]            [final head]
+
+A segment layer is  RMSNorm -> QKV MatMul -> (q/k norm) -> GroupQueryAttention (rotary inside, packed QKV, past and
+present KV share one buffer, written in place) -> O MatMul -> residual + RMSNorm -> gate/up MatMul -> act -> down
+MatMul -> residual, with each "residual + RMSNorm" one SkipSimplifiedLayerNormalization (the MLP's residual is added
+by the next layer's input norm, or by one Add at the segment's end), the fused ops onnxruntime-genai's graphs use.
+One graph serves prefill, one-token decode and multi-token chunks on top of a past (batch, sequence and past length
+dynamic). Each segment also gets a K/V-only graph (the `copy` policy). Exit graphs (optional trained head, final
+norm, LM head, Top-K, greedy token) take the LM-head weight, stored transposed [H, V], as an input, so the artifact
+stores it once (weights/*.npy) and every exit session binds the same array.
+
+Weights live outside the protobuf: every graph is saved as `<graph>.onnx` (structure, a few KB) plus
+`<graph>.onnx.data` (its initializers, ONNX external data, each tensor aligned for memory mapping), so no graph meets
+protobuf's 2 GB limit, and graphs are built and written one at a time: peak memory is the model plus one graph.
+
+Why built from the weights rather than exported by torch.onnx: GroupQueryAttention with a shared KV buffer avoids
+concatenating the cache each token, the cost that dominates decode at long context (numbers in the issue notes).
+
+What this module does not do: write the artifact or its manifest (export.py), or compare graphs with PyTorch
+(export_validation.py).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from onnx.external_data_helper import set_external_data
+
+from eectl import __version__
+from eectl.contracts.manifest import GraphIO
+from eectl.errors import UsageError
+from eectl.exits.base import CandidateSource, Probe, probe_of
+from eectl.exits.candidates import Int8Ranking, Shortlist, ShortlistInt8
+from eectl.exits.signals import GRAPH_CRITERIA, SOFTMAX_CRITERIA, decision_nodes
+from eectl.models.adapters import Adapter, LayerWeights
+
+OPSET = 21
+IR_VERSION = 10
+DTYPES = {"fp32": (TensorProto.FLOAT, np.float32), "fp16": (TensorProto.FLOAT16, np.float16)}
+# Initializers of at least this many bytes go to the graph's external data file; smaller ones (shapes, scalars)
+# stay inline. Offsets of tensors of at least EXTERNAL_ALIGN_MIN_BYTES are aligned to 64 KiB, the largest mmap
+# allocation granularity ORT checks for; smaller ones (int4 scales and zero points, norms) are read, not mapped, and
+# packed tightly: aligning each of an int4 artifact's ~600 small tensors added 26 MB (12%) of padding.
+EXTERNAL_MIN_BYTES = 1024
+EXTERNAL_ALIGN = 1 << 16
+EXTERNAL_ALIGN_MIN_BYTES = 1 << 20  # onnx's own align_threshold
+
+
+class _Builder:
+    """A small helper over onnx.helper: unique names, initializers in the artifact dtype."""
+
+    def __init__(self, dtype: str) -> None:
+        self.elem, self.np_dtype = DTYPES[dtype]
+        self.nodes: list[onnx.NodeProto] = []
+        # (name, array) until model(): arrays are often views of the torch weights, and each becomes a TensorProto
+        # only as it is moved into the model, so a graph's weights are held about once, not once per proto copy
+        self.inits: list[tuple[str, np.ndarray]] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._renames: list[tuple[str, str]] = []  # (value, graph output name), applied by model()
+        self._n = 0
+
+    def fresh(self, base: str) -> str:
+        self._n += 1
+        return f"{base}_{self._n}"
+
+    def const(self, name: str, value: Any, float_type: bool = True, scalar: bool = False) -> str:
+        arr = value.detach().float().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        if float_type:
+            arr = arr.astype(self.np_dtype, copy=False)
+        # a scalar is stored as shape [1], as np.ascontiguousarray made it before (the graphs broadcast either way),
+        # unless asked for as one (Pad's value, MatMulInteger's zero point)
+        self.inits.append((name, arr.reshape(1) if arr.ndim == 0 and not scalar else arr))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs: Any) -> Any:
+        outs = [self.fresh(op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, domain=domain or None, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def input(self, name: str, elem: int | None, shape: list[Any]) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, self.elem if elem is None else elem, shape))
+        return name
+
+    def output(self, src: str, name: str, elem: int | None, shape: list[Any]) -> None:
+        """Graph output `name` is the value `src` (named so at model(): no Identity node where a node makes it)."""
+        self._renames.append((src, name))
+        self.outputs.append(helper.make_tensor_value_info(name, self.elem if elem is None else elem, shape))
+
+    def _name_outputs(self) -> None:
+        """Give each output's producing node the output's name (every reader follows), so the graph has no Identity
+        node per output: each node of a one-token exit decision costs ~1 us after a segment evicted the caches. A
+        value that is a graph input or initializer, or an output already, keeps an Identity."""
+        producer = {out: node for node in self.nodes for out in node.output}
+        taken = {i.name for i in self.inputs} | {name for name, _ in self.inits}
+        for src, name in self._renames:
+            node = producer.pop(src, None)
+            if node is None or src in taken:
+                self.nodes.append(helper.make_node("Identity", [src], [name]))
+                continue
+            for n in self.nodes:
+                n.input[:] = [name if v == src else v for v in n.input]
+                n.output[:] = [name if v == src else v for v in n.output]
+            producer[name] = node
+            taken.add(name)
+
+    def model(self, name: str) -> onnx.ModelProto:
+        """The model, with the initializers added last, one at a time, straight into its graph.
+
+        make_graph and make_model each copy the initializers they are given (protobuf messages are copied, never
+        moved, on append and CopyFrom), which held a segment's weights three times at once. Each tensor's bytes
+        are instead written once, into the model's own proto, and the builder's array is dropped right after.
+        """
+        self._name_outputs()
+        graph = helper.make_graph(self.nodes, name, self.inputs, self.outputs)
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)],
+            producer_name="eectl",
+            producer_version=__version__,
+        )
+        model.ir_version = IR_VERSION
+        pending, self.inits = self.inits, []
+        pending.reverse()
+        while pending:
+            init_name, arr = pending.pop()
+            tensor = model.graph.initializer.add()
+            if arr.dtype.kind in "biuf":  # numpy_helper.from_array's fields, without its intermediate proto
+                tensor.dims.extend(arr.shape)
+                tensor.name = init_name
+                tensor.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+                raw = numpy_helper.tobytes_little_endian(arr)
+                del arr  # the array (often the builder's own copy, e.g. a concatenated MLP) before protobuf's copy
+                tensor.raw_data = raw
+                del raw
+            else:  # strings, packed sub-byte types: from_array's own handling
+                tensor.CopyFrom(numpy_helper.from_array(arr, init_name))
+                del arr
+        return model
+
+
+def _rms(b: _Builder, x: str, weight: torch.Tensor, eps: float, name: str) -> str:
+    return b.op("SimplifiedLayerNormalization", [x, b.const(name, weight)], axis=-1, epsilon=eps)
+
+
+def _add_rms(b: _Builder, x: str, delta: str | None, weight: torch.Tensor, eps: float, name: str) -> tuple[str, str]:
+    """RMSNorm(x + delta) and the sum x + delta, as one SkipSimplifiedLayerNormalization (the residual add and the
+    next norm read the stream once; ORT does not fuse the pair itself when the sum has other consumers)."""
+    if delta is None:
+        return _rms(b, x, weight, eps, name), x
+    normed, total = b.fresh("skip_norm"), b.fresh("residual")
+    b.nodes.append(
+        helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            [x, delta, b.const(name, weight)],
+            [normed, "", "", total],
+            domain="com.microsoft",
+            epsilon=eps,
+        )
+    )
+    return normed, total
+
+
+def _linear(b: _Builder, x: str, weights: list[torch.Tensor], biases: list[torch.Tensor | None], name: str) -> str:
+    """x @ concat(weights).T (+ concat(biases)): one MatMul for several projections."""
+    w = torch.cat([wt.T for wt in weights], dim=1)  # [in, out], one copy (big models: memory is the limit)
+    y = b.op("MatMul", [x, b.const(name, w)])
+    if any(bias is not None for bias in biases):
+        full = torch.cat(
+            [bias if bias is not None else torch.zeros(wt.shape[0]) for wt, bias in zip(weights, biases, strict=True)]
+        )
+        y = b.op("Add", [y, b.const(name + ".bias", full)])
+    return y
+
+
+def _head_norm(b: _Builder, x: str, weight: torch.Tensor, eps: float, heads: int, head_dim: int, name: str) -> str:
+    """RMSNorm over each head of a [B, S, heads * D] projection (Qwen3 / Gemma3 q_norm and k_norm)."""
+    split = b.op("Reshape", [x, b.const(name + ".shape4", np.array([0, 0, heads, head_dim], np.int64), False)])
+    normed = _rms(b, split, weight, eps, name)
+    return b.op("Reshape", [normed, b.const(name + ".shape3", np.array([0, 0, heads * head_dim], np.int64), False)])
+
+
+def _layer(
+    b: _Builder,
+    x: str,
+    delta: str | None,
+    w: LayerWeights,
+    names: dict[str, str],
+    dims: Any,
+    rope: dict[str, tuple[str, str]],
+    kv_only: bool,
+) -> tuple[str, str | None, str, str, str]:
+    """One decoder layer on the residual stream x + delta (delta: an addend not yet added, or None).
+
+    Returns (x_out, delta_out, layer_input, present_key, present_value): the stream after the layer is
+    x_out + delta_out, the MLP's output is left unadded so that the next layer's input norm adds it (one
+    SkipSimplifiedLayerNormalization); layer_input is this layer's materialised input stream.
+    """
+    i, nh, nkv, d = w.index, dims.num_heads, dims.num_kv_heads, dims.head_dim
+    p = f"layers.{i}"
+    h, x = _add_rms(b, x, delta, w.input_norm, w.eps, f"{p}.input_norm")
+    layer_input = x
+    qkv = _linear(b, h, [w.q, w.k, w.v], [w.q_bias, w.k_bias, w.v_bias], f"{p}.qkv")
+    q, k, v = qkv, "", ""  # packed [B, S, (nh + 2 nkv) D]: GroupQueryAttention splits it itself
+    if w.q_norm is not None and w.k_norm is not None:  # per-head norms need q and k apart
+        q, k, v = b.op(
+            "Split",
+            [qkv, b.const(f"{p}.qkv.split", np.array([nh * d, nkv * d, nkv * d], np.int64), False)],
+            3,
+            axis=-1,
+        )
+        q = _head_norm(b, q, w.q_norm, w.eps, nh, d, f"{p}.q_norm")
+        k = _head_norm(b, k, w.k_norm, w.eps, nkv, d, f"{p}.k_norm")
+    cos, sin = rope[w.layer_type]
+    attrs: dict[str, Any] = dict(num_heads=nh, kv_num_heads=nkv, scale=w.scale, do_rotary=1)
+    if w.sliding_window is not None:
+        attrs["local_window_size"] = int(w.sliding_window)
+    if w.softcap:
+        attrs["softcap"] = float(w.softcap)
+    attn, present_k, present_v = b.op(
+        "GroupQueryAttention",
+        [q, k, v, names["past_key"], names["past_value"], "seqlens_k", "total_sequence_length", cos, sin],
+        3,
+        domain="com.microsoft",
+        **attrs,
+    )
+    if kv_only:
+        return x, None, layer_input, present_k, present_v
+    o = _linear(b, attn, [w.o], [w.o_bias], f"{p}.o")
+    if w.pre_feedforward_norm is not None and w.post_feedforward_norm is not None:  # Gemma's sandwich norms
+        o = _rms(b, o, w.post_attention_norm, w.eps, f"{p}.post_attention_norm")
+        h, x = _add_rms(b, x, o, w.pre_feedforward_norm, w.eps, f"{p}.pre_feedforward_norm")
+    else:
+        h, x = _add_rms(b, x, o, w.post_attention_norm, w.eps, f"{p}.post_attention_norm")
+    inter = w.gate.shape[0]
+    gu = _linear(b, h, [w.gate, w.up], [None, None], f"{p}.gate_up")
+    gate, up = b.op("Split", [gu, b.const(f"{p}.gate_up.split", np.array([inter, inter], np.int64), False)], 2, axis=-1)
+    if w.activation == "silu":
+        act = b.op("Mul", [gate, b.op("Sigmoid", [gate])])
+    else:
+        act = b.op("Gelu", [gate], approximate="tanh")
+    down = _linear(b, b.op("Mul", [act, up]), [w.down], [None], f"{p}.down")
+    if w.post_feedforward_norm is not None:
+        down = _rms(b, down, w.post_feedforward_norm, w.eps, f"{p}.post_feedforward_norm")
+    return x, down, layer_input, present_k, present_v
+
+
+def build_segment(
+    adapter: Adapter, lo: int, hi: int, dtype: str, max_positions: int, kv_only: bool = False
+) -> tuple[onnx.ModelProto, GraphIO]:
+    dims = adapter.dims
+    b = _Builder(dtype)
+    hidden = b.input("hidden_states", None, ["batch", "sequence", dims.hidden_size])
+    b.input("seqlens_k", TensorProto.INT32, ["batch"])
+    b.input("total_sequence_length", TensorProto.INT32, [])
+    rope: dict[str, tuple[str, str]] = {}
+    for kind, (cos, sin) in adapter.rotary_tables(max_positions).items():
+        rope[kind] = (b.const(f"rope.{kind}.cos", cos), b.const(f"rope.{kind}.sin", sin))
+    kv_shape = ["batch", dims.num_kv_heads, "max_sequence", dims.head_dim]
+    names = {k: [] for k in ("past_key", "past_value", "present_key", "present_value")}  # type: dict[str, list[str]]
+    for i in range(lo, hi):
+        names["past_key"].append(b.input(f"past_key_values.{i}.key", None, kv_shape))
+        names["past_value"].append(b.input(f"past_key_values.{i}.value", None, kv_shape))
+    x, delta = hidden, None
+    layer_input = hidden
+    boundaries = []  # the residual stream before each layer (materialised as its input), then after the last
+    for j, i in enumerate(range(lo, hi)):
+        x, delta, layer_input, pk, pv = _layer(
+            b,
+            x,
+            delta,
+            adapter.layer_weights(i),
+            {"past_key": names["past_key"][j], "past_value": names["past_value"][j]},
+            dims,
+            rope,
+            kv_only,
+        )
+        boundaries.append(layer_input)
+        for kind, src in (("key", pk), ("value", pv)):
+            name = f"present.{i}.{kind}"
+            b.output(src, name, None, kv_shape)
+            names[f"present_{kind}"].append(name)
+    outputs: dict[str, str | list[str]] = {"present_key": names["present_key"], "present_value": names["present_value"]}
+    if not kv_only:
+        if delta is not None:  # the last layer's MLP output, not yet added to the stream
+            x = b.op("Add", [x, delta])
+        b.output(x, "hidden_states_out", None, ["batch", "sequence", dims.hidden_size])
+        b.output(layer_input, "last_layer_input", None, ["batch", "sequence", dims.hidden_size])
+        outputs.update(hidden_out="hidden_states_out", layer_input="last_layer_input")
+        # [B, (n_layers + 1) * S, H]: one Concat (no per-layer ops) so a signal can read every block's transition
+        # (River's minimum cosine over a segment's blocks); the runner binds it only when its signal needs it
+        states = b.op("Concat", [*boundaries, x], axis=1)
+        b.output(states, "layer_states", None, ["batch", "states", dims.hidden_size])
+        outputs["layer_states"] = "layer_states"
+    kind = "kv" if kv_only else "segment"
+    file = f"{kind}_{lo:03d}_{hi:03d}.onnx"
+    io = GraphIO(
+        file=file,
+        inputs={
+            "hidden": "hidden_states",
+            "seqlens_k": "seqlens_k",
+            "total_sequence_length": "total_sequence_length",
+            "past_key": names["past_key"],
+            "past_value": names["past_value"],
+        },
+        outputs=outputs,
+    )
+    return b.model(f"{kind}_{lo}_{hi}"), io
+
+
+def build_embedding(adapter: Adapter, dtype: str, transposed: bool) -> tuple[onnx.ModelProto, GraphIO]:
+    """input_ids -> hidden states, gathering rows of the embedding table, or its columns where the table is the
+    tied LM head stored transposed ([H, V], see _write_artifact)."""
+    dims = adapter.dims
+    b = _Builder(dtype)
+    ids = b.input("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    if transposed:
+        weight = b.input("embed_weight", None, [dims.hidden_size, dims.vocab_size])
+        h = b.op("Transpose", [b.op("Gather", [weight, ids], axis=1)], perm=[1, 2, 0])  # [H, B, S] -> [B, S, H]
+    else:
+        weight = b.input("embed_weight", None, [dims.vocab_size, dims.hidden_size])
+        h = b.op("Gather", [weight, ids], axis=0)
+    scale = adapter.embed_scale()
+    if scale != 1.0:
+        h = b.op("Mul", [h, b.const("embed_scale", np.array(scale, np.float32))])
+    b.output(h, "hidden_states", None, ["batch", "sequence", dims.hidden_size])
+    io = GraphIO(
+        file="embed.onnx",
+        inputs={"input_ids": "input_ids", "weight": "embed_weight"},
+        outputs={"hidden": "hidden_states"},
+    )
+    return b.model("embed"), io
+
+
+def _head_prefix(b: _Builder, hidden: str, head: torch.nn.Module | None, hidden_size: int, name: str) -> str:
+    """Inline a trained head (hidden [N, H] -> [N, H]) exported by torch.onnx into this graph, or pass through."""
+    if head is None:
+        return hidden
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "head.onnx"
+        example = torch.zeros(2, hidden_size, dtype=torch.float32)
+        module = head.float().eval()
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                module,
+                (example,),
+                str(path),
+                dynamo=False,
+                opset_version=17,
+                input_names=["h"],
+                output_names=["y"],
+                dynamic_axes={"h": {0: "n"}, "y": {0: "n"}},
+            )
+        sub = onnx.load(str(path))
+    rename = {"h": hidden, "y": b.fresh(f"{name}.out")}
+
+    def mapped(n: str) -> str:
+        if n in rename:
+            return rename[n]
+        if n == "":
+            return n
+        return f"{name}.{n}"
+
+    for init in sub.graph.initializer:
+        arr = numpy_helper.to_array(init)
+        if arr.dtype in (np.float32, np.float64):
+            arr = arr.astype(b.np_dtype)
+        b.inits.append((mapped(init.name), arr))
+    for node in sub.graph.node:
+        new = onnx.NodeProto()
+        new.CopyFrom(node)
+        del new.input[:]
+        del new.output[:]
+        new.input.extend(mapped(n) for n in node.input)
+        new.output.extend(mapped(n) for n in node.output)
+        new.name = mapped(node.name) if node.name else ""
+        if new.op_type == "Constant" and b.np_dtype == np.float16:
+            for attr in new.attribute:
+                if attr.name == "value" and attr.t.data_type == TensorProto.FLOAT:
+                    attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float16)))
+        b.nodes.append(new)
+    return rename["y"]
+
+
+def _decision(
+    b: _Builder,
+    logits: str,
+    ids: str | None,
+    inputs: dict[str, Any],
+    outputs: dict[str, Any],
+    probe: tuple[str, Probe] | None = None,
+) -> None:
+    """The exit's decision inside its graph (exits.decision_nodes): a `thresholds` input [2] float32 ([3] with the
+    exit's probe: the learned signal's score is the third criterion), whose default [inf, ...] (an initializer:
+    callers that do not bind it never pass) keeps the graph's other uses as they were, and the outputs `passed` [N]
+    bool and `exit_token` [N] int64 (the token it would emit), and with a probe `score` [N] float32 (the runner's
+    host path reads it: the score's one computation at run time)."""
+    size = len(GRAPH_CRITERIA) if probe is not None else SOFTMAX_CRITERIA
+    thresholds = b.input("thresholds", TensorProto.FLOAT, [size])
+    b.const(thresholds, np.full(size, np.inf, np.float32), False)
+    passed, token, score = decision_nodes(b, logits, ids, thresholds, probe)
+    b.output(passed, "passed", TensorProto.BOOL, ["n"])
+    b.output(token, "exit_token", TensorProto.INT64, ["n"])
+    inputs["thresholds"] = "thresholds"
+    outputs.update(passed="passed", exit_token="exit_token")
+    if score is not None:
+        b.output(score, "score", TensorProto.FLOAT, ["n"])
+        outputs["score"] = "score"
+
+
+def _probe(normed: str, head: torch.nn.Module | None) -> tuple[str, Probe] | None:
+    """The exit's probe (the learned signal) over the graph's normed state, where its head carries one."""
+    probe = probe_of(head)
+    return None if probe is None else (normed, probe)
+
+
+def build_exit(
+    adapter: Adapter, layer: int, dtype: str, local: bool, head: torch.nn.Module | None = None
+) -> tuple[onnx.ModelProto, GraphIO]:
+    """Exit graph after `layer`: (head) -> final norm -> LM head rows -> logits, the same math as ExitHead.
+
+    The LM head is a shared table stored twice (export._write_shared_weights): transposed, [H, V], for the full
+    graph's MatMul (one token: a matrix-vector product that streams the table once), and row-major, [V, H], for the
+    local graph, which gathers its K candidates' rows (`_candidate_logits`).
+    The full graph also outputs the greedy token (ArgMax, first index on ties as torch): when the runner needs
+    nothing else it copies only that out, with k = 1 for the Top-K (sessions.greedy_token).
+    """
+    dims = adapter.dims
+    b = _Builder(dtype)
+    hidden = b.input("hidden_states", None, ["n", dims.hidden_size])
+    norm_w, eps = adapter.final_norm_weight()
+    x = _head_prefix(b, hidden, head, dims.hidden_size, f"exit_{layer}.head")
+    normed = _rms(b, x, norm_w, eps, "final_norm")
+    softcap = getattr(adapter.config, "final_logit_softcapping", None)
+    bias = getattr(adapter.lm_head, "bias", None)
+
+    def cap(t: str) -> str:
+        if not softcap:
+            return t
+        c = b.const(b.fresh("softcap"), np.array(softcap, np.float32))
+        return b.op("Mul", [b.op("Tanh", [b.op("Div", [t, c])]), c])
+
+    suffix = "local" if local else "full"
+    inputs: dict[str, str | list[str]] = {"hidden": "hidden_states"}
+    if local:
+        cand = b.input("candidates", TensorProto.INT64, ["n", "k"])
+        inputs["rows"] = _ROWS
+        logits, _ = _candidate_logits(b, adapter, normed, cand)
+        logits = cap(logits)
+        b.output(logits, "candidate_logits", None, ["n", "k"])
+        inputs["candidates"] = "candidates"
+        outputs: dict[str, str | list[str]] = {"candidate_logits": "candidate_logits"}
+        _decision(b, logits, cand, inputs, outputs, _probe(normed, head))
+    else:
+        inputs["weight"] = b.input("lm_head_weight", None, [dims.hidden_size, dims.vocab_size])  # stored [H, V]
+        b.input("top_k", TensorProto.INT64, [1])
+        logits = b.op("MatMul", [normed, "lm_head_weight"])  # [N, H] @ [H, V]
+        if bias is not None:
+            logits = b.op("Add", [logits, b.const("lm_head_bias", bias.detach())])
+        logits = cap(logits)
+        values, indices = b.op("TopK", [logits, "top_k"], 2, axis=-1, largest=1, sorted=1)
+        b.output(logits, "logits", None, ["n", dims.vocab_size])
+        b.output(indices, "candidates", TensorProto.INT64, ["n", "k"])
+        b.output(values, "candidate_logits", None, ["n", "k"])
+        b.output(b.op("ArgMax", [logits], axis=-1, keepdims=0), "token", TensorProto.INT64, ["n"])
+        inputs["top_k"] = "top_k"
+        outputs = {
+            "logits": "logits",
+            "candidates": "candidates",
+            "candidate_logits": "candidate_logits",
+            "token": "token",
+        }
+        if layer < dims.num_layers:  # an exit's first decision under the full Top-K source: over its K best
+            _decision(b, values, indices, inputs, outputs, _probe(normed, head))
+    io = GraphIO(file=f"exit_{layer:03d}_{suffix}.onnx", inputs=inputs, outputs=outputs)
+    return b.model(f"exit_{layer}_{suffix}"), io
+
+
+def save_graph(model: onnx.ModelProto, io: GraphIO, folder: Path) -> GraphIO:
+    """Write `io.file` with its large initializers moved to `io.file + '.data'` (ONNX external data).
+
+    Each tensor's bytes are written and dropped from the proto one at a time, so the proto that is finally
+    serialised is small whatever the model's size. Returns io with `data` naming the weights file (None when the
+    graph has no large initializer, e.g. the embedding graph, whose table is bound at run time).
+    """
+    data_name = io.file + ".data"
+    offset = 0
+    with open(folder / data_name, "wb") as f:
+        for tensor in model.graph.initializer:
+            if len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
+                continue
+            size = len(tensor.raw_data)
+            if size >= EXTERNAL_ALIGN_MIN_BYTES:
+                offset = -(-offset // EXTERNAL_ALIGN) * EXTERNAL_ALIGN
+            f.seek(offset)
+            f.write(tensor.raw_data)
+            set_external_data(tensor, data_name, offset, size)
+            tensor.ClearField("raw_data")
+            offset += size
+    if offset == 0:
+        (folder / data_name).unlink()
+        data = None
+    else:
+        data = data_name
+    onnx.save(model, str(folder / io.file))
+    return io.model_copy(update={"data": data})
+
+
+_ROWS = "lm_head_rows"  # the graph input bound to the shared row-major LM head (manifest.LM_HEAD_ROWS)
+
+
+def _candidate_logits(b: _Builder, adapter: Adapter, normed: str, cand: str) -> tuple[str, str]:
+    """The exact logits of K candidates [N, K]: their rows of the row-major LM head (input `lm_head_rows`, [V, H]),
+    gathered (K contiguous rows), times the normed state; plus their bias entries where the head has a bias. Also
+    the gathered rows [N, K, H].
+
+    The table's first dimension is declared symbolic: a local exit after the first can be bound to the K rows the
+    first exit gathered ([K, H], candidates 0..K-1: runtime/chain.py), which it then reads contiguously instead of
+    gathering K scattered rows of the V-row table again (~30 us per decision after a segment, measured)."""
+    dims = adapter.dims
+    b.input(_ROWS, None, ["rows", dims.hidden_size])
+    rows = b.op("Gather", [_ROWS, cand], axis=0)  # [N, K, H]
+    q = b.op("Unsqueeze", [normed, b.const("axis2", np.array([2], np.int64), False)])  # [N, H, 1]
+    logits = b.op("Squeeze", [b.op("MatMul", [rows, q]), "axis2"])  # [N, K, H] @ [N, H, 1] -> [N, K]
+    bias = getattr(adapter.lm_head, "bias", None)
+    if bias is not None:
+        logits = b.op("Add", [logits, b.op("Gather", [b.const("lm_head_bias", bias.detach()), cand], axis=0)])
+    return logits, rows
+
+
+def _int8_scores(b: _Builder, normed: str, qweight: torch.Tensor, scale: torch.Tensor) -> str:
+    """candidates.int8_scores as nodes: [N, H] -> [N, R] approximate logits, each row quantized on its own.
+
+        x [N, H] -> scale = max(ReduceMax |x| / 127, tiny) [N, 1] -> q = round(x / scale) + 128 uint8
+          -> MatMulInteger(q, W [H, R] int8, zero point 128) int32 -> float -> * (scale * the rows' scales [R])
+
+    Not DynamicQuantizeLinear: it quantizes per tensor, so rows called together would share a scale and a row's
+    candidates would depend on its batch. Symmetric, so every row's zero point is the same 128, which MatMulInteger
+    takes as its one (per-tensor) zero point: (q + 128) - 128 exactly, on ORT's fast uint8 x int8 kernel (its int8 x
+    int8 one is ~100x slower on this CPU, measured). The scales multiply in torch's order, so the scores equal
+    `int8_scores` bit for bit (tests/test_candidates.py).
+    """
+    f32 = TensorProto.FLOAT
+    x = normed if b.elem == f32 else b.op("Cast", [normed], to=f32)  # [N, H] float32, as torch quantizes
+    peak = b.op("ReduceMax", [b.op("Abs", [x]), b.const("int8_axis1", np.array([1], np.int64), False)], keepdims=1)
+    tiny = np.array([np.finfo(np.float32).tiny], np.float32)
+    xs = b.op(
+        "Max",
+        [
+            b.op("Div", [peak, b.const("int8_127", np.array([127.0], np.float32), False)]),
+            b.const("int8_tiny", tiny, False),
+        ],
+    )
+    offset = b.op(
+        "Add", [b.op("Round", [b.op("Div", [x, xs])]), b.const("int8_128f", np.array([128.0], np.float32), False)]
+    )
+    xq = b.op("Cast", [offset], to=TensorProto.UINT8)  # [N, H] in [1, 255]
+    wq = b.const("rows_int8", qweight.T.contiguous().numpy(), False)  # [H, R] int8
+    zp = b.const("int8_zp", np.array(128, np.uint8), False, scalar=True)
+    acc = b.op("MatMulInteger", [xq, wq, zp])  # [N, R] int32, exact
+    row_scale = b.const("rows_int8_scale", scale.numpy().astype(np.float32), False)  # [R]
+    return b.op("Mul", [b.op("Mul", [b.op("Cast", [acc], to=f32), row_scale]), xs])  # (acc * w_scale) * x_scale
+
+
+def build_candidates(
+    adapter: Adapter, layer: int, dtype: str, source: CandidateSource, head: torch.nn.Module | None = None
+) -> tuple[onnx.ModelProto, GraphIO]:
+    """The candidate source at exit `layer` as a graph: hidden [N, H] -> K candidates [N, K] and their exact logits.
+
+        hidden -> (head) -> final norm -+- shortlist: MatMul [H, S] rows -> TopK -> Gather shortlist ids
+                                        +- int8: per-row uint8 -> MatMulInteger [H, V] int8 -> scales -> TopK
+                                                 -> Gather the K exact rows of lm_head_weight -> exact logits
+
+    The same tensors as the torch source (candidates.py): the shortlist's ids and rows, `quantize_rows_int8`'s weights.
+    Weights are initializers so ONNX Runtime can prepack them. Every source picks each row as it would alone (int8
+    quantizes each row with its own scale, as calibrate computes it), so the runner calls it once for all rows.
+    """
+    dims = adapter.dims
+    b = _Builder(dtype)
+    hidden = b.input("hidden_states", None, ["n", dims.hidden_size])
+    b.input("top_k", TensorProto.INT64, [1])
+    norm_w, eps = adapter.final_norm_weight()
+    x = _head_prefix(b, hidden, head, dims.hidden_size, f"exit_{layer}.head")
+    normed = _rms(b, x, norm_w, eps, "final_norm")
+    softcap = getattr(adapter.config, "final_logit_softcapping", None)
+    bias = getattr(adapter.lm_head, "bias", None)
+    weight_t = adapter.lm_head.weight.detach()
+
+    def cap(t: str) -> str:
+        if not softcap:
+            return t
+        c = b.const(b.fresh("softcap"), np.array(softcap, np.float32))
+        return b.op("Mul", [b.op("Tanh", [b.op("Div", [t, c])]), c])
+
+    inputs: dict[str, str | list[str]] = {"hidden": "hidden_states", "top_k": "top_k"}
+    cand_rows: str | None = None
+    if isinstance(source, ShortlistInt8):  # before Shortlist: it is one
+        approx = _int8_scores(b, normed, source.qweight, source.scale)  # [N, S]
+        _, idx = b.op("TopK", [approx, "top_k"], 2, axis=-1, largest=1, sorted=1)
+        cand = b.op("Gather", [b.const("shortlist_ids", source.ids.numpy().astype(np.int64), False), idx], axis=0)
+        inputs["rows"] = _ROWS
+        cand_logits, cand_rows = _candidate_logits(b, adapter, normed, cand)
+        cand_logits = cap(cand_logits)
+    elif isinstance(source, Shortlist):
+        ids = source.ids
+        logits = b.op("MatMul", [normed, b.const("shortlist_rows", weight_t[ids].T.contiguous())])  # [N, S]
+        if bias is not None:
+            logits = b.op("Add", [logits, b.const("shortlist_bias", bias.detach()[ids])])
+        values, idx = b.op("TopK", [cap(logits), "top_k"], 2, axis=-1, largest=1, sorted=1)
+        cand = b.op("Gather", [b.const("shortlist_ids", ids.numpy().astype(np.int64), False), idx], axis=0)
+        cand_logits = values
+    elif isinstance(source, Int8Ranking):
+        approx = _int8_scores(b, normed, source.qweight, source.scale)  # [N, V]
+        _, cand = b.op("TopK", [approx, "top_k"], 2, axis=-1, largest=1, sorted=1)
+        inputs["rows"] = _ROWS
+        cand_logits, cand_rows = _candidate_logits(b, adapter, normed, cand)
+        cand_logits = cap(cand_logits)
+    else:
+        raise UsageError(f"no candidate graph for source '{source.name}' (the full source uses the full exit graph)")
+    b.output(cand, "candidates", TensorProto.INT64, ["n", "k"])
+    b.output(cand_logits, "candidate_logits", None, ["n", "k"])
+    outputs: dict[str, str | list[str]] = {"candidates": "candidates", "candidate_logits": "candidate_logits"}
+    if cand_rows is not None:  # the K exact rows it gathered: the later local exits can read them (chain.py)
+        b.output(cand_rows, "candidate_rows", None, ["n", "k", dims.hidden_size])
+        outputs["candidate_rows"] = "candidate_rows"
+    _decision(b, cand_logits, cand, inputs, outputs, _probe(normed, head))
+    io = GraphIO(file=f"exit_{layer:03d}_{source.name}.onnx", inputs=inputs, outputs=outputs)
+    return b.model(f"exit_{layer}_{source.name}"), io

@@ -1,0 +1,397 @@
+"""Exit heads trained from a state cache (eectl.heads.state_cache): no base pass in the loop, so several designs and
+losses
+train from one computation of the frozen model, and the step is bound by the heads rather than the LM head.
+
+One step reads `batch_tokens` measured positions (TokenStream over the cache's training sequences, a function of
+(seed, step) only: resumable, and bit-identical on the CPU for a seed) and computes, for all exits at once,
+
+    loss "exact": KL(p_final || q_exit) over the full vocabulary (p_final = softmax of the cached final state)
+    loss "topk":  the teacher's top-k + tail-bucket KL (heads.topk_tail_kl): |S| + tail_samples LM-head rows
+
+Block heads (design "block") read the sequence: each piece of a batch runs the block over its sequence's prefix and
+keeps the measured rows. The report (held-out split of the cache) is heads_report.evaluate's, with the exact teacher.
+
+What this module does not do: compute the base's states (head_data), or write other formats than heads.save_heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eectl.contracts.heads import HeadCost, HeadsMeta, sidecar_path
+from eectl.data import TokenStream
+from eectl.errors import EectlError, UsageError
+from eectl.exits.base import DEFAULT_TOP_K, ExitHead
+from eectl.exits.candidates import DEFAULT_CANDIDATES, make_source
+from eectl.exits.candidates import DEFAULT_SHORTLIST as CANDIDATE_SHORTLIST
+from eectl.exits.designs import (
+    BLOCK_INITS,
+    DESIGNS,
+    SEQUENCE_DESIGNS,
+    BlockHead,
+    HeadStack,
+    build_heads,
+    head_cost,
+    head_width,
+    load_heads,
+    save_heads,
+)
+from eectl.exits.probe import ProbeConfig, ProbeFit, fit_probes
+from eectl.heads.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from eectl.heads.losses import DEFAULT_SHORTLIST, DEFAULT_TAIL_SAMPLES, LOSSES, TeacherTopK, topk_tail_kl
+from eectl.heads.report import ChunkPass, EvalResult, evaluate, final_kl, heads_meta
+from eectl.heads.state_cache import StateCache
+from eectl.heads.train import TrainResult, lr_at
+from eectl.models.adapters import Adapter
+
+
+@dataclass
+class CachedConfig:
+    exits: list[int]
+    design: str = "residual-linear"
+    rank: int | None = None
+    block_init: str = "last"  # block: copy of the last layer, of the next layer (l), or identity-initialised
+    steps: int = 100
+    lr: float = 1e-3
+    batch_tokens: int = 256
+    seed: int = 0
+    loss: str = "topk"
+    tail_samples: int | None = DEFAULT_TAIL_SAMPLES  # None: the exact normaliser (all LM-head rows)
+    shortlist: int = DEFAULT_SHORTLIST  # topk: the most frequent teacher top-1 tokens, always counted exactly
+    precision: str = "fp32"  # or "bf16" (autocast on the CPU)
+    sources: tuple[str, ...] = ("text", "gen")
+    save_every: int = 50
+    eval_tokens: int = 4096  # held-out tokens of the report (the cache's held split may hold more, for calibration)
+    top_k: int = DEFAULT_TOP_K
+    target: float = 0.99
+
+    def check(self, cache: StateCache) -> None:
+        if self.design not in DESIGNS + SEQUENCE_DESIGNS:
+            raise UsageError(f"unknown head design '{self.design}'")
+        if self.loss not in LOSSES:
+            raise UsageError(f"unknown loss '{self.loss}'", hint=f"choose one of {', '.join(LOSSES)}")
+        if self.block_init not in BLOCK_INITS:
+            raise UsageError(f"unknown block init '{self.block_init}'", hint=f"choose one of {', '.join(BLOCK_INITS)}")
+        if self.precision not in ("fp32", "bf16"):
+            raise UsageError(f"precision must be fp32 or bf16, got {self.precision}")
+        missing = sorted(set(self.exits) - set(cache.layers))
+        if missing:
+            raise UsageError(f"the state cache has no states for exits {missing}", hint=f"it has {cache.layers}")
+        if self.steps < 1 or self.batch_tokens < 1:
+            raise UsageError("steps and batch tokens must be positive")
+
+    def identity(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("save_every", "eval_tokens", "top_k", "target"):
+            d.pop(k)
+        d["sources"] = list(self.sources)
+        return d
+
+
+def make_stack(adapter: Adapter, config: CachedConfig) -> HeadStack:
+    """The heads of `config.design` at its exits, at their initial values (seeded)."""
+    hidden = adapter.dims.hidden_size
+    if config.design in DESIGNS:
+        return build_heads(config.design, hidden, config.exits, config.rank, config.seed)
+    L = adapter.num_layers
+    # "next": a copy of the layer the token would run next (index l is decoder layer l + 1)
+    heads: dict[int, nn.Module] = {
+        layer: BlockHead(adapter, layer if config.block_init == "next" else L - 1, config.block_init == "identity")
+        for layer in sorted(config.exits)
+    }
+    return HeadStack(heads)
+
+
+def _cached_passes(
+    adapter: Adapter, cache: StateCache, split: str, exits: list[int], sources: tuple[str, ...], limit: int
+) -> Iterator[ChunkPass]:
+    """Held-out sequences of the cache as evaluate() reads them (the exact teacher from the cached final state):
+    the first sequences of each source, about `limit` tokens in all, each source in its share of the split."""
+    total = max(1, cache.tokens(split))
+    chosen = []
+    for source in sources:
+        budget, got = limit * cache.tokens(split, source) / total, 0
+        for entry in cache.split(split, (source,)):
+            if got >= budget:
+                break
+            chosen.append(entry)
+            got += entry.tokens
+    for entry in chosen:
+        seq = cache.load(entry)
+        idx = torch.nonzero(seq.measured).flatten()
+        logp = F.log_softmax(adapter.logits(seq.final[idx].float()), dim=-1)
+        probs = logp.exp()
+        yield ChunkPass(
+            states={layer: seq.states[layer][idx].float() for layer in exits},
+            probs=probs,
+            entropy=-(probs * logp).sum(-1),
+            next_ids=torch.full((idx.numel(),), -100, dtype=torch.long),
+            context={layer: seq.states[layer] for layer in exits},
+            measured=idx,
+        )
+
+
+def train_cached(
+    loaded: Any,
+    cache: StateCache,
+    config: CachedConfig,
+    out: Path,
+    resume: Path | None = None,
+    on_step: Callable[[int, int, dict[int, float]], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """Train `config.design` heads from the cache; write `out` (+ .json) and `<out>.ckpt`; report on the held split.
+
+    `on_step(step, tokens_so_far, kl_per_exit)` after every optimiser step."""
+    say = log or (lambda _m: None)
+    adapter = loaded.adapter
+    config.exits = sorted(config.exits)
+    config.check(cache)
+    exits = config.exits
+    model = loaded.model.eval().requires_grad_(False)
+    entries = cache.split("train", config.sources)
+    if not entries:
+        raise UsageError(f"the state cache has no training sequences from {config.sources}")
+    stream = TokenStream([e.tokens for e in entries], config.batch_tokens, config.seed)
+    identity = {**config.identity(), "base_sha256": loaded.source.sha256, "cache": cache.identity}
+    torch.manual_seed(config.seed)
+    stack = make_stack(adapter, config)
+    optimizer = torch.optim.AdamW(stack.parameters(), lr=config.lr, weight_decay=0.0)
+    ckpt = checkpoint_path(out)
+    step = 0
+    history: list[list[float]] = []
+    if resume is not None:
+        state = load_checkpoint(resume, identity)
+        stack.load_state_dict(state["heads"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+        history = [list(h) for h in state["history"]]
+        say(f"resumed from {resume} at step {step}/{config.steps}")
+    lens = ExitHead(adapter)
+    shortlist = cache.frequent_tokens(entries, config.shortlist) if config.shortlist > 0 else None
+
+    start = time.perf_counter()
+    train_s = 0.0
+    stack.train()
+    while step < config.steps:
+        t0 = time.perf_counter()
+        total, kl = _cached_loss(adapter, lens, cache, entries, stream, stack, config, step, shortlist)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, config.steps, config.lr)
+        optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        optimizer.step()
+        step += 1
+        train_s += time.perf_counter() - t0
+        history.append([float(k) for k in kl])
+        if step % config.save_every == 0 or step == config.steps:
+            save_checkpoint(ckpt, identity, stack, optimizer, step=step, history=history, rng={}, scaler=None)
+        if on_step is not None:
+            on_step(step, step * config.batch_tokens, dict(zip(exits, history[-1], strict=True)))
+    stack.eval()
+    if any(p.requires_grad for p in model.parameters()):
+        raise EectlError("internal: a base model parameter was unfrozen during training")
+    probe_fit = None
+    if config.design not in SEQUENCE_DESIGNS:  # a block head reads the sequence: no per-token probe features yet
+        say(f"fitting exit probes (the learned signal) on {ProbeConfig().tokens} training tokens")
+        heads = {layer: stack.head(layer) for layer in exits}
+        probe_fit = fit_cached_probes(adapter, cache, heads, ProbeConfig(seed=config.seed, top_k=config.top_k))
+
+    say(f"evaluating on about {config.eval_tokens} tokens of the cache's held-out split")
+    report = evaluate(
+        adapter,
+        {"before": dict.fromkeys(exits), "after": {layer: stack.head(layer) for layer in exits}},
+        [],
+        0,
+        config.top_k,
+        config.target,
+        passes=_cached_passes(adapter, cache, "held", exits, ("text", "gen"), config.eval_tokens),
+    )
+    meta = _cached_meta(loaded, cache, config, stream, stack, history, report, train_s)
+    meta.probe = None if probe_fit is None else probe_fit.to_dict()
+    result = TrainResult(meta, out, sidecar_path(out), ckpt)
+    result.wall_s = time.perf_counter() - start
+    meta.training["wall_s"] = round(result.wall_s, 2)
+    save_heads(stack, meta, out)
+    return result
+
+
+def cached_probe_samples(
+    cache: StateCache, exits: list[int], sources: tuple[str, ...] = ("text", "gen"), seed: int = 0
+) -> Iterator[tuple[dict[int, torch.Tensor], torch.Tensor]]:
+    """The probes' samples from the cache's training split: (exit states [M, H], the final layer's top-1 [M]) per
+    sequence, its measured positions, in an order seeded by `seed` (teacher-forced and generated sequences mixed,
+    as the runner sees both)."""
+    entries = cache.split("train", sources)
+    order = torch.randperm(len(entries), generator=torch.Generator().manual_seed(seed)).tolist()
+    for i in order:
+        seq = cache.load(entries[i])
+        idx = torch.nonzero(seq.measured).flatten()
+        yield {layer: seq.states[layer][idx].float() for layer in exits}, seq.teacher_ids[:, 0]
+
+
+def fit_cached_probes(
+    adapter: Adapter,
+    cache: StateCache,
+    heads: dict[int, nn.Module],
+    config: ProbeConfig,
+    on_tokens: Callable[[int], None] | None = None,
+) -> ProbeFit:
+    """Fit the learned signal's probes onto `heads` (attached to them) from the cache's training sequences, with the
+    cache's frequency shortlist in the runner's default candidate source."""
+    exits = sorted(heads)
+    ids = cache.frequent_tokens(cache.split("train"), CANDIDATE_SHORTLIST)
+    shortlist = make_source(DEFAULT_CANDIDATES, adapter.lm_head.weight, ids)
+    exit_heads = {layer: ExitHead(adapter, heads[layer]).eval() for layer in exits}
+    samples = cached_probe_samples(cache, exits, seed=config.seed)
+    return fit_probes(heads, exit_heads, samples, shortlist, config, on_tokens)
+
+
+def add_probes(
+    loaded: Any,
+    heads_path: Path,
+    cache: StateCache,
+    out: Path,
+    config: ProbeConfig,
+    on_tokens: Callable[[int], None] | None = None,
+) -> ProbeFit:
+    """`eectl train-heads --probe-only`: fit the learned signal's probes onto an existing heads file (probes it
+    already has are replaced) from the cache's training sequences, and write heads + probes to `out` (atomically;
+    it may be `heads_path`)."""
+    head_set = load_heads(heads_path, loaded)
+    if head_set.meta.design in SEQUENCE_DESIGNS:
+        raise UsageError("probes for block heads are not supported yet (they read the sequence, not one token)")
+    missing = sorted(set(head_set.exits) - set(cache.layers))
+    if missing:
+        raise UsageError(f"the state cache has no states for exits {missing}", hint=f"it has {cache.layers}")
+    fit = fit_cached_probes(loaded.adapter, cache, head_set.heads, config, on_tokens)
+    meta = head_set.meta.model_copy(update={"probe": {**fit.to_dict(), "cache": cache.identity}})
+    save_heads(HeadStack(head_set.heads), meta, out)
+    return fit
+
+
+def _cached_loss(
+    adapter: Adapter,
+    lens: ExitHead,
+    cache: StateCache,
+    entries: list[Any],
+    stream: TokenStream,
+    stack: HeadStack,
+    config: CachedConfig,
+    step: int,
+    shortlist: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's batch through every exit's head: (the loss summed over exits, KL per exit [E], detached)."""
+    exits = config.exits
+    sequence = config.design in SEQUENCE_DESIGNS
+    autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if config.precision == "bf16":
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    mapped_parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in exits}
+    teachers, finals = [], []
+    with autocast:
+        for i, a, b in stream.batch(step):
+            seq = cache.load(entries[i])
+            idx = torch.nonzero(seq.measured).flatten()[a:b]
+            teachers.append(TeacherTopK(seq.teacher_ids[a:b], seq.teacher_logp[a:b]))  # rows: measured only
+            if config.loss == "exact":
+                finals.append(seq.final[idx])
+            for layer in exits:
+                head = stack.head(layer)
+                if sequence:
+                    end = int(idx[-1]) + 1  # the block sees the prefix of the sequence up to the last row
+                    mapped_parts[layer].append(head(seq.states[layer][:end].float())[idx])
+                else:
+                    mapped_parts[layer].append(head(seq.states[layer][idx].float()))
+        mapped = torch.stack([torch.cat(mapped_parts[layer]) for layer in exits])  # [E, B, H]
+        teacher = TeacherTopK.cat(teachers)
+        if config.loss == "topk":
+            g = torch.Generator().manual_seed(config.seed * 1_000_003 + step)  # resumable: a function of step
+            soft_ce, kl = topk_tail_kl(lens, mapped, teacher, config.tail_samples, g, shortlist)
+        else:
+            with torch.no_grad():
+                logp = F.log_softmax(adapter.logits(torch.cat(finals).float()), dim=-1)
+                probs = logp.exp()
+                entropy = -(probs * logp).sum(-1).mean()
+            logits = lens.full(mapped.flatten(0, 1)).float().view(len(exits), -1, probs.shape[-1])
+            soft_ce = torch.stack([F.cross_entropy(logits[e], probs) for e in range(len(exits))])
+            kl = soft_ce.detach() - entropy
+        total = soft_ce.sum()
+    return total, kl
+
+
+def _cached_meta(
+    loaded: Any,
+    cache: StateCache,
+    config: CachedConfig,
+    stream: TokenStream,
+    stack: HeadStack,
+    history: list[list[float]],
+    report: dict[str, EvalResult],
+    train_s: float,
+) -> HeadsMeta:
+    """heads.json for heads trained from a state cache (heads.heads_meta plus the cache, loss and block fields)."""
+    adapter = loaded.adapter
+    exits = config.exits
+    sequence = config.design in SEQUENCE_DESIGNS
+    cost = design_cost(adapter, config.design, config.rank)
+    return heads_meta(
+        loaded,
+        config,
+        exits,
+        report,
+        width=None if sequence else head_width(config.design, config.rank, adapter.dims.hidden_size),
+        head_cost=HeadCost(
+            params=int(cost["params"]), macs_per_token=int(cost["macs_per_token"]), layers=cost["layers"]
+        ),
+        data={
+            "state_cache": cache.describe(),
+            "sources": list(config.sources),
+            "train_tokens": stream.per_epoch,
+            "epochs": round(stream.epochs(config.steps), 4),
+        },
+        training={
+            "steps": config.steps,
+            "lr": config.lr,
+            "batch_tokens": config.batch_tokens,
+            "tokens": config.steps * config.batch_tokens,
+            "loss": config.loss,
+            "teacher_k": cache.identity["spec"]["teacher_k"],
+            "tail_samples": config.tail_samples,
+            "shortlist": config.shortlist,
+            "precision": config.precision,
+            "device": "cpu",
+            "seed": config.seed,
+            "threads": torch.get_num_threads(),
+            "train_s": round(train_s, 2),
+            "tokens_per_s": round(config.steps * config.batch_tokens / max(train_s, 1e-9), 1),
+            "final_kl": final_kl(history, exits, 20),
+        },
+        block_init=config.block_init if sequence else None,
+        block_layers={str(layer): stack.head(layer).init_layer for layer in exits} if sequence else None,
+    )
+
+
+def layer_macs(adapter: Adapter) -> int:
+    """Multiply-adds per token of one decoder layer's projections (attention scores not counted)."""
+    d = adapter.dims
+    kv = d.num_kv_heads * d.head_dim
+    return d.hidden_size * (2 * d.num_heads * d.head_dim + 2 * kv) + 3 * d.hidden_size * d.intermediate_size
+
+
+def design_cost(adapter: Adapter, design: str, rank: int | None) -> dict[str, float]:
+    """Per exit: parameters, multiply-adds per token, and that in decoder-layer units (a block is one layer)."""
+    per_layer = layer_macs(adapter)
+    if design in SEQUENCE_DESIGNS:
+        return {"params": per_layer + 2 * adapter.dims.hidden_size, "macs_per_token": per_layer, "layers": 1.0}
+    c = head_cost(design, rank, adapter.dims.hidden_size)
+    return {**c, "layers": c["macs_per_token"] / per_layer}

@@ -1,0 +1,522 @@
+"""`eectl train-heads`: light exit heads trained against the frozen model's own final layer.
+
+The head designs and the heads file live in head_designs.py; this module trains them and reports.
+
+One training step, all exits in one pass (the base runs once per chunk of text, under no_grad):
+
+    ids --embed--> layers 1..L (frozen) --final norm + LM head--> p_final  (teacher, [T, V])
+                     | on_layer keeps h_l after each exit layer l
+                     v
+                   head_l (trainable) --final norm + LM head (frozen)--> q_l ;  loss = sum_l KL(p_final || q_l)
+                                                                                  (+ w * next-token CE)
+
+The base weights are frozen and never written: only head parameters are given to the optimiser. Data order is a
+function of (seed, step) only, so a run resumed from a checkpoint reads the same tokens as an uninterrupted one
+and, on the CPU, ends with bit-identical heads. Under `torchrun` / `accelerate launch` (WORLD_SIZE > 1) each rank
+trains on its own shard of the chunks and the heads are wrapped in DistributedDataParallel.
+
+Output: a heads file (head_designs.save_heads); `head_designs.load_heads` reads it back for calibrate and export.
+The before/after report and heads.json's metadata are heads_report.py's.
+
+What this module does not do: choose exit thresholds (calibrate), build ONNX graphs (export), load checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eectl.contracts.heads import HeadCost, HeadsMeta, sidecar_path
+from eectl.contracts.layers import check_exit_layers
+from eectl.data import TokenStream, count_tokens, split_records
+from eectl.errors import DataError, EectlError, UsageError
+from eectl.exits.base import DEFAULT_TOP_K, ExitHead
+from eectl.exits.candidates import DEFAULT_CANDIDATES, DEFAULT_SHORTLIST, frequency_shortlist, make_source
+from eectl.exits.designs import HeadStack, build_heads, check_design, head_cost, head_width, save_heads
+from eectl.exits.probe import ProbeConfig, ProbeFit, fit_probes
+from eectl.heads.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from eectl.heads.report import ChunkPass, EvalResult, base_pass, evaluate, final_kl, heads_meta
+from eectl.models.adapters import Adapter
+
+DEFAULT_BATCH_TOKENS = 32
+DEFAULT_EVAL_TOKENS = 4096
+DEFAULT_CHUNK_LEN = 256
+DEVICES = ("cpu", "cuda")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configuration and results
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    exits: list[int]
+    design: str = "residual-linear"
+    rank: int | None = None  # low-rank rank / mlp width; None: the design's default
+    steps: int = 500
+    lr: float = 1e-3
+    batch_tokens: int = DEFAULT_BATCH_TOKENS  # tokens per optimiser step (per rank)
+    seed: int = 0
+    ce_weight: float = 0.0  # weight of next-token cross-entropy added to the KL
+    eval_tokens: int = DEFAULT_EVAL_TOKENS  # held-out tokens for the before/after report
+    chunk_len: int = DEFAULT_CHUNK_LEN  # context length the base runs on
+    save_every: int = 100  # checkpoint every this many steps (and at the end)
+    device: str = "cpu"
+    top_k: int = DEFAULT_TOP_K  # local vocabulary of the top-k signal in the report
+    target: float = 0.99  # precision at which the report's coverage is measured
+
+    def check(self, num_layers: int | None = None) -> None:
+        """Raise UsageError on values no run could use (before the model loads, exits may still be empty: the
+        model's default_exits)."""
+        check_design(self.design, self.rank)
+        if not self.exits and num_layers is not None:
+            raise UsageError("no exits given", hint="pass --exits 8,12,16 (layers 1..L-1)")
+        check_exit_layers(self.exits, num_layers)
+        for name in ("steps", "batch_tokens", "eval_tokens", "save_every", "top_k"):
+            if getattr(self, name) <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.chunk_len < 2:
+            raise UsageError(f"chunk length must be >= 2, got {self.chunk_len}")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            raise UsageError(f"--lr must be positive, got {self.lr}")
+        if not self.ce_weight >= 0 or not math.isfinite(self.ce_weight):
+            raise UsageError(f"--ce-weight must be >= 0, got {self.ce_weight}")
+        if not 0 < self.target <= 1:
+            raise UsageError(f"target precision must be in (0, 1], got {self.target}")
+        if self.device not in DEVICES:
+            raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got '{self.device}'")
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must share with the run that resumes it."""
+        d = asdict(self)
+        for k in ("save_every", "eval_tokens", "top_k", "target", "device"):
+            d.pop(k)
+        return d
+
+
+@dataclass
+class TrainResult:
+    meta: HeadsMeta | None  # everything in heads.json (None on the non-main ranks)
+    out: Path
+    sidecar: Path
+    checkpoint: Path
+    main: bool = True  # False on the non-zero ranks of a distributed run (they write and print nothing)
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        meta = {} if self.meta is None else self.meta.model_dump(mode="json")
+        return {"out": str(self.out), "json": str(self.sidecar), "checkpoint": str(self.checkpoint), **meta}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _dist_from_env() -> _Dist:
+    """torchrun and `accelerate launch` set WORLD_SIZE / RANK / LOCAL_RANK; a plain run has world size 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return _Dist()
+    return _Dist(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name not in DEVICES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got '{name}'")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(
+                "--device cuda asked for, but torch sees no CUDA GPU",
+                hint="run on a machine with a GPU and a CUDA build of torch, or use --device cpu",
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _amp_dtype(device: torch.device) -> torch.dtype | None:
+    """Mixed precision on a GPU (bf16 where supported, else fp16 with loss scaling); fp32 on the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def _lr_at(step: int, config: TrainConfig) -> float:
+    return lr_at(step, config.steps, config.lr)
+
+
+def lr_at(step: int, steps: int, lr: float) -> float:
+    """Linear warm-up over the first 5% of steps, then cosine decay to 10% of --lr (a function of the step only)."""
+    warm = max(1, steps // 20)
+    if step < warm:
+        return lr * (step + 1) / warm
+    t = (step - warm) / max(1, steps - warm)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+@dataclass
+class _TrainData:
+    chunks: list[torch.Tensor]  # this rank's training chunks [1, S]
+    stream: TokenStream
+    train: Any  # TextData: the records before the held-out ones
+    held: Any  # TextData: the held-out records at the end
+    train_tokens: int  # measured training tokens over all ranks
+    skip_first: int  # positions not measured at each chunk's start (BOS)
+
+
+def _training_data(loaded: Any, data: Any, config: TrainConfig, dist: _Dist) -> _TrainData:
+    """Held-out records at the end; training chunks from the start, sharded over ranks, in a seeded stream."""
+    from eectl.data import token_chunks
+
+    tok = loaded.tokenizer
+    skip_first = 1 if getattr(tok, "bos_token_id", None) is not None else 0
+    train_data, held_data = split_records(tok, data, config.eval_tokens)
+    body = config.chunk_len - skip_first  # measured tokens per chunk
+    need = math.ceil(config.steps * config.batch_tokens / body) * body * dist.world  # whole chunks on every rank
+    n_train = count_tokens(tok, train_data, need)
+    all_chunks = token_chunks(tok, train_data, n_train, config.chunk_len) if n_train > 0 else []
+    if len(all_chunks) < dist.world:
+        raise DataError(f"{data.name} leaves too few training tokens ({n_train}) after the held-out part")
+    all_chunks = all_chunks[: len(all_chunks) - len(all_chunks) % dist.world]  # the same number on every rank
+    n_train = sum(c.shape[1] - skip_first for c in all_chunks)
+    chunks = all_chunks[dist.rank :: dist.world]
+    stream = TokenStream([c.shape[1] - skip_first for c in chunks], config.batch_tokens, config.seed)
+    return _TrainData(chunks, stream, train_data, held_data, n_train, skip_first)
+
+
+@dataclass
+class _Trainer:
+    """The heads, what trains them (DDP-wrapped across ranks), the optimiser state and the run so far."""
+
+    stack: HeadStack
+    module: nn.Module  # `stack`, or DistributedDataParallel(stack)
+    optimizer: torch.optim.Optimizer
+    scaler: Any  # torch.amp.GradScaler for fp16 autocast, else None
+    step: int = 0
+    history: list[list[float]] = field(default_factory=list)  # per step, KL per exit
+
+
+def _make_trainer(
+    config: TrainConfig,
+    hidden: int,
+    exits: list[int],
+    device: torch.device,
+    amp: torch.dtype | None,
+    dist: _Dist,
+    resume: Path | None,
+    identity: dict[str, Any],
+    say: Callable[[str], None],
+) -> _Trainer:
+    """Heads, optimiser, (multi-process) DDP, and the state of a resumed checkpoint."""
+    torch.manual_seed(config.seed)
+    stack = build_heads(config.design, hidden, exits, config.rank, config.seed).to(device)
+    module: nn.Module = stack
+    if dist.world > 1:
+        import torch.distributed as tdist
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not tdist.is_initialized():
+            tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        module = DistributedDataParallel(stack, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(stack.parameters(), lr=config.lr, weight_decay=0.0)
+    scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None
+    trainer = _Trainer(stack, module, optimizer, scaler)
+    if resume is not None:
+        state = load_checkpoint(resume, identity)
+        stack.load_state_dict(state["heads"])
+        optimizer.load_state_dict(state["optimizer"])
+        trainer.step = int(state["step"])
+        trainer.history = [list(h) for h in state["history"]]
+        _set_rng_state(state["rng"], device)
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        say(f"resumed from {resume} at step {trainer.step}/{config.steps}")
+    return trainer
+
+
+def _train_loop(
+    adapter: Adapter,
+    td: _TrainData,
+    tr: _Trainer,
+    config: TrainConfig,
+    exits: list[int],
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    save: Callable[[], None],
+    on_step: Callable[[int, dict[int, float]], None] | None,
+) -> None:
+    """Optimiser steps until config.steps: KL(final || exit) over every exit in one pass; `save` checkpoints."""
+    lens = ExitHead(adapter)  # frozen final norm + LM head; ExitHead(adapter, head).full(h) == lens.full(head(h))
+    cache: OrderedDict[int, ChunkPass] = OrderedDict()
+
+    def chunk_pass(c: int) -> ChunkPass:
+        if c not in cache:
+            with autocast():
+                cache[c] = base_pass(adapter, td.chunks[c].to(device), exits, td.skip_first)
+            while len(cache) > 2:
+                cache.popitem(last=False)
+        return cache[c]
+
+    tr.stack.train()
+    while tr.step < config.steps:
+        pieces = [(chunk_pass(c), a, b) for c, a, b in td.stream.batch(tr.step)]
+        states = {layer: torch.cat([p.states[layer][a:b] for p, a, b in pieces]) for layer in exits}
+        probs = torch.cat([p.probs[a:b] for p, a, b in pieces])
+        entropy = torch.cat([p.entropy[a:b] for p, a, b in pieces]).mean()
+        next_ids = torch.cat([p.next_ids[a:b] for p, a, b in pieces])
+        for group in tr.optimizer.param_groups:
+            group["lr"] = _lr_at(tr.step, config)
+        with autocast():
+            mapped = tr.module({layer: s.float() for layer, s in states.items()})
+            # All exits through the LM head in one matmul: on a CPU, reading the [V, H] weight dominates small batches.
+            logits = lens.full(torch.cat([mapped[layer] for layer in exits])).float()
+            logits = logits.view(len(exits), -1, logits.shape[-1])  # [E, B, V]
+            losses, kls = [], []
+            for e in range(len(exits)):
+                soft_ce = F.cross_entropy(logits[e], probs)  # -sum p log q; KL(p || q) = this - H(p)
+                loss = soft_ce
+                if config.ce_weight > 0 and bool((next_ids >= 0).any()):
+                    loss = loss + config.ce_weight * F.cross_entropy(logits[e], next_ids, ignore_index=-100)
+                losses.append(loss)
+                kls.append(soft_ce.detach() - entropy)
+            total = torch.stack(losses).sum()
+        tr.optimizer.zero_grad(set_to_none=True)
+        if tr.scaler is not None:
+            tr.scaler.scale(total).backward()
+            tr.scaler.step(tr.optimizer)
+            tr.scaler.update()
+        else:
+            total.backward()
+            tr.optimizer.step()
+        tr.step += 1
+        kl_now = [float(k) for k in kls]
+        tr.history.append(kl_now)
+        save()
+        if on_step is not None:
+            on_step(tr.step, dict(zip(exits, kl_now, strict=True)))
+    tr.stack.eval()
+
+
+def _fit_probes(
+    adapter: Adapter,
+    td: _TrainData,
+    stack: HeadStack,
+    exits: list[int],
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    config: ProbeConfig,
+) -> ProbeFit:
+    """The learned signal's probes from the training chunks (one more base pass over them, in order), with the
+    chunks' frequency shortlist in the runner's default candidate source."""
+    heads = {layer: stack.head(layer) for layer in exits}
+    vocab = adapter.dims.vocab_size
+    ids = frequency_shortlist(torch.cat([c[0] for c in td.chunks]), DEFAULT_SHORTLIST, vocab)
+    source = make_source(DEFAULT_CANDIDATES, adapter.lm_head.weight, ids)
+    exit_heads = {layer: ExitHead(adapter, heads[layer]).eval() for layer in exits}
+
+    def samples() -> Iterator[tuple[dict[int, torch.Tensor], torch.Tensor]]:
+        for chunk in td.chunks:
+            with autocast():
+                p = base_pass(adapter, chunk.to(device), exits, td.skip_first)
+            yield {layer: s.float().cpu() for layer, s in p.states.items()}, p.probs.argmax(-1).cpu()
+
+    return fit_probes(heads, exit_heads, samples(), source, config)
+
+
+def _metadata(
+    loaded: Any,
+    data: Any,
+    config: TrainConfig,
+    exits: list[int],
+    td: _TrainData,
+    tr: _Trainer,
+    report: dict[str, EvalResult],
+    device: torch.device,
+    amp: torch.dtype | None,
+    world: int,
+    train_s: float,
+) -> HeadsMeta:
+    """What heads.json says: design, dimensions, base model, data, training and the held-out report."""
+    hidden = loaded.adapter.dims.hidden_size
+    return heads_meta(
+        loaded,
+        config,
+        exits,
+        report,
+        report_notes={
+            "signals": (
+                "coverage_full: exit's full-vocabulary top-1 probability; coverage_topk: its probability over the "
+                "top-k local vocabulary picked at the first exit; coverage = share of held-out tokens at or above "
+                "the lowest threshold whose exits agree with the final layer at the target precision"
+            )
+        },
+        width=head_width(config.design, config.rank, hidden),
+        head_cost=HeadCost(**head_cost(config.design, config.rank, hidden)),
+        data={
+            **data.to_dict(),
+            "train_records_available": len(td.train.texts),
+            "train_tokens": td.train_tokens,
+            "epochs": round(td.stream.epochs(config.steps), 4),
+            "held_out_records": len(td.held.texts),
+            "held_out_tokens": config.eval_tokens,
+            "chunk_len": config.chunk_len,
+            "held_out": "the last records of the data; training reads the records before them",
+        },
+        training={
+            "steps": config.steps,
+            "lr": config.lr,
+            "schedule": "linear warm-up 5%, cosine to 10%",
+            "batch_tokens": config.batch_tokens,
+            "ce_weight": config.ce_weight,
+            "seed": config.seed,
+            "device": device.type,
+            "precision": "fp32" if amp is None else f"autocast {str(amp).removeprefix('torch.')}",
+            "world_size": world,
+            "threads": torch.get_num_threads(),
+            "train_s": round(train_s, 2),
+            "final_kl": final_kl(tr.history, exits, 50),
+        },
+    )
+
+
+def train_heads(
+    loaded: Any,
+    data: Any,
+    config: TrainConfig,
+    out: Path,
+    resume: Path | None = None,
+    on_step: Callable[[int, dict[int, float]], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """The stage as a library call: a LoadedModel, TextData and a TrainConfig in; heads on disk and a report out.
+
+    Moves the model to `config.device`. Writes `out` (.safetensors) and its .json sidecar, and a checkpoint
+    (checkpoint_path(out)) every `config.save_every` steps and at the end. `on_step(step, kl_per_exit)` is
+    called after each optimiser step (1-based), on the main rank only.
+    """
+    from eectl.data import TextData, token_chunks
+    from eectl.models.loading import LoadedModel
+
+    assert isinstance(loaded, LoadedModel) and isinstance(data, TextData)
+    say = log or (lambda _msg: None)
+    adapter = loaded.adapter
+    config.check(adapter.num_layers)
+    if out.suffix != ".safetensors":
+        raise UsageError(f"--out must name a .safetensors file, got {out}")
+    dist = _dist_from_env()
+    device = resolve_device(config.device, dist.local_rank)
+    amp = _amp_dtype(device)
+    exits = sorted(config.exits)
+    ckpt = checkpoint_path(out)
+    start = time.perf_counter()
+
+    # The base: frozen, eval, never handed to the optimiser.
+    model = loaded.model
+    model.eval().requires_grad_(False).to(device)
+    td = _training_data(loaded, data, config, dist)
+    identity = {
+        **config.identity(),
+        "exits": exits,
+        "base_sha256": loaded.source.sha256,
+        "data": data.name,
+        "train_tokens": td.train_tokens,
+        "world_size": dist.world,
+    }
+    tr = _make_trainer(config, adapter.dims.hidden_size, exits, device, amp, dist, resume, identity, say)
+    if any(p.requires_grad for p in model.parameters()):
+        raise EectlError("internal: a base model parameter requires grad")
+
+    def autocast() -> contextlib.AbstractContextManager[Any]:
+        if amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=amp)
+
+    def save() -> None:
+        if dist.main and (tr.step % config.save_every == 0 or tr.step == config.steps):
+            scaler = tr.scaler.state_dict() if tr.scaler is not None else None
+            rng = _rng_state(device)
+            save_checkpoint(
+                ckpt, identity, tr.stack, tr.optimizer, step=tr.step, history=tr.history, rng=rng, scaler=scaler
+            )
+
+    _train_loop(adapter, td, tr, config, exits, device, autocast, save, on_step if dist.main else None)
+    train_s = time.perf_counter() - start
+    if any(p.requires_grad for p in model.parameters()):
+        raise EectlError("internal: a base model parameter was unfrozen during training")
+    probe_fit = None
+    if dist.main:
+        say(f"fitting exit probes (the learned signal) on up to {ProbeConfig().tokens} training tokens")
+        probes = ProbeConfig(seed=config.seed, top_k=config.top_k)
+        probe_fit = _fit_probes(adapter, td, tr.stack, exits, device, autocast, probes)
+
+    result = TrainResult(None, out, sidecar_path(out), ckpt, main=dist.main)
+    if dist.world > 1:
+        import torch.distributed as tdist
+
+        if not dist.main:
+            tdist.barrier()  # wait for the main rank's evaluation and files
+            tdist.destroy_process_group()
+            result.wall_s = time.perf_counter() - start
+            return result
+    # Report on held-out data, before (logit lens) and after (heads), in one pass of the base.
+    held_chunks = token_chunks(loaded.tokenizer, td.held, config.eval_tokens, config.chunk_len)
+    say(f"evaluating on {config.eval_tokens} held-out tokens ({len(td.held.texts)} records at the end of the data)")
+    report = evaluate(
+        adapter,
+        {"before": dict.fromkeys(exits), "after": {layer: tr.stack.head(layer) for layer in exits}},
+        held_chunks,
+        td.skip_first,
+        config.top_k,
+        config.target,
+        autocast,
+    )
+    meta = _metadata(loaded, data, config, exits, td, tr, report, device, amp, dist.world, train_s)
+    meta.probe = None if probe_fit is None else probe_fit.to_dict()
+    result.wall_s = time.perf_counter() - start
+    meta.training["wall_s"] = round(result.wall_s, 2)  # training + held-out evaluation
+    save_heads(tr.stack, meta, out)
+    result.meta = meta
+    if dist.world > 1:
+        import torch.distributed as tdist
+
+        tdist.barrier()
+        tdist.destroy_process_group()
+    return result

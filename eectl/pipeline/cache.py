@@ -1,0 +1,96 @@
+"""The pipeline's reuse of stage outputs across runs, keyed by content (on top of eectl.cache's store)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eectl.cache import digest, model_identity, read, restore_files, store_files, texts_sha256, write
+from eectl.files import sha256_file
+
+# Bumped when calibrate's choice of measured tokens changes for the same settings (2: generation takes the data's
+# prompts in order, whatever --gen-batch), so a cached calibration of the old sample is not reused.
+CALIBRATE_SAMPLE = 2
+
+
+class PipelineCache:
+    """The main job's stage outputs, reused when the model, data and the recipe's settings for a stage (and the
+    outputs it consumes, by hash) are unchanged. Heads and calibration files are stored in the cache; an exported
+    artifact (hundreds of MB) is not copied: its manifest's hash is recorded, and the folder in artifacts/ is
+    reused when it still has exactly that manifest (the runner checks every file's hash when it loads). The profile
+    caches its own results (eectl.profile.lens); run and bench always run: they are measurements."""
+
+    def __init__(self, recipe: Any, plan: Any, enabled: bool = True) -> None:
+        from eectl import __version__
+        from eectl.data import load_text_data
+        from eectl.models.loading import resolve_source
+
+        self.enabled = enabled
+        self.recipe, self.plan = recipe, plan
+        text = load_text_data(recipe.data.source, recipe.data.field)
+        self.base = {
+            "eectl": __version__,
+            "model": model_identity(resolve_source(recipe.model)),
+            "data": {"sha256": texts_sha256(text.texts), "field": recipe.data.field},
+            "exits": recipe.exits,
+            "top_k": recipe.top_k,
+            "target": recipe.target,
+        }
+
+    def _files(self, stage: str) -> list[Path]:
+        from eectl.contracts.heads import sidecar_path
+
+        p = self.plan
+        return [p.heads, sidecar_path(p.heads)] if stage == "train-heads" else [p.calibration]
+
+    def key(self, stage: str) -> str:
+        r, p = self.recipe, self.plan
+        if stage == "train-heads":
+            return digest({**self.base, "stage": stage, "heads": r.heads.model_dump()})
+        if stage == "calibrate":
+            heads = sha256_file(p.heads)
+            sample = CALIBRATE_SAMPLE
+            return digest(
+                {
+                    **self.base,
+                    "stage": stage,
+                    "heads": heads,
+                    "signal": r.signal,
+                    "tokens": r.data.tokens,
+                    "sample": sample,
+                }
+            )
+        if stage == "export":
+            parts = {"heads": sha256_file(p.heads), "calibration": sha256_file(p.calibration)}
+            return digest({**self.base, "stage": stage, **parts})
+        raise ValueError(stage)
+
+    def restore(self, stage: str) -> str | None:
+        """Put the stage's cached output in place and say so; None when the stage must run."""
+        if not self.enabled or stage not in ("train-heads", "calibrate", "export"):
+            return None
+        key = self.key(stage)
+        if stage == "export":
+            hit = read("export", key)
+            manifest = self.plan.artifact / "manifest.json"
+            if hit is not None and manifest.is_file() and sha256_file(manifest) == hit.get("manifest_sha256"):
+                return f"cached: {self.plan.artifact} is already the export of these heads and calibration"
+            return None
+        files = self._files(stage)
+        if restore_files(stage, key, {f.name: f for f in files}):
+            return f"cached: {', '.join(str(f) for f in files)} (same model, data and settings)"
+        return None
+
+    def store(self, stage: str) -> str:
+        """Record a stage that ran; returns how it is reported."""
+        if stage in ("run", "bench"):
+            return "ran (a measurement: never cached)"
+        if not self.enabled or stage == "profile":
+            return "ran" if stage != "profile" else "ran (results cached by the profile itself)"
+        key = self.key(stage)
+        if stage == "export":
+            manifest = self.plan.artifact / "manifest.json"
+            write("export", key, {"manifest_sha256": sha256_file(manifest), "folder": str(self.plan.artifact)})
+        else:
+            store_files(stage, key, self._files(stage))
+        return "ran"

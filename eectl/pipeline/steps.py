@@ -1,0 +1,144 @@
+"""`eectl pipeline`: the worked example, every stage from one recipe, in order.
+
+The plan is data: which stages run, with which arguments, and where each output lands (artifacts/ under the
+working directory, named after the model). The CLI runs each step with its own command, so a pipeline stage does
+exactly what the command of the same name does.
+
+`dry_run` checks a recipe against its model without running a stage; `with_model` points a recipe at another
+copy of its checkpoint. What this module does not do: implement a stage (the stage modules) or print (cli/).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eectl.contracts.layers import default_exits
+from eectl.contracts.recipe import Recipe, load_recipe
+from eectl.errors import UsageError
+
+STAGES = ("profile", "train-heads", "calibrate", "export", "run", "bench")
+
+
+@dataclass
+class Plan:
+    name: str  # the model's name: every output is named after it
+    folder: Path  # artifacts/
+    steps: list[tuple[str, dict[str, Any]]]  # (command, its keyword arguments), in STAGES order
+
+    @property
+    def artifact(self) -> Path:
+        return self.folder / self.name
+
+    @property
+    def report(self) -> Path:
+        return self.folder / f"{self.name}-bench.md"
+
+    @property
+    def profile_plot(self) -> Path:
+        return self.folder / f"{self.name}-profile.png"
+
+    @property
+    def heads(self) -> Path:
+        return self.folder / f"{self.name}-heads.safetensors"
+
+    @property
+    def calibration(self) -> Path:
+        return self.folder / f"{self.name}-calibration.json"
+
+
+def plan(recipe: Path, prompt: str, threads: int | None = None, folder: Path = Path("artifacts")) -> Plan:
+    """The steps of the worked example for a recipe; creates `folder`."""
+    from eectl.models import resolve_source
+
+    r = load_recipe(recipe)
+    name = resolve_source(r.model).name
+    folder.mkdir(parents=True, exist_ok=True)
+    p = Plan(name, folder, [])
+    heads, calibration = p.heads, p.calibration
+    common = {"recipe": recipe, "threads": threads}
+    p.steps = [
+        ("profile", {"plot": p.profile_plot, **common}),
+        ("train-heads", {"out_path": heads, **common}),
+        ("calibrate", {"heads": heads, "out_path": calibration, **common}),
+        ("export", {"calibration": calibration, "heads": heads, "out": p.artifact, "force": True, **common}),
+        ("run", {"artifact": str(p.artifact), "prompt": prompt, "max_new_tokens": 64, **common}),
+        ("bench", {"artifact": str(p.artifact), "report": p.report, **common}),
+    ]
+    assert tuple(s for s, _ in p.steps) == STAGES
+    return p
+
+
+def with_model(recipe: Path, model: str) -> Path:
+    """A copy of the recipe (in a temporary folder, same file name) whose model is `model`: every stage reads it."""
+    import yaml
+
+    r = load_recipe(recipe).model_copy(update={"model": model})
+    path = Path(tempfile.mkdtemp(prefix="eectl-recipe-")) / recipe.name
+    path.write_text(yaml.safe_dump(r.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
+    return path
+
+
+@dataclass
+class DryRun:
+    recipe: str
+    model: dict[str, Any]
+    family: str
+    num_layers: int
+    exits: list[int]
+    data: dict[str, Any]
+    stages: list[tuple[str, str]] = field(default_factory=list)  # (stage, what it would run)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def dry_run(recipe: Recipe) -> DryRun:
+    """Load the recipe's model and data and check what would otherwise fail minutes into a run: the family the
+    recipe names, the exits against the layer count, the signal, Top-K against the vocabulary, the head design and
+    the bench configurations. Runs no stage."""
+    from eectl.data import load_text_data
+    from eectl.evaluate.results import BASELINES
+    from eectl.exits.designs import check_design
+    from eectl.exits.signals import get_signal
+    from eectl.models import load_model
+    from eectl.runtime.policies import POLICIES
+
+    loaded = load_model(recipe.model)
+    a = loaded.adapter
+    L = a.num_layers
+    if recipe.family is not None and a.family != recipe.family:
+        raise UsageError(f"recipe {recipe.name} is for the {recipe.family} family, but the model is {a.family}")
+    exits = list(recipe.exits) if recipe.exits else default_exits(L)
+    bad = [e for e in exits if not 1 <= e < L]
+    if bad:
+        raise UsageError(f"recipe {recipe.name}: exit {bad[0]} is not in 1..{L - 1} for this {L}-layer model")
+    if recipe.signal is not None:
+        get_signal(recipe.signal)
+    if not 2 <= recipe.top_k <= a.dims.vocab_size:
+        raise UsageError(f"recipe {recipe.name}: top_k {recipe.top_k} not in 2..{a.dims.vocab_size}")
+    check_design(recipe.heads.design, recipe.heads.rank)
+    unknown = [c for c in recipe.bench.configs if c not in (*BASELINES, *POLICIES)]
+    if unknown:
+        raise UsageError(f"recipe {recipe.name}: unknown bench configuration '{unknown[0]}'")
+    text = load_text_data(recipe.data.source, recipe.data.field)
+    h, b, pr = recipe.heads, recipe.bench, recipe.profile
+    stages = [
+        ("profile", f"{pr.tokens or recipe.data.tokens} tokens of {text.name}, alpha {pr.alpha}, {pr.similarity}"),
+        ("train-heads", f"{h.design} heads at exits {exits}, {h.steps} steps, {h.eval_tokens} held-out tokens"),
+        (
+            "calibrate",
+            f"{recipe.signal or 'learned (heads with probes)'} (K={recipe.top_k}) to {recipe.target} "
+            f"on {recipe.data.tokens} tokens",
+        ),
+        ("export", f"{len(exits) + 1} segments, exits {exits}, fp32"),
+        ("run", f"one sample prompt, policy {recipe.kv_policy}"),
+        (
+            "bench",
+            f"{', '.join(b.configs)}; {b.prompts} prompts x {b.max_new_tokens} tokens x {b.reps} reps, "
+            f"perplexity on {b.ppl_tokens} tokens, sweep {b.sweep or 'none'}",
+        ),
+    ]
+    return DryRun(recipe.name, loaded.source.to_dict(), a.family, L, exits, text.to_dict(), stages)

@@ -1,0 +1,260 @@
+"""Exits chosen by what they save: a cost model of one decode step, and the choice of active exits per policy.
+
+Inputs are two measurements of the artifact, both model-agnostic:
+- the calibrated **options** (calibrate_fit.py): for a subset of exits and a precision target, the per-exit thresholds
+  and the held-out share of all tokens that exit at each exit (`coverage`) and their agreement with the final layer
+  (`precision`): what a run with exactly those exits active sees (Top-K candidates picked at the subset's first exit);
+- the measured **costs** (costs.py): milliseconds per graph call on the runner's provider and thread count.
+
+Per-token time of an option under a policy (exit a_1 < ... < a_m active, c_i the coverage at a_i, c_0 = 1 - sum c_i):
+
+    exit at a_i:  embed + segments up to a_i + decisions at a_1..a_i + policy extra_i
+    no exit:      the full-depth step (measured) + decisions at a_1..a_m
+    decisions:    the candidate source at a_1, a local K-row exit at a_2.. (each with its signal computation);
+                  a cosine signal reads block states only, and an exiting token then pays the exit's LM head;
+                  plus a block head's graph where the exit has one (it runs for every token reaching the exit)
+    extra_i:      copy: the K/V-only graphs of the segments after a_i
+                  defer, verify: one more position in every later segment (the pending state rides along)
+                  verify: one more row in the final head (the draft is checked there)
+    river:        the int4 copies of the segments after a_i (one position each) and, predicting at the river's
+                  end, the final head (`river-exit` predicts at the exit: no final head)
+    verify:       a wrong draft (1 - precision_i) is rolled back with the drafts after it (r / (1 - r) of them on
+                  average, r = the exit rate): time per accepted token = time per step / (1 - lost tokens per step)
+
+The choice maximises predicted speed: for copy and defer over the options fitted at the fidelity target, for
+verify (lossless) over the options fitted at any precision of a grid (there the threshold is a speed knob). `copy` is
+never the default: its approximate K/V change later tokens in a way calibration does not measure.
+
+A configuration is activated only when the LOW end of its predicted speedup's 90% interval clears 1 + MIN_GAIN;
+otherwise the policy runs at full depth. The interval comes from the costs' per-round samples (`Costs.samples_ms`):
+a paired bootstrap over timing rounds. A replicate draws R rounds with replacement out of the R measured, takes
+each graph's median over them (as the point estimate does over all rounds) and predicts again; the interval is the
+5th-95th percentile of the replicates' speedups. Resampling whole rounds keeps what one round shares (the load of
+the moment falls on every graph timed in it, the full step included), so it cancels in a speedup as it does in the
+point estimate, and only the round-to-round disagreement widens the interval. The replicates are drawn with a
+fixed seed: the same costs always give the same plan. Costs without samples (artifacts exported before the
+intervals) are taken as exact: the interval is the point, and the choice is the point estimate's, as it was.
+
+What this module does not do: measure (costs.py, calibrate.py) or run anything; it is pure arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from eectl.contracts.plan import (
+    BOUND_POLICIES,
+    INTERVAL_TOP,
+    LEVEL,
+    MIN_GAIN,
+    PLAN_POLICIES,
+    RIVER_POLICIES,
+    Choice,
+    Costs,
+    Option,
+    Plan,
+    Prediction,
+)
+
+
+def sequence_agreement(disagreement: float, new_tokens: int) -> float:
+    """Expected position-wise agreement with full depth of `new_tokens` generated under copy or defer, when each
+    token disagrees with the full model's independently with probability `disagreement` (an option's held-out
+    1 - agreement on generated tokens) and the first disagreement ends agreement (the continuations part there):
+    the mean over positions i = 1..L of (1 - h)^i = (1 - h)(1 - (1 - h)^L) / (h L).
+
+    Calibration bounds the per-token rate; a sequence compounds it (h = 0.3% over 48 tokens: 0.93). Errors that
+    cluster in a few prompts part fewer continuations than independent ones, so this errs low; continuations that
+    meet again after parting make it err low too."""
+    h, n = float(disagreement), int(new_tokens)
+    if n <= 0 or h <= 0.0:
+        return 1.0
+    if h >= 1.0:
+        return 0.0
+    keep = 1.0 - h
+    return keep * (1.0 - keep**n) / (h * n)
+
+
+def _river_ms(costs: Costs, segment: int) -> float:
+    ms = None if costs.river_ms is None else costs.river_ms[segment]
+    if ms is None:
+        raise ValueError(f"no river timing for segment {segment}: the costs were measured without river copies")
+    return ms
+
+
+def _segment_of(boundaries: Sequence[int], layer: int) -> int:
+    """Index of the segment that ends at `layer` (boundaries: each segment's end layer, in order)."""
+    return list(boundaries).index(layer)
+
+
+def predict(
+    costs: Costs,
+    boundaries: Sequence[int],
+    policy: str,
+    per_exit: Sequence[tuple[int, float, float | None]],
+    lost_rate: float | None = None,
+    runs: Sequence[tuple[float, float]] | None = None,
+) -> Prediction:
+    """Expected ms per emitted token for active exits (layer, coverage, precision), ascending by layer.
+
+    `boundaries` are the artifact's segment end layers (the last = L). `lost_rate` (verify) overrides the tokens
+    lost per step that precisions imply (bench passes its measured rate). `runs` (gated options): per exit, the
+    share of all tokens whose decision runs there and the share that picks the candidates there; without it every
+    token reaching an exit decides there, the first exit picking.
+    """
+    base = costs.baseline_ms()  # full depth with no exit active (the bound chain where the runner has one)
+    bound = costs.bound_exits and policy in BOUND_POLICIES
+    over = costs.overhead_per_segment(bound)
+    # a token that passes every exit: the general per-call path, plus its decisions; on the bound chain, the
+    # chain's step (the pending positions it carries along are charged to the tokens that left them: extra_i)
+    full = base if bound else costs.full_step_ms
+    exits = [layer for layer, _, _ in per_exit]
+    if not exits:
+        return Prediction(
+            policy=policy, exits=[], ms_per_token=base, full_ms=base, speedup=1.0, decision_ms=0.0, exit_rate=0.0
+        )
+    reach = 1.0
+    shares: list[tuple[float, float]] = []  # per exit: (decides there as a later exit, picks there)
+    for i, (_, cov, _) in enumerate(per_exit):
+        shares.append((0.0 if i == 0 else reach, reach if i == 0 else 0.0))
+        reach -= cov
+    if runs is not None:
+        shares = [(d - p, p) for d, p in runs]
+    # the expected decision time per token: each exit's decisions at the share of tokens making them there (a block
+    # head runs for every token reaching its exit, gate or not)
+    decision = 0.0
+    reach = 1.0
+    for (layer, cov, _), (local, pick) in zip(per_exit, shares, strict=True):
+        decision += local * costs.local_ms[str(layer)] + pick * costs.candidates_ms[str(layer)]
+        decision += reach * costs.block_ms.get(str(layer), 0.0)
+        if runs is not None:  # gated: every token reaching the exit tests its gate
+            decision += reach * costs.gate_ms.get(str(layer), 0.0)
+        reach -= cov
+    n_seg = len(boundaries)
+    step = decision
+    rate = 0.0
+    for layer, cov, _ in per_exit:
+        s = _segment_of(boundaries, layer)
+        paid = costs.embed_ms + sum(costs.segment_ms[: s + 1]) + over * (s + 1)
+        if costs.exit_predict_ms is not None and policy != "river":  # the river's end predicts instead
+            paid += costs.exit_predict_ms[str(layer)]
+        later = range(s + 1, n_seg)
+        if policy == "copy":
+            paid += sum(costs.kv_ms[t] for t in later) + over * len(later)
+        elif policy in RIVER_POLICIES:  # the exited token flows on through the int4 copies
+            paid += sum(_river_ms(costs, t) for t in later) + over * len(later)
+            if policy == "river":
+                paid += costs.river_head_ms if costs.river_head_ms is not None else costs.final_head_ms
+        else:  # defer, verify: the exited state rides along with a later step through every later segment
+            paid += sum(costs.segment_extra_ms[t] for t in later)
+            if policy == "verify":
+                paid += costs.final_head_extra_ms
+        step += cov * paid
+        rate += cov
+    step += max(0.0, 1.0 - rate) * full
+    lost = 0.0
+    if policy == "verify":
+        if lost_rate is not None:
+            lost = lost_rate
+        else:
+            chain = 1.0 + (rate / (1.0 - rate) if rate < 1.0 else 0.0)
+            lost = sum(cov * (1.0 - (p if p is not None else 1.0)) for _, cov, p in per_exit) * chain
+        lost = min(lost, 0.95)
+    per_token = step / (1.0 - lost)
+    return Prediction(
+        policy=policy,
+        exits=exits,
+        ms_per_token=per_token,
+        full_ms=base,
+        speedup=base / per_token,
+        decision_ms=decision / (1.0 - lost),
+        exit_rate=rate,
+        lost_per_step=lost,
+    )
+
+
+def predict_option(costs: Costs, boundaries: Sequence[int], policy: str, option: Option) -> Prediction:
+    runs = None
+    if option.gated:
+        runs = [(x.decided or 0.0, x.picked or 0.0) for x in option.per_exit]
+    return predict(costs, boundaries, policy, [(x.layer, x.coverage, x.precision) for x in option.per_exit], runs=runs)
+
+
+def _usable(costs: Costs, boundaries: Sequence[int], opt: Option) -> bool:
+    inner = {str(b) for b in boundaries[:-1]}
+    pickers = opt.exits if opt.gated else opt.exits[:1]  # gated: any exit may pick the candidates
+    return (
+        bool(opt.exits)
+        and all(str(e) in inner and str(e) in costs.local_ms for e in opt.exits)
+        and all(str(e) in costs.candidates_ms for e in pickers)
+    )
+
+
+def with_interval(
+    pred: Prediction, replicates: Sequence[Costs], boundaries: Sequence[int], option: Option, level: float = LEVEL
+) -> Prediction:
+    """`pred` with its speedup's interval over the cost replicates (`Costs.resamples`); unchanged without them."""
+    if not replicates:
+        return pred
+    speedups = [predict_option(c, boundaries, pred.policy, option).speedup for c in replicates]
+    tail = (1.0 - level) / 2
+    lo, hi = np.quantile(speedups, [tail, 1.0 - tail])
+    return pred.model_copy(update={"interval": (round(float(lo), 4), round(float(hi), 4))})
+
+
+def choose(
+    costs: Costs,
+    boundaries: Sequence[int],
+    options: Sequence[Option],
+    min_gain: float = MIN_GAIN,
+    level: float = LEVEL,
+) -> Plan:
+    """Per policy, the fastest predicted option among those whose speedup's interval clears 1 + min_gain at its
+    low end (full depth when none does), and the default: the faster of defer and verify, or full depth."""
+    replicates = costs.resamples()
+    choices: dict[str, Choice] = {}
+    for policy in PLAN_POLICIES:
+        kind = "verify" if policy == "verify" else "target"
+        ranked = sorted(
+            (
+                (predict_option(costs, boundaries, policy, opt), opt)
+                for opt in options
+                if opt.kind == kind and _usable(costs, boundaries, opt)
+            ),
+            key=lambda po: -po[0].speedup,
+        )
+        # intervals for the top few by point estimate only (each costs RESAMPLES predictions): an option further
+        # down would need a much narrower interval than all of those for its low end alone to clear the line
+        top = [(with_interval(p, replicates, boundaries, o, level), o) for p, o in ranked[:INTERVAL_TOP]]
+        clear = [(p, o) for p, o in top if p.low() >= 1.0 + min_gain]
+        best: tuple[Prediction, Option] | None = max(clear or top, key=lambda po: po[0].speedup, default=None)
+        if clear and best is not None:
+            pred, opt = best
+            thresholds = {str(k): v for k, v in opt.thresholds().items()}
+            choices[policy] = Choice(
+                policy=policy, exits=opt.exits, thresholds=thresholds, option=opt, prediction=pred, best=pred
+            )
+        else:
+            choices[policy] = Choice(
+                policy=policy,
+                exits=[],
+                thresholds={},
+                option=None,
+                prediction=predict(costs, boundaries, policy, []),
+                best=None if best is None else best[0],
+            )
+    active = [p for p in ("defer", "verify") if choices[p].exits]
+    default = max(active, key=lambda p: choices[p].prediction.speedup) if active else "full"
+    return Plan(default=default, min_gain=min_gain, choices=choices, level=level)
+
+
+def plan_manifest(manifest: object, costs: Costs) -> Plan:
+    """Choose for an artifact (a Manifest) with these costs, from its calibration's menu."""
+    from eectl.contracts.manifest import Manifest
+
+    assert isinstance(manifest, Manifest)
+    boundaries = [s.layers[1] for s in manifest.segments]
+    options = manifest.calibration.options if manifest.calibration is not None else []
+    return choose(costs, boundaries, options)

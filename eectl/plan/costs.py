@@ -1,0 +1,362 @@
+"""What each graph of an artifact costs on the machine at hand: the cost model's input (plan.py).
+
+Every graph is called through the runtime the runner uses (ArtifactRuntime: the same sessions, IO binding and thread
+pool), at decode shape: one token on top of `past` positions of KV cache, and one more position where the defer and
+verify policies carry pending states along; each block exit head's graph on one position. Each figure is the median
+of `repeats` calls after `warmup` calls, in rounds that call every graph once (so each graph meets the CPU caches a
+decode step leaves it; an exit's decision right after its segment's call, as in decode: `after_segments`); every
+round's figure is kept (`Costs.samples_ms`: the plan's intervals are resampled from
+them), and `--profile-costs` times more rounds while the plan is undecided (`measure_costs`'s `decided`). The
+decisions are timed with the signal computation the runner does after the graph (`exits.signals`); a cosine
+signal's decision reads only block states, and the LM head at the exit is timed apart (`exit_predict_ms`: what an
+exiting token's own prediction costs, which a river predicting at its end never asks for). Where the runner
+decides on the bound chain (runtime/chain.py), the decisions are timed as it makes them there instead: the bound
+exit graph deciding in-graph, two scalars read (`Costs.bound_exits`). The full-depth step is timed through the
+runner itself, so whatever Python adds per step is in the model too.
+
+What this module does not do: predict or choose (plan.py); it only measures.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from eectl.contracts.plan import Costs
+from eectl.exits.base import signals
+from eectl.exits.gates import gate_open
+from eectl.exits.signals import ExitScoring, FullSoftmax, Signal, get_signal
+from eectl.runtime.blocks import run_block
+from eectl.runtime.chain import DecodeChain, chain_exits_supported
+from eectl.runtime.runner import OrtExitLogits, Runner
+from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
+from eectl.runtime.state import RowState, RunConfig
+
+DEFAULT_PAST = 128
+DEFAULT_REPEATS = 15
+# `--profile-costs` (runtime/generate.py `replan`): more rounds, DEFAULT_REPEATS at a time, while the plan's choice
+# is undecided (an option's interval straddles the line), for at most this long. About 10 batches on the default
+# model at 2 threads; the interval narrows as one over the square root of the rounds
+RETIME_BUDGET_S = 30.0
+FULL_STEPS = 16  # room kept in the cache beyond `past`
+
+
+Call = Callable[[], object]
+# a graph call to time, or (what runs right before it in a decode step, untimed; the call timed)
+Timed = Call | tuple[Call, Call]
+
+
+def _time_rounds(calls: dict[str, Timed], repeats: int, warmup: int, times: dict[str, list[float]]) -> None:
+    """Append each call's ms in `repeats` rounds (after `warmup` untimed ones) to `times`, every graph once per
+    round: as in a decode step, the other graphs evict a small graph's weights from the CPU caches between two of
+    its calls (timing one graph in a loop would find them cached and underestimate it), and round r of every graph
+    meets the same load of the moment (the plan's bootstrap resamples whole rounds: plan.py). A call given with its
+    prelude (an exit's decision: its segment) runs right after it, as in decode."""
+    for r in range(warmup + repeats):
+        for name, timed in calls.items():
+            if isinstance(timed, tuple):
+                prelude, fn = timed
+                prelude()
+            else:
+                fn = timed
+            t0 = time.perf_counter()
+            fn()
+            if r >= warmup:
+                times[name].append(round(1000 * (time.perf_counter() - t0), 4))
+
+
+def measure_costs(
+    rt: ArtifactRuntime,
+    past: int = DEFAULT_PAST,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = 3,
+    top_k: int | None = None,
+    signal: str = "topk-prob",
+    seed: int = 0,
+    decided: Callable[[Costs], bool] | None = None,
+    budget_s: float = RETIME_BUDGET_S,
+) -> Costs:
+    """Time every graph in `repeats` rounds. With `decided` (the plan's question: are the costs precise enough for
+    its choice?), time `repeats` more rounds at a time until it says yes or `budget_s` seconds have passed."""
+    m = rt.manifest
+    dims = m.dims
+    k = top_k or m.top_k
+    L = m.num_layers
+    past = max(1, min(past, m.max_positions - FULL_STEPS - 4))
+    rng = np.random.default_rng(seed)
+    h1 = rng.standard_normal((1, 1, dims["hidden_size"])).astype(rt.np_dtype)
+    h2 = rng.standard_normal((1, 2, dims["hidden_size"])).astype(rt.np_dtype)
+    kv = rt.new_kv(1, past + 4)
+
+    def segment(i: int, h: np.ndarray, kv_only: bool = False, river: bool = False) -> Callable[[], object]:
+        lo, hi = m.segments[i].layers
+
+        def call() -> object:
+            kv.filled[0, lo:hi] = past
+            return rt.run_segment(i, h, kv, 0, kv_only=kv_only, river=river)
+
+        return call
+
+    # the full-depth step is timed in the same rounds as the graphs, so load from other processes inflates both
+    # alike and the runner's own overhead (step minus graphs) stays what it is
+    calls: dict[str, Callable[[], object]] = {
+        "step": full_step_call(rt, past, seed),
+        **({"chain": chain} if (chain := chain_step_call(rt, past)) is not None else {}),
+        "embed": lambda: rt.embed(np.array([[1]], dtype=np.int64)),
+    }
+    for i in range(len(m.segments)):
+        calls[f"seg1.{i}"] = segment(i, h1)
+        calls[f"seg2.{i}"] = segment(i, h2)
+        calls[f"kv.{i}"] = segment(i, h1, kv_only=True)
+        if i in rt.river_segments:  # `export --river`: the int4 copy the river runs instead
+            calls[f"river.{i}"] = segment(i, h1, river=True)
+    row1, row2 = h1[0], h2[0]
+    calls["head1"] = lambda: rt.exit_full(L, row1, k)
+    calls["head2"] = lambda: rt.exit_full(L, row2, k)
+    if L in rt.river_heads:
+        calls["river_head"] = lambda: rt.exit_full(L, row1, k, river=True)
+    sig = get_signal(signal)
+    state_only = _exit_calls(calls, rt, sig, kv, h1, past, k)
+    bound = _bound_exit_calls(calls, rt, sig, h1, past, k)  # replaces the decisions the bound chain makes
+    timed = after_segments(calls, rt)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    _time_rounds(timed, repeats, warmup, times)
+    costs = _costs(rt, times, past, state_only, bound)
+    start = time.perf_counter()
+    while decided is not None and not decided(costs) and time.perf_counter() - start < budget_s:
+        _time_rounds(timed, repeats, 1, times)  # one untimed round: the plan's arithmetic ran in between
+        costs = _costs(rt, times, past, state_only, bound)
+    return costs
+
+
+def after_segments(calls: dict[str, Call], rt: ArtifactRuntime) -> dict[str, Timed]:
+    """Each exit's calls (decision as first or later exit, block head, own prediction) timed right after its
+    segment's one-position call, as a decode step makes them: the segment streams its layers' weights through the
+    caches first. Timed after one another instead, the decisions found each other's code and state cached and read
+    ~1.3x low (default model: 0.50 ms per token predicted, 0.65 ms realized in the bench)."""
+    out: dict[str, Timed] = dict(calls)
+    for layer in rt.manifest.exit_layers:
+        segment = calls[f"seg1.{rt.segment_of_layer[layer]}"]
+        for kind in ("cand", "local", "block", "predict", "gate"):
+            name = f"{kind}.{layer}"
+            if name in calls:
+                out[name] = (segment, calls[name])
+    return out
+
+
+def _costs(rt: ArtifactRuntime, times: dict[str, list[float]], past: int, state_only: bool, bound: bool) -> Costs:
+    """The Costs of these timing rounds: each figure the median of its per-round samples (kept, by the figure's
+    path, in `samples_ms`); the one-more-position figures are per-round differences (paired within a round)."""
+    m = rt.manifest
+    n = len(m.segments)
+    extra = {f"segment_extra_ms.{i}": _minus(times[f"seg2.{i}"], times[f"seg1.{i}"]) for i in range(n)}
+    samples: dict[str, list[float]] = {
+        "full_step_ms": times["step"],
+        **({"chain_step_ms": times["chain"]} if "chain" in times else {}),
+        "embed_ms": times["embed"],
+        **{f"segment_ms.{i}": times[f"seg1.{i}"] for i in range(n)},
+        **extra,
+        **{f"kv_ms.{i}": times[f"kv.{i}"] for i in range(n)},
+        "final_head_ms": times["head1"],
+        "final_head_extra_ms": _minus(times["head2"], times["head1"]),
+        **{f"candidates_ms.{e}": times[f"cand.{e}"] for e in m.exit_layers},
+        **{f"local_ms.{e}": times[f"local.{e}"] for e in m.exit_layers},
+        **{f"gate_ms.{e}": times[f"gate.{e}"] for e in m.exit_layers if f"gate.{e}" in times},
+        **{f"block_ms.{e}": times[f"block.{e}"] for e in m.exit_layers if e in rt.block_graphs},
+        **({f"exit_predict_ms.{e}": times[f"predict.{e}"] for e in m.exit_layers} if state_only else {}),
+        **{f"river_ms.{i}": times[f"river.{i}"] for i in range(n) if f"river.{i}" in times},
+        **({"river_head_ms": times["river_head"]} if "river_head" in times else {}),
+    }
+    med = {path: float(statistics.median(v)) for path, v in samples.items()}
+
+    def per(prefix: str, keys: list[str]) -> dict[str, float]:
+        return {k: med[f"{prefix}.{k}"] for k in keys if f"{prefix}.{k}" in med}
+
+    exits = [str(e) for e in m.exit_layers]
+    costs = Costs(
+        provider=rt.provider,
+        threads=rt.threads,
+        past=past,
+        repeats=len(times["step"]),
+        embed_ms=med["embed_ms"],
+        segment_ms=[med[f"segment_ms.{i}"] for i in range(n)],
+        segment_extra_ms=[med[f"segment_extra_ms.{i}"] for i in range(n)],
+        kv_ms=[med[f"kv_ms.{i}"] for i in range(n)],
+        final_head_ms=med["final_head_ms"],
+        final_head_extra_ms=med["final_head_extra_ms"],
+        candidates_ms=per("candidates_ms", exits),
+        local_ms=per("local_ms", exits),
+        gate_ms=per("gate_ms", exits),
+        full_step_ms=med["full_step_ms"],
+        chain_step_ms=med.get("chain_step_ms"),
+        bound_exits=bound,
+        block_ms=per("block_ms", exits),
+        candidate_source=str(m.candidate_source.get("name", "full")),
+        exit_predict_ms=per("exit_predict_ms", exits) if state_only else None,
+        river_ms=[med.get(f"river_ms.{i}") for i in range(n)] if rt.river_segments else None,
+        river_head_ms=med.get("river_head_ms"),
+        samples_ms={path: list(v) for path, v in samples.items()},
+    )
+    return costs
+
+
+def _minus(a: list[float], b: list[float]) -> list[float]:
+    """Per round, a - b (at least 0): what one more position or row costs, within one round's load."""
+    return [round(max(0.0, x - y), 4) for x, y in zip(a, b, strict=True)]
+
+
+def _exit_calls(
+    calls: dict[str, Callable[[], object]],
+    rt: ArtifactRuntime,
+    sig: Signal,
+    kv: KVBuffers,
+    h1: np.ndarray,
+    past: int,
+    k: int,
+) -> bool:
+    """Add each exit's decision calls (first active exit, later exits, block head, own prediction) to `calls`, as
+    the runner makes them; return whether the signal decides on states alone (no LM head: the cosine signals)."""
+    m = rt.manifest
+    row1 = h1[0]
+    topk = sig.needs_candidates
+    state_only = not topk and not isinstance(sig, FullSoftmax)  # cosine signals: no LM head to decide
+    hidden_t = row1.astype(np.float32)
+    for layer in m.exit_layers:
+
+        def first(layer: int = layer) -> object:
+            if not topk:
+                if state_only:
+                    return _state_decision(sig, rt, layer, hidden_t, k)
+                logits, _, _ = rt.exit_full(layer, row1, k)
+                return signals(logits)
+            cand, cand_logits = rt.exit_candidates(layer, row1, k)
+            return signals(cand_logits, cand)
+
+        cand = rt.exit_candidates(layer, row1, k)[0]
+
+        def later(layer: int = layer, cand: np.ndarray = cand) -> object:
+            if not topk:
+                return first(layer)
+            return signals(rt.exit_local(layer, row1, cand), cand)
+
+        calls[f"cand.{layer}"] = first
+        calls[f"local.{layer}"] = later
+        calls[f"gate.{layer}"] = _gate_call(rt, layer, row1)
+        if layer in rt.block_graphs:
+            calls[f"block.{layer}"] = block_call(rt, kv, layer, h1, past)
+        if state_only:  # an exiting token's own token then costs the exit's LM head (not for a river's end)
+
+            def predict(layer: int = layer) -> object:
+                return rt.exit_full(layer, row1, k)
+
+            calls[f"predict.{layer}"] = predict
+    return state_only
+
+
+def _gate_call(rt: ArtifactRuntime, layer: int, hidden: np.ndarray) -> Callable[[], object]:
+    """The exit's gate test on one state (eectl.exits.gates: host arithmetic), as the runner makes it: the calibration's
+    gate where there is one, else one of the same size (its cost does not depend on the values)."""
+    cal = rt.manifest.calibration
+    gate = cal.gates.get(str(layer)) if cal is not None else None
+    weight, bias = gate.arrays() if gate is not None else (np.ones(hidden.shape[-1], np.float32), 0.0)
+    test = (weight, bias, 0.0)
+    state = hidden.reshape(1, 1, -1)  # the chain's hop buffer's shape
+
+    def call() -> object:
+        return gate_open(test, state)
+
+    return call
+
+
+def _bound_exit_calls(
+    calls: dict[str, Callable[[], object]], rt: ArtifactRuntime, sig: Signal, h1: np.ndarray, past: int, k: int
+) -> bool:
+    """Where the runner decides exits on the bound chain (runtime/chain.py: one row, greedy, the decision inside
+    the exit graph), time each exit's decision as that chain makes it: its bound graph call and the two scalars it
+    reads. Each exit as the first active one (its candidates picked) and as a later one (scoring the candidates an
+    earlier exit bound). Returns whether it did (False: the artifact's exit graphs cannot decide in-graph, or the
+    signal is not one they decide)."""
+    m = rt.manifest
+    exits = list(m.exit_layers)
+    if "chain" not in calls or not chain_exits_supported(rt, exits, sig):
+        return False
+    never = {c: float("inf") for c in sig.criteria}  # thresholds do not change the graph's work
+
+    def decision(chain: DecodeChain, layer: int) -> Callable[[], object]:
+        s = rt.segment_of_layer[layer]
+        if isinstance(chain.hops[s + 1], np.ndarray):  # the exit reads its segment's output buffer
+            chain.hops[s + 1][...] = h1
+        ex = chain.exits[s]
+
+        def call(chain: DecodeChain = chain) -> object:  # the chain owns the buffers bound: it must stay alive
+            ex.session.run_with_iobinding(ex.io)
+            return bool(ex.passed[0]), int(ex.token[0])
+
+        return call
+
+    for layer in exits:
+        alone = DecodeChain(rt, rt.new_kv(1, past + 4), 0, {layer: never}, sig, k)
+        calls[f"cand.{layer}"] = decision(alone, layer)
+        if layer > exits[0]:  # as a later exit, scoring the candidates the first exit bound (picked once here)
+            pair = DecodeChain(rt, rt.new_kv(1, past + 4), 0, {exits[0]: never, layer: never}, sig, k)
+            decision(pair, exits[0])()
+            calls[f"local.{layer}"] = decision(pair, layer)
+    return True
+
+
+def block_call(rt: ArtifactRuntime, kv: KVBuffers, layer: int, h: np.ndarray, past: int) -> Callable[[], object]:
+    """The block exit head at `layer` on one position on top of `past` (its segment holding the same positions)."""
+    slot = rt.manifest.exit_at(layer).block.kv_slot  # type: ignore[union-attr]
+
+    def call() -> object:
+        kv.filled[0, slot] = past
+        kv.filled[0, layer - 1] = past + 1
+        return run_block(rt, layer, h, kv, 0)
+
+    return call
+
+
+def _state_decision(sig: Signal, rt: ArtifactRuntime, layer: int, hidden: np.ndarray, k: int) -> object:
+    """A cosine signal's decision as the runner makes it (numpy in): the signal over the exit's block states, no LM
+    head."""
+    lo, hi = rt.manifest.segments[rt.segment_of_layer[layer]].layers
+    blocks = np.repeat(hidden[None], hi - lo + 1, axis=0)  # [n + 1, N, H]: the segment's block boundaries
+    scoring = ExitScoring(sig, OrtExitLogits(rt), k)
+    return scoring.score(layer, hidden[None], hidden[None], blocks).values
+
+
+def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object] | None:
+    """One full-depth greedy step through the bound decode chain (runtime/chain.py), the path `eectl run` takes for
+    one row with no exit active, on top of `past` cached positions; None where the artifact cannot chain."""
+    m = rt.manifest
+    if "token" not in rt.full_graphs[m.num_layers].io.outputs or any(g.session is None for g in rt.segments):
+        return None
+    kv = rt.new_kv(1, past + 4)
+    chain = DecodeChain(rt, kv, 0)
+
+    def call() -> object:
+        kv.filled[0, : m.num_layers] = past  # rewind: every call decodes the same position
+        return chain.step(1)
+
+    return call
+
+
+def full_step_call(rt: ArtifactRuntime, past: int, seed: int = 0) -> Callable[[], object]:
+    """One full-depth decode step through the runner (`Runner._step`, the path `eectl run` takes), on top of a
+    `past`-token prompt (random ids) prefilled once; each call rewinds the cache and steps again."""
+    m = rt.manifest
+    prompt = np.random.default_rng(seed).integers(0, m.dims["vocab_size"], size=past).tolist()
+    runner = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=FULL_STEPS + 1, stop_ids=()))
+    kv = rt.new_kv(1, past + 4)
+    st = RowState(list(prompt), past, [None] * len(m.segments))
+    nxt = runner._step(0, st, kv, st.tokens)  # prefill
+
+    def call() -> object:
+        kv.filled[0, :] = past
+        st.exit_layers.clear()
+        return runner._step(0, st, kv, [nxt])
+
+    return call

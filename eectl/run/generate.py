@@ -1,0 +1,320 @@
+"""`eectl run` as a library call: an artifact folder, prompts and run options in; generations and a report out.
+
+Resolves the run options against the manifest (active exits, thresholds from the calibration, a scale factor or
+explicit values, the signal), applies the tokenizer's chat template, and turns token ids back into text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eectl.contracts.calibration import never_exits
+from eectl.contracts.gates import GATE
+from eectl.contracts.layers import parse_layers
+from eectl.data import encode_prompt
+from eectl.errors import ArtifactError, DataError, UsageError
+from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
+from eectl.files import confined, read_utf8
+from eectl.runtime.ort import PROVIDERS
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import Generation, RunConfig
+
+
+@dataclass
+class RunOptions:
+    exits: str | None = None  # "12,20" | "none" | None (the manifest's plan, else its calibrated exits, else all)
+    policy: str | None = None  # None: the plan's default (full depth when nothing pays), else defer
+    river_predict: str = "end"  # river: predict at the river's end (final head) or at the exit
+    thresholds: str | None = None  # "0.9" for every exit, or "12:0.9,20:0.8"; None: the calibration's
+    threshold_scale: float = 1.0
+    signal: str | None = None  # None: the calibration's, else topk-prob
+    top_k: int | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    raw: bool = False
+    provider: str = "auto"
+    threads: int | None = None
+    profile_costs: bool = False  # re-measure the graph costs here and re-plan before running
+
+
+def load_tokenizer(rt: ArtifactRuntime) -> Any:
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    folder = confined(rt.folder, rt.manifest.tokenizer_dir, ArtifactError)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # tokenizers / transformers raise many types for a damaged tokenizer
+        lines = str(exc).strip().splitlines()
+        raise ArtifactError(
+            f"cannot load the tokenizer in {rt.manifest.tokenizer_dir}/: {lines[0] if lines else type(exc).__name__}"
+        ) from None
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """A .jsonl file (field prompt / question / text per line) or a text file (one prompt per line)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"prompt file not found: {path}")
+    prompts: list[str] = []
+    lines = read_utf8(p, DataError)
+    for n, line in enumerate(lines.split("\n") if p.suffix.lower() == ".jsonl" else lines.splitlines(), 1):
+        if not line.strip():
+            continue
+        if p.suffix.lower() == ".jsonl":
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{p.name} is not valid JSON Lines: {exc.msg}: line {n} column {exc.colno}") from None
+            text = next((row[k] for k in ("prompt", "question", "text") if isinstance(row, dict) and k in row), None)
+            if not isinstance(text, str):
+                raise DataError(f"{p.name} line {n} has no prompt, question or text field")
+            prompts.append(text)
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise DataError(f"no prompts in {path}")
+    return prompts
+
+
+def check_options(opts: RunOptions) -> None:
+    """The checks that need no artifact, run before its graphs load (resolve_config checks the rest)."""
+    if not (opts.threshold_scale > 0 and math.isfinite(opts.threshold_scale)):
+        raise UsageError(f"--threshold-scale must be a positive finite number, got {opts.threshold_scale}")
+    if not (0 <= opts.temperature < math.inf) or not 0 < opts.top_p <= 1:
+        raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if opts.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
+    if opts.provider != "auto" and opts.provider not in PROVIDERS:
+        raise UsageError(f"--provider must be auto or one of {', '.join(PROVIDERS)}, got '{opts.provider}'")
+
+
+def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -> RunConfig:
+    """Active exits, thresholds and policy: explicit options, else the manifest's plan (exits chosen by predicted
+    speed; full depth when nothing pays), else the calibration's exits and thresholds."""
+    m = rt.manifest
+    cal = m.calibration
+    calibrated = cal.thresholds_by_layer() if cal is not None else {}
+    signal = get_signal(opts.signal or (cal.signal if cal is not None else DEFAULT_SIGNAL))
+    plan = m.plan
+    same_signal = cal is not None and signal.name == cal.signal
+    if plan is not None and plan.choices and opts.exits is None and opts.thresholds is None and same_signal:
+        return _from_plan(rt, opts, stop_ids, signal.name)
+    exits = parse_layers(opts.exits)
+    if exits is None:
+        exits = sorted(calibrated) if calibrated else list(m.exit_layers)
+    exits = sorted(set(exits))
+    thresholds: dict[int, dict[str, float]] = {}
+    if opts.thresholds is not None:
+        thresholds = _parse_thresholds(opts.thresholds, exits, signal.criteria)
+    elif exits:
+        if cal is None or signal.name != cal.signal or not all(e in calibrated for e in exits):
+            raise UsageError(
+                f"no calibrated thresholds for signal {signal.name} at exits {exits}",
+                hint="export with --calibration, or pass --thresholds (e.g. 0.9, or 12:0.9,20:0.8)",
+            )
+        # An exit calibrated never to exit only costs time: drop it, unless it is where candidates are picked.
+        keep_first = signal.needs_candidates
+        exits = [e for i, e in enumerate(exits) if (keep_first and i == 0) or not never_exits(calibrated[e])]
+        thresholds = {e: calibrated[e] for e in exits}
+    return _config(rt, opts, stop_ids, signal.name, opts.policy or "defer", exits, thresholds, "")
+
+
+def _from_plan(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], signal: str) -> RunConfig:
+    plan = rt.manifest.plan
+    assert plan is not None
+    policy = opts.policy or plan.default
+    if policy == "full":
+        return _config(rt, opts, stop_ids, signal, "defer", [], {}, plan.summary(), planned=True)
+    choice = plan.choices.get(policy)
+    if choice is None:
+        raise UsageError(f"--policy must be one of {', '.join(plan.choices)}, got '{policy}'")
+    if not choice.exits:
+        best = choice.best
+        if best is not None:
+            tail = f" (best: exits {best.exits}, {best.describe()})"
+        else:
+            tail = " (no calibrated exit subset qualifies for it)"
+        note = f"plan: no {policy} configuration has {plan.line()}{tail}; running at full depth"
+        return _config(rt, opts, stop_ids, signal, policy, [], {}, note, planned=True)
+    thresholds = {int(k): dict(v) for k, v in choice.thresholds.items()}
+    gated = " (gated)" if choice.option is not None and choice.option.gated else ""
+    note = (
+        f"plan: {policy} at exits {choice.exits}{gated}, predicted {choice.prediction.describe()} full depth "
+        f"({plan.level:.0%} interval)" + ("" if opts.policy else " (the default)")
+    )
+    return _config(rt, opts, stop_ids, signal, policy, list(choice.exits), thresholds, note, planned=True)
+
+
+def _config(
+    rt: ArtifactRuntime,
+    opts: RunOptions,
+    stop_ids: tuple[int, ...],
+    signal: str,
+    policy: str,
+    exits: list[int],
+    thresholds: dict[int, dict[str, float]],
+    note: str,
+    planned: bool = False,
+) -> RunConfig:
+    check_options(opts)
+    # the scale is the signal's (a gate's threshold is a logit, not a confidence: left as fitted)
+    thresholds = {
+        e: {c: v if c == GATE else v * opts.threshold_scale for c, v in t.items()} for e, t in thresholds.items()
+    }
+    return RunConfig(
+        exits=exits,
+        thresholds=thresholds,
+        signal=signal,
+        policy=policy,
+        river_predict=opts.river_predict,
+        top_k=opts.top_k or rt.manifest.top_k,
+        max_new_tokens=opts.max_new_tokens,
+        temperature=opts.temperature,
+        top_p=opts.top_p,
+        seed=opts.seed,
+        stop_ids=stop_ids,
+        note=note,
+        planned=planned,
+    )
+
+
+def _parse_thresholds(text: str, exits: list[int], criteria: tuple[str, ...]) -> dict[int, dict[str, float]]:
+    """'0.9' (every exit, every criterion) or '12:0.9,20:0.8' (per exit); a criterion pair as '12:0.9/0.2'."""
+    values: list[float] = []
+    try:
+        if ":" not in text:
+            values = [float(v) for v in text.split("/")]
+            out = {e: dict(zip(criteria, _fill(values, criteria), strict=True)) for e in exits}
+        else:
+            out = _per_exit(text, criteria)
+    except ValueError:
+        raise UsageError(f"--thresholds: cannot parse '{text}' (e.g. 0.9, or 12:0.9,20:0.8)") from None
+    if not all(math.isfinite(v) for t in out.values() for v in t.values()) or not all(map(math.isfinite, values)):
+        raise UsageError(f"--thresholds must be finite numbers, got '{text}'")  # NaN never passes: nothing would exit
+    missing = [e for e in exits if e not in out]
+    if missing:
+        raise UsageError(f"--thresholds gives no value for exits {missing}")
+    return {e: out[e] for e in exits}
+
+
+def _per_exit(text: str, criteria: tuple[str, ...]) -> dict[int, dict[str, float]]:
+    out = {}
+    for part in text.split(","):
+        layer, vals = part.split(":")
+        out[int(layer)] = dict(zip(criteria, _fill([float(v) for v in vals.split("/")], criteria), strict=True))
+    return out
+
+
+def _fill(values: list[float], criteria: tuple[str, ...]) -> list[float]:
+    if len(values) == 1:
+        return values * len(criteria)
+    if len(values) != len(criteria):
+        raise ValueError("wrong number of threshold values")
+    return values
+
+
+def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
+    """Local-vocabulary thresholds were calibrated with candidates picked at the first calibrated exit; another
+    first exit changes what the local probabilities mean."""
+    cal = rt.manifest.calibration
+    first = cal.candidates_layer if cal is not None else None
+    if config.planned:  # the plan's thresholds were fitted with the candidates at its own first exit
+        return None
+    if get_signal(config.signal).needs_candidates and config.exits and first and config.exits[0] != first:
+        return (
+            f"thresholds were calibrated with Top-K candidates chosen at exit {first}; with exit "
+            f"{config.exits[0]} first they are only approximate (recalibrate with these exits)"
+        )
+    return None
+
+
+def replan(rt: ArtifactRuntime, budget_s: float | None = None) -> None:
+    """Re-measure the artifact's graph costs on this machine and re-choose the exits (in memory, for this run):
+    timing more rounds while a policy's choice is undecided (its best option's interval straddles the plan's line),
+    for at most `budget_s` seconds (costs.RETIME_BUDGET_S)."""
+    from eectl.plan.choose import plan_manifest
+    from eectl.plan.costs import RETIME_BUDGET_S, measure_costs
+
+    m = rt.manifest
+    m.costs = measure_costs(
+        rt,
+        signal=m.calibration.signal if m.calibration is not None else DEFAULT_SIGNAL,
+        decided=lambda costs: not plan_manifest(m, costs).undecided(),
+        budget_s=RETIME_BUDGET_S if budget_s is None else budget_s,
+    )
+    m.plan = plan_manifest(m, m.costs)
+
+
+@dataclass
+class RunReport:
+    prompt: str
+    text: str
+    generation: Generation
+    num_layers: int
+
+    def to_dict(self) -> dict[str, Any]:
+        g = self.generation
+        return {
+            "prompt": self.prompt,
+            "text": self.text,
+            "prompt_ids": g.prompt_ids,
+            "token_ids": g.token_ids,
+            "exit_layers": g.exit_layers,
+            "tokens_per_s": g.tokens_per_s,
+            "ttft_s": g.ttft_s,
+            "latencies_s": g.latencies_s,
+            "mean_executed_layers": g.mean_layers(self.num_layers),
+            "decide_s": g.decide_s,
+            "drafted": g.drafted,
+            "rejected_drafts": g.rejected_drafts,
+        }
+
+
+def run_prompts(
+    artifact: str | Path,
+    prompts: list[str],
+    opts: RunOptions,
+    batch_size: int = 1,
+    on_text: Callable[[int, str], None] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> tuple[ArtifactRuntime, RunConfig, list[RunReport]]:
+    """Generate for every prompt; `on_text(prompt_index, confirmed_text)` streams the text as it settles, `warn`
+    gets warnings about the options (e.g. thresholds used outside what they were calibrated for)."""
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+    check_options(opts)
+    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
+    tok = load_tokenizer(rt)
+    if opts.profile_costs:
+        replan(rt)
+    config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
+    if config.note and warn is not None:
+        warn(config.note)
+    warning = calibration_warning(rt, config) if opts.thresholds is None else None
+    if warning is not None and warn is not None:
+        warn(warning)
+    runner = Runner(rt, config)
+    reports: list[RunReport] = []
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        stream = None
+        if on_text is not None:
+
+            def stream(row: int, confirmed: list[int], first: int = i, cb: Callable = on_text) -> None:
+                cb(first + row, tok.decode(confirmed, skip_special_tokens=True))
+
+        gens = runner.generate([encode_prompt(tok, p, opts.raw) for p in batch], on_step=stream)
+        for p, g in zip(batch, gens, strict=True):
+            text = tok.decode(g.token_ids, skip_special_tokens=True)
+            reports.append(RunReport(p, text, g, rt.manifest.num_layers))
+    return rt, config, reports

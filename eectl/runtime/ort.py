@@ -1,0 +1,210 @@
+"""ONNX Runtime itself: the import, thread settings, the registry of execution providers, one session (`Graph`)
+and a device-resident tensor (`DeviceView`).
+
+What this module does not do: know artifacts (sessions.py) or KV buffers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eectl.contracts.manifest import GraphIO
+from eectl.errors import ArtifactError, UsageError
+
+_THREADS: int | None = None
+
+
+def _ort() -> Any:
+    import onnxruntime as ort
+
+    return ort
+
+
+def init_ort(threads: int | None = None) -> int:
+    """Create ORT's environment once, with one global intra-op pool of `threads` shared by every session.
+
+    Measured on 2 cores: per-session pools fighting over the cores cost several times more per token than one
+    shared pool (see the export issue notes). Later calls must ask for the same size.
+    """
+    global _THREADS
+    n = threads or os.cpu_count() or 1
+    if _THREADS is None:
+        ort = _ort()
+        ort.set_default_logger_severity(3)
+        from onnxruntime.capi import _pybind_state as C
+
+        C.set_global_thread_pool_sizes(n, 1)
+        _THREADS = n
+    elif threads is not None and threads != _THREADS:
+        raise UsageError(
+            f"ONNX Runtime's thread pool already has {_THREADS} threads in this process; cannot switch to {threads}"
+        )
+    return _THREADS
+
+
+def cuda_usable() -> bool:
+    """True only where the CUDA EP can actually load: a visible NVIDIA device and the EP in this build.
+
+    Checked without creating a CUDA session, so machines without a GPU never see the EP's library-load errors.
+    """
+    if "CUDAExecutionProvider" not in _ort().get_available_providers():
+        return False
+    return any(Path(p).exists() for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"))
+
+
+@dataclass(frozen=True)
+class ExecutionProvider:
+    """An ONNX Runtime execution provider as `--provider` names it. To add one (e.g. TensorRT, DirectML): one
+    `register_provider(...)` entry below; buffers on a non-CPU device are bound as OrtValues on `device`."""
+
+    name: str
+    ort_providers: tuple[str, ...]  # handed to InferenceSession, in preference order
+    device: str  # where bound inputs and KV buffers live: "cpu", or an OrtValue device name ("cuda")
+    usable: Callable[[], bool]  # checked without creating a session
+    auto_dtypes: tuple[str, ...] = ()  # artifact dtypes `--provider auto` picks it for
+
+
+PROVIDERS: dict[str, ExecutionProvider] = {}
+
+
+def register_provider(provider: ExecutionProvider) -> ExecutionProvider:
+    PROVIDERS[provider.name] = provider
+    return provider
+
+
+register_provider(ExecutionProvider("cpu", ("CPUExecutionProvider",), "cpu", lambda: True))
+
+
+register_provider(
+    ExecutionProvider("cuda", ("CUDAExecutionProvider", "CPUExecutionProvider"), "cuda", cuda_usable, ("fp16",))
+)
+
+
+def resolve_provider(requested: str, dtype: str) -> str:
+    """auto -> the first registered provider that is usable and meant for this dtype (cuda for fp16 artifacts where
+    CUDA is usable), else cpu. An explicit provider that cannot load here is an error."""
+    if requested == "auto":
+        return next((p.name for p in PROVIDERS.values() if dtype in p.auto_dtypes and p.usable()), "cpu")
+    if requested not in PROVIDERS:
+        raise UsageError(f"--provider must be auto or one of {', '.join(PROVIDERS)}, got '{requested}'")
+    provider = PROVIDERS[requested]
+    if not provider.usable():
+        raise UsageError(
+            f"the {provider.ort_providers[0]} execution provider is not available on this machine",
+            hint="use --provider cpu",
+        )
+    return requested
+
+
+def session_options(threads: int | None = None) -> Any:
+    ort = _ort()
+    init_ort(threads)
+    so = ort.SessionOptions()
+    so.use_per_session_threads = False  # the process-wide pool from init_ort
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    return so
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _check_names(io: GraphIO, session: Any) -> None:
+    """Every input and output name the manifest gives must exist in the graph (caught at load, not mid-run)."""
+    # inputs with a default (an initializer, e.g. an exit's decision thresholds) are listed apart by ORT
+    inputs = [*session.get_inputs(), *session.get_overridable_initializers()]
+    have = {"input": {i.name for i in inputs}, "output": {o.name for o in session.get_outputs()}}
+    for kind, names in (("input", io.inputs), ("output", io.outputs)):
+        for value in names.values():
+            for name in [value] if isinstance(value, str) else value:
+                if name not in have[kind]:
+                    raise ArtifactError(f"the graph {io.file} has no {kind} named {name!r} (the manifest names it)")
+
+
+@dataclass
+class Graph:
+    """One graph's session and its names from the manifest."""
+
+    io: GraphIO
+    session: Any  # None while released (export's validation holds one segment's sessions at a time)
+    device: str
+
+    def name(self, key: str) -> str:
+        value = self.io.inputs.get(key, self.io.outputs.get(key))
+        assert isinstance(value, str), key
+        return value
+
+    def names(self, key: str) -> list[str]:
+        value = self.io.inputs.get(key, self.io.outputs.get(key))
+        assert isinstance(value, list), key
+        return value
+
+    def binding(self) -> Any:
+        return self.session.io_binding()
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """A contiguous piece of a device buffer bound by pointer (a row of a batch's [B, ...] KV buffer on the GPU, or a
+    row / the last position of a device-resident hidden state: ORT's Python API has no OrtValue views, but it binds
+    raw device memory). `owner` keeps the OrtValue that holds the memory alive as long as the view.
+
+    Indexing takes the leading-axes forms whose result stays contiguous (`x[r]`, `x[a:b]`, `x[0, -1:]`, `x[0, -1]`,
+    `x[0, :-1]`); anything else raises, so a strided copy never happens silently. There is no `.numpy()`: a
+    device-resident state cannot be read on the host by accident (sessions.ArtifactRuntime._read is the one way out,
+    for the outputs the binding plan sends to the host)."""
+
+    device: str
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: Any
+    owner: Any = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, value: Any) -> DeviceView:
+        """An OrtValue (a tensor on any device) as a view of its whole memory."""
+        return cls(value.device_name(), value.data_ptr(), tuple(value.shape()), _np_dtype(value), value)
+
+    def reshape(self, *shape: int) -> DeviceView:
+        if int(np.prod(shape)) != int(np.prod(self.shape)):
+            raise ValueError(f"cannot reshape {self.shape} to {shape}")
+        return DeviceView(self.device, self.ptr, tuple(shape), self.dtype, self.owner)
+
+    def __getitem__(self, index: Any) -> DeviceView:
+        items = index if isinstance(index, tuple) else (index,)
+        shape, ptr = list(self.shape), self.ptr
+        axis = 0  # the axis the next item indexes, in `shape` as it shrinks
+        sliced = False
+        for item in items:
+            if sliced:
+                raise IndexError(f"a device view takes no index after a slice (contiguous only): {index}")
+            n = shape[axis]
+            inner = int(np.prod(shape[axis + 1 :])) * np.dtype(self.dtype).itemsize
+            if isinstance(item, slice):
+                start, stop, step = item.indices(n)
+                if step != 1:
+                    raise IndexError(f"a device view takes no strided slice: {index}")
+                ptr += start * inner
+                shape[axis] = max(stop - start, 0)
+                axis += 1
+                sliced = shape[axis - 1] > 1  # a longer kept axis: indexing inside it would stride
+            else:
+                i = int(item) + n if int(item) < 0 else int(item)
+                if not 0 <= i < n:
+                    raise IndexError(f"index {item} out of range for axis of {n}")
+                ptr += i * inner
+                del shape[axis]
+        return DeviceView(self.device, ptr, tuple(shape), self.dtype, self.owner)
+
+
+def _np_dtype(value: Any) -> Any:
+    """An OrtValue's element type as numpy's."""
+    return {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}[value.data_type()]

@@ -1,0 +1,90 @@
+"""What a run is asked (`RunConfig`), what one row carries between steps (`RowState`) and what it returns
+(`Generation`): the types the runner and the KV policies share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eectl.exits.signals import DEFAULT_SIGNAL
+
+
+@dataclass
+class RunConfig:
+    exits: list[int]  # active exit layers ([] = full depth)
+    thresholds: dict[int, dict[str, float]]  # exit layer -> criterion -> threshold (exit when value >= it)
+    signal: str = DEFAULT_SIGNAL
+    policy: str = "defer"
+    top_k: int = 64
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+    verify_block: int = 8  # verify: at most this many drafts before a forced full-depth pass
+    # batches (defer, verify): an exited row's deferred state joins the deeper segment calls that run anyway for other
+    # rows (its K/V computed now, the same values a later flush computes) instead of waiting; see `_ride`
+    ride_along: bool = True
+    # batches: the rows' prompts run as one padded first-prompt call per segment (GQA's no-past case, runtime/batch.py
+    # `run_prefill`) rather than one single-row call each. None: on non-CPU providers only; on the CPU EP a prompt
+    # call is compute-bound and the padding costs what the shared call saves (default model, 16 HumanEval prompts
+    # of 88-189 tokens: padded 14.7 s vs single-row 13.6 s)
+    batch_prompts: bool | None = None
+    # greedy steps executed as the binding plan says: hidden states, KV and logits stay device values between
+    # graphs; only the exit tests' K ids/scores or one scalar per row, and the tokens, are read (full depth:
+    # runtime/device_path.py; with exits: the runner's loop in resident mode). None: on non-CPU providers (on the
+    # CPU EP the host path's bound numpy arrays are the same memory, with less work per call)
+    device_resident: bool | None = None
+    river_predict: str = "end"  # river: the token from the river's end (final head) or from the exit itself
+    stop_ids: tuple[int, ...] = ()
+    note: str = ""  # how the configuration was chosen (one line for run and bench)
+    planned: bool = False  # exits and thresholds come from the manifest's plan
+
+
+@dataclass
+class RowState:
+    tokens: list[int]  # prompt + generated so far (the last one not yet processed)
+    prompt_len: int
+    pending: list[np.ndarray | None]  # per segment: [1, P, H] hidden at its input, or None
+    drafts: list[tuple[int, int]] = field(default_factory=list)  # verify: (position, token) not yet checked
+    exit_layers: list[int] = field(default_factory=list)  # per emitted token: the layer it was decided at
+    latencies: list[float] = field(default_factory=list)  # per emitted token (seconds)
+    forced: list[int] | None = None  # teacher forcing: the tokens to feed instead of the decided ones
+    nll: list[float] = field(default_factory=list)  # teacher forcing: -log p(forced token) at the decided layer
+    greedy: list[int] = field(default_factory=list)  # teacher forcing: the decided layer's argmax at each position
+    decide_s: float = 0.0
+    decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there (gates skip some)
+    picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked the candidates there
+    drafted: int = 0
+    rejected: int = 0
+    done: bool = False
+
+    def count_decisions(self, decided: list[int], picked: int | None) -> None:
+        for layer in decided:
+            self.decided[layer] = self.decided.get(layer, 0) + 1
+        if picked is not None:
+            self.picked[picked] = self.picked.get(picked, 0) + 1
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    exit_layers: list[int]
+    ttft_s: float
+    latencies_s: list[float]
+    decide_s: float  # time spent computing exit signals and decisions
+    total_s: float
+    drafted: int = 0  # verify: draft tokens proposed by exits
+    rejected_drafts: int = 0  # verify: positions rolled back
+    decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there
+    picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked candidates there
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode = sum(self.latencies_s[1:])
+        return (len(self.token_ids) - 1) / decode if decode > 0 and len(self.token_ids) > 1 else 0.0
+
+    def mean_layers(self, num_layers: int) -> float:
+        return float(np.mean(self.exit_layers)) if self.exit_layers else float(num_layers)
