@@ -67,7 +67,10 @@ def test_clopper_pearson_known_values():
     tail = sum(math.comb(n, j) * p**j * (1 - p) ** (n - j) for j in range(k, n + 1))
     assert tail == pytest.approx(0.1, abs=1e-9)
     assert min_tokens_for(0.99, 0.95) == 299 and min_tokens_for(0.95, 0.95) == 59
-    assert 0.05 ** (1 / 299) >= 0.99 > 0.05 ** (1 / 298)
+    # min_tokens_for(target, confidence) is the smallest all-correct count whose bound reaches the target
+    for target, conf in ((0.99, 0.95), (0.95, 0.95), (0.995, 0.9), (0.9, 0.99)):
+        n = min_tokens_for(target, conf)
+        assert float(clopper_pearson_lower(n, n, conf)) >= target > float(clopper_pearson_lower(n - 1, n - 1, conf))
 
 
 def test_betainc_matches_binomial_sums():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -163,12 +164,30 @@ def test_verify_equals_full_depth(artifacts, family):
 
 
 def test_copy_fills_every_layer_and_matches_exit_lens_at_one_exit(artifacts, family):
-    """With one always-taken exit, earlier layers' KV are exact, so tokens follow the logit lens at that exit."""
+    """With one always-taken exit, earlier layers' KV are exact, so tokens follow the logit lens at that exit. The
+    skipped layers hold K/V for every position: the first skipped layer's input is the exit state itself, so its
+    copied K/V equal full depth's; a deeper layer's copy (its input taken to be the exit state) does not."""
     loaded, rt = artifacts[family]
     prompt = _prompt(4, 8, loaded.adapter.dims.vocab_size)
-    gen = _runner(rt, "copy", {4: 0.0}, exits=[4], new=12).generate([prompt])[0]
+    copy = _runner(rt, "copy", {4: 0.0}, exits=[4], new=12)
+    gen = copy.generate([prompt])[0]
     defer = _runner(rt, "defer", {4: 0.0}, exits=[4], new=12).generate([prompt])[0]
     assert gen.token_ids == defer.token_ids and gen.exit_layers == [6] + [4] * 11
+    kv, L = copy.last_kv, rt.manifest.num_layers
+    fed = len(prompt) + len(gen.token_ids) - 1  # the last token is never fed back
+    assert kv is not None and kv.filled[0, :L].tolist() == [fed] * L
+    full = _runner(rt, exits=[], new=1)  # full depth over the same tokens, as one prompt
+    full.generate([prompt + gen.token_ids[:-1]])
+    ref = full.last_kv
+    assert ref is not None and ref.filled[0, :L].tolist() == [fed] * L
+    exited = slice(len(prompt), fed)  # the positions of tokens that exited at 4 (their K/V after 4 were copied)
+    for layer in range(L):
+        for mine, exact in ((kv.keys[0][layer], ref.keys[0][layer]), (kv.values[0][layer], ref.values[0][layer])):
+            got, want = np.asarray(mine)[:, :, :fed], np.asarray(exact)[:, :, :fed]
+            if layer <= 4:  # computed by the layers (< 4), or copied from the first skipped layer's true input
+                np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4, err_msg=f"layer {layer}")
+            else:
+                assert not np.allclose(got[:, :, exited], want[:, :, exited], atol=1e-3), f"layer {layer}"
 
 
 def test_batch_rows_equal_rows_alone(artifacts, family, monkeypatch):

@@ -62,6 +62,7 @@ def train_heads(
     import time
 
     from eectl.data import load_text_data
+    from eectl.exits.designs import SEQUENCE_DESIGNS
     from eectl.heads.checkpoint import check_checkpoint
     from eectl.heads.train import TrainConfig, resolve_device
     from eectl.heads.train import train_heads as train
@@ -73,7 +74,7 @@ def train_heads(
     if probe_only:
         _probe_only(out, r, model, heads, cache_dir, out_path, probe_tokens, probe_hidden, seed, threads)
         return
-    if cache_dir is not None or pick(design, r.heads.design) == "block":
+    if cache_dir is not None or pick(design, r.heads.design) in SEQUENCE_DESIGNS:  # those train from a cache only
         _train_heads_cached(
             out,
             r,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,6 @@ from eectl.exits.probe import attach_probe_tensors, probe_tensors
 from eectl.files import atomic_write, atomic_write_text
 from eectl.models.adapters import Adapter
 
-DESIGNS = ("residual-linear", "low-rank", "mlp")  # per token
-SEQUENCE_DESIGNS = ("block",)  # read the exit's states of earlier positions (trained from a state cache)
 BLOCK_INITS = ("last", "next", "identity")
 DEFAULT_LOW_RANK = 64
 
@@ -119,48 +118,86 @@ class BlockHead(nn.Module):
         return out if h.dim() == 3 else out[0]
 
 
+@dataclass(frozen=True)
+class HeadDesign:
+    """One exit-head design: how a fresh head is built and what it costs. A `sequence` design reads the exit's
+    states of earlier positions (trained from a state cache only, exported as a block graph with its own K/V)."""
+
+    name: str
+    build: Callable[[int, int | None, torch.Generator | None], nn.Module] | None = None  # (hidden, width, generator)
+    cost: Callable[[int, int], tuple[int, int]] | None = None  # (hidden, width) -> (params, multiply-adds per token)
+    default_width: Callable[[int], int] | None = None  # hidden -> width; None: the design takes no --rank
+    sequence: bool = False
+
+    @property
+    def takes_rank(self) -> bool:
+        return self.default_width is not None
+
+
+HEAD_DESIGNS: dict[str, HeadDesign] = {}
+
+
+def register_design(design: HeadDesign) -> HeadDesign:
+    """Add a head design: train-heads, the heads file and export pick it up by name."""
+    HEAD_DESIGNS[design.name] = design
+    return design
+
+
+register_design(HeadDesign("residual-linear", lambda h, w, g: ResidualLinear(h), lambda h, w: (h * h + h, h * h)))
+register_design(
+    HeadDesign(
+        "low-rank",
+        lambda h, w, g: LowRank(h, int(w or DEFAULT_LOW_RANK), g),
+        lambda h, w: (2 * w * h, 2 * w * h),
+        default_width=lambda h: DEFAULT_LOW_RANK,
+    )
+)
+register_design(
+    HeadDesign(
+        "mlp",
+        lambda h, w, g: ResidualMLP(h, int(w or max(1, h // 2)), g),
+        lambda h, w: (2 * w * h + w + h, 2 * w * h),
+        default_width=lambda h: max(1, h // 2),
+    )
+)
+# built from the model's own layer by the adapter (heads/cached.py), not from a width
+register_design(HeadDesign("block", sequence=True))
+DESIGNS = tuple(n for n, d in HEAD_DESIGNS.items() if not d.sequence)  # per token
+SEQUENCE_DESIGNS = tuple(n for n, d in HEAD_DESIGNS.items() if d.sequence)
+
+
 def check_design(design: str, rank: int | None) -> None:
+    """A per-token design (the ones `make_head` builds) and a rank it accepts."""
     if design not in DESIGNS:
         raise UsageError(f"unknown head design '{design}'", hint=f"choose one of: {', '.join(DESIGNS)}")
     if rank is not None:
-        if design == "residual-linear":
-            raise UsageError("--rank applies to low-rank and mlp heads, not residual-linear")
+        if not HEAD_DESIGNS[design].takes_rank:
+            ranked = [n for n in DESIGNS if HEAD_DESIGNS[n].takes_rank]
+            raise UsageError(f"--rank applies to {' and '.join(ranked)} heads, not {design}")
         if rank < 1:
             raise UsageError(f"--rank must be >= 1, got {rank}")
 
 
 def head_width(design: str, rank: int | None, hidden: int) -> int | None:
     """The rank (low-rank) or hidden width (mlp) a head gets: the given one or the design's default."""
-    if design == "low-rank":
-        return rank or DEFAULT_LOW_RANK
-    if design == "mlp":
-        return rank or max(1, hidden // 2)
-    return None
+    default = HEAD_DESIGNS[design].default_width if design in HEAD_DESIGNS else None
+    return None if default is None else rank or default(hidden)
 
 
 def make_head(design: str, hidden: int, rank: int | None = None, generator: torch.Generator | None = None) -> nn.Module:
     """A fresh head of a design, at the identity. Random parts (low-rank A, mlp W1) come from `generator`."""
     check_design(design, rank)
-    width = head_width(design, rank, hidden)
-    if design == "residual-linear":
-        return ResidualLinear(hidden)
-    assert width is not None
-    if design == "low-rank":
-        return LowRank(hidden, width, generator)
-    return ResidualMLP(hidden, width, generator)
+    build = HEAD_DESIGNS[design].build
+    assert build is not None  # every per-token design builds from a width
+    return build(hidden, head_width(design, rank, hidden), generator)
 
 
 def head_cost(design: str, rank: int | None, hidden: int) -> dict[str, int]:
     """Parameters per exit and multiply-adds per token of one head (the LM head costs H*V per token on top)."""
-    width = head_width(design, rank, hidden) or 0
-    if design == "residual-linear":
-        params = hidden * hidden + hidden
-        macs = hidden * hidden
-    elif design == "low-rank":
-        params = macs = 2 * width * hidden
-    else:
-        params = 2 * width * hidden + width + hidden
-        macs = 2 * width * hidden
+    cost = HEAD_DESIGNS[design].cost
+    if cost is None:
+        raise UsageError(f"the {design} design's cost is its decoder layer's, not a formula")
+    params, macs = cost(hidden, head_width(design, rank, hidden) or 0)
     return {"params": params, "macs_per_token": macs}
 
 

@@ -28,8 +28,13 @@ The built-in policies:
 Invariant (defer/verify): segment s holds K/V for positions [0, filled_s), filled_0 >= filled_1 >= ...;
 pending[s] holds the hidden states at segment s's input for positions [filled_s, filled_{s-1}).
 
-To add a policy: subclass `KVPolicy`, implement `on_exit` (and any other hook), and decorate it with
-`@register_policy`. The CLI, recipes, the manifest's list and bench take their names from `POLICIES`.
+To add a policy: add its name to `eectl.contracts.names.POLICY_SPECS` (recipes, manifests and calibration files
+are validated against it without importing this module), subclass `KVPolicy`, implement `on_exit` (and any other
+hook), and decorate it with `@register_policy`; the CLI, the manifest's list and bench take the names from
+`POLICIES`. Three places still know policies by name or class and need the new one explicitly: the cost model
+(`eectl.plan.choose.predict` prices copy, defer, verify and river), the bound one-row chain
+(`eectl.contracts.plan.BOUND_POLICIES`) and the device binding plan (runtime/binding.py accepts subclasses of
+Copy, Defer and River only); a policy outside them runs on the general host path.
 
 What this module does not do: decide exits (runner.py, exits.py) or build graphs.
 """
@@ -58,6 +63,9 @@ class KVPolicy:
     greedy_only: ClassVar[bool] = False
     scores_text: ClassVar[bool] = True  # supports teacher-forced scoring (Runner.score)
     needs_river_copies: ClassVar[bool] = False  # runs the int4 segment copies of `export --river`
+    # exited states wait as pending positions (RowState.pending) that later passes carry: in a batch they may ride
+    # along in the deeper calls other rows need anyway (Runner._ride)
+    pending_states: ClassVar[bool] = False
 
     def __init__(self, rt: ArtifactRuntime, config: RunConfig) -> None:
         self.rt = rt
@@ -127,6 +135,7 @@ class Defer(KVPolicy):
     """The exit state waits at the boundary; the next deep pass computes the skipped layers' exact K/V."""
 
     name = "defer"
+    pending_states = True
 
     def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
         pend = st.pending[s]

@@ -41,7 +41,7 @@ from eectl.runtime.batch import BatchKV, join_rows, new_batch_kv, prefill_runs, 
 from eectl.runtime.blocks import active_block, run_block, run_block_rows
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.device_ops import concat, stack
-from eectl.runtime.policies import Defer, KVPolicy, policy_class
+from eectl.runtime.policies import KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 from eectl.runtime.state import Generation, RowState, RunConfig
 
@@ -400,7 +400,7 @@ class Runner:
         spares a later single-row flush call (GQA takes several positions per row only one row at a time). A segment
         no other row needs this token is not run for a rider: its state keeps waiting there (plain defer). Riding
         stops before the final segment for policies that check states there (verify's drafts)."""
-        if not (self.cfg.ride_along and isinstance(self.policy, Defer)):
+        if not (self.cfg.ride_along and self.policy.pending_states):
             return
         checks_final = type(self.policy).on_final is not KVPolicy.on_final
         for t in range(s + 1, self.final_segment if checks_final else self.final_segment + 1):
