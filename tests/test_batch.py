@@ -226,3 +226,25 @@ def test_generate_with_padded_prompt_calls_equals_rows_alone(runtimes, monkeypat
     assert calls == [3] * len(rt.manifest.segments)  # one call per segment for all three prompts
     alone = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate([p])[0] for p in prompts]
     assert [g.token_ids for g in gens] == [g.token_ids for g in alone]
+
+
+def test_kv_lengths_change_through_span_advance_and_rollback_only():
+    import numpy as np
+
+    from eectl.errors import UsageError
+    from eectl.runtime.sessions import KVBuffers
+
+    kv = KVBuffers(keys=[], values=[], filled=np.zeros((2, 4), np.int64), max_len=6)
+    assert kv.span(0, 0, 4, 3) == (0, 3)
+    kv.advance(0, 0, 4, 3)
+    kv.advance(np.array([False, True]), 0, 2)  # a mask of rows, as batched calls pass it
+    assert kv.filled.tolist() == [[3, 3, 3, 3], [1, 1, 0, 0]]
+    with pytest.raises(RuntimeError, match="different lengths"):
+        kv.span(1, 0, 4, 1)  # row 1's layers 0..3 are out of step
+    with pytest.raises(UsageError, match="beyond the KV buffer of 6"):
+        kv.span(0, 0, 4, 4)
+    kv.rollback(0, 2)  # verify's rejected drafts: every slot cut at position 2
+    kv.rollback(1, 2)  # cutting beyond what a row holds changes nothing
+    assert kv.filled.tolist() == [[2, 2, 2, 2], [1, 1, 0, 0]]
+    kv.seek(1, 5, 2, 4)
+    assert kv.filled[1].tolist() == [1, 1, 5, 5]

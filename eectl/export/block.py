@@ -123,7 +123,7 @@ def validate_block_kv(adapter: Adapter, rt: object, head: BlockHead, layer: int,
     init = head.init_layer
     adapter.block_project_kv(head.block, hidden, torch.arange(n)[None], init, cache)
     kv = rt.new_kv(1, n + 1)
-    kv.filled[0, layer - 1] = n  # the block follows its segment: pretend the segment holds these positions
+    kv.seek(0, n, layer - 1, layer)  # the block follows its segment: pretend the segment holds these positions
     run_block(rt, layer, hidden.numpy().astype(rt.np_dtype), kv, 0, kv_only=True)
     slot = rt.manifest.exit_at(layer).block.kv_slot  # type: ignore[union-attr]
     k = torch.from_numpy(np.asarray(kv.keys[0][slot])[:, :, :n].astype(np.float32))

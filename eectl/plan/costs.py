@@ -95,7 +95,7 @@ def measure_costs(
         lo, hi = m.segments[i].layers
 
         def call() -> object:
-            kv.filled[0, lo:hi] = past
+            kv.seek(0, past, lo, hi)
             return rt.run_segment(i, h, kv, 0, kv_only=kv_only, river=river)
 
         return call
@@ -312,8 +312,8 @@ def block_call(rt: ArtifactRuntime, kv: KVBuffers, layer: int, h: np.ndarray, pa
     slot = rt.manifest.exit_at(layer).block.kv_slot  # type: ignore[union-attr]
 
     def call() -> object:
-        kv.filled[0, slot] = past
-        kv.filled[0, layer - 1] = past + 1
+        kv.seek(0, past, slot, slot + 1)
+        kv.seek(0, past + 1, layer - 1, layer)
         return run_block(rt, layer, h, kv, 0)
 
     return call
@@ -338,7 +338,7 @@ def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object] | No
     chain = DecodeChain(rt, kv, 0)
 
     def call() -> object:
-        kv.filled[0, : m.num_layers] = past  # rewind: every call decodes the same position
+        kv.seek(0, past, 0, m.num_layers)  # rewind: every call decodes the same position
         return chain.step(1)
 
     return call
@@ -355,7 +355,7 @@ def full_step_call(rt: ArtifactRuntime, past: int, seed: int = 0) -> Callable[[]
     nxt = runner._step(0, st, kv, st.tokens)  # prefill
 
     def call() -> object:
-        kv.filled[0, :] = past
+        kv.seek(0, past)
         st.exit_layers.clear()
         return runner._step(0, st, kv, [nxt])
 

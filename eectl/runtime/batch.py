@@ -194,7 +194,7 @@ def run_rows(
         keys = [] if kv_only else ["hidden_out", "layer_input", *(["layer_states"] if states else [])]
         outs_dev = [rt._state_out(io, g.name(k), shapes[k]) for k in keys]
         g.session.run_with_iobinding(io)
-        kv.filled[active, lo:hi] += 1
+        kv.advance(active, lo, hi)
         return None if kv_only else tuple(outs_dev)
     if not kv_only:
         io.bind_output(g.name("hidden_out"), "cpu")
@@ -202,7 +202,7 @@ def run_rows(
         if states:
             io.bind_output(g.name("layer_states"), "cpu")
     g.session.run_with_iobinding(io)
-    kv.filled[active, lo:hi] += 1
+    kv.advance(active, lo, hi)
     if kv_only:
         return None
     outs = io.get_outputs()
@@ -269,5 +269,5 @@ def run_prefill(
     rt._bind_array(io, g.name("hidden_out"), out, output=True)
     rt._bind_array(io, g.name("layer_input"), layer_in, output=True)
     g.session.run_with_iobinding(io)
-    kv.filled[first:last, lo:hi] = lengths[:, None]
+    kv.advance(slice(first, last), lo, hi, lengths[:, None])
     return {r: (out[i : i + 1, : lengths[i]], layer_in[i : i + 1, : lengths[i]]) for i, r in enumerate(rows)}

@@ -9,7 +9,7 @@ Invariant, checked on every call: the block's buffer holds exactly the positions
 under every policy because each one moves the block with its segment:
 
 - defer / verify: the block runs on whatever its segment's call ran on (the token, pending positions, riders);
-  verify's rollback cuts every slot's length at once (`kv.filled[row] = min(..., pos)`), the blocks' included;
+  verify's rollback cuts every slot's length at once (`KVBuffers.rollback`), the blocks' included;
 - copy: a skipped segment's K/V-only graph is followed by the block's K/V-only graph on the same exit state;
 - river: the int4 copies' output at a block exit runs the (fp32) block, as the segment's output would.
 
@@ -66,7 +66,7 @@ def run_block(rt: ArtifactRuntime, layer: int, hidden: Any, kv: KVBuffers, row: 
     rt._bind_array(call.io, g.name("hidden"), x)
     out = None if kv_only else rt._state_out(call.io, g.name("hidden_out"), x.shape)
     g.session.run_with_iobinding(call.io)
-    kv.filled[row, slot] = total
+    kv.advance(row, slot, slot + 1, s)
     return out
 
 
@@ -87,11 +87,11 @@ def run_block_rows(rt: ArtifactRuntime, layer: int, hidden: Any, kv: BatchKV, ac
     if rt.resident:
         out_dev = rt._state_out(io, g.name("hidden_out"), (span.stop - span.start, 1, rt.manifest.dims["hidden_size"]))
         g.session.run_with_iobinding(io)
-        kv.filled[active, slot] += 1
+        kv.advance(active, slot, slot + 1)
         return out_dev
     io.bind_output(g.name("hidden_out"), "cpu")
     g.session.run_with_iobinding(io)
-    kv.filled[active, slot] += 1
+    kv.advance(active, slot, slot + 1)
     out = np.zeros((kv.rows, 1, hidden.shape[-1]), dtype=rt.np_dtype)
     out[span] = io.get_outputs()[2].numpy()  # after the present key and value
     return out

@@ -298,13 +298,11 @@ class DecodeChain:
         """Feed `token` at the row's next position through every layer; return the greedy next token."""
         kv, row, L = self.kv, self.row, self.rt.manifest.num_layers
         # the decoder layers' slots only: block exit heads' slots (after them) are not run when no exit is active
-        past = int(kv.filled[row, 0])
-        if (kv.filled[row, :L] != past).any():
-            raise RuntimeError(f"the layers of row {row} hold different lengths: {kv.filled[row, :L]}")
-        total = self._feed(token, past)
+        past, _ = kv.span(row, 0, L, 1)
+        self._feed(token, past)
         for session, io in self.calls:
             session.run_with_iobinding(io)
-        kv.filled[row, :L] = total
+        kv.advance(row, 0, L)
         return int(self.token[0])
 
     def step_exits(self, token: int, may_exit: bool, pending: list[np.ndarray | None]) -> ExitStep:
@@ -332,9 +330,10 @@ class DecodeChain:
             else:  # wide: the positions waiting here, then what arrives (the token's state, or the last wide output)
                 parts = ([] if pend is None else [pend]) + [self.hops[s] if flow is None else flow]
             n = sum(p.shape[1] for p in parts) if parts else 1  # positions this call appends
-            held = kv.filled[row, lo:hi]
-            if (held != total - n).any():
-                raise RuntimeError(f"layers {lo}..{hi - 1} of row {row} hold {held}: {n} positions arrive, to {total}")
+            if kv.span(row, lo, hi, n)[1] != total:
+                raise RuntimeError(
+                    f"layers {lo}..{hi - 1} of row {row} hold {kv.filled[row, lo:hi]}: {n} positions arrive, to {total}"
+                )
             if not parts:
                 session.run_with_iobinding(io)
             else:
@@ -346,7 +345,7 @@ class DecodeChain:
                 self.hops[s + 1][...] = flow[:, -1:]  # the token's state, where the exit and the next call read it
                 if pend is not None:
                     flushed.append(s)
-            kv.filled[row, lo:hi] = total
+            kv.advance(row, lo, hi, n)
             ex = self.exits.get(s) if may_exit else None
             if ex is None:
                 continue

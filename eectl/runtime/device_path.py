@@ -113,7 +113,7 @@ class DeviceStep:
                 assert b.device != "cpu", f"the plan sends segment output {b.key} to the host"
                 io.bind_ortvalue_output(g.name(b.key), out if b.key == "hidden_out" else self._device(shape))
         g.session.run_with_iobinding(io)
-        kv.filled[active, lo:hi] += 1
+        kv.advance(active, lo, hi)
         return out
 
     def _final(self, call: Call, hidden: Any, n: int) -> np.ndarray:

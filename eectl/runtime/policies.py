@@ -188,7 +188,7 @@ class Verify(Defer):
                 del st.tokens[pos:]
                 del st.exit_layers[keep:]
                 del st.latencies[keep:]
-                kv.filled[row] = np.minimum(kv.filled[row], pos)  # every slot: the block exit heads' KV too
+                kv.rollback(row, pos)  # every slot: the block exit heads' KV too
                 st.pending = [None] * len(st.pending)
                 st.exit_layers.append(self.num_layers)
                 return int(full_pred[j])

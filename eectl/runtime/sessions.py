@@ -76,6 +76,36 @@ class KVBuffers:
     max_len: int
     calls: dict[tuple[Any, int, bool], _Call] = field(default_factory=dict)  # (session, row, states) -> binding
 
+    # The length counters change only through these: a call's new positions (`span`, then `advance`), a rollback
+    # (verify's rejected drafts), and `seek` (a timing loop or a check placing a call at a chosen position).
+    def span(self, row: int, lo: int, hi: int, n: int) -> tuple[int, int]:
+        """(past, total) for n new positions of `row` in slots [lo, hi): the one check that those slots hold one
+        length and that the buffers have room for n more."""
+        past = int(self.filled[row, lo])
+        if (self.filled[row, lo:hi] != past).any():
+            raise RuntimeError(f"layers {lo}..{hi - 1} of row {row} hold different lengths: {self.filled[row, lo:hi]}")
+        total = past + n
+        if total > self.max_len:
+            raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {self.max_len}")
+        return past, total
+
+    def advance(self, rows: Any, lo: int, hi: int, n: Any = 1) -> None:
+        """Slots [lo, hi) of `rows` (an index, a slice, a mask or index array) hold n more positions (n may be per
+        row: [rows, 1])."""
+        self.filled[rows, lo:hi] += n
+
+    def rollback(self, rows: Any, to: Any, lo: int = 0, hi: int | None = None) -> None:
+        """Slots [lo, hi) of `rows` (all slots by default: the block exit heads' too) hold at most `to` positions:
+        what was written from `to` on is forgotten (its buffers are overwritten by the next calls)."""
+        end = self.filled.shape[1] if hi is None else hi
+        self.filled[rows, lo:end] = np.minimum(self.filled[rows, lo:end], to)
+
+    def seek(self, rows: Any, length: int, lo: int = 0, hi: int | None = None) -> None:
+        """Slots [lo, hi) of `rows` hold exactly `length` positions, whatever their buffers hold: for measuring a
+        call at a chosen position again and again (plan/costs.py) or checking one graph alone (export), never for
+        generating."""
+        self.filled[rows, lo : self.filled.shape[1] if hi is None else hi] = length
+
 
 class ArtifactRuntime:
     """Loads what the manifest lists (after checking it), creates the sessions, and runs graphs."""
@@ -338,13 +368,8 @@ class ArtifactRuntime:
             raise UsageError(f"segment {index} has no int4 river copy", hint="export with --river")
         g = self.river_segments[index] if river else self.kv_segments[index] if kv_only else self.segments[index]
         lo, hi = seg.layers
-        past = int(kv.filled[row, lo])
-        if (kv.filled[row, lo:hi] != past).any():
-            raise RuntimeError(f"layers {lo}..{hi - 1} of row {row} hold different lengths: {kv.filled[row, lo:hi]}")
         s = hidden.shape[1]
-        total = past + s
-        if total > kv.max_len:
-            raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {kv.max_len}")
+        _, total = kv.span(row, lo, hi, s)
         # a binding per session (graph), row and output set (`states` binds one more output); keyed by the session
         # itself, so buffers shared by two runtimes (an int4 reference beside fp32) never reuse the other's binding
         call = self.kv_call(g, kv, row, range(lo, hi), states)
@@ -354,7 +379,7 @@ class ArtifactRuntime:
         self._bind_array(call.io, g.name("hidden"), x)
         if kv_only:
             g.session.run_with_iobinding(call.io)
-            kv.filled[row, lo:hi] = total
+            kv.advance(row, lo, hi, s)
             return None
         out = self._state_out(call.io, g.name("hidden_out"), x.shape)
         layer_in = self._state_out(call.io, g.name("layer_input"), x.shape)
@@ -363,7 +388,7 @@ class ArtifactRuntime:
             shape = (x.shape[0], (hi - lo + 1) * s, x.shape[2])
             blocks = self._state_out(call.io, g.name("layer_states"), shape)
         g.session.run_with_iobinding(call.io)
-        kv.filled[row, lo:hi] = total
+        kv.advance(row, lo, hi, s)
         if blocks is not None:
             return out, layer_in, blocks[0].reshape(hi - lo + 1, s, x.shape[2])
         return out, layer_in
