@@ -23,7 +23,8 @@ import torch
 
 from eectl.exits.base import DEFAULT_TOP_K
 from eectl.exits.candidates import Int8Ranking, Shortlist
-from eectl.export.graphs import build_candidates, build_exit
+from eectl.export.candidate_graphs import build_candidates
+from eectl.export.graphs import build_exit
 from eectl.models import load_model
 from eectl.runtime.ort import _ort, session_options
 

@@ -21,7 +21,7 @@ import torch
 
 from eectl.exits.candidates import CANDIDATE_SOURCES
 from eectl.exits.signals import ExitScoring, get_signal
-from eectl.runtime.runner import OrtExitLogits, _one_torch_thread
+from eectl.runtime.exit_logits import OrtExitLogits, _one_torch_thread
 from eectl.runtime.sessions import ArtifactRuntime
 
 

@@ -17,7 +17,8 @@ import json
 import numpy as np
 
 from eectl.data import encode_prompt, load_text_data
-from eectl.evaluate.stats import agreement as _agreement, river_kv_cosine
+from eectl.evaluate.river_kv import river_kv_cosine
+from eectl.evaluate.stats import agreement as _agreement
 from eectl.run.generate import RunOptions, load_tokenizer, resolve_config
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime

@@ -19,7 +19,6 @@ from typing import Any
 
 
 def results_dir() -> Path:
-    from eectl.cache import cache_dir
 
     return cache_dir() / "results"
 

@@ -21,7 +21,7 @@ guarantees are stated once:
   `OutputError`s naming the path.
 
 What this module does not do: decide what goes into a file (the stages do) or check an artifact's contents
-(manifest.py).
+(contracts/manifest.py).
 """
 
 from __future__ import annotations

@@ -102,14 +102,8 @@ def check(a: argparse.Namespace, loaded: Any, data: Any) -> dict[str, Any]:
     """The same continuations measured on the kept states and by the second pass (batches of 16): per-token
     differences, decisions, and the thresholds fitted from each (generated tokens only)."""
     from eectl.calibrate.fit import fit
-    from eectl.exits.measure import (
-        ExitScorer,
-        generate_continuations,
-        generation_keep,
-        measure_kept_all,
-        measure_sequences,
-        prompt_ids,
-    )
+    from eectl.exits.generation import generate_continuations, prompt_ids
+    from eectl.exits.measure import ExitScorer, generation_keep, measure_kept_all, measure_sequences
 
     opts = options(a)
     adapter, tok = loaded.adapter, loaded.tokenizer

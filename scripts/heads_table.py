@@ -39,7 +39,8 @@ def _progress(total: int, what: str):
 
 def build(a: argparse.Namespace) -> None:
     from eectl.data import load_text_data
-    from eectl.heads.state_cache import CacheSpec, build_cache
+    from eectl.heads.state_cache import CacheSpec
+    from eectl.heads.state_cache_build import build_cache
     from eectl.models import load_model
 
     loaded = load_model(a.model)

@@ -1,4 +1,4 @@
-"""Block exit heads exported and run (export_block.py, runtime/blocks.py), on tiny models of several families:
+"""Block exit heads exported and run (export/block.py, runtime/blocks.py), on tiny models of several families:
 export validates the block's graphs and KV against torch; under defer the runner equals a PyTorch simulation with
 exact KV (the block's own KV included), verify equals full depth and leaves the block's KV equal to the torch
 block's on the exact states after its rollbacks, copy equals an incremental PyTorch copy simulation (the block's KV

@@ -21,7 +21,8 @@ from eectl.contracts.calibration import Calibration, read_calibration, write_cal
 from eectl.data import encode_prompt, token_chunks
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.base import ExitHead, signals, topk_candidates, transition_cosine
-from eectl.exits.measure import SOURCES, ExitScorer, Measurements, measure_generation, measure_text, prompt_ids
+from eectl.exits.generation import prompt_ids
+from eectl.exits.measure import SOURCES, ExitScorer, Measurements, measure_generation, measure_text
 from eectl.exits.thresholds import (
     betainc,
     binomial_upper_tail,

@@ -10,15 +10,8 @@ import torch
 
 from eectl.calibrate.calibrator import CalibrateOptions, collect, summarise
 from eectl.exits.designs import BlockHead, make_head
-from eectl.exits.measure import (
-    ExitScorer,
-    Keep,
-    generate_continuations,
-    generation_keep,
-    measure_kept_all,
-    measure_sequences,
-    prompt_ids,
-)
+from eectl.exits.generation import Keep, generate_continuations, prompt_ids
+from eectl.exits.measure import ExitScorer, generation_keep, measure_kept_all, measure_sequences
 from eectl.models import load_model
 
 EXITS = [2, 4]

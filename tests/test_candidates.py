@@ -1,4 +1,5 @@
-"""Candidate sources (candidates.py) against their exit graphs (export_graphs.py) in ONNX Runtime, the menu of exit
+"""Candidate sources (exits/candidates.py) against their exit graphs (export/graphs.py) in ONNX Runtime, the menu of
+exit
 subsets calibrate writes, and the plan export writes and run follows."""
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def test_int8_graph_quantizes_each_row_as_torch_does(dtype):
     """export_graphs._int8_scores equals candidates.int8_scores bit for bit on a batch of rows of very different
     ranges, called together or one by one: each row has its own scale and zero point (the integer product exact,
     the scales multiplied in the same order). fp16: the graph quantizes the fp16 input cast to float32, as torch."""
-    from eectl.export.graphs import DTYPES, _Builder, _int8_scores
+    from eectl.export.candidate_graphs import _int8_scores
+    from eectl.export.graphs import DTYPES, _Builder
 
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(300, 48, generator=g)

@@ -11,7 +11,8 @@ from eectl.exits.designs import load_heads
 from eectl.heads.cached import CachedConfig, train_cached
 from eectl.heads.checkpoint import checkpoint_path
 from eectl.heads.losses import TeacherTopK, topk_tail_kl
-from eectl.heads.state_cache import CacheSpec, build_cache, open_cache, read_sequence
+from eectl.heads.state_cache import CacheSpec, open_cache, read_sequence
+from eectl.heads.state_cache_build import build_cache
 
 
 def test_topk_tail_kl_with_the_whole_vocabulary_is_the_exact_kl(llama):
@@ -214,7 +215,7 @@ def test_calibrate_runs_block_heads_on_text_and_generation(llama, gsm8k, tmp_pat
 def test_generation_keeps_the_states_calibrate_does_not_ask_for(llama, gsm8k):
     """Calibrate's generator, shared with the state cache: keeping states changes no token, and the kept states
     are the ones the generation computed (prompt and fed tokens of each row, padding left out)."""
-    from eectl.exits.measure import Keep, generate_continuations, prompt_ids
+    from eectl.exits.generation import Keep, generate_continuations, prompt_ids
 
     adapter = llama.adapter
     prompts = prompt_ids(llama.tokenizer, gsm8k.prompts[:5], 64)

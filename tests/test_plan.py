@@ -1,4 +1,4 @@
-"""The cost model and the choice of exits (plan.py): pure arithmetic, checked against hand computations."""
+"""The cost model and the choice of exits (plan/choose.py): pure arithmetic, checked against hand computations."""
 
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def test_bound_exit_steps_pay_the_chain():
 def _noisy(seed: int, noise: float = 0.2, rounds: int = 15, base: Costs | None = None) -> Costs:
     """`base` (default `_costs()`) as a measurement would see it: each graph's time per round is its true value
     times the round's load (shared by every graph timed in it, 3%) times its own noise (`noise`, lognormal);
-    each figure is the median of its rounds, as costs.py computes it."""
+    each figure is the median of its rounds, as plan/costs.py computes it."""
     c = base or _costs()
     rng = np.random.default_rng(seed)
     true = {"full_step_ms": c.full_step_ms, "final_head_ms": c.final_head_ms, "final_head_extra_ms": 0.2}

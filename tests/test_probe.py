@@ -19,7 +19,8 @@ from eectl.exits.designs import HeadStack, build_heads, load_heads, save_heads
 from eectl.exits.probe import ProbeConfig, fit_probe, fit_probes, probe_features
 from eectl.exits.signals import ExitScoring, choose_signal, get_signal, graph_thresholds
 from eectl.export.exporter import ExportOptions, export_artifact
-from eectl.runtime.runner import OrtExitLogits, Runner
+from eectl.runtime.exit_logits import OrtExitLogits
+from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
 from tests.conftest import make_heads_meta
@@ -331,7 +332,8 @@ def test_probe_only_fits_onto_a_heads_file_from_a_cache(llama, tmp_path):
     """`train-heads --probe-only`'s library call: the probes fitted from a state cache, written beside the heads."""
     from eectl.data import load_text_data
     from eectl.heads.cached import add_probes
-    from eectl.heads.state_cache import CacheSpec, build_cache
+    from eectl.heads.state_cache import CacheSpec
+    from eectl.heads.state_cache_build import build_cache
     from tests.tiny import GSM8K
 
     spec = CacheSpec.for_budget(EXITS, 256, 0.0, 64)

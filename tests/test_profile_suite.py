@@ -11,15 +11,8 @@ from typer.testing import CliRunner
 
 from eectl.data import load_text_data, token_chunks
 from eectl.errors import UsageError
-from eectl.profile.lens import (
-    EAS_ALPHAS,
-    ProfileSums,
-    bootstrap_ci,
-    measure_chunks,
-    parse_workloads,
-    profile_model,
-    summarise,
-)
+from eectl.profile.lens import EAS_ALPHAS, ProfileSums, bootstrap_ci, measure_chunks, profile_model, summarise
+from eectl.profile.report import parse_workloads
 from tests.tiny import GSM8K
 
 runner = CliRunner()

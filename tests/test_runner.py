@@ -222,6 +222,28 @@ def test_batch_rows_equal_rows_alone(artifacts, family, monkeypatch):
     assert any(mixed) and rides  # rows exited at different depths, and the riding path ran
 
 
+def test_rows_join_and_leave_between_steps(artifacts, family):
+    """More prompts than slots, answers of different lengths: a finished row's slot takes the next prompt (its
+    cache rows forgotten, its prefill in the step the others decode), and every prompt gets exactly its tokens and
+    exits alone, for every policy."""
+    loaded, rt = artifacts[family]
+    v = loaded.adapter.dims.vocab_size
+    prompts = [_prompt(20 + i, n, v) for i, n in enumerate([7, 12, 3, 5, 9, 4, 6])]
+    thresholds = _median_thresholds(loaded, prompts[0], 15)
+    for policy in rt.manifest.kv_policies:
+        free = [_runner(rt, policy, thresholds, new=15).generate([p])[0].token_ids for p in prompts]
+        stop = (free[0][2], free[1][6], free[3][4])  # tokens that end some answers early: ragged lengths
+        alone = [_runner(rt, policy, thresholds, new=15, stop_ids=stop).generate([p])[0] for p in prompts]
+        lengths = {len(g.token_ids) for g in alone}
+        assert len(lengths) > 1, lengths  # the answers are ragged
+        for slots in (1, 3):
+            got = _runner(rt, policy, thresholds, new=15, stop_ids=stop).generate(prompts, slots=slots)
+            assert [g.token_ids for g in got] == [g.token_ids for g in alone], (policy, slots)
+            assert [g.exit_layers for g in got] == [g.exit_layers for g in alone], (policy, slots)
+    with pytest.raises(UsageError, match="batch-size"):
+        _runner(rt, exits=[]).generate(prompts, slots=0)
+
+
 def test_sampling_is_deterministic_for_a_seed(artifacts):
     loaded, rt = artifacts["mistral"]
     prompt = _prompt(8, 6, loaded.adapter.dims.vocab_size)

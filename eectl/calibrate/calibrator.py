@@ -33,10 +33,10 @@ Gates (eectl.exits.gates): with `gate_keep` > 0, each exit also gets a logistic 
 calibration split, and every menu option also comes gated (the decision runs only where the gate opens; candidates
 picked at the first open gate; thresholds refitted on that replay): export's cost model chooses between them.
 
-Where things live: measuring (calibrate_measure.py), the fit and the menu (calibrate_fit.py; the statistics in
-thresholds.py); this module holds the options, the pass over the data (`collect`) and the Calibration it becomes.
+Where things live: measuring (exits/measure.py), the fit and the menu (calibrate/fit.py; the statistics in
+exits/thresholds.py); this module holds the options, the pass over the data (`collect`) and the Calibration it becomes.
 
-What this module does not do: define the file (calibration_file.py), run ONNX Runtime, train heads, or choose where
+What this module does not do: define the file (contracts/calibration.py), run ONNX Runtime, train heads, or choose where
 the exits are (see `eectl profile`).
 """
 
@@ -66,16 +66,14 @@ from eectl.exits.candidates import (
     frequency_shortlist,
     make_source,
 )
+from eectl.exits.generation import Continuation, generate_continuations, prompt_ids
 from eectl.exits.measure import (
-    Continuation,
     ExitScorer,
     Measurements,
-    generate_continuations,
     generation_keep,
     heldout_units,
     measure_kept_all,
     measure_text_all,
-    prompt_ids,
 )
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
 from eectl.exits.thresholds import min_tokens_for
@@ -87,7 +85,7 @@ class CalibrateOptions:
     signal: str = DEFAULT_SIGNAL
     target: float = 0.99
     top_k: int = DEFAULT_TOP_K
-    candidates: str = DEFAULT_CANDIDATES  # topk signals: the candidate source at the first exit (candidates.py)
+    candidates: str = DEFAULT_CANDIDATES  # topk signals: the candidate source at the first exit (exits/candidates.py)
     shortlist: int = DEFAULT_SHORTLIST  # rows of the frequency-ranked shortlist
     tokens: int = 20000  # measured tokens, teacher-forced and generated together
     confidence: float | None = 0.95  # Clopper-Pearson confidence level; None: point estimate

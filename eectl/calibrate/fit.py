@@ -2,10 +2,9 @@
 of exit subsets (each fitted at the target and at verify's precisions) that export's cost model chooses from.
 
 The statistics (lambda*, Clopper-Pearson, the sequential rule) are eectl.exits.thresholds'; this module turns them into
-the
-calibration file's per-exit and overall numbers.
+the calibration file's per-exit and overall numbers.
 
-What this module does not do: measure signals (calibrate_measure.py) or read and write files.
+What this module does not do: measure signals (exits/measure.py) or read and write files.
 """
 
 from __future__ import annotations
@@ -174,8 +173,8 @@ def fit_options(
     max_subset: int = MAX_SUBSET,
     gate_keep: float | None = None,
 ) -> list[Option]:
-    """The menu for the cost model (plan.py): every subset of up to `max_subset` exits, fitted sequentially on the
-    calibration split at the fidelity target (kind "target", with `confidence`) and at each of verify's precisions
+    """The menu for the cost model (plan/choose.py): every subset of up to `max_subset` exits, fitted sequentially on
+    the calibration split at the fidelity target (kind "target", with `confidence`) and at each of verify's precisions
     (kind "verify", point estimates: verify is lossless, its threshold only trades drafts for rollbacks), with the
     coverage and precision per exit on `options_judge`'s tokens. Options where an exit never exits are left out
     (a smaller subset without it is on the menu and is cheaper).

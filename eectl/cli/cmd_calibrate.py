@@ -1,4 +1,4 @@
-"""`eectl calibrate`: options, the call into calibrate.py, the thresholds table."""
+"""`eectl calibrate`: options, the call into calibrate/calibrator.py, the thresholds table."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`eectl eval`: options, the call into lmeval.py (lm-evaluation-harness), the scores table."""
+"""`eectl eval`: options, the call into evaluate/lmeval.py (lm-evaluation-harness), the scores table."""
 
 from __future__ import annotations
 

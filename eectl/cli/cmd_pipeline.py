@@ -1,4 +1,4 @@
-"""`eectl pipeline`: the worked example, each stage's command in turn from one recipe (the plan: pipeline.py)."""
+"""`eectl pipeline`: the worked example, each stage's command in turn from one recipe (the plan: pipeline/steps.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`eectl profile`: options, the call into profile.py, the report."""
+"""`eectl profile`: options, the call into profile/lens.py, the report."""
 
 from __future__ import annotations
 
@@ -46,15 +46,9 @@ def profile(
     """Per-layer agreement with the final layer, state transitions, oracle exits and the EAS of checkpoints:
     one model on one workload, or a comparison of several models x workloads with bootstrap CIs."""
     from eectl.data import load_text_data
-    from eectl.profile.lens import (
-        LENS_DTYPES,
-        check_options,
-        markdown_table,
-        parse_workloads,
-        plot_comparison,
-        profile_suite,
-    )
-    from eectl.profile.lens import plot as plot_profile
+    from eectl.profile.lens import LENS_DTYPES, check_options, profile_suite
+    from eectl.profile.report import markdown_table, parse_workloads, plot_comparison
+    from eectl.profile.report import plot as plot_profile
 
     out = Output(json_out)
     r = load_recipe(recipe)
@@ -101,7 +95,7 @@ def profile(
             plot_comparison(suite, plot)
     table = markdown_table(suite)
     if report is not None:
-        from eectl.profile.lens import write_report
+        from eectl.profile.report import write_report
 
         write_report(suite, report, plot)
     out.json(suite.entries[0].result.to_dict() if single else suite.to_dict())

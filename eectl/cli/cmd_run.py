@@ -1,4 +1,4 @@
-"""`eectl run`: options, the call into runtime/generate.py, streamed text and per-prompt speed."""
+"""`eectl run`: options, the call into run/generate.py, streamed text and per-prompt speed."""
 
 from __future__ import annotations
 

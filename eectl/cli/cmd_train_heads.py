@@ -1,4 +1,5 @@
-"""`eectl train-heads`: options, the call into heads.py (or, from a state cache, head_data.py and heads_cached.py), the
+"""`eectl train-heads`: options, the call into heads/train.py (or, from a state cache, heads/state_cache.py and
+heads/cached.py), the
 before/after report."""
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ def _train_heads_cached(
 
     from eectl.data import load_text_data
     from eectl.heads.cached import CachedConfig, train_cached
-    from eectl.heads.state_cache import CacheSpec, build_cache
+    from eectl.heads.state_cache import CacheSpec
+    from eectl.heads.state_cache_build import build_cache
     from eectl.models import load_model
 
     n_threads = set_threads(threads, r)

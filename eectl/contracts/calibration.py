@@ -4,7 +4,7 @@ Thresholds are floats everywhere in memory, with inf meaning "never exits here" 
 runner's test, `eectl.exits.signals.passes`, understands directly). JSON has no inf, so the file writes null; the
 conversion happens here, in the `Threshold` type, and nowhere else.
 
-What this module does not do: measure or fit anything (calibrate_measure.py, calibrate_fit.py, thresholds.py).
+What this module does not do: measure or fit anything (exits/measure.py, calibrate/fit.py, exits/thresholds.py).
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ class HeadsInfo(_Model):
 
 
 class CandidatesInfo(_Model):
-    """The candidate source of signals that score candidates (candidates.py): export builds its graph from this."""
+    """The candidate source of signals that score candidates (exits/candidates.py): export builds its graph from
+    this."""
 
     name: str  # first-exit-topk | shortlist | shortlist-int8 | int8
     size: int | None = None  # shortlist rows

@@ -1,7 +1,7 @@
 """The metadata of a heads file (heads.safetensors header and its .json sidecar), typed.
 
 `eectl train-heads` writes it, `load_heads` validates it, export records it in the manifest (`Manifest.heads`).
-What this module does not do: build, train or load the head modules (heads.py).
+What this module does not do: build, train or load the head modules (heads/train.py).
 """
 
 from __future__ import annotations

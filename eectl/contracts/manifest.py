@@ -73,7 +73,7 @@ class ExitPoint(_M):
 
 
 class Quantization(_M):
-    """Weight-only quantization (quantize.py): which graphs, and ORT's MatMulNBits settings."""
+    """Weight-only quantization (export/quantize.py): which graphs, and ORT's MatMulNBits settings."""
 
     scope: str  # "segments": every segment graph (export --weights int4); "river": only the river copies
     op: str  # com.microsoft::MatMulNBits
@@ -137,8 +137,8 @@ class Manifest(_M):
     calibration: Calibration | None = None  # signal, exits and thresholds (inf: never exits) from eectl calibrate
     # how the first active exit picks the K candidates: {"name": first-exit-topk|shortlist|int8, "size", "ids"}
     candidate_source: dict[str, Any] = Field(default_factory=lambda: {"name": "first-exit-topk"})
-    costs: Costs | None = None  # measured per-graph costs (costs.py), the cost model's input
-    plan: Plan | None = None  # the exits and thresholds chosen by predicted speed (plan.py); run/bench default
+    costs: Costs | None = None  # measured per-graph costs (plan/costs.py), the cost model's input
+    plan: Plan | None = None  # the exits and thresholds chosen by predicted speed (plan/choose.py); run/bench default
     heads: HeadsMeta | None = None
     files: dict[str, str] = Field(default_factory=dict)  # relative path -> sha256
     validation: dict[str, Any] = Field(default_factory=dict)

@@ -1,7 +1,7 @@
 """The lm-eval model class `eectl` (registered in lm-eval's model registry on import): requests through the runner.
 
 Imported by lmeval.make_lm_class on first use only, so that importing eectl never needs lm_eval. How each request
-type maps onto the runner is described in lmeval.py.
+type maps onto the runner is described in evaluate/lmeval.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """bench's report: the markdown table, its PNG plots and the JSON twin, each written atomically.
 
-What this module does not do: measure (bench.py) or compute statistics (bench_stats.py).
+What this module does not do: measure (evaluate/bench.py) or compute statistics (evaluate/stats.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         "decode tokens, every prompt and repetition pooled (min-max: per repetition); a speedup is the ratio of two "
         "of those, measured in this run. Intervals (95%, over the "
         f"{r.prompts} prompts): paired bootstrap of that same ratio and of token agreement, Wilson for exact match; "
-        "the predicted speedup's (90%) is over the cost model's timing rounds (plan.py). Predicted agreement "
+        "the predicted speedup's (90%) is over the cost model's timing rounds (plan/choose.py). Predicted agreement "
         "(copy, defer as planned): the option's held-out per-token disagreement on generated tokens, compounded "
         "over the continuation as if the first disagreement parted it from full depth (plan.sequence_agreement). "
         "Step agreement: per token on the configuration's own path, the share of its tokens that full depth "

@@ -7,7 +7,7 @@ from typing import Any
 
 from eectl.contracts.names import default_policies
 
-AA = "full-aa"  # the A/A control: a second copy of full depth (bench.py adds it to every run)
+AA = "full-aa"  # the A/A control: a second copy of full depth (evaluate/bench.py adds it to every run)
 BASELINES = ("hf", "full", AA)  # every other configuration is a KV policy's name (eectl.runtime.policies)
 
 
@@ -64,7 +64,8 @@ class ConfigResult:
     decisions_per_step: float | None = None
     gated: bool = False
     predicted_speedup: float | None = None  # the plan's prediction (held-out coverage, the manifest's costs)
-    predicted_interval: tuple[float, float] | None = None  # its 90% interval over the costs' timing rounds (plan.py)
+    # its 90% interval over the costs' timing rounds (plan/choose.py)
+    predicted_interval: tuple[float, float] | None = None
     model_speedup: float | None = None  # the cost model at this run's realized exits (and rollbacks)
     # copy/defer as planned: the token agreement the calibrated option implies over this run's continuation length
     predicted_agreement: float | None = None

@@ -11,7 +11,7 @@ repetition and right after every other configuration once, over len(orders) repe
 first after the warm-up) or a predecessor (e.g. torch's threads after `hf`) costs falls on every configuration
 alike. The baseline `full` is pooled with its A/A copy (`pooled`): two copies at different positions.
 
-What this module does not do: run or time anything (bench.py), or format (bench_report.py).
+What this module does not do: run or time anything (evaluate/bench.py), or format (evaluate/report.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What an exit computes, below any signal: the exit head module, the logits backends' interface, the exit's
 state, its prediction and its score, and the arithmetic the signals share.
 
-`CandidateSource` is the interface of a candidate source; the sources and their registry are candidates.py.
-What this module does not do: name signals (signals.py) or pick candidates (candidates.py).
+`CandidateSource` is the interface of a candidate source; the sources and their registry are exits/candidates.py.
+What this module does not do: name signals (signals.py) or pick candidates (exits/candidates.py).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Candidate sources: how the first exit a token reaches picks its K candidates (its local vocabulary, the LM-head
 rows every later exit scores with `ExitHead.local`).
 
-A module of their own because a source is more than a name in exits.py's scoring path: it carries per-model data
+A module of their own because a source is more than a name in exits/signals.py's scoring path: it carries per-model data
 (a shortlist's ids, an int8 copy of the LM head) and a torch computation that export rebuilds as the exit's
 candidate graph from the same tensors (export_graphs.build_candidates). exits.ExitScoring is the one caller of
 `pick`, so calibrate and the runner pick with the same source and a threshold means the same thing at run time.
 
-What this module does not do: score signals or decide exits (exits.py), or build graphs (export_graphs.py).
+What this module does not do: score signals or decide exits (exits/signals.py), or build graphs (export/graphs.py).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class FirstExitTopK(CandidateSource):
 #              full precision.
 # - shortlist-int8: the shortlist's S rows ranked by their int8 copy (int8's arithmetic), the K best rescored.
 #
-# Each is one torch class here (calibrate runs it) and one exit graph in export_graphs.py (the runner runs it), built
+# Each is one torch class here (calibrate runs it) and one exit graph in export/graphs.py (the runner runs it), built
 # from the same tensors (`shortlist ids`, `quantize_rows_int8`).
 
 DEFAULT_SHORTLIST = 4096  # rows of the shortlist (clamped to the vocabulary)

@@ -1,7 +1,8 @@
 """Exit head designs and heads files: what a trained head is, and how it is saved and loaded.
 
 One head per exit: a small trainable map from the exit's hidden state [.., H] into the input space of the frozen
-final norm + LM head, so `ExitHead(adapter, head)` (exits.py) scores it exactly as it scores the plain logit lens.
+final norm + LM head, so `ExitHead(adapter, head)` (exits/signals.py) scores it exactly as it scores the plain logit
+lens.
 Every design is residual and starts at the identity (its last map is zero-initialised):
 
     residual-linear   h + W h + b                 H*H + H parameters
@@ -11,7 +12,7 @@ Every design is residual and starts at the identity (its last map is zero-initia
 A heads file is `<name>.safetensors` with tensors `exit_{l}.<param>` (float32); its metadata header holds the
 same JSON (heads_meta.HeadsMeta) as the `<name>.json` written next to it, both written atomically.
 
-What this module does not do: train heads (heads.py) or choose thresholds (calibrate.py).
+What this module does not do: train heads (heads/train.py) or choose thresholds (calibrate/calibrator.py).
 """
 
 from __future__ import annotations

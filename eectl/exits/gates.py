@@ -11,7 +11,7 @@ decision in decode on the default model, most of it bytes). A gate reads only th
 The weights are a logistic regression fitted by calibrate, per exit, on the calibration split: features the states
 (standardised for the fit, folded back into w and b), label "this exit alone passes this token" (its own candidates,
 the thresholds a one-exit option fits at the target; its top-1 agreeing with the final layer where that exit never
-passes). The threshold is fitted per menu option (calibrate_fit.py): the lowest value that keeps `keep` of the
+passes). The threshold is fitted per menu option (calibrate/fit.py): the lowest value that keeps `keep` of the
 tokens that option's decision passes at that exit (calibration split). A gated option's thresholds are then refitted
 on what the gated run sees, so its precision guarantee covers the gate.
 
@@ -19,7 +19,7 @@ What a gate changes besides the time: an exit whose gate fails picks no candidat
 score a Top-K) are picked at the first exit whose gate passes, and every later exit scores those
 (`Measurements.restrict` with `gate_ok`: the replay; runtime/chain.py and runner.py: the run).
 
-What this module does not do: choose thresholds (calibrate_fit.py) or run anything but the gate's arithmetic.
+What this module does not do: choose thresholds (calibrate/fit.py) or run anything but the gate's arithmetic.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def gate_logits(h: Any, weight: np.ndarray, bias: float) -> Any:
     runner's (numpy) alike. Float32, not 64: in decode the host op runs on caches the segment just evicted, where
     numpy's float64 conversion and product took ~85 us against ~44 us (default model, measured). The two libraries
     may sum in different orders, so a logit can differ by float32 rounding (~1e-6 relative): a gate decision can
-    differ only for a logit within that of its threshold, as a probe score's can (exits.py)."""
+    differ only for a logit within that of its threshold, as a probe score's can (exits/signals.py)."""
     if isinstance(h, torch.Tensor):
         return (h.float() @ torch.from_numpy(weight)).double() + bias
     return float(np.dot(h, weight)) + bias if h.ndim == 1 else np.asarray(h, np.float32) @ weight + bias

@@ -2,8 +2,8 @@
 exit's normed state and its local softmax's prob and margin (and transforms of them: exits.PROBE_SCALARS),
 predicting "the exit's top-1 over its K candidates is the final layer's top-1".
 
-Both trainers call `fit_probes` after their heads are trained (heads.py on its chunk passes, heads_cached.py on its
-cached sequences), and `eectl train-heads --probe-only` fits probes onto an existing heads file: every caller hands
+Both trainers call `fit_probes` after their heads are trained (heads/train.py on its chunk passes, heads/cached.py on
+its cached sequences), and `eectl train-heads --probe-only` fits probes onto an existing heads file: every caller hands
 over (exit states, teacher top-1) samples of its own training tokens. Features are measured as the runner measures
 them (exits.ExitScoring on the head's ExitHead, the given candidate source), each token's at an exit on the
 candidates of an exit drawn among it and the earlier ones (the runner's first active exit, whichever the plan makes

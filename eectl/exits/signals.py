@@ -1,7 +1,7 @@
 """Exit heads and exit signals: the ONE definition of what an exit computes, how confident it is, and whether a
 token leaves there.
 
-An exit after layer l maps that layer's hidden state to a prediction: an optional trained head (heads.py) into the
+An exit after layer l maps that layer's hidden state to a prediction: an optional trained head (heads/train.py) into the
 input space of the frozen final norm + LM head, then either
 
 - the full vocabulary (`full`): all V logits, or
@@ -24,8 +24,8 @@ Registries (each addition is one entry):
   it needs the input of the last layer before the exit, and computes its values in `measure`. To add one, write a
   `Signal` subclass (or reuse one with other criteria) and `register_signal(...)` it below; calibrate, export's
   manifest, run and bench pick it up by name. A signal that needs more than the exit state and the last layer's
-  input adds that state to `ExitState` and to what the segment graphs output (export.py) and the runner passes in,
-  as `cosine-min` (River-LLM's minimum cosine over every block of a segment) does with `ExitState.blocks` (the
+  input adds that state to `ExitState` and to what the segment graphs output (export/exporter.py) and the runner passes
+  in, as `cosine-min` (River-LLM's minimum cosine over every block of a segment) does with `ExitState.blocks` (the
   segments' `layer_states` output at run time, `Capture` of every layer in calibrate).
 - `CANDIDATE_SOURCES` (eectl/candidates.py): how the K candidates of the local vocabulary are picked at the first
   exit a token reaches (FlexEE: Top-K of one full LM-head projection; a frequency shortlist; an int8 LM head). A
@@ -34,8 +34,8 @@ Registries (each addition is one entry):
   pass its name as `ExitScoring(..., source=name)` (calibrate and run take the same name, so thresholds mean the
   same thing).
 
-What this module does not do: pick candidates (candidates.py), fit thresholds (thresholds.py), train heads
-(heads.py), or run ONNX Runtime.
+What this module does not do: pick candidates (exits/candidates.py), fit thresholds (exits/thresholds.py), train heads
+(heads/train.py), or run ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Where logits come from (how candidates are picked: candidates.py)
+# Where logits come from (how candidates are picked: exits/candidates.py)
 # ---------------------------------------------------------------------------------------------------------------
 
 

@@ -5,12 +5,12 @@ is >= its threshold (`eectl.exits.signals.passes`). So exits are fitted sequenti
 took. Per exit, lambda* = min{ lambda : P(correct | value >= lambda) >= target } on those tokens
 (`threshold_for_precision`); with a confidence level the one-sided Clopper-Pearson lower bound on that precision
 must reach the target instead (`threshold_with_bound`). A threshold of inf means "never exits here": that is the
-one in-memory representation (files write it as null, see calibration_file.py).
+one in-memory representation (files write it as null, see contracts/calibration.py).
 
 The bound is per threshold: it treats the chosen threshold as fixed in advance; the search over thresholds (and
-over exits, sequentially) is not corrected for. Held-out replay (calibrate_fit.py) is the check.
+over exits, sequentially) is not corrected for. Held-out replay (calibrate/fit.py) is the check.
 
-What this module does not do: measure signals (calibrate_measure.py, exits.py) or read and write files.
+What this module does not do: measure signals (exits/measure.py, exits/signals.py) or read and write files.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ exit's layer (the prompt, deferred positions: its KV needs them all), the LM hea
 A K/V-only graph of the block serves the `copy` policy (a skipped token's exit state projected into its KV). The
 block's KV buffer is one more slot of the runner's buffers (`BlockExit.kv_slot`, after the decoder layers').
 
-What this module does not do: run the graphs (runtime/blocks.py) or train the block (heads_cached.py).
+What this module does not do: run the graphs (runtime/blocks.py) or train the block (heads/cached.py).
 """
 
 from __future__ import annotations

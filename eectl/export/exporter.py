@@ -1,10 +1,10 @@
 """`eectl export`: a segmented ONNX artifact with exit points, validated against PyTorch.
 
-The stage: check the options, build every graph (export_graphs.py) and write it with the shared weights, the
-tokenizer and the manifest into a locked staging folder, validate the graphs against PyTorch (export_validation.py),
-time them and plan exits (costs.py, plan.py), then rename the folder into place.
+The stage: check the options, build every graph (export/graphs.py) and write it with the shared weights, the
+tokenizer and the manifest into a locked staging folder, validate the graphs against PyTorch (export/validation.py),
+time them and plan exits (plan/costs.py, plan/choose.py), then rename the folder into place.
 
-What this module does not do: choose exits at run time (runtime/), or calibrate (calibrate.py).
+What this module does not do: choose exits at run time (runtime/), or calibrate (calibrate/calibrator.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from eectl.errors import ArtifactError, UsageError
 from eectl.exits.base import DEFAULT_TOP_K, CandidateSource
 from eectl.exits.candidates import FirstExitTopK, Shortlist, make_source
 from eectl.export.block import export_block, is_block
-from eectl.export.graphs import DTYPES, OPSET, build_candidates, build_embedding, build_exit, build_segment, save_graph
+from eectl.export.candidate_graphs import build_candidates
+from eectl.export.graphs import DTYPES, OPSET, build_embedding, build_exit, build_segment, save_graph
 from eectl.export.quantize import Int4Options, quantize_graph, quantize_lm_head
 from eectl.export.validation import validate_artifact
 from eectl.files import STAGING_MARKER, locked_staging, output_error, sha256_file
@@ -62,7 +63,7 @@ class ExportOptions:
     candidates: str | None = None  # candidate source; None: the calibration's (full without one)
     profile_costs: bool = True  # time every graph and write the costs and the plan into the manifest
     cost_past: int = 128  # KV positions in the cache while timing (a prompt plus some generated tokens)
-    weights: str = "fp32"  # fp32 or int4 (weight-only MatMulNBits segment graphs, quantize.py)
+    weights: str = "fp32"  # fp32 or int4 (weight-only MatMulNBits segment graphs, export/quantize.py)
     int4: Int4Options = field(default_factory=Int4Options)  # settings for --weights int4 and --river
     river: bool = False  # add int4 copies of the segments after the first exit (the `river` policy)
 
@@ -203,7 +204,7 @@ def candidate_source(
 
 
 def profile_and_plan(manifest: Manifest, folder: Path, past: int = 128) -> None:
-    """Measure the artifact's graph costs on its provider (costs.py) and choose exits by them (plan.py)."""
+    """Measure the artifact's graph costs on its provider (plan/costs.py) and choose exits by them (plan/choose.py)."""
     from eectl.plan.choose import plan_manifest
     from eectl.plan.costs import measure_costs
     from eectl.runtime.sessions import ArtifactRuntime
@@ -346,7 +347,7 @@ def _write_exits(
     max_pos: int,
 ) -> list[ExitPoint]:
     """The full, local and candidate graphs of every exit and of the final layer (and the final head's quantized
-    table for int4 artifacts or the river's end); a block head's own graphs (export_block.py)."""
+    table for int4 artifacts or the river's end); a block head's own graphs (export/block.py)."""
     L = adapter.num_layers
     quantized = options.weights == "int4"
     exit_points = []

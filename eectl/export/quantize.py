@@ -15,7 +15,8 @@ What stays in higher precision, and why:
   intermediate exits);
 - decoder layers listed in `keep_layers` (their MatMuls are excluded from the quantizer).
 
-What this module does not do: build graphs (export.py), or write a quantizer of its own (ORT's is the real one).
+What this module does not do: build graphs (export/exporter.py), or write a quantizer of its own (ORT's is the real
+one).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Export's check of what it wrote: the artifact's graphs against PyTorch, prefill + greedy decode, every exit.
 
-What this module does not do: build or write graphs (export_graphs.py, export.py); it raises ExportValidationError
-and the stage (export.py) leaves nothing half-written.
+What this module does not do: build or write graphs (export/graphs.py, export/exporter.py); it raises
+ExportValidationError
+and the stage (export/exporter.py) leaves nothing half-written.
 """
 
 from __future__ import annotations

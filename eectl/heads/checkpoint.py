@@ -4,7 +4,7 @@ Tensors: the heads (`heads.<param>`), AdamW's moments (`optimizer.<param index>.
 (`rng.torch`, `rng.cuda`). The JSON header: format and version, the run identity (what a resumed run must share:
 model hash, data, options), step, KL history, the optimiser's param groups and non-tensor state, the loss scaler.
 
-What this module does not do: train (heads.py) or decide what a run's identity is (TrainConfig.identity).
+What this module does not do: train (heads/train.py) or decide what a run's identity is (TrainConfig.identity).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Distillation losses for exit heads: the exact KL over the full vocabulary is F.cross_entropy with soft targets
-(heads.py); this module holds the one that is not bound by the LM head: the teacher's top-k tokens plus a tail bucket,
+(heads/train.py); this module holds the one that is not bound by the LM head: the teacher's top-k tokens plus a tail
+bucket,
 with the student's normaliser over those rows and an unbiased estimate of the rest from a few sampled rows.
 
-What this module does not do: compute the teacher (the base pass, head_data.py), or train.
+What this module does not do: compute the teacher (the base pass, heads/state_cache.py), or train.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The heads' report: before (logit lens) and after (heads) on held-out tokens, and heads.json built from it.
 
 `evaluate` runs the frozen base once per held-out chunk (`base_pass`) or reads prepared passes (a state cache's,
-heads_cached.py), and scores every exit as the runner does: agreement with the final layer, KL, and the coverage at
+heads/cached.py), and scores every exit as the runner does: agreement with the final layer, KL, and the coverage at
 the target precision for the full-vocabulary and the Top-K probability. `heads_meta` assembles heads.json the same
-way for every trainer (heads.py, heads_cached.py).
+way for every trainer (heads/train.py, heads/cached.py).
 
 What this module does not do: train heads or write files.
 """

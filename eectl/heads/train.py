@@ -1,6 +1,6 @@
 """`eectl train-heads`: light exit heads trained against the frozen model's own final layer.
 
-The head designs and the heads file live in head_designs.py; this module trains them and reports.
+The head designs and the heads file live in exits/designs.py; this module trains them and reports.
 
 One training step, all exits in one pass (the base runs once per chunk of text, under no_grad):
 
@@ -16,7 +16,7 @@ and, on the CPU, ends with bit-identical heads. Under `torchrun` / `accelerate l
 trains on its own shard of the chunks and the heads are wrapped in DistributedDataParallel.
 
 Output: a heads file (head_designs.save_heads); `head_designs.load_heads` reads it back for calibrate and export.
-The before/after report and heads.json's metadata are heads_report.py's.
+The before/after report and heads.json's metadata are heads/report.py's.
 
 What this module does not do: choose exit thresholds (calibrate), build ONNX graphs (export), load checkpoints.
 """

@@ -1,10 +1,10 @@
 """Exits chosen by what they save: a cost model of one decode step, and the choice of active exits per policy.
 
 Inputs are two measurements of the artifact, both model-agnostic:
-- the calibrated **options** (calibrate_fit.py): for a subset of exits and a precision target, the per-exit thresholds
+- the calibrated **options** (calibrate/fit.py): for a subset of exits and a precision target, the per-exit thresholds
   and the held-out share of all tokens that exit at each exit (`coverage`) and their agreement with the final layer
   (`precision`): what a run with exactly those exits active sees (Top-K candidates picked at the subset's first exit);
-- the measured **costs** (costs.py): milliseconds per graph call on the runner's provider and thread count.
+- the measured **costs** (plan/costs.py): milliseconds per graph call on the runner's provider and thread count.
 
 Per-token time of an option under a policy (exit a_1 < ... < a_m active, c_i the coverage at a_i, c_0 = 1 - sum c_i):
 
@@ -35,7 +35,7 @@ point estimate, and only the round-to-round disagreement widens the interval. Th
 fixed seed: the same costs always give the same plan. Costs without samples (artifacts exported before the
 intervals) are taken as exact: the interval is the point, and the choice is the point estimate's, as it was.
 
-What this module does not do: measure (costs.py, calibrate.py) or run anything; it is pure arithmetic.
+What this module does not do: measure (plan/costs.py, calibrate/calibrator.py) or run anything; it is pure arithmetic.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What each graph of an artifact costs on the machine at hand: the cost model's input (plan.py).
+"""What each graph of an artifact costs on the machine at hand: the cost model's input (plan/choose.py).
 
 Every graph is called through the runtime the runner uses (ArtifactRuntime: the same sessions, IO binding and thread
 pool), at decode shape: one token on top of `past` positions of KV cache, and one more position where the defer and
@@ -14,7 +14,7 @@ decides on the bound chain (runtime/chain.py), the decisions are timed as it mak
 exit graph deciding in-graph, two scalars read (`Costs.bound_exits`). The full-depth step is timed through the
 runner itself, so whatever Python adds per step is in the model too.
 
-What this module does not do: predict or choose (plan.py); it only measures.
+What this module does not do: predict or choose (plan/choose.py); it only measures.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from eectl.exits.gates import gate_open
 from eectl.exits.signals import ExitScoring, FullSoftmax, Signal, get_signal
 from eectl.runtime.blocks import run_block
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
-from eectl.runtime.runner import OrtExitLogits, Runner
+from eectl.runtime.exit_logits import OrtExitLogits
+from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 from eectl.runtime.state import RowState, RunConfig
 
 DEFAULT_PAST = 128
 DEFAULT_REPEATS = 15
-# `--profile-costs` (runtime/generate.py `replan`): more rounds, DEFAULT_REPEATS at a time, while the plan's choice
+# `--profile-costs` (run/generate.py `replan`): more rounds, DEFAULT_REPEATS at a time, while the plan's choice
 # is undecided (an option's interval straddles the line), for at most this long. About 10 batches on the default
 # model at 2 threads; the interval narrows as one over the square root of the rounds
 RETIME_BUDGET_S = 30.0
@@ -53,8 +54,8 @@ def _time_rounds(calls: dict[str, Timed], repeats: int, warmup: int, times: dict
     """Append each call's ms in `repeats` rounds (after `warmup` untimed ones) to `times`, every graph once per
     round: as in a decode step, the other graphs evict a small graph's weights from the CPU caches between two of
     its calls (timing one graph in a loop would find them cached and underestimate it), and round r of every graph
-    meets the same load of the moment (the plan's bootstrap resamples whole rounds: plan.py). A call given with its
-    prelude (an exit's decision: its segment) runs right after it, as in decode."""
+    meets the same load of the moment (the plan's bootstrap resamples whole rounds: plan/choose.py). A call given with
+    its prelude (an exit's decision: its segment) runs right after it, as in decode."""
     for r in range(warmup + repeats):
         for name, timed in calls.items():
             if isinstance(timed, tuple):

@@ -304,17 +304,16 @@ def run_prompts(
     if warning is not None and warn is not None:
         warn(warning)
     runner = Runner(rt, config)
-    reports: list[RunReport] = []
-    for i in range(0, len(prompts), batch_size):
-        batch = prompts[i : i + batch_size]
-        stream = None
-        if on_text is not None:
+    stream = None
+    if on_text is not None:
 
-            def stream(row: int, confirmed: list[int], first: int = i, cb: Callable = on_text) -> None:
-                cb(first + row, tok.decode(confirmed, skip_special_tokens=True))
+        def stream(i: int, confirmed: list[int], cb: Callable = on_text) -> None:
+            cb(i, tok.decode(confirmed, skip_special_tokens=True))
 
-        gens = runner.generate([encode_prompt(tok, p, opts.raw) for p in batch], on_step=stream)
-        for p, g in zip(batch, gens, strict=True):
-            text = tok.decode(g.token_ids, skip_special_tokens=True)
-            reports.append(RunReport(p, text, g, rt.manifest.num_layers))
+    # batch_size slots over all prompts: a finished row's slot takes the next prompt (Runner.generate)
+    gens = runner.generate([encode_prompt(tok, p, opts.raw) for p in prompts], on_step=stream, slots=batch_size)
+    reports = [
+        RunReport(p, tok.decode(g.token_ids, skip_special_tokens=True), g, rt.manifest.num_layers)
+        for p, g in zip(prompts, gens, strict=True)
+    ]
     return rt, config, reports

@@ -16,7 +16,7 @@ under every policy because each one moves the block with its segment:
 Batched rows (runtime/batch.py) with one new position each run their blocks in one call, as their segment did
 (`run_block_rows`: per-row lengths, idle rows writing their scratch slot); rows with several positions run alone.
 
-What this module does not do: decide exits (runner.py) or build the graphs (export_block.py).
+What this module does not do: decide exits (runner.py) or build the graphs (export/block.py).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ hook), and decorate it with `@register_policy`; the CLI, the manifest's list and
 (`eectl.contracts.plan.BOUND_POLICIES`) and the device binding plan (runtime/binding.py accepts subclasses of
 Copy, Defer and River only); a policy outside them runs on the general host path.
 
-What this module does not do: decide exits (runner.py, exits.py) or build graphs.
+What this module does not do: decide exits (runner.py, exits/signals.py) or build graphs.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ river policy's int4 copies after an exit (`KVPolicy.predict`). Block states (cos
 Device-resident (`RunConfig.device_resident`, the default off the CPU EP): the same loop with every state a device
 value (sessions.DeviceView) handed between graphs, joined and sliced on the device (device_ops.concat, views), and
 exit tests reading K scores or one scalar per row (runtime/resident.py): the binding plan (binding.py), executed.
-What this module does not do: tokenise or format output (generate.py / cli/), or load torch models.
+What this module does not do: tokenise or format output (run/generate.py / cli/), or load torch models.
 """
 
 from __future__ import annotations
@@ -23,16 +23,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from eectl.contracts.layers import check_exit_layers
 from eectl.contracts.plan import BOUND_POLICIES
 from eectl.errors import UsageError
-from eectl.exits.base import CandidateSource, ExitScore, no_probe_error
+from eectl.exits.base import ExitScore, no_probe_error
 from eectl.exits.candidates import CANDIDATE_SOURCES, FirstExitTopK
 from eectl.exits.gates import active_gates, gate_open
 from eectl.exits.signals import ExitScoring, get_signal
@@ -41,69 +39,10 @@ from eectl.runtime.batch import BatchKV, join_rows, new_batch_kv, prefill_runs, 
 from eectl.runtime.blocks import active_block, run_block, run_block_rows
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.device_ops import concat, stack
+from eectl.runtime.exit_logits import Decide, OrtExitLogits, _one_torch_thread
 from eectl.runtime.policies import KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 from eectl.runtime.state import Generation, RowState, RunConfig
-
-
-class OrtExitLogits:
-    """`eectl.exits.signals.ExitLogits` on the artifact's exit graphs: numpy in and out of ONNX Runtime, and numpy into
-    the
-    signal's math (exits.signals): a decision is one token, where torch's per-op dispatch cost more than the math.
-
-    The full graph computes its Top-K in-graph (TopK), so a first-exit candidate pick costs no extra pass."""
-
-    def __init__(self, rt: ArtifactRuntime) -> None:
-        self.rt = rt
-
-    def full(self, layer: int, hidden: np.ndarray) -> np.ndarray:
-        return self.rt.exit_full(layer, hidden, 2)[0]
-
-    def full_topk(self, layer: int, hidden: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        _, cand, cand_logits = self.rt.exit_full(layer, hidden, k)
-        return cand, cand_logits
-
-    def local(self, layer: int, hidden: np.ndarray, candidates: np.ndarray) -> np.ndarray:
-        return self.rt.exit_local(layer, hidden, candidates)
-
-    def candidates(
-        self, source: CandidateSource, layer: int, hidden: np.ndarray, k: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The artifact's candidate graph at this exit (export built it from `source`'s torch code)."""
-        return self.rt.exit_candidates(layer, hidden, k)
-
-    def probe_score(self, layer: int, hidden: np.ndarray, prob: np.ndarray, margin: np.ndarray) -> np.ndarray:
-        """The exit graph's own `score` output of the call that just returned these rows' local logits (the graph
-        computes it from the same logits: exits.decision_nodes mirrors Probe.score)."""
-        score = self.rt.exit_scores.get(layer)
-        if score is None or score.shape[0] != np.shape(prob)[0]:
-            raise no_probe_error([layer])
-        return score
-
-
-@contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """For signals with torch math (the cosines; the softmax signals are numpy): the math is tiny, and with torch's
-    own pool awake beside ONNX Runtime's spinning one it took ~6 ms per call on 2 cores (measured), on one thread
-    microseconds."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-@dataclass
-class Decide:
-    """A row's request for an exit test: its token's state after the exit's layer [H], the last layer's input [H]
-    (the cosine signal), the candidates an earlier exit picked for it ([1, K] or None), and the segment's block
-    boundaries [n + 1, H] (cosine-min) or None."""
-
-    hidden: np.ndarray
-    layer_input: np.ndarray
-    candidates: Any = None
-    blocks: np.ndarray | None = None
 
 
 class Runner:
@@ -450,17 +389,27 @@ class Runner:
 
     # --- generation -------------------------------------------------------------------------------------------
     def generate(
-        self, prompts: list[list[int]], on_step: Callable[[int, list[int]], None] | None = None
+        self,
+        prompts: list[list[int]],
+        on_step: Callable[[int, list[int]], None] | None = None,
+        slots: int | None = None,
     ) -> list[Generation]:
         """Generate for each prompt: rows in lock-step, each with its own cache rows and decisions, one graph call
         per segment for the rows that run it (`_steps`).
 
-        `on_step(row, confirmed)` sees each row's generated tokens that can no longer change (under verify: those
-        before the first unchecked draft), after every step: for streaming.
+        `slots`: rows decoded together (default: every prompt at once). With fewer slots than prompts, a row that
+        finishes frees its slot between steps and the next prompt joins there (its cache rows forgotten, its prompt
+        prefilled in the step the others decode), so ragged answers keep every slot busy. The generations come
+        back in prompt order, each the same as its prompt generated alone.
+
+        `on_step(prompt_index, confirmed)` sees each row's generated tokens that can no longer change (under
+        verify: those before the first unchecked draft), after every step: for streaming.
         """
         cfg = self.cfg
         if not prompts or any(len(p) == 0 for p in prompts):
             raise UsageError("empty prompt")
+        if slots is not None and slots < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {slots}")
         longest = max(len(p) for p in prompts)
         need = longest + cfg.max_new_tokens + 1
         if need > self.m.max_positions:
@@ -468,11 +417,12 @@ class Runner:
                 f"prompt of {longest} tokens + {cfg.max_new_tokens} new tokens exceeds the maximum context "
                 f"of {self.m.max_positions}"
             )
-        kv = new_batch_kv(self.rt, len(prompts), need)
+        width = len(prompts) if slots is None else min(slots, len(prompts))
+        kv = new_batch_kv(self.rt, width, need)
         self.last_kv = kv
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
         device = self._device_step()
-        chain = self._chain(kv, len(rows)) if device is None else None
+        chain = self._chain(kv, width) if device is None else None
         self.step_reads: list[list[tuple[str, int, str]]] = []  # resident: per step, what was read on the host
         with self._resident() if device is None and chain is None else nullcontext():
             self._loop(kv, rows, device, chain, on_step)
@@ -486,30 +436,47 @@ class Runner:
         chain: DecodeChain | None,
         on_step: Callable[[int, list[int]], None] | None,
     ) -> None:
-        first = True  # prefill: the whole prompt, always full depth
-        while not all(st.done for st in rows):
-            live = {r: (st, st.tokens if first else [st.tokens[-1]]) for r, st in enumerate(rows) if not st.done}
+        """Steps until every prompt is done. `seated[slot]` is the prompt in that slot of the cache; a prompt whose
+        first step is still to run (its prefill: the whole prompt, always full depth) is `fresh`."""
+        queue = list(range(len(rows)))
+        seated: dict[int, int] = {}
+        fresh: set[int] = set()
+
+        def seat() -> None:  # fill the free slots with the next prompts, in order
+            for slot in range(kv.rows):
+                if slot not in seated and queue:
+                    seated[slot] = queue.pop(0)
+                    fresh.add(slot)
+                    kv.rollback(slot, 0)  # whatever the slot's last prompt left in its cache is forgotten
+
+        seat()
+        while seated:
+            live = {s: (rows[i], rows[i].tokens if s in fresh else [rows[i].tokens[-1]]) for s, i in seated.items()}
             t0 = time.perf_counter()
             self.rt.host_reads = []
-            if device is not None and not first:
-                tokens = device.step(kv, {r: ids[0] for r, (_, ids) in live.items()})
-                for r in tokens:
-                    rows[r].exit_layers.append(self.L)
-            elif chain is not None and not first:  # greedy decode of one row: calls bound once
-                tokens = {0: self._chain_step(chain, rows[0], kv)}
+            if device is not None and not fresh:
+                tokens = device.step(kv, {s: ids[0] for s, (_, ids) in live.items()})
+                for s in tokens:
+                    rows[seated[s]].exit_layers.append(self.L)
+            elif chain is not None and not fresh:  # greedy decode of one row: calls bound once
+                tokens = {0: self._chain_step(chain, rows[seated[0]], kv)}
             else:
                 tokens = self._steps(kv, live)
             took = time.perf_counter() - t0  # a row's latency is its batch step's: rows wait for each other
-            for r, token in tokens.items():
-                st = rows[r]
+            fresh.clear()
+            for s, token in tokens.items():
+                i = seated[s]
+                st = rows[i]
                 st.tokens.append(token)
                 st.latencies.append(took)
-                st.done = self._finished(r, st, kv)
+                st.done = self._finished(s, st, kv)
                 if on_step is not None:
-                    on_step(r, self._confirmed(st))
+                    on_step(i, self._confirmed(st))
+                if st.done:
+                    del seated[s]
             if self.rt.resident:
                 self.step_reads.append(self.rt.host_reads)
-            first = False
+            seat()
 
     def _resident_wanted(self) -> bool:
         wanted = self.cfg.device_resident
