@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -66,14 +67,24 @@ def test_bench_cli_report(artifact, tiny_dirs, tmp_path):
     lo, hi = aa["speedup_vs_full_ci"]
     assert lo <= aa["speedup_vs_full"] <= hi  # one statistic: the point estimate sits inside its interval
     assert doc["hf_matches_full"] is True  # transformers generate and eectl full depth: the same tokens
-    # every speedup is the ratio of two latencies measured in this run: the A/A against full, the others against
-    # full and full-aa pooled (the same tokens in both: the mean of their ms/token)
-    pooled = (by["full"]["ms_per_token"] + aa["ms_per_token"]) / 2
-    assert aa["speedup_vs_full"] == pytest.approx(by["full"]["ms_per_token"] / aa["ms_per_token"])
-    for c in by.values():
-        if c is not aa:
-            assert c["speedup_vs_full"] == pytest.approx(pooled / c["ms_per_token"])
-        assert c["speedup_vs_hf"] == pytest.approx(by["hf"]["ms_per_token"] / c["ms_per_token"])
+    # every speedup is the median over (repetition, block) of paired ratios measured in this run: the A/A against
+    # full, the others against full and full-aa pooled per block (their seconds and tokens summed)
+    blocks = {n: np.array(c["blocks"], dtype=float) for n, c in by.items()}
+    assert all(b.shape[:2] == (doc["reps_run"], 3) for b in blocks.values())  # batch 1: one block per prompt
+    pooled = blocks["full"] + blocks["full-aa"]
+
+    def spt(b):
+        return b[..., 0] / b[..., 1]
+
+    assert aa["speedup_vs_full"] == pytest.approx(float(np.median(spt(blocks["full"]) / spt(blocks["full-aa"]))))
+    for name, c in by.items():
+        if name not in ("full", "full-aa"):
+            assert c["speedup_vs_full"] == pytest.approx(float(np.median(spt(pooled) / spt(blocks[name]))))
+        if name != "hf":
+            assert c["speedup_vs_hf"] == pytest.approx(float(np.median(spt(blocks["hf"]) / spt(blocks[name]))))
+    assert by["full"]["speedup_vs_full"] == 1.0 and by["full"]["verdict"] == "the baseline"
+    assert doc["verdict"] == "conclusive" or doc["verdict"].startswith("inconclusive: ")
+    assert all(c["verdict"] == doc["verdict"] for n, c in by.items() if n != "full")
     assert by["verify"]["token_agreement"] == 1.0 and by["verify"]["exact_match"] == 1.0
     for c in by.values():
         assert c["ms_per_token"] > 0 and c["ms_per_token_spread"][0] <= c["ms_per_token"] <= c["ms_per_token_spread"][1]
@@ -155,10 +166,15 @@ def test_bench_batch_size_reports_throughput_and_keeps_each_rows_tokens(artifact
     doc = json.loads(res.stdout)
     by = {c["name"]: c for c in doc["configs"]}
     assert doc["batch_size"] == 2
-    for c in by.values():
-        assert c["throughput"] > 0 and c["throughput_vs_full"] == pytest.approx(
-            c["throughput"] / by["full"]["throughput"]
-        )
+    # throughput against full: the paired block statistic on wall time per decoded token of all the batch's rows
+    blocks = {n: np.array(c["blocks"], dtype=float) for n, c in by.items()}
+    assert blocks["full"].shape[:2] == (doc["reps_run"], 2)  # two blocks: a batch of 2, then 1
+    pooled = blocks["full"] + blocks["full-aa"]
+    for name, c in by.items():
+        assert c["throughput"] > 0
+        if name not in ("full", "full-aa"):
+            want = np.median((pooled[..., 2] / pooled[..., 1]) / (blocks[name][..., 2] / blocks[name][..., 1]))
+            assert c["throughput_vs_full"] == pytest.approx(float(want))
     full, early = _independent_runs(artifact, ("defer",))
     agreement, exact, first = _agreement(early["defer"], full)
     assert by["defer"]["token_agreement"] == pytest.approx(agreement) and by["defer"]["exact_match"] == exact

@@ -56,7 +56,7 @@ def bench(
     """Speed and fidelity against full depth (and transformers generate), side by side, in one run."""
     from eectl.data import load_text_data
     from eectl.evaluate.bench import bench_units, gsm8k_answers, heldout_texts, run_bench
-    from eectl.evaluate.report import markdown, write_report
+    from eectl.evaluate.report import summary, write_report
     from eectl.evaluate.results import BenchOptions
 
     out = Output(json_out)
@@ -105,6 +105,6 @@ def bench(
     files = write_report(result, report) if report is not None else []
     out.json({**result.to_dict(), "report": [str(f) for f in files]})
     if not out.json_mode:
-        out.out.print(markdown(result, {}), markup=False, highlight=False)
+        out.out.print(summary(result), markup=False, highlight=False)
         if files:
             out.line(f"report: {files[0]} (plots and JSON beside it)")

@@ -20,6 +20,7 @@ What this module does not do: export or calibrate.
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 from collections.abc import Callable
@@ -36,16 +37,18 @@ from eectl.evaluate.report import markdown, write_report
 from eectl.evaluate.results import AA, BASELINES, BenchOptions, BenchResult, ConfigResult
 from eectl.evaluate.river_kv import river_kv_cosine
 from eectl.evaluate.stats import (
+    AA_BAND,
     agreement,
     agreement_ci,
     balanced_orders,
+    block_ratios,
+    noise_verdict,
     per_prompt_totals,
-    pooled,
-    rep_orders,
+    ratio_ci,
+    ratio_estimate,
     seconds_per_token,
     share_ci,
     speed_ratio,
-    speed_ratio_ci,
     wilson,
 )
 from eectl.run.generate import RunOptions, load_tokenizer, replan, resolve_config
@@ -93,6 +96,22 @@ class _Run:
     decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there (gates skip some)
     picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked candidates there
     per_prompt: list[tuple[float, int]] = field(default_factory=list)  # (decode seconds, decode tokens) per prompt
+
+    def add(self, other: _Run) -> None:
+        """Append another block's run of the same configuration (prompts stay in order)."""
+        self.latencies += other.latencies
+        self.ttfts += other.ttfts
+        self.generations += other.generations
+        self.exit_layers += other.exit_layers
+        self.decide_s += other.decide_s
+        self.drafted += other.drafted
+        self.rejected += other.rejected
+        self.decode_tokens += other.decode_tokens
+        self.decode_wall_s += other.decode_wall_s
+        for mine, theirs in ((self.decided, other.decided), (self.picked, other.picked)):
+            for layer, n in theirs.items():
+                mine[layer] = mine.get(layer, 0) + n
+        self.per_prompt += other.per_prompt
 
 
 def bench_units(opts: BenchOptions, prompts: int) -> int:
@@ -249,36 +268,119 @@ class _Configs:
 
 # Pause before each timed configuration: the previous one's worker threads (ORT's spinning pool, torch's OpenMP
 # threads after `hf`) keep spinning for a while after their last call, and whoever runs next would pay for it.
-SETTLE_S = 0.5
+SETTLE_S = 0.1
+NOISE_BUDGET = 1.0  # the noise gate may spend up to this share of the timed phase again on more repetitions
 
 
-def _timed(configs: _Configs, order: list[str], ids: list[list[int]], reps: int, log: Any) -> tuple[dict, dict]:
-    """A warm-up (one prompt each), then `reps` interleaved repetitions in a carryover-balanced order (a Williams
-    design, bench_stats.balanced_orders): runs and RSS per config."""
-    orders = rep_orders(order, reps)
-    if log is not None:
-        log.log(f"warm-up, then {reps} interleaved repetitions of {', '.join(order)} over {len(ids)} prompts")
-        n = len(balanced_orders(order))
-        if reps % n:
-            log.log(f"  the run order balances positions and predecessors over a multiple of {n} repetitions")
-    for name in order:
-        configs.once(name, ids[:1])
-    runs: dict[str, list[_Run]] = {n: [] for n in order}
-    rss: dict[str, float] = {}
-    for rep in range(reps):
-        # A fixed order let whatever runs first pay for the state the previous one left (measured: configurations
-        # identical to full depth read 1.11-1.16x "vs full" with `full` always first), and a rotation by one kept
-        # each configuration's predecessor (copy always after hf: 0.92-0.94x); the Williams design varies both.
-        for name in orders[rep]:
+def block_schedule(order: list[str], blocks: int, reps: range) -> list[tuple[int, int, list[str]]]:
+    """(repetition, block, configuration order) in run order: every configuration runs on block b of repetition r
+    before any runs on the next block, so a configuration and the baseline it is compared with ran seconds apart.
+    The orders are a Williams design's, in turn over the blocks (each configuration in every position and after
+    every other equally often over a cycle of len(balanced_orders(order)) blocks)."""
+    orders = balanced_orders(order)
+    out = []
+    for r in reps:
+        for b in range(blocks):
+            out.append((r, b, orders[(r * blocks + b) % len(orders)]))
+    return out
+
+
+@dataclass
+class _Timing:
+    """What the timed phase measured: per configuration its runs (one _Run per repetition, blocks in prompt order)
+    and per (repetition, block) its decode seconds, tokens and wall time [R, B, 3]; RSS after its runs."""
+
+    runs: dict[str, list[_Run]]
+    blocks: dict[str, list[list[tuple[float, int, float]]]]
+    rss: dict[str, float]
+    load: list[float] = field(default_factory=list)  # other processes' CPU use (cores) during each timed repetition
+
+    def array(self, name: str) -> np.ndarray:
+        return np.array(self.blocks[name], dtype=np.float64)
+
+
+def _cpu_ticks() -> tuple[int, int, int] | None:
+    """(all CPU ticks, busy ticks, this process's ticks) from /proc; None where /proc is not there."""
+    try:
+        cpu = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        mine = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0)
+    return sum(cpu), sum(cpu) - idle, int(mine[11]) + int(mine[12])  # utime + stime
+
+
+def _other_load(before: tuple[int, int, int] | None, after: tuple[int, int, int] | None) -> float | None:
+    """Cores other processes kept busy on average between two readings."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    cores = os.cpu_count() or 1
+    others = (after[1] - before[1]) - (after[2] - before[2])
+    return max(0.0, cores * others / (after[0] - before[0]))
+
+
+def _timed(
+    configs: _Configs, order: list[str], ids: list[list[int]], reps: range, log: Any, timing: _Timing | None = None
+) -> _Timing:
+    """Repetitions `reps` over blocks of prompts (a batch each; one prompt at batch size 1), every configuration on a
+    block before the next block (`block_schedule`); a warm-up of one prompt each first when starting fresh."""
+    b = configs.opts.batch_size
+    block_ids = [ids[i : i + b] for i in range(0, len(ids), b)]
+    if timing is None:
+        for name in order:
+            configs.once(name, ids[:1])
+        timing = _Timing({n: [] for n in order}, {n: [] for n in order}, {})
+        if log is not None:
+            log.log(
+                f"warm-up, then {len(reps)} repetitions of {', '.join(order)}, interleaved on each of "
+                f"{len(block_ids)} block(s) of {b} prompt(s)"
+            )
+    rep_start: dict[int, tuple[int, int, int] | None] = {}
+    for r, blk, names in block_schedule(order, len(block_ids), reps):
+        if blk == 0:
+            rep_start[r] = _cpu_ticks()
+            for name in order:
+                timing.runs[name].append(_Run([], [], [], [], 0.0))
+                timing.blocks[name].append([])
+        for name in names:
             time.sleep(SETTLE_S)
-            runs[name].append(configs.once(name, ids))
-            rss[name] = _rss_mb()
+            run = configs.once(name, block_ids[blk])
+            timing.runs[name][-1].add(run)
+            timing.blocks[name][-1].append((sum(s for s, _ in run.per_prompt), run.decode_tokens, run.decode_wall_s))
+            timing.rss[name] = _rss_mb()
+        if blk == len(block_ids) - 1:
+            load = _other_load(rep_start[r], _cpu_ticks())
+            if load is not None:
+                timing.load.append(load)
             if log is not None:
-                last = runs[name][-1]
-                log.log(
-                    f"  rep {rep + 1} {name}: {1000 * sum(last.latencies) / max(1, len(last.latencies)):.1f} ms/token"
-                )
-    return runs, rss
+                ms = {n: 1000 * seconds_per_token(per_prompt_totals([timing.runs[n][-1].per_prompt])) for n in order}
+                extra = f" (other processes: {load:.2f} cores)" if load is not None else ""
+                log.log(f"  rep {r + 1}{extra}: " + ", ".join(f"{n} {v:.1f}" for n, v in ms.items()) + " ms/token")
+    return timing
+
+
+def _aa_interval(timing: _Timing) -> tuple[tuple[float, float], int]:
+    ratios = block_ratios(timing.array("full")[..., :2], timing.array(AA)[..., :2])
+    return ratio_ci(ratios), int(np.isfinite(ratios).sum())
+
+
+def _gated(configs: _Configs, order: list[str], ids: list[list[int]], opts: BenchOptions, log: Any) -> _Timing:
+    """The timed phase and its noise gate: while the A/A control's interval leaves AA_BAND, more repetitions run,
+    until it is inside or the extra time would pass NOISE_BUDGET of the first phase's."""
+    t0 = time.perf_counter()
+    timing = _timed(configs, order, ids, range(opts.reps), log)
+    first = time.perf_counter() - t0
+    per_rep = first / opts.reps
+    spent = 0.0
+    while noise_verdict(*_aa_interval(timing)) != "conclusive" and spent + per_rep <= NOISE_BUDGET * first:
+        ci, _ = _aa_interval(timing)
+        if log is not None:
+            log.log(f"  A/A reads [{ci[0]:.3f}, {ci[1]:.3f}], outside {list(AA_BAND)}: one more repetition")
+        t1 = time.perf_counter()
+        n = len(timing.runs["full"])
+        _timed(configs, order, ids, range(n, n + 1), log, timing)
+        spent += time.perf_counter() - t1
+    return timing
 
 
 def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> ConfigResult:
@@ -423,9 +525,15 @@ def run_bench(
                 log.log(cfg.note)
     # the A/A control always runs; the Williams design puts it and full at different positions in every order
     order = ["full", AA, *[c for c in opts.configs if c not in ("full", AA)]]
-    runs, rss = _timed(configs, order, ids, opts.reps, log)
+    timing = _gated(configs, order, ids, opts, log)
+    runs = timing.runs
+    aa_ci, n_ratios = _aa_interval(timing)
+    verdict = noise_verdict(aa_ci, n_ratios)
+    load = float(np.mean(timing.load)) if timing.load else None
+    if verdict != "conclusive" and load is not None:
+        verdict += f" (other processes kept {load:.2f} cores busy on average)"
     full_tokens = runs["full"][0].generations
-    results = [_result(name, runs, rss[name], configs, tok, answers) for name in order]
+    results = [_result(name, timing, configs, tok, answers, verdict) for name in order]
     _step_agreements(configs, runs, ids, results)
     if heldout:
         _perplexities(configs, results, tok, heldout, log)
@@ -469,31 +577,44 @@ def run_bench(
         hf_matches_full=runs["hf"][0].generations == full_tokens if "hf" in runs else None,
         notes=notes,
         river_kv=river_kv,
+        reps_run=len(runs["full"]),
+        verdict=verdict,
+        aa_band=AA_BAND,
+        other_load=None if load is None else round(load, 3),
     )
 
 
+def _paired(base: np.ndarray, other: np.ndarray, column: int = 0) -> tuple[float | None, tuple[float, float]]:
+    """The paired statistic of two [R, B, 3] block timings: median block ratio and its interval; column 0 compares
+    decode seconds per token (latency), 2 wall seconds per token (throughput: a batch's rows share the wall)."""
+    ratios = block_ratios(base[..., [column, 1]], other[..., [column, 1]])
+    est = ratio_estimate(ratios)
+    return (est if math.isfinite(est) else None), ratio_ci(ratios)
+
+
 def _result(
-    name: str, runs: dict[str, list[_Run]], rss: float, configs: _Configs, tok: Any, answers: list[str | None] | None
+    name: str, timing: _Timing, configs: _Configs, tok: Any, answers: list[str | None] | None, verdict: str
 ) -> ConfigResult:
-    """One configuration's row: speed (the ratio statistic against full and hf, with its paired interval),
+    """One configuration's row: speed (the paired block statistic against full and hf, with its interval),
     predictions, fidelity against full depth's first repetition."""
     m = configs.rt.manifest
-    res = _summary(name, runs[name], rss, m.num_layers)
+    runs = timing.runs
+    res = _summary(name, runs[name], timing.rss[name], m.num_layers)
     if name in configs.configs:
         _predictions(res, configs.configs[name], m, runs[name])
-    totals = per_prompt_totals([r.per_prompt for r in runs[name]])
-    full = per_prompt_totals([r.per_prompt for r in runs["full"]])
-    if name != AA and AA in runs:  # the baseline: full and its A/A copy pooled (two positions in every order)
-        full = pooled(full, per_prompt_totals([r.per_prompt for r in runs[AA]]))
-    ratio = speed_ratio(full, totals)
-    res.speedup_vs_full = ratio if math.isfinite(ratio) else None
-    if name != "full":
-        res.speedup_vs_full_ci = speed_ratio_ci(full, totals)
-    if "hf" in runs:
-        ratio = speed_ratio(per_prompt_totals([r.per_prompt for r in runs["hf"]]), totals)
-        res.speedup_vs_hf = ratio if math.isfinite(ratio) else None
-    full_throughput = _throughput(runs["full"])
-    res.throughput_vs_full = res.throughput / full_throughput if full_throughput > 0 else None
+    mine, full = timing.array(name), timing.array("full")
+    res.blocks = [[(float(s), int(n), float(w)) for s, n, w in rep] for rep in timing.blocks[name]]
+    if name == "full":
+        res.speedup_vs_full, res.throughput_vs_full, res.verdict = 1.0, 1.0, "the baseline"
+    else:
+        # the baseline: full, pooled per block with its A/A copy (two runs next to this one), except for the A/A
+        # control itself, which is full's second copy against the first
+        base = full if name == AA else full + timing.array(AA)
+        res.speedup_vs_full, res.speedup_vs_full_ci = _paired(base, mine)
+        res.throughput_vs_full, _ = _paired(base, mine, column=2)
+        res.verdict = verdict
+    if "hf" in runs and name != "hf":
+        res.speedup_vs_hf, _ = _paired(timing.array("hf"), mine)
     gens, ref = runs[name][0].generations, runs["full"][0].generations
     res.token_agreement, res.exact_match, res.first_divergence = agreement(gens, ref)
     res.token_agreement_ci = agreement_ci(gens, ref)

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from eectl.evaluate.results import AA, BenchResult
+from eectl.evaluate.results import AA, BenchResult, ConfigResult
 from eectl.files import atomic_write, atomic_write_text
 
 
@@ -29,53 +29,113 @@ def _ci(v: tuple[float, float] | list[float] | None, spec: str) -> str:
     return f" [{format(v[0], spec)}, {format(v[1], spec)}]"
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table without the columns that say nothing (every cell empty or -)."""
+    keep = [j for j in range(len(header)) if any(row[j] not in ("", "-") for row in rows)]
+    out = ["| " + " | ".join(header[j] for j in keep) + " |", "|" + "---|" * len(keep)]
+    return out + ["| " + " | ".join(row[j] for j in keep) + " |" for row in rows]
+
+
+def _exits(c: ConfigResult) -> str:
+    exits = ",".join(map(str, c.exits)) if c.exits else ("-" if c.name in ("full", "hf") else "none")
+    if c.exits and c.decisions_per_step is not None:  # how many decisions a step made (gates skip some)
+        exits += f" ({'gated, ' if c.gated else ''}{c.decisions_per_step:.2f} decisions/step)"
+    return exits
+
+
+def _speed(c: ConfigResult) -> str:
+    return f"{_x(c.speedup_vs_full)}{_ci(c.speedup_vs_full_ci, '.2f')}"
+
+
+def summary(result: BenchResult) -> str:
+    """The console's short table: what ran, how fast against full depth (with its interval), how faithful, and
+    whether this run can say so; then one line per configuration on how it was chosen, and the run's verdict."""
+    rows = [
+        [
+            f"{c.name} (default)" if c.name == result.default else c.name,
+            _exits(c),
+            f"{c.ms_per_token:.1f}",
+            _speed(c),
+            f"{_fmt(c.token_agreement, '.1%')}",
+            c.verdict.split(":")[0] if c.verdict else "-",
+        ]
+        for c in result.configs
+    ]
+    lines = _table(["config", "exits", "ms/token", "vs full [95% CI]", "token agreement", "verdict"], rows)
+    lines += [f"- {c.name}: {c.note}" for c in result.configs if c.note]
+    lines += ["", f"verdict: {result.verdict or '-'} ({result.reps_run} repetitions timed)"]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(result: BenchResult, plots: dict[str, str]) -> str:
     r = result
     lines = [
         f"# eectl bench: {r.model}",
         "",
         f"Artifact `{r.artifact}`, provider {r.provider}, {r.threads} threads, {r.prompts} prompts x "
-        f"{r.max_new_tokens} new tokens, batch size {r.batch_size}, {r.reps} interleaved repetitions after a warm-up. "
-        f"Early exit: signal {r.signal or '-'}, exits {r.exits or '-'}. ms/token is total decode time over total "
-        "decode tokens, every prompt and repetition pooled (min-max: per repetition); a speedup is the ratio of two "
-        "of those, measured in this run. Intervals (95%, over the "
-        f"{r.prompts} prompts): paired bootstrap of that same ratio and of token agreement, Wilson for exact match; "
-        "the predicted speedup's (90%) is over the cost model's timing rounds (plan/choose.py). Predicted agreement "
-        "(copy, defer as planned): the option's held-out per-token disagreement on generated tokens, compounded "
-        "over the continuation as if the first disagreement parted it from full depth (plan.sequence_agreement). "
-        "Step agreement: per token on the configuration's own path, the share of its tokens that full depth "
-        "(teacher-forced over the same prefix) would emit, against the calibrated option's held-out per-token "
-        "agreement: the quantity the calibration target bounds. "
-        f"Run order: a Williams design (every configuration in every position and after every other once per "
-        f"cycle of repetitions). `{AA}` is a second copy of `full`: its speedup against `full` is this run's noise "
-        f'floor; every other "vs full" is against `full` and `{AA}` pooled.',
+        f"{r.max_new_tokens} new tokens, batch size {r.batch_size}, {r.reps_run} repetitions after a warm-up "
+        f"({r.reps} asked{', more added by the noise gate' if r.reps_run > r.reps else ''}). Early exit: signal "
+        f"{r.signal or '-'}, exits {r.exits or '-'}.",
         "",
-        "| config | exits | ms/token (pooled, min-max) | tokens/s per row | throughput tokens/s (vs full) | TTFT ms | "
-        "vs full [95% CI] | predicted [90%] | model at realized exits | vs hf | mean layers | bound | decide share | "
-        "token agreement [95% CI] | predicted agreement | step agreement [95% CI] | calibrated step agreement | "
-        "exact match [95% CI] | first divergence | perplexity | GSM8K acc | RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"**Verdict: {r.verdict or '-'}.**"
+        + (f" Other processes kept {r.other_load:.2f} CPU cores busy on average." if r.other_load is not None else ""),
+        "",
     ]
+    header = [
+        "config", "exits", "ms/token (pooled, min-max)", "tokens/s per row", "throughput tokens/s (vs full)",
+        "TTFT ms", "vs full [95% CI]", "verdict", "predicted [90%]", "model at realized exits", "vs hf",
+        "mean layers", "bound", "decide share", "token agreement [95% CI]", "predicted agreement",
+        "step agreement [95% CI]", "calibrated step agreement", "exact match [95% CI]", "first divergence",
+        "perplexity", "GSM8K acc", "RSS MB",
+    ]  # fmt: skip
+    rows = []
     for c in r.configs:
-        name = f"{c.name} (default)" if c.name == r.default else c.name
-        exits = ",".join(map(str, c.exits)) if c.exits else ("-" if c.name in ("full", "hf") else "none")
-        if c.exits and c.decisions_per_step is not None:  # how many decisions a step made (gates skip some)
-            exits += f" ({'gated, ' if c.gated else ''}{c.decisions_per_step:.2f} decisions/step)"
-        lines.append(
-            f"| {name} | {exits} | {c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-"
-            f"{c.ms_per_token_spread[1]:.1f}) | "
-            f"{c.tokens_per_s:.1f} | {c.throughput:.1f} ({_x(c.throughput_vs_full)}) | {c.ttft_ms:.0f} | "
-            f"{_x(c.speedup_vs_full)}{_ci(c.speedup_vs_full_ci, '.2f')} | "
-            f"{_x(c.predicted_speedup)}{_ci(c.predicted_interval, '.2f')} | {_x(c.model_speedup)} | "
-            f"{_x(c.speedup_vs_hf)} | "
-            f"{_fmt(c.mean_layers, '.1f')} | {_x(c.layer_bound)} | {_fmt(c.decide_share, '.1%')} | "
-            f"{_fmt(c.token_agreement, '.1%')}{_ci(c.token_agreement_ci, '.1%')} | "
-            f"{_fmt(c.predicted_agreement, '.1%')} | "
-            f"{_fmt(c.step_agreement, '.2%')}{_ci(c.step_agreement_ci, '.2%')} | "
-            f"{_fmt(c.predicted_step_agreement, '.2%')} | "
-            f"{_fmt(c.exact_match, '.0%')}{_ci(c.exact_match_ci, '.0%')} | {_fmt(c.first_divergence, '.1f')} | "
-            f"{_fmt(c.perplexity, '.2f')} | {_fmt(c.gsm8k_accuracy, '.0%')} | {c.rss_mb:.0f} |"
+        rows.append(
+            [
+                f"{c.name} (default)" if c.name == r.default else c.name,
+                _exits(c),
+                f"{c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-{c.ms_per_token_spread[1]:.1f})",
+                f"{c.tokens_per_s:.1f}",
+                f"{c.throughput:.1f} ({_x(c.throughput_vs_full)})",
+                f"{c.ttft_ms:.0f}",
+                _speed(c),
+                c.verdict.split(":")[0] if c.verdict else "-",
+                f"{_x(c.predicted_speedup)}{_ci(c.predicted_interval, '.2f')}",
+                _x(c.model_speedup),
+                _x(c.speedup_vs_hf),
+                _fmt(c.mean_layers, ".1f"),
+                _x(c.layer_bound),
+                _fmt(c.decide_share, ".1%"),
+                f"{_fmt(c.token_agreement, '.1%')}{_ci(c.token_agreement_ci, '.1%')}",
+                _fmt(c.predicted_agreement, ".1%"),
+                f"{_fmt(c.step_agreement, '.2%')}{_ci(c.step_agreement_ci, '.2%')}",
+                _fmt(c.predicted_step_agreement, ".2%"),
+                f"{_fmt(c.exact_match, '.0%')}{_ci(c.exact_match_ci, '.0%')}",
+                _fmt(c.first_divergence, ".1f"),
+                _fmt(c.perplexity, ".2f"),
+                _fmt(c.gsm8k_accuracy, ".0%"),
+                f"{c.rss_mb:.0f}",
+            ]
         )
+    lines += _table(header, rows)
+    lines += [
+        "",
+        "Methods[^1].",
+        "",
+        "[^1]: Every configuration runs on one block of prompts (one prompt at batch size 1, else one batch) before "
+        "the next block, in a Williams design's orders (every configuration in every position and after every other "
+        "equally often over a cycle of blocks); a speedup is the median over (repetition, block) "
+        f"of full depth's seconds per token in that block (pooled with its A/A copy `{AA}`) over the "
+        "configuration's, its 95% interval a bootstrap over blocks; throughput compares wall time per token the "
+        "same way. The run is conclusive only when the A/A control's interval lies inside "
+        f"[{r.aa_band[0]:.2f}, {r.aa_band[1]:.2f}]; otherwise more repetitions run within a time budget, and a run "
+        "still outside is inconclusive: its speedups are not results. ms/token is total decode time over total "
+        "decode tokens (min-max: per repetition). The predicted speedup's interval (90%) is over the cost "
+        "model's timing rounds (plan/choose.py). Predicted agreement (copy, defer as planned): the option's "
+        "held-out per-token disagreement, compounded over the continuation (plan.sequence_agreement). Step "
+        "agreement: per token on the configuration's own path, the share of its tokens full depth "
+        "(teacher-forced over the same prefix) would emit: the quantity the calibration target bounds.",
+    ]
     aa = next((c for c in r.configs if c.name == AA), None)
     if aa is not None and aa.speedup_vs_full is not None:
         lines += [

@@ -76,6 +76,12 @@ class ConfigResult:
     step_agreement_ci: tuple[float, float] | None = None
     predicted_step_agreement: float | None = None
     note: str = ""  # how the configuration was chosen
+    # whether this run can tell this configuration's speed from noise: `conclusive`, `inconclusive: <reason>`, or
+    # `the baseline` (stats.noise_verdict: the A/A control's interval against AA_BAND)
+    verdict: str = ""
+    # the timed runs: per repetition, per block of prompts (decode seconds, decode tokens, decode wall seconds),
+    # what every speed ratio above is computed from
+    blocks: list[list[tuple[float, int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -98,6 +104,10 @@ class BenchResult:
     default: str = ""  # the configuration `eectl run` uses by default (the plan's: a policy or full), if planned
     plan: str = ""  # the plan's one-line summary
     river_kv: dict[str, Any] | None = None  # river_kv_cosine on the first prompt
+    reps_run: int = 0  # repetitions timed: --reps, plus those the noise gate added
+    verdict: str = ""  # the run's: `conclusive` or `inconclusive: <reason>` (stats.noise_verdict)
+    aa_band: tuple[float, float] = (0.97, 1.03)
+    other_load: float | None = None  # CPU cores other processes kept busy during the timed phase (from /proc)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,15 +1,19 @@
 """The statistics bench reports: one speed statistic with its interval, agreement, exact match.
 
-Speed is ONE statistic everywhere: a configuration's decode time per token over the whole run (total decode seconds
-over total decode tokens, every prompt of every repetition pooled), and a speedup is the ratio of two of those. Its
-95% interval is a paired bootstrap over prompts (the unit that varies) of that same ratio, each prompt's time and
-tokens summed over the repetitions first, so the point estimate and its interval describe the same number. (The
-earlier point estimate, a ratio of per-repetition medians, could fall outside its own bootstrap interval.)
+Speed ratios are ONE paired statistic (`block_ratios`, `ratio_estimate`, `ratio_ci`): bench runs every
+configuration on one block of prompts (one prompt, or one batch) before the next block, in a rotated order, so a
+configuration's run and the baseline's run on the same prompts lie seconds apart. Each (repetition, block) gives
+one ratio, baseline seconds per token over the configuration's; the estimate is the median of those ratios (robust
+to a burst of other work that hits a few blocks), its 95% interval a bootstrap over blocks (each block with all its
+repetitions: the prompts are the unit that varies). A burst that lands on one configuration's run shifts one ratio
+out of many instead of a whole repetition's total. `noise_verdict` reads the A/A control's interval against a
+band and says whether the run can resolve a speedup at all.
 
-The run order is a Williams design (`balanced_orders`): each configuration runs once in every position of a
-repetition and right after every other configuration once, over len(orders) repetitions; so what a position (the
-first after the warm-up) or a predecessor (e.g. torch's threads after `hf`) costs falls on every configuration
-alike. The baseline `full` is pooled with its A/A copy (`pooled`): two copies at different positions.
+The pooled statistic (`seconds_per_token`, `speed_ratio`: total decode seconds over total decode tokens, every
+prompt and repetition pooled) describes the absolute ms/token column and the threshold sweep. The block orders are
+a Williams design (`balanced_orders`): over a cycle of blocks each configuration runs once in every position and
+right after every other configuration once, so what a position or a predecessor (torch's threads after `hf`) costs
+falls on every configuration alike; the baseline `full` is pooled per block with its A/A copy (`pooled`).
 
 What this module does not do: run or time anything (evaluate/bench.py), or format (evaluate/report.py).
 """
@@ -128,3 +132,54 @@ def rep_orders(names: list[str], reps: int) -> list[list[str]]:
 def pooled(*runs: np.ndarray) -> np.ndarray:
     """[P, 2] totals of several copies of one configuration, summed per prompt (the pooled baseline)."""
     return np.sum(runs, axis=0)
+
+
+AA_BAND = (0.97, 1.03)  # the A/A interval must lie inside this for a bench's speedups to be conclusive
+MIN_BLOCKS = 4  # fewer (repetition, block) ratios than this give no interval worth the name
+
+
+def block_ratios(base: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """[R, B, 2] (seconds, tokens) per repetition and block of two configurations -> [R, B] ratios: base's seconds
+    per token over other's in the same repetition and block (nan where either decoded nothing)."""
+    b = np.asarray(base, np.float64)
+    o = np.asarray(other, np.float64)
+    if b.shape != o.shape:
+        raise ValueError(f"paired ratios need the same repetitions and blocks, got {b.shape} and {o.shape}")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = (b[..., 0] / b[..., 1]) / (o[..., 0] / o[..., 1])
+    return np.where(np.isfinite(r) & (r > 0), r, np.nan)
+
+
+def ratio_estimate(ratios: np.ndarray) -> float:
+    """The median of the finite (repetition, block) ratios; nan when there are none."""
+    r = np.asarray(ratios, np.float64).ravel()
+    r = r[np.isfinite(r)]
+    return float(np.median(r)) if r.size else math.nan
+
+
+def ratio_ci(ratios: np.ndarray, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of `ratio_estimate` over blocks: blocks drawn with replacement, each with all its
+    repetitions, the median recomputed on each draw."""
+    r = np.asarray(ratios, np.float64)
+    if r.ndim != 2 or r.shape[1] == 0:
+        raise ValueError("ratio_ci takes [repetitions, blocks] ratios")
+    idx = np.random.default_rng(seed).integers(0, r.shape[1], (BOOTSTRAP, r.shape[1]))
+    draws = r[:, idx]  # [R, BOOTSTRAP, B]
+    meds = np.nanmedian(np.moveaxis(draws, 1, 0).reshape(BOOTSTRAP, -1), axis=1)
+    meds = meds[np.isfinite(meds)]
+    return interval(meds) if meds.size else (math.nan, math.nan)
+
+
+def noise_verdict(aa_ci: tuple[float, float] | None, n_ratios: int, band: tuple[float, float] = AA_BAND) -> str:
+    """`conclusive`, or `inconclusive: <reason>`: whether a run whose A/A control has this interval (over n_ratios
+    paired ratios) can tell a speedup from noise."""
+    if n_ratios < MIN_BLOCKS:
+        return f"inconclusive: {n_ratios} prompt-repetitions are too few for an interval (need {MIN_BLOCKS})"
+    if aa_ci is None or not all(math.isfinite(x) for x in aa_ci):
+        return "inconclusive: the A/A control has no interval"
+    if aa_ci[0] < band[0] or aa_ci[1] > band[1]:
+        return (
+            f"inconclusive: the A/A control reads [{aa_ci[0]:.3f}, {aa_ci[1]:.3f}], outside [{band[0]:.2f}, "
+            f"{band[1]:.2f}]: this run's noise exceeds the speedups it could resolve"
+        )
+    return "conclusive"
