@@ -244,3 +244,44 @@ def test_noise_verdict_and_block_ratios():
     assert ratio_estimate(r) == 2.0
     with pytest.raises(ValueError):
         block_ratios(base, other[:, :1])
+
+
+def test_the_noise_gate_adds_repetitions_until_the_aa_control_is_inside_the_band(monkeypatch):
+    """bench._gated: an A/A control noisy in the first repetitions and quiet after gets more repetitions (as many as
+    the budget allows, one at a time) and stops once its interval is inside the band; the progress units of the
+    repetitions the gate did not need are counted at the end."""
+    from eectl.evaluate import bench
+    from eectl.evaluate.results import BenchOptions
+
+    calls: list[range] = []
+    ticks: list[int] = []
+    noisy = {0: [1.3, 0.8, 1.2, 0.75], 1: [0.7, 1.25, 0.85, 1.3]}  # repetition -> the A/A copy's slowdown per block
+
+    def fake_timed(configs, order, ids, reps, log, timing=None):
+        calls.append(reps)
+        if timing is None:
+            timing = bench._Timing({n: [] for n in order}, {n: [] for n in order}, {})
+        for r in reps:
+            for n in order:
+                timing.runs[n].append(bench._Run([], [], [], [], 0.0))
+                f = noisy.get(r, [1.0] * len(ids)) if n == "full-aa" else [1.0] * len(ids)
+                timing.blocks[n].append([(0.5 * f[b], 32, 0.5) for b in range(len(ids))])
+        return timing
+
+    class Configs:
+        def tick(self, n):
+            ticks.append(n)
+
+    monkeypatch.setattr(bench, "_timed", fake_timed)
+    opts = BenchOptions(configs=["full"], reps=2)
+    ids = [[1]] * 4
+    timing = bench._gated(Configs(), ["full", "full-aa"], ids, opts, None)
+    assert calls[0] == range(2) and all(len(c) == 1 for c in calls[1:])  # then one repetition at a time
+    ratios = block_ratios(timing.array("full")[..., :2], timing.array("full-aa")[..., :2])
+    verdict = noise_verdict(ratio_ci(ratios), int(np.isfinite(ratios).sum()))
+    assert len(timing.runs["full"]) <= opts.reps + bench._gate_reps(opts.reps)
+    assert len(calls) > 1  # the first two repetitions were too noisy: the gate ran more
+    skipped = opts.reps + bench._gate_reps(opts.reps) - len(timing.runs["full"])
+    assert ticks == [skipped * 2 * len(ids)]
+    if len(timing.runs["full"]) < opts.reps + bench._gate_reps(opts.reps):
+        assert verdict == "conclusive"  # it stopped early only because the control was inside the band

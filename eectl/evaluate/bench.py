@@ -115,14 +115,21 @@ class _Run:
 
 
 def bench_units(opts: BenchOptions, prompts: int) -> int:
-    """How many progress units run_bench reports: one per prompt generated, one per perplexity pass."""
+    """How many progress units run_bench reports: one per prompt generated (the noise gate's extra repetitions
+    included at their most: the units of those that do not run are counted once the gate is done), one per
+    perplexity pass."""
     order = len(set(opts.configs) | {"full", AA})
     early = [c for c in opts.configs if c in POLICIES]
     scored = [c for c in set(opts.configs) | {"full"} if c == "full" or (c in POLICIES and POLICIES[c].scores_text)]
     ppl = len(scored) if opts.ppl_tokens > 0 else 0
     sweep = len(opts.sweep) * 2 * prompts if early else 0
     steps = sum(1 for c in set(opts.configs) if _changes_tokens(c)) * prompts
-    return order + opts.reps * order * prompts + ppl + sweep + steps
+    return order + (opts.reps + _gate_reps(opts.reps)) * order * prompts + ppl + sweep + steps
+
+
+def _gate_reps(reps: int) -> int:
+    """The most repetitions the noise gate adds (NOISE_BUDGET of the first phase's time, one repetition each)."""
+    return int(NOISE_BUDGET * reps)
 
 
 def _changes_tokens(name: str) -> bool:
@@ -372,7 +379,13 @@ def _gated(configs: _Configs, order: list[str], ids: list[list[int]], opts: Benc
     first = time.perf_counter() - t0
     per_rep = first / opts.reps
     spent = 0.0
-    while noise_verdict(*_aa_interval(timing)) != "conclusive" and spent + per_rep <= NOISE_BUDGET * first:
+    extra = 0
+    while (
+        noise_verdict(*_aa_interval(timing)) != "conclusive"
+        and extra < _gate_reps(opts.reps)
+        and spent + per_rep <= NOISE_BUDGET * first
+    ):
+        extra += 1
         ci, _ = _aa_interval(timing)
         if log is not None:
             log.log(f"  A/A reads [{ci[0]:.3f}, {ci[1]:.3f}], outside {list(AA_BAND)}: one more repetition")
@@ -380,6 +393,8 @@ def _gated(configs: _Configs, order: list[str], ids: list[list[int]], opts: Benc
         n = len(timing.runs["full"])
         _timed(configs, order, ids, range(n, n + 1), log, timing)
         spent += time.perf_counter() - t1
+    skipped = opts.reps + _gate_reps(opts.reps) - len(timing.runs["full"])
+    configs.tick(max(0, skipped) * len(order) * len(ids))  # the gate's repetitions that did not run
     return timing
 
 
