@@ -335,6 +335,29 @@ def test_cli_run_json_and_errors(artifacts, tmp_path):
     assert [len(x["token_ids"]) for x in json.loads(res.stdout)["results"]] == [3, 3]
 
 
+def test_cli_run_reads_stdin_and_takes_short_options(artifacts):
+    """`eectl run ART -` sends stdin as one prompt, `--prompt-file -` one prompt per line; -n, -t and -h work; a
+    loading line goes to stderr before the model loads."""
+    _, rt = artifacts["llama"]
+    runner = CliRunner()
+    base = ["run", str(rt.folder), "--raw", "--json", "--exits", "none", "-t", "1"]
+    want = runner.invoke(app, [*base[:2], "12 clips", *base[2:], "-n", "4"])
+    got = runner.invoke(app, [*base[:2], "-", *base[2:], "-n", "4"], input="12 clips\n")
+    assert got.exit_code == 0, got.output
+    assert json.loads(got.stdout)["results"][0]["token_ids"] == json.loads(want.stdout)["results"][0]["token_ids"]
+    assert json.loads(got.stdout)["threads"] == 1
+    many = runner.invoke(app, [*base, "-f", "-", "-n", "2"], input="a b\n\nc\n")
+    assert many.exit_code == 0, many.output
+    assert [x["prompt"] for x in json.loads(many.stdout)["results"]] == ["a b", "c"]
+    empty = runner.invoke(app, [*base[:2], "-", *base[2:]], input="  \n")
+    assert empty.exit_code == 2 and "stdin is empty" in empty.stderr
+    plain = runner.invoke(app, ["run", str(rt.folder), "12 clips", "--raw", "-n", "2", "-t", "1", "--exits", "none"])
+    assert plain.exit_code == 0, plain.output
+    assert f"loading {rt.folder}" in plain.stderr
+    helped = runner.invoke(app, ["run", "-h"])
+    assert helped.exit_code == 0 and "--prompt-file" in helped.stdout
+
+
 def test_edited_artifact_is_rejected(artifacts, tmp_path):
     import shutil
 

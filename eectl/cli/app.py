@@ -23,6 +23,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -32,7 +33,7 @@ RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="Recipe YAML (r
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout; progress off.")]
 
 
-ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads (default: one per core).")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: one per core).")]
 
 
 ModelArg = Annotated[

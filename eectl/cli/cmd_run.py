@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -16,9 +17,12 @@ from eectl.output import Output
 @command()
 def run(
     artifact: Annotated[str, typer.Argument(help="Artifact folder from eectl export.")],
-    prompt: Annotated[str | None, typer.Argument(help="The prompt (or use --prompt-file).")] = None,
+    prompt: Annotated[
+        str | None, typer.Argument(help="The prompt; - reads it from stdin (or use --prompt-file).")
+    ] = None,
     prompt_file: Annotated[
-        Path | None, typer.Option(help=".jsonl (prompt/question/text) or one prompt per line.")
+        Path | None,
+        typer.Option("--prompt-file", "-f", help=".jsonl (prompt/question/text) or one prompt per line; - is stdin."),
     ] = None,
     exits: Annotated[str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.")] = None,
     policy: Annotated[
@@ -36,7 +40,7 @@ def run(
     top_k: Annotated[
         int | None, typer.Option("--top-k", help="Local vocabulary size (default: the manifest's).")
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 128,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
@@ -60,7 +64,16 @@ def run(
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     r = load_recipe(recipe)
     n_threads = set_threads(threads, r)
-    prompts = [prompt] if prompt is not None else read_prompts(str(prompt_file))
+    if prompt == "-":  # the whole of stdin is one prompt
+        prompt = sys.stdin.read().strip()
+        if not prompt:
+            raise UsageError("the prompt read from stdin is empty")
+    if prompt_file is not None and str(prompt_file) == "-":
+        prompts = [line for line in sys.stdin.read().splitlines() if line.strip()]
+        if not prompts:
+            raise UsageError("no prompts on stdin")
+    else:
+        prompts = [prompt] if prompt is not None else read_prompts(str(prompt_file))
     opts = RunOptions(
         exits=exits,
         policy=pick(policy, r.kv_policy),
@@ -90,7 +103,8 @@ def run(
         out.out.print(text[shown[index] :], end="", markup=False, highlight=False)
         shown[index] = len(text)
 
-    rt, config, reports = run_prompts(artifact, prompts, opts, batch_size, on_text=stream, warn=out.warn)
+    out.log(f"loading {artifact} ({len(prompts)} prompt{'s' if len(prompts) > 1 else ''})")
+    rt, config, reports = run_prompts(artifact, prompts, opts, batch_size, on_text=stream, warn=out.warn, note=out.log)
     L = rt.manifest.num_layers
     out.json(
         {

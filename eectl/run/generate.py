@@ -287,9 +287,11 @@ def run_prompts(
     batch_size: int = 1,
     on_text: Callable[[int, str], None] | None = None,
     warn: Callable[[str], None] | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> tuple[ArtifactRuntime, RunConfig, list[RunReport]]:
-    """Generate for every prompt; `on_text(prompt_index, confirmed_text)` streams the text as it settles, `warn`
-    gets warnings about the options (e.g. thresholds used outside what they were calibrated for)."""
+    """Generate for every prompt; `on_text(prompt_index, confirmed_text)` streams the text as it settles, `note`
+    gets how the configuration was chosen (the plan's line), `warn` warnings about the options (e.g. thresholds used
+    outside what they were calibrated for)."""
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
     check_options(opts)
@@ -298,8 +300,8 @@ def run_prompts(
     if opts.profile_costs:
         replan(rt)
     config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
-    if config.note and warn is not None:
-        warn(config.note)
+    if config.note and note is not None:
+        note(config.note)
     warning = calibration_warning(rt, config) if opts.thresholds is None else None
     if warning is not None and warn is not None:
         warn(warning)
