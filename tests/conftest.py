@@ -24,7 +24,7 @@ os.environ.setdefault("EECTL_QUIET", "1")
 @pytest.fixture(autouse=True)
 def _no_bench_settle(monkeypatch) -> None:
     """bench pauses before each timed configuration so spinning threads go idle; tests time nothing."""
-    monkeypatch.setattr("eectl.evaluate.bench.SETTLE_S", 0.0)
+    monkeypatch.setattr("eectl.evaluate.timing.SETTLE_S", 0.0)
 
 
 @pytest.fixture(scope="session")

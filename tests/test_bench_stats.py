@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from eectl.evaluate.bench import block_schedule
 from eectl.evaluate.stats import (
     balanced_orders,
     block_ratios,
@@ -20,6 +19,7 @@ from eectl.evaluate.stats import (
     speed_ratio,
     speed_ratio_ci,
 )
+from eectl.evaluate.timing import block_schedule
 
 
 def _prompts(rng, n):
@@ -247,10 +247,10 @@ def test_noise_verdict_and_block_ratios():
 
 
 def test_the_noise_gate_adds_repetitions_until_the_aa_control_is_inside_the_band(monkeypatch):
-    """bench._gated: an A/A control noisy in the first repetitions and quiet after gets more repetitions (as many as
+    """timing._gated: an A/A control noisy in the first repetitions and quiet after gets more repetitions (as many as
     the budget allows, one at a time) and stops once its interval is inside the band; the progress units of the
     repetitions the gate did not need are counted at the end."""
-    from eectl.evaluate import bench
+    from eectl.evaluate import timing as bench
     from eectl.evaluate.results import BenchOptions
 
     calls: list[range] = []

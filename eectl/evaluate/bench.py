@@ -20,11 +20,9 @@ What this module does not do: export or calibrate.
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +38,6 @@ from eectl.evaluate.stats import (
     AA_BAND,
     agreement,
     agreement_ci,
-    balanced_orders,
     block_ratios,
     noise_verdict,
     per_prompt_totals,
@@ -51,6 +48,7 @@ from eectl.evaluate.stats import (
     speed_ratio,
     wilson,
 )
+from eectl.evaluate.timing import _aa_interval, _gate_reps, _gated, _Run, _Timing
 from eectl.run.generate import RunOptions, load_tokenizer, replan, resolve_config
 from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
@@ -61,18 +59,6 @@ __all__ = ["markdown", "write_report"]  # the report's entry points, re-exported
 RIVER_EXIT = "river-exit"  # the river policy, predicting at the exit instead of the river's end
 
 
-def _rss_mb() -> float:
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-        import os
-
-        return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
 
 
@@ -80,38 +66,6 @@ def final_number(text: str) -> str | None:
     """The last number in a text (GSM8K-style answers), without thousands separators."""
     found = _NUMBER.findall(text)
     return found[-1].replace(",", "").rstrip(".") if found else None
-
-
-@dataclass
-class _Run:
-    latencies: list[float]  # decode latencies (first token excluded), seconds
-    ttfts: list[float]
-    generations: list[list[int]]
-    exit_layers: list[int]
-    decide_s: float
-    drafted: int = 0
-    rejected: int = 0
-    decode_tokens: int = 0  # over all rows
-    decode_wall_s: float = 0.0  # wall time of the decode steps (a batch's rows share each step)
-    decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there (gates skip some)
-    picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked candidates there
-    per_prompt: list[tuple[float, int]] = field(default_factory=list)  # (decode seconds, decode tokens) per prompt
-
-    def add(self, other: _Run) -> None:
-        """Append another block's run of the same configuration (prompts stay in order)."""
-        self.latencies += other.latencies
-        self.ttfts += other.ttfts
-        self.generations += other.generations
-        self.exit_layers += other.exit_layers
-        self.decide_s += other.decide_s
-        self.drafted += other.drafted
-        self.rejected += other.rejected
-        self.decode_tokens += other.decode_tokens
-        self.decode_wall_s += other.decode_wall_s
-        for mine, theirs in ((self.decided, other.decided), (self.picked, other.picked)):
-            for layer, n in theirs.items():
-                mine[layer] = mine.get(layer, 0) + n
-        self.per_prompt += other.per_prompt
 
 
 def bench_units(opts: BenchOptions, prompts: int) -> int:
@@ -125,11 +79,6 @@ def bench_units(opts: BenchOptions, prompts: int) -> int:
     sweep = len(opts.sweep) * 2 * prompts if early else 0
     steps = sum(1 for c in set(opts.configs) if _changes_tokens(c)) * prompts
     return order + (opts.reps + _gate_reps(opts.reps)) * order * prompts + ppl + sweep + steps
-
-
-def _gate_reps(reps: int) -> int:
-    """The most repetitions the noise gate adds (NOISE_BUDGET of the first phase's time, one repetition each)."""
-    return int(NOISE_BUDGET * reps)
 
 
 def _changes_tokens(name: str) -> bool:
@@ -271,131 +220,6 @@ class _Configs:
             run.decode_wall_s += max(sum(g.latencies_s[1:]) for g in gens)
             self.tick(len(gens))
         return run
-
-
-# Pause before each timed configuration: the previous one's worker threads (ORT's spinning pool, torch's OpenMP
-# threads after `hf`) keep spinning for a while after their last call, and whoever runs next would pay for it.
-SETTLE_S = 0.1
-NOISE_BUDGET = 1.0  # the noise gate may spend up to this share of the timed phase again on more repetitions
-
-
-def block_schedule(order: list[str], blocks: int, reps: range) -> list[tuple[int, int, list[str]]]:
-    """(repetition, block, configuration order) in run order: every configuration runs on block b of repetition r
-    before any runs on the next block, so a configuration and the baseline it is compared with ran seconds apart.
-    The orders are a Williams design's, in turn over the blocks (each configuration in every position and after
-    every other equally often over a cycle of len(balanced_orders(order)) blocks)."""
-    orders = balanced_orders(order)
-    out = []
-    for r in reps:
-        for b in range(blocks):
-            out.append((r, b, orders[(r * blocks + b) % len(orders)]))
-    return out
-
-
-@dataclass
-class _Timing:
-    """What the timed phase measured: per configuration its runs (one _Run per repetition, blocks in prompt order)
-    and per (repetition, block) its decode seconds, tokens and wall time [R, B, 3]; RSS after its runs."""
-
-    runs: dict[str, list[_Run]]
-    blocks: dict[str, list[list[tuple[float, int, float]]]]
-    rss: dict[str, float]
-    load: list[float] = field(default_factory=list)  # other processes' CPU use (cores) during each timed repetition
-
-    def array(self, name: str) -> np.ndarray:
-        return np.array(self.blocks[name], dtype=np.float64)
-
-
-def _cpu_ticks() -> tuple[int, int, int] | None:
-    """(all CPU ticks, busy ticks, this process's ticks) from /proc; None where /proc is not there."""
-    try:
-        cpu = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        mine = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, ValueError, IndexError):
-        return None
-    idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0)
-    return sum(cpu), sum(cpu) - idle, int(mine[11]) + int(mine[12])  # utime + stime
-
-
-def _other_load(before: tuple[int, int, int] | None, after: tuple[int, int, int] | None) -> float | None:
-    """Cores other processes kept busy on average between two readings."""
-    if before is None or after is None or after[0] <= before[0]:
-        return None
-    cores = os.cpu_count() or 1
-    others = (after[1] - before[1]) - (after[2] - before[2])
-    return max(0.0, cores * others / (after[0] - before[0]))
-
-
-def _timed(
-    configs: _Configs, order: list[str], ids: list[list[int]], reps: range, log: Any, timing: _Timing | None = None
-) -> _Timing:
-    """Repetitions `reps` over blocks of prompts (a batch each; one prompt at batch size 1), every configuration on a
-    block before the next block (`block_schedule`); a warm-up of one prompt each first when starting fresh."""
-    b = configs.opts.batch_size
-    block_ids = [ids[i : i + b] for i in range(0, len(ids), b)]
-    if timing is None:
-        for name in order:
-            configs.once(name, ids[:1])
-        timing = _Timing({n: [] for n in order}, {n: [] for n in order}, {})
-        if log is not None:
-            log.log(
-                f"warm-up, then {len(reps)} repetitions of {', '.join(order)}, interleaved on each of "
-                f"{len(block_ids)} block(s) of {b} prompt(s)"
-            )
-    rep_start: dict[int, tuple[int, int, int] | None] = {}
-    for r, blk, names in block_schedule(order, len(block_ids), reps):
-        if blk == 0:
-            rep_start[r] = _cpu_ticks()
-            for name in order:
-                timing.runs[name].append(_Run([], [], [], [], 0.0))
-                timing.blocks[name].append([])
-        for name in names:
-            time.sleep(SETTLE_S)
-            run = configs.once(name, block_ids[blk])
-            timing.runs[name][-1].add(run)
-            timing.blocks[name][-1].append((sum(s for s, _ in run.per_prompt), run.decode_tokens, run.decode_wall_s))
-            timing.rss[name] = _rss_mb()
-        if blk == len(block_ids) - 1:
-            load = _other_load(rep_start[r], _cpu_ticks())
-            if load is not None:
-                timing.load.append(load)
-            if log is not None:
-                ms = {n: 1000 * seconds_per_token(per_prompt_totals([timing.runs[n][-1].per_prompt])) for n in order}
-                extra = f" (other processes: {load:.2f} cores)" if load is not None else ""
-                log.log(f"  rep {r + 1}{extra}: " + ", ".join(f"{n} {v:.1f}" for n, v in ms.items()) + " ms/token")
-    return timing
-
-
-def _aa_interval(timing: _Timing) -> tuple[tuple[float, float], int]:
-    ratios = block_ratios(timing.array("full")[..., :2], timing.array(AA)[..., :2])
-    return ratio_ci(ratios), int(np.isfinite(ratios).sum())
-
-
-def _gated(configs: _Configs, order: list[str], ids: list[list[int]], opts: BenchOptions, log: Any) -> _Timing:
-    """The timed phase and its noise gate: while the A/A control's interval leaves AA_BAND, more repetitions run,
-    until it is inside or the extra time would pass NOISE_BUDGET of the first phase's."""
-    t0 = time.perf_counter()
-    timing = _timed(configs, order, ids, range(opts.reps), log)
-    first = time.perf_counter() - t0
-    per_rep = first / opts.reps
-    spent = 0.0
-    extra = 0
-    while (
-        noise_verdict(*_aa_interval(timing)) != "conclusive"
-        and extra < _gate_reps(opts.reps)
-        and spent + per_rep <= NOISE_BUDGET * first
-    ):
-        extra += 1
-        ci, _ = _aa_interval(timing)
-        if log is not None:
-            log.log(f"  A/A reads [{ci[0]:.3f}, {ci[1]:.3f}], outside {list(AA_BAND)}: one more repetition")
-        t1 = time.perf_counter()
-        n = len(timing.runs["full"])
-        _timed(configs, order, ids, range(n, n + 1), log, timing)
-        spent += time.perf_counter() - t1
-    skipped = opts.reps + _gate_reps(opts.reps) - len(timing.runs["full"])
-    configs.tick(max(0, skipped) * len(order) * len(ids))  # the gate's repetitions that did not run
-    return timing
 
 
 def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> ConfigResult:
