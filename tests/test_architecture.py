@@ -219,3 +219,28 @@ def test_a_registry_refuses_a_name_the_contracts_do_not_know():
 
     with pytest.raises(TypeError, match="POLICY_SPECS"):
         register_policy(Unknown)
+
+
+def test_help_names_every_signal_and_head_design():
+    """The CLI's help lists what the registries hold (the names come from contracts: no torch at --help)."""
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+    from eectl.contracts.names import SIGNAL_SPECS
+    from eectl.exits.designs import HEAD_DESIGNS
+
+    runner = CliRunner()
+    for command in ("calibrate", "run", "bench", "eval"):
+        text = " ".join(runner.invoke(app, [command, "-h"], env={"COLUMNS": "400"}).stdout.split())
+        assert all(name in text for name in SIGNAL_SPECS), command
+    text = " ".join(runner.invoke(app, ["train-heads", "-h"], env={"COLUMNS": "400"}).stdout.split())
+    assert all(name in text for name in HEAD_DESIGNS)
+
+
+def test_readme_is_for_users():
+    """The README stays a user's page: short, with the sections a newcomer looks for and the two lines CI runs."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.encode()) <= 20_000
+    for section in ("## Quick start", "## Your own checkpoint", "## What to expect", "## Errors and outputs"):
+        assert section in text
+    assert "# set up, then the main job" in text and "# the tests" in text  # what .ci/run reads

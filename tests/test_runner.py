@@ -354,6 +354,7 @@ def test_cli_run_reads_stdin_and_takes_short_options(artifacts):
     plain = runner.invoke(app, ["run", str(rt.folder), "12 clips", "--raw", "-n", "2", "-t", "1", "--exits", "none"])
     assert plain.exit_code == 0, plain.output
     assert f"loading {rt.folder}" in plain.stderr
+    assert "(full depth, cpu, 1 threads)" in plain.stderr  # the summary names what ran, not a policy that did not
     helped = runner.invoke(app, ["run", "-h"])
     assert helped.exit_code == 0 and "--prompt-file" in helped.stdout
 

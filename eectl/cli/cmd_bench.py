@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.files import check_output_file
@@ -28,7 +29,9 @@ def bench(
     policies: Annotated[str | None, typer.Option(help="hf, full and KV policy names (default: all of them).")] = None,
     reps: Annotated[int | None, typer.Option(help="Interleaved repetitions after the warm-up (default 3).")] = None,
     exits: Annotated[str | None, typer.Option(help="Active exits of the early-exit configurations, e.g. 24.")] = None,
-    signal: Annotated[str | None, typer.Option(help="Exit signal (default: the calibration's).")] = None,
+    signal: Annotated[
+        str | None, typer.Option(help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: the calibration's).")
+    ] = None,
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
     sweep: Annotated[
@@ -38,7 +41,7 @@ def bench(
         int | None, typer.Option(help="Held-out tokens for teacher-forced perplexity (0: skip; default 1024).")
     ] = None,
     report: Annotated[Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).")] = None,
-    provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "cpu",
+    provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
     raw: Annotated[bool, typer.Option(help="No chat template.")] = False,
     batch_size: Annotated[
         int, typer.Option(help="Prompts per batch for eectl configurations (throughput next to per-row latency).")

@@ -9,6 +9,7 @@ import typer
 
 from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.layers import default_exits, parse_layers
+from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.files import check_output_file
@@ -30,7 +31,9 @@ def calibrate(
     exits: Annotated[str | None, typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.")] = None,
     signal: Annotated[
         str | None,
-        typer.Option(help="Exit signal, a name in eectl.exits.signals.SIGNALS (topk-prob, full-prob, cosine, ...)."),
+        typer.Option(
+            help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: learned with probed heads, else topk-prob)."
+        ),
     ] = None,
     top_k: Annotated[int | None, typer.Option(help="Local vocabulary size of the topk-* signals.")] = None,
     heads: Annotated[Path | None, typer.Option(help="Trained exit heads (heads.safetensors): exits use them.")] = None,

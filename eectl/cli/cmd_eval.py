@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, ThreadsOpt, command, set_threads
+from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.recipe import load_recipe
 from eectl.errors import UsageError
 from eectl.output import Output
@@ -30,7 +31,9 @@ def eval_(
     exits: Annotated[str | None, typer.Option(help="Active exits of the early-exit configs, e.g. 20,24.")] = None,
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
-    signal: Annotated[str | None, typer.Option(help="Exit signal (default: the calibration's).")] = None,
+    signal: Annotated[
+        str | None, typer.Option(help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: the calibration's).")
+    ] = None,
     allow_code_execution: Annotated[
         bool, typer.Option(help="Let eectl_humaneval run the generated code (in a subprocess) to score it.")
     ] = False,

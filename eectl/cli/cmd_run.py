@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.output import Output
@@ -35,7 +36,8 @@ def run(
     thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
     threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
     signal: Annotated[
-        str | None, typer.Option(help="Exit signal (default: the calibration's, else topk-prob).")
+        str | None,
+        typer.Option(help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: the calibration's, else topk-prob)."),
     ] = None,
     top_k: Annotated[
         int | None, typer.Option("--top-k", help="Local vocabulary size (default: the manifest's).")
@@ -127,8 +129,9 @@ def run(
         out.line("")
         for rep in reports:
             g = rep.generation
+            ran = f"{config.policy} at exits {config.exits}" if config.exits else "full depth"
+            drafts = f", {g.drafted} drafts, {g.rejected_drafts} rolled back" if g.drafted else ""
             out.log(
                 f"{len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s, first token {g.ttft_s * 1000:.0f} ms, "
-                f"mean executed layers {g.mean_layers(L):.1f}/{L} ({config.policy}, exits {config.exits or 'none'}, "
-                f"{rt.provider}, {rt.threads} threads)"
+                f"mean executed layers {g.mean_layers(L):.1f}/{L} ({ran}{drafts}, {rt.provider}, {rt.threads} threads)"
             )

@@ -24,7 +24,9 @@ def train_heads(
     field: Annotated[str | None, typer.Option(help="The .jsonl field to read (detected by default).")] = None,
     exits: Annotated[str | None, typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.")] = None,
     steps: Annotated[int | None, typer.Option(help="Optimiser steps (default: the recipe's, 500).")] = None,
-    design: Annotated[str | None, typer.Option(help="residual-linear, low-rank or mlp.")] = None,
+    design: Annotated[
+        str | None, typer.Option(help="residual-linear, low-rank, mlp, or block (block: from a --cache).")
+    ] = None,
     rank: Annotated[int | None, typer.Option(help="Rank of low-rank heads (64) or width of mlp heads (H/2).")] = None,
     lr: Annotated[float | None, typer.Option(help="Peak learning rate (AdamW; warm-up, cosine decay).")] = None,
     batch_tokens: Annotated[int, typer.Option(help="Tokens per step (per process).")] = 32,

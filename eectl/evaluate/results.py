@@ -23,7 +23,7 @@ class BenchOptions:
     threshold_scale: float = 1.0
     sweep: list[float] = field(default_factory=lambda: [0.9, 1.0, 1.1])  # threshold scales for the trade-off plot
     ppl_tokens: int = 1024
-    provider: str = "cpu"
+    provider: str = "auto"
     threads: int | None = None
     raw: bool = False
     batch_size: int = 1  # prompts per eectl generate call (rows in lock-step, one graph call per segment); hf: 1
