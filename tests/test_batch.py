@@ -141,32 +141,44 @@ def test_batched_rows_on_cuda_equal_cpu(tiny_dirs, tmp_path):
 
 
 def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch):
-    """Full depth, 3 rows: after the prefill every segment runs once per step for all rows, not once per row."""
+    """Full depth, 3 rows: after the prefill every segment runs once per step for all rows, not once per row: on
+    the general path (one batched call per segment) and on the bound chain (its calls bound once for the batch)."""
     from eectl.runtime import runner as runner_mod
+    from eectl.runtime.chain import DecodeChain
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
 
     rt = runtimes["qwen2"]
-    calls = []
-    real = runner_mod.run_rows
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    alone = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate([p])[0] for p in prompts]
+    calls, steps = [], []
+    real, real_step = runner_mod.run_rows, DecodeChain.step_rows
 
     def counting(*args, **kwargs):
         calls.append(int(args[4].sum()))  # active rows
         return real(*args, **kwargs)
 
+    def stepping(self, tokens):
+        steps.append(sorted(tokens))
+        return real_step(self, tokens)
+
     monkeypatch.setattr(runner_mod, "run_rows", counting)
-    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    monkeypatch.setattr(DecodeChain, "step_rows", stepping)
     gens = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate(prompts)
-    assert calls == [3] * (len(rt.manifest.segments) * 5)  # 5 decode steps after the prefill, all rows each time
-    alone = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate([p])[0] for p in prompts]
+    assert calls == [] and steps == [[0, 1, 2]] * 5  # the chain: 5 decode steps after the prefill, all rows each
+    assert [g.token_ids for g in gens] == [g.token_ids for g in alone]
+    general = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6))
+    monkeypatch.setattr(general, "_chain", lambda kv, rows: None)
+    gens = general.generate(prompts)
+    assert calls == [3] * (len(rt.manifest.segments) * 5)
     assert [g.token_ids for g in gens] == [g.token_ids for g in alone]
 
 
 @pytest.mark.parametrize("fam", ["llama", "gemma3_text"])
-def test_plan_executed_on_device_values_equals_the_host_path(runtimes, fam):
-    """Full-depth greedy decode steps run as the binding plan says (runtime/device_path.py: hidden states and
-    logits as OrtValues between graphs, here on the CPU EP) give the host path's tokens, rows of different lengths
-    finishing at different steps; the only value read on the host is the final head's token."""
+def test_the_bound_batch_chain_equals_the_general_path(runtimes, fam):
+    """Full-depth greedy decode of a batch on the bound chain (runtime/chain.py `step_rows`: calls bound once over
+    the batch buffers, each row at its own length) gives the general path's tokens, rows of different lengths
+    finishing at different steps (the finished ones ride along); the only value read on the host is the token."""
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
 
@@ -175,9 +187,10 @@ def test_plan_executed_on_device_values_equals_the_host_path(runtimes, fam):
     probe = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=9)).generate(prompts)
     stop = (probe[2].token_ids[3],)  # row 2 stops after 4 tokens: later steps run without it
 
-    def run(device: bool):
-        cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=9, stop_ids=stop, device_resident=device)
-        runner = Runner(rt, cfg)
+    def run(chained: bool):
+        runner = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=9, stop_ids=stop))
+        if not chained:
+            runner._chain = lambda kv, rows: None  # type: ignore[method-assign]
         return runner, runner.generate(prompts)
 
     runner, got = run(True)
@@ -185,29 +198,32 @@ def test_plan_executed_on_device_values_equals_the_host_path(runtimes, fam):
     assert [g.token_ids for g in got] == [g.token_ids for g in ref]
     assert [g.exit_layers for g in got] == [g.exit_layers for g in ref]
     assert len(ref[2].token_ids) == 4 and max(len(g.token_ids) for g in ref) == 9
-    step = runner._device_step()
-    assert step is not None
     kv = new_batch_kv(rt, 2, 8)
+    chain = runner._chain(kv, 2)
+    assert chain is not None and chain.rows == 2
     kv.filled[:] = 1
-    step.step(kv, {0: 5, 1: 6})
-    assert step.host_reads == [("exit_full", rt.manifest.num_layers, "token")]
-    assert [c.graph for c in step.calls][0] == "embed" and "last" in [c.graph for c in step.calls]
+    kv.filled[1] = 3
+    assert sorted(chain.step_rows({0: 5, 1: 6})) == [0, 1]
+    assert kv.filled[:, 0].tolist() == [2, 4]  # each row one position further, at its own length
+    assert chain.host_reads == [("exit_full", rt.manifest.num_layers, "token")]
+    chain.step_rows({1: 7})  # row 0 rides along: written at its next position, never counted
+    assert kv.filled[:, 0].tolist() == [2, 5]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDAExecutionProvider")
 def test_plan_executed_on_cuda_equals_the_host_path(tiny_dirs, tmp_path):
-    """On the CUDA EP (fp16), the device-resident full-depth steps give the tokens of the host-bound path."""
+    """On the CUDA EP (fp16), the bound chain's full-depth batch steps (states in device buffers) give the tokens of
+    the general path."""
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
 
     export_artifact(load_model(str(tiny_dirs["llama"])), tmp_path / "a", ExportOptions(exits=[3], dtype="fp16"))
     rt = ArtifactRuntime(tmp_path / "a", provider="cuda")
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
-    gens = [
-        Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=8, device_resident=d)).generate(prompts)
-        for d in (True, False)
-    ]
+    runners = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=8)) for _ in range(2)]
+    runners[1]._chain = lambda kv, rows: None  # type: ignore[method-assign]
+    gens = [r.generate(prompts) for r in runners]
     assert [g.token_ids for g in gens[0]] == [g.token_ids for g in gens[1]]
 
 

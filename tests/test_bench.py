@@ -85,6 +85,8 @@ def test_bench_cli_report(artifact, tiny_dirs, tmp_path):
     assert by["full"]["speedup_vs_full"] == 1.0 and by["full"]["verdict"] == "the baseline"
     assert doc["verdict"] == "conclusive" or doc["verdict"].startswith("inconclusive: ")
     assert all(c["verdict"] == doc["verdict"] for n, c in by.items() if n != "full")
+    lo, hi = aa["speedup_vs_full_ci"]
+    assert doc["resolution"] == pytest.approx(max(1 - lo, hi - 1), abs=1e-4)  # the A/A interval's reach from 1
     assert by["verify"]["token_agreement"] == 1.0 and by["verify"]["exact_match"] == 1.0
     for c in by.values():
         assert c["ms_per_token"] > 0 and c["ms_per_token_spread"][0] <= c["ms_per_token"] <= c["ms_per_token_spread"][1]

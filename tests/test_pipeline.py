@@ -39,7 +39,7 @@ bench: {{prompts: 2, max_new_tokens: 4, reps: 1, configs: [full, defer, verify]}
     assert [e["layer"] for e in manifest["exits"]] == [2, 4, 6] and manifest["validation"]["passed"]
     bench = json.loads((art / f"{name}-bench.json").read_text())
     assert [c["name"] for c in bench["configs"]] == ["full", "full-aa", "defer", "verify"]  # full-aa: the A/A control
-    assert "bench report:" in res.stdout
+    assert "bench report:" in res.stdout and "bench verdict: " in res.stdout  # the run ends on its verdict
 
     # Again: profile, heads, calibration and the artifact are reused (same inputs), bench measures afresh
     heads = (art / f"{name}-heads.safetensors").read_bytes()

@@ -84,3 +84,23 @@ def pipeline(
         [*[(s, f"{t:.1f}", how) for s, t, how in times], ("total", f"{sum(t for _, t, _ in times):.1f}", "")],
     )
     out.line(f"artifact: {p.artifact}\nbench report: {p.report}\nprofile plot: {p.profile_plot}")
+    verdict = _bench_verdict(p.report.with_suffix(".json"))
+    if verdict:
+        out.line(verdict)
+
+
+def _bench_verdict(path: Path) -> str:
+    """The bench's verdict in one line, from the JSON twin of its report ("" when there is none)."""
+    import json
+
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    default = next((c for c in doc.get("configs", []) if c.get("name") == doc.get("default")), None)
+    if default is None or default.get("speedup_vs_full") is None:
+        return f"bench verdict: {doc.get('verdict', '-')}"
+    lo, hi = default.get("speedup_vs_full_ci") or (None, None)
+    ci = f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""
+    speed = f"{default['speedup_vs_full']:.2f}x{ci}"
+    return f"bench verdict: {doc.get('verdict', '-')}; the default ({default['name']}) {speed} full depth"

@@ -368,6 +368,8 @@ def run_bench(
     runs = timing.runs
     aa_ci, n_ratios = _aa_interval(timing)
     verdict = noise_verdict(aa_ci, n_ratios)
+    # the smallest speedup this run can tell from noise: how far the A/A control's interval reaches from 1
+    resolution = max(1.0 - aa_ci[0], aa_ci[1] - 1.0) if all(math.isfinite(x) for x in aa_ci) else None
     load = float(np.mean(timing.load)) if timing.load else None
     if verdict != "conclusive" and load is not None:
         verdict += f" (other processes kept {load:.2f} cores busy on average)"
@@ -420,6 +422,7 @@ def run_bench(
         verdict=verdict,
         aa_band=AA_BAND,
         other_load=None if load is None else round(load, 3),
+        resolution=None if resolution is None else round(resolution, 4),
     )
 
 

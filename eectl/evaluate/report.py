@@ -63,7 +63,8 @@ def summary(result: BenchResult) -> str:
     ]
     lines = _table(["config", "exits", "ms/token", "vs full [95% CI]", "token agreement", "verdict"], rows)
     lines += [f"- {c.name}: {c.note}" for c in result.configs if c.note]
-    lines += ["", f"verdict: {result.verdict or '-'} ({result.reps_run} repetitions timed)"]
+    reach = f"; this run resolves speedups beyond +-{result.resolution:.1%}" if result.resolution is not None else ""
+    lines += ["", f"verdict: {result.verdict or '-'} ({result.reps_run} repetitions timed{reach})"]
     return "\n".join(lines) + "\n"
 
 
@@ -78,7 +79,8 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         f"{r.signal or '-'}, exits {r.exits or '-'}.",
         "",
         f"**Verdict: {r.verdict or '-'}.**"
-        + (f" Other processes kept {r.other_load:.2f} CPU cores busy on average." if r.other_load is not None else ""),
+        + (f" Other processes kept {r.other_load:.2f} CPU cores busy on average." if r.other_load is not None else "")
+        + (f" Speedups within +-{r.resolution:.1%} of 1 are this run's noise." if r.resolution is not None else ""),
         "",
     ]
     header = [

@@ -108,6 +108,7 @@ class BenchResult:
     verdict: str = ""  # the run's: `conclusive` or `inconclusive: <reason>` (stats.noise_verdict)
     aa_band: tuple[float, float] = (0.97, 1.03)
     other_load: float | None = None  # CPU cores other processes kept busy during the timed phase (from /proc)
+    resolution: float | None = None  # the A/A interval's reach from 1.0: speedups within 1 +- this are noise here
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

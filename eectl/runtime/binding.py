@@ -26,9 +26,10 @@ exit heads (`block`: one decoder layer with its own KV, runtime/blocks.py) run a
 is active, and `block_kv` fills a skipped block's KV under copy; an artifact with a candidate source graph
 (shortlist, int8) picks the first exit's candidates with it (`candidates`).
 
-Who executes it: runtime/device_path.py for full-depth greedy batch steps (bound calls, no Python per row), and the
-runner itself for steps with active exits (`ArtifactRuntime.resident`: every state output a DeviceView, each host
-read recorded in `ArtifactRuntime.host_reads`, which tests compare with this plan per step).
+Who executes it: the bound chain (runtime/chain.py) for full-depth greedy steps, one row or a batch (bound
+calls, the states in device buffers, only the tokens read on the host), and the runner itself for steps with
+active exits (`ArtifactRuntime.resident`: every state output a DeviceView, each host read recorded in
+`ArtifactRuntime.host_reads`, which tests compare with this plan per step).
 
 What this module does not do: create sessions or run graphs (sessions.py), or decide exits (runner.py).
 """

@@ -27,7 +27,11 @@ drafts in the second (verify) and clears the third, as the general path's hooks 
     pending[s] ─┐
     hops[s] ────┴─ wide[s, P + 1] ─ out [1, P + 1, H] ─(last)→ hops[s + 1] ─ exit?      (and on to s + 1)
 
-What it does not do: sampling, teacher forcing, the prompt, batches of rows, signals not decided in the graph
+Batches of rows at full depth (`step_rows`) bind the same calls over a span of rows of the batch buffers, each row
+at its own length (`seqlens_k` per row), as runtime/batch.py's batched calls do: the one full-depth decode step of a
+batch, on the CPU EP and on a device alike.
+
+What it does not do: sampling, teacher forcing, the prompt, exits in a batch of rows, signals not decided in the graph
 (the cosines, full-vocabulary softmax), block exit heads, exit steps on a device (pending states are host arrays):
 the runner's general path (`Runner._steps`) handles those, and writes the same cache this chain continues.
 """
@@ -43,6 +47,7 @@ import numpy as np
 from eectl.errors import UsageError
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import Signal, graph_thresholds
+from eectl.runtime.batch import BatchKV, _rows
 from eectl.runtime.ort import Graph, _ort
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
@@ -108,8 +113,10 @@ def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal)
 
 
 class DecodeChain:
-    """Greedy decode of one row of `kv`, one position per step: full depth (`step`), or with active exits decided
-    in their graphs (`step_exits`)."""
+    """Greedy decode of `rows` rows of `kv` from `row` on, one position per step, its graph calls bound once: full
+    depth for one row (`step`) or for the rows of a batch (`step_rows`: one call per graph for all of them, each row
+    at its own length), or one row with active exits decided in their graphs (`step_exits`). On a device provider
+    the hidden states stay in device buffers between the graphs; only the tokens are read on the host."""
 
     def __init__(
         self,
@@ -120,24 +127,30 @@ class DecodeChain:
         signal: Signal | None = None,
         top_k: int = 0,
         gates: dict[int, tuple[np.ndarray, float, float]] | None = None,
+        rows: int = 1,
     ) -> None:
-        """`exits`: active exit layer -> its thresholds, decided by `signal` over `top_k` candidates (see
+        """`rows`: the span of rows bound (row .. row + rows - 1; more than one: full depth only). `exits`: active
+        exit layer -> its thresholds, decided by `signal` over `top_k` candidates (see
         `chain_exits_supported`); none: full depth only (`step`). `gates`: exit layer -> its gate (eectl.exits.gates:
         weight, bias, threshold), tested on the exit's input state before its decision."""
         m = rt.manifest
         final = rt.full_graphs[m.num_layers]
         if "token" not in final.io.outputs:  # an artifact exported before the in-graph argmax
             raise UsageError("this artifact's final head has no token output", hint="re-export it")
-        self.rt, self.kv, self.row = rt, kv, row
-        H, dtype = m.dims["hidden_size"], rt.np_dtype
-        self.ids = np.zeros((1, 1), np.int64)  # host inputs, written in place before each step
-        self.seqlens_k = np.zeros(1, np.int32)
+        if rows < 1 or (rows > 1 and exits):
+            raise UsageError("a bound chain spans several rows at full depth only")
+        self.rt, self.kv, self.row, self.rows = rt, kv, row, rows
+        H, dtype, n = m.dims["hidden_size"], rt.np_dtype, rows
+        self.ids = np.zeros((n, 1), np.int64)  # host inputs, written in place before each step
+        self.seqlens_k = np.zeros(n, np.int32)
         self.total = np.zeros((), np.int32)
-        self.token = np.zeros(1, np.int64)  # the one output read on the host
+        self.token = np.zeros(n, np.int64)  # the one output read on the host
+        # what a step reads on the host (graph, at, output): the final head's greedy token, one per row
+        self.host_reads = [("exit_full", m.num_layers, "token")]
         self.calls: list[tuple[Any, Any]] = []  # (session, io binding), in call order
         self._keep: list[Any] = []  # every buffer bound by address must live as long as the bindings
-        # one buffer per hop [1, 1, H]: embed -> segment 0 -> ... -> last segment -> final head (viewed as [1, H])
-        hops = [self._buffer((1, 1, H), dtype) for _ in range(len(m.segments) + 1)]
+        # one buffer per hop [n, 1, H]: embed -> segment 0 -> ... -> last segment -> final head (viewed as [n, H])
+        hops = [self._buffer((n, 1, H), dtype) for _ in range(len(m.segments) + 1)]
         io = self._bind(rt.embedding)
         rt._bind_array(io, rt.embedding.name("input_ids"), self.ids)
         rt.bind_weights(io, rt.embedding, "embed")
@@ -163,14 +176,14 @@ class DecodeChain:
                 for picker in [None, *layers[:i]]:
                     self._decision(layer, picker)
         io = self._bind(final)
-        rt._bind_array(io, final.name("hidden"), self._view(hops[-1], (1, H), dtype))
+        rt._bind_array(io, final.name("hidden"), self._view(hops[-1], (n, H), dtype))
         rt.bind_weights(io, final)
         rt._bind_array(io, final.name("top_k"), self._host(np.ones(1, np.int64)))
         rt._bind_array(io, final.name("token"), self.token, output=True)
         V = m.dims["vocab_size"]  # the logits and a Top-1 land in scratch buffers (on the device where there is one)
-        rt._bind_array(io, final.name("logits"), self._buffer((1, V), dtype), output=True)
-        rt._bind_array(io, final.name("candidates"), self._buffer((1, 1), np.int64), output=True)
-        rt._bind_array(io, final.name("candidate_logits"), self._buffer((1, 1), dtype), output=True)
+        rt._bind_array(io, final.name("logits"), self._buffer((n, V), dtype), output=True)
+        rt._bind_array(io, final.name("candidates"), self._buffer((n, 1), np.int64), output=True)
+        rt._bind_array(io, final.name("candidate_logits"), self._buffer((n, 1), dtype), output=True)
 
     def _bind_segment(self, io: Any, s: int, x: Any, out: Any, seqlens_k: np.ndarray, total: np.ndarray) -> None:
         """Bind segment s: the row's KV buffers as past and present (written in place), input x, output out
@@ -179,6 +192,10 @@ class DecodeChain:
         lo, hi = rt.manifest.segments[s].layers
         for j, layer in enumerate(range(lo, hi)):
             k, v = self.kv.keys[self.row][layer], self.kv.values[self.row][layer]
+            if self.rows > 1:  # the span's rows of the batch buffers (runtime/batch.py binds batched calls so)
+                assert isinstance(self.kv, BatchKV)
+                first, last = self.row, self.row + self.rows
+                k, v = (_rows(b[layer], first, last, rt.np_dtype) for b in (self.kv.batch_keys, self.kv.batch_values))
             rt._bind_array(io, g.names("past_key")[j], k)
             rt._bind_array(io, g.names("past_value")[j], v)
             rt._bind_array(io, g.names("present_key")[j], k, output=True)
@@ -304,6 +321,30 @@ class DecodeChain:
             session.run_with_iobinding(io)
         kv.advance(row, 0, L)
         return int(self.token[0])
+
+    def step_rows(self, tokens: dict[int, int]) -> dict[int, int]:
+        """Feed each row's token (row -> token, rows of the span) at its own next position through every layer, all
+        rows in one call per graph; return each one's greedy next token. Rows of the span not in `tokens` ride along
+        on their next free position (written, never counted: the batched calls' scratch slot)."""
+        kv, L, first = self.kv, self.rt.manifest.num_layers, self.row
+        span = slice(first, first + self.rows)
+        past = kv.filled[span, 0]
+        if (kv.filled[span, :L] != past[:, None]).any():
+            raise RuntimeError(f"the layers of rows {first}..{span.stop - 1} hold different lengths")
+        active = np.zeros(kv.filled.shape[0], dtype=bool)
+        active[list(tokens)] = True
+        longest = int(past[active[span]].max()) + 1
+        if longest > kv.max_len:
+            raise UsageError(f"the sequence reached {longest} tokens, beyond the KV buffer of {kv.max_len}")
+        self.ids[:, 0] = 0
+        for r, t in tokens.items():
+            self.ids[r - first, 0] = t
+        self.seqlens_k[:] = past
+        self.total[()] = int(past.max()) + 1
+        for session, io in self.calls:
+            session.run_with_iobinding(io)
+        kv.advance(active, 0, L)
+        return {r: int(self.token[r - first]) for r in tokens}
 
     def step_exits(self, token: int, may_exit: bool, pending: list[np.ndarray | None]) -> ExitStep:
         """Feed `token` at the row's next position, testing the active exits (when `may_exit`) after their segments.

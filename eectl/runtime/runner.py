@@ -88,7 +88,6 @@ class Runner:
         self.L = L
         self.rng = np.random.default_rng(config.seed)
         self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
-        self._device: Any = None  # the plan-executing step (runtime/device_path.py), once used
 
     # --- sampling --------------------------------------------------------------------------------------------------
     def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
@@ -421,18 +420,16 @@ class Runner:
         kv = new_batch_kv(self.rt, width, need)
         self.last_kv = kv
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
-        device = self._device_step()
-        chain = self._chain(kv, width) if device is None else None
+        chain = self._chain(kv, width)
         self.step_reads: list[list[tuple[str, int, str]]] = []  # resident: per step, what was read on the host
-        with self._resident() if device is None and chain is None else nullcontext():
-            self._loop(kv, rows, device, chain, on_step)
+        with self._resident() if chain is None else nullcontext():
+            self._loop(kv, rows, chain, on_step)
         return self._results(rows)
 
     def _loop(
         self,
         kv: BatchKV,
         rows: list[RowState],
-        device: Any,
         chain: DecodeChain | None,
         on_step: Callable[[int, list[int]], None] | None,
     ) -> None:
@@ -454,8 +451,8 @@ class Runner:
             live = {s: (rows[i], rows[i].tokens if s in fresh else [rows[i].tokens[-1]]) for s, i in seated.items()}
             t0 = time.perf_counter()
             self.rt.host_reads = []
-            if device is not None and not fresh:
-                tokens = device.step(kv, {s: ids[0] for s, (_, ids) in live.items()})
+            if chain is not None and not fresh and chain.rows > 1:  # a batch at full depth: calls bound once
+                tokens = chain.step_rows({s: ids[0] for s, (_, ids) in live.items()})
                 for s in tokens:
                     rows[seated[s]].exit_layers.append(self.L)
             elif chain is not None and not fresh:  # greedy decode of one row: calls bound once
@@ -516,14 +513,17 @@ class Runner:
         ]
 
     def _chain(self, kv: KVBuffers, rows: int) -> DecodeChain | None:
-        """The bound call chain (runtime/chain.py) for greedy decode of one row with a final head that has the
-        in-graph argmax: full depth, or active exits whose decisions the exit graphs make (defer, verify, copy:
-        the policies whose exited token needs nothing but its state; `chain_exits_supported`)."""
+        """The bound call chain (runtime/chain.py) for greedy decode with a final head that has the in-graph argmax:
+        full depth for any number of rows (on every provider: the states stay where the graphs run), or, for one
+        row on the CPU EP, active exits whose decisions the exit graphs make (defer, verify, copy: the policies whose
+        exited token needs nothing but its state; `chain_exits_supported`)."""
         final = self.rt.full_graphs[self.L]
-        if rows != 1 or self.cfg.temperature > 0 or "token" not in final.io.outputs:
+        if self.cfg.temperature > 0 or "token" not in final.io.outputs:
             return None
         if any(g.session is None for g in self.rt.segments):  # a runtime holding one segment at a time
             return None
+        if rows > 1:
+            return None if self.exits else DecodeChain(self.rt, kv, 0, rows=rows)
         if self.exits and (
             self.cfg.policy not in BOUND_POLICIES
             or not chain_exits_supported(self.rt, self.exits, self.signal)
@@ -561,20 +561,6 @@ class Runner:
             assert not st.drafts
         st.exit_layers.append(self.L)
         return done.token
-
-    def _device_step(self) -> Any:
-        """The plan-executing step (runtime/device_path.py) where it applies: full depth, greedy; by default only on
-        a device provider (on the CPU EP the host path's bound numpy arrays are the same memory, and faster)."""
-        wanted = self.cfg.device_resident
-        if wanted is None:
-            wanted = self.rt.device != "cpu"
-        if not wanted or self.exits or self.cfg.temperature > 0:
-            return None
-        if self._device is None:  # kept: its device pieces are sessions
-            from eectl.runtime.device_path import DeviceStep
-
-            self._device = DeviceStep(self.rt)
-        return self._device
 
     @staticmethod
     def _confirmed(st: RowState) -> list[int]:

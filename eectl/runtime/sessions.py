@@ -1,7 +1,7 @@
 """ONNX Runtime sessions of an exported artifact: one process-wide thread pool, IO binding, in-place KV buffers.
 
 The single-row graph calls go through here (export's validation and `eectl run` alike); the batched calls
-(batch.py, blocks.py), the bound chain (chain.py), the device step (device_path.py) and the device ops bind the same
+(batch.py, blocks.py), the bound chain (chain.py: one row, or a batch at full depth) and the device ops bind the same
 `Graph` sessions' IO themselves. The KV cache of each row and layer
 is one preallocated buffer [1, H_kv, max_len, D] bound as both the past input and the present output of
 GroupQueryAttention, which writes the new positions in place: nothing is concatenated or copied per token.

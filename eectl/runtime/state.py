@@ -31,10 +31,11 @@ class RunConfig:
     # call is compute-bound and the padding costs what the shared call saves (default model, 16 HumanEval prompts
     # of 88-189 tokens: padded 14.7 s vs single-row 13.6 s)
     batch_prompts: bool | None = None
-    # greedy steps executed as the binding plan says: hidden states, KV and logits stay device values between
-    # graphs; only the exit tests' K ids/scores or one scalar per row, and the tokens, are read (full depth:
-    # runtime/device_path.py; with exits: the runner's loop in resident mode). None: on non-CPU providers (on the
-    # CPU EP the host path's bound numpy arrays are the same memory, with less work per call)
+    # greedy steps with active exits executed as the binding plan says: hidden states, KV and logits stay device
+    # values between graphs; only the exit tests' K ids/scores or one scalar per row, and the tokens, are read (the
+    # runner's loop in resident mode; full-depth greedy steps always run on the bound chain, whose buffers live
+    # where the graphs run). None: on non-CPU providers (on the CPU EP the host path's numpy arrays are the same
+    # memory, with less work per call)
     device_resident: bool | None = None
     river_predict: str = "end"  # river: the token from the river's end (final head) or from the exit itself
     stop_ids: tuple[int, ...] = ()
