@@ -27,13 +27,20 @@ app = typer.Typer(
 )
 
 
-RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="Recipe YAML (recipes/*.yaml); options override it.")]
+RecipeOpt = Annotated[
+    Path | None,
+    typer.Option("--recipe", help="Recipe YAML (recipes/*.yaml); options override it.", rich_help_panel="Common"),
+]
 
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout; progress off.")]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout; progress off.", rich_help_panel="Common")
+]
 
 
-ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: one per core).")]
+ThreadsOpt = Annotated[
+    int | None, typer.Option("--threads", "-t", help="CPU threads (default: one per core).", rich_help_panel="Common")
+]
 
 
 ModelArg = Annotated[

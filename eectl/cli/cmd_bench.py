@@ -19,38 +19,86 @@ from eectl.output import Output
 def bench(
     artifact: Annotated[str, typer.Argument(help="Artifact folder from eectl export.")],
     data: Annotated[
-        str | None, typer.Option(help="Prompts: .jsonl (GSM8K question/answer...), text, or built-in.")
+        str | None,
+        typer.Option(help="Prompts: .jsonl (GSM8K question/answer...), text, or built-in.", rich_help_panel="Workload"),
     ] = None,
-    prompts: Annotated[int | None, typer.Option(help="Number of prompts (default 10).")] = None,
+    prompts: Annotated[
+        int | None, typer.Option(help="Number of prompts (default 10).", rich_help_panel="Workload")
+    ] = None,
     offset: Annotated[
-        int, typer.Option(help="Skip this many of the data's prompts (keep bench prompts out of calibration's).")
+        int,
+        typer.Option(
+            help="Skip this many of the data's prompts (keep bench prompts out of calibration's).",
+            rich_help_panel="Workload",
+        ),
     ] = 0,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per prompt (default 64).")] = None,
-    policies: Annotated[str | None, typer.Option(help="hf, full and KV policy names (default: all of them).")] = None,
-    reps: Annotated[int | None, typer.Option(help="Interleaved repetitions after the warm-up (default 3).")] = None,
-    exits: Annotated[str | None, typer.Option(help="Active exits of the early-exit configurations, e.g. 24.")] = None,
-    signal: Annotated[
-        str | None, typer.Option(help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: the calibration's).")
+    max_new_tokens: Annotated[
+        int | None, typer.Option(help="Tokens generated per prompt (default 64).", rich_help_panel="Workload")
     ] = None,
-    thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
-    threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
+    policies: Annotated[
+        str | None,
+        typer.Option(help="hf, full and KV policy names (default: all of them).", rich_help_panel="Configurations"),
+    ] = None,
+    reps: Annotated[
+        int | None,
+        typer.Option(help="Interleaved repetitions after the warm-up (default 3).", rich_help_panel="Workload"),
+    ] = None,
+    exits: Annotated[
+        str | None,
+        typer.Option(help="Active exits of the early-exit configurations, e.g. 24.", rich_help_panel="Configurations"),
+    ] = None,
+    signal: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: the calibration's).",
+            rich_help_panel="Configurations",
+        ),
+    ] = None,
+    thresholds: Annotated[
+        str | None,
+        typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).", rich_help_panel="Configurations"),
+    ] = None,
+    threshold_scale: Annotated[
+        float, typer.Option(help="Multiply every threshold by this.", rich_help_panel="Configurations")
+    ] = 1.0,
     sweep: Annotated[
-        str | None, typer.Option(help="Threshold scales for the agreement/speedup curve ('' for none; 0.9,1.0,1.1).")
+        str | None,
+        typer.Option(
+            help="Threshold scales for the agreement/speedup curve ('' for none; 0.9,1.0,1.1).",
+            rich_help_panel="Configurations",
+        ),
     ] = None,
     ppl_tokens: Annotated[
-        int | None, typer.Option(help="Held-out tokens for teacher-forced perplexity (0: skip; default 1024).")
+        int | None,
+        typer.Option(
+            help="Held-out tokens for teacher-forced perplexity (0: skip; default 1024).", rich_help_panel="Workload"
+        ),
     ] = None,
-    report: Annotated[Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).")] = None,
-    provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
-    raw: Annotated[bool, typer.Option(help="No chat template.")] = False,
+    report: Annotated[
+        Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).", rich_help_panel="Output")
+    ] = None,
+    provider: Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel="Configurations")] = "auto",
+    raw: Annotated[bool, typer.Option(help="No chat template.", rich_help_panel="Workload")] = False,
     batch_size: Annotated[
-        int, typer.Option(help="Prompts per batch for eectl configurations (throughput next to per-row latency).")
+        int,
+        typer.Option(
+            help="Prompts per batch for eectl configurations (throughput next to per-row latency).",
+            rich_help_panel="Workload",
+        ),
     ] = 1,
     profile_costs: Annotated[
-        bool, typer.Option(help="Re-measure the graph costs on this machine and re-plan the exits first.")
+        bool,
+        typer.Option(
+            help="Re-measure the graph costs on this machine and re-plan the exits first.",
+            rich_help_panel="Configurations",
+        ),
     ] = False,
     compare: Annotated[
-        str | None, typer.Option(help="Other artifacts at full depth, as configurations: int4=PATH[,NAME=PATH].")
+        str | None,
+        typer.Option(
+            help="Other artifacts at full depth, as configurations: int4=PATH[,NAME=PATH].",
+            rich_help_panel="Configurations",
+        ),
     ] = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,

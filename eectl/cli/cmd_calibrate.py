@@ -20,58 +20,109 @@ from eectl.plan.choose import sequence_agreement
 @command()
 def calibrate(
     model: ModelArg = None,
-    data: Annotated[str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).")] = None,
-    field: Annotated[str | None, typer.Option(help="The .jsonl field to read (detected by default).")] = None,
+    data: Annotated[
+        str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).", rich_help_panel="Data")
+    ] = None,
+    field: Annotated[
+        str | None, typer.Option(help="The .jsonl field to read (detected by default).", rich_help_panel="Data")
+    ] = None,
     tokens: Annotated[
-        int | None, typer.Option(help="Tokens to measure, teacher-forced and generated together (default 20000).")
+        int | None,
+        typer.Option(
+            help="Tokens to measure, teacher-forced and generated together (default 20000).", rich_help_panel="Data"
+        ),
     ] = None,
     target: Annotated[
-        float | None, typer.Option(help="Agreement with the final layer's top-1 among exiting tokens, in (0, 1].")
+        float | None,
+        typer.Option(
+            help="Agreement with the final layer's top-1 among exiting tokens, in (0, 1].",
+            rich_help_panel="Exits & signal",
+        ),
     ] = None,
-    exits: Annotated[str | None, typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.")] = None,
+    exits: Annotated[
+        str | None,
+        typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.", rich_help_panel="Exits & signal"),
+    ] = None,
     signal: Annotated[
         str | None,
         typer.Option(
-            help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: learned with probed heads, else topk-prob)."
+            help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: learned with probed heads, else topk-prob).",
+            rich_help_panel="Exits & signal",
         ),
     ] = None,
-    top_k: Annotated[int | None, typer.Option(help="Local vocabulary size of the topk-* signals.")] = None,
-    heads: Annotated[Path | None, typer.Option(help="Trained exit heads (heads.safetensors): exits use them.")] = None,
+    top_k: Annotated[
+        int | None, typer.Option(help="Local vocabulary size of the topk-* signals.", rich_help_panel="Exits & signal")
+    ] = None,
+    heads: Annotated[
+        Path | None,
+        typer.Option(help="Trained exit heads (heads.safetensors): exits use them.", rich_help_panel="Exits & signal"),
+    ] = None,
     confidence: Annotated[
         float,
         typer.Option(
-            help="Require the Clopper-Pearson lower bound at this level to reach --target (0: point estimate)."
+            help="Require the Clopper-Pearson lower bound at this level to reach --target (0: point estimate).",
+            rich_help_panel="Exits & signal",
         ),
     ] = 0.95,
     candidates: Annotated[
         str,
-        typer.Option(help="Candidate source at the first exit: shortlist-int8, shortlist, int8 or first-exit-topk."),
+        typer.Option(
+            help="Candidate source at the first exit: shortlist-int8, shortlist, int8 or first-exit-topk.",
+            rich_help_panel="Candidates",
+        ),
     ] = "shortlist-int8",  # candidates.DEFAULT_CANDIDATES (a literal: the CLI imports no torch up front)
     shortlist: Annotated[
-        int, typer.Option(help="Rows of the frequency-ranked shortlist (--candidates shortlist, shortlist-int8).")
+        int,
+        typer.Option(
+            help="Rows of the frequency-ranked shortlist (--candidates shortlist, shortlist-int8).",
+            rich_help_panel="Candidates",
+        ),
     ] = 4096,
     compare: Annotated[
-        str, typer.Option(help="Other candidate sources to measure on the same tokens, e.g. int8,full (report).")
+        str,
+        typer.Option(
+            help="Other candidate sources to measure on the same tokens, e.g. int8,full (report).",
+            rich_help_panel="Candidates",
+        ),
     ] = "",
-    holdout: Annotated[float, typer.Option(help="Share of chunks and prompts held out to check the thresholds.")] = 0.2,
+    holdout: Annotated[
+        float,
+        typer.Option(help="Share of chunks and prompts held out to check the thresholds.", rich_help_panel="Data"),
+    ] = 0.2,
     gen_share: Annotated[
-        float, typer.Option(help="Share of the tokens taken from the model's own greedy continuations of prompts.")
+        float,
+        typer.Option(
+            help="Share of the tokens taken from the model's own greedy continuations of prompts.",
+            rich_help_panel="Data",
+        ),
     ] = 0.25,
-    gen_tokens: Annotated[int, typer.Option(help="Continuation length per prompt (at most; EOS ends it).")] = 64,
+    gen_tokens: Annotated[
+        int, typer.Option(help="Continuation length per prompt (at most; EOS ends it).", rich_help_panel="Data")
+    ] = 64,
     gen_batch: Annotated[
-        int, typer.Option(help="Prompts generated together (speed and memory only: the tokens are the same).")
+        int,
+        typer.Option(
+            help="Prompts generated together (speed and memory only: the tokens are the same).", rich_help_panel="Data"
+        ),
     ] = 64,
     raw: Annotated[
-        bool, typer.Option(help="Continue prompts as is, without the chat template (eectl run --raw).")
+        bool,
+        typer.Option(
+            help="Continue prompts as is, without the chat template (eectl run --raw).", rich_help_panel="Data"
+        ),
     ] = False,
     gate_keep: Annotated[
         float,
         typer.Option(
-            help="Gated options on the menu: each exit's gate keeps this share of the decisions that pass (0: none)."
+            help="Gated options on the menu: each exit's gate keeps this share of the decisions that pass (0: none).",
+            rich_help_panel="Exits & signal",
         ),
     ] = 0.99,  # gates.DEFAULT_GATE_KEEP
     out_path: Annotated[
-        Path | None, typer.Option("--out", help="Where to write it (default artifacts/<model>-calibration.json).")
+        Path | None,
+        typer.Option(
+            "--out", help="Where to write it (default artifacts/<model>-calibration.json).", rich_help_panel="Output"
+        ),
     ] = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,

@@ -18,27 +18,55 @@ from eectl.output import Output
 @command()
 def export(
     model: ModelArg = None,
-    exits: Annotated[str | None, typer.Option(help="Exit after these layers, e.g. 8,12,16,20,24.")] = None,
-    out: Annotated[Path | None, typer.Option(help="Artifact folder (default artifacts/<model-name>).")] = None,
-    calibration: Annotated[Path | None, typer.Option(help="calibration.json from eectl calibrate.")] = None,
-    heads: Annotated[Path | None, typer.Option(help="heads.safetensors from eectl train-heads.")] = None,
-    dtype: Annotated[str, typer.Option(help="fp32, or fp16 for GPU deployment.")] = "fp32",
-    top_k: Annotated[int | None, typer.Option("--top-k", help="Default local vocabulary size.")] = None,
+    exits: Annotated[
+        str | None, typer.Option(help="Exit after these layers, e.g. 8,12,16,20,24.", rich_help_panel="Artifact")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Artifact folder (default artifacts/<model-name>).", rich_help_panel="Artifact")
+    ] = None,
+    calibration: Annotated[
+        Path | None, typer.Option(help="calibration.json from eectl calibrate.", rich_help_panel="Artifact")
+    ] = None,
+    heads: Annotated[
+        Path | None, typer.Option(help="heads.safetensors from eectl train-heads.", rich_help_panel="Artifact")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="fp32, or fp16 for GPU deployment.", rich_help_panel="Artifact")] = "fp32",
+    top_k: Annotated[
+        int | None, typer.Option("--top-k", help="Default local vocabulary size.", rich_help_panel="Artifact")
+    ] = None,
     candidates: Annotated[
         str | None,
-        typer.Option(help="Candidate source: shortlist, int8, first-exit-topk (default: the calibration's)."),
+        typer.Option(
+            help="Candidate source: shortlist, int8, first-exit-topk (default: the calibration's).",
+            rich_help_panel="Artifact",
+        ),
     ] = None,
-    force: Annotated[bool, typer.Option(help="Replace an existing artifact.")] = False,
-    weights: Annotated[str, typer.Option(help="fp32, or int4: weight-only MatMulNBits segment graphs.")] = "fp32",
-    river: Annotated[bool, typer.Option(help="Add int4 copies of the segments after the first exit.")] = False,
-    int4_block_size: Annotated[int, typer.Option(help="int4: input channels per scale.")] = 32,
-    int4_symmetric: Annotated[bool, typer.Option(help="int4: no zero points.")] = False,
-    int4_accuracy_level: Annotated[int, typer.Option(help="int4: MatMulNBits compute, 0 fp32 .. 4 int8.")] = 4,
-    int4_algorithm: Annotated[str, typer.Option(help="int4: rtn (ORT's default) or hqq.")] = "rtn",
-    int4_keep_layers: Annotated[str | None, typer.Option(help="int4: decoder layers left in fp32, e.g. 0,29.")] = None,
-    lm_head: Annotated[str, typer.Option(help="int4: the final LM head in fp32, int8 or int4.")] = "fp32",
+    force: Annotated[bool, typer.Option(help="Replace an existing artifact.", rich_help_panel="Artifact")] = False,
+    weights: Annotated[
+        str, typer.Option(help="fp32, or int4: weight-only MatMulNBits segment graphs.", rich_help_panel="int4")
+    ] = "fp32",
+    river: Annotated[
+        bool, typer.Option(help="Add int4 copies of the segments after the first exit.", rich_help_panel="int4")
+    ] = False,
+    int4_block_size: Annotated[int, typer.Option(help="int4: input channels per scale.", rich_help_panel="int4")] = 32,
+    int4_symmetric: Annotated[bool, typer.Option(help="int4: no zero points.", rich_help_panel="int4")] = False,
+    int4_accuracy_level: Annotated[
+        int, typer.Option(help="int4: MatMulNBits compute, 0 fp32 .. 4 int8.", rich_help_panel="int4")
+    ] = 4,
+    int4_algorithm: Annotated[
+        str, typer.Option(help="int4: rtn (ORT's default) or hqq.", rich_help_panel="int4")
+    ] = "rtn",
+    int4_keep_layers: Annotated[
+        str | None, typer.Option(help="int4: decoder layers left in fp32, e.g. 0,29.", rich_help_panel="int4")
+    ] = None,
+    lm_head: Annotated[
+        str, typer.Option(help="int4: the final LM head in fp32, int8 or int4.", rich_help_panel="int4")
+    ] = "fp32",
     min_agreement: Annotated[
-        float, typer.Option(help="int4: fail below this greedy agreement with PyTorch at the final exit.")
+        float,
+        typer.Option(
+            help="int4: fail below this greedy agreement with PyTorch at the final exit.", rich_help_panel="int4"
+        ),
     ] = DEFAULT_MIN_AGREEMENT,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,

@@ -23,34 +23,64 @@ def run(
     ] = None,
     prompt_file: Annotated[
         Path | None,
-        typer.Option("--prompt-file", "-f", help=".jsonl (prompt/question/text) or one prompt per line; - is stdin."),
+        typer.Option(
+            "--prompt-file",
+            "-f",
+            help=".jsonl (prompt/question/text) or one prompt per line; - is stdin.",
+            rich_help_panel="Input",
+        ),
     ] = None,
-    exits: Annotated[str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.")] = None,
+    exits: Annotated[
+        str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.", rich_help_panel="Exits")
+    ] = None,
     policy: Annotated[
         str | None,
-        typer.Option(help="KV of skipped layers: defer, copy, verify (lossless), ...; default: the artifact's plan."),
+        typer.Option(
+            help="KV of skipped layers: defer, copy, verify (lossless), ...; default: the artifact's plan.",
+            rich_help_panel="Exits",
+        ),
     ] = None,
     river_predict: Annotated[
-        str, typer.Option(help="river: the token from the river's end (final head) or from the exit.")
+        str,
+        typer.Option(
+            help="river: the token from the river's end (final head) or from the exit.", rich_help_panel="Exits"
+        ),
     ] = "end",
-    thresholds: Annotated[str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).")] = None,
-    threshold_scale: Annotated[float, typer.Option(help="Multiply every threshold by this.")] = 1.0,
+    thresholds: Annotated[
+        str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).", rich_help_panel="Exits")
+    ] = None,
+    threshold_scale: Annotated[
+        float, typer.Option(help="Multiply every threshold by this.", rich_help_panel="Exits")
+    ] = 1.0,
     signal: Annotated[
         str | None,
-        typer.Option(help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: the calibration's, else topk-prob)."),
+        typer.Option(
+            help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: the calibration's, else topk-prob).",
+            rich_help_panel="Exits",
+        ),
     ] = None,
     top_k: Annotated[
-        int | None, typer.Option("--top-k", help="Local vocabulary size (default: the manifest's).")
+        int | None,
+        typer.Option("--top-k", help="Local vocabulary size (default: the manifest's).", rich_help_panel="Exits"),
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt.")] = 128,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    batch_size: Annotated[int, typer.Option(help="Prompts per batch (each row decides its own exits).")] = 1,
-    provider: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
-    raw: Annotated[bool, typer.Option(help="Send the prompt as is (no chat template).")] = False,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt.", rich_help_panel="Sampling")
+    ] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.", rich_help_panel="Sampling")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.", rich_help_panel="Sampling")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.", rich_help_panel="Sampling")] = 0,
+    batch_size: Annotated[
+        int, typer.Option(help="Prompts per batch (each row decides its own exits).", rich_help_panel="Input")
+    ] = 1,
+    provider: Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel="Runtime")] = "auto",
+    raw: Annotated[
+        bool, typer.Option(help="Send the prompt as is (no chat template).", rich_help_panel="Input")
+    ] = False,
     profile_costs: Annotated[
-        bool, typer.Option(help="Re-measure the graph costs on this machine and re-plan the exits first.")
+        bool,
+        typer.Option(
+            help="Re-measure the graph costs on this machine and re-plan the exits first.", rich_help_panel="Exits"
+        ),
     ] = False,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,

@@ -20,42 +20,97 @@ from eectl.output import Output
 @command("train-heads")
 def train_heads(
     model: ModelArg = None,
-    data: Annotated[str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).")] = None,
-    field: Annotated[str | None, typer.Option(help="The .jsonl field to read (detected by default).")] = None,
-    exits: Annotated[str | None, typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.")] = None,
-    steps: Annotated[int | None, typer.Option(help="Optimiser steps (default: the recipe's, 500).")] = None,
+    data: Annotated[
+        str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).", rich_help_panel="Data")
+    ] = None,
+    field: Annotated[
+        str | None, typer.Option(help="The .jsonl field to read (detected by default).", rich_help_panel="Data")
+    ] = None,
+    exits: Annotated[
+        str | None,
+        typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.", rich_help_panel="Heads"),
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option(help="Optimiser steps (default: the recipe's, 500).", rich_help_panel="Training")
+    ] = None,
     design: Annotated[
-        str | None, typer.Option(help="residual-linear, low-rank, mlp, or block (block: from a --cache).")
+        str | None,
+        typer.Option(help="residual-linear, low-rank, mlp, or block (block: from a --cache).", rich_help_panel="Heads"),
     ] = None,
-    rank: Annotated[int | None, typer.Option(help="Rank of low-rank heads (64) or width of mlp heads (H/2).")] = None,
-    lr: Annotated[float | None, typer.Option(help="Peak learning rate (AdamW; warm-up, cosine decay).")] = None,
-    batch_tokens: Annotated[int, typer.Option(help="Tokens per step (per process).")] = 32,
-    ce_weight: Annotated[float, typer.Option(help="Weight of next-token cross-entropy added to the KL.")] = 0.0,
+    rank: Annotated[
+        int | None,
+        typer.Option(help="Rank of low-rank heads (64) or width of mlp heads (H/2).", rich_help_panel="Heads"),
+    ] = None,
+    lr: Annotated[
+        float | None,
+        typer.Option(help="Peak learning rate (AdamW; warm-up, cosine decay).", rich_help_panel="Training"),
+    ] = None,
+    batch_tokens: Annotated[int, typer.Option(help="Tokens per step (per process).", rich_help_panel="Training")] = 32,
+    ce_weight: Annotated[
+        float, typer.Option(help="Weight of next-token cross-entropy added to the KL.", rich_help_panel="Training")
+    ] = 0.0,
     eval_tokens: Annotated[
-        int | None, typer.Option(help="Held-out tokens (the data's last records) for the report (default 4096).")
+        int | None,
+        typer.Option(
+            help="Held-out tokens (the data's last records) for the report (default 4096).", rich_help_panel="Data"
+        ),
     ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of head initialisation and data order.")] = 0,
-    save_every: Annotated[int, typer.Option(help="Write the checkpoint (.ckpt.safetensors) every N steps.")] = 100,
-    resume: Annotated[Path | None, typer.Option(help="Continue from this checkpoint (.ckpt.safetensors).")] = None,
-    device: Annotated[str, typer.Option(help="cpu, or cuda (mixed precision).")] = "cpu",
+    seed: Annotated[
+        int, typer.Option(help="Seed of head initialisation and data order.", rich_help_panel="Training")
+    ] = 0,
+    save_every: Annotated[
+        int, typer.Option(help="Write the checkpoint (.ckpt.safetensors) every N steps.", rich_help_panel="Training")
+    ] = 100,
+    resume: Annotated[
+        Path | None, typer.Option(help="Continue from this checkpoint (.ckpt.safetensors).", rich_help_panel="Training")
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu, or cuda (mixed precision).", rich_help_panel="Training")] = "cpu",
     out_path: Annotated[
-        Path | None, typer.Option("--out", help="heads .safetensors (default artifacts/<model>-heads.safetensors).")
+        Path | None,
+        typer.Option(
+            "--out", help="heads .safetensors (default artifacts/<model>-heads.safetensors).", rich_help_panel="Output"
+        ),
     ] = None,
     cache: Annotated[
-        Path | None, typer.Option(help="State cache folder: the base runs once into it, heads train from it.")
+        Path | None,
+        typer.Option(
+            help="State cache folder: the base runs once into it, heads train from it.", rich_help_panel="State cache"
+        ),
     ] = None,
-    tokens: Annotated[int | None, typer.Option(help="With --cache: training tokens (recipe: 16384).")] = None,
-    gen_share: Annotated[float | None, typer.Option(help="With --cache: share of generated tokens (0.25).")] = None,
-    loss: Annotated[str | None, typer.Option(help="With --cache: topk (teacher top-k + tail) or exact.")] = None,
-    block_init: Annotated[str, typer.Option(help="block design: last, next or identity.")] = "last",
+    tokens: Annotated[
+        int | None, typer.Option(help="With --cache: training tokens (recipe: 16384).", rich_help_panel="State cache")
+    ] = None,
+    gen_share: Annotated[
+        float | None,
+        typer.Option(help="With --cache: share of generated tokens (0.25).", rich_help_panel="State cache"),
+    ] = None,
+    loss: Annotated[
+        str | None,
+        typer.Option(help="With --cache: topk (teacher top-k + tail) or exact.", rich_help_panel="State cache"),
+    ] = None,
+    block_init: Annotated[
+        str, typer.Option(help="block design: last, next or identity.", rich_help_panel="Heads")
+    ] = "last",
     probe_only: Annotated[
-        bool, typer.Option(help="Only fit the learned signal's probes onto --heads (from --cache), write --out.")
+        bool,
+        typer.Option(
+            help="Only fit the learned signal's probes onto --heads (from --cache), write --out.",
+            rich_help_panel="Probes",
+        ),
     ] = False,
-    heads: Annotated[Path | None, typer.Option(help="With --probe-only: the heads file to fit probes onto.")] = None,
-    probe_tokens: Annotated[int | None, typer.Option(help="Training tokens the probes are fitted on (131072).")] = None,
+    heads: Annotated[
+        Path | None,
+        typer.Option(help="With --probe-only: the heads file to fit probes onto.", rich_help_panel="Probes"),
+    ] = None,
+    probe_tokens: Annotated[
+        int | None, typer.Option(help="Training tokens the probes are fitted on (131072).", rich_help_panel="Probes")
+    ] = None,
     probe_hidden: Annotated[
         int | None,
-        typer.Option(help="Hidden units of the MLP probe, kept per exit where it beats a logistic one (32; 0: never)."),
+        typer.Option(
+            help="Hidden units of the MLP probe, kept per exit where it beats a logistic one (32; 0: never).",
+            rich_help_panel="Probes",
+        ),
     ] = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
