@@ -244,3 +244,15 @@ def test_readme_is_for_users():
     for section in ("## Quick start", "## Your own checkpoint", "## What to expect", "## Errors and outputs"):
         assert section in text
     assert "# set up, then the main job" in text and "# the tests" in text  # what .ci/run reads
+
+
+def test_help_shows_no_bool_metavars_on_flags():
+    """Flags read as flags: no `<bool>` metavar beside any option but typer's own --help."""
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+
+    runner = CliRunner()
+    for command in ("profile", "calibrate", "train-heads", "export", "run", "bench", "pipeline", "eval"):
+        lines = runner.invoke(app, [command, "-h"], env={"COLUMNS": "200"}).stdout.splitlines()
+        assert [line for line in lines if "<bool>" in line and "--help" not in line] == [], command

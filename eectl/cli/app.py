@@ -34,7 +34,10 @@ RecipeOpt = Annotated[
 
 
 JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print one JSON document on stdout; progress off.", rich_help_panel="Common")
+    bool,
+    typer.Option(
+        "--json", help="Print one JSON document on stdout; progress off.", rich_help_panel="Common", metavar=""
+    ),
 ]
 
 
@@ -86,7 +89,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _main(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show version.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show version.", metavar="")
+    ] = False,
 ) -> None:
     """eectl turns a decoder-only LLM checkpoint into an exit-enabled artifact and measures what it buys."""
 

@@ -108,7 +108,9 @@ def calibrate(
     raw: Annotated[
         bool,
         typer.Option(
-            help="Continue prompts as is, without the chat template (eectl run --raw).", rich_help_panel="Data"
+            help="Continue prompts as is, without the chat template (eectl run --raw).",
+            rich_help_panel="Data",
+            metavar="",
         ),
     ] = False,
     gate_keep: Annotated[

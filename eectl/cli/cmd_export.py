@@ -37,19 +37,24 @@ def export(
     candidates: Annotated[
         str | None,
         typer.Option(
-            help="Candidate source: shortlist, int8, first-exit-topk (default: the calibration's).",
+            help="Candidate source: shortlist-int8, shortlist, int8, first-exit-topk (default: the calibration's).",
             rich_help_panel="Artifact",
         ),
     ] = None,
-    force: Annotated[bool, typer.Option(help="Replace an existing artifact.", rich_help_panel="Artifact")] = False,
+    force: Annotated[
+        bool, typer.Option(help="Replace an existing artifact.", rich_help_panel="Artifact", metavar="")
+    ] = False,
     weights: Annotated[
         str, typer.Option(help="fp32, or int4: weight-only MatMulNBits segment graphs.", rich_help_panel="int4")
     ] = "fp32",
     river: Annotated[
-        bool, typer.Option(help="Add int4 copies of the segments after the first exit.", rich_help_panel="int4")
+        bool,
+        typer.Option(help="Add int4 copies of the segments after the first exit.", rich_help_panel="int4", metavar=""),
     ] = False,
     int4_block_size: Annotated[int, typer.Option(help="int4: input channels per scale.", rich_help_panel="int4")] = 32,
-    int4_symmetric: Annotated[bool, typer.Option(help="int4: no zero points.", rich_help_panel="int4")] = False,
+    int4_symmetric: Annotated[
+        bool, typer.Option(help="int4: no zero points.", rich_help_panel="int4", metavar="")
+    ] = False,
     int4_accuracy_level: Annotated[
         int, typer.Option(help="int4: MatMulNBits compute, 0 fp32 .. 4 int8.", rich_help_panel="int4")
     ] = 4,

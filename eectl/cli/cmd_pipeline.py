@@ -26,13 +26,19 @@ def pipeline(
     ),
     prompt: Annotated[str, typer.Option(help="The sample prompt for the run stage.")] = "What is 12 * 7?",
     cache: Annotated[
-        bool, typer.Option(help="Reuse profile, heads, calibration and artifact when their inputs are unchanged.")
+        bool,
+        typer.Option(
+            help="Reuse profile, heads, calibration and artifact when their inputs are unchanged.", metavar=""
+        ),
     ] = True,
     model: Annotated[
         str | None, typer.Option(help="Use this checkpoint instead of the recipe's model (e.g. a local copy).")
     ] = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Check the recipe against the model and print the plan; run nothing.")
+        bool,
+        typer.Option(
+            "--dry-run", help="Check the recipe against the model and print the plan; run nothing.", metavar=""
+        ),
     ] = False,
     threads: ThreadsOpt = None,
 ) -> None:

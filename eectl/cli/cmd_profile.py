@@ -38,7 +38,9 @@ def profile(
     lens_dtype: Annotated[
         str, typer.Option(help="fp32 (the reference) or bf16 for the logit lens's LM-head matmuls.")
     ] = "fp32",
-    cache: Annotated[bool, typer.Option(help="Reuse results for the same model, data and settings.")] = True,
+    cache: Annotated[
+        bool, typer.Option(help="Reuse results for the same model, data and settings.", metavar="")
+    ] = True,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,

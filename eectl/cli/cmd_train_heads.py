@@ -96,6 +96,7 @@ def train_heads(
         typer.Option(
             help="Only fit the learned signal's probes onto --heads (from --cache), write --out.",
             rich_help_panel="Probes",
+            metavar="",
         ),
     ] = False,
     heads: Annotated[
