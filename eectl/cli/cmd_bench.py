@@ -23,7 +23,7 @@ def bench(
         typer.Option(help="Prompts: .jsonl (GSM8K question/answer...), text, or built-in.", rich_help_panel="Workload"),
     ] = None,
     prompts: Annotated[
-        int | None, typer.Option(help="Number of prompts (default 10).", rich_help_panel="Workload")
+        int | None, typer.Option(help="Number of prompts (default: 10).", rich_help_panel="Workload")
     ] = None,
     offset: Annotated[
         int,
@@ -33,7 +33,7 @@ def bench(
         ),
     ] = 0,
     max_new_tokens: Annotated[
-        int | None, typer.Option(help="Tokens generated per prompt (default 64).", rich_help_panel="Workload")
+        int | None, typer.Option(help="Tokens generated per prompt (default: 64).", rich_help_panel="Workload")
     ] = None,
     policies: Annotated[
         str | None,
@@ -41,7 +41,7 @@ def bench(
     ] = None,
     reps: Annotated[
         int | None,
-        typer.Option(help="Interleaved repetitions after the warm-up (default 3).", rich_help_panel="Workload"),
+        typer.Option(help="Interleaved repetitions after the warm-up (default: 3).", rich_help_panel="Workload"),
     ] = None,
     exits: Annotated[
         str | None,

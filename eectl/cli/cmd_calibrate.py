@@ -29,7 +29,7 @@ def calibrate(
     tokens: Annotated[
         int | None,
         typer.Option(
-            help="Tokens to measure, teacher-forced and generated together (default 20000).", rich_help_panel="Data"
+            help="Tokens to measure, teacher-forced and generated together (default: 20000).", rich_help_panel="Data"
         ),
     ] = None,
     target: Annotated[
@@ -123,7 +123,7 @@ def calibrate(
     out_path: Annotated[
         Path | None,
         typer.Option(
-            "--out", help="Where to write it (default artifacts/<model>-calibration.json).", rich_help_panel="Output"
+            "--out", help="Where to write it (default: artifacts/<model>-calibration.json).", rich_help_panel="Output"
         ),
     ] = None,
     recipe: RecipeOpt = None,

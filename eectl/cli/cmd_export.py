@@ -22,7 +22,7 @@ def export(
         str | None, typer.Option(help="Exit after these layers, e.g. 8,12,16,20,24.", rich_help_panel="Artifact")
     ] = None,
     out: Annotated[
-        Path | None, typer.Option(help="Artifact folder (default artifacts/<model-name>).", rich_help_panel="Artifact")
+        Path | None, typer.Option(help="Artifact folder (default: artifacts/<model-name>).", rich_help_panel="Artifact")
     ] = None,
     calibration: Annotated[
         Path | None, typer.Option(help="calibration.json from eectl calibrate.", rich_help_panel="Artifact")

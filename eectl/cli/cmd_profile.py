@@ -28,7 +28,7 @@ def profile(
         typer.Option(help="Workloads: text file, .jsonl or built-in (humaneval); several as name=path,humaneval,..."),
     ] = None,
     field: Annotated[str | None, typer.Option(help="The .jsonl field to read (detected by default).")] = None,
-    tokens: Annotated[int | None, typer.Option(help="Tokens of text to measure per workload (default 20000).")] = None,
+    tokens: Annotated[int | None, typer.Option(help="Tokens of text to measure per workload (default: 20000).")] = None,
     alpha: Annotated[float | None, typer.Option(help="EAS weight of similarity vs depth saved, in [0, 1].")] = None,
     similarity: Annotated[str | None, typer.Option(help="EAS similarity: top1 (agreement) or js (1 - JS).")] = None,
     plot: Annotated[

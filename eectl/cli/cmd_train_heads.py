@@ -52,7 +52,7 @@ def train_heads(
     eval_tokens: Annotated[
         int | None,
         typer.Option(
-            help="Held-out tokens (the data's last records) for the report (default 4096).", rich_help_panel="Data"
+            help="Held-out tokens (the data's last records) for the report (default: 4096).", rich_help_panel="Data"
         ),
     ] = None,
     seed: Annotated[
@@ -68,7 +68,7 @@ def train_heads(
     out_path: Annotated[
         Path | None,
         typer.Option(
-            "--out", help="heads .safetensors (default artifacts/<model>-heads.safetensors).", rich_help_panel="Output"
+            "--out", help="heads .safetensors (default: artifacts/<model>-heads.safetensors).", rich_help_panel="Output"
         ),
     ] = None,
     cache: Annotated[
@@ -78,11 +78,14 @@ def train_heads(
         ),
     ] = None,
     tokens: Annotated[
-        int | None, typer.Option(help="With --cache: training tokens (recipe: 16384).", rich_help_panel="State cache")
+        int | None,
+        typer.Option(
+            help="With --cache: training tokens (default: the recipe's, 16384).", rich_help_panel="State cache"
+        ),
     ] = None,
     gen_share: Annotated[
         float | None,
-        typer.Option(help="With --cache: share of generated tokens (0.25).", rich_help_panel="State cache"),
+        typer.Option(help="With --cache: share of generated tokens (default: 0.25).", rich_help_panel="State cache"),
     ] = None,
     loss: Annotated[
         str | None,
@@ -104,12 +107,13 @@ def train_heads(
         typer.Option(help="With --probe-only: the heads file to fit probes onto.", rich_help_panel="Probes"),
     ] = None,
     probe_tokens: Annotated[
-        int | None, typer.Option(help="Training tokens the probes are fitted on (131072).", rich_help_panel="Probes")
+        int | None,
+        typer.Option(help="Training tokens the probes are fitted on (default: 131072).", rich_help_panel="Probes"),
     ] = None,
     probe_hidden: Annotated[
         int | None,
         typer.Option(
-            help="Hidden units of the MLP probe, kept per exit where it beats a logistic one (32; 0: never).",
+            help="Hidden units of the MLP probe, kept per exit where it beats a logistic one (default: 32; 0: never).",
             rich_help_panel="Probes",
         ),
     ] = None,
