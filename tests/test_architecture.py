@@ -256,3 +256,16 @@ def test_help_shows_no_bool_metavars_on_flags():
     for command in ("profile", "calibrate", "train-heads", "export", "run", "bench", "pipeline", "eval"):
         lines = runner.invoke(app, [command, "-h"], env={"COLUMNS": "200"}).stdout.splitlines()
         assert [line for line in lines if "<bool>" in line and "--help" not in line] == [], command
+
+
+def test_help_fits_80_columns_without_cut_option_names():
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+
+    runner = CliRunner()
+    for command in ("profile", "calibrate", "train-heads", "export", "run", "bench", "pipeline", "eval"):
+        lines = runner.invoke(app, [command, "-h"], env={"COLUMNS": "80"}).stdout.splitlines()
+        options = [line for line in lines if line.lstrip("│ ").startswith("-")]
+        assert options, command
+        assert [line for line in options if "…" in line.split("  ")[0]] == [], command

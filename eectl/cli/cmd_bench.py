@@ -78,7 +78,9 @@ def bench(
         Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).", rich_help_panel="Output")
     ] = None,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel="Configurations")] = "auto",
-    raw: Annotated[bool, typer.Option(help="No chat template.", rich_help_panel="Workload", metavar="")] = False,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="No chat template.", rich_help_panel="Workload", metavar="")
+    ] = False,
     batch_size: Annotated[
         int,
         typer.Option(
@@ -89,6 +91,7 @@ def bench(
     profile_costs: Annotated[
         bool,
         typer.Option(
+            "--profile-costs",
             help="Re-measure the graph costs on this machine and re-plan the exits first.",
             rich_help_panel="Configurations",
             metavar="",

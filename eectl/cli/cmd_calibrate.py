@@ -108,6 +108,7 @@ def calibrate(
     raw: Annotated[
         bool,
         typer.Option(
+            "--raw",
             help="Continue prompts as is, without the chat template (eectl run --raw).",
             rich_help_panel="Data",
             metavar="",

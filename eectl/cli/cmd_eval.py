@@ -35,7 +35,12 @@ def eval_(
         str | None, typer.Option(help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: the calibration's).")
     ] = None,
     allow_code_execution: Annotated[
-        bool, typer.Option(help="Let eectl_humaneval run the generated code (in a subprocess) to score it.", metavar="")
+        bool,
+        typer.Option(
+            "--allow-code-execution",
+            help="Let eectl_humaneval run the generated code (in a subprocess) to score it.",
+            metavar="",
+        ),
     ] = False,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,

@@ -42,18 +42,20 @@ def export(
         ),
     ] = None,
     force: Annotated[
-        bool, typer.Option(help="Replace an existing artifact.", rich_help_panel="Artifact", metavar="")
+        bool, typer.Option("--force", help="Replace an existing artifact.", rich_help_panel="Artifact", metavar="")
     ] = False,
     weights: Annotated[
         str, typer.Option(help="fp32, or int4: weight-only MatMulNBits segment graphs.", rich_help_panel="int4")
     ] = "fp32",
     river: Annotated[
         bool,
-        typer.Option(help="Add int4 copies of the segments after the first exit.", rich_help_panel="int4", metavar=""),
+        typer.Option(
+            "--river", help="Add int4 copies of the segments after the first exit.", rich_help_panel="int4", metavar=""
+        ),
     ] = False,
     int4_block_size: Annotated[int, typer.Option(help="int4: input channels per scale.", rich_help_panel="int4")] = 32,
     int4_symmetric: Annotated[
-        bool, typer.Option(help="int4: no zero points.", rich_help_panel="int4", metavar="")
+        bool, typer.Option("--int4-symmetric", help="int4: no zero points.", rich_help_panel="int4", metavar="")
     ] = False,
     int4_accuracy_level: Annotated[
         int, typer.Option(help="int4: MatMulNBits compute, 0 fp32 .. 4 int8.", rich_help_panel="int4")

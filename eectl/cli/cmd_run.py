@@ -74,11 +74,13 @@ def run(
     ] = 1,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel="Runtime")] = "auto",
     raw: Annotated[
-        bool, typer.Option(help="Send the prompt as is (no chat template).", rich_help_panel="Input", metavar="")
+        bool,
+        typer.Option("--raw", help="Send the prompt as is (no chat template).", rich_help_panel="Input", metavar=""),
     ] = False,
     profile_costs: Annotated[
         bool,
         typer.Option(
+            "--profile-costs",
             help="Re-measure the graph costs on this machine and re-plan the exits first.",
             rich_help_panel="Exits",
             metavar="",

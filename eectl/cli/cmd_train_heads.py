@@ -97,6 +97,7 @@ def train_heads(
     probe_only: Annotated[
         bool,
         typer.Option(
+            "--probe-only",
             help="Only fit the learned signal's probes onto --heads (from --cache), write --out.",
             rich_help_panel="Probes",
             metavar="",
