@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -73,6 +73,16 @@ def run(
         int, typer.Option(help="Prompts per batch (each row decides its own exits).", rich_help_panel="Input")
     ] = 1,
     provider: Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel="Runtime")] = "auto",
+    chat: Annotated[
+        bool,
+        typer.Option(
+            "--chat",
+            help="Talk to the model: one turn per line on stdin, the KV cache kept across turns (Ctrl-C ends a reply, "
+            "Ctrl-D the conversation).",
+            rich_help_panel="Input",
+            metavar="",
+        ),
+    ] = False,
     raw: Annotated[
         bool,
         typer.Option("--raw", help="Send the prompt as is (no chat template).", rich_help_panel="Input", metavar=""),
@@ -94,8 +104,10 @@ def run(
     from eectl.run.generate import RunOptions, read_prompts, run_prompts
 
     out = Output(json_out)
-    if (prompt is None) == (prompt_file is None):
-        raise UsageError("give one prompt argument or --prompt-file")
+    if chat and (prompt is not None or prompt_file is not None):
+        raise UsageError("--chat reads its turns from stdin: give no prompt argument or --prompt-file")
+    if not chat and (prompt is None) == (prompt_file is None):
+        raise UsageError("give one prompt argument or --prompt-file (or --chat)")
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     r = load_recipe(recipe)
@@ -104,11 +116,12 @@ def run(
         prompt = sys.stdin.read().strip()
         if not prompt:
             raise UsageError("the prompt read from stdin is empty")
+    prompts: list[str] = []
     if prompt_file is not None and str(prompt_file) == "-":
         prompts = [line for line in sys.stdin.read().splitlines() if line.strip()]
         if not prompts:
             raise UsageError("no prompts on stdin")
-    else:
+    elif not chat:
         prompts = [prompt] if prompt is not None else read_prompts(str(prompt_file))
     opts = RunOptions(
         exits=exits,
@@ -127,6 +140,9 @@ def run(
         threads=n_threads,
         profile_costs=profile_costs,
     )
+    if chat:
+        _chat(out, artifact, opts)
+        return
     shown: dict[int, int] = {}
 
     def stream(index: int, text: str) -> None:
@@ -169,3 +185,35 @@ def run(
                 f"{len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s, first token {g.ttft_s * 1000:.0f} ms, "
                 f"mean executed layers {g.mean_layers(L):.1f}/{L} ({ran}{drafts}, {rt.provider}, {rt.threads} threads)"
             )
+
+
+def _chat(out: Output, artifact: str, opts: Any) -> None:
+    """The conversation loop of --chat: "> " on stderr before each turn, the reply streamed on stdout."""
+    from eectl.run.chat import chat
+
+    def read() -> str | None:
+        out.err.print("> ", end="")
+        line = sys.stdin.readline()
+        return line if line else None
+
+    def write(text: str) -> None:
+        if not out.json_mode:
+            out.out.print(text, end="", markup=False, highlight=False)
+
+    out.log(f"loading {artifact} (chat: one turn per line, Ctrl-D to end)")
+    rt, reports, reused = chat(artifact, opts, read, write, warn=out.warn, note=out.log)
+    out.json(
+        {
+            "artifact": str(artifact),
+            "provider": rt.provider,
+            "threads": rt.threads,
+            "turns": [{**rep.to_dict(), "cached_input_tokens": n} for rep, n in zip(reports, reused, strict=True)],
+        }
+    )
+    L = rt.manifest.num_layers
+    for i, (rep, n) in enumerate(zip(reports, reused, strict=True), 1):
+        g = rep.generation
+        out.log(
+            f"turn {i}: {len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s, {n} input tokens from the cache, "
+            f"mean executed layers {g.mean_layers(L):.1f}/{L}"
+        )

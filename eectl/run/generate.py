@@ -280,6 +280,28 @@ class RunReport:
         }
 
 
+def open_runner(
+    artifact: str | Path,
+    opts: RunOptions,
+    warn: Callable[[str], None] | None = None,
+    note: Callable[[str], None] | None = None,
+) -> tuple[ArtifactRuntime, Any, RunConfig, Runner]:
+    """The artifact's runtime, its tokenizer, the configuration the options resolve to, and a runner for it;
+    `note` gets how the configuration was chosen (the plan's line), `warn` warnings about the options."""
+    check_options(opts)
+    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
+    tok = load_tokenizer(rt)
+    if opts.profile_costs:
+        replan(rt)
+    config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
+    if config.note and note is not None:
+        note(config.note)
+    warning = calibration_warning(rt, config) if opts.thresholds is None else None
+    if warning is not None and warn is not None:
+        warn(warning)
+    return rt, tok, config, Runner(rt, config)
+
+
 def run_prompts(
     artifact: str | Path,
     prompts: list[str],
@@ -294,18 +316,7 @@ def run_prompts(
     outside what they were calibrated for)."""
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
-    check_options(opts)
-    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
-    tok = load_tokenizer(rt)
-    if opts.profile_costs:
-        replan(rt)
-    config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
-    if config.note and note is not None:
-        note(config.note)
-    warning = calibration_warning(rt, config) if opts.thresholds is None else None
-    if warning is not None and warn is not None:
-        warn(warning)
-    runner = Runner(rt, config)
+    rt, tok, config, runner = open_runner(artifact, opts, warn, note)
     stream = None
     if on_text is not None:
 

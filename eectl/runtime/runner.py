@@ -571,6 +571,11 @@ class Runner:
         generated = len(st.tokens) - st.prompt_len
         if st.tokens[-1] not in self.cfg.stop_ids and generated < self.cfg.max_new_tokens:
             return False
+        return self._settled(row, st, kv)
+
+    def _settled(self, row: int, st: RowState, kv: KVBuffers) -> bool:
+        """Generation stops here: whatever the policy left unchecked is checked first (True), or a wrong draft was
+        rolled back and generation continues from the corrected token (False)."""
         if not self.policy.unchecked(st):
             return True
         # e.g. verify's drafts: what is still unchecked must go through one full-depth pass before we stop

@@ -1,0 +1,123 @@
+"""Conversations on one cache row (runtime/conversation.py, `eectl run --chat`): a continued turn equals the whole
+conversation generated from scratch (full depth and verify: their outputs do not depend on how the cache was
+filled), feeds only what is new, falls back to a fresh prefill when the cache is not a prefix, and survives a reply
+stopped halfway (verify's unchecked drafts checked first)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eectl.runtime.conversation import Conversation
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
+from tests.conftest import EXPORT_EXITS, EXPORT_TOP_K
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def runtime(exported):
+    _, art = exported["llama"]
+    return ArtifactRuntime(art, provider="cpu")
+
+
+def _ids(seed: int, n: int, vocab: int = 100) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def _runner(rt, policy="defer", exits=(), new=8, stop=()):
+    thr = {e: {"prob": 0.0} for e in exits}
+    cfg = RunConfig(exits=list(exits), thresholds=thr, policy=policy, top_k=EXPORT_TOP_K, max_new_tokens=new)
+    cfg.stop_ids = tuple(stop)
+    return Runner(rt, cfg)
+
+
+@pytest.mark.parametrize("policy,exits", [("defer", ()), ("verify", tuple(EXPORT_EXITS))])
+def test_a_continued_turn_equals_the_conversation_from_scratch(runtime, policy, exits):
+    first = _ids(1, 9)
+    conv = Conversation(_runner(runtime, policy, exits), 128)
+    reply = conv.turn(first).token_ids
+    assert conv.reused == 0 and len(reply) == 8
+    second = first + reply + _ids(2, 5)  # the next user turn after the reply (the reply's last token included)
+    got = conv.turn(second)
+    assert conv.reused >= len(first) + len(reply) - 1  # only the new tokens were fed
+    fresh = _runner(runtime, policy, exits).generate([second])[0]
+    assert got.token_ids == fresh.token_ids
+    held = int(conv.kv.filled[0, 0])
+    assert held in (len(second) + len(got.token_ids) - 1, len(second) + len(got.token_ids))
+
+
+def test_every_policy_continues_on_its_own_cache(runtime):
+    for policy in runtime.manifest.kv_policies:
+        conv = Conversation(_runner(runtime, policy, EXPORT_EXITS), 128)
+        a = _ids(3, 7)
+        r1 = conv.turn(a).token_ids
+        b = a + r1 + _ids(4, 4)
+        r2 = conv.turn(b)
+        assert conv.reused > 0 and len(r2.token_ids) == 8, policy
+        assert conv.kv.filled[0, 0] <= len(b) + len(r2.token_ids)  # the cache holds what the tokens say
+
+
+def test_a_conversation_that_is_not_a_prefix_is_fed_again(runtime):
+    conv = Conversation(_runner(runtime), 128)
+    conv.turn(_ids(5, 6))
+    other = _ids(6, 10)
+    got = conv.turn(other)
+    assert conv.reused == 0
+    assert got.token_ids == _runner(runtime).generate([other])[0].token_ids
+
+
+def test_a_reply_stopped_halfway_leaves_a_cache_the_next_turn_continues(runtime):
+    conv = Conversation(_runner(runtime, "verify", EXPORT_EXITS, new=12), 128)
+    steps = []
+    a = _ids(7, 8)
+    r1 = conv.turn(a, on_step=steps.append, stop=lambda: len(steps) >= 3)
+    assert len(r1.token_ids) < 12  # stopped early
+    b = a + r1.token_ids + _ids(8, 4)
+    got = conv.turn(b)
+    assert got.token_ids == _runner(runtime, "verify", EXPORT_EXITS, new=12).generate([b])[0].token_ids
+
+
+def test_cli_chat_through_a_terminal(runtime):
+    """`eectl run ART --chat` on a pty: a prompt marker, a reply per line, Ctrl-D ends with exit 0."""
+    master, slave = pty.openpty()
+    cmd = [sys.executable, "-m", "eectl.cli", "run", str(runtime.folder), "--chat", "--raw", "-n", "4"]
+    proc = subprocess.Popen(
+        [*cmd, "--exits", "none", "-t", "1", "--json"],
+        stdin=slave,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    os.close(slave)
+    try:
+        for line in (b"12 clips\n", b"and 7 more\n"):
+            os.write(master, line)
+            time.sleep(0.2)
+        deadline = time.time() + 120
+        while proc.poll() is None and time.time() < deadline:
+            select.select([], [], [], 0.5)
+            os.write(master, b"\x04")  # Ctrl-D at the prompt: end of the conversation
+            time.sleep(0.5)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        os.close(master)
+    assert proc.returncode == 0, err.decode()
+    doc = json.loads(out)
+    assert [t["prompt"] for t in doc["turns"]] == ["12 clips", "and 7 more"]
+    assert all(len(t["token_ids"]) == 4 for t in doc["turns"])
+    assert doc["turns"][1]["cached_input_tokens"] > 0  # the second turn continued on the first one's cache
+    assert b"> " in err
