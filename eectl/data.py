@@ -139,11 +139,16 @@ def encode_prompt(tokenizer: Any, prompt: str, raw: bool = False) -> list[int]:
     """A prompt as the runner feeds it (`eectl run`, and calibrate's generated tokens): the tokenizer's chat template
     with a generation prompt when it has one and `raw` is False, else the text with the tokenizer's special tokens."""
     if not raw and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation through the tokenizer's chat template, with a generation prompt after it."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
 
 
 # ---------------------------------------------------------------------------------------------------------------

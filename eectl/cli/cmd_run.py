@@ -101,7 +101,7 @@ def run(
     json_out: JsonOpt = False,
 ) -> None:
     """Generate with ONNX Runtime, choosing exits at run time and keeping the skipped layers' KV correct."""
-    from eectl.run.generate import RunOptions, read_prompts, run_prompts
+    from eectl.run.generate import RunOptions, run_prompts
 
     out = Output(json_out)
     if chat and (prompt is not None or prompt_file is not None):
@@ -112,17 +112,7 @@ def run(
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     r = load_recipe(recipe)
     n_threads = set_threads(threads, r)
-    if prompt == "-":  # the whole of stdin is one prompt
-        prompt = sys.stdin.read().strip()
-        if not prompt:
-            raise UsageError("the prompt read from stdin is empty")
-    prompts: list[str] = []
-    if prompt_file is not None and str(prompt_file) == "-":
-        prompts = [line for line in sys.stdin.read().splitlines() if line.strip()]
-        if not prompts:
-            raise UsageError("no prompts on stdin")
-    elif not chat:
-        prompts = [prompt] if prompt is not None else read_prompts(str(prompt_file))
+    prompts = [] if chat else _prompts(prompt, prompt_file)
     opts = RunOptions(
         exits=exits,
         policy=pick(policy, r.kv_policy),
@@ -185,6 +175,24 @@ def run(
                 f"{len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s, first token {g.ttft_s * 1000:.0f} ms, "
                 f"mean executed layers {g.mean_layers(L):.1f}/{L} ({ran}{drafts}, {rt.provider}, {rt.threads} threads)"
             )
+
+
+def _prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
+    """The prompt argument (- reads stdin as one prompt), or --prompt-file's prompts (- reads one per stdin line)."""
+    from eectl.run.generate import read_prompts
+
+    if prompt == "-":
+        prompt = sys.stdin.read().strip()
+        if not prompt:
+            raise UsageError("the prompt read from stdin is empty")
+    if prompt is not None:
+        return [prompt]
+    if str(prompt_file) == "-":
+        prompts = [line for line in sys.stdin.read().splitlines() if line.strip()]
+        if not prompts:
+            raise UsageError("no prompts on stdin")
+        return prompts
+    return read_prompts(str(prompt_file))
 
 
 def _chat(out: Output, artifact: str, opts: Any) -> None:

@@ -384,21 +384,7 @@ def run_bench(
             log.log("river: its K/V against the exact K/V of the same tokens, per layer (first prompt)")
         river_kv = river_kv_cosine(configs.runners["river"], ids[0])
     sweep = _sweep(configs, ids, full_tokens)
-    notes = [
-        f"{rt.threads} ONNX Runtime threads (one global pool); torch (hf) threads set to the same count",
-        f"eectl configurations run {opts.batch_size} prompt(s) per batch (hf one at a time): ms/token is a row's "
-        "latency per decode step, throughput counts decoded tokens of all rows per second of decode wall time",
-        "RSS is the process's resident memory after each configuration's runs; ORT and torch share the process",
-    ]
-    default = plan_line = ""
-    if m.plan is not None:
-        plan_line, default = m.plan.summary(), m.plan.default
-        notes.append(plan_line)
-    if m.costs is not None:
-        notes.append(
-            f"costs {'re-measured here' if opts.profile_costs else 'measured at export'} on {m.costs.provider} with "
-            f"{m.costs.threads} threads (full-depth step {m.costs.full_step_ms:.1f} ms at a past of {m.costs.past})"
-        )
+    default, plan_line = (m.plan.default, m.plan.summary()) if m.plan is not None else ("", "")
     return BenchResult(
         artifact=str(artifact),
         default=default,
@@ -416,7 +402,7 @@ def run_bench(
         configs=results,
         sweep=sweep,
         hf_matches_full=runs["hf"][0].generations == full_tokens if "hf" in runs else None,
-        notes=notes,
+        notes=_notes(rt, opts),
         river_kv=river_kv,
         reps_run=len(runs["full"]),
         verdict=verdict,
@@ -424,6 +410,25 @@ def run_bench(
         other_load=None if load is None else round(load, 3),
         resolution=None if resolution is None else round(resolution, 4),
     )
+
+
+def _notes(rt: ArtifactRuntime, opts: BenchOptions) -> list[str]:
+    """What the report's notes say about how this run ran."""
+    m = rt.manifest
+    notes = [
+        f"{rt.threads} ONNX Runtime threads (one global pool); torch (hf) threads set to the same count",
+        f"eectl configurations run {opts.batch_size} prompt(s) per batch (hf one at a time): ms/token is a row's "
+        "latency per decode step, throughput counts decoded tokens of all rows per second of decode wall time",
+        "RSS is the process's resident memory after each configuration's runs; ORT and torch share the process",
+    ]
+    if m.plan is not None:
+        notes.append(m.plan.summary())
+    if m.costs is not None:
+        notes.append(
+            f"costs {'re-measured here' if opts.profile_costs else 'measured at export'} on {m.costs.provider} with "
+            f"{m.costs.threads} threads (full-depth step {m.costs.full_step_ms:.1f} ms at a past of {m.costs.past})"
+        )
+    return notes
 
 
 def _paired(base: np.ndarray, other: np.ndarray, column: int = 0) -> tuple[float | None, tuple[float, float]]:

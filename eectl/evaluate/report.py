@@ -52,12 +52,12 @@ def summary(result: BenchResult) -> str:
     whether this run can say so; then one line per configuration on how it was chosen, and the run's verdict."""
     rows = [
         [
-            f"{c.name} (default)" if c.name == result.default else c.name,
+            _name(c, result),
             _exits(c),
             f"{c.ms_per_token:.1f}",
             _speed(c),
             f"{_fmt(c.token_agreement, '.1%')}",
-            c.verdict.split(":")[0] if c.verdict else "-",
+            _verdict(c),
         ]
         for c in result.configs
     ]
@@ -68,21 +68,16 @@ def summary(result: BenchResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(result: BenchResult, plots: dict[str, str]) -> str:
-    r = result
-    lines = [
-        f"# eectl bench: {r.model}",
-        "",
-        f"Artifact `{r.artifact}`, provider {r.provider}, {r.threads} threads, {r.prompts} prompts x "
-        f"{r.max_new_tokens} new tokens, batch size {r.batch_size}, {r.reps_run} repetitions after a warm-up "
-        f"({r.reps} asked{', more added by the noise gate' if r.reps_run > r.reps else ''}). Early exit: signal "
-        f"{r.signal or '-'}, exits {r.exits or '-'}.",
-        "",
-        f"**Verdict: {r.verdict or '-'}.**"
-        + (f" Other processes kept {r.other_load:.2f} CPU cores busy on average." if r.other_load is not None else "")
-        + (f" Speedups within +-{r.resolution:.1%} of 1 are this run's noise." if r.resolution is not None else ""),
-        "",
-    ]
+def _name(c: ConfigResult, r: BenchResult) -> str:
+    return f"{c.name} (default)" if c.name == r.default else c.name
+
+
+def _verdict(c: ConfigResult) -> str:
+    return c.verdict.split(":")[0] if c.verdict else "-"
+
+
+def _config_table(r: BenchResult) -> list[str]:
+    """Every configuration's row, the columns that say nothing dropped."""
     header = [
         "config", "exits", "ms/token (pooled, min-max)", "tokens/s per row", "throughput tokens/s (vs full)",
         "TTFT ms", "vs full [95% CI]", "verdict", "predicted [90%]", "model at realized exits", "vs hf",
@@ -94,14 +89,14 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
     for c in r.configs:
         rows.append(
             [
-                f"{c.name} (default)" if c.name == r.default else c.name,
+                _name(c, r),
                 _exits(c),
                 f"{c.ms_per_token:.1f} ({c.ms_per_token_spread[0]:.1f}-{c.ms_per_token_spread[1]:.1f})",
                 f"{c.tokens_per_s:.1f}",
                 f"{c.throughput:.1f} ({_x(c.throughput_vs_full)})",
                 f"{c.ttft_ms:.0f}",
                 _speed(c),
-                c.verdict.split(":")[0] if c.verdict else "-",
+                _verdict(c),
                 f"{_x(c.predicted_speedup)}{_ci(c.predicted_interval, '.2f')}",
                 _x(c.model_speedup),
                 _x(c.speedup_vs_hf),
@@ -119,7 +114,12 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
                 f"{c.rss_mb:.0f}",
             ]
         )
-    lines += _table(header, rows)
+    return _table(header, rows)
+
+
+def _methods(r: BenchResult) -> list[str]:
+    """The methods, as a footnote under the table."""
+    lines: list[str] = []
     lines += [
         "",
         "Methods[^1].",
@@ -138,18 +138,11 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         "agreement: per token on the configuration's own path, the share of its tokens full depth "
         "(teacher-forced over the same prefix) would emit: the quantity the calibration target bounds.",
     ]
-    aa = next((c for c in r.configs if c.name == AA), None)
-    if aa is not None and aa.speedup_vs_full is not None:
-        lines += [
-            "",
-            f"Noise floor (A/A: `full` against itself): {_x(aa.speedup_vs_full)}"
-            f"{_ci(aa.speedup_vs_full_ci, '.2f')}; a speedup inside that spread is not one.",
-        ]
-    if r.plan:
-        lines += ["", r.plan + "."]
-    lines += [f"- {c.name}: {c.note}" for c in r.configs if c.note]  # how each configuration was chosen
-    if r.hf_matches_full is not None:
-        lines += ["", f"transformers generate and eectl full depth produce identical tokens: {r.hf_matches_full}."]
+    return lines
+
+
+def _sweep(r: BenchResult) -> list[str]:
+    lines: list[str] = []
     if r.sweep:
         lines += [
             "",
@@ -163,6 +156,11 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
                 f"| {s['scale']} | {s['policy']} | {s['speedup']:.2f}x | {s['token_agreement']:.1%} | "
                 f"{s['exact_match']:.0%} | {s['mean_layers']:.1f} |"
             )
+    return lines
+
+
+def _river(r: BenchResult) -> list[str]:
+    lines: list[str] = []
     if r.river_kv is not None:
         kvr = r.river_kv
         lines += [
@@ -182,6 +180,40 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
                 f"{_fmt(x['value_cosine_river'], '.4f')} | {_fmt(x['key_cosine_generated'], '.4f')} | "
                 f"{_fmt(x['value_cosine_generated'], '.4f')} |"
             )
+    return lines
+
+
+def markdown(result: BenchResult, plots: dict[str, str]) -> str:
+    r = result
+    lines = [
+        f"# eectl bench: {r.model}",
+        "",
+        f"Artifact `{r.artifact}`, provider {r.provider}, {r.threads} threads, {r.prompts} prompts x "
+        f"{r.max_new_tokens} new tokens, batch size {r.batch_size}, {r.reps_run} repetitions after a warm-up "
+        f"({r.reps} asked{', more added by the noise gate' if r.reps_run > r.reps else ''}). Early exit: signal "
+        f"{r.signal or '-'}, exits {r.exits or '-'}.",
+        "",
+        f"**Verdict: {r.verdict or '-'}.**"
+        + (f" Other processes kept {r.other_load:.2f} CPU cores busy on average." if r.other_load is not None else "")
+        + (f" Speedups within +-{r.resolution:.1%} of 1 are this run's noise." if r.resolution is not None else ""),
+        "",
+    ]
+    lines += _config_table(r)
+    lines += _methods(r)
+    aa = next((c for c in r.configs if c.name == AA), None)
+    if aa is not None and aa.speedup_vs_full is not None:
+        lines += [
+            "",
+            f"Noise floor (A/A: `full` against itself): {_x(aa.speedup_vs_full)}"
+            f"{_ci(aa.speedup_vs_full_ci, '.2f')}; a speedup inside that spread is not one.",
+        ]
+    if r.plan:
+        lines += ["", r.plan + "."]
+    lines += [f"- {c.name}: {c.note}" for c in r.configs if c.note]  # how each configuration was chosen
+    if r.hf_matches_full is not None:
+        lines += ["", f"transformers generate and eectl full depth produce identical tokens: {r.hf_matches_full}."]
+    lines += _sweep(r)
+    lines += _river(r)
     hist = [c for c in r.configs if c.exit_histogram and len(c.exit_histogram) > 1]
     if hist:
         lines += ["", "## Exit histograms (decode tokens, first repetition)", ""]

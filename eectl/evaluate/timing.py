@@ -200,13 +200,11 @@ def _gated(configs: Configurations, order: list[str], ids: list[list[int]], opts
     per_rep = first / opts.reps
     spent = 0.0
     extra = 0
-    while (
-        noise_verdict(*_aa_interval(timing)) != "conclusive"
-        and extra < _gate_reps(opts.reps)
-        and spent + per_rep <= NOISE_BUDGET * first
-    ):
+    while extra < _gate_reps(opts.reps) and spent + per_rep <= NOISE_BUDGET * first:
+        ci, n = _aa_interval(timing)
+        if noise_verdict(ci, n) == "conclusive":
+            break
         extra += 1
-        ci, _ = _aa_interval(timing)
         if log is not None:
             log.log(f"  A/A reads [{ci[0]:.3f}, {ci[1]:.3f}], outside {list(AA_BAND)}: one more repetition")
         t1 = time.perf_counter()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from eectl.data import chat_ids
 from eectl.run.generate import RunOptions, RunReport, open_runner
 from eectl.runtime.conversation import Conversation
 
@@ -25,10 +26,7 @@ def conversation_ids(tokenizer: Any, messages: list[dict[str, str]], raw: bool, 
     """The conversation as the model reads it: its chat template with a generation prompt; or (raw, or no
     template) the tokens so far (`history`: the previous turns and replies as generated) and the new line's."""
     if not raw and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return chat_ids(tokenizer, messages)
     line = messages[-1]["content"] + "\n"
     return history + [int(i) for i in tokenizer(line, add_special_tokens=not history)["input_ids"]]
 

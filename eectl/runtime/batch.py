@@ -87,7 +87,7 @@ def _rows(buf: Any, first: int, last: int, dtype: Any) -> Any:
     return DeviceView(buf.device_name(), buf.data_ptr() + first * nbytes, (last - first, *shape[1:]), np.dtype(dtype))
 
 
-def _past(kv: BatchKV, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+def _past(kv: KVBuffers, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
     past = kv.filled[rows, lo]
     if (kv.filled[rows, lo:hi] != past[:, None]).any():
         raise RuntimeError(f"layers {lo}..{hi - 1} hold different lengths within a row: {kv.filled[rows, lo:hi]}")

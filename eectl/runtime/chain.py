@@ -47,7 +47,7 @@ import numpy as np
 from eectl.errors import UsageError
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import Signal, graph_thresholds
-from eectl.runtime.batch import BatchKV, _rows
+from eectl.runtime.batch import BatchKV, _past, _rows
 from eectl.runtime.ort import Graph, _ort
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
@@ -328,9 +328,7 @@ class DecodeChain:
         on their next free position (written, never counted: the batched calls' scratch slot)."""
         kv, L, first = self.kv, self.rt.manifest.num_layers, self.row
         span = slice(first, first + self.rows)
-        past = kv.filled[span, 0]
-        if (kv.filled[span, :L] != past[:, None]).any():
-            raise RuntimeError(f"the layers of rows {first}..{span.stop - 1} hold different lengths")
+        past = _past(kv, np.arange(span.start, span.stop), 0, L)
         active = np.zeros(kv.filled.shape[0], dtype=bool)
         active[list(tokens)] = True
         longest = int(past[active[span]].max()) + 1

@@ -36,12 +36,10 @@ class Conversation:
         st, segments = self.state, len(self.runner.m.segments)
         held = 0 if st is None else int(self.kv.filled[0, 0])  # positions the cache holds (layer 0 runs every one)
         if st is not None and len(ids) > len(st.tokens) and ids[: len(st.tokens)] == st.tokens:
-            chunk = ids[held:]  # the previous reply's last token when it was never fed, then the new part
-            st.tokens, st.prompt_len, st.done = list(ids), len(ids), False
-            st.exit_layers, st.latencies, st.decided, st.picked = [], [], {}, {}
-            st.decide_s, st.drafted, st.rejected = 0.0, 0, 0
+            # a new turn's row state; what the policy keeps in the cache's name (defer's pending positions) goes on
+            self.state = RowState(list(ids), len(ids), st.pending, drafts=st.drafts)
             self.reused = held
-            return st, chunk
+            return self.state, ids[held:]  # the previous reply's last token when it was never fed, then the new part
         self.kv.rollback(0, 0)
         self.state = RowState(list(ids), len(ids), [None] * segments)
         self.reused = 0
