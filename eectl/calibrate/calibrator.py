@@ -56,6 +56,7 @@ from eectl.calibrate.fit import fit, fit_gates, fit_options, options_judge
 from eectl.contracts.calibration import Calibration, CandidatesInfo, ComparedSource, DataInfo, HeadsInfo, ModelInfo
 from eectl.contracts.gates import DEFAULT_GATE_KEEP, Gate
 from eectl.contracts.layers import check_exit_layers
+from eectl.contracts.plan import LookupStats
 from eectl.errors import DataError, UsageError
 from eectl.exits.base import DEFAULT_TOP_K
 from eectl.exits.candidates import (
@@ -77,6 +78,7 @@ from eectl.exits.measure import (
 )
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
 from eectl.exits.thresholds import min_tokens_for
+from eectl.runtime.drafts import lookup_stats
 
 
 @dataclass
@@ -169,6 +171,7 @@ class Collected:
     candidates: dict[str, Any] = field(default_factory=lambda: {"name": "full"})  # the candidate source
     shortlist: torch.Tensor | None = None  # its token ids (shortlist source), most frequent first
     compared: dict[str, Measurements] = field(default_factory=dict)  # other sources on the same tokens
+    lookup: LookupStats | None = None  # drafts from the context replayed on the continuations
 
 
 @torch.no_grad()
@@ -198,6 +201,7 @@ def collect(
         chunks = token_chunks(tok, data, opts.text_tokens, opts.chunk_len)
     prompts_used = 0
     conts: list[Continuation] = []
+    lookup: LookupStats | None = None
     topk = get_signal(opts.signal).needs_candidates
     if opts.generated_tokens > 0:
         max_prompt = max(8, min(dims.max_positions, 4096) - opts.gen_tokens - 1)
@@ -216,6 +220,8 @@ def collect(
                 f"{opts.generated_tokens} asked for",
                 hint="lower --gen-share or --tokens, or raise --gen-tokens",
             )
+        # what verify with drafts from the context would do on these prompts: its output is these continuations
+        lookup = lookup_stats([(c.prompt, c.generated) for c in conts], stop_ids=(eos,) if eos is not None else ())
     shortlist = None
     if topk and isinstance(CANDIDATE_SOURCES.get(opts.candidates), Shortlist):  # ranked here, on calibration units
         shortlist = frequency_shortlist(
@@ -257,6 +263,7 @@ def collect(
         described,
         shortlist,
         {o: Measurements.concat(p) for o, p in zip(others, parts[1:], strict=True)},
+        lookup,
     )
 
 
@@ -343,6 +350,7 @@ def summarise(
         else [],
         gates={str(layer): g for layer, g in gates.items()},
         gate_keep=opts.gate_keep if gates else None,
+        lookup=collected.lookup,
         options_judged_on=int(options_judge(meas, opts.holdout).sum()) if opts.options else 0,
         compared={name: _compared(m, opts, heads) for name, m in collected.compared.items()},
         target=opts.target,

@@ -9,6 +9,7 @@ import typer
 
 from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.names import SIGNAL_SPECS
+from eectl.contracts.plan import DEFAULT_DRAFTS
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.files import check_output_file
@@ -37,7 +38,10 @@ def bench(
     ] = None,
     policies: Annotated[
         str | None,
-        typer.Option(help="hf, full and KV policy names (default: all of them).", rich_help_panel="Configurations"),
+        typer.Option(
+            help="hf, full, KV policy names, lookup, verify+lookup (default: hf, full and the policies).",
+            rich_help_panel="Configurations",
+        ),
     ] = None,
     reps: Annotated[
         int | None,
@@ -97,6 +101,13 @@ def bench(
             metavar="",
         ),
     ] = False,
+    prompt_drafts: Annotated[
+        int,
+        typer.Option(
+            help="lookup, verify+lookup: drafts per step from n-gram matches in the context.",
+            rich_help_panel="Configurations",
+        ),
+    ] = DEFAULT_DRAFTS,
     compare: Annotated[
         str | None,
         typer.Option(
@@ -154,6 +165,7 @@ def bench(
         raw=raw,
         batch_size=batch_size,
         profile_costs=profile_costs,
+        prompt_drafts=prompt_drafts,
     )
     with out.progress("bench", total=bench_units(opts, n)) as bar:
         result = run_bench(artifact, text.prompts[window], opts, heldout, answers, log=out, progress=bar.advance)

@@ -36,7 +36,8 @@ def run(
     policy: Annotated[
         str | None,
         typer.Option(
-            help="KV of skipped layers: defer, copy, verify (lossless), ...; default: the artifact's plan.",
+            help="KV of skipped layers: defer, copy, verify (lossless), ...; lookup: full depth with drafts from "
+            "the context; default: the artifact's plan.",
             rich_help_panel="Exits",
         ),
     ] = None,
@@ -62,6 +63,14 @@ def run(
     top_k: Annotated[
         int | None,
         typer.Option("--top-k", help="Local vocabulary size (default: the manifest's).", rich_help_panel="Exits"),
+    ] = None,
+    prompt_drafts: Annotated[
+        int | None,
+        typer.Option(
+            help="verify: up to N drafts per step from n-gram matches in the prompt and answer, checked in the same "
+            "deep pass (0: off; default: the artifact's plan).",
+            rich_help_panel="Exits",
+        ),
     ] = None,
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt.", rich_help_panel="Sampling")
@@ -129,6 +138,7 @@ def run(
         provider=provider,
         threads=n_threads,
         profile_costs=profile_costs,
+        prompt_drafts=prompt_drafts,
     )
     if chat:
         _chat(out, artifact, opts)
@@ -171,6 +181,8 @@ def run(
             g = rep.generation
             ran = f"{config.policy} at exits {config.exits}" if config.exits else "full depth"
             drafts = f", {g.drafted} drafts, {g.rejected_drafts} rolled back" if g.drafted else ""
+            if g.prompt_drafted:
+                drafts += f", {g.prompt_accepted}/{g.prompt_drafted} drafts from the context accepted"
             out.log(
                 f"{len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s, first token {g.ttft_s * 1000:.0f} ms, "
                 f"mean executed layers {g.mean_layers(L):.1f}/{L} ({ran}{drafts}, {rt.provider}, {rt.threads} threads)"

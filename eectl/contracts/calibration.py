@@ -19,7 +19,7 @@ from eectl import __version__
 from eectl.contracts.gates import GATE, Gate
 from eectl.contracts.layers import check_exit_layers
 from eectl.contracts.names import SIGNAL_SPECS
-from eectl.contracts.plan import Option
+from eectl.contracts.plan import LookupStats, Option
 from eectl.errors import ArtifactError, UsageError
 from eectl.files import atomic_write_json, read_utf8, strict_json
 
@@ -156,6 +156,8 @@ class Calibration(_Model):
     # options' thresholds ("gate") refer to; and the share of passing decisions their thresholds keep. Empty: none
     gates: dict[str, Gate] = Field(default_factory=dict)
     gate_keep: float | None = None
+    # drafts from the context replayed on the generated continuations (the plan prices them); None: no continuations
+    lookup: LookupStats | None = None
     threads: int = 0
     wall_s: float = 0.0
     seconds_per_10k_tokens: float = 0.0

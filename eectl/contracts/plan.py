@@ -19,6 +19,10 @@ RESAMPLES = 200  # bootstrap replicates of the costs (the percentiles move by < 
 
 
 INTERVAL_TOP = 8  # per policy, the options with the highest point estimates get an interval (the rest cannot win)
+# verify's drafts from the context (runtime/drafts.py): drafts per step by default, and the most a run may ask
+DEFAULT_DRAFTS = 12
+MAX_DRAFTS = 64
+LOOKUP = "lookup"  # the plan's name for full depth with drafts from the context (a default beside the policies)
 
 
 PLAN_POLICIES = ("copy", "defer", "verify")
@@ -121,6 +125,9 @@ class Costs(_M):
     # the median of its list. What the predicted speedups' intervals are resampled from (`resamples`). None:
     # artifacts exported before the intervals (medians only), planned as exact
     samples_ms: dict[str, list[float]] | None = None
+    # pass width (positions) -> a full-depth pass over that many positions on the bound chain: a step carrying
+    # drafts from the context (runtime/drafts.py), its drafts embedded first. Empty: costs timed before them
+    wide_ms: dict[str, float] = Field(default_factory=dict)
 
     def rounds(self) -> int:
         return min((len(v) for v in self.samples_ms.values()), default=0) if self.samples_ms else 0
@@ -200,6 +207,33 @@ class Prediction(_M):
         return f"{self.speedup:.3f}x [{self.interval[0]:.3f}, {self.interval[1]:.3f}]"
 
 
+class LookupStats(_M):
+    """Drafts from the context replayed on calibration's greedy full-depth continuations (runtime/drafts.py
+    `replay`): the steps verify with those drafts takes to emit them, exactly (its output is those continuations)."""
+
+    max_draft: int
+    max_ngram: int
+    prompts: int
+    tokens: int  # decode tokens (each continuation's first token comes from the prefill)
+    steps: dict[str, int]  # pass width (positions) -> decode steps of that width (1: no drafts)
+    drafted: int
+    accepted: int
+
+    def per_token(self) -> float:
+        """Tokens emitted per decode step."""
+        n = sum(self.steps.values())
+        return self.tokens / n if n else 1.0
+
+
+class LookupChoice(_M):
+    """The plan's verdict on drafts from the context at full depth (`eectl run --prompt-drafts`)."""
+
+    drafts: int  # drafts per step (RunConfig.prompt_drafts) when on
+    prediction: Prediction  # policy "lookup": full depth with the drafts, priced by plan/choose.py predict_lookup
+    on: bool  # the prediction's interval clears the plan's line
+    tokens_per_step: float  # on calibration's continuations
+
+
 class Choice(_M):
     policy: str
     exits: list[int]  # [] = full depth
@@ -212,9 +246,10 @@ class Choice(_M):
 class Plan(_M):
     """What export (or `eectl run --profile-costs`) chose, per policy, and the default configuration."""
 
-    default: str  # a policy name, or "full"
+    default: str  # a policy name, "full", or LOOKUP (full depth with drafts from the context)
     min_gain: float = MIN_GAIN
     choices: dict[str, Choice] = Field(default_factory=dict)  # policy -> its best option (full depth if none pays)
+    lookup: LookupChoice | None = None  # drafts from the context (None: not measured at calibration or export)
     level: float = LEVEL  # the predictions' intervals (plans before them: their point estimates decided)
 
     def line(self) -> str:
@@ -223,6 +258,12 @@ class Plan(_M):
 
     def summary(self) -> str:
         """One line for run and bench."""
+        if self.default == LOOKUP and self.lookup is not None:
+            return (
+                f"plan: full depth with up to {self.lookup.drafts} drafts per step from the context (lossless), "
+                f"predicted {self.lookup.prediction.describe()} full depth ({self.level:.0%} interval; "
+                f"{self.lookup.tokens_per_step:.2f} tokens per step on calibration's answers)"
+            )
         if self.default == "full":
             bests = [c.best for p, c in self.choices.items() if c.best is not None and p != "copy"]
             top = max(bests, key=lambda b: b.speedup, default=None)

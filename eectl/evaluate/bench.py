@@ -9,6 +9,8 @@ Every speed figure is a ratio against baselines measured in the same run, with t
 - `copy`, `defer`, `verify`, `river`: early exit with the artifact's calibrated thresholds (or --thresholds), the
   same exits and signal for each, so they differ only in what follows an exit; `river-exit` is `river` with the
   token predicted at the exit instead of the river's end (river's K/V are also compared with the exact K/V),
+- `lookup`: full depth with drafts from the context (prompt lookup, runtime/drafts.py) checked by verify's deep
+  pass; `verify+lookup`: verify's exit drafts and drafts from the context together (both lossless),
 - any other artifact of the same model at full depth (`compare`, e.g. an int4 export: `--compare int4=PATH`).
 
 Fidelity is measured against eectl full depth on the same prompts (token agreement, exact match, first
@@ -32,7 +34,7 @@ from eectl.contracts.gates import GATE
 from eectl.data import encode_prompt
 from eectl.errors import UsageError
 from eectl.evaluate.report import markdown, write_report
-from eectl.evaluate.results import AA, BASELINES, BenchOptions, BenchResult, ConfigResult
+from eectl.evaluate.results import AA, BASELINES, LOOKUP, LOOKUP_CONFIGS, BenchOptions, BenchResult, ConfigResult
 from eectl.evaluate.river_kv import river_kv_cosine
 from eectl.evaluate.stats import (
     AA_BAND,
@@ -83,7 +85,7 @@ def bench_units(opts: BenchOptions, prompts: int) -> int:
 
 def _changes_tokens(name: str) -> bool:
     """Whether a configuration's tokens may differ from full depth's (a lossless policy's never do)."""
-    if name in ("full", AA, "hf"):
+    if name in ("full", AA, "hf", *LOOKUP_CONFIGS):
         return False
     return name not in POLICIES or not POLICIES[name].lossless
 
@@ -162,6 +164,14 @@ class _Configs:
             self.configs[policy] = cfg
             if cfg.exits or not self.exits:
                 self.exits, self.thresholds, self.signal = cfg.exits, cfg.thresholds, cfg.signal
+        for name in [c for c in opts.configs if c in LOOKUP_CONFIGS]:  # drafts from the context, checked by verify
+            early = self.early_options("verify", 1.0)
+            lookup = RunOptions(policy=LOOKUP, max_new_tokens=opts.max_new_tokens, provider=opts.provider)
+            chosen = lookup if name == LOOKUP else early
+            chosen.prompt_drafts = opts.prompt_drafts
+            cfg = resolve_config(rt, chosen, stop)
+            self.runners[name] = Runner(rt, cfg)
+            self.configs[name] = cfg
         for name, path in opts.compare.items():  # other artifacts (int4 ...) at full depth, one thread pool
             other = ArtifactRuntime(path, provider=opts.provider, threads=opts.threads)
             if other.manifest.model.get("sha256") != rt.manifest.model.get("sha256"):
@@ -213,6 +223,8 @@ class _Configs:
                     run.picked[layer] = run.picked.get(layer, 0) + n
                 run.drafted += g.drafted
                 run.rejected += g.rejected_drafts
+                run.prompt_drafted += g.prompt_drafted
+                run.prompt_accepted += g.prompt_accepted
                 # a row's own decode time (its steps' wall time, shared with the other rows) and tokens
                 run.per_prompt.append((sum(g.latencies_s[1:]), len(g.latencies_s) - 1))
                 run.decode_tokens += len(g.latencies_s) - 1
@@ -247,6 +259,8 @@ def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> Config
         res.decisions_per_step = sum(sum(r.decided.values()) for r in reps) / steps if steps else None
         res.drafted = reps[0].drafted
         res.rejected = reps[0].rejected
+        res.prompt_drafted = reps[0].prompt_drafted
+        res.prompt_accepted = reps[0].prompt_accepted
     return res
 
 
@@ -338,8 +352,8 @@ def run_bench(
 ) -> BenchResult:
     """Run the configurations interleaved; `progress(1)` after each prompt generated and each perplexity pass
     (bench_units gives the total)."""
-    known = (*BASELINES, *POLICIES, RIVER_EXIT, *opts.compare)
-    clash = [c for c in opts.compare if c in (*BASELINES, *POLICIES, RIVER_EXIT)]
+    known = (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, *opts.compare)
+    clash = [c for c in opts.compare if c in (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS)]
     if clash:
         raise UsageError(f"--compare name '{clash[0]}' is a built-in configuration; pick another name")
     bad = [c for c in opts.configs if c not in known]
@@ -355,6 +369,8 @@ def run_bench(
     if opts.profile_costs:
         replan(rt)
     m = rt.manifest
+    if m.plan is not None and m.plan.default == LOOKUP and LOOKUP not in opts.configs:
+        opts.configs.append(LOOKUP)  # the artifact's default configuration is always benchmarked
     tok = load_tokenizer(rt)
     ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
     configs = _Configs(rt, opts, tuple(m.eos_token_ids), progress)
@@ -479,6 +495,11 @@ def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) ->
     res.exits = list(cfg.exits)
     res.gated = any(GATE in cfg.thresholds.get(e, {}) for e in cfg.exits)
     res.note = cfg.note
+    if cfg.prompt_drafts:  # drafts from the context: the plan prices them at full depth only (its lookup entry)
+        lookup = m.plan.lookup if m.plan is not None else None
+        if lookup is not None and not cfg.exits:
+            res.predicted_speedup, res.predicted_interval = lookup.prediction.speedup, lookup.prediction.interval
+        return
     if m.plan is not None and cfg.planned:
         choice = m.plan.choices.get(cfg.policy)
         active = choice is not None and bool(cfg.exits)

@@ -43,6 +43,17 @@ def _exits(c: ConfigResult) -> str:
     return exits
 
 
+def _drafts(c: ConfigResult) -> str:
+    """Verify's drafts by source (first repetition): from the exits, from the context (accepted of proposed), and
+    the positions rolled back."""
+    if not (c.drafted or c.prompt_drafted):
+        return "-"
+    parts = [f"exits {c.drafted}"] if c.drafted else []
+    if c.prompt_drafted:
+        parts.append(f"context {c.prompt_accepted}/{c.prompt_drafted} accepted")
+    return ", ".join(parts) + f"; {c.rejected} rolled back"
+
+
 def _speed(c: ConfigResult) -> str:
     return f"{_x(c.speedup_vs_full)}{_ci(c.speedup_vs_full_ci, '.2f')}"
 
@@ -63,6 +74,7 @@ def summary(result: BenchResult) -> str:
     ]
     lines = _table(["config", "exits", "ms/token", "vs full [95% CI]", "token agreement", "verdict"], rows)
     lines += [f"- {c.name}: {c.note}" for c in result.configs if c.note]
+    lines += [f"- {c.name} drafts: {_drafts(c)}" for c in result.configs if c.drafted or c.prompt_drafted]
     reach = f"; this run resolves speedups beyond +-{result.resolution:.1%}" if result.resolution is not None else ""
     lines += ["", f"verdict: {result.verdict or '-'} ({result.reps_run} repetitions timed{reach})"]
     return "\n".join(lines) + "\n"
@@ -81,7 +93,7 @@ def _config_table(r: BenchResult) -> list[str]:
     header = [
         "config", "exits", "ms/token (pooled, min-max)", "tokens/s per row", "throughput tokens/s (vs full)",
         "TTFT ms", "vs full [95% CI]", "verdict", "predicted [90%]", "model at realized exits", "vs hf",
-        "mean layers", "bound", "decide share", "token agreement [95% CI]", "predicted agreement",
+        "mean layers", "bound", "decide share", "drafts", "token agreement [95% CI]", "predicted agreement",
         "step agreement [95% CI]", "calibrated step agreement", "exact match [95% CI]", "first divergence",
         "perplexity", "GSM8K acc", "RSS MB",
     ]  # fmt: skip
@@ -103,6 +115,7 @@ def _config_table(r: BenchResult) -> list[str]:
                 _fmt(c.mean_layers, ".1f"),
                 _x(c.layer_bound),
                 _fmt(c.decide_share, ".1%"),
+                _drafts(c),
                 f"{_fmt(c.token_agreement, '.1%')}{_ci(c.token_agreement_ci, '.1%')}",
                 _fmt(c.predicted_agreement, ".1%"),
                 f"{_fmt(c.step_agreement, '.2%')}{_ci(c.step_agreement_ci, '.2%')}",

@@ -6,9 +6,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from eectl.contracts.names import default_policies
+from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP
 
 AA = "full-aa"  # the A/A control: a second copy of full depth (evaluate/bench.py adds it to every run)
-BASELINES = ("hf", "full", AA)  # every other configuration is a KV policy's name (eectl.runtime.policies)
+BASELINES = ("hf", "full", AA)  # every other configuration is a KV policy's name (eectl.runtime.policies) or:
+# LOOKUP: full depth with drafts from the context (prompt lookup) checked by verify's pass
+VERIFY_LOOKUP = "verify+lookup"  # verify's exit drafts and drafts from the context together
+LOOKUP_CONFIGS = (LOOKUP, VERIFY_LOOKUP)
 
 
 @dataclass
@@ -29,6 +33,7 @@ class BenchOptions:
     batch_size: int = 1  # prompts per eectl generate call (rows in lock-step, one graph call per segment); hf: 1
     profile_costs: bool = False  # re-measure the graph costs here and re-plan before benchmarking
     compare: dict[str, str] = field(default_factory=dict)  # config name -> another artifact, run at full depth
+    prompt_drafts: int = DEFAULT_DRAFTS  # the lookup configurations' drafts per step
 
 
 @dataclass
@@ -52,8 +57,10 @@ class ConfigResult:
     perplexity: float | None = None
     gsm8k_accuracy: float | None = None
     exit_histogram: dict[str, int] = field(default_factory=dict)
-    drafted: int = 0
-    rejected: int = 0
+    drafted: int = 0  # verify: drafts from the exits (first repetition)
+    rejected: int = 0  # verify: positions rolled back, drafts of either source
+    prompt_drafted: int = 0  # drafts from the context (runtime/drafts.py; first repetition) and those accepted
+    prompt_accepted: int = 0
     # 95% intervals over prompts (the unit that varies): paired bootstrap of the speedup and token agreement,
     # Wilson score interval of exact match
     speedup_vs_full_ci: tuple[float, float] | None = None

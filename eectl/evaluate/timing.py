@@ -58,6 +58,8 @@ class _Run:
     decide_s: float
     drafted: int = 0
     rejected: int = 0
+    prompt_drafted: int = 0  # drafts from the context (runtime/drafts.py) and those accepted
+    prompt_accepted: int = 0
     decode_tokens: int = 0  # over all rows
     decode_wall_s: float = 0.0  # wall time of the decode steps (a batch's rows share each step)
     decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there (gates skip some)
@@ -73,6 +75,8 @@ class _Run:
         self.decide_s += other.decide_s
         self.drafted += other.drafted
         self.rejected += other.rejected
+        self.prompt_drafted += other.prompt_drafted
+        self.prompt_accepted += other.prompt_accepted
         self.decode_tokens += other.decode_tokens
         self.decode_wall_s += other.decode_wall_s
         for mine, theirs in ((self.decided, other.decided), (self.picked, other.picked)):

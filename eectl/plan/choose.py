@@ -25,6 +25,14 @@ The choice maximises predicted speed: for copy and defer over the options fitted
 verify (lossless) over the options fitted at any precision of a grid (there the threshold is a speed knob). `copy` is
 never the default: its approximate K/V change later tokens in a way calibration does not measure.
 
+Drafts from the context (runtime/drafts.py, `lookup`): calibration replays them on its greedy continuations
+(`LookupStats`: how many decode steps of each width verify with them takes, exactly), export times full-depth
+passes of those widths on the bound chain (`Costs.wide_ms`, interpolated between the widths timed):
+
+    lookup:       sum over steps of wide(width) / (tokens x the full-depth step)
+
+It is the plan's default when its interval clears the line and it beats the exit configurations' prediction.
+
 A configuration is activated only when the LOW end of its predicted speedup's 90% interval clears 1 + MIN_GAIN;
 otherwise the policy runs at full depth. The interval comes from the costs' per-round samples (`Costs.samples_ms`):
 a paired bootstrap over timing rounds. A replicate draws R rounds with replacement out of the R measured, takes
@@ -48,11 +56,14 @@ from eectl.contracts.plan import (
     BOUND_POLICIES,
     INTERVAL_TOP,
     LEVEL,
+    LOOKUP,
     MIN_GAIN,
     PLAN_POLICIES,
     RIVER_POLICIES,
     Choice,
     Costs,
+    LookupChoice,
+    LookupStats,
     Option,
     Plan,
     Prediction,
@@ -250,11 +261,77 @@ def choose(
     return Plan(default=default, min_gain=min_gain, choices=choices, level=level)
 
 
+def wide_ms(costs: Costs, width: int) -> float | None:
+    """A full-depth pass over `width` positions: the baseline step at 1, else linear between the widths timed
+    (beyond the widest: its last slope). None without wide timings."""
+    if width <= 1:
+        return costs.baseline_ms()
+    if not costs.wide_ms:
+        return None
+    known = sorted([(1, costs.baseline_ms()), *((int(w), v) for w, v in costs.wide_ms.items())])
+    xs, ys = [x for x, _ in known], [y for _, y in known]
+    if width <= xs[-1]:
+        return float(np.interp(width, xs, ys))
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return ys[-1] + slope * (width - xs[-1])
+
+
+def predict_lookup(costs: Costs, stats: LookupStats) -> Prediction | None:
+    """Full depth with drafts from the context, on calibration's replayed steps. None: no wide timings or tokens."""
+    full = costs.baseline_ms()
+    if stats.tokens <= 0 or full <= 0:
+        return None
+    total = 0.0
+    for w, n in stats.steps.items():
+        ms = wide_ms(costs, int(w))
+        if ms is None:
+            return None
+        total += n * ms
+    per_token = total / stats.tokens
+    return Prediction(
+        policy=LOOKUP,
+        exits=[],
+        ms_per_token=round(per_token, 4),
+        full_ms=round(full, 4),
+        speedup=round(full / per_token, 4),
+        decision_ms=0.0,
+        exit_rate=0.0,
+    )
+
+
+def choose_lookup(
+    costs: Costs, stats: LookupStats, min_gain: float = MIN_GAIN, level: float = LEVEL
+) -> LookupChoice | None:
+    """The lookup prediction with its interval over the costs' timing rounds; on when its low end clears the line."""
+    pred = predict_lookup(costs, stats)
+    if pred is None:
+        return None
+    replicates = [p.speedup for c in costs.resamples() if (p := predict_lookup(c, stats)) is not None]
+    if replicates:
+        tail = (1.0 - level) / 2
+        lo, hi = np.quantile(replicates, [tail, 1.0 - tail])
+        pred = pred.model_copy(update={"interval": (round(float(lo), 4), round(float(hi), 4))})
+    return LookupChoice(
+        drafts=stats.max_draft,
+        prediction=pred,
+        on=pred.low() >= 1.0 + min_gain,
+        tokens_per_step=round(stats.per_token(), 4),
+    )
+
+
 def plan_manifest(manifest: object, costs: Costs) -> Plan:
     """Choose for an artifact (a Manifest) with these costs, from its calibration's menu."""
     from eectl.contracts.manifest import Manifest
 
     assert isinstance(manifest, Manifest)
     boundaries = [s.layers[1] for s in manifest.segments]
-    options = manifest.calibration.options if manifest.calibration is not None else []
-    return choose(costs, boundaries, options)
+    cal = manifest.calibration
+    options = cal.options if cal is not None else []
+    plan = choose(costs, boundaries, options)
+    if cal is not None and cal.lookup is not None and "verify" in manifest.kv_policies:
+        plan.lookup = choose_lookup(costs, cal.lookup, plan.min_gain, plan.level)
+        chosen = plan.choices.get(plan.default)
+        best = chosen.prediction.speedup if chosen is not None and chosen.exits else 1.0
+        if plan.lookup is not None and plan.lookup.on and plan.lookup.prediction.speedup > best:
+            plan.default = LOOKUP
+    return plan

@@ -43,6 +43,9 @@ DEFAULT_REPEATS = 15
 # model at 2 threads; the interval narrows as one over the square root of the rounds
 RETIME_BUDGET_S = 30.0
 FULL_STEPS = 16  # room kept in the cache beyond `past`
+# widths (positions) of the full-depth passes timed for drafts from the context (one token and its drafts); the
+# cost model interpolates between them
+WIDE_WIDTHS = (2, 3, 5, 9, 17)
 
 
 Call = Callable[[], object]
@@ -106,6 +109,7 @@ def measure_costs(
     calls: dict[str, Callable[[], object]] = {
         "step": full_step_call(rt, past, seed),
         **({"chain": chain} if (chain := chain_step_call(rt, past)) is not None else {}),
+        **wide_step_calls(rt, past),
         "embed": lambda: rt.embed(np.array([[1]], dtype=np.int64)),
     }
     for i in range(len(m.segments)):
@@ -170,6 +174,7 @@ def _costs(rt: ArtifactRuntime, times: dict[str, list[float]], past: int, state_
         **({f"exit_predict_ms.{e}": times[f"predict.{e}"] for e in m.exit_layers} if state_only else {}),
         **{f"river_ms.{i}": times[f"river.{i}"] for i in range(n) if f"river.{i}" in times},
         **({"river_head_ms": times["river_head"]} if "river_head" in times else {}),
+        **{f"wide_ms.{w}": times[f"wide.{w}"] for w in WIDE_WIDTHS if f"wide.{w}" in times},
     }
     med = {path: float(statistics.median(v)) for path, v in samples.items()}
 
@@ -199,6 +204,7 @@ def _costs(rt: ArtifactRuntime, times: dict[str, list[float]], past: int, state_
         exit_predict_ms=per("exit_predict_ms", exits) if state_only else None,
         river_ms=[med.get(f"river_ms.{i}") for i in range(n)] if rt.river_segments else None,
         river_head_ms=med.get("river_head_ms"),
+        wide_ms=per("wide_ms", [str(w) for w in WIDE_WIDTHS]),
         samples_ms={path: list(v) for path, v in samples.items()},
     )
     return costs
@@ -343,6 +349,30 @@ def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object] | No
         return chain.step(1)
 
     return call
+
+
+def wide_step_calls(rt: ArtifactRuntime, past: int) -> dict[str, Callable[[], object]]:
+    """A full-depth greedy step carrying drafts from the context on the bound chain, as `Runner._chain_step` takes
+    it: the drafts embedded, waiting at segment 0, every segment wide, then the final head's argmax over every
+    position (verify's check); one call per width in WIDE_WIDTHS. None for an artifact without verify or a chain."""
+    m = rt.manifest
+    if "verify" not in m.kv_policies or chain_step_call(rt, past) is None or rt.device != "cpu":
+        return {}
+    kv = rt.new_kv(1, past + max(WIDE_WIDTHS) + 4)
+    chain = DecodeChain(rt, kv, 0, {}, None, 0, None)
+    calls: dict[str, Callable[[], object]] = {}
+    for w in WIDE_WIDTHS:
+
+        def call(w: int = w) -> object:
+            kv.seek(0, past)
+            pending: list[np.ndarray | None] = [None] * len(m.segments)
+            pending[0] = rt.embed(np.ones((1, w - 1), dtype=np.int64))
+            done = chain.step_exits(1, False, pending, head=False)
+            assert done.state is not None
+            return rt.greedy_token(m.num_layers, done.state[0])
+
+        calls[f"wide.{w}"] = call
+    return calls
 
 
 def full_step_call(rt: ArtifactRuntime, past: int, seed: int = 0) -> Callable[[], object]:

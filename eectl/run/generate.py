@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from eectl.contracts.calibration import never_exits
 from eectl.contracts.gates import GATE
 from eectl.contracts.layers import parse_layers
+from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFTS
 from eectl.data import encode_prompt
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
@@ -43,6 +44,9 @@ class RunOptions:
     provider: str = "auto"
     threads: int | None = None
     profile_costs: bool = False  # re-measure the graph costs here and re-plan before running
+    # verify: up to this many drafts per step from n-gram matches of the context (runtime/drafts.py); 0: off, None:
+    # the plan's
+    prompt_drafts: int | None = None
 
 
 def load_tokenizer(rt: ArtifactRuntime) -> Any:
@@ -94,6 +98,8 @@ def check_options(opts: RunOptions) -> None:
         raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
     if opts.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
+    if opts.prompt_drafts is not None and not 0 <= opts.prompt_drafts <= MAX_DRAFTS:
+        raise UsageError(f"--prompt-drafts must be in 0..{MAX_DRAFTS}, got {opts.prompt_drafts}")
     if opts.provider != "auto" and opts.provider not in PROVIDERS:
         raise UsageError(f"--provider must be auto or one of {', '.join(PROVIDERS)}, got '{opts.provider}'")
 
@@ -107,7 +113,10 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
     signal = get_signal(opts.signal or (cal.signal if cal is not None else DEFAULT_SIGNAL))
     plan = m.plan
     same_signal = cal is not None and signal.name == cal.signal
-    if plan is not None and plan.choices and opts.exits is None and opts.thresholds is None and same_signal:
+    follow = plan is not None and plan.choices and opts.exits is None and opts.thresholds is None and same_signal
+    if opts.policy == LOOKUP or (follow and opts.policy is None and plan is not None and plan.default == LOOKUP):
+        return _lookup(rt, opts, stop_ids, signal.name)
+    if follow:
         return _from_plan(rt, opts, stop_ids, signal.name)
     exits = parse_layers(opts.exits)
     if exits is None:
@@ -155,6 +164,27 @@ def _from_plan(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...],
     return _config(rt, opts, stop_ids, signal, policy, list(choice.exits), thresholds, note, planned=True)
 
 
+def _lookup(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], signal: str) -> RunConfig:
+    """Full depth with drafts from the context, verify's pass checking them (lossless): --policy lookup, or the
+    plan's default. The drafts per step: --prompt-drafts, else the plan's, else DEFAULT_DRAFTS."""
+    plan = rt.manifest.plan
+    measured = plan.lookup if plan is not None else None
+    drafts = opts.prompt_drafts if opts.prompt_drafts is not None else (measured.drafts if measured else DEFAULT_DRAFTS)
+    if drafts < 1:
+        raise UsageError("--policy lookup drafts from the context: --prompt-drafts must be >= 1 with it")
+    if opts.exits not in (None, "none"):
+        raise UsageError(
+            "--policy lookup runs at full depth: drop --exits",
+            hint="--policy verify --prompt-drafts N drafts from both",
+        )
+    if plan is not None and measured is not None:
+        note = plan.summary() if plan.default == LOOKUP else f"plan: lookup predicted {measured.prediction.describe()}"
+    else:
+        note = "lookup: full depth with drafts from the context (not priced: no measurement of them in the plan)"
+    chosen = replace(opts, prompt_drafts=drafts, policy="verify")
+    return _config(rt, chosen, stop_ids, signal, "verify", [], {}, note, planned=measured is not None)
+
+
 def _config(
     rt: ArtifactRuntime,
     opts: RunOptions,
@@ -167,6 +197,14 @@ def _config(
     planned: bool = False,
 ) -> RunConfig:
     check_options(opts)
+    drafts = opts.prompt_drafts or 0
+    if drafts and policy != "verify":
+        if exits:
+            raise UsageError(
+                f"--prompt-drafts needs the verify policy (its deep pass checks the drafts), not {policy}",
+                hint="add --policy verify, or --exits none for full depth with drafts from the context",
+            )
+        policy = "verify"  # no exit active: full depth, and verify's final pass checks the drafts
     # the scale is the signal's (a gate's threshold is a logit, not a confidence: left as fitted)
     thresholds = {
         e: {c: v if c == GATE else v * opts.threshold_scale for c, v in t.items()} for e, t in thresholds.items()
@@ -182,6 +220,7 @@ def _config(
         temperature=opts.temperature,
         top_p=opts.top_p,
         seed=opts.seed,
+        prompt_drafts=drafts,
         stop_ids=stop_ids,
         note=note,
         planned=planned,

@@ -344,15 +344,19 @@ class DecodeChain:
         kv.advance(active, 0, L)
         return {r: int(self.token[r - first]) for r in tokens}
 
-    def step_exits(self, token: int, may_exit: bool, pending: list[np.ndarray | None]) -> ExitStep:
+    def step_exits(self, token: int, may_exit: bool, pending: list[np.ndarray | None], head: bool = True) -> ExitStep:
         """Feed `token` at the row's next position, testing the active exits (when `may_exit`) after their segments.
 
-        `pending[s]`: the states [1, P, H] waiting at segment s's input (the policy's; read, not changed), or None.
-        A segment with pending states, and every segment after one, runs wide (the module docstring)."""
+        `pending[s]`: the states [1, P, H] waiting at segment s's input (the policy's; read, not changed), or None;
+        at segment 0 they are embeddings of the positions before the token (verify's drafts from the context,
+        runtime/drafts.py). A segment with pending states, and every segment after one, runs wide (the module
+        docstring). `head` False: a step that ends wide skips the final head (its token is -1): the caller runs the
+        head over every position of the returned state at once (verify's check)."""
         if self.rt.device != "cpu":
             raise UsageError("exit steps on the bound chain need host buffers (the CPU EP)")
         kv, row, rt = self.kv, self.row, self.rt
-        past = int(kv.filled[row, 0])
+        # the token's position: after the positions waiting at segment 0 (embedded drafts from the context), if any
+        past = int(kv.filled[row, 0]) + (0 if pending[0] is None else pending[0].shape[1])
         total = self._feed(token, past)
         session, io = self.calls[0]
         session.run_with_iobinding(io)  # embed
@@ -402,7 +406,9 @@ class DecodeChain:
             if passed:
                 state = (self.hops[s + 1] if flow is None else flow).copy()
                 return ExitStep(ex.exit_token(), ex.layer, s, state, decide, flushed, decided, picker)
+        final = None if flow is None else flow.copy()
+        if final is not None and not head:
+            return ExitStep(-1, rt.manifest.num_layers, None, final, decide, flushed, decided, picker)
         session, io = self.calls[-1]
         session.run_with_iobinding(io)  # the final head's in-graph argmax
-        final = None if flow is None else flow.copy()
         return ExitStep(int(self.token[0]), rt.manifest.num_layers, None, final, decide, flushed, decided, picker)

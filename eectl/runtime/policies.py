@@ -66,6 +66,9 @@ class KVPolicy:
     # exited states wait as pending positions (RowState.pending) that later passes carry: in a batch they may ride
     # along in the deeper calls other rows need anyway (Runner._ride)
     pending_states: ClassVar[bool] = False
+    # the final pass checks every unchecked draft in st.drafts and rolls back at the first wrong one (verify): drafts
+    # from the context (runtime/drafts.py) are checked by it too
+    checks_drafts: ClassVar[bool] = False
 
     def __init__(self, rt: ArtifactRuntime, config: RunConfig) -> None:
         self.rt = rt
@@ -153,6 +156,7 @@ class Verify(Defer):
 
     name = "verify"
     lossless = True
+    checks_drafts = True
     greedy_only = True
     scores_text = False
 
@@ -170,16 +174,17 @@ class Verify(Defer):
     def on_final(self, row: int, st: RowState, kv: KVBuffers, out: np.ndarray) -> int | None:
         """Check the drafts against the final states of the flushed positions; roll back at the first wrong one.
 
-        out[0, j] is the final state of position base + j and predicts the token at base + j + 1.
+        out[0, j] is the final state of position base + j and predicts the token at base + j + 1. With drafts, one
+        final head call over every position checks them and gives the token after the last (returned, counted at
+        the final layer): the head's weights are read once per step, however many drafts it checks.
         """
         if not st.drafts:
             return None
         base = int(kv.filled[row, self.num_layers - 1]) - out.shape[1]
         drafts = dict(st.drafts)
         st.drafts = []
-        if out.shape[1] < 2:
-            return None
-        full_pred = self.rt.greedy_token(self.num_layers, out[0, :-1])  # greedy drafts: only tokens leave the graph
+        assert out.shape[1] >= 2, "drafts are positions before the step's own token"
+        full_pred = self.rt.greedy_token(self.num_layers, out[0])  # greedy drafts: only tokens leave the graph
         for j in range(out.shape[1] - 1):
             pos = base + j + 1
             if pos in drafts and drafts[pos] != int(full_pred[j]):
@@ -192,7 +197,8 @@ class Verify(Defer):
                 st.pending = [None] * len(st.pending)
                 st.exit_layers.append(self.num_layers)
                 return int(full_pred[j])
-        return None
+        st.exit_layers.append(self.num_layers)
+        return int(full_pred[-1])
 
 
 RIVER_PREDICT = ("end", "exit")

@@ -39,6 +39,7 @@ from eectl.runtime.batch import BatchKV, join_rows, new_batch_kv, prefill_runs, 
 from eectl.runtime.blocks import active_block, run_block, run_block_rows
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.device_ops import concat, stack
+from eectl.runtime.drafts import PromptLookup
 from eectl.runtime.exit_logits import Decide, OrtExitLogits, _one_torch_thread
 from eectl.runtime.policies import KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
@@ -86,6 +87,13 @@ class Runner:
         self.block_after_segment = {s: e for s, e in blocks.items() if e is not None}
         self.final_segment = len(self.m.segments) - 1
         self.L = L
+        self.lookup: PromptLookup | None = None  # drafts from the context (runtime/drafts.py)
+        if config.prompt_drafts:
+            if not self.policy.checks_drafts:
+                raise UsageError(
+                    f"--prompt-drafts needs a policy that checks drafts at full depth (verify), not {config.policy}"
+                )
+            self.lookup = PromptLookup(config.prompt_drafts, config.draft_ngram)
         self.rng = np.random.default_rng(config.seed)
         self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
 
@@ -420,6 +428,9 @@ class Runner:
         kv = new_batch_kv(self.rt, width, need)
         self.last_kv = kv
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
+        if self.lookup is not None:
+            for st in rows:
+                st.lookup = self.lookup.new_state()
         chain = self._chain(kv, width)
         self.step_reads: list[list[tuple[str, int, str]]] = []  # resident: per step, what was read on the host
         with self._resident() if chain is None else nullcontext():
@@ -449,14 +460,23 @@ class Runner:
         seat()
         while seated:
             live = {s: (rows[i], rows[i].tokens if s in fresh else [rows[i].tokens[-1]]) for s, i in seated.items()}
+            starts = {s: len(rows[i].tokens) for s, i in seated.items()}
+            drafted = {s: self._draft(rows[i]) for s, i in seated.items() if s not in fresh}
+            for s, n in drafted.items():
+                if n:  # the row's last token, then its drafts: one wide pass through every layer
+                    live[s] = (rows[seated[s]], rows[seated[s]].tokens[-n - 1 :])
+            wide = any(drafted.values())
             t0 = time.perf_counter()
             self.rt.host_reads = []
-            if chain is not None and not fresh and chain.rows > 1:  # a batch at full depth: calls bound once
+            one_row = chain is not None and not fresh and chain.rows == 1
+            if wide and not (one_row and self.rt.device == "cpu"):  # several positions for a row of a batch
+                tokens = self._steps(kv, live)
+            elif chain is not None and not fresh and chain.rows > 1:  # a batch at full depth: calls bound once
                 tokens = chain.step_rows({s: ids[0] for s, (_, ids) in live.items()})
                 for s in tokens:
                     rows[seated[s]].exit_layers.append(self.L)
-            elif chain is not None and not fresh:  # greedy decode of one row: calls bound once
-                tokens = {0: self._chain_step(chain, rows[seated[0]], kv)}
+            elif chain is not None and one_row:  # greedy decode of one row: calls bound once
+                tokens = {0: self._chain_step(chain, rows[seated[0]], kv, drafted.get(0, 0))}
             else:
                 tokens = self._steps(kv, live)
             took = time.perf_counter() - t0  # a row's latency is its batch step's: rows wait for each other
@@ -464,6 +484,8 @@ class Runner:
             for s, token in tokens.items():
                 i = seated[s]
                 st = rows[i]
+                if drafted.get(s):
+                    self._settle_drafts(st, starts[s], drafted[s])
                 st.tokens.append(token)
                 st.latencies.append(took)
                 st.done = self._finished(s, st, kv)
@@ -474,6 +496,30 @@ class Runner:
             if self.rt.resident:
                 self.step_reads.append(self.rt.host_reads)
             seat()
+
+    def _draft(self, st: RowState) -> int:
+        """Drafts from the context for a row's next step (`RunConfig.prompt_drafts`, runtime/drafts.py): appended
+        to its tokens as unchecked drafts that the step's final pass checks (verify's `on_final`), each counted at
+        the final layer with no latency of its own; returns how many (0: the row does not draft now). Room is left
+        for the step's own token within max_new_tokens."""
+        if self.lookup is None or st.lookup is None:
+            return 0
+        room = self.cfg.max_new_tokens - (len(st.tokens) - st.prompt_len) - 1
+        drafts = self.lookup.drafts_for(st.lookup, st.tokens, room, self.cfg.stop_ids)
+        for t in drafts:
+            st.drafts.append((len(st.tokens), t))
+            st.tokens.append(t)
+            st.exit_layers.append(self.L)
+            st.latencies.append(0.0)
+        return len(drafts)
+
+    def _settle_drafts(self, st: RowState, start: int, n: int) -> None:
+        """After a step that carried n drafts from the context at positions start..start + n - 1: those still in
+        st.tokens were accepted (a rollback cut the tokens at the first wrong position, perhaps an exit draft's
+        before them)."""
+        assert self.lookup is not None and st.lookup is not None
+        accepted = min(max(len(st.tokens) - start, 0), n)
+        self.lookup.settle(st.lookup, n, accepted, len(st.tokens))
 
     def _resident_wanted(self) -> bool:
         wanted = self.cfg.device_resident
@@ -506,6 +552,8 @@ class Runner:
                 total_s=float(sum(st.latencies)),
                 drafted=st.drafted,
                 rejected_drafts=st.rejected,
+                prompt_drafted=st.lookup.drafted if st.lookup is not None else 0,
+                prompt_accepted=st.lookup.accepted if st.lookup is not None else 0,
                 decided=dict(st.decided),
                 picked=dict(st.picked),
             )
@@ -534,16 +582,22 @@ class Runner:
         thresholds = {e: self.cfg.thresholds[e] for e in self.exits}
         return DecodeChain(self.rt, kv, 0, thresholds, self.signal, self.cfg.top_k, self.gates)
 
-    def _chain_step(self, chain: DecodeChain, st: RowState, kv: KVBuffers) -> int:
+    def _chain_step(self, chain: DecodeChain, st: RowState, kv: KVBuffers, drafts: int = 0) -> int:
         """One decode step of row 0 on the bound chain; the policy's hooks as `_row_step` calls them: the pending
         states the step carried along (defer's flush, verify's drafts: its wide calls) are the policy's no more,
         an exited token's states go to `on_exit`, and the final segment's wide output to `on_final` (verify's
-        check, which may roll back and return the full model's token)."""
+        check, which may roll back and return the full model's token). With `drafts` from the context (the row's
+        last tokens), the positions before the last draft wait at segment 0 as embeddings: the step runs every
+        segment wide, exits do not decide, and the final check covers them."""
         token = st.tokens[-1]
-        if not self.exits:
+        if not self.exits and not drafts:
             st.exit_layers.append(self.L)
             return chain.step(token)
-        done = chain.step_exits(token, self.policy.may_exit(st), st.pending)
+        if drafts:
+            st.pending[0] = self.rt.embed(np.array([st.tokens[-drafts - 1 : -1]], dtype=np.int64))
+        # verify's check runs the final head over every position of a wide step itself: the chain skips its own
+        checks = self.policy.checks_drafts and bool(st.drafts)
+        done = chain.step_exits(token, self.policy.may_exit(st) and not drafts, st.pending, head=not checks)
         st.decide_s += done.decide_s
         st.count_decisions(done.decided, done.picked)
         for s in done.flushed:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eectl.exits.signals import DEFAULT_SIGNAL
+from eectl.runtime.drafts import MAX_NGRAM, LookupState
 
 
 @dataclass
@@ -23,6 +24,10 @@ class RunConfig:
     top_p: float = 1.0
     seed: int = 0
     verify_block: int = 8  # verify: at most this many drafts before a forced full-depth pass
+    # verify: up to this many drafts per step from n-gram matches of the context (runtime/drafts.py; 0: off), matched
+    # on suffixes of at most `draft_ngram` tokens
+    prompt_drafts: int = 0
+    draft_ngram: int = MAX_NGRAM
     # batches (defer, verify): an exited row's deferred state joins the deeper segment calls that run anyway for other
     # rows (its K/V computed now, the same values a later flush computes) instead of waiting; see `_ride`
     ride_along: bool = True
@@ -59,6 +64,7 @@ class RowState:
     picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked the candidates there
     drafted: int = 0
     rejected: int = 0
+    lookup: LookupState | None = None  # prompt drafts (RunConfig.prompt_drafts): the row's drafting state
     done: bool = False
 
     def count_decisions(self, decided: list[int], picked: int | None) -> None:
@@ -78,7 +84,9 @@ class Generation:
     decide_s: float  # time spent computing exit signals and decisions
     total_s: float
     drafted: int = 0  # verify: draft tokens proposed by exits
-    rejected_drafts: int = 0  # verify: positions rolled back
+    rejected_drafts: int = 0  # verify: positions rolled back (drafts of either source and what followed them)
+    prompt_drafted: int = 0  # verify: draft tokens proposed from the context (prompt lookup)
+    prompt_accepted: int = 0  # verify: those the full model agreed with
     decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there
     picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked candidates there
 

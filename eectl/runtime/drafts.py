@@ -1,0 +1,163 @@
+"""Drafts from the context: prompt lookup (n-gram) proposals that verify's deep pass checks beside exit drafts.
+
+Where an answer copies its input (code edits, extraction, summaries, RAG answers), the tokens after the latest
+earlier occurrence of the context's last n tokens are a good guess at what comes next, and the guess costs nothing
+to make. `PromptLookup.propose` finds that occurrence (longest match first, from `max_ngram` down to `min_ngram`
+tokens, in the prompt and the generated text alike) and returns up to `span` tokens after it; the runner feeds the
+row's last token and those drafts through every layer in one wide pass, and verify's final check (policies.py,
+`Verify.on_final`) accepts the longest prefix the full model agrees with, rolls back the rest and emits the full
+model's token after it: the output is full depth's whatever the drafts were.
+
+When to try: a wide pass costs more than a one-position step, so a row that keeps being wrong stops paying for it.
+Each row keeps its own draft length: it grows after a draft run accepted whole and shrinks to what was accepted
+(plus one) otherwise; after `patience` attempts in a row that accepted nothing, the row drafts again only once its
+context gains a longer match (`backoff` steps later at the earliest).
+
+What this module does not do: run graphs or check drafts (runner.py, policies.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from eectl.contracts.plan import DEFAULT_DRAFTS, MAX_DRAFTS, LookupStats
+from eectl.errors import UsageError
+
+__all__ = ["DEFAULT_DRAFTS", "MAX_DRAFTS", "PromptLookup", "lookup_stats", "replay"]
+
+# measured defaults (docs/results/2026-12-02-prompt-drafts.md): suffixes of 5 tokens down to 2, runs of up to 12
+MAX_NGRAM = 5
+MIN_NGRAM = 2
+
+
+@dataclass
+class LookupState:
+    """One row's drafting state between steps."""
+
+    span: int  # tokens to draft at the next attempt
+    misses: int = 0  # attempts in a row that accepted nothing
+    resume_at: int = 0  # no attempt before the row holds this many tokens
+    drafted: int = 0
+    accepted: int = 0
+    attempts: int = 0
+
+
+class PromptLookup:
+    def __init__(
+        self,
+        max_draft: int,
+        max_ngram: int = MAX_NGRAM,
+        min_ngram: int = MIN_NGRAM,
+        patience: int = 3,
+        backoff: int = 8,
+    ) -> None:
+        if not 1 <= max_draft <= MAX_DRAFTS:
+            raise UsageError(f"--prompt-drafts must be in 1..{MAX_DRAFTS} (0 turns it off), got {max_draft}")
+        if not 1 <= min_ngram <= max_ngram:
+            raise UsageError(f"--draft-ngram must be >= 1 and >= the minimum match ({min_ngram}), got {max_ngram}")
+        self.max_draft = max_draft
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.patience = patience
+        self.backoff = backoff
+
+    def new_state(self) -> LookupState:
+        return LookupState(span=self.max_draft)
+
+    def propose(self, tokens: list[int], limit: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+        """Up to `limit` tokens following the latest earlier occurrence of the longest suffix of `tokens` (between
+        max_ngram and min_ngram tokens long) that occurs earlier; cut before a stop id (a stop token ends the answer:
+        the step's own token may be one, a draft after it would be past the end). [] when nothing matches."""
+        n_tok = len(tokens)
+        if limit < 1 or n_tok < self.min_ngram + 1:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
+            key = arr[n_tok - n :]
+            # starts i < n_tok - n of earlier windows arr[i : i + n] equal to the suffix, each followed by a token
+            span = n_tok - n
+            hit = np.ones(span, dtype=bool)
+            for j in range(n):
+                hit &= arr[j : j + span] == key[j]
+            found = np.flatnonzero(hit)
+            if found.size == 0:
+                continue
+            start = int(found[-1]) + n
+            draft = arr[start : start + limit].tolist()
+            for k, t in enumerate(draft):
+                if t in stop_ids:
+                    draft = draft[:k]
+                    break
+            if draft:
+                return draft
+        return []
+
+    def drafts_for(self, ls: LookupState, tokens: list[int], limit: int, stop_ids: tuple[int, ...]) -> list[int]:
+        """This step's drafts for a row (possibly none), honouring its draft length and back-off."""
+        if len(tokens) < ls.resume_at:
+            return []
+        drafts = self.propose(tokens, min(limit, ls.span), stop_ids)
+        if drafts:
+            ls.attempts += 1
+            ls.drafted += len(drafts)
+        return drafts
+
+    def settle(self, ls: LookupState, drafted: int, accepted: int, length: int) -> None:
+        """After an attempt of `drafted` tokens of which `accepted` were right; `length`: the row's tokens now."""
+        ls.accepted += accepted
+        if accepted == drafted:
+            ls.span = min(self.max_draft, max(ls.span, 2 * drafted))
+        else:
+            ls.span = max(1, accepted + 1)
+        ls.misses = ls.misses + 1 if accepted == 0 else 0
+        if ls.misses >= self.patience:
+            ls.resume_at = length + self.backoff
+            ls.misses = 0
+
+
+def replay(lookup: PromptLookup, prompt: list[int], answer: list[int], stop_ids: tuple[int, ...] = ()) -> list[int]:
+    """The widths of the decode steps that verify with drafts from the context takes to emit `answer` (the greedy
+    full-depth answer to `prompt`, which is what verify emits) when `answer` is all it may emit: 1 for a step with no
+    drafts, d + 1 for a step carrying d. Exact, with no model run: the drafts depend only on the tokens, and a draft
+    is accepted exactly where it equals the answer. The first answer token comes from the prefill (no step)."""
+    ls = lookup.new_state()
+    tokens = [*prompt, *answer[:1]]
+    widths: list[int] = []
+    while len(tokens) - len(prompt) < len(answer):
+        done = len(tokens) - len(prompt)
+        drafts = lookup.drafts_for(ls, tokens, len(answer) - done - 1, stop_ids)
+        if drafts:
+            truth = answer[done : done + len(drafts)]
+            accepted = next((i for i, (d, t) in enumerate(zip(drafts, truth, strict=True)) if d != t), len(drafts))
+            tokens += truth[:accepted]
+            lookup.settle(ls, len(drafts), accepted, len(tokens))
+        widths.append(len(drafts) + 1)
+        tokens.append(answer[len(tokens) - len(prompt)])
+    return widths
+
+
+def lookup_stats(
+    pairs: list[tuple[list[int], list[int]]], max_draft: int = DEFAULT_DRAFTS, stop_ids: tuple[int, ...] = ()
+) -> LookupStats:
+    """`replay` over (prompt, greedy answer) pairs: the steps by width, the drafts proposed and accepted."""
+    lookup = PromptLookup(max_draft)
+    steps: dict[str, int] = {}
+    tokens = 0
+    for prompt, answer in pairs:
+        tokens += max(0, len(answer) - 1)
+        for w in replay(lookup, prompt, answer, stop_ids):
+            steps[str(w)] = steps.get(str(w), 0) + 1
+    # every step emits one token of its own and its accepted drafts
+    drafted = sum((int(w) - 1) * n for w, n in steps.items())
+    accepted = tokens - sum(steps.values())
+    return LookupStats(
+        max_draft=max_draft,
+        max_ngram=lookup.max_ngram,
+        prompts=len(pairs),
+        tokens=tokens,
+        steps=steps,
+        drafted=drafted,
+        accepted=accepted,
+    )

@@ -1,0 +1,302 @@
+"""Drafts from the context (prompt lookup, runtime/drafts.py) checked by verify's deep pass: the proposals, the
+back-off, and on every tiny family the output equal to full depth (alone, with exit drafts, rolled back in the
+middle of a run of drafts, in a batch, on the bound one-row chain, at stop tokens and the length limit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eectl.contracts.plan import LOOKUP, MIN_GAIN, Choice, Costs, LookupChoice, LookupStats, Plan, Prediction
+from eectl.errors import UsageError
+from eectl.plan.choose import choose_lookup, plan_manifest, predict_lookup, wide_ms
+from eectl.run.generate import RunOptions, resolve_config
+from eectl.runtime.drafts import PromptLookup, lookup_stats, replay
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
+from tests.conftest import make_calibration
+
+K = 8
+
+
+@pytest.fixture(scope="module")
+def artifacts(exported):
+    return {fam: ArtifactRuntime(art, provider="cpu") for fam, (_, art) in exported.items()}
+
+
+def _ids(seed: int, n: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def _repetitive(seed: int, vocab: int) -> list[int]:
+    """A prompt whose n-grams repeat (a phrase three times, then new tokens): lookups find matches from the start."""
+    phrase = _ids(seed, 6, vocab)
+    return phrase * 3 + _ids(seed + 100, 4, vocab)
+
+
+def _gen(rt, prompts, drafts=0, policy="verify", exits=(), thresholds=0.0, new=40, slots=None, stop=()):
+    cfg = RunConfig(
+        exits=list(exits),
+        thresholds={e: {"prob": thresholds} for e in exits},
+        policy=policy,
+        top_k=K,
+        max_new_tokens=new,
+        prompt_drafts=drafts,
+        stop_ids=tuple(stop),
+    )
+    return Runner(rt, cfg).generate(prompts, slots=slots)
+
+
+@pytest.fixture
+def attempts(monkeypatch):
+    """Every drafting attempt's (drafted, accepted), as the runner settles it."""
+    seen: list[tuple[int, int]] = []
+    settle = PromptLookup.settle
+
+    def spy(self, ls, drafted, accepted, length):
+        seen.append((drafted, accepted))
+        return settle(self, ls, drafted, accepted, length)
+
+    monkeypatch.setattr(PromptLookup, "settle", spy)
+    return seen
+
+
+# --- the proposals -------------------------------------------------------------------------------------------------
+def test_propose_takes_the_longest_suffix_at_its_latest_earlier_occurrence():
+    look = PromptLookup(4, max_ngram=3, min_ngram=1)
+    #        0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 1, 5, 6, 7, 2, 6, 7]
+    # the 3-gram [2, 6, 7] never occurred before; the 2-gram [6, 7] did, last at 5..6: what followed it
+    assert look.propose(tokens, 4) == [2, 6, 7]
+    assert look.propose(tokens, 2) == [2, 6]  # at most `limit`
+    assert look.propose([*tokens[:7], 9, 5, 6, 7], 3) == [9, 5, 6]  # [5, 6, 7] last seen at 4..6, followed by 9 ...
+    assert look.propose([1, 2, 3, 4], 4) == []  # nothing repeats
+    assert look.propose(tokens, 0) == []
+
+
+def test_propose_respects_the_minimum_match_and_stops_before_a_stop_token():
+    tokens = [8, 1, 2, 3, 9, 4, 5, 1, 2]
+    assert PromptLookup(4, max_ngram=3, min_ngram=3).propose(tokens, 4) == []  # only a 2-gram repeats
+    assert PromptLookup(4, max_ngram=3, min_ngram=2).propose(tokens, 4) == [3, 9, 4, 5]
+    assert PromptLookup(4, max_ngram=3, min_ngram=2).propose(tokens, 4, stop_ids=(9,)) == [3]
+    assert PromptLookup(4, max_ngram=3, min_ngram=2).propose(tokens, 4, stop_ids=(3,)) == []
+
+
+def test_draft_length_adapts_and_a_row_that_keeps_missing_backs_off():
+    look = PromptLookup(8, patience=2, backoff=5)
+    ls = look.new_state()
+    look.settle(ls, 8, 3, 100)  # wrong at the fourth: draft what was accepted, plus one
+    assert ls.span == 4
+    look.settle(ls, 4, 4, 105)  # all accepted: twice as many next time (at most max_draft)
+    assert ls.span == 8
+    look.settle(ls, 8, 0, 106)
+    assert ls.span == 1 and ls.resume_at == 0
+    look.settle(ls, 1, 0, 107)  # the second miss in a row: no attempt for `backoff` tokens
+    assert ls.resume_at == 112
+    repeat = [1, 2, 3, 1, 2]
+    assert look.drafts_for(ls, repeat * 20, 8, ()) == []  # 100 tokens < 112: backing off
+    assert look.drafts_for(ls, repeat * 23, 8, ()) != []
+
+
+def test_bad_draft_options_are_refused(artifacts):
+    rt = artifacts["llama"]
+    with pytest.raises(UsageError, match="prompt-drafts must be in 1..64"):
+        PromptLookup(65)
+    with pytest.raises(UsageError, match="needs a policy that checks drafts"):
+        _gen(rt, [[5, 6, 7]], drafts=4, policy="defer")
+    with pytest.raises(UsageError, match="prompt-drafts must be in 0..64"):
+        resolve_config(rt, RunOptions(exits="none", prompt_drafts=-1), ())
+    with pytest.raises(UsageError, match="needs the verify policy"):
+        resolve_config(rt, RunOptions(exits="2", thresholds="0.5", policy="defer", prompt_drafts=4), ())
+    # no exit active: full depth, checked by verify's pass whatever policy was named
+    cfg = resolve_config(rt, RunOptions(exits="none", policy="defer", prompt_drafts=4), ())
+    assert cfg.policy == "verify" and cfg.prompt_drafts == 4 and cfg.exits == []
+
+
+# --- output equal to full depth ------------------------------------------------------------------------------------
+def test_prompt_drafts_equal_full_depth_with_accepted_runs_and_rollbacks_inside_them(artifacts, family, attempts):
+    rt = artifacts[family]
+    V = rt.manifest.dims["vocab_size"]
+    prompts = [_repetitive(s, V) for s in (1, 2, 3)]
+    full = [g.token_ids for g in _gen(rt, prompts, new=40)]
+    for p, want in zip(prompts, full, strict=True):
+        got = _gen(rt, [p], drafts=6, new=40)[0]
+        assert got.token_ids == want
+        assert len(got.exit_layers) == len(got.latencies_s) == len(want) == 40
+    assert attempts, "no drafts were proposed"
+    assert any(a < d for d, a in attempts), attempts  # some drafts were wrong
+
+
+def test_a_wrong_draft_inside_a_run_rolls_back_to_full_depth(artifacts, family, attempts, monkeypatch):
+    """Drafts that are full depth's next tokens but for the third (a wrong token there): every attempt keeps the
+    two before it, rolls back the rest, and the answer is full depth's."""
+    rt = artifacts[family]
+    V = rt.manifest.dims["vocab_size"]
+    prompt = _ids(9, 12, V)
+    want = _gen(rt, [prompt], new=40)[0].token_ids
+
+    def propose(self, tokens, limit, stop_ids=()):
+        truth = want[len(tokens) - len(prompt) : len(tokens) - len(prompt) + limit]
+        return truth[:2] + [(truth[2] + 1) % V] + truth[3:] if len(truth) > 3 else truth
+
+    monkeypatch.setattr(PromptLookup, "propose", propose)
+    got = _gen(rt, [prompt], drafts=6, new=40)[0]
+    assert got.token_ids == want
+    assert (6, 2) in attempts and all(a == 2 or a == d for d, a in attempts), attempts
+    assert got.prompt_accepted == sum(a for _, a in attempts)
+
+
+def test_prompt_drafts_beside_exit_drafts_equal_full_depth(artifacts, family, attempts):
+    rt = artifacts[family]
+    V = rt.manifest.dims["vocab_size"]
+    prompt = _repetitive(4, V)
+    want = _gen(rt, [prompt], new=30)[0].token_ids
+    for thr in (0.0, 0.3):  # every token an exit draft; some
+        got = _gen(rt, [prompt], drafts=4, exits=[2, 4], thresholds=thr, new=30)[0]
+        assert got.token_ids == want, thr
+        assert got.drafted > 0 or thr > 0
+    assert attempts
+
+
+def test_rows_draft_independently_in_a_batch(artifacts, family, attempts):
+    """Three prompts on two slots: rows with and without drafts in one step (wide single-row calls beside the
+    batched one), each row's tokens those of its prompt at full depth alone."""
+    rt = artifacts[family]
+    V = rt.manifest.dims["vocab_size"]
+    prompts = [_repetitive(5, V), _ids(6, 9, V), _repetitive(7, V)[:14]]
+    alone = [_gen(rt, [p], new=24)[0].token_ids for p in prompts]
+    for exits in ((), (2, 4)):
+        got = _gen(rt, prompts, drafts=4, exits=exits, thresholds=0.3, new=24, slots=2)
+        assert [g.token_ids for g in got] == alone, exits
+    assert attempts
+
+
+def test_one_row_drafts_run_on_the_bound_chain(artifacts, monkeypatch, attempts):
+    """One row, greedy, CPU: the wide passes run on the bound chain (embedded drafts waiting at segment 0), not on
+    the general path, which runs only the prefill."""
+    rt = artifacts["llama"]
+    prompt = _repetitive(1, rt.manifest.dims["vocab_size"])
+    want = _gen(rt, [prompt], new=40)[0].token_ids
+    general = []
+    steps = Runner._steps
+
+    def spy(self, kv, work, force_full=False):
+        general.append({r: len(ids) for r, (_, ids) in work.items()})
+        return steps(self, kv, work, force_full)
+
+    monkeypatch.setattr(Runner, "_steps", spy)
+    got = _gen(rt, [prompt], drafts=6, new=40)[0]
+    assert got.token_ids == want and got.prompt_accepted > 0
+    assert general == [{0: len(prompt)}]
+
+
+def test_stop_tokens_and_the_length_limit_are_full_depths(artifacts, family):
+    """A stop token inside what the drafts would copy ends the answer where full depth ends it; the length limit is
+    never passed, however many drafts a pass accepts."""
+    rt = artifacts[family]
+    prompt = _repetitive(2, rt.manifest.dims["vocab_size"])
+    full = _gen(rt, [prompt], new=40)[0].token_ids
+    stop = full[12]
+    want = full[: full.index(stop) + 1]
+    assert _gen(rt, [prompt], new=40, stop=(stop,))[0].token_ids == want
+    assert _gen(rt, [prompt], drafts=8, new=40, stop=(stop,))[0].token_ids == want
+    for new in (1, 2, 7):
+        assert _gen(rt, [prompt], drafts=8, new=new)[0].token_ids == full[:new]
+
+
+# --- the price: calibration's replay, export's wide passes, the plan ----------------------------------------------
+def test_replay_makes_the_runners_attempts_exactly(artifacts, family, attempts):
+    """What calibration replays on a greedy answer (no model run) is what the runner does generating it: the same
+    attempts, drafts and accepted tokens, in order."""
+    rt = artifacts[family]
+    V = rt.manifest.dims["vocab_size"]
+    for seed in (1, 8):
+        prompt = _repetitive(seed, V)
+        answer = _gen(rt, [prompt], new=40)[0].token_ids
+        attempts.clear()
+        got = _gen(rt, [prompt], drafts=6, new=40)[0]
+        ran = list(attempts)
+        attempts.clear()
+        widths = replay(PromptLookup(6), prompt, answer)
+        assert attempts == ran and ran
+        assert len(widths) == len(answer) - 1 - got.prompt_accepted  # every step emits one token and its accepted
+        assert sum(w - 1 for w in widths) == got.prompt_drafted
+    stats = lookup_stats([(prompt, answer)], max_draft=6)
+    assert stats.tokens == len(answer) - 1 and stats.tokens == sum(stats.steps.values()) + stats.accepted
+
+
+def _costs(**kw) -> Costs:
+    base = dict(
+        provider="cpu", threads=1, past=128, repeats=5, embed_ms=0.0, segment_ms=[4.0, 4.0],
+        segment_extra_ms=[0.5, 0.5], kv_ms=[1.0, 1.0], final_head_ms=2.0, final_head_extra_ms=0.2, candidates_ms={},
+        local_ms={}, full_step_ms=10.0,
+    )  # fmt: skip
+    base.update(kw)
+    return Costs(**base)
+
+
+def test_lookup_is_priced_from_the_replayed_steps_and_the_wide_passes():
+    costs = _costs(wide_ms={"2": 11.0, "5": 14.0, "9": 16.0})
+    assert wide_ms(costs, 1) == 10.0 and wide_ms(costs, 3) == pytest.approx(12.0)  # linear between 2 and 5
+    assert wide_ms(costs, 17) == pytest.approx(20.0)  # beyond 9: the last slope, 0.5 ms a position
+    # 100 tokens: 40 one-position steps, 20 steps of width 5 each accepting 2 of 4 drafts (20 x 3 = 60 tokens)
+    stats = LookupStats(
+        max_draft=4, max_ngram=3, prompts=2, tokens=100, steps={"1": 40, "5": 20}, drafted=80, accepted=40
+    )
+    pred = predict_lookup(costs, stats)
+    assert pred is not None and pred.speedup == pytest.approx(100 * 10.0 / (40 * 10.0 + 20 * 14.0), abs=1e-4)
+    assert predict_lookup(_costs(), stats) is None  # costs timed before wide passes: no price
+    choice = choose_lookup(costs, stats)
+    assert (
+        choice is not None
+        and choice.on
+        and choice.drafts == 4
+        and choice.tokens_per_step == pytest.approx(100 / 60, abs=1e-4)
+    )
+    # drafts that never pay: every step of width 9 accepting nothing
+    never = LookupStats(max_draft=8, max_ngram=3, prompts=1, tokens=50, steps={"9": 50}, drafted=400, accepted=0)
+    off = choose_lookup(costs, never)
+    assert off is not None and not off.on and off.prediction.speedup == pytest.approx(10.0 / 16.0, abs=1e-4)
+    # with timing rounds: an interval over them, and a gain the rounds cannot tell from the line is not switched on
+    rounds = {"chain_step_ms": [10.0, 10.0, 10.0, 10.0], "wide_ms.5": [13.0, 15.5, 12.5, 16.0]}
+    noisy = _costs(wide_ms={"5": 14.0}, chain_step_ms=10.0, samples_ms=rounds)
+    edge = LookupStats(max_draft=4, max_ngram=3, prompts=1, tokens=40, steps={"5": 28}, drafted=112, accepted=12)
+    pick = choose_lookup(noisy, edge)
+    assert pick is not None and pick.prediction.interval is not None
+    lo, hi = pick.prediction.interval
+    assert lo < pick.prediction.speedup < hi and lo < 1.0 + MIN_GAIN and not pick.on
+
+
+def test_the_plans_lookup_default_is_what_run_follows(exported):
+    """A plan whose default is lookup: run with no options runs full depth with the plan's drafts (verify's pass);
+    --prompt-drafts overrides their number; explicit exits bypass the plan; lookup with exits is refused."""
+    rt = ArtifactRuntime(exported["llama"][1], provider="cpu")
+    pred = Prediction(policy=LOOKUP, exits=[], ms_per_token=5.0, full_ms=10.0, speedup=2.0, decision_ms=0.0,
+                      exit_rate=0.0, interval=(1.8, 2.2))  # fmt: skip
+    choice = Choice(policy="verify", exits=[], thresholds={}, option=None, prediction=pred)
+    look = LookupChoice(drafts=5, prediction=pred, on=True, tokens_per_step=2.5)
+    rt.manifest.plan = Plan(default=LOOKUP, choices={"verify": choice}, lookup=look)
+    rt.manifest.calibration = make_calibration(exported["llama"][0], {2: {"prob": 0.9}, 4: {"prob": 0.9}})
+    cfg = resolve_config(rt, RunOptions(), ())
+    assert (cfg.policy, cfg.exits, cfg.prompt_drafts, cfg.planned) == ("verify", [], 5, True)
+    assert "drafts per step from the context" in cfg.note and "2.000x" in cfg.note
+    assert resolve_config(rt, RunOptions(prompt_drafts=2), ()).prompt_drafts == 2
+    explicit = resolve_config(rt, RunOptions(exits="2", thresholds="0.5", policy="defer"), ())
+    assert (explicit.policy, explicit.exits, explicit.prompt_drafts) == ("defer", [2], 0)
+    with pytest.raises(UsageError, match="runs at full depth"):
+        resolve_config(rt, RunOptions(policy=LOOKUP, exits="2"), ())
+
+
+def test_plan_manifest_makes_lookup_the_default_only_when_it_pays(exported):
+    rt = ArtifactRuntime(exported["llama"][1], provider="cpu")
+    m = rt.manifest
+    costs = _costs(segment_ms=[4.0] * len(m.segments), segment_extra_ms=[0.5] * len(m.segments),
+                   kv_ms=[1.0] * len(m.segments), wide_ms={"5": 12.0, "9": 14.0})  # fmt: skip
+    cal = make_calibration(exported["llama"][0], {2: {"prob": 0.9}, 4: {"prob": 0.9}})
+    for steps, default in (({"5": 20}, LOOKUP), ({"9": 60}, "full")):  # 3 tokens a step; every draft wrong
+        tokens = sum((int(w) - 1) * n for w, n in steps.items()) // 4 * 3 if default == LOOKUP else 60
+        cal.lookup = LookupStats(max_draft=8, max_ngram=5, prompts=2, tokens=tokens, steps=steps, drafted=0, accepted=0)
+        plan = plan_manifest(m.model_copy(update={"calibration": cal}), costs)
+        assert plan.default == default and plan.lookup is not None and plan.lookup.on == (default == LOOKUP)
