@@ -8,9 +8,10 @@ from typing import Any
 from eectl.cache import digest, model_identity, read, restore_files, store_files, texts_sha256, write
 from eectl.files import sha256_file
 
-# Bumped when calibrate's choice of measured tokens changes for the same settings (2: generation takes the data's
-# prompts in order, whatever --gen-batch), so a cached calibration of the old sample is not reused.
-CALIBRATE_SAMPLE = 2
+# Bumped when calibrate's choice of measured tokens, or what it records of them, changes for the same settings (2:
+# generation takes the data's prompts in order, whatever --gen-batch; 3: drafts from the context replayed on the
+# continuations), so a cached calibration of the old kind is not reused.
+CALIBRATE_SAMPLE = 3
 
 
 class PipelineCache:
