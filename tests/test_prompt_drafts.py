@@ -300,3 +300,27 @@ def test_plan_manifest_makes_lookup_the_default_only_when_it_pays(exported):
         cal.lookup = LookupStats(max_draft=8, max_ngram=5, prompts=2, tokens=tokens, steps=steps, drafted=0, accepted=0)
         plan = plan_manifest(m.model_copy(update={"calibration": cal}), costs)
         assert plan.default == default and plan.lookup is not None and plan.lookup.on == (default == LOOKUP)
+
+
+def test_bench_runs_drafts_from_the_context_side_by_side(exported):
+    """bench's lookup and verify+lookup beside verify: identical tokens to full depth, drafts by source, and the
+    cost model's figure for lookup on the run's own answers."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+    from tests.tiny import GSM8K
+
+    art = exported["llama"][1]
+    args = ["bench", str(art), "--data", str(GSM8K), "--prompts", "2", "--max-new-tokens", "16", "--reps", "1"]
+    args += ["--policies", "full,verify,lookup,verify+lookup", "--thresholds", "0.3", "--sweep", "", "--raw"]
+    res = CliRunner().invoke(app, [*args, "--ppl-tokens", "0", "--prompt-drafts", "4", "--json", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    by = {c["name"]: c for c in json.loads(res.stdout)["configs"]}
+    for name in ("verify", "lookup", "verify+lookup"):
+        assert by[name]["exact_match"] == 1.0, name
+    assert by["lookup"]["prompt_drafted"] >= by["lookup"]["prompt_accepted"] and by["lookup"]["drafted"] == 0
+    assert by["verify"]["prompt_drafted"] == 0
+    has_costs = json.loads((art / "manifest.json").read_text()).get("costs") is not None
+    assert (by["lookup"]["model_speedup"] is not None) == has_costs

@@ -10,6 +10,7 @@ import typer
 
 from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.names import SIGNAL_SPECS
+from eectl.contracts.plan import MAX_NGRAM
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.output import Output
@@ -72,6 +73,10 @@ def run(
             rich_help_panel="Exits",
         ),
     ] = None,
+    draft_ngram: Annotated[
+        int,
+        typer.Option(help="Drafts from the context: the longest suffix matched, in tokens.", rich_help_panel="Exits"),
+    ] = MAX_NGRAM,
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt.", rich_help_panel="Sampling")
     ] = 128,
@@ -139,6 +144,7 @@ def run(
         threads=n_threads,
         profile_costs=profile_costs,
         prompt_drafts=prompt_drafts,
+        draft_ngram=draft_ngram,
     )
     if chat:
         _chat(out, artifact, opts)

@@ -22,6 +22,8 @@ INTERVAL_TOP = 8  # per policy, the options with the highest point estimates get
 # verify's drafts from the context (runtime/drafts.py): drafts per step by default, and the most a run may ask
 DEFAULT_DRAFTS = 12
 MAX_DRAFTS = 64
+MAX_NGRAM = 5  # the longest suffix of the context matched (measured: runtime/drafts.py)
+MAX_DRAFT_NGRAM = 32
 LOOKUP = "lookup"  # the plan's name for full depth with drafts from the context (a default beside the policies)
 
 

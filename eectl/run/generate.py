@@ -16,7 +16,7 @@ from typing import Any
 from eectl.contracts.calibration import never_exits
 from eectl.contracts.gates import GATE
 from eectl.contracts.layers import parse_layers
-from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFTS
+from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DRAFTS, MAX_NGRAM
 from eectl.data import encode_prompt
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
@@ -47,6 +47,7 @@ class RunOptions:
     # verify: up to this many drafts per step from n-gram matches of the context (runtime/drafts.py); 0: off, None:
     # the plan's
     prompt_drafts: int | None = None
+    draft_ngram: int = MAX_NGRAM  # drafts from the context: the longest suffix matched
 
 
 def load_tokenizer(rt: ArtifactRuntime) -> Any:
@@ -100,6 +101,8 @@ def check_options(opts: RunOptions) -> None:
         raise UsageError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
     if opts.prompt_drafts is not None and not 0 <= opts.prompt_drafts <= MAX_DRAFTS:
         raise UsageError(f"--prompt-drafts must be in 0..{MAX_DRAFTS}, got {opts.prompt_drafts}")
+    if not 1 <= opts.draft_ngram <= MAX_DRAFT_NGRAM:
+        raise UsageError(f"--draft-ngram must be in 1..{MAX_DRAFT_NGRAM}, got {opts.draft_ngram}")
     if opts.provider != "auto" and opts.provider not in PROVIDERS:
         raise UsageError(f"--provider must be auto or one of {', '.join(PROVIDERS)}, got '{opts.provider}'")
 
@@ -221,6 +224,7 @@ def _config(
         top_p=opts.top_p,
         seed=opts.seed,
         prompt_drafts=drafts,
+        draft_ngram=opts.draft_ngram,
         stop_ids=stop_ids,
         note=note,
         planned=planned,
@@ -316,6 +320,8 @@ class RunReport:
             "decide_s": g.decide_s,
             "drafted": g.drafted,
             "rejected_drafts": g.rejected_drafts,
+            "prompt_drafted": g.prompt_drafted,
+            "prompt_accepted": g.prompt_accepted,
         }
 
 

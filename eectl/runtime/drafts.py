@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eectl.contracts.plan import DEFAULT_DRAFTS, MAX_DRAFTS, LookupStats
+from eectl.contracts.plan import DEFAULT_DRAFTS, MAX_DRAFTS, MAX_NGRAM, LookupStats
 from eectl.errors import UsageError
 
-__all__ = ["DEFAULT_DRAFTS", "MAX_DRAFTS", "PromptLookup", "lookup_stats", "replay"]
+__all__ = ["DEFAULT_DRAFTS", "MAX_DRAFTS", "MAX_NGRAM", "PromptLookup", "lookup_stats", "replay"]
 
-# measured defaults (docs/results/2026-12-02-prompt-drafts.md): suffixes of 5 tokens down to 2, runs of up to 12
-MAX_NGRAM = 5
+# measured defaults (docs/results/2026-12-01-prompt-drafts.md): suffixes of MAX_NGRAM = 5 tokens down to 2, runs of
+# up to DEFAULT_DRAFTS = 12 (eectl.contracts.plan)
 MIN_NGRAM = 2
 
 
@@ -139,10 +139,13 @@ def replay(lookup: PromptLookup, prompt: list[int], answer: list[int], stop_ids:
 
 
 def lookup_stats(
-    pairs: list[tuple[list[int], list[int]]], max_draft: int = DEFAULT_DRAFTS, stop_ids: tuple[int, ...] = ()
+    pairs: list[tuple[list[int], list[int]]],
+    max_draft: int = DEFAULT_DRAFTS,
+    stop_ids: tuple[int, ...] = (),
+    max_ngram: int = MAX_NGRAM,
 ) -> LookupStats:
     """`replay` over (prompt, greedy answer) pairs: the steps by width, the drafts proposed and accepted."""
-    lookup = PromptLookup(max_draft)
+    lookup = PromptLookup(max_draft, max_ngram, min(MIN_NGRAM, max_ngram))
     steps: dict[str, int] = {}
     tokens = 0
     for prompt, answer in pairs:

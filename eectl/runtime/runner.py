@@ -39,7 +39,7 @@ from eectl.runtime.batch import BatchKV, join_rows, new_batch_kv, prefill_runs, 
 from eectl.runtime.blocks import active_block, run_block, run_block_rows
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.device_ops import concat, stack
-from eectl.runtime.drafts import PromptLookup
+from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
 from eectl.runtime.exit_logits import Decide, OrtExitLogits, _one_torch_thread
 from eectl.runtime.policies import KVPolicy, policy_class
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
@@ -93,7 +93,7 @@ class Runner:
                 raise UsageError(
                     f"--prompt-drafts needs a policy that checks drafts at full depth (verify), not {config.policy}"
                 )
-            self.lookup = PromptLookup(config.prompt_drafts, config.draft_ngram)
+            self.lookup = PromptLookup(config.prompt_drafts, config.draft_ngram, min(MIN_NGRAM, config.draft_ngram))
         self.rng = np.random.default_rng(config.seed)
         self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
 
