@@ -36,7 +36,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -392,3 +392,82 @@ def check_output_file(path: Path, option: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise UsageError(f"{option} {path}: {parent} is not a folder")
+
+
+def check_outputs(
+    outputs: Sequence[tuple[str, Path | None, Sequence[Path]]],
+    inputs: Sequence[tuple[str, Path | None]] = (),
+    folders: Sequence[tuple[str, Path | None]] = (),
+) -> None:
+    """The one check of a command's outputs before any work (UsageError, one line, exit 2): for each output file and
+    every sidecar written beside it (a report's JSON twin and plots, heads' metadata and checkpoint),
+
+    - not an existing folder, under a folder (`check_output_file`);
+    - a regular file or nothing: a FIFO or a device (/dev/null) would be replaced by a file, a symbolic link by a file
+      where the link was (eectl writes a new file and renames it into place), so both are refused;
+    - not one of the command's input files (`inputs`, by option), compared after resolving links and by inode;
+    - not inside a folder the command reads (`folders`: an artifact), nor inside any eectl artifact (its folder or
+      the two above it hold an eectl manifest.json): its files are hash-checked, a stray one changes it;
+    - no two outputs the same file.
+    """
+    seen: dict[Path, str] = {}
+    for option, path, sidecars in outputs:
+        if path is None:
+            continue
+        check_output_file(path, option)
+        for target in [path, *sidecars]:
+            what = f"{option} {path}" + ("" if target == path else f" (its {target.name} beside it)")
+            if target.is_symlink():
+                raise UsageError(
+                    f"{what} is a symbolic link: eectl would write a new file in its place, not through it",
+                    hint="give the path of the file it points to",
+                )
+            if target.exists() and not target.is_file():
+                raise UsageError(f"{what} is not a regular file (a FIFO, device or socket); give a file name")
+            for in_option, given in inputs:
+                if given is not None and _same_file(target, given):
+                    raise UsageError(f"{what} would overwrite {in_option} {given}; give another output path")
+            for in_option, folder in folders:
+                if folder is not None and is_inside(target, folder):
+                    raise UsageError(f"{what} is inside {in_option} {folder}, which this command reads")
+            artifact = next((p for p in list(target.resolve().parents)[:3] if _is_artifact(p)), None)
+            if artifact is not None:
+                raise UsageError(f"{what} is inside the eectl artifact {artifact}; write it elsewhere")
+            key = target.resolve()
+            if key in seen:
+                raise UsageError(f"{what} and {seen[key]} are the same file")
+            seen[key] = what
+
+
+def input_file(spec: str | Path | None) -> Path | None:
+    """A data or recipe option as the file it names (None: a built-in name, or nothing there)."""
+    if spec is None:
+        return None
+    p = Path(spec).expanduser()
+    return p if p.is_file() else None
+
+
+def _is_artifact(folder: Path) -> bool:
+    """Whether `folder` holds an eectl artifact's manifest (its first bytes name eectl's schema)."""
+    try:
+        with open(folder / "manifest.json", "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return False
+    return b'"schema_version"' in head and b'"eectl_version"' in head
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def is_inside(target: Path, folder: Path) -> bool:
+    try:
+        return target.resolve().is_relative_to(folder.resolve())
+    except OSError:
+        return False

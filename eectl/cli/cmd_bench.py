@@ -12,7 +12,7 @@ from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.plan import DEFAULT_DRAFTS
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
-from eectl.files import check_output_file
+from eectl.files import check_outputs, input_file
 from eectl.output import Output
 
 
@@ -127,8 +127,12 @@ def bench(
 
     out = Output(json_out)
     r = load_recipe(recipe)
-    if report is not None:
-        check_output_file(report, "--report")
+    if report is not None:  # the markdown, its JSON twin and plots (evaluate/report.py write_report)
+        twins = [report.with_suffix(".json")]
+        twins += [report.with_name(report.with_suffix("").name + f"-{k}.png") for k in ("latency", "exits", "sweep")]
+        others = [("--compare", Path(p.split("=", 1)[1].strip())) for p in (compare or "").split(",") if "=" in p]
+        ins = [("--data", input_file(pick(data, r.data.source))), ("--recipe", input_file(recipe))]
+        check_outputs([("--report", report, twins)], ins, [("ARTIFACT", Path(artifact)), *others])
     n_threads = set_threads(threads, r)
     text = load_text_data(pick(data, r.data.source), r.data.field)
     configs = pick(policies, ",".join(r.bench.configs))

@@ -12,7 +12,7 @@ from eectl.contracts.layers import default_exits, parse_layers
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
-from eectl.files import check_output_file
+from eectl.files import check_outputs, input_file
 from eectl.output import Output
 from eectl.plan.choose import sequence_agreement
 
@@ -160,8 +160,8 @@ def calibrate(
     check_options(opts)
     if heads is not None and not heads.is_file():
         raise UsageError(f"heads not found: {heads}", hint="train them with eectl train-heads")
-    if out_path is not None:
-        check_output_file(out_path, "--out")
+    ins = [("--data", input_file(pick(data, r.data.source))), ("--heads", heads), ("--recipe", input_file(recipe))]
+    check_outputs([("--out", out_path, [])], ins)
     n_threads = set_threads(threads, r)
     text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
     out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
@@ -175,6 +175,7 @@ def calibrate(
     opts.signal = choose_signal(pick(signal, r.signal), head_modules, opts.exits)
     check_options(opts, loaded.adapter.num_layers, loaded.adapter.dims.vocab_size)
     path = out_path or Path("artifacts") / f"{loaded.source.name}-calibration.json"
+    check_outputs([("--out", path, [])], ins)
     out.log(
         f"calibrating exits {opts.exits} on {opts.tokens} tokens of {text.name} ({opts.text_tokens} teacher-forced, "
         f"{opts.generated_tokens} generated), signal {opts.signal}, target {opts.target}, {n_threads} threads"

@@ -12,6 +12,7 @@ from eectl.contracts.layers import parse_layers
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.export.quantize import DEFAULT_MIN_AGREEMENT
+from eectl.files import is_inside
 from eectl.output import Output
 
 
@@ -114,6 +115,9 @@ def export(
         candidates=candidates,
     )
     check_options(options, folder)
+    for option, given in (("--heads", heads), ("--calibration", calibration)):
+        if given is not None and is_inside(Path(given), folder):  # --force would replace the folder, inputs too
+            raise UsageError(f"{option} {given} is inside --out {folder}, which export writes; move it out first")
     n_threads = set_threads(threads, r)
     loaded = load_model(pick(model, r.model), log=out_)
     head_modules, heads_meta = None, None

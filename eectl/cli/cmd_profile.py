@@ -11,7 +11,7 @@ import typer
 from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
-from eectl.files import check_output_file
+from eectl.files import check_outputs, input_file
 from eectl.output import Output
 
 ModelsArg = Annotated[
@@ -64,9 +64,10 @@ def profile(
     for path, suffix in ((plot, ".png"), (report, ".md")):
         if path is not None and path.suffix.lower() != suffix:
             raise UsageError(f"--{'plot' if suffix == '.png' else 'report'} must name a {suffix} file, got {path}")
-    for path, option in ((plot, "--plot"), (report, "--report")):
-        if path is not None:
-            check_output_file(path, option)
+    sources = [src for _, src in parse_workloads(pick(data, r.data.source))]
+    ins = [("--data", input_file(src)) for src in sources] + [("--recipe", input_file(recipe))]
+    twin = [report.with_suffix(".json")] if report is not None else []
+    check_outputs([("--plot", plot, []), ("--report", report, twin)], ins)
     n_threads = set_threads(threads, r)
     workloads = [
         (name, load_text_data(src, pick(field, r.data.field)))

@@ -13,7 +13,7 @@ from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set
 from eectl.contracts.layers import default_exits, parse_layers
 from eectl.contracts.recipe import Recipe, load_recipe, pick
 from eectl.errors import UsageError
-from eectl.files import check_output_file
+from eectl.files import check_outputs, input_file
 from eectl.output import Output
 
 
@@ -180,8 +180,9 @@ def train_heads(
     config.check()  # before the model loads (no exits yet: the model's default_exits)
     if out_path is not None and out_path.suffix != ".safetensors":
         raise UsageError(f"--out must name a .safetensors file, got {out_path}")
-    if out_path is not None:
-        check_output_file(out_path, "--out")
+    ins = [("--data", input_file(pick(data, r.data.source))), ("--resume", resume), ("--heads", heads)]
+    ins.append(("--recipe", input_file(recipe)))
+    check_outputs([("--out", out_path, _heads_sidecars(out_path))], ins, [("--cache", cache)])
     if resume is not None:
         check_checkpoint(resume)
     resolve_device(device)
@@ -192,6 +193,7 @@ def train_heads(
     config.exits = config.exits or default_exits(loaded.adapter.num_layers)
     config.check(loaded.adapter.num_layers)
     path = out_path or Path("artifacts") / f"{loaded.source.name}-heads.safetensors"
+    check_outputs([("--out", path, _heads_sidecars(path))], ins, [("--cache", cache)])
     out.log(
         f"training {config.design} heads at exits {sorted(config.exits)} for {config.steps} steps of "
         f"{config.batch_tokens} tokens of {text.name}, {device}, {n_threads} threads"
@@ -213,6 +215,14 @@ def train_heads(
         return
     out.json(result.to_dict())
     _print_heads(out, result)
+
+
+def _heads_sidecars(path: Path | None) -> list[Path]:
+    """What train-heads writes beside its heads file: the metadata JSON and the resumable checkpoint."""
+    from eectl.contracts.heads import sidecar_path
+    from eectl.heads.checkpoint import checkpoint_path
+
+    return [] if path is None else [sidecar_path(path), checkpoint_path(path)]
 
 
 def _train_heads_cached(

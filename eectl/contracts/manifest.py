@@ -180,6 +180,36 @@ def is_artifact(folder: Path) -> bool:
     return isinstance(raw, dict) and isinstance(raw.get("schema_version"), int) and "eectl_version" in raw
 
 
+def foreign_files(folder: Path) -> list[str]:
+    """Files in an artifact folder that its manifest does not name (itself, or below a folder it names: the
+    tokenizer, the weights): what a user put there, which `export --force` must not delete. Read without checking
+    hashes or the schema, so an artifact of any version can be replaced."""
+    try:
+        raw = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    named: set[str] = set()
+    todo: list[object] = [raw]
+    while todo:  # every string in the manifest (iterative: a deep document cannot overflow the stack)
+        x = todo.pop()
+        if isinstance(x, dict):
+            todo += list(x.values())
+        elif isinstance(x, list):
+            todo += x
+        elif isinstance(x, str) and x:
+            named.add(x.strip("/"))
+    out = []
+    for p in sorted(folder.rglob("*")):
+        if p.is_dir() and not p.is_symlink():
+            continue
+        rel = p.relative_to(folder).as_posix()
+        parts = rel.split("/")
+        if rel == MANIFEST or any("/".join(parts[:i]) in named for i in range(1, len(parts) + 1)):
+            continue
+        out.append(rel)
+    return out
+
+
 def artifact_paths(m: Manifest) -> list[str]:
     """Every path the manifest names, relative to the artifact folder."""
     paths = [m.tokenizer_dir, m.embedding.file, *m.files, *(w.file for w in m.shared_weights.values())]

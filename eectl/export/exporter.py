@@ -35,6 +35,7 @@ from eectl.contracts.manifest import (
     Quantization,
     Segment,
     SharedWeight,
+    foreign_files,
     is_artifact,
     write_manifest,
 )
@@ -114,6 +115,14 @@ def check_destination(out: Path, force: bool) -> None:
             raise ArtifactError(
                 f"{out} exists and is not an eectl artifact: --force replaces only artifacts",
                 hint="remove it yourself, or choose another --out",
+            )
+        foreign = foreign_files(out)
+        if foreign:
+            more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+            raise ArtifactError(
+                f"{out} holds files that are not the artifact's ({', '.join(foreign[:3])}{more}): --force replaces "
+                "only an artifact's own files",
+                hint="move them out of the folder first",
             )
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
