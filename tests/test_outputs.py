@@ -90,3 +90,22 @@ def test_export_force_keeps_a_users_files_and_its_inputs(tiny_dirs, exported, tm
     res = _run("export", model, "--out", art, "--force", "--heads", heads)
     assert res.exit_code == 2 and "inside --out" in res.stderr, res.output
     assert heads.read_bytes() == b"x"
+
+
+def test_sigterm_during_export_cleans_up_like_ctrl_c(tiny_dirs, tmp_path, monkeypatch):
+    """SIGTERM arrives mid-export (after the graphs are written): exit 143, one line, and neither the staging folder
+    nor the lock file is left beside --out."""
+    import signal
+    import time
+
+    def killed(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.0)  # the handler raises here
+        raise AssertionError("SIGTERM was not delivered")
+
+    monkeypatch.setattr("eectl.export.exporter.validate_artifact", killed)
+    out = tmp_path / "out" / "art"
+    res = _run("export", tiny_dirs["llama"], "--out", out, "--exits", "2,4")
+    assert res.exit_code == 143 and res.stderr.endswith("\nterminated\n"), res.output
+    assert not out.exists() and list(out.parent.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the command's handler is gone

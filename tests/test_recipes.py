@@ -46,3 +46,16 @@ def test_dry_run_refuses_a_model_of_another_family(tiny_dirs):
         app, ["pipeline", "--recipe", str(BY_FAMILY["qwen3"]), "--model", str(tiny_dirs["llama"]), "--dry-run"]
     )
     assert res.exit_code == 2 and "for the qwen3 family, but the model is llama" in res.stderr
+
+
+def test_a_dry_run_with_another_model_leaves_no_temporary_recipe(tiny_dirs, tmp_path, monkeypatch):
+    """--model writes a copy of the recipe for the stages to read: it is removed when the pipeline ends, the failing
+    end included."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ok = ["pipeline", "--recipe", str(BY_FAMILY["qwen2"]), "--model", str(tiny_dirs["qwen2"]), "--dry-run"]
+    assert runner.invoke(app, [*ok, "--threads", "1"]).exit_code == 0
+    bad = ["pipeline", "--recipe", str(BY_FAMILY["qwen3"]), "--model", str(tiny_dirs["llama"]), "--dry-run"]
+    assert runner.invoke(app, bad).exit_code != 0
+    assert list(tmp_path.iterdir()) == []

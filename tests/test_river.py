@@ -277,3 +277,20 @@ def test_river_runs_device_resident_with_the_host_paths_tokens(arts, signal):
             assert {key for _, key in reads} <= {"token", "candidates", "candidate_logits", "cosine"}, reads
             head = "river_head" if rt.manifest.num_layers in rt.river_heads else "exit_full"
             assert (head, "token") in reads, reads  # the river's end (predict end) and full-depth tokens
+
+
+def test_a_river_artifact_with_a_plan_runs_its_river(arts, llama):
+    """The plan prices copy, defer and verify only: --policy river runs on the calibration's exits (#34: it used to
+    say '--policy must be one of copy, defer, verify')."""
+    from eectl.contracts.plan import Choice, Plan, Prediction
+    from eectl.run.generate import RunOptions, resolve_config
+    from tests.conftest import make_calibration
+
+    rt = ArtifactRuntime(arts["river"].folder, provider="cpu", threads=1)
+    full = Prediction(policy="verify", exits=[], ms_per_token=1.0, full_ms=1.0, speedup=1.0, decision_ms=0.0,
+                      exit_rate=0.0)  # fmt: skip
+    verify = Choice(policy="verify", exits=[], thresholds={}, option=None, prediction=full)
+    rt.manifest.plan = Plan(default="full", choices={"verify": verify})  # what export plans: no river choice
+    rt.manifest.calibration = make_calibration(llama, {e: {"prob": 0.5} for e in EXITS})
+    cfg = resolve_config(rt, RunOptions(policy="river"), ())
+    assert cfg.policy == "river" and cfg.exits == EXITS and not cfg.planned

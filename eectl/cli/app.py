@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -41,6 +43,7 @@ JsonOpt = Annotated[
 ]
 
 
+MAX_THREADS = 1024  # beyond any machine eectl runs on; a thread pool that large fails inside ONNX Runtime
 ThreadsOpt = Annotated[
     int | None, typer.Option("--threads", "-t", help="CPU threads (default: one per core).", rich_help_panel="Common")
 ]
@@ -52,11 +55,23 @@ ModelArg = Annotated[
 ]
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so the clean-up Ctrl-C runs (staging folders, locks, temporaries)
+    runs for it too; the command then exits 143 (128 + SIGTERM)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
 def _mapped(fn: Callable[..., None]) -> Callable[..., None]:
-    """Map domain errors to one line on stderr and the error's exit code (traceback with EECTL_DEBUG=1)."""
+    """Map domain errors to one line on stderr and the error's exit code (traceback with EECTL_DEBUG=1); SIGTERM
+    is handled like SIGINT while the command runs."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
+        main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
+        previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
         try:
             fn(*args, **kwargs)
         except EectlError as exc:
@@ -65,10 +80,16 @@ def _mapped(fn: Callable[..., None]) -> Callable[..., None]:
             hint = f" ({exc.hint})" if exc.hint else ""
             print(f"error: {exc.message}{hint}", file=sys.stderr)
             raise typer.Exit(exc.exit_code) from None
+        except Terminated:
+            print("terminated", file=sys.stderr)
+            raise typer.Exit(143) from None
         except KeyboardInterrupt:
             # Typer turns KeyboardInterrupt into a silent exit 130 before main() could see it: say it here.
             print("interrupted", file=sys.stderr)
             raise typer.Exit(130) from None
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
 
     return wrapper
 
@@ -103,8 +124,8 @@ def set_threads(requested: int | None, recipe: Recipe) -> int:
     from eectl.runtime.ort import init_ort
 
     n = pick(requested, recipe.threads)
-    if n is not None and n < 1:
-        raise UsageError(f"--threads must be >= 1, got {n}")
+    if n is not None and not 1 <= n <= MAX_THREADS:
+        raise UsageError(f"--threads must be in 1..{MAX_THREADS}, got {n}")
     n = init_ort(n)
     torch.set_num_threads(n)
     return n

@@ -43,15 +43,23 @@ def pipeline(
     threads: ThreadsOpt = None,
 ) -> None:
     """The worked example: profile, train-heads, calibrate, export, run and bench from one recipe."""
+    from eectl.pipeline.steps import with_model
+
+    if model is None:
+        _pipeline(recipe, prompt, cache, dry_run, threads)
+        return
+    with with_model(recipe, model) as copy:  # every stage reads the recipe: one that names this model (removed after)
+        _pipeline(copy, prompt, cache, dry_run, threads)
+
+
+def _pipeline(recipe: Path, prompt: str, cache: bool, dry_run: bool, threads: int | None) -> None:
     import time
 
     from eectl.pipeline.cache import PipelineCache
     from eectl.pipeline.steps import dry_run as check_recipe
-    from eectl.pipeline.steps import plan, with_model
+    from eectl.pipeline.steps import plan
 
     out = Output()
-    if model is not None:  # every stage reads the recipe: give them one that names this model
-        recipe = with_model(recipe, model)
     if dry_run:
         set_threads(threads, load_recipe(recipe))
         d = check_recipe(load_recipe(recipe))

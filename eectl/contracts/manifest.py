@@ -125,8 +125,8 @@ class Manifest(_M):
     opset: int
     tokenizer_dir: str
     eos_token_ids: list[int]
-    max_positions: int
-    top_k: int
+    max_positions: int = Field(ge=2)
+    top_k: int = Field(ge=2)
     embedding: GraphIO
     segments: list[Segment]
     exits: list[ExitPoint]  # in layer order; the last one is the final head (layer == L)

@@ -18,7 +18,7 @@ from eectl.files import read_utf8
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)  # true is not 1, "4" not 4
 
 
 class DataSpec(_Strict):

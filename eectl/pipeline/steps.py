@@ -11,6 +11,8 @@ copy of its checkpoint. What this module does not do: implement a stage (the sta
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,14 +73,17 @@ def plan(recipe: Path, prompt: str, threads: int | None = None, folder: Path = P
     return p
 
 
-def with_model(recipe: Path, model: str) -> Path:
-    """A copy of the recipe (in a temporary folder, same file name) whose model is `model`: every stage reads it."""
+@contextmanager
+def with_model(recipe: Path, model: str) -> Iterator[Path]:
+    """A copy of the recipe (in a temporary folder, same file name) whose model is `model`: every stage reads it.
+    The folder is removed when the block ends, however it ends."""
     import yaml
 
     r = load_recipe(recipe).model_copy(update={"model": model})
-    path = Path(tempfile.mkdtemp(prefix="eectl-recipe-")) / recipe.name
-    path.write_text(yaml.safe_dump(r.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
-    return path
+    with tempfile.TemporaryDirectory(prefix="eectl-recipe-") as folder:
+        path = Path(folder) / recipe.name
+        path.write_text(yaml.safe_dump(r.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
+        yield path
 
 
 @dataclass

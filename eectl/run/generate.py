@@ -116,7 +116,9 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
     signal = get_signal(opts.signal or (cal.signal if cal is not None else DEFAULT_SIGNAL))
     plan = m.plan
     same_signal = cal is not None and signal.name == cal.signal
-    follow = plan is not None and plan.choices and opts.exits is None and opts.thresholds is None and same_signal
+    # a policy the plan does not price (river: `export --river`) runs on the calibration's exits, as without a plan
+    priced = plan is not None and (opts.policy in (None, "full", LOOKUP) or opts.policy in plan.choices)
+    follow = priced and bool(plan and plan.choices) and opts.exits is None and opts.thresholds is None and same_signal
     if opts.policy == LOOKUP or (follow and opts.policy is None and plan is not None and plan.default == LOOKUP):
         return _lookup(rt, opts, stop_ids, signal.name)
     if follow:
