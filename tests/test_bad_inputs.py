@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from typer.testing import CliRunner
 
 from eectl.cli import app
@@ -36,3 +37,24 @@ def test_recipe_values_are_not_coerced(tmp_path):
         recipe.write_text(f"name: r\n{bad}\n")
         res = runner.invoke(app, ["pipeline", "--recipe", str(recipe), "--dry-run"])
         assert res.exit_code == 2 and word in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.output
+
+
+@pytest.mark.parametrize(
+    "option,value,text",
+    [
+        ("--signal", "bogus", "--signal must be one of"),
+        ("--policy", "bogus", "--policy must be one of"),
+        ("--thresholds", "abc", "--thresholds: cannot parse"),
+        ("--thresholds", "12:x", "--thresholds: cannot parse"),
+        ("--exits", "abc", "--exits must be comma-separated"),
+        ("--top-k", "1", "--top-k must be >= 2"),
+        ("--river-predict", "middle", "--river-predict must be end or exit"),
+    ],
+)
+def test_run_options_are_checked_before_the_artifact_loads(exported, monkeypatch, option, value, text):
+    def no_load(*a, **k):
+        raise AssertionError("the artifact was loaded before the options were checked")
+
+    monkeypatch.setattr("eectl.run.generate.ArtifactRuntime", no_load)
+    res = runner.invoke(app, ["run", str(exported["llama"][1]), "hi", option, value])
+    assert res.exit_code == 2 and text in res.stderr, res.output

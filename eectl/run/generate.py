@@ -16,6 +16,7 @@ from typing import Any
 from eectl.contracts.calibration import never_exits
 from eectl.contracts.gates import GATE
 from eectl.contracts.layers import parse_layers
+from eectl.contracts.names import POLICY_SPECS, SIGNAL_SPECS
 from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DRAFTS, MAX_NGRAM
 from eectl.data import encode_prompt
 from eectl.errors import ArtifactError, DataError, UsageError
@@ -101,6 +102,18 @@ def check_options(opts: RunOptions) -> None:
         raise UsageError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
     if opts.prompt_drafts is not None and not 0 <= opts.prompt_drafts <= MAX_DRAFTS:
         raise UsageError(f"--prompt-drafts must be in 0..{MAX_DRAFTS}, got {opts.prompt_drafts}")
+    if opts.signal is not None and opts.signal not in SIGNAL_SPECS:
+        raise UsageError(f"--signal must be one of {', '.join(SIGNAL_SPECS)}, got '{opts.signal}'")
+    known = (*POLICY_SPECS, LOOKUP, "full")
+    if opts.policy is not None and opts.policy not in known:
+        raise UsageError(f"--policy must be one of {', '.join(known)}, got '{opts.policy}'")
+    if opts.river_predict not in ("end", "exit"):
+        raise UsageError(f"--river-predict must be end or exit, got '{opts.river_predict}'")
+    parse_layers(opts.exits)
+    if opts.thresholds is not None:
+        _threshold_syntax(opts.thresholds)
+    if opts.top_k is not None and opts.top_k < 2:
+        raise UsageError(f"--top-k must be >= 2, got {opts.top_k}")
     if not 1 <= opts.draft_ngram <= MAX_DRAFT_NGRAM:
         raise UsageError(f"--draft-ngram must be in 1..{MAX_DRAFT_NGRAM}, got {opts.draft_ngram}")
     if opts.provider != "auto" and opts.provider not in PROVIDERS:
@@ -231,6 +244,21 @@ def _config(
         note=note,
         planned=planned,
     )
+
+
+def _threshold_syntax(text: str) -> None:
+    """--thresholds' form alone (before an artifact says which exits and criteria): numbers, `layer:`, `/`, `,`."""
+    try:
+        numbers = []
+        for part in text.split(","):
+            layer, _, values = part.rpartition(":")
+            if layer:
+                int(layer)
+            numbers += [float(v) for v in values.split("/")]
+    except ValueError:
+        raise UsageError(f"--thresholds: cannot parse '{text}' (e.g. 0.9, or 12:0.9,20:0.8)") from None
+    if not all(map(math.isfinite, numbers)):
+        raise UsageError(f"--thresholds must be finite numbers, got '{text}'")
 
 
 def _parse_thresholds(text: str, exits: list[int], criteria: tuple[str, ...]) -> dict[int, dict[str, float]]:
