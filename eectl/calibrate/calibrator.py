@@ -199,29 +199,8 @@ def collect(
     chunks: list[torch.Tensor] = []
     if opts.text_tokens > 0:
         chunks = token_chunks(tok, data, opts.text_tokens, opts.chunk_len)
-    prompts_used = 0
-    conts: list[Continuation] = []
-    lookup: LookupStats | None = None
     topk = get_signal(opts.signal).needs_candidates
-    if opts.generated_tokens > 0:
-        max_prompt = max(8, min(dims.max_positions, 4096) - opts.gen_tokens - 1)
-        prompts = prompt_ids(tok, data.prompts, max_prompt, opts.raw)
-        eos = getattr(tok, "eos_token_id", None)
-        # the generation keeps the states the scorers read at the measured positions (candidate sources read the
-        # same states): no second base pass over prompt + continuation
-        keep = generation_keep(ExitScorer(adapter, opts.exits, opts.signal, opts.top_k, heads))
-        conts, prompts_used = generate_continuations(
-            adapter, prompts, opts.generated_tokens, opts.gen_tokens, eos, opts.gen_batch, on_tokens, keep
-        )
-        got = sum(len(c.generated) for c in conts)
-        if got < opts.generated_tokens:
-            raise DataError(
-                f"the data's {len(prompts)} prompts gave only {got} generated tokens, fewer than the "
-                f"{opts.generated_tokens} asked for",
-                hint="lower --gen-share or --tokens, or raise --gen-tokens",
-            )
-        # what verify with drafts from the context would do on these prompts: its output is these continuations
-        lookup = lookup_stats([(c.prompt, c.generated) for c in conts], stop_ids=(eos,) if eos is not None else ())
+    conts, prompts_used, lookup = _continuations(adapter, tok, data, opts, heads, on_tokens)
     shortlist = None
     if topk and isinstance(CANDIDATE_SOURCES.get(opts.candidates), Shortlist):  # ranked here, on calibration units
         shortlist = frequency_shortlist(
@@ -265,6 +244,40 @@ def collect(
         {o: Measurements.concat(p) for o, p in zip(others, parts[1:], strict=True)},
         lookup,
     )
+
+
+def _continuations(
+    adapter: Any,
+    tok: Any,
+    data: Any,
+    opts: CalibrateOptions,
+    heads: dict[int, nn.Module] | None,
+    on_tokens: Callable[[int], None] | None,
+) -> tuple[list[Continuation], int, LookupStats | None]:
+    """The greedy full-depth continuations calibration measures (none when opts.generated_tokens is 0), with the
+    prompts they used and the drafts from the context replayed on them."""
+    if opts.generated_tokens <= 0:
+        return [], 0, None
+    dims = adapter.dims
+    max_prompt = max(8, min(dims.max_positions, 4096) - opts.gen_tokens - 1)
+    prompts = prompt_ids(tok, data.prompts, max_prompt, opts.raw)
+    eos = getattr(tok, "eos_token_id", None)
+    # the generation keeps the states the scorers read at the measured positions (candidate sources read the
+    # same states): no second base pass over prompt + continuation
+    keep = generation_keep(ExitScorer(adapter, opts.exits, opts.signal, opts.top_k, heads))
+    conts, prompts_used = generate_continuations(
+        adapter, prompts, opts.generated_tokens, opts.gen_tokens, eos, opts.gen_batch, on_tokens, keep
+    )
+    got = sum(len(c.generated) for c in conts)
+    if got < opts.generated_tokens:
+        raise DataError(
+            f"the data's {len(prompts)} prompts gave only {got} generated tokens, fewer than the "
+            f"{opts.generated_tokens} asked for",
+            hint="lower --gen-share or --tokens, or raise --gen-tokens",
+        )
+    # what verify with drafts from the context would do on these prompts: its output is these continuations
+    lookup = lookup_stats([(c.prompt, c.generated) for c in conts], stop_ids=(eos,) if eos is not None else ())
+    return conts, prompts_used, lookup
 
 
 def _calibration_tokens(

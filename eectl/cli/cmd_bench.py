@@ -122,14 +122,13 @@ def bench(
     """Speed and fidelity against full depth (and transformers generate), side by side, in one run."""
     from eectl.data import load_text_data
     from eectl.evaluate.bench import bench_units, gsm8k_answers, heldout_texts, run_bench
-    from eectl.evaluate.report import summary, write_report
+    from eectl.evaluate.report import report_files, summary, write_report
     from eectl.evaluate.results import BenchOptions
 
     out = Output(json_out)
     r = load_recipe(recipe)
     if report is not None:  # the markdown, its JSON twin and plots (evaluate/report.py write_report)
-        twins = [report.with_suffix(".json")]
-        twins += [report.with_name(report.with_suffix("").name + f"-{k}.png") for k in ("latency", "exits", "sweep")]
+        twins = report_files(report)
         others = [("--compare", Path(p.split("=", 1)[1].strip())) for p in (compare or "").split(",") if "=" in p]
         ins = [("--data", input_file(pick(data, r.data.source))), ("--recipe", input_file(recipe))]
         check_outputs([("--report", report, twins)], ins, [("ARTIFACT", Path(artifact)), *others])

@@ -392,8 +392,9 @@ def run_bench(
     full_tokens = runs["full"][0].generations
     results = [_result(name, timing, configs, tok, answers, verdict) for name in order]
     for r in results:  # drafts from the context at full depth: the cost model on this run's own answers
-        if r.name in configs.configs:
-            r.model_speedup = _lookup_model(configs.configs[r.name], m, ids, runs[r.name][0].generations, r)
+        drafting = configs.configs.get(r.name)
+        if drafting is not None and drafting.prompt_drafts and not drafting.exits:
+            r.model_speedup = _lookup_model(drafting, m, ids, runs[r.name][0].generations)
     _step_agreements(configs, runs, ids, results)
     if heldout:
         _perplexities(configs, results, tok, heldout, log)
@@ -537,14 +538,11 @@ def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) ->
     res.model_speedup = predict(m.costs, boundaries, policy, per_exit, lost_rate=lost, runs=runs).speedup
 
 
-def _lookup_model(
-    cfg: RunConfig, m: Any, ids: list[list[int]], answers: list[list[int]], res: ConfigResult
-) -> float | None:
-    """For full depth with drafts from the context: what the plan's price (plan/choose.py `predict_lookup`) says of
-    the drafts replayed on this run's answers (its output is full depth's), with the manifest's costs; the
-    configuration's other model figure otherwise."""
-    if not cfg.prompt_drafts or cfg.exits or m.costs is None:
-        return res.model_speedup
+def _lookup_model(cfg: RunConfig, m: Any, ids: list[list[int]], answers: list[list[int]]) -> float | None:
+    """Full depth with drafts from the context: what the plan's price (plan/choose.py `predict_lookup`) says of
+    the drafts replayed on this run's answers (its output is full depth's), with the manifest's costs."""
+    if m.costs is None:
+        return None
     from eectl.plan.choose import predict_lookup
     from eectl.runtime.drafts import lookup_stats
 

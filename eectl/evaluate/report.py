@@ -238,6 +238,19 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PLOTS = ("latency", "exits", "sweep")  # the plots a report may have, written beside it as NAME-<plot>.png
+
+
+def plot_path(report: Path, kind: str) -> Path:
+    stem = report.with_suffix("")
+    return stem.with_name(f"{stem.name}-{kind}.png")
+
+
+def report_files(path: Path) -> list[Path]:
+    """Every file a report at `path` may write beside it: its JSON twin and its plots."""
+    return [path.with_suffix(".json"), *(plot_path(path, k) for k in PLOTS)]
+
+
 def write_report(result: BenchResult, path: str | Path) -> list[Path]:
     """Write the markdown report, its PNG plots beside it, and a JSON twin, each atomically; returns the files."""
     p = Path(path)
@@ -254,7 +267,6 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
     import matplotlib.pyplot as plt
 
     out: dict[str, Path] = {}
-    stem = report.with_suffix("")
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [c.name for c in result.configs]
     vals = [c.ms_per_token for c in result.configs]
@@ -266,7 +278,7 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
     ax.set_ylabel("ms / token (decode)")
     ax.set_title(f"{result.model}: latency per configuration ({result.threads} threads)")
     fig.tight_layout()
-    out["latency"] = stem.with_name(stem.name + "-latency.png")
+    out["latency"] = plot_path(report, "latency")
     atomic_write(out["latency"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
     hist = [c for c in result.configs if c.exit_histogram]
@@ -281,7 +293,7 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
         ax.legend()
         ax.set_title("exit-layer histogram")
         fig.tight_layout()
-        out["exits"] = stem.with_name(stem.name + "-exits.png")
+        out["exits"] = plot_path(report, "exits")
         atomic_write(out["exits"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
         plt.close(fig)
     if result.sweep:
@@ -293,7 +305,7 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
         ax.set_ylabel("token agreement with full depth")
         ax.set_title("agreement vs speedup across threshold scales")
         fig.tight_layout()
-        out["sweep"] = stem.with_name(stem.name + "-sweep.png")
+        out["sweep"] = plot_path(report, "sweep")
         atomic_write(out["sweep"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
         plt.close(fig)
     return out

@@ -335,11 +335,18 @@ def _state_decision(sig: Signal, rt: ArtifactRuntime, layer: int, hidden: np.nda
     return scoring.score(layer, hidden[None], hidden[None], blocks).values
 
 
+def _chainable(rt: ArtifactRuntime) -> bool:
+    """Whether the artifact's decode can run on the bound chain: a final head with the in-graph argmax, every
+    segment's session loaded."""
+    final = rt.full_graphs[rt.manifest.num_layers]
+    return "token" in final.io.outputs and all(g.session is not None for g in rt.segments)
+
+
 def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object] | None:
     """One full-depth greedy step through the bound decode chain (runtime/chain.py), the path `eectl run` takes for
     one row with no exit active, on top of `past` cached positions; None where the artifact cannot chain."""
     m = rt.manifest
-    if "token" not in rt.full_graphs[m.num_layers].io.outputs or any(g.session is None for g in rt.segments):
+    if not _chainable(rt):
         return None
     kv = rt.new_kv(1, past + 4)
     chain = DecodeChain(rt, kv, 0)
@@ -356,7 +363,7 @@ def wide_step_calls(rt: ArtifactRuntime, past: int) -> dict[str, Callable[[], ob
     it: the drafts embedded, waiting at segment 0, every segment wide, then the final head's argmax over every
     position (verify's check); one call per width in WIDE_WIDTHS. None for an artifact without verify or a chain."""
     m = rt.manifest
-    if "verify" not in m.kv_policies or chain_step_call(rt, past) is None or rt.device != "cpu":
+    if "verify" not in m.kv_policies or not _chainable(rt) or rt.device != "cpu":
         return {}
     kv = rt.new_kv(1, past + max(WIDE_WIDTHS) + 4)
     chain = DecodeChain(rt, kv, 0, {}, None, 0, None)

@@ -77,4 +77,4 @@ class Conversation:
                 r._settled(0, st, self.kv)  # what the policy left unchecked is checked: the cache is exact
                 st.done = True
             feed = [st.tokens[-1]]
-        return r._results([st])[0]
+        return st.generation()

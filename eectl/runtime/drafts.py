@@ -18,30 +18,17 @@ What this module does not do: run graphs or check drafts (runner.py, policies.py
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from eectl.contracts.plan import DEFAULT_DRAFTS, MAX_DRAFTS, MAX_NGRAM, LookupStats
 from eectl.errors import UsageError
+from eectl.runtime.state import LookupState, RowState
 
 __all__ = ["DEFAULT_DRAFTS", "MAX_DRAFTS", "MAX_NGRAM", "PromptLookup", "lookup_stats", "replay"]
 
 # measured defaults (docs/results/2026-12-01-prompt-drafts.md): suffixes of MAX_NGRAM = 5 tokens down to 2, runs of
 # up to DEFAULT_DRAFTS = 12 (eectl.contracts.plan)
 MIN_NGRAM = 2
-
-
-@dataclass
-class LookupState:
-    """One row's drafting state between steps."""
-
-    span: int  # tokens to draft at the next attempt
-    misses: int = 0  # attempts in a row that accepted nothing
-    resume_at: int = 0  # no attempt before the row holds this many tokens
-    drafted: int = 0
-    accepted: int = 0
-    attempts: int = 0
 
 
 class PromptLookup:
@@ -103,6 +90,32 @@ class PromptLookup:
             ls.attempts += 1
             ls.drafted += len(drafts)
         return drafts
+
+    def attach(self, st: RowState, layer: int, max_new_tokens: int, stop_ids: tuple[int, ...]) -> int:
+        """A row's drafts for its next step, appended to its tokens as unchecked drafts that the step's final pass
+        checks (verify's `on_final`), each counted at `layer` (the final one) with no latency of its own; returns
+        how many (0: the row does not draft now). Room is left for the step's own token within max_new_tokens."""
+        ls = st.lookup
+        assert ls is not None
+        room = max_new_tokens - (len(st.tokens) - st.prompt_len) - 1
+        drafts = self.drafts_for(ls, st.tokens, room, stop_ids)
+        ls.step = (len(st.tokens), len(drafts))
+        for t in drafts:
+            st.drafts.append((len(st.tokens), t))
+            st.tokens.append(t)
+            st.exit_layers.append(layer)
+            st.latencies.append(0.0)
+        return len(drafts)
+
+    def close(self, st: RowState) -> None:
+        """After the step that carried the row's drafts: those still in its tokens were accepted (a rollback cut
+        the tokens at the first wrong position, perhaps an exit draft's before them)."""
+        ls = st.lookup
+        assert ls is not None
+        start, n = ls.step
+        ls.step = (0, 0)
+        if n:
+            self.settle(ls, n, min(max(len(st.tokens) - start, 0), n), len(st.tokens))
 
     def settle(self, ls: LookupState, drafted: int, accepted: int, length: int) -> None:
         """After an attempt of `drafted` tokens of which `accepted` were right; `length`: the row's tokens now."""

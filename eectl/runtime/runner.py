@@ -42,6 +42,7 @@ from eectl.runtime.device_ops import concat, stack
 from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
 from eectl.runtime.exit_logits import Decide, OrtExitLogits, _one_torch_thread
 from eectl.runtime.policies import KVPolicy, policy_class
+from eectl.runtime.sampling import pick_token
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 from eectl.runtime.state import Generation, RowState, RunConfig
 
@@ -100,19 +101,7 @@ class Runner:
     # --- sampling --------------------------------------------------------------------------------------------------
     def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
         """Greedy or temperature/top-p sampling over logits [V] (or [K] with their vocabulary ids)."""
-        if self.cfg.temperature <= 0:
-            i = int(np.argmax(logits))
-        else:
-            z = logits.astype(np.float64) / self.cfg.temperature
-            p = np.exp(z - z.max())
-            p /= p.sum()
-            order = np.argsort(-p)
-            keep = np.cumsum(p[order]) - p[order] < self.cfg.top_p
-            keep[0] = True
-            q = np.zeros_like(p)
-            q[order[keep]] = p[order[keep]]
-            i = int(self.rng.choice(len(q), p=q / q.sum()))
-        return int(ids[i]) if ids is not None else i
+        return pick_token(logits, ids, self.cfg.temperature, self.cfg.top_p, self.rng)
 
     # --- exits -------------------------------------------------------------------------------------------------------
     def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[ExitScore | None, int, Any]]:
@@ -435,7 +424,7 @@ class Runner:
         self.step_reads: list[list[tuple[str, int, str]]] = []  # resident: per step, what was read on the host
         with self._resident() if chain is None else nullcontext():
             self._loop(kv, rows, chain, on_step)
-        return self._results(rows)
+        return [st.generation() for st in rows]
 
     def _loop(
         self,
@@ -460,8 +449,10 @@ class Runner:
         seat()
         while seated:
             live = {s: (rows[i], rows[i].tokens if s in fresh else [rows[i].tokens[-1]]) for s, i in seated.items()}
-            starts = {s: len(rows[i].tokens) for s, i in seated.items()}
-            drafted = {s: self._draft(rows[i]) for s, i in seated.items() if s not in fresh}
+            drafted: dict[int, int] = {}  # slot -> drafts from the context this step (RunConfig.prompt_drafts)
+            if self.lookup is not None:
+                args = (self.L, self.cfg.max_new_tokens, self.cfg.stop_ids)
+                drafted = {s: self.lookup.attach(rows[i], *args) for s, i in seated.items() if s not in fresh}
             for s, n in drafted.items():
                 if n:  # the row's last token, then its drafts: one wide pass through every layer
                     live[s] = (rows[seated[s]], rows[seated[s]].tokens[-n - 1 :])
@@ -485,7 +476,8 @@ class Runner:
                 i = seated[s]
                 st = rows[i]
                 if drafted.get(s):
-                    self._settle_drafts(st, starts[s], drafted[s])
+                    assert self.lookup is not None
+                    self.lookup.close(st)
                 st.tokens.append(token)
                 st.latencies.append(took)
                 st.done = self._finished(s, st, kv)
@@ -496,30 +488,6 @@ class Runner:
             if self.rt.resident:
                 self.step_reads.append(self.rt.host_reads)
             seat()
-
-    def _draft(self, st: RowState) -> int:
-        """Drafts from the context for a row's next step (`RunConfig.prompt_drafts`, runtime/drafts.py): appended
-        to its tokens as unchecked drafts that the step's final pass checks (verify's `on_final`), each counted at
-        the final layer with no latency of its own; returns how many (0: the row does not draft now). Room is left
-        for the step's own token within max_new_tokens."""
-        if self.lookup is None or st.lookup is None:
-            return 0
-        room = self.cfg.max_new_tokens - (len(st.tokens) - st.prompt_len) - 1
-        drafts = self.lookup.drafts_for(st.lookup, st.tokens, room, self.cfg.stop_ids)
-        for t in drafts:
-            st.drafts.append((len(st.tokens), t))
-            st.tokens.append(t)
-            st.exit_layers.append(self.L)
-            st.latencies.append(0.0)
-        return len(drafts)
-
-    def _settle_drafts(self, st: RowState, start: int, n: int) -> None:
-        """After a step that carried n drafts from the context at positions start..start + n - 1: those still in
-        st.tokens were accepted (a rollback cut the tokens at the first wrong position, perhaps an exit draft's
-        before them)."""
-        assert self.lookup is not None and st.lookup is not None
-        accepted = min(max(len(st.tokens) - start, 0), n)
-        self.lookup.settle(st.lookup, n, accepted, len(st.tokens))
 
     def _resident_wanted(self) -> bool:
         wanted = self.cfg.device_resident
@@ -539,26 +507,6 @@ class Runner:
             yield
         finally:
             self.rt.resident = before
-
-    def _results(self, rows: list[RowState]) -> list[Generation]:
-        return [
-            Generation(
-                prompt_ids=st.tokens[: st.prompt_len],
-                token_ids=st.tokens[st.prompt_len :],
-                exit_layers=st.exit_layers,
-                ttft_s=st.latencies[0],
-                latencies_s=st.latencies,
-                decide_s=st.decide_s,
-                total_s=float(sum(st.latencies)),
-                drafted=st.drafted,
-                rejected_drafts=st.rejected,
-                prompt_drafted=st.lookup.drafted if st.lookup is not None else 0,
-                prompt_accepted=st.lookup.accepted if st.lookup is not None else 0,
-                decided=dict(st.decided),
-                picked=dict(st.picked),
-            )
-            for st in rows
-        ]
 
     def _chain(self, kv: KVBuffers, rows: int) -> DecodeChain | None:
         """The bound call chain (runtime/chain.py) for greedy decode with a final head that has the in-graph argmax:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eectl.contracts.plan import MAX_NGRAM
 from eectl.exits.signals import DEFAULT_SIGNAL
-from eectl.runtime.drafts import MAX_NGRAM, LookupState
 
 
 @dataclass
@@ -49,6 +49,19 @@ class RunConfig:
 
 
 @dataclass
+class LookupState:
+    """One row's drafting state between steps (drafts from the context, runtime/drafts.py)."""
+
+    span: int  # tokens to draft at the next attempt
+    misses: int = 0  # attempts in a row that accepted nothing
+    resume_at: int = 0  # no attempt before the row holds this many tokens
+    drafted: int = 0
+    accepted: int = 0
+    attempts: int = 0
+    step: tuple[int, int] = (0, 0)  # this step's attempt: (position of its first draft, drafts), until settled
+
+
+@dataclass
 class RowState:
     tokens: list[int]  # prompt + generated so far (the last one not yet processed)
     prompt_len: int
@@ -66,6 +79,24 @@ class RowState:
     rejected: int = 0
     lookup: LookupState | None = None  # prompt drafts (RunConfig.prompt_drafts): the row's drafting state
     done: bool = False
+
+    def generation(self) -> Generation:
+        """What the row generated, for the caller (its prompt, tokens, where each was decided, timings, drafts)."""
+        return Generation(
+            prompt_ids=self.tokens[: self.prompt_len],
+            token_ids=self.tokens[self.prompt_len :],
+            exit_layers=self.exit_layers,
+            ttft_s=self.latencies[0],
+            latencies_s=self.latencies,
+            decide_s=self.decide_s,
+            total_s=float(sum(self.latencies)),
+            drafted=self.drafted,
+            rejected_drafts=self.rejected,
+            prompt_drafted=self.lookup.drafted if self.lookup is not None else 0,
+            prompt_accepted=self.lookup.accepted if self.lookup is not None else 0,
+            decided=dict(self.decided),
+            picked=dict(self.picked),
+        )
 
     def count_decisions(self, decided: list[int], picked: int | None) -> None:
         for layer in decided:
