@@ -33,7 +33,7 @@ def _offline(monkeypatch):
 def test_full_depth_scores_equal_lm_evals_hf_model(artifact):
     opts = EvalOptions(
         tasks=["eectl_gsm8k", "eectl_gsm8k_loglik"],
-        configs=["full", "hf", "defer", "verify"],
+        configs=["full", "hf", "defer", "verify", "lookup"],
         limit=4,
         max_gen_toks=24,
         gsm8k_path=str(GSM8K),
@@ -55,12 +55,20 @@ def test_full_depth_scores_equal_lm_evals_hf_model(artifact):
     # verify is lossless: the same generations and scores as full depth
     assert [r for _, r, _ in by["verify"].samples["eectl_gsm8k"]] == gen
     assert by["verify"].metrics == full.metrics
+    # lookup (full depth, drafts from the context, checked by verify's pass) too
+    assert [r for _, r, _ in by["lookup"].samples["eectl_gsm8k"]] == gen
+    assert by["lookup"].metrics == full.metrics
     # defer with threshold 0 exits at layer 2: fewer layers, and different log-likelihoods
     assert by["defer"].mean_layers is not None and by["defer"].mean_layers < 3
     ll = [r[0][0] for _, _, r in by["defer"].samples["eectl_gsm8k_loglik"]]
     assert ll != [r[0][0] for _, _, r in full.samples["eectl_gsm8k_loglik"]]
     table = markdown(scores)
     assert "| defer | eectl_gsm8k_loglik | loglikelihood,none |" in table and "Δ vs full" in table
+    # throughput: the same request work counted for the artifact and for lm-eval's hf model, with its time
+    assert full.stats.scored_tokens == hf.stats.scored_tokens == by["defer"].stats.scored_tokens > 0
+    assert full.stats.generated_tokens == hf.stats.generated_tokens > 0  # the same texts, re-encoded
+    assert full.stats.scoring_tps > 0 and hf.stats.generation_tps > 0
+    assert "scored tok/s" in table and "generated tok/s" in table
 
 
 def _texts(x) -> list[str]:
@@ -104,6 +112,12 @@ def test_cli_eval(artifact):
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert [s["config"] for s in doc["scores"]] == ["full", "copy"]
+    assert doc["scores"][0]["stats"]["scored_tokens"] > 0 and doc["scores"][0]["stats"]["scoring_tps"] > 0
+    for flag in ("--tasks", "--configs"):  # an empty list is refused, not an empty table
+        bad = CliRunner().invoke(app, ["eval", str(artifact), flag, " ,", "--gsm8k", str(GSM8K)])
+        assert bad.exit_code == 2 and f"{flag} names nothing" in bad.stderr
+    bad = CliRunner().invoke(app, ["eval", str(artifact), "--batch-size", "0", "--gsm8k", str(GSM8K)])
+    assert bad.exit_code == 2
     bad = CliRunner().invoke(app, ["eval", str(artifact), "--tasks", "eectl_gsm8k"])
     assert bad.exit_code == 2 and "--gsm8k" in bad.stderr
     bad = CliRunner().invoke(app, ["eval", str(artifact), "--tasks", "mmlu", "--gsm8k", str(GSM8K)])

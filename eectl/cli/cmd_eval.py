@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Annotated
@@ -12,6 +13,7 @@ from eectl.cli.app import JsonOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.recipe import load_recipe
 from eectl.errors import UsageError
+from eectl.evaluate.lmeval_stats import DEFAULT_BATCH
 from eectl.output import Output
 
 
@@ -22,7 +24,7 @@ def eval_(
         str, typer.Option(help="Offline lm-eval tasks: eectl_gsm8k, eectl_gsm8k_loglik, eectl_humaneval.")
     ] = "eectl_gsm8k",
     configs: Annotated[
-        str, typer.Option(help="full, copy, defer, verify (the artifact), hf (lm-eval's own hf model).")
+        str, typer.Option(help="full, copy, defer, verify, lookup (the artifact), hf (lm-eval's own hf model).")
     ] = "full,defer",
     gsm8k: Annotated[Path | None, typer.Option(help="GSM8K-format .jsonl for the eectl_gsm8k* tasks.")] = None,
     limit: Annotated[int | None, typer.Option(help="Documents per task (the first N).")] = None,
@@ -42,6 +44,9 @@ def eval_(
             metavar="",
         ),
     ] = False,
+    batch_size: Annotated[
+        int, typer.Option(help="loglikelihood texts scored per pass (padded; hf keeps lm-eval's 1).", min=1, max=1024)
+    ] = DEFAULT_BATCH,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -65,10 +70,24 @@ def eval_(
         gsm8k_path=str(gsm8k) if gsm8k is not None else None,
         allow_code_execution=allow_code_execution,
         threads=n_threads,
+        batch_size=batch_size,
     )
+    for name, given in (("--tasks", opts.tasks), ("--configs", opts.configs)):
+        if not given:
+            raise UsageError(f"{name} names nothing")
     if limit is not None and limit < 1:
         raise UsageError(f"--limit must be >= 1, got {limit}")
     scores, settings = run_eval(artifact, opts, log=out.log)
-    out.json({"artifact": artifact, "threads": n_threads, **settings, "scores": [vars(s) for s in scores]})
+    out.json({"artifact": artifact, "threads": n_threads, **settings, "scores": [_row(s) for s in scores]})
     if not out.json_mode:
         out.out.print(markdown(scores), markup=False, highlight=False)
+
+
+def _row(s: object) -> dict[str, object]:
+    """A ConfigScores as JSON: its fields, the request counts as an object with the throughputs."""
+    row = dict(vars(s))
+    stats = row.get("stats")
+    if stats is not None:
+        rates = {"scoring_tps": stats.scoring_tps, "generation_tps": stats.generation_tps}
+        row["stats"] = {**dataclasses.asdict(stats), **rates}
+    return row

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from eectl.errors import UsageError
+from eectl.evaluate.lmeval_stats import DEFAULT_BATCH, EvalStats
 
 TASKS_DIR = Path(__file__).parent / "lmeval_tasks"
 TASKS = ("eectl_gsm8k", "eectl_gsm8k_loglik", "eectl_humaneval")
@@ -58,7 +59,8 @@ def make_lm_class() -> type:
 @dataclass
 class EvalOptions:
     tasks: list[str]
-    configs: list[str] = field(default_factory=lambda: ["full", "defer"])  # full, hf, or a KV policy's name
+    # full, hf, a KV policy's name, or lookup (full depth with drafts from the context: lossless)
+    configs: list[str] = field(default_factory=lambda: ["full", "defer"])
     exits: str | None = None
     thresholds: str | None = None
     threshold_scale: float = 1.0
@@ -70,6 +72,7 @@ class EvalOptions:
     allow_code_execution: bool = False
     threads: int | None = None
     hf_model: str | None = None  # the checkpoint lm-eval's hf model loads (default: the artifact's own)
+    batch_size: int = DEFAULT_BATCH  # loglikelihood texts per pass (the hf model keeps lm-eval's default, 1)
 
 
 @dataclass
@@ -78,6 +81,7 @@ class ConfigScores:
     metrics: dict[str, dict[str, float]]  # task -> metric -> value
     stderr: dict[str, dict[str, float]]
     mean_layers: float | None
+    stats: EvalStats | None  # request work and its time (throughput)
     samples: dict[str, list[Any]]  # task -> per-sample responses (for equality checks)
     wall_s: float
 
@@ -105,9 +109,10 @@ def run_eval(
     lm_eval = _lm_eval()
     from lm_eval.tasks import TaskManager
 
+    from eectl.contracts.plan import LOOKUP
     from eectl.runtime.policies import POLICIES
 
-    known = ("full", "hf", *POLICIES)
+    known = ("full", "hf", *POLICIES, LOOKUP)
     bad = [c for c in opts.configs if c not in known]
     if bad:
         raise UsageError(f"unknown configuration '{bad[0]}'; choose from {', '.join(known)}")
@@ -132,9 +137,9 @@ def run_eval(
         t0 = time.perf_counter()
         lm: Any
         if config == "hf":
-            from lm_eval.models.huggingface import HFLM
+            from eectl.evaluate.lmeval_model import timed_hflm
 
-            lm = HFLM(
+            lm = timed_hflm(
                 pretrained=opts.hf_model or hf_checkpoint(artifact),
                 device="cpu",
                 batch_size=1,
@@ -144,12 +149,13 @@ def run_eval(
         else:
             lm = make_lm_class()(
                 artifact=str(artifact),
-                exits="none" if config == "full" else opts.exits,
+                exits="none" if config in ("full", LOOKUP) else opts.exits,  # lookup: full depth + context drafts
                 policy="defer" if config == "full" else config,
                 thresholds=opts.thresholds,
                 threshold_scale=opts.threshold_scale,
                 signal=opts.signal,
                 threads=opts.threads,
+                batch_size=opts.batch_size,
             )
         out = lm_eval.simple_evaluate(
             model=lm,
@@ -184,6 +190,7 @@ def run_eval(
                 metrics,
                 stderr,
                 stats.mean_layers if stats is not None else None,
+                stats,
                 samples,
                 time.perf_counter() - t0,
             )
@@ -199,13 +206,18 @@ def _max_length_of(artifact: str | Path) -> int:
 
 
 def markdown(scores: list[ConfigScores], reference: str = "full") -> str:
-    """One row per configuration x task metric: the score, its stderr, and the delta against `reference`."""
+    """One row per configuration x task metric: the score, its stderr, the delta against `reference`, and the
+    configuration's request throughput: positions scored per second (loglikelihood) and tokens generated per
+    second (generate_until), timed in the model's request methods (lm-eval's own work outside them excluded)."""
     ref = next((s for s in scores if s.config == reference), None)
     lines = [
-        "| config | task | metric | score ± stderr | Δ vs " + reference + " | mean layers | wall s |",
-        "|---|---|---|---|---|---|---|",
+        f"| config | task | metric | score ± stderr | Δ vs {reference} | mean layers | scored tok/s "
+        "| generated tok/s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in scores:
+        scored = _rate(s.stats.scoring_tps if s.stats is not None else None)
+        generated = _rate(s.stats.generation_tps if s.stats is not None else None)
         for task, ms in s.metrics.items():
             for metric, v in ms.items():
                 err = s.stderr.get(task, {}).get(metric)
@@ -213,5 +225,12 @@ def markdown(scores: list[ConfigScores], reference: str = "full") -> str:
                 delta = "-" if base is None else f"{v - base:+.4f}"
                 layers = "-" if s.mean_layers is None else f"{s.mean_layers:.2f}"
                 e = "" if err is None or err != err else f" ± {err:.4f}"
-                lines.append(f"| {s.config} | {task} | {metric} | {v:.4f}{e} | {delta} | {layers} | {s.wall_s:.0f} |")
+                lines.append(
+                    f"| {s.config} | {task} | {metric} | {v:.4f}{e} | {delta} | {layers} | {scored} | {generated} "
+                    f"| {s.wall_s:.0f} |"
+                )
     return "\n".join(lines) + "\n"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"

@@ -7,6 +7,7 @@ type maps onto the runner is described in evaluate/lmeval.py.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -17,12 +18,11 @@ from lm_eval.models.utils import postprocess_generated_text as cut_at_stops
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from eectl.errors import UsageError
-from eectl.evaluate.lmeval_stats import DEFAULT_MAX_GEN_TOKS, EvalStats
+from eectl.evaluate.lmeval_stats import DEFAULT_BATCH, DEFAULT_MAX_GEN_TOKS, EvalStats
 from eectl.run.generate import RunOptions, load_tokenizer, resolve_config
 from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
-from eectl.runtime.state import RowState
 
 
 class _Stop(Exception):
@@ -32,26 +32,11 @@ class _Stop(Exception):
         self.tokens = tokens
 
 
-class _ScoringRunner(Runner):
-    """Runner.score, also recording whether each forced token was the decided layer's top-1 (is_greedy)."""
-
-    greedy: list[bool]
-
-    def _forced(self, st: RowState, logits: np.ndarray) -> int:  # type: ignore[override]
-        assert st.forced is not None
-        self.greedy.append(int(np.argmax(logits)) == st.forced[len(st.tokens)])
-        return Runner._forced(st, logits)
-
-    def score_greedy(self, ids: list[int], prompt_len: int) -> tuple[list[float], list[int], list[bool]]:
-        self.greedy = []
-        nll, layers = self.score(ids, prompt_len)
-        return nll, layers, self.greedy
-
-
 @register_model("eectl")
 class EectlLM(TemplateLM):  # type: ignore[misc]
     """lm-eval model over an eectl artifact. model_args: artifact, exits ('none' = full depth), policy,
-    thresholds, threshold_scale, signal, top_k, max_length, max_gen_toks, threads, provider, add_bos_token."""
+    thresholds, threshold_scale, signal, top_k, max_length, max_gen_toks, batch_size (texts scored per pass),
+    threads, provider, add_bos_token."""
 
     def __init__(
         self,
@@ -64,6 +49,7 @@ class EectlLM(TemplateLM):  # type: ignore[misc]
         top_k: int | None = None,
         max_length: int | None = None,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+        batch_size: int | str = DEFAULT_BATCH,
         threads: int | None = None,
         provider: str = "cpu",
         add_bos_token: bool | None = None,
@@ -76,6 +62,7 @@ class EectlLM(TemplateLM):  # type: ignore[misc]
         self.add_bos_token = add_bos_token
         self._max_length = int(max_length) if max_length else _max_length(m, self.tokenizer)
         self.max_gen_toks = int(max_gen_toks)
+        self.batch_size = _batch_size(batch_size)
         opts = RunOptions(
             exits=None if exits is None else str(exits),
             policy=policy,
@@ -90,11 +77,11 @@ class EectlLM(TemplateLM):  # type: ignore[misc]
         self._runners: dict[int, Runner] = {}
         # verify's output is full depth by construction, so it scores at full depth (score covers copy/defer)
         kind = POLICIES[self.config.policy]
-        self.scorer: _ScoringRunner | None = None
+        self.scorer: Runner | None = None
         if kind.lossless or not self.config.exits:  # output equals full depth: score at full depth
-            self.scorer = _ScoringRunner(self.rt, dataclasses.replace(self.config, exits=[], policy="defer"))
+            self.scorer = Runner(self.rt, dataclasses.replace(self.config, exits=[], policy="defer", prompt_drafts=0))
         elif kind.scores_text:
-            self.scorer = _ScoringRunner(self.rt, self.config)
+            self.scorer = Runner(self.rt, self.config)
         self.stats = EvalStats()
 
     # --- what TemplateLM needs -------------------------------------------------------------------------------
@@ -125,18 +112,23 @@ class EectlLM(TemplateLM):  # type: ignore[misc]
     def _loglikelihood_tokens(
         self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kw: Any
     ) -> list[tuple[float, bool]]:
-        out = []
-        for key, context_enc, continuation_enc in requests:
+        if self.scorer is None:
+            raise UsageError(f"the {self.config.policy} policy cannot score text (loglikelihood tasks)")
+        texts = []
+        for _, context_enc, continuation_enc in requests:
             # as HFLM: keep the last max_length + 1 tokens; the model sees all but the last one
             ids = (context_enc + continuation_enc)[-(self.max_length + 1) :]
             prompt_len = len(ids) - len(continuation_enc)
             if prompt_len < 1:
                 raise UsageError("a continuation longer than the maximum context is not supported")
-            if self.scorer is None:
-                raise UsageError(f"the {self.config.policy} policy cannot score text (loglikelihood tasks)")
-            nll, layers, greedy = self.scorer.score_greedy(ids, prompt_len)
-            self.stats.add(layers, self.rt.manifest.num_layers)
-            res = (-float(np.sum(nll)), all(greedy))
+            texts.append((ids, prompt_len))
+        t0 = time.perf_counter()
+        scored = self.scorer.score_many(texts, rows=self.batch_size)  # one pass per batch where the policy allows
+        self.stats.add_scoring(sum(len(ids) - 1 for ids, _ in texts), time.perf_counter() - t0)
+        out = []
+        for (key, _, _), (ids, prompt_len), got in zip(requests, texts, scored, strict=True):
+            self.stats.add(got.layers, self.rt.manifest.num_layers)
+            res = (-float(np.sum(got.nll)), got.greedy == ids[prompt_len:])
             out.append(res)
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, res)
@@ -172,8 +164,10 @@ class EectlLM(TemplateLM):  # type: ignore[misc]
                 raise UsageError(f"max_gen_toks {max_gen_toks} must be below max_length {self.max_length}")
             special = {} if self.add_bos_token is None else {"add_special_tokens": self.add_bos_token}
             ids = list(self.tokenizer(context, **special)["input_ids"])[-max_ctx:]
+            t0 = time.perf_counter()
             tokens = self._generate(ids, max_gen_toks, until)
             text = cut_at_stops(generation=self.tok_decode(tokens), stop=until, think_end_token=None)
+            self.stats.add_generation(len(self.tok_encode(text, add_special_tokens=False)), time.perf_counter() - t0)
             results.append(text)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
         return results
@@ -201,6 +195,19 @@ class EectlLM(TemplateLM):  # type: ignore[misc]
         return tokens
 
 
+def _batch_size(value: int | str) -> int:
+    """lm-eval's batch_size model argument: a count of texts scored per pass ('auto' is the default's)."""
+    if str(value).startswith("auto"):
+        return DEFAULT_BATCH
+    try:
+        n = int(value)
+    except ValueError:
+        raise UsageError(f"batch_size must be a whole number or auto, got '{value}'") from None
+    if not 1 <= n <= 1024:
+        raise UsageError(f"batch_size must be in 1..1024, got {n}")
+    return n
+
+
 def _max_length(manifest: Any, tokenizer: Any) -> int:
     """As HFLM: the model's maximum positions (the artifact's), else the tokenizer's, else 2048."""
     n = getattr(manifest, "max_positions", None)
@@ -208,3 +215,30 @@ def _max_length(manifest: Any, tokenizer: Any) -> int:
         return int(n)
     t = getattr(tokenizer, "model_max_length", None)
     return int(t) if t and t < 1e9 else 2048
+
+
+def timed_hflm(**kwargs: Any) -> Any:
+    """lm-eval's own hf model, counting its request work as EectlLM does (`stats`: positions scored, tokens of the
+    returned texts, and the time in its request methods), for eval's throughput column."""
+    from lm_eval.models.huggingface import HFLM
+
+    class TimedHFLM(HFLM):  # type: ignore[misc]
+        stats = EvalStats()
+
+        def _loglikelihood_tokens(self, requests: list[Any], *args: Any, **kw: Any) -> list[tuple[float, bool]]:
+            t0 = time.perf_counter()
+            out = super()._loglikelihood_tokens(requests, *args, **kw)
+            n = sum(min(len(c + t), self.max_length + 1) - 1 for _, c, t in requests)
+            self.stats.add_scoring(n, time.perf_counter() - t0)
+            return out  # type: ignore[no-any-return]
+
+        def generate_until(self, requests: list[Any], *args: Any, **kw: Any) -> list[str]:
+            t0 = time.perf_counter()
+            out = super().generate_until(requests, *args, **kw)
+            n = sum(len(self.tok_encode(text, add_special_tokens=False)) for text in out)
+            self.stats.add_generation(n, time.perf_counter() - t0)
+            return out  # type: ignore[no-any-return]
+
+    lm = TimedHFLM(**kwargs)
+    lm.stats = EvalStats()
+    return lm

@@ -62,6 +62,9 @@ class KVPolicy:
     lossless: ClassVar[bool] = False  # output equals full depth by construction
     greedy_only: ClassVar[bool] = False
     scores_text: ClassVar[bool] = True  # supports teacher-forced scoring (Runner.score)
+    # every position ends with the full model's states and K/V (what it skipped is computed later from its exact
+    # state), so teacher-forced scoring is one full-depth pass with the exits deciding on it (runtime/scoring.py)
+    exact_states: ClassVar[bool] = False
     needs_river_copies: ClassVar[bool] = False  # runs the int4 segment copies of `export --river`
     # exited states wait as pending positions (RowState.pending) that later passes carry: in a batch they may ride
     # along in the deeper calls other rows need anyway (Runner._ride)
@@ -139,6 +142,7 @@ class Defer(KVPolicy):
 
     name = "defer"
     pending_states = True
+    exact_states = True
 
     def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
         pend = st.pending[s]

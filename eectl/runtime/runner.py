@@ -34,7 +34,7 @@ from eectl.exits.base import ExitScore, no_probe_error
 from eectl.exits.candidates import CANDIDATE_SOURCES, FirstExitTopK
 from eectl.exits.gates import active_gates, gate_open
 from eectl.exits.signals import ExitScoring, get_signal
-from eectl.runtime import resident
+from eectl.runtime import resident, scoring
 from eectl.runtime.batch import BatchKV, join_rows, new_batch_kv, prefill_runs, run_prefill, run_rows
 from eectl.runtime.blocks import active_block, run_block, run_block_rows
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
@@ -360,22 +360,32 @@ class Runner:
         return token
 
     def score(self, ids: list[int], prompt_len: int = 1) -> tuple[list[float], list[int]]:
-        """Teacher-forced: feed `ids` token by token (after a prefill of prompt_len) with exits deciding as in
-        generation; returns -log p(next token) under the distribution of the layer each position was decided
-        at (its full vocabulary), and those layers. Verify is not scored (its output equals full depth)."""
+        """Teacher-forced: -log p(next token) at positions prompt_len - 1 .. len(ids) - 2 under the distribution of
+        the layer each was decided at (its full vocabulary; exits deciding as in generation, the first position at
+        full depth as after a prefill), and those layers. Verify is not scored (its output equals full depth)."""
+        if scoring.one_pass(self):
+            got = scoring.score_texts(self, [(ids, prompt_len)])[0]
+            return got.nll, got.layers
         st = self._teacher_forced(ids, prompt_len)
         return st.nll, st.exit_layers
+
+    def score_many(self, texts: list[tuple[list[int], int]], rows: int = 1) -> list[scoring.Scored]:
+        """`score` for several (ids, prompt_len), with the argmax at each position: `rows` texts per pass where the
+        configuration scores in one pass (runtime/scoring.py), else one by one, token by token."""
+        if scoring.one_pass(self):
+            return scoring.score_texts(self, texts, rows)
+        done = [self._teacher_forced(ids, p) for ids, p in texts]
+        return [scoring.Scored(st.nll, st.greedy, st.exit_layers) for st in done]
 
     def greedy_choices(self, ids: list[int], prompt_len: int) -> list[int]:
         """Teacher-forced as `score`: the greedy token this configuration chooses after each prefix ids[:i], for i
         from prompt_len to len(ids) - 1 (on full depth: what full depth would emit after another path's tokens)."""
-        return self._teacher_forced(ids, prompt_len).greedy
+        return self.score_many([(ids, prompt_len)])[0].greedy
 
     def _teacher_forced(self, ids: list[int], prompt_len: int) -> RowState:
         if not self.policy.scores_text:
             raise UsageError(f"teacher-forced scoring does not cover the {self.cfg.policy} policy")
-        if not 1 <= prompt_len < len(ids) or len(ids) + 1 > self.m.max_positions:
-            raise UsageError("text too short or longer than the maximum context")
+        scoring.check_text(ids, prompt_len, self.m.max_positions)
         kv = self.rt.new_kv(1, len(ids) + 1)
         st = RowState(list(ids[:prompt_len]), prompt_len, [None] * len(self.m.segments), forced=list(ids))
         st.tokens.append(self._step(0, st, kv, st.tokens))
