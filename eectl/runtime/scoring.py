@@ -25,21 +25,41 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from eectl.contracts.manifest import Manifest
 from eectl.errors import UsageError
 from eectl.exits.gates import gate_open
+from eectl.exits.signals import Signal
 from eectl.runtime.batch import new_batch_kv, run_prefill
 from eectl.runtime.blocks import run_block
 from eectl.runtime.exit_logits import Decide
-
-if TYPE_CHECKING:
-    from eectl.runtime.runner import Runner
+from eectl.runtime.policies import KVPolicy
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
 
 SCORE_ROWS = 256  # positions per exit-test or head call: bounds its [N, V] logits (50 MB at V = 49k, fp32)
 BATCH_TOKENS = 2048  # padded positions per batched pass (rows x the longest text): the K/V and states it holds
+
+
+class Runner(Protocol):
+    """What scoring reads of the runner (runner.Runner, which imports this module)."""
+
+    rt: ArtifactRuntime
+    m: Manifest
+    cfg: RunConfig
+    policy: KVPolicy
+    signal: Signal
+    exits: list[int]
+    gates: dict[int, Any]
+    exit_after_segment: dict[int, int]
+    block_after_segment: dict[int, int]
+    final_segment: int
+    L: int
+
+    def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[Any, int, Any]]: ...
 
 
 @dataclass
