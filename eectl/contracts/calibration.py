@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
 
 from eectl import __version__
+from eectl.contracts.certificate import Certificate
 from eectl.contracts.gates import GATE, Gate
 from eectl.contracts.layers import check_exit_layers
 from eectl.contracts.names import SIGNAL_SPECS
@@ -158,6 +159,8 @@ class Calibration(_Model):
     gate_keep: float | None = None
     # drafts from the context replayed on the generated continuations (the plan prices them); None: no continuations
     lookup: LookupStats | None = None
+    # calibrate --guarantee sequence: a risk-controlled setting for whole continuations (contracts/certificate.py)
+    certificate: Certificate | None = None
     threads: int = 0
     wall_s: float = 0.0
     seconds_per_10k_tokens: float = 0.0
