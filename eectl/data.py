@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,20 @@ def token_chunks(tokenizer: object, data: TextData, n_tokens: int, chunk_len: in
             hint="lower --tokens or pass more data",
         )
     return chunks
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
+
+
+def final_number(text: str) -> str | None:
+    """The last number in a text (GSM8K-style answers), without thousands separators."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
+def gsm8k_answers(texts: list[str]) -> list[str | None]:
+    """The final answer of GSM8K-style records (after '####', without thousands separators), None elsewhere."""
+    return [t.split("####")[-1].strip().replace(",", "") if "####" in t else None for t in texts]
 
 
 def encode_prompt(tokenizer: Any, prompt: str, raw: bool = False) -> list[int]:

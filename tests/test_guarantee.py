@@ -80,3 +80,74 @@ def test_sample_size_helpers_agree_with_the_test():
     ub = g.upper_bound(0.05, 400, EPSILON, g.BINOMIAL)
     assert 0.05 < ub < DELTA
     assert g.p_value(0.05, 400, ub + 1e-6, g.BINOMIAL) <= EPSILON < g.p_value(0.05, 400, ub - 1e-3, g.BINOMIAL)
+
+
+def test_calibrate_sequence_certifies_an_artifact_and_run_and_bench_use_it(exported, tmp_path):
+    """The CLI end to end on a tiny artifact: the conservative setting (nothing exits) is certified, the aggressive
+    one fails; the certificate lands in the manifest, `run --policy certified` runs it, bench checks it."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+    from eectl.contracts.manifest import read_manifest
+
+    _, folder = exported["llama"]
+    art = tmp_path / "art"
+    shutil.copytree(folder, art)
+    data = tmp_path / "prompts.txt"
+    data.write_text("\n\n".join(f"prompt number {i} about caches and layers" for i in range(40)))
+    base = [
+        "calibrate",
+        "--guarantee",
+        "sequence",
+        "--artifact",
+        str(art),
+        "--data",
+        str(data),
+        "--signal",
+        "topk-prob",
+        "--exits",
+        "2,4",
+        "--risk",
+        "first:4",
+        "--grid",
+        "0.9,0.05",
+    ]
+    few = CliRunner().invoke(app, [*base, "--prompts", "20"])
+    assert few.exit_code == 2 and "needs at least 29 prompts" in few.stderr
+    res = CliRunner().invoke(app, [*base, "--prompts", "40", "--json"])
+    assert res.exit_code == 0, res.output
+    cert = json.loads(res.stdout)
+    assert cert["threshold"] == 0.9 and cert["empirical_risk"] == 0.0 and cert["bound"] == "binomial"
+    assert [t["rejected"] for t in cert["tested"]] == [True, False]  # K = 8: 0.05 lets every token exit at 2
+    assert cert["tested"][1]["risk"] > 0.1 and cert["tested"][1]["mean_layers"] < cert["tested"][0]["mean_layers"]
+    m = read_manifest(art)
+    assert m.certificate is not None
+    assert m.certificate.describe().startswith("defer at exits [2, 4] (topk-prob >= 0.9)")
+    run = CliRunner().invoke(app, ["run", str(art), "hello", "--policy", "certified", "--max-new-tokens", "4"])
+    assert run.exit_code == 0 and "certified: defer at exits [2, 4]" in run.output, run.output
+    bench = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            str(art),
+            "--data",
+            str(data),
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--reps",
+            "1",
+            "--policies",
+            "full",
+            "--ppl-tokens",
+            "0",
+            "--sweep",
+            "",
+        ],
+    )
+    assert bench.exit_code == 0, bench.output
+    assert "certificate check: realized risk 0.000 on 2 prompts of this run: inside" in bench.output

@@ -120,8 +120,8 @@ def bench(
     json_out: JsonOpt = False,
 ) -> None:
     """Speed and fidelity against full depth (and transformers generate), side by side, in one run."""
-    from eectl.data import load_text_data
-    from eectl.evaluate.bench import bench_units, gsm8k_answers, heldout_texts, run_bench
+    from eectl.data import gsm8k_answers, load_text_data
+    from eectl.evaluate.bench import bench_units, heldout_texts, run_bench
     from eectl.evaluate.report import report_files, summary, write_report
     from eectl.evaluate.results import BenchOptions
 

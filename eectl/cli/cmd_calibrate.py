@@ -127,11 +127,74 @@ def calibrate(
             "--out", help="Where to write it (default: artifacts/<model>-calibration.json).", rich_help_panel="Output"
         ),
     ] = None,
+    guarantee: Annotated[
+        str,
+        typer.Option(
+            help="token: per-token agreement (thresholds per exit); sequence: certify one threshold over all exits of "
+            "--artifact for whole continuations (Learn-then-Test).",
+            rich_help_panel="Sequence guarantee",
+        ),
+    ] = "token",
+    artifact: Annotated[
+        Path | None, typer.Option(help="The exported artifact to certify.", rich_help_panel="Sequence guarantee")
+    ] = None,
+    risk: Annotated[
+        str,
+        typer.Option(
+            help="first:N (differs from full depth in its first N tokens), share:N, or exact-match (GSM8K).",
+            rich_help_panel="Sequence guarantee",
+        ),
+    ] = "first:32",
+    delta: Annotated[float, typer.Option(help="The risk to bound.", rich_help_panel="Sequence guarantee")] = 0.1,
+    epsilon: Annotated[
+        float, typer.Option(help="1 - confidence over the calibration draw.", rich_help_panel="Sequence guarantee")
+    ] = 0.05,
+    policy: Annotated[str, typer.Option(help="KV policy to certify.", rich_help_panel="Sequence guarantee")] = "defer",
+    grid: Annotated[
+        str | None,
+        typer.Option(
+            help="Thresholds to test, highest first (default by signal).", rich_help_panel="Sequence guarantee"
+        ),
+    ] = None,
+    prompts: Annotated[int, typer.Option(help="Calibration prompts.", rich_help_panel="Sequence guarantee")] = 400,
+    offset: Annotated[
+        int, typer.Option(help="Skip this many of the data's prompts.", rich_help_panel="Sequence guarantee")
+    ] = 0,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Per-exit thresholds so that exits agree with the full model at a stated rate (sequential, held-out checked)."""
+    """Per-exit thresholds so that exits agree with the full model at a stated rate (sequential, held-out checked);
+    with --guarantee sequence, a certified threshold for whole continuations of an exported artifact."""
+    if guarantee not in ("token", "sequence"):
+        raise UsageError(f"--guarantee must be token or sequence, got '{guarantee}'")
+    if guarantee == "sequence":
+        from eectl.calibrate.sequence import SequenceOptions
+        from eectl.cli.calibrate_sequence import calibrate_sequence
+
+        try:
+            values = [float(x) for x in grid.split(",") if x.strip()] if grid is not None else None
+        except ValueError:
+            raise UsageError(f"--grid must be comma-separated numbers, got '{grid}'") from None
+        seq = SequenceOptions(
+            risk=risk,
+            delta=delta,
+            epsilon=epsilon,
+            policy=policy,
+            exits=parse_layers(exits) or None,
+            signal=signal,
+            top_k=top_k,
+            grid=values,
+            slots=8 if gen_batch == 64 else gen_batch,
+        )
+        r = load_recipe(recipe)
+        n_threads = set_threads(threads, r)
+        out = Output(json_out)
+        src = pick(data, r.data.source)
+        calibrate_sequence(
+            out, artifact, src, pick(field, r.data.field), seq, prompts, offset, raw, n_threads, out_path
+        )
+        return
     from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model, check_options
     from eectl.contracts.calibration import write_calibration
     from eectl.data import load_text_data

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 RISKS = ("first", "share", "exact-match")
+CERTIFIED = "certified"  # run --policy / bench configuration name of the certified setting
 
 
 def parse_risk(spec: str) -> tuple[str, int | None]:

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eectl.contracts.calibration import Calibration
+from eectl.contracts.certificate import Certificate
 from eectl.contracts.heads import HeadsMeta
 from eectl.contracts.plan import Costs, Plan
 from eectl.errors import ArtifactError
@@ -135,6 +136,8 @@ class Manifest(_M):
     kv_policies: list[str]  # the KV policies the runner may use with this artifact (eectl.runtime.policies)
     quantization: Quantization | None = None  # weight-only int4 graphs (export --weights int4 / --river)
     calibration: Calibration | None = None  # signal, exits and thresholds (inf: never exits) from eectl calibrate
+    # calibrate --guarantee sequence on this artifact: a certified setting for whole continuations
+    certificate: Certificate | None = None
     # how the first active exit picks the K candidates: {"name": first-exit-topk|shortlist|int8, "size", "ids"}
     candidate_source: dict[str, Any] = Field(default_factory=lambda: {"name": "first-exit-topk"})
     costs: Costs | None = None  # measured per-graph costs (plan/costs.py), the cost model's input

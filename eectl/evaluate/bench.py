@@ -22,7 +22,6 @@ What this module does not do: export or calibrate.
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,11 +29,21 @@ from typing import Any
 
 import numpy as np
 
+from eectl.calibrate.sequence import realized_risk
+from eectl.contracts.certificate import CERTIFIED
 from eectl.contracts.gates import GATE
-from eectl.data import encode_prompt
+from eectl.data import encode_prompt, final_number
 from eectl.errors import UsageError
 from eectl.evaluate.report import markdown, write_report
-from eectl.evaluate.results import AA, BASELINES, LOOKUP, LOOKUP_CONFIGS, BenchOptions, BenchResult, ConfigResult
+from eectl.evaluate.results import (
+    AA,
+    BASELINES,
+    LOOKUP,
+    LOOKUP_CONFIGS,
+    BenchOptions,
+    BenchResult,
+    ConfigResult,
+)
 from eectl.evaluate.river_kv import river_kv_cosine
 from eectl.evaluate.stats import (
     AA_BAND,
@@ -59,15 +68,6 @@ from eectl.runtime.state import Generation, RunConfig
 
 __all__ = ["markdown", "write_report"]  # the report's entry points, re-exported for the CLI
 RIVER_EXIT = "river-exit"  # the river policy, predicting at the exit instead of the river's end
-
-
-_NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
-
-
-def final_number(text: str) -> str | None:
-    """The last number in a text (GSM8K-style answers), without thousands separators."""
-    found = _NUMBER.findall(text)
-    return found[-1].replace(",", "").rstrip(".") if found else None
 
 
 def bench_units(opts: BenchOptions, prompts: int) -> int:
@@ -128,11 +128,6 @@ class _HF:
         return new, ttft, lat
 
 
-def gsm8k_answers(texts: list[str]) -> list[str | None]:
-    """The final answer of GSM8K-style records (after '####', without thousands separators), None elsewhere."""
-    return [t.split("####")[-1].strip().replace(",", "") if "####" in t else None for t in texts]
-
-
 def heldout_texts(texts: list[str]) -> list[str]:
     """The last tenth of the records (at least one): the text teacher-forced perplexity is measured on."""
     return texts[-max(1, len(texts) // 10) :]
@@ -172,6 +167,23 @@ class _Configs:
             cfg = resolve_config(rt, chosen, stop)
             self.runners[name] = Runner(rt, cfg)
             self.configs[name] = cfg
+        cert = rt.manifest.certificate
+        if CERTIFIED in opts.configs:  # the sequence certificate's setting, as it was certified
+            if cert is None or not cert.certified:
+                raise UsageError(
+                    "the certified configuration needs a certificate", hint="calibrate --guarantee sequence"
+                )
+            self.configs[CERTIFIED] = RunConfig(
+                exits=cert.exits,
+                thresholds=cert.thresholds(),
+                policy=cert.policy,
+                signal=cert.signal,
+                top_k=cert.top_k,
+                max_new_tokens=opts.max_new_tokens,
+                stop_ids=stop,
+                note="the setting of the sequence certificate below",
+            )
+            self.runners[CERTIFIED] = Runner(rt, self.configs[CERTIFIED])
         for name, path in opts.compare.items():  # other artifacts (int4 ...) at full depth, one thread pool
             other = ArtifactRuntime(path, provider=opts.provider, threads=opts.threads)
             if other.manifest.model.get("sha256") != rt.manifest.model.get("sha256"):
@@ -352,8 +364,8 @@ def run_bench(
 ) -> BenchResult:
     """Run the configurations interleaved; `progress(1)` after each prompt generated and each perplexity pass
     (bench_units gives the total)."""
-    known = (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, *opts.compare)
-    clash = [c for c in opts.compare if c in (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS)]
+    known = (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED, *opts.compare)
+    clash = [c for c in opts.compare if c in (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED)]
     if clash:
         raise UsageError(f"--compare name '{clash[0]}' is a built-in configuration; pick another name")
     bad = [c for c in opts.configs if c not in known]
@@ -371,6 +383,9 @@ def run_bench(
     m = rt.manifest
     if m.plan is not None and m.plan.default == LOOKUP and LOOKUP not in opts.configs:
         opts.configs.append(LOOKUP)  # the artifact's default configuration is always benchmarked
+    cert = m.certificate
+    if cert is not None and cert.certified and CERTIFIED not in opts.configs:
+        opts.configs.append(CERTIFIED)  # a certificate is always checked on the bench's prompts
     tok = load_tokenizer(rt)
     ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
     configs = _Configs(rt, opts, tuple(m.eos_token_ids), progress)
@@ -404,6 +419,11 @@ def run_bench(
             log.log("river: its K/V against the exact K/V of the same tokens, per layer (first prompt)")
         river_kv = river_kv_cosine(configs.runners["river"], ids[0])
     sweep = _sweep(configs, ids, full_tokens)
+    check = ""
+    if cert is not None and CERTIFIED in runs:
+        decode = lambda t: str(tok.decode(t, skip_special_tokens=True))  # noqa: E731
+        got = runs[CERTIFIED][0].generations
+        _, check = realized_risk(cert, got, full_tokens, decode, answers or [None] * len(got), opts.max_new_tokens)
     default, plan_line = (m.plan.default, m.plan.summary()) if m.plan is not None else ("", "")
     return BenchResult(
         artifact=str(artifact),
@@ -429,6 +449,8 @@ def run_bench(
         aa_band=AA_BAND,
         other_load=None if load is None else round(load, 3),
         resolution=None if resolution is None else round(resolution, 4),
+        certificate=cert.describe() if cert is not None else "",
+        certificate_check=check,
     )
 
 

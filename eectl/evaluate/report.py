@@ -75,6 +75,10 @@ def summary(result: BenchResult) -> str:
     lines = _table(["config", "exits", "ms/token", "vs full [95% CI]", "token agreement", "verdict"], rows)
     lines += [f"- {c.name}: {c.note}" for c in result.configs if c.note]
     lines += [f"- {c.name} drafts: {_drafts(c)}" for c in result.configs if c.drafted or c.prompt_drafted]
+    if result.certificate:
+        lines += [f"- certificate: {result.certificate}"]
+    if result.certificate_check:
+        lines += [f"- certificate check: {result.certificate_check}"]
     reach = f"; this run resolves speedups beyond +-{result.resolution:.1%}" if result.resolution is not None else ""
     lines += ["", f"verdict: {result.verdict or '-'} ({result.reps_run} repetitions timed{reach})"]
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ BASELINES = ("hf", "full", AA)  # every other configuration is a KV policy's nam
 # LOOKUP: full depth with drafts from the context (prompt lookup) checked by verify's pass
 VERIFY_LOOKUP = "verify+lookup"  # verify's exit drafts and drafts from the context together
 LOOKUP_CONFIGS = (LOOKUP, VERIFY_LOOKUP)
+# CERTIFIED: the setting of the artifact's sequence certificate (calibrate --guarantee sequence)
 
 
 @dataclass
@@ -116,6 +117,8 @@ class BenchResult:
     aa_band: tuple[float, float] = (0.97, 1.03)
     other_load: float | None = None  # CPU cores other processes kept busy during the timed phase (from /proc)
     resolution: float | None = None  # the A/A interval's reach from 1.0: speedups within 1 +- this are noise here
+    certificate: str = ""  # the artifact's sequence certificate, as a sentence
+    certificate_check: str = ""  # its risk realized on this run's prompts, and whether it sits inside the bound
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eectl.contracts.calibration import never_exits
+from eectl.contracts.certificate import CERTIFIED
 from eectl.contracts.gates import GATE
 from eectl.contracts.layers import parse_layers
 from eectl.contracts.names import POLICY_SPECS, SIGNAL_SPECS
@@ -104,7 +105,7 @@ def check_options(opts: RunOptions) -> None:
         raise UsageError(f"--prompt-drafts must be in 0..{MAX_DRAFTS}, got {opts.prompt_drafts}")
     if opts.signal is not None and opts.signal not in SIGNAL_SPECS:
         raise UsageError(f"--signal must be one of {', '.join(SIGNAL_SPECS)}, got '{opts.signal}'")
-    known = (*POLICY_SPECS, LOOKUP, "full")
+    known = (*POLICY_SPECS, LOOKUP, CERTIFIED, "full")
     if opts.policy is not None and opts.policy not in known:
         raise UsageError(f"--policy must be one of {', '.join(known)}, got '{opts.policy}'")
     if opts.river_predict not in ("end", "exit"):
@@ -132,6 +133,8 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
     # a policy the plan does not price (river: `export --river`) runs on the calibration's exits, as without a plan
     priced = plan is not None and (opts.policy in (None, "full", LOOKUP) or opts.policy in plan.choices)
     follow = priced and bool(plan and plan.choices) and opts.exits is None and opts.thresholds is None and same_signal
+    if opts.policy == CERTIFIED:
+        return _certified(rt, opts, stop_ids)
     if opts.policy == LOOKUP or (follow and opts.policy is None and plan is not None and plan.default == LOOKUP):
         return _lookup(rt, opts, stop_ids, signal.name)
     if follow:
@@ -180,6 +183,19 @@ def _from_plan(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...],
         f"({plan.level:.0%} interval)" + ("" if opts.policy else " (the default)")
     )
     return _config(rt, opts, stop_ids, signal, policy, list(choice.exits), thresholds, note, planned=True)
+
+
+def _certified(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -> RunConfig:
+    """--policy certified: the setting of the artifact's sequence certificate (calibrate --guarantee sequence), as it
+    was certified (its policy, exits, signal, threshold and K)."""
+    cert = rt.manifest.certificate
+    if cert is None or not cert.certified:
+        raise UsageError("this artifact holds no sequence certificate", hint="eectl calibrate --guarantee sequence")
+    if opts.exits is not None or opts.thresholds is not None or opts.signal is not None or opts.threshold_scale != 1:
+        raise UsageError("--policy certified runs the certified setting: drop --exits/--thresholds/--signal/--scale")
+    chosen = replace(opts, top_k=cert.top_k)
+    note = f"certified: {cert.describe()}"
+    return _config(rt, chosen, stop_ids, cert.signal, cert.policy, list(cert.exits), cert.thresholds(), note)
 
 
 def _lookup(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], signal: str) -> RunConfig:
