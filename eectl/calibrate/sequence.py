@@ -28,7 +28,26 @@ from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import Generation, RunConfig
 
 # from the most conservative to the most aggressive; signals whose values are probabilities or cosines in [0, 1]
-DEFAULT_GRID = (0.999, 0.998, 0.995, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.92, 0.9, 0.88, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5)
+DEFAULT_GRID = (
+    0.999,
+    0.998,
+    0.995,
+    0.99,
+    0.98,
+    0.97,
+    0.96,
+    0.95,
+    0.94,
+    0.92,
+    0.9,
+    0.88,
+    0.85,
+    0.8,
+    0.75,
+    0.7,
+    0.6,
+    0.5,
+)
 LOGIT_SIGNALS = ("learned",)  # its score is a logit of agreement: the grid above in logit space
 EXACT_MATCH_TOKENS = 256
 
