@@ -319,6 +319,9 @@ def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
     first = cal.candidates_layer if cal is not None else None
     if config.planned:  # the plan's thresholds were fitted with the candidates at its own first exit
         return None
+    cert = rt.manifest.certificate  # a certified setting was measured as it runs, candidates included
+    if cert is not None and cert.matches(config.policy, config.exits, config.signal, config.thresholds):
+        return None
     if get_signal(config.signal).needs_candidates and config.exits and first and config.exits[0] != first:
         return (
             f"thresholds were calibrated with Top-K candidates chosen at exit {first}; with exit "
