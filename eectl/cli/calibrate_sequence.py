@@ -8,6 +8,30 @@ from pathlib import Path
 from eectl.output import Output
 
 
+def sequence_options(
+    risk: str,
+    delta: float,
+    epsilon: float,
+    policy: str,
+    exits: list[int] | None,
+    signal: str | None,
+    top_k: int | None,
+    grid: str | None,
+    gen_batch: int,
+) -> object:
+    """calibrate's options as calibrate/sequence.py's SequenceOptions (--grid parsed; --gen-batch: rows decoded
+    together, its token-mode default 64 taken as 8)."""
+    from eectl.calibrate.sequence import SequenceOptions
+    from eectl.errors import UsageError
+
+    try:
+        values = [float(x) for x in grid.split(",") if x.strip()] if grid is not None else None
+    except ValueError:
+        raise UsageError(f"--grid must be comma-separated numbers, got '{grid}'") from None
+    slots = 8 if gen_batch == 64 else gen_batch
+    return SequenceOptions(risk, delta, epsilon, policy, exits or None, signal, top_k, values, slots=slots)
+
+
 def calibrate_sequence(
     out: Output,
     artifact: Path | None,

@@ -169,31 +169,13 @@ def calibrate(
     if guarantee not in ("token", "sequence"):
         raise UsageError(f"--guarantee must be token or sequence, got '{guarantee}'")
     if guarantee == "sequence":
-        from eectl.calibrate.sequence import SequenceOptions
-        from eectl.cli.calibrate_sequence import calibrate_sequence
+        from eectl.cli.calibrate_sequence import calibrate_sequence, sequence_options
 
-        try:
-            values = [float(x) for x in grid.split(",") if x.strip()] if grid is not None else None
-        except ValueError:
-            raise UsageError(f"--grid must be comma-separated numbers, got '{grid}'") from None
-        seq = SequenceOptions(
-            risk=risk,
-            delta=delta,
-            epsilon=epsilon,
-            policy=policy,
-            exits=parse_layers(exits) or None,
-            signal=signal,
-            top_k=top_k,
-            grid=values,
-            slots=8 if gen_batch == 64 else gen_batch,
-        )
+        seq = sequence_options(risk, delta, epsilon, policy, parse_layers(exits), signal, top_k, grid, gen_batch)
         r = load_recipe(recipe)
+        src, fld = pick(data, r.data.source), pick(field, r.data.field)
         n_threads = set_threads(threads, r)
-        out = Output(json_out)
-        src = pick(data, r.data.source)
-        calibrate_sequence(
-            out, artifact, src, pick(field, r.data.field), seq, prompts, offset, raw, n_threads, out_path
-        )
+        calibrate_sequence(Output(json_out), artifact, src, fld, seq, prompts, offset, raw, n_threads, out_path)
         return
     from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model, check_options
     from eectl.contracts.calibration import write_calibration

@@ -419,11 +419,7 @@ def run_bench(
             log.log("river: its K/V against the exact K/V of the same tokens, per layer (first prompt)")
         river_kv = river_kv_cosine(configs.runners["river"], ids[0])
     sweep = _sweep(configs, ids, full_tokens)
-    check = ""
-    if cert is not None and CERTIFIED in runs:
-        decode = lambda t: str(tok.decode(t, skip_special_tokens=True))  # noqa: E731
-        got = runs[CERTIFIED][0].generations
-        _, check = realized_risk(cert, got, full_tokens, decode, answers or [None] * len(got), opts.max_new_tokens)
+    check = _certificate_check(cert, runs, tok, answers, opts.max_new_tokens)
     default, plan_line = (m.plan.default, m.plan.summary()) if m.plan is not None else ("", "")
     return BenchResult(
         artifact=str(artifact),
@@ -452,6 +448,15 @@ def run_bench(
         certificate=cert.describe() if cert is not None else "",
         certificate_check=check,
     )
+
+
+def _certificate_check(cert: Any, runs: dict[str, Any], tok: Any, answers: Any, generated: int) -> str:
+    """The certificate's risk on this run's prompts (its certified configuration against full depth), as a line."""
+    if cert is None or CERTIFIED not in runs:
+        return ""
+    got, full = runs[CERTIFIED][0].generations, runs["full"][0].generations
+    decode = lambda t: str(tok.decode(t, skip_special_tokens=True))  # noqa: E731
+    return realized_risk(cert, got, full, decode, answers or [None] * len(got), generated)[1]
 
 
 def _notes(rt: ArtifactRuntime, opts: BenchOptions) -> list[str]:

@@ -135,28 +135,7 @@ def run_eval(
         if log is not None:
             log(f"lm-eval: {', '.join(opts.tasks)} with {config} (limit {opts.limit})")
         t0 = time.perf_counter()
-        lm: Any
-        if config == "hf":
-            from eectl.evaluate.lmeval_model import timed_hflm
-
-            lm = timed_hflm(
-                pretrained=opts.hf_model or hf_checkpoint(artifact),
-                device="cpu",
-                batch_size=1,
-                dtype="float32",
-                max_length=_max_length_of(artifact),
-            )
-        else:
-            lm = make_lm_class()(
-                artifact=str(artifact),
-                exits="none" if config in ("full", LOOKUP) else opts.exits,  # lookup: full depth + context drafts
-                policy="defer" if config == "full" else config,
-                thresholds=opts.thresholds,
-                threshold_scale=opts.threshold_scale,
-                signal=opts.signal,
-                threads=opts.threads,
-                batch_size=opts.batch_size,
-            )
+        lm = _model(artifact, config, opts)
         out = lm_eval.simple_evaluate(
             model=lm,
             tasks=list(opts.tasks),
@@ -197,6 +176,32 @@ def run_eval(
         )
     settings = {"tasks": opts.tasks, "limit": opts.limit, "num_fewshot": opts.num_fewshot, "configs": opts.configs}
     return scores, settings
+
+
+def _model(artifact: str | Path, config: str, opts: EvalOptions) -> Any:
+    """The lm-eval model of one configuration: lm-eval's hf model (timed) or the artifact's."""
+    from eectl.contracts.plan import LOOKUP
+
+    if config == "hf":
+        from eectl.evaluate.lmeval_model import timed_hflm
+
+        return timed_hflm(
+            pretrained=opts.hf_model or hf_checkpoint(artifact),
+            device="cpu",
+            batch_size=1,
+            dtype="float32",
+            max_length=_max_length_of(artifact),
+        )
+    return make_lm_class()(
+        artifact=str(artifact),
+        exits="none" if config in ("full", LOOKUP) else opts.exits,  # lookup: full depth + context drafts
+        policy="defer" if config == "full" else config,
+        thresholds=opts.thresholds,
+        threshold_scale=opts.threshold_scale,
+        signal=opts.signal,
+        threads=opts.threads,
+        batch_size=opts.batch_size,
+    )
 
 
 def _max_length_of(artifact: str | Path) -> int:

@@ -363,15 +363,12 @@ class Runner:
         """Teacher-forced: -log p(next token) at positions prompt_len - 1 .. len(ids) - 2 under the distribution of
         the layer each was decided at (its full vocabulary; exits deciding as in generation, the first position at
         full depth as after a prefill), and those layers. Verify is not scored (its output equals full depth)."""
-        if scoring.one_pass(self):
-            got = scoring.score_texts(self, [(ids, prompt_len)])[0]
-            return got.nll, got.layers
-        st = self._teacher_forced(ids, prompt_len)
-        return st.nll, st.exit_layers
+        got = self.score_many([(ids, prompt_len)])[0]
+        return got.nll, got.layers
 
     def score_many(self, texts: list[tuple[list[int], int]], rows: int = 1) -> list[scoring.Scored]:
-        """`score` for several (ids, prompt_len), with the argmax at each position: `rows` texts per pass where the
-        configuration scores in one pass (runtime/scoring.py), else one by one, token by token."""
+        """`score` for several (ids, prompt_len) with each position's argmax: in one pass (runtime/scoring.py, `rows`
+        texts a pass) where the configuration allows, else token by token."""
         if scoring.one_pass(self):
             return scoring.score_texts(self, texts, rows)
         done = [self._teacher_forced(ids, p) for ids, p in texts]
