@@ -213,14 +213,36 @@ def foreign_files(folder: Path) -> list[str]:
     return out
 
 
+def graph_ios(m: Manifest) -> list[GraphIO]:
+    """Every graph the manifest names, wherever it sits (embedding, segments and their river copies, exits, their
+    candidate, river and block graphs): found by walking the whole document rather than listed field by field, so a
+    graph field added later is confined and must be hashed like the others without anyone remembering to add it
+    here (block graphs were once opened with no hash check that way)."""
+    found: list[GraphIO] = []
+    todo: list[Any] = [m]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, GraphIO):
+            found.append(x)
+        elif isinstance(x, BaseModel):
+            todo += [getattr(x, name) for name in type(x).model_fields]
+        elif isinstance(x, list | tuple):
+            todo += list(x)
+        elif isinstance(x, dict):
+            todo += list(x.values())
+    return found
+
+
+def referenced_files(m: Manifest) -> set[str]:
+    """Every file the runtime opens by name from the manifest: each graph, its external data, each shared weight.
+    All of them must be listed (and so hashed) in `files`; the tokenizer's folder is checked apart."""
+    named = {w.file for w in m.shared_weights.values()}
+    return named | {f for g in graph_ios(m) for f in (g.file, g.data) if f is not None}
+
+
 def artifact_paths(m: Manifest) -> list[str]:
     """Every path the manifest names, relative to the artifact folder."""
-    paths = [m.tokenizer_dir, m.embedding.file, *m.files, *(w.file for w in m.shared_weights.values())]
-    for s in m.segments:
-        paths += [s.graph.file, s.kv_graph.file]
-    for e in m.exits:
-        paths += [e.full.file, e.local.file]
-    return paths
+    return [m.tokenizer_dir, *m.files, *sorted(referenced_files(m))]
 
 
 def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
@@ -289,14 +311,11 @@ def _check_consistency(m: Manifest, folder: str | Path) -> None:
         raise ArtifactError(f"inconsistent manifest in {folder}: exits must sit at segment ends, the last at {L}")
     if len(m.kv.past_key) != L or len(m.kv.present_key) != L:
         raise ArtifactError(f"inconsistent manifest in {folder}: KV names for {len(m.kv.past_key)} of {L} layers")
-    listed = set(m.files)
-    graphs = [m.embedding, *(g for s in m.segments for g in (s.graph, s.kv_graph))]
-    graphs += [g for e in m.exits for g in (e.full, e.local)]
-    graphs += [s.river for s in m.segments if s.river is not None]
-    graphs += [g for e in m.exits for g in (e.river, e.candidates) if g is not None]
-    needed = {w.file for w in m.shared_weights.values()}
-    needed |= {f for g in graphs for f in (g.file, g.data) if f is not None}
-    if not needed <= listed:
-        raise ArtifactError(f"inconsistent manifest in {folder}: files not hashed: {sorted(needed - listed)}")
+    unlisted = sorted(referenced_files(m) - set(m.files))
+    if unlisted:  # a graph or weight outside `files` would be opened and run with no hash check
+        raise ArtifactError(
+            f"inconsistent manifest in {folder}: files not hashed: {unlisted}",
+            hint="every graph and weight the manifest names must be in its `files`; re-export the artifact",
+        )
     if m.calibration is not None and not set(m.calibration.exit_layers) <= set(m.exit_layers):
         raise ArtifactError(f"inconsistent manifest in {folder}: calibrated exits are not among the artifact's")
