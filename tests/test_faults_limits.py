@@ -67,3 +67,29 @@ def test_a_block_graph_missing_from_files_is_refused_at_load(artifact, tmp_path)
         read_manifest(art, verify_hashes=False)  # listing is checked even where hashes are not
     line = _one_line(runner.invoke(app, ["run", str(art), "hi", "--raw", "-n", "2"]), 5)
     assert "block_003.onnx" in line and "files" in line
+
+
+# --- 2. eval's hf baseline is the artifact's model ---------------------------------------------------------------
+
+
+def test_the_hf_baseline_is_checked_against_the_artifacts_model_hash(artifact, tmp_path, monkeypatch):
+    """`eval --configs hf` loads the checkpoint the manifest names: its weights must hash to model.sha256 (before,
+    any model at that path was the baseline, silently)."""
+    from eectl.evaluate.lmeval import hf_checkpoint
+    from tests.tiny import GSM8K
+
+    hf = hf_checkpoint(artifact)
+    assert hf.checked and "model.sha256" in hf.note
+    assert Path(hf.pretrained) == Path(json.loads((artifact / MANIFEST).read_text())["model"]["path"])
+    art = _copy(artifact, tmp_path)
+    doc = json.loads((art / MANIFEST).read_text())
+    doc["model"]["sha256"] = "0" * 64  # what the checkpoint at model.spec hashed to at export: not what it is now
+    (art / MANIFEST).write_text(json.dumps(doc))
+
+    def no_eval(*a, **k):
+        raise AssertionError("lm-eval ran before the checkpoint was checked")
+
+    monkeypatch.setattr("lm_eval.simple_evaluate", no_eval)
+    args = ["eval", str(art), "--configs", "full,hf", "--tasks", "eectl_gsm8k_loglik", "--gsm8k", str(GSM8K)]
+    line = _one_line(runner.invoke(app, [*args, "--limit", "1"]), 3)
+    assert "not the model it was exported from" in line and "model.sha256" in line

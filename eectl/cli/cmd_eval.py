@@ -81,6 +81,8 @@ def eval_(
     out.json({"artifact": artifact, "threads": n_threads, **settings, "scores": [_row(s) for s in scores]})
     if not out.json_mode:
         out.out.print(markdown(scores), markup=False, highlight=False)
+        if "hf" in settings:  # what the hf row is compared against, and whether that was checked
+            out.out.print(f"\n{settings['hf']['note']}", markup=False, highlight=False)
 
 
 def _row(s: object) -> dict[str, object]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eectl.errors import UsageError
+from eectl.errors import ModelLoadError, UsageError
 from eectl.evaluate.lmeval_stats import DEFAULT_BATCH, EvalStats
 
 TASKS_DIR = Path(__file__).parent / "lmeval_tasks"
@@ -86,18 +86,41 @@ class ConfigScores:
     wall_s: float
 
 
-def hf_checkpoint(artifact: str | Path) -> str:
-    """The folder lm-eval's hf model loads for the artifact's checkpoint (a GGUF's converted cache folder)."""
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """What the `hf` configuration loads, and what was compared before it did (said in eval's output)."""
+
+    pretrained: str  # the folder (or hub name) lm-eval's hf model loads
+    checked: bool  # its weights hash to the artifact's model.sha256 (the same model the artifact was exported from)
+    note: str  # one sentence: what the hf row is compared against, and how far that was checked
+
+
+def hf_checkpoint(artifact: str | Path, override: str | None = None) -> HFCheckpoint:
+    """The checkpoint lm-eval's hf model loads for the artifact's model (a GGUF's converted cache folder), checked
+    against the manifest's `model.sha256` with the hash export recorded (ModelSource.sha256, over the weight files):
+    a checkpoint edited or replaced since the export is refused (ModelLoadError), so the baseline cannot silently be
+    another model. A hub name has no local weights to hash: that is said in `note` rather than checked."""
     from eectl.contracts.manifest import read_manifest
     from eectl.models.loading import gguf_to_folder, resolve_source
 
+    if override is not None:
+        return HFCheckpoint(override, False, f"hf loads {override}, given instead of the artifact's model: not checked")
     m = read_manifest(Path(artifact), verify_hashes=False)
-    spec = m.model.get("spec")
-    source = resolve_source(None if m.model.get("kind") == "default" else str(spec))
-    if source.kind in ("default", "gguf"):
-        assert source.path is not None
-        return str(gguf_to_folder(source.path))
-    return str(source.path or source.spec)
+    spec = str(m.model.get("spec"))
+    source = resolve_source(None if m.model.get("kind") == "default" else spec)
+    if not source.weight_files:
+        note = f"hf loads the hub model {spec}: its weights are not checked against the artifact's model.sha256"
+        return HFCheckpoint(source.spec, False, note)
+    expected, digest = m.model.get("sha256"), source.sha256
+    if digest != expected:
+        raise ModelLoadError(
+            f"the checkpoint {spec} that the artifact names is not the model it was exported from "
+            f"(weights SHA-256 {digest[:12]}..., the manifest's model.sha256 {str(expected)[:12]}...)",
+            hint="restore that checkpoint, or export the artifact again from this one",
+        )
+    pretrained = str(gguf_to_folder(source.path)) if source.kind in ("default", "gguf") and source.path else None
+    note = f"hf loads {spec}, whose weights' SHA-256 equals the artifact's model.sha256 ({digest[:12]}...)"
+    return HFCheckpoint(pretrained or str(source.path or source.spec), True, note)
 
 
 def run_eval(
@@ -127,6 +150,9 @@ def run_eval(
             "eectl_humaneval runs the generated code to score it", hint="pass --allow-code-execution to allow it"
         )
     make_lm_class()
+    hf = hf_checkpoint(artifact, opts.hf_model) if "hf" in opts.configs else None  # before any configuration runs
+    if hf is not None and log is not None:
+        log(hf.note)
     metadata = {"gsm8k_path": str(Path(opts.gsm8k_path).resolve()) if opts.gsm8k_path else None}
     tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)  # type: ignore[arg-type]
     gen_kwargs = {"max_gen_toks": opts.max_gen_toks} if opts.max_gen_toks else None
@@ -135,7 +161,7 @@ def run_eval(
         if log is not None:
             log(f"lm-eval: {', '.join(opts.tasks)} with {config} (limit {opts.limit})")
         t0 = time.perf_counter()
-        lm = _model(artifact, config, opts)
+        lm = _model(artifact, config, opts, hf)
         out = lm_eval.simple_evaluate(
             model=lm,
             tasks=list(opts.tasks),
@@ -174,19 +200,27 @@ def run_eval(
                 time.perf_counter() - t0,
             )
         )
-    settings = {"tasks": opts.tasks, "limit": opts.limit, "num_fewshot": opts.num_fewshot, "configs": opts.configs}
+    settings: dict[str, Any] = {
+        "tasks": opts.tasks,
+        "limit": opts.limit,
+        "num_fewshot": opts.num_fewshot,
+        "configs": opts.configs,
+    }
+    if hf is not None:
+        settings["hf"] = {"checkpoint": hf.pretrained, "checked": hf.checked, "note": hf.note}
     return scores, settings
 
 
-def _model(artifact: str | Path, config: str, opts: EvalOptions) -> Any:
+def _model(artifact: str | Path, config: str, opts: EvalOptions, hf: HFCheckpoint | None) -> Any:
     """The lm-eval model of one configuration: lm-eval's hf model (timed) or the artifact's."""
     from eectl.contracts.plan import LOOKUP
 
     if config == "hf":
         from eectl.evaluate.lmeval_model import timed_hflm
 
+        assert hf is not None, "run_eval checks the hf checkpoint before the first configuration"
         return timed_hflm(
-            pretrained=opts.hf_model or hf_checkpoint(artifact),
+            pretrained=hf.pretrained,
             device="cpu",
             batch_size=1,
             dtype="float32",
