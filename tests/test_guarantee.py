@@ -123,11 +123,17 @@ def test_calibrate_sequence_certifies_an_artifact_and_run_and_bench_use_it(expor
     assert cert["threshold"] == 0.9 and cert["empirical_risk"] == 0.0 and cert["bound"] == "binomial"
     assert [t["rejected"] for t in cert["tested"]] == [True, False]  # K = 8: 0.05 lets every token exit at 2
     assert cert["tested"][1]["risk"] > 0.1 and cert["tested"][1]["mean_layers"] < cert["tested"][0]["mean_layers"]
+    aggressive = cert["tested"][1]["exit_shares"]  # the shares the plan prices the setting with
+    assert set(aggressive) == {"2", "4"} and aggressive["2"] > 0.5 and sum(aggressive.values()) <= 1.0
+    bad = CliRunner().invoke(app, ["run", str(art), "hello", "--max-risk", "1.5"])
+    assert bad.exit_code == 2 and "--max-risk must be in [0, 1)" in bad.stderr
     m = read_manifest(art)
     assert m.certificate is not None
     assert m.certificate.describe().startswith("defer at exits [2, 4] (topk-prob >= 0.9)")
     run = CliRunner().invoke(app, ["run", str(art), "hello", "--policy", "certified", "--max-new-tokens", "4"])
     assert run.exit_code == 0 and "certified: defer at exits [2, 4]" in run.output, run.output
+    js = CliRunner().invoke(app, ["run", str(art), "hi", "--policy", "certified", "--max-new-tokens", "2", "--json"])
+    assert js.exit_code == 0 and json.loads(js.stdout)["certificate"].startswith("defer at exits [2, 4]")
     bench = CliRunner().invoke(
         app,
         [
@@ -151,3 +157,133 @@ def test_calibrate_sequence_certifies_an_artifact_and_run_and_bench_use_it(expor
     )
     assert bench.exit_code == 0, bench.output
     assert "certificate check: realized risk 0.000 on 2 prompts of this run: inside" in bench.output
+
+
+def _certificate(shares: dict[str, float] | None, delta: float = 0.1, threshold: float | None = 0.9):
+    from eectl.contracts.certificate import Certificate, SettingTest
+
+    rejected = threshold is not None
+    tested = [
+        SettingTest(threshold=0.9, risk=0.02, p_value=1e-4, rejected=rejected, mean_layers=4.0, exit_shares=shares)
+    ]
+    return Certificate(
+        policy="defer",
+        exits=[2, 4],
+        signal="topk-prob",
+        criteria=["prob"],
+        top_k=8,
+        threshold=threshold,
+        risk="first:32",
+        delta=delta,
+        epsilon=0.05,
+        bound="binomial",
+        prompts=400,
+        max_new_tokens=32,
+        empirical_risk=0.02 if threshold is not None else None,
+        upper_bound=0.04 if threshold is not None else None,
+        prompts_needed=None,
+        prompts_for_half_delta=None,
+        tested=tested,
+        data="test",
+        wall_s=1.0,
+        threads=1,
+    )
+
+
+def _tier_costs():
+    from eectl.contracts.plan import Costs
+
+    return Costs(  # segments ending at 2, 4, 6 (the tiny artifact's), 4 ms each, 3 ms of final head
+        provider="cpu",
+        threads=1,
+        past=128,
+        repeats=5,
+        embed_ms=0.0,
+        segment_ms=[4.0, 4.0, 4.0],
+        segment_extra_ms=[0.5, 0.5, 0.5],
+        kv_ms=[1.0, 1.0, 1.0],
+        final_head_ms=3.0,
+        final_head_extra_ms=0.2,
+        candidates_ms={"2": 0.3, "4": 0.3},
+        local_ms={"2": 0.05, "4": 0.05},
+        full_step_ms=15.0,
+    )
+
+
+def test_the_plan_takes_a_lossy_setting_only_with_a_certificate_at_the_users_risk(exported):
+    """#33 item 4: defer (lossy) is never the plan's default by per-token calibration alone; the certificate's
+    setting is, priced with the exit shares its certification measured, when it covers the user's risk and pays."""
+    from eectl.contracts.certificate import CERTIFIED
+    from eectl.contracts.manifest import read_manifest
+    from eectl.plan.choose import plan_manifest, predict
+    from tests.test_plan import _option
+
+    _, folder = exported["llama"]
+    m = read_manifest(folder)
+    boundaries = [s.layers[1] for s in m.segments]
+    assert boundaries == [2, 4, 6] and "defer" in m.kv_policies
+    costs = _tier_costs()
+    fast_defer = m.model_copy(update={"calibration": None})
+    plan = plan_manifest(fast_defer, costs)
+    assert plan.default == "full" and plan.certified is None
+    # a per-token menu where defer pays a lot: still not the default (it is what --policy defer runs)
+    from eectl.plan.choose import choose
+
+    menu = choose(costs, boundaries, [_option([2], [0.6])])
+    assert menu.choices["defer"].exits == [2] and menu.choices["defer"].prediction.speedup > 1.5
+    assert menu.default == "full"
+    # with a certificate whose setting pays: the default, at the predicted speed of its measured shares
+    good = m.model_copy(update={"certificate": _certificate({"2": 0.4, "4": 0.2})})
+    plan = plan_manifest(good, costs)
+    want = predict(costs, boundaries, "defer", [(2, 0.4, None), (4, 0.2, None)])
+    assert want.speedup > 1.3
+    assert plan.default == CERTIFIED and plan.certified is not None
+    assert plan.certified.prediction.speedup == pytest.approx(want.speedup)
+    assert plan.certified.thresholds == {"2": {"prob": 0.9}, "4": {"prob": 0.9}}
+    assert "defer at exits [2, 4] as certified" in plan.summary()
+    # the user's risk decides: a 0.1 certificate is no default for a user accepting 0.05, nor for lossless only
+    assert plan_manifest(good, costs, max_risk=0.2).default == CERTIFIED
+    for strict in (0.05, 0.0):
+        stricter = plan_manifest(good, costs, max_risk=strict)
+        assert stricter.default == "full" and stricter.certified is None
+    # a certified setting that does not clear the line stays off; one without measured shares is not priced;
+    # a certificate that certified nothing is never a default
+    slow = plan_manifest(m.model_copy(update={"certificate": _certificate({"2": 0.0, "4": 0.01})}), costs)
+    assert slow.default == "full" and slow.certified is not None and slow.certified.prediction.speedup < 1.03
+    unpriced = plan_manifest(m.model_copy(update={"certificate": _certificate(None)}), costs)
+    assert unpriced.default == "full" and unpriced.certified is None
+    none = plan_manifest(m.model_copy(update={"certificate": _certificate({"2": 0.4}, threshold=None)}), costs)
+    assert none.default == "full" and none.certified is None
+
+
+def test_run_follows_a_certified_default_and_names_the_certificate_however_it_is_reached(exported):
+    from eectl.contracts.certificate import CERTIFIED
+    from eectl.plan.choose import plan_manifest
+    from eectl.run.generate import RunOptions, calibration_warning, resolve_config
+    from eectl.runtime.sessions import ArtifactRuntime
+    from tests.conftest import make_calibration
+
+    loaded, folder = exported["llama"]
+    rt = ArtifactRuntime(folder, provider="cpu", threads=1)
+    m = rt.manifest
+    m.calibration = make_calibration(loaded, {2: {"prob": 0.5}, 4: {"prob": 0.5}})
+    m.certificate = _certificate({"2": 0.4, "4": 0.2})
+    m.costs = _tier_costs()
+    m.plan = plan_manifest(m, m.costs)
+    assert m.plan.default == CERTIFIED
+    cfg = resolve_config(rt, RunOptions(), ())
+    assert cfg.certified and cfg.policy == "defer" and cfg.exits == [2, 4]
+    assert cfg.thresholds == {2: {"prob": 0.9}, 4: {"prob": 0.9}} and cfg.top_k == 8
+    assert "(the default)" in cfg.note and "certified: defer at exits [2, 4]" in cfg.note
+    # the same setting reached by explicit options is certified too, and says so
+    explicit = RunOptions(policy="defer", exits="2,4", thresholds="0.9", signal="topk-prob")
+    cfg = resolve_config(rt, explicit, ())
+    assert cfg.certified and not cfg.planned and "certified: defer at exits [2, 4]" in cfg.note
+    assert calibration_warning(rt, cfg) is None
+    # another threshold is not the certified setting
+    cfg = resolve_config(rt, RunOptions(policy="defer", exits="2,4", thresholds="0.8", signal="topk-prob"), ())
+    assert not cfg.certified and "certified" not in cfg.note
+    # lossless only: the plan falls back, and the explicit --policy defer still runs the per-token choice
+    m.plan = plan_manifest(m, m.costs, max_risk=0.0)
+    cfg = resolve_config(rt, RunOptions(), ())
+    assert not cfg.certified and cfg.exits == []

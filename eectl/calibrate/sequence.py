@@ -145,8 +145,12 @@ def certify(
         r = float(loss.mean())
         p = guarantee.p_value(r, len(prompts), opts.delta, bound)
         layers = [x for g in gens for x in g.exit_layers]
+        shares = {str(e): layers.count(e) / len(layers) if layers else 0.0 for e in exits}
+        rejected = p <= opts.epsilon
         tested.append(
-            SettingTest(threshold=t, risk=r, p_value=p, rejected=p <= opts.epsilon, mean_layers=_mean(layers))
+            SettingTest(
+                threshold=t, risk=r, p_value=p, rejected=rejected, mean_layers=_mean(layers), exit_shares=shares
+            )
         )
         log(f"threshold {t:g}: risk {r:.3f}, p {p:.3g}, mean layers {tested[-1].mean_layers:.2f}")
         if p > opts.epsilon:

@@ -49,6 +49,17 @@ ThreadsOpt = Annotated[
 ]
 
 
+MaxRiskOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--max-risk",
+        help="The largest certified risk (calibrate --guarantee sequence) a lossy default may carry; 0: lossless "
+        "only (default: the certificate's own delta).",
+        rich_help_panel="Exits",
+    ),
+]
+
+
 ModelArg = Annotated[
     str | None,
     typer.Argument(help="HF model folder, .gguf file, or nothing for the built-in SmolLM2-135M-Instruct."),

@@ -76,8 +76,12 @@ def calibrate_sequence(
         f"delta {opts.delta:g}, epsilon {opts.epsilon:g}, {rt.threads} threads"
     )
     cert = certify(rt, ids, answers, opts, lambda t: str(tok.decode(t, skip_special_tokens=True)), text.name, out.log)
-    m = rt.manifest
-    write_manifest(m.model_copy(update={"certificate": cert}), Path(artifact))
+    m = rt.manifest.model_copy(update={"certificate": cert})
+    if m.plan is not None and m.costs is not None:  # the plan may now choose the certified setting
+        from eectl.plan.choose import plan_manifest
+
+        m.plan = plan_manifest(m, m.costs)
+    write_manifest(m, Path(artifact))
     if out_path is not None and m.calibration is not None:
         write_calibration(m.calibration.model_copy(update={"certificate": cert}), out_path)
     out.json(cert.model_dump(mode="json"))
@@ -91,6 +95,8 @@ def calibrate_sequence(
         rows,
     )
     out.line(f"certificate: {cert.describe()}")
+    if m.plan is not None:
+        out.line(m.plan.summary())
     if cert.upper_bound is not None and cert.empirical_risk is not None:
         out.line(
             f"margin at {cert.prompts} prompts: {cert.upper_bound - cert.empirical_risk:.3f} above the empirical risk"

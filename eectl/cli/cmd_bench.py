@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.cli.app import JsonOpt, MaxRiskOpt, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.plan import DEFAULT_DRAFTS
 from eectl.contracts.recipe import load_recipe, pick
@@ -101,6 +101,7 @@ def bench(
             metavar="",
         ),
     ] = False,
+    max_risk: MaxRiskOpt = None,
     prompt_drafts: Annotated[
         int,
         typer.Option(
@@ -168,6 +169,7 @@ def bench(
         raw=raw,
         batch_size=batch_size,
         profile_costs=profile_costs,
+        max_risk=max_risk,
         prompt_drafts=prompt_drafts,
     )
     with out.progress("bench", total=bench_units(opts, n)) as bar:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.cli.app import JsonOpt, MaxRiskOpt, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.plan import MAX_NGRAM
 from eectl.contracts.recipe import load_recipe, pick
@@ -110,6 +110,7 @@ def run(
             metavar="",
         ),
     ] = False,
+    max_risk: MaxRiskOpt = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -143,6 +144,7 @@ def run(
         provider=provider,
         threads=n_threads,
         profile_costs=profile_costs,
+        max_risk=max_risk,
         prompt_drafts=prompt_drafts,
         draft_ngram=draft_ngram,
     )
@@ -174,6 +176,9 @@ def run(
             "exits": config.exits,
             "thresholds": {str(k): v for k, v in config.thresholds.items()},
             "plan": config.note,
+            "certificate": rt.manifest.certificate.describe()
+            if config.certified and rt.manifest.certificate is not None
+            else None,
             "costs": None if rt.manifest.costs is None else rt.manifest.costs.model_dump(),
             "results": [rep.to_dict() for rep in reports],
         }

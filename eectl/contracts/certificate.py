@@ -46,6 +46,9 @@ class SettingTest(_Model):
     p_value: float
     rejected: bool  # H: risk > delta rejected at epsilon (the sequence goes on)
     mean_layers: float  # over the generated tokens of every prompt
+    # per exit layer (str, JSON keys): the share of the generated tokens emitted there (the plan prices the setting
+    # with them); None in certificates written before the plan consulted them
+    exit_shares: dict[str, float] | None = None
 
 
 class Certificate(_Model):
@@ -80,6 +83,15 @@ class Certificate(_Model):
         t = math.inf if self.threshold is None else self.threshold
         return {e: dict.fromkeys(self.criteria, t) for e in self.exits}
 
+    def setting(self) -> SettingTest | None:
+        """The grid setting that was certified (its measurements), None if nothing was."""
+        return next((t for t in self.tested if t.rejected and t.threshold == self.threshold), None)
+
+    def covers(self, max_risk: float | None) -> bool:
+        """Whether the certified setting may be a plan's default for a user who accepts a risk of at most
+        `max_risk` (None: the certificate's own delta, the one its author asked for)."""
+        return self.certified and (max_risk is None or self.delta <= max_risk)
+
     def describe(self) -> str:
         """One sentence: "defer at exits [12, 24] (topk-prob >= 0.9): P(...) <= 0.10 at 95% confidence, 400 prompts"."""
         conf = f"{1 - self.epsilon:.0%} confidence"
@@ -91,8 +103,17 @@ class Certificate(_Model):
             f"{self.prompts} prompts (empirical {self.empirical_risk:.3f}, bound {self.upper_bound:.3f}, {self.bound})"
         )
 
-    def matches(self, policy: str, exits: list[int], signal: str, thresholds: dict[int, dict[str, float]]) -> bool:
+    def matches(
+        self,
+        policy: str,
+        exits: list[int],
+        signal: str,
+        thresholds: dict[int, dict[str, float]],
+        top_k: int | None = None,
+    ) -> bool:
         """Whether a run configuration is the certified one (the certificate speaks for it)."""
         if self.threshold is None or policy != self.policy or list(exits) != self.exits or signal != self.signal:
+            return False
+        if top_k is not None and top_k != self.top_k:
             return False
         return thresholds == self.thresholds()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from eectl.contracts.certificate import CERTIFIED
+
 MIN_GAIN = 0.03  # the low end of a configuration's predicted speedup must be >= 1 + MIN_GAIN for it to be chosen
 
 
@@ -248,11 +250,15 @@ class Choice(_M):
 class Plan(_M):
     """What export (or `eectl run --profile-costs`) chose, per policy, and the default configuration."""
 
-    default: str  # a policy name, "full", or LOOKUP (full depth with drafts from the context)
+    default: str  # a lossless policy name (verify), "full", LOOKUP (full depth with drafts from the context), or
+    # CERTIFIED (a lossy setting, only with a sequence certificate: `certified` below)
     min_gain: float = MIN_GAIN
     choices: dict[str, Choice] = Field(default_factory=dict)  # policy -> its best option (full depth if none pays)
     lookup: LookupChoice | None = None  # drafts from the context (None: not measured at calibration or export)
     level: float = LEVEL  # the predictions' intervals (plans before them: their point estimates decided)
+    # the sequence certificate's setting (calibrate --guarantee sequence), priced with its measured exit shares;
+    # None without a certificate that covers the user's risk
+    certified: Choice | None = None
 
     def line(self) -> str:
         """The rule, in words: `the low end of its 90% interval >= 1.03x`."""
@@ -265,6 +271,12 @@ class Plan(_M):
                 f"plan: full depth with up to {self.lookup.drafts} drafts per step from the context (lossless), "
                 f"predicted {self.lookup.prediction.describe()} full depth ({self.level:.0%} interval; "
                 f"{self.lookup.tokens_per_step:.2f} tokens per step on calibration's answers)"
+            )
+        if self.default == CERTIFIED and self.certified is not None:
+            c = self.certified
+            return (
+                f"plan: {c.policy} at exits {c.exits} as certified (its sequence certificate), predicted "
+                f"{c.prediction.describe()} full depth ({self.level:.0%} interval)"
             )
         if self.default == "full":
             bests = [c.best for p, c in self.choices.items() if c.best is not None and p != "copy"]

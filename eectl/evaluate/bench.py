@@ -60,7 +60,7 @@ from eectl.evaluate.stats import (
     wilson,
 )
 from eectl.evaluate.timing import _aa_interval, _gate_reps, _gated, _Run, _Timing
-from eectl.run.generate import RunOptions, load_tokenizer, replan, resolve_config
+from eectl.run.generate import RunOptions, choose_plan, load_tokenizer, resolve_config
 from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -182,6 +182,7 @@ class _Configs:
                 max_new_tokens=opts.max_new_tokens,
                 stop_ids=stop,
                 note="the setting of the sequence certificate below",
+                certified=True,
             )
             self.runners[CERTIFIED] = Runner(rt, self.configs[CERTIFIED])
         for name, path in opts.compare.items():  # other artifacts (int4 ...) at full depth, one thread pool
@@ -377,9 +378,10 @@ def run_bench(
         raise UsageError("no prompts to benchmark")
     if not all(x > 0 and math.isfinite(x) for x in [opts.threshold_scale, *opts.sweep]):
         raise UsageError("--threshold-scale and --sweep must be positive finite numbers")
+    if opts.max_risk is not None and not 0 <= opts.max_risk < 1:
+        raise UsageError(f"--max-risk must be in [0, 1), got {opts.max_risk}")
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
-    if opts.profile_costs:
-        replan(rt)
+    choose_plan(rt, opts.profile_costs, opts.max_risk)
     m = rt.manifest
     if m.plan is not None and m.plan.default == LOOKUP and LOOKUP not in opts.configs:
         opts.configs.append(LOOKUP)  # the artifact's default configuration is always benchmarked
@@ -531,7 +533,10 @@ def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) ->
         if lookup is not None and not cfg.exits:
             res.predicted_speedup, res.predicted_interval = lookup.prediction.speedup, lookup.prediction.interval
         return
-    if m.plan is not None and cfg.planned:
+    if m.plan is not None and cfg.certified and m.plan.certified is not None:
+        res.predicted_speedup = m.plan.certified.prediction.speedup
+        res.predicted_interval = m.plan.certified.prediction.interval
+    elif m.plan is not None and cfg.planned:
         choice = m.plan.choices.get(cfg.policy)
         active = choice is not None and bool(cfg.exits)
         res.predicted_speedup = choice.prediction.speedup if choice is not None and active else 1.0

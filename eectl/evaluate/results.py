@@ -33,6 +33,7 @@ class BenchOptions:
     raw: bool = False
     batch_size: int = 1  # prompts per eectl generate call (rows in lock-step, one graph call per segment); hf: 1
     profile_costs: bool = False  # re-measure the graph costs here and re-plan before benchmarking
+    max_risk: float | None = None  # the plan's default may be a certified lossy setting up to this risk (run's)
     compare: dict[str, str] = field(default_factory=dict)  # config name -> another artifact, run at full depth
     prompt_drafts: int = DEFAULT_DRAFTS  # the lookup configurations' drafts per step
 

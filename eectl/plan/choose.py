@@ -33,6 +33,13 @@ passes of those widths on the bound chain (`Costs.wide_ms`, interpolated between
 
 It is the plan's default when its interval clears the line and it beats the exit configurations' prediction.
 
+The default is lossless (verify, lookup, or full depth): copy and defer change the tokens, and a per-token target
+says little of how much a whole answer changes (0.99 per token compounds to 77-90% of 48-token answers unchanged).
+A lossy setting is the default only with a sequence certificate (calibrate --guarantee sequence) at the user's
+risk (`max_risk`, run/bench --max-risk; by default the certificate's own delta): its setting is priced with the
+exit shares its certification measured and wins when it clears the line and beats the lossless choice.
+`run --policy defer` still runs the per-token calibrated defer choice: asked for, not chosen.
+
 A configuration is activated only when the LOW end of its predicted speedup's 90% interval clears 1 + MIN_GAIN;
 otherwise the policy runs at full depth. The interval comes from the costs' per-round samples (`Costs.samples_ms`):
 a paired bootstrap over timing rounds. A replicate draws R rounds with replacement out of the R measured, takes
@@ -52,6 +59,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from eectl.contracts.certificate import CERTIFIED, Certificate
 from eectl.contracts.plan import (
     BOUND_POLICIES,
     INTERVAL_TOP,
@@ -223,7 +231,7 @@ def choose(
     level: float = LEVEL,
 ) -> Plan:
     """Per policy, the fastest predicted option among those whose speedup's interval clears 1 + min_gain at its
-    low end (full depth when none does), and the default: the faster of defer and verify, or full depth."""
+    low end (full depth when none does), and the default: verify's choice (lossless), or full depth."""
     replicates = costs.resamples()
     choices: dict[str, Choice] = {}
     for policy in PLAN_POLICIES:
@@ -256,9 +264,35 @@ def choose(
                 prediction=predict(costs, boundaries, policy, []),
                 best=None if best is None else best[0],
             )
-    active = [p for p in ("defer", "verify") if choices[p].exits]
-    default = max(active, key=lambda p: choices[p].prediction.speedup) if active else "full"
+    # the default is lossless: copy and defer change the tokens, and per-token calibration does not say by how much
+    # a whole answer changes; a lossy setting becomes the default only with a sequence certificate (plan_manifest)
+    default = "verify" if choices["verify"].exits else "full"
     return Plan(default=default, min_gain=min_gain, choices=choices, level=level)
+
+
+def choose_certified(costs: Costs, boundaries: Sequence[int], cert: Certificate, level: float = LEVEL) -> Choice | None:
+    """The certificate's setting priced by the cost model with the exit shares its certification measured (every
+    exit deciding on the same signal, candidates at the first), with its interval over the costs' timing rounds;
+    None when it cannot be priced (nothing certified, no shares recorded, an exit the costs lack)."""
+    setting = cert.setting()
+    if setting is None or setting.exit_shares is None or cert.policy not in PLAN_POLICIES:
+        return None
+    inner = {str(b) for b in boundaries[:-1]}
+    if not all(str(e) in inner and str(e) in costs.local_ms for e in cert.exits):
+        return None
+    if str(cert.exits[0]) not in costs.candidates_ms:
+        return None
+    per_exit = [(e, setting.exit_shares.get(str(e), 0.0), None) for e in sorted(cert.exits)]
+    pred = predict(costs, boundaries, cert.policy, per_exit)
+    replicates = [predict(c, boundaries, cert.policy, per_exit).speedup for c in costs.resamples()]
+    if replicates:
+        tail = (1.0 - level) / 2
+        lo, hi = np.quantile(replicates, [tail, 1.0 - tail])
+        pred = pred.model_copy(update={"interval": (round(float(lo), 4), round(float(hi), 4))})
+    thresholds = {str(k): v for k, v in cert.thresholds().items()}
+    return Choice(
+        policy=cert.policy, exits=list(cert.exits), thresholds=thresholds, option=None, prediction=pred, best=pred
+    )
 
 
 def wide_ms(costs: Costs, width: int) -> float | None:
@@ -319,8 +353,10 @@ def choose_lookup(
     )
 
 
-def plan_manifest(manifest: object, costs: Costs) -> Plan:
-    """Choose for an artifact (a Manifest) with these costs, from its calibration's menu."""
+def plan_manifest(manifest: object, costs: Costs, max_risk: float | None = None) -> Plan:
+    """Choose for an artifact (a Manifest) with these costs, from its calibration's menu; the default is the
+    fastest of the lossless choices (verify, lookup) and, when the manifest's sequence certificate covers
+    `max_risk` (None: its own delta; 0: lossless only), the certified setting."""
     from eectl.contracts.manifest import Manifest
 
     assert isinstance(manifest, Manifest)
@@ -330,8 +366,23 @@ def plan_manifest(manifest: object, costs: Costs) -> Plan:
     plan = choose(costs, boundaries, options)
     if cal is not None and cal.lookup is not None and "verify" in manifest.kv_policies:
         plan.lookup = choose_lookup(costs, cal.lookup, plan.min_gain, plan.level)
-        chosen = plan.choices.get(plan.default)
-        best = chosen.prediction.speedup if chosen is not None and chosen.exits else 1.0
-        if plan.lookup is not None and plan.lookup.on and plan.lookup.prediction.speedup > best:
+        if plan.lookup is not None and plan.lookup.on and plan.lookup.prediction.speedup > _default_speedup(plan):
             plan.default = LOOKUP
+    cert = manifest.certificate
+    if cert is not None and cert.covers(max_risk) and cert.policy in manifest.kv_policies:
+        plan.certified = choose_certified(costs, boundaries, cert, plan.level)
+        c = plan.certified
+        if (
+            c is not None
+            and c.prediction.low() >= 1.0 + plan.min_gain
+            and c.prediction.speedup > _default_speedup(plan)
+        ):
+            plan.default = CERTIFIED
     return plan
+
+
+def _default_speedup(plan: Plan) -> float:
+    if plan.default == LOOKUP and plan.lookup is not None:
+        return plan.lookup.prediction.speedup
+    chosen = plan.choices.get(plan.default)
+    return chosen.prediction.speedup if chosen is not None and chosen.exits else 1.0

@@ -50,6 +50,9 @@ class RunOptions:
     # the plan's
     prompt_drafts: int | None = None
     draft_ngram: int = MAX_NGRAM  # drafts from the context: the longest suffix matched
+    # the largest risk a certified lossy setting may carry to be the plan's default; None: the certificate's own
+    # delta, 0: lossless configurations only
+    max_risk: float | None = None
 
 
 def load_tokenizer(rt: ArtifactRuntime) -> Any:
@@ -113,6 +116,8 @@ def check_options(opts: RunOptions) -> None:
     parse_layers(opts.exits)
     if opts.thresholds is not None:
         _threshold_syntax(opts.thresholds)
+    if opts.max_risk is not None and not 0 <= opts.max_risk < 1:
+        raise UsageError(f"--max-risk must be in [0, 1), got {opts.max_risk}")
     if opts.top_k is not None and opts.top_k < 2:
         raise UsageError(f"--top-k must be >= 2, got {opts.top_k}")
     if not 1 <= opts.draft_ngram <= MAX_DRAFT_NGRAM:
@@ -123,7 +128,21 @@ def check_options(opts: RunOptions) -> None:
 
 def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -> RunConfig:
     """Active exits, thresholds and policy: explicit options, else the manifest's plan (exits chosen by predicted
-    speed; full depth when nothing pays), else the calibration's exits and thresholds."""
+    speed; full depth when nothing pays), else the calibration's exits and thresholds. A configuration that is the
+    sequence certificate's setting, however it was reached, says so (`certified`, and the certificate in its note)."""
+    config = _resolve(rt, opts, stop_ids)
+    cert = rt.manifest.certificate
+    if (
+        not config.certified
+        and cert is not None
+        and cert.matches(config.policy, config.exits, config.signal, config.thresholds, config.top_k)
+    ):
+        config.certified = True
+        config.note = "; ".join(x for x in (config.note, f"certified: {cert.describe()}") if x)
+    return config
+
+
+def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -> RunConfig:
     m = rt.manifest
     cal = m.calibration
     calibrated = cal.thresholds_by_layer() if cal is not None else {}
@@ -133,7 +152,7 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
     # a policy the plan does not price (river: `export --river`) runs on the calibration's exits, as without a plan
     priced = plan is not None and (opts.policy in (None, "full", LOOKUP) or opts.policy in plan.choices)
     follow = priced and bool(plan and plan.choices) and opts.exits is None and opts.thresholds is None and same_signal
-    if opts.policy == CERTIFIED:
+    if opts.policy == CERTIFIED or (follow and opts.policy is None and plan is not None and plan.default == CERTIFIED):
         return _certified(rt, opts, stop_ids)
     if opts.policy == LOOKUP or (follow and opts.policy is None and plan is not None and plan.default == LOOKUP):
         return _lookup(rt, opts, stop_ids, signal.name)
@@ -194,8 +213,15 @@ def _certified(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...])
     if opts.exits is not None or opts.thresholds is not None or opts.signal is not None or opts.threshold_scale != 1:
         raise UsageError("--policy certified runs the certified setting: drop --exits/--thresholds/--signal/--scale")
     chosen = replace(opts, top_k=cert.top_k)
+    plan = rt.manifest.plan
+    priced = plan.certified if plan is not None else None
     note = f"certified: {cert.describe()}"
-    return _config(rt, chosen, stop_ids, cert.signal, cert.policy, list(cert.exits), cert.thresholds(), note)
+    if plan is not None and priced is not None:
+        default = " (the default)" if plan.default == CERTIFIED and opts.policy is None else ""
+        note = f"plan: predicted {priced.prediction.describe()} full depth{default}; {note}"
+    config = _config(rt, chosen, stop_ids, cert.signal, cert.policy, list(cert.exits), cert.thresholds(), note)
+    config.certified = True
+    return config
 
 
 def _lookup(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], signal: str) -> RunConfig:
@@ -317,10 +343,7 @@ def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
     first exit changes what the local probabilities mean."""
     cal = rt.manifest.calibration
     first = cal.candidates_layer if cal is not None else None
-    if config.planned:  # the plan's thresholds were fitted with the candidates at its own first exit
-        return None
-    cert = rt.manifest.certificate  # a certified setting was measured as it runs, candidates included
-    if cert is not None and cert.matches(config.policy, config.exits, config.signal, config.thresholds):
+    if config.planned or config.certified:  # fitted with the candidates at its own first exit / measured as it runs
         return None
     if get_signal(config.signal).needs_candidates and config.exits and first and config.exits[0] != first:
         return (
@@ -330,7 +353,7 @@ def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
     return None
 
 
-def replan(rt: ArtifactRuntime, budget_s: float | None = None) -> None:
+def replan(rt: ArtifactRuntime, budget_s: float | None = None, max_risk: float | None = None) -> None:
     """Re-measure the artifact's graph costs on this machine and re-choose the exits (in memory, for this run):
     timing more rounds while a policy's choice is undecided (its best option's interval straddles the plan's line),
     for at most `budget_s` seconds (costs.RETIME_BUDGET_S)."""
@@ -344,7 +367,19 @@ def replan(rt: ArtifactRuntime, budget_s: float | None = None) -> None:
         decided=lambda costs: not plan_manifest(m, costs).undecided(),
         budget_s=RETIME_BUDGET_S if budget_s is None else budget_s,
     )
-    m.plan = plan_manifest(m, m.costs)
+    m.plan = plan_manifest(m, m.costs, max_risk)
+
+
+def choose_plan(rt: ArtifactRuntime, profile_costs: bool, max_risk: float | None) -> None:
+    """The plan this run follows: re-measured (--profile-costs), re-chosen at the user's risk (--max-risk), or the
+    artifact's as exported."""
+    m = rt.manifest
+    if profile_costs:
+        replan(rt, max_risk=max_risk)
+    elif max_risk is not None and m.plan is not None and m.costs is not None:
+        from eectl.plan.choose import plan_manifest
+
+        m.plan = plan_manifest(m, m.costs, max_risk)
 
 
 @dataclass
@@ -385,8 +420,7 @@ def open_runner(
     check_options(opts)
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
     tok = load_tokenizer(rt)
-    if opts.profile_costs:
-        replan(rt)
+    choose_plan(rt, opts.profile_costs, opts.max_risk)
     config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
     if config.note and note is not None:
         note(config.note)

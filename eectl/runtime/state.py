@@ -46,6 +46,7 @@ class RunConfig:
     stop_ids: tuple[int, ...] = ()
     note: str = ""  # how the configuration was chosen (one line for run and bench)
     planned: bool = False  # exits and thresholds come from the manifest's plan
+    certified: bool = False  # the setting of the artifact's sequence certificate (calibrate --guarantee sequence)
 
 
 @dataclass
