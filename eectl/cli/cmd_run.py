@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from eectl.cli.app import JsonOpt, MaxRiskOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.cli.weights import BudgetOpt, MmapOpt, PlaceOpt, weight_options
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.plan import MAX_NGRAM
 from eectl.contracts.recipe import load_recipe, pick
@@ -111,6 +112,9 @@ def run(
         ),
     ] = False,
     max_risk: MaxRiskOpt = None,
+    mmap_weights: MmapOpt = False,
+    memory_budget: BudgetOpt = None,
+    place: PlaceOpt = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -147,6 +151,7 @@ def run(
         max_risk=max_risk,
         prompt_drafts=prompt_drafts,
         draft_ngram=draft_ngram,
+        weights=weight_options(mmap_weights, memory_budget, place),
     )
     if chat:
         _chat(out, artifact, opts)
@@ -181,6 +186,7 @@ def run(
             else None,
             "costs": None if rt.manifest.costs is None else rt.manifest.costs.model_dump(),
             "results": [rep.to_dict() for rep in reports],
+            "memory": _memory(out, rt, reports),
         }
     )
     if not out.json_mode:
@@ -198,6 +204,26 @@ def run(
                 f"{len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s, first token {g.ttft_s * 1000:.0f} ms, "
                 f"mean executed layers {g.mean_layers(L):.1f}/{L} ({ran}{drafts}, {rt.provider}, {rt.threads} threads)"
             )
+
+
+def _memory(out: Output, rt: Any, reports: list[Any]) -> dict[str, Any] | None:
+    """The weights' tiers and resident memory (runtime/tiers.py), where --mmap-weights/--memory-budget/--place ran;
+    logged on stderr too."""
+    if rt.tiers is None:
+        return None
+    gens = [rep.generation for rep in reports]
+    layers = [layer for g in gens for layer in g.exit_layers]
+    doc: dict[str, Any] = rt.tiers.report(layers, [t for g in gens for t in g.latencies_s])
+    mapped = doc["mapped_weight_resident_bytes"] / 1e6
+    line = f"resident {doc['rss'] / 1e6:.0f} MB, mapped weights resident {mapped:.0f} MB"
+    if doc["slow_segments"]:
+        ratio = doc["measured_over_predicted"]
+        line += (
+            f"; slow tier read {doc['slow_bytes_per_token_measured'] / 1e6:.1f} MB/token (predicted "
+            f"{doc['slow_bytes_per_token_predicted'] / 1e6:.1f}" + (f", {ratio:.2f}x)" if ratio else ")")
+        )
+    out.log(line)
+    return doc
 
 
 def _prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:

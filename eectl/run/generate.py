@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from eectl.runtime.ort import PROVIDERS
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import Generation, RunConfig
+from eectl.runtime.tiers import WeightOptions, load_tiers
 
 
 @dataclass
@@ -53,6 +54,8 @@ class RunOptions:
     # the largest risk a certified lossy setting may carry to be the plan's default; None: the certificate's own
     # delta, 0: lossless configurations only
     max_risk: float | None = None
+    # where the segments' weights live (runtime/tiers.py): mapped, a memory budget with a slow tier, placement
+    weights: WeightOptions = field(default_factory=WeightOptions)
 
 
 def load_tokenizer(rt: ArtifactRuntime) -> Any:
@@ -114,6 +117,7 @@ def check_options(opts: RunOptions) -> None:
     if opts.river_predict not in ("end", "exit"):
         raise UsageError(f"--river-predict must be end or exit, got '{opts.river_predict}'")
     parse_layers(opts.exits)
+    opts.weights.check()
     if opts.thresholds is not None:
         _threshold_syntax(opts.thresholds)
     if opts.max_risk is not None and not 0 <= opts.max_risk < 1:
@@ -418,7 +422,11 @@ def open_runner(
     """The artifact's runtime, its tokenizer, the configuration the options resolve to, and a runner for it;
     `note` gets how the configuration was chosen (the plan's line), `warn` warnings about the options."""
     check_options(opts)
-    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
+    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads, lazy_segments=opts.weights.active)
+    if opts.weights.active:
+        tiers = load_tiers(rt, opts.weights)
+        if note is not None:
+            note(tiers.describe())
     tok = load_tokenizer(rt)
     choose_plan(rt, opts.profile_costs, opts.max_risk)
     config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))

@@ -130,12 +130,13 @@ class ArtifactRuntime:
         self.device = ep.device
         so = session_options(threads)
 
-        def session(io: GraphIO) -> Any:
+        def session(io: GraphIO, options: Any = so, providers: Sequence[str] = ep.ort_providers) -> Any:
+            """options/providers: a segment's own (runtime/tiers.py: mapped weights, placement)."""
             path = confined(self.folder, io.file, ArtifactError)
             if io.data is not None:  # ORT reads it beside the graph; a name leaving the folder is refused here
                 confined(self.folder, io.data, ArtifactError)
             try:
-                sess = _ort().InferenceSession(str(path), sess_options=so, providers=list(ep.ort_providers))
+                sess = _ort().InferenceSession(str(path), sess_options=options, providers=list(providers))
             except Exception as exc:  # ORT raises its own pybind types (InvalidProtobuf, Fail, ...) for bad graphs
                 raise ArtifactError(f"cannot load the graph {io.file}: {_first_line(exc)}") from None
             _check_names(io, sess)
@@ -145,6 +146,7 @@ class ArtifactRuntime:
             return Graph(io, session(io), self.device)
 
         self._session = session
+        self.tiers: Any = None  # runtime/tiers.WeightTiers where run/bench asked for mapped, budgeted or placed weights
         self._packed_heads: dict[int, Any] = {}  # exit layer -> its head with the LM head packed (or None)
         self._packed_tables: list[Any] = []
         self.embedding = load(m.embedding)
