@@ -206,6 +206,11 @@ class ArtifactRuntime:
                 f"the weight {weight.file} is {arr.dtype} {list(arr.shape)}; the manifest says "
                 f"{np.dtype(self.np_dtype).name} {weight.shape}"
             )
+        if not arr.flags.c_contiguous:  # a Fortran-ordered .npy: ORT would read its column-major bytes as rows
+            raise ArtifactError(
+                f"the weight {weight.file} is Fortran-ordered; eectl reads C-ordered .npy files",
+                hint="re-export the artifact, or save the array with np.ascontiguousarray",
+            )
         if self.device == "cpu":
             return arr  # .npy data is C-contiguous; ORT reads it in place
         return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), self.device, 0)

@@ -1,0 +1,74 @@
+"""Inputs that used to be accepted silently, or refused with an unclear message (#34): each is refused in one line
+with the exit code of its kind, or handled as a user would expect."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from eectl import files
+from eectl.cli import app
+from eectl.contracts.calibration import read_calibration
+from eectl.contracts.heads import FORMAT
+from eectl.contracts.manifest import MANIFEST
+from eectl.contracts.recipe import load_recipe
+from eectl.data import load_text_data
+from eectl.errors import ArtifactError, DataError, UsageError
+from eectl.exits.base import Probe, attach_probe
+from eectl.exits.designs import HeadStack, load_heads, make_head, save_heads
+from eectl.export.exporter import ExportOptions, export_artifact
+from eectl.export.validation import ExportValidationError
+from eectl.run.generate import read_prompts
+from eectl.runtime.sessions import ArtifactRuntime
+from tests.conftest import make_heads_meta
+from tests.tiny import GSM8K
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def artifact(llama, tmp_path_factory) -> Path:
+    """The tiny Llama exported once (exit after layer 3); tests copy it before tampering."""
+    out = tmp_path_factory.mktemp("silent") / "art"
+    export_artifact(llama, out, ExportOptions(exits=[3], top_k=8))
+    return out
+
+
+def _copy(artifact: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(artifact, dst)
+    return dst
+
+
+def _one_line(res, code: int, *words: str) -> None:
+    """One error line, the last on stderr (a progress log may precede it), with the exit code of its kind."""
+    assert res.exit_code == code, res.output
+    lines = res.stderr.splitlines()
+    assert lines and lines[-1].startswith("error: ") and sum(x.startswith("error") for x in lines) == 1, res.stderr
+    for w in words:
+        assert w in lines[-1], res.stderr
+
+
+# --- 1. a Fortran-ordered .npy --------------------------------------------------------------------------------------
+
+
+def test_a_fortran_ordered_npy_is_refused_at_load(artifact, tmp_path):
+    art = _copy(artifact, tmp_path)
+    f = art / "weights" / "lm_head.npy"
+    np.save(f, np.asfortranarray(np.load(f)))  # same values, same shape and dtype: column-major bytes
+    doc = json.loads((art / MANIFEST).read_text())
+    doc["files"]["weights/lm_head.npy"] = files.sha256_file(f)
+    (art / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match="weights/lm_head.npy is Fortran-ordered"):
+        ArtifactRuntime(art, provider="cpu")
+    res = runner.invoke(app, ["run", str(art), "hi", "--raw", "-n", "2", "--threads", "1"])
+    _one_line(res, 5, "Fortran-ordered")
