@@ -72,3 +72,27 @@ def test_a_fortran_ordered_npy_is_refused_at_load(artifact, tmp_path):
         ArtifactRuntime(art, provider="cpu")
     res = runner.invoke(app, ["run", str(art), "hi", "--raw", "-n", "2", "--threads", "1"])
     _one_line(res, 5, "Fortran-ordered")
+
+
+# --- 2. NaN heads -------------------------------------------------------------------------------------------------
+
+
+def _nan_heads(llama) -> dict[int, torch.nn.Module]:
+    head = make_head("residual-linear", llama.adapter.dims.hidden_size)
+    with torch.no_grad():
+        next(head.parameters()).fill_(math.nan)
+    return {3: head.to(llama.adapter.dtype)}
+
+
+def test_nan_heads_fail_export_validation(llama, tmp_path):
+    out = tmp_path / "art"
+    with pytest.raises(ExportValidationError, match="non-finite"):
+        export_artifact(llama, out, ExportOptions(exits=[3], top_k=8), heads=_nan_heads(llama))
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_a_heads_file_with_nan_weights_is_refused(llama, tmp_path):
+    f = tmp_path / "h.safetensors"
+    save_heads(HeadStack(_nan_heads(llama)), make_heads_meta(llama, [3]), f)
+    with pytest.raises(ArtifactError, match="heads in h.safetensors have non-finite weights: exit_3"):
+        load_heads(f, llama)

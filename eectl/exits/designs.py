@@ -323,6 +323,11 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
     except UsageError as exc:  # the file's content, not the user's options, is wrong
         raise ArtifactError(f"heads in {p.name} have invalid metadata: {exc.message}") from None
     probes = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("probe.")]}
+    nonfinite = sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    if nonfinite:  # a diverged training run: every exit decision on them would be NaN
+        raise ArtifactError(
+            f"heads in {p.name} have non-finite weights: {', '.join(nonfinite[:3])}", hint="retrain them"
+        )
     try:
         stack.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:

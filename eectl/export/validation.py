@@ -7,6 +7,7 @@ and the stage (export/exporter.py) leaves nothing half-written.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,16 @@ def validate_artifact(
     return _verdict(result, m, d, river, log)
 
 
+def abs_diff(got: Any, want: Any) -> float:
+    """max |got - want| (arrays or tensors), inf where either side holds a NaN or an infinity: a NaN difference would
+    pass every check (`max(0.0, nan)` is 0.0 and `nan > tol` is False), so NaN graphs read as "diff 0.0"."""
+    g = (torch.from_numpy(got) if isinstance(got, np.ndarray) else got).float()
+    w = (torch.from_numpy(want) if isinstance(want, np.ndarray) else want).float()
+    if not (bool(torch.isfinite(g).all()) and bool(torch.isfinite(w).all())):
+        return math.inf
+    return float((g - w).abs().max()) if g.numel() else 0.0
+
+
 @dataclass
 class _Diffs:
     """What validation measured so far: max abs differences and mismatch counts, per exit layer where keyed."""
@@ -171,25 +182,25 @@ def _compare_graphs(
             ref_h = ref_states[t][layer]
             ref = exit_heads[layer].full(ref_h).float()
             got, cand, _ = rt.exit_full(layer, exit_in[0], m.top_k, river=river)
-            d.logits[layer] = max(d.logits[layer], float((torch.from_numpy(got).float() - ref).abs().max()))
+            d.logits[layer] = max(d.logits[layer], abs_diff(got, ref))
             d.tokens[layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
             cand_t = torch.from_numpy(cand)
             ref_local = exit_heads[layer].local(ref_h, cand_t).float()
             got_local = torch.from_numpy(rt.exit_local(layer, exit_in[0], cand)).float()
-            d.local[layer] = max(d.local[layer], float((got_local - ref_local).abs().max()))
+            d.local[layer] = max(d.local[layer], abs_diff(got_local, ref_local))
             probe = exit_heads[layer].probe
             if probe is not None and layer in rt.exit_scores:  # the score of the same call, from the graph's logits
                 s = signals(ref_local, cand_t)
                 want = probe.score(exit_heads[layer].normed(ref_h), s.prob, s.margin)
                 got_score = torch.from_numpy(rt.exit_scores[layer]).float()
-                d.score = max(d.score, float((got_score - want).abs().max()))
+                d.score = max(d.score, abs_diff(got_score, want))
             if e.candidates is not None:  # the candidate source at every position in one call, as a batch of rows
                 want_c, _ = source.torch_pick(exit_heads[layer], ref_h, m.top_k)
                 got_c, got_l = rt.exit_candidates(layer, exit_in[0], m.top_k)
                 d.cand_checks += got_c.shape[0]
                 d.cand_mismatch += sum(set(w) != set(g) for w, g in zip(want_c.tolist(), got_c.tolist(), strict=True))
                 exact = exit_heads[layer].local(ref_h, torch.from_numpy(got_c)).float()
-                d.cand_logits = max(d.cand_logits, float((torch.from_numpy(got_l).float() - exact).abs().max()))
+                d.cand_logits = max(d.cand_logits, abs_diff(got_l, exact))
                 # and the last position alone, as the one-row runner calls it: the same candidates as in the batch
                 alone, _ = rt.exit_candidates(layer, exit_in[0][-1:], m.top_k)
                 d.cand_alone_mismatch += int(set(alone[0].tolist()) != set(got_c[-1].tolist()))
@@ -221,6 +232,14 @@ def _verdict(result: dict[str, Any], m: Manifest, d: _Diffs, river: bool, log: A
     worst = max(max(d.logits.values()), max(d.local.values()), d.kv, d.cand_logits, d.block_kv, score)
     mismatches = sum(d.tokens.values())
     strict_tokens = m.dtype == "fp32"
+    if not math.isfinite(worst):
+        result["passed"] = False
+        where = sorted({k for diffs in (d.logits, d.local) for k, v in diffs.items() if not math.isfinite(v)})
+        raise ExportValidationError(
+            "exported graphs or the PyTorch reference give non-finite values (NaN or infinity)"
+            + (f" at exits {where}" if where else ""),
+            hint="the weights or heads hold NaN or infinity: retrain the heads or check the checkpoint",
+        )
     if worst > tol or (strict_tokens and mismatches):
         result["passed"] = False
         bad = {k: round(v, 5) for k, v in d.logits.items() if v > tol}
@@ -246,5 +265,5 @@ def _validate_kv_graph(adapter: Adapter, rt: Any, s_idx: int, ids: torch.Tensor)
     for i in range(lo, hi):
         k = torch.from_numpy(np.asarray(kv.keys[0][i])[:, :, :n].astype(np.float32))
         v = torch.from_numpy(np.asarray(kv.values[0][i])[:, :, :n].astype(np.float32))
-        worst = max(worst, float((k - cache.keys[i]).abs().max()), float((v - cache.values[i]).abs().max()))
+        worst = max(worst, abs_diff(k, cache.keys[i]), abs_diff(v, cache.values[i]))
     return worst
