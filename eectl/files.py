@@ -19,6 +19,9 @@ guarantees are stated once:
   it has both the name and the marker and nobody holds the marker's lock (its writer is dead): never anything else.
 - **Errors**: OS failures (disk full, read-only folder, a file where a folder should be) become one-line
   `OutputError`s naming the path.
+- **Names**: every path option is checked once (`check_path_option`, called by cli/app.py for each command) for
+  names the file system cannot hold (over NAME_MAX bytes, NUL bytes); the temporaries and locks named after an
+  output keep within NAME_MAX by shortening that name (`side_name`), so any legal output name can be written.
 
 What this module does not do: decide what goes into a file (the stages do) or check an artifact's contents
 (contracts/manifest.py).
@@ -89,6 +92,50 @@ def output_error(path: str | Path, exc: OSError) -> OutputError:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Names the file system can hold
+# ---------------------------------------------------------------------------------------------------------------
+
+NAME_MAX = 255  # bytes in one file name (Linux ext4/xfs/tmpfs, macOS APFS): longer gives ENAMETOOLONG
+PATH_MAX = 4096  # bytes in a whole path (Linux)
+_PART_EXTRA = len("..") + 8 + len(".eectl-part")  # atomic_write's temporary: .NAME.<8 random>.eectl-part
+_STAGE_EXTRA = len("..eectl-tmp-") + 8  # a staging folder: .NAME.eectl-tmp-<8 random>
+
+
+def path_problem(value: str | Path) -> str | None:
+    """Why `value` cannot name a file on this system (a NUL byte, a name over NAME_MAX bytes, a path over
+    PATH_MAX), or None. Only the name is looked at: nothing is opened."""
+    raw = os.fsencode(value)
+    if b"\0" in raw:
+        return "it contains a NUL byte"
+    if len(raw) >= PATH_MAX:
+        return f"it is {len(raw)} bytes long; a path may have at most {PATH_MAX - 1}"
+    for part in raw.split(b"/"):
+        if len(part) > NAME_MAX:
+            shown = os.fsdecode(part[:24]).encode("utf-8", "backslashreplace").decode()
+            return f"the name '{shown}...' is {len(part)} bytes; a file name may have at most {NAME_MAX}"
+    return None
+
+
+def check_path_option(value: str | Path | None, option: str) -> None:
+    """The one check of a path option's name, before a command runs (cli/app.py calls it for every path option of
+    every command): UsageError (exit 2) instead of `OSError: File name too long` from wherever it is first used."""
+    problem = None if value is None else path_problem(value)
+    if problem is not None:
+        raise UsageError(f"{option} cannot name a file: {problem}", hint="give a shorter name")
+
+
+def side_name(name: str, extra: int) -> str:
+    """`name` as used in the name of a temporary or lock file that adds `extra` bytes to it: `name` itself while the
+    whole fits in NAME_MAX, else its first bytes and 16 hex digits of its SHA-256. Deterministic, so every process
+    agrees on a lock's name; only eectl's own temporaries carry it (the output keeps its full name)."""
+    raw = os.fsencode(name)
+    if len(raw) + extra <= NAME_MAX:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    return f"{os.fsdecode(raw[: max(0, NAME_MAX - extra - 17)])}~{digest}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Atomic files
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -102,7 +149,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".eectl-part", dir=path.parent)
+        prefix = f".{side_name(path.name, _PART_EXTRA)}."
+        fd, name = tempfile.mkstemp(prefix=prefix, suffix=".eectl-part", dir=path.parent)
     except OSError as exc:
         raise output_error(path, exc) from None
     os.close(fd)
@@ -168,7 +216,11 @@ def strict_json(text: str) -> Any:
 
 
 def confined(root: str | Path, rel: str, error: type[EectlError]) -> Path:
-    """`root/rel` resolved (symlinks followed); `error` when it leaves `root` (.., absolute paths, symlinks out)."""
+    """`root/rel` resolved (symlinks followed); `error` when it leaves `root` (.., absolute paths, symlinks out) or
+    cannot name a file (a NUL byte, a name over NAME_MAX: `path_problem`)."""
+    problem = path_problem(rel)
+    if problem is not None:
+        raise error(f"path {rel[:64]!r} cannot name a file: {problem}")
     base = Path(root).resolve()
     target = (base / rel).resolve()
     if target != base and not target.is_relative_to(base):
@@ -182,7 +234,7 @@ def confined(root: str | Path, rel: str, error: type[EectlError]) -> Path:
 
 
 def lock_path(dest: Path) -> Path:
-    return dest.parent / f".{dest.name}.eectl-lock"
+    return dest.parent / f".{side_name(dest.name, len('..eectl-lock'))}.eectl-lock"
 
 
 class DestinationLock:
@@ -262,7 +314,8 @@ class Staging:
 
     def __enter__(self) -> Staging:
         try:
-            self.path = Path(tempfile.mkdtemp(prefix=f".{self.dest.name}.eectl-{self.kind}-", dir=self.dest.parent))
+            prefix = f".{side_name(self.dest.name, _STAGE_EXTRA)}.eectl-{self.kind}-"
+            self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=self.dest.parent))
             self.path.chmod(dir_mode())  # mkdtemp makes it private; once renamed it is an ordinary folder
             self._marker = _mark(self.path, self.dest, self.kind)
         except OSError as exc:
@@ -402,6 +455,7 @@ def check_outputs(
     """The one check of a command's outputs before any work (UsageError, one line, exit 2): for each output file and
     every sidecar written beside it (a report's JSON twin and plots, heads' metadata and checkpoint),
 
+    - a name the file system can hold, its sidecars' too (`path_problem`);
     - not an existing folder, under a folder (`check_output_file`);
     - a regular file or nothing: a FIFO or a device (/dev/null) would be replaced by a file, a symbolic link by a file
       where the link was (eectl writes a new file and renames it into place), so both are refused;
@@ -414,9 +468,16 @@ def check_outputs(
     for option, path, sidecars in outputs:
         if path is None:
             continue
+        check_path_option(path, option)
         check_output_file(path, option)
         for target in [path, *sidecars]:
             what = f"{option} {path}" + ("" if target == path else f" (its {target.name} beside it)")
+            problem = path_problem(target)
+            if problem is not None:  # a sidecar's name adds bytes (x.ckpt.safetensors, x-agreement.png)
+                raise UsageError(
+                    f"{option}: {target.name[:32]}... beside it cannot be written: {problem}",
+                    hint="give a shorter name",
+                )
             if target.is_symlink():
                 raise UsageError(
                     f"{what} is a symbolic link: eectl would write a new file in its place, not through it",

