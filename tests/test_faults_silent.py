@@ -96,3 +96,68 @@ def test_a_heads_file_with_nan_weights_is_refused(llama, tmp_path):
     save_heads(HeadStack(_nan_heads(llama)), make_heads_meta(llama, [3]), f)
     with pytest.raises(ArtifactError, match="heads in h.safetensors have non-finite weights: exit_3"):
         load_heads(f, llama)
+
+
+# --- 3. probe metadata --------------------------------------------------------------------------------------------
+
+
+def _probe(llama, d: int = 1) -> Probe:
+    h = llama.adapter.dims.hidden_size
+    return Probe(np.zeros((h, d), np.float32), np.zeros((2, d), np.float32), np.zeros(d, np.float32))
+
+
+PROBE_META = {
+    "features": ["normed", "prob", "margin"],
+    "top_k": 8,
+    "candidates": {"name": "first-exit-topk"},
+    "tokens": 100,
+    "agreement": {"3": 0.5},
+    "train_s": 0.1,
+    "config": {},
+}
+
+
+@pytest.mark.parametrize(
+    "fault,text",
+    [
+        ("garbage", "probe"),
+        ("top-k", "probe.top_k"),
+        ("feature", "unknown probe feature 'colour'"),
+        ("no-tensors", "probe metadata but no probe tensors"),
+        ("shape", "probe at exit 3"),
+        ("other-exit", "probe tensors for layers [5] that are not its exits [3]"),
+    ],
+)
+def test_garbage_probe_metadata_is_refused(llama, tmp_path, fault, text):
+    meta = make_heads_meta(llama, [3]).model_dump(mode="json")
+    meta["probe"] = dict(PROBE_META)
+    head = make_head("residual-linear", llama.adapter.dims.hidden_size)
+    tensors = {f"exit_3.{k}": v.contiguous() for k, v in head.state_dict().items()}
+    probe = {f"probe.exit_3.{k}": torch.from_numpy(v) for k, v in _probe(llama).tensors().items()}
+    if fault == "garbage":
+        meta["probe"] = {"garbage": True}
+    elif fault == "top-k":
+        meta["probe"]["top_k"] = "many"
+    elif fault == "feature":
+        meta["probe"]["features"] = ["normed", "colour"]
+    elif fault == "no-tensors":
+        probe = {}
+    elif fault == "shape":
+        probe["probe.exit_3.w_state"] = torch.zeros(3, 1)
+    else:
+        probe = {k.replace("exit_3", "exit_5"): v for k, v in probe.items()}
+    f = tmp_path / "h.safetensors"
+    save_file({**tensors, **probe}, str(f), metadata={"format": FORMAT, "eectl": json.dumps(meta)})
+    with pytest.raises(
+        ArtifactError, match=r"heads in h.safetensors have invalid (metadata|probes): .*" + re.escape(text)
+    ):
+        load_heads(f, llama)
+
+
+def test_a_well_formed_probe_still_loads(llama, tmp_path):
+    head = make_head("residual-linear", llama.adapter.dims.hidden_size)
+    attach_probe(head, _probe(llama))
+    f = tmp_path / "h.safetensors"
+    save_heads(HeadStack({3: head}), make_heads_meta(llama, [3], probe=dict(PROBE_META)), f)
+    loaded = load_heads(f, llama)
+    assert loaded.meta.probe is not None and loaded.exit_head(llama.adapter, 3).probe is not None

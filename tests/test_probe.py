@@ -172,7 +172,7 @@ def test_fit_keeps_the_mlp_where_it_generalises_and_the_logistic_where_not():
 def test_heads_file_keeps_the_probes_and_old_files_load_without(llama, probed, tmp_path):
     heads, path, _ = probed
     again = load_heads(path, llama)
-    assert again.meta.probe is not None and again.meta.probe["top_k"] == K
+    assert again.meta.probe is not None and again.meta.probe.top_k == K
     for e in EXITS:
         assert _same(probe_of(heads[e]), probe_of(again.heads[e]))
     assert probe_of(again.heads[EXITS[0]]).hidden == 8 and probe_of(again.heads[EXITS[1]]).hidden == 0
@@ -343,7 +343,7 @@ def test_probe_only_fits_onto_a_heads_file_from_a_cache(llama, tmp_path):
     out = tmp_path / "h2.safetensors"
     fit = add_probes(llama, heads, cache, out, SMALL)
     again = load_heads(out, llama)
-    assert fit.tokens == 128 and again.meta.probe is not None and again.meta.probe["tokens"] == 128
+    assert fit.tokens == 128 and again.meta.probe is not None and again.meta.probe.tokens == 128
     assert all(probe_of(h) is not None for h in again.heads.values())
     fit2 = add_probes(
         llama,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 FORMAT = "eectl-heads"
 FORMAT_VERSION = 1
@@ -31,6 +31,21 @@ class HeadDims(_M):
     vocab_size: int
 
 
+class ProbeMeta(_M):
+    """What fitted the `learned` signal's probes stored beside the heads (eectl.exits.probe.ProbeFit, as a dict)."""
+
+    features: list[str]  # what a probe reads: "normed", then the softmax scalars (exits.PROBE_FEATURES)
+    top_k: int = Field(ge=2)  # the candidates whose local softmax the scalars come from
+    candidates: dict[str, Any]  # the candidate source (CandidateSource.describe)
+    tokens: int = Field(ge=0)
+    agreement: dict[str, float]  # per exit: the share of training tokens whose label is 1
+    train_s: float
+    config: dict[str, Any]  # ProbeConfig without top_k
+    chosen: dict[str, str] = {}  # per exit: "mlp" or "logistic" (files before MLP probes: {})
+    validation: dict[str, dict[str, float]] = {}  # per exit: both fits' tail coverage on the validation tokens
+    cache: dict[str, Any] | None = None  # `train-heads --probe-only`: the state cache's identity
+
+
 class HeadsMeta(_M):
     format: str = FORMAT
     version: int = FORMAT_VERSION
@@ -48,10 +63,8 @@ class HeadsMeta(_M):
     report: dict[str, Any]  # held-out before/after metrics per exit (heads_report.EvalResult as dicts)
     block_init: str | None = None  # block design: last | next | identity
     block_layers: dict[str, int] | None = None  # block design: exit layer -> the decoder layer index it copies
-    # the `learned` signal's probes stored beside the heads (eectl.exits.probe.ProbeFit: features, K, candidates,
-    # tokens,
-    # time); None in files without probes
-    probe: dict[str, Any] | None = None
+    # the `learned` signal's probes stored beside the heads (what fitted them); None in files without probes
+    probe: ProbeMeta | None = None
 
 
 def sidecar_path(path: Path) -> Path:

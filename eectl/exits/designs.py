@@ -33,7 +33,7 @@ from eectl.contracts.heads import FORMAT, HeadsMeta, sidecar_path
 from eectl.contracts.layers import check_exit_layers
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits.base import ExitHead, attach_probe
-from eectl.exits.probe import attach_probe_tensors, probe_tensors
+from eectl.exits.probe import PROBE_FEATURES, attach_probe_tensors, probe_tensors
 from eectl.files import atomic_write, atomic_write_text
 from eectl.models.adapters import Adapter
 
@@ -334,8 +334,28 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
         raise ArtifactError(f"heads in {p.name} do not match their own metadata: {str(exc).splitlines()[0]}") from exc
     stack.to(device=adapter.device, dtype=adapter.dtype).eval().requires_grad_(False)
     heads = {layer: stack.head(layer) for layer in exits}
-    attach_probe_tensors(heads, probes)
+    _attach_probes(p, meta, heads, probes, dims.hidden_size)
     return HeadSet(heads, meta)
+
+
+def _attach_probes(
+    p: Path, meta: HeadsMeta, heads: dict[int, nn.Module], probes: dict[str, torch.Tensor], hidden: int
+) -> None:
+    """The learned signal's probes stored beside the heads, attached after checking them and their metadata (which
+    names only features a probe reads, and no probes that are not there): ArtifactError. Probes without metadata
+    load (files of tests and early versions have them; the metadata only describes the fit)."""
+    unknown = [f for f in (meta.probe.features if meta.probe else []) if f not in PROBE_FEATURES]
+    if unknown:
+        raise ArtifactError(
+            f"heads in {p.name} have invalid metadata: unknown probe feature {unknown[0]!r} "
+            f"(a probe reads {', '.join(PROBE_FEATURES)})"
+        )
+    try:
+        if meta.probe is not None and not probes:
+            raise ValueError("probe metadata but no probe tensors")
+        attach_probe_tensors(heads, probes, hidden)
+    except ValueError as exc:
+        raise ArtifactError(f"heads in {p.name} have invalid probes: {exc}") from None
 
 
 def merge_heads(paths: list[Path], loaded: Any, out: Path) -> HeadsMeta:

@@ -21,14 +21,18 @@ criterion's), or write files (head_designs.save_heads stores the probes beside t
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from eectl.contracts.heads import ProbeMeta
 from eectl.exits.base import (
     DEFAULT_TOP_K,
     PROBE_SCALARS,
@@ -82,6 +86,10 @@ class ProbeFit:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+    def meta(self, **extra: Any) -> ProbeMeta:
+        """The heads file's `probe` metadata (typed: a reader refuses anything else)."""
+        return ProbeMeta.model_validate({**self.to_dict(), **extra})
 
 
 @torch.no_grad()
@@ -288,11 +296,56 @@ def probe_tensors(heads: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
     return out
 
 
-def attach_probe_tensors(heads: dict[int, nn.Module], tensors: dict[str, torch.Tensor]) -> None:
+def attach_probe_tensors(heads: dict[int, nn.Module], tensors: dict[str, torch.Tensor], hidden: int) -> None:
     """The inverse of `probe_tensors`: attach each stored probe to its head (tensors: the file's probe.* keys; files
-    written before MLP probes store `weight` and `coef`, read as the logistic probe they are)."""
-    for layer, head in heads.items():
-        prefix = f"probe.exit_{layer}."
-        mine = {k[len(prefix) :]: v.float().numpy() for k, v in tensors.items() if k.startswith(prefix)}
-        if mine:
-            attach_probe(head, Probe.of(mine))
+    written before MLP probes store `weight` and `coef`, read as the logistic probe they are).
+
+    Raises ValueError (one line) for tensors that are no probe of these heads: a key of another layer or of no
+    layer, a missing tensor, shapes that do not fit the hidden size `hidden` ([H, D], [F, D], [D]), NaN or inf."""
+    by_layer: dict[int, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        m = _PROBE_KEY.match(key)
+        if m is None:
+            raise ValueError(f"unknown probe tensor {key!r}")
+        by_layer.setdefault(int(m[1]), {})[m[2]] = value.float().numpy()
+    others = sorted(set(by_layer) - set(heads))
+    if others:
+        raise ValueError(f"probe tensors for layers {others} that are not its exits {sorted(heads)}")
+    for layer, mine in sorted(by_layer.items()):
+        try:
+            probe = Probe.of(mine)
+        except KeyError as exc:
+            raise ValueError(f"probe at exit {layer}: no tensor {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"probe at exit {layer}: {exc}") from None
+        wrong = _shape_fault(probe, hidden)
+        if wrong:
+            raise ValueError(f"probe at exit {layer}: {wrong}")
+        attach_probe(heads[layer], probe)
+
+
+_PROBE_KEY = re.compile(r"^probe\.exit_(\d+)\.(\w+)$")
+
+
+def _shape_fault(p: Probe, hidden: int) -> str | None:
+    """What is wrong with a stored probe's arrays for hidden size `hidden` (None: nothing)."""
+    shapes = {"w_state": p.w_state.shape, "w_scalar": p.w_scalar.shape, "b": p.b.shape}
+    if p.w_out is not None:
+        shapes["w_out"] = p.w_out.shape
+    d = p.w_state.shape[1] if p.w_state.ndim == 2 else 0
+    fits = (
+        p.w_state.shape == (hidden, d)
+        and d >= 1
+        and p.w_scalar.ndim == 2
+        and 1 <= p.w_scalar.shape[0] <= len(PROBE_SCALARS)
+        and p.w_scalar.shape[1] == d
+        and p.b.shape == (d,)
+        and (p.w_out.shape == (d,) if p.w_out is not None else d == 1)
+    )
+    if not fits:
+        listed = ", ".join(f"{k} {list(v)}" for k, v in shapes.items())
+        return f"{listed} do not fit a probe on hidden size {hidden}"
+    arrays = [p.w_state, p.w_scalar, p.b, *([] if p.w_out is None else [p.w_out])]
+    if not all(np.isfinite(a).all() for a in arrays) or not math.isfinite(p.b_out):
+        return "non-finite weights (NaN or infinity)"
+    return None

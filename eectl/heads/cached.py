@@ -217,7 +217,7 @@ def train_cached(
         passes=_cached_passes(adapter, cache, "held", exits, ("text", "gen"), config.eval_tokens),
     )
     meta = _cached_meta(loaded, cache, config, stream, stack, history, report, train_s)
-    meta.probe = None if probe_fit is None else probe_fit.to_dict()
+    meta.probe = None if probe_fit is None else probe_fit.meta()
     result = TrainResult(meta, out, sidecar_path(out), ckpt)
     result.wall_s = time.perf_counter() - start
     meta.training["wall_s"] = round(result.wall_s, 2)
@@ -274,7 +274,7 @@ def add_probes(
     if missing:
         raise UsageError(f"the state cache has no states for exits {missing}", hint=f"it has {cache.layers}")
     fit = fit_cached_probes(loaded.adapter, cache, head_set.heads, config, on_tokens)
-    meta = head_set.meta.model_copy(update={"probe": {**fit.to_dict(), "cache": cache.identity}})
+    meta = head_set.meta.model_copy(update={"probe": fit.meta(cache=cache.identity)})
     save_heads(HeadStack(head_set.heads), meta, out)
     return fit
 

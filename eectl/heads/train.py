@@ -509,7 +509,7 @@ def train_heads(
         autocast,
     )
     meta = _metadata(loaded, data, config, exits, td, tr, report, device, amp, dist.world, train_s)
-    meta.probe = None if probe_fit is None else probe_fit.to_dict()
+    meta.probe = None if probe_fit is None else probe_fit.meta()
     result.wall_s = time.perf_counter() - start
     meta.training["wall_s"] = round(result.wall_s, 2)  # training + held-out evaluation
     save_heads(tr.stack, meta, out)
