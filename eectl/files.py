@@ -183,21 +183,36 @@ def atomic_write_json(path: str | Path, doc: Any) -> Path:
 
 
 def read_utf8(path: str | Path, error: type[EectlError] = DataError) -> str:
-    """A text file decoded as UTF-8; bytes that are not UTF-8 are refused with one line naming the byte offset and
-    line (no guessing at other encodings: a silently mis-decoded prompt or recipe is worse than an error)."""
+    """A text file decoded as UTF-8, as `clean_text` gives it (no byte-order mark, \\r\\n as \\n); bytes that are not
+    UTF-8 are refused with one line naming the byte offset and line (no guessing at other encodings: a silently
+    mis-decoded prompt or recipe is worse than an error)."""
     p = Path(path)
     try:
         raw = p.read_bytes()
     except OSError as exc:
         raise error(f"cannot read {p}: {exc.strerror or exc}") from None
     try:
-        return raw.decode("utf-8")
+        return clean_text(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise error(
             f"{p} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start} (line {line})",
             hint="convert it to UTF-8, e.g. iconv -f latin1 -t utf-8",
         ) from None
+
+
+def clean_text(text: str) -> str:
+    """Text as eectl reads it from a file or stdin: without a leading byte-order mark (U+FEFF, which Windows editors
+    write: an encoding marker, never content, and a token of its own in a prompt) and with Windows line ends (\\r\\n)
+    as \\n, so that a record, a prompt line or a paragraph break means the same in a file saved on Windows."""
+    return text.removeprefix("\ufeff").replace("\r\n", "\n")
+
+
+def text_lines(text: str) -> list[str]:
+    """The lines of a text (one prompt or one JSON record per line): split at \\n (and \\r\\n) only. Not
+    str.splitlines, which also splits at U+2028, U+2029, U+0085, form feeds and other characters that are content
+    inside a line (a JSON string may hold them raw)."""
+    return clean_text(text).split("\n")
 
 
 def _refuse_constant(name: str) -> Any:

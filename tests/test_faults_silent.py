@@ -161,3 +161,48 @@ def test_a_well_formed_probe_still_loads(llama, tmp_path):
     save_heads(HeadStack({3: head}), make_heads_meta(llama, [3], probe=dict(PROBE_META)), f)
     loaded = load_heads(f, llama)
     assert loaded.meta.probe is not None and loaded.exit_head(llama.adapter, 3).probe is not None
+
+
+# --- 5. byte-order marks and Unicode line breaks --------------------------------------------------------------------
+
+
+def test_a_bom_is_not_part_of_a_prompt_or_a_record(tmp_path, monkeypatch):
+    txt = tmp_path / "p.txt"
+    txt.write_bytes("\ufefffirst prompt\nsecond\u2028still second\u2029and\x85this\x0cone\n".encode())
+    assert read_prompts(txt) == ["first prompt", "second\u2028still second\u2029and\x85this\x0cone"]
+    jl = tmp_path / "p.jsonl"
+    jl.write_bytes('\ufeff{"prompt": "hi"}\n'.encode())
+    assert read_prompts(jl) == ["hi"]
+    assert load_text_data(str(jl)).texts == ["hi"]
+    data = tmp_path / "d.txt"
+    data.write_bytes("\ufeffa paragraph\n\nanother".encode())
+    assert load_text_data(str(data)).texts == ["a paragraph", "another"]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes("\ufeffname: bom\ntop_k: 16\n".encode())
+    assert load_recipe(recipe).top_k == 16
+
+    seen: list[list[str]] = []
+
+    def captured(artifact, prompts, *a, **k):
+        seen.append(prompts)
+        raise UsageError("stop here")
+
+    monkeypatch.setattr("eectl.run.generate.run_prompts", captured)
+    res = runner.invoke(app, ["run", "art", "--prompt-file", str(txt)])
+    assert res.exit_code == 2 and seen[-1] == read_prompts(txt)
+    res = runner.invoke(app, ["run", "art", "--prompt-file", "-"], input="\ufeffone\u2028line\r\ntwo\r\n")
+    assert res.exit_code == 2 and seen[-1] == ["one\u2028line", "two"]
+    res = runner.invoke(app, ["run", "art", "-"], input="\ufeffthe prompt\n")
+    assert res.exit_code == 2 and seen[-1] == ["the prompt"]
+
+
+# --- 8. CRLF text files ---------------------------------------------------------------------------------------------
+
+
+def test_crlf_text_data_is_read_like_lf(tmp_path):
+    f = tmp_path / "d.txt"
+    f.write_bytes(b"first record\r\nits second line\r\n\r\nsecond record\r\n\r\n\r\nthird\r\n")
+    assert load_text_data(str(f)).texts == ["first record\nits second line", "second record", "third"]
+    p = tmp_path / "p.txt"
+    p.write_bytes(b"one\r\ntwo\r\n")
+    assert read_prompts(p) == ["one", "two"]

@@ -228,16 +228,17 @@ def _memory(out: Output, rt: Any, reports: list[Any]) -> dict[str, Any] | None:
 
 def _prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
     """The prompt argument (- reads stdin as one prompt), or --prompt-file's prompts (- reads one per stdin line)."""
+    from eectl.files import clean_text, text_lines
     from eectl.run.generate import read_prompts
 
     if prompt == "-":
-        prompt = sys.stdin.read().strip()
+        prompt = clean_text(sys.stdin.read()).strip()  # as from a file: no byte-order mark
         if not prompt:
             raise UsageError("the prompt read from stdin is empty")
     if prompt is not None:
         return [prompt]
-    if str(prompt_file) == "-":
-        prompts = [line for line in sys.stdin.read().splitlines() if line.strip()]
+    if str(prompt_file) == "-":  # one prompt per line, as read_prompts reads a text file
+        prompts = [line for line in text_lines(sys.stdin.read()) if line.strip()]
         if not prompts:
             raise UsageError("no prompts on stdin")
         return prompts

@@ -22,7 +22,7 @@ from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DR
 from eectl.data import encode_prompt
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
-from eectl.files import confined, read_utf8
+from eectl.files import confined, read_utf8, text_lines
 from eectl.runtime.ort import PROVIDERS
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -79,8 +79,8 @@ def read_prompts(path: str | Path) -> list[str]:
     if not p.is_file():
         raise DataError(f"prompt file not found: {path}")
     prompts: list[str] = []
-    lines = read_utf8(p, DataError)
-    for n, line in enumerate(lines.split("\n") if p.suffix.lower() == ".jsonl" else lines.splitlines(), 1):
+    # lines end at \n (or \r\n) only: U+2028 and the other breaks of str.splitlines are content within a prompt
+    for n, line in enumerate(text_lines(read_utf8(p, DataError)), 1):
         if not line.strip():
             continue
         if p.suffix.lower() == ".jsonl":
