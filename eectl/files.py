@@ -215,6 +215,19 @@ def text_lines(text: str) -> list[str]:
     return clean_text(text).split("\n")
 
 
+def existing_file(path: str | Path, what: str, error: type[EectlError], hint: str | None = None) -> Path:
+    """`path` as a file to read, or one line saying what is there instead: nothing (`WHAT not found: PATH`, with
+    `hint`), a folder, or something that is not a regular file (a FIFO or a device)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise error(f"{what} {path} is a folder, not a file", hint="give the path of a file")
+    if not p.exists():
+        raise error(f"{what} not found: {path}", hint=hint)
+    if not p.is_file():
+        raise error(f"{what} {path} is not a regular file (a FIFO, device or socket)")
+    return p
+
+
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 

@@ -196,6 +196,28 @@ def test_a_bom_is_not_part_of_a_prompt_or_a_record(tmp_path, monkeypatch):
     assert res.exit_code == 2 and seen[-1] == ["the prompt"]
 
 
+# --- 7. a folder where a file is expected ---------------------------------------------------------------------------
+
+
+def test_a_folder_given_as_an_input_file_says_it_is_a_folder(llama, tmp_path):
+    folder = tmp_path / "somewhere"
+    folder.mkdir()
+    res = runner.invoke(app, ["pipeline", "--recipe", str(folder), "--dry-run"])
+    _one_line(res, 2, f"recipe {folder} is a folder, not a file")
+    res = runner.invoke(app, ["run", "art", "--prompt-file", str(folder)])
+    _one_line(res, 4, f"prompt file {folder} is a folder, not a file")
+    with pytest.raises(UsageError, match="is a folder"):
+        load_recipe(folder)
+    with pytest.raises(DataError, match="is a folder"):
+        read_prompts(folder)
+    with pytest.raises(ArtifactError, match="is a folder"):
+        read_calibration(folder)
+    with pytest.raises(ArtifactError, match="is a folder"):
+        load_heads(folder, llama)
+    with pytest.raises(UsageError, match="recipe not found"):  # nothing there: as before
+        load_recipe(tmp_path / "none.yaml")
+
+
 # --- 8. CRLF text files ---------------------------------------------------------------------------------------------
 
 

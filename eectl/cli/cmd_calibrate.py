@@ -12,7 +12,7 @@ from eectl.contracts.layers import default_exits, parse_layers
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
-from eectl.files import check_outputs, input_file
+from eectl.files import check_outputs, existing_file, input_file
 from eectl.output import Output
 from eectl.plan.choose import sequence_agreement
 
@@ -203,8 +203,8 @@ def calibrate(
         gate_keep=gate_keep,
     )
     check_options(opts)
-    if heads is not None and not heads.is_file():
-        raise UsageError(f"heads not found: {heads}", hint="train them with eectl train-heads")
+    if heads is not None:
+        existing_file(heads, "heads", UsageError, hint="train them with eectl train-heads")
     ins = [("--data", input_file(pick(data, r.data.source))), ("--heads", heads), ("--recipe", input_file(recipe))]
     check_outputs([("--out", out_path, [])], ins)
     n_threads = set_threads(threads, r)

@@ -12,7 +12,7 @@ from eectl.contracts.layers import parse_layers
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.export.quantize import DEFAULT_MIN_AGREEMENT
-from eectl.files import is_inside
+from eectl.files import existing_file, is_inside
 from eectl.output import Output
 
 
@@ -100,8 +100,8 @@ def export(
     r = load_recipe(recipe)
     requested = parse_layers(exits)
     cal = read_calibration(calibration) if calibration is not None else None
-    if heads is not None and not heads.is_file():
-        raise UsageError(f"heads not found: {heads}", hint="train them with eectl train-heads")
+    if heads is not None:
+        existing_file(heads, "heads", UsageError, hint="train them with eectl train-heads")
     # Everything that needs no model is checked before the seconds-long load.
     folder = out or Path("artifacts") / resolve_source(pick(model, r.model)).name
     options = ExportOptions(

@@ -13,7 +13,7 @@ from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set
 from eectl.contracts.layers import default_exits, parse_layers
 from eectl.contracts.recipe import Recipe, load_recipe, pick
 from eectl.errors import UsageError
-from eectl.files import check_outputs, input_file
+from eectl.files import check_outputs, existing_file, input_file
 from eectl.output import Output
 
 
@@ -332,8 +332,7 @@ def _probe_only(
 
     if heads is None or cache_dir is None:
         raise UsageError("--probe-only needs --heads FILE and --cache DIR (the state cache the probes read)")
-    if not heads.is_file():
-        raise UsageError(f"heads not found: {heads}")
+    existing_file(heads, "heads", UsageError)
     target = out_path or heads
     if target.suffix != ".safetensors":
         raise UsageError(f"--out must name a .safetensors file, got {target}")

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from eectl.contracts.layers import check_exit_layers
 from eectl.contracts.names import default_policies
 from eectl.errors import UsageError
-from eectl.files import read_utf8
+from eectl.files import existing_file, read_utf8
 
 
 class _Strict(BaseModel):
@@ -95,9 +95,7 @@ class Recipe(_Strict):
 def load_recipe(path: str | Path | None) -> Recipe:
     if path is None:
         return Recipe(name="default")
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"recipe not found: {path}")
+    p = existing_file(path, "recipe", UsageError)
     try:
         raw = yaml.safe_load(read_utf8(p, UsageError)) or {}
     except yaml.YAMLError as exc:

@@ -34,7 +34,7 @@ from eectl.contracts.layers import check_exit_layers
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits.base import ExitHead, attach_probe
 from eectl.exits.probe import PROBE_FEATURES, attach_probe_tensors, probe_tensors
-from eectl.files import atomic_write, atomic_write_text
+from eectl.files import atomic_write, atomic_write_text, existing_file
 from eectl.models.adapters import Adapter
 
 BLOCK_INITS = ("last", "next", "identity")
@@ -277,9 +277,7 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
         sha256 = sha256 or adapter.source.sha256
         adapter = adapter.adapter
     assert isinstance(adapter, Adapter)
-    p = Path(path)
-    if not p.is_file():
-        raise ArtifactError(f"heads file not found: {p}", hint="train heads with `eectl train-heads`")
+    p = existing_file(path, "heads file", ArtifactError, hint="train heads with `eectl train-heads`")
     try:
         with safe_open(str(p), framework="pt") as f:
             header = f.metadata() or {}

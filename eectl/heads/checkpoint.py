@@ -17,7 +17,7 @@ import torch
 
 from eectl.errors import UsageError
 from eectl.exits.designs import HeadStack
-from eectl.files import atomic_write
+from eectl.files import atomic_write, existing_file
 
 CHECKPOINT_FORMAT = "eectl-heads-checkpoint"
 CHECKPOINT_VERSION = 2  # 2: safetensors + JSON header (1 was a torch pickle, no longer read)
@@ -64,8 +64,7 @@ def check_checkpoint(path: Path) -> None:
 def _read_checkpoint(path: Path, tensors: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
-    if not path.is_file():
-        raise UsageError(f"checkpoint not found: {path}")
+    existing_file(path, "checkpoint", UsageError)
     try:
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}

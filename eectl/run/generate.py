@@ -22,7 +22,7 @@ from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DR
 from eectl.data import encode_prompt
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
-from eectl.files import confined, read_utf8, text_lines
+from eectl.files import confined, existing_file, read_utf8, text_lines
 from eectl.runtime.ort import PROVIDERS
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -75,9 +75,7 @@ def load_tokenizer(rt: ArtifactRuntime) -> Any:
 
 def read_prompts(path: str | Path) -> list[str]:
     """A .jsonl file (field prompt / question / text per line) or a text file (one prompt per line)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"prompt file not found: {path}")
+    p = existing_file(path, "prompt file", DataError)
     prompts: list[str] = []
     # lines end at \n (or \r\n) only: U+2028 and the other breaks of str.splitlines are content within a prompt
     for n, line in enumerate(text_lines(read_utf8(p, DataError)), 1):
