@@ -163,6 +163,20 @@ def test_a_well_formed_probe_still_loads(llama, tmp_path):
     assert loaded.meta.probe is not None and loaded.exit_head(llama.adapter, 3).probe is not None
 
 
+# --- 4. data with no text -----------------------------------------------------------------------------------------
+
+
+def test_data_whose_records_are_all_empty_is_refused(tiny_dirs, tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": ""}\n{"text": "  "}\n{"text": "\\n"}\n')
+    with pytest.raises(DataError, match="every record of d.jsonl is empty"):
+        load_text_data(str(f))
+    res = runner.invoke(app, ["profile", str(tiny_dirs["llama"]), "--data", str(f), "--tokens", "64"])
+    _one_line(res, 4, "is empty")
+    f.write_text('{"text": ""}\n{"text": "one record with text"}\n')
+    assert load_text_data(str(f)).texts == ["", "one record with text"]
+
+
 # --- 5. byte-order marks and Unicode line breaks --------------------------------------------------------------------
 
 
