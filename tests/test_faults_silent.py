@@ -242,3 +242,19 @@ def test_crlf_text_data_is_read_like_lf(tmp_path):
     p = tmp_path / "p.txt"
     p.write_bytes(b"one\r\ntwo\r\n")
     assert read_prompts(p) == ["one", "two"]
+
+
+# --- 9. an artifact without its tokenizer/ ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("listed", [True, False])
+def test_a_missing_tokenizer_folder_names_it(artifact, tmp_path, listed):
+    art = _copy(artifact, tmp_path)
+    shutil.rmtree(art / "tokenizer")
+    if not listed:  # its files taken out of the manifest too: nothing says it was ever there
+        doc = json.loads((art / MANIFEST).read_text())
+        doc["files"] = {k: v for k, v in doc["files"].items() if not k.startswith("tokenizer/")}
+        (art / MANIFEST).write_text(json.dumps(doc))
+    res = runner.invoke(app, ["run", str(art), "hi", "--raw", "-n", "2", "--threads", "1"])
+    _one_line(res, 5, "tokenizer/", "missing")
+    assert "Repo id" not in res.stderr and "repo" not in res.stderr.lower()

@@ -277,6 +277,10 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     for rel in artifact_paths(manifest):
         confined(root, rel, ArtifactError)
     _check_consistency(manifest, folder)
+    if not (root / manifest.tokenizer_dir).is_dir():  # else transformers reads the path as a hub repo id
+        raise ArtifactError(
+            f"the artifact's {manifest.tokenizer_dir}/ folder is missing in {folder}", hint="re-export the artifact"
+        )
     if verify_hashes:
         for rel, digest in manifest.files.items():
             f = root / rel
