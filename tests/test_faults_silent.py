@@ -210,6 +210,20 @@ def test_a_bom_is_not_part_of_a_prompt_or_a_record(tmp_path, monkeypatch):
     assert res.exit_code == 2 and seen[-1] == ["the prompt"]
 
 
+# --- 6. counts that mean nothing ------------------------------------------------------------------------------------
+
+
+def test_negative_ppl_tokens_and_empty_configs_are_refused(artifact, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the artifact was loaded before the options were checked")
+
+    monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
+    res = runner.invoke(app, ["bench", str(artifact), "--data", str(GSM8K), "--ppl-tokens", "-1"])
+    _one_line(res, 2, "--ppl-tokens must be >= 0", "-1")
+    res = runner.invoke(app, ["eval", str(artifact), "--configs", "", "--gsm8k", str(GSM8K)])
+    _one_line(res, 2, "--configs names nothing")
+
+
 # --- 7. a folder where a file is expected ---------------------------------------------------------------------------
 
 

@@ -374,6 +374,8 @@ def run_bench(
         raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(known)}")
     if opts.reps < 1 or opts.prompts < 1 or opts.max_new_tokens < 1 or opts.batch_size < 1:
         raise UsageError("--reps, --prompts, --max-new-tokens and --batch-size must be >= 1")
+    if opts.ppl_tokens < 0:
+        raise UsageError(f"--ppl-tokens must be >= 0 (0: no perplexity), got {opts.ppl_tokens}")
     if not prompts:
         raise UsageError("no prompts to benchmark")
     if not all(x > 0 and math.isfinite(x) for x in [opts.threshold_scale, *opts.sweep]):
