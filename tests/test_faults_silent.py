@@ -272,3 +272,23 @@ def test_a_missing_tokenizer_folder_names_it(artifact, tmp_path, listed):
     res = runner.invoke(app, ["run", str(art), "hi", "--raw", "-n", "2", "--threads", "1"])
     _one_line(res, 5, "tokenizer/", "missing")
     assert "Repo id" not in res.stderr and "repo" not in res.stderr.lower()
+
+
+# --- 10. train-heads --out that is not .safetensors -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--cache", "{tmp}/states"], [], ["--probe-only", "--heads", "{tmp}/h.safetensors", "--cache", "{tmp}/states"]],
+)
+def test_train_heads_refuses_an_out_that_is_not_safetensors(tiny_dirs, tmp_path, monkeypatch, extra):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr("eectl.models.load_model", no_load)
+    args = [a.format(tmp=tmp_path) for a in extra]
+    res = runner.invoke(
+        app, ["train-heads", str(tiny_dirs["llama"]), "--data", str(GSM8K), "--out", str(tmp_path / "t.txt"), *args]
+    )
+    _one_line(res, 2, "--out must name a .safetensors file", "t.txt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

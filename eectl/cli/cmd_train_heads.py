@@ -135,6 +135,8 @@ def train_heads(
     out = Output(json_out)
     r = load_recipe(recipe)
     cache_dir = cache or (Path(r.heads.cache) if r.heads.cache else None)
+    if out_path is not None and out_path.suffix != ".safetensors":  # all three ways below write a heads file there
+        raise UsageError(f"--out must name a .safetensors file, got {out_path}")
     if probe_only:
         _probe_only(out, r, model, heads, cache_dir, out_path, probe_tokens, probe_hidden, seed, threads)
         return
@@ -178,8 +180,6 @@ def train_heads(
         target=r.target,
     )
     config.check()  # before the model loads (no exits yet: the model's default_exits)
-    if out_path is not None and out_path.suffix != ".safetensors":
-        raise UsageError(f"--out must name a .safetensors file, got {out_path}")
     ins = [("--data", input_file(pick(data, r.data.source))), ("--resume", resume), ("--heads", heads)]
     ins.append(("--recipe", input_file(recipe)))
     check_outputs([("--out", out_path, _heads_sidecars(out_path))], ins, [("--cache", cache)])
