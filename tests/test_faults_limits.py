@@ -157,3 +157,63 @@ def test_chat_templates_stop_at_the_time_bound_and_ids_are_unchanged(artifact, t
     )
     art = _with_template(artifact, tmp_path, CHAT)
     assert runner.invoke(app, ["run", str(art), "hi", "-n", "2", "--exits", "none"]).exit_code == 0
+
+
+# --- 4. every count is bounded, in the recipe and on the command line ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "section,key,value",
+    [
+        ("heads", "steps", 10**22),
+        ("heads", "rank", 10**9),
+        ("heads", "tokens", 10**12),
+        ("heads", "eval_tokens", 10**12),
+        ("data", "tokens", 10**12),
+        ("profile", "tokens", 10**12),
+        ("bench", "prompts", 10**9),
+        ("bench", "max_new_tokens", 10**9),
+        ("bench", "reps", 10**6),
+        ("bench", "ppl_tokens", 10**12),
+    ],
+)
+def test_recipe_counts_have_upper_bounds(tmp_path, section, key, value):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\n{section}:\n  {key}: {value}\n")
+    line = _one_line(runner.invoke(app, ["pipeline", "--recipe", str(recipe), "--dry-run"]), 2)
+    assert f"{section}.{key}" in line and "less than or equal" in line
+
+
+@pytest.mark.parametrize(
+    "args,text",
+    [
+        (["train-heads", "--steps", str(10**22)], "--steps must be in 1..10000000, got 10000000000000000000000"),
+        (["train-heads", "--rank", str(10**9), "--design", "low-rank"], "--rank must be in 1..65536"),
+        (["train-heads", "--eval-tokens", str(10**12)], "--eval-tokens must be in 1..100000000"),
+        (["calibrate", "--tokens", str(10**12)], "--tokens must be in 1..100000000"),
+        (["calibrate", "--gen-tokens", str(10**9)], "--gen-tokens must be in 1..1048576"),
+        (["profile", "--tokens", str(10**12)], "--tokens must be in 1..100000000"),
+    ],
+)
+def test_count_options_have_the_recipes_bounds_before_the_model_loads(monkeypatch, args, text):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr("eectl.models.load_model", no_load)
+    assert text in _one_line(runner.invoke(app, args), 2)
+
+
+def test_artifact_count_options_are_bounded_before_the_artifact_loads(artifact, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the artifact was loaded before the options were checked")
+
+    monkeypatch.setattr("eectl.run.generate.ArtifactRuntime", no_load)
+    monkeypatch.setattr("eectl.runtime.sessions.ArtifactRuntime", no_load)
+    for args, text in (
+        (["run", str(artifact), "hi", "-n", str(10**9)], "--max-new-tokens must be in 1..1048576"),
+        (["run", str(artifact), "hi", "--batch-size", str(10**6)], "--batch-size must be in 1..4096"),
+        (["bench", str(artifact), "--prompts", str(10**9)], "--prompts must be in 1..1000000"),
+        (["bench", str(artifact), "--reps", str(10**6)], "--reps must be in 1..1000"),
+        (["bench", str(artifact), "--ppl-tokens", str(10**12)], "--ppl-tokens must be in 0..100000000"),
+    ):
+        assert text in _one_line(runner.invoke(app, args), 2), args

