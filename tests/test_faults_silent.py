@@ -91,6 +91,14 @@ def test_nan_heads_fail_export_validation(llama, tmp_path):
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
 
 
+def test_nan_heads_fail_int4_validation_too(llama, tmp_path):
+    """int4 graphs are judged by greedy agreement: NaN logits must not pass as agreeing tokens."""
+    out = tmp_path / "art"
+    with pytest.raises(ExportValidationError, match="non-finite"):
+        export_artifact(llama, out, ExportOptions(exits=[3], top_k=8, weights="int4"), heads=_nan_heads(llama))
+    assert not out.exists()
+
+
 def test_a_heads_file_with_nan_weights_is_refused(llama, tmp_path):
     f = tmp_path / "h.safetensors"
     save_heads(HeadStack(_nan_heads(llama)), make_heads_meta(llama, [3]), f)
@@ -208,6 +216,14 @@ def test_a_bom_is_not_part_of_a_prompt_or_a_record(tmp_path, monkeypatch):
     assert res.exit_code == 2 and seen[-1] == ["one\u2028line", "two"]
     res = runner.invoke(app, ["run", "art", "-"], input="\ufeffthe prompt\n")
     assert res.exit_code == 2 and seen[-1] == ["the prompt"]
+
+    def chat(artifact, opts, read, write, **k):
+        seen.append([read(), read()])
+        raise UsageError("stop here")
+
+    monkeypatch.setattr("eectl.run.chat.chat", chat)
+    res = runner.invoke(app, ["run", "art", "--chat"], input="\ufeffhello\r\n")
+    assert res.exit_code == 2 and seen[-1] == ["hello\n", None]
 
 
 # --- 6. counts that mean nothing ------------------------------------------------------------------------------------
