@@ -147,7 +147,7 @@ class Recipe(_Strict):
 def load_recipe(path: str | Path | None) -> Recipe:
     if path is None:
         return Recipe(name="default")
-    p = existing_file(path, "recipe", UsageError)
+    p = existing_file(packaged_recipe(path), "recipe", UsageError)
     try:
         raw = yaml.safe_load(read_utf8(p, UsageError)) or {}
     except yaml.YAMLError as exc:
@@ -169,3 +169,13 @@ T = TypeVar("T")
 def pick(cli_value: T | None, recipe_value: T) -> T:
     """An explicit CLI option wins over the recipe."""
     return recipe_value if cli_value is None else cli_value
+
+
+def packaged_recipe(path: str | Path) -> Path:
+    """`path` itself where it exists; else, for `recipes/NAME.yaml` or a bare `NAME` (the recipes this repository
+    ships), the copy installed with the package, so a wheel install outside a clone finds the same recipes."""
+    p = Path(path)
+    if p.exists() or p.parent not in (Path("recipes"), Path(".")):
+        return p
+    copy = Path(__file__).resolve().parents[1] / "recipes" / (p.name if p.suffix else f"{p.name}.yaml")
+    return copy if copy.is_file() else p
