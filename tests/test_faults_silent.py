@@ -250,6 +250,8 @@ def test_a_folder_given_as_an_input_file_says_it_is_a_folder(llama, tmp_path):
     _one_line(res, 2, f"recipe {folder} is a folder, not a file")
     res = runner.invoke(app, ["run", "art", "--prompt-file", str(folder)])
     _one_line(res, 4, f"prompt file {folder} is a folder, not a file")
+    res = runner.invoke(app, ["eval", "art", "--gsm8k", str(folder)])
+    _one_line(res, 2, f"--gsm8k {folder} is a folder, not a file")
     with pytest.raises(UsageError, match="is a folder"):
         load_recipe(folder)
     with pytest.raises(DataError, match="is a folder"):
