@@ -217,3 +217,47 @@ def test_artifact_count_options_are_bounded_before_the_artifact_loads(artifact, 
         (["bench", str(artifact), "--ppl-tokens", str(10**12)], "--ppl-tokens must be in 0..100000000"),
     ):
         assert text in _one_line(runner.invoke(app, args), 2), args
+
+
+# --- 5. the KV cache: sized for what the run reaches, refused in one line when memory cannot hold it ------------
+
+
+def test_a_huge_max_positions_allocates_only_what_the_run_reaches(artifact, tmp_path):
+    art = _copy(artifact, tmp_path)
+    doc = json.loads((art / MANIFEST).read_text())
+    doc["max_positions"] = 2**40  # a cache of that many positions would be petabytes
+    (art / MANIFEST).write_text(json.dumps(doc))
+    res = runner.invoke(app, ["run", str(art), "hi", "-n", "3", "--exits", "none", "--raw"])
+    assert res.exit_code == 0, res.output
+
+
+def test_a_kv_cache_that_memory_cannot_hold_is_refused_before_allocating(artifact, tmp_path, monkeypatch):
+    """MemAvailable, or the memory cgroup's limit less its usage (plus its page cache), below the cache plus the
+    mapped weights: one line naming both sizes and where the figure comes from (was numpy's ArrayMemoryError, or
+    the OOM killer with no message)."""
+    from eectl.runtime import memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       1000 kB\nMemAvailable:      64 kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", meminfo)
+    monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "no-cgroup")
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path / "no-root")
+    args = ["run", str(artifact), "hi", "-n", "3", "--exits", "none", "--raw"]
+    line = _one_line(runner.invoke(app, args), 2)
+    assert "the KV cache of 1 row(s) x" in line and "MemAvailable" in line and "64.0 KiB" in line
+    assert "--max-new-tokens" in line
+    # a cgroup v2 limit: 600 MB, nearly used, little page cache
+    meminfo.write_text("MemAvailable:   100000000 kB\n")
+    group = tmp_path / "root" / "job"
+    group.mkdir(parents=True)
+    (tmp_path / "cgroup").write_text("0::/job\n")
+    (group / "memory.max").write_text(f"{600 << 20}\n")
+    (group / "memory.current").write_text(f"{(600 << 20) - 2048}\n")
+    (group / "memory.stat").write_text("anon 1\nactive_file 1024\ninactive_file 1024\n")
+    monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "cgroup")
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path / "root")
+    assert memory.available_bytes() == (4096, "the memory cgroup's memory.max (600.0 MiB)")
+    line = _one_line(runner.invoke(app, args), 2)
+    assert "only 4.0 KiB of memory is available (the memory cgroup's memory.max" in line
+    (group / "memory.max").write_text("max\n")  # no limit: MemAvailable decides, and it is plenty
+    assert runner.invoke(app, args).exit_code == 0

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from eectl.errors import UsageError
+from eectl.runtime.memory import check_kv
 from eectl.runtime.ort import DeviceView, Graph, _ort
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
@@ -52,8 +53,7 @@ class BatchKV(KVBuffers):
 
 def new_batch_kv(rt: ArtifactRuntime, rows: int, max_len: int) -> BatchKV:
     m = rt.manifest
-    if max_len > m.max_positions:
-        raise UsageError(f"context of {max_len} tokens exceeds the model's maximum of {m.max_positions}")
+    check_kv(m, rows, max_len, max_len + 1, np.dtype(rt.np_dtype).itemsize, rt.device == "cpu")
     shape = (rows, m.kv.num_kv_heads, max_len + 1, m.kv.head_dim)
 
     def buf() -> Any:

@@ -25,6 +25,7 @@ import numpy as np
 from eectl.contracts.manifest import LM_HEAD_ROWS, GraphIO, Manifest, SharedWeight, read_manifest
 from eectl.errors import ArtifactError, UsageError
 from eectl.files import confined
+from eectl.runtime.memory import check_kv
 from eectl.runtime.ort import (
     PROVIDERS,
     DeviceView,
@@ -217,8 +218,7 @@ class ArtifactRuntime:
 
     def new_kv(self, rows: int, max_len: int) -> KVBuffers:
         m = self.manifest
-        if max_len > m.max_positions:
-            raise UsageError(f"context of {max_len} tokens exceeds the model's maximum of {m.max_positions}")
+        check_kv(m, rows, max_len, max_len, np.dtype(self.np_dtype).itemsize, self.device == "cpu")
         shape = (1, m.kv.num_kv_heads, max_len, m.kv.head_dim)
         L = m.kv_slots  # the decoder layers', then the block exit heads' (their own KV)
 
