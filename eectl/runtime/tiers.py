@@ -6,21 +6,21 @@ every tensor >= 1 MiB), but prepacking copies a MatMul's weight into a packed he
 file: a session keeps its weights as file pages only with prepacking off (`session.disable_prepacking`). Measured
 (docs/results/2026-12-02-offload.md): packed, a 16 MiB graph's weights are 16 MiB of anonymous memory and no
 mapping; unpacked, four private read-only mappings of the .data file, paged in on the first call. Tensors below
-1 MiB (the default model's K/V projections) are packed tightly, not aligned: ORT reads them into the heap.
+1 MiB (int4 scales, norms) are packed tightly, not aligned: ORT reads them into the heap.
 
 A memory budget keeps at most SIZE of segment weights resident:
 
     segments   0 ........ i | i+1 ............ n-1
-    tier       fast (mapped, paged in once) | slow (read from the file by each call, released after it)
+    tier       fast (packed, or mapped)      | slow (mapped: read from the file by each call, released after it)
 
-The fast tier is the longest prefix of segments whose mapped bytes, with every segment's unmapped bytes (heap, read
-at load), fit SIZE. A slow segment's sessions are wrapped (`TierSession`): before a call, madvise(MADV_WILLNEED)
-starts the read of its mapped ranges; after it, madvise(MADV_DONTNEED) drops them from this process and
-posix_fadvise(POSIX_FADV_DONTNEED) from the page cache, so the next call reads them from the file again, and a token
-that exits before a slow segment reads none of it. While a slow segment runs its pages are resident too: the peak is
-the budget plus the largest slow segment. Every call path (general, batched, bound chain) goes through the wrapped
-session, so all pay the same traffic. Bytes read are counted per call from /proc/self/io (read_bytes) and from
-mincore (pages resident just before the release).
+The fast tier is the longest prefix of segments whose weights fit SIZE; its sessions are today's (packed: measured
+faster than mapped), unless --mmap-weights maps them too. The slow tier's sessions are mapped (prepacking off) and
+wrapped (`TierSession`): before a call, madvise(MADV_WILLNEED) starts the read of its mapped ranges; after it,
+madvise(MADV_DONTNEED) drops them from this process and posix_fadvise(POSIX_FADV_DONTNEED) from the page cache, so
+the next call reads them from the file again, and a token that exits before a slow segment reads none of it. While a
+slow segment runs its pages are resident too: the peak is the budget plus the largest slow segment. Every call path
+(general, batched, bound chain) goes through the wrapped session, so all pay the same traffic. Bytes read are
+counted per call from /proc/self/io (read_bytes) and from mincore (pages resident just before the release).
 
 What this module does not do: choose exits, know policies, or allocate KV buffers (KV stays on the runtime's device,
 so a placement may not leave it).
@@ -312,15 +312,20 @@ class WeightTiers:
                     f"runtime keeps every layer's KV on {rt.device}",
                     hint=f"place segments only on providers of the {rt.device} device, or use --provider {provider}",
                 )
-        self.mapped = opts.mmap or opts.budget is not None
+        self.mapped = opts.mmap  # every segment mapped; under a budget the slow tier always is
         self.segments = [SegmentWeights(i, self.place.get(i, rt.provider), self._data_bytes(i)) for i in range(n)]
         self.total = sum(s.data_bytes for s in self.segments)
         self.budget = parse_size(opts.budget, self.total) if opts.budget is not None else None
         self.counters = TierCounters()
         self._fds: list[int] = []
+        self._split()  # before any session: a budget too small fails before the artifact's weights load
         for s in self.segments:
             self._load(s)
-        self._split()
+            if s.slow:
+                for f in s.files:
+                    # dirty pages (an artifact just exported) cannot leave the page cache until written back
+                    os.fsync(f.fd)
+                    f.release()  # what loading touched
 
     def _data_bytes(self, index: int) -> int:
         io = self.rt.manifest.segments[index].graph
@@ -330,7 +335,8 @@ class WeightTiers:
         """Create segment `seg`'s sessions (graph, K/V-only graph, river copy) on its provider, mapped if asked."""
         rt = self.rt
         so = session_options(rt.threads)
-        if self.mapped:
+        mapped = self.mapped or seg.slow
+        if mapped:
             so.add_session_config_entry("session.disable_prepacking", "1")
         providers = PROVIDERS[seg.provider].ort_providers
         for g in rt._segment_graphs(seg.index):
@@ -339,12 +345,12 @@ class WeightTiers:
             path = confined(rt.folder, g.io.data, ArtifactError) if g.io.data else None
             before = set(file_mappings(path)) if path is not None else set()
             session = rt._session(g.io, so, providers)
-            if path is None or not self.mapped:
+            if path is None or not mapped:
                 g.session = session
                 continue
             file = self._mapped_file(path, before, confined(rt.folder, g.io.file, ArtifactError))
             seg.files.append(file)
-            g.session = TierSession(session, file, self, seg.index, slow=False)
+            g.session = TierSession(session, file, self, seg.index, slow=seg.slow)
 
     def _mapped_file(self, path: Path, before: set[tuple[int, int, int]], graph: Path) -> MappedFile:
         """The mappings the new session made of its .data file, and which of its tensors they hold."""
@@ -358,33 +364,24 @@ class WeightTiers:
         return MappedFile(path, os.fstat(fd).st_size, ranges, sum(n for _, n in tensors), unmapped, fd)
 
     def _split(self) -> None:
-        """The fast tier: the longest prefix whose mapped bytes, with every segment's unmapped (heap) bytes, fit the
-        budget; the rest is slow, its sessions releasing their pages after each call."""
+        """The fast tier: the longest prefix of segments whose weights fit the budget (kept as today: packed, unless
+        --mmap-weights maps them too); the rest is slow, mapped, its sessions releasing their pages after each call."""
         if self.budget is None:
             return
-        heap = sum(s.unmapped for s in self.segments)
-        used, fast = heap, 0
+        used, fast = 0, 0
         for s in self.segments:
-            if used + s.mapped > self.budget:
+            if used + s.data_bytes > self.budget:
                 break
-            used += s.mapped
+            used += s.data_bytes
             fast += 1
         if fast == 0:
-            first = self.segments[0]
             raise UsageError(
-                f"--memory-budget {self.opts.budget} ({_mb(self.budget)}) is smaller than one segment: segment 0 needs "
-                f"{_mb(first.mapped)} mapped" + (f", plus {_mb(heap)} of weights read into memory" if heap else ""),
+                f"--memory-budget {self.opts.budget} ({_mb(self.budget)}) is smaller than one segment: segment 0's "
+                f"weights are {_mb(self.segments[0].data_bytes)}",
                 hint=f"the segments' weights are {_mb(self.total)} in all",
             )
         for s in self.segments[fast:]:
             s.slow = True
-            for g in self.rt._segment_graphs(s.index):
-                if isinstance(g.session, TierSession):
-                    g.session._slow = True
-            for f in s.files:
-                # dirty pages (an artifact just exported) cannot leave the page cache until written back
-                os.fsync(f.fd)
-                f.release()  # what loading touched
 
     # --- reports -------------------------------------------------------------------------------------------------
     @property
@@ -423,7 +420,7 @@ class WeightTiers:
         predicted = self.predicted_bytes(exit_layers, latencies)
         measured = c.read_bytes or c.paged_bytes  # a file system that does not count reads: mincore's
         return {
-            "mapped": self.mapped,
+            "mapped": self.mapped,  # every segment (--mmap-weights); the slow tier always is
             "budget_bytes": self.budget,
             "weight_bytes": self.total,
             "unmapped_weight_bytes": sum(s.unmapped for s in self.segments),
@@ -445,10 +442,13 @@ class WeightTiers:
         if self.budget is None:
             return f"segment weights mapped ({_mb(self.total)}, prepacking off)" if self.mapped else "placed"
         slow = self.slow
+        heap = sum(s.unmapped for s in slow)
         return (
             f"memory budget {_mb(self.budget)} of {_mb(self.total)} segment weights: segments "
-            f"{[s.index for s in self.segments if not s.slow]} resident, {[s.index for s in slow]} read from the file "
-            f"per token that reaches them ({_mb(sum(s.mapped for s in slow))})"
+            f"{[s.index for s in self.segments if not s.slow]} resident ({'mapped' if self.mapped else 'packed'}), "
+            f"{[s.index for s in slow]} read from the file per token that reaches them "
+            f"({_mb(sum(s.mapped for s in slow))})"
+            + (f"; {_mb(heap)} of the slow tier is not aligned for mapping and stays in memory" if heap else "")
         )
 
     def close(self) -> None:
