@@ -173,3 +173,19 @@ def test_cli_run_json_reports_memory(aligned):
     assert mem["slow_segments"] == [1, 2] and mem["tokens"] == 3
     assert mem["slow_bytes_per_token_predicted"] > 0
     assert 0.85 < mem["measured_over_predicted"] < 1.15
+
+
+def test_bench_memory_section(aligned):
+    """bench under a budget: every configuration on the same tiers, bytes per token measured and predicted."""
+    from tests.tiny import GSM8K
+
+    first = _first_mapped(aligned)
+    args = ["bench", str(aligned), "--data", str(GSM8K), "--prompts", "2", "--max-new-tokens", "6", "--reps", "1"]
+    args += ["--policies", "full,verify", "--thresholds", "0.3", "--ppl-tokens", "0", "--sweep", "", "--raw"]
+    res = CliRunner().invoke(app, [*args, "--memory-budget", str(first), "--json", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    mem = json.loads(res.stdout)["memory"]
+    assert mem["slow_segments"] == [1, 2] and mem["resident"]["rss"] > 0
+    full = mem["configs"]["full"]
+    assert full["tokens"] > 0 and full["agree"] is True  # full depth: every token reads the whole slow tier
+    assert mem["configs"]["verify"]["slow_mb_per_token_predicted"] <= full["slow_mb_per_token_predicted"]

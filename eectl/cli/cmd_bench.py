@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, MaxRiskOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.cli.weights import BudgetOpt, MmapOpt, PlaceOpt, weight_options
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.plan import DEFAULT_DRAFTS
 from eectl.contracts.recipe import load_recipe, pick
@@ -102,6 +103,9 @@ def bench(
         ),
     ] = False,
     max_risk: MaxRiskOpt = None,
+    mmap_weights: MmapOpt = False,
+    memory_budget: BudgetOpt = None,
+    place: PlaceOpt = None,
     prompt_drafts: Annotated[
         int,
         typer.Option(
@@ -171,6 +175,7 @@ def bench(
         profile_costs=profile_costs,
         max_risk=max_risk,
         prompt_drafts=prompt_drafts,
+        weights=weight_options(mmap_weights, memory_budget, place),
     )
     with out.progress("bench", total=bench_units(opts, n)) as bar:
         result = run_bench(artifact, text.prompts[window], opts, heldout, answers, log=out, progress=bar.advance)

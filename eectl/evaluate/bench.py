@@ -34,6 +34,7 @@ from eectl.contracts.certificate import CERTIFIED
 from eectl.contracts.gates import GATE
 from eectl.data import encode_prompt, final_number
 from eectl.errors import UsageError
+from eectl.evaluate.memory import MemoryMeter
 from eectl.evaluate.report import markdown, write_report
 from eectl.evaluate.results import (
     AA,
@@ -65,6 +66,7 @@ from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import Generation, RunConfig
+from eectl.runtime.tiers import load_tiers
 
 __all__ = ["markdown", "write_report"]  # the report's entry points, re-exported for the CLI
 RIVER_EXIT = "river-exit"  # the river policy, predicting at the exit instead of the river's end
@@ -146,6 +148,7 @@ class _Configs:
         self.rt, self.opts, self.stop = rt, opts, stop
         self.tick = tick or (lambda n: None)  # progress: one unit per prompt generated and per perplexity pass
         self.runners: dict[str, Runner] = {}
+        self.memory = MemoryMeter(rt)  # slow-tier traffic per configuration, under --memory-budget
         base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
         self.runners["full"] = Runner(rt, resolve_config(rt, base, stop))
         self.runners[AA] = Runner(rt, resolve_config(rt, base, stop))  # the A/A control: the same, run again
@@ -223,7 +226,9 @@ class _Configs:
             return run
         b = self.opts.batch_size
         for i in range(0, len(prompt_ids), b):
+            self.memory.start()
             gens: list[Generation] = self.runners[name].generate(prompt_ids[i : i + b])
+            self.memory.stop(name, gens)
             for g in gens:
                 run.generations.append(g.token_ids)
                 run.ttfts.append(g.ttft_s)
@@ -382,7 +387,9 @@ def run_bench(
         raise UsageError("--threshold-scale and --sweep must be positive finite numbers")
     if opts.max_risk is not None and not 0 <= opts.max_risk < 1:
         raise UsageError(f"--max-risk must be in [0, 1), got {opts.max_risk}")
-    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads)
+    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads, lazy_segments=opts.weights.active)
+    if opts.weights.active:  # every configuration under the same weight setting (runtime/tiers.py)
+        load_tiers(rt, opts.weights)
     choose_plan(rt, opts.profile_costs, opts.max_risk)
     m = rt.manifest
     if m.plan is not None and m.plan.default == LOOKUP and LOOKUP not in opts.configs:
@@ -425,6 +432,8 @@ def run_bench(
     sweep = _sweep(configs, ids, full_tokens)
     check = _certificate_check(cert, runs, tok, answers, opts.max_new_tokens)
     default, plan_line = (m.plan.default, m.plan.summary()) if m.plan is not None else ("", "")
+    for line in configs.memory.lines() if log is not None else []:
+        log.log(line)
     return BenchResult(
         artifact=str(artifact),
         default=default,
@@ -451,6 +460,7 @@ def run_bench(
         resolution=None if resolution is None else round(resolution, 4),
         certificate=cert.describe() if cert is not None else "",
         certificate_check=check,
+        memory=configs.memory.section(),
     )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from eectl.contracts.names import default_policies
 from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP
+from eectl.runtime.tiers import WeightOptions
 
 AA = "full-aa"  # the A/A control: a second copy of full depth (evaluate/bench.py adds it to every run)
 BASELINES = ("hf", "full", AA)  # every other configuration is a KV policy's name (eectl.runtime.policies) or:
@@ -36,6 +37,7 @@ class BenchOptions:
     max_risk: float | None = None  # the plan's default may be a certified lossy setting up to this risk (run's)
     compare: dict[str, str] = field(default_factory=dict)  # config name -> another artifact, run at full depth
     prompt_drafts: int = DEFAULT_DRAFTS  # the lookup configurations' drafts per step
+    weights: WeightOptions = field(default_factory=WeightOptions)  # mapped weights, memory budget, placement
 
 
 @dataclass
@@ -120,6 +122,7 @@ class BenchResult:
     resolution: float | None = None  # the A/A interval's reach from 1.0: speedups within 1 +- this are noise here
     certificate: str = ""  # the artifact's sequence certificate, as a sentence
     certificate_check: str = ""  # its risk realized on this run's prompts, and whether it sits inside the bound
+    memory: dict[str, Any] | None = None  # --mmap-weights/--memory-budget: tiers, resident memory, bytes per token
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
