@@ -91,6 +91,14 @@ def test_nan_heads_fail_export_validation(llama, tmp_path):
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
 
 
+def test_nan_heads_fail_int4_validation_too(llama, tmp_path):
+    """int4 graphs are judged by greedy agreement: NaN logits must not pass as agreeing tokens."""
+    out = tmp_path / "art"
+    with pytest.raises(ExportValidationError, match="non-finite"):
+        export_artifact(llama, out, ExportOptions(exits=[3], top_k=8, weights="int4"), heads=_nan_heads(llama))
+    assert not out.exists()
+
+
 def test_a_heads_file_with_nan_weights_is_refused(llama, tmp_path):
     f = tmp_path / "h.safetensors"
     save_heads(HeadStack(_nan_heads(llama)), make_heads_meta(llama, [3]), f)
@@ -209,6 +217,14 @@ def test_a_bom_is_not_part_of_a_prompt_or_a_record(tmp_path, monkeypatch):
     res = runner.invoke(app, ["run", "art", "-"], input="\ufeffthe prompt\n")
     assert res.exit_code == 2 and seen[-1] == ["the prompt"]
 
+    def chat(artifact, opts, read, write, **k):
+        seen.append([read(), read()])
+        raise UsageError("stop here")
+
+    monkeypatch.setattr("eectl.run.chat.chat", chat)
+    res = runner.invoke(app, ["run", "art", "--chat"], input="\ufeffhello\r\n")
+    assert res.exit_code == 2 and seen[-1] == ["hello\n", None]
+
 
 # --- 6. counts that mean nothing ------------------------------------------------------------------------------------
 
@@ -220,6 +236,10 @@ def test_negative_ppl_tokens_and_empty_configs_are_refused(artifact, monkeypatch
     monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
     res = runner.invoke(app, ["bench", str(artifact), "--data", str(GSM8K), "--ppl-tokens", "-1"])
     _one_line(res, 2, "--ppl-tokens must be >= 0", "-1")
+    res = runner.invoke(app, ["bench", str(artifact), "--data", str(GSM8K), "--prompt-drafts", "-1"])
+    _one_line(res, 2, "--prompt-drafts must be in 0..")
+    res = runner.invoke(app, ["bench", str(artifact), "--data", str(GSM8K), "--policies", ""])
+    _one_line(res, 2, "--policies names nothing")
     res = runner.invoke(app, ["eval", str(artifact), "--configs", "", "--gsm8k", str(GSM8K)])
     _one_line(res, 2, "--configs names nothing")
 
@@ -234,6 +254,8 @@ def test_a_folder_given_as_an_input_file_says_it_is_a_folder(llama, tmp_path):
     _one_line(res, 2, f"recipe {folder} is a folder, not a file")
     res = runner.invoke(app, ["run", "art", "--prompt-file", str(folder)])
     _one_line(res, 4, f"prompt file {folder} is a folder, not a file")
+    res = runner.invoke(app, ["eval", "art", "--gsm8k", str(folder)])
+    _one_line(res, 2, f"--gsm8k {folder} is a folder, not a file")
     with pytest.raises(UsageError, match="is a folder"):
         load_recipe(folder)
     with pytest.raises(DataError, match="is a folder"):

@@ -32,6 +32,7 @@ import numpy as np
 from eectl.calibrate.sequence import realized_risk
 from eectl.contracts.certificate import CERTIFIED
 from eectl.contracts.gates import GATE
+from eectl.contracts.plan import MAX_DRAFTS
 from eectl.data import encode_prompt, final_number
 from eectl.errors import UsageError
 from eectl.evaluate.memory import MemoryMeter
@@ -374,6 +375,8 @@ def run_bench(
     clash = [c for c in opts.compare if c in (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED)]
     if clash:
         raise UsageError(f"--compare name '{clash[0]}' is a built-in configuration; pick another name")
+    if not opts.configs:  # `--policies ''` (or ','): a bench of nothing
+        raise UsageError("--policies names nothing", hint=f"choose from {', '.join(known)}")
     bad = [c for c in opts.configs if c not in known]
     if bad:
         raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(known)}")
@@ -381,6 +384,8 @@ def run_bench(
         raise UsageError("--reps, --prompts, --max-new-tokens and --batch-size must be >= 1")
     if opts.ppl_tokens < 0:
         raise UsageError(f"--ppl-tokens must be >= 0 (0: no perplexity), got {opts.ppl_tokens}")
+    if not 0 <= opts.prompt_drafts <= MAX_DRAFTS:  # as run checks it
+        raise UsageError(f"--prompt-drafts must be in 0..{MAX_DRAFTS}, got {opts.prompt_drafts}")
     if not prompts:
         raise UsageError("no prompts to benchmark")
     if not all(x > 0 and math.isfinite(x) for x in [opts.threshold_scale, *opts.sweep]):
