@@ -247,12 +247,13 @@ def _prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
 
 def _chat(out: Output, artifact: str, opts: Any) -> None:
     """The conversation loop of --chat: "> " on stderr before each turn, the reply streamed on stdout."""
+    from eectl.files import clean_text
     from eectl.run.chat import chat
 
     def read() -> str | None:
         out.err.print("> ", end="")
         line = sys.stdin.readline()
-        return line if line else None
+        return clean_text(line) if line else None  # a byte-order mark from a piped file is no part of the turn
 
     def write(text: str) -> None:
         if not out.json_mode:

@@ -23,6 +23,7 @@ from typing import Any
 
 from eectl.errors import ModelLoadError, UsageError
 from eectl.evaluate.lmeval_stats import DEFAULT_BATCH, EvalStats
+from eectl.files import existing_file
 
 TASKS_DIR = Path(__file__).parent / "lmeval_tasks"
 TASKS = ("eectl_gsm8k", "eectl_gsm8k_loglik", "eectl_humaneval")
@@ -143,8 +144,10 @@ def run_eval(
     if unknown:
         raise UsageError(f"unknown task '{unknown[0]}'; the offline tasks are {', '.join(TASKS)}")
     needs_gsm8k = any(t.startswith("eectl_gsm8k") for t in opts.tasks)
-    if needs_gsm8k and (not opts.gsm8k_path or not Path(opts.gsm8k_path).is_file()):
-        raise UsageError("the GSM8K tasks need --gsm8k PATH (a GSM8K .jsonl: question, answer)")
+    if needs_gsm8k:
+        if not opts.gsm8k_path:
+            raise UsageError("the GSM8K tasks need --gsm8k PATH (a GSM8K .jsonl: question, answer)")
+        existing_file(opts.gsm8k_path, "--gsm8k", UsageError, hint="a GSM8K .jsonl: question, answer")
     if "eectl_humaneval" in opts.tasks and not opts.allow_code_execution:
         raise UsageError(
             "eectl_humaneval runs the generated code to score it", hint="pass --allow-code-execution to allow it"
