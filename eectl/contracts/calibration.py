@@ -22,7 +22,7 @@ from eectl.contracts.layers import check_exit_layers
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.plan import LookupStats, Option
 from eectl.errors import ArtifactError, UsageError
-from eectl.files import atomic_write_json, existing_file, read_utf8, strict_json
+from eectl.files import atomic_write_json, existing_file, parse_json, read_utf8
 
 SCHEMA_VERSION = 1
 
@@ -211,10 +211,7 @@ def write_calibration(cal: Calibration, path: str | Path) -> Path:
 def read_calibration(path: str | Path) -> Calibration:
     """Read and validate a calibration.json; ArtifactError (one line) when missing, edited or of another schema."""
     p = existing_file(path, "calibration", ArtifactError, hint="run eectl calibrate")
-    try:
-        raw = strict_json(read_utf8(p, ArtifactError))
-    except ValueError as exc:
-        raise ArtifactError(f"{p.name} is not valid JSON: {exc}") from None
+    raw = parse_json(read_utf8(p, ArtifactError), f"{p.name} is not valid JSON", ArtifactError)
     if not isinstance(raw, dict):
         raise ArtifactError(f"{p.name} is not a calibration (not a JSON object)")
     version = raw.get("schema_version")

@@ -17,7 +17,7 @@ from eectl.contracts.certificate import Certificate
 from eectl.contracts.heads import HeadsMeta
 from eectl.contracts.plan import Costs, Plan
 from eectl.errors import ArtifactError
-from eectl.files import atomic_write_text, confined, read_utf8, sha256_file, strict_json
+from eectl.files import atomic_write_text, confined, parse_json, read_utf8, sha256_file
 
 # 2: the calibration and the heads metadata are typed, and per-exit thresholds live only in `calibration`.
 # 3: optional fields an eectl reading 2 does not know: block exit heads (`ExitPoint.block`), the bound chain's costs
@@ -177,8 +177,8 @@ def is_artifact(folder: Path) -> bool:
     if folder.is_symlink() or not folder.is_dir() or not path.is_file():
         return False
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        raw = parse_json(path.read_text(encoding="utf-8"), str(path), ArtifactError)
+    except (OSError, ValueError, ArtifactError):
         return False
     return isinstance(raw, dict) and isinstance(raw.get("schema_version"), int) and "eectl_version" in raw
 
@@ -188,8 +188,8 @@ def foreign_files(folder: Path) -> list[str]:
     tokenizer, the weights): what a user put there, which `export --force` must not delete. Read without checking
     hashes or the schema, so an artifact of any version can be replaced."""
     try:
-        raw = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        raw = parse_json((folder / MANIFEST).read_text(encoding="utf-8"), MANIFEST, ArtifactError)
+    except (OSError, ValueError, ArtifactError):
         return []
     named: set[str] = set()
     todo: list[object] = [raw]
@@ -254,12 +254,8 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
         raise ArtifactError(f"artifact not found: {folder}", hint="create one with `eectl export`")
     if not path.is_file():
         raise ArtifactError(f"not an eectl artifact (no {MANIFEST}): {folder}")
-    try:
-        raw = strict_json(read_utf8(path, ArtifactError))  # NaN / Infinity refused: a NaN threshold never passes
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from exc
-    except ValueError as exc:
-        raise ArtifactError(f"{path} is not valid JSON: {exc}") from None
+    # NaN / Infinity refused (a NaN threshold never passes), and deep nesting, huge integers, lone surrogates
+    raw = parse_json(read_utf8(path, ArtifactError), f"{path} is not valid JSON", ArtifactError)
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version not in READABLE_VERSIONS:
         older = isinstance(version, int) and version < min(READABLE_VERSIONS)

@@ -8,13 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from eectl.contracts.layers import check_exit_layers
 from eectl.contracts.names import default_policies
 from eectl.errors import UsageError
-from eectl.files import existing_file, read_utf8
+from eectl.files import existing_file, parse_yaml, read_utf8
 
 # Upper bounds on every count: past one, a value is a typo or a hostile file, not a workload (10**22 steps read as an
 # ETA of 1.6e19 s). The recipe fields below state them; the CLI options that set the same counts are checked against
@@ -148,10 +147,7 @@ def load_recipe(path: str | Path | None) -> Recipe:
     if path is None:
         return Recipe(name="default")
     p = existing_file(packaged_recipe(path), "recipe", UsageError)
-    try:
-        raw = yaml.safe_load(read_utf8(p, UsageError)) or {}
-    except yaml.YAMLError as exc:
-        raise UsageError(f"recipe {p.name} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    raw = parse_yaml(read_utf8(p, UsageError), f"recipe {p.name} is not valid YAML", UsageError) or {}
     if not isinstance(raw, dict):
         raise UsageError(f"recipe {p.name} must be a YAML mapping")
     raw.setdefault("name", p.stem)

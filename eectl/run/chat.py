@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from eectl.data import chat_ids
+from eectl.files import check_text
 from eectl.run.generate import RunOptions, RunReport, open_runner
 from eectl.runtime.conversation import Conversation
 
@@ -25,6 +26,7 @@ DEFAULT_CONTEXT = 4096  # cache positions of a conversation when the model allow
 def conversation_ids(tokenizer: Any, messages: list[dict[str, str]], raw: bool, history: list[int]) -> list[int]:
     """The conversation as the model reads it: its chat template with a generation prompt; or (raw, or no
     template) the tokens so far (`history`: the previous turns and replies as generated) and the new line's."""
+    check_text(messages[-1]["content"], "the turn")  # bytes that are not UTF-8 on stdin: one line, not a TypeError
     if not raw and getattr(tokenizer, "chat_template", None):
         return chat_ids(tokenizer, messages)
     line = messages[-1]["content"] + "\n"

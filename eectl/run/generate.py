@@ -6,7 +6,6 @@ explicit values, the signal), applies the tokenizer's chat template, and turns t
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -22,7 +21,7 @@ from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DR
 from eectl.data import encode_prompt
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
-from eectl.files import confined, existing_file, read_utf8, text_lines
+from eectl.files import confined, existing_file, parse_json, read_utf8, text_lines
 from eectl.runtime.ort import PROVIDERS
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -82,10 +81,7 @@ def read_prompts(path: str | Path) -> list[str]:
         if not line.strip():
             continue
         if p.suffix.lower() == ".jsonl":
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{p.name} is not valid JSON Lines: {exc.msg}: line {n} column {exc.colno}") from None
+            row = parse_json(line, f"{p.name} is not valid JSON Lines", DataError, line=n)
             text = next((row[k] for k in ("prompt", "question", "text") if isinstance(row, dict) and k in row), None)
             if not isinstance(text, str):
                 raise DataError(f"{p.name} line {n} has no prompt, question or text field")
