@@ -261,3 +261,48 @@ def test_a_kv_cache_that_memory_cannot_hold_is_refused_before_allocating(artifac
     assert "only 4.0 KiB of memory is available (the memory cgroup's memory.max" in line
     (group / "memory.max").write_text("max\n")  # no limit: MemAvailable decides, and it is plenty
     assert runner.invoke(app, args).exit_code == 0
+
+
+# --- 6. options checked before the model or the artifact loads ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,text",
+    [
+        (["--weights", "int4", "--int4-block-size", "7"], "--int4-block-size must be a power of two >= 16, got 7"),
+        (["--weights", "int4", "--int4-accuracy-level", "9"], "--int4-accuracy-level must be one of 0..4, got 9"),
+        (["--weights", "int4", "--int4-algorithm", "bogus"], "--int4-algorithm must be one of"),
+        (["--weights", "int4", "--lm-head", "bogus"], "--lm-head must be one of"),
+        (["--weights", "int4", "--int4-keep-layers", "-1"], "--int4-keep-layers"),
+        (["--candidates", "bogus"], "--candidates must be one of"),
+    ],
+)
+def test_export_options_are_checked_before_the_model_loads(tiny_dirs, tmp_path, monkeypatch, args, text):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr("eectl.models.load_model", no_load)
+    res = runner.invoke(app, ["export", str(tiny_dirs["llama"]), "--out", str(tmp_path / "a"), *args])
+    assert text in _one_line(res, 2)
+
+
+@pytest.mark.parametrize(
+    "option,value,text",
+    [
+        ("--signal", "bogus", "--signal must be one of"),
+        ("--exits", "abc", "--exits must be comma-separated"),
+        ("--thresholds", "abc", "--thresholds: cannot parse"),
+        ("--thresholds", "nan", "--thresholds must be finite numbers"),
+        ("--prompt-drafts", "99", "--prompt-drafts must be in 0..64"),
+        ("--provider", "bogus", "--provider must be auto or one of"),
+    ],
+)
+def test_bench_options_are_checked_before_the_artifact_loads(artifact, monkeypatch, option, value, text):
+    """The options `run` checks before loading (commit 3edd53a), checked the same way by bench."""
+
+    def no_load(*a, **k):
+        raise AssertionError("the artifact was loaded before the options were checked")
+
+    monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
+    res = runner.invoke(app, ["bench", str(artifact), option, value, "--prompts", "1"])
+    assert text in _one_line(res, 2)

@@ -62,7 +62,7 @@ from eectl.evaluate.stats import (
     wilson,
 )
 from eectl.evaluate.timing import _aa_interval, _gate_reps, _gated, _Run, _Timing
-from eectl.run.generate import RunOptions, choose_plan, load_tokenizer, resolve_config
+from eectl.run.generate import RunOptions, check_options, choose_plan, load_tokenizer, resolve_config
 from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -371,27 +371,7 @@ def run_bench(
 ) -> BenchResult:
     """Run the configurations interleaved; `progress(1)` after each prompt generated and each perplexity pass
     (bench_units gives the total)."""
-    known = (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED, *opts.compare)
-    clash = [c for c in opts.compare if c in (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED)]
-    if clash:
-        raise UsageError(f"--compare name '{clash[0]}' is a built-in configuration; pick another name")
-    if not opts.configs:  # `--policies ''` (or ','): a bench of nothing
-        raise UsageError("--policies names nothing", hint=f"choose from {', '.join(known)}")
-    bad = [c for c in opts.configs if c not in known]
-    if bad:
-        raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(known)}")
-    if opts.reps < 1 or opts.prompts < 1 or opts.max_new_tokens < 1 or opts.batch_size < 1:
-        raise UsageError("--reps, --prompts, --max-new-tokens and --batch-size must be >= 1")
-    if opts.ppl_tokens < 0:
-        raise UsageError(f"--ppl-tokens must be >= 0 (0: no perplexity), got {opts.ppl_tokens}")
-    if not 0 <= opts.prompt_drafts <= MAX_DRAFTS:  # as run checks it
-        raise UsageError(f"--prompt-drafts must be in 0..{MAX_DRAFTS}, got {opts.prompt_drafts}")
-    if not prompts:
-        raise UsageError("no prompts to benchmark")
-    if not all(x > 0 and math.isfinite(x) for x in [opts.threshold_scale, *opts.sweep]):
-        raise UsageError("--threshold-scale and --sweep must be positive finite numbers")
-    if opts.max_risk is not None and not 0 <= opts.max_risk < 1:
-        raise UsageError(f"--max-risk must be in [0, 1), got {opts.max_risk}")
+    _check_options(opts, prompts)
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads, lazy_segments=opts.weights.active)
     if opts.weights.active:  # every configuration under the same weight setting (runtime/tiers.py)
         load_tiers(rt, opts.weights)
@@ -467,6 +447,35 @@ def run_bench(
         certificate_check=check,
         memory=configs.memory.section(),
     )
+
+
+def _check_options(opts: BenchOptions, prompts: list[str]) -> None:
+    """Every check that needs no artifact, before it loads: bench's own, and those `run` makes of the options every
+    configuration's RunOptions carries (--signal, --exits, --thresholds, --prompt-drafts, --provider)."""
+    known = (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED, *opts.compare)
+    clash = [c for c in opts.compare if c in (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED)]
+    if clash:
+        raise UsageError(f"--compare name '{clash[0]}' is a built-in configuration; pick another name")
+    if not opts.configs:  # `--policies ''` (or ','): a bench of nothing
+        raise UsageError("--policies names nothing", hint=f"choose from {', '.join(known)}")
+    bad = [c for c in opts.configs if c not in known]
+    if bad:
+        raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(known)}")
+    if opts.reps < 1 or opts.prompts < 1 or opts.max_new_tokens < 1 or opts.batch_size < 1:
+        raise UsageError("--reps, --prompts, --max-new-tokens and --batch-size must be >= 1")
+    if opts.ppl_tokens < 0:
+        raise UsageError(f"--ppl-tokens must be >= 0 (0: no perplexity), got {opts.ppl_tokens}")
+    if not 0 <= opts.prompt_drafts <= MAX_DRAFTS:  # as run checks it
+        raise UsageError(f"--prompt-drafts must be in 0..{MAX_DRAFTS}, got {opts.prompt_drafts}")
+    if not prompts:
+        raise UsageError("no prompts to benchmark")
+    if not all(x > 0 and math.isfinite(x) for x in [opts.threshold_scale, *opts.sweep]):
+        raise UsageError("--threshold-scale and --sweep must be positive finite numbers")
+    if opts.max_risk is not None and not 0 <= opts.max_risk < 1:
+        raise UsageError(f"--max-risk must be in [0, 1), got {opts.max_risk}")
+    shared = RunOptions(exits=opts.exits, signal=opts.signal, thresholds=opts.thresholds, provider=opts.provider)
+    shared.prompt_drafts = opts.prompt_drafts
+    check_options(shared)
 
 
 def _certificate_check(cert: Any, runs: dict[str, Any], tok: Any, answers: Any, generated: int) -> str:

@@ -41,7 +41,7 @@ from eectl.contracts.manifest import (
 )
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits.base import DEFAULT_TOP_K, CandidateSource
-from eectl.exits.candidates import FirstExitTopK, Shortlist, make_source
+from eectl.exits.candidates import CANDIDATE_SOURCES, FirstExitTopK, Shortlist, make_source
 from eectl.export.block import export_block, is_block
 from eectl.export.candidate_graphs import build_candidates
 from eectl.export.graphs import DTYPES, OPSET, build_embedding, build_exit, build_segment, save_graph
@@ -101,6 +101,9 @@ def check_options(options: ExportOptions, out: Path | None = None, vocab_size: i
     if not 2 <= options.top_k <= top:
         raise UsageError(f"--top-k must be in 2..{vocab_size or 'the vocabulary size'}, got {options.top_k}")
     check_exit_layers(options.exits, None)
+    options.int4.check(None)  # --int4-* and --lm-head (the kept layers' numbers again once the model is known)
+    if options.candidates is not None and options.candidates not in CANDIDATE_SOURCES:
+        raise UsageError(f"--candidates must be one of {', '.join(CANDIDATE_SOURCES)}, got '{options.candidates}'")
     if out is not None:
         check_destination(out, options.force)
 

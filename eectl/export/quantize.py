@@ -50,7 +50,9 @@ class Int4Options:
     keep_layers: tuple[int, ...] = ()  # decoder layers whose MatMuls stay fp32
     min_agreement: float = DEFAULT_MIN_AGREEMENT  # validation floor on greedy agreement at the final exit
 
-    def check(self, num_layers: int) -> Int4Options:
+    def check(self, num_layers: int | None) -> Int4Options:
+        """Every value in range; the kept layers against `num_layers` when it is known (None: before the model
+        loads, when export checks the rest)."""
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise UsageError(f"--int4-block-size must be a power of two >= 16, got {self.block_size}")
         if self.accuracy_level not in ACCURACY_LEVELS:
@@ -59,8 +61,11 @@ class Int4Options:
             raise UsageError(f"--int4-algorithm must be one of {', '.join(ALGORITHMS)}, got '{self.algorithm}'")
         if self.lm_head not in LM_HEAD_PRECISIONS:
             raise UsageError(f"--lm-head must be one of {', '.join(LM_HEAD_PRECISIONS)}, got '{self.lm_head}'")
-        bad = [i for i in self.keep_layers if not 0 <= i < num_layers]
-        if bad:
+        if num_layers is None:
+            negative = [i for i in self.keep_layers if i < 0]
+            if negative:
+                raise UsageError(f"--int4-keep-layers {negative} are not layer numbers (0 and up)")
+        elif bad := [i for i in self.keep_layers if not 0 <= i < num_layers]:
             raise UsageError(f"--int4-keep-layers {bad} are outside 0..{num_layers - 1}")
         if self.algorithm == "hqq" and self.symmetric:
             raise UsageError("--int4-algorithm hqq is asymmetric (zero points per block); drop --int4-symmetric")
