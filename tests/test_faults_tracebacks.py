@@ -4,9 +4,11 @@ and a few option and data faults. One test per class; each failed on the code be
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -158,3 +160,35 @@ def test_lone_surrogates_in_prompts_and_data_are_one_line(artifact, tmp_path):
     tok = load_tokenizer(ArtifactRuntime(artifact))
     with pytest.raises(DataError, match="the turn is not UTF-8 text: byte 0xff"):  # a --chat line from stdin
         conversation_ids(tok, [{"role": "user", "content": "hi\udcff"}], raw=True, history=[])
+
+
+# --- 4. manifest dimensions that disagree with the graphs; ONNX Runtime's run errors --------------------------------
+
+
+@pytest.mark.parametrize(
+    "section,key,value",
+    [("kv", "num_kv_heads", 3), ("kv", "head_dim", 8), ("dims", "hidden_size", 32), ("dims", "vocab_size", 100)],
+)
+def test_manifest_dimensions_that_disagree_with_the_graphs_are_refused_at_load(artifact, tmp_path, section, key, value):
+    """The runner sizes its KV buffers and outputs from these fields: a wrong one was ORT's `Got invalid dimensions
+    for input: past_key_values.0.key ...` traceback mid-run; now checked against the graphs' declared shapes."""
+
+    def edit(text: str) -> str:
+        doc = json.loads(text)
+        doc[section][key] = value
+        return json.dumps(doc)
+
+    art = _edited(artifact, tmp_path, edit)
+    line = _one_line(runner.invoke(app, ["run", str(art), "hi", "--raw", "-n", "2", "--thresholds", "0.5"]), 5)
+    assert f"the manifest's {section}.{key} is {value}, but the graph " in line
+
+
+def test_onnx_runtime_run_errors_are_one_line(artifact):
+    """What the load-time check cannot see fails in ONNX Runtime: mapped in one place (runtime/ort.CheckedSession) to
+    an ArtifactError naming the graph, with ORT's first line."""
+    rt = ArtifactRuntime(artifact)
+    weight = rt.weight_feeds(rt.embedding, "embed")
+    for feeds in ({"input_ids": np.zeros((1, 2), np.float32), **weight}, {"input_ids": np.zeros((1, 2), np.int64)}):
+        with pytest.raises(ArtifactError, match=r"^ONNX Runtime failed running the graph embed.onnx: ") as err:
+            rt.embedding.session.run(None, feeds)  # float ids (int64 expected); the weight missing
+        assert "\n" not in err.value.message

@@ -233,6 +233,32 @@ def graph_ios(m: Manifest) -> list[GraphIO]:
     return found
 
 
+Axis = tuple[int, str, int]  # (axis of a graph input or output, the manifest field it must equal, its value)
+
+
+def graph_axes(m: Manifest) -> dict[str, list[Axis]]:
+    """Graph io key -> the axes whose fixed size the manifest states: the KV tensors' heads (axis 1) and head size
+    (axis 3), the hidden states' width and the logits' vocabulary (last axis). The runner sizes its KV buffers and
+    outputs from these fields, so a graph that declares another size is refused at load (runtime/ort.py)."""
+    d = m.dims  # the model's dimensions as export read them (a dict: a field may be absent)
+
+    def given(*axes: tuple[int, str, int | None]) -> list[Axis]:
+        return [(axis, name, value) for axis, name, value in axes if value is not None]
+
+    kv = given(
+        (1, "kv.num_kv_heads", m.kv.num_kv_heads),
+        (3, "kv.head_dim", m.kv.head_dim),
+        (1, "dims.num_kv_heads", d.get("num_kv_heads")),
+        (3, "dims.head_dim", d.get("head_dim")),
+    )
+    hidden = given((-1, "dims.hidden_size", d.get("hidden_size")))
+    return {
+        **dict.fromkeys(("past_key", "past_value", "present_key", "present_value"), kv),
+        **dict.fromkeys(("hidden", "hidden_out", "layer_input"), hidden),
+        "logits": given((-1, "dims.vocab_size", d.get("vocab_size"))),
+    }
+
+
 def referenced_files(m: Manifest) -> set[str]:
     """Every file the runtime opens by name from the manifest: each graph, its external data, each shared weight.
     All of them must be listed (and so hashed) in `files`; the tokenizer's folder is checked apart."""

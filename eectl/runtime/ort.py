@@ -7,14 +7,14 @@ What this module does not do: know artifacts (sessions.py) or KV buffers.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eectl.contracts.manifest import GraphIO
+from eectl.contracts.manifest import Axis, GraphIO
 from eectl.errors import ArtifactError, UsageError
 
 _THREADS: int | None = None
@@ -117,16 +117,63 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def _check_names(io: GraphIO, session: Any) -> None:
-    """Every input and output name the manifest gives must exist in the graph (caught at load, not mid-run)."""
+def _check_names(io: GraphIO, session: Any, axes: Mapping[str, list[Axis]] | None = None) -> None:
+    """Every input and output name the manifest gives must exist in the graph, and every fixed dimension the graph
+    declares where `axes` (contracts.manifest.graph_axes) expects a manifest field must equal it: both caught at
+    load, naming the field, rather than as ONNX Runtime's error mid-run (the runner sizes its buffers from them)."""
     # inputs with a default (an initializer, e.g. an exit's decision thresholds) are listed apart by ORT
     inputs = [*session.get_inputs(), *session.get_overridable_initializers()]
-    have = {"input": {i.name for i in inputs}, "output": {o.name for o in session.get_outputs()}}
+    have = {"input": {i.name: i for i in inputs}, "output": {o.name: o for o in session.get_outputs()}}
     for kind, names in (("input", io.inputs), ("output", io.outputs)):
-        for value in names.values():
+        for key, value in names.items():
             for name in [value] if isinstance(value, str) else value:
                 if name not in have[kind]:
                     raise ArtifactError(f"the graph {io.file} has no {kind} named {name!r} (the manifest names it)")
+                shape = list(getattr(have[kind][name], "shape", None) or [])
+                for axis, field_name, want in (axes or {}).get(key, []):
+                    got = shape[axis] if -len(shape) <= axis < len(shape) else None
+                    if isinstance(got, int) and got != want:
+                        raise ArtifactError(
+                            f"the manifest's {field_name} is {want}, but the graph {io.file} declares {got} "
+                            f"(axis {axis} of its {kind} {name!r})",
+                            hint="the manifest was edited or belongs to other graphs; re-export the artifact",
+                        )
+
+
+def _run_errors() -> tuple[type[BaseException], ...]:
+    """What a session's run raises for bad feeds or buffers: RuntimeError (run_with_iobinding), ValueError (its
+    Python wrapper's checks of the feed) and ORT's pybind exception types (InvalidArgument, Fail, ...)."""
+    state = _ort().capi.onnxruntime_pybind11_state
+    types = [t for t in vars(state).values() if isinstance(t, type) and issubclass(t, Exception)]
+    return (RuntimeError, ValueError, *types)
+
+
+class CheckedSession:
+    """An InferenceSession whose run errors are one line: the one place where ONNX Runtime's run errors are mapped
+    (to an ArtifactError naming the graph and ORT's first line, not a page of its traceback). Everything else is
+    the session's own."""
+
+    def __init__(self, session: Any, file: str) -> None:
+        self._session = session
+        self._file = file
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+    def _mapped(self, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except _run_errors() as exc:
+            raise ArtifactError(
+                f"ONNX Runtime failed running the graph {self._file}: {_first_line(exc)}",
+                hint="the artifact's graphs and its manifest disagree, or the machine ran out of memory",
+            ) from exc
+
+    def run_with_iobinding(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mapped(lambda: self._session.run_with_iobinding(*args, **kwargs))
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mapped(lambda: self._session.run(*args, **kwargs))
 
 
 @dataclass

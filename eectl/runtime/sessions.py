@@ -22,12 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from eectl.contracts.manifest import LM_HEAD_ROWS, GraphIO, Manifest, SharedWeight, read_manifest
+from eectl.contracts.manifest import LM_HEAD_ROWS, GraphIO, Manifest, SharedWeight, graph_axes, read_manifest
 from eectl.errors import ArtifactError, UsageError
 from eectl.files import confined
 from eectl.runtime.memory import check_kv
 from eectl.runtime.ort import (
     PROVIDERS,
+    CheckedSession,
     DeviceView,
     Graph,
     _check_names,
@@ -130,6 +131,7 @@ class ArtifactRuntime:
         ep = PROVIDERS[self.provider]
         self.device = ep.device
         so = session_options(threads)
+        axes = graph_axes(m)  # the dimensions each graph must declare as the manifest states them
 
         def session(io: GraphIO, options: Any = so, providers: Sequence[str] = ep.ort_providers) -> Any:
             """options/providers: a segment's own (runtime/tiers.py: mapped weights, placement)."""
@@ -140,8 +142,8 @@ class ArtifactRuntime:
                 sess = _ort().InferenceSession(str(path), sess_options=options, providers=list(providers))
             except Exception as exc:  # ORT raises its own pybind types (InvalidProtobuf, Fail, ...) for bad graphs
                 raise ArtifactError(f"cannot load the graph {io.file}: {_first_line(exc)}") from None
-            _check_names(io, sess)
-            return sess
+            _check_names(io, sess, axes)
+            return CheckedSession(sess, io.file)  # its run errors are one line (ArtifactError naming the graph)
 
         def load(io: GraphIO) -> Graph:
             return Graph(io, session(io), self.device)
