@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.contracts.calibration import Calibration
 from eectl.contracts.layers import default_exits, parse_layers
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.recipe import load_recipe, pick
@@ -311,4 +312,30 @@ def _print_calibration(out: Output, result: object, path: Path) -> None:
     for x in result.exits:
         if x.note:
             out.line(f"exit {x.layer}: {x.note}")
+    for line in policy_lines(result):
+        out.line(line)
     out.line(f"written: {path}")
+
+
+def policy_lines(result: Calibration) -> list[str]:
+    """What each KV policy can use of this calibration: copy/defer exit only where the target is reached (per token);
+    verify is lossless, so its menu's options at lower precisions are a speed knob, not a fidelity risk."""
+    conf = f" at {result.confidence:.0%} confidence" if result.confidence else ""
+    exiting = [x.layer for x in result.exits if x.calibration.exited > 0]
+    verify = [o for o in result.options if o.kind == "verify"]
+    if exiting:
+        lossy = (
+            f"copy/defer: exits {exiting} reach {result.target}{conf} per token (a whole answer's risk: calibrate "
+            "--guarantee sequence on the exported artifact)"
+        )
+    else:
+        lossy = f"copy/defer: no exit reaches {result.target}{conf}; they run at full depth"
+    if verify:
+        precisions = sorted({o.target for o in verify})
+        lossless = (
+            f"verify (lossless: the deep layers check every draft) may still draft: {len(verify)} menu options at "
+            f"precisions {', '.join(f'{p:g}' for p in precisions)}; export's cost model keeps one only if it pays"
+        )
+    else:
+        lossless = "verify: no menu options (calibrate with the menu to let export price verify)"
+    return [lossy, lossless]
