@@ -152,7 +152,40 @@ def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
     The result has the output mode (file_mode); on any failure the temporary is removed, `path` is untouched, and an
     OS error becomes an OutputError naming the path.
     """
-    path = Path(path)
+    return atomic_write_group([(path, write)])[0]
+
+
+def atomic_write_group(files: Sequence[tuple[str | Path, Callable[[Path], object]]]) -> list[Path]:
+    """Write files that belong together (an output and its sidecars) as `atomic_write` writes one, and publish them
+    together or not at all: every temporary is filled (and synced) first, and only once all of them are written are
+    they renamed into place, the first file (the output) last, so its sidecars are there when it appears. A failure
+    while writing any of them (a disk full at the sidecar) removes every temporary and publishes none; the renames
+    themselves need no space."""
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for given, write in files:
+            path = Path(given)
+            staged.append((path, _temporary(path)))
+            try:
+                write(staged[-1][1])
+                os.chmod(staged[-1][1], file_mode())
+                with open(staged[-1][1], "rb+") as f:
+                    os.fsync(f.fileno())  # the content is on disk before the rename makes it the file (power loss)
+            except OSError as exc:
+                raise output_error(path, exc) from None
+        for path, tmp in reversed(staged):
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                raise output_error(path, exc) from None
+    finally:
+        for _, tmp in staged:
+            tmp.unlink(missing_ok=True)
+    return [path for path, _ in staged]
+
+
+def _temporary(path: Path) -> Path:
+    """An empty private temporary file beside `path` (its folder created), named after it."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         prefix = f".{side_name(path.name, _PART_EXTRA)}."
@@ -160,18 +193,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
     except OSError as exc:
         raise output_error(path, exc) from None
     os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        os.chmod(tmp, file_mode())
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())  # the content is on disk before the rename makes it the file (power loss)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise output_error(path, exc) from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return Path(name)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

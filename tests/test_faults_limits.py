@@ -306,3 +306,40 @@ def test_bench_options_are_checked_before_the_artifact_loads(artifact, monkeypat
     monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
     res = runner.invoke(app, ["bench", str(artifact), option, value, "--prompts", "1"])
     assert text in _one_line(res, 2)
+
+
+# --- 7. an output and its sidecars are published together or not at all -----------------------------------------
+
+
+def test_heads_and_their_sidecar_are_published_together_or_not_at_all(llama, tmp_path, monkeypatch):
+    """A disk that fills while the .json sidecar is written: before, the new .safetensors was already in place
+    beside the old .json (or none); now neither is published and the previous pair is left as it was."""
+    import errno
+
+    from eectl.errors import OutputError
+    from eectl.exits.designs import HeadStack, make_head, save_heads
+    from tests.conftest import make_heads_meta
+
+    out = tmp_path / "h.safetensors"
+    stack = HeadStack({3: make_head("residual-linear", llama.adapter.dims.hidden_size)})
+    side = save_heads(stack, make_heads_meta(llama, [3]), out)
+    before = {p.name: p.read_bytes() for p in (out, side)}
+    real = Path.write_text
+
+    def full_at_the_sidecar(self, *a, **k):
+        if ".json." in self.name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", full_at_the_sidecar)
+    newer = make_heads_meta(llama, [3])
+    newer.steps = 7  # another training: other bytes in both files
+    with pytest.raises(OutputError, match=r"cannot write .*h\.json: No space left on device"):
+        save_heads(stack, newer, out)
+    assert {p.name: p.read_bytes() for p in (out, side)} == before  # the previous pair, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h.json", "h.safetensors"]  # no temporaries
+    out.unlink()
+    side.unlink()
+    with pytest.raises(OutputError):
+        save_heads(stack, make_heads_meta(llama, [3]), out)
+    assert list(tmp_path.iterdir()) == []  # nothing published at all

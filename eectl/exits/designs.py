@@ -34,7 +34,7 @@ from eectl.contracts.layers import check_exit_layers
 from eectl.errors import ArtifactError, UsageError
 from eectl.exits.base import ExitHead, attach_probe
 from eectl.exits.probe import PROBE_FEATURES, attach_probe_tensors, probe_tensors
-from eectl.files import atomic_write, atomic_write_text, existing_file
+from eectl.files import atomic_write_group, existing_file
 from eectl.models.adapters import Adapter
 
 BLOCK_INITS = ("last", "next", "identity")
@@ -249,16 +249,20 @@ class HeadSet:
 
 
 def save_heads(stack: HeadStack, meta: HeadsMeta, path: Path) -> Path:
-    """Write `path` (.safetensors, tensors exit_{l}.<param>, float32) and its .json sidecar, each atomically."""
+    """Write `path` (.safetensors, tensors exit_{l}.<param>, float32) and its .json sidecar, atomically and together
+    (files.atomic_write_group): a disk that fills at the sidecar publishes neither."""
     from safetensors.torch import save
 
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in stack.state_dict().items()}
     tensors.update(probe_tensors({layer: stack.head(layer) for layer in meta.exits}))  # the learned signal's
     doc = meta.model_dump(mode="json")
     blob = save(tensors, metadata={"format": FORMAT, "eectl": json.dumps(doc, sort_keys=True)})
-    atomic_write(path, lambda tmp: tmp.write_bytes(blob))  # written by Python: a full disk is a one-line OSError
     side = sidecar_path(path)
-    atomic_write_text(side, json.dumps(doc, indent=2) + "\n")
+    text = json.dumps(doc, indent=2) + "\n"
+    # written by Python: a full disk is a one-line OutputError
+    atomic_write_group(
+        [(path, lambda tmp: tmp.write_bytes(blob)), (side, lambda tmp: tmp.write_text(text, encoding="utf-8"))]
+    )
     return side
 
 
