@@ -202,6 +202,11 @@ def test_a_bom_is_not_part_of_a_prompt_or_a_record(tmp_path, monkeypatch):
     recipe = tmp_path / "r.yaml"
     recipe.write_bytes("\ufeffname: bom\ntop_k: 16\n".encode())
     assert load_recipe(recipe).top_k == 16
+    from eectl.evaluate.lmeval_tasks.utils import gsm8k  # eval --gsm8k (was json's "Unexpected UTF-8 BOM")
+
+    g = tmp_path / "g.jsonl"
+    g.write_bytes('\ufeff{"question": "q\u2028still q", "answer": "#### 1"}\r\n'.encode())
+    assert gsm8k(gsm8k_path=str(g))["test"][0]["question"] == "q\u2028still q"
 
     seen: list[list[str]] = []
 
