@@ -434,3 +434,31 @@ def test_candidate_graph_decisions_equal_the_signals(planned, source):
 
     rt = planned[source]
     assert _check(rt, rt.candidate_graphs[2], _hidden(rt), k=K) > 100
+
+
+def test_run_json_gives_the_plan_as_fields_and_cost_samples_only_when_asked(planned):
+    import json
+
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+
+    rt = planned["int8"]
+    m = rt.manifest
+    assert m.plan is not None and m.costs is not None and m.costs.samples_ms
+    args = ["run", str(rt.folder), "hello", "-n", "3", "--json", "--threads", "1"]
+    res = CliRunner().invoke(app, [*args, "--policy", "verify"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    plan = doc["plan"]
+    assert plan["default"] == m.plan.default and plan["followed"] is True and plan["summary"] == m.plan.summary()
+    verify = m.plan.choices["verify"]
+    if verify.exits:  # the prediction for what ran: verify's choice
+        assert plan["predicted_speedup"] == verify.prediction.speedup and doc["exits"] == verify.exits
+    else:
+        assert plan["predicted_speedup"] is None and doc["exits"] == []
+    assert doc["note"].startswith("plan:") and "samples_ms" not in doc["costs"] and doc["costs"]["segment_ms"]
+    explicit = json.loads(CliRunner().invoke(app, [*args, "--exits", "3", "--thresholds", "0.5"]).stdout)
+    assert explicit["plan"]["followed"] is False and explicit["plan"]["predicted_speedup"] is None
+    full = json.loads(CliRunner().invoke(app, [*args, "--cost-samples"]).stdout)
+    assert full["costs"]["samples_ms"] == m.costs.samples_ms

@@ -115,6 +115,15 @@ def run(
     mmap_weights: MmapOpt = False,
     memory_budget: BudgetOpt = None,
     place: PlaceOpt = None,
+    cost_samples: Annotated[
+        bool,
+        typer.Option(
+            "--cost-samples",
+            help="With --json: the costs' per-round timings too (what the plan's intervals are drawn from).",
+            rich_help_panel="Common",
+            metavar="",
+        ),
+    ] = False,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -180,11 +189,12 @@ def run(
             "signal": config.signal,
             "exits": config.exits,
             "thresholds": {str(k): v for k, v in config.thresholds.items()},
-            "plan": config.note,
+            "note": config.note,
+            "plan": _plan_json(rt.manifest, config),
             "certificate": rt.manifest.certificate.describe()
             if config.certified and rt.manifest.certificate is not None
             else None,
-            "costs": None if rt.manifest.costs is None else rt.manifest.costs.model_dump(),
+            "costs": _costs_json(rt.manifest, cost_samples),
             "results": [rep.to_dict() for rep in reports],
             "memory": _memory(out, rt, reports),
         }
@@ -223,6 +233,40 @@ def _memory(out: Output, rt: Any, reports: list[Any]) -> dict[str, Any] | None:
             f"{doc['slow_bytes_per_token_predicted'] / 1e6:.1f}" + (f", {ratio:.2f}x)" if ratio else ")")
         )
     out.log(line)
+    return doc
+
+
+def _plan_json(m: Any, config: Any) -> dict[str, Any] | None:
+    """The plan as fields: its default, whether this run follows it, and the prediction for what runs."""
+    plan = m.plan
+    if plan is None:
+        return None
+    pred = None
+    if config.certified and plan.certified is not None:
+        pred = plan.certified.prediction
+    elif config.prompt_drafts and not config.exits and plan.lookup is not None:
+        pred = plan.lookup.prediction
+    elif config.planned and config.policy in plan.choices and config.exits:
+        pred = plan.choices[config.policy].prediction
+    return {
+        "default": plan.default,
+        "followed": bool(config.planned or config.certified),
+        "line": plan.line(),
+        "summary": plan.summary(),
+        "predicted_speedup": None if pred is None else pred.speedup,
+        "predicted_interval": None if pred is None else pred.interval,
+        "predicted_ms_per_token": None if pred is None else pred.ms_per_token,
+        "full_ms_per_token": None if pred is None else pred.full_ms,
+    }
+
+
+def _costs_json(m: Any, samples: bool) -> dict[str, Any] | None:
+    """The artifact's measured costs (medians); the per-round samples only when asked for (--cost-samples)."""
+    if m.costs is None:
+        return None
+    doc: dict[str, Any] = m.costs.model_dump()
+    if not samples:
+        doc.pop("samples_ms", None)
     return doc
 
 
