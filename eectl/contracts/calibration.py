@@ -22,7 +22,8 @@ from eectl.contracts.layers import check_exit_layers
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.plan import LookupStats, Option
 from eectl.errors import ArtifactError, UsageError
-from eectl.files import atomic_write_json, existing_file, parse_json, read_utf8
+from eectl.files import atomic_write_json, existing_file, read_utf8
+from eectl.parsing import parse_json
 
 SCHEMA_VERSION = 1
 

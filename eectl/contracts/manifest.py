@@ -17,7 +17,8 @@ from eectl.contracts.certificate import Certificate
 from eectl.contracts.heads import HeadsMeta
 from eectl.contracts.plan import Costs, Plan
 from eectl.errors import ArtifactError
-from eectl.files import atomic_write_text, confined, parse_json, read_utf8, sha256_file
+from eectl.files import atomic_write_text, confined, read_utf8, sha256_file
+from eectl.parsing import parse_json
 
 # 2: the calibration and the heads metadata are typed, and per-exit thresholds live only in `calibration`.
 # 3: optional fields an eectl reading 2 does not know: block exit heads (`ExitPoint.block`), the bound chain's costs

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from eectl.contracts.layers import check_exit_layers
 from eectl.contracts.names import default_policies
 from eectl.errors import UsageError
-from eectl.files import existing_file, parse_yaml, read_utf8
+from eectl.files import existing_file, read_utf8
+from eectl.parsing import parse_yaml
 
 # Upper bounds on every count: past one, a value is a typo or a hostile file, not a workload (10**22 steps read as an
 # ETA of 1.6e19 s). The recipe fields below state them; the CLI options that set the same counts are checked against

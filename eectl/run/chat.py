@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from eectl.data import chat_ids
-from eectl.files import check_text
+from eectl.parsing import check_text
 from eectl.run.generate import RunOptions, RunReport, open_runner
 from eectl.runtime.conversation import Conversation
 

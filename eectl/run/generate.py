@@ -21,7 +21,8 @@ from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DR
 from eectl.data import encode_prompt
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
-from eectl.files import confined, existing_file, parse_json, read_utf8, text_lines
+from eectl.files import confined, existing_file, read_utf8, text_lines
+from eectl.parsing import parse_json
 from eectl.runtime.ort import PROVIDERS
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime

@@ -131,7 +131,6 @@ class ArtifactRuntime:
         ep = PROVIDERS[self.provider]
         self.device = ep.device
         so = session_options(threads)
-        axes = graph_axes(m)  # the dimensions each graph must declare as the manifest states them
 
         def session(io: GraphIO, options: Any = so, providers: Sequence[str] = ep.ort_providers) -> Any:
             """options/providers: a segment's own (runtime/tiers.py: mapped weights, placement)."""
@@ -142,7 +141,7 @@ class ArtifactRuntime:
                 sess = _ort().InferenceSession(str(path), sess_options=options, providers=list(providers))
             except Exception as exc:  # ORT raises its own pybind types (InvalidProtobuf, Fail, ...) for bad graphs
                 raise ArtifactError(f"cannot load the graph {io.file}: {_first_line(exc)}") from None
-            _check_names(io, sess, axes)
+            _check_names(io, sess, graph_axes(m))  # names, and the dimensions the manifest states
             return CheckedSession(sess, io.file)  # its run errors are one line (ArtifactError naming the graph)
 
         def load(io: GraphIO) -> Graph:
