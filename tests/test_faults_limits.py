@@ -225,10 +225,25 @@ def test_artifact_count_options_are_bounded_before_the_artifact_loads(artifact, 
 def test_a_huge_max_positions_allocates_only_what_the_run_reaches(artifact, tmp_path):
     art = _copy(artifact, tmp_path)
     doc = json.loads((art / MANIFEST).read_text())
-    doc["max_positions"] = 2**40  # a cache of that many positions would be petabytes
+    doc["max_positions"] = 2**24  # the most a manifest may state: a cache of that many positions is gigabytes
     (art / MANIFEST).write_text(json.dumps(doc))
     res = runner.invoke(app, ["run", str(art), "hi", "-n", "3", "--exits", "none", "--raw"])
     assert res.exit_code == 0, res.output
+    doc["max_positions"] = 2**40  # beyond any model: a damaged manifest
+    (art / MANIFEST).write_text(json.dumps(doc))
+    line = _one_line(runner.invoke(app, ["run", str(art), "hi", "-n", "3", "--exits", "none", "--raw"]), 5)
+    assert "max_positions" in line and str(2**24) in line
+
+
+def test_a_model_with_a_huge_context_is_one_line_before_export_builds_its_tables(tiny_dirs, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dirs["llama"], model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 2**40  # rotary tables of 2**40 positions: terabytes
+    (model / "config.json").write_text(json.dumps(config))
+    line = _one_line(runner.invoke(app, ["export", str(model), "--out", str(tmp_path / "art")]), 3)
+    assert f"context of {2**40} positions" in line and "max_position_embeddings" in line
+    assert not (tmp_path / "art").exists()
 
 
 def test_a_kv_cache_that_memory_cannot_hold_is_refused_before_allocating(artifact, tmp_path, monkeypatch):

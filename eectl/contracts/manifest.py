@@ -29,6 +29,10 @@ from eectl.parsing import parse_json
 SCHEMA_VERSION = 3
 READABLE_VERSIONS = (2, 3)
 MANIFEST = "manifest.json"
+# The longest context an artifact may state (16 Mi positions: beyond any released model's). Each segment graph embeds
+# rotary tables of that many positions, and a KV cache is sized from it, so a larger value is a damaged manifest or
+# config (a model with max_position_embeddings 2**40 asked torch for an 8 TB table at export).
+MAX_POSITIONS = 1 << 24
 
 
 class _M(BaseModel):
@@ -127,7 +131,7 @@ class Manifest(_M):
     opset: int
     tokenizer_dir: str
     eos_token_ids: list[int]
-    max_positions: int = Field(ge=2)
+    max_positions: int = Field(ge=2, le=MAX_POSITIONS)
     top_k: int = Field(ge=2)
     embedding: GraphIO
     segments: list[Segment]

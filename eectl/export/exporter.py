@@ -27,6 +27,7 @@ from eectl.contracts.layers import check_exit_layers, default_exits
 from eectl.contracts.manifest import (
     LM_HEAD_ROWS,
     MANIFEST,
+    MAX_POSITIONS,
     SCHEMA_VERSION,
     ExitPoint,
     GraphIO,
@@ -39,7 +40,7 @@ from eectl.contracts.manifest import (
     is_artifact,
     write_manifest,
 )
-from eectl.errors import ArtifactError, UsageError
+from eectl.errors import ArtifactError, ModelLoadError, UsageError
 from eectl.exits.base import DEFAULT_TOP_K, CandidateSource
 from eectl.exits.candidates import CANDIDATE_SOURCES, FirstExitTopK, Shortlist, make_source
 from eectl.export.block import export_block, is_block
@@ -152,6 +153,12 @@ def export_artifact(
     L = adapter.num_layers
     out = Path(out_dir)
     check_options(options, out, adapter.dims.vocab_size)
+    max_pos = options.max_positions or adapter.dims.max_positions
+    if not 2 <= max_pos <= MAX_POSITIONS:  # before torch builds rotary tables of that many positions
+        raise ModelLoadError(
+            f"the model's context of {max_pos} positions (max_position_embeddings) is outside 2..{MAX_POSITIONS}",
+            hint="fix the model's config.json",
+        )
     exits = check_exit_layers(options.exits, L)
     if options.river and not exits:
         raise UsageError("--river needs at least one exit (the river starts after the first one)")
