@@ -23,6 +23,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+EMPTY_CELLS = ("", "-", "None")  # what a table cell shows for "no value"
+
 
 class Output:
     def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
@@ -40,14 +42,23 @@ class Output:
         self.err.print(f"[yellow]warning:[/yellow] {message}")
 
     def table(self, title: str, columns: list[str], rows: Iterable[Iterable[Any]]) -> None:
+        """A table that fits the terminal without cutting a word: columns with no value in any row are dropped
+        (the JSON keeps them), no column is narrower than its header's longest word, and cells fold instead of
+        ending in an ellipsis."""
         if self.json_mode:
             return
-        table = Table(title=title)
-        for col in columns:
-            table.add_column(col, justify="right" if col != columns[0] else "left")
-        for row in rows:
-            table.add_row(*[str(c) for c in row])
-        self.out.print(table)
+        cells = [[str(c) for c in row] for row in rows]
+        keep = [i for i in range(len(columns)) if i == 0 or any(r[i] not in EMPTY_CELLS for r in cells)]
+        # no rules and one space between columns: the room goes to the values
+        table = Table(title=title, box=None, padding=(0, 1), collapse_padding=True, header_style="bold underline")
+        for i in keep:
+            col = columns[i]
+            widest = max((len(w) for w in col.split()), default=1)
+            table.add_column(col, justify="left" if i == 0 else "right", min_width=widest, overflow="fold")
+        for r in cells:
+            table.add_row(*[r[i] for i in keep])
+        # laid out to the terminal's width; a table whose headers' words cannot fit is printed wider, never cut
+        self.out.print(table, soft_wrap=False, crop=False)
 
     def line(self, message: str) -> None:
         """A result line for people (stdout); nothing in JSON mode."""

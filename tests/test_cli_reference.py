@@ -53,3 +53,32 @@ def test_calibrate_says_what_each_policy_can_use(llama):
     lossy, lossless = policy_lines(passing)
     assert lossy.startswith("copy/defer: exits [2] reach 0.9 per token") and "--guarantee sequence" in lossy
     assert lossless.startswith("verify: no menu options")
+
+
+def test_console_tables_fit_80_columns_without_cutting_a_word(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from eectl.output import Output
+
+    # calibrate's table, with a column of no values (as profile's 1-JS was) and a long header
+    columns = ["exit", "threshold", "reached", "coverage", "precision", "CP bound 95%", "held-out cov.", "1-JS"]
+    columns += ["held-out agreement"]
+    rows = [[str(e), "0.9731", "12345", "12.3%", "0.9912", "0.9871", "11.9%", "-", "0.9903"] for e in (8, 16)]
+    buf = io.StringIO()
+    out = Output()
+    out.out = Console(file=buf, width=80, soft_wrap=True)
+    out.table("calibration of a model with a long name: topk-prob (K=64), target 0.99", columns, rows)
+    text = buf.getvalue()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in text
+    for word in " ".join(c for c in columns if c != "1-JS").split():
+        assert word in text, word  # every header word whole, on some line
+    assert "1-JS" not in text  # a column with no value in any row is dropped
+    assert "0.9731" in text and "12345" in text
+    # headers whose words cannot fit at all: printed wider, nothing cut
+    buf.truncate(0)
+    wide = [f"column-number-{i:02d}" for i in range(8)]
+    out.table("wide", wide, [[str(i) for i in range(8)]])
+    assert all(w in buf.getvalue() for w in wide[1:]) and "…" not in buf.getvalue()

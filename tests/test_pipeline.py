@@ -50,7 +50,7 @@ bench: {{prompts: 2, max_new_tokens: 4, reps: 1, configs: [full, defer, verify]}
     calib = (art / f"{name}-calibration.json").read_bytes()
     again = CliRunner().invoke(app, ["pipeline", "--recipe", str(recipe), "--prompt", "12 clips"])
     assert again.exit_code == 0, again.output
-    rows = {line.split()[1]: line for line in again.stdout.splitlines() if line.startswith("│")}
+    rows = _stage_rows(again.stdout)
     for stage in ("train-heads", "calibrate", "export"):
         assert "cached" in rows[stage], again.stdout
     assert "never cached" in rows["bench"] and "from the cache" in again.stderr
@@ -60,5 +60,17 @@ bench: {{prompts: 2, max_new_tokens: 4, reps: 1, configs: [full, defer, verify]}
     recipe.write_text(recipe.read_text().replace("steps: 4", "steps: 5"))
     third = CliRunner().invoke(app, ["pipeline", "--recipe", str(recipe), "--prompt", "12 clips"])
     assert third.exit_code == 0, third.output
-    rows = {line.split()[1]: line for line in third.stdout.splitlines() if line.startswith("│")}
+    rows = _stage_rows(third.stdout)
     assert all("cached" not in rows[s] for s in ("train-heads", "calibrate", "export")), third.stdout
+
+
+def _stage_rows(stdout: str) -> dict[str, str]:
+    """The pipeline's stage table: stage name -> its row."""
+    from eectl.pipeline.steps import STAGES
+
+    rows = {}
+    for line in stdout.splitlines():
+        words = line.split()
+        if len(words) > 2 and words[0] in STAGES and words[1].replace(".", "", 1).isdigit():  # stage, seconds, ...
+            rows[words[0]] = line
+    return rows
