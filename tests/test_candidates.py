@@ -462,3 +462,7 @@ def test_run_json_gives_the_plan_as_fields_and_cost_samples_only_when_asked(plan
     assert explicit["plan"]["followed"] is False and explicit["plan"]["predicted_speedup"] is None
     full = json.loads(CliRunner().invoke(app, [*args, "--cost-samples"]).stdout)
     assert full["costs"]["samples_ms"] == m.costs.samples_ms
+    # the console summary: the decode speed against the artifact's own measured full-depth step
+    text = CliRunner().invoke(app, ["run", str(rt.folder), "hello", "-n", "3", "--threads", "1"])
+    assert text.exit_code == 0 and f"{m.costs.baseline_ms():.1f} ms/token)" in text.stderr, text.stderr
+    assert "x the artifact's measured full depth" in text.stderr
