@@ -115,6 +115,27 @@ def _jsonl(path: Path, field: str | None) -> TextData:
     raise DataError(f"no text field found in {path.name}", hint=f"choose one with --field; fields: {', '.join(first)}")
 
 
+def read_gsm8k(path: str | Path) -> list[dict[str, str]]:
+    """A GSM8K-format .jsonl (`eval --gsm8k`: a question and an answer per record) read as eval's tasks read it, and
+    checked before any configuration runs: UTF-8, valid JSON Lines, every record an object with string `question`
+    and `answer`, at least one record. DataError (one line, naming the line) otherwise."""
+    p = Path(path)
+    rows: list[dict[str, str]] = []
+    for n, line in enumerate(text_lines(read_utf8(p, DataError)), 1):
+        if not line.strip():
+            continue
+        row = parse_json(line, f"{p.name} is not valid JSON Lines", DataError, line=n)
+        for key in ("question", "answer"):
+            if not isinstance(row, dict) or not isinstance(row.get(key), str):
+                raise DataError(
+                    f"{p.name} line {n} has no {key} string", hint='a GSM8K record is {"question": ..., "answer": ...}'
+                )
+        rows.append({"question": row["question"], "answer": row["answer"]})
+    if not rows:
+        raise DataError(f"{p.name} holds no GSM8K records", hint="one JSON object with question and answer per line")
+    return rows
+
+
 def token_chunks(tokenizer: object, data: TextData, n_tokens: int, chunk_len: int = 256) -> list[torch.Tensor]:
     """About `n_tokens` tokens of the data as [1, chunk_len] id tensors (records joined by EOS, BOS first).
 

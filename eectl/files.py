@@ -497,6 +497,20 @@ def check_output_file(path: Path, option: str) -> None:
         raise UsageError(f"{option} {path}: {parent} is not a folder")
 
 
+def check_folder_option(path: Path | None, option: str) -> None:
+    """A folder option (created if missing, e.g. train-heads --cache) checked before any work: not an existing file,
+    and the nearest existing ancestor a folder. UsageError (one line) otherwise."""
+    if path is None:
+        return
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {path} is a file, not a folder", hint="give a folder; it is created if missing")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{option} {path}: {parent} is not a folder")
+
+
 def check_outputs(
     outputs: Sequence[tuple[str, Path | None, Sequence[Path]]],
     inputs: Sequence[tuple[str, Path | None]] = (),

@@ -16,12 +16,14 @@ from eectl.cli import app
 from eectl.contracts.calibration import read_calibration
 from eectl.contracts.manifest import MANIFEST
 from eectl.data import load_text_data
-from eectl.errors import ArtifactError, DataError
+from eectl.errors import ArtifactError, DataError, UsageError
+from eectl.exits.designs import head_width
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.files import atomic_write_text, lock_path, locked_staging
 from eectl.run.chat import conversation_ids
 from eectl.run.generate import load_tokenizer
 from eectl.runtime.sessions import ArtifactRuntime
+from tests.tiny import GSM8K, save_tiny
 
 runner = CliRunner()
 
@@ -192,3 +194,61 @@ def test_onnx_runtime_run_errors_are_one_line(artifact):
         with pytest.raises(ArtifactError, match=r"^ONNX Runtime failed running the graph embed.onnx: ") as err:
             rt.embedding.session.run(None, feeds)  # float ids (int64 expected); the weight missing
         assert "\n" not in err.value.message
+
+
+# --- 5. option and data faults: --seed, a model without layers, --cache a file, eval --gsm8k, low-rank ranks ------
+
+
+def test_a_negative_seed_is_refused_before_the_artifact_loads(artifact):
+    """numpy's generators take no negative seed: `ValueError: expected non-negative integer` when sampling began."""
+    args = ["run", str(artifact), "hi", "--raw", "-n", "2", "--thresholds", "0.5", "--temperature", "0.8"]
+    line = _one_line(runner.invoke(app, [*args, "--seed", "-1"]), 2)
+    assert line == f"error: --seed must be in 0..{2**63 - 1}, got -1"
+
+
+def test_a_model_without_decoder_layers_is_one_line(tmp_path):
+    """num_hidden_layers 0 loaded, then failed in export's validation (KeyError: 0) or profile (IndexError)."""
+    folder = save_tiny("llama", tmp_path / "m0")
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = 0
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _one_line(runner.invoke(app, ["export", str(folder), "--out", str(tmp_path / "a0")]), 3)
+    assert "num_hidden_layers 0" in line and "at least 2 decoder layers" in line
+    assert not (tmp_path / "a0").exists()
+
+
+def test_train_heads_cache_naming_a_file_is_one_line(tmp_path):
+    """The state cache is a folder: a file there was FileExistsError at its mkdir, after the model loaded."""
+    (tmp_path / "states").write_text("mine")
+    line = _one_line(runner.invoke(app, ["train-heads", "nowhere", "--cache", str(tmp_path / "states")]), 2)
+    assert "--cache" in line and "is a file, not a folder" in line
+    assert (tmp_path / "states").read_text() == "mine"
+    line = _one_line(runner.invoke(app, ["train-heads", "nowhere", "--cache", str(tmp_path / "states" / "x")]), 2)
+    assert "is not a folder" in line
+
+
+@pytest.mark.parametrize(
+    "content,text",
+    [
+        (b'{"question": "1+1?", "answer": "#### 2"}\n{"question": \n', "is not valid JSON Lines"),
+        (b'{"question": "caf\xe9?", "answer": "#### 2"}\n', "is not UTF-8 text: byte 0xe9"),
+        (b'{"question": "1+1?", "solution": "#### 2"}\n', "line 1 has no answer string"),
+        (b"\n\n", "holds no GSM8K records"),
+    ],
+)
+def test_a_bad_gsm8k_file_is_one_line_before_anything_runs(artifact, tmp_path, content, text):
+    """eval --gsm8k: lm-eval read the file inside its task and raised KeyError, UnicodeDecodeError, JSONDecodeError or
+    evaluated nothing; now read as the task reads it (data.read_gsm8k) before any configuration runs."""
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_bytes(content)
+    res = runner.invoke(app, ["eval", str(artifact), "--gsm8k", str(data), "--configs", "full", "--limit", "1"])
+    assert text in _one_line(res, 4)
+
+
+def test_a_low_rank_head_of_a_rank_above_the_hidden_size_is_refused(tiny_dirs, tmp_path):
+    with pytest.raises(UsageError, match="--rank 65 is larger than the model's hidden size 64"):
+        head_width("low-rank", 65, 64)
+    assert head_width("low-rank", 64, 64) == 64 and head_width("mlp", 256, 64) == 256  # an mlp's width is not a rank
+    args = ["train-heads", str(tiny_dirs["llama"]), "--design", "low-rank", "--rank", "5000", "--data", str(GSM8K)]
+    line = _one_line(runner.invoke(app, [*args, "--steps", "1", "--out", str(tmp_path / "h.safetensors")]), 2)
+    assert "is larger than the model's hidden size 64" in line and not (tmp_path / "h.safetensors").exists()

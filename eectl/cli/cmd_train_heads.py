@@ -13,7 +13,7 @@ from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set
 from eectl.contracts.layers import default_exits, parse_layers
 from eectl.contracts.recipe import Recipe, load_recipe, pick
 from eectl.errors import UsageError
-from eectl.files import check_outputs, existing_file, input_file
+from eectl.files import check_folder_option, check_outputs, existing_file, input_file
 from eectl.output import Output
 
 
@@ -135,6 +135,7 @@ def train_heads(
     out = Output(json_out)
     r = load_recipe(recipe)
     cache_dir = cache or (Path(r.heads.cache) if r.heads.cache else None)
+    check_folder_option(cache_dir, "--cache")  # a file there: FileExistsError at the mkdir, after the model loaded
     if out_path is not None and out_path.suffix != ".safetensors":  # all three ways below write a heads file there
         raise UsageError(f"--out must name a .safetensors file, got {out_path}")
     if probe_only:

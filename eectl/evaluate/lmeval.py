@@ -134,6 +134,7 @@ def run_eval(
     from lm_eval.tasks import TaskManager
 
     from eectl.contracts.plan import LOOKUP
+    from eectl.data import read_gsm8k
     from eectl.runtime.policies import POLICIES
 
     known = ("full", "hf", *POLICIES, LOOKUP)
@@ -148,6 +149,7 @@ def run_eval(
         if not opts.gsm8k_path:
             raise UsageError("the GSM8K tasks need --gsm8k PATH (a GSM8K .jsonl: question, answer)")
         existing_file(opts.gsm8k_path, "--gsm8k", UsageError, hint="a GSM8K .jsonl: question, answer")
+        read_gsm8k(opts.gsm8k_path)  # malformed, not UTF-8, without answers, empty: one line before anything runs
     if "eectl_humaneval" in opts.tasks and not opts.allow_code_execution:
         raise UsageError(
             "eectl_humaneval runs the generated code to score it", hint="pass --allow-code-execution to allow it"

@@ -128,6 +128,7 @@ class HeadDesign:
     build: Callable[[int, int | None, torch.Generator | None], nn.Module] | None = None  # (hidden, width, generator)
     cost: Callable[[int, int], tuple[int, int]] | None = None  # (hidden, width) -> (params, multiply-adds per token)
     default_width: Callable[[int], int] | None = None  # hidden -> width; None: the design takes no --rank
+    max_width: Callable[[int], int] | None = None  # hidden -> the largest width it takes (low-rank: its rank <= H)
     sequence: bool = False
 
     @property
@@ -151,6 +152,7 @@ register_design(
         lambda h, w, g: LowRank(h, int(w or DEFAULT_LOW_RANK), g),
         lambda h, w: (2 * w * h, 2 * w * h),
         default_width=lambda h: DEFAULT_LOW_RANK,
+        max_width=lambda h: h,  # a rank above H factors nothing: H x H parameters at most
     )
 )
 register_design(
@@ -180,7 +182,15 @@ def check_design(design: str, rank: int | None) -> None:
 
 
 def head_width(design: str, rank: int | None, hidden: int) -> int | None:
-    """The rank (low-rank) or hidden width (mlp) a head gets: the given one or the design's default."""
+    """The rank (low-rank) or hidden width (mlp) a head gets: the given one or the design's default. A given rank
+    above the design's bound for this model (low-rank: the hidden size) is a UsageError, before any head is built."""
+    bound = HEAD_DESIGNS[design].max_width if design in HEAD_DESIGNS else None
+    if rank is not None and bound is not None and rank > bound(hidden):
+        raise UsageError(
+            f"--rank {rank} is larger than the model's hidden size {hidden}: a {design} head's rank is at most "
+            f"{bound(hidden)}",
+            hint=f"choose a rank in 1..{bound(hidden)}",
+        )
     default = HEAD_DESIGNS[design].default_width if design in HEAD_DESIGNS else None
     return None if default is None else rank or default(hidden)
 

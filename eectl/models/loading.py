@@ -110,6 +110,9 @@ def resolve_source(spec: str | None) -> ModelSource:
     return ModelSource(_short_name(spec.split("/")[-1]), "hub", spec, None, [])
 
 
+MIN_LAYERS = 2  # the fewest decoder layers a model with an exit has (exits sit after layers 1..L-1)
+
+
 def load_model(spec: str | None, dtype: torch.dtype = torch.float32, log: object = None) -> LoadedModel:
     """Load a model and its tokenizer in eval mode, with the adapter for its architecture."""
     source = resolve_source(spec)
@@ -139,6 +142,12 @@ def _from_pretrained(folder: str, dtype: torch.dtype, spec: str) -> tuple[nn.Mod
         raise ModelLoadError(
             f"unsupported architecture '{model_type}' in {spec}",
             hint=f"supported model types: {', '.join(supported_model_types())}",
+        )
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < MIN_LAYERS:  # an exit sits between two layers: 1..L-1 must exist
+        raise ModelLoadError(
+            f"the model {spec} has num_hidden_layers {layers!r}; eectl needs at least {MIN_LAYERS} decoder layers",
+            hint="check the model's config.json",
         )
     try:
         with _quiet_transformers():

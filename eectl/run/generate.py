@@ -94,6 +94,9 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
+MAX_SEED = 2**63 - 1  # a seed is one signed 64-bit word (torch's limit too)
+
+
 def check_options(opts: RunOptions) -> None:
     """The checks that need no artifact, run before its graphs load (resolve_config checks the rest)."""
     if not (opts.threshold_scale > 0 and math.isfinite(opts.threshold_scale)):
@@ -102,6 +105,8 @@ def check_options(opts: RunOptions) -> None:
         raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
     if opts.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
+    if not 0 <= opts.seed <= MAX_SEED:  # numpy's generators take no negative seed (a ValueError when sampling)
+        raise UsageError(f"--seed must be in 0..{MAX_SEED}, got {opts.seed}")
     if opts.prompt_drafts is not None and not 0 <= opts.prompt_drafts <= MAX_DRAFTS:
         raise UsageError(f"--prompt-drafts must be in 0..{MAX_DRAFTS}, got {opts.prompt_drafts}")
     if opts.signal is not None and opts.signal not in SIGNAL_SPECS:

@@ -30,7 +30,9 @@ def gsm8k(gsm8k_path: str | None = None, **_: Any) -> Any:
     path = gsm8k_path or os.environ.get("EECTL_GSM8K")
     if not path or not Path(path).is_file():
         raise FileNotFoundError("eectl_gsm8k needs a GSM8K .jsonl: metadata gsm8k_path or $EECTL_GSM8K")
-    rows = [{"question": r["question"], "answer": r["answer"]} for r in _read_jsonl(Path(path))]
+    from eectl.data import read_gsm8k
+
+    rows = read_gsm8k(path)  # as eval checked it before running (one line for a bad file)
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 
