@@ -17,6 +17,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from eectl.errors import DataError
+from eectl.parsing import parse_json
+
 
 def results_dir() -> Path:
 
@@ -41,8 +44,8 @@ def texts_sha256(texts: Iterable[str]) -> str:
 def read(kind: str, key: str) -> dict[str, Any] | None:
     path = results_dir() / kind / f"{key}.json"
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        doc = parse_json(path.read_text(encoding="utf-8"), str(path), DataError)  # a deep or huge one too
+    except (OSError, ValueError, DataError):
         return None  # absent or unreadable (a partial write never lands: writes are atomic)
     return doc if isinstance(doc, dict) and doc.get("key") == key else None
 

@@ -252,3 +252,24 @@ def test_a_low_rank_head_of_a_rank_above_the_hidden_size_is_refused(tiny_dirs, t
     args = ["train-heads", str(tiny_dirs["llama"]), "--design", "low-rank", "--rank", "5000", "--data", str(GSM8K)]
     line = _one_line(runner.invoke(app, [*args, "--steps", "1", "--out", str(tmp_path / "h.safetensors")]), 2)
     assert "is larger than the model's hidden size 64" in line and not (tmp_path / "h.safetensors").exists()
+
+
+def test_a_damaged_state_cache_index_is_one_line(tmp_path):
+    """train-heads --cache DIR reads DIR/cache.json: a damaged one was JSONDecodeError, RecursionError or
+    AttributeError ('list' object has no attribute 'get'); now it is parsed like every other JSON input."""
+    from eectl.heads.state_cache import open_cache
+
+    for text, why in ((DEEP, "nested more than 64"), ("[1]", "is not an eectl state cache"), ("{", "not valid JSON")):
+        (tmp_path / "cache.json").write_text(text)
+        with pytest.raises(UsageError, match=why):
+            open_cache(tmp_path)
+
+
+def test_a_damaged_result_cache_entry_is_recomputed(tmp_path, monkeypatch):
+    """profile's content-keyed cache: a deep entry raised RecursionError (only OSError/ValueError were caught)."""
+    from eectl import cache
+
+    monkeypatch.setattr(cache, "results_dir", lambda: tmp_path)
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "k.json").write_text(DEEP)
+    assert cache.read("profile", "k") is None

@@ -38,7 +38,6 @@ What this module does not do: train (heads/train.py), or decide what an exit is.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -48,6 +47,8 @@ from typing import Any
 import torch
 
 from eectl.errors import UsageError
+from eectl.files import read_utf8
+from eectl.parsing import parse_json
 
 CACHE_FORMAT = "eectl-head-states"
 CACHE_VERSION = 2  # 2: teacher rows at measured positions only; generated states kept from the generation
@@ -258,7 +259,9 @@ def open_cache(folder: Path) -> StateCache:
     meta_path = folder / "cache.json"
     if not meta_path.is_file():
         raise UsageError(f"no state cache in {folder}", hint="build one with scripts or `eectl train-heads --cache`")
-    doc = json.loads(meta_path.read_text(encoding="utf-8"))
+    doc = parse_json(read_utf8(meta_path, UsageError), f"the state cache's {meta_path} is not valid JSON", UsageError)
+    if not isinstance(doc, dict) or not isinstance(doc.get("entries"), list):
+        raise UsageError(f"{meta_path} is not an eectl state cache", hint="build it again with train-heads --cache")
     if not doc.get("complete"):
         raise UsageError(f"the state cache in {folder} is incomplete", hint="run the build again to finish it")
     entries = [Entry(**e) for e in doc["entries"]]
