@@ -310,7 +310,7 @@ def test_sequence_agreement_is_the_mean_survival_and_matches_a_simulation():
 def test_bench_predicts_agreement_for_planned_copy_and_defer_only():
     from types import SimpleNamespace
 
-    from eectl.evaluate.bench import _predictions
+    from eectl.evaluate.predicted import predictions as _predictions
     from eectl.evaluate.results import ConfigResult
     from eectl.plan.choose import sequence_agreement
     from eectl.runtime.state import RunConfig

@@ -31,11 +31,11 @@ import numpy as np
 
 from eectl.calibrate.sequence import realized_risk
 from eectl.contracts.certificate import CERTIFIED
-from eectl.contracts.gates import GATE
 from eectl.contracts.plan import MAX_DRAFTS
 from eectl.data import encode_prompt, final_number
 from eectl.errors import UsageError
 from eectl.evaluate.memory import MemoryMeter
+from eectl.evaluate.predicted import RIVER_EXIT, lookup_model, predictions
 from eectl.evaluate.report import markdown, write_report
 from eectl.evaluate.results import (
     AA,
@@ -70,7 +70,6 @@ from eectl.runtime.state import Generation, RunConfig
 from eectl.runtime.tiers import load_tiers
 
 __all__ = ["markdown", "write_report"]  # the report's entry points, re-exported for the CLI
-RIVER_EXIT = "river-exit"  # the river policy, predicting at the exit instead of the river's end
 
 
 def bench_units(opts: BenchOptions, prompts: int) -> int:
@@ -405,7 +404,7 @@ def run_bench(
     for r in results:  # drafts from the context at full depth: the cost model on this run's own answers
         drafting = configs.configs.get(r.name)
         if drafting is not None and drafting.prompt_drafts and not drafting.exits:
-            r.model_speedup = _lookup_model(drafting, m, ids, runs[r.name][0].generations)
+            r.model_speedup = lookup_model(drafting, m, ids, runs[r.name][0].generations)
     _step_agreements(configs, runs, ids, results)
     if heldout:
         _perplexities(configs, results, tok, heldout, log)
@@ -523,7 +522,7 @@ def _result(
     runs = timing.runs
     res = _summary(name, runs[name], timing.rss[name], m.num_layers)
     if name in configs.configs:
-        _predictions(res, configs.configs[name], m, runs[name])
+        predictions(res, configs.configs[name], m, runs[name])
     mine, full = timing.array(name), timing.array("full")
     res.blocks = [[(float(s), int(n), float(w)) for s, n, w in rep] for rep in timing.blocks[name]]
     if name == "full":
@@ -544,69 +543,6 @@ def _result(
     if answers and any(a is not None for a in answers):
         res.gsm8k_accuracy = _accuracy(tok, gens, answers[: len(gens)])
     return res
-
-
-def _predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) -> None:
-    """The plan's predicted speedup for this configuration, and the cost model at the exits this run realized."""
-    from eectl.contracts.plan import RIVER_POLICIES
-    from eectl.plan.choose import predict, sequence_agreement
-
-    res.exits = list(cfg.exits)
-    res.gated = any(GATE in cfg.thresholds.get(e, {}) for e in cfg.exits)
-    res.note = cfg.note
-    if cfg.prompt_drafts:  # drafts from the context: the plan prices them at full depth only (its lookup entry)
-        lookup = m.plan.lookup if m.plan is not None else None
-        if lookup is not None and not cfg.exits:
-            res.predicted_speedup, res.predicted_interval = lookup.prediction.speedup, lookup.prediction.interval
-        return
-    if m.plan is not None and cfg.certified and m.plan.certified is not None:
-        res.predicted_speedup = m.plan.certified.prediction.speedup
-        res.predicted_interval = m.plan.certified.prediction.interval
-    elif m.plan is not None and cfg.planned:
-        choice = m.plan.choices.get(cfg.policy)
-        active = choice is not None and bool(cfg.exits)
-        res.predicted_speedup = choice.prediction.speedup if choice is not None and active else 1.0
-        res.predicted_interval = choice.prediction.interval if choice is not None and active else None
-        if active and choice is not None and choice.option is not None and choice.option.kind == "target":
-            # copy/defer change the tokens: the option's per-token disagreement, compounded over a continuation
-            res.predicted_agreement = sequence_agreement(1.0 - choice.option.agreement, cfg.max_new_tokens)
-            res.predicted_step_agreement = choice.option.agreement
-    if m.costs is None:
-        return
-    boundaries = [s.layers[1] for s in m.segments]
-    emitted = sum(len(r.exit_layers) for r in reps)
-    rejected = sum(r.rejected for r in reps)
-    steps = emitted + rejected
-    if not cfg.exits or steps == 0:
-        res.model_speedup = 1.0
-        return
-    counts = {e: sum(r.exit_layers.count(e) for r in reps) for e in cfg.exits}
-    exited = sum(counts.values())
-    # rolled-back drafts exited too (at layers no longer recorded): spread them like the accepted ones
-    per_exit = [(e, (c + (rejected * c / exited if exited else 0.0)) / steps, None) for e, c in sorted(counts.items())]
-    lost = rejected / steps if cfg.policy == "verify" else None
-    policy = RIVER_EXIT if cfg.policy == "river" and cfg.river_predict == "exit" else cfg.policy
-    if policy in RIVER_POLICIES and m.costs.river_ms is None:
-        return  # costs measured before river copies were timed: no model for them
-    runs = None
-    if res.gated:  # the decisions the run made
-        decided = {e: sum(r.decided.get(e, 0) for r in reps) for e in cfg.exits}
-        picked = {e: sum(r.picked.get(e, 0) for r in reps) for e in cfg.exits}
-        runs = [(decided[e] / steps, picked[e] / steps) for e in sorted(cfg.exits)]
-    res.model_speedup = predict(m.costs, boundaries, policy, per_exit, lost_rate=lost, runs=runs).speedup
-
-
-def _lookup_model(cfg: RunConfig, m: Any, ids: list[list[int]], answers: list[list[int]]) -> float | None:
-    """Full depth with drafts from the context: what the plan's price (plan/choose.py `predict_lookup`) says of
-    the drafts replayed on this run's answers (its output is full depth's), with the manifest's costs."""
-    if m.costs is None:
-        return None
-    from eectl.plan.choose import predict_lookup
-    from eectl.runtime.drafts import lookup_stats
-
-    stats = lookup_stats(list(zip(ids, answers, strict=True)), cfg.prompt_drafts, cfg.stop_ids, cfg.draft_ngram)
-    pred = predict_lookup(m.costs, stats)
-    return None if pred is None else pred.speedup
 
 
 def _hist(layers: list[int]) -> dict[int, int]:

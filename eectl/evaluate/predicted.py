@@ -1,0 +1,79 @@
+"""What the plan and the cost model predict for a benchmarked configuration: the plan's predicted speedup (and, for
+copy/defer, the agreement a continuation keeps), and the cost model's speedup at the exits the run realized.
+
+What this module does not do: time anything (evaluate/timing.py) or choose (plan/choose.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eectl.contracts.gates import GATE
+from eectl.evaluate.results import ConfigResult
+from eectl.evaluate.timing import _Run
+from eectl.runtime.state import RunConfig
+
+RIVER_EXIT = "river-exit"  # the river policy, predicting at the exit instead of the river's end
+
+
+def predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) -> None:
+    """The plan's predicted speedup for this configuration, and the cost model at the exits this run realized."""
+    from eectl.contracts.plan import RIVER_POLICIES
+    from eectl.plan.choose import predict, sequence_agreement
+
+    res.exits = list(cfg.exits)
+    res.gated = any(GATE in cfg.thresholds.get(e, {}) for e in cfg.exits)
+    res.note = cfg.note
+    if cfg.prompt_drafts:  # drafts from the context: the plan prices them at full depth only (its lookup entry)
+        lookup = m.plan.lookup if m.plan is not None else None
+        if lookup is not None and not cfg.exits:
+            res.predicted_speedup, res.predicted_interval = lookup.prediction.speedup, lookup.prediction.interval
+        return
+    if m.plan is not None and cfg.certified and m.plan.certified is not None:
+        res.predicted_speedup = m.plan.certified.prediction.speedup
+        res.predicted_interval = m.plan.certified.prediction.interval
+    elif m.plan is not None and cfg.planned:
+        choice = m.plan.choices.get(cfg.policy)
+        active = choice is not None and bool(cfg.exits)
+        res.predicted_speedup = choice.prediction.speedup if choice is not None and active else 1.0
+        res.predicted_interval = choice.prediction.interval if choice is not None and active else None
+        if active and choice is not None and choice.option is not None and choice.option.kind == "target":
+            # copy/defer change the tokens: the option's per-token disagreement, compounded over a continuation
+            res.predicted_agreement = sequence_agreement(1.0 - choice.option.agreement, cfg.max_new_tokens)
+            res.predicted_step_agreement = choice.option.agreement
+    if m.costs is None:
+        return
+    boundaries = [s.layers[1] for s in m.segments]
+    emitted = sum(len(r.exit_layers) for r in reps)
+    rejected = sum(r.rejected for r in reps)
+    steps = emitted + rejected
+    if not cfg.exits or steps == 0:
+        res.model_speedup = 1.0
+        return
+    counts = {e: sum(r.exit_layers.count(e) for r in reps) for e in cfg.exits}
+    exited = sum(counts.values())
+    # rolled-back drafts exited too (at layers no longer recorded): spread them like the accepted ones
+    per_exit = [(e, (c + (rejected * c / exited if exited else 0.0)) / steps, None) for e, c in sorted(counts.items())]
+    lost = rejected / steps if cfg.policy == "verify" else None
+    policy = RIVER_EXIT if cfg.policy == "river" and cfg.river_predict == "exit" else cfg.policy
+    if policy in RIVER_POLICIES and m.costs.river_ms is None:
+        return  # costs measured before river copies were timed: no model for them
+    runs = None
+    if res.gated:  # the decisions the run made
+        decided = {e: sum(r.decided.get(e, 0) for r in reps) for e in cfg.exits}
+        picked = {e: sum(r.picked.get(e, 0) for r in reps) for e in cfg.exits}
+        runs = [(decided[e] / steps, picked[e] / steps) for e in sorted(cfg.exits)]
+    res.model_speedup = predict(m.costs, boundaries, policy, per_exit, lost_rate=lost, runs=runs).speedup
+
+
+def lookup_model(cfg: RunConfig, m: Any, ids: list[list[int]], answers: list[list[int]]) -> float | None:
+    """Full depth with drafts from the context: what the plan's price (plan/choose.py `predict_lookup`) says of
+    the drafts replayed on this run's answers (its output is full depth's), with the manifest's costs."""
+    if m.costs is None:
+        return None
+    from eectl.plan.choose import predict_lookup
+    from eectl.runtime.drafts import lookup_stats
+
+    stats = lookup_stats(list(zip(ids, answers, strict=True)), cfg.prompt_drafts, cfg.stop_ids, cfg.draft_ngram)
+    pred = predict_lookup(m.costs, stats)
+    return None if pred is None else pred.speedup
