@@ -204,6 +204,9 @@ def test_a_negative_seed_is_refused_before_the_artifact_loads(artifact):
     args = ["run", str(artifact), "hi", "--raw", "-n", "2", "--thresholds", "0.5", "--temperature", "0.8"]
     line = _one_line(runner.invoke(app, [*args, "--seed", "-1"]), 2)
     assert line == f"error: --seed must be in 0..{2**63 - 1}, got -1"
+    big = str(2**70)  # torch's manual_seed: `ValueError: Overflow when unpacking long long` after the model loaded
+    line = _one_line(runner.invoke(app, ["train-heads", "nowhere", "--seed", big]), 2)
+    assert line == f"error: --seed must be in 0..{2**63 - 1}, got {big}"
 
 
 def test_a_model_without_decoder_layers_is_one_line(tmp_path):

@@ -29,6 +29,7 @@ MAX_BATCH = 4_096  # rows per batch, texts per scoring pass
 MAX_TOP_K = 262_144  # a local vocabulary: at most the vocabulary (checked against the model)
 MAX_THREADS = 1_024  # beyond any machine eectl runs on; a thread pool that large fails inside ONNX Runtime
 MAX_LIST = 256  # entries of a list-valued setting (configurations, sweep scales)
+MAX_SEED = 2**63 - 1  # a seed is one signed 64-bit word: torch's manual_seed overflows beyond it
 
 # option / field name -> (lowest, highest) allowed value: the recipe's counts and the CLI options named like them
 # (top_k and threads are bounded apart: their options already say so in their own words)
@@ -49,6 +50,7 @@ COUNTS: dict[str, tuple[int, int]] = {
     "reps": (1, MAX_REPS),
     "batch_size": (1, MAX_BATCH),
     "gen_batch": (1, MAX_BATCH),
+    "seed": (0, MAX_SEED),  # not a count, but bounded like one (run and train-heads --seed)
 }
 
 

@@ -18,6 +18,7 @@ from eectl.contracts.gates import GATE
 from eectl.contracts.layers import parse_layers
 from eectl.contracts.names import POLICY_SPECS, SIGNAL_SPECS
 from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DRAFTS, MAX_NGRAM
+from eectl.contracts.recipe import MAX_SEED
 from eectl.data import encode_prompt
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
@@ -92,9 +93,6 @@ def read_prompts(path: str | Path) -> list[str]:
     if not prompts:
         raise DataError(f"no prompts in {path}")
     return prompts
-
-
-MAX_SEED = 2**63 - 1  # a seed is one signed 64-bit word (torch's limit too)
 
 
 def check_options(opts: RunOptions) -> None:
