@@ -12,15 +12,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eectl.files import read_utf8, text_lines
-
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if path.suffix == ".gz":  # the packaged HumanEval data
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    # a user's file (--gsm8k): read as eectl reads text, without a byte-order mark, split at \n only
-    return [json.loads(line) for line in text_lines(read_utf8(path)) if line.strip()]
+    """The packaged HumanEval data (.jsonl.gz); a user's --gsm8k file is read by data.read_gsm8k."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def gsm8k(gsm8k_path: str | None = None, **_: Any) -> Any:
