@@ -45,6 +45,22 @@ def test_calibrate_refuses_to_write_over_its_data_or_heads(tiny_dirs, data, tmp_
     _refused(_run("calibrate", model, "--data", link, "--out", data), "would overwrite --data")
 
 
+def test_train_heads_from_a_cache_checks_its_output_too(tiny_dirs, data, tmp_path):
+    """The state-cache and probe-only paths of train-heads check --out like the per-token path: not an input (the
+    heads it fits probes onto), not inside the state cache it reads, before any work."""
+    model = tiny_dirs["llama"]
+    heads = tmp_path / "h.safetensors"
+    heads.write_bytes(b"not really heads")
+    cache = tmp_path / "states"
+    res = _run("train-heads", model, "--probe-only", "--heads", heads, "--cache", cache, "--out", heads)
+    _refused(res, "--out", "would overwrite --heads")
+    assert heads.read_bytes() == b"not really heads"
+    cache.mkdir()
+    res = _run("train-heads", model, "--data", data, "--cache", cache, "--out", cache / "heads.safetensors")
+    _refused(res, "--out", "inside")
+    assert list(cache.iterdir()) == []
+
+
 def test_sidecars_are_checked_like_the_output(tiny_dirs, tmp_path, exported):
     model = tiny_dirs["llama"]
     x = tmp_path / "x.json"

@@ -138,6 +138,10 @@ def train_heads(
     check_folder_option(cache_dir, "--cache")  # a file there: FileExistsError at the mkdir, after the model loaded
     if out_path is not None and out_path.suffix != ".safetensors":  # all three ways below write a heads file there
         raise UsageError(f"--out must name a .safetensors file, got {out_path}")
+    ins = [("--data", input_file(pick(data, r.data.source))), ("--resume", resume), ("--heads", heads)]
+    ins.append(("--recipe", input_file(recipe)))
+    # every way below writes --out and its sidecars: none may land on an input or inside the state cache it reads
+    check_outputs([("--out", out_path, _heads_sidecars(out_path))], ins, [("--cache", cache_dir)])
     if probe_only:
         _probe_only(out, r, model, heads, cache_dir, out_path, probe_tokens, probe_hidden, seed, threads)
         return
@@ -181,9 +185,6 @@ def train_heads(
         target=r.target,
     )
     config.check()  # before the model loads (no exits yet: the model's default_exits)
-    ins = [("--data", input_file(pick(data, r.data.source))), ("--resume", resume), ("--heads", heads)]
-    ins.append(("--recipe", input_file(recipe)))
-    check_outputs([("--out", out_path, _heads_sidecars(out_path))], ins, [("--cache", cache)])
     if resume is not None:
         check_checkpoint(resume)
     resolve_device(device)
@@ -265,6 +266,8 @@ def _train_heads_cached(
     n = pick(tokens, r.heads.tokens)
     spec = CacheSpec.for_budget(layers, n, pick(gen_share, r.heads.gen_share), eval_tokens)
     folder = cache_dir or Path("artifacts") / f"{loaded.source.name}-states"
+    path = out_path or Path("artifacts") / f"{loaded.source.name}-heads.safetensors"
+    check_outputs([("--out", path, _heads_sidecars(path))], [], [("--cache", folder)])  # before the cache is built
     total = spec.text_tokens + spec.gen_tokens + spec.eval_text_tokens + spec.eval_gen_tokens
     with out.progress("base states", total=total) as bar:
         start = time.perf_counter()
@@ -291,7 +294,6 @@ def _train_heads_cached(
         top_k=r.top_k,
         target=r.target,
     )
-    path = out_path or Path("artifacts") / f"{loaded.source.name}-heads.safetensors"
     out.log(
         f"training {config.design} heads at exits {layers}: {config.steps} steps of {batch} tokens from {folder} "
         f"({config.loss} loss), {n_threads} threads"
