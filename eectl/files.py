@@ -37,6 +37,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -213,12 +214,25 @@ def read_utf8(path: str | Path, error: type[EectlError] = DataError) -> str:
         raw = p.read_bytes()
     except OSError as exc:
         raise error(f"cannot read {p}: {exc.strerror or exc}") from None
+    return decode_utf8(raw, str(p), error)
+
+
+def read_stdin(error: type[EectlError] = UsageError) -> str:
+    """Standard input read as bytes and decoded like a file (`read_utf8`), whatever the locale's encoding: a strict
+    UTF-8 locale would otherwise raise UnicodeDecodeError on the first bad byte, a C locale pass it on."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # a text-only stream (tests, embedding): already decoded
+        return clean_text(sys.stdin.read())
+    return decode_utf8(buffer.read(), "standard input", error)
+
+
+def decode_utf8(raw: bytes, name: str, error: type[EectlError]) -> str:
     try:
         return clean_text(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise error(
-            f"{p} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start} (line {line})",
+            f"{name} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start} (line {line})",
             hint="convert it to UTF-8, e.g. iconv -f latin1 -t utf-8",
         ) from None
 

@@ -276,3 +276,25 @@ def test_a_damaged_result_cache_entry_is_recomputed(tmp_path, monkeypatch):
     (tmp_path / "profile").mkdir()
     (tmp_path / "profile" / "k.json").write_text(DEEP)
     assert cache.read("profile", "k") is None
+
+
+def test_stdin_that_is_not_utf8_is_one_line_in_a_strict_utf8_locale(exported):
+    """`run -` and `--prompt-file -` read standard input as bytes and decode them as files are decoded, so a strict
+    UTF-8 locale (Python's stdin then raises UnicodeDecodeError) gives the same one line as a C locale."""
+    import os
+    import subprocess
+    import sys
+
+    _, folder = exported["llama"]
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict", "LC_ALL": "C.UTF-8"}
+    for args in (["-"], ["--prompt-file", "-"]):
+        res = subprocess.run(
+            [sys.executable, "-m", "eectl.cli", "run", str(folder), *args],
+            input=b"caf\xe9 au lait\n",
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
+        err = res.stderr.decode().strip().splitlines()
+        assert res.returncode == 2 and len(err) == 1, res.stderr.decode()
+        assert "standard input is not UTF-8 text: byte 0xe9 at offset 3 (line 1)" in err[0]

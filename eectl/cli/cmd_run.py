@@ -283,17 +283,17 @@ def _costs_json(m: Any, samples: bool) -> dict[str, Any] | None:
 
 def _prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
     """The prompt argument (- reads stdin as one prompt), or --prompt-file's prompts (- reads one per stdin line)."""
-    from eectl.files import clean_text, text_lines
+    from eectl.files import read_stdin, text_lines
     from eectl.run.generate import read_prompts
 
     if prompt == "-":
-        prompt = clean_text(sys.stdin.read()).strip()  # as from a file: no byte-order mark
+        prompt = read_stdin().strip()  # as from a file: UTF-8 whatever the locale, no byte-order mark
         if not prompt:
             raise UsageError("the prompt read from stdin is empty")
     if prompt is not None:
         return [prompt]
     if str(prompt_file) == "-":  # one prompt per line, as read_prompts reads a text file
-        prompts = [line for line in text_lines(sys.stdin.read()) if line.strip()]
+        prompts = [line for line in text_lines(read_stdin()) if line.strip()]
         if not prompts:
             raise UsageError("no prompts on stdin")
         return prompts
