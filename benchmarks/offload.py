@@ -37,7 +37,7 @@ def _config(rt: ArtifactRuntime, name: str, new: int):
     """full, default (the artifact's plan), a policy (the plan's choice for it), or policy@exits (e.g. verify@8+12:
     calibrated thresholds at those exits)."""
     policy, _, exits = name.partition("@")
-    policy = {"full": "full", "default": None}.get(policy, policy)
+    policy = {"full": "full", "full-aa": "full", "default": None}.get(policy, policy)  # full-aa: A/A control
     opts = RunOptions(policy=policy, exits=exits.replace("+", ",") or None, max_new_tokens=new, provider="cpu")
     return resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
 
