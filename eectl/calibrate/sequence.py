@@ -144,14 +144,7 @@ def certify(
         losses.append(loss)
         r = float(loss.mean())
         p = guarantee.p_value(r, len(prompts), opts.delta, bound)
-        layers = [x for g in gens for x in g.exit_layers]
-        shares = {str(e): layers.count(e) / len(layers) if layers else 0.0 for e in exits}
-        rejected = p <= opts.epsilon
-        tested.append(
-            SettingTest(
-                threshold=t, risk=r, p_value=p, rejected=rejected, mean_layers=_mean(layers), exit_shares=shares
-            )
-        )
+        tested.append(_setting(t, r, p, p <= opts.epsilon, [x for g in gens for x in g.exit_layers], exits))
         log(f"threshold {t:g}: risk {r:.3f}, p {p:.3g}, mean layers {tested[-1].mean_layers:.2f}")
         if p > opts.epsilon:
             break
@@ -197,6 +190,14 @@ def _loss(kind: str, n: int | None, tokens: list[int], ref: list[int], answer: s
     width = max(len(a), len(b))  # a position one answer has and the other has not differs
     same = sum(x == y for x, y in zip(a, b, strict=False))
     return (width - same) / width if width else 0.0
+
+
+def _setting(t: float, risk: float, p: float, rejected: bool, layers: list[int], exits: Sequence[int]) -> SettingTest:
+    """One tested setting with what its generations executed: mean layers, and each exit's share of the tokens."""
+    shares = {str(e): layers.count(e) / len(layers) if layers else 0.0 for e in exits}
+    return SettingTest(
+        threshold=t, risk=risk, p_value=p, rejected=rejected, mean_layers=_mean(layers), exit_shares=shares
+    )
 
 
 def _mean(layers: list[int]) -> float:
