@@ -189,3 +189,41 @@ def test_bench_memory_section(aligned):
     full = mem["configs"]["full"]
     assert full["tokens"] > 0 and full["agree"] is True  # full depth: every token reads the whole slow tier
     assert mem["configs"]["verify"]["slow_mb_per_token_predicted"] <= full["slow_mb_per_token_predicted"]
+
+
+def test_the_plan_is_priced_in_the_tier_under_a_budget(aligned, tmp_path):
+    """#32 item 4: under a memory budget the artifact's costs (timed with every segment resident) are re-timed
+    through the tier's sessions, so the slow segments are timed cold, as a run reads them, and the plan is chosen on
+    those; the costs say the budget they were timed under, and the run's counters start after the timing."""
+    from eectl.contracts.manifest import write_manifest
+    from eectl.run.generate import RunOptions, open_runner, replan
+
+    art = tmp_path / "art"
+    shutil.copytree(aligned, art)
+    resident = ArtifactRuntime(art, provider="cpu")
+    replan(resident, budget_s=0)  # an artifact with costs and a plan, timed with everything resident
+    assert resident.manifest.costs is not None and resident.manifest.costs.memory_budget is None
+    write_manifest(resident.manifest, art)
+    del resident
+    first = _first_mapped(art)
+    rt = _runtime(art, budget=str(first))
+    timing = rt.tiers.counters
+    replan(rt, budget_s=0)
+    assert rt.manifest.costs.memory_budget == rt.tiers.budget == first
+    assert set(timing.calls) == {1, 2} and all(n > 0 for n in timing.calls.values())  # the timing read the slow tier
+    assert rt.tiers.counters is not timing and rt.tiers.counters.calls == {}  # the run's counters start afresh
+    rt.tiers.close()
+    del rt
+    gc.collect()
+    # run re-prices by itself under a budget (no --profile-costs needed), and says so
+    notes: list[str] = []
+    opts = RunOptions(exits="none", max_new_tokens=2, weights=WeightOptions(budget=str(first)))
+    rt, _, config, _ = open_runner(art, opts, note=notes.append)
+    assert rt.manifest.costs.memory_budget == first and any(
+        "re-timing the graphs under the memory budget" in n for n in notes
+    )
+    rt.tiers.close()
+    # without a slow tier nothing is re-timed
+    notes.clear()
+    rt, _, _, _ = open_runner(art, RunOptions(exits="none", max_new_tokens=2), note=notes.append)
+    assert rt.manifest.costs.memory_budget is None and not any("re-timing" in n for n in notes)

@@ -100,6 +100,9 @@ class Costs(_M):
     kv_ms: list[float]  # per segment: its K/V-only graph on one position (copy)
     final_head_ms: float  # the exact full LM head at the final layer, one row
     final_head_extra_ms: float  # one more row (verify checks drafts there)
+    # bytes of segment weights kept resident when these were timed (run/bench --memory-budget: the slow tier's
+    # segments timed cold, reading their weights from the file as a run does); None: every segment resident
+    memory_budget: int | None = None
     candidates_ms: dict[str, float]  # exit layer -> the candidate source + signal, one token (first active exit)
     local_ms: dict[str, float]  # exit layer -> the local K-row exit + signal, one token (later active exits)
     full_step_ms: float  # one full-depth decode step through the runner (all of the above + Python)

@@ -374,7 +374,7 @@ def run_bench(
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads, lazy_segments=opts.weights.active)
     if opts.weights.active:  # every configuration under the same weight setting (runtime/tiers.py)
         load_tiers(rt, opts.weights)
-    choose_plan(rt, opts.profile_costs, opts.max_risk)
+    choose_plan(rt, opts.profile_costs, opts.max_risk, log.log if log is not None else None)
     m = rt.manifest
     if m.plan is not None and m.plan.default == LOOKUP and LOOKUP not in opts.configs:
         opts.configs.append(LOOKUP)  # the artifact's default configuration is always benchmarked
@@ -499,10 +499,16 @@ def _notes(rt: ArtifactRuntime, opts: BenchOptions) -> list[str]:
         notes.append(m.plan.summary())
     if m.costs is not None:
         notes.append(
-            f"costs {'re-measured here' if opts.profile_costs else 'measured at export'} on {m.costs.provider} with "
+            f"costs {_where_timed(opts, m.costs)} on {m.costs.provider} with "
             f"{m.costs.threads} threads (full-depth step {m.costs.full_step_ms:.1f} ms at a past of {m.costs.past})"
         )
     return notes
+
+
+def _where_timed(opts: BenchOptions, costs: Any) -> str:
+    if costs.memory_budget is not None:
+        return f"re-measured here under the memory budget ({costs.memory_budget / 1e6:.0f} MB resident, the rest cold)"
+    return "re-measured here" if opts.profile_costs else "measured at export"
 
 
 def _paired(base: np.ndarray, other: np.ndarray, column: int = 0) -> tuple[float | None, tuple[float, float]]:

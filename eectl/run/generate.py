@@ -363,20 +363,31 @@ def replan(rt: ArtifactRuntime, budget_s: float | None = None, max_risk: float |
     from eectl.plan.costs import RETIME_BUDGET_S, measure_costs
 
     m = rt.manifest
-    m.costs = measure_costs(
+    costs = measure_costs(
         rt,
         signal=m.calibration.signal if m.calibration is not None else DEFAULT_SIGNAL,
         decided=lambda costs: not plan_manifest(m, costs).undecided(),
         budget_s=RETIME_BUDGET_S if budget_s is None else budget_s,
     )
+    tiers = rt.tiers
+    if tiers is not None and tiers.slow:  # timed through the tier's sessions: the slow segments cold, as runs read them
+        costs = costs.model_copy(update={"memory_budget": tiers.budget})
+        tiers.reset()  # the run's counters count the run, not the timing
+    m.costs = costs
     m.plan = plan_manifest(m, m.costs, max_risk)
 
 
-def choose_plan(rt: ArtifactRuntime, profile_costs: bool, max_risk: float | None) -> None:
-    """The plan this run follows: re-measured (--profile-costs), re-chosen at the user's risk (--max-risk), or the
+def choose_plan(
+    rt: ArtifactRuntime, profile_costs: bool, max_risk: float | None, note: Callable[[str], None] | None = None
+) -> None:
+    """The plan this run follows: re-measured (--profile-costs, and always under a memory budget with a slow tier:
+    the artifact's costs were timed with every segment resident), re-chosen at the user's risk (--max-risk), or the
     artifact's as exported."""
     m = rt.manifest
-    if profile_costs:
+    tiered = rt.tiers is not None and bool(rt.tiers.slow)
+    if tiered and not profile_costs and m.costs is not None and note is not None:
+        note("re-timing the graphs under the memory budget (the slow tier read from its files) to re-plan")
+    if profile_costs or (tiered and m.costs is not None):
         replan(rt, max_risk=max_risk)
     elif max_risk is not None and m.plan is not None and m.costs is not None:
         from eectl.plan.choose import plan_manifest
@@ -426,7 +437,7 @@ def open_runner(
         if note is not None:
             note(tiers.describe())
     tok = load_tokenizer(rt)
-    choose_plan(rt, opts.profile_costs, opts.max_risk)
+    choose_plan(rt, opts.profile_costs, opts.max_risk, note)
     config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
     if config.note and note is not None:
         note(config.note)
