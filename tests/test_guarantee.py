@@ -191,23 +191,10 @@ def _certificate(shares: dict[str, float] | None, delta: float = 0.1, threshold:
 
 
 def _tier_costs():
-    from eectl.contracts.plan import Costs
+    from tests.test_plan import _costs
 
-    return Costs(  # segments ending at 2, 4, 6 (the tiny artifact's), 4 ms each, 3 ms of final head
-        provider="cpu",
-        threads=1,
-        past=128,
-        repeats=5,
-        embed_ms=0.0,
-        segment_ms=[4.0, 4.0, 4.0],
-        segment_extra_ms=[0.5, 0.5, 0.5],
-        kv_ms=[1.0, 1.0, 1.0],
-        final_head_ms=3.0,
-        final_head_extra_ms=0.2,
-        candidates_ms={"2": 0.3, "4": 0.3},
-        local_ms={"2": 0.05, "4": 0.05},
-        full_step_ms=15.0,
-    )
+    # segments ending at 2, 4, 6 (the tiny artifact's), 4 ms each, 3 ms of final head: test_plan's costs at exits 2, 4
+    return _costs(candidates_ms={"2": 0.3, "4": 0.3}, local_ms={"2": 0.05, "4": 0.05})
 
 
 def test_the_plan_takes_a_lossy_setting_only_with_a_certificate_at_the_users_risk(exported):
