@@ -191,3 +191,43 @@ def test_bench_rejects_unknown_config(artifact):
 def test_agreement_and_answers():
     assert _agreement([[1, 2, 3], [4, 5]], [[1, 2, 4], [4, 5]]) == (pytest.approx(4 / 5), 0.5, 2.0)
     assert final_number("so 3 + 4 = 7.\n#### 1,200") == "1200" and final_number("none") is None
+
+
+def test_an_aa_pair_of_runtimes_takes_turns_step_by_step_with_each_ones_own_tokens(artifact):
+    """`--compare twin=<the same artifact>`: a second runtime of the artifact in the process (an A/A pair of
+    runtimes). The timed phase steps full, the twin and copy in turn, one decode step each (timing._turns), so
+    whatever differs over time falls on both runtimes alike; each keeps its own cache: the tokens equal each
+    configuration generated alone."""
+    from eectl.evaluate import timing
+    from eectl.evaluate.bench import _Configs
+    from eectl.evaluate.results import BenchOptions
+
+    rt = ArtifactRuntime(artifact, provider="cpu")
+    opts = BenchOptions(
+        configs=["full", "copy"], compare={"twin": str(artifact)}, thresholds="0.0", max_new_tokens=12, provider="cpu"
+    )
+    configs = _Configs(rt, opts, tuple(rt.manifest.eos_token_ids))
+    assert configs.runners["twin"].rt is not rt and all(configs.steps(n) for n in ("full", "twin", "copy"))
+    tok = load_tokenizer(rt)
+    ids = [encode_prompt(tok, p, raw=True) for p in load_text_data(str(GSM8K)).prompts[:2]]
+    stepped: list[str] = []
+    real_once = configs.once
+
+    def once(name, block, on_step=None):
+        def step(i, confirmed):
+            stepped.append(name)
+            on_step(i, confirmed)
+
+        return real_once(name, block, on_step=step if on_step is not None else None)
+
+    configs.once = once  # type: ignore[method-assign]
+    for p in ids:
+        stepped.clear()
+        done = timing._turns(configs, ["full", "twin", "copy"], [p])
+        n = len(done["full"].generations[0])
+        assert n == 12 and stepped[:6] == ["full", "twin", "copy"] * 2  # one step each, in turn
+        assert stepped.count("twin") == n  # one step per token (the prefill gives the first)
+        for name in ("full", "twin", "copy"):
+            alone = configs.runners[name].generate([p])[0].token_ids
+            assert done[name].generations == [alone], name
+        assert done["twin"].generations == done["full"].generations

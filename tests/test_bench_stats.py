@@ -285,3 +285,91 @@ def test_the_noise_gate_adds_repetitions_until_the_aa_control_is_inside_the_band
     assert ticks == [skipped * 2 * len(ids)]
     if len(timing.runs["full"]) < opts.reps + bench._gate_reps(opts.reps):
         assert verdict == "conclusive"  # it stopped early only because the control was inside the band
+
+
+class _SimConfigs:
+    """timing.Configurations on a simulated clock: each decode step of `name` costs costs[name] ms times the
+    machine's slowdown at that moment. With `stepped`, every configuration calls on_step after each step, so the
+    timed phase makes them take turns (timing._turns); without, each runs its whole block at once (the block grain)."""
+
+    def __init__(self, costs, tokens, slowdown, stepped, reps, rng):
+        from eectl.evaluate.results import BenchOptions
+
+        self.opts = BenchOptions(configs=list(costs), reps=reps)
+        self.costs, self.tokens, self.slowdown, self.stepped = costs, tokens, slowdown, stepped
+        self.now = 0.0
+        self.rng = rng  # each step's own jitter (3%)
+
+    def steps(self, name):
+        return self.stepped
+
+    def tick(self, n):
+        pass
+
+    def once(self, name, prompt_ids, on_step=None):
+        from eectl.evaluate.timing import _Run
+
+        self.now += 0.1  # the settle pause, or the hand-over between threads
+        secs = 0.0
+        for _ in range(self.tokens):
+            dt = self.costs[name] / 1000 * self.slowdown(self.now) * self.rng.lognormal(0, 0.03)
+            self.now += dt
+            secs += dt
+            if on_step is not None:
+                on_step(0, [])
+        return _Run(
+            [], [], [], [], 0.0, decode_tokens=self.tokens, decode_wall_s=secs, per_prompt=[(secs, self.tokens)]
+        )
+
+
+def test_configurations_taking_turns_step_by_step_cancel_bursts_at_the_main_jobs_budget():
+    """The main job's budget (5 prompts x 32 tokens x 2 repetitions) under bursts of other work (0.5-3 s at 1.6-2x,
+    30-50% duty; each step jittered by 3%): with the configurations taking turns one decode step at a time (each
+    step lies milliseconds from the baseline's), the A/A control is inside the band on every machine and identical
+    configurations read 1.0 within +-5%; run block by block (the whole block of one configuration, then the next),
+    the same machines leave the A/A control outside the band on most. Drives the real timed phase (timing._timed)
+    on a simulated clock."""
+    from eectl.evaluate.timing import _timed
+
+    costs = {n: 30.0 for n in NAMES}
+    conclusive = {True: 0, False: 0}
+    for seed in range(10):
+        slowdown = _machine(np.random.default_rng(seed), 400.0, duty=(0.3, 0.5))
+        for stepped in (True, False):
+            configs = _SimConfigs(costs, 32, slowdown, stepped, 2, np.random.default_rng(seed))
+            t = _timed(configs, list(NAMES), [[1]] * 5, range(2), None)
+            arrays = {n: t.array(n)[..., :2] for n in NAMES}
+            ok = _new_verdict(arrays) == "conclusive"
+            conclusive[stepped] += ok
+            cis = [_new_ci(arrays, n) for n in ("full-aa", "copy", "defer")]
+            if stepped and ok:  # a conclusive run's identical configurations read 1.0 within +-5%
+                assert all(0.95 <= lo <= hi <= 1.05 for lo, hi in cis), (seed, cis)
+    assert conclusive[True] == 10
+    assert conclusive[False] <= 7, conclusive  # block by block, the same machines: mostly inconclusive (0 of 10 seen)
+
+
+def test_turns_go_round_one_step_each_and_finished_configurations_drop_out():
+    """timing._turns: one decode step per configuration in the unit's order, round after round; a configuration
+    that has finished leaves the round; a failure in one is raised after the others finish (no thread waits forever)."""
+    from eectl.evaluate.timing import _Run, _turns
+
+    class Recorder:
+        def __init__(self, steps, fail=None):
+            self.steps, self.fail, self.log = steps, fail, []
+
+        def once(self, name, prompt_ids, on_step=None):
+            for k in range(self.steps[name]):
+                if (name, k) == self.fail:
+                    raise RuntimeError(f"{name} failed")
+                self.log.append(f"{name}{k + 1}")
+                on_step(0, [])
+            return _Run([], [], [], [], 0.0, decode_tokens=self.steps[name])
+
+    rec = Recorder({"a": 3, "b": 5, "c": 2})
+    done = _turns(rec, ["a", "b", "c"], [[1]])
+    assert rec.log == ["a1", "b1", "c1", "a2", "b2", "c2", "a3", "b3", "b4", "b5"]
+    assert {n: r.decode_tokens for n, r in done.items()} == {"a": 3, "b": 5, "c": 2}
+    rec = Recorder({"a": 3, "b": 3}, fail=("a", 1))
+    with pytest.raises(RuntimeError, match="a failed"):
+        _turns(rec, ["a", "b"], [[1]])
+    assert rec.log == ["a1", "b1", "b2", "b3"]

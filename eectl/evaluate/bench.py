@@ -61,7 +61,7 @@ from eectl.evaluate.stats import (
     speed_ratio,
     wilson,
 )
-from eectl.evaluate.timing import _aa_interval, _gate_reps, _gated, _Run, _Timing
+from eectl.evaluate.timing import OnStep, _aa_interval, _gate_reps, _gated, _Run, _Timing
 from eectl.run.generate import RunOptions, check_options, choose_plan, load_tokenizer, resolve_config
 from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
@@ -210,7 +210,13 @@ class _Configs:
             provider=o.provider,
         )
 
-    def once(self, name: str, prompt_ids: list[list[int]]) -> _Run:
+    def steps(self, name: str) -> bool:
+        """eectl's configurations take turns step by step (timing._turns) on the CPU EP without a weight setting:
+        there no runner flips state its runtime shares (the resident mode), and no slow-tier counter is shared."""
+        rt = self.runners[name].rt if name in self.runners else None
+        return rt is not None and rt.device == "cpu" and not self.opts.weights.active
+
+    def once(self, name: str, prompt_ids: list[list[int]], on_step: OnStep | None = None) -> _Run:
         run = _Run([], [], [], [], 0.0)
         if name == "hf":  # one prompt at a time
             assert self.hf is not None
@@ -227,7 +233,7 @@ class _Configs:
         b = self.opts.batch_size
         for i in range(0, len(prompt_ids), b):
             self.memory.start()
-            gens: list[Generation] = self.runners[name].generate(prompt_ids[i : i + b])
+            gens: list[Generation] = self.runners[name].generate(prompt_ids[i : i + b], on_step=on_step)
             self.memory.stop(name, gens)
             for g in gens:
                 run.generations.append(g.token_ids)

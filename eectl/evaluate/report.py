@@ -143,7 +143,9 @@ def _methods(r: BenchResult) -> list[str]:
         "",
         "[^1]: Every configuration runs on one block of prompts (one prompt at batch size 1, else one batch) before "
         "the next block, in a Williams design's orders (every configuration in every position and after every other "
-        "equally often over a cycle of blocks); a speedup is the median over (repetition, block) "
+        "equally often over a cycle of blocks); within a block, eectl's configurations on the CPU EP take turns one "
+        "decode step each (transformers' generate runs apart, before or after them), so a burst of other work falls "
+        "on all of them alike; a speedup is the median over (repetition, block) "
         f"of full depth's seconds per token in that block (pooled with its A/A copy `{AA}`) over the "
         "configuration's, its 95% interval a bootstrap over blocks; throughput compares wall time per token the "
         "same way. The run is conclusive only when the A/A control's interval lies inside "

@@ -1,13 +1,14 @@
 """The statistics bench reports: one speed statistic with its interval, agreement, exact match.
 
-Speed ratios are ONE paired statistic (`block_ratios`, `ratio_estimate`, `ratio_ci`): bench runs every
-configuration on one block of prompts (one prompt, or one batch) before the next block, in a rotated order, so a
-configuration's run and the baseline's run on the same prompts lie seconds apart. Each (repetition, block) gives
-one ratio, baseline seconds per token over the configuration's; the estimate is the median of those ratios (robust
-to a burst of other work that hits a few blocks), its 95% interval a bootstrap over blocks (each block with all its
+Speed ratios are ONE paired statistic (`block_ratios`, `ratio_estimate`, `ratio_ci`): bench runs every configuration
+on one block of prompts (one prompt, or one batch) before the next block, in a rotated order, and (on the CPU EP)
+the configurations of a block take turns one decode step each (evaluate/timing.py `_turns`), so a configuration's
+steps and the baseline's steps on the same prompts lie milliseconds apart. Each (repetition, block) gives one ratio,
+baseline seconds per token over the configuration's; the estimate is the median of those ratios (robust to a burst
+of other work that hits a few blocks), its 95% interval a bootstrap over blocks (each block with all its
 repetitions: the prompts are the unit that varies). A burst that lands on one configuration's run shifts one ratio
-out of many instead of a whole repetition's total. `noise_verdict` reads the A/A control's interval against a
-band and says whether the run can resolve a speedup at all.
+out of many instead of a whole repetition's total. `noise_verdict` reads the A/A control's interval against a band
+and says whether the run can resolve a speedup at all.
 
 The pooled statistic (`seconds_per_token`, `speed_ratio`: total decode seconds over total decode tokens, every
 prompt and repetition pooled) describes the absolute ms/token column and the threshold sweep. The block orders are

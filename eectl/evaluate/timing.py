@@ -1,5 +1,6 @@
 """The bench's timed phase: the block schedule (every configuration on one block of prompts before the next), the
-runs it records, the other processes' CPU load, and the noise gate on the A/A control.
+configurations of a block stepped in turn (one decode step each, round after round), the runs it records, the
+other processes' CPU load, and the noise gate on the A/A control.
 
 What this module does not do: build the configurations or summarise them (bench.py), or compute statistics
 (stats.py).
@@ -8,7 +9,9 @@ What this module does not do: build the configurations or summarise them (bench.
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,9 +47,16 @@ class Configurations(Protocol):
 
     opts: BenchOptions
 
-    def once(self, name: str, prompt_ids: list[list[int]]) -> _Run: ...
+    def once(self, name: str, prompt_ids: list[list[int]], on_step: OnStep | None = None) -> _Run: ...
+
+    def steps(self, name: str) -> bool:
+        """Whether `name` calls `on_step` after each decode step, so it can take turns with the others (`_turns`)."""
+        ...
 
     def tick(self, n: int) -> None: ...
+
+
+OnStep = Callable[[int, list[int]], None]  # Runner.generate's on_step(prompt index, confirmed tokens)
 
 
 @dataclass
@@ -164,7 +174,7 @@ def _timed(
         if log is not None:
             log.log(
                 f"warm-up, then {len(reps)} repetitions of {', '.join(order)}, interleaved on each of "
-                f"{len(block_ids)} block(s) of {b} prompt(s)"
+                f"{len(block_ids)} block(s) of {b} prompt(s){_stepped_note(configs, order)}"
             )
     rep_start: dict[int, tuple[int, int, int] | None] = {}
     for r, blk, names in block_schedule(order, len(block_ids), reps):
@@ -173,12 +183,20 @@ def _timed(
             for name in order:
                 timing.runs[name].append(_Run([], [], [], [], 0.0))
                 timing.blocks[name].append([])
-        for name in names:
+        for unit in _units(configs, names):
             time.sleep(SETTLE_S)
-            run = configs.once(name, block_ids[blk])
-            timing.runs[name][-1].add(run)
-            timing.blocks[name][-1].append((sum(s for s, _ in run.per_prompt), run.decode_tokens, run.decode_wall_s))
-            timing.rss[name] = _rss_mb()
+            done = (
+                _turns(configs, unit, block_ids[blk])
+                if len(unit) > 1
+                else {unit[0]: configs.once(unit[0], block_ids[blk])}
+            )
+            for name in unit:
+                run = done[name]
+                timing.runs[name][-1].add(run)
+                timing.blocks[name][-1].append(
+                    (sum(s for s, _ in run.per_prompt), run.decode_tokens, run.decode_wall_s)
+                )
+                timing.rss[name] = _rss_mb()
         if blk == len(block_ids) - 1:
             load = _other_load(rep_start[r], _cpu_ticks())
             if load is not None:
@@ -188,6 +206,79 @@ def _timed(
                 extra = f" (other processes: {load:.2f} cores)" if load is not None else ""
                 log.log(f"  rep {r + 1}{extra}: " + ", ".join(f"{n} {v:.1f}" for n, v in ms.items()) + " ms/token")
     return timing
+
+
+def _units(configs: Configurations, names: list[str]) -> list[list[str]]:
+    """A block's run order as units: the configurations that step (`Configurations.steps`) take turns as one unit,
+    at the position of the first of them; each other configuration (transformers' `hf`) runs alone at its own."""
+    stepped = [n for n in names if configs.steps(n)]
+    units: list[list[str]] = []
+    for n in names:
+        if n not in stepped:
+            units.append([n])
+        elif n == stepped[0]:
+            units.append(stepped)
+    return units
+
+
+def _stepped_note(configs: Configurations, order: list[str]) -> str:
+    stepped = [n for n in order if configs.steps(n)]
+    return f", {', '.join(stepped)} taking turns step by step" if len(stepped) > 1 else ""
+
+
+class _Turns:
+    """One configuration's decode runs at a time; after each decode step it hands the turn to the next live one.
+
+    Each configuration generates in a thread of its own, but only the thread whose turn it is runs: a burst of other
+    work on the machine then falls on every configuration's steps alike (they lie milliseconds apart), instead of on
+    whichever ran its whole block at that moment. A step's latency is measured inside Runner.generate before
+    `on_step` runs, so the waiting here is in no configuration's time."""
+
+    def __init__(self, order: list[str]) -> None:
+        self.live = list(order)
+        self.turn: str | None = order[0]
+        self.cond = threading.Condition()
+
+    def wait(self, name: str) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == name)
+
+    def hand_on(self, name: str, finished: bool = False) -> None:
+        with self.cond:
+            i = self.live.index(name)
+            following = self.live[i + 1 :] + self.live[:i]
+            if finished:
+                self.live.remove(name)
+            self.turn = following[0] if following else (None if finished else name)
+            self.cond.notify_all()
+        if not finished:
+            self.wait(name)
+
+
+def _turns(configs: Configurations, unit: list[str], block: list[list[int]]) -> dict[str, _Run]:
+    """Every configuration of `unit` on `block`, one decode step each in turn (in `unit`'s order), round after round
+    until all are done."""
+    turns = _Turns(unit)
+    done: dict[str, _Run] = {}
+    failed: list[BaseException] = []
+
+    def generate(name: str) -> None:
+        turns.wait(name)
+        try:
+            done[name] = configs.once(name, block, on_step=lambda i, confirmed: turns.hand_on(name))
+        except BaseException as exc:  # re-raised in the caller's thread
+            failed.append(exc)
+        finally:
+            turns.hand_on(name, finished=True)
+
+    threads = [threading.Thread(target=generate, args=(n,), daemon=True) for n in unit]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
+    return done
 
 
 def _aa_interval(timing: _Timing) -> tuple[tuple[float, float], int]:
