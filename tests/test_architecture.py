@@ -140,6 +140,17 @@ def test_no_package_imports_one_above_it():
     assert upward(import_graph()) == []
 
 
+def test_the_pipeline_calls_stage_functions_not_commands():
+    """eectl.pipeline runs the stages through their packages' library functions: nothing in it imports the CLI (the
+    upward-import test forbids it too; this names the rule), and it reaches every stage package it runs."""
+    graph = import_graph()
+    pipeline = {m: t for m, t in graph.items() if m == "eectl.pipeline" or m.startswith("eectl.pipeline.")}
+    assert pipeline and not any(t == "eectl.cli" or t.startswith("eectl.cli.") for ts in pipeline.values() for t in ts)
+    reached = {unit(t)[1] for ts in pipeline.values() for t in ts}
+    stages = ("eectl.profile", "eectl.heads", "eectl.calibrate", "eectl.export", "eectl.run", "eectl.evaluate")
+    assert set(stages) <= reached
+
+
 def test_every_package_is_in_a_layer():
     for m in MODULES:
         unit(m)  # raises for a module outside every layer

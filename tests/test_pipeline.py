@@ -74,3 +74,49 @@ def _stage_rows(stdout: str) -> dict[str, str]:
         if len(words) > 2 and words[0] in STAGES and words[1].replace(".", "", 1).isdigit():  # stage, seconds, ...
             rows[words[0]] = line
     return rows
+
+
+def test_run_pipeline_is_a_library_call(tiny_dirs, tmp_path, monkeypatch):
+    """pipeline/runner.py's run_pipeline, without the CLI: every stage's own result object, in order, and the outputs
+    in the folder asked for; a second call reuses the heads, calibration and artifact."""
+    from eectl.calibrate.stage import CalibrateResult
+    from eectl.evaluate.stage import BenchRun
+    from eectl.export.stage import ExportResult
+    from eectl.heads.train import TrainResult
+    from eectl.output import Output
+    from eectl.pipeline.runner import Hooks, run_pipeline
+    from eectl.pipeline.steps import STAGES
+    from eectl.profile.stage import ProfileRun
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EECTL_CACHE", str(tmp_path / "cache"))
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(
+        f"""name: tiny
+model: {tiny_dirs["llama"]}
+exits: [3]
+target: 0.9
+top_k: 8
+data: {{source: {GSM8K}, tokens: 400}}
+heads: {{steps: 2}}
+bench: {{prompts: 1, max_new_tokens: 3, reps: 1, configs: [full], ppl_tokens: 0, sweep: []}}
+"""
+    )
+    seen: list[str] = []
+    texts: list[str] = []
+    hooks = Hooks(start=lambda i, n, stage: seen.append(stage), text=lambda i, text: texts.append(text))
+    folder = tmp_path / "out"
+    done = run_pipeline(recipe, "12 clips", Output(quiet=True), threads=1, folder=folder, hooks=hooks)
+    assert seen == list(STAGES) == [s.stage for s in done.stages]
+    kinds = (ProfileRun, TrainResult, CalibrateResult, ExportResult, tuple, BenchRun)
+    assert all(isinstance(s.result, kind) for s, kind in zip(done.stages, kinds, strict=True))
+    assert all(s.work.startswith("ran") for s in done.stages)
+    run = done.stages[4].result
+    assert texts and texts[-1] == run[2][0].text  # the run stage streamed its answer through the hook
+    assert done.plan.folder == folder and (folder / done.plan.name / "manifest.json").is_file()
+    assert done.stages[5].result.files[0] == done.plan.report and done.verdict.startswith("bench verdict: ")
+
+    again = run_pipeline(recipe, "12 clips", Output(quiet=True), threads=1, folder=folder)
+    work = {s.stage: s for s in again.stages}
+    for stage in ("train-heads", "calibrate", "export"):
+        assert work[stage].work.startswith("cached") and work[stage].result is None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -11,10 +11,12 @@ from eectl.cli.app import JsonOpt, MaxRiskOpt, RecipeOpt, ThreadsOpt, command, s
 from eectl.cli.weights import BudgetOpt, MmapOpt, PlaceOpt, weight_options
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.plan import DEFAULT_DRAFTS
-from eectl.contracts.recipe import load_recipe, pick
+from eectl.contracts.recipe import load_recipe
 from eectl.errors import UsageError
-from eectl.files import check_outputs, input_file
 from eectl.output import Output
+
+if TYPE_CHECKING:
+    from eectl.evaluate.stage import BenchRun
 
 
 @command()
@@ -125,51 +127,26 @@ def bench(
     json_out: JsonOpt = False,
 ) -> None:
     """Speed and fidelity against full depth (and transformers generate), side by side, in one run."""
-    from eectl.data import gsm8k_answers, load_text_data
-    from eectl.evaluate.bench import bench_units, heldout_texts, run_bench
-    from eectl.evaluate.report import report_files, summary, write_report
     from eectl.evaluate.results import BenchOptions
+    from eectl.evaluate.stage import BenchRequest
+    from eectl.evaluate.stage import bench as run_bench
 
     out = Output(json_out)
     r = load_recipe(recipe)
-    if report is not None:  # the markdown, its JSON twin and plots (evaluate/report.py write_report)
-        twins = report_files(report)
-        others = [("--compare", Path(p.split("=", 1)[1].strip())) for p in (compare or "").split(",") if "=" in p]
-        ins = [("--data", input_file(pick(data, r.data.source))), ("--recipe", input_file(recipe))]
-        check_outputs([("--report", report, twins)], ins, [("ARTIFACT", Path(artifact)), *others])
-    n_threads = set_threads(threads, r)
-    text = load_text_data(pick(data, r.data.source), r.data.field)
-    configs = pick(policies, ",".join(r.bench.configs))
     try:
-        scales = [float(x) for x in (sweep.split(",") if sweep is not None else r.bench.sweep) if str(x).strip()]
+        scales = None if sweep is None else [float(x) for x in sweep.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"--sweep must be comma-separated numbers, got '{sweep}'") from None
-    if offset < 0 or offset >= len(text.prompts):
-        raise UsageError(f"--offset must be in 0..{len(text.prompts) - 1}, got {offset}")
-    n = min(pick(prompts, r.bench.prompts), len(text.prompts) - offset)
-    window = slice(offset, offset + n)
-    answers = gsm8k_answers(text.texts[window])
-    ppl_tokens = pick(ppl_tokens, r.bench.ppl_tokens)
-    heldout = heldout_texts(text.texts) if ppl_tokens > 0 else None
     pairs = [c.split("=", 1) for c in (compare or "").split(",") if c.strip()]
     if any(len(p) != 2 or not p[0].strip() or not p[1].strip() for p in pairs):
         raise UsageError(f"--compare must be NAME=PATH[,NAME=PATH], got '{compare}'")
-    compared = {k.strip(): v.strip() for k, v in pairs}
-    listed = [c.strip() for c in configs.split(",") if c.strip()]
-    opts = BenchOptions(
-        configs=listed + [c for c in compared if c not in listed],
-        compare=compared,
-        prompts=n,
-        max_new_tokens=pick(max_new_tokens, r.bench.max_new_tokens),
-        reps=pick(reps, r.bench.reps),
+    options = BenchOptions(
+        compare={k.strip(): v.strip() for k, v in pairs},
         exits=exits,
         signal=signal,
         thresholds=thresholds,
         threshold_scale=threshold_scale,
-        sweep=scales,
-        ppl_tokens=ppl_tokens,
         provider=provider,
-        threads=n_threads,
         raw=raw,
         batch_size=batch_size,
         profile_costs=profile_costs,
@@ -177,11 +154,20 @@ def bench(
         prompt_drafts=prompt_drafts,
         weights=weight_options(mmap_weights, memory_budget, place),
     )
-    with out.progress("bench", total=bench_units(opts, n)) as bar:
-        result = run_bench(artifact, text.prompts[window], opts, heldout, answers, log=out, progress=bar.advance)
-    files = write_report(result, report) if report is not None else []
-    out.json({**result.to_dict(), "report": [str(f) for f in files]})
+    listed = None if policies is None else [c.strip() for c in policies.split(",") if c.strip()]
+    req = BenchRequest(
+        artifact, data, prompts, offset, max_new_tokens, reps, listed, scales, ppl_tokens, report, options, recipe
+    )
+    req.threads = set_threads(threads, r)
+    print_bench(out, run_bench(r, req, out))
+
+
+def print_bench(out: Output, done: BenchRun) -> None:
+    """What `eectl bench` prints: the side-by-side summary and where the report landed (JSON with --json)."""
+    from eectl.evaluate.report import summary
+
+    out.json({**done.result.to_dict(), "report": [str(f) for f in done.files]})
     if not out.json_mode:
-        out.out.print(summary(result), markup=False, highlight=False)
-        if files:
-            out.line(f"report: {files[0]} (plots and JSON beside it)")
+        out.out.print(summary(done.result), markup=False, highlight=False)
+        if done.files:
+            out.line(f"report: {done.files[0]} (plots and JSON beside it)")

@@ -9,11 +9,10 @@ import typer
 
 from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.calibration import Calibration
-from eectl.contracts.layers import default_exits, parse_layers
+from eectl.contracts.layers import parse_layers
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
-from eectl.files import check_outputs, existing_file, input_file
 from eectl.output import Output
 from eectl.plan.choose import sequence_agreement
 
@@ -178,20 +177,21 @@ def calibrate(
         n_threads = set_threads(threads, r)
         calibrate_sequence(Output(json_out), artifact, src, fld, seq, prompts, offset, raw, n_threads, out_path)
         return
-    from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model, check_options
-    from eectl.contracts.calibration import write_calibration
-    from eectl.data import load_text_data
-    from eectl.exits.signals import DEFAULT_SIGNAL, choose_signal
-    from eectl.models import load_model
+    from eectl.calibrate.stage import CalibrateRequest
+    from eectl.calibrate.stage import calibrate as run_calibrate
 
     out = Output(json_out)
     r = load_recipe(recipe)
-    opts = CalibrateOptions(
-        exits=pick(parse_layers(exits), r.exits or []),
-        signal=pick(signal, r.signal) or DEFAULT_SIGNAL,  # checked here; chosen with the heads below
-        target=pick(target, r.target),
-        top_k=pick(top_k, r.top_k),
-        tokens=pick(tokens, r.data.tokens),
+    req = CalibrateRequest(
+        model=model,
+        data=data,
+        field=field,
+        tokens=tokens,
+        target=target,
+        exits=parse_layers(exits),
+        signal=signal,
+        top_k=top_k,
+        heads=heads,
         confidence=None if confidence == 0 else confidence,
         candidates=candidates,
         shortlist=shortlist,
@@ -202,41 +202,21 @@ def calibrate(
         gen_batch=gen_batch,
         raw=raw,
         gate_keep=gate_keep,
+        out=out_path,
+        recipe_file=recipe,
     )
-    check_options(opts)
-    if heads is not None:
-        existing_file(heads, "heads", UsageError, hint="train them with eectl train-heads")
-    ins = [("--data", input_file(pick(data, r.data.source))), ("--heads", heads), ("--recipe", input_file(recipe))]
-    check_outputs([("--out", out_path, [])], ins)
-    n_threads = set_threads(threads, r)
-    text = load_text_data(pick(data, r.data.source), pick(field, r.data.field))
-    out.log(f"loading {pick(model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
-    loaded = load_model(pick(model, r.model), log=out)
-    opts.exits = opts.exits or default_exits(loaded.adapter.num_layers)
-    head_modules = None
-    if heads is not None:
-        from eectl.exits.designs import load_heads
-
-        head_modules = dict(load_heads(heads, loaded).heads)  # checks the heads were trained on this checkpoint
-    opts.signal = choose_signal(pick(signal, r.signal), head_modules, opts.exits)
-    check_options(opts, loaded.adapter.num_layers, loaded.adapter.dims.vocab_size)
-    path = out_path or Path("artifacts") / f"{loaded.source.name}-calibration.json"
-    check_outputs([("--out", path, [])], ins)
-    out.log(
-        f"calibrating exits {opts.exits} on {opts.tokens} tokens of {text.name} ({opts.text_tokens} teacher-forced, "
-        f"{opts.generated_tokens} generated), signal {opts.signal}, target {opts.target}, {n_threads} threads"
-    )
-    with out.progress("calibrate", total=opts.tokens) as bar:
-        result = calibrate_model(loaded, text, opts, head_modules, heads, on_tokens=lambda n: bar.advance(n))
-    write_calibration(result, path)
-    out.json(result.to_dict())
-    _print_calibration(out, result, path)
+    req.threads = set_threads(threads, r)
+    done = run_calibrate(r, req, out)
+    print_calibration(out, done.calibration, done.path)
 
 
-def _print_calibration(out: Output, result: object, path: Path) -> None:
+def print_calibration(out: Output, result: object, path: Path) -> None:
+    """What `eectl calibrate` prints of a calibration: the thresholds table and the lines under it (JSON with
+    --json)."""
     from eectl.contracts.calibration import Calibration, SplitStats
 
     assert isinstance(result, Calibration)
+    out.json(result.to_dict())
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"

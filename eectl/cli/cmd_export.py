@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.layers import parse_layers
-from eectl.contracts.recipe import load_recipe, pick
-from eectl.errors import UsageError
+from eectl.contracts.recipe import load_recipe
 from eectl.export.quantize import DEFAULT_MIN_AGREEMENT
-from eectl.files import existing_file, is_inside
 from eectl.output import Output
+
+if TYPE_CHECKING:
+    from eectl.export.stage import ExportResult
 
 
 @command()
@@ -81,10 +82,10 @@ def export(
     json_out: JsonOpt = False,
 ) -> None:
     """Segmented ONNX graphs cut at the exit points, exit heads and a manifest, validated against PyTorch."""
-    from eectl.contracts.calibration import read_calibration
-    from eectl.export.exporter import ExportOptions, check_options, choose_exits, describe, export_artifact
+    from eectl.export.exporter import ExportOptions
     from eectl.export.quantize import Int4Options
-    from eectl.models import load_model, resolve_source
+    from eectl.export.stage import ExportRequest
+    from eectl.export.stage import export as run_export
 
     int4 = Int4Options(
         block_size=int4_block_size,
@@ -95,45 +96,22 @@ def export(
         keep_layers=tuple(sorted(set(parse_layers(int4_keep_layers, "--int4-keep-layers") or []))),
         min_agreement=min_agreement,
     )
-
     out_ = Output(json_out)
     r = load_recipe(recipe)
-    requested = parse_layers(exits)
-    cal = read_calibration(calibration) if calibration is not None else None
-    if heads is not None:
-        existing_file(heads, "heads", UsageError, hint="train them with eectl train-heads")
-    # Everything that needs no model is checked before the seconds-long load.
-    folder = out or Path("artifacts") / resolve_source(pick(model, r.model)).name
     options = ExportOptions(
-        exits=requested or [],
-        dtype=dtype,
-        top_k=pick(top_k, r.top_k),
-        force=force,
-        weights=weights,
-        int4=int4,
-        river=river,
-        candidates=candidates,
+        exits=[], dtype=dtype, force=force, weights=weights, int4=int4, river=river, candidates=candidates
     )
-    check_options(options, folder)
-    for option, given in (("--heads", heads), ("--calibration", calibration)):
-        if given is not None and is_inside(Path(given), folder):  # --force would replace the folder, inputs too
-            raise UsageError(f"{option} {given} is inside --out {folder}, which export writes; move it out first")
-    n_threads = set_threads(threads, r)
-    loaded = load_model(pick(model, r.model), log=out_)
-    head_modules, heads_meta = None, None
-    if heads is not None:
-        from eectl.exits.designs import load_heads
+    req = ExportRequest(model, parse_layers(exits), out, calibration, heads, top_k, options)
+    req.threads = set_threads(threads, r)
+    print_export(out_, run_export(r, req, out_))
 
-        head_set = load_heads(heads, loaded)  # checks they were trained on this checkpoint
-        head_modules, heads_meta = head_set.heads, head_set.meta
-    exit_layers = choose_exits(loaded.adapter.num_layers, requested, cal, head_modules, r.exits)
-    options.exits = exit_layers
-    out_.log(f"exporting {loaded.source.name} with exits {exit_layers} to {folder} ({dtype}, {n_threads} threads)")
-    manifest = export_artifact(loaded, folder, options, head_modules, heads_meta, cal, log=out_)
-    summary = describe(manifest, folder)
-    out_.json(summary)
+
+def print_export(out: Output, done: ExportResult) -> None:
+    """What `eectl export` prints: the validation table, the int4 agreement, the artifact and its plan."""
+    manifest, folder, summary = done.manifest, done.folder, done.summary
+    out.json(summary)
     v = manifest.validation
-    out_.table(
+    out.table(
         f"{folder}: validation ({v.get('dtype')}, prefill {v.get('prompt_tokens')} + {v.get('decode_steps')} steps)",
         ["exit after layer", "max abs logit diff", "local logits diff", "greedy mismatches"],
         [
@@ -144,12 +122,12 @@ def export(
     for part in (v, v.get("river") or {}):
         if "greedy_agreement" in part:
             agree = part["greedy_agreement"][str(manifest.num_layers)]
-            out_.line(
+            out.line(
                 f"{part['graphs']} graphs: greedy agreement with PyTorch {agree:.1%} (floor {part['min_agreement']})"
             )
-    out_.line(
+    out.line(
         f"artifact: {folder} ({summary['size_mb']} MB, {len(manifest.segments)} segments, "
         f"exported and validated in {v.get('export_seconds')} s, peak RSS {v.get('peak_rss_mb')} MB)"
     )
     if manifest.plan is not None:
-        out_.line(manifest.plan.summary())
+        out.line(manifest.plan.summary())

@@ -1,20 +1,16 @@
-"""`eectl pipeline`: the worked example, each stage's command in turn from one recipe (the plan: pipeline/steps.py)."""
+"""`eectl pipeline`: the worked example from one recipe (pipeline/runner.py runs the stages); each stage's result
+printed as its own command prints it, then the stage table and the bench's verdict."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from eectl.cli.app import ThreadsOpt, command, set_threads
-from eectl.cli.cmd_bench import bench
-from eectl.cli.cmd_calibrate import calibrate
-from eectl.cli.cmd_export import export
-from eectl.cli.cmd_profile import profile
-from eectl.cli.cmd_run import run
-from eectl.cli.cmd_train_heads import train_heads
+from eectl.cli.cmd_run import streamer
 from eectl.contracts.recipe import load_recipe
 from eectl.output import Output
 
@@ -53,68 +49,61 @@ def pipeline(
 
 
 def _pipeline(recipe: Path, prompt: str, cache: bool, dry_run: bool, threads: int | None) -> None:
-    import time
-
-    from eectl.pipeline.cache import PipelineCache
-    from eectl.pipeline.steps import dry_run as check_recipe
-    from eectl.pipeline.steps import plan
+    from eectl.pipeline.runner import Hooks, run_pipeline
 
     out = Output()
+    n_threads = set_threads(threads, load_recipe(recipe))
     if dry_run:
-        set_threads(threads, load_recipe(recipe))
-        d = check_recipe(load_recipe(recipe))
-        out.table(
-            f"{d.recipe}: {d.model['name']} ({d.family}, {d.num_layers} layers), exits {d.exits}",
-            ["stage", "would run"],
-            d.stages,
-        )
-        out.line(f"dry run: the recipe fits the model; data {d.data['name']} ({d.data['records']} records)")
+        _print_dry_run(out, recipe)
         return
-    p = plan(recipe, prompt, threads)
-    commands: dict[str, Callable[..., None]] = {
-        "profile": profile,
-        "train-heads": train_heads,
-        "calibrate": calibrate,
-        "export": export,
-        "run": run,
-        "bench": bench,
-    }
-    reuse = PipelineCache(load_recipe(recipe), p, enabled=cache)
-    times: list[tuple[str, float, str]] = []
-    for i, (stage, kwargs) in enumerate(p.steps):
-        out.err.rule(f"[bold]{i + 1}/{len(p.steps)} eectl {stage}[/bold]")
-        t0 = time.perf_counter()
-        how = reuse.restore(stage)
-        if how is None:
-            commands[stage](**({**kwargs, "cache": cache} if stage == "profile" else kwargs))
-            how = reuse.store(stage)
-        else:
-            out.log(how)
-        times.append((stage, time.perf_counter() - t0, how))
+
+    def start(i: int, count: int, stage: str) -> None:
+        out.err.rule(f"[bold]{i + 1}/{count} eectl {stage}[/bold]")
+
+    hooks = Hooks(start, _printer(out), streamer(out, [prompt], 1))
+    done = run_pipeline(recipe, prompt, out, cache=cache, threads=n_threads, hooks=hooks)
     out.err.rule("[bold]done[/bold]")
-    out.table(
-        "stage times",
-        ["stage", "seconds", "work"],
-        [*[(s, f"{t:.1f}", how) for s, t, how in times], ("total", f"{sum(t for _, t, _ in times):.1f}", "")],
-    )
+    rows = [(s.stage, f"{s.seconds:.1f}", s.work) for s in done.stages]
+    out.table("stage times", ["stage", "seconds", "work"], [*rows, ("total", f"{done.seconds:.1f}", "")])
+    p = done.plan
     out.line(f"artifact: {p.artifact}\nbench report: {p.report}\nprofile plot: {p.profile_plot}")
-    verdict = _bench_verdict(p.report.with_suffix(".json"))
-    if verdict:
-        out.line(verdict)
+    if done.verdict:
+        out.line(done.verdict)
 
 
-def _bench_verdict(path: Path) -> str:
-    """The bench's verdict in one line, from the JSON twin of its report ("" when there is none)."""
-    import json
+def _print_dry_run(out: Output, recipe: Path) -> None:
+    from eectl.pipeline.steps import dry_run as check_recipe
 
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return ""
-    default = next((c for c in doc.get("configs", []) if c.get("name") == doc.get("default")), None)
-    if default is None or default.get("speedup_vs_full") is None:
-        return f"bench verdict: {doc.get('verdict', '-')}"
-    lo, hi = default.get("speedup_vs_full_ci") or (None, None)
-    ci = f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""
-    speed = f"{default['speedup_vs_full']:.2f}x{ci}"
-    return f"bench verdict: {doc.get('verdict', '-')}; the default ({default['name']}) {speed} full depth"
+    d = check_recipe(load_recipe(recipe))
+    out.table(
+        f"{d.recipe}: {d.model['name']} ({d.family}, {d.num_layers} layers), exits {d.exits}",
+        ["stage", "would run"],
+        d.stages,
+    )
+    out.line(f"dry run: the recipe fits the model; data {d.data['name']} ({d.data['records']} records)")
+
+
+def _printer(out: Output) -> Callable[[str, Any], None]:
+    """Each stage's result printed as its own command prints it."""
+    from eectl.cli.cmd_bench import print_bench
+    from eectl.cli.cmd_calibrate import print_calibration
+    from eectl.cli.cmd_export import print_export
+    from eectl.cli.cmd_profile import print_suite
+    from eectl.cli.cmd_run import print_run
+    from eectl.cli.cmd_train_heads import print_heads
+
+    def show(stage: str, result: Any) -> None:
+        if stage == "profile":
+            print_suite(out, result)
+        elif stage == "train-heads":
+            print_heads(out, result)
+        elif stage == "calibrate":
+            print_calibration(out, result.calibration, result.path)
+        elif stage == "export":
+            print_export(out, result)
+        elif stage == "run":
+            print_run(out, str(result[0].folder), result, 1, False)
+        else:
+            print_bench(out, result)
+
+    return show

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
-from eectl.contracts.recipe import load_recipe, pick
-from eectl.errors import UsageError
-from eectl.files import check_outputs, input_file
+from eectl.contracts.recipe import load_recipe
 from eectl.output import Output
+
+if TYPE_CHECKING:
+    from eectl.profile.stage import ProfileRun
 
 ModelsArg = Annotated[
     list[str] | None,
@@ -47,73 +48,37 @@ def profile(
 ) -> None:
     """Per-layer agreement with the final layer, state transitions, oracle exits and the EAS of checkpoints:
     one model on one workload, or a comparison of several models x workloads with bootstrap CIs."""
-    from eectl.data import load_text_data
-    from eectl.profile.lens import LENS_DTYPES, check_options, profile_suite
-    from eectl.profile.report import markdown_table, parse_workloads, plot_comparison
-    from eectl.profile.report import plot as plot_profile
+    from eectl.profile.stage import ProfileRequest
+    from eectl.profile.stage import profile as run_profile
 
     out = Output(json_out)
     r = load_recipe(recipe)
-    a, sim = pick(alpha, r.profile.alpha), pick(similarity, r.profile.similarity)
-    n_tokens = pick(tokens, r.profile.tokens or r.data.tokens)
-    check_options(a, sim)
-    if n_tokens <= 0:
-        raise UsageError(f"--tokens must be positive, got {n_tokens}")
-    if lens_dtype not in LENS_DTYPES:
-        raise UsageError(f"--lens-dtype must be one of {', '.join(LENS_DTYPES)}, got '{lens_dtype}'")
-    for path, suffix in ((plot, ".png"), (report, ".md")):
-        if path is not None and path.suffix.lower() != suffix:
-            raise UsageError(f"--{'plot' if suffix == '.png' else 'report'} must name a {suffix} file, got {path}")
-    sources = [src for _, src in parse_workloads(pick(data, r.data.source))]
-    ins = [("--data", input_file(src)) for src in sources] + [("--recipe", input_file(recipe))]
-    twin = [report.with_suffix(".json")] if report is not None else []
-    check_outputs([("--plot", plot, []), ("--report", report, twin)], ins)
-    n_threads = set_threads(threads, r)
-    workloads = [
-        (name, load_text_data(src, pick(field, r.data.field)))
-        for name, src in parse_workloads(pick(data, r.data.source))
-    ]
-    specs: list[str | None] = list(models) if models else [r.model]
-    out.log(
-        f"profiling {len(specs)} model(s) x {len(workloads)} workload(s) on {n_tokens} tokens each, "
-        f"{n_threads} threads, logit lens in {lens_dtype}"
+    req = ProfileRequest(
+        list(models or []), data, field, tokens, alpha, similarity, plot, report, lens_dtype, cache, recipe
     )
-    with out.progress("profile", total=n_tokens * len(specs) * len(workloads)) as bar:
-        suite = profile_suite(
-            specs,
-            workloads,
-            n_tokens,
-            a,
-            sim,
-            lens_dtype=lens_dtype,
-            use_cache=cache,
-            on_chunk=lambda n: bar.advance(n),
-            log=out.log,
-        )
-    single = len(suite.entries) == 1
-    if plot is not None:
-        if single:
-            plot_profile(suite.entries[0].result, str(plot))
-        else:
-            plot_comparison(suite, plot)
-    table = markdown_table(suite)
-    if report is not None:
-        from eectl.profile.report import write_report
+    req.threads = set_threads(threads, r)
+    print_suite(out, run_profile(r, req, out))
 
-        write_report(suite, report, plot)
+
+def print_suite(out: Output, req: ProfileRun) -> None:
+    """What `eectl profile` prints of a suite: one model's table and lines, or the comparison; JSON with --json."""
+    from eectl.profile.report import markdown_table
+
+    suite = req.suite
+    single = len(suite.entries) == 1
     out.json(suite.entries[0].result.to_dict() if single else suite.to_dict())
     if single:
-        _print_profile(out, suite.entries[0].result, plot)
+        _print_profile(out, suite.entries[0].result, req.plot)
     elif not out.json_mode:
-        out.out.print(table, markup=False, highlight=False)
+        out.out.print(markdown_table(suite), markup=False, highlight=False)
         out.line(
             f"{suite.settings['bootstrap']['resamples']} bootstrap resamples of chunks of "  # type: ignore[index]
-            f"{suite.settings['chunk_len']} tokens; lens {lens_dtype}; {n_threads} threads"
+            f"{suite.settings['chunk_len']} tokens; lens {req.lens_dtype}; {req.threads} threads"
         )
-        if plot is not None:
-            out.line(f"plot: {plot}")
-    if report is not None:
-        out.line(f"report: {report}")
+        if req.plot is not None:
+            out.line(f"plot: {req.plot}")
+    if req.report is not None:
+        out.line(f"report: {req.report}")
 
 
 def _print_profile(out: Output, result: object, plot: Path | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -165,6 +166,15 @@ def run(
     if chat:
         _chat(out, artifact, opts)
         return
+    out.log(f"loading {artifact} ({len(prompts)} prompt{'s' if len(prompts) > 1 else ''})")
+    stream = streamer(out, prompts, batch_size)
+    done = run_prompts(artifact, prompts, opts, batch_size, on_text=stream, warn=out.warn, note=out.log)
+    print_run(out, artifact, done, batch_size, cost_samples)
+
+
+def streamer(out: Output, prompts: list[str], batch_size: int) -> Callable[[int, str], None]:
+    """The answers streamed on stdout as they grow, each under its prompt when there are several (a batch prints
+    its answers at the end; nothing in JSON mode)."""
     shown: dict[int, int] = {}
 
     def stream(index: int, text: str) -> None:
@@ -177,8 +187,13 @@ def run(
         out.out.print(text[shown[index] :], end="", markup=False, highlight=False)
         shown[index] = len(text)
 
-    out.log(f"loading {artifact} ({len(prompts)} prompt{'s' if len(prompts) > 1 else ''})")
-    rt, config, reports = run_prompts(artifact, prompts, opts, batch_size, on_text=stream, warn=out.warn, note=out.log)
+    return stream
+
+
+def print_run(out: Output, artifact: str, done: tuple[Any, Any, list[Any]], batch_size: int, samples: bool) -> None:
+    """What `eectl run` prints after the streamed text: with --json the document, else the batch's answers and one
+    line of speed per prompt (stderr)."""
+    rt, config, reports = done
     L = rt.manifest.num_layers
     out.json(
         {
@@ -194,27 +209,28 @@ def run(
             "certificate": rt.manifest.certificate.describe()
             if config.certified and rt.manifest.certificate is not None
             else None,
-            "costs": _costs_json(rt.manifest, cost_samples),
+            "costs": _costs_json(rt.manifest, samples),
             "results": [rep.to_dict() for rep in reports],
             "memory": _memory(out, rt, reports),
         }
     )
-    if not out.json_mode:
-        if batch_size > 1:
-            for rep in reports:
-                out.out.print(f"\n[bold]> {rep.prompt}[/bold]\n{rep.text}", highlight=False)
-        out.line("")
+    if out.json_mode:
+        return
+    if batch_size > 1:
         for rep in reports:
-            g = rep.generation
-            ran = f"{config.policy} at exits {config.exits}" if config.exits else "full depth"
-            drafts = f", {g.drafted} drafts, {g.rejected_drafts} rolled back" if g.drafted else ""
-            if g.prompt_drafted:
-                drafts += f", {g.prompt_accepted}/{g.prompt_drafted} drafts from the context accepted"
-            out.log(
-                f"{len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s{_against_full(rt.manifest, g)}, first "
-                f"token {g.ttft_s * 1000:.0f} ms, mean executed layers {g.mean_layers(L):.1f}/{L} ({ran}{drafts}, "
-                f"{rt.provider}, {rt.threads} threads)"
-            )
+            out.out.print(f"\n[bold]> {rep.prompt}[/bold]\n{rep.text}", highlight=False)
+    out.line("")
+    for rep in reports:
+        g = rep.generation
+        ran = f"{config.policy} at exits {config.exits}" if config.exits else "full depth"
+        drafts = f", {g.drafted} drafts, {g.rejected_drafts} rolled back" if g.drafted else ""
+        if g.prompt_drafted:
+            drafts += f", {g.prompt_accepted}/{g.prompt_drafted} drafts from the context accepted"
+        out.log(
+            f"{len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s{_against_full(rt.manifest, g)}, first "
+            f"token {g.ttft_s * 1000:.0f} ms, mean executed layers {g.mean_layers(L):.1f}/{L} ({ran}{drafts}, "
+            f"{rt.provider}, {rt.threads} threads)"
+        )
 
 
 def _against_full(m: Any, g: Any) -> str:

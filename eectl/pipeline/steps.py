@@ -1,11 +1,11 @@
 """`eectl pipeline`: the worked example, every stage from one recipe, in order.
 
-The plan is data: which stages run, with which arguments, and where each output lands (artifacts/ under the
-working directory, named after the model). The CLI runs each step with its own command, so a pipeline stage does
-exactly what the command of the same name does.
+The plan is data: which stages run and where each output lands (artifacts/ under the working directory, named after
+the model); pipeline/runner.py runs them by calling each stage's library function, the same one its command calls,
+so a pipeline stage does exactly what the command of the same name does with the recipe's settings.
 
 `dry_run` checks a recipe against its model without running a stage; `with_model` points a recipe at another
-copy of its checkpoint. What this module does not do: implement a stage (the stage modules) or print (cli/).
+copy of its checkpoint. What this module does not do: implement a stage (the stage packages) or print (cli/).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ STAGES = ("profile", "train-heads", "calibrate", "export", "run", "bench")
 class Plan:
     name: str  # the model's name: every output is named after it
     folder: Path  # artifacts/
-    steps: list[tuple[str, dict[str, Any]]]  # (command, its keyword arguments), in STAGES order
+    stages: tuple[str, ...] = STAGES  # in the order they run
 
     @property
     def artifact(self) -> Path:
@@ -51,26 +51,13 @@ class Plan:
         return self.folder / f"{self.name}-calibration.json"
 
 
-def plan(recipe: Path, prompt: str, threads: int | None = None, folder: Path = Path("artifacts")) -> Plan:
-    """The steps of the worked example for a recipe; creates `folder`."""
+def plan(recipe: Recipe, folder: Path = Path("artifacts")) -> Plan:
+    """Where the worked example's outputs land for a recipe; creates `folder`."""
     from eectl.models import resolve_source
 
-    r = load_recipe(recipe)
-    name = resolve_source(r.model).name
+    name = resolve_source(recipe.model).name
     folder.mkdir(parents=True, exist_ok=True)
-    p = Plan(name, folder, [])
-    heads, calibration = p.heads, p.calibration
-    common = {"recipe": recipe, "threads": threads}
-    p.steps = [
-        ("profile", {"plot": p.profile_plot, **common}),
-        ("train-heads", {"out_path": heads, **common}),
-        ("calibrate", {"heads": heads, "out_path": calibration, **common}),
-        ("export", {"calibration": calibration, "heads": heads, "out": p.artifact, "force": True, **common}),
-        ("run", {"artifact": str(p.artifact), "prompt": prompt, "max_new_tokens": 64, **common}),
-        ("bench", {"artifact": str(p.artifact), "report": p.report, **common}),
-    ]
-    assert tuple(s for s, _ in p.steps) == STAGES
-    return p
+    return Plan(name, folder)
 
 
 @contextmanager

@@ -1,0 +1,171 @@
+"""Every stage of the worked example from one recipe, by calling each stage's library function in turn.
+
+profile -> train-heads -> calibrate -> export -> run -> bench, each with the recipe's settings and the plan's paths
+(pipeline/steps.py), reusing the heads, the calibration and the artifact when their inputs are unchanged
+(pipeline/cache.py). The caller sets up the thread pools (cli.app.set_threads) and sees each stage through `Hooks`;
+what this module does not do: parse flags or print results (cli/cmd_pipeline.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eectl.contracts.recipe import Recipe, load_recipe
+from eectl.output import Output
+from eectl.pipeline.steps import Plan, plan
+
+
+@dataclass
+class Hooks:
+    """What the caller sees while the stages run; every hook is optional."""
+
+    start: Callable[[int, int, str], None] | None = None  # (index, count, stage), before a stage
+    done: Callable[[str, Any], None] | None = None  # (stage, its result), after a stage that ran
+    text: Callable[[int, str], None] | None = None  # the run stage's answer so far (prompt index, text)
+
+
+@dataclass
+class StageRun:
+    stage: str
+    seconds: float
+    work: str  # "ran", "ran (...)" or "cached: ..." (pipeline/cache.py)
+    result: Any = None  # the stage function's result; None when its output was reused
+
+
+@dataclass
+class PipelineResult:
+    plan: Plan
+    stages: list[StageRun] = field(default_factory=list)
+    verdict: str = ""  # the bench's verdict in one line ("" without a bench report)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.stages)
+
+
+def run_pipeline(
+    recipe_file: Path,
+    prompt: str,
+    out: Output,
+    *,
+    cache: bool = True,
+    threads: int | None = None,
+    folder: Path = Path("artifacts"),
+    hooks: Hooks | None = None,
+) -> PipelineResult:
+    """Run every stage from the recipe at `recipe_file` (the stages read it: its path is an input no output may
+    land on); `threads` is the count the caller set up, `prompt` the run stage's sample prompt."""
+    from eectl.pipeline.cache import PipelineCache
+
+    hooks = hooks or Hooks()
+    recipe = load_recipe(recipe_file)
+    p = plan(recipe, folder)
+    stages = _Stages(recipe, recipe_file, p, prompt, cache, threads, out, hooks)
+    reuse = PipelineCache(recipe, p, enabled=cache)
+    done = PipelineResult(p)
+    for i, stage in enumerate(p.stages):
+        if hooks.start is not None:
+            hooks.start(i, len(p.stages), stage)
+        t0 = time.perf_counter()
+        how, result = reuse.restore(stage), None
+        if how is None:
+            result = stages.run(stage)
+            how = reuse.store(stage)
+            if hooks.done is not None:
+                hooks.done(stage, result)
+        else:
+            out.log(how)
+        done.stages.append(StageRun(stage, time.perf_counter() - t0, how, result))
+    done.verdict = bench_verdict(p.report.with_suffix(".json"))
+    return done
+
+
+@dataclass
+class _Stages:
+    """Each stage's request from the recipe and the plan, and the call into its package."""
+
+    recipe: Recipe
+    recipe_file: Path
+    plan: Plan
+    prompt: str
+    cache: bool
+    threads: int | None
+    out: Output
+    hooks: Hooks
+
+    def run(self, stage: str) -> Any:
+        calls: dict[str, Callable[[], Any]] = {
+            "profile": self._profile,
+            "train-heads": self._train_heads,
+            "calibrate": self._calibrate,
+            "export": self._export,
+            "run": self._run,
+            "bench": self._bench,
+        }
+        return calls[stage]()
+
+    def _profile(self) -> Any:
+        from eectl.profile.stage import ProfileRequest, profile
+
+        req = ProfileRequest(plot=self.plan.profile_plot, cache=self.cache, recipe_file=self.recipe_file)
+        req.threads = self.threads
+        return profile(self.recipe, req, self.out)
+
+    def _train_heads(self) -> Any:
+        from eectl.heads.stage import HeadsRequest, train_heads
+
+        req = HeadsRequest(out=self.plan.heads, recipe_file=self.recipe_file, threads=self.threads)
+        return train_heads(self.recipe, req, self.out)
+
+    def _calibrate(self) -> Any:
+        from eectl.calibrate.stage import CalibrateRequest, calibrate
+
+        p = self.plan
+        req = CalibrateRequest(heads=p.heads, out=p.calibration, recipe_file=self.recipe_file, threads=self.threads)
+        return calibrate(self.recipe, req, self.out)
+
+    def _export(self) -> Any:
+        from eectl.export.exporter import ExportOptions
+        from eectl.export.stage import ExportRequest, export
+
+        p = self.plan
+        options = ExportOptions(exits=[], force=True)  # the plan's folder is the pipeline's own: replaced
+        req = ExportRequest(out=p.artifact, calibration=p.calibration, heads=p.heads, options=options)
+        req.threads = self.threads
+        return export(self.recipe, req, self.out)
+
+    def _run(self) -> Any:
+        from eectl.run.generate import RunOptions, run_prompts
+
+        opts = RunOptions(policy=self.recipe.kv_policy, max_new_tokens=64, threads=self.threads)
+        artifact = str(self.plan.artifact)
+        self.out.log(f"loading {artifact} (1 prompt)")
+        on_text = self.hooks.text
+        return run_prompts(artifact, [self.prompt], opts, 1, on_text=on_text, warn=self.out.warn, note=self.out.log)
+
+    def _bench(self) -> Any:
+        from eectl.evaluate.stage import BenchRequest, bench
+
+        p = self.plan
+        req = BenchRequest(str(p.artifact), report=p.report, recipe_file=self.recipe_file, threads=self.threads)
+        return bench(self.recipe, req, self.out)
+
+
+def bench_verdict(path: Path) -> str:
+    """The bench's verdict in one line, from the JSON twin of its report ("" when there is none)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    default = next((c for c in doc.get("configs", []) if c.get("name") == doc.get("default")), None)
+    if default is None or default.get("speedup_vs_full") is None:
+        return f"bench verdict: {doc.get('verdict', '-')}"
+    lo, hi = default.get("speedup_vs_full_ci") or (None, None)
+    ci = f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""
+    speed = f"{default['speedup_vs_full']:.2f}x{ci}"
+    return f"bench verdict: {doc.get('verdict', '-')}; the default ({default['name']}) {speed} full depth"
