@@ -8,6 +8,7 @@ What this module does not do: build the configurations or summarise them (bench.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -255,14 +256,49 @@ class _Turns:
             self.wait(name)
 
 
+def _current_cpu() -> int | None:
+    """The CPU the calling thread last ran on (/proc/thread-self/stat field 39), None where it cannot be read."""
+    try:
+        return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _home_cpu() -> set[int] | None:
+    """The one CPU every stepping thread of a block runs on: the one the bench's own thread is on (where the single
+    thread of an ordinary run would call ONNX Runtime), or the first CPU this process may use; None where threads
+    cannot be pinned (no sched_setaffinity)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = os.sched_getaffinity(0)
+    cpu = _current_cpu()
+    return {cpu if cpu in allowed else min(allowed)}
+
+
+def _pin(cpus: set[int] | None) -> None:
+    if cpus is not None:
+        with contextlib.suppress(OSError):  # a cpuset that changed under us: run unpinned
+            os.sched_setaffinity(0, cpus)  # 0: the calling thread only (Linux)
+
+
 def _turns(configs: Configurations, unit: list[str], block: list[list[int]]) -> dict[str, _Run]:
     """Every configuration of `unit` on `block`, one decode step each in turn (in `unit`'s order), round after round
-    until all are done."""
+    until all are done.
+
+    Every stepping thread is pinned to one CPU, the bench thread's (`_home_cpu`); ONNX Runtime's pool threads stay
+    free to run anywhere. Unpinned, a thread handed the turn is woken wherever the scheduler chooses; about one
+    block in four it woke on the core where the pool's worker was spinning and its steps took 2-3x as long until it
+    moved (default model, 2 threads, 2 cores: per-block means of identical configurations up to 15% apart, steps of
+    50-80 ms among 20 ms ones), which is noise that falls on one configuration and not on the others. Pinned, the
+    same configurations' per-block means lay within a few percent, and the median step was unchanged (22.6 ms
+    pinned, 22.8 ms unpinned, in one run)."""
     turns = _Turns(unit)
     done: dict[str, _Run] = {}
     failed: list[BaseException] = []
+    home = _home_cpu()
 
     def generate(name: str) -> None:
+        _pin(home)
         turns.wait(name)
         try:
             done[name] = configs.once(name, block, on_step=lambda i, confirmed: turns.hand_on(name))
