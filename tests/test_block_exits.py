@@ -251,7 +251,9 @@ def test_batch_rows_with_blocks_equal_rows_alone(block_artifacts, monkeypatch):
     thresholds = _thresholds(loaded.adapter, heads, prompts[0], 15)
     batched = []
     original = runner_module.run_block_rows
-    monkeypatch.setattr(runner_module, "run_block_rows", lambda *a: batched.append(int(a[-1].sum())) or original(*a))
+    monkeypatch.setattr(
+        runner_module, "run_block_rows", lambda *a, **kw: batched.append(int(a[4].sum())) or original(*a, **kw)
+    )
     for policy in ("defer", "verify", "copy"):
         alone = [_runner(rt, policy, thresholds, new=15).generate([p])[0] for p in prompts]
         batch = _runner(rt, policy, thresholds, new=15).generate(prompts)

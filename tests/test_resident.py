@@ -1,9 +1,12 @@
 """Steps with active exits executed as the binding plan says (`RunConfig.device_resident`): hidden states, KV and
 full logits stay device values between graphs (here CPU OrtValues on the CPU EP: the same code as on CUDA), and the
 tokens equal the host path's for every policy and signal, one row and batched rows. What the executing path reads
-on the host per step is recorded by the runtime itself (`ArtifactRuntime.host_reads`) and checked against the plan."""
+on the host per step is recorded in the run's own placement (runtime/placement.py, `Runner.step_reads`) and checked
+against the plan."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
 from eectl.runtime.binding import plan_for
 from eectl.runtime.ort import DeviceView, cuda_usable
+from eectl.runtime.placement import HOST
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
@@ -87,7 +91,7 @@ def test_resident_exit_steps_equal_the_host_path(runtimes, fam, monkeypatch):
             got = runner.generate(rows)
             assert [g.token_ids for g in got] == [g.token_ids for g in host], (policy, signal, len(rows))
             assert [g.exit_layers for g in got] == [g.exit_layers for g in host], (policy, signal, len(rows))
-            assert runner.step_reads and not rt.resident  # it ran resident, and the runtime is back to host mode
+            assert runner.step_reads and runner.place is HOST  # it ran resident; calls after it run on the host
         exited = any(e < rt.manifest.num_layers for g in host for e in g.exit_layers[1:])
         assert exited or any(g.drafted for g in host), (policy, signal)  # verify: drafts rolled back still exited
 
@@ -121,6 +125,82 @@ def test_what_the_executor_reads_per_step_is_what_the_plan_sends_to_the_host(run
             want = [("exit_full", L, "token")]
         assert sorted(reads) == want, (step, layer)
     assert any(layer < L for layer in gen.exit_layers)
+
+
+def _in_turns(runners: list[Runner], prompts: list[list[int]]) -> tuple[list, list[int]]:
+    """Each runner's generate in a thread of its own, taking turns one `on_step` at a time (as bench's configurations
+    do, evaluate/timing.py `_turns`). Returns each runner's generations and the order the turns were taken in."""
+    n = len(runners)
+    cond = threading.Condition()
+    at, done, order = [0], set(), []
+    out: list = [None] * n
+    failed: list[BaseException] = []
+
+    def wait(i: int) -> None:
+        assert cond.wait_for(lambda: at[0] == i, timeout=300), "a turn never came"
+
+    def hand_on(i: int, finished: bool = False) -> None:
+        with cond:
+            if finished:
+                done.add(i)
+            else:
+                order.append(i)
+            nxt = [j for j in [*range(i + 1, n), *range(i + 1)] if j not in done]
+            at[0] = nxt[0] if nxt else -1
+            cond.notify_all()
+            if not finished:
+                wait(i)
+
+    def run(i: int) -> None:
+        with cond:
+            wait(i)
+        try:
+            out[i] = runners[i].generate(prompts, on_step=lambda p, confirmed: hand_on(i))
+        except BaseException as exc:  # re-raised in the test's thread
+            failed.append(exc)
+        finally:
+            hand_on(i, finished=True)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    if failed:
+        raise failed[0]
+    return out, order
+
+
+@pytest.mark.parametrize(
+    ("policy", "signal"), [("defer", "topk-prob"), ("verify", "topk-prob"), ("copy", "full-prob"), ("defer", "cosine")]
+)
+def test_runners_sharing_a_runtime_keep_their_own_placement(runtimes, policy, signal, monkeypatch):
+    """#28: where a run's states live is the run's, not the runtime's. Two Runners on one ArtifactRuntime, one
+    device-resident and one not, stepping in turns from two threads, each give exactly the tokens and exit layers
+    they give alone, and each records only its own host reads (the host one none), one row and batched."""
+    loaded, rt = runtimes["llama"]
+    prompts = _prompts(loaded.adapter.dims.vocab_size, 3)
+    thresholds = _thresholds(rt, signal, prompts, monkeypatch)
+    exited = False  # some tokens exit (verify: drafts rolled back still exited), so exit steps run in turns
+    for rows in (prompts[:1], prompts):
+        alone = {}
+        for resident in (True, False):
+            runner = Runner(rt, _config(signal, policy, thresholds, resident))
+            alone[resident] = (runner.generate(rows), runner.step_reads)
+        assert alone[True][1] and alone[False][1] == []  # the device-resident run read on the host; the other none
+        L = rt.manifest.num_layers
+        exited |= any(g.drafted or min(g.exit_layers[1:], default=L) < L for g in alone[True][0])
+        runners = [Runner(rt, _config(signal, policy, thresholds, r)) for r in (True, False)]
+        got, order = _in_turns(runners, rows)
+        assert order[:4] == [0, 1, 0, 1]  # they did take turns, step by step
+        for runner, gens, resident in zip(runners, got, (True, False), strict=True):
+            want, reads = alone[resident]
+            assert [g.token_ids for g in gens] == [g.token_ids for g in want], (resident, len(rows))
+            assert [g.exit_layers for g in gens] == [g.exit_layers for g in want], (resident, len(rows))
+            assert runner.step_reads == reads, (resident, len(rows))
+            assert runner.place is HOST
+    assert exited
+    assert HOST.reads == [] and HOST.steps == []  # the host's placement records nothing
 
 
 def test_device_views_take_only_contiguous_indexing():

@@ -211,8 +211,10 @@ class _Configs:
         )
 
     def steps(self, name: str) -> bool:
-        """eectl's configurations take turns step by step (timing._turns) on the CPU EP without a weight setting:
-        there no runner flips state its runtime shares (the resident mode), and no slow-tier counter is shared."""
+        """eectl's configurations take turns step by step (timing._turns) on the CPU EP without a weight setting.
+        Their Runners share the runtime but not where their states live (each run's own `Placement`,
+        runtime/placement.py), so device-resident ones could step too; off the CPU EP turns are neither tested nor
+        measured yet, and under a weight setting the runners would share one runtime's slow-tier counters."""
         rt = self.runners[name].rt if name in self.runners else None
         return rt is not None and rt.device == "cpu" and not self.opts.weights.active
 

@@ -30,6 +30,7 @@ import numpy as np
 from eectl.errors import UsageError
 from eectl.runtime.memory import check_kv
 from eectl.runtime.ort import DeviceView, Graph, _ort
+from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
 
@@ -163,6 +164,8 @@ def run_rows(
     active: np.ndarray,
     kv_only: bool = False,
     states: bool = False,
+    *,
+    place: Placement = HOST,
 ) -> tuple[Any, ...] | None:
     """Segment `index` for every row in one call: hidden [B, 1, H] (rows not `active` ignored, zeros fed).
 
@@ -171,7 +174,7 @@ def run_rows(
     kv_only (the `copy` policy's K/V projection). With `states`, a third item: the residual stream at every block
     boundary, [B, n_layers + 1, H] (the cosine-min signal's input).
 
-    Device-resident (`rt.resident`, hidden from `join_rows`): the outputs stay on the device, for the span's rows
+    Device-resident (`place.device`, hidden from `join_rows`): the outputs stay on the device, for the span's rows
     only ([span, ...] DeviceViews: row r is at r - span.start).
     """
     seg = rt.manifest.segments[index]
@@ -188,11 +191,11 @@ def run_rows(
         raise RuntimeError(f"row lengths {past} leave no scratch slot in a buffer of {kv.capacity}")
     io, span = bind_rows(rt, g, kv, range(lo, hi), hidden, active, past)
     H = rt.manifest.dims["hidden_size"]
-    if rt.resident:
+    if place.device:
         n = span.stop - span.start
         shapes = {"hidden_out": (n, 1, H), "layer_input": (n, 1, H), "layer_states": (n, hi - lo + 1, H)}
         keys = [] if kv_only else ["hidden_out", "layer_input", *(["layer_states"] if states else [])]
-        outs_dev = [rt._state_out(io, g.name(k), shapes[k]) for k in keys]
+        outs_dev = [rt._state_out(io, g.name(k), shapes[k], place) for k in keys]
         g.session.run_with_iobinding(io)
         kv.advance(active, lo, hi)
         return None if kv_only else tuple(outs_dev)

@@ -28,8 +28,8 @@ is active, and `block_kv` fills a skipped block's KV under copy; an artifact wit
 
 Who executes it: the bound chain (runtime/chain.py) for full-depth greedy steps, one row or a batch (bound
 calls, the states in device buffers, only the tokens read on the host), and the runner itself for steps with
-active exits (`ArtifactRuntime.resident`: every state output a DeviceView, each host read recorded in
-`ArtifactRuntime.host_reads`, which tests compare with this plan per step).
+active exits (a device-resident run's `Placement`, runtime/placement.py: every state output a DeviceView, each host
+read recorded in the placement, which tests compare with this plan per step: `Runner.step_reads`).
 
 What this module does not do: create sessions or run graphs (sessions.py), or decide exits (runner.py).
 """

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from eectl.runtime.batch import BatchKV, bind_rows
+from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
 
@@ -39,7 +40,16 @@ def active_block(rt: ArtifactRuntime, exits: Collection[int], segment: int) -> i
     return layer if layer in exits and layer in rt.block_graphs else None
 
 
-def run_block(rt: ArtifactRuntime, layer: int, hidden: Any, kv: KVBuffers, row: int, kv_only: bool = False) -> Any:
+def run_block(
+    rt: ArtifactRuntime,
+    layer: int,
+    hidden: Any,
+    kv: KVBuffers,
+    row: int,
+    kv_only: bool = False,
+    *,
+    place: Placement = HOST,
+) -> Any:
     """The block head at exit `layer` on hidden [1, S, H] (its segment's output for those positions), appending S
     positions to its own KV in place; returns its output [1, S, H] (None with kv_only: K/V only, the copy policy).
 
@@ -64,13 +74,15 @@ def run_block(rt: ArtifactRuntime, layer: int, hidden: Any, kv: KVBuffers, row: 
     call.total[()] = total
     x = rt._host(hidden, rt.np_dtype)
     rt._bind_array(call.io, g.name("hidden"), x)
-    out = None if kv_only else rt._state_out(call.io, g.name("hidden_out"), x.shape)
+    out = None if kv_only else rt._state_out(call.io, g.name("hidden_out"), x.shape, place)
     g.session.run_with_iobinding(call.io)
     kv.advance(row, slot, slot + 1, s)
     return out
 
 
-def run_block_rows(rt: ArtifactRuntime, layer: int, hidden: Any, kv: BatchKV, active: np.ndarray) -> Any:
+def run_block_rows(
+    rt: ArtifactRuntime, layer: int, hidden: Any, kv: BatchKV, active: np.ndarray, *, place: Placement = HOST
+) -> Any:
     """The block head at exit `layer` for every active row in one call: hidden [B, 1, H] (the rows' segment outputs;
     inactive rows ignored), as `batch.run_rows` runs a segment. Returns the block outputs [B, 1, H] (meaningless
     for inactive rows); device-resident (hidden from `batch.join_rows`): [span, 1, H] on the device."""
@@ -84,8 +96,9 @@ def run_block_rows(rt: ArtifactRuntime, layer: int, hidden: Any, kv: BatchKV, ac
     if behind.size:
         raise RuntimeError(f"the block head at exit {layer} is out of step with its segment in rows {behind.tolist()}")
     io, span = bind_rows(rt, g, kv, [slot], hidden, active, past)
-    if rt.resident:
-        out_dev = rt._state_out(io, g.name("hidden_out"), (span.stop - span.start, 1, rt.manifest.dims["hidden_size"]))
+    if place.device:
+        shape = (span.stop - span.start, 1, rt.manifest.dims["hidden_size"])
+        out_dev = rt._state_out(io, g.name("hidden_out"), shape, place)
         g.session.run_with_iobinding(io)
         kv.advance(active, slot, slot + 1)
         return out_dev

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from eectl.exits.base import CandidateSource, no_probe_error
+from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.sessions import ArtifactRuntime
 
 
@@ -20,26 +21,28 @@ class OrtExitLogits:
     """`eectl.exits.signals.ExitLogits` on the artifact's exit graphs: numpy in and out of ONNX Runtime, and numpy into
     the signal's math (exits.signals): a decision is one token, where torch's per-op dispatch cost more than the math.
 
-    The full graph computes its Top-K in-graph (TopK), so a first-exit candidate pick costs no extra pass."""
+    The full graph computes its Top-K in-graph (TopK), so a first-exit candidate pick costs no extra pass. `place`:
+    the run's (runtime/placement.py): a device-resident run's hidden rows stay on the device, its reads recorded."""
 
-    def __init__(self, rt: ArtifactRuntime) -> None:
+    def __init__(self, rt: ArtifactRuntime, place: Placement = HOST) -> None:
         self.rt = rt
+        self.place = place
 
     def full(self, layer: int, hidden: np.ndarray) -> np.ndarray:
-        return self.rt.exit_full(layer, hidden, 2)[0]
+        return self.rt.exit_full(layer, hidden, 2, place=self.place)[0]
 
     def full_topk(self, layer: int, hidden: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        _, cand, cand_logits = self.rt.exit_full(layer, hidden, k)
+        _, cand, cand_logits = self.rt.exit_full(layer, hidden, k, place=self.place)
         return cand, cand_logits
 
     def local(self, layer: int, hidden: np.ndarray, candidates: np.ndarray) -> np.ndarray:
-        return self.rt.exit_local(layer, hidden, candidates)
+        return self.rt.exit_local(layer, hidden, candidates, place=self.place)
 
     def candidates(
         self, source: CandidateSource, layer: int, hidden: np.ndarray, k: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """The artifact's candidate graph at this exit (export built it from `source`'s torch code)."""
-        return self.rt.exit_candidates(layer, hidden, k)
+        return self.rt.exit_candidates(layer, hidden, k, place=self.place)
 
     def probe_score(self, layer: int, hidden: np.ndarray, prob: np.ndarray, margin: np.ndarray) -> np.ndarray:
         """The exit graph's own `score` output of the call that just returned these rows' local logits (the graph

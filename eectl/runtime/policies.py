@@ -12,6 +12,9 @@ during one token's pass over the segments (runner.py: `Runner._step`):
     on_final(row, kv, out) -> token?    the pass reached the final layer; a token replaces the model's (rollback)
     unchecked(row) -> bool              generation wants to stop: is there work a final pass must still check?
 
+The hooks that run graphs on the pass's states (predict, on_final) take the run's `place` (runtime/placement.py):
+where its states live and its record of host reads, which belong to the run, not to the shared runtime.
+
 The built-in policies:
 
 - `copy`:   the skipped segments' K/V-only graphs project the exit hidden state into their caches (approximate).
@@ -49,6 +52,7 @@ from eectl.contracts.names import POLICY_SPECS, PolicySpec
 from eectl.errors import UsageError
 from eectl.runtime.blocks import active_block, run_block
 from eectl.runtime.device_ops import concat
+from eectl.runtime.placement import HOST, Placement
 
 Prediction = tuple[np.ndarray, np.ndarray | None]  # logits [V] (ids None) or [K] with their vocabulary ids [K]
 
@@ -91,13 +95,15 @@ class KVPolicy:
     def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
         return h
 
-    def predict(self, row: int, st: RowState, kv: KVBuffers, s: int, out: Any) -> Prediction | None:
+    def predict(
+        self, row: int, st: RowState, kv: KVBuffers, s: int, out: Any, *, place: Placement = HOST
+    ) -> Prediction | None:
         return None
 
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
         raise NotImplementedError
 
-    def on_final(self, row: int, st: RowState, kv: KVBuffers, out: np.ndarray) -> int | None:
+    def on_final(self, row: int, st: RowState, kv: KVBuffers, out: Any, *, place: Placement = HOST) -> int | None:
         return None
 
     def unchecked(self, st: RowState) -> bool:
@@ -175,7 +181,7 @@ class Verify(Defer):
     def unchecked(self, st: RowState) -> bool:
         return bool(st.drafts)
 
-    def on_final(self, row: int, st: RowState, kv: KVBuffers, out: np.ndarray) -> int | None:
+    def on_final(self, row: int, st: RowState, kv: KVBuffers, out: Any, *, place: Placement = HOST) -> int | None:
         """Check the drafts against the final states of the flushed positions; roll back at the first wrong one.
 
         out[0, j] is the final state of position base + j and predicts the token at base + j + 1. With drafts, one
@@ -188,7 +194,7 @@ class Verify(Defer):
         drafts = dict(st.drafts)
         st.drafts = []
         assert out.shape[1] >= 2, "drafts are positions before the step's own token"
-        full_pred = self.rt.greedy_token(self.num_layers, out[0])  # greedy drafts: only tokens leave the graph
+        full_pred = self.rt.greedy_token(self.num_layers, out[0], place=place)  # greedy: only tokens leave the graph
         for j in range(out.shape[1] - 1):
             pos = base + j + 1
             if pos in drafts and drafts[pos] != int(full_pred[j]):
@@ -226,17 +232,19 @@ class River(KVPolicy):
         if config.river_predict not in RIVER_PREDICT:
             raise UsageError(f"--river-predict must be end or exit, got '{config.river_predict}'")
 
-    def predict(self, row: int, st: RowState, kv: KVBuffers, s: int, out: Any) -> Prediction | None:
+    def predict(
+        self, row: int, st: RowState, kv: KVBuffers, s: int, out: Any, *, place: Placement = HOST
+    ) -> Prediction | None:
         h = out  # [1, 1, H]: no pending positions under river, `out` is this token's exit state
         for t in range(s + 1, self.num_segments):
-            h, _ = self.rt.run_segment(t, h, kv, row, river=True)
+            h, _ = self.rt.run_segment(t, h, kv, row, river=True, place=place)
             block = active_block(self.rt, self.cfg.exits, t)
             if block is not None:  # a later active block head's KV: the block runs on the river's state there
-                run_block(self.rt, block, h, kv, row)
+                run_block(self.rt, block, h, kv, row, place=place)
         if self.cfg.river_predict != "end":
             return None
-        if self.rt.resident:  # the river's end on the device: its greedy token is the one value read
-            token = self.rt.greedy_token(self.num_layers, h[0, -1:], river=True)
+        if place.device:  # the river's end on the device: its greedy token is the one value read
+            token = self.rt.greedy_token(self.num_layers, h[0, -1:], river=True, place=place)
             return np.zeros(1, np.float32), token[:1]
         logits, _, _ = self.rt.exit_full(self.num_layers, h[0, -1:], self.cfg.top_k, river=True)
         return logits[0], None

@@ -1,7 +1,7 @@
 """Exit decisions on device-resident states: what an exit test reads on the host when the states stay on the device.
 
 The runner's host path scores an exit through `eectl.exits.signals.ExitScoring` on numpy arrays. With the binding plan
-executed (`ArtifactRuntime.resident`: hidden states, KV and full logits stay device values between graphs), the
+executed (a device-resident run's `Placement`: hidden states, KV and full logits stay device values between graphs), the
 softmax signals over Top-K candidates work unchanged (the exit graphs' K ids and K logits are read, the full logits
 stay on the device: sessions.ArtifactRuntime._resident_exit). The other signals read one scalar per row instead of
 a full row of logits or hidden states, computed by the device pieces (runtime/device_ops.py):
@@ -27,6 +27,7 @@ from eectl.exits.base import ExitScore, Prediction
 from eectl.exits.signals import Signal
 from eectl.runtime.device_ops import concat
 from eectl.runtime.ort import DeviceView
+from eectl.runtime.placement import Placement
 from eectl.runtime.sessions import ArtifactRuntime
 
 
@@ -40,31 +41,38 @@ def last_positions(rt: ArtifactRuntime, blocks: Any) -> Any:
     return DeviceView.of(rt.ops.last(blocks, np.full(n1, s - 1, np.int64)))
 
 
-def _read(rt: ArtifactRuntime, op: str, layer: int, value: np.ndarray) -> np.ndarray:
-    rt.host_reads.append((op, layer, "logsumexp" if op == "logsumexp" else "cosine"))
+def _read(place: Placement, op: str, layer: int, value: np.ndarray) -> np.ndarray:
+    place.read((op, layer, "logsumexp" if op == "logsumexp" else "cosine"))
     return value
 
 
 def score(
-    rt: ArtifactRuntime, signal: Signal, layer: int, hidden: Any, layer_input: Any, blocks: list[Any], top_k: int
+    rt: ArtifactRuntime,
+    place: Placement,
+    signal: Signal,
+    layer: int,
+    hidden: Any,
+    layer_input: Any,
+    blocks: list[Any],
+    top_k: int,
 ) -> ExitScore:
-    """A non-candidate signal's exit test for N rows on device-resident states: hidden [N, H], layer_input [N, H]
-    (cosine), blocks: per row [n + 1, H] (cosine-min)."""
+    """A non-candidate signal's exit test for N rows on a device-resident run's states (`place`, which records
+    what is read): hidden [N, H], layer_input [N, H] (cosine), blocks: per row [n + 1, H] (cosine-min)."""
 
     def exit_topk() -> Prediction:  # the token the exit would emit: its Top-K, read only when a row exits
-        _, cand, cand_logits = rt.exit_full(layer, hidden, top_k)
+        _, cand, cand_logits = rt.exit_full(layer, hidden, top_k, place=place)
         return Prediction(cand_logits, cand)
 
     if signal.needs_blocks:
         n1, h = blocks[0].shape
         states = concat(rt, blocks, 0).reshape(len(blocks), n1, h)  # [N, n + 1, H]
-        cos = _read(rt, "cosine_min", layer, rt.ops.cosine_min(states))
+        cos = _read(place, "cosine_min", layer, rt.ops.cosine_min(states))
         return ExitScore({"cosine": cos}, exit_topk)
     if signal.needs_layer_input:
-        cos = _read(rt, "cosine", layer, rt.ops.cosine(layer_input, hidden))
+        cos = _read(place, "cosine", layer, rt.ops.cosine(layer_input, hidden))
         return ExitScore({"cosine": cos}, exit_topk)
-    logits, cand, cand_logits = rt.exit_full(layer, hidden, 2)
-    lse = _read(rt, "logsumexp", layer, rt.ops.logsumexp(logits))
+    logits, cand, cand_logits = rt.exit_full(layer, hidden, 2, place=place)
+    lse = _read(place, "logsumexp", layer, rt.ops.logsumexp(logits))
     top = np.exp(cand_logits.astype(np.float32) - lse[:, None])  # [N, 2]: the top-1 and top-2 probabilities
     values = {"prob": top[:, 0], "margin": top[:, 0] - top[:, 1]}
     pred = Prediction(cand_logits, cand, cand[:, 0])

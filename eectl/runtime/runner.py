@@ -15,14 +15,16 @@ river policy's int4 copies after an exit (`KVPolicy.predict`). Block states (cos
 Device-resident (`RunConfig.device_resident`, the default off the CPU EP): the same loop with every state a device
 value (sessions.DeviceView) handed between graphs, joined and sliced on the device (device_ops.concat, views), and
 exit tests reading K scores or one scalar per row (runtime/resident.py): the binding plan (binding.py), executed.
+Where states live is the run's, not the runtime's: `generate` gives its calls a `Placement` of its own
+(runtime/placement.py), which records every host read, so Runners sharing one runtime can step in turns.
 What this module does not do: tokenise or format output (run/generate.py / cli/), or load torch models.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Generator
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,7 @@ from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.device_ops import concat, stack
 from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
 from eectl.runtime.exit_logits import Decide, OrtExitLogits, _one_torch_thread
+from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.policies import KVPolicy, policy_class
 from eectl.runtime.sampling import pick_token
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
@@ -69,7 +72,6 @@ class Runner:
         if not 2 <= config.top_k <= self.m.dims["vocab_size"]:
             raise UsageError(f"--top-k must be in 2..{self.m.dims['vocab_size']}")
         self.policy = policy(runtime, config)
-        self.exit_logits = OrtExitLogits(runtime)
         if self.signal.needs_probe:  # the score is computed in the exit graphs: exported with heads that carry probes
             graphs = [runtime.local_graphs[e] for e in config.exits]
             graphs += [runtime.candidate_graphs.get(e, runtime.full_graphs[e]) for e in config.exits]
@@ -97,6 +99,9 @@ class Runner:
             self.lookup = PromptLookup(config.prompt_drafts, config.draft_ngram, min(MIN_NGRAM, config.draft_ngram))
         self.rng = np.random.default_rng(config.seed)
         self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
+        # the placement of the call in progress: a device-resident generate()'s own, else the host's
+        self.place: Placement = HOST
+        self.step_reads: list[list[tuple[str, int, str]]] = []  # the last generate()'s host reads, per step
 
     # --- sampling --------------------------------------------------------------------------------------------------
     def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
@@ -117,14 +122,15 @@ class Runner:
         layer_input = block_states = None
         if self.signal.needs_layer_input:
             layer_input = stack(self.rt, [asks[r].layer_input for r in rows])
-        if self.signal.needs_blocks and not self.rt.resident:  # [n + 1, N, H]
+        place = self.place
+        if self.signal.needs_blocks and not place.device:  # [n + 1, N, H]
             block_states = np.stack([np.asarray(asks[r].blocks) for r in rows], axis=1)
-        scoring = ExitScoring(self.signal, self.exit_logits, self.cfg.top_k, self.source)
+        scoring = ExitScoring(self.signal, OrtExitLogits(self.rt, place), self.cfg.top_k, self.source)
         if asks[rows[0]].candidates is not None:  # rows at one exit passed the same earlier exits
             scoring.candidates = np.concatenate([asks[r].candidates for r in rows])
-        if self.rt.resident and not self.signal.needs_candidates:  # one scalar per row read (runtime/resident.py)
+        if place.device and not self.signal.needs_candidates:  # one scalar per row read (runtime/resident.py)
             blocks = [asks[r].blocks for r in rows]
-            score = resident.score(self.rt, self.signal, layer, hidden, layer_input, blocks, self.cfg.top_k)
+            score = resident.score(self.rt, place, self.signal, layer, hidden, layer_input, blocks, self.cfg.top_k)
             passed = self.signal.passes(score.values, self.cfg.thresholds[layer])
         else:
             with _one_torch_thread() if self.signal.torch_math else nullcontext():
@@ -176,11 +182,12 @@ class Runner:
                     work[r][0].decide_s += time.perf_counter() - t0
             elif kind == "greedy":  # the final head's in-graph argmax: one token per row leaves the graph
                 rows = sorted(group)
-                ids = self.rt.greedy_token(self.L, concat(self.rt, [group[r][2] for r in rows], 0))
+                ids = self.rt.greedy_token(self.L, concat(self.rt, [group[r][2] for r in rows], 0), place=self.place)
                 answers = {r: int(ids[i]) for i, r in enumerate(rows)}
             else:
                 rows = sorted(group)
-                logits, _, _ = self.rt.exit_full(self.L, np.concatenate([group[r][2] for r in rows]), self.cfg.top_k)
+                hidden = np.concatenate([group[r][2] for r in rows])
+                logits, _, _ = self.rt.exit_full(self.L, hidden, self.cfg.top_k, place=self.place)
                 answers = {r: logits[i : i + 1] for i, r in enumerate(rows)}
             for r, answer in answers.items():
                 try:
@@ -210,11 +217,12 @@ class Runner:
         head's output where the active exit after s has one (run on the same positions), else hidden out."""
         ones = [r for r, x in xs.items() if x.shape[1] == 1]
         answers: dict[int, Any] = {}
-        # device-resident states (self.rt.resident) come back for the call's span of rows only: row r at r - first
-        first = min(ones) if self.rt.resident and ones else 0
+        place = self.place
+        # device-resident states (place.device) come back for the call's span of rows only: row r at r - first
+        first = min(ones) if place.device and ones else 0
         if isinstance(kv, BatchKV) and len(ones) > 1:
             hidden, active = join_rows(self.rt, {r: xs[r] for r in ones}, kv.rows)
-            result = run_rows(self.rt, s, hidden, kv, active, states=bool(states & set(ones)))
+            result = run_rows(self.rt, s, hidden, kv, active, states=bool(states & set(ones)), place=place)
             assert result is not None
             for r in ones:
                 i = r - first
@@ -225,7 +233,7 @@ class Runner:
                 if r not in states:
                     answers[r] = answers[r][:2]
         pad = self.cfg.batch_prompts if self.cfg.batch_prompts is not None else self.rt.device != "cpu"
-        if isinstance(kv, BatchKV) and pad and not self.rt.resident:  # the padded call takes host prompts
+        if isinstance(kv, BatchKV) and pad and not place.device:  # the padded call takes host prompts
             lo, hi = self.m.segments[s].layers
             several = [r for r, x in xs.items() if x.shape[1] > 1 and r not in states]
             for run in prefill_runs(kv, several, lo, hi):
@@ -233,16 +241,16 @@ class Runner:
                     answers.update(run_prefill(self.rt, s, {r: xs[r] for r in run}, kv))
         for r, x in xs.items():
             if r not in answers:
-                answers[r] = self.rt.run_segment(s, x, kv, r, states=r in states)
+                answers[r] = self.rt.run_segment(s, x, kv, r, states=r in states, place=place)
         block = self.block_after_segment.get(s)
         exit_in: dict[int, np.ndarray] = {}
         if block is not None and isinstance(kv, BatchKV) and len(ones) > 1:  # the block batched as its segment was
             hidden, active = join_rows(self.rt, {r: answers[r][0] for r in ones}, kv.rows)
-            out = run_block_rows(self.rt, block, hidden, kv, active)
+            out = run_block_rows(self.rt, block, hidden, kv, active, place=place)
             exit_in = {r: out[r - first : r - first + 1] for r in ones}
         for r, a in answers.items():
             if r not in exit_in:
-                own = a[0] if block is None else run_block(self.rt, block, a[0], kv, r)
+                own = a[0] if block is None else run_block(self.rt, block, a[0], kv, r, place=place)
                 assert own is not None
                 exit_in[r] = own
             answers[r] = (a[0], a[1], a[2] if len(a) > 2 else None, exit_in[r])
@@ -265,8 +273,8 @@ class Runner:
         a final-depth pass may roll back wrong drafts: then st.tokens is shorter afterwards and the returned token
         is the full model's token at the first wrong position.
         """
-        m = self.m
-        h = self.rt.embed(np.array([chunk_ids], dtype=np.int64))
+        m, place = self.m, self.place
+        h = self.rt.embed(np.array([chunk_ids], dtype=np.int64), place=place)
         cands: Any = None  # this token's candidates, once the first exit picked them
         decided = False  # a decision ran for this token already (the first one picked its candidates)
         may_exit = len(chunk_ids) == 1 and not force_full and self.policy.may_exit(st)
@@ -278,7 +286,7 @@ class Runner:
             result = yield ("states" if wants_blocks else "segment", s, x)
             out, layer_in, blocks, exit_in = result  # exit_in: a block head's output, else out
             if s == self.final_segment:
-                corrected = self.policy.on_final(row, st, kv, out)
+                corrected = self.policy.on_final(row, st, kv, out, place=place)
                 if corrected is not None:
                     return corrected
                 st.exit_layers.append(self.L)
@@ -295,11 +303,12 @@ class Runner:
                 decided = True
                 score, i, cands = yield ("decide", layer, ask)
                 if score is not None:
-                    own = self.policy.predict(row, st, kv, s, out)  # e.g. the river's end (single-row calls)
+                    own = self.policy.predict(row, st, kv, s, out, place=place)  # e.g. the river's end (one row)
                     st.exit_layers.append(layer)
                     if st.forced is not None:
                         if own is None:  # the exit's full vocabulary (after its block head, where it has one)
-                            own = (self.rt.exit_full(layer, exit_in[0, -1:], self.cfg.top_k)[0][0], None)
+                            logits = self.rt.exit_full(layer, exit_in[0, -1:], self.cfg.top_k, place=place)[0]
+                            own = (logits[0], None)
                         token = self._forced(st, own[0])
                     else:
                         token = self._pick(*own) if own is not None else self._pick_score(score, i)
@@ -321,8 +330,7 @@ class Runner:
         if not isinstance(h, np.ndarray):
             H = self.m.dims["hidden_size"]
             h = self.rt.ops.last(exit_in[0, -1:].reshape(1, 1, H), np.zeros(1, np.int64), on_device=False)
-            if self.rt.resident:
-                self.rt.host_reads.append(("gate", layer, "hidden"))
+            self.place.read(("gate", layer, "hidden"))
         opened = gate_open(gate, np.asarray(h))
         st.decide_s += time.perf_counter() - t0
         return opened
@@ -428,9 +436,13 @@ class Runner:
             for st in rows:
                 st.lookup = self.lookup.new_state()
         chain = self._chain(kv, width)
-        self.step_reads: list[list[tuple[str, int, str]]] = []  # resident: per step, what was read on the host
-        with self._resident() if chain is None else nullcontext():
+        place = Placement(device=chain is None and self._on_device())
+        self.step_reads = place.steps
+        self.place = place
+        try:
             self._loop(kv, rows, chain, on_step)
+        finally:
+            self.place = HOST  # scoring, chat and cost timing run on the host (their own calls)
         return [st.generation() for st in rows]
 
     def _loop(
@@ -465,7 +477,6 @@ class Runner:
                     live[s] = (rows[seated[s]], rows[seated[s]].tokens[-n - 1 :])
             wide = any(drafted.values())
             t0 = time.perf_counter()
-            self.rt.host_reads = []
             one_row = chain is not None and not fresh and chain.rows == 1
             if wide and not (one_row and self.rt.device == "cpu"):  # several positions for a row of a batch
                 tokens = self._steps(kv, live)
@@ -492,28 +503,20 @@ class Runner:
                     on_step(i, self._confirmed(st))
                 if st.done:
                     del seated[s]
-            if self.rt.resident:
-                self.step_reads.append(self.rt.host_reads)
+            self.place.end_step()
             seat()
 
     def _resident_wanted(self) -> bool:
         wanted = self.cfg.device_resident
         return self.rt.device != "cpu" if wanted is None else wanted
 
-    @contextmanager
-    def _resident(self) -> Iterator[None]:
-        """Steps with active exits executed as the binding plan says (runtime/binding.py): while generating, hidden
-        states, KV and full logits stay device values between graphs (`ArtifactRuntime.resident`); only the exit
-        tests' K candidate ids and scores or one scalar per row, and the tokens, are read on the host. By default
-        only off the CPU EP (`RunConfig.device_resident`); greedy only (sampling and teacher-forced scoring pick from
-        the full vocabulary on the host: they run the host path)."""
-        on = bool(self._resident_wanted() and self.exits and self.cfg.temperature <= 0)
-        before = self.rt.resident
-        self.rt.resident = on
-        try:
-            yield
-        finally:
-            self.rt.resident = before
+    def _on_device(self) -> bool:
+        """Whether generate's steps with active exits run as the binding plan says (runtime/binding.py): hidden
+        states, KV and full logits stay device values between graphs (its own `Placement`); only the exit tests' K
+        candidate ids and scores or one scalar per row, and the tokens, are read on the host. By default only off the
+        CPU EP (`RunConfig.device_resident`); greedy only (sampling and teacher-forced scoring pick from the full
+        vocabulary on the host: they run the host path)."""
+        return bool(self._resident_wanted() and self.exits and self.cfg.temperature <= 0)
 
     def _chain(self, kv: KVBuffers, rows: int) -> DecodeChain | None:
         """The bound call chain (runtime/chain.py) for greedy decode with a final head that has the in-graph argmax:
@@ -563,7 +566,7 @@ class Runner:
             self.policy.on_exit(0, st, kv, done.segment, done.state, done.token)
             return done.token
         if done.state is not None:  # the final segment ran wide: the positions it carried, then this token's
-            corrected = self.policy.on_final(0, st, kv, done.state)
+            corrected = self.policy.on_final(0, st, kv, done.state)  # the chain's states: host arrays
             if corrected is not None:
                 return corrected
         else:  # reached the final layer with nothing pending: no draft to check (drafts are pending states)

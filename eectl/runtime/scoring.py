@@ -16,7 +16,8 @@ the states of one full-depth pass over the whole text, so the same scores come f
 The results equal the token-by-token path's up to float summation order (the same graphs on [S, H] instead of
 [1, H]): log-probabilities within ~1e-5, and a decision can flip only where a signal sits within that of its
 threshold. Policies whose skipped K/V are stand-ins (copy, river) change the states of later positions, so they
-stay token by token, as does a device-resident run.
+stay token by token. Scoring runs on host states whatever `RunConfig.device_resident` says (it reads every
+position's full vocabulary), as the token-by-token path does.
 
 What this module does not do: tokenise, generate, or choose exits (runner.py).
 """
@@ -74,7 +75,7 @@ class Scored:
 def one_pass(runner: Runner) -> bool:
     """Whether the runner's configuration scores text in one pass (module docstring)."""
     exact = runner.policy.exact_states or not runner.exits
-    return bool(runner.policy.scores_text and exact and not runner.rt.resident)
+    return bool(runner.policy.scores_text and exact)
 
 
 def check_text(ids: Sequence[int], prompt_len: int, max_positions: int) -> None:

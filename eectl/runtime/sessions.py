@@ -38,6 +38,7 @@ from eectl.runtime.ort import (
     resolve_provider,
     session_options,
 )
+from eectl.runtime.placement import HOST, Placement
 
 
 @dataclass
@@ -168,12 +169,8 @@ class ArtifactRuntime:
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
         self._calls: dict[tuple[str, int], _Call] = {}  # (graph kind, exit layer) -> binding with its weight bound
         self._bounds: dict[tuple[Any, ...], _Bound] = {}  # (graph kind, exit layer, shapes) -> exit graph binding
-        # Device-resident states (the binding plan executed, runtime/binding.py): while `resident`, every hidden
-        # state a graph outputs stays in the provider's memory (a DeviceView of an OrtValue; on the CPU EP that
-        # memory is the host's, so the same code runs in the CPU tests), full logits too; only the outputs the plan
-        # sends to the host are read, each through `_read`, which records it in `host_reads`.
-        self.resident = False
-        self.host_reads: list[tuple[str, int, str]] = []  # (graph, exit layer or -1, output key) read while resident
+        # Where a call's states go, and the record of its host reads, are the run's (`place`: runtime/placement.py),
+        # not this runtime's: several runs share it.
         self._ops: Any = None
         # exit layer -> the `score` output [N] of the last exit-graph call there (graphs with a probe: the learned
         # signal's score, computed in the graph from the same local logits the call returned; OrtExitLogits reads it)
@@ -262,19 +259,21 @@ class ArtifactRuntime:
             self._ops = DeviceOps(self.provider, self.np_dtype, self.threads)
         return self._ops
 
-    def _state_out(self, io: Any, name: str, shape: tuple[int, ...]) -> Any:
-        """Output `name`, a hidden state or logits: a fresh host array, or while resident a fresh OrtValue on the
-        provider's device (as a DeviceView) that the next graph takes as it is."""
-        if not self.resident:
+    def _state_out(self, io: Any, name: str, shape: tuple[int, ...], place: Placement) -> Any:
+        """Output `name`, a hidden state or logits: a fresh host array, or for a device-resident run a fresh OrtValue
+        on the provider's device (as a DeviceView) that the next graph takes as it is."""
+        if not place.device:
             return self._out(io, name, shape, self.np_dtype)
         value = _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), self.np_dtype, self.device, 0)
         io.bind_ortvalue_output(name, value)
         return DeviceView.of(value)
 
-    def _read(self, io: Any, name: str, shape: tuple[int, ...], dtype: Any, where: tuple[str, int, str]) -> np.ndarray:
-        """Output `name` into a fresh host array: the one way a value leaves the device while resident (recorded)."""
-        if self.resident:
-            self.host_reads.append(where)
+    def _read(
+        self, io: Any, name: str, shape: tuple[int, ...], dtype: Any, where: tuple[str, int, str], place: Placement
+    ) -> np.ndarray:
+        """Output `name` into a fresh host array: the one way a value leaves the device of a device-resident run
+        (recorded in its placement)."""
+        place.read(where)
         return self._out(io, name, shape, dtype)
 
     def _out(self, io: Any, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -329,13 +328,13 @@ class ArtifactRuntime:
         return bound
 
     # --- graph calls -------------------------------------------------------------------------------------------------
-    def embed(self, input_ids: np.ndarray) -> np.ndarray:
+    def embed(self, input_ids: np.ndarray, *, place: Placement = HOST) -> Any:
         """[N, S] int64 -> [N, S, H] hidden states."""
         g = self.embedding
         call = self._call("embed", 0, g, "embed")
         ids = self._host(input_ids, np.int64)
         self._bind_array(call.io, g.name("input_ids"), ids)
-        out = self._state_out(call.io, g.name("hidden"), (*ids.shape, self.manifest.dims["hidden_size"]))
+        out = self._state_out(call.io, g.name("hidden"), (*ids.shape, self.manifest.dims["hidden_size"]), place)
         g.session.run_with_iobinding(call.io)
         return out
 
@@ -366,6 +365,8 @@ class ArtifactRuntime:
         kv_only: bool = False,
         river: bool = False,
         states: bool = False,
+        *,
+        place: Placement = HOST,
     ) -> Any:
         """Run segment `index` on hidden [1, S, H] for one row, appending S positions to its layers' KV in place.
 
@@ -391,12 +392,12 @@ class ArtifactRuntime:
             g.session.run_with_iobinding(call.io)
             kv.advance(row, lo, hi, s)
             return None
-        out = self._state_out(call.io, g.name("hidden_out"), x.shape)
-        layer_in = self._state_out(call.io, g.name("layer_input"), x.shape)
+        out = self._state_out(call.io, g.name("hidden_out"), x.shape, place)
+        layer_in = self._state_out(call.io, g.name("layer_input"), x.shape, place)
         blocks = None
         if states:  # [1, (n + 1) * S, H] from the graph, returned as [n + 1, S, H]
             shape = (x.shape[0], (hi - lo + 1) * s, x.shape[2])
-            blocks = self._state_out(call.io, g.name("layer_states"), shape)
+            blocks = self._state_out(call.io, g.name("layer_states"), shape, place)
         g.session.run_with_iobinding(call.io)
         kv.advance(row, lo, hi, s)
         if blocks is not None:
@@ -404,15 +405,16 @@ class ArtifactRuntime:
         return out, layer_in
 
     def exit_full(
-        self, layer: int, hidden: np.ndarray, top_k: int, river: bool = False
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self, layer: int, hidden: np.ndarray, top_k: int, river: bool = False, *, place: Placement = HOST
+    ) -> tuple[Any, np.ndarray, np.ndarray]:
         """hidden [N, H] -> (logits [N, V], candidates [N, K] int64, candidate logits [N, K]). With `river`, the
-        exit's quantized river head where the artifact has one (its own table: no weight to bind)."""
+        exit's quantized river head where the artifact has one (its own table: no weight to bind). A device-resident
+        run's logits stay on the device (a DeviceView)."""
         river = river and layer in self.river_heads
         g = self.river_heads[layer] if river else self.full_graphs[layer]
-        if self.resident:
+        if place.device:
             graph = "river_head" if river else "exit_full"
-            return self._resident_exit(g, graph, layer, hidden, top_k, "river-head" if river else "full")
+            return self._resident_exit(g, graph, layer, hidden, top_k, "river-head" if river else "full", place)
         n, dt = hidden.shape[0], self.np_dtype
         outputs: _Shapes = {
             "logits": ((n, self.manifest.dims["vocab_size"]), dt),
@@ -429,7 +431,9 @@ class ArtifactRuntime:
         self._keep_score(layer, out)
         return out["logits"].copy(), out["candidates"].copy(), out["candidate_logits"].copy()
 
-    def _resident_exit(self, g: Graph, graph: str, layer: int, hidden: Any, top_k: int, kind: str) -> Any:
+    def _resident_exit(
+        self, g: Graph, graph: str, layer: int, hidden: Any, top_k: int, kind: str, place: Placement
+    ) -> Any:
         """An exit graph's Top-K with the hidden rows and the full logits on the device: (logits as a DeviceView,
         candidates [N, K], their logits [N, K]) — only the K ids and scores are read on the host."""
         call = self._call(f"resident-{kind}", layer, g, "lm_head")
@@ -440,22 +444,23 @@ class ArtifactRuntime:
             self._bind_array(call.io, g.name("top_k"), k)
         logits = None
         if "logits" in g.io.outputs:
-            logits = self._state_out(call.io, g.name("logits"), (n, self.manifest.dims["vocab_size"]))
+            logits = self._state_out(call.io, g.name("logits"), (n, self.manifest.dims["vocab_size"]), place)
         if "token" in g.io.outputs:  # computed in the graph, never read here
             call.io.bind_output(g.name("token"), self.device)
-        cand = self._read(call.io, g.name("candidates"), (n, top_k), np.int64, (graph, layer, "candidates"))
+        cand = self._read(call.io, g.name("candidates"), (n, top_k), np.int64, (graph, layer, "candidates"), place)
         where = (graph, layer, "candidate_logits")
-        cand_logits = self._read(call.io, g.name("candidate_logits"), (n, top_k), self.np_dtype, where)
-        score = self._read_score(call.io, g, graph, layer, n)
+        cand_logits = self._read(call.io, g.name("candidate_logits"), (n, top_k), self.np_dtype, where, place)
+        score = self._read_score(call.io, g, graph, layer, n, place)
         g.session.run_with_iobinding(call.io)
         self._keep_score(layer, {"score": score})
         return logits, cand, cand_logits
 
-    def _read_score(self, io: Any, g: Graph, graph: str, layer: int, n: int) -> np.ndarray | None:
-        """A graph's probe `score` [N] into a host array (resident: one more read of N floats), where it has one."""
+    def _read_score(self, io: Any, g: Graph, graph: str, layer: int, n: int, place: Placement) -> np.ndarray | None:
+        """A graph's probe `score` [N] into a host array (device-resident: one more read of N floats), where it has
+        one."""
         if "score" not in g.io.outputs:
             return None
-        return self._read(io, g.name("score"), (n,), np.float32, (graph, layer, "score"))
+        return self._read(io, g.name("score"), (n,), np.float32, (graph, layer, "score"), place)
 
     def _keep_score(self, layer: int, outputs: dict[str, Any]) -> None:
         score = outputs.get("score")
@@ -477,7 +482,7 @@ class ArtifactRuntime:
             np.copyto(b.inputs[name], value, casting="unsafe")
         g.session.run_with_iobinding(b.io)
 
-    def greedy_token(self, layer: int, hidden: Any, river: bool = False) -> np.ndarray:
+    def greedy_token(self, layer: int, hidden: Any, river: bool = False, *, place: Placement = HOST) -> np.ndarray:
         """hidden [N, H] -> the argmax token [N] at exit `layer`, computed in the graph.
 
         Only the token is copied out; the logits and a Top-1 (k = 1: a scan, not a sort) land in scratch arrays
@@ -485,20 +490,20 @@ class ArtifactRuntime:
         """
         river = river and layer in self.river_heads  # the river's own quantized head where the artifact has one
         g = self.river_heads[layer] if river else self.full_graphs[layer]
-        if "token" not in g.io.outputs or river and not self.resident:  # no in-graph argmax (or its binding) here
-            if self.resident:  # its Top-1: the logits stay on the device
-                return self.exit_full(layer, hidden, 2, river=river)[1][:, 0]
+        if "token" not in g.io.outputs or river and not place.device:  # no in-graph argmax (or its binding) here
+            if place.device:  # its Top-1: the logits stay on the device
+                return self.exit_full(layer, hidden, 2, river=river, place=place)[1][:, 0]
             return self.exit_full(layer, hidden, 2, river=river)[0].argmax(-1)
         x = self._host(hidden, self.np_dtype)
         n = x.shape[0]
-        if self.resident:  # the logits and the Top-1 stay on the device; the token is read
+        if place.device:  # the logits and the Top-1 stay on the device; the token is read
             bound = self._call("resident-greedy-river" if river else "resident-greedy", layer, g, "lm_head")
             self._bind_array(bound.io, g.name("top_k"), _TOP_1)  # k = 1: a scan, not a sort
             for key in ("logits", "candidates", "candidate_logits"):
                 bound.io.bind_output(g.name(key), self.device)
             self._bind_array(bound.io, g.name("hidden"), x)
             where = ("river_head" if river else "exit_full", layer, "token")
-            token = self._read(bound.io, g.name("token"), (n,), np.int64, where)
+            token = self._read(bound.io, g.name("token"), (n,), np.int64, where, place)
             g.session.run_with_iobinding(bound.io)
             return token
         packed = self._packed_head(layer) if n > 1 and not river else None
@@ -557,18 +562,20 @@ class ArtifactRuntime:
         so.add_external_initializers([name], [value])
         return _ort().InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
 
-    def exit_local(self, layer: int, hidden: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    def exit_local(
+        self, layer: int, hidden: np.ndarray, candidates: np.ndarray, *, place: Placement = HOST
+    ) -> np.ndarray:
         """hidden [N, H], candidates [N, K] -> candidate logits [N, K]."""
         g = self.local_graphs[layer]
         shape = candidates.shape
-        if self.resident:  # the hidden rows on the device, the K candidate ids in, their K logits out
+        if place.device:  # the hidden rows on the device, the K candidate ids in, their K logits out
             call = self._call("resident-local", layer, g, "lm_head")
             self._bind_array(call.io, g.name("hidden"), self._host(hidden, self.np_dtype))
             ids = np.ascontiguousarray(candidates, np.int64)
             self._bind_array(call.io, g.name("candidates"), ids)
             where = ("exit_local", layer, "candidate_logits")
-            out = self._read(call.io, g.name("candidate_logits"), shape, self.np_dtype, where)
-            score = self._read_score(call.io, g, "exit_local", layer, shape[0])
+            out = self._read(call.io, g.name("candidate_logits"), shape, self.np_dtype, where, place)
+            score = self._read_score(call.io, g, "exit_local", layer, shape[0], place)
             g.session.run_with_iobinding(call.io)
             self._keep_score(layer, {"score": score})
             return out
@@ -581,15 +588,17 @@ class ArtifactRuntime:
         self._keep_score(layer, b.outputs)
         return b.outputs["candidate_logits"].copy()
 
-    def exit_candidates(self, layer: int, hidden: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    def exit_candidates(
+        self, layer: int, hidden: np.ndarray, top_k: int, *, place: Placement = HOST
+    ) -> tuple[np.ndarray, np.ndarray]:
         """hidden [N, H] -> (candidates [N, K] int64, their exact logits [N, K]) by the artifact's candidate source
         (the full exit graph's Top-K where the artifact has no candidate graph)."""
         g = self.candidate_graphs.get(layer)
         if g is None:
-            _, cand, cand_logits = self.exit_full(layer, hidden, top_k)
+            _, cand, cand_logits = self.exit_full(layer, hidden, top_k, place=place)
             return cand, cand_logits
-        if self.resident:
-            _, cand, cand_logits = self._resident_exit(g, "candidates", layer, hidden, top_k, "candidates")
+        if place.device:
+            _, cand, cand_logits = self._resident_exit(g, "candidates", layer, hidden, top_k, "candidates", place)
             return cand, cand_logits
         n = hidden.shape[0]
         outputs: _Shapes = {"candidates": ((n, top_k), np.int64), "candidate_logits": ((n, top_k), self.np_dtype)}
