@@ -120,3 +120,45 @@ bench: {{prompts: 1, max_new_tokens: 3, reps: 1, configs: [full], ppl_tokens: 0,
     work = {s.stage: s for s in again.stages}
     for stage in ("train-heads", "calibrate", "export"):
         assert work[stage].work.startswith("cached") and work[stage].result is None
+
+
+def test_stage_requests_default_as_the_commands_do():
+    """The pipeline builds each stage's request from the recipe alone, so a request's (and its options type's)
+    defaults must be the command's: a default changed on one side only would make `eectl pipeline` run a stage
+    differently from its command."""
+    import dataclasses
+    import inspect
+
+    from eectl.calibrate.stage import CalibrateRequest
+    from eectl.cli import cmd_bench, cmd_calibrate, cmd_export, cmd_profile, cmd_run, cmd_train_heads
+    from eectl.evaluate.results import BenchOptions
+    from eectl.evaluate.stage import BenchRequest
+    from eectl.export.exporter import ExportOptions
+    from eectl.export.quantize import Int4Options
+    from eectl.heads.stage import HeadsRequest
+    from eectl.profile.stage import ProfileRequest
+    from eectl.run.generate import RunOptions
+
+    pairs = [
+        (cmd_profile.profile, [ProfileRequest], ""),
+        (cmd_train_heads.train_heads, [HeadsRequest], ""),
+        (cmd_calibrate.calibrate, [CalibrateRequest], ""),
+        (cmd_export.export, [ExportOptions], ""),
+        (cmd_export.export, [Int4Options], "int4_"),
+        (cmd_run.run, [RunOptions], ""),
+        (cmd_bench.bench, [BenchRequest, BenchOptions], ""),
+    ]
+    compared = 0
+    for command, types, prefix in pairs:
+        given = {k: p.default for k, p in inspect.signature(command).parameters.items()}
+        for kind in types:
+            for f in dataclasses.fields(kind):
+                name = prefix + f.name if prefix and prefix + f.name in given else f.name
+                if name not in given or f.default is dataclasses.MISSING:
+                    continue
+                cli, own = given[name], f.default
+                if cli is None or own is None or type(cli) is not type(own):
+                    continue  # None: the recipe's (or the stage's own rule); a str the CLI parses into a list
+                assert cli == own, f"{command.__name__} --{name.replace('_', '-')}: {cli!r} != {kind.__name__} {own!r}"
+                compared += 1
+    assert compared >= 30

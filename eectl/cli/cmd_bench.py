@@ -19,109 +19,127 @@ if TYPE_CHECKING:
     from eectl.evaluate.stage import BenchRun
 
 
+ArtifactOpt = Annotated[str, typer.Argument(help="Artifact folder from eectl export.")]
+DataOpt = Annotated[
+    str | None,
+    typer.Option(help="Prompts: .jsonl (GSM8K question/answer...), text, or built-in.", rich_help_panel="Workload"),
+]
+PromptsOpt = Annotated[int | None, typer.Option(help="Number of prompts (default: 10).", rich_help_panel="Workload")]
+OffsetOpt = Annotated[
+    int,
+    typer.Option(
+        help="Skip this many of the data's prompts (keep bench prompts out of calibration's).",
+        rich_help_panel="Workload",
+    ),
+]
+MaxNewTokensOpt = Annotated[
+    int | None, typer.Option(help="Tokens generated per prompt (default: 64).", rich_help_panel="Workload")
+]
+PoliciesOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="hf, full, KV policy names, lookup, verify+lookup (default: hf, full and the policies).",
+        rich_help_panel="Configurations",
+    ),
+]
+RepsOpt = Annotated[
+    int | None,
+    typer.Option(help="Interleaved repetitions after the warm-up (default: 3).", rich_help_panel="Workload"),
+]
+ExitsOpt = Annotated[
+    str | None,
+    typer.Option(help="Active exits of the early-exit configurations, e.g. 24.", rich_help_panel="Configurations"),
+]
+SignalOpt = Annotated[
+    str | None,
+    typer.Option(
+        help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: the calibration's).",
+        rich_help_panel="Configurations",
+    ),
+]
+ThresholdsOpt = Annotated[
+    str | None,
+    typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).", rich_help_panel="Configurations"),
+]
+ThresholdScaleOpt = Annotated[
+    float, typer.Option(help="Multiply every threshold by this.", rich_help_panel="Configurations")
+]
+SweepOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Threshold scales for the agreement/speedup curve ('' for none; 0.9,1.0,1.1).",
+        rich_help_panel="Configurations",
+    ),
+]
+PplTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Held-out tokens for teacher-forced perplexity (0: skip; default 1024).", rich_help_panel="Workload"
+    ),
+]
+ReportOpt = Annotated[
+    Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).", rich_help_panel="Output")
+]
+ProviderOpt = Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel="Configurations")]
+RawOpt = Annotated[bool, typer.Option("--raw", help="No chat template.", rich_help_panel="Workload", metavar="")]
+BatchSizeOpt = Annotated[
+    int,
+    typer.Option(
+        help="Prompts per batch for eectl configurations (throughput next to per-row latency).",
+        rich_help_panel="Workload",
+    ),
+]
+ProfileCostsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--profile-costs",
+        help="Re-measure the graph costs on this machine and re-plan the exits first.",
+        rich_help_panel="Configurations",
+        metavar="",
+    ),
+]
+PromptDraftsOpt = Annotated[
+    int,
+    typer.Option(
+        help="lookup, verify+lookup: drafts per step from n-gram matches in the context.",
+        rich_help_panel="Configurations",
+    ),
+]
+CompareOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Other artifacts at full depth, as configurations: int4=PATH[,NAME=PATH].",
+        rich_help_panel="Configurations",
+    ),
+]
+
+
 @command()
 def bench(
-    artifact: Annotated[str, typer.Argument(help="Artifact folder from eectl export.")],
-    data: Annotated[
-        str | None,
-        typer.Option(help="Prompts: .jsonl (GSM8K question/answer...), text, or built-in.", rich_help_panel="Workload"),
-    ] = None,
-    prompts: Annotated[
-        int | None, typer.Option(help="Number of prompts (default: 10).", rich_help_panel="Workload")
-    ] = None,
-    offset: Annotated[
-        int,
-        typer.Option(
-            help="Skip this many of the data's prompts (keep bench prompts out of calibration's).",
-            rich_help_panel="Workload",
-        ),
-    ] = 0,
-    max_new_tokens: Annotated[
-        int | None, typer.Option(help="Tokens generated per prompt (default: 64).", rich_help_panel="Workload")
-    ] = None,
-    policies: Annotated[
-        str | None,
-        typer.Option(
-            help="hf, full, KV policy names, lookup, verify+lookup (default: hf, full and the policies).",
-            rich_help_panel="Configurations",
-        ),
-    ] = None,
-    reps: Annotated[
-        int | None,
-        typer.Option(help="Interleaved repetitions after the warm-up (default: 3).", rich_help_panel="Workload"),
-    ] = None,
-    exits: Annotated[
-        str | None,
-        typer.Option(help="Active exits of the early-exit configurations, e.g. 24.", rich_help_panel="Configurations"),
-    ] = None,
-    signal: Annotated[
-        str | None,
-        typer.Option(
-            help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: the calibration's).",
-            rich_help_panel="Configurations",
-        ),
-    ] = None,
-    thresholds: Annotated[
-        str | None,
-        typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).", rich_help_panel="Configurations"),
-    ] = None,
-    threshold_scale: Annotated[
-        float, typer.Option(help="Multiply every threshold by this.", rich_help_panel="Configurations")
-    ] = 1.0,
-    sweep: Annotated[
-        str | None,
-        typer.Option(
-            help="Threshold scales for the agreement/speedup curve ('' for none; 0.9,1.0,1.1).",
-            rich_help_panel="Configurations",
-        ),
-    ] = None,
-    ppl_tokens: Annotated[
-        int | None,
-        typer.Option(
-            help="Held-out tokens for teacher-forced perplexity (0: skip; default 1024).", rich_help_panel="Workload"
-        ),
-    ] = None,
-    report: Annotated[
-        Path | None, typer.Option(help="Markdown report path (PNG plots and JSON beside it).", rich_help_panel="Output")
-    ] = None,
-    provider: Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel="Configurations")] = "auto",
-    raw: Annotated[
-        bool, typer.Option("--raw", help="No chat template.", rich_help_panel="Workload", metavar="")
-    ] = False,
-    batch_size: Annotated[
-        int,
-        typer.Option(
-            help="Prompts per batch for eectl configurations (throughput next to per-row latency).",
-            rich_help_panel="Workload",
-        ),
-    ] = 1,
-    profile_costs: Annotated[
-        bool,
-        typer.Option(
-            "--profile-costs",
-            help="Re-measure the graph costs on this machine and re-plan the exits first.",
-            rich_help_panel="Configurations",
-            metavar="",
-        ),
-    ] = False,
+    artifact: ArtifactOpt,
+    data: DataOpt = None,
+    prompts: PromptsOpt = None,
+    offset: OffsetOpt = 0,
+    max_new_tokens: MaxNewTokensOpt = None,
+    policies: PoliciesOpt = None,
+    reps: RepsOpt = None,
+    exits: ExitsOpt = None,
+    signal: SignalOpt = None,
+    thresholds: ThresholdsOpt = None,
+    threshold_scale: ThresholdScaleOpt = 1.0,
+    sweep: SweepOpt = None,
+    ppl_tokens: PplTokensOpt = None,
+    report: ReportOpt = None,
+    provider: ProviderOpt = "auto",
+    raw: RawOpt = False,
+    batch_size: BatchSizeOpt = 1,
+    profile_costs: ProfileCostsOpt = False,
     max_risk: MaxRiskOpt = None,
     mmap_weights: MmapOpt = False,
     memory_budget: BudgetOpt = None,
     place: PlaceOpt = None,
-    prompt_drafts: Annotated[
-        int,
-        typer.Option(
-            help="lookup, verify+lookup: drafts per step from n-gram matches in the context.",
-            rich_help_panel="Configurations",
-        ),
-    ] = DEFAULT_DRAFTS,
-    compare: Annotated[
-        str | None,
-        typer.Option(
-            help="Other artifacts at full depth, as configurations: int4=PATH[,NAME=PATH].",
-            rich_help_panel="Configurations",
-        ),
-    ] = None,
+    prompt_drafts: PromptDraftsOpt = DEFAULT_DRAFTS,
+    compare: CompareOpt = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,

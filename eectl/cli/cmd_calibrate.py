@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
-from eectl.contracts.calibration import Calibration
+from eectl.contracts.calibration import Calibration, SplitStats
 from eectl.contracts.layers import parse_layers
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.recipe import load_recipe, pick
@@ -16,150 +16,177 @@ from eectl.errors import UsageError
 from eectl.output import Output
 from eectl.plan.choose import sequence_agreement
 
+DataOpt = Annotated[
+    str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).", rich_help_panel="Data")
+]
+FieldOpt = Annotated[
+    str | None, typer.Option(help="The .jsonl field to read (detected by default).", rich_help_panel="Data")
+]
+TokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Tokens to measure, teacher-forced and generated together (default: 20000).", rich_help_panel="Data"
+    ),
+]
+TargetOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Agreement with the final layer's top-1 among exiting tokens, in (0, 1].",
+        rich_help_panel="Exits & signal",
+    ),
+]
+ExitsOpt = Annotated[
+    str | None,
+    typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.", rich_help_panel="Exits & signal"),
+]
+SignalOpt = Annotated[
+    str | None,
+    typer.Option(
+        help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: learned with probed heads, else topk-prob).",
+        rich_help_panel="Exits & signal",
+    ),
+]
+TopKOpt = Annotated[
+    int | None, typer.Option(help="Local vocabulary size of the topk-* signals.", rich_help_panel="Exits & signal")
+]
+HeadsOpt = Annotated[
+    Path | None,
+    typer.Option(help="Trained exit heads (heads.safetensors): exits use them.", rich_help_panel="Exits & signal"),
+]
+ConfidenceOpt = Annotated[
+    float,
+    typer.Option(
+        help="Require the Clopper-Pearson lower bound at this level to reach --target (0: point estimate).",
+        rich_help_panel="Exits & signal",
+    ),
+]
+CandidatesOpt = Annotated[
+    str,
+    typer.Option(
+        help="Candidate source at the first exit: shortlist-int8, shortlist, int8 or first-exit-topk.",
+        rich_help_panel="Candidates",
+    ),
+]
+ShortlistOpt = Annotated[
+    int,
+    typer.Option(
+        help="Rows of the frequency-ranked shortlist (--candidates shortlist, shortlist-int8).",
+        rich_help_panel="Candidates",
+    ),
+]
+CompareOpt = Annotated[
+    str,
+    typer.Option(
+        help="Other candidate sources to measure on the same tokens, e.g. int8,full (report).",
+        rich_help_panel="Candidates",
+    ),
+]
+HoldoutOpt = Annotated[
+    float,
+    typer.Option(help="Share of chunks and prompts held out to check the thresholds.", rich_help_panel="Data"),
+]
+GenShareOpt = Annotated[
+    float,
+    typer.Option(
+        help="Share of the tokens taken from the model's own greedy continuations of prompts.",
+        rich_help_panel="Data",
+    ),
+]
+GenTokensOpt = Annotated[
+    int, typer.Option(help="Continuation length per prompt (at most; EOS ends it).", rich_help_panel="Data")
+]
+GenBatchOpt = Annotated[
+    int,
+    typer.Option(
+        help="Prompts generated together (speed and memory only: the tokens are the same).", rich_help_panel="Data"
+    ),
+]
+RawOpt = Annotated[
+    bool,
+    typer.Option(
+        "--raw",
+        help="Continue prompts as is, without the chat template (eectl run --raw).",
+        rich_help_panel="Data",
+        metavar="",
+    ),
+]
+GateKeepOpt = Annotated[
+    float,
+    typer.Option(
+        help="Gated options on the menu: each exit's gate keeps this share of the decisions that pass (0: none).",
+        rich_help_panel="Exits & signal",
+    ),
+]
+OutPathOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out", help="Where to write it (default: artifacts/<model>-calibration.json).", rich_help_panel="Output"
+    ),
+]
+GuaranteeOpt = Annotated[
+    str,
+    typer.Option(
+        help="token: per-token agreement (thresholds per exit); sequence: certify one threshold over all exits of "
+        "--artifact for whole continuations (Learn-then-Test).",
+        rich_help_panel="Sequence guarantee",
+    ),
+]
+ArtifactOpt = Annotated[
+    Path | None, typer.Option(help="The exported artifact to certify.", rich_help_panel="Sequence guarantee")
+]
+RiskOpt = Annotated[
+    str,
+    typer.Option(
+        help="first:N (differs from full depth in its first N tokens), share:N, or exact-match (GSM8K).",
+        rich_help_panel="Sequence guarantee",
+    ),
+]
+DeltaOpt = Annotated[float, typer.Option(help="The risk to bound.", rich_help_panel="Sequence guarantee")]
+EpsilonOpt = Annotated[
+    float, typer.Option(help="1 - confidence over the calibration draw.", rich_help_panel="Sequence guarantee")
+]
+PolicyOpt = Annotated[str, typer.Option(help="KV policy to certify.", rich_help_panel="Sequence guarantee")]
+GridOpt = Annotated[
+    str | None,
+    typer.Option(help="Thresholds to test, highest first (default by signal).", rich_help_panel="Sequence guarantee"),
+]
+PromptsOpt = Annotated[int, typer.Option(help="Calibration prompts.", rich_help_panel="Sequence guarantee")]
+OffsetOpt = Annotated[
+    int, typer.Option(help="Skip this many of the data's prompts.", rich_help_panel="Sequence guarantee")
+]
+
 
 @command()
 def calibrate(
     model: ModelArg = None,
-    data: Annotated[
-        str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).", rich_help_panel="Data")
-    ] = None,
-    field: Annotated[
-        str | None, typer.Option(help="The .jsonl field to read (detected by default).", rich_help_panel="Data")
-    ] = None,
-    tokens: Annotated[
-        int | None,
-        typer.Option(
-            help="Tokens to measure, teacher-forced and generated together (default: 20000).", rich_help_panel="Data"
-        ),
-    ] = None,
-    target: Annotated[
-        float | None,
-        typer.Option(
-            help="Agreement with the final layer's top-1 among exiting tokens, in (0, 1].",
-            rich_help_panel="Exits & signal",
-        ),
-    ] = None,
-    exits: Annotated[
-        str | None,
-        typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.", rich_help_panel="Exits & signal"),
-    ] = None,
-    signal: Annotated[
-        str | None,
-        typer.Option(
-            help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: learned with probed heads, else topk-prob).",
-            rich_help_panel="Exits & signal",
-        ),
-    ] = None,
-    top_k: Annotated[
-        int | None, typer.Option(help="Local vocabulary size of the topk-* signals.", rich_help_panel="Exits & signal")
-    ] = None,
-    heads: Annotated[
-        Path | None,
-        typer.Option(help="Trained exit heads (heads.safetensors): exits use them.", rich_help_panel="Exits & signal"),
-    ] = None,
-    confidence: Annotated[
-        float,
-        typer.Option(
-            help="Require the Clopper-Pearson lower bound at this level to reach --target (0: point estimate).",
-            rich_help_panel="Exits & signal",
-        ),
-    ] = 0.95,
-    candidates: Annotated[
-        str,
-        typer.Option(
-            help="Candidate source at the first exit: shortlist-int8, shortlist, int8 or first-exit-topk.",
-            rich_help_panel="Candidates",
-        ),
-    ] = "shortlist-int8",  # candidates.DEFAULT_CANDIDATES (a literal: the CLI imports no torch up front)
-    shortlist: Annotated[
-        int,
-        typer.Option(
-            help="Rows of the frequency-ranked shortlist (--candidates shortlist, shortlist-int8).",
-            rich_help_panel="Candidates",
-        ),
-    ] = 4096,
-    compare: Annotated[
-        str,
-        typer.Option(
-            help="Other candidate sources to measure on the same tokens, e.g. int8,full (report).",
-            rich_help_panel="Candidates",
-        ),
-    ] = "",
-    holdout: Annotated[
-        float,
-        typer.Option(help="Share of chunks and prompts held out to check the thresholds.", rich_help_panel="Data"),
-    ] = 0.2,
-    gen_share: Annotated[
-        float,
-        typer.Option(
-            help="Share of the tokens taken from the model's own greedy continuations of prompts.",
-            rich_help_panel="Data",
-        ),
-    ] = 0.25,
-    gen_tokens: Annotated[
-        int, typer.Option(help="Continuation length per prompt (at most; EOS ends it).", rich_help_panel="Data")
-    ] = 64,
-    gen_batch: Annotated[
-        int,
-        typer.Option(
-            help="Prompts generated together (speed and memory only: the tokens are the same).", rich_help_panel="Data"
-        ),
-    ] = 64,
-    raw: Annotated[
-        bool,
-        typer.Option(
-            "--raw",
-            help="Continue prompts as is, without the chat template (eectl run --raw).",
-            rich_help_panel="Data",
-            metavar="",
-        ),
-    ] = False,
-    gate_keep: Annotated[
-        float,
-        typer.Option(
-            help="Gated options on the menu: each exit's gate keeps this share of the decisions that pass (0: none).",
-            rich_help_panel="Exits & signal",
-        ),
-    ] = 0.99,  # gates.DEFAULT_GATE_KEEP
-    out_path: Annotated[
-        Path | None,
-        typer.Option(
-            "--out", help="Where to write it (default: artifacts/<model>-calibration.json).", rich_help_panel="Output"
-        ),
-    ] = None,
-    guarantee: Annotated[
-        str,
-        typer.Option(
-            help="token: per-token agreement (thresholds per exit); sequence: certify one threshold over all exits of "
-            "--artifact for whole continuations (Learn-then-Test).",
-            rich_help_panel="Sequence guarantee",
-        ),
-    ] = "token",
-    artifact: Annotated[
-        Path | None, typer.Option(help="The exported artifact to certify.", rich_help_panel="Sequence guarantee")
-    ] = None,
-    risk: Annotated[
-        str,
-        typer.Option(
-            help="first:N (differs from full depth in its first N tokens), share:N, or exact-match (GSM8K).",
-            rich_help_panel="Sequence guarantee",
-        ),
-    ] = "first:32",
-    delta: Annotated[float, typer.Option(help="The risk to bound.", rich_help_panel="Sequence guarantee")] = 0.1,
-    epsilon: Annotated[
-        float, typer.Option(help="1 - confidence over the calibration draw.", rich_help_panel="Sequence guarantee")
-    ] = 0.05,
-    policy: Annotated[str, typer.Option(help="KV policy to certify.", rich_help_panel="Sequence guarantee")] = "defer",
-    grid: Annotated[
-        str | None,
-        typer.Option(
-            help="Thresholds to test, highest first (default by signal).", rich_help_panel="Sequence guarantee"
-        ),
-    ] = None,
-    prompts: Annotated[int, typer.Option(help="Calibration prompts.", rich_help_panel="Sequence guarantee")] = 400,
-    offset: Annotated[
-        int, typer.Option(help="Skip this many of the data's prompts.", rich_help_panel="Sequence guarantee")
-    ] = 0,
+    data: DataOpt = None,
+    field: FieldOpt = None,
+    tokens: TokensOpt = None,
+    target: TargetOpt = None,
+    exits: ExitsOpt = None,
+    signal: SignalOpt = None,
+    top_k: TopKOpt = None,
+    heads: HeadsOpt = None,
+    confidence: ConfidenceOpt = 0.95,
+    candidates: CandidatesOpt = "shortlist-int8",  # candidates.DEFAULT_CANDIDATES (the CLI imports no torch up front)
+    shortlist: ShortlistOpt = 4096,
+    compare: CompareOpt = "",
+    holdout: HoldoutOpt = 0.2,
+    gen_share: GenShareOpt = 0.25,
+    gen_tokens: GenTokensOpt = 64,
+    gen_batch: GenBatchOpt = 64,
+    raw: RawOpt = False,
+    gate_keep: GateKeepOpt = 0.99,  # gates.DEFAULT_GATE_KEEP
+    out_path: OutPathOpt = None,
+    guarantee: GuaranteeOpt = "token",
+    artifact: ArtifactOpt = None,
+    risk: RiskOpt = "first:32",
+    delta: DeltaOpt = 0.1,
+    epsilon: EpsilonOpt = 0.05,
+    policy: PolicyOpt = "defer",
+    grid: GridOpt = None,
+    prompts: PromptsOpt = 400,
+    offset: OffsetOpt = 0,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -213,50 +240,19 @@ def calibrate(
 def print_calibration(out: Output, result: object, path: Path) -> None:
     """What `eectl calibrate` prints of a calibration: the thresholds table and the lines under it (JSON with
     --json)."""
-    from eectl.contracts.calibration import Calibration, SplitStats
-
     assert isinstance(result, Calibration)
     out.json(result.to_dict())
-
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{x:.1%}"
-
-    def num(x: float | None) -> str:
-        return "-" if x is None else f"{x:.3f}"
-
-    def prec(s: SplitStats | None) -> str:
-        return num(None if s is None else s.precision)
-
-    bound = result.confidence is not None
-    rows = []
-    for x in result.exits:
-        thr = "never" if x.never else ", ".join(f"{c} >= {v:.4g}" for c, v in x.thresholds.items())
-        c, h = x.calibration, x.heldout
-        row = [x.layer, thr + (" (head)" if x.head else ""), c.reached, pct(c.coverage), prec(c)]
-        if bound:
-            row.append(num(c.lower_bound))
-        row += [pct(h.coverage if h else None), prec(h)]
-        rows.append(row)
-    columns = ["exit", "threshold", "reached", "coverage", "precision"]
-    columns += [f"CP bound {result.confidence:.0%}"] if bound else []
-    columns += ["held-out cov.", "held-out agree"]
+    _thresholds_table(out, result)
     d = result.data
-    out.table(
-        f"{result.model.name}: {result.signal}"
-        + (f" (K={result.top_k})" if result.top_k else "")
-        + f", target {result.target}: {d.calibration_tokens} calibration + {d.heldout_tokens} held-out tokens",
-        columns,
-        rows,
-    )
     for name, s in (("calibration", result.calibration), ("held-out", result.heldout)):
         if s is not None:
             out.line(
-                f"{name}: {s.exit_rate:.1%} of {s.tokens} tokens exit early (agreement {num(s.precision)} among "
+                f"{name}: {s.exit_rate:.1%} of {s.tokens} tokens exit early (agreement {_num(s.precision)} among "
                 f"them, {s.agreement:.4f} overall); mean executed layers {s.mean_layers:.2f} of "
                 f"{result.model.num_layers}, speedup bound {s.speedup_bound:.3f}x"
             )
     for name, s in result.heldout_by_source.items():
-        out.line(f"  held-out {name}: {s.tokens} tokens, exit {s.exit_rate:.1%}, agreement {num(s.precision)}")
+        out.line(f"  held-out {name}: {s.tokens} tokens, exit {s.exit_rate:.1%}, agreement {_num(s.precision)}")
         if name == "generated" and d.gen_tokens_per_prompt:
             n = d.gen_tokens_per_prompt
             out.line(
@@ -286,7 +282,7 @@ def print_calibration(out: Output, result: object, path: Path) -> None:
         held = comp.heldout or comp.calibration
         out.line(
             f"compared, candidates {name}: held-out exit rate {held.exit_rate:.1%}, agreement "
-            f"{num(held.precision)} among them, mean executed layers {held.mean_layers:.2f} "
+            f"{_num(held.precision)} among them, mean executed layers {held.mean_layers:.2f} "
             f"({len(comp.options)} menu options)"
         )
     for x in result.exits:
@@ -295,6 +291,43 @@ def print_calibration(out: Output, result: object, path: Path) -> None:
     for line in policy_lines(result):
         out.line(line)
     out.line(f"written: {path}")
+
+
+def _thresholds_table(out: Output, result: Calibration) -> None:
+    """The per-exit table: thresholds, coverage and precision on the calibration split and held out."""
+    bound = result.confidence is not None
+    rows = []
+    for x in result.exits:
+        thr = "never" if x.never else ", ".join(f"{c} >= {v:.4g}" for c, v in x.thresholds.items())
+        c, h = x.calibration, x.heldout
+        row = [x.layer, thr + (" (head)" if x.head else ""), c.reached, _pct(c.coverage), _prec(c)]
+        if bound:
+            row.append(_num(c.lower_bound))
+        row += [_pct(h.coverage if h else None), _prec(h)]
+        rows.append(row)
+    columns = ["exit", "threshold", "reached", "coverage", "precision"]
+    columns += [f"CP bound {result.confidence:.0%}"] if bound else []
+    columns += ["held-out cov.", "held-out agree"]
+    d = result.data
+    out.table(
+        f"{result.model.name}: {result.signal}"
+        + (f" (K={result.top_k})" if result.top_k else "")
+        + f", target {result.target}: {d.calibration_tokens} calibration + {d.heldout_tokens} held-out tokens",
+        columns,
+        rows,
+    )
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _prec(s: SplitStats | None) -> str:
+    return _num(None if s is None else s.precision)
 
 
 def policy_lines(result: Calibration) -> list[str]:

@@ -17,66 +17,79 @@ if TYPE_CHECKING:
     from eectl.export.stage import ExportResult
 
 
+ExitsOpt = Annotated[
+    str | None, typer.Option(help="Exit after these layers, e.g. 8,12,16,20,24.", rich_help_panel="Artifact")
+]
+OutOpt = Annotated[
+    Path | None, typer.Option(help="Artifact folder (default: artifacts/<model-name>).", rich_help_panel="Artifact")
+]
+CalibrationOpt = Annotated[
+    Path | None, typer.Option(help="calibration.json from eectl calibrate.", rich_help_panel="Artifact")
+]
+HeadsOpt = Annotated[
+    Path | None, typer.Option(help="heads.safetensors from eectl train-heads.", rich_help_panel="Artifact")
+]
+DtypeOpt = Annotated[str, typer.Option(help="fp32, or fp16 for GPU deployment.", rich_help_panel="Artifact")]
+TopKOpt = Annotated[
+    int | None, typer.Option("--top-k", help="Default local vocabulary size.", rich_help_panel="Artifact")
+]
+CandidatesOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Candidate source: shortlist-int8, shortlist, int8, first-exit-topk (default: the calibration's).",
+        rich_help_panel="Artifact",
+    ),
+]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Replace an existing artifact.", rich_help_panel="Artifact", metavar="")
+]
+WeightsOpt = Annotated[
+    str, typer.Option(help="fp32, or int4: weight-only MatMulNBits segment graphs.", rich_help_panel="int4")
+]
+RiverOpt = Annotated[
+    bool,
+    typer.Option(
+        "--river", help="Add int4 copies of the segments after the first exit.", rich_help_panel="int4", metavar=""
+    ),
+]
+Int4BlockSizeOpt = Annotated[int, typer.Option(help="int4: input channels per scale.", rich_help_panel="int4")]
+Int4SymmetricOpt = Annotated[
+    bool, typer.Option("--int4-symmetric", help="int4: no zero points.", rich_help_panel="int4", metavar="")
+]
+Int4AccuracyLevelOpt = Annotated[
+    int, typer.Option(help="int4: MatMulNBits compute, 0 fp32 .. 4 int8.", rich_help_panel="int4")
+]
+Int4AlgorithmOpt = Annotated[str, typer.Option(help="int4: rtn (ORT's default) or hqq.", rich_help_panel="int4")]
+Int4KeepLayersOpt = Annotated[
+    str | None, typer.Option(help="int4: decoder layers left in fp32, e.g. 0,29.", rich_help_panel="int4")
+]
+LmHeadOpt = Annotated[str, typer.Option(help="int4: the final LM head in fp32, int8 or int4.", rich_help_panel="int4")]
+MinAgreementOpt = Annotated[
+    float,
+    typer.Option(help="int4: fail below this greedy agreement with PyTorch at the final exit.", rich_help_panel="int4"),
+]
+
+
 @command()
 def export(
     model: ModelArg = None,
-    exits: Annotated[
-        str | None, typer.Option(help="Exit after these layers, e.g. 8,12,16,20,24.", rich_help_panel="Artifact")
-    ] = None,
-    out: Annotated[
-        Path | None, typer.Option(help="Artifact folder (default: artifacts/<model-name>).", rich_help_panel="Artifact")
-    ] = None,
-    calibration: Annotated[
-        Path | None, typer.Option(help="calibration.json from eectl calibrate.", rich_help_panel="Artifact")
-    ] = None,
-    heads: Annotated[
-        Path | None, typer.Option(help="heads.safetensors from eectl train-heads.", rich_help_panel="Artifact")
-    ] = None,
-    dtype: Annotated[str, typer.Option(help="fp32, or fp16 for GPU deployment.", rich_help_panel="Artifact")] = "fp32",
-    top_k: Annotated[
-        int | None, typer.Option("--top-k", help="Default local vocabulary size.", rich_help_panel="Artifact")
-    ] = None,
-    candidates: Annotated[
-        str | None,
-        typer.Option(
-            help="Candidate source: shortlist-int8, shortlist, int8, first-exit-topk (default: the calibration's).",
-            rich_help_panel="Artifact",
-        ),
-    ] = None,
-    force: Annotated[
-        bool, typer.Option("--force", help="Replace an existing artifact.", rich_help_panel="Artifact", metavar="")
-    ] = False,
-    weights: Annotated[
-        str, typer.Option(help="fp32, or int4: weight-only MatMulNBits segment graphs.", rich_help_panel="int4")
-    ] = "fp32",
-    river: Annotated[
-        bool,
-        typer.Option(
-            "--river", help="Add int4 copies of the segments after the first exit.", rich_help_panel="int4", metavar=""
-        ),
-    ] = False,
-    int4_block_size: Annotated[int, typer.Option(help="int4: input channels per scale.", rich_help_panel="int4")] = 32,
-    int4_symmetric: Annotated[
-        bool, typer.Option("--int4-symmetric", help="int4: no zero points.", rich_help_panel="int4", metavar="")
-    ] = False,
-    int4_accuracy_level: Annotated[
-        int, typer.Option(help="int4: MatMulNBits compute, 0 fp32 .. 4 int8.", rich_help_panel="int4")
-    ] = 4,
-    int4_algorithm: Annotated[
-        str, typer.Option(help="int4: rtn (ORT's default) or hqq.", rich_help_panel="int4")
-    ] = "rtn",
-    int4_keep_layers: Annotated[
-        str | None, typer.Option(help="int4: decoder layers left in fp32, e.g. 0,29.", rich_help_panel="int4")
-    ] = None,
-    lm_head: Annotated[
-        str, typer.Option(help="int4: the final LM head in fp32, int8 or int4.", rich_help_panel="int4")
-    ] = "fp32",
-    min_agreement: Annotated[
-        float,
-        typer.Option(
-            help="int4: fail below this greedy agreement with PyTorch at the final exit.", rich_help_panel="int4"
-        ),
-    ] = DEFAULT_MIN_AGREEMENT,
+    exits: ExitsOpt = None,
+    out: OutOpt = None,
+    calibration: CalibrationOpt = None,
+    heads: HeadsOpt = None,
+    dtype: DtypeOpt = "fp32",
+    top_k: TopKOpt = None,
+    candidates: CandidatesOpt = None,
+    force: ForceOpt = False,
+    weights: WeightsOpt = "fp32",
+    river: RiverOpt = False,
+    int4_block_size: Int4BlockSizeOpt = 32,
+    int4_symmetric: Int4SymmetricOpt = False,
+    int4_accuracy_level: Int4AccuracyLevelOpt = 4,
+    int4_algorithm: Int4AlgorithmOpt = "rtn",
+    int4_keep_layers: Int4KeepLayersOpt = None,
+    lm_head: LmHeadOpt = "fp32",
+    min_agreement: MinAgreementOpt = DEFAULT_MIN_AGREEMENT,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,

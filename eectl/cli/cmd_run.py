@@ -17,114 +17,131 @@ from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.output import Output
 
+ArtifactOpt = Annotated[str, typer.Argument(help="Artifact folder from eectl export.")]
+PromptOpt = Annotated[str | None, typer.Argument(help="The prompt; - reads it from stdin (or use --prompt-file).")]
+PromptFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--prompt-file",
+        "-f",
+        help=".jsonl (prompt/question/text) or one prompt per line; - is stdin.",
+        rich_help_panel="Input",
+    ),
+]
+ExitsOpt = Annotated[
+    str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.", rich_help_panel="Exits")
+]
+PolicyOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="KV of skipped layers: defer, copy, verify (lossless), ...; lookup: full depth with drafts from "
+        "the context; default: the artifact's plan.",
+        rich_help_panel="Exits",
+    ),
+]
+RiverPredictOpt = Annotated[
+    str,
+    typer.Option(help="river: the token from the river's end (final head) or from the exit.", rich_help_panel="Exits"),
+]
+ThresholdsOpt = Annotated[
+    str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).", rich_help_panel="Exits")
+]
+ThresholdScaleOpt = Annotated[float, typer.Option(help="Multiply every threshold by this.", rich_help_panel="Exits")]
+SignalOpt = Annotated[
+    str | None,
+    typer.Option(
+        help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: the calibration's, else topk-prob).",
+        rich_help_panel="Exits",
+    ),
+]
+TopKOpt = Annotated[
+    int | None,
+    typer.Option("--top-k", help="Local vocabulary size (default: the manifest's).", rich_help_panel="Exits"),
+]
+PromptDraftsOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="verify: up to N drafts per step from n-gram matches in the prompt and answer, checked in the same "
+        "deep pass (0: off; default: the artifact's plan).",
+        rich_help_panel="Exits",
+    ),
+]
+DraftNgramOpt = Annotated[
+    int,
+    typer.Option(help="Drafts from the context: the longest suffix matched, in tokens.", rich_help_panel="Exits"),
+]
+MaxNewTokensOpt = Annotated[
+    int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt.", rich_help_panel="Sampling")
+]
+TemperatureOpt = Annotated[float, typer.Option(help="0 = greedy.", rich_help_panel="Sampling")]
+TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass.", rich_help_panel="Sampling")]
+SeedOpt = Annotated[int, typer.Option(help="Sampling seed.", rich_help_panel="Sampling")]
+BatchSizeOpt = Annotated[
+    int, typer.Option(help="Prompts per batch (each row decides its own exits).", rich_help_panel="Input")
+]
+ProviderOpt = Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel="Runtime")]
+ChatOpt = Annotated[
+    bool,
+    typer.Option(
+        "--chat",
+        help="Talk to the model: one turn per line on stdin, the KV cache kept across turns (Ctrl-C ends a reply, "
+        "Ctrl-D the conversation).",
+        rich_help_panel="Input",
+        metavar="",
+    ),
+]
+RawOpt = Annotated[
+    bool,
+    typer.Option("--raw", help="Send the prompt as is (no chat template).", rich_help_panel="Input", metavar=""),
+]
+ProfileCostsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--profile-costs",
+        help="Re-measure the graph costs on this machine and re-plan the exits first.",
+        rich_help_panel="Exits",
+        metavar="",
+    ),
+]
+CostSamplesOpt = Annotated[
+    bool,
+    typer.Option(
+        "--cost-samples",
+        help="With --json: the costs' per-round timings too (what the plan's intervals are drawn from).",
+        rich_help_panel="Common",
+        metavar="",
+    ),
+]
+
 
 @command()
 def run(
-    artifact: Annotated[str, typer.Argument(help="Artifact folder from eectl export.")],
-    prompt: Annotated[
-        str | None, typer.Argument(help="The prompt; - reads it from stdin (or use --prompt-file).")
-    ] = None,
-    prompt_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--prompt-file",
-            "-f",
-            help=".jsonl (prompt/question/text) or one prompt per line; - is stdin.",
-            rich_help_panel="Input",
-        ),
-    ] = None,
-    exits: Annotated[
-        str | None, typer.Option(help="Active exits, e.g. 12,20; 'none' for full depth.", rich_help_panel="Exits")
-    ] = None,
-    policy: Annotated[
-        str | None,
-        typer.Option(
-            help="KV of skipped layers: defer, copy, verify (lossless), ...; lookup: full depth with drafts from "
-            "the context; default: the artifact's plan.",
-            rich_help_panel="Exits",
-        ),
-    ] = None,
-    river_predict: Annotated[
-        str,
-        typer.Option(
-            help="river: the token from the river's end (final head) or from the exit.", rich_help_panel="Exits"
-        ),
-    ] = "end",
-    thresholds: Annotated[
-        str | None, typer.Option(help="0.9, or 12:0.9,20:0.8 (default: the calibration).", rich_help_panel="Exits")
-    ] = None,
-    threshold_scale: Annotated[
-        float, typer.Option(help="Multiply every threshold by this.", rich_help_panel="Exits")
-    ] = 1.0,
-    signal: Annotated[
-        str | None,
-        typer.Option(
-            help=f"Exit signal: {', '.join(SIGNAL_SPECS)} (default: the calibration's, else topk-prob).",
-            rich_help_panel="Exits",
-        ),
-    ] = None,
-    top_k: Annotated[
-        int | None,
-        typer.Option("--top-k", help="Local vocabulary size (default: the manifest's).", rich_help_panel="Exits"),
-    ] = None,
-    prompt_drafts: Annotated[
-        int | None,
-        typer.Option(
-            help="verify: up to N drafts per step from n-gram matches in the prompt and answer, checked in the same "
-            "deep pass (0: off; default: the artifact's plan).",
-            rich_help_panel="Exits",
-        ),
-    ] = None,
-    draft_ngram: Annotated[
-        int,
-        typer.Option(help="Drafts from the context: the longest suffix matched, in tokens.", rich_help_panel="Exits"),
-    ] = MAX_NGRAM,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt.", rich_help_panel="Sampling")
-    ] = 128,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.", rich_help_panel="Sampling")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.", rich_help_panel="Sampling")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Sampling seed.", rich_help_panel="Sampling")] = 0,
-    batch_size: Annotated[
-        int, typer.Option(help="Prompts per batch (each row decides its own exits).", rich_help_panel="Input")
-    ] = 1,
-    provider: Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel="Runtime")] = "auto",
-    chat: Annotated[
-        bool,
-        typer.Option(
-            "--chat",
-            help="Talk to the model: one turn per line on stdin, the KV cache kept across turns (Ctrl-C ends a reply, "
-            "Ctrl-D the conversation).",
-            rich_help_panel="Input",
-            metavar="",
-        ),
-    ] = False,
-    raw: Annotated[
-        bool,
-        typer.Option("--raw", help="Send the prompt as is (no chat template).", rich_help_panel="Input", metavar=""),
-    ] = False,
-    profile_costs: Annotated[
-        bool,
-        typer.Option(
-            "--profile-costs",
-            help="Re-measure the graph costs on this machine and re-plan the exits first.",
-            rich_help_panel="Exits",
-            metavar="",
-        ),
-    ] = False,
+    artifact: ArtifactOpt,
+    prompt: PromptOpt = None,
+    prompt_file: PromptFileOpt = None,
+    exits: ExitsOpt = None,
+    policy: PolicyOpt = None,
+    river_predict: RiverPredictOpt = "end",
+    thresholds: ThresholdsOpt = None,
+    threshold_scale: ThresholdScaleOpt = 1.0,
+    signal: SignalOpt = None,
+    top_k: TopKOpt = None,
+    prompt_drafts: PromptDraftsOpt = None,
+    draft_ngram: DraftNgramOpt = MAX_NGRAM,
+    max_new_tokens: MaxNewTokensOpt = 128,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    seed: SeedOpt = 0,
+    batch_size: BatchSizeOpt = 1,
+    provider: ProviderOpt = "auto",
+    chat: ChatOpt = False,
+    raw: RawOpt = False,
+    profile_costs: ProfileCostsOpt = False,
     max_risk: MaxRiskOpt = None,
     mmap_weights: MmapOpt = False,
     memory_budget: BudgetOpt = None,
     place: PlaceOpt = None,
-    cost_samples: Annotated[
-        bool,
-        typer.Option(
-            "--cost-samples",
-            help="With --json: the costs' per-round timings too (what the plan's intervals are drawn from).",
-            rich_help_panel="Common",
-            metavar="",
-        ),
-    ] = False,
+    cost_samples: CostSamplesOpt = False,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,

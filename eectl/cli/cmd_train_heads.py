@@ -14,108 +14,127 @@ from eectl.contracts.layers import parse_layers
 from eectl.contracts.recipe import load_recipe
 from eectl.output import Output
 
+DataOpt = Annotated[
+    str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).", rich_help_panel="Data")
+]
+FieldOpt = Annotated[
+    str | None, typer.Option(help="The .jsonl field to read (detected by default).", rich_help_panel="Data")
+]
+ExitsOpt = Annotated[
+    str | None,
+    typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.", rich_help_panel="Heads"),
+]
+StepsOpt = Annotated[
+    int | None, typer.Option(help="Optimiser steps (default: the recipe's, 500).", rich_help_panel="Training")
+]
+DesignOpt = Annotated[
+    str | None,
+    typer.Option(help="residual-linear, low-rank, mlp, or block (block: from a --cache).", rich_help_panel="Heads"),
+]
+RankOpt = Annotated[
+    int | None,
+    typer.Option(help="Rank of low-rank heads (64) or width of mlp heads (H/2).", rich_help_panel="Heads"),
+]
+LrOpt = Annotated[
+    float | None,
+    typer.Option(help="Peak learning rate (AdamW; warm-up, cosine decay).", rich_help_panel="Training"),
+]
+BatchTokensOpt = Annotated[int, typer.Option(help="Tokens per step (per process).", rich_help_panel="Training")]
+CeWeightOpt = Annotated[
+    float, typer.Option(help="Weight of next-token cross-entropy added to the KL.", rich_help_panel="Training")
+]
+EvalTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Held-out tokens (the data's last records) for the report (default: 4096).", rich_help_panel="Data"
+    ),
+]
+SeedOpt = Annotated[int, typer.Option(help="Seed of head initialisation and data order.", rich_help_panel="Training")]
+SaveEveryOpt = Annotated[
+    int, typer.Option(help="Write the checkpoint (.ckpt.safetensors) every N steps.", rich_help_panel="Training")
+]
+ResumeOpt = Annotated[
+    Path | None, typer.Option(help="Continue from this checkpoint (.ckpt.safetensors).", rich_help_panel="Training")
+]
+DeviceOpt = Annotated[str, typer.Option(help="cpu, or cuda (mixed precision).", rich_help_panel="Training")]
+OutPathOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out", help="heads .safetensors (default: artifacts/<model>-heads.safetensors).", rich_help_panel="Output"
+    ),
+]
+CacheOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="State cache folder: the base runs once into it, heads train from it.", rich_help_panel="State cache"
+    ),
+]
+TokensOpt = Annotated[
+    int | None,
+    typer.Option(help="With --cache: training tokens (default: the recipe's, 16384).", rich_help_panel="State cache"),
+]
+GenShareOpt = Annotated[
+    float | None,
+    typer.Option(help="With --cache: share of generated tokens (default: 0.25).", rich_help_panel="State cache"),
+]
+LossOpt = Annotated[
+    str | None,
+    typer.Option(help="With --cache: topk (teacher top-k + tail) or exact.", rich_help_panel="State cache"),
+]
+BlockInitOpt = Annotated[str, typer.Option(help="block design: last, next or identity.", rich_help_panel="Heads")]
+ProbeOnlyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--probe-only",
+        help="Only fit the learned signal's probes onto --heads (from --cache), write --out.",
+        rich_help_panel="Probes",
+        metavar="",
+    ),
+]
+HeadsOpt = Annotated[
+    Path | None,
+    typer.Option(help="With --probe-only: the heads file to fit probes onto.", rich_help_panel="Probes"),
+]
+ProbeTokensOpt = Annotated[
+    int | None,
+    typer.Option(help="Training tokens the probes are fitted on (default: 131072).", rich_help_panel="Probes"),
+]
+ProbeHiddenOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Hidden units of the MLP probe, kept per exit where it beats a logistic one (default: 32; 0: never).",
+        rich_help_panel="Probes",
+    ),
+]
+
 
 @command("train-heads")
 def train_heads(
     model: ModelArg = None,
-    data: Annotated[
-        str | None, typer.Option(help="Text file, .jsonl, or built-in name (humaneval).", rich_help_panel="Data")
-    ] = None,
-    field: Annotated[
-        str | None, typer.Option(help="The .jsonl field to read (detected by default).", rich_help_panel="Data")
-    ] = None,
-    exits: Annotated[
-        str | None,
-        typer.Option(help="Exit after these layers, comma-separated, e.g. 8,12,16.", rich_help_panel="Heads"),
-    ] = None,
-    steps: Annotated[
-        int | None, typer.Option(help="Optimiser steps (default: the recipe's, 500).", rich_help_panel="Training")
-    ] = None,
-    design: Annotated[
-        str | None,
-        typer.Option(help="residual-linear, low-rank, mlp, or block (block: from a --cache).", rich_help_panel="Heads"),
-    ] = None,
-    rank: Annotated[
-        int | None,
-        typer.Option(help="Rank of low-rank heads (64) or width of mlp heads (H/2).", rich_help_panel="Heads"),
-    ] = None,
-    lr: Annotated[
-        float | None,
-        typer.Option(help="Peak learning rate (AdamW; warm-up, cosine decay).", rich_help_panel="Training"),
-    ] = None,
-    batch_tokens: Annotated[int, typer.Option(help="Tokens per step (per process).", rich_help_panel="Training")] = 32,
-    ce_weight: Annotated[
-        float, typer.Option(help="Weight of next-token cross-entropy added to the KL.", rich_help_panel="Training")
-    ] = 0.0,
-    eval_tokens: Annotated[
-        int | None,
-        typer.Option(
-            help="Held-out tokens (the data's last records) for the report (default: 4096).", rich_help_panel="Data"
-        ),
-    ] = None,
-    seed: Annotated[
-        int, typer.Option(help="Seed of head initialisation and data order.", rich_help_panel="Training")
-    ] = 0,
-    save_every: Annotated[
-        int, typer.Option(help="Write the checkpoint (.ckpt.safetensors) every N steps.", rich_help_panel="Training")
-    ] = 100,
-    resume: Annotated[
-        Path | None, typer.Option(help="Continue from this checkpoint (.ckpt.safetensors).", rich_help_panel="Training")
-    ] = None,
-    device: Annotated[str, typer.Option(help="cpu, or cuda (mixed precision).", rich_help_panel="Training")] = "cpu",
-    out_path: Annotated[
-        Path | None,
-        typer.Option(
-            "--out", help="heads .safetensors (default: artifacts/<model>-heads.safetensors).", rich_help_panel="Output"
-        ),
-    ] = None,
-    cache: Annotated[
-        Path | None,
-        typer.Option(
-            help="State cache folder: the base runs once into it, heads train from it.", rich_help_panel="State cache"
-        ),
-    ] = None,
-    tokens: Annotated[
-        int | None,
-        typer.Option(
-            help="With --cache: training tokens (default: the recipe's, 16384).", rich_help_panel="State cache"
-        ),
-    ] = None,
-    gen_share: Annotated[
-        float | None,
-        typer.Option(help="With --cache: share of generated tokens (default: 0.25).", rich_help_panel="State cache"),
-    ] = None,
-    loss: Annotated[
-        str | None,
-        typer.Option(help="With --cache: topk (teacher top-k + tail) or exact.", rich_help_panel="State cache"),
-    ] = None,
-    block_init: Annotated[
-        str, typer.Option(help="block design: last, next or identity.", rich_help_panel="Heads")
-    ] = "last",
-    probe_only: Annotated[
-        bool,
-        typer.Option(
-            "--probe-only",
-            help="Only fit the learned signal's probes onto --heads (from --cache), write --out.",
-            rich_help_panel="Probes",
-            metavar="",
-        ),
-    ] = False,
-    heads: Annotated[
-        Path | None,
-        typer.Option(help="With --probe-only: the heads file to fit probes onto.", rich_help_panel="Probes"),
-    ] = None,
-    probe_tokens: Annotated[
-        int | None,
-        typer.Option(help="Training tokens the probes are fitted on (default: 131072).", rich_help_panel="Probes"),
-    ] = None,
-    probe_hidden: Annotated[
-        int | None,
-        typer.Option(
-            help="Hidden units of the MLP probe, kept per exit where it beats a logistic one (default: 32; 0: never).",
-            rich_help_panel="Probes",
-        ),
-    ] = None,
+    data: DataOpt = None,
+    field: FieldOpt = None,
+    exits: ExitsOpt = None,
+    steps: StepsOpt = None,
+    design: DesignOpt = None,
+    rank: RankOpt = None,
+    lr: LrOpt = None,
+    batch_tokens: BatchTokensOpt = 32,
+    ce_weight: CeWeightOpt = 0.0,
+    eval_tokens: EvalTokensOpt = None,
+    seed: SeedOpt = 0,
+    save_every: SaveEveryOpt = 100,
+    resume: ResumeOpt = None,
+    device: DeviceOpt = "cpu",
+    out_path: OutPathOpt = None,
+    cache: CacheOpt = None,
+    tokens: TokensOpt = None,
+    gen_share: GenShareOpt = None,
+    loss: LossOpt = None,
+    block_init: BlockInitOpt = "last",
+    probe_only: ProbeOnlyOpt = False,
+    heads: HeadsOpt = None,
+    probe_tokens: ProbeTokensOpt = None,
+    probe_hidden: ProbeHiddenOpt = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
