@@ -113,7 +113,7 @@ def test_bench_cli_report(artifact, tiny_dirs, tmp_path):
     assert [s["scale"] for s in doc["sweep"]] == [0.5, 1.0]
     assert by["full"]["gsm8k_accuracy"] is not None
     assert report.is_file() and "| full |" in report.read_text()
-    assert (tmp_path / "bench-latency.png").is_file() and (tmp_path / "bench.json").is_file()
+    assert (tmp_path / "bench-speedup.png").is_file() and (tmp_path / "bench.json").is_file()
 
 
 def _independent_runs(artifact, policies):

@@ -237,14 +237,17 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
     if hist:
         lines += ["", "## Exit histograms (decode tokens, first repetition)", ""]
         for c in hist:
-            lines.append(f"- {c.name}: " + ", ".join(f"layer {k}: {v}" for k, v in c.exit_histogram.items()))
+            total = sum(c.exit_histogram.values()) or 1
+            lines.append(
+                f"- {c.name}: " + ", ".join(f"layer {k}: {v} ({v / total:.1%})" for k, v in c.exit_histogram.items())
+            )
     if plots:
         lines += ["", "## Plots", ""] + [f"![{k}]({v})" for k, v in plots.items()]
     lines += ["", "Notes: " + "; ".join(r.notes) + "."]
     return "\n".join(lines) + "\n"
 
 
-PLOTS = ("latency", "exits", "sweep")  # the plots a report may have, written beside it as NAME-<plot>.png
+PLOTS = ("speedup", "exits", "sweep")  # the plots a report may have, written beside it as NAME-<plot>.png
 
 
 def plot_path(report: Path, kind: str) -> Path:
@@ -273,31 +276,50 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
     import matplotlib.pyplot as plt
 
     out: dict[str, Path] = {}
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = [c.name for c in result.configs]
-    vals = [c.ms_per_token for c in result.configs]
-    errs = [
-        [v - c.ms_per_token_spread[0] for v, c in zip(vals, result.configs, strict=True)],
-        [c.ms_per_token_spread[1] - v for v, c in zip(vals, result.configs, strict=True)],
-    ]
-    ax.bar(names, vals, yerr=errs, capsize=4)
-    ax.set_ylabel("ms / token (decode)")
-    ax.set_title(f"{result.model}: latency per configuration ({result.threads} threads)")
-    fig.tight_layout()
-    out["latency"] = plot_path(report, "latency")
-    atomic_write(out["latency"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
-    plt.close(fig)
-    hist = [c for c in result.configs if c.exit_histogram]
-    if hist:
+    speed = [c for c in result.configs if c.speedup_vs_full is not None and c.name != "full"]
+    if speed:  # speedup against full depth, each with its 95% interval, over the A/A band
+        fig, ax = plt.subplots(figsize=(7, 0.9 + 0.4 * len(speed)))
+        ys = list(range(len(speed)))[::-1]
+        lo_band, hi_band = result.aa_band
+        ax.axvspan(lo_band, hi_band, color="0.88", label=f"A/A band [{lo_band:.2f}, {hi_band:.2f}]")
+        ax.axvline(1.0, color="0.4", lw=0.8)
+        for y, c in zip(ys, speed, strict=True):
+            x = float(c.speedup_vs_full or 0.0)
+            lo, hi = c.speedup_vs_full_ci or (x, x)
+            conclusive = c.verdict == "conclusive"
+            ax.errorbar(
+                x,
+                y,
+                xerr=[[x - lo], [hi - x]],
+                fmt="o",
+                capsize=4,
+                color="C0" if conclusive else "0.55",
+                mfc="C0" if conclusive else "white",
+            )
+        ax.set_yticks(ys, [c.name for c in speed])
+        ax.set_xlabel("speedup vs full depth (median of paired block ratios, 95% CI); hollow: inconclusive")
+        ax.set_title(f"{result.model}: speed against full depth ({result.threads} threads)")
+        ax.legend(loc="best", fontsize="small")
+        fig.tight_layout()
+        out["speedup"] = plot_path(report, "speedup")
+        atomic_write(out["speedup"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+        plt.close(fig)
+    hist = [c for c in result.configs if c.exit_histogram and len(c.exit_histogram) > 1]
+    if hist:  # where tokens left, as shares of each configuration's tokens (counts differ with answer lengths)
         fig, ax = plt.subplots(figsize=(7, 3.5))
         width = 0.8 / len(hist)
+        layers = sorted({int(k) for c in hist for k in c.exit_histogram})
         for j, c in enumerate(hist):
-            xs = [int(k) for k in c.exit_histogram]
-            ax.bar([x + j * width for x in xs], list(c.exit_histogram.values()), width=width, label=c.name)
-        ax.set_xlabel("exit layer")
-        ax.set_ylabel("tokens")
+            total = sum(c.exit_histogram.values()) or 1
+            xs = list(range(len(layers)))
+            shares = [c.exit_histogram.get(str(k), 0) / total for k in layers]
+            ax.bar([x + j * width for x in xs], shares, width=width, label=c.name)
+        ax.set_xticks([x + (len(hist) - 1) * width / 2 for x in range(len(layers))], [str(k) for k in layers])
+        ax.set_xlabel("exit layer (the last: full depth)")
+        ax.set_ylabel("share of decode tokens")
+        ax.set_ylim(0, 1)
         ax.legend()
-        ax.set_title("exit-layer histogram")
+        ax.set_title("where tokens exited")
         fig.tight_layout()
         out["exits"] = plot_path(report, "exits")
         atomic_write(out["exits"], lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
