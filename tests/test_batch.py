@@ -248,7 +248,7 @@ def test_kv_lengths_change_through_span_advance_and_rollback_only():
     import numpy as np
 
     from eectl.errors import UsageError
-    from eectl.runtime.sessions import KVBuffers
+    from eectl.runtime.kv import KVBuffers
 
     kv = KVBuffers(keys=[], values=[], filled=np.zeros((2, 4), np.int64), max_len=6)
     assert kv.span(0, 0, 4, 3) == (0, 3)

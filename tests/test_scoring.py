@@ -26,7 +26,7 @@ def _runner(rt, exits, thresholds, signal="topk-prob", policy="defer") -> Runner
 
 
 def _sequential(runner: Runner, texts) -> list[scoring.Scored]:
-    done = [runner._teacher_forced(ids, p) for ids, p in texts]
+    done = [scoring.token_by_token(runner, ids, p) for ids, p in texts]
     return [scoring.Scored(st.nll, st.greedy, st.exit_layers) for st in done]
 
 

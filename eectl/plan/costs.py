@@ -359,7 +359,7 @@ def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object] | No
 
 
 def wide_step_calls(rt: ArtifactRuntime, past: int) -> dict[str, Callable[[], object]]:
-    """A full-depth greedy step carrying drafts from the context on the bound chain, as `Runner._chain_step` takes
+    """A full-depth greedy step carrying drafts from the context on the bound chain, as `chain_steps.chain_step` takes
     it: the drafts embedded, waiting at segment 0, every segment wide, then the final head's argmax over every
     position (verify's check); one call per width in WIDE_WIDTHS. None for an artifact without verify or a chain."""
     m = rt.manifest

@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 
 from eectl.errors import UsageError
+from eectl.runtime.kv import KVBuffers
 from eectl.runtime.memory import check_kv
 from eectl.runtime.ort import DeviceView, Graph, _ort
 from eectl.runtime.placement import HOST, Placement
-from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
+from eectl.runtime.sessions import ArtifactRuntime
 
 
 @dataclass

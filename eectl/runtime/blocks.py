@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 
 from eectl.runtime.batch import BatchKV, bind_rows
+from eectl.runtime.kv import KVBuffers
 from eectl.runtime.placement import HOST, Placement
-from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
+from eectl.runtime.sessions import ArtifactRuntime
 
 
 def active_block(rt: ArtifactRuntime, exits: Collection[int], segment: int) -> int | None:

@@ -48,8 +48,9 @@ from eectl.errors import UsageError
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import Signal, graph_thresholds
 from eectl.runtime.batch import BatchKV, _past, _rows
+from eectl.runtime.kv import KVBuffers
 from eectl.runtime.ort import Graph, _ort
-from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
+from eectl.runtime.sessions import ArtifactRuntime
 
 
 @dataclass

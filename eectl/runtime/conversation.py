@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from eectl.errors import UsageError
 from eectl.runtime.batch import new_batch_kv
+from eectl.runtime.chain_steps import chain_step
 from eectl.runtime.runner import Runner
 from eectl.runtime.state import Generation, RowState
 
@@ -65,7 +66,7 @@ class Conversation:
         while not st.done:
             t0 = time.perf_counter()
             if self.chain is not None and len(feed) == 1:
-                token = r._chain_step(self.chain, st, self.kv)
+                token = chain_step(r, self.chain, st, self.kv)
             else:
                 token = r._steps(self.kv, {0: (st, feed)})[0]
             st.tokens.append(token)

@@ -57,7 +57,8 @@ from eectl.runtime.placement import HOST, Placement
 Prediction = tuple[np.ndarray, np.ndarray | None]  # logits [V] (ids None) or [K] with their vocabulary ids [K]
 
 if TYPE_CHECKING:
-    from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
+    from eectl.runtime.kv import KVBuffers
+    from eectl.runtime.sessions import ArtifactRuntime
     from eectl.runtime.state import RowState, RunConfig
 
 

@@ -1,9 +1,10 @@
 """The early-exit runner: exits chosen at run time over an exported artifact, with the KV cache kept correct.
 
 Per generated token, the segments run in order; after each segment that ends at an active exit, the exit's signal
-is scored through `eectl.exits.signals.ExitScoring` on the ONNX exit graphs (`OrtExitLogits`): the same code calibrate
-runs in torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become is the KV
-policy's business (policies.py): the runner calls its hooks and stays a loop over segments.
+is scored through `eectl.exits.signals.ExitScoring` on the ONNX exit graphs (`OrtExitLogits`; decide.py): the same
+code calibrate runs in torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become
+is the KV policy's business (policies.py): the runner calls its hooks and stays a loop over segments. Greedy steps
+the bound chain can take run there (chain_steps.py).
 
 Rows of a batch are independent sequences with their own cache rows and decisions, run in lock-step: per token
 every row's step runs until it needs a graph call, and a segment runs once for all rows that reach it with one new
@@ -24,29 +25,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 
 from eectl.contracts.layers import check_exit_layers
-from eectl.contracts.plan import BOUND_POLICIES
 from eectl.errors import UsageError
 from eectl.exits.base import ExitScore, no_probe_error
 from eectl.exits.candidates import CANDIDATE_SOURCES, FirstExitTopK
-from eectl.exits.gates import active_gates, gate_open
-from eectl.exits.signals import ExitScoring, get_signal
+from eectl.exits.gates import active_gates
+from eectl.exits.signals import get_signal
 from eectl.runtime import resident, scoring
 from eectl.runtime.batch import BatchKV, join_rows, new_batch_kv, prefill_runs, run_prefill, run_rows
 from eectl.runtime.blocks import active_block, run_block, run_block_rows
-from eectl.runtime.chain import DecodeChain, chain_exits_supported
-from eectl.runtime.device_ops import concat, stack
+from eectl.runtime.chain import DecodeChain
+from eectl.runtime.chain_steps import chain_for, chain_step
+from eectl.runtime.decide import Answer, ExitTest
+from eectl.runtime.device_ops import concat
 from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
-from eectl.runtime.exit_logits import Decide, OrtExitLogits, _one_torch_thread
+from eectl.runtime.exit_logits import Decide
+from eectl.runtime.kv import KVBuffers
 from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.policies import KVPolicy, policy_class
 from eectl.runtime.sampling import pick_token
-from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
+from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import Generation, RowState, RunConfig
 
 
@@ -84,6 +86,7 @@ class Runner:
         cal = self.m.calibration
         # gated exits (eectl.exits.gates): the decision runs only where the gate on the exit's state opens
         self.gates = active_gates(cal.gates if cal is not None else None, {e: config.thresholds[e] for e in self.exits})
+        self.exit_test = ExitTest(runtime, self.signal, config, self.source)
         self.exit_after_segment = {self.rt.segment_of_layer[e]: e for e in self.exits}
         # active exits with a block head: the block runs on every position its segment runs (runtime/blocks.py)
         blocks = {s: active_block(runtime, self.exits, s) for s in self.exit_after_segment}
@@ -109,38 +112,9 @@ class Runner:
         return pick_token(logits, ids, self.cfg.temperature, self.cfg.top_p, self.rng)
 
     # --- exits -------------------------------------------------------------------------------------------------------
-    def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[ExitScore | None, int, Any]]:
-        """Exit test at `layer` for several rows' current tokens at once (one exit graph call for all of them);
-        per row: (the score when it exits, else None; the row's index in it; its candidates for later exits)."""
-        picking = {r: a for r, a in asks.items() if a.candidates is None}
-        if picking and len(picking) < len(asks):  # gated: some rows picked candidates earlier, some pick them here
-            split = self._decide_rows(layer, picking)
-            split.update(self._decide_rows(layer, {r: a for r, a in asks.items() if r not in picking}))
-            return split
-        rows = sorted(asks)
-        hidden = stack(self.rt, [asks[r].hidden for r in rows])  # [N, H]
-        layer_input = block_states = None
-        if self.signal.needs_layer_input:
-            layer_input = stack(self.rt, [asks[r].layer_input for r in rows])
-        place = self.place
-        if self.signal.needs_blocks and not place.device:  # [n + 1, N, H]
-            block_states = np.stack([np.asarray(asks[r].blocks) for r in rows], axis=1)
-        scoring = ExitScoring(self.signal, OrtExitLogits(self.rt, place), self.cfg.top_k, self.source)
-        if asks[rows[0]].candidates is not None:  # rows at one exit passed the same earlier exits
-            scoring.candidates = np.concatenate([asks[r].candidates for r in rows])
-        if place.device and not self.signal.needs_candidates:  # one scalar per row read (runtime/resident.py)
-            blocks = [asks[r].blocks for r in rows]
-            score = resident.score(self.rt, place, self.signal, layer, hidden, layer_input, blocks, self.cfg.top_k)
-            passed = self.signal.passes(score.values, self.cfg.thresholds[layer])
-        else:
-            with _one_torch_thread() if self.signal.torch_math else nullcontext():
-                score = scoring.score(layer, hidden, layer_input, block_states)
-                passed = self.signal.passes(score.values, self.cfg.thresholds[layer])
-        answers: dict[int, tuple[ExitScore | None, int, Any]] = {}
-        for i, r in enumerate(rows):
-            cands = None if scoring.candidates is None else scoring.candidates[i : i + 1]
-            answers[r] = (score if bool(passed[i]) else None, i, cands)
-        return answers
+    def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, Answer]:
+        """The exit test at `layer` for several rows' tokens at once (runtime/decide.py), on this call's placement."""
+        return self.exit_test.rows(layer, asks, self.place)
 
     def _pick_score(self, score: ExitScore, i: int) -> int:
         """Row i's token from an exit's own prediction (computed once for all rows of the decision, on demand)."""
@@ -296,7 +270,11 @@ class Runner:
                 if st.forced is not None:
                     return self._forced(st, logits[0])
                 return self._pick(logits[0])
-            if layer is not None and may_exit and self._gate_open(st, layer, exit_in):
+            if (
+                layer is not None
+                and may_exit
+                and self.exit_test.gate_opens(self.gates.get(layer), st, layer, exit_in, place)
+            ):
                 last = None if blocks is None else resident.last_positions(self.rt, blocks)
                 ask = Decide(exit_in[0, -1], layer_in[0, -1], cands, last)
                 st.count_decisions([layer], None if decided else layer)
@@ -318,22 +296,6 @@ class Runner:
                     return token
             h = out
         raise AssertionError("unreachable: the final segment returns")
-
-    def _gate_open(self, st: RowState, layer: int, exit_in: Any) -> bool:
-        """Whether the decision at `layer` runs for this row's token (eectl.exits.gates; no gate there: it does). A
-        device-resident state is read to the host for it ([H]: one more read)."""
-        gate = self.gates.get(layer)
-        if gate is None:
-            return True
-        t0 = time.perf_counter()
-        h = exit_in[0, -1]
-        if not isinstance(h, np.ndarray):
-            H = self.m.dims["hidden_size"]
-            h = self.rt.ops.last(exit_in[0, -1:].reshape(1, 1, H), np.zeros(1, np.int64), on_device=False)
-            self.place.read(("gate", layer, "hidden"))
-        opened = gate_open(gate, np.asarray(h))
-        st.decide_s += time.perf_counter() - t0
-        return opened
 
     def _ride(self, st: RowState, s: int) -> Generator[tuple[str, int, Any], Any, None]:
         """The token exited after segment s; in a batch, its deferred state rides along in the deeper segments.
@@ -379,24 +341,13 @@ class Runner:
         texts a pass) where the configuration allows, else token by token."""
         if scoring.one_pass(self):
             return scoring.score_texts(self, texts, rows)
-        done = [self._teacher_forced(ids, p) for ids, p in texts]
+        done = [scoring.token_by_token(self, ids, p) for ids, p in texts]
         return [scoring.Scored(st.nll, st.greedy, st.exit_layers) for st in done]
 
     def greedy_choices(self, ids: list[int], prompt_len: int) -> list[int]:
         """Teacher-forced as `score`: the greedy token this configuration chooses after each prefix ids[:i], for i
         from prompt_len to len(ids) - 1 (on full depth: what full depth would emit after another path's tokens)."""
         return self.score_many([(ids, prompt_len)])[0].greedy
-
-    def _teacher_forced(self, ids: list[int], prompt_len: int) -> RowState:
-        if not self.policy.scores_text:
-            raise UsageError(f"teacher-forced scoring does not cover the {self.cfg.policy} policy")
-        scoring.check_text(ids, prompt_len, self.m.max_positions)
-        kv = self.rt.new_kv(1, len(ids) + 1)
-        st = RowState(list(ids[:prompt_len]), prompt_len, [None] * len(self.m.segments), forced=list(ids))
-        st.tokens.append(self._step(0, st, kv, st.tokens))
-        while len(st.tokens) < len(ids):
-            st.tokens.append(self._step(0, st, kv, [st.tokens[-1]]))
-        return st
 
     # --- generation -------------------------------------------------------------------------------------------
     def generate(
@@ -485,7 +436,7 @@ class Runner:
                 for s in tokens:
                     rows[seated[s]].exit_layers.append(self.L)
             elif chain is not None and one_row:  # greedy decode of one row: calls bound once
-                tokens = {0: self._chain_step(chain, rows[seated[0]], kv, drafted.get(0, 0))}
+                tokens = {0: chain_step(self, chain, rows[seated[0]], kv, drafted.get(0, 0))}
             else:
                 tokens = self._steps(kv, live)
             took = time.perf_counter() - t0  # a row's latency is its batch step's: rows wait for each other
@@ -511,68 +462,14 @@ class Runner:
         return self.rt.device != "cpu" if wanted is None else wanted
 
     def _on_device(self) -> bool:
-        """Whether generate's steps with active exits run as the binding plan says (runtime/binding.py): hidden
-        states, KV and full logits stay device values between graphs (its own `Placement`); only the exit tests' K
-        candidate ids and scores or one scalar per row, and the tokens, are read on the host. By default only off the
-        CPU EP (`RunConfig.device_resident`); greedy only (sampling and teacher-forced scoring pick from the full
-        vocabulary on the host: they run the host path)."""
+        """Whether generate's steps with active exits keep their states on the device (a `Placement` of their own:
+        the binding plan executed, only exit tests' K ids and scores or a scalar per row, and tokens, read on the
+        host). Greedy only: sampling and teacher-forced scoring pick from the full vocabulary on the host."""
         return bool(self._resident_wanted() and self.exits and self.cfg.temperature <= 0)
 
     def _chain(self, kv: KVBuffers, rows: int) -> DecodeChain | None:
-        """The bound call chain (runtime/chain.py) for greedy decode with a final head that has the in-graph argmax:
-        full depth for any number of rows (on every provider: the states stay where the graphs run), or, for one
-        row on the CPU EP, active exits whose decisions the exit graphs make (defer, verify, copy: the policies whose
-        exited token needs nothing but its state; `chain_exits_supported`)."""
-        final = self.rt.full_graphs[self.L]
-        if self.cfg.temperature > 0 or "token" not in final.io.outputs:
-            return None
-        if any(g.session is None for g in self.rt.segments):  # a runtime holding one segment at a time
-            return None
-        if rows > 1:
-            return None if self.exits else DecodeChain(self.rt, kv, 0, rows=rows)
-        if self.exits and (
-            self.cfg.policy not in BOUND_POLICIES
-            or not chain_exits_supported(self.rt, self.exits, self.signal)
-            or self._resident_wanted()  # the binding plan's executor keeps exit steps device-resident (#15)
-            or self.rt.device != "cpu"  # exit steps hand pending states (host arrays) to wide calls
-        ):
-            return None
-        thresholds = {e: self.cfg.thresholds[e] for e in self.exits}
-        return DecodeChain(self.rt, kv, 0, thresholds, self.signal, self.cfg.top_k, self.gates)
-
-    def _chain_step(self, chain: DecodeChain, st: RowState, kv: KVBuffers, drafts: int = 0) -> int:
-        """One decode step of row 0 on the bound chain; the policy's hooks as `_row_step` calls them: the pending
-        states the step carried along (defer's flush, verify's drafts: its wide calls) are the policy's no more,
-        an exited token's states go to `on_exit`, and the final segment's wide output to `on_final` (verify's
-        check, which may roll back and return the full model's token). With `drafts` from the context (the row's
-        last tokens), the positions before the last draft wait at segment 0 as embeddings: the step runs every
-        segment wide, exits do not decide, and the final check covers them."""
-        token = st.tokens[-1]
-        if not self.exits and not drafts:
-            st.exit_layers.append(self.L)
-            return chain.step(token)
-        if drafts:
-            st.pending[0] = self.rt.embed(np.array([st.tokens[-drafts - 1 : -1]], dtype=np.int64))
-        # verify's check runs the final head over every position of a wide step itself: the chain skips its own
-        checks = self.policy.checks_drafts and bool(st.drafts)
-        done = chain.step_exits(token, self.policy.may_exit(st) and not drafts, st.pending, head=not checks)
-        st.decide_s += done.decide_s
-        st.count_decisions(done.decided, done.picked)
-        for s in done.flushed:
-            st.pending[s] = None
-        if done.segment is not None:
-            assert done.state is not None
-            st.exit_layers.append(done.layer)
-            self.policy.on_exit(0, st, kv, done.segment, done.state, done.token)
-            return done.token
-        if done.state is not None:  # the final segment ran wide: the positions it carried, then this token's
-            corrected = self.policy.on_final(0, st, kv, done.state)  # the chain's states: host arrays
-            if corrected is not None:
-                return corrected
-        else:  # reached the final layer with nothing pending: no draft to check (drafts are pending states)
-            assert not st.drafts
-        st.exit_layers.append(self.L)
-        return done.token
+        """The bound call chain this generate call steps on where it can (runtime/chain_steps.py), else None."""
+        return chain_for(self, kv, rows)
 
     @staticmethod
     def _confirmed(st: RowState) -> list[int]:

@@ -1,14 +1,14 @@
 """Teacher-forced scoring in one pass: a text's log-likelihood with the exits deciding as in generation.
 
-Fed token by token (`Runner._teacher_forced`), a text of n tokens costs n passes over the segments. Where the
+Fed token by token (`token_by_token`), a text of n tokens costs n passes over the segments. Where the
 policy leaves every position with the full model's states (`KVPolicy.exact_states`: defer computes a skipped
 layer's K/V from the exit's exact state later; full depth trivially), the states a token-by-token run reaches are
 the states of one full-depth pass over the whole text, so the same scores come from one pass:
 
 - each segment runs once over every position (texts of a batch right-padded into one call, as generation's
   prompts are: `batch.run_prefill`), a block exit head over its segment's positions (its K/V as in generation);
-- at each active exit, the positions still undecided ask the exit test together (`Runner._decide_rows`: the same
-  signal, gates and candidates as generation; positions stand in for rows), `SCORE_ROWS` at a time;
+- at each active exit, the positions still undecided ask the exit test together (`Runner._decide_rows`, decide.py:
+  the same signal, gates and candidates as generation; positions stand in for rows), `SCORE_ROWS` at a time;
 - a position that exits is scored on its exit's full vocabulary (after its block head), the others on the final
   head's; the position predicting the first continuation token is decided at full depth, as after a prefill (a
   one-token prompt is a decode step: it may exit).
@@ -39,7 +39,7 @@ from eectl.runtime.blocks import run_block
 from eectl.runtime.exit_logits import Decide
 from eectl.runtime.policies import KVPolicy
 from eectl.runtime.sessions import ArtifactRuntime
-from eectl.runtime.state import RunConfig
+from eectl.runtime.state import RowState, RunConfig
 
 SCORE_ROWS = 256  # positions per exit-test or head call: bounds its [N, V] logits (50 MB at V = 49k, fp32)
 BATCH_TOKENS = 2048  # padded positions per batched pass (rows x the longest text): the K/V and states it holds
@@ -62,6 +62,8 @@ class Runner(Protocol):
 
     def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[Any, int, Any]]: ...
 
+    def _step(self, row: int, st: RowState, kv: Any, chunk_ids: list[int], force_full: bool = False) -> int: ...
+
 
 @dataclass
 class Scored:
@@ -76,6 +78,21 @@ def one_pass(runner: Runner) -> bool:
     """Whether the runner's configuration scores text in one pass (module docstring)."""
     exact = runner.policy.exact_states or not runner.exits
     return bool(runner.policy.scores_text and exact)
+
+
+def token_by_token(runner: Runner, ids: list[int], prompt_len: int) -> RowState:
+    """One text fed token by token through the runner's steps (`Runner._step`, the exits deciding as in generation):
+    its RowState holds each position's -log p, argmax and layer. For any policy that scores text."""
+    if not runner.policy.scores_text:
+        raise UsageError(f"teacher-forced scoring does not cover the {runner.cfg.policy} policy")
+    m = runner.m
+    check_text(ids, prompt_len, m.max_positions)
+    kv = runner.rt.new_kv(1, len(ids) + 1)
+    st = RowState(list(ids[:prompt_len]), prompt_len, [None] * len(m.segments), forced=list(ids))
+    st.tokens.append(runner._step(0, st, kv, st.tokens))
+    while len(st.tokens) < len(ids):
+        st.tokens.append(runner._step(0, st, kv, [st.tokens[-1]]))
+    return st
 
 
 def check_text(ids: Sequence[int], prompt_len: int, max_positions: int) -> None:

@@ -2,9 +2,8 @@
 
 The single-row graph calls go through here (export's validation and `eectl run` alike); the batched calls
 (batch.py, blocks.py), the bound chain (chain.py: one row, or a batch at full depth) and the device ops bind the same
-`Graph` sessions' IO themselves. The KV cache of each row and layer
-is one preallocated buffer [1, H_kv, max_len, D] bound as both the past input and the present output of
-GroupQueryAttention, which writes the new positions in place: nothing is concatenated or copied per token.
+`Graph` sessions' IO themselves. The KV cache (kv.py) is bound in place: nothing is concatenated or copied per
+token. The shared tables and the packed heads are tables.py's.
 
 Per-token cost outside the kernels is kept small: each (graph, row) keeps one IO binding with its KV buffers and
 its scalar inputs bound once (the scalars are updated in place), so a call rebinds only the hidden states and
@@ -16,16 +15,16 @@ What this module does not do: choose exits or policies (runtime/runner.py), toke
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eectl.contracts.manifest import LM_HEAD_ROWS, GraphIO, Manifest, SharedWeight, graph_axes, read_manifest
+from eectl.contracts.manifest import LM_HEAD_ROWS, GraphIO, Manifest, graph_axes, read_manifest
 from eectl.errors import ArtifactError, UsageError
 from eectl.files import confined
-from eectl.runtime.memory import check_kv
+from eectl.runtime.kv import KVBuffers, _Call, new_kv
 from eectl.runtime.ort import (
     PROVIDERS,
     CheckedSession,
@@ -39,16 +38,7 @@ from eectl.runtime.ort import (
     session_options,
 )
 from eectl.runtime.placement import HOST, Placement
-
-
-@dataclass
-class _Call:
-    """One graph's IO binding kept across calls, with the small inputs it reads from (updated in place)."""
-
-    io: Any
-    seqlens_k: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int32))
-    total: np.ndarray = field(default_factory=lambda: np.zeros((), np.int32))
-    scratch: list[np.ndarray] = field(default_factory=list)  # bound arrays whose contents nobody reads
+from eectl.runtime.tables import PackedHeads, load_weight
 
 
 @dataclass
@@ -67,47 +57,6 @@ _Shapes = dict[str, tuple[tuple[int, ...], Any]]  # a graph input's/output's man
 # (export's validation over a whole prompt) get a binding per call instead of host buffers held for good.
 _KEEP_ROWS = 16
 _TOP_1 = np.ones(1, np.int64)  # bound by pointer: lives as long as the module
-
-
-@dataclass
-class KVBuffers:
-    """Per row and layer: key and value buffers [1, H_kv, max_len, D], and how many positions each layer holds."""
-
-    keys: list[list[Any]]  # [row][layer]
-    values: list[list[Any]]
-    filled: np.ndarray  # [rows, layers] int
-    max_len: int
-    calls: dict[tuple[Any, int, bool], _Call] = field(default_factory=dict)  # (session, row, states) -> binding
-
-    # The length counters change only through these: a call's new positions (`span`, then `advance`), a rollback
-    # (verify's rejected drafts), and `seek` (a timing loop or a check placing a call at a chosen position).
-    def span(self, row: int, lo: int, hi: int, n: int) -> tuple[int, int]:
-        """(past, total) for n new positions of `row` in slots [lo, hi): the one check that those slots hold one
-        length and that the buffers have room for n more."""
-        past = int(self.filled[row, lo])
-        if (self.filled[row, lo:hi] != past).any():
-            raise RuntimeError(f"layers {lo}..{hi - 1} of row {row} hold different lengths: {self.filled[row, lo:hi]}")
-        total = past + n
-        if total > self.max_len:
-            raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {self.max_len}")
-        return past, total
-
-    def advance(self, rows: Any, lo: int, hi: int, n: Any = 1) -> None:
-        """Slots [lo, hi) of `rows` (an index, a slice, a mask or index array) hold n more positions (n may be per
-        row: [rows, 1])."""
-        self.filled[rows, lo:hi] += n
-
-    def rollback(self, rows: Any, to: Any, lo: int = 0, hi: int | None = None) -> None:
-        """Slots [lo, hi) of `rows` (all slots by default: the block exit heads' too) hold at most `to` positions:
-        what was written from `to` on is forgotten (its buffers are overwritten by the next calls)."""
-        end = self.filled.shape[1] if hi is None else hi
-        self.filled[rows, lo:end] = np.minimum(self.filled[rows, lo:end], to)
-
-    def seek(self, rows: Any, length: int, lo: int = 0, hi: int | None = None) -> None:
-        """Slots [lo, hi) of `rows` hold exactly `length` positions, whatever their buffers hold: for measuring a
-        call at a chosen position again and again (plan/costs.py) or checking one graph alone (export), never for
-        generating."""
-        self.filled[rows, lo : self.filled.shape[1] if hi is None else hi] = length
 
 
 class ArtifactRuntime:
@@ -150,8 +99,7 @@ class ArtifactRuntime:
 
         self._session = session
         self.tiers: Any = None  # runtime/tiers.WeightTiers where run/bench asked for mapped, budgeted or placed weights
-        self._packed_heads: dict[int, Any] = {}  # exit layer -> its head with the LM head packed (or None)
-        self._packed_tables: list[Any] = []
+        self.packed_heads = PackedHeads(self.folder, threads)  # several rows at the final head (verify's check)
         self.embedding = load(m.embedding)
         self.segments = [Graph(s.graph, None, self.device) for s in m.segments]
         self.kv_segments = [Graph(s.kv_graph, None, self.device) for s in m.segments]
@@ -165,7 +113,7 @@ class ArtifactRuntime:
         self.candidate_graphs = {e.layer: load(e.candidates) for e in m.exits if e.candidates is not None}
         # block exit heads: (the block graph, its K/V-only graph) per exit; one decoder layer each (runtime/blocks.py)
         self.block_graphs = {e.layer: (load(e.block.graph), load(e.block.kv_graph)) for e in m.exits if e.block}
-        self.weights = {k: self._load_weight(w) for k, w in m.shared_weights.items()}
+        self.weights = {k: load_weight(self.folder, w, self.np_dtype, self.device) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
         self._calls: dict[tuple[str, int], _Call] = {}  # (graph kind, exit layer) -> binding with its weight bound
         self._bounds: dict[tuple[Any, ...], _Bound] = {}  # (graph kind, exit layer, shapes) -> exit graph binding
@@ -192,42 +140,9 @@ class ArtifactRuntime:
         river = [self.river_segments[index]] if index in self.river_segments else []
         return [self.segments[index], self.kv_segments[index], *river]
 
-    def _load_weight(self, weight: SharedWeight) -> Any:
-        path = confined(self.folder, weight.file, ArtifactError)
-        try:
-            # mapped, not read: pages are read as graphs touch them (a K-row gather reads K rows of a table), and
-            # two keys naming one file (a tied embedding) share its pages; object arrays (pickles) are refused
-            arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError, EOFError) as exc:
-            raise ArtifactError(f"cannot load the weight {weight.file}: {_first_line(exc)}") from None
-        if arr.dtype != self.np_dtype or list(arr.shape) != weight.shape:
-            raise ArtifactError(
-                f"the weight {weight.file} is {arr.dtype} {list(arr.shape)}; the manifest says "
-                f"{np.dtype(self.np_dtype).name} {weight.shape}"
-            )
-        if not arr.flags.c_contiguous:  # a Fortran-ordered .npy: ORT would read its column-major bytes as rows
-            raise ArtifactError(
-                f"the weight {weight.file} is Fortran-ordered; eectl reads C-ordered .npy files",
-                hint="re-export the artifact, or save the array with np.ascontiguousarray",
-            )
-        if self.device == "cpu":
-            return arr  # .npy data is C-contiguous; ORT reads it in place
-        return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), self.device, 0)
-
     def new_kv(self, rows: int, max_len: int) -> KVBuffers:
-        m = self.manifest
-        check_kv(m, rows, max_len, max_len, np.dtype(self.np_dtype).itemsize, self.device == "cpu")
-        shape = (1, m.kv.num_kv_heads, max_len, m.kv.head_dim)
-        L = m.kv_slots  # the decoder layers', then the block exit heads' (their own KV)
-
-        def buf() -> Any:
-            if self.device == "cpu":
-                return np.zeros(shape, dtype=self.np_dtype)
-            return _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), self.np_dtype, self.device, 0)
-
-        keys = [[buf() for _ in range(L)] for _ in range(rows)]
-        values = [[buf() for _ in range(L)] for _ in range(rows)]
-        return KVBuffers(keys, values, np.zeros((rows, L), dtype=np.int64), max_len)
+        """KV buffers for `rows` sequences of up to `max_len` positions (kv.py), where this runtime's graphs run."""
+        return new_kv(self.manifest, rows, max_len, self.np_dtype, self.device)
 
     # --- binding helpers -------------------------------------------------------------------------------------------
     def _bind_array(self, io: Any, name: str, arr: Any, output: bool = False) -> None:
@@ -506,7 +421,9 @@ class ArtifactRuntime:
             token = self._read(bound.io, g.name("token"), (n,), np.int64, where, place)
             g.session.run_with_iobinding(bound.io)
             return token
-        packed = self._packed_head(layer) if n > 1 and not river else None
+        packed = None
+        if n > 1 and not river:  # several rows (verify's check): the head with its table packed once
+            packed = self.packed_heads.get(layer, g, self.weight_feeds(g, "lm_head"), self.device)
         if packed is not None:  # several rows (verify's check): the packed table, not the shared one packed per call
             return packed.run([g.name("token")], {g.name("hidden"): x, g.name("top_k"): _TOP_1})[0]
         call = self._calls.get(("greedy", layer))
@@ -524,43 +441,6 @@ class ArtifactRuntime:
         token = self._out(call.io, g.name("token"), (n,), np.int64)
         g.session.run_with_iobinding(call.io)
         return token
-
-    def _packed_head(self, layer: int) -> Any:
-        """Exit `layer`'s full head with its LM head table as an initializer, which ONNX Runtime packs once for its
-        matrix product when the session is created; None where that does not apply (a device provider, a quantized
-        head, no in-graph argmax). The shared table is a graph input, and ORT packs an input matrix again on every
-        call with more than one row: on the default model at 2 threads, 9 rows took 14 ms that way and 5.8 ms packed
-        (one row 3.2 ms either way, so one row keeps the shared graph). Created on first use (verify checking several
-        positions at once); it holds a packed copy of the table (~the table's size) for the rest of the run."""
-        if layer in self._packed_heads:
-            return self._packed_heads[layer]
-        g = self.full_graphs[layer]
-        feeds = self.weight_feeds(g, "lm_head")
-        sess = None
-        if self.device == "cpu" and len(feeds) == 1 and "token" in g.io.outputs:
-            name, table = next(iter(feeds.items()))
-            if table.dtype == np.float32:
-                sess = self._packed_session(g.io, name, table)
-        self._packed_heads[layer] = sess
-        return sess
-
-    def _packed_session(self, io: GraphIO, name: str, table: np.ndarray) -> Any:
-        """A session of graph `io` with its input `name` turned into an initializer whose data is `table`, handed
-        to ORT as it is (an external initializer: not copied into the model)."""
-        import onnx
-
-        path = confined(self.folder, io.file, ArtifactError)
-        model = onnx.load(str(path), load_external_data=True)  # the graph's own small weights inline
-        model.graph.input.remove(next(i for i in model.graph.input if i.name == name))
-        init = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=list(table.shape))
-        init.data_location = onnx.TensorProto.EXTERNAL
-        init.external_data.add(key="location", value="supplied-when-the-session-is-created")
-        model.graph.initializer.append(init)
-        so = session_options(self.threads)
-        value = _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(table))
-        self._packed_tables.append(value)  # ORT reads the table from this value: it must outlive the session
-        so.add_external_initializers([name], [value])
-        return _ort().InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
 
     def exit_local(
         self, layer: int, hidden: np.ndarray, candidates: np.ndarray, *, place: Placement = HOST

@@ -1,0 +1,94 @@
+"""The runner's steps on the bound chain (runtime/chain.py): which chain a generate call binds (`chain_for`), and one
+row's step on it with the KV policy's hooks called as the general path calls them (`chain_step`).
+
+What this module does not do: bind or run graphs (chain.py), or step rows the chain does not take (runner.py's
+general path: sampling, prefill, wide steps of a batch, exits in a batch of rows, device-resident exit steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from eectl.contracts.plan import BOUND_POLICIES
+from eectl.exits.signals import Signal
+from eectl.runtime.chain import DecodeChain, chain_exits_supported
+from eectl.runtime.kv import KVBuffers
+from eectl.runtime.policies import KVPolicy
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RowState, RunConfig
+
+
+class Runner(Protocol):
+    """What the chain's steps read of the runner (runner.Runner, which imports this module)."""
+
+    rt: ArtifactRuntime
+    cfg: RunConfig
+    policy: KVPolicy
+    signal: Signal
+    exits: list[int]
+    gates: dict[int, Any]
+    L: int
+
+    def _resident_wanted(self) -> bool: ...
+
+
+def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
+    """The bound call chain for greedy decode with a final head that has the in-graph argmax: full depth for any
+    number of rows (on every provider: the states stay where the graphs run), or, for one row on the CPU EP, active
+    exits whose decisions the exit graphs make (defer, verify, copy: the policies whose exited token needs nothing
+    but its state; `chain_exits_supported`). None where the general path steps."""
+    rt, cfg, exits = runner.rt, runner.cfg, runner.exits
+    final = rt.full_graphs[runner.L]
+    if cfg.temperature > 0 or "token" not in final.io.outputs:
+        return None
+    if any(g.session is None for g in rt.segments):  # a runtime holding one segment at a time
+        return None
+    if rows > 1:
+        return None if exits else DecodeChain(rt, kv, 0, rows=rows)
+    if exits and (
+        cfg.policy not in BOUND_POLICIES
+        or not chain_exits_supported(rt, exits, runner.signal)
+        or runner._resident_wanted()  # the binding plan's executor keeps exit steps device-resident (#15)
+        or rt.device != "cpu"  # exit steps hand pending states (host arrays) to wide calls
+    ):
+        return None
+    thresholds = {e: cfg.thresholds[e] for e in exits}
+    return DecodeChain(rt, kv, 0, thresholds, runner.signal, cfg.top_k, runner.gates)
+
+
+def chain_step(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, drafts: int = 0) -> int:
+    """One decode step of row 0 on the bound chain; the policy's hooks as the general path (`Runner._row_step`)
+    calls them: the pending states the step carried along (defer's flush, verify's drafts: its wide calls) are the
+    policy's no more, an exited token's states go to `on_exit`, and the final segment's wide output to `on_final`
+    (verify's check, which may roll back and return the full model's token). With `drafts` from the context (the
+    row's last tokens), the positions before the last draft wait at segment 0 as embeddings: the step runs every
+    segment wide, exits do not decide, and the final check covers them."""
+    policy, L = runner.policy, runner.L
+    token = st.tokens[-1]
+    if not runner.exits and not drafts:
+        st.exit_layers.append(L)
+        return chain.step(token)
+    if drafts:
+        st.pending[0] = runner.rt.embed(np.array([st.tokens[-drafts - 1 : -1]], dtype=np.int64))
+    # verify's check runs the final head over every position of a wide step itself: the chain skips its own
+    checks = policy.checks_drafts and bool(st.drafts)
+    done = chain.step_exits(token, policy.may_exit(st) and not drafts, st.pending, head=not checks)
+    st.decide_s += done.decide_s
+    st.count_decisions(done.decided, done.picked)
+    for s in done.flushed:
+        st.pending[s] = None
+    if done.segment is not None:
+        assert done.state is not None
+        st.exit_layers.append(done.layer)
+        policy.on_exit(0, st, kv, done.segment, done.state, done.token)
+        return done.token
+    if done.state is not None:  # the final segment ran wide: the positions it carried, then this token's
+        corrected = policy.on_final(0, st, kv, done.state)  # the chain's states: host arrays
+        if corrected is not None:
+            return corrected
+    else:  # reached the final layer with nothing pending: no draft to check (drafts are pending states)
+        assert not st.drafts
+    st.exit_layers.append(L)
+    return done.token

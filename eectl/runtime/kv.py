@@ -1,0 +1,89 @@
+"""The KV cache of a run: per row and layer a key and a value buffer, and how many positions each holds.
+
+Each buffer is [1, H_kv, max_len, D], preallocated once and bound as both the past input and the present output of
+GroupQueryAttention, which writes the new positions in place (sessions.py; batch.py's batch buffers are views of
+one [rows, ...] buffer per layer). The length counters (`filled`) change only through `KVBuffers.span` + `advance`,
+`rollback` and `seek`: the one place a row's length is checked and moved.
+
+What this module does not do: bind the buffers to graph calls (ArtifactRuntime.kv_call, batch.bind_rows) or hold a
+batch's buffers (batch.BatchKV: one [rows, ...] buffer per layer, viewed per row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from eectl.contracts.manifest import Manifest
+from eectl.errors import UsageError
+from eectl.runtime.memory import check_kv
+from eectl.runtime.ort import _ort
+
+
+@dataclass
+class _Call:
+    """One graph's IO binding kept across calls, with the small inputs it reads from (updated in place)."""
+
+    io: Any
+    seqlens_k: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int32))
+    total: np.ndarray = field(default_factory=lambda: np.zeros((), np.int32))
+    scratch: list[np.ndarray] = field(default_factory=list)  # bound arrays whose contents nobody reads
+
+
+@dataclass
+class KVBuffers:
+    """Per row and layer: key and value buffers [1, H_kv, max_len, D], and how many positions each layer holds."""
+
+    keys: list[list[Any]]  # [row][layer]
+    values: list[list[Any]]
+    filled: np.ndarray  # [rows, layers] int
+    max_len: int
+    calls: dict[tuple[Any, int, bool], _Call] = field(default_factory=dict)  # (session, row, states) -> binding
+
+    # The length counters change only through these: a call's new positions (`span`, then `advance`), a rollback
+    # (verify's rejected drafts), and `seek` (a timing loop or a check placing a call at a chosen position).
+    def span(self, row: int, lo: int, hi: int, n: int) -> tuple[int, int]:
+        """(past, total) for n new positions of `row` in slots [lo, hi): the one check that those slots hold one
+        length and that the buffers have room for n more."""
+        past = int(self.filled[row, lo])
+        if (self.filled[row, lo:hi] != past).any():
+            raise RuntimeError(f"layers {lo}..{hi - 1} of row {row} hold different lengths: {self.filled[row, lo:hi]}")
+        total = past + n
+        if total > self.max_len:
+            raise UsageError(f"the sequence reached {total} tokens, beyond the KV buffer of {self.max_len}")
+        return past, total
+
+    def advance(self, rows: Any, lo: int, hi: int, n: Any = 1) -> None:
+        """Slots [lo, hi) of `rows` (an index, a slice, a mask or index array) hold n more positions (n may be per
+        row: [rows, 1])."""
+        self.filled[rows, lo:hi] += n
+
+    def rollback(self, rows: Any, to: Any, lo: int = 0, hi: int | None = None) -> None:
+        """Slots [lo, hi) of `rows` (all slots by default: the block exit heads' too) hold at most `to` positions:
+        what was written from `to` on is forgotten (its buffers are overwritten by the next calls)."""
+        end = self.filled.shape[1] if hi is None else hi
+        self.filled[rows, lo:end] = np.minimum(self.filled[rows, lo:end], to)
+
+    def seek(self, rows: Any, length: int, lo: int = 0, hi: int | None = None) -> None:
+        """Slots [lo, hi) of `rows` hold exactly `length` positions, whatever their buffers hold: for measuring a
+        call at a chosen position again and again (plan/costs.py) or checking one graph alone (export), never for
+        generating."""
+        self.filled[rows, lo : self.filled.shape[1] if hi is None else hi] = length
+
+
+def new_kv(m: Manifest, rows: int, max_len: int, np_dtype: Any, device: str) -> KVBuffers:
+    """Zeroed buffers for `rows` rows of up to `max_len` positions in every KV slot (the decoder layers', then the
+    block exit heads'), in host memory on the CPU EP, else on `device` (after `check_kv`: room for them)."""
+    check_kv(m, rows, max_len, max_len, np.dtype(np_dtype).itemsize, device == "cpu")
+    shape = (1, m.kv.num_kv_heads, max_len, m.kv.head_dim)
+
+    def buf() -> Any:
+        if device == "cpu":
+            return np.zeros(shape, dtype=np_dtype)
+        return _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), np_dtype, device, 0)
+
+    keys = [[buf() for _ in range(m.kv_slots)] for _ in range(rows)]
+    values = [[buf() for _ in range(m.kv_slots)] for _ in range(rows)]
+    return KVBuffers(keys, values, np.zeros((rows, m.kv_slots), dtype=np.int64), max_len)

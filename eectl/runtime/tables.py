@@ -1,0 +1,91 @@
+"""The artifact's shared tables (the LM head, the embedding: `Manifest.shared_weights`), as the graphs take them.
+
+`load_weight`: a table mapped from its .npy file and checked against the manifest; on the CPU EP the graphs read the
+mapped pages in place. `PackedHeads`: exit heads with their LM head table packed once, for final-head calls over
+several rows. A full exit graph takes the shared table as a graph input, and ONNX Runtime packs an input matrix
+again on every call with more than one row: on the default model at 2 threads, 9 rows took 14 ms that way and 5.8
+ms packed (one row 3.2 ms either way, so one row keeps the shared graph). A packed head is a session of the same
+graph with the table turned into an initializer, which ORT packs once when the session is created. Created on first
+use (verify checking several positions at once); it holds a packed copy of the table (~the table's size) for the
+rest of the run.
+
+What this module does not do: bind tables to calls (sessions.ArtifactRuntime.weight_feeds/bind_weights) or decide
+when a call uses a packed head (ArtifactRuntime.greedy_token: several rows, not the river's head).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eectl.contracts.manifest import GraphIO, SharedWeight
+from eectl.errors import ArtifactError
+from eectl.files import confined
+from eectl.runtime.ort import Graph, _first_line, _ort, session_options
+
+
+def load_weight(folder: Path, weight: SharedWeight, np_dtype: Any, device: str) -> Any:
+    """Shared table `weight` of the artifact in `folder`: mapped host memory on the CPU EP, else a copy on `device`."""
+    path = confined(folder, weight.file, ArtifactError)
+    try:
+        # mapped, not read: pages are read as graphs touch them (a K-row gather reads K rows of a table), and
+        # two keys naming one file (a tied embedding) share its pages; object arrays (pickles) are refused
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise ArtifactError(f"cannot load the weight {weight.file}: {_first_line(exc)}") from None
+    if arr.dtype != np_dtype or list(arr.shape) != weight.shape:
+        raise ArtifactError(
+            f"the weight {weight.file} is {arr.dtype} {list(arr.shape)}; the manifest says "
+            f"{np.dtype(np_dtype).name} {weight.shape}"
+        )
+    if not arr.flags.c_contiguous:  # a Fortran-ordered .npy: ORT would read its column-major bytes as rows
+        raise ArtifactError(
+            f"the weight {weight.file} is Fortran-ordered; eectl reads C-ordered .npy files",
+            hint="re-export the artifact, or save the array with np.ascontiguousarray",
+        )
+    if device == "cpu":
+        return arr  # .npy data is C-contiguous; ORT reads it in place
+    return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), device, 0)
+
+
+class PackedHeads:
+    """Per exit layer, its full head with the LM head table as an initializer, or None where that does not apply
+    (a device provider, a quantized head, no in-graph argmax)."""
+
+    def __init__(self, folder: Path, threads: int | None) -> None:
+        self.folder = folder
+        self.threads = threads
+        self._sessions: dict[int, Any] = {}  # exit layer -> its packed head (or None)
+        self._tables: list[Any] = []  # ORT reads each table from these values: they must outlive the sessions
+
+    def get(self, layer: int, g: Graph, feeds: dict[str, Any], device: str) -> Any:
+        """Exit `layer`'s packed head: `g` its full graph, `feeds` the shared tables it takes by input name."""
+        if layer in self._sessions:
+            return self._sessions[layer]
+        sess = None
+        if device == "cpu" and len(feeds) == 1 and "token" in g.io.outputs:
+            name, table = next(iter(feeds.items()))
+            if table.dtype == np.float32:
+                sess = self._session(g.io, name, table)
+        self._sessions[layer] = sess
+        return sess
+
+    def _session(self, io: GraphIO, name: str, table: np.ndarray) -> Any:
+        """A session of graph `io` with its input `name` turned into an initializer whose data is `table`, handed
+        to ORT as it is (an external initializer: not copied into the model)."""
+        import onnx
+
+        path = confined(self.folder, io.file, ArtifactError)
+        model = onnx.load(str(path), load_external_data=True)  # the graph's own small weights inline
+        model.graph.input.remove(next(i for i in model.graph.input if i.name == name))
+        init = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=list(table.shape))
+        init.data_location = onnx.TensorProto.EXTERNAL
+        init.external_data.add(key="location", value="supplied-when-the-session-is-created")
+        model.graph.initializer.append(init)
+        so = session_options(self.threads)
+        value = _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(table))
+        self._tables.append(value)
+        so.add_external_initializers([name], [value])
+        return _ort().InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
