@@ -403,3 +403,17 @@ def test_every_stepping_thread_runs_on_the_bench_threads_one_cpu():
     assert os.sched_getaffinity(0) == before  # the caller's own thread is not pinned
     home = _home_cpu()
     assert home is not None and len(home) == 1 and home <= before
+
+
+def test_a_speed_reading_is_faster_or_slower_only_beyond_the_aa_spread():
+    """stats.speed_reading: an interval that excludes 1.0 but stays within the run's own A/A reach is no difference
+    (an identical configuration read [1.008, 1.023] in one of twenty idle main-job benches whose A/A reached
+    +-1.1%); one wholly beyond it is faster or slower; no interval or no resolution: no reading."""
+    from eectl.evaluate.stats import speed_reading
+
+    assert speed_reading((1.008, 1.023), 0.011) == "no difference beyond +-1.1%"
+    assert speed_reading((1.02, 1.05), 0.011) == "faster"
+    assert speed_reading((0.90, 0.985), 0.011) == "slower"
+    assert speed_reading((0.95, 1.05), 0.011).startswith("no difference")
+    assert speed_reading(None, 0.01) == "" and speed_reading((1.1, 1.2), None) == ""
+    assert speed_reading((math.nan, 1.2), 0.01) == ""

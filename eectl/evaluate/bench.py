@@ -59,6 +59,7 @@ from eectl.evaluate.stats import (
     seconds_per_token,
     share_ci,
     speed_ratio,
+    speed_reading,
     wilson,
 )
 from eectl.evaluate.timing import OnStep, _aa_interval, _gate_reps, _gated, _Run, _Timing
@@ -409,6 +410,9 @@ def run_bench(
         verdict += f" (other processes kept {load:.2f} cores busy on average)"
     full_tokens = runs["full"][0].generations
     results = [_result(name, timing, configs, tok, answers, verdict) for name in order]
+    for r in results:
+        if r.name not in ("full", AA) and verdict == "conclusive":
+            r.reading = speed_reading(r.speedup_vs_full_ci, resolution)
     for r in results:  # drafts from the context at full depth: the cost model on this run's own answers
         drafting = configs.configs.get(r.name)
         if drafting is not None and drafting.prompt_drafts and not drafting.exits:

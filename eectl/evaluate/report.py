@@ -89,6 +89,10 @@ def _name(c: ConfigResult, r: BenchResult) -> str:
 
 
 def _verdict(c: ConfigResult) -> str:
+    """`inconclusive`, the baseline, or in a conclusive run what it says of the speed (faster / slower / no
+    difference beyond the A/A control's spread)."""
+    if c.reading:
+        return c.reading
     return c.verdict.split(":")[0] if c.verdict else "-"
 
 
@@ -286,7 +290,7 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
         for y, c in zip(ys, speed, strict=True):
             x = float(c.speedup_vs_full or 0.0)
             lo, hi = c.speedup_vs_full_ci or (x, x)
-            conclusive = c.verdict == "conclusive"
+            conclusive = c.verdict == "conclusive" and not c.reading.startswith("no difference")
             ax.errorbar(
                 x,
                 y,
@@ -297,7 +301,7 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
                 mfc="C0" if conclusive else "white",
             )
         ax.set_yticks(ys, [c.name for c in speed])
-        ax.set_xlabel("speedup vs full depth (median of paired block ratios, 95% CI); hollow: inconclusive")
+        ax.set_xlabel("speedup vs full depth (median of paired ratios, 95% CI); hollow: not resolved")
         ax.set_title(f"{result.model}: speed against full depth ({result.threads} threads)")
         ax.legend(loc="best", fontsize="small")
         fig.tight_layout()

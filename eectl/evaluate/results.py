@@ -90,6 +90,9 @@ class ConfigResult:
     # whether this run can tell this configuration's speed from noise: `conclusive`, `inconclusive: <reason>`, or
     # `the baseline` (stats.noise_verdict: the A/A control's interval against AA_BAND)
     verdict: str = ""
+    # in a conclusive run, what it says of this configuration's speed (stats.speed_reading): `faster`, `slower`, or
+    # `no difference beyond +-X%` (its interval reaches into the A/A control's spread); "" otherwise
+    reading: str = ""
     # the timed runs: per repetition, per block of prompts (decode seconds, decode tokens, decode wall seconds),
     # what every speed ratio above is computed from
     blocks: list[list[tuple[float, int, float]]] = field(default_factory=list)

@@ -184,3 +184,17 @@ def noise_verdict(aa_ci: tuple[float, float] | None, n_ratios: int, band: tuple[
             f"{band[1]:.2f}]: this run's noise exceeds the speedups it could resolve"
         )
     return "conclusive"
+
+
+def speed_reading(ci: tuple[float, float] | None, resolution: float | None) -> str:
+    """What a conclusive run says of one configuration's speed: `faster` or `slower` only when its whole interval
+    lies beyond the run's own noise (the A/A control's reach from 1, `resolution`), else `no difference beyond
+    +-X%`. A 95% interval over a few blocks excludes 1.0 for an identical configuration now and then; the A/A
+    control measured in the same run says how far from 1 such a reading can fall by chance."""
+    if ci is None or resolution is None or not all(math.isfinite(x) for x in ci):
+        return ""
+    if ci[0] > 1.0 + resolution:
+        return "faster"
+    if ci[1] < 1.0 - resolution:
+        return "slower"
+    return f"no difference beyond +-{resolution:.1%}"
