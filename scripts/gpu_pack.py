@@ -139,12 +139,15 @@ def group_calls(parts: list[dict], capacity: int) -> list[list[dict]]:
 
 def tree_bytes(root: Path = ROOT) -> int:
     """What travels with every call besides the carried paths: tracked and untracked-not-ignored files."""
-    res = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=root,
-        capture_output=True,
-        check=True,
-    )
+    try:
+        res = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=root,
+            capture_output=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        raise PackError(f"cannot list the working tree of {root} with git (give its size: --tree-mib)") from None
     total = 0
     for name in res.stdout.decode().split("\0"):
         p = root / name
@@ -339,10 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gguf", type=Path, help="a GGUF model file to send too")
     p.add_argument("--part-mib", type=float, default=60.0, help="largest part (default 60 MiB)")
     p.add_argument("--call-mib", type=float, default=CALL_LIMIT_MIB, help="what one call may send (default 64)")
+    p.add_argument("--tree-mib", type=float, help="the working tree's size (default: measured with git)")
     p.add_argument("--check-args", default="", help="extra scripts/gpu_check options for the last call")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     q = sub.add_parser("plan", help="print the plan of an existing pack")
     q.add_argument("--out", type=Path, default=ROOT / PACK_DIR)
+    q.add_argument("--tree-mib", type=float, help="the working tree's size (default: measured with git)")
     q.add_argument("--check-args", default="")
     q.add_argument("--json", action="store_true")
     c = sub.add_parser("check", help="which parts a parts folder holds")
@@ -373,9 +378,10 @@ def main(argv: list[str] | None = None) -> int:
                 seen[key] = f
             if not seen:
                 raise PackError("nothing to pack (use --download, --wheels or --gguf)")
-            manifest = pack(args.out, list(seen.values()), args.part_mib, args.call_mib, wheels=reqs)
+            tree = int(args.tree_mib * MIB) if args.tree_mib is not None else tree_bytes()
+            manifest = pack(args.out, list(seen.values()), args.part_mib, args.call_mib, tree=tree, wheels=reqs)
             rel = os.path.relpath(args.out, ROOT)
-            steps = plan(manifest, rel, check_args=args.check_args)
+            steps = plan(manifest, rel, tree=tree, check_args=args.check_args)
             check_plan(steps, args.call_mib)
             if args.json:
                 print(json.dumps(steps, indent=1))
@@ -385,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                 print_plan(steps, check_command(manifest, args.check_args), args.call_mib)
         elif args.cmd == "plan":
             manifest = read_manifest(args.out)
-            steps = plan(manifest, os.path.relpath(args.out, ROOT), check_args=args.check_args)
+            tree = int(args.tree_mib * MIB) if args.tree_mib is not None else None
+            steps = plan(manifest, os.path.relpath(args.out, ROOT), tree=tree, check_args=args.check_args)
             check_plan(steps)
             if args.json:
                 print(json.dumps(steps, indent=1))

@@ -241,3 +241,11 @@ def test_gpu_check_steps_peer_and_reads_on_a_tiny_fp16_artifact(tiny_dirs, tmp_p
     peer = json.loads((tmp_path / "p.json").read_text())
     assert peer["ok"] and peer["tokens_identical"] and peer["session_providers"] == ["CPUExecutionProvider"]
     assert peer["eectl_tokens_per_s"] > 0 and peer["hf_tokens_per_s"] > 0
+
+
+def test_a_tree_without_git_is_one_line(tmp_path, files, capsys):
+    with pytest.raises(gpu_pack.PackError, match="--tree-mib"):
+        gpu_pack.tree_bytes(tmp_path)
+    out = tmp_path / "pack"
+    assert gpu_pack.main(["pack", "--wheels", str(files[0].parent), "--out", str(out), "--tree-mib", "2"]) == 0
+    assert "calls, in this order" in capsys.readouterr().out and (out / gpu_pack.MANIFEST).is_file()
