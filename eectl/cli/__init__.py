@@ -1,5 +1,6 @@
-"""The typer app: wiring only. Each command parses options, merges them over --recipe, calls one library
-function and prints. Domain errors are mapped to one line and an exit code here, once (traceback with EECTL_DEBUG=1).
+"""The typer app: wiring only. Each command parses options into a stage's request (an option not given: the
+--recipe's value), calls the stage's library function and prints. Domain errors are mapped to one line and an
+exit code here, once (traceback with EECTL_DEBUG=1).
 
 One module per command (cmd_*.py); app.py holds the app, the shared options and the error mapping. Importing this
 package registers every command, in the order --help lists them.

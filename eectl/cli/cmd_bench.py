@@ -1,4 +1,4 @@
-"""`eectl bench`: options, the call into evaluate/bench.py, the side-by-side table and report."""
+"""`eectl bench`: options, the call into evaluate/stage.py (the bench stage), the side-by-side table and report."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`eectl calibrate`: options, the call into calibrate/calibrator.py, the thresholds table."""
+"""`eectl calibrate`: options, the call into calibrate/stage.py (or, with --guarantee sequence,
+cli/calibrate_sequence.py), the thresholds table."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`eectl export`: options, the call into export/exporter.py, the validation table."""
+"""`eectl export`: options, the call into export/stage.py, the validation table."""
 
 from __future__ import annotations
 

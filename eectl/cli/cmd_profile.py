@@ -1,4 +1,4 @@
-"""`eectl profile`: options, the call into profile/lens.py, the report."""
+"""`eectl profile`: options, the call into profile/stage.py, the report."""
 
 from __future__ import annotations
 

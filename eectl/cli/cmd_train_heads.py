@@ -1,6 +1,5 @@
-"""`eectl train-heads`: options, the call into heads/train.py (or, from a state cache, heads/state_cache.py and
-heads/cached.py), the
-before/after report."""
+"""`eectl train-heads`: options, the call into heads/stage.py (per-token heads, heads from a state cache, or only
+probes), the before/after report."""
 
 from __future__ import annotations
 
