@@ -1,9 +1,9 @@
-"""The calibrate stage (per-token thresholds) as one library call: a recipe and a request in, the calibration file
-written and its contents out.
+"""The calibrate stage as library calls: a recipe and a request in, what was written and its contents out.
 
-What `eectl calibrate` and the pipeline both run. A request's None fields take the recipe's values; the caller has
-set up the thread pools (cli.app.set_threads). What this module does not do: print results, or certify a sequence
-guarantee on an artifact (calibrate/sequence.py).
+`calibrate`: per-exit thresholds on the model, written as a calibration file (what `eectl calibrate` and the pipeline
+both run). `certify_artifact`: with --guarantee sequence, one threshold certified for whole continuations of an
+exported artifact (calibrate/sequence.py), written into its manifest. A request's None fields take the recipe's
+values; the caller has set up the thread pools (cli.app.set_threads). What this module does not do: print results.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eectl.calibrate.calibrator import CalibrateOptions
+from eectl.calibrate.sequence import SequenceOptions
 from eectl.contracts.calibration import Calibration
+from eectl.contracts.certificate import Certificate
 from eectl.contracts.gates import DEFAULT_GATE_KEEP
+from eectl.contracts.manifest import Manifest
 from eectl.contracts.recipe import Recipe, pick
 from eectl.errors import UsageError
 from eectl.exits.candidates import DEFAULT_CANDIDATES, DEFAULT_SHORTLIST
@@ -113,3 +116,72 @@ def options(r: Recipe, req: CalibrateRequest) -> CalibrateOptions:
         raw=req.raw,
         gate_keep=req.gate_keep,
     )
+
+
+@dataclass
+class SequenceRequest:
+    """calibrate --guarantee sequence: certify one threshold over every exit of an exported artifact."""
+
+    artifact: Path
+    options: SequenceOptions
+    data: str | None = None  # None: the recipe's
+    field: str | None = None
+    prompts: int = 400  # calibration prompts
+    offset: int = 0  # skip this many of the data's prompts
+    raw: bool = False  # prompts as is, without the chat template
+    out: Path | None = None  # also write the artifact's calibration, with the certificate, here
+    threads: int | None = None  # the thread count set up by the caller
+
+
+@dataclass
+class CertifyResult:
+    certificate: Certificate
+    manifest: Manifest  # the artifact's, as written: the certificate in it, the plan re-chosen
+    artifact: Path  # where the manifest was written
+    out: Path | None  # the calibration file written beside, if asked for
+
+
+def certify_artifact(recipe: Recipe, req: SequenceRequest, out: Output) -> CertifyResult:
+    """The Learn-then-Test certificate of a threshold on the artifact's own continuations, written into its
+    manifest (and the plan re-chosen: it may now pick the certified setting)."""
+    from eectl.calibrate.sequence import certify, check
+    from eectl.contracts.calibration import write_calibration
+    from eectl.contracts.manifest import write_manifest
+    from eectl.data import encode_prompt, gsm8k_answers, load_text_data
+    from eectl.errors import ArtifactError
+    from eectl.files import confined
+    from eectl.models.loading import load_tokenizer_folder
+    from eectl.runtime.sessions import ArtifactRuntime
+
+    opts, data = req.options, pick(req.data, recipe.data.source)
+    if req.prompts < 1 or req.offset < 0:
+        raise UsageError(f"--prompts must be >= 1 and --offset >= 0, got {req.prompts} and {req.offset}")
+    check_outputs([("--out", req.out, [])], [("--data", input_file(data))], [("--artifact", req.artifact)])
+    text = load_text_data(data, pick(req.field, recipe.data.field))
+    window = slice(req.offset, req.offset + req.prompts)
+    chosen, answers = text.prompts[window], gsm8k_answers(text.texts[window])
+    rt = ArtifactRuntime(req.artifact, provider="cpu", threads=req.threads)
+    if req.out is not None and rt.manifest.calibration is None:
+        raise UsageError("--out writes the artifact's calibration with the certificate; this artifact has none")
+    check(opts, len(chosen), answers)
+    tokenizer_dir = rt.manifest.tokenizer_dir
+    tok = load_tokenizer_folder(confined(rt.folder, tokenizer_dir, ArtifactError), tokenizer_dir)
+    ids = [encode_prompt(tok, p, req.raw) for p in chosen]
+    out.log(
+        f"certifying {opts.policy} on {len(ids)} prompts of {text.name} (from record {req.offset}): {opts.risk}, "
+        f"delta {opts.delta:g}, epsilon {opts.epsilon:g}, {rt.threads} threads"
+    )
+
+    def decode(t: list[int]) -> str:
+        return str(tok.decode(t, skip_special_tokens=True))
+
+    cert = certify(rt, ids, answers, opts, decode, text.name, out.log)
+    m = rt.manifest.model_copy(update={"certificate": cert})
+    if m.plan is not None and m.costs is not None:  # the plan may now choose the certified setting
+        from eectl.plan.choose import plan_manifest
+
+        m.plan = plan_manifest(m, m.costs)
+    write_manifest(m, Path(req.artifact))
+    if req.out is not None and m.calibration is not None:
+        write_calibration(m.calibration.model_copy(update={"certificate": cert}), req.out)
+    return CertifyResult(cert, m, req.artifact, req.out)

@@ -12,7 +12,7 @@ from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set
 from eectl.contracts.calibration import Calibration, SplitStats
 from eectl.contracts.layers import parse_layers
 from eectl.contracts.names import SIGNAL_SPECS
-from eectl.contracts.recipe import load_recipe, pick
+from eectl.contracts.recipe import load_recipe
 from eectl.errors import UsageError
 from eectl.output import Output
 from eectl.plan.choose import sequence_agreement
@@ -196,20 +196,19 @@ def calibrate(
     with --guarantee sequence, a certified threshold for whole continuations of an exported artifact."""
     if guarantee not in ("token", "sequence"):
         raise UsageError(f"--guarantee must be token or sequence, got '{guarantee}'")
+    out, r = Output(json_out), load_recipe(recipe)
     if guarantee == "sequence":
-        from eectl.cli.calibrate_sequence import calibrate_sequence, sequence_options
+        from eectl.calibrate.stage import certify_artifact
+        from eectl.cli.calibrate_sequence import print_certificate, sequence_request
 
-        seq = sequence_options(risk, delta, epsilon, policy, parse_layers(exits), signal, top_k, grid, gen_batch)
-        r = load_recipe(recipe)
-        src, fld = pick(data, r.data.source), pick(field, r.data.field)
-        n_threads = set_threads(threads, r)
-        calibrate_sequence(Output(json_out), artifact, src, fld, seq, prompts, offset, raw, n_threads, out_path)
+        args = (risk, delta, epsilon, policy, parse_layers(exits), signal, top_k, grid, gen_batch)
+        seq = sequence_request(artifact, data, field, prompts, offset, raw, out_path, *args)
+        seq.threads = set_threads(threads, r)
+        print_certificate(out, certify_artifact(r, seq, out))
         return
     from eectl.calibrate.stage import CalibrateRequest
     from eectl.calibrate.stage import calibrate as run_calibrate
 
-    out = Output(json_out)
-    r = load_recipe(recipe)
     req = CalibrateRequest(
         model=model,
         data=data,

@@ -110,6 +110,24 @@ def resolve_source(spec: str | None) -> ModelSource:
     return ModelSource(_short_name(spec.split("/")[-1]), "hub", spec, None, [])
 
 
+def load_tokenizer_folder(folder: Path, name: str) -> Any:
+    """The tokenizer saved in `folder` (an artifact's tokenizer/, named `name` in errors); a damaged one is one
+    ArtifactError line."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from eectl.errors import ArtifactError
+
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # tokenizers / transformers raise many types for a damaged tokenizer
+        lines = str(exc).strip().splitlines()
+        raise ArtifactError(
+            f"cannot load the tokenizer in {name}/: {lines[0] if lines else type(exc).__name__}"
+        ) from None
+
+
 MIN_LAYERS = 2  # the fewest decoder layers a model with an exit has (exits sit after layers 1..L-1)
 
 

@@ -60,18 +60,11 @@ class RunOptions:
 
 
 def load_tokenizer(rt: ArtifactRuntime) -> Any:
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    """The artifact's tokenizer (models/loading.py load_tokenizer_folder), its folder confined to the artifact."""
+    from eectl.models.loading import load_tokenizer_folder
 
-    hf_logging.set_verbosity_error()
     folder = confined(rt.folder, rt.manifest.tokenizer_dir, ArtifactError)
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except Exception as exc:  # tokenizers / transformers raise many types for a damaged tokenizer
-        lines = str(exc).strip().splitlines()
-        raise ArtifactError(
-            f"cannot load the tokenizer in {rt.manifest.tokenizer_dir}/: {lines[0] if lines else type(exc).__name__}"
-        ) from None
+    return load_tokenizer_folder(folder, rt.manifest.tokenizer_dir)
 
 
 def read_prompts(path: str | Path) -> list[str]:
