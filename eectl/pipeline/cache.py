@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from eectl.cache import digest, model_identity, read, restore_files, store_files, texts_sha256, write
 from eectl.files import sha256_file
+
+if TYPE_CHECKING:
+    from eectl.contracts.recipe import Recipe
+    from eectl.pipeline.steps import Plan
 
 # Bumped when calibrate's choice of measured tokens, or what it records of them, changes for the same settings (2:
 # generation takes the data's prompts in order, whatever --gen-batch; 3: drafts from the context replayed on the
@@ -21,7 +25,7 @@ class PipelineCache:
     reused when it still has exactly that manifest (the runner checks every file's hash when it loads). The profile
     caches its own results (eectl.profile.lens); run and bench always run: they are measurements."""
 
-    def __init__(self, recipe: Any, plan: Any, enabled: bool = True) -> None:
+    def __init__(self, recipe: Recipe, plan: Plan, enabled: bool = True) -> None:
         from eectl import __version__
         from eectl.data import load_text_data
         from eectl.models.loading import resolve_source
