@@ -417,3 +417,23 @@ def test_a_speed_reading_is_faster_or_slower_only_beyond_the_aa_spread():
     assert speed_reading((0.95, 1.05), 0.011).startswith("no difference")
     assert speed_reading(None, 0.01) == "" and speed_reading((1.1, 1.2), None) == ""
     assert speed_reading((math.nan, 1.2), 0.01) == ""
+
+
+def test_the_progress_total_counts_the_configurations_the_artifact_adds():
+    """bench adds the artifact's default (lookup) and its certified setting to what was asked; the bench stage
+    adds them before counting the progress total (bench_units), which was short by one configuration's prompts
+    and ran past 100% on the main job."""
+    from types import SimpleNamespace
+
+    from eectl.evaluate.bench import add_artifact_configs, bench_units
+    from eectl.evaluate.results import BenchOptions
+
+    opts = BenchOptions(configs=["full", "verify"], reps=2, ppl_tokens=0)
+    before = bench_units(opts, 5)
+    cert = SimpleNamespace(certified=True)
+    add_artifact_configs(opts, SimpleNamespace(plan=SimpleNamespace(default="lookup"), certificate=cert))  # type: ignore[arg-type]
+    assert opts.configs == ["full", "verify", "lookup", "certified"]
+    per_config = (2 + 2) * 5 + 1  # repetitions (the gate's at most) x prompts, and the warm-up
+    assert bench_units(opts, 5) - before >= 2 * per_config
+    add_artifact_configs(opts, SimpleNamespace(plan=SimpleNamespace(default="lookup"), certificate=cert))  # type: ignore[arg-type]
+    assert opts.configs == ["full", "verify", "lookup", "certified"]  # idempotent: run_bench calls it again

@@ -31,6 +31,7 @@ import numpy as np
 
 from eectl.calibrate.sequence import realized_risk
 from eectl.contracts.certificate import CERTIFIED
+from eectl.contracts.manifest import Manifest
 from eectl.contracts.plan import MAX_DRAFTS
 from eectl.data import encode_prompt, final_number
 from eectl.errors import UsageError
@@ -84,6 +85,17 @@ def bench_units(opts: BenchOptions, prompts: int) -> int:
     sweep = len(opts.sweep) * 2 * prompts if early else 0
     steps = sum(1 for c in set(opts.configs) if _changes_tokens(c)) * prompts
     return order + (opts.reps + _gate_reps(opts.reps)) * order * prompts + ppl + sweep + steps
+
+
+def add_artifact_configs(opts: BenchOptions, m: Manifest) -> None:
+    """The configurations every bench of this artifact runs beside the asked ones: its default (lookup) and the
+    setting of its sequence certificate, checked on the bench's prompts. Called before the progress total is
+    counted (bench_units) and again once the plan is settled."""
+    if m.plan is not None and m.plan.default == LOOKUP and LOOKUP not in opts.configs:
+        opts.configs.append(LOOKUP)
+    cert = m.certificate
+    if cert is not None and cert.certified and CERTIFIED not in opts.configs:
+        opts.configs.append(CERTIFIED)
 
 
 def _changes_tokens(name: str) -> bool:
@@ -385,11 +397,8 @@ def run_bench(
         load_tiers(rt, opts.weights)
     choose_plan(rt, opts.profile_costs, opts.max_risk, log.log if log is not None else None)
     m = rt.manifest
-    if m.plan is not None and m.plan.default == LOOKUP and LOOKUP not in opts.configs:
-        opts.configs.append(LOOKUP)  # the artifact's default configuration is always benchmarked
+    add_artifact_configs(opts, m)
     cert = m.certificate
-    if cert is not None and cert.certified and CERTIFIED not in opts.configs:
-        opts.configs.append(CERTIFIED)  # a certificate is always checked on the bench's prompts
     tok = load_tokenizer(rt)
     ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
     configs = _Configs(rt, opts, tuple(m.eos_token_ids), progress)

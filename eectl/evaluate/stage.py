@@ -45,8 +45,9 @@ class BenchRun:
 
 def bench(recipe: Recipe, req: BenchRequest, out: Output) -> BenchRun:
     """The configurations benchmarked interleaved on the request's window of prompts; the report written."""
+    from eectl.contracts.manifest import read_manifest
     from eectl.data import gsm8k_answers, load_text_data
-    from eectl.evaluate.bench import bench_units, heldout_texts, run_bench
+    from eectl.evaluate.bench import add_artifact_configs, bench_units, heldout_texts, run_bench
     from eectl.evaluate.report import report_files, write_report
 
     r = recipe
@@ -75,6 +76,7 @@ def bench(recipe: Recipe, req: BenchRequest, out: Output) -> BenchRun:
     )
     heldout = heldout_texts(text.texts) if ppl_tokens > 0 else None
     answers = gsm8k_answers(text.texts[window])
+    add_artifact_configs(opts, read_manifest(req.artifact, verify_hashes=False))  # counted in the progress total
     with out.progress("bench", total=bench_units(opts, n)) as bar:
         result = run_bench(req.artifact, text.prompts[window], opts, heldout, answers, log=out, progress=bar.advance)
     return BenchRun(result, write_report(result, req.report) if req.report is not None else [])
