@@ -1,4 +1,4 @@
-"""Outputs never overwrite inputs (#34, data loss): one check (files.check_outputs) before any work, for every
+"""Outputs never overwrite inputs (#34, data loss): one check (output_checks.check_outputs) before any work, for every
 command that writes files, its sidecars included; non-regular and symlinked targets refused; `export --force`
 replaces an artifact's own files only."""
 

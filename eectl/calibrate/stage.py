@@ -21,8 +21,9 @@ from eectl.contracts.manifest import Manifest
 from eectl.contracts.recipe import Recipe, pick
 from eectl.errors import UsageError
 from eectl.exits.candidates import DEFAULT_CANDIDATES, DEFAULT_SHORTLIST
-from eectl.files import check_outputs, existing_file, input_file
+from eectl.files import existing_file
 from eectl.output import Output
+from eectl.output_checks import check_outputs, input_file
 
 
 @dataclass

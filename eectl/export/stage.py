@@ -15,8 +15,9 @@ from eectl.contracts.manifest import Manifest
 from eectl.contracts.recipe import Recipe, pick
 from eectl.errors import UsageError
 from eectl.export.exporter import ExportOptions
-from eectl.files import existing_file, is_inside
+from eectl.files import existing_file
 from eectl.output import Output
+from eectl.output_checks import is_inside
 
 
 @dataclass

@@ -17,9 +17,10 @@ from typing import Any
 from eectl.contracts.layers import default_exits
 from eectl.contracts.recipe import Recipe, pick
 from eectl.errors import UsageError
-from eectl.files import check_folder_option, check_outputs, existing_file, input_file
+from eectl.files import existing_file
 from eectl.heads.train import DEFAULT_BATCH_TOKENS, TrainResult
 from eectl.output import Output
+from eectl.output_checks import check_folder_option, check_outputs, input_file
 
 
 @dataclass

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from eectl.contracts.recipe import Recipe, pick
 from eectl.errors import UsageError
-from eectl.files import check_outputs, input_file
 from eectl.output import Output
+from eectl.output_checks import check_outputs, input_file
 from eectl.profile.lens import Suite
 
 
