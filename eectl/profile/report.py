@@ -6,7 +6,8 @@ from pathlib import Path
 
 from eectl.errors import UsageError
 from eectl.files import atomic_write_text
-from eectl.profile.lens import AGREEMENT_LEVELS, BOOTSTRAP, EAS_ALPHAS, MIN_CHUNKS, ProfileResult, Suite
+from eectl.profile.lens import AGREEMENT_LEVELS, BOOTSTRAP, EAS_ALPHAS, MIN_CHUNKS, ProfileResult
+from eectl.profile.suite import Suite
 
 
 def plot(result: ProfileResult, path: str) -> None:

@@ -14,7 +14,7 @@ from eectl.contracts.recipe import Recipe, pick
 from eectl.errors import UsageError
 from eectl.output import Output
 from eectl.output_checks import check_outputs, input_file
-from eectl.profile.lens import Suite
+from eectl.profile.suite import Suite
 
 
 @dataclass
@@ -45,9 +45,10 @@ class ProfileRun:
 def profile(recipe: Recipe, req: ProfileRequest, out: Output) -> ProfileRun:
     """Every model of the request on every workload; the plot and the report written where asked."""
     from eectl.data import load_text_data
-    from eectl.profile.lens import LENS_DTYPES, check_options, profile_suite
+    from eectl.profile.lens import LENS_DTYPES, check_options
     from eectl.profile.report import parse_workloads, plot_comparison, write_report
     from eectl.profile.report import plot as plot_profile
+    from eectl.profile.suite import profile_suite
 
     r = recipe
     a, sim = pick(req.alpha, r.profile.alpha), pick(req.similarity, r.profile.similarity)
