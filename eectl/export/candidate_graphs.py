@@ -14,7 +14,8 @@ from eectl.contracts.manifest import GraphIO
 from eectl.errors import UsageError
 from eectl.exits.base import CandidateSource
 from eectl.exits.candidates import Int8Ranking, Shortlist, ShortlistInt8
-from eectl.export.graphs import _ROWS, _Builder, _candidate_logits, _decision, _head_prefix, _probe, _rms
+from eectl.export.exit_graphs import _ROWS, _candidate_logits, _decision, _head_prefix, _probe
+from eectl.export.graphs import _Builder, _rms
 from eectl.models.adapters import Adapter
 
 

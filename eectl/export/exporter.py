@@ -45,7 +45,8 @@ from eectl.exits.base import DEFAULT_TOP_K, CandidateSource
 from eectl.exits.candidates import CANDIDATE_SOURCES, FirstExitTopK, Shortlist, make_source
 from eectl.export.block import export_block, is_block
 from eectl.export.candidate_graphs import build_candidates
-from eectl.export.graphs import DTYPES, OPSET, build_embedding, build_exit, build_segment, save_graph
+from eectl.export.exit_graphs import build_exit
+from eectl.export.graphs import DTYPES, OPSET, build_embedding, build_segment, save_graph
 from eectl.export.quantize import Int4Options, quantize_graph, quantize_lm_head
 from eectl.export.validation import validate_artifact
 from eectl.files import STAGING_MARKER, locked_staging, output_error, sha256_file
