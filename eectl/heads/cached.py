@@ -49,8 +49,9 @@ from eectl.exits.probe import ProbeConfig, ProbeFit, fit_probes
 from eectl.heads.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from eectl.heads.losses import DEFAULT_SHORTLIST, DEFAULT_TAIL_SAMPLES, LOSSES, TeacherTopK, topk_tail_kl
 from eectl.heads.report import ChunkPass, EvalResult, evaluate, final_kl, heads_meta
+from eectl.heads.run_setup import lr_at
 from eectl.heads.state_cache import StateCache
-from eectl.heads.train import TrainResult, lr_at
+from eectl.heads.train import TrainResult
 from eectl.models.adapters import Adapter
 
 

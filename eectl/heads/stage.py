@@ -96,7 +96,8 @@ def _train_per_token(r: Recipe, req: HeadsRequest, out: Output) -> TrainResult:
     """Per-token designs trained on the fly from the frozen model's own final layer."""
     from eectl.data import load_text_data
     from eectl.heads.checkpoint import check_checkpoint
-    from eectl.heads.train import TrainConfig, resolve_device
+    from eectl.heads.run_setup import resolve_device
+    from eectl.heads.train import TrainConfig
     from eectl.heads.train import train_heads as train
     from eectl.models import load_model
 

@@ -16,7 +16,8 @@ and, on the CPU, ends with bit-identical heads. Under `torchrun` / `accelerate l
 trains on its own shard of the chunks and the heads are wrapped in DistributedDataParallel.
 
 Output: a heads file (head_designs.save_heads); `head_designs.load_heads` reads it back for calibrate and export.
-The before/after report and heads.json's metadata are heads/report.py's.
+The before/after report and heads.json's metadata are heads/report.py's; the run's rank, device, precision, LR schedule
+and RNG state heads/run_setup.py's.
 
 What this module does not do: choose exit thresholds (calibrate), build ONNX graphs (export), load checkpoints.
 """
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -47,12 +47,21 @@ from eectl.exits.designs import HeadStack, build_heads, check_design, head_cost,
 from eectl.exits.probe import ProbeConfig, ProbeFit, fit_probes
 from eectl.heads.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from eectl.heads.report import ChunkPass, EvalResult, base_pass, evaluate, final_kl, heads_meta
+from eectl.heads.run_setup import (
+    DEVICES,
+    Dist,
+    amp_dtype,
+    dist_from_env,
+    lr_at,
+    resolve_device,
+    rng_state,
+    set_rng_state,
+)
 from eectl.models.adapters import Adapter
 
 DEFAULT_BATCH_TOKENS = 32
 DEFAULT_EVAL_TOKENS = 4096
 DEFAULT_CHUNK_LEN = 256
-DEVICES = ("cpu", "cuda")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,69 +134,8 @@ class TrainResult:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def _dist_from_env() -> _Dist:
-    """torchrun and `accelerate launch` set WORLD_SIZE / RANK / LOCAL_RANK; a plain run has world size 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return _Dist()
-    return _Dist(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    if name not in DEVICES:
-        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got '{name}'")
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(
-                "--device cuda asked for, but torch sees no CUDA GPU",
-                hint="run on a machine with a GPU and a CUDA build of torch, or use --device cpu",
-            )
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def _amp_dtype(device: torch.device) -> torch.dtype | None:
-    """Mixed precision on a GPU (bf16 where supported, else fp16 with loss scaling); fp32 on the CPU."""
-    if device.type != "cuda":
-        return None
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-
-
 def _lr_at(step: int, config: TrainConfig) -> float:
     return lr_at(step, config.steps, config.lr)
-
-
-def lr_at(step: int, steps: int, lr: float) -> float:
-    """Linear warm-up over the first 5% of steps, then cosine decay to 10% of --lr (a function of the step only)."""
-    warm = max(1, steps // 20)
-    if step < warm:
-        return lr * (step + 1) / warm
-    t = (step - warm) / max(1, steps - warm)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 @dataclass
@@ -200,7 +148,7 @@ class _TrainData:
     skip_first: int  # positions not measured at each chunk's start (BOS)
 
 
-def _training_data(loaded: Any, data: Any, config: TrainConfig, dist: _Dist) -> _TrainData:
+def _training_data(loaded: Any, data: Any, config: TrainConfig, dist: Dist) -> _TrainData:
     """Held-out records at the end; training chunks from the start, sharded over ranks, in a seeded stream."""
     from eectl.data import token_chunks
 
@@ -238,7 +186,7 @@ def _make_trainer(
     exits: list[int],
     device: torch.device,
     amp: torch.dtype | None,
-    dist: _Dist,
+    dist: Dist,
     resume: Path | None,
     identity: dict[str, Any],
     say: Callable[[str], None],
@@ -265,7 +213,7 @@ def _make_trainer(
         optimizer.load_state_dict(state["optimizer"])
         trainer.step = int(state["step"])
         trainer.history = [list(h) for h in state["history"]]
-        _set_rng_state(state["rng"], device)
+        set_rng_state(state["rng"], device)
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         say(f"resumed from {resume} at step {trainer.step}/{config.steps}")
@@ -432,7 +380,7 @@ def train_heads(
     (checkpoint_path(out)) every `config.save_every` steps and at the end. `on_step(step, kl_per_exit)` is
     called after each optimiser step (1-based), on the main rank only.
     """
-    from eectl.data import TextData, token_chunks
+    from eectl.data import TextData
     from eectl.models.loading import LoadedModel
 
     assert isinstance(loaded, LoadedModel) and isinstance(data, TextData)
@@ -441,9 +389,9 @@ def train_heads(
     config.check(adapter.num_layers)
     if out.suffix != ".safetensors":
         raise UsageError(f"--out must name a .safetensors file, got {out}")
-    dist = _dist_from_env()
+    dist = dist_from_env()
     device = resolve_device(config.device, dist.local_rank)
-    amp = _amp_dtype(device)
+    amp = amp_dtype(device)
     exits = sorted(config.exits)
     ckpt = checkpoint_path(out)
     start = time.perf_counter()
@@ -452,27 +400,16 @@ def train_heads(
     model = loaded.model
     model.eval().requires_grad_(False).to(device)
     td = _training_data(loaded, data, config, dist)
-    identity = {
-        **config.identity(),
-        "exits": exits,
-        "base_sha256": loaded.source.sha256,
-        "data": data.name,
-        "train_tokens": td.train_tokens,
-        "world_size": dist.world,
-    }
+    identity = _identity(loaded, data, config, exits, td, dist)
     tr = _make_trainer(config, adapter.dims.hidden_size, exits, device, amp, dist, resume, identity, say)
     if any(p.requires_grad for p in model.parameters()):
         raise EectlError("internal: a base model parameter requires grad")
-
-    def autocast() -> contextlib.AbstractContextManager[Any]:
-        if amp is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=amp)
+    autocast = _autocast(device, amp)
 
     def save() -> None:
         if dist.main and (tr.step % config.save_every == 0 or tr.step == config.steps):
             scaler = tr.scaler.state_dict() if tr.scaler is not None else None
-            rng = _rng_state(device)
+            rng = rng_state(device)
             save_checkpoint(
                 ckpt, identity, tr.stack, tr.optimizer, step=tr.step, history=tr.history, rng=rng, scaler=scaler
             )
@@ -488,26 +425,11 @@ def train_heads(
         probe_fit = _fit_probes(adapter, td, tr.stack, exits, device, autocast, probes)
 
     result = TrainResult(None, out, sidecar_path(out), ckpt, main=dist.main)
-    if dist.world > 1:
-        import torch.distributed as tdist
-
-        if not dist.main:
-            tdist.barrier()  # wait for the main rank's evaluation and files
-            tdist.destroy_process_group()
-            result.wall_s = time.perf_counter() - start
-            return result
-    # Report on held-out data, before (logit lens) and after (heads), in one pass of the base.
-    held_chunks = token_chunks(loaded.tokenizer, td.held, config.eval_tokens, config.chunk_len)
-    say(f"evaluating on {config.eval_tokens} held-out tokens ({len(td.held.texts)} records at the end of the data)")
-    report = evaluate(
-        adapter,
-        {"before": dict.fromkeys(exits), "after": {layer: tr.stack.head(layer) for layer in exits}},
-        held_chunks,
-        td.skip_first,
-        config.top_k,
-        config.target,
-        autocast,
-    )
+    if dist.world > 1 and not dist.main:
+        _end_ranks()  # wait for the main rank's evaluation and files
+        result.wall_s = time.perf_counter() - start
+        return result
+    report = _held_out_report(loaded, config, exits, td, tr, autocast, say)
     meta = _metadata(loaded, data, config, exits, td, tr, report, device, amp, dist.world, train_s)
     meta.probe = None if probe_fit is None else probe_fit.meta()
     result.wall_s = time.perf_counter() - start
@@ -515,8 +437,63 @@ def train_heads(
     save_heads(tr.stack, meta, out)
     result.meta = meta
     if dist.world > 1:
-        import torch.distributed as tdist
-
-        tdist.barrier()
-        tdist.destroy_process_group()
+        _end_ranks()
     return result
+
+
+def _identity(
+    loaded: Any, data: Any, config: TrainConfig, exits: list[int], td: _TrainData, dist: Dist
+) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: the configuration, exits, base model, data and world size."""
+    return {
+        **config.identity(),
+        "exits": exits,
+        "base_sha256": loaded.source.sha256,
+        "data": data.name,
+        "train_tokens": td.train_tokens,
+        "world_size": dist.world,
+    }
+
+
+def _autocast(device: torch.device, amp: torch.dtype | None) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """A context for the forward passes: autocast to `amp` under mixed precision, else a null context (fp32)."""
+
+    def autocast() -> contextlib.AbstractContextManager[Any]:
+        if amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=amp)
+
+    return autocast
+
+
+def _held_out_report(
+    loaded: Any,
+    config: TrainConfig,
+    exits: list[int],
+    td: _TrainData,
+    tr: _Trainer,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    say: Callable[[str], None],
+) -> dict[str, EvalResult]:
+    """Report on held-out data, before (logit lens) and after (heads), in one pass of the base."""
+    from eectl.data import token_chunks
+
+    held_chunks = token_chunks(loaded.tokenizer, td.held, config.eval_tokens, config.chunk_len)
+    say(f"evaluating on {config.eval_tokens} held-out tokens ({len(td.held.texts)} records at the end of the data)")
+    return evaluate(
+        loaded.adapter,
+        {"before": dict.fromkeys(exits), "after": {layer: tr.stack.head(layer) for layer in exits}},
+        held_chunks,
+        td.skip_first,
+        config.top_k,
+        config.target,
+        autocast,
+    )
+
+
+def _end_ranks() -> None:
+    """A multi-process run's end on every rank: wait for the others, then leave the process group."""
+    import torch.distributed as tdist
+
+    tdist.barrier()
+    tdist.destroy_process_group()
