@@ -199,14 +199,14 @@ def test_an_aa_pair_of_runtimes_takes_turns_step_by_step_with_each_ones_own_toke
     whatever differs over time falls on both runtimes alike; each keeps its own cache: the tokens equal each
     configuration generated alone."""
     from eectl.evaluate import timing
-    from eectl.evaluate.bench import _Configs
+    from eectl.evaluate.configs import Configs
     from eectl.evaluate.results import BenchOptions
 
     rt = ArtifactRuntime(artifact, provider="cpu")
     opts = BenchOptions(
         configs=["full", "copy"], compare={"twin": str(artifact)}, thresholds="0.0", max_new_tokens=12, provider="cpu"
     )
-    configs = _Configs(rt, opts, tuple(rt.manifest.eos_token_ids))
+    configs = Configs(rt, opts, tuple(rt.manifest.eos_token_ids))
     assert configs.runners["twin"].rt is not rt and all(configs.steps(n) for n in ("full", "twin", "copy"))
     tok = load_tokenizer(rt)
     ids = [encode_prompt(tok, p, raw=True) for p in load_text_data(str(GSM8K)).prompts[:2]]

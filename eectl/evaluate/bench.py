@@ -15,14 +15,15 @@ Every speed figure is a ratio against baselines measured in the same run, with t
 
 Fidelity is measured against eectl full depth on the same prompts (token agreement, exact match, first
 divergence), teacher-forced perplexity on held-out text, and GSM8K final-answer accuracy when the data has
-`#### answer` lines. Speed is one statistic, with its interval (evaluate/stats.py); the report is evaluate/report.py.
+`#### answer` lines. Speed is one statistic, with its interval (evaluate/stats.py); the report is evaluate/report.py;
+the configurations' runners and one pass of one over the prompts are evaluate/configs.py, the timed phase
+evaluate/timing.py.
 What this module does not do: export or calibrate.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from eectl.contracts.manifest import Manifest
 from eectl.contracts.plan import MAX_DRAFTS
 from eectl.data import encode_prompt, final_number
 from eectl.errors import UsageError
-from eectl.evaluate.memory import MemoryMeter
+from eectl.evaluate.configs import Configs
 from eectl.evaluate.predicted import RIVER_EXIT, lookup_model, predictions
 from eectl.evaluate.report import markdown, write_report
 from eectl.evaluate.results import (
@@ -63,12 +64,11 @@ from eectl.evaluate.stats import (
     speed_reading,
     wilson,
 )
-from eectl.evaluate.timing import OnStep, _aa_interval, _gate_reps, _gated, _Run, _Timing
+from eectl.evaluate.timing import _aa_interval, _gate_reps, _gated, _Run, _Timing
 from eectl.run.generate import RunOptions, check_options, choose_plan, load_tokenizer, resolve_config
 from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
-from eectl.runtime.state import Generation, RunConfig
 from eectl.runtime.tiers import load_tiers
 
 __all__ = ["markdown", "write_report"]  # the report's entry points, re-exported for the CLI
@@ -105,172 +105,9 @@ def _changes_tokens(name: str) -> bool:
     return name not in POLICIES or not POLICIES[name].lossless
 
 
-class _HF:
-    """transformers' greedy generate with per-token timestamps (a streamer), on the same prompt ids."""
-
-    def __init__(self, spec: str | None, max_new_tokens: int) -> None:
-        from eectl.models import load_model
-
-        self.loaded = load_model(spec)
-        self.max_new_tokens = max_new_tokens
-
-    def run(self, prompt: list[int], stop: tuple[int, ...]) -> tuple[list[int], float, list[float]]:
-        import torch
-
-        times: list[float] = []
-
-        class Stamp:
-            def put(self, value: Any) -> None:
-                times.append(time.perf_counter())
-
-            def end(self) -> None:
-                pass
-
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = self.loaded.model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=self.max_new_tokens,
-                do_sample=False,
-                eos_token_id=list(stop) or None,
-                pad_token_id=stop[0] if stop else 0,
-                streamer=Stamp(),
-            )
-        new = out[0, len(prompt) :].tolist()
-        stamps = times[1:]  # the first put() is the prompt
-        ttft = stamps[0] - start if stamps else 0.0
-        lat = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-        return new, ttft, lat
-
-
 def heldout_texts(texts: list[str]) -> list[str]:
     """The last tenth of the records (at least one): the text teacher-forced perplexity is measured on."""
     return texts[-max(1, len(texts) // 10) :]
-
-
-class _Configs:
-    """Every configuration's runner (and transformers' generate for `hf`), and one timed pass over prompts."""
-
-    def __init__(
-        self,
-        rt: ArtifactRuntime,
-        opts: BenchOptions,
-        stop: tuple[int, ...],
-        tick: Callable[[int], None] | None = None,
-    ) -> None:
-        self.rt, self.opts, self.stop = rt, opts, stop
-        self.tick = tick or (lambda n: None)  # progress: one unit per prompt generated and per perplexity pass
-        self.runners: dict[str, Runner] = {}
-        self.memory = MemoryMeter(rt)  # slow-tier traffic per configuration, under --memory-budget
-        base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
-        self.runners["full"] = Runner(rt, resolve_config(rt, base, stop))
-        self.runners[AA] = Runner(rt, resolve_config(rt, base, stop))  # the A/A control: the same, run again
-        self.exits: list[int] = []
-        self.thresholds: dict[int, dict[str, float]] = {}
-        self.signal = ""
-        self.configs: dict[str, RunConfig] = {}
-        for policy in [c for c in opts.configs if c in POLICIES or c == RIVER_EXIT]:
-            cfg = resolve_config(rt, self.early_options(policy, 1.0), stop)
-            self.runners[policy] = Runner(rt, cfg)
-            self.configs[policy] = cfg
-            if cfg.exits or not self.exits:
-                self.exits, self.thresholds, self.signal = cfg.exits, cfg.thresholds, cfg.signal
-        for name in [c for c in opts.configs if c in LOOKUP_CONFIGS]:  # drafts from the context, checked by verify
-            early = self.early_options("verify", 1.0)
-            lookup = RunOptions(policy=LOOKUP, max_new_tokens=opts.max_new_tokens, provider=opts.provider)
-            chosen = lookup if name == LOOKUP else early
-            chosen.prompt_drafts = opts.prompt_drafts
-            cfg = resolve_config(rt, chosen, stop)
-            self.runners[name] = Runner(rt, cfg)
-            self.configs[name] = cfg
-        cert = rt.manifest.certificate
-        if CERTIFIED in opts.configs:  # the sequence certificate's setting, as it was certified
-            if cert is None or not cert.certified:
-                raise UsageError(
-                    "the certified configuration needs a certificate", hint="calibrate --guarantee sequence"
-                )
-            self.configs[CERTIFIED] = RunConfig(
-                exits=cert.exits,
-                thresholds=cert.thresholds(),
-                policy=cert.policy,
-                signal=cert.signal,
-                top_k=cert.top_k,
-                max_new_tokens=opts.max_new_tokens,
-                stop_ids=stop,
-                note="the setting of the sequence certificate below",
-                certified=True,
-            )
-            self.runners[CERTIFIED] = Runner(rt, self.configs[CERTIFIED])
-        for name, path in opts.compare.items():  # other artifacts (int4 ...) at full depth, one thread pool
-            other = ArtifactRuntime(path, provider=opts.provider, threads=opts.threads)
-            if other.manifest.model.get("sha256") != rt.manifest.model.get("sha256"):
-                raise UsageError(f"--compare {name}: {path} was exported from another model")
-            self.runners[name] = Runner(other, resolve_config(other, base, stop))
-        m = rt.manifest
-        spec = m.model.get("spec") if m.model.get("kind") != "default" else None
-        self.hf = _HF(spec, opts.max_new_tokens) if "hf" in opts.configs else None
-
-    def early_options(self, policy: str, scale: float) -> RunOptions:
-        o = self.opts
-        return RunOptions(
-            exits=o.exits,
-            signal=o.signal,
-            policy="river" if policy == RIVER_EXIT else policy,
-            river_predict="exit" if policy == RIVER_EXIT else "end",
-            thresholds=o.thresholds,
-            threshold_scale=o.threshold_scale * scale,
-            max_new_tokens=o.max_new_tokens,
-            provider=o.provider,
-        )
-
-    def steps(self, name: str) -> bool:
-        """eectl's configurations take turns step by step (timing._turns) on the CPU EP without a weight setting.
-        Their Runners share the runtime but not where their states live (each run's own `Placement`,
-        runtime/placement.py), so device-resident ones could step too; off the CPU EP turns are neither tested nor
-        measured yet, and under a weight setting the runners would share one runtime's slow-tier counters."""
-        rt = self.runners[name].rt if name in self.runners else None
-        return rt is not None and rt.device == "cpu" and not self.opts.weights.active
-
-    def once(self, name: str, prompt_ids: list[list[int]], on_step: OnStep | None = None) -> _Run:
-        run = _Run([], [], [], [], 0.0)
-        if name == "hf":  # one prompt at a time
-            assert self.hf is not None
-            for p in prompt_ids:
-                new, ttft, lat = self.hf.run(p, self.stop)
-                run.generations.append(new)
-                run.ttfts.append(ttft)
-                run.latencies.extend(lat)
-                run.per_prompt.append((sum(lat), len(lat)))
-                run.decode_tokens += len(lat)
-                run.decode_wall_s += sum(lat)
-                self.tick(1)
-            return run
-        b = self.opts.batch_size
-        for i in range(0, len(prompt_ids), b):
-            self.memory.start()
-            gens: list[Generation] = self.runners[name].generate(prompt_ids[i : i + b], on_step=on_step)
-            self.memory.stop(name, gens)
-            for g in gens:
-                run.generations.append(g.token_ids)
-                run.ttfts.append(g.ttft_s)
-                run.latencies.extend(g.latencies_s[1:])
-                run.exit_layers.extend(g.exit_layers[1:])
-                run.decide_s += g.decide_s
-                for layer, n in g.decided.items():
-                    run.decided[layer] = run.decided.get(layer, 0) + n
-                for layer, n in g.picked.items():
-                    run.picked[layer] = run.picked.get(layer, 0) + n
-                run.drafted += g.drafted
-                run.rejected += g.rejected_drafts
-                run.prompt_drafted += g.prompt_drafted
-                run.prompt_accepted += g.prompt_accepted
-                # a row's own decode time (its steps' wall time, shared with the other rows) and tokens
-                run.per_prompt.append((sum(g.latencies_s[1:]), len(g.latencies_s) - 1))
-                run.decode_tokens += len(g.latencies_s) - 1
-            # the rows step together: the longest-running row was live in every decode step of the batch
-            run.decode_wall_s += max(sum(g.latencies_s[1:]) for g in gens)
-            self.tick(len(gens))
-        return run
 
 
 def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> ConfigResult:
@@ -309,7 +146,7 @@ def _throughput(reps: list[_Run]) -> float:
     return sum(r.decode_tokens for r in reps) / wall if wall > 0 else 0.0
 
 
-def _perplexities(configs: _Configs, results: list[ConfigResult], tok: Any, heldout: list[str], log: Any) -> None:
+def _perplexities(configs: Configs, results: list[ConfigResult], tok: Any, heldout: list[str], log: Any) -> None:
     """Teacher-forced perplexity of every configuration whose policy can score text; a lossless policy's is full
     depth's by construction."""
     text_ids = _heldout_ids(tok, heldout, configs.opts.ppl_tokens, configs.rt.manifest.max_positions)
@@ -328,7 +165,7 @@ def _perplexities(configs: _Configs, results: list[ConfigResult], tok: Any, held
 
 
 def _step_agreements(
-    configs: _Configs, runs: dict[str, list[_Run]], ids: list[list[int]], results: list[ConfigResult]
+    configs: Configs, runs: dict[str, list[_Run]], ids: list[list[int]], results: list[ConfigResult]
 ) -> None:
     """Per-token agreement of each configuration that may change the tokens, on its own path: full depth
     teacher-forced over each prompt + the configuration's first-repetition tokens chooses, after every prefix, the
@@ -350,7 +187,7 @@ def _step_agreements(
             r.step_agreement_ci = share_ci(np.array(same), np.array(total))
 
 
-def _sweep(configs: _Configs, ids: list[list[int]], full_tokens: list[list[int]]) -> list[dict[str, Any]]:
+def _sweep(configs: Configs, ids: list[list[int]], full_tokens: list[list[int]]) -> list[dict[str, Any]]:
     """The early-exit policy (river, else defer, if benchmarked) at each threshold scale, each against a full-depth
     run."""
     early = [c for c in configs.opts.configs if c in POLICIES or c == RIVER_EXIT]
@@ -401,7 +238,7 @@ def run_bench(
     cert = m.certificate
     tok = load_tokenizer(rt)
     ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
-    configs = _Configs(rt, opts, tuple(m.eos_token_ids), progress)
+    configs = Configs(rt, opts, tuple(m.eos_token_ids), progress)
     if log is not None:
         for cfg in configs.configs.values():
             if cfg.note:
@@ -410,30 +247,15 @@ def run_bench(
     order = ["full", AA, *[c for c in opts.configs if c not in ("full", AA)]]
     timing = _gated(configs, order, ids, opts, log)
     runs = timing.runs
-    aa_ci, n_ratios = _aa_interval(timing)
-    verdict = noise_verdict(aa_ci, n_ratios)
-    # the smallest speedup this run can tell from noise: how far the A/A control's interval reaches from 1
-    resolution = max(1.0 - aa_ci[0], aa_ci[1] - 1.0) if all(math.isfinite(x) for x in aa_ci) else None
-    load = float(np.mean(timing.load)) if timing.load else None
-    if verdict != "conclusive" and load is not None:
-        verdict += f" (other processes kept {load:.2f} cores busy on average)"
+    verdict, resolution, load = _noise(timing)
     full_tokens = runs["full"][0].generations
     results = [_result(name, timing, configs, tok, answers, verdict) for name in order]
-    for r in results:
-        if r.name not in ("full", AA) and verdict == "conclusive":
-            r.reading = speed_reading(r.speedup_vs_full_ci, resolution)
-    for r in results:  # drafts from the context at full depth: the cost model on this run's own answers
-        drafting = configs.configs.get(r.name)
-        if drafting is not None and drafting.prompt_drafts and not drafting.exits:
-            r.model_speedup = lookup_model(drafting, m, ids, runs[r.name][0].generations)
+    _readings(results, verdict, resolution)
+    _lookup_models(configs, results, ids, runs)
     _step_agreements(configs, runs, ids, results)
     if heldout:
         _perplexities(configs, results, tok, heldout, log)
-    river_kv = None
-    if "river" in configs.runners:
-        if log is not None:
-            log.log("river: its K/V against the exact K/V of the same tokens, per layer (first prompt)")
-        river_kv = river_kv_cosine(configs.runners["river"], ids[0])
+    river_kv = _river_kv(configs, ids, log)
     sweep = _sweep(configs, ids, full_tokens)
     check = _certificate_check(cert, runs, tok, answers, opts.max_new_tokens)
     default, plan_line = (m.plan.default, m.plan.summary()) if m.plan is not None else ("", "")
@@ -467,6 +289,45 @@ def run_bench(
         certificate_check=check,
         memory=configs.memory.section(),
     )
+
+
+def _noise(timing: _Timing) -> tuple[str, float | None, float | None]:
+    """The run's noise: its verdict (from the A/A control's interval), the smallest speedup it can tell from noise,
+    and the other processes' mean load when that was measured."""
+    aa_ci, n_ratios = _aa_interval(timing)
+    verdict = noise_verdict(aa_ci, n_ratios)
+    # the smallest speedup this run can tell from noise: how far the A/A control's interval reaches from 1
+    resolution = max(1.0 - aa_ci[0], aa_ci[1] - 1.0) if all(math.isfinite(x) for x in aa_ci) else None
+    load = float(np.mean(timing.load)) if timing.load else None
+    if verdict != "conclusive" and load is not None:
+        verdict += f" (other processes kept {load:.2f} cores busy on average)"
+    return verdict, resolution, load
+
+
+def _readings(results: list[ConfigResult], verdict: str, resolution: float | None) -> None:
+    """In a conclusive run, each configuration but full and its A/A copy reads faster, slower or no difference."""
+    for r in results:
+        if r.name not in ("full", AA) and verdict == "conclusive":
+            r.reading = speed_reading(r.speedup_vs_full_ci, resolution)
+
+
+def _lookup_models(
+    configs: Configs, results: list[ConfigResult], ids: list[list[int]], runs: dict[str, list[_Run]]
+) -> None:
+    """Drafts from the context at full depth: the cost model's speedup on this run's own answers."""
+    for r in results:
+        drafting = configs.configs.get(r.name)
+        if drafting is not None and drafting.prompt_drafts and not drafting.exits:
+            r.model_speedup = lookup_model(drafting, configs.rt.manifest, ids, runs[r.name][0].generations)
+
+
+def _river_kv(configs: Configs, ids: list[list[int]], log: Any) -> dict[str, Any] | None:
+    """River's K/V against the exact K/V of the same tokens, per layer, on the first prompt (None without river)."""
+    if "river" not in configs.runners:
+        return None
+    if log is not None:
+        log.log("river: its K/V against the exact K/V of the same tokens, per layer (first prompt)")
+    return river_kv_cosine(configs.runners["river"], ids[0])
 
 
 def _check_options(opts: BenchOptions, prompts: list[str]) -> None:
@@ -541,7 +402,7 @@ def _paired(base: np.ndarray, other: np.ndarray, column: int = 0) -> tuple[float
 
 
 def _result(
-    name: str, timing: _Timing, configs: _Configs, tok: Any, answers: list[str | None] | None, verdict: str
+    name: str, timing: _Timing, configs: Configs, tok: Any, answers: list[str | None] | None, verdict: str
 ) -> ConfigResult:
     """One configuration's row: speed (the paired block statistic against full and hf, with its interval),
     predictions, fidelity against full depth's first repetition."""
