@@ -14,7 +14,7 @@ from eectl.exits.base import ExitHead, signals, topk_candidates
 from eectl.exits.designs import BlockHead
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
-from eectl.models.adapters import KVCache
+from eectl.models.parts import KVCache
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig

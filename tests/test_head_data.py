@@ -184,7 +184,7 @@ def test_cli_trains_a_block_from_a_state_cache(tiny_dirs, tmp_path):
 
 def test_block_head_decoding_with_its_own_kv_equals_the_whole_sequence(llama):
     from eectl.exits.designs import BlockHead
-    from eectl.models.adapters import KVCache
+    from eectl.models.parts import KVCache
 
     adapter = llama.adapter
     torch.manual_seed(0)

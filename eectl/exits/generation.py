@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from eectl.data import encode_prompt
-from eectl.models.adapters import Adapter, Capture, KVCache
+from eectl.models.adapters import Adapter, Capture
+from eectl.models.parts import KVCache
 
 
 @dataclass

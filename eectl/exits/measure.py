@@ -24,7 +24,8 @@ from eectl.exits.base import CandidateSource, ExitHead, TorchExitLogits, no_prob
 from eectl.exits.candidates import make_source
 from eectl.exits.generation import Continuation, Keep, generate_continuations, left_padded
 from eectl.exits.signals import ExitScoring, get_signal
-from eectl.models.adapters import Adapter, KVCache
+from eectl.models.adapters import Adapter
+from eectl.models.parts import KVCache
 
 SOURCES = ("teacher-forced", "generated")
 

@@ -31,7 +31,8 @@ from onnx import TensorProto
 from eectl.contracts.manifest import BlockExit, GraphIO
 from eectl.exits.designs import BlockHead
 from eectl.export.graphs import _Builder, _layer
-from eectl.models.adapters import Adapter, KVCache
+from eectl.models.adapters import Adapter
+from eectl.models.parts import KVCache
 
 
 def is_block(head: torch.nn.Module | None) -> TypeGuard[BlockHead]:

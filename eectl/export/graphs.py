@@ -42,7 +42,8 @@ from onnx.external_data_helper import set_external_data
 
 from eectl import __version__
 from eectl.contracts.manifest import GraphIO
-from eectl.models.adapters import Adapter, LayerWeights
+from eectl.models.adapters import Adapter
+from eectl.models.parts import LayerWeights
 
 OPSET = 21
 IR_VERSION = 10

@@ -22,8 +22,9 @@ from eectl.exits.candidates import FirstExitTopK, make_source
 from eectl.exits.designs import BlockHead
 from eectl.export.block import block_kv_diff, is_block, torch_block_states, validate_block_kv
 from eectl.export.quantize import agreement_verdict
-from eectl.models.adapters import Adapter, Capture, KVCache
+from eectl.models.adapters import Adapter, Capture
 from eectl.models.loading import LoadedModel
+from eectl.models.parts import KVCache
 from eectl.runtime.blocks import run_block
 
 # Validation tolerance on logits (max abs difference, ORT vs torch) per artifact dtype.
