@@ -129,16 +129,7 @@ def certify(
     certified: int | None = None
     bound = guarantee.HOEFFDING_BENTKUS if kind == "share" else guarantee.BINOMIAL
     for j, t in enumerate(grid):
-        config = RunConfig(
-            exits=list(exits),
-            thresholds={e: dict.fromkeys(signal.criteria, t) for e in exits},
-            policy=opts.policy,
-            signal=signal.name,
-            top_k=top_k,
-            max_new_tokens=new,
-            stop_ids=stop,
-        )
-        gens = generate(config)
+        gens = generate(_at_threshold(list(exits), signal.name, signal.criteria, t, opts.policy, top_k, new, stop))
         pairs = zip(gens, ref, answers, strict=True)
         loss = np.array([_loss(kind, n, g.token_ids, r.token_ids, a, decode) for g, r, a in pairs])
         losses.append(loss)
@@ -176,6 +167,28 @@ def certify(
         data=data,
         wall_s=time.perf_counter() - t0,
         threads=rt.threads,
+    )
+
+
+def _at_threshold(
+    exits: list[int],
+    signal: str,
+    criteria: Sequence[str],
+    t: float,
+    policy: str,
+    top_k: int,
+    new: int,
+    stop: tuple[int, ...],
+) -> RunConfig:
+    """The setting under test at threshold `t`: every exit, with each of the signal's criteria at `t`."""
+    return RunConfig(
+        exits=exits,
+        thresholds={e: dict.fromkeys(criteria, t) for e in exits},
+        policy=policy,
+        signal=signal,
+        top_k=top_k,
+        max_new_tokens=new,
+        stop_ids=stop,
     )
 
 
