@@ -201,14 +201,36 @@ def train_cached(
     stack.eval()
     if any(p.requires_grad for p in model.parameters()):
         raise EectlError("internal: a base model parameter was unfrozen during training")
-    probe_fit = None
-    if config.design not in SEQUENCE_DESIGNS:  # a block head reads the sequence: no per-token probe features yet
-        say(f"fitting exit probes (the learned signal) on {ProbeConfig().tokens} training tokens")
-        heads = {layer: stack.head(layer) for layer in exits}
-        probe_fit = fit_cached_probes(adapter, cache, heads, ProbeConfig(seed=config.seed, top_k=config.top_k))
+    probe_fit = _cached_probes(adapter, cache, config, stack, say)
+    report = _held_report(adapter, cache, config, stack, say)
+    meta = _cached_meta(loaded, cache, config, stream, stack, history, report, train_s)
+    meta.probe = None if probe_fit is None else probe_fit.meta()
+    result = TrainResult(meta, out, sidecar_path(out), ckpt)
+    result.wall_s = time.perf_counter() - start
+    meta.training["wall_s"] = round(result.wall_s, 2)
+    save_heads(stack, meta, out)
+    return result
 
+
+def _cached_probes(
+    adapter: Adapter, cache: StateCache, config: CachedConfig, stack: HeadStack, say: Callable[[str], None]
+) -> ProbeFit | None:
+    """The learned signal's probes from the cache (None for a sequence design: a block head reads the sequence, and
+    there are no per-token probe features for it yet)."""
+    if config.design in SEQUENCE_DESIGNS:
+        return None
+    say(f"fitting exit probes (the learned signal) on {ProbeConfig().tokens} training tokens")
+    heads = {layer: stack.head(layer) for layer in config.exits}
+    return fit_cached_probes(adapter, cache, heads, ProbeConfig(seed=config.seed, top_k=config.top_k))
+
+
+def _held_report(
+    adapter: Adapter, cache: StateCache, config: CachedConfig, stack: HeadStack, say: Callable[[str], None]
+) -> dict[str, EvalResult]:
+    """Before (logit lens) and after (heads) on about `config.eval_tokens` tokens of the cache's held-out split."""
+    exits = config.exits
     say(f"evaluating on about {config.eval_tokens} tokens of the cache's held-out split")
-    report = evaluate(
+    return evaluate(
         adapter,
         {"before": dict.fromkeys(exits), "after": {layer: stack.head(layer) for layer in exits}},
         [],
@@ -217,13 +239,6 @@ def train_cached(
         config.target,
         passes=_cached_passes(adapter, cache, "held", exits, ("text", "gen"), config.eval_tokens),
     )
-    meta = _cached_meta(loaded, cache, config, stream, stack, history, report, train_s)
-    meta.probe = None if probe_fit is None else probe_fit.meta()
-    result = TrainResult(meta, out, sidecar_path(out), ckpt)
-    result.wall_s = time.perf_counter() - start
-    meta.training["wall_s"] = round(result.wall_s, 2)
-    save_heads(stack, meta, out)
-    return result
 
 
 def cached_probe_samples(
