@@ -151,26 +151,10 @@ def predict(
         if runs is not None:  # gated: every token reaching the exit tests its gate
             decision += reach * costs.gate_ms.get(str(layer), 0.0)
         reach -= cov
-    n_seg = len(boundaries)
     step = decision
     rate = 0.0
     for layer, cov, _ in per_exit:
-        s = _segment_of(boundaries, layer)
-        paid = costs.embed_ms + sum(costs.segment_ms[: s + 1]) + over * (s + 1)
-        if costs.exit_predict_ms is not None and policy != "river":  # the river's end predicts instead
-            paid += costs.exit_predict_ms[str(layer)]
-        later = range(s + 1, n_seg)
-        if policy == "copy":
-            paid += sum(costs.kv_ms[t] for t in later) + over * len(later)
-        elif policy in RIVER_POLICIES:  # the exited token flows on through the int4 copies
-            paid += sum(_river_ms(costs, t) for t in later) + over * len(later)
-            if policy == "river":
-                paid += costs.river_head_ms if costs.river_head_ms is not None else costs.final_head_ms
-        else:  # defer, verify: the exited state rides along with a later step through every later segment
-            paid += sum(costs.segment_extra_ms[t] for t in later)
-            if policy == "verify":
-                paid += costs.final_head_extra_ms
-        step += cov * paid
+        step += cov * _exit_paid(costs, boundaries, policy, layer, over)
         rate += cov
     step += max(0.0, 1.0 - rate) * full
     lost = 0.0
@@ -192,6 +176,27 @@ def predict(
         exit_rate=rate,
         lost_per_step=lost,
     )
+
+
+def _exit_paid(costs: Costs, boundaries: Sequence[int], policy: str, layer: int, over: float) -> float:
+    """The ms of a step whose token exits at `layer`: the segments up to it, the exit's prediction, and what the
+    policy does with the later segments (copy: K/V-only calls; river: the int4 copies; defer, verify: a ride-along)."""
+    s = _segment_of(boundaries, layer)
+    paid = costs.embed_ms + sum(costs.segment_ms[: s + 1]) + over * (s + 1)
+    if costs.exit_predict_ms is not None and policy != "river":  # the river's end predicts instead
+        paid += costs.exit_predict_ms[str(layer)]
+    later = range(s + 1, len(boundaries))
+    if policy == "copy":
+        paid += sum(costs.kv_ms[t] for t in later) + over * len(later)
+    elif policy in RIVER_POLICIES:  # the exited token flows on through the int4 copies
+        paid += sum(_river_ms(costs, t) for t in later) + over * len(later)
+        if policy == "river":
+            paid += costs.river_head_ms if costs.river_head_ms is not None else costs.final_head_ms
+    else:  # defer, verify: the exited state rides along with a later step through every later segment
+        paid += sum(costs.segment_extra_ms[t] for t in later)
+        if policy == "verify":
+            paid += costs.final_head_extra_ms
+    return paid
 
 
 def predict_option(costs: Costs, boundaries: Sequence[int], policy: str, option: Option) -> Prediction:
