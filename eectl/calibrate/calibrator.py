@@ -318,34 +318,9 @@ def summarise(
             "leaves it out unless it pays)"
         )
     wall = collected.wall_s + time.perf_counter() - start
-    held = meas.heldout_mask(opts.holdout)
-    source = loaded.source.to_dict()
-    adapter = loaded.adapter
     return Calibration(
-        model=ModelInfo(
-            name=str(source["name"]),
-            kind=str(source["kind"]),
-            spec=str(source["spec"]),
-            path=None if source["path"] in (None, "None") else str(source["path"]),
-            sha256=str(source["sha256"]),
-            family=adapter.family,
-            num_layers=adapter.num_layers,
-        ),
-        data=DataInfo(
-            name=data.name,
-            description=data.description,
-            records=len(data.texts),
-            tokens=meas.n,
-            teacher_forced_tokens=int((meas.source == 0).sum()),
-            generated_tokens=int((meas.source == 1).sum()),
-            prompts_used=collected.prompts_used,
-            chat_template=collected.chat_template,
-            gen_tokens_per_prompt=opts.gen_tokens,
-            chunk_len=opts.chunk_len,
-            holdout=opts.holdout,
-            calibration_tokens=int((~held).sum()),
-            heldout_tokens=int(held.sum()),
-        ),
+        model=_model_info(loaded),
+        data=_data_info(data, meas, opts, collected),
         signal=opts.signal,
         criteria=list(signal.criteria),
         top_k=opts.top_k if signal.needs_candidates else None,
@@ -378,6 +353,41 @@ def summarise(
         threads=torch.get_num_threads(),
         wall_s=wall,
         seconds_per_10k_tokens=wall / max(1, meas.n) * 10_000,
+    )
+
+
+def _model_info(loaded: Any) -> ModelInfo:
+    """The calibrated model as the calibration file names it: its source and its family's layer count."""
+    source = loaded.source.to_dict()
+    adapter = loaded.adapter
+    return ModelInfo(
+        name=str(source["name"]),
+        kind=str(source["kind"]),
+        spec=str(source["spec"]),
+        path=None if source["path"] in (None, "None") else str(source["path"]),
+        sha256=str(source["sha256"]),
+        family=adapter.family,
+        num_layers=adapter.num_layers,
+    )
+
+
+def _data_info(data: Any, meas: Measurements, opts: CalibrateOptions, collected: Collected) -> DataInfo:
+    """What the thresholds were fitted on: the data, its tokens by source and the calibration / held-out split."""
+    held = meas.heldout_mask(opts.holdout)
+    return DataInfo(
+        name=data.name,
+        description=data.description,
+        records=len(data.texts),
+        tokens=meas.n,
+        teacher_forced_tokens=int((meas.source == 0).sum()),
+        generated_tokens=int((meas.source == 1).sum()),
+        prompts_used=collected.prompts_used,
+        chat_template=collected.chat_template,
+        gen_tokens_per_prompt=opts.gen_tokens,
+        chunk_len=opts.chunk_len,
+        holdout=opts.holdout,
+        calibration_tokens=int((~held).sum()),
+        heldout_tokens=int(held.sum()),
     )
 
 
