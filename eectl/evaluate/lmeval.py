@@ -133,27 +133,7 @@ def run_eval(
     lm_eval = _lm_eval()
     from lm_eval.tasks import TaskManager
 
-    from eectl.contracts.plan import LOOKUP
-    from eectl.data import read_gsm8k
-    from eectl.runtime.policies import POLICIES
-
-    known = ("full", "hf", *POLICIES, LOOKUP)
-    bad = [c for c in opts.configs if c not in known]
-    if bad:
-        raise UsageError(f"unknown configuration '{bad[0]}'; choose from {', '.join(known)}")
-    unknown = [t for t in opts.tasks if t not in TASKS]
-    if unknown:
-        raise UsageError(f"unknown task '{unknown[0]}'; the offline tasks are {', '.join(TASKS)}")
-    needs_gsm8k = any(t.startswith("eectl_gsm8k") for t in opts.tasks)
-    if needs_gsm8k:
-        if not opts.gsm8k_path:
-            raise UsageError("the GSM8K tasks need --gsm8k PATH (a GSM8K .jsonl: question, answer)")
-        existing_file(opts.gsm8k_path, "--gsm8k", UsageError, hint="a GSM8K .jsonl: question, answer")
-        read_gsm8k(opts.gsm8k_path)  # malformed, not UTF-8, without answers, empty: one line before anything runs
-    if "eectl_humaneval" in opts.tasks and not opts.allow_code_execution:
-        raise UsageError(
-            "eectl_humaneval runs the generated code to score it", hint="pass --allow-code-execution to allow it"
-        )
+    _check_eval_options(opts)
     make_lm_class()
     hf = hf_checkpoint(artifact, opts.hf_model) if "hf" in opts.configs else None  # before any configuration runs
     if hf is not None and log is not None:
@@ -182,13 +162,7 @@ def run_eval(
             torch_random_seed=0,
             fewshot_random_seed=0,
         )
-        metrics: dict[str, dict[str, float]] = {}
-        stderr: dict[str, dict[str, float]] = {}
-        for task, res in out["results"].items():
-            for k, v in res.items():
-                if not isinstance(v, int | float) or k in ("alias", "sample_len"):
-                    continue
-                (stderr if "_stderr" in k else metrics).setdefault(task, {})[k.replace("_stderr", "")] = float(v)
+        metrics, stderr = _metrics(out)
         samples = {
             t: [(s["doc_id"], s["resps"], s["filtered_resps"]) for s in sorted(ss, key=lambda s: s["doc_id"])]
             for t, ss in out.get("samples", {}).items()
@@ -214,6 +188,44 @@ def run_eval(
     if hf is not None:
         settings["hf"] = {"checkpoint": hf.pretrained, "checked": hf.checked, "note": hf.note}
     return scores, settings
+
+
+def _check_eval_options(opts: EvalOptions) -> None:
+    """Every check of the options before a configuration runs: known configurations and tasks, a readable GSM8K file
+    for its tasks, and --allow-code-execution for HumanEval (UsageError, one line)."""
+    from eectl.contracts.plan import LOOKUP
+    from eectl.data import read_gsm8k
+    from eectl.runtime.policies import POLICIES
+
+    known = ("full", "hf", *POLICIES, LOOKUP)
+    bad = [c for c in opts.configs if c not in known]
+    if bad:
+        raise UsageError(f"unknown configuration '{bad[0]}'; choose from {', '.join(known)}")
+    unknown = [t for t in opts.tasks if t not in TASKS]
+    if unknown:
+        raise UsageError(f"unknown task '{unknown[0]}'; the offline tasks are {', '.join(TASKS)}")
+    needs_gsm8k = any(t.startswith("eectl_gsm8k") for t in opts.tasks)
+    if needs_gsm8k:
+        if not opts.gsm8k_path:
+            raise UsageError("the GSM8K tasks need --gsm8k PATH (a GSM8K .jsonl: question, answer)")
+        existing_file(opts.gsm8k_path, "--gsm8k", UsageError, hint="a GSM8K .jsonl: question, answer")
+        read_gsm8k(opts.gsm8k_path)  # malformed, not UTF-8, without answers, empty: one line before anything runs
+    if "eectl_humaneval" in opts.tasks and not opts.allow_code_execution:
+        raise UsageError(
+            "eectl_humaneval runs the generated code to score it", hint="pass --allow-code-execution to allow it"
+        )
+
+
+def _metrics(out: dict[str, Any]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """simple_evaluate's numeric results per task: the metrics, and their standard errors under the same names."""
+    metrics: dict[str, dict[str, float]] = {}
+    stderr: dict[str, dict[str, float]] = {}
+    for task, res in out["results"].items():
+        for k, v in res.items():
+            if not isinstance(v, int | float) or k in ("alias", "sample_len"):
+                continue
+            (stderr if "_stderr" in k else metrics).setdefault(task, {})[k.replace("_stderr", "")] = float(v)
+    return metrics, stderr
 
 
 def _model(artifact: str | Path, config: str, opts: EvalOptions, hf: HFCheckpoint | None) -> Any:
