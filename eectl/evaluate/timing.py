@@ -44,7 +44,7 @@ def _rss_mb() -> float:
 
 
 class Configurations(Protocol):
-    """What the timed phase runs (bench._Configs): one configuration over some prompts, and progress."""
+    """What the timed phase runs (configs.Configs): one configuration over some prompts, and progress."""
 
     opts: BenchOptions
 
