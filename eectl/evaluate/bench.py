@@ -243,6 +243,8 @@ def run_bench(
         for cfg in configs.configs.values():
             if cfg.note:
                 log.log(cfg.note)
+        if opts.compare:
+            log.log(COMPARE_CAVEAT)
     # the A/A control always runs; the Williams design puts it and full at different positions in every order
     order = ["full", AA, *[c for c in opts.configs if c not in ("full", AA)]]
     timing = _gated(configs, order, ids, opts, log)
@@ -368,6 +370,16 @@ def _certificate_check(cert: Any, runs: dict[str, Any], tok: Any, answers: Any, 
     return realized_risk(cert, got, full, decode, answers or [None] * len(got), generated)[1]
 
 
+# Measured (docs/results/2026-12-03-bench.md): one artifact loaded three times in one process, full depth, steps
+# taken in turn on one pinned thread: the 2nd runtime read 1.05-1.06x the 1st in five runs, the 3rd 1.09x. Not the
+# step schedule, thread placement, malloc's mmap threshold, huge pages or runners sharing a runtime; cause unknown.
+COMPARE_CAVEAT = (
+    "--compare: each compared artifact runs in a runtime created after the artifact's own, and in one process a "
+    "runtime created later read faster than an earlier one of the same artifact (an A/A pair of runtimes: 1.05x "
+    "for the second, 1.09x for the third), so a compared artifact's ratio within about 10% of 1 is not a difference"
+)
+
+
 def _notes(rt: ArtifactRuntime, opts: BenchOptions) -> list[str]:
     """What the report's notes say about how this run ran."""
     m = rt.manifest
@@ -379,6 +391,8 @@ def _notes(rt: ArtifactRuntime, opts: BenchOptions) -> list[str]:
     ]
     if m.plan is not None:
         notes.append(m.plan.summary())
+    if opts.compare:
+        notes.append(COMPARE_CAVEAT)
     if m.costs is not None:
         notes.append(
             f"costs {_where_timed(opts, m.costs)} on {m.costs.provider} with "
