@@ -16,14 +16,20 @@ from eectl.errors import UsageError
 from eectl.files import check_path_option, path_problem
 
 
+def nearest_existing(path: Path) -> Path:
+    """The nearest ancestor of `path` that exists (the root at worst): what mkdir -p would create under."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return parent
+
+
 def check_output_file(path: Path, option: str) -> None:
     """Cheap checks of an output file's path before any work: not an existing folder, and the nearest existing
     ancestor is a folder (mkdir creates the rest). UsageError (one line) otherwise."""
     if path.is_dir():
         raise UsageError(f"{option} {path} is a folder; give a file name")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = nearest_existing(path)
     if not parent.is_dir():
         raise UsageError(f"{option} {path}: {parent} is not a folder")
 
@@ -35,9 +41,7 @@ def check_folder_option(path: Path | None, option: str) -> None:
         return
     if path.exists() and not path.is_dir():
         raise UsageError(f"{option} {path} is a file, not a folder", hint="give a folder; it is created if missing")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = nearest_existing(path)
     if not parent.is_dir():
         raise UsageError(f"{option} {path}: {parent} is not a folder")
 

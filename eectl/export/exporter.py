@@ -52,6 +52,7 @@ from eectl.export.validation import validate_artifact
 from eectl.files import STAGING_MARKER, locked_staging, output_error, sha256_file
 from eectl.models.adapters import Adapter
 from eectl.models.loading import LoadedModel
+from eectl.output_checks import nearest_existing
 from eectl.runtime.policies import POLICIES
 
 
@@ -129,9 +130,7 @@ def check_destination(out: Path, force: bool) -> None:
                 "only an artifact's own files",
                 hint="move them out of the folder first",
             )
-    parent = out.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = nearest_existing(out)
     if not parent.is_dir():
         raise ArtifactError(f"cannot create {out}: {parent} is not a folder")
 
