@@ -38,7 +38,13 @@ LrOpt = Annotated[
     float | None,
     typer.Option(help="Peak learning rate (AdamW; warm-up, cosine decay).", rich_help_panel="Training"),
 ]
-BatchTokensOpt = Annotated[int, typer.Option(help="Tokens per step (per process).", rich_help_panel="Training")]
+BatchTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Tokens per step (per process; default: the recipe's, else 32, or 256 from a --cache).",
+        rich_help_panel="Training",
+    ),
+]
 CeWeightOpt = Annotated[
     float, typer.Option(help="Weight of next-token cross-entropy added to the KL.", rich_help_panel="Training")
 ]
@@ -117,7 +123,7 @@ def train_heads(
     design: DesignOpt = None,
     rank: RankOpt = None,
     lr: LrOpt = None,
-    batch_tokens: BatchTokensOpt = 32,
+    batch_tokens: BatchTokensOpt = None,
     ce_weight: CeWeightOpt = 0.0,
     eval_tokens: EvalTokensOpt = None,
     seed: SeedOpt = 0,

@@ -97,6 +97,9 @@ class HeadsSpec(_Strict):
     tokens: int = _count("tokens", 16384)
     gen_share: float = Field(0.25, ge=0.0, le=1.0)
     loss: Literal["exact", "topk"] = "topk"
+    # tokens per optimiser step (None: 32 on the fly, 256 from a state cache); from a cache, steps = tokens / batch
+    batch_tokens: int | None = _count("batch_tokens", None)
+    probe_tokens: int = _count("tokens", 131072)  # the learned signal's probes (from a cache): training tokens
 
 
 class BenchSpec(_Strict):

@@ -74,6 +74,7 @@ class CachedConfig:
     eval_tokens: int = 4096  # held-out tokens of the report (the cache's held split may hold more, for calibration)
     top_k: int = DEFAULT_TOP_K
     target: float = 0.99
+    probe_tokens: int = ProbeConfig.tokens  # the learned signal's probes: training tokens (at most the cache's)
 
     def check(self, cache: StateCache) -> None:
         if self.design not in DESIGNS + SEQUENCE_DESIGNS:
@@ -92,7 +93,7 @@ class CachedConfig:
 
     def identity(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("save_every", "eval_tokens", "top_k", "target"):
+        for k in ("save_every", "eval_tokens", "top_k", "target", "probe_tokens"):
             d.pop(k)
         d["sources"] = list(self.sources)
         return d
@@ -219,9 +220,10 @@ def _cached_probes(
     there are no per-token probe features for it yet)."""
     if config.design in SEQUENCE_DESIGNS:
         return None
-    say(f"fitting exit probes (the learned signal) on {ProbeConfig().tokens} training tokens")
+    probe = ProbeConfig(tokens=config.probe_tokens, seed=config.seed, top_k=config.top_k)
+    say(f"fitting exit probes (the learned signal) on up to {probe.tokens} training tokens")
     heads = {layer: stack.head(layer) for layer in config.exits}
-    return fit_cached_probes(adapter, cache, heads, ProbeConfig(seed=config.seed, top_k=config.top_k))
+    return fit_cached_probes(adapter, cache, heads, probe)
 
 
 def _held_report(

@@ -22,6 +22,8 @@ from eectl.heads.train import DEFAULT_BATCH_TOKENS, TrainResult
 from eectl.output import Output
 from eectl.output_checks import check_folder_option, check_outputs, input_file
 
+CACHED_BATCH_TOKENS = 256  # tokens per optimiser step when training from a state cache (no heads.batch_tokens)
+
 
 @dataclass
 class HeadsRequest:
@@ -33,7 +35,7 @@ class HeadsRequest:
     design: str | None = None
     rank: int | None = None
     lr: float | None = None
-    batch_tokens: int = DEFAULT_BATCH_TOKENS
+    batch_tokens: int | None = None  # None: the recipe's heads.batch_tokens, else 32 per token, 256 from a cache
     ce_weight: float = 0.0
     eval_tokens: int | None = None
     seed: int = 0
@@ -107,7 +109,7 @@ def _train_per_token(r: Recipe, req: HeadsRequest, out: Output) -> TrainResult:
         rank=pick(req.rank, r.heads.rank),
         steps=pick(req.steps, r.heads.steps),
         lr=pick(req.lr, r.heads.lr),
-        batch_tokens=req.batch_tokens,
+        batch_tokens=pick(req.batch_tokens, r.heads.batch_tokens) or DEFAULT_BATCH_TOKENS,
         seed=req.seed,
         ce_weight=req.ce_weight,
         eval_tokens=pick(req.eval_tokens, r.heads.eval_tokens),
@@ -180,7 +182,7 @@ def _train_cached(r: Recipe, req: HeadsRequest, cache_dir: Path | None, out: Out
             bar.advance(k, info=f"{done[0] / max(time.perf_counter() - start, 1e-9):.0f} tokens/s")
 
         state_cache = build_cache(loaded, text, spec, folder, on_tokens, out.log)
-    batch = 256
+    batch = pick(req.batch_tokens, r.heads.batch_tokens) or CACHED_BATCH_TOKENS
     config = CachedConfig(
         exits=layers,
         design=pick(req.design, r.heads.design),
@@ -195,6 +197,7 @@ def _train_cached(r: Recipe, req: HeadsRequest, cache_dir: Path | None, out: Out
         eval_tokens=eval_tokens,
         top_k=r.top_k,
         target=r.target,
+        probe_tokens=pick(req.probe_tokens, r.heads.probe_tokens),
     )
     out.log(
         f"training {config.design} heads at exits {layers}: {config.steps} steps of {batch} tokens from {folder} "
