@@ -38,6 +38,17 @@ RecipeOpt = Annotated[
 ]
 
 
+BudgetNameOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--budget",
+        help="quick, standard or thorough: every size at once (tokens, head training, probes, calibration, bench); "
+        "wins over the recipe's sizes, not over this command's own options.",
+        rich_help_panel="Common",
+    ),
+]
+
+
 JsonOpt = Annotated[
     bool,
     typer.Option(

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from eectl.cli.app import JsonOpt, MaxRiskOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.cli.app import BudgetNameOpt, JsonOpt, MaxRiskOpt, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.cli.weights import BudgetOpt, MmapOpt, PlaceOpt, weight_options
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.plan import DEFAULT_DRAFTS
@@ -141,6 +141,7 @@ def bench(
     prompt_drafts: PromptDraftsOpt = DEFAULT_DRAFTS,
     compare: CompareOpt = None,
     recipe: RecipeOpt = None,
+    budget: BudgetNameOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -150,7 +151,7 @@ def bench(
     from eectl.evaluate.stage import bench as run_bench
 
     out = Output(json_out)
-    r = load_recipe(recipe)
+    r = load_recipe(recipe, budget)
     try:
         scales = None if sweep is None else [float(x) for x in sweep.split(",") if x.strip()]
     except ValueError:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from eectl.cli.app import ThreadsOpt, command, set_threads
+from eectl.cli.app import BudgetNameOpt, ThreadsOpt, command, set_threads
 from eectl.cli.cmd_run import streamer
 from eectl.contracts.recipe import load_recipe
 from eectl.output import Output
@@ -30,38 +30,43 @@ def pipeline(
     model: Annotated[
         str | None, typer.Option(help="Use this checkpoint instead of the recipe's model (e.g. a local copy).")
     ] = None,
+    data: Annotated[
+        str | None,
+        typer.Option(help="Use this data instead of the recipe's: a .jsonl, a text file, or humaneval."),
+    ] = None,
     dry_run: Annotated[
         bool,
         typer.Option(
             "--dry-run", help="Check the recipe against the model and print the plan; run nothing.", metavar=""
         ),
     ] = False,
+    budget: BudgetNameOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """The worked example: profile, train-heads, calibrate, export, run and bench from one recipe."""
-    from eectl.pipeline.steps import with_model
+    from eectl.pipeline.steps import with_changes
 
-    if model is None:
-        _pipeline(recipe, prompt, cache, dry_run, threads)
+    if model is None and data is None:
+        _pipeline(recipe, prompt, cache, dry_run, threads, budget)
         return
-    with with_model(recipe, model) as copy:  # every stage reads the recipe: one that names this model (removed after)
-        _pipeline(copy, prompt, cache, dry_run, threads)
+    with with_changes(recipe, model, data) as copy:  # every stage reads the recipe: one naming these (removed after)
+        _pipeline(copy, prompt, cache, dry_run, threads, budget)
 
 
-def _pipeline(recipe: Path, prompt: str, cache: bool, dry_run: bool, threads: int | None) -> None:
+def _pipeline(recipe: Path, prompt: str, cache: bool, dry_run: bool, threads: int | None, budget: str | None) -> None:
     from eectl.pipeline.runner import Hooks, run_pipeline
 
     out = Output()
-    n_threads = set_threads(threads, load_recipe(recipe))
+    n_threads = set_threads(threads, load_recipe(recipe, budget))
     if dry_run:
-        _print_dry_run(out, recipe)
+        _print_dry_run(out, recipe, budget)
         return
 
     def start(i: int, count: int, stage: str) -> None:
         out.err.rule(f"[bold]{i + 1}/{count} eectl {stage}[/bold]")
 
     hooks = Hooks(start, _printer(out), streamer(out, [prompt], 1))
-    done = run_pipeline(recipe, prompt, out, cache=cache, threads=n_threads, hooks=hooks)
+    done = run_pipeline(recipe, prompt, out, cache=cache, threads=n_threads, hooks=hooks, budget=budget)
     out.err.rule("[bold]done[/bold]")
     rows = [(s.stage, f"{s.seconds:.1f}", s.work) for s in done.stages]
     out.table("stage times", ["stage", "seconds", "work"], [*rows, ("total", f"{done.seconds:.1f}", "")])
@@ -71,10 +76,10 @@ def _pipeline(recipe: Path, prompt: str, cache: bool, dry_run: bool, threads: in
         out.line(done.verdict)
 
 
-def _print_dry_run(out: Output, recipe: Path) -> None:
+def _print_dry_run(out: Output, recipe: Path, budget: str | None) -> None:
     from eectl.pipeline.steps import dry_run as check_recipe
 
-    d = check_recipe(load_recipe(recipe))
+    d = check_recipe(load_recipe(recipe, budget))
     out.table(
         f"{d.recipe}: {d.model['name']} ({d.family}, {d.num_layers} layers), exits {d.exits}",
         ["stage", "would run"],

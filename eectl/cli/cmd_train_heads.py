@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.cli.app import BudgetNameOpt, JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.layers import parse_layers
 from eectl.contracts.recipe import load_recipe
 from eectl.output import Output
@@ -141,6 +141,7 @@ def train_heads(
     probe_tokens: ProbeTokensOpt = None,
     probe_hidden: ProbeHiddenOpt = None,
     recipe: RecipeOpt = None,
+    budget: BudgetNameOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -149,7 +150,7 @@ def train_heads(
     from eectl.heads.stage import train_heads as train
 
     out = Output(json_out)
-    r = load_recipe(recipe)
+    r = load_recipe(recipe, budget)
     req = HeadsRequest(
         model=model,
         data=data,

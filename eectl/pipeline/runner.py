@@ -57,14 +57,17 @@ def run_pipeline(
     threads: int | None = None,
     folder: Path = Path("artifacts"),
     hooks: Hooks | None = None,
+    budget: str | None = None,
 ) -> PipelineResult:
     """Run every stage from the recipe at `recipe_file` (the stages read it: its path is an input no output may
-    land on); `threads` is the count the caller set up, `prompt` the run stage's sample prompt."""
+    land on) at `budget` (None: the recipe's own sizes or budget); `threads` is the count the caller set up,
+    `prompt` the run stage's sample prompt. Data too small for the budget is refused before any stage runs."""
     from eectl.pipeline.cache import PipelineCache
 
     hooks = hooks or Hooks()
-    recipe = load_recipe(recipe_file)
+    recipe = load_recipe(recipe_file, budget)
     p = plan(recipe, folder)
+    check_data(recipe, out)
     stages = _Stages(recipe, recipe_file, p, prompt, cache, threads, out, hooks)
     reuse = PipelineCache(recipe, p, enabled=cache)
     done = PipelineResult(p)
@@ -154,6 +157,24 @@ class _Stages:
         p = self.plan
         req = BenchRequest(str(p.artifact), report=p.report, recipe_file=self.recipe_file, threads=self.threads)
         return bench(self.recipe, req, self.out)
+
+
+def check_data(recipe: Recipe, out: Output) -> None:
+    """A recipe whose heads train from a state cache: refused at once (one DataError line) when its data cannot fill
+    the cache, before minutes of other stages."""
+    if recipe.heads.cache is None:
+        return
+    from eectl.data import load_text_data
+    from eectl.heads.supply import check_supply
+    from eectl.models.loading import load_tokenizer
+
+    text = load_text_data(recipe.data.source, recipe.data.field)
+    s = check_supply(load_tokenizer(recipe.model, log=out), text, recipe)
+    out.log(
+        f"budget {recipe.budget or '-'}: {recipe.heads.tokens} state-cache tokens ({s.prompts_needed}+ of "
+        f"{s.prompts} prompts continued), {recipe.data.tokens} calibration tokens, bench {recipe.bench.prompts} "
+        f"prompts x {recipe.bench.max_new_tokens} tokens x {recipe.bench.reps} reps"
+    )
 
 
 def bench_verdict(path: Path) -> str:

@@ -4,8 +4,9 @@ The plan is data: which stages run and where each output lands (artifacts/ under
 the model); pipeline/runner.py runs them by calling each stage's library function, the same one its command calls,
 so a pipeline stage does exactly what the command of the same name does with the recipe's settings.
 
-`dry_run` checks a recipe against its model without running a stage; `with_model` points a recipe at another
-copy of its checkpoint. What this module does not do: implement a stage (the stage packages) or print (cli/).
+`dry_run` checks a recipe against its model without running a stage; `with_changes` points a recipe at another
+copy of its checkpoint or other data. What this module does not do: implement a stage (the stage packages) or
+print (cli/).
 """
 
 from __future__ import annotations
@@ -61,12 +62,17 @@ def plan(recipe: Recipe, folder: Path = Path("artifacts")) -> Plan:
 
 
 @contextmanager
-def with_model(recipe: Path, model: str) -> Iterator[Path]:
-    """A copy of the recipe (in a temporary folder, same file name) whose model is `model`: every stage reads it.
-    The folder is removed when the block ends, however it ends."""
+def with_changes(recipe: Path, model: str | None, data: str | None) -> Iterator[Path]:
+    """A copy of the recipe (in a temporary folder, same file name) whose model is `model` and whose data source is
+    `data` (None: the recipe's): every stage reads it. The folder is removed when the block ends, however it ends.
+    The copy writes the recipe as read, its budget's sizes included."""
     import yaml
 
-    r = load_recipe(recipe).model_copy(update={"model": model})
+    r = load_recipe(recipe)
+    if model is not None:
+        r = r.model_copy(update={"model": model})
+    if data is not None:
+        r = r.model_copy(update={"data": r.data.model_copy(update={"source": data, "field": None})})
     with tempfile.TemporaryDirectory(prefix="eectl-recipe-") as folder:
         path = Path(folder) / recipe.name
         path.write_text(yaml.safe_dump(r.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
@@ -117,9 +123,19 @@ def dry_run(recipe: Recipe) -> DryRun:
         raise UsageError(f"recipe {recipe.name}: unknown bench configuration '{unknown[0]}'")
     text = load_text_data(recipe.data.source, recipe.data.field)
     h, b, pr = recipe.heads, recipe.bench, recipe.profile
+    if h.cache is not None:
+        from eectl.heads.supply import check_supply
+
+        s = check_supply(loaded.tokenizer, text, recipe)
+        heads = (
+            f"{h.design} heads at exits {exits} from a state cache of {h.tokens} tokens ({h.gen_share:.0%} greedy "
+            f"continuations of {s.prompts_needed}+ of {s.prompts} prompts) in {h.cache}, probes on {h.probe_tokens}"
+        )
+    else:
+        heads = f"{h.design} heads at exits {exits}, {h.steps} steps, {h.eval_tokens} held-out tokens"
     stages = [
         ("profile", f"{pr.tokens or recipe.data.tokens} tokens of {text.name}, alpha {pr.alpha}, {pr.similarity}"),
-        ("train-heads", f"{h.design} heads at exits {exits}, {h.steps} steps, {h.eval_tokens} held-out tokens"),
+        ("train-heads", heads),
         (
             "calibrate",
             f"{recipe.signal or 'learned (heads with probes)'} (K={recipe.top_k}) to {recipe.target} "

@@ -1,0 +1,133 @@
+"""Training budgets: one name (`--budget quick|standard|thorough`, or `budget:` in a recipe) sets every size of the
+pipeline at once: profile tokens, the state cache (teacher-forced text and the model's own greedy continuations),
+head training, the learned signal's probes, calibration tokens and the bench.
+
+Every budget takes the same route, the one the studies found to pay: a state cache of the frozen model's states,
+heads trained from it with the top-k loss, MLP probes (the `learned` signal), gated calibration and the cost
+model's plan. Budgets differ only in sizes, and a larger one extends the smaller one's state cache (its chunks and
+continuations are a prefix of the larger one's) instead of starting over. The held-out split is the same in every
+budget for that reason: it fixes which records are training records.
+
+What this module does not do: apply a budget to a recipe (contracts/recipe.py `apply_budget`), run anything, or
+know a model (sizes are in tokens; what they take on a machine is
+measured and reported by the pipeline).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from eectl.errors import UsageError
+
+GEN_LEN = 64  # tokens per greedy continuation in the state cache (heads/state_cache.py CacheSpec.gen_len)
+HELD_TOKENS = 2048  # held-out tokens of the state cache (the heads' report): the same in every budget
+
+
+@dataclass(frozen=True)
+class Budget:
+    name: str
+    profile_tokens: int
+    cache_tokens: int  # the state cache's training tokens (teacher-forced + generated)
+    gen_share: float  # share of them that are the model's own greedy continuations of the data's prompts
+    batch_tokens: int  # tokens per optimiser step (one epoch over the cache)
+    probe_tokens: int  # the learned signal's probes
+    calibrate_tokens: int
+    bench_prompts: int
+    bench_tokens: int  # new tokens per bench prompt
+    bench_reps: int
+    about: str  # one line: what it is for
+
+    @property
+    def gen_tokens(self) -> int:
+        return round(self.cache_tokens * self.gen_share)
+
+    @property
+    def text_tokens(self) -> int:
+        return self.cache_tokens - self.gen_tokens
+
+    def prompts_needed(self) -> int:
+        """Prompts the data must hold: one greedy continuation of at most GEN_LEN tokens per training prompt, plus the
+        held-out records (heads/state_cache_build.py `_split_data` holds out 4x the held-out continuations' need)."""
+        held_gen = round(HELD_TOKENS * self.gen_share)
+        return math.ceil(self.gen_tokens / GEN_LEN) + math.ceil(4 * held_gen / GEN_LEN)
+
+    def sizes(self) -> dict[str, Any]:
+        """The recipe fields this budget sets, as {section: {field: value}}."""
+        return {
+            "data": {"tokens": self.calibrate_tokens},
+            "profile": {"tokens": self.profile_tokens},
+            "heads": {
+                "tokens": self.cache_tokens,
+                "gen_share": self.gen_share,
+                "batch_tokens": self.batch_tokens,
+                "probe_tokens": self.probe_tokens,
+                "eval_tokens": HELD_TOKENS,
+                "loss": "topk",
+            },
+            "bench": {"prompts": self.bench_prompts, "max_new_tokens": self.bench_tokens, "reps": self.bench_reps},
+        }
+
+
+BUDGETS: dict[str, Budget] = {
+    b.name: b
+    for b in (
+        Budget(
+            "quick",
+            profile_tokens=2560,
+            cache_tokens=6400,
+            gen_share=0.25,
+            batch_tokens=32,
+            probe_tokens=6400,
+            calibrate_tokens=6000,
+            bench_prompts=5,
+            bench_tokens=32,
+            bench_reps=2,
+            about="a first look: every stage at small sizes (minutes on a laptop CPU)",
+        ),
+        Budget(
+            "standard",
+            profile_tokens=5120,
+            cache_tokens=131072,
+            gen_share=0.25,
+            batch_tokens=64,
+            probe_tokens=65536,
+            calibrate_tokens=20000,
+            bench_prompts=10,
+            bench_tokens=48,
+            bench_reps=3,
+            about="heads worth exporting: 20x quick's training tokens (tens of minutes on a CPU, minutes on a GPU)",
+        ),
+        Budget(
+            "thorough",
+            profile_tokens=20000,
+            cache_tokens=1_000_000,
+            gen_share=0.25,
+            batch_tokens=64,
+            probe_tokens=262144,
+            calibrate_tokens=100000,
+            bench_prompts=20,
+            bench_tokens=64,
+            bench_reps=4,
+            about="the studies' sizes: 1M training tokens (hours on a CPU; a GPU recommended)",
+        ),
+    )
+}
+
+
+def get_budget(name: str) -> Budget:
+    if name not in BUDGETS:
+        raise UsageError(f"unknown budget '{name}'", hint=f"choose one of {', '.join(BUDGETS)}")
+    return BUDGETS[name]
+
+
+def next_budget(name: str) -> Budget | None:
+    names = list(BUDGETS)
+    i = names.index(name)
+    return BUDGETS[names[i + 1]] if i + 1 < len(names) else None
+
+
+def states_folder(recipe_name: str) -> str:
+    """Where a budget's state cache lives by default: one folder per recipe, so budgets extend one another's."""
+    return f"artifacts/{recipe_name}-states"
