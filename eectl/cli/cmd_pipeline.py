@@ -74,6 +74,10 @@ def _pipeline(recipe: Path, prompt: str, cache: bool, dry_run: bool, threads: in
     out.line(f"artifact: {p.artifact}\nbench report: {p.report}\nprofile plot: {p.profile_plot}")
     if done.verdict:
         out.line(done.verdict)
+    if done.lines:
+        out.err.rule("[bold]verdict[/bold]")
+        for line in done.lines:
+            out.line(line)
 
 
 def _print_dry_run(out: Output, recipe: Path, budget: str | None) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 from eectl.errors import UsageError
 
 GEN_LEN = 64  # tokens per greedy continuation in the state cache (heads/state_cache.py CacheSpec.gen_len)
-HELD_TOKENS = 2048  # held-out tokens of the state cache (the heads' report): the same in every budget
+HELD_TOKENS = 1024  # held-out tokens of the state cache (the heads' report): the same in every budget
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ BUDGETS: dict[str, Budget] = {
     for b in (
         Budget(
             "quick",
-            profile_tokens=2560,
+            profile_tokens=1536,
             cache_tokens=6400,
             gen_share=0.25,
             batch_tokens=32,

@@ -42,6 +42,7 @@ class PipelineResult:
     plan: Plan
     stages: list[StageRun] = field(default_factory=list)
     verdict: str = ""  # the bench's verdict in one line ("" without a bench report)
+    lines: list[str] = field(default_factory=list)  # the pipeline's verdict (pipeline/verdict.py)
 
     @property
     def seconds(self) -> float:
@@ -85,6 +86,10 @@ def run_pipeline(
             out.log(how)
         done.stages.append(StageRun(stage, time.perf_counter() - t0, how, result))
     done.verdict = bench_verdict(p.report.with_suffix(".json"))
+    if "bench" in p.stages:
+        from eectl.pipeline.verdict import verdict
+
+        done.lines = verdict(recipe, p.report, p.artifact, p.calibration, done.stages)
     return done
 
 
@@ -156,7 +161,18 @@ class _Stages:
 
         p = self.plan
         req = BenchRequest(str(p.artifact), report=p.report, recipe_file=self.recipe_file, threads=self.threads)
+        req.offset = bench_offset(self.recipe)
         return bench(self.recipe, req, self.out)
+
+
+def bench_offset(recipe: Recipe) -> int:
+    """The bench's prompts are the data's last ones: the state cache holds the last records out of training, and
+    calibration reads the data from its start, so the bench measures prompts that neither saw (on data large
+    enough for both)."""
+    from eectl.data import load_text_data
+
+    n = len(load_text_data(recipe.data.source, recipe.data.field).prompts)
+    return max(0, n - recipe.bench.prompts)
 
 
 def check_data(recipe: Recipe, out: Output) -> None:
