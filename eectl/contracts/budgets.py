@@ -128,6 +128,11 @@ def next_budget(name: str) -> Budget | None:
     return BUDGETS[names[i + 1]] if i + 1 < len(names) else None
 
 
-def states_folder(recipe_name: str) -> str:
-    """Where a budget's state cache lives by default: one folder per recipe, so budgets extend one another's."""
-    return f"artifacts/{recipe_name}-states"
+def states_folder(recipe_name: str, data_source: str) -> str:
+    """Where a budget's state cache lives by default: one folder per recipe and data, so budgets extend one
+    another's and other data gets a cache of its own (a cache refuses data it was not built from)."""
+    import hashlib
+    from pathlib import PurePath
+
+    tag = hashlib.sha256(data_source.encode()).hexdigest()[:6]
+    return f"artifacts/{recipe_name}-states-{PurePath(data_source).stem}-{tag}"

@@ -72,7 +72,12 @@ def with_changes(recipe: Path, model: str | None, data: str | None) -> Iterator[
     if model is not None:
         r = r.model_copy(update={"model": model})
     if data is not None:
-        r = r.model_copy(update={"data": r.data.model_copy(update={"source": data, "field": None})})
+        from eectl.contracts.budgets import states_folder
+
+        heads = r.heads
+        if heads.cache == states_folder(r.name, r.data.source):  # the budget's default: the new data's own
+            heads = heads.model_copy(update={"cache": states_folder(r.name, data)})
+        r = r.model_copy(update={"data": r.data.model_copy(update={"source": data, "field": None}), "heads": heads})
     with tempfile.TemporaryDirectory(prefix="eectl-recipe-") as folder:
         path = Path(folder) / recipe.name
         path.write_text(yaml.safe_dump(r.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
