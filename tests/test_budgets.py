@@ -1,0 +1,240 @@
+"""Training budgets (contracts/budgets.py, recipe.apply_budget), the data check before a state cache
+(heads/supply.py) and the pipeline's verdict (pipeline/verdict.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from eectl.cli import app
+from eectl.contracts.budgets import BUDGETS, HELD_TOKENS, states_folder
+from eectl.contracts.recipe import Recipe, apply_budget, load_recipe
+from eectl.data import TextData
+from eectl.errors import DataError, UsageError
+from tests.tiny import GSM8K
+
+
+def _recipe(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_command_budget_sets_every_size_over_the_recipe(tmp_path):
+    path = _recipe(tmp_path, "name: r\ndata: {tokens: 123}\nheads: {tokens: 77}\nbench: {prompts: 3}\n")
+    plain = load_recipe(path)
+    assert plain.budget is None and plain.heads.cache is None and plain.data.tokens == 123  # no budget: as written
+    std = BUDGETS["standard"]
+    r = load_recipe(path, "standard")
+    assert r.budget == "standard"
+    assert r.data.tokens == std.calibrate_tokens and r.profile.tokens == std.profile_tokens
+    assert (r.heads.tokens, r.heads.probe_tokens, r.heads.batch_tokens) == (
+        std.cache_tokens,
+        std.probe_tokens,
+        std.batch_tokens,
+    )
+    assert r.heads.eval_tokens == HELD_TOKENS and r.heads.loss == "topk"
+    assert (r.bench.prompts, r.bench.max_new_tokens, r.bench.reps) == (10, 48, 3)
+    assert r.heads.cache == states_folder("r", r.data.source)  # a budget trains from a state cache
+
+
+def test_a_recipe_budget_keeps_the_sizes_the_recipe_writes(tmp_path):
+    path = _recipe(tmp_path, "name: r\nbudget: quick\nheads: {tokens: 512, cache: my-states}\n")
+    r = load_recipe(path)
+    q = BUDGETS["quick"]
+    assert r.heads.tokens == 512 and r.heads.cache == "my-states"  # written: kept
+    assert r.heads.probe_tokens == q.probe_tokens and r.data.tokens == q.calibrate_tokens  # not written: the budget's
+    assert load_recipe(path, "thorough").heads.tokens == BUDGETS["thorough"].cache_tokens  # --budget wins
+
+
+def test_unknown_budgets_are_one_line_errors(tmp_path):
+    with pytest.raises(UsageError, match="unknown budget 'huge'"):
+        load_recipe(None, "huge")
+    with pytest.raises(UsageError, match="budget: .*unknown budget 'huge'"):
+        load_recipe(_recipe(tmp_path, "name: r\nbudget: huge\n"))
+    res = CliRunner().invoke(app, ["bench", "x", "--budget", "huge"])
+    assert res.exit_code == 2 and "unknown budget 'huge'" in res.output
+
+
+def test_budgets_grow_and_share_the_held_out_split():
+    names = list(BUDGETS)
+    assert names == ["quick", "standard", "thorough"]
+    for small, large in zip(names, names[1:], strict=False):
+        a, b = BUDGETS[small], BUDGETS[large]
+        assert b.cache_tokens > a.cache_tokens and b.calibrate_tokens > a.calibrate_tokens
+        assert b.prompts_needed() > a.prompts_needed()
+    # every budget holds out the same records, so a larger one extends a smaller one's cache
+    assert {apply_budget(Recipe(name="r"), n).heads.eval_tokens for n in names} == {HELD_TOKENS}
+
+
+def test_the_state_cache_folder_follows_the_data():
+    assert states_folder("r", "humaneval") != states_folder("r", "a/train.jsonl")
+    assert states_folder("r", "humaneval") == states_folder("r", "humaneval")
+
+
+class _WordTokenizer:
+    eos_token_id = 2
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [5] * len(text.split())}
+
+
+def _data(n: int, words: int) -> TextData:
+    texts = [" ".join(["w"] * words) for _ in range(n)]
+    return TextData("mine.jsonl", "", texts, texts)
+
+
+def test_data_too_small_for_a_budget_is_refused_with_what_it_needs():
+    from eectl.heads.supply import cache_supply, check_supply
+
+    r = apply_budget(Recipe(name="r"), "quick")
+    need = BUDGETS["quick"].prompts_needed()
+    s = cache_supply(_WordTokenizer(), _data(1000, 200), r)
+    assert s.enough and s.prompts_needed == need  # the budget's own count and the recipe's agree
+    with pytest.raises(DataError, match=rf"budget quick needs at least {need} prompts .* mine.jsonl has 10 prompts"):
+        check_supply(_WordTokenizer(), _data(10, 2000), r)
+    with pytest.raises(DataError, match="tokens of text"):  # prompts enough, text too short
+        check_supply(_WordTokenizer(), _data(need, 3), r)
+
+
+def test_pipeline_refuses_data_too_small_before_any_stage(tiny_dirs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EECTL_CACHE", str(tmp_path / "cache"))
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"question": f"q{i} a b", "answer": "c d"}) + "\n" for i in range(12)))
+    recipe = _recipe(tmp_path, f"name: tiny\nmodel: {tiny_dirs['llama']}\nexits: [3]\nthreads: 1\n")
+    res = CliRunner().invoke(app, ["pipeline", "--recipe", str(recipe), "--budget", "quick", "--data", str(small)])
+    assert res.exit_code == 4, res.output
+    assert "needs at least" in res.output and "has 12 prompts" in res.output
+    made = tmp_path / "artifacts"
+    assert not made.exists() or not any(made.iterdir())  # no stage ran: nothing written
+
+
+def test_pipeline_under_a_budget_trains_from_a_state_cache_and_ends_on_a_verdict(tiny_dirs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EECTL_CACHE", str(tmp_path / "cache"))
+    recipe = _recipe(
+        tmp_path,
+        f"""name: tiny
+model: {tiny_dirs["llama"]}
+budget: quick
+exits: [3]
+target: 0.9
+top_k: 8
+threads: 1
+data: {{source: {GSM8K}, tokens: 400}}
+profile: {{tokens: 256}}
+heads: {{tokens: 512, probe_tokens: 512}}
+bench: {{prompts: 2, max_new_tokens: 3, reps: 1, configs: [full], ppl_tokens: 0, sweep: []}}
+""",
+    )
+    res = CliRunner().invoke(app, ["pipeline", "--recipe", str(recipe), "--prompt", "12 clips"])
+    assert res.exit_code == 0, res.output
+    states = tmp_path / states_folder("tiny", str(GSM8K))
+    cache = json.loads((states / "cache.json").read_text())
+    assert cache["complete"] and cache["budgets"]["gen_tokens"] == 128  # 25% of 512: the model's own continuations
+    name = tiny_dirs["llama"].name
+    meta = json.loads((tmp_path / "artifacts" / f"{name}-heads.json").read_text())
+    assert meta["probe"] is not None  # the learned signal's probes, fitted from the cache
+    out = res.stdout
+    assert "buys: " in out and "budget quick: " in out and "budget standard: about " in out
+    assert json.loads((tmp_path / "artifacts" / f"{name}-bench.json").read_text())["prompts"] == 2
+
+
+def test_the_pipelines_bench_measures_the_datas_last_prompts():
+    """Held out of the state cache (its last records) and after calibration's (it reads the data from the start)."""
+    from eectl.data import load_text_data
+    from eectl.pipeline.runner import bench_offset
+
+    r = apply_budget(Recipe(name="r", data={"source": str(GSM8K)}), "quick")
+    n = len(load_text_data(str(GSM8K)).prompts)
+    assert bench_offset(r) == n - r.bench.prompts
+    tiny = r.model_copy(update={"bench": r.bench.model_copy(update={"prompts": n + 5})})
+    assert bench_offset(tiny) == 0  # fewer prompts than asked: all of them
+
+
+def _bench_doc(verdict: str, speed: float = 1.2) -> dict:
+    return {
+        "verdict": verdict,
+        "default": "verify",
+        "prompts": 5,
+        "resolution": 0.012,
+        "configs": [
+            {"name": "full", "speedup_vs_full": 1.0},
+            {
+                "name": "verify",
+                "speedup_vs_full": speed,
+                "speedup_vs_full_ci": [1.1, 1.3],
+                "token_agreement": 1.0,
+                "reading": "faster",
+            },
+        ],
+    }
+
+
+def test_the_verdict_claims_a_speedup_only_from_a_conclusive_bench():
+    from eectl.pipeline.verdict import _buys
+
+    line = _buys(_bench_doc("conclusive"))
+    assert line.startswith("buys: the default (verify) 1.20x [1.10, 1.30]") and "identical to full depth" in line
+    doubtful = _buys(_bench_doc("inconclusive: A/A 1.06x outside [0.97, 1.03]"))
+    assert doubtful.startswith("buys: no claim") and "1.20" not in doubtful
+    lossy = _bench_doc("conclusive")
+    lossy["default"] = "certified"
+    lossy["configs"][1].update(name="certified", token_agreement=0.93)
+    assert "token agreement 93.0%" in _buys(lossy)
+
+
+def test_the_next_budget_time_scales_this_runs_stages():
+    from eectl.pipeline.runner import StageRun
+    from eectl.pipeline.verdict import _budget_lines
+
+    stages = [StageRun("profile", 10.0, "ran"), StageRun("export", 5.0, "ran"), StageRun("train-heads", 20.0, "ran")]
+    r = apply_budget(Recipe(name="r"), "quick")
+    q, s = BUDGETS["quick"], BUDGETS["standard"]
+    want = 10.0 * s.profile_tokens / q.profile_tokens + 5.0 + 20.0 * (s.cache_tokens + s.probe_tokens) / (
+        q.cache_tokens + q.probe_tokens
+    )
+    lines = _budget_lines(r, stages)
+    assert lines[0].startswith("budget quick: 0.6 min here")
+    assert f"about {want / 60:.0f} min" in lines[1]
+    cached = [*stages[:2], StageRun("train-heads", 0.1, "cached: heads")]
+    assert "not estimated" in _budget_lines(r, cached)[1]
+    assert _budget_lines(apply_budget(Recipe(name="r"), "thorough"), stages)[1:] == []  # no larger budget
+
+
+def test_the_needs_line_is_the_cost_models_break_even():
+    from eectl.contracts.plan import Costs
+    from eectl.pipeline.verdict import _needs
+    from eectl.plan.choose import predict
+
+    costs = Costs(
+        provider="cpu",
+        threads=1,
+        past=128,
+        repeats=5,
+        embed_ms=0.0,
+        segment_ms=[4.0, 4.0, 4.0],
+        segment_extra_ms=[0.5, 0.5, 0.5],
+        kv_ms=[1.0, 1.0, 1.0],
+        final_head_ms=3.0,
+        final_head_extra_ms=0.2,
+        candidates_ms={"4": 0.3, "8": 0.3},
+        local_ms={"4": 0.05, "8": 0.05},
+        full_step_ms=15.0,
+    )
+    manifest = {
+        "costs": costs.model_dump(),
+        "plan": {"min_gain": 0.03},
+        "segments": [{"layers": [0, 4]}, {"layers": [4, 8]}, {"layers": [8, 12]}],
+    }
+    option = {"exits": [4], "target": 0.99, "per_exit": [{"coverage": 0.1}]}
+    line = _needs(manifest, {"target": 0.99, "options": [option]})
+    share = int(line.split("once ")[1].split("%")[0]) / 100
+    layer = int(line.split("exit ")[1].split(" ")[0])
+    assert predict(costs, [4, 8, 12], "verify", [(layer, share, 0.99)]).speedup >= 1.03  # pays at the share named
+    assert predict(costs, [4, 8, 12], "verify", [(layer, share - 0.01, 0.99)]).speedup < 1.03  # and not below it
+    assert layer == 4 and line.endswith("these heads reach 10% (calibration's menu at its target)")
