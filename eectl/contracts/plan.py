@@ -20,6 +20,11 @@ LEVEL = 0.90  # the predicted speedup's interval: 5th to 95th percentile of the 
 RESAMPLES = 200  # bootstrap replicates of the costs (the percentiles move by < 0.005x between seeds at 200)
 
 
+# timing batches (plan/costs.py) a plan needs before export or `--profile-costs` call it decided: the interval over
+# batches (plan/choose.py) knows the batch-to-batch spread only from several, and two give t(1) = 6.3 standard errors
+MIN_BATCHES = 3
+
+
 INTERVAL_TOP = 8  # per policy, the options with the highest point estimates get an interval (the rest cannot win)
 # verify's drafts from the context (runtime/drafts.py): drafts per step by default, and the most a run may ask
 DEFAULT_DRAFTS = 12
@@ -135,9 +140,30 @@ class Costs(_M):
     # pass width (positions) -> a full-depth pass over that many positions on the bound chain: a step carrying
     # drafts from the context (runtime/drafts.py), its drafts embedded first. Empty: costs timed before them
     wide_ms: dict[str, float] = Field(default_factory=dict)
+    # rounds per timing batch: the rounds were timed in passes of this many (plan/costs.py), batch b holding rounds
+    # b*n to (b+1)*n - 1, and the plan's intervals are over batches (plan/choose.py). None: costs timed before
+    # batches, their rounds resampled one by one
+    batch_rounds: int | None = None
+    seconds: float | None = None  # the timing's wall time, re-timing included (None: not recorded)
 
     def rounds(self) -> int:
         return min((len(v) for v in self.samples_ms.values()), default=0) if self.samples_ms else 0
+
+    def batch_count(self) -> int:
+        """Full timing batches (one for costs timed before batches)."""
+        r = self.rounds()
+        return r // self.batch_rounds if self.batch_rounds else min(r, 1)
+
+    def batches(self) -> list[Costs]:
+        """Each full timing batch's costs, in the order timed: every figure the median of that batch's rounds.
+        [] with fewer than two batches."""
+        n, b = self.batch_rounds, self.batch_count()
+        if not n or b < 2 or not self.samples_ms:
+            return []
+        keys = sorted(self.samples_ms)
+        times = np.array([self.samples_ms[k][: b * n] for k in keys]).reshape(len(keys), b, n)  # [G, B, n]
+        medians = np.median(times, axis=2)  # [G, B]
+        return [self.with_values(dict(zip(keys, medians[:, i].tolist(), strict=True))) for i in range(b)]
 
     def with_values(self, values: dict[str, float]) -> Costs:
         """A copy with the figures at these paths replaced (the samples shared, not copied)."""
@@ -248,6 +274,10 @@ class Choice(_M):
     option: Option | None
     prediction: Prediction  # of what runs: the option, or full depth when no option pays
     best: Prediction | None = None  # the best option's prediction, chosen or not
+    # an option's interval still straddled the line (its low end below, its high end at or above it, and above the
+    # chosen option's low end): more timing could change this choice. It runs what cleared the line (full depth
+    # when nothing did): the conservative side
+    undecided: bool = False
 
 
 class Plan(_M):
@@ -262,6 +292,9 @@ class Plan(_M):
     # the sequence certificate's setting (calibrate --guarantee sequence), priced with its measured exit shares;
     # None without a certificate that covers the user's risk
     certified: Choice | None = None
+    # what the costs left undecided when the plan was made (`undecided()`: policies, LOOKUP, CERTIFIED): the timing
+    # budget ran out with an interval still straddling the line, and each runs its conservative choice
+    unresolved: list[str] = Field(default_factory=list)
 
     def line(self) -> str:
         """The rule, in words: `the low end of its 90% interval >= 1.03x`."""
@@ -269,6 +302,17 @@ class Plan(_M):
 
     def summary(self) -> str:
         """One line for run and bench."""
+        return self._chosen() + self._unresolved_note()
+
+    def _unresolved_note(self) -> str:
+        if not self.unresolved:
+            return ""
+        return (
+            f"; undecided at the line when the timing budget ran out: {', '.join(self.unresolved)} "
+            "(each runs only what cleared it)"
+        )
+
+    def _chosen(self) -> str:
         if self.default == LOOKUP and self.lookup is not None:
             return (
                 f"plan: full depth with up to {self.lookup.drafts} drafts per step from the context (lossless), "
@@ -294,10 +338,14 @@ class Plan(_M):
         )
 
     def undecided(self) -> list[str]:
-        """Policies whose choice more timing could change: none chosen, yet the best option's interval reaches
-        the line (its high end >= 1 + min_gain while its low end is below)."""
-        return [
-            p
-            for p, c in self.choices.items()
-            if not c.exits and c.best is not None and c.best.high() >= 1.0 + self.min_gain
-        ]
+        """What more timing could change: the policies whose choice is undecided (`Choice.undecided`), and drafts
+        from the context or the certified setting when their interval straddles the line."""
+        line = 1.0 + self.min_gain
+        out = [p for p, c in self.choices.items() if c.undecided]
+        for name, pred in (
+            (LOOKUP, None if self.lookup is None else self.lookup.prediction),
+            (CERTIFIED, None if self.certified is None else self.certified.prediction),
+        ):
+            if pred is not None and pred.low() < line <= pred.high():
+                out.append(name)
+        return out

@@ -222,16 +222,23 @@ def candidate_source(
     return source, info
 
 
-def profile_and_plan(manifest: Manifest, folder: Path, past: int = 128) -> None:
-    """Measure the artifact's graph costs on its provider (plan/costs.py) and choose exits by them (plan/choose.py)."""
-    from eectl.plan.choose import plan_manifest
-    from eectl.plan.costs import measure_costs
+def profile_and_plan(manifest: Manifest, folder: Path, past: int = 128, budget_s: float | None = None) -> None:
+    """Measure the artifact's graph costs on its provider (plan/costs.py) and choose exits by them (plan/choose.py):
+    with a calibrated menu, timing batches until the plan is decided or `budget_s` (costs.EXPORT_BUDGET_S) is spent."""
+    from eectl.plan.choose import plan_manifest, settled
+    from eectl.plan.costs import EXPORT_BUDGET_S, measure_costs
     from eectl.runtime.sessions import ArtifactRuntime
 
     rt = ArtifactRuntime(folder, provider="auto", verify=False)
     signal = manifest.calibration.signal if manifest.calibration is not None else "topk-prob"
-    manifest.costs = measure_costs(rt, past=past, signal=signal)
     calibrated_menu = manifest.calibration is not None and bool(manifest.calibration.options)
+    manifest.costs = measure_costs(
+        rt,
+        past=past,
+        signal=signal,
+        decided=(lambda costs: settled(costs, plan_manifest(manifest, costs))) if calibrated_menu else None,
+        budget_s=EXPORT_BUDGET_S if budget_s is None else budget_s,
+    )
     manifest.plan = plan_manifest(manifest, manifest.costs) if calibrated_menu else None
 
 

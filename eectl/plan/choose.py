@@ -41,21 +41,30 @@ exit shares its certification measured and wins when it clears the line and beat
 `run --policy defer` still runs the per-token calibrated defer choice: asked for, not chosen.
 
 A configuration is activated only when the LOW end of its predicted speedup's 90% interval clears 1 + MIN_GAIN;
-otherwise the policy runs at full depth. The interval comes from the costs' per-round samples (`Costs.samples_ms`):
-a paired bootstrap over timing rounds. A replicate draws R rounds with replacement out of the R measured, takes
-each graph's median over them (as the point estimate does over all rounds) and predicts again; the interval is the
-5th-95th percentile of the replicates' speedups. Resampling whole rounds keeps what one round shares (the load of
-the moment falls on every graph timed in it, the full step included), so it cancels in a speedup as it does in the
-point estimate, and only the round-to-round disagreement widens the interval. The replicates are drawn with a
-fixed seed: the same costs always give the same plan. Costs without samples (artifacts exported before the
-intervals) are taken as exact: the interval is the point, and the choice is the point estimate's, as it was.
+otherwise the policy runs at full depth. The interval comes from the costs' per-round samples (`Costs.samples_ms`),
+timed in batches of rounds (plan/costs.py): each batch's figures (its rounds' medians) predict the speedup once, and
+the interval is the point estimate (every round's medians) +- t(level, B - 1) standard errors of those B batch
+predictions (batch means: the standard interval for the mean of a correlated series). Rounds alone do not do: the
+rounds of one pass share the machine's state of those seconds, and an interval resampled from them was half to a
+third as wide as the spread between passes (the default model, one process, idle: verify [8] read 1.037x [1.032,
+1.040] in one pass and 1.009x-1.018x in four others). A batch predicts from all its graphs' figures together, so
+the load of the moment, which falls on every graph timed in it (the full step included), cancels in its speedup as
+it does in the point estimate. Costs with a single batch (or timed before batches) get the earlier interval: a paired
+bootstrap over rounds (a replicate draws R rounds with replacement and takes each graph's median), drawn with a fixed
+seed. Costs without samples (artifacts exported before the intervals) are taken as exact: the interval is the point.
+
+Export and `--profile-costs` time batches until the plan is decided (`settled`): at least MIN_BATCHES batches, and
+no interval that could change a choice straddling the line; when the time budget runs out first, each undecided
+choice runs what cleared the line (full depth, drafts off) and the plan records it (`Plan.unresolved`). The same
+costs always give the same plan.
 
 What this module does not do: measure (plan/costs.py, calibrate/calibrator.py) or run anything; it is pure arithmetic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -65,6 +74,7 @@ from eectl.contracts.plan import (
     INTERVAL_TOP,
     LEVEL,
     LOOKUP,
+    MIN_BATCHES,
     MIN_GAIN,
     PLAN_POLICIES,
     RIVER_POLICIES,
@@ -216,16 +226,46 @@ def _usable(costs: Costs, boundaries: Sequence[int], opt: Option) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class Replicates:
+    """What a predicted speedup's interval is taken over: each timing batch's costs (`batched`: `Costs.batches`,
+    two or more), else bootstrap replicates of the rounds (`Costs.resamples`; [] without samples)."""
+
+    costs: list[Costs]
+    batched: bool
+
+    @classmethod
+    def of(cls, costs: Costs) -> Replicates:
+        batches = costs.batches()
+        return cls(batches, True) if batches else cls(costs.resamples(), False)
+
+    def interval(
+        self, point: float, speedup: Callable[[Costs], float | None], level: float = LEVEL
+    ) -> tuple[float, float] | None:
+        """The `level` interval of a speedup predicted as `point`, `speedup` predicting it from one replicate:
+        batch means (point +- t standard errors of the batch predictions), or the replicates' percentiles."""
+        values = [v for c in self.costs if (v := speedup(c)) is not None]
+        if self.batched and len(values) >= 2:
+            from scipy.stats import t as student  # imported only for batched costs (a manifest read never needs it)
+
+            b = len(values)
+            half = float(student.ppf(0.5 + level / 2, b - 1)) * float(np.std(values, ddof=1)) / b**0.5
+            return round(point - half, 4), round(point + half, 4)
+        if not values:
+            return None
+        tail = (1.0 - level) / 2
+        lo, hi = np.quantile(values, [tail, 1.0 - tail])
+        return round(float(lo), 4), round(float(hi), 4)
+
+
 def with_interval(
-    pred: Prediction, replicates: Sequence[Costs], boundaries: Sequence[int], option: Option, level: float = LEVEL
+    pred: Prediction, replicates: Replicates, boundaries: Sequence[int], option: Option, level: float = LEVEL
 ) -> Prediction:
-    """`pred` with its speedup's interval over the cost replicates (`Costs.resamples`); unchanged without them."""
-    if not replicates:
-        return pred
-    speedups = [predict_option(c, boundaries, pred.policy, option).speedup for c in replicates]
-    tail = (1.0 - level) / 2
-    lo, hi = np.quantile(speedups, [tail, 1.0 - tail])
-    return pred.model_copy(update={"interval": (round(float(lo), 4), round(float(hi), 4))})
+    """`pred` (the option's prediction) with its speedup's interval over `replicates`; unchanged without any."""
+    span = replicates.interval(
+        pred.speedup, lambda c: predict_option(c, boundaries, pred.policy, option).speedup, level
+    )
+    return pred if span is None else pred.model_copy(update={"interval": span})
 
 
 def choose(
@@ -236,8 +276,10 @@ def choose(
     level: float = LEVEL,
 ) -> Plan:
     """Per policy, the fastest predicted option among those whose speedup's interval clears 1 + min_gain at its
-    low end (full depth when none does), and the default: verify's choice (lossless), or full depth."""
-    replicates = costs.resamples()
+    low end (full depth when none does), and the default: verify's choice (lossless), or full depth. A policy is
+    undecided when an option's interval straddles the line and reaches above the chosen one's low end."""
+    line = 1.0 + min_gain
+    replicates = Replicates.of(costs)
     choices: dict[str, Choice] = {}
     for policy in PLAN_POLICIES:
         kind = "verify" if policy == "verify" else "target"
@@ -249,16 +291,24 @@ def choose(
             ),
             key=lambda po: -po[0].speedup,
         )
-        # intervals for the top few by point estimate only (each costs RESAMPLES predictions): an option further
+        # intervals for the top few by point estimate only (each costs a prediction per replicate): an option further
         # down would need a much narrower interval than all of those for its low end alone to clear the line
         top = [(with_interval(p, replicates, boundaries, o, level), o) for p, o in ranked[:INTERVAL_TOP]]
-        clear = [(p, o) for p, o in top if p.low() >= 1.0 + min_gain]
+        clear = [(p, o) for p, o in top if p.low() >= line]
         best: tuple[Prediction, Option] | None = max(clear or top, key=lambda po: po[0].speedup, default=None)
+        floor = best[0].low() if clear and best is not None else -np.inf  # what an undecided option must beat
+        undecided = any(p.low() < line <= p.high() and p.high() > floor for p, _ in top)
         if clear and best is not None:
             pred, opt = best
             thresholds = {str(k): v for k, v in opt.thresholds().items()}
             choices[policy] = Choice(
-                policy=policy, exits=opt.exits, thresholds=thresholds, option=opt, prediction=pred, best=pred
+                policy=policy,
+                exits=opt.exits,
+                thresholds=thresholds,
+                option=opt,
+                prediction=pred,
+                best=pred,
+                undecided=undecided,
             )
         else:
             choices[policy] = Choice(
@@ -268,16 +318,19 @@ def choose(
                 option=None,
                 prediction=predict(costs, boundaries, policy, []),
                 best=None if best is None else best[0],
+                undecided=undecided,
             )
     # the default is lossless: copy and defer change the tokens, and per-token calibration does not say by how much
     # a whole answer changes; a lossy setting becomes the default only with a sequence certificate (plan_manifest)
     default = "verify" if choices["verify"].exits else "full"
-    return Plan(default=default, min_gain=min_gain, choices=choices, level=level)
+    plan = Plan(default=default, min_gain=min_gain, choices=choices, level=level)
+    plan.unresolved = plan.undecided()
+    return plan
 
 
 def choose_certified(costs: Costs, boundaries: Sequence[int], cert: Certificate, level: float = LEVEL) -> Choice | None:
     """The certificate's setting priced by the cost model with the exit shares its certification measured (every
-    exit deciding on the same signal, candidates at the first), with its interval over the costs' timing rounds;
+    exit deciding on the same signal, candidates at the first), with its interval over the costs' timing;
     None when it cannot be priced (nothing certified, no shares recorded, an exit the costs lack)."""
     setting = cert.setting()
     if setting is None or setting.exit_shares is None or cert.policy not in PLAN_POLICIES:
@@ -289,11 +342,11 @@ def choose_certified(costs: Costs, boundaries: Sequence[int], cert: Certificate,
         return None
     per_exit = [(e, setting.exit_shares.get(str(e), 0.0), None) for e in sorted(cert.exits)]
     pred = predict(costs, boundaries, cert.policy, per_exit)
-    replicates = [predict(c, boundaries, cert.policy, per_exit).speedup for c in costs.resamples()]
-    if replicates:
-        tail = (1.0 - level) / 2
-        lo, hi = np.quantile(replicates, [tail, 1.0 - tail])
-        pred = pred.model_copy(update={"interval": (round(float(lo), 4), round(float(hi), 4))})
+    span = Replicates.of(costs).interval(
+        pred.speedup, lambda c: predict(c, boundaries, cert.policy, per_exit).speedup, level
+    )
+    if span is not None:
+        pred = pred.model_copy(update={"interval": span})
     thresholds = {str(k): v for k, v in cert.thresholds().items()}
     return Choice(
         policy=cert.policy, exits=list(cert.exits), thresholds=thresholds, option=None, prediction=pred, best=pred
@@ -341,15 +394,15 @@ def predict_lookup(costs: Costs, stats: LookupStats) -> Prediction | None:
 def choose_lookup(
     costs: Costs, stats: LookupStats, min_gain: float = MIN_GAIN, level: float = LEVEL
 ) -> LookupChoice | None:
-    """The lookup prediction with its interval over the costs' timing rounds; on when its low end clears the line."""
+    """The lookup prediction with its interval over the costs' timing; on when its low end clears the line."""
     pred = predict_lookup(costs, stats)
     if pred is None:
         return None
-    replicates = [p.speedup for c in costs.resamples() if (p := predict_lookup(c, stats)) is not None]
-    if replicates:
-        tail = (1.0 - level) / 2
-        lo, hi = np.quantile(replicates, [tail, 1.0 - tail])
-        pred = pred.model_copy(update={"interval": (round(float(lo), 4), round(float(hi), 4))})
+    span = Replicates.of(costs).interval(
+        pred.speedup, lambda c: None if (p := predict_lookup(c, stats)) is None else p.speedup, level
+    )
+    if span is not None:
+        pred = pred.model_copy(update={"interval": span})
     return LookupChoice(
         drafts=stats.max_draft,
         prediction=pred,
@@ -383,7 +436,14 @@ def plan_manifest(manifest: object, costs: Costs, max_risk: float | None = None)
             and c.prediction.speedup > _default_speedup(plan)
         ):
             plan.default = CERTIFIED
+    plan.unresolved = plan.undecided()
     return plan
+
+
+def settled(costs: Costs, plan: Plan) -> bool:
+    """Whether timing may stop (plan/costs.py `measure_costs`'s `decided`): at least MIN_BATCHES batches, and
+    nothing in `plan` (made from `costs`) undecided."""
+    return costs.batch_count() >= MIN_BATCHES and not plan.undecided()
 
 
 def _default_speedup(plan: Plan) -> float:

@@ -5,8 +5,9 @@ pool), at decode shape: one token on top of `past` positions of KV cache, and on
 verify policies carry pending states along; each block exit head's graph on one position. Each figure is the median
 of `repeats` calls after `warmup` calls, in rounds that call every graph once (so each graph meets the CPU caches a
 decode step leaves it; an exit's decision right after its segment's call, as in decode: `after_segments`); every
-round's figure is kept (`Costs.samples_ms`: the plan's intervals are resampled from
-them), and `--profile-costs` times more rounds while the plan is undecided (`measure_costs`'s `decided`). The
+round's figure is kept (`Costs.samples_ms`). The rounds are timed in batches of `repeats` (`Costs.batch_rounds`):
+the plan's intervals are over batches (plan/choose.py), and export and `--profile-costs` time more batches while
+the plan is undecided, within a time budget (`measure_costs`'s `decided`, `retime`). The
 decisions are timed with the signal computation the runner does after the graph (`exits.signals`); a cosine
 signal's decision reads only block states, and the LM head at the exit is timed apart (`exit_predict_ms`: what an
 exiting token's own prediction costs, which a river predicting at its end never asks for). Where the runner
@@ -37,11 +38,15 @@ from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 from eectl.runtime.state import RowState, RunConfig
 
 DEFAULT_PAST = 128
-DEFAULT_REPEATS = 15
-# `--profile-costs` (run/generate.py `replan`): more rounds, DEFAULT_REPEATS at a time, while the plan's choice
-# is undecided (an option's interval straddles the line), for at most this long. About 10 batches on the default
-# model at 2 threads; the interval narrows as one over the square root of the rounds
+DEFAULT_REPEATS = 15  # rounds per batch
+# the time budgets of the timing (every batch, the first included) while the plan is undecided (plan/choose.py
+# `settled`: fewer than MIN_BATCHES batches, or an interval straddling the line): `eectl run/bench --profile-costs`
+# (run/generate.py `replan`: the user waits for it) and export (the plan it writes is the one every run follows).
+# A batch takes ~6 s on the default model at 2 threads (HumanEval menu: 5 batches in 30 s, 10 in 60); the
+# interval narrows as one over the square root of the batches, and its t quantile falls from 2.9 at 3 to 1.8 at 10
 RETIME_BUDGET_S = 30.0
+EXPORT_BUDGET_S = 60.0
+MAX_BATCHES = 12  # and at most this many batches, whatever the budget (tiny models time a batch in milliseconds)
 FULL_STEPS = 16  # room kept in the cache beyond `past`
 # widths (positions) of the full-depth passes timed for drafts from the context (one token and its drafts); the
 # cost model interpolates between them
@@ -83,8 +88,8 @@ def measure_costs(
     decided: Callable[[Costs], bool] | None = None,
     budget_s: float = RETIME_BUDGET_S,
 ) -> Costs:
-    """Time every graph in `repeats` rounds. With `decided` (the plan's question: are the costs precise enough for
-    its choice?), time `repeats` more rounds at a time until it says yes or `budget_s` seconds have passed."""
+    """Time every graph in a batch of `repeats` rounds. With `decided` (the plan's question: are the costs precise
+    enough for its choice?), time more batches until it says yes or the budget is spent (`retime`)."""
     m = rt.manifest
     dims = m.dims
     k = top_k or m.top_k
@@ -128,13 +133,34 @@ def measure_costs(
     bound = _bound_exit_calls(calls, rt, sig, h1, past, k)  # replaces the decisions the bound chain makes
     timed = after_segments(calls, rt)
     times: dict[str, list[float]] = {name: [] for name in calls}
-    _time_rounds(timed, repeats, warmup, times)
-    costs = _costs(rt, times, past, state_only, bound)
+
+    def batch() -> Costs:
+        first = not times["step"]  # later batches: one untimed round (the plan's arithmetic ran in between)
+        _time_rounds(timed, repeats, warmup if first else 1, times)
+        return _costs(rt, times, past, state_only, bound, repeats)
+
+    return retime(batch, decided, budget_s)
+
+
+def retime(
+    batch: Callable[[], Costs],
+    decided: Callable[[Costs], bool] | None,
+    budget_s: float,
+    max_batches: int = MAX_BATCHES,
+) -> Costs:
+    """Time one batch (`batch`: time one more, return the costs of all so far), then more while `decided` says no,
+    at most `max_batches` in all, and beginning a batch only when it is expected (as long as the last one) to end
+    within `budget_s` seconds of the start. The costs record the seconds taken."""
     start = time.perf_counter()
-    while decided is not None and not decided(costs) and time.perf_counter() - start < budget_s:
-        _time_rounds(timed, repeats, 1, times)  # one untimed round: the plan's arithmetic ran in between
-        costs = _costs(rt, times, past, state_only, bound)
-    return costs
+    costs = batch()
+    last = time.perf_counter() - start
+    while decided is not None and costs.batch_count() < max_batches:
+        began = time.perf_counter()
+        if began - start + last > budget_s or decided(costs):
+            break
+        costs = batch()
+        last = time.perf_counter() - began
+    return costs.model_copy(update={"seconds": round(time.perf_counter() - start, 2)})
 
 
 def after_segments(calls: dict[str, Call], rt: ArtifactRuntime) -> dict[str, Timed]:
@@ -152,7 +178,9 @@ def after_segments(calls: dict[str, Call], rt: ArtifactRuntime) -> dict[str, Tim
     return out
 
 
-def _costs(rt: ArtifactRuntime, times: dict[str, list[float]], past: int, state_only: bool, bound: bool) -> Costs:
+def _costs(
+    rt: ArtifactRuntime, times: dict[str, list[float]], past: int, state_only: bool, bound: bool, batch_rounds: int
+) -> Costs:
     """The Costs of these timing rounds: each figure the median of its per-round samples (kept, by the figure's
     path, in `samples_ms`); the one-more-position figures are per-round differences (paired within a round)."""
     m = rt.manifest
@@ -206,6 +234,7 @@ def _costs(rt: ArtifactRuntime, times: dict[str, list[float]], past: int, state_
         river_head_ms=med.get("river_head_ms"),
         wide_ms=per("wide_ms", [str(w) for w in WIDE_WIDTHS]),
         samples_ms={path: list(v) for path, v in samples.items()},
+        batch_rounds=batch_rounds,
     )
     return costs
 

@@ -350,16 +350,16 @@ def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
 
 def replan(rt: ArtifactRuntime, budget_s: float | None = None, max_risk: float | None = None) -> None:
     """Re-measure the artifact's graph costs on this machine and re-choose the exits (in memory, for this run):
-    timing more rounds while a policy's choice is undecided (its best option's interval straddles the plan's line),
-    for at most `budget_s` seconds (costs.RETIME_BUDGET_S)."""
-    from eectl.plan.choose import plan_manifest
+    timing batches until the plan is decided (plan/choose.py `settled`) or `budget_s` seconds (costs.RETIME_BUDGET_S)
+    are spent; what is still undecided then runs its conservative choice and the plan says so."""
+    from eectl.plan.choose import plan_manifest, settled
     from eectl.plan.costs import RETIME_BUDGET_S, measure_costs
 
     m = rt.manifest
     costs = measure_costs(
         rt,
         signal=m.calibration.signal if m.calibration is not None else DEFAULT_SIGNAL,
-        decided=lambda costs: not plan_manifest(m, costs).undecided(),
+        decided=lambda costs: settled(costs, plan_manifest(m, costs, max_risk)),
         budget_s=RETIME_BUDGET_S if budget_s is None else budget_s,
     )
     tiers = rt.tiers
