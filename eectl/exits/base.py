@@ -82,9 +82,10 @@ class Probe:
     def score(self, z: Any, prob: Any, margin: Any) -> Any:
         """[N, H], [N], [N] -> [N] float32 (tensors in, a tensor out; arrays in, an array out). The one formula:
         numpy's, as `signals` (the runner decides one token at a time; calibrate's tensors go through it too)."""
-        if isinstance(z, torch.Tensor):
-            out = self.score(z.detach().float().numpy(), np.asarray(prob), np.asarray(margin))
-            return torch.from_numpy(out)
+        if isinstance(z, torch.Tensor):  # on the host (numpy's formula), the result back on z's device
+            host = [t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor) else t for t in (z, prob, margin)]
+            out = self.score(host[0], np.asarray(host[1]), np.asarray(host[2]))
+            return torch.from_numpy(out).to(z.device)
         zz = np.asarray(z, dtype=np.float32)
         f = probe_scalars(prob, margin, self.w_scalar.shape[0])
         a = (zz @ self.w_state + f @ self.w_scalar) + self.b
@@ -184,10 +185,11 @@ def signals(logits: Any, candidates: Any = None) -> ExitSignals:
     is numpy's: the runner decides one token at a time, where each torch op's dispatch (~10 us) costs more than its
     math, so calibrate's tensors go through the same numpy code (and come back as tensors) rather than a twin.
     """
-    if isinstance(logits, torch.Tensor):
-        ids = None if candidates is None else candidates.numpy()
-        out = signals(logits.detach().float().numpy(), ids)
-        return ExitSignals(*(torch.from_numpy(np.ascontiguousarray(x)) for x in (out.token, out.prob, out.margin)))
+    if isinstance(logits, torch.Tensor):  # a device's tensors: one copy to the host and back per call (a batch)
+        ids = None if candidates is None else candidates.cpu().numpy()
+        out = signals(logits.detach().float().cpu().numpy(), ids)
+        back = (torch.from_numpy(np.ascontiguousarray(x)).to(logits.device) for x in (out.token, out.prob, out.margin))
+        return ExitSignals(*back)
     z = np.asarray(logits, dtype=np.float32)  # [N, K]
     rows = np.arange(z.shape[0])
     idx = z.argmax(-1)

@@ -99,7 +99,7 @@ def int8_scores(normed: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tenso
     a, xscale = quantize_activations_int8(normed)  # [N, H] integers in [-127, 127]
     w = qweight.float()
     h = a.shape[1]
-    acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float64)
+    acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float64, device=a.device)
     step = max(1, (1 << 24) // (127 * 127))  # terms per exact float32 partial sum
     for lo in range(0, h, step):
         acc += (a[:, lo : lo + step] @ w[:, lo : lo + step].T).double()
@@ -196,6 +196,7 @@ def make_source(name: str, head_weight: torch.Tensor, shortlist: torch.Tensor | 
     if name in (Shortlist.name, ShortlistInt8.name):
         if shortlist is None:
             raise UsageError(f"the {name} candidate source needs its token ids (a calibration made with it)")
+        shortlist = shortlist.to(head_weight.device)  # the ids index the head's rows and the picks, on its device
         return Shortlist(shortlist) if name == Shortlist.name else ShortlistInt8(shortlist, head_weight)
     if name == Int8Ranking.name:
         return Int8Ranking(head_weight)

@@ -1,8 +1,9 @@
 """The model's own greedy continuations, generated in left-padded batches with the exit states kept as they are
 computed: what calibrate measures generated tokens on and the heads' state cache trains from.
 
-`Keep` says which states a forward pass keeps (the exits' inputs and outputs, the sequence heads' own).
-What this module does not do: score exits (measure.py).
+`Keep` says which states a forward pass keeps (the exits' inputs and outputs, the sequence heads' own). Everything runs
+on the model's device, and the kept states stay there (the caller moves what it stores). What this module does not
+do: score exits (measure.py).
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def generate_continuations(
     return out, used
 
 
+EOS_CHECK_EVERY = 8  # decode steps between the host's reads of which rows are still alive
+
+
 def _generate_batch(
     adapter: Adapter,
     prompts: list[list[int]],
@@ -115,35 +119,46 @@ def _generate_batch(
     keep: Keep | None,
     on_tokens: Callable[[int], None],
 ) -> list[Continuation]:
-    """One left-padded batch of prompts, each row to EOS or `gen_tokens` tokens."""
+    """One left-padded batch of prompts, each row to EOS or `gen_tokens` tokens, on the model's device.
+
+    The tokens stay on the device until the batch ends (one copy to the host then): the host reads how many rows are
+    alive once every EOS_CHECK_EVERY steps (progress, and the stop once every row has ended), not every step, so it
+    never waits on each step. A batch whose rows all end early runs at most EOS_CHECK_EVERY - 1 steps more than it
+    needs; those steps change nothing (a row's tokens end at its EOS)."""
     batch = [prompts[i] for i in members]
-    b = len(batch)
-    ids, pad, positions = left_padded(batch)
-    cache, alive = KVCache(), torch.ones(b, dtype=torch.bool)
-    gen: list[list[int]] = [[] for _ in range(b)]
+    b, dev = len(batch), adapter.device
+    ids, pad, positions = (t.to(dev) for t in left_padded(batch))
+    cache, alive = KVCache(), torch.ones(b, dtype=torch.bool, device=dev)
+    tokens = torch.zeros(b, gen_tokens, dtype=torch.long, device=dev)  # [B, steps]: row r's first counts[r] are its
+    counts = torch.zeros(b, dtype=torch.long, device=dev)  # tokens generated per row (a row ends after its EOS)
     kept = _StepStates(keep)
-    for _ in range(gen_tokens):
-        rows = alive.clone()
+    steps = reported = 0
+    for step in range(gen_tokens):
         capture = kept.capture(positions, pad)
         final = adapter.forward_layers(
             adapter.embed(ids), positions, 0, adapter.num_layers, cache, pad, capture=capture
         )
         kept.end_step(capture, final)
         top = adapter.logits(final[:, -1]).argmax(-1)
-        for r in torch.nonzero(rows).flatten().tolist():
-            gen[r].append(int(top[r]))
-        on_tokens(int(rows.sum()))
-        nxt = torch.full((b,), eos if eos is not None else 0, dtype=torch.long)
-        nxt[rows] = top[rows]
-        alive = rows if eos is None else rows & (nxt != eos)
-        if not bool(alive.any()):
-            break
+        tokens[:, step] = top
+        counts += alive
+        nxt = torch.where(alive, top, torch.full_like(top, eos if eos is not None else 0))
+        alive = alive if eos is None else alive & (nxt != eos)
+        steps = step + 1
+        if eos is not None and steps < gen_tokens and steps % EOS_CHECK_EVERY == 0:
+            left, produced = torch.stack([alive.sum(), counts.sum()]).tolist()  # one read per block of steps
+            on_tokens(produced - reported)
+            reported = produced
+            if left == 0:
+                break
         ids, positions = nxt[:, None], positions[:, -1:] + 1
-        pad = torch.cat([pad, torch.ones(b, 1, dtype=torch.bool)], 1)
+        pad = torch.cat([pad, torch.ones(b, 1, dtype=torch.bool, device=dev)], 1)
+    rows, lengths = tokens[:, :steps].tolist(), counts.tolist()  # the batch's one copy of its tokens
+    on_tokens(sum(lengths) - reported)
     out = []
     for r in range(b):
-        if gen[r]:
-            c = Continuation(members[r], batch[r], gen[r])
+        if lengths[r]:
+            c = Continuation(members[r], batch[r], rows[r][: lengths[r]])
             kept.fill(c, r)
             out.append(c)
     return out

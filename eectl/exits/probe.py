@@ -13,7 +13,9 @@ Fit (`fit_probe`): features standardised; the logistic regression by Adam (`step
 (`hidden` ReLU units) by AdamW with a cosine schedule (`mlp_steps` of `mlp_batch`), both on the tokens left after a
 `validation` share is held out, and the one that lets more held-out tokens exit at calibrate's precisions is kept (per
 exit: an MLP overfits a few thousand tokens and ranks better on 10^5). Minibatches and initial weights come from a
-generator seeded with `seed` (deterministic on the CPU); the standardisation is folded into the saved weights.
+generator seeded with `seed` (deterministic on the CPU); the standardisation is folded into the saved weights. The
+features are measured and the probes fitted on the device of the states handed over (the heads' device); the fitted
+weights come back to the host once per probe.
 
 What this module does not do: train heads, pick thresholds (calibrate fits the score's threshold like any
 criterion's), or write files (head_designs.save_heads stores the probes beside the heads).
@@ -121,8 +123,8 @@ def probe_features(
         picked[layer] = ids
         if generator is not None and layer != exits[0]:
             earlier = [e for e in exits if e <= layer]
-            draw = torch.randint(0, len(earlier), (len(h),), generator=generator)
-            ids = torch.stack([picked[e] for e in earlier])[draw, torch.arange(len(h))]  # [T, K]
+            draw = torch.randint(0, len(earlier), (len(h),), generator=generator).to(h.device)
+            ids = torch.stack([picked[e] for e in earlier])[draw, torch.arange(len(h), device=h.device)]  # [T, K]
             logits = backend.local(layer, h, ids)
         s = signals(logits, ids)
         z = exit_heads[layer].normed(h).float()
@@ -133,7 +135,8 @@ def probe_features(
 
 def _inputs(x: torch.Tensor, n_scalars: int) -> torch.Tensor:
     """Features [T, 2 + H] (prob, margin, z) -> the probe's inputs [T, H + F]: z, then the first F PROBE_SCALARS."""
-    f = torch.from_numpy(probe_scalars(x[:, 0].numpy(), x[:, 1].numpy(), n_scalars))
+    host = x[:, :2].cpu().numpy()  # the scalars' transforms are numpy's (the runner's formula): once per fit
+    f = torch.from_numpy(probe_scalars(host[:, 0], host[:, 1], n_scalars)).to(x.device)
     return torch.cat([x[:, 2:], f], dim=1)
 
 
@@ -144,15 +147,23 @@ def _standardised(x: torch.Tensor, n_scalars: int) -> tuple[torch.Tensor, torch.
     return (u - mu) / sd, mu, sd
 
 
+def _draws(g: torch.Generator, device: torch.device) -> torch.Generator:
+    """The minibatches' generator on the data's device: `g` itself on the CPU (the fits stay bit-identical there),
+    else a generator there seeded from `g` (indices drawn where the data is: no step waits on a copy from the host)."""
+    if device.type == "cpu":
+        return g
+    return torch.Generator(device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
+
+
 def _fit_logistic(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig, g: torch.Generator) -> Probe:
     """A logistic regression on z and prob, margin (Adam on minibatches); standardisation folded."""
     un, mu, sd = _standardised(x, 2)
-    w = torch.zeros(un.shape[1], requires_grad=True)
-    b = torch.zeros(1, requires_grad=True)
+    w = torch.zeros(un.shape[1], device=un.device, requires_grad=True)
+    b = torch.zeros(1, device=un.device, requires_grad=True)
     opt = torch.optim.Adam([w, b], lr=config.lr, weight_decay=config.weight_decay)
-    yf, n = y.float(), len(y)
+    yf, n, draws = y.float(), len(y), _draws(g, un.device)
     for _ in range(config.steps):
-        pick = torch.randint(0, n, (min(config.batch, n),), generator=g)
+        pick = torch.randint(0, n, (min(config.batch, n),), generator=draws, device=un.device)
         loss = nn.functional.binary_cross_entropy_with_logits(un[pick] @ w + b, yf[pick])
         opt.zero_grad()
         loss.backward()
@@ -161,7 +172,8 @@ def _fit_logistic(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig, g: torc
         wf = w / sd  # sum w_i (u_i - mu_i) / sd_i + b = sum (w_i / sd_i) u_i + (b - sum w_i mu_i / sd_i)
         bias = b - (wf * mu).sum()
     h = x.shape[1] - 2
-    return Probe(wf[:h, None].numpy(), wf[h:, None].numpy(), bias.detach().numpy().astype(np.float32))
+    wf, bias = wf.cpu(), bias.detach().cpu()
+    return Probe(wf[:h, None].numpy(), wf[h:, None].numpy(), bias.numpy().astype(np.float32))
 
 
 def _fit_mlp(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig, g: torch.Generator) -> Probe:
@@ -169,16 +181,17 @@ def _fit_mlp(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig, g: torch.Gen
     first layer. Weights drawn from `g` (deterministic for the seed)."""
     un, mu, sd = _standardised(x, len(PROBE_SCALARS))
     d, width = config.hidden, un.shape[1]
-    w1 = (torch.randn(width, d, generator=g) / width**0.5).requires_grad_()
-    b1 = torch.zeros(d, requires_grad=True)
-    w2 = (torch.randn(d, generator=g) / d**0.5).requires_grad_()
-    b2 = torch.zeros(1, requires_grad=True)
+    dev = un.device  # drawn on the host from `g` (the same weights on every device), trained on x's device
+    w1 = (torch.randn(width, d, generator=g) / width**0.5).to(dev).requires_grad_()
+    b1 = torch.zeros(d, device=dev, requires_grad=True)
+    w2 = (torch.randn(d, generator=g) / d**0.5).to(dev).requires_grad_()
+    b2 = torch.zeros(1, device=dev, requires_grad=True)
     params = [w1, b1, w2, b2]
     opt = torch.optim.AdamW(params, lr=config.mlp_lr, weight_decay=config.mlp_weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, config.mlp_steps)
-    yf, n = y.float(), len(y)
+    yf, n, draws = y.float(), len(y), _draws(g, dev)
     for _ in range(config.mlp_steps):
-        pick = torch.randint(0, n, (min(config.mlp_batch, n),), generator=g)
+        pick = torch.randint(0, n, (min(config.mlp_batch, n),), generator=draws, device=dev)
         out = torch.relu(un[pick] @ w1 + b1) @ w2 + b2
         loss = nn.functional.binary_cross_entropy_with_logits(out, yf[pick])
         opt.zero_grad()
@@ -189,7 +202,8 @@ def _fit_mlp(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig, g: torch.Gen
         wf = w1 / sd[:, None]  # (u - mu) / sd @ w1 + b1 = u @ (w1 / sd) + (b1 - mu @ (w1 / sd))
         bias = b1 - mu @ wf
     h = x.shape[1] - 2
-    return Probe(wf[:h].numpy(), wf[h:].numpy(), bias.numpy(), w2.detach().numpy(), float(b2.detach()))
+    wf, bias, w2, b2 = (t.detach().cpu() for t in (wf, bias, w2, b2))
+    return Probe(wf[:h].numpy(), wf[h:].numpy(), bias.numpy(), w2.numpy(), float(b2))
 
 
 TAIL_PRECISIONS = (0.95, 0.98, 0.99)  # the precisions calibrate's targets ask of exiting tokens
@@ -200,7 +214,7 @@ def tail_coverage(score: np.ndarray, y: torch.Tensor, precisions: tuple[float, .
     precision: how many tokens a threshold on this score lets exit at a target (the bulk of uncertain tokens, which
     the log loss weighs most, never exits)."""
     order = np.argsort(-score, kind="stable")
-    hits = y.numpy()[order].astype(np.float64)
+    hits = y.cpu().numpy()[order].astype(np.float64)
     prec = np.cumsum(hits) / np.arange(1, len(hits) + 1)
     out = []
     for p in precisions:
@@ -225,11 +239,8 @@ def fit_probe(x: torch.Tensor, y: torch.Tensor, config: ProbeConfig) -> tuple[Pr
     order = torch.randperm(len(y), generator=g)
     fit, val = order[n_val:], order[:n_val]
     fits = {"logistic": _fit_logistic(x[fit], y[fit], config, g), "mlp": _fit_mlp(x[fit], y[fit], config, g)}
-    xv = x[val]
-    cover = {
-        name: round(tail_coverage(p.score(xv[:, 2:].numpy(), xv[:, 0].numpy(), xv[:, 1].numpy()), y[val]), 5)
-        for name, p in fits.items()
-    }
+    xv = x[val].cpu().numpy()
+    cover = {name: round(tail_coverage(p.score(xv[:, 2:], xv[:, 0], xv[:, 1]), y[val]), 5) for name, p in fits.items()}
     kind = max(cover, key=lambda k: (cover[k], k == "logistic"))  # a tie keeps the cheaper logistic
     return fits[kind], kind, cover
 

@@ -49,10 +49,11 @@ from eectl.exits.probe import ProbeConfig, ProbeFit, fit_probes
 from eectl.heads.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from eectl.heads.losses import DEFAULT_SHORTLIST, DEFAULT_TAIL_SAMPLES, LOSSES, TeacherTopK, topk_tail_kl
 from eectl.heads.report import ChunkPass, EvalResult, evaluate, final_kl, heads_meta
-from eectl.heads.run_setup import lr_at
+from eectl.heads.run_setup import KLLog, lr_at
 from eectl.heads.state_cache import StateCache
 from eectl.heads.train import TrainResult
 from eectl.models.adapters import Adapter
+from eectl.models.device import DEFAULT_DEVICE, check_device, device_name, resolve_device, to_device
 
 
 @dataclass
@@ -68,13 +69,14 @@ class CachedConfig:
     loss: str = "topk"
     tail_samples: int | None = DEFAULT_TAIL_SAMPLES  # None: the exact normaliser (all LM-head rows)
     shortlist: int = DEFAULT_SHORTLIST  # topk: the most frequent teacher top-1 tokens, always counted exactly
-    precision: str = "fp32"  # or "bf16" (autocast on the CPU)
+    precision: str = "fp32"  # or "bf16" (autocast on the device)
     sources: tuple[str, ...] = ("text", "gen")
     save_every: int = 50
     eval_tokens: int = 4096  # held-out tokens of the report (the cache's held split may hold more, for calibration)
     top_k: int = DEFAULT_TOP_K
     target: float = 0.99
     probe_tokens: int = ProbeConfig.tokens  # the learned signal's probes: training tokens (at most the cache's)
+    device: str = DEFAULT_DEVICE  # auto: a CUDA GPU when torch sees one, else the CPU (models/device.py)
 
     def check(self, cache: StateCache) -> None:
         if self.design not in DESIGNS + SEQUENCE_DESIGNS:
@@ -90,10 +92,11 @@ class CachedConfig:
             raise UsageError(f"the state cache has no states for exits {missing}", hint=f"it has {cache.layers}")
         if self.steps < 1 or self.batch_tokens < 1:
             raise UsageError("steps and batch tokens must be positive")
+        check_device(self.device)
 
     def identity(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("save_every", "eval_tokens", "top_k", "target", "probe_tokens"):
+        for k in ("save_every", "eval_tokens", "top_k", "target", "probe_tokens", "device"):
             d.pop(k)
         d["sources"] = list(self.sources)
         return d
@@ -127,18 +130,20 @@ def _cached_passes(
                 break
             chosen.append(entry)
             got += entry.tokens
+    dev = adapter.device
     for entry in chosen:
         seq = cache.load(entry)
-        idx = torch.nonzero(seq.measured).flatten()
-        logp = F.log_softmax(adapter.logits(seq.final[idx].float()), dim=-1)
+        first = seq.first_measured
+        logp = F.log_softmax(adapter.logits(seq.final[first:].to(dev).float()), dim=-1)
         probs = logp.exp()
+        context = {layer: seq.states[layer].to(dev) for layer in exits}
         yield ChunkPass(
-            states={layer: seq.states[layer][idx].float() for layer in exits},
+            states={layer: context[layer][first:].float() for layer in exits},
             probs=probs,
             entropy=-(probs * logp).sum(-1),
-            next_ids=torch.full((idx.numel(),), -100, dtype=torch.long),
-            context={layer: seq.states[layer] for layer in exits},
-            measured=idx,
+            next_ids=torch.full((probs.shape[0],), -100, dtype=torch.long, device=dev),
+            context=context,
+            measured=torch.arange(first, first + probs.shape[0], device=dev),
         )
 
 
@@ -153,20 +158,23 @@ def train_cached(
 ) -> TrainResult:
     """Train `config.design` heads from the cache; write `out` (+ .json) and `<out>.ckpt`; report on the held split.
 
-    `on_step(step, tokens_so_far, kl_per_exit)` after every optimiser step."""
+    Moves the model to `config.device`; the cache stays on the host and each step's rows go to the device (the
+    index arithmetic is done on the host). `on_step(step, tokens_so_far, kl_per_exit)` after every optimiser step,
+    with the latest KL on the host (`KLLog`: up to 15 steps old)."""
     say = log or (lambda _m: None)
     adapter = loaded.adapter
     config.exits = sorted(config.exits)
     config.check(cache)
     exits = config.exits
-    model = loaded.model.eval().requires_grad_(False)
+    device = resolve_device(config.device)
+    model = loaded.model.eval().requires_grad_(False).to(device)
     entries = cache.split("train", config.sources)
     if not entries:
         raise UsageError(f"the state cache has no training sequences from {config.sources}")
     stream = TokenStream([e.tokens for e in entries], config.batch_tokens, config.seed)
     identity = {**config.identity(), "base_sha256": loaded.source.sha256, "cache": cache.identity}
     torch.manual_seed(config.seed)
-    stack = make_stack(adapter, config)
+    stack = make_stack(adapter, config).to(device)
     optimizer = torch.optim.AdamW(stack.parameters(), lr=config.lr, weight_decay=0.0)
     ckpt = checkpoint_path(out)
     step = 0
@@ -178,6 +186,7 @@ def train_cached(
         step = int(state["step"])
         history = [list(h) for h in state["history"]]
         say(f"resumed from {resume} at step {step}/{config.steps}")
+    kl_log = KLLog(history)
     lens = ExitHead(adapter)
     shortlist = cache.frequent_tokens(entries, config.shortlist) if config.shortlist > 0 else None
 
@@ -193,12 +202,14 @@ def train_cached(
         total.backward()
         optimizer.step()
         step += 1
+        kl_log.add(kl)  # every 16th step waits for the device here: inside the timed step
         train_s += time.perf_counter() - t0
-        history.append([float(k) for k in kl])
         if step % config.save_every == 0 or step == config.steps:
+            kl_log.flush()  # the checkpoint keeps the history
             save_checkpoint(ckpt, identity, stack, optimizer, step=step, history=history, rng={}, scaler=None)
         if on_step is not None:
-            on_step(step, step * config.batch_tokens, dict(zip(exits, history[-1], strict=True)))
+            on_step(step, step * config.batch_tokens, kl_log.last(exits))
+    kl_log.flush()
     stack.eval()
     if any(p.requires_grad for p in model.parameters()):
         raise EectlError("internal: a base model parameter was unfrozen during training")
@@ -244,17 +255,22 @@ def _held_report(
 
 
 def cached_probe_samples(
-    cache: StateCache, exits: list[int], sources: tuple[str, ...] = ("text", "gen"), seed: int = 0
+    cache: StateCache,
+    exits: list[int],
+    sources: tuple[str, ...] = ("text", "gen"),
+    seed: int = 0,
+    device: torch.device | str = "cpu",
 ) -> Iterator[tuple[dict[int, torch.Tensor], torch.Tensor]]:
     """The probes' samples from the cache's training split: (exit states [M, H], the final layer's top-1 [M]) per
-    sequence, its measured positions, in an order seeded by `seed` (teacher-forced and generated sequences mixed,
-    as the runner sees both)."""
+    sequence, its measured positions, on `device`, in an order seeded by `seed` (teacher-forced and generated
+    sequences mixed, as the runner sees both)."""
     entries = cache.split("train", sources)
     order = torch.randperm(len(entries), generator=torch.Generator().manual_seed(seed)).tolist()
     for i in order:
         seq = cache.load(entries[i])
-        idx = torch.nonzero(seq.measured).flatten()
-        yield {layer: seq.states[layer][idx].float() for layer in exits}, seq.teacher_ids[:, 0]
+        first = seq.first_measured
+        states = {layer: seq.states[layer][first:].to(device).float() for layer in exits}
+        yield states, seq.teacher_ids[:, 0].to(device)
 
 
 def fit_cached_probes(
@@ -269,8 +285,8 @@ def fit_cached_probes(
     exits = sorted(heads)
     ids = cache.frequent_tokens(cache.split("train"), CANDIDATE_SHORTLIST)
     shortlist = make_source(DEFAULT_CANDIDATES, adapter.lm_head.weight, ids)
-    exit_heads = {layer: ExitHead(adapter, heads[layer]).eval() for layer in exits}
-    samples = cached_probe_samples(cache, exits, seed=config.seed)
+    exit_heads = {layer: ExitHead(adapter, heads[layer].to(adapter.device)).eval() for layer in exits}
+    samples = cached_probe_samples(cache, exits, seed=config.seed, device=adapter.device)
     return fit_probes(heads, exit_heads, samples, shortlist, config, on_tokens)
 
 
@@ -313,23 +329,24 @@ def _cached_loss(
     sequence = config.design in SEQUENCE_DESIGNS
     autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if config.precision == "bf16":
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        autocast = torch.autocast(lens.lm_head_weight.device.type, dtype=torch.bfloat16)
     mapped_parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in exits}
     teachers, finals = [], []
+    dev = lens.lm_head_weight.device
     with autocast:
         for i, a, b in stream.batch(step):
-            seq = cache.load(entries[i])
-            idx = torch.nonzero(seq.measured).flatten()[a:b]
-            teachers.append(TeacherTopK(seq.teacher_ids[a:b], seq.teacher_logp[a:b]))  # rows: measured only
+            seq = cache.load(entries[i])  # on the host; only this piece's rows go to the device
+            lo, hi = seq.first_measured + a, seq.first_measured + b  # the piece's positions in the sequence
+            # the teacher stays on the host: topk_tail_kl does its index arithmetic there (rows measured only)
+            teachers.append(TeacherTopK(seq.teacher_ids[a:b], seq.teacher_logp[a:b]))
             if config.loss == "exact":
-                finals.append(seq.final[idx])
+                finals.append(to_device(seq.final[lo:hi], dev))
             for layer in exits:
                 head = stack.head(layer)
-                if sequence:
-                    end = int(idx[-1]) + 1  # the block sees the prefix of the sequence up to the last row
-                    mapped_parts[layer].append(head(seq.states[layer][:end].float())[idx])
+                if sequence:  # the block sees the prefix of the sequence up to the piece's last row
+                    mapped_parts[layer].append(head(to_device(seq.states[layer][:hi], dev).float())[lo:])
                 else:
-                    mapped_parts[layer].append(head(seq.states[layer][idx].float()))
+                    mapped_parts[layer].append(head(to_device(seq.states[layer][lo:hi], dev).float()))
         mapped = torch.stack([torch.cat(mapped_parts[layer]) for layer in exits])  # [E, B, H]
         teacher = TeacherTopK.cat(teachers)
         if config.loss == "topk":
@@ -387,7 +404,7 @@ def _cached_meta(
             "tail_samples": config.tail_samples,
             "shortlist": config.shortlist,
             "precision": config.precision,
-            "device": "cpu",
+            "device": device_name(loaded.adapter.device),
             "seed": config.seed,
             "threads": torch.get_num_threads(),
             "train_s": round(train_s, 2),

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from eectl.exits.base import ExitHead
+from eectl.models.device import to_device
 
 LOSSES = ("exact", "topk")
 DEFAULT_TEACHER_K = 32
@@ -73,17 +74,21 @@ def topk_tail_kl(
     E, B, _ = mapped.shape
     V = lens.lm_head_weight.shape[0]
     normed = lens.norm(mapped)  # [E, B, H]
-    support = torch.unique(teacher.ids if shortlist is None else torch.cat([teacher.ids.flatten(), shortlist]))
+    # which rows: index arithmetic where the teacher's ids are (the host, for a state cache's: unique and masks on
+    # a GPU would make it wait), then the rows and positions copied to the heads' device
+    ids = teacher.ids
+    support = torch.unique(ids if shortlist is None else torch.cat([ids.flatten(), shortlist.to(ids.device)]))
     if tail_samples is None:
-        rows = torch.arange(V, device=mapped.device)
-        pos = teacher.ids  # row index = token id
+        rows = torch.arange(V, device=ids.device)
+        pos = ids  # row index = token id
         extra = None
     else:
-        perm = torch.randperm(V, generator=generator).to(mapped.device)
+        perm = torch.randperm(V, generator=generator).to(ids.device)
         outside = perm[~torch.isin(perm, support)][:tail_samples]
         rows = torch.cat([support, outside])
-        pos = torch.searchsorted(support, teacher.ids)  # [B, k] index into rows
+        pos = torch.searchsorted(support, ids)  # [B, k] index into rows
         extra = math.log(max(1, V - support.numel()) / max(1, outside.numel()))
+    rows, pos, teacher_logp = (to_device(t, mapped.device) for t in (rows, pos, teacher.logp))
     z = F.linear(normed, lens.lm_head_weight[rows], None if lens.lm_head_bias is None else lens.lm_head_bias[rows])
     z = lens.cap(z).float()  # [E, B, R]
     if extra is None:
@@ -94,8 +99,8 @@ def topk_tail_kl(
     z_top = z.gather(-1, pos[None].expand(E, -1, -1))  # [E, B, k]
     logq_top = z_top - log_z[..., None]
     logq_tail = _log1mexp(torch.logsumexp(logq_top, -1))  # [E, B]
-    p_top = teacher.logp.exp()  # [B, k]
+    p_top = teacher_logp.exp()  # [B, k]
     p_tail = (1 - p_top.sum(-1)).clamp_min(0)  # [B]
     soft_ce = -((p_top * logq_top).sum(-1) + p_tail * logq_tail)  # [E, B]
-    entropy = -((p_top * teacher.logp).sum(-1) + torch.xlogy(p_tail, p_tail))  # [B]
+    entropy = -((p_top * teacher_logp).sum(-1) + torch.xlogy(p_tail, p_tail))  # [B]
     return soft_ce.mean(-1), (soft_ce - entropy).mean(-1).detach()

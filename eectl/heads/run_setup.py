@@ -1,5 +1,6 @@
-"""Where and how a head-training run runs: its rank among the launcher's processes, the device, mixed precision, the
-learning-rate schedule and the RNG state a checkpoint keeps, shared by heads/train.py and heads/cached.py.
+"""Where and how a head-training run runs: its rank among the launcher's processes, mixed precision on the device
+(resolved by models/device.py), the learning-rate schedule and the RNG state a checkpoint keeps, shared by
+heads/train.py and heads/cached.py.
 
 What this module does not do: build heads, read data or train (heads/train.py, heads/cached.py).
 """
@@ -12,10 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from eectl.errors import UsageError
-
-DEVICES = ("cpu", "cuda")
 
 
 @dataclass
@@ -37,19 +34,6 @@ def dist_from_env() -> Dist:
     if world <= 1:
         return Dist()
     return Dist(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    if name not in DEVICES:
-        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got '{name}'")
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(
-                "--device cuda asked for, but torch sees no CUDA GPU",
-                hint="run on a machine with a GPU and a CUDA build of torch, or use --device cpu",
-            )
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
 
 
 def amp_dtype(device: torch.device) -> torch.dtype | None:
@@ -79,3 +63,28 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class KLLog:
+    """Each optimiser step's KL per exit, kept on the device and brought to the host in blocks: one transfer per
+    `every` steps (and at every `flush`: before a checkpoint, at the end), not a read per step (which would make
+    the host wait for the device every step). `history` is extended in place: one list of floats per step."""
+
+    def __init__(self, history: list[list[float]], every: int = 16) -> None:
+        self.history = history
+        self.every = every
+        self.pending: list[torch.Tensor] = []  # [E] per step not yet on the host
+
+    def add(self, kl: torch.Tensor) -> None:
+        self.pending.append(kl.detach())
+        if len(self.pending) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.history.extend(torch.stack(self.pending).tolist())  # one copy for the block
+            self.pending.clear()
+
+    def last(self, exits: list[int]) -> dict[int, float]:
+        """The latest KL on the host by exit (empty before the first block arrives)."""
+        return dict(zip(exits, self.history[-1], strict=True)) if self.history else {}

@@ -41,7 +41,7 @@ class HeadsRequest:
     seed: int = 0
     save_every: int = 100
     resume: Path | None = None
-    device: str = "cpu"
+    device: str = "auto"  # auto: a CUDA GPU when torch sees one, else the CPU (models/device.py)
     out: Path | None = None  # None: artifacts/<model>-heads.safetensors
     cache: Path | None = None  # the state cache folder (None: the recipe's heads.cache)
     tokens: int | None = None  # with a state cache: training tokens
@@ -98,10 +98,10 @@ def _train_per_token(r: Recipe, req: HeadsRequest, out: Output) -> TrainResult:
     """Per-token designs trained on the fly from the frozen model's own final layer."""
     from eectl.data import load_text_data
     from eectl.heads.checkpoint import check_checkpoint
-    from eectl.heads.run_setup import resolve_device
     from eectl.heads.train import TrainConfig
     from eectl.heads.train import train_heads as train
     from eectl.models import load_model
+    from eectl.models.device import device_name, resolve_device
 
     config = TrainConfig(
         exits=pick(req.exits, r.exits or []),
@@ -121,7 +121,7 @@ def _train_per_token(r: Recipe, req: HeadsRequest, out: Output) -> TrainResult:
     config.check()  # before the model loads (no exits yet: the model's default_exits)
     if req.resume is not None:
         check_checkpoint(req.resume)
-    resolve_device(req.device)
+    device = device_name(resolve_device(req.device))  # a missing GPU refused before the model loads
     text = load_text_data(pick(req.data, r.data.source), pick(req.field, r.data.field))
     out.log(f"loading {pick(req.model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
     loaded = load_model(pick(req.model, r.model), log=out)
@@ -131,7 +131,7 @@ def _train_per_token(r: Recipe, req: HeadsRequest, out: Output) -> TrainResult:
     check_outputs([("--out", path, heads_sidecars(path))], _inputs(r, req), [("--cache", req.cache)])
     out.log(
         f"training {config.design} heads at exits {sorted(config.exits)} for {config.steps} steps of "
-        f"{config.batch_tokens} tokens of {text.name}, {req.device}, {req.threads} threads"
+        f"{config.batch_tokens} tokens of {text.name}, on {device}, {req.threads} threads"
     )
     with out.progress("train-heads", total=config.steps) as bar:
         on_step = _on_step(bar, config.batch_tokens)
@@ -162,10 +162,13 @@ def _train_cached(r: Recipe, req: HeadsRequest, cache_dir: Path | None, out: Out
     from eectl.heads.state_cache import CacheSpec
     from eectl.heads.state_cache_build import build_cache
     from eectl.models import load_model
+    from eectl.models.device import device_name, resolve_device
 
+    device = resolve_device(req.device)  # a missing GPU refused before the model loads
     eval_tokens = pick(req.eval_tokens, r.heads.eval_tokens)
     text = load_text_data(pick(req.data, r.data.source), pick(req.field, r.data.field))
     loaded = load_model(pick(req.model, r.model), log=out)
+    loaded.model.to(device)  # the cache is built there too
     layers = pick(req.exits, r.exits or []) or default_exits(loaded.adapter.num_layers)
     n = pick(req.tokens, r.heads.tokens)
     spec = CacheSpec.for_budget(layers, n, pick(req.gen_share, r.heads.gen_share), eval_tokens)
@@ -198,10 +201,11 @@ def _train_cached(r: Recipe, req: HeadsRequest, cache_dir: Path | None, out: Out
         top_k=r.top_k,
         target=r.target,
         probe_tokens=pick(req.probe_tokens, r.heads.probe_tokens),
+        device=req.device,
     )
     out.log(
         f"training {config.design} heads at exits {layers}: {config.steps} steps of {batch} tokens from {folder} "
-        f"({config.loss} loss), {req.threads} threads"
+        f"({config.loss} loss), on {device_name(device)}, {req.threads} threads"
     )
     with out.progress("train-heads", total=config.steps) as bar:
         on_step = _on_step(bar, batch)
@@ -214,6 +218,7 @@ def _probe_only(r: Recipe, req: HeadsRequest, cache_dir: Path | None, out: Outpu
     from eectl.heads.cached import add_probes
     from eectl.heads.state_cache import open_cache
     from eectl.models import load_model
+    from eectl.models.device import device_name, resolve_device
 
     heads = req.heads
     if heads is None or cache_dir is None:
@@ -229,8 +234,13 @@ def _probe_only(r: Recipe, req: HeadsRequest, cache_dir: Path | None, out: Outpu
         raise UsageError("--probe-tokens must be positive")
     if config.hidden < 0:
         raise UsageError("--probe-hidden must be >= 0")
+    device = resolve_device(req.device)
     loaded = load_model(pick(req.model, r.model), log=out)
-    out.log(f"fitting exit probes onto {heads} from {config.tokens} tokens of {cache_dir}, {req.threads} threads")
+    loaded.model.to(device)
+    out.log(
+        f"fitting exit probes onto {heads} from {config.tokens} tokens of {cache_dir}, on {device_name(device)}, "
+        f"{req.threads} threads"
+    )
     with out.progress("probes", total=config.tokens) as bar:
         fit = add_probes(loaded, heads, cache, target, config, on_tokens=lambda n: bar.advance(n))
     return ProbesResult(target, fit)

@@ -114,6 +114,13 @@ class Sequence:
     teacher_ids: torch.Tensor  # [M, k] long, at the measured positions
     teacher_logp: torch.Tensor  # [M, k] float32
 
+    @property
+    def first_measured(self) -> int:
+        """The measured positions are the sequence's last M (a text chunk's after BOS; a generated sequence's from
+        its last prompt position on; `make_sequence` checks it): the first of them, from the shapes alone, so a
+        training step slices rows without reading `measured`."""
+        return self.ids.numel() - self.teacher_ids.shape[0]
+
 
 @dataclass
 class StateCache:
@@ -217,8 +224,8 @@ def base_states(
     adapter: Any, rows: list[list[int]], layers: list[int], final: bool = True
 ) -> list[dict[int, torch.Tensor]]:
     """The frozen base on sequences of equal length in one call: per row, the cached layers' states (float16) and
-    the final one (key 0, as computed: the teacher is taken from it) [S, H]. Without `final` the base stops after
-    the last of `layers` (no key 0)."""
+    the final one (key 0, as computed: the teacher is taken from it) [S, H], on the model's device (`make_sequence`
+    brings a sequence to the host). Without `final` the base stops after the last of `layers` (no key 0)."""
     wanted = set(layers)
     hi = adapter.num_layers if final else max(layers)
     states: dict[int, torch.Tensor] = {}
@@ -232,24 +239,29 @@ def base_states(
     out = adapter.forward_layers(adapter.embed(x), positions, 0, hi, None, on_layer=on_layer)
     if final:
         states[0] = out
-    return [{k: v[r].cpu() for k, v in states.items()} for r in range(len(rows))]
+    return [{k: v[r] for k, v in states.items()} for r in range(len(rows))]
 
 
 @torch.no_grad()
 def make_sequence(
     adapter: Any, ids: list[int], measured: torch.Tensor, states: dict[int, torch.Tensor], k: int
 ) -> Sequence:
-    """A sequence from its states (key 0: the final one): the teacher's top-k at the measured positions."""
+    """A sequence on the host from its states on the model's device (key 0: the final one): the teacher's top-k at
+    the measured positions (`measured` [S] bool, on the host), computed there; one copy per tensor it keeps."""
     from eectl.heads.losses import TeacherTopK
 
     final = states[0]
-    teacher = TeacherTopK.of(adapter.logits(final[measured].float()), k)
-    layers = {layer: h for layer, h in states.items() if layer != 0}
+    idx = torch.nonzero(measured).flatten()
+    if idx.numel() and int(idx[0]) != len(ids) - idx.numel():  # Sequence.first_measured relies on it
+        raise ValueError("internal: a sequence's measured positions must be its last ones")
+    idx = idx.to(final.device)
+    teacher = TeacherTopK.of(adapter.logits(final[idx].float()), k)
+    layers = {layer: h.to("cpu", torch.float16) for layer, h in states.items() if layer != 0}
     return Sequence(
         torch.tensor(ids, dtype=torch.long),
         measured,
         layers,
-        final.to(torch.float16),
+        final.to("cpu", torch.float16),
         teacher.ids.cpu(),
         teacher.logp.cpu(),
     )

@@ -173,7 +173,7 @@ def widen_cache(
                 seqs = [read_sequence(folder / e.file) for e in part]
                 states = base_states(adapter, [s.ids.tolist() for s in seqs], new, final=False)
                 for entry, seq, st in zip(part, seqs, states, strict=True):
-                    seq.states.update(st)
+                    seq.states.update({layer: h.to("cpu", torch.float16) for layer, h in st.items()})
                     write_sequence(folder / entry.file, seq)
                     positions += entry.length
                     if on_tokens is not None:

@@ -47,17 +47,9 @@ from eectl.exits.designs import HeadStack, build_heads, check_design, head_cost,
 from eectl.exits.probe import ProbeConfig, ProbeFit, fit_probes
 from eectl.heads.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from eectl.heads.report import ChunkPass, EvalResult, base_pass, evaluate, final_kl, heads_meta
-from eectl.heads.run_setup import (
-    DEVICES,
-    Dist,
-    amp_dtype,
-    dist_from_env,
-    lr_at,
-    resolve_device,
-    rng_state,
-    set_rng_state,
-)
+from eectl.heads.run_setup import Dist, KLLog, amp_dtype, dist_from_env, lr_at, rng_state, set_rng_state
 from eectl.models.adapters import Adapter
+from eectl.models.device import DEFAULT_DEVICE, check_device, device_name, resolve_device, to_device
 
 DEFAULT_BATCH_TOKENS = 32
 DEFAULT_EVAL_TOKENS = 4096
@@ -82,7 +74,7 @@ class TrainConfig:
     eval_tokens: int = DEFAULT_EVAL_TOKENS  # held-out tokens for the before/after report
     chunk_len: int = DEFAULT_CHUNK_LEN  # context length the base runs on
     save_every: int = 100  # checkpoint every this many steps (and at the end)
-    device: str = "cpu"
+    device: str = DEFAULT_DEVICE  # auto: a CUDA GPU when torch sees one, else the CPU (models/device.py)
     top_k: int = DEFAULT_TOP_K  # local vocabulary of the top-k signal in the report
     target: float = 0.99  # precision at which the report's coverage is measured
 
@@ -104,8 +96,7 @@ class TrainConfig:
             raise UsageError(f"--ce-weight must be >= 0, got {self.ce_weight}")
         if not 0 < self.target <= 1:
             raise UsageError(f"target precision must be in (0, 1], got {self.target}")
-        if self.device not in DEVICES:
-            raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got '{self.device}'")
+        check_device(self.device)
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with the run that resumes it."""
@@ -238,11 +229,12 @@ def _train_loop(
     def chunk_pass(c: int) -> ChunkPass:
         if c not in cache:
             with autocast():
-                cache[c] = base_pass(adapter, td.chunks[c].to(device), exits, td.skip_first)
+                cache[c] = base_pass(adapter, to_device(td.chunks[c], device), exits, td.skip_first)
             while len(cache) > 2:
                 cache.popitem(last=False)
         return cache[c]
 
+    kl_log = KLLog(tr.history)
     tr.stack.train()
     while tr.step < config.steps:
         pieces = [(chunk_pass(c), a, b) for c, a, b in td.stream.batch(tr.step)]
@@ -257,12 +249,14 @@ def _train_loop(
             # All exits through the LM head in one matmul: on a CPU, reading the [V, H] weight dominates small batches.
             logits = lens.full(torch.cat([mapped[layer] for layer in exits])).float()
             logits = logits.view(len(exits), -1, logits.shape[-1])  # [E, B, V]
+            labelled = (next_ids >= 0).sum().clamp_min(1)  # the CE's mean over labelled rows, without a host read
             losses, kls = [], []
             for e in range(len(exits)):
                 soft_ce = F.cross_entropy(logits[e], probs)  # -sum p log q; KL(p || q) = this - H(p)
                 loss = soft_ce
-                if config.ce_weight > 0 and bool((next_ids >= 0).any()):
-                    loss = loss + config.ce_weight * F.cross_entropy(logits[e], next_ids, ignore_index=-100)
+                if config.ce_weight > 0:
+                    ce = F.cross_entropy(logits[e], next_ids, ignore_index=-100, reduction="sum") / labelled
+                    loss = loss + config.ce_weight * ce
                 losses.append(loss)
                 kls.append(soft_ce.detach() - entropy)
             total = torch.stack(losses).sum()
@@ -275,11 +269,13 @@ def _train_loop(
             total.backward()
             tr.optimizer.step()
         tr.step += 1
-        kl_now = [float(k) for k in kls]
-        tr.history.append(kl_now)
+        kl_log.add(torch.stack(kls))
+        if tr.step % config.save_every == 0 or tr.step == config.steps:
+            kl_log.flush()  # the checkpoint keeps the history
         save()
         if on_step is not None:
-            on_step(tr.step, dict(zip(exits, kl_now, strict=True)))
+            on_step(tr.step, kl_log.last(exits))
+    kl_log.flush()
     tr.stack.eval()
 
 
@@ -304,7 +300,7 @@ def _fit_probes(
         for chunk in td.chunks:
             with autocast():
                 p = base_pass(adapter, chunk.to(device), exits, td.skip_first)
-            yield {layer: s.float().cpu() for layer, s in p.states.items()}, p.probs.argmax(-1).cpu()
+            yield {layer: s.float() for layer, s in p.states.items()}, p.probs.argmax(-1)  # fitted on the device
 
     return fit_probes(heads, exit_heads, samples(), source, config)
 
@@ -355,7 +351,7 @@ def _metadata(
             "batch_tokens": config.batch_tokens,
             "ce_weight": config.ce_weight,
             "seed": config.seed,
-            "device": device.type,
+            "device": device_name(device),
             "precision": "fp32" if amp is None else f"autocast {str(amp).removeprefix('torch.')}",
             "world_size": world,
             "threads": torch.get_num_threads(),
@@ -378,7 +374,8 @@ def train_heads(
 
     Moves the model to `config.device`. Writes `out` (.safetensors) and its .json sidecar, and a checkpoint
     (checkpoint_path(out)) every `config.save_every` steps and at the end. `on_step(step, kl_per_exit)` is
-    called after each optimiser step (1-based), on the main rank only.
+    called after each optimiser step (1-based), on the main rank only, with the latest KL on the host (`KLLog`:
+    brought over every 16 steps and at checkpoints, so up to 15 steps old; empty before the first block).
     """
     from eectl.data import TextData
     from eectl.models.loading import LoadedModel
