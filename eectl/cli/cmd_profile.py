@@ -42,6 +42,13 @@ def profile(
     cache: Annotated[
         bool, typer.Option(help="Reuse results for the same model, data and settings.", metavar="")
     ] = True,
+    device: Annotated[
+        str,
+        typer.Option(
+            help="Torch device: auto (a CUDA GPU when torch sees one, else the CPU), cpu or cuda.",
+            rich_help_panel="Common",
+        ),
+    ] = "auto",
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -56,6 +63,7 @@ def profile(
     req = ProfileRequest(
         list(models or []), data, field, tokens, alpha, similarity, plot, report, lens_dtype, cache, recipe
     )
+    req.device = device
     req.threads = set_threads(threads, r)
     print_suite(out, run_profile(r, req, out))
 
@@ -73,7 +81,7 @@ def print_suite(out: Output, req: ProfileRun) -> None:
         out.out.print(markdown_table(suite), markup=False, highlight=False)
         out.line(
             f"{suite.settings['bootstrap']['resamples']} bootstrap resamples of chunks of "  # type: ignore[index]
-            f"{suite.settings['chunk_len']} tokens; lens {req.lens_dtype}; {req.threads} threads"
+            f"{suite.settings['chunk_len']} tokens; lens {req.lens_dtype}; {req.device}, {req.threads} threads"
         )
         if req.plot is not None:
             out.line(f"plot: {req.plot}")
@@ -119,9 +127,9 @@ def _print_profile(out: Output, result: object, plot: Path | None) -> None:
     out.line(
         f"CIs: percentile bootstrap over {result.chunks} chunks of text; "
         + (
-            f"from the cache (measured in {result.wall_s:.1f}s on {result.threads} threads)"
+            f"from the cache (measured in {result.wall_s:.1f}s on {result.device}, {result.threads} threads)"
             if result.cached
-            else f"{result.wall_s:.1f}s on {result.threads} threads, lens {result.lens_dtype}, "
+            else f"{result.wall_s:.1f}s on {result.device}, {result.threads} threads, lens {result.lens_dtype}, "
             f"peak RSS {result.peak_rss_mb:.0f} MB"
         )
     )

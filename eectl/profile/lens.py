@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from eectl.errors import UsageError
 from eectl.models.adapters import Adapter, Capture
+from eectl.models.device import to_device
 
 SIMILARITIES = ("top1", "js")
 EAS_ALPHAS = (0.3, 0.5, 0.7)
@@ -63,6 +64,7 @@ class ProfileResult:
     layers: list[LayerStats] = field(default_factory=list)
     verdict: str = ""
     threads: int = 0
+    device: str = "cpu"  # where it was measured (models/device.py's name)
     wall_s: float = 0.0
     peak_rss_mb: float = 0.0
     lens_dtype: str = "fp32"
@@ -133,56 +135,61 @@ def measure_chunks(
     """The per-chunk sums over token chunks [1, S] (the first `skip_first` positions of each are not measured).
 
     `lens_dtype` bf16 runs the logit lens's LM-head matmuls under CPU/CUDA autocast (the final norm and the
-    softmax stay fp32); fp32 is the reference.
+    softmax stay fp32); fp32 is the reference. Runs on the model's device; the sums stay there until the last chunk
+    and come to the host in one copy.
     """
     if lens_dtype not in LENS_DTYPES:
         raise UsageError(f"--lens-dtype must be one of {', '.join(LENS_DTYPES)}, got '{lens_dtype}'")
     L = adapter.num_layers
-    C = len(chunks)
-    f64 = torch.float64
-    sums = ProfileSums(
-        torch.zeros(C, dtype=torch.long),
-        torch.zeros(C, L, dtype=f64),
-        torch.zeros(C, L, dtype=f64),
-        torch.zeros(C, L, dtype=f64),
-        torch.zeros(C, L, dtype=f64),
-        torch.zeros(C, L, dtype=torch.long),
-    )
-    device_type = adapter.device.type
+    dev = adapter.device
+    rows: list[torch.Tensor] = []  # per chunk, on the device: [5, L] (n, agree, kl, js, cosine sums) then oracle
+    oracles: list[torch.Tensor] = []
 
     def lens(h: torch.Tensor) -> torch.Tensor:
         if lens_dtype == "fp32":
             return F.log_softmax(adapter.logits(h).float(), dim=-1)
-        with torch.autocast(device_type, dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             z = adapter.logits(h)
         return F.log_softmax(z.float(), dim=-1)
 
-    for c, ids in enumerate(chunks):
+    for ids in chunks:
+        ids = to_device(ids, dev)
         keep = Capture(range(1, L + 1), inputs=True, select=lambda h: h[0, skip_first:])
-        positions = torch.arange(ids.shape[1])[None]
+        positions = torch.arange(ids.shape[1], device=dev)[None]
         adapter.forward_layers(adapter.embed(ids), positions, 0, L, None, capture=keep)
         outs = [keep.states[layer] for layer in range(1, L + 1)]  # outs[i]: after layer index i
-        for i in range(L):
-            sums.cosine[c, i] = F.cosine_similarity(keep.layer_inputs[i + 1], outs[i], dim=-1).double().sum()
+        cosine = torch.stack(
+            [F.cosine_similarity(keep.layer_inputs[i + 1], outs[i], dim=-1).double().sum() for i in range(L)]
+        )
         logp_final = lens(outs[-1])  # [T, V]
+        T = logp_final.shape[0]
         top_final = logp_final.argmax(-1)
         p_final = logp_final.exp()
-        matches = torch.ones(L, logp_final.shape[0], dtype=torch.bool)
+        zero = torch.zeros((), dtype=torch.float64, device=dev)  # the last layer's KL and JS to itself
+        matches, kl, js = [], [], []
         for i in range(L - 1):
             logp = lens(outs[i])
-            matches[i] = logp.argmax(-1) == top_final
-            sums.kl[c, i] = (p_final * (logp_final - logp)).sum(-1).double().sum()
-            if similarity == "js":
-                sums.js[c, i] = _js_bits(logp_final, logp).double().sum()
-        sums.agree[c] = matches.double().sum(-1)
+            matches.append(logp.argmax(-1) == top_final)
+            kl.append((p_final * (logp_final - logp)).sum(-1).double().sum())
+            js.append(_js_bits(logp_final, logp).double().sum() if similarity == "js" else zero)
+        match = torch.stack([*matches, torch.ones_like(top_final, dtype=torch.bool)])  # [L, T]
+        n = torch.full((L,), float(T), dtype=torch.float64, device=dev)
+        rows.append(
+            torch.stack([n, match.double().sum(-1), torch.stack([*kl, zero]), torch.stack([*js, zero]), cosine])
+        )
         # earliest layer from which every later layer agrees: reverse cumulative AND
-        stable = matches.flip(0).cumprod(0).flip(0).bool()  # [L, T]
-        first = L - stable.sum(0)  # 0-based index of the first stable layer
-        sums.oracle[c] = torch.bincount(first, minlength=L)[:L]
-        sums.n[c] = logp_final.shape[0]
+        stable = match.flip(0).cumprod(0).flip(0).bool()  # [L, T]
+        first = L - stable.sum(0)  # 0-based index of the first stable layer (counted below without bincount, which
+        # reads its maximum on the host)
+        oracles.append(torch.zeros(L, dtype=torch.long, device=dev).index_add_(0, first, torch.ones_like(first)))
         if on_chunk is not None:
-            on_chunk(logp_final.shape[0])
-    return sums
+            on_chunk(T)
+    f64 = torch.float64
+    if not rows:
+        zeros = torch.zeros(0, L, dtype=f64)
+        return ProfileSums(torch.zeros(0, dtype=torch.long), zeros, zeros, zeros, zeros, zeros.long())
+    host, oracle = torch.stack(rows).cpu(), torch.stack(oracles).cpu()  # the run's one copy to the host: [C, 5, L]
+    return ProfileSums(host[:, 0, 0].long(), host[:, 1], host[:, 2], host[:, 3], host[:, 4], oracle.long())
 
 
 def profile_chunks(
@@ -393,6 +400,7 @@ def profile_model(
 
     from eectl import cache
     from eectl.data import TextData, token_chunks
+    from eectl.models.device import device_name
     from eectl.models.loading import LoadedModel, resolve_source
 
     assert isinstance(data, TextData)
@@ -408,6 +416,7 @@ def profile_model(
             result = summarise(ProfileSums.from_dict(hit["sums"]), int(hit["num_layers"]), alpha, similarity)
             _describe(result, hit["model"], {**data.to_dict(), "tokens": tokens}, lens_dtype)
             result.threads, result.wall_s, result.peak_rss_mb = hit["threads"], hit["wall_s"], hit["peak_rss_mb"]
+            result.device = hit.get("device", "cpu")
             result.cached = True
             return result
     lm = get()
@@ -423,6 +432,7 @@ def profile_model(
     )
     result.wall_s = wall
     result.threads = torch.get_num_threads()
+    result.device = device_name(lm.adapter.device)
     result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if key is not None:
         cache.write(
@@ -433,6 +443,7 @@ def profile_model(
                 "num_layers": lm.adapter.num_layers,
                 "model": result.model,
                 "threads": result.threads,
+                "device": result.device,
                 "wall_s": result.wall_s,
                 "peak_rss_mb": result.peak_rss_mb,
             },

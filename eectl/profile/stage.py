@@ -31,6 +31,7 @@ class ProfileRequest:
     cache: bool = True  # reuse results for the same model, data and settings
     recipe_file: Path | None = None  # the recipe's file: an input no output may land on
     threads: int | None = None  # the thread count set up by the caller (reported)
+    device: str = "auto"  # the torch device (auto: a CUDA GPU when torch sees one, else the CPU)
 
 
 @dataclass
@@ -40,11 +41,13 @@ class ProfileRun:
     report: Path | None
     lens_dtype: str
     threads: int | None
+    device: str = "cpu"  # where the models ran (models/device.py's name)
 
 
 def profile(recipe: Recipe, req: ProfileRequest, out: Output) -> ProfileRun:
     """Every model of the request on every workload; the plot and the report written where asked."""
     from eectl.data import load_text_data
+    from eectl.models.device import device_name, resolve_device
     from eectl.profile.lens import LENS_DTYPES, check_options
     from eectl.profile.report import parse_workloads, plot_comparison, write_report
     from eectl.profile.report import plot as plot_profile
@@ -62,6 +65,7 @@ def profile(recipe: Recipe, req: ProfileRequest, out: Output) -> ProfileRun:
     for path, suffix in ((plot, ".png"), (report, ".md")):
         if path is not None and path.suffix.lower() != suffix:
             raise UsageError(f"--{'plot' if suffix == '.png' else 'report'} must name a {suffix} file, got {path}")
+    device = device_name(resolve_device(req.device))  # a missing GPU refused before any model loads
     workloads_spec = parse_workloads(pick(req.data, r.data.source))
     ins = [("--data", input_file(src)) for _, src in workloads_spec] + [("--recipe", input_file(req.recipe_file))]
     twin = [report.with_suffix(".json")] if report is not None else []
@@ -70,7 +74,7 @@ def profile(recipe: Recipe, req: ProfileRequest, out: Output) -> ProfileRun:
     specs: list[str | None] = list(req.models) if req.models else [r.model]
     out.log(
         f"profiling {len(specs)} model(s) x {len(workloads)} workload(s) on {n_tokens} tokens each, "
-        f"{req.threads} threads, logit lens in {req.lens_dtype}"
+        f"on {device}, {req.threads} threads, logit lens in {req.lens_dtype}"
     )
     with out.progress("profile", total=n_tokens * len(specs) * len(workloads)) as bar:
         suite = profile_suite(
@@ -83,6 +87,7 @@ def profile(recipe: Recipe, req: ProfileRequest, out: Output) -> ProfileRun:
             use_cache=req.cache,
             on_chunk=lambda n: bar.advance(n),
             log=out.log,
+            device=req.device,
         )
     if plot is not None:
         if len(suite.entries) == 1:
@@ -91,4 +96,4 @@ def profile(recipe: Recipe, req: ProfileRequest, out: Output) -> ProfileRun:
             plot_comparison(suite, plot)
     if report is not None:
         write_report(suite, report, plot)
-    return ProfileRun(suite, plot, report, req.lens_dtype, req.threads)
+    return ProfileRun(suite, plot, report, req.lens_dtype, req.threads, device)

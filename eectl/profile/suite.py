@@ -25,12 +25,14 @@ from eectl.profile.lens import (
 
 
 class LazyModel:
-    """A model known by its source (hashable without loading), loaded on the first call and kept."""
+    """A model known by its source (hashable without loading), loaded on the first call (onto `device`) and kept."""
 
-    def __init__(self, spec: str | None, log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, spec: str | None, log: Callable[[str], None] | None = None, device: torch.device | str = "cpu"
+    ) -> None:
         from eectl.models.loading import resolve_source
 
-        self.spec, self.log = spec, log
+        self.spec, self.log, self.device = spec, log, device
         self.source = resolve_source(spec)
         self._loaded: Any = None
 
@@ -41,6 +43,7 @@ class LazyModel:
             if self.log is not None:
                 self.log(f"loading {self.spec or 'the default model (SmolLM2-135M-Instruct)'}")
             self._loaded = load_model(self.spec)
+            self._loaded.model.to(self.device)
         return self._loaded
 
 
@@ -55,13 +58,17 @@ def profile_suite(
     use_cache: bool = True,
     on_chunk: Callable[[int], None] | None = None,
     log: Callable[[str], None] | None = None,
+    device: str = "auto",
 ) -> Suite:
-    """Profile every model on every workload (TextData), each model loaded at most once and only when one of its
-    (model, workload) results is not in the cache."""
+    """Profile every model on every workload (TextData) on the torch `device` (models/device.py's names), each model
+    loaded at most once and only when one of its (model, workload) results is not in the cache."""
+    from eectl.models.device import device_name, resolve_device
+
     check_options(alpha, similarity)
+    where = resolve_device(device)
     entries: list[SuiteEntry] = []
     for spec in models:
-        lazy = LazyModel(spec, log)
+        lazy = LazyModel(spec, log, where)
         source = lazy.source
         for name, data in workloads:
             result = profile_model(
@@ -81,6 +88,7 @@ def profile_suite(
         "lens_dtype": lens_dtype,
         "bootstrap": {"resamples": BOOTSTRAP, "unit": f"chunks of {chunk_len} tokens", "level": CI_LEVEL},
         "threads": torch.get_num_threads(),
+        "device": device_name(where),
     }
     return Suite(entries, settings)
 
