@@ -3,7 +3,9 @@
 `calibrate`: per-exit thresholds on the model, written as a calibration file (what `eectl calibrate` and the pipeline
 both run). `certify_artifact`: with --guarantee sequence, one threshold certified for whole continuations of an
 exported artifact (calibrate/sequence.py), written into its manifest. A request's None fields take the recipe's
-values; the caller has set up the thread pools (cli.app.set_threads). What this module does not do: print results.
+values; the caller has set up the thread pools (cli.app.set_threads). The model is measured on the request's torch
+device (models/device.py); the sequence guarantee runs the artifact with ONNX Runtime on the CPU. What this module does
+not do: print results.
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ class CalibrateRequest:
     out: Path | None = None  # None: artifacts/<model>-calibration.json
     recipe_file: Path | None = None  # the recipe's file: an input no output may land on
     threads: int | None = None  # the thread count set up by the caller (reported)
+    device: str = "auto"  # the torch device the model is measured on (auto: a CUDA GPU when torch sees one)
 
 
 @dataclass
 class CalibrateResult:
     calibration: Calibration
     path: Path  # where it was written
+    device: str = "cpu"  # where it was measured (models/device.py's name)
 
 
 def calibrate(recipe: Recipe, req: CalibrateRequest, out: Output) -> CalibrateResult:
@@ -66,11 +70,13 @@ def calibrate(recipe: Recipe, req: CalibrateRequest, out: Output) -> CalibrateRe
     from eectl.data import load_text_data
     from eectl.exits.signals import DEFAULT_SIGNAL, choose_signal
     from eectl.models import load_model
+    from eectl.models.device import device_name, resolve_device
 
     r = recipe
     opts = options(r, req)
     opts.signal = pick(req.signal, r.signal) or DEFAULT_SIGNAL  # checked here; chosen with the heads below
     check_options(opts)
+    device = resolve_device(req.device)  # a missing GPU refused before the model loads
     if req.heads is not None:
         existing_file(req.heads, "heads", UsageError, hint="train them with eectl train-heads")
     src = pick(req.data, r.data.source)
@@ -79,24 +85,28 @@ def calibrate(recipe: Recipe, req: CalibrateRequest, out: Output) -> CalibrateRe
     text = load_text_data(src, pick(req.field, r.data.field))
     out.log(f"loading {pick(req.model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
     loaded = load_model(pick(req.model, r.model), log=out)
+    loaded.model.to(device)
     opts.exits = opts.exits or default_exits(loaded.adapter.num_layers)
     head_modules = None
     if req.heads is not None:
         from eectl.exits.designs import load_heads
 
         head_modules = dict(load_heads(req.heads, loaded).heads)  # checks the heads were trained on this checkpoint
+        for head in head_modules.values():
+            head.to(device)
     opts.signal = choose_signal(pick(req.signal, r.signal), head_modules, opts.exits)
     check_options(opts, loaded.adapter.num_layers, loaded.adapter.dims.vocab_size)
     path = req.out or Path("artifacts") / f"{loaded.source.name}-calibration.json"
     check_outputs([("--out", path, [])], ins)
     out.log(
         f"calibrating exits {opts.exits} on {opts.tokens} tokens of {text.name} ({opts.text_tokens} teacher-forced, "
-        f"{opts.generated_tokens} generated), signal {opts.signal}, target {opts.target}, {req.threads} threads"
+        f"{opts.generated_tokens} generated), signal {opts.signal}, target {opts.target}, on {device_name(device)}, "
+        f"{req.threads} threads"
     )
     with out.progress("calibrate", total=opts.tokens) as bar:
         result = calibrate_model(loaded, text, opts, head_modules, req.heads, on_tokens=lambda n: bar.advance(n))
     write_calibration(result, path)
-    return CalibrateResult(result, path)
+    return CalibrateResult(result, path, device_name(device))
 
 
 def options(r: Recipe, req: CalibrateRequest) -> CalibrateOptions:

@@ -152,6 +152,12 @@ GridOpt = Annotated[
     typer.Option(help="Thresholds to test, highest first (default by signal).", rich_help_panel="Sequence guarantee"),
 ]
 PromptsOpt = Annotated[int, typer.Option(help="Calibration prompts.", rich_help_panel="Sequence guarantee")]
+DeviceOpt = Annotated[
+    str,
+    typer.Option(
+        help="Torch device: auto (a CUDA GPU when torch sees one, else the CPU), cpu or cuda.", rich_help_panel="Common"
+    ),
+]
 OffsetOpt = Annotated[
     int, typer.Option(help="Skip this many of the data's prompts.", rich_help_panel="Sequence guarantee")
 ]
@@ -188,6 +194,7 @@ def calibrate(
     grid: GridOpt = None,
     prompts: PromptsOpt = 400,
     offset: OffsetOpt = 0,
+    device: DeviceOpt = "auto",
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -231,15 +238,16 @@ def calibrate(
         gate_keep=gate_keep,
         out=out_path,
         recipe_file=recipe,
+        device=device,
     )
     req.threads = set_threads(threads, r)
     done = run_calibrate(r, req, out)
-    print_calibration(out, done.calibration, done.path)
+    print_calibration(out, done.calibration, done.path, done.device)
 
 
-def print_calibration(out: Output, result: object, path: Path) -> None:
+def print_calibration(out: Output, result: object, path: Path, device: str | None = None) -> None:
     """What `eectl calibrate` prints of a calibration: the thresholds table and the lines under it (JSON with
-    --json)."""
+    --json); `device`, where it was measured, when known."""
     assert isinstance(result, Calibration)
     out.json(result.to_dict())
     _thresholds_table(out, result)
@@ -264,7 +272,8 @@ def print_calibration(out: Output, result: object, path: Path) -> None:
         f"data: {d.tokens} tokens of {d.name}: {d.teacher_forced_tokens} teacher-forced, {d.generated_tokens} "
         f"generated ({d.prompts_used} prompts{' in the chat template' if d.chat_template else ''} x up to "
         f"{d.gen_tokens_per_prompt}); {result.wall_s:.1f}s on "
-        f"{result.threads} threads ({result.seconds_per_10k_tokens:.1f}s per 10,000 tokens)"
+        + (f"{device}, " if device else "")
+        + f"{result.threads} threads ({result.seconds_per_10k_tokens:.1f}s per 10,000 tokens)"
     )
     cand = result.candidates
     if cand is not None:

@@ -8,7 +8,9 @@ so any subset of active exits can be replayed). Generated tokens are scored on t
 own KV), not by a second base pass over prompt + continuation (`measure_sequences`, the reference the tests compare
 against). `generate_continuations` is also the state cache's generator (heads/state_cache.py).
 
-What this module does not do: fit thresholds (calibrate/fit.py, exits/thresholds.py) or write anything.
+Measuring runs on the model's device (the scorer's adapter): each call gathers its batches' results there and
+returns them on the host in one copy per tensor (`Measurements.host`). What this module does not do: fit thresholds
+(calibrate/fit.py, exits/thresholds.py) or write anything.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from eectl.exits.candidates import make_source
 from eectl.exits.generation import Continuation, Keep, generate_continuations, left_padded
 from eectl.exits.signals import ExitScoring, get_signal
 from eectl.models.adapters import Adapter
+from eectl.models.device import to_device
 from eectl.models.parts import KVCache
 
 SOURCES = ("teacher-forced", "generated")
@@ -85,6 +88,23 @@ class Measurements:
             pair_correct=pc,
             hidden=hidden,
             gate_logits=gl,
+        )
+
+    def host(self) -> Measurements:
+        """These measurements on the host, where the fit reads them: one copy per tensor, however many batches were
+        measured on the device (a no-op on the CPU)."""
+        pv, pc, hidden, gl = self.pair_values, self.pair_correct, self.hidden, self.gate_logits
+        return Measurements(
+            self.exits,
+            self.num_layers,
+            {c: v.cpu() for c, v in self.values.items()},
+            self.correct.cpu(),
+            self.source.cpu(),
+            self.unit.cpu(),
+            None if pv is None else {c: v.cpu() for c, v in pv.items()},
+            None if pc is None else pc.cpu(),
+            None if hidden is None else hidden.cpu(),
+            None if gl is None else gl.cpu(),
         )
 
     def take(self, n: int) -> Measurements:
@@ -255,9 +275,9 @@ class ExitScorer:
         values, correct = self._scores(states, inputs, 0, final_top, blocks)
         if not (pairs and self.signal.needs_candidates):
             return values, correct, final_top, None, None
-        num, t = len(self.exits), final.shape[0]
-        pv = {c: torch.zeros(num, num, t) for c in self.criteria}
-        pc = torch.zeros(num, num, t, dtype=torch.bool)
+        num, t, dev = len(self.exits), final.shape[0], final.device
+        pv = {c: torch.zeros(num, num, t, device=dev) for c in self.criteria}
+        pc = torch.zeros(num, num, t, dtype=torch.bool, device=dev)
         for c in self.criteria:
             pv[c][0] = values[c]
         pc[0] = correct
@@ -324,18 +344,20 @@ def measure_text_all(
     """As `measure_text`, for several scorers (candidate sources, same exits) on the same states (`keep_states`:
     the first scorer's measurements keep them, `Measurements.hidden`)."""
     parts: list[list[Measurements]] = [[] for _ in scorers]
+    dev = scorers[0].adapter.device
     for u, ids in enumerate(chunks):
-        positions = torch.arange(ids.shape[1])[None]
+        ids = to_device(ids, dev)
+        positions = torch.arange(ids.shape[1], device=dev)[None]
         states, inputs, blocks, final = _forward_capture(
             scorers[0], ids, positions, None, None, lambda h: h[0, skip_first:]
         )
-        units = torch.full((final.shape[0],), u, dtype=torch.long)
+        units = torch.full((final.shape[0],), u, dtype=torch.long, device=dev)
         for j, sc in enumerate(scorers):
             kept = states if keep_states and j == 0 else None
             parts[j].append(_part(sc, sc.score_pairs(states, inputs, final, pairs, blocks), 0, units, kept))
         if on_tokens is not None:
             on_tokens(final.shape[0])
-    return [Measurements.concat(p) if p else None for p in parts]
+    return [Measurements.concat(p).host() if p else None for p in parts]
 
 
 def measure_kept_all(
@@ -363,11 +385,12 @@ def measure_kept_all(
         states = {k: torch.cat([c.states[k] for c in group if c.states]) for k in group[0].states or {}}
         inputs = {k: torch.cat([c.inputs[k] for c in group if c.inputs]) for k in group[0].inputs or {}}
         exit_states, exit_inputs, blocks = scorers[0].assemble(states, inputs)
-        units = torch.cat([torch.full((len(c.generated),), c.unit, dtype=torch.long) for c in group])
+        dev = states[0].device
+        units = torch.cat([torch.full((len(c.generated),), c.unit, dtype=torch.long, device=dev) for c in group])
         for j, sc in enumerate(scorers):
             scored = sc.score_pairs(exit_states, exit_inputs, states[0], pairs, blocks)
             parts[j].append(_part(sc, scored, 1, units, exit_states if keep_states and j == 0 else None))
-    return [Measurements.concat(p) if p else None for p in parts]
+    return [Measurements.concat(p).host() if p else None for p in parts]
 
 
 @torch.no_grad()
@@ -382,10 +405,11 @@ def measure_sequences(
     final top-1 is generated token j, is one measured token; unit = the prompt's index): the reference the states
     kept by the generation (`measure_kept_all`, what calibrate runs) are tested against."""
     parts: list[Measurements] = []
+    dev = scorer.adapter.device
     for i in range(0, len(conts), batch_size):
         batch = conts[i : i + batch_size]
         seqs = [c.prompt + c.generated[:-1] for c in batch]
-        ids, real, positions = left_padded(seqs)
+        ids, real, positions = (t.to(dev) for t in left_padded(seqs))
         width = ids.shape[1]
         rows = torch.cat([torch.full((len(c.generated),), r, dtype=torch.long) for r, c in enumerate(batch)])
         cols = torch.cat(
@@ -393,16 +417,17 @@ def measure_sequences(
                 torch.arange(len(c.generated)) + width - len(seq) + len(c.prompt) - 1
                 for c, seq in zip(batch, seqs, strict=True)
             ]
-        )
+        ).to(dev)
+        rows = rows.to(dev)
 
         def select(h: torch.Tensor, rows: torch.Tensor = rows, cols: torch.Tensor = cols) -> torch.Tensor:
             return h[rows, cols]
 
         states, inputs, blocks, final = _forward_capture(scorer, ids, positions, KVCache(), real, select)
-        units = torch.tensor([c.unit for c in batch], dtype=torch.long)[rows]
+        units = torch.tensor([c.unit for c in batch], dtype=torch.long, device=dev)[rows]
         scored = scorer.score_pairs(states, inputs, final, pairs, blocks)
         parts.append(_part(scorer, scored, 1, units, states if keep_states else None))
-    return Measurements.concat(parts) if parts else None
+    return Measurements.concat(parts).host() if parts else None
 
 
 def generation_keep(scorer: ExitScorer) -> Keep:
