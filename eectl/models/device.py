@@ -32,7 +32,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         if not torch.cuda.is_available():
             raise UsageError(
                 "--device cuda asked for, but torch sees no CUDA GPU",
-                hint="run on a machine with a GPU and a CUDA build of torch, or use --device cpu (or auto)",
+                hint="run on a machine with a GPU and a CUDA build of torch, or pass --device auto or cpu",
             )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
