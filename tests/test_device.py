@@ -2,7 +2,7 @@
 device path does not bring results to the host per step or per token.
 
 The second part is checked on any device, the CPU included: every way eectl's own code reads a tensor's values on the
-host (`.item()`, `.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")`, `bool()`, `int()`, `float()`, `index()`) is
+host (`.item()`, `.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")`, `bool()`, `int()`, `float()`, `operator.index()`) is
 counted while a stage runs twice, the second time on twice the steps or tokens per batch; on a GPU each is a copy the
 host waits for. Per step they would grow with the work; they must grow by at most the few bounded reads the code
 documents (generation's EOS check every EOS_CHECK_EVERY steps, training's KL every 16 steps).
@@ -30,22 +30,19 @@ _READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", 
 
 
 class HostReads:
-    """Counts, by name and calling line, the host reads of tensors made by eectl's own code (torch's internals, e.g.
+    """Counts, by name and calling function, the host reads of tensors made by eectl's own code (torch's internals, e.g.
     an optimiser's step counter on the host, are not eectl's to avoid)."""
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.on = False
 
-    def total(self) -> int:
-        return sum(self.counts.values())
-
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         for name in _READS:
             monkeypatch.setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
         to = torch.Tensor.to
 
-        def counted_to(t: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def counted_to(t: torch.Tensor, *args, **kwargs):
             target = args[0] if args else kwargs.get("device")
             if target == "cpu" or (isinstance(target, torch.device) and target.type == "cpu" and t.device != target):
                 self._count("to(cpu)")
@@ -53,8 +50,8 @@ class HostReads:
 
         monkeypatch.setattr(torch.Tensor, "to", counted_to)
 
-    def _wrap(self, name: str, method):  # type: ignore[no-untyped-def]
-        def counted(t: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def _wrap(self, name: str, method):
+        def counted(t: torch.Tensor, *args, **kwargs):
             self._count(name)
             return method(t, *args, **kwargs)
 
@@ -67,7 +64,7 @@ class HostReads:
         if caller.co_filename.startswith(EECTL):
             self.counts[f"{name} in {Path(caller.co_filename).name}:{caller.co_name}"] += 1
 
-    def during(self, fn):  # type: ignore[no-untyped-def]
+    def during(self, fn):
         """(fn's result, the reads it made)."""
         self.counts.clear()
         self.on = True
@@ -86,7 +83,7 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> HostReads:
 
 
 @pytest.fixture
-def on_device(llama, request):  # type: ignore[no-untyped-def]
+def on_device(llama, request):
     """The tiny Llama moved to the test's device (and back to the CPU after: the fixture is shared)."""
     device = torch.device(request.param)
     llama.model.to(device)
@@ -114,7 +111,7 @@ def test_generation_reads_the_host_once_per_batch_and_block_of_steps(on_device, 
     adapter, tok = on_device.adapter, on_device.tokenizer
     prompts = prompt_ids(tok, gsm8k.prompts[:6], 48, raw=True)
 
-    def generate(n: int):  # type: ignore[no-untyped-def]
+    def generate(n: int):
         keep = Keep([2, 4], float16=True)
         return generate_continuations(adapter, prompts, 6 * n, n, tok.eos_token_id, 3, keep=keep)
 
@@ -126,7 +123,7 @@ def test_generation_reads_the_host_once_per_batch_and_block_of_steps(on_device, 
     assert _grown(small, large) <= 2 * 2, large - small
 
 
-def _spec(n: int):  # type: ignore[no-untyped-def]
+def _spec(n: int):
     """A tiny state cache's spec with n tokens per sequence: text chunks and continuations alike."""
     from eectl.heads.state_cache import CacheSpec
 
@@ -165,7 +162,7 @@ def test_cached_training_reads_the_host_per_block_of_steps(on_device, gsm8k, rea
 
     cache = build_cache(on_device, gsm8k, _spec(16), tmp_path / "c")
 
-    def train(steps: int):  # type: ignore[no-untyped-def]
+    def train(steps: int):
         # 2 tokens a step: both runs within the first epoch of the ~150 training tokens (each epoch's order is drawn
         # on the host, from a host generator: no device read)
         config = CachedConfig(exits=[2, 4], steps=steps, batch_tokens=2, save_every=10_000, eval_tokens=32)
@@ -189,14 +186,14 @@ def test_profile_brings_its_sums_to_the_host_once(on_device, gsm8k, reads):
     few, small = reads.during(lambda: measure_chunks(on_device.adapter, chunks[:4], "js"))
     many, large = reads.during(lambda: measure_chunks(on_device.adapter, chunks, "js"))
     assert few.agree.device.type == "cpu" and int(many.n.sum()) == 2 * int(few.n.sum())
-    assert _grown(small, large) == 0, large - small
+    assert _grown(small, large) == 0 and sum(large.values()) <= 2, large  # the sums and the oracle, once
 
 
 @pytest.mark.parametrize("on_device", ON, indirect=True)
 def test_calibrate_measures_on_the_device_with_reads_per_batch_only(on_device, gsm8k, reads):
     from eectl.calibrate.calibrator import CalibrateOptions, collect
 
-    def measure(n: int):  # type: ignore[no-untyped-def]
+    def measure(n: int):
         # n tokens per chunk and per continuation: the same chunks and prompts, twice the tokens in each
         opts = CalibrateOptions(
             exits=[2, 4], signal="topk-prob", top_k=8, tokens=8 * n, gen_share=0.5, gen_tokens=n, chunk_len=n + 1
