@@ -53,7 +53,7 @@ from eectl.heads.run_setup import KLLog, lr_at
 from eectl.heads.state_cache import StateCache
 from eectl.heads.train import TrainResult
 from eectl.models.adapters import Adapter
-from eectl.models.device import DEFAULT_DEVICE, check_device, device_name, resolve_device, to_device
+from eectl.models.device import check_device, device_name, resolve_device, to_device
 
 
 @dataclass
@@ -76,7 +76,7 @@ class CachedConfig:
     top_k: int = DEFAULT_TOP_K
     target: float = 0.99
     probe_tokens: int = ProbeConfig.tokens  # the learned signal's probes: training tokens (at most the cache's)
-    device: str = DEFAULT_DEVICE  # auto: a CUDA GPU when torch sees one, else the CPU (models/device.py)
+    device: str = "cpu"  # or cuda, or auto: a CUDA GPU when torch sees one (models/device.py; requests default to auto)
 
     def check(self, cache: StateCache) -> None:
         if self.design not in DESIGNS + SEQUENCE_DESIGNS:

@@ -49,7 +49,7 @@ from eectl.heads.checkpoint import checkpoint_path, load_checkpoint, save_checkp
 from eectl.heads.report import ChunkPass, EvalResult, base_pass, evaluate, final_kl, heads_meta
 from eectl.heads.run_setup import Dist, KLLog, amp_dtype, dist_from_env, lr_at, rng_state, set_rng_state
 from eectl.models.adapters import Adapter
-from eectl.models.device import DEFAULT_DEVICE, check_device, device_name, resolve_device, to_device
+from eectl.models.device import check_device, device_name, resolve_device, to_device
 
 DEFAULT_BATCH_TOKENS = 32
 DEFAULT_EVAL_TOKENS = 4096
@@ -74,7 +74,7 @@ class TrainConfig:
     eval_tokens: int = DEFAULT_EVAL_TOKENS  # held-out tokens for the before/after report
     chunk_len: int = DEFAULT_CHUNK_LEN  # context length the base runs on
     save_every: int = 100  # checkpoint every this many steps (and at the end)
-    device: str = DEFAULT_DEVICE  # auto: a CUDA GPU when torch sees one, else the CPU (models/device.py)
+    device: str = "cpu"  # or cuda, or auto: a CUDA GPU when torch sees one (models/device.py; requests default to auto)
     top_k: int = DEFAULT_TOP_K  # local vocabulary of the top-k signal in the report
     target: float = 0.99  # precision at which the report's coverage is measured
 

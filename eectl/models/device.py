@@ -13,7 +13,6 @@ import torch
 from eectl.errors import UsageError
 
 DEVICES = ("auto", "cpu", "cuda")
-DEFAULT_DEVICE = "auto"
 
 
 def check_device(name: str) -> None:

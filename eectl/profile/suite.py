@@ -58,7 +58,7 @@ def profile_suite(
     use_cache: bool = True,
     on_chunk: Callable[[int], None] | None = None,
     log: Callable[[str], None] | None = None,
-    device: str = "auto",
+    device: str = "cpu",
 ) -> Suite:
     """Profile every model on every workload (TextData) on the torch `device` (models/device.py's names), each model
     loaded at most once and only when one of its (model, workload) results is not in the cache."""
