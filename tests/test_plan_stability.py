@@ -137,6 +137,10 @@ def test_retime_stops_at_the_budget_and_the_batch_limit():
     assert costs.batch_count() == 1 and asked == [] and costs.seconds is not None
     costs = retime(Machine(3).batch, never, budget_s=math.inf, max_batches=5)
     assert costs.batch_count() == 5 and asked == [1, 2, 3, 4]
+    # export and replan: MIN_BATCHES whatever the budget (a loaded machine's one slow batch decides nothing)
+    asked.clear()
+    costs = retime(Machine(3).batch, never, budget_s=0.0, min_batches=MIN_BATCHES)
+    assert costs.batch_count() == MIN_BATCHES and asked == []
     # settled asks for MIN_BATCHES even when the plan has nothing near the line
     far = _option([8], [0.3])
     first = Machine(4).batch()

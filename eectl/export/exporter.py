@@ -224,9 +224,10 @@ def candidate_source(
 
 def profile_and_plan(manifest: Manifest, folder: Path, past: int = 128, budget_s: float | None = None) -> None:
     """Measure the artifact's graph costs on its provider (plan/costs.py) and choose exits by them (plan/choose.py):
-    with a calibrated menu, timing batches until the plan is decided or `budget_s` (costs.EXPORT_BUDGET_S) is spent."""
+    with a calibrated menu, timing batches until the plan is decided or `budget_s` (costs.RETIME_BUDGET_S) is spent."""
+    from eectl.contracts.plan import MIN_BATCHES
     from eectl.plan.choose import plan_manifest, settled
-    from eectl.plan.costs import EXPORT_BUDGET_S, measure_costs
+    from eectl.plan.costs import RETIME_BUDGET_S, measure_costs
     from eectl.runtime.sessions import ArtifactRuntime
 
     rt = ArtifactRuntime(folder, provider="auto", verify=False)
@@ -237,7 +238,8 @@ def profile_and_plan(manifest: Manifest, folder: Path, past: int = 128, budget_s
         past=past,
         signal=signal,
         decided=(lambda costs: settled(costs, plan_manifest(manifest, costs))) if calibrated_menu else None,
-        budget_s=EXPORT_BUDGET_S if budget_s is None else budget_s,
+        budget_s=RETIME_BUDGET_S if budget_s is None else budget_s,
+        min_batches=MIN_BATCHES if calibrated_menu else 1,
     )
     manifest.plan = plan_manifest(manifest, manifest.costs) if calibrated_menu else None
 

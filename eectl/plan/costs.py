@@ -39,13 +39,14 @@ from eectl.runtime.state import RowState, RunConfig
 
 DEFAULT_PAST = 128
 DEFAULT_REPEATS = 15  # rounds per batch
-# the time budgets of the timing (every batch, the first included) while the plan is undecided (plan/choose.py
-# `settled`: fewer than MIN_BATCHES batches, or an interval straddling the line): `eectl run/bench --profile-costs`
-# (run/generate.py `replan`: the user waits for it) and export (the plan it writes is the one every run follows).
-# A batch takes ~6 s on the default model at 2 threads (HumanEval menu: 5 batches in 30 s, 10 in 60); the
-# interval narrows as one over the square root of the batches, and its t quantile falls from 2.9 at 3 to 1.8 at 10
-RETIME_BUDGET_S = 30.0
-EXPORT_BUDGET_S = 60.0
+# the time budget of the timing (every batch, the first included) while the plan is undecided (plan/choose.py
+# `settled`: an interval straddling the line; the first MIN_BATCHES batches are timed whatever the budget, or a
+# loaded machine's slow first batch would leave a plan decided on one), at export and `eectl run/bench
+# --profile-costs` (run/generate.py `replan`) alike. A batch takes ~7 s on the default model at 2 threads (every
+# graph of 5 exits and 5 draft widths, 15 times): 8 batches in 60 s, where 30 s gave 4 and left verify [8] at
+# ~1.055x deciding in 2 runs of 5. The interval narrows as one over the square root of the batches, and its t
+# quantile falls from 2.9 at 3 batches to 1.9 at 8
+RETIME_BUDGET_S = 60.0
 MAX_BATCHES = 12  # and at most this many batches, whatever the budget (tiny models time a batch in milliseconds)
 FULL_STEPS = 16  # room kept in the cache beyond `past`
 # widths (positions) of the full-depth passes timed for drafts from the context (one token and its drafts); the
@@ -87,9 +88,10 @@ def measure_costs(
     seed: int = 0,
     decided: Callable[[Costs], bool] | None = None,
     budget_s: float = RETIME_BUDGET_S,
+    min_batches: int = 1,
 ) -> Costs:
-    """Time every graph in a batch of `repeats` rounds. With `decided` (the plan's question: are the costs precise
-    enough for its choice?), time more batches until it says yes or the budget is spent (`retime`)."""
+    """Time every graph in `min_batches` batches of `repeats` rounds. With `decided` (the plan's question: are the
+    costs precise enough for its choice?), time more batches until it says yes or the budget is spent (`retime`)."""
     m = rt.manifest
     dims = m.dims
     k = top_k or m.top_k
@@ -143,7 +145,7 @@ def measure_costs(
         _time_rounds(timed, repeats, warmup if first else 1, times)
         return _costs(rt, times, past, state_only, bound, repeats)
 
-    return retime(batch, decided, budget_s)
+    return retime(batch, decided, budget_s, min_batches=min_batches)
 
 
 def retime(
@@ -151,16 +153,18 @@ def retime(
     decided: Callable[[Costs], bool] | None,
     budget_s: float,
     max_batches: int = MAX_BATCHES,
+    min_batches: int = 1,
 ) -> Costs:
-    """Time one batch (`batch`: time one more, return the costs of all so far), then more while `decided` says no,
-    at most `max_batches` in all, and beginning a batch only when it is expected (as long as the last one) to end
-    within `budget_s` seconds of the start. The costs record the seconds taken."""
+    """Time `min_batches` batches whatever the budget (`batch`: time one more, return the costs of all so far),
+    then more while `decided` says no, at most `max_batches` in all, beginning a batch only when it is expected (as
+    long as the last one) to end within `budget_s` seconds of the start. The costs record the seconds taken."""
     start = time.perf_counter()
     costs = batch()
     last = time.perf_counter() - start
-    while decided is not None and costs.batch_count() < max_batches:
+    while costs.batch_count() < max_batches:
         began = time.perf_counter()
-        if began - start + last > budget_s or decided(costs):
+        enough = costs.batch_count() >= min_batches
+        if enough and (decided is None or began - start + last > budget_s or decided(costs)):
             break
         costs = batch()
         last = time.perf_counter() - began

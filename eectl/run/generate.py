@@ -352,6 +352,7 @@ def replan(rt: ArtifactRuntime, budget_s: float | None = None, max_risk: float |
     """Re-measure the artifact's graph costs on this machine and re-choose the exits (in memory, for this run):
     timing batches until the plan is decided (plan/choose.py `settled`) or `budget_s` seconds (costs.RETIME_BUDGET_S)
     are spent; what is still undecided then runs its conservative choice and the plan says so."""
+    from eectl.contracts.plan import MIN_BATCHES
     from eectl.plan.choose import plan_manifest, settled
     from eectl.plan.costs import RETIME_BUDGET_S, measure_costs
 
@@ -361,6 +362,7 @@ def replan(rt: ArtifactRuntime, budget_s: float | None = None, max_risk: float |
         signal=m.calibration.signal if m.calibration is not None else DEFAULT_SIGNAL,
         decided=lambda costs: settled(costs, plan_manifest(m, costs, max_risk)),
         budget_s=RETIME_BUDGET_S if budget_s is None else budget_s,
+        min_batches=MIN_BATCHES,
     )
     tiers = rt.tiers
     if tiers is not None and tiers.slow:  # timed through the tier's sessions: the slow segments cold, as runs read them
