@@ -37,7 +37,11 @@ def test_a_command_budget_sets_every_size_over_the_recipe(tmp_path):
         std.batch_tokens,
     )
     assert r.heads.eval_tokens == HELD_TOKENS and r.heads.loss == "topk"
-    assert (r.bench.prompts, r.bench.max_new_tokens, r.bench.reps) == (10, 48, 3)
+    assert (r.bench.prompts, r.bench.max_new_tokens, r.bench.reps) == (
+        std.bench_prompts,
+        std.bench_tokens,
+        std.bench_reps,
+    )
     assert r.heads.cache == states_folder("r", r.data.source)  # a budget trains from a state cache
 
 
@@ -195,8 +199,10 @@ def test_the_next_budget_time_scales_this_runs_stages():
     stages = [StageRun("profile", 10.0, "ran"), StageRun("export", 5.0, "ran"), StageRun("train-heads", 20.0, "ran")]
     r = apply_budget(Recipe(name="r"), "quick")
     q, s = BUDGETS["quick"], BUDGETS["standard"]
-    want = 10.0 * s.profile_tokens / q.profile_tokens + 5.0 + 20.0 * (s.cache_tokens + s.probe_tokens) / (
-        q.cache_tokens + q.probe_tokens
+    want = (
+        10.0 * s.profile_tokens / q.profile_tokens
+        + 5.0
+        + 20.0 * (s.cache_tokens + s.probe_tokens) / (q.cache_tokens + q.probe_tokens)
     )
     lines = _budget_lines(r, stages)
     assert lines[0].startswith("budget quick: 0.6 min here")
@@ -231,10 +237,11 @@ def test_the_needs_line_is_the_cost_models_break_even():
         "plan": {"min_gain": 0.03},
         "segments": [{"layers": [0, 4]}, {"layers": [4, 8]}, {"layers": [8, 12]}],
     }
-    option = {"exits": [4], "target": 0.99, "per_exit": [{"coverage": 0.1}]}
-    line = _needs(manifest, {"target": 0.99, "options": [option]})
+    option = {"exits": [4], "target": 0.99, "per_exit": [{"coverage": 0.1, "precision": 0.995}]}
+    loose = {"exits": [4], "target": 0.9, "per_exit": [{"coverage": 0.4, "precision": 0.9}]}  # below the bar
+    line = _needs(manifest, {"target": 0.99, "options": [option, loose]})
     share = int(line.split("once ")[1].split("%")[0]) / 100
     layer = int(line.split("exit ")[1].split(" ")[0])
     assert predict(costs, [4, 8, 12], "verify", [(layer, share, 0.99)]).speedup >= 1.03  # pays at the share named
     assert predict(costs, [4, 8, 12], "verify", [(layer, share - 0.01, 0.99)]).speedup < 1.03  # and not below it
-    assert layer == 4 and line.endswith("these heads reach 10% (calibration's menu at its target)")
+    assert layer == 4 and line.endswith("these heads reach 10% (calibration's menu)")

@@ -351,6 +351,7 @@ def summarise(
         heldout=result.heldout,
         heldout_by_source=result.heldout_by_source,
         threads=torch.get_num_threads(),
+        device=next(loaded.model.parameters()).device.type,
         wall_s=wall,
         seconds_per_10k_tokens=wall / max(1, meas.n) * 10_000,
     )

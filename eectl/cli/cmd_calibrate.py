@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.cli.app import BudgetNameOpt, JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.calibration import Calibration, SplitStats
 from eectl.contracts.layers import parse_layers
 from eectl.contracts.names import SIGNAL_SPECS
@@ -196,6 +196,7 @@ def calibrate(
     offset: OffsetOpt = 0,
     device: DeviceOpt = "auto",
     recipe: RecipeOpt = None,
+    budget: BudgetNameOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -203,7 +204,7 @@ def calibrate(
     with --guarantee sequence, a certified threshold for whole continuations of an exported artifact."""
     if guarantee not in ("token", "sequence"):
         raise UsageError(f"--guarantee must be token or sequence, got '{guarantee}'")
-    out, r = Output(json_out), load_recipe(recipe)
+    out, r = Output(json_out), load_recipe(recipe, budget)
     if guarantee == "sequence":
         from eectl.calibrate.stage import certify_artifact
         from eectl.cli.calibrate_sequence import print_certificate, sequence_request

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from eectl.cli.app import JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.cli.app import BudgetNameOpt, JsonOpt, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.recipe import load_recipe
 from eectl.output import Output
 
@@ -50,6 +50,7 @@ def profile(
         ),
     ] = "auto",
     recipe: RecipeOpt = None,
+    budget: BudgetNameOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -59,7 +60,7 @@ def profile(
     from eectl.profile.stage import profile as run_profile
 
     out = Output(json_out)
-    r = load_recipe(recipe)
+    r = load_recipe(recipe, budget)
     req = ProfileRequest(
         list(models or []), data, field, tokens, alpha, similarity, plot, report, lens_dtype, cache, recipe
     )

@@ -61,7 +61,14 @@ SaveEveryOpt = Annotated[
 ResumeOpt = Annotated[
     Path | None, typer.Option(help="Continue from this checkpoint (.ckpt.safetensors).", rich_help_panel="Training")
 ]
-DeviceOpt = Annotated[str, typer.Option(help="cpu, or cuda (mixed precision).", rich_help_panel="Training")]
+DeviceOpt = Annotated[
+    str,
+    typer.Option(
+        help="Torch device: auto (a CUDA GPU when torch sees one, else the CPU), cpu or cuda; on a GPU the "
+        "per-token route trains in mixed precision.",
+        rich_help_panel="Training",
+    ),
+]
 OutPathOpt = Annotated[
     Path | None,
     typer.Option(
@@ -129,7 +136,7 @@ def train_heads(
     seed: SeedOpt = 0,
     save_every: SaveEveryOpt = 100,
     resume: ResumeOpt = None,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
     out_path: OutPathOpt = None,
     cache: CacheOpt = None,
     tokens: TokensOpt = None,

@@ -163,6 +163,7 @@ class Calibration(_Model):
     # calibrate --guarantee sequence: a risk-controlled setting for whole continuations (contracts/certificate.py)
     certificate: Certificate | None = None
     threads: int = 0
+    device: str = "cpu"  # the torch device calibration ran on (cpu, cuda)
     wall_s: float = 0.0
     seconds_per_10k_tokens: float = 0.0
 

@@ -134,7 +134,7 @@ def _needs(manifest: Any, calibration: Any) -> str:
     now = _reached(calibration, layer)
     return (
         f"needs: verify at exit {layer} clears {line:.2f}x once {share:.0%} of tokens exit there at "
-        f"{PRECISION:.0%} agreement; these heads reach {now:.0%} (calibration's menu at its target)"
+        f"{PRECISION:.0%} agreement; these heads reach {now:.0%} (calibration's menu)"
     )
 
 
@@ -149,10 +149,11 @@ def _break_even(costs: Any, boundaries: list[int], layer: int, line: float) -> f
 
 
 def _reached(calibration: dict[str, Any], layer: int) -> float:
-    target = calibration.get("target", PRECISION)
+    """The largest share of held-out tokens a calibrated one-exit option at `layer` lets exit with at least
+    PRECISION agreement (any target, any kind: the same bar the break-even assumes)."""
     shares = [
         sum(x.get("coverage", 0.0) for x in o.get("per_exit", []))
         for o in calibration.get("options", [])
-        if o.get("exits") == [layer] and o.get("target") == target
+        if o.get("exits") == [layer] and all(x.get("precision", 0.0) >= PRECISION for x in o.get("per_exit", []))
     ]
     return max(shares, default=0.0)
