@@ -84,7 +84,7 @@ def calibrate(recipe: Recipe, req: CalibrateRequest, out: Output) -> CalibrateRe
     check_outputs([("--out", req.out, [])], ins)
     text = load_text_data(src, pick(req.field, r.data.field))
     out.log(f"loading {pick(req.model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
-    loaded = load_model(pick(req.model, r.model), log=out)
+    loaded = load_model(pick(req.model, r.model), log=out, int4=r.int4_twin())
     loaded.model.to(device)
     opts.exits = opts.exits or default_exits(loaded.adapter.num_layers)
     head_modules = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -44,7 +45,11 @@ ForceOpt = Annotated[
     bool, typer.Option("--force", help="Replace an existing artifact.", rich_help_panel="Artifact", metavar="")
 ]
 WeightsOpt = Annotated[
-    str, typer.Option(help="fp32, or int4: weight-only MatMulNBits segment graphs.", rich_help_panel="int4")
+    str | None,
+    typer.Option(
+        help="fp32, or int4: weight-only MatMulNBits segment graphs (default: the recipe's weights, fp32).",
+        rich_help_panel="int4",
+    ),
 ]
 RiverOpt = Annotated[
     bool,
@@ -81,7 +86,7 @@ def export(
     top_k: TopKOpt = None,
     candidates: CandidatesOpt = None,
     force: ForceOpt = False,
-    weights: WeightsOpt = "fp32",
+    weights: WeightsOpt = None,
     river: RiverOpt = False,
     int4_block_size: Int4BlockSizeOpt = 32,
     int4_symmetric: Int4SymmetricOpt = False,
@@ -111,6 +116,11 @@ def export(
     )
     out_ = Output(json_out)
     r = load_recipe(recipe)
+    if weights is None and r.int4_twin() is not None:  # the recipe's int4 weights: its quantization settings
+        spec = r.int4
+        int4 = replace(int4, block_size=spec.block_size, symmetric=spec.symmetric, algorithm=spec.algorithm)
+        int4 = replace(int4, lm_head=spec.lm_head, keep_layers=tuple(spec.keep_layers))
+    weights = weights or r.weights
     options = ExportOptions(
         exits=[], dtype=dtype, force=force, weights=weights, int4=int4, river=river, candidates=candidates
     )

@@ -115,6 +115,17 @@ class BenchSpec(_Strict):
     sweep: list[float] = Field(default_factory=lambda: [0.9, 1.0, 1.1], max_length=MAX_LIST)
 
 
+class Int4Spec(_Strict):
+    """The int4 weights of `weights: int4` (export's Int4Options, the weights' part): the artifact's segments and
+    the torch twin the torch stages fit heads and thresholds against (models/int4.py) are quantized alike."""
+
+    block_size: int = Field(32, ge=16, le=4096)
+    symmetric: bool = False
+    algorithm: Literal["rtn", "hqq"] = "rtn"
+    lm_head: Literal["fp32", "int8", "int4"] = "fp32"
+    keep_layers: list[int] = Field(default_factory=list, max_length=MAX_LIST)
+
+
 class Recipe(_Strict):
     name: str
     # quick | standard | thorough (contracts/budgets.py): sets every size below that the recipe does not write
@@ -129,6 +140,10 @@ class Recipe(_Strict):
     top_k: int = Field(64, ge=2, le=MAX_TOP_K)
     kv_policy: str | None = None  # a name in eectl.contracts.names.POLICY_SPECS; None: the artifact's plan chooses
     threads: int | None = Field(None, ge=1, le=MAX_THREADS)  # None: one per CPU core
+    # fp32, or int4: the pipeline exports int4 segments (MatMulNBits) and train-heads and calibrate fit against the
+    # int4 model's own outputs (its torch twin), the reference the artifact's exits are checked against
+    weights: Literal["fp32", "int4"] = "fp32"
+    int4: Int4Spec = Field(default_factory=Int4Spec)
     data: DataSpec = Field(default_factory=DataSpec)
     profile: ProfileSpec = Field(default_factory=ProfileSpec)
     heads: HeadsSpec = Field(default_factory=HeadsSpec)
@@ -143,6 +158,10 @@ class Recipe(_Strict):
             return check_exit_layers(v, None)
         except UsageError as exc:
             raise ValueError(exc.message) from None
+
+    def int4_twin(self) -> Int4Spec | None:
+        """The settings of the int4 twin the torch stages load (None: the fp32 model)."""
+        return self.int4 if self.weights == "int4" else None
 
     @field_validator("budget")
     @classmethod

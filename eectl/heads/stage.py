@@ -124,7 +124,7 @@ def _train_per_token(r: Recipe, req: HeadsRequest, out: Output) -> TrainResult:
     device = device_name(resolve_device(req.device))  # a missing GPU refused before the model loads
     text = load_text_data(pick(req.data, r.data.source), pick(req.field, r.data.field))
     out.log(f"loading {pick(req.model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
-    loaded = load_model(pick(req.model, r.model), log=out)
+    loaded = load_model(pick(req.model, r.model), log=out, int4=r.int4_twin())
     config.exits = config.exits or default_exits(loaded.adapter.num_layers)
     config.check(loaded.adapter.num_layers)
     path = req.out or Path("artifacts") / f"{loaded.source.name}-heads.safetensors"
@@ -167,7 +167,7 @@ def _train_cached(r: Recipe, req: HeadsRequest, cache_dir: Path | None, out: Out
     device = resolve_device(req.device)  # a missing GPU refused before the model loads
     eval_tokens = pick(req.eval_tokens, r.heads.eval_tokens)
     text = load_text_data(pick(req.data, r.data.source), pick(req.field, r.data.field))
-    loaded = load_model(pick(req.model, r.model), log=out)
+    loaded = load_model(pick(req.model, r.model), log=out, int4=r.int4_twin())
     loaded.model.to(device)  # the cache is built there too
     layers = pick(req.exits, r.exits or []) or default_exits(loaded.adapter.num_layers)
     n = pick(req.tokens, r.heads.tokens)
@@ -235,7 +235,7 @@ def _probe_only(r: Recipe, req: HeadsRequest, cache_dir: Path | None, out: Outpu
     if config.hidden < 0:
         raise UsageError("--probe-hidden must be >= 0")
     device = resolve_device(req.device)
-    loaded = load_model(pick(req.model, r.model), log=out)
+    loaded = load_model(pick(req.model, r.model), log=out, int4=r.int4_twin())
     loaded.model.to(device)
     out.log(
         f"fitting exit probes onto {heads} from {config.tokens} tokens of {cache_dir}, on {device_name(device)}, "

@@ -40,6 +40,8 @@ class PipelineCache:
             "exits": recipe.exits,
             "top_k": recipe.top_k,
             "target": recipe.target,
+            "weights": recipe.weights,  # int4: heads and calibration fitted against the int4 twin
+            **({"int4": recipe.int4.model_dump()} if recipe.weights == "int4" else {}),
         }
 
     def _files(self, stage: str) -> list[Path]:

@@ -139,10 +139,14 @@ class _Stages:
 
     def _export(self) -> Any:
         from eectl.export.exporter import ExportOptions
+        from eectl.export.quantize import Int4Options
         from eectl.export.stage import ExportRequest, export
 
-        p = self.plan
-        options = ExportOptions(exits=[], force=True)  # the plan's folder is the pipeline's own: replaced
+        p, r = self.plan, self.recipe
+        spec = r.int4.model_dump()
+        int4 = Int4Options(**{**spec, "keep_layers": tuple(spec["keep_layers"])})
+        # the plan's folder is the pipeline's own: replaced
+        options = ExportOptions(exits=[], force=True, weights=r.weights, int4=int4)
         req = ExportRequest(out=p.artifact, calibration=p.calibration, heads=p.heads, options=options)
         req.threads = self.threads
         return export(self.recipe, req, self.out)

@@ -1,0 +1,75 @@
+"""`weights: int4` in a recipe: train-heads and calibrate fit against the int4 twin (models/int4.py), the
+pipeline exports int4 segments with the same settings, and the pipeline's reuse keys tell the two apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from eectl.contracts.recipe import Int4Spec, Recipe, load_recipe
+from eectl.models.loading import load_model
+from eectl.output import Output
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_load_model_with_int4_settings_is_the_twin(tiny_dirs):
+    from eectl.models.int4 import to_int4_twin
+
+    fp32 = load_model(str(tiny_dirs["llama"]))
+    twin = load_model(str(tiny_dirs["llama"]), int4=Int4Spec())
+    want = to_int4_twin(load_model(str(tiny_dirs["llama"])), Int4Spec())
+    a, b, c = (m.adapter.layers[1].mlp.down_proj.weight for m in (fp32, twin, want))
+    assert torch.equal(b, c) and not torch.equal(a, b)  # ORT's int4 values, not the checkpoint's
+
+
+def test_the_recipe_int4_settings_reach_the_torch_stages(tiny_dirs, tmp_path, monkeypatch):
+    from eectl.calibrate.stage import CalibrateRequest, calibrate
+    from eectl.heads.stage import HeadsRequest, train_heads
+
+    seen: list[object] = []
+
+    def spy(spec, *a, int4=None, **k):
+        seen.append(int4)
+        raise _Stop
+
+    monkeypatch.setattr("eectl.models.load_model", spy)
+    path = tmp_path / "r.yaml"
+    path.write_text(f"name: r\nmodel: {tiny_dirs['llama']}\nweights: int4\nint4: {{block_size: 16}}\n")
+    r = load_recipe(path)
+    assert r.int4_twin() == Int4Spec(block_size=16)
+    with pytest.raises(_Stop):
+        train_heads(r, HeadsRequest(out=tmp_path / "h.safetensors", steps=1, device="cpu"), Output(quiet=True))
+    with pytest.raises(_Stop):
+        calibrate(r, CalibrateRequest(out=tmp_path / "c.json", device="cpu"), Output(quiet=True))
+    assert seen == [Int4Spec(block_size=16)] * 2
+    assert Recipe(name="x").int4_twin() is None  # fp32 by default: the checkpoint's own model
+
+
+def test_the_pipeline_exports_the_recipes_weights_and_keys_them(tiny_dirs, tmp_path, monkeypatch):
+    from eectl.pipeline.cache import PipelineCache
+    from eectl.pipeline.runner import _Stages
+    from eectl.pipeline.steps import plan
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EECTL_CACHE", str(tmp_path / "cache"))
+    got: list[object] = []
+
+    def spy(recipe, req, out):
+        got.append(req.options)
+        raise _Stop
+
+    monkeypatch.setattr("eectl.export.stage.export", spy)
+    r = Recipe(name="r", model=str(tiny_dirs["llama"]), weights="int4", int4=Int4Spec(block_size=64, keep_layers=[0]))
+    p = plan(r, Path("artifacts"))
+    stages = _Stages(r, Path("r.yaml"), p, "hi", False, 1, Output(quiet=True), None)  # type: ignore[arg-type]
+    with pytest.raises(_Stop):
+        stages.run("export")
+    options = got[0]
+    assert options.weights == "int4" and options.int4.block_size == 64 and options.int4.keep_layers == (0,)
+    fp32 = r.model_copy(update={"weights": "fp32"})
+    assert PipelineCache(r, p).key("train-heads") != PipelineCache(fp32, p).key("train-heads")
