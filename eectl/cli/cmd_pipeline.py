@@ -34,6 +34,10 @@ def pipeline(
         str | None,
         typer.Option(help="Use this data instead of the recipe's: a .jsonl, a text file, or humaneval."),
     ] = None,
+    weights: Annotated[
+        str | None,
+        typer.Option(help="fp32 or int4 (heads and thresholds fitted against the int4 model) instead of the recipe's."),
+    ] = None,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -46,10 +50,10 @@ def pipeline(
     """The worked example: profile, train-heads, calibrate, export, run and bench from one recipe."""
     from eectl.pipeline.steps import with_changes
 
-    if model is None and data is None:
+    if model is None and data is None and weights is None:
         _pipeline(recipe, prompt, cache, dry_run, threads, budget)
         return
-    with with_changes(recipe, model, data) as copy:  # every stage reads the recipe: one naming these (removed after)
+    with with_changes(recipe, model, data, weights) as copy:  # every stage reads this copy (removed after)
         _pipeline(copy, prompt, cache, dry_run, threads, budget)
 
 

@@ -62,15 +62,19 @@ def plan(recipe: Recipe, folder: Path = Path("artifacts")) -> Plan:
 
 
 @contextmanager
-def with_changes(recipe: Path, model: str | None, data: str | None) -> Iterator[Path]:
-    """A copy of the recipe (in a temporary folder, same file name) whose model is `model` and whose data source is
-    `data` (None: the recipe's): every stage reads it. The folder is removed when the block ends, however it ends.
-    The copy writes the recipe as read, its budget's sizes included."""
+def with_changes(recipe: Path, model: str | None, data: str | None, weights: str | None = None) -> Iterator[Path]:
+    """A copy of the recipe (in a temporary folder, same file name) whose model is `model`, whose data source is
+    `data` and whose weights are `weights` (None: the recipe's): every stage reads it. The folder is removed when
+    the block ends, however it ends. The copy writes the recipe as read, its budget's sizes included."""
     import yaml
 
     r = load_recipe(recipe)
     if model is not None:
         r = r.model_copy(update={"model": model})
+    if weights is not None:
+        if weights not in ("fp32", "int4"):
+            raise UsageError(f"--weights must be fp32 or int4, got '{weights}'")
+        r = r.model_copy(update={"weights": weights})
     if data is not None:
         from eectl.contracts.budgets import states_folder
 
