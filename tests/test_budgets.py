@@ -234,7 +234,7 @@ def test_the_needs_line_is_the_cost_models_break_even():
     )
     manifest = {
         "costs": costs.model_dump(),
-        "plan": {"min_gain": 0.03},
+        "plan": {"min_gain": 0.03, "default": "full"},
         "segments": [{"layers": [0, 4]}, {"layers": [4, 8]}, {"layers": [8, 12]}],
     }
     option = {"exits": [4], "target": 0.99, "per_exit": [{"coverage": 0.1, "precision": 0.995}]}
@@ -245,3 +245,5 @@ def test_the_needs_line_is_the_cost_models_break_even():
     assert predict(costs, [4, 8, 12], "verify", [(layer, share, 0.99)]).speedup >= 1.03  # pays at the share named
     assert predict(costs, [4, 8, 12], "verify", [(layer, share - 0.01, 0.99)]).speedup < 1.03  # and not below it
     assert layer == 4 and line.endswith("these heads reach 10% (calibration's menu)")
+    manifest["plan"]["default"] = "verify"  # exits run already: no bar to state
+    assert _needs(manifest, {"target": 0.99, "options": [option, loose]}) == ""

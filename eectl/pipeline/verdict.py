@@ -6,8 +6,9 @@ menu) and the stage times of this run; nothing is re-measured. Three to five lin
   why there is no claim), and its fidelity (lossless, or token agreement);
 - plan: what the plan chose and why (its own summary);
 - budget: this budget's stage times; the next budget's time on this machine, scaled from this run's own stages;
-- needs: at the artifact's measured costs, the share of tokens that must exit at the cheapest exit with 99%
-  agreement for lossless `verify` to clear the plan's line, against the share this run's heads reach.
+- needs (when the plan runs no exits): at the artifact's measured costs, the share of tokens that must exit at the
+  cheapest exit with 99% agreement for lossless `verify` to clear the plan's line, against the share this run's
+  heads reach.
 
 What this module does not do: predict the next budget's speedup from first principles (heads' quality against
 training tokens is model-specific: the `needs` line states the bar a larger budget must clear instead).
@@ -113,6 +114,8 @@ def _needs(manifest: Any, calibration: Any) -> str:
     agreement) that verify needs to clear the plan's line, at the exit where it is lowest, against the share the
     calibrated heads reach there at the calibration's target."""
     if manifest is None or calibration is None or not manifest.get("costs") or not manifest.get("plan"):
+        return ""
+    if manifest["plan"].get("default") not in ("full", "lookup"):  # an exit configuration runs already
         return ""
     from eectl.contracts.plan import Costs
 
