@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eectl.contracts.recipe import Int4Spec, Recipe, load_recipe
-from eectl.models.loading import load_model
+from eectl.models import load_model
 from eectl.output import Output
 
 

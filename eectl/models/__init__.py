@@ -1,7 +1,12 @@
 """Model loading and the per-architecture adapters (the only code that touches transformers internals)."""
 
+from typing import Any
+
+import torch
+
+from eectl.models import loading
 from eectl.models.adapters import ADAPTERS, Adapter, adapter_for, supported_model_types
-from eectl.models.loading import DEFAULT_MODEL, LoadedModel, ModelSource, load_model, resolve_source
+from eectl.models.loading import DEFAULT_MODEL, LoadedModel, ModelSource, resolve_source
 from eectl.models.parts import Dimensions, KVCache
 
 __all__ = [
@@ -17,3 +22,18 @@ __all__ = [
     "resolve_source",
     "supported_model_types",
 ]
+
+
+def load_model(
+    spec: str | None, dtype: torch.dtype = torch.float32, log: object = None, int4: Any = None
+) -> LoadedModel:
+    """A model and its tokenizer in eval mode with its adapter (models/loading.py); with `int4` settings
+    (models/int4.py Int4Settings), its int4 twin: the model an int4 artifact of it runs."""
+    loaded = loading.load_model(spec, dtype, log)
+    if int4 is not None:
+        from eectl.models.int4 import to_int4_twin
+
+        if log is not None and hasattr(log, "log"):
+            log.log("int4 twin: the weights an int4 export quantizes, as ONNX Runtime quantizes them")
+        to_int4_twin(loaded, int4)
+    return loaded

@@ -131,11 +131,9 @@ def load_tokenizer_folder(folder: Path, name: str) -> Any:
 MIN_LAYERS = 2  # the fewest decoder layers a model with an exit has (exits sit after layers 1..L-1)
 
 
-def load_model(
-    spec: str | None, dtype: torch.dtype = torch.float32, log: object = None, int4: Any = None
-) -> LoadedModel:
-    """Load a model and its tokenizer in eval mode, with the adapter for its architecture; with `int4` settings
-    (models/int4.py Int4Settings), its int4 twin: the model an int4 artifact of it runs."""
+def load_model(spec: str | None, dtype: torch.dtype = torch.float32, log: object = None) -> LoadedModel:
+    """Load a model and its tokenizer in eval mode, with the adapter for its architecture (eectl.models.load_model
+    adds the int4 twin)."""
     source = resolve_source(spec)
     folder: str
     if source.kind in ("default", "gguf"):
@@ -147,14 +145,7 @@ def load_model(
         folder = source.spec
     model, tokenizer = _from_pretrained(folder, dtype, source.spec)
     adapter = adapter_for(model)
-    loaded = LoadedModel(model, tokenizer, adapter, source)
-    if int4 is not None:
-        from eectl.models.int4 import to_int4_twin
-
-        if log is not None and hasattr(log, "log"):
-            log.log("int4 twin: the weights an int4 export quantizes, as ONNX Runtime quantizes them")
-        to_int4_twin(loaded, int4)
-    return loaded
+    return LoadedModel(model, tokenizer, adapter, source)
 
 
 def _from_pretrained(folder: str, dtype: torch.dtype, spec: str) -> tuple[nn.Module, object]:
