@@ -43,6 +43,7 @@ def test_a_command_budget_sets_every_size_over_the_recipe(tmp_path):
         std.bench_reps,
     )
     assert r.heads.cache == states_folder("r", r.data.source)  # a budget trains from a state cache
+    assert r.export.cost_seconds == std.cost_seconds and BUDGETS["quick"].cost_seconds < std.cost_seconds
 
 
 def test_a_recipe_budget_keeps_the_sizes_the_recipe_writes(tmp_path):

@@ -65,11 +65,13 @@ def test_the_pipeline_exports_the_recipes_weights_and_keys_them(tiny_dirs, tmp_p
 
     monkeypatch.setattr("eectl.export.stage.export", spy)
     r = Recipe(name="r", model=str(tiny_dirs["llama"]), weights="int4", int4=Int4Spec(block_size=64, keep_layers=[0]))
+    r = r.model_copy(update={"export": r.export.model_copy(update={"cost_seconds": 7.5})})
     p = plan(r, Path("artifacts"))
     stages = _Stages(r, Path("r.yaml"), p, "hi", False, 1, Output(quiet=True), None)  # type: ignore[arg-type]
     with pytest.raises(_Stop):
         stages.run("export")
     options = got[0]
     assert options.weights == "int4" and options.int4.block_size == 64 and options.int4.keep_layers == (0,)
+    assert options.cost_seconds == 7.5  # the budget's (or recipe's) re-timing time reaches export
     fp32 = r.model_copy(update={"weights": "fp32"})
     assert PipelineCache(r, p).key("train-heads") != PipelineCache(fp32, p).key("train-heads")

@@ -124,6 +124,7 @@ def export(
     options = ExportOptions(
         exits=[], dtype=dtype, force=force, weights=weights, int4=int4, river=river, candidates=candidates
     )
+    options.cost_seconds = r.export.cost_seconds
     req = ExportRequest(model, parse_layers(exits), out, calibration, heads, top_k, options)
     req.threads = set_threads(threads, r)
     print_export(out_, run_export(r, req, out_))

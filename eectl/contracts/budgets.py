@@ -37,6 +37,7 @@ class Budget:
     bench_prompts: int
     bench_tokens: int  # new tokens per bench prompt
     bench_reps: int
+    cost_seconds: float  # export's re-timing of the graph costs while the plan is undecided (after 3 batches)
     about: str  # one line: what it is for
 
     @property
@@ -67,6 +68,7 @@ class Budget:
                 "loss": "topk",
             },
             "bench": {"prompts": self.bench_prompts, "max_new_tokens": self.bench_tokens, "reps": self.bench_reps},
+            "export": {"cost_seconds": self.cost_seconds},
         }
 
 
@@ -84,6 +86,7 @@ BUDGETS: dict[str, Budget] = {
             bench_prompts=5,
             bench_tokens=32,
             bench_reps=2,
+            cost_seconds=20.0,
             about="a first look: every stage at small sizes (minutes on a laptop CPU)",
         ),
         Budget(
@@ -97,6 +100,7 @@ BUDGETS: dict[str, Budget] = {
             bench_prompts=8,
             bench_tokens=32,
             bench_reps=2,
+            cost_seconds=60.0,
             about="heads worth exporting: 20x quick's training tokens (tens of minutes on a CPU, minutes on a GPU)",
         ),
         Budget(
@@ -110,6 +114,7 @@ BUDGETS: dict[str, Budget] = {
             bench_prompts=20,
             bench_tokens=64,
             bench_reps=4,
+            cost_seconds=120.0,
             about="the studies' sizes: 1M training tokens (hours on a CPU; a GPU recommended)",
         ),
     )

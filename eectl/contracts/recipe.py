@@ -126,6 +126,12 @@ class Int4Spec(_Strict):
     keep_layers: list[int] = Field(default_factory=list, max_length=MAX_LIST)
 
 
+class ExportSpec(_Strict):
+    # seconds export may spend re-timing the graph costs while the plan's choice is undecided (after the first 3
+    # batches, which always run); None: the built-in 60
+    cost_seconds: float | None = Field(None, gt=0, le=3600)
+
+
 class Recipe(_Strict):
     name: str
     # quick | standard | thorough (contracts/budgets.py): sets every size below that the recipe does not write
@@ -148,6 +154,7 @@ class Recipe(_Strict):
     profile: ProfileSpec = Field(default_factory=ProfileSpec)
     heads: HeadsSpec = Field(default_factory=HeadsSpec)
     bench: BenchSpec = Field(default_factory=BenchSpec)
+    export: ExportSpec = Field(default_factory=ExportSpec)
 
     @field_validator("exits")
     @classmethod

@@ -67,6 +67,7 @@ class ExportOptions:
     candidates: str | None = None  # candidate source; None: the calibration's (full without one)
     profile_costs: bool = True  # time every graph and write the costs and the plan into the manifest
     cost_past: int = 128  # KV positions in the cache while timing (a prompt plus some generated tokens)
+    cost_seconds: float | None = None  # re-timing budget while the plan is undecided (None: costs.RETIME_BUDGET_S)
     weights: str = "fp32"  # fp32 or int4 (weight-only MatMulNBits segment graphs, export/quantize.py)
     int4: Int4Options = field(default_factory=Int4Options)  # settings for --weights int4 and --river
     river: bool = False  # add int4 copies of the segments after the first exit (the `river` policy)
@@ -188,7 +189,7 @@ def export_artifact(
             if options.profile_costs:
                 if log is not None:
                     log.log("timing every graph at decode shape, then choosing exits by predicted speed")
-                profile_and_plan(manifest, tmp, options.cost_past)
+                profile_and_plan(manifest, tmp, options.cost_past, options.cost_seconds)
                 if log is not None and manifest.plan is not None:
                     log.log(manifest.plan.summary())
             manifest.validation["export_seconds"] = round(time.perf_counter() - started, 2)

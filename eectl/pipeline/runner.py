@@ -146,7 +146,7 @@ class _Stages:
         spec = r.int4.model_dump()
         int4 = Int4Options(**{**spec, "keep_layers": tuple(spec["keep_layers"])})
         # the plan's folder is the pipeline's own: replaced
-        options = ExportOptions(exits=[], force=True, weights=r.weights, int4=int4)
+        options = ExportOptions(exits=[], force=True, weights=r.weights, int4=int4, cost_seconds=r.export.cost_seconds)
         req = ExportRequest(out=p.artifact, calibration=p.calibration, heads=p.heads, options=options)
         req.threads = self.threads
         return export(self.recipe, req, self.out)
