@@ -75,3 +75,22 @@ def test_the_pipeline_exports_the_recipes_weights_and_keys_them(tiny_dirs, tmp_p
     assert options.cost_seconds == 7.5  # the budget's (or recipe's) re-timing time reaches export
     fp32 = r.model_copy(update={"weights": "fp32"})
     assert PipelineCache(r, p).key("train-heads") != PipelineCache(fp32, p).key("train-heads")
+
+
+def test_the_twins_state_cache_is_its_own(tiny_dirs, tmp_path):
+    """States of the int4 twin are not the checkpoint's: a budget's default cache folder and the cache's identity
+    both tell them apart, so an fp32 cache is never reused for the twin."""
+    from eectl.contracts.budgets import states_folder
+    from eectl.contracts.recipe import apply_budget
+    from eectl.data import load_text_data
+    from eectl.heads.state_cache import CacheSpec
+    from eectl.heads.state_cache_build import _identity
+
+    fp32 = apply_budget(Recipe(name="r"), "quick")
+    int4 = apply_budget(Recipe(name="r", weights="int4"), "quick")
+    assert fp32.heads.cache == states_folder("r", "humaneval") != int4.heads.cache
+    data = load_text_data("humaneval")
+    spec = CacheSpec(layers=[3])
+    a = _identity(load_model(str(tiny_dirs["llama"])), data, spec)
+    b = _identity(load_model(str(tiny_dirs["llama"]), int4=Int4Spec()), data, spec)
+    assert "weights" not in a and b["weights"].startswith("int4 block_size=32") and a != b

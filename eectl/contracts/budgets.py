@@ -133,11 +133,13 @@ def next_budget(name: str) -> Budget | None:
     return BUDGETS[names[i + 1]] if i + 1 < len(names) else None
 
 
-def states_folder(recipe_name: str, data_source: str) -> str:
-    """Where a budget's state cache lives by default: one folder per recipe and data, so budgets extend one
-    another's and other data gets a cache of its own (a cache refuses data it was not built from)."""
+def states_folder(recipe_name: str, data_source: str, weights: str = "fp32") -> str:
+    """Where a budget's state cache lives by default: one folder per recipe, data and weights, so budgets extend one
+    another's and other data or the int4 twin gets a cache of its own (a cache refuses what it was not built
+    from)."""
     import hashlib
     from pathlib import PurePath
 
     tag = hashlib.sha256(data_source.encode()).hexdigest()[:6]
-    return f"artifacts/{recipe_name}-states-{PurePath(data_source).stem}-{tag}"
+    twin = "" if weights == "fp32" else f"-{weights}"
+    return f"artifacts/{recipe_name}-states-{PurePath(data_source).stem}-{tag}{twin}"

@@ -207,7 +207,9 @@ def apply_budget(recipe: Recipe, name: str | None) -> Recipe:
         keep = set() if name is not None else part.model_fields_set  # written in the recipe: kept under its budget
         update[section] = part.model_copy(update={k: v for k, v in values.items() if k not in keep})
     if recipe.heads.cache is None:
-        update["heads"] = update["heads"].model_copy(update={"cache": states_folder(recipe.name, recipe.data.source)})
+        update["heads"] = update["heads"].model_copy(
+            update={"cache": states_folder(recipe.name, recipe.data.source, recipe.weights)}
+        )
     return recipe.model_copy(update=update)
 
 

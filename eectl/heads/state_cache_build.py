@@ -36,6 +36,8 @@ def _identity(loaded: Any, data: Any, spec: CacheSpec) -> dict[str, Any]:
         "version": CACHE_VERSION,
         "base_sha256": loaded.source.sha256,
         "base_name": loaded.source.name,
+        # the states of the int4 twin are not the checkpoint's (models/int4.py); fp32 caches keep their identity
+        **({} if getattr(loaded, "weights", "fp32") == "fp32" else {"weights": loaded.weights}),
         "data": data.name,
         "records": len(data.texts),
         # token budgets are left out: a cache can be extended (sequences already there are the same ones)

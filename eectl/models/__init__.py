@@ -36,4 +36,8 @@ def load_model(
         if log is not None and hasattr(log, "log"):
             log.log("int4 twin: the weights an int4 export quantizes, as ONNX Runtime quantizes them")
         to_int4_twin(loaded, int4)
+        keys = ("block_size", "symmetric", "algorithm", "lm_head", "keep_layers")
+        loaded.weights = "int4 " + ", ".join(
+            f"{k}={list(v) if k == 'keep_layers' else v}" for k in keys if (v := getattr(int4, k)) is not None
+        )
     return loaded

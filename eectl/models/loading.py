@@ -70,6 +70,7 @@ class LoadedModel:
     tokenizer: Any
     adapter: Adapter
     source: ModelSource
+    weights: str = "fp32"  # the checkpoint's own; "int4 {settings}" for its int4 twin (eectl.models.load_model)
 
 
 def default_gguf_path() -> Path:

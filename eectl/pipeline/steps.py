@@ -72,15 +72,20 @@ def with_changes(recipe: Path, model: str | None, data: str | None, weights: str
     if model is not None:
         r = r.model_copy(update={"model": model})
     if weights is not None:
+        from eectl.contracts.budgets import states_folder
+
         if weights not in ("fp32", "int4"):
             raise UsageError(f"--weights must be fp32 or int4, got '{weights}'")
-        r = r.model_copy(update={"weights": weights})
+        heads = r.heads
+        if heads.cache == states_folder(r.name, r.data.source, r.weights):  # the budget's default: the twin's own
+            heads = heads.model_copy(update={"cache": states_folder(r.name, r.data.source, weights)})
+        r = r.model_copy(update={"weights": weights, "heads": heads})
     if data is not None:
         from eectl.contracts.budgets import states_folder
 
         heads = r.heads
-        if heads.cache == states_folder(r.name, r.data.source):  # the budget's default: the new data's own
-            heads = heads.model_copy(update={"cache": states_folder(r.name, data)})
+        if heads.cache == states_folder(r.name, r.data.source, r.weights):  # the budget's default: the new data's own
+            heads = heads.model_copy(update={"cache": states_folder(r.name, data, r.weights)})
         r = r.model_copy(update={"data": r.data.model_copy(update={"source": data, "field": None}), "heads": heads})
     with tempfile.TemporaryDirectory(prefix="eectl-recipe-") as folder:
         path = Path(folder) / recipe.name
