@@ -94,3 +94,42 @@ def test_the_twins_state_cache_is_its_own(tiny_dirs, tmp_path):
     a = _identity(load_model(str(tiny_dirs["llama"])), data, spec)
     b = _identity(load_model(str(tiny_dirs["llama"]), int4=Int4Spec()), data, spec)
     assert "weights" not in a and b["weights"].startswith("int4 block_size=32") and a != b
+
+
+def test_drafts_are_lossless_only_where_a_wide_pass_computes_like_one_row():
+    """int4 segments computing with int8 activations (accuracy level 4) give a wide pass other numbers than a one-row
+    pass (measured: lookup's tokens differed from int4 full depth), so the plan makes no draft configuration the
+    default there and says why; fp32 artifacts and int4 at level 0 keep their lossless defaults."""
+    from eectl.contracts.manifest import Manifest, Quantization
+    from eectl.plan.choose import wide_inexact
+
+    def manifest(level: int | None, scope: str = "segments") -> Manifest:
+        q = None
+        if level is not None:
+            q = Quantization(
+                scope=scope, op="com.microsoft::MatMulNBits", tool="ort", bits=4, block_size=32, symmetric=False,
+                accuracy_level=level, algorithm="rtn", lm_head="fp32", embedding="fp32", exit_lm_heads="fp32",
+                keep_layers=[], min_agreement=0.5,
+            )  # fmt: skip
+        return Manifest.model_construct(quantization=q)
+
+    assert wide_inexact(manifest(None)) == "" and wide_inexact(manifest(0)) == "" and wide_inexact(manifest(1)) == ""
+    assert wide_inexact(manifest(4, scope="river")) == ""  # only the river's copies: the deep passes are fp32
+    why = wide_inexact(manifest(4))
+    assert "accuracy level 4" in why and "not lossless" in why
+    assert Int4Spec().accuracy_level == 4 and Int4Spec(accuracy_level=0).accuracy_level == 0
+
+
+def test_an_inexact_artifacts_plan_defaults_to_full_depth(monkeypatch):
+    from eectl.contracts.plan import Plan
+    from eectl.plan import choose as choose_module
+
+    plan = Plan(default="verify")
+    monkeypatch.setattr(choose_module, "choose", lambda *a, **k: plan)
+    monkeypatch.setattr(choose_module, "wide_inexact", lambda m: "int4 at level 4")
+    from eectl.contracts.manifest import Manifest
+
+    m = Manifest.model_construct(segments=[], calibration=None, certificate=None, kv_policies=["verify"])
+    got = choose_module.plan_manifest(m, None)  # type: ignore[arg-type]
+    assert got.default == "full" and got.inexact == "int4 at level 4"
+    assert got.summary() == "plan: full depth: int4 at level 4"

@@ -120,6 +120,7 @@ def export(
         spec = r.int4
         int4 = replace(int4, block_size=spec.block_size, symmetric=spec.symmetric, algorithm=spec.algorithm)
         int4 = replace(int4, lm_head=spec.lm_head, keep_layers=tuple(spec.keep_layers))
+        int4 = replace(int4, accuracy_level=spec.accuracy_level)
     weights = weights or r.weights
     options = ExportOptions(
         exits=[], dtype=dtype, force=force, weights=weights, int4=int4, river=river, candidates=candidates

@@ -295,6 +295,9 @@ class Plan(_M):
     # what the costs left undecided when the plan was made (`undecided()`: policies, LOOKUP, CERTIFIED): the timing
     # budget ran out with an interval still straddling the line, and each runs its conservative choice
     unresolved: list[str] = Field(default_factory=list)
+    # why a wide pass (drafts checked together) may give other tokens than one-row full depth on this artifact, so
+    # that no draft configuration is lossless and none is the default ("": wide and one-row passes agree)
+    inexact: str = ""
 
     def line(self) -> str:
         """The rule, in words: `the low end of its 90% interval >= 1.03x`."""
@@ -325,6 +328,8 @@ class Plan(_M):
                 f"plan: {c.policy} at exits {c.exits} as certified (its sequence certificate), predicted "
                 f"{c.prediction.describe()} full depth ({self.level:.0%} interval)"
             )
+        if self.default == "full" and self.inexact:
+            return f"plan: full depth: {self.inexact}"
         if self.default == "full":
             bests = [c.best for p, c in self.choices.items() if c.best is not None and p != "copy"]
             top = max(bests, key=lambda b: b.speedup, default=None)

@@ -124,6 +124,9 @@ class Int4Spec(_Strict):
     algorithm: Literal["rtn", "hqq"] = "rtn"
     lm_head: Literal["fp32", "int8", "int4"] = "fp32"
     keep_layers: list[int] = Field(default_factory=list, max_length=MAX_LIST)
+    # MatMulNBits' compute: 4 int8 activations (fastest on CPUs with VNNI), 0 fp32: only at 0 (or 1) do drafts
+    # checked in a wide pass give one-row full depth's tokens, so verify and lookup stay lossless
+    accuracy_level: int = Field(4, ge=0, le=4)
 
 
 class ExportSpec(_Strict):
