@@ -214,25 +214,11 @@ def test_the_next_budget_time_scales_this_runs_stages():
 
 
 def test_the_needs_line_is_the_cost_models_break_even():
-    from eectl.contracts.plan import Costs
     from eectl.pipeline.verdict import _needs
     from eectl.plan.choose import predict
+    from tests.test_plan import _costs  # segments end at 4, 8, 12; exits at 4 and 8
 
-    costs = Costs(
-        provider="cpu",
-        threads=1,
-        past=128,
-        repeats=5,
-        embed_ms=0.0,
-        segment_ms=[4.0, 4.0, 4.0],
-        segment_extra_ms=[0.5, 0.5, 0.5],
-        kv_ms=[1.0, 1.0, 1.0],
-        final_head_ms=3.0,
-        final_head_extra_ms=0.2,
-        candidates_ms={"4": 0.3, "8": 0.3},
-        local_ms={"4": 0.05, "8": 0.05},
-        full_step_ms=15.0,
-    )
+    costs = _costs()
     manifest = {
         "costs": costs.model_dump(),
         "plan": {"min_gain": 0.03, "default": "full"},

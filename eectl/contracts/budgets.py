@@ -49,10 +49,7 @@ class Budget:
         return self.cache_tokens - self.gen_tokens
 
     def prompts_needed(self) -> int:
-        """Prompts the data must hold: one greedy continuation of at most GEN_LEN tokens per training prompt, plus the
-        held-out records (heads/state_cache_build.py `_split_data` holds out 4x the held-out continuations' need)."""
-        held_gen = round(HELD_TOKENS * self.gen_share)
-        return math.ceil(self.gen_tokens / GEN_LEN) + math.ceil(4 * held_gen / GEN_LEN)
+        return prompts_needed(self.cache_tokens, self.gen_share, HELD_TOKENS)
 
     def sizes(self) -> dict[str, Any]:
         """The recipe fields this budget sets, as {section: {field: value}}."""
@@ -70,6 +67,14 @@ class Budget:
             "bench": {"prompts": self.bench_prompts, "max_new_tokens": self.bench_tokens, "reps": self.bench_reps},
             "export": {"cost_seconds": self.cost_seconds},
         }
+
+
+def prompts_needed(tokens: int, gen_share: float, held_tokens: int) -> int:
+    """Prompts a state cache of `tokens` training and `held_tokens` held-out tokens needs, `gen_share` of each the
+    model's greedy continuations: one continuation of at most GEN_LEN tokens per training prompt, plus the held-out
+    records (heads/state_cache_build.py `_split_data` holds out 4x the held-out continuations' need)."""
+    gen, held_gen = round(tokens * gen_share), round(held_tokens * gen_share)
+    return math.ceil(gen / GEN_LEN) + math.ceil(4 * held_gen / GEN_LEN)
 
 
 BUDGETS: dict[str, Budget] = {

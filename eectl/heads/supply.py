@@ -8,11 +8,10 @@ What this module does not do: build the cache (heads/state_cache_build.py).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from eectl.contracts.budgets import GEN_LEN
+from eectl.contracts.budgets import prompts_needed
 from eectl.contracts.recipe import Recipe
 from eectl.data import TextData, count_tokens
 from eectl.errors import DataError
@@ -33,11 +32,9 @@ class Supply:
 def cache_supply(tokenizer: Any, data: TextData, recipe: Recipe) -> Supply:
     """What the recipe's state cache (heads.tokens, gen_share, eval_tokens) needs of `data`, and what it has."""
     h = recipe.heads
-    gen = round(h.tokens * h.gen_share)
-    held_gen = round(h.eval_tokens * h.gen_share)
-    prompts_needed = math.ceil(gen / GEN_LEN) + math.ceil(4 * held_gen / GEN_LEN)
-    text_needed = h.tokens - gen + h.eval_tokens
-    return Supply(len(data.prompts), prompts_needed, count_tokens(tokenizer, data, text_needed), text_needed)
+    text_needed = h.tokens - round(h.tokens * h.gen_share) + h.eval_tokens
+    needed = prompts_needed(h.tokens, h.gen_share, h.eval_tokens)
+    return Supply(len(data.prompts), needed, count_tokens(tokenizer, data, text_needed), text_needed)
 
 
 def check_supply(tokenizer: Any, data: TextData, recipe: Recipe) -> Supply:
