@@ -24,7 +24,9 @@ The `river` policy's exited token runs the int4 river copies of the later segmen
 bindings) and, predicting at the river's end, the final head (`river_head` where the artifact quantized it). Block
 exit heads (`block`: one decoder layer with its own KV, runtime/blocks.py) run after their segment while their exit
 is active, and `block_kv` fills a skipped block's KV under copy; an artifact with a candidate source graph
-(shortlist, int8) picks the first exit's candidates with it (`candidates`).
+(shortlist, int8) picks the first exit's candidates with it (`candidates`). What a policy adds to the calls every
+policy makes (the pending `concat`, the graphs after an exit, the river's end head, verify's draft check and forced
+passes) is its class's `PlanFragment` (runtime/policies.py): the plan never asks a policy's name or base class.
 
 Who executes it: the bound chain (runtime/chain.py) for full-depth greedy steps, one row or a batch (bound
 calls, the states in device buffers, only the tokens read on the host), and the runner itself for steps with
@@ -36,13 +38,14 @@ What this module does not do: create sessions or run graphs (sessions.py), or de
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from eectl.contracts.manifest import Manifest
+from eectl.contracts.manifest import GraphIO, Manifest
 from eectl.errors import UsageError
 from eectl.exits.signals import get_signal
-from eectl.runtime.policies import Copy, Defer, KVPolicy, River, Verify, policy_class
+from eectl.runtime.policies import KVPolicy, PlanFragment, policy_class
 
 # What a bound value is, by its size per token; the rule is about the first three.
 HIDDEN, KV, LOGITS = "hidden", "kv", "logits"
@@ -121,6 +124,21 @@ KINDS["block"] = {k: v for k, v in KINDS["segment"].items() if k not in ("layer_
 KINDS["block_kv"] = KINDS["kv_segment"]  # copy: the skipped token's state into the block's KV
 KINDS["river_head"] = KINDS["exit_full"]  # the final head with its own quantized table (no weight input)
 
+# Graph kind -> the manifest's entry for that graph at `at` (None where the artifact has none); the device helpers
+# have no entry
+EXPORTED: dict[str, Callable[[Manifest, int], GraphIO | None]] = {
+    "embed": lambda m, at: m.embedding,
+    "segment": lambda m, at: m.segments[at].graph,
+    "kv_segment": lambda m, at: m.segments[at].kv_graph,
+    "exit_full": lambda m, at: m.exit_at(at).full,
+    "exit_local": lambda m, at: m.exit_at(at).local,
+    "river_segment": lambda m, at: m.segments[at].river,
+    "river_head": lambda m, at: m.exit_at(at).river,
+    "candidates": lambda m, at: m.exit_at(at).candidates,
+    "block": lambda m, at: _block(m, at).graph,
+    "block_kv": lambda m, at: _block(m, at).kv_graph,
+}
+
 
 @dataclass(frozen=True)
 class Binding:
@@ -158,15 +176,21 @@ class BindingPlan:
     river_predict: str = "end"  # river: the token from the river's end or from the exit itself
     device: str = field(init=False)
     _policy: type[KVPolicy] = field(init=False)
+    _fragment: PlanFragment = field(init=False)  # the policy's part (runtime/policies.py)
 
     def __post_init__(self) -> None:
         if self.provider not in ("cuda", "cpu"):
             raise UsageError(f"binding plan for an unknown provider '{self.provider}'")
         self._signal = get_signal(self.signal)
         self._policy = policy_class(self.policy)
-        if not issubclass(self._policy, (Copy, Defer, River)):
-            raise UsageError(f"no binding plan for the {self.policy} policy yet")
-        if issubclass(self._policy, River) and any(s.river is None for s in self.manifest.segments[1:]):
+        fragment = self._policy.plan_fragment(self.river_predict)
+        if fragment is None:
+            raise UsageError(f"no binding plan for the {self.policy} policy (its class gives no plan fragment)")
+        named = [*(fragment.after_exit or ()), *([fragment.end_head] if fragment.end_head else [])]
+        if any(g not in KINDS for g in named):
+            raise TypeError(f"the {self.policy} policy's plan fragment names a graph the plan does not know: {named}")
+        self._fragment = fragment
+        if self._policy.needs_river_copies and any(s.river is None for s in self.manifest.segments[1:]):
             raise UsageError("this artifact has no int4 river copies", hint="export it with --river")
         self.device = "cuda" if self.provider == "cuda" else "cpu"
         self._segment_end = [s.layers[1] for s in self.manifest.segments]
@@ -174,22 +198,10 @@ class BindingPlan:
     # --- the one rule --------------------------------------------------------------------------------------------
     def _io(self, graph: str, at: int) -> set[str] | None:
         """The keys an exported graph has (None for the device helpers, which take all of theirs)."""
-        m = self.manifest
-        io = {
-            "embed": lambda: m.embedding,
-            "segment": lambda: m.segments[at].graph,
-            "kv_segment": lambda: m.segments[at].kv_graph,
-            "exit_full": lambda: m.exit_at(at).full,
-            "exit_local": lambda: m.exit_at(at).local,
-            "river_segment": lambda: m.segments[at].river,
-            "river_head": lambda: m.exit_at(at).river,
-            "candidates": lambda: m.exit_at(at).candidates,
-            "block": lambda: _block(m, at).graph,
-            "block_kv": lambda: _block(m, at).kv_graph,
-        }.get(graph)
+        io = EXPORTED.get(graph)
         if io is None:
             return None
-        graph_io = io()
+        graph_io = io(self.manifest, at)
         assert graph_io is not None, f"the artifact has no {graph} graph at {at}"
         return set(graph_io.inputs) | set(graph_io.outputs)
 
@@ -209,48 +221,62 @@ class BindingPlan:
         return Call(graph, at, tuple(binds))
 
     # --- one token ------------------------------------------------------------------------------------------------
-    def token(self, exit_at: int | None = None, pending: bool = False, drafts: bool = False) -> list[Call]:
+    def token(
+        self, exit_at: int | None = None, pending: bool = False, drafts: bool = False, tests: bool = True
+    ) -> list[Call]:
         """The calls for one generated token (after the prefill) that exits after layer `exit_at` (None: full depth).
 
-        pending: deferred positions ride along into the deep segments (defer/verify); drafts: under verify, the
-        final pass checks drafts (the final head scores every flushed position; each one's Top-1 comes back).
+        pending: deferred positions ride along into the deep segments (a fragment with `pending`: defer, verify);
+        drafts: the final pass checks drafts (a fragment with `draft_check`, verify: the final head scores every
+        flushed position in one call and each one's Top-1 comes back, the last one's the token); tests: False for a
+        forced full-depth pass, which tests no exit.
         """
         L = self.manifest.num_layers
+        f = self._fragment
         if exit_at is not None and exit_at not in self.exits:
             raise UsageError(f"exit {exit_at} is not active (active: {self.exits})")
+        if exit_at is not None and not tests:
+            raise UsageError(f"a pass that tests no exit cannot exit at {exit_at}")
         calls = [self._call("embed", -1)]
         first_exit = True
         for s, end in enumerate(self._segment_end):
             starts_at_exit = s > 0 and self._segment_end[s - 1] in self.exits
-            if pending and starts_at_exit and issubclass(self._policy, Defer):
+            if pending and starts_at_exit and f.pending:
                 calls.append(self._call("concat", s))  # the states that exited before this segment ride along
             calls.append(self._call("segment", s))
             calls += self._block_after(end, "block")  # its exit's block head runs on what the segment ran on
             if end == L:
-                if drafts and issubclass(self._policy, Verify):  # each flushed position's argmax checks a draft
+                if (
+                    drafts and f.draft_check
+                ):  # each flushed position's argmax checks a draft; the last one's is the token
                     has_token = "token" in self.manifest.exit_at(L).full.outputs
                     calls.append(self._call("exit_full", L, ("token",) if has_token else ("candidates",)))
+                    return calls
                 calls.append(self._call("last", s))
                 calls.append(self._final(L))
                 return calls
-            if end not in self.exits:
+            if end not in self.exits or not tests:
                 continue
             calls.append(self._call("last", s))
             calls += self._decision(end, first_exit, exiting=end == exit_at)
             first_exit = False
             if end == exit_at:
-                if issubclass(self._policy, Copy):
-                    for t in range(s + 1, len(self._segment_end)):
-                        calls += [self._call("kv_segment", t), *self._block_after(self._segment_end[t], "block_kv")]
-                if issubclass(self._policy, River):  # the token flows on through the int4 copies
-                    for t in range(s + 1, len(self._segment_end)):
-                        calls += [self._call("river_segment", t), *self._block_after(self._segment_end[t], "block")]
-                    if self._river_end:
-                        calls.append(self._call("last", len(self._segment_end) - 1))
-                        river = self.manifest.exit_at(L).river is not None
-                        calls.append(self._final(L, "river_head" if river else "exit_full"))
-                return calls
+                return calls + self._after_exit(s)
         raise AssertionError("unreachable: the last segment ends at the final layer")
+
+    def _after_exit(self, s: int) -> list[Call]:
+        """What the policy runs for a token that exited after segment s (its fragment's `after_exit`, `end_head`)."""
+        f, L = self._fragment, self.manifest.num_layers
+        calls: list[Call] = []
+        if f.after_exit is not None:  # e.g. copy's K/V projections, the river's int4 copies
+            graph, block = f.after_exit
+            for t in range(s + 1, len(self._segment_end)):
+                calls += [self._call(graph, t), *self._block_after(self._segment_end[t], block)]
+        if f.end_head is not None:  # the token from the head on the last segment's output (the river's end)
+            head = f.end_head if EXPORTED[f.end_head](self.manifest, L) is not None else "exit_full"
+            calls.append(self._call("last", len(self._segment_end) - 1))
+            calls.append(self._final(L, head))
+        return calls
 
     def _block_after(self, end: int, graph: str) -> list[Call]:
         """The block head's call after a segment ending at an active exit that has one (none at the final layer)."""
@@ -278,13 +304,9 @@ class BindingPlan:
         else:  # cosine, cosine-min: one scalar decides; the exit head runs only for a token that exits here
             helper = "cosine_min" if sig.needs_blocks else "cosine"
             calls.append(self._call(helper, layer, ("cosine",)))
-            if exiting and not self._river_end:  # a river predicting at its end never asks the exit's head
+            if exiting and self._fragment.end_head is None:  # a river predicting at its end never asks the exit's head
                 calls.append(self._call("exit_full", layer, picked))
         return calls
-
-    @property
-    def _river_end(self) -> bool:
-        return issubclass(self._policy, River) and self.river_predict == "end"
 
     def _final(self, L: int, graph: str = "exit_full") -> Call:
         """The final head: sampling reads the V logits; greedy reads the in-graph argmax (one id per row), or, in an
@@ -300,14 +322,21 @@ class BindingPlan:
 
     # --- checks ---------------------------------------------------------------------------------------------------
     def scenarios(self) -> list[list[Call]]:
-        """Every shape a generated token's calls can take under this plan: full depth and each exit, with and
-        without deferred positions, and verify's draft check."""
+        """Every shape a decode step's calls can take under this plan (a step: what the runner runs for its rows
+        between two `on_step`s, `Runner.step_reads`; the prompt's is full depth with no exit test): full depth and
+        each exit, with and without deferred positions, and what the policy's fragment adds: the draft check; the
+        forced full-depth pass with no exit test, alone and after an exited token's pass (the closing check)."""
+        f = self._fragment
         out = []
         for exit_at in [None, *self.exits]:
             for pending in (False, True):
                 out.append(self.token(exit_at, pending))
-        if issubclass(self._policy, Verify):
+        if f.draft_check:
             out.append(self.token(None, pending=True, drafts=True))
+        if f.forced_pass:
+            forced = self.token(None, pending=True, drafts=f.draft_check, tests=False)
+            out.append(forced)
+            out += [self.token(exit_at, pending=True) + forced for exit_at in self.exits]
         return out
 
     def host_copies(self, calls: list[Call]) -> list[tuple[Call, Binding]]:

@@ -11,7 +11,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from eectl.contracts.plan import BOUND_POLICIES
 from eectl.exits.signals import Signal
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.kv import KVBuffers
@@ -37,8 +36,8 @@ class Runner(Protocol):
 def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
     """The bound call chain for greedy decode with a final head that has the in-graph argmax: full depth for any
     number of rows (on every provider: the states stay where the graphs run), or, for one row on the CPU EP, active
-    exits whose decisions the exit graphs make (defer, verify, copy: the policies whose exited token needs nothing
-    but its state; `chain_exits_supported`). None where the general path steps."""
+    exits whose decisions the exit graphs make (policies whose exited token needs nothing but its state,
+    `KVPolicy.bound_chain`: defer, verify, copy; `chain_exits_supported`). None where the general path steps."""
     rt, cfg, exits = runner.rt, runner.cfg, runner.exits
     final = rt.full_graphs[runner.L]
     if cfg.temperature > 0 or "token" not in final.io.outputs:
@@ -48,7 +47,7 @@ def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
     if rows > 1:
         return None if exits else DecodeChain(rt, kv, 0, rows=rows)
     if exits and (
-        cfg.policy not in BOUND_POLICIES
+        not runner.policy.bound_chain
         or not chain_exits_supported(rt, exits, runner.signal)
         or runner._resident_wanted()  # the binding plan's executor keeps exit steps device-resident (#15)
         or rt.device != "cpu"  # exit steps hand pending states (host arrays) to wide calls

@@ -33,21 +33,25 @@ pending[s] holds the hidden states at segment s's input for positions [filled_s,
 
 To add a policy: add its name to `eectl.contracts.names.POLICY_SPECS` (recipes, manifests and calibration files
 are validated against it without importing this module), subclass `KVPolicy`, implement `on_exit` (and any other
-hook), and decorate it with `@register_policy`; the CLI, the manifest's list and bench take the names from
-`POLICIES`. Three places still know policies by name or class and need the new one explicitly: the cost model
-(`eectl.plan.choose.predict` prices copy, defer, verify and river), the bound one-row chain
-(`eectl.contracts.plan.BOUND_POLICIES`) and the device binding plan (runtime/binding.py accepts subclasses of
-Copy, Defer and River only); a policy outside them runs on the general host path.
+hook), state its behaviour in its class variables, and decorate it with `@register_policy`; the CLI, the manifest's
+list and bench take the names from `POLICIES`. What the runtime needs to know of a policy beyond its hooks it reads
+from the class, never from its name or its base class: `pending_states`, `checks_drafts`, `checks_at_final` (the
+runner), `bound_chain` (the one-row bound chain, checked against `eectl.contracts.plan.BOUND_POLICIES` when it
+registers) and `fragment` / `plan_fragment` (its part of the device binding plan, runtime/binding.py: a policy
+without one runs on the host path only). One place outside the runtime still knows policies by name: the cost model
+(`eectl.plan.choose.predict` prices copy, defer, verify and river); a policy it does not price is never planned.
 
 What this module does not do: decide exits (runner.py, exits/signals.py) or build graphs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from eectl.contracts import plan as plan_contract
 from eectl.contracts.names import POLICY_SPECS, PolicySpec
 from eectl.errors import UsageError
 from eectl.runtime.blocks import active_block, run_block
@@ -60,6 +64,27 @@ if TYPE_CHECKING:
     from eectl.runtime.kv import KVBuffers
     from eectl.runtime.sessions import ArtifactRuntime
     from eectl.runtime.state import RowState, RunConfig
+
+
+@dataclass(frozen=True)
+class PlanFragment:
+    """A policy's part of the device binding plan (runtime/binding.py `BindingPlan`): what one step runs beyond what
+    every policy runs (the embedding, the segments with their block heads, the exit tests, the final head).
+    Graph kinds are the plan's `KINDS` keys."""
+
+    pending: bool = False  # `concat`: deferred positions join in front of each segment that starts at an exit
+    # an exited token runs each later segment as this graph, and an active block head after it as the second
+    # (copy: ("kv_segment", "block_kv"), its K/V only; river: ("river_segment", "block"), the int4 copies)
+    after_exit: tuple[str, str] | None = None
+    # then this head on the last of those segments' output gives the token (river: "river_head", the exit
+    # "exit_full" where the artifact has none), and the exit's own head is not asked
+    end_head: str | None = None
+    # a pass reaching the final layer with drafts scores every flushed position with the final head in one call
+    # (`exit_full`, its argmax to the host): the check is the final head, the last position's argmax the token
+    draft_check: bool = False
+    # passes with no exit test at all (`may_exit` false: verify's full block of drafts) and, in the step that ends
+    # generation, one after an exited token's pass (`unchecked` work: the closing check, Runner._settled)
+    forced_pass: bool = False
 
 
 class KVPolicy:
@@ -77,6 +102,14 @@ class KVPolicy:
     # the final pass checks every unchecked draft in st.drafts and rolls back at the first wrong one (verify): drafts
     # from the context (runtime/drafts.py) are checked by it too
     checks_drafts: ClassVar[bool] = False
+    # on_final checks the states that reach the final layer (verify's drafts): pending states stop riding along in a
+    # batch before the final segment, so the final pass sees them (Runner._ride)
+    checks_at_final: ClassVar[bool] = False
+    # one-row greedy exit steps may run on the bound chain (runtime/chain_steps.py): an exited token needs nothing but
+    # its state (the cost model prices them from eectl.contracts.plan.BOUND_POLICIES, checked at registration)
+    bound_chain: ClassVar[bool] = False
+    # its part of the device binding plan (runtime/binding.py); None: no device-resident plan, the host path runs it
+    fragment: ClassVar[PlanFragment | None] = None
 
     def __init__(self, rt: ArtifactRuntime, config: RunConfig) -> None:
         self.rt = rt
@@ -89,6 +122,12 @@ class KVPolicy:
         """Raise UsageError for run options this policy cannot honour."""
         if cls.greedy_only and config.temperature > 0:
             raise UsageError(f"the {cls.name} policy is greedy only (it reproduces full-depth greedy output)")
+
+    @classmethod
+    def plan_fragment(cls, river_predict: str = "end") -> PlanFragment | None:
+        """Its part of the binding plan for a run (`river_predict`: the run's RunConfig.river_predict, which only the
+        river's plan depends on): `fragment` unless the class says otherwise."""
+        return cls.fragment
 
     def may_exit(self, st: RowState) -> bool:
         return True
@@ -118,6 +157,8 @@ def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
     spec = POLICY_SPECS.get(cls.name)
     if spec is None or spec != PolicySpec(cls.needs_river_copies):
         raise TypeError(f"policy '{cls.name}' does not match its entry in eectl.contracts.names.POLICY_SPECS")
+    if cls.bound_chain != (cls.name in plan_contract.BOUND_POLICIES):  # the cost model prices the chain from it
+        raise TypeError(f"policy '{cls.name}': bound_chain does not match eectl.contracts.plan.BOUND_POLICIES")
     POLICIES[cls.name] = cls
     return cls
 
@@ -133,6 +174,8 @@ class Copy(KVPolicy):
     """The skipped segments' K/V-only graphs project the exit state into their caches (approximate K/V)."""
 
     name = "copy"
+    bound_chain = True
+    fragment = PlanFragment(after_exit=("kv_segment", "block_kv"))
 
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
         # no pending positions under copy: `out` is this token's exit state
@@ -150,6 +193,8 @@ class Defer(KVPolicy):
     name = "defer"
     pending_states = True
     exact_states = True
+    bound_chain = True
+    fragment = PlanFragment(pending=True)
 
     def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
         pend = st.pending[s]
@@ -168,8 +213,10 @@ class Verify(Defer):
     name = "verify"
     lossless = True
     checks_drafts = True
+    checks_at_final = True
     greedy_only = True
     scores_text = False
+    fragment = PlanFragment(pending=True, draft_check=True, forced_pass=True)
 
     def may_exit(self, st: RowState) -> bool:
         return len(st.drafts) < self.cfg.verify_block  # then a forced full-depth pass checks them
@@ -232,6 +279,13 @@ class River(KVPolicy):
         super().check(config)
         if config.river_predict not in RIVER_PREDICT:
             raise UsageError(f"--river-predict must be end or exit, got '{config.river_predict}'")
+
+    @classmethod
+    def plan_fragment(cls, river_predict: str = "end") -> PlanFragment | None:
+        # the token flows on through the int4 copies; predicting at the river's end, their last output gives it
+        return PlanFragment(
+            after_exit=("river_segment", "block"), end_head="river_head" if river_predict == "end" else None
+        )
 
     def predict(
         self, row: int, st: RowState, kv: KVBuffers, s: int, out: Any, *, place: Placement = HOST

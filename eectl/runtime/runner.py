@@ -46,7 +46,7 @@ from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
 from eectl.runtime.exit_logits import Decide
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.placement import HOST, Placement
-from eectl.runtime.policies import KVPolicy, policy_class
+from eectl.runtime.policies import policy_class
 from eectl.runtime.sampling import pick_token
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import Generation, RowState, RunConfig
@@ -304,11 +304,11 @@ class Runner:
         their scratch slot), so computing the exited state's K/V in the calls other rows need anyway is free, and it
         spares a later single-row flush call (GQA takes several positions per row only one row at a time). A segment
         no other row needs this token is not run for a rider: its state keeps waiting there (plain defer). Riding
-        stops before the final segment for policies that check states there (verify's drafts)."""
+        stops before the final segment for policies that check states there (`checks_at_final`: verify's drafts)."""
         if not (self.cfg.ride_along and self.policy.pending_states):
             return
-        checks_final = type(self.policy).on_final is not KVPolicy.on_final
-        for t in range(s + 1, self.final_segment if checks_final else self.final_segment + 1):
+        end = self.final_segment if self.policy.checks_at_final else self.final_segment + 1
+        for t in range(s + 1, end):
             x = st.pending[t]
             if x is None or x.shape[1] != 1:
                 return
