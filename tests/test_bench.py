@@ -87,6 +87,16 @@ def test_bench_cli_report(artifact, tiny_dirs, tmp_path):
     assert all(c["verdict"] == doc["verdict"] for n, c in by.items() if n != "full")
     lo, hi = aa["speedup_vs_full_ci"]
     assert doc["resolution"] == pytest.approx(max(1 - lo, hi - 1), abs=1e-4)  # the A/A interval's reach from 1
+    # the reported interval: the A/A control's own; every other one's widened by the reach, the one its reading uses
+    assert aa["speedup_vs_full_ci"] == aa["speedup_vs_full_sampling_ci"]
+    reach = doc["resolution"] or 0.0
+    for name, c in by.items():
+        if name not in ("full", "full-aa"):
+            slo, shi = c["speedup_vs_full_sampling_ci"]
+            wlo, whi = c["speedup_vs_full_ci"]
+            assert (wlo, whi) == pytest.approx((slo - reach, shi + reach))
+            if c["reading"]:
+                assert (not wlo <= 1.0 <= whi) == (c["reading"] in ("faster", "slower")), name
     assert by["verify"]["token_agreement"] == 1.0 and by["verify"]["exact_match"] == 1.0
     for c in by.values():
         assert c["ms_per_token"] > 0 and c["ms_per_token_spread"][0] <= c["ms_per_token"] <= c["ms_per_token_spread"][1]
@@ -213,12 +223,12 @@ def test_an_aa_pair_of_runtimes_takes_turns_step_by_step_with_each_ones_own_toke
     stepped: list[str] = []
     real_once = configs.once
 
-    def once(name, block, on_step=None):
+    def once(name, block, on_step=None, instance=0):
         def step(i, confirmed):
             stepped.append(name)
             on_step(i, confirmed)
 
-        return real_once(name, block, on_step=step if on_step is not None else None)
+        return real_once(name, block, on_step=step if on_step is not None else None, instance=instance)
 
     configs.once = once  # type: ignore[method-assign]
     for p in ids:
@@ -233,13 +243,55 @@ def test_an_aa_pair_of_runtimes_takes_turns_step_by_step_with_each_ones_own_toke
         assert done["twin"].generations == done["full"].generations
 
 
-def test_compare_runs_carry_the_runtime_order_caveat(artifact):
-    """A compared artifact runs in a runtime created after the artifact's own, and later-created runtimes of one
-    artifact read faster in one process (measured 1.05-1.09x): the report's notes say so whenever --compare is
-    used, and only then."""
-    from eectl.evaluate.bench import COMPARE_CAVEAT, _notes
-    from eectl.evaluate.results import BenchOptions
+def test_an_aa_pair_of_runtimes_is_created_mirrored_and_every_configuration_alternates_instances(artifact):
+    """`--compare same=<the same artifact>`: runtimes are created in the mirrored order (this artifact, same, same,
+    this artifact), each instance's configurations on their own runtimes; in the timed phase every configuration of
+    a block runs on the same instance, alternating block by block (and by repetition, so each prompt runs on both);
+    tokens do not depend on the instance. run_bench records the instances and its notes say what was done."""
+    from eectl.evaluate import timing
+    from eectl.evaluate.bench import COMPARE_NOTE, _notes, run_bench
+    from eectl.evaluate.configs import Configs
+    from eectl.evaluate.results import AA, BenchOptions
 
     rt = ArtifactRuntime(artifact, provider="cpu")
-    assert COMPARE_CAVEAT in _notes(rt, BenchOptions(configs=["full"], compare={"twin": str(artifact)}))
-    assert COMPARE_CAVEAT not in _notes(rt, BenchOptions(configs=["full"]))
+    opts = BenchOptions(
+        configs=["full", "copy"], compare={"same": str(artifact)}, thresholds="0.0", max_new_tokens=8, provider="cpu"
+    )
+    configs = Configs(rt, opts, tuple(rt.manifest.eos_token_ids))
+    assert configs.created == [("full", 0), ("same", 0), ("same", 1), ("full", 1)] and configs.instances == 2
+    main = [configs.sets[i]["full"].rt for i in range(2)]
+    same = [configs.sets[i]["same"].rt for i in range(2)]
+    assert main[0] is rt and len({id(x) for x in main + same}) == 4  # four runtimes
+    for i in range(2):
+        assert all(configs.sets[i][n].rt is main[i] for n in ("full", AA, "copy"))
+    ran: list[tuple[str, int]] = []
+    real_once = configs.once
+
+    def once(name, block, on_step=None, instance=0):
+        ran.append((name, instance))
+        return real_once(name, block, on_step=on_step, instance=instance)
+
+    configs.once = once  # type: ignore[method-assign]
+    tok = load_tokenizer(rt)
+    ids = [encode_prompt(tok, p, raw=True) for p in load_text_data(str(GSM8K)).prompts[:3]]
+    order = ["full", AA, "copy", "same"]
+    t = timing._timed(configs, order, ids, range(2), None)
+    assert sorted(ran[:8]) == sorted((n, i) for n in order for i in range(2))  # the warm-up: both instances
+    assert t.instances == [[0, 1, 0], [1, 0, 1]]
+    blocks = [ran[8 + 4 * k : 12 + 4 * k] for k in range(6)]
+    assert [{i for _, i in blk} for blk in blocks] == [{i} for rep in t.instances for i in rep]
+    assert all(sorted(n for n, _ in blk) == sorted(order) for blk in blocks)
+    for r in range(2):  # each prompt ran on instance 0 in one repetition and on 1 in the other: the same tokens
+        assert all(t.runs[n][r].generations == t.runs["full"][r].generations for n in (AA, "same"))
+        assert t.runs["copy"][r].generations == t.runs["copy"][0].generations
+    assert t.runs["full"][1].generations == t.runs["full"][0].generations
+    assert COMPARE_NOTE in _notes(rt, opts) and COMPARE_NOTE not in _notes(rt, BenchOptions(configs=["full"]))
+
+    bench_opts = BenchOptions(
+        configs=["full", "same"], compare={"same": str(artifact)}, prompts=3, max_new_tokens=6, reps=2, ppl_tokens=0,
+        sweep=[], provider="cpu", raw=True,
+    )  # fmt: skip
+    res = run_bench(artifact, load_text_data(str(GSM8K)).prompts, bench_opts)
+    assert res.block_instances == [[(r + b) % 2 for b in range(3)] for r in range(res.reps_run)]
+    by = {c.name: c for c in res.configs}
+    assert by["same"].exact_match == 1.0 and COMPARE_NOTE in res.notes

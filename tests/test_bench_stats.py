@@ -301,13 +301,15 @@ class _SimConfigs:
         self.now = 0.0
         self.rng = rng  # each step's own jitter (3%)
 
+    instances = 1  # one runtime per configuration (no --compare)
+
     def steps(self, name):
         return self.stepped
 
     def tick(self, n):
         pass
 
-    def once(self, name, prompt_ids, on_step=None):
+    def once(self, name, prompt_ids, on_step=None, instance=0):
         from eectl.evaluate.timing import _Run
 
         self.now += 0.1  # the settle pause, or the hand-over between threads
@@ -358,7 +360,7 @@ def test_turns_go_round_one_step_each_and_finished_configurations_drop_out():
         def __init__(self, steps, fail=None):
             self.steps, self.fail, self.log = steps, fail, []
 
-        def once(self, name, prompt_ids, on_step=None):
+        def once(self, name, prompt_ids, on_step=None, instance=0):
             for k in range(self.steps[name]):
                 if (name, k) == self.fail:
                     raise RuntimeError(f"{name} failed")
@@ -389,7 +391,7 @@ def test_every_stepping_thread_runs_on_the_bench_threads_one_cpu():
         def __init__(self):
             self.seen: dict[str, set[frozenset[int]]] = {}
 
-        def once(self, name, prompt_ids, on_step=None):
+        def once(self, name, prompt_ids, on_step=None, instance=0):
             for _ in range(3):
                 self.seen.setdefault(name, set()).add(frozenset(os.sched_getaffinity(0)))
                 on_step(0, [])

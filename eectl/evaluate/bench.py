@@ -62,6 +62,7 @@ from eectl.evaluate.stats import (
     share_ci,
     speed_ratio,
     speed_reading,
+    widened,
     wilson,
 )
 from eectl.evaluate.timing import _aa_interval, _gate_reps, _gated, _Run, _Timing
@@ -244,7 +245,7 @@ def run_bench(
             if cfg.note:
                 log.log(cfg.note)
         if opts.compare:
-            log.log(COMPARE_CAVEAT)
+            log.log(COMPARE_NOTE)
     # the A/A control always runs; the Williams design puts it and full at different positions in every order
     order = ["full", AA, *[c for c in opts.configs if c not in ("full", AA)]]
     timing = _gated(configs, order, ids, opts, log)
@@ -286,10 +287,11 @@ def run_bench(
         verdict=verdict,
         aa_band=AA_BAND,
         other_load=None if load is None else round(load, 3),
-        resolution=None if resolution is None else round(resolution, 4),
+        resolution=resolution,
         certificate=cert.describe() if cert is not None else "",
         certificate_check=check,
         memory=configs.memory.section(),
+        block_instances=timing.instances if timing.paired_instances else None,
     )
 
 
@@ -299,7 +301,8 @@ def _noise(timing: _Timing) -> tuple[str, float | None, float | None]:
     aa_ci, n_ratios = _aa_interval(timing)
     verdict = noise_verdict(aa_ci, n_ratios)
     # the smallest speedup this run can tell from noise: how far the A/A control's interval reaches from 1
-    resolution = max(1.0 - aa_ci[0], aa_ci[1] - 1.0) if all(math.isfinite(x) for x in aa_ci) else None
+    # (rounded as the report states it: the widened intervals and the readings use the value the JSON carries)
+    resolution = round(max(1.0 - aa_ci[0], aa_ci[1] - 1.0), 4) if all(math.isfinite(x) for x in aa_ci) else None
     load = float(np.mean(timing.load)) if timing.load else None
     if verdict != "conclusive" and load is not None:
         verdict += f" (other processes kept {load:.2f} cores busy on average)"
@@ -307,10 +310,16 @@ def _noise(timing: _Timing) -> tuple[str, float | None, float | None]:
 
 
 def _readings(results: list[ConfigResult], verdict: str, resolution: float | None) -> None:
-    """In a conclusive run, each configuration but full and its A/A copy reads faster, slower or no difference."""
+    """Each configuration but full and its A/A copy: its reported interval, the sampling interval widened by the
+    run's A/A reach (stats.widened), and in a conclusive run its reading (faster, slower or no difference), which
+    says faster or slower exactly when that interval excludes 1.0. The A/A control keeps its sampling interval: it
+    defines the reach and the gate."""
     for r in results:
-        if r.name not in ("full", AA) and verdict == "conclusive":
-            r.reading = speed_reading(r.speedup_vs_full_ci, resolution)
+        if r.name in ("full", AA):
+            continue
+        r.speedup_vs_full_ci = widened(r.speedup_vs_full_sampling_ci, resolution)
+        if verdict == "conclusive":
+            r.reading = speed_reading(r.speedup_vs_full_sampling_ci, resolution)
 
 
 def _lookup_models(
@@ -373,10 +382,14 @@ def _certificate_check(cert: Any, runs: dict[str, Any], tok: Any, answers: Any, 
 # Measured (docs/results/2026-12-03-bench.md): one artifact loaded three times in one process, full depth, steps
 # taken in turn on one pinned thread: the 2nd runtime read 1.05-1.06x the 1st in five runs, the 3rd 1.09x. Not the
 # step schedule, thread placement, malloc's mmap threshold, huge pages or runners sharing a runtime; cause unknown.
-COMPARE_CAVEAT = (
-    "--compare: each compared artifact runs in a runtime created after the artifact's own, and in one process a "
-    "runtime created later read faster than an earlier one of the same artifact (an A/A pair of runtimes: 1.05x "
-    "for the second, 1.09x for the third), so a compared artifact's ratio within about 10% of 1 is not a difference"
+# What bench does about it: mirrored runtimes and per-instance medians (evaluate/configs.py Configs).
+COMPARE_NOTE = (
+    "--compare: runtimes were created in a mirrored order (this artifact, each compared artifact, the compared ones "
+    "again in reverse, this artifact again), so each artifact's two runtimes have the same mean creation position, "
+    "and every configuration alternated between its two runtimes block by block (all configurations of a block on "
+    "the same one), each ratio's median taken per runtime and the two combined: a creation-order effect (in one "
+    "process a runtime created later read faster, 1.05x for the second, 1.09x for the third, cause unknown) cancels "
+    "instead of biasing a compared artifact's ratio; this artifact's runtime is held twice (double its memory)"
 )
 
 
@@ -392,7 +405,7 @@ def _notes(rt: ArtifactRuntime, opts: BenchOptions) -> list[str]:
     if m.plan is not None:
         notes.append(m.plan.summary())
     if opts.compare:
-        notes.append(COMPARE_CAVEAT)
+        notes.append(COMPARE_NOTE)
     if m.costs is not None:
         notes.append(
             f"costs {_where_timed(opts, m.costs)} on {m.costs.provider} with "
@@ -407,12 +420,15 @@ def _where_timed(opts: BenchOptions, costs: Any) -> str:
     return "re-measured here" if opts.profile_costs else "measured at export"
 
 
-def _paired(base: np.ndarray, other: np.ndarray, column: int = 0) -> tuple[float | None, tuple[float, float]]:
-    """The paired statistic of two [R, B, 3] block timings: median block ratio and its interval; column 0 compares
-    decode seconds per token (latency), 2 wall seconds per token (throughput: a batch's rows share the wall)."""
+def _paired(
+    base: np.ndarray, other: np.ndarray, column: int = 0, instances: np.ndarray | None = None
+) -> tuple[float | None, tuple[float, float]]:
+    """The paired statistic of two [R, B, 3] block timings: median block ratio and its interval (per runtime
+    instance under --compare: `instances`, [R, B]); column 0 compares decode seconds per token (latency), 2 wall
+    seconds per token (throughput: a batch's rows share the wall)."""
     ratios = block_ratios(base[..., [column, 1]], other[..., [column, 1]])
-    est = ratio_estimate(ratios)
-    return (est if math.isfinite(est) else None), ratio_ci(ratios)
+    est = ratio_estimate(ratios, instances)
+    return (est if math.isfinite(est) else None), ratio_ci(ratios, instances=instances)
 
 
 def _result(
@@ -425,7 +441,7 @@ def _result(
     res = _summary(name, runs[name], timing.rss[name], m.num_layers)
     if name in configs.configs:
         predictions(res, configs.configs[name], m, runs[name])
-    mine, full = timing.array(name), timing.array("full")
+    mine, full, strata = timing.array(name), timing.array("full"), timing.strata()
     res.blocks = [[(float(s), int(n), float(w)) for s, n, w in rep] for rep in timing.blocks[name]]
     if name == "full":
         res.speedup_vs_full, res.throughput_vs_full, res.verdict = 1.0, 1.0, "the baseline"
@@ -433,11 +449,13 @@ def _result(
         # the baseline: full, pooled per block with its A/A copy (two runs next to this one), except for the A/A
         # control itself, which is full's second copy against the first
         base = full if name == AA else full + timing.array(AA)
-        res.speedup_vs_full, res.speedup_vs_full_ci = _paired(base, mine)
-        res.throughput_vs_full, _ = _paired(base, mine, column=2)
+        res.speedup_vs_full, res.speedup_vs_full_sampling_ci = _paired(base, mine, instances=strata)
+        if name == AA:
+            res.speedup_vs_full_ci = res.speedup_vs_full_sampling_ci  # the others' are widened (`_readings`)
+        res.throughput_vs_full, _ = _paired(base, mine, column=2, instances=strata)
         res.verdict = verdict
     if "hf" in runs and name != "hf":
-        res.speedup_vs_hf, _ = _paired(timing.array("hf"), mine)
+        res.speedup_vs_hf, _ = _paired(timing.array("hf"), mine, instances=strata)
     gens, ref = runs[name][0].generations, runs["full"][0].generations
     res.token_agreement, res.exact_match, res.first_divergence = agreement(gens, ref)
     res.token_agreement_ci = agreement_ci(gens, ref)

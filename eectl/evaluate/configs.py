@@ -1,6 +1,7 @@
 """The bench's configurations: every configuration's Runner (full depth, its A/A copy, each policy, drafts from the
 context, the certified setting, other artifacts under --compare) and transformers' generate for `hf`, built once
-per run, and one timed pass of one configuration over prompts (`Configs.once`), which evaluate/timing.py calls.
+per run (twice, on a mirrored second set of runtimes, under --compare: `Configs`), and one timed pass of one
+configuration over prompts (`Configs.once`), which evaluate/timing.py calls.
 
 What this module does not do: time, order or repeat the passes (evaluate/timing.py), or turn them into speed and
 fidelity figures (evaluate/bench.py, evaluate/stats.py).
@@ -23,6 +24,7 @@ from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import Generation, RunConfig
+from eectl.runtime.tiers import load_tiers
 
 
 class _HF:
@@ -63,8 +65,31 @@ class _HF:
         return new, ttft, lat
 
 
+def creation_order(compared: list[str]) -> list[tuple[str, int]]:
+    """(artifact, instance) in the order bench creates runtimes, this artifact named `full`: one runtime without
+    --compare; with it the mirror full, c1 .. ck, ck .. c1, full (instance 0 the first of each artifact's two), in
+    which every artifact's two creation positions have the same mean, (2k + 1) / 2."""
+    if not compared:
+        return [("full", 0)]
+    return [("full", 0), *((c, 0) for c in compared), *((c, 1) for c in reversed(compared)), ("full", 1)]
+
+
 class Configs:
-    """Every configuration's runner (and transformers' generate for `hf`), and one timed pass over prompts."""
+    """Every configuration's runner (and transformers' generate for `hf`), and one timed pass over prompts.
+
+    Under --compare every configuration has two instances (`instances` 2), each on its own runtimes, created in a
+    mirrored order (`created`): this artifact's runtime (run_bench's), each compared artifact's in order, the
+    compared ones again in reverse, this artifact's again:
+
+        position:   0      1 .. k          k+1 .. 2k        2k+1
+        runtime:    main   c1 .. ck        ck .. c1         main
+        instance:   0      0               1                1
+
+    so every artifact's two runtimes sit at the same mean creation position. The timed phase runs all configurations
+    of a block on the same instance and alternates the instance block by block (timing._timed), so a paired ratio
+    compares runtimes of like positions and a creation-order effect (docs/results/2026-12-03-bench.md: a runtime
+    created later read 1.05x per position) cancels between the instances (stats.ratio_estimate's per-instance
+    medians). Without --compare there is one instance and one runtime per artifact."""
 
     def __init__(
         self,
@@ -75,19 +100,35 @@ class Configs:
     ) -> None:
         self.rt, self.opts, self.stop = rt, opts, stop
         self.tick = tick or (lambda n: None)  # progress: one unit per prompt generated and per perplexity pass
-        self.runners: dict[str, Runner] = {}
         self.memory = MemoryMeter(rt)  # slow-tier traffic per configuration, under --memory-budget
-        base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
-        self.runners["full"] = Runner(rt, resolve_config(rt, base, stop))
-        self.runners[AA] = Runner(rt, resolve_config(rt, base, stop))  # the A/A control: the same, run again
         self.exits: list[int] = []
         self.thresholds: dict[int, dict[str, float]] = {}
         self.signal = ""
-        self.configs: dict[str, RunConfig] = {}
+        self.configs: dict[str, RunConfig] = self._resolve(rt)
+        # the runtimes in the order they were created: (artifact, instance), this artifact's named `full`
+        self.created: list[tuple[str, int]] = [("full", 0)]
+        runtimes = {("full", 0): rt}
+        for key in creation_order(list(opts.compare))[1:]:
+            name = key[0]
+            runtimes[key] = self._main_again(rt) if name == "full" else self._compared(name, opts.compare[name])
+            self.created.append(key)
+        self.instances = 2 if opts.compare else 1
+        self.sets: list[dict[str, Runner]] = [  # per instance: configuration -> Runner
+            self._runners(runtimes["full", i], {name: runtimes[name, i] for name in opts.compare})
+            for i in range(self.instances)
+        ]
+        self.runners = self.sets[0]  # what runs outside the timed phase (perplexity, sweep, step agreement)
+        m = rt.manifest
+        spec = m.model.get("spec") if m.model.get("kind") != "default" else None
+        self.hf = _HF(spec, opts.max_new_tokens) if "hf" in opts.configs else None
+
+    def _resolve(self, rt: ArtifactRuntime) -> dict[str, RunConfig]:
+        """The RunConfig of every configuration but full depth's (the same for both instances: one manifest)."""
+        opts, stop = self.opts, self.stop
+        configs: dict[str, RunConfig] = {}
         for policy in [c for c in opts.configs if c in POLICIES or c == RIVER_EXIT]:
             cfg = resolve_config(rt, self.early_options(policy, 1.0), stop)
-            self.runners[policy] = Runner(rt, cfg)
-            self.configs[policy] = cfg
+            configs[policy] = cfg
             if cfg.exits or not self.exits:
                 self.exits, self.thresholds, self.signal = cfg.exits, cfg.thresholds, cfg.signal
         for name in [c for c in opts.configs if c in LOOKUP_CONFIGS]:  # drafts from the context, checked by verify
@@ -95,16 +136,14 @@ class Configs:
             lookup = RunOptions(policy=LOOKUP, max_new_tokens=opts.max_new_tokens, provider=opts.provider)
             chosen = lookup if name == LOOKUP else early
             chosen.prompt_drafts = opts.prompt_drafts
-            cfg = resolve_config(rt, chosen, stop)
-            self.runners[name] = Runner(rt, cfg)
-            self.configs[name] = cfg
+            configs[name] = resolve_config(rt, chosen, stop)
         cert = rt.manifest.certificate
         if CERTIFIED in opts.configs:  # the sequence certificate's setting, as it was certified
             if cert is None or not cert.certified:
                 raise UsageError(
                     "the certified configuration needs a certificate", hint="calibrate --guarantee sequence"
                 )
-            self.configs[CERTIFIED] = RunConfig(
+            configs[CERTIFIED] = RunConfig(
                 exits=cert.exits,
                 thresholds=cert.thresholds(),
                 policy=cert.policy,
@@ -115,15 +154,38 @@ class Configs:
                 note="the setting of the sequence certificate below",
                 certified=True,
             )
-            self.runners[CERTIFIED] = Runner(rt, self.configs[CERTIFIED])
-        for name, path in opts.compare.items():  # other artifacts (int4 ...) at full depth, one thread pool
-            other = ArtifactRuntime(path, provider=opts.provider, threads=opts.threads)
-            if other.manifest.model.get("sha256") != rt.manifest.model.get("sha256"):
-                raise UsageError(f"--compare {name}: {path} was exported from another model")
-            self.runners[name] = Runner(other, resolve_config(other, base, stop))
-        m = rt.manifest
-        spec = m.model.get("spec") if m.model.get("kind") != "default" else None
-        self.hf = _HF(spec, opts.max_new_tokens) if "hf" in opts.configs else None
+        return configs
+
+    def _full(self, rt: ArtifactRuntime) -> RunConfig:
+        base = RunOptions(exits="none", max_new_tokens=self.opts.max_new_tokens, provider=self.opts.provider)
+        return resolve_config(rt, base, self.stop)
+
+    def _compared(self, name: str, path: str) -> ArtifactRuntime:
+        """Another artifact's runtime (int4 ...), at full depth, in the one thread pool."""
+        other = ArtifactRuntime(path, provider=self.opts.provider, threads=self.opts.threads)
+        if other.manifest.model.get("sha256") != self.rt.manifest.model.get("sha256"):
+            raise UsageError(f"--compare {name}: {path} was exported from another model")
+        return other
+
+    def _main_again(self, rt: ArtifactRuntime) -> ArtifactRuntime:
+        """This artifact's second runtime (--compare), under the same weight setting and the plan run_bench chose
+        (choose_plan may have re-planned in memory): one manifest for both."""
+        again = ArtifactRuntime(
+            rt.folder, provider=self.opts.provider, threads=self.opts.threads, lazy_segments=self.opts.weights.active
+        )
+        if self.opts.weights.active:
+            load_tiers(again, self.opts.weights)
+        again.manifest = rt.manifest
+        return again
+
+    def _runners(self, rt: ArtifactRuntime, compared: dict[str, ArtifactRuntime]) -> dict[str, Runner]:
+        """One instance's runners: full depth, its A/A copy and every configuration on `rt`, each compared artifact
+        on its runtime."""
+        full = self._full(rt)
+        runners = {"full": Runner(rt, full), AA: Runner(rt, full)}  # the A/A control: the same, run again
+        runners.update({name: Runner(rt, cfg) for name, cfg in self.configs.items()})
+        runners.update({name: Runner(other, self._full(other)) for name, other in compared.items()})
+        return runners
 
     def early_options(self, policy: str, scale: float) -> RunOptions:
         o = self.opts
@@ -146,7 +208,8 @@ class Configs:
         rt = self.runners[name].rt if name in self.runners else None
         return rt is not None and rt.device == "cpu" and not self.opts.weights.active
 
-    def once(self, name: str, prompt_ids: list[list[int]], on_step: OnStep | None = None) -> _Run:
+    def once(self, name: str, prompt_ids: list[list[int]], on_step: OnStep | None = None, instance: int = 0) -> _Run:
+        """One pass of `name` over the prompts on its `instance` (0, or 1 under --compare); hf has one."""
         run = _Run([], [], [], [], 0.0)
         if name == "hf":  # one prompt at a time
             assert self.hf is not None
@@ -161,10 +224,11 @@ class Configs:
                 self.tick(1)
             return run
         b = self.opts.batch_size
+        runner = self.sets[instance][name]
         for i in range(0, len(prompt_ids), b):
-            self.memory.start()
-            gens: list[Generation] = self.runners[name].generate(prompt_ids[i : i + b], on_step=on_step)
-            self.memory.stop(name, gens)
+            self.memory.start(runner.rt)
+            gens: list[Generation] = runner.generate(prompt_ids[i : i + b], on_step=on_step)
+            self.memory.stop(name, gens, runner.rt)
             for g in gens:
                 run.generations.append(g.token_ids)
                 run.ttfts.append(g.ttft_s)

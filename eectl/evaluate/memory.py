@@ -31,12 +31,15 @@ class MemoryMeter:
     rt: ArtifactRuntime
     tallies: dict[str, _Tally] = field(default_factory=dict)
 
-    def start(self) -> None:
-        if self.rt.tiers is not None:
-            self.rt.tiers.reset()
+    def start(self, rt: ArtifactRuntime | None = None) -> None:
+        """Before a pass on `rt` (default: the meter's; bench --compare's second runtime of the artifact has tiers of
+        its own, under the same setting)."""
+        tiers = (rt or self.rt).tiers
+        if tiers is not None:
+            tiers.reset()
 
-    def stop(self, name: str, gens: list[Generation]) -> None:
-        tiers = self.rt.tiers
+    def stop(self, name: str, gens: list[Generation], rt: ArtifactRuntime | None = None) -> None:
+        tiers = (rt or self.rt).tiers
         if tiers is None:
             return
         t = self.tallies.setdefault(name, _Tally())

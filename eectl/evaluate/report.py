@@ -58,6 +58,25 @@ def _speed(c: ConfigResult) -> str:
     return f"{_x(c.speedup_vs_full)}{_ci(c.speedup_vs_full_ci, '.2f')}"
 
 
+def _widened(r: BenchResult) -> bool:
+    """Whether the run's speed intervals (all but the A/A control's) are widened by its A/A reach (stats.widened)."""
+    return r.resolution is not None and math.isfinite(r.resolution)
+
+
+def _speed_header(r: BenchResult) -> str:
+    return "vs full [95% CI +- A/A reach]" if _widened(r) else "vs full [95% CI]"
+
+
+def _interval_line(r: BenchResult) -> str:
+    """What the speed intervals are, in one sentence."""
+    if _widened(r):
+        return (
+            f"intervals: the 95% bootstrap interval widened on both sides by the A/A reach +-{r.resolution:.1%} "
+            "(the A/A row: its own), so one excludes 1.0 exactly when its verdict reads faster or slower"
+        )
+    return "intervals: the 95% bootstrap intervals, not widened (the A/A control has no finite interval)"
+
+
 def summary(result: BenchResult) -> str:
     """The console's short table: what ran, how fast against full depth (with its interval), how faithful, and
     whether this run can say so; then one line per configuration on how it was chosen, and the run's verdict."""
@@ -72,7 +91,7 @@ def summary(result: BenchResult) -> str:
         ]
         for c in result.configs
     ]
-    lines = _table(["config", "exits", "ms/token", "vs full [95% CI]", "token agreement", "verdict"], rows)
+    lines = _table(["config", "exits", "ms/token", _speed_header(result), "token agreement", "verdict"], rows)
     lines += [f"- {c.name}: {c.note}" for c in result.configs if c.note]
     lines += [f"- {c.name} drafts: {_drafts(c)}" for c in result.configs if c.drafted or c.prompt_drafted]
     if result.certificate:
@@ -81,6 +100,7 @@ def summary(result: BenchResult) -> str:
         lines += [f"- certificate check: {result.certificate_check}"]
     reach = f"; this run resolves speedups beyond +-{result.resolution:.1%}" if result.resolution is not None else ""
     lines += ["", f"verdict: {result.verdict or '-'} ({result.reps_run} repetitions timed{reach})"]
+    lines += [_interval_line(result)]
     return "\n".join(lines) + "\n"
 
 
@@ -100,7 +120,7 @@ def _config_table(r: BenchResult) -> list[str]:
     """Every configuration's row, the columns that say nothing dropped."""
     header = [
         "config", "exits", "ms/token (pooled, min-max)", "tokens/s per row", "throughput tokens/s (vs full)",
-        "TTFT ms", "vs full [95% CI]", "verdict", "predicted [90%]", "model at realized exits", "vs hf",
+        "TTFT ms", _speed_header(r), "verdict", "predicted [90%]", "model at realized exits", "vs hf",
         "mean layers", "bound", "decide share", "drafts", "token agreement [95% CI]", "predicted agreement",
         "step agreement [95% CI]", "calibrated step agreement", "exact match [95% CI]", "first divergence",
         "perplexity", "GSM8K acc", "RSS MB",
@@ -151,7 +171,8 @@ def _methods(r: BenchResult) -> list[str]:
         "decode step each (transformers' generate runs apart, before or after them), so a burst of other work falls "
         "on all of them alike; a speedup is the median over (repetition, block) "
         f"of full depth's seconds per token in that block (pooled with its A/A copy `{AA}`) over the "
-        "configuration's, its 95% interval a bootstrap over blocks; throughput compares wall time per token the "
+        f"configuration's, its 95% sampling interval a bootstrap over blocks{_compared_method(r)}; "
+        f"{_reported_interval(r)} Throughput compares wall time per token the "
         "same way. The run is conclusive only when the A/A control's interval lies inside "
         f"[{r.aa_band[0]:.2f}, {r.aa_band[1]:.2f}]; otherwise more repetitions run within a time budget, and a run "
         "still outside is inconclusive: its speedups are not results. ms/token is total decode time over total "
@@ -162,6 +183,32 @@ def _methods(r: BenchResult) -> list[str]:
         "(teacher-forced over the same prefix) would emit: the quantity the calibration target bounds.",
     ]
     return lines
+
+
+def _reported_interval(r: BenchResult) -> str:
+    """The methods' sentence on the interval the table reports."""
+    if _widened(r):
+        return (
+            "the interval reported for every configuration but the A/A control is that interval widened on both "
+            f"sides by the A/A control's reach from 1 (this run: +-{r.resolution:.1%}, [lo - reach, hi + reach]), "
+            "because a bootstrap over a few blocks undercovers and the A/A control measures how far an identical "
+            "configuration reads from 1 by chance in this run: it excludes 1.0 exactly when the verdict column reads "
+            "faster or slower (the JSON keeps the sampling interval as `speedup_vs_full_sampling_ci`); the A/A row "
+            "shows its sampling interval, which defines the reach and the gate."
+        )
+    return (
+        "this run's A/A control has no finite interval, so the intervals reported are the sampling intervals, not "
+        "widened by an A/A reach."
+    )
+
+
+def _compared_method(r: BenchResult) -> str:
+    if r.block_instances is None:
+        return ""
+    return (
+        " (under --compare every configuration alternates block by block between two runtime instances created in "
+        "a mirrored order, and the median is taken within each instance, the two combined by their geometric mean)"
+    )
 
 
 def _sweep(r: BenchResult) -> list[str]:
@@ -228,7 +275,8 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         lines += [
             "",
             f"Noise floor (A/A: `full` against itself): {_x(aa.speedup_vs_full)}"
-            f"{_ci(aa.speedup_vs_full_ci, '.2f')}; a speedup inside that spread is not one.",
+            f"{_ci(aa.speedup_vs_full_ci, '.2f')}; a speedup inside that spread is not one"
+            + (" (the other rows' intervals are widened by its reach)." if _widened(r) else "."),
         ]
     if r.plan:
         lines += ["", r.plan + "."]
@@ -301,7 +349,8 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
                 mfc="C0" if conclusive else "white",
             )
         ax.set_yticks(ys, [c.name for c in speed])
-        ax.set_xlabel("speedup vs full depth (median of paired ratios, 95% CI); hollow: not resolved")
+        what = f"95% CI widened by the A/A reach +-{result.resolution:.1%}" if _widened(result) else "95% CI"
+        ax.set_xlabel(f"speedup vs full depth (median of paired ratios, {what}); hollow: not resolved")
         ax.set_title(f"{result.model}: speed against full depth ({result.threads} threads)")
         ax.legend(loc="best", fontsize="small")
         fig.tight_layout()

@@ -65,9 +65,12 @@ class ConfigResult:
     rejected: int = 0  # verify: positions rolled back, drafts of either source
     prompt_drafted: int = 0  # drafts from the context (runtime/drafts.py; first repetition) and those accepted
     prompt_accepted: int = 0
-    # 95% intervals over prompts (the unit that varies): paired bootstrap of the speedup and token agreement,
-    # Wilson score interval of exact match
+    # 95% intervals over prompts (the unit that varies): bootstrap of token agreement, Wilson score interval of exact
+    # match. The speedup's: the interval its reading uses (stats.widened): the paired bootstrap interval widened on
+    # both sides by the run's A/A reach (`resolution`), raw when there is none; the A/A control's own is raw (it
+    # defines the reach and the gate). `speedup_vs_full_sampling_ci`: the paired bootstrap interval, never widened.
     speedup_vs_full_ci: tuple[float, float] | None = None
+    speedup_vs_full_sampling_ci: tuple[float, float] | None = None
     token_agreement_ci: tuple[float, float] | None = None
     exact_match_ci: tuple[float, float] | None = None
     exits: list[int] = field(default_factory=list)  # the active exits of this configuration
@@ -126,6 +129,9 @@ class BenchResult:
     certificate: str = ""  # the artifact's sequence certificate, as a sentence
     certificate_check: str = ""  # its risk realized on this run's prompts, and whether it sits inside the bound
     memory: dict[str, Any] | None = None  # --mmap-weights/--memory-budget: tiers, resident memory, bytes per token
+    # --compare: per repetition, per block, the runtime instance every configuration ran that block on (0: each
+    # artifact's first-created runtime, 1: its mirrored second; evaluate/configs.py); None without --compare
+    block_instances: list[list[int]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

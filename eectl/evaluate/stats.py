@@ -8,7 +8,8 @@ baseline seconds per token over the configuration's; the estimate is the median 
 of other work that hits a few blocks), its 95% interval a bootstrap over blocks (each block with all its
 repetitions: the prompts are the unit that varies). A burst that lands on one configuration's run shifts one ratio
 out of many instead of a whole repetition's total. `noise_verdict` reads the A/A control's interval against a band
-and says whether the run can resolve a speedup at all.
+and says whether the run can resolve a speedup at all; the interval bench reports for every other configuration is
+its bootstrap interval widened by the A/A control's reach from 1 (`widened`), the one `speed_reading` reads.
 
 The pooled statistic (`seconds_per_token`, `speed_ratio`: total decode seconds over total decode tokens, every
 prompt and repetition pooled) describes the absolute ms/token column and the threshold sweep. The block orders are
@@ -22,6 +23,7 @@ What this module does not do: run or time anything (evaluate/bench.py), or forma
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -151,22 +153,49 @@ def block_ratios(base: np.ndarray, other: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(r) & (r > 0), r, np.nan)
 
 
-def ratio_estimate(ratios: np.ndarray) -> float:
-    """The median of the finite (repetition, block) ratios; nan when there are none."""
-    r = np.asarray(ratios, np.float64).ravel()
-    r = r[np.isfinite(r)]
-    return float(np.median(r)) if r.size else math.nan
+def ratio_estimate(ratios: np.ndarray, instances: np.ndarray | None = None) -> float:
+    """The median of the finite (repetition, block) ratios; nan when there are none. With `instances` ([R, B]: the
+    runtime instance every configuration of that block ran on, bench --compare), the median within each instance,
+    combined by their geometric mean (`_strata_median`), so a difference between the instances cancels."""
+    r = np.asarray(ratios, np.float64)
+    if instances is None:
+        flat = r.ravel()
+        flat = flat[np.isfinite(flat)]
+        return float(np.median(flat)) if flat.size else math.nan
+    return float(_strata_median(r[None], np.asarray(instances)[None])[0])
 
 
-def ratio_ci(ratios: np.ndarray, seed: int = 0) -> tuple[float, float]:
+def _strata_median(draws: np.ndarray, instances: np.ndarray) -> np.ndarray:
+    """[D, ...] ratios and their [D, ...] instance indices -> [D]: per draw, the geometric mean of the medians of
+    each instance's finite ratios; nan for a draw in which an instance has none (it would estimate one instance's
+    position alone).
+
+    Why not one median of all: under --compare each instance of an artifact sits at a different creation position,
+    so its ratios form two clusters (measured: 1.05x apart); the median of the pooled clusters falls in the gap or
+    on either side of it, depending on how the blocks split, and only the per-instance medians cancel."""
+    d = draws.reshape(len(draws), -1)
+    inst = instances.reshape(len(instances), -1)
+    logs = []
+    for i in np.unique(inst):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a draw without this instance: an all-nan median
+            logs.append(np.log(np.nanmedian(np.where(inst == i, d, np.nan), axis=1)))
+    return np.exp(np.mean(logs, axis=0))
+
+
+def ratio_ci(ratios: np.ndarray, seed: int = 0, instances: np.ndarray | None = None) -> tuple[float, float]:
     """95% bootstrap interval of `ratio_estimate` over blocks: blocks drawn with replacement, each with all its
-    repetitions, the median recomputed on each draw."""
+    repetitions (and, under --compare, the instance each ran on), the estimate recomputed on each draw."""
     r = np.asarray(ratios, np.float64)
     if r.ndim != 2 or r.shape[1] == 0:
         raise ValueError("ratio_ci takes [repetitions, blocks] ratios")
     idx = np.random.default_rng(seed).integers(0, r.shape[1], (BOOTSTRAP, r.shape[1]))
-    draws = r[:, idx]  # [R, BOOTSTRAP, B]
-    meds = np.nanmedian(np.moveaxis(draws, 1, 0).reshape(BOOTSTRAP, -1), axis=1)
+    draws = np.moveaxis(r[:, idx], 1, 0).reshape(BOOTSTRAP, -1)  # [BOOTSTRAP, R * B]
+    if instances is None:
+        meds = np.nanmedian(draws, axis=1)
+    else:
+        inst = np.moveaxis(np.asarray(instances)[:, idx], 1, 0).reshape(BOOTSTRAP, -1)
+        meds = _strata_median(draws, inst)
     meds = meds[np.isfinite(meds)]
     return interval(meds) if meds.size else (math.nan, math.nan)
 
@@ -186,15 +215,28 @@ def noise_verdict(aa_ci: tuple[float, float] | None, n_ratios: int, band: tuple[
     return "conclusive"
 
 
+def widened(ci: tuple[float, float] | None, resolution: float | None) -> tuple[float, float] | None:
+    """The interval bench reports for a configuration's speed (all but the A/A control's): the paired bootstrap
+    interval widened on both sides by the run's A/A reach, [lo - resolution, hi + resolution]; the bootstrap's own
+    interval when there is no finite resolution. It excludes 1.0 exactly when `speed_reading` says faster or slower.
+
+    Why: a bootstrap of a median over 5 blocks undercovers (measured on the main job's budget under load: 3 of 14
+    intervals of configurations identical to full depth excluded 1.0, all within their run's A/A reach); the A/A
+    control measured in the same run says how far from 1 an identical configuration's interval reaches by chance."""
+    if ci is None or resolution is None or not math.isfinite(resolution):
+        return ci
+    return (ci[0] - resolution, ci[1] + resolution)
+
+
 def speed_reading(ci: tuple[float, float] | None, resolution: float | None) -> str:
-    """What a conclusive run says of one configuration's speed: `faster` or `slower` only when its whole interval
-    lies beyond the run's own noise (the A/A control's reach from 1, `resolution`), else `no difference beyond
-    +-X%`. A 95% interval over a few blocks excludes 1.0 for an identical configuration now and then; the A/A
-    control measured in the same run says how far from 1 such a reading can fall by chance."""
-    if ci is None or resolution is None or not all(math.isfinite(x) for x in ci):
+    """What a conclusive run says of one configuration's speed (`ci`: its bootstrap interval): `faster` or `slower`
+    only when its whole interval lies beyond the run's own noise (the A/A control's reach from 1, `resolution`), i.e.
+    when the `widened` interval excludes 1.0; else `no difference beyond +-X%`."""
+    wide = widened(ci, resolution)
+    if wide is None or resolution is None or not all(math.isfinite(x) for x in wide):
         return ""
-    if ci[0] > 1.0 + resolution:
+    if wide[0] > 1.0:
         return "faster"
-    if ci[1] < 1.0 - resolution:
+    if wide[1] < 1.0:
         return "slower"
     return f"no difference beyond +-{resolution:.1%}"

@@ -1,6 +1,7 @@
 """The bench's timed phase: the block schedule (every configuration on one block of prompts before the next), the
-configurations of a block stepped in turn (one decode step each, round after round), the runs it records, the
-other processes' CPU load, and the noise gate on the A/A control.
+configurations of a block stepped in turn (one decode step each, round after round), under --compare the runtime
+instance all configurations of a block run on (alternating block by block: `block_instance`), the runs it records,
+the other processes' CPU load, and the noise gate on the A/A control.
 
 What this module does not do: build the configurations or summarise them (bench.py), or compute statistics
 (stats.py).
@@ -47,8 +48,11 @@ class Configurations(Protocol):
     """What the timed phase runs (configs.Configs): one configuration over some prompts, and progress."""
 
     opts: BenchOptions
+    instances: int  # instances of every configuration: 1, or 2 under --compare (configs.Configs: mirrored runtimes)
 
-    def once(self, name: str, prompt_ids: list[list[int]], on_step: OnStep | None = None) -> _Run: ...
+    def once(
+        self, name: str, prompt_ids: list[list[int]], on_step: OnStep | None = None, instance: int = 0
+    ) -> _Run: ...
 
     def steps(self, name: str) -> bool:
         """Whether `name` calls `on_step` after each decode step, so it can take turns with the others (`_turns`)."""
@@ -131,9 +135,22 @@ class _Timing:
     blocks: dict[str, list[list[tuple[float, int, float]]]]
     rss: dict[str, float]
     load: list[float] = field(default_factory=list)  # other processes' CPU use (cores) during each timed repetition
+    # per repetition, per block: the instance every configuration ran it on (`block_instance`)
+    instances: list[list[int]] = field(default_factory=list)
+    paired_instances: bool = False  # whether the configurations alternated between two instances (--compare)
 
     def array(self, name: str) -> np.ndarray:
         return np.array(self.blocks[name], dtype=np.float64)
+
+    def strata(self) -> np.ndarray | None:
+        """[R, B] instance indices for the paired statistic (stats.ratio_ci), None with one instance."""
+        return np.array(self.instances, dtype=np.int64) if self.paired_instances else None
+
+
+def block_instance(rep: int, block: int, instances: int) -> int:
+    """The instance every configuration runs (repetition, block) on: alternating block by block, and shifted by one
+    each repetition, so with two instances every block of prompts runs on both over two repetitions."""
+    return (rep + block) % instances
 
 
 def _cpu_ticks() -> tuple[int, int, int] | None:
@@ -169,13 +186,15 @@ def _timed(
     b = configs.opts.batch_size
     block_ids = [ids[i : i + b] for i in range(0, len(ids), b)]
     if timing is None:
-        for name in order:
-            configs.once(name, ids[:1])
-        timing = _Timing({n: [] for n in order}, {n: [] for n in order}, {})
+        for instance in range(configs.instances):
+            for name in order:
+                configs.once(name, ids[:1], instance=instance)
+        timing = _Timing({n: [] for n in order}, {n: [] for n in order}, {}, paired_instances=configs.instances > 1)
         if log is not None:
             log.log(
                 f"warm-up, then {len(reps)} repetitions of {', '.join(order)}, interleaved on each of "
                 f"{len(block_ids)} block(s) of {b} prompt(s){_stepped_note(configs, order)}"
+                + (f", alternating between {configs.instances} runtime instances" if configs.instances > 1 else "")
             )
     rep_start: dict[int, tuple[int, int, int] | None] = {}
     for r, blk, names in block_schedule(order, len(block_ids), reps):
@@ -184,12 +203,15 @@ def _timed(
             for name in order:
                 timing.runs[name].append(_Run([], [], [], [], 0.0))
                 timing.blocks[name].append([])
+            timing.instances.append([])
+        instance = block_instance(r, blk, configs.instances)
+        timing.instances[-1].append(instance)
         for unit in _units(configs, names):
             time.sleep(SETTLE_S)
             done = (
-                _turns(configs, unit, block_ids[blk])
+                _turns(configs, unit, block_ids[blk], instance)
                 if len(unit) > 1
-                else {unit[0]: configs.once(unit[0], block_ids[blk])}
+                else {unit[0]: configs.once(unit[0], block_ids[blk], instance=instance)}
             )
             for name in unit:
                 run = done[name]
@@ -281,9 +303,9 @@ def _pin(cpus: set[int] | None) -> None:
             os.sched_setaffinity(0, cpus)  # 0: the calling thread only (Linux)
 
 
-def _turns(configs: Configurations, unit: list[str], block: list[list[int]]) -> dict[str, _Run]:
-    """Every configuration of `unit` on `block`, one decode step each in turn (in `unit`'s order), round after round
-    until all are done.
+def _turns(configs: Configurations, unit: list[str], block: list[list[int]], instance: int = 0) -> dict[str, _Run]:
+    """Every configuration of `unit` on `block` (on its `instance`), one decode step each in turn (in `unit`'s
+    order), round after round until all are done.
 
     Every stepping thread is pinned to one CPU, the bench thread's (`_home_cpu`); ONNX Runtime's pool threads stay
     free to run anywhere. Unpinned, a thread handed the turn is woken wherever the scheduler chooses; about one
@@ -301,7 +323,7 @@ def _turns(configs: Configurations, unit: list[str], block: list[list[int]]) -> 
         _pin(home)
         turns.wait(name)
         try:
-            done[name] = configs.once(name, block, on_step=lambda i, confirmed: turns.hand_on(name))
+            done[name] = configs.once(name, block, on_step=lambda i, confirmed: turns.hand_on(name), instance=instance)
         except BaseException as exc:  # re-raised in the caller's thread
             failed.append(exc)
         finally:
@@ -319,7 +341,7 @@ def _turns(configs: Configurations, unit: list[str], block: list[list[int]]) -> 
 
 def _aa_interval(timing: _Timing) -> tuple[tuple[float, float], int]:
     ratios = block_ratios(timing.array("full")[..., :2], timing.array(AA)[..., :2])
-    return ratio_ci(ratios), int(np.isfinite(ratios).sum())
+    return ratio_ci(ratios, instances=timing.strata()), int(np.isfinite(ratios).sum())
 
 
 def _gated(configs: Configurations, order: list[str], ids: list[list[int]], opts: BenchOptions, log: Any) -> _Timing:

@@ -2,7 +2,8 @@
 
 Read from what the stages wrote (the bench's JSON twin, the artifact's manifest and its plan, the calibration's
 menu) and the stage times of this run; nothing is re-measured. Three to five lines:
-- buys: the default configuration's speedup over full depth with its interval, when the bench was conclusive (else
+- buys: the default configuration's speedup over full depth with the bench's reported interval (its bootstrap
+  interval widened by the A/A reach: evaluate/stats.widened), when the bench was conclusive (else
   why there is no claim), and its fidelity (lossless, or token agreement);
 - plan: what the plan chose and why (its own summary);
 - budget: this budget's stage times; the next budget's time on this machine, scaled from this run's own stages;
@@ -76,9 +77,12 @@ def _buys(bench: dict[str, Any]) -> str:
         fidelity = f"token agreement {agreement:.1%} with full depth"
     reading = default.get("reading") or ""
     prompts = bench.get("prompts", "?")
+    reach = f"A/A reach {bench.get('resolution', 0) or 0:.1%}"
+    if default.get("speedup_vs_full_sampling_ci") is not None and bench.get("resolution") is not None:
+        reach = f"95% interval widened by the {reach}"  # the bench's reported interval (evaluate/stats.widened)
     return (
         f"buys: the default ({name}) {default['speedup_vs_full']:.2f}x{ci} full depth ({reading or 'measured'}; "
-        f"{prompts} held-out prompts, bench conclusive, A/A reach {bench.get('resolution', 0) or 0:.1%}), {fidelity}"
+        f"{prompts} held-out prompts, bench conclusive, {reach}), {fidelity}"
     )
 
 
