@@ -72,7 +72,8 @@ def _interval_line(r: BenchResult) -> str:
     if _widened(r):
         return (
             f"intervals: the 95% bootstrap interval widened on both sides by the A/A reach +-{r.resolution:.1%} "
-            "(the A/A row: its own), so one excludes 1.0 exactly when its verdict reads faster or slower"
+            "(the A/A row: its own); in a conclusive run one excludes 1.0 exactly when its verdict reads faster or "
+            "slower"
         )
     return "intervals: the 95% bootstrap intervals, not widened (the A/A control has no finite interval)"
 
@@ -192,9 +193,10 @@ def _reported_interval(r: BenchResult) -> str:
             "the interval reported for every configuration but the A/A control is that interval widened on both "
             f"sides by the A/A control's reach from 1 (this run: +-{r.resolution:.1%}, [lo - reach, hi + reach]), "
             "because a bootstrap over a few blocks undercovers and the A/A control measures how far an identical "
-            "configuration reads from 1 by chance in this run: it excludes 1.0 exactly when the verdict column reads "
-            "faster or slower (the JSON keeps the sampling interval as `speedup_vs_full_sampling_ci`); the A/A row "
-            "shows its sampling interval, which defines the reach and the gate."
+            "configuration reads from 1 by chance in this run: in a conclusive run it excludes 1.0 exactly when the "
+            "verdict column reads faster or slower (the JSON keeps the sampling interval as "
+            "`speedup_vs_full_sampling_ci`); the A/A row shows its sampling interval, which defines the reach and the "
+            "gate."
         )
     return (
         "this run's A/A control has no finite interval, so the intervals reported are the sampling intervals, not "
