@@ -249,7 +249,7 @@ def test_an_aa_pair_of_runtimes_is_created_mirrored_and_every_configuration_alte
     a block runs on the same instance, alternating block by block (and by repetition, so each prompt runs on both);
     tokens do not depend on the instance. run_bench records the instances and its notes say what was done."""
     from eectl.evaluate import timing
-    from eectl.evaluate.bench import COMPARE_NOTE, _notes, run_bench
+    from eectl.evaluate.bench import COMPARE_NOTE, _notes, bench_units, run_bench
     from eectl.evaluate.configs import Configs
     from eectl.evaluate.results import AA, BenchOptions
 
@@ -291,7 +291,9 @@ def test_an_aa_pair_of_runtimes_is_created_mirrored_and_every_configuration_alte
         configs=["full", "same"], compare={"same": str(artifact)}, prompts=3, max_new_tokens=6, reps=2, ppl_tokens=0,
         sweep=[], provider="cpu", raw=True,
     )  # fmt: skip
-    res = run_bench(artifact, load_text_data(str(GSM8K)).prompts, bench_opts)
+    ticks: list[int] = []
+    res = run_bench(artifact, load_text_data(str(GSM8K)).prompts, bench_opts, progress=ticks.append)
+    assert sum(ticks) == bench_units(bench_opts, 3)  # the warm-up on both instances counted
     assert res.block_instances == [[(r + b) % 2 for b in range(3)] for r in range(res.reps_run)]
     by = {c.name: c for c in res.configs}
     assert by["same"].exact_match == 1.0 and COMPARE_NOTE in res.notes

@@ -85,7 +85,8 @@ def bench_units(opts: BenchOptions, prompts: int) -> int:
     ppl = len(scored) if opts.ppl_tokens > 0 else 0
     sweep = len(opts.sweep) * 2 * prompts if early else 0
     steps = sum(1 for c in set(opts.configs) if _changes_tokens(c)) * prompts
-    return order + (opts.reps + _gate_reps(opts.reps)) * order * prompts + ppl + sweep + steps
+    warm = order * (2 if opts.compare else 1)  # one prompt each, on both runtime instances under --compare
+    return warm + (opts.reps + _gate_reps(opts.reps)) * order * prompts + ppl + sweep + steps
 
 
 def add_artifact_configs(opts: BenchOptions, m: Manifest) -> None:
