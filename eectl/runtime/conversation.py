@@ -69,8 +69,7 @@ class Conversation:
                 token = chain_step(r, self.chain, st, self.kv)
             else:
                 token = r._steps(self.kv, {0: (st, feed)})[0]
-            st.tokens.append(token)
-            st.latencies.append(time.perf_counter() - t0)
+            st.emit(token, time.perf_counter() - t0)
             st.done = r._finished(0, st, self.kv)
             if on_step is not None:
                 on_step(r._confirmed(st))

@@ -246,11 +246,8 @@ class Verify(Defer):
         for j in range(out.shape[1] - 1):
             pos = base + j + 1
             if pos in drafts and drafts[pos] != int(full_pred[j]):
-                keep = pos - st.prompt_len  # generated tokens before the wrong draft
                 st.rejected += len(st.tokens) - pos
-                del st.tokens[pos:]
-                del st.exit_layers[keep:]
-                del st.latencies[keep:]
+                st.discard(pos)  # the discarded steps' time stays in the row's latencies
                 kv.rollback(row, pos)  # every slot: the block exit heads' KV too
                 st.pending = [None] * len(st.pending)
                 st.exit_layers.append(self.num_layers)

@@ -447,8 +447,7 @@ class Runner:
                 if drafted.get(s):
                     assert self.lookup is not None
                     self.lookup.close(st)
-                st.tokens.append(token)
-                st.latencies.append(took)
+                st.emit(token, took)
                 st.done = self._finished(s, st, kv)
                 if on_step is not None:
                     on_step(i, self._confirmed(st))
@@ -493,8 +492,8 @@ class Runner:
         t0 = time.perf_counter()
         extra = self._step(row, st, kv, [last], force_full=True)
         if len(st.tokens) < n_before:  # a draft was wrong: continue from the corrected token
-            st.tokens.append(extra)
-            st.latencies.append(time.perf_counter() - t0)
+            st.emit(extra, time.perf_counter() - t0)
             return self._finished(row, st, kv)
-        st.exit_layers.pop()  # the look-ahead token is not emitted
+        st.exit_layers.pop()  # the look-ahead token is not emitted; its pass was decode time of the last token
+        st.latencies[-1] += time.perf_counter() - t0
         return True

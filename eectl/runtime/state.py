@@ -80,6 +80,23 @@ class RowState:
     rejected: int = 0
     lookup: LookupState | None = None  # prompt drafts (RunConfig.prompt_drafts): the row's drafting state
     done: bool = False
+    # decode time of steps whose tokens are not emitted (drafts a rollback discarded): added to the next emitted
+    # token's latency, so a row's latencies add up to its decode time
+    carried_s: float = 0.0
+
+    def emit(self, token: int, took: float) -> None:
+        """Append a token decided in a step of `took` seconds (plus the time carried from discarded steps)."""
+        self.tokens.append(token)
+        self.latencies.append(took + self.carried_s)
+        self.carried_s = 0.0
+
+    def discard(self, pos: int) -> None:
+        """Drop the tokens from position `pos` on (a rollback); their steps' time is carried to the next token."""
+        keep = pos - self.prompt_len  # generated tokens before `pos`
+        self.carried_s += float(sum(self.latencies[keep:]))
+        del self.tokens[pos:]
+        del self.exit_layers[keep:]
+        del self.latencies[keep:]
 
     def generation(self) -> Generation:
         """What the row generated, for the caller (its prompt, tokens, where each was decided, timings, drafts)."""
