@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from eectl.contracts.plan import MIN_GAIN, Costs, ExitOption, Option
-from eectl.plan.choose import choose, predict
+from eectl.plan.choose import choose, predict, verify_cycle
 
 # three segments ending at layers 4, 8 and 12 (L = 12): exits can sit at 4 and 8
 BOUNDARIES = [4, 8, 12]
@@ -87,14 +87,50 @@ def test_copy_pays_the_kv_graphs_of_skipped_segments():
     assert p.ms_per_token == pytest.approx(0.4 * (4 + 0.3 + 2 * 1.0) + 0.6 * 15.3)
 
 
+def _simulate_verify(rate, precision, draft_ms, decision_ms, full_ms, block, steps=200_000, seed=0):
+    """Verify as the runner runs it (policies.Verify): a step whose token may exit pays its decisions, then a draft
+    (probability `rate`) or the full-depth pass that checks the waiting drafts; once `block` drafts wait, a forced
+    pass without decisions checks them. The check emits the full model's token after the leading correct drafts."""
+    rng = np.random.default_rng(seed)
+    ms = tokens = 0.0
+    drafts: list[bool] = []
+    for _ in range(steps):
+        if len(drafts) < block:
+            ms += decision_ms
+            if rng.random() < rate:
+                ms += draft_ms
+                drafts.append(bool(rng.random() < precision))
+                continue
+        ms += full_ms
+        leading = next((i for i, ok in enumerate(drafts) if not ok), len(drafts))
+        tokens += leading + 1
+        drafts = []
+    return ms / tokens
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3, 0.7, 0.95, 1.0])
+@pytest.mark.parametrize("precision", [1.0, 0.9, 0.6])
+def test_verify_cycle_is_verify_as_the_runner_runs_it(rate, precision):
+    """Golden numbers from a simulation of the runner's verify (200k steps, seeded): within 1.5%."""
+    ms, _ = verify_cycle(rate, precision, draft_ms=6.0, decision_ms=0.5, full_ms=20.0, block=8)
+    assert ms == pytest.approx(_simulate_verify(rate, precision, 6.0, 0.5, 20.0, 8), rel=0.015)
+
+
+def test_verify_prediction_has_no_jump_where_every_token_exits():
+    """At an exit rate of 1 every step drafts until the block is full: the old chain formula, r / (1 - r) drafts
+    after a wrong one, jumped from its cap (r -> 1) to a single draft (r = 1) and priced a losing option as a win."""
+    near = predict(_costs(), BOUNDARIES, "verify", [(4, 0.999, 0.6)])
+    every = predict(_costs(), BOUNDARIES, "verify", [(4, 1.0, 0.6)])
+    assert near.ms_per_token == pytest.approx(every.ms_per_token, rel=0.01)
+    assert every.speedup < 1.0  # 8 drafts at 60%: about 2.5 tokens for 8 draft steps and a check
+
+
 def test_verify_loses_rejected_drafts_and_the_chain_after_them():
     exact = predict(_costs(), BOUNDARIES, "verify", [(4, 0.4, 1.0)])
     step = 0.4 * (4 + 0.3 + 1.0 + 0.2) + 0.6 * 15.3
-    assert exact.ms_per_token == pytest.approx(step) and exact.lost_per_step == 0.0
+    assert exact.ms_per_token == pytest.approx(step, rel=0.001) and exact.lost_per_step == 0.0
     wrong = predict(_costs(), BOUNDARIES, "verify", [(4, 0.4, 0.75)])
-    lost = 0.4 * 0.25 * (1 + 0.4 / 0.6)  # the wrong draft and, on average, the drafts that followed it
-    assert wrong.lost_per_step == pytest.approx(lost)
-    assert wrong.ms_per_token == pytest.approx(step / (1 - lost))
+    assert wrong.lost_per_step > 0.0 and wrong.ms_per_token > exact.ms_per_token
     measured = predict(_costs(), BOUNDARIES, "verify", [(4, 0.4, None)], lost_rate=0.1)
     assert measured.ms_per_token == pytest.approx(step / 0.9)
 

@@ -50,6 +50,7 @@ BOUND_POLICIES = ("defer", "verify", "copy")
 MAX_SUBSET = 3  # exits per option: each active exit adds a decision, and subsets grow as 2^E
 
 
+VERIFY_BLOCK = 8  # verify: at most this many drafts wait unchecked; then a forced full-depth pass checks them
 VERIFY_PRECISIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # verify's speed knob: thresholds fitted at these
 
 

@@ -18,8 +18,9 @@ Per-token time of an option under a policy (exit a_1 < ... < a_m active, c_i the
                   verify: one more row in the final head (the draft is checked there)
     river:        the int4 copies of the segments after a_i (one position each) and, predicting at the river's
                   end, the final head (`river-exit` predicts at the exit: no final head)
-    verify:       a wrong draft (1 - precision_i) is rolled back with the drafts after it (r / (1 - r) of them on
-                  average, r = the exit rate): time per accepted token = time per step / (1 - lost tokens per step)
+    verify:       drafts are checked in cycles: K drafts (P(K >= m) = r^m, r the exit rate, at most VERIFY_BLOCK),
+                  then the full-depth pass that checks them emits the full model's token after the leading correct
+                  ones (`verify_cycle`): time per emitted token = time per cycle / tokens per cycle
 
 The choice maximises predicted speed: for copy and defer over the options fitted at the fidelity target, for
 verify (lossless) over the options fitted at any precision of a grid (there the threshold is a speed knob). `copy` is
@@ -78,6 +79,7 @@ from eectl.contracts.plan import (
     MIN_GAIN,
     PLAN_POLICIES,
     RIVER_POLICIES,
+    VERIFY_BLOCK,
     Choice,
     Costs,
     LookupChoice,
@@ -161,21 +163,20 @@ def predict(
         if runs is not None:  # gated: every token reaching the exit tests its gate
             decision += reach * costs.gate_ms.get(str(layer), 0.0)
         reach -= cov
-    step = decision
+    paid = 0.0  # the exiting tokens' share of a step's time
     rate = 0.0
     for layer, cov, _ in per_exit:
-        step += cov * _exit_paid(costs, boundaries, policy, layer, over)
+        paid += cov * _exit_paid(costs, boundaries, policy, layer, over)
         rate += cov
-    step += max(0.0, 1.0 - rate) * full
+    step = decision + paid + max(0.0, 1.0 - rate) * full
     lost = 0.0
-    if policy == "verify":
-        if lost_rate is not None:
-            lost = lost_rate
-        else:
-            chain = 1.0 + (rate / (1.0 - rate) if rate < 1.0 else 0.0)
-            lost = sum(cov * (1.0 - (p if p is not None else 1.0)) for _, cov, p in per_exit) * chain
-        lost = min(lost, 0.95)
-    per_token = step / (1.0 - lost)
+    if policy == "verify" and lost_rate is None:  # drafts checked in cycles (`verify_cycle`)
+        precision = sum(cov * (1.0 if p is None else p) for _, cov, p in per_exit) / rate if rate > 0 else 1.0
+        per_token, lost = verify_cycle(min(rate, 1.0), precision, paid / rate if rate > 0 else 0.0, decision, full)
+    else:
+        if policy == "verify":  # measured: the tokens rolled back per step of a run
+            lost = min(float(lost_rate or 0.0), 0.95)
+        per_token = step / (1.0 - lost)
     return Prediction(
         policy=policy,
         exits=exits,
@@ -186,6 +187,30 @@ def predict(
         exit_rate=rate,
         lost_per_step=lost,
     )
+
+
+def verify_cycle(
+    rate: float, precision: float, draft_ms: float, decision_ms: float, full_ms: float, block: int = VERIFY_BLOCK
+) -> tuple[float, float]:
+    """Verify's ms per emitted token and tokens lost per step, from its cycles.
+
+    A cycle is K drafts (each step's token exits with probability `rate`, a draft step costing `draft_ms` plus the
+    decision) closed by a full-depth pass that checks them: a token that does not exit (its decisions and the full
+    step), or, once `block` drafts wait, a forced pass (no decisions). The pass emits the full model's token after
+    the drafts it accepts: the leading correct ones, each correct with probability `precision`, so a cycle emits
+    1 + sum_{m=1..K} precision^m tokens. P(K >= m) = rate^m (m <= block), hence
+
+        tokens per cycle = 1 + sum_{m=1..block} (rate * precision)^m
+        ms per cycle     = E[K] (draft_ms + decision_ms) + full_ms + (1 - rate^block) decision_ms
+
+    with E[K] = sum_{m=1..block} rate^m. Exact for drafts whose correctness is independent from step to step; it
+    holds at every exit rate, 1 included (every token exits: cycles of `block` drafts)."""
+    m = np.arange(1, block + 1)
+    drafts = float(np.sum(rate**m))
+    tokens = 1.0 + float(np.sum((rate * precision) ** m))
+    ms = drafts * (draft_ms + decision_ms) + full_ms + (1.0 - rate**block) * decision_ms
+    steps = drafts + 1.0
+    return ms / tokens, (steps - tokens) / steps
 
 
 def _exit_paid(costs: Costs, boundaries: Sequence[int], policy: str, layer: int, over: float) -> float:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eectl.contracts.plan import MAX_NGRAM
+from eectl.contracts.plan import MAX_NGRAM, VERIFY_BLOCK
 from eectl.exits.signals import DEFAULT_SIGNAL
 
 
@@ -23,7 +23,7 @@ class RunConfig:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int = 0
-    verify_block: int = 8  # verify: at most this many drafts before a forced full-depth pass
+    verify_block: int = VERIFY_BLOCK  # verify: at most this many drafts before a forced full-depth pass
     # verify: up to this many drafts per step from n-gram matches of the context (runtime/drafts.py; 0: off), matched
     # on suffixes of at most `draft_ngram` tokens
     prompt_drafts: int = 0
