@@ -205,7 +205,8 @@ def test_the_bound_batch_chain_equals_the_general_path(runtimes, fam):
     kv.filled[1] = 3
     assert sorted(chain.step_rows({0: 5, 1: 6})) == [0, 1]
     assert kv.filled[:, 0].tolist() == [2, 4]  # each row one position further, at its own length
-    assert chain.host_reads == [("exit_full", rt.manifest.num_layers, "token")]
+    # the only value a step reads on the host, recorded in the run's placement: the token, once for all rows
+    assert runner.step_reads == [[("exit_full", rt.manifest.num_layers, "token")]] * max(len(g.token_ids) for g in got)
     chain.step_rows({1: 7})  # row 0 rides along: written at its next position, never counted
     assert kv.filled[:, 0].tolist() == [2, 5]
 

@@ -18,6 +18,7 @@ from eectl.exits.gates import gate_logits, gate_open
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
 from eectl.run.generate import RunOptions, resolve_config
+from eectl.runtime.binding import plan_for
 from eectl.runtime.chain import DecodeChain
 from eectl.runtime.ort import cuda_usable, resolve_provider
 from eectl.runtime.runner import Runner
@@ -454,6 +455,57 @@ def test_bound_exit_steps_equal_the_general_path(artifacts, family, policy, monk
         assert (mine[:, :, :n] == other[:, :, :n]).all()
 
 
+def _plan_reads(calls) -> list[tuple[str, int, str]]:
+    return sorted((c.graph, c.at, b.key) for c in calls for b in c.bindings if b.host_read)
+
+
+def test_bound_chain_steps_record_their_host_reads(artifacts, monkeypatch):
+    """Steps on the bound chain record what they read on the host in the run's placement (`Runner.step_reads`), one
+    entry per step, as the device-resident path does. Full depth: each step reads what the binding plan's full-depth
+    token sends to the host, the final head's token. With exits (defer: every step decides): the steps the chain
+    takes read each decision's `passed` up to the exit that takes the token, then that exit's token (and, for a
+    later exit scoring the first's candidate rows, the candidate it names) or the final head's token."""
+    loaded, rt = artifacts["llama"]
+    L = rt.manifest.num_layers
+    prompt = _prompt(6, 9, loaded.adapter.dims.vocab_size)
+    head = ("exit_full", L, "token")
+    full = _runner(rt, exits=[], new=12)
+    gen = full.generate([prompt])[0]
+    assert _plan_reads(plan_for(rt.manifest, "cuda", [], "topk-prob").token()) == [head]
+    assert len(gen.exit_layers) == 12 and full.step_reads == [[head]] * 12  # the prompt's step included
+
+    runner = _runner(rt, "defer", _median_thresholds(loaded, prompt, 24), new=24)
+    general = []  # decode steps on the general path: none (the chain takes them)
+    real = Runner._steps
+    monkeypatch.setattr(
+        Runner, "_steps", lambda self, kv, work, *a: general.append(len(work)) or real(self, kv, work, *a)
+    )
+    gen = runner.generate([prompt])[0]
+    assert general == [1] and _mixed(gen.exit_layers), gen.exit_layers  # the prefill only; some tokens exit
+    chain = runner._chain(rt.new_kv(1, 64), 1)
+    assert chain is not None
+    first, later = (chain.exits[rt.segment_of_layer[e]] for e in EXITS)
+    assert (first.graph, later.graph) == (
+        "candidates" if EXITS[0] in rt.candidate_graphs else "exit_full",
+        "exit_local",
+    )
+    assert len(runner.step_reads) == len(gen.exit_layers)
+    for step, (reads, layer) in enumerate(zip(runner.step_reads, gen.exit_layers, strict=True)):
+        if step == 0:  # the prompt: full depth on the general path, no exit test, only the token
+            assert reads == [head]
+            continue
+        bound = {e: b for e, b in zip(EXITS, (first, later), strict=True)}
+        want = [(bound[e].graph, e, "passed") for e in EXITS if e <= layer]
+        if layer == L:
+            want.append(head)
+        else:
+            want.append((bound[layer].graph, layer, "exit_token"))
+            if bound[layer].ids is not None:  # its token is a column of the first exit's candidates
+                want.append((first.graph, EXITS[0], "candidates"))
+        assert sorted(reads) == sorted(want), (step, layer)
+    assert sum(r[2] == "passed" for reads in runner.step_reads for r in reads) == sum(gen.decided.values())
+
+
 def _gated(loaded, art, prompt, new, shut_first):
     """A runtime of `art` whose calibration holds a gate at each exit (seeded weights), thresholds that make some
     tokens exit, and the gates (weight, bias, threshold) as the runner and the simulation take them. The gates'
@@ -496,6 +548,12 @@ def test_gated_exits_equal_the_simulation_on_both_paths(exported, family, policy
     runner = Runner(rt, RunConfig(exits=EXITS, thresholds=thr, policy=policy, top_k=K, max_new_tokens=24))
     assert sorted(runner.gates) == EXITS
     bound = runner.generate([prompt])[0]
+    # the chain records each gate's read of its exit's state, and each decision the open gates let run
+    reads = [r for step in runner.step_reads for r in step]
+    assert {r[1] for r in reads if r[0] == "gate"} <= set(EXITS) and sum(r[0] == "gate" for r in reads) >= sum(
+        bound.decided.values()
+    )
+    assert sum(r[2] == "passed" for r in reads) == sum(bound.decided.values())
     monkeypatch.setattr(Runner, "_chain", lambda self, kv, rows: None)
     plain = runner.generate([prompt])[0]
     assert bound.token_ids == plain.token_ids and bound.exit_layers == plain.exit_layers

@@ -30,8 +30,10 @@ passes) is its class's `PlanFragment` (runtime/policies.py): the plan never asks
 
 Who executes it: the bound chain (runtime/chain.py) for full-depth greedy steps, one row or a batch (bound
 calls, the states in device buffers, only the tokens read on the host), and the runner itself for steps with
-active exits (a device-resident run's `Placement`, runtime/placement.py: every state output a DeviceView, each host
-read recorded in the placement, which tests compare with this plan per step: `Runner.step_reads`).
+active exits (a device-resident run's `Placement`, runtime/placement.py: every state output a DeviceView). Both
+record each host read in the run's placement, which tests compare with this plan per step (`Runner.step_reads`);
+the chain's one-row exit steps (CPU EP) decide in the exit graphs and read `passed` and `exit_token` instead of the
+K scores this plan's decisions send to the host.
 
 What this module does not do: create sessions or run graphs (sessions.py), or decide exits (runner.py).
 """

@@ -50,12 +50,14 @@ from eectl.exits.signals import Signal, graph_thresholds
 from eectl.runtime.batch import BatchKV, _past, _rows
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.ort import Graph, _ort
+from eectl.runtime.placement import HOST, Placement, Read
 from eectl.runtime.sessions import ArtifactRuntime
 
 
 @dataclass
 class BoundExit:
-    """One active exit's decision bound after its segment: run `io` on `session`, then read `passed` and `token`."""
+    """One active exit's decision bound after its segment: run `io` on `session`, then read `passed` and `token`
+    (each read recorded in the run's placement under `graph`, the binding plan's name of the exit's graph)."""
 
     layer: int
     session: Any
@@ -63,10 +65,21 @@ class BoundExit:
     passed: np.ndarray  # [1] bool
     token: np.ndarray  # [1] int64
     ids: np.ndarray | None = None  # [1, K]: `token` is a column of these candidates (a local exit on the first's rows)
+    graph: str = "exit_full"  # binding.KINDS: "candidates" or "exit_full" (picking), "exit_local" (scoring)
+    ids_from: Read | None = None  # where `ids` were output (the picker's candidates): read for the token's id
 
-    def exit_token(self) -> int:
+    def passes(self, place: Placement) -> bool:
+        place.read((self.graph, self.layer, "passed"))
+        return bool(self.passed[0])
+
+    def exit_token(self, place: Placement = HOST) -> int:
+        place.read((self.graph, self.layer, "exit_token"))
         t = int(self.token[0])
-        return t if self.ids is None else int(self.ids[0, t])
+        if self.ids is None:
+            return t
+        assert self.ids_from is not None
+        place.read(self.ids_from)
+        return int(self.ids[0, t])
 
 
 @dataclass
@@ -117,7 +130,8 @@ class DecodeChain:
     """Greedy decode of `rows` rows of `kv` from `row` on, one position per step, its graph calls bound once: full
     depth for one row (`step`) or for the rows of a batch (`step_rows`: one call per graph for all of them, each row
     at its own length), or one row with active exits decided in their graphs (`step_exits`). On a device provider
-    the hidden states stay in device buffers between the graphs; only the tokens are read on the host."""
+    the hidden states stay in device buffers between the graphs; only the tokens are read on the host. Each step
+    records what it read on the host in the run's placement (`place`, runtime/placement.py)."""
 
     def __init__(
         self,
@@ -145,9 +159,8 @@ class DecodeChain:
         self.ids = np.zeros((n, 1), np.int64)  # host inputs, written in place before each step
         self.seqlens_k = np.zeros(n, np.int32)
         self.total = np.zeros((), np.int32)
-        self.token = np.zeros(n, np.int64)  # the one output read on the host
-        # what a step reads on the host (graph, at, output): the final head's greedy token, one per row
-        self.host_reads = [("exit_full", m.num_layers, "token")]
+        self.token = np.zeros(n, np.int64)  # the one output read on the host (recorded by each step: `_head`)
+        self._token_read: Read = ("exit_full", m.num_layers, "token")
         self.calls: list[tuple[Any, Any]] = []  # (session, io binding), in call order
         self._keep: list[Any] = []  # every buffer bound by address must live as long as the bindings
         # one buffer per hop [n, 1, H]: embed -> segment 0 -> ... -> last segment -> final head (viewed as [n, H])
@@ -238,6 +251,7 @@ class DecodeChain:
         rt, H, dtype, hops = self.rt, self.rt.manifest.dims["hidden_size"], self.rt.np_dtype, self.hops
         first = picker is None
         g = rt.candidate_graphs.get(layer, rt.full_graphs[layer]) if first else rt.local_graphs[layer]
+        kind = self._picking_kind(layer) if first else "exit_local"  # its name in the binding plan
         io = g.session.io_binding()  # not in self.calls: an exit runs only when the step asks for it
         rt._bind_array(io, g.name("hidden"), self._view(hops[rt.segment_of_layer[layer] + 1], (1, H), dtype))
         # the length the graph declares: [2] without a probe (every artifact exported before probes), [3] with one
@@ -245,7 +259,7 @@ class DecodeChain:
         declared = {i.name: i.shape for i in [*g.session.get_inputs(), *g.session.get_overridable_initializers()]}
         size = int(declared[g.name("thresholds")][0])
         rt._bind_array(io, g.name("thresholds"), self._host(graph_thresholds(signal, thresholds, size)))
-        ids = None
+        ids, ids_from = None, None
         if picker is None:
             rt.bind_weights(io, g)
             candidates, rows = self._buffer((1, k), np.int64), None
@@ -266,7 +280,7 @@ class DecodeChain:
                 # instead of gathered from the V-row table again; the graph's token is then a column of the candidates
                 rt._bind_array(io, g.name("rows"), rows.reshape(k, H))
                 rt._bind_array(io, g.name("candidates"), self._host(np.arange(k, dtype=np.int64)[None]))
-                ids = candidates
+                ids, ids_from = candidates, (self._picking_kind(picker), picker, "candidates")
             else:
                 rt.bind_weights(io, g)
                 rt._bind_array(io, g.name("candidates"), candidates)
@@ -274,7 +288,12 @@ class DecodeChain:
         passed, token = self._host(np.zeros(1, bool)), self._host(np.zeros(1, np.int64))
         rt._bind_array(io, g.name("passed"), passed, output=True)
         rt._bind_array(io, g.name("exit_token"), token, output=True)
-        return BoundExit(layer, g.session, io, passed, token, ids)
+        return BoundExit(layer, g.session, io, passed, token, ids, kind, ids_from)
+
+    def _picking_kind(self, layer: int) -> str:
+        """The binding plan's name of the graph that picks candidates at `layer`: the artifact's candidate source
+        graph where it has one, else the exit's full graph (its Top-K)."""
+        return "candidates" if layer in self.rt.candidate_graphs else "exit_full"
 
     def _bind(self, g: Graph) -> Any:
         io = g.session.io_binding()
@@ -312,18 +331,26 @@ class DecodeChain:
         self.total[()] = total
         return total
 
-    def step(self, token: int) -> int:
-        """Feed `token` at the row's next position through every layer; return the greedy next token."""
+    def _head(self, place: Placement) -> None:
+        """The final head's in-graph argmax; its token (one per row of the span) is what the step reads."""
+        session, io = self.calls[-1]
+        session.run_with_iobinding(io)
+        place.read(self._token_read)
+
+    def step(self, token: int, *, place: Placement = HOST) -> int:
+        """Feed `token` at the row's next position through every layer; return the greedy next token. Its host read
+        (the token) is recorded in the run's `place`, as every step's here."""
         kv, row, L = self.kv, self.row, self.rt.manifest.num_layers
         # the decoder layers' slots only: block exit heads' slots (after them) are not run when no exit is active
         past, _ = kv.span(row, 0, L, 1)
         self._feed(token, past)
-        for session, io in self.calls:
+        for session, io in self.calls[:-1]:
             session.run_with_iobinding(io)
+        self._head(place)
         kv.advance(row, 0, L)
         return int(self.token[0])
 
-    def step_rows(self, tokens: dict[int, int]) -> dict[int, int]:
+    def step_rows(self, tokens: dict[int, int], *, place: Placement = HOST) -> dict[int, int]:
         """Feed each row's token (row -> token, rows of the span) at its own next position through every layer, all
         rows in one call per graph; return each one's greedy next token. Rows of the span not in `tokens` ride along
         on their next free position (written, never counted: the batched calls' scratch slot)."""
@@ -340,19 +367,30 @@ class DecodeChain:
             self.ids[r - first, 0] = t
         self.seqlens_k[:] = past
         self.total[()] = int(past.max()) + 1
-        for session, io in self.calls:
+        for session, io in self.calls[:-1]:
             session.run_with_iobinding(io)
+        self._head(place)  # one read for every row of the span
         kv.advance(active, 0, L)
         return {r: int(self.token[r - first]) for r in tokens}
 
-    def step_exits(self, token: int, may_exit: bool, pending: list[np.ndarray | None], head: bool = True) -> ExitStep:
+    def step_exits(
+        self,
+        token: int,
+        may_exit: bool,
+        pending: list[np.ndarray | None],
+        head: bool = True,
+        *,
+        place: Placement = HOST,
+    ) -> ExitStep:
         """Feed `token` at the row's next position, testing the active exits (when `may_exit`) after their segments.
 
         `pending[s]`: the states [1, P, H] waiting at segment s's input (the policy's; read, not changed), or None;
         at segment 0 they are embeddings of the positions before the token (verify's drafts from the context,
         runtime/drafts.py). A segment with pending states, and every segment after one, runs wide (the module
         docstring). `head` False: a step that ends wide skips the final head (its token is -1): the caller runs the
-        head over every position of the returned state at once (verify's check)."""
+        head over every position of the returned state at once (verify's check). What the step reads on the host is
+        recorded in `place`: a gate's input state where a gate is tested, each decision's `passed`, the exit's token
+        (and the picker's candidate it names), or the final head's token."""
         if self.rt.device != "cpu":
             raise UsageError("exit steps on the bound chain need host buffers (the CPU EP)")
         kv, row, rt = self.kv, self.row, self.rt
@@ -395,21 +433,21 @@ class DecodeChain:
                 continue
             t0 = time.perf_counter()
             if s in self.gates:  # gated: the decision runs only when the gate opens; the first to run picks
+                place.read(("gate", ex.layer, "hidden"))  # as runtime/decide.py records it
                 if not gate_open(self.gates[s], self.hops[s + 1]):
                     decide += time.perf_counter() - t0
                     continue
                 ex = self._decision(ex.layer, picker)
             ex.session.run_with_iobinding(ex.io)
-            passed = bool(ex.passed[0])
+            passed = ex.passes(place)
             decide += time.perf_counter() - t0
             decided.append(ex.layer)
             picker = ex.layer if picker is None else picker
             if passed:
                 state = (self.hops[s + 1] if flow is None else flow).copy()
-                return ExitStep(ex.exit_token(), ex.layer, s, state, decide, flushed, decided, picker)
+                return ExitStep(ex.exit_token(place), ex.layer, s, state, decide, flushed, decided, picker)
         final = None if flow is None else flow.copy()
         if final is not None and not head:
             return ExitStep(-1, rt.manifest.num_layers, None, final, decide, flushed, decided, picker)
-        session, io = self.calls[-1]
-        session.run_with_iobinding(io)  # the final head's in-graph argmax
+        self._head(place)
         return ExitStep(int(self.token[0]), rt.manifest.num_layers, None, final, decide, flushed, decided, picker)

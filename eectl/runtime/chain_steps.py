@@ -14,6 +14,7 @@ import numpy as np
 from eectl.exits.signals import Signal
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.kv import KVBuffers
+from eectl.runtime.placement import Placement
 from eectl.runtime.policies import KVPolicy
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RowState, RunConfig
@@ -29,6 +30,7 @@ class Runner(Protocol):
     exits: list[int]
     gates: dict[int, Any]
     L: int
+    place: Placement  # the generate call's: the chain's steps record their host reads there
 
     def _resident_wanted(self) -> bool: ...
 
@@ -68,12 +70,13 @@ def chain_step(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, 
     token = st.tokens[-1]
     if not runner.exits and not drafts:
         st.exit_layers.append(L)
-        return chain.step(token)
+        return chain.step(token, place=runner.place)
     if drafts:
         st.pending[0] = runner.rt.embed(np.array([st.tokens[-drafts - 1 : -1]], dtype=np.int64))
     # verify's check runs the final head over every position of a wide step itself: the chain skips its own
     checks = policy.checks_drafts and bool(st.drafts)
-    done = chain.step_exits(token, policy.may_exit(st) and not drafts, st.pending, head=not checks)
+    may_exit = policy.may_exit(st) and not drafts
+    done = chain.step_exits(token, may_exit, st.pending, head=not checks, place=runner.place)
     st.decide_s += done.decide_s
     st.count_decisions(done.decided, done.picked)
     for s in done.flushed:
@@ -84,7 +87,7 @@ def chain_step(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, 
         policy.on_exit(0, st, kv, done.segment, done.state, done.token)
         return done.token
     if done.state is not None:  # the final segment ran wide: the positions it carried, then this token's
-        corrected = policy.on_final(0, st, kv, done.state)  # the chain's states: host arrays
+        corrected = policy.on_final(0, st, kv, done.state, place=runner.place)  # host arrays; its token read recorded
         if corrected is not None:
             return corrected
     else:  # reached the final layer with nothing pending: no draft to check (drafts are pending states)

@@ -102,9 +102,10 @@ class Runner:
             self.lookup = PromptLookup(config.prompt_drafts, config.draft_ngram, min(MIN_NGRAM, config.draft_ngram))
         self.rng = np.random.default_rng(config.seed)
         self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
-        # the placement of the call in progress: a device-resident generate()'s own, else the host's
+        # the placement of the call in progress: generate()'s own while it runs, else the host's
         self.place: Placement = HOST
-        self.step_reads: list[list[tuple[str, int, str]]] = []  # the last generate()'s host reads, per step
+        # the last generate()'s host reads, per step (device-resident or on the bound chain; none on the host path)
+        self.step_reads: list[list[tuple[str, int, str]]] = []
 
     # --- sampling --------------------------------------------------------------------------------------------------
     def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
@@ -387,7 +388,9 @@ class Runner:
             for st in rows:
                 st.lookup = self.lookup.new_state()
         chain = self._chain(kv, width)
-        place = Placement(device=chain is None and self._on_device())
+        device = chain is None and self._on_device()
+        # host reads recorded per step where every step's reads are named: device-resident, or on the bound chain
+        place = Placement(device=device, record=device or chain is not None)
         self.step_reads = place.steps
         self.place = place
         try:
@@ -432,7 +435,7 @@ class Runner:
             if wide and not (one_row and self.rt.device == "cpu"):  # several positions for a row of a batch
                 tokens = self._steps(kv, live)
             elif chain is not None and not fresh and chain.rows > 1:  # a batch at full depth: calls bound once
-                tokens = chain.step_rows({s: ids[0] for s, (_, ids) in live.items()})
+                tokens = chain.step_rows({s: ids[0] for s, (_, ids) in live.items()}, place=self.place)
                 for s in tokens:
                     rows[seated[s]].exit_layers.append(self.L)
             elif chain is not None and one_row:  # greedy decode of one row: calls bound once

@@ -421,6 +421,7 @@ class ArtifactRuntime:
             token = self._read(bound.io, g.name("token"), (n,), np.int64, where, place)
             g.session.run_with_iobinding(bound.io)
             return token
+        place.read(("exit_full", layer, "token"))  # host states: recorded where the run keeps a record (the chain's)
         packed = None
         if n > 1 and not river:  # several rows (verify's check): the head with its table packed once
             packed = self.packed_heads.get(layer, g, self.weight_feeds(g, "lm_head"), self.device)
