@@ -62,15 +62,16 @@ def build(a: argparse.Namespace) -> None:
 
 
 def train(a: argparse.Namespace) -> None:
-    from eectl.heads.cached import CachedConfig, train_cached
+    from eectl.heads.cached import train_cached
     from eectl.heads.checkpoint import checkpoint_path
+    from eectl.heads.config import TrainConfig
     from eectl.heads.state_cache import open_cache
     from eectl.models import load_model
 
     loaded = load_model(a.model)
     cache = open_cache(Path(a.cache))
     steps = max(1, a.tokens // a.batch)
-    cfg = CachedConfig(
+    cfg = TrainConfig(
         exits=[int(x) for x in a.layers.split(",")],
         design=a.design,
         rank=a.rank,

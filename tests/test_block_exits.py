@@ -288,11 +288,12 @@ def test_trained_block_heads_calibrate_export_and_run_through_the_cli(llama, gsm
     from eectl.cli import app
     from eectl.contracts.calibration import write_calibration
     from eectl.exits.designs import load_heads
-    from eectl.heads.cached import CachedConfig, train_cached
+    from eectl.heads.cached import train_cached
+    from eectl.heads.config import TrainConfig
     from tests.test_head_data import _tiny_cache
 
     cache = _tiny_cache(llama, gsm8k, tmp_path / "c")
-    cfg = CachedConfig(exits=[2, 4], design="block", steps=4, batch_tokens=32, tail_samples=64)
+    cfg = TrainConfig(exits=[2, 4], design="block", steps=4, batch_tokens=32, tail_samples=64)
     train_cached(llama, cache, cfg, tmp_path / "b.safetensors")
     heads = load_heads(tmp_path / "b.safetensors", llama)
     opts = CalibrateOptions(exits=[2, 4], target=0.5, tokens=400, gen_tokens=4, chunk_len=32)

@@ -170,7 +170,8 @@ def test_the_state_cache_build_reads_the_host_per_sequence_not_per_token(on_devi
 
 @pytest.mark.parametrize("on_device", ON, indirect=True)
 def test_cached_training_reads_the_host_per_block_of_steps(on_device, text, reads, tmp_path):
-    from eectl.heads.cached import CachedConfig, train_cached
+    from eectl.heads.cached import train_cached
+    from eectl.heads.config import TrainConfig
     from eectl.heads.state_cache_build import build_cache
 
     cache = build_cache(on_device, text, _spec(16), tmp_path / "c")
@@ -178,7 +179,7 @@ def test_cached_training_reads_the_host_per_block_of_steps(on_device, text, read
     def train(steps: int):
         # 2 tokens a step: both runs within the first epoch of the ~150 training tokens (each epoch's order is drawn
         # on the host, from a host generator: no device read)
-        config = CachedConfig(exits=[2, 4], steps=steps, batch_tokens=2, save_every=10_000, eval_tokens=32)
+        config = TrainConfig(exits=[2, 4], steps=steps, batch_tokens=2, save_every=10_000, eval_tokens=32)
         config.device = on_device.adapter.device.type
         return train_cached(on_device, cache, config, tmp_path / f"h{steps}.safetensors")
 

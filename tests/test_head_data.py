@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from eectl.exits.base import ExitHead
 from eectl.exits.designs import load_heads
-from eectl.heads.cached import CachedConfig, train_cached
+from eectl.heads.cached import train_cached
 from eectl.heads.checkpoint import checkpoint_path
+from eectl.heads.config import TrainConfig
 from eectl.heads.losses import TeacherTopK, topk_tail_kl
 from eectl.heads.state_cache import CacheSpec, open_cache, read_sequence
 from eectl.heads.state_cache_build import build_cache
@@ -120,7 +121,7 @@ def test_cached_training_lowers_held_out_kl_and_resumes_bit_identically(llama, g
     cfg = dict(
         exits=[2, 4], design=design, steps=12, lr=3e-3, batch_tokens=32, loss=loss, tail_samples=64, save_every=6
     )
-    res = train_cached(llama, cache, CachedConfig(**cfg), tmp_path / "a.safetensors")
+    res = train_cached(llama, cache, TrainConfig(**cfg), tmp_path / "a.safetensors")
     for b, a in zip(res.meta.report["before"]["exits"], res.meta.report["after"]["exits"], strict=True):
         assert a["kl"] < b["kl"]
     # stop after step 6 (a checkpoint), resume: the same heads as the uninterrupted run, bit for bit
@@ -130,11 +131,11 @@ def test_cached_training_lowers_held_out_kl_and_resumes_bit_identically(llama, g
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train_cached(llama, cache, CachedConfig(**cfg), tmp_path / "b.safetensors", on_step=stop)
+        train_cached(llama, cache, TrainConfig(**cfg), tmp_path / "b.safetensors", on_step=stop)
     train_cached(
         llama,
         cache,
-        CachedConfig(**cfg),
+        TrainConfig(**cfg),
         tmp_path / "b.safetensors",
         resume=checkpoint_path(tmp_path / "b.safetensors"),
     )
@@ -204,7 +205,7 @@ def test_calibrate_runs_block_heads_on_text_and_generation(llama, gsm8k, tmp_pat
     from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model
 
     cache = _tiny_cache(llama, gsm8k, tmp_path / "c")
-    cfg = CachedConfig(exits=[2, 4], design="block", steps=4, batch_tokens=32, tail_samples=64)
+    cfg = TrainConfig(exits=[2, 4], design="block", steps=4, batch_tokens=32, tail_samples=64)
     train_cached(llama, cache, cfg, tmp_path / "b.safetensors")
     heads = load_heads(tmp_path / "b.safetensors", llama)
     opts = CalibrateOptions(exits=[2, 4], target=0.5, tokens=400, gen_tokens=4, chunk_len=32)
@@ -311,8 +312,8 @@ def test_heads_trained_at_other_exits_merge_into_one_file(llama, gsm8k, tmp_path
     cache = _tiny_cache(llama, gsm8k, tmp_path / "c")
     common = dict(design="residual-linear", steps=3, batch_tokens=32, tail_samples=64)
     for name, exits in (("a", [4]), ("b", [2]), ("c", [2])):
-        train_cached(llama, cache, CachedConfig(exits=exits, **common), tmp_path / f"{name}.safetensors")
-    train_cached(llama, cache, CachedConfig(exits=[2], **{**common, "design": "mlp"}), tmp_path / "m.safetensors")
+        train_cached(llama, cache, TrainConfig(exits=exits, **common), tmp_path / f"{name}.safetensors")
+    train_cached(llama, cache, TrainConfig(exits=[2], **{**common, "design": "mlp"}), tmp_path / "m.safetensors")
     a, b = load_heads(tmp_path / "a.safetensors", llama), load_heads(tmp_path / "b.safetensors", llama)
     assert a.meta.probe is not None  # the trainer fits probes; a merge drops them (refit onto the merged file)
     meta = merge_heads([tmp_path / "a.safetensors", tmp_path / "b.safetensors"], llama, tmp_path / "ab.safetensors")

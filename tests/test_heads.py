@@ -18,8 +18,9 @@ from eectl.errors import ArtifactError, UsageError
 from eectl.exits.base import ExitHead, signals, topk_candidates
 from eectl.exits.designs import DESIGNS, HeadStack, build_heads, load_heads, make_head, save_heads
 from eectl.heads.checkpoint import checkpoint_path
+from eectl.heads.config import TrainConfig
 from eectl.heads.report import iter_report
-from eectl.heads.train import TrainConfig, train_heads
+from eectl.heads.train import train_heads
 from eectl.models import load_model
 from tests.tiny import GSM8K
 
@@ -231,6 +232,24 @@ def test_cli_bad_inputs(tiny_dirs, args, code, text):
     assert res.exit_code == code, res.output
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and text in last and res.stdout == ""
+
+
+def test_both_sources_take_one_config_and_on_the_fly_refuses_what_only_a_cache_trains(llama, gsm8k, tmp_path):
+    """One TrainConfig for the model on the fly and for a state cache; a sequence design (block), or a cache folder,
+    handed to the on-the-fly trainer is one UsageError line naming the cache's trainer, before any training."""
+    import typing
+
+    from eectl.heads.cached import train_cached
+
+    assert typing.get_type_hints(train_cached)["config"] is typing.get_type_hints(train_heads)["config"] is TrainConfig
+    assert not _config().from_cache
+    for config in (_config(design="block"), _config(cache=tmp_path / "states")):
+        assert config.from_cache  # where the stage sends it
+        with pytest.raises(UsageError) as err:
+            train_heads(llama, gsm8k, config, tmp_path / "h.safetensors")
+        message = f"{err.value.message} {err.value.hint or ''}"
+        assert "state cache" in message and "train_cached" in message and "\n" not in message
+    assert not (tmp_path / "h.safetensors").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")

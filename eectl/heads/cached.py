@@ -1,6 +1,7 @@
 """Exit heads trained from a state cache (eectl.heads.state_cache): no base pass in the loop, so several designs and
-losses
-train from one computation of the frozen model, and the step is bound by the heads rather than the LM head.
+losses train from one computation of the frozen model, and the step is bound by the heads rather than the LM head.
+The configuration is heads/config.py's TrainConfig, the one the on-the-fly trainer (heads/train.py) takes: its
+cache fields (loss, tail samples, block init, ...) apply here, its on-the-fly ones (ce_weight, chunk_len) do not.
 
 One step reads `batch_tokens` measured positions (TokenStream over the cache's training sequences, a function of
 (seed, step) only: resumable, and bit-identical on the CPU for a seed) and computes, for all exits at once,
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,10 @@ from torch import nn
 from eectl.contracts.heads import HeadCost, HeadsMeta, sidecar_path
 from eectl.data import TokenStream
 from eectl.errors import EectlError, UsageError
-from eectl.exits.base import DEFAULT_TOP_K, ExitHead
+from eectl.exits.base import ExitHead
 from eectl.exits.candidates import DEFAULT_CANDIDATES, make_source
 from eectl.exits.candidates import DEFAULT_SHORTLIST as CANDIDATE_SHORTLIST
 from eectl.exits.designs import (
-    BLOCK_INITS,
     DESIGNS,
     SEQUENCE_DESIGNS,
     BlockHead,
@@ -47,62 +46,16 @@ from eectl.exits.designs import (
 )
 from eectl.exits.probe import ProbeConfig, ProbeFit, fit_probes
 from eectl.heads.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from eectl.heads.losses import DEFAULT_SHORTLIST, DEFAULT_TAIL_SAMPLES, LOSSES, TeacherTopK, topk_tail_kl
+from eectl.heads.config import TrainConfig, TrainResult
+from eectl.heads.losses import TeacherTopK, topk_tail_kl
 from eectl.heads.report import ChunkPass, EvalResult, evaluate, final_kl, heads_meta
 from eectl.heads.run_setup import KLLog, lr_at
 from eectl.heads.state_cache import StateCache
-from eectl.heads.train import TrainResult
 from eectl.models.adapters import Adapter
-from eectl.models.device import check_device, device_name, resolve_device, to_device
+from eectl.models.device import device_name, resolve_device, to_device
 
 
-@dataclass
-class CachedConfig:
-    exits: list[int]
-    design: str = "residual-linear"
-    rank: int | None = None
-    block_init: str = "last"  # block: copy of the last layer, of the next layer (l), or identity-initialised
-    steps: int = 100
-    lr: float = 1e-3
-    batch_tokens: int = 256
-    seed: int = 0
-    loss: str = "topk"
-    tail_samples: int | None = DEFAULT_TAIL_SAMPLES  # None: the exact normaliser (all LM-head rows)
-    shortlist: int = DEFAULT_SHORTLIST  # topk: the most frequent teacher top-1 tokens, always counted exactly
-    precision: str = "fp32"  # or "bf16" (autocast on the device)
-    sources: tuple[str, ...] = ("text", "gen")
-    save_every: int = 50
-    eval_tokens: int = 4096  # held-out tokens of the report (the cache's held split may hold more, for calibration)
-    top_k: int = DEFAULT_TOP_K
-    target: float = 0.99
-    probe_tokens: int = ProbeConfig.tokens  # the learned signal's probes: training tokens (at most the cache's)
-    device: str = "cpu"  # or cuda, or auto: a CUDA GPU when torch sees one (models/device.py; requests default to auto)
-
-    def check(self, cache: StateCache) -> None:
-        if self.design not in DESIGNS + SEQUENCE_DESIGNS:
-            raise UsageError(f"unknown head design '{self.design}'")
-        if self.loss not in LOSSES:
-            raise UsageError(f"unknown loss '{self.loss}'", hint=f"choose one of {', '.join(LOSSES)}")
-        if self.block_init not in BLOCK_INITS:
-            raise UsageError(f"unknown block init '{self.block_init}'", hint=f"choose one of {', '.join(BLOCK_INITS)}")
-        if self.precision not in ("fp32", "bf16"):
-            raise UsageError(f"precision must be fp32 or bf16, got {self.precision}")
-        missing = sorted(set(self.exits) - set(cache.layers))
-        if missing:
-            raise UsageError(f"the state cache has no states for exits {missing}", hint=f"it has {cache.layers}")
-        if self.steps < 1 or self.batch_tokens < 1:
-            raise UsageError("steps and batch tokens must be positive")
-        check_device(self.device)
-
-    def identity(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k in ("save_every", "eval_tokens", "top_k", "target", "probe_tokens", "device"):
-            d.pop(k)
-        d["sources"] = list(self.sources)
-        return d
-
-
-def make_stack(adapter: Adapter, config: CachedConfig) -> HeadStack:
+def make_stack(adapter: Adapter, config: TrainConfig) -> HeadStack:
     """The heads of `config.design` at its exits, at their initial values (seeded)."""
     hidden = adapter.dims.hidden_size
     if config.design in DESIGNS:
@@ -150,7 +103,7 @@ def _cached_passes(
 def train_cached(
     loaded: Any,
     cache: StateCache,
-    config: CachedConfig,
+    config: TrainConfig,
     out: Path,
     resume: Path | None = None,
     on_step: Callable[[int, int, dict[int, float]], None] | None = None,
@@ -164,7 +117,7 @@ def train_cached(
     say = log or (lambda _m: None)
     adapter = loaded.adapter
     config.exits = sorted(config.exits)
-    config.check(cache)
+    config.check_cache(cache)
     exits = config.exits
     device = resolve_device(config.device)
     model = loaded.model.eval().requires_grad_(False).to(device)
@@ -172,7 +125,7 @@ def train_cached(
     if not entries:
         raise UsageError(f"the state cache has no training sequences from {config.sources}")
     stream = TokenStream([e.tokens for e in entries], config.batch_tokens, config.seed)
-    identity = {**config.identity(), "base_sha256": loaded.source.sha256, "cache": cache.identity}
+    identity = {**config.identity(from_cache=True), "base_sha256": loaded.source.sha256, "cache": cache.identity}
     torch.manual_seed(config.seed)
     stack = make_stack(adapter, config).to(device)
     optimizer = torch.optim.AdamW(stack.parameters(), lr=config.lr, weight_decay=0.0)
@@ -225,7 +178,7 @@ def train_cached(
 
 
 def _cached_probes(
-    adapter: Adapter, cache: StateCache, config: CachedConfig, stack: HeadStack, say: Callable[[str], None]
+    adapter: Adapter, cache: StateCache, config: TrainConfig, stack: HeadStack, say: Callable[[str], None]
 ) -> ProbeFit | None:
     """The learned signal's probes from the cache (None for a sequence design: a block head reads the sequence, and
     there are no per-token probe features for it yet)."""
@@ -238,7 +191,7 @@ def _cached_probes(
 
 
 def _held_report(
-    adapter: Adapter, cache: StateCache, config: CachedConfig, stack: HeadStack, say: Callable[[str], None]
+    adapter: Adapter, cache: StateCache, config: TrainConfig, stack: HeadStack, say: Callable[[str], None]
 ) -> dict[str, EvalResult]:
     """Before (logit lens) and after (heads) on about `config.eval_tokens` tokens of the cache's held-out split."""
     exits = config.exits
@@ -320,7 +273,7 @@ def _cached_loss(
     entries: list[Any],
     stream: TokenStream,
     stack: HeadStack,
-    config: CachedConfig,
+    config: TrainConfig,
     step: int,
     shortlist: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,7 +320,7 @@ def _cached_loss(
 def _cached_meta(
     loaded: Any,
     cache: StateCache,
-    config: CachedConfig,
+    config: TrainConfig,
     stream: TokenStream,
     stack: HeadStack,
     history: list[list[float]],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from eectl.errors import DataError
 from eectl.exits.base import DEFAULT_TOP_K, ExitHead, TorchExitLogits
 from eectl.exits.signals import SIGNALS, ExitScoring
 from eectl.exits.thresholds import threshold_for_precision
+from eectl.heads.config import TrainConfig
 from eectl.models.adapters import Adapter, Capture
 
 
@@ -183,20 +184,9 @@ def _summarise(acc: dict[str, list[torch.Tensor]], exits: list[int], n: int, L: 
     )
 
 
-class MetaConfig(Protocol):
-    """What `heads_meta` reads of a trainer's config (heads.TrainConfig, heads_cached.CachedConfig)."""
-
-    design: str
-    rank: int | None
-    steps: int
-    seed: int
-    target: float
-    top_k: int
-
-
 def heads_meta(
     loaded: Any,
-    config: MetaConfig,
+    config: TrainConfig,
     exits: list[int],
     report: dict[str, EvalResult],
     report_notes: dict[str, str] | None = None,

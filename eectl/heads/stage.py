@@ -1,10 +1,11 @@
 """The train-heads stage as one library call: a recipe and a request in, trained heads (or probes) written and their
 result out.
 
-What `eectl train-heads` and the pipeline both run: per-token designs on the fly (heads/train.py), any design from
-a state cache (heads/state_cache_build.py, heads/cached.py), or only the learned signal's probes onto an existing
-heads file. A request's None fields take the recipe's values; the caller has set up the thread pools
-(cli.app.set_threads). What this module does not do: print results.
+What `eectl train-heads` and the pipeline both run: one TrainConfig (heads/config.py) built from the request and the
+recipe, trained from where its states come from: the model on the fly (heads/train.py, per-token designs) or a state
+cache, built or reused first (heads/state_cache_build.py, heads/cached.py; every design); or only the learned
+signal's probes onto an existing heads file. A request's None fields take the recipe's values; the caller has set up
+the thread pools (cli.app.set_threads). What this module does not do: print results.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ from eectl.contracts.layers import default_exits
 from eectl.contracts.recipe import Recipe, pick
 from eectl.errors import UsageError
 from eectl.files import existing_file
-from eectl.heads.train import DEFAULT_BATCH_TOKENS, TrainResult
+from eectl.heads.config import CACHED_BATCH_TOKENS, DEFAULT_BATCH_TOKENS, TrainConfig, TrainResult
 from eectl.output import Output
 from eectl.output_checks import check_folder_option, check_outputs, input_file
-
-CACHED_BATCH_TOKENS = 256  # tokens per optimiser step when training from a state cache (no heads.batch_tokens)
 
 
 @dataclass
@@ -65,8 +64,6 @@ class ProbesResult:
 def train_heads(recipe: Recipe, req: HeadsRequest, out: Output) -> TrainResult | ProbesResult:
     """Heads trained (or, with probe_only, probes fitted) and written; every output checked first against every
     input and the state cache it reads."""
-    from eectl.exits.designs import SEQUENCE_DESIGNS
-
     r = recipe
     cache_dir = req.cache or (Path(r.heads.cache) if r.heads.cache else None)
     check_folder_option(cache_dir, "--cache")  # a file there: FileExistsError at the mkdir, after the model loaded
@@ -76,9 +73,10 @@ def train_heads(recipe: Recipe, req: HeadsRequest, out: Output) -> TrainResult |
     check_outputs([("--out", req.out, heads_sidecars(req.out))], _inputs(r, req), [("--cache", cache_dir)])
     if req.probe_only:
         return _probe_only(r, req, cache_dir, out)
-    if cache_dir is not None or pick(req.design, r.heads.design) in SEQUENCE_DESIGNS:  # those train from a cache
-        return _train_cached(r, req, cache_dir, out)
-    return _train_per_token(r, req, out)
+    config = _config(r, req, cache_dir)
+    if config.from_cache:  # a cache folder given, or a sequence design (they train from a cache only)
+        return _train_cached(r, req, config, out)
+    return _train_per_token(r, req, config, out)
 
 
 def heads_sidecars(path: Path | None) -> list[Path]:
@@ -94,30 +92,44 @@ def _inputs(r: Recipe, req: HeadsRequest) -> list[tuple[str, Path | None]]:
     return [*ins, ("--recipe", input_file(req.recipe_file))]
 
 
-def _train_per_token(r: Recipe, req: HeadsRequest, out: Output) -> TrainResult:
-    """Per-token designs trained on the fly from the frozen model's own final layer."""
-    from eectl.data import load_text_data
-    from eectl.heads.checkpoint import check_checkpoint
-    from eectl.heads.train import TrainConfig
-    from eectl.heads.train import train_heads as train
-    from eectl.models import load_model
-    from eectl.models.device import device_name, resolve_device
-
+def _config(r: Recipe, req: HeadsRequest, cache_dir: Path | None) -> TrainConfig:
+    """The run's one configuration: the request's values, else the recipe's. From a state cache the batch's default
+    is larger, and the steps are the training tokens (--tokens, heads.tokens) over the batch."""
     config = TrainConfig(
         exits=pick(req.exits, r.exits or []),
         design=pick(req.design, r.heads.design),
         rank=pick(req.rank, r.heads.rank),
         steps=pick(req.steps, r.heads.steps),
         lr=pick(req.lr, r.heads.lr),
-        batch_tokens=pick(req.batch_tokens, r.heads.batch_tokens) or DEFAULT_BATCH_TOKENS,
         seed=req.seed,
-        ce_weight=req.ce_weight,
         eval_tokens=pick(req.eval_tokens, r.heads.eval_tokens),
         save_every=req.save_every,
         device=req.device,
         top_k=r.top_k,
         target=r.target,
+        ce_weight=req.ce_weight,
+        cache=cache_dir,
+        block_init=req.block_init,
+        loss=pick(req.loss, r.heads.loss),
+        probe_tokens=pick(req.probe_tokens, r.heads.probe_tokens),
     )
+    batch = pick(req.batch_tokens, r.heads.batch_tokens)
+    if config.from_cache:
+        config.batch_tokens = batch or CACHED_BATCH_TOKENS
+        config.steps = max(1, pick(req.tokens, r.heads.tokens) // config.batch_tokens)
+    else:
+        config.batch_tokens = batch or DEFAULT_BATCH_TOKENS
+    return config
+
+
+def _train_per_token(r: Recipe, req: HeadsRequest, config: TrainConfig, out: Output) -> TrainResult:
+    """Per-token designs trained on the fly from the frozen model's own final layer."""
+    from eectl.data import load_text_data
+    from eectl.heads.checkpoint import check_checkpoint
+    from eectl.heads.train import train_heads as train
+    from eectl.models import load_model
+    from eectl.models.device import device_name, resolve_device
+
     config.check()  # before the model loads (no exits yet: the model's default_exits)
     if req.resume is not None:
         check_checkpoint(req.resume)
@@ -155,24 +167,23 @@ def _on_step(bar: Any, batch: int) -> Any:
     return on_step
 
 
-def _train_cached(r: Recipe, req: HeadsRequest, cache_dir: Path | None, out: Output) -> TrainResult:
+def _train_cached(r: Recipe, req: HeadsRequest, config: TrainConfig, out: Output) -> TrainResult:
     """Heads from a state cache: build (or reuse, or extend) it, then train from it with progress and ETA."""
     from eectl.data import load_text_data
-    from eectl.heads.cached import CachedConfig, train_cached
+    from eectl.heads.cached import train_cached
     from eectl.heads.state_cache import CacheSpec
     from eectl.heads.state_cache_build import build_cache
     from eectl.models import load_model
     from eectl.models.device import device_name, resolve_device
 
-    device = resolve_device(req.device)  # a missing GPU refused before the model loads
-    eval_tokens = pick(req.eval_tokens, r.heads.eval_tokens)
+    device = resolve_device(config.device)  # a missing GPU refused before the model loads
     text = load_text_data(pick(req.data, r.data.source), pick(req.field, r.data.field))
     loaded = load_model(pick(req.model, r.model), log=out, int4=r.int4_twin())
     loaded.model.to(device)  # the cache is built there too
-    layers = pick(req.exits, r.exits or []) or default_exits(loaded.adapter.num_layers)
+    config.exits = config.exits or default_exits(loaded.adapter.num_layers)
     n = pick(req.tokens, r.heads.tokens)
-    spec = CacheSpec.for_budget(layers, n, pick(req.gen_share, r.heads.gen_share), eval_tokens)
-    folder = cache_dir or Path("artifacts") / f"{loaded.source.name}-states"
+    spec = CacheSpec.for_budget(config.exits, n, pick(req.gen_share, r.heads.gen_share), config.eval_tokens)
+    config.cache = folder = config.cache or Path("artifacts") / f"{loaded.source.name}-states"
     path = req.out or Path("artifacts") / f"{loaded.source.name}-heads.safetensors"
     check_outputs([("--out", path, heads_sidecars(path))], [], [("--cache", folder)])  # before the cache is built
     total = spec.text_tokens + spec.gen_tokens + spec.eval_text_tokens + spec.eval_gen_tokens
@@ -185,27 +196,10 @@ def _train_cached(r: Recipe, req: HeadsRequest, cache_dir: Path | None, out: Out
             bar.advance(k, info=f"{done[0] / max(time.perf_counter() - start, 1e-9):.0f} tokens/s")
 
         state_cache = build_cache(loaded, text, spec, folder, on_tokens, out.log)
-    batch = pick(req.batch_tokens, r.heads.batch_tokens) or CACHED_BATCH_TOKENS
-    config = CachedConfig(
-        exits=layers,
-        design=pick(req.design, r.heads.design),
-        rank=pick(req.rank, r.heads.rank),
-        block_init=req.block_init,
-        steps=max(1, n // batch),
-        lr=pick(req.lr, r.heads.lr),
-        batch_tokens=batch,
-        seed=req.seed,
-        loss=pick(req.loss, r.heads.loss),
-        save_every=req.save_every,
-        eval_tokens=eval_tokens,
-        top_k=r.top_k,
-        target=r.target,
-        probe_tokens=pick(req.probe_tokens, r.heads.probe_tokens),
-        device=req.device,
-    )
+    batch = config.batch_tokens
     out.log(
-        f"training {config.design} heads at exits {layers}: {config.steps} steps of {batch} tokens from {folder} "
-        f"({config.loss} loss), on {device_name(device)}, {req.threads} threads"
+        f"training {config.design} heads at exits {config.exits}: {config.steps} steps of {batch} tokens from "
+        f"{folder} ({config.loss} loss), on {device_name(device)}, {req.threads} threads"
     )
     with out.progress("train-heads", total=config.steps) as bar:
         on_step = _on_step(bar, batch)

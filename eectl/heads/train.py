@@ -1,4 +1,6 @@
-"""`eectl train-heads`: light exit heads trained against the frozen model's own final layer.
+"""`eectl train-heads` on the fly: per-token exit heads trained against the frozen model's own final layer, the
+model computing the training states in the loop (a state cache is the other source: heads/cached.py; both take
+heads/config.py's TrainConfig, which refuses a sequence design or a cache folder here).
 
 The head designs and the heads file live in exits/designs.py; this module trains them and reports.
 
@@ -29,7 +31,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,87 +40,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from eectl.contracts.heads import HeadCost, HeadsMeta, sidecar_path
-from eectl.contracts.layers import check_exit_layers
 from eectl.data import TokenStream, count_tokens, split_records
 from eectl.errors import DataError, EectlError, UsageError
-from eectl.exits.base import DEFAULT_TOP_K, ExitHead
+from eectl.exits.base import ExitHead
 from eectl.exits.candidates import DEFAULT_CANDIDATES, DEFAULT_SHORTLIST, frequency_shortlist, make_source
-from eectl.exits.designs import HeadStack, build_heads, check_design, head_cost, head_width, save_heads
+from eectl.exits.designs import HeadStack, build_heads, head_cost, head_width, save_heads
 from eectl.exits.probe import ProbeConfig, ProbeFit, fit_probes
 from eectl.heads.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from eectl.heads.config import TrainConfig, TrainResult
 from eectl.heads.report import ChunkPass, EvalResult, base_pass, evaluate, final_kl, heads_meta
 from eectl.heads.run_setup import Dist, KLLog, amp_dtype, dist_from_env, lr_at, rng_state, set_rng_state
 from eectl.models.adapters import Adapter
-from eectl.models.device import check_device, device_name, resolve_device, to_device
-
-DEFAULT_BATCH_TOKENS = 32
-DEFAULT_EVAL_TOKENS = 4096
-DEFAULT_CHUNK_LEN = 256
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Configuration and results
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TrainConfig:
-    exits: list[int]
-    design: str = "residual-linear"
-    rank: int | None = None  # low-rank rank / mlp width; None: the design's default
-    steps: int = 500
-    lr: float = 1e-3
-    batch_tokens: int = DEFAULT_BATCH_TOKENS  # tokens per optimiser step (per rank)
-    seed: int = 0
-    ce_weight: float = 0.0  # weight of next-token cross-entropy added to the KL
-    eval_tokens: int = DEFAULT_EVAL_TOKENS  # held-out tokens for the before/after report
-    chunk_len: int = DEFAULT_CHUNK_LEN  # context length the base runs on
-    save_every: int = 100  # checkpoint every this many steps (and at the end)
-    device: str = "cpu"  # or cuda, or auto: a CUDA GPU when torch sees one (models/device.py; requests default to auto)
-    top_k: int = DEFAULT_TOP_K  # local vocabulary of the top-k signal in the report
-    target: float = 0.99  # precision at which the report's coverage is measured
-
-    def check(self, num_layers: int | None = None) -> None:
-        """Raise UsageError on values no run could use (before the model loads, exits may still be empty: the
-        model's default_exits)."""
-        check_design(self.design, self.rank)
-        if not self.exits and num_layers is not None:
-            raise UsageError("no exits given", hint="pass --exits 8,12,16 (layers 1..L-1)")
-        check_exit_layers(self.exits, num_layers)
-        for name in ("steps", "batch_tokens", "eval_tokens", "save_every", "top_k"):
-            if getattr(self, name) <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.chunk_len < 2:
-            raise UsageError(f"chunk length must be >= 2, got {self.chunk_len}")
-        if not self.lr > 0 or not math.isfinite(self.lr):
-            raise UsageError(f"--lr must be positive, got {self.lr}")
-        if not self.ce_weight >= 0 or not math.isfinite(self.ce_weight):
-            raise UsageError(f"--ce-weight must be >= 0, got {self.ce_weight}")
-        if not 0 < self.target <= 1:
-            raise UsageError(f"target precision must be in (0, 1], got {self.target}")
-        check_device(self.device)
-
-    def identity(self) -> dict[str, Any]:
-        """What a checkpoint must share with the run that resumes it."""
-        d = asdict(self)
-        for k in ("save_every", "eval_tokens", "top_k", "target", "device"):
-            d.pop(k)
-        return d
-
-
-@dataclass
-class TrainResult:
-    meta: HeadsMeta | None  # everything in heads.json (None on the non-main ranks)
-    out: Path
-    sidecar: Path
-    checkpoint: Path
-    main: bool = True  # False on the non-zero ranks of a distributed run (they write and print nothing)
-    wall_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        meta = {} if self.meta is None else self.meta.model_dump(mode="json")
-        return {"out": str(self.out), "json": str(self.sidecar), "checkpoint": str(self.checkpoint), **meta}
-
+from eectl.models.device import device_name, resolve_device, to_device
 
 # ---------------------------------------------------------------------------------------------------------------
 # Training
@@ -443,7 +376,7 @@ def _identity(
 ) -> dict[str, Any]:
     """What a checkpoint must match to be resumed: the configuration, exits, base model, data and world size."""
     return {
-        **config.identity(),
+        **config.identity(from_cache=False),
         "exits": exits,
         "base_sha256": loaded.source.sha256,
         "data": data.name,
