@@ -210,11 +210,11 @@ def test_a_bom_is_not_part_of_a_prompt_or_a_record(tmp_path, monkeypatch):
 
     seen: list[list[str]] = []
 
-    def captured(artifact, prompts, *a, **k):
-        seen.append(prompts)
+    def captured(recipe, req, *a, **k):
+        seen.append(req.prompts)
         raise UsageError("stop here")
 
-    monkeypatch.setattr("eectl.run.generate.run_prompts", captured)
+    monkeypatch.setattr("eectl.run.stage.run", captured)
     res = runner.invoke(app, ["run", "art", "--prompt-file", str(txt)])
     assert res.exit_code == 2 and seen[-1] == read_prompts(txt)
     res = runner.invoke(app, ["run", "art", "--prompt-file", "-"], input="\ufeffone\u2028line\r\ntwo\r\n")

@@ -87,6 +87,7 @@ def test_run_pipeline_is_a_library_call(tiny_dirs, tmp_path, monkeypatch):
     from eectl.pipeline.runner import Hooks, run_pipeline
     from eectl.pipeline.steps import STAGES
     from eectl.profile.stage import ProfileRun
+    from eectl.run.stage import RunResult
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("EECTL_CACHE", str(tmp_path / "cache"))
@@ -108,11 +109,12 @@ bench: {{prompts: 1, max_new_tokens: 3, reps: 1, configs: [full], ppl_tokens: 0,
     folder = tmp_path / "out"
     done = run_pipeline(recipe, "12 clips", Output(quiet=True), threads=1, folder=folder, hooks=hooks)
     assert seen == list(STAGES) == [s.stage for s in done.stages]
-    kinds = (ProfileRun, TrainResult, CalibrateResult, ExportResult, tuple, BenchRun)
+    kinds = (ProfileRun, TrainResult, CalibrateResult, ExportResult, RunResult, BenchRun)
     assert all(isinstance(s.result, kind) for s, kind in zip(done.stages, kinds, strict=True))
     assert all(s.work.startswith("ran") for s in done.stages)
     run = done.stages[4].result
-    assert texts and texts[-1] == run[2][0].text  # the run stage streamed its answer through the hook
+    assert texts and texts[-1] == run.reports[0].text  # the run stage streamed its answer through the hook
+    assert run.artifact == str(done.plan.artifact) and run.batch_size == 1 and len(run.reports) == 1
     assert done.plan.folder == folder and (folder / done.plan.name / "manifest.json").is_file()
     assert done.stages[5].result.files[0] == done.plan.report and done.verdict.startswith("bench verdict: ")
 
@@ -138,6 +140,7 @@ def test_stage_requests_default_as_the_commands_do():
     from eectl.heads.stage import HeadsRequest
     from eectl.profile.stage import ProfileRequest
     from eectl.run.generate import RunOptions
+    from eectl.run.stage import RunRequest
 
     pairs = [
         (cmd_profile.profile, [ProfileRequest], ""),
@@ -145,7 +148,7 @@ def test_stage_requests_default_as_the_commands_do():
         (cmd_calibrate.calibrate, [CalibrateRequest], ""),
         (cmd_export.export, [ExportOptions], ""),
         (cmd_export.export, [Int4Options], "int4_"),
-        (cmd_run.run, [RunOptions], ""),
+        (cmd_run.run, [RunRequest, RunOptions], ""),
         (cmd_bench.bench, [BenchRequest, BenchOptions], ""),
     ]
     compared = 0

@@ -115,7 +115,7 @@ def _printer(out: Output) -> Callable[[str, Any], None]:
         elif stage == "export":
             print_export(out, result)
         elif stage == "run":
-            print_run(out, str(result[0].folder), result, 1, False)
+            print_run(out, result)
         else:
             print_bench(out, result)
 

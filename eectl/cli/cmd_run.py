@@ -1,11 +1,11 @@
-"""`eectl run`: options, the call into run/generate.py, streamed text and per-prompt speed."""
+"""`eectl run`: options, the call into run/stage.py (the run stage), streamed text and per-prompt speed."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -16,6 +16,9 @@ from eectl.contracts.plan import MAX_NGRAM
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.output import Output
+
+if TYPE_CHECKING:
+    from eectl.run.stage import RunResult
 
 ArtifactOpt = Annotated[str, typer.Argument(help="Artifact folder from eectl export.")]
 PromptOpt = Annotated[str | None, typer.Argument(help="The prompt; - reads it from stdin (or use --prompt-file).")]
@@ -147,7 +150,9 @@ def run(
     json_out: JsonOpt = False,
 ) -> None:
     """Generate with ONNX Runtime, choosing exits at run time and keeping the skipped layers' KV correct."""
-    from eectl.run.generate import RunOptions, run_prompts
+    from eectl.run.generate import RunOptions
+    from eectl.run.stage import RunRequest
+    from eectl.run.stage import run as run_stage
 
     out = Output(json_out)
     if chat and (prompt is not None or prompt_file is not None):
@@ -161,7 +166,7 @@ def run(
     prompts = [] if chat else _prompts(prompt, prompt_file)
     opts = RunOptions(
         exits=exits,
-        policy=pick(policy, r.kv_policy),
+        policy=pick(policy, r.kv_policy),  # what --chat runs; the run stage picks the same from its request
         river_predict=river_predict,
         thresholds=thresholds,
         threshold_scale=threshold_scale,
@@ -183,10 +188,9 @@ def run(
     if chat:
         _chat(out, artifact, opts)
         return
-    out.log(f"loading {artifact} ({len(prompts)} prompt{'s' if len(prompts) > 1 else ''})")
-    stream = streamer(out, prompts, batch_size)
-    done = run_prompts(artifact, prompts, opts, batch_size, on_text=stream, warn=out.warn, note=out.log)
-    print_run(out, artifact, done, batch_size, cost_samples)
+    req = RunRequest(artifact, prompts, policy=policy, batch_size=batch_size, options=opts, threads=n_threads)
+    done = run_stage(r, req, out, on_text=streamer(out, prompts, batch_size))
+    print_run(out, done, cost_samples)
 
 
 def streamer(out: Output, prompts: list[str], batch_size: int) -> Callable[[int, str], None]:
@@ -207,14 +211,14 @@ def streamer(out: Output, prompts: list[str], batch_size: int) -> Callable[[int,
     return stream
 
 
-def print_run(out: Output, artifact: str, done: tuple[Any, Any, list[Any]], batch_size: int, samples: bool) -> None:
+def print_run(out: Output, done: RunResult, samples: bool = False) -> None:
     """What `eectl run` prints after the streamed text: with --json the document, else the batch's answers and one
-    line of speed per prompt (stderr)."""
-    rt, config, reports = done
+    line of speed per prompt (stderr). `samples`: the costs' per-round timings in the document (--cost-samples)."""
+    rt, config, reports = done.runtime, done.config, done.reports
     L = rt.manifest.num_layers
     out.json(
         {
-            "artifact": str(artifact),
+            "artifact": str(done.artifact),
             "provider": rt.provider,
             "threads": rt.threads,
             "policy": config.policy,
@@ -233,7 +237,7 @@ def print_run(out: Output, artifact: str, done: tuple[Any, Any, list[Any]], batc
     )
     if out.json_mode:
         return
-    if batch_size > 1:
+    if done.batch_size > 1:
         for rep in reports:
             out.out.print(f"\n[bold]> {rep.prompt}[/bold]\n{rep.text}", highlight=False)
     out.line("")

@@ -152,13 +152,12 @@ class _Stages:
         return export(self.recipe, req, self.out)
 
     def _run(self) -> Any:
-        from eectl.run.generate import RunOptions, run_prompts
+        from eectl.run.generate import RunOptions
+        from eectl.run.stage import RunRequest, run
 
-        opts = RunOptions(policy=self.recipe.kv_policy, max_new_tokens=64, threads=self.threads)
-        artifact = str(self.plan.artifact)
-        self.out.log(f"loading {artifact} (1 prompt)")
-        on_text = self.hooks.text
-        return run_prompts(artifact, [self.prompt], opts, 1, on_text=on_text, warn=self.out.warn, note=self.out.log)
+        req = RunRequest(str(self.plan.artifact), [self.prompt], options=RunOptions(max_new_tokens=64))
+        req.threads = self.threads
+        return run(self.recipe, req, self.out, on_text=self.hooks.text)
 
     def _bench(self) -> Any:
         from eectl.evaluate.stage import BenchRequest, bench

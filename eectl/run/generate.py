@@ -1,7 +1,9 @@
-"""`eectl run` as a library call: an artifact folder, prompts and run options in; generations and a report out.
+"""What `eectl run` needs beside the runtime: its options, resolved against an artifact, and a runner for them.
 
 Resolves the run options against the manifest (active exits, thresholds from the calibration, a scale factor or
-explicit values, the signal), applies the tokenizer's chat template, and turns token ids back into text.
+explicit values, the signal, the plan), opens the artifact's runtime, tokenizer and runner (`open_runner`), and holds
+the per-prompt report. The stage that generates with them is run/stage.py (`run`, what the command and the pipeline
+call); bench, lm-eval and --chat resolve their configurations here too.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from eectl.contracts.layers import parse_layers
 from eectl.contracts.names import POLICY_SPECS, SIGNAL_SPECS
 from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DRAFTS, MAX_NGRAM
 from eectl.contracts.recipe import MAX_SEED
-from eectl.data import encode_prompt
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
 from eectl.files import confined, existing_file, read_utf8, text_lines
@@ -440,33 +441,3 @@ def open_runner(
     if warning is not None and warn is not None:
         warn(warning)
     return rt, tok, config, Runner(rt, config)
-
-
-def run_prompts(
-    artifact: str | Path,
-    prompts: list[str],
-    opts: RunOptions,
-    batch_size: int = 1,
-    on_text: Callable[[int, str], None] | None = None,
-    warn: Callable[[str], None] | None = None,
-    note: Callable[[str], None] | None = None,
-) -> tuple[ArtifactRuntime, RunConfig, list[RunReport]]:
-    """Generate for every prompt; `on_text(prompt_index, confirmed_text)` streams the text as it settles, `note`
-    gets how the configuration was chosen (the plan's line), `warn` warnings about the options (e.g. thresholds used
-    outside what they were calibrated for)."""
-    if batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
-    rt, tok, config, runner = open_runner(artifact, opts, warn, note)
-    stream = None
-    if on_text is not None:
-
-        def stream(i: int, confirmed: list[int], cb: Callable = on_text) -> None:
-            cb(i, tok.decode(confirmed, skip_special_tokens=True))
-
-    # batch_size slots over all prompts: a finished row's slot takes the next prompt (Runner.generate)
-    gens = runner.generate([encode_prompt(tok, p, opts.raw) for p in prompts], on_step=stream, slots=batch_size)
-    reports = [
-        RunReport(p, tok.decode(g.token_ids, skip_special_tokens=True), g, rt.manifest.num_layers)
-        for p, g in zip(prompts, gens, strict=True)
-    ]
-    return rt, config, reports
