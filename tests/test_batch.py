@@ -158,9 +158,9 @@ def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch)
         calls.append(int(args[4].sum()))  # active rows
         return real(*args, **kwargs)
 
-    def stepping(self, tokens):
+    def stepping(self, tokens, **kwargs):
         steps.append(sorted(tokens))
-        return real_step(self, tokens)
+        return real_step(self, tokens, **kwargs)
 
     monkeypatch.setattr(runner_mod, "run_rows", counting)
     monkeypatch.setattr(DecodeChain, "step_rows", stepping)
