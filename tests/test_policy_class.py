@@ -46,7 +46,7 @@ class Recheck(KVPolicy):
 def rt(tiny_dirs, tmp_path_factory):
     """The tiny Llama exported (exits 2 and 4) while the new policy is registered: the artifact lists it."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(POLICY_SPECS, NAME, PolicySpec())
+        mp.setitem(POLICY_SPECS, NAME, PolicySpec(checks_drafts=True))  # its cost term: verify's
         mp.setitem(POLICIES, NAME, Recheck)  # removed again when the module is done
         register_policy(Recheck)
         art = tmp_path_factory.mktemp("policy-class") / "a"
@@ -116,3 +116,17 @@ def test_the_runner_runs_a_new_policy_and_the_plan_covers_its_steps(rt):
                 shapes = {prefill, *(_host_reads(c) for c in plan.scenarios())}
                 steps = [tuple(sorted(tuple(r) for r in step)) for step in runner.step_reads]
                 assert steps and [s for s in steps if s not in shapes] == [], (policy, len(rows))
+
+
+def test_a_new_policy_is_priced_from_its_spec(rt):
+    """The cost model knows a policy by its spec (contracts/names.py), not its name: the new one, spec'd as verify
+    is (`checks_drafts`, its exited states riding along), is priced as verify at every exit rate and precision. (`rt`:
+    the spec is registered while the module's artifact lives.)"""
+    from eectl.plan.choose import predict
+    from tests.test_plan import BOUNDARIES, _costs
+
+    assert NAME in POLICY_SPECS
+    for per_exit in ([(4, 0.4, 1.0)], [(4, 0.7, 0.8)], [(4, 1.0, 0.6)]):
+        mine = predict(_costs(), BOUNDARIES, NAME, per_exit)
+        assert mine.ms_per_token == pytest.approx(predict(_costs(), BOUNDARIES, "verify", per_exit).ms_per_token)
+        assert mine.lost_per_step == pytest.approx(predict(_costs(), BOUNDARIES, "verify", per_exit).lost_per_step)

@@ -29,16 +29,26 @@ SIGNAL_SPECS: dict[str, SignalSpec] = {
 }
 
 
+# What the segments after a token's exit cost it (the cost model's term, plan/choose.py): their K/V-only graphs
+# (KV_CALLS), one more position each in a later pass that carries its state along (RIDE), or their int4 copies
+# (RIVER_CALLS).
+KV_CALLS, RIDE, RIVER_CALLS = "kv-calls", "ride", "river-calls"
+
+
 @dataclass(frozen=True)
 class PolicySpec:
     needs_river_copies: bool = False  # runs the int4 segment copies that `export --river` adds
+    later: str = RIDE  # what the segments after an exit cost an exited token (KV_CALLS, RIDE, RIVER_CALLS)
+    # exited tokens are drafts that a later full-depth pass checks, one more row of the final head each, and rolls
+    # back when wrong: priced by its cycles (plan/choose.py verify_cycle)
+    checks_drafts: bool = False
 
 
 POLICY_SPECS: dict[str, PolicySpec] = {
-    "copy": PolicySpec(),
+    "copy": PolicySpec(later=KV_CALLS),
     "defer": PolicySpec(),
-    "verify": PolicySpec(),
-    "river": PolicySpec(needs_river_copies=True),
+    "verify": PolicySpec(checks_drafts=True),
+    "river": PolicySpec(needs_river_copies=True, later=RIVER_CALLS),
 }
 
 

@@ -39,7 +39,8 @@ PLAN_POLICIES = ("copy", "defer", "verify")
 
 # predicted (bench's check of the model) but never planned: like copy, the river's approximate K/V change later
 # tokens in a way calibration does not measure. `river-exit` is the river predicting at the exit.
-RIVER_POLICIES = ("river", "river-exit")
+RIVER_EXIT = "river-exit"  # the river policy predicting at the exit instead of the river's end (a run option)
+RIVER_POLICIES = ("river", RIVER_EXIT)
 
 
 # policies whose one-row greedy exit steps run on the bound chain (runtime/chain.py): an exited token needs only its

@@ -9,11 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from eectl.contracts.gates import GATE
+from eectl.contracts.plan import RIVER_EXIT
 from eectl.evaluate.results import ConfigResult
 from eectl.evaluate.timing import _Run
 from eectl.runtime.state import RunConfig
-
-RIVER_EXIT = "river-exit"  # the river policy, predicting at the exit instead of the river's end
 
 
 def predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) -> None:

@@ -70,6 +70,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eectl.contracts.certificate import CERTIFIED, Certificate
+from eectl.contracts.names import KV_CALLS, POLICY_SPECS, RIVER_CALLS, PolicySpec
 from eectl.contracts.plan import (
     BOUND_POLICIES,
     INTERVAL_TOP,
@@ -78,7 +79,7 @@ from eectl.contracts.plan import (
     MIN_BATCHES,
     MIN_GAIN,
     PLAN_POLICIES,
-    RIVER_POLICIES,
+    RIVER_EXIT,
     VERIFY_BLOCK,
     Choice,
     Costs,
@@ -170,11 +171,12 @@ def predict(
         rate += cov
     step = decision + paid + max(0.0, 1.0 - rate) * full
     lost = 0.0
-    if policy == "verify" and lost_rate is None:  # drafts checked in cycles (`verify_cycle`)
+    checks = _spec(policy).checks_drafts
+    if checks and lost_rate is None:  # drafts checked in cycles (`verify_cycle`)
         precision = sum(cov * (1.0 if p is None else p) for _, cov, p in per_exit) / rate if rate > 0 else 1.0
         per_token, lost = verify_cycle(min(rate, 1.0), precision, paid / rate if rate > 0 else 0.0, decision, full)
     else:
-        if policy == "verify":  # measured: the tokens rolled back per step of a run
+        if checks:  # measured: the tokens rolled back per step of a run
             lost = min(float(lost_rate or 0.0), 0.95)
         per_token = step / (1.0 - lost)
     return Prediction(
@@ -215,23 +217,35 @@ def verify_cycle(
 
 def _exit_paid(costs: Costs, boundaries: Sequence[int], policy: str, layer: int, over: float) -> float:
     """The ms of a step whose token exits at `layer`: the segments up to it, the exit's prediction, and what the
-    policy does with the later segments (copy: K/V-only calls; river: the int4 copies; defer, verify: a ride-along)."""
+    policy's spec (`contracts/names.py` POLICY_SPECS) says the later segments cost it: K/V-only calls (copy), the
+    int4 copies (river), or one more position in a later pass (defer, verify; a draft also one more row of the
+    final head that checks it)."""
+    spec = _spec(policy)
     s = _segment_of(boundaries, layer)
     paid = costs.embed_ms + sum(costs.segment_ms[: s + 1]) + over * (s + 1)
-    if costs.exit_predict_ms is not None and policy != "river":  # the river's end predicts instead
+    river_end = spec.later == RIVER_CALLS and policy != RIVER_EXIT  # the river's end predicts instead of the exit
+    if costs.exit_predict_ms is not None and not river_end:
         paid += costs.exit_predict_ms[str(layer)]
     later = range(s + 1, len(boundaries))
-    if policy == "copy":
+    if spec.later == KV_CALLS:
         paid += sum(costs.kv_ms[t] for t in later) + over * len(later)
-    elif policy in RIVER_POLICIES:  # the exited token flows on through the int4 copies
+    elif spec.later == RIVER_CALLS:  # the exited token flows on through the int4 copies
         paid += sum(_river_ms(costs, t) for t in later) + over * len(later)
-        if policy == "river":
+        if river_end:
             paid += costs.river_head_ms if costs.river_head_ms is not None else costs.final_head_ms
-    else:  # defer, verify: the exited state rides along with a later step through every later segment
+    else:  # the exited state rides along with a later step through every later segment
         paid += sum(costs.segment_extra_ms[t] for t in later)
-        if policy == "verify":
+        if spec.checks_drafts:
             paid += costs.final_head_extra_ms
     return paid
+
+
+def _spec(policy: str) -> PolicySpec:
+    """A policy's spec; `river-exit` (the river predicting at the exit, a run option) is the river's."""
+    name = "river" if policy == RIVER_EXIT else policy
+    if name not in POLICY_SPECS:
+        raise ValueError(f"the cost model has no spec for the policy '{policy}'")
+    return POLICY_SPECS[name]
 
 
 def predict_option(costs: Costs, boundaries: Sequence[int], policy: str, option: Option) -> Prediction:

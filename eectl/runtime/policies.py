@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from eectl.contracts import plan as plan_contract
-from eectl.contracts.names import POLICY_SPECS, PolicySpec
+from eectl.contracts.names import POLICY_SPECS
 from eectl.errors import UsageError
 from eectl.runtime.blocks import active_block, run_block
 from eectl.runtime.device_ops import concat
@@ -155,7 +155,7 @@ POLICIES: dict[str, type[KVPolicy]] = {}
 
 def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
     spec = POLICY_SPECS.get(cls.name)
-    if spec is None or spec != PolicySpec(cls.needs_river_copies):
+    if spec is None or (spec.needs_river_copies, spec.checks_drafts) != (cls.needs_river_copies, cls.checks_drafts):
         raise TypeError(f"policy '{cls.name}' does not match its entry in eectl.contracts.names.POLICY_SPECS")
     if cls.bound_chain != (cls.name in plan_contract.BOUND_POLICIES):  # the cost model prices the chain from it
         raise TypeError(f"policy '{cls.name}': bound_chain does not match eectl.contracts.plan.BOUND_POLICIES")
