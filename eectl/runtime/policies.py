@@ -38,8 +38,8 @@ list and bench take the names from `POLICIES`. What the runtime needs to know of
 from the class, never from its name or its base class: `pending_states`, `checks_drafts`, `checks_at_final` (the
 runner), `bound_chain` (the one-row bound chain, checked against `eectl.contracts.plan.BOUND_POLICIES` when it
 registers) and `fragment` / `plan_fragment` (its part of the device binding plan, runtime/binding.py: a policy
-without one runs on the host path only). One place outside the runtime still knows policies by name: the cost model
-(`eectl.plan.choose.predict` prices copy, defer, verify and river); a policy it does not price is never planned.
+without one runs on the host path only). The cost model (`eectl.plan.choose.predict`) prices a policy from its
+`POLICY_SPECS` entry (`later`, `checks_drafts`); the plan chooses among `eectl.contracts.plan.PLAN_POLICIES`.
 
 What this module does not do: decide exits (runner.py, exits/signals.py) or build graphs.
 """
