@@ -36,7 +36,7 @@ from eectl.contracts.manifest import Manifest
 from eectl.contracts.plan import MAX_DRAFTS
 from eectl.data import encode_prompt, final_number
 from eectl.errors import UsageError
-from eectl.evaluate.configs import Configs
+from eectl.evaluate.configs import Configs, open_runtime
 from eectl.evaluate.predicted import RIVER_EXIT, lookup_model, predictions
 from eectl.evaluate.report import markdown, write_report
 from eectl.evaluate.results import (
@@ -70,7 +70,6 @@ from eectl.run.generate import RunOptions, check_options, choose_plan, load_toke
 from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
-from eectl.runtime.tiers import load_tiers
 
 __all__ = ["markdown", "write_report"]  # the report's entry points, re-exported for the CLI
 
@@ -231,9 +230,7 @@ def run_bench(
     """Run the configurations interleaved; `progress(1)` after each prompt generated and each perplexity pass
     (bench_units gives the total)."""
     _check_options(opts, prompts)
-    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads, lazy_segments=opts.weights.active)
-    if opts.weights.active:  # every configuration under the same weight setting (runtime/tiers.py)
-        load_tiers(rt, opts.weights)
+    rt = open_runtime(artifact, opts)
     choose_plan(rt, opts.profile_costs, opts.max_risk, log.log if log is not None else None)
     m = rt.manifest
     add_artifact_configs(opts, m)

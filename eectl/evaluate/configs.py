@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from eectl.contracts.certificate import CERTIFIED
@@ -63,6 +64,15 @@ class _HF:
         ttft = stamps[0] - start if stamps else 0.0
         lat = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
         return new, ttft, lat
+
+
+def open_runtime(artifact: str | Path, opts: BenchOptions) -> ArtifactRuntime:
+    """The benchmarked artifact's runtime under the run's provider, threads and weight setting (runtime/tiers.py):
+    run_bench's, and its second under --compare."""
+    rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads, lazy_segments=opts.weights.active)
+    if opts.weights.active:  # every configuration under the same weight setting
+        load_tiers(rt, opts.weights)
+    return rt
 
 
 def creation_order(compared: list[str]) -> list[tuple[str, int]]:
@@ -170,11 +180,7 @@ class Configs:
     def _main_again(self, rt: ArtifactRuntime) -> ArtifactRuntime:
         """This artifact's second runtime (--compare), under the same weight setting and the plan run_bench chose
         (choose_plan may have re-planned in memory): one manifest for both."""
-        again = ArtifactRuntime(
-            rt.folder, provider=self.opts.provider, threads=self.opts.threads, lazy_segments=self.opts.weights.active
-        )
-        if self.opts.weights.active:
-            load_tiers(again, self.opts.weights)
+        again = open_runtime(rt.folder, self.opts)
         again.manifest = rt.manifest
         return again
 

@@ -169,7 +169,6 @@ def predict(
     for layer, cov, _ in per_exit:
         paid += cov * _exit_paid(costs, boundaries, policy, layer, over)
         rate += cov
-    step = decision + paid + max(0.0, 1.0 - rate) * full
     lost = 0.0
     checks = _spec(policy).checks_drafts
     if checks and lost_rate is None:  # drafts checked in cycles (`verify_cycle`)
@@ -178,7 +177,7 @@ def predict(
     else:
         if checks:  # measured: the tokens rolled back per step of a run
             lost = min(float(lost_rate or 0.0), 0.95)
-        per_token = step / (1.0 - lost)
+        per_token = (decision + paid + max(0.0, 1.0 - rate) * full) / (1.0 - lost)
     return Prediction(
         policy=policy,
         exits=exits,

@@ -390,7 +390,7 @@ class Runner:
         chain = self._chain(kv, width)
         device = chain is None and self._on_device()
         # host reads recorded per step where every step's reads are named: device-resident, or on the bound chain
-        place = Placement(device=device, record=device or chain is not None)
+        place = Placement(device=device, record=chain is not None)  # a device run records its reads anyway
         self.step_reads = place.steps
         self.place = place
         try:
