@@ -43,6 +43,7 @@ class BatchKV(KVBuffers):
 
     batch_keys: list[Any] = field(default_factory=list)  # [layer] numpy array (CPU) or device OrtValue
     batch_values: list[Any] = field(default_factory=list)
+    dtype: Any = np.float32  # the buffers' element type (a device buffer's rows are addressed by it)
 
     @property
     def rows(self) -> int:
@@ -51,6 +52,13 @@ class BatchKV(KVBuffers):
     @property
     def capacity(self) -> int:
         return self.max_len + 1  # the scratch slot of rows riding along
+
+    def rows_of(self, slot: int, first: int, last: int) -> tuple[Any, Any]:
+        """Rows [first, last) of the batch buffers at `slot`: a contiguous view (numpy) or pointer (device)."""
+        if last == first + 1:
+            return self.keys[first][slot], self.values[first][slot]
+        keys, values = (_rows(b[slot], first, last, self.dtype) for b in (self.batch_keys, self.batch_values))
+        return keys, values
 
 
 def new_batch_kv(rt: ArtifactRuntime, rows: int, max_len: int) -> BatchKV:
@@ -72,6 +80,7 @@ def new_batch_kv(rt: ArtifactRuntime, rows: int, max_len: int) -> BatchKV:
         max_len=max_len,
         batch_keys=keys,
         batch_values=values,
+        dtype=np.dtype(rt.np_dtype),
     )
 
 
@@ -134,27 +143,65 @@ def bind_rows(
     active: np.ndarray,
     past: np.ndarray,
 ) -> tuple[Any, slice]:
-    """A binding of graph `g` for one call over the active rows: the inputs, and its layers' K/V bound to the
-    buffers at `slots` for the rows it spans (segments and block exit heads alike). Returns it and the span.
-
-    hidden: [B, 1, H] host rows (inactive rows ignored), or a device-resident [span, 1, H] (`join_rows`)."""
+    """A binding of graph `g` for one call over the active rows of a device-resident run: the inputs, and its
+    layers' K/V bound to the buffers at `slots` for the rows it spans (segments and block exit heads alike).
+    Returns it and the span. hidden: a device-resident [span, 1, H] (`join_rows`)."""
     span = span_of(active)
     first, last = span.start, span.stop
     io = g.binding()
-    if isinstance(hidden, np.ndarray):
-        x = np.where(active[span, None, None], hidden[span], 0).astype(rt.np_dtype)
-        io.bind_cpu_input(g.name("hidden"), np.ascontiguousarray(x))
-    else:
-        assert hidden.shape[0] == last - first, (hidden.shape, span)
-        rt._bind_array(io, g.name("hidden"), hidden)
+    assert hidden.shape[0] == last - first, (hidden.shape, span)
+    rt._bind_array(io, g.name("hidden"), hidden)
     io.bind_cpu_input(g.name("seqlens_k"), past[span].astype(np.int32))  # total length - 1, new position included
     io.bind_cpu_input(g.name("total_sequence_length"), np.array(int(past[span].max()) + 1, dtype=np.int32))
-    for j, slot in enumerate(slots):
-        for key, buf in (("key", kv.batch_keys[slot]), ("value", kv.batch_values[slot])):
-            view = _rows(buf, first, last, rt.np_dtype)
-            rt._bind_array(io, g.names(f"past_{key}")[j], view)
-            rt._bind_array(io, g.names(f"present_{key}")[j], view, output=True)
+    rt.bind_kv(io, g, kv, slots, first, last)
     return io, span
+
+
+@dataclass
+class RowsCall:
+    """Graph `g` bound once over a span of rows of the batch buffers (kept on them: `KVBuffers.calls`), its inputs
+    and outputs host arrays written in place: a call copies the rows' states in and the outputs out, rebinding
+    nothing."""
+
+    session: Any
+    io: Any
+    hidden: np.ndarray  # [n, 1, H]
+    seqlens_k: np.ndarray  # [n] int32
+    total: np.ndarray  # () int32
+    outputs: dict[str, np.ndarray]  # manifest io key -> [n, ...]
+
+    def run(self, hidden: np.ndarray, active: np.ndarray, past: np.ndarray, span: slice) -> None:
+        """hidden [B, 1, H] (the rows outside `active` fed zeros: they only write their scratch slot)."""
+        np.copyto(self.hidden, 0)
+        np.copyto(self.hidden, hidden[span], where=active[span, None, None])
+        self.seqlens_k[:] = past[span]  # total length - 1, the new position included
+        self.total[()] = int(past[span].max()) + 1
+        self.session.run_with_iobinding(self.io)
+
+
+def rows_call(
+    rt: ArtifactRuntime, g: Graph, kv: BatchKV, slots: Sequence[int], span: slice, outputs: dict[str, int]
+) -> RowsCall:
+    """The kept host binding of graph `g` over rows `span` (its layers' K/V at `slots`), with `outputs` (io key ->
+    positions per row) bound to arrays of their own; created on first use."""
+    n = span.stop - span.start
+    key = (g.session, span.start, n, tuple(outputs))
+    call = kv.calls.get(key)
+    if call is None:
+        H = rt.manifest.dims["hidden_size"]
+        io = g.binding()
+        call = RowsCall(
+            g.session, io, np.zeros((n, 1, H), rt.np_dtype), np.zeros(n, np.int32), np.zeros((), np.int32), {}
+        )
+        rt._bind_array(io, g.name("hidden"), call.hidden)
+        rt._bind_array(io, g.name("seqlens_k"), call.seqlens_k)
+        rt._bind_array(io, g.name("total_sequence_length"), call.total)
+        rt.bind_kv(io, g, kv, slots, span.start, span.stop)
+        for name, positions in outputs.items():
+            call.outputs[name] = np.zeros((n, positions, H), rt.np_dtype)
+            rt._bind_array(io, g.name(name), call.outputs[name], output=True)
+        kv.calls[key] = call
+    return call
 
 
 def run_rows(
@@ -173,7 +220,7 @@ def run_rows(
     Active rows append one position to their K/V; the others write only their scratch slot. Returns
     (hidden_out [B, 1, H], last_layer_input [B, 1, H]) with the inactive rows' entries meaningless, or None with
     kv_only (the `copy` policy's K/V projection). With `states`, a third item: the residual stream at every block
-    boundary, [B, n_layers + 1, H] (the cosine-min signal's input).
+    boundary, [B, n_layers + 1, H] (the cosine-min signal's input). Host calls run on a kept binding (`rows_call`).
 
     Device-resident (`place.device`, hidden from `join_rows`): the outputs stay on the device, for the span's rows
     only ([span, ...] DeviceViews: row r is at r - span.start).
@@ -190,35 +237,28 @@ def run_rows(
         raise UsageError(f"the sequence reached {longest} tokens, beyond the KV buffer of {kv.max_len}")
     if int(past.max()) + 1 > kv.capacity:  # an idle row already at its maximum has no scratch slot
         raise RuntimeError(f"row lengths {past} leave no scratch slot in a buffer of {kv.capacity}")
-    io, span = bind_rows(rt, g, kv, range(lo, hi), hidden, active, past)
     H = rt.manifest.dims["hidden_size"]
+    positions = {"hidden_out": 1, "layer_input": 1, "layer_states": hi - lo + 1}
+    keys = [] if kv_only else ["hidden_out", "layer_input", *(["layer_states"] if states else [])]
     if place.device:
+        io, span = bind_rows(rt, g, kv, range(lo, hi), hidden, active, past)
         n = span.stop - span.start
-        shapes = {"hidden_out": (n, 1, H), "layer_input": (n, 1, H), "layer_states": (n, hi - lo + 1, H)}
-        keys = [] if kv_only else ["hidden_out", "layer_input", *(["layer_states"] if states else [])]
-        outs_dev = [rt._state_out(io, g.name(k), shapes[k], place) for k in keys]
+        outs_dev = [rt._state_out(io, g.name(k), (n, positions[k], H), place) for k in keys]
         g.session.run_with_iobinding(io)
         kv.advance(active, lo, hi)
         return None if kv_only else tuple(outs_dev)
-    if not kv_only:
-        io.bind_output(g.name("hidden_out"), "cpu")
-        io.bind_output(g.name("layer_input"), "cpu")
-        if states:
-            io.bind_output(g.name("layer_states"), "cpu")
-    g.session.run_with_iobinding(io)
+    span = span_of(active)
+    call = rows_call(rt, g, kv, range(lo, hi), span, {k: positions[k] for k in keys})
+    call.run(hidden, active, past, span)
     kv.advance(active, lo, hi)
     if kv_only:
         return None
-    outs = io.get_outputs()
-    n = 2 * (hi - lo)  # the present K/V outputs were bound first
-    out = np.zeros((B, 1, H), dtype=rt.np_dtype)
-    layer_in = np.zeros_like(out)
-    out[span], layer_in[span] = outs[n].numpy(), outs[n + 1].numpy()
-    if not states:
-        return out, layer_in
-    blocks = np.zeros((B, hi - lo + 1, H), dtype=rt.np_dtype)
-    blocks[span] = outs[n + 2].numpy()  # [rows, (n + 1) * 1, H]: one position per row
-    return out, layer_in, blocks
+    outs = []
+    for k in keys:  # fresh arrays: callers keep rows of them (pending states); the kept outputs are rewritten
+        full = np.zeros((B, positions[k], H), dtype=rt.np_dtype)
+        full[span] = call.outputs[k]
+        outs.append(full)
+    return tuple(outs)
 
 
 def prefill_runs(kv: BatchKV, rows: list[int], lo: int, hi: int) -> list[list[int]]:
@@ -264,11 +304,7 @@ def run_prefill(
     io.bind_cpu_input(g.name("hidden"), x)
     io.bind_cpu_input(g.name("seqlens_k"), (lengths - 1).astype(np.int32))
     io.bind_cpu_input(g.name("total_sequence_length"), np.array(S, dtype=np.int32))
-    for j, layer in enumerate(range(lo, hi)):
-        for key, buf in (("key", kv.batch_keys[layer]), ("value", kv.batch_values[layer])):
-            view = _rows(buf, first, last, rt.np_dtype)
-            rt._bind_array(io, g.names(f"past_{key}")[j], view)
-            rt._bind_array(io, g.names(f"present_{key}")[j], view, output=True)
+    rt.bind_kv(io, g, kv, range(lo, hi), first, last)
     out, layer_in = np.empty_like(x), np.empty_like(x)
     rt._bind_array(io, g.name("hidden_out"), out, output=True)
     rt._bind_array(io, g.name("layer_input"), layer_in, output=True)

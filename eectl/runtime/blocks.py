@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from eectl.runtime.batch import BatchKV, bind_rows
+from eectl.runtime.batch import BatchKV, bind_rows, rows_call, span_of
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.sessions import ArtifactRuntime
@@ -96,16 +96,17 @@ def run_block_rows(
     behind = rows[past[rows] + 1 != kv.filled[rows, layer - 1]]
     if behind.size:
         raise RuntimeError(f"the block head at exit {layer} is out of step with its segment in rows {behind.tolist()}")
-    io, span = bind_rows(rt, g, kv, [slot], hidden, active, past)
     if place.device:
+        io, span = bind_rows(rt, g, kv, [slot], hidden, active, past)
         shape = (span.stop - span.start, 1, rt.manifest.dims["hidden_size"])
         out_dev = rt._state_out(io, g.name("hidden_out"), shape, place)
         g.session.run_with_iobinding(io)
         kv.advance(active, slot, slot + 1)
         return out_dev
-    io.bind_output(g.name("hidden_out"), "cpu")
-    g.session.run_with_iobinding(io)
+    span = span_of(active)
+    call = rows_call(rt, g, kv, [slot], span, {"hidden_out": 1})
+    call.run(hidden, active, past, span)
     kv.advance(active, slot, slot + 1)
     out = np.zeros((kv.rows, 1, hidden.shape[-1]), dtype=rt.np_dtype)
-    out[span] = io.get_outputs()[2].numpy()  # after the present key and value
+    out[span] = call.outputs["hidden_out"]
     return out

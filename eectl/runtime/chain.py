@@ -47,7 +47,7 @@ import numpy as np
 from eectl.errors import UsageError
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import Signal, graph_thresholds
-from eectl.runtime.batch import BatchKV, _past, _rows
+from eectl.runtime.batch import _past
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.ort import Graph, _ort
 from eectl.runtime.placement import HOST, Placement, Read
@@ -204,16 +204,7 @@ class DecodeChain:
         [1, n, H], the length scalars."""
         rt, g = self.rt, self.rt.segments[s]
         lo, hi = rt.manifest.segments[s].layers
-        for j, layer in enumerate(range(lo, hi)):
-            k, v = self.kv.keys[self.row][layer], self.kv.values[self.row][layer]
-            if self.rows > 1:  # the span's rows of the batch buffers (runtime/batch.py binds batched calls so)
-                assert isinstance(self.kv, BatchKV)
-                first, last = self.row, self.row + self.rows
-                k, v = (_rows(b[layer], first, last, rt.np_dtype) for b in (self.kv.batch_keys, self.kv.batch_values))
-            rt._bind_array(io, g.names("past_key")[j], k)
-            rt._bind_array(io, g.names("past_value")[j], v)
-            rt._bind_array(io, g.names("present_key")[j], k, output=True)
-            rt._bind_array(io, g.names("present_value")[j], v, output=True)
+        rt.bind_kv(io, g, self.kv, range(lo, hi), self.row, self.row + self.rows)
         rt._bind_array(io, g.name("seqlens_k"), seqlens_k)
         rt._bind_array(io, g.name("total_sequence_length"), total)
         rt._bind_array(io, g.name("hidden"), x)

@@ -5,8 +5,9 @@ GroupQueryAttention, which writes the new positions in place (sessions.py; batch
 one [rows, ...] buffer per layer). The length counters (`filled`) change only through `KVBuffers.span` + `advance`,
 `rollback` and `seek`: the one place a row's length is checked and moved.
 
-What this module does not do: bind the buffers to graph calls (ArtifactRuntime.kv_call, batch.bind_rows) or hold a
-batch's buffers (batch.BatchKV: one [rows, ...] buffer per layer, viewed per row).
+What this module does not do: bind the buffers to graph calls (`ArtifactRuntime.bind_kv`, the one place a graph's
+K/V are bound, over `KVBuffers.rows_of`) or hold a batch's buffers (batch.BatchKV: one [rows, ...] buffer per layer,
+viewed per row).
 """
 
 from __future__ import annotations
@@ -40,7 +41,15 @@ class KVBuffers:
     values: list[list[Any]]
     filled: np.ndarray  # [rows, layers] int
     max_len: int
-    calls: dict[tuple[Any, int, bool], _Call] = field(default_factory=dict)  # (session, row, states) -> binding
+    # the bindings kept on these buffers (they bind them by address): (session, first row, rows, outputs) -> binding
+    calls: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+
+    def rows_of(self, slot: int, first: int, last: int) -> tuple[Any, Any]:
+        """The key and value buffers of rows [first, last) at KV slot `slot`, as one call binds them (no copy). Plain
+        buffers are per row: one row at a time (batch.BatchKV spans several)."""
+        if last != first + 1:
+            raise ValueError(f"rows {first}..{last - 1}: these KV buffers are bound one row at a time")
+        return self.keys[first][slot], self.values[first][slot]
 
     # The length counters change only through these: a call's new positions (`span`, then `advance`), a rollback
     # (verify's rejected drafts), and `seek` (a timing loop or a check placing a call at a chosen position).

@@ -2,8 +2,8 @@
 
 The single-row graph calls go through here (export's validation and `eectl run` alike); the batched calls
 (batch.py, blocks.py), the bound chain (chain.py: one row, or a batch at full depth) and the device ops bind the same
-`Graph` sessions' IO themselves. The KV cache (kv.py) is bound in place: nothing is concatenated or copied per
-token. The shared tables and the packed heads are tables.py's.
+`Graph` sessions' IO themselves, their K/V always through `bind_kv` (the one place a call's KV buffers are bound).
+The KV cache (kv.py) is bound in place: nothing is concatenated or copied per token. The shared tables and the packed heads are tables.py's.
 
 Per-token cost outside the kernels is kept small: each (graph, row) keeps one IO binding with its KV buffers and
 its scalar inputs bound once (the scalars are updated in place), so a call rebinds only the hidden states and
@@ -253,19 +253,25 @@ class ArtifactRuntime:
         g.session.run_with_iobinding(call.io)
         return out
 
+    def bind_kv(self, io: Any, g: Graph, kv: KVBuffers, slots: Sequence[int], first: int, last: int) -> None:
+        """Bind graph `g`'s layers' K/V to rows [first, last) of the buffers at `slots` (its j-th layer at slots[j]),
+        past and present the same memory: GQA writes the new positions in place. The one place a graph call's K/V
+        are bound (single-row calls, batched calls, padded prompts, the bound chain; segments and block exit heads)."""
+        for j, slot in enumerate(slots):
+            k, v = kv.rows_of(slot, first, last)
+            self._bind_array(io, g.names("past_key")[j], k)
+            self._bind_array(io, g.names("past_value")[j], v)
+            self._bind_array(io, g.names("present_key")[j], k, output=True)
+            self._bind_array(io, g.names("present_value")[j], v, output=True)
+
     def kv_call(self, g: Graph, kv: KVBuffers, row: int, slots: Sequence[int], states: bool = False) -> _Call:
         """The kept binding of graph `g` for `row`: its layers' K/V bound to the row's buffers at `slots` (past and
         present share them) and the scalars, bound on the first call. Segments and block exit heads alike."""
-        key = (g.session, row, states)
+        key = (g.session, row, 1, states)
         call = kv.calls.get(key)
         if call is None:
             call = _Call(g.binding())
-            for j, slot in enumerate(slots):
-                k, v = kv.keys[row][slot], kv.values[row][slot]
-                self._bind_array(call.io, g.names("past_key")[j], k)
-                self._bind_array(call.io, g.names("past_value")[j], v)
-                self._bind_array(call.io, g.names("present_key")[j], k, output=True)
-                self._bind_array(call.io, g.names("present_value")[j], v, output=True)
+            self.bind_kv(call.io, g, kv, slots, row, row + 1)
             self._bind_array(call.io, g.name("seqlens_k"), call.seqlens_k)
             self._bind_array(call.io, g.name("total_sequence_length"), call.total)
             kv.calls[key] = call
