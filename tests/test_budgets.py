@@ -234,3 +234,83 @@ def test_the_needs_line_is_the_cost_models_break_even():
     assert layer == 4 and line.endswith("these heads reach 10% (calibration's menu)")
     manifest["plan"]["default"] = "verify"  # exits run already: no bar to state
     assert _needs(manifest, {"target": 0.99, "options": [option, loose]}) == ""
+
+
+def test_the_next_budget_time_scales_only_the_sized_phases():
+    """A stage that reports phases: each sized phase scaled by its size (a state cache's by what the next budget adds
+    to it), the fixed ones and the stage's unaccounted time kept; the old whole-stage scaling is not it."""
+    from eectl.phases import Phases
+    from eectl.pipeline.runner import StageRun
+    from eectl.pipeline.verdict import _budget_lines, _estimate
+
+    q, s = BUDGETS["quick"], BUDGETS["standard"]
+    heads = Phases()
+    heads.add("load data and model", 20.0)
+    heads.add("state cache: train text", 10.0, "text_tokens")
+    heads.add("state cache: held-out text", 4.0, "held_tokens")
+    heads.add("train heads", 10.0, "train_tokens")
+    heads.add("probes", 2.0, "probe_tokens")
+    stage = StageRun("train-heads", 50.0, "ran", phases=heads)  # 4 s outside every phase
+    grown = {
+        "text": 10.0 * (s.text_tokens - q.text_tokens) / q.text_tokens,  # the next cache extends this one
+        "held": 0.0,  # the held-out part is the same in every budget: there already
+        "train": 10.0 * (s.cache_tokens // 64 * 64) / (q.cache_tokens // 32 * 32),
+        "probes": 2.0 * s.probe_tokens / q.probe_tokens,
+    }
+    want = 20.0 + 4.0 + sum(grown.values())
+    assert _estimate(stage, q, s) == pytest.approx(want)
+    whole = 50.0 * (s.cache_tokens + s.probe_tokens) / (q.cache_tokens + q.probe_tokens)  # the old formula
+    assert _estimate(stage, q, s) < 0.75 * whole
+
+    profile = Phases()
+    profile.add("logit lens", 8.0, "profile_tokens")
+    stages = [StageRun("profile", 10.0, "ran", phases=profile), StageRun("export", 5.0, "ran"), stage]
+    lines = _budget_lines(apply_budget(Recipe(name="r"), "quick"), stages)
+    total = 2.0 + 8.0 * s.profile_tokens / q.profile_tokens + 5.0 + want
+    assert f"about {total / 60:.0f} min" in lines[1] and "an estimate from this run's phases" in lines[1]
+
+
+def test_a_stage_without_phases_is_scaled_whole_and_a_reused_state_cache_is_not_estimated():
+    from eectl.phases import Phases
+    from eectl.pipeline.runner import StageRun
+    from eectl.pipeline.verdict import _budget_lines, _estimate
+
+    q, s = BUDGETS["quick"], BUDGETS["standard"]
+    bare = StageRun("calibrate", 30.0, "ran", result=object())  # a result without phases
+    assert bare.phases is None
+    assert _estimate(bare, q, s) == pytest.approx(30.0 * s.calibrate_tokens / q.calibrate_tokens)
+    assert _estimate(StageRun("run", 3.0, "ran"), q, s) == 3.0  # a stage no size names
+    split = Phases()
+    split.add("logit lens", 8.0, "profile_tokens")
+    r = apply_budget(Recipe(name="r"), "quick")
+    line = _budget_lines(r, [StageRun("profile", 10.0, "ran", phases=split), bare])[1]
+    assert "an estimate from this run's phases" in line and "calibrate scaled whole" in line
+
+    class Result:  # a stage function's result: the pipeline carries its phases
+        phases = Phases(reused="the state cache was there")
+
+    reused = StageRun("train-heads", 12.0, "ran", result=Result())
+    assert reused.phases is Result.phases
+    line = _budget_lines(r, [bare, reused])[1]
+    assert "not estimated: train-heads: the state cache was there" in line and "about" not in line
+
+
+def test_phases_add_up_and_keep_their_size():
+    from eectl.phases import FIXED, Phases
+
+    p = Phases()
+    with p.time("load"):
+        pass
+    p.add("train", 2.0, "train_tokens")
+    p.add("train", 1.5, "train_tokens")
+    assert p.phases["train"].seconds == 3.5 and p.phases["train"].size == "train_tokens"
+    assert p.phases["load"].size == FIXED and p.seconds == pytest.approx(3.5 + p.phases["load"].seconds)
+    assert p.describe().startswith("load 0.0 s (fixed), train 3.5 s (train_tokens)")
+
+
+def test_every_size_a_phase_names_is_a_budget_size():
+    from eectl.contracts.budgets import EXTENDED, SIZES
+
+    assert set(SIZES) >= EXTENDED
+    for b in BUDGETS.values():
+        assert all(size(b) > 0 for size in SIZES.values())

@@ -68,9 +68,20 @@ def _small_spec(layers, text_tokens=200):
 
 
 def test_state_cache_holds_the_base_states_and_resumes(llama, gsm8k, tmp_path):
+    from eectl.phases import Phases
+
     spec = _small_spec([2, 4])
-    cache = build_cache(llama, gsm8k, spec, tmp_path / "c")
+    phases = Phases()
+    cache = build_cache(llama, gsm8k, spec, tmp_path / "c", phases=phases)
     assert cache.tokens("train", "text") >= 200 and cache.tokens("train", "gen") >= 40
+    # each part's time with the budget size it scales with (the pipeline's verdict scales them)
+    assert {n: p.size for n, p in phases.phases.items()} == {
+        "state cache: train text": "text_tokens",
+        "state cache: train continuations": "gen_tokens",
+        "state cache: held-out text": "held_tokens",
+        "state cache: held-out continuations": "held_tokens",
+    }
+    assert phases.reused == "" and all(p.seconds > 0 for p in phases.phases.values())
     assert cache.tokens("held", "text") == 64 and cache.tokens("held", "gen") >= 4
     adapter = llama.adapter
     assert set(cache.timing) == {"text base", "generation", "teacher", "write"}
@@ -94,7 +105,9 @@ def test_state_cache_holds_the_base_states_and_resumes(llama, gsm8k, tmp_path):
     # a second build with a larger budget keeps the sequences already there and adds new ones
     before = {e.file: (cache.folder / e.file).stat().st_mtime_ns for e in cache.entries}
     spec.text_tokens = 260
-    bigger = build_cache(llama, gsm8k, spec, tmp_path / "c")
+    again = Phases()
+    bigger = build_cache(llama, gsm8k, spec, tmp_path / "c", phases=again)
+    assert again.reused == "part of the state cache was there"  # its phases are not a fresh build's
     assert all((bigger.folder / f).stat().st_mtime_ns == t for f, t in before.items())
     assert bigger.tokens("train", "text") > cache.tokens("train", "text")
     assert open_cache(tmp_path / "c").tokens("train") == bigger.tokens("train")
@@ -124,6 +137,13 @@ def test_cached_training_lowers_held_out_kl_and_resumes_bit_identically(llama, g
     res = train_cached(llama, cache, TrainConfig(**cfg), tmp_path / "a.safetensors")
     for b, a in zip(res.meta.report["before"]["exits"], res.meta.report["after"]["exits"], strict=True):
         assert a["kl"] < b["kl"]
+    sizes = {
+        "train heads": "train_tokens",
+        "probes": "probe_tokens",
+        "held-out report": "fixed",
+        "write heads": "fixed",
+    }
+    assert {n: p.size for n, p in res.phases.phases.items()} == sizes and res.phases.reused == ""
     # stop after step 6 (a checkpoint), resume: the same heads as the uninterrupted run, bit for bit
 
     def stop(step, _tokens, _kl):
@@ -132,13 +152,14 @@ def test_cached_training_lowers_held_out_kl_and_resumes_bit_identically(llama, g
 
     with pytest.raises(KeyboardInterrupt):
         train_cached(llama, cache, TrainConfig(**cfg), tmp_path / "b.safetensors", on_step=stop)
-    train_cached(
+    resumed = train_cached(
         llama,
         cache,
         TrainConfig(**cfg),
         tmp_path / "b.safetensors",
         resume=checkpoint_path(tmp_path / "b.safetensors"),
     )
+    assert resumed.phases.reused == "training resumed at step 6"
     a_heads = load_heads(tmp_path / "a.safetensors", llama)
     b_heads = load_heads(tmp_path / "b.safetensors", llama)
     assert a_heads.meta.design == design

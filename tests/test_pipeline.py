@@ -117,6 +117,17 @@ bench: {{prompts: 1, max_new_tokens: 3, reps: 1, configs: [full], ppl_tokens: 0,
     assert run.artifact == str(done.plan.artifact) and run.batch_size == 1 and len(run.reports) == 1
     assert done.plan.folder == folder and (folder / done.plan.name / "manifest.json").is_file()
     assert done.stages[5].result.files[0] == done.plan.report and done.verdict.startswith("bench verdict: ")
+    # where the time went, each phase with the budget size it scales with (eectl/phases.py; the verdict scales them)
+    sizes = {s.stage: {n: p.size for n, p in s.phases.phases.items()} for s in done.stages if s.phases is not None}
+    assert sizes["profile"] == {"logit lens": "profile_tokens", "plot and report": "fixed"}
+    assert sizes["calibrate"] == {
+        "load data, model and heads": "fixed",
+        "measure exits": "calibrate_tokens",
+        "fit thresholds": "calibrate_tokens",
+    }
+    assert sizes["bench"]["timed repetitions"] == "bench_tokens" and sizes["bench"]["warm-up"] == "fixed"
+    assert sizes["train-heads"] == {}  # heads trained on the fly (no state cache): scaled whole
+    assert all(0 < s.phases.seconds <= s.seconds for s in done.stages if s.phases is not None and s.phases.phases)
 
     again = run_pipeline(recipe, "12 clips", Output(quiet=True), threads=1, folder=folder)
     work = {s.stage: s for s in again.stages}

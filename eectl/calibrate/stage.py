@@ -26,6 +26,7 @@ from eectl.exits.candidates import DEFAULT_CANDIDATES, DEFAULT_SHORTLIST
 from eectl.files import existing_file
 from eectl.output import Output
 from eectl.output_checks import check_outputs, input_file
+from eectl.phases import Phases
 
 
 @dataclass
@@ -60,11 +61,12 @@ class CalibrateResult:
     calibration: Calibration
     path: Path  # where it was written
     device: str = "cpu"  # where it was measured (models/device.py's name)
+    phases: Phases = dataclasses.field(default_factory=Phases)  # where the time went (eectl/phases.py)
 
 
 def calibrate(recipe: Recipe, req: CalibrateRequest, out: Output) -> CalibrateResult:
     """Per-exit thresholds measured on the recipe's model and data, written as a calibration file."""
-    from eectl.calibrate.calibrator import calibrate_model, check_options
+    from eectl.calibrate.calibrator import check_options, collect, summarise
     from eectl.contracts.calibration import write_calibration
     from eectl.contracts.layers import default_exits
     from eectl.data import load_text_data
@@ -82,18 +84,20 @@ def calibrate(recipe: Recipe, req: CalibrateRequest, out: Output) -> CalibrateRe
     src = pick(req.data, r.data.source)
     ins = [("--data", input_file(src)), ("--heads", req.heads), ("--recipe", input_file(req.recipe_file))]
     check_outputs([("--out", req.out, [])], ins)
-    text = load_text_data(src, pick(req.field, r.data.field))
-    out.log(f"loading {pick(req.model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
-    loaded = load_model(pick(req.model, r.model), log=out, int4=r.int4_twin())
-    loaded.model.to(device)
-    opts.exits = opts.exits or default_exits(loaded.adapter.num_layers)
-    head_modules = None
-    if req.heads is not None:
-        from eectl.exits.designs import load_heads
+    phases = Phases()
+    with phases.time("load data, model and heads"):
+        text = load_text_data(src, pick(req.field, r.data.field))
+        out.log(f"loading {pick(req.model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
+        loaded = load_model(pick(req.model, r.model), log=out, int4=r.int4_twin())
+        loaded.model.to(device)
+        opts.exits = opts.exits or default_exits(loaded.adapter.num_layers)
+        head_modules = None
+        if req.heads is not None:
+            from eectl.exits.designs import load_heads
 
-        head_modules = dict(load_heads(req.heads, loaded).heads)  # checks the heads were trained on this checkpoint
-        for head in head_modules.values():
-            head.to(device)
+            head_modules = dict(load_heads(req.heads, loaded).heads)  # checks the heads were trained on this model
+            for head in head_modules.values():
+                head.to(device)
     opts.signal = choose_signal(pick(req.signal, r.signal), head_modules, opts.exits)
     check_options(opts, loaded.adapter.num_layers, loaded.adapter.dims.vocab_size)
     path = req.out or Path("artifacts") / f"{loaded.source.name}-calibration.json"
@@ -103,10 +107,12 @@ def calibrate(recipe: Recipe, req: CalibrateRequest, out: Output) -> CalibrateRe
         f"{opts.generated_tokens} generated), signal {opts.signal}, target {opts.target}, on {device_name(device)}, "
         f"{req.threads} threads"
     )
-    with out.progress("calibrate", total=opts.tokens) as bar:
-        result = calibrate_model(loaded, text, opts, head_modules, req.heads, on_tokens=lambda n: bar.advance(n))
+    with out.progress("calibrate", total=opts.tokens) as bar, phases.time("measure exits", "calibrate_tokens"):
+        collected = collect(loaded, text, opts, head_modules, on_tokens=lambda n: bar.advance(n))
+    with phases.time("fit thresholds", "calibrate_tokens"):
+        result = summarise(loaded, text, opts, collected, head_modules, req.heads)  # calibrator.calibrate_model
     write_calibration(result, path)
-    return CalibrateResult(result, path, device_name(device))
+    return CalibrateResult(result, path, device_name(device), phases)
 
 
 def options(r: Recipe, req: CalibrateRequest) -> CalibrateOptions:

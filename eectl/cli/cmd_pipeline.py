@@ -74,6 +74,10 @@ def _pipeline(recipe: Path, prompt: str, cache: bool, dry_run: bool, threads: in
     out.err.rule("[bold]done[/bold]")
     rows = [(s.stage, f"{s.seconds:.1f}", s.work) for s in done.stages]
     out.table("stage times", ["stage", "seconds", "work"], [*rows, ("total", f"{done.seconds:.1f}", "")])
+    for s in done.stages:  # where each stage's time went, with what it scales with (eectl/phases.py)
+        if s.phases is not None and s.phases.phases:
+            rest = s.seconds - s.phases.seconds
+            out.line(f"{s.stage} phases: {s.phases.describe()}, the rest {rest:.1f} s (fixed)")
     p = done.plan
     out.line(f"artifact: {p.artifact}\nbench report: {p.report}\nprofile plot: {p.profile_plot}")
     if done.verdict:

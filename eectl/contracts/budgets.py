@@ -16,6 +16,7 @@ measured and reported by the pipeline).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,23 @@ def prompts_needed(tokens: int, gen_share: float, held_tokens: int) -> int:
     records (heads/state_cache_build.py `_split_data` holds out 4x the held-out continuations' need)."""
     gen, held_gen = round(tokens * gen_share), round(held_tokens * gen_share)
     return math.ceil(gen / GEN_LEN) + math.ceil(4 * held_gen / GEN_LEN)
+
+
+# What a stage's phase scales with (eectl/phases.py): the budget's size of that name. The pipeline's verdict scales
+# a phase's time by the next budget's size over this one's.
+SIZES: dict[str, Callable[[Budget], float]] = {
+    "profile_tokens": lambda b: b.profile_tokens,
+    "text_tokens": lambda b: b.text_tokens,  # the state cache's teacher-forced training tokens
+    "gen_tokens": lambda b: b.gen_tokens,  # its greedy continuations' training tokens
+    "held_tokens": lambda b: HELD_TOKENS,  # its held-out part (text and continuations): the same in every budget
+    "train_tokens": lambda b: b.cache_tokens // b.batch_tokens * b.batch_tokens,  # heads training: steps x batch
+    "probe_tokens": lambda b: b.probe_tokens,
+    "calibrate_tokens": lambda b: b.calibrate_tokens,
+    "bench_tokens": lambda b: b.bench_prompts * b.bench_tokens * b.bench_reps,  # the timed repetitions
+    "bench_answers": lambda b: b.bench_prompts * b.bench_tokens,  # one pass over the prompts (agreement, sweep)
+}
+# the sizes of the state cache: a larger budget's extends this one's, so its build computes only what this one lacks
+EXTENDED = frozenset({"text_tokens", "gen_tokens", "held_tokens"})
 
 
 BUDGETS: dict[str, Budget] = {

@@ -24,6 +24,7 @@ What this module does not do: export or calibrate.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ from eectl.evaluate.stats import (
     wilson,
 )
 from eectl.evaluate.timing import _aa_interval, _gate_reps, _gated, _Run, _Timing
+from eectl.phases import Phases
 from eectl.run.generate import RunOptions, check_options, choose_plan, load_tokenizer, resolve_config
 from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
@@ -226,10 +228,14 @@ def run_bench(
     answers: list[str | None] | None = None,
     log: Any = None,
     progress: Callable[[int], None] | None = None,
+    phases: Phases | None = None,
 ) -> BenchResult:
     """Run the configurations interleaved; `progress(1)` after each prompt generated and each perplexity pass
-    (bench_units gives the total)."""
+    (bench_units gives the total). `phases` gets where the time went, each part with the budget size it scales
+    with (eectl/phases.py)."""
     _check_options(opts, prompts)
+    phases = phases if phases is not None else Phases()
+    t0 = time.perf_counter()
     rt = open_runtime(artifact, opts)
     choose_plan(rt, opts.profile_costs, opts.max_risk, log.log if log is not None else None)
     m = rt.manifest
@@ -238,6 +244,7 @@ def run_bench(
     tok = load_tokenizer(rt)
     ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
     configs = Configs(rt, opts, tuple(m.eos_token_ids), progress)
+    phases.add("open the artifact", time.perf_counter() - t0)
     if log is not None:
         for cfg in configs.configs.values():
             if cfg.note:
@@ -246,18 +253,24 @@ def run_bench(
             log.log(COMPARE_NOTE)
     # the A/A control always runs; the Williams design puts it and full at different positions in every order
     order = ["full", AA, *[c for c in opts.configs if c not in ("full", AA)]]
-    timing = _gated(configs, order, ids, opts, log)
+    with phases.time("timed repetitions", "bench_tokens"):
+        timing = _gated(configs, order, ids, opts, log)
+    phases.add("timed repetitions", -timing.warmup_s)
+    phases.add("warm-up", timing.warmup_s)
     runs = timing.runs
     verdict, resolution, load = _noise(timing)
     full_tokens = runs["full"][0].generations
     results = [_result(name, timing, configs, tok, answers, verdict) for name in order]
     _readings(results, verdict, resolution)
-    _lookup_models(configs, results, ids, runs)
-    _step_agreements(configs, runs, ids, results)
+    with phases.time("agreement", "bench_answers"):
+        _lookup_models(configs, results, ids, runs)
+        _step_agreements(configs, runs, ids, results)
     if heldout:
-        _perplexities(configs, results, tok, heldout, log)
+        with phases.time("perplexity"):  # bench.ppl_tokens: the same in every budget
+            _perplexities(configs, results, tok, heldout, log)
     river_kv = _river_kv(configs, ids, log)
-    sweep = _sweep(configs, ids, full_tokens)
+    with phases.time("threshold sweep", "bench_answers"):
+        sweep = _sweep(configs, ids, full_tokens)
     check = _certificate_check(cert, runs, tok, answers, opts.max_new_tokens)
     default, plan_line = (m.plan.default, m.plan.summary()) if m.plan is not None else ("", "")
     for line in configs.memory.lines() if log is not None else []:

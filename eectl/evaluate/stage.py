@@ -16,6 +16,7 @@ from eectl.errors import UsageError
 from eectl.evaluate.results import BenchOptions, BenchResult
 from eectl.output import Output
 from eectl.output_checks import check_outputs, input_file
+from eectl.phases import Phases
 
 
 @dataclass
@@ -41,6 +42,7 @@ class BenchRequest:
 class BenchRun:
     result: BenchResult
     files: list[Path]  # the report's files, the markdown first ([] without a report)
+    phases: Phases = dataclasses.field(default_factory=Phases)  # where the time went (eectl/phases.py)
 
 
 def bench(recipe: Recipe, req: BenchRequest, out: Output) -> BenchRun:
@@ -77,6 +79,11 @@ def bench(recipe: Recipe, req: BenchRequest, out: Output) -> BenchRun:
     heldout = heldout_texts(text.texts) if ppl_tokens > 0 else None
     answers = gsm8k_answers(text.texts[window])
     add_artifact_configs(opts, read_manifest(req.artifact, verify_hashes=False))  # counted in the progress total
+    phases = Phases()
     with out.progress("bench", total=bench_units(opts, n)) as bar:
-        result = run_bench(req.artifact, text.prompts[window], opts, heldout, answers, log=out, progress=bar.advance)
-    return BenchRun(result, write_report(result, req.report) if req.report is not None else [])
+        result = run_bench(
+            req.artifact, text.prompts[window], opts, heldout, answers, log=out, progress=bar.advance, phases=phases
+        )
+    with phases.time("report"):
+        files = write_report(result, req.report) if req.report is not None else []
+    return BenchRun(result, files, phases)

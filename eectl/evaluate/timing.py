@@ -138,6 +138,7 @@ class _Timing:
     # per repetition, per block: the instance every configuration ran it on (`block_instance`)
     instances: list[list[int]] = field(default_factory=list)
     paired_instances: bool = False  # whether the configurations alternated between two instances (--compare)
+    warmup_s: float = 0.0  # the warm-up before the first repetition (one prompt per configuration and instance)
 
     def array(self, name: str) -> np.ndarray:
         return np.array(self.blocks[name], dtype=np.float64)
@@ -186,10 +187,12 @@ def _timed(
     b = configs.opts.batch_size
     block_ids = [ids[i : i + b] for i in range(0, len(ids), b)]
     if timing is None:
+        t0 = time.perf_counter()
         for instance in range(configs.instances):
             for name in order:
                 configs.once(name, ids[:1], instance=instance)
         timing = _Timing({n: [] for n in order}, {n: [] for n in order}, {}, paired_instances=configs.instances > 1)
+        timing.warmup_s = time.perf_counter() - t0
         if log is not None:
             log.log(
                 f"warm-up, then {len(reps)} repetitions of {', '.join(order)}, interleaved on each of "

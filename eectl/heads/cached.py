@@ -53,6 +53,7 @@ from eectl.heads.run_setup import KLLog, lr_at
 from eectl.heads.state_cache import StateCache
 from eectl.models.adapters import Adapter
 from eectl.models.device import device_name, resolve_device, to_device
+from eectl.phases import FIXED, Phases
 
 
 def make_stack(adapter: Adapter, config: TrainConfig) -> HeadStack:
@@ -108,19 +109,23 @@ def train_cached(
     resume: Path | None = None,
     on_step: Callable[[int, int, dict[int, float]], None] | None = None,
     log: Callable[[str], None] | None = None,
+    phases: Phases | None = None,
 ) -> TrainResult:
     """Train `config.design` heads from the cache; write `out` (+ .json) and `<out>.ckpt`; report on the held split.
 
     Moves the model to `config.device`; the cache stays on the host and each step's rows go to the device (the
     index arithmetic is done on the host). `on_step(step, tokens_so_far, kl_per_exit)` after every optimiser step,
-    with the latest KL on the host (`KLLog`: up to 15 steps old)."""
+    with the latest KL on the host (`KLLog`: up to 15 steps old). The result's phases are `phases` (a new one if
+    None) with training, probes and the held-out report added (eectl/phases.py)."""
     say = log or (lambda _m: None)
+    phases = phases if phases is not None else Phases()
     adapter = loaded.adapter
     config.exits = sorted(config.exits)
     config.check_cache(cache)
     exits = config.exits
     device = resolve_device(config.device)
     model = loaded.model.eval().requires_grad_(False).to(device)
+    t_train = time.perf_counter()  # the training phase: its set-up (the cache's shortlist) and its steps
     entries = cache.split("train", config.sources)
     if not entries:
         raise UsageError(f"the state cache has no training sequences from {config.sources}")
@@ -146,6 +151,7 @@ def train_cached(
     start = time.perf_counter()
     train_s = 0.0
     stack.train()
+    steps_from = step
     while step < config.steps:
         t0 = time.perf_counter()
         total, kl = _cached_loss(adapter, lens, cache, entries, stream, stack, config, step, shortlist)
@@ -163,17 +169,23 @@ def train_cached(
         if on_step is not None:
             on_step(step, step * config.batch_tokens, kl_log.last(exits))
     kl_log.flush()
+    phases.add("train heads", time.perf_counter() - t_train, "train_tokens" if steps_from == 0 else FIXED)
+    if steps_from > 0:
+        phases.reused = f"training resumed at step {steps_from}"
     stack.eval()
     if any(p.requires_grad for p in model.parameters()):
         raise EectlError("internal: a base model parameter was unfrozen during training")
-    probe_fit = _cached_probes(adapter, cache, config, stack, say)
-    report = _held_report(adapter, cache, config, stack, say)
+    with phases.time("probes", "probe_tokens"):
+        probe_fit = _cached_probes(adapter, cache, config, stack, say)
+    with phases.time("held-out report"):
+        report = _held_report(adapter, cache, config, stack, say)
     meta = _cached_meta(loaded, cache, config, stream, stack, history, report, train_s)
     meta.probe = None if probe_fit is None else probe_fit.meta()
-    result = TrainResult(meta, out, sidecar_path(out), ckpt)
+    result = TrainResult(meta, out, sidecar_path(out), ckpt, phases=phases)
     result.wall_s = time.perf_counter() - start
     meta.training["wall_s"] = round(result.wall_s, 2)
-    save_heads(stack, meta, out)
+    with phases.time("write heads"):
+        save_heads(stack, meta, out)
     return result
 
 

@@ -17,7 +17,7 @@ What this module does not do: train, read data or build a state cache.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ from eectl.exits.designs import BLOCK_INITS, DESIGNS, SEQUENCE_DESIGNS, check_de
 from eectl.exits.probe import ProbeConfig
 from eectl.heads.losses import DEFAULT_SHORTLIST, DEFAULT_TAIL_SAMPLES, LOSSES
 from eectl.models.device import check_device
+from eectl.phases import Phases
 
 if TYPE_CHECKING:
     from eectl.heads.state_cache import StateCache
@@ -147,6 +148,7 @@ class TrainResult:
     checkpoint: Path
     main: bool = True  # False on the non-zero ranks of a distributed run (they write and print nothing)
     wall_s: float = 0.0
+    phases: Phases = field(default_factory=Phases)  # where the time went (from a state cache; eectl/phases.py)
 
     def to_dict(self) -> dict[str, Any]:
         meta = {} if self.meta is None else self.meta.model_dump(mode="json")

@@ -175,11 +175,14 @@ def _train_cached(r: Recipe, req: HeadsRequest, config: TrainConfig, out: Output
     from eectl.heads.state_cache_build import build_cache
     from eectl.models import load_model
     from eectl.models.device import device_name, resolve_device
+    from eectl.phases import Phases
 
+    phases = Phases()
     device = resolve_device(config.device)  # a missing GPU refused before the model loads
-    text = load_text_data(pick(req.data, r.data.source), pick(req.field, r.data.field))
-    loaded = load_model(pick(req.model, r.model), log=out, int4=r.int4_twin())
-    loaded.model.to(device)  # the cache is built there too
+    with phases.time("load data and model"):
+        text = load_text_data(pick(req.data, r.data.source), pick(req.field, r.data.field))
+        loaded = load_model(pick(req.model, r.model), log=out, int4=r.int4_twin())
+        loaded.model.to(device)  # the cache is built there too
     config.exits = config.exits or default_exits(loaded.adapter.num_layers)
     n = pick(req.tokens, r.heads.tokens)
     spec = CacheSpec.for_budget(config.exits, n, pick(req.gen_share, r.heads.gen_share), config.eval_tokens)
@@ -195,7 +198,7 @@ def _train_cached(r: Recipe, req: HeadsRequest, config: TrainConfig, out: Output
             done[0] += k
             bar.advance(k, info=f"{done[0] / max(time.perf_counter() - start, 1e-9):.0f} tokens/s")
 
-        state_cache = build_cache(loaded, text, spec, folder, on_tokens, out.log)
+        state_cache = build_cache(loaded, text, spec, folder, on_tokens, out.log, phases)
     batch = config.batch_tokens
     out.log(
         f"training {config.design} heads at exits {config.exits}: {config.steps} steps of {batch} tokens from "
@@ -203,7 +206,9 @@ def _train_cached(r: Recipe, req: HeadsRequest, config: TrainConfig, out: Output
     )
     with out.progress("train-heads", total=config.steps) as bar:
         on_step = _on_step(bar, batch)
-        return train_cached(loaded, state_cache, config, path, req.resume, lambda s, _, kl: on_step(s, kl), out.log)
+        return train_cached(
+            loaded, state_cache, config, path, req.resume, lambda s, _, kl: on_step(s, kl), out.log, phases
+        )
 
 
 def _probe_only(r: Recipe, req: HeadsRequest, cache_dir: Path | None, out: Output) -> ProbesResult:

@@ -28,6 +28,7 @@ from eectl.heads.state_cache import (
     read_sequence,
     write_sequence,
 )
+from eectl.phases import Phases
 
 
 def _identity(loaded: Any, data: Any, spec: CacheSpec) -> dict[str, Any]:
@@ -60,13 +61,16 @@ def build_cache(
     folder: Path,
     on_tokens: Callable[[int], None] | None = None,
     log: Callable[[str], None] | None = None,
+    phases: Phases | None = None,
 ) -> StateCache:
     """Compute (or finish computing) the cache for `spec` in `folder`; an existing cache of another identity is
     refused, an identical one is reused, a complete one that lacks only some of the layers is widened to them
-    (`widen_cache`). Text chunks first, then generated sequences, per split."""
+    (`widen_cache`). Text chunks first, then generated sequences, per split. `phases` gets each part's time with
+    the budget size it scales with (eectl/phases.py), and a note when part of the cache was there already."""
     from eectl.files import atomic_write as _atomic_write
 
     say = log or (lambda _m: None)
+    phases = phases if phases is not None else Phases()
     adapter = loaded.adapter
     spec.check(adapter.num_layers)
     spec.layers = sorted(spec.layers)
@@ -77,6 +81,7 @@ def build_cache(
         if old.get("identity") != identity:
             if _only_layers_differ(old.get("identity"), identity):
                 if old.get("complete") and old.get("budgets") == {k: getattr(spec, k) for k in _BUDGETS}:
+                    phases.reused = "the state cache was there (widened to more layers)"
                     return widen_cache(loaded, folder, spec.layers, spec.text_batch, on_tokens, log)
                 raise UsageError(
                     f"{folder} holds a state cache of other layers that is incomplete or has other token budgets",
@@ -87,6 +92,7 @@ def build_cache(
                 hint="pass another --cache folder, or delete this one",
             )
         if old.get("complete") and old.get("budgets") == {k: getattr(spec, k) for k in _BUDGETS}:
+            phases.reused = "the state cache was there"
             return open_cache(folder)
     folder.mkdir(parents=True, exist_ok=True)
     _atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps({"identity": identity, "complete": False})))
@@ -99,12 +105,19 @@ def build_cache(
         ("train", train_data, spec.text_tokens, spec.gen_tokens),
         ("held", held_data, spec.eval_text_tokens, spec.eval_gen_tokens),
     ]
+    if any(any((folder / split).glob("*.safetensors")) for split, *_ in plan):
+        phases.reused = "part of the state cache was there"
     for split, part, n_text, n_gen in plan:
         (folder / split).mkdir(exist_ok=True)
+        what, sizes = (
+            ("train", ("text_tokens", "gen_tokens")) if split == "train" else ("held-out", ("held_tokens",) * 2)
+        )
         if n_text > 0:
-            entries += _cache_text(adapter, tok, folder, split, part, n_text, spec, timing, on_tokens)
+            with phases.time(f"state cache: {what} text", sizes[0]):
+                entries += _cache_text(adapter, tok, folder, split, part, n_text, spec, timing, on_tokens)
         if n_gen > 0:
-            entries += _cache_generated(adapter, tok, folder, split, part, n_gen, spec, timing, on_tokens)
+            with phases.time(f"state cache: {what} continuations", sizes[1]):
+                entries += _cache_generated(adapter, tok, folder, split, part, n_gen, spec, timing, on_tokens)
         say(f"state cache: {split} part done ({sum(e.tokens for e in entries if e.split == split)} tokens)")
     build_s = time.perf_counter() - start
     doc = {

@@ -17,6 +17,7 @@ from typing import Any
 
 from eectl.contracts.recipe import Recipe, load_recipe
 from eectl.output import Output
+from eectl.phases import Phases
 from eectl.pipeline.steps import Plan, plan
 
 
@@ -35,6 +36,11 @@ class StageRun:
     seconds: float
     work: str  # "ran", "ran (...)" or "cached: ..." (pipeline/cache.py)
     result: Any = None  # the stage function's result; None when its output was reused
+    phases: Phases | None = None  # where the stage's time went (its result's; None: not split, or reused)
+
+    def __post_init__(self) -> None:
+        if self.phases is None and isinstance(getattr(self.result, "phases", None), Phases):
+            self.phases = self.result.phases
 
 
 @dataclass

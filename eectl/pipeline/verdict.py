@@ -6,7 +6,10 @@ menu) and the stage times of this run; nothing is re-measured. Three to five lin
   interval widened by the A/A reach: evaluate/stats.widened), when the bench was conclusive (else
   why there is no claim), and its fidelity (lossless, or token agreement);
 - plan: what the plan chose and why (its own summary);
-- budget: this budget's stage times; the next budget's time on this machine, scaled from this run's own stages;
+- budget: this budget's stage times; the next budget's time on this machine, estimated from this run's phases
+  (eectl/phases.py): each sized phase scaled by the next budget's size over this one's (the state cache's by what
+  the next one adds to it: a larger budget extends it), the rest of the stage (loading the model, creating sessions,
+  warm-ups) kept as it is; a stage that reports no phases scaled whole by its size (_SCALES);
 - needs (when the plan runs no exits): at the artifact's measured costs, the share of tokens that must exit at the
   cheapest exit with 99% agreement for lossless `verify` to clear the plan's line, against the share this run's
   heads reach.
@@ -22,10 +25,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eectl.contracts.budgets import BUDGETS, next_budget
+from eectl.contracts.budgets import BUDGETS, EXTENDED, SIZES, Budget, next_budget
 from eectl.contracts.recipe import Recipe
+from eectl.phases import FIXED, Phase
 
-# stage -> what its time scales with, per budget (a stage not listed takes the same time in every budget)
+# stage -> what its whole time scales with, per budget, for a stage that reports no phases (a stage not listed takes
+# the same time in every budget)
 _SCALES = {
     "profile": lambda b: b.profile_tokens,
     "train-heads": lambda b: b.cache_tokens + b.probe_tokens,
@@ -100,15 +105,47 @@ def _budget_lines(recipe: Recipe, stages: Sequence[Any]) -> list[str]:
     if len(ran) < len(stages):
         lines.append(f"budget {nxt.name}: {nxt.about} (time not estimated: some stages here were reused)")
         return lines
-    est = sum(s.seconds * _ratio(s.stage, here, nxt) for s in stages)
+    reused = [f"{s.stage}: {s.phases.reused}" for s in stages if getattr(s, "phases", None) and s.phases.reused]
+    if reused:
+        lines.append(f"budget {nxt.name}: {nxt.about} (time not estimated: {'; '.join(reused)})")
+        return lines
+    est = sum(_estimate(s, here, nxt) for s in stages)
+    whole = [s.stage for s in stages if s.stage in _SCALES and not _phases(s)]
+    how = "this run's stage times scaled by their sizes"
+    if any(_phases(s) for s in stages):
+        how = (
+            f"an estimate from this run's phases: each that grows with a size scaled to {nxt.name}'s, the state "
+            "cache extended, model loading, sessions and warm-ups kept"
+        )
+        how += f"; {', '.join(whole)} scaled whole" if whole else ""
     lines.append(
-        f"budget {nxt.name}: about {est / 60:.0f} min on this machine (this run's stage times scaled by their "
-        f"sizes); {nxt.about}; `--budget {nxt.name}`"
+        f"budget {nxt.name}: about {est / 60:.0f} min on this machine ({how}); {nxt.about}; `--budget {nxt.name}`"
     )
     return lines
 
 
-def _ratio(stage: str, here: Any, nxt: Any) -> float:
+def _estimate(stage: Any, here: Budget, nxt: Budget) -> float:
+    """A stage's seconds at the next budget: each sized phase scaled by its size (a state cache size by what the
+    next budget adds: it extends this one's), its fixed phases and unaccounted time as they were; a stage without
+    phases scaled whole (_SCALES)."""
+    phases = _phases(stage)
+    if not phases:
+        return float(stage.seconds) * _ratio(stage.stage, here, nxt)
+    seconds = float(stage.seconds)
+    for p in phases.values():
+        if p.size == FIXED:
+            continue
+        size = SIZES[p.size]
+        grown = size(nxt) - size(here) if p.size in EXTENDED else size(nxt)
+        seconds += p.seconds * (grown / max(size(here), 1) - 1.0)
+    return seconds
+
+
+def _phases(stage: Any) -> dict[str, Phase]:
+    return stage.phases.phases if getattr(stage, "phases", None) is not None else {}
+
+
+def _ratio(stage: str, here: Budget, nxt: Budget) -> float:
     scale = _SCALES.get(stage)
     return 1.0 if scale is None else scale(nxt) / max(scale(here), 1)
 

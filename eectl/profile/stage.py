@@ -14,6 +14,7 @@ from eectl.contracts.recipe import Recipe, pick
 from eectl.errors import UsageError
 from eectl.output import Output
 from eectl.output_checks import check_outputs, input_file
+from eectl.phases import Phases
 from eectl.profile.suite import Suite
 
 
@@ -42,6 +43,7 @@ class ProfileRun:
     lens_dtype: str
     threads: int | None
     device: str = "cpu"  # where the models ran (models/device.py's name)
+    phases: Phases = dataclasses.field(default_factory=Phases)  # where the time went (eectl/phases.py)
 
 
 def profile(recipe: Recipe, req: ProfileRequest, out: Output) -> ProfileRun:
@@ -89,11 +91,17 @@ def profile(recipe: Recipe, req: ProfileRequest, out: Output) -> ProfileRun:
             log=out.log,
             device=req.device,
         )
-    if plot is not None:
-        if len(suite.entries) == 1:
-            plot_profile(suite.entries[0].result, str(plot))
-        else:
-            plot_comparison(suite, plot)
-    if report is not None:
-        write_report(suite, report, plot)
-    return ProfileRun(suite, plot, report, req.lens_dtype, req.threads, device)
+    # the logit lens over the tokens (profile/lens.py's wall_s); loading the models and writing are the rest
+    phases = Phases()
+    phases.add("logit lens", sum(e.result.wall_s for e in suite.entries if not e.result.cached), "profile_tokens")
+    if any(e.result.cached for e in suite.entries):
+        phases.reused = "a profile was read from the cache"
+    with phases.time("plot and report"):
+        if plot is not None:
+            if len(suite.entries) == 1:
+                plot_profile(suite.entries[0].result, str(plot))
+            else:
+                plot_comparison(suite, plot)
+        if report is not None:
+            write_report(suite, report, plot)
+    return ProfileRun(suite, plot, report, req.lens_dtype, req.threads, device, phases)
