@@ -152,7 +152,7 @@ def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
     alone = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate([p])[0] for p in prompts]
     calls, steps = [], []
-    real, real_step = runner_mod.run_rows, DecodeChain.step_rows
+    real, real_step = runner_mod.run_rows, DecodeChain.step
 
     def counting(*args, **kwargs):
         calls.append(int(args[4].sum()))  # active rows
@@ -163,7 +163,7 @@ def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch)
         return real_step(self, tokens, **kwargs)
 
     monkeypatch.setattr(runner_mod, "run_rows", counting)
-    monkeypatch.setattr(DecodeChain, "step_rows", stepping)
+    monkeypatch.setattr(DecodeChain, "step", stepping)
     gens = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate(prompts)
     assert calls == [] and steps == [[0, 1, 2]] * 5  # the chain: 5 decode steps after the prefill, all rows each
     assert [g.token_ids for g in gens] == [g.token_ids for g in alone]
@@ -176,7 +176,7 @@ def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch)
 
 @pytest.mark.parametrize("fam", ["llama", "gemma3_text"])
 def test_the_bound_batch_chain_equals_the_general_path(runtimes, fam):
-    """Full-depth greedy decode of a batch on the bound chain (runtime/chain.py `step_rows`: calls bound once over
+    """Full-depth greedy decode of a batch on the bound chain (runtime/chain.py `step`: calls bound once over
     the batch buffers, each row at its own length) gives the general path's tokens, rows of different lengths
     finishing at different steps (the finished ones ride along); the only value read on the host is the token."""
     from eectl.runtime.runner import Runner
@@ -203,11 +203,11 @@ def test_the_bound_batch_chain_equals_the_general_path(runtimes, fam):
     assert chain is not None and chain.rows == 2
     kv.filled[:] = 1
     kv.filled[1] = 3
-    assert sorted(chain.step_rows({0: 5, 1: 6})) == [0, 1]
+    assert sorted(chain.step({0: 5, 1: 6})) == [0, 1]
     assert kv.filled[:, 0].tolist() == [2, 4]  # each row one position further, at its own length
     # the only value a step reads on the host, recorded in the run's placement: the token, once for all rows
     assert runner.step_reads == [[("exit_full", rt.manifest.num_layers, "token")]] * max(len(g.token_ids) for g in got)
-    chain.step_rows({1: 7})  # row 0 rides along: written at its next position, never counted
+    chain.step({1: 7})  # row 0 rides along: written at its next position, never counted
     assert kv.filled[:, 0].tolist() == [2, 5]
 
 

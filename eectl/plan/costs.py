@@ -390,7 +390,7 @@ def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object] | No
 
     def call() -> object:
         kv.seek(0, past, 0, m.num_layers)  # rewind: every call decodes the same position
-        return chain.step(1)
+        return chain.step({0: 1})
 
     return call
 

@@ -27,9 +27,9 @@ drafts in the second (verify) and clears the third, as the general path's hooks 
     pending[s] ─┐
     hops[s] ────┴─ wide[s, P + 1] ─ out [1, P + 1, H] ─(last)→ hops[s + 1] ─ exit?      (and on to s + 1)
 
-Batches of rows at full depth (`step_rows`) bind the same calls over a span of rows of the batch buffers, each row
-at its own length (`seqlens_k` per row), as runtime/batch.py's batched calls do: the one full-depth decode step of a
-batch, on the CPU EP and on a device alike.
+The full-depth step (`step`) binds its calls over the span of rows it decodes (one row, or the rows of a batch:
+each at its own length, `seqlens_k` per row, as runtime/batch.py's batched calls do): one form for one row and a
+batch alike, on the CPU EP and on a device.
 
 What it does not do: sampling, teacher forcing, the prompt, exits in a batch of rows, signals not decided in the graph
 (the cosines, full-vocabulary softmax), block exit heads, exit steps on a device (pending states are host arrays):
@@ -128,7 +128,7 @@ def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal)
 
 class DecodeChain:
     """Greedy decode of `rows` rows of `kv` from `row` on, one position per step, its graph calls bound once: full
-    depth for one row (`step`) or for the rows of a batch (`step_rows`: one call per graph for all of them, each row
+    depth for one row or the rows of a batch (`step`: one call per graph for all of them, each row
     at its own length), or one row with active exits decided in their graphs (`step_exits`). On a device provider
     the hidden states stay in device buffers between the graphs; only the tokens are read on the host. Each step
     records what it read on the host in the run's placement (`place`, runtime/placement.py)."""
@@ -328,23 +328,12 @@ class DecodeChain:
         session.run_with_iobinding(io)
         place.read(self._token_read)
 
-    def step(self, token: int, *, place: Placement = HOST) -> int:
-        """Feed `token` at the row's next position through every layer; return the greedy next token. Its host read
-        (the token) is recorded in the run's `place`, as every step's here."""
-        kv, row, L = self.kv, self.row, self.rt.manifest.num_layers
-        # the decoder layers' slots only: block exit heads' slots (after them) are not run when no exit is active
-        past, _ = kv.span(row, 0, L, 1)
-        self._feed(token, past)
-        for session, io in self.calls[:-1]:
-            session.run_with_iobinding(io)
-        self._head(place)
-        kv.advance(row, 0, L)
-        return int(self.token[0])
-
-    def step_rows(self, tokens: dict[int, int], *, place: Placement = HOST) -> dict[int, int]:
-        """Feed each row's token (row -> token, rows of the span) at its own next position through every layer, all
-        rows in one call per graph; return each one's greedy next token. Rows of the span not in `tokens` ride along
-        on their next free position (written, never counted: the batched calls' scratch slot)."""
+    def step(self, tokens: dict[int, int], *, place: Placement = HOST) -> dict[int, int]:
+        """The full-depth decode step, for one row or the rows of a batch alike: feed each row's token (row -> token,
+        rows of the span) at its own next position through every layer, all rows in one call per graph; return each
+        one's greedy next token. Rows of the span not in `tokens` ride along on their next free position (written,
+        never counted: the batched calls' scratch slot). Its host read (the tokens) is recorded in the run's `place`,
+        as every step's here."""
         kv, L, first = self.kv, self.rt.manifest.num_layers, self.row
         span = slice(first, first + self.rows)
         past = _past(kv, np.arange(span.start, span.stop), 0, L)

@@ -60,17 +60,15 @@ def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
 
 
 def chain_step(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, drafts: int = 0) -> int:
-    """One decode step of row 0 on the bound chain; the policy's hooks as the general path (`Runner._row_step`)
-    calls them: the pending states the step carried along (defer's flush, verify's drafts: its wide calls) are the
-    policy's no more, an exited token's states go to `on_exit`, and the final segment's wide output to `on_final`
-    (verify's check, which may roll back and return the full model's token). With `drafts` from the context (the
-    row's last tokens), the positions before the last draft wait at segment 0 as embeddings: the step runs every
-    segment wide, exits do not decide, and the final check covers them."""
+    """One decode step of row 0 with active exits or drafts on the bound chain (full depth: `DecodeChain.step`); the
+    policy's hooks as the general path (`Runner._row_step`) calls them: the pending states the step carried along
+    (defer's flush, verify's drafts: its wide calls) are the policy's no more, an exited token's states go to
+    `on_exit`, and the final segment's wide output to `on_final` (verify's check, which may roll back and return the
+    full model's token). With `drafts` from the context (the row's last tokens), the positions before the last draft
+    wait at segment 0 as embeddings: the step runs every segment wide, exits do not decide, and the final check
+    covers them."""
     policy, L = runner.policy, runner.L
     token = st.tokens[-1]
-    if not runner.exits and not drafts:
-        st.exit_layers.append(L)
-        return chain.step(token, place=runner.place)
     if drafts:
         st.pending[0] = runner.rt.embed(np.array([st.tokens[-drafts - 1 : -1]], dtype=np.int64))
     # verify's check runs the final head over every position of a wide step itself: the chain skips its own

@@ -431,16 +431,14 @@ class Runner:
                     live[s] = (rows[seated[s]], rows[seated[s]].tokens[-n - 1 :])
             wide = any(drafted.values())
             t0 = time.perf_counter()
-            one_row = chain is not None and not fresh and chain.rows == 1
-            if wide and not (one_row and self.rt.device == "cpu"):  # several positions for a row of a batch
-                tokens = self._steps(kv, live)
-            elif chain is not None and not fresh and chain.rows > 1:  # a batch at full depth: calls bound once
-                tokens = chain.step_rows({s: ids[0] for s, (_, ids) in live.items()}, place=self.place)
+            bound = chain if not fresh else None
+            if bound is not None and not wide and not self.exits:  # full depth, one row or a batch: calls bound once
+                tokens = bound.step({s: ids[0] for s, (_, ids) in live.items()}, place=self.place)
                 for s in tokens:
                     rows[seated[s]].exit_layers.append(self.L)
-            elif chain is not None and one_row:  # greedy decode of one row: calls bound once
-                tokens = {0: chain_step(self, chain, rows[seated[0]], kv, drafted.get(0, 0))}
-            else:
+            elif bound is not None and bound.rows == 1 and (not wide or self.rt.device == "cpu"):  # exits, drafts
+                tokens = {0: chain_step(self, bound, rows[seated[0]], kv, drafted.get(0, 0))}
+            else:  # prompts, sampling, several positions for a row of a batch, exits in a batch
                 tokens = self._steps(kv, live)
             took = time.perf_counter() - t0  # a row's latency is its batch step's: rows wait for each other
             fresh.clear()

@@ -3,7 +3,8 @@
 The single-row graph calls go through here (export's validation and `eectl run` alike); the batched calls
 (batch.py, blocks.py), the bound chain (chain.py: one row, or a batch at full depth) and the device ops bind the same
 `Graph` sessions' IO themselves, their K/V always through `bind_kv` (the one place a call's KV buffers are bound).
-The KV cache (kv.py) is bound in place: nothing is concatenated or copied per token. The shared tables and the packed heads are tables.py's.
+The KV cache (kv.py) is bound in place: nothing is concatenated or copied per token. The shared tables and the
+packed heads are tables.py's.
 
 Per-token cost outside the kernels is kept small: each (graph, row) keeps one IO binding with its KV buffers and
 its scalar inputs bound once (the scalars are updated in place), so a call rebinds only the hidden states and
