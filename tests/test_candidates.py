@@ -28,6 +28,7 @@ from eectl.exits.candidates import (
 from eectl.exits.measure import ExitScorer, measure_text
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.run.generate import RunOptions, resolve_config
+from eectl.runtime.binding import plan_for
 from eectl.runtime.ort import _ort, session_options
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -351,7 +352,8 @@ def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
     rt = planned[source]
     prompts = [[1, 7, 30, 2, 99], [5, 9], [44, 3, 8, 61, 2, 17, 90], [12]]
     cfg = RunConfig(exits=[2, 3], thresholds={2: {"prob": 0.15}, 3: {"prob": 0.15}}, top_k=K, max_new_tokens=12)
-    alone = [Runner(rt, cfg).generate([p])[0] for p in prompts]
+    singles = [Runner(rt, cfg) for _ in prompts]
+    alone = [r.generate([p])[0] for r, p in zip(singles, prompts, strict=True)]
     batch = Runner(rt, cfg).generate(prompts)
     assert [g.token_ids for g in batch] == [g.token_ids for g in alone]
     assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone]
@@ -373,6 +375,19 @@ def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
     second = chain.exits[rt.segment_of_layer[3]]
     assert (second.ids is not None) == (source != "shortlist")  # the shortlist's graph gathers no rows
     assert any(3 in g.exit_layers[1:] for g in alone)  # tokens that exited there
+    # what each of those steps read on the host is what the binding plan of in-graph decisions sends there
+    plan = plan_for(rt.manifest, "cuda", cfg.exits, cfg.signal, cfg.policy, in_graph=True)
+    L = rt.manifest.num_layers
+    for r, g in zip(singles, alone, strict=True):
+        assert len(r.step_reads) == len(g.exit_layers)
+        for reads, layer in list(zip(r.step_reads, g.exit_layers, strict=True))[1:]:  # after the prompt's step
+            want = sorted(
+                (c.graph, c.at, b.key)
+                for c in plan.token(None if layer == L else layer)
+                for b in c.bindings
+                if b.host_read
+            )
+            assert sorted(reads) == want, (source, layer)
 
 
 def test_signals_one_formula_for_tensors_and_arrays():

@@ -490,6 +490,8 @@ def test_bound_chain_steps_record_their_host_reads(artifacts, monkeypatch):
         "exit_local",
     )
     assert len(runner.step_reads) == len(gen.exit_layers)
+    # the binding plan of in-graph decisions describes the same steps (runtime/binding.py `in_graph`)
+    plan = plan_for(rt.manifest, "cuda", EXITS, runner.cfg.signal, "defer", in_graph=True)
     for step, (reads, layer) in enumerate(zip(runner.step_reads, gen.exit_layers, strict=True)):
         if step == 0:  # the prompt: full depth on the general path, no exit test, only the token
             assert reads == [head]
@@ -503,6 +505,7 @@ def test_bound_chain_steps_record_their_host_reads(artifacts, monkeypatch):
             if bound[layer].ids is not None:  # its token is a column of the first exit's candidates
                 want.append((first.graph, EXITS[0], "candidates"))
         assert sorted(reads) == sorted(want), (step, layer)
+        assert sorted(reads) == _plan_reads(plan.token(None if layer == L else layer)), (step, layer)
     assert sum(r[2] == "passed" for reads in runner.step_reads for r in reads) == sum(gen.decided.values())
 
 

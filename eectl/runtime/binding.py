@@ -33,7 +33,7 @@ calls, the states in device buffers, only the tokens read on the host), and the 
 active exits (a device-resident run's `Placement`, runtime/placement.py: every state output a DeviceView). Both
 record each host read in the run's placement, which tests compare with this plan per step (`Runner.step_reads`);
 the chain's one-row exit steps (CPU EP) decide in the exit graphs and read `passed` and `exit_token` instead of the
-K scores this plan's decisions send to the host.
+K scores: the plan with `in_graph` describes those steps (tests/test_runner.py compares them).
 
 What this module does not do: create sessions or run graphs (sessions.py), or decide exits (runner.py).
 """
@@ -176,6 +176,10 @@ class BindingPlan:
     policy: str = "defer"
     sampling: bool = False  # temperature > 0: a full-vocabulary pick samples from V logits, which go to the host
     river_predict: str = "end"  # river: the token from the river's end or from the exit itself
+    # the exit graphs decide (exits.decision_nodes; the bound chain's one-row exit steps): a decision sends `passed`
+    # to the host, and the exit that takes the token its `exit_token` (a column of the first exit's candidates where
+    # the later exit scores the rows the first gathered: then those candidates too), not the K scores
+    in_graph: bool = False
     device: str = field(init=False)
     _policy: type[KVPolicy] = field(init=False)
     _fragment: PlanFragment = field(init=False)  # the policy's part (runtime/policies.py)
@@ -260,7 +264,10 @@ class BindingPlan:
             if end not in self.exits or not tests:
                 continue
             calls.append(self._call("last", s))
-            calls += self._decision(end, first_exit, exiting=end == exit_at)
+            if self._decides_in_graph():
+                calls += self._graph_decision(end, first_exit, exit_at)
+            else:
+                calls += self._decision(end, first_exit, exiting=end == exit_at)
             first_exit = False
             if end == exit_at:
                 return calls + self._after_exit(s)
@@ -309,6 +316,33 @@ class BindingPlan:
             if exiting and self._fragment.end_head is None:  # a river predicting at its end never asks the exit's head
                 calls.append(self._call("exit_full", layer, picked))
         return calls
+
+    def _decides_in_graph(self) -> bool:
+        """In-graph decisions apply to signals the decision nodes compute, in exit graphs that output `passed`."""
+        if not (self.in_graph and self._signal.in_graph and self.exits):
+            return False
+        first = self.exits[0]
+        graphs = [self._picker(first), *("exit_local" for _ in self.exits[1:])]
+        return all("passed" in (self._io(g, e) or set()) for g, e in zip(graphs, self.exits, strict=True))
+
+    def _picker(self, layer: int) -> str:
+        """The graph that picks the candidates at `layer`: the artifact's candidate source, else the exit's own."""
+        return "candidates" if self.manifest.exit_at(layer).candidates is not None else "exit_full"
+
+    def _graph_decision(self, layer: int, first: bool, exit_at: int | None) -> list[Call]:
+        """The exit test at `layer` decided in its graph: `passed` to the host, and `exit_token` where the token
+        exits here. A later exit scores the first's candidates on the K rows the first gathered (`candidate_rows`)
+        where the artifact outputs them: its token is then a column of those candidates, which the host reads too."""
+        exiting = layer == exit_at
+        if first:
+            host: tuple[str, ...] = ("passed", "exit_token") if exiting else ("passed",)
+            picker = self._picker(layer)
+            gathers = "candidate_rows" in (self._io(picker, layer) or set())
+            later = exit_at is not None and exit_at != layer and "rows" in (self._io("exit_local", exit_at) or set())
+            if gathers and later:  # the later exit's token names one of these
+                host = (*host, "candidates")
+            return [self._call(picker, layer, host)]
+        return [self._call("exit_local", layer, ("passed", "exit_token") if exiting else ("passed",))]
 
     def _final(self, L: int, graph: str = "exit_full") -> Call:
         """The final head: sampling reads the V logits; greedy reads the in-graph argmax (one id per row), or, in an
@@ -362,7 +396,15 @@ def plan_for(
     policy: str = "defer",
     temperature: float = 0.0,
     river_predict: str = "end",
+    in_graph: bool = False,
 ) -> BindingPlan:
     return BindingPlan(
-        manifest, provider, sorted(exits), signal, policy, sampling=temperature > 0, river_predict=river_predict
+        manifest,
+        provider,
+        sorted(exits),
+        signal,
+        policy,
+        sampling=temperature > 0,
+        river_predict=river_predict,
+        in_graph=in_graph,
     )
