@@ -324,3 +324,46 @@ def test_bench_runs_drafts_from_the_context_side_by_side(exported):
     assert by["verify"]["prompt_drafted"] == 0
     has_costs = json.loads((art / "manifest.json").read_text()).get("costs") is not None
     assert (by["lookup"]["model_speedup"] is not None) == has_costs
+
+
+def test_lookup_stats_keep_each_prompts_steps():
+    """`lookup_stats` keeps each prompt's own tokens and steps by width (what the plan's interval resamples); they
+    add up to the totals, and a resample of them is priced as those prompts' own replay."""
+    pairs = [([5, 6, 7, 8, 5, 6, 7], [8, 5, 6, 7, 8, 5, 6, 7, 8, 9]), ([1, 2, 3], [4, 9, 11, 12, 13])]
+    stats = lookup_stats(pairs, 4)
+    assert len(stats.per_prompt) == 2 and stats.tokens == sum(n for n, _ in stats.per_prompt) == 9 + 4
+    for w in stats.steps:
+        assert stats.steps[w] == sum(own.get(w, 0) for _, own in stats.per_prompt)
+    alone = lookup_stats(pairs[:1], 4)
+    first = stats.of_prompts([0])
+    assert (first.tokens, first.steps) == (alone.tokens, alone.steps)
+    assert stats.per_prompt[0][1] != stats.per_prompt[1][1]  # the repeating prompt drafts, the other cannot
+
+
+def test_lookup_interval_covers_how_much_the_pay_varies_between_prompts():
+    """Drafts that pay on a few prompts and cost on the rest: the pooled point clears the line, but the interval
+    over calibration's prompts reaches below it, so lookup is not switched on (the costs alone, timed without
+    rounds, give no interval: the old rule switched it on); the same pooled steps from identical prompts are."""
+    costs = _costs(wide_ms={"2": 11.0, "5": 14.0, "9": 16.0})  # full depth 10 ms a token
+    pays = (20, {"5": 5})  # 4 tokens a step: 70 ms for 20 tokens
+    costs_only = (20, {"1": 10, "5": 10})  # every draft wrong: 240 ms for 20 tokens
+    mixed = [pays] * 3 + [costs_only] * 5
+
+    def stats(per_prompt):
+        steps: dict[str, int] = {}
+        for _, own in per_prompt:
+            for w, n in own.items():
+                steps[w] = steps.get(w, 0) + n
+        tokens = sum(n for n, _ in per_prompt)
+        return LookupStats(max_draft=4, max_ngram=3, prompts=len(per_prompt), tokens=tokens, steps=steps,
+                           drafted=0, accepted=0, per_prompt=per_prompt)  # fmt: skip
+
+    varied = choose_lookup(costs, stats(mixed))
+    assert varied is not None and varied.prediction.speedup == pytest.approx(160 * 10.0 / (3 * 70 + 5 * 240), abs=1e-3)
+    lo, hi = varied.prediction.interval
+    assert lo < 1.0 + MIN_GAIN < varied.prediction.speedup < hi and not varied.on
+    assert choose_lookup(costs, stats(mixed).model_copy(update={"per_prompt": []})).on  # without prompts: on
+    # every prompt the pool's own mix (65 steps of width 5, 50 of width 1 for 160 tokens): no spread between them
+    same = [(160, {"5": 65, "1": 50})] * 8
+    steady = choose_lookup(costs, stats(same))
+    assert steady is not None and steady.prediction.interval == (steady.prediction.speedup,) * 2 and steady.on

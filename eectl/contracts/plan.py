@@ -6,6 +6,8 @@ What this module does not do: predict or choose (eectl.plan.choose) or measure (
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -253,11 +255,25 @@ class LookupStats(_M):
     steps: dict[str, int]  # pass width (positions) -> decode steps of that width (1: no drafts)
     drafted: int
     accepted: int
+    # each prompt's own (decode tokens, steps by width), in order: what the plan's interval over prompts resamples
+    # (empty in calibration files written before it: the interval is then the costs' timing alone)
+    per_prompt: list[tuple[int, dict[str, int]]] = Field(default_factory=list)
 
     def per_token(self) -> float:
         """Tokens emitted per decode step."""
         n = sum(self.steps.values())
         return self.tokens / n if n else 1.0
+
+    def of_prompts(self, picks: Sequence[int]) -> LookupStats:
+        """The stats of the prompts at these indices of `per_prompt` (repeats count again: a bootstrap resample)."""
+        steps: dict[str, int] = {}
+        tokens = 0
+        for i in picks:
+            n, by_width = self.per_prompt[i]
+            tokens += n
+            for w, k in by_width.items():
+                steps[w] = steps.get(w, 0) + k
+        return self.model_copy(update={"prompts": len(picks), "tokens": tokens, "steps": steps, "per_prompt": []})
 
 
 class LookupChoice(_M):
@@ -321,7 +337,8 @@ class Plan(_M):
         if self.default == LOOKUP and self.lookup is not None:
             return (
                 f"plan: full depth with up to {self.lookup.drafts} drafts per step from the context (lossless), "
-                f"predicted {self.lookup.prediction.describe()} full depth ({self.level:.0%} interval; "
+                f"predicted {self.lookup.prediction.describe()} full depth ({self.level:.0%} interval over "
+                f"calibration's prompts and the costs' timing; "
                 f"{self.lookup.tokens_per_step:.2f} tokens per step on calibration's answers)"
             )
         if self.default == CERTIFIED and self.certified is not None:

@@ -429,16 +429,53 @@ def predict_lookup(costs: Costs, stats: LookupStats) -> Prediction | None:
     )
 
 
+LOOKUP_RESAMPLES = 1000  # bootstrap resamples of calibration's prompts for the lookup prediction's interval
+
+
+def prompt_interval(
+    costs: Costs, stats: LookupStats, level: float = LEVEL, resamples: int = LOOKUP_RESAMPLES
+) -> tuple[float, float] | None:
+    """The `level` bootstrap interval of the lookup speedup over calibration's prompts (resampled with replacement,
+    a fixed seed): how much the drafts' pay depends on which prompts a workload holds. None with fewer than two."""
+    n = len(stats.per_prompt)
+    if n < 2:
+        return None
+    rng = np.random.default_rng(0)
+    values = []
+    for _ in range(resamples):
+        pred = predict_lookup(costs, stats.of_prompts(rng.integers(0, n, size=n).tolist()))
+        if pred is not None:
+            values.append(pred.speedup)
+    if not values:
+        return None
+    tail = (1.0 - level) / 2
+    lo, hi = np.quantile(values, [tail, 1.0 - tail])
+    return float(lo), float(hi)
+
+
+def combined(point: float, *spans: tuple[float, float] | None) -> tuple[float, float] | None:
+    """Independent sources of spread around one point estimate (each an interval at the same level): their
+    half-widths added in quadrature, on each side."""
+    known = [s for s in spans if s is not None]
+    if not known:
+        return None
+    low = sum(max(0.0, point - lo) ** 2 for lo, _ in known) ** 0.5
+    high = sum(max(0.0, hi - point) ** 2 for _, hi in known) ** 0.5
+    return round(point - low, 4), round(point + high, 4)
+
+
 def choose_lookup(
     costs: Costs, stats: LookupStats, min_gain: float = MIN_GAIN, level: float = LEVEL
 ) -> LookupChoice | None:
-    """The lookup prediction with its interval over the costs' timing; on when its low end clears the line."""
+    """The lookup prediction with its interval over the costs' timing and calibration's prompts (the drafts' pay
+    varies from prompt to prompt far more than the costs' timing); on when its low end clears the line."""
     pred = predict_lookup(costs, stats)
     if pred is None:
         return None
-    span = Replicates.of(costs).interval(
+    timing = Replicates.of(costs).interval(
         pred.speedup, lambda c: None if (p := predict_lookup(c, stats)) is None else p.speedup, level
     )
+    span = combined(pred.speedup, timing, prompt_interval(costs, stats, level))
     if span is not None:
         pred = pred.model_copy(update={"interval": span})
     return LookupChoice(

@@ -161,10 +161,15 @@ def lookup_stats(
     lookup = PromptLookup(max_draft, max_ngram, min(MIN_NGRAM, max_ngram))
     steps: dict[str, int] = {}
     tokens = 0
+    per_prompt: list[tuple[int, dict[str, int]]] = []
     for prompt, answer in pairs:
-        tokens += max(0, len(answer) - 1)
-        for w in replay(lookup, prompt, answer, stop_ids):
-            steps[str(w)] = steps.get(str(w), 0) + 1
+        own: dict[str, int] = {}
+        for width in replay(lookup, prompt, answer, stop_ids):
+            own[str(width)] = own.get(str(width), 0) + 1
+        per_prompt.append((max(0, len(answer) - 1), own))
+        tokens += per_prompt[-1][0]
+        for key, count in own.items():
+            steps[key] = steps.get(key, 0) + count
     # every step emits one token of its own and its accepted drafts
     drafted = sum((int(w) - 1) * n for w, n in steps.items())
     accepted = tokens - sum(steps.values())
@@ -176,4 +181,5 @@ def lookup_stats(
         steps=steps,
         drafted=drafted,
         accepted=accepted,
+        per_prompt=per_prompt,
     )
