@@ -1,6 +1,6 @@
 """Two checkouts of eectl on one artifact, interleaved: is a refactor as fast as the code before it?
 
-    python benchmarks/code_ab.py ARTIFACT --old /path/to/old/checkout --new . --reps 4 --threads 2
+    python benchmarks/code_ab.py ARTIFACT --old /path/to/old/checkout --new . --reps 4 --threads 2 [--batched]
 
 Each repetition runs one process per code version (PYTHONPATH set to that checkout; the order rotates between
 repetitions), plus a second process of the new code as an A/A control. A process loads the artifact once and decodes
@@ -38,10 +38,15 @@ ids = [encode_prompt(tok, t, False) for t in texts]
 out = {}
 configs = [("full", RunOptions(exits="none", max_new_tokens=new_tokens, threads=threads))]
 configs += [(p, RunOptions(exits=exits, thresholds=thr, policy=p, max_new_tokens=new_tokens, threads=threads)) for p in ("copy", "defer", "verify")]
+batched = sys.argv[8] == "1" if len(sys.argv) > 8 else False
+if batched:  # the same configurations with every prompt in one batch (batched calls; exits on the general path)
+    configs += [(f"{name} batch", opts) for name, opts in configs]
 for name, opts in configs:
     runner = Runner(rt, resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids)))
     runner.generate([ids[0]])  # warm-up
-    t0 = time.perf_counter(); gens = [runner.generate([p])[0] for p in ids]; wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    gens = runner.generate(ids) if name.endswith(" batch") else [runner.generate([p])[0] for p in ids]
+    wall = time.perf_counter() - t0
     n = sum(len(g.token_ids) for g in gens)
     exited = sum(sum(1 for e in g.exit_layers[1:] if e < rt.manifest.num_layers) for g in gens)
     out[name] = {"tps": n / wall, "tokens": [g.token_ids for g in gens], "exited": exited / max(1, n)}
@@ -61,6 +66,7 @@ def main() -> None:
     ap.add_argument("--exits", default="16,24")
     ap.add_argument("--thresholds", default="0.6")
     ap.add_argument("--data", default="../shared/data/gsm8k/train.jsonl")
+    ap.add_argument("--batched", action="store_true", help="also every configuration with all prompts in one batch")
     a = ap.parse_args()
     versions = {"old": Path(a.old).resolve(), "new": Path(a.new).resolve(), "new-aa": Path(a.new).resolve()}
     data = str(Path(a.data).resolve())
@@ -70,7 +76,8 @@ def main() -> None:
         for v in names[r % 3 :] + names[: r % 3]:
             env = {**os.environ, "PYTHONPATH": str(versions[v]), "OMP_NUM_THREADS": str(a.threads)}
             argv = [sys.executable, "-c", CHILD, a.artifact, str(a.threads), str(a.prompts), str(a.max_new_tokens)]
-            res = subprocess.run([*argv, a.exits, a.thresholds, data], env=env, capture_output=True, text=True)
+            argv += [a.exits, a.thresholds, data, "1" if a.batched else "0"]
+            res = subprocess.run(argv, env=env, capture_output=True, text=True)
             if res.returncode:
                 sys.exit(f"{v}: {res.stderr.strip().splitlines()[-1]}")
             runs[v].append(json.loads(res.stdout.strip().splitlines()[-1]))
