@@ -77,9 +77,9 @@ def test_state_cache_holds_the_base_states_and_resumes(llama, gsm8k, tmp_path):
     # each part's time with the budget size it scales with (the pipeline's verdict scales them)
     assert {n: p.size for n, p in phases.phases.items()} == {
         "state cache: train text": "text_tokens",
-        "state cache: train continuations": "gen_tokens",
-        "state cache: held-out text": "held_tokens",
-        "state cache: held-out continuations": "held_tokens",
+        "state cache: train continuations": "gen_steps",
+        "state cache: held-out text": "fixed",  # the same in every budget
+        "state cache: held-out continuations": "fixed",
     }
     assert phases.reused == "" and all(p.seconds > 0 for p in phases.phases.values())
     assert cache.tokens("held", "text") == 64 and cache.tokens("held", "gen") >= 4
@@ -138,7 +138,7 @@ def test_cached_training_lowers_held_out_kl_and_resumes_bit_identically(llama, g
     for b, a in zip(res.meta.report["before"]["exits"], res.meta.report["after"]["exits"], strict=True):
         assert a["kl"] < b["kl"]
     sizes = {
-        "train heads": "train_tokens",
+        "train heads": "train_steps",
         "probes": "probe_tokens",
         "held-out report": "fixed",
         "write heads": "fixed",

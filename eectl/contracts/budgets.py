@@ -78,21 +78,22 @@ def prompts_needed(tokens: int, gen_share: float, held_tokens: int) -> int:
     return math.ceil(gen / GEN_LEN) + math.ceil(4 * held_gen / GEN_LEN)
 
 
+GEN_BATCH = 64  # continuations generated together in the state cache (heads/state_cache.py CacheSpec.gen_batch)
+
 # What a stage's phase scales with (eectl/phases.py): the budget's size of that name. The pipeline's verdict scales
-# a phase's time by the next budget's size over this one's.
+# a phase's time by the next budget's size over this one's. Measured on a CPU (docs/results/2026-12-03-budgets.md):
+# a batch of continuations costs per decode step, hardly per row (quick's 25 rows ran at ~20-40 tokens/s, standard's
+# 64 at ~98), and a head-training step hardly more at 64 tokens than at 32, so those two scale with steps.
 SIZES: dict[str, Callable[[Budget], float]] = {
     "profile_tokens": lambda b: b.profile_tokens,
     "text_tokens": lambda b: b.text_tokens,  # the state cache's teacher-forced training tokens
-    "gen_tokens": lambda b: b.gen_tokens,  # its greedy continuations' training tokens
-    "held_tokens": lambda b: HELD_TOKENS,  # its held-out part (text and continuations): the same in every budget
-    "train_tokens": lambda b: b.cache_tokens // b.batch_tokens * b.batch_tokens,  # heads training: steps x batch
+    "gen_steps": lambda b: math.ceil(math.ceil(b.gen_tokens / GEN_LEN) / GEN_BATCH) * GEN_LEN,  # its decode steps
+    "train_steps": lambda b: b.cache_tokens // b.batch_tokens,  # head training's optimiser steps
     "probe_tokens": lambda b: b.probe_tokens,
     "calibrate_tokens": lambda b: b.calibrate_tokens,
     "bench_tokens": lambda b: b.bench_prompts * b.bench_tokens * b.bench_reps,  # the timed repetitions
     "bench_answers": lambda b: b.bench_prompts * b.bench_tokens,  # one pass over the prompts (agreement, sweep)
 }
-# the sizes of the state cache: a larger budget's extends this one's, so its build computes only what this one lacks
-EXTENDED = frozenset({"text_tokens", "gen_tokens", "held_tokens"})
 
 
 BUDGETS: dict[str, Budget] = {

@@ -169,7 +169,7 @@ def train_cached(
         if on_step is not None:
             on_step(step, step * config.batch_tokens, kl_log.last(exits))
     kl_log.flush()
-    phases.add("train heads", time.perf_counter() - t_train, "train_tokens" if steps_from == 0 else FIXED)
+    phases.add("train heads", time.perf_counter() - t_train, "train_steps" if steps_from == 0 else FIXED)
     if steps_from > 0:
         phases.reused = f"training resumed at step {steps_from}"
     stack.eval()

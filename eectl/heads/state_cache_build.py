@@ -28,7 +28,7 @@ from eectl.heads.state_cache import (
     read_sequence,
     write_sequence,
 )
-from eectl.phases import Phases
+from eectl.phases import FIXED, Phases
 
 
 def _identity(loaded: Any, data: Any, spec: CacheSpec) -> dict[str, Any]:
@@ -109,9 +109,8 @@ def build_cache(
         phases.reused = "part of the state cache was there"
     for split, part, n_text, n_gen in plan:
         (folder / split).mkdir(exist_ok=True)
-        what, sizes = (
-            ("train", ("text_tokens", "gen_tokens")) if split == "train" else ("held-out", ("held_tokens",) * 2)
-        )
+        # the held-out part is the same in every budget (contracts/budgets.py HELD_TOKENS)
+        what, sizes = ("train", ("text_tokens", "gen_steps")) if split == "train" else ("held-out", (FIXED, FIXED))
         if n_text > 0:
             with phases.time(f"state cache: {what} text", sizes[0]):
                 entries += _cache_text(adapter, tok, folder, split, part, n_text, spec, timing, on_tokens)

@@ -7,9 +7,9 @@ menu) and the stage times of this run; nothing is re-measured. Three to five lin
   why there is no claim), and its fidelity (lossless, or token agreement);
 - plan: what the plan chose and why (its own summary);
 - budget: this budget's stage times; the next budget's time on this machine, estimated from this run's phases
-  (eectl/phases.py): each sized phase scaled by the next budget's size over this one's (the state cache's by what
-  the next one adds to it: a larger budget extends it), the rest of the stage (loading the model, creating sessions,
-  warm-ups) kept as it is; a stage that reports no phases scaled whole by its size (_SCALES);
+  (eectl/phases.py): each sized phase scaled by the next budget's size over this one's, the rest of the stage
+  (loading the model, creating sessions, warm-ups) kept as it is; a stage that reports no phases scaled whole by
+  its size (_SCALES);
 - needs (when the plan runs no exits): at the artifact's measured costs, the share of tokens that must exit at the
   cheapest exit with 99% agreement for lossless `verify` to clear the plan's line, against the share this run's
   heads reach.
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eectl.contracts.budgets import BUDGETS, EXTENDED, SIZES, Budget, next_budget
+from eectl.contracts.budgets import BUDGETS, SIZES, Budget, next_budget
 from eectl.contracts.recipe import Recipe
 from eectl.phases import FIXED, Phase
 
@@ -114,8 +114,8 @@ def _budget_lines(recipe: Recipe, stages: Sequence[Any]) -> list[str]:
     how = "this run's stage times scaled by their sizes"
     if any(_phases(s) for s in stages):
         how = (
-            f"an estimate from this run's phases: each that grows with a size scaled to {nxt.name}'s, the state "
-            "cache extended, model loading, sessions and warm-ups kept"
+            f"an estimate from this run's phases: each that grows with a size scaled to {nxt.name}'s, model "
+            "loading, sessions and warm-ups kept"
         )
         how += f"; {', '.join(whole)} scaled whole" if whole else ""
     lines.append(
@@ -125,9 +125,10 @@ def _budget_lines(recipe: Recipe, stages: Sequence[Any]) -> list[str]:
 
 
 def _estimate(stage: Any, here: Budget, nxt: Budget) -> float:
-    """A stage's seconds at the next budget: each sized phase scaled by its size (a state cache size by what the
-    next budget adds: it extends this one's), its fixed phases and unaccounted time as they were; a stage without
-    phases scaled whole (_SCALES)."""
+    """A stage's seconds at the next budget: each sized phase scaled by its size, its fixed phases and unaccounted
+    time as they were; a stage without phases scaled whole (_SCALES). The state cache is priced as a fresh build
+    (the next budget often needs other data: HumanEval cannot fill standard's), high by this budget's share when it
+    extends this one's."""
     phases = _phases(stage)
     if not phases:
         return float(stage.seconds) * _ratio(stage.stage, here, nxt)
@@ -136,8 +137,7 @@ def _estimate(stage: Any, here: Budget, nxt: Budget) -> float:
         if p.size == FIXED:
             continue
         size = SIZES[p.size]
-        grown = size(nxt) - size(here) if p.size in EXTENDED else size(nxt)
-        seconds += p.seconds * (grown / max(size(here), 1) - 1.0)
+        seconds += p.seconds * (size(nxt) / max(size(here), 1) - 1.0)
     return seconds
 
 
