@@ -232,6 +232,10 @@ def test_the_needs_line_is_the_cost_models_break_even():
     assert predict(costs, [4, 8, 12], "verify", [(layer, share, 0.99)]).speedup >= 1.03  # pays at the share named
     assert predict(costs, [4, 8, 12], "verify", [(layer, share - 0.01, 0.99)]).speedup < 1.03  # and not below it
     assert layer == 4 and line.endswith("these heads reach 10% (calibration's menu)")
+    # an exit no held-out token passed (precision null in the file) reaches nothing; it does not break the line
+    never = {"exits": [4], "target": 0.999, "per_exit": [{"coverage": 0.0, "precision": None}]}
+    assert _needs(manifest, {"target": 0.99, "options": [never, option]}) == line
+    assert _needs(manifest, {"target": 0.99, "options": [never]}).endswith("these heads reach 0% (calibration's menu)")
     manifest["plan"]["default"] = "verify"  # exits run already: no bar to state
     assert _needs(manifest, {"target": 0.99, "options": [option, loose]}) == ""
 

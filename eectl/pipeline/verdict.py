@@ -195,9 +195,9 @@ def _break_even(costs: Any, boundaries: list[int], layer: int, line: float) -> f
 def _reached(calibration: dict[str, Any], layer: int) -> float:
     """The largest share of held-out tokens a calibrated one-exit option at `layer` lets exit with at least
     PRECISION agreement (any target, any kind: the same bar the break-even assumes)."""
-    shares = [
-        sum(x.get("coverage", 0.0) for x in o.get("per_exit", []))
+    shares = [  # an exit no held-out token passed has no precision (None): it reaches nothing
+        sum(x.get("coverage") or 0.0 for x in o.get("per_exit", []))
         for o in calibration.get("options", [])
-        if o.get("exits") == [layer] and all(x.get("precision", 0.0) >= PRECISION for x in o.get("per_exit", []))
+        if o.get("exits") == [layer] and all((x.get("precision") or 0.0) >= PRECISION for x in o.get("per_exit", []))
     ]
     return max(shares, default=0.0)
