@@ -264,15 +264,18 @@ class LookupStats(_M):
         n = sum(self.steps.values())
         return self.tokens / n if n else 1.0
 
-    def of_prompts(self, picks: Sequence[int]) -> LookupStats:
-        """The stats of the prompts at these indices of `per_prompt` (repeats count again: a bootstrap resample)."""
+    @staticmethod
+    def pool(prompts: Sequence[tuple[int, dict[str, int]]]) -> tuple[int, dict[str, int]]:
+        """Prompts' (decode tokens, steps by width) added up."""
         steps: dict[str, int] = {}
-        tokens = 0
-        for i in picks:
-            n, by_width = self.per_prompt[i]
-            tokens += n
+        for _, by_width in prompts:
             for w, k in by_width.items():
                 steps[w] = steps.get(w, 0) + k
+        return sum(n for n, _ in prompts), steps
+
+    def of_prompts(self, picks: Sequence[int]) -> LookupStats:
+        """The stats of the prompts at these indices of `per_prompt` (repeats count again: a bootstrap resample)."""
+        tokens, steps = self.pool([self.per_prompt[i] for i in picks])
         return self.model_copy(update={"prompts": len(picks), "tokens": tokens, "steps": steps, "per_prompt": []})
 
 

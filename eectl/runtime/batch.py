@@ -55,8 +55,8 @@ class BatchKV(KVBuffers):
 
     def rows_of(self, slot: int, first: int, last: int) -> tuple[Any, Any]:
         """Rows [first, last) of the batch buffers at `slot`: a contiguous view (numpy) or pointer (device)."""
-        if last == first + 1:
-            return self.keys[first][slot], self.values[first][slot]
+        if last == first + 1:  # a row's own views
+            return super().rows_of(slot, first, last)
         keys, values = (_rows(b[slot], first, last, self.dtype) for b in (self.batch_keys, self.batch_values))
         return keys, values
 

@@ -200,6 +200,7 @@ class BindingPlan:
             raise UsageError("this artifact has no int4 river copies", hint="export it with --river")
         self.device = "cuda" if self.provider == "cuda" else "cpu"
         self._segment_end = [s.layers[1] for s in self.manifest.segments]
+        self._graph_decides = self._decides_in_graph()
 
     # --- the one rule --------------------------------------------------------------------------------------------
     def _io(self, graph: str, at: int) -> set[str] | None:
@@ -264,7 +265,7 @@ class BindingPlan:
             if end not in self.exits or not tests:
                 continue
             calls.append(self._call("last", s))
-            if self._decides_in_graph():
+            if self._graph_decides:
                 calls += self._graph_decision(end, first_exit, exit_at)
             else:
                 calls += self._decision(end, first_exit, exiting=end == exit_at)
@@ -303,8 +304,7 @@ class BindingPlan:
         probe = ("score",) if sig.needs_probe else ()  # the learned signal reads the graph's score too
         if sig.needs_candidates:  # even sampling draws from the K candidates here (the runner's rule)
             if first:  # the artifact's candidate graph where it has one, else the exit's own Top-K
-                source = "candidates" if self.manifest.exit_at(layer).candidates is not None else "exit_full"
-                calls.append(self._call(source, layer, ("candidates", "candidate_logits", *probe)))
+                calls.append(self._call(self._picker(layer), layer, ("candidates", "candidate_logits", *probe)))
             else:
                 calls.append(self._call("exit_local", layer, ("candidate_logits", *probe)))
         elif not (sig.needs_layer_input or sig.needs_blocks):  # the full vocabulary's softmax

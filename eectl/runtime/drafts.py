@@ -159,17 +159,13 @@ def lookup_stats(
 ) -> LookupStats:
     """`replay` over (prompt, greedy answer) pairs: the steps by width, the drafts proposed and accepted."""
     lookup = PromptLookup(max_draft, max_ngram, min(MIN_NGRAM, max_ngram))
-    steps: dict[str, int] = {}
-    tokens = 0
     per_prompt: list[tuple[int, dict[str, int]]] = []
     for prompt, answer in pairs:
         own: dict[str, int] = {}
         for width in replay(lookup, prompt, answer, stop_ids):
             own[str(width)] = own.get(str(width), 0) + 1
         per_prompt.append((max(0, len(answer) - 1), own))
-        tokens += per_prompt[-1][0]
-        for key, count in own.items():
-            steps[key] = steps.get(key, 0) + count
+    tokens, steps = LookupStats.pool(per_prompt)
     # every step emits one token of its own and its accepted drafts
     drafted = sum((int(w) - 1) * n for w, n in steps.items())
     accepted = tokens - sum(steps.values())
