@@ -59,7 +59,9 @@ def _config(signal: str, policy: str, thresholds: dict, resident: bool, new: int
 
 
 def _thresholds(rt, signal: str, prompts, monkeypatch) -> dict:
-    """Per exit, the 70th percentile of the signal's values on the host path (nothing exiting): some tokens exit."""
+    """Per exit, the 70th percentile of the signal's values (nothing exiting): some tokens exit. Read on the
+    device-resident path, which scores on the host what the graphs send there (the host path's steps decide in the
+    exit graphs where they compute the signal, runtime/graph_decide.py: no values to read)."""
     seen: dict[int, list[float]] = {}
     real = Signal.passes
 
@@ -72,8 +74,7 @@ def _thresholds(rt, signal: str, prompts, monkeypatch) -> dict:
     never = {e: {criteria: float("inf")} for e in EXPORT_EXITS}
     with monkeypatch.context() as m:
         m.setattr(Signal, "passes", record)
-        m.setattr(Runner, "_chain", lambda self, kv, rows: None)  # the general host path (one row: not the chain)
-        Runner(rt, _config(signal, "defer", never, False)).generate(prompts)
+        Runner(rt, _config(signal, "defer", never, True)).generate(prompts)
     return {e: {criteria: float(np.quantile(v, 0.7))} for e, v in seen.items()}
 
 

@@ -46,8 +46,9 @@ import numpy as np
 
 from eectl.errors import UsageError
 from eectl.exits.gates import gate_open
-from eectl.exits.signals import Signal, graph_thresholds
+from eectl.exits.signals import Signal
 from eectl.runtime.batch import _past
+from eectl.runtime.graph_decide import decides_in_graph, declared, picker_graph, thresholds_input
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.ort import Graph, _ort
 from eectl.runtime.placement import HOST, Placement, Read
@@ -113,17 +114,11 @@ class _Wide:
 
 
 def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal) -> bool:
-    """Whether `step_exits` can run these active exits: a signal decided in the graph, exit graphs exported with the
-    decision (older artifacts take the general path), and no block exit head among them."""
+    """Whether `step_exits` can run these active exits: decided in the exit graphs (runtime/graph_decide.py; older
+    artifacts take the general path), and no block exit head among them."""
     if not exits:
         return True
-    if not signal.in_graph or any(e in rt.block_graphs for e in exits):
-        return False
-    first = rt.candidate_graphs.get(exits[0], rt.full_graphs[exits[0]])
-    graphs = [first, *(rt.local_graphs[e] for e in exits[1:])]
-    if signal.needs_probe and not all("score" in g.io.outputs for g in graphs):
-        return False
-    return all("passed" in g.io.outputs for g in graphs)
+    return decides_in_graph(rt, exits, signal) and not any(e in rt.block_graphs for e in exits)
 
 
 class DecodeChain:
@@ -241,15 +236,10 @@ class DecodeChain:
         in the graph."""
         rt, H, dtype, hops = self.rt, self.rt.manifest.dims["hidden_size"], self.rt.np_dtype, self.hops
         first = picker is None
-        g = rt.candidate_graphs.get(layer, rt.full_graphs[layer]) if first else rt.local_graphs[layer]
-        kind = self._picking_kind(layer) if first else "exit_local"  # its name in the binding plan
+        g, kind = picker_graph(rt, layer) if first else (rt.local_graphs[layer], "exit_local")  # kind: the plan's name
         io = g.session.io_binding()  # not in self.calls: an exit runs only when the step asks for it
         rt._bind_array(io, g.name("hidden"), self._view(hops[rt.segment_of_layer[layer] + 1], (1, H), dtype))
-        # the length the graph declares: [2] without a probe (every artifact exported before probes), [3] with one
-        # (an input with a default is an overridable initializer to ORT, not among get_inputs())
-        declared = {i.name: i.shape for i in [*g.session.get_inputs(), *g.session.get_overridable_initializers()]}
-        size = int(declared[g.name("thresholds")][0])
-        rt._bind_array(io, g.name("thresholds"), self._host(graph_thresholds(signal, thresholds, size)))
+        rt._bind_array(io, g.name("thresholds"), self._host(thresholds_input(g, signal, thresholds)))
         ids, ids_from = None, None
         if picker is None:
             rt.bind_weights(io, g)
@@ -266,12 +256,12 @@ class DecodeChain:
             self.picked[layer] = (candidates, rows)
         else:
             candidates, rows = self.picked[picker]
-            if rows is not None and "rows" in g.io.inputs and isinstance(declared[g.name("rows")][0], str):
+            if rows is not None and "rows" in g.io.inputs and isinstance(declared(g)[g.name("rows")][0], str):
                 # the picker's K rows as this graph's table, its candidates 0..K-1: the same rows, read contiguously
                 # instead of gathered from the V-row table again; the graph's token is then a column of the candidates
                 rt._bind_array(io, g.name("rows"), rows.reshape(k, H))
                 rt._bind_array(io, g.name("candidates"), self._host(np.arange(k, dtype=np.int64)[None]))
-                ids, ids_from = candidates, (self._picking_kind(picker), picker, "candidates")
+                ids, ids_from = candidates, (picker_graph(rt, picker)[1], picker, "candidates")
             else:
                 rt.bind_weights(io, g)
                 rt._bind_array(io, g.name("candidates"), candidates)
@@ -280,11 +270,6 @@ class DecodeChain:
         rt._bind_array(io, g.name("passed"), passed, output=True)
         rt._bind_array(io, g.name("exit_token"), token, output=True)
         return BoundExit(layer, g.session, io, passed, token, ids, kind, ids_from)
-
-    def _picking_kind(self, layer: int) -> str:
-        """The binding plan's name of the graph that picks candidates at `layer`: the artifact's candidate source
-        graph where it has one, else the exit's full graph (its Top-K)."""
-        return "candidates" if layer in self.rt.candidate_graphs else "exit_full"
 
     def _bind(self, g: Graph) -> Any:
         io = g.session.io_binding()

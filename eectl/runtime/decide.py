@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from eectl.exits.base import CandidateSource, ExitScore
+from eectl.exits.base import CandidateSource, ExitScore, Prediction
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import ExitScoring, Signal
 from eectl.runtime import resident
 from eectl.runtime.device_ops import stack
 from eectl.runtime.exit_logits import Decide, OrtExitLogits, _one_torch_thread
+from eectl.runtime.graph_decide import GraphDecisions, decides_in_graph
 from eectl.runtime.placement import Placement
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RowState, RunConfig
@@ -39,6 +40,13 @@ class ExitTest:
     signal: Signal
     cfg: RunConfig
     source: CandidateSource
+    # the exit graphs decide where they compute the run's signal (runtime/graph_decide.py), else None
+    graph: GraphDecisions | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        exits = list(self.cfg.exits)
+        in_graph = decides_in_graph(self.rt, exits, self.signal)
+        self.graph = GraphDecisions(self.rt, self.signal, self.cfg.thresholds, self.cfg.top_k) if in_graph else None
 
     def rows(self, layer: int, asks: dict[int, Decide], place: Placement) -> dict[int, Answer]:
         """Exit test at `layer` for several rows' current tokens at once (one exit graph call for all of them);
@@ -50,6 +58,8 @@ class ExitTest:
             return split
         rows = sorted(asks)
         hidden = stack(self.rt, [asks[r].hidden for r in rows])  # [N, H]
+        if self.graph is not None and not place.device:
+            return self._in_graph(layer, rows, hidden, asks)
         layer_input = block_states = None
         if self.signal.needs_layer_input:
             layer_input = stack(self.rt, [asks[r].layer_input for r in rows])
@@ -71,6 +81,17 @@ class ExitTest:
             cands = None if scoring.candidates is None else scoring.candidates[i : i + 1]
             answers[r] = (score if bool(passed[i]) else None, i, cands)
         return answers
+
+    def _in_graph(self, layer: int, rows: list[int], hidden: np.ndarray, asks: dict[int, Decide]) -> dict[int, Answer]:
+        """The exit graph decides for the rows (one call; runtime/graph_decide.py); an exiting row's score predicts
+        from the candidates' logits, its greedy token the graph's own."""
+        graph = self.graph
+        assert graph is not None
+        picked = asks[rows[0]].candidates
+        given = None if picked is None else np.concatenate([asks[r].candidates for r in rows])
+        got = graph(layer, np.asarray(hidden), given)
+        score = ExitScore({}, lambda: Prediction(got.logits, got.candidates, got.token))
+        return {r: (score if bool(got.passed[i]) else None, i, got.candidates[i : i + 1]) for i, r in enumerate(rows)}
 
     def gate_opens(self, gate: Any, st: RowState, layer: int, exit_in: Any, place: Placement) -> bool:
         """Whether the decision at `layer` runs for this row's token: `gate` the run's gate there (`Runner.gates`;
