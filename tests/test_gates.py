@@ -129,7 +129,8 @@ def test_thresholds_never_pass_a_skipped_decision():
 @torch.no_grad()
 def test_gated_replay_is_what_exit_scoring_computes(llama, gsm8k):
     """The replay calibrate fits gated options on == scoring each token at the exits whose gates open, the first of
-    them picking the candidates (ExitScoring: the path the runner's general path takes), on the same states."""
+    them picking the candidates (ExitScoring: what calibrate measures and the runner scores on the host), on the same
+    states."""
     adapter = llama.adapter
     source = Shortlist(torch.arange(0, 200))
     exits = [1, 3, 5]

@@ -288,7 +288,7 @@ def test_runner_with_the_learned_signal_decides_as_torch_and_verify_is_exact(lla
     gen = _run(rt, "defer", thresholds).generate([prompt])[0]  # the bound chain (in-graph score) decides
     assert gen.token_ids == ref_tokens and gen.exit_layers == ref_layers
     plain = _run(rt, "defer", thresholds)
-    plain._chain = lambda kv, rows: None  # the general path: ExitScoring on the graphs' score output
+    plain._chain = lambda kv, rows: None  # the general path: the graph decides, as on the chain, another binding
     again = plain.generate([prompt])[0]
     assert again.token_ids == ref_tokens and again.exit_layers == ref_layers
     resident = _run(rt, "defer", thresholds, device_resident=True).generate([prompt])[0]  # runtime/resident.py

@@ -1,10 +1,11 @@
 """The exit test at run time, for several rows' tokens at once: `ExitTest`.
 
-On host states the signal is scored through `eectl.exits.signals.ExitScoring` on the ONNX exit graphs
-(`OrtExitLogits`): the same code calibrate runs in torch, so a calibrated threshold means the same thing here. On a
-device-resident run's states (`Placement.device`) the Top-K candidate signals score the same way, on the K ids and
-logits the exit graphs read out, and the other signals read one scalar per row (runtime/resident.py). A gated exit
-(eectl.exits.gates) runs the test only where the gate on the exit's state opens.
+On host states, where the exit graphs compute the run's signal, the graphs decide (runtime/graph_decide.py, one
+call for the rows); other signals are scored through `eectl.exits.signals.ExitScoring` on the ONNX exit graphs'
+outputs (`OrtExitLogits`): the same code calibrate runs in torch, so a calibrated threshold means the same thing
+here. On a device-resident run's states (`Placement.device`) the Top-K candidate signals score the same way, on
+the K ids and logits the exit graphs read out, and the other signals read one scalar per row (runtime/resident.py).
+A gated exit (eectl.exits.gates) runs the test only where the gate on the exit's state opens.
 
 What this module does not do: run segments, pick tokens or apply policies (runner.py).
 """
