@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -297,3 +298,41 @@ def test_an_aa_pair_of_runtimes_is_created_mirrored_and_every_configuration_alte
     assert res.block_instances == [[(r + b) % 2 for b in range(3)] for r in range(res.reps_run)]
     by = {c.name: c for c in res.configs}
     assert by["same"].exact_match == 1.0 and COMPARE_NOTE in res.notes
+
+
+def test_configurations_that_run_full_depth_are_not_timed_again(artifact, monkeypatch):
+    """A configuration that runs exactly what full depth runs (no active exit, no drafts: here copy and verify with
+    --exits none) is not timed beside full depth: its row is full depth's figures under its name, marked
+    `timed_as` full, in the asked order; a configuration with exits is timed as ever, and progress still adds up."""
+    from eectl.evaluate.bench import bench_units, run_bench
+    from eectl.evaluate.configs import Configs
+    from eectl.evaluate.results import AA, BenchOptions
+
+    ran: list[str] = []
+    real = Configs.once
+
+    def once(self, name, *a, **k):
+        ran.append(name)
+        return real(self, name, *a, **k)
+
+    monkeypatch.setattr(Configs, "once", once)
+    opts = BenchOptions(
+        configs=["full", "copy", "verify"], exits="none", prompts=2, max_new_tokens=6, reps=1, ppl_tokens=32,
+        sweep=[], provider="cpu", raw=True,
+    )  # fmt: skip
+    ticks: list[int] = []
+    res = run_bench(artifact, load_text_data(str(GSM8K)).prompts, opts, heldout=["a held out text"] * 4,
+                    progress=ticks.append)  # fmt: skip
+    assert sum(ticks) == bench_units(opts, 2)
+    assert set(ran) == {"full", AA}  # copy and verify were never run
+    by = {c.name: c for c in res.configs}
+    assert [c.name for c in res.configs] == ["full", AA, "copy", "verify"]
+    for name in ("copy", "verify"):
+        c = by[name]
+        assert c.timed_as == "full" and c.speedup_vs_full == 1.0 and c.exits == [] and not c.blocks
+        assert c.ms_per_token == by["full"].ms_per_token and c.perplexity == by["full"].perplexity
+        assert "not timed apart" in c.reading
+    assert by["full"].timed_as == by[AA].timed_as == ""
+    ran.clear()
+    timed = run_bench(artifact, load_text_data(str(GSM8K)).prompts, replace(opts, exits="2", thresholds="0.0"))
+    assert {"copy", "verify"} <= set(ran) and all(c.timed_as == "" for c in timed.configs)

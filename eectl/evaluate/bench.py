@@ -37,7 +37,7 @@ from eectl.contracts.manifest import Manifest
 from eectl.contracts.plan import MAX_DRAFTS
 from eectl.data import encode_prompt, final_number
 from eectl.errors import UsageError
-from eectl.evaluate.configs import Configs, open_runtime
+from eectl.evaluate.configs import Configs, as_full_depth, open_runtime, threshold_sweep
 from eectl.evaluate.predicted import RIVER_EXIT, lookup_model, predictions
 from eectl.evaluate.report import markdown, write_report
 from eectl.evaluate.results import (
@@ -61,16 +61,14 @@ from eectl.evaluate.stats import (
     ratio_estimate,
     seconds_per_token,
     share_ci,
-    speed_ratio,
     speed_reading,
     widened,
     wilson,
 )
 from eectl.evaluate.timing import _aa_interval, _gate_reps, _gated, _Run, _Timing
 from eectl.phases import Phases
-from eectl.run.generate import RunOptions, check_options, choose_plan, load_tokenizer, resolve_config
+from eectl.run.generate import RunOptions, check_options, choose_plan, load_tokenizer
 from eectl.runtime.policies import POLICIES
-from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 
 __all__ = ["markdown", "write_report"]  # the report's entry points, re-exported for the CLI
@@ -80,14 +78,17 @@ def bench_units(opts: BenchOptions, prompts: int) -> int:
     """How many progress units run_bench reports: one per prompt generated (the noise gate's extra repetitions
     included at their most: the units of those that do not run are counted once the gate is done), one per
     perplexity pass."""
-    order = len(set(opts.configs) | {"full", AA})
-    early = [c for c in opts.configs if c in POLICIES]
-    scored = [c for c in set(opts.configs) | {"full"} if c == "full" or (c in POLICIES and POLICIES[c].scores_text)]
-    ppl = len(scored) if opts.ppl_tokens > 0 else 0
-    sweep = len(opts.sweep) * 2 * prompts if early else 0
-    steps = sum(1 for c in set(opts.configs) if _changes_tokens(c)) * prompts
-    warm = order * (2 if opts.compare else 1)  # one prompt each, on both runtime instances under --compare
-    return warm + (opts.reps + _gate_reps(opts.reps)) * order * prompts + ppl + sweep + steps
+    sweep = len(opts.sweep) * 2 * prompts if any(c in POLICIES for c in opts.configs) else 0
+    return sum(config_units(c, opts, prompts) for c in set(opts.configs) | {"full", AA}) + sweep
+
+
+def config_units(name: str, opts: BenchOptions, prompts: int) -> int:
+    """One configuration's part of bench_units: a warm-up prompt per runtime instance, its timed prompts, a
+    perplexity pass where its policy scores text, its step agreement where its tokens may differ from full depth's."""
+    scored = name == "full" or (name in POLICIES and POLICIES[name].scores_text)
+    ppl = 1 if scored and opts.ppl_tokens > 0 else 0
+    steps = prompts if _changes_tokens(name) else 0
+    return (2 if opts.compare else 1) + (opts.reps + _gate_reps(opts.reps)) * prompts + ppl + steps
 
 
 def add_artifact_configs(opts: BenchOptions, m: Manifest) -> None:
@@ -190,36 +191,6 @@ def _step_agreements(
             r.step_agreement_ci = share_ci(np.array(same), np.array(total))
 
 
-def _sweep(configs: Configs, ids: list[list[int]], full_tokens: list[list[int]]) -> list[dict[str, Any]]:
-    """The early-exit policy (river, else defer, if benchmarked) at each threshold scale, each against a full-depth
-    run."""
-    early = [c for c in configs.opts.configs if c in POLICIES or c == RIVER_EXIT]
-    if not early or not configs.opts.sweep:
-        return []
-    policy = next((p for p in ("river", "defer") if p in early), early[0])
-    L = configs.rt.manifest.num_layers
-    out: list[dict[str, Any]] = []
-    for scale in configs.opts.sweep:
-        configs.runners["_sweep"] = Runner(
-            configs.rt, resolve_config(configs.rt, configs.early_options(policy, scale), configs.stop)
-        )
-        full_run = configs.once("full", ids)
-        sr = configs.once("_sweep", ids)
-        agree, exact, _ = agreement(sr.generations, full_tokens)
-        ratio = speed_ratio(per_prompt_totals([full_run.per_prompt]), per_prompt_totals([sr.per_prompt]))
-        out.append(
-            {
-                "scale": scale,
-                "policy": policy,
-                "speedup": ratio if math.isfinite(ratio) else 0.0,
-                "token_agreement": agree or 0.0,
-                "exact_match": exact or 0.0,
-                "mean_layers": float(np.mean(sr.exit_layers)) if sr.exit_layers else float(L),
-            }
-        )
-    return out
-
-
 def run_bench(
     artifact: str | Path,
     prompts: list[str],
@@ -251,8 +222,13 @@ def run_bench(
                 log.log(cfg.note)
         if opts.compare:
             log.log(COMPARE_NOTE)
-    # the A/A control always runs; the Williams design puts it and full at different positions in every order
-    order = ["full", AA, *[c for c in opts.configs if c not in ("full", AA)]]
+    # the A/A control always runs; the Williams design puts it and full at different positions in every order; a
+    # configuration that runs exactly full depth is not timed again (its row is full depth's)
+    alike = configs.at_full_depth()
+    names = ["full", AA, *[c for c in opts.configs if c not in ("full", AA)]]
+    order = [c for c in names if c not in alike]
+    if log is not None and alike:
+        log.log(f"{', '.join(alike)}: the plan runs them at full depth; the full row is theirs (not timed apart)")
     with phases.time("timed repetitions", "bench_tokens"):
         timing = _gated(configs, order, ids, opts, log)
     phases.add("timed repetitions", -timing.warmup_s)
@@ -270,11 +246,14 @@ def run_bench(
             _perplexities(configs, results, tok, heldout, log)
     river_kv = _river_kv(configs, ids, log)
     with phases.time("threshold sweep", "bench_answers"):
-        sweep = _sweep(configs, ids, full_tokens)
+        sweep = threshold_sweep(configs, ids, full_tokens)
     check = _certificate_check(cert, runs, tok, answers, opts.max_new_tokens)
     default, plan_line = (m.plan.default, m.plan.summary()) if m.plan is not None else ("", "")
     for line in configs.memory.lines() if log is not None else []:
         log.log(line)
+    configs.tick(sum(config_units(c, opts, len(ids)) for c in alike))  # their units, not run
+    rows = {r.name: r for r in results} | {c: as_full_depth(results[0], c, configs.configs[c]) for c in alike}
+    results = [rows[c] for c in names]
     return BenchResult(
         artifact=str(artifact),
         default=default,

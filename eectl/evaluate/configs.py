@@ -1,7 +1,8 @@
 """The bench's configurations: every configuration's Runner (full depth, its A/A copy, each policy, drafts from the
 context, the certified setting, other artifacts under --compare) and transformers' generate for `hf`, built once
 per run (twice, on a mirrored second set of runtimes, under --compare: `Configs`), and one timed pass of one
-configuration over prompts (`Configs.once`), which evaluate/timing.py calls.
+configuration over prompts (`Configs.once`), which evaluate/timing.py calls; which configurations run exactly full
+depth (`Configs.at_full_depth`: not timed again, their row full depth's, `as_full_depth`), and the threshold sweep.
 
 What this module does not do: time, order or repeat the passes (evaluate/timing.py), or turn them into speed and
 fidelity figures (evaluate/bench.py, evaluate/stats.py).
@@ -9,16 +10,21 @@ fidelity figures (evaluate/bench.py, evaluate/stats.py).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from eectl.contracts.certificate import CERTIFIED
 from eectl.errors import UsageError
 from eectl.evaluate.memory import MemoryMeter
 from eectl.evaluate.predicted import RIVER_EXIT
-from eectl.evaluate.results import AA, LOOKUP, LOOKUP_CONFIGS, BenchOptions
+from eectl.evaluate.results import AA, LOOKUP, LOOKUP_CONFIGS, BenchOptions, ConfigResult
+from eectl.evaluate.stats import agreement, per_prompt_totals, speed_ratio
 from eectl.evaluate.timing import OnStep, _Run
 from eectl.run.generate import RunOptions, resolve_config
 from eectl.runtime.policies import POLICIES
@@ -193,6 +199,11 @@ class Configs:
         runners.update({name: Runner(other, self._full(other)) for name, other in compared.items()})
         return runners
 
+    def at_full_depth(self) -> list[str]:
+        """The configurations that run exactly what full depth runs (no active exit, no drafts: a plan that cleared
+        nothing for a policy), which the timed phase need not time again: their speed is full depth's."""
+        return [n for n, cfg in self.configs.items() if not cfg.exits and not cfg.prompt_drafts and not cfg.certified]
+
     def early_options(self, policy: str, scale: float) -> RunOptions:
         o = self.opts
         return RunOptions(
@@ -256,3 +267,49 @@ class Configs:
             run.decode_wall_s += max(sum(g.latencies_s[1:]) for g in gens)
             self.tick(len(gens))
         return run
+
+
+def as_full_depth(full: ConfigResult, name: str, cfg: RunConfig) -> ConfigResult:
+    """The row of a configuration that runs exactly full depth (`Configs.at_full_depth`): full depth's figures under
+    its name, its plan's note, marked as not timed apart (`timed_as`)."""
+    return replace(
+        full,
+        name=name,
+        note=cfg.note,
+        timed_as="full",
+        reading="full depth (not timed apart)",
+        predicted_speedup=1.0,
+        step_agreement=1.0,
+        exit_histogram=dict(full.exit_histogram),
+        blocks=[],
+    )
+
+
+def threshold_sweep(configs: Configs, ids: list[list[int]], full_tokens: list[list[int]]) -> list[dict[str, Any]]:
+    """The early-exit policy (river, else defer, if benchmarked) at each threshold scale, each against a full-depth
+    run."""
+    early = [c for c in configs.opts.configs if c in POLICIES or c == RIVER_EXIT]
+    if not early or not configs.opts.sweep:
+        return []
+    policy = next((p for p in ("river", "defer") if p in early), early[0])
+    L = configs.rt.manifest.num_layers
+    out: list[dict[str, Any]] = []
+    for scale in configs.opts.sweep:
+        configs.runners["_sweep"] = Runner(
+            configs.rt, resolve_config(configs.rt, configs.early_options(policy, scale), configs.stop)
+        )
+        full_run = configs.once("full", ids)
+        sr = configs.once("_sweep", ids)
+        agree, exact, _ = agreement(sr.generations, full_tokens)
+        ratio = speed_ratio(per_prompt_totals([full_run.per_prompt]), per_prompt_totals([sr.per_prompt]))
+        out.append(
+            {
+                "scale": scale,
+                "policy": policy,
+                "speedup": ratio if math.isfinite(ratio) else 0.0,
+                "token_agreement": agree or 0.0,
+                "exact_match": exact or 0.0,
+                "mean_layers": float(np.mean(sr.exit_layers)) if sr.exit_layers else float(L),
+            }
+        )
+    return out

@@ -330,7 +330,7 @@ def _plots(result: BenchResult, report: Path) -> dict[str, Path]:
     import matplotlib.pyplot as plt
 
     out: dict[str, Path] = {}
-    speed = [c for c in result.configs if c.speedup_vs_full is not None and c.name != "full"]
+    speed = [c for c in result.configs if c.speedup_vs_full is not None and c.name != "full" and not c.timed_as]
     if speed:  # speedup against full depth, each with its 95% interval, over the A/A band
         fig, ax = plt.subplots(figsize=(7, 0.9 + 0.4 * len(speed)))
         ys = list(range(len(speed)))[::-1]

@@ -99,6 +99,9 @@ class ConfigResult:
     # the timed runs: per repetition, per block of prompts (decode seconds, decode tokens, decode wall seconds),
     # what every speed ratio above is computed from
     blocks: list[list[tuple[float, int, float]]] = field(default_factory=list)
+    # "full" where the configuration runs exactly full depth (its plan cleared no exit, and it drafts nothing): the
+    # row is full depth's figures, not timed apart (configs.Configs.at_full_depth); "" for a timed row
+    timed_as: str = ""
 
 
 @dataclass
