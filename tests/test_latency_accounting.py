@@ -68,3 +68,24 @@ def test_a_rollback_carries_the_discarded_steps_time_to_the_next_token():
     assert st.tokens == [1, 2, 10, 11] and st.exit_layers == [6, 2] and st.latencies == [0.5, 1.0]
     st.emit(7, 0.25)
     assert st.tokens[-1] == 7 and st.latencies == [0.5, 1.0, 5.25] and st.carried_s == 0.0
+
+
+def test_proposing_and_settling_drafts_from_the_context_is_step_time(llama, monkeypatch):
+    """Drafts from the context are proposed before their step and settled after it: both are in the step's latency.
+    On a clock that only proposing and settling advance (a second each), the latencies add up to those seconds."""
+    from eectl.runtime.drafts import PromptLookup
+
+    loaded, rt = llama
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    for name in ("attach", "close"):
+
+        def ticking(self, *a, _real=getattr(PromptLookup, name), **k):
+            now[0] += 1.0
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(PromptLookup, name, ticking)
+    prompt = _prompt(5, 12, loaded.adapter.dims.vocab_size)
+    cfg = RunConfig(exits=[], thresholds={}, policy="verify", max_new_tokens=16, prompt_drafts=4)
+    gen = Runner(rt, cfg).generate([prompt + prompt])[0]  # a repeated prompt: its continuation may be drafted
+    assert now[0] > 0 and sum(gen.latencies_s) == pytest.approx(now[0])

@@ -422,6 +422,7 @@ class Runner:
 
         seat()
         while seated:
+            t0 = time.perf_counter()  # a step's time includes proposing and settling its drafts
             live = {s: (rows[i], rows[i].tokens if s in fresh else [rows[i].tokens[-1]]) for s, i in seated.items()}
             drafted: dict[int, int] = {}  # slot -> drafts from the context this step (RunConfig.prompt_drafts)
             if self.lookup is not None:
@@ -431,7 +432,6 @@ class Runner:
                 if n:  # the row's last token, then its drafts: one wide pass through every layer
                     live[s] = (rows[seated[s]], rows[seated[s]].tokens[-n - 1 :])
             wide = any(drafted.values())
-            t0 = time.perf_counter()
             bound = chain if not fresh else None
             if bound is not None and not wide and not self.exits:  # full depth, one row or a batch: calls bound once
                 tokens = bound.step({s: ids[0] for s, (_, ids) in live.items()}, place=self.place)
@@ -441,14 +441,15 @@ class Runner:
                 tokens = {0: chain_step(self, bound, rows[seated[0]], kv, drafted.get(0, 0))}
             else:  # prompts, sampling, several positions for a row of a batch, exits in a batch
                 tokens = self._steps(kv, live)
+            for s in tokens:
+                if drafted.get(s):
+                    assert self.lookup is not None
+                    self.lookup.close(rows[seated[s]])
             took = time.perf_counter() - t0  # a row's latency is its batch step's: rows wait for each other
             fresh.clear()
             for s, token in tokens.items():
                 i = seated[s]
                 st = rows[i]
-                if drafted.get(s):
-                    assert self.lookup is not None
-                    self.lookup.close(st)
                 st.emit(token, took)
                 st.done = self._finished(s, st, kv)
                 if on_step is not None:
@@ -489,10 +490,8 @@ class Runner:
         if not self.policy.unchecked(st):
             return True
         # e.g. verify's drafts: what is still unchecked must go through one full-depth pass before we stop
-        last = st.tokens[-1]
-        n_before = len(st.tokens)
-        t0 = time.perf_counter()
-        extra = self._step(row, st, kv, [last], force_full=True)
+        n_before, t0 = len(st.tokens), time.perf_counter()
+        extra = self._step(row, st, kv, [st.tokens[-1]], force_full=True)
         if len(st.tokens) < n_before:  # a draft was wrong: continue from the corrected token
             st.emit(extra, time.perf_counter() - t0)
             return self._finished(row, st, kv)
