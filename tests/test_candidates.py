@@ -347,8 +347,8 @@ def test_compared_source_is_measured_on_the_same_tokens(llama, gsm8k, calibratio
 @pytest.mark.parametrize("source", SOURCES)
 def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
     """A batch picks each row's candidates as the row alone would (one candidate-graph call for all rows: int8
-    quantizes each row on its own); so does the plan-executing path (device-resident states), which reads the
-    candidate graph's K ids and logits only."""
+    quantizes each row on its own); so does the plan-executing path (device-resident states), which reads each
+    decision's flag and token only."""
     rt = planned[source]
     prompts = [[1, 7, 30, 2, 99], [5, 9], [44, 3, 8, 61, 2, 17, 90], [12]]
     cfg = RunConfig(exits=[2, 3], thresholds={2: {"prob": 0.15}, 3: {"prob": 0.15}}, top_k=K, max_new_tokens=12)
@@ -360,11 +360,8 @@ def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
     resident = Runner(rt, replace(cfg, device_resident=True))
     assert [g.token_ids for g in resident.generate(prompts)] == [g.token_ids for g in batch]
     reads = {(graph, key) for step in resident.step_reads for graph, _, key in step}
-    assert ("candidates", "candidates") in reads and not {k for _, k in reads} - {
-        "candidates",
-        "candidate_logits",
-        "token",
-    }
+    # the candidate graph decides: one flag and one token per row leave it, the K ids stay for the later exit
+    assert ("candidates", "passed") in reads and {k for _, k in reads} <= {"passed", "exit_token", "token"}
     layers = {x for g in batch for x in g.exit_layers[1:]}
     assert len(layers) > 1, layers  # rows at different depths
     # alone, a row decodes on the bound chain; with an int8 source the second exit scores the K rows the first
@@ -376,7 +373,7 @@ def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
     assert (second.ids is not None) == (source != "shortlist")  # the shortlist's graph gathers no rows
     assert any(3 in g.exit_layers[1:] for g in alone)  # tokens that exited there
     # what each of those steps read on the host is what the binding plan of in-graph decisions sends there
-    plan = plan_for(rt.manifest, "cuda", cfg.exits, cfg.signal, cfg.policy, in_graph=True)
+    plan = plan_for(rt.manifest, "cuda", cfg.exits, cfg.signal, cfg.policy, chain=True)
     L = rt.manifest.num_layers
     for r, g in zip(singles, alone, strict=True):
         assert len(r.step_reads) == len(g.exit_layers)

@@ -100,14 +100,16 @@ def test_one_candidate_decides_with_the_margin_equal_to_the_probability(exported
     assert bool(passed[0]) and token[0] == logits[0].argmax()
 
 
-def test_the_host_path_decides_in_the_exit_graphs(exported, monkeypatch):
-    """Greedy steps of a batch and teacher-forced scoring decide at their exits in the exit graphs, several rows per
-    call (runtime/graph_decide.py), not in host numpy; the decisions are the ones the same signal scored on the host
-    makes (the device-resident path on the CPU EP scores the graphs' K logits in numpy), tokens and exit layers alike.
-    A signal the graphs do not compute (the cosine) is scored on the host."""
+def test_every_path_decides_in_the_exit_graphs_as_the_signal_scored_on_the_host(exported, monkeypatch):
+    """Greedy steps of a batch, teacher-forced scoring and a device-resident run decide at their exits in the exit
+    graphs, several rows per call (runtime/graph_decide.py), nothing scored in host numpy; the decisions are the ones
+    the same signal scored on the host makes on the graphs' K logits (an artifact whose graphs do not decide: here
+    the runtime told so), tokens and exit layers alike. A signal the graphs do not compute (the cosine) is scored on
+    the host."""
     from dataclasses import replace
 
     from eectl.exits.signals import Signal
+    from eectl.runtime import decide
     from eectl.runtime.graph_decide import GraphDecisions
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
@@ -116,17 +118,22 @@ def test_the_host_path_decides_in_the_exit_graphs(exported, monkeypatch):
     rt = ArtifactRuntime(exported["llama"][1], provider="cpu")
     calls: list[tuple[int, int, bool]] = []
     host: list[int] = []
-    real_call, real_passes = GraphDecisions.__call__, Signal.passes
+    real_call, real_device, real_passes = GraphDecisions.__call__, GraphDecisions.on_device, Signal.passes
 
     def spy(self, layer, hidden, candidates):
         calls.append((layer, hidden.shape[0], candidates is None))
         return real_call(self, layer, hidden, candidates)
+
+    def spy_device(self, layer, hidden, candidates, place):
+        calls.append((layer, hidden.shape[0], candidates is None))
+        return real_device(self, layer, hidden, candidates, place)
 
     def passes(self, values, thresholds):
         host.append(len(next(iter(values.values()))))
         return real_passes(self, values, thresholds)
 
     monkeypatch.setattr(GraphDecisions, "__call__", spy)
+    monkeypatch.setattr(GraphDecisions, "on_device", spy_device)
     monkeypatch.setattr(Signal, "passes", passes)
     prompts = [[5, 9, 14], [7, 3, 21, 8, 2], [11, 4], [30, 12, 6, 9]]
     cfg = RunConfig(
@@ -142,10 +149,16 @@ def test_the_host_path_decides_in_the_exit_graphs(exported, monkeypatch):
     calls.clear()
     scored = Runner(rt, cfg).score_many([(p + g.token_ids, len(p)) for p, g in zip(prompts, batch, strict=True)])
     assert calls and not host and any(n > 1 for _, n, _ in calls)
-    resident = Runner(rt, replace(cfg, device_resident=True)).generate(prompts)  # the K logits scored on the host
+    calls.clear()
+    resident = Runner(rt, replace(cfg, device_resident=True)).generate(prompts)
+    assert calls and not host and {picking for *_, picking in calls} == {True, False}
+    with monkeypatch.context() as m:
+        m.setattr(decide, "decides_in_graph", lambda *a: False)
+        scored_on_host = Runner(rt, cfg).generate(prompts)
     assert host
-    assert [g.token_ids for g in resident] == [g.token_ids for g in batch]
-    assert [g.exit_layers for g in resident] == [g.exit_layers for g in batch]
+    for got in (resident, scored_on_host):
+        assert [g.token_ids for g in got] == [g.token_ids for g in batch]
+        assert [g.exit_layers for g in got] == [g.exit_layers for g in batch]
     L = rt.manifest.num_layers
     assert any(e < L for g in batch for e in g.exit_layers[1:])  # some tokens exited
     # teacher-forced on the batch's own tokens, each position is decided where generation decided it

@@ -15,6 +15,7 @@ import torch
 from eectl.exits.signals import Signal
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
+from eectl.runtime import decide
 from eectl.runtime.binding import plan_for
 from eectl.runtime.ort import DeviceView, cuda_usable
 from eectl.runtime.placement import HOST
@@ -59,9 +60,9 @@ def _config(signal: str, policy: str, thresholds: dict, resident: bool, new: int
 
 
 def _thresholds(rt, signal: str, prompts, monkeypatch) -> dict:
-    """Per exit, the 70th percentile of the signal's values (nothing exiting): some tokens exit. Read on the
-    device-resident path, which scores on the host what the graphs send there (the host path's steps decide in the
-    exit graphs where they compute the signal, runtime/graph_decide.py: no values to read)."""
+    """Per exit, the 70th percentile of the signal's values (nothing exiting): some tokens exit. Read where the
+    signal is scored on the host (the exit graphs decide where they compute it, runtime/graph_decide.py, and no
+    value leaves them: for this harvest only, they are taken as an older artifact's that do not decide)."""
     seen: dict[int, list[float]] = {}
     real = Signal.passes
 
@@ -74,7 +75,8 @@ def _thresholds(rt, signal: str, prompts, monkeypatch) -> dict:
     never = {e: {criteria: float("inf")} for e in EXPORT_EXITS}
     with monkeypatch.context() as m:
         m.setattr(Signal, "passes", record)
-        Runner(rt, _config(signal, "defer", never, True)).generate(prompts)
+        m.setattr(decide, "decides_in_graph", lambda *a: False)
+        Runner(rt, _config(signal, "defer", never, True)).generate(prompts)  # not the chain: it binds its own
     return {e: {criteria: float(np.quantile(v, 0.7))} for e, v in seen.items()}
 
 
@@ -107,13 +109,16 @@ def test_what_the_executor_reads_per_step_is_what_the_plan_sends_to_the_host(run
     thresholds = _thresholds(rt, signal, prompts, monkeypatch)
     runner = Runner(rt, _config(signal, policy, thresholds, True, new=16))
     states = []
-    real = rt.exit_local if signal == "topk-prob" else rt.exit_full
+    graph = runner.exit_test.graph  # the exit graphs decide the softmax signals (runtime/graph_decide.py)
+    assert (graph is not None) == (signal == "topk-prob")
+    owner, name = (graph, "on_device") if graph is not None else (rt, "exit_full")
+    real = getattr(owner, name)
 
     def spy(layer, hidden, *a, **k):
         states.append(hidden)
         return real(layer, hidden, *a, **k)
 
-    monkeypatch.setattr(rt, real.__name__, spy)
+    monkeypatch.setattr(owner, name, spy)
     gen = runner.generate(prompts)[0]
     assert states and all(isinstance(h, DeviceView) for h in states)
     plan = plan_for(rt.manifest, "cuda", EXPORT_EXITS, signal, policy)

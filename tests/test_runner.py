@@ -490,8 +490,8 @@ def test_bound_chain_steps_record_their_host_reads(artifacts, monkeypatch):
         "exit_local",
     )
     assert len(runner.step_reads) == len(gen.exit_layers)
-    # the binding plan of in-graph decisions describes the same steps (runtime/binding.py `in_graph`)
-    plan = plan_for(rt.manifest, "cuda", EXITS, runner.cfg.signal, "defer", in_graph=True)
+    # the binding plan of the chain's steps describes the same reads (runtime/binding.py `chain`)
+    plan = plan_for(rt.manifest, "cuda", EXITS, runner.cfg.signal, "defer", chain=True)
     for step, (reads, layer) in enumerate(zip(runner.step_reads, gen.exit_layers, strict=True)):
         if step == 0:  # the prompt: full depth on the general path, no exit test, only the token
             assert reads == [head]

@@ -31,9 +31,10 @@ passes) is its class's `PlanFragment` (runtime/policies.py): the plan never asks
 Who executes it: the bound chain (runtime/chain.py) for full-depth greedy steps, one row or a batch (bound
 calls, the states in device buffers, only the tokens read on the host), and the runner itself for steps with
 active exits (a device-resident run's `Placement`, runtime/placement.py: every state output a DeviceView). Both
-record each host read in the run's placement, which tests compare with this plan per step (`Runner.step_reads`);
-the chain's one-row exit steps (CPU EP) decide in the exit graphs and read `passed` and `exit_token` instead of the
-K scores: the plan with `in_graph` describes those steps (tests/test_runner.py compares them).
+record each host read in the run's placement, which tests compare with this plan per step (`Runner.step_reads`).
+Where the exit graphs compute the signal they decide, on every executor (runtime/graph_decide.py): a decision reads
+`passed` and `exit_token` per row instead of the K scores, the candidates staying where the graphs run; the chain's
+one-row exit steps (CPU EP) read a little less (the plan with `chain`: tests/test_runner.py compares them).
 
 What this module does not do: create sessions or run graphs (sessions.py), or decide exits (runner.py).
 """
@@ -176,10 +177,10 @@ class BindingPlan:
     policy: str = "defer"
     sampling: bool = False  # temperature > 0: a full-vocabulary pick samples from V logits, which go to the host
     river_predict: str = "end"  # river: the token from the river's end or from the exit itself
-    # the exit graphs decide (exits.decision_nodes; the bound chain's one-row exit steps): a decision sends `passed`
-    # to the host, and the exit that takes the token its `exit_token` (a column of the first exit's candidates where
-    # the later exit scores the rows the first gathered: then those candidates too), not the K scores
-    in_graph: bool = False
+    # the steps described are the bound chain's one-row exit steps (CPU EP), not the runner's: with decisions in the
+    # graphs, the chain reads the exiting decision's `exit_token` only, and where a later exit scores the K rows the
+    # first gathered, its token is a column of the first exit's candidates, which it then reads too
+    chain: bool = False
     device: str = field(init=False)
     _policy: type[KVPolicy] = field(init=False)
     _fragment: PlanFragment = field(init=False)  # the policy's part (runtime/policies.py)
@@ -318,8 +319,10 @@ class BindingPlan:
         return calls
 
     def _decides_in_graph(self) -> bool:
-        """In-graph decisions apply to signals the decision nodes compute, in exit graphs that output `passed`."""
-        if not (self.in_graph and self._signal.in_graph and self.exits):
+        """The exit graphs decide (exits.decision_nodes: every executor, runtime/graph_decide.py) for signals the
+        decision nodes compute, in exit graphs that output `passed`; greedy steps only (sampling picks from the K
+        candidates' logits on the host)."""
+        if not (self._signal.in_graph and self.exits) or self.sampling:
             return False
         first = self.exits[0]
         graphs = [self._picker(first), *("exit_local" for _ in self.exits[1:])]
@@ -330,9 +333,13 @@ class BindingPlan:
         return "candidates" if self.manifest.exit_at(layer).candidates is not None else "exit_full"
 
     def _graph_decision(self, layer: int, first: bool, exit_at: int | None) -> list[Call]:
-        """The exit test at `layer` decided in its graph: `passed` to the host, and `exit_token` where the token
-        exits here. A later exit scores the first's candidates on the K rows the first gathered (`candidate_rows`)
-        where the artifact outputs them: its token is then a column of those candidates, which the host reads too."""
+        """The exit test at `layer` decided in its graph: `passed` and `exit_token` to the host (one scalar each per
+        row), the candidates staying where the graphs run for a later exit. On the bound chain (`chain`) `exit_token`
+        only where the token exits here, and a later exit scores the first's candidates on the K rows the first
+        gathered (`candidate_rows`) where the artifact outputs them: its token is then a column of those
+        candidates, which the host reads too."""
+        if not self.chain:
+            return [self._call(self._picker(layer) if first else "exit_local", layer, ("passed", "exit_token"))]
         exiting = layer == exit_at
         if first:
             host: tuple[str, ...] = ("passed", "exit_token") if exiting else ("passed",)
@@ -396,7 +403,7 @@ def plan_for(
     policy: str = "defer",
     temperature: float = 0.0,
     river_predict: str = "end",
-    in_graph: bool = False,
+    chain: bool = False,
 ) -> BindingPlan:
     return BindingPlan(
         manifest,
@@ -406,5 +413,5 @@ def plan_for(
         policy,
         sampling=temperature > 0,
         river_predict=river_predict,
-        in_graph=in_graph,
+        chain=chain,
     )

@@ -1,10 +1,11 @@
 """The exit test at run time, for several rows' tokens at once: `ExitTest`.
 
-On host states, where the exit graphs compute the run's signal, the graphs decide (runtime/graph_decide.py, one
-call for the rows); other signals are scored through `eectl.exits.signals.ExitScoring` on the ONNX exit graphs'
-outputs (`OrtExitLogits`): the same code calibrate runs in torch, so a calibrated threshold means the same thing
-here. On a device-resident run's states (`Placement.device`) the Top-K candidate signals score the same way, on
-the K ids and logits the exit graphs read out, and the other signals read one scalar per row (runtime/resident.py).
+Where the exit graphs compute the run's signal, the graphs decide (runtime/graph_decide.py, one call for the rows),
+on host states and on a device-resident run's (`Placement.device`: one flag and one token per row read) alike.
+Other signals are scored through `eectl.exits.signals.ExitScoring` on the ONNX exit graphs' outputs
+(`OrtExitLogits`): the same code calibrate runs in torch, so a calibrated threshold means the same thing here; on a
+device-resident run's states the Top-K ones on the K ids and logits the exit graphs read out, the others on one
+scalar per row (runtime/resident.py).
 A gated exit (eectl.exits.gates) runs the test only where the gate on the exit's state opens.
 
 What this module does not do: run segments, pick tokens or apply policies (runner.py).
@@ -23,7 +24,7 @@ from eectl.exits.base import CandidateSource, ExitScore, Prediction
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import ExitScoring, Signal
 from eectl.runtime import resident
-from eectl.runtime.device_ops import stack
+from eectl.runtime.device_ops import concat, stack
 from eectl.runtime.exit_logits import Decide, OrtExitLogits, _one_torch_thread
 from eectl.runtime.graph_decide import GraphDecisions, decides_in_graph
 from eectl.runtime.placement import Placement
@@ -59,8 +60,8 @@ class ExitTest:
             return split
         rows = sorted(asks)
         hidden = stack(self.rt, [asks[r].hidden for r in rows])  # [N, H]
-        if self.graph is not None and not place.device:
-            return self._in_graph(layer, rows, hidden, asks)
+        if self.graph is not None:
+            return self._in_graph(layer, rows, hidden, asks, place)
         layer_input = block_states = None
         if self.signal.needs_layer_input:
             layer_input = stack(self.rt, [asks[r].layer_input for r in rows])
@@ -83,14 +84,17 @@ class ExitTest:
             answers[r] = (score if bool(passed[i]) else None, i, cands)
         return answers
 
-    def _in_graph(self, layer: int, rows: list[int], hidden: np.ndarray, asks: dict[int, Decide]) -> dict[int, Answer]:
+    def _in_graph(
+        self, layer: int, rows: list[int], hidden: Any, asks: dict[int, Decide], place: Placement
+    ) -> dict[int, Answer]:
         """The exit graph decides for the rows (one call; runtime/graph_decide.py); an exiting row's score predicts
-        from the candidates' logits, its greedy token the graph's own."""
+        from the candidates' logits (`top1`: the graph's own greedy token, all a device-resident run reads)."""
         graph = self.graph
         assert graph is not None
         picked = asks[rows[0]].candidates
-        given = None if picked is None else np.concatenate([asks[r].candidates for r in rows])
-        got = graph(layer, np.asarray(hidden), given)
+        given = None if picked is None else concat(self.rt, [asks[r].candidates for r in rows], 0)
+        on_device = graph.on_device if place.device else lambda *a: graph(a[0], np.asarray(a[1]), a[2])
+        got = on_device(layer, hidden, given, place)
         score = ExitScore({}, lambda: Prediction(got.logits, got.candidates, got.token))
         return {r: (score if bool(got.passed[i]) else None, i, got.candidates[i : i + 1]) for i, r in enumerate(rows)}
 

@@ -29,7 +29,8 @@ EPS = 1e-8  # torch.nn.functional.cosine_similarity's floor on each norm
 
 
 def _tensor_type(dtype: Any) -> int:
-    return TensorProto.FLOAT16 if np.dtype(dtype) == np.float16 else TensorProto.FLOAT
+    types = {np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.int64): TensorProto.INT64}
+    return types.get(np.dtype(dtype), TensorProto.FLOAT)
 
 
 def _model(nodes: list[Any], inputs: list[Any], outputs: list[Any], inits: list[Any] | None = None) -> Any:
@@ -188,9 +189,9 @@ class DeviceOps:
     def session(self, op: str) -> Any:
         sess = self._sessions.get(op)
         if sess is None:
-            if op.startswith("join"):  # join<n>_<axis>_<rank>: one graph per arity
-                n, axis, rank = (int(v) for v in op[4:].split("_"))
-                model = join_graph(self.dtype, n, axis, rank)
+            if op.startswith("join"):  # join<n>_<axis>_<rank>[_int64]: one graph per arity (and element type)
+                n, axis, rank = (int(v) for v in op[4:].split("_")[:3])
+                model = join_graph(np.int64 if op.endswith("_int64") else self.dtype, n, axis, rank)
             else:
                 model = BUILDERS[op](self.dtype)
             onnx.checker.check_model(model)
@@ -220,8 +221,10 @@ class DeviceOps:
     def join(self, parts: list[Any], axis: int) -> DeviceView:
         """Values (DeviceViews or OrtValues) concatenated along `axis`, on the device."""
         inputs = {f"x{i}": p for i, p in enumerate(parts)}
-        rank = len(parts[0].shape) if isinstance(parts[0], DeviceView) else len(parts[0].shape())
-        return DeviceView.of(self.run(f"join{len(parts)}_{axis}_{rank}", inputs, "joined", on_device=True))
+        first = parts[0] if isinstance(parts[0], DeviceView) else DeviceView.of(parts[0])
+        ids = "_int64" if np.dtype(first.dtype) == np.int64 else ""  # candidate ids beside the states' floats
+        op = f"join{len(parts)}_{axis}_{len(first.shape)}{ids}"
+        return DeviceView.of(self.run(op, inputs, "joined", on_device=True))
 
     # --- the pieces ------------------------------------------------------------------------------------------------
     def last(self, hidden: Any, positions: np.ndarray, on_device: bool = True) -> Any:

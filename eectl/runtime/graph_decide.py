@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from eectl.exits.signals import Signal, graph_thresholds
-from eectl.runtime.ort import Graph
+from eectl.runtime.ort import DeviceView, Graph, _ort
+from eectl.runtime.placement import Placement
 from eectl.runtime.sessions import ArtifactRuntime
 
 
@@ -61,12 +62,14 @@ def thresholds_input(g: Graph, signal: Signal, thresholds: dict[str, float]) -> 
 @dataclass
 class Decided:
     """One decision call's rows: whether each passes [N], its token [N] (a vocabulary id), the candidates it picked
-    or scored [N, K] and their logits [N, K] (copies: the bound buffers are the next call's)."""
+    or scored [N, K] (a device value on a device-resident run: what a later exit scores stays there) and their
+    logits [N, K] (None on a device-resident run: never read). Host arrays are copies: the bound buffers are the
+    next call's."""
 
     passed: np.ndarray
     token: np.ndarray
-    candidates: np.ndarray
-    logits: np.ndarray
+    candidates: Any
+    logits: np.ndarray | None
 
 
 class GraphDecisions:
@@ -76,6 +79,7 @@ class GraphDecisions:
 
     def __init__(self, rt: ArtifactRuntime, signal: Signal, thresholds: dict[int, dict[str, float]], k: int) -> None:
         self.rt, self.k = rt, k
+        self._top_k = np.array([k], np.int64)  # bound by pointer on device-resident calls: lives as long as this
         self._thresholds: dict[tuple[int, bool], np.ndarray] = {}
         for layer, values in thresholds.items():
             self._thresholds[(layer, True)] = thresholds_input(picker_graph(rt, layer)[0], signal, values)
@@ -116,3 +120,28 @@ class GraphDecisions:
         out = b.outputs
         picked = out["candidates"].copy() if picking else np.array(candidates, np.int64)
         return Decided(out["passed"].copy(), out["exit_token"].copy(), picked, out["candidate_logits"].copy())
+
+    def on_device(self, layer: int, hidden: Any, candidates: Any, place: Placement) -> Decided:
+        """`__call__` for a device-resident run's rows (`hidden` a DeviceView [N, H]): the candidates stay on the
+        device (a later exit takes them as they are), the logits are never read; `passed` and `exit_token` (one
+        scalar each per row) are the host reads, recorded in `place`."""
+        rt, picking = self.rt, candidates is None
+        g, kind = picker_graph(rt, layer) if picking else (rt.local_graphs[layer], "exit_local")
+        call = rt._call(f"resident-decide-{kind}", layer, g, "lm_head")
+        n = hidden.shape[0]
+        rt._bind_array(call.io, g.name("hidden"), hidden)
+        rt._bind_array(call.io, g.name("thresholds"), self._thresholds[(layer, picking)])
+        if picking:
+            rt._bind_array(call.io, g.name("top_k"), self._top_k)
+            value = _ort().OrtValue.ortvalue_from_shape_and_type([n, self.k], np.int64, rt.device, 0)
+            call.io.bind_ortvalue_output(g.name("candidates"), value)
+            candidates = DeviceView.of(value)
+        else:
+            rt._bind_array(call.io, g.name("candidates"), candidates)
+        for key in ("candidate_logits", "score", "logits", "token", "candidate_rows"):  # computed, never read
+            if key in g.io.outputs:
+                call.io.bind_output(g.name(key), rt.device)
+        passed = rt._read(call.io, g.name("passed"), (n,), np.bool_, (kind, layer, "passed"), place)
+        token = rt._read(call.io, g.name("exit_token"), (n,), np.int64, (kind, layer, "exit_token"), place)
+        g.session.run_with_iobinding(call.io)
+        return Decided(passed, token, candidates, None)

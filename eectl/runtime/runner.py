@@ -119,8 +119,11 @@ class Runner:
         return self.exit_test.rows(layer, asks, self.place)
 
     def _pick_score(self, score: ExitScore, i: int) -> int:
-        """Row i's token from an exit's own prediction (computed once for all rows of the decision, on demand)."""
+        """Row i's token from an exit's own prediction (computed once for all rows of the decision, on demand): its
+        top-1 under greedy where the decision knows it (decided in the graph), else picked from its logits."""
         pred = score.prediction()  # numpy: the exit graphs' outputs
+        if self.cfg.temperature <= 0 and pred.top1 is not None:
+            return int(pred.top1[i])
         return self._pick(np.asarray(pred.logits[i]), None if pred.ids is None else np.asarray(pred.ids[i]))
 
     # --- one sequence step ------------------------------------------------------------------------------------
@@ -242,12 +245,11 @@ class Runner:
     ) -> Generator[tuple[str, int, Any], Any, int]:
         """Process chunk_ids (the prompt, or the last token) and decide the next token; returns it.
 
-        Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in, block states or None,
-        the exit's input: a block head's output, else out); ("decide", layer, Decide) ->
-        (token or None, candidates); ("greedy", L, h [1, H]) -> token; ("final", L, h [1, H]) -> logits [1, V]);
-        `_steps` answers them. Under verify,
-        a final-depth pass may roll back wrong drafts: then st.tokens is shorter afterwards and the returned token
-        is the full model's token at the first wrong position.
+        Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in, block states or None, the
+        exit's input: a block head's output, else out); ("decide", layer, Decide) -> (score or None, index,
+        candidates); ("greedy", L, h [1, H]) -> token; ("final", L, h [1, H]) -> logits [1, V]); `_steps` answers
+        them. Under verify, a final-depth pass may roll back wrong drafts: then st.tokens is shorter afterwards and
+        the returned token is the full model's token at the first wrong position.
         """
         m, place = self.m, self.place
         h = self.rt.embed(np.array([chunk_ids], dtype=np.int64), place=place)
@@ -460,13 +462,12 @@ class Runner:
             seat()
 
     def _resident_wanted(self) -> bool:
-        wanted = self.cfg.device_resident
-        return self.rt.device != "cpu" if wanted is None else wanted
+        return self.rt.device != "cpu" if self.cfg.device_resident is None else self.cfg.device_resident
 
     def _on_device(self) -> bool:
         """Whether generate's steps with active exits keep their states on the device (a `Placement` of their own:
-        the binding plan executed, only exit tests' K ids and scores or a scalar per row, and tokens, read on the
-        host). Greedy only: sampling and teacher-forced scoring pick from the full vocabulary on the host."""
+        the binding plan executed: only exit tests' flags and tokens, K ids and scores or a scalar per row, and
+        tokens read on the host). Greedy only: sampling and teacher-forced scoring pick on the host."""
         return bool(self._resident_wanted() and self.exits and self.cfg.temperature <= 0)
 
     def _chain(self, kv: KVBuffers, rows: int) -> DecodeChain | None:
