@@ -318,3 +318,14 @@ def test_every_size_a_phase_names_is_a_budget_size():
 
     for b in BUDGETS.values():
         assert all(size(b) > 0 for size in SIZES.values())
+
+
+def test_calibrate_continuations_scale_with_their_decode_steps():
+    """Calibrate's continuations (a quarter of its tokens, 64 prompts a batch, 64 tokens each) cost per decode step:
+    quick's 1,500 generated tokens take one batch (64 steps), standard's 5,000 two (128), not 20000/6000 = 3.3x."""
+    from eectl.calibrate.calibrator import CalibrateOptions
+    from eectl.contracts.budgets import CALIBRATE_GEN_SHARE, SIZES
+
+    assert CalibrateOptions(exits=[]).gen_share == CALIBRATE_GEN_SHARE  # the size reads calibrate's default
+    q, s = BUDGETS["quick"], BUDGETS["standard"]
+    assert SIZES["calibrate_gen_steps"](q) == 64 and SIZES["calibrate_gen_steps"](s) == 128

@@ -123,6 +123,7 @@ bench: {{prompts: 1, max_new_tokens: 3, reps: 1, configs: [full], ppl_tokens: 0,
     assert sizes["calibrate"] == {
         "load data, model and heads": "fixed",
         "measure exits": "calibrate_tokens",
+        "generate continuations": "calibrate_gen_steps",
         "fit thresholds": "calibrate_tokens",
     }
     assert sizes["bench"]["timed repetitions"] == "bench_tokens" and sizes["bench"]["warm-up"] == "fixed"

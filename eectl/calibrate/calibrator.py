@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from eectl.calibrate.fit import fit, fit_gates, fit_options, options_judge
+from eectl.contracts.budgets import CALIBRATE_GEN_SHARE
 from eectl.contracts.calibration import Calibration, CandidatesInfo, ComparedSource, DataInfo, HeadsInfo, ModelInfo
 from eectl.contracts.gates import DEFAULT_GATE_KEEP, Gate
 from eectl.contracts.layers import check_exit_layers
@@ -94,7 +95,7 @@ class CalibrateOptions:
     options: bool = True  # also fit every subset of up to MAX_SUBSET exits (the menu export's cost model picks from)
     compare: list[str] = field(default_factory=list)  # other candidate sources to measure on the same tokens
     holdout: float = 0.2  # share of chunks / prompts held out
-    gen_share: float = 0.25  # share of the tokens that come from the model's own greedy continuations
+    gen_share: float = CALIBRATE_GEN_SHARE  # share of the tokens that come from the model's own greedy continuations
     gen_tokens: int = 64  # continuation length per prompt (at most; a row ends at EOS)
     raw: bool = False  # feed prompts as is; default: the tokenizer's chat template, as `eectl run` does
     chunk_len: int = 256  # teacher-forced chunk length (BOS included)
@@ -172,6 +173,7 @@ class Collected:
     shortlist: torch.Tensor | None = None  # its token ids (shortlist source), most frequent first
     compared: dict[str, Measurements] = field(default_factory=dict)  # other sources on the same tokens
     lookup: LookupStats | None = None  # drafts from the context replayed on the continuations
+    gen_s: float = 0.0  # of wall_s, generating the continuations (decode steps: eectl/phases.py)
 
 
 @torch.no_grad()
@@ -200,7 +202,9 @@ def collect(
     if opts.text_tokens > 0:
         chunks = token_chunks(tok, data, opts.text_tokens, opts.chunk_len)
     topk = get_signal(opts.signal).needs_candidates
+    t_gen = time.perf_counter()
     conts, prompts_used, lookup = _continuations(adapter, tok, data, opts, heads, on_tokens)
+    gen_s = time.perf_counter() - t_gen
     shortlist = None
     if topk and isinstance(CANDIDATE_SOURCES.get(opts.candidates), Shortlist):  # ranked here, on calibration units
         shortlist = frequency_shortlist(
@@ -243,6 +247,7 @@ def collect(
         shortlist,
         {o: Measurements.concat(p) for o, p in zip(others, parts[1:], strict=True)},
         lookup,
+        gen_s,
     )
 
 

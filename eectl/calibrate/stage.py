@@ -109,6 +109,8 @@ def calibrate(recipe: Recipe, req: CalibrateRequest, out: Output) -> CalibrateRe
     )
     with out.progress("calibrate", total=opts.tokens) as bar, phases.time("measure exits", "calibrate_tokens"):
         collected = collect(loaded, text, opts, head_modules, on_tokens=lambda n: bar.advance(n))
+    phases.add("measure exits", -collected.gen_s)  # its continuations: decode steps, their own phase
+    phases.add("generate continuations", collected.gen_s, "calibrate_gen_steps")
     with phases.time("fit thresholds", "calibrate_tokens"):
         result = summarise(loaded, text, opts, collected, head_modules, req.heads)  # calibrator.calibrate_model
     write_calibration(result, path)

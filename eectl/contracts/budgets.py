@@ -23,6 +23,7 @@ from typing import Any
 from eectl.errors import UsageError
 
 GEN_LEN = 64  # tokens per greedy continuation in the state cache (heads/state_cache.py CacheSpec.gen_len)
+CALIBRATE_GEN_SHARE = 0.25  # share of calibrate's tokens that are greedy continuations (CalibrateOptions.gen_share)
 HELD_TOKENS = 1024  # held-out tokens of the state cache (the heads' report): the same in every budget
 
 
@@ -80,17 +81,25 @@ def prompts_needed(tokens: int, gen_share: float, held_tokens: int) -> int:
 
 GEN_BATCH = 64  # continuations generated together in the state cache (heads/state_cache.py CacheSpec.gen_batch)
 
+
 # What a stage's phase scales with (eectl/phases.py): the budget's size of that name. The pipeline's verdict scales
 # a phase's time by the next budget's size over this one's. Measured on a CPU (docs/results/2026-12-03-budgets.md):
 # a batch of continuations costs per decode step, hardly per row (quick's 25 rows ran at ~20-40 tokens/s, standard's
 # 64 at ~98), and a head-training step hardly more at 64 tokens than at 32, so those two scale with steps.
+def _steps(tokens: int) -> int:
+    """Decode steps that generate `tokens` greedy continuation tokens, GEN_LEN per prompt, GEN_BATCH prompts a batch."""
+    return math.ceil(math.ceil(tokens / GEN_LEN) / GEN_BATCH) * GEN_LEN
+
+
 SIZES: dict[str, Callable[[Budget], float]] = {
     "profile_tokens": lambda b: b.profile_tokens,
     "text_tokens": lambda b: b.text_tokens,  # the state cache's teacher-forced training tokens
-    "gen_steps": lambda b: math.ceil(math.ceil(b.gen_tokens / GEN_LEN) / GEN_BATCH) * GEN_LEN,  # its decode steps
+    "gen_steps": lambda b: _steps(b.gen_tokens),  # its decode steps
     "train_steps": lambda b: b.cache_tokens // b.batch_tokens,  # head training's optimiser steps
     "probe_tokens": lambda b: b.probe_tokens,
     "calibrate_tokens": lambda b: b.calibrate_tokens,
+    # calibrate's continuations: decode steps too (GEN_LEN each, GEN_BATCH prompts together)
+    "calibrate_gen_steps": lambda b: _steps(round(b.calibrate_tokens * CALIBRATE_GEN_SHARE)),
     "bench_tokens": lambda b: b.bench_prompts * b.bench_tokens * b.bench_reps,  # the timed repetitions
     "bench_answers": lambda b: b.bench_prompts * b.bench_tokens,  # one pass over the prompts (agreement, sweep)
 }
