@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from eectl.errors import UsageError
-from eectl.runtime.kv import KVBuffers
+from eectl.runtime.kv import KVBuffers, _Call
 from eectl.runtime.memory import check_kv
 from eectl.runtime.ort import DeviceView, Graph, _ort
 from eectl.runtime.placement import HOST, Placement
@@ -143,18 +143,25 @@ def bind_rows(
     active: np.ndarray,
     past: np.ndarray,
 ) -> tuple[Any, slice]:
-    """A binding of graph `g` for one call over the active rows of a device-resident run: the inputs, and its
-    layers' K/V bound to the buffers at `slots` for the rows it spans (segments and block exit heads alike).
-    Returns it and the span. hidden: a device-resident [span, 1, H] (`join_rows`)."""
+    """The binding of graph `g` for one call over the active rows of a device-resident run (segments and block exit
+    heads alike): kept per span of rows (`KVBuffers.calls`), its layers' K/V at `slots` and its length scalars bound
+    once (binding after a graph's run costs 15-20x a warm bind: docs/results/2026-12-04-decisions.md), the rows'
+    hidden input [span, 1, H] (`join_rows`) bound per call; the caller binds the outputs. Returns it and the span."""
     span = span_of(active)
     first, last = span.start, span.stop
-    io = g.binding()
     assert hidden.shape[0] == last - first, (hidden.shape, span)
-    rt._bind_array(io, g.name("hidden"), hidden)
-    io.bind_cpu_input(g.name("seqlens_k"), past[span].astype(np.int32))  # total length - 1, new position included
-    io.bind_cpu_input(g.name("total_sequence_length"), np.array(int(past[span].max()) + 1, dtype=np.int32))
-    rt.bind_kv(io, g, kv, slots, first, last)
-    return io, span
+    key = (g.session, first, last - first, "device")
+    call = kv.calls.get(key)
+    if call is None:
+        call = _Call(g.binding(), np.zeros(last - first, np.int32))
+        rt._bind_array(call.io, g.name("seqlens_k"), call.seqlens_k)
+        rt._bind_array(call.io, g.name("total_sequence_length"), call.total)
+        rt.bind_kv(call.io, g, kv, slots, first, last)
+        kv.calls[key] = call
+    call.seqlens_k[:] = past[span]  # total length - 1, the new position included
+    call.total[()] = int(past[span].max()) + 1
+    rt._bind_array(call.io, g.name("hidden"), hidden)
+    return call.io, span
 
 
 @dataclass
