@@ -167,3 +167,18 @@ def test_every_path_decides_in_the_exit_graphs_as_the_signal_scored_on_the_host(
     host.clear()
     Runner(rt, replace(cfg, signal="cosine", thresholds={e: {"cosine": 0.5} for e in EXPORT_EXITS})).generate(prompts)
     assert host and not calls
+
+
+def test_thresholds_of_exits_not_active_are_not_the_graphs_business(exported):
+    """A run's thresholds may name exits it does not activate (a calibration's every exit), with criteria of another
+    signal or none: the graphs' decisions take the active exits' only."""
+    from eectl.runtime.runner import Runner
+    from eectl.runtime.state import RunConfig
+    from tests.conftest import EXPORT_TOP_K
+
+    rt = ArtifactRuntime(exported["llama"][1], provider="cpu")
+    cfg = RunConfig(exits=[2], thresholds={2: {"prob": 0.0}, 4: {}}, top_k=EXPORT_TOP_K, max_new_tokens=4)
+    runner = Runner(rt, cfg)
+    assert runner.exit_test.graph is not None
+    gen = runner.generate([[5, 9, 14], [7, 3]])
+    assert all(e == 2 for g in gen for e in g.exit_layers[1:])  # threshold 0: every token exits at 2

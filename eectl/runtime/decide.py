@@ -48,7 +48,8 @@ class ExitTest:
     def __post_init__(self) -> None:
         exits = list(self.cfg.exits)
         in_graph = decides_in_graph(self.rt, exits, self.signal)
-        self.graph = GraphDecisions(self.rt, self.signal, self.cfg.thresholds, self.cfg.top_k) if in_graph else None
+        active = {e: self.cfg.thresholds[e] for e in exits}  # the run's exits only (the checked ones)
+        self.graph = GraphDecisions(self.rt, self.signal, active, self.cfg.top_k) if in_graph else None
 
     def rows(self, layer: int, asks: dict[int, Decide], place: Placement) -> dict[int, Answer]:
         """Exit test at `layer` for several rows' current tokens at once (one exit graph call for all of them);
