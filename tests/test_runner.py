@@ -578,3 +578,33 @@ def test_gated_exits_equal_the_simulation_on_both_paths(exported, family, policy
     else:
         full = _runner(rt, exits=[], new=24).generate([prompt])[0]
         assert plain.token_ids == full.token_ids
+
+
+def test_kept_host_bindings_hand_out_copies(artifacts):
+    """A host call of a segment, the embedding or the final head keeps its input and outputs bound (kv._Call.kept):
+    what it returns must be the caller's, untouched by the next call on the same binding, and equal to a call on a
+    fresh runtime (no binding reused)."""
+    loaded, rt = artifacts["llama"]
+    fresh = ArtifactRuntime(rt.folder, provider="cpu")
+    H, L = rt.manifest.dims["hidden_size"], rt.manifest.num_layers
+    g = np.random.default_rng(0)
+    xs = [g.standard_normal((1, 1, H)).astype(np.float32) for _ in range(2)]
+    kv, kv2 = rt.new_kv(1, 8), fresh.new_kv(1, 8)
+    first = rt.run_segment(1, xs[0], kv, 0, states=True)
+    kept = [np.array(a, copy=True) for a in first]
+    kv.seek(0, 0)
+    rt.run_segment(1, xs[1], kv, 0, states=True)  # the same binding, another input
+    for got, was in zip(first, kept, strict=True):
+        np.testing.assert_array_equal(got, was)  # not overwritten: a copy
+    want = fresh.run_segment(1, xs[0], kv2, 0, states=True)
+    for got, w in zip(first, want, strict=True):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+    e1 = rt.embed(np.array([[5, 9]], np.int64))
+    e1_copy = e1.copy()
+    rt.embed(np.array([[7, 3]], np.int64))
+    np.testing.assert_array_equal(e1, e1_copy)
+    t1 = rt.greedy_token(L, first[0][0])
+    t1_copy = t1.copy()
+    rt.greedy_token(L, xs[1][0])
+    np.testing.assert_array_equal(t1, t1_copy)
+    assert t1.tolist() == fresh.greedy_token(L, first[0][0]).tolist()
