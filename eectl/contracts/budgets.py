@@ -82,15 +82,15 @@ def prompts_needed(tokens: int, gen_share: float, held_tokens: int) -> int:
 GEN_BATCH = 64  # continuations generated together in the state cache (heads/state_cache.py CacheSpec.gen_batch)
 
 
-# What a stage's phase scales with (eectl/phases.py): the budget's size of that name. The pipeline's verdict scales
-# a phase's time by the next budget's size over this one's. Measured on a CPU (docs/results/2026-12-03-budgets.md):
-# a batch of continuations costs per decode step, hardly per row (quick's 25 rows ran at ~20-40 tokens/s, standard's
-# 64 at ~98), and a head-training step hardly more at 64 tokens than at 32, so those two scale with steps.
 def _steps(tokens: int) -> int:
     """Decode steps that generate `tokens` greedy continuation tokens, GEN_LEN per prompt, GEN_BATCH prompts a batch."""
     return math.ceil(math.ceil(tokens / GEN_LEN) / GEN_BATCH) * GEN_LEN
 
 
+# What a stage's phase scales with (eectl/phases.py): the budget's size of that name. The pipeline's verdict scales
+# a phase's time by the next budget's size over this one's. Measured on a CPU (docs/results/2026-12-03-budgets.md):
+# a batch of continuations costs per decode step, hardly per row (quick's 25 rows ran at ~20-40 tokens/s, standard's
+# 64 at ~98), and a head-training step hardly more at 64 tokens than at 32, so those two scale with steps.
 SIZES: dict[str, Callable[[Budget], float]] = {
     "profile_tokens": lambda b: b.profile_tokens,
     "text_tokens": lambda b: b.text_tokens,  # the state cache's teacher-forced training tokens

@@ -216,19 +216,7 @@ def run_bench(
     ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
     configs = Configs(rt, opts, tuple(m.eos_token_ids), progress)
     phases.add("open the artifact", time.perf_counter() - t0)
-    if log is not None:
-        for cfg in configs.configs.values():
-            if cfg.note:
-                log.log(cfg.note)
-        if opts.compare:
-            log.log(COMPARE_NOTE)
-    # the A/A control always runs; the Williams design puts it and full at different positions in every order; a
-    # configuration that runs exactly full depth is not timed again (its row is full depth's)
-    alike = configs.at_full_depth()
-    names = ["full", AA, *[c for c in opts.configs if c not in ("full", AA)]]
-    order = [c for c in names if c not in alike]
-    if log is not None and alike:
-        log.log(f"{', '.join(alike)}: the plan runs them at full depth; the full row is theirs (not timed apart)")
+    names, order = _orders(configs, log)
     with phases.time("timed repetitions", "bench_tokens"):
         timing = _gated(configs, order, ids, opts, log)
     phases.add("timed repetitions", -timing.warmup_s)
@@ -251,9 +239,7 @@ def run_bench(
     default, plan_line = (m.plan.default, m.plan.summary()) if m.plan is not None else ("", "")
     for line in configs.memory.lines() if log is not None else []:
         log.log(line)
-    configs.tick(sum(config_units(c, opts, len(ids)) for c in alike))  # their units, not run
-    rows = {r.name: r for r in results} | {c: as_full_depth(results[0], c, configs.configs[c]) for c in alike}
-    results = [rows[c] for c in names]
+    results = _with_full_depth_rows(configs, results, names, len(ids))
     return BenchResult(
         artifact=str(artifact),
         default=default,
@@ -283,6 +269,34 @@ def run_bench(
         memory=configs.memory.section(),
         block_instances=timing.instances if timing.paired_instances else None,
     )
+
+
+def _orders(configs: Configs, log: Any) -> tuple[list[str], list[str]]:
+    """The report's order of the configurations and the order the timed ones run in (after the configurations'
+    notes in the log): the A/A control always runs, the Williams design putting it and full at different positions
+    in every order; a configuration that runs exactly full depth is not timed again (its row is full depth's)."""
+    opts, alike = configs.opts, configs.at_full_depth()
+    if log is not None:
+        for cfg in configs.configs.values():
+            if cfg.note:
+                log.log(cfg.note)
+        if opts.compare:
+            log.log(COMPARE_NOTE)
+        if alike:
+            log.log(f"{', '.join(alike)}: the plan runs them at full depth; the full row is theirs (not timed apart)")
+    names = ["full", AA, *[c for c in opts.configs if c not in ("full", AA)]]
+    return names, [c for c in names if c not in alike]
+
+
+def _with_full_depth_rows(
+    configs: Configs, results: list[ConfigResult], names: list[str], prompts: int
+) -> list[ConfigResult]:
+    """`results` (the timed configurations') with the rows of those that run full depth, full depth's figures under
+    their names, in the report's order; their progress units, which never ran, counted."""
+    alike = [c for c in names if c not in {r.name for r in results}]
+    configs.tick(sum(config_units(c, configs.opts, prompts) for c in alike))
+    rows = {r.name: r for r in results} | {c: as_full_depth(results[0], c, configs.configs[c]) for c in alike}
+    return [rows[c] for c in names]
 
 
 def _noise(timing: _Timing) -> tuple[str, float | None, float | None]:

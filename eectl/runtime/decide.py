@@ -94,8 +94,7 @@ class ExitTest:
         assert graph is not None
         picked = asks[rows[0]].candidates
         given = None if picked is None else concat(self.rt, [asks[r].candidates for r in rows], 0)
-        on_device = graph.on_device if place.device else lambda *a: graph(a[0], np.asarray(a[1]), a[2])
-        got = on_device(layer, hidden, given, place)
+        got = graph.decide(layer, hidden, given, place)
         score = ExitScore({}, lambda: Prediction(got.logits, got.candidates, got.token))
         return {r: (score if bool(got.passed[i]) else None, i, got.candidates[i : i + 1]) for i, r in enumerate(rows)}
 

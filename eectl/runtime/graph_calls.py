@@ -10,6 +10,7 @@ What this module does not do: load sessions or tables (sessions.py, tables.py), 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,21 @@ class GraphCalls:
         """Bind the shared tables graph `g` takes (`weight_feeds`)."""
         for name, table in self.weight_feeds(g, weight).items():
             self._bind_array(io, name, table)
+
+    def _kept(
+        self, call: _Call, g: Graph, shape: tuple[int, ...], arrays: Callable[[], dict[str, tuple[Any, Any, bool]]]
+    ) -> dict[str, np.ndarray]:
+        """Host arrays of `call`'s own (`arrays()`: name -> (shape, dtype, is an output)), allocated and bound on the
+        first call with input `shape` and kept while calls keep it: a call then copies its input in and its outputs
+        out and binds nothing. Binding after a graph's run costs 15-20x what it costs warm
+        (docs/results/2026-12-04-decisions.md: ~70 us a bind after a segment, the host work between calls)."""
+        if call.shape != shape:
+            wanted = arrays()
+            call.bufs = {name: np.empty(s, dtype) for name, (s, dtype, _) in wanted.items()}
+            for name, (_, _, output) in wanted.items():
+                self._bind_array(call.io, g.name(name), call.bufs[name], output=output)
+            call.shape = shape
+        return call.bufs
 
     def _call(self, kind: str, layer: int, g: Graph, weight: str) -> _Call:
         call = self._calls.get((kind, layer))
@@ -271,8 +287,9 @@ class GraphCalls:
             token = self._out(call.io, g.name("token"), (n,), np.int64)
             g.session.run_with_iobinding(call.io)
             return token
-        arrays = {"hidden": (x.shape, self.np_dtype, False), "token": ((n,), np.int64, True)}
-        bufs = call.kept(x.shape, arrays, lambda name, a, out: self._bind_array(call.io, g.name(name), a, output=out))
+        bufs = self._kept(
+            call, g, x.shape, lambda: {"hidden": (x.shape, self.np_dtype, False), "token": ((n,), np.int64, True)}
+        )
         np.copyto(bufs["hidden"], x, casting="unsafe")
         g.session.run_with_iobinding(call.io)
         return bufs["token"].copy()

@@ -121,6 +121,12 @@ class GraphDecisions:
         picked = out["candidates"].copy() if picking else np.array(candidates, np.int64)
         return Decided(out["passed"].copy(), out["exit_token"].copy(), picked, out["candidate_logits"].copy())
 
+    def decide(self, layer: int, hidden: Any, candidates: Any, place: Placement) -> Decided:
+        """The decision where the run's states live: `on_device` for a device-resident run, else on host arrays."""
+        if place.device:
+            return self.on_device(layer, hidden, candidates, place)
+        return self(layer, np.asarray(hidden), candidates)
+
     def on_device(self, layer: int, hidden: Any, candidates: Any, place: Placement) -> Decided:
         """`__call__` for a device-resident run's rows (`hidden` a DeviceView [N, H]): the candidates stay on the
         device (a later exit takes them as they are), the logits are never read; `passed` and `exit_token` (one

@@ -12,7 +12,6 @@ viewed per row).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,22 +31,9 @@ class _Call:
     seqlens_k: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int32))
     total: np.ndarray = field(default_factory=lambda: np.zeros((), np.int32))
     scratch: list[np.ndarray] = field(default_factory=list)  # bound arrays whose contents nobody reads
-    shape: tuple[int, ...] | None = None  # the input shape `bufs` are bound for (None: none kept)
+    # host arrays of the call's own, bound for input shape `shape` (None: none kept): graph_calls.GraphCalls._kept
+    shape: tuple[int, ...] | None = None
     bufs: dict[str, np.ndarray] = field(default_factory=dict)
-
-    def kept(
-        self, shape: tuple[int, ...], arrays: dict[str, tuple[tuple[int, ...], Any, bool]], bind: Callable[..., None]
-    ) -> dict[str, np.ndarray]:
-        """Host arrays of the call's own (name -> (shape, dtype, is an output)), allocated and bound (`bind(name,
-        array, output)`) on the first call with this input `shape` and kept while calls keep it: a call then copies
-        its input in and its outputs out and binds nothing. Binding after a graph's run costs 15-20x what it costs
-        warm (docs/results/2026-12-04-decisions.md: ~70 us a bind after a segment, the host work between calls)."""
-        if self.shape != shape:
-            self.bufs = {name: np.empty(s, dtype) for name, (s, dtype, _) in arrays.items()}
-            for name, (_, _, output) in arrays.items():
-                bind(name, self.bufs[name], output)
-            self.shape = shape
-        return self.bufs
 
 
 @dataclass

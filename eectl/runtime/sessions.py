@@ -9,7 +9,7 @@ and the packed heads are tables.py's.
 
 Per-token cost outside the kernels is kept small: each (graph, row) keeps one IO binding with its KV buffers and
 its scalar inputs bound once (the scalars are updated in place); on host arrays it keeps its hidden input and outputs
-bound too (`kv._Call.kept`), so a call copies its input in and its outputs out and binds nothing (a bind after a
+bound too (`GraphCalls._kept`), so a call copies its input in and its outputs out and binds nothing (a bind after a
 graph's run costs 15-20x a warm one: docs/results/2026-12-04-decisions.md).
 
 What this module does not do: choose exits or policies (runtime/runner.py), tokenise, or touch torch.
@@ -142,11 +142,12 @@ class ArtifactRuntime(GraphCalls):
         """[N, S] int64 -> [N, S, H] hidden states."""
         g = self.embedding
         call = self._call("embed", 0, g, "embed")
-        ids = self._host(input_ids, np.int64)
+        ids, dt = self._host(input_ids, np.int64), self.np_dtype
         shape = (*ids.shape, self.manifest.dims["hidden_size"])
-        if not place.device:  # the call's own arrays, bound once per shape (kv._Call.kept)
-            arrays = {"input_ids": (ids.shape, np.int64, False), "hidden": (shape, self.np_dtype, True)}
-            bufs = call.kept(ids.shape, arrays, lambda n, a, out: self._bind_array(call.io, g.name(n), a, output=out))
+        if not place.device:  # the call's own arrays, bound once per shape (GraphCalls._kept)
+            bufs = self._kept(
+                call, g, ids.shape, lambda: {"input_ids": (ids.shape, np.int64, False), "hidden": (shape, dt, True)}
+            )
             np.copyto(bufs["input_ids"], ids)
             g.session.run_with_iobinding(call.io)
             return bufs["hidden"].copy()
@@ -237,12 +238,16 @@ class ArtifactRuntime(GraphCalls):
     ) -> Any:  # fmt: skip
         """`run_segment` on host arrays: the input copied into the call's kept array, the outputs copied out."""
         (lo, hi), shape, dt = layers, tuple(hidden.shape), self.np_dtype
-        arrays = {"hidden": (shape, dt, False)}
-        if not kv_only:
-            arrays |= {"hidden_out": (shape, dt, True), "layer_input": (shape, dt, True)}
-        if states:  # [1, (n + 1) * S, H] from the graph, returned as [n + 1, S, H]
-            arrays["layer_states"] = ((shape[0], (hi - lo + 1) * shape[1], shape[2]), dt, True)
-        bufs = call.kept(shape, arrays, lambda name, a, out: self._bind_array(call.io, g.name(name), a, output=out))
+
+        def arrays() -> dict[str, tuple[Any, Any, bool]]:  # built only when the shape changes
+            wanted = {"hidden": (shape, dt, False)}
+            if not kv_only:
+                wanted |= {"hidden_out": (shape, dt, True), "layer_input": (shape, dt, True)}
+            if states:  # [1, (n + 1) * S, H] from the graph, returned as [n + 1, S, H]
+                wanted["layer_states"] = ((shape[0], (hi - lo + 1) * shape[1], shape[2]), dt, True)
+            return wanted
+
+        bufs = self._kept(call, g, shape, arrays)
         np.copyto(bufs["hidden"], hidden, casting="unsafe")
         g.session.run_with_iobinding(call.io)
         kv.advance(row, lo, hi, shape[1])
