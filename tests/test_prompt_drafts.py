@@ -9,7 +9,8 @@ import torch
 
 from eectl.contracts.plan import LOOKUP, MIN_GAIN, Choice, Costs, LookupChoice, LookupStats, Plan, Prediction
 from eectl.errors import UsageError
-from eectl.plan.choose import choose_lookup, plan_manifest, predict_lookup, wide_ms
+from eectl.plan.choose import plan_manifest
+from eectl.plan.lookup import choose_lookup, predict_lookup, wide_ms
 from eectl.run.generate import RunOptions, resolve_config
 from eectl.runtime.drafts import PromptLookup, lookup_stats, replay
 from eectl.runtime.runner import Runner

@@ -70,7 +70,7 @@ def lookup_model(cfg: RunConfig, m: Any, ids: list[list[int]], answers: list[lis
     the drafts replayed on this run's answers (its output is full depth's), with the manifest's costs."""
     if m.costs is None:
         return None
-    from eectl.plan.choose import predict_lookup
+    from eectl.plan.lookup import predict_lookup
     from eectl.runtime.drafts import lookup_stats
 
     stats = lookup_stats(list(zip(ids, answers, strict=True)), cfg.prompt_drafts, cfg.stop_ids, cfg.draft_ngram)

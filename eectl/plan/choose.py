@@ -26,13 +26,8 @@ The choice maximises predicted speed: for copy and defer over the options fitted
 verify (lossless) over the options fitted at any precision of a grid (there the threshold is a speed knob). `copy` is
 never the default: its approximate K/V change later tokens in a way calibration does not measure.
 
-Drafts from the context (runtime/drafts.py, `lookup`): calibration replays them on its greedy continuations
-(`LookupStats`: how many decode steps of each width verify with them takes, exactly), export times full-depth
-passes of those widths on the bound chain (`Costs.wide_ms`, interpolated between the widths timed):
-
-    lookup:       sum over steps of wide(width) / (tokens x the full-depth step)
-
-It is the plan's default when its interval clears the line and it beats the exit configurations' prediction.
+Drafts from the context (`lookup`) are priced in plan/lookup.py; the plan makes them the default when their interval
+clears the line and they beat the exit configurations' prediction.
 
 The default is lossless (verify, lookup, or full depth): copy and defer change the tokens, and a per-token target
 says little of how much a whole answer changes (0.99 per token compounds to 77-90% of 48-token answers unchanged).
@@ -64,8 +59,7 @@ What this module does not do: measure (plan/costs.py, calibrate/calibrator.py) o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -83,12 +77,12 @@ from eectl.contracts.plan import (
     VERIFY_BLOCK,
     Choice,
     Costs,
-    LookupChoice,
-    LookupStats,
     Option,
     Plan,
     Prediction,
 )
+from eectl.plan.intervals import Replicates
+from eectl.plan.lookup import choose_lookup
 
 
 def sequence_agreement(disagreement: float, new_tokens: int) -> float:
@@ -264,38 +258,6 @@ def _usable(costs: Costs, boundaries: Sequence[int], opt: Option) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class Replicates:
-    """What a predicted speedup's interval is taken over: each timing batch's costs (`batched`: `Costs.batches`,
-    two or more), else bootstrap replicates of the rounds (`Costs.resamples`; [] without samples)."""
-
-    costs: list[Costs]
-    batched: bool
-
-    @classmethod
-    def of(cls, costs: Costs) -> Replicates:
-        batches = costs.batches()
-        return cls(batches, True) if batches else cls(costs.resamples(), False)
-
-    def interval(
-        self, point: float, speedup: Callable[[Costs], float | None], level: float = LEVEL
-    ) -> tuple[float, float] | None:
-        """The `level` interval of a speedup predicted as `point`, `speedup` predicting it from one replicate:
-        batch means (point +- t standard errors of the batch predictions), or the replicates' percentiles."""
-        values = [v for c in self.costs if (v := speedup(c)) is not None]
-        if self.batched and len(values) >= 2:
-            from scipy.stats import t as student  # imported only for batched costs (a manifest read never needs it)
-
-            b = len(values)
-            half = float(student.ppf(0.5 + level / 2, b - 1)) * float(np.std(values, ddof=1)) / b**0.5
-            return round(point - half, 4), round(point + half, 4)
-        if not values:
-            return None
-        tail = (1.0 - level) / 2
-        lo, hi = np.quantile(values, [tail, 1.0 - tail])
-        return round(float(lo), 4), round(float(hi), 4)
-
-
 def with_interval(
     pred: Prediction, replicates: Replicates, boundaries: Sequence[int], option: Option, level: float = LEVEL
 ) -> Prediction:
@@ -388,101 +350,6 @@ def choose_certified(costs: Costs, boundaries: Sequence[int], cert: Certificate,
     thresholds = {str(k): v for k, v in cert.thresholds().items()}
     return Choice(
         policy=cert.policy, exits=list(cert.exits), thresholds=thresholds, option=None, prediction=pred, best=pred
-    )
-
-
-def wide_ms(costs: Costs, width: int) -> float | None:
-    """A full-depth pass over `width` positions: the baseline step at 1, else linear between the widths timed
-    (beyond the widest: its last slope). None without wide timings."""
-    if width <= 1:
-        return costs.baseline_ms()
-    if not costs.wide_ms:
-        return None
-    known = sorted([(1, costs.baseline_ms()), *((int(w), v) for w, v in costs.wide_ms.items())])
-    xs, ys = [x for x, _ in known], [y for _, y in known]
-    if width <= xs[-1]:
-        return float(np.interp(width, xs, ys))
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return ys[-1] + slope * (width - xs[-1])
-
-
-def predict_lookup(costs: Costs, stats: LookupStats) -> Prediction | None:
-    """Full depth with drafts from the context, on calibration's replayed steps. None: no wide timings or tokens."""
-    full = costs.baseline_ms()
-    if stats.tokens <= 0 or full <= 0:
-        return None
-    total = 0.0
-    for w, n in stats.steps.items():
-        ms = wide_ms(costs, int(w))
-        if ms is None:
-            return None
-        total += n * ms
-    per_token = total / stats.tokens
-    return Prediction(
-        policy=LOOKUP,
-        exits=[],
-        ms_per_token=round(per_token, 4),
-        full_ms=round(full, 4),
-        speedup=round(full / per_token, 4),
-        decision_ms=0.0,
-        exit_rate=0.0,
-    )
-
-
-LOOKUP_RESAMPLES = 1000  # bootstrap resamples of calibration's prompts for the lookup prediction's interval
-
-
-def prompt_interval(
-    costs: Costs, stats: LookupStats, level: float = LEVEL, resamples: int = LOOKUP_RESAMPLES
-) -> tuple[float, float] | None:
-    """The `level` bootstrap interval of the lookup speedup over calibration's prompts (resampled with replacement,
-    a fixed seed): how much the drafts' pay depends on which prompts a workload holds. None with fewer than two."""
-    n = len(stats.per_prompt)
-    if n < 2:
-        return None
-    rng = np.random.default_rng(0)
-    values = []
-    for _ in range(resamples):
-        pred = predict_lookup(costs, stats.of_prompts(rng.integers(0, n, size=n).tolist()))
-        if pred is not None:
-            values.append(pred.speedup)
-    if not values:
-        return None
-    tail = (1.0 - level) / 2
-    lo, hi = np.quantile(values, [tail, 1.0 - tail])
-    return float(lo), float(hi)
-
-
-def combined(point: float, *spans: tuple[float, float] | None) -> tuple[float, float] | None:
-    """Independent sources of spread around one point estimate (each an interval at the same level): their
-    half-widths added in quadrature, on each side."""
-    known = [s for s in spans if s is not None]
-    if not known:
-        return None
-    low = sum(max(0.0, point - lo) ** 2 for lo, _ in known) ** 0.5
-    high = sum(max(0.0, hi - point) ** 2 for _, hi in known) ** 0.5
-    return round(point - low, 4), round(point + high, 4)
-
-
-def choose_lookup(
-    costs: Costs, stats: LookupStats, min_gain: float = MIN_GAIN, level: float = LEVEL
-) -> LookupChoice | None:
-    """The lookup prediction with its interval over the costs' timing and calibration's prompts (the drafts' pay
-    varies from prompt to prompt far more than the costs' timing); on when its low end clears the line."""
-    pred = predict_lookup(costs, stats)
-    if pred is None:
-        return None
-    timing = Replicates.of(costs).interval(
-        pred.speedup, lambda c: None if (p := predict_lookup(c, stats)) is None else p.speedup, level
-    )
-    span = combined(pred.speedup, timing, prompt_interval(costs, stats, level))
-    if span is not None:
-        pred = pred.model_copy(update={"interval": span})
-    return LookupChoice(
-        drafts=stats.max_draft,
-        prediction=pred,
-        on=pred.low() >= 1.0 + min_gain,
-        tokens_per_step=round(stats.per_token(), 4),
     )
 
 

@@ -1,0 +1,56 @@
+"""Intervals of predicted speedups: over the costs' timing batches (or bootstrap replicates of their rounds), and
+independent sources of spread combined. Pure arithmetic on `Costs` (plan/costs.py measures them); plan/choose.py
+and plan/lookup.py attach them to their predictions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from eectl.contracts.plan import LEVEL, Costs
+
+
+@dataclass(frozen=True)
+class Replicates:
+    """What a predicted speedup's interval is taken over: each timing batch's costs (`batched`: `Costs.batches`,
+    two or more), else bootstrap replicates of the rounds (`Costs.resamples`; [] without samples)."""
+
+    costs: list[Costs]
+    batched: bool
+
+    @classmethod
+    def of(cls, costs: Costs) -> Replicates:
+        batches = costs.batches()
+        return cls(batches, True) if batches else cls(costs.resamples(), False)
+
+    def interval(
+        self, point: float, speedup: Callable[[Costs], float | None], level: float = LEVEL
+    ) -> tuple[float, float] | None:
+        """The `level` interval of a speedup predicted as `point`, `speedup` predicting it from one replicate:
+        batch means (point +- t standard errors of the batch predictions), or the replicates' percentiles."""
+        values = [v for c in self.costs if (v := speedup(c)) is not None]
+        if self.batched and len(values) >= 2:
+            from scipy.stats import t as student  # imported only for batched costs (a manifest read never needs it)
+
+            b = len(values)
+            half = float(student.ppf(0.5 + level / 2, b - 1)) * float(np.std(values, ddof=1)) / b**0.5
+            return round(point - half, 4), round(point + half, 4)
+        if not values:
+            return None
+        tail = (1.0 - level) / 2
+        lo, hi = np.quantile(values, [tail, 1.0 - tail])
+        return round(float(lo), 4), round(float(hi), 4)
+
+
+def combined(point: float, *spans: tuple[float, float] | None) -> tuple[float, float] | None:
+    """Independent sources of spread around one point estimate (each an interval at the same level): their
+    half-widths added in quadrature, on each side."""
+    known = [s for s in spans if s is not None]
+    if not known:
+        return None
+    low = sum(max(0.0, point - lo) ** 2 for lo, _ in known) ** 0.5
+    high = sum(max(0.0, hi - point) ** 2 for _, hi in known) ** 0.5
+    return round(point - low, 4), round(point + high, 4)

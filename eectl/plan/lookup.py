@@ -1,0 +1,102 @@
+"""Drafts from the context priced: full depth with drafts (runtime/drafts.py) against full depth, from calibration's
+replay of them on its greedy continuations (`LookupStats`: how many decode steps of each width verify with them
+takes, exactly) and export's timing of full-depth passes of those widths on the bound chain (`Costs.wide_ms`,
+interpolated between the widths timed):
+
+    lookup:       sum over steps of wide(width) / (tokens x the full-depth step)
+
+Its interval combines the costs' timing (plan/intervals.py) and which prompts a workload holds (a bootstrap over
+calibration's prompts). plan/choose.py makes it the default when that interval clears the line and it beats the exit
+configurations' prediction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eectl.contracts.plan import LEVEL, LOOKUP, MIN_GAIN, Costs, LookupChoice, LookupStats, Prediction
+from eectl.plan.intervals import Replicates, combined
+
+
+def wide_ms(costs: Costs, width: int) -> float | None:
+    """A full-depth pass over `width` positions: the baseline step at 1, else linear between the widths timed
+    (beyond the widest: its last slope). None without wide timings."""
+    if width <= 1:
+        return costs.baseline_ms()
+    if not costs.wide_ms:
+        return None
+    known = sorted([(1, costs.baseline_ms()), *((int(w), v) for w, v in costs.wide_ms.items())])
+    xs, ys = [x for x, _ in known], [y for _, y in known]
+    if width <= xs[-1]:
+        return float(np.interp(width, xs, ys))
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return ys[-1] + slope * (width - xs[-1])
+
+
+def predict_lookup(costs: Costs, stats: LookupStats) -> Prediction | None:
+    """Full depth with drafts from the context, on calibration's replayed steps. None: no wide timings or tokens."""
+    full = costs.baseline_ms()
+    if stats.tokens <= 0 or full <= 0:
+        return None
+    total = 0.0
+    for w, n in stats.steps.items():
+        ms = wide_ms(costs, int(w))
+        if ms is None:
+            return None
+        total += n * ms
+    per_token = total / stats.tokens
+    return Prediction(
+        policy=LOOKUP,
+        exits=[],
+        ms_per_token=round(per_token, 4),
+        full_ms=round(full, 4),
+        speedup=round(full / per_token, 4),
+        decision_ms=0.0,
+        exit_rate=0.0,
+    )
+
+
+LOOKUP_RESAMPLES = 1000  # bootstrap resamples of calibration's prompts for the lookup prediction's interval
+
+
+def prompt_interval(
+    costs: Costs, stats: LookupStats, level: float = LEVEL, resamples: int = LOOKUP_RESAMPLES
+) -> tuple[float, float] | None:
+    """The `level` bootstrap interval of the lookup speedup over calibration's prompts (resampled with replacement,
+    a fixed seed): how much the drafts' pay depends on which prompts a workload holds. None with fewer than two."""
+    n = len(stats.per_prompt)
+    if n < 2:
+        return None
+    rng = np.random.default_rng(0)
+    values = []
+    for _ in range(resamples):
+        pred = predict_lookup(costs, stats.of_prompts(rng.integers(0, n, size=n).tolist()))
+        if pred is not None:
+            values.append(pred.speedup)
+    if not values:
+        return None
+    tail = (1.0 - level) / 2
+    lo, hi = np.quantile(values, [tail, 1.0 - tail])
+    return float(lo), float(hi)
+
+
+def choose_lookup(
+    costs: Costs, stats: LookupStats, min_gain: float = MIN_GAIN, level: float = LEVEL
+) -> LookupChoice | None:
+    """The lookup prediction with its interval over the costs' timing and calibration's prompts (the drafts' pay
+    varies from prompt to prompt far more than the costs' timing); on when its low end clears the line."""
+    pred = predict_lookup(costs, stats)
+    if pred is None:
+        return None
+    timing = Replicates.of(costs).interval(
+        pred.speedup, lambda c: None if (p := predict_lookup(c, stats)) is None else p.speedup, level
+    )
+    span = combined(pred.speedup, timing, prompt_interval(costs, stats, level))
+    if span is not None:
+        pred = pred.model_copy(update={"interval": span})
+    return LookupChoice(
+        drafts=stats.max_draft,
+        prediction=pred,
+        on=pred.low() >= 1.0 + min_gain,
+        tokens_per_step=round(stats.per_token(), 4),
+    )
