@@ -143,7 +143,7 @@ def test_batched_rows_on_cuda_equal_cpu(tiny_dirs, tmp_path):
 def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch):
     """Full depth, 3 rows: after the prefill every segment runs once per step for all rows, not once per row: on
     the general path (one batched call per segment) and on the bound chain (its calls bound once for the batch)."""
-    from eectl.runtime import runner as runner_mod
+    from eectl.runtime import segment_rows as segment_rows_mod
     from eectl.runtime.chain import DecodeChain
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
@@ -152,7 +152,7 @@ def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
     alone = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate([p])[0] for p in prompts]
     calls, steps = [], []
-    real, real_step = runner_mod.run_rows, DecodeChain.step
+    real, real_step = segment_rows_mod.run_rows, DecodeChain.step
 
     def counting(*args, **kwargs):
         calls.append(int(args[4].sum()))  # active rows
@@ -162,7 +162,7 @@ def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch)
         steps.append(sorted(tokens))
         return real_step(self, tokens, **kwargs)
 
-    monkeypatch.setattr(runner_mod, "run_rows", counting)
+    monkeypatch.setattr(segment_rows_mod, "run_rows", counting)
     monkeypatch.setattr(DecodeChain, "step", stepping)
     gens = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate(prompts)
     assert calls == [] and steps == [[0, 1, 2]] * 5  # the chain: 5 decode steps after the prefill, all rows each
@@ -230,14 +230,14 @@ def test_plan_executed_on_cuda_equals_the_host_path(tiny_dirs, tmp_path):
 
 def test_generate_with_padded_prompt_calls_equals_rows_alone(runtimes, monkeypatch):
     """The runner's padded prompt calls (on by default only off the CPU EP) give each row its own tokens."""
-    from eectl.runtime import runner as runner_mod
+    from eectl.runtime import segment_rows as segment_rows_mod
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
 
     rt = runtimes["qwen3"]
     calls = []
-    real = runner_mod.run_prefill
-    monkeypatch.setattr(runner_mod, "run_prefill", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    real = segment_rows_mod.run_prefill
+    monkeypatch.setattr(segment_rows_mod, "run_prefill", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16, 17]]
     gens = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6, batch_prompts=True)).generate(prompts)
     assert calls == [3] * len(rt.manifest.segments)  # one call per segment for all three prompts

@@ -243,16 +243,16 @@ def test_copy_with_blocks_equals_incremental_copy_simulation(block_artifacts, bl
 
 def test_batch_rows_with_blocks_equal_rows_alone(block_artifacts, monkeypatch):
     """Batched rows (their blocks batched like their segments, rows with several positions alone) == rows alone."""
-    import eectl.runtime.runner as runner_module
+    import eectl.runtime.segment_rows as segment_rows_module
 
     loaded, heads, rt = block_artifacts["gemma3_text"]
     v = loaded.adapter.dims.vocab_size
     prompts = [_prompt(5, 7, v), _prompt(6, 12, v), _prompt(7, 3, v), _prompt(9, 5, v)]
     thresholds = _thresholds(loaded.adapter, heads, prompts[0], 15)
     batched = []
-    original = runner_module.run_block_rows
+    original = segment_rows_module.run_block_rows
     monkeypatch.setattr(
-        runner_module, "run_block_rows", lambda *a, **kw: batched.append(int(a[4].sum())) or original(*a, **kw)
+        segment_rows_module, "run_block_rows", lambda *a, **kw: batched.append(int(a[4].sum())) or original(*a, **kw)
     )
     for policy in ("defer", "verify", "copy"):
         alone = [_runner(rt, policy, thresholds, new=15).generate([p])[0] for p in prompts]

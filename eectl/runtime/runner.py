@@ -37,8 +37,8 @@ from eectl.exits.candidates import CANDIDATE_SOURCES, FirstExitTopK
 from eectl.exits.gates import active_gates
 from eectl.exits.signals import get_signal
 from eectl.runtime import resident, scoring
-from eectl.runtime.batch import BatchKV, join_rows, new_batch_kv, prefill_runs, run_prefill, run_rows
-from eectl.runtime.blocks import active_block, run_block, run_block_rows
+from eectl.runtime.batch import BatchKV, new_batch_kv
+from eectl.runtime.blocks import active_block
 from eectl.runtime.chain import DecodeChain
 from eectl.runtime.chain_steps import chain_for, chain_step
 from eectl.runtime.decide import Answer, ExitTest
@@ -49,6 +49,7 @@ from eectl.runtime.kv import KVBuffers
 from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.policies import policy_class
 from eectl.runtime.sampling import pick_token
+from eectl.runtime.segment_rows import segment_rows
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import Generation, RowState, RunConfig
 
@@ -153,7 +154,9 @@ class Runner:
                 answers = {r: None for r in group}  # no row needs this segment now: the riders' states wait
             elif kind in ("segment", "ride", "states"):
                 states = {r for r, a in group.items() if a[0] == "states"}
-                answers = self._run_segment_rows(at, {r: a[2] for r, a in group.items()}, kv, states)
+                xs = {r: a[2] for r, a in group.items()}
+                block = self.block_after_segment.get(at)
+                answers = segment_rows(self.rt, at, xs, kv, states, self.place, self._pad(), block)
             elif kind == "decide":
                 t0 = time.perf_counter()
                 answers = self._decide_rows(at, {r: a[2] for r, a in group.items()})
@@ -185,55 +188,6 @@ class Runner:
         if kind == "decide":
             return 2 * self.rt.segment_of_layer[at] + 1
         return 2 * len(self.m.segments) + (kind == "final")  # the final head: greedy asks, then the others
-
-    def _run_segment_rows(
-        self, s: int, xs: dict[int, np.ndarray], kv: KVBuffers, states: set[int] | frozenset[int] = frozenset()
-    ) -> dict[int, Any]:
-        """Segment s for the rows in xs (hidden [1, S, H] each): one batched call for the rows with one position
-        (when the buffers are a batch's), single-row calls on their views for the others (GQA takes several new
-        positions on a past for one row at a time). Per row: (hidden out, last layer input, the segment's block
-        boundaries [n + 1, S, H] for rows in `states` else None, the exit's input): the exit's input is the block
-        head's output where the active exit after s has one (run on the same positions), else hidden out."""
-        ones = [r for r, x in xs.items() if x.shape[1] == 1]
-        answers: dict[int, Any] = {}
-        place = self.place
-        # device-resident states (place.device) come back for the call's span of rows only: row r at r - first
-        first = min(ones) if place.device and ones else 0
-        if isinstance(kv, BatchKV) and len(ones) > 1:
-            hidden, active = join_rows(self.rt, {r: xs[r] for r in ones}, kv.rows)
-            result = run_rows(self.rt, s, hidden, kv, active, states=bool(states & set(ones)), place=place)
-            assert result is not None
-            for r in ones:
-                i = r - first
-                answers[r] = tuple(
-                    part[i : i + 1] if k < 2 else part[i].reshape(part.shape[1], 1, part.shape[2])
-                    for k, part in enumerate(result)
-                )
-                if r not in states:
-                    answers[r] = answers[r][:2]
-        pad = self.cfg.batch_prompts if self.cfg.batch_prompts is not None else self.rt.device != "cpu"
-        if isinstance(kv, BatchKV) and pad and not place.device:  # the padded call takes host prompts
-            lo, hi = self.m.segments[s].layers
-            several = [r for r, x in xs.items() if x.shape[1] > 1 and r not in states]
-            for run in prefill_runs(kv, several, lo, hi):
-                if len(run) > 1:
-                    answers.update(run_prefill(self.rt, s, {r: xs[r] for r in run}, kv))
-        for r, x in xs.items():
-            if r not in answers:
-                answers[r] = self.rt.run_segment(s, x, kv, r, states=r in states, place=place)
-        block = self.block_after_segment.get(s)
-        exit_in: dict[int, np.ndarray] = {}
-        if block is not None and isinstance(kv, BatchKV) and len(ones) > 1:  # the block batched as its segment was
-            hidden, active = join_rows(self.rt, {r: answers[r][0] for r in ones}, kv.rows)
-            out = run_block_rows(self.rt, block, hidden, kv, active, place=place)
-            exit_in = {r: out[r - first : r - first + 1] for r in ones}
-        for r, a in answers.items():
-            if r not in exit_in:
-                own = a[0] if block is None else run_block(self.rt, block, a[0], kv, r, place=place)
-                assert own is not None
-                exit_in[r] = own
-            answers[r] = (a[0], a[1], a[2] if len(a) > 2 else None, exit_in[r])
-        return answers
 
     def _row_step(
         self,
@@ -460,6 +414,11 @@ class Runner:
                     del seated[s]
             self.place.end_step()
             seat()
+
+    def _pad(self) -> bool:
+        """Whether a batch's prompts of several lengths prefill in one padded call (RunConfig.batch_prompts; default:
+        off the CPU EP)."""
+        return self.cfg.batch_prompts if self.cfg.batch_prompts is not None else self.rt.device != "cpu"
 
     def _resident_wanted(self) -> bool:
         return self.rt.device != "cpu" if self.cfg.device_resident is None else self.cfg.device_resident
