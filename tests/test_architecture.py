@@ -141,6 +141,42 @@ def test_no_package_imports_one_above_it():
     assert upward(import_graph()) == []
 
 
+MAX_MODULE_LINES = 500  # a module past this holds two ideas: split it where they part
+MAX_FUNCTION_LINES = 80  # a function past this (docstring included) does several steps a reader must hold at once
+
+
+def oversized(root: Path = PACKAGE) -> list[str]:
+    """Modules over MAX_MODULE_LINES lines and functions (methods, nested ones) over MAX_FUNCTION_LINES, by path."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(root.parent).as_posix()
+        if (n := len(text.splitlines())) > MAX_MODULE_LINES:
+            bad.append(f"{name}: {n} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                span = (node.end_lineno or node.lineno) - node.lineno + 1
+                if span > MAX_FUNCTION_LINES:
+                    bad.append(f"{name}: {node.name} {span} lines")
+    return bad
+
+
+def test_no_module_or_function_outgrows_its_limit():
+    assert oversized() == []
+
+
+def test_the_size_check_catches_a_long_module_and_function(tmp_path):
+    pkg = tmp_path / "eectl"
+    pkg.mkdir()
+    (pkg / "short.py").write_text("def f():\n    return 1\n")
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (pkg / "long.py").write_text("def g():\n" + body + "\n" * MAX_MODULE_LINES)
+    assert oversized(pkg) == [
+        f"eectl/long.py: {MAX_MODULE_LINES + MAX_FUNCTION_LINES + 1} lines",
+        f"eectl/long.py: g {MAX_FUNCTION_LINES + 1} lines",
+    ]
+
+
 def test_the_pipeline_calls_stage_functions_not_commands():
     """eectl.pipeline runs the stages through their packages' library functions: nothing in it imports the CLI (the
     upward-import test forbids it too; this names the rule), and it reaches every stage package it runs."""

@@ -135,14 +135,8 @@ def train_cached(
     stack = make_stack(adapter, config).to(device)
     optimizer = torch.optim.AdamW(stack.parameters(), lr=config.lr, weight_decay=0.0)
     ckpt = checkpoint_path(out)
-    step = 0
-    history: list[list[float]] = []
+    step, history = _resumed(resume, identity, stack, optimizer)
     if resume is not None:
-        state = load_checkpoint(resume, identity)
-        stack.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = int(state["step"])
-        history = [list(h) for h in state["history"]]
         say(f"resumed from {resume} at step {step}/{config.steps}")
     kl_log = KLLog(history)
     lens = ExitHead(adapter)
@@ -187,6 +181,19 @@ def train_cached(
     with phases.time("write heads"):
         save_heads(stack, meta, out)
     return result
+
+
+def _resumed(
+    resume: Path | None, identity: dict[str, Any], stack: HeadStack, optimizer: torch.optim.Optimizer
+) -> tuple[int, list[list[float]]]:
+    """The step and KL history to continue from: a checkpoint's (its heads and optimiser state loaded into `stack`
+    and `optimizer`; refused unless it was written for `identity`), else a fresh start."""
+    if resume is None:
+        return 0, []
+    state = load_checkpoint(resume, identity)
+    stack.load_state_dict(state["heads"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"]), [list(h) for h in state["history"]]
 
 
 def _cached_probes(
