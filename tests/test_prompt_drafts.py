@@ -193,6 +193,42 @@ def test_one_row_drafts_run_on_the_bound_chain(artifacts, monkeypatch, attempts)
     assert general == [{0: len(prompt)}]
 
 
+def test_drafted_steps_are_timed_as_the_runner_takes_them(artifacts, family, monkeypatch):
+    """The prices of steps with drafts (plan/costs.py `wide_step_calls`) time the runner's own drafted step: the
+    drafts proposed from the context by the search (as many as the width names; none for "wide.1"), the step on the
+    bound chain with verify's check, at the costs' past, over and over on the same cache."""
+    import eectl.plan.costs as costs_module
+    from eectl.plan.costs import WIDE_WIDTHS, wide_step_calls
+
+    rt = artifacts[family]
+    seen: list[tuple[int, int, int]] = []
+    real = costs_module.chain_step
+
+    def spy(runner, chain, st, kv, drafts=0):
+        seen.append((drafts, int(kv.filled[0].min()), len(st.drafts)))
+        return real(runner, chain, st, kv, drafts)
+
+    monkeypatch.setattr(costs_module, "chain_step", spy)
+    calls = wide_step_calls(rt, past=40)
+    assert sorted(calls) == sorted(f"wide.{w}" for w in (1, *WIDE_WIDTHS))
+    for _ in range(2):  # a second round starts from the same state
+        for w in (1, *WIDE_WIDTHS):
+            calls[f"wide.{w}"]()
+            assert seen[-1] == (w - 1, 39, w - 1)  # w - 1 drafts proposed, attached, checked; 39 positions before
+
+
+def test_a_plain_lookup_step_is_priced_as_timed():
+    """Costs that time lookup's one-position step (its search finds nothing) price width 1 from it, not from full
+    depth's step: the search is step time full depth does not pay."""
+    costs = _costs(wide_ms={"1": 10.5, "2": 11.0, "5": 14.0})
+    assert wide_ms(costs, 1) == 10.5 and wide_ms(costs, 2) == 11.0
+    stats = LookupStats(
+        max_draft=4, max_ngram=3, prompts=1, tokens=100, steps={"1": 40, "5": 20}, drafted=80, accepted=40
+    )
+    pred = predict_lookup(costs, stats)
+    assert pred is not None and pred.speedup == pytest.approx(100 * 10.0 / (40 * 10.5 + 20 * 14.0), abs=1e-4)
+
+
 def test_stop_tokens_and_the_length_limit_are_full_depths(artifacts, family):
     """A stop token inside what the drafts would copy ends the answer where full depth ends it; the length limit is
     never passed, however many drafts a pass accepts."""

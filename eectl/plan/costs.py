@@ -26,12 +26,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from eectl.contracts.plan import Costs
+from eectl.contracts.plan import MAX_NGRAM, Costs
 from eectl.exits.base import signals
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import ExitScoring, FullSoftmax, Signal, get_signal
 from eectl.runtime.blocks import run_block
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
+from eectl.runtime.chain_steps import chain_for, chain_step
 from eectl.runtime.exit_logits import OrtExitLogits
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
@@ -210,7 +211,7 @@ def _costs(
         **({f"exit_predict_ms.{e}": times[f"predict.{e}"] for e in m.exit_layers} if state_only else {}),
         **{f"river_ms.{i}": times[f"river.{i}"] for i in range(n) if f"river.{i}" in times},
         **({"river_head_ms": times["river_head"]} if "river_head" in times else {}),
-        **{f"wide_ms.{w}": times[f"wide.{w}"] for w in WIDE_WIDTHS if f"wide.{w}" in times},
+        **{f"wide_ms.{w}": times[f"wide.{w}"] for w in (1, *WIDE_WIDTHS) if f"wide.{w}" in times},
     }
     med = {path: float(statistics.median(v)) for path, v in samples.items()}
 
@@ -240,7 +241,7 @@ def _costs(
         exit_predict_ms=per("exit_predict_ms", exits) if state_only else None,
         river_ms=[med.get(f"river_ms.{i}") for i in range(n)] if rt.river_segments else None,
         river_head_ms=med.get("river_head_ms"),
-        wide_ms=per("wide_ms", [str(w) for w in WIDE_WIDTHS]),
+        wide_ms=per("wide_ms", [str(w) for w in (1, *WIDE_WIDTHS)]),
         samples_ms={path: list(v) for path, v in samples.items()},
         batch_rounds=batch_rounds,
     )
@@ -395,25 +396,48 @@ def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object] | No
     return call
 
 
-def wide_step_calls(rt: ArtifactRuntime, past: int) -> dict[str, Callable[[], object]]:
-    """A full-depth greedy step carrying drafts from the context on the bound chain, as `chain_steps.chain_step` takes
-    it: the drafts embedded, waiting at segment 0, every segment wide, then the final head's argmax over every
-    position (verify's check); one call per width in WIDE_WIDTHS. None for an artifact without verify or a chain."""
+def wide_step_calls(rt: ArtifactRuntime, past: int, seed: int = 0) -> dict[str, Callable[[], object]]:
+    """Decode steps with drafts from the context as the runner takes them (runtime/runner.py `_loop`): the row's
+    drafts proposed from its context (`PromptLookup.attach`: the n-gram search over `past` tokens), the step on the
+    bound chain with the policy's check (`chain_steps.chain_step`: the drafts embedded, every segment wide, verify's
+    final head over every position, the rollback of a wrong draft) and the drafts settled (`close`). One call per
+    width in WIDE_WIDTHS (a token and width - 1 drafts), and "wide.1": a step whose context offers no draft (the
+    search finds nothing, one position): what lookup's plain steps cost beside full depth's. {} for an artifact
+    without verify or a chain."""
     m = rt.manifest
     if "verify" not in m.kv_policies or not _chainable(rt) or rt.device != "cpu":
         return {}
-    kv = rt.new_kv(1, past + max(WIDE_WIDTHS) + 4)
-    chain = DecodeChain(rt, kv, 0, {}, None, 0, None)
-    calls: dict[str, Callable[[], object]] = {}
+    most = max(WIDE_WIDTHS) - 1
+    cfg = RunConfig(exits=[], thresholds={}, policy="verify", prompt_drafts=most, max_new_tokens=4 * most, stop_ids=())
+    runner = Runner(rt, cfg)
+    lookup = runner.lookup
+    assert lookup is not None
+    kv = rt.new_kv(1, max(past, 2 * MAX_NGRAM + most + 1) + most + 4)
+    chain = chain_for(runner, kv, 1)
+    assert chain is not None
+    # contexts of `n` tokens: distinct ids (no suffix occurs earlier: no draft), or, for w - 1 drafts, distinct ids
+    # whose last MAX_NGRAM also occur earlier, followed there by w - 1 others (the search proposes those, its draft
+    # length set to w - 1). Distinct ids need a vocabulary of n + MAX_NGRAM + the most drafts (a smaller one: shorter)
+    V = m.dims["vocab_size"]
+    n = max(most + 2 * MAX_NGRAM + 1, min(past, V - most - MAX_NGRAM))
+    ids = np.random.default_rng(seed).permutation(V)[: n + most + MAX_NGRAM].tolist()
+    suffix = ids[n : n + MAX_NGRAM]
+    contexts = {1: ids[:n]}
     for w in WIDE_WIDTHS:
+        contexts[w] = ids[: n - w + 1 - 2 * MAX_NGRAM] + suffix + ids[n + MAX_NGRAM : n + MAX_NGRAM + w - 1] + suffix
+    calls: dict[str, Callable[[], object]] = {}
+    for w, context in contexts.items():
 
-        def call(w: int = w) -> object:
-            kv.seek(0, past)
-            pending: list[np.ndarray | None] = [None] * len(m.segments)
-            pending[0] = rt.embed(np.ones((1, w - 1), dtype=np.int64))
-            done = chain.step_exits(1, False, pending, head=False)
-            assert done.state is not None
-            return rt.greedy_token(m.num_layers, done.state[0])
+        def call(w: int = w, context: list[int] = context) -> object:
+            kv.seek(0, len(context) - 1)  # the step feeds the context's last token after the others
+            st = RowState(list(context), len(context), [None] * len(m.segments), lookup=lookup.new_state())
+            assert st.lookup is not None
+            st.lookup.span = max(1, w - 1)
+            drafts = lookup.attach(st, m.num_layers, cfg.max_new_tokens, ())
+            token = chain_step(runner, chain, st, kv, drafts)
+            if drafts:
+                lookup.close(st)
+            return token
 
         calls[f"wide.{w}"] = call
     return calls

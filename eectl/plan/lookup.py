@@ -1,7 +1,7 @@
 """Drafts from the context priced: full depth with drafts (runtime/drafts.py) against full depth, from calibration's
 replay of them on its greedy continuations (`LookupStats`: how many decode steps of each width verify with them
-takes, exactly) and export's timing of full-depth passes of those widths on the bound chain (`Costs.wide_ms`,
-interpolated between the widths timed):
+takes, exactly) and export's timing of decode steps of those widths as the runner takes them (`Costs.wide_ms`:
+the drafts' search, the wide pass on the bound chain, verify's check; interpolated between the widths timed):
 
     lookup:       sum over steps of wide(width) / (tokens x the full-depth step)
 
@@ -19,13 +19,16 @@ from eectl.plan.intervals import Replicates, combined
 
 
 def wide_ms(costs: Costs, width: int) -> float | None:
-    """A full-depth pass over `width` positions: the baseline step at 1, else linear between the widths timed
-    (beyond the widest: its last slope). None without wide timings."""
+    """A decode step with drafts from the context over `width` positions (a token and width - 1 drafts), as the
+    runner takes it (plan/costs.py `wide_step_calls`: the drafts' search, the wide pass, the check): linear between
+    the widths timed (beyond the widest: its last slope). Width 1 is a step whose search found nothing (costs timed
+    before "1" was: the baseline step). None without wide timings."""
+    one = costs.wide_ms.get("1", costs.baseline_ms())
     if width <= 1:
-        return costs.baseline_ms()
+        return one
     if not costs.wide_ms:
         return None
-    known = sorted([(1, costs.baseline_ms()), *((int(w), v) for w, v in costs.wide_ms.items())])
+    known = sorted({1: one, **{int(w): v for w, v in costs.wide_ms.items()}}.items())
     xs, ys = [x for x, _ in known], [y for _, y in known]
     if width <= xs[-1]:
         return float(np.interp(width, xs, ys))
