@@ -259,6 +259,51 @@ def test_sampling_is_deterministic_for_a_seed(artifacts):
     assert a.token_ids != c.token_ids
 
 
+@pytest.mark.parametrize("policy", ["full", "defer", "copy"])
+def test_sampled_decode_runs_on_the_chain_as_on_the_general_path(artifacts, family, policy, monkeypatch):
+    """Sampling (temperature, top-p) steps on the bound chain: one row at full depth or with exits decided in the
+    graphs (the exiting token sampled from its K candidates), and a batch of rows at full depth. Same seed, same tokens,
+    exit layers and KV cache as the general path, which then runs no decode step but the prefill."""
+    loaded, rt = artifacts[family]
+    V = loaded.adapter.dims.vocab_size
+    prompts = [_prompt(31, 7, V), _prompt(32, 5, V), _prompt(33, 9, V)]
+    exits = [] if policy == "full" else EXITS
+    thresholds = {} if policy == "full" else _median_thresholds(loaded, prompts[0], 20)
+    batches = [prompts[:1]] if exits else [prompts[:1], prompts]  # exits in a batch step on the general path
+
+    def run(batch):
+        runner = _runner(rt, "defer" if policy == "full" else policy, thresholds, exits, 20, temperature=1.3,
+                         top_p=0.9, seed=7)  # fmt: skip
+        return runner.generate(batch), runner.last_kv
+
+    general_calls = []
+    general = Runner._steps
+
+    def counted(self, kv, work, force_full=False):
+        general_calls.append(sum(len(ids) == 1 for _, ids in work.values()))
+        return general(self, kv, work, force_full)
+
+    monkeypatch.setattr(Runner, "_steps", counted)
+    bound = [run(b) for b in batches]
+    assert sum(general_calls) == 0  # no one-position step on the general path: prefills only
+    monkeypatch.setattr(Runner, "_chain", lambda self, kv, rows: None)
+    plain = [run(b) for b in batches]
+    if exits:
+        assert _mixed(plain[0][0][0].exit_layers), plain[0][0][0].exit_layers
+    for (got, kv_got), (want, kv_want) in zip(bound, plain, strict=True):
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert [g.exit_layers for g in got] == [w.exit_layers for w in want]
+        assert (kv_got.filled == kv_want.filled).all()
+        for mine, other in zip(
+            kv_got.batch_keys + kv_got.batch_values, kv_want.batch_keys + kv_want.batch_values, strict=True
+        ):
+            n = int(kv_got.filled.min())
+            assert (mine[:, :, :n] == other[:, :, :n]).all()
+    # sampled, not greedy: the greedy answer differs
+    greedy = _runner(rt, "defer" if policy == "full" else policy, thresholds, exits, 20).generate(prompts[:1])[0]
+    assert greedy.token_ids != bound[0][0][0].token_ids
+
+
 def test_bad_run_input(artifacts, tmp_path):
     loaded, rt = artifacts["llama"]
     with pytest.raises(UsageError, match="not in the artifact"):

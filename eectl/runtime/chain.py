@@ -31,7 +31,10 @@ The full-depth step (`step`) binds its calls over the span of rows it decodes (o
 each at its own length, `seqlens_k` per row, as runtime/batch.py's batched calls do): one form for one row and a
 batch alike, on the CPU EP and on a device.
 
-What it does not do: sampling, teacher forcing, the prompt, exits in a batch of rows, signals not decided in the graph
+Sampling (temperature > 0) runs the same calls: the step reads the final head's logits, or an exiting token's K
+candidates and their logits, and the runner's sampler picks (`pick`), as the general path does.
+
+What it does not do: teacher forcing, the prompt, exits in a batch of rows, signals not decided in the graph
 (the cosines, full-vocabulary softmax), block exit heads, exit steps on a device (pending states are host arrays):
 the runner's general path (`Runner._steps`) handles those, and writes the same cache this chain continues.
 """
@@ -39,6 +42,7 @@ the runner's general path (`Runner._steps`) handles those, and writes the same c
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +58,9 @@ from eectl.runtime.ort import Graph, _ort
 from eectl.runtime.placement import HOST, Placement, Read
 from eectl.runtime.sessions import ArtifactRuntime
 
+# a row's token from logits [V] (or [K] with their vocabulary ids): the runner's sampling (runtime/sampling.py)
+Pick = Callable[[np.ndarray, np.ndarray | None], int]
+
 
 @dataclass
 class BoundExit:
@@ -68,6 +75,11 @@ class BoundExit:
     ids: np.ndarray | None = None  # [1, K]: `token` is a column of these candidates (a local exit on the first's rows)
     graph: str = "exit_full"  # binding.KINDS: "candidates" or "exit_full" (picking), "exit_local" (scoring)
     ids_from: Read | None = None  # where `ids` were output (the picker's candidates): read for the token's id
+    # sampling (temperature > 0): the candidates' logits [1, K] this decision wrote, and the vocabulary ids [1, K] of
+    # those candidates (its own where it picks, the picker's where it scores them) with where they were output
+    logits: np.ndarray | None = None
+    candidates: np.ndarray | None = None
+    candidates_from: Read | None = None
 
     def passes(self, place: Placement) -> bool:
         place.read((self.graph, self.layer, "passed"))
@@ -81,6 +93,13 @@ class BoundExit:
         assert self.ids_from is not None
         place.read(self.ids_from)
         return int(self.ids[0, t])
+
+    def sampled(self, pick: Pick, place: Placement = HOST) -> int:
+        """The exiting token sampled from the K candidates' logits (as the general path samples an exit's)."""
+        assert self.logits is not None and self.candidates is not None and self.candidates_from is not None
+        place.read((self.graph, self.layer, "candidate_logits"))
+        place.read(self.candidates_from)
+        return pick(self.logits[0], self.candidates[0])
 
 
 @dataclass
@@ -190,7 +209,9 @@ class DecodeChain:
         rt._bind_array(io, final.name("top_k"), self._host(np.ones(1, np.int64)))
         rt._bind_array(io, final.name("token"), self.token, output=True)
         V = m.dims["vocab_size"]  # the logits and a Top-1 land in scratch buffers (on the device where there is one)
-        rt._bind_array(io, final.name("logits"), self._buffer((n, V), dtype), output=True)
+        self.logits = self._buffer((n, V), dtype)  # read where the run samples (`step`'s `pick`)
+        self._logits_read: Read = ("exit_full", m.num_layers, "logits")
+        rt._bind_array(io, final.name("logits"), self.logits, output=True)
         rt._bind_array(io, final.name("candidates"), self._buffer((n, 1), np.int64), output=True)
         rt._bind_array(io, final.name("candidate_logits"), self._buffer((n, 1), dtype), output=True)
 
@@ -265,11 +286,17 @@ class DecodeChain:
             else:
                 rt.bind_weights(io, g)
                 rt._bind_array(io, g.name("candidates"), candidates)
-        rt._bind_array(io, g.name("candidate_logits"), self._buffer((1, k), dtype), output=True)
+        logits = self._buffer((1, k), dtype)
+        rt._bind_array(io, g.name("candidate_logits"), logits, output=True)
         passed, token = self._host(np.zeros(1, bool)), self._host(np.zeros(1, np.int64))
         rt._bind_array(io, g.name("passed"), passed, output=True)
         rt._bind_array(io, g.name("exit_token"), token, output=True)
-        return BoundExit(layer, g.session, io, passed, token, ids, kind, ids_from)
+        # the candidates' vocabulary ids: what this decision picked, or what the picker picked for it to score
+        picked_by = layer if picker is None else picker
+        cands_from: Read = (picker_graph(rt, picked_by)[1], picked_by, "candidates")
+        bound = BoundExit(layer, g.session, io, passed, token, ids, kind, ids_from)
+        bound.logits, bound.candidates, bound.candidates_from = logits, self.picked[picked_by][0], cands_from
+        return bound
 
     def _bind(self, g: Graph) -> Any:
         io = g.session.io_binding()
@@ -313,12 +340,13 @@ class DecodeChain:
         session.run_with_iobinding(io)
         place.read(self._token_read)
 
-    def step(self, tokens: dict[int, int], *, place: Placement = HOST) -> dict[int, int]:
+    def step(self, tokens: dict[int, int], *, place: Placement = HOST, pick: Pick | None = None) -> dict[int, int]:
         """The full-depth decode step, for one row or the rows of a batch alike: feed each row's token (row -> token,
         rows of the span) at its own next position through every layer, all rows in one call per graph; return each
         one's greedy next token. Rows of the span not in `tokens` ride along on their next free position (written,
         never counted: the batched calls' scratch slot). Its host read (the tokens) is recorded in the run's `place`,
-        as every step's here."""
+        as every step's here. `pick` (sampling): each row's token is picked from the final head's logits [V] instead,
+        row by row in row order (the general path's order), and the logits are what the step reads."""
         kv, L, first = self.kv, self.rt.manifest.num_layers, self.row
         span = slice(first, first + self.rows)
         past = _past(kv, np.arange(span.start, span.stop), 0, L)
@@ -334,9 +362,20 @@ class DecodeChain:
         self.total[()] = int(past.max()) + 1
         for session, io in self.calls[:-1]:
             session.run_with_iobinding(io)
+        if pick is not None:
+            logits = self._sample_head(place)
+            kv.advance(active, 0, L)
+            return {r: pick(logits[r - first], None) for r in sorted(tokens)}
         self._head(place)  # one read for every row of the span
         kv.advance(active, 0, L)
         return {r: int(self.token[r - first]) for r in tokens}
+
+    def _sample_head(self, place: Placement) -> np.ndarray:
+        """The final head run for sampling: its logits [rows, V] read on the host (a copy off a device)."""
+        session, io = self.calls[-1]
+        session.run_with_iobinding(io)
+        place.read(self._logits_read)
+        return self.logits if isinstance(self.logits, np.ndarray) else self.logits.numpy()
 
     def step_exits(
         self,
@@ -346,6 +385,7 @@ class DecodeChain:
         head: bool = True,
         *,
         place: Placement = HOST,
+        pick: Pick | None = None,
     ) -> ExitStep:
         """Feed `token` at the row's next position, testing the active exits (when `may_exit`) after their segments.
 
@@ -355,7 +395,8 @@ class DecodeChain:
         docstring). `head` False: a step that ends wide skips the final head (its token is -1): the caller runs the
         head over every position of the returned state at once (verify's check). What the step reads on the host is
         recorded in `place`: a gate's input state where a gate is tested, each decision's `passed`, the exit's token
-        (and the picker's candidate it names), or the final head's token."""
+        (and the picker's candidate it names), or the final head's token. `pick` (sampling): the token is sampled
+        from the exit's K candidates or the final head's logits instead, and those are what the step reads."""
         if self.rt.device != "cpu":
             raise UsageError("exit steps on the bound chain need host buffers (the CPU EP)")
         kv, row, rt = self.kv, self.row, self.rt
@@ -410,9 +451,13 @@ class DecodeChain:
             picker = ex.layer if picker is None else picker
             if passed:
                 state = (self.hops[s + 1] if flow is None else flow).copy()
-                return ExitStep(ex.exit_token(place), ex.layer, s, state, decide, flushed, decided, picker)
+                token = ex.exit_token(place) if pick is None else ex.sampled(pick, place)
+                return ExitStep(token, ex.layer, s, state, decide, flushed, decided, picker)
         final = None if flow is None else flow.copy()
+        L = rt.manifest.num_layers
         if final is not None and not head:
-            return ExitStep(-1, rt.manifest.num_layers, None, final, decide, flushed, decided, picker)
+            return ExitStep(-1, L, None, final, decide, flushed, decided, picker)
+        if pick is not None:
+            return ExitStep(pick(self._sample_head(place)[0], None), L, None, final, decide, flushed, decided, picker)
         self._head(place)
-        return ExitStep(int(self.token[0]), rt.manifest.num_layers, None, final, decide, flushed, decided, picker)
+        return ExitStep(int(self.token[0]), L, None, final, decide, flushed, decided, picker)

@@ -2,7 +2,7 @@
 row's step on it with the KV policy's hooks called as the general path calls them (`chain_step`).
 
 What this module does not do: bind or run graphs (chain.py), or step rows the chain does not take (runner.py's
-general path: sampling, prefill, wide steps of a batch, exits in a batch of rows, device-resident exit steps).
+general path: prefill, wide steps of a batch, exits in a batch of rows, device-resident exit steps).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from eectl.exits.signals import Signal
-from eectl.runtime.chain import DecodeChain, chain_exits_supported
+from eectl.runtime.chain import DecodeChain, Pick, chain_exits_supported
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.placement import Placement
 from eectl.runtime.policies import KVPolicy
@@ -34,15 +34,17 @@ class Runner(Protocol):
 
     def _resident_wanted(self) -> bool: ...
 
+    def sampler(self) -> Pick | None: ...
+
 
 def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
-    """The bound call chain for greedy decode with a final head that has the in-graph argmax: full depth for any
-    number of rows (on every provider: the states stay where the graphs run), or, for one row on the CPU EP, active
-    exits whose decisions the exit graphs make (policies whose exited token needs nothing but its state,
+    """The bound call chain for decode, greedy or sampled, with a final head that has the in-graph argmax: full depth
+    for any number of rows (on every provider: the states stay where the graphs run), or, for one row on the CPU EP,
+    active exits whose decisions the exit graphs make (policies whose exited token needs nothing but its state,
     `KVPolicy.bound_chain`: defer, verify, copy; `chain_exits_supported`). None where the general path steps."""
     rt, cfg, exits = runner.rt, runner.cfg, runner.exits
     final = rt.full_graphs[runner.L]
-    if cfg.temperature > 0 or "token" not in final.io.outputs:
+    if "token" not in final.io.outputs:
         return None
     if any(g.session is None for g in rt.segments):  # a runtime holding one segment at a time
         return None
@@ -74,7 +76,7 @@ def chain_step(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, 
     # verify's check runs the final head over every position of a wide step itself: the chain skips its own
     checks = policy.checks_drafts and bool(st.drafts)
     may_exit = policy.may_exit(st) and not drafts
-    done = chain.step_exits(token, may_exit, st.pending, head=not checks, place=runner.place)
+    done = chain.step_exits(token, may_exit, st.pending, head=not checks, place=runner.place, pick=runner.sampler())
     st.decide_s += done.decide_s
     st.count_decisions(done.decided, done.picked)
     for s in done.flushed:

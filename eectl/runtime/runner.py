@@ -114,6 +114,10 @@ class Runner:
         """Greedy or temperature/top-p sampling over logits [V] (or [K] with their vocabulary ids)."""
         return pick_token(logits, ids, self.cfg.temperature, self.cfg.top_p, self.rng)
 
+    def sampler(self) -> Callable[[np.ndarray, np.ndarray | None], int] | None:
+        """How the bound chain picks a token where the run samples (`_pick`); None under greedy (the graphs' argmax)."""
+        return self._pick if self.cfg.temperature > 0 else None
+
     # --- exits -------------------------------------------------------------------------------------------------------
     def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, Answer]:
         """The exit test at `layer` for several rows' tokens at once (runtime/decide.py), on this call's placement."""
@@ -390,12 +394,12 @@ class Runner:
             wide = any(drafted.values())
             bound = chain if not fresh else None
             if bound is not None and not wide and not self.exits:  # full depth, one row or a batch: calls bound once
-                tokens = bound.step({s: ids[0] for s, (_, ids) in live.items()}, place=self.place)
+                tokens = bound.step({s: ids[0] for s, (_, ids) in live.items()}, place=self.place, pick=self.sampler())
                 for s in tokens:
                     rows[seated[s]].exit_layers.append(self.L)
             elif bound is not None and bound.rows == 1 and (not wide or self.rt.device == "cpu"):  # exits, drafts
                 tokens = {0: chain_step(self, bound, rows[seated[0]], kv, drafted.get(0, 0))}
-            else:  # prompts, sampling, several positions for a row of a batch, exits in a batch
+            else:  # prompts, several positions for a row of a batch, exits in a batch
                 tokens = self._steps(kv, live)
             for s in tokens:
                 if drafted.get(s):
