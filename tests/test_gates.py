@@ -264,3 +264,30 @@ def test_fit_options_gated_are_refitted_on_the_gated_run():
         sub = meas.restrict(o.exits, ok)
         refit = fit_thresholds(sub.values, sub.correct, o.target, o.confidence, calib)
         assert [{"prob": x.thresholds["prob"]} for x in o.per_exit] == refit
+
+
+def test_options_record_their_units_and_resample_to_themselves():
+    """Each option keeps its judged tokens' counts per unit (what the plan's interval over the calibration sample
+    resamples): all units taken once give back the option's own coverage, precision and gated shares exactly; one
+    unit alone gives that unit's."""
+    meas = _measurements(600)
+    meas.gate_logits = torch.randn(3, meas.n, generator=torch.Generator().manual_seed(3))
+    options = fit_options(meas, 0.4, None, 0.2, max_subset=2, gate_keep=0.9)
+    judged = meas.heldout_mask(0.2)
+    units = torch.unique(meas.unit[judged])
+    assert any(o.gated for o in options) and any(not o.gated for o in options)
+    for o in options:
+        assert len(o.units) == units.numel() and all(len(r) == 1 + 4 * len(o.exits) for r in o.units)
+        assert sum(r[0] for r in o.units) == int(judged.sum())
+        whole = o.resampled(range(len(o.units)))
+        for mine, theirs in zip(whole.per_exit, o.per_exit, strict=True):
+            assert mine.coverage == pytest.approx(theirs.coverage, abs=1e-12)
+            assert (mine.precision is None) == (theirs.precision is None)
+            if mine.precision is not None:
+                assert mine.precision == pytest.approx(theirs.precision, abs=1e-12)
+            assert (mine.decided, mine.picked) == pytest.approx((theirs.decided, theirs.picked), abs=1e-12)
+        first = o.resampled([0])  # the first judged unit's 20 tokens alone
+        if not o.gated:
+            taken = assign_exits(meas.restrict(o.exits).values, [dict(x.thresholds) for x in o.per_exit])
+            own = judged & (meas.unit == units[0])
+            assert first.per_exit[0].coverage == pytest.approx(float((taken[own] == 0).double().mean()), abs=1e-12)

@@ -323,6 +323,37 @@ def test_undecided_when_the_best_interval_straddles_the_line():
     assert slow.undecided() == []
 
 
+def _with_units(option: Option, exits_per_unit: list[int], tokens: int = 100) -> Option:
+    """`option` (one exit, always right) judged on units of `tokens` tokens exiting that many times each."""
+    units = [[tokens, k, k, 0, 0] for k in exits_per_unit]
+    share = sum(exits_per_unit) / (tokens * len(exits_per_unit))
+    per_exit = [option.per_exit[0].model_copy(update={"coverage": share})]
+    return option.model_copy(update={"units": units, "per_exit": per_exit})
+
+
+def test_the_calibration_samples_spread_widens_the_interval_and_is_not_retimed():
+    """An option whose exits vary from unit to unit of the calibration sample gets an interval that spans that
+    spread (a bootstrap over its units) besides the timing's: it is not activated when only the timing clears the
+    line, and the plan is not undecided for it (more timing cannot narrow which units calibration held)."""
+    costs = _noisy(0)
+    steady = _with_units(_option([8], [0.3]), [30] * 8)  # 1.124x at every unit
+    spread = _with_units(_option([8], [0.3]), [0] * 6 + [120] * 2)  # the same mean: 2 units of 8 exit, 6 never
+    a = choose(costs, BOUNDARIES, [steady]).choices["defer"]
+    b = choose(costs, BOUNDARIES, [spread]).choices["defer"]
+    assert a.exits == [8] and b.exits == []
+    pa, pb = a.prediction, b.best
+    assert pb is not None and pa.speedup == pytest.approx(pb.speedup)
+    assert pb.timing == pytest.approx(pa.timing) and pb.low() < 1 + MIN_GAIN < pa.low()
+    assert pb.high() - pb.low() > 3 * (pa.high() - pa.low())  # the sample's spread dominates
+    lo, hi = pb.timing
+    assert lo >= 1 + MIN_GAIN  # the timing alone clears the line: nothing for more timing to decide
+    plan = choose(costs, BOUNDARIES, [spread])
+    assert plan.undecided() == []
+    # an option written before units were recorded: the timing's interval alone, as before
+    plain = choose(costs, BOUNDARIES, [_option([8], [0.3])]).choices["defer"].prediction
+    assert plain.timing is None and plain.interval == pytest.approx(pa.timing)
+
+
 # --- fidelity: per-token disagreement compounded over a continuation ------------------------------------------
 
 

@@ -224,16 +224,22 @@ def _option(
     recorded = thresholds if gammas is None else [{**t, GATE: g} for t, g in zip(thresholds, gammas, strict=True)]
     decided: list[float | None] = [None] * len(subset)
     picked: list[float | None] = [None] * len(subset)
-    if gate_ok is not None:
-        taken = assign_exits(sub.values, thresholds)[judge]
-        ok = gate_ok[:, judge]
-        n = max(1, int(judge.sum()))
-        before = torch.zeros_like(ok[0])
-        for i in range(len(subset)):
-            runs = (taken >= i) & ok[i]
-            decided[i] = int(runs.sum()) / n
-            picked[i] = int((runs & ~before).sum()) / n
-            before = before | ok[i]
+    taken = assign_exits(sub.values, thresholds)[judge]
+    correct = sub.correct[:, judge]
+    n = max(1, int(judge.sum()))
+    # per exit, the judged tokens' flags whose counts per unit the option records: exited, exited and right, and
+    # (gated) decided there, picked there
+    flags: list[torch.Tensor] = []
+    before = torch.zeros_like(taken, dtype=torch.bool)
+    for i in range(len(subset)):
+        runs = picks = torch.zeros_like(before)
+        if gate_ok is not None:
+            ok = gate_ok[i, judge]
+            runs = (taken >= i) & ok
+            picks = runs & ~before
+            decided[i], picked[i] = int(runs.sum()) / n, int(picks.sum()) / n
+            before = before | ok
+        flags += [taken == i, (taken == i) & correct[i], runs, picks]
     return Option(
         exits=subset,
         kind=kind,
@@ -251,7 +257,18 @@ def _option(
             for layer, t, st, d, p in zip(subset, recorded, per_exit, decided, picked, strict=True)
         ],
         agreement=overall.agreement,
+        units=unit_counts(sub.source[judge] * (int(sub.unit.max()) + 1) + sub.unit[judge], flags),
     )
+
+
+def unit_counts(unit: torch.Tensor, flags: list[torch.Tensor]) -> list[list[int]]:
+    """Per distinct id in `unit` [N] (in ascending order): [tokens, then each flag's count] of its tokens."""
+    ids, index = torch.unique(unit, return_inverse=True)
+    cols = [torch.ones_like(unit), *(f.long() for f in flags)]
+    counts = torch.zeros((ids.numel(), len(cols)), dtype=torch.long)
+    for j, c in enumerate(cols):
+        counts[:, j].index_add_(0, index, c)
+    return counts.tolist()
 
 
 def _gated_option(

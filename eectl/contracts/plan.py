@@ -83,6 +83,30 @@ class Option(_M):
     confidence: float | None
     per_exit: list[ExitOption]
     agreement: float  # held-out agreement over all tokens (exit or not)
+    # the judged tokens' counts per unit (a teacher-forced chunk or a prompt's continuation): [tokens, then per exit:
+    # exited, exited and right, decided, picked] (the last two 0 ungated). What the plan's interval over the
+    # calibration sample resamples (`resampled`); empty in calibration files written before it
+    units: list[list[int]] = Field(default_factory=list)
+
+    def resampled(self, picks: Sequence[int]) -> Option:
+        """The option as judged on the units at these indices of `units` (repeats count again: a bootstrap
+        resample): each exit's coverage, precision and gated shares from their summed counts."""
+        rows = [self.units[i] for i in picks]
+        n = sum(r[0] for r in rows)
+        per_exit = []
+        for i, x in enumerate(self.per_exit):
+            exited, right, decided, picked = (sum(r[1 + 4 * i + j] for r in rows) for j in range(4))
+            per_exit.append(
+                x.model_copy(
+                    update={
+                        "coverage": exited / n if n else 0.0,
+                        "precision": right / exited if exited else None,
+                        "decided": None if x.decided is None else (decided / n if n else 0.0),
+                        "picked": None if x.picked is None else (picked / n if n else 0.0),
+                    }
+                )
+            )
+        return self.model_copy(update={"per_exit": per_exit, "units": []})
 
     @property
     def exit_rate(self) -> float:
@@ -230,6 +254,18 @@ class Prediction(_M):
     # the speedup's LEVEL interval (bootstrap over the costs' timing rounds); None: not computed, or costs without
     # samples (then the point is all there is)
     interval: tuple[float, float] | None = None
+    # where `interval` also spans what the calibration sample leaves open (which units it holds: plan/intervals.py),
+    # the timing's own interval: what more timing could narrow (None: `interval` is the timing's alone)
+    timing: tuple[float, float] | None = None
+
+    def timing_span(self) -> tuple[float, float]:
+        """The interval more timing could narrow (the point where none was computed)."""
+        return self.timing if self.timing is not None else (self.low(), self.high())
+
+    def straddles(self, line: float) -> bool:
+        """Whether more timing could move this prediction across `line`: its timing interval straddles it."""
+        lo, hi = self.timing_span()
+        return lo < line <= hi
 
     def low(self) -> float:
         return self.interval[0] if self.interval is not None else self.speedup
@@ -373,6 +409,6 @@ class Plan(_M):
             (LOOKUP, None if self.lookup is None else self.lookup.prediction),
             (CERTIFIED, None if self.certified is None else self.certified.prediction),
         ):
-            if pred is not None and pred.low() < line <= pred.high():
+            if pred is not None and pred.straddles(line):
                 out.append(name)
         return out

@@ -81,7 +81,7 @@ from eectl.contracts.plan import (
     Plan,
     Prediction,
 )
-from eectl.plan.intervals import Replicates
+from eectl.plan.intervals import Replicates, combined, unit_interval
 from eectl.plan.lookup import choose_lookup
 
 
@@ -259,13 +259,29 @@ def _usable(costs: Costs, boundaries: Sequence[int], opt: Option) -> bool:
 
 
 def with_interval(
-    pred: Prediction, replicates: Replicates, boundaries: Sequence[int], option: Option, level: float = LEVEL
+    pred: Prediction,
+    replicates: Replicates,
+    boundaries: Sequence[int],
+    option: Option,
+    level: float = LEVEL,
+    costs: Costs | None = None,
 ) -> Prediction:
-    """`pred` (the option's prediction) with its speedup's interval over `replicates`; unchanged without any."""
-    span = replicates.interval(
+    """`pred` (the option's prediction) with its speedup's interval: over the costs' `replicates` (timing), and,
+    where the option records its units and `costs` are given, over the calibration sample too (a bootstrap over its
+    units: plan/intervals.py `unit_interval`), the two combined; unchanged without either."""
+    timing = replicates.interval(
         pred.speedup, lambda c: predict_option(c, boundaries, pred.policy, option).speedup, level
     )
-    return pred if span is None else pred.model_copy(update={"interval": span})
+    sample = None
+    if costs is not None:
+        sample = unit_interval(
+            pred.speedup, len(option.units), lambda picks: predict_option(costs, boundaries, pred.policy,
+                                                                          option.resampled(picks)).speedup, level
+        )  # fmt: skip
+    if sample is None:
+        return pred if timing is None else pred.model_copy(update={"interval": timing})
+    timing = timing or (pred.speedup, pred.speedup)  # costs without samples: timing adds no spread
+    return pred.model_copy(update={"interval": combined(pred.speedup, timing, sample), "timing": timing})
 
 
 def choose(
@@ -293,11 +309,12 @@ def choose(
         )
         # intervals for the top few by point estimate only (each costs a prediction per replicate): an option further
         # down would need a much narrower interval than all of those for its low end alone to clear the line
-        top = [(with_interval(p, replicates, boundaries, o, level), o) for p, o in ranked[:INTERVAL_TOP]]
+        top = [(with_interval(p, replicates, boundaries, o, level, costs), o) for p, o in ranked[:INTERVAL_TOP]]
         clear = [(p, o) for p, o in top if p.low() >= line]
         best: tuple[Prediction, Option] | None = max(clear or top, key=lambda po: po[0].speedup, default=None)
         floor = best[0].low() if clear and best is not None else -np.inf  # what an undecided option must beat
-        undecided = any(p.low() < line <= p.high() and p.high() > floor for p, _ in top)
+        # undecided: more timing could change the choice (the calibration sample's spread it cannot narrow)
+        undecided = any(p.straddles(line) and p.timing_span()[1] > floor for p, _ in top)
         if clear and best is not None:
             pred, opt = best
             thresholds = {str(k): v for k, v in opt.thresholds().items()}

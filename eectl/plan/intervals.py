@@ -54,3 +54,26 @@ def combined(point: float, *spans: tuple[float, float] | None) -> tuple[float, f
     low = sum(max(0.0, point - lo) ** 2 for lo, _ in known) ** 0.5
     high = sum(max(0.0, hi - point) ** 2 for _, hi in known) ** 0.5
     return round(point - low, 4), round(point + high, 4)
+
+
+UNIT_RESAMPLES = 400  # bootstrap resamples of a calibration sample's units for an option's interval
+
+
+def unit_interval(
+    point: float, units: int, speedup: Callable[[list[int]], float | None], level: float = LEVEL
+) -> tuple[float, float] | None:
+    """The `level` interval of a speedup predicted as `point` over which units a calibration sample holds: `speedup`
+    predicts it from a resample of the units (indices 0..units - 1, drawn with replacement, a fixed seed: the same
+    menu and costs give the same interval); percentiles of UNIT_RESAMPLES of them, shifted so that the point sits
+    where the resamples' median does (the resampled ratio's skew kept, its bias not). None with fewer than two."""
+    if units < 2:
+        return None
+    rng = np.random.default_rng(0)
+    values = [
+        v for _ in range(UNIT_RESAMPLES) if (v := speedup(rng.integers(0, units, size=units).tolist())) is not None
+    ]
+    if len(values) < 2:
+        return None
+    tail = (1.0 - level) / 2
+    lo, mid, hi = np.quantile(values, [tail, 0.5, 1.0 - tail])
+    return round(point - float(mid - lo), 4), round(point + float(hi - mid), 4)

@@ -94,9 +94,11 @@ def choose_lookup(
     timing = Replicates.of(costs).interval(
         pred.speedup, lambda c: None if (p := predict_lookup(c, stats)) is None else p.speedup, level
     )
-    span = combined(pred.speedup, timing, prompt_interval(costs, stats, level))
-    if span is not None:
-        pred = pred.model_copy(update={"interval": span})
+    prompts = prompt_interval(costs, stats, level)
+    span = combined(pred.speedup, timing, prompts)
+    if span is not None:  # the timing's own interval kept apart where the prompts widen it: what more timing narrows
+        kept = (timing or (pred.speedup, pred.speedup)) if prompts is not None else None
+        pred = pred.model_copy(update={"interval": span, "timing": kept})
     return LookupChoice(
         drafts=stats.max_draft,
         prediction=pred,
