@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model
-from eectl.calibrate.fit import fit_gates, fit_options
+from eectl.calibrate.fit import OPTION_FOLDS, fit_gates, fit_options, options_judge, unit_folds
 from eectl.contracts.calibration import Calibration
 from eectl.contracts.gates import GATE, Gate
 from eectl.contracts.plan import Costs
@@ -268,12 +268,11 @@ def test_fit_options_gated_are_refitted_on_the_gated_run():
 
 def test_options_record_their_units_and_resample_to_themselves():
     """Each option keeps its judged tokens' counts per unit (what the plan's interval over the calibration sample
-    resamples): all units taken once give back the option's own coverage, precision and gated shares exactly; one
-    unit alone gives that unit's."""
+    resamples): all units taken once give back the option's own coverage, precision and gated shares exactly."""
     meas = _measurements(600)
     meas.gate_logits = torch.randn(3, meas.n, generator=torch.Generator().manual_seed(3))
     options = fit_options(meas, 0.4, None, 0.2, max_subset=2, gate_keep=0.9)
-    judged = meas.heldout_mask(0.2)
+    judged = options_judge(meas)
     units = torch.unique(meas.unit[judged])
     assert any(o.gated for o in options) and any(not o.gated for o in options)
     for o in options:
@@ -286,8 +285,30 @@ def test_options_record_their_units_and_resample_to_themselves():
             if mine.precision is not None:
                 assert mine.precision == pytest.approx(theirs.precision, abs=1e-12)
             assert (mine.decided, mine.picked) == pytest.approx((theirs.decided, theirs.picked), abs=1e-12)
-        first = o.resampled([0])  # the first judged unit's 20 tokens alone
-        if not o.gated:
-            taken = assign_exits(meas.restrict(o.exits).values, [dict(x.thresholds) for x in o.per_exit])
-            own = judged & (meas.unit == units[0])
-            assert first.per_exit[0].coverage == pytest.approx(float((taken[own] == 0).double().mean()), abs=1e-12)
+
+
+def test_the_menu_is_judged_out_of_fold():
+    """The menu's numbers: every unit judged on thresholds fitted without its fold (folds of whole units dealt in a
+    seeded shuffle, not in the data's order), while the thresholds a run uses are the calibration split's."""
+    meas = _measurements(600)
+    folds = unit_folds(meas)
+    assert torch.equal(folds, unit_folds(meas))  # seeded
+    per_unit = {int(u): set(folds[meas.unit == u].tolist()) for u in torch.unique(meas.unit)}
+    assert all(len(f) == 1 for f in per_unit.values())  # a unit is never split
+    sizes = torch.bincount(torch.tensor([next(iter(f)) for f in per_unit.values()]))
+    assert sizes.numel() == OPTION_FOLDS and int(sizes.max() - sizes.min()) <= 1
+    assert [next(iter(per_unit[u])) for u in sorted(per_unit)] != [u % OPTION_FOLDS for u in sorted(per_unit)]
+    calib = ~meas.heldout_mask(0.2)
+    options = fit_options(meas, 0.4, None, 0.2, max_subset=1)
+    o = next(o for o in options if o.exits == [4] and o.kind == "target")
+    sub = meas.restrict([4])
+    assert [dict(x.thresholds) for x in o.per_exit] == fit_thresholds(sub.values, sub.correct, 0.4, None, calib)
+    want = torch.zeros(meas.n, dtype=torch.long)
+    for f in range(OPTION_FOLDS):
+        mine = folds == f
+        thr = fit_thresholds(sub.values, sub.correct, 0.4, None, ~mine)
+        want[mine] = assign_exits(sub.values, thr)[mine]
+    for row, u in zip(o.units, torch.unique(meas.unit), strict=True):
+        own = meas.unit == u
+        here = own & (want == 0)
+        assert row == [int(own.sum()), int(here.sum()), int((here & sub.correct[0]).sum()), 0, 0]

@@ -344,7 +344,7 @@ def summarise(
         gates={str(layer): g for layer, g in gates.items()},
         gate_keep=opts.gate_keep if gates else None,
         lookup=collected.lookup,
-        options_judged_on=int(options_judge(meas, opts.holdout).sum()) if opts.options else 0,
+        options_judged_on=int(options_judge(meas).sum()) if opts.options else 0,
         compared={name: _compared(m, opts, heads) for name, m in collected.compared.items()},
         target=opts.target,
         confidence=opts.confidence,

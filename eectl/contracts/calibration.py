@@ -152,7 +152,7 @@ class Calibration(_Model):
     heldout: OverallStats | None
     heldout_by_source: dict[str, OverallStats] = Field(default_factory=dict)
     options: list[Option] = Field(default_factory=list)  # the cost model's menu (calibrate_fit.fit_options)
-    options_judged_on: int = 0  # tokens the menu's coverage was measured on (calibrate_fit.options_judge)
+    options_judged_on: int = 0  # tokens the menu is judged on, each out of fold (calibrate/fit.py options_judge)
     compared: dict[str, ComparedSource] = Field(default_factory=dict)  # --compare: other candidate sources
     # exit layer (str) -> its gate (eectl.exits.gates: a linear test on the state that skips the decision), which gated
     # options' thresholds ("gate") refer to; and the share of passing decisions their thresholds keep. Empty: none

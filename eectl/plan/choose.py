@@ -49,6 +49,13 @@ it does in the point estimate. Costs with a single batch (or timed before batche
 bootstrap over rounds (a replicate draws R rounds with replacement and takes each graph's median), drawn with a fixed
 seed. Costs without samples (artifacts exported before the intervals) are taken as exact: the interval is the point.
 
+Options calibrated with their units' counts (`Option.units`: per teacher-forced chunk or prompt continuation
+judged) also carry what the calibration sample leaves open: the speedup predicted from bootstrap resamples of those
+units (plan/intervals.py `unit_interval`), whose interval is combined with the timing's (half-widths in
+quadrature). A menu judged on a few prompts whose exit rates differ from prompt to prompt then activates an option
+only when it clears the line however those prompts were drawn. Only the timing's interval (`Prediction.timing`)
+makes a choice undecided: more timing cannot narrow the sample.
+
 Export and `--profile-costs` time batches until the plan is decided (`settled`): at least MIN_BATCHES batches, and
 no interval that could change a choice straddling the line; when the time budget runs out first, each undecided
 choice runs what cleared the line (full depth, drafts off) and the plan records it (`Plan.unresolved`). The same
