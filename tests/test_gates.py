@@ -15,7 +15,7 @@ from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model
 from eectl.calibrate.fit import OPTION_FOLDS, fit_gates, fit_options, options_judge, unit_folds
 from eectl.contracts.calibration import Calibration
 from eectl.contracts.gates import GATE, Gate
-from eectl.contracts.plan import Costs
+from eectl.contracts.plan import Costs, Option
 from eectl.data import token_chunks
 from eectl.errors import UsageError
 from eectl.exits.base import TorchExitLogits
@@ -276,9 +276,11 @@ def test_options_record_their_units_and_resample_to_themselves():
     units = torch.unique(meas.unit[judged])
     assert any(o.gated for o in options) and any(not o.gated for o in options)
     for o in options:
-        assert len(o.units) == units.numel() and all(len(r) == 1 + 4 * len(o.exits) for r in o.units)
-        assert sum(r[0] for r in o.units) == int(judged.sum())
-        whole = o.resampled(range(len(o.units)))
+        rows = o.unit_rows()
+        assert len(rows) == units.numel() and all(len(r) == 1 + 4 * len(o.exits) for r in rows)
+        assert sum(r[0] for r in rows) == int(judged.sum())
+        assert Option.units_text(rows) == o.units and "\n" not in o.units  # one line in a file, read back exactly
+        whole = o.resampled(range(len(rows)))
         for mine, theirs in zip(whole.per_exit, o.per_exit, strict=True):
             assert mine.coverage == pytest.approx(theirs.coverage, abs=1e-12)
             assert (mine.precision is None) == (theirs.precision is None)
@@ -308,7 +310,7 @@ def test_the_menu_is_judged_out_of_fold():
         mine = folds == f
         thr = fit_thresholds(sub.values, sub.correct, 0.4, None, ~mine)
         want[mine] = assign_exits(sub.values, thr)[mine]
-    for row, u in zip(o.units, torch.unique(meas.unit), strict=True):
+    for row, u in zip(o.unit_rows(), torch.unique(meas.unit), strict=True):
         own = meas.unit == u
         here = own & (want == 0)
         assert row == [int(own.sum()), int(here.sum()), int((here & sub.correct[0]).sum()), 0, 0]

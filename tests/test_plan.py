@@ -325,7 +325,7 @@ def test_undecided_when_the_best_interval_straddles_the_line():
 
 def _with_units(option: Option, exits_per_unit: list[int], tokens: int = 100) -> Option:
     """`option` (one exit, always right) judged on units of `tokens` tokens exiting that many times each."""
-    units = [[tokens, k, k, 0, 0] for k in exits_per_unit]
+    units = Option.units_text([[tokens, k, k, 0, 0] for k in exits_per_unit])
     share = sum(exits_per_unit) / (tokens * len(exits_per_unit))
     per_exit = [option.per_exit[0].model_copy(update={"coverage": share})]
     return option.model_copy(update={"units": units, "per_exit": per_exit})

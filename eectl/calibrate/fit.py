@@ -311,7 +311,7 @@ def _option(
         confidence=level,
         per_exit=per_exit,
         agreement=(n - exited_all + right_all) / n,
-        units=unit_counts(meas.source[judge] * (int(meas.unit.max()) + 1) + meas.unit[judge], flags),
+        units=Option.units_text(unit_counts(meas.source[judge] * (int(meas.unit.max()) + 1) + meas.unit[judge], flags)),
     )
 
 

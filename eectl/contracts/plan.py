@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from eectl.contracts.certificate import CERTIFIED
 
@@ -84,18 +84,35 @@ class Option(_M):
     per_exit: list[ExitOption]
     agreement: float  # held-out agreement over all tokens (exit or not)
     # the judged tokens' counts per unit (a teacher-forced chunk or a prompt's continuation): [tokens, then per exit:
-    # exited, exited and right, decided, picked] (the last two 0 ungated). What the plan's interval over the
-    # calibration sample resamples (`resampled`); empty in calibration files written before it
-    units: list[list[int]] = Field(default_factory=list)
+    # exited, exited and right, decided, picked] (the last two 0 ungated), as text (`units_text`: one line in a file,
+    # parsed only where the plan resamples it, `unit_rows`). What the plan's interval over the calibration sample
+    # resamples (`resampled`); "" in calibration files written before it
+    units: str = ""
 
-    def resampled(self, picks: Sequence[int]) -> Option:
-        """The option as judged on the units at these indices of `units` (repeats count again: a bootstrap
-        resample): each exit's coverage, precision and gated shares from their summed counts."""
-        rows = [self.units[i] for i in picks]
-        n = sum(r[0] for r in rows)
+    @field_validator("units", mode="before")
+    @classmethod
+    def _units_from_rows(cls, value: object) -> object:
+        """Counts given as rows (and calibration files that stored them so, briefly): their text."""
+        return cls.units_text(value) if isinstance(value, list) else value
+
+    @staticmethod
+    def units_text(rows: Sequence[Sequence[int]]) -> str:
+        """Counts per unit as `units` holds them: a unit's counts space-separated, units separated by ';'."""
+        return ";".join(" ".join(map(str, row)) for row in rows)
+
+    def unit_rows(self) -> list[list[int]]:
+        return [[int(x) for x in row.split()] for row in self.units.split(";")] if self.units else []
+
+    def resampled(self, picks: Sequence[int], rows: list[list[int]] | None = None) -> Option:
+        """The option as judged on the units at these indices of `unit_rows()` (`rows`, when already parsed; repeats
+        count again: a bootstrap resample): each exit's coverage, precision and gated shares from their summed
+        counts."""
+        every = self.unit_rows() if rows is None else rows
+        chosen = [every[i] for i in picks]
+        n = sum(r[0] for r in chosen)
         per_exit = []
         for i, x in enumerate(self.per_exit):
-            exited, right, decided, picked = (sum(r[1 + 4 * i + j] for r in rows) for j in range(4))
+            exited, right, decided, picked = (sum(r[1 + 4 * i + j] for r in chosen) for j in range(4))
             per_exit.append(
                 x.model_copy(
                     update={
@@ -106,7 +123,7 @@ class Option(_M):
                     }
                 )
             )
-        return self.model_copy(update={"per_exit": per_exit, "units": []})
+        return self.model_copy(update={"per_exit": per_exit, "units": ""})
 
     @property
     def exit_rate(self) -> float:

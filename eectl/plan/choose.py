@@ -280,11 +280,14 @@ def with_interval(
         pred.speedup, lambda c: predict_option(c, boundaries, pred.policy, option).speedup, level
     )
     sample = None
-    if costs is not None:
+    if costs is not None and option.units:
+        rows = option.unit_rows()
         sample = unit_interval(
-            pred.speedup, len(option.units), lambda picks: predict_option(costs, boundaries, pred.policy,
-                                                                          option.resampled(picks)).speedup, level
-        )  # fmt: skip
+            pred.speedup,
+            len(rows),
+            lambda picks: predict_option(costs, boundaries, pred.policy, option.resampled(picks, rows)).speedup,
+            level,
+        )
     if sample is None:
         return pred if timing is None else pred.model_copy(update={"interval": timing})
     timing = timing or (pred.speedup, pred.speedup)  # costs without samples: timing adds no spread
