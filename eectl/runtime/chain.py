@@ -377,6 +377,34 @@ class DecodeChain:
         place.read(self._logits_read)
         return self.logits if isinstance(self.logits, np.ndarray) else self.logits.numpy()
 
+    def _segment(self, s: int, pend: np.ndarray | None, flow: np.ndarray | None, total: int) -> np.ndarray | None:
+        """Segment s of an exit step: its one-position call, or, with positions waiting here (`pend`) or arriving
+        from a wide call before (`flow`), its wide call over them and the token's; returns the wide output (what the
+        next segment continues from), else `flow` (None). The token's state is in `hops[s + 1]` either way."""
+        kv, row = self.kv, self.row
+        lo, hi = self.rt.manifest.segments[s].layers
+        if pend is None and flow is None:
+            parts = []  # one position: the chain's own call
+        else:  # wide: the positions waiting here, then what arrives (the token's state, or the last wide output)
+            parts = ([] if pend is None else [pend]) + [self.hops[s] if flow is None else flow]
+        n = sum(p.shape[1] for p in parts) if parts else 1  # positions this call appends
+        if kv.span(row, lo, hi, n)[1] != total:
+            raise RuntimeError(
+                f"layers {lo}..{hi - 1} of row {row} hold {kv.filled[row, lo:hi]}: {n} positions arrive, to {total}"
+            )
+        if not parts:
+            session, io = self.segment_calls[s]
+            session.run_with_iobinding(io)
+        else:
+            wide = self._wide(s, n)
+            np.concatenate(parts, axis=1, out=wide.x)
+            wide.seqlens_k[0], wide.total[()] = total - 1, total
+            wide.session.run_with_iobinding(wide.io)
+            flow = wide.out
+            self.hops[s + 1][...] = flow[:, -1:]  # the token's state, where the exit and the next call read it
+        kv.advance(row, lo, hi, n)
+        return flow
+
     def step_exits(
         self,
         token: int,
@@ -410,30 +438,10 @@ class DecodeChain:
         flushed: list[int] = []
         decided: list[int] = []
         picker: int | None = None  # the exit that picked this token's candidates, once one did
-        for s, (session, io) in enumerate(self.segment_calls):
-            lo, hi = rt.manifest.segments[s].layers
-            pend = pending[s]
-            if pend is None and flow is None:
-                parts = []  # one position: the chain's own call
-            else:  # wide: the positions waiting here, then what arrives (the token's state, or the last wide output)
-                parts = ([] if pend is None else [pend]) + [self.hops[s] if flow is None else flow]
-            n = sum(p.shape[1] for p in parts) if parts else 1  # positions this call appends
-            if kv.span(row, lo, hi, n)[1] != total:
-                raise RuntimeError(
-                    f"layers {lo}..{hi - 1} of row {row} hold {kv.filled[row, lo:hi]}: {n} positions arrive, to {total}"
-                )
-            if not parts:
-                session.run_with_iobinding(io)
-            else:
-                wide = self._wide(s, n)
-                np.concatenate(parts, axis=1, out=wide.x)
-                wide.seqlens_k[0], wide.total[()] = total - 1, total
-                wide.session.run_with_iobinding(wide.io)
-                flow = wide.out
-                self.hops[s + 1][...] = flow[:, -1:]  # the token's state, where the exit and the next call read it
-                if pend is not None:
-                    flushed.append(s)
-            kv.advance(row, lo, hi, n)
+        for s in range(len(self.segment_calls)):
+            flow = self._segment(s, pending[s], flow, total)
+            if pending[s] is not None:
+                flushed.append(s)
             ex = self.exits.get(s) if may_exit else None
             if ex is None:
                 continue
