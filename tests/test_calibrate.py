@@ -419,6 +419,17 @@ def test_cli_calibrate_human_output_and_default_path(tiny_dirs, tmp_path, monkey
     assert want in " ".join(res.stdout.split())
 
 
+def test_cli_calibrate_says_how_its_menu_was_judged(tiny_dirs, tmp_path):
+    out = tmp_path / "c.json"
+    res = _cli(tiny_dirs, "--tokens", "300", "--target", "0.4", "--signal", "topk-prob", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    cal = read_calibration(out)
+    assert cal.options and cal.options_judged_on > 0
+    assert f"{len(cal.options)} menu options, judged out of fold on {cal.options_judged_on} tokens" in " ".join(
+        res.stdout.split()
+    )
+
+
 def test_cli_calibrate_with_heads(tiny_dirs, tmp_path, monkeypatch):
     """--heads goes through eectl.exits.designs.load_heads (faked here) and every exit with a head uses it."""
     seen = {}

@@ -280,7 +280,10 @@ def print_calibration(out: Output, result: object, path: Path, device: str | Non
     if cand is not None:
         size = f" ({cand.size} rows" if cand.size else ""
         hit = f", {cand.heldout_hit_rate:.1%} of held-out tokens inside)" if cand.heldout_hit_rate is not None else ""
-        out.line(f"candidates: {cand.name}{size}{hit or (')' if size else '')}; {len(result.options)} menu options")
+        judged = f", judged out of fold on {result.options_judged_on} tokens" if result.options else ""
+        out.line(
+            f"candidates: {cand.name}{size}{hit or (')' if size else '')}; {len(result.options)} menu options{judged}"
+        )
     if result.gates:
         gated = [o for o in result.options if o.gated]
         out.line(
