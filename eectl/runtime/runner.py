@@ -4,7 +4,7 @@ Per generated token, the segments run in order; after each segment that ends at 
 tested (decide.py): in the exit graph where it computes the signal (graph_decide.py), else through
 `eectl.exits.signals.ExitScoring` on the ONNX exit graphs' outputs (`OrtExitLogits`): the same code calibrate runs in
 torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become is the KV policy's
-business (policies.py): the runner calls its hooks and stays a loop over segments. Greedy steps the bound chain can
+business (policies.py): the runner calls its hooks and stays a loop over segments. Decode steps the bound chain can
 take run there (chain_steps.py).
 
 Rows of a batch are independent sequences with their own cache rows and decisions, run in lock-step: per token
