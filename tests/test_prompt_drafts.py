@@ -324,6 +324,15 @@ def test_the_plans_lookup_default_is_what_run_follows(exported):
     assert (explicit.policy, explicit.exits, explicit.prompt_drafts) == ("defer", [2], 0)
     with pytest.raises(UsageError, match="runs at full depth"):
         resolve_config(rt, RunOptions(policy=LOOKUP, exits="2"), ())
+    # sampling: the plan's default reproduces greedy full depth, so a sampled run is full depth, said so; asking for
+    # the greedy-only policy itself while sampling is refused
+    sampled = resolve_config(rt, RunOptions(temperature=0.8), ())
+    assert (sampled.policy, sampled.exits, sampled.prompt_drafts, sampled.planned) == ("defer", [], 0, True)
+    assert "sampling runs at full depth" in sampled.note
+    assert Runner(rt, sampled).generate([[5, 6, 7]])[0].exit_layers == [rt.manifest.num_layers] * sampled.max_new_tokens
+    for policy in (LOOKUP, "verify"):
+        with pytest.raises(UsageError, match="greedy only"):
+            Runner(rt, resolve_config(rt, RunOptions(temperature=0.8, policy=policy), ()))
 
 
 def test_plan_manifest_makes_lookup_the_default_only_when_it_pays(exported):

@@ -148,6 +148,11 @@ def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -
     # a policy the plan does not price (river: `export --river`) runs on the calibration's exits, as without a plan
     priced = plan is not None and (opts.policy in (None, "full", LOOKUP) or opts.policy in plan.choices)
     follow = priced and bool(plan and plan.choices) and opts.exits is None and opts.thresholds is None and same_signal
+    if follow and opts.policy is None and plan is not None and opts.temperature > 0 and _greedy_only(plan.default):
+        # the plan's default reproduces greedy full depth (verify's check, drafts from the context): sampling, asked
+        # for, runs at full depth rather than refusing the plan's own choice
+        note = f"plan: the default ({plan.default}) reproduces greedy full depth; sampling runs at full depth"
+        return _config(rt, opts, stop_ids, signal.name, "defer", [], {}, note, planned=True)
     if opts.policy == CERTIFIED or (follow and opts.policy is None and plan is not None and plan.default == CERTIFIED):
         return _certified(rt, opts, stop_ids)
     if opts.policy == LOOKUP or (follow and opts.policy is None and plan is not None and plan.default == LOOKUP):
@@ -172,6 +177,15 @@ def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -
         exits = [e for i, e in enumerate(exits) if (keep_first and i == 0) or not never_exits(calibrated[e])]
         thresholds = {e: calibrated[e] for e in exits}
     return _config(rt, opts, stop_ids, signal.name, opts.policy or "defer", exits, thresholds, "")
+
+
+def _greedy_only(default: str) -> bool:
+    """Whether a plan's default runs a policy that only decodes greedily (verify, and lookup: full depth with verify's
+    check of drafts from the context)."""
+    from eectl.runtime.policies import POLICIES
+
+    name = "verify" if default == LOOKUP else default
+    return name in POLICIES and POLICIES[name].greedy_only
 
 
 def _from_plan(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], signal: str) -> RunConfig:
