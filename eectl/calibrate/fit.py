@@ -35,8 +35,15 @@ def evaluate(
 ) -> tuple[list[SplitStats], OverallStats]:
     """Replay the sequential rule on the masked tokens: per-exit and overall numbers."""
     taken = assign_exits(meas.values, thresholds)[mask]
-    correct = meas.correct[:, mask]
-    n, num_exits, L = int(mask.sum()), len(meas.exits), meas.num_layers
+    return split_stats(taken, meas.correct[:, mask], meas.exits, meas.num_layers, level)
+
+
+def split_stats(
+    taken: torch.Tensor, correct: torch.Tensor, exits: Sequence[int], L: int, level: float | None = None
+) -> tuple[list[SplitStats], OverallStats]:
+    """Per-exit and overall numbers of tokens that took these exits (`taken` [N], len(exits) for none) with this
+    correctness [E, N]."""
+    n, num_exits = int(taken.numel()), len(exits)
     per_exit: list[SplitStats] = []
     hits_all = exited_all = 0
     for e in range(num_exits):
@@ -53,7 +60,7 @@ def evaluate(
                 lower_bound=bound,
             )
         )
-    layers = torch.tensor([*meas.exits, L], dtype=torch.float64)[taken]
+    layers = torch.tensor([*exits, L], dtype=torch.float64)[taken]
     mean_layers = float(layers.mean()) if n else float(L)
     overall = OverallStats(
         tokens=n,
@@ -279,38 +286,35 @@ def _option(
     assert taken is not None and correct is not None
     n = max(1, int(judge.sum()))
     recorded = thresholds if gammas is None else [{**t, GATE: g} for t, g in zip(thresholds, gammas, strict=True)]
+    stats, overall = split_stats(taken, correct, subset, meas.num_layers)
     # per exit, the judged tokens' flags: exited, exited and right, and (gated) decided there, picked there
     flags: list[torch.Tensor] = []
     before = torch.zeros_like(taken, dtype=torch.bool)
     per_exit = []
-    for i, (layer, t) in enumerate(zip(subset, recorded, strict=True)):
+    for i, (layer, t, st) in enumerate(zip(subset, recorded, stats, strict=True)):
         runs = picks = torch.zeros_like(before)
         if gate_ok is not None:
             runs = (taken >= i) & gate_ok[i]
             picks = runs & ~before
             before = before | gate_ok[i]
-        here = taken == i
-        flags += [here, here & correct[i], runs, picks]
-        exited = int(here.sum())
+        flags += [taken == i, (taken == i) & correct[i], runs, picks]
         per_exit.append(
             ExitOption(
                 layer=layer,
                 thresholds=t,
-                coverage=exited / n,
-                precision=_rate(int((here & correct[i]).sum()), exited),
+                coverage=st.coverage,
+                precision=st.precision,
                 decided=None if gate_ok is None else int(runs.sum()) / n,
                 picked=None if gate_ok is None else int(picks.sum()) / n,
             )
         )
-    exited_all = sum(int(f.sum()) for f in flags[0::4])
-    right_all = sum(int(f.sum()) for f in flags[1::4])
     return Option(
         exits=subset,
         kind=kind,
         target=q,
         confidence=level,
         per_exit=per_exit,
-        agreement=(n - exited_all + right_all) / n,
+        agreement=overall.agreement,
         units=Option.units_text(unit_counts(meas.source[judge] * (int(meas.unit.max()) + 1) + meas.unit[judge], flags)),
     )
 

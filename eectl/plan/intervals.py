@@ -56,6 +56,14 @@ def combined(point: float, *spans: tuple[float, float] | None) -> tuple[float, f
     return round(point - low, 4), round(point + high, 4)
 
 
+def bootstrap(units: int, estimate: Callable[[list[int]], float | None], resamples: int) -> list[float]:
+    """`estimate` on `resamples` bootstrap resamples of `units` units (indices 0..units - 1 drawn with replacement,
+    a fixed seed: the same inputs give the same interval); the resamples it has no value for are left out."""
+    rng = np.random.default_rng(0)
+    draws = (rng.integers(0, units, size=units).tolist() for _ in range(resamples))
+    return [v for picks in draws if (v := estimate(picks)) is not None]
+
+
 UNIT_RESAMPLES = 400  # bootstrap resamples of a calibration sample's units for an option's interval
 
 
@@ -68,10 +76,7 @@ def unit_interval(
     where the resamples' median does (the resampled ratio's skew kept, its bias not). None with fewer than two."""
     if units < 2:
         return None
-    rng = np.random.default_rng(0)
-    values = [
-        v for _ in range(UNIT_RESAMPLES) if (v := speedup(rng.integers(0, units, size=units).tolist())) is not None
-    ]
+    values = bootstrap(units, speedup, UNIT_RESAMPLES)
     if len(values) < 2:
         return None
     tail = (1.0 - level) / 2

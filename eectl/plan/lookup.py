@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from eectl.contracts.plan import LEVEL, LOOKUP, MIN_GAIN, Costs, LookupChoice, LookupStats, Prediction
-from eectl.plan.intervals import Replicates, combined
+from eectl.plan.intervals import Replicates, bootstrap, combined
 
 
 def wide_ms(costs: Costs, width: int) -> float | None:
@@ -70,12 +70,12 @@ def prompt_interval(
     n = len(stats.per_prompt)
     if n < 2:
         return None
-    rng = np.random.default_rng(0)
-    values = []
-    for _ in range(resamples):
-        pred = predict_lookup(costs, stats.of_prompts(rng.integers(0, n, size=n).tolist()))
-        if pred is not None:
-            values.append(pred.speedup)
+
+    def speedup(picks: list[int]) -> float | None:
+        pred = predict_lookup(costs, stats.of_prompts(picks))
+        return None if pred is None else pred.speedup
+
+    values = bootstrap(n, speedup, resamples)
     if not values:
         return None
     tail = (1.0 - level) / 2

@@ -294,9 +294,9 @@ class DecodeChain:
         # the candidates' vocabulary ids: what this decision picked, or what the picker picked for it to score
         picked_by = layer if picker is None else picker
         cands_from: Read = (picker_graph(rt, picked_by)[1], picked_by, "candidates")
-        bound = BoundExit(layer, g.session, io, passed, token, ids, kind, ids_from)
-        bound.logits, bound.candidates, bound.candidates_from = logits, self.picked[picked_by][0], cands_from
-        return bound
+        return BoundExit(
+            layer, g.session, io, passed, token, ids, kind, ids_from, logits, self.picked[picked_by][0], cands_from
+        )
 
     def _bind(self, g: Graph) -> Any:
         io = g.session.io_binding()
