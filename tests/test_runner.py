@@ -436,8 +436,9 @@ def test_calibrated_thresholds_are_used_and_never_exits_dropped(tiny_dirs, tmp_p
 
 
 def test_full_depth_decode_chain_equals_the_general_path(artifacts, family, monkeypatch):
-    """Full-depth greedy decode of one row runs the bound call chain (runtime/chain.py) after the prefill: same
-    tokens and the same KV cache as the general per-segment path, which the chain's runner never calls again."""
+    """Full-depth greedy decode of one row runs the bound call chain (runtime/chain.py), its prompt included (wide
+    calls): same tokens and the same KV cache as the general per-segment path, which the chain's runner never
+    calls."""
     loaded, rt = artifacts[family]
     prompt = _prompt(5, 7, loaded.adapter.dims.vocab_size)
     runner = _runner(rt, exits=[], new=16)
@@ -446,10 +447,10 @@ def test_full_depth_decode_chain_equals_the_general_path(artifacts, family, monk
     monkeypatch.setattr(Runner, "_steps", lambda self, *a, **kw: calls.append(1) or general(self, *a, **kw))
     chained = runner.generate([prompt])[0]
     kv_chained = runner.last_kv
-    assert len(calls) == 1  # the prefill only
+    assert calls == []
     monkeypatch.setattr(Runner, "_chain", lambda self, kv, rows: None)
     plain = runner.generate([prompt])[0]
-    assert chained.token_ids == plain.token_ids and chained.exit_layers == plain.exit_layers == [6] * 16
+    assert calls and chained.token_ids == plain.token_ids and chained.exit_layers == plain.exit_layers == [6] * 16
     assert kv_chained is not None and runner.last_kv is not None
     assert (kv_chained.filled == runner.last_kv.filled).all()
     n = len(prompt) + 15  # positions written: the prompt and every generated token but the last
@@ -465,7 +466,8 @@ def test_full_depth_decode_chain_equals_the_general_path(artifacts, family, monk
 def test_bound_exit_steps_equal_the_general_path(artifacts, family, policy, monkeypatch):
     """Steps with active exits run the bound chain (decisions inside the exit graphs), steps that meet pending
     positions included (defer's flush, verify's drafts: wide segment calls): same tokens, exit layers, drafts and
-    KV cache as the general path alone, which decodes no step but the prefill and verify's closing passes."""
+    KV cache as the general path alone, on which the chain's runner takes no step but verify's closing passes (its
+    prompt too runs on the chain)."""
     loaded, rt = artifacts[family]
     prompt = _prompt(6, 9, loaded.adapter.dims.vocab_size)
     thresholds = _median_thresholds(loaded, prompt, 24)
@@ -480,7 +482,9 @@ def test_bound_exit_steps_equal_the_general_path(artifacts, family, policy, monk
     monkeypatch.setattr(Runner, "_steps", counted)
     wide = []
     wide_call = DecodeChain._wide
-    monkeypatch.setattr(DecodeChain, "_wide", lambda self, s, n: wide.append((s, n)) or wide_call(self, s, n))
+    monkeypatch.setattr(
+        DecodeChain, "_wide", lambda self, s, n, keep=True: keep and wide.append((s, n)) or wide_call(self, s, n, keep)
+    )
     bound = runner.generate([prompt])[0]
     kv_bound = runner.last_kv
     assert decode_steps == []
@@ -520,13 +524,13 @@ def test_bound_chain_steps_record_their_host_reads(artifacts, monkeypatch):
     assert len(gen.exit_layers) == 12 and full.step_reads == [[head]] * 12  # the prompt's step included
 
     runner = _runner(rt, "defer", _median_thresholds(loaded, prompt, 24), new=24)
-    general = []  # decode steps on the general path: none (the chain takes them)
+    general = []  # steps on the general path: none (the chain takes them, the prompt's included)
     real = Runner._steps
     monkeypatch.setattr(
         Runner, "_steps", lambda self, kv, work, *a: general.append(len(work)) or real(self, kv, work, *a)
     )
     gen = runner.generate([prompt])[0]
-    assert general == [1] and _mixed(gen.exit_layers), gen.exit_layers  # the prefill only; some tokens exit
+    assert general == [] and _mixed(gen.exit_layers), gen.exit_layers  # some tokens exit
     chain = runner._chain(rt.new_kv(1, 64), 1)
     assert chain is not None
     first, later = (chain.exits[rt.segment_of_layer[e]] for e in EXITS)
@@ -653,3 +657,42 @@ def test_kept_host_bindings_hand_out_copies(artifacts):
     rt.greedy_token(L, xs[1][0])
     np.testing.assert_array_equal(t1, t1_copy)
     assert t1.tolist() == fresh.greedy_token(L, first[0][0]).tolist()
+
+
+def test_one_rows_prompts_run_on_the_chain_bound_for_each_prompt_only(artifacts, monkeypatch):
+    """One row on the CPU EP: each prompt's step runs on the bound chain (wide calls over its positions; a prompt of
+    one token decides at the exits as a decode step does), with the same tokens, exit layers and cache as the
+    general path's prefill, and the chain keeps no binding of a prompt's width (prompts come in any length)."""
+    loaded, rt = artifacts["llama"]
+    V, new = loaded.adapter.dims.vocab_size, 10
+    prompts = [_prompt(11, 1, V), _prompt(12, 13, V), _prompt(13, 15, V)]  # longer than any decode step's width
+    thresholds = _median_thresholds(loaded, prompts[1], 24)
+    chains: list[DecodeChain] = []
+    init = DecodeChain.__init__
+    monkeypatch.setattr(DecodeChain, "__init__", lambda self, *a, **kw: chains.append(self) or init(self, *a, **kw))
+    for policy, exits in (("verify", EXITS), ("defer", EXITS), ("defer", [])):
+        runner = _runner(rt, policy, thresholds, exits=exits, new=new)
+        chains.clear()
+        bound = runner.generate(prompts, slots=1)
+        kv_bound = runner.last_kv
+        assert len(chains) == 1
+        # kept: decode steps' wide calls only (pending positions: at most one per new token, and the token's own)
+        assert all(n <= new + 1 for _, n in chains[0].wide), sorted(chains[0].wide)
+        assert (chains[0].wide == {}) == (not exits)  # full depth: nothing pending, no wide call kept at all
+        with monkeypatch.context() as m:
+            m.setattr(Runner, "_chain", lambda self, kv, rows: None)
+            plain = runner.generate(prompts, slots=1)
+        for a, b in zip(bound, plain, strict=True):
+            assert (a.token_ids, a.exit_layers) == (b.token_ids, b.exit_layers)
+        if exits:
+            # some tokens exit (verify: are drafted) and some do not
+            assert any(g.drafted > 0 if policy == "verify" else _mixed(g.exit_layers) for g in bound)
+        assert kv_bound is not None and runner.last_kv is not None  # the last prompt's cache, in the slot
+        assert (kv_bound.filled == runner.last_kv.filled).all()
+        n = int(kv_bound.filled[0].min())
+        for mine, other in zip(
+            kv_bound.batch_keys + kv_bound.batch_values,
+            runner.last_kv.batch_keys + runner.last_kv.batch_values,
+            strict=True,
+        ):
+            assert (mine[:, :, :n] == other[:, :, :n]).all()

@@ -34,7 +34,10 @@ batch alike, on the CPU EP and on a device.
 Sampling (temperature > 0) runs the same calls: the step reads the final head's logits, or an exiting token's K
 candidates and their logits, and the runner's sampler picks (`pick`), as the general path does.
 
-What it does not do: teacher forcing, the prompt, exits in a batch of rows, signals not decided in the graph
+A prompt (one row, CPU) is a step whose positions before the last wait at segment 0 as embeddings, as drafts do;
+its wide calls are bound for that step only (`step_exits(..., prompt=True)`).
+
+What it does not do: teacher forcing, a batch's prompts, exits in a batch of rows, signals not decided in the graph
 (the cosines, full-vocabulary softmax), block exit heads, exit steps on a device (pending states are host arrays):
 the runner's general path (`Runner._steps`) handles those, and writes the same cache this chain continues.
 """
@@ -130,6 +133,7 @@ class _Wide:
     out: np.ndarray
     seqlens_k: np.ndarray
     total: np.ndarray
+    held: list[Any] = field(default_factory=list)  # every buffer its binding reads by address
 
 
 def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal) -> bool:
@@ -228,17 +232,26 @@ class DecodeChain:
         # outputs nobody reads this step (the last layer's input for the cosine signal): a scratch buffer
         rt._bind_array(io, g.name("layer_input"), self._buffer(tuple(out.shape), self.rt.np_dtype), output=True)
 
-    def _wide(self, s: int, n: int) -> _Wide:
-        """Segment s bound for n positions (host buffers), on first use."""
-        if (s, n) not in self.wide:
+    def _wide(self, s: int, n: int, keep: bool = True) -> _Wide:
+        """Segment s bound for n positions (host buffers), on first use; `keep` False: for this call only, its
+        buffers held by the returned call alone (a prompt's width: prompts come in any length, and a chain stepping
+        many of them would keep a binding per length)."""
+        if (s, n) in self.wide:
+            return self.wide[(s, n)]
+        kept, self._keep = self._keep, self._keep if keep else []
+        try:
             H, dtype = self.rt.manifest.dims["hidden_size"], self.rt.np_dtype
             x, out = self._host(np.zeros((1, n, H), dtype)), self._host(np.zeros((1, n, H), dtype))
             seqlens_k, total = self._host(np.zeros(1, np.int32)), self._host(np.zeros((), np.int32))
             g = self.rt.segments[s]
             io = g.session.io_binding()
             self._bind_segment(io, s, x, out, seqlens_k, total)
-            self.wide[(s, n)] = _Wide(g.session, io, x, out, seqlens_k, total)
-        return self.wide[(s, n)]
+            bound = _Wide(g.session, io, x, out, seqlens_k, total, held=self._keep)
+        finally:
+            self._keep = kept
+        if keep:
+            self.wide[(s, n)] = bound
+        return bound
 
     def _decision(self, layer: int, picker: int | None) -> BoundExit:
         """The decision at `layer` (bound once): picking candidates (`picker` None) or scoring those exit `picker`
@@ -377,7 +390,9 @@ class DecodeChain:
         place.read(self._logits_read)
         return self.logits if isinstance(self.logits, np.ndarray) else self.logits.numpy()
 
-    def _segment(self, s: int, pend: np.ndarray | None, flow: np.ndarray | None, total: int) -> np.ndarray | None:
+    def _segment(
+        self, s: int, pend: np.ndarray | None, flow: np.ndarray | None, total: int, keep: bool = True
+    ) -> np.ndarray | None:
         """Segment s of an exit step: its one-position call, or, with positions waiting here (`pend`) or arriving
         from a wide call before (`flow`), its wide call over them and the token's; returns the wide output (what the
         next segment continues from), else `flow` (None). The token's state is in `hops[s + 1]` either way."""
@@ -396,7 +411,7 @@ class DecodeChain:
             session, io = self.segment_calls[s]
             session.run_with_iobinding(io)
         else:
-            wide = self._wide(s, n)
+            wide = self._wide(s, n, keep)
             np.concatenate(parts, axis=1, out=wide.x)
             wide.seqlens_k[0], wide.total[()] = total - 1, total
             wide.session.run_with_iobinding(wide.io)
@@ -414,6 +429,7 @@ class DecodeChain:
         *,
         place: Placement = HOST,
         pick: Pick | None = None,
+        prompt: bool = False,
     ) -> ExitStep:
         """Feed `token` at the row's next position, testing the active exits (when `may_exit`) after their segments.
 
@@ -424,7 +440,8 @@ class DecodeChain:
         head over every position of the returned state at once (verify's check). What the step reads on the host is
         recorded in `place`: a gate's input state where a gate is tested, each decision's `passed`, the exit's token
         (and the picker's candidate it names), or the final head's token. `pick` (sampling): the token is sampled
-        from the exit's K candidates or the final head's logits instead, and those are what the step reads."""
+        from the exit's K candidates or the final head's logits instead, and those are what the step reads. `prompt`:
+        the pending positions at segment 0 are a prompt's (any length): its wide calls are bound for this step only."""
         if self.rt.device != "cpu":
             raise UsageError("exit steps on the bound chain need host buffers (the CPU EP)")
         kv, row, rt = self.kv, self.row, self.rt
@@ -439,7 +456,7 @@ class DecodeChain:
         decided: list[int] = []
         picker: int | None = None  # the exit that picked this token's candidates, once one did
         for s in range(len(self.segment_calls)):
-            flow = self._segment(s, pending[s], flow, total)
+            flow = self._segment(s, pending[s], flow, total, keep=not prompt)
             if pending[s] is not None:
                 flushed.append(s)
             ex = self.exits.get(s) if may_exit else None

@@ -2,7 +2,7 @@
 row's step on it with the KV policy's hooks called as the general path calls them (`chain_step`).
 
 What this module does not do: bind or run graphs (chain.py), or step rows the chain does not take (runner.py's
-general path: prefill, wide steps of a batch, exits in a batch of rows, device-resident exit steps).
+general path: a batch's prompts, wide steps of a batch, exits in a batch of rows, device-resident exit steps).
 """
 
 from __future__ import annotations
@@ -61,14 +61,16 @@ def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
     return DecodeChain(rt, kv, 0, thresholds, runner.signal, cfg.top_k, runner.gates)
 
 
-def chain_step(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, drafts: int = 0) -> int:
+def chain_step(
+    runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, drafts: int = 0, prompt: bool = False
+) -> int:
     """One decode step of row 0 with active exits or drafts on the bound chain (full depth: `DecodeChain.step`); the
     policy's hooks as the general path (`Runner._row_step`) calls them: the pending states the step carried along
     (defer's flush, verify's drafts: its wide calls) are the policy's no more, an exited token's states go to
     `on_exit`, and the final segment's wide output to `on_final` (verify's check, which may roll back and return the
     full model's token). With `drafts` from the context (the row's last tokens), the positions before the last draft
     wait at segment 0 as embeddings: the step runs every segment wide, exits do not decide, and the final check
-    covers them."""
+    covers them. `prompt`: the row's first step, its prompt (`chain_prompt`)."""
     policy, L = runner.policy, runner.L
     token = st.tokens[-1]
     if drafts:
@@ -76,7 +78,9 @@ def chain_step(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, 
     # verify's check runs the final head over every position of a wide step itself: the chain skips its own
     checks = policy.checks_drafts and bool(st.drafts)
     may_exit = policy.may_exit(st) and not drafts
-    done = chain.step_exits(token, may_exit, st.pending, head=not checks, place=runner.place, pick=runner.sampler())
+    done = chain.step_exits(
+        token, may_exit, st.pending, head=not checks, place=runner.place, pick=runner.sampler(), prompt=prompt
+    )
     st.decide_s += done.decide_s
     st.count_decisions(done.decided, done.picked)
     for s in done.flushed:
@@ -94,3 +98,10 @@ def chain_step(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, 
         assert not st.drafts
     st.exit_layers.append(L)
     return done.token
+
+
+def chain_prompt(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers) -> int:
+    """Row 0's prompt on the bound chain (CPU): its positions before the last wait at segment 0 as embeddings and
+    run through every layer in one wide call per segment (bound for this prompt only), the last one's token from
+    the final head, as the general path's prefill (a prompt of one token may exit there, as a decode step)."""
+    return chain_step(runner, chain, st, kv, len(st.tokens) - 1, prompt=True)

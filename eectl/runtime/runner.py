@@ -5,7 +5,7 @@ tested (decide.py): in the exit graph where it computes the signal (graph_decide
 `eectl.exits.signals.ExitScoring` on the ONNX exit graphs' outputs (`OrtExitLogits`): the same code calibrate runs in
 torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become is the KV policy's
 business (policies.py): the runner calls its hooks and stays a loop over segments. Decode steps the bound chain can
-take run there (chain_steps.py).
+take run there (chain_steps.py), and so does one row's prompt on the CPU EP.
 
 Rows of a batch are independent sequences with their own cache rows and decisions, run in lock-step: per token
 every row's step runs until it needs a graph call, and a segment runs once for all rows that reach it with one new
@@ -40,7 +40,7 @@ from eectl.runtime import resident, scoring
 from eectl.runtime.batch import BatchKV, new_batch_kv
 from eectl.runtime.blocks import active_block
 from eectl.runtime.chain import DecodeChain
-from eectl.runtime.chain_steps import chain_for, chain_step
+from eectl.runtime.chain_steps import chain_for, chain_prompt, chain_step
 from eectl.runtime.decide import Answer, ExitTest
 from eectl.runtime.device_ops import concat
 from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
@@ -393,13 +393,15 @@ class Runner:
                     live[s] = (rows[seated[s]], rows[seated[s]].tokens[-n - 1 :])
             wide = any(drafted.values())
             bound = chain if not fresh else None
-            if bound is not None and not wide and not self.exits:  # full depth, one row or a batch: calls bound once
+            if fresh and chain is not None and chain.rows == 1 and self.rt.device == "cpu":  # one row's prompt
+                tokens = {0: chain_prompt(self, chain, rows[seated[0]], kv)}
+            elif bound is not None and not wide and not self.exits:  # full depth, one row or a batch: calls bound once
                 tokens = bound.step({s: ids[0] for s, (_, ids) in live.items()}, place=self.place, pick=self.sampler())
                 for s in tokens:
                     rows[seated[s]].exit_layers.append(self.L)
             elif bound is not None and bound.rows == 1 and (not wide or self.rt.device == "cpu"):  # exits, drafts
                 tokens = {0: chain_step(self, bound, rows[seated[0]], kv, drafted.get(0, 0))}
-            else:  # prompts, several positions for a row of a batch, exits in a batch
+            else:  # a batch's prompts, several positions for a row of a batch, exits in a batch
                 tokens = self._steps(kv, live)
             for s in tokens:
                 if drafted.get(s):
