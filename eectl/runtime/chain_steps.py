@@ -2,7 +2,7 @@
 row's step on it with the KV policy's hooks called as the general path calls them (`chain_step`).
 
 What this module does not do: bind or run graphs (chain.py), or step rows the chain does not take (runner.py's
-general path: a batch's prompts, wide steps of a batch, exits in a batch of rows, device-resident exit steps).
+general path: a batch's prompts and closing passes, wide steps of a batch, exits in a batch of rows, device-resident exit steps).
 """
 
 from __future__ import annotations
@@ -62,7 +62,13 @@ def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
 
 
 def chain_step(
-    runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, drafts: int = 0, prompt: bool = False
+    runner: Runner,
+    chain: DecodeChain,
+    st: RowState,
+    kv: KVBuffers,
+    drafts: int = 0,
+    prompt: bool = False,
+    force_full: bool = False,
 ) -> int:
     """One decode step of row 0 with active exits or drafts on the bound chain (full depth: `DecodeChain.step`); the
     policy's hooks as the general path (`Runner._row_step`) calls them: the pending states the step carried along
@@ -70,14 +76,15 @@ def chain_step(
     `on_exit`, and the final segment's wide output to `on_final` (verify's check, which may roll back and return the
     full model's token). With `drafts` from the context (the row's last tokens), the positions before the last draft
     wait at segment 0 as embeddings: the step runs every segment wide, exits do not decide, and the final check
-    covers them. `prompt`: the row's first step, its prompt (`chain_prompt`)."""
+    covers them. `prompt`: the row's first step, its prompt (`chain_prompt`). `force_full`: no exit decides (verify's
+    closing pass over its unchecked drafts, `Runner._settled`)."""
     policy, L = runner.policy, runner.L
     token = st.tokens[-1]
     if drafts:
         st.pending[0] = runner.rt.embed(np.array([st.tokens[-drafts - 1 : -1]], dtype=np.int64))
     # verify's check runs the final head over every position of a wide step itself: the chain skips its own
     checks = policy.checks_drafts and bool(st.drafts)
-    may_exit = policy.may_exit(st) and not drafts
+    may_exit = policy.may_exit(st) and not drafts and not force_full
     done = chain.step_exits(
         token, may_exit, st.pending, head=not checks, place=runner.place, pick=runner.sampler(), prompt=prompt
     )

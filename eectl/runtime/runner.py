@@ -413,7 +413,7 @@ class Runner:
                 i = seated[s]
                 st = rows[i]
                 st.emit(token, took)
-                st.done = self._finished(s, st, kv)
+                st.done = self._finished(s, st, kv, chain)
                 if on_step is not None:
                     on_step(i, self._confirmed(st))
                 if st.done:
@@ -444,23 +444,27 @@ class Runner:
         end = len(st.tokens) if st.done or not st.drafts else min(p for p, _ in st.drafts)
         return st.tokens[st.prompt_len : end]
 
-    def _finished(self, row: int, st: RowState, kv: KVBuffers) -> bool:
+    def _finished(self, row: int, st: RowState, kv: KVBuffers, chain: DecodeChain | None = None) -> bool:
         generated = len(st.tokens) - st.prompt_len
         if st.tokens[-1] not in self.cfg.stop_ids and generated < self.cfg.max_new_tokens:
             return False
-        return self._settled(row, st, kv)
+        return self._settled(row, st, kv, chain)
 
-    def _settled(self, row: int, st: RowState, kv: KVBuffers) -> bool:
+    def _settled(self, row: int, st: RowState, kv: KVBuffers, chain: DecodeChain | None = None) -> bool:
         """Generation stops here: whatever the policy left unchecked is checked first (True), or a wrong draft was
-        rolled back and generation continues from the corrected token (False)."""
+        rolled back and generation continues from the corrected token (False). `chain`: the generate call's bound
+        chain, which runs the closing pass where it steps this row (one row on the CPU EP)."""
         if not self.policy.unchecked(st):
             return True
         # e.g. verify's drafts: what is still unchecked must go through one full-depth pass before we stop
         n_before, t0 = len(st.tokens), time.perf_counter()
-        extra = self._step(row, st, kv, [st.tokens[-1]], force_full=True)
+        if chain is not None and chain.rows == 1 and self.rt.device == "cpu":
+            extra = chain_step(self, chain, st, kv, force_full=True)
+        else:
+            extra = self._step(row, st, kv, [st.tokens[-1]], force_full=True)
         if len(st.tokens) < n_before:  # a draft was wrong: continue from the corrected token
             st.emit(extra, time.perf_counter() - t0)
-            return self._finished(row, st, kv)
+            return self._finished(row, st, kv, chain)
         st.exit_layers.pop()  # the look-ahead token is not emitted; its pass was decode time of the last token
         st.latencies[-1] += time.perf_counter() - t0
         return True
