@@ -2,7 +2,8 @@
 row's step on it with the KV policy's hooks called as the general path calls them (`chain_step`).
 
 What this module does not do: bind or run graphs (chain.py), or step rows the chain does not take (runner.py's
-general path: a batch's prompts and closing passes, wide steps of a batch, exits in a batch of rows, device-resident exit steps).
+general path: a batch's prompts and closing passes, wide steps of a batch, exits in a batch of rows,
+device-resident exit steps).
 """
 
 from __future__ import annotations
