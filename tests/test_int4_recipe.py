@@ -75,6 +75,12 @@ def test_the_pipeline_exports_the_recipes_weights_and_keys_them(tiny_dirs, tmp_p
     assert options.cost_seconds == 7.5  # the budget's (or recipe's) re-timing time reaches export
     fp32 = r.model_copy(update={"weights": "fp32"})
     assert PipelineCache(r, p).key("train-heads") != PipelineCache(fp32, p).key("train-heads")
+    # an fp32 run of the same model keeps its outputs: every path the int4 run writes is its own
+    q = plan(fp32, Path("artifacts"))
+    mine = (p.artifact, p.report, p.profile_plot, p.heads, p.calibration)
+    theirs = (q.artifact, q.report, q.profile_plot, q.heads, q.calibration)
+    assert q.artifact.name == tiny_dirs["llama"].name and p.artifact.name == f"{q.artifact.name}-int4"
+    assert not set(mine) & set(theirs)
 
 
 def test_the_twins_state_cache_is_its_own(tiny_dirs, tmp_path):

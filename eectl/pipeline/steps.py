@@ -27,7 +27,7 @@ STAGES = ("profile", "train-heads", "calibrate", "export", "run", "bench")
 
 @dataclass
 class Plan:
-    name: str  # the model's name: every output is named after it
+    name: str  # the model's name (and its weights where not fp32): every output is named after it
     folder: Path  # artifacts/
     stages: tuple[str, ...] = STAGES  # in the order they run
 
@@ -53,10 +53,12 @@ class Plan:
 
 
 def plan(recipe: Recipe, folder: Path = Path("artifacts")) -> Plan:
-    """Where the worked example's outputs land for a recipe; creates `folder`."""
+    """Where the worked example's outputs land for a recipe; creates `folder`. An int4 recipe's outputs carry its
+    weights in their names: its heads and thresholds are fitted against the int4 twin, and an fp32 run of the same
+    model keeps its own artifact beside it (`bench ... --compare`)."""
     from eectl.models import resolve_source
 
-    name = resolve_source(recipe.model).name
+    name = resolve_source(recipe.model).name + ("" if recipe.weights == "fp32" else f"-{recipe.weights}")
     folder.mkdir(parents=True, exist_ok=True)
     return Plan(name, folder)
 
