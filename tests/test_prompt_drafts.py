@@ -333,6 +333,41 @@ def test_the_plans_lookup_default_is_what_run_follows(exported):
     for policy in (LOOKUP, "verify"):
         with pytest.raises(UsageError, match="greedy only"):
             Runner(rt, resolve_config(rt, RunOptions(temperature=0.8, policy=policy), ()))
+    # a batch: the plan prices one row, so its default gives way to full depth, said so; a policy asked for runs
+    batched = resolve_config(rt, RunOptions(batch_size=4), ())
+    assert (batched.policy, batched.exits, batched.prompt_drafts, batched.planned) == ("defer", [], 0, True)
+    assert "priced for one row; a batch of 4 runs full depth" in batched.note
+    asked = resolve_config(rt, RunOptions(batch_size=4, policy=LOOKUP), ())
+    assert (asked.policy, asked.prompt_drafts) == ("verify", 5)
+    assert resolve_config(rt, RunOptions(batch_size=1), ()).prompt_drafts == 5
+    # bench labels as the default what run does at its batch size
+    from eectl.evaluate.predicted import run_default
+
+    assert run_default(rt.manifest.plan, 1)[0] == LOOKUP and run_default(rt.manifest.plan, 4)[0] == "full"
+    assert "a batch of 4 runs full depth" in run_default(rt.manifest.plan, 4)[1] and run_default(None, 4) == ("", "")
+
+
+def test_run_hands_its_batch_size_to_the_plans_resolution(monkeypatch):
+    """`eectl run --batch-size N` (the run stage) resolves its configuration knowing N: what makes the plan's default
+    give way to full depth in a batch."""
+    from eectl.contracts.recipe import Recipe
+    from eectl.output import Output
+    from eectl.run.stage import RunRequest, run
+
+    seen: list[RunOptions] = []
+
+    class _Stop(Exception):
+        pass
+
+    def opened(artifact, opts, warn, log):
+        seen.append(opts)
+        raise _Stop
+
+    monkeypatch.setattr("eectl.run.generate.open_runner", opened)
+    for n in (1, 3):
+        with pytest.raises(_Stop):
+            run(Recipe(name="r"), RunRequest("art", ["hi"], batch_size=n), Output(quiet=True))
+    assert [o.batch_size for o in seen] == [1, 3]
 
 
 def test_plan_manifest_makes_lookup_the_default_only_when_it_pays(exported):

@@ -80,7 +80,12 @@ TemperatureOpt = Annotated[float, typer.Option(help="0 = greedy.", rich_help_pan
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass.", rich_help_panel="Sampling")]
 SeedOpt = Annotated[int, typer.Option(help="Sampling seed.", rich_help_panel="Sampling")]
 BatchSizeOpt = Annotated[
-    int, typer.Option(help="Prompts per batch (each row decides its own exits).", rich_help_panel="Input")
+    int,
+    typer.Option(
+        help="Prompts decoded together; a finished one's slot takes the next. The plan prices one row: a batch runs "
+        "full depth unless --policy asks for more.",
+        rich_help_panel="Input",
+    ),
 ]
 ProviderOpt = Annotated[str, typer.Option(help="auto, cuda or cpu.", rich_help_panel="Runtime")]
 ChatOpt = Annotated[

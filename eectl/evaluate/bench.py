@@ -38,7 +38,7 @@ from eectl.contracts.plan import MAX_DRAFTS
 from eectl.data import encode_prompt, final_number
 from eectl.errors import UsageError
 from eectl.evaluate.configs import Configs, as_full_depth, open_runtime, threshold_sweep
-from eectl.evaluate.predicted import RIVER_EXIT, lookup_model, predictions
+from eectl.evaluate.predicted import RIVER_EXIT, lookup_model, predictions, run_default
 from eectl.evaluate.report import markdown, write_report
 from eectl.evaluate.results import (
     AA,
@@ -236,7 +236,7 @@ def run_bench(
     with phases.time("threshold sweep", "bench_answers"):
         sweep = threshold_sweep(configs, ids, full_tokens)
     check = _certificate_check(cert, runs, tok, answers, opts.max_new_tokens)
-    default, plan_line = (m.plan.default, m.plan.summary()) if m.plan is not None else ("", "")
+    default, plan_line = run_default(m.plan, opts.batch_size)
     for line in configs.memory.lines() if log is not None else []:
         log.log(line)
     results = _with_full_depth_rows(configs, results, names, len(ids))

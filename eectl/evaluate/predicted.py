@@ -76,3 +76,14 @@ def lookup_model(cfg: RunConfig, m: Any, ids: list[list[int]], answers: list[lis
     stats = lookup_stats(list(zip(ids, answers, strict=True)), cfg.prompt_drafts, cfg.stop_ids, cfg.draft_ngram)
     pred = predict_lookup(m.costs, stats)
     return None if pred is None else pred.speedup
+
+
+def run_default(plan: Any, batch_size: int) -> tuple[str, str]:
+    """What `eectl run` does with no policy at this batch size (`Plan.default_for`), and the plan's line for the
+    bench's report. ("", "") without a plan."""
+    if plan is None:
+        return "", ""
+    default = plan.default_for(batch_size)
+    if default != plan.default:
+        return default, f"{plan.summary()}; priced for one row: a batch of {batch_size} runs full depth by default"
+    return default, plan.summary()

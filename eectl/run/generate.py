@@ -58,6 +58,8 @@ class RunOptions:
     max_risk: float | None = None
     # where the segments' weights live (runtime/tiers.py): mapped, a memory budget with a slow tier, placement
     weights: WeightOptions = field(default_factory=WeightOptions)
+    # rows decoded together (run's --batch-size): the plan prices one row, so a batch does not follow its default
+    batch_size: int = 1
 
 
 def load_tokenizer(rt: ArtifactRuntime) -> Any:
@@ -152,6 +154,14 @@ def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -
         # the plan's default reproduces greedy full depth (verify's check, drafts from the context): sampling, asked
         # for, runs at full depth rather than refusing the plan's own choice
         note = f"plan: the default ({plan.default}) reproduces greedy full depth; sampling runs at full depth"
+        return _config(rt, opts, stop_ids, signal.name, "defer", [], {}, note, planned=True)
+    if follow and opts.policy is None and plan is not None and plan.default_for(opts.batch_size) != plan.default:
+        # the plan prices one row: in a batch, drafts' wide passes and exits cost for rows that share each call (the
+        # default model's lookup ran 0.54x full depth at 16 rows); full depth batches on the bound chain
+        note = (
+            f"plan: the default ({plan.default}) is priced for one row; a batch of {opts.batch_size} runs full depth "
+            "(--policy NAME runs one anyway)"
+        )
         return _config(rt, opts, stop_ids, signal.name, "defer", [], {}, note, planned=True)
     if opts.policy == CERTIFIED or (follow and opts.policy is None and plan is not None and plan.default == CERTIFIED):
         return _certified(rt, opts, stop_ids)

@@ -51,7 +51,9 @@ def run(recipe: Recipe, req: RunRequest, out: Output, on_text: Callable[[int, st
     out.log(f"loading {req.artifact} ({n} prompt{'s' if n > 1 else ''})")
     if req.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {req.batch_size}")
-    opts = dataclasses.replace(req.options, policy=pick(req.policy, recipe.kv_policy), threads=req.threads)
+    opts = dataclasses.replace(
+        req.options, policy=pick(req.policy, recipe.kv_policy), threads=req.threads, batch_size=req.batch_size
+    )
     rt, tok, config, runner = open_runner(req.artifact, opts, out.warn, out.log)
     stream = None
     if on_text is not None:
