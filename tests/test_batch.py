@@ -177,8 +177,9 @@ def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch)
 @pytest.mark.parametrize("fam", ["llama", "gemma3_text"])
 def test_the_bound_batch_chain_equals_the_general_path(runtimes, fam):
     """Full-depth greedy decode of a batch on the bound chain (runtime/chain.py `step`: calls bound once over
-    the batch buffers, each row at its own length) gives the general path's tokens, rows of different lengths
-    finishing at different steps (the finished ones ride along); the only value read on the host is the token."""
+    the batch buffers, each row at its own length; each prompt on a one-row chain of its slot) gives the general
+    path's tokens and cache, rows of different lengths finishing at different steps (the finished ones ride along);
+    the only value read on the host is the token, one per prompt in the prompts' step, then one for all rows."""
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
 
@@ -194,8 +195,14 @@ def test_the_bound_batch_chain_equals_the_general_path(runtimes, fam):
         return runner, runner.generate(prompts)
 
     runner, got = run(True)
-    _, ref = run(False)
+    kv_got = runner.last_kv
+    general, ref = run(False)
     assert [g.token_ids for g in got] == [g.token_ids for g in ref]
+    assert kv_got is not None and general.last_kv is not None and (kv_got.filled == general.last_kv.filled).all()
+    for r, g in enumerate(got):
+        n = len(prompts[r]) + len(g.token_ids) - 1  # positions written: the prompt and every token but the last
+        for mine, theirs in zip(kv_got.batch_keys, general.last_kv.batch_keys, strict=True):
+            assert (mine[r, :, :n] == theirs[r, :, :n]).all()
     assert [g.exit_layers for g in got] == [g.exit_layers for g in ref]
     assert len(ref[2].token_ids) == 4 and max(len(g.token_ids) for g in ref) == 9
     kv = new_batch_kv(rt, 2, 8)
@@ -206,7 +213,8 @@ def test_the_bound_batch_chain_equals_the_general_path(runtimes, fam):
     assert sorted(chain.step({0: 5, 1: 6})) == [0, 1]
     assert kv.filled[:, 0].tolist() == [2, 4]  # each row one position further, at its own length
     # the only value a step reads on the host, recorded in the run's placement: the token, once for all rows
-    assert runner.step_reads == [[("exit_full", rt.manifest.num_layers, "token")]] * max(len(g.token_ids) for g in got)
+    head = ("exit_full", rt.manifest.num_layers, "token")
+    assert runner.step_reads == [[head] * len(prompts)] + [[head]] * (max(len(g.token_ids) for g in got) - 1)
     chain.step({1: 7})  # row 0 rides along: written at its next position, never counted
     assert kv.filled[:, 0].tolist() == [2, 5]
 

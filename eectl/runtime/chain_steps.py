@@ -35,6 +35,8 @@ class Runner(Protocol):
 
     def _resident_wanted(self) -> bool: ...
 
+    def _pad(self) -> bool: ...
+
     def sampler(self) -> Pick | None: ...
 
 
@@ -71,14 +73,14 @@ def chain_step(
     prompt: bool = False,
     force_full: bool = False,
 ) -> int:
-    """One decode step of row 0 with active exits or drafts on the bound chain (full depth: `DecodeChain.step`); the
-    policy's hooks as the general path (`Runner._row_step`) calls them: the pending states the step carried along
-    (defer's flush, verify's drafts: its wide calls) are the policy's no more, an exited token's states go to
-    `on_exit`, and the final segment's wide output to `on_final` (verify's check, which may roll back and return the
-    full model's token). With `drafts` from the context (the row's last tokens), the positions before the last draft
-    wait at segment 0 as embeddings: the step runs every segment wide, exits do not decide, and the final check
-    covers them. `prompt`: the row's first step, its prompt (`chain_prompt`). `force_full`: no exit decides (verify's
-    closing pass over its unchecked drafts, `Runner._settled`)."""
+    """One decode step of the chain's row with active exits or drafts on the bound chain (full depth:
+    `DecodeChain.step`); the policy's hooks as the general path (`Runner._row_step`) calls them: the pending states the
+    step carried along (defer's flush, verify's drafts: its wide calls) are the policy's no more, an exited token's
+    states go to `on_exit`, and the final segment's wide output to `on_final` (verify's check, which may roll back and
+    return the full model's token). With `drafts` from the context (the row's last tokens), the positions before the
+    last draft wait at segment 0 as embeddings: the step runs every segment wide, exits do not decide, and the final
+    check covers them. `prompt`: the row's first step, its prompt (`chain_prompt`). `force_full`: no exit decides
+    (verify's closing pass over its unchecked drafts, `Runner._settled`)."""
     policy, L = runner.policy, runner.L
     token = st.tokens[-1]
     if drafts:
@@ -96,10 +98,11 @@ def chain_step(
     if done.segment is not None:
         assert done.state is not None
         st.exit_layers.append(done.layer)
-        policy.on_exit(0, st, kv, done.segment, done.state, done.token)
+        policy.on_exit(chain.row, st, kv, done.segment, done.state, done.token)
         return done.token
     if done.state is not None:  # the final segment ran wide: the positions it carried, then this token's
-        corrected = policy.on_final(0, st, kv, done.state, place=runner.place)  # host arrays; its token read recorded
+        # host arrays; its token read recorded
+        corrected = policy.on_final(chain.row, st, kv, done.state, place=runner.place)
         if corrected is not None:
             return corrected
     else:  # reached the final layer with nothing pending: no draft to check (drafts are pending states)
@@ -109,7 +112,47 @@ def chain_step(
 
 
 def chain_prompt(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers) -> int:
-    """Row 0's prompt on the bound chain (CPU): its positions before the last wait at segment 0 as embeddings and
-    run through every layer in one wide call per segment (bound for this prompt only), the last one's token from
-    the final head, as the general path's prefill (a prompt of one token may exit there, as a decode step)."""
+    """The chain's row's prompt on the bound chain (CPU): its positions before the last wait at segment 0 as embeddings
+    and run through every layer in one wide call per segment (bound for this prompt only), the last one's token from the
+    final head, as the general path's prefill (a prompt of one token may exit there, as a decode step)."""
     return chain_step(runner, chain, st, kv, len(st.tokens) - 1, prompt=True)
+
+
+def chain_tokens(
+    runner: Runner,
+    chain: DecodeChain,
+    kv: KVBuffers,
+    live: dict[int, tuple[RowState, list[int]]],
+    fresh: set[int],
+    drafted: dict[int, int],
+    prompt_chains: dict[int, DecodeChain],
+) -> dict[int, int] | None:
+    """The step on the bound chain (slot -> token), or None where the general path takes it. One row: its prompt
+    (CPU), a full-depth step, or a step with exits or drafts (wide: CPU). A batch (full depth only: chain_for):
+    each new prompt on a one-row chain of its slot (CPU, prompts not padded into one call: `_pad`; greedy: sampled
+    picks keep the rows' order on the general path), then the other rows' step over the batch's chain; drafts in a
+    batch take the general path."""
+    cpu, wide = runner.rt.device == "cpu", any(drafted.values())
+    if chain.rows == 1:
+        st = live[0][0]
+        if fresh:
+            return {0: chain_prompt(runner, chain, st, kv)} if cpu else None
+        if not wide and not runner.exits:
+            one = chain.step({0: st.tokens[-1]}, place=runner.place, pick=runner.sampler())
+            st.exit_layers.append(runner.L)
+            return one
+        return {0: chain_step(runner, chain, st, kv, drafted.get(0, 0))} if not wide or cpu else None
+    if wide or (fresh and (not cpu or runner._pad() or runner.sampler() is not None)):
+        return None
+    tokens: dict[int, int] = {}
+    for s in sorted(fresh):
+        if s not in prompt_chains:
+            prompt_chains[s] = DecodeChain(runner.rt, kv, s)
+        tokens[s] = chain_prompt(runner, prompt_chains[s], live[s][0], kv)
+    decode = {s: ids[0] for s, (_, ids) in live.items() if s not in fresh}
+    if decode:
+        stepped = chain.step(decode, place=runner.place, pick=runner.sampler())
+        for s in stepped:
+            live[s][0].exit_layers.append(runner.L)
+        tokens.update(stepped)
+    return tokens

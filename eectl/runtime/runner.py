@@ -40,7 +40,7 @@ from eectl.runtime import resident, scoring
 from eectl.runtime.batch import BatchKV, new_batch_kv
 from eectl.runtime.blocks import active_block
 from eectl.runtime.chain import DecodeChain
-from eectl.runtime.chain_steps import chain_for, chain_prompt, chain_step
+from eectl.runtime.chain_steps import chain_for, chain_step, chain_tokens
 from eectl.runtime.decide import Answer, ExitTest
 from eectl.runtime.device_ops import concat
 from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
@@ -372,6 +372,7 @@ class Runner:
         queue = list(range(len(rows)))
         seated: dict[int, int] = {}
         fresh: set[int] = set()
+        prompt_chains: dict[int, DecodeChain] = {}  # slot -> a one-row chain for its prompts (a batch's chain)
 
         def seat() -> None:  # fill the free slots with the next prompts, in order
             for slot in range(kv.rows):
@@ -391,18 +392,9 @@ class Runner:
             for s, n in drafted.items():
                 if n:  # the row's last token, then its drafts: one wide pass through every layer
                     live[s] = (rows[seated[s]], rows[seated[s]].tokens[-n - 1 :])
-            wide = any(drafted.values())
-            bound = chain if not fresh else None
-            if fresh and chain is not None and chain.rows == 1 and self.rt.device == "cpu":  # one row's prompt
-                tokens = {0: chain_prompt(self, chain, rows[seated[0]], kv)}
-            elif bound is not None and not wide and not self.exits:  # full depth, one row or a batch: calls bound once
-                tokens = bound.step({s: ids[0] for s, (_, ids) in live.items()}, place=self.place, pick=self.sampler())
-                for s in tokens:
-                    rows[seated[s]].exit_layers.append(self.L)
-            elif bound is not None and bound.rows == 1 and (not wide or self.rt.device == "cpu"):  # exits, drafts
-                tokens = {0: chain_step(self, bound, rows[seated[0]], kv, drafted.get(0, 0))}
-            else:  # a batch's prompts, several positions for a row of a batch, exits in a batch
-                tokens = self._steps(kv, live)
+            bound = None if chain is None else chain_tokens(self, chain, kv, live, fresh, drafted, prompt_chains)
+            # else: several positions for a row of a batch, exits in a batch, prompts off the CPU EP
+            tokens = bound if bound is not None else self._steps(kv, live)
             for s in tokens:
                 if drafted.get(s):
                     assert self.lookup is not None
