@@ -37,7 +37,7 @@ def _repetitive(seed: int, vocab: int) -> list[int]:
     return phrase * 3 + _ids(seed + 100, 4, vocab)
 
 
-def _gen(rt, prompts, drafts=0, policy="verify", exits=(), thresholds=0.0, new=40, slots=None, stop=()):
+def _gen(rt, prompts, drafts=0, policy="verify", exits=(), thresholds=0.0, new=40, slots=None, stop=(), shortest=1):
     cfg = RunConfig(
         exits=list(exits),
         thresholds={e: {"prob": thresholds} for e in exits},
@@ -46,6 +46,7 @@ def _gen(rt, prompts, drafts=0, policy="verify", exits=(), thresholds=0.0, new=4
         max_new_tokens=new,
         prompt_drafts=drafts,
         stop_ids=tuple(stop),
+        draft_min=shortest,
     )
     return Runner(rt, cfg).generate(prompts, slots=slots)
 
@@ -249,17 +250,26 @@ def test_replay_makes_the_runners_attempts_exactly(artifacts, family, attempts):
     attempts, drafts and accepted tokens, in order."""
     rt = artifacts[family]
     V = rt.manifest.dims["vocab_size"]
-    for seed in (1, 8):
+    long_runs = 0  # attempts with runs of 3+ drafts (the prompts below make some on every family)
+    for seed, shortest in ((1, 1), (8, 1), (1, 3), (8, 3), (3, 3), (5, 3)):
         prompt = _repetitive(seed, V)
+        if shortest > 1:  # runs of 3+ drafts: the prompt holds its own answer, then itself again (the answers of
+            # these models repeat one token: runs of one draft otherwise)
+            prompt = prompt + _gen(rt, [prompt], new=20)[0].token_ids + prompt
         answer = _gen(rt, [prompt], new=40)[0].token_ids
         attempts.clear()
-        got = _gen(rt, [prompt], drafts=6, new=40)[0]
+        got = _gen(rt, [prompt], drafts=6, new=40, shortest=shortest)[0]
+        assert got.token_ids == answer
         ran = list(attempts)
         attempts.clear()
-        widths = replay(PromptLookup(6), prompt, answer)
-        assert attempts == ran and ran
+        widths = replay(PromptLookup(6, min_draft=shortest), prompt, answer)
+        assert attempts == ran and all(d >= shortest for d, _ in ran)
+        assert ran or shortest > 1
+        long_runs += len(ran) if shortest > 1 else 0
         assert len(widths) == len(answer) - 1 - got.prompt_accepted  # every step emits one token and its accepted
         assert sum(w - 1 for w in widths) == got.prompt_drafted
+        assert all(w == 1 or w > shortest for w in widths)  # no run shorter than the shortest proposed
+    assert long_runs > 0
     stats = lookup_stats([(prompt, answer)], max_draft=6)
     assert stats.tokens == len(answer) - 1 and stats.tokens == sum(stats.steps.values()) + stats.accepted
 
@@ -306,6 +316,25 @@ def test_lookup_is_priced_from_the_replayed_steps_and_the_wide_passes():
     assert lo < pick.prediction.speedup < hi and lo < 1.0 + MIN_GAIN and not pick.on
 
 
+def test_the_plan_keeps_the_shortest_run_its_costs_price_fastest():
+    """Calibration replays the drafts again with longer shortest runs (`LookupStats.shortest`); the plan prices each
+    and keeps the fastest: where a pass over two positions costs two steps (int4 segments), runs of one draft go."""
+    ones = LookupStats(max_draft=4, max_ngram=3, prompts=1, tokens=100, steps={"1": 40, "2": 30}, drafted=30,
+                       accepted=30, per_prompt=[(100, {"1": 40, "2": 30})])  # fmt: skip
+    # the same answers with runs of 2+ only: the one-draft runs become plain steps, one longer run stays
+    twos = LookupStats(max_draft=4, max_ngram=3, prompts=1, tokens=100, steps={"1": 94, "3": 2}, drafted=4,
+                       accepted=4, per_prompt=[(100, {"1": 94, "3": 2})], min_draft=2)  # fmt: skip
+    both = ones.model_copy(update={"shortest": [twos]})
+    cheap = _costs(wide_ms={"2": 11.0, "3": 12.0})  # full depth 10 ms a step
+    dear = _costs(wide_ms={"2": 22.0, "3": 24.0})
+    on_cheap, on_dear = choose_lookup(cheap, both), choose_lookup(dear, both)
+    assert on_cheap is not None and on_cheap.min_draft == 1
+    assert on_cheap.prediction.speedup == pytest.approx(1000 / (40 * 10 + 30 * 11), abs=1e-3)
+    assert on_dear is not None and on_dear.min_draft == 2
+    assert on_dear.prediction.speedup == pytest.approx(1000 / (94 * 10 + 2 * 24), abs=1e-3)
+    assert choose_lookup(dear, ones).min_draft == 1  # calibrations written before: the one replay there is
+
+
 def test_the_plans_lookup_default_is_what_run_follows(exported):
     """A plan whose default is lookup: run with no options runs full depth with the plan's drafts (verify's pass);
     --prompt-drafts overrides their number; explicit exits bypass the plan; lookup with exits is refused."""
@@ -313,11 +342,12 @@ def test_the_plans_lookup_default_is_what_run_follows(exported):
     pred = Prediction(policy=LOOKUP, exits=[], ms_per_token=5.0, full_ms=10.0, speedup=2.0, decision_ms=0.0,
                       exit_rate=0.0, interval=(1.8, 2.2))  # fmt: skip
     choice = Choice(policy="verify", exits=[], thresholds={}, option=None, prediction=pred)
-    look = LookupChoice(drafts=5, prediction=pred, on=True, tokens_per_step=2.5)
+    look = LookupChoice(drafts=5, prediction=pred, on=True, tokens_per_step=2.5, min_draft=2)
     rt.manifest.plan = Plan(default=LOOKUP, choices={"verify": choice}, lookup=look)
     rt.manifest.calibration = make_calibration(exported["llama"][0], {2: {"prob": 0.9}, 4: {"prob": 0.9}})
     cfg = resolve_config(rt, RunOptions(), ())
-    assert (cfg.policy, cfg.exits, cfg.prompt_drafts, cfg.planned) == ("verify", [], 5, True)
+    assert (cfg.policy, cfg.exits, cfg.prompt_drafts, cfg.draft_min, cfg.planned) == ("verify", [], 5, 2, True)
+    assert Runner(rt, cfg).lookup.min_draft == 2  # the runner proposes what the plan priced
     assert "drafts per step from the context" in cfg.note and "2.000x" in cfg.note
     assert resolve_config(rt, RunOptions(prompt_drafts=2), ()).prompt_drafts == 2
     explicit = resolve_config(rt, RunOptions(exits="2", thresholds="0.5", policy="defer"), ())

@@ -79,7 +79,7 @@ from eectl.exits.measure import (
 )
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
 from eectl.exits.thresholds import min_tokens_for
-from eectl.runtime.drafts import lookup_stats
+from eectl.runtime.drafts import SHORTEST_RUNS, lookup_stats
 
 
 @dataclass
@@ -281,7 +281,10 @@ def _continuations(
             hint="lower --gen-share or --tokens, or raise --gen-tokens",
         )
     # what verify with drafts from the context would do on these prompts: its output is these continuations
-    lookup = lookup_stats([(c.prompt, c.generated) for c in conts], stop_ids=(eos,) if eos is not None else ())
+    pairs, stops = [(c.prompt, c.generated) for c in conts], (eos,) if eos is not None else ()
+    lookup = lookup_stats(pairs, stop_ids=stops)
+    # and with the shortest runs proposed longer: where a wide pass costs what a step does, short runs cannot pay
+    lookup.shortest = [lookup_stats(pairs, stop_ids=stops, min_draft=d) for d in SHORTEST_RUNS]
     return conts, prompts_used, lookup
 
 

@@ -311,6 +311,9 @@ class LookupStats(_M):
     # each prompt's own (decode tokens, steps by width), in order: what the plan's interval over prompts resamples
     # (empty in calibration files written before it: the interval is then the costs' timing alone)
     per_prompt: list[tuple[int, dict[str, int]]] = Field(default_factory=list)
+    min_draft: int = 1  # runs shorter than this were not proposed (runtime/drafts.py `PromptLookup.min_draft`)
+    # the same replay with longer shortest runs (min_draft 2, 3, ...): the plan prices each against the costs
+    shortest: list[LookupStats] = Field(default_factory=list)
 
     def per_token(self) -> float:
         """Tokens emitted per decode step."""
@@ -329,7 +332,8 @@ class LookupStats(_M):
     def of_prompts(self, picks: Sequence[int]) -> LookupStats:
         """The stats of the prompts at these indices of `per_prompt` (repeats count again: a bootstrap resample)."""
         tokens, steps = self.pool([self.per_prompt[i] for i in picks])
-        return self.model_copy(update={"prompts": len(picks), "tokens": tokens, "steps": steps, "per_prompt": []})
+        update = {"prompts": len(picks), "tokens": tokens, "steps": steps, "per_prompt": [], "shortest": []}
+        return self.model_copy(update=update)
 
 
 class LookupChoice(_M):
@@ -339,6 +343,7 @@ class LookupChoice(_M):
     prediction: Prediction  # policy "lookup": full depth with the drafts, priced by plan/choose.py predict_lookup
     on: bool  # the prediction's interval clears the plan's line
     tokens_per_step: float  # on calibration's continuations
+    min_draft: int = 1  # the shortest run of drafts proposed (RunConfig.draft_min): the fastest the costs allow
 
 
 class Choice(_M):

@@ -73,7 +73,8 @@ def lookup_model(cfg: RunConfig, m: Any, ids: list[list[int]], answers: list[lis
     from eectl.plan.lookup import predict_lookup
     from eectl.runtime.drafts import lookup_stats
 
-    stats = lookup_stats(list(zip(ids, answers, strict=True)), cfg.prompt_drafts, cfg.stop_ids, cfg.draft_ngram)
+    pairs = list(zip(ids, answers, strict=True))
+    stats = lookup_stats(pairs, cfg.prompt_drafts, cfg.stop_ids, cfg.draft_ngram, min_draft=cfg.draft_min)
     pred = predict_lookup(m.costs, stats)
     return None if pred is None else pred.speedup
 

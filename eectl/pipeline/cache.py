@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 # Bumped when calibrate's choice of measured tokens, or what it records of them, changes for the same settings (2:
 # generation takes the data's prompts in order, whatever --gen-batch; 3: drafts from the context replayed on the
 # continuations; 4: each option's counts per judged unit; 5: the menu judged out of fold on every unit; 6: the
-# counts as one line of text), so a cached calibration of the old kind is not reused.
-CALIBRATE_SAMPLE = 6
+# counts as one line of text; 7: the drafts replayed again with longer shortest runs), so a cached calibration of the
+# old kind is not reused.
+CALIBRATE_SAMPLE = 7
 
 
 class PipelineCache:

@@ -87,10 +87,13 @@ def choose_lookup(
     costs: Costs, stats: LookupStats, min_gain: float = MIN_GAIN, level: float = LEVEL
 ) -> LookupChoice | None:
     """The lookup prediction with its interval over the costs' timing and calibration's prompts (the drafts' pay
-    varies from prompt to prompt far more than the costs' timing); on when its low end clears the line."""
-    pred = predict_lookup(costs, stats)
-    if pred is None:
+    varies from prompt to prompt far more than the costs' timing); on when its low end clears the line. Of the
+    replays calibration made with longer shortest runs (`LookupStats.shortest`), the one these costs price fastest:
+    where a wide pass costs about what a step does, runs of one draft cannot pay."""
+    priced = [(p, v) for v in [stats, *stats.shortest] if (p := predict_lookup(costs, v)) is not None]
+    if not priced:
         return None
+    pred, stats = max(priced, key=lambda pv: pv[0].speedup)
     timing = Replicates.of(costs).interval(
         pred.speedup, lambda c: None if (p := predict_lookup(c, stats)) is None else p.speedup, level
     )
@@ -104,4 +107,5 @@ def choose_lookup(
         prediction=pred,
         on=pred.low() >= 1.0 + min_gain,
         tokens_per_step=round(stats.per_token(), 4),
+        min_draft=stats.min_draft,
     )

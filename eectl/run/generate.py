@@ -53,6 +53,7 @@ class RunOptions:
     # the plan's
     prompt_drafts: int | None = None
     draft_ngram: int = MAX_NGRAM  # drafts from the context: the longest suffix matched
+    draft_min: int | None = None  # drafts from the context: the shortest run proposed (None: the plan's, else 1)
     # the largest risk a certified lossy setting may carry to be the plan's default; None: the certificate's own
     # delta, 0: lossless configurations only
     max_risk: float | None = None
@@ -261,7 +262,8 @@ def _lookup(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], si
         note = plan.summary() if plan.default == LOOKUP else f"plan: lookup predicted {measured.prediction.describe()}"
     else:
         note = "lookup: full depth with drafts from the context (not priced: no measurement of them in the plan)"
-    chosen = replace(opts, prompt_drafts=drafts, policy="verify")
+    shortest = opts.draft_min if opts.draft_min is not None else (measured.min_draft if measured else 1)
+    chosen = replace(opts, prompt_drafts=drafts, policy="verify", draft_min=shortest)
     return _config(rt, chosen, stop_ids, signal, "verify", [], {}, note, planned=measured is not None)
 
 
@@ -302,6 +304,7 @@ def _config(
         seed=opts.seed,
         prompt_drafts=drafts,
         draft_ngram=opts.draft_ngram,
+        draft_min=opts.draft_min or 1,
         stop_ids=stop_ids,
         note=note,
         planned=planned,

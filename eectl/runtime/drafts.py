@@ -9,9 +9,10 @@ row's last token and those drafts through every layer in one wide pass, and veri
 model's token after it: the output is full depth's whatever the drafts were.
 
 When to try: a wide pass costs more than a one-position step, so a row that keeps being wrong stops paying for it.
-Each row keeps its own draft length: it grows after a draft run accepted whole and shrinks to what was accepted
-(plus one) otherwise; after `patience` attempts in a row that accepted nothing, the row drafts again only once its
-context gains a longer match (`backoff` steps later at the earliest).
+Each row keeps its own draft length: it grows after a draft run accepted whole and shrinks to what was accepted (plus
+one, and never below `min_draft`, the shortest run the costs let pay; the plan chooses it) otherwise; after `patience`
+attempts in a row that accepted nothing, the row drafts again only once its context gains a longer match (`backoff`
+steps later at the earliest).
 
 What this module does not do: run graphs or check drafts (runner.py, policies.py).
 """
@@ -24,11 +25,13 @@ from eectl.contracts.plan import DEFAULT_DRAFTS, MAX_DRAFTS, MAX_NGRAM, LookupSt
 from eectl.errors import UsageError
 from eectl.runtime.state import LookupState, RowState
 
-__all__ = ["DEFAULT_DRAFTS", "MAX_DRAFTS", "MAX_NGRAM", "PromptLookup", "lookup_stats", "replay"]
+__all__ = ["DEFAULT_DRAFTS", "MAX_DRAFTS", "MAX_NGRAM", "SHORTEST_RUNS", "PromptLookup", "lookup_stats", "replay"]
 
 # measured defaults (docs/results/2026-12-01-prompt-drafts.md): suffixes of MAX_NGRAM = 5 tokens down to 2, runs of
 # up to DEFAULT_DRAFTS = 12 (eectl.contracts.plan)
 MIN_NGRAM = 2
+# the shortest runs calibration replays besides 1 (the plan keeps the one its costs price fastest)
+SHORTEST_RUNS = (2, 3, 4)
 
 
 class PromptLookup:
@@ -39,6 +42,7 @@ class PromptLookup:
         min_ngram: int = MIN_NGRAM,
         patience: int = 3,
         backoff: int = 8,
+        min_draft: int = 1,
     ) -> None:
         if not 1 <= max_draft <= MAX_DRAFTS:
             raise UsageError(f"--prompt-drafts must be in 1..{MAX_DRAFTS} (0 turns it off), got {max_draft}")
@@ -49,6 +53,9 @@ class PromptLookup:
         self.min_ngram = min_ngram
         self.patience = patience
         self.backoff = backoff
+        # fewer drafts than this are not proposed: where a pass over 1 + d positions costs more than d + 1 one-position
+        # steps (int4 segments: a second position costs about a step), a run of d drafts cannot pay even when accepted
+        self.min_draft = max(1, min(min_draft, max_draft))
 
     def new_state(self) -> LookupState:
         return LookupState(span=self.max_draft)
@@ -83,9 +90,11 @@ class PromptLookup:
 
     def drafts_for(self, ls: LookupState, tokens: list[int], limit: int, stop_ids: tuple[int, ...]) -> list[int]:
         """This step's drafts for a row (possibly none), honouring its draft length and back-off."""
-        if len(tokens) < ls.resume_at:
+        if len(tokens) < ls.resume_at or min(limit, ls.span) < self.min_draft:
             return []
         drafts = self.propose(tokens, min(limit, ls.span), stop_ids)
+        if len(drafts) < self.min_draft:
+            return []
         if drafts:
             ls.attempts += 1
             ls.drafted += len(drafts)
@@ -123,7 +132,7 @@ class PromptLookup:
         if accepted == drafted:
             ls.span = min(self.max_draft, max(ls.span, 2 * drafted))
         else:
-            ls.span = max(1, accepted + 1)
+            ls.span = max(self.min_draft, accepted + 1)
         ls.misses = ls.misses + 1 if accepted == 0 else 0
         if ls.misses >= self.patience:
             ls.resume_at = length + self.backoff
@@ -156,9 +165,10 @@ def lookup_stats(
     max_draft: int = DEFAULT_DRAFTS,
     stop_ids: tuple[int, ...] = (),
     max_ngram: int = MAX_NGRAM,
+    min_draft: int = 1,
 ) -> LookupStats:
     """`replay` over (prompt, greedy answer) pairs: the steps by width, the drafts proposed and accepted."""
-    lookup = PromptLookup(max_draft, max_ngram, min(MIN_NGRAM, max_ngram))
+    lookup = PromptLookup(max_draft, max_ngram, min(MIN_NGRAM, max_ngram), min_draft=min_draft)
     per_prompt: list[tuple[int, dict[str, int]]] = []
     for prompt, answer in pairs:
         own: dict[str, int] = {}
@@ -171,6 +181,7 @@ def lookup_stats(
     accepted = tokens - sum(steps.values())
     return LookupStats(
         max_draft=max_draft,
+        min_draft=lookup.min_draft,
         max_ngram=lookup.max_ngram,
         prompts=len(pairs),
         tokens=tokens,

@@ -101,7 +101,8 @@ class Runner:
                 raise UsageError(
                     f"--prompt-drafts needs a policy that checks drafts at full depth (verify), not {config.policy}"
                 )
-            self.lookup = PromptLookup(config.prompt_drafts, config.draft_ngram, min(MIN_NGRAM, config.draft_ngram))
+            ngram, shortest = config.draft_ngram, config.draft_min
+            self.lookup = PromptLookup(config.prompt_drafts, ngram, min(MIN_NGRAM, ngram), min_draft=shortest)
         self.rng = np.random.default_rng(config.seed)
         self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
         # the placement of the call in progress: generate()'s own while it runs, else the host's

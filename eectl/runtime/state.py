@@ -28,6 +28,7 @@ class RunConfig:
     # on suffixes of at most `draft_ngram` tokens
     prompt_drafts: int = 0
     draft_ngram: int = MAX_NGRAM
+    draft_min: int = 1  # the shortest run of drafts from the context proposed (the plan's: runtime/drafts.py)
     # batches (defer, verify): an exited row's deferred state joins the deeper segment calls that run anyway for other
     # rows (its K/V computed now, the same values a later flush computes) instead of waiting; see `_ride`
     ride_along: bool = True
