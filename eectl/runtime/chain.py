@@ -37,9 +37,10 @@ candidates and their logits, and the runner's sampler picks (`pick`), as the gen
 A prompt (one row, CPU) is a step whose positions before the last wait at segment 0 as embeddings, as drafts do;
 its wide calls are bound for that step only (`step_exits(..., prompt=True)`).
 
-What it does not do: teacher forcing, a batch's prompts, exits in a batch of rows, signals not decided in the graph
-(the cosines, full-vocabulary softmax), block exit heads, exit steps on a device (pending states are host arrays):
-the runner's general path (`Runner._steps`) handles those, and writes the same cache this chain continues.
+What it does not do: teacher forcing, prompts padded into one call for a batch, exits in a batch of rows, signals not
+decided in the graph (the cosines, full-vocabulary softmax), block exit heads, exit steps on a device (pending states
+are host arrays): the runner's general path (`Runner._steps`) handles those, and writes the same cache this chain
+continues.
 """
 
 from __future__ import annotations

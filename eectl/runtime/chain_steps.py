@@ -1,9 +1,10 @@
-"""The runner's steps on the bound chain (runtime/chain.py): which chain a generate call binds (`chain_for`), and one
+"""The runner's steps on the bound chain (runtime/chain.py): which chain a generate call binds (`chain_for`), which
+steps it takes (`chain_tokens`: prompts on the CPU EP, each in a one-row chain of its slot within a batch), and one
 row's step on it with the KV policy's hooks called as the general path calls them (`chain_step`).
 
 What this module does not do: bind or run graphs (chain.py), or step rows the chain does not take (runner.py's
-general path: a batch's prompts and closing passes, wide steps of a batch, exits in a batch of rows,
-device-resident exit steps).
+general path: prompts padded into one call or sampled beside a batch's step, a batch's closing passes, wide steps of
+a batch, exits in a batch of rows, device-resident exit steps).
 """
 
 from __future__ import annotations

@@ -93,11 +93,10 @@ class PromptLookup:
         if len(tokens) < ls.resume_at or min(limit, ls.span) < self.min_draft:
             return []
         drafts = self.propose(tokens, min(limit, ls.span), stop_ids)
-        if len(drafts) < self.min_draft:
+        if len(drafts) < self.min_draft:  # none found, or a run too short to pay
             return []
-        if drafts:
-            ls.attempts += 1
-            ls.drafted += len(drafts)
+        ls.attempts += 1
+        ls.drafted += len(drafts)
         return drafts
 
     def attach(self, st: RowState, layer: int, max_new_tokens: int, stop_ids: tuple[int, ...]) -> int:

@@ -5,7 +5,7 @@ tested (decide.py): in the exit graph where it computes the signal (graph_decide
 `eectl.exits.signals.ExitScoring` on the ONNX exit graphs' outputs (`OrtExitLogits`): the same code calibrate runs in
 torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become is the KV policy's
 business (policies.py): the runner calls its hooks and stays a loop over segments. Decode steps the bound chain can
-take run there (chain_steps.py), and so does one row's prompt on the CPU EP.
+take run there (chain_steps.py), and so do prompts on the CPU EP (a batch's each on a one-row chain of its slot).
 
 Rows of a batch are independent sequences with their own cache rows and decisions, run in lock-step: per token
 every row's step runs until it needs a graph call, and a segment runs once for all rows that reach it with one new
