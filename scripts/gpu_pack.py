@@ -121,20 +121,25 @@ def split(files: list[Path], parts_dir: Path, part_bytes: int) -> list[dict]:
 
 
 def group_calls(parts: list[dict], capacity: int) -> list[list[dict]]:
-    """Parts in order, packed greedily into calls of at most `capacity` bytes each (first fit, order kept)."""
+    """Parts packed into as few calls of at most `capacity` bytes as first fit decreasing finds: the largest parts
+    first, each into the first call with room, so small files fill the room beside the large parts instead of
+    taking a call of their own. Within a call, parts keep their order in `parts`."""
+    order = {p["name"]: i for i, p in enumerate(parts)}
     calls: list[list[dict]] = []
-    size = 0
-    for p in parts:
+    room: list[int] = []
+    for p in sorted(parts, key=lambda p: -p["size"]):
         if p["size"] > capacity:
             raise PackError(
                 f"part {p['name']} ({p['size'] / MIB:.1f} MiB) cannot fit in one call ({capacity / MIB:.1f} MiB)"
             )
-        if not calls or size + p["size"] > capacity:
+        i = next((i for i, r in enumerate(room) if r >= p["size"]), None)
+        if i is None:
             calls.append([])
-            size = 0
-        calls[-1].append(p)
-        size += p["size"]
-    return calls
+            room.append(capacity)
+            i = len(calls) - 1
+        calls[i].append(p)
+        room[i] -= p["size"]
+    return [sorted(c, key=lambda p: order[p["name"]]) for c in calls]
 
 
 def tree_bytes(root: Path = ROOT) -> int:

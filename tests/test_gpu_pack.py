@@ -137,6 +137,21 @@ def test_the_default_pack_fits_the_device_tool():
     gpu_pack.check_plan(gpu_pack.plan(manifest, tree=tree))
 
 
+def test_small_files_fill_the_room_beside_large_parts():
+    """First fit decreasing: 4 parts of 60 and small files of 1-3 in calls of 62.5 take the fewest calls (5: 247
+    bytes over 62.5 each), no call over capacity, every part once, and a call's parts keep the input's order."""
+    sizes = [1, 2, 3, 1, 60, 60, 60, 60, 1.5]
+    parts = [{"name": f"p{i}", "size": int(s * 1000), "sha256": "0"} for i, s in enumerate(sizes)]
+    calls = gpu_pack.group_calls(parts, 62_500)
+    assert len(calls) == 5
+    assert all(sum(p["size"] for p in c) <= 62_500 for c in calls)
+    assert sorted(p["name"] for c in calls for p in c) == sorted(p["name"] for p in parts)
+    for c in calls:
+        assert [int(p["name"][1:]) for p in c] == sorted(int(p["name"][1:]) for p in c)
+    with pytest.raises(gpu_pack.PackError, match="cannot fit in one call"):
+        gpu_pack.group_calls(parts, 59_000)
+
+
 def test_gpu_check_options(tmp_path, capsys):
     args = gpu_check.parse_args(["--out", str(tmp_path / "o")])
     assert args.provider == "cuda" and args.wheels is None and args.gguf is None and args.python == "python3"
