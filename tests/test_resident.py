@@ -258,6 +258,41 @@ def test_block_heads_run_resident_and_are_in_the_plan(block_runtime, monkeypatch
             assert [g.exit_layers for g in got] == [g.exit_layers for g in host], (policy, len(rows))
 
 
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_the_chain_binds_and_steps_device_buffers(runtimes, fam, monkeypatch):
+    """On a device provider the bound chain's hops, logits and scratch outputs are OrtValues (`DecodeChain._buffer`),
+    stood in here by CPU OrtValues: the chain binds them (an OrtValue's shape is a method, not an attribute: the
+    first CUDA run failed there, in export's cost timing and in every CUDA test) and its full-depth steps give the
+    host buffers' tokens, one position at a time from an empty cache; export's timed chain step runs too."""
+    import onnxruntime as ort
+
+    from eectl.plan.costs import chain_step_call
+    from eectl.runtime.chain import DecodeChain
+
+    loaded, rt = runtimes[fam]
+    tokens = _prompts(loaded.adapter.dims.vocab_size, 3)[2]  # 11 tokens
+
+    def steps() -> list[int]:
+        kv = rt.new_kv(1, 16)
+        chain = DecodeChain(rt, kv, 0)
+        return [chain.step({0: t})[0] for t in tokens]
+
+    host = steps()
+    made: list[object] = []
+
+    def device_buffer(self, shape, dtype):
+        buf = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cpu", 0)
+        self._keep.append(buf)
+        made.append(buf)
+        return buf
+
+    monkeypatch.setattr(DecodeChain, "_buffer", device_buffer)
+    assert steps() == host and len(host) == len(tokens)
+    assert made and all(isinstance(b, ort.OrtValue) for b in made)  # the stand-in did bind OrtValues
+    call = chain_step_call(rt, 4)
+    assert call is not None and list(call()) == [0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDAExecutionProvider")
 def test_resident_exit_steps_on_cuda_equal_the_host_path(tiny_dirs, tmp_path, monkeypatch):

@@ -231,7 +231,7 @@ class DecodeChain:
         rt._bind_array(io, g.name("hidden"), x)
         rt._bind_array(io, g.name("hidden_out"), out, output=True)
         # outputs nobody reads this step (the last layer's input for the cosine signal): a scratch buffer
-        rt._bind_array(io, g.name("layer_input"), self._buffer(tuple(out.shape), self.rt.np_dtype), output=True)
+        rt._bind_array(io, g.name("layer_input"), self._buffer(_shape(out), self.rt.np_dtype), output=True)
 
     def _wide(self, s: int, n: int, keep: bool = True) -> _Wide:
         """Segment s bound for n positions (host buffers), on first use; `keep` False: for this call only, its
@@ -487,3 +487,11 @@ class DecodeChain:
             return ExitStep(pick(self._sample_head(place)[0], None), L, None, final, decide, flushed, decided, picker)
         self._head(place)
         return ExitStep(int(self.token[0]), L, None, final, decide, flushed, decided, picker)
+
+
+def _shape(buf: Any) -> tuple[int, ...]:
+    """A bound buffer's shape: an attribute of a numpy array or a DeviceView, a method of an OrtValue (a device
+    provider's buffers)."""
+    shape = buf.shape
+    return tuple(shape() if callable(shape) else shape)
+
