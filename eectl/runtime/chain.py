@@ -494,4 +494,3 @@ def _shape(buf: Any) -> tuple[int, ...]:
     provider's buffers)."""
     shape = buf.shape
     return tuple(shape() if callable(shape) else shape)
-
