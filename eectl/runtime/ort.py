@@ -148,17 +148,68 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     return (RuntimeError, ValueError, *types)
 
 
+class HostInputs:
+    """The IO binding of a session on a device provider, which binds again, before every run, the inputs it was
+    given in host memory. ONNX Runtime copies a host input to the device when it is bound, not when the graph runs,
+    so a binding kept across calls (the bound chain's token and lengths, the kept exit and segment bindings) whose
+    host array is rewritten in place would feed every later run the values of its bind: on the first CUDA run
+    (an H200, 2026-12-04) the chain decoded token 0 after every prompt. On the CPU EP a bound host array is read
+    where it lies, and no session wraps its bindings. Everything but the input binds is the binding's own."""
+
+    def __init__(self, io: Any) -> None:
+        self.io = io
+        self._host: dict[str, tuple[Any, ...]] = {}  # input name -> how it was bound, for `refresh`
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.io, name)
+
+    def bind_input(self, name: str, device_type: str, device_id: int, element_type: Any, shape: Any, ptr: int) -> None:
+        self.io.bind_input(name, device_type, device_id, element_type, shape, ptr)
+        self._note(name, device_type == "cpu", ("ptr", device_type, device_id, element_type, shape, ptr))
+
+    def bind_cpu_input(self, name: str, arr: np.ndarray) -> None:
+        self.io.bind_cpu_input(name, arr)
+        self._note(name, True, ("cpu", arr))
+
+    def bind_ortvalue_input(self, name: str, value: Any) -> None:
+        self.io.bind_ortvalue_input(name, value)
+        self._note(name, value.device_name().lower() == "cpu", ("value", value))
+
+    def _note(self, name: str, host: bool, how: tuple[Any, ...]) -> None:
+        if host:
+            self._host[name] = how  # holds the array or value too: bound by pointer, it must outlive the binding
+        else:
+            self._host.pop(name, None)
+
+    def refresh(self) -> None:
+        """Bind every host input again: ONNX Runtime copies its current values to the device."""
+        for name, (kind, *how) in self._host.items():
+            if kind == "ptr":
+                self.io.bind_input(name, *how)
+            elif kind == "cpu":
+                self.io.bind_cpu_input(name, *how)
+            else:
+                self.io.bind_ortvalue_input(name, *how)
+
+
 class CheckedSession:
     """An InferenceSession whose run errors are one line: the one place where ONNX Runtime's run errors are mapped
-    (to an ArtifactError naming the graph and ORT's first line, not a page of its traceback). Everything else is
-    the session's own."""
+    (to an ArtifactError naming the graph and ORT's first line, not a page of its traceback), and where a device
+    provider's bindings refresh their host inputs before a run (`HostInputs`). Everything else is the session's
+    own."""
 
     def __init__(self, session: Any, file: str) -> None:
         self._session = session
         self._file = file
+        providers = session.get_providers()
+        self.on_device = bool(providers) and providers[0] != "CPUExecutionProvider"
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._session, name)
+
+    def io_binding(self) -> Any:
+        io = self._session.io_binding()
+        return HostInputs(io) if self.on_device else io
 
     def _mapped(self, call: Callable[[], Any]) -> Any:
         try:
@@ -169,8 +220,11 @@ class CheckedSession:
                 hint="the artifact's graphs and its manifest disagree, or the machine ran out of memory",
             ) from exc
 
-    def run_with_iobinding(self, *args: Any, **kwargs: Any) -> Any:
-        return self._mapped(lambda: self._session.run_with_iobinding(*args, **kwargs))
+    def run_with_iobinding(self, io: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(io, HostInputs):
+            io.refresh()
+            io = io.io
+        return self._mapped(lambda: self._session.run_with_iobinding(io, *args, **kwargs))
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         return self._mapped(lambda: self._session.run(*args, **kwargs))
