@@ -167,8 +167,7 @@ def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch)
     gens = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate(prompts)
     assert calls == [] and steps == [[0, 1, 2]] * 5  # the chain: 5 decode steps after the prefill, all rows each
     assert [g.token_ids for g in gens] == [g.token_ids for g in alone]
-    general = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6))
-    monkeypatch.setattr(general, "_chain", lambda kv, rows: None)
+    general = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6, bound=False))
     gens = general.generate(prompts)
     assert calls == [3] * (len(rt.manifest.segments) * 5)
     assert [g.token_ids for g in gens] == [g.token_ids for g in alone]
@@ -189,9 +188,7 @@ def test_the_bound_batch_chain_equals_the_general_path(runtimes, fam):
     stop = (probe[2].token_ids[3],)  # row 2 stops after 4 tokens: later steps run without it
 
     def run(chained: bool):
-        runner = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=9, stop_ids=stop))
-        if not chained:
-            runner._chain = lambda kv, rows: None  # type: ignore[method-assign]
+        runner = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=9, stop_ids=stop, bound=chained))
         return runner, runner.generate(prompts)
 
     runner, got = run(True)
@@ -230,8 +227,7 @@ def test_plan_executed_on_cuda_equals_the_host_path(tiny_dirs, tmp_path):
     export_artifact(load_model(str(tiny_dirs["llama"])), tmp_path / "a", ExportOptions(exits=[3], dtype="fp16"))
     rt = ArtifactRuntime(tmp_path / "a", provider="cuda")
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
-    runners = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=8)) for _ in range(2)]
-    runners[1]._chain = lambda kv, rows: None  # type: ignore[method-assign]
+    runners = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=8, bound=b)) for b in (True, False)]
     gens = [r.generate(prompts) for r in runners]
     assert [g.token_ids for g in gens[0]] == [g.token_ids for g in gens[1]]
 

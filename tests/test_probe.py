@@ -287,8 +287,7 @@ def test_runner_with_the_learned_signal_decides_as_torch_and_verify_is_exact(lla
     assert any(x < L for x in ref_layers[1:]) and any(x == L for x in ref_layers[1:]), ref_layers
     gen = _run(rt, "defer", thresholds).generate([prompt])[0]  # the bound chain (in-graph score) decides
     assert gen.token_ids == ref_tokens and gen.exit_layers == ref_layers
-    plain = _run(rt, "defer", thresholds)
-    plain._chain = lambda kv, rows: None  # the general path: the graph decides, as on the chain, another binding
+    plain = _run(rt, "defer", thresholds, bound=False)  # the general path: the graph decides, another binding
     again = plain.generate([prompt])[0]
     assert again.token_ids == ref_tokens and again.exit_layers == ref_layers
     resident = _run(rt, "defer", thresholds, device_resident=True).generate([prompt])[0]  # runtime/resident.py
@@ -300,8 +299,7 @@ def test_runner_with_the_learned_signal_decides_as_torch_and_verify_is_exact(lla
     verify = _run(rt, "verify", thresholds).generate([prompt])[0]
     assert verify.token_ids == full.token_ids and verify.drafted > 0
     copy_bound = _run(rt, "copy", thresholds).generate([prompt])[0]
-    copy_plain = _run(rt, "copy", thresholds)
-    copy_plain._chain = lambda kv, rows: None
+    copy_plain = _run(rt, "copy", thresholds, bound=False)
     assert copy_plain.generate([prompt])[0].exit_layers == copy_bound.exit_layers
 
 

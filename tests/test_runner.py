@@ -271,9 +271,9 @@ def test_sampled_decode_runs_on_the_chain_as_on_the_general_path(artifacts, fami
     thresholds = {} if policy == "full" else _median_thresholds(loaded, prompts[0], 20)
     batches = [prompts[:1]] if exits else [prompts[:1], prompts]  # exits in a batch step on the general path
 
-    def run(batch):
+    def run(batch, bound=True):
         runner = _runner(rt, "defer" if policy == "full" else policy, thresholds, exits, 20, temperature=1.3,
-                         top_p=0.9, seed=7)  # fmt: skip
+                         top_p=0.9, seed=7, bound=bound)  # fmt: skip
         return runner.generate(batch), runner.last_kv
 
     general_calls = []
@@ -286,8 +286,7 @@ def test_sampled_decode_runs_on_the_chain_as_on_the_general_path(artifacts, fami
     monkeypatch.setattr(Runner, "_steps", counted)
     bound = [run(b) for b in batches]
     assert sum(general_calls) == 0  # no one-position step on the general path: prefills only
-    monkeypatch.setattr(Runner, "_chain", lambda self, kv, rows: None)
-    plain = [run(b) for b in batches]
+    plain = [run(b, bound=False) for b in batches]  # the general path alone
     if exits:
         assert _mixed(plain[0][0][0].exit_layers), plain[0][0][0].exit_layers
     for (got, kv_got), (want, kv_want) in zip(bound, plain, strict=True):
@@ -448,7 +447,7 @@ def test_full_depth_decode_chain_equals_the_general_path(artifacts, family, monk
     chained = runner.generate([prompt])[0]
     kv_chained = runner.last_kv
     assert calls == []
-    monkeypatch.setattr(Runner, "_chain", lambda self, kv, rows: None)
+    runner.cfg.bound = False  # the general path alone
     plain = runner.generate([prompt])[0]
     assert calls and chained.token_ids == plain.token_ids and chained.exit_layers == plain.exit_layers == [6] * 16
     assert kv_chained is not None and runner.last_kv is not None
@@ -490,7 +489,7 @@ def test_bound_exit_steps_equal_the_general_path(artifacts, family, policy, monk
     assert general_steps == []
     # defer and verify met pending positions; copy never has any
     assert (len(wide) > 0) == (policy != "copy") and all(n >= 2 for _, n in wide)
-    monkeypatch.setattr(Runner, "_chain", lambda self, kv, rows: None)
+    runner.cfg.bound = False  # the general path alone
     plain = runner.generate([prompt])[0]
     # some tokens exit (verify: are drafted, then kept or rolled back) and some do not
     assert plain.drafted > 0 if policy == "verify" else _mixed(plain.exit_layers), plain.exit_layers
@@ -606,7 +605,7 @@ def test_gated_exits_equal_the_simulation_on_both_paths(exported, family, policy
         bound.decided.values()
     )
     assert sum(r[2] == "passed" for r in reads) == sum(bound.decided.values())
-    monkeypatch.setattr(Runner, "_chain", lambda self, kv, rows: None)
+    runner.cfg.bound = False  # the general path alone
     plain = runner.generate([prompt])[0]
     assert bound.token_ids == plain.token_ids and bound.exit_layers == plain.exit_layers
     assert (bound.decided, bound.picked) == (plain.decided, plain.picked)
@@ -679,9 +678,9 @@ def test_one_rows_prompts_run_on_the_chain_bound_for_each_prompt_only(artifacts,
         # kept: decode steps' wide calls only (pending positions: at most one per new token, and the token's own)
         assert all(n <= new + 1 for _, n in chains[0].wide), sorted(chains[0].wide)
         assert (chains[0].wide == {}) == (not exits)  # full depth: nothing pending, no wide call kept at all
-        with monkeypatch.context() as m:
-            m.setattr(Runner, "_chain", lambda self, kv, rows: None)
-            plain = runner.generate(prompts, slots=1)
+        runner.cfg.bound = False  # the general path alone
+        plain = runner.generate(prompts, slots=1)
+        runner.cfg.bound = True
         for a, b in zip(bound, plain, strict=True):
             assert (a.token_ids, a.exit_layers) == (b.token_ids, b.exit_layers)
         if exits:

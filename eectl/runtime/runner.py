@@ -429,8 +429,9 @@ class Runner:
         return bool(self._resident_wanted() and self.exits and self.cfg.temperature <= 0)
 
     def _chain(self, kv: KVBuffers, rows: int) -> DecodeChain | None:
-        """The bound call chain this generate call steps on where it can (runtime/chain_steps.py), else None."""
-        return chain_for(self, kv, rows)
+        """The bound call chain this generate call steps on where it can (runtime/chain_steps.py), else None (and
+        always None where the configuration is not `bound`)."""
+        return chain_for(self, kv, rows) if self.cfg.bound else None
 
     @staticmethod
     def _confirmed(st: RowState) -> list[int]:

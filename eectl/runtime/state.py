@@ -43,6 +43,9 @@ class RunConfig:
     # where the graphs run). None: on non-CPU providers (on the CPU EP the host path's numpy arrays are the same
     # memory, with less work per call)
     device_resident: bool | None = None
+    # steps on the bound call chain wherever it takes them (runtime/chain_steps.py `chain_for`); False: every step on
+    # the general path (runner.py `_steps`), the reference the chain is tested against and a way around it
+    bound: bool = True
     river_predict: str = "end"  # river: the token from the river's end (final head) or from the exit itself
     stop_ids: tuple[int, ...] = ()
     note: str = ""  # how the configuration was chosen (one line for run and bench)
