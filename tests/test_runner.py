@@ -136,11 +136,16 @@ def _mixed(layers: list[int]) -> bool:
     return any(x < 6 for x in layers[1:]) and any(x == 6 for x in layers[1:])
 
 
-def test_defer_equals_exact_kv_simulation(artifacts, family):
+@pytest.mark.parametrize("path", ["bound", "general", "resident"])
+def test_defer_equals_exact_kv_simulation(artifacts, family, path):
+    """Each path that executes a decode step (the bound chain, the general path alone, the device-resident path)
+    against the PyTorch simulation with exact KV: the same tokens and exit layers."""
     loaded, rt = artifacts[family]
     prompt = _prompt(2, 9, loaded.adapter.dims.vocab_size)
     thresholds = _median_thresholds(loaded, prompt)
-    gen = _runner(rt, "defer", thresholds, new=20).generate([prompt])[0]
+    kw = {"bound": path == "bound", "device_resident": path == "resident"}
+    runner = _runner(rt, "defer", thresholds, new=20, **kw)
+    gen = runner.generate([prompt])[0]
     ref_tokens, ref_layers = _torch_simulation(loaded, prompt, 20, thresholds)
     assert _mixed(ref_layers), ref_layers  # some tokens exit early and some do not: deferred KV is exercised
     assert gen.token_ids == ref_tokens
@@ -154,12 +159,16 @@ def test_some_tokens_exit_early(artifacts):
     assert gen.exit_layers == [6] + [2] * 9  # threshold 0: every decode token takes the first exit
 
 
-def test_verify_equals_full_depth(artifacts, family):
+@pytest.mark.parametrize("path", ["bound", "general", "resident"])
+def test_verify_equals_full_depth(artifacts, family, path):
+    """Verify on each executing path against full depth on the general path (which the chain's full depth is
+    tested against too), and full depth against transformers' greedy above."""
     loaded, rt = artifacts[family]
     prompt = _prompt(3, 10, loaded.adapter.dims.vocab_size)
-    full = _runner(rt, exits=[], new=30).generate([prompt])[0]
+    full = _runner(rt, exits=[], new=30, bound=False).generate([prompt])[0]
+    kw = {"bound": path == "bound", "device_resident": path == "resident"}
     for thresholds in ({2: 0.0, 4: 0.0}, _median_thresholds(loaded, prompt, 30)):
-        gen = _runner(rt, "verify", thresholds, new=30).generate([prompt])[0]
+        gen = _runner(rt, "verify", thresholds, new=30, **kw).generate([prompt])[0]
         assert gen.token_ids == full.token_ids, thresholds
         assert gen.drafted > 0 and gen.rejected_drafts > 0  # drafts were proposed, and some were wrong
 
