@@ -118,3 +118,39 @@ def test_only_device_sessions_wrap_their_bindings(exported):
     session = rt.embedding.session
     assert isinstance(session, CheckedSession) and not session.on_device
     assert not isinstance(rt.embedding.binding(), HostInputs)
+
+
+def test_a_run_binds_every_host_input_again_and_no_device_value():
+    """Before each run every host input is bound again, also one bound just before it (the runtime binds a kept
+    array and writes it afterwards: the chain's lengths, GraphCalls._kept's inputs); a device value never is."""
+    calls: list[str] = []
+
+    class _IO:
+        def bind_input(self, name, *a):
+            calls.append(name)
+
+        def bind_cpu_input(self, name, arr):
+            calls.append(name)
+
+        def bind_ortvalue_input(self, name, value):
+            calls.append(name)
+
+    class _Device:
+        def device_name(self):
+            return "Cuda"
+
+    io = HostInputs(_IO())
+    kept = np.zeros(2, np.int32)
+    io.bind_input("lengths", "cpu", 0, np.int32, [2], kept.ctypes.data)
+    io.bind_input("kv", "cuda", 0, np.float16, [4], 1234)
+    io.bind_ortvalue_input("weights", _Device())
+    io.bind_input("kv", "cuda", 0, np.float16, [4], 1234)
+    calls.clear()
+    for _ in range(3):
+        io.bind_cpu_input("ids", np.ones(1, np.int64))
+        io.refresh()
+    assert calls == ["ids", "lengths", "ids"] * 3
+    io.bind_input("lengths", "cuda", 0, np.int32, [2], 99)  # now a device value: no longer bound again
+    calls.clear()
+    io.refresh()
+    assert calls == ["ids"]
