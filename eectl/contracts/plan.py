@@ -383,6 +383,12 @@ class Plan(_M):
         (the default model at 16 rows: lookup 0.54x, verify 0.80x batched full depth)."""
         return self.default if batch_size <= 1 else "full"
 
+    def batch_note(self, batch_size: int) -> str:
+        """Why a batch of this size does not follow the default, in words ("" where it does)."""
+        if self.default_for(batch_size) == self.default:
+            return ""
+        return f"the default ({self.default}) is priced for one row; a batch of {batch_size} runs full depth"
+
     def line(self) -> str:
         """The rule, in words: `the low end of its 90% interval >= 1.03x`."""
         return f"the low end of its {self.level:.0%} interval >= {1 + self.min_gain:.2f}x full depth"

@@ -84,7 +84,5 @@ def run_default(plan: Any, batch_size: int) -> tuple[str, str]:
     bench's report. ("", "") without a plan."""
     if plan is None:
         return "", ""
-    default = plan.default_for(batch_size)
-    if default != plan.default:
-        return default, f"{plan.summary()}; priced for one row: a batch of {batch_size} runs full depth by default"
-    return default, plan.summary()
+    batched = plan.batch_note(batch_size)
+    return plan.default_for(batch_size), f"{plan.summary()}; {batched}" if batched else plan.summary()

@@ -156,13 +156,10 @@ def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -
         # for, runs at full depth rather than refusing the plan's own choice
         note = f"plan: the default ({plan.default}) reproduces greedy full depth; sampling runs at full depth"
         return _config(rt, opts, stop_ids, signal.name, "defer", [], {}, note, planned=True)
-    if follow and opts.policy is None and plan is not None and plan.default_for(opts.batch_size) != plan.default:
+    if follow and opts.policy is None and plan is not None and (batched := plan.batch_note(opts.batch_size)):
         # the plan prices one row: in a batch, drafts' wide passes and exits cost for rows that share each call (the
         # default model's lookup ran 0.54x full depth at 16 rows); full depth batches on the bound chain
-        note = (
-            f"plan: the default ({plan.default}) is priced for one row; a batch of {opts.batch_size} runs full depth "
-            "(--policy NAME runs one anyway)"
-        )
+        note = f"plan: {batched} (--policy NAME runs one anyway)"
         return _config(rt, opts, stop_ids, signal.name, "defer", [], {}, note, planned=True)
     if opts.policy == CERTIFIED or (follow and opts.policy is None and plan is not None and plan.default == CERTIFIED):
         return _certified(rt, opts, stop_ids)
