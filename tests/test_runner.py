@@ -526,12 +526,12 @@ def test_bound_chain_steps_record_their_host_reads(artifacts, monkeypatch):
     L = rt.manifest.num_layers
     prompt = _prompt(6, 9, loaded.adapter.dims.vocab_size)
     head = ("exit_full", L, "token")
-    full = _runner(rt, exits=[], new=12)
+    full = _runner(rt, exits=[], new=12, certified_head=False)  # reads as a device plan names them
     gen = full.generate([prompt])[0]
     assert _plan_reads(plan_for(rt.manifest, "cuda", [], "topk-prob").token()) == [head]
     assert len(gen.exit_layers) == 12 and full.step_reads == [[head]] * 12  # the prompt's step included
 
-    runner = _runner(rt, "defer", _median_thresholds(loaded, prompt, 24), new=24)
+    runner = _runner(rt, "defer", _median_thresholds(loaded, prompt, 24), new=24, certified_head=False)
     general = []  # steps on the general path: none (the chain takes them, the prompt's included)
     real = Runner._steps
     monkeypatch.setattr(
@@ -605,7 +605,9 @@ def test_gated_exits_equal_the_simulation_on_both_paths(exported, family, policy
     loaded, art = exported[family]
     prompt = _prompt(8, 9, loaded.adapter.dims.vocab_size)
     rt, thr, plain_thr, sim = _gated(loaded, art, prompt, 24, shut_first)
-    runner = Runner(rt, RunConfig(exits=EXITS, thresholds=thr, policy=policy, top_k=K, max_new_tokens=24))
+    # the full head's reads (the certified head's own: test_certified_head.py)
+    cfg = RunConfig(exits=EXITS, thresholds=thr, policy=policy, top_k=K, max_new_tokens=24, certified_head=False)
+    runner = Runner(rt, cfg)
     assert sorted(runner.gates) == EXITS
     bound = runner.generate([prompt])[0]
     # the chain records each gate's read of its exit's state, and each decision the open gates let run

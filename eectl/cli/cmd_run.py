@@ -111,6 +111,16 @@ ProfileCostsOpt = Annotated[
         metavar="",
     ),
 ]
+ExactHeadOpt = Annotated[
+    bool,
+    typer.Option(
+        "--exact-head",
+        help="The full LM head at every greedy step instead of the artifact's certified head (which gives the same "
+        "tokens for less).",
+        rich_help_panel="Runtime",
+        metavar="",
+    ),
+]
 CostSamplesOpt = Annotated[
     bool,
     typer.Option(
@@ -142,6 +152,7 @@ def run(
     seed: SeedOpt = 0,
     batch_size: BatchSizeOpt = 1,
     provider: ProviderOpt = "auto",
+    exact_head: ExactHeadOpt = False,
     chat: ChatOpt = False,
     raw: RawOpt = False,
     profile_costs: ProfileCostsOpt = False,
@@ -189,6 +200,7 @@ def run(
         prompt_drafts=prompt_drafts,
         draft_ngram=draft_ngram,
         weights=weight_options(mmap_weights, memory_budget, place),
+        exact_head=exact_head,
     )
     if chat:
         _chat(out, artifact, opts)

@@ -74,6 +74,7 @@ class ExitPoint(_M):
     local: GraphIO  # hidden [N, H] + candidates [N, K] -> candidate logits [N, K]
     candidates: GraphIO | None = None  # hidden [N, H] -> K candidates [N, K] + exact logits (the candidate source)
     river: GraphIO | None = None  # final head only, `export --river --lm-head int4|int8`: the river's quantized head
+    certified: GraphIO | None = None  # final head only: its greedy token certified from an 8-bit ranking (or None)
     head: str | None = None  # trained head design, None for the plain logit lens
     block: BlockExit | None = None  # a block head: full/local/candidates then score the block's output (no head)
 

@@ -150,6 +150,10 @@ class Costs(_M):
     kv_ms: list[float]  # per segment: its K/V-only graph on one position (copy)
     final_head_ms: float  # the exact full LM head at the final layer, one row
     final_head_extra_ms: float  # one more row (verify checks drafts there)
+    # the certified head (export/certified_head.py), one row, and the share of export validation's final states it
+    # did not pass (those run the full head too); None: the artifact has none
+    certified_head_ms: float | None = None
+    certified_miss: float | None = None
     # bytes of segment weights kept resident when these were timed (run/bench --memory-budget: the slow tier's
     # segments timed cold, reading their weights from the file as a run does); None: every segment resident
     memory_budget: int | None = None
@@ -248,8 +252,17 @@ class Costs(_M):
         return {k: round(v / per_layer, 3) for k, v in self.block_ms.items()} if per_layer > 0 else {}
 
     def baseline_ms(self) -> float:
-        """A full-depth token as `eectl run` decodes it with no exit active: what every speedup is against."""
-        return self.chain_step_ms if self.chain_step_ms is not None else self.full_step_ms
+        """A full-depth token as `eectl run` decodes it with no exit active: what every speedup is against (both
+        steps are timed with the full head; the certified head, where there is one, in its place: `head_ms`)."""
+        step = self.chain_step_ms if self.chain_step_ms is not None else self.full_step_ms
+        return step + self.head_ms() - self.final_head_ms
+
+    def head_ms(self) -> float:
+        """The greedy final head as the chain runs it: the certified head, and the full head where it misses."""
+        if self.certified_head_ms is None:
+            return self.final_head_ms
+        miss = 1.0 if self.certified_miss is None else self.certified_miss
+        return self.certified_head_ms + miss * self.final_head_ms
 
     def overhead_per_segment(self, bound: bool = False) -> float:
         """The runner's per-step cost outside the timed graphs, spread over the segment calls: on the general path,

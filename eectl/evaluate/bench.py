@@ -43,6 +43,7 @@ from eectl.evaluate.report import markdown, write_report
 from eectl.evaluate.results import (
     AA,
     BASELINES,
+    EXACT_HEAD,
     LOOKUP,
     LOOKUP_CONFIGS,
     BenchOptions,
@@ -100,11 +101,14 @@ def add_artifact_configs(opts: BenchOptions, m: Manifest) -> None:
     cert = m.certificate
     if cert is not None and cert.certified and CERTIFIED not in opts.configs:
         opts.configs.append(CERTIFIED)
+    certified_head = m.exits[-1].certified is not None and m.dtype == "fp32" and opts.provider in ("auto", "cpu")
+    if certified_head and EXACT_HEAD not in opts.configs:  # what the certified head saves, beside full depth
+        opts.configs.append(EXACT_HEAD)
 
 
 def _changes_tokens(name: str) -> bool:
     """Whether a configuration's tokens may differ from full depth's (a lossless policy's never do)."""
-    if name in ("full", AA, "hf", *LOOKUP_CONFIGS):
+    if name in ("full", AA, "hf", EXACT_HEAD, *LOOKUP_CONFIGS):
         return False
     return name not in POLICIES or not POLICIES[name].lossless
 
@@ -348,8 +352,9 @@ def _river_kv(configs: Configs, ids: list[list[int]], log: Any) -> dict[str, Any
 def _check_options(opts: BenchOptions, prompts: list[str]) -> None:
     """Every check that needs no artifact, before it loads: bench's own, and those `run` makes of the options every
     configuration's RunOptions carries (--signal, --exits, --thresholds, --prompt-drafts, --provider)."""
-    known = (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED, *opts.compare)
-    clash = [c for c in opts.compare if c in (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED)]
+    built_in = (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED, EXACT_HEAD)
+    known = (*built_in, *opts.compare)
+    clash = [c for c in opts.compare if c in built_in]
     if clash:
         raise UsageError(f"--compare name '{clash[0]}' is a built-in configuration; pick another name")
     if not opts.configs:  # `--policies ''` (or ','): a bench of nothing

@@ -23,7 +23,7 @@ from eectl.contracts.certificate import CERTIFIED
 from eectl.errors import UsageError
 from eectl.evaluate.memory import MemoryMeter
 from eectl.evaluate.predicted import RIVER_EXIT
-from eectl.evaluate.results import AA, LOOKUP, LOOKUP_CONFIGS, BenchOptions, ConfigResult
+from eectl.evaluate.results import AA, EXACT_HEAD, LOOKUP, LOOKUP_CONFIGS, BenchOptions, ConfigResult
 from eectl.evaluate.stats import agreement, per_prompt_totals, speed_ratio
 from eectl.evaluate.timing import OnStep, _Run
 from eectl.run.generate import RunOptions, resolve_config
@@ -153,6 +153,9 @@ class Configs:
             chosen = lookup if name == LOOKUP else early
             chosen.prompt_drafts = opts.prompt_drafts
             configs[name] = resolve_config(rt, chosen, stop)
+        if EXACT_HEAD in opts.configs:  # full depth without the certified head (export/certified_head.py)
+            full = self._full(rt)
+            configs[EXACT_HEAD] = replace(full, certified_head=False, note="full depth, the full LM head every step")
         cert = rt.manifest.certificate
         if CERTIFIED in opts.configs:  # the sequence certificate's setting, as it was certified
             if cert is None or not cert.certified:
@@ -202,7 +205,8 @@ class Configs:
     def at_full_depth(self) -> list[str]:
         """The configurations that run exactly what full depth runs (no active exit, no drafts: a plan that cleared
         nothing for a policy), which the timed phase need not time again: their speed is full depth's."""
-        return [n for n, cfg in self.configs.items() if not cfg.exits and not cfg.prompt_drafts and not cfg.certified]
+        same = [n for n, cfg in self.configs.items() if not cfg.exits and not cfg.prompt_drafts and not cfg.certified]
+        return [n for n in same if self.configs[n].certified_head]
 
     def early_options(self, policy: str, scale: float) -> RunOptions:
         o = self.opts

@@ -15,6 +15,7 @@ BASELINES = ("hf", "full", AA)  # every other configuration is a KV policy's nam
 VERIFY_LOOKUP = "verify+lookup"  # verify's exit drafts and drafts from the context together
 LOOKUP_CONFIGS = (LOOKUP, VERIFY_LOOKUP)
 # CERTIFIED: the setting of the artifact's sequence certificate (calibrate --guarantee sequence)
+EXACT_HEAD = "exact-head"  # full depth with the full LM head every step: what the certified head saves (export/)
 
 
 @dataclass

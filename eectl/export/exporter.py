@@ -45,6 +45,7 @@ from eectl.exits.base import DEFAULT_TOP_K, CandidateSource
 from eectl.exits.candidates import CANDIDATE_SOURCES, FirstExitTopK, Shortlist, make_source
 from eectl.export.block import export_block, is_block
 from eectl.export.candidate_graphs import build_candidates
+from eectl.export.certified_head import build_certified_head, certifiable
 from eectl.export.exit_graphs import build_exit
 from eectl.export.graphs import DTYPES, OPSET, build_embedding, build_segment, save_graph
 from eectl.export.quantize import Int4Options, quantize_graph, quantize_lm_head
@@ -71,6 +72,7 @@ class ExportOptions:
     weights: str = "fp32"  # fp32 or int4 (weight-only MatMulNBits segment graphs, export/quantize.py)
     int4: Int4Options = field(default_factory=Int4Options)  # settings for --weights int4 and --river
     river: bool = False  # add int4 copies of the segments after the first exit (the `river` policy)
+    certified_head: bool = True  # add the certified final head where the model allows it (export/certified_head.py)
 
 
 def choose_exits(
@@ -409,10 +411,15 @@ def _write_exits(
             else:
                 q_io.file = f"exit_{layer:03d}_river.onnx"
                 river_head = _save(folder, options, q_model, q_io)
+        certified = None
+        head_table = options.int4.lm_head if quantized else "fp32"  # what the full head multiplies by
+        if layer == L and options.certified_head and certifiable(adapter, options.dtype, head_table) is None:
+            certified = _save(folder, options, *build_certified_head(adapter))
         exit_points.append(
             ExitPoint(
                 layer=layer,
                 full=_save(folder, options, full_model, full_io),
+                certified=certified,
                 local=_save(folder, options, *build_exit(adapter, layer, options.dtype, local=True, head=head)),
                 candidates=cand_graph,
                 river=river_head,

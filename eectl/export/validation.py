@@ -101,6 +101,9 @@ def validate_artifact(
         "candidate_batch_vs_alone_mismatches": d.cand_alone_mismatch,
         "candidate_logit_max_abs_diff": d.cand_logits,
         "probe_score_max_abs_diff": d.score,  # exit graphs with a probe (the learned signal); 0 without
+        # the certified final head (export/certified_head.py) on the same final states: how many it passed, and how
+        # many of those were not the full head's argmax (must be 0)
+        "certified_head": dict(zip(("positions", "passed", "wrong"), d.certified, strict=True)),
         "passed": True,
     }
     return _verdict(result, m, d, river, log)
@@ -130,6 +133,7 @@ class _Diffs:
     cand_alone_mismatch: int = 0  # a row's candidate set alone vs in its batch (int8 sources: 0 by construction)
     cand_logits: float = 0.0
     score: float = 0.0  # the learned signal's score in the local exit graphs vs Probe.score in torch
+    certified: tuple[int, int, int] = (0, 0, 0)  # the certified head: positions, passed, passed with another token
 
 
 def _torch_reference(
@@ -183,6 +187,8 @@ def _compare_graphs(
             ref_h = ref_states[t][layer]
             ref = exit_heads[layer].full(ref_h).float()
             got, cand, _ = rt.exit_full(layer, exit_in[0], m.top_k, river=river)
+            if layer == m.num_layers and rt.certified_head is not None and not river:
+                d.certified = _certified(rt, exit_in[0], got.argmax(-1), d.certified)
             d.logits[layer] = max(d.logits[layer], abs_diff(got, ref))
             d.tokens[layer] += int((torch.from_numpy(got).float().argmax(-1) != ref.argmax(-1)).sum())
             cand_t = torch.from_numpy(cand)
@@ -214,10 +220,24 @@ def _compare_graphs(
         kv.calls.clear()  # its bindings hold the released sessions
 
 
+def _certified(rt: Any, states: np.ndarray, full: np.ndarray, seen: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Add the certified head's counts on these final states [S, H] (the full head's tokens `full`) to `seen`."""
+    g = rt.certified_head
+    passed, token = g.session.run([g.name("passed"), g.name("token")], {g.name("hidden"): states, **rt.weight_feeds(g)})
+    wrong = int((token[passed] != full[passed]).sum())
+    return seen[0] + len(passed), seen[1] + int(passed.sum()), seen[2] + wrong
+
+
 def _verdict(result: dict[str, Any], m: Manifest, d: _Diffs, river: bool, log: Any) -> dict[str, Any]:
     """Pass or raise ExportValidationError: int4 graphs by greedy agreement, the others by tolerance."""
     L = m.num_layers
     tol = TOLERANCE[m.dtype]
+    if d.certified[2]:
+        result["passed"] = False
+        raise ExportValidationError(
+            f"the certified final head passed {d.certified[2]} tokens that are not the full head's argmax",
+            hint="export with the certified head off (ExportOptions.certified_head) and report it",
+        )
     measured = [*d.logits.values(), *d.local.values(), d.kv, d.cand_logits, d.block_kv, d.score]
     if not all(math.isfinite(v) for v in measured):  # int4 graphs too: NaN tokens can "agree" with NaN tokens
         result["passed"] = False

@@ -132,6 +132,8 @@ def measure_costs(
     # packed once for several rows, only the tokens leave the graph); timing exit_full on two rows instead charged
     # the unpacked two-row MatMul (~8 ms on the default model against ~0.9 ms packed) and priced verify far too low
     calls["greedy1"] = lambda: rt.greedy_token(L, row1)
+    if rt.certified_head is not None:
+        calls["certified"] = certified_call(rt, row1)
     calls["greedy2"] = lambda: rt.greedy_token(L, row2)
     if L in rt.river_heads:
         calls["river_head"] = lambda: rt.exit_full(L, row1, k, river=True)
@@ -204,6 +206,7 @@ def _costs(
         **{f"kv_ms.{i}": times[f"kv.{i}"] for i in range(n)},
         "final_head_ms": times["head1"],
         "final_head_extra_ms": _minus(times["greedy2"], times["greedy1"]),
+        **({"certified_head_ms": times["certified"]} if "certified" in times else {}),
         **{f"candidates_ms.{e}": times[f"cand.{e}"] for e in m.exit_layers},
         **{f"local_ms.{e}": times[f"local.{e}"] for e in m.exit_layers},
         **{f"gate_ms.{e}": times[f"gate.{e}"] for e in m.exit_layers if f"gate.{e}" in times},
@@ -230,6 +233,8 @@ def _costs(
         kv_ms=[med[f"kv_ms.{i}"] for i in range(n)],
         final_head_ms=med["final_head_ms"],
         final_head_extra_ms=med["final_head_extra_ms"],
+        certified_head_ms=med.get("certified_head_ms"),
+        certified_miss=certified_miss(m) if "certified_head_ms" in med else None,
         candidates_ms=per("candidates_ms", exits),
         local_ms=per("local_ms", exits),
         gate_ms=per("gate_ms", exits),
@@ -380,6 +385,23 @@ def _chainable(rt: ArtifactRuntime) -> bool:
     return "token" in final.io.outputs and all(g.session is not None for g in rt.segments)
 
 
+def certified_call(rt: ArtifactRuntime, row: np.ndarray) -> Callable[[], object]:
+    """The certified head on one row [1, H], bound once (its cost; whether it passes this state does not matter)."""
+    from eectl.runtime.certified_head import CertifiedHead
+    from eectl.runtime.placement import HOST
+
+    state = np.ascontiguousarray(row)  # bound by address: held by the call below
+    head = CertifiedHead.bind(rt, state, 1)
+    assert head is not None
+    return lambda: (state, head.run(HOST))
+
+
+def certified_miss(m: object) -> float | None:
+    """The share of export validation's final states the certified head did not pass (None: not validated)."""
+    counts = (getattr(m, "validation", None) or {}).get("certified_head") or {}
+    return 1.0 - counts["passed"] / counts["positions"] if counts.get("positions") else None
+
+
 def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object] | None:
     """One full-depth greedy step through the bound decode chain (runtime/chain.py), the path `eectl run` takes for
     one row with no exit active, on top of `past` cached positions; None where the artifact cannot chain."""
@@ -387,7 +409,7 @@ def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object] | No
     if not _chainable(rt):
         return None
     kv = rt.new_kv(1, past + 4)
-    chain = DecodeChain(rt, kv, 0)
+    chain = DecodeChain(rt, kv, 0, certified_head=False)  # the full head, as full_step_ms (Costs.baseline_ms)
 
     def call() -> object:
         kv.seek(0, past, 0, m.num_layers)  # rewind: every call decodes the same position

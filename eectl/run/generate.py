@@ -61,6 +61,7 @@ class RunOptions:
     weights: WeightOptions = field(default_factory=WeightOptions)
     # rows decoded together (run's --batch-size): the plan prices one row, so a batch does not follow its default
     batch_size: int = 1
+    exact_head: bool = False  # the full LM head every greedy step, not the artifact's certified head (--exact-head)
 
 
 def load_tokenizer(rt: ArtifactRuntime) -> Any:
@@ -305,6 +306,7 @@ def _config(
         stop_ids=stop_ids,
         note=note,
         planned=planned,
+        certified_head=not opts.exact_head,
     )
 
 

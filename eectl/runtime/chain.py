@@ -5,15 +5,15 @@ order, the final head's in-graph argmax. The chain binds them once per row and c
 is the next graph's input (the hidden state never leaves its buffer between segments: on a GPU it stays on the
 device), the KV buffers are bound as in `ArtifactRuntime.run_segment`, and the inputs that change per token (the
 token id, `seqlens_k`, `total_sequence_length`) are small host arrays written in place. A step is then the graph
-calls and two scalar writes, about what onnxruntime-genai's one-graph decode costs outside its kernels.
+calls and two scalar writes, about what onnxruntime-genai's one-graph decode costs outside its kernels. A greedy
+token comes from the artifact's certified head where it has one (runtime/certified_head.py), else the full head.
 
 Steps with active exits (`step_exits`, host buffers: the CPU EP) run the same chain with each active exit's
 decision bound after its segment: the exit graph reads the segment's output buffer, decides inside the graph
 (exits.decision_nodes: the thresholds bound once as an input) and writes two scalars, whether the token passes and
 its token; the first exit's candidates land in a buffer the later exits' local graphs read. A gated exit
 (eectl.exits.gates) first tests its gate on the segment's output (H multiply-adds on the host buffer): shut, its
-decision
-does not run, and the first exit whose gate opens picks the candidates (each (exit, picker) pair bound up
+decision does not run, and the first exit whose gate opens picks the candidates (each (exit, picker) pair bound up
 front). A token that exits
 stops there; one that passes every exit reaches the final head as in `step`. A segment that holds pending
 positions (defer's and verify's deferred states, P of them) runs a **wide** call instead: the same segment bound
@@ -56,9 +56,10 @@ from eectl.errors import UsageError
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import Signal
 from eectl.runtime.batch import _past
+from eectl.runtime.certified_head import CertifiedHead
 from eectl.runtime.graph_decide import decides_in_graph, declared, picker_graph, thresholds_input
 from eectl.runtime.kv import KVBuffers
-from eectl.runtime.ort import Graph, _ort
+from eectl.runtime.ort import Graph, _ort, buffer_shape
 from eectl.runtime.placement import HOST, Placement, Read
 from eectl.runtime.sessions import ArtifactRuntime
 
@@ -147,10 +148,10 @@ def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal)
 
 class DecodeChain:
     """Greedy decode of `rows` rows of `kv` from `row` on, one position per step, its graph calls bound once: full
-    depth for one row or the rows of a batch (`step`: one call per graph for all of them, each row
-    at its own length), or one row with active exits decided in their graphs (`step_exits`). On a device provider
-    the hidden states stay in device buffers between the graphs; only the tokens are read on the host. Each step
-    records what it read on the host in the run's placement (`place`, runtime/placement.py)."""
+    depth for one row or the rows of a batch (`step`: one call per graph for all of them, each row at its own
+    length), or one row with active exits decided in their graphs (`step_exits`). On a device provider the hidden
+    states stay in device buffers between the graphs; only the tokens are read on the host. Each step records what
+    it read on the host in the run's placement (`place`, runtime/placement.py)."""
 
     def __init__(
         self,
@@ -162,11 +163,12 @@ class DecodeChain:
         top_k: int = 0,
         gates: dict[int, tuple[np.ndarray, float, float]] | None = None,
         rows: int = 1,
+        certified_head: bool = True,
     ) -> None:
         """`rows`: the span of rows bound (row .. row + rows - 1; more than one: full depth only). `exits`: active
-        exit layer -> its thresholds, decided by `signal` over `top_k` candidates (see
-        `chain_exits_supported`); none: full depth only (`step`). `gates`: exit layer -> its gate (eectl.exits.gates:
-        weight, bias, threshold), tested on the exit's input state before its decision."""
+        exit layer -> its thresholds, decided by `signal` over `top_k` candidates (`chain_exits_supported`); none:
+        full depth only (`step`). `gates`: exit layer -> its gate (eectl.exits.gates: weight, bias, threshold),
+        tested on the exit's input state first. `certified_head` False: the full head every step (`_head`)."""
         m = rt.manifest
         final = rt.full_graphs[m.num_layers]
         if "token" not in final.io.outputs:  # an artifact exported before the in-graph argmax
@@ -219,6 +221,8 @@ class DecodeChain:
         rt._bind_array(io, final.name("logits"), self.logits, output=True)
         rt._bind_array(io, final.name("candidates"), self._buffer((n, 1), np.int64), output=True)
         rt._bind_array(io, final.name("candidate_logits"), self._buffer((n, 1), dtype), output=True)
+        # the certified head (runtime/certified_head.py), where the artifact has one and the run asks for it
+        self.certified = CertifiedHead.bind(rt, self._view(hops[-1], (n, H), dtype), n) if certified_head else None
 
     def _bind_segment(self, io: Any, s: int, x: Any, out: Any, seqlens_k: np.ndarray, total: np.ndarray) -> None:
         """Bind segment s: the row's KV buffers as past and present (written in place), input x, output out
@@ -231,7 +235,7 @@ class DecodeChain:
         rt._bind_array(io, g.name("hidden"), x)
         rt._bind_array(io, g.name("hidden_out"), out, output=True)
         # outputs nobody reads this step (the last layer's input for the cosine signal): a scratch buffer
-        rt._bind_array(io, g.name("layer_input"), self._buffer(_shape(out), self.rt.np_dtype), output=True)
+        rt._bind_array(io, g.name("layer_input"), self._buffer(buffer_shape(out), self.rt.np_dtype), output=True)
 
     def _wide(self, s: int, n: int, keep: bool = True) -> _Wide:
         """Segment s bound for n positions (host buffers), on first use; `keep` False: for this call only, its
@@ -348,8 +352,13 @@ class DecodeChain:
         self.total[()] = total
         return total
 
-    def _head(self, place: Placement) -> None:
-        """The final head's in-graph argmax; its token (one per row of the span) is what the step reads."""
+    def _head(self, place: Placement, rows: Any = slice(None)) -> None:
+        """The final head's greedy token for each row of the span, into `self.token`: the certified head's where the
+        artifact has one and every row that needs a token (`rows`, positions in the span) passes, else the full
+        head's in-graph argmax. What the step reads is recorded."""
+        if self.certified is not None and self.certified.run(place, rows):
+            self.token[:] = self.certified.token
+            return
         session, io = self.calls[-1]
         session.run_with_iobinding(io)
         place.read(self._token_read)
@@ -380,7 +389,7 @@ class DecodeChain:
             logits = self._sample_head(place)
             kv.advance(active, 0, L)
             return {r: pick(logits[r - first], None) for r in sorted(tokens)}
-        self._head(place)  # one read for every row of the span
+        self._head(place, np.array(sorted(tokens)) - first)  # one read for every row of the span
         kv.advance(active, 0, L)
         return {r: int(self.token[r - first]) for r in tokens}
 
@@ -487,10 +496,3 @@ class DecodeChain:
             return ExitStep(pick(self._sample_head(place)[0], None), L, None, final, decide, flushed, decided, picker)
         self._head(place)
         return ExitStep(int(self.token[0]), L, None, final, decide, flushed, decided, picker)
-
-
-def _shape(buf: Any) -> tuple[int, ...]:
-    """A bound buffer's shape: an attribute of a numpy array or a DeviceView, a method of an OrtValue (a device
-    provider's buffers)."""
-    shape = buf.shape
-    return tuple(shape() if callable(shape) else shape)

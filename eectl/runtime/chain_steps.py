@@ -53,7 +53,7 @@ def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
     if any(g.session is None for g in rt.segments):  # a runtime holding one segment at a time
         return None
     if rows > 1:
-        return None if exits else DecodeChain(rt, kv, 0, rows=rows)
+        return None if exits else DecodeChain(rt, kv, 0, rows=rows, certified_head=cfg.certified_head)
     if exits and (
         not runner.policy.bound_chain
         or not chain_exits_supported(rt, exits, runner.signal)
@@ -62,7 +62,7 @@ def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
     ):
         return None
     thresholds = {e: cfg.thresholds[e] for e in exits}
-    return DecodeChain(rt, kv, 0, thresholds, runner.signal, cfg.top_k, runner.gates)
+    return DecodeChain(rt, kv, 0, thresholds, runner.signal, cfg.top_k, runner.gates, certified_head=cfg.certified_head)
 
 
 def chain_step(
@@ -148,7 +148,7 @@ def chain_tokens(
     tokens: dict[int, int] = {}
     for s in sorted(fresh):
         if s not in prompt_chains:
-            prompt_chains[s] = DecodeChain(runner.rt, kv, s)
+            prompt_chains[s] = DecodeChain(runner.rt, kv, s, certified_head=runner.cfg.certified_head)
         tokens[s] = chain_prompt(runner, prompt_chains[s], live[s][0], kv)
     decode = {s: ids[0] for s, (_, ids) in live.items() if s not in fresh}
     if decode:

@@ -309,3 +309,10 @@ class DeviceView:
 def _np_dtype(value: Any) -> Any:
     """An OrtValue's element type as numpy's."""
     return {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}[value.data_type()]
+
+
+def buffer_shape(buf: Any) -> tuple[int, ...]:
+    """A bound buffer's shape: an attribute of a numpy array or a DeviceView, a method of an OrtValue (a device
+    provider's buffers)."""
+    shape = buf.shape
+    return tuple(shape() if callable(shape) else shape)

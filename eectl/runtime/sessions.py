@@ -93,6 +93,9 @@ class ArtifactRuntime(GraphCalls):
                 self.load_segment(i)
         self.full_graphs = {e.layer: load(e.full) for e in m.exits}
         self.river_heads = {e.layer: load(e.river) for e in m.exits if e.river is not None}
+        # the final head's greedy token certified from an 8-bit ranking (export/certified_head.py), on the CPU EP
+        final = m.exits[-1]
+        self.certified_head = load(final.certified) if final.certified and self.device == "cpu" else None
         self.local_graphs = {e.layer: load(e.local) for e in m.exits}
         self.candidate_graphs = {e.layer: load(e.candidates) for e in m.exits if e.candidates is not None}
         # block exit heads: (the block graph, its K/V-only graph) per exit; one decoder layer each (runtime/blocks.py)

@@ -46,6 +46,10 @@ class RunConfig:
     # steps on the bound call chain wherever it takes them (runtime/chain_steps.py `chain_for`); False: every step on
     # the general path (runner.py `_steps`), the reference the chain is tested against and a way around it
     bound: bool = True
+    # greedy tokens on the chain from the artifact's certified head where it has one (export/certified_head.py: the
+    # full head's argmax, proven from an 8-bit ranking; a row it cannot prove runs the full head); False: the full
+    # head every step
+    certified_head: bool = True
     river_predict: str = "end"  # river: the token from the river's end (final head) or from the exit itself
     stop_ids: tuple[int, ...] = ()
     note: str = ""  # how the configuration was chosen (one line for run and bench)
