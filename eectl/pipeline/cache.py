@@ -70,8 +70,10 @@ class PipelineCache:
                 }
             )
         if stage == "export":
+            from eectl.export.exporter import EXPORT_REVISION
+
             parts = {"heads": sha256_file(p.heads), "calibration": sha256_file(p.calibration)}
-            return digest({**self.base, "stage": stage, **parts})
+            return digest({**self.base, "stage": stage, "revision": EXPORT_REVISION, **parts})
         raise ValueError(stage)
 
     def restore(self, stage: str) -> str | None:
