@@ -352,7 +352,11 @@ def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
     rt = planned[source]
     prompts = [[1, 7, 30, 2, 99], [5, 9], [44, 3, 8, 61, 2, 17, 90], [12]]
     cfg = RunConfig(  # the full head's reads, as a device plan names them (the certified head runs on the CPU EP)
-        exits=[2, 3], thresholds={2: {"prob": 0.15}, 3: {"prob": 0.15}}, top_k=K, max_new_tokens=12, certified_head=False
+        exits=[2, 3],
+        thresholds={2: {"prob": 0.15}, 3: {"prob": 0.15}},
+        top_k=K,
+        max_new_tokens=12,
+        certified_head=False,
     )
     singles = [Runner(rt, cfg) for _ in prompts]
     alone = [r.generate([p])[0] for r, p in zip(singles, prompts, strict=True)]
