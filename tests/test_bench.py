@@ -62,7 +62,8 @@ def test_bench_cli_report(artifact, tiny_dirs, tmp_path):
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     by = {c["name"]: c for c in doc["configs"]}
-    assert list(by) == ["full", "full-aa", "hf", "copy", "defer", "verify"]
+    # exact-head: full depth with the full LM head every step, beside the certified head's full depth
+    assert list(by) == ["full", "full-aa", "hf", "copy", "defer", "verify", "exact-head"]
     aa = by["full-aa"]  # the A/A control: full depth again, the same tokens, its ratio the run's noise floor
     assert aa["exact_match"] == 1.0 and aa["mean_layers"] == by["full"]["mean_layers"] and aa["decide_share"] == 0.0
     lo, hi = aa["speedup_vs_full_ci"]
@@ -324,9 +325,9 @@ def test_configurations_that_run_full_depth_are_not_timed_again(artifact, monkey
     res = run_bench(artifact, load_text_data(str(GSM8K)).prompts, opts, heldout=["a held out text"] * 4,
                     progress=ticks.append)  # fmt: skip
     assert sum(ticks) == bench_units(opts, 2)
-    assert set(ran) == {"full", AA}  # copy and verify were never run
+    assert set(ran) == {"full", AA, "exact-head"}  # copy and verify were never run (exact-head is not full depth's run)
     by = {c.name: c for c in res.configs}
-    assert [c.name for c in res.configs] == ["full", AA, "copy", "verify"]
+    assert [c.name for c in res.configs] == ["full", AA, "copy", "verify", "exact-head"]
     for name in ("copy", "verify"):
         c = by[name]
         assert c.timed_as == "full" and c.speedup_vs_full == 1.0 and c.exits == [] and not c.blocks

@@ -433,9 +433,11 @@ def test_the_progress_total_counts_the_configurations_the_artifact_adds():
     opts = BenchOptions(configs=["full", "verify"], reps=2, ppl_tokens=0)
     before = bench_units(opts, 5)
     cert = SimpleNamespace(certified=True)
-    add_artifact_configs(opts, SimpleNamespace(plan=SimpleNamespace(default="lookup"), certificate=cert))  # type: ignore[arg-type]
-    assert opts.configs == ["full", "verify", "lookup", "certified"]
+    final = SimpleNamespace(certified=object())  # the final exit has a certified head: full depth without it is timed
+    m = SimpleNamespace(plan=SimpleNamespace(default="lookup"), certificate=cert, exits=[final], dtype="fp32")
+    add_artifact_configs(opts, m)  # type: ignore[arg-type]
+    assert opts.configs == ["full", "verify", "lookup", "certified", "exact-head"]
     per_config = (2 + 2) * 5 + 1  # repetitions (the gate's at most) x prompts, and the warm-up
-    assert bench_units(opts, 5) - before >= 2 * per_config
-    add_artifact_configs(opts, SimpleNamespace(plan=SimpleNamespace(default="lookup"), certificate=cert))  # type: ignore[arg-type]
-    assert opts.configs == ["full", "verify", "lookup", "certified"]  # idempotent: run_bench calls it again
+    assert bench_units(opts, 5) - before >= 3 * per_config
+    add_artifact_configs(opts, m)  # type: ignore[arg-type]
+    assert opts.configs == ["full", "verify", "lookup", "certified", "exact-head"]  # idempotent: run_bench calls it

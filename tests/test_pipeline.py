@@ -41,7 +41,8 @@ bench: {{prompts: 2, max_new_tokens: 4, reps: 1, configs: [full, defer, verify]}
     # full-aa: the A/A control; the plan's default is always benchmarked (lookup: drafts from the context, when the
     # calibration's replay priced them above the exit configurations)
     default = ["lookup"] if manifest["plan"]["default"] == "lookup" else []
-    assert [c["name"] for c in bench["configs"]] == ["full", "full-aa", "defer", "verify", *default]
+    exact = ["exact-head"] if manifest["exits"][-1].get("certified") else []  # full depth without the certified head
+    assert [c["name"] for c in bench["configs"]] == ["full", "full-aa", "defer", "verify", *default, *exact]
     assert manifest["calibration"]["lookup"]["tokens"] > 0 and manifest["costs"]["wide_ms"]  # what priced it
     assert "bench report:" in res.stdout and "bench verdict: " in res.stdout  # the run ends on its verdict
 

@@ -165,7 +165,8 @@ def test_bench_river_side_by_side_with_int4_and_kv_cosine(arts):
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     by = {c["name"]: c for c in doc["configs"]}
-    assert list(by) == ["full", "full-aa", "river", "river-exit", "defer", "int4"]  # full-aa: the A/A control
+    # full-aa: the A/A control; exact-head: full depth without the certified head
+    assert list(by) == ["full", "full-aa", "river", "river-exit", "defer", "int4", "exact-head"]
     assert by["river"]["mean_layers"] == 2.0 and by["river"]["perplexity"] is not None  # every token exits at 2
     kvr = doc["river_kv"]
     assert kvr["exited"] == kvr["tokens"] - 1 and len(kvr["layers"]) == 6

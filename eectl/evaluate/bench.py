@@ -96,6 +96,8 @@ def add_artifact_configs(opts: BenchOptions, m: Manifest) -> None:
     """The configurations every bench of this artifact runs beside the asked ones: its default (lookup) and the
     setting of its sequence certificate, checked on the bench's prompts. Called before the progress total is
     counted (bench_units) and again once the plan is settled."""
+    if not opts.configs:  # a bench of nothing: refused by its own check (_check_options), not filled in here
+        return
     if m.plan is not None and m.plan.default == LOOKUP and LOOKUP not in opts.configs:
         opts.configs.append(LOOKUP)
     cert = m.certificate
