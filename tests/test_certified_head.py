@@ -57,7 +57,8 @@ def test_the_bound_covers_the_8bit_scores(llama):
     nb = H // BLOCK
     deq = (t["q"].astype(np.float64) - t["zero_points"].reshape(V, nb, 1)) * t["scales"].reshape(V, nb, 1)
     deq_t = torch.from_numpy(deq.reshape(V, H))
-    bound = torch.from_numpy(t["bound"].astype(np.float64))  # [2 nb, V]
+    bound = torch.from_numpy(t["bound"].astype(np.float64)).T  # [2 nb, V]
+    assert (t["bound_max"] >= t["bound"]).all()
     g = torch.Generator().manual_seed(3)
     for scale in (0.01, 1.0, 40.0):
         h = torch.randn(64, H, generator=g, dtype=torch.float64) * scale

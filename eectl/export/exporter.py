@@ -57,8 +57,9 @@ from eectl.output_checks import nearest_existing
 from eectl.runtime.policies import POLICIES
 
 # what an export writes, counted up whenever the graphs it writes change for the same heads and calibration (the
-# pipeline's cache then exports again instead of reusing an older artifact): 2 added the certified final head
-EXPORT_REVISION = 2
+# pipeline's cache then exports again instead of reusing an older artifact): 2 added the certified final head, 3
+# bounded its tokens below the best 512 by the table's column maxima
+EXPORT_REVISION = 3
 
 
 @dataclass
