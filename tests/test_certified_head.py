@@ -162,3 +162,36 @@ def test_a_certified_step_reads_its_flag_then_a_token(exported):
     assert len(runner.step_reads) == len(gen.token_ids) == 8
     assert all(reads in ([passed, token], [passed, ("exit_full", L, "token")]) for reads in runner.step_reads)
     assert any(reads == [passed, token] for reads in runner.step_reads)
+
+
+@pytest.mark.parametrize("how", ["lookup", "general"])
+def test_checks_and_the_general_path_use_it_with_the_same_tokens(exported, how, monkeypatch):
+    """Verify's check of drafts from the context (several positions at once) and the general path's greedy head
+    take the certified head's tokens where every row passes: the same tokens as the full head every step, on every
+    family, and the certified head did answer some of those calls."""
+    from eectl.runtime.certified_head import CertifiedHead
+
+    answered: list[int] = []
+    real = CertifiedHead.run
+
+    def counting(self, place, rows=slice(None)):
+        ok = real(self, place, rows)
+        answered.append(len(self.passed) if ok else 0)
+        return ok
+
+    monkeypatch.setattr(CertifiedHead, "run", counting)
+    for fam, (loaded, folder) in exported.items():
+        rt = ArtifactRuntime(folder, provider="cpu")
+        prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # repeats: drafts from the context find matches
+        runs = {}
+        for on in (True, False):
+            extra = {"policy": "verify", "prompt_drafts": 4} if how == "lookup" else {"bound": False}
+            cfg = RunConfig(exits=[], thresholds={}, top_k=8, max_new_tokens=12, certified_head=on, **extra)
+            answered.clear()
+            runs[on] = ([g.token_ids for g in Runner(rt, cfg).generate([prompt])], list(answered))
+        assert runs[True][0] == runs[False][0], fam
+        assert not runs[False][1]
+        if rt.certified_head is not None:
+            assert sum(runs[True][1]) > 0, fam
+            if how == "lookup":
+                assert max(runs[True][1]) > 1, fam  # a check of several positions answered in one call

@@ -1,8 +1,10 @@
-"""The certified final head at run time (export/certified_head.py): one call per greedy step on the bound chain,
-whose token is the full head's argmax wherever it passes; the chain runs the full head for a step it does not pass.
+"""The certified final head at run time (export/certified_head.py): one call per greedy final head, whose tokens
+are the full head's argmax wherever every row passes; the caller runs the full head for a call that does not.
 
-Bound once per chain: its input is the chain's last hop (the final segment's output), its outputs two small host
-arrays. Only the CPU EP loads the graph (`ArtifactRuntime.certified_head`).
+Bound once: on the bound chain its input is the chain's last hop (the final segment's output); elsewhere
+(`ArtifactRuntime.greedy_token`: verify's check of several positions, the general path) a buffer per row count
+the rows are copied into. Its outputs are two small host arrays. Only the CPU EP loads the graph
+(`ArtifactRuntime.certified_head`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from eectl.runtime.placement import Placement
-from eectl.runtime.sessions import ArtifactRuntime
 
 
 @dataclass
@@ -28,8 +29,9 @@ class CertifiedHead:
     steps: list[int] = field(default_factory=lambda: [0, 0])  # greedy heads: certified, then the full head's
 
     @classmethod
-    def bind(cls, rt: ArtifactRuntime, hidden: Any, rows: int) -> CertifiedHead | None:
-        """Bound to `hidden` (the chain's buffer the full head reads), or None where the artifact has none."""
+    def bind(cls, rt: Any, hidden: Any, rows: int) -> CertifiedHead | None:
+        """Bound to `hidden` [rows, H] (the chain's buffer the full head reads, or a runtime's own), or None where
+        the runtime (an ArtifactRuntime: this module sits below it) has no certified head."""
         g = rt.certified_head
         if g is None:
             return None

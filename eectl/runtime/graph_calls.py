@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from eectl.contracts.manifest import LM_HEAD_ROWS, Manifest
+from eectl.runtime.certified_head import CertifiedHead
 from eectl.runtime.kv import _Call
 from eectl.runtime.ort import DeviceView, Graph, _ort
 from eectl.runtime.placement import HOST, Placement
@@ -56,6 +57,8 @@ class GraphCalls:
     exit_scores: dict[int, np.ndarray]
     _calls: dict[tuple[str, int], _Call]
     _bounds: dict[tuple[Any, ...], _Bound]
+    certified_head: Graph | None  # the certified final head (export/certified_head.py), on the CPU EP
+    _certified_calls: dict[int, Any]  # rows -> (CertifiedHead, its input buffer): greedy_token's
 
     # --- binding helpers -------------------------------------------------------------------------------------------
     def _bind_array(self, io: Any, name: str, arr: Any, output: bool = False) -> None:
@@ -240,11 +243,14 @@ class GraphCalls:
             np.copyto(b.inputs[name], value, casting="unsafe")
         g.session.run_with_iobinding(b.io)
 
-    def greedy_token(self, layer: int, hidden: Any, river: bool = False, *, place: Placement = HOST) -> np.ndarray:
+    def greedy_token(
+        self, layer: int, hidden: Any, river: bool = False, *, place: Placement = HOST, certified: bool = False
+    ) -> np.ndarray:
         """hidden [N, H] -> the argmax token [N] at exit `layer`, computed in the graph.
 
         Only the token is copied out; the logits and a Top-1 (k = 1: a scan, not a sort) land in scratch arrays
-        that stay bound across calls.
+        that stay bound across calls. `certified`: at the final layer, from the certified head where the runtime has
+        one and every row passes (`_certified_tokens`), else from the full head.
         """
         river = river and layer in self.river_heads  # the river's own quantized head where the artifact has one
         g = self.river_heads[layer] if river else self.full_graphs[layer]
@@ -264,6 +270,10 @@ class GraphCalls:
             token = self._read(bound.io, g.name("token"), (n,), np.int64, where, place)
             g.session.run_with_iobinding(bound.io)
             return token
+        if certified and not river and layer == self.manifest.num_layers and self.certified_head is not None:
+            proven = self._certified_tokens(x, place)
+            if proven is not None:
+                return proven
         place.read(("exit_full", layer, "token"))  # host states: recorded where the run keeps a record (the chain's)
         packed = None
         if n > 1 and not river:  # several rows (verify's check): the head with its table packed once
@@ -340,3 +350,14 @@ class GraphCalls:
         self._run_bound(g, b, hidden)
         self._keep_score(layer, b.outputs)
         return b.outputs["candidates"].copy(), b.outputs["candidate_logits"].copy()
+
+    def _certified_tokens(self, x: np.ndarray, place: Placement) -> np.ndarray | None:
+        """The certified head's tokens for host rows x [N, H], bound once per row count; None where a row did not
+        pass (the caller runs the full head)."""
+        n = x.shape[0]
+        if n not in self._certified_calls:
+            buf = np.empty(x.shape, self.np_dtype)
+            self._certified_calls[n] = (CertifiedHead.bind(self, buf, n), buf)
+        head, buf = self._certified_calls[n]
+        np.copyto(buf, x)
+        return head.token.copy() if head.run(place) else None

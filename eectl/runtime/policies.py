@@ -242,7 +242,8 @@ class Verify(Defer):
         drafts = dict(st.drafts)
         st.drafts = []
         assert out.shape[1] >= 2, "drafts are positions before the step's own token"
-        full_pred = self.rt.greedy_token(self.num_layers, out[0], place=place)  # greedy: only tokens leave the graph
+        # greedy: only tokens leave the graph (the certified head's where the run uses it and every position passes)
+        full_pred = self.rt.greedy_token(self.num_layers, out[0], place=place, certified=self.cfg.certified_head)
         for j in range(out.shape[1] - 1):
             pos = base + j + 1
             if pos in drafts and drafts[pos] != int(full_pred[j]):

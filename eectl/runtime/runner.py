@@ -169,7 +169,8 @@ class Runner:
                     work[r][0].decide_s += time.perf_counter() - t0
             elif kind == "greedy":  # the final head's in-graph argmax: one token per row leaves the graph
                 rows = sorted(group)
-                ids = self.rt.greedy_token(self.L, concat(self.rt, [group[r][2] for r in rows], 0), place=self.place)
+                hidden = concat(self.rt, [group[r][2] for r in rows], 0)
+                ids = self.rt.greedy_token(self.L, hidden, place=self.place, certified=self.cfg.certified_head)
                 answers = {r: int(ids[i]) for i, r in enumerate(rows)}
             else:
                 rows = sorted(group)

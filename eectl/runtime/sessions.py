@@ -104,6 +104,7 @@ class ArtifactRuntime(GraphCalls):
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
         self._calls: dict[tuple[str, int], _Call] = {}  # (graph kind, exit layer) -> binding with its weight bound
         self._bounds: dict[tuple[Any, ...], _Bound] = {}  # (graph kind, exit layer, shapes) -> exit graph binding
+        self._certified_calls = {}
         # Where a call's states go, and the record of its host reads, are the run's (`place`: runtime/placement.py),
         # not this runtime's: several runs share it.
         self._ops: Any = None
