@@ -180,7 +180,7 @@ def test_checks_and_the_general_path_use_it_with_the_same_tokens(exported, how, 
         return ok
 
     monkeypatch.setattr(CertifiedHead, "run", counting)
-    for fam, (loaded, folder) in exported.items():
+    for fam, (_, folder) in exported.items():
         rt = ArtifactRuntime(folder, provider="cpu")
         prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # repeats: drafts from the context find matches
         runs = {}
