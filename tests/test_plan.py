@@ -401,3 +401,14 @@ def test_bench_predicts_agreement_for_planned_copy_and_defer_only():
     assert predicted("verify") is None  # lossless: nothing to predict
     assert predicted("defer", planned=False) is None  # forced exits/thresholds: no calibrated option behind them
     assert predicted("defer", exits=()) is None  # the plan ran full depth
+
+
+def test_the_greedy_head_is_priced_as_the_chain_runs_it():
+    """Both timed steps run the full head; where the artifact has a certified head, the baseline swaps it in: its
+    own time plus the full head's for the share of validation's states it did not pass (all of them when unknown)."""
+    plain = _costs(chain_step_ms=20.0, final_head_ms=4.0)
+    assert plain.head_ms() == 4.0 and plain.baseline_ms() == 20.0
+    cert = _costs(chain_step_ms=20.0, final_head_ms=4.0, certified_head_ms=1.0, certified_miss=0.1)
+    assert cert.head_ms() == pytest.approx(1.4) and cert.baseline_ms() == pytest.approx(17.4)
+    unknown = _costs(chain_step_ms=20.0, final_head_ms=4.0, certified_head_ms=1.0)
+    assert unknown.head_ms() == pytest.approx(5.0) and unknown.baseline_ms() == pytest.approx(21.0)

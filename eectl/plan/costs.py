@@ -470,7 +470,9 @@ def full_step_call(rt: ArtifactRuntime, past: int, seed: int = 0) -> Callable[[]
     `past`-token prompt (random ids) prefilled once; each call rewinds the cache and steps again."""
     m = rt.manifest
     prompt = np.random.default_rng(seed).integers(0, m.dims["vocab_size"], size=past).tolist()
-    runner = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=FULL_STEPS + 1, stop_ids=()))
+    # the full head, as chain_step_ms (Costs.baseline_ms swaps the certified head in)
+    cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=FULL_STEPS + 1, stop_ids=(), certified_head=False)
+    runner = Runner(rt, cfg)
     kv = rt.new_kv(1, past + 4)
     st = RowState(list(prompt), past, [None] * len(m.segments))
     nxt = runner._step(0, st, kv, st.tokens)  # prefill
