@@ -103,7 +103,7 @@ def add_artifact_configs(opts: BenchOptions, m: Manifest) -> None:
     cert = m.certificate
     if cert is not None and cert.certified and CERTIFIED not in opts.configs:
         opts.configs.append(CERTIFIED)
-    certified_head = m.exits[-1].certified is not None and m.dtype == "fp32" and opts.provider in ("auto", "cpu")
+    certified_head = m.exits[-1].certified is not None and opts.provider in ("auto", "cpu")  # fp32 only: CPU EP
     if certified_head and EXACT_HEAD not in opts.configs:  # what the certified head saves, beside full depth
         opts.configs.append(EXACT_HEAD)
 

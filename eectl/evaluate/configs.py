@@ -205,8 +205,11 @@ class Configs:
     def at_full_depth(self) -> list[str]:
         """The configurations that run exactly what full depth runs (no active exit, no drafts: a plan that cleared
         nothing for a policy), which the timed phase need not time again: their speed is full depth's."""
-        same = [n for n, cfg in self.configs.items() if not cfg.exits and not cfg.prompt_drafts and not cfg.certified]
-        return [n for n in same if self.configs[n].certified_head]
+        return [
+            n
+            for n, cfg in self.configs.items()
+            if not cfg.exits and not cfg.prompt_drafts and not cfg.certified and cfg.certified_head
+        ]
 
     def early_options(self, policy: str, scale: float) -> RunOptions:
         o = self.opts

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from eectl.contracts.manifest import Manifest
 from eectl.contracts.plan import MAX_NGRAM, Costs
 from eectl.exits.base import signals
 from eectl.exits.gates import gate_open
@@ -396,9 +397,9 @@ def certified_call(rt: ArtifactRuntime, row: np.ndarray) -> Callable[[], object]
     return lambda: (state, head.run(HOST))
 
 
-def certified_miss(m: object) -> float | None:
+def certified_miss(m: Manifest) -> float | None:
     """The share of export validation's final states the certified head did not pass (None: not validated)."""
-    counts = (getattr(m, "validation", None) or {}).get("certified_head") or {}
+    counts = (m.validation or {}).get("certified_head") or {}
     return 1.0 - counts["passed"] / counts["positions"] if counts.get("positions") else None
 
 

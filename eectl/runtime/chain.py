@@ -389,7 +389,8 @@ class DecodeChain:
             logits = self._sample_head(place)
             kv.advance(active, 0, L)
             return {r: pick(logits[r - first], None) for r in sorted(tokens)}
-        self._head(place, np.array(sorted(tokens)) - first)  # one read for every row of the span
+        rows = slice(None) if len(tokens) == self.rows else np.array(sorted(tokens)) - first  # rows needing a token
+        self._head(place, rows)  # one read for every row of the span
         kv.advance(active, 0, L)
         return {r: int(self.token[r - first]) for r in tokens}
 
