@@ -207,6 +207,11 @@ def test_the_bound_batch_chain_equals_the_general_path(runtimes, fam):
     kv = new_batch_kv(rt, 2, 8)
     chain = runner._chain(kv, 2)
     assert chain is not None and chain.rows == 2
+    L, final = rt.manifest.num_layers, rt.full_graphs[rt.manifest.num_layers]
+    packed = rt.packed_heads.get(L, final, rt.weight_feeds(final), rt.device)
+    assert packed is not None and chain.calls[-1][0] is packed  # several rows: the head's table packed once
+    one = runner._chain(new_batch_kv(rt, 1, 8), 1)
+    assert one is not None and one.calls[-1][0] is final.session  # one row: the shared table, as fast there
     kv.filled[:] = 1
     kv.filled[1] = 3
     assert sorted(chain.step({0: 5, 1: 6})) == [0, 1]

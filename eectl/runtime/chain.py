@@ -6,22 +6,22 @@ is the next graph's input (the hidden state never leaves its buffer between segm
 device), the KV buffers are bound as in `ArtifactRuntime.run_segment`, and the inputs that change per token (the
 token id, `seqlens_k`, `total_sequence_length`) are small host arrays written in place. A step is then the graph
 calls and two scalar writes, about what onnxruntime-genai's one-graph decode costs outside its kernels. A greedy
-token comes from the artifact's certified head where it has one (runtime/certified_head.py), else the full head.
+token comes from the artifact's certified head where it has one (runtime/certified_head.py), else the full head
+(for several rows on the CPU EP, a session of it whose LM-head table ORT packed once: tables.PackedHeads).
 
-Steps with active exits (`step_exits`, host buffers: the CPU EP) run the same chain with each active exit's
-decision bound after its segment: the exit graph reads the segment's output buffer, decides inside the graph
+Steps with active exits (`step_exits`, host buffers: the CPU EP) run the same chain with each active exit's decision
+bound after its segment: the exit graph reads the segment's output buffer, decides inside the graph
 (exits.decision_nodes: the thresholds bound once as an input) and writes two scalars, whether the token passes and
 its token; the first exit's candidates land in a buffer the later exits' local graphs read. A gated exit
 (eectl.exits.gates) first tests its gate on the segment's output (H multiply-adds on the host buffer): shut, its
 decision does not run, and the first exit whose gate opens picks the candidates (each (exit, picker) pair bound up
-front). A token that exits
-stops there; one that passes every exit reaches the final head as in `step`. A segment that holds pending
-positions (defer's and verify's deferred states, P of them) runs a **wide** call instead: the same segment bound
-for P + 1 positions (bound once per segment and width, on first use), its input the pending states then the
-token's state, its output what the next segment continues from (after that segment's own pending states, where it
-has some); the last position is copied to where the exit after it, or the final head, reads. The step returns the
-wide output at the exit or at the final layer, and which segments it flushed: the policy keeps the first, checks
-drafts in the second (verify) and clears the third, as the general path's hooks do.
+front). A token that exits stops there; one that passes every exit reaches the final head as in `step`. A segment
+that holds pending positions (defer's and verify's deferred states, P of them) runs a **wide** call instead: the
+same segment bound for P + 1 positions (bound once per segment and width, on first use), its input the pending
+states then the token's state, its output what the next segment continues from (after that segment's own pending
+states, where it has some); the last position is copied to where the exit after it, or the final head, reads. The
+step returns the wide output at the exit or at the final layer, and which segments it flushed: the policy keeps the
+first, checks drafts in the second (verify) and clears the third, as the general path's hooks do.
 
     token ─ embed ─ hops[0] ─ seg 0 ─ hops[1] ─ exit? ─ seg 1 ─ ...                    one position per call
     pending[s] ─┐
@@ -32,10 +32,9 @@ each at its own length, `seqlens_k` per row, as runtime/batch.py's batched calls
 batch alike, on the CPU EP and on a device.
 
 Sampling (temperature > 0) runs the same calls: the step reads the final head's logits, or an exiting token's K
-candidates and their logits, and the runner's sampler picks (`pick`), as the general path does.
-
-A prompt (one row, CPU) is a step whose positions before the last wait at segment 0 as embeddings, as drafts do;
-its wide calls are bound for that step only (`step_exits(..., prompt=True)`).
+candidates and their logits, and the runner's sampler picks (`pick`), as the general path does. A prompt (one row,
+CPU) is a step whose positions before the last wait at segment 0 as embeddings, as drafts do; its wide calls are
+bound for that step only (`step_exits(..., prompt=True)`).
 
 What it does not do: teacher forcing, prompts padded into one call for a batch, exits in a batch of rows, signals not
 decided in the graph (the cosines, full-vocabulary softmax), block exit heads, exit steps on a device (pending states
@@ -210,9 +209,12 @@ class DecodeChain:
             for i, layer in enumerate(layers):  # not in the decode step that first needs them
                 for picker in [None, *layers[:i]]:
                     self._decision(layer, picker)
-        io = self._bind(final)
+        # several rows on the CPU EP: the head whose table ORT packed once (tables.PackedHeads), not per call
+        packed = rt.packed_heads.get(m.num_layers, final, rt.weight_feeds(final), rt.device) if n > 1 else None
+        io = self._bind(final, packed)
         rt._bind_array(io, final.name("hidden"), self._view(hops[-1], (n, H), dtype))
-        rt.bind_weights(io, final)
+        if packed is None:
+            rt.bind_weights(io, final)
         rt._bind_array(io, final.name("top_k"), self._host(np.ones(1, np.int64)))
         rt._bind_array(io, final.name("token"), self.token, output=True)
         V = m.dims["vocab_size"]  # the logits and a Top-1 land in scratch buffers (on the device where there is one)
@@ -316,9 +318,9 @@ class DecodeChain:
             layer, g.session, io, passed, token, ids, kind, ids_from, logits, self.picked[picked_by][0], cands_from
         )
 
-    def _bind(self, g: Graph) -> Any:
-        io = g.session.io_binding()
-        self.calls.append((g.session, io))
+    def _bind(self, g: Graph, session: Any = None) -> Any:
+        io = (session or g.session).io_binding()
+        self.calls.append((session or g.session, io))
         return io
 
     def _host(self, arr: np.ndarray) -> np.ndarray:
@@ -396,8 +398,7 @@ class DecodeChain:
 
     def _sample_head(self, place: Placement) -> np.ndarray:
         """The final head run for sampling: its logits [rows, V] read on the host (a copy off a device)."""
-        session, io = self.calls[-1]
-        session.run_with_iobinding(io)
+        self.calls[-1][0].run_with_iobinding(self.calls[-1][1])
         place.read(self._logits_read)
         return self.logits if isinstance(self.logits, np.ndarray) else self.logits.numpy()
 
