@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from eectl.export.certified_head import BLOCK, certifiable, quantize_blocks
+from eectl.export.certified_head import certifiable
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models.loading import load_model
+from eectl.runtime.certified_bound import BLOCK, check_kernel, quantize_blocks
 from eectl.runtime.chain import DecodeChain
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -52,7 +53,7 @@ def test_the_bound_covers_the_8bit_scores(llama):
     """The tables' bound holds for the dequantized weights in exact arithmetic: |h.w - h~.w~| <= the bound, with h~
     any activations within half a step of h (the kernel's rounding), on states of every scale."""
     w = llama.adapter.lm_head.weight.detach().double()
-    t = quantize_blocks(llama.adapter.lm_head.weight)
+    t = quantize_blocks(llama.adapter.lm_head.weight.detach().numpy())
     V, H = w.shape
     nb = H // BLOCK
     deq = (t["q"].astype(np.float64) - t["zero_points"].reshape(V, nb, 1)) * t["scales"].reshape(V, nb, 1)
@@ -195,3 +196,39 @@ def test_checks_and_the_general_path_use_it_with_the_same_tokens(exported, how, 
             assert sum(runs[True][1]) > 0, fam
             if how == "lookup":
                 assert max(runs[True][1]) > 1, fam  # a check of several positions answered in one call
+
+
+def test_the_kernel_check_passes_here_and_fails_against_a_tighter_bound():
+    """The check at load (runtime/certified_bound.py) runs ORT's 8-bit kernel on random weights and activations and
+    compares every score with the exact product: within the bound on this machine, and outside a bound 4x tighter
+    (ORT 1.31's x86 kernel reaches ~0.4 of it on the probe), so the check can fail."""
+    from eectl.runtime.ort import session_options
+
+    assert check_kernel(64, session_options(None)) is None
+    why = check_kernel(64, session_options(None), tighten=4.0)
+    assert why is not None and "x the certified head's bound" in why
+    assert check_kernel(64, session_options(None)) is None  # a tightened check is not what the runtime remembers
+
+
+def test_a_machine_whose_kernel_fails_the_check_runs_the_full_head(exported, monkeypatch):
+    """Where the kernel check fails, the runtime leaves the certified head out (the full head every step: the same
+    tokens), says why, and `eectl run` warns."""
+    from eectl.run.generate import RunOptions, open_runner
+    from eectl.runtime import sessions
+
+    loaded, folder = exported["qwen2"]
+    prompt = _prompts(loaded.adapter.dims.vocab_size, 1)[0]
+    cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=8)
+    good = ArtifactRuntime(folder, provider="cpu")
+    assert good.certified_head is not None and good.certified_refused is None
+    want = Runner(good, cfg).generate([prompt])[0].token_ids
+    monkeypatch.setattr(sessions, "check_kernel", lambda *a, **k: "its 8-bit kernel's error reached 1.30x the bound")
+    rt = ArtifactRuntime(folder, provider="cpu")
+    assert rt.certified_head is None and rt.certified_refused == "its 8-bit kernel's error reached 1.30x the bound"
+    runner = Runner(rt, cfg)
+    assert runner.generate([prompt])[0].token_ids == want
+    L = rt.manifest.num_layers
+    assert all(reads == [("exit_full", L, "token")] for reads in runner.step_reads)  # the full head every step
+    warned: list[str] = []
+    open_runner(folder, RunOptions(exits="none", max_new_tokens=4), warn=warned.append)
+    assert any("certified final head is off on this machine" in w and "1.30x" in w for w in warned)

@@ -100,8 +100,7 @@ def add_artifact_configs(opts: BenchOptions, m: Manifest) -> None:
         return
     if m.plan is not None and m.plan.default == LOOKUP and LOOKUP not in opts.configs:
         opts.configs.append(LOOKUP)
-    cert = m.certificate
-    if cert is not None and cert.certified and CERTIFIED not in opts.configs:
+    if (cert := m.certificate) is not None and cert.certified and CERTIFIED not in opts.configs:
         opts.configs.append(CERTIFIED)
     certified_head = m.exits[-1].certified is not None and opts.provider in ("auto", "cpu")  # fp32 only: CPU EP
     if certified_head and EXACT_HEAD not in opts.configs:  # what the certified head saves, beside full depth
@@ -413,10 +412,10 @@ def _notes(rt: ArtifactRuntime, opts: BenchOptions) -> list[str]:
         "latency per decode step, throughput counts decoded tokens of all rows per second of decode wall time",
         "RSS is the process's resident memory after each configuration's runs; ORT and torch share the process",
     ]
-    if m.plan is not None:
-        notes.append(m.plan.summary())
-    if opts.compare:
-        notes.append(COMPARE_NOTE)
+    notes += [m.plan.summary()] if m.plan is not None else []
+    notes += [COMPARE_NOTE] if opts.compare else []
+    if why := rt.certified_refused:
+        notes.append(f"the certified final head is off on this machine: {why}")
     if m.costs is not None:
         notes.append(
             f"costs {_where_timed(opts, m.costs)} on {m.costs.provider} with "

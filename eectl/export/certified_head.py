@@ -21,7 +21,8 @@ full head. Outputs: `passed` [N] bool, `token` [N] int64.
 Measured on the default model (5,000 GSM8K positions): ONNX Runtime's 8-bit scores stayed within 0.25 of the bound
 everywhere, the full head's argmax was among the 8-bit top 8 at every position, and 98.5% of positions pass at
 K = 16 (99.1% at K = 32); the graph takes ~1.5 ms where the fp32 head takes ~4 ms
-(docs/results/2026-12-04-certified-head.md).
+(docs/results/2026-12-04-certified-head.md). The tables and the bound are runtime/certified_bound.py's, which also
+checks at load that the machine running the graph has a kernel that keeps to the bound.
 
 Exported for float32 artifacts whose final head is the shared fp32 table, with no bias and no logit soft-capping
 (a capped logit can tie where the raw ones do not). What this module does not do: decide exits (exit_graphs.py) or
@@ -34,15 +35,14 @@ from typing import Any
 
 import numpy as np
 import onnx
-import torch
 from onnx import TensorProto
 
 from eectl.contracts.manifest import GraphIO
 from eectl.export.exit_graphs import _candidate_logits
 from eectl.export.graphs import _Builder, _rms
 from eectl.models.adapters import Adapter
+from eectl.runtime.certified_bound import BLOCK, ROUNDING, quantize_blocks
 
-BLOCK = 32  # weights and activations quantized per 32 along H (MatMulNBits' block)
 CERTIFIED_K = 16  # candidates rescored exactly: 98.5% of the default model's positions pass (module docstring)
 FILE = "head_certified.onnx"
 
@@ -62,35 +62,6 @@ def certifiable(adapter: Adapter, dtype: str, lm_head: str) -> str | None:
     return None
 
 
-def quantize_blocks(weight: torch.Tensor) -> dict[str, np.ndarray]:
-    """[V, H] -> MatMulNBits' 8-bit tables (asymmetric per block of 32: q = round(w / s + z), w~ = (q - z) s) and the
-    bound's table [V, 2 H / 32]: per block, the largest |w - w~| plus the float32 summation term (`ROUNDING` H
-    max|w|), then half the L1 norm of the dequantized block; and its largest value per column [2 H / 32]. Both are
-    rounded up (`SLACK`): the float32 table and the graph's float32 product with it never undercut the bound."""
-    w = weight.detach().double().cpu()
-    V, H = w.shape
-    blocks = w.reshape(V, H // BLOCK, BLOCK)
-    lo = blocks.amin(2, keepdim=True).clamp(max=0.0)
-    hi = blocks.amax(2, keepdim=True).clamp(min=0.0)
-    scale = ((hi - lo) / 255.0).float().double()  # as stored: the float32 scale is what the kernel multiplies by
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zero = torch.round(-lo / scale).clamp(0, 255)
-    q = torch.round(blocks / scale + zero).clamp(0, 255)
-    deq = (q - zero) * scale
-    per_weight = (blocks - deq).abs().amax(2) + ROUNDING * H * blocks.abs().amax(2)  # [V, H / 32]
-    per_step = deq.abs().sum(2) / 2.0  # half an activation step (max|h_b| / 127) times ||w~_vb||_1
-    table = torch.cat([per_weight, per_step], 1) * SLACK  # [V, 2 H / 32]
-    return {
-        "q": q.to(torch.uint8).numpy(),  # [V, H / 32, 32]
-        "scales": scale.reshape(-1).float().numpy(),  # [V * H / 32]
-        "zero_points": zero.reshape(-1).to(torch.uint8).numpy(),  # [V * H / 32]
-        "bound": table.float().numpy(),
-        "bound_max": table.amax(0).float().numpy(),  # [2 H / 32]
-    }
-
-
-ROUNDING = 2.0**-23  # per term of a float32 dot product: twice the unit roundoff (any summation order, with slack)
-SLACK = 1.0 + 2.0**-10  # the bound's table rounded up: covers its float32 storage and the graph's float32 product
 TOP_M = 512  # tokens whose own bound is computed; every token below them is bounded by the table's column maxima
 
 
@@ -98,7 +69,7 @@ def build_certified_head(adapter: Adapter, k: int = CERTIFIED_K) -> tuple[onnx.M
     """The certified final head (module docstring): hidden [N, H] -> passed [N], token [N]."""
     dims = adapter.dims
     H, V, nb = dims.hidden_size, dims.vocab_size, dims.hidden_size // BLOCK
-    tables = quantize_blocks(adapter.lm_head.weight)
+    tables = quantize_blocks(adapter.lm_head.weight.detach().float().cpu().numpy())  # the one definition
     b = _Builder("fp32")
     hidden = b.input("hidden_states", None, ["n", H])
     norm_w, eps = adapter.final_norm_weight()

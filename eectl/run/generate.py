@@ -466,4 +466,6 @@ def open_runner(
     warning = calibration_warning(rt, config) if opts.thresholds is None else None
     if warning is not None and warn is not None:
         warn(warning)
+    if rt.certified_refused and warn is not None:  # runtime/certified_bound.py's check at load
+        warn(f"the certified final head is off on this machine ({rt.certified_refused}): the full head runs")
     return rt, tok, config, Runner(rt, config)

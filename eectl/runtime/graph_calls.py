@@ -58,6 +58,7 @@ class GraphCalls:
     _calls: dict[tuple[str, int], _Call]
     _bounds: dict[tuple[Any, ...], _Bound]
     certified_head: Graph | None  # the certified final head (export/certified_head.py), on the CPU EP
+    certified_refused: str | None  # why an artifact's certified head is not used here (runtime/certified_bound.py)
     _certified_calls: dict[int, Any]  # rows -> (CertifiedHead, its input buffer): greedy_token's
 
     # --- binding helpers -------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import numpy as np
 from eectl.contracts.manifest import GraphIO, Manifest, graph_axes, read_manifest
 from eectl.errors import ArtifactError, UsageError
 from eectl.files import confined
+from eectl.runtime.certified_bound import check_kernel
 from eectl.runtime.graph_calls import GraphCalls, _Bound
 from eectl.runtime.kv import KVBuffers, _Call, new_kv
 from eectl.runtime.ort import (
@@ -96,6 +97,10 @@ class ArtifactRuntime(GraphCalls):
         # the final head's greedy token certified from an 8-bit ranking (export/certified_head.py), on the CPU EP
         final = m.exits[-1]
         self.certified_head = load(final.certified) if final.certified and self.device == "cpu" else None
+        # ... where this machine's 8-bit kernel keeps to its bound (runtime/certified_bound.py: once per process)
+        self.certified_refused = None if self.certified_head is None else check_kernel(m.dims["hidden_size"], so)
+        if self.certified_refused:  # the full head runs instead: slower, never wrong
+            self.certified_head = None
         self.local_graphs = {e.layer: load(e.local) for e in m.exits}
         self.candidate_graphs = {e.layer: load(e.candidates) for e in m.exits if e.candidates is not None}
         # block exit heads: (the block graph, its K/V-only graph) per exit; one decoder layer each (runtime/blocks.py)
