@@ -6,11 +6,12 @@ several rows. A full exit graph takes the shared table as a graph input, and ONN
 again on every call with more than one row: on the default model at 2 threads, 9 rows took 14 ms that way and 5.8
 ms packed (one row 3.2 ms either way, so one row keeps the shared graph). A packed head is a session of the same
 graph with the table turned into an initializer, which ORT packs once when the session is created. Created on first
-use (verify checking several positions at once); it holds a packed copy of the table (~the table's size) for the
-rest of the run.
+use (verify checking several positions at once, a bound chain of several rows); it holds a packed copy of the table
+(~the table's size) for the rest of the run.
 
 What this module does not do: bind tables to calls (sessions.ArtifactRuntime.weight_feeds/bind_weights) or decide
-when a call uses a packed head (ArtifactRuntime.greedy_token: several rows, not the river's head).
+when a call uses a packed head (ArtifactRuntime.greedy_token: several rows, not the river's head; DecodeChain: a
+span of several rows).
 """
 
 from __future__ import annotations
