@@ -139,3 +139,35 @@ def test_an_inexact_artifacts_plan_defaults_to_full_depth(monkeypatch):
     got = choose_module.plan_manifest(m, None)  # type: ignore[arg-type]
     assert got.default == "full" and got.inexact == "int4 at level 4"
     assert got.summary() == "plan: full depth: int4 at level 4"
+
+
+def test_run_warns_where_a_policy_runs_inexact_wide_passes():
+    """On int4 segments at accuracy level 4, a run whose policy sends positions through wide passes is told what that
+    costs it (measured on the default model: verify 97.7% token agreement with int4 full depth, defer 97.3% step
+    agreement against 99.56% calibrated): verify with exits or drafts, defer with exits; full depth, copy and any
+    policy on an exact artifact are not warned."""
+    from types import SimpleNamespace
+
+    from eectl.contracts.manifest import Manifest, Quantization
+    from eectl.run.generate import wide_warning
+    from eectl.runtime.state import RunConfig
+
+    q = Quantization(
+        scope="segments", op="com.microsoft::MatMulNBits", tool="ort", bits=4, block_size=32, symmetric=False,
+        accuracy_level=4, algorithm="rtn", lm_head="fp32", embedding="fp32", exit_lm_heads="fp32",
+        keep_layers=[], min_agreement=0.5,
+    )  # fmt: skip
+    level4 = SimpleNamespace(manifest=Manifest.model_construct(quantization=q))
+    exact = SimpleNamespace(manifest=Manifest.model_construct(quantization=q.model_copy(update={"accuracy_level": 0})))
+
+    def cfg(policy: str, exits: list[int], drafts: int = 0) -> RunConfig:
+        return RunConfig(exits=exits, thresholds={e: {"prob": 0.9} for e in exits}, policy=policy, prompt_drafts=drafts)
+
+    verify, lookup, defer = cfg("verify", [8]), cfg("verify", [], 4), cfg("defer", [24])
+    assert "not lossless" in (wide_warning(level4, verify) or "")  # type: ignore[arg-type]
+    assert "not lossless" in (wide_warning(level4, lookup) or "")  # type: ignore[arg-type]
+    assert "below the calibrated rate" in (wide_warning(level4, defer) or "")  # type: ignore[arg-type]
+    for quiet in (cfg("defer", []), cfg("copy", [24]), cfg("verify", [])):  # full depth, copy: no wide pass
+        assert wide_warning(level4, quiet) is None  # type: ignore[arg-type]
+    for config in (verify, lookup, defer):
+        assert wide_warning(exact, config) is None  # type: ignore[arg-type]

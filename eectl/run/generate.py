@@ -375,6 +375,27 @@ def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
     return None
 
 
+def wide_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
+    """Where a wide pass gives other numbers than a one-row pass (int4 segments at accuracy level 4: plan/choose.py
+    `wide_inexact`), what that costs the policy that runs: verify's drafts are not checked losslessly, defer's
+    deferred positions are not computed exactly."""
+    from eectl.plan.choose import wide_inexact
+
+    why = wide_inexact(rt.manifest)
+    if not why:
+        return None
+    if config.policy == "verify" and (config.exits or config.prompt_drafts):
+        return f"this run's output may differ from full depth's: {why}"
+    if config.policy == "defer" and config.exits:
+        q = rt.manifest.quantization
+        return (
+            f"int4 segments at accuracy level {q.accuracy_level if q else '?'} compute defer's deferred positions in "
+            "wide passes whose numbers differ from one-row full depth, so its agreement with full depth can fall "
+            "below the calibrated rate (export --int4-accuracy-level 0 computes them exactly)"
+        )
+    return None
+
+
 def replan(rt: ArtifactRuntime, budget_s: float | None = None, max_risk: float | None = None) -> None:
     """Re-measure the artifact's graph costs on this machine and re-choose the exits (in memory, for this run):
     timing batches until the plan is decided (plan/choose.py `settled`) or `budget_s` seconds (costs.RETIME_BUDGET_S)
@@ -466,6 +487,8 @@ def open_runner(
     warning = calibration_warning(rt, config) if opts.thresholds is None else None
     if warning is not None and warn is not None:
         warn(warning)
+    if (wide := wide_warning(rt, config)) is not None and warn is not None:
+        warn(wide)
     if rt.certified_refused and warn is not None:  # runtime/certified_bound.py's check at load
         warn(f"the certified final head is off on this machine ({rt.certified_refused}): the full head runs")
     return rt, tok, config, Runner(rt, config)
