@@ -91,6 +91,32 @@ def test_mapped_weights_same_tokens(aligned):
     assert not tiers.slow and tiers.counters.read_bytes == 0
 
 
+def test_mapped_weights_keep_the_lm_head_unpacked(aligned):
+    """A head over several rows (a batch's chain, verify's check) runs on the shared, mapped table where the run maps
+    its weights or holds them to a budget: a packed copy would be the table's size again in anonymous memory. The
+    batch's tokens are the same as with the packed head of a plain runtime."""
+    import numpy as np
+
+    from eectl.runtime.batch import new_batch_kv
+    from eectl.runtime.chain import DecodeChain
+
+    prompts = [PROMPT, PROMPT[:4], PROMPT[3:]]
+    cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=6, certified_head=False)  # the full head every step
+    plain = ArtifactRuntime(aligned, provider="cpu")
+    L, H = plain.manifest.num_layers, plain.manifest.dims["hidden_size"]
+    assert plain.packed_head(L) is not None
+    want = [g.token_ids for g in Runner(plain, cfg).generate(prompts)]
+    for weights in ({"mmap": True}, {"budget": str(2 * _first_mapped(aligned))}):
+        rt = _runtime(aligned, **weights)
+        assert rt.packed_head(L) is None
+        chain = DecodeChain(rt, new_batch_kv(rt, 2, 8), 0, rows=2)
+        assert chain.calls[-1][0] is rt.full_graphs[L].session  # not a packed session
+        rt.greedy_token(L, np.zeros((3, H), np.float32))
+        assert [g.token_ids for g in Runner(rt, cfg).generate(prompts)] == want
+        assert not rt.packed_heads._sessions  # no packed head was made
+        rt.tiers.close()
+
+
 def test_budget_slow_tier_reads_per_call(aligned):
     ref = _generate(ArtifactRuntime(aligned, provider="cpu"), exits=EXITS, thresholds={2: 0.3, 4: 0.3})
     full = ArtifactRuntime(aligned, provider="cpu")

@@ -210,7 +210,7 @@ class DecodeChain:
                 for picker in [None, *layers[:i]]:
                     self._decision(layer, picker)
         # several rows on the CPU EP: the head whose table ORT packed once (tables.PackedHeads), not per call
-        packed = rt.packed_heads.get(m.num_layers, final, rt.weight_feeds(final), rt.device) if n > 1 else None
+        packed = rt.packed_head(m.num_layers) if n > 1 else None
         io = self._bind(final, packed)
         rt._bind_array(io, final.name("hidden"), self._view(hops[-1], (n, H), dtype))
         if packed is None:

@@ -54,6 +54,7 @@ class GraphCalls:
     local_graphs: dict[int, Graph]
     candidate_graphs: dict[int, Graph]
     packed_heads: PackedHeads
+    tiers: Any  # runtime/tiers.WeightTiers where the run maps, budgets or places the weights
     exit_scores: dict[int, np.ndarray]
     _calls: dict[tuple[str, int], _Call]
     _bounds: dict[tuple[Any, ...], _Bound]
@@ -111,6 +112,17 @@ class GraphCalls:
         candidates' rows from it; artifacts before it gather columns of `weight`)."""
         tables = {"weight": weight, "rows": LM_HEAD_ROWS}
         return {g.name(key): self.weights[table] for key, table in tables.items() if key in g.io.inputs}
+
+    def packed_head(self, layer: int) -> Any:
+        """Exit `layer`'s full head with its LM-head table packed once, for calls over several rows (tables.py
+        PackedHeads), or None: where it does not apply, and where the run keeps its weights mapped or under a memory
+        budget (runtime/tiers.py), which a packed copy of the table (its size again, in anonymous memory) would
+        break."""
+        tiers = self.tiers
+        if tiers is not None and (tiers.mapped or tiers.budget is not None):
+            return None
+        g = self.full_graphs[layer]
+        return self.packed_heads.get(layer, g, self.weight_feeds(g, "lm_head"), self.device)
 
     def bind_weights(self, io: Any, g: Graph, weight: str = "lm_head") -> None:
         """Bind the shared tables graph `g` takes (`weight_feeds`)."""
@@ -276,9 +288,7 @@ class GraphCalls:
             if proven is not None:
                 return proven
         place.read(("exit_full", layer, "token"))  # host states: recorded where the run keeps a record (the chain's)
-        packed = None
-        if n > 1 and not river:  # several rows (verify's check): the head with its table packed once
-            packed = self.packed_heads.get(layer, g, self.weight_feeds(g, "lm_head"), self.device)
+        packed = self.packed_head(layer) if n > 1 and not river else None  # several rows: verify's check
         if packed is not None:  # several rows (verify's check): the packed table, not the shared one packed per call
             return packed.run([g.name("token")], {g.name("hidden"): x, g.name("top_k"): _TOP_1})[0]
         call = self._calls.get(("greedy", layer))
