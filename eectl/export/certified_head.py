@@ -41,7 +41,7 @@ from eectl.contracts.manifest import GraphIO
 from eectl.export.exit_graphs import _candidate_logits
 from eectl.export.graphs import _Builder, _rms
 from eectl.models.adapters import Adapter
-from eectl.runtime.certified_bound import BLOCK, ROUNDING, quantize_blocks
+from eectl.runtime.certified_bound import BLOCK, KERNEL, ROUNDING, quantize_blocks
 
 CERTIFIED_K = 16  # candidates rescored exactly: 98.5% of the default model's positions pass (module docstring)
 FILE = "head_certified.onnx"
@@ -82,9 +82,7 @@ def build_certified_head(adapter: Adapter, k: int = CERTIFIED_K) -> tuple[onnx.M
         domain="com.microsoft",
         K=H,
         N=V,
-        bits=8,
-        block_size=BLOCK,
-        accuracy_level=4,
+        **KERNEL,  # the kernel runtime/certified_bound.py checks at load
     )  # [N, V]
     k, top_m = min(k, V - 1), max(min(k, V - 1), min(TOP_M, V - 1))
     mag = b.op("Abs", [normed])

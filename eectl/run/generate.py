@@ -388,8 +388,9 @@ def wide_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
         return f"this run's output may differ from full depth's: {why}"
     if config.policy == "defer" and config.exits:
         q = rt.manifest.quantization
+        assert q is not None  # wide_inexact says nothing without it
         return (
-            f"int4 segments at accuracy level {q.accuracy_level if q else '?'} compute defer's deferred positions in "
+            f"int4 segments at accuracy level {q.accuracy_level} compute defer's deferred positions in "
             "wide passes whose numbers differ from one-row full depth, so its agreement with full depth can fall "
             "below the calibrated rate (export --int4-accuracy-level 0 computes them exactly)"
         )

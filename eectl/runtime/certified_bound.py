@@ -25,6 +25,8 @@ import numpy as np
 BLOCK = 32  # weights and activations quantized per 32 along H (MatMulNBits' block)
 ROUNDING = 2.0**-23  # per term of a float32 dot product: twice the unit roundoff (any summation order, with slack)
 SLACK = 1.0 + 2.0**-10  # the bound's table rounded up: covers its float32 storage and the graph's float32 product
+# MatMulNBits' settings as the certified graph calls it, and so as the probe does
+KERNEL: dict[str, Any] = {"bits": 8, "block_size": BLOCK, "accuracy_level": 4}
 PROBE_ROWS = (1, 2, 16)  # activation rows per probe call: the kernel may take another path for one row than many
 PROBE_COLUMNS = 1024
 
@@ -115,9 +117,7 @@ def _probe_session(tables: dict[str, np.ndarray], H: int, N: int, options: Any) 
         domain="com.microsoft",
         K=H,
         N=N,
-        bits=8,
-        block_size=BLOCK,
-        accuracy_level=4,
+        **KERNEL,
     )
     graph = helper.make_graph(
         [node],
