@@ -106,10 +106,10 @@ def test_drafts_are_lossless_only_where_a_wide_pass_computes_like_one_row():
     """int4 segments computing with int8 activations (accuracy level 4) give a wide pass other numbers than a one-row
     pass (measured: lookup's tokens differed from int4 full depth), so the plan makes no draft configuration the
     default there and says why; fp32 artifacts and int4 at level 0 keep their lossless defaults."""
-    from eectl.contracts.manifest import Manifest, Quantization
+    from eectl.contracts.manifest import KVLayout, Manifest, Quantization
     from eectl.plan.choose import wide_inexact
 
-    def manifest(level: int | None, scope: str = "segments") -> Manifest:
+    def manifest(level: int | None, scope: str = "segments", pad: int = 0, check: dict | None = None) -> Manifest:
         q = None
         if level is not None:
             q = Quantization(
@@ -117,12 +117,17 @@ def test_drafts_are_lossless_only_where_a_wide_pass_computes_like_one_row():
                 accuracy_level=level, algorithm="rtn", lm_head="fp32", embedding="fp32", exit_lm_heads="fp32",
                 keep_layers=[], min_agreement=0.5,
             )  # fmt: skip
-        return Manifest.model_construct(quantization=q)
+        validation = {} if check is None else {"wide_exact": check}
+        return Manifest.model_construct(quantization=q, kv=KVLayout.model_construct(pad=pad), validation=validation)
 
     assert wide_inexact(manifest(None)) == "" and wide_inexact(manifest(0)) == "" and wide_inexact(manifest(1)) == ""
     assert wide_inexact(manifest(4, scope="river")) == ""  # only the river's copies: the deep passes are fp32
     why = wide_inexact(manifest(4))
-    assert "accuracy level 4" in why and "not lossless" in why
+    assert "accuracy level 4" in why and "not lossless" in why and "--exact-wide" in why
+    # padded one-row attention (export --exact-wide): lossless where export's check found a wide pass exact
+    assert wide_inexact(manifest(4, pad=1, check={"exact": True, "max_abs_diff": 0.0})) == ""
+    assert "found a wide pass differing" in wide_inexact(manifest(4, pad=1, check={"exact": False}))
+    assert "did not check" in wide_inexact(manifest(4, pad=1))
     assert Int4Spec().accuracy_level == 4 and Int4Spec(accuracy_level=0).accuracy_level == 0
 
 
@@ -148,7 +153,7 @@ def test_run_warns_where_a_policy_runs_inexact_wide_passes():
     policy on an exact artifact are not warned."""
     from types import SimpleNamespace
 
-    from eectl.contracts.manifest import Manifest, Quantization
+    from eectl.contracts.manifest import KVLayout, Manifest, Quantization
     from eectl.run.generate import wide_warning
     from eectl.runtime.state import RunConfig
 
@@ -157,8 +162,10 @@ def test_run_warns_where_a_policy_runs_inexact_wide_passes():
         accuracy_level=4, algorithm="rtn", lm_head="fp32", embedding="fp32", exit_lm_heads="fp32",
         keep_layers=[], min_agreement=0.5,
     )  # fmt: skip
-    level4 = SimpleNamespace(manifest=Manifest.model_construct(quantization=q))
-    exact = SimpleNamespace(manifest=Manifest.model_construct(quantization=q.model_copy(update={"accuracy_level": 0})))
+    kv = KVLayout.model_construct(pad=0)
+    level4 = SimpleNamespace(manifest=Manifest.model_construct(quantization=q, kv=kv, validation={}))
+    level0 = q.model_copy(update={"accuracy_level": 0})
+    exact = SimpleNamespace(manifest=Manifest.model_construct(quantization=level0, kv=kv, validation={}))
 
     def cfg(policy: str, exits: list[int], drafts: int = 0) -> RunConfig:
         return RunConfig(exits=exits, thresholds={e: {"prob": 0.9} for e in exits}, policy=policy, prompt_drafts=drafts)

@@ -69,6 +69,16 @@ Int4KeepLayersOpt = Annotated[
     str | None, typer.Option(help="int4: decoder layers left in fp32, e.g. 0,29.", rich_help_panel="int4")
 ]
 LmHeadOpt = Annotated[str, typer.Option(help="int4: the final LM head in fp32, int8 or int4.", rich_help_panel="int4")]
+ExactWideOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--exact-wide/--no-exact-wide",
+        help="Pad one-row attention so wide passes (drafts, deferred positions) compute each position exactly as a "
+        "one-position step (default: on for int4 at accuracy levels 2-4, where they otherwise differ).",
+        rich_help_panel="int4",
+        metavar="",
+    ),
+]
 MinAgreementOpt = Annotated[
     float,
     typer.Option(help="int4: fail below this greedy agreement with PyTorch at the final exit.", rich_help_panel="int4"),
@@ -95,6 +105,7 @@ def export(
     int4_keep_layers: Int4KeepLayersOpt = None,
     lm_head: LmHeadOpt = "fp32",
     min_agreement: MinAgreementOpt = DEFAULT_MIN_AGREEMENT,
+    exact_wide: ExactWideOpt = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -125,6 +136,7 @@ def export(
     options = ExportOptions(
         exits=[], dtype=dtype, force=force, weights=weights, int4=int4, river=river, candidates=candidates
     )
+    options.exact_wide = exact_wide
     options.cost_seconds = r.export.cost_seconds
     req = ExportRequest(model, parse_layers(exits), out, calibration, heads, top_k, options)
     req.threads = set_threads(threads, r)

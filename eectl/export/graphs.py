@@ -150,6 +150,58 @@ class _Builder:
         return model
 
 
+class _AttentionPad:
+    """A one-row call's attention on its positions plus one zero position after them (`export --exact-wide`).
+
+    ONNX Runtime's CPU GroupQueryAttention computes one new position with other kernels (a matrix-vector product)
+    than several, so a position's attention differs in the last bits between a one-position decode step and a wide
+    pass (prefill, verify's check of drafts, defer's pending positions); int8 activations (int4 segments at
+    accuracy level 4) turn such differences into other tokens. With one zero position appended, a single row's call
+    always takes the several-position kernels, and each real position's output is bit for bit the same whatever the
+    width of its call (tests/test_exact_wide.py). The zero position's K/V land in the slot after the call's new
+    positions, never counted as filled and overwritten by the row's next position. A call with no such slot free
+    (in the buffer or the rotary tables), or of several rows (GQA takes several positions per row only one row at
+    a time), runs unpadded. The real positions' K/V are the same either way: GQA writes them before attending, and
+    causal attention never reads a later position.
+    """
+
+    def __init__(self, b: _Builder, hidden: str, past_key: str, positions: int) -> None:
+        rows = b.op("Shape", [hidden], start=0, end=1)
+        self.sequence = b.op("Shape", [hidden], start=1, end=2)
+        self.zero = b.const("pad.zero", np.array([0], np.int64), False)
+        self.axis = b.const("pad.axis", np.array([1], np.int64), False)
+        total = b.op("Cast", ["total_sequence_length"], to=TensorProto.INT64)
+        # one row, and room for the zero position: a free slot in the buffer and a row in the rotary tables
+        fits = b.op("Less", [total, b.op("Shape", [past_key], start=2, end=3)])
+        fits = b.op(
+            "And", [fits, b.op("Less", [total, b.const("pad.positions", np.array([positions], np.int64), False)])]
+        )
+        one_row = b.op("Equal", [rows, b.const("pad.one", np.array([1], np.int64), False)])
+        self.count = b.op("Cast", [b.op("And", [one_row, fits])], to=TensorProto.INT64)  # [1]: 1 or 0
+        count32 = b.op("Cast", [self.count], to=TensorProto.INT32)
+        self.seqlens_k = b.op("Add", ["seqlens_k", count32])
+        self.total = b.op("Add", ["total_sequence_length", b.op("Squeeze", [count32])])
+        self._rows = rows
+        self._zeros: dict[int, str] = {}
+
+    def extend(self, b: _Builder, x: str, width: int) -> str:
+        """x [B, S, width] and `count` zero positions after it."""
+        if not x:  # GQA's packed QKV: no separate k or v
+            return x
+        if width not in self._zeros:
+            dims = b.op(
+                "Concat",
+                [self._rows, self.count, b.const(f"pad.width{width}", np.array([width], np.int64), False)],
+                axis=0,
+            )
+            self._zeros[width] = b.op("ConstantOfShape", [dims], value=helper.make_tensor("z", b.elem, [1], [0]))
+        return b.op("Concat", [x, self._zeros[width]], axis=1)
+
+    def cut(self, b: _Builder, attn: str) -> str:
+        """The real positions of an attention output: [B, S + count, N] -> [B, S, N]."""
+        return b.op("Slice", [attn, self.zero, self.sequence, self.axis])
+
+
 def _rms(b: _Builder, x: str, weight: torch.Tensor, eps: float, name: str) -> str:
     return b.op("SimplifiedLayerNormalization", [x, b.const(name, weight)], axis=-1, epsilon=eps)
 
@@ -200,6 +252,7 @@ def _layer(
     dims: Any,
     rope: dict[str, tuple[str, str]],
     kv_only: bool,
+    pad: _AttentionPad | None = None,
 ) -> tuple[str, str | None, str, str, str]:
     """One decoder layer on the residual stream x + delta (delta: an addend not yet added, or None).
 
@@ -213,6 +266,7 @@ def _layer(
     layer_input = x
     qkv = _linear(b, h, [w.q, w.k, w.v], [w.q_bias, w.k_bias, w.v_bias], f"{p}.qkv")
     q, k, v = qkv, "", ""  # packed [B, S, (nh + 2 nkv) D]: GroupQueryAttention splits it itself
+    w_q = (nh + 2 * nkv) * d
     if w.q_norm is not None and w.k_norm is not None:  # per-head norms need q and k apart
         q, k, v = b.op(
             "Split",
@@ -220,6 +274,7 @@ def _layer(
             3,
             axis=-1,
         )
+        w_q = nh * d
         q = _head_norm(b, q, w.q_norm, w.eps, nh, d, f"{p}.q_norm")
         k = _head_norm(b, k, w.k_norm, w.eps, nkv, d, f"{p}.k_norm")
     cos, sin = rope[w.layer_type]
@@ -228,13 +283,18 @@ def _layer(
         attrs["local_window_size"] = int(w.sliding_window)
     if w.softcap:
         attrs["softcap"] = float(w.softcap)
+    lengths = ["seqlens_k", "total_sequence_length"] if pad is None else [pad.seqlens_k, pad.total]
+    if pad is not None:
+        q, k, v = (pad.extend(b, t, width) for t, width in ((q, w_q), (k, nkv * d), (v, nkv * d)))
     attn, present_k, present_v = b.op(
         "GroupQueryAttention",
-        [q, k, v, names["past_key"], names["past_value"], "seqlens_k", "total_sequence_length", cos, sin],
+        [q, k, v, names["past_key"], names["past_value"], *lengths, cos, sin],
         3,
         domain="com.microsoft",
         **attrs,
     )
+    if pad is not None:
+        attn = pad.cut(b, attn)
     if kv_only:
         return x, None, layer_input, present_k, present_v
     o = _linear(b, attn, [w.o], [w.o_bias], f"{p}.o")
@@ -257,8 +317,15 @@ def _layer(
 
 
 def build_segment(
-    adapter: Adapter, lo: int, hi: int, dtype: str, max_positions: int, kv_only: bool = False
+    adapter: Adapter,
+    lo: int,
+    hi: int,
+    dtype: str,
+    max_positions: int,
+    kv_only: bool = False,
+    exact_wide: bool = False,
 ) -> tuple[onnx.ModelProto, GraphIO]:
+    """Layers [lo, hi) as one graph; `exact_wide`: one-row calls pad their attention (`_AttentionPad`)."""
     dims = adapter.dims
     b = _Builder(dtype)
     hidden = b.input("hidden_states", None, ["batch", "sequence", dims.hidden_size])
@@ -272,6 +339,7 @@ def build_segment(
     for i in range(lo, hi):
         names["past_key"].append(b.input(f"past_key_values.{i}.key", None, kv_shape))
         names["past_value"].append(b.input(f"past_key_values.{i}.value", None, kv_shape))
+    pad = _AttentionPad(b, hidden, names["past_key"][0], max_positions) if exact_wide and not kv_only else None
     x, delta = hidden, None
     layer_input = hidden
     boundaries = []  # the residual stream before each layer (materialised as its input), then after the last
@@ -285,6 +353,7 @@ def build_segment(
             dims,
             rope,
             kv_only,
+            pad,
         )
         boundaries.append(layer_input)
         for kind, src in (("key", pk), ("value", pv)):

@@ -26,6 +26,7 @@ from eectl.models.adapters import Adapter, Capture
 from eectl.models.loading import LoadedModel
 from eectl.models.parts import KVCache
 from eectl.runtime.blocks import run_block
+from eectl.runtime.wide_check import check_wide
 
 # Validation tolerance on logits (max abs difference, ORT vs torch) per artifact dtype.
 TOLERANCE = {"fp32": 1e-3, "fp16": 0.25}
@@ -106,6 +107,8 @@ def validate_artifact(
         "certified_head": dict(zip(("positions", "passed", "wrong"), d.certified, strict=True)),
         "passed": True,
     }
+    if not river:  # a wide pass against one-position steps, bit for bit (runtime/wide_check.py)
+        result["wide_exact"] = check_wide(rt, ids)
     return _verdict(result, m, d, river, log)
 
 

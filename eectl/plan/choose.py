@@ -414,19 +414,30 @@ def plan_manifest(manifest: object, costs: Costs, max_risk: float | None = None)
 
 def wide_inexact(manifest: object) -> str:
     """Why drafts checked in one wide pass are not lossless on this artifact ("" when they are): int4 segments
-    whose MatMulNBits compute with int8 activations (accuracy level 4; levels 2-3 compute in half precision) give a
-    wide pass other numbers than a one-row pass. Measured on the default model at level 4: lookup's tokens differed
-    from int4 full depth on 2 of 3 HumanEval prompts, 83.8% token agreement on 5; at level 0, identical."""
+    whose MatMulNBits compute with int8 activations (accuracy level 4; levels 2-3 compute in half precision) turn
+    the last-bit differences between ONNX Runtime's one-position and several-position attention into other tokens
+    (measured on the default model at level 4: lookup's tokens differed from int4 full depth on 2 of 3 HumanEval
+    prompts). Unless export padded one-row calls (`--exact-wide`, manifest `kv.pad`) and its validation found a
+    wide pass equal to one-position steps bit for bit (runtime/wide_check.py)."""
     from eectl.contracts.manifest import Manifest
 
     assert isinstance(manifest, Manifest)
     q = manifest.quantization
     if q is None or q.scope != "segments" or q.accuracy_level in (0, 1):
         return ""
+    check = manifest.validation.get("wide_exact") or {}
+    if manifest.kv.pad and check.get("exact"):
+        return ""
+    why = (
+        "export's check found a wide pass differing from one-position steps"
+        if manifest.kv.pad and check
+        else "export with --exact-wide for lossless drafts"
+        if not manifest.kv.pad
+        else "export's validation did not check them"
+    )
     return (
         f"int4 segments at accuracy level {q.accuracy_level} check drafts in wide passes whose numbers differ from "
-        "one-row full depth, so verify and lookup are not lossless here (export --int4-accuracy-level 0 for "
-        "lossless drafts)"
+        f"one-row full depth, so verify and lookup are not lossless here ({why})"
     )
 
 

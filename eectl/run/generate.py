@@ -392,7 +392,7 @@ def wide_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
         return (
             f"int4 segments at accuracy level {q.accuracy_level} compute defer's deferred positions in "
             "wide passes whose numbers differ from one-row full depth, so its agreement with full depth can fall "
-            "below the calibrated rate (export --int4-accuracy-level 0 computes them exactly)"
+            "below the calibrated rate (export --exact-wide computes them exactly)"
         )
     return None
 

@@ -88,8 +88,9 @@ class KVBuffers:
 def new_kv(m: Manifest, rows: int, max_len: int, np_dtype: Any, device: str) -> KVBuffers:
     """Zeroed buffers for `rows` rows of up to `max_len` positions in every KV slot (the decoder layers', then the
     block exit heads'), in host memory on the CPU EP, else on `device` (after `check_kv`: room for them)."""
-    check_kv(m, rows, max_len, max_len, np.dtype(np_dtype).itemsize, device == "cpu")
-    shape = (1, m.kv.num_kv_heads, max_len, m.kv.head_dim)
+    capacity = max_len + m.kv.pad  # a padded one-row call writes one slot past its positions
+    check_kv(m, rows, max_len, capacity, np.dtype(np_dtype).itemsize, device == "cpu")
+    shape = (1, m.kv.num_kv_heads, capacity, m.kv.head_dim)
 
     def buf() -> Any:
         if device == "cpu":

@@ -1,0 +1,62 @@
+"""Whether a wide pass computes what one-position steps compute, bit for bit, on this machine.
+
+Verify's check of drafts, drafts from the context and defer's pending positions run several positions of a row in
+one segment call; their output is lossless only if each position comes out as the one-position decode step would
+have made it. Where the graphs compute in int8 (int4 segments at accuracy level 4), the last-bit differences of
+ONNX Runtime's one-position and several-position attention kernels grow into other tokens; export --exact-wide
+pads one-row calls so that both take the same kernels (export/graphs.py `_AttentionPad`). This module checks the
+result on the graphs themselves: a prompt, then `width` positions once as one call and once one at a time through
+every segment, the states after each segment and every layer's K/V compared.
+
+What this module does not do: decide what an inexact artifact may run (plan/choose.py `wide_inexact`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from eectl.runtime.sessions import ArtifactRuntime
+
+
+def check_wide(rt: ArtifactRuntime, ids: Sequence[int], width: int = 8) -> dict[str, Any]:
+    """The first len(ids) - width tokens as a prompt, then the last `width` as one wide call and as `width`
+    one-position calls, on two caches: {"exact": every state and K/V equal bit for bit, "max_abs_diff", "width",
+    "prompt"}. Segments are loaded and released one at a time (as export's validation runs them)."""
+    if not 1 < width < len(ids):
+        raise ValueError(f"width {width} needs at least {width + 1} tokens, got {len(ids)}")
+    n, prompt = len(ids), len(ids) - width
+    m = rt.manifest
+    wide_kv, step_kv = rt.new_kv(1, n), rt.new_kv(1, n)
+    x = np.asarray(rt.embed(np.array([list(ids)], dtype=np.int64)))
+    p, wide, steps = x[:, :prompt].copy(), x[:, prompt:].copy(), x[:, prompt:].copy()
+    worst = 0.0
+    for s in range(len(m.segments)):
+        loaded = rt.segments[s].session is not None
+        rt.load_segment(s)
+        try:
+            p_out = _out(rt.run_segment(s, p, wide_kv, row=0))
+            rt.run_segment(s, p, step_kv, row=0)  # the same prompt call on the other cache
+            wide = _out(rt.run_segment(s, wide, wide_kv, row=0))
+            steps = np.concatenate(
+                [_out(rt.run_segment(s, steps[:, i : i + 1].copy(), step_kv, row=0)) for i in range(width)], axis=1
+            )
+        finally:
+            if not loaded:
+                rt.release_segment(s)
+        p = p_out
+        worst = max(worst, float(np.abs(wide - steps).max()))
+    for layer in range(m.num_layers):
+        for a, b in (
+            (wide_kv.keys[0][layer], step_kv.keys[0][layer]),
+            (wide_kv.values[0][layer], step_kv.values[0][layer]),
+        ):
+            worst = max(worst, float(np.abs(np.asarray(a)[:, :, :n] - np.asarray(b)[:, :, :n]).max()))
+    return {"exact": worst == 0.0, "max_abs_diff": worst, "width": width, "prompt": prompt}
+
+
+def _out(result: Any) -> np.ndarray:
+    return np.array(result[0], copy=True)  # the call's own output array is bound again by the next call

@@ -1,0 +1,165 @@
+"""Exact wide passes (export --exact-wide): one-row calls pad their attention with one zero position, so a segment
+called on several positions of a row computes each of them bit for bit as a one-position step does. On int4 segments
+at accuracy level 4 (int8 activations) the unpadded graphs turn ONNX Runtime's last-bit differences between its
+one-position and several-position attention into other tokens; padded, verify's drafts and drafts from the context
+are checked losslessly there, and the plan may use them.
+
+Measured while building it (tests' tiny models, every family, int4 level 4, widths 2-17 after 10-40 positions): the
+unpadded segments' wide outputs differed from one-position steps by 4e-7..1.1e-2, the padded ones by 0.0, their K/V
+too; fp32 graphs alike (5e-7..1.2e-6 unpadded, 0.0 padded); int4 at level 0 differs either way (MatMulNBits' own
+fp32 kernel differs across widths)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from eectl.contracts.manifest import read_manifest
+from eectl.export.exporter import ExportOptions, export_artifact
+from eectl.export.quantize import Int4Options
+from eectl.models import load_model
+from eectl.plan.choose import wide_inexact
+from eectl.runtime.kv import new_kv
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
+from eectl.runtime.wide_check import check_wide
+
+EXITS = [2, 4]
+K = 8
+INT4 = Int4Options(min_agreement=0.3)  # tiny random models under int4: see tests/test_quantize.py
+
+
+@pytest.fixture(scope="module")
+def padded(tiny_dirs, tmp_path_factory):
+    """family -> int4 level-4 artifact exported with the default (padded) settings."""
+    root = tmp_path_factory.mktemp("exact-wide")
+    out = {}
+    for fam, folder in tiny_dirs.items():
+        opts = ExportOptions(exits=EXITS, top_k=K, weights="int4", int4=INT4, profile_costs=False)
+        export_artifact(load_model(str(folder)), root / fam, opts)
+        out[fam] = root / fam
+    return out
+
+
+@pytest.fixture(scope="module")
+def unpadded(tiny_dirs, tmp_path_factory):
+    art = tmp_path_factory.mktemp("wide-unpadded") / "llama"
+    opts = ExportOptions(exits=EXITS, top_k=K, weights="int4", int4=INT4, profile_costs=False, exact_wide=False)
+    export_artifact(load_model(str(tiny_dirs["llama"])), art, opts)
+    return art
+
+
+def _ids(seed: int, n: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def _run(rt, prompt, policy="verify", exits=(), drafts=0, new=32, slots=None, prompts=None):
+    cfg = RunConfig(
+        exits=list(exits),
+        thresholds={e: {"prob": 0.0} for e in exits},  # every token an exit draft
+        policy=policy,
+        top_k=K,
+        max_new_tokens=new,
+        prompt_drafts=drafts,
+    )
+    runner = Runner(rt, cfg)
+    out = runner.generate(prompts or [prompt], slots=slots)
+    return out, runner.last_kv
+
+
+def _cache(kv, row, n):
+    return [np.asarray(b)[..., :n, :].copy() for layer in (kv.keys[row], kv.values[row]) for b in layer]
+
+
+def test_the_default_pads_only_where_wide_passes_differ():
+    assert ExportOptions(exits=[], weights="int4").wide_padded()
+    assert ExportOptions(exits=[], weights="int4", int4=Int4Options(accuracy_level=2)).wide_padded()
+    assert not ExportOptions(exits=[], weights="int4", int4=Int4Options(accuracy_level=0)).wide_padded()
+    assert not ExportOptions(exits=[]).wide_padded()
+    assert ExportOptions(exits=[], exact_wide=True).wide_padded()
+    assert not ExportOptions(exits=[], weights="int4", exact_wide=False).wide_padded()
+
+
+def test_padded_int4_segments_compute_a_wide_pass_as_one_position_steps(padded, family):
+    """Export records the padding and its check; the check, run again here on every segment (a 40-token prompt,
+    then 8 positions in one call against 8 one-position calls), finds states and K/V equal bit for bit."""
+    m = read_manifest(padded[family])
+    assert m.kv.pad == 1 and m.quantization is not None and m.quantization.accuracy_level == 4
+    assert m.validation["wide_exact"]["exact"] and m.validation["wide_exact"]["max_abs_diff"] == 0.0
+    assert wide_inexact(m) == ""
+    rt = ArtifactRuntime(padded[family], provider="cpu")
+    for width in (2, 8):
+        got = check_wide(rt, _ids(3, 40 + width, m.dims["vocab_size"]), width=width)
+        assert got == {"exact": True, "max_abs_diff": 0.0, "width": width, "prompt": 40}
+
+
+def test_the_check_sees_a_wide_pass_that_differs(padded, monkeypatch):
+    """One-position calls nudged by one part in 10^6 (as ORT's other kernels differ): the check reports it."""
+    rt = ArtifactRuntime(padded["llama"], provider="cpu")
+    run = ArtifactRuntime.run_segment
+
+    def nudged(self, index, hidden, kv, row, *args, **kwargs):
+        out = run(self, index, hidden, kv, row, *args, **kwargs)
+        if hidden.shape[1] == 1:
+            return (np.asarray(out[0]) * np.float32(1 + 1e-6), *out[1:])
+        return out
+
+    monkeypatch.setattr(ArtifactRuntime, "run_segment", nudged)
+    got = check_wide(rt, _ids(4, 20, rt.manifest.dims["vocab_size"]), width=4)
+    assert not got["exact"] and got["max_abs_diff"] > 0
+
+
+def test_an_unpadded_int4_artifact_keeps_drafts_off(unpadded):
+    m = read_manifest(unpadded)
+    assert m.kv.pad == 0 and "wide_exact" in m.validation
+    assert "--exact-wide" in wide_inexact(m)
+
+
+def test_drafts_on_padded_int4_equal_full_depth_bit_for_bit(padded, family):
+    """verify with every token an exit draft, and drafts from the context, on int4 level-4 segments: the tokens
+    and every layer's K/V of full depth, exactly (a wide pass computes as the one-position steps would have)."""
+    rt = ArtifactRuntime(padded[family], provider="cpu")
+    V = rt.manifest.dims["vocab_size"]
+    phrase = _ids(7, 6, V)
+    for prompt in (phrase * 3 + _ids(8, 4, V), _ids(9, 14, V)):
+        (want,), kv = _run(rt, prompt)
+        n = len(prompt) + len(want.token_ids)
+        cache = _cache(kv, 0, n - 1)  # the last token is emitted, never fed back
+        for policy, exits, drafts in (("verify", EXITS, 0), ("verify", (), 6), ("verify", EXITS, 6)):
+            (got,), kv2 = _run(rt, prompt, policy=policy, exits=exits, drafts=drafts)
+            assert got.token_ids == want.token_ids, (family, policy, exits, drafts)
+            assert got.drafted + got.rejected_drafts + got.prompt_drafted > 0  # wide passes checked drafts
+            other = _cache(kv2, 0, n - 1)
+            assert all(np.array_equal(a, b) for a, b in zip(cache, other, strict=True)), (family, exits, drafts)
+
+
+def test_a_batch_on_padded_segments_runs_its_rows_unpadded(padded):
+    """Several rows in one call (GQA takes one position per row there) run unpadded; a row's prompt (a one-row call,
+    padded) gives the same first token as the prompt alone."""
+    rt = ArtifactRuntime(padded["llama"], provider="cpu")
+    V = rt.manifest.dims["vocab_size"]
+    prompts = [_ids(s, 9 + s, V) for s in range(3)]
+    alone = [_run(rt, p, new=8)[0][0].token_ids for p in prompts]
+    batch, _ = _run(rt, None, new=8, slots=2, prompts=prompts)
+    assert [g.token_ids[0] for g in batch] == [a[0] for a in alone]
+    assert all(len(g.token_ids) == 8 for g in batch)
+
+
+def test_a_call_with_no_free_slot_runs_unpadded(padded):
+    """A buffer with no slot after the call's positions (an old runtime's, or a full cache): the graph does not pad,
+    writes nothing out of bounds, and the K/V it writes are those of a padded call."""
+    rt = ArtifactRuntime(padded["llama"], provider="cpu")
+    m = rt.manifest
+    tight = m.model_copy(update={"kv": m.kv.model_copy(update={"pad": 0})})
+    ids = np.array([_ids(5, 12, m.dims["vocab_size"])], dtype=np.int64)
+    caches = []
+    for kv in (new_kv(tight, 1, 12, rt.np_dtype, "cpu"), rt.new_kv(1, 12)):
+        x = np.asarray(rt.embed(ids))
+        rt.run_segment(0, x[:, :11].copy(), kv, row=0)
+        rt.run_segment(0, x[:, 11:].copy(), kv, row=0)  # positions 11: the last slot of the tight buffer
+        caches.append(_cache(kv, 0, 12))
+    assert np.asarray(caches[0][0]).shape[-2] == 12
+    assert all(np.array_equal(a, b) for a, b in zip(*caches, strict=True))
