@@ -33,11 +33,11 @@ INT4 = Int4Options(min_agreement=0.3)  # tiny random models under int4: see test
 
 @pytest.fixture(scope="module")
 def padded(tiny_dirs, tmp_path_factory):
-    """family -> int4 level-4 artifact exported with the default (padded) settings."""
+    """family -> int4 level-4 artifact exported with padded one-row attention."""
     root = tmp_path_factory.mktemp("exact-wide")
     out = {}
     for fam, folder in tiny_dirs.items():
-        opts = ExportOptions(exits=EXITS, top_k=K, weights="int4", int4=INT4, profile_costs=False)
+        opts = ExportOptions(exits=EXITS, top_k=K, weights="int4", int4=INT4, profile_costs=False, exact_wide=True)
         export_artifact(load_model(str(folder)), root / fam, opts)
         out[fam] = root / fam
     return out
@@ -46,7 +46,7 @@ def padded(tiny_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def unpadded(tiny_dirs, tmp_path_factory):
     art = tmp_path_factory.mktemp("wide-unpadded") / "llama"
-    opts = ExportOptions(exits=EXITS, top_k=K, weights="int4", int4=INT4, profile_costs=False, exact_wide=False)
+    opts = ExportOptions(exits=EXITS, top_k=K, weights="int4", int4=INT4, profile_costs=False)
     export_artifact(load_model(str(tiny_dirs["llama"])), art, opts)
     return art
 
@@ -74,13 +74,23 @@ def _cache(kv, row, n):
     return [np.asarray(b)[..., :n, :].copy() for layer in (kv.keys[row], kv.values[row]) for b in layer]
 
 
-def test_the_default_pads_only_where_wide_passes_differ():
-    assert ExportOptions(exits=[], weights="int4").wide_padded()
-    assert ExportOptions(exits=[], weights="int4", int4=Int4Options(accuracy_level=2)).wide_padded()
-    assert not ExportOptions(exits=[], weights="int4", int4=Int4Options(accuracy_level=0)).wide_padded()
-    assert not ExportOptions(exits=[]).wide_padded()
-    assert ExportOptions(exits=[], exact_wide=True).wide_padded()
-    assert not ExportOptions(exits=[], weights="int4", exact_wide=False).wide_padded()
+def test_export_pads_only_when_asked(monkeypatch):
+    """Off by default (it costs full depth ~6% on the default model's int4 segments); `--exact-wide` turns it on."""
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+
+    seen = []
+
+    def fake(recipe, req, out):
+        seen.append(req.options.exact_wide)
+        raise SystemExit(3)
+
+    monkeypatch.setattr("eectl.export.stage.export", fake)
+    for flags, want in (([], False), (["--exact-wide"], True)):
+        result = CliRunner().invoke(app, ["export", "--weights", "int4", *flags])
+        assert result.exit_code == 3 and seen[-1] is want, result.output
+    assert ExportOptions(exits=[]).exact_wide is False
 
 
 def test_padded_int4_segments_compute_a_wide_pass_as_one_position_steps(padded, family):
@@ -163,3 +173,45 @@ def test_a_call_with_no_free_slot_runs_unpadded(padded):
         caches.append(_cache(kv, 0, 12))
     assert np.asarray(caches[0][0]).shape[-2] == 12
     assert all(np.array_equal(a, b) for a, b in zip(*caches, strict=True))
+
+
+def test_the_machine_check_runs_once_per_process_and_artifact(padded, unpadded, monkeypatch):
+    """`wide_refused` checks this machine's kernels where an artifact's drafts rest on padded attention (an int4
+    level-4 artifact exported padded), once per process and artifact; not at all where nothing rests on it."""
+    from eectl.runtime import wide_check
+
+    monkeypatch.setattr(wide_check, "_REFUSED", {})
+    calls = []
+    real = wide_check.check_wide
+
+    def counted(rt, ids, width=8):
+        calls.append(len(ids))
+        return real(rt, ids, width)
+
+    monkeypatch.setattr(wide_check, "check_wide", counted)
+    rt = ArtifactRuntime(padded["llama"], provider="cpu")
+    assert wide_check.wide_refused(rt) is None and wide_check.wide_refused(rt) is None
+    assert calls == [wide_check.CHECK_TOKENS]
+    assert wide_check.wide_refused(ArtifactRuntime(unpadded, provider="cpu")) is None  # the plan already refuses it
+    assert calls == [wide_check.CHECK_TOKENS]
+    monkeypatch.setattr(wide_check, "_REFUSED", {})
+    monkeypatch.setattr(wide_check, "check_wide", lambda rt, ids, width=8: {"exact": False, "max_abs_diff": 3e-7})
+    assert "differs from one-position steps on this machine (by up to 3.0e-07)" in (wide_check.wide_refused(rt) or "")
+
+
+def test_a_planned_default_that_is_inexact_here_runs_full_depth(padded, monkeypatch):
+    """Where this machine's check fails, the plan's verify (priced as lossless) gives way to full depth with a note;
+    verify asked for by name runs, with a warning."""
+    from eectl.run import generate
+    from eectl.run.generate import RunOptions, open_runner
+
+    planned = RunConfig(exits=[2], thresholds={2: {"prob": 0.9}}, policy="verify", top_k=K, planned=True)
+    monkeypatch.setattr(generate, "resolve_config", lambda rt, opts, stop: planned)
+    monkeypatch.setattr("eectl.run.wide.wide_refused", lambda rt: "a wide pass differs here")
+    notes, warnings = [], []
+    _, _, config, _ = open_runner(padded["llama"], RunOptions(), warn=warnings.append, note=notes.append)
+    assert (config.policy, config.exits, config.prompt_drafts) == ("defer", [], 0)
+    assert config.note == "plan: full depth: a wide pass differs here" and warnings == []
+    _, _, config, _ = open_runner(padded["llama"], RunOptions(policy="verify"), warn=warnings.append)
+    assert config.policy == "verify" and config.exits == [2]
+    assert warnings == ["this run's output may differ from full depth's: a wide pass differs here"]

@@ -154,7 +154,7 @@ def test_run_warns_where_a_policy_runs_inexact_wide_passes():
     from types import SimpleNamespace
 
     from eectl.contracts.manifest import KVLayout, Manifest, Quantization
-    from eectl.run.generate import wide_warning
+    from eectl.run.wide import wide_warning
     from eectl.runtime.state import RunConfig
 
     q = Quantization(

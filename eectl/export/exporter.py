@@ -78,14 +78,9 @@ class ExportOptions:
     int4: Int4Options = field(default_factory=Int4Options)  # settings for --weights int4 and --river
     river: bool = False  # add int4 copies of the segments after the first exit (the `river` policy)
     certified_head: bool = True  # add the certified final head where the model allows it (export/certified_head.py)
-    # one-row calls pad their attention so a wide pass computes each position as a one-position step does
-    # (export/graphs.py _AttentionPad); None: where the segments need it, int4 at accuracy levels 2-4
-    exact_wide: bool | None = None
-
-    def wide_padded(self) -> bool:
-        if self.exact_wide is not None:
-            return self.exact_wide
-        return self.weights == "int4" and self.int4.accuracy_level >= 2
+    # one-row calls pad their attention so a wide pass computes each position bit for bit as a one-position step
+    # does (export/graphs.py _AttentionPad): lossless drafts on int4 at accuracy levels 2-4, for ~6% of full depth
+    exact_wide: bool = False
 
 
 def choose_exits(
@@ -304,7 +299,7 @@ def _write_artifact(
             past_value=[f"past_key_values.{i}.value" for i in range(L)],
             present_key=[f"present.{i}.key" for i in range(L)],
             present_value=[f"present.{i}.value" for i in range(L)],
-            pad=int(options.wide_padded()),
+            pad=int(options.exact_wide),
         ),
         kv_policies=[n for n, policy in POLICIES.items() if options.river or not policy.needs_river_copies],
         calibration=calibration,
@@ -367,7 +362,7 @@ def _write_segments(
     for idx, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
         if log is not None:
             log.log(f"segment {idx}: layers {lo}..{hi - 1}")
-        seg_model, seg_io = build_segment(adapter, lo, hi, options.dtype, max_pos, exact_wide=options.wide_padded())
+        seg_model, seg_io = build_segment(adapter, lo, hi, options.dtype, max_pos, exact_wide=options.exact_wide)
         river = None
         if options.river and idx > 0:  # same input/output names: the runner binds the same KV buffers
             # quantized before the fp32 graph is saved: saving moves a model's weights out of it (external data)

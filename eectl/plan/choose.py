@@ -420,10 +420,11 @@ def wide_inexact(manifest: object) -> str:
     prompts). Unless export padded one-row calls (`--exact-wide`, manifest `kv.pad`) and its validation found a
     wide pass equal to one-position steps bit for bit (runtime/wide_check.py)."""
     from eectl.contracts.manifest import Manifest
+    from eectl.runtime.wide_check import relies_on_exact_wide
 
     assert isinstance(manifest, Manifest)
     q = manifest.quantization
-    if q is None or q.scope != "segments" or q.accuracy_level in (0, 1):
+    if q is None or not relies_on_exact_wide(manifest):
         return ""
     check = manifest.validation.get("wide_exact") or {}
     if manifest.kv.pad and check.get("exact"):

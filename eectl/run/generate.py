@@ -25,6 +25,7 @@ from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
 from eectl.files import confined, existing_file, read_utf8, text_lines
 from eectl.parsing import parse_json
+from eectl.run.wide import inexact_here, wide_warning
 from eectl.runtime.ort import PROVIDERS
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -375,28 +376,6 @@ def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
     return None
 
 
-def wide_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
-    """Where a wide pass gives other numbers than a one-row pass (int4 segments at accuracy level 4: plan/choose.py
-    `wide_inexact`), what that costs the policy that runs: verify's drafts are not checked losslessly, defer's
-    deferred positions are not computed exactly."""
-    from eectl.plan.choose import wide_inexact
-
-    why = wide_inexact(rt.manifest)
-    if not why:
-        return None
-    if config.policy == "verify" and (config.exits or config.prompt_drafts):
-        return f"this run's output may differ from full depth's: {why}"
-    if config.policy == "defer" and config.exits:
-        q = rt.manifest.quantization
-        assert q is not None  # wide_inexact says nothing without it
-        return (
-            f"int4 segments at accuracy level {q.accuracy_level} compute defer's deferred positions in "
-            "wide passes whose numbers differ from one-row full depth, so its agreement with full depth can fall "
-            "below the calibrated rate (export --exact-wide computes them exactly)"
-        )
-    return None
-
-
 def replan(rt: ArtifactRuntime, budget_s: float | None = None, max_risk: float | None = None) -> None:
     """Re-measure the artifact's graph costs on this machine and re-choose the exits (in memory, for this run):
     timing batches until the plan is decided (plan/choose.py `settled`) or `budget_s` seconds (costs.RETIME_BUDGET_S)
@@ -482,7 +461,11 @@ def open_runner(
             note(tiers.describe())
     tok = load_tokenizer(rt)
     choose_plan(rt, opts.profile_costs, opts.max_risk, note)
-    config = resolve_config(rt, opts, tuple(rt.manifest.eos_token_ids))
+    stop_ids = tuple(rt.manifest.eos_token_ids)
+    config = resolve_config(rt, opts, stop_ids)
+    # the plan's default, priced as lossless, is not exact on this machine: full depth (an asked policy runs, warned)
+    if opts.policy is None and opts.prompt_drafts is None and config.planned and (why := inexact_here(rt, config)):
+        config = _config(rt, opts, stop_ids, config.signal, "defer", [], {}, f"plan: full depth: {why}", planned=True)
     if config.note and note is not None:
         note(config.note)
     warning = calibration_warning(rt, config) if opts.thresholds is None else None

@@ -8,7 +8,9 @@ pads one-row calls so that both take the same kernels (export/graphs.py `_Attent
 result on the graphs themselves: a prompt, then `width` positions once as one call and once one at a time through
 every segment, the states after each segment and every layer's K/V compared.
 
-What this module does not do: decide what an inexact artifact may run (plan/choose.py `wide_inexact`).
+`wide_refused` runs the check once per process where an artifact's drafts rest on it (as the certified head's
+kernel is checked at load: runtime/certified_bound.py). What this module does not do: decide what an inexact
+artifact may run (plan/choose.py `wide_inexact`, run/wide.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from eectl.contracts.manifest import Manifest
     from eectl.runtime.sessions import ArtifactRuntime
 
 
@@ -60,3 +63,35 @@ def check_wide(rt: ArtifactRuntime, ids: Sequence[int], width: int = 8) -> dict[
 
 def _out(result: Any) -> np.ndarray:
     return np.array(result[0], copy=True)  # the call's own output array is bound again by the next call
+
+
+def relies_on_exact_wide(m: Manifest) -> bool:
+    """Whether drafts and deferred positions on this artifact are exact only where wide passes compute bit for bit as
+    one-position steps: int4 segments whose MatMulNBits compute with int8 activations (accuracy level 4) or in half
+    precision (2, 3), which turn the attention kernels' last-bit differences into other tokens."""
+    q = m.quantization
+    return q is not None and q.scope == "segments" and q.accuracy_level not in (0, 1)
+
+
+_REFUSED: dict[tuple[str, str], str | None] = {}  # (artifact, provider) -> this process's verdict
+CHECK_TOKENS = 24  # 16 as a prompt, 8 as the wide pass: ~0.1 s on the default model's int4 segments, 2 threads
+
+
+def wide_refused(rt: ArtifactRuntime) -> str | None:
+    """Why wide passes are not exact here, on an artifact whose exactness rests on padded one-row attention (export
+    --exact-wide): `check_wide` run once per process and artifact on this machine's kernels (export checked the
+    exporting machine's). None where they are exact, or where nothing rests on them."""
+    m = rt.manifest
+    if not (m.kv.pad and relies_on_exact_wide(m)):
+        return None
+    key = (str(rt.folder.resolve()), rt.device)
+    if key not in _REFUSED:
+        vocab = m.dims["vocab_size"]
+        ids = [3 + (7919 * i) % (vocab - 3) for i in range(CHECK_TOKENS)]
+        got = check_wide(rt, ids)
+        _REFUSED[key] = (
+            None
+            if got["exact"]
+            else f"a wide pass differs from one-position steps on this machine (by up to {got['max_abs_diff']:.1e})"
+        )
+    return _REFUSED[key]
