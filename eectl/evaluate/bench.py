@@ -213,7 +213,7 @@ def run_bench(
     phases = phases if phases is not None else Phases()
     t0 = time.perf_counter()
     rt = open_runtime(artifact, opts)
-    choose_plan(rt, opts.profile_costs, opts.max_risk, log.log if log is not None else None)
+    choose_plan(rt, opts.profile_costs, opts.max_risk, log.log if log is not None else None, opts.max_new_tokens)
     m = rt.manifest
     add_artifact_configs(opts, m)
     cert = m.certificate

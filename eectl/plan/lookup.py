@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eectl.contracts.plan import LEVEL, LOOKUP, MIN_GAIN, Costs, LookupChoice, LookupStats, Prediction
+from eectl.contracts.plan import LEVEL, LOOKUP, MIN_GAIN, Costs, LookupChoice, LookupStats, Plan, Prediction
 from eectl.plan.intervals import Replicates, bootstrap, combined
 
 
@@ -84,7 +84,11 @@ def prompt_interval(
 
 
 def choose_lookup(
-    costs: Costs, stats: LookupStats, min_gain: float = MIN_GAIN, level: float = LEVEL
+    costs: Costs,
+    stats: LookupStats,
+    min_gain: float = MIN_GAIN,
+    level: float = LEVEL,
+    resamples: int = LOOKUP_RESAMPLES,
 ) -> LookupChoice | None:
     """The lookup prediction with its interval over the costs' timing and calibration's prompts (the drafts' pay
     varies from prompt to prompt far more than the costs' timing); on when its low end clears the line. Of the
@@ -97,7 +101,7 @@ def choose_lookup(
     timing = Replicates.of(costs).interval(
         pred.speedup, lambda c: None if (p := predict_lookup(c, stats)) is None else p.speedup, level
     )
-    prompts = prompt_interval(costs, stats, level)
+    prompts = prompt_interval(costs, stats, level, resamples)
     span = combined(pred.speedup, timing, prompts)
     if span is not None:  # the timing's own interval kept apart where the prompts widen it: what more timing narrows
         kept = (timing or (pred.speedup, pred.speedup)) if prompts is not None else None
@@ -109,3 +113,28 @@ def choose_lookup(
         tokens_per_step=round(stats.per_token(), 4),
         min_draft=stats.min_draft,
     )
+
+
+RUN_RESAMPLES = 200  # a run's re-pricing at its own length: ~0.1 s on the default model's calibration (80 prompts)
+
+
+def plan_for_run(plan: Plan | None, costs: Costs | None, stats: LookupStats | None, tokens: int) -> Plan | None:
+    """The plan for a run that generates at most `tokens` tokens: drafts from the context priced on calibration's
+    replay cut at that length (`LookupStats.at_length`), and the default chosen again between them and what the plan
+    would run without them (verify's choice, or full depth) by the same rule as plan/choose.py `plan_manifest`. A
+    certified or inexact default stays. `plan` itself where the length cuts nothing (a run as long as calibration's
+    continuations or longer is priced at their length: lookup pays more in longer answers, so on the safe side)."""
+    if plan is None or plan.lookup is None or costs is None or stats is None:
+        return plan
+    cut = stats.at_length(tokens)
+    if cut is stats:
+        return plan
+    lookup = choose_lookup(costs, cut, plan.min_gain, plan.level, RUN_RESAMPLES)
+    new = plan.model_copy(update={"lookup": lookup})
+    verify = plan.choices.get("verify")
+    base = "verify" if verify is not None and verify.exits else "full"
+    if plan.default in (LOOKUP, base) and not plan.inexact:
+        base_speedup = verify.prediction.speedup if verify is not None and base == "verify" else 1.0
+        pays = lookup is not None and lookup.on and lookup.prediction.speedup > base_speedup
+        new.default = LOOKUP if pays else base
+    return new

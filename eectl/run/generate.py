@@ -401,11 +401,16 @@ def replan(rt: ArtifactRuntime, budget_s: float | None = None, max_risk: float |
 
 
 def choose_plan(
-    rt: ArtifactRuntime, profile_costs: bool, max_risk: float | None, note: Callable[[str], None] | None = None
+    rt: ArtifactRuntime,
+    profile_costs: bool,
+    max_risk: float | None,
+    note: Callable[[str], None] | None = None,
+    tokens: int | None = None,
 ) -> None:
     """The plan this run follows: re-measured (--profile-costs, and always under a memory budget with a slow tier:
     the artifact's costs were timed with every segment resident), re-chosen at the user's risk (--max-risk), or the
-    artifact's as exported."""
+    artifact's as exported; with drafts from the context priced at the run's length (`tokens`: plan/lookup.py
+    `plan_for_run`)."""
     m = rt.manifest
     tiered = rt.tiers is not None and bool(rt.tiers.slow)
     if tiered and not profile_costs and m.costs is not None and note is not None:
@@ -416,6 +421,10 @@ def choose_plan(
         from eectl.plan.choose import plan_manifest
 
         m.plan = plan_manifest(m, m.costs, max_risk)
+    if tokens is not None:
+        from eectl.plan.lookup import plan_for_run
+
+        m.plan = plan_for_run(m.plan, m.costs, m.calibration.lookup if m.calibration else None, tokens)
 
 
 @dataclass
@@ -460,7 +469,7 @@ def open_runner(
         if note is not None:
             note(tiers.describe())
     tok = load_tokenizer(rt)
-    choose_plan(rt, opts.profile_costs, opts.max_risk, note)
+    choose_plan(rt, opts.profile_costs, opts.max_risk, note, opts.max_new_tokens)
     stop_ids = tuple(rt.manifest.eos_token_ids)
     config = resolve_config(rt, opts, stop_ids)
     # the plan's default, priced as lossless, is not exact on this machine: full depth (an asked policy runs, warned)

@@ -159,6 +159,10 @@ def replay(lookup: PromptLookup, prompt: list[int], answer: list[int], stop_ids:
     return widths
 
 
+# generated tokens at which calibration's replay is also cut (a run's --max-new-tokens picks the longest that fits)
+CUT_LENGTHS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
 def lookup_stats(
     pairs: list[tuple[list[int], list[int]]],
     max_draft: int = DEFAULT_DRAFTS,
@@ -166,7 +170,27 @@ def lookup_stats(
     max_ngram: int = MAX_NGRAM,
     min_draft: int = 1,
 ) -> LookupStats:
-    """`replay` over (prompt, greedy answer) pairs: the steps by width, the drafts proposed and accepted."""
+    """`replay` over (prompt, greedy answer) pairs: the steps by width, the drafts proposed and accepted; and the
+    same over the answers cut at each of CUT_LENGTHS shorter than the longest (`LookupStats.cuts`)."""
+    stats = _replayed(pairs, max_draft, stop_ids, max_ngram, min_draft)
+    longest = max((len(a) for _, a in pairs), default=0)
+    stats.cuts = [
+        _replayed([(p, a[:n]) for p, a in pairs], max_draft, stop_ids, max_ngram, min_draft).model_copy(
+            update={"length": n}
+        )
+        for n in CUT_LENGTHS
+        if n < longest
+    ]
+    return stats
+
+
+def _replayed(
+    pairs: list[tuple[list[int], list[int]]],
+    max_draft: int,
+    stop_ids: tuple[int, ...],
+    max_ngram: int,
+    min_draft: int,
+) -> LookupStats:
     lookup = PromptLookup(max_draft, max_ngram, min(MIN_NGRAM, max_ngram), min_draft=min_draft)
     per_prompt: list[tuple[int, dict[str, int]]] = []
     for prompt, answer in pairs:

@@ -1,0 +1,144 @@
+"""Drafts from the context priced at a run's own length: calibration replays its continuations cut at shorter
+lengths too (`LookupStats.cuts`), a run of --max-new-tokens N is priced on the longest cut that fits
+(`LookupStats.at_length`), and run and bench choose the plan's default again at that length (plan/lookup.py
+`plan_for_run`). Measured on the default model (24 GSM8K prompts): 1.08 tokens a step over 16 generated tokens,
+1.19 over 32, 1.28 over 64, 1.42 over 128, so a price made on 64-token continuations overstates a 32-token run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eectl.contracts.plan import LOOKUP, Choice, Costs, LookupChoice, LookupStats, Plan, Prediction
+from eectl.plan.lookup import choose_lookup, plan_for_run
+from eectl.runtime.drafts import CUT_LENGTHS, lookup_stats
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
+
+
+def _ids(seed: int, n: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def _pairs(answer_len: int) -> list[tuple[list[int], list[int]]]:
+    """Prompts whose phrase the answers repeat, with a wrong token now and then (drafts accepted and rejected)."""
+    pairs = []
+    for seed in range(4):
+        phrase = _ids(seed, 5 + seed, 40)
+        answer = (phrase * 30)[:answer_len]
+        answer = [t if i % (7 + seed) else (t + 1) % 40 + 3 for i, t in enumerate(answer)]
+        pairs.append((phrase * 2 + _ids(seed + 10, 3, 40), answer))
+    return pairs
+
+
+def test_cuts_are_the_replay_of_answers_cut_there():
+    pairs = _pairs(70)
+    stats = lookup_stats(pairs, max_draft=6)
+    assert [c.length for c in stats.cuts] == [n for n in CUT_LENGTHS if n < 70] == [8, 16, 24, 32, 48, 64]
+    for cut in stats.cuts:
+        alone = lookup_stats([(p, a[: cut.length]) for p, a in pairs], max_draft=6)
+        assert (cut.tokens, cut.steps, cut.accepted, cut.per_prompt) == (
+            alone.tokens,
+            alone.steps,
+            alone.accepted,
+            alone.per_prompt,
+        )
+        assert cut.tokens == len(pairs) * (cut.length - 1) and not cut.cuts
+
+
+def test_a_run_is_priced_on_the_longest_cut_that_fits():
+    pairs = _pairs(70)
+    stats = lookup_stats(pairs, max_draft=6)
+    stats.shortest = [lookup_stats(pairs, max_draft=6, min_draft=2)]
+    assert stats.at_length(40).length == 32 and stats.at_length(32).length == 32
+    assert stats.at_length(40).shortest[0].length == 32 and stats.at_length(40).shortest[0].min_draft == 2
+    assert stats.at_length(3).length == 8  # shorter than every cut: the shortest
+    assert stats.at_length(70) is stats and stats.at_length(500) is stats  # as long as the continuations: as is
+    old = stats.model_copy(update={"cuts": []})  # a calibration file written before cuts
+    assert old.at_length(16) is old
+
+
+def test_a_shorter_run_takes_exactly_the_steps_of_its_cut(exported):
+    """The runner generating N tokens with drafts from the context takes the steps `at_length(N)` counts."""
+    rt = ArtifactRuntime(exported["llama"][1], provider="cpu")
+    V = rt.manifest.dims["vocab_size"]
+    phrase = _ids(1, 6, V)
+    prompt = phrase * 3 + _ids(2, 4, V)
+
+    def run(new: int, drafts: int = 0):
+        cfg = RunConfig(exits=[], thresholds={}, policy="verify", top_k=8, max_new_tokens=new, prompt_drafts=drafts)
+        return Runner(rt, cfg).generate([prompt])[0]
+
+    answer = run(70).token_ids
+    stats = lookup_stats([(prompt, answer)], max_draft=6)
+    for n in (16, 32, 48):
+        got = run(n, drafts=6)
+        cut = stats.at_length(n)
+        assert got.token_ids == answer[:n] and cut.length == n
+        steps = n - 1 - got.prompt_accepted  # each decode step emits one token and the drafts it accepted
+        assert (cut.tokens, sum(cut.steps.values())) == (n - 1, steps)
+        assert (cut.drafted, cut.accepted) == (got.prompt_drafted, got.prompt_accepted)
+
+
+def _costs(**kw) -> Costs:
+    base = dict(
+        provider="cpu", threads=1, past=128, repeats=5, embed_ms=0.0, segment_ms=[4.0, 4.0],
+        segment_extra_ms=[0.5, 0.5], kv_ms=[1.0, 1.0], final_head_ms=2.0, final_head_extra_ms=0.2, candidates_ms={},
+        local_ms={}, full_step_ms=10.0, wide_ms={"2": 11.0, "5": 14.0, "9": 16.0},
+    )  # fmt: skip
+    base.update(kw)
+    return Costs(**base)
+
+
+def _pred(policy: str, speedup: float) -> Prediction:
+    return Prediction(
+        policy=policy, exits=[], ms_per_token=10.0 / speedup, full_ms=10.0, speedup=speedup, decision_ms=0.0,
+        exit_rate=0.0,
+    )  # fmt: skip
+
+
+def _stats() -> LookupStats:
+    """64-token continuations whose drafts pay (4 tokens a step of width 5), but not in their first 16 tokens."""
+    pays = LookupStats(max_draft=4, max_ngram=3, prompts=2, tokens=126, steps={"1": 6, "5": 30}, drafted=120,
+                       accepted=90, per_prompt=[(63, {"1": 3, "5": 15})] * 2)  # fmt: skip
+    early = LookupStats(max_draft=4, max_ngram=3, prompts=2, tokens=30, steps={"1": 30}, drafted=0, accepted=0,
+                        per_prompt=[(15, {"1": 15})] * 2, length=16)  # fmt: skip
+    return pays.model_copy(update={"cuts": [early]})
+
+
+def _plan(default: str, verify: float | None) -> Plan:
+    costs, stats = _costs(), _stats()
+    choices = {
+        "verify": Choice(
+            policy="verify",
+            exits=[8] if verify else [],
+            thresholds={},
+            option=None,
+            prediction=_pred("verify", verify or 1.0),
+        )  # fmt: skip
+    }
+    lookup = choose_lookup(costs, stats)
+    assert isinstance(lookup, LookupChoice) and lookup.on and lookup.prediction.speedup > 1.5
+    return Plan(default=default, choices=choices, lookup=lookup)
+
+
+@pytest.mark.parametrize(("verify", "base"), [(1.2, "verify"), (None, "full")])
+def test_the_default_is_chosen_again_at_the_runs_length(verify, base):
+    """Lookup, the plan's default on 64-token continuations, gives way at 16 tokens to what the plan runs without
+    it (verify's choice, or full depth); a run as long as the continuations keeps the plan as it is."""
+    costs, stats, plan = _costs(), _stats(), _plan(LOOKUP, verify)
+    short = plan_for_run(plan, costs, stats, 16)
+    assert short is not None and short.default == base and short.lookup is not None and not short.lookup.on
+    assert short.lookup.prediction.speedup == pytest.approx(1.0)  # every step a plain one
+    assert plan_for_run(plan, costs, stats, 64) is plan and plan_for_run(plan, costs, stats, 200) is plan
+    assert plan.default == LOOKUP  # the manifest's plan is not changed
+    assert plan_for_run(plan, None, stats, 16) is plan and plan_for_run(plan, costs, None, 16) is plan
+
+
+def test_a_certified_or_inexact_default_stays_at_any_length():
+    costs, stats = _costs(), _stats()
+    assert plan_for_run(_plan("certified", 1.2), costs, stats, 16).default == "certified"
+    inexact = _plan("full", 1.2).model_copy(update={"inexact": "int4 at level 4"})
+    assert plan_for_run(inexact, costs, stats, 16).default == "full"
