@@ -64,7 +64,8 @@ def test_the_pipeline_exports_the_recipes_weights_and_keys_them(tiny_dirs, tmp_p
         raise _Stop
 
     monkeypatch.setattr("eectl.export.stage.export", spy)
-    r = Recipe(name="r", model=str(tiny_dirs["llama"]), weights="int4", int4=Int4Spec(block_size=64, keep_layers=[0]))
+    spec = Int4Spec(block_size=64, keep_layers=[0], exact_wide=True)
+    r = Recipe(name="r", model=str(tiny_dirs["llama"]), weights="int4", int4=spec)
     r = r.model_copy(update={"export": r.export.model_copy(update={"cost_seconds": 7.5})})
     p = plan(r, Path("artifacts"))
     stages = _Stages(r, Path("r.yaml"), p, "hi", False, 1, Output(quiet=True), None)  # type: ignore[arg-type]
@@ -73,6 +74,7 @@ def test_the_pipeline_exports_the_recipes_weights_and_keys_them(tiny_dirs, tmp_p
     options = got[0]
     assert options.weights == "int4" and options.int4.block_size == 64 and options.int4.keep_layers == (0,)
     assert options.cost_seconds == 7.5  # the budget's (or recipe's) re-timing time reaches export
+    assert options.exact_wide  # the recipe's int4: {exact_wide: true}
     fp32 = r.model_copy(update={"weights": "fp32"})
     assert PipelineCache(r, p).key("train-heads") != PipelineCache(fp32, p).key("train-heads")
     # an fp32 run of the same model keeps its outputs: every path the int4 run writes is its own

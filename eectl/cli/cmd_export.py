@@ -132,6 +132,7 @@ def export(
         int4 = replace(int4, block_size=spec.block_size, symmetric=spec.symmetric, algorithm=spec.algorithm)
         int4 = replace(int4, lm_head=spec.lm_head, keep_layers=tuple(spec.keep_layers))
         int4 = replace(int4, accuracy_level=spec.accuracy_level)
+        exact_wide = exact_wide or spec.exact_wide
     weights = weights or r.weights
     options = ExportOptions(
         exits=[], dtype=dtype, force=force, weights=weights, int4=int4, river=river, candidates=candidates

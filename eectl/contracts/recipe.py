@@ -124,9 +124,12 @@ class Int4Spec(_Strict):
     algorithm: Literal["rtn", "hqq"] = "rtn"
     lm_head: Literal["fp32", "int8", "int4"] = "fp32"
     keep_layers: list[int] = Field(default_factory=list, max_length=MAX_LIST)
-    # MatMulNBits' compute: 4 int8 activations (fastest on CPUs with VNNI), 0 fp32: only at 0 (or 1) do drafts
-    # checked in a wide pass give one-row full depth's tokens, so verify and lookup stay lossless
+    # MatMulNBits' compute: 4 int8 activations (fastest on CPUs with VNNI), 0 fp32: at 2-4 drafts checked in a wide
+    # pass give one-row full depth's tokens only with exact_wide below
     accuracy_level: int = Field(4, ge=0, le=4)
+    # export --exact-wide: one-row calls pad their attention so wide passes are exact (lossless verify and lookup at
+    # levels 2-4; full depth ~6% slower on the default model: docs/results/2026-12-04-exact-wide.md)
+    exact_wide: bool = False
 
 
 class ExportSpec(_Strict):

@@ -150,9 +150,11 @@ class _Stages:
 
         p, r = self.plan, self.recipe
         spec = r.int4.model_dump()
+        exact_wide = bool(spec.pop("exact_wide")) and r.weights == "int4"
         int4 = Int4Options(**{**spec, "keep_layers": tuple(spec["keep_layers"])})
         # the plan's folder is the pipeline's own: replaced
         options = ExportOptions(exits=[], force=True, weights=r.weights, int4=int4, cost_seconds=r.export.cost_seconds)
+        options.exact_wide = exact_wide
         req = ExportRequest(out=p.artifact, calibration=p.calibration, heads=p.heads, options=options)
         req.threads = self.threads
         return export(self.recipe, req, self.out)
