@@ -15,7 +15,8 @@ from eectl.calibrate.calibrator import CalibrateOptions, calibrate_model
 from eectl.calibrate.fit import OPTION_FOLDS, fit_gates, fit_options, options_judge, unit_folds
 from eectl.contracts.calibration import Calibration
 from eectl.contracts.gates import GATE, Gate
-from eectl.contracts.plan import Costs, Option
+from eectl.contracts.options import Option
+from eectl.contracts.plan import Costs
 from eectl.data import token_chunks
 from eectl.errors import UsageError
 from eectl.exits.base import TorchExitLogits

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eectl.contracts.plan import MIN_GAIN, Costs, ExitOption, Option
+from eectl.contracts.options import ExitOption, Option
+from eectl.contracts.plan import MIN_GAIN, Costs
 from eectl.plan.choose import choose, predict, verify_cycle
 
 # three segments ending at layers 4, 8 and 12 (L = 12): exits can sit at 4 and 8

@@ -18,7 +18,8 @@ import torch
 
 from eectl.contracts.calibration import ExitResult, OverallStats, SplitStats
 from eectl.contracts.gates import GATE, Gate
-from eectl.contracts.plan import MAX_SUBSET, VERIFY_PRECISIONS, ExitOption, Option
+from eectl.contracts.options import ExitOption, Option
+from eectl.contracts.plan import MAX_SUBSET, VERIFY_PRECISIONS
 from eectl.errors import DataError
 from eectl.exits.base import passes
 from eectl.exits.gates import fit_gate, gate_logits, gate_threshold

@@ -20,7 +20,8 @@ from eectl.contracts.certificate import Certificate
 from eectl.contracts.gates import GATE, Gate
 from eectl.contracts.layers import check_exit_layers
 from eectl.contracts.names import SIGNAL_SPECS
-from eectl.contracts.plan import LookupStats, Option
+from eectl.contracts.options import Option
+from eectl.contracts.plan import LookupStats
 from eectl.errors import ArtifactError, UsageError
 from eectl.files import atomic_write_json, existing_file, read_utf8
 from eectl.parsing import parse_json
