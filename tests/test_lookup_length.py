@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from eectl.contracts.plan import LOOKUP, Choice, Costs, LookupChoice, LookupStats, Plan, Prediction
-from eectl.plan.lookup import choose_lookup, plan_for_run
+from eectl.plan.length import plan_for_run
+from eectl.plan.lookup import choose_lookup
 from eectl.runtime.drafts import CUT_LENGTHS, lookup_stats
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -124,21 +125,30 @@ def _plan(default: str, verify: float | None) -> Plan:
     return Plan(default=default, choices=choices, lookup=lookup)
 
 
+def _manifest(plan, costs, stats):
+    from types import SimpleNamespace
+
+    segments = [SimpleNamespace(layers=(0, 8)), SimpleNamespace(layers=(8, 16))]
+    return SimpleNamespace(plan=plan, costs=costs, calibration=SimpleNamespace(lookup=stats), segments=segments)
+
+
 @pytest.mark.parametrize(("verify", "base"), [(1.2, "verify"), (None, "full")])
 def test_the_default_is_chosen_again_at_the_runs_length(verify, base):
     """Lookup, the plan's default on 64-token continuations, gives way at 16 tokens to what the plan runs without
     it (verify's choice, or full depth); a run as long as the continuations keeps the plan as it is."""
     costs, stats, plan = _costs(), _stats(), _plan(LOOKUP, verify)
-    short = plan_for_run(plan, costs, stats, 16)
+    short = plan_for_run(_manifest(plan, costs, stats), 16)
     assert short is not None and short.default == base and short.lookup is not None and not short.lookup.on
     assert short.lookup.prediction.speedup == pytest.approx(1.0)  # every step a plain one
-    assert plan_for_run(plan, costs, stats, 64) is plan and plan_for_run(plan, costs, stats, 200) is plan
+    assert plan_for_run(_manifest(plan, costs, stats), 64) is plan
+    assert plan_for_run(_manifest(plan, costs, stats), 200) is plan
     assert plan.default == LOOKUP  # the manifest's plan is not changed
-    assert plan_for_run(plan, None, stats, 16) is plan and plan_for_run(plan, costs, None, 16) is plan
+    assert plan_for_run(_manifest(plan, None, stats), 16) is plan
+    assert plan_for_run(_manifest(plan, costs, None), 16) is plan
 
 
 def test_a_certified_or_inexact_default_stays_at_any_length():
     costs, stats = _costs(), _stats()
-    assert plan_for_run(_plan("certified", 1.2), costs, stats, 16).default == "certified"
+    assert plan_for_run(_manifest(_plan("certified", 1.2), costs, stats), 16).default == "certified"
     inexact = _plan("full", 1.2).model_copy(update={"inexact": "int4 at level 4"})
-    assert plan_for_run(inexact, costs, stats, 16).default == "full"
+    assert plan_for_run(_manifest(inexact, costs, stats), 16).default == "full"

@@ -18,7 +18,7 @@ import torch
 
 from eectl.contracts.calibration import ExitResult, OverallStats, SplitStats
 from eectl.contracts.gates import GATE, Gate
-from eectl.contracts.options import ExitOption, Option
+from eectl.contracts.options import POSITION_BLOCK, ExitOption, Option
 from eectl.contracts.plan import MAX_SUBSET, VERIFY_PRECISIONS
 from eectl.errors import DataError
 from eectl.exits.base import passes
@@ -317,6 +317,7 @@ def _option(
         per_exit=per_exit,
         agreement=overall.agreement,
         units=Option.units_text(unit_counts(meas.source[judge] * (int(meas.unit.max()) + 1) + meas.unit[judge], flags)),
+        blocks=Option.units_text(unit_counts(meas.positions()[judge] // POSITION_BLOCK, flags)),
     )
 
 

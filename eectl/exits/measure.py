@@ -64,6 +64,20 @@ class Measurements:
     def n(self) -> int:
         return int(self.source.numel())
 
+    def positions(self) -> torch.Tensor:
+        """[N] long: each token's position within its unit, in the rows' order (a continuation's tokens are measured
+        in order: its answer's position 0, 1, ...)."""
+        key = self.source * (int(self.unit.max()) + 1) + self.unit
+        order = torch.argsort(key, stable=True)
+        ranked = key[order]
+        index = torch.arange(ranked.numel())
+        starts = torch.ones_like(ranked, dtype=torch.bool)
+        starts[1:] = ranked[1:] != ranked[:-1]
+        first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), 0).values
+        out = torch.empty_like(index)
+        out[order] = index - first
+        return out
+
     @staticmethod
     def concat(parts: Sequence[Measurements]) -> Measurements:
         first = parts[0]

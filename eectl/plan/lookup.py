@@ -118,23 +118,10 @@ def choose_lookup(
 RUN_RESAMPLES = 200  # a run's re-pricing at its own length: ~0.1 s on the default model's calibration (80 prompts)
 
 
-def plan_for_run(plan: Plan | None, costs: Costs | None, stats: LookupStats | None, tokens: int) -> Plan | None:
-    """The plan for a run that generates at most `tokens` tokens: drafts from the context priced on calibration's
-    replay cut at that length (`LookupStats.at_length`), and the default chosen again between them and what the plan
-    would run without them (verify's choice, or full depth) by the same rule as plan/choose.py `plan_manifest`. A
-    certified or inexact default stays. `plan` itself where the length cuts nothing (a run as long as calibration's
-    continuations or longer is priced at their length: lookup pays more in longer answers, so on the safe side)."""
-    if plan is None or plan.lookup is None or costs is None or stats is None:
-        return plan
+def lookup_at_length(plan: Plan, costs: Costs, stats: LookupStats, tokens: int) -> LookupChoice | None:
+    """The plan's lookup entry priced on calibration's replay cut at `tokens` (`LookupStats.at_length`); the plan's
+    own where the length cuts nothing."""
     cut = stats.at_length(tokens)
     if cut is stats:
-        return plan
-    lookup = choose_lookup(costs, cut, plan.min_gain, plan.level, RUN_RESAMPLES)
-    new = plan.model_copy(update={"lookup": lookup})
-    verify = plan.choices.get("verify")
-    base = "verify" if verify is not None and verify.exits else "full"
-    if plan.default in (LOOKUP, base) and not plan.inexact:
-        base_speedup = verify.prediction.speedup if verify is not None and base == "verify" else 1.0
-        pays = lookup is not None and lookup.on and lookup.prediction.speedup > base_speedup
-        new.default = LOOKUP if pays else base
-    return new
+        return plan.lookup
+    return choose_lookup(costs, cut, plan.min_gain, plan.level, RUN_RESAMPLES)

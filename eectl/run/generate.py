@@ -409,8 +409,7 @@ def choose_plan(
 ) -> None:
     """The plan this run follows: re-measured (--profile-costs, and always under a memory budget with a slow tier:
     the artifact's costs were timed with every segment resident), re-chosen at the user's risk (--max-risk), or the
-    artifact's as exported; with drafts from the context priced at the run's length (`tokens`: plan/lookup.py
-    `plan_for_run`)."""
+    artifact's as exported; priced at the run's length (`tokens`: plan/length.py)."""
     m = rt.manifest
     tiered = rt.tiers is not None and bool(rt.tiers.slow)
     if tiered and not profile_costs and m.costs is not None and note is not None:
@@ -422,9 +421,9 @@ def choose_plan(
 
         m.plan = plan_manifest(m, m.costs, max_risk)
     if tokens is not None:
-        from eectl.plan.lookup import plan_for_run
+        from eectl.plan.length import plan_for_run
 
-        m.plan = plan_for_run(m.plan, m.costs, m.calibration.lookup if m.calibration else None, tokens)
+        m.plan = plan_for_run(m, tokens)
 
 
 @dataclass
