@@ -15,9 +15,10 @@ if TYPE_CHECKING:
 # Bumped when calibrate's choice of measured tokens, or what it records of them, changes for the same settings (2:
 # generation takes the data's prompts in order, whatever --gen-batch; 3: drafts from the context replayed on the
 # continuations; 4: each option's counts per judged unit; 5: the menu judged out of fold on every unit; 6: the
-# counts as one line of text; 7: the drafts replayed again with longer shortest runs), so a cached calibration of the
-# old kind is not reused.
-CALIBRATE_SAMPLE = 7
+# counts as one line of text; 7: the drafts replayed again with longer shortest runs; 8: options' counts per block of
+# positions and the drafts' replay cut at shorter lengths: what a run of another length is priced on), so a cached
+# calibration of the old kind is not reused.
+CALIBRATE_SAMPLE = 8
 
 
 class PipelineCache:
@@ -43,7 +44,8 @@ class PipelineCache:
             "top_k": recipe.top_k,
             "target": recipe.target,
             "weights": recipe.weights,  # int4: heads and calibration fitted against the int4 twin
-            **({"int4": recipe.int4.model_dump()} if recipe.weights == "int4" else {}),
+            # export's own settings (exact_wide) key the export alone: the torch stages' outputs are the same
+            **({"int4": recipe.int4.model_dump(exclude={"exact_wide"})} if recipe.weights == "int4" else {}),
         }
 
     def _files(self, stage: str) -> list[Path]:
@@ -72,7 +74,9 @@ class PipelineCache:
         if stage == "export":
             from eectl.export.exporter import EXPORT_REVISION
 
-            parts = {"heads": sha256_file(p.heads), "calibration": sha256_file(p.calibration)}
+            parts: dict[str, object] = {"heads": sha256_file(p.heads), "calibration": sha256_file(p.calibration)}
+            if r.weights == "int4":
+                parts["exact_wide"] = r.int4.exact_wide
             return digest({**self.base, "stage": stage, "revision": EXPORT_REVISION, **parts})
         raise ValueError(stage)
 
