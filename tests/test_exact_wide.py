@@ -215,3 +215,22 @@ def test_a_planned_default_that_is_inexact_here_runs_full_depth(padded, monkeypa
     _, _, config, _ = open_runner(padded["llama"], RunOptions(policy="verify"), warn=warnings.append)
     assert config.policy == "verify" and config.exits == [2]
     assert warnings == ["this run's output may differ from full depth's: a wide pass differs here"]
+
+
+def test_the_check_is_not_fooled_by_nan_and_runs_on_the_host_only(padded, monkeypatch):
+    from types import SimpleNamespace
+
+    from eectl.runtime import wide_check
+
+    rt = ArtifactRuntime(padded["llama"], provider="cpu")
+    run = ArtifactRuntime.run_segment
+
+    def poisoned(self, index, hidden, kv, row, *args, **kwargs):
+        out = run(self, index, hidden, kv, row, *args, **kwargs)
+        return (np.full_like(np.asarray(out[0]), np.nan), *out[1:]) if hidden.shape[1] == 1 else out
+
+    monkeypatch.setattr(ArtifactRuntime, "run_segment", poisoned)
+    got = check_wide(rt, _ids(4, 20, rt.manifest.dims["vocab_size"]), width=4)
+    assert not got["exact"] and got["max_abs_diff"] == float("inf")
+    on_gpu = SimpleNamespace(manifest=rt.manifest, device="cuda", folder=rt.folder)
+    assert "CPU EP only" in (wide_check.wide_refused(on_gpu) or "")  # type: ignore[arg-type]
