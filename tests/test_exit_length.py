@@ -101,6 +101,7 @@ def test_a_run_prices_the_plans_exits_at_its_length():
     assert got.speedup == pytest.approx(want.speedup) and got.speedup > pred.speedup
     assert got.interval == pytest.approx((got.speedup * 0.98, got.speedup * 1.02))
     assert short.choices["verify"].exits == [8] and short.default == "verify"
+    assert short.summary().endswith("priced for answers of up to 8 tokens") and plan.tokens is None
     assert plan_for_run(m, 64) is not plan and plan.choices["verify"].prediction == pred  # the manifest's untouched
     # 400 tokens: the late rate almost alone, 1.068x with a low end (x 0.98) of 1.046: verify still clears the line;
     # a plan whose line is 1.05 runs full depth there

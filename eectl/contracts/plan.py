@@ -330,6 +330,9 @@ class Plan(_M):
     # why a wide pass (drafts checked together) may give other tokens than one-row full depth on this artifact, so
     # that no draft configuration is lossless and none is the default ("": wide and one-row passes agree)
     inexact: str = ""
+    # the answers' length the plan was priced for (plan/length.py: a run's --max-new-tokens); None: calibration's
+    # continuations', as export made it
+    tokens: int | None = None
 
     def default_for(self, batch_size: int) -> str:
         """The default `eectl run` follows at this batch size: the plan prices one row, so a batch runs full depth
@@ -348,7 +351,8 @@ class Plan(_M):
 
     def summary(self) -> str:
         """One line for run and bench."""
-        return self._chosen() + self._unresolved_note()
+        priced = "" if self.tokens is None else f"; priced for answers of up to {self.tokens} tokens"
+        return self._chosen() + priced + self._unresolved_note()
 
     def _unresolved_note(self) -> str:
         if not self.unresolved:

@@ -31,7 +31,7 @@ def plan_for_run(m: Any, tokens: int) -> Plan | None:
         lookup = lookup_at_length(plan, costs, cal.lookup, tokens)
     if all(choices[n] is plan.choices[n] for n in choices) and lookup is plan.lookup:
         return plan
-    new = plan.model_copy(update={"choices": choices, "lookup": lookup})
+    new = plan.model_copy(update={"choices": choices, "lookup": lookup, "tokens": tokens})
     if plan.default in (LOOKUP, "verify", "full") and not plan.inexact:
         verify = choices.get("verify")
         line = 1.0 + plan.min_gain
