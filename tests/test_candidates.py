@@ -460,6 +460,7 @@ def test_run_json_gives_the_plan_as_fields_and_cost_samples_only_when_asked(plan
     from typer.testing import CliRunner
 
     from eectl.cli import app
+    from eectl.plan.length import plan_for_run
 
     rt = planned["int8"]
     m = rt.manifest
@@ -469,8 +470,10 @@ def test_run_json_gives_the_plan_as_fields_and_cost_samples_only_when_asked(plan
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     plan = doc["plan"]
-    assert plan["default"] == m.plan.default and plan["followed"] is True and plan["summary"] == m.plan.summary()
-    verify = m.plan.choices["verify"]
+    priced = plan_for_run(m, 3)  # the plan priced for the run's 3 tokens (plan/length.py)
+    assert priced is not None
+    assert plan["default"] == priced.default and plan["followed"] is True and plan["summary"] == priced.summary()
+    verify = priced.choices["verify"]
     if verify.exits:  # the prediction for what ran: verify's choice
         assert plan["predicted_speedup"] == verify.prediction.speedup and doc["exits"] == verify.exits
     else:
