@@ -61,8 +61,12 @@ class Option(_M):
         """Counts per unit as `units` holds them: a unit's counts space-separated, units separated by ';'."""
         return ";".join(" ".join(map(str, row)) for row in rows)
 
+    @staticmethod
+    def _rows(text: str) -> list[list[int]]:
+        return [[int(x) for x in row.split()] for row in text.split(";")] if text else []
+
     def unit_rows(self) -> list[list[int]]:
-        return [[int(x) for x in row.split()] for row in self.units.split(";")] if self.units else []
+        return self._rows(self.units)
 
     def resampled(self, picks: Sequence[int], rows: Sequence[Sequence[int]] | None = None) -> Option:
         """The option as judged on the units at these indices of `unit_rows()` (`rows`, when already parsed; repeats
@@ -72,7 +76,7 @@ class Option(_M):
         return self._from_counts([every[i] for i in picks])
 
     def block_rows(self) -> list[list[int]]:
-        return [[int(x) for x in row.split()] for row in self.blocks.split(";")] if self.blocks else []
+        return self._rows(self.blocks)
 
     def at_length(self, tokens: int) -> Option:
         """The option as judged on the first `tokens` positions of each answer (a run's --max-new-tokens): exits are

@@ -393,8 +393,7 @@ def plan_manifest(manifest: object, costs: Costs, max_risk: float | None = None)
     plan = choose(costs, boundaries, options)
     if cal is not None and cal.lookup is not None and "verify" in manifest.kv_policies:
         plan.lookup = choose_lookup(costs, cal.lookup, plan.min_gain, plan.level)
-        if plan.lookup is not None and plan.lookup.on and plan.lookup.prediction.speedup > _default_speedup(plan):
-            plan.default = LOOKUP
+        plan.default = lossless_default(plan)
     cert = manifest.certificate
     if cert is not None and cert.covers(max_risk) and cert.policy in manifest.kv_policies:
         plan.certified = choose_certified(costs, boundaries, cert, plan.level)
@@ -446,6 +445,16 @@ def settled(costs: Costs, plan: Plan) -> bool:
     """Whether timing may stop (plan/costs.py `measure_costs`'s `decided`): at least MIN_BATCHES batches, and
     nothing in `plan` (made from `costs`) undecided."""
     return costs.batch_count() >= MIN_BATCHES and not plan.undecided()
+
+
+def lossless_default(plan: Plan) -> str:
+    """The default among the lossless configurations: drafts from the context where they are on and beat verify's
+    choice, else verify's choice where its interval clears the line, else full depth."""
+    verify = plan.choices.get("verify")
+    runs_verify = verify is not None and bool(verify.exits) and verify.prediction.low() >= 1.0 + plan.min_gain
+    base, speedup = ("verify", verify.prediction.speedup) if runs_verify and verify is not None else ("full", 1.0)
+    lookup = plan.lookup
+    return LOOKUP if lookup is not None and lookup.on and lookup.prediction.speedup > speedup else base
 
 
 def _default_speedup(plan: Plan) -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from eectl.contracts.plan import LOOKUP, Choice, Plan
-from eectl.plan.choose import predict_option
+from eectl.plan.choose import lossless_default, predict_option
 from eectl.plan.lookup import lookup_at_length
 
 
@@ -33,12 +33,7 @@ def plan_for_run(m: Any, tokens: int) -> Plan | None:
         return plan
     new = plan.model_copy(update={"choices": choices, "lookup": lookup, "tokens": tokens})
     if plan.default in (LOOKUP, "verify", "full") and not plan.inexact:
-        verify = choices.get("verify")
-        line = 1.0 + plan.min_gain
-        runs_verify = verify is not None and bool(verify.exits) and verify.prediction.low() >= line
-        base, base_speedup = ("verify", verify.prediction.speedup) if runs_verify and verify else ("full", 1.0)
-        pays = lookup is not None and lookup.on and lookup.prediction.speedup > base_speedup
-        new.default = LOOKUP if pays else base
+        new.default = lossless_default(new)  # plan/choose.py's rule, on the prices at this length
     return new
 
 
