@@ -166,6 +166,12 @@ def next_budget(name: str) -> Budget | None:
     return BUDGETS[names[i + 1]] if i + 1 < len(names) else None
 
 
+# The int4 twin's revision (models/int4.py): 2 since its projections quantize their inputs as the kernel does at
+# accuracy level 4. A new revision gets a state cache folder of its own and keys the pipeline's cached heads and
+# calibrations, so nothing fitted against an earlier twin is reused.
+TWIN_REVISION = 2
+
+
 def states_folder(recipe_name: str, data_source: str, weights: str = "fp32") -> str:
     """Where a budget's state cache lives by default: one folder per recipe, data and weights, so budgets extend one
     another's and other data or the int4 twin gets a cache of its own (a cache refuses what it was not built
@@ -174,5 +180,5 @@ def states_folder(recipe_name: str, data_source: str, weights: str = "fp32") -> 
     from pathlib import PurePath
 
     tag = hashlib.sha256(data_source.encode()).hexdigest()[:6]
-    twin = "" if weights == "fp32" else f"-{weights}"
+    twin = "" if weights == "fp32" else f"-{weights}-twin{TWIN_REVISION}"
     return f"artifacts/{recipe_name}-states-{PurePath(data_source).stem}-{tag}{twin}"

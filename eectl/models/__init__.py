@@ -31,7 +31,7 @@ def load_model(
     (models/int4.py Int4Settings), its int4 twin: the model an int4 artifact of it runs."""
     loaded = loading.load_model(spec, dtype, log)
     if int4 is not None:
-        from eectl.models.int4 import to_int4_twin
+        from eectl.models.int4 import INT8_LEVEL, to_int4_twin
 
         if log is not None and hasattr(log, "log"):
             log.log("int4 twin: the weights an int4 export quantizes, as ONNX Runtime quantizes them")
@@ -40,4 +40,6 @@ def load_model(
         loaded.weights = "int4 " + ", ".join(
             f"{k}={list(v) if k == 'keep_layers' else v}" for k in keys if (v := getattr(int4, k)) is not None
         )
+        if getattr(int4, "accuracy_level", 0) == INT8_LEVEL:  # the twin's states are the int8-input kernel's
+            loaded.weights += ", activations=int8"
     return loaded

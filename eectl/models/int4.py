@@ -19,6 +19,12 @@ as that operator's contract defines: w = (q - zero_point) * scale per block of `
 The fused matrices are quantized as export quantizes them: RTN's blocks run along each output column on their own,
 but HQQ's solver stops on an error over the whole matrix, so quantizing q, k and v apart would give other values.
 
+At accuracy level 4 (the default) the kernel also quantizes its input: each row, per block of `block_size` input
+channels, to int8 with the scale max|x| / 127 (rounded to nearest, ties to even), and multiplies the integers exactly.
+The twin does the same to each quantized projection's input (`Int8Activations`, a forward pre-hook: the modules stay
+the model's own), so its products are the kernel's up to float rounding (~1e-6 of them, tests/test_int4_twin.py) and
+not the ~1e-2 a float input leaves; q, k and v quantize the same input as the fused node does.
+
 What this module does not do: quantize graphs (export/quantize.py), or copy a model (the twin IS the loaded model,
 changed in place; export must load its own fp32 model, since quantizing these dequantized weights again is not the
 artifact's quantization). It does not know about exits: with a quantized final LM head (`lm_head` int8/int4) the
@@ -63,6 +69,8 @@ class Int4Settings(Protocol):
     def lm_head(self) -> str: ...  # "fp32" | "int8" | "int4"
     @property
     def keep_layers(self) -> Sequence[int]: ...
+    @property
+    def accuracy_level(self) -> int: ...  # 4: int8 activations (Int8Activations); 0-3: float inputs
 
 
 @torch.no_grad()
@@ -72,7 +80,8 @@ def to_int4_twin(loaded: LoadedModel, settings: Int4Settings) -> LoadedModel:
     Every decoder layer's q/k/v/o/gate/up/down weight, except in `settings.keep_layers`, becomes the dequantized
     int4 value ORT's quantizer gives for it (biases, norms and the embedding stay); with `settings.lm_head` int8 or
     int4 the LM head becomes a new parameter of the quantized values (the embedding keeps the fp32 table, tied or
-    not). Call it once, on a freshly loaded model: its weights are then no longer the checkpoint's.
+    not). At accuracy level 4 each of those projections quantizes its input to int8 as the kernel does
+    (`Int8Activations`). Call it once, on a freshly loaded model: its weights are then no longer the checkpoint's.
     """
     adapter = loaded.adapter
     L = adapter.num_layers
@@ -87,6 +96,7 @@ def to_int4_twin(loaded: LoadedModel, settings: Int4Settings) -> LoadedModel:
             f"the int4 twin quantizes the float32 weights, as export does; this model is loaded as {adapter.dtype}",
             hint="load the model in float32 and make the twin before any cast or move",
         )
+    int8_inputs = getattr(settings, "accuracy_level", 0) == INT8_LEVEL
     for i in range(L):
         if i in settings.keep_layers:
             continue
@@ -100,6 +110,8 @@ def to_int4_twin(loaded: LoadedModel, settings: Int4Settings) -> LoadedModel:
                 out = lin.weight.shape[0]
                 lin.weight.copy_(deq[:, start : start + out].T)
                 start += out
+                if int8_inputs:
+                    lin.register_forward_pre_hook(Int8Activations(settings.block_size))
     if settings.lm_head != "fp32":
         head = adapter.lm_head
         table = head.weight.T.cpu().numpy()  # [H, V], as export's final exit graph holds it
@@ -108,7 +120,37 @@ def to_int4_twin(loaded: LoadedModel, settings: Int4Settings) -> LoadedModel:
         # a new parameter, not a copy into the old one: a tied embedding keeps the fp32 table
         weight = torch.from_numpy(np.ascontiguousarray(table_q.T)).to(head.weight.device)
         head.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if int8_inputs:  # export's head node carries the same accuracy level
+            head.register_forward_pre_hook(Int8Activations(settings.block_size))
     return loaded
+
+
+INT8_LEVEL = 4  # MatMulNBits' accuracy level whose kernel quantizes its input to int8 (CompInt8)
+
+
+class Int8Activations:
+    """A Linear's forward pre-hook: its input as MatMulNBits at accuracy level 4 sees it (`int8_blocks`)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (int8_blocks(args[0], self.block_size), *args[1:])
+
+
+def int8_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x [..., K] with each row quantized to int8 per block of `block_size` channels and dequantized, as ORT's CPU
+    kernel quantizes MatMulNBits' input at accuracy level 4 (MLAS QuantizeARow_CompInt8): scale = max|block| / 127,
+    q = round(x * (127 / max|block|)) (ties to even; an all-zero block stays zero); a last partial block is padded
+    with zeros. Float32, as the kernel."""
+    K = x.shape[-1]
+    pad = -K % block_size
+    xb = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    xb = xb.reshape(*x.shape[:-1], -1, block_size)
+    peak = xb.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(peak > 0, 127.0 / torch.where(peak > 0, peak, 1.0), 0.0)
+    q = torch.round(xb * inverse)
+    return (q * (peak / 127.0)).reshape(*x.shape[:-1], -1)[..., :K]
 
 
 def ort_int4_dequantized(

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eectl.cache import digest, model_identity, read, restore_files, store_files, texts_sha256, write
+from eectl.contracts.budgets import TWIN_REVISION
 from eectl.files import sha256_file
 
 if TYPE_CHECKING:
@@ -45,7 +46,11 @@ class PipelineCache:
             "target": recipe.target,
             "weights": recipe.weights,  # int4: heads and calibration fitted against the int4 twin
             # export's own settings (exact_wide) key the export alone: the torch stages' outputs are the same
-            **({"int4": recipe.int4.model_dump(exclude={"exact_wide"})} if recipe.weights == "int4" else {}),
+            **(
+                {"int4": recipe.int4.model_dump(exclude={"exact_wide"}), "twin": TWIN_REVISION}
+                if recipe.weights == "int4"
+                else {}
+            ),
         }
 
     def _files(self, stage: str) -> list[Path]:
