@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from eectl.cli import app
-from eectl.contracts.budgets import BUDGETS, HELD_TOKENS, states_folder
+from eectl.contracts.budgets import BUDGETS, HELD_TOKENS, TWIN_REVISION, states_folder
 from eectl.contracts.recipe import Recipe, apply_budget, load_recipe
 from eectl.data import TextData
 from eectl.errors import DataError, UsageError
@@ -78,6 +78,8 @@ def test_budgets_grow_and_share_the_held_out_split():
 def test_the_state_cache_folder_follows_the_data():
     assert states_folder("r", "humaneval") != states_folder("r", "a/train.jsonl")
     assert states_folder("r", "humaneval") == states_folder("r", "humaneval")
+    # the int4 twin's states are another model's, and a new twin revision's another again (nothing reused across)
+    assert states_folder("r", "humaneval", "int4").endswith(f"-int4-twin{TWIN_REVISION}")
 
 
 class _WordTokenizer:

@@ -128,7 +128,8 @@ class Int4Spec(_Strict):
     # pass give one-row full depth's tokens only with exact_wide below
     accuracy_level: int = Field(4, ge=0, le=4)
     # export --exact-wide: one-row calls pad their attention so wide passes are exact (lossless verify and lookup at
-    # levels 2-4; full depth ~6% slower on the default model: docs/results/2026-12-04-exact-wide.md)
+    # levels 2-4; full depth ~6% slower on an AVX2 CPU, 7% faster on an AVX-512 one:
+    # docs/results/2026-12-05-int4-twin.md)
     exact_wide: bool = False
 
 

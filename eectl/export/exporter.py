@@ -79,7 +79,8 @@ class ExportOptions:
     river: bool = False  # add int4 copies of the segments after the first exit (the `river` policy)
     certified_head: bool = True  # add the certified final head where the model allows it (export/certified_head.py)
     # one-row calls pad their attention so a wide pass computes each position bit for bit as a one-position step
-    # does (export/graphs.py _AttentionPad): lossless drafts on int4 at accuracy levels 2-4, for ~6% of full depth
+    # does (export/graphs.py _AttentionPad): lossless drafts on int4 at accuracy levels 2-4; full depth's cost depends
+    # on the CPU (~6% slower on AVX2, 7% faster on AVX-512)
     exact_wide: bool = False
 
 
