@@ -88,7 +88,7 @@ def test_copy_pays_the_kv_graphs_of_skipped_segments():
     assert p.ms_per_token == pytest.approx(0.4 * (4 + 0.3 + 2 * 1.0) + 0.6 * 15.3)
 
 
-def _simulate_verify(rate, precision, draft_ms, decision_ms, full_ms, block, steps=200_000, seed=0):
+def _simulate_verify(rate, precision, draft_ms, decision_ms, full_ms, block, steps=200_000, seed=0, check=None):
     """Verify as the runner runs it (policies.Verify): a step whose token may exit pays its decisions, then a draft
     (probability `rate`) or the full-depth pass that checks the waiting drafts; once `block` drafts wait, a forced
     pass without decisions checks them. The check emits the full model's token after the leading correct drafts."""
@@ -102,7 +102,7 @@ def _simulate_verify(rate, precision, draft_ms, decision_ms, full_ms, block, ste
                 ms += draft_ms
                 drafts.append(bool(rng.random() < precision))
                 continue
-        ms += full_ms
+        ms += full_ms + (check(len(drafts)) if check is not None and drafts else 0.0)
         leading = next((i for i, ok in enumerate(drafts) if not ok), len(drafts))
         tokens += leading + 1
         drafts = []
@@ -115,6 +115,31 @@ def test_verify_cycle_is_verify_as_the_runner_runs_it(rate, precision):
     """Golden numbers from a simulation of the runner's verify (200k steps, seeded): within 1.5%."""
     ms, _ = verify_cycle(rate, precision, draft_ms=6.0, decision_ms=0.5, full_ms=20.0, block=8)
     assert ms == pytest.approx(_simulate_verify(rate, precision, 6.0, 0.5, 20.0, 8), rel=0.015)
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.7, 1.0])
+def test_a_check_pass_costing_more_the_more_drafts_it_checks_is_priced_at_its_expectation(rate):
+    """The check pass of k drafts costing check(k) on top (a convex width cost): golden numbers from the same seeded
+    simulation, within 1.5%; and more than without it."""
+    check = lambda k: 0.4 * k * k  # noqa: E731
+    ms, _ = verify_cycle(rate, 0.9, draft_ms=6.0, decision_ms=0.5, full_ms=20.0, block=8, check=check)
+    assert ms == pytest.approx(_simulate_verify(rate, 0.9, 6.0, 0.5, 20.0, 8, check=check), rel=0.015)
+    assert ms > verify_cycle(rate, 0.9, draft_ms=6.0, decision_ms=0.5, full_ms=20.0, block=8)[0] * 1.01
+
+
+def test_verify_pays_wide_passes_beyond_what_one_more_position_costs():
+    """Export's wide passes (`Costs.wide_ms`) price the check of several drafts where they cost more than the linear
+    model's one more position per draft: the third position and later, when ORT's one-row attention makes the second
+    free. Where they cost no more than it, the prediction is the linear model's."""
+    option = [(4, 0.6, 1.0)]
+    linear = predict(_costs(), BOUNDARIES, "verify", option)
+    cheap = predict(_costs(wide_ms={"1": 15.0, "2": 15.5, "3": 16.0, "5": 17.0}), BOUNDARIES, "verify", option)
+    assert cheap.ms_per_token == pytest.approx(linear.ms_per_token, rel=1e-9)
+    steep = predict(_costs(wide_ms={"1": 15.0, "2": 15.2, "3": 19.0, "5": 27.0}), BOUNDARIES, "verify", option)
+    assert steep.ms_per_token > linear.ms_per_token * 1.02
+    # the bench's model at realized exits (a measured loss rate) pays them too
+    measured = predict(_costs(wide_ms={"1": 15.0, "2": 15.2, "3": 19.0, "5": 27.0}), BOUNDARIES, "verify", option, 0.0)
+    assert measured.ms_per_token > predict(_costs(), BOUNDARIES, "verify", option, 0.0).ms_per_token * 1.02
 
 
 def test_verify_prediction_has_no_jump_where_every_token_exits():

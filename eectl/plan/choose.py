@@ -66,7 +66,7 @@ What this module does not do: measure (plan/costs.py, calibrate/calibrator.py) o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -89,7 +89,7 @@ from eectl.contracts.plan import (
     Prediction,
 )
 from eectl.plan.intervals import Replicates, combined, unit_interval
-from eectl.plan.lookup import choose_lookup
+from eectl.plan.lookup import choose_lookup, wide_ms
 
 
 def sequence_agreement(disagreement: float, new_tokens: int) -> float:
@@ -172,13 +172,17 @@ def predict(
         rate += cov
     lost = 0.0
     checks = _spec(policy).checks_drafts
+    check = _check_excess(costs, boundaries, per_exit) if checks else None
     if checks and lost_rate is None:  # drafts checked in cycles (`verify_cycle`)
         precision = sum(cov * (1.0 if p is None else p) for _, cov, p in per_exit) / rate if rate > 0 else 1.0
-        per_token, lost = verify_cycle(min(rate, 1.0), precision, paid / rate if rate > 0 else 0.0, decision, full)
+        draft = paid / rate if rate > 0 else 0.0
+        per_token, lost = verify_cycle(min(rate, 1.0), precision, draft, decision, full, check=check)
     else:
         if checks:  # measured: the tokens rolled back per step of a run
             lost = min(float(lost_rate or 0.0), 0.95)
-        per_token = (decision + paid + max(0.0, 1.0 - rate) * full) / (1.0 - lost)
+        # verify's check passes: one a cycle, a cycle ending at each step that does not exit
+        checked = max(0.0, 1.0 - rate) * expected_check(min(rate, 1.0), check) if check is not None else 0.0
+        per_token = (decision + paid + max(0.0, 1.0 - rate) * full + checked) / (1.0 - lost)
     return Prediction(
         policy=policy,
         exits=exits,
@@ -192,7 +196,13 @@ def predict(
 
 
 def verify_cycle(
-    rate: float, precision: float, draft_ms: float, decision_ms: float, full_ms: float, block: int = VERIFY_BLOCK
+    rate: float,
+    precision: float,
+    draft_ms: float,
+    decision_ms: float,
+    full_ms: float,
+    block: int = VERIFY_BLOCK,
+    check: Callable[[int], float] | None = None,
 ) -> tuple[float, float]:
     """Verify's ms per emitted token and tokens lost per step, from its cycles.
 
@@ -206,13 +216,55 @@ def verify_cycle(
         ms per cycle     = E[K] (draft_ms + decision_ms) + full_ms + (1 - rate^block) decision_ms
 
     with E[K] = sum_{m=1..block} rate^m. Exact for drafts whose correctness is independent from step to step; it
-    holds at every exit rate, 1 included (every token exits: cycles of `block` drafts)."""
+    holds at every exit rate, 1 included (every token exits: cycles of `block` drafts). `check(k)`: what the pass
+    checking k drafts costs beyond k drafts' share of it in `draft_ms` (`_check_excess`), added at its expectation
+    over K (`expected_check`)."""
     m = np.arange(1, block + 1)
     drafts = float(np.sum(rate**m))
     tokens = 1.0 + float(np.sum((rate * precision) ** m))
     ms = drafts * (draft_ms + decision_ms) + full_ms + (1.0 - rate**block) * decision_ms
+    ms += expected_check(rate, check, block)
     steps = drafts + 1.0
     return ms / tokens, (steps - tokens) / steps
+
+
+def expected_check(rate: float, check: Callable[[int], float] | None, block: int = VERIFY_BLOCK) -> float:
+    """E[check(K)] over a cycle's drafts K: P(K = k) = rate^k (1 - rate) below `block`, rate^block at it."""
+    if check is None or rate <= 0.0:
+        return 0.0
+    p = [rate**k * (1.0 - rate) for k in range(block)] + [rate**block]
+    return float(sum(pk * check(k) for k, pk in enumerate(p) if k > 0))
+
+
+def _check_excess(
+    costs: Costs, boundaries: Sequence[int], per_exit: Sequence[tuple[int, float, float | None]]
+) -> Callable[[int], float] | None:
+    """What the pass checking k drafts costs beyond what the linear model charges them (k drafts' one more position
+    in each later segment and one more head row, in `_exit_paid`), from the wide passes export timed (`Costs.wide_ms`:
+    a step over 1 + k positions on the bound chain): their extra over a one-position step, the later segments' share
+    of it (the segments after the exits, weighted by coverage). A pass's width is not linear in cost: ORT's one-row
+    attention can cost what two rows do (then the second position is free) while the third and later are not.
+    None without wide timings."""
+    if not costs.wide_ms or not per_exit:
+        return None
+    total = sum(costs.segment_ms)
+    rate = sum(cov for _, cov, _ in per_exit)
+    if total <= 0 or rate <= 0:
+        return None
+    share = sum(cov * sum(costs.segment_ms[_segment_of(boundaries, layer) + 1 :]) for layer, cov, _ in per_exit)
+    share /= rate * total
+    # the linear model's charge per draft (`_exit_paid`): one more position in each later segment, one more head row
+    later = [sum(costs.segment_extra_ms[_segment_of(boundaries, layer) + 1 :]) for layer, _, _ in per_exit]
+    linear = sum(cov * x for (_, cov, _), x in zip(per_exit, later, strict=True)) + rate * costs.final_head_extra_ms
+    one = wide_ms(costs, 1) or 0.0
+
+    def excess(k: int) -> float:
+        wide = wide_ms(costs, k + 1)
+        if wide is None:
+            return 0.0
+        return max(0.0, (wide - one) * share - k * linear / rate)
+
+    return excess
 
 
 def _exit_paid(costs: Costs, boundaries: Sequence[int], policy: str, layer: int, over: float) -> float:
