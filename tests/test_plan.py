@@ -7,7 +7,8 @@ import pytest
 
 from eectl.contracts.options import ExitOption, Option
 from eectl.contracts.plan import MIN_GAIN, Costs
-from eectl.plan.choose import choose, predict, verify_cycle
+from eectl.plan.choose import choose, predict
+from eectl.plan.verify import verify_cycle
 
 # three segments ending at layers 4, 8 and 12 (L = 12): exits can sit at 4 and 8
 BOUNDARIES = [4, 8, 12]

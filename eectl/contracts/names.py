@@ -40,7 +40,7 @@ class PolicySpec:
     needs_river_copies: bool = False  # runs the int4 segment copies that `export --river` adds
     later: str = RIDE  # what the segments after an exit cost an exited token (KV_CALLS, RIDE, RIVER_CALLS)
     # exited tokens are drafts that a later full-depth pass checks, one more row of the final head each, and rolls
-    # back when wrong: priced by its cycles (plan/choose.py verify_cycle)
+    # back when wrong: priced by its cycles (plan/verify.py verify_cycle)
     checks_drafts: bool = False
 
 

@@ -66,7 +66,7 @@ What this module does not do: measure (plan/costs.py, calibrate/calibrator.py) o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -81,7 +81,6 @@ from eectl.contracts.plan import (
     MIN_GAIN,
     PLAN_POLICIES,
     RIVER_EXIT,
-    VERIFY_BLOCK,
     Choice,
     Costs,
     Option,
@@ -89,7 +88,8 @@ from eectl.contracts.plan import (
     Prediction,
 )
 from eectl.plan.intervals import Replicates, combined, unit_interval
-from eectl.plan.lookup import choose_lookup, wide_ms
+from eectl.plan.lookup import choose_lookup
+from eectl.plan.verify import check_excess, expected_check, segment_of, verify_cycle
 
 
 def sequence_agreement(disagreement: float, new_tokens: int) -> float:
@@ -115,11 +115,6 @@ def _river_ms(costs: Costs, segment: int) -> float:
     if ms is None:
         raise ValueError(f"no river timing for segment {segment}: the costs were measured without river copies")
     return ms
-
-
-def _segment_of(boundaries: Sequence[int], layer: int) -> int:
-    """Index of the segment that ends at `layer` (boundaries: each segment's end layer, in order)."""
-    return list(boundaries).index(layer)
 
 
 def predict(
@@ -172,7 +167,7 @@ def predict(
         rate += cov
     lost = 0.0
     checks = _spec(policy).checks_drafts
-    check = _check_excess(costs, boundaries, per_exit) if checks else None
+    check = check_excess(costs, boundaries, per_exit) if checks else None
     if checks and lost_rate is None:  # drafts checked in cycles (`verify_cycle`)
         precision = sum(cov * (1.0 if p is None else p) for _, cov, p in per_exit) / rate if rate > 0 else 1.0
         draft = paid / rate if rate > 0 else 0.0
@@ -195,85 +190,13 @@ def predict(
     )
 
 
-def verify_cycle(
-    rate: float,
-    precision: float,
-    draft_ms: float,
-    decision_ms: float,
-    full_ms: float,
-    block: int = VERIFY_BLOCK,
-    check: Callable[[int], float] | None = None,
-) -> tuple[float, float]:
-    """Verify's ms per emitted token and tokens lost per step, from its cycles.
-
-    A cycle is K drafts (each step's token exits with probability `rate`, a draft step costing `draft_ms` plus the
-    decision) closed by a full-depth pass that checks them: a token that does not exit (its decisions and the full
-    step), or, once `block` drafts wait, a forced pass (no decisions). The pass emits the full model's token after
-    the drafts it accepts: the leading correct ones, each correct with probability `precision`, so a cycle emits
-    1 + sum_{m=1..K} precision^m tokens. P(K >= m) = rate^m (m <= block), hence
-
-        tokens per cycle = 1 + sum_{m=1..block} (rate * precision)^m
-        ms per cycle     = E[K] (draft_ms + decision_ms) + full_ms + (1 - rate^block) decision_ms
-
-    with E[K] = sum_{m=1..block} rate^m. Exact for drafts whose correctness is independent from step to step; it
-    holds at every exit rate, 1 included (every token exits: cycles of `block` drafts). `check(k)`: what the pass
-    checking k drafts costs beyond k drafts' share of it in `draft_ms` (`_check_excess`), added at its expectation
-    over K (`expected_check`)."""
-    m = np.arange(1, block + 1)
-    drafts = float(np.sum(rate**m))
-    tokens = 1.0 + float(np.sum((rate * precision) ** m))
-    ms = drafts * (draft_ms + decision_ms) + full_ms + (1.0 - rate**block) * decision_ms
-    ms += expected_check(rate, check, block)
-    steps = drafts + 1.0
-    return ms / tokens, (steps - tokens) / steps
-
-
-def expected_check(rate: float, check: Callable[[int], float] | None, block: int = VERIFY_BLOCK) -> float:
-    """E[check(K)] over a cycle's drafts K: P(K = k) = rate^k (1 - rate) below `block`, rate^block at it."""
-    if check is None or rate <= 0.0:
-        return 0.0
-    p = [rate**k * (1.0 - rate) for k in range(block)] + [rate**block]
-    return float(sum(pk * check(k) for k, pk in enumerate(p) if k > 0))
-
-
-def _check_excess(
-    costs: Costs, boundaries: Sequence[int], per_exit: Sequence[tuple[int, float, float | None]]
-) -> Callable[[int], float] | None:
-    """What the pass checking k drafts costs beyond what the linear model charges them (k drafts' one more position
-    in each later segment and one more head row, in `_exit_paid`), from the wide passes export timed (`Costs.wide_ms`:
-    a step over 1 + k positions on the bound chain): their extra over a one-position step, the later segments' share
-    of it (the segments after the exits, weighted by coverage). A pass's width is not linear in cost: ORT's one-row
-    attention can cost what two rows do (then the second position is free) while the third and later are not.
-    None without wide timings."""
-    if not costs.wide_ms or not per_exit:
-        return None
-    total = sum(costs.segment_ms)
-    rate = sum(cov for _, cov, _ in per_exit)
-    if total <= 0 or rate <= 0:
-        return None
-    share = sum(cov * sum(costs.segment_ms[_segment_of(boundaries, layer) + 1 :]) for layer, cov, _ in per_exit)
-    share /= rate * total
-    # the linear model's charge per draft (`_exit_paid`): one more position in each later segment, one more head row
-    later = [sum(costs.segment_extra_ms[_segment_of(boundaries, layer) + 1 :]) for layer, _, _ in per_exit]
-    linear = sum(cov * x for (_, cov, _), x in zip(per_exit, later, strict=True)) + rate * costs.final_head_extra_ms
-    one = wide_ms(costs, 1) or 0.0
-
-    def excess(k: int) -> float:
-        wide = wide_ms(costs, k + 1)
-        if wide is None:
-            return 0.0
-        return max(0.0, (wide - one) * share - k * linear / rate)
-
-    return excess
-
-
 def _exit_paid(costs: Costs, boundaries: Sequence[int], policy: str, layer: int, over: float) -> float:
     """The ms of a step whose token exits at `layer`: the segments up to it, the exit's prediction, and what the
     policy's spec (`contracts/names.py` POLICY_SPECS) says the later segments cost it: K/V-only calls (copy), the
     int4 copies (river), or one more position in a later pass (defer, verify; a draft also one more row of the
     final head that checks it)."""
     spec = _spec(policy)
-    s = _segment_of(boundaries, layer)
+    s = segment_of(boundaries, layer)
     paid = costs.embed_ms + sum(costs.segment_ms[: s + 1]) + over * (s + 1)
     river_end = spec.later == RIVER_CALLS and policy != RIVER_EXIT  # the river's end predicts instead of the exit
     if costs.exit_predict_ms is not None and not river_end:
