@@ -12,6 +12,8 @@ configurations' prediction.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from eectl.contracts.plan import LEVEL, LOOKUP, MIN_GAIN, Costs, LookupChoice, LookupStats, Plan, Prediction
@@ -23,17 +25,22 @@ def wide_ms(costs: Costs, width: int) -> float | None:
     runner takes it (plan/costs.py `wide_step_calls`: the drafts' search, the wide pass, the check): linear between
     the widths timed (beyond the widest: its last slope). Width 1 is a step whose search found nothing (costs timed
     before "1" was: the baseline step). None without wide timings."""
+    got = wide_steps(costs, [width])
+    return None if got is None else got[0]
+
+
+def wide_steps(costs: Costs, widths: Sequence[int]) -> list[float] | None:
+    """`wide_ms` at each of `widths` (the timings sorted and interpolated once). None without wide timings where a
+    width above 1 is asked for."""
     one = costs.wide_ms.get("1", costs.baseline_ms())
-    if width <= 1:
-        return one
     if not costs.wide_ms:
-        return None
+        return None if any(w > 1 for w in widths) else [one] * len(widths)
     known = sorted({1: one, **{int(w): v for w, v in costs.wide_ms.items()}}.items())
     xs, ys = [x for x, _ in known], [y for _, y in known]
-    if width <= xs[-1]:
-        return float(np.interp(width, xs, ys))
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return ys[-1] + slope * (width - xs[-1])
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+    return [
+        one if w <= 1 else float(np.interp(w, xs, ys)) if w <= xs[-1] else ys[-1] + slope * (w - xs[-1]) for w in widths
+    ]
 
 
 def predict_lookup(costs: Costs, stats: LookupStats) -> Prediction | None:
@@ -41,13 +48,11 @@ def predict_lookup(costs: Costs, stats: LookupStats) -> Prediction | None:
     full = costs.baseline_ms()
     if stats.tokens <= 0 or full <= 0:
         return None
-    total = 0.0
-    for w, n in stats.steps.items():
-        ms = wide_ms(costs, int(w))
-        if ms is None:
-            return None
-        total += n * ms
-    per_token = total / stats.tokens
+    widths = [int(w) for w in stats.steps]
+    steps = wide_steps(costs, widths)
+    if steps is None:
+        return None
+    per_token = sum(n * ms for n, ms in zip(stats.steps.values(), steps, strict=True)) / stats.tokens
     return Prediction(
         policy=LOOKUP,
         exits=[],

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from eectl.contracts.plan import VERIFY_BLOCK, Costs
-from eectl.plan.lookup import wide_ms
+from eectl.plan.lookup import wide_steps
 
 
 def segment_of(boundaries: Sequence[int], layer: int) -> int:
@@ -81,12 +81,10 @@ def check_excess(
     # the linear model's charge per draft (`_exit_paid`): one more position in each later segment, one more head row
     later = [sum(costs.segment_extra_ms[segment_of(boundaries, layer) + 1 :]) for layer, _, _ in per_exit]
     linear = sum(cov * x for (_, cov, _), x in zip(per_exit, later, strict=True)) + rate * costs.final_head_extra_ms
-    one = wide_ms(costs, 1) or 0.0
-
-    def excess(k: int) -> float:
-        wide = wide_ms(costs, k + 1)
-        if wide is None:
-            return 0.0
-        return max(0.0, (wide - one) * share - k * linear / rate)
-
-    return excess
+    # the steps over 1 .. VERIFY_BLOCK + 1 positions, interpolated once: `predict` prices hundreds of options and
+    # their resamples
+    steps = wide_steps(costs, range(1, VERIFY_BLOCK + 2))
+    if steps is None:
+        return None
+    table = [max(0.0, (wide - steps[0]) * share - k * linear / rate) for k, wide in enumerate(steps)]
+    return lambda k: table[min(k, VERIFY_BLOCK)]
