@@ -254,6 +254,57 @@ def test_rows_join_and_leave_between_steps(artifacts, family):
         _runner(rt, exits=[]).generate(prompts, slots=0)
 
 
+@pytest.mark.parametrize("policy", ["full", "defer", "verify"])
+def test_calls_reuse_the_last_calls_cache_and_chain(artifacts, policy):
+    """A generate call steps on the last call's KV cache and bound chain where they fit (lengths reset, nothing bound
+    again: verify's check widths stay bound) and generates what a fresh runner does, exits and cache alike; a call
+    needing more room, another batch width or a changed configuration gets new buffers."""
+    loaded, rt = artifacts["llama"]
+    v = loaded.adapter.dims.vocab_size
+    a, b = _prompt(41, 12, v), _prompt(42, 5, v)
+    # verify: every token drafts at the first exit (its checks run wide); defer: some exit, some do not
+    thresholds = (
+        {} if policy == "full" else {2: 0.0, 4: 0.0} if policy == "verify" else _median_thresholds(loaded, a, 16)
+    )
+
+    def fresh() -> Runner:
+        return _runner(rt, "verify" if policy == "full" else policy, thresholds, [] if policy == "full" else EXITS, 16)
+
+    runner = fresh()
+    first = runner.generate([a])[0]
+    kv, kept = runner.last_kv, runner._kept
+    assert kept is not None and kept.chain is not None and kv is kept.kv
+    bound = dict(kept.chain.wide)  # the wide calls bound so far (verify's checks, defer's flushes)
+    if policy != "full":
+        assert _mixed([6, *first.exit_layers]) and bound, first.exit_layers
+        assert policy != "verify" or first.rejected_drafts > 0
+    for prompt, ref in ((b, None), (a, first)):  # b after a, then a after b: nothing of the last answer is read
+        got = runner.generate([prompt])[0]
+        alone = fresh()
+        want = ref or alone.generate([prompt])[0]
+        assert runner.last_kv is kv and runner._kept is kept and kept.chain.wide.items() >= bound.items()
+        assert (got.token_ids, got.exit_layers) == (want.token_ids, want.exit_layers)
+        if ref is None:
+            assert alone.last_kv is not None and (kv.filled == alone.last_kv.filled).all()
+            n = len(prompt) + len(got.token_ids) - 1
+            for mine, theirs in zip(kv.batch_keys, alone.last_kv.batch_keys, strict=True):
+                assert (mine[:, :, :n] == theirs[:, :, :n]).all()
+    runner.generate([a + a + a])  # more room than the cache has: new buffers, grown
+    assert runner.last_kv is not kv and runner.last_kv.max_len > kv.max_len
+    grown = runner.last_kv
+    runner.generate([a, b])  # two rows
+    assert runner.last_kv is not grown and runner.last_kv.rows == 2
+    two = runner.last_kv
+    slots = dict(runner._kept.prompt_chains)  # the one-row chains each slot's prompt ran on (full depth: exits in a
+    assert len(slots) == (2 if policy == "full" else 0)  # batch step on the general path)
+    alone_b = fresh().generate([b])[0].token_ids
+    assert [g.token_ids for g in runner.generate([b, a])] == [alone_b, first.token_ids]
+    assert runner.last_kv is two and runner._kept.prompt_chains == slots
+    runner.cfg.certified_head = not runner.cfg.certified_head  # another configuration: its chain binds anew
+    runner.generate([a, b])
+    assert runner.last_kv is not two and runner._kept is not None and runner._kept.cfg == runner.cfg
+
+
 def test_sampling_is_deterministic_for_a_seed(artifacts):
     loaded, rt = artifacts["mistral"]
     prompt = _prompt(8, 6, loaded.adapter.dims.vocab_size)

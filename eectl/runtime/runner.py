@@ -24,8 +24,10 @@ What this module does not do: tokenise or format output (run/generate.py / cli/)
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -52,6 +54,17 @@ from eectl.runtime.sampling import pick_token
 from eectl.runtime.segment_rows import segment_rows
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import Generation, RowState, RunConfig
+
+
+@dataclass
+class _Kept:
+    """A generate call's KV cache and bound chain, kept for the next call, with the configuration they were bound
+    under."""
+
+    kv: BatchKV
+    chain: DecodeChain | None
+    cfg: RunConfig
+    prompt_chains: dict[int, DecodeChain] = field(default_factory=dict)  # slot -> a one-row chain for its prompts
 
 
 class Runner:
@@ -105,6 +118,7 @@ class Runner:
             self.lookup = PromptLookup(config.prompt_drafts, ngram, min(MIN_NGRAM, ngram), min_draft=shortest)
         self.rng = np.random.default_rng(config.seed)
         self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
+        self._kept: _Kept | None = None  # the last call's cache and chain, which the next call reuses (`_buffers`)
         # the placement of the call in progress: generate()'s own while it runs, else the host's
         self.place: Placement = HOST
         # the last generate()'s host reads, per step (device-resident or on the bound chain; none on the host path)
@@ -344,20 +358,20 @@ class Runner:
                 f"of {self.m.max_positions}"
             )
         width = len(prompts) if slots is None else min(slots, len(prompts))
-        kv = new_batch_kv(self.rt, width, need)
+        kv, chain = self._buffers(width, need)
         self.last_kv = kv
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
         if self.lookup is not None:
             for st in rows:
                 st.lookup = self.lookup.new_state()
-        chain = self._chain(kv, width)
         device = chain is None and self._on_device()
         # host reads recorded per step where every step's reads are named: device-resident, or on the bound chain
         place = Placement(device=device, record=chain is not None)  # a device run records its reads anyway
         self.step_reads = place.steps
         self.place = place
         try:
-            self._loop(kv, rows, chain, on_step)
+            assert self._kept is not None
+            self._loop(kv, rows, chain, on_step, self._kept.prompt_chains)
         finally:
             self.place = HOST  # scoring, chat and cost timing run on the host (their own calls)
         return [st.generation() for st in rows]
@@ -368,13 +382,14 @@ class Runner:
         rows: list[RowState],
         chain: DecodeChain | None,
         on_step: Callable[[int, list[int]], None] | None,
+        prompt_chains: dict[int, DecodeChain],
     ) -> None:
         """Steps until every prompt is done. `seated[slot]` is the prompt in that slot of the cache; a prompt whose
-        first step is still to run (its prefill: the whole prompt, always full depth) is `fresh`."""
+        first step is still to run (its prefill: the whole prompt, always full depth) is `fresh`. `prompt_chains`: slot
+        -> a one-row chain for its prompts in a batch (the kept buffers', `_buffers`)."""
         queue = list(range(len(rows)))
         seated: dict[int, int] = {}
         fresh: set[int] = set()
-        prompt_chains: dict[int, DecodeChain] = {}  # slot -> a one-row chain for its prompts (a batch's chain)
 
         def seat() -> None:  # fill the free slots with the next prompts, in order
             for slot in range(kv.rows):
@@ -414,6 +429,22 @@ class Runner:
                     del seated[s]
             self.place.end_step()
             seat()
+
+    def _buffers(self, width: int, need: int) -> tuple[BatchKV, DecodeChain | None]:
+        """The KV cache of `width` rows with room for `need` positions, and the bound chain over it: the last call's,
+        its lengths reset, where it has as many rows, the room, and was bound under the same configuration (a
+        serving runtime's cache: the next call binds nothing the last one bound, e.g. verify's check widths, which
+        bind on first use); else new ones, the old freed first (prompts in random order of length reallocate about
+        ln(n) times in n calls). So `last_kv` is overwritten by the next call."""
+        kept = self._kept
+        if kept is not None and kept.kv.rows == width and kept.kv.max_len >= need and kept.cfg == self.cfg:
+            kept.kv.rollback(slice(None), 0)
+            return kept.kv, kept.chain
+        self._kept = self.last_kv = kept = None  # the old buffers freed before the new ones are allocated
+        kv = new_batch_kv(self.rt, width, need)
+        chain = self._chain(kv, width)
+        self._kept = _Kept(kv, chain, copy.deepcopy(self.cfg))
+        return kv, chain
 
     def _pad(self) -> bool:
         """Whether a batch's prompts of several lengths prefill in one padded call (RunConfig.batch_prompts; default:
