@@ -439,3 +439,29 @@ def test_the_greedy_head_is_priced_as_the_chain_runs_it():
     assert cert.head_ms() == pytest.approx(1.4) and cert.baseline_ms() == pytest.approx(17.4)
     unknown = _costs(chain_step_ms=20.0, final_head_ms=4.0, certified_head_ms=1.0)
     assert unknown.head_ms() == pytest.approx(5.0) and unknown.baseline_ms() == pytest.approx(21.0)
+
+
+def test_wide_passes_timed_with_the_full_head_get_decodes_greedy_head():
+    """Wide passes timed with the full head (`Costs.wide_full_head`) are priced with the head decode runs over their
+    rows: the certified head, plus the full head over every row where any row misses, each at its timed row counts
+    (interpolated; without them, one more row's extra each); timed the old way (with the certified head), as timed."""
+    from eectl.plan.lookup import wide_steps
+
+    kw = dict(chain_step_ms=20.0, final_head_ms=4.0, final_head_extra_ms=0.5, certified_head_ms=1.0)
+    kw |= dict(certified_miss=0.1, wide_ms={"1": 20.0, "2": 21.0, "3": 23.0, "5": 26.0})
+    assert wide_steps(_costs(**kw), [1, 2, 3]) == [20.0, 21.0, 23.0]
+    untimed = _costs(wide_full_head=True, **kw)
+    assert untimed.greedy_head_ms(1) == pytest.approx(untimed.head_ms()) == pytest.approx(1.4)
+    # two rows: the certified head as one row; both pass with 0.9^2, else the full head over both (4.0 + 0.5)
+    assert untimed.greedy_head_ms(2) == pytest.approx(1.0 + 0.19 * 4.5)
+    rows = dict(head_rows_ms={"2": 4.1, "3": 5.0}, certified_rows_ms={"2": 1.05, "3": 1.5})
+    timed = _costs(wide_full_head=True, **rows, **kw)
+    assert timed.full_head_ms(2) == 4.1 and timed.full_head_ms(5) == pytest.approx(5.0 + 2 * 0.9)  # its last slope
+    assert timed.greedy_head_ms(3) == pytest.approx(1.5 + 0.271 * 5.0)
+    got = wide_steps(timed, [1, 2, 3, 4])
+    want = [20.0 - 4.0 + 1.4, 21.0 - 4.1 + 1.05 + 0.19 * 4.1, 23.0 - 5.0 + 1.5 + 0.271 * 5.0]
+    five = 26.0 - 6.8 + 2.4 + 0.40951 * 6.8  # five rows: both heads at their last slope
+    assert got[:3] == pytest.approx(want) and got[3] == pytest.approx((want[2] + five) / 2)
+    assert got[0] == pytest.approx(timed.baseline_ms())  # a step that drafts nothing is the chain's full-depth step
+    plain = _costs(**{**kw, "certified_head_ms": None}, wide_full_head=True)  # no certified head: the full head
+    assert wide_steps(plain, [1, 2, 3]) == [20.0, 21.0, 23.0]

@@ -195,21 +195,21 @@ def test_one_row_drafts_run_on_the_bound_chain(artifacts, monkeypatch, attempts)
 
 
 def test_drafted_steps_are_timed_as_the_runner_takes_them(artifacts, family, monkeypatch):
-    """The prices of steps with drafts (plan/costs.py `wide_step_calls`) time the runner's own drafted step: the
+    """The prices of steps with drafts (plan/step_calls.py `wide_step_calls`) time the runner's own drafted step: the
     drafts proposed from the context by the search (as many as the width names; none for "wide.1"), the step on the
     bound chain with verify's check, at the costs' past, over and over on the same cache."""
-    import eectl.plan.costs as costs_module
-    from eectl.plan.costs import WIDE_WIDTHS, wide_step_calls
+    import eectl.plan.step_calls as step_calls
+    from eectl.plan.step_calls import WIDE_WIDTHS, wide_step_calls
 
     rt = artifacts[family]
     seen: list[tuple[int, int, int]] = []
-    real = costs_module.chain_step
+    real = step_calls.chain_step
 
     def spy(runner, chain, st, kv, drafts=0):
         seen.append((drafts, int(kv.filled[0].min()), len(st.drafts)))
         return real(runner, chain, st, kv, drafts)
 
-    monkeypatch.setattr(costs_module, "chain_step", spy)
+    monkeypatch.setattr(step_calls, "chain_step", spy)
     calls = wide_step_calls(rt, past=40)
     assert sorted(calls) == sorted(f"wide.{w}" for w in (1, *WIDE_WIDTHS))
     for _ in range(2):  # a second round starts from the same state
@@ -228,6 +228,10 @@ def test_a_plain_lookup_step_is_priced_as_timed():
     )
     pred = predict_lookup(costs, stats)
     assert pred is not None and pred.speedup == pytest.approx(100 * 10.0 / (40 * 10.5 + 20 * 14.0), abs=1e-4)
+    # timed below full depth's step (it takes the exit-step path, a little cheaper than the chain's full-depth step
+    # the plain step runs): the baseline, never less
+    below = predict_lookup(_costs(wide_ms={"1": 9.5, "2": 11.0, "5": 14.0}), stats)
+    assert below is not None and below.speedup == pytest.approx(100 * 10.0 / (40 * 10.0 + 20 * 14.0), abs=1e-4)
 
 
 def test_stop_tokens_and_the_length_limit_are_full_depths(artifacts, family):

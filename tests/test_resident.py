@@ -266,7 +266,7 @@ def test_the_chain_binds_and_steps_device_buffers(runtimes, fam, monkeypatch):
     host buffers' tokens, one position at a time from an empty cache; export's timed chain step runs too."""
     import onnxruntime as ort
 
-    from eectl.plan.costs import chain_step_call
+    from eectl.plan.step_calls import chain_step_call
     from eectl.runtime.chain import DecodeChain
 
     loaded, rt = runtimes[fam]

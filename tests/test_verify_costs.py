@@ -40,3 +40,31 @@ def test_the_final_heads_extra_row_is_timed_as_verify_checks_drafts(artifact, mo
     assert (L, 2) not in full_rows  # not the unpacked head with full logits
     s = c.samples_ms
     assert s is not None and c.final_head_extra_ms == pytest.approx(sorted(s["final_head_extra_ms"])[1])  # median of 3
+
+
+def test_wide_passes_are_timed_with_the_full_head(artifact, monkeypatch):
+    """The wide passes' timing runs the full head at every width (the certified head's pass or miss on random
+    contexts is not decode's) and says so; both heads are timed over each width's rows for the plan to swap
+    decode's in."""
+    from eectl.plan import costs as costs_module
+    from eectl.plan import step_calls
+    from eectl.runtime.certified_head import CertifiedHead
+    from eectl.runtime.graph_calls import GraphCalls
+
+    rt = ArtifactRuntime(artifact, provider="cpu")
+    assert rt.certified_head is not None
+    calls = step_calls.wide_step_calls(rt, 8)
+    assert set(calls) == {"wide.1", *(f"wide.{w}" for w in step_calls.WIDE_WIDTHS)}
+    certified: list[int] = []
+    run, tokens = CertifiedHead.run, GraphCalls._certified_tokens
+    monkeypatch.setattr(CertifiedHead, "run", lambda self, *a, **k: certified.append(1) or run(self, *a, **k))
+    monkeypatch.setattr(GraphCalls, "_certified_tokens", lambda self, *a: certified.append(1) or tokens(self, *a))
+    for call in calls.values():
+        call()
+    assert certified == []
+    c = costs_module.measure_costs(rt, past=8, repeats=2, warmup=0)
+    assert certified  # the certified head's own timing (one row, and each wide pass's rows)
+    widths = {str(w) for w in step_calls.WIDE_WIDTHS}
+    assert c.wide_full_head and set(c.wide_ms) == {"1", *widths}
+    assert set(c.head_rows_ms) == set(c.certified_rows_ms) == widths and c.samples_ms is not None
+    assert c.certified_rows_ms["3"] == pytest.approx(sum(c.samples_ms["certified_rows_ms.3"]) / 2)  # median of 2

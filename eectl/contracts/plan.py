@@ -79,6 +79,10 @@ class Costs(_M):
     # did not pass (those run the full head too); None: the artifact has none
     certified_head_ms: float | None = None
     certified_miss: float | None = None
+    # rows (a wide pass's positions, 2 and more) -> the full head as verify's check runs it over them, and the
+    # certified head; empty: not timed (the full head then costs one more row's extra each, the certified head as one)
+    head_rows_ms: dict[str, float] = Field(default_factory=dict)
+    certified_rows_ms: dict[str, float] = Field(default_factory=dict)
     # bytes of segment weights kept resident when these were timed (run/bench --memory-budget: the slow tier's
     # segments timed cold, reading their weights from the file as a run does); None: every segment resident
     memory_budget: int | None = None
@@ -114,6 +118,10 @@ class Costs(_M):
     # pass width (positions) -> a full-depth pass over that many positions on the bound chain: a step carrying
     # drafts from the context (runtime/drafts.py), its drafts embedded first. Empty: costs timed before them
     wide_ms: dict[str, float] = Field(default_factory=dict)
+    # the wide passes were timed with the full head (a deterministic call: the certified head's pass or miss on the
+    # timing's random contexts is not decode's), and `wide_head_ms` swaps decode's greedy head in for it. False:
+    # timed with the certified head (older artifacts), used as timed
+    wide_full_head: bool = False
     # rounds per timing batch: the rounds were timed in passes of this many (plan/costs.py), batch b holding rounds
     # b*n to (b+1)*n - 1, and the plan's intervals are over batches (plan/choose.py). None: costs timed before
     # batches, their rounds resampled one by one
@@ -184,10 +192,28 @@ class Costs(_M):
 
     def head_ms(self) -> float:
         """The greedy final head as the chain runs it: the certified head, and the full head where it misses."""
+        return self.greedy_head_ms(1)
+
+    def greedy_head_ms(self, rows: int) -> float:
+        """The greedy final head over `rows` rows as decode runs it (one row: the chain's; several: verify's check of
+        drafts): the certified head, and the full head over every row where any row misses (each row missing
+        independently at `certified_miss`); the full head alone where the artifact has no certified head."""
+        full = self.full_head_ms(rows)
         if self.certified_head_ms is None:
-            return self.final_head_ms
+            return full
         miss = 1.0 if self.certified_miss is None else self.certified_miss
-        return self.certified_head_ms + miss * self.final_head_ms
+        certified = _rows_ms(self.certified_head_ms, self.certified_rows_ms, rows, 0.0)
+        return certified + (1.0 - (1.0 - miss) ** rows) * full
+
+    def full_head_ms(self, rows: int) -> float:
+        """The full head's greedy token over `rows` rows (the table packed for several): timed at a wide pass's
+        widths where it was (`head_rows_ms`, interpolated), else one more row's extra each."""
+        return _rows_ms(self.final_head_ms, self.head_rows_ms, rows, self.final_head_extra_ms)
+
+    def wide_head_ms(self, rows: int) -> float:
+        """What `wide_ms` at `rows` positions holds beyond decode's greedy head: 0 where the wide passes were timed
+        with it, else the full head's cost over decode's (`wide_full_head`)."""
+        return self.full_head_ms(rows) - self.greedy_head_ms(rows) if self.wide_full_head else 0.0
 
     def overhead_per_segment(self, bound: bool = False) -> float:
         """The runner's per-step cost outside the timed graphs, spread over the segment calls: on the general path,
@@ -195,6 +221,18 @@ class Costs(_M):
         parts = self.embed_ms + sum(self.segment_ms) + self.final_head_ms
         step = self.baseline_ms() if bound else self.full_step_ms
         return max(0.0, step - parts) / max(1, len(self.segment_ms))
+
+
+def _rows_ms(one: float, timed: dict[str, float], rows: int, extra: float) -> float:
+    """A head's ms over `rows` rows: `one` at one row, linear between the row counts `timed` and beyond the most
+    (its last slope); without timings, `extra` per row beyond the first."""
+    if not timed:
+        return one + (rows - 1) * extra
+    known = sorted({1: one, **{int(r): v for r, v in timed.items()}}.items())
+    xs, ys = [x for x, _ in known], [y for _, y in known]
+    if rows <= xs[-1]:
+        return float(np.interp(rows, xs, ys))
+    return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (rows - xs[-1])
 
 
 class Prediction(_M):

@@ -27,17 +27,23 @@ from collections.abc import Callable
 import numpy as np
 
 from eectl.contracts.manifest import Manifest
-from eectl.contracts.plan import MAX_NGRAM, Costs
+from eectl.contracts.plan import Costs
 from eectl.exits.base import signals
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import ExitScoring, FullSoftmax, Signal, get_signal
+from eectl.plan.step_calls import (
+    FULL_STEPS,
+    WIDE_WIDTHS,
+    certified_call,
+    chain_step_call,
+    full_step_call,
+    head_rows_calls,
+    wide_step_calls,
+)
 from eectl.runtime.blocks import run_block
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
-from eectl.runtime.chain_steps import chain_for, chain_step
 from eectl.runtime.exit_logits import OrtExitLogits
-from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
-from eectl.runtime.state import RowState, RunConfig
 
 DEFAULT_PAST = 128
 DEFAULT_REPEATS = 15  # rounds per batch
@@ -50,10 +56,6 @@ DEFAULT_REPEATS = 15  # rounds per batch
 # quantile falls from 2.9 at 3 batches to 1.9 at 8
 RETIME_BUDGET_S = 60.0
 MAX_BATCHES = 12  # and at most this many batches, whatever the budget (tiny models time a batch in milliseconds)
-FULL_STEPS = 16  # room kept in the cache beyond `past`
-# widths (positions) of the full-depth passes timed for drafts from the context (one token and its drafts); the
-# cost model interpolates between them
-WIDE_WIDTHS = (2, 3, 5, 9, 17)
 
 
 Call = Callable[[], object]
@@ -136,12 +138,17 @@ def measure_costs(
     if rt.certified_head is not None:
         calls["certified"] = certified_call(rt, row1)
     calls["greedy2"] = lambda: rt.greedy_token(L, row2)
+    heads = head_rows_calls(rt, rng) if "wide.1" in calls else {}  # the heads over a wide pass's rows
+    calls.update(heads)
     if L in rt.river_heads:
         calls["river_head"] = lambda: rt.exit_full(L, row1, k, river=True)
     sig = get_signal(signal)
     state_only = _exit_calls(calls, rt, sig, kv, h1, past, k)
     bound = _bound_exit_calls(calls, rt, sig, h1, past, k)  # replaces the decisions the bound chain makes
     timed = after_segments(calls, rt)
+    last = calls[f"seg1.{len(m.segments) - 1}"]
+    for name in heads:  # right after the final segment, as decode runs them: the certified head's int8 table fits
+        timed[name] = (last, calls[name])  # a large cache, where back to back calls found it
     times: dict[str, list[float]] = {name: [] for name in calls}
 
     def batch() -> Costs:
@@ -208,6 +215,8 @@ def _costs(
         "final_head_ms": times["head1"],
         "final_head_extra_ms": _minus(times["greedy2"], times["greedy1"]),
         **({"certified_head_ms": times["certified"]} if "certified" in times else {}),
+        **{f"head_rows_ms.{w}": times[f"greedy.{w}"] for w in WIDE_WIDTHS if f"greedy.{w}" in times},
+        **{f"certified_rows_ms.{w}": times[f"certified.{w}"] for w in WIDE_WIDTHS if f"certified.{w}" in times},
         **{f"candidates_ms.{e}": times[f"cand.{e}"] for e in m.exit_layers},
         **{f"local_ms.{e}": times[f"local.{e}"] for e in m.exit_layers},
         **{f"gate_ms.{e}": times[f"gate.{e}"] for e in m.exit_layers if f"gate.{e}" in times},
@@ -236,6 +245,8 @@ def _costs(
         final_head_extra_ms=med["final_head_extra_ms"],
         certified_head_ms=med.get("certified_head_ms"),
         certified_miss=certified_miss(m) if "certified_head_ms" in med else None,
+        head_rows_ms=per("head_rows_ms", [str(w) for w in WIDE_WIDTHS]),
+        certified_rows_ms=per("certified_rows_ms", [str(w) for w in WIDE_WIDTHS]),
         candidates_ms=per("candidates_ms", exits),
         local_ms=per("local_ms", exits),
         gate_ms=per("gate_ms", exits),
@@ -248,6 +259,7 @@ def _costs(
         river_ms=[med.get(f"river_ms.{i}") for i in range(n)] if rt.river_segments else None,
         river_head_ms=med.get("river_head_ms"),
         wide_ms=per("wide_ms", [str(w) for w in (1, *WIDE_WIDTHS)]),
+        wide_full_head=any(k.startswith("wide_ms.") for k in med),  # wide_step_calls: the full head
         samples_ms={path: list(v) for path, v in samples.items()},
         batch_rounds=batch_rounds,
     )
@@ -379,108 +391,7 @@ def _state_decision(sig: Signal, rt: ArtifactRuntime, layer: int, hidden: np.nda
     return scoring.score(layer, hidden[None], hidden[None], blocks).values
 
 
-def _chainable(rt: ArtifactRuntime) -> bool:
-    """Whether the artifact's decode can run on the bound chain: a final head with the in-graph argmax, every
-    segment's session loaded."""
-    final = rt.full_graphs[rt.manifest.num_layers]
-    return "token" in final.io.outputs and all(g.session is not None for g in rt.segments)
-
-
-def certified_call(rt: ArtifactRuntime, row: np.ndarray) -> Callable[[], object]:
-    """The certified head on one row [1, H], bound once (its cost; whether it passes this state does not matter)."""
-    from eectl.runtime.certified_head import CertifiedHead
-    from eectl.runtime.placement import HOST
-
-    state = np.ascontiguousarray(row)  # bound by address: held by the call below
-    head = CertifiedHead.bind(rt, state, 1)
-    assert head is not None
-    return lambda: (state, head.run(HOST))
-
-
 def certified_miss(m: Manifest) -> float | None:
     """The share of export validation's final states the certified head did not pass (None: not validated)."""
     counts = (m.validation or {}).get("certified_head") or {}
     return 1.0 - counts["passed"] / counts["positions"] if counts.get("positions") else None
-
-
-def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object] | None:
-    """One full-depth greedy step through the bound decode chain (runtime/chain.py), the path `eectl run` takes for
-    one row with no exit active, on top of `past` cached positions; None where the artifact cannot chain."""
-    m = rt.manifest
-    if not _chainable(rt):
-        return None
-    kv = rt.new_kv(1, past + 4)
-    chain = DecodeChain(rt, kv, 0, certified_head=False)  # the full head, as full_step_ms (Costs.baseline_ms)
-
-    def call() -> object:
-        kv.seek(0, past, 0, m.num_layers)  # rewind: every call decodes the same position
-        return chain.step({0: 1})
-
-    return call
-
-
-def wide_step_calls(rt: ArtifactRuntime, past: int, seed: int = 0) -> dict[str, Callable[[], object]]:
-    """Decode steps with drafts from the context as the runner takes them (runtime/runner.py `_loop`): the row's
-    drafts proposed from its context (`PromptLookup.attach`: the n-gram search over `past` tokens), the step on the
-    bound chain with the policy's check (`chain_steps.chain_step`: the drafts embedded, every segment wide, verify's
-    final head over every position, the rollback of a wrong draft) and the drafts settled (`close`). One call per
-    width in WIDE_WIDTHS (a token and width - 1 drafts), and "wide.1": a step whose context offers no draft (the
-    search finds nothing, one position): what lookup's plain steps cost beside full depth's. {} for an artifact
-    without verify or a chain."""
-    m = rt.manifest
-    if "verify" not in m.kv_policies or not _chainable(rt) or rt.device != "cpu":
-        return {}
-    most = max(WIDE_WIDTHS) - 1
-    cfg = RunConfig(exits=[], thresholds={}, policy="verify", prompt_drafts=most, max_new_tokens=4 * most, stop_ids=())
-    runner = Runner(rt, cfg)
-    lookup = runner.lookup
-    assert lookup is not None
-    kv = rt.new_kv(1, max(past, 2 * MAX_NGRAM + most + 1) + most + 4)
-    chain = chain_for(runner, kv, 1)
-    assert chain is not None
-    # contexts of `n` tokens: distinct ids (no suffix occurs earlier: no draft), or, for w - 1 drafts, distinct ids
-    # whose last MAX_NGRAM also occur earlier, followed there by w - 1 others (the search proposes those, its draft
-    # length set to w - 1). Distinct ids need a vocabulary of n + MAX_NGRAM + the most drafts (a smaller one: shorter)
-    V = m.dims["vocab_size"]
-    n = max(most + 2 * MAX_NGRAM + 1, min(past, V - most - MAX_NGRAM))
-    ids = np.random.default_rng(seed).permutation(V)[: n + most + MAX_NGRAM].tolist()
-    suffix = ids[n : n + MAX_NGRAM]
-    contexts = {1: ids[:n]}
-    for w in WIDE_WIDTHS:
-        contexts[w] = ids[: n - w + 1 - 2 * MAX_NGRAM] + suffix + ids[n + MAX_NGRAM : n + MAX_NGRAM + w - 1] + suffix
-    calls: dict[str, Callable[[], object]] = {}
-    for w, context in contexts.items():
-
-        def call(w: int = w, context: list[int] = context) -> object:
-            kv.seek(0, len(context) - 1)  # the step feeds the context's last token after the others
-            st = RowState(list(context), len(context), [None] * len(m.segments), lookup=lookup.new_state())
-            assert st.lookup is not None
-            st.lookup.span = max(1, w - 1)
-            drafts = lookup.attach(st, m.num_layers, cfg.max_new_tokens, ())
-            token = chain_step(runner, chain, st, kv, drafts)
-            if drafts:
-                lookup.close(st)
-            return token
-
-        calls[f"wide.{w}"] = call
-    return calls
-
-
-def full_step_call(rt: ArtifactRuntime, past: int, seed: int = 0) -> Callable[[], object]:
-    """One full-depth decode step through the runner (`Runner._step`, the path `eectl run` takes), on top of a
-    `past`-token prompt (random ids) prefilled once; each call rewinds the cache and steps again."""
-    m = rt.manifest
-    prompt = np.random.default_rng(seed).integers(0, m.dims["vocab_size"], size=past).tolist()
-    # the full head, as chain_step_ms (Costs.baseline_ms swaps the certified head in)
-    cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=FULL_STEPS + 1, stop_ids=(), certified_head=False)
-    runner = Runner(rt, cfg)
-    kv = rt.new_kv(1, past + 4)
-    st = RowState(list(prompt), past, [None] * len(m.segments))
-    nxt = runner._step(0, st, kv, st.tokens)  # prefill
-
-    def call() -> object:
-        kv.seek(0, past)
-        st.exit_layers.clear()
-        return runner._step(0, st, kv, [nxt])
-
-    return call

@@ -22,7 +22,7 @@ from eectl.plan.intervals import Replicates, bootstrap, combined
 
 def wide_ms(costs: Costs, width: int) -> float | None:
     """A decode step with drafts from the context over `width` positions (a token and width - 1 drafts), as the
-    runner takes it (plan/costs.py `wide_step_calls`: the drafts' search, the wide pass, the check): linear between
+    runner takes it (plan/step_calls.py `wide_step_calls`: the drafts' search, the wide pass, the check): linear between
     the widths timed (beyond the widest: its last slope). Width 1 is a step whose search found nothing (costs timed
     before "1" was: the baseline step). None without wide timings."""
     got = wide_steps(costs, [width])
@@ -32,10 +32,11 @@ def wide_ms(costs: Costs, width: int) -> float | None:
 def wide_steps(costs: Costs, widths: Sequence[int]) -> list[float] | None:
     """`wide_ms` at each of `widths` (the timings sorted and interpolated once). None without wide timings where a
     width above 1 is asked for."""
-    one = costs.wide_ms.get("1", costs.baseline_ms())
+    timed = {int(w): v - costs.wide_head_ms(int(w)) for w, v in costs.wide_ms.items()}  # decode's greedy head
+    one = timed.get(1, costs.baseline_ms())
     if not costs.wide_ms:
         return None if any(w > 1 for w in widths) else [one] * len(widths)
-    known = sorted({1: one, **{int(w): v for w, v in costs.wide_ms.items()}}.items())
+    known = sorted({1: one, **timed}.items())
     xs, ys = [x for x, _ in known], [y for _, y in known]
     slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
     return [
@@ -44,7 +45,11 @@ def wide_steps(costs: Costs, widths: Sequence[int]) -> list[float] | None:
 
 
 def predict_lookup(costs: Costs, stats: LookupStats) -> Prediction | None:
-    """Full depth with drafts from the context, on calibration's replayed steps. None: no wide timings or tokens."""
+    """Full depth with drafts from the context, on calibration's replayed steps. None: no wide timings or tokens.
+
+    A step whose search found nothing runs the chain's full-depth step after the search: priced at its timing, and
+    never below the baseline step (the timed one-position step takes the exit-step path, which read 0.2 ms under
+    the chain's full-depth step on the default model: priced as it, plain steps made lookup look 1.5% faster)."""
     full = costs.baseline_ms()
     if stats.tokens <= 0 or full <= 0:
         return None
@@ -52,6 +57,7 @@ def predict_lookup(costs: Costs, stats: LookupStats) -> Prediction | None:
     steps = wide_steps(costs, widths)
     if steps is None:
         return None
+    steps = [max(ms, full) if w <= 1 else ms for w, ms in zip(widths, steps, strict=True)]
     per_token = sum(n * ms for n, ms in zip(stats.steps.values(), steps, strict=True)) / stats.tokens
     return Prediction(
         policy=LOOKUP,
