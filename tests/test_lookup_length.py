@@ -152,3 +152,23 @@ def test_a_certified_or_inexact_default_stays_at_any_length():
     assert plan_for_run(_manifest(_plan("certified", 1.2), costs, stats), 16).default == "certified"
     inexact = _plan("full", 1.2).model_copy(update={"inexact": "int4 at level 4"})
     assert plan_for_run(_manifest(inexact, costs, stats), 16).default == "full"
+
+
+def test_lookup_takes_the_default_from_verify_only_with_the_higher_low_end():
+    """Between verify's choice and drafts from the context the default is the one whose interval's low end is
+    higher: a point ahead inside a wider interval (a near tie) does not take it, a low end above does."""
+    from eectl.plan.choose import lossless_default
+
+    def plan(verify: tuple[float, float, float], lookup: tuple[float, float, float]) -> Plan:
+        base = _plan(LOOKUP, verify[0])
+        v = base.choices["verify"].model_copy(update={"prediction": _pred("verify", verify[0])})
+        v.prediction.interval = verify[1:]
+        assert base.lookup is not None
+        drafts = base.lookup.prediction.model_copy(update={"speedup": lookup[0], "interval": lookup[1:]})
+        return base.model_copy(
+            update={"choices": {"verify": v}, "lookup": base.lookup.model_copy(update={"prediction": drafts})}
+        )
+
+    assert lossless_default(plan((1.154, 1.141, 1.167), (1.159, 1.132, 1.188))) == "verify"  # ahead by its point only
+    assert lossless_default(plan((1.154, 1.141, 1.167), (1.170, 1.145, 1.195))) == LOOKUP  # its low end above
+    assert lossless_default(plan((1.02, 1.01, 1.03), (1.159, 1.132, 1.188))) == LOOKUP  # verify below the line
