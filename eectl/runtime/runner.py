@@ -18,7 +18,8 @@ Device-resident (`RunConfig.device_resident`, the default off the CPU EP): the s
 value (sessions.DeviceView) handed between graphs, joined and sliced on the device (device_ops.concat, views), and
 exit tests reading K scores or one scalar per row (runtime/resident.py): the binding plan (binding.py), executed.
 Where states live is the run's, not the runtime's: `generate` gives its calls a `Placement` of its own
-(runtime/placement.py), which records every host read, so Runners sharing one runtime can step in turns.
+(runtime/placement.py), which records every host read, so Runners sharing one runtime can step in turns. A
+Runner keeps its last call's KV cache and bound chains for the next call (`_buffers`).
 What this module does not do: tokenise or format output (run/generate.py / cli/), or load torch models.
 """
 
