@@ -223,16 +223,21 @@ class Costs(_M):
         return max(0.0, step - parts) / max(1, len(self.segment_ms))
 
 
+def piecewise(points: dict[int, float], at: Sequence[int]) -> list[float]:
+    """Timings at counts (rows, positions) `points`, read at each of `at`: linear between them, beyond the largest
+    its last slope, below the smallest the smallest's (sorted once for all of `at`)."""
+    known = sorted(points.items())
+    xs, ys = [x for x, _ in known], [y for _, y in known]
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+    return [float(np.interp(x, xs, ys)) if x <= xs[-1] else ys[-1] + slope * (x - xs[-1]) for x in at]
+
+
 def _rows_ms(one: float, timed: dict[str, float], rows: int, extra: float) -> float:
-    """A head's ms over `rows` rows: `one` at one row, linear between the row counts `timed` and beyond the most
-    (its last slope); without timings, `extra` per row beyond the first."""
+    """A head's ms over `rows` rows: `one` at one row, `piecewise` over the row counts `timed`; without timings,
+    `extra` per row beyond the first."""
     if not timed:
         return one + (rows - 1) * extra
-    known = sorted({1: one, **{int(r): v for r, v in timed.items()}}.items())
-    xs, ys = [x for x, _ in known], [y for _, y in known]
-    if rows <= xs[-1]:
-        return float(np.interp(rows, xs, ys))
-    return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (rows - xs[-1])
+    return piecewise({1: one, **{int(r): v for r, v in timed.items()}}, [rows])[0]
 
 
 class Prediction(_M):

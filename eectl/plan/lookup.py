@@ -16,7 +16,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from eectl.contracts.plan import LEVEL, LOOKUP, MIN_GAIN, Costs, LookupChoice, LookupStats, Plan, Prediction
+from eectl.contracts.plan import (
+    LEVEL,
+    LOOKUP,
+    MIN_GAIN,
+    Costs,
+    LookupChoice,
+    LookupStats,
+    Plan,
+    Prediction,
+    piecewise,
+)
 from eectl.plan.intervals import Replicates, bootstrap, combined
 
 
@@ -36,12 +46,7 @@ def wide_steps(costs: Costs, widths: Sequence[int]) -> list[float] | None:
     one = timed.get(1, costs.baseline_ms())
     if not costs.wide_ms:
         return None if any(w > 1 for w in widths) else [one] * len(widths)
-    known = sorted({1: one, **timed}.items())
-    xs, ys = [x for x, _ in known], [y for _, y in known]
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
-    return [
-        one if w <= 1 else float(np.interp(w, xs, ys)) if w <= xs[-1] else ys[-1] + slope * (w - xs[-1]) for w in widths
-    ]
+    return piecewise({1: one, **timed}, widths)
 
 
 def predict_lookup(costs: Costs, stats: LookupStats) -> Prediction | None:

@@ -359,7 +359,8 @@ class Runner:
                 f"of {self.m.max_positions}"
             )
         width = len(prompts) if slots is None else min(slots, len(prompts))
-        kv, chain = self._buffers(width, need)
+        kept = self._buffers(width, need)
+        kv, chain = kept.kv, kept.chain
         self.last_kv = kv
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
         if self.lookup is not None:
@@ -371,8 +372,7 @@ class Runner:
         self.step_reads = place.steps
         self.place = place
         try:
-            assert self._kept is not None
-            self._loop(kv, rows, chain, on_step, self._kept.prompt_chains)
+            self._loop(kv, rows, chain, on_step, kept.prompt_chains)
         finally:
             self.place = HOST  # scoring, chat and cost timing run on the host (their own calls)
         return [st.generation() for st in rows]
@@ -431,21 +431,20 @@ class Runner:
             self.place.end_step()
             seat()
 
-    def _buffers(self, width: int, need: int) -> tuple[BatchKV, DecodeChain | None]:
-        """The KV cache of `width` rows with room for `need` positions, and the bound chain over it: the last call's,
-        its lengths reset, where it has as many rows, the room, and was bound under the same configuration (a
-        serving runtime's cache: the next call binds nothing the last one bound, e.g. verify's check widths, which
-        bind on first use); else new ones, the old freed first (prompts in random order of length reallocate about
-        ln(n) times in n calls). So `last_kv` is overwritten by the next call."""
+    def _buffers(self, width: int, need: int) -> _Kept:
+        """The KV cache of `width` rows with room for `need` positions and the bound chains over it (`_Kept`): the
+        last call's, its lengths reset, where it has as many rows, the room, and was bound under the same
+        configuration (a serving runtime's cache: the next call binds nothing the last one bound, e.g. verify's check
+        widths, which bind on first use); else new ones, the old freed first (prompts in random order of length
+        reallocate about ln(n) times in n calls). So `last_kv` is overwritten by the next call."""
         kept = self._kept
         if kept is not None and kept.kv.rows == width and kept.kv.max_len >= need and kept.cfg == self.cfg:
             kept.kv.rollback(slice(None), 0)
-            return kept.kv, kept.chain
+            return kept
         self._kept = self.last_kv = kept = None  # the old buffers freed before the new ones are allocated
         kv = new_batch_kv(self.rt, width, need)
-        chain = self._chain(kv, width)
-        self._kept = _Kept(kv, chain, copy.deepcopy(self.cfg))
-        return kv, chain
+        self._kept = _Kept(kv, self._chain(kv, width), copy.deepcopy(self.cfg))
+        return self._kept
 
     def _pad(self) -> bool:
         """Whether a batch's prompts of several lengths prefill in one padded call (RunConfig.batch_prompts; default:
