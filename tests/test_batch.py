@@ -276,3 +276,27 @@ def test_kv_lengths_change_through_span_advance_and_rollback_only():
     assert kv.filled.tolist() == [[2, 2, 2, 2], [1, 1, 0, 0]]
     kv.seek(1, 5, 2, 4)
     assert kv.filled[1].tolist() == [1, 1, 5, 5]
+
+
+def test_asks_sort_in_pass_order_and_a_segments_riders_join_its_call():
+    """The general path answers the asks of a step in pass order (runtime/asks.py `position`): segment s, the exit
+    after it, segment s + 1, ..., the final head (greedy tokens before logits); a rider and a row wanting block
+    states sit where the segment's plain ask does, so they join its one batched call."""
+    from eectl.runtime.asks import Decision, FinalLogits, FinalToken, Segment, position
+    from eectl.runtime.exit_logits import Decide
+
+    segment_of_layer = {4: 0, 9: 1}  # exits ending segments 0 and 1 of 3
+    ask = Decide(None, None, None, None)
+    pass_order = [
+        Segment(0, None),
+        Decision(4, ask),
+        Segment(1, None),
+        Decision(9, ask),
+        Segment(2, None),
+        FinalToken(None),
+        FinalLogits(None),
+    ]
+    at = [position(a, segment_of_layer, 3) for a in pass_order]
+    assert at == sorted(at) and len(set(at)) == len(at)
+    joined = {position(a, segment_of_layer, 3) for a in (Segment(1, None, states=True), Segment(1, None, ride=True))}
+    assert joined == {position(Segment(1, None), segment_of_layer, 3)}

@@ -15,11 +15,9 @@ positions (prefill, deferred positions) run single-row calls on their rows of th
 river policy's int4 copies after an exit (`KVPolicy.predict`). Block states (cosine-min) come from the batched call.
 
 Device-resident (`RunConfig.device_resident`, the default off the CPU EP): the same loop with every state a device
-value (sessions.DeviceView) handed between graphs, joined and sliced on the device (device_ops.concat, views), and
-exit tests reading K scores or one scalar per row (runtime/resident.py): the binding plan (binding.py), executed.
-Where states live is the run's, not the runtime's: `generate` gives its calls a `Placement` of its own
-(runtime/placement.py), which records every host read, so Runners sharing one runtime can step in turns. A
-Runner keeps its last call's KV cache and bound chains for the next call (`_buffers`).
+value handed between graphs and exit tests reading K scores or a scalar per row (resident.py, binding.py). Where
+states live is the run's: `generate` gives its calls a `Placement` of its own (placement.py), which records every
+host read. A Runner keeps its last call's KV cache and bound chains for the next call (`_buffers`).
 What this module does not do: tokenise or format output (run/generate.py / cli/), or load torch models.
 """
 
@@ -40,6 +38,7 @@ from eectl.exits.candidates import CANDIDATE_SOURCES, FirstExitTopK
 from eectl.exits.gates import active_gates
 from eectl.exits.signals import get_signal
 from eectl.runtime import resident, scoring
+from eectl.runtime.asks import Ask, Decision, FinalLogits, FinalToken, Segment, position
 from eectl.runtime.batch import BatchKV, new_batch_kv
 from eectl.runtime.blocks import active_block
 from eectl.runtime.chain import DecodeChain
@@ -153,45 +152,19 @@ class Runner:
         return self._steps(kv, {row: (st, chunk_ids)}, force_full)[row]
 
     def _steps(
-        self,
-        kv: KVBuffers,
-        work: dict[int, tuple[RowState, list[int]]],
-        force_full: bool = False,
+        self, kv: KVBuffers, work: dict[int, tuple[RowState, list[int]]], force_full: bool = False
     ) -> dict[int, int]:
-        """One step for several rows at once: each row's `_row_step` runs until it asks for a graph call; the
-        calls are gathered, so a segment runs once for all rows that reach it with one position (batched, with
-        per-row lengths; runtime/batch.py) and the final head once for all rows that reach it."""
+        """One step for several rows at once: each row's `_row_step` runs until it asks for a graph call (asks.py);
+        the asks are gathered in pass order, so a segment runs once for all rows that reach it with one position
+        (batched, with per-row lengths; runtime/batch.py) and the final head once for all rows that reach it."""
         gens = {r: self._row_step(r, st, kv, ids, force_full) for r, (st, ids) in work.items()}
         asks = {r: next(g) for r, g in gens.items()}
         tokens: dict[int, int] = {}
+        segments = len(self.m.segments)
         while asks:
-            # in pass order: segment s, then the exit after it, ..., the final head; a row only ever asks later
-            key = min(self._order(a) for a in asks.values())
-            group = {r: a for r, a in asks.items() if self._order(a) == key}
-            kind, at = next(iter(group.values()))[:2]
-            answers: dict[int, Any]
-            if all(a[0] == "ride" for a in group.values()):
-                answers = {r: None for r in group}  # no row needs this segment now: the riders' states wait
-            elif kind in ("segment", "ride", "states"):
-                states = {r for r, a in group.items() if a[0] == "states"}
-                xs = {r: a[2] for r, a in group.items()}
-                block = self.block_after_segment.get(at)
-                answers = segment_rows(self.rt, at, xs, kv, states, self.place, self._pad(), block)
-            elif kind == "decide":
-                t0 = time.perf_counter()
-                answers = self._decide_rows(at, {r: a[2] for r, a in group.items()})
-                for r in group:  # every row waited for the whole batched decision
-                    work[r][0].decide_s += time.perf_counter() - t0
-            elif kind == "greedy":  # the final head's in-graph argmax: one token per row leaves the graph
-                rows = sorted(group)
-                hidden = concat(self.rt, [group[r][2] for r in rows], 0)
-                ids = self.rt.greedy_token(self.L, hidden, place=self.place, certified=self.cfg.certified_head)
-                answers = {r: int(ids[i]) for i, r in enumerate(rows)}
-            else:
-                rows = sorted(group)
-                hidden = np.concatenate([group[r][2] for r in rows])
-                logits, _, _ = self.rt.exit_full(self.L, hidden, self.cfg.top_k, place=self.place)
-                answers = {r: logits[i : i + 1] for i, r in enumerate(rows)}
+            key = min(position(a, self.rt.segment_of_layer, segments) for a in asks.values())
+            group = {r: a for r, a in asks.items() if position(a, self.rt.segment_of_layer, segments) == key}
+            answers = self._answer(kv, group, work)
             for r, answer in answers.items():
                 try:
                     asks[r] = gens[r].send(answer)
@@ -200,15 +173,33 @@ class Runner:
                     del asks[r]
         return tokens
 
-    def _order(self, ask: tuple[str, int, Any]) -> float:
-        """Where an ask sits in one pass: segment s -> 2s, the exit after it (exits sit at segment ends) -> 2s + 1,
-        the final head last (the rows wanting only the greedy token in one call, those wanting logits in another)."""
-        kind, at = ask[0], ask[1]
-        if kind in ("segment", "ride", "states"):  # riders and rows wanting block states join the segment's call
-            return 2 * at
-        if kind == "decide":
-            return 2 * self.rt.segment_of_layer[at] + 1
-        return 2 * len(self.m.segments) + (kind == "final")  # the final head: greedy asks, then the others
+    def _answer(
+        self, kv: KVBuffers, group: dict[int, Ask], work: dict[int, tuple[RowState, list[int]]]
+    ) -> dict[int, Any]:
+        """One batched call for the rows whose asks sit at the same place in the pass (all of one kind)."""
+        first = next(iter(group.values()))
+        if isinstance(first, Segment):
+            segs = {r: a for r, a in group.items() if isinstance(a, Segment)}
+            if all(a.ride for a in segs.values()):
+                return {r: None for r in segs}  # no row needs this segment now: the riders' states wait
+            states = {r for r, a in segs.items() if a.states}
+            block = self.block_after_segment.get(first.at)
+            xs = {r: a.x for r, a in segs.items()}
+            return segment_rows(self.rt, first.at, xs, kv, states, self.place, self._pad(), block)
+        if isinstance(first, Decision):
+            t0 = time.perf_counter()
+            answers = self._decide_rows(first.layer, {r: a.ask for r, a in group.items() if isinstance(a, Decision)})
+            for r in group:  # every row waited for the whole batched decision
+                work[r][0].decide_s += time.perf_counter() - t0
+            return answers
+        rows = sorted(group)
+        hidden = [a.hidden for a in (group[r] for r in rows) if isinstance(a, FinalToken | FinalLogits)]
+        if isinstance(first, FinalToken):  # the final head's in-graph argmax: one token per row leaves the graph
+            h = concat(self.rt, hidden, 0)
+            ids = self.rt.greedy_token(self.L, h, place=self.place, certified=self.cfg.certified_head)
+            return {r: int(ids[i]) for i, r in enumerate(rows)}
+        logits, _, _ = self.rt.exit_full(self.L, np.concatenate(hidden), self.cfg.top_k, place=self.place)
+        return {r: logits[i : i + 1] for i, r in enumerate(rows)}
 
     def _row_step(
         self,
@@ -217,14 +208,12 @@ class Runner:
         kv: KVBuffers,
         chunk_ids: list[int],
         force_full: bool = False,
-    ) -> Generator[tuple[str, int, Any], Any, int]:
+    ) -> Generator[Ask, Any, int]:
         """Process chunk_ids (the prompt, or the last token) and decide the next token; returns it.
 
-        Yields the graph calls it needs batched (("segment", s, x) -> (out, layer_in, block states or None, the
-        exit's input: a block head's output, else out); ("decide", layer, Decide) -> (score or None, index,
-        candidates); ("greedy", L, h [1, H]) -> token; ("final", L, h [1, H]) -> logits [1, V]); `_steps` answers
-        them. Under verify, a final-depth pass may roll back wrong drafts: then st.tokens is shorter afterwards and
-        the returned token is the full model's token at the first wrong position.
+        Yields the graph calls it needs batched (asks.py: a segment, an exit's decision, the final head's token or
+        logits); `_steps` answers them. Under verify, a final-depth pass may roll back wrong drafts: then st.tokens
+        is shorter afterwards and the returned token is the full model's token at the first wrong position.
         """
         m, place = self.m, self.place
         h = self.rt.embed(np.array([chunk_ids], dtype=np.int64), place=place)
@@ -236,16 +225,15 @@ class Runner:
             layer = self.exit_after_segment.get(s)
             # signals that read the segment's block boundaries (cosine-min) ask for them at the exits they test
             wants_blocks = self.signal.needs_blocks and layer is not None and may_exit
-            result = yield ("states" if wants_blocks else "segment", s, x)
-            out, layer_in, blocks, exit_in = result  # exit_in: a block head's output, else out
+            out, layer_in, blocks, exit_in = yield Segment(s, x, states=wants_blocks)  # exit_in: a block head's, or out
             if s == self.final_segment:
                 corrected = self.policy.on_final(row, st, kv, out, place=place)
                 if corrected is not None:
                     return corrected
                 st.exit_layers.append(self.L)
                 if st.forced is None and self.cfg.temperature <= 0:  # greedy: only the token leaves the graph
-                    return int((yield ("greedy", self.L, out[0, -1:])))
-                logits = yield ("final", self.L, out[0, -1:])
+                    return int((yield FinalToken(out[0, -1:])))
+                logits = yield FinalLogits(out[0, -1:])
                 if st.forced is not None:
                     return self._forced(st, logits[0])
                 return self._pick(logits[0])
@@ -255,28 +243,42 @@ class Runner:
                 and self.exit_test.gate_opens(self.gates.get(layer), st, layer, exit_in, place)
             ):
                 last = None if blocks is None else resident.last_positions(self.rt, blocks)
-                ask = Decide(exit_in[0, -1], layer_in[0, -1], cands, last)
                 st.count_decisions([layer], None if decided else layer)
                 decided = True
-                score, i, cands = yield ("decide", layer, ask)
+                score, i, cands = yield Decision(layer, Decide(exit_in[0, -1], layer_in[0, -1], cands, last))
                 if score is not None:
-                    own = self.policy.predict(row, st, kv, s, out, place=place)  # e.g. the river's end (one row)
-                    st.exit_layers.append(layer)
-                    if st.forced is not None:
-                        if own is None:  # the exit's full vocabulary (after its block head, where it has one)
-                            logits = self.rt.exit_full(layer, exit_in[0, -1:], self.cfg.top_k, place=place)[0]
-                            own = (logits[0], None)
-                        token = self._forced(st, own[0])
-                    else:
-                        token = self._pick(*own) if own is not None else self._pick_score(score, i)
-                    self.policy.on_exit(row, st, kv, s, out, token)
-                    if st.forced is None:
-                        yield from self._ride(st, s)
-                    return token
+                    return (yield from self._exited(row, st, kv, s, layer, out, exit_in, score, i))
             h = out
         raise AssertionError("unreachable: the final segment returns")
 
-    def _ride(self, st: RowState, s: int) -> Generator[tuple[str, int, Any], Any, None]:
+    def _exited(
+        self,
+        row: int,
+        st: RowState,
+        kv: KVBuffers,
+        s: int,
+        layer: int,
+        out: Any,
+        exit_in: Any,
+        score: ExitScore,
+        i: int,
+    ) -> Generator[Ask, Any, int]:
+        """The token exits at `layer` (after segment s): its token, the policy's hook, then its ride (`_ride`)."""
+        own = self.policy.predict(row, st, kv, s, out, place=self.place)  # e.g. the river's end (one row)
+        st.exit_layers.append(layer)
+        if st.forced is not None:
+            if own is None:  # the exit's full vocabulary (after its block head, where it has one)
+                logits = self.rt.exit_full(layer, exit_in[0, -1:], self.cfg.top_k, place=self.place)[0]
+                own = (logits[0], None)
+            token = self._forced(st, own[0])
+        else:
+            token = self._pick(*own) if own is not None else self._pick_score(score, i)
+        self.policy.on_exit(row, st, kv, s, out, token)
+        if st.forced is None:
+            yield from self._ride(st, s)
+        return token
+
+    def _ride(self, st: RowState, s: int) -> Generator[Ask, Any, None]:
         """The token exited after segment s; in a batch, its deferred state rides along in the deeper segments.
 
         A batched call costs about the same whatever rows are active in it (rows that sit out still ride along on
@@ -291,7 +293,7 @@ class Runner:
             x = st.pending[t]
             if x is None or x.shape[1] != 1:
                 return
-            result = yield ("ride", t, x)
+            result = yield Segment(t, x, ride=True)
             if result is None:
                 return
             st.pending[t] = None
