@@ -12,8 +12,10 @@ import torch
 from typer.testing import CliRunner
 
 from eectl.cli import app
+from eectl.contracts.plan import Costs
 from eectl.data import encode_prompt, load_text_data
 from eectl.evaluate.bench import _heldout_ids, final_number, heldout_texts
+from eectl.evaluate.predicted import CONDITIONS_BAND, conditions
 from eectl.evaluate.stats import agreement as _agreement
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
@@ -126,6 +128,14 @@ def test_bench_cli_report(artifact, tiny_dirs, tmp_path):
     assert by["full"]["gsm8k_accuracy"] is not None
     assert report.is_file() and "| full |" in report.read_text()
     assert (tmp_path / "bench-speedup.png").is_file() and (tmp_path / "bench.json").is_file()
+    # full depth's decode here against the step the plan was priced with (the manifest's costs)
+    costs = Costs.model_validate(json.loads((artifact / "manifest.json").read_text())["costs"])
+    cond = doc["conditions"]
+    assert cond["here_ms"] == pytest.approx(by["full"]["ms_per_token"], abs=1e-3)
+    assert cond["priced_ms"] == pytest.approx(costs.baseline_ms(), abs=1e-3)
+    assert cond["ratio"] == pytest.approx(cond["here_ms"] / cond["priced_ms"], rel=1e-2)  # of rounded figures
+    assert ("note" in cond) == (abs(cond["ratio"] - 1) > CONDITIONS_BAND)
+    assert ("Predictions priced in another state" in report.read_text()) == ("note" in cond)
 
 
 def _independent_runs(artifact, policies):
@@ -337,3 +347,17 @@ def test_configurations_that_run_full_depth_are_not_timed_again(artifact, monkey
     ran.clear()
     timed = run_bench(artifact, load_text_data(str(GSM8K)).prompts, replace(opts, exits="2", thresholds="0.0"))
     assert {"copy", "verify"} <= set(ran) and all(c.timed_as == "" for c in timed.configs)
+
+
+def test_conditions_say_when_full_depth_decodes_away_from_the_step_the_plan_was_priced_with(artifact):
+    """A bench's full depth against `Costs.baseline_ms` (one row): a note beyond CONDITIONS_BAND either way, none
+    inside it; nothing without costs or at a batch size above one (the costs are one row's)."""
+    costs = Costs.model_validate(json.loads((artifact / "manifest.json").read_text())["costs"])
+    priced = costs.baseline_ms()
+    inside = conditions(costs, priced * (1 + CONDITIONS_BAND * 0.9), 140.0, 1)
+    assert inside is not None and "note" not in inside and inside["ratio"] == pytest.approx(1 + CONDITIONS_BAND * 0.9)
+    slower = conditions(costs, priced * 1.5, 140.0, 1)
+    faster = conditions(costs, priced / 1.5, 140.0, 1)
+    assert slower is not None and "1.50x: slower" in slower["note"] and "--profile-costs" in slower["note"]
+    assert faster is not None and "0.67x: faster" in faster["note"]
+    assert conditions(None, priced, 140.0, 1) is None and conditions(costs, priced * 1.5, 140.0, 4) is None

@@ -195,6 +195,17 @@ def test_the_verdict_claims_a_speedup_only_from_a_conclusive_bench():
     assert "token agreement 93.0%" in _buys(lossy)
 
 
+def test_the_verdict_says_when_the_bench_ran_in_another_state_than_the_plans_pricing():
+    from eectl.pipeline.verdict import _conditions
+
+    doc = _bench_doc("conclusive")
+    assert _conditions(doc) == []  # a bench without the reading (older reports) or inside the band: no line
+    doc["conditions"] = {"priced_ms": 9.0, "here_ms": 9.5, "ratio": 1.056}
+    assert _conditions(doc) == []
+    doc["conditions"] = {"priced_ms": 12.9, "here_ms": 8.2, "ratio": 0.636, "note": "full depth decoded at 8.2 ms"}
+    assert _conditions(doc) == ["conditions: full depth decoded at 8.2 ms"]
+
+
 def test_the_next_budget_time_scales_this_runs_stages():
     from eectl.pipeline.runner import StageRun
     from eectl.pipeline.verdict import _budget_lines

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from eectl.contracts.plan import MAX_DRAFTS
 from eectl.data import encode_prompt, final_number
 from eectl.errors import UsageError
 from eectl.evaluate.configs import Configs, as_full_depth, open_runtime, threshold_sweep
-from eectl.evaluate.predicted import RIVER_EXIT, lookup_model, predictions, run_default
+from eectl.evaluate.predicted import RIVER_EXIT, conditions, lookup_model, predictions, run_default
 from eectl.evaluate.report import markdown, write_report
 from eectl.evaluate.results import (
     AA,
@@ -137,7 +138,7 @@ def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> Config
         layers = reps[0].exit_layers
         res.mean_layers = float(np.mean(layers)) if layers else float(num_layers)
         res.layer_bound = num_layers / res.mean_layers
-        res.exit_histogram = {str(k): int(v) for k, v in sorted(_hist(layers).items())}
+        res.exit_histogram = {str(k): int(v) for k, v in sorted(Counter(layers).items())}
         decode = sum(sum(r.latencies) for r in reps)
         res.decide_share = sum(r.decide_s for r in reps) / decode if decode > 0 else 0.0
         steps = sum(len(r.exit_layers) + r.rejected for r in reps)
@@ -245,6 +246,8 @@ def run_bench(
     for line in configs.memory.lines() if log is not None else []:
         log.log(line)
     results = _with_full_depth_rows(configs, results, names, len(ids))
+    past = float(np.mean([len(p) for p in ids]) + np.mean([len(g) for g in full_tokens]) / 2)
+    here = conditions(m.costs, next(r.ms_per_token for r in results if r.name == "full"), past, opts.batch_size)
     return BenchResult(
         artifact=str(artifact),
         default=default,
@@ -264,6 +267,7 @@ def run_bench(
         hf_matches_full=runs["hf"][0].generations == full_tokens if "hf" in runs else None,
         notes=_notes(rt, opts),
         river_kv=river_kv,
+        conditions=here,
         reps_run=len(runs["full"]),
         verdict=verdict,
         aa_band=AA_BAND,
@@ -473,13 +477,6 @@ def _result(
     if answers and any(a is not None for a in answers):
         res.gsm8k_accuracy = _accuracy(tok, gens, answers[: len(gens)])
     return res
-
-
-def _hist(layers: list[int]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for x in layers:
-        out[x] = out.get(x, 0) + 1
-    return out
 
 
 def _accuracy(tok: Any, gens: list[list[int]], answers: list[str | None]) -> float | None:

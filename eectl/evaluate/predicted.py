@@ -86,3 +86,33 @@ def run_default(plan: Any, batch_size: int) -> tuple[str, str]:
         return "", ""
     batched = plan.batch_note(batch_size)
     return plan.default_for(batch_size), f"{plan.summary()}; {batched}" if batched else plan.summary()
+
+
+# how far full depth's decode may read from the step the costs were timed at before the report says the machine ran
+# in another state: prompts of other lengths than the costs' past move it a few percent (the default model: ~8% more
+# at a past of 1,000 than at 128), while a shared host's busy phases moved it 30-57% (2026-12-05: a one-position step
+# timed at 12.9 ms at export, decoded at 8.2 ms in a bench an hour later)
+CONDITIONS_BAND = 0.15
+
+
+def conditions(costs: Any, full_ms: float, past: float, batch_size: int) -> dict[str, Any] | None:
+    """Full depth's decode in this bench against the full-depth step the plan was priced with (`Costs.baseline_ms`:
+    one row, at the costs' past). The costs' relative prices move with the machine's state, not only its speed: other
+    work contending for memory bandwidth slows a one-position step (memory-bound) far more than a wide pass
+    (verify's checks, drafts from the context), so a plan priced in one state mispredicts the other's speedups. None
+    without costs or at a batch size above one (the costs are one row's). `note`: a sentence where the two differ by
+    more than CONDITIONS_BAND."""
+    if costs is None or batch_size != 1 or full_ms <= 0:
+        return None
+    priced = float(costs.baseline_ms())
+    ratio = full_ms / priced
+    out: dict[str, Any] = {"priced_ms": round(priced, 4), "here_ms": round(full_ms, 4), "ratio": round(ratio, 4)}
+    if abs(ratio - 1.0) > CONDITIONS_BAND:
+        word = "slower" if ratio > 1 else "faster"
+        out["note"] = (
+            f"full depth decoded at {full_ms:.1f} ms a token here against {priced:.1f} ms when the costs were timed "
+            f"({ratio:.2f}x: {word}; a past of {costs.past} there, ~{past:.0f} here): the machine ran in another "
+            "state, and the plan's relative prices (a wide pass against a one-position step) move with it, so its "
+            "predictions may not hold here; `--profile-costs` re-prices in this run"
+        )
+    return out

@@ -270,6 +270,8 @@ def markdown(result: BenchResult, plots: dict[str, str]) -> str:
         + (f" Speedups within +-{r.resolution:.1%} of 1 are this run's noise." if r.resolution is not None else ""),
         "",
     ]
+    if r.conditions is not None and r.conditions.get("note"):
+        lines += [f"**Predictions priced in another state of the machine:** {r.conditions['note']}.", ""]
     lines += _config_table(r)
     lines += _methods(r)
     aa = next((c for c in r.configs if c.name == AA), None)

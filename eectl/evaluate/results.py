@@ -125,6 +125,9 @@ class BenchResult:
     default: str = ""  # the configuration `eectl run` uses by default (the plan's: a policy or full), if planned
     plan: str = ""  # the plan's one-line summary
     river_kv: dict[str, Any] | None = None  # river_kv_cosine on the first prompt
+    # full depth's decode here against the step the plan was priced with, and a note where they differ
+    # (evaluate/predicted.py `conditions`)
+    conditions: dict[str, Any] | None = None
     reps_run: int = 0  # repetitions timed: --reps, plus those the noise gate added
     verdict: str = ""  # the run's: `conclusive` or `inconclusive: <reason>` (stats.noise_verdict)
     aa_band: tuple[float, float] = (0.97, 1.03)

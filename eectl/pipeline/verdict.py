@@ -45,7 +45,7 @@ def verdict(recipe: Recipe, report: Path, artifact: Path, calibration: Path, sta
     bench = _read(report.with_suffix(".json"))
     if bench is None:
         return []
-    lines = [_buys(bench)]
+    lines = [_buys(bench), *_conditions(bench)]
     manifest = _read(artifact / "manifest.json")
     if manifest is not None and manifest.get("plan") is not None:
         from eectl.contracts.plan import Plan
@@ -63,6 +63,14 @@ def _read(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def _conditions(bench: dict[str, Any]) -> list[str]:
+    """A line where the bench's full depth decoded away from the step the plan was priced with
+    (evaluate/predicted.py `conditions`): the predictions beside the measured speedup were priced in another state of
+    the machine."""
+    note = (bench.get("conditions") or {}).get("note")
+    return [f"conditions: {note}"] if note else []
 
 
 def _buys(bench: dict[str, Any]) -> str:
