@@ -354,10 +354,11 @@ def test_conditions_say_when_full_depth_decodes_away_from_the_step_the_plan_was_
     inside it; nothing without costs or at a batch size above one (the costs are one row's)."""
     costs = Costs.model_validate(json.loads((artifact / "manifest.json").read_text())["costs"])
     priced = costs.baseline_ms()
-    inside = conditions(costs, priced * (1 + CONDITIONS_BAND * 0.9), 140.0, 1)
+    PAST = ([[1] * 100, [1] * 120], [[2] * 40, [2] * 40])  # prompts of 110 tokens on average, answers of 40
+    inside = conditions(costs, priced * (1 + CONDITIONS_BAND * 0.9), *PAST, 1)
     assert inside is not None and "note" not in inside and inside["ratio"] == pytest.approx(1 + CONDITIONS_BAND * 0.9)
-    slower = conditions(costs, priced * 1.5, 140.0, 1)
-    faster = conditions(costs, priced / 1.5, 140.0, 1)
+    slower = conditions(costs, priced * 1.5, *PAST, 1)
+    faster = conditions(costs, priced / 1.5, *PAST, 1)
     assert slower is not None and "1.50x: slower" in slower["note"] and "--profile-costs" in slower["note"]
     assert faster is not None and "0.67x: faster" in faster["note"]
-    assert conditions(None, priced, 140.0, 1) is None and conditions(costs, priced * 1.5, 140.0, 4) is None
+    assert conditions(None, priced, *PAST, 1) is None and conditions(costs, priced * 1.5, *PAST, 4) is None

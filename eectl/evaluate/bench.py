@@ -246,8 +246,6 @@ def run_bench(
     for line in configs.memory.lines() if log is not None else []:
         log.log(line)
     results = _with_full_depth_rows(configs, results, names, len(ids))
-    past = float(np.mean([len(p) for p in ids]) + np.mean([len(g) for g in full_tokens]) / 2)
-    here = conditions(m.costs, next(r.ms_per_token for r in results if r.name == "full"), past, opts.batch_size)
     return BenchResult(
         artifact=str(artifact),
         default=default,
@@ -267,7 +265,7 @@ def run_bench(
         hf_matches_full=runs["hf"][0].generations == full_tokens if "hf" in runs else None,
         notes=_notes(rt, opts),
         river_kv=river_kv,
-        conditions=here,
+        conditions=conditions(m.costs, results[0].ms_per_token, ids, full_tokens, opts.batch_size),  # [0]: full
         reps_run=len(runs["full"]),
         verdict=verdict,
         aa_band=AA_BAND,

@@ -95,15 +95,18 @@ def run_default(plan: Any, batch_size: int) -> tuple[str, str]:
 CONDITIONS_BAND = 0.15
 
 
-def conditions(costs: Any, full_ms: float, past: float, batch_size: int) -> dict[str, Any] | None:
+def conditions(
+    costs: Any, full_ms: float, prompts: list[list[int]], answers: list[list[int]], batch_size: int
+) -> dict[str, Any] | None:
     """Full depth's decode in this bench against the full-depth step the plan was priced with (`Costs.baseline_ms`:
     one row, at the costs' past). The costs' relative prices move with the machine's state, not only its speed: other
     work contending for memory bandwidth slows a one-position step (memory-bound) far more than a wide pass
     (verify's checks, drafts from the context), so a plan priced in one state mispredicts the other's speedups. None
     without costs or at a batch size above one (the costs are one row's). `note`: a sentence where the two differ by
-    more than CONDITIONS_BAND."""
-    if costs is None or batch_size != 1 or full_ms <= 0:
+    more than CONDITIONS_BAND (with the mean past of the bench's steps: `prompts` and their `answers`)."""
+    if costs is None or batch_size != 1 or full_ms <= 0 or not prompts:
         return None
+    past = sum(len(p) for p in prompts) / len(prompts) + sum(len(a) for a in answers) / max(1, len(answers)) / 2
     priced = float(costs.baseline_ms())
     ratio = full_ms / priced
     out: dict[str, Any] = {"priced_ms": round(priced, 4), "here_ms": round(full_ms, 4), "ratio": round(ratio, 4)}
