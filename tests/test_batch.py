@@ -300,3 +300,56 @@ def test_asks_sort_in_pass_order_and_a_segments_riders_join_its_call():
     assert at == sorted(at) and len(set(at)) == len(at)
     joined = {position(a, segment_of_layer, 3) for a in (Segment(1, None, states=True), Segment(1, None, ride=True))}
     assert joined == {position(Segment(1, None), segment_of_layer, 3)}
+
+
+def test_rows_still_decoding_narrow_onto_the_first_rows_and_keep_their_tokens(runtimes, family):
+    """Once no prompt waits for a slot, the rows still decoding move to the cache's first rows (their K/V and
+    lengths) and step on a chain over the fewest rows (slots.py `narrowed`): every prompt gets the tokens it gets
+    alone, and the narrower chains ran."""
+    from eectl.runtime.runner import Runner
+    from eectl.runtime.state import RunConfig
+
+    rt = runtimes[family]
+    v = rt.manifest.dims["vocab_size"]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, v, n).tolist() for n in (7, 12, 3, 5, 9, 4)]
+
+    def runner(stop: tuple[int, ...] = ()) -> Runner:
+        return Runner(rt, RunConfig(exits=[], thresholds={}, top_k=8, max_new_tokens=14, stop_ids=stop))
+
+    free = [runner().generate([p])[0].token_ids for p in prompts]
+
+    def ends(stop: set[int]) -> list[int]:  # each answer's length with these stop tokens
+        return [next((i + 1 for i, t in enumerate(f) if t in stop), len(f)) for f in free]
+
+    # stop tokens, one at a time, while they make the answers more ragged: lengths ending at different steps
+    stop: set[int] = set()
+    for t in dict.fromkeys(t for f in free for t in f):
+        if len(set(ends(stop | {t}))) > len(set(ends(stop))):
+            stop.add(t)
+    alone = [runner(tuple(stop)).generate([p])[0].token_ids for p in prompts]
+    assert [len(a) for a in alone] == ends(stop) and len(set(ends(stop))) > 2, ends(stop)
+    batch = runner(tuple(stop))
+    assert [g.token_ids for g in batch.generate(prompts, slots=4)] == alone
+    kept = batch._kept
+    assert kept is not None and kept.chain is not None and kept.chain.rows == 4
+    assert set(kept.narrow) and set(kept.narrow) <= {1, 2}  # the last rows stepped on one or two rows
+    assert [g.token_ids for g in batch.generate(prompts, slots=4)] == alone  # again, on the kept chains
+
+
+def test_a_moved_row_keeps_its_keys_values_and_length(runtimes):
+    """`KVBuffers.move`: row src's K/V (every slot, its filled positions) and lengths become row dst's; src empties."""
+    rt = runtimes["llama"]
+    kv = new_batch_kv(rt, 3, 16)
+    rng = np.random.default_rng(1)
+    for b in (*kv.batch_keys, *kv.batch_values):
+        b[...] = rng.standard_normal(b.shape)
+    kv.filled[2] = np.arange(kv.filled.shape[1]) % 7 + 3  # lengths that differ by slot
+    want = [(k[2].copy(), v_[2].copy()) for k, v_ in zip(kv.batch_keys, kv.batch_values, strict=True)]
+    lengths = kv.filled[2].copy()
+    kv.move(2, 0)
+    assert (kv.filled[0] == lengths).all() and (kv.filled[2] == 0).all()
+    for slot, (k, v_) in enumerate(want):
+        n = int(lengths[slot])
+        np.testing.assert_array_equal(kv.batch_keys[slot][0, :, :n], k[:, :n])
+        np.testing.assert_array_equal(kv.batch_values[slot][0, :, :n], v_[:, :n])

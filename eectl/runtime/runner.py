@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,7 @@ from eectl.exits.gates import active_gates
 from eectl.exits.signals import get_signal
 from eectl.runtime import resident, scoring
 from eectl.runtime.asks import Ask, Decision, FinalLogits, FinalToken, Segment, position
-from eectl.runtime.batch import BatchKV, new_batch_kv
+from eectl.runtime.batch import new_batch_kv
 from eectl.runtime.blocks import active_block
 from eectl.runtime.chain import DecodeChain
 from eectl.runtime.chain_steps import chain_for, chain_step, chain_tokens
@@ -53,18 +52,8 @@ from eectl.runtime.policies import policy_class
 from eectl.runtime.sampling import pick_token
 from eectl.runtime.segment_rows import segment_rows
 from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.slots import Kept, narrowed
 from eectl.runtime.state import Generation, RowState, RunConfig
-
-
-@dataclass
-class _Kept:
-    """A generate call's KV cache and bound chain, kept for the next call, with the configuration they were bound
-    under."""
-
-    kv: BatchKV
-    chain: DecodeChain | None
-    cfg: RunConfig
-    prompt_chains: dict[int, DecodeChain] = field(default_factory=dict)  # slot -> a one-row chain for its prompts
 
 
 class Runner:
@@ -118,7 +107,7 @@ class Runner:
             self.lookup = PromptLookup(config.prompt_drafts, ngram, min(MIN_NGRAM, ngram), min_draft=shortest)
         self.rng = np.random.default_rng(config.seed)
         self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
-        self._kept: _Kept | None = None  # the last call's cache and chain, which the next call reuses (`_buffers`)
+        self._kept: Kept | None = None  # the last call's cache and chain, which the next call reuses (`_buffers`)
         # the placement of the call in progress: generate()'s own while it runs, else the host's
         self.place: Placement = HOST
         # the last generate()'s host reads, per step (device-resident or on the bound chain; none on the host path)
@@ -374,22 +363,16 @@ class Runner:
         self.step_reads = place.steps
         self.place = place
         try:
-            self._loop(kv, rows, chain, on_step, kept.prompt_chains)
+            self._loop(kept, rows, on_step)
         finally:
             self.place = HOST  # scoring, chat and cost timing run on the host (their own calls)
         return [st.generation() for st in rows]
 
-    def _loop(
-        self,
-        kv: BatchKV,
-        rows: list[RowState],
-        chain: DecodeChain | None,
-        on_step: Callable[[int, list[int]], None] | None,
-        prompt_chains: dict[int, DecodeChain],
-    ) -> None:
+    def _loop(self, kept: Kept, rows: list[RowState], on_step: Callable[[int, list[int]], None] | None) -> None:
         """Steps until every prompt is done. `seated[slot]` is the prompt in that slot of the cache; a prompt whose
-        first step is still to run (its prefill: the whole prompt, always full depth) is `fresh`. `prompt_chains`: slot
-        -> a one-row chain for its prompts in a batch (the kept buffers', `_buffers`)."""
+        first step is still to run (its prefill: the whole prompt, always full depth) is `fresh`. Once no prompt
+        waits, the rows still decoding narrow onto the fewest rows (slots.py)."""
+        kv, chain, prompt_chains = kept.kv, kept.chain, kept.prompt_chains
         queue = list(range(len(rows)))
         seated: dict[int, int] = {}
         fresh: set[int] = set()
@@ -403,6 +386,8 @@ class Runner:
 
         seat()
         while seated:
+            if chain is not None and not queue and not fresh:
+                chain = narrowed(self.rt, kept, chain, seated)
             t0 = time.perf_counter()  # a step's time includes proposing and settling its drafts
             live = {s: (rows[i], rows[i].tokens if s in fresh else [rows[i].tokens[-1]]) for s, i in seated.items()}
             drafted: dict[int, int] = {}  # slot -> drafts from the context this step (RunConfig.prompt_drafts)
@@ -433,8 +418,8 @@ class Runner:
             self.place.end_step()
             seat()
 
-    def _buffers(self, width: int, need: int) -> _Kept:
-        """The KV cache of `width` rows with room for `need` positions and the bound chains over it (`_Kept`): the
+    def _buffers(self, width: int, need: int) -> Kept:
+        """The KV cache of `width` rows with room for `need` positions and the bound chains over it (`Kept`): the
         last call's, its lengths reset, where it has as many rows, the room, and was bound under the same
         configuration (a serving runtime's cache: the next call binds nothing the last one bound, e.g. verify's check
         widths, which bind on first use); else new ones, the old freed first (prompts in random order of length
@@ -445,7 +430,7 @@ class Runner:
             return kept
         self._kept = self.last_kv = kept = None  # the old buffers freed before the new ones are allocated
         kv = new_batch_kv(self.rt, width, need)
-        self._kept = _Kept(kv, self._chain(kv, width), copy.deepcopy(self.cfg))
+        self._kept = Kept(kv, self._chain(kv, width), copy.deepcopy(self.cfg))
         return self._kept
 
     def _pad(self) -> bool:
