@@ -58,3 +58,13 @@ def test_run_options_are_checked_before_the_artifact_loads(exported, monkeypatch
     monkeypatch.setattr("eectl.run.generate.ArtifactRuntime", no_load)
     res = runner.invoke(app, ["run", str(exported["llama"][1]), "hi", option, value])
     assert res.exit_code == 2 and text in res.stderr, res.output
+
+
+def test_an_exit_the_artifact_lacks_is_named_as_such(exported):
+    """--exits 99 without --thresholds said "no calibrated thresholds for signal ... at exits [99]" (export with
+    --calibration): the exit does not exist, and no calibration would make it."""
+    res = runner.invoke(app, ["run", str(exported["llama"][1]), "hi", "--raw", "-n", "2", "--exits", "2,99"])
+    assert (
+        res.exit_code == 2
+        and res.stderr.splitlines()[-1] == "error: --exits [99] not in the artifact (its exits: [2, 4])"
+    )

@@ -319,3 +319,48 @@ def test_train_heads_refuses_an_out_that_is_not_safetensors(tiny_dirs, tmp_path,
     )
     _one_line(res, 2, "--out must name a .safetensors file", "t.txt")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# --- 11. an exit list that names nothing ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", ",", " , "])
+def test_an_exit_list_naming_no_layers_is_refused(artifact, text, monkeypatch):
+    """`--exits ""` (an unset shell variable) was [] silently: full depth for run, an artifact with no exits for
+    export, the default exits for calibrate. 'none' still means no exits."""
+    from eectl.contracts.layers import parse_layers
+
+    def no_load(*a, **k):
+        raise AssertionError("the model or artifact was loaded before --exits was checked")
+
+    monkeypatch.setattr("eectl.models.load_model", no_load)
+    monkeypatch.setattr("eectl.run.generate.ArtifactRuntime", no_load)
+    with pytest.raises(UsageError, match="--exits names no layers"):
+        parse_layers(text)
+    assert parse_layers("none") == [] and parse_layers("8, 12") == [8, 12] and parse_layers(None) is None
+    for args in (
+        ["run", str(artifact), "hi", "--exits", text],
+        ["export", "nowhere", "--exits", text],
+        ["calibrate", "nowhere", "--exits", text, "--data", str(GSM8K)],
+    ):
+        _one_line(runner.invoke(app, args), 2, "--exits names no layers", "'none'")
+
+
+# --- 12. export --out inside another artifact -----------------------------------------------------------------------
+
+
+def test_export_into_another_artifact_is_refused_before_the_model_loads(artifact, tiny_dirs, tmp_path, monkeypatch):
+    """An --out inside an artifact's tokenizer/ (hashed whole) left that artifact unloadable ("files in tokenizer/
+    that the manifest does not list"); anywhere inside it, a stray folder. Refused, nothing written."""
+    art = _copy(artifact, tmp_path)
+    before = sorted(p.relative_to(art).as_posix() for p in art.rglob("*"))
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr("eectl.models.load_model", no_load)
+    for out in (art / "tokenizer" / "nested", art / "sub" / "deeper"):
+        res = runner.invoke(app, ["export", str(tiny_dirs["llama"]), "--out", str(out)])
+        _one_line(res, 2, f"--out {out} is inside the eectl artifact {art}")
+    assert sorted(p.relative_to(art).as_posix() for p in art.rglob("*")) == before
+    assert ArtifactRuntime(art, provider="cpu").manifest.exit_layers == [3]

@@ -298,3 +298,23 @@ def test_stdin_that_is_not_utf8_is_one_line_in_a_strict_utf8_locale(exported):
         err = res.stderr.decode().strip().splitlines()
         assert res.returncode == 2 and len(err) == 1, res.stderr.decode()
         assert "standard input is not UTF-8 text: byte 0xe9 at offset 3 (line 1)" in err[0]
+
+
+def test_an_artifact_file_that_cannot_be_read_is_one_line(artifact, monkeypatch):
+    """A graph, weight or tokenizer file with no read permission (chmod 000; eectl run as another user): the hash
+    check's open() raised PermissionError, a traceback; now an ArtifactError naming the file. Faked here, since the
+    tests may run as root, whom permissions do not stop."""
+    import errno
+
+    from eectl.contracts import manifest
+
+    real = manifest.sha256_file
+
+    def denied(path, *a, **k):
+        if Path(path).name == "embed.onnx":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(manifest, "sha256_file", denied)
+    line = _one_line(runner.invoke(app, ["run", str(artifact), "hi", "--raw", "-n", "2"]), 5)
+    assert line == f"error: cannot read {artifact / 'embed.onnx'}: Permission denied"

@@ -14,9 +14,12 @@ def parse_layers(text: str | None, option: str = "--exits") -> list[int] | None:
     if text.strip().lower() == "none":
         return []
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
+        layers = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
         raise UsageError(f"{option} must be comma-separated layer numbers or 'none', got '{text}'") from None
+    if not layers:  # "" or ",": full depth for run and export, the default exits for calibrate; say which was meant
+        raise UsageError(f"{option} names no layers, got '{text}'", hint="give e.g. 8,12, or 'none' for no layers")
+    return layers
 
 
 def check_exit_layers(exits: list[int], num_layers: int | None, option: str = "--exits") -> list[int]:

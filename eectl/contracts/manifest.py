@@ -282,7 +282,16 @@ def artifact_paths(m: Manifest) -> list[str]:
 
 def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
     """Read and check an artifact's manifest: schema version, every named path inside the folder (symlinks
-    resolved), every listed file present and unchanged. Nothing named by the manifest is opened before that."""
+    resolved), every listed file present and unchanged. Nothing named by the manifest is opened before that. A file
+    or folder that cannot be read (permissions, I/O) is an ArtifactError naming it, not an OSError traceback."""
+    try:
+        return _read_manifest(folder, verify_hashes)
+    except OSError as exc:
+        what = exc.filename if exc.filename is not None else folder
+        raise ArtifactError(f"cannot read {what}: {exc.strerror or exc}") from None
+
+
+def _read_manifest(folder: str | Path, verify_hashes: bool) -> Manifest:
     root = Path(folder)
     path = root / MANIFEST
     if not root.is_dir():

@@ -145,6 +145,10 @@ def check_destination(out: Path, force: bool) -> None:
     parent = nearest_existing(out)
     if not parent.is_dir():
         raise ArtifactError(f"cannot create {out}: {parent} is not a folder")
+    # inside another artifact (its tokenizer/ is hashed whole, and any stray file changes it): that one would break
+    outer = next((p for p in out.resolve().parents if is_artifact(p)), None)
+    if outer is not None:
+        raise UsageError(f"--out {out} is inside the eectl artifact {outer}; write it elsewhere")
 
 
 def export_artifact(

@@ -172,6 +172,9 @@ def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -
     exits = parse_layers(opts.exits)
     if exits is None:
         exits = sorted(calibrated) if calibrated else list(m.exit_layers)
+    unknown = sorted(set(exits) - set(m.exit_layers))
+    if unknown:  # before the thresholds: else "no calibrated thresholds at exits [99]" hid what was wrong
+        raise UsageError(f"--exits {unknown} not in the artifact (its exits: {m.exit_layers})")
     exits = sorted(set(exits))
     thresholds: dict[int, dict[str, float]] = {}
     if opts.thresholds is not None:
