@@ -23,6 +23,7 @@ from eectl.runtime.chain import DecodeChain
 from eectl.runtime.ort import cuda_usable, resolve_provider
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.slots import ROOM
 from eectl.runtime.state import RunConfig
 from tests.conftest import EXPORT_EXITS, EXPORT_TOP_K, make_calibration
 
@@ -289,7 +290,8 @@ def test_calls_reuse_the_last_calls_cache_and_chain(artifacts, policy):
             n = len(prompt) + len(got.token_ids) - 1
             for mine, theirs in zip(kv.batch_keys, alone.last_kv.batch_keys, strict=True):
                 assert (mine[:, :, :n] == theirs[:, :, :n]).all()
-    runner.generate([a + a + a])  # more room than the cache has: new buffers, grown
+    assert kv.max_len == ROOM  # the call's 29 positions rounded up: room for calls of about that length
+    runner.generate([a * 11])  # more room than the cache has: new buffers, grown
     assert runner.last_kv is not kv and runner.last_kv.max_len > kv.max_len
     grown = runner.last_kv
     runner.generate([a, b])  # two rows

@@ -453,6 +453,7 @@ class RunReport:
             "rejected_drafts": g.rejected_drafts,
             "prompt_drafted": g.prompt_drafted,
             "prompt_accepted": g.prompt_accepted,
+            "prompt_reused": g.reused,  # prompt tokens the cache held from the last prompt in the row's slot
         }
 
 

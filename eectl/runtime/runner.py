@@ -52,7 +52,7 @@ from eectl.runtime.policies import policy_class
 from eectl.runtime.sampling import pick_token
 from eectl.runtime.segment_rows import segment_rows
 from eectl.runtime.sessions import ArtifactRuntime
-from eectl.runtime.slots import Kept, narrowed
+from eectl.runtime.slots import ROOM, Kept, narrowed, reused
 from eectl.runtime.state import Generation, RowState, RunConfig
 
 
@@ -351,8 +351,7 @@ class Runner:
             )
         width = len(prompts) if slots is None else min(slots, len(prompts))
         kept = self._buffers(width, need)
-        kv, chain = kept.kv, kept.chain
-        self.last_kv = kv
+        self.last_kv, chain = kept.kv, kept.chain
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
         if self.lookup is not None:
             for st in rows:
@@ -377,19 +376,24 @@ class Runner:
         seated: dict[int, int] = {}
         fresh: set[int] = set()
 
+        start: dict[int, int] = {}  # slot -> the first position its fresh prompt feeds (before it: reused)
+
         def seat() -> None:  # fill the free slots with the next prompts, in order
             for slot in range(kv.rows):
                 if slot not in seated and queue:
-                    seated[slot] = queue.pop(0)
+                    seated[slot] = i = queue.pop(0)
                     fresh.add(slot)
-                    kv.rollback(slot, 0)  # whatever the slot's last prompt left in its cache is forgotten
+                    start[slot] = rows[i].reused = reused(self.rt, kept, slot, rows[i].tokens, self._pad())
+                    kv.rollback(slot, start[slot])  # what the slot's last prompt left beyond a shared prefix: forgotten
+                    kept.prompts[slot] = list(rows[i].tokens)
 
         seat()
         while seated:
             if chain is not None and not queue and not fresh:
                 chain = narrowed(self.rt, kept, chain, seated)
             t0 = time.perf_counter()  # a step's time includes proposing and settling its drafts
-            live = {s: (rows[i], rows[i].tokens if s in fresh else [rows[i].tokens[-1]]) for s, i in seated.items()}
+            feed = {s: rows[i].tokens[start[s] :] if s in fresh else rows[i].tokens[-1:] for s, i in seated.items()}
+            live = {s: (rows[i], feed[s]) for s, i in seated.items()}
             drafted: dict[int, int] = {}  # slot -> drafts from the context this step (RunConfig.prompt_drafts)
             if self.lookup is not None:
                 args = (self.L, self.cfg.max_new_tokens, self.cfg.stop_ids)
@@ -423,13 +427,14 @@ class Runner:
         last call's, its lengths reset, where it has as many rows, the room, and was bound under the same
         configuration (a serving runtime's cache: the next call binds nothing the last one bound, e.g. verify's check
         widths, which bind on first use); else new ones, the old freed first (prompts in random order of length
-        reallocate about ln(n) times in n calls). So `last_kv` is overwritten by the next call."""
+        reallocate about ln(n) times in n calls; new ones get room for `need` rounded up to ROOM positions, so calls
+        of about one length keep them and the prompts they hold: slots.py `reused`). So `last_kv` is overwritten by the
+        next call."""
         kept = self._kept
         if kept is not None and kept.kv.rows == width and kept.kv.max_len >= need and kept.cfg == self.cfg:
-            kept.kv.rollback(slice(None), 0)
-            return kept
+            return kept  # every slot's lengths are cut when a prompt takes it (`_loop`), to the prefix it shares
         self._kept = self.last_kv = kept = None  # the old buffers freed before the new ones are allocated
-        kv = new_batch_kv(self.rt, width, need)
+        kv = new_batch_kv(self.rt, width, min(self.m.max_positions, -(-need // ROOM) * ROOM))
         self._kept = Kept(kv, self._chain(kv, width), copy.deepcopy(self.cfg))
         return self._kept
 

@@ -1,5 +1,7 @@
-"""A batch's slots across generate calls: the buffers a Runner keeps for its next call (`Kept`), and the rows still
-decoding narrowed onto the fewest rows once no prompt waits for a slot (`narrowed`).
+"""A batch's slots across generate calls: the buffers a Runner keeps for its next call (`Kept`), the first tokens
+of a new prompt that its slot's cache already holds from the slot's last prompt (`reused`: a chat template's header
+is computed once per slot), and the rows still decoding narrowed onto the fewest rows once no prompt waits for a slot
+(`narrowed`).
 
 A batched full-depth step costs about as much whatever rows it needs a token from: every row of the chain's span
 runs (rows that finished ride along on their scratch slot), and at 16 rows the step is compute-bound. Ragged answers
@@ -21,6 +23,11 @@ from eectl.runtime.batch import BatchKV
 from eectl.runtime.chain import DecodeChain
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
+from eectl.runtime.wide_check import MIN_REST, prefix_refused
+
+# a Runner's new KV cache has room for the positions a call needs rounded up to this many: calls of about one length
+# (prompts of one file) keep the cache, and the prompts its slots hold (`reused`), instead of allocating it again
+ROOM = 128
 
 
 @dataclass
@@ -33,6 +40,23 @@ class Kept:
     cfg: RunConfig
     prompt_chains: dict[int, DecodeChain] = field(default_factory=dict)  # slot -> a one-row chain for its prompts
     narrow: dict[int, DecodeChain] = field(default_factory=dict)  # rows -> a full-depth chain over the first rows
+    prompts: dict[int, list[int]] = field(default_factory=dict)  # slot -> the prompt whose K/V begin its cache rows
+
+
+def reused(rt: ArtifactRuntime, kept: Kept, slot: int, ids: list[int], pad: bool) -> int:
+    """How many of the prompt `ids`' first tokens the slot's cache rows already hold from the slot's last prompt
+    (`Kept.prompts`): the tokens they share, every layer holding them, at least MIN_REST tokens left to feed; 0 where
+    none, in a padded prompt call (`pad`), or where this machine computes a prompt fed after its prefix otherwise than
+    fed whole (wide_check.py `prefix_refused`: then reusing it could change tokens). Prompts in a chat template share
+    its header (24 tokens of ~100 on the default model's GSM8K questions): their K/V are computed once per slot."""
+    cached = kept.prompts.get(slot)
+    if not cached or pad:
+        return 0
+    limit = min(len(cached), len(ids) - MIN_REST, int(kept.kv.filled[slot].min()))
+    n = 0
+    while n < limit and cached[n] == ids[n]:
+        n += 1
+    return n if n > 0 and prefix_refused(rt) is None else 0
 
 
 def narrowed(rt: ArtifactRuntime, kept: Kept, chain: DecodeChain, seated: dict[int, int]) -> DecodeChain:
@@ -46,6 +70,7 @@ def narrowed(rt: ArtifactRuntime, kept: Kept, chain: DecodeChain, seated: dict[i
         if src != dst:
             kept.kv.move(src, dst)
             seated[dst] = seated.pop(src)
+            kept.prompts[dst] = kept.prompts.pop(src)
     rows = 1 << (len(seated) - 1).bit_length()
     if rows not in kept.narrow:
         kept.narrow[rows] = DecodeChain(rt, kept.kv, 0, rows=rows, certified_head=kept.cfg.certified_head)

@@ -87,6 +87,7 @@ class RowState:
     drafted: int = 0
     rejected: int = 0
     lookup: LookupState | None = None  # prompt drafts (RunConfig.prompt_drafts): the row's drafting state
+    reused: int = 0  # prompt tokens whose K/V the row's cache held already (not fed again: runtime/slots.py)
     done: bool = False
     # decode time of steps whose tokens are not emitted (drafts a rollback discarded): added to the next emitted
     # token's latency, so a row's latencies add up to its decode time
@@ -122,6 +123,7 @@ class RowState:
             prompt_accepted=self.lookup.accepted if self.lookup is not None else 0,
             decided=dict(self.decided),
             picked=dict(self.picked),
+            reused=self.reused,
         )
 
     def count_decisions(self, decided: list[int], picked: int | None) -> None:
@@ -146,6 +148,7 @@ class Generation:
     prompt_accepted: int = 0  # verify: those the full model agreed with
     decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there
     picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked candidates there
+    reused: int = 0  # prompt tokens the cache held from the last prompt in the row's slot (not computed again)
 
     @property
     def tokens_per_s(self) -> float:

@@ -8,7 +8,9 @@ pads one-row calls so that both take the same kernels (export/graphs.py `_Attent
 result on the graphs themselves: a prompt, then `width` positions once as one call and once one at a time through
 every segment, the states after each segment and every layer's K/V compared.
 
-`wide_refused` runs the check once per process where an artifact's drafts rest on it (as the certified head's
+`check_prefix` is the same comparison for a prompt fed after a cached prefix of it (one call whole, or the prefix
+then the rest on top), which a runner's kept cache rests on (runtime/slots.py). `wide_refused` runs the check once
+per process where an artifact's drafts rest on it (as the certified head's
 kernel is checked at load: runtime/certified_bound.py). What this module does not do: decide what an inexact
 artifact may run (plan/choose.py `wide_inexact`, run/wide.py).
 """
@@ -105,3 +107,62 @@ def wide_refused(rt: ArtifactRuntime) -> str | None:
             else f"a wide pass differs from one-position steps on this machine (by up to {got['max_abs_diff']:.1e})"
         )
     return _REFUSED[key]
+
+
+def check_prefix(rt: ArtifactRuntime, ids: Sequence[int], keep: int) -> dict[str, Any]:
+    """The tokens `ids` as one prompt call, and as its first `keep` tokens then the rest in a second call on top of
+    them, through every segment on two caches: {"exact": every state and K/V equal bit for bit, "max_abs_diff"}.
+    What reusing a cached prompt prefix rests on: a prompt fed after the positions it shares with the slot's last
+    prompt (runtime/slots.py `shared_prefix`) computes what feeding it whole computes."""
+    if not 0 < keep < len(ids):
+        raise ValueError(f"keep {keep} must leave tokens on both sides of {len(ids)}")
+    n, m = len(ids), rt.manifest
+    whole_kv, split_kv = rt.new_kv(1, n), rt.new_kv(1, n)
+    x = np.asarray(rt.embed(np.array([list(ids)], dtype=np.int64)))
+    whole, head, tail = x.copy(), x[:, :keep].copy(), x[:, keep:].copy()
+    worst = 0.0
+    for s in range(len(m.segments)):
+        loaded = rt.segments[s].session is not None
+        rt.load_segment(s)
+        try:
+            whole = _out(rt.run_segment(s, whole, whole_kv, row=0))
+            head = _out(rt.run_segment(s, head, split_kv, row=0))
+            tail = _out(rt.run_segment(s, tail, split_kv, row=0))
+        finally:
+            if not loaded:
+                rt.release_segment(s)
+        worst = max(worst, _diff(whole[:, :keep], head), _diff(whole[:, keep:], tail))
+    for layer in range(m.num_layers):
+        for a, b in (
+            (whole_kv.keys[0][layer], split_kv.keys[0][layer]),
+            (whole_kv.values[0][layer], split_kv.values[0][layer]),
+        ):
+            worst = max(worst, _diff(np.asarray(a)[:, :, :n], np.asarray(b)[:, :, :n]))
+    return {"exact": worst == 0.0, "max_abs_diff": worst}
+
+
+_PREFIX: dict[tuple[str, str], str | None] = {}  # (artifact, provider) -> this process's verdict
+# a prompt after a cached prefix is fed at least this many positions: fp32 on the default model computes one position
+# after a prefix with other kernels than inside a whole prompt (last bits differ), two or more bit for bit
+MIN_REST = 2
+
+
+def prefix_refused(rt: ArtifactRuntime) -> str | None:
+    """Why a prompt may not be fed on top of a cached prefix here ("the rest" computed differently), checked once per
+    process and artifact on this machine's kernels (`check_prefix`: 16 tokens, then 2 and 8); None where it may.
+    Host buffers only: the check reads them on the host."""
+    if rt.device != "cpu":
+        return f"cached prompt prefixes are checked on the CPU EP only, not on {rt.device}"
+    key = (str(rt.folder.resolve()), rt.device)
+    if key not in _PREFIX:
+        vocab = rt.manifest.dims["vocab_size"]
+        ids = [3 + (7919 * i) % (vocab - 3) for i in range(CHECK_TOKENS)]
+        # the shortest rest a prompt is fed with (`MIN_REST`: one position takes other kernels) and a longer one
+        got = [check_prefix(rt, ids[: keep + rest], keep) for keep, rest in ((16, MIN_REST), (16, 8))]
+        worst = max(g["max_abs_diff"] for g in got)
+        _PREFIX[key] = (
+            None
+            if worst == 0.0
+            else f"a prompt fed after a cached prefix differs from the prompt fed whole (by up to {worst:.1e})"
+        )
+    return _PREFIX[key]
