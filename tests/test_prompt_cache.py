@@ -108,3 +108,13 @@ def test_run_json_reports_the_prompt_tokens_reused(exported, tmp_path):
     assert first["prompt_reused"] == 0 and second["prompt_reused"] > 0
     shared = next(i for i, (a, b) in enumerate(zip(first["prompt_ids"], second["prompt_ids"], strict=False)) if a != b)
     assert second["prompt_reused"] == shared
+
+
+def test_a_runtime_reading_a_slow_tier_feeds_prompts_whole(runtimes, monkeypatch):
+    """Under --memory-budget / --mmap-weights the check's own calls would read the slow tier inside a run's measured
+    bytes per token (bench's memory section): no prefix is reused there."""
+    rt = runtimes["llama"]
+    monkeypatch.setattr(rt, "tiers", object())  # any tiers: the runtime reads some segments from their files
+    assert "slow tier" in (wide_check.prefix_refused(rt) or "")
+    runner = _runner(rt, "full")
+    assert [runner.generate([p])[0].reused for p in _prompts(rt.manifest.dims["vocab_size"])] == [0] * 6

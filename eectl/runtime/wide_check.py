@@ -150,9 +150,11 @@ MIN_REST = 2
 def prefix_refused(rt: ArtifactRuntime) -> str | None:
     """Why a prompt may not be fed on top of a cached prefix here ("the rest" computed differently), checked once per
     process and artifact on this machine's kernels (`check_prefix`: 16 tokens, then 2 and 8); None where it may.
-    Host buffers only: the check reads them on the host."""
+    Host buffers only: the check reads them on the host; and every segment resident."""
     if rt.device != "cpu":
         return f"cached prompt prefixes are checked on the CPU EP only, not on {rt.device}"
+    if rt.tiers is not None:  # the check's own calls would read the slow tier inside a run's measured traffic
+        return "segments are read from a slow tier (--memory-budget, --mmap-weights): prompts are fed whole"
     key = (str(rt.folder.resolve()), rt.device)
     if key not in _PREFIX:
         vocab = rt.manifest.dims["vocab_size"]
