@@ -17,13 +17,14 @@ artifact may run (plan/choose.py `wide_inexact`, run/wide.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
     from eectl.contracts.manifest import Manifest
+    from eectl.runtime.kv import KVBuffers
     from eectl.runtime.sessions import ArtifactRuntime
 
 
@@ -39,28 +40,43 @@ def check_wide(rt: ArtifactRuntime, ids: Sequence[int], width: int = 8) -> dict[
     x = np.asarray(rt.embed(np.array([list(ids)], dtype=np.int64)))
     p, wide, steps = x[:, :prompt].copy(), x[:, prompt:].copy(), x[:, prompt:].copy()
     worst = 0.0
-    for s in range(len(m.segments)):
+
+    def segment(s: int) -> None:
+        nonlocal p, wide, steps, worst
+        p_out = _out(rt.run_segment(s, p, wide_kv, row=0))
+        rt.run_segment(s, p, step_kv, row=0)  # the same prompt call on the other cache
+        wide = _out(rt.run_segment(s, wide, wide_kv, row=0))
+        steps = np.concatenate(
+            [_out(rt.run_segment(s, steps[:, i : i + 1].copy(), step_kv, row=0)) for i in range(width)], axis=1
+        )
+        p = p_out
+        worst = max(worst, _diff(wide, steps))
+
+    _each_segment(rt, segment)
+    worst = max(worst, _kv_diff(wide_kv, step_kv, m.num_layers, n))
+    return {"exact": worst == 0.0, "max_abs_diff": worst, "width": width, "prompt": prompt}
+
+
+def _each_segment(rt: ArtifactRuntime, call: Callable[[int], None]) -> None:
+    """`call(s)` for every segment in order, each loaded for it and released after where it was not loaded before (as
+    export's validation runs them)."""
+    for s in range(len(rt.manifest.segments)):
         loaded = rt.segments[s].session is not None
         rt.load_segment(s)
         try:
-            p_out = _out(rt.run_segment(s, p, wide_kv, row=0))
-            rt.run_segment(s, p, step_kv, row=0)  # the same prompt call on the other cache
-            wide = _out(rt.run_segment(s, wide, wide_kv, row=0))
-            steps = np.concatenate(
-                [_out(rt.run_segment(s, steps[:, i : i + 1].copy(), step_kv, row=0)) for i in range(width)], axis=1
-            )
+            call(s)
         finally:
             if not loaded:
                 rt.release_segment(s)
-        p = p_out
-        worst = max(worst, _diff(wide, steps))
-    for layer in range(m.num_layers):
-        for a, b in (
-            (wide_kv.keys[0][layer], step_kv.keys[0][layer]),
-            (wide_kv.values[0][layer], step_kv.values[0][layer]),
-        ):
-            worst = max(worst, _diff(np.asarray(a)[:, :, :n], np.asarray(b)[:, :, :n]))
-    return {"exact": worst == 0.0, "max_abs_diff": worst, "width": width, "prompt": prompt}
+
+
+def _kv_diff(a: KVBuffers, b: KVBuffers, layers: int, n: int) -> float:
+    """The largest difference between two one-row caches' K and V over their first n positions, every layer."""
+    worst = 0.0
+    for layer in range(layers):
+        for x, y in ((a.keys[0][layer], b.keys[0][layer]), (a.values[0][layer], b.values[0][layer])):
+            worst = max(worst, _diff(np.asarray(x)[:, :, :n], np.asarray(y)[:, :, :n]))
+    return worst
 
 
 def _diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -113,7 +129,7 @@ def check_prefix(rt: ArtifactRuntime, ids: Sequence[int], keep: int) -> dict[str
     """The tokens `ids` as one prompt call, and as its first `keep` tokens then the rest in a second call on top of
     them, through every segment on two caches: {"exact": every state and K/V equal bit for bit, "max_abs_diff"}.
     What reusing a cached prompt prefix rests on: a prompt fed after the positions it shares with the slot's last
-    prompt (runtime/slots.py `shared_prefix`) computes what feeding it whole computes."""
+    prompt (runtime/slots.py `reused`) computes what feeding it whole computes."""
     if not 0 < keep < len(ids):
         raise ValueError(f"keep {keep} must leave tokens on both sides of {len(ids)}")
     n, m = len(ids), rt.manifest
@@ -121,23 +137,16 @@ def check_prefix(rt: ArtifactRuntime, ids: Sequence[int], keep: int) -> dict[str
     x = np.asarray(rt.embed(np.array([list(ids)], dtype=np.int64)))
     whole, head, tail = x.copy(), x[:, :keep].copy(), x[:, keep:].copy()
     worst = 0.0
-    for s in range(len(m.segments)):
-        loaded = rt.segments[s].session is not None
-        rt.load_segment(s)
-        try:
-            whole = _out(rt.run_segment(s, whole, whole_kv, row=0))
-            head = _out(rt.run_segment(s, head, split_kv, row=0))
-            tail = _out(rt.run_segment(s, tail, split_kv, row=0))
-        finally:
-            if not loaded:
-                rt.release_segment(s)
+
+    def segment(s: int) -> None:
+        nonlocal whole, head, tail, worst
+        whole = _out(rt.run_segment(s, whole, whole_kv, row=0))
+        head = _out(rt.run_segment(s, head, split_kv, row=0))
+        tail = _out(rt.run_segment(s, tail, split_kv, row=0))
         worst = max(worst, _diff(whole[:, :keep], head), _diff(whole[:, keep:], tail))
-    for layer in range(m.num_layers):
-        for a, b in (
-            (whole_kv.keys[0][layer], split_kv.keys[0][layer]),
-            (whole_kv.values[0][layer], split_kv.values[0][layer]),
-        ):
-            worst = max(worst, _diff(np.asarray(a)[:, :, :n], np.asarray(b)[:, :, :n]))
+
+    _each_segment(rt, segment)
+    worst = max(worst, _kv_diff(whole_kv, split_kv, m.num_layers, n))
     return {"exact": worst == 0.0, "max_abs_diff": worst}
 
 
