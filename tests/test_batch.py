@@ -353,3 +353,28 @@ def test_a_moved_row_keeps_its_keys_values_and_length(runtimes):
         n = int(lengths[slot])
         np.testing.assert_array_equal(kv.batch_keys[slot][0, :, :n], k[:, :n])
         np.testing.assert_array_equal(kv.batch_values[slot][0, :, :n], v_[:, :n])
+
+
+def test_narrowing_keeps_a_sampled_batchs_tokens(runtimes, monkeypatch):
+    """Sampling picks row by row in row order from one generator: narrowing keeps the rows' order, so a seeded
+    sampled batch in slots draws the same tokens with it as without it."""
+    from eectl.runtime import runner as runner_module
+    from eectl.runtime.runner import Runner
+    from eectl.runtime.state import RunConfig
+
+    rt = runtimes["llama"]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, rt.manifest.dims["vocab_size"], n).tolist() for n in (6, 9, 4, 7, 5)]
+    cfg = RunConfig(exits=[], thresholds={}, top_k=8, max_new_tokens=12, temperature=0.9, seed=3)
+    free = Runner(rt, cfg).generate(prompts[:1])[0].token_ids
+    cfg.stop_ids = (free[3],)  # an end for some answers: rows finish at different steps
+
+    def sampled() -> tuple[list[list[int]], set[int]]:
+        runner = Runner(rt, cfg)
+        got = [g.token_ids for g in runner.generate(prompts, slots=4)]
+        return got, set(runner._kept.narrow) if runner._kept is not None else set()
+
+    narrowed, widths = sampled()
+    monkeypatch.setattr(runner_module, "narrowed", lambda rt, kept, chain, seated: chain)
+    plain, none = sampled()
+    assert narrowed == plain and widths and not none
