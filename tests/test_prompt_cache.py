@@ -118,3 +118,15 @@ def test_a_runtime_reading_a_slow_tier_feeds_prompts_whole(runtimes, monkeypatch
     assert "slow tier" in (wide_check.prefix_refused(rt) or "")
     runner = _runner(rt, "full")
     assert [runner.generate([p])[0].reused for p in _prompts(rt.manifest.dims["vocab_size"])] == [0] * 6
+
+
+def test_a_batchs_new_prompts_copy_a_header_another_row_holds(runtimes, family):
+    """A batch's first prompts are all new at once: each is fed after the longest beginning of it that a row
+    prefilled before it holds (its K/V copied: slots.py `shared`), and generates what it generates alone."""
+    rt = runtimes[family]
+    prompts = _prompts(rt.manifest.dims["vocab_size"])
+    alone = [_runner(rt, "full").generate([p])[0].token_ids for p in prompts]
+    got = _runner(rt, "full").generate(prompts)  # a fresh runner: no slot held anything before
+    assert [g.token_ids for g in got] == alone
+    header = [0, 10, 9, 0, 10, 10]  # the 10-token header; 9 of the 11-token prompt (2 left to feed); `other`: 0
+    assert [g.reused for g in got] == header

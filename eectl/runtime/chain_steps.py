@@ -19,6 +19,7 @@ from eectl.runtime.kv import KVBuffers
 from eectl.runtime.placement import Placement
 from eectl.runtime.policies import KVPolicy
 from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.slots import Kept, shared
 from eectl.runtime.state import RowState, RunConfig
 
 
@@ -127,13 +128,14 @@ def chain_tokens(
     live: dict[int, tuple[RowState, list[int]]],
     fresh: set[int],
     drafted: dict[int, int],
-    prompt_chains: dict[int, DecodeChain],
+    kept: Kept,
 ) -> dict[int, int] | None:
     """The step on the bound chain (slot -> token), or None where the general path takes it. One row: its prompt
     (CPU), a full-depth step, or a step with exits or drafts (wide: CPU). A batch (full depth only: chain_for):
     each new prompt on a one-row chain of its slot (CPU, prompts not padded into one call: `_pad`; greedy: sampled
-    picks keep the rows' order on the general path), then the other rows' step over the batch's chain; drafts in a
-    batch take the general path."""
+    picks keep the rows' order on the general path), fed after the longest beginning of it another row holds
+    (`kept`'s prompts: slots.py `shared`), then the other rows' step over the batch's chain; drafts in a batch take
+    the general path."""
     cpu, wide = runner.rt.device == "cpu", any(drafted.values())
     if chain.rows == 1:
         st = live[0][0]
@@ -147,10 +149,14 @@ def chain_tokens(
     if wide or (fresh and (not cpu or runner._pad() or runner.sampler() is not None)):
         return None
     tokens: dict[int, int] = {}
+    held = [s for s in live if s not in fresh]  # rows whose prompts are in the cache
     for s in sorted(fresh):
-        if s not in prompt_chains:
-            prompt_chains[s] = DecodeChain(runner.rt, kv, s, certified_head=runner.cfg.certified_head)
-        tokens[s] = chain_prompt(runner, prompt_chains[s], live[s][0], kv, len(live[s][1]))
+        if s not in kept.prompt_chains:
+            kept.prompt_chains[s] = DecodeChain(runner.rt, kv, s, certified_head=runner.cfg.certified_head)
+        st = live[s][0]
+        st.reused = shared(runner.rt, kept, s, st.tokens, held)  # another row's copy of its beginning, if longer
+        tokens[s] = chain_prompt(runner, kept.prompt_chains[s], st, kv, len(st.tokens) - st.reused)
+        held.append(s)
     decode = {s: ids[0] for s, (_, ids) in live.items() if s not in fresh}
     if decode:
         stepped = chain.step(decode, place=runner.place, pick=runner.sampler())

@@ -3,7 +3,7 @@
 Each buffer is [1, H_kv, max_len, D], preallocated once and bound as both the past input and the present output of
 GroupQueryAttention, which writes the new positions in place (sessions.py; batch.py's batch buffers are views of
 one [rows, ...] buffer per layer). The length counters (`filled`) change only through `KVBuffers.span` + `advance`,
-`rollback`, `move` and `seek`: the one place a row's length is checked and moved.
+`rollback`, `move`, `copy` and `seek`: the one place a row's length is checked and moved.
 
 What this module does not do: bind the buffers to graph calls (`ArtifactRuntime.bind_kv`, the one place a graph's
 K/V are bound, over `KVBuffers.rows_of`) or hold a batch's buffers (batch.BatchKV: one [rows, ...] buffer per layer,
@@ -55,8 +55,8 @@ class KVBuffers:
         return self.keys[first][slot], self.values[first][slot]
 
     # The length counters change only through these: a call's new positions (`span`, then `advance`), a rollback
-    # (verify's rejected drafts), a row moved to another (`move`), and `seek` (a timing loop or a check placing a call
-    # at a chosen position).
+    # (verify's rejected drafts), a row moved or copied to another (`move`, `copy`), and `seek` (a timing loop or a
+    # check placing a call at a chosen position).
     def span(self, row: int, lo: int, hi: int, n: int) -> tuple[int, int]:
         """(past, total) for n new positions of `row` in slots [lo, hi): the one check that those slots hold one
         length and that the buffers have room for n more."""
@@ -82,13 +82,21 @@ class KVBuffers:
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s K/V and lengths become row `dst`'s (its positions copied in every slot; `src` is then empty): a
         batch compacting the rows still decoding into its first rows (runtime/slots.py). Host buffers only."""
-        for slot, n in enumerate(self.filled[src]):
+        self.copy(src, dst, self.filled[src])
+        self.filled[src] = 0
+
+    def copy(self, src: int, dst: int, n: Any) -> None:
+        """Row `dst` holds row `src`'s first `n` positions (per slot where `n` is an array), K/V copied: a prompt
+        beginning like another row's prompt (runtime/slots.py `shared`). Host buffers only."""
+        counts = np.broadcast_to(np.asarray(n, dtype=np.int64), self.filled[src].shape)
+        if (counts > self.filled[src]).any():
+            raise RuntimeError(f"row {src} holds {self.filled[src]} positions, not {counts}")
+        for slot, k in enumerate(counts):
             for bufs in (self.keys, self.values):
                 if not isinstance(bufs[src][slot], np.ndarray):
-                    raise UsageError("rows of a KV cache move on the host only")
-                bufs[dst][slot][:, :, :n] = bufs[src][slot][:, :, :n]
-        self.filled[dst] = self.filled[src]
-        self.filled[src] = 0
+                    raise UsageError("rows of a KV cache are copied on the host only")
+                bufs[dst][slot][:, :, :k] = bufs[src][slot][:, :, :k]
+        self.filled[dst] = counts
 
     def seek(self, rows: Any, length: int, lo: int = 0, hi: int | None = None) -> None:
         """Slots [lo, hi) of `rows` hold exactly `length` positions, whatever their buffers hold: for measuring a

@@ -371,7 +371,7 @@ class Runner:
         """Steps until every prompt is done. `seated[slot]` is the prompt in that slot of the cache; a prompt whose
         first step is still to run (its prefill: the whole prompt, always full depth) is `fresh`. Once no prompt
         waits, the rows still decoding narrow onto the fewest rows (slots.py)."""
-        kv, chain, prompt_chains = kept.kv, kept.chain, kept.prompt_chains
+        kv, chain = kept.kv, kept.chain
         queue = list(range(len(rows)))
         seated: dict[int, int] = {}
         fresh: set[int] = set()
@@ -401,7 +401,7 @@ class Runner:
             for s, n in drafted.items():
                 if n:  # the row's last token, then its drafts: one wide pass through every layer
                     live[s] = (rows[seated[s]], rows[seated[s]].tokens[-n - 1 :])
-            bound = None if chain is None else chain_tokens(self, chain, kv, live, fresh, drafted, prompt_chains)
+            bound = None if chain is None else chain_tokens(self, chain, kv, live, fresh, drafted, kept)
             # else: several positions for a row of a batch, exits in a batch, prompts off the CPU EP
             tokens = bound if bound is not None else self._steps(kv, live)
             for s in tokens:

@@ -49,14 +49,40 @@ def reused(rt: ArtifactRuntime, kept: Kept, slot: int, ids: list[int], pad: bool
     none, in a padded prompt call (`pad`), or where this machine computes a prompt fed after its prefix otherwise than
     fed whole (wide_check.py `prefix_refused`: then reusing it could change tokens). Prompts in a chat template share
     its header (24 tokens of ~100 on the default model's GSM8K questions): their K/V are computed once per slot."""
+    if pad:
+        return 0
+    n = _common(kept, slot, ids)
+    return n if n > 0 and prefix_refused(rt) is None else 0
+
+
+def shared(rt: ArtifactRuntime, kept: Kept, slot: int, ids: list[int], sources: list[int]) -> int:
+    """The prompt `ids` about to be fed in `slot`, whose rows hold its first `kept.kv.filled[slot, 0]` tokens: where
+    another row of `sources` (rows whose prompts are in the cache) holds a longer beginning of it, those positions are
+    copied into the slot's rows (`KVBuffers.copy`) and their count returned, else what the slot holds. So a batch's
+    first prompts, all new at once, compute a shared header once (each is prefilled in turn on the CPU EP)."""
+    have = int(kept.kv.filled[slot, 0])
+    best, src = have, None
+    for other in sources:
+        n = _common(kept, other, ids) if other != slot else 0
+        if n > best:
+            best, src = n, other
+    if src is None or prefix_refused(rt) is not None:
+        return have
+    kept.kv.copy(src, slot, best)
+    return best
+
+
+def _common(kept: Kept, slot: int, ids: list[int]) -> int:
+    """The tokens `ids` shares from its start with the prompt held in `slot`'s rows, every layer holding them, at most
+    all but MIN_REST of `ids`."""
     cached = kept.prompts.get(slot)
-    if not cached or pad:
+    if not cached:
         return 0
     limit = min(len(cached), len(ids) - MIN_REST, int(kept.kv.filled[slot].min()))
     n = 0
     while n < limit and cached[n] == ids[n]:
         n += 1
-    return n if n > 0 and prefix_refused(rt) is None else 0
+    return n
 
 
 def narrowed(rt: ArtifactRuntime, kept: Kept, chain: DecodeChain, seated: dict[int, int]) -> DecodeChain:
