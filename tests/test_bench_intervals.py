@@ -34,6 +34,10 @@ class _Sim:
         self.configs: dict = {}
         self.rt = types.SimpleNamespace(manifest=types.SimpleNamespace(num_layers=30))
         self.ran: list[tuple[str, int]] = []
+        self.forgot: list[int] = []  # the runs before each `forget_prompts` call
+
+    def forget_prompts(self):
+        self.forgot.append(len(self.ran))
 
     def steps(self, name):
         return self.stepped
@@ -193,3 +197,13 @@ def test_mirrored_runtimes_cancel_a_creation_order_effect_on_a_compared_aa_pair(
     assert read[2] == pytest.approx(1.0, abs=0.01)
     if prompts * reps % 2:  # an odd number of blocks: one median of all falls on one instance's side
         assert abs(naive - 1.0) > 0.03
+
+
+def test_every_repetition_meets_its_prompts_for_the_first_time():
+    """The runners forget their cached prompts at the start of every repetition (after the warm-up too), so a
+    repetition's first token is not timed on a prompt its runner still holds from the last repetition."""
+    sim = _Sim({n: 10.0 for n in NAMES}, 4, lambda t: 1.0, np.random.default_rng(0), 3)
+    _timed(sim, NAMES, [[1]] * 2, range(3), None)
+    warm = len(NAMES)  # one warm-up prompt per configuration
+    per_rep = len(NAMES) * 2  # every configuration on each of the 2 blocks
+    assert sim.forgot == [warm + r * per_rep for r in range(3)]

@@ -301,6 +301,9 @@ class _SimConfigs:
         self.now = 0.0
         self.rng = rng  # each step's own jitter (3%)
 
+    def forget_prompts(self):  # nothing cached on a simulated clock
+        pass
+
     instances = 1  # one runtime per configuration (no --compare)
 
     def steps(self, name):

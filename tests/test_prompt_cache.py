@@ -130,3 +130,14 @@ def test_a_batchs_new_prompts_copy_a_header_another_row_holds(runtimes, family):
     assert [g.token_ids for g in got] == alone
     header = [0, 10, 9, 0, 10, 10]  # the 10-token header; 9 of the 11-token prompt (2 left to feed); `other`: 0
     assert [g.reused for g in got] == header
+
+
+def test_a_runner_told_to_forget_its_prompts_feeds_the_next_one_whole(runtimes):
+    """`Runner.forget_prompts` (a bench's repetition starts so): the cache's rows keep no prompt to reuse."""
+    rt = runtimes["llama"]
+    first, second = _prompts(rt.manifest.dims["vocab_size"])[:2]
+    runner = _runner(rt, "full")
+    runner.generate([first])
+    assert runner.generate([second])[0].reused == 10  # the header
+    runner.forget_prompts()
+    assert runner.generate([first])[0].reused == 0

@@ -232,6 +232,11 @@ class Configs:
         rt = self.runners[name].rt if name in self.runners else None
         return rt is not None and rt.device == "cpu" and not self.opts.weights.active
 
+    def forget_prompts(self) -> None:
+        for runners in self.sets:
+            for runner in runners.values():
+                runner.forget_prompts()
+
     def once(self, name: str, prompt_ids: list[list[int]], on_step: OnStep | None = None, instance: int = 0) -> _Run:
         """One pass of `name` over the prompts on its `instance` (0, or 1 under --compare); hf has one."""
         run = _Run([], [], [], [], 0.0)

@@ -60,6 +60,10 @@ class Configurations(Protocol):
 
     def tick(self, n: int) -> None: ...
 
+    def forget_prompts(self) -> None:
+        """Every runner feeds its next prompts whole (`Runner.forget_prompts`)."""
+        ...
+
 
 OnStep = Callable[[int, list[int]], None]  # Runner.generate's on_step(prompt index, confirmed tokens)
 
@@ -202,6 +206,7 @@ def _timed(
     rep_start: dict[int, tuple[int, int, int] | None] = {}
     for r, blk, names in block_schedule(order, len(block_ids), reps):
         if blk == 0:
+            configs.forget_prompts()  # a repetition meets its prompts for the first time, as a run of them does
             rep_start[r] = _cpu_ticks()
             for name in order:
                 timing.runs[name].append(_Run([], [], [], [], 0.0))

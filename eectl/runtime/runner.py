@@ -422,6 +422,12 @@ class Runner:
             self.place.end_step()
             seat()
 
+    def forget_prompts(self) -> None:
+        """The next prompts are fed whole (unless they share a beginning with each other): the cache's rows keep no
+        prompt to reuse (slots.py `reused`). A bench's repetition starts so, or its prompts would find themselves."""
+        if self._kept is not None:
+            self._kept.prompts.clear()
+
     def _buffers(self, width: int, need: int) -> Kept:
         """The KV cache of `width` rows with room for `need` positions and the bound chains over it (`Kept`): the
         last call's, its lengths reset, where it has as many rows, the room, and was bound under the same
