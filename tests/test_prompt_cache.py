@@ -141,3 +141,26 @@ def test_a_runner_told_to_forget_its_prompts_feeds_the_next_one_whole(runtimes):
     assert runner.generate([second])[0].reused == 10  # the header
     runner.forget_prompts()
     assert runner.generate([first])[0].reused == 0
+
+
+def test_a_cache_whose_rounded_room_does_not_fit_gets_exactly_what_the_call_needs(runtimes, monkeypatch):
+    """New caches get room rounded up (slots.py ROOM); where memory refuses that, the call gets its own need."""
+    from eectl.errors import UsageError
+    from eectl.runtime import batch
+    from eectl.runtime.slots import ROOM
+
+    rt = runtimes["llama"]
+    real = batch.check_kv
+
+    def tight(m, rows, max_len, capacity, itemsize, host):  # memory for 40 positions, not for ROOM
+        if max_len > 40:
+            raise UsageError(f"the KV cache of {rows} row(s) x {capacity} positions needs more than is available")
+        return real(m, rows, max_len, capacity, itemsize, host)
+
+    monkeypatch.setattr(batch, "check_kv", tight)
+    prompt = _prompts(rt.manifest.dims["vocab_size"])[0]  # 14 tokens + 10 new + 1
+    runner = _runner(rt, "full")
+    runner.generate([prompt])
+    assert runner.last_kv is not None and runner.last_kv.max_len == len(prompt) + 10 + 1 < ROOM
+    with pytest.raises(UsageError, match="needs more"):
+        _runner(rt, "full").generate([prompt * 3])  # 42 + 10 + 1 positions: not even the need fits

@@ -430,17 +430,19 @@ class Runner:
 
     def _buffers(self, width: int, need: int) -> Kept:
         """The KV cache of `width` rows with room for `need` positions and the bound chains over it (`Kept`): the
-        last call's, its lengths reset, where it has as many rows, the room, and was bound under the same
-        configuration (a serving runtime's cache: the next call binds nothing the last one bound, e.g. verify's check
-        widths, which bind on first use); else new ones, the old freed first (prompts in random order of length
-        reallocate about ln(n) times in n calls; new ones get room for `need` rounded up to ROOM positions, so calls
-        of about one length keep them and the prompts they hold: slots.py `reused`). So `last_kv` is overwritten by the
-        next call."""
+        last call's (its rows cut as prompts take them: `_loop`) where it has as many rows, the room, and was bound
+        under the same configuration (the next call binds nothing the last one bound, e.g. verify's check widths);
+        else new ones, the old freed first, with room for `need` rounded up to ROOM positions (so calls of about one
+        length keep them and the prompts they hold: slots.py `reused`), or for `need` alone where that does not fit
+        in memory. So `last_kv` is overwritten by the next call."""
         kept = self._kept
         if kept is not None and kept.kv.rows == width and kept.kv.max_len >= need and kept.cfg == self.cfg:
             return kept  # every slot's lengths are cut when a prompt takes it (`_loop`), to the prefix it shares
         self._kept = self.last_kv = kept = None  # the old buffers freed before the new ones are allocated
-        kv = new_batch_kv(self.rt, width, min(self.m.max_positions, -(-need // ROOM) * ROOM))
+        try:
+            kv = new_batch_kv(self.rt, width, min(self.m.max_positions, -(-need // ROOM) * ROOM))
+        except UsageError:  # the rounded room does not fit in memory: what the call needs, or its one-line error
+            kv = new_batch_kv(self.rt, width, need)
         self._kept = Kept(kv, self._chain(kv, width), copy.deepcopy(self.cfg))
         return self._kept
 
