@@ -113,12 +113,13 @@ def chain_step(
     return done.token
 
 
-def chain_prompt(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, fed: int) -> int:
-    """The chain's row's prompt on the bound chain (CPU): its last `fed` tokens (the whole prompt, or what follows the
-    prefix its cache rows hold: runtime/slots.py `reused`), the positions before the last waiting at segment 0 as
-    embeddings, run through every layer in one wide call per segment (bound for this prompt only), the last one's token
-    from the final head, as the general path's prefill (a prompt of one token may exit there, as a decode step)."""
-    return chain_step(runner, chain, st, kv, fed - 1, prompt=True)
+def chain_prompt(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers) -> int:
+    """The chain's row's prompt on the bound chain (CPU): its tokens after the `st.reused` its cache rows hold (the
+    whole prompt, or what follows a prefix: runtime/slots.py `reused`, `shared`), the positions before the last
+    waiting at segment 0 as embeddings, run through every layer in one wide call per segment (bound for this prompt
+    only), the last one's token from the final head, as the general path's prefill (a prompt of one token may exit
+    there, as a decode step)."""
+    return chain_step(runner, chain, st, kv, len(st.tokens) - st.reused - 1, prompt=True)
 
 
 def chain_tokens(
@@ -140,7 +141,7 @@ def chain_tokens(
     if chain.rows == 1:
         st = live[0][0]
         if fresh:
-            return {0: chain_prompt(runner, chain, st, kv, len(live[0][1]))} if cpu else None
+            return {0: chain_prompt(runner, chain, st, kv)} if cpu else None
         if not wide and not runner.exits:
             one = chain.step({0: st.tokens[-1]}, place=runner.place, pick=runner.sampler())
             st.exit_layers.append(runner.L)
@@ -155,7 +156,7 @@ def chain_tokens(
             kept.prompt_chains[s] = DecodeChain(runner.rt, kv, s, certified_head=runner.cfg.certified_head)
         st = live[s][0]
         st.reused = shared(runner.rt, kept, s, st.tokens, held)  # another row's copy of its beginning, if longer
-        tokens[s] = chain_prompt(runner, kept.prompt_chains[s], st, kv, len(st.tokens) - st.reused)
+        tokens[s] = chain_prompt(runner, kept.prompt_chains[s], st, kv)
         held.append(s)
     decode = {s: ids[0] for s, (_, ids) in live.items() if s not in fresh}
     if decode:

@@ -376,15 +376,15 @@ class Runner:
         seated: dict[int, int] = {}
         fresh: set[int] = set()
 
-        start: dict[int, int] = {}  # slot -> the first position its fresh prompt feeds (before it: reused)
-
         def seat() -> None:  # fill the free slots with the next prompts, in order
             for slot in range(kv.rows):
                 if slot not in seated and queue:
                     seated[slot] = i = queue.pop(0)
                     fresh.add(slot)
-                    start[slot] = rows[i].reused = reused(self.rt, kept, slot, rows[i].tokens, self._pad())
-                    kv.rollback(slot, start[slot])  # what the slot's last prompt left beyond a shared prefix: forgotten
+                    rows[i].reused = reused(self.rt, kept, slot, rows[i].tokens, self._pad())
+                    kv.rollback(
+                        slot, rows[i].reused
+                    )  # what the slot's last prompt left beyond a shared prefix: forgotten
                     kept.prompts[slot] = list(rows[i].tokens)
 
         seat()
@@ -392,7 +392,9 @@ class Runner:
             if chain is not None and not queue and not fresh:
                 chain = narrowed(self.rt, kept, chain, seated)
             t0 = time.perf_counter()  # a step's time includes proposing and settling its drafts
-            feed = {s: rows[i].tokens[start[s] :] if s in fresh else rows[i].tokens[-1:] for s, i in seated.items()}
+            feed = {
+                s: rows[i].tokens[rows[i].reused :] if s in fresh else rows[i].tokens[-1:] for s, i in seated.items()
+            }
             live = {s: (rows[i], feed[s]) for s, i in seated.items()}
             drafted: dict[int, int] = {}  # slot -> drafts from the context this step (RunConfig.prompt_drafts)
             if self.lookup is not None:

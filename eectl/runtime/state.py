@@ -148,7 +148,7 @@ class Generation:
     prompt_accepted: int = 0  # verify: those the full model agreed with
     decided: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions run there
     picked: dict[int, int] = field(default_factory=dict)  # exit layer -> decisions that picked candidates there
-    reused: int = 0  # prompt tokens the cache held from the last prompt in the row's slot (not computed again)
+    reused: int = 0  # prompt tokens the cache held from an earlier prompt (its slot's or another row's: not fed)
 
     @property
     def tokens_per_s(self) -> float:
