@@ -382,9 +382,8 @@ class Runner:
                     seated[slot] = i = queue.pop(0)
                     fresh.add(slot)
                     rows[i].reused = reused(self.rt, kept, slot, rows[i].tokens, self._pad())
-                    kv.rollback(
-                        slot, rows[i].reused
-                    )  # what the slot's last prompt left beyond a shared prefix: forgotten
+                    # what the slot's last prompt left beyond a prefix the new one shares is forgotten
+                    kv.rollback(slot, rows[i].reused)
                     kept.prompts[slot] = list(rows[i].tokens)
 
         seat()
@@ -392,10 +391,11 @@ class Runner:
             if chain is not None and not queue and not fresh:
                 chain = narrowed(self.rt, kept, chain, seated)
             t0 = time.perf_counter()  # a step's time includes proposing and settling its drafts
-            feed = {
-                s: rows[i].tokens[rows[i].reused :] if s in fresh else rows[i].tokens[-1:] for s, i in seated.items()
-            }
-            live = {s: (rows[i], feed[s]) for s, i in seated.items()}
+            # a fresh row feeds its prompt after what its cache rows hold, the others their last token
+            live: dict[int, tuple[RowState, list[int]]] = {}
+            for s, i in seated.items():
+                row = rows[i]
+                live[s] = (row, row.tokens[row.reused :] if s in fresh else row.tokens[-1:])
             drafted: dict[int, int] = {}  # slot -> drafts from the context this step (RunConfig.prompt_drafts)
             if self.lookup is not None:
                 args = (self.L, self.cfg.max_new_tokens, self.cfg.stop_ids)
