@@ -107,6 +107,30 @@ def test_copy_scores_token_by_token(exported):
         scoring.score_texts(runner, texts)
 
 
+@pytest.mark.parametrize("policy", ["copy", "defer"])
+def test_token_by_token_on_the_bound_chain_equals_the_general_path(exported, monkeypatch, policy):
+    """Fed token by token, a configuration the bound chain runs (one row, CPU, exits decided in the graphs) steps
+    there, the fed tokens scored on the final head's logits or the exit's full vocabulary: the same layers, argmaxes
+    and -log p as the general path's steps (`RunConfig.bound` False), a one-token prompt's first position included."""
+    from eectl.runtime import chain_steps
+
+    loaded, folder = exported["llama"]
+    rt = ArtifactRuntime(folder, provider="cpu")
+    texts = _texts(rt.manifest.dims["vocab_size"])
+    thresholds = {2: {"prob": 0.14}, 4: {"prob": 0.14}}
+    general = Runner(rt, RunConfig(exits=[2, 4], thresholds=thresholds, policy=policy, top_k=K, bound=False))
+    want = _sequential(general, texts)
+    steps: list[int] = []
+    real = chain_steps.chain_step
+    monkeypatch.setattr(chain_steps, "chain_step", lambda *a, **kw: steps.append(1) or real(*a, **kw))
+    monkeypatch.setattr(scoring, "chain_step", chain_steps.chain_step)
+    got = _sequential(_runner(rt, [2, 4], thresholds, policy=policy), texts)
+    assert len(steps) == sum(n - p for p, n in ((5, 19), (3, 11), (9, 30), (1, 7)))  # the prompt's and each next
+    layers = [x for w in want for x in w.layers]
+    assert {2, 4, rt.manifest.num_layers} <= set(layers), layers  # exits at both and full depth: a real comparison
+    _assert_same(got, want)
+
+
 def test_bad_texts_are_refused(exported):
     _, folder = exported["llama"]
     runner = _runner(ArtifactRuntime(folder, provider="cpu"), [], {})

@@ -32,14 +32,14 @@ each at its own length, `seqlens_k` per row, as runtime/batch.py's batched calls
 batch alike, on the CPU EP and on a device.
 
 Sampling (temperature > 0) runs the same calls: the step reads the final head's logits, or an exiting token's K
-candidates and their logits, and the runner's sampler picks (`pick`), as the general path does. A prompt (one row,
+candidates and their logits, and the runner's sampler picks (`pick`), as the general path does; teacher forcing
+(scoring a text token by token) is a pick that returns the fed token (runtime/chain_steps.py). A prompt (one row,
 CPU) is a step whose positions before the last wait at segment 0 as embeddings, as drafts do; its wide calls are
 bound for that step only (`step_exits(..., prompt=True)`).
 
-What it does not do: teacher forcing, prompts padded into one call for a batch, exits in a batch of rows, signals not
-decided in the graph (the cosines, full-vocabulary softmax), block exit heads, exit steps on a device (pending states
-are host arrays): the runner's general path (`Runner._steps`) handles those, and writes the same cache this chain
-continues.
+What it does not do: prompts padded into one call for a batch, exits in a batch of rows, signals not decided in the
+graph (the cosines, full-vocabulary softmax), block exit heads, exit steps on a device (pending states are host
+arrays): the runner's general path (`Runner._steps`) does, and writes the same cache this chain continues.
 """
 
 from __future__ import annotations

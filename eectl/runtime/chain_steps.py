@@ -1,6 +1,7 @@
 """The runner's steps on the bound chain (runtime/chain.py): which chain a generate call binds (`chain_for`), which
 steps it takes (`chain_tokens`: prompts on the CPU EP, each in a one-row chain of its slot within a batch), and one
-row's step on it with the KV policy's hooks called as the general path calls them (`chain_step`).
+row's step on it with the KV policy's hooks called as the general path calls them (`chain_step`; under teacher
+forcing, the fed token scored where the step decided it).
 
 What this module does not do: bind or run graphs (chain.py), or step rows the chain does not take (runner.py's
 general path: prompts padded into one call or sampled beside a batch's step, a batch's closing passes, wide steps of
@@ -40,6 +41,9 @@ class Runner(Protocol):
     def _pad(self) -> bool: ...
 
     def sampler(self) -> Pick | None: ...
+
+    @staticmethod
+    def _forced(st: RowState, logits: np.ndarray) -> int: ...
 
 
 def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
@@ -85,14 +89,15 @@ def chain_step(
     (verify's closing pass over its unchecked drafts, `Runner._settled`)."""
     policy, L = runner.policy, runner.L
     token = st.tokens[-1]
+    pick = runner.sampler()
+    if st.forced is not None:  # teacher forcing: the final head's logits score the fed token (an exit's: below)
+        pick = _forcing(runner, st)
     if drafts:
         st.pending[0] = runner.rt.embed(np.array([st.tokens[-drafts - 1 : -1]], dtype=np.int64))
     # verify's check runs the final head over every position of a wide step itself: the chain skips its own
     checks = policy.checks_drafts and bool(st.drafts)
     may_exit = policy.may_exit(st) and not drafts and not force_full
-    done = chain.step_exits(
-        token, may_exit, st.pending, head=not checks, place=runner.place, pick=runner.sampler(), prompt=prompt
-    )
+    done = chain.step_exits(token, may_exit, st.pending, head=not checks, place=runner.place, pick=pick, prompt=prompt)
     st.decide_s += done.decide_s
     st.count_decisions(done.decided, done.picked)
     for s in done.flushed:
@@ -100,8 +105,12 @@ def chain_step(
     if done.segment is not None:
         assert done.state is not None
         st.exit_layers.append(done.layer)
-        policy.on_exit(chain.row, st, kv, done.segment, done.state, done.token)
-        return done.token
+        token = done.token
+        if st.forced is not None:  # scored on the exit's full vocabulary, as the general path's `_exited`
+            logits = runner.rt.exit_full(done.layer, done.state[0, -1:], runner.cfg.top_k, place=runner.place)[0]
+            token = runner._forced(st, logits[0])
+        policy.on_exit(chain.row, st, kv, done.segment, done.state, token)
+        return token
     if done.state is not None:  # the final segment ran wide: the positions it carried, then this token's
         # host arrays; its token read recorded
         corrected = policy.on_final(chain.row, st, kv, done.state, place=runner.place)
@@ -111,6 +120,17 @@ def chain_step(
         assert not st.drafts
     st.exit_layers.append(L)
     return done.token
+
+
+def _forcing(runner: Runner, st: RowState) -> Pick:
+    """The chain's pick under teacher forcing: the final head's logits [V] score and return the fed token; at an
+    exit (its K candidates' logits) a stand-in, replaced by `chain_step` with the token scored on the exit's full
+    vocabulary."""
+
+    def pick(logits: np.ndarray, ids: np.ndarray | None) -> int:
+        return runner._forced(st, logits) if ids is None else -1
+
+    return pick
 
 
 def chain_prompt(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers) -> int:

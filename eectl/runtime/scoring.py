@@ -34,8 +34,10 @@ from eectl.contracts.manifest import Manifest
 from eectl.errors import UsageError
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import Signal
+from eectl.runtime import chain_steps
 from eectl.runtime.batch import new_batch_kv, run_prefill
 from eectl.runtime.blocks import run_block
+from eectl.runtime.chain_steps import chain_prompt, chain_step
 from eectl.runtime.exit_logits import Decide
 from eectl.runtime.policies import KVPolicy
 from eectl.runtime.sessions import ArtifactRuntime
@@ -45,8 +47,8 @@ SCORE_ROWS = 256  # positions per exit-test or head call: bounds its [N, V] logi
 BATCH_TOKENS = 2048  # padded positions per batched pass (rows x the longest text): the K/V and states it holds
 
 
-class Runner(Protocol):
-    """What scoring reads of the runner (runner.Runner, which imports this module)."""
+class Runner(chain_steps.Runner, Protocol):
+    """What scoring reads of the runner (runner.Runner, which imports this module): the chain's steps' part too."""
 
     rt: ArtifactRuntime
     m: Manifest
@@ -63,6 +65,8 @@ class Runner(Protocol):
     def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[Any, int, Any]]: ...
 
     def _step(self, row: int, st: RowState, kv: Any, chunk_ids: list[int], force_full: bool = False) -> int: ...
+
+    def _chain(self, kv: Any, rows: int) -> Any: ...
 
 
 @dataclass
@@ -81,17 +85,25 @@ def one_pass(runner: Runner) -> bool:
 
 
 def token_by_token(runner: Runner, ids: list[int], prompt_len: int) -> RowState:
-    """One text fed token by token through the runner's steps (`Runner._step`, the exits deciding as in generation):
-    its RowState holds each position's -log p, argmax and layer. For any policy that scores text."""
+    """One text fed token by token through the runner's steps, the exits deciding as in generation (on the bound
+    chain where it runs the configuration, chain_steps.py; else `Runner._step`): its RowState holds each position's
+    -log p, argmax and layer. For any policy that scores text."""
     if not runner.policy.scores_text:
         raise UsageError(f"teacher-forced scoring does not cover the {runner.cfg.policy} policy")
     m = runner.m
     check_text(ids, prompt_len, m.max_positions)
     kv = runner.rt.new_kv(1, len(ids) + 1)
     st = RowState(list(ids[:prompt_len]), prompt_len, [None] * len(m.segments), forced=list(ids))
-    st.tokens.append(runner._step(0, st, kv, st.tokens))
+    chain = runner._chain(kv, 1)  # the bound chain where it runs this configuration, as generation's steps
+    if chain is not None:
+        st.tokens.append(chain_prompt(runner, chain, st, kv))
+    else:
+        st.tokens.append(runner._step(0, st, kv, st.tokens))
     while len(st.tokens) < len(ids):
-        st.tokens.append(runner._step(0, st, kv, [st.tokens[-1]]))
+        if chain is not None:
+            st.tokens.append(chain_step(runner, chain, st, kv))
+        else:
+            st.tokens.append(runner._step(0, st, kv, [st.tokens[-1]]))
     return st
 
 
