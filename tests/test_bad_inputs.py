@@ -68,3 +68,64 @@ def test_an_exit_the_artifact_lacks_is_named_as_such(exported):
         res.exit_code == 2
         and res.stderr.splitlines()[-1] == "error: --exits [99] not in the artifact (its exits: [2, 4])"
     )
+
+
+def _commands() -> list[str]:
+    import typer
+
+    return sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("command", _commands())
+def test_option_parsing_errors_are_one_line_for_every_command(command):
+    """click's own errors (unknown option, an option missing its value) were typer's boxed usage over five lines;
+    now one line naming the command's help, exit 2, for every command."""
+    for args, text in (
+        (["--bogus", "x"], "error: No such option: --bogus"),
+        (["--threads"], "error: Option '--threads' requires an argument."),
+    ):
+        res = runner.invoke(app, [command, *args])
+        assert res.exit_code == 2 and res.stdout == "" and len(res.stderr.splitlines()) == 1, res.output
+        assert res.stderr.startswith(text) and res.stderr.endswith(f" (eectl {command} -h for help)\n")
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (
+            ["run", "ART", "hi", "--max-new-tokens", "abc"],
+            "error: Invalid value for '--max-new-tokens' / '-n': Input should be a valid integer, unable to parse "
+            "string as an integer (eectl run -h for help)",
+        ),
+        (["run"], "error: Missing argument 'artifact'. (eectl run -h for help)"),
+        (["run", "ART", "hi", "extra"], "error: Got unexpected extra argument(s) (extra) (eectl run -h for help)"),
+        (["bogus"], "error: No such command 'bogus'. (eectl -h for help)"),
+        (["--bogus"], "error: No such option: --bogus (eectl -h for help)"),
+    ],
+)
+def test_usage_errors_are_one_line(args, line):
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2 and res.stderr == line + "\n", res.output
+
+
+def test_help_version_and_a_bare_eectl_are_unchanged():
+    assert runner.invoke(app, ["--version"]).stdout == "eectl 0.1.0\n"
+    for args in (["-h"], ["run", "--help"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0 and "Usage: eectl" in res.stdout and res.stderr == "", res.output
+    bare = runner.invoke(app, [])
+    assert bare.exit_code == 2 and "Usage: eectl" in bare.stdout and "error" not in bare.output
+
+
+def test_the_console_script_prints_the_same_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("eectl")  # the virtual environment's console script
+    res = subprocess.run([str(script), "run", "ART", "hi", "-n", "abc"], capture_output=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == b""
+    assert res.stderr.decode().splitlines() == [
+        "error: Invalid value for '--max-new-tokens' / '-n': Input should be a valid integer, unable to parse "
+        "string as an integer (eectl run -h for help)"
+    ]

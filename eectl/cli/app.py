@@ -1,9 +1,10 @@
 """The typer app and what every command shares: the common options, the error mapping (domain errors to one line
-and an exit code, once; traceback with EECTL_DEBUG=1) and the thread set-up.
+and an exit code, once; traceback with EECTL_DEBUG=1; click's own usage errors one line too) and the thread set-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -11,18 +12,80 @@ import signal
 import sys
 import threading
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+import typer.core
 
 from eectl import __version__
 from eectl.contracts.recipe import COUNTS, MAX_THREADS, Recipe, check_count, pick
 from eectl.errors import EectlError, UsageError
 from eectl.files import check_path_option, path_problem
 
+# click's base of every error it reports to the user (an unknown option or command, a bad value, a missing
+# argument). typer vendors click and names it publicly only from 0.28 on (TyperException); found through the public
+# BadParameter, it is the same class in every typer this project allows.
+_ClickError: Any = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+@contextlib.contextmanager
+def _one_line_usage() -> Iterator[None]:
+    """click's own errors as one line on stderr and their exit code (2 for a usage error), like the domain
+    errors, instead of typer's boxed usage; a bare `eectl` still prints the help."""
+    try:
+        yield
+    except _ClickError as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            raise
+        lines = (line.strip() for line in exc.format_message().splitlines())
+        ctx = getattr(exc, "ctx", None)
+        hint = f" ({ctx.command_path} {ctx.help_option_names[0]} for help)" if ctx is not None else ""
+        print(f"error: {' '.join(line for line in lines if line)}{hint}", file=sys.stderr)
+        raise typer.Exit(exc.exit_code) from None
+    except typer.Abort:
+        print("error: aborted", file=sys.stderr)
+        raise typer.Exit(1) from None
+
+
+@contextlib.contextmanager
+def _in_context(ctx: Any) -> Iterator[None]:
+    """An error click raises without a context (an option missing its value) gets the parsing command's, so its
+    line points at that command's help too."""
+    try:
+        yield
+    except _ClickError as exc:
+        if getattr(exc, "ctx", None) is None:
+            exc.ctx = ctx
+        raise
+
+
+class _Command(typer.core.TyperCommand):
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        with _in_context(ctx):
+            return super().parse_args(ctx, args)
+
+
+class _Group(typer.core.TyperGroup):
+    """The top-level group, parsing the command line (its own options, then a command's) inside _one_line_usage:
+    the console script and CliRunner on `app` print the same one line."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        with _in_context(ctx):
+            return super().parse_args(ctx, args)
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        with _one_line_usage():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _one_line_usage():
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
+    cls=_Group,
     name="eectl",
     help="Early-exit LLM inference: profile, calibrate, train heads, export to ONNX, run, bench.",
     no_args_is_help=True,
@@ -171,7 +234,7 @@ def _mapped(fn: Callable[..., None]) -> Callable[..., None]:
 
 def command(name: str | None = None) -> Callable[[Callable[..., None]], Callable[..., None]]:
     def register(fn: Callable[..., None]) -> Callable[..., None]:
-        app.command(name)(_mapped(fn))
+        app.command(name, cls=_Command)(_mapped(fn))
         return fn
 
     return register
