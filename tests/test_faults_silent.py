@@ -364,3 +364,26 @@ def test_export_into_another_artifact_is_refused_before_the_model_loads(artifact
         _one_line(res, 2, f"--out {out} is inside the eectl artifact {art}")
     assert sorted(p.relative_to(art).as_posix() for p in art.rglob("*")) == before
     assert ArtifactRuntime(art, provider="cpu").manifest.exit_layers == [3]
+
+
+# --- 13. an exit named twice ----------------------------------------------------------------------------------------
+
+
+def test_an_exit_named_twice_is_refused_by_run_and_bench_as_by_export(artifact, tiny_dirs, tmp_path, monkeypatch):
+    """`run --exits 3,3` ran exit 3 once, silently; export and calibrate refused the same list. Refused before the
+    artifact loads."""
+
+    def no_load(*a, **k):
+        raise AssertionError("the artifact was loaded before --exits was checked")
+
+    monkeypatch.setattr("eectl.run.generate.ArtifactRuntime", no_load)
+    monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
+    monkeypatch.setattr("eectl.models.load_model", no_load)
+    for args in (
+        ["run", str(artifact), "hi", "--exits", "3,3"],
+        ["bench", str(artifact), "--data", str(GSM8K), "--exits", "3, 3"],
+        ["export", str(tiny_dirs["llama"]), "--out", str(tmp_path / "x"), "--exits", "3,3"],
+    ):
+        res = runner.invoke(app, args)
+        _one_line(res, 2)
+        assert res.stderr.splitlines()[-1] == "error: --exits must be distinct, got [3, 3]"

@@ -17,7 +17,7 @@ from typing import Any
 from eectl.contracts.calibration import never_exits
 from eectl.contracts.certificate import CERTIFIED
 from eectl.contracts.gates import GATE
-from eectl.contracts.layers import parse_layers
+from eectl.contracts.layers import check_exit_layers, parse_layers
 from eectl.contracts.names import POLICY_SPECS, SIGNAL_SPECS
 from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DRAFTS, MAX_NGRAM
 from eectl.contracts.recipe import MAX_SEED
@@ -113,7 +113,7 @@ def check_options(opts: RunOptions) -> None:
         raise UsageError(f"--policy must be one of {', '.join(known)}, got '{opts.policy}'")
     if opts.river_predict not in ("end", "exit"):
         raise UsageError(f"--river-predict must be end or exit, got '{opts.river_predict}'")
-    parse_layers(opts.exits)
+    check_exit_layers(parse_layers(opts.exits) or [], None)  # distinct, as export and calibrate want them
     opts.weights.check()
     if opts.thresholds is not None:
         _threshold_syntax(opts.thresholds)
