@@ -387,3 +387,28 @@ def test_an_exit_named_twice_is_refused_by_run_and_bench_as_by_export(artifact, 
         res = runner.invoke(app, args)
         _one_line(res, 2)
         assert res.stderr.splitlines()[-1] == "error: --exits must be distinct, got [3, 3]"
+
+
+# --- 14. calibrate --exits none -------------------------------------------------------------------------------------
+
+
+def test_calibrate_refuses_exits_none(artifact, tiny_dirs, monkeypatch):
+    """`calibrate --exits none` calibrated the default exits (token) or the artifact's (sequence), silently: 'none'
+    names no exit to calibrate. Refused before the model loads."""
+
+    def no_load(*a, **k):
+        raise AssertionError("the model or artifact was loaded before --exits was checked")
+
+    monkeypatch.setattr("eectl.models.load_model", no_load)
+    monkeypatch.setattr("eectl.runtime.sessions.ArtifactRuntime", no_load)
+    for args in (
+        ["calibrate", str(tiny_dirs["llama"]), "--exits", "none", "--data", str(GSM8K), "--tokens", "400"],
+        ["calibrate", "--guarantee", "sequence", str(artifact), "--exits", "None", "--data", str(GSM8K)],
+    ):
+        res = runner.invoke(app, args)
+        _one_line(res, 2)
+        word = args[args.index("--exits") + 1]
+        assert res.stderr.splitlines()[-1] == (
+            f"error: calibrate needs at least one exit, got --exits '{word}' (give e.g. --exits 8,12, or leave "
+            "--exits out for the default exits)"
+        )

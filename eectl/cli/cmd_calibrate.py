@@ -10,7 +10,7 @@ import typer
 
 from eectl.cli.app import BudgetNameOpt, JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.calibration import Calibration, SplitStats
-from eectl.contracts.layers import parse_layers
+from eectl.contracts.layers import needed_layers
 from eectl.contracts.names import SIGNAL_SPECS
 from eectl.contracts.recipe import load_recipe
 from eectl.errors import UsageError
@@ -209,7 +209,7 @@ def calibrate(
         from eectl.calibrate.stage import certify_artifact
         from eectl.cli.calibrate_sequence import print_certificate, sequence_request
 
-        args = (risk, delta, epsilon, policy, parse_layers(exits), signal, top_k, grid, gen_batch)
+        args = (risk, delta, epsilon, policy, needed_layers(exits, "calibrate"), signal, top_k, grid, gen_batch)
         seq = sequence_request(artifact, data, field, prompts, offset, raw, out_path, *args)
         seq.threads = set_threads(threads, r)
         print_certificate(out, certify_artifact(r, seq, out))
@@ -223,7 +223,7 @@ def calibrate(
         field=field,
         tokens=tokens,
         target=target,
-        exits=parse_layers(exits),
+        exits=needed_layers(exits, "calibrate"),
         signal=signal,
         top_k=top_k,
         heads=heads,

@@ -22,6 +22,18 @@ def parse_layers(text: str | None, option: str = "--exits") -> list[int] | None:
     return layers
 
 
+def needed_layers(text: str | None, command: str, option: str = "--exits") -> list[int] | None:
+    """parse_layers for a command that fits something at its exits (calibrate, train-heads): 'none' names no exit to
+    fit and is refused, not read as "not given" (the default exits)."""
+    layers = parse_layers(text, option)
+    if layers == []:
+        raise UsageError(
+            f"{command} needs at least one exit, got {option} '{text}'",
+            hint=f"give e.g. {option} 8,12, or leave {option} out for the default exits",
+        )
+    return layers
+
+
 def check_exit_layers(exits: list[int], num_layers: int | None, option: str = "--exits") -> list[int]:
     """The one check of exit lists: distinct layers, each in 1..L-1 once the model's depth L is known; sorted."""
     if len(set(exits)) != len(exits):
