@@ -412,3 +412,34 @@ def test_calibrate_refuses_exits_none(artifact, tiny_dirs, monkeypatch):
             f"error: calibrate needs at least one exit, got --exits '{word}' (give e.g. --exits 8,12, or leave "
             "--exits out for the default exits)"
         )
+
+
+# --- 15. a threshold for an exit that does not run ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "exits,thresholds,line",
+    [
+        (
+            "3",
+            "3:0.9,2:0.8",
+            "error: --thresholds names exits [2], not among the active exits [3] (add them to --exits)",
+        ),
+        (
+            "none",
+            "3:0.9",
+            "error: --thresholds names exits [3], but no exit is active (full depth) (add them to --exits)",
+        ),
+    ],
+)
+def test_a_threshold_for_an_exit_that_does_not_run_is_refused(artifact, exits, thresholds, line):
+    """`--thresholds 12:0.9` with exit 12 not among the active exits was dropped, silently (run and bench)."""
+    for args in (
+        ["run", str(artifact), "hi", "--raw", "-n", "2"],
+        ["bench", str(artifact), "--data", str(GSM8K), "--prompts", "1", "--policies", "defer"],
+    ):
+        res = runner.invoke(app, [*args, "--exits", exits, "--thresholds", thresholds])
+        _one_line(res, 2)
+        assert res.stderr.splitlines()[-1] == line
+    ok = runner.invoke(app, ["run", str(artifact), "hi", "--raw", "-n", "2", "--exits", "3", "--thresholds", "3:0.9"])
+    assert ok.exit_code == 0, ok.output

@@ -105,7 +105,7 @@ def test_cli_eval(artifact):
             "--limit",
             "2",
             "--thresholds",
-            "0.0",
+            "2:0.0,4:0.0",  # per exit: full depth, where no exit runs, takes no thresholds
             "--json",
         ],
     )

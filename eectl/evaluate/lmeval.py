@@ -247,7 +247,7 @@ def _model(artifact: str | Path, config: str, opts: EvalOptions, hf: HFCheckpoin
         artifact=str(artifact),
         exits="none" if config in ("full", LOOKUP) else opts.exits,  # lookup: full depth + context drafts
         policy="defer" if config == "full" else config,
-        thresholds=opts.thresholds,
+        thresholds=None if config in ("full", LOOKUP) else opts.thresholds,  # no exit runs there
         threshold_scale=opts.threshold_scale,
         signal=opts.signal,
         threads=opts.threads,

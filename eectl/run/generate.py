@@ -342,6 +342,9 @@ def _parse_thresholds(text: str, exits: list[int], criteria: tuple[str, ...]) ->
         raise UsageError(f"--thresholds: cannot parse '{text}' (e.g. 0.9, or 12:0.9,20:0.8)") from None
     if not all(math.isfinite(v) for t in out.values() for v in t.values()) or not all(map(math.isfinite, values)):
         raise UsageError(f"--thresholds must be finite numbers, got '{text}'")  # NaN never passes: nothing would exit
+    if outside := sorted(set(out) - set(exits)):  # their values were dropped, silently
+        active = f"not among the active exits {exits}" if exits else "but no exit is active (full depth)"
+        raise UsageError(f"--thresholds names exits {outside}, {active}", hint="add them to --exits")
     missing = [e for e in exits if e not in out]
     if missing:
         raise UsageError(f"--thresholds gives no value for exits {missing}")
