@@ -106,9 +106,10 @@ class Costs(_M):
     # signals that decide without an LM head (cosine): exit layer -> the exit's full head, which an exiting token's
     # own prediction then costs (None: the decision already carries the prediction, e.g. Top-K candidates)
     exit_predict_ms: dict[str, float] | None = None
-    # one-row greedy exit steps run on the bound chain (runtime/chain.py) and the decisions above were timed there:
-    # a step pays the chain's per-call overhead, a token that meets pending positions (defer's and verify's flush)
-    # included (wide calls). False: every exit step pays the general path (older artifacts)
+    # one-row exit steps run on the bound chain (runtime/chain.py), the decisions above timed as it makes them (in
+    # the exit graphs, or on the host for signals they do not compute): a step pays the chain's per-call overhead, a
+    # token that meets pending positions (defer's and verify's flush) included (wide calls). False: every exit step
+    # pays the general path (older artifacts, block exit heads, cosine-min)
     bound_exits: bool = False
     # each timed figure above by its path (`full_step_ms`, `segment_ms.2`, `candidates_ms.8`), its milliseconds in
     # every timing round, rounds aligned across graphs (round r of every graph ran in the same pass): each figure is

@@ -43,6 +43,7 @@ from eectl.plan.step_calls import (
 from eectl.runtime.blocks import run_block
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.exit_logits import OrtExitLogits
+from eectl.runtime.graph_decide import decides_in_graph
 from eectl.runtime.sessions import ArtifactRuntime, KVBuffers
 
 DEFAULT_PAST = 128
@@ -144,7 +145,9 @@ def measure_costs(
         calls["river_head"] = lambda: rt.exit_full(L, row1, k, river=True)
     sig = get_signal(signal)
     state_only = _exit_calls(calls, rt, sig, kv, h1, past, k)
-    bound = _bound_exit_calls(calls, rt, sig, h1, past, k)  # replaces the decisions the bound chain makes
+    _bound_exit_calls(calls, rt, sig, h1, past, k)  # replaces the decisions the exit graphs make on the chain
+    # one-row exit steps on the bound chain: its decisions in the exit graphs (timed so just above) or on the host
+    bound = "chain" in calls and chain_exits_supported(rt, list(m.exit_layers), sig)
     timed = after_segments(calls, rt)
     last = calls[f"seg1.{len(m.segments) - 1}"]
     for name in heads:  # right after the final segment, as decode runs them: the certified head's int8 table fits
@@ -341,11 +344,11 @@ def _bound_exit_calls(
     the exit graph), time each exit's decision as that chain makes it: its bound graph call and the two scalars it
     reads. Each exit as the first active one (its candidates picked) and as a later one (scoring the candidates an
     earlier exit bound). Returns whether it did (False: the artifact's exit graphs cannot decide in-graph, or the
-    signal is not one they decide)."""
+    signal is not one they decide: the host decides, on the chain as on the general path, timed so)."""
     m = rt.manifest
     exits = list(m.exit_layers)
-    if "chain" not in calls or not chain_exits_supported(rt, exits, sig):
-        return False
+    if "chain" not in calls or not (chain_exits_supported(rt, exits, sig) and decides_in_graph(rt, exits, sig)):
+        return False  # the host decides these exits on the chain: as the general path's decisions are timed
     never = {c: float("inf") for c in sig.criteria}  # thresholds do not change the graph's work
 
     def decision(chain: DecodeChain, layer: int) -> Callable[[], object]:

@@ -11,17 +11,19 @@ token comes from the artifact's certified head where it has one (runtime/certifi
 
 Steps with active exits (`step_exits`, host buffers: the CPU EP) run the same chain with each active exit's decision
 bound after its segment: the exit graph reads the segment's output buffer, decides inside the graph
-(exits.decision_nodes: the thresholds bound once as an input) and writes two scalars, whether the token passes and
-its token; the first exit's candidates land in a buffer the later exits' local graphs read. A gated exit
-(eectl.exits.gates) first tests its gate on the segment's output (H multiply-adds on the host buffer): shut, its
-decision does not run, and the first exit whose gate opens picks the candidates (each (exit, picker) pair bound up
-front). A token that exits stops there; one that passes every exit reaches the final head as in `step`. A segment
-that holds pending positions (defer's and verify's deferred states, P of them) runs a **wide** call instead: the
-same segment bound for P + 1 positions (bound once per segment and width, on first use), its input the pending
-states then the token's state, its output what the next segment continues from (after that segment's own pending
-states, where it has some); the last position is copied to where the exit after it, or the final head, reads. The
-step returns the wide output at the exit or at the final layer, and which segments it flushed: the policy keeps the
-first, checks drafts in the second (verify) and clears the third, as the general path's hooks do.
+(exits.decision_nodes: the thresholds bound once as an input) and writes two scalars, whether the token passes and its
+token; the first exit's candidates land in a buffer the later exits' local graphs read. A gated exit (eectl.exits.gates)
+first tests its gate on the segment's output (H multiply-adds on the host buffer): shut, its decision does not run, and
+the first exit whose gate opens picks the candidates (each (exit, picker) pair bound up front). Where the exit graphs do
+not compute the run's signal (the full-vocabulary softmax and margin, the cosine, artifacts exported before in-graph
+decisions), the host decides instead, the runner's exit test on the token's state and its last layer's input (both in
+the chain's buffers; `step_exits`'s `host`). A token that exits stops there; one that passes every exit reaches the
+final head as in `step`. A segment that holds pending positions (defer's and verify's deferred states, P of them) runs a
+**wide** call instead: the same segment bound for P + 1 positions (bound once per segment and width, on first use), its
+input the pending states then the token's state, its output what the next segment continues from (after that segment's
+own pending states, where it has some); the last position is copied to where the exit after it, or the final head,
+reads. The step returns the wide output at the exit or at the final layer, and which segments it flushed: the policy
+keeps the first, checks drafts in the second (verify) and clears the third, as the general path's hooks do.
 
     token ─ embed ─ hops[0] ─ seg 0 ─ hops[1] ─ exit? ─ seg 1 ─ ...                    one position per call
     pending[s] ─┐
@@ -37,16 +39,15 @@ candidates and their logits, and the runner's sampler picks (`pick`), as the gen
 CPU) is a step whose positions before the last wait at segment 0 as embeddings, as drafts do; its wide calls are
 bound for that step only (`step_exits(..., prompt=True)`).
 
-What it does not do: prompts padded into one call for a batch, exits in a batch of rows, signals not decided in the
-graph (the cosines, full-vocabulary softmax), block exit heads, exit steps on a device (pending states are host
-arrays): the runner's general path (`Runner._steps`) does, and writes the same cache this chain continues.
+What it does not do: prompts padded into one call for a batch, exits in a batch of rows, the cosine over block
+boundaries (cosine-min: the segment calls do not output them), block exit heads, exit steps on a device (pending
+states are host arrays): the runner's general path (`Runner._steps`) does, and writes the same cache this chain
+continues.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -56,93 +57,23 @@ from eectl.exits.gates import gate_open
 from eectl.exits.signals import Signal
 from eectl.runtime.batch import _past
 from eectl.runtime.certified_head import CertifiedHead
+from eectl.runtime.chain_parts import BoundExit, ExitStep, HostDecide, Pick, WideCall
 from eectl.runtime.graph_decide import decides_in_graph, declared, picker_graph, thresholds_input
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.ort import Graph, _ort, buffer_shape
 from eectl.runtime.placement import HOST, Placement, Read
 from eectl.runtime.sessions import ArtifactRuntime
 
-# a row's token from logits [V] (or [K] with their vocabulary ids): the runner's sampling (runtime/sampling.py)
-Pick = Callable[[np.ndarray, np.ndarray | None], int]
-
-
-@dataclass
-class BoundExit:
-    """One active exit's decision bound after its segment: run `io` on `session`, then read `passed` and `token`
-    (each read recorded in the run's placement under `graph`, the binding plan's name of the exit's graph)."""
-
-    layer: int
-    session: Any
-    io: Any
-    passed: np.ndarray  # [1] bool
-    token: np.ndarray  # [1] int64
-    ids: np.ndarray | None = None  # [1, K]: `token` is a column of these candidates (a local exit on the first's rows)
-    graph: str = "exit_full"  # binding.KINDS: "candidates" or "exit_full" (picking), "exit_local" (scoring)
-    ids_from: Read | None = None  # where `ids` were output (the picker's candidates): read for the token's id
-    # sampling (temperature > 0): the candidates' logits [1, K] this decision wrote, and the vocabulary ids [1, K] of
-    # those candidates (its own where it picks, the picker's where it scores them) with where they were output
-    logits: np.ndarray | None = None
-    candidates: np.ndarray | None = None
-    candidates_from: Read | None = None
-
-    def passes(self, place: Placement) -> bool:
-        place.read((self.graph, self.layer, "passed"))
-        return bool(self.passed[0])
-
-    def exit_token(self, place: Placement = HOST) -> int:
-        place.read((self.graph, self.layer, "exit_token"))
-        t = int(self.token[0])
-        if self.ids is None:
-            return t
-        assert self.ids_from is not None
-        place.read(self.ids_from)
-        return int(self.ids[0, t])
-
-    def sampled(self, pick: Pick, place: Placement = HOST) -> int:
-        """The exiting token sampled from the K candidates' logits (as the general path samples an exit's)."""
-        assert self.logits is not None and self.candidates is not None and self.candidates_from is not None
-        place.read((self.graph, self.layer, "candidate_logits"))
-        place.read(self.candidates_from)
-        return pick(self.logits[0], self.candidates[0])
-
-
-@dataclass
-class ExitStep:
-    """What a bound step with exits did: the token, and where it was decided (the final layer when no exit took
-    it); for an exit, its segment and the states there (a copy [1, P + 1, H], the pending positions the step
-    carried then the token's: the policy keeps them); at the final layer after a wide call, the final segment's
-    output [1, P + 1, H] (verify checks its drafts there), else None; and the segments whose pending positions the
-    step consumed."""
-
-    token: int
-    layer: int
-    segment: int | None = None
-    state: np.ndarray | None = None
-    decide_s: float = 0.0
-    flushed: list[int] = field(default_factory=list)
-    decided: list[int] = field(default_factory=list)  # the exits whose decision ran (gates skip some)
-    picked: int | None = None  # the exit whose decision picked the candidates
-
-
-@dataclass
-class _Wide:
-    """Segment s bound for n positions: its input x [1, n, H] and output out [1, n, H] (host), lengths set per call."""
-
-    session: Any
-    io: Any
-    x: np.ndarray
-    out: np.ndarray
-    seqlens_k: np.ndarray
-    total: np.ndarray
-    held: list[Any] = field(default_factory=list)  # every buffer its binding reads by address
-
 
 def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal) -> bool:
-    """Whether `step_exits` can run these active exits: decided in the exit graphs (runtime/graph_decide.py; older
-    artifacts take the general path), and no block exit head among them."""
+    """Whether `step_exits` can run these active exits: no block exit head among them, and a signal the exit graphs
+    decide (runtime/graph_decide.py) or the host decides on the states the chain's calls output (every one but the
+    cosine over the segment's block boundaries, which the chain's segment calls do not output)."""
     if not exits:
         return True
-    return decides_in_graph(rt, exits, signal) and not any(e in rt.block_graphs for e in exits)
+    if any(e in rt.block_graphs for e in exits):
+        return False
+    return decides_in_graph(rt, exits, signal) or not signal.needs_blocks
 
 
 class DecodeChain:
@@ -167,7 +98,8 @@ class DecodeChain:
         """`rows`: the span of rows bound (row .. row + rows - 1; more than one: full depth only). `exits`: active
         exit layer -> its thresholds, decided by `signal` over `top_k` candidates (`chain_exits_supported`); none:
         full depth only (`step`). `gates`: exit layer -> its gate (eectl.exits.gates: weight, bias, threshold),
-        tested on the exit's input state first. `certified_head` False: the full head every step (`_head`)."""
+        tested on the exit's input state first. `certified_head` False: the full head every step (`_head`). Exits
+        whose graphs do not decide `signal`: the host decides them (`step_exits`'s `host`)."""
         m = rt.manifest
         final = rt.full_graphs[m.num_layers]
         if "token" not in final.io.outputs:  # an artifact exported before the in-graph argmax
@@ -189,12 +121,17 @@ class DecodeChain:
         rt._bind_array(io, rt.embedding.name("input_ids"), self.ids)
         rt.bind_weights(io, rt.embedding, "embed")
         rt._bind_array(io, rt.embedding.name("hidden"), hops[0], output=True)
+        self.layer_in: list[Any] = []  # segment s's last layer's input [n, 1, H] (the cosine signal's), per segment
+        self._layer_in: Any = None  # the buffer the last segment call wrote its last layer's input to
         for s in range(len(m.segments)):
             io = self._bind(rt.segments[s])
-            self._bind_segment(io, s, hops[s], hops[s + 1], self.seqlens_k, self.total)
+            self.layer_in.append(self._bind_segment(io, s, hops[s], hops[s + 1], self.seqlens_k, self.total))
         self.segment_calls = self.calls[1:]  # (session, io) of segment s at index s
-        self.wide: dict[tuple[int, int], _Wide] = {}  # (segment, positions) -> its wide call, bound on first use
+        self.wide: dict[tuple[int, int], WideCall] = {}  # (segment, positions) -> its wide call, bound on first use
         self.hops = hops
+        layers = sorted(exits or {})
+        self.exit_at = {rt.segment_of_layer[e]: e for e in layers}  # segment -> the active exit after it
+        self.in_graph = bool(layers) and signal is not None and decides_in_graph(rt, layers, signal)  # else: the host
         self.exits: dict[int, BoundExit] = {}  # segment -> the active exit after it (later ones on the first's picks)
         # exit layer -> the candidates [1, K] it picked and their exact LM-head rows [1, K, H] (None where its graph
         # does not output them): what the later exits score
@@ -202,10 +139,11 @@ class DecodeChain:
         self.gates = {rt.segment_of_layer[e]: g for e, g in (gates or {}).items()}  # segment -> the gate after it
         self._decisions: dict[tuple[int, int | None], BoundExit] = {}  # (layer, picker) -> bound
         self._signal, self._thresholds, self._k = signal, exits or {}, top_k
-        layers = sorted(exits or {})
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(layers if self.in_graph else []):
             self.exits[rt.segment_of_layer[layer]] = self._decision(layer, layers[0] if i else None)
-        if self.gates:  # any exit may pick (the first whose gate opens), any later one score its picks: bound now,
+        if (
+            self.gates and self.in_graph
+        ):  # any exit may pick (the first whose gate opens), any later one score its picks: bound now,
             for i, layer in enumerate(layers):  # not in the decode step that first needs them
                 for picker in [None, *layers[:i]]:
                     self._decision(layer, picker)
@@ -226,9 +164,9 @@ class DecodeChain:
         # the certified head (runtime/certified_head.py), where the artifact has one and the run asks for it
         self.certified = CertifiedHead.bind(rt, self._view(hops[-1], (n, H), dtype), n) if certified_head else None
 
-    def _bind_segment(self, io: Any, s: int, x: Any, out: Any, seqlens_k: np.ndarray, total: np.ndarray) -> None:
+    def _bind_segment(self, io: Any, s: int, x: Any, out: Any, seqlens_k: np.ndarray, total: np.ndarray) -> Any:
         """Bind segment s: the row's KV buffers as past and present (written in place), input x, output out
-        [1, n, H], the length scalars."""
+        [1, n, H], the length scalars; returns the buffer its last layer's input lands in (shaped as out)."""
         rt, g = self.rt, self.rt.segments[s]
         lo, hi = rt.manifest.segments[s].layers
         rt.bind_kv(io, g, self.kv, range(lo, hi), self.row, self.row + self.rows)
@@ -236,10 +174,12 @@ class DecodeChain:
         rt._bind_array(io, g.name("total_sequence_length"), total)
         rt._bind_array(io, g.name("hidden"), x)
         rt._bind_array(io, g.name("hidden_out"), out, output=True)
-        # outputs nobody reads this step (the last layer's input for the cosine signal): a scratch buffer
-        rt._bind_array(io, g.name("layer_input"), self._buffer(buffer_shape(out), self.rt.np_dtype), output=True)
+        # the last layer's input: read by a host-decided cosine signal only, else scratch
+        layer_in = self._buffer(buffer_shape(out), self.rt.np_dtype)
+        rt._bind_array(io, g.name("layer_input"), layer_in, output=True)
+        return layer_in
 
-    def _wide(self, s: int, n: int, keep: bool = True) -> _Wide:
+    def _wide(self, s: int, n: int, keep: bool = True) -> WideCall:
         """Segment s bound for n positions (host buffers), on first use; `keep` False: for this call only, its
         buffers held by the returned call alone (a prompt's width: prompts come in any length, and a chain stepping
         many of them would keep a binding per length)."""
@@ -252,8 +192,8 @@ class DecodeChain:
             seqlens_k, total = self._host(np.zeros(1, np.int32)), self._host(np.zeros((), np.int32))
             g = self.rt.segments[s]
             io = g.session.io_binding()
-            self._bind_segment(io, s, x, out, seqlens_k, total)
-            bound = _Wide(g.session, io, x, out, seqlens_k, total, held=self._keep)
+            layer_in = self._bind_segment(io, s, x, out, seqlens_k, total)
+            bound = WideCall(g.session, io, x, out, seqlens_k, total, layer_in, held=self._keep)
         finally:
             self._keep = kept
         if keep:
@@ -422,12 +362,13 @@ class DecodeChain:
         if not parts:
             session, io = self.segment_calls[s]
             session.run_with_iobinding(io)
+            self._layer_in = self.layer_in[s]
         else:
             wide = self._wide(s, n, keep)
             np.concatenate(parts, axis=1, out=wide.x)
             wide.seqlens_k[0], wide.total[()] = total - 1, total
             wide.session.run_with_iobinding(wide.io)
-            flow = wide.out
+            flow, self._layer_in = wide.out, wide.layer_in
             self.hops[s + 1][...] = flow[:, -1:]  # the token's state, where the exit and the next call read it
         kv.advance(row, lo, hi, n)
         return flow
@@ -442,6 +383,7 @@ class DecodeChain:
         place: Placement = HOST,
         pick: Pick | None = None,
         prompt: bool = False,
+        host: HostDecide | None = None,
     ) -> ExitStep:
         """Feed `token` at the row's next position, testing the active exits (when `may_exit`) after their segments.
 
@@ -453,7 +395,9 @@ class DecodeChain:
         recorded in `place`: a gate's input state where a gate is tested, each decision's `passed`, the exit's token
         (and the picker's candidate it names), or the final head's token. `pick` (sampling): the token is sampled
         from the exit's K candidates or the final head's logits instead, and those are what the step reads. `prompt`:
-        the pending positions at segment 0 are a prompt's (any length): its wide calls are bound for this step only."""
+        the pending positions at segment 0 are a prompt's (any length): its wide calls are bound for this step only.
+        `host`: how the host decides the exits where their graphs do not (`in_graph` False), on the token's state and
+        its last layer's input; its token is the step's."""
         if self.rt.device != "cpu":
             raise UsageError("exit steps on the bound chain need host buffers (the CPU EP)")
         kv, row, rt = self.kv, self.row, self.rt
@@ -467,29 +411,35 @@ class DecodeChain:
         flushed: list[int] = []
         decided: list[int] = []
         picker: int | None = None  # the exit that picked this token's candidates, once one did
+        cands: Any = None  # a host-decided token's candidates, once an exit picked them
         for s in range(len(self.segment_calls)):
             flow = self._segment(s, pending[s], flow, total, keep=not prompt)
             if pending[s] is not None:
                 flushed.append(s)
-            ex = self.exits.get(s) if may_exit else None
-            if ex is None:
+            layer = self.exit_at.get(s) if may_exit else None
+            if layer is None:
                 continue
             t0 = time.perf_counter()
             if s in self.gates:  # gated: the decision runs only when the gate opens; the first to run picks
-                place.read(("gate", ex.layer, "hidden"))  # as runtime/decide.py records it
+                place.read(("gate", layer, "hidden"))  # as runtime/decide.py records it
                 if not gate_open(self.gates[s], self.hops[s + 1]):
                     decide += time.perf_counter() - t0
                     continue
-                ex = self._decision(ex.layer, picker)
-            ex.session.run_with_iobinding(ex.io)
-            passed = ex.passes(place)
+            exiting: int | None = None
+            if self.in_graph:
+                ex = self._decision(layer, picker)  # picking, or scoring the picker's candidates
+                ex.session.run_with_iobinding(ex.io)
+                if ex.passes(place):
+                    exiting = ex.exit_token(place) if pick is None else ex.sampled(pick, place)
+            else:
+                assert host is not None, "exits the graphs do not decide need the host's decision"
+                exiting, cands = host(layer, self.hops[s + 1][0, -1], self._layer_in[0, -1], cands)
             decide += time.perf_counter() - t0
-            decided.append(ex.layer)
-            picker = ex.layer if picker is None else picker
-            if passed:
+            decided.append(layer)
+            picker = layer if picker is None else picker
+            if exiting is not None:
                 state = (self.hops[s + 1] if flow is None else flow).copy()
-                token = ex.exit_token(place) if pick is None else ex.sampled(pick, place)
-                return ExitStep(token, ex.layer, s, state, decide, flushed, decided, picker)
+                return ExitStep(exiting, layer, s, state, decide, flushed, decided, picker)
         final = None if flow is None else flow.copy()
         L = rt.manifest.num_layers
         if final is not None and not head:

@@ -15,7 +15,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from eectl.exits.signals import Signal
-from eectl.runtime.chain import DecodeChain, Pick, chain_exits_supported
+from eectl.runtime.chain import DecodeChain, chain_exits_supported
+from eectl.runtime.chain_parts import HostDecide, Pick
+from eectl.runtime.exit_logits import Decide
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.placement import Placement
 from eectl.runtime.policies import KVPolicy
@@ -45,12 +47,16 @@ class Runner(Protocol):
     @staticmethod
     def _forced(st: RowState, logits: np.ndarray) -> int: ...
 
+    def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[Any, int, Any]]: ...
+
+    def _pick_score(self, score: Any, i: int) -> int: ...
+
 
 def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
     """The bound call chain for decode, greedy or sampled, with a final head that has the in-graph argmax: full depth
     for any number of rows (on every provider: the states stay where the graphs run), or, for one row on the CPU EP,
-    active exits whose decisions the exit graphs make (policies whose exited token needs nothing but its state,
-    `KVPolicy.bound_chain`: defer, verify, copy; `chain_exits_supported`). None where the general path steps."""
+    active exits (policies whose exited token needs nothing but its state, `KVPolicy.bound_chain`: defer, verify,
+    copy; decided in the exit graphs, or on the host: `chain_exits_supported`). None where the general path steps."""
     rt, cfg, exits = runner.rt, runner.cfg, runner.exits
     final = rt.full_graphs[runner.L]
     if "token" not in final.io.outputs:
@@ -97,7 +103,9 @@ def chain_step(
     # verify's check runs the final head over every position of a wide step itself: the chain skips its own
     checks = policy.checks_drafts and bool(st.drafts)
     may_exit = policy.may_exit(st) and not drafts and not force_full
-    done = chain.step_exits(token, may_exit, st.pending, head=not checks, place=runner.place, pick=pick, prompt=prompt)
+    done = chain.step_exits(
+        token, may_exit, st.pending, head=not checks, place=runner.place, pick=pick, prompt=prompt, host=_host(runner)
+    )
     st.decide_s += done.decide_s
     st.count_decisions(done.decided, done.picked)
     for s in done.flushed:
@@ -120,6 +128,18 @@ def chain_step(
         assert not st.drafts
     st.exit_layers.append(L)
     return done.token
+
+
+def _host(runner: Runner) -> HostDecide:
+    """The chain's exits decided on the host where their graphs do not decide the run's signal: the runner's exit
+    test (runtime/decide.py, as the general path's) on the token's state and its last layer's input, the exiting
+    token picked from the exit's prediction (`Runner._pick_score`)."""
+
+    def decide(layer: int, hidden: np.ndarray, layer_input: np.ndarray, candidates: Any) -> tuple[int | None, Any]:
+        score, i, picked = runner._decide_rows(layer, {0: Decide(hidden, layer_input, candidates)})[0]
+        return (None if score is None else runner._pick_score(score, i)), picked
+
+    return decide
 
 
 def _forcing(runner: Runner, st: RowState) -> Pick:

@@ -1,0 +1,93 @@
+"""What a bound chain's step is made of (runtime/chain.py): an active exit's decision bound after its segment
+(`BoundExit`), a segment bound for several positions (`WideCall`), what a step with exits did (`ExitStep`), and how a
+token is picked where the run does not take the graphs' argmax (`Pick`: sampling, teacher forcing), and how the
+host decides an exit whose graph does not (`HostDecide`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from eectl.runtime.placement import HOST, Placement, Read
+
+# a row's token from logits [V] (or [K] with their vocabulary ids): the runner's sampling (runtime/sampling.py)
+Pick = Callable[[np.ndarray, np.ndarray | None], int]
+# an exit decided on the host (a signal its graph does not compute): (layer, the token's state there [H], the input to
+# the exit's last layer [H], the candidates an earlier exit picked or None) -> (the exiting token or None, this
+# decision's candidates): the runner's exit test (runtime/decide.py) and its pick
+HostDecide = Callable[[int, np.ndarray, np.ndarray, Any], tuple[int | None, Any]]
+
+
+@dataclass
+class BoundExit:
+    """One active exit's decision bound after its segment: run `io` on `session`, then read `passed` and `token`
+    (each read recorded in the run's placement under `graph`, the binding plan's name of the exit's graph)."""
+
+    layer: int
+    session: Any
+    io: Any
+    passed: np.ndarray  # [1] bool
+    token: np.ndarray  # [1] int64
+    ids: np.ndarray | None = None  # [1, K]: `token` is a column of these candidates (a local exit on the first's rows)
+    graph: str = "exit_full"  # binding.KINDS: "candidates" or "exit_full" (picking), "exit_local" (scoring)
+    ids_from: Read | None = None  # where `ids` were output (the picker's candidates): read for the token's id
+    # sampling (temperature > 0): the candidates' logits [1, K] this decision wrote, and the vocabulary ids [1, K] of
+    # those candidates (its own where it picks, the picker's where it scores them) with where they were output
+    logits: np.ndarray | None = None
+    candidates: np.ndarray | None = None
+    candidates_from: Read | None = None
+
+    def passes(self, place: Placement) -> bool:
+        place.read((self.graph, self.layer, "passed"))
+        return bool(self.passed[0])
+
+    def exit_token(self, place: Placement = HOST) -> int:
+        place.read((self.graph, self.layer, "exit_token"))
+        t = int(self.token[0])
+        if self.ids is None:
+            return t
+        assert self.ids_from is not None
+        place.read(self.ids_from)
+        return int(self.ids[0, t])
+
+    def sampled(self, pick: Pick, place: Placement = HOST) -> int:
+        """The exiting token sampled from the K candidates' logits (as the general path samples an exit's)."""
+        assert self.logits is not None and self.candidates is not None and self.candidates_from is not None
+        place.read((self.graph, self.layer, "candidate_logits"))
+        place.read(self.candidates_from)
+        return pick(self.logits[0], self.candidates[0])
+
+
+@dataclass
+class ExitStep:
+    """What a bound step with exits did: the token, and where it was decided (the final layer when no exit took
+    it); for an exit, its segment and the states there (a copy [1, P + 1, H], the pending positions the step
+    carried then the token's: the policy keeps them); at the final layer after a wide call, the final segment's
+    output [1, P + 1, H] (verify checks its drafts there), else None; and the segments whose pending positions the
+    step consumed."""
+
+    token: int
+    layer: int
+    segment: int | None = None
+    state: np.ndarray | None = None
+    decide_s: float = 0.0
+    flushed: list[int] = field(default_factory=list)
+    decided: list[int] = field(default_factory=list)  # the exits whose decision ran (gates skip some)
+    picked: int | None = None  # the exit whose decision picked the candidates
+
+
+@dataclass
+class WideCall:
+    """Segment s bound for n positions: its input x [1, n, H] and output out [1, n, H] (host), lengths set per call."""
+
+    session: Any
+    io: Any
+    x: np.ndarray
+    out: np.ndarray
+    seqlens_k: np.ndarray
+    total: np.ndarray
+    layer_in: np.ndarray  # [1, n, H]: each position's input to the segment's last layer
+    held: list[Any] = field(default_factory=list)  # every buffer its binding reads by address

@@ -1,0 +1,90 @@
+"""Exits whose graphs do not decide the run's signal (the full-vocabulary softmax and margin, the cosine) run on the
+bound chain with the host deciding them (runtime/chain.py `step_exits`'s `host`, the runner's exit test): the same
+tokens, exit layers, drafts and KV cache as the general path, greedy and sampled, gated, every policy the chain
+takes; cosine-min (block boundaries the chain's calls do not output) and block exit heads stay on the general path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from eectl.exits.signals import get_signal
+from eectl.runtime.chain import DecodeChain, chain_exits_supported
+from eectl.runtime.runner import Runner
+from tests.test_resident import _config, _prompts, _thresholds, runtimes  # noqa: F401 (the fixture)
+
+SIGNALS = ["full-prob", "full-margin", "cosine"]
+
+
+def _generate(rt, cfg, prompts, monkeypatch):
+    """Generate; returns the generations, the last cache, and how many steps the general path and the chain's host
+    decisions took."""
+    general, host = [], []
+    real_steps, real_exits = Runner._steps, DecodeChain.step_exits
+
+    def steps(self, kv, work, *a):
+        general.append(len(work))
+        return real_steps(self, kv, work, *a)
+
+    def exits(self, *a, **kw):
+        host.append(not self.in_graph)
+        return real_exits(self, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(Runner, "_steps", steps)
+        m.setattr(DecodeChain, "step_exits", exits)
+        runner = Runner(rt, cfg)
+        got = runner.generate(prompts)
+    return got, runner.last_kv, general, host
+
+
+@pytest.mark.parametrize("signal", SIGNALS)
+@pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
+def test_host_decided_exits_on_the_chain_equal_the_general_path(runtimes, signal, policy, monkeypatch):  # noqa: F811
+    loaded, rt = runtimes["llama"]
+    prompts = _prompts(loaded.adapter.dims.vocab_size, 2)[1:]  # one row: 7 tokens
+    thresholds = _thresholds(rt, signal, prompts, monkeypatch)
+    cfg = _config(signal, policy, thresholds, False, new=20)
+    assert chain_exits_supported(rt, cfg.exits, get_signal(signal))
+    plain, kv_plain, _, _ = _generate(rt, dataclasses.replace(cfg, bound=False), prompts, monkeypatch)
+    got, kv, general, host = _generate(rt, cfg, prompts, monkeypatch)
+    assert general == [] and host and all(host)  # every step on the chain, its exits decided on the host
+    L = rt.manifest.num_layers
+    exited = any(e < L for e in plain[0].exit_layers[1:])
+    assert exited or plain[0].drafted, plain[0].exit_layers  # some tokens exit: a real comparison
+    assert got[0].token_ids == plain[0].token_ids and got[0].exit_layers == plain[0].exit_layers
+    assert (got[0].drafted, got[0].rejected_drafts) == (plain[0].drafted, plain[0].rejected_drafts)
+    assert got[0].decided == plain[0].decided
+    assert (kv.filled == kv_plain.filled).all()
+    n = int(kv.filled[0].min())
+    for mine, other in zip(kv.batch_keys + kv.batch_values, kv_plain.batch_keys + kv_plain.batch_values, strict=True):
+        assert (mine[:, :, :n] == other[:, :, :n]).all()
+
+
+def test_sampled_and_gated_host_decisions_on_the_chain_equal_the_general_path(runtimes, monkeypatch):  # noqa: F811
+    loaded, rt = runtimes["qwen3"]
+    prompts = _prompts(loaded.adapter.dims.vocab_size, 2)[1:]
+    thresholds = _thresholds(rt, "full-prob", prompts, monkeypatch)
+    H = rt.manifest.dims["hidden_size"]
+    w = np.random.default_rng(3).standard_normal(H).astype(np.float32)
+    for sampled, gated in ((True, False), (False, True)):
+        cfg = dataclasses.replace(_config("full-prob", "defer", thresholds, False, new=20), temperature=0.8 * sampled)
+        runs = []
+        for bound in (True, False):
+            runner = Runner(rt, dataclasses.replace(cfg, bound=bound))
+            if gated:  # exit 2's gate opens for some tokens only: exit 4 picks the candidates of the others
+                runner.gates = {2: (w, 0.0, 0.0)}
+            runs.append(runner.generate(prompts)[0])
+        got, plain = runs
+        assert got.token_ids == plain.token_ids and got.exit_layers == plain.exit_layers, (sampled, gated)
+        assert got.decided == plain.decided, (sampled, gated)
+        assert any(e < rt.manifest.num_layers for e in plain.exit_layers[1:]), (sampled, gated)
+
+
+def test_cosine_min_and_block_heads_stay_on_the_general_path(runtimes):  # noqa: F811
+    _, rt = runtimes["llama"]
+    exits = list(rt.manifest.exit_layers)
+    assert not chain_exits_supported(rt, exits, get_signal("cosine-min"))
+    assert chain_exits_supported(rt, exits, get_signal("cosine"))
