@@ -443,3 +443,42 @@ def test_a_threshold_for_an_exit_that_does_not_run_is_refused(artifact, exits, t
         assert res.stderr.splitlines()[-1] == line
     ok = runner.invoke(app, ["run", str(artifact), "hi", "--raw", "-n", "2", "--exits", "3", "--thresholds", "3:0.9"])
     assert ok.exit_code == 0, ok.output
+
+
+# --- 16. a data error behind "too small for the guarantee" ----------------------------------------------------------
+
+
+def test_a_data_error_is_named_before_the_sample_size(tiny_dirs, tmp_path, monkeypatch):
+    """calibrate checked that --tokens carries the guarantee before it read the data: with a small --tokens an empty,
+    textless or missing data file was reported as "data too small for the requested guarantee" (raising --tokens
+    then met the real error). The data is read first; the sample size is still checked before the model loads."""
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the data and the sample size were checked")
+
+    monkeypatch.setattr("eectl.models.load_model", no_load)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": "  "}\n')
+    for data, words in (
+        (tmp_path / "empty.txt", ["data is empty"]),
+        (tmp_path / "blank.jsonl", ["data has no text: every record of blank.jsonl is empty"]),
+        (tmp_path / "missing.txt", ["data not found"]),
+        (GSM8K, ["data too small for the requested guarantee", "--tokens 64"]),  # good data: the size, as before
+    ):
+        res = runner.invoke(
+            app,
+            [
+                "calibrate",
+                str(tiny_dirs["llama"]),
+                "--exits",
+                "2",
+                "--tokens",
+                "64",
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / "c.json"),
+            ],
+        )
+        _one_line(res, 4, *words)
+    assert not (tmp_path / "c.json").exists()

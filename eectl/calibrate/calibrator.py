@@ -114,7 +114,15 @@ class CalibrateOptions:
 
 
 def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_size: int | None = None) -> None:
-    """Raise UsageError / DataError for options that cannot work (the exits only once the model's depth is given)."""
+    """Raise UsageError / DataError for options that cannot work (the exits only once the model's depth is given):
+    check_settings, then check_sample."""
+    check_settings(opts, num_layers, vocab_size)
+    check_sample(opts)
+
+
+def check_settings(opts: CalibrateOptions, num_layers: int | None = None, vocab_size: int | None = None) -> None:
+    """UsageError for settings that cannot work, whatever the data (the exits only once the model's depth is
+    given)."""
     if not 0.0 < opts.target <= 1.0 or math.isnan(opts.target):
         raise UsageError(f"--target must be in (0, 1], got {opts.target}")
     signal = get_signal(opts.signal)
@@ -149,6 +157,11 @@ def check_options(opts: CalibrateOptions, num_layers: int | None = None, vocab_s
     check_exit_layers(opts.exits, num_layers)
     if vocab_size is not None and signal.needs_candidates and opts.top_k > vocab_size:
         raise UsageError(f"--top-k {opts.top_k} exceeds the vocabulary ({vocab_size})")
+
+
+def check_sample(opts: CalibrateOptions) -> None:
+    """DataError when --tokens cannot carry the guarantee asked for (--confidence). The calibrate stage checks it
+    once the data has loaded: a missing, empty or textless data file is named first, not hidden behind it."""
     if opts.confidence is not None:
         need = min_tokens_for(opts.target, opts.confidence)
         have = math.floor(opts.tokens * (1 - opts.holdout))

@@ -66,7 +66,7 @@ class CalibrateResult:
 
 def calibrate(recipe: Recipe, req: CalibrateRequest, out: Output) -> CalibrateResult:
     """Per-exit thresholds measured on the recipe's model and data, written as a calibration file."""
-    from eectl.calibrate.calibrator import check_options, collect, summarise
+    from eectl.calibrate.calibrator import check_options, check_sample, check_settings, collect, summarise
     from eectl.contracts.calibration import write_calibration
     from eectl.contracts.layers import default_exits
     from eectl.data import load_text_data
@@ -77,7 +77,7 @@ def calibrate(recipe: Recipe, req: CalibrateRequest, out: Output) -> CalibrateRe
     r = recipe
     opts = options(r, req)
     opts.signal = pick(req.signal, r.signal) or DEFAULT_SIGNAL  # checked here; chosen with the heads below
-    check_options(opts)
+    check_settings(opts)  # the sample size once the data has loaded: a data error is named first
     device = resolve_device(req.device)  # a missing GPU refused before the model loads
     if req.heads is not None:
         existing_file(req.heads, "heads", UsageError, hint="train them with eectl train-heads")
@@ -87,6 +87,7 @@ def calibrate(recipe: Recipe, req: CalibrateRequest, out: Output) -> CalibrateRe
     phases = Phases()
     with phases.time("load data, model and heads"):
         text = load_text_data(src, pick(req.field, r.data.field))
+        check_sample(opts)
         out.log(f"loading {pick(req.model, r.model) or 'the default model (SmolLM2-135M-Instruct)'}")
         loaded = load_model(pick(req.model, r.model), log=out, int4=r.int4_twin())
         loaded.model.to(device)
