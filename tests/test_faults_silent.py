@@ -392,9 +392,9 @@ def test_an_exit_named_twice_is_refused_by_run_and_bench_as_by_export(artifact, 
 # --- 14. calibrate --exits none -------------------------------------------------------------------------------------
 
 
-def test_calibrate_refuses_exits_none(artifact, tiny_dirs, monkeypatch):
-    """`calibrate --exits none` calibrated the default exits (token) or the artifact's (sequence), silently: 'none'
-    names no exit to calibrate. Refused before the model loads."""
+def test_calibrate_and_train_heads_refuse_exits_none(artifact, tiny_dirs, monkeypatch):
+    """`calibrate --exits none` calibrated the default exits (token) or the artifact's (sequence), silently, and
+    train-heads trained heads at the default exits: 'none' names no exit. Refused before the model loads."""
 
     def no_load(*a, **k):
         raise AssertionError("the model or artifact was loaded before --exits was checked")
@@ -404,12 +404,13 @@ def test_calibrate_refuses_exits_none(artifact, tiny_dirs, monkeypatch):
     for args in (
         ["calibrate", str(tiny_dirs["llama"]), "--exits", "none", "--data", str(GSM8K), "--tokens", "400"],
         ["calibrate", "--guarantee", "sequence", str(artifact), "--exits", "None", "--data", str(GSM8K)],
+        ["train-heads", str(tiny_dirs["llama"]), "--exits", "none", "--data", str(GSM8K)],
     ):
         res = runner.invoke(app, args)
         _one_line(res, 2)
         word = args[args.index("--exits") + 1]
         assert res.stderr.splitlines()[-1] == (
-            f"error: calibrate needs at least one exit, got --exits '{word}' (give e.g. --exits 8,12, or leave "
+            f"error: {args[0]} needs at least one exit, got --exits '{word}' (give e.g. --exits 8,12, or leave "
             "--exits out for the default exits)"
         )
 

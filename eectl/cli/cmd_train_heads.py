@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from eectl.cli.app import BudgetNameOpt, JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
-from eectl.contracts.layers import parse_layers
+from eectl.contracts.layers import needed_layers
 from eectl.contracts.recipe import load_recipe
 from eectl.output import Output
 
@@ -162,7 +162,7 @@ def train_heads(
         model=model,
         data=data,
         field=field,
-        exits=parse_layers(exits),
+        exits=needed_layers(exits, "train-heads"),
         steps=steps,
         design=design,
         rank=rank,
