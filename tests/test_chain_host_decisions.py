@@ -1,7 +1,7 @@
-"""Exits whose graphs do not decide the run's signal (the full-vocabulary softmax and margin, the cosine) run on the
+"""Exits whose graphs do not decide the run's signal (the full-vocabulary softmax and margin, the cosines) run on the
 bound chain with the host deciding them (runtime/chain.py `step_exits`'s `host`, the runner's exit test): the same
 tokens, exit layers, drafts and KV cache as the general path, greedy and sampled, gated, every policy the chain
-takes; cosine-min (block boundaries the chain's calls do not output) and block exit heads stay on the general path."""
+takes; block exit heads stay on the general path."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.runner import Runner
 from tests.test_resident import _config, _prompts, _thresholds, runtimes  # noqa: F401 (the fixture)
 
-SIGNALS = ["full-prob", "full-margin", "cosine"]
+SIGNALS = ["full-prob", "full-margin", "cosine", "cosine-min"]
 
 
 def _generate(rt, cfg, prompts, monkeypatch):
@@ -83,8 +83,15 @@ def test_sampled_and_gated_host_decisions_on_the_chain_equal_the_general_path(ru
         assert any(e < rt.manifest.num_layers for e in plain.exit_layers[1:]), (sampled, gated)
 
 
-def test_cosine_min_and_block_heads_stay_on_the_general_path(runtimes):  # noqa: F811
-    _, rt = runtimes["llama"]
-    exits = list(rt.manifest.exit_layers)
-    assert not chain_exits_supported(rt, exits, get_signal("cosine-min"))
-    assert chain_exits_supported(rt, exits, get_signal("cosine"))
+def test_block_exit_heads_stay_on_the_general_path(tmp_path, tiny_dirs):
+    from eectl.export.exporter import ExportOptions, export_artifact
+    from eectl.models import load_model
+    from eectl.runtime.sessions import ArtifactRuntime
+    from tests.test_block_exits import EXITS, _block_heads
+
+    loaded = load_model(str(tiny_dirs["llama"]))
+    opts = ExportOptions(exits=EXITS, top_k=8, profile_costs=False)
+    export_artifact(loaded, tmp_path / "a", opts, heads=_block_heads(loaded.adapter))
+    rt = ArtifactRuntime(tmp_path / "a", provider="cpu")
+    assert not chain_exits_supported(rt, EXITS, get_signal("topk-prob"))
+    assert chain_exits_supported(rt, [], get_signal("topk-prob"))

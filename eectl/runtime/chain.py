@@ -16,14 +16,15 @@ token; the first exit's candidates land in a buffer the later exits' local graph
 first tests its gate on the segment's output (H multiply-adds on the host buffer): shut, its decision does not run, and
 the first exit whose gate opens picks the candidates (each (exit, picker) pair bound up front). Where the exit graphs do
 not compute the run's signal (the full-vocabulary softmax and margin, the cosine, artifacts exported before in-graph
-decisions), the host decides instead, the runner's exit test on the token's state and its last layer's input (both in
-the chain's buffers; `step_exits`'s `host`). A token that exits stops there; one that passes every exit reaches the
-final head as in `step`. A segment that holds pending positions (defer's and verify's deferred states, P of them) runs a
-**wide** call instead: the same segment bound for P + 1 positions (bound once per segment and width, on first use), its
-input the pending states then the token's state, its output what the next segment continues from (after that segment's
-own pending states, where it has some); the last position is copied to where the exit after it, or the final head,
-reads. The step returns the wide output at the exit or at the final layer, and which segments it flushed: the policy
-keeps the first, checks drafts in the second (verify) and clears the third, as the general path's hooks do.
+decisions), the host decides instead, the runner's exit test on the token's state, its last layer's input and (for
+cosine-min) its segment's block boundaries, all in the chain's buffers (`step_exits`'s `host`). A token that exits stops
+there; one that passes every exit reaches the final head as in `step`. A segment that holds pending positions (defer's
+and verify's deferred states, P of them) runs a **wide** call instead: the same segment bound for P + 1 positions (bound
+once per segment and width, on first use), its input the pending states then the token's state, its output what the next
+segment continues from (after that segment's own pending states, where it has some); the last position is copied to
+where the exit after it, or the final head, reads. The step returns the wide output at the exit or at the final layer,
+and which segments it flushed: the policy keeps the first, checks drafts in the second (verify) and clears the third, as
+the general path's hooks do.
 
     token ─ embed ─ hops[0] ─ seg 0 ─ hops[1] ─ exit? ─ seg 1 ─ ...                    one position per call
     pending[s] ─┐
@@ -39,10 +40,9 @@ candidates and their logits, and the runner's sampler picks (`pick`), as the gen
 CPU) is a step whose positions before the last wait at segment 0 as embeddings, as drafts do; its wide calls are
 bound for that step only (`step_exits(..., prompt=True)`).
 
-What it does not do: prompts padded into one call for a batch, exits in a batch of rows, the cosine over block
-boundaries (cosine-min: the segment calls do not output them), block exit heads, exit steps on a device (pending
-states are host arrays): the runner's general path (`Runner._steps`) does, and writes the same cache this chain
-continues.
+What it does not do: prompts padded into one call for a batch, exits in a batch of rows, block exit heads, exit steps
+on a device (pending states are host arrays): the runner's general path (`Runner._steps`) does, and writes the same
+cache this chain continues.
 """
 
 from __future__ import annotations
@@ -67,13 +67,16 @@ from eectl.runtime.sessions import ArtifactRuntime
 
 def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal) -> bool:
     """Whether `step_exits` can run these active exits: no block exit head among them, and a signal the exit graphs
-    decide (runtime/graph_decide.py) or the host decides on the states the chain's calls output (every one but the
-    cosine over the segment's block boundaries, which the chain's segment calls do not output)."""
+    decide (runtime/graph_decide.py) or the host decides on the states the chain's calls output (the cosine over a
+    segment's block boundaries where its graph outputs them)."""
     if not exits:
         return True
     if any(e in rt.block_graphs for e in exits):
         return False
-    return decides_in_graph(rt, exits, signal) or not signal.needs_blocks
+    if decides_in_graph(rt, exits, signal):
+        return True
+    segments = {rt.segment_of_layer[e] for e in exits}
+    return not signal.needs_blocks or all("layer_states" in rt.segments[s].io.outputs for s in segments)
 
 
 class DecodeChain:
@@ -121,16 +124,19 @@ class DecodeChain:
         rt._bind_array(io, rt.embedding.name("input_ids"), self.ids)
         rt.bind_weights(io, rt.embedding, "embed")
         rt._bind_array(io, rt.embedding.name("hidden"), hops[0], output=True)
-        self.layer_in: list[Any] = []  # segment s's last layer's input [n, 1, H] (the cosine signal's), per segment
-        self._layer_in: Any = None  # the buffer the last segment call wrote its last layer's input to
+        layers = sorted(exits or {})
+        self.exit_at = {rt.segment_of_layer[e]: e for e in layers}  # segment -> the active exit after it
+        # segments whose exit reads their block boundaries (cosine-min, decided on the host): bound as an output
+        self._wants_blocks = set(self.exit_at) if signal is not None and signal.needs_blocks else set()
+        # per segment: its last layer's input [n, 1, H] (the cosine's), its block boundaries [1, n + 1, H] or None
+        self.layer_in: list[tuple[Any, Any]] = []
+        self._layer_in: tuple[Any, Any] = (None, None)  # what the last segment call wrote them to
         for s in range(len(m.segments)):
             io = self._bind(rt.segments[s])
             self.layer_in.append(self._bind_segment(io, s, hops[s], hops[s + 1], self.seqlens_k, self.total))
         self.segment_calls = self.calls[1:]  # (session, io) of segment s at index s
         self.wide: dict[tuple[int, int], WideCall] = {}  # (segment, positions) -> its wide call, bound on first use
         self.hops = hops
-        layers = sorted(exits or {})
-        self.exit_at = {rt.segment_of_layer[e]: e for e in layers}  # segment -> the active exit after it
         self.in_graph = bool(layers) and signal is not None and decides_in_graph(rt, layers, signal)  # else: the host
         self.exits: dict[int, BoundExit] = {}  # segment -> the active exit after it (later ones on the first's picks)
         # exit layer -> the candidates [1, K] it picked and their exact LM-head rows [1, K, H] (None where its graph
@@ -139,14 +145,11 @@ class DecodeChain:
         self.gates = {rt.segment_of_layer[e]: g for e, g in (gates or {}).items()}  # segment -> the gate after it
         self._decisions: dict[tuple[int, int | None], BoundExit] = {}  # (layer, picker) -> bound
         self._signal, self._thresholds, self._k = signal, exits or {}, top_k
+        # each exit's decision (later ones scoring the first's picks); gated, every (exit, picker) pair, bound now
         for i, layer in enumerate(layers if self.in_graph else []):
             self.exits[rt.segment_of_layer[layer]] = self._decision(layer, layers[0] if i else None)
-        if (
-            self.gates and self.in_graph
-        ):  # any exit may pick (the first whose gate opens), any later one score its picks: bound now,
-            for i, layer in enumerate(layers):  # not in the decode step that first needs them
-                for picker in [None, *layers[:i]]:
-                    self._decision(layer, picker)
+            for picker in [None, *layers[:i]] if self.gates else []:
+                self._decision(layer, picker)
         # several rows on the CPU EP: the head whose table ORT packed once (tables.PackedHeads), not per call
         packed = rt.packed_head(m.num_layers) if n > 1 else None
         io = self._bind(final, packed)
@@ -164,9 +167,12 @@ class DecodeChain:
         # the certified head (runtime/certified_head.py), where the artifact has one and the run asks for it
         self.certified = CertifiedHead.bind(rt, self._view(hops[-1], (n, H), dtype), n) if certified_head else None
 
-    def _bind_segment(self, io: Any, s: int, x: Any, out: Any, seqlens_k: np.ndarray, total: np.ndarray) -> Any:
+    def _bind_segment(
+        self, io: Any, s: int, x: Any, out: Any, seqlens_k: np.ndarray, total: np.ndarray
+    ) -> tuple[Any, Any]:
         """Bind segment s: the row's KV buffers as past and present (written in place), input x, output out
-        [1, n, H], the length scalars; returns the buffer its last layer's input lands in (shaped as out)."""
+        [1, n, H], the length scalars; returns the buffers its last layer's input lands in (shaped as out) and, where
+        its exit reads them, its block boundaries ([1, (layers + 1) * n, H]), else None."""
         rt, g = self.rt, self.rt.segments[s]
         lo, hi = rt.manifest.segments[s].layers
         rt.bind_kv(io, g, self.kv, range(lo, hi), self.row, self.row + self.rows)
@@ -177,7 +183,12 @@ class DecodeChain:
         # the last layer's input: read by a host-decided cosine signal only, else scratch
         layer_in = self._buffer(buffer_shape(out), self.rt.np_dtype)
         rt._bind_array(io, g.name("layer_input"), layer_in, output=True)
-        return layer_in
+        if s not in self._wants_blocks:
+            return layer_in, None
+        n, positions, H = buffer_shape(out)
+        blocks = self._buffer((n, (hi - lo + 1) * positions, H), self.rt.np_dtype)
+        rt._bind_array(io, g.name("layer_states"), blocks, output=True)
+        return layer_in, blocks
 
     def _wide(self, s: int, n: int, keep: bool = True) -> WideCall:
         """Segment s bound for n positions (host buffers), on first use; `keep` False: for this call only, its
@@ -192,8 +203,8 @@ class DecodeChain:
             seqlens_k, total = self._host(np.zeros(1, np.int32)), self._host(np.zeros((), np.int32))
             g = self.rt.segments[s]
             io = g.session.io_binding()
-            layer_in = self._bind_segment(io, s, x, out, seqlens_k, total)
-            bound = WideCall(g.session, io, x, out, seqlens_k, total, layer_in, held=self._keep)
+            layer_in, blocks = self._bind_segment(io, s, x, out, seqlens_k, total)
+            bound = WideCall(g.session, io, x, out, seqlens_k, total, layer_in, blocks, held=self._keep)
         finally:
             self._keep = kept
         if keep:
@@ -368,7 +379,7 @@ class DecodeChain:
             np.concatenate(parts, axis=1, out=wide.x)
             wide.seqlens_k[0], wide.total[()] = total - 1, total
             wide.session.run_with_iobinding(wide.io)
-            flow, self._layer_in = wide.out, wide.layer_in
+            flow, self._layer_in = wide.out, (wide.layer_in, wide.blocks)
             self.hops[s + 1][...] = flow[:, -1:]  # the token's state, where the exit and the next call read it
         kv.advance(row, lo, hi, n)
         return flow
@@ -433,7 +444,10 @@ class DecodeChain:
                     exiting = ex.exit_token(place) if pick is None else ex.sampled(pick, place)
             else:
                 assert host is not None, "exits the graphs do not decide need the host's decision"
-                exiting, cands = host(layer, self.hops[s + 1][0, -1], self._layer_in[0, -1], cands)
+                layer_in, blocks = self._layer_in
+                if blocks is not None:  # [1, (layers + 1) * P, H]: each boundary's last position, [layers + 1, H]
+                    blocks = blocks.reshape(-1, layer_in.shape[1], blocks.shape[-1])[:, -1]
+                exiting, cands = host(layer, self.hops[s + 1][0, -1], layer_in[0, -1], blocks, cands)
             decide += time.perf_counter() - t0
             decided.append(layer)
             picker = layer if picker is None else picker

@@ -16,9 +16,10 @@ from eectl.runtime.placement import HOST, Placement, Read
 # a row's token from logits [V] (or [K] with their vocabulary ids): the runner's sampling (runtime/sampling.py)
 Pick = Callable[[np.ndarray, np.ndarray | None], int]
 # an exit decided on the host (a signal its graph does not compute): (layer, the token's state there [H], the input to
-# the exit's last layer [H], the candidates an earlier exit picked or None) -> (the exiting token or None, this
-# decision's candidates): the runner's exit test (runtime/decide.py) and its pick
-HostDecide = Callable[[int, np.ndarray, np.ndarray, Any], tuple[int | None, Any]]
+# the exit's last layer [H], its segment's block boundaries [layers + 1, H] or None, the candidates an earlier exit
+# picked or None) -> (the exiting token or None, this decision's candidates): the runner's exit test
+# (runtime/decide.py) and its pick
+HostDecide = Callable[[int, np.ndarray, np.ndarray, np.ndarray | None, Any], tuple[int | None, Any]]
 
 
 @dataclass
@@ -90,4 +91,5 @@ class WideCall:
     seqlens_k: np.ndarray
     total: np.ndarray
     layer_in: np.ndarray  # [1, n, H]: each position's input to the segment's last layer
+    blocks: np.ndarray | None  # [1, (layers + 1) * n, H]: its block boundaries, where the exit after it reads them
     held: list[Any] = field(default_factory=list)  # every buffer its binding reads by address

@@ -135,8 +135,10 @@ def _host(runner: Runner) -> HostDecide:
     test (runtime/decide.py, as the general path's) on the token's state and its last layer's input, the exiting
     token picked from the exit's prediction (`Runner._pick_score`)."""
 
-    def decide(layer: int, hidden: np.ndarray, layer_input: np.ndarray, candidates: Any) -> tuple[int | None, Any]:
-        score, i, picked = runner._decide_rows(layer, {0: Decide(hidden, layer_input, candidates)})[0]
+    def decide(
+        layer: int, hidden: np.ndarray, layer_input: np.ndarray, blocks: np.ndarray | None, candidates: Any
+    ) -> tuple[int | None, Any]:
+        score, i, picked = runner._decide_rows(layer, {0: Decide(hidden, layer_input, candidates, blocks)})[0]
         return (None if score is None else runner._pick_score(score, i)), picked
 
     return decide
