@@ -82,6 +82,52 @@ def test_river_tokens_flow_through_the_int4_copies_and_write_kv_in_place(arts, p
     assert kv is not None and (kv.filled[0] == len(PROMPT) + NEW - 1).all()  # every layer holds every position
 
 
+@pytest.mark.parametrize("predict", ["end", "exit"])
+def test_river_steps_on_the_bound_chain_as_on_the_general_path(arts, predict, monkeypatch):
+    """The river's one-row steps run on the bound chain (its int4 copies from the policy's `predict` hook), greedy,
+    sampled and teacher-forced: the same tokens, exit layers, scores and KV cache as the general path's steps, some
+    tokens exiting and some not."""
+    from eectl.runtime import chain_steps
+
+    rt = arts["river"]
+    general, bound = [], []
+    real_steps, real_chain = Runner._steps, chain_steps.chain_step
+    monkeypatch.setattr(Runner, "_steps", lambda self, *a, **kw: general.append(1) or real_steps(self, *a, **kw))
+    monkeypatch.setattr(chain_steps, "chain_step", lambda *a, **kw: bound.append(1) or real_chain(*a, **kw))
+    seen: set[int] = set()
+    for temperature in (0.0, 0.9):
+        runs = []
+        for chain in (True, False):
+            cfg = RunConfig(
+                exits=EXITS,
+                # exit 2's cosine above it for some tokens, exit 4's for most, the final layer for the rest
+                thresholds={2: {"cosine": 0.6}, 4: {"cosine": 0.8}},
+                signal="cosine",
+                policy="river",
+                max_new_tokens=NEW,
+                river_predict=predict,
+                temperature=temperature,
+                bound=chain,
+            )
+            general.clear(), bound.clear()
+            runner = Runner(rt, cfg)
+            gen = runner.generate([PROMPT])[0]
+            scored = runner.score_many([(PROMPT + gen.token_ids, len(PROMPT))])[0]
+            runs.append((gen, scored, runner.last_kv, list(general), list(bound)))
+        (gen, scored, kv, gen_steps, chain_calls), (plain, plain_scored, plain_kv, plain_steps, _) = runs
+        assert gen_steps == [] and chain_calls and plain_steps  # the chain took every step, the general path none
+        assert gen.token_ids == plain.token_ids and gen.exit_layers == plain.exit_layers, temperature
+        seen |= set(plain.exit_layers[1:])
+        assert scored.layers == plain_scored.layers and scored.greedy == plain_scored.greedy
+        np.testing.assert_allclose(scored.nll, plain_scored.nll, rtol=1e-5, atol=1e-5)
+        assert (kv.filled == plain_kv.filled).all()
+        for mine, other in zip(
+            kv.batch_keys + kv.batch_values, plain_kv.batch_keys + plain_kv.batch_values, strict=True
+        ):
+            np.testing.assert_array_equal(mine[:, :, : int(kv.filled[0].min())], other[:, :, : int(kv.filled[0].min())])
+    assert len(seen) >= 2, seen  # tokens decided at two depths at least: a real comparison
+
+
 def test_river_end_differs_from_fp32_only_through_int4(arts):
     """Sanity of the reference itself: the int4 river changes the logits (else the test above proves nothing)."""
     fp, ref = arts["plain"], arts["ref"]
@@ -143,8 +189,9 @@ def test_costs_time_the_river_copies_and_model_the_river(arts):
     assert blocks.exit_predict_ms is not None and all(ms > 0 for ms in blocks.candidates_ms.values())
     topk = measure_costs(rt, past=8, repeats=1, warmup=0, signal="topk-prob")
     assert topk.exit_predict_ms is None  # the candidates carry the token
-    # the softmax decisions are timed on the bound chain, where the runner makes them; cosines on the general path
-    assert topk.bound_exits and not c.bound_exits and not blocks.bound_exits
+    # one-row exit steps run on the bound chain whatever the signal: the softmax decided in the exit graphs (timed
+    # as the chain's bound calls), the cosines on the host (timed as the host's exit test)
+    assert topk.bound_exits and c.bound_exits and blocks.bound_exits
     assert set(topk.local_ms) == set(topk.candidates_ms) and all(ms > 0 for ms in topk.local_ms.values())
 
 

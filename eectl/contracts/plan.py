@@ -46,11 +46,6 @@ RIVER_EXIT = "river-exit"  # the river policy predicting at the exit instead of 
 RIVER_POLICIES = ("river", RIVER_EXIT)
 
 
-# policies whose one-row greedy exit steps run on the bound chain (runtime/chain.py): an exited token needs only its
-# state; the river's int4 copies run per call
-BOUND_POLICIES = ("defer", "verify", "copy")
-
-
 MAX_SUBSET = 3  # exits per option: each active exit adds a decision, and subsets grow as 2^E
 
 

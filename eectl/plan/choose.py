@@ -73,7 +73,6 @@ import numpy as np
 from eectl.contracts.certificate import CERTIFIED, Certificate
 from eectl.contracts.names import KV_CALLS, POLICY_SPECS, RIVER_CALLS, PolicySpec
 from eectl.contracts.plan import (
-    BOUND_POLICIES,
     INTERVAL_TOP,
     LEVEL,
     LOOKUP,
@@ -133,7 +132,7 @@ def predict(
     token reaching an exit decides there, the first exit picking.
     """
     base = costs.baseline_ms()  # full depth with no exit active (the bound chain where the runner has one)
-    bound = costs.bound_exits and policy in BOUND_POLICIES
+    bound = costs.bound_exits  # one-row exit steps on the bound chain, every policy's
     over = costs.overhead_per_segment(bound)
     # a token that passes every exit: the general per-call path, plus its decisions; on the bound chain, the
     # chain's step (the pending positions it carries along are charged to the tokens that left them: extra_i)

@@ -47,6 +47,8 @@ class Runner(Protocol):
     @staticmethod
     def _forced(st: RowState, logits: np.ndarray) -> int: ...
 
+    def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int: ...
+
     def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[Any, int, Any]]: ...
 
     def _pick_score(self, score: Any, i: int) -> int: ...
@@ -55,8 +57,8 @@ class Runner(Protocol):
 def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
     """The bound call chain for decode, greedy or sampled, with a final head that has the in-graph argmax: full depth
     for any number of rows (on every provider: the states stay where the graphs run), or, for one row on the CPU EP,
-    active exits (policies whose exited token needs nothing but its state, `KVPolicy.bound_chain`: defer, verify,
-    copy; decided in the exit graphs, or on the host: `chain_exits_supported`). None where the general path steps."""
+    active exits under every policy (decided in the exit graphs, or on the host: `chain_exits_supported`). None where
+    the general path steps."""
     rt, cfg, exits = runner.rt, runner.cfg, runner.exits
     final = rt.full_graphs[runner.L]
     if "token" not in final.io.outputs:
@@ -66,8 +68,7 @@ def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
     if rows > 1:
         return None if exits else DecodeChain(rt, kv, 0, rows=rows, certified_head=cfg.certified_head)
     if exits and (
-        not runner.policy.bound_chain
-        or not chain_exits_supported(rt, exits, runner.signal)
+        not chain_exits_supported(rt, exits, runner.signal)
         or runner._resident_wanted()  # the binding plan's executor keeps exit steps device-resident (#15)
         or rt.device != "cpu"  # exit steps hand pending states (host arrays) to wide calls
     ):
@@ -96,15 +97,23 @@ def chain_step(
     policy, L = runner.policy, runner.L
     token = st.tokens[-1]
     pick = runner.sampler()
-    if st.forced is not None:  # teacher forcing: the final head's logits score the fed token (an exit's: below)
-        pick = _forcing(runner, st)
+    elsewhere = st.forced is not None or policy.predicts()  # an exited token's is not the exit's: below
+    if elsewhere and (pick is not None or st.forced is not None):
+        pick = _final_only(runner, st, pick)
     if drafts:
         st.pending[0] = runner.rt.embed(np.array([st.tokens[-drafts - 1 : -1]], dtype=np.int64))
     # verify's check runs the final head over every position of a wide step itself: the chain skips its own
     checks = policy.checks_drafts and bool(st.drafts)
     may_exit = policy.may_exit(st) and not drafts and not force_full
     done = chain.step_exits(
-        token, may_exit, st.pending, head=not checks, place=runner.place, pick=pick, prompt=prompt, host=_host(runner)
+        token,
+        may_exit,
+        st.pending,
+        head=not checks,
+        place=runner.place,
+        pick=pick,
+        prompt=prompt,
+        host=_host(runner, elsewhere),
     )
     st.decide_s += done.decide_s
     st.count_decisions(done.decided, done.picked)
@@ -112,11 +121,19 @@ def chain_step(
         st.pending[s] = None
     if done.segment is not None:
         assert done.state is not None
+        # as the general path's `_exited`: the policy's own prediction (the river's end) where it has one
+        own = policy.predict(chain.row, st, kv, done.segment, done.state, place=runner.place)
         st.exit_layers.append(done.layer)
         token = done.token
-        if st.forced is not None:  # scored on the exit's full vocabulary, as the general path's `_exited`
-            logits = runner.rt.exit_full(done.layer, done.state[0, -1:], runner.cfg.top_k, place=runner.place)[0]
-            token = runner._forced(st, logits[0])
+        if st.forced is not None:  # scored on that, else on the exit's full vocabulary
+            if own is None:
+                own = (
+                    runner.rt.exit_full(done.layer, done.state[0, -1:], runner.cfg.top_k, place=runner.place)[0][0],
+                    None,
+                )
+            token = runner._forced(st, own[0])
+        elif own is not None:
+            token = runner._pick(*own)
         policy.on_exit(chain.row, st, kv, done.segment, done.state, token)
         return token
     if done.state is not None:  # the final segment ran wide: the positions it carried, then this token's
@@ -130,27 +147,36 @@ def chain_step(
     return done.token
 
 
-def _host(runner: Runner) -> HostDecide:
+def _host(runner: Runner, elsewhere: bool) -> HostDecide:
     """The chain's exits decided on the host where their graphs do not decide the run's signal: the runner's exit
     test (runtime/decide.py, as the general path's) on the token's state and its last layer's input, the exiting
-    token picked from the exit's prediction (`Runner._pick_score`)."""
+    token picked from the exit's prediction (`Runner._pick_score`), unless it is not the exit's to give (`elsewhere`:
+    teacher forcing, a policy's own prediction): then a stand-in, nothing computed or drawn for it."""
 
     def decide(
         layer: int, hidden: np.ndarray, layer_input: np.ndarray, blocks: np.ndarray | None, candidates: Any
     ) -> tuple[int | None, Any]:
         score, i, picked = runner._decide_rows(layer, {0: Decide(hidden, layer_input, candidates, blocks)})[0]
-        return (None if score is None else runner._pick_score(score, i)), picked
+        if score is None:
+            return None, picked
+        return (-1 if elsewhere else runner._pick_score(score, i)), picked
 
     return decide
 
 
-def _forcing(runner: Runner, st: RowState) -> Pick:
-    """The chain's pick under teacher forcing: the final head's logits [V] score and return the fed token; at an
-    exit (its K candidates' logits) a stand-in, replaced by `chain_step` with the token scored on the exit's full
-    vocabulary."""
+def _final_only(runner: Runner, st: RowState, sampler: Pick | None) -> Pick:
+    """The chain's pick where an exited token is not picked from its exit's K candidates: under teacher forcing (the
+    final head's logits [V] score and return the fed token) or where the policy predicts an exited token itself
+    (`KVPolicy.predicts`, sampled: the final head's logits sampled). At an exit, a stand-in that draws nothing,
+    replaced by `chain_step` (the token scored on the exit's full vocabulary, or picked from the policy's own)."""
 
     def pick(logits: np.ndarray, ids: np.ndarray | None) -> int:
-        return runner._forced(st, logits) if ids is None else -1
+        if ids is not None:
+            return -1
+        if st.forced is not None:
+            return runner._forced(st, logits)
+        assert sampler is not None
+        return sampler(logits, None)
 
     return pick
 

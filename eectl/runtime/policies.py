@@ -1,13 +1,15 @@
 """KV policies: what happens to the layers a token skipped when it exits early.
 
 The layers after an exit still owe later tokens their K/V. A policy is one class with six hooks the runner calls
-during one token's pass over the segments (runner.py: `Runner._step`):
+during one token's pass over the segments, on the bound chain (chain_steps.py `chain_step`) and on the general path
+(runner.py `Runner._row_step`) alike:
 
     may_exit(row)                       before the pass: may this token exit at all?
     before_segment(row, s, h) -> x      before segment s runs: its input (h, plus positions waiting here)
     predict(row, kv, s, out) -> (logits, ids)?  the token exited after segment s: logits [V] (ids None) or [K]
                                         with their vocabulary ids to pick it from instead of the exit's own
-                                        prediction (river: the river's end), or None
+                                        prediction (river: the river's end), or None; `predicts()` says
+                                        beforehand whether it will (the chain then samples nothing at the exit)
     on_exit(row, kv, s, out, token)     the token exited after segment s with state `out` [1, 1, H]
     on_final(row, kv, out) -> token?    the pass reached the final layer; a token replaces the model's (rollback)
     unchecked(row) -> bool              generation wants to stop: is there work a final pass must still check?
@@ -36,8 +38,7 @@ are validated against it without importing this module), subclass `KVPolicy`, im
 hook), state its behaviour in its class variables, and decorate it with `@register_policy`; the CLI, the manifest's
 list and bench take the names from `POLICIES`. What the runtime needs to know of a policy beyond its hooks it reads
 from the class, never from its name or its base class: `pending_states`, `checks_drafts`, `checks_at_final` (the
-runner), `bound_chain` (the one-row bound chain, checked against `eectl.contracts.plan.BOUND_POLICIES` when it
-registers) and `fragment` / `plan_fragment` (its part of the device binding plan, runtime/binding.py: a policy
+runner) and `fragment` / `plan_fragment` (its part of the device binding plan, runtime/binding.py: a policy
 without one runs on the host path only). The cost model (`eectl.plan.choose.predict`) prices a policy from its
 `POLICY_SPECS` entry (`later`, `checks_drafts`); the plan chooses among `eectl.contracts.plan.PLAN_POLICIES`.
 
@@ -51,7 +52,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from eectl.contracts import plan as plan_contract
 from eectl.contracts.names import POLICY_SPECS
 from eectl.errors import UsageError
 from eectl.runtime.blocks import active_block, run_block
@@ -105,9 +105,6 @@ class KVPolicy:
     # on_final checks the states that reach the final layer (verify's drafts): pending states stop riding along in a
     # batch before the final segment, so the final pass sees them (Runner._ride)
     checks_at_final: ClassVar[bool] = False
-    # one-row greedy exit steps may run on the bound chain (runtime/chain_steps.py): an exited token needs nothing but
-    # its state (the cost model prices them from eectl.contracts.plan.BOUND_POLICIES, checked at registration)
-    bound_chain: ClassVar[bool] = False
     # its part of the device binding plan (runtime/binding.py); None: no device-resident plan, the host path runs it
     fragment: ClassVar[PlanFragment | None] = None
 
@@ -140,6 +137,10 @@ class KVPolicy:
     ) -> Prediction | None:
         return None
 
+    def predicts(self) -> bool:
+        """Whether `predict` gives an exited token's prediction (then the exit's own is not asked for)."""
+        return False
+
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
         raise NotImplementedError
 
@@ -157,8 +158,6 @@ def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
     spec = POLICY_SPECS.get(cls.name)
     if spec is None or (spec.needs_river_copies, spec.checks_drafts) != (cls.needs_river_copies, cls.checks_drafts):
         raise TypeError(f"policy '{cls.name}' does not match its entry in eectl.contracts.names.POLICY_SPECS")
-    if cls.bound_chain != (cls.name in plan_contract.BOUND_POLICIES):  # the cost model prices the chain from it
-        raise TypeError(f"policy '{cls.name}': bound_chain does not match eectl.contracts.plan.BOUND_POLICIES")
     POLICIES[cls.name] = cls
     return cls
 
@@ -174,7 +173,6 @@ class Copy(KVPolicy):
     """The skipped segments' K/V-only graphs project the exit state into their caches (approximate K/V)."""
 
     name = "copy"
-    bound_chain = True
     fragment = PlanFragment(after_exit=("kv_segment", "block_kv"))
 
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
@@ -193,7 +191,6 @@ class Defer(KVPolicy):
     name = "defer"
     pending_states = True
     exact_states = True
-    bound_chain = True
     fragment = PlanFragment(pending=True)
 
     def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
@@ -301,6 +298,9 @@ class River(KVPolicy):
             return np.zeros(1, np.float32), token[:1]
         logits, _, _ = self.rt.exit_full(self.num_layers, h[0, -1:], self.cfg.top_k, river=True)
         return logits[0], None
+
+    def predicts(self) -> bool:
+        return self.cfg.river_predict == "end"
 
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
         pass  # predict() already wrote the token's K/V through the river
