@@ -1,7 +1,7 @@
 """Exits whose graphs do not decide the run's signal (the full-vocabulary softmax and margin, the cosines) run on the
 bound chain with the host deciding them (runtime/chain.py `step_exits`'s `host`, the runner's exit test): the same
 tokens, exit layers, drafts and KV cache as the general path, greedy and sampled, gated, every policy the chain
-takes; block exit heads stay on the general path."""
+takes, block exit heads included."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from eectl.exits.signals import get_signal
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.runner import Runner
+from tests.test_block_exits import block_artifacts  # noqa: F401 (the fixture)
 from tests.test_resident import _config, _prompts, _thresholds, runtimes  # noqa: F401 (the fixture)
 
 SIGNALS = ["full-prob", "full-margin", "cosine", "cosine-min"]
@@ -83,15 +84,32 @@ def test_sampled_and_gated_host_decisions_on_the_chain_equal_the_general_path(ru
         assert any(e < rt.manifest.num_layers for e in plain.exit_layers[1:]), (sampled, gated)
 
 
-def test_block_exit_heads_stay_on_the_general_path(tmp_path, tiny_dirs):
-    from eectl.export.exporter import ExportOptions, export_artifact
-    from eectl.models import load_model
-    from eectl.runtime.sessions import ArtifactRuntime
-    from tests.test_block_exits import EXITS, _block_heads
+@pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
+def test_block_exit_heads_on_the_chain_equal_the_general_path(block_artifacts, policy, monkeypatch):  # noqa: F811
+    """Block exit heads (runtime/blocks.py) run on the chain after their segment, wide where it runs wide, their own
+    K/V advancing with it: every step on the chain, the same tokens, exit layers, KV cache (the blocks' slots
+    included) and teacher-forced scores as the general path."""
+    from tests.test_block_exits import EXITS, _prompt, _runner, _thresholds
 
-    loaded = load_model(str(tiny_dirs["llama"]))
-    opts = ExportOptions(exits=EXITS, top_k=8, profile_costs=False)
-    export_artifact(loaded, tmp_path / "a", opts, heads=_block_heads(loaded.adapter))
-    rt = ArtifactRuntime(tmp_path / "a", provider="cpu")
-    assert not chain_exits_supported(rt, EXITS, get_signal("topk-prob"))
-    assert chain_exits_supported(rt, [], get_signal("topk-prob"))
+    loaded, heads, rt = block_artifacts["llama"]
+    prompt = _prompt(2, 9, loaded.adapter.dims.vocab_size)
+    thresholds = _thresholds(loaded.adapter, heads, prompt)
+    assert chain_exits_supported(rt, EXITS, get_signal("topk-prob")) and set(EXITS) <= set(rt.block_graphs)
+    runs = []
+    for bound in (True, False):
+        cfg = dataclasses.replace(_runner(rt, policy, thresholds).cfg, bound=bound)
+        got, kv, general, host = _generate(rt, cfg, [prompt], monkeypatch)
+        texts = [(prompt + got[0].token_ids, len(prompt))]
+        scored = Runner(rt, cfg).score_many(texts)[0] if policy != "verify" else None  # verify: full depth's
+        runs.append((got[0], kv, general, scored))
+    (gen, kv, general, scored), (plain, kv_plain, plain_steps, plain_scored) = runs
+    assert general == [] and plain_steps  # the chain took every step of the first run, the general path the second's
+    assert gen.token_ids == plain.token_ids and gen.exit_layers == plain.exit_layers
+    assert len(set(plain.exit_layers[1:])) >= 2 or plain.drafted, plain.exit_layers
+    assert (kv.filled == kv_plain.filled).all()
+    for mine, other in zip(kv.batch_keys + kv.batch_values, kv_plain.batch_keys + kv_plain.batch_values, strict=True):
+        n = int(kv.filled[0].min())
+        assert (mine[:, :, :n] == other[:, :, :n]).all()
+    if scored is not None and plain_scored is not None:
+        assert scored.layers == plain_scored.layers and scored.greedy == plain_scored.greedy
+        np.testing.assert_allclose(scored.nll, plain_scored.nll, rtol=1e-5, atol=1e-5)

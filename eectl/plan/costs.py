@@ -353,8 +353,8 @@ def _bound_exit_calls(
 
     def decision(chain: DecodeChain, layer: int) -> Callable[[], object]:
         s = rt.segment_of_layer[layer]
-        if isinstance(chain.hops[s + 1], np.ndarray):  # the exit reads its segment's output buffer
-            chain.hops[s + 1][...] = h1
+        if isinstance(chain.exit_input(s), np.ndarray):  # the exit reads its segment's (or block head's) output
+            chain.exit_input(s)[...] = h1
         ex = chain.exits[s]
 
         def call(chain: DecodeChain = chain) -> object:  # the chain owns the buffers bound: it must stay alive

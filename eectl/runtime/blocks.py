@@ -15,6 +15,7 @@ under every policy because each one moves the block with its segment:
 
 Batched rows (runtime/batch.py) with one new position each run their blocks in one call, as their segment did
 (`run_block_rows`: per-row lengths, idle rows writing their scratch slot); rows with several positions run alone.
+The bound chain (runtime/chain.py) binds a block after its segment's call, one position or wide, the same way.
 
 What this module does not do: decide exits (runner.py) or build the graphs (export/block.py).
 """

@@ -40,9 +40,12 @@ candidates and their logits, and the runner's sampler picks (`pick`), as the gen
 CPU) is a step whose positions before the last wait at segment 0 as embeddings, as drafts do; its wide calls are
 bound for that step only (`step_exits(..., prompt=True)`).
 
-What it does not do: prompts padded into one call for a batch, exits in a batch of rows, block exit heads, exit steps
-on a device (pending states are host arrays): the runner's general path (`Runner._steps`) does, and writes the same
-cache this chain continues.
+A block exit head (runtime/blocks.py) runs after its segment on the segment's output (wide where the segment ran
+wide: its own K/V advance with the segment's last layer's), and its output is what the exit reads (`exit_input`).
+
+What it does not do: prompts padded into one call for a batch, exits in a batch of rows, exit steps on a device
+(pending states are host arrays): the runner's general path (`Runner._steps`) does, and writes the same cache this
+chain continues.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from eectl.exits.gates import gate_open
 from eectl.exits.signals import Signal
 from eectl.runtime.batch import _past
 from eectl.runtime.certified_head import CertifiedHead
-from eectl.runtime.chain_parts import BoundExit, ExitStep, HostDecide, Pick, WideCall
+from eectl.runtime.chain_parts import BlockCall, BoundExit, ExitStep, HostDecide, Pick, WideCall
 from eectl.runtime.graph_decide import decides_in_graph, declared, picker_graph, thresholds_input
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.ort import Graph, _ort, buffer_shape
@@ -66,14 +69,10 @@ from eectl.runtime.sessions import ArtifactRuntime
 
 
 def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal) -> bool:
-    """Whether `step_exits` can run these active exits: no block exit head among them, and a signal the exit graphs
-    decide (runtime/graph_decide.py) or the host decides on the states the chain's calls output (the cosine over a
-    segment's block boundaries where its graph outputs them)."""
-    if not exits:
-        return True
-    if any(e in rt.block_graphs for e in exits):
-        return False
-    if decides_in_graph(rt, exits, signal):
+    """Whether `step_exits` can run these active exits: a signal the exit graphs decide (runtime/graph_decide.py) or
+    the host decides on the states the chain's calls output (the cosine over a segment's block boundaries where its
+    graph outputs them)."""
+    if not exits or decides_in_graph(rt, exits, signal):
         return True
     segments = {rt.segment_of_layer[e] for e in exits}
     return not signal.needs_blocks or all("layer_states" in rt.segments[s].io.outputs for s in segments)
@@ -126,7 +125,7 @@ class DecodeChain:
         rt._bind_array(io, rt.embedding.name("hidden"), hops[0], output=True)
         layers = sorted(exits or {})
         self.exit_at = {rt.segment_of_layer[e]: e for e in layers}  # segment -> the active exit after it
-        # segments whose exit reads their block boundaries (cosine-min, decided on the host): bound as an output
+        # segments whose exit reads their block boundaries (cosine-min, on the host): an output bound
         self._wants_blocks = set(self.exit_at) if signal is not None and signal.needs_blocks else set()
         # per segment: its last layer's input [n, 1, H] (the cosine's), its block boundaries [1, n + 1, H] or None
         self.layer_in: list[tuple[Any, Any]] = []
@@ -134,9 +133,9 @@ class DecodeChain:
         for s in range(len(m.segments)):
             io = self._bind(rt.segments[s])
             self.layer_in.append(self._bind_segment(io, s, hops[s], hops[s + 1], self.seqlens_k, self.total))
-        self.segment_calls = self.calls[1:]  # (session, io) of segment s at index s
+        self.segment_calls, self.hops = self.calls[1:], hops  # (session, io) of segment s at index s; its buffers
         self.wide: dict[tuple[int, int], WideCall] = {}  # (segment, positions) -> its wide call, bound on first use
-        self.hops = hops
+        self.blocks = self._bind_blocks(hops)  # segment -> its active exit's block head (runtime/blocks.py)
         self.in_graph = bool(layers) and signal is not None and decides_in_graph(rt, layers, signal)  # else: the host
         self.exits: dict[int, BoundExit] = {}  # segment -> the active exit after it (later ones on the first's picks)
         # exit layer -> the candidates [1, K] it picked and their exact LM-head rows [1, K, H] (None where its graph
@@ -190,6 +189,25 @@ class DecodeChain:
         rt._bind_array(io, g.name("layer_states"), blocks, output=True)
         return layer_in, blocks
 
+    def _bind_blocks(self, hops: list[Any]) -> dict[int, BlockCall]:
+        """The block exit head of each active exit that has one, bound after its segment: its input the segment's
+        output (`hops[s + 1]`), its own K/V slot (as long as its segment's last layer, so the segment's length
+        scalars), its output what the exit reads (`exit_input`)."""
+        H, dtype = self.rt.manifest.dims["hidden_size"], self.rt.np_dtype
+        out = {}
+        for s, layer in self.exit_at.items():
+            if layer in self.rt.block_graphs:
+                x, o = hops[s + 1], self._buffer((self.rows, 1, H), dtype)
+                out[s] = self._bind_block(layer, x, o, self.seqlens_k, self.total)
+        return out
+
+    def _bind_block(self, layer: int, x: Any, out: Any, seqlens_k: np.ndarray, total: np.ndarray) -> BlockCall:
+        return BlockCall.bind(self.rt, self.kv, (self.row, self.row + self.rows), layer, x, out, (seqlens_k, total))
+
+    def exit_input(self, s: int) -> Any:
+        """The buffer [1, 1, H] the exit after segment s reads: its block head's output, else the segment's."""
+        return self.blocks[s].out if s in self.blocks else self.hops[s + 1]
+
     def _wide(self, s: int, n: int, keep: bool = True) -> WideCall:
         """Segment s bound for n positions (host buffers), on first use; `keep` False: for this call only, its
         buffers held by the returned call alone (a prompt's width: prompts come in any length, and a chain stepping
@@ -204,7 +222,11 @@ class DecodeChain:
             g = self.rt.segments[s]
             io = g.session.io_binding()
             layer_in, blocks = self._bind_segment(io, s, x, out, seqlens_k, total)
-            bound = WideCall(g.session, io, x, out, seqlens_k, total, layer_in, blocks, held=self._keep)
+            block = None
+            if s in self.blocks:  # its block head over the same positions
+                layer = self.exit_at[s]
+                block = self._bind_block(layer, out, self._host(np.zeros((1, n, H), dtype)), seqlens_k, total)
+            bound = WideCall(g.session, io, x, out, seqlens_k, total, layer_in, blocks, block, held=self._keep)
         finally:
             self._keep = kept
         if keep:
@@ -226,11 +248,11 @@ class DecodeChain:
         """Bind the decision at `layer`: with no `picker`, it picks candidates (the artifact's candidate graph, or
         the full graph's Top-K); else it scores the candidates exit `picker` picked (the local graph); both decide
         in the graph."""
-        rt, H, dtype, hops = self.rt, self.rt.manifest.dims["hidden_size"], self.rt.np_dtype, self.hops
+        rt, H, dtype = self.rt, self.rt.manifest.dims["hidden_size"], self.rt.np_dtype
         first = picker is None
         g, kind = picker_graph(rt, layer) if first else (rt.local_graphs[layer], "exit_local")  # kind: the plan's name
         io = g.session.io_binding()  # not in self.calls: an exit runs only when the step asks for it
-        rt._bind_array(io, g.name("hidden"), self._view(hops[rt.segment_of_layer[layer] + 1], (1, H), dtype))
+        rt._bind_array(io, g.name("hidden"), self._view(self.exit_input(rt.segment_of_layer[layer]), (1, H), dtype))
         rt._bind_array(io, g.name("thresholds"), self._host(thresholds_input(g, signal, thresholds)))
         ids, ids_from = None, None
         if picker is None:
@@ -374,6 +396,8 @@ class DecodeChain:
             session, io = self.segment_calls[s]
             session.run_with_iobinding(io)
             self._layer_in = self.layer_in[s]
+            if s in self.blocks:
+                self.blocks[s].session.run_with_iobinding(self.blocks[s].io)
         else:
             wide = self._wide(s, n, keep)
             np.concatenate(parts, axis=1, out=wide.x)
@@ -381,7 +405,12 @@ class DecodeChain:
             wide.session.run_with_iobinding(wide.io)
             flow, self._layer_in = wide.out, (wide.layer_in, wide.blocks)
             self.hops[s + 1][...] = flow[:, -1:]  # the token's state, where the exit and the next call read it
+            if wide.block is not None:  # the block head over every position; the token's where the exit reads
+                wide.block.session.run_with_iobinding(wide.block.io)
+                self.blocks[s].out[...] = wide.block.out[:, -1:]
         kv.advance(row, lo, hi, n)
+        if s in self.blocks:
+            kv.advance(row, self.blocks[s].slot, self.blocks[s].slot + 1, n)
         return flow
 
     def step_exits(
@@ -433,7 +462,7 @@ class DecodeChain:
             t0 = time.perf_counter()
             if s in self.gates:  # gated: the decision runs only when the gate opens; the first to run picks
                 place.read(("gate", layer, "hidden"))  # as runtime/decide.py records it
-                if not gate_open(self.gates[s], self.hops[s + 1]):
+                if not gate_open(self.gates[s], self.exit_input(s)):
                     decide += time.perf_counter() - t0
                     continue
             exiting: int | None = None
@@ -447,13 +476,14 @@ class DecodeChain:
                 layer_in, blocks = self._layer_in
                 if blocks is not None:  # [1, (layers + 1) * P, H]: each boundary's last position, [layers + 1, H]
                     blocks = blocks.reshape(-1, layer_in.shape[1], blocks.shape[-1])[:, -1]
-                exiting, cands = host(layer, self.hops[s + 1][0, -1], layer_in[0, -1], blocks, cands)
+                exiting, cands = host(layer, self.exit_input(s)[0, -1], layer_in[0, -1], blocks, cands)
             decide += time.perf_counter() - t0
             decided.append(layer)
             picker = layer if picker is None else picker
             if exiting is not None:
                 state = (self.hops[s + 1] if flow is None else flow).copy()
-                return ExitStep(exiting, layer, s, state, decide, flushed, decided, picker)
+                at = self.blocks[s].out[0, -1:].copy() if s in self.blocks else None  # what the exit read
+                return ExitStep(exiting, layer, s, state, decide, flushed, decided, picker, at)
         final = None if flow is None else flow.copy()
         L = rt.manifest.num_layers
         if final is not None and not head:

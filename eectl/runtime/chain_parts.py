@@ -78,6 +78,33 @@ class ExitStep:
     flushed: list[int] = field(default_factory=list)
     decided: list[int] = field(default_factory=list)  # the exits whose decision ran (gates skip some)
     picked: int | None = None  # the exit whose decision picked the candidates
+    exit_input: np.ndarray | None = None  # [1, H]: what the exit read where not the state's last position (a block's)
+
+
+@dataclass
+class BlockCall:
+    """A block exit head bound after its segment (runtime/blocks.py): run `io`, its K/V at `slot` advance as the
+    segment's last layer's; its output `out` [1, n, H] is what the exit reads."""
+
+    session: Any
+    io: Any
+    slot: int
+    out: Any
+
+    @classmethod
+    def bind(cls, rt: Any, kv: Any, rows: tuple[int, int], layer: int, x: Any, out: Any, lengths: Any) -> BlockCall:
+        """Exit `layer`'s block head on rows [first, last) of `kv` (an ArtifactRuntime's KVBuffers: this module
+        sits below the runtime), input x, output out, the length scalars (seqlens_k, total) its segment's."""
+        g = rt.block_graphs[layer][0]
+        block = rt.manifest.exit_at(layer).block
+        assert block is not None
+        io = g.session.io_binding()
+        rt.bind_kv(io, g, kv, [block.kv_slot], *rows)
+        rt._bind_array(io, g.name("seqlens_k"), lengths[0])
+        rt._bind_array(io, g.name("total_sequence_length"), lengths[1])
+        rt._bind_array(io, g.name("hidden"), x)
+        rt._bind_array(io, g.name("hidden_out"), out, output=True)
+        return cls(g.session, io, block.kv_slot, out)
 
 
 @dataclass
@@ -92,4 +119,5 @@ class WideCall:
     total: np.ndarray
     layer_in: np.ndarray  # [1, n, H]: each position's input to the segment's last layer
     blocks: np.ndarray | None  # [1, (layers + 1) * n, H]: its block boundaries, where the exit after it reads them
+    block: BlockCall | None  # the block exit head after it, over the same positions
     held: list[Any] = field(default_factory=list)  # every buffer its binding reads by address

@@ -127,10 +127,8 @@ def chain_step(
         token = done.token
         if st.forced is not None:  # scored on that, else on the exit's full vocabulary
             if own is None:
-                own = (
-                    runner.rt.exit_full(done.layer, done.state[0, -1:], runner.cfg.top_k, place=runner.place)[0][0],
-                    None,
-                )
+                at = done.state[0, -1:] if done.exit_input is None else done.exit_input  # a block head's output
+                own = (runner.rt.exit_full(done.layer, at, runner.cfg.top_k, place=runner.place)[0][0], None)
             token = runner._forced(st, own[0])
         elif own is not None:
             token = runner._pick(*own)
