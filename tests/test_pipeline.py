@@ -178,3 +178,31 @@ def test_stage_requests_default_as_the_commands_do():
                 assert cli == own, f"{command.__name__} --{name.replace('_', '-')}: {cli!r} != {kind.__name__} {own!r}"
                 compared += 1
     assert compared >= 30
+
+
+def test_another_checkpoint_gets_exits_for_its_own_depth(tiny_dirs, tmp_path):
+    """`--model` points a recipe at another checkpoint: the recipe's exits are kept where they fit its layers, else
+    the default exits for its depth (the default recipe's [8, 12, 16, 20, 24] are for a 30-layer model; the tiny
+    models have 6), and the recipe's family is no longer checked; the model's layer count is read from its config
+    alone (a folder's config.json, a GGUF's metadata)."""
+    from pathlib import Path
+
+    from eectl.contracts.recipe import load_recipe
+    from eectl.models.loading import layer_count
+    from eectl.pipeline.steps import with_changes
+
+    assert layer_count(str(tiny_dirs["qwen3"])) == 6 and layer_count(None) == 30  # the default model's GGUF
+    assert layer_count(str(tmp_path / "missing")) is None
+    default = Path("recipes/smollm2-135m-instruct.yaml")
+    assert load_recipe(default).exits == [8, 12, 16, 20, 24] and load_recipe(default).family == "llama"
+    with with_changes(default, str(tiny_dirs["qwen3"]), None) as copy:
+        r = load_recipe(copy)
+        assert r.model == str(tiny_dirs["qwen3"]) and r.exits is None and r.family is None
+    own = tmp_path / "own.yaml"
+    own.write_text(default.read_text().replace("exits: [8, 12, 16, 20, 24]", "exits: [2, 4]"))
+    with with_changes(own, str(tiny_dirs["qwen3"]), None) as copy:
+        assert load_recipe(copy).exits == [2, 4]  # they fit: kept
+    res = CliRunner().invoke(
+        app, ["pipeline", "--recipe", str(default), "--model", str(tiny_dirs["qwen3"]), "--dry-run"]
+    )
+    assert res.exit_code == 0, res.output

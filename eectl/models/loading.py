@@ -111,6 +111,35 @@ def resolve_source(spec: str | None) -> ModelSource:
     return ModelSource(_short_name(spec.split("/")[-1]), "hub", spec, None, [])
 
 
+def layer_count(spec: str | None) -> int | None:
+    """The decoder layer count of a model as `resolve_source` finds it, read from its config alone (a folder's
+    config.json, a GGUF file's metadata, a hub id's config where the hub is reachable); None where it cannot be
+    read so (the model's loading then says why)."""
+    import json
+
+    try:
+        source = resolve_source(spec)
+        if source.kind in ("default", "gguf"):
+            from gguf import GGUFReader
+
+            fields = GGUFReader(str(source.path)).fields
+            arch = bytes(fields["general.architecture"].parts[-1]).decode()
+            return int(fields[f"{arch}.block_count"].parts[-1][0])
+        if source.kind == "hf-folder":
+            assert source.path is not None
+            config = json.loads((source.path / "config.json").read_text(encoding="utf-8"))
+        else:
+            from transformers import AutoConfig
+
+            with _quiet_transformers():
+                config = AutoConfig.from_pretrained(source.spec).to_dict()
+        config = config.get("text_config") or config
+        layers = config.get("num_hidden_layers")
+        return layers if isinstance(layers, int) else None
+    except Exception:  # unreadable here: the stage that loads the model reports it
+        return None
+
+
 def load_tokenizer_folder(folder: Path, name: str) -> Any:
     """The tokenizer saved in `folder` (an artifact's tokenizer/, named `name` in errors); a damaged one is one
     ArtifactError line."""

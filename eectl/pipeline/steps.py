@@ -65,14 +65,16 @@ def plan(recipe: Recipe, folder: Path = Path("artifacts")) -> Plan:
 
 @contextmanager
 def with_changes(recipe: Path, model: str | None, data: str | None, weights: str | None = None) -> Iterator[Path]:
-    """A copy of the recipe (in a temporary folder, same file name) whose model is `model`, whose data source is
-    `data` and whose weights are `weights` (None: the recipe's): every stage reads it. The folder is removed when
+    """A copy of the recipe (in a temporary folder, same file name) whose model is `model` (its exits the
+    default exits for that model's depth where the recipe's do not fit it, its family unchecked: both were the
+    recipe's model's), whose data source is `data` and whose weights are `weights` (None: the recipe's): every stage
+    reads it. The folder is removed when
     the block ends, however it ends. The copy writes the recipe as read, its budget's sizes included."""
     import yaml
 
     r = load_recipe(recipe)
     if model is not None:
-        r = r.model_copy(update={"model": model})
+        r = r.model_copy(update={"model": model, "exits": _exits_for(r.exits, model), "family": None})
     if weights is not None:
         from eectl.contracts.budgets import states_folder
 
@@ -93,6 +95,19 @@ def with_changes(recipe: Path, model: str | None, data: str | None, weights: str
         path = Path(folder) / recipe.name
         path.write_text(yaml.safe_dump(r.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
         yield path
+
+
+def _exits_for(exits: list[int] | None, model: str) -> list[int] | None:
+    """A recipe's exits on another checkpoint (`--model`): kept where they fit its layers, else None (the default
+    exits for its depth, contracts/layers.py `default_exits`): a recipe's exits are for its own model's depth."""
+    from eectl.models.loading import layer_count
+
+    if not exits:
+        return exits
+    layers = layer_count(model)
+    if layers is None or all(1 <= e < layers for e in exits):
+        return exits
+    return None
 
 
 @dataclass
