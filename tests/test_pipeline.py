@@ -183,8 +183,8 @@ def test_stage_requests_default_as_the_commands_do():
 def test_another_checkpoint_gets_exits_for_its_own_depth(tiny_dirs, tmp_path):
     """`--model` points a recipe at another checkpoint: the recipe's exits are kept where they fit its layers, else
     the default exits for its depth (the default recipe's [8, 12, 16, 20, 24] are for a 30-layer model; the tiny
-    models have 6), and the recipe's family is no longer checked; the model's layer count is read from its config
-    alone (a folder's config.json, a GGUF's metadata)."""
+    models have 6), the recipe's family is no longer checked, and the default state cache folder is the model's own;
+    the model's layer count is read from its config alone (a folder's config.json, a GGUF's metadata)."""
     from pathlib import Path
 
     from eectl.contracts.recipe import load_recipe
@@ -198,6 +198,12 @@ def test_another_checkpoint_gets_exits_for_its_own_depth(tiny_dirs, tmp_path):
     with with_changes(default, str(tiny_dirs["qwen3"]), None) as copy:
         r = load_recipe(copy)
         assert r.model == str(tiny_dirs["qwen3"]) and r.exits is None and r.family is None
+        # its state cache its own, not the recipe's model's (a cache refuses another model's states)
+        assert r.heads.cache is not None and r.heads.cache.startswith("artifacts/qwen3-states-")
+    with with_changes(default, None, str(GSM8K), "int4") as copy:
+        r = load_recipe(copy)
+        assert r.heads.cache is not None and r.heads.cache.startswith("artifacts/smollm2-135m-instruct-states-train-")
+        assert "-int4-twin" in r.heads.cache  # the twin's own
     own = tmp_path / "own.yaml"
     own.write_text(default.read_text().replace("exits: [8, 12, 16, 20, 24]", "exits: [2, 4]"))
     with with_changes(own, str(tiny_dirs["qwen3"]), None) as copy:

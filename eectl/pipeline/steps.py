@@ -65,32 +65,33 @@ def plan(recipe: Recipe, folder: Path = Path("artifacts")) -> Plan:
 
 @contextmanager
 def with_changes(recipe: Path, model: str | None, data: str | None, weights: str | None = None) -> Iterator[Path]:
-    """A copy of the recipe (in a temporary folder, same file name) whose model is `model` (its exits the
-    default exits for that model's depth where the recipe's do not fit it, its family unchecked: both were the
-    recipe's model's), whose data source is `data` and whose weights are `weights` (None: the recipe's): every stage
-    reads it. The folder is removed when
-    the block ends, however it ends. The copy writes the recipe as read, its budget's sizes included."""
+    """A copy of the recipe (in a temporary folder, same file name) whose model is `model` (its exits the default
+    exits for that model's depth where the recipe's do not fit it, its family unchecked: both were the recipe's
+    model's), whose data source is `data` and whose weights are `weights` (None: the recipe's): every stage reads it.
+    A state cache in the budget's default folder moves to the new model's, data's or weights' own (a cache refuses
+    what it was not built from). The folder is removed when the block ends, however it ends. The copy writes the
+    recipe as read, its budget's sizes included."""
     import yaml
 
+    from eectl.contracts.budgets import states_folder
+
     r = load_recipe(recipe)
+    default_cache = r.heads.cache == states_folder(r.name, r.data.source, r.weights)
+    owner = r.name  # whose state cache: the recipe's model's, or another checkpoint's
     if model is not None:
+        from eectl.models import resolve_source
+
+        owner = resolve_source(model).name
         r = r.model_copy(update={"model": model, "exits": _exits_for(r.exits, model), "family": None})
     if weights is not None:
-        from eectl.contracts.budgets import states_folder
-
         if weights not in ("fp32", "int4"):
             raise UsageError(f"--weights must be fp32 or int4, got '{weights}'")
-        heads = r.heads
-        if heads.cache == states_folder(r.name, r.data.source, r.weights):  # the budget's default: the twin's own
-            heads = heads.model_copy(update={"cache": states_folder(r.name, r.data.source, weights)})
-        r = r.model_copy(update={"weights": weights, "heads": heads})
+        r = r.model_copy(update={"weights": weights})
     if data is not None:
-        from eectl.contracts.budgets import states_folder
-
-        heads = r.heads
-        if heads.cache == states_folder(r.name, r.data.source, r.weights):  # the budget's default: the new data's own
-            heads = heads.model_copy(update={"cache": states_folder(r.name, data, r.weights)})
-        r = r.model_copy(update={"data": r.data.model_copy(update={"source": data, "field": None}), "heads": heads})
+        r = r.model_copy(update={"data": r.data.model_copy(update={"source": data, "field": None})})
+    if default_cache:
+        heads = r.heads.model_copy(update={"cache": states_folder(owner, r.data.source, r.weights)})
+        r = r.model_copy(update={"heads": heads})
     with tempfile.TemporaryDirectory(prefix="eectl-recipe-") as folder:
         path = Path(folder) / recipe.name
         path.write_text(yaml.safe_dump(r.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
