@@ -483,3 +483,72 @@ def test_a_data_error_is_named_before_the_sample_size(tiny_dirs, tmp_path, monke
         )
         _one_line(res, 4, *words)
     assert not (tmp_path / "c.json").exists()
+
+
+# --- 17. thresholds where no exit runs: --policy lookup/full, --exits none, bench and eval without an exit config --
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (
+            ["--policy", "lookup", "--thresholds", "3:0.9"],
+            "error: --policy lookup runs at full depth: drop --thresholds (--policy verify --prompt-drafts N drafts "
+            "from both)",
+        ),
+        (["--policy", "full", "--thresholds", "0.9"], "error: --policy full runs at full depth: drop --thresholds"),
+        (["--policy", "full", "--exits", "3"], "error: --policy full runs at full depth: drop --exits"),
+        (
+            ["--exits", "none", "--thresholds", "0.9"],
+            "error: --thresholds '0.9' sets the active exits' thresholds, but no exit is active (full depth) (drop "
+            "--thresholds, or name exits with --exits)",
+        ),
+    ],
+)
+def test_thresholds_where_no_exit_runs_are_refused_by_run(artifact, monkeypatch, args, line):
+    """`--policy lookup --thresholds 12:0.9` ran full depth with drafts from the context and dropped the thresholds,
+    silently; so did `--exits none --thresholds 0.9`. Refused before the artifact loads."""
+
+    def no_load(*a, **k):
+        raise AssertionError("the artifact was loaded before the options were checked")
+
+    monkeypatch.setattr("eectl.run.generate.ArtifactRuntime", no_load)
+    res = runner.invoke(app, ["run", str(artifact), "hi", "--raw", "-n", "2", *args])
+    _one_line(res, 2)
+    assert res.stderr.splitlines()[-1] == line
+
+
+def test_policy_full_runs_full_depth_without_a_plan(artifact):
+    """`--policy full` on an artifact without a plan (or with --exits none) failed in the runtime with "--policy must
+    be one of copy, defer, verify, river, got 'full'", though run's own check lists full."""
+    for extra in ([], ["--exits", "none"]):
+        res = runner.invoke(app, ["run", str(artifact), "hi", "--raw", "-n", "2", "--policy", "full", "--json", *extra])
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        assert doc["exits"] == [] and doc["thresholds"] == {}
+        assert doc["results"][0]["mean_executed_layers"] == 6.0  # the tiny Llama's every layer
+
+
+def test_bench_and_eval_refuse_exit_options_no_configuration_takes(artifact, monkeypatch):
+    """bench --policies lookup and eval --configs full,lookup run no exit: their --thresholds and --exits were
+    dropped, silently. Refused before anything runs (eval: before full depth's minutes)."""
+
+    def no_load(*a, **k):
+        raise AssertionError("a configuration was built before the options were checked")
+
+    monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
+    monkeypatch.setattr("eectl.evaluate.lmeval._model", no_load)
+    for args in (
+        ["bench", str(artifact), "--data", str(GSM8K), "--policies", "full,lookup", "--thresholds", "3:0.9"],
+        ["bench", str(artifact), "--data", str(GSM8K), "--policies", "hf,full", "--exits", "3"],
+        ["eval", str(artifact), "--gsm8k", str(GSM8K), "--configs", "full,lookup", "--thresholds", "0.9"],
+        ["eval", str(artifact), "--gsm8k", str(GSM8K), "--configs", "full", "--exits", "3"],
+    ):
+        res = runner.invoke(app, args)
+        _one_line(res, 2)
+        given = "--thresholds" if "--thresholds" in args else "--exits"
+        listed = "--policies" if args[0] == "bench" else "--configs"
+        names = args[args.index(listed) + 1].replace(",", ", ")  # bench adds exact-head after them
+        last = res.stderr.splitlines()[-1]
+        assert last.startswith(f"error: {given} sets the early-exit configurations, but none of {names}"), last
+        assert f"runs an exit (add one to {listed}: copy, defer, verify" in last and f"or drop {given})" in last

@@ -47,6 +47,7 @@ from eectl.evaluate.results import (
     EXACT_HEAD,
     LOOKUP,
     LOOKUP_CONFIGS,
+    VERIFY_LOOKUP,
     BenchOptions,
     BenchResult,
     ConfigResult,
@@ -70,6 +71,7 @@ from eectl.evaluate.stats import (
 from eectl.evaluate.timing import _aa_interval, _gate_reps, _gated, _Run, _Timing
 from eectl.phases import Phases
 from eectl.run.generate import RunOptions, check_options, choose_plan, load_tokenizer
+from eectl.run.thresholds import check_exit_options_used
 from eectl.runtime.policies import POLICIES
 from eectl.runtime.sessions import ArtifactRuntime
 
@@ -380,6 +382,8 @@ def _check_options(opts: BenchOptions, prompts: list[str]) -> None:
     shared = RunOptions(exits=opts.exits, signal=opts.signal, thresholds=opts.thresholds, provider=opts.provider)
     shared.prompt_drafts = opts.prompt_drafts
     check_options(shared)
+    early = (*POLICIES, RIVER_EXIT, VERIFY_LOOKUP)
+    check_exit_options_used(opts.exits, opts.thresholds, "--policies", opts.configs, early)
 
 
 def _certificate_check(cert: Any, runs: dict[str, Any], tok: Any, answers: Any, generated: int) -> str:

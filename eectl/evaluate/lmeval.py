@@ -195,12 +195,21 @@ def _check_eval_options(opts: EvalOptions) -> None:
     for its tasks, and --allow-code-execution for HumanEval (UsageError, one line)."""
     from eectl.contracts.plan import LOOKUP
     from eectl.data import read_gsm8k
+    from eectl.run.generate import RunOptions, check_options
+    from eectl.run.thresholds import check_exit_options_used
     from eectl.runtime.policies import POLICIES
 
     known = ("full", "hf", *POLICIES, LOOKUP)
     bad = [c for c in opts.configs if c not in known]
     if bad:
         raise UsageError(f"unknown configuration '{bad[0]}'; choose from {', '.join(known)}")
+    # the early-exit configurations' options, before full depth runs for minutes ahead of them
+    check_options(
+        RunOptions(
+            exits=opts.exits, thresholds=opts.thresholds, threshold_scale=opts.threshold_scale, signal=opts.signal
+        )
+    )
+    check_exit_options_used(opts.exits, opts.thresholds, "--configs", opts.configs, tuple(POLICIES))
     unknown = [t for t in opts.tasks if t not in TASKS]
     if unknown:
         raise UsageError(f"unknown task '{unknown[0]}'; the offline tasks are {', '.join(TASKS)}")

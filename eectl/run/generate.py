@@ -25,6 +25,7 @@ from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
 from eectl.files import confined, existing_file, read_utf8, text_lines
 from eectl.parsing import parse_json
+from eectl.run.thresholds import no_exit_active, parse_thresholds, threshold_syntax
 from eectl.run.wide import inexact_here, wide_warning
 from eectl.runtime.ort import PROVIDERS
 from eectl.runtime.runner import Runner
@@ -113,10 +114,18 @@ def check_options(opts: RunOptions) -> None:
         raise UsageError(f"--policy must be one of {', '.join(known)}, got '{opts.policy}'")
     if opts.river_predict not in ("end", "exit"):
         raise UsageError(f"--river-predict must be end or exit, got '{opts.river_predict}'")
-    check_exit_layers(parse_layers(opts.exits) or [], None)  # distinct, as export and calibrate want them
+    layers = parse_layers(opts.exits)
+    check_exit_layers(layers or [], None)  # distinct, as export and calibrate want them
     opts.weights.check()
     if opts.thresholds is not None:
-        _threshold_syntax(opts.thresholds)
+        threshold_syntax(opts.thresholds)
+    if opts.policy in ("full", LOOKUP):  # no exit runs: --exits and --thresholds would be dropped, silently
+        hint = "--policy verify --prompt-drafts N drafts from both" if opts.policy == LOOKUP else None
+        for flag, given in (("--exits", bool(layers)), ("--thresholds", opts.thresholds is not None)):
+            if given:
+                raise UsageError(f"--policy {opts.policy} runs at full depth: drop {flag}", hint=hint)
+    if layers == [] and opts.thresholds is not None:  # --exits none
+        no_exit_active(opts.thresholds)
     if opts.max_risk is not None and not 0 <= opts.max_risk < 1:
         raise UsageError(f"--max-risk must be in [0, 1), got {opts.max_risk}")
     if opts.top_k is not None and opts.top_k < 2:
@@ -144,6 +153,7 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
 
 
 def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -> RunConfig:
+    check_options(opts)  # bench resolves its configurations here, without open_runner
     m = rt.manifest
     cal = m.calibration
     calibrated = cal.thresholds_by_layer() if cal is not None else {}
@@ -163,6 +173,8 @@ def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -
         # default model's lookup ran 0.54x full depth at 16 rows); full depth batches on the bound chain
         note = f"plan: {batched} (--policy NAME runs one anyway)"
         return _config(rt, opts, stop_ids, signal.name, "defer", [], {}, note, planned=True)
+    if opts.policy == "full":
+        return _full_depth(rt, opts, stop_ids, signal.name)
     if opts.policy == CERTIFIED or (follow and opts.policy is None and plan is not None and plan.default == CERTIFIED):
         return _certified(rt, opts, stop_ids)
     if opts.policy == LOOKUP or (follow and opts.policy is None and plan is not None and plan.default == LOOKUP):
@@ -178,7 +190,7 @@ def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -
     exits = sorted(set(exits))
     thresholds: dict[int, dict[str, float]] = {}
     if opts.thresholds is not None:
-        thresholds = _parse_thresholds(opts.thresholds, exits, signal.criteria)
+        thresholds = parse_thresholds(opts.thresholds, exits, signal.criteria)
     elif exits:
         if cal is None or signal.name != cal.signal or not all(e in calibrated for e in exits):
             raise UsageError(
@@ -205,7 +217,7 @@ def _from_plan(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...],
     plan = rt.manifest.plan
     assert plan is not None
     policy = opts.policy or plan.default
-    if policy == "full":
+    if policy == "full":  # the plan's default: nothing pays
         return _config(rt, opts, stop_ids, signal, "defer", [], {}, plan.summary(), planned=True)
     choice = plan.choices.get(policy)
     if choice is None:
@@ -255,11 +267,6 @@ def _lookup(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], si
     drafts = opts.prompt_drafts if opts.prompt_drafts is not None else (measured.drafts if measured else DEFAULT_DRAFTS)
     if drafts < 1:
         raise UsageError("--policy lookup drafts from the context: --prompt-drafts must be >= 1 with it")
-    if opts.exits not in (None, "none"):
-        raise UsageError(
-            "--policy lookup runs at full depth: drop --exits",
-            hint="--policy verify --prompt-drafts N drafts from both",
-        )
     if plan is not None and measured is not None:
         note = plan.summary() if plan.default == LOOKUP else f"plan: lookup predicted {measured.prediction.describe()}"
     else:
@@ -267,6 +274,13 @@ def _lookup(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], si
     shortest = opts.draft_min if opts.draft_min is not None else (measured.min_draft if measured else 1)
     chosen = replace(opts, prompt_drafts=drafts, policy="verify", draft_min=shortest)
     return _config(rt, chosen, stop_ids, signal, "verify", [], {}, note, planned=measured is not None)
+
+
+def _full_depth(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], signal: str) -> RunConfig:
+    """--policy full: full depth, no exit active (the plan's summary as the note, where there is a plan)."""
+    plan = rt.manifest.plan
+    note = plan.summary() if plan is not None else ""
+    return _config(rt, opts, stop_ids, signal, "defer", [], {}, note, planned=plan is not None)
 
 
 def _config(
@@ -312,59 +326,6 @@ def _config(
         planned=planned,
         certified_head=not opts.exact_head,
     )
-
-
-def _threshold_syntax(text: str) -> None:
-    """--thresholds' form alone (before an artifact says which exits and criteria): numbers, `layer:`, `/`, `,`."""
-    try:
-        numbers = []
-        for part in text.split(","):
-            layer, _, values = part.rpartition(":")
-            if layer:
-                int(layer)
-            numbers += [float(v) for v in values.split("/")]
-    except ValueError:
-        raise UsageError(f"--thresholds: cannot parse '{text}' (e.g. 0.9, or 12:0.9,20:0.8)") from None
-    if not all(map(math.isfinite, numbers)):
-        raise UsageError(f"--thresholds must be finite numbers, got '{text}'")
-
-
-def _parse_thresholds(text: str, exits: list[int], criteria: tuple[str, ...]) -> dict[int, dict[str, float]]:
-    """'0.9' (every exit, every criterion) or '12:0.9,20:0.8' (per exit); a criterion pair as '12:0.9/0.2'."""
-    values: list[float] = []
-    try:
-        if ":" not in text:
-            values = [float(v) for v in text.split("/")]
-            out = {e: dict(zip(criteria, _fill(values, criteria), strict=True)) for e in exits}
-        else:
-            out = _per_exit(text, criteria)
-    except ValueError:
-        raise UsageError(f"--thresholds: cannot parse '{text}' (e.g. 0.9, or 12:0.9,20:0.8)") from None
-    if not all(math.isfinite(v) for t in out.values() for v in t.values()) or not all(map(math.isfinite, values)):
-        raise UsageError(f"--thresholds must be finite numbers, got '{text}'")  # NaN never passes: nothing would exit
-    if outside := sorted(set(out) - set(exits)):  # their values were dropped, silently
-        active = f"not among the active exits {exits}" if exits else "but no exit is active (full depth)"
-        raise UsageError(f"--thresholds names exits {outside}, {active}", hint="add them to --exits")
-    missing = [e for e in exits if e not in out]
-    if missing:
-        raise UsageError(f"--thresholds gives no value for exits {missing}")
-    return {e: out[e] for e in exits}
-
-
-def _per_exit(text: str, criteria: tuple[str, ...]) -> dict[int, dict[str, float]]:
-    out = {}
-    for part in text.split(","):
-        layer, vals = part.split(":")
-        out[int(layer)] = dict(zip(criteria, _fill([float(v) for v in vals.split("/")], criteria), strict=True))
-    return out
-
-
-def _fill(values: list[float], criteria: tuple[str, ...]) -> list[float]:
-    if len(values) == 1:
-        return values * len(criteria)
-    if len(values) != len(criteria):
-        raise ValueError("wrong number of threshold values")
-    return values
 
 
 def calibration_warning(rt: ArtifactRuntime, config: RunConfig) -> str | None:
