@@ -324,31 +324,34 @@ def test_sampling_is_deterministic_for_a_seed(artifacts):
 @pytest.mark.parametrize("policy", ["full", "defer", "copy"])
 def test_sampled_decode_runs_on_the_chain_as_on_the_general_path(artifacts, family, policy, monkeypatch):
     """Sampling (temperature, top-p) steps on the bound chain: one row at full depth or with exits decided in the
-    graphs (the exiting token sampled from its K candidates), and a batch of rows at full depth. Same seed, same tokens,
-    exit layers and KV cache as the general path, which then runs no decode step but the prefill."""
+    graphs (the exiting token sampled from its K candidates), and a batch of rows at full depth, its prompts
+    included (each on its slot's chain, every row's logits picked in row order) and prompts joining freed slots.
+    Same seed, same tokens, exit layers and KV cache as the general path, which then runs no step at all."""
     loaded, rt = artifacts[family]
     V = loaded.adapter.dims.vocab_size
     prompts = [_prompt(31, 7, V), _prompt(32, 5, V), _prompt(33, 9, V)]
     exits = [] if policy == "full" else EXITS
     thresholds = {} if policy == "full" else _median_thresholds(loaded, prompts[0], 20)
-    batches = [prompts[:1]] if exits else [prompts[:1], prompts]  # exits in a batch step on the general path
+    # exits in a batch step on the general path; (prompts, slots): all at once, and 3 prompts in 2 slots
+    batches = [(prompts[:1], None)] if exits else [(prompts[:1], None), (prompts, None), (prompts, 2)]
 
     def run(batch, bound=True):
         runner = _runner(rt, "defer" if policy == "full" else policy, thresholds, exits, 20, temperature=1.3,
                          top_p=0.9, seed=7, bound=bound)  # fmt: skip
-        return runner.generate(batch), runner.last_kv
+        return runner.generate(batch[0], slots=batch[1]), runner.last_kv
 
     general_calls = []
     general = Runner._steps
 
     def counted(self, kv, work, force_full=False):
-        general_calls.append(sum(len(ids) == 1 for _, ids in work.values()))
+        general_calls.append(len(work))
         return general(self, kv, work, force_full)
 
     monkeypatch.setattr(Runner, "_steps", counted)
     bound = [run(b) for b in batches]
-    assert sum(general_calls) == 0  # no one-position step on the general path: prefills only
+    assert sum(general_calls) == 0  # no step on the general path, prompts included
     plain = [run(b, bound=False) for b in batches]  # the general path alone
+    assert sum(general_calls) > 0
     if exits:
         assert _mixed(plain[0][0][0].exit_layers), plain[0][0][0].exit_layers
     for (got, kv_got), (want, kv_want) in zip(bound, plain, strict=True):

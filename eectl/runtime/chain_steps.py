@@ -85,6 +85,7 @@ def chain_step(
     drafts: int = 0,
     prompt: bool = False,
     force_full: bool = False,
+    sampler: Pick | None = None,
 ) -> int:
     """One decode step of the chain's row with active exits or drafts on the bound chain (full depth:
     `DecodeChain.step`); the policy's hooks as the general path (`Runner._row_step`) calls them: the pending states the
@@ -93,10 +94,11 @@ def chain_step(
     return the full model's token). With `drafts` from the context (the row's last tokens), the positions before the
     last draft wait at segment 0 as embeddings: the step runs every segment wide, exits do not decide, and the final
     check covers them. `prompt`: the row's first step, its prompt (`chain_prompt`). `force_full`: no exit decides
-    (verify's closing pass over its unchecked drafts, `Runner._settled`)."""
+    (verify's closing pass over its unchecked drafts, `Runner._settled`). `sampler`: picks in the runner's stead
+    where the run samples (a batch's prompts: `chain_tokens`)."""
     policy, L = runner.policy, runner.L
     token = st.tokens[-1]
-    pick = runner.sampler()
+    pick = sampler or runner.sampler()
     elsewhere = st.forced is not None or policy.predicts()  # an exited token's is not the exit's: below
     if elsewhere and (pick is not None or st.forced is not None):
         pick = _final_only(runner, st, pick)
@@ -179,13 +181,13 @@ def _final_only(runner: Runner, st: RowState, sampler: Pick | None) -> Pick:
     return pick
 
 
-def chain_prompt(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers) -> int:
+def chain_prompt(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, sampler: Pick | None = None) -> int:
     """The chain's row's prompt on the bound chain (CPU): its tokens after the `st.reused` its cache rows hold (the
     whole prompt, or what follows a prefix: runtime/slots.py `reused`, `shared`), the positions before the last
     waiting at segment 0 as embeddings, run through every layer in one wide call per segment (bound for this prompt
     only), the last one's token from the final head, as the general path's prefill (a prompt of one token may exit
     there, as a decode step)."""
-    return chain_step(runner, chain, st, kv, len(st.tokens) - st.reused - 1, prompt=True)
+    return chain_step(runner, chain, st, kv, len(st.tokens) - st.reused - 1, prompt=True, sampler=sampler)
 
 
 def chain_tokens(
@@ -199,10 +201,10 @@ def chain_tokens(
 ) -> dict[int, int] | None:
     """The step on the bound chain (slot -> token), or None where the general path takes it. One row: its prompt
     (CPU), a full-depth step, or a step with exits or drafts (wide: CPU). A batch (full depth only: chain_for):
-    each new prompt on a one-row chain of its slot (CPU, prompts not padded into one call: `_pad`; greedy: sampled
-    picks keep the rows' order on the general path), fed after the longest beginning of it another row holds
-    (`kept`'s prompts: slots.py `shared`), then the other rows' step over the batch's chain; drafts in a batch take
-    the general path."""
+    each new prompt on a one-row chain of its slot (CPU, prompts not padded into one call: `_pad`), fed after the
+    longest beginning of it another row holds (`kept`'s prompts: slots.py `shared`), then the other rows' step over
+    the batch's chain; sampled, every row's logits are kept and the rows picked in row order afterwards (as the
+    general path picks them); drafts in a batch take the general path."""
     cpu, wide = runner.rt.device == "cpu", any(drafted.values())
     if chain.rows == 1:
         st = live[0][0]
@@ -213,21 +215,40 @@ def chain_tokens(
             st.exit_layers.append(runner.L)
             return one
         return {0: chain_step(runner, chain, st, kv, drafted.get(0, 0))} if not wide or cpu else None
-    if wide or (fresh and (not cpu or runner._pad() or runner.sampler() is not None)):
+    if wide or (fresh and (not cpu or runner._pad())):
         return None
     tokens: dict[int, int] = {}
+    sampler = runner.sampler()
+    logits: dict[int, np.ndarray] = {}  # sampled: each row's final logits, picked in row order at the end
     held = [s for s in live if s not in fresh]  # rows whose prompts are in the cache
     for s in sorted(fresh):
         if s not in kept.prompt_chains:
             kept.prompt_chains[s] = DecodeChain(runner.rt, kv, s, certified_head=runner.cfg.certified_head)
         st = live[s][0]
         st.reused = shared(runner.rt, kept, s, st.tokens, held)  # another row's copy of its beginning, if longer
-        tokens[s] = chain_prompt(runner, kept.prompt_chains[s], st, kv)
+        keep = _keeping(logits, [s]) if sampler is not None else None
+        tokens[s] = chain_prompt(runner, kept.prompt_chains[s], st, kv, keep)
         held.append(s)
     decode = {s: ids[0] for s, (_, ids) in live.items() if s not in fresh}
     if decode:
-        stepped = chain.step(decode, place=runner.place, pick=runner.sampler())
+        keep = _keeping(logits, sorted(decode)) if sampler is not None else None  # the chain picks in row order
+        stepped = chain.step(decode, place=runner.place, pick=keep)
         for s in stepped:
             live[s][0].exit_layers.append(runner.L)
         tokens.update(stepped)
+    if sampler is not None:
+        tokens = {s: sampler(logits[s], None) for s in sorted(tokens)}
     return tokens
+
+
+def _keeping(logits: dict[int, np.ndarray], slots: list[int]) -> Pick:
+    """A pick that keeps the final logits [V] it is given (a copy: the chain's buffer is the next call's) in
+    `logits` under each of `slots` in turn, to be picked later; the token it returns (-1) is replaced."""
+    order = iter(slots)
+
+    def pick(z: np.ndarray, ids: np.ndarray | None) -> int:
+        assert ids is None  # full depth: the final head's logits
+        logits[next(order)] = np.array(z, copy=True)
+        return -1
+
+    return pick
