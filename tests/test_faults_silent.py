@@ -552,3 +552,26 @@ def test_bench_and_eval_refuse_exit_options_no_configuration_takes(artifact, mon
         last = res.stderr.splitlines()[-1]
         assert last.startswith(f"error: {given} sets the early-exit configurations, but none of {names}"), last
         assert f"runs an exit (add one to {listed}: copy, defer, verify" in last and f"or drop {given})" in last
+
+
+# --- 18. an exit named twice in --thresholds ------------------------------------------------------------------------
+
+
+def test_an_exit_named_twice_in_thresholds_is_refused(artifact, monkeypatch):
+    """`--thresholds 3:0.9,3:0.8` ran exit 3 at 0.8, the last value, silently (run, bench, eval). Refused before the
+    artifact loads (eval: before any configuration runs)."""
+
+    def no_load(*a, **k):
+        raise AssertionError("the artifact was loaded before --thresholds was checked")
+
+    monkeypatch.setattr("eectl.run.generate.ArtifactRuntime", no_load)
+    monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
+    monkeypatch.setattr("eectl.evaluate.lmeval._model", no_load)
+    for args in (
+        ["run", str(artifact), "hi", "--exits", "3"],
+        ["bench", str(artifact), "--data", str(GSM8K), "--policies", "defer"],
+        ["eval", str(artifact), "--gsm8k", str(GSM8K), "--configs", "full,defer"],
+    ):
+        res = runner.invoke(app, [*args, "--thresholds", "3:0.9,3:0.8"])
+        _one_line(res, 2)
+        assert res.stderr.splitlines()[-1] == "error: --thresholds names exits [3] more than once, got '3:0.9,3:0.8'"

@@ -2,7 +2,7 @@
 per active exit and criterion once the artifact says which exits run and what the signal's criteria are
 (`parse_thresholds`).
 
-The forms: `0.9` (every active exit, every criterion), `12:0.9,20:0.8` (per exit), a
+The forms: `0.9` (every active exit, every criterion), `12:0.9,20:0.8` (per exit, each exit named once), a
 criterion pair as `0.9/0.2` or `12:0.9/0.2`. A value that would be dropped (an exit that does not run, no exit active
 at all) is refused, not ignored; so are bench's and eval's --exits and --thresholds where no configuration they list
 runs an exit (`check_exit_options_used`).
@@ -20,7 +20,7 @@ Entries = list[tuple[int | None, list[float]]]  # (the exit, None for every acti
 
 def _entries(text: str) -> Entries:
     """The parts of `text`, each (exit or None, values): one part without an exit, or every part naming its exit,
-    every value finite (UsageError, one line, otherwise)."""
+    each exit once, every value finite (UsageError, one line, otherwise)."""
     cannot = f"--thresholds: cannot parse '{text}' (e.g. 0.9, or 12:0.9,20:0.8)"
     try:
         entries: Entries = []
@@ -34,11 +34,14 @@ def _entries(text: str) -> Entries:
         raise UsageError(cannot)
     if not all(math.isfinite(v) for _, values in entries for v in values):
         raise UsageError(f"--thresholds must be finite numbers, got '{text}'")  # NaN never passes: nothing would exit
+    if repeated := sorted({e for e in named if named.count(e) > 1}):  # the last value won, silently
+        raise UsageError(f"--thresholds names exits {repeated} more than once, got '{text}'")
     return entries
 
 
 def threshold_syntax(text: str) -> None:
-    """--thresholds' form alone (before an artifact says which exits and criteria): numbers, `layer:`, `/`, `,`."""
+    """--thresholds' form alone (before an artifact says which exits and criteria): numbers, `layer:`, `/`, `,`,
+    each exit named once."""
     _entries(text)
 
 
