@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from eectl.cli import app
+from eectl.contracts.recipe import MAX_SEED
 
 runner = CliRunner()
 
@@ -58,6 +59,26 @@ def test_run_options_are_checked_before_the_artifact_loads(exported, monkeypatch
     monkeypatch.setattr("eectl.run.generate.ArtifactRuntime", no_load)
     res = runner.invoke(app, ["run", str(exported["llama"][1]), "hi", option, value])
     assert res.exit_code == 2 and text in res.stderr, res.output
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--top-k", "1"], "error: --top-k must be >= 2, got 1"),
+        (["--batch-size", "0"], "error: --batch-size must be >= 1, got 0"),
+        (
+            ["--policy", "bogus"],
+            "error: --policy must be one of copy, defer, verify, river, lookup, certified, full, got 'bogus'",
+        ),
+        (["--chat", "--seed", "-1"], f"error: --seed must be in 0..{MAX_SEED}, got -1"),
+    ],
+)
+def test_a_run_option_error_comes_alone_without_the_loading_line(exported, args, line):
+    """An option error printed `loading ART (1 prompt)` first, as if the run had started, then the error: the options
+    that need no artifact are checked before that line (--chat's too)."""
+    cmd = ["run", str(exported["llama"][1]), *args] + ([] if "--chat" in args else ["hi"])
+    res = runner.invoke(app, cmd, input="hi\n")
+    assert res.exit_code == 2 and res.stderr == line + "\n", res.output
 
 
 def test_an_exit_the_artifact_lacks_is_named_as_such(exported):

@@ -358,6 +358,7 @@ def _chat(out: Output, artifact: str, opts: Any) -> None:
     """The conversation loop of --chat: "> " on stderr before each turn, the reply streamed on stdout."""
     from eectl.files import clean_text
     from eectl.run.chat import chat
+    from eectl.run.generate import check_options
 
     def read() -> str | None:
         out.err.print("> ", end="")
@@ -368,6 +369,7 @@ def _chat(out: Output, artifact: str, opts: Any) -> None:
         if not out.json_mode:
             out.out.print(text, end="", markup=False, highlight=False)
 
+    check_options(opts)  # an option's error before the progress line, not after it
     out.log(f"loading {artifact} (chat: one turn per line, Ctrl-D to end)")
     rt, reports, reused = chat(artifact, opts, read, write, warn=out.warn, note=out.log)
     out.json(

@@ -45,15 +45,16 @@ def run(recipe: Recipe, req: RunRequest, out: Output, on_text: Callable[[int, st
     settles; how the configuration was chosen (the plan's line) is logged on `out`, warnings about the options
     (e.g. thresholds used outside what they were calibrated for) warned there."""
     from eectl.data import encode_prompt
-    from eectl.run.generate import open_runner
+    from eectl.run.generate import check_options, open_runner
 
-    n = len(req.prompts)
-    out.log(f"loading {req.artifact} ({n} prompt{'s' if n > 1 else ''})")
     if req.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {req.batch_size}")
     opts = dataclasses.replace(
         req.options, policy=pick(req.policy, recipe.kv_policy), threads=req.threads, batch_size=req.batch_size
     )
+    check_options(opts)  # an option's error before the progress line, not after it
+    n = len(req.prompts)
+    out.log(f"loading {req.artifact} ({n} prompt{'s' if n > 1 else ''})")
     rt, tok, config, runner = open_runner(req.artifact, opts, out.warn, out.log)
     stream = None
     if on_text is not None:
