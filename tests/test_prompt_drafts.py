@@ -164,7 +164,7 @@ def test_prompt_drafts_beside_exit_drafts_equal_full_depth(artifacts, family, at
 
 def test_rows_draft_independently_in_a_batch(artifacts, family, attempts):
     """Three prompts on two slots: rows with and without drafts in one step (wide single-row calls beside the
-    batched one), each row's tokens those of its prompt at full depth alone."""
+    batched one, on the general path), each row's tokens those of its prompt at full depth alone."""
     rt = artifacts[family]
     V = rt.manifest.dims["vocab_size"]
     prompts = [_repetitive(5, V), _ids(6, 9, V), _repetitive(7, V)[:14]]
@@ -172,6 +172,7 @@ def test_rows_draft_independently_in_a_batch(artifacts, family, attempts):
     for exits in ((), (2, 4)):
         got = _gen(rt, prompts, drafts=4, exits=exits, thresholds=0.3, new=24, slots=2)
         assert [g.token_ids for g in got] == alone, exits
+        assert sum(g.prompt_accepted for g in got) > 0
     assert attempts
 
 

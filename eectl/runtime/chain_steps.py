@@ -204,7 +204,9 @@ def chain_tokens(
     each new prompt on a one-row chain of its slot (CPU, prompts not padded into one call: `_pad`), fed after the
     longest beginning of it another row holds (`kept`'s prompts: slots.py `shared`), then the other rows' step over
     the batch's chain; sampled, every row's logits are kept and the rows picked in row order afterwards (as the
-    general path picks them); drafts in a batch take the general path."""
+    general path picks them). Drafts in a batch take the general path: it runs each segment for every row, the
+    drafted rows' wide calls beside the batched one, where rows stepping one after the other on their own chains
+    read each segment's weights once per row (1.4% slower measured: docs/results/2026-12-05-one-row-chain.md)."""
     cpu, wide = runner.rt.device == "cpu", any(drafted.values())
     if chain.rows == 1:
         st = live[0][0]
@@ -215,19 +217,17 @@ def chain_tokens(
             st.exit_layers.append(runner.L)
             return one
         return {0: chain_step(runner, chain, st, kv, drafted.get(0, 0))} if not wide or cpu else None
+    sampler = runner.sampler()
     if wide or (fresh and (not cpu or runner._pad())):
         return None
     tokens: dict[int, int] = {}
-    sampler = runner.sampler()
     logits: dict[int, np.ndarray] = {}  # sampled: each row's final logits, picked in row order at the end
     held = [s for s in live if s not in fresh]  # rows whose prompts are in the cache
     for s in sorted(fresh):
-        if s not in kept.prompt_chains:
-            kept.prompt_chains[s] = DecodeChain(runner.rt, kv, s, certified_head=runner.cfg.certified_head)
         st = live[s][0]
         st.reused = shared(runner.rt, kept, s, st.tokens, held)  # another row's copy of its beginning, if longer
         keep = _keeping(logits, [s]) if sampler is not None else None
-        tokens[s] = chain_prompt(runner, kept.prompt_chains[s], st, kv, keep)
+        tokens[s] = chain_prompt(runner, slot_chain(runner, kept, s), st, kv, keep)
         held.append(s)
     decode = {s: ids[0] for s, (_, ids) in live.items() if s not in fresh}
     if decode:
@@ -239,6 +239,14 @@ def chain_tokens(
     if sampler is not None:
         tokens = {s: sampler(logits[s], None) for s in sorted(tokens)}
     return tokens
+
+
+def slot_chain(runner: Runner, kept: Kept, slot: int) -> DecodeChain:
+    """A one-row full-depth chain of a batch's slot (kept for the generate call): its prompts, verify's closing pass
+    over a row's unchecked drafts."""
+    if slot not in kept.prompt_chains:
+        kept.prompt_chains[slot] = DecodeChain(runner.rt, kept.kv, slot, certified_head=runner.cfg.certified_head)
+    return kept.prompt_chains[slot]
 
 
 def _keeping(logits: dict[int, np.ndarray], slots: list[int]) -> Pick:

@@ -41,7 +41,7 @@ from eectl.runtime.asks import Ask, Decision, FinalLogits, FinalToken, Segment, 
 from eectl.runtime.batch import new_batch_kv
 from eectl.runtime.blocks import active_block
 from eectl.runtime.chain import DecodeChain
-from eectl.runtime.chain_steps import chain_for, chain_step, chain_tokens
+from eectl.runtime.chain_steps import chain_for, chain_step, chain_tokens, slot_chain
 from eectl.runtime.decide import Answer, ExitTest
 from eectl.runtime.device_ops import concat
 from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
@@ -482,12 +482,13 @@ class Runner:
     def _settled(self, row: int, st: RowState, kv: KVBuffers, chain: DecodeChain | None = None) -> bool:
         """Generation stops here: whatever the policy left unchecked is checked first (True), or a wrong draft was
         rolled back and generation continues from the corrected token (False). `chain`: the generate call's bound
-        chain, which runs the closing pass where it steps this row (one row on the CPU EP)."""
+        chain, which runs the closing pass on the CPU EP (a batch's: on the row's slot's chain)."""
         if not self.policy.unchecked(st):
             return True
-        # e.g. verify's drafts: what is still unchecked must go through one full-depth pass before we stop
         n_before, t0 = len(st.tokens), time.perf_counter()
-        if chain is not None and chain.rows == 1 and self.rt.device == "cpu":
+        if chain is not None and chain.rows > 1 and self._kept is not None:  # a batch: the row's slot's own chain
+            chain = slot_chain(self, self._kept, row)
+        if chain is not None and self.rt.device == "cpu":
             extra = chain_step(self, chain, st, kv, force_full=True)
         else:
             extra = self._step(row, st, kv, [st.tokens[-1]], force_full=True)
