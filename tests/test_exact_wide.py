@@ -46,7 +46,7 @@ def padded(tiny_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def unpadded(tiny_dirs, tmp_path_factory):
     art = tmp_path_factory.mktemp("wide-unpadded") / "llama"
-    opts = ExportOptions(exits=EXITS, top_k=K, weights="int4", int4=INT4, profile_costs=False)
+    opts = ExportOptions(exits=EXITS, top_k=K, weights="int4", int4=INT4, profile_costs=False, exact_wide=False)
     export_artifact(load_model(str(tiny_dirs["llama"])), art, opts)
     return art
 
@@ -74,8 +74,9 @@ def _cache(kv, row, n):
     return [np.asarray(b)[..., :n, :].copy() for layer in (kv.keys[row], kv.values[row]) for b in layer]
 
 
-def test_export_pads_only_when_asked(monkeypatch):
-    """Off by default (it costs full depth ~6% on the default model's int4 segments); `--exact-wide` turns it on."""
+def test_export_pads_where_drafts_rest_on_it_unless_told(monkeypatch):
+    """By default (auto) on for int4 segments at accuracy levels 2-4, whose drafts are lossless only so, off
+    elsewhere; `--exact-wide` / `--no-exact-wide` decide instead."""
     from typer.testing import CliRunner
 
     from eectl.cli import app
@@ -87,10 +88,14 @@ def test_export_pads_only_when_asked(monkeypatch):
         raise SystemExit(3)
 
     monkeypatch.setattr("eectl.export.stage.export", fake)
-    for flags, want in (([], False), (["--exact-wide"], True)):
+    for flags, want in (([], None), (["--exact-wide"], True), (["--no-exact-wide"], False)):
         result = CliRunner().invoke(app, ["export", "--weights", "int4", *flags])
         assert result.exit_code == 3 and seen[-1] is want, result.output
-    assert ExportOptions(exits=[]).exact_wide is False
+    assert ExportOptions(exits=[]).exact_wide is None and not ExportOptions(exits=[]).pads()  # fp32
+    assert ExportOptions(exits=[], weights="int4").pads()  # accuracy level 4
+    assert not ExportOptions(exits=[], weights="int4", int4=Int4Options(accuracy_level=0)).pads()
+    assert not ExportOptions(exits=[], weights="int4", exact_wide=False).pads()
+    assert ExportOptions(exits=[], exact_wide=True).pads()
 
 
 def test_padded_int4_segments_compute_a_wide_pass_as_one_position_steps(padded, family):

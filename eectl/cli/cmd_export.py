@@ -70,12 +70,12 @@ Int4KeepLayersOpt = Annotated[
 ]
 LmHeadOpt = Annotated[str, typer.Option(help="int4: the final LM head in fp32, int8 or int4.", rich_help_panel="int4")]
 ExactWideOpt = Annotated[
-    bool,
+    bool | None,
     typer.Option(
-        "--exact-wide",
+        "--exact-wide/--no-exact-wide",
         help="Pad one-row attention so wide passes (drafts, deferred positions) compute each position exactly as a "
-        "one-position step: lossless drafts on int4 at --int4-accuracy-level 2-4; full depth ~6% slower on an "
-        "AVX2 CPU, 7% faster on an AVX-512 one.",
+        "one-position step: lossless drafts on int4 at --int4-accuracy-level 2-4 (on there by default); full depth "
+        "~6% slower on an AVX2 CPU, 7% faster on an AVX-512 one.",
         rich_help_panel="int4",
         metavar="",
     ),
@@ -106,7 +106,7 @@ def export(
     int4_keep_layers: Int4KeepLayersOpt = None,
     lm_head: LmHeadOpt = "fp32",
     min_agreement: MinAgreementOpt = DEFAULT_MIN_AGREEMENT,
-    exact_wide: ExactWideOpt = False,
+    exact_wide: ExactWideOpt = None,
     recipe: RecipeOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -133,7 +133,7 @@ def export(
         int4 = replace(int4, block_size=spec.block_size, symmetric=spec.symmetric, algorithm=spec.algorithm)
         int4 = replace(int4, lm_head=spec.lm_head, keep_layers=tuple(spec.keep_layers))
         int4 = replace(int4, accuracy_level=spec.accuracy_level)
-        exact_wide = exact_wide or spec.exact_wide
+        exact_wide = spec.exact_wide if exact_wide is None else exact_wide
     weights = weights or r.weights
     options = ExportOptions(
         exits=[], dtype=dtype, force=force, weights=weights, int4=int4, river=river, candidates=candidates

@@ -129,8 +129,8 @@ class Int4Spec(_Strict):
     accuracy_level: int = Field(4, ge=0, le=4)
     # export --exact-wide: one-row calls pad their attention so wide passes are exact (lossless verify and lookup at
     # levels 2-4; full depth ~6% slower on an AVX2 CPU, 7% faster on an AVX-512 one:
-    # docs/results/2026-12-05-int4-twin.md)
-    exact_wide: bool = False
+    # docs/results/2026-12-05-int4-twin.md); null: auto, on at levels 2-4
+    exact_wide: bool | None = None
 
 
 class ExportSpec(_Strict):

@@ -80,8 +80,21 @@ class ExportOptions:
     certified_head: bool = True  # add the certified final head where the model allows it (export/certified_head.py)
     # one-row calls pad their attention so a wide pass computes each position bit for bit as a one-position step
     # does (export/graphs.py _AttentionPad): lossless drafts on int4 at accuracy levels 2-4; full depth's cost depends
-    # on the CPU (~6% slower on AVX2, 7% faster on AVX-512)
-    exact_wide: bool = False
+    # on the CPU (~6% slower on AVX2, 7% faster on AVX-512). None: where drafts rest on it (`pads`)
+    exact_wide: bool | None = None
+
+    def pads(self) -> bool:
+        """Whether one-row calls pad their attention: as `exact_wide` says, else (None) where the artifact's drafts
+        and deferred positions are exact only so: int4 segments computing at accuracy levels 2-4
+        (runtime/wide_check.py `relies_on_exact_wide`)."""
+        return exact_wide_for(self.exact_wide, self.weights, self.int4.accuracy_level)
+
+
+def exact_wide_for(exact_wide: bool | None, weights: str, accuracy_level: int) -> bool:
+    """`--exact-wide` as asked (True, False), else (None: auto) on for int4 segments at accuracy levels 2-4."""
+    if exact_wide is not None:
+        return exact_wide
+    return weights == "int4" and accuracy_level not in (0, 1)
 
 
 def choose_exits(
@@ -304,7 +317,7 @@ def _write_artifact(
             past_value=[f"past_key_values.{i}.value" for i in range(L)],
             present_key=[f"present.{i}.key" for i in range(L)],
             present_value=[f"present.{i}.value" for i in range(L)],
-            pad=int(options.exact_wide),
+            pad=int(options.pads()),
         ),
         kv_policies=[n for n, policy in POLICIES.items() if options.river or not policy.needs_river_copies],
         calibration=calibration,
@@ -367,7 +380,7 @@ def _write_segments(
     for idx, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
         if log is not None:
             log.log(f"segment {idx}: layers {lo}..{hi - 1}")
-        seg_model, seg_io = build_segment(adapter, lo, hi, options.dtype, max_pos, exact_wide=options.exact_wide)
+        seg_model, seg_io = build_segment(adapter, lo, hi, options.dtype, max_pos, exact_wide=options.pads())
         river = None
         if options.river and idx > 0:  # same input/output names: the runner binds the same KV buffers
             # quantized before the fp32 graph is saved: saving moves a model's weights out of it (external data)

@@ -81,7 +81,9 @@ class PipelineCache:
 
             parts: dict[str, object] = {"heads": sha256_file(p.heads), "calibration": sha256_file(p.calibration)}
             if r.weights == "int4":
-                parts["exact_wide"] = r.int4.exact_wide
+                from eectl.export.exporter import exact_wide_for
+
+                parts["exact_wide"] = exact_wide_for(r.int4.exact_wide, r.weights, r.int4.accuracy_level)
             return digest({**self.base, "stage": stage, "revision": EXPORT_REVISION, **parts})
         raise ValueError(stage)
 

@@ -150,7 +150,8 @@ class _Stages:
 
         p, r = self.plan, self.recipe
         spec = r.int4.model_dump()
-        exact_wide = bool(spec.pop("exact_wide")) and r.weights == "int4"
+        exact_wide = spec.pop("exact_wide")
+        exact_wide = exact_wide if r.weights == "int4" else False  # None: auto (ExportOptions.pads)
         int4 = Int4Options(**{**spec, "keep_layers": tuple(spec["keep_layers"])})
         # the plan's folder is the pipeline's own: replaced
         options = ExportOptions(exits=[], force=True, weights=r.weights, int4=int4, cost_seconds=r.export.cost_seconds)
