@@ -4,8 +4,8 @@ row's step on it with the KV policy's hooks called as the general path calls the
 forcing, the fed token scored where the step decided it).
 
 What this module does not do: bind or run graphs (chain.py), or step rows the chain does not take (runner.py's
-general path: prompts padded into one call or sampled beside a batch's step, a batch's closing passes, wide steps of
-a batch, exits in a batch of rows, device-resident exit steps).
+general path: prompts padded into one call, wide steps of a batch, exits in a batch of rows, device-resident exit
+steps).
 """
 
 from __future__ import annotations
