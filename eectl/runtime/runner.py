@@ -4,8 +4,8 @@ Per generated token, the segments run in order; after each segment that ends at 
 tested (decide.py): in the exit graph where it computes the signal (graph_decide.py), else through
 `eectl.exits.signals.ExitScoring` on the ONNX exit graphs' outputs (`OrtExitLogits`): the same code calibrate runs in
 torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become is the KV policy's
-business (policies.py): the runner calls its hooks and stays a loop over segments. Decode steps the bound chain can
-take run there (chain_steps.py), and so do prompts on the CPU EP (a batch's each on a one-row chain of its slot).
+business (policies.py): the runner calls its hooks and stays a loop over segments. One row's steps on the CPU EP and
+full-depth steps run on the bound chain (chain_steps.py); this loop takes a batch's exits and drafts, device runs.
 
 Rows of a batch are independent sequences with their own cache rows and decisions, run in lock-step: per token
 every row's step runs until it needs a graph call, and a segment runs once for all rows that reach it with one new
