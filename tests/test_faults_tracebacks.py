@@ -318,3 +318,19 @@ def test_an_artifact_file_that_cannot_be_read_is_one_line(artifact, monkeypatch)
     monkeypatch.setattr(manifest, "sha256_file", denied)
     line = _one_line(runner.invoke(app, ["run", str(artifact), "hi", "--raw", "-n", "2"]), 5)
     assert line == f"error: cannot read {artifact / 'embed.onnx'}: Permission denied"
+
+
+# --- 6. a configuration named twice in bench --policies ------------------------------------------------------------
+
+
+def test_a_configuration_named_twice_in_bench_policies_is_one_line(artifact, monkeypatch):
+    """`bench --policies defer,defer` gave the one runner two turns in each step-by-step block: its KV cache met a
+    second step at the same positions, a RuntimeError traceback from the chain. Refused before the artifact loads."""
+
+    def no_load(*a, **k):
+        raise AssertionError("the artifact was loaded before --policies was checked")
+
+    monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
+    args = ["bench", str(artifact), "--data", str(GSM8K), "--prompts", "1", "--thresholds", "0.9"]
+    line = _one_line(runner.invoke(app, [*args, "--policies", "verify,defer,full,defer,verify"]), 2)
+    assert line == "error: --policies names defer, verify more than once"

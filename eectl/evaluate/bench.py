@@ -367,6 +367,8 @@ def _check_options(opts: BenchOptions, prompts: list[str]) -> None:
     bad = [c for c in opts.configs if c not in known]
     if bad:
         raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(known)}")
+    if twice := sorted({c for c in opts.configs if opts.configs.count(c) > 1}):  # one runner would take two turns
+        raise UsageError(f"--policies names {', '.join(twice)} more than once")
     if opts.reps < 1 or opts.prompts < 1 or opts.max_new_tokens < 1 or opts.batch_size < 1:
         raise UsageError("--reps, --prompts, --max-new-tokens and --batch-size must be >= 1")
     if opts.ppl_tokens < 0:
