@@ -575,3 +575,21 @@ def test_an_exit_named_twice_in_thresholds_is_refused(artifact, monkeypatch):
         res = runner.invoke(app, [*args, "--thresholds", "3:0.9,3:0.8"])
         _one_line(res, 2)
         assert res.stderr.splitlines()[-1] == "error: --thresholds names exits [3] more than once, got '3:0.9,3:0.8'"
+
+
+# --- 19. a --compare name given twice -------------------------------------------------------------------------------
+
+
+def test_a_compare_name_given_twice_is_refused(artifact, tmp_path, monkeypatch):
+    """`bench --compare x=A,x=B` benchmarked B alone as x, A dropped silently (the names became a dict's keys).
+    Refused before anything loads."""
+
+    def no_load(*a, **k):
+        raise AssertionError("an artifact was loaded before --compare was checked")
+
+    monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
+    monkeypatch.setattr("eectl.evaluate.configs.ArtifactRuntime", no_load)
+    given = f"x={artifact},y={artifact},x={tmp_path}"
+    res = runner.invoke(app, ["bench", str(artifact), "--data", str(GSM8K), "--policies", "full", "--compare", given])
+    _one_line(res, 2)
+    assert res.stderr.splitlines()[-1] == f"error: --compare names x more than once, got '{given}'"

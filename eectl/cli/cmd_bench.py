@@ -159,6 +159,9 @@ def bench(
     pairs = [c.split("=", 1) for c in (compare or "").split(",") if c.strip()]
     if any(len(p) != 2 or not p[0].strip() or not p[1].strip() for p in pairs):
         raise UsageError(f"--compare must be NAME=PATH[,NAME=PATH], got '{compare}'")
+    names = [p[0].strip() for p in pairs]
+    if twice := sorted({n for n in names if names.count(n) > 1}):  # the last path won, silently
+        raise UsageError(f"--compare names {', '.join(twice)} more than once, got '{compare}'")
     options = BenchOptions(
         compare={k.strip(): v.strip() for k, v in pairs},
         exits=exits,
