@@ -593,3 +593,28 @@ def test_a_compare_name_given_twice_is_refused(artifact, tmp_path, monkeypatch):
     res = runner.invoke(app, ["bench", str(artifact), "--data", str(GSM8K), "--policies", "full", "--compare", given])
     _one_line(res, 2)
     assert res.stderr.splitlines()[-1] == f"error: --compare names x more than once, got '{given}'"
+
+
+# --- 20. eval's generation budget and few-shot count out of range ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option,value,line",
+    [
+        ("--max-gen-toks", "0", "error: --max-gen-toks must be >= 1, got 0"),
+        ("--max-gen-toks", "-5", "error: --max-gen-toks must be >= 1, got -5"),
+        ("--num-fewshot", "-1", "error: --num-fewshot must be >= 0, got -1"),
+    ],
+)
+def test_eval_refuses_a_generation_budget_or_fewshot_count_out_of_range(artifact, monkeypatch, option, value, line):
+    """`eval --max-gen-toks 0` ran the task's default budget (0 read as not given), -5 and `--num-fewshot -1` ran
+    too, exit 0. Refused before any configuration runs."""
+
+    def no_run(*a, **k):
+        raise AssertionError("a configuration ran before the options were checked")
+
+    monkeypatch.setattr("eectl.evaluate.lmeval._model", no_run)
+    args = ["eval", str(artifact), "--gsm8k", str(GSM8K), "--configs", "full", "--limit", "1", option, value]
+    res = runner.invoke(app, args)
+    _one_line(res, 2)
+    assert res.stderr.splitlines()[-1] == line

@@ -77,6 +77,10 @@ def eval_(
             raise UsageError(f"{name} names nothing")
     if limit is not None and limit < 1:
         raise UsageError(f"--limit must be >= 1, got {limit}")
+    if max_gen_toks is not None and max_gen_toks < 1:  # 0 ran the task's default budget, a negative one ran too
+        raise UsageError(f"--max-gen-toks must be >= 1, got {max_gen_toks}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise UsageError(f"--num-fewshot must be >= 0, got {num_fewshot}")
     scores, settings = run_eval(artifact, opts, log=out.log)
     out.json({"artifact": artifact, "threads": n_threads, **settings, "scores": [_row(s) for s in scores]})
     if not out.json_mode:
