@@ -618,3 +618,36 @@ def test_eval_refuses_a_generation_budget_or_fewshot_count_out_of_range(artifact
     res = runner.invoke(app, args)
     _one_line(res, 2)
     assert res.stderr.splitlines()[-1] == line
+
+
+# --- 21. export's int4 options on an fp32 export ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["--lm-head", "int4"], "--lm-head"),
+        (["--int4-block-size", "64"], "--int4-block-size"),
+        (["--int4-symmetric"], "--int4-symmetric"),
+        (["--int4-keep-layers", "0", "--min-agreement", "0.9"], "--int4-keep-layers"),
+    ],
+)
+def test_int4_options_on_an_fp32_export_are_refused(tiny_dirs, tmp_path, monkeypatch, args, flag):
+    """`export --lm-head int4` (or any --int4-* option, --min-agreement) without --weights int4 or --river wrote an
+    fp32 artifact, the option dropped silently. Refused before the model loads; with int4 graphs they pass."""
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("eectl.models.load_model", no_load)
+    base = ["export", str(tiny_dirs["llama"]), "--out", str(tmp_path / "x"), "--exits", "2"]
+    res = runner.invoke(app, [*base, *args])
+    _one_line(res, 2)
+    assert res.stderr.splitlines()[-1] == (
+        f"error: {flag} shapes int4 graphs, but this export makes none (fp32 weights) (add --weights int4 or --river, "
+        "or drop it)"
+    )
+    assert not (tmp_path / "x").exists()
+    for int4 in (["--weights", "int4"], ["--river"]):  # past the options' checks, to the model's load
+        res = runner.invoke(app, [*base, *args, *int4])
+        assert isinstance(res.exception, AssertionError), res.output

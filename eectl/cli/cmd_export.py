@@ -11,7 +11,8 @@ import typer
 from eectl.cli.app import JsonOpt, ModelArg, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.contracts.layers import parse_layers
 from eectl.contracts.recipe import load_recipe
-from eectl.export.quantize import DEFAULT_MIN_AGREEMENT
+from eectl.errors import UsageError
+from eectl.export.quantize import DEFAULT_MIN_AGREEMENT, Int4Options
 from eectl.output import Output
 
 if TYPE_CHECKING:
@@ -113,7 +114,6 @@ def export(
 ) -> None:
     """Segmented ONNX graphs cut at the exit points, exit heads and a manifest, validated against PyTorch."""
     from eectl.export.exporter import ExportOptions
-    from eectl.export.quantize import Int4Options
     from eectl.export.stage import ExportRequest
     from eectl.export.stage import export as run_export
 
@@ -135,6 +135,8 @@ def export(
         int4 = replace(int4, accuracy_level=spec.accuracy_level)
         exact_wide = spec.exact_wide if exact_wide is None else exact_wide
     weights = weights or r.weights
+    if weights == "fp32" and not river:
+        _no_int4_options(int4)
     options = ExportOptions(
         exits=[], dtype=dtype, force=force, weights=weights, int4=int4, river=river, candidates=candidates
     )
@@ -143,6 +145,30 @@ def export(
     req = ExportRequest(model, parse_layers(exits), out, calibration, heads, top_k, options)
     req.threads = set_threads(threads, r)
     print_export(out_, run_export(r, req, out_))
+
+
+INT4_FLAGS = {
+    "block_size": "--int4-block-size",
+    "symmetric": "--int4-symmetric",
+    "accuracy_level": "--int4-accuracy-level",
+    "algorithm": "--int4-algorithm",
+    "keep_layers": "--int4-keep-layers",
+    "lm_head": "--lm-head",
+    "min_agreement": "--min-agreement",
+}
+
+
+def _no_int4_options(int4: Int4Options) -> None:
+    """An fp32 export without --river makes no int4 graph: an int4 option set away from its default would be dropped,
+    silently (their values are still checked first, as for an int4 export)."""
+    int4.check(None)
+    default = Int4Options()
+    given = [flag for field, flag in INT4_FLAGS.items() if getattr(int4, field) != getattr(default, field)]
+    if given:
+        raise UsageError(
+            f"{given[0]} shapes int4 graphs, but this export makes none (fp32 weights)",
+            hint="add --weights int4 or --river, or drop it",
+        )
 
 
 def print_export(out: Output, done: ExportResult) -> None:
