@@ -58,6 +58,17 @@ def _one_line(res, code: int, *words: str) -> None:
         assert w in lines[-1], res.stderr
 
 
+def _never_loads(monkeypatch, why: str, *targets: str) -> None:
+    """Every one of `targets` (a loader's dotted path) fails the test if called: `why` is what the test expects to
+    have refused first."""
+
+    def no_load(*a, **k):
+        raise AssertionError(why)
+
+    for target in targets:
+        monkeypatch.setattr(target, no_load)
+
+
 # --- 1. a Fortran-ordered .npy --------------------------------------------------------------------------------------
 
 
@@ -235,10 +246,9 @@ def test_a_bom_is_not_part_of_a_prompt_or_a_record(tmp_path, monkeypatch):
 
 
 def test_negative_ppl_tokens_and_empty_configs_are_refused(artifact, monkeypatch):
-    def no_load(*a, **k):
-        raise AssertionError("the artifact was loaded before the options were checked")
-
-    monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
+    _never_loads(
+        monkeypatch, "the artifact was loaded before the options were checked", "eectl.evaluate.bench.ArtifactRuntime"
+    )
     res = runner.invoke(app, ["bench", str(artifact), "--data", str(GSM8K), "--ppl-tokens", "-1"])
     _one_line(res, 2, "--ppl-tokens must be >= 0", "-1")
     res = runner.invoke(app, ["bench", str(artifact), "--data", str(GSM8K), "--prompt-drafts", "-1"])
@@ -309,10 +319,7 @@ def test_a_missing_tokenizer_folder_names_it(artifact, tmp_path, listed):
     [["--cache", "{tmp}/states"], [], ["--probe-only", "--heads", "{tmp}/h.safetensors", "--cache", "{tmp}/states"]],
 )
 def test_train_heads_refuses_an_out_that_is_not_safetensors(tiny_dirs, tmp_path, monkeypatch, extra):
-    def no_load(*a, **k):
-        raise AssertionError("the model was loaded before --out was checked")
-
-    monkeypatch.setattr("eectl.models.load_model", no_load)
+    _never_loads(monkeypatch, "the model was loaded before --out was checked", "eectl.models.load_model")
     args = [a.format(tmp=tmp_path) for a in extra]
     res = runner.invoke(
         app, ["train-heads", str(tiny_dirs["llama"]), "--data", str(GSM8K), "--out", str(tmp_path / "t.txt"), *args]
@@ -330,11 +337,12 @@ def test_an_exit_list_naming_no_layers_is_refused(artifact, text, monkeypatch):
     export, the default exits for calibrate. 'none' still means no exits."""
     from eectl.contracts.layers import parse_layers
 
-    def no_load(*a, **k):
-        raise AssertionError("the model or artifact was loaded before --exits was checked")
-
-    monkeypatch.setattr("eectl.models.load_model", no_load)
-    monkeypatch.setattr("eectl.run.generate.ArtifactRuntime", no_load)
+    _never_loads(
+        monkeypatch,
+        "the model or artifact was loaded before --exits was checked",
+        "eectl.models.load_model",
+        "eectl.run.generate.ArtifactRuntime",
+    )
     with pytest.raises(UsageError, match="--exits names no layers"):
         parse_layers(text)
     assert parse_layers("none") == [] and parse_layers("8, 12") == [8, 12] and parse_layers(None) is None
@@ -355,10 +363,7 @@ def test_export_into_another_artifact_is_refused_before_the_model_loads(artifact
     art = _copy(artifact, tmp_path)
     before = sorted(p.relative_to(art).as_posix() for p in art.rglob("*"))
 
-    def no_load(*a, **k):
-        raise AssertionError("the model was loaded before --out was checked")
-
-    monkeypatch.setattr("eectl.models.load_model", no_load)
+    _never_loads(monkeypatch, "the model was loaded before --out was checked", "eectl.models.load_model")
     for out in (art / "tokenizer" / "nested", art / "sub" / "deeper"):
         res = runner.invoke(app, ["export", str(tiny_dirs["llama"]), "--out", str(out)])
         _one_line(res, 2, f"--out {out} is inside the eectl artifact {art}")
@@ -373,12 +378,13 @@ def test_an_exit_named_twice_is_refused_by_run_and_bench_as_by_export(artifact, 
     """`run --exits 3,3` ran exit 3 once, silently; export and calibrate refused the same list. Refused before the
     artifact loads."""
 
-    def no_load(*a, **k):
-        raise AssertionError("the artifact was loaded before --exits was checked")
-
-    monkeypatch.setattr("eectl.run.generate.ArtifactRuntime", no_load)
-    monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
-    monkeypatch.setattr("eectl.models.load_model", no_load)
+    _never_loads(
+        monkeypatch,
+        "the artifact was loaded before --exits was checked",
+        "eectl.run.generate.ArtifactRuntime",
+        "eectl.evaluate.bench.ArtifactRuntime",
+        "eectl.models.load_model",
+    )
     for args in (
         ["run", str(artifact), "hi", "--exits", "3,3"],
         ["bench", str(artifact), "--data", str(GSM8K), "--exits", "3, 3"],
@@ -396,11 +402,12 @@ def test_calibrate_and_train_heads_refuse_exits_none(artifact, tiny_dirs, monkey
     """`calibrate --exits none` calibrated the default exits (token) or the artifact's (sequence), silently, and
     train-heads trained heads at the default exits: 'none' names no exit. Refused before the model loads."""
 
-    def no_load(*a, **k):
-        raise AssertionError("the model or artifact was loaded before --exits was checked")
-
-    monkeypatch.setattr("eectl.models.load_model", no_load)
-    monkeypatch.setattr("eectl.runtime.sessions.ArtifactRuntime", no_load)
+    _never_loads(
+        monkeypatch,
+        "the model or artifact was loaded before --exits was checked",
+        "eectl.models.load_model",
+        "eectl.runtime.sessions.ArtifactRuntime",
+    )
     for args in (
         ["calibrate", str(tiny_dirs["llama"]), "--exits", "none", "--data", str(GSM8K), "--tokens", "400"],
         ["calibrate", "--guarantee", "sequence", str(artifact), "--exits", "None", "--data", str(GSM8K)],
@@ -454,10 +461,9 @@ def test_a_data_error_is_named_before_the_sample_size(tiny_dirs, tmp_path, monke
     textless or missing data file was reported as "data too small for the requested guarantee" (raising --tokens
     then met the real error). The data is read first; the sample size is still checked before the model loads."""
 
-    def no_load(*a, **k):
-        raise AssertionError("the model was loaded before the data and the sample size were checked")
-
-    monkeypatch.setattr("eectl.models.load_model", no_load)
+    _never_loads(
+        monkeypatch, "the model was loaded before the data and the sample size were checked", "eectl.models.load_model"
+    )
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": "  "}\n')
     for data, words in (
@@ -509,10 +515,9 @@ def test_thresholds_where_no_exit_runs_are_refused_by_run(artifact, monkeypatch,
     """`--policy lookup --thresholds 12:0.9` ran full depth with drafts from the context and dropped the thresholds,
     silently; so did `--exits none --thresholds 0.9`. Refused before the artifact loads."""
 
-    def no_load(*a, **k):
-        raise AssertionError("the artifact was loaded before the options were checked")
-
-    monkeypatch.setattr("eectl.run.generate.ArtifactRuntime", no_load)
+    _never_loads(
+        monkeypatch, "the artifact was loaded before the options were checked", "eectl.run.generate.ArtifactRuntime"
+    )
     res = runner.invoke(app, ["run", str(artifact), "hi", "--raw", "-n", "2", *args])
     _one_line(res, 2)
     assert res.stderr.splitlines()[-1] == line
@@ -533,11 +538,12 @@ def test_bench_and_eval_refuse_exit_options_no_configuration_takes(artifact, mon
     """bench --policies lookup and eval --configs full,lookup run no exit: their --thresholds and --exits were
     dropped, silently. Refused before anything runs (eval: before full depth's minutes)."""
 
-    def no_load(*a, **k):
-        raise AssertionError("a configuration was built before the options were checked")
-
-    monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
-    monkeypatch.setattr("eectl.evaluate.lmeval._model", no_load)
+    _never_loads(
+        monkeypatch,
+        "a configuration was built before the options were checked",
+        "eectl.evaluate.bench.ArtifactRuntime",
+        "eectl.evaluate.lmeval._model",
+    )
     for args in (
         ["bench", str(artifact), "--data", str(GSM8K), "--policies", "full,lookup", "--thresholds", "3:0.9"],
         ["bench", str(artifact), "--data", str(GSM8K), "--policies", "hf,full", "--exits", "3"],
@@ -561,12 +567,13 @@ def test_an_exit_named_twice_in_thresholds_is_refused(artifact, monkeypatch):
     """`--thresholds 3:0.9,3:0.8` ran exit 3 at 0.8, the last value, silently (run, bench, eval). Refused before the
     artifact loads (eval: before any configuration runs)."""
 
-    def no_load(*a, **k):
-        raise AssertionError("the artifact was loaded before --thresholds was checked")
-
-    monkeypatch.setattr("eectl.run.generate.ArtifactRuntime", no_load)
-    monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
-    monkeypatch.setattr("eectl.evaluate.lmeval._model", no_load)
+    _never_loads(
+        monkeypatch,
+        "the artifact was loaded before --thresholds was checked",
+        "eectl.run.generate.ArtifactRuntime",
+        "eectl.evaluate.bench.ArtifactRuntime",
+        "eectl.evaluate.lmeval._model",
+    )
     for args in (
         ["run", str(artifact), "hi", "--exits", "3"],
         ["bench", str(artifact), "--data", str(GSM8K), "--policies", "defer"],
@@ -584,11 +591,12 @@ def test_a_compare_name_given_twice_is_refused(artifact, tmp_path, monkeypatch):
     """`bench --compare x=A,x=B` benchmarked B alone as x, A dropped silently (the names became a dict's keys).
     Refused before anything loads."""
 
-    def no_load(*a, **k):
-        raise AssertionError("an artifact was loaded before --compare was checked")
-
-    monkeypatch.setattr("eectl.evaluate.bench.ArtifactRuntime", no_load)
-    monkeypatch.setattr("eectl.evaluate.configs.ArtifactRuntime", no_load)
+    _never_loads(
+        monkeypatch,
+        "an artifact was loaded before --compare was checked",
+        "eectl.evaluate.bench.ArtifactRuntime",
+        "eectl.evaluate.configs.ArtifactRuntime",
+    )
     given = f"x={artifact},y={artifact},x={tmp_path}"
     res = runner.invoke(app, ["bench", str(artifact), "--data", str(GSM8K), "--policies", "full", "--compare", given])
     _one_line(res, 2)
@@ -636,10 +644,7 @@ def test_int4_options_on_an_fp32_export_are_refused(tiny_dirs, tmp_path, monkeyp
     """`export --lm-head int4` (or any --int4-* option, --min-agreement) without --weights int4 or --river wrote an
     fp32 artifact, the option dropped silently. Refused before the model loads; with int4 graphs they pass."""
 
-    def no_load(*a, **k):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr("eectl.models.load_model", no_load)
+    _never_loads(monkeypatch, "the model was loaded", "eectl.models.load_model")
     base = ["export", str(tiny_dirs["llama"]), "--out", str(tmp_path / "x"), "--exits", "2"]
     res = runner.invoke(app, [*base, *args])
     _one_line(res, 2)
