@@ -181,10 +181,11 @@ def test_stage_requests_default_as_the_commands_do():
 
 
 def test_another_checkpoint_gets_exits_for_its_own_depth(tiny_dirs, tmp_path):
-    """`--model` points a recipe at another checkpoint: the recipe's exits are kept where they fit its layers, else
-    the default exits for its depth (the default recipe's [8, 12, 16, 20, 24] are for a 30-layer model; the tiny
-    models have 6), the recipe's family is no longer checked, and the default state cache folder is the model's own;
-    the model's layer count is read from its config alone (a folder's config.json, a GGUF's metadata)."""
+    """`--model` points a recipe for the built-in default model (the default recipe) at another checkpoint: its exits
+    are kept where they fit its layers, else the default exits for its depth (the default recipe's [8, 12, 16, 20, 24]
+    are for a 30-layer model; the tiny models have 6), its family is no longer checked; a recipe naming its own model
+    keeps both. The default state cache folder is the checkpoint's own either way; its layer count is read from its
+    config alone (a folder's config.json, a GGUF's metadata)."""
     from pathlib import Path
 
     from eectl.contracts.recipe import load_recipe
@@ -212,3 +213,10 @@ def test_another_checkpoint_gets_exits_for_its_own_depth(tiny_dirs, tmp_path):
         app, ["pipeline", "--recipe", str(default), "--model", str(tiny_dirs["qwen3"]), "--dry-run"]
     )
     assert res.exit_code == 0, res.output
+    # a recipe naming its own model keeps its exits and family: --dry-run refuses what does not fit the checkpoint
+    named = tmp_path / "named.yaml"
+    named.write_text(default.read_text().replace("model: null", "model: someone/a-30-layer-llama"))
+    with with_changes(named, str(tiny_dirs["qwen3"]), None) as copy:
+        assert load_recipe(copy).exits == [8, 12, 16, 20, 24] and load_recipe(copy).family == "llama"
+    res = CliRunner().invoke(app, ["pipeline", "--recipe", str(named), "--model", str(tiny_dirs["qwen3"]), "--dry-run"])
+    assert res.exit_code == 2 and "for the llama family, but the model is qwen3" in res.stderr, res.output

@@ -65,9 +65,11 @@ def plan(recipe: Recipe, folder: Path = Path("artifacts")) -> Plan:
 
 @contextmanager
 def with_changes(recipe: Path, model: str | None, data: str | None, weights: str | None = None) -> Iterator[Path]:
-    """A copy of the recipe (in a temporary folder, same file name) whose model is `model` (its exits the default
-    exits for that model's depth where the recipe's do not fit it, its family unchecked: both were the recipe's
-    model's), whose data source is `data` and whose weights are `weights` (None: the recipe's): every stage reads it.
+    """A copy of the recipe (in a temporary folder, same file name) whose model is `model`, whose data source is
+    `data` and whose weights are `weights` (None: the recipe's): every stage reads it. A recipe for the built-in
+    default model (its `model` null, e.g. the default recipe) given another checkpoint gets the default exits for
+    that checkpoint's depth where its own do not fit, and no family check: both were the default model's. A recipe
+    naming its model keeps its exits and family, which `--dry-run` checks against the checkpoint.
     A state cache in the budget's default folder moves to the new model's, data's or weights' own (a cache refuses
     what it was not built from). The folder is removed when the block ends, however it ends. The copy writes the
     recipe as read, its budget's sizes included."""
@@ -82,7 +84,9 @@ def with_changes(recipe: Path, model: str | None, data: str | None, weights: str
         from eectl.models import resolve_source
 
         owner = resolve_source(model).name
-        r = r.model_copy(update={"model": model, "exits": _exits_for(r.exits, model), "family": None})
+        if r.model is None:  # a recipe for the built-in default model: its exits and family were that model's
+            r = r.model_copy(update={"exits": _exits_for(r.exits, model), "family": None})
+        r = r.model_copy(update={"model": model})
     if weights is not None:
         if weights not in ("fp32", "int4"):
             raise UsageError(f"--weights must be fp32 or int4, got '{weights}'")
