@@ -113,3 +113,29 @@ def test_block_exit_heads_on_the_chain_equal_the_general_path(block_artifacts, p
     if scored is not None and plain_scored is not None:
         assert scored.layers == plain_scored.layers and scored.greedy == plain_scored.greedy
         np.testing.assert_allclose(scored.nll, plain_scored.nll, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
+def test_block_exit_heads_under_a_cached_prompt_prefix(block_artifacts, policy):  # noqa: F811
+    """A prompt fed after the prefix its slot's cache holds (runtime/slots.py `reused`) with block exit heads active
+    on the chain: the blocks' own K/V for the prefix are the cache's too, so the tokens, exit layers and every slot's
+    K/V (the blocks' included) equal the prompt's fed whole by a fresh runner."""
+    from tests.test_block_exits import _prompt, _runner, _thresholds
+
+    loaded, heads, rt = block_artifacts["llama"]
+    V = loaded.adapter.dims.vocab_size
+    header = _prompt(5, 12, V)
+    prompts = [header + _prompt(6, 4, V), header + _prompt(7, 6, V)]
+    thresholds = _thresholds(loaded.adapter, heads, prompts[1], new=12)  # some of its tokens exit
+    one = _runner(rt, policy, thresholds, new=12)
+    got = [one.generate([p])[0] for p in prompts]
+    assert got[1].reused >= len(header) - 1, got[1].reused  # the second prompt was fed after the cached header
+    fresh = _runner(rt, policy, thresholds, new=12)
+    want = fresh.generate([prompts[1]])[0]
+    assert got[1].token_ids == want.token_ids and got[1].exit_layers == want.exit_layers
+    assert len(set(want.exit_layers[1:])) >= 2 or want.drafted, want.exit_layers
+    kv, kv_fresh = one.last_kv, fresh.last_kv
+    assert kv is not None and kv_fresh is not None and (kv.filled[0] == kv_fresh.filled[0]).all()
+    n = int(kv.filled[0].min())
+    for mine, other in zip(kv.batch_keys + kv.batch_values, kv_fresh.batch_keys + kv_fresh.batch_values, strict=True):
+        np.testing.assert_array_equal(mine[0, :, :n], other[0, :, :n])
