@@ -374,6 +374,11 @@ def test_the_plans_lookup_default_is_what_run_follows(exported):
     assert "priced for one row; a batch of 4 runs full depth" in batched.note
     asked = resolve_config(rt, RunOptions(batch_size=4, policy=LOOKUP), ())
     assert (asked.policy, asked.prompt_drafts) == ("verify", 5)
+    # ... and says that the plan's one-row prices do not hold for it (measured: verify [8] at 4 rows 0.81x full depth)
+    assert (
+        "priced for one row; in a batch of 4" in asked.note
+        and "priced for one row" not in resolve_config(rt, RunOptions(batch_size=1, policy=LOOKUP), ()).note
+    )
     assert resolve_config(rt, RunOptions(batch_size=1), ()).prompt_drafts == 5
     # bench labels as the default what run does at its batch size
     from eectl.evaluate.predicted import run_default

@@ -149,6 +149,9 @@ def resolve_config(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, .
     ):
         config.certified = True
         config.note = "; ".join(x for x in (config.note, f"certified: {cert.describe()}") if x)
+    if opts.batch_size > 1 and (config.exits or config.prompt_drafts):  # asked for: the plan's prices are one row's
+        one_row = f"exits and drafts are priced for one row; in a batch of {opts.batch_size} rows share every call"
+        config.note = "; ".join(x for x in (config.note, f"{one_row}, so they often run slower than full depth") if x)
     return config
 
 
