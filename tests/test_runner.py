@@ -442,7 +442,30 @@ def test_cli_run_json_and_errors(artifacts, tmp_path):
         ],
     )
     assert res.exit_code == 0, res.output
-    assert [len(x["token_ids"]) for x in json.loads(res.stdout)["results"]] == [3, 3]
+    doc = json.loads(res.stdout)
+    assert [len(x["token_ids"]) for x in doc["results"]] == [3, 3]
+    # a batch's whole run: every prompt's tokens over the generate call's time (a row's own rate shares every call)
+    assert doc["batch"]["size"] == 2 and doc["batch"]["tokens"] == 6 and doc["batch"]["seconds"] > 0
+    assert doc["batch"]["tokens_per_s"] == pytest.approx(6 / doc["batch"]["seconds"], rel=1e-2)
+    assert json.loads(runner.invoke(app, [*args, "--exits", "none"]).stdout)["batch"] is None  # one prompt, one row
+    text = runner.invoke(
+        app,
+        [
+            "run",
+            str(rt.folder),
+            "--prompt-file",
+            str(prompts),
+            "--raw",
+            "-n",
+            "3",
+            "--batch-size",
+            "2",
+            "--exits",
+            "none",
+        ],
+    )
+    assert text.exit_code == 0, text.stderr
+    assert "batch of 2: 6 tokens in" in text.stderr and "measured full depth" not in text.stderr
 
 
 def test_cli_run_reads_stdin_and_takes_short_options(artifacts):

@@ -249,6 +249,7 @@ def print_run(out: Output, done: RunResult, samples: bool = False) -> None:
             else None,
             "costs": _costs_json(rt.manifest, samples),
             "results": [rep.to_dict() for rep in reports],
+            "batch": _batch_json(done) if done.batch_size > 1 else None,
             "memory": _memory(out, rt, reports),
         }
     )
@@ -264,21 +265,37 @@ def print_run(out: Output, done: RunResult, samples: bool = False) -> None:
         drafts = f", {g.drafted} drafts, {g.rejected_drafts} rolled back" if g.drafted else ""
         if g.prompt_drafted:
             drafts += f", {g.prompt_accepted}/{g.prompt_drafted} drafts from the context accepted"
+        # a row of a batch shares every call with the others: its own rate is no measure against one row's
+        against = _against_full(rt.manifest, g.tokens_per_s) if done.batch_size == 1 else ""
         out.log(
-            f"{len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s{_against_full(rt.manifest, g)}, first "
+            f"{len(g.token_ids)} tokens, {g.tokens_per_s:.1f} tokens/s{against}, first "
             f"token {g.ttft_s * 1000:.0f} ms, mean executed layers {g.mean_layers(L):.1f}/{L} ({ran}{drafts}, "
             f"{rt.provider}, {rt.threads} threads)"
         )
+    if done.batch_size > 1 and done.seconds > 0:
+        b = _batch_json(done)
+        out.log(
+            f"batch of {done.batch_size}: {b['tokens']} tokens in {b['seconds']:.1f} s, {b['tokens_per_s']:.1f} "
+            "tokens/s in all, prompts included"
+        )
 
 
-def _against_full(m: Any, g: Any) -> str:
-    """The decode speed against the artifact's measured full-depth step (its costs), as ' (1.12x the measured full
-    depth of 14.2 ms/token)'; '' without costs or decode steps. One run on a shared machine: an indication only."""
-    if m.costs is None or g.tokens_per_s <= 0:
+def _against_full(m: Any, tokens_per_s: float) -> str:
+    """A decode rate against the artifact's measured full-depth step (its costs), as ' (1.12x the artifact's measured
+    full depth, 14.2 ms/token)'; '' without costs or decode steps. One run on a shared machine: an indication only."""
+    if m.costs is None or tokens_per_s <= 0:
         return ""
     full = m.costs.baseline_ms()
-    ratio = full * g.tokens_per_s / 1000.0
+    ratio = full * tokens_per_s / 1000.0
     return f" ({ratio:.2f}x the artifact's measured full depth, {full:.1f} ms/token)"
+
+
+def _batch_json(done: RunResult) -> dict[str, Any]:
+    """A batch's whole run: every prompt's tokens over the generate call's wall time (the prompts' prefill included:
+    in a batch, one row's rate is no measure of the whole)."""
+    tokens = sum(len(rep.generation.token_ids) for rep in done.reports)
+    rate = tokens / done.seconds if done.seconds > 0 else 0.0
+    return {"size": done.batch_size, "tokens": tokens, "seconds": done.seconds, "tokens_per_s": rate}
 
 
 def _memory(out: Output, rt: Any, reports: list[Any]) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ runner; runtime/ generates). A request's None fields take the recipe's values; t
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class RunResult:
     config: RunConfig  # what the options resolved to: policy, exits, thresholds, signal, the plan's note
     reports: list[RunReport]  # one per prompt, in the request's order
     batch_size: int
+    seconds: float = 0.0  # the generate call's wall time (every prompt, every slot)
 
 
 def run(recipe: Recipe, req: RunRequest, out: Output, on_text: Callable[[int, str], None] | None = None) -> RunResult:
@@ -64,9 +66,11 @@ def run(recipe: Recipe, req: RunRequest, out: Output, on_text: Callable[[int, st
 
     # batch_size slots over all prompts: a finished row's slot takes the next prompt (Runner.generate)
     prompts = [encode_prompt(tok, p, opts.raw) for p in req.prompts]
+    t0 = time.perf_counter()
     gens = runner.generate(prompts, on_step=stream, slots=req.batch_size)
+    seconds = time.perf_counter() - t0
     reports = [
         RunReport(p, tok.decode(g.token_ids, skip_special_tokens=True), g, rt.manifest.num_layers)
         for p, g in zip(req.prompts, gens, strict=True)
     ]
-    return RunResult(req.artifact, rt, config, reports, req.batch_size)
+    return RunResult(req.artifact, rt, config, reports, req.batch_size, seconds)
