@@ -150,3 +150,12 @@ def test_the_console_script_prints_the_same_one_line():
         "error: Invalid value for '--max-new-tokens' / '-n': Input should be a valid integer, unable to parse "
         "string as an integer (eectl run -h for help)"
     ]
+
+
+@pytest.mark.parametrize("option", ["--reps", "--prompts", "--max-new-tokens", "--batch-size"])
+def test_bench_names_the_count_below_one(exported, option):
+    """bench said "--reps, --prompts, --max-new-tokens and --batch-size must be >= 1" whichever it was: now the one."""
+    from tests.tiny import GSM8K
+
+    res = runner.invoke(app, ["bench", str(exported["llama"][1]), "--data", str(GSM8K), option, "0"])
+    assert res.exit_code == 2 and res.stderr.splitlines()[-1] == f"error: {option} must be >= 1, got 0", res.output

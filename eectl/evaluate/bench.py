@@ -16,8 +16,7 @@ Every speed figure is a ratio against baselines measured in the same run, with t
 Fidelity is measured against eectl full depth on the same prompts (token agreement, exact match, first
 divergence), teacher-forced perplexity on held-out text, and GSM8K final-answer accuracy when the data has
 `#### answer` lines. Speed is one statistic, with its interval (evaluate/stats.py); the report is evaluate/report.py;
-the configurations' runners and one pass of one over the prompts are evaluate/configs.py, the timed phase
-evaluate/timing.py.
+the configurations' runners and a pass over the prompts evaluate/configs.py, the timed phase evaluate/timing.py.
 What this module does not do: export or calibrate.
 """
 
@@ -369,8 +368,9 @@ def _check_options(opts: BenchOptions, prompts: list[str]) -> None:
         raise UsageError(f"unknown configuration {bad[0]}; choose from {', '.join(known)}")
     if twice := sorted({c for c in opts.configs if opts.configs.count(c) > 1}):  # one runner would take two turns
         raise UsageError(f"--policies names {', '.join(twice)} more than once")
-    if opts.reps < 1 or opts.prompts < 1 or opts.max_new_tokens < 1 or opts.batch_size < 1:
-        raise UsageError("--reps, --prompts, --max-new-tokens and --batch-size must be >= 1")
+    counts = {"--reps": opts.reps, "--prompts": opts.prompts, "--max-new-tokens": opts.max_new_tokens}
+    if low := [(k, n) for k, n in {**counts, "--batch-size": opts.batch_size}.items() if n < 1]:
+        raise UsageError(f"{low[0][0]} must be >= 1, got {low[0][1]}")
     if opts.ppl_tokens < 0:
         raise UsageError(f"--ppl-tokens must be >= 0 (0: no perplexity), got {opts.ppl_tokens}")
     if not 0 <= opts.prompt_drafts <= MAX_DRAFTS:  # as run checks it
