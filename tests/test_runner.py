@@ -424,23 +424,9 @@ def test_cli_run_json_and_errors(artifacts, tmp_path):
     assert res.exit_code == 5 and "artifact not found" in res.stderr
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a b"}\n{"question": "c"}\n')
-    res = runner.invoke(
-        app,
-        [
-            "run",
-            str(rt.folder),
-            "--prompt-file",
-            str(prompts),
-            "--raw",
-            "--json",
-            "--max-new-tokens",
-            "3",
-            "--exits",
-            "none",
-            "--batch-size",
-            "2",
-        ],
-    )
+    batch = ["run", str(rt.folder), "--prompt-file", str(prompts), "--raw", "-n", "3", "--exits", "none"]
+    batch += ["--batch-size", "2"]
+    res = runner.invoke(app, [*batch, "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert [len(x["token_ids"]) for x in doc["results"]] == [3, 3]
@@ -448,22 +434,7 @@ def test_cli_run_json_and_errors(artifacts, tmp_path):
     assert doc["batch"]["size"] == 2 and doc["batch"]["tokens"] == 6 and doc["batch"]["seconds"] > 0
     assert doc["batch"]["tokens_per_s"] == pytest.approx(6 / doc["batch"]["seconds"], rel=1e-2)
     assert json.loads(runner.invoke(app, [*args, "--exits", "none"]).stdout)["batch"] is None  # one prompt, one row
-    text = runner.invoke(
-        app,
-        [
-            "run",
-            str(rt.folder),
-            "--prompt-file",
-            str(prompts),
-            "--raw",
-            "-n",
-            "3",
-            "--batch-size",
-            "2",
-            "--exits",
-            "none",
-        ],
-    )
+    text = runner.invoke(app, batch)
     assert text.exit_code == 0, text.stderr
     assert "batch of 2: 6 tokens in" in text.stderr and "measured full depth" not in text.stderr
 

@@ -340,16 +340,16 @@ def _gate_call(rt: ArtifactRuntime, layer: int, hidden: np.ndarray) -> Callable[
 
 def _bound_exit_calls(
     calls: dict[str, Callable[[], object]], rt: ArtifactRuntime, sig: Signal, h1: np.ndarray, past: int, k: int
-) -> bool:
+) -> None:
     """Where the runner decides exits on the bound chain (runtime/chain.py: one row, greedy, the decision inside
     the exit graph), time each exit's decision as that chain makes it: its bound graph call and the two scalars it
     reads. Each exit as the first active one (its candidates picked) and as a later one (scoring the candidates an
-    earlier exit bound). Returns whether it did (False: the artifact's exit graphs cannot decide in-graph, or the
-    signal is not one they decide: the host decides, on the chain as on the general path, timed so)."""
+    earlier exit bound). Nothing where the artifact's exit graphs cannot decide in-graph or the signal is not one
+    they decide: the host decides those, on the chain as on the general path, timed so."""
     m = rt.manifest
     exits = list(m.exit_layers)
     if "chain" not in calls or rt.device != "cpu" or not decides_in_graph(rt, exits, sig):
-        return False  # the host decides these exits on the chain: as the general path's decisions are timed
+        return  # the host decides these exits on the chain: as the general path's decisions are timed
     never = {c: float("inf") for c in sig.criteria}  # thresholds do not change the graph's work
 
     def decision(chain: DecodeChain, layer: int) -> Callable[[], object]:
@@ -371,7 +371,6 @@ def _bound_exit_calls(
             pair = DecodeChain(rt, rt.new_kv(1, past + 4), 0, {exits[0]: never, layer: never}, sig, k)
             decision(pair, exits[0])()
             calls[f"local.{layer}"] = decision(pair, layer)
-    return True
 
 
 def block_call(rt: ArtifactRuntime, kv: KVBuffers, layer: int, h: np.ndarray, past: int) -> Callable[[], object]:

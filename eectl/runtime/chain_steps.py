@@ -115,7 +115,7 @@ def chain_step(
         place=runner.place,
         pick=pick,
         prompt=prompt,
-        host=_host(runner, elsewhere),
+        host=None if chain.in_graph else _host(runner, elsewhere),  # the exit graphs decide: nothing asked of it
     )
     st.decide_s += done.decide_s
     st.count_decisions(done.decided, done.picked)
