@@ -242,7 +242,8 @@ def test_copy_with_blocks_equals_incremental_copy_simulation(block_artifacts, bl
 
 
 def test_batch_rows_with_blocks_equal_rows_alone(block_artifacts, monkeypatch):
-    """Batched rows (their blocks batched like their segments, rows with several positions alone) == rows alone."""
+    """Batched rows (their blocks batched like their segments, rows with several positions alone) == rows alone, on
+    the bound chain and the general path alike, the blocks' K/V included."""
     import eectl.runtime.segment_rows as segment_rows_module
 
     loaded, heads, rt = block_artifacts["gemma3_text"]
@@ -256,10 +257,19 @@ def test_batch_rows_with_blocks_equal_rows_alone(block_artifacts, monkeypatch):
     )
     for policy in ("defer", "verify", "copy"):
         alone = [_runner(rt, policy, thresholds, new=15).generate([p])[0] for p in prompts]
-        batch = _runner(rt, policy, thresholds, new=15).generate(prompts)
-        assert [g.token_ids for g in batch] == [g.token_ids for g in alone], policy
-        assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone], policy
-    assert batched and max(batched) > 1  # the batched block call ran, for several rows at once
+        caches = []
+        for bound in (True, False):  # the bound chain (runtime/chain_rows.py), then the general path
+            runner = _runner(rt, policy, thresholds, new=15, bound=bound)
+            batch = runner.generate(prompts)
+            assert [g.token_ids for g in batch] == [g.token_ids for g in alone], (policy, bound)
+            assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone], (policy, bound)
+            caches.append(runner.last_kv)
+        chain, general = caches
+        assert (chain.filled == general.filled).all()  # the blocks' own K/V slots included
+        for slot in (rt.manifest.exit_at(e).block.kv_slot for e in EXITS):
+            n = int(chain.filled[:, slot].min())
+            np.testing.assert_array_equal(chain.batch_keys[slot][:, :, :n], general.batch_keys[slot][:, :, :n])
+    assert batched and max(batched) > 1  # the general path's batched block call ran, for several rows at once
 
 
 def test_inactive_block_exit_costs_nothing_and_a_block_out_of_step_is_refused(block_artifacts):

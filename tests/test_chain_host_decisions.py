@@ -139,3 +139,57 @@ def test_block_exit_heads_under_a_cached_prompt_prefix(block_artifacts, policy):
     n = int(kv.filled[0].min())
     for mine, other in zip(kv.batch_keys + kv.batch_values, kv_fresh.batch_keys + kv_fresh.batch_values, strict=True):
         np.testing.assert_array_equal(mine[0, :, :n], other[0, :, :n])
+
+
+def _counting_general_steps(monkeypatch) -> list[int]:
+    """The rows of each step the general path (`Runner._steps`) takes from now on, in the returned list."""
+    general: list[int] = []
+    real = Runner._steps
+
+    def steps(self, kv, work, *a):
+        general.append(len(work))
+        return real(self, kv, work, *a)
+
+    monkeypatch.setattr(Runner, "_steps", steps)
+    return general
+
+
+def _same_batches(got, kv, plain, kv_plain):
+    assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    assert [g.exit_layers for g in got] == [p.exit_layers for p in plain]
+    assert [g.decided for g in got] == [p.decided for p in plain]
+    assert [(g.drafted, g.rejected_drafts) for g in got] == [(p.drafted, p.rejected_drafts) for p in plain]
+    assert (kv.filled == kv_plain.filled).all()
+    n = int(kv.filled.min())
+    for mine, other in zip(kv.batch_keys + kv.batch_values, kv_plain.batch_keys + kv_plain.batch_values, strict=True):
+        assert (mine[:, :, :n] == other[:, :, :n]).all()
+
+
+@pytest.mark.parametrize("signal", ["topk-prob", "full-prob", "cosine-min"])
+@pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
+def test_a_batch_with_exits_steps_on_the_chain_as_on_the_general_path(runtimes, signal, policy, monkeypatch):  # noqa: F811
+    """A batch's steps with exits (runtime/chain_rows.py: per segment, the one-position rows in the batch chain's
+    bound call, the wide rows on their slots' chains; one decision per exit, in the graphs or on the host): 5
+    prompts in 3 slots (rows join freed slots), greedy, then sampled and gated. Every step on the chain, and the
+    same tokens, exit layers, decisions, drafts and KV cache as the general path."""
+    loaded, rt = runtimes["llama"]
+    prompts = _prompts(loaded.adapter.dims.vocab_size, 5)
+    thresholds = _thresholds(rt, signal, prompts[1:2], monkeypatch)
+    H = rt.manifest.dims["hidden_size"]
+    w = np.random.default_rng(3).standard_normal(H).astype(np.float32)
+    general = _counting_general_steps(monkeypatch)
+    for sampled, gated in ((False, False), (True, False), (False, True)):
+        if sampled and policy == "verify":
+            continue  # greedy only
+        cfg = dataclasses.replace(_config(signal, policy, thresholds, False, new=16), temperature=0.8 * sampled)
+        runs = []
+        for bound in (True, False):
+            general.clear()
+            runner = Runner(rt, dataclasses.replace(cfg, bound=bound))
+            if gated:  # exit 2's gate opens for some tokens only: exit 4 picks the candidates of the others
+                runner.gates = {2: (w, 0.0, 0.0)}
+            runs.append((runner.generate(prompts, slots=3), runner.last_kv, list(general)))
+        (got, kv, chain_steps), (plain, kv_plain, plain_steps) = runs
+        assert chain_steps == [] and max(plain_steps) > 1, (sampled, gated)  # the chain took every step, batched
+        assert any(e < rt.manifest.num_layers for p in plain for e in p.exit_layers[1:]), (sampled, gated)
+        _same_batches(got, kv, plain, kv_plain)

@@ -37,7 +37,9 @@ def _repetitive(seed: int, vocab: int) -> list[int]:
     return phrase * 3 + _ids(seed + 100, 4, vocab)
 
 
-def _gen(rt, prompts, drafts=0, policy="verify", exits=(), thresholds=0.0, new=40, slots=None, stop=(), shortest=1):
+def _gen(rt, prompts, drafts=0, policy="verify", exits=(), thresholds=0.0, new=40, slots=None, stop=(), shortest=1,
+         bound=None):  # fmt: skip
+    """Generate; with `bound` given, the Runner (its RunConfig.bound so) instead, nothing generated."""
     cfg = RunConfig(
         exits=list(exits),
         thresholds={e: {"prob": thresholds} for e in exits},
@@ -47,7 +49,10 @@ def _gen(rt, prompts, drafts=0, policy="verify", exits=(), thresholds=0.0, new=4
         prompt_drafts=drafts,
         stop_ids=tuple(stop),
         draft_min=shortest,
+        bound=True if bound is None else bound,
     )
+    if bound is not None:
+        return Runner(rt, cfg)
     return Runner(rt, cfg).generate(prompts, slots=slots)
 
 
@@ -162,17 +167,38 @@ def test_prompt_drafts_beside_exit_drafts_equal_full_depth(artifacts, family, at
     assert attempts
 
 
-def test_rows_draft_independently_in_a_batch(artifacts, family, attempts):
-    """Three prompts on two slots: rows with and without drafts in one step (wide single-row calls beside the
-    batched one, on the general path), each row's tokens those of its prompt at full depth alone."""
+def test_rows_draft_independently_in_a_batch(artifacts, family, attempts, monkeypatch):
+    """Three prompts on two slots: rows with and without drafts in one step (their wide calls beside the batched
+    one: runtime/chain_rows.py; the general path's alike), each row's tokens those of its prompt at full depth alone,
+    and the chain's drafts, exits and cache those of the general path."""
     rt = artifacts[family]
     V = rt.manifest.dims["vocab_size"]
     prompts = [_repetitive(5, V), _ids(6, 9, V), _repetitive(7, V)[:14]]
     alone = [_gen(rt, [p], new=24)[0].token_ids for p in prompts]
+    from tests.test_chain_host_decisions import _counting_general_steps
+
+    general = _counting_general_steps(monkeypatch)
     for exits in ((), (2, 4)):
-        got = _gen(rt, prompts, drafts=4, exits=exits, thresholds=0.3, new=24, slots=2)
-        assert [g.token_ids for g in got] == alone, exits
-        assert sum(g.prompt_accepted for g in got) > 0
+        runs = []
+        for bound in (True, False):
+            runner = _gen(rt, prompts, drafts=4, exits=exits, thresholds=0.3, new=24, slots=2, bound=bound)
+            got = runner.generate(prompts, slots=2)
+            assert [g.token_ids for g in got] == alone, (exits, bound)
+            assert sum(g.prompt_accepted for g in got) > 0
+            runs.append((got, runner.last_kv))
+            assert (general == []) == bound, (exits, bound)  # the chain took every step, the general path the others
+            general.clear()
+        (got, kv), (plain, kv_plain) = runs
+        assert [(g.exit_layers, g.drafted, g.prompt_accepted) for g in got] == [
+            (p.exit_layers, p.drafted, p.prompt_accepted) for p in plain
+        ]
+        if not exits:  # the full-depth chain moved its last rows onto the first (slots.py `narrowed`)
+            continue
+        assert (kv.filled == kv_plain.filled).all()
+        n = int(kv.filled.min())
+        mine_all, other_all = kv.batch_keys + kv.batch_values, kv_plain.batch_keys + kv_plain.batch_values
+        for mine, other in zip(mine_all, other_all, strict=True):
+            assert (mine[:, :, :n] == other[:, :, :n]).all()
     assert attempts
 
 

@@ -203,34 +203,54 @@ def test_copy_fills_every_layer_and_matches_exit_lens_at_one_exit(artifacts, fam
 
 def test_batch_rows_equal_rows_alone(artifacts, family, monkeypatch):
     """Batched rows (one segment call for the rows that reach it, exited rows' deferred states riding along in
-    deeper calls, or waiting with ride_along off) give each row exactly its tokens and exits alone, every policy."""
+    deeper calls, or waiting with ride_along off) give each row exactly its tokens and exits alone, every policy,
+    on the bound chain (runtime/chain_rows.py) and on the general path alike, with the same cache."""
+    from eectl.runtime import chain_rows
+
     loaded, rt = artifacts[family]
     v = loaded.adapter.dims.vocab_size
     prompts = [_prompt(5, 7, v), _prompt(6, 12, v), _prompt(7, 3, v), _prompt(8, 5, v)]
     thresholds = _median_thresholds(loaded, prompts[0], 15)
-    rides, mixed = [], []
-    ride = Runner._ride
+    rides: dict[bool, list[int]] = {True: [], False: []}  # bound -> the deeper calls an exited row's state rode in
+    ride, rode = Runner._ride, chain_rows._rode
 
-    def counting(self, st, s):  # counts the deeper calls an exited row's state actually rode along in
+    def counting(self, st, s):  # the general path's rides
         gen = ride(self, st, s)
         try:
             ask = next(gen)
             while True:
                 answer = yield ask
-                rides.extend([1] if answer is not None else [])
+                rides[False].extend([1] if answer is not None else [])
                 ask = gen.send(answer)
         except StopIteration:
             return
 
+    def chained(*args):  # the chain's
+        rides[True].append(1)
+        return rode(*args)
+
     monkeypatch.setattr(Runner, "_ride", counting)
+    monkeypatch.setattr(chain_rows, "_rode", chained)
+    mixed = []
     for policy in rt.manifest.kv_policies:  # river needs an artifact with river copies: tests/test_river.py
         alone = [_runner(rt, policy, thresholds, new=15).generate([p])[0] for p in prompts]
         for ride_along in (True, False):
-            batch = _runner(rt, policy, thresholds, new=15, ride_along=ride_along).generate(prompts)
-            mixed.append(any(_mixed(g.exit_layers) for g in batch))
-            assert [g.token_ids for g in batch] == [g.token_ids for g in alone], (policy, ride_along)
-            assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone], (policy, ride_along)
-    assert any(mixed) and rides  # rows exited at different depths, and the riding path ran
+            caches = []
+            for bound in (True, False):
+                runner = _runner(rt, policy, thresholds, new=15, ride_along=ride_along, bound=bound)
+                batch = runner.generate(prompts)
+                mixed.append(any(_mixed(g.exit_layers) for g in batch))
+                assert [g.token_ids for g in batch] == [g.token_ids for g in alone], (policy, ride_along, bound)
+                assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone], (policy, ride_along, bound)
+                caches.append(runner.last_kv)
+            chain, general = caches
+            assert (chain.filled == general.filled).all()
+            n = int(chain.filled.min())
+            for mine, theirs in zip(
+                chain.batch_keys + chain.batch_values, general.batch_keys + general.batch_values, strict=True
+            ):
+                np.testing.assert_array_equal(mine[:, :, :n], theirs[:, :, :n])
+    assert any(mixed) and rides[True] and rides[False]  # rows exited at different depths, and both rode along
 
 
 def test_rows_join_and_leave_between_steps(artifacts, family):
@@ -297,8 +317,8 @@ def test_calls_reuse_the_last_calls_cache_and_chain(artifacts, policy):
     runner.generate([a, b])  # two rows
     assert runner.last_kv is not grown and runner.last_kv.rows == 2
     two = runner.last_kv
-    slots = dict(runner._kept.prompt_chains)  # the one-row chains each slot's prompt ran on (full depth: exits in a
-    assert len(slots) == (2 if policy == "full" else 0)  # batch step on the general path)
+    slots = dict(runner._kept.prompt_chains)  # the one-row chains each slot's prompt (and wide calls) ran on
+    assert len(slots) == 2
     alone_b = fresh().generate([b])[0].token_ids
     assert [g.token_ids for g in runner.generate([b, a])] == [alone_b, first.token_ids]
     assert runner.last_kv is two and runner._kept.prompt_chains == slots
@@ -324,16 +344,16 @@ def test_sampling_is_deterministic_for_a_seed(artifacts):
 @pytest.mark.parametrize("policy", ["full", "defer", "copy"])
 def test_sampled_decode_runs_on_the_chain_as_on_the_general_path(artifacts, family, policy, monkeypatch):
     """Sampling (temperature, top-p) steps on the bound chain: one row at full depth or with exits decided in the
-    graphs (the exiting token sampled from its K candidates), and a batch of rows at full depth, its prompts
-    included (each on its slot's chain, every row's logits picked in row order) and prompts joining freed slots.
+    graphs (the exiting token sampled from its K candidates), and a batch of rows, its prompts included (each on its
+    slot's chain, every row's final logits picked in row order) and prompts joining freed slots.
     Same seed, same tokens, exit layers and KV cache as the general path, which then runs no step at all."""
     loaded, rt = artifacts[family]
     V = loaded.adapter.dims.vocab_size
     prompts = [_prompt(31, 7, V), _prompt(32, 5, V), _prompt(33, 9, V)]
     exits = [] if policy == "full" else EXITS
     thresholds = {} if policy == "full" else _median_thresholds(loaded, prompts[0], 20)
-    # exits in a batch step on the general path; (prompts, slots): all at once, and 3 prompts in 2 slots
-    batches = [(prompts[:1], None)] if exits else [(prompts[:1], None), (prompts, None), (prompts, 2)]
+    # (prompts, slots): one, all at once, and 3 prompts in 2 slots (a batch with exits: runtime/chain_rows.py)
+    batches = [(prompts[:1], None), (prompts, None), (prompts, 2)]
 
     def run(batch, bound=True):
         runner = _runner(rt, "defer" if policy == "full" else policy, thresholds, exits, 20, temperature=1.3,

@@ -43,9 +43,9 @@ bound for that step only (`step_exits(..., prompt=True)`).
 A block exit head (runtime/blocks.py) runs after its segment on the segment's output (wide where the segment ran
 wide: its own K/V advance with the segment's last layer's), and its output is what the exit reads (`exit_input`).
 
-What it does not do: prompts padded into one call for a batch, exits in a batch of rows, exit steps on a device
-(pending states are host arrays): the runner's general path (`Runner._steps`) does, and writes the same cache this
-chain continues.
+A batch's steps with exits or drafts (CPU): a chain over its rows with the run's exits beside one-row chains of its
+slots (runtime/chain_rows.py). What it does not do: prompts padded into one call, exit steps on a device (pending
+states are host arrays): the runner's general path (`Runner._steps`) does, writing the cache this chain continues.
 """
 
 from __future__ import annotations
@@ -97,17 +97,18 @@ class DecodeChain:
         rows: int = 1,
         certified_head: bool = True,
     ) -> None:
-        """`rows`: the span of rows bound (row .. row + rows - 1; more than one: full depth only). `exits`: active
-        exit layer -> its thresholds, decided by `signal` over `top_k` candidates (`chain_exits_supported`); none:
-        full depth only (`step`). `gates`: exit layer -> its gate (eectl.exits.gates: weight, bias, threshold),
-        tested on the exit's input state first. `certified_head` False: the full head every step (`_head`). Exits
-        whose graphs do not decide `signal`: the host decides them (`step_exits`'s `host`)."""
+        """`rows`: the span of rows bound (row .. row + rows - 1; with exits, several rows step through
+        runtime/chain_rows.py, which decides them). `exits`: active exit layer -> its thresholds, decided by `signal`
+        over `top_k` candidates (`chain_exits_supported`); none: full depth only (`step`). `gates`: exit layer -> its
+        gate (eectl.exits.gates: weight, bias, threshold), tested on the exit's input state first. `certified_head`
+        False: the full head every step (`_head`). Exits whose graphs do not decide `signal`: the host decides them
+        (`step_exits`'s `host`)."""
         m = rt.manifest
         final = rt.full_graphs[m.num_layers]
         if "token" not in final.io.outputs:  # an artifact exported before the in-graph argmax
             raise UsageError("this artifact's final head has no token output", hint="re-export it")
-        if rows < 1 or (rows > 1 and exits):
-            raise UsageError("a bound chain spans several rows at full depth only")
+        if rows < 1:
+            raise UsageError(f"a bound chain spans at least one row, not {rows}")
         self.rt, self.kv, self.row, self.rows = rt, kv, row, rows
         H, dtype, n = m.dims["hidden_size"], rt.np_dtype, rows
         self.ids = np.zeros((n, 1), np.int64)  # host inputs, written in place before each step
@@ -144,11 +145,8 @@ class DecodeChain:
         self.gates = {rt.segment_of_layer[e]: g for e, g in (gates or {}).items()}  # segment -> the gate after it
         self._decisions: dict[tuple[int, int | None], BoundExit] = {}  # (layer, picker) -> bound
         self._signal, self._thresholds, self._k = signal, exits or {}, top_k
-        # each exit's decision (later ones scoring the first's picks); gated, every (exit, picker) pair, bound now
-        for i, layer in enumerate(layers if self.in_graph else []):
-            self.exits[rt.segment_of_layer[layer]] = self._decision(layer, layers[0] if i else None)
-            for picker in [None, *layers[:i]] if self.gates else []:
-                self._decision(layer, picker)
+        if self.in_graph and rows == 1:  # several rows: decided in chain_rows.py
+            self._bind_decisions(layers)
         # several rows on the CPU EP: the head whose table ORT packed once (tables.PackedHeads), not per call
         packed = rt.packed_head(m.num_layers) if n > 1 else None
         io = self._bind(final, packed)
@@ -165,6 +163,13 @@ class DecodeChain:
         rt._bind_array(io, final.name("candidate_logits"), self._buffer((n, 1), dtype), output=True)
         # the certified head (runtime/certified_head.py), where the artifact has one and the run asks for it
         self.certified = CertifiedHead.bind(rt, self._view(hops[-1], (n, H), dtype), n) if certified_head else None
+
+    def _bind_decisions(self, layers: list[int]) -> None:
+        """Each exit's decision (later ones scoring the first's picks); gated, every (exit, picker) pair, bound now."""
+        for i, layer in enumerate(layers):
+            self.exits[self.rt.segment_of_layer[layer]] = self._decision(layer, layers[0] if i else None)
+            for picker in [None, *layers[:i]] if self.gates else []:
+                self._decision(layer, picker)
 
     def _bind_segment(
         self, io: Any, s: int, x: Any, out: Any, seqlens_k: np.ndarray, total: np.ndarray

@@ -3,70 +3,38 @@ steps it takes (`chain_tokens`: prompts on the CPU EP, each in a one-row chain o
 row's step on it with the KV policy's hooks called as the general path calls them (`chain_step`; under teacher
 forcing, the fed token scored where the step decided it).
 
-What this module does not do: bind or run graphs (chain.py), or step rows the chain does not take (runner.py's
-general path: prompts padded into one call, wide steps of a batch, exits in a batch of rows, device-resident exit
-steps).
+What this module does not do: bind or run graphs (chain.py), a batch's step with exits or drafts (chain_rows.py), or
+step rows the chain does not take (runner.py's general path: prompts padded into one call, device-resident exit
+steps, exits or drafts in a batch off the CPU EP).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from eectl.exits.signals import Signal
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.chain_parts import HostDecide, Pick
+from eectl.runtime.chain_rows import rows_step
 from eectl.runtime.exit_logits import Decide
 from eectl.runtime.kv import KVBuffers
-from eectl.runtime.placement import Placement
-from eectl.runtime.policies import KVPolicy
-from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.slots import Kept, shared
-from eectl.runtime.state import RowState, RunConfig
+from eectl.runtime.state import RowState
+from eectl.runtime.stepping import Runner
 
 
-class Runner(Protocol):
-    """What the chain's steps read of the runner (runner.Runner, which imports this module)."""
-
-    rt: ArtifactRuntime
-    cfg: RunConfig
-    policy: KVPolicy
-    signal: Signal
-    exits: list[int]
-    gates: dict[int, Any]
-    L: int
-    place: Placement  # the generate call's: the chain's steps record their host reads there
-
-    def _resident_wanted(self) -> bool: ...
-
-    def _pad(self) -> bool: ...
-
-    def sampler(self) -> Pick | None: ...
-
-    @staticmethod
-    def _forced(st: RowState, logits: np.ndarray) -> int: ...
-
-    def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int: ...
-
-    def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[Any, int, Any]]: ...
-
-    def _pick_score(self, score: Any, i: int) -> int: ...
-
-
-def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
-    """The bound call chain for decode, greedy or sampled, with a final head that has the in-graph argmax: full depth
-    for any number of rows (on every provider: the states stay where the graphs run), or, for one row on the CPU EP,
-    active exits under every policy (decided in the exit graphs, or on the host: `chain_exits_supported`). None where
-    the general path steps."""
+def chain_for(runner: Runner, kv: KVBuffers, rows: int, row: int = 0) -> DecodeChain | None:
+    """The bound call chain for decode from `row` over `rows` rows, greedy or sampled, with a final head that has the
+    in-graph argmax: full depth (on every provider: the states stay where the graphs run), or, on the CPU EP, active
+    exits under every policy (decided in the exit graphs, or on the host: `chain_exits_supported`; a batch's rows
+    through chain_rows.py). None where the general path steps."""
     rt, cfg, exits = runner.rt, runner.cfg, runner.exits
     final = rt.full_graphs[runner.L]
     if "token" not in final.io.outputs:
         return None
     if any(g.session is None for g in rt.segments):  # a runtime holding one segment at a time
         return None
-    if rows > 1:
-        return None if exits else DecodeChain(rt, kv, 0, rows=rows, certified_head=cfg.certified_head)
     if exits and (
         not chain_exits_supported(rt, exits, runner.signal)
         or runner._resident_wanted()  # the binding plan's executor keeps exit steps device-resident (#15)
@@ -74,7 +42,8 @@ def chain_for(runner: Runner, kv: KVBuffers, rows: int) -> DecodeChain | None:
     ):
         return None
     thresholds = {e: cfg.thresholds[e] for e in exits}
-    return DecodeChain(rt, kv, 0, thresholds, runner.signal, cfg.top_k, runner.gates, certified_head=cfg.certified_head)
+    certified = cfg.certified_head
+    return DecodeChain(rt, kv, row, thresholds, runner.signal, cfg.top_k, runner.gates, rows, certified)
 
 
 def chain_step(
@@ -200,13 +169,14 @@ def chain_tokens(
     kept: Kept,
 ) -> dict[int, int] | None:
     """The step on the bound chain (slot -> token), or None where the general path takes it. One row: its prompt
-    (CPU), a full-depth step, or a step with exits or drafts (wide: CPU). A batch (full depth only: chain_for):
-    each new prompt on a one-row chain of its slot (CPU, prompts not padded into one call: `_pad`), fed after the
-    longest beginning of it another row holds (`kept`'s prompts: slots.py `shared`), then the other rows' step over
-    the batch's chain; sampled, every row's logits are kept and the rows picked in row order afterwards (as the
-    general path picks them). Drafts in a batch take the general path: it runs each segment for every row, the
-    drafted rows' wide calls beside the batched one, where rows stepping one after the other on their own chains
-    read each segment's weights once per row (1.4% slower measured: docs/results/2026-12-05-one-row-chain.md)."""
+    (CPU), a full-depth step, or a step with exits or drafts (wide: CPU). A batch: each new prompt on a one-row chain
+    of its slot (CPU, prompts not padded into one call: `_pad`), fed after the longest beginning of it another row
+    holds (`kept`'s prompts: slots.py `shared`), then the other rows' step over the batch's chain: at full depth its
+    `step`, with exits or drafts (CPU) chain_rows.py's, each segment run for every row (the drafted and deferred
+    rows' wide calls beside the batched one: a segment's weights read once a step, where rows stepping one after the
+    other on their own chains read them once a row, 1.4% slower: docs/results/2026-12-05-one-row-chain.md). Sampled,
+    the logits of the rows reaching the final head are kept and picked in row order afterwards (as the general path
+    picks them)."""
     cpu, wide = runner.rt.device == "cpu", any(drafted.values())
     if chain.rows == 1:
         st = live[0][0]
@@ -218,7 +188,7 @@ def chain_tokens(
             return one
         return {0: chain_step(runner, chain, st, kv, drafted.get(0, 0))} if not wide or cpu else None
     sampler = runner.sampler()
-    if wide or (fresh and (not cpu or runner._pad())):
+    if ((wide or runner.exits) and not cpu) or (fresh and (not cpu or runner._pad())):
         return None
     tokens: dict[int, int] = {}
     logits: dict[int, np.ndarray] = {}  # sampled: each row's final logits, picked in row order at the end
@@ -226,36 +196,45 @@ def chain_tokens(
     for s in sorted(fresh):
         st = live[s][0]
         st.reused = shared(runner.rt, kept, s, st.tokens, held)  # another row's copy of its beginning, if longer
-        keep = _keeping(logits, [s]) if sampler is not None else None
+        keep = _keeping(logits, [s], sampler) if sampler is not None else None
         tokens[s] = chain_prompt(runner, slot_chain(runner, kept, s), st, kv, keep)
         held.append(s)
-    decode = {s: ids[0] for s, (_, ids) in live.items() if s not in fresh}
-    if decode:
+    decode = {s: ids[-1] for s, (_, ids) in live.items() if s not in fresh}
+    if decode and (wide or runner.exits):  # per segment, every row: chain_rows.py
+        rows = {s: live[s][0] for s in decode}
+        kept_logits = logits if sampler is not None else None
+        tokens.update(rows_step(runner, chain, lambda s: slot_chain(runner, kept, s), rows, drafted, kept_logits))
+    elif decode:
         keep = _keeping(logits, sorted(decode)) if sampler is not None else None  # the chain picks in row order
         stepped = chain.step(decode, place=runner.place, pick=keep)
         for s in stepped:
             live[s][0].exit_layers.append(runner.L)
         tokens.update(stepped)
-    if sampler is not None:
-        tokens = {s: sampler(logits[s], None) for s in sorted(tokens)}
+    if sampler is not None:  # the rows that reached the final head, in row order (exits picked at once)
+        tokens.update({s: sampler(logits[s], None) for s in sorted(logits)})
     return tokens
 
 
 def slot_chain(runner: Runner, kept: Kept, slot: int) -> DecodeChain:
-    """A one-row full-depth chain of a batch's slot (kept for the generate call): its prompts, verify's closing pass
-    over a row's unchecked drafts."""
+    """A one-row chain of a batch's slot (kept for the generate call), with the run's exits where the batch has
+    them: its prompts, its wide calls in a batch's step (chain_rows.py), verify's closing pass over its drafts."""
     if slot not in kept.prompt_chains:
-        kept.prompt_chains[slot] = DecodeChain(runner.rt, kept.kv, slot, certified_head=runner.cfg.certified_head)
+        chain = chain_for(runner, kept.kv, 1, slot)
+        assert chain is not None, "a batch on a bound chain has one-row chains for its slots"
+        kept.prompt_chains[slot] = chain
     return kept.prompt_chains[slot]
 
 
-def _keeping(logits: dict[int, np.ndarray], slots: list[int]) -> Pick:
+def _keeping(logits: dict[int, np.ndarray], slots: list[int], sampler: Pick | None = None) -> Pick:
     """A pick that keeps the final logits [V] it is given (a copy: the chain's buffer is the next call's) in
-    `logits` under each of `slots` in turn, to be picked later; the token it returns (-1) is replaced."""
+    `logits` under each of `slots` in turn, to be picked later; the token it returns (-1) is replaced. An exiting
+    token's K candidates (a prompt of one token may exit) are picked at once by `sampler`."""
     order = iter(slots)
 
     def pick(z: np.ndarray, ids: np.ndarray | None) -> int:
-        assert ids is None  # full depth: the final head's logits
+        if ids is not None:
+            assert sampler is not None
+            return sampler(z, ids)
         logits[next(order)] = np.array(z, copy=True)
         return -1
 

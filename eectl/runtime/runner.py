@@ -4,8 +4,8 @@ Per generated token, the segments run in order; after each segment that ends at 
 tested (decide.py): in the exit graph where it computes the signal (graph_decide.py), else through
 `eectl.exits.signals.ExitScoring` on the ONNX exit graphs' outputs (`OrtExitLogits`): the same code calibrate runs in
 torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become is the KV policy's
-business (policies.py): the runner calls its hooks and stays a loop over segments. One row's steps on the CPU EP and
-full-depth steps run on the bound chain (chain_steps.py); this loop takes a batch's exits and drafts, device runs.
+business (policies.py): the runner calls its hooks. Every step on the CPU EP and full-depth steps everywhere run on
+the bound chain (chain_steps.py, chain_rows.py); this loop takes device runs with exits and padded prompt calls.
 
 Rows of a batch are independent sequences with their own cache rows and decisions, run in lock-step: per token
 every row's step runs until it needs a graph call, and a segment runs once for all rows that reach it with one new
@@ -405,7 +405,7 @@ class Runner:
                 if n:  # the row's last token, then its drafts: one wide pass through every layer
                     live[s] = (rows[seated[s]], rows[seated[s]].tokens[-n - 1 :])
             bound = None if chain is None else chain_tokens(self, chain, kv, live, fresh, drafted, kept)
-            # else: several positions for a row of a batch, exits in a batch, prompts off the CPU EP
+            # else: exits or drafts off the CPU EP, prompts padded into one call
             tokens = bound if bound is not None else self._steps(kv, live)
             for s in tokens:
                 if drafted.get(s):

@@ -89,8 +89,8 @@ def narrowed(rt: ArtifactRuntime, kept: Kept, chain: DecodeChain, seated: dict[i
     """The chain the next step of the rows still decoding runs on (`seated`: slot -> prompt, updated where rows
     move): `chain` itself while they fill more than half of its rows, else the narrower chain over the cache's first
     rows, where they have moved (in slot order). Full-depth batch chains on the CPU EP only (their K/V move on the
-    host); one-row chains stay."""
-    if chain.rows == 1 or len(seated) > chain.rows // 2 or rt.device != "cpu":
+    host); one-row chains and chains with exits stay."""
+    if chain.rows == 1 or chain.exit_at or len(seated) > chain.rows // 2 or rt.device != "cpu":
         return chain
     for dst, src in enumerate(sorted(seated)):  # dst <= src: every row below src has moved already
         if src != dst:

@@ -1,0 +1,244 @@
+"""A batch's decode step with exits or drafts on bound calls (the CPU EP): `rows_step`.
+
+Per segment, every row that reaches it: the rows feeding one position share the batch chain's bound call
+(runtime/chain.py: one call over the span of rows, each at its own length; the others write only their scratch
+slot), then each row carrying more positions (defer's pending states, verify's drafts, drafts from the context) runs
+its wide call, bound once per (segment, width) on its slot's own one-row chain. So a segment's weights are read once
+a step, as the general path (`Runner._steps`) reads them, and nothing is rebound or gathered into fresh arrays between
+calls. After a segment with an active exit, the rows that may exit are tested in one decision (runtime/decide.py,
+on the states in the chains' buffers); a row that exits gets its token and the policy's hooks at once, and its
+deferred state rides along in the deeper calls other rows run anyway (`RunConfig.ride_along`, as `Runner._ride`).
+The rows reaching the final layer share one final head call (a wide row's last position copied to its row of the
+head's input), except where verify checks drafts over a wide row's every position (`KVPolicy.on_final`).
+
+Same tokens, exit layers and cache as the general path: tests/test_runner.py.
+What this module does not do: prompts (each on its slot's chain: chain_steps.py), device buffers, teacher forcing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from eectl.errors import UsageError
+from eectl.runtime.batch import BatchKV, _past
+from eectl.runtime.chain import DecodeChain
+from eectl.runtime.exit_logits import Decide
+from eectl.runtime.state import RowState
+from eectl.runtime.stepping import Runner
+
+
+@dataclass
+class _Step:
+    """One batch step's rows: each row's state, the row's token total after this step's positions, the wide output
+    each wide row continues from, the candidates an exit picked, and the rows riding (row -> the next segment)."""
+
+    live: dict[int, RowState]
+    may: dict[int, bool]
+    total: dict[int, int]
+    alive: set[int]
+    flow: dict[int, np.ndarray] = field(default_factory=dict)
+    cands: dict[int, Any] = field(default_factory=dict)
+    decided: set[int] = field(default_factory=set)
+    riders: dict[int, int] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+
+
+def rows_step(
+    runner: Runner,
+    chain: DecodeChain,
+    one: Any,
+    live: dict[int, RowState],
+    drafted: dict[int, int],
+    logits: dict[int, np.ndarray] | None = None,
+) -> dict[int, int]:
+    """One decode step of the rows `live` (slot -> its state, each feeding its last token, and its drafts from the
+    context where `drafted` has some) on the batch chain `chain` (rows 0..n-1 of the cache, with the run's exits);
+    `one(slot)`: the slot's one-row chain (its wide calls). Returns slot -> token. `logits` (sampling): the final
+    head's logits [V] (copies) of each row reaching it go there, to be picked by the caller in row order with other
+    rows' (their tokens here are -1); an exiting row's token is picked from its exit's candidates at once."""
+    rt, policy = runner.rt, runner.policy
+    kv, first = chain.kv, chain.row
+    chain.ids[:, 0] = 0
+    may, total = {}, {}
+    for r, st in live.items():
+        assert st.forced is None, "teacher-forced rows step one at a time"
+        n = drafted.get(r, 0)
+        if n:  # the row's tokens before its last as embeddings waiting at segment 0 (drafts from the context)
+            st.pending[0] = rt.embed(np.array([st.tokens[-n - 1 : -1]], dtype=np.int64))
+        chain.ids[r - first, 0] = st.tokens[-1]
+        may[r] = policy.may_exit(st) and not n
+        total[r] = int(kv.filled[r, 0]) + (0 if st.pending[0] is None else st.pending[0].shape[1]) + 1
+        if total[r] > kv.max_len:
+            raise UsageError(f"the sequence reached {total[r]} tokens, beyond the KV buffer of {kv.max_len}")
+    step = _Step(live, may, total, set(live))
+    session, io = chain.calls[0]
+    session.run_with_iobinding(io)  # embed every row's token
+    segments = len(chain.segment_calls)
+    for s in range(segments):
+        _segment(runner, chain, one, step, s)
+        layer = chain.exit_at.get(s)
+        if layer is not None:
+            _decide(runner, chain, one, step, s, layer)
+    _final(runner, chain, step, logits)
+    return step.tokens
+
+
+def _segment(runner: Runner, chain: DecodeChain, one: Any, step: _Step, s: int) -> None:
+    """Segment s for the rows that reach it: the batched call for the one-position rows and the riders (where any
+    row runs the segment), then each wide row's call."""
+    kv, first, live = chain.kv, chain.row, step.live
+    assert isinstance(kv, BatchKV)  # a chain over several rows binds a batch's buffers
+    lo, hi = runner.rt.manifest.segments[s].layers
+    ones = [r for r in sorted(step.alive) if r not in step.flow and live[r].pending[s] is None]
+    wides = [r for r in sorted(step.alive) if r not in ones]
+    riders = _riders(runner, step, s) if ones or wides else []
+    batched = ones + riders
+    if batched:
+        for r in riders:  # the rider's deferred state, where this segment's input is
+            waiting = live[r].pending[s]
+            assert waiting is not None
+            chain.hops[s][r - first] = waiting[0]
+        rows = np.arange(first, first + chain.rows)
+        past = _past(kv, rows, lo, hi)
+        if int(past.max()) + 1 > kv.capacity:  # an idle row already at its maximum has no scratch slot
+            raise RuntimeError(f"row lengths {past} leave no scratch slot in a buffer of {kv.capacity}")
+        chain.seqlens_k[:] = past
+        chain.total[()] = int(past.max()) + 1
+        active = np.zeros(kv.filled.shape[0], dtype=bool)
+        active[batched] = True
+        session, io = chain.segment_calls[s]
+        session.run_with_iobinding(io)
+        kv.advance(active, lo, hi)
+        if s in chain.blocks:  # the active exit's block head, on the same rows
+            block = chain.blocks[s]
+            block.session.run_with_iobinding(block.io)
+            kv.advance(active, block.slot, block.slot + 1)
+        for r in riders:
+            _rode(runner, chain, step, r, s)
+    for r in wides:
+        st, c = live[r], one(r)
+        if r not in step.flow:  # the token's state arrives from the batched call before
+            c.hops[s][...] = chain.hops[s][r - first : r - first + 1]
+        step.flow[r] = c._segment(s, st.pending[s], step.flow.get(r), step.total[r])
+        st.pending[s] = None  # flushed: its positions are in the cache now
+
+
+def _riders(runner: Runner, step: _Step, s: int) -> list[int]:
+    """The exited rows whose deferred state rides along in segment s (one position waiting there), as
+    `Runner._ride`: riding stops at the first segment where the state is not one position, and before the final
+    segment where the policy checks states there (verify)."""
+    final = len(runner.m.segments) - 1
+    end = final if runner.policy.checks_at_final else final + 1
+    out = []
+    for r, t in list(step.riders.items()):
+        x = step.live[r].pending[s] if t == s and s < end else None
+        if x is None or x.shape[1] != 1:
+            del step.riders[r]
+        else:
+            out.append(r)
+    return out
+
+
+def _rode(runner: Runner, chain: DecodeChain, step: _Step, r: int, s: int) -> None:
+    """The rider's state went through segment s: it waits at the next segment's input, behind earlier positions."""
+    st = step.live[r]
+    st.pending[s] = None
+    step.riders[r] = s + 1
+    if s < len(runner.m.segments) - 1:
+        out = chain.hops[s + 1][r - chain.row : r - chain.row + 1].copy()
+        prev = st.pending[s + 1]
+        st.pending[s + 1] = out if prev is None else np.concatenate([prev, out], axis=1)
+
+
+def _where(chain: DecodeChain, one: Any, step: _Step, r: int, s: int) -> tuple[Any, Any, Any]:
+    """Row r's state after segment s as its exit reads it [1, 1, H], its last layer's input [H] and its segment's
+    block boundaries [layers + 1, H] (or None): in its slot's chain after a wide call, else in the batch chain."""
+    if r in step.flow:
+        c = one(r)
+        layer_in, blocks = c._layer_in
+        if blocks is not None:  # [1, (layers + 1) * P, H]: each boundary's last position
+            blocks = blocks.reshape(-1, layer_in.shape[1], blocks.shape[-1])[:, -1]
+        return c.exit_input(s), layer_in[0, -1], blocks
+    i = r - chain.row
+    layer_in, blocks = chain.layer_in[s]
+    return chain.exit_input(s)[i : i + 1], layer_in[i, -1], None if blocks is None else blocks[i]
+
+
+def _decide(runner: Runner, chain: DecodeChain, one: Any, step: _Step, s: int, layer: int) -> None:
+    """The exit after segment s for the rows that may exit and whose gate opens, in one decision; each row that
+    exits gets its token and the policy's hooks (`_exited`)."""
+    asks: dict[int, Decide] = {}
+    for r in sorted(step.alive):
+        st = step.live[r]
+        if not step.may[r]:
+            continue
+        at, layer_in, blocks = _where(chain, one, step, r, s)
+        if not runner.exit_test.gate_opens(runner.gates.get(layer), st, layer, at, runner.place):
+            continue
+        st.count_decisions([layer], None if r in step.decided else layer)
+        step.decided.add(r)
+        asks[r] = Decide(at[0, -1], layer_in, step.cands.get(r), blocks)
+    if not asks:
+        return
+    t0 = time.perf_counter()
+    answers = runner._decide_rows(layer, asks)
+    took = time.perf_counter() - t0
+    for r in asks:  # every row waited for the whole decision
+        step.live[r].decide_s += took
+    for r, (score, i, cands) in answers.items():
+        step.cands[r] = cands
+        if score is not None:
+            _exited(runner, chain, step, r, s, layer, (score, i))
+
+
+def _exited(runner: Runner, chain: DecodeChain, step: _Step, r: int, s: int, layer: int, scored: Any) -> None:
+    """Row r's token exits at `layer` (as `Runner._exited`): the policy's own prediction where it has one (the
+    river's), else the exit's (`scored`: its decision's score and the row's index there); the policy's hook on the
+    exit state (a copy: the buffers are the next call's); its deferred state rides along from the next segment."""
+    policy, st = runner.policy, step.live[r]
+    i = r - chain.row
+    state = (step.flow[r] if r in step.flow else chain.hops[s + 1][i : i + 1]).copy()
+    own = policy.predict(r, st, chain.kv, s, state, place=runner.place)
+    st.exit_layers.append(layer)
+    token = runner._pick(*own) if own is not None else runner._pick_score(*scored)
+    policy.on_exit(r, st, chain.kv, s, state, token)
+    step.alive.discard(r)
+    step.flow.pop(r, None)
+    step.tokens[r] = token
+    if runner.cfg.ride_along and policy.pending_states:
+        step.riders[r] = s + 1
+
+
+def _final(runner: Runner, chain: DecodeChain, step: _Step, keep: dict[int, np.ndarray] | None) -> None:
+    """The rows that passed every exit: verify's check over a wide row's every position where it has drafts
+    (`on_final`), else one final head call for all of them (a wide row's last position copied to its row of the
+    head's input); where the run samples, their logits kept in `keep` (`rows_step`)."""
+    policy, kv, first, L = runner.policy, chain.kv, chain.row, runner.L
+    need = []
+    for r in sorted(step.alive):
+        st = step.live[r]
+        if r in step.flow:  # the final segment ran wide: the positions it carried, then this token's
+            out = step.flow[r]
+            corrected = policy.on_final(r, st, kv, out.copy(), place=runner.place)  # verify's check of drafts
+            if corrected is not None:
+                step.tokens[r] = corrected
+                continue
+            chain.hops[-1][r - first] = out[0, -1:]
+        else:
+            assert not st.drafts, "drafts are pending states: their row runs wide"
+        st.exit_layers.append(L)
+        need.append(r)
+    if not need:
+        return
+    if keep is not None:
+        logits = chain._sample_head(runner.place)
+        keep.update({r: np.array(logits[r - first], copy=True) for r in need})
+        step.tokens.update({r: -1 for r in need})
+        return
+    rows = np.array(need) - first
+    chain._head(runner.place, slice(None) if len(need) == chain.rows else rows)
+    step.tokens.update({r: int(chain.token[r - first]) for r in need})
