@@ -136,6 +136,7 @@ class DecodeChain:
             self.layer_in.append(self._bind_segment(io, s, hops[s], hops[s + 1], self.seqlens_k, self.total))
         self.segment_calls, self.hops = self.calls[1:], hops  # (session, io) of segment s at index s; its buffers
         self.wide: dict[tuple[int, int], WideCall] = {}  # (segment, positions) -> its wide call, bound on first use
+        self.spans: dict[tuple[int, int, int], Any] = {}  # chain_rows.py: (segment, first, last) -> a part's call
         self.blocks = self._bind_blocks(hops)  # segment -> its active exit's block head (runtime/blocks.py)
         self.in_graph = bool(layers) and signal is not None and decides_in_graph(rt, layers, signal)  # else: the host
         self.exits: dict[int, BoundExit] = {}  # segment -> the active exit after it (later ones on the first's picks)

@@ -26,6 +26,7 @@ import numpy as np
 from eectl.errors import UsageError
 from eectl.runtime.batch import BatchKV, _past
 from eectl.runtime.chain import DecodeChain
+from eectl.runtime.chain_parts import BlockCall
 from eectl.runtime.exit_logits import Decide
 from eectl.runtime.state import RowState
 from eectl.runtime.stepping import Runner
@@ -107,16 +108,16 @@ def _segment(runner: Runner, chain: DecodeChain, one: Any, step: _Step, s: int) 
         if int(past.max()) + 1 > kv.capacity:  # an idle row already at its maximum has no scratch slot
             raise RuntimeError(f"row lengths {past} leave no scratch slot in a buffer of {kv.capacity}")
         chain.seqlens_k[:] = past
-        chain.total[()] = int(past.max()) + 1
+        a, b = min(batched) - first, max(batched) + 1 - first  # the rows from the first active to the last
+        call = _part(runner, chain, s, a, b)
+        call.total[()] = int(past[a:b].max()) + 1
         active = np.zeros(kv.filled.shape[0], dtype=bool)
         active[batched] = True
-        session, io = chain.segment_calls[s]
-        session.run_with_iobinding(io)
+        call.session.run_with_iobinding(call.io)
         kv.advance(active, lo, hi)
-        if s in chain.blocks:  # the active exit's block head, on the same rows
-            block = chain.blocks[s]
-            block.session.run_with_iobinding(block.io)
-            kv.advance(active, block.slot, block.slot + 1)
+        if call.block is not None:  # the active exit's block head, on the same rows
+            call.block.session.run_with_iobinding(call.block.io)
+            kv.advance(active, call.block.slot, call.block.slot + 1)
         for r in riders:
             _rode(runner, chain, step, r, s)
     for r in wides:
@@ -125,6 +126,50 @@ def _segment(runner: Runner, chain: DecodeChain, one: Any, step: _Step, s: int) 
             c.hops[s][...] = chain.hops[s][r - first : r - first + 1]
         step.flow[r] = c._segment(s, st.pending[s], step.flow.get(r), step.total[r])
         st.pending[s] = None  # flushed: its positions are in the cache now
+
+
+@dataclass
+class _Part:
+    """Segment s bound over rows [a, b) of a batch chain (positions in its span): views of the chain's buffers."""
+
+    session: Any
+    io: Any
+    total: np.ndarray
+    block: BlockCall | None
+
+
+def _part(runner: Runner, chain: DecodeChain, s: int, a: int, b: int) -> _Part:
+    """Segment s's call over rows [a, b) of the chain, bound on first use (`DecodeChain.spans`): its input and outputs
+    the rows' parts of the chain's buffers, its lengths the chain's `seqlens_k` for them and a total of its own; the
+    whole span is the chain's own call. Rows past the last active one need not ride along (a batch whose last
+    slots are free, or whose last rows exited, runs a narrower call)."""
+    key = (s, a, b)
+    if key in chain.spans:
+        return chain.spans[key]
+    if (a, b) == (0, chain.rows):  # the chain's own call
+        session, io = chain.segment_calls[s]
+        chain.spans[key] = whole = _Part(session, io, chain.total, chain.blocks.get(s))
+        return whole
+    rt, first = runner.rt, chain.row
+    g, (lo, hi) = rt.segments[s], rt.manifest.segments[s].layers
+    total = np.zeros((), np.int32)
+    io = g.session.io_binding()
+    rt.bind_kv(io, g, chain.kv, range(lo, hi), first + a, first + b)
+    rt._bind_array(io, g.name("seqlens_k"), chain.seqlens_k[a:b])
+    rt._bind_array(io, g.name("total_sequence_length"), total)
+    rt._bind_array(io, g.name("hidden"), chain.hops[s][a:b])
+    rt._bind_array(io, g.name("hidden_out"), chain.hops[s + 1][a:b], output=True)
+    layer_in, blocks = chain.layer_in[s]
+    rt._bind_array(io, g.name("layer_input"), layer_in[a:b], output=True)
+    if blocks is not None:
+        rt._bind_array(io, g.name("layer_states"), blocks[a:b], output=True)
+    block = None
+    if s in chain.blocks:
+        layer, lengths = chain.exit_at[s], (chain.seqlens_k[a:b], total)
+        block = BlockCall.bind(rt, chain.kv, (first + a, first + b), layer, chain.hops[s + 1][a:b],
+                               chain.blocks[s].out[a:b], lengths)  # fmt: skip
+    chain.spans[key] = part = _Part(g.session, io, total, block)
+    return part
 
 
 def _riders(runner: Runner, step: _Step, s: int) -> list[int]:
