@@ -5,6 +5,7 @@ stopped halfway (verify's unchecked drafts checked first)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pty
@@ -121,3 +122,33 @@ def test_cli_chat_through_a_terminal(runtime):
     assert all(len(t["token_ids"]) == 4 for t in doc["turns"])
     assert doc["turns"][1]["cached_input_tokens"] > 0  # the second turn continued on the first one's cache
     assert b"> " in err
+
+
+@pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
+def test_turns_step_on_the_chain_as_on_the_general_path(runtime, policy, monkeypatch):
+    """Each turn (its new tokens after what the cache holds, then the reply) on the bound chain, no step on the
+    general path: the same replies, exit layers and cache as the general path's (RunConfig.bound False), turn after
+    turn, defer's pending positions and verify's drafts carried across turns."""
+    from tests.test_chain_host_decisions import _counting_general_steps
+
+    general = _counting_general_steps(monkeypatch)
+    a = _ids(5, 7)
+    runs = []
+    for bound in (True, False):
+        general.clear()
+        thr = {e: {"prob": 0.05} for e in EXPORT_EXITS}  # some tokens exit, some do not
+        cfg = RunConfig(exits=list(EXPORT_EXITS), thresholds=thr, policy=policy, top_k=EXPORT_TOP_K, max_new_tokens=10)
+        conv = Conversation(Runner(runtime, dataclasses.replace(cfg, bound=bound)), 128)
+        replies = [conv.turn(a)]
+        b = a + replies[0].token_ids + _ids(6, 4)
+        replies.append(conv.turn(b))
+        runs.append((replies, conv, list(general)))
+    (got, conv, steps), (want, plain, plain_steps) = runs
+    assert steps == [] and plain_steps  # the chain took every step, prompts included; the general path the others'
+    assert [(g.token_ids, g.exit_layers) for g in got] == [(w.token_ids, w.exit_layers) for w in want]
+    assert conv.reused > 0 and (conv.kv.filled == plain.kv.filled).all()
+    n = int(conv.kv.filled.min())
+    for mine, other in zip(conv.kv.batch_keys, plain.kv.batch_keys, strict=True):
+        assert (mine[:, :, :n] == other[:, :, :n]).all()
+    L = runtime.manifest.num_layers
+    assert any(e < L for g in want for e in g.exit_layers[1:]) or any(g.drafted for g in want)

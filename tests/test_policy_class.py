@@ -100,7 +100,8 @@ def test_the_runner_runs_a_new_policy_and_the_plan_covers_its_steps(rt):
     prompts = [torch.randint(3, rt.manifest.dims["vocab_size"], (3 + 4 * i,), generator=g).tolist() for i in range(3)]
     L = rt.manifest.num_layers
     full = [x.token_ids for x in Runner(rt, _config("defer", False, [])).generate(prompts)]
-    prefill = (("exit_full", L, "token"),)  # the prompt's step: full depth, no exit test
+    # the prompt's step: full depth, no exit test (the certified head first, where the artifact has one: the chain's)
+    prefill = {(("exit_full", L, "token"),), (("head_certified", L, "passed"), ("head_certified", L, "token"))}
     for resident in (False, True):
         for rows in (prompts[:1], prompts):
             runners = {p: Runner(rt, _config(p, resident, list(EXPORT_EXITS))) for p in (NAME, "verify")}
@@ -113,7 +114,7 @@ def test_the_runner_runs_a_new_policy_and_the_plan_covers_its_steps(rt):
                 continue
             for policy, runner in runners.items():
                 plan = plan_for(rt.manifest, "cuda", list(EXPORT_EXITS), "topk-prob", policy)
-                shapes = {prefill, *(_host_reads(c) for c in plan.scenarios())}
+                shapes = {*prefill, *(_host_reads(c) for c in plan.scenarios())}
                 steps = [tuple(sorted(tuple(r) for r in step)) for step in runner.step_reads]
                 assert steps and [s for s in steps if s not in shapes] == [], (policy, len(rows))
 

@@ -6,6 +6,7 @@ against the plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -76,7 +77,8 @@ def _thresholds(rt, signal: str, prompts, monkeypatch) -> dict:
     with monkeypatch.context() as m:
         m.setattr(Signal, "passes", record)
         m.setattr(decide, "decides_in_graph", lambda *a: False)
-        Runner(rt, _config(signal, "defer", never, True)).generate(prompts)  # not the chain: it binds its own
+        # the general path (not the chain: its exit graphs are bound as they are)
+        Runner(rt, dataclasses.replace(_config(signal, "defer", never, True), bound=False)).generate(prompts)
     return {e: {criteria: float(np.quantile(v, 0.7))} for e, v in seen.items()}
 
 
@@ -101,27 +103,32 @@ def test_resident_exit_steps_equal_the_host_path(runtimes, fam, monkeypatch):
 
 @pytest.mark.parametrize(("policy", "signal"), [("defer", "topk-prob"), ("copy", "full-prob"), ("defer", "cosine")])
 def test_what_the_executor_reads_per_step_is_what_the_plan_sends_to_the_host(runtimes, policy, signal, monkeypatch):
-    """One row: each step's host reads, recorded where the runtime copies an output to host memory, are exactly
-    the host outputs of the plan's calls for that token (its exit layer), and none is a hidden state, KV or the full
-    logits. The states handed between graphs are DeviceViews, which have no host read at all."""
+    """One row: a device-resident run steps on the bound chain with device buffers (its states OrtValues; on the CPU
+    EP, device memory is host memory), and each step's host reads, recorded where an output is copied to host
+    memory, are exactly the host outputs of the chain's plan for that token (its exit layer): none is a hidden state,
+    KV or the full logits. States handed to a host-decided exit test are DeviceViews."""
+    import onnxruntime as ort
+
     loaded, rt = runtimes["llama"]
     prompts = _prompts(loaded.adapter.dims.vocab_size, 1)
     thresholds = _thresholds(rt, signal, prompts, monkeypatch)
-    runner = Runner(rt, _config(signal, policy, thresholds, True, new=16))
+    cfg = dataclasses.replace(_config(signal, policy, thresholds, True, new=16), certified_head=False)
+    runner = Runner(rt, cfg)
     states = []
-    graph = runner.exit_test.graph  # the exit graphs decide the softmax signals (runtime/graph_decide.py)
-    assert (graph is not None) == (signal == "topk-prob")
-    owner, name = (graph, "on_device") if graph is not None else (rt, "exit_full")
-    real = getattr(owner, name)
+    real = runner.exit_test.rows
 
-    def spy(layer, hidden, *a, **k):
-        states.append(hidden)
-        return real(layer, hidden, *a, **k)
+    def spy(layer, asks, place):
+        states.extend(a.hidden for a in asks.values())
+        return real(layer, asks, place)
 
-    monkeypatch.setattr(owner, name, spy)
+    monkeypatch.setattr(runner.exit_test, "rows", spy)
     gen = runner.generate(prompts)[0]
-    assert states and all(isinstance(h, DeviceView) for h in states)
-    plan = plan_for(rt.manifest, "cuda", EXPORT_EXITS, signal, policy)
+    chain = runner._kept.chain if runner._kept is not None else None
+    assert chain is not None and chain.device and all(isinstance(h, ort.OrtValue) for h in chain.hops)
+    in_graph = signal == "topk-prob"  # the exit graphs decide the softmax signals (runtime/graph_decide.py)
+    assert chain.in_graph == in_graph and bool(states) != in_graph
+    assert all(isinstance(h, DeviceView) for h in states)
+    plan = plan_for(rt.manifest, "cuda", EXPORT_EXITS, signal, policy, chain=True)
     L = rt.manifest.num_layers
     assert len(runner.step_reads) == len(gen.exit_layers)
     for step, (reads, layer) in enumerate(zip(runner.step_reads, gen.exit_layers, strict=True)):
@@ -193,9 +200,8 @@ def test_runners_sharing_a_runtime_keep_their_own_placement(runtimes, policy, si
         for resident in (True, False):
             runner = Runner(rt, _config(signal, policy, thresholds, resident))
             alone[resident] = (runner.generate(rows), runner.step_reads)
-        # the device-resident run read on the host; the host run records only what its bound-chain steps read
-        # (nothing on the general host path), never the resident run's reads
-        assert alone[True][1] and alone[False][1] != alone[True][1]
+        # both step on the bound chain (the resident one on device buffers) and record what they read on the host
+        assert alone[True][1] and alone[False][1]
         L = rt.manifest.num_layers
         exited |= any(g.drafted or min(g.exit_layers[1:], default=L) < L for g in alone[True][0])
         runners = [Runner(rt, _config(signal, policy, thresholds, r)) for r in (True, False)]

@@ -322,9 +322,12 @@ def test_river_runs_device_resident_with_the_host_paths_tokens(arts, signal):
             assert [g.exit_layers for g in got] == [g.exit_layers for g in host], (predict, len(rows))
             assert any(x < rt.manifest.num_layers for g in got for x in g.exit_layers[1:])
             reads = {(graph, key) for step in runner.step_reads for graph, _, key in step}
-            assert {key for _, key in reads} <= {"token", "candidates", "candidate_logits", "cosine"}, reads
+            # scalars per row only (the certified head's `passed` where the artifact has one: the bound chain's)
+            assert {key for _, key in reads} <= {"token", "candidates", "candidate_logits", "cosine", "passed"}, reads
             head = "river_head" if rt.manifest.num_layers in rt.river_heads else "exit_full"
-            assert (head, "token") in reads, reads  # the river's end (predict end) and full-depth tokens
+            assert predict == "exit" or (head, "token") in reads, reads  # the river's end: its token alone
+            # full-depth tokens: the certified head's where the artifact has one (the bound chain's), else the head's
+            assert {("head_certified", "token"), ("exit_full", "token")} & reads, reads
 
 
 def test_a_river_artifact_with_a_plan_runs_its_river(arts, llama):

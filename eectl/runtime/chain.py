@@ -9,7 +9,7 @@ calls and two scalar writes, about what onnxruntime-genai's one-graph decode cos
 token comes from the artifact's certified head where it has one (runtime/certified_head.py), else the full head
 (for several rows on the CPU EP, a session of it whose LM-head table ORT packed once: tables.PackedHeads).
 
-Steps with active exits (`step_exits`, host buffers: the CPU EP) run the same chain with each active exit's decision
+Steps with active exits (`step_exits`: on the CPU EP, and device-resident) run the same chain with each exit's decision
 bound after its segment: the exit graph reads the segment's output buffer, decides inside the graph
 (exits.decision_nodes: the thresholds bound once as an input) and writes two scalars, whether the token passes and its
 token; the first exit's candidates land in a buffer the later exits' local graphs read. A gated exit (eectl.exits.gates)
@@ -44,8 +44,9 @@ A block exit head (runtime/blocks.py) runs after its segment on the segment's ou
 wide: its own K/V advance with the segment's last layer's), and its output is what the exit reads (`exit_input`).
 
 A batch's steps with exits or drafts (CPU): a chain over its rows with the run's exits beside one-row chains of its
-slots (runtime/chain_rows.py). What it does not do: prompts padded into one call, exit steps on a device (pending
-states are host arrays): the runner's general path (`Runner._steps`) does, writing the cache this chain continues.
+slots (runtime/chain_rows.py). On a device (`device`) the pending states, wide calls' buffers and the states handed
+to the policy are device memory, moved between calls by runtime/buffers.py (nothing passes through the host). What it
+does not do: prompts padded into one call, sampled exit steps on a device: the runner's general path does.
 """
 
 from __future__ import annotations
@@ -58,13 +59,16 @@ import numpy as np
 from eectl.errors import UsageError
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import Signal
+from eectl.runtime import buffers
 from eectl.runtime.batch import _past
 from eectl.runtime.certified_head import CertifiedHead
+from eectl.runtime.chain_exits import bind_exit
 from eectl.runtime.chain_parts import BlockCall, BoundExit, ExitStep, HostDecide, Pick, WideCall
-from eectl.runtime.graph_decide import decides_in_graph, declared, picker_graph, thresholds_input
+from eectl.runtime.graph_decide import decides_in_graph
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.ort import Graph, _ort, buffer_shape
 from eectl.runtime.placement import HOST, Placement, Read
+from eectl.runtime.resident import last_positions
 from eectl.runtime.sessions import ArtifactRuntime
 
 
@@ -96,13 +100,15 @@ class DecodeChain:
         gates: dict[int, tuple[np.ndarray, float, float]] | None = None,
         rows: int = 1,
         certified_head: bool = True,
+        device: bool | None = None,
     ) -> None:
         """`rows`: the span of rows bound (row .. row + rows - 1; with exits, several rows step through
         runtime/chain_rows.py, which decides them). `exits`: active exit layer -> its thresholds, decided by `signal`
         over `top_k` candidates (`chain_exits_supported`); none: full depth only (`step`). `gates`: exit layer -> its
         gate (eectl.exits.gates: weight, bias, threshold), tested on the exit's input state first. `certified_head`
         False: the full head every step (`_head`). Exits whose graphs do not decide `signal`: the host decides them
-        (`step_exits`'s `host`)."""
+        (`step_exits`'s `host`). `device`: the states in device buffers (default: off the CPU EP; on it, its device
+        memory is host memory: device-resident runs there, runtime/buffers.py)."""
         m = rt.manifest
         final = rt.full_graphs[m.num_layers]
         if "token" not in final.io.outputs:  # an artifact exported before the in-graph argmax
@@ -110,6 +116,7 @@ class DecodeChain:
         if rows < 1:
             raise UsageError(f"a bound chain spans at least one row, not {rows}")
         self.rt, self.kv, self.row, self.rows = rt, kv, row, rows
+        self.device = rt.device != "cpu" if device is None else device
         H, dtype, n = m.dims["hidden_size"], rt.np_dtype, rows
         self.ids = np.zeros((n, 1), np.int64)  # host inputs, written in place before each step
         self.seqlens_k = np.zeros(n, np.int32)
@@ -148,6 +155,13 @@ class DecodeChain:
         self._signal, self._thresholds, self._k = signal, exits or {}, top_k
         if self.in_graph and rows == 1:  # several rows: decided in chain_rows.py
             self._bind_decisions(layers)
+        self._bind_final(hops, certified_head)
+
+    def _bind_final(self, hops: list[Any], certified_head: bool) -> None:
+        """The final head on the last hop [n, H]: its greedy token read on the host (`token`), its logits kept where
+        the run samples, and the certified head beside it."""
+        rt, m, n, dtype = self.rt, self.rt.manifest, self.rows, self.rt.np_dtype
+        final, H = rt.full_graphs[m.num_layers], m.dims["hidden_size"]
         # several rows on the CPU EP: the head whose table ORT packed once (tables.PackedHeads), not per call
         packed = rt.packed_head(m.num_layers) if n > 1 else None
         io = self._bind(final, packed)
@@ -215,15 +229,15 @@ class DecodeChain:
         return self.blocks[s].out if s in self.blocks else self.hops[s + 1]
 
     def _wide(self, s: int, n: int, keep: bool = True) -> WideCall:
-        """Segment s bound for n positions (host buffers), on first use; `keep` False: for this call only, its
-        buffers held by the returned call alone (a prompt's width: prompts come in any length, and a chain stepping
-        many of them would keep a binding per length)."""
+        """Segment s bound for n positions (the chain's kind of buffers), on first use; `keep` False: for this call
+        only, its buffers held by the returned call alone (a prompt's width: prompts come in any length, and a chain
+        stepping many of them would keep a binding per length)."""
         if (s, n) in self.wide:
             return self.wide[(s, n)]
         kept, self._keep = self._keep, self._keep if keep else []
         try:
             H, dtype = self.rt.manifest.dims["hidden_size"], self.rt.np_dtype
-            x, out = self._host(np.zeros((1, n, H), dtype)), self._host(np.zeros((1, n, H), dtype))
+            x, out = self._buffer((1, n, H), dtype), self._buffer((1, n, H), dtype)
             seqlens_k, total = self._host(np.zeros(1, np.int32)), self._host(np.zeros((), np.int32))
             g = self.rt.segments[s]
             io = g.session.io_binding()
@@ -231,7 +245,7 @@ class DecodeChain:
             block = None
             if s in self.blocks:  # its block head over the same positions
                 layer = self.exit_at[s]
-                block = self._bind_block(layer, out, self._host(np.zeros((1, n, H), dtype)), seqlens_k, total)
+                block = self._bind_block(layer, out, self._buffer((1, n, H), dtype), seqlens_k, total)
             bound = WideCall(g.session, io, x, out, seqlens_k, total, layer_in, blocks, block, held=self._keep)
         finally:
             self._keep = kept
@@ -245,57 +259,8 @@ class DecodeChain:
         key = (layer, picker)
         if key not in self._decisions:
             assert self._signal is not None
-            self._decisions[key] = self._bind_exit(layer, picker, self._signal, self._thresholds[layer], self._k)
+            self._decisions[key] = bind_exit(self, layer, picker, self._signal, self._thresholds[layer], self._k)
         return self._decisions[key]
-
-    def _bind_exit(
-        self, layer: int, picker: int | None, signal: Signal, thresholds: dict[str, float], k: int
-    ) -> BoundExit:
-        """Bind the decision at `layer`: with no `picker`, it picks candidates (the artifact's candidate graph, or
-        the full graph's Top-K); else it scores the candidates exit `picker` picked (the local graph); both decide
-        in the graph."""
-        rt, H, dtype = self.rt, self.rt.manifest.dims["hidden_size"], self.rt.np_dtype
-        first = picker is None
-        g, kind = picker_graph(rt, layer) if first else (rt.local_graphs[layer], "exit_local")  # kind: the plan's name
-        io = g.session.io_binding()  # not in self.calls: an exit runs only when the step asks for it
-        rt._bind_array(io, g.name("hidden"), self._view(self.exit_input(rt.segment_of_layer[layer]), (1, H), dtype))
-        rt._bind_array(io, g.name("thresholds"), self._host(thresholds_input(g, signal, thresholds)))
-        ids, ids_from = None, None
-        if picker is None:
-            rt.bind_weights(io, g)
-            candidates, rows = self._buffer((1, k), np.int64), None
-            rt._bind_array(io, g.name("top_k"), self._host(np.array([k], np.int64)))
-            rt._bind_array(io, g.name("candidates"), candidates, output=True)
-            if "candidate_rows" in g.io.outputs and rt.device == "cpu":  # the later exits read these K rows
-                rows = self._buffer((1, k, H), dtype)
-                rt._bind_array(io, g.name("candidate_rows"), rows, output=True)
-            if "logits" in g.io.outputs:  # the full graph: its logits and greedy token are scratch
-                V = rt.manifest.dims["vocab_size"]
-                rt._bind_array(io, g.name("logits"), self._buffer((1, V), dtype), output=True)
-                rt._bind_array(io, g.name("token"), self._buffer((1,), np.int64), output=True)
-            self.picked[layer] = (candidates, rows)
-        else:
-            candidates, rows = self.picked[picker]
-            if rows is not None and "rows" in g.io.inputs and isinstance(declared(g)[g.name("rows")][0], str):
-                # the picker's K rows as this graph's table, its candidates 0..K-1: the same rows, read contiguously
-                # instead of gathered from the V-row table again; the graph's token is then a column of the candidates
-                rt._bind_array(io, g.name("rows"), rows.reshape(k, H))
-                rt._bind_array(io, g.name("candidates"), self._host(np.arange(k, dtype=np.int64)[None]))
-                ids, ids_from = candidates, (picker_graph(rt, picker)[1], picker, "candidates")
-            else:
-                rt.bind_weights(io, g)
-                rt._bind_array(io, g.name("candidates"), candidates)
-        logits = self._buffer((1, k), dtype)
-        rt._bind_array(io, g.name("candidate_logits"), logits, output=True)
-        passed, token = self._host(np.zeros(1, bool)), self._host(np.zeros(1, np.int64))
-        rt._bind_array(io, g.name("passed"), passed, output=True)
-        rt._bind_array(io, g.name("exit_token"), token, output=True)
-        # the candidates' vocabulary ids: what this decision picked, or what the picker picked for it to score
-        picked_by = layer if picker is None else picker
-        cands_from: Read = (picker_graph(rt, picked_by)[1], picked_by, "candidates")
-        return BoundExit(
-            layer, g.session, io, passed, token, ids, kind, ids_from, logits, self.picked[picked_by][0], cands_from
-        )
 
     def _bind(self, g: Graph, session: Any = None) -> Any:
         io = (session or g.session).io_binding()
@@ -308,7 +273,7 @@ class DecodeChain:
 
     def _buffer(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A buffer where the graphs run: host memory on the CPU, an OrtValue on the EP's device otherwise."""
-        if self.rt.device == "cpu":
+        if not self.device:
             buf: Any = np.zeros(shape, dtype)
         else:
             buf = _ort().OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.rt.device, 0)
@@ -393,7 +358,7 @@ class DecodeChain:
             parts = []  # one position: the chain's own call
         else:  # wide: the positions waiting here, then what arrives (the token's state, or the last wide output)
             parts = ([] if pend is None else [pend]) + [self.hops[s] if flow is None else flow]
-        n = sum(p.shape[1] for p in parts) if parts else 1  # positions this call appends
+        n = sum(buffer_shape(p)[1] for p in parts) if parts else 1  # positions this call appends
         if kv.span(row, lo, hi, n)[1] != total:
             raise RuntimeError(
                 f"layers {lo}..{hi - 1} of row {row} hold {kv.filled[row, lo:hi]}: {n} positions arrive, to {total}"
@@ -406,14 +371,15 @@ class DecodeChain:
                 self.blocks[s].session.run_with_iobinding(self.blocks[s].io)
         else:
             wide = self._wide(s, n, keep)
-            np.concatenate(parts, axis=1, out=wide.x)
+            buffers.join_into(self.rt, parts, wide.x)
             wide.seqlens_k[0], wide.total[()] = total - 1, total
             wide.session.run_with_iobinding(wide.io)
             flow, self._layer_in = wide.out, (wide.layer_in, wide.blocks)
-            self.hops[s + 1][...] = flow[:, -1:]  # the token's state, where the exit and the next call read it
+            # the token's state, where the exit and the next call read it
+            buffers.put(self.rt, self.hops[s + 1], buffers.view(flow)[0, -1:])
             if wide.block is not None:  # the block head over every position; the token's where the exit reads
                 wide.block.session.run_with_iobinding(wide.block.io)
-                self.blocks[s].out[...] = wide.block.out[:, -1:]
+                buffers.put(self.rt, self.blocks[s].out, buffers.view(wide.block.out)[0, -1:])
         kv.advance(row, lo, hi, n)
         if s in self.blocks:
             kv.advance(row, self.blocks[s].slot, self.blocks[s].slot + 1, n)
@@ -444,11 +410,9 @@ class DecodeChain:
         the pending positions at segment 0 are a prompt's (any length): its wide calls are bound for this step only.
         `host`: how the host decides the exits where their graphs do not (`in_graph` False), on the token's state and
         its last layer's input; its token is the step's."""
-        if self.rt.device != "cpu":
-            raise UsageError("exit steps on the bound chain need host buffers (the CPU EP)")
         kv, row, rt = self.kv, self.row, self.rt
         # the token's position: after the positions waiting at segment 0 (embedded drafts from the context), if any
-        past = int(kv.filled[row, 0]) + (0 if pending[0] is None else pending[0].shape[1])
+        past = int(kv.filled[row, 0]) + (0 if pending[0] is None else buffer_shape(pending[0])[1])
         total = self._feed(token, past)
         session, io = self.calls[0]
         session.run_with_iobinding(io)  # embed
@@ -468,7 +432,7 @@ class DecodeChain:
             t0 = time.perf_counter()
             if s in self.gates:  # gated: the decision runs only when the gate opens; the first to run picks
                 place.read(("gate", layer, "hidden"))  # as runtime/decide.py records it
-                if not gate_open(self.gates[s], self.exit_input(s)):
+                if not gate_open(self.gates[s], buffers.host_state(rt, self.exit_input(s))):
                     decide += time.perf_counter() - t0
                     continue
             exiting: int | None = None
@@ -479,18 +443,21 @@ class DecodeChain:
                     exiting = ex.exit_token(place) if pick is None else ex.sampled(pick, place)
             else:
                 assert host is not None, "exits the graphs do not decide need the host's decision"
-                layer_in, blocks = self._layer_in
-                if blocks is not None:  # [1, (layers + 1) * P, H]: each boundary's last position, [layers + 1, H]
-                    blocks = blocks.reshape(-1, layer_in.shape[1], blocks.shape[-1])[:, -1]
-                exiting, cands = host(layer, self.exit_input(s)[0, -1], layer_in[0, -1], blocks, cands)
+                layer_in, blocks = buffers.view(self._layer_in[0]), self._layer_in[1]
+                if blocks is not None:
+                    # [1, (layers + 1) * P, H]: each boundary's last position, [layers + 1, H]
+                    blocks = buffers.view(blocks)
+                    blocks = last_positions(rt, blocks.reshape(-1, layer_in.shape[1], blocks.shape[-1]))
+                exiting, cands = host(layer, buffers.view(self.exit_input(s))[0, -1], layer_in[0, -1], blocks, cands)
             decide += time.perf_counter() - t0
             decided.append(layer)
             picker = layer if picker is None else picker
             if exiting is not None:
-                state = (self.hops[s + 1] if flow is None else flow).copy()
-                at = self.blocks[s].out[0, -1:].copy() if s in self.blocks else None  # what the exit read
+                state = buffers.copy(rt, self.hops[s + 1] if flow is None else flow)
+                # what the exit read where not the state's last position: a block head's output
+                at = buffers.copy(rt, buffers.view(self.blocks[s].out)[0, -1:]) if s in self.blocks else None
                 return ExitStep(exiting, layer, s, state, decide, flushed, decided, picker, at)
-        final = None if flow is None else flow.copy()
+        final = None if flow is None else buffers.copy(rt, flow)
         L = rt.manifest.num_layers
         if final is not None and not head:
             return ExitStep(-1, L, None, final, decide, flushed, decided, picker)

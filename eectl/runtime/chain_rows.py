@@ -24,10 +24,15 @@ from typing import Any
 import numpy as np
 
 from eectl.errors import UsageError
+from eectl.runtime import buffers
 from eectl.runtime.batch import BatchKV, _past
+from eectl.runtime.buffers import view
 from eectl.runtime.chain import DecodeChain
 from eectl.runtime.chain_parts import BlockCall
+from eectl.runtime.device_ops import concat
 from eectl.runtime.exit_logits import Decide
+from eectl.runtime.ort import buffer_shape
+from eectl.runtime.resident import last_positions
 from eectl.runtime.state import RowState
 from eectl.runtime.stepping import Runner
 
@@ -69,10 +74,10 @@ def rows_step(
         assert st.forced is None, "teacher-forced rows step one at a time"
         n = drafted.get(r, 0)
         if n:  # the row's tokens before its last as embeddings waiting at segment 0 (drafts from the context)
-            st.pending[0] = rt.embed(np.array([st.tokens[-n - 1 : -1]], dtype=np.int64))
+            st.pending[0] = rt.embed(np.array([st.tokens[-n - 1 : -1]], dtype=np.int64), place=runner.place)
         chain.ids[r - first, 0] = st.tokens[-1]
         may[r] = policy.may_exit(st) and not n
-        total[r] = int(kv.filled[r, 0]) + (0 if st.pending[0] is None else st.pending[0].shape[1]) + 1
+        total[r] = int(kv.filled[r, 0]) + (0 if st.pending[0] is None else buffer_shape(st.pending[0])[1]) + 1
         if total[r] > kv.max_len:
             raise UsageError(f"the sequence reached {total[r]} tokens, beyond the KV buffer of {kv.max_len}")
     step = _Step(live, may, total, set(live))
@@ -91,7 +96,7 @@ def rows_step(
 def _segment(runner: Runner, chain: DecodeChain, one: Any, step: _Step, s: int) -> None:
     """Segment s for the rows that reach it: the batched call for the one-position rows and the riders (where any
     row runs the segment), then each wide row's call."""
-    kv, first, live = chain.kv, chain.row, step.live
+    rt, kv, first, live = runner.rt, chain.kv, chain.row, step.live
     assert isinstance(kv, BatchKV)  # a chain over several rows binds a batch's buffers
     lo, hi = runner.rt.manifest.segments[s].layers
     ones = [r for r in sorted(step.alive) if r not in step.flow and live[r].pending[s] is None]
@@ -102,7 +107,7 @@ def _segment(runner: Runner, chain: DecodeChain, one: Any, step: _Step, s: int) 
         for r in riders:  # the rider's deferred state, where this segment's input is
             waiting = live[r].pending[s]
             assert waiting is not None
-            chain.hops[s][r - first] = waiting[0]
+            buffers.put(rt, view(chain.hops[s])[r - first : r - first + 1], waiting)
         rows = np.arange(first, first + chain.rows)
         past = _past(kv, rows, lo, hi)
         if int(past.max()) + 1 > kv.capacity:  # an idle row already at its maximum has no scratch slot
@@ -123,7 +128,7 @@ def _segment(runner: Runner, chain: DecodeChain, one: Any, step: _Step, s: int) 
     for r in wides:
         st, c = live[r], one(r)
         if r not in step.flow:  # the token's state arrives from the batched call before
-            c.hops[s][...] = chain.hops[s][r - first : r - first + 1]
+            buffers.put(rt, c.hops[s], view(chain.hops[s])[r - first : r - first + 1])
         step.flow[r] = c._segment(s, st.pending[s], step.flow.get(r), step.total[r])
         st.pending[s] = None  # flushed: its positions are in the cache now
 
@@ -157,17 +162,17 @@ def _part(runner: Runner, chain: DecodeChain, s: int, a: int, b: int) -> _Part:
     rt.bind_kv(io, g, chain.kv, range(lo, hi), first + a, first + b)
     rt._bind_array(io, g.name("seqlens_k"), chain.seqlens_k[a:b])
     rt._bind_array(io, g.name("total_sequence_length"), total)
-    rt._bind_array(io, g.name("hidden"), chain.hops[s][a:b])
-    rt._bind_array(io, g.name("hidden_out"), chain.hops[s + 1][a:b], output=True)
+    rt._bind_array(io, g.name("hidden"), view(chain.hops[s])[a:b])
+    rt._bind_array(io, g.name("hidden_out"), view(chain.hops[s + 1])[a:b], output=True)
     layer_in, blocks = chain.layer_in[s]
-    rt._bind_array(io, g.name("layer_input"), layer_in[a:b], output=True)
+    rt._bind_array(io, g.name("layer_input"), view(layer_in)[a:b], output=True)
     if blocks is not None:
-        rt._bind_array(io, g.name("layer_states"), blocks[a:b], output=True)
+        rt._bind_array(io, g.name("layer_states"), view(blocks)[a:b], output=True)
     block = None
     if s in chain.blocks:
         layer, lengths = chain.exit_at[s], (chain.seqlens_k[a:b], total)
-        block = BlockCall.bind(rt, chain.kv, (first + a, first + b), layer, chain.hops[s + 1][a:b],
-                               chain.blocks[s].out[a:b], lengths)  # fmt: skip
+        x, out = view(chain.hops[s + 1])[a:b], view(chain.blocks[s].out)[a:b]
+        block = BlockCall.bind(rt, chain.kv, (first + a, first + b), layer, x, out, lengths)
     chain.spans[key] = part = _Part(g.session, io, total, block)
     return part
 
@@ -194,9 +199,9 @@ def _rode(runner: Runner, chain: DecodeChain, step: _Step, r: int, s: int) -> No
     st.pending[s] = None
     step.riders[r] = s + 1
     if s < len(runner.m.segments) - 1:
-        out = chain.hops[s + 1][r - chain.row : r - chain.row + 1].copy()
+        out = buffers.copy(runner.rt, view(chain.hops[s + 1])[r - chain.row : r - chain.row + 1])
         prev = st.pending[s + 1]
-        st.pending[s + 1] = out if prev is None else np.concatenate([prev, out], axis=1)
+        st.pending[s + 1] = out if prev is None else concat(runner.rt, [prev, out], 1)
 
 
 def _where(chain: DecodeChain, one: Any, step: _Step, r: int, s: int) -> tuple[Any, Any, Any]:
@@ -204,13 +209,14 @@ def _where(chain: DecodeChain, one: Any, step: _Step, r: int, s: int) -> tuple[A
     block boundaries [layers + 1, H] (or None): in its slot's chain after a wide call, else in the batch chain."""
     if r in step.flow:
         c = one(r)
-        layer_in, blocks = c._layer_in
+        layer_in, blocks = view(c._layer_in[0]), c._layer_in[1]
         if blocks is not None:  # [1, (layers + 1) * P, H]: each boundary's last position
-            blocks = blocks.reshape(-1, layer_in.shape[1], blocks.shape[-1])[:, -1]
-        return c.exit_input(s), layer_in[0, -1], blocks
+            blocks = view(blocks)
+            blocks = last_positions(chain.rt, blocks.reshape(-1, layer_in.shape[1], blocks.shape[-1]))
+        return view(c.exit_input(s)), layer_in[0, -1], blocks
     i = r - chain.row
-    layer_in, blocks = chain.layer_in[s]
-    return chain.exit_input(s)[i : i + 1], layer_in[i, -1], None if blocks is None else blocks[i]
+    layer_in, blocks = view(chain.layer_in[s][0]), chain.layer_in[s][1]
+    return view(chain.exit_input(s))[i : i + 1], layer_in[i, -1], None if blocks is None else view(blocks)[i]
 
 
 def _decide(runner: Runner, chain: DecodeChain, one: Any, step: _Step, s: int, layer: int) -> None:
@@ -246,7 +252,7 @@ def _exited(runner: Runner, chain: DecodeChain, step: _Step, r: int, s: int, lay
     exit state (a copy: the buffers are the next call's); its deferred state rides along from the next segment."""
     policy, st = runner.policy, step.live[r]
     i = r - chain.row
-    state = (step.flow[r] if r in step.flow else chain.hops[s + 1][i : i + 1]).copy()
+    state = buffers.copy(runner.rt, step.flow[r] if r in step.flow else view(chain.hops[s + 1])[i : i + 1])
     own = policy.predict(r, st, chain.kv, s, state, place=runner.place)
     st.exit_layers.append(layer)
     token = runner._pick(*own) if own is not None else runner._pick_score(*scored)
@@ -268,11 +274,11 @@ def _final(runner: Runner, chain: DecodeChain, step: _Step, keep: dict[int, np.n
         st = step.live[r]
         if r in step.flow:  # the final segment ran wide: the positions it carried, then this token's
             out = step.flow[r]
-            corrected = policy.on_final(r, st, kv, out.copy(), place=runner.place)  # verify's check of drafts
+            corrected = policy.on_final(r, st, kv, buffers.copy(runner.rt, out), place=runner.place)  # verify's
             if corrected is not None:
                 step.tokens[r] = corrected
                 continue
-            chain.hops[-1][r - first] = out[0, -1:]
+            buffers.put(runner.rt, view(chain.hops[-1])[r - first : r - first + 1], view(out)[0, -1:])
         else:
             assert not st.drafts, "drafts are pending states: their row runs wide"
         st.exit_layers.append(L)

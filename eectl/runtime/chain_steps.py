@@ -26,24 +26,24 @@ from eectl.runtime.stepping import Runner
 
 def chain_for(runner: Runner, kv: KVBuffers, rows: int, row: int = 0) -> DecodeChain | None:
     """The bound call chain for decode from `row` over `rows` rows, greedy or sampled, with a final head that has the
-    in-graph argmax: full depth (on every provider: the states stay where the graphs run), or, on the CPU EP, active
-    exits under every policy (decided in the exit graphs, or on the host: `chain_exits_supported`; a batch's rows
-    through chain_rows.py). None where the general path steps."""
+    in-graph argmax: full depth (on every provider: the states stay where the graphs run), or active exits under
+    every policy (decided in the exit graphs, or on the host: `chain_exits_supported`; a batch's rows through
+    chain_rows.py) on the CPU EP, and on a device where the run keeps its states there (greedy: `Runner._on_device`;
+    its buffers device memory, on the CPU EP too). None where the general path steps."""
     rt, cfg, exits = runner.rt, runner.cfg, runner.exits
     final = rt.full_graphs[runner.L]
     if "token" not in final.io.outputs:
         return None
     if any(g.session is None for g in rt.segments):  # a runtime holding one segment at a time
         return None
-    if exits and (
-        not chain_exits_supported(rt, exits, runner.signal)
-        or runner._resident_wanted()  # the binding plan's executor keeps exit steps device-resident (#15)
-        or rt.device != "cpu"  # exit steps hand pending states (host arrays) to wide calls
-    ):
+    resident = runner._on_device()
+    if exits and not resident and (runner._resident_wanted() or rt.device != "cpu"):
+        return None  # exits off the CPU EP with host states (sampling): the general path
+    if exits and not chain_exits_supported(rt, exits, runner.signal):
         return None
     thresholds = {e: cfg.thresholds[e] for e in exits}
-    certified = cfg.certified_head
-    return DecodeChain(rt, kv, row, thresholds, runner.signal, cfg.top_k, runner.gates, rows, certified)
+    certified, device = cfg.certified_head, True if resident else None
+    return DecodeChain(rt, kv, row, thresholds, runner.signal, cfg.top_k, runner.gates, rows, certified, device)
 
 
 def chain_step(
@@ -72,7 +72,8 @@ def chain_step(
     if elsewhere and (pick is not None or st.forced is not None):
         pick = _final_only(runner, st, pick)
     if drafts:
-        st.pending[0] = runner.rt.embed(np.array([st.tokens[-drafts - 1 : -1]], dtype=np.int64))
+        ids = np.array([st.tokens[-drafts - 1 : -1]], dtype=np.int64)
+        st.pending[0] = runner.rt.embed(ids, place=runner.place)  # on the device in a device-resident run
     # verify's check runs the final head over every position of a wide step itself: the chain skips its own
     checks = policy.checks_drafts and bool(st.drafts)
     may_exit = policy.may_exit(st) and not drafts and not force_full
@@ -177,7 +178,9 @@ def chain_tokens(
     other on their own chains read them once a row, 1.4% slower: docs/results/2026-12-05-one-row-chain.md). Sampled,
     the logits of the rows reaching the final head are kept and picked in row order afterwards (as the general path
     picks them)."""
-    cpu, wide = runner.rt.device == "cpu", any(drafted.values())
+    # wide steps (prompts, drafts, deferred positions) and exits: on the CPU EP, or where the run's states live on
+    # the device (its chain's buffers are device memory)
+    cpu, wide = runner.rt.device == "cpu" or runner.place.device, any(drafted.values())
     if chain.rows == 1:
         st = live[0][0]
         if fresh:
@@ -188,7 +191,7 @@ def chain_tokens(
             return one
         return {0: chain_step(runner, chain, st, kv, drafted.get(0, 0))} if not wide or cpu else None
     sampler = runner.sampler()
-    if ((wide or runner.exits) and not cpu) or (fresh and (not cpu or runner._pad())):
+    if ((wide or runner.exits) and not cpu) or (fresh and (not cpu or (runner._pad() and not runner.place.device))):
         return None
     tokens: dict[int, int] = {}
     logits: dict[int, np.ndarray] = {}  # sampled: each row's final logits, picked in row order at the end

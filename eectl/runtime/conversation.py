@@ -2,10 +2,10 @@
 
 A turn is given the whole conversation as token ids (the chat template's rendering with a generation prompt).
 When the cache's tokens are a prefix of it (the usual case: the previous reply ended with the template's end-of-turn
-token), only the rest is fed, as one multi-position chunk on top of the past (the runner's prefill path with a
-past), then the reply decodes as `Runner.generate` does, on the bound chain where it applies. When they are not (a
-reply cut at the token budget, which the template then closes differently), the row is forgotten and the whole
-conversation is fed again: slower, never wrong. KV policies keep their state across turns (defer's pending
+token), only the rest is fed, as one multi-position chunk on top of the past (a prompt on the bound chain fed after
+what its cache holds), then the reply decodes as `Runner.generate` does, on the bound chain where it applies. When
+they are not (a reply cut at the token budget, which the template then closes differently), the row is forgotten and
+the whole conversation is fed again: slower, never wrong. KV policies keep their state across turns (defer's pending
 positions are carried by the next turn's chunk); a reply stopped early has its unchecked drafts (verify) checked
 before the turn returns, so the cache always holds exactly what the tokens say.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from eectl.errors import UsageError
 from eectl.runtime.batch import new_batch_kv
-from eectl.runtime.chain_steps import chain_step
+from eectl.runtime.chain_steps import chain_prompt, chain_step
 from eectl.runtime.runner import Runner
 from eectl.runtime.state import Generation, RowState
 
@@ -28,7 +28,9 @@ class Conversation:
     def __init__(self, runner: Runner, capacity: int) -> None:
         self.runner = runner
         self.kv = new_batch_kv(runner.rt, 1, capacity)
-        self.chain = runner._chain(self.kv, 1)
+        # the bound chain where it runs the configuration on host states (a configuration whose generation keeps its
+        # states on the device chats on the host path: a turn runs outside generate's placement)
+        self.chain = None if runner._on_device() else runner._chain(self.kv, 1)
         self.state: RowState | None = None
         self.reused = 0  # tokens of the last turn's input that the cache already held (not fed again)
 
@@ -67,14 +69,17 @@ class Conversation:
             t0 = time.perf_counter()
             if self.chain is not None and len(feed) == 1:
                 token = chain_step(r, self.chain, st, self.kv)
+            elif self.chain is not None:  # a turn's new tokens after what the cache holds, as a prompt on the chain
+                st.reused = len(st.tokens) - len(feed)
+                token = chain_prompt(r, self.chain, st, self.kv)
             else:
                 token = r._steps(self.kv, {0: (st, feed)})[0]
             st.emit(token, time.perf_counter() - t0)
-            st.done = r._finished(0, st, self.kv)
+            st.done = r._finished(0, st, self.kv, self.chain)
             if on_step is not None:
                 on_step(r._confirmed(st))
             if not st.done and stop is not None and stop():
-                r._settled(0, st, self.kv)  # what the policy left unchecked is checked: the cache is exact
+                r._settled(0, st, self.kv, self.chain)  # what the policy left unchecked is checked: the cache is exact
                 st.done = True
             feed = [st.tokens[-1]]
         return st.generation()

@@ -166,7 +166,18 @@ def join_graph(dtype: Any, n: int, axis: int, rank: int) -> Any:
     )
 
 
+def identity_graph(dtype: Any) -> Any:
+    """x [N] -> y, the same values: a copy on the device (into a bound buffer, or a new one; any shape, flattened)."""
+    t = _tensor_type(dtype)
+    return _model(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", t, ["N"])],
+        [helper.make_tensor_value_info("y", t, ["N"])],
+    )
+
+
 BUILDERS = {
+    "identity": identity_graph,
     "last": last_graph,
     "concat": concat_graph,
     "logsumexp": logsumexp_graph,
@@ -201,9 +212,12 @@ class DeviceOps:
             self._sessions[op] = sess
         return sess
 
-    def run(self, op: str, inputs: dict[str, Any], output: str, on_device: bool = False) -> Any:
+    def run(
+        self, op: str, inputs: dict[str, Any], output: str, on_device: bool = False, into: DeviceView | None = None
+    ) -> Any:
         """Run `op` on inputs (numpy arrays or OrtValues); the output as an OrtValue on the provider's device
-        (`on_device`) or a numpy array (copied to the host: only the scalars per row should be)."""
+        (`on_device`) or a numpy array (copied to the host: only the scalars per row should be), or written into the
+        device memory `into` (returned)."""
         sess = self.session(op)
         io = sess.io_binding()
         for name, value in inputs.items():
@@ -213,18 +227,36 @@ class DeviceOps:
                 io.bind_input(name, value.device, 0, value.dtype, list(value.shape), value.ptr)
             else:
                 io.bind_ortvalue_input(name, value)
+        if into is not None:
+            io.bind_output(output, into.device, 0, into.dtype, list(into.shape), into.ptr)
+            sess.run_with_iobinding(io)
+            return into
         io.bind_output(output, self.device if on_device else "cpu")
         sess.run_with_iobinding(io)
         out = io.get_outputs()[0]
         return out if on_device else out.numpy()
 
-    def join(self, parts: list[Any], axis: int) -> DeviceView:
-        """Values (DeviceViews or OrtValues) concatenated along `axis`, on the device."""
+    def join(self, parts: list[Any], axis: int, into: DeviceView | None = None) -> DeviceView:
+        """Values (DeviceViews, OrtValues or host arrays) concatenated along `axis`, on the device (written into
+        `into` where given)."""
         inputs = {f"x{i}": p for i, p in enumerate(parts)}
-        first = parts[0] if isinstance(parts[0], DeviceView) else DeviceView.of(parts[0])
+        first = next((p for p in parts if not isinstance(p, np.ndarray)), parts[0])
+        first = first if isinstance(first, DeviceView | np.ndarray) else DeviceView.of(first)
         ids = "_int64" if np.dtype(first.dtype) == np.int64 else ""  # candidate ids beside the states' floats
         op = f"join{len(parts)}_{axis}_{len(first.shape)}{ids}"
+        if into is not None:
+            return self.run(op, inputs, "joined", into=into)
         return DeviceView.of(self.run(op, inputs, "joined", on_device=True))
+
+    def write(self, src: Any, into: DeviceView) -> DeviceView:
+        """src (a host array or DeviceView of into's size) copied into the device memory `into`."""
+        self.run("identity", {"x": src.reshape(_size(src))}, "y", into=into.reshape(_size(into)))
+        return into
+
+    def copy(self, src: DeviceView) -> DeviceView:
+        """src copied into new device memory (a state kept while its buffer is rewritten), of its shape."""
+        flat = DeviceView.of(self.run("identity", {"x": src.reshape(_size(src))}, "y", on_device=True))
+        return flat.reshape(*src.shape)
 
     # --- the pieces ------------------------------------------------------------------------------------------------
     def last(self, hidden: Any, positions: np.ndarray, on_device: bool = True) -> Any:
@@ -243,6 +275,10 @@ class DeviceOps:
 
     def cosine_min(self, layer_states: Any) -> np.ndarray:
         return self.run("cosine_min", {"layer_states": layer_states}, "cosine")
+
+
+def _size(x: Any) -> int:
+    return int(np.prod(x.shape))
 
 
 def concat(rt: Any, parts: list[Any], axis: int) -> Any:

@@ -275,6 +275,9 @@ class DeviceView:
         return cls(value.device_name(), value.data_ptr(), tuple(value.shape()), _np_dtype(value), value)
 
     def reshape(self, *shape: int) -> DeviceView:
+        if shape.count(-1) == 1:  # one axis inferred, as numpy does
+            known = int(np.prod([d for d in shape if d != -1]))
+            shape = tuple(int(np.prod(self.shape)) // max(known, 1) if d == -1 else d for d in shape)
         if int(np.prod(shape)) != int(np.prod(self.shape)):
             raise ValueError(f"cannot reshape {self.shape} to {shape}")
         return DeviceView(self.device, self.ptr, tuple(shape), self.dtype, self.owner)

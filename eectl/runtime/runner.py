@@ -357,7 +357,7 @@ class Runner:
         if self.lookup is not None:
             for st in rows:
                 st.lookup = self.lookup.new_state()
-        device = chain is None and self._on_device()
+        device = self._on_device()  # the states on the device: the chain's buffers, or the general path's own
         # host reads recorded per step where every step's reads are named: device-resident, or on the bound chain
         place = Placement(device=device, record=chain is not None)  # a device run records its reads anyway
         self.step_reads = place.steps
@@ -488,7 +488,7 @@ class Runner:
         n_before, t0 = len(st.tokens), time.perf_counter()
         if chain is not None and chain.rows > 1 and self._kept is not None:  # a batch: the row's slot's own chain
             chain = slot_chain(self, self._kept, row)
-        if chain is not None and self.rt.device == "cpu":
+        if chain is not None and (self.rt.device == "cpu" or self.place.device):
             extra = chain_step(self, chain, st, kv, force_full=True)
         else:
             extra = self._step(row, st, kv, [st.tokens[-1]], force_full=True)

@@ -34,7 +34,7 @@ from eectl.contracts.manifest import Manifest
 from eectl.errors import UsageError
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import Signal
-from eectl.runtime import chain_steps
+from eectl.runtime import stepping
 from eectl.runtime.batch import new_batch_kv, run_prefill
 from eectl.runtime.blocks import run_block
 from eectl.runtime.chain_steps import chain_prompt, chain_step
@@ -47,7 +47,7 @@ SCORE_ROWS = 256  # positions per exit-test or head call: bounds its [N, V] logi
 BATCH_TOKENS = 2048  # padded positions per batched pass (rows x the longest text): the K/V and states it holds
 
 
-class Runner(chain_steps.Runner, Protocol):
+class Runner(stepping.Runner, Protocol):
     """What scoring reads of the runner (runner.Runner, which imports this module): the chain's steps' part too."""
 
     rt: ArtifactRuntime
@@ -94,7 +94,9 @@ def token_by_token(runner: Runner, ids: list[int], prompt_len: int) -> RowState:
     check_text(ids, prompt_len, m.max_positions)
     kv = runner.rt.new_kv(1, len(ids) + 1)
     st = RowState(list(ids[:prompt_len]), prompt_len, [None] * len(m.segments), forced=list(ids))
-    chain = runner._chain(kv, 1)  # the bound chain where it runs this configuration, as generation's steps
+    # the bound chain where it runs this configuration, as generation's steps (on the host: scoring reads each
+    # position's logits, so a configuration whose generation keeps its states on the device scores on the host path)
+    chain = None if runner._on_device() else runner._chain(kv, 1)
     if chain is not None:
         st.tokens.append(chain_prompt(runner, chain, st, kv))
     else:
