@@ -32,6 +32,7 @@ PACK_DIR = ".gpu-pack"  # under the repository root, git-ignored: carried by nam
 REMOTE = "/tmp/eectl-gpu"  # on the device: outside the repository, survives between calls while the machine is warm
 MANIFEST = "manifest.json"
 CALL_LIMIT_MIB = 64  # the device tool: the working tree plus carried paths, per call
+PART_MIB = 56.0  # the largest part: room beside it for a working tree of up to ~7 MiB (3 MiB on 2026-12-05)
 CARRY_PATHS_MAX = 8
 COMMAND_MAX = 2000
 
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, default=None, help="where downloads go (default: OUT/wheels)")
     p.add_argument("--python-version", default="3.12", help="the target interpreter (device: 3.12)")
     p.add_argument("--gguf", type=Path, help="a GGUF model file to send too")
-    p.add_argument("--part-mib", type=float, default=60.0, help="largest part (default 60 MiB)")
+    p.add_argument("--part-mib", type=float, default=PART_MIB, help=f"largest part (default {PART_MIB:g} MiB)")
     p.add_argument("--call-mib", type=float, default=CALL_LIMIT_MIB, help="what one call may send (default 64)")
     p.add_argument("--tree-mib", type=float, help="the working tree's size (default: measured with git)")
     p.add_argument("--check-args", default="", help="extra scripts/gpu_check options for the last call")

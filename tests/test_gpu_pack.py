@@ -122,14 +122,15 @@ def test_the_plan_keeps_every_call_under_the_limit(tmp_path, files):
 
 
 def test_the_default_pack_fits_the_device_tool():
-    """The real numbers: 60 MiB parts, this working tree, 64 MiB a call."""
+    """The real numbers: the default parts (56 MiB), this working tree, 64 MiB a call."""
+    part = int(gpu_pack.PART_MIB * gpu_pack.MIB)
     manifest = {
         "files": [{"name": "w.whl", "size": 256 * gpu_pack.MIB, "sha256": "0", "parts": []}],
         "gguf": None,
         "calls": [],
     }
-    parts = [{"name": f"w.whl.part{i:03d}", "size": 60 * gpu_pack.MIB, "sha256": "0"} for i in range(4)]
-    parts.append({"name": "w.whl.part004", "size": 16 * gpu_pack.MIB, "sha256": "0"})
+    parts = [{"name": f"w.whl.part{i:03d}", "size": part, "sha256": "0"} for i in range(4)]
+    parts.append({"name": "w.whl.part004", "size": 256 * gpu_pack.MIB - 4 * part, "sha256": "0"})
     manifest["files"][0]["parts"] = parts
     tree = gpu_pack.tree_bytes()
     capacity = 64 * gpu_pack.MIB - tree - 8192 - gpu_pack.MIB

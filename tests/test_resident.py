@@ -317,3 +317,51 @@ def test_resident_exit_steps_on_cuda_equal_the_host_path(tiny_dirs, tmp_path, mo
             assert [g.token_ids for g in got] == [g.token_ids for g in host], (signal, policy)
             keys = {key for reads in runner.step_reads for _, _, key in reads}
             assert keys <= {"token", "candidates", "candidate_logits", "logsumexp", "cosine"}
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_device_buffers_take_prompts_drafts_and_sampling_with_host_states(runtimes, fam, monkeypatch):
+    """A chain whose buffers are device memory (as full depth's on a device provider) in a run whose states are on
+    the host (nothing resident: `Runner._on_device` False) takes its prompts on the chain too (embedded on the host,
+    joined into the device buffers): one row and a batch in slots, greedy and sampled, the tokens of the host chain's
+    run, no step on the general path. A device-resident run with drafts from the context (no exit) steps on a device
+    chain with the general path's resident tokens."""
+    from eectl.runtime.chain import DecodeChain
+    from tests.test_chain_host_decisions import _counting_general_steps
+
+    loaded, rt = runtimes[fam]
+    prompts = _prompts(loaded.adapter.dims.vocab_size, 4)
+    general = _counting_general_steps(monkeypatch)
+
+    def full(temperature: float, device: bool):
+        cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=10, temperature=temperature, seed=3)
+        runner = Runner(rt, cfg)
+        got = [runner.generate(prompts[:1])[0].token_ids, [g.token_ids for g in runner.generate(prompts, slots=3)]]
+        chain = runner._kept.chain if runner._kept is not None else None
+        assert chain is not None and chain.device == device
+        return got
+
+    host = {t: full(t, False) for t in (0.0, 0.9)}
+    real = DecodeChain.__init__
+
+    def on_device(self, *args, **kwargs):  # full depth's default off the CPU EP: device buffers
+        asked = kwargs.pop("device", args[9] if len(args) > 9 else None)
+        real(self, *args[:9], **kwargs, device=True if asked is None else asked)
+
+    monkeypatch.setattr(DecodeChain, "__init__", on_device)
+    for t in (0.0, 0.9):
+        assert full(t, True) == host[t], t
+    assert general == []
+    monkeypatch.undo()
+    general = _counting_general_steps(monkeypatch)
+    repetitive = [p * 3 for p in prompts[:2]]
+    runs = []
+    for bound in (True, False):
+        cfg = RunConfig(exits=[], thresholds={}, policy="verify", max_new_tokens=12, prompt_drafts=4,
+                        device_resident=True, bound=bound)  # fmt: skip
+        runner = Runner(rt, cfg)
+        runs.append([g.token_ids for g in runner.generate(repetitive, slots=2)])
+        if bound:
+            assert runner._kept is not None and runner._kept.chain is not None and runner._kept.chain.device
+            assert general == [] and runner.step_reads
+    assert runs[0] == runs[1]

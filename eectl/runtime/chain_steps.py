@@ -24,25 +24,28 @@ from eectl.runtime.state import RowState
 from eectl.runtime.stepping import Runner
 
 
-def chain_for(runner: Runner, kv: KVBuffers, rows: int, row: int = 0) -> DecodeChain | None:
+def chain_for(runner: Runner, kv: KVBuffers, rows: int, row: int = 0, host: bool = False) -> DecodeChain | None:
     """The bound call chain for decode from `row` over `rows` rows, greedy or sampled, with a final head that has the
-    in-graph argmax: full depth (on every provider: the states stay where the graphs run), or active exits under
-    every policy (decided in the exit graphs, or on the host: `chain_exits_supported`; a batch's rows through
-    chain_rows.py) on the CPU EP, and on a device where the run keeps its states there (greedy: `Runner._on_device`;
-    its buffers device memory, on the CPU EP too). None where the general path steps."""
+    in-graph argmax, full depth or with active exits under every policy (decided in the exit graphs, or on the host:
+    `chain_exits_supported`; a batch's rows through chain_rows.py). Its buffers are where the run's states live: on a
+    device where it keeps them there (greedy with exits or drafts: `Runner._on_device`; device memory on the CPU EP
+    too), in host memory where the run reads them (the CPU EP; sampling or scoring with exits off it; `host`), and
+    on the device for full depth there (only the tokens are read). None where the general path steps."""
     rt, cfg, exits = runner.rt, runner.cfg, runner.exits
     final = rt.full_graphs[runner.L]
     if "token" not in final.io.outputs:
         return None
     if any(g.session is None for g in rt.segments):  # a runtime holding one segment at a time
         return None
-    resident = runner._on_device()
-    if exits and not resident and (runner._resident_wanted() or rt.device != "cpu"):
-        return None  # exits off the CPU EP with host states (sampling): the general path
     if exits and not chain_exits_supported(rt, exits, runner.signal):
         return None
+    device: bool | None = None  # full depth: the provider's own
+    if host or (exits and not runner._on_device()):
+        device = False
+    elif runner._on_device():
+        device = True
     thresholds = {e: cfg.thresholds[e] for e in exits}
-    certified, device = cfg.certified_head, True if resident else None
+    certified = cfg.certified_head
     return DecodeChain(rt, kv, row, thresholds, runner.signal, cfg.top_k, runner.gates, rows, certified, device)
 
 
@@ -178,20 +181,20 @@ def chain_tokens(
     other on their own chains read them once a row, 1.4% slower: docs/results/2026-12-05-one-row-chain.md). Sampled,
     the logits of the rows reaching the final head are kept and picked in row order afterwards (as the general path
     picks them)."""
-    # wide steps (prompts, drafts, deferred positions) and exits: on the CPU EP, or where the run's states live on
-    # the device (its chain's buffers are device memory)
-    cpu, wide = runner.rt.device == "cpu" or runner.place.device, any(drafted.values())
+    # a chain's buffers are where the run's states live (chain_for): every step is the chain's, save prompts padded
+    # into one call (off the CPU EP where the run's states are on the host: `_pad`)
+    wide = any(drafted.values())
     if chain.rows == 1:
         st = live[0][0]
         if fresh:
-            return {0: chain_prompt(runner, chain, st, kv)} if cpu else None
+            return {0: chain_prompt(runner, chain, st, kv)}
         if not wide and not runner.exits:
             one = chain.step({0: st.tokens[-1]}, place=runner.place, pick=runner.sampler())
             st.exit_layers.append(runner.L)
             return one
-        return {0: chain_step(runner, chain, st, kv, drafted.get(0, 0))} if not wide or cpu else None
+        return {0: chain_step(runner, chain, st, kv, drafted.get(0, 0))}
     sampler = runner.sampler()
-    if ((wide or runner.exits) and not cpu) or (fresh and (not cpu or (runner._pad() and not runner.place.device))):
+    if fresh and runner._pad() and not runner.place.device:
         return None
     tokens: dict[int, int] = {}
     logits: dict[int, np.ndarray] = {}  # sampled: each row's final logits, picked in row order at the end

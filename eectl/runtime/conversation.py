@@ -28,9 +28,9 @@ class Conversation:
     def __init__(self, runner: Runner, capacity: int) -> None:
         self.runner = runner
         self.kv = new_batch_kv(runner.rt, 1, capacity)
-        # the bound chain where it runs the configuration on host states (a configuration whose generation keeps its
-        # states on the device chats on the host path: a turn runs outside generate's placement)
-        self.chain = None if runner._on_device() else runner._chain(self.kv, 1)
+        # the bound chain where it runs the configuration, its states on the host (a turn runs outside generate's
+        # placement)
+        self.chain = runner._chain(self.kv, 1, host=True)
         self.state: RowState | None = None
         self.reused = 0  # tokens of the last turn's input that the cache already held (not fed again)
 

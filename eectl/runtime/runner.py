@@ -4,8 +4,8 @@ Per generated token, the segments run in order; after each segment that ends at 
 tested (decide.py): in the exit graph where it computes the signal (graph_decide.py), else through
 `eectl.exits.signals.ExitScoring` on the ONNX exit graphs' outputs (`OrtExitLogits`): the same code calibrate runs in
 torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become is the KV policy's
-business (policies.py): the runner calls its hooks. Every step on the CPU EP and full-depth steps everywhere run on
-the bound chain (chain_steps.py, chain_rows.py); this loop takes device runs with exits and padded prompt calls.
+business (policies.py): the runner calls its hooks. Steps run on the bound chain (chain_steps.py, chain_rows.py); the
+loop below (the general path) takes prompts padded into one call, and every step with `RunConfig.bound` False.
 
 Rows of a batch are independent sequences with their own cache rows and decisions, run in lock-step: per token
 every row's step runs until it needs a graph call, and a segment runs once for all rows that reach it with one new
@@ -14,10 +14,10 @@ early sit out the deeper calls (they ride along on a scratch slot: GQA cannot sk
 positions (prefill, deferred positions) run single-row calls on their rows of the same buffers, and so do the
 river policy's int4 copies after an exit (`KVPolicy.predict`). Block states (cosine-min) come from the batched call.
 
-Device-resident (`RunConfig.device_resident`, the default off the CPU EP): the same loop with every state a device
-value handed between graphs and exit tests reading K scores or a scalar per row (resident.py, binding.py). Where
-states live is the run's: `generate` gives its calls a `Placement` of its own (placement.py), which records every
-host read. A Runner keeps its last call's KV cache and bound chains for the next call (`_buffers`).
+Device-resident (`RunConfig.device_resident`, the default off the CPU EP; greedy with exits or drafts): every state
+a device value, exit tests reading a flag and a token, K scores or a scalar per row (binding.py). `generate` gives
+its calls a `Placement` of its own (placement.py), which records every host read. A Runner keeps its last call's KV
+cache and bound chains for the next call (`_buffers`).
 What this module does not do: tokenise or format output (run/generate.py / cli/), or load torch models.
 """
 
@@ -450,23 +450,23 @@ class Runner:
         return self._kept
 
     def _pad(self) -> bool:
-        """Whether a batch's prompts of several lengths prefill in one padded call (RunConfig.batch_prompts; default:
-        off the CPU EP)."""
+        """Whether a batch's new prompts prefill in one padded call (RunConfig.batch_prompts; default: off CPU)."""
         return self.cfg.batch_prompts if self.cfg.batch_prompts is not None else self.rt.device != "cpu"
 
     def _resident_wanted(self) -> bool:
         return self.rt.device != "cpu" if self.cfg.device_resident is None else self.cfg.device_resident
 
     def _on_device(self) -> bool:
-        """Whether generate's steps with active exits keep their states on the device (a `Placement` of their own:
-        the binding plan executed: only exit tests' flags and tokens, K ids and scores or a scalar per row, and
-        tokens read on the host). Greedy only: sampling and teacher-forced scoring pick on the host."""
-        return bool(self._resident_wanted() and self.exits and self.cfg.temperature <= 0)
+        """Whether generate's steps with active exits or drafts keep their states on the device (a `Placement` of
+        their own: the binding plan executed: only exit tests' flags and tokens, K ids and scores or a scalar per row,
+        and tokens read on the host). Greedy only: sampling and teacher-forced scoring pick on the host."""
+        return bool(self._resident_wanted() and (self.exits or self.lookup) and self.cfg.temperature <= 0)
 
-    def _chain(self, kv: KVBuffers, rows: int) -> DecodeChain | None:
-        """The bound call chain this generate call steps on where it can (runtime/chain_steps.py), else None (and
-        always None where the configuration is not `bound`)."""
-        return chain_for(self, kv, rows) if self.cfg.bound else None
+    def _chain(self, kv: KVBuffers, rows: int, host: bool = False) -> DecodeChain | None:
+        """The bound call chain this generate call steps on where it can (runtime/chain_steps.py; `host`: its states
+        in host buffers whatever the run's, for scoring and chat), else None (and always None where the configuration
+        is not `bound`)."""
+        return chain_for(self, kv, rows, host=host) if self.cfg.bound else None
 
     @staticmethod
     def _confirmed(st: RowState) -> list[int]:
@@ -488,7 +488,7 @@ class Runner:
         n_before, t0 = len(st.tokens), time.perf_counter()
         if chain is not None and chain.rows > 1 and self._kept is not None:  # a batch: the row's slot's own chain
             chain = slot_chain(self, self._kept, row)
-        if chain is not None and (self.rt.device == "cpu" or self.place.device):
+        if chain is not None:
             extra = chain_step(self, chain, st, kv, force_full=True)
         else:
             extra = self._step(row, st, kv, [st.tokens[-1]], force_full=True)

@@ -66,7 +66,7 @@ class Runner(stepping.Runner, Protocol):
 
     def _step(self, row: int, st: RowState, kv: Any, chunk_ids: list[int], force_full: bool = False) -> int: ...
 
-    def _chain(self, kv: Any, rows: int) -> Any: ...
+    def _chain(self, kv: Any, rows: int, host: bool = False) -> Any: ...
 
 
 @dataclass
@@ -94,9 +94,9 @@ def token_by_token(runner: Runner, ids: list[int], prompt_len: int) -> RowState:
     check_text(ids, prompt_len, m.max_positions)
     kv = runner.rt.new_kv(1, len(ids) + 1)
     st = RowState(list(ids[:prompt_len]), prompt_len, [None] * len(m.segments), forced=list(ids))
-    # the bound chain where it runs this configuration, as generation's steps (on the host: scoring reads each
-    # position's logits, so a configuration whose generation keeps its states on the device scores on the host path)
-    chain = None if runner._on_device() else runner._chain(kv, 1)
+    # the bound chain where it runs this configuration, as generation's steps, its states on the host (scoring reads
+    # each position's logits)
+    chain = runner._chain(kv, 1, host=True)
     if chain is not None:
         st.tokens.append(chain_prompt(runner, chain, st, kv))
     else:

@@ -99,5 +99,6 @@ def narrowed(rt: ArtifactRuntime, kept: Kept, chain: DecodeChain, seated: dict[i
             kept.prompts[dst] = kept.prompts.pop(src)
     rows = 1 << (len(seated) - 1).bit_length()
     if rows not in kept.narrow:
-        kept.narrow[rows] = DecodeChain(rt, kept.kv, 0, rows=rows, certified_head=kept.cfg.certified_head)
+        certified = kept.cfg.certified_head  # its buffers where the chain it narrows keeps them
+        kept.narrow[rows] = DecodeChain(rt, kept.kv, 0, rows=rows, certified_head=certified, device=chain.device)
     return kept.narrow[rows]
