@@ -239,21 +239,53 @@ def test_plan_executed_on_cuda_equals_the_host_path(tiny_dirs, tmp_path):
     assert [g.token_ids for g in gens[0]] == [g.token_ids for g in gens[1]]
 
 
-def test_generate_with_padded_prompt_calls_equals_rows_alone(runtimes, monkeypatch):
-    """The runner's padded prompt calls (on by default only off the CPU EP) give each row its own tokens."""
+@pytest.mark.parametrize("policy", ["full", "defer", "verify"])
+def test_generate_with_padded_prompt_calls_equals_rows_alone(runtimes, policy, monkeypatch):
+    """The padded prompt calls (on by default only off the CPU EP where a run's states are on the host) give each
+    row its own tokens, on the bound chain (chain_steps.py `padded_prompts`: one call per segment for the runs of
+    empty rows, a prompt of one token on its slot's chain) and on the general path alike, with the same cache;
+    prompts joining freed slots are padded with the others that join in their step."""
+    from eectl.runtime import chain_steps
     from eectl.runtime import segment_rows as segment_rows_mod
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
+    from tests.test_chain_host_decisions import _counting_general_steps
 
     rt = runtimes["qwen3"]
-    calls = []
-    real = segment_rows_mod.run_prefill
-    monkeypatch.setattr(segment_rows_mod, "run_prefill", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
-    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16, 17]]
-    gens = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6, batch_prompts=True)).generate(prompts)
-    assert calls == [3] * len(rt.manifest.segments)  # one call per segment for all three prompts
-    alone = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate([p])[0] for p in prompts]
-    assert [g.token_ids for g in gens] == [g.token_ids for g in alone]
+    calls: list[int] = []
+    for mod in (segment_rows_mod, chain_steps):
+        real = mod.run_prefill
+        monkeypatch.setattr(mod, "run_prefill", lambda *a, _real=real, **k: calls.append(len(a[2])) or _real(*a, **k))
+    general = _counting_general_steps(monkeypatch)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16, 17], [18], [19, 20, 21, 22]]
+    exits = [] if policy == "full" else [2, 4]
+    thr = {e: {"prob": 0.1} for e in exits}  # some tokens exit
+
+    def cfg(**kw):
+        pol = "defer" if policy == "full" else policy
+        return RunConfig(exits=exits, thresholds=thr, policy=pol, top_k=8, max_new_tokens=6, **kw)
+
+    alone = [Runner(rt, cfg()).generate([p])[0] for p in prompts]
+    runs = []
+    for bound in (True, False):
+        calls.clear()
+        general.clear()
+        runner = Runner(rt, cfg(batch_prompts=True, bound=bound))
+        gens = runner.generate(prompts[:3])
+        assert calls == [3] * len(rt.manifest.segments)  # one call per segment for all three prompts
+        assert (general == []) == bound
+        assert [g.token_ids for g in gens] == [g.token_ids for g in alone[:3]]
+        slotted = Runner(rt, cfg(batch_prompts=True, bound=bound))
+        got = slotted.generate(prompts, slots=3)  # 5 prompts in 3 slots: the one-token prompt alone on its chain
+        assert [g.token_ids for g in got] == [g.token_ids for g in alone]
+        assert [g.exit_layers for g in got] == [g.exit_layers for g in alone]
+        runs.append((runner.last_kv, gens))
+    (kv, got), (kv_plain, plain) = runs
+    assert [g.exit_layers for g in got] == [g.exit_layers for g in plain]
+    assert (kv.filled == kv_plain.filled).all()
+    n = int(kv.filled.min())
+    for mine, other in zip(kv.batch_keys + kv.batch_values, kv_plain.batch_keys + kv_plain.batch_values, strict=True):
+        assert (mine[:, :, :n] == other[:, :, :n]).all()
 
 
 def test_kv_lengths_change_through_span_advance_and_rollback_only():

@@ -14,6 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from eectl.runtime import buffers
+from eectl.runtime.batch import BatchKV, prefill_runs, run_prefill
+from eectl.runtime.blocks import run_block
+from eectl.runtime.buffers import view
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.chain_parts import HostDecide, Pick
 from eectl.runtime.chain_rows import rows_step
@@ -194,12 +198,16 @@ def chain_tokens(
             return one
         return {0: chain_step(runner, chain, st, kv, drafted.get(0, 0))}
     sampler = runner.sampler()
-    if fresh and runner._pad() and not runner.place.device:
-        return None
     tokens: dict[int, int] = {}
     logits: dict[int, np.ndarray] = {}  # sampled: each row's final logits, picked in row order at the end
     held = [s for s in live if s not in fresh]  # rows whose prompts are in the cache
-    for s in sorted(fresh):
+    alone = fresh  # the new prompts each on its slot's chain
+    if fresh and runner._pad() and not runner.place.device:  # padded into one call per segment where they can
+        new = {s: live[s][0] for s in fresh}
+        slot_of = lambda s: slot_chain(runner, kept, s)  # noqa: E731
+        tokens.update(padded_prompts(runner, chain, slot_of, new, logits if sampler is not None else None))
+        alone = set()
+    for s in sorted(alone):
         st = live[s][0]
         st.reused = shared(runner.rt, kept, s, st.tokens, held)  # another row's copy of its beginning, if longer
         keep = _keeping(logits, [s], sampler) if sampler is not None else None
@@ -219,6 +227,49 @@ def chain_tokens(
     if sampler is not None:  # the rows that reached the final head, in row order (exits picked at once)
         tokens.update({s: sampler(logits[s], None) for s in sorted(logits)})
     return tokens
+
+
+def padded_prompts(
+    runner: Runner,
+    chain: DecodeChain,
+    one: Any,
+    live: dict[int, RowState],
+    logits: dict[int, np.ndarray] | None = None,
+) -> dict[int, int]:
+    """A batch's new prompts (slot -> its state, each fed after the `reused` tokens its rows hold) where the run pads
+    them into one call (`Runner._pad`: off the CPU EP where the run's states are on the host): the runs of two or
+    more consecutive rows that hold nothing yet and feed several positions share one padded call per segment
+    (batch.run_prefill: each row attends to its own positions) and a block exit head's call per row after its
+    segment; the last position of each goes to its row of the chain's final head, one call for them all. Every other
+    prompt steps on its slot's chain (`one(slot)`, chain_steps.chain_prompt: a prompt of one token may exit there).
+    Returns slot -> token; `logits` (sampling): each prompt's final logits kept there (its token -1), to be picked in
+    row order with the other rows'."""
+    rt, kv, first, L = runner.rt, chain.kv, chain.row, runner.L
+    assert isinstance(kv, BatchKV)
+    several = [r for r, st in live.items() if len(st.tokens) - st.reused > 1 and not kv.filled[r].any()]
+    padded = [r for run in prefill_runs(kv, several, 0, L) if len(run) > 1 for r in run]
+    tokens = {}
+    for r in sorted(set(live) - set(padded)):
+        keep = None if logits is None else _keeping(logits, [r], runner.sampler())
+        tokens[r] = chain_prompt(runner, one(r), live[r], kv, keep)
+    if not padded:
+        return tokens
+    xs = {r: rt.embed(np.array([live[r].tokens[live[r].reused :]], dtype=np.int64)) for r in padded}
+    for s in range(len(runner.m.segments)):
+        for run in prefill_runs(kv, padded, *rt.manifest.segments[s].layers):
+            xs.update({r: out for r, (out, _) in run_prefill(rt, s, {r: xs[r] for r in run}, kv).items()})
+        if s in chain.blocks:  # the active exit's block head over every position, its own K/V written
+            for r in padded:
+                run_block(rt, chain.exit_at[s], xs[r], kv, r)
+    for r in padded:
+        buffers.put(rt, view(chain.hops[-1])[r - first : r - first + 1], xs[r][0, -1:])
+        live[r].exit_layers.append(L)
+    if logits is not None:
+        z = chain._sample_head(runner.place)
+        logits.update({r: np.array(z[r - first], copy=True) for r in padded})
+        return tokens | {r: -1 for r in padded}
+    chain._head(runner.place, np.array(padded) - first)
+    return tokens | {r: int(chain.token[r - first]) for r in padded}
 
 
 def slot_chain(runner: Runner, kept: Kept, slot: int) -> DecodeChain:
