@@ -46,7 +46,7 @@ wide: its own K/V advance with the segment's last layer's), and its output is wh
 A batch's steps with exits or drafts (CPU): a chain over its rows with the run's exits beside one-row chains of its
 slots (runtime/chain_rows.py). On a device (`device`) the pending states, wide calls' buffers and the states handed
 to the policy are device memory, moved between calls by runtime/buffers.py (nothing passes through the host). What it
-does not do: prompts padded into one call, sampled exit steps on a device: the runner's general path does.
+does not do: prompts padded into one call (chain_steps.py `padded_prompts` runs them, then the chain's head).
 """
 
 from __future__ import annotations
