@@ -5,7 +5,7 @@ tested (decide.py): in the exit graph where it computes the signal (graph_decide
 `eectl.exits.signals.ExitScoring` on the ONNX exit graphs' outputs (`OrtExitLogits`): the same code calibrate runs in
 torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become is the KV policy's
 business (policies.py): the runner calls its hooks. Steps run on the bound chain (chain_steps.py, chain_rows.py); the
-loop below (the general path) takes prompts padded into one call, and every step with `RunConfig.bound` False.
+loop below (the general path) takes every step with `RunConfig.bound` False, and artifacts without the in-graph token.
 
 Rows of a batch are independent sequences with their own cache rows and decisions, run in lock-step: per token
 every row's step runs until it needs a graph call, and a segment runs once for all rows that reach it with one new
