@@ -302,21 +302,31 @@ def test_the_chain_binds_and_steps_device_buffers(runtimes, fam, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDAExecutionProvider")
 def test_resident_exit_steps_on_cuda_equal_the_host_path(tiny_dirs, tmp_path, monkeypatch):
-    """On the CUDA EP (fp16), exit steps with the states on the device give the host-bound path's tokens, and only
-    the plan's host outputs are read."""
+    """On the CUDA EP (fp16): exit steps on the bound chain with the states in device buffers (resident), and with
+    them in host buffers (not resident; sampled too), give the general path's tokens (`bound=False`, host states),
+    one row and a batch in slots; the resident runs read only scalars per row on the host."""
     loaded = load_model(str(tiny_dirs["llama"]))
     export_artifact(loaded, tmp_path / "a", ExportOptions(exits=EXPORT_EXITS, top_k=EXPORT_TOP_K, dtype="fp16"))
     rt = ArtifactRuntime(tmp_path / "a", provider="cuda")
     prompts = _prompts(loaded.adapter.dims.vocab_size, 3)
+    scalars = {"token", "passed", "exit_token", "candidates", "candidate_logits", "logsumexp", "cosine"}
     for signal in ("topk-prob", "full-prob", "cosine"):
         thresholds = _thresholds(rt, signal, prompts, monkeypatch)
         for policy in ("copy", "defer", "verify"):
-            host = Runner(rt, _config(signal, policy, thresholds, False)).generate(prompts)
-            runner = Runner(rt, _config(signal, policy, thresholds, True))
-            got = runner.generate(prompts)
-            assert [g.token_ids for g in got] == [g.token_ids for g in host], (signal, policy)
-            keys = {key for reads in runner.step_reads for _, _, key in reads}
-            assert keys <= {"token", "candidates", "candidate_logits", "logsumexp", "cosine"}
+            for slots in (None, 2):
+                cfg = _config(signal, policy, thresholds, False)
+                want = Runner(rt, dataclasses.replace(cfg, bound=False)).generate(prompts, slots=slots)
+                for resident in (False, True):
+                    runner = Runner(rt, dataclasses.replace(cfg, device_resident=resident))
+                    got = runner.generate(prompts, slots=slots)
+                    assert [g.token_ids for g in got] == [g.token_ids for g in want], (signal, policy, resident)
+                    assert [g.exit_layers for g in got] == [g.exit_layers for g in want], (signal, policy, resident)
+                    if resident:
+                        assert {key for reads in runner.step_reads for _, _, key in reads} <= scalars
+            if policy != "verify":  # sampled: the chain's host buffers, the general path's host arrays
+                hot = dataclasses.replace(_config(signal, policy, thresholds, False), temperature=0.8)
+                runs = [Runner(rt, dataclasses.replace(hot, bound=b)).generate(prompts, slots=2) for b in (True, False)]
+                assert [g.token_ids for g in runs[0]] == [g.token_ids for g in runs[1]], (signal, policy)
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
