@@ -104,7 +104,7 @@ class Costs(_M):
     # one-row exit steps run on the bound chain (runtime/chain.py), the decisions above timed as it makes them (in
     # the exit graphs, or on the host for signals they do not compute): a step pays the chain's per-call overhead, a
     # token that meets pending positions (defer's and verify's flush) included (wide calls). False: every exit step
-    # pays the general path (older artifacts, block exit heads, cosine-min)
+    # pays the general path (costs from before 2026-12-05, or artifacts the chain cannot run: older exports)
     bound_exits: bool = False
     # each timed figure above by its path (`full_step_ms`, `segment_ms.2`, `candidates_ms.8`), its milliseconds in
     # every timing round, rounds aligned across graphs (round r of every graph ran in the same pass): each figure is

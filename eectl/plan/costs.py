@@ -146,9 +146,9 @@ def measure_costs(
     sig = get_signal(signal)
     state_only = _exit_calls(calls, rt, sig, kv, h1, past, k)
     _bound_exit_calls(calls, rt, sig, h1, past, k)  # replaces the decisions the exit graphs make on the chain
-    # one-row exit steps on the bound chain (the CPU EP: runtime/chain_steps.py `chain_for`), its decisions in the
-    # exit graphs (timed so just above) or on the host; on a device they take the general path (device-resident)
-    bound = "chain" in calls and rt.device == "cpu" and chain_exits_supported(rt, list(m.exit_layers), sig)
+    # one-row exit steps on the bound chain (runtime/chain_steps.py `chain_for`: host buffers on the CPU EP, device
+    # buffers on a device), its decisions in the exit graphs (timed so just above) or on the host
+    bound = "chain" in calls and chain_exits_supported(rt, list(m.exit_layers), sig)
     timed = after_segments(calls, rt)
     last = calls[f"seg1.{len(m.segments) - 1}"]
     for name in heads:  # right after the final segment, as decode runs them: the certified head's int8 table fits
@@ -348,7 +348,7 @@ def _bound_exit_calls(
     they decide: the host decides those, on the chain as on the general path, timed so."""
     m = rt.manifest
     exits = list(m.exit_layers)
-    if "chain" not in calls or rt.device != "cpu" or not decides_in_graph(rt, exits, sig):
+    if "chain" not in calls or not decides_in_graph(rt, exits, sig):
         return  # the host decides these exits on the chain: as the general path's decisions are timed
     never = {c: float("inf") for c in sig.criteria}  # thresholds do not change the graph's work
 
