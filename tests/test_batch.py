@@ -3,6 +3,8 @@ rows that sit out a call keep their K/V and length, single-row chunks run on a r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -226,17 +228,21 @@ def test_the_bound_batch_chain_equals_the_general_path(runtimes, fam):
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDAExecutionProvider")
 def test_plan_executed_on_cuda_equals_the_host_path(tiny_dirs, tmp_path):
-    """On the CUDA EP (fp16), the bound chain's full-depth batch steps (states in device buffers) give the tokens of
-    the general path."""
+    """On the CUDA EP (fp16), the bound chain's full-depth steps (states in device buffers) give the tokens of the
+    general path: one row (its prompt on the chain: embedded on the host, joined into device buffers), a batch (its
+    prompts padded into one call per segment, then the chain's head), prompts joining freed slots, greedy and
+    sampled."""
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
 
     export_artifact(load_model(str(tiny_dirs["llama"])), tmp_path / "a", ExportOptions(exits=[3], dtype="fp16"))
     rt = ArtifactRuntime(tmp_path / "a", provider="cuda")
-    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
-    runners = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=8, bound=b)) for b in (True, False)]
-    gens = [r.generate(prompts) for r in runners]
-    assert [g.token_ids for g in gens[0]] == [g.token_ids for g in gens[1]]
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15, 16, 17]]
+    for temperature in (0.0, 0.8):
+        for batch, slots in ((prompts[:1], None), (prompts[:3], None), (prompts, 2)):
+            cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=8, temperature=temperature, seed=5)
+            gens = [Runner(rt, replace(cfg, bound=b)).generate(batch, slots=slots) for b in (True, False)]
+            assert [g.token_ids for g in gens[0]] == [g.token_ids for g in gens[1]], (temperature, len(batch), slots)
 
 
 @pytest.mark.parametrize("policy", ["full", "defer", "verify"])
