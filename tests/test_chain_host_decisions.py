@@ -189,6 +189,8 @@ def test_a_batch_with_exits_steps_on_the_chain_as_on_the_general_path(runtimes, 
             if gated:  # exit 2's gate opens for some tokens only: exit 4 picks the candidates of the others
                 runner.gates = {2: (w, 0.0, 0.0)}
             runs.append((runner.generate(prompts, slots=3), runner.last_kv, list(general)))
+            if bound and signal == "topk-prob" and not sampled:  # each decision's flags and tokens read, recorded
+                assert any(key == "passed" for step in runner.step_reads for _, _, key in step)
         (got, kv, chain_steps), (plain, kv_plain, plain_steps) = runs
         assert chain_steps == [] and max(plain_steps) > 1, (sampled, gated)  # the chain took every step, batched
         assert any(e < rt.manifest.num_layers for p in plain for e in p.exit_layers[1:]), (sampled, gated)

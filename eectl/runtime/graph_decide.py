@@ -125,6 +125,9 @@ class GraphDecisions:
         """The decision where the run's states live: `on_device` for a device-resident run, else on host arrays."""
         if place.device:
             return self.on_device(layer, hidden, candidates, place)
+        kind = picker_graph(self.rt, layer)[1] if candidates is None else "exit_local"
+        place.read((kind, layer, "passed"))  # a flag and a token per row, as the chain's bound decisions read
+        place.read((kind, layer, "exit_token"))
         return self(layer, np.asarray(hidden), candidates)
 
     def on_device(self, layer: int, hidden: Any, candidates: Any, place: Placement) -> Decided:
