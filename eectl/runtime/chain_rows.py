@@ -1,4 +1,4 @@
-"""A batch's decode step with exits or drafts on bound calls (the CPU EP): `rows_step`.
+"""A batch's decode step with exits or drafts on bound calls: `rows_step`.
 
 Per segment, every row that reaches it: the rows feeding one position share the batch chain's bound call
 (runtime/chain.py: one call over the span of rows, each at its own length; the others write only their scratch
@@ -11,13 +11,16 @@ deferred state rides along in the deeper calls other rows run anyway (`RunConfig
 The rows reaching the final layer share one final head call (a wide row's last position copied to its row of the
 head's input), except where verify checks drafts over a wide row's every position (`KVPolicy.on_final`).
 
-Same tokens, exit layers and cache as the general path: tests/test_runner.py.
-What this module does not do: prompts (each on its slot's chain: chain_steps.py), device buffers, teacher forcing.
+The chains' buffers are host memory or device memory alike (a device-resident run's), moved between calls by
+runtime/buffers.py. Same tokens, exit layers and cache as the general path: tests/test_chain_host_decisions.py,
+tests/test_runner.py, tests/test_resident.py.
+What this module does not do: prompts (chain_steps.py), teacher forcing (one row at a time: chain.py `step_exits`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +49,7 @@ class _Step:
     may: dict[int, bool]
     total: dict[int, int]
     alive: set[int]
-    flow: dict[int, np.ndarray] = field(default_factory=dict)
+    flow: dict[int, Any] = field(default_factory=dict)  # host arrays or device buffers
     cands: dict[int, Any] = field(default_factory=dict)
     decided: set[int] = field(default_factory=set)
     riders: dict[int, int] = field(default_factory=dict)
@@ -56,7 +59,7 @@ class _Step:
 def rows_step(
     runner: Runner,
     chain: DecodeChain,
-    one: Any,
+    one: Callable[[int], DecodeChain],
     live: dict[int, RowState],
     drafted: dict[int, int],
     logits: dict[int, np.ndarray] | None = None,
@@ -93,7 +96,7 @@ def rows_step(
     return step.tokens
 
 
-def _segment(runner: Runner, chain: DecodeChain, one: Any, step: _Step, s: int) -> None:
+def _segment(runner: Runner, chain: DecodeChain, one: Callable[[int], DecodeChain], step: _Step, s: int) -> None:
     """Segment s for the rows that reach it: the batched call for the one-position rows and the riders (where any
     row runs the segment), then each wide row's call."""
     rt, kv, first, live = runner.rt, chain.kv, chain.row, step.live
@@ -204,7 +207,7 @@ def _rode(runner: Runner, chain: DecodeChain, step: _Step, r: int, s: int) -> No
         st.pending[s + 1] = out if prev is None else concat(runner.rt, [prev, out], 1)
 
 
-def _where(chain: DecodeChain, one: Any, step: _Step, r: int, s: int) -> tuple[Any, Any, Any]:
+def _where(chain: DecodeChain, one: Callable[[int], DecodeChain], step: _Step, r: int, s: int) -> tuple[Any, Any, Any]:
     """Row r's state after segment s as its exit reads it [1, 1, H], its last layer's input [H] and its segment's
     block boundaries [layers + 1, H] (or None): in its slot's chain after a wide call, else in the batch chain."""
     if r in step.flow:
@@ -219,7 +222,9 @@ def _where(chain: DecodeChain, one: Any, step: _Step, r: int, s: int) -> tuple[A
     return view(chain.exit_input(s))[i : i + 1], layer_in[i, -1], None if blocks is None else view(blocks)[i]
 
 
-def _decide(runner: Runner, chain: DecodeChain, one: Any, step: _Step, s: int, layer: int) -> None:
+def _decide(
+    runner: Runner, chain: DecodeChain, one: Callable[[int], DecodeChain], step: _Step, s: int, layer: int
+) -> None:
     """The exit after segment s for the rows that may exit and whose gate opens, in one decision; each row that
     exits gets its token and the policy's hooks (`_exited`)."""
     asks: dict[int, Decide] = {}

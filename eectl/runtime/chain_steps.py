@@ -1,15 +1,16 @@
-"""The runner's steps on the bound chain (runtime/chain.py): which chain a generate call binds (`chain_for`), which
-steps it takes (`chain_tokens`: prompts on the CPU EP, each in a one-row chain of its slot within a batch), and one
-row's step on it with the KV policy's hooks called as the general path calls them (`chain_step`; under teacher
-forcing, the fed token scored where the step decided it).
+"""The runner's steps on the bound chain (runtime/chain.py): which chain a generate call binds (`chain_for`: its
+buffers where the run's states live), which steps it takes (`chain_tokens`: prompts each in a one-row chain of its
+slot within a batch, or padded into one call per segment: `padded_prompts`), and one row's step on it with the KV
+policy's hooks called as the general path calls them (`chain_step`; under teacher forcing, the fed token scored
+where the step decided it).
 
 What this module does not do: bind or run graphs (chain.py), a batch's step with exits or drafts (chain_rows.py), or
-step rows the chain does not take (runner.py's general path: prompts padded into one call, device-resident exit
-steps, exits or drafts in a batch off the CPU EP).
+step an artifact the chain cannot run (exported before the in-graph token: runner.py's general path).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -232,7 +233,7 @@ def chain_tokens(
 def padded_prompts(
     runner: Runner,
     chain: DecodeChain,
-    one: Any,
+    one: Callable[[int], DecodeChain],
     live: dict[int, RowState],
     logits: dict[int, np.ndarray] | None = None,
 ) -> dict[int, int]:
