@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eectl.exits.signals import get_signal
-from eectl.runtime.chain import DecodeChain, chain_exits_supported
+from eectl.runtime.chain import chain_exits_supported
 from eectl.runtime.runner import Runner
 from tests.test_block_exits import block_artifacts  # noqa: F401 (the fixture)
 from tests.test_resident import _config, _prompts, _thresholds, runtimes  # noqa: F401 (the fixture)
@@ -22,20 +22,22 @@ SIGNALS = ["full-prob", "full-margin", "cosine", "cosine-min"]
 def _generate(rt, cfg, prompts, monkeypatch):
     """Generate; returns the generations, the last cache, and how many steps the general path and the chain's host
     decisions took."""
+    from eectl.runtime import chain_steps
+
     general, host = [], []
-    real_steps, real_exits = Runner._steps, DecodeChain.step_exits
+    real_steps, real_exits = Runner._steps, chain_steps.rows_step
 
     def steps(self, kv, work, *a):
         general.append(len(work))
         return real_steps(self, kv, work, *a)
 
-    def exits(self, *a, **kw):
-        host.append(not self.in_graph)
-        return real_exits(self, *a, **kw)
+    def exits(runner, chain, *a, **kw):
+        host.append(not chain.in_graph)
+        return real_exits(runner, chain, *a, **kw)
 
     with monkeypatch.context() as m:
         m.setattr(Runner, "_steps", steps)
-        m.setattr(DecodeChain, "step_exits", exits)
+        m.setattr(chain_steps, "rows_step", exits)
         runner = Runner(rt, cfg)
         got = runner.generate(prompts)
     return got, runner.last_kv, general, host

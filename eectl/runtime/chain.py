@@ -9,22 +9,22 @@ calls and two scalar writes, about what onnxruntime-genai's one-graph decode cos
 token comes from the artifact's certified head where it has one (runtime/certified_head.py), else the full head
 (for several rows on the CPU EP, a session of it whose LM-head table ORT packed once: tables.PackedHeads).
 
-Steps with active exits (`step_exits`: on the CPU EP, and device-resident) run the same chain with each exit's decision
-bound after its segment: the exit graph reads the segment's output buffer, decides inside the graph
-(exits.decision_nodes: the thresholds bound once as an input) and writes two scalars, whether the token passes and its
-token; the first exit's candidates land in a buffer the later exits' local graphs read. A gated exit (eectl.exits.gates)
-first tests its gate on the segment's output (H multiply-adds on the host buffer): shut, its decision does not run, and
-the first exit whose gate opens picks the candidates (each (exit, picker) pair bound up front). Where the exit graphs do
-not compute the run's signal (the full-vocabulary softmax and margin, the cosine, artifacts exported before in-graph
-decisions), the host decides instead, the runner's exit test on the token's state, its last layer's input and (for
-cosine-min) its segment's block boundaries, all in the chain's buffers (`step_exits`'s `host`). A token that exits stops
-there; one that passes every exit reaches the final head as in `step`. A segment that holds pending positions (defer's
-and verify's deferred states, P of them) runs a **wide** call instead: the same segment bound for P + 1 positions (bound
-once per segment and width, on first use), its input the pending states then the token's state, its output what the next
-segment continues from (after that segment's own pending states, where it has some); the last position is copied to
-where the exit after it, or the final head, reads. The step returns the wide output at the exit or at the final layer,
-and which segments it flushed: the policy keeps the first, checks drafts in the second (verify) and clears the third, as
-the general path's hooks do.
+Steps with active exits (runtime/chain_rows.py `rows_step`, one row or a batch) run the same calls; one row's exits have
+their decisions bound after their segments (`_decision`): the exit graph reads the segment's output buffer, decides
+inside the graph (exits.decision_nodes: the thresholds bound once as an input) and writes two scalars, whether the token
+passes and its token; the first exit's candidates land in a buffer the later exits' local graphs read. A gated exit
+(eectl.exits.gates) first tests its gate on the segment's output (H multiply-adds on the host buffer): shut, its
+decision does not run, and the first exit whose gate opens picks the candidates (each (exit, picker) pair bound up
+front). Where the exit graphs do not compute the run's signal (the full-vocabulary softmax and margin, the cosine,
+artifacts exported before in-graph decisions), the host decides instead, the runner's exit test on the token's state,
+its last layer's input and (for cosine-min) its segment's block boundaries, all in the chain's buffers. A token that
+exits stops there; one that passes every exit reaches the final head as in `step`. A segment that holds pending
+positions (defer's and verify's deferred states, P of them) runs a **wide** call instead: the same segment bound for P +
+1 positions (bound once per segment and width, on first use), its input the pending states then the token's state, its
+output what the next segment continues from (after that segment's own pending states, where it has some); the last
+position is copied to where the exit after it, or the final head, reads (`_segment`). The policy keeps the wide output
+at an exit, checks drafts in it at the final layer (verify), and its flushed positions are its no more, as the general
+path's hooks do.
 
     token ─ embed ─ hops[0] ─ seg 0 ─ hops[1] ─ exit? ─ seg 1 ─ ...                    one position per call
     pending[s] ─┐
@@ -38,7 +38,7 @@ Sampling (temperature > 0) runs the same calls: the step reads the final head's 
 candidates and their logits, and the runner's sampler picks (`pick`), as the general path does; teacher forcing
 (scoring a text token by token) is a pick that returns the fed token (runtime/chain_steps.py). A prompt (one row,
 CPU) is a step whose positions before the last wait at segment 0 as embeddings, as drafts do; its wide calls are
-bound for that step only (`step_exits(..., prompt=True)`).
+bound for that step only (`_wide(..., keep=False)`).
 
 A block exit head (runtime/blocks.py) runs after its segment on the segment's output (wide where the segment ran
 wide: its own K/V advance with the segment's last layer's), and its output is what the exit reads (`exit_input`).
@@ -51,29 +51,26 @@ does not do: prompts padded into one call (chain_steps.py `padded_prompts` runs 
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 
 from eectl.errors import UsageError
-from eectl.exits.gates import gate_open
 from eectl.exits.signals import Signal
 from eectl.runtime import buffers
 from eectl.runtime.batch import _past
 from eectl.runtime.certified_head import CertifiedHead
 from eectl.runtime.chain_exits import bind_exit
-from eectl.runtime.chain_parts import BlockCall, BoundExit, ExitStep, HostDecide, Pick, WideCall
+from eectl.runtime.chain_parts import BlockCall, BoundExit, Pick, WideCall
 from eectl.runtime.graph_decide import decides_in_graph
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.ort import Graph, _ort, buffer_shape
 from eectl.runtime.placement import HOST, Placement, Read
-from eectl.runtime.resident import last_positions
 from eectl.runtime.sessions import ArtifactRuntime
 
 
 def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal) -> bool:
-    """Whether `step_exits` can run these active exits: a signal the exit graphs decide (runtime/graph_decide.py) or
+    """Whether the chain's steps can run these active exits: a signal the exit graphs decide (graph_decide.py) or
     the host decides on the states the chain's calls output (the cosine over a segment's block boundaries where its
     graph outputs them)."""
     if not exits or decides_in_graph(rt, exits, signal):
@@ -85,7 +82,7 @@ def chain_exits_supported(rt: ArtifactRuntime, exits: list[int], signal: Signal)
 class DecodeChain:
     """Greedy decode of `rows` rows of `kv` from `row` on, one position per step, its graph calls bound once: full
     depth for one row or the rows of a batch (`step`: one call per graph for all of them, each row at its own
-    length), or one row with active exits decided in their graphs (`step_exits`). On a device provider the hidden
+    length), or with active exits (runtime/chain_rows.py steps them, on these bindings). On a device provider the hidden
     states stay in device buffers between the graphs; only the tokens are read on the host. Each step records what
     it read on the host in the run's placement (`place`, runtime/placement.py)."""
 
@@ -107,7 +104,7 @@ class DecodeChain:
         over `top_k` candidates (`chain_exits_supported`); none: full depth only (`step`). `gates`: exit layer -> its
         gate (eectl.exits.gates: weight, bias, threshold), tested on the exit's input state first. `certified_head`
         False: the full head every step (`_head`). Exits whose graphs do not decide `signal`: the host decides them
-        (`step_exits`'s `host`). `device`: the states in device buffers (default: off the CPU EP; on it, its device
+        (chain_rows.py). `device`: the states in device buffers (default: off the CPU EP; on it, its device
         memory is host memory: device-resident runs there, runtime/buffers.py)."""
         m = rt.manifest
         final = rt.full_graphs[m.num_layers]
@@ -384,84 +381,3 @@ class DecodeChain:
         if s in self.blocks:
             kv.advance(row, self.blocks[s].slot, self.blocks[s].slot + 1, n)
         return flow
-
-    def step_exits(
-        self,
-        token: int,
-        may_exit: bool,
-        pending: list[np.ndarray | None],
-        head: bool = True,
-        *,
-        place: Placement = HOST,
-        pick: Pick | None = None,
-        prompt: bool = False,
-        host: HostDecide | None = None,
-    ) -> ExitStep:
-        """Feed `token` at the row's next position, testing the active exits (when `may_exit`) after their segments.
-
-        `pending[s]`: the states [1, P, H] waiting at segment s's input (the policy's; read, not changed), or None;
-        at segment 0 they are embeddings of the positions before the token (verify's drafts from the context,
-        runtime/drafts.py). A segment with pending states, and every segment after one, runs wide (the module
-        docstring). `head` False: a step that ends wide skips the final head (its token is -1): the caller runs the
-        head over every position of the returned state at once (verify's check). What the step reads on the host is
-        recorded in `place`: a gate's input state where a gate is tested, each decision's `passed`, the exit's token
-        (and the picker's candidate it names), or the final head's token. `pick` (sampling): the token is sampled
-        from the exit's K candidates or the final head's logits instead, and those are what the step reads. `prompt`:
-        the pending positions at segment 0 are a prompt's (any length): its wide calls are bound for this step only.
-        `host`: how the host decides the exits where their graphs do not (`in_graph` False), on the token's state and
-        its last layer's input; its token is the step's."""
-        kv, row, rt = self.kv, self.row, self.rt
-        # the token's position: after the positions waiting at segment 0 (embedded drafts from the context), if any
-        past = int(kv.filled[row, 0]) + (0 if pending[0] is None else buffer_shape(pending[0])[1])
-        total = self._feed(token, past)
-        session, io = self.calls[0]
-        session.run_with_iobinding(io)  # embed
-        decide = 0.0
-        flow: np.ndarray | None = None  # the last wide call's output [1, n, H]: what the next segment continues
-        flushed: list[int] = []
-        decided: list[int] = []
-        picker: int | None = None  # the exit that picked this token's candidates, once one did
-        cands: Any = None  # a host-decided token's candidates, once an exit picked them
-        for s in range(len(self.segment_calls)):
-            flow = self._segment(s, pending[s], flow, total, keep=not prompt)
-            if pending[s] is not None:
-                flushed.append(s)
-            layer = self.exit_at.get(s) if may_exit else None
-            if layer is None:
-                continue
-            t0 = time.perf_counter()
-            if s in self.gates:  # gated: the decision runs only when the gate opens; the first to run picks
-                place.read(("gate", layer, "hidden"))  # as runtime/decide.py records it
-                if not gate_open(self.gates[s], buffers.host_state(rt, self.exit_input(s))):
-                    decide += time.perf_counter() - t0
-                    continue
-            exiting: int | None = None
-            if self.in_graph:
-                ex = self._decision(layer, picker)  # picking, or scoring the picker's candidates
-                ex.session.run_with_iobinding(ex.io)
-                if ex.passes(place):
-                    exiting = ex.exit_token(place) if pick is None else ex.sampled(pick, place)
-            else:
-                assert host is not None, "exits the graphs do not decide need the host's decision"
-                layer_in, blocks = buffers.view(self._layer_in[0]), self._layer_in[1]
-                if blocks is not None:
-                    # [1, (layers + 1) * P, H]: each boundary's last position, [layers + 1, H]
-                    blocks = buffers.view(blocks)
-                    blocks = last_positions(rt, blocks.reshape(-1, layer_in.shape[1], blocks.shape[-1]))
-                exiting, cands = host(layer, buffers.view(self.exit_input(s))[0, -1], layer_in[0, -1], blocks, cands)
-            decide += time.perf_counter() - t0
-            decided.append(layer)
-            picker = layer if picker is None else picker
-            if exiting is not None:
-                state = buffers.copy(rt, self.hops[s + 1] if flow is None else flow)
-                # what the exit read where not the state's last position: a block head's output
-                at = buffers.copy(rt, buffers.view(self.blocks[s].out)[0, -1:]) if s in self.blocks else None
-                return ExitStep(exiting, layer, s, state, decide, flushed, decided, picker, at)
-        final = None if flow is None else buffers.copy(rt, flow)
-        L = rt.manifest.num_layers
-        if final is not None and not head:
-            return ExitStep(-1, L, None, final, decide, flushed, decided, picker)
-        if pick is not None:
-            return ExitStep(pick(self._sample_head(place)[0], None), L, None, final, decide, flushed, decided, picker)
-        self._head(place)
-        return ExitStep(int(self.token[0]), L, None, final, decide, flushed, decided, picker)

@@ -5,7 +5,7 @@ graph (exits.decision_nodes: the thresholds bound once as an input) and writes w
 to host scalars; the first exit's candidates land in a buffer the later exits' local graphs read (their exact LM-head
 rows too, on the host, as the later exits' table).
 
-What this module does not do: run a decision (chain.py's `step_exits`), or decide for several rows (chain_rows.py).
+What this module does not do: run a decision, or decide for several rows (chain_rows.py does both).
 """
 
 from __future__ import annotations

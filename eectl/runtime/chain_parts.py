@@ -1,7 +1,7 @@
 """What a bound chain's step is made of (runtime/chain.py): an active exit's decision bound after its segment
-(`BoundExit`), a segment bound for several positions (`WideCall`), what a step with exits did (`ExitStep`), and how a
-token is picked where the run does not take the graphs' argmax (`Pick`: sampling, teacher forcing), and how the
-host decides an exit whose graph does not (`HostDecide`)."""
+(`BoundExit`), a block exit head bound after its segment (`BlockCall`), a segment bound for several positions
+(`WideCall`), and how a token is picked where the run does not take the graphs' argmax (`Pick`: sampling, teacher
+forcing)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,6 @@ from eectl.runtime.placement import HOST, Placement, Read
 
 # a row's token from logits [V] (or [K] with their vocabulary ids): the runner's sampling (runtime/sampling.py)
 Pick = Callable[[np.ndarray, np.ndarray | None], int]
-# an exit decided on the host (a signal its graph does not compute): (layer, the token's state there [H], the input to
-# the exit's last layer [H], its segment's block boundaries [layers + 1, H] or None, the candidates an earlier exit
-# picked or None) -> (the exiting token or None, this decision's candidates): the runner's exit test
-# (runtime/decide.py) and its pick
-HostDecide = Callable[[int, np.ndarray, np.ndarray, np.ndarray | None, Any], tuple[int | None, Any]]
 
 
 @dataclass
@@ -60,25 +55,6 @@ class BoundExit:
         place.read((self.graph, self.layer, "candidate_logits"))
         place.read(self.candidates_from)
         return pick(self.logits[0], self.candidates[0])
-
-
-@dataclass
-class ExitStep:
-    """What a bound step with exits did: the token, and where it was decided (the final layer when no exit took
-    it); for an exit, its segment and the states there (a copy [1, P + 1, H], the pending positions the step
-    carried then the token's: the policy keeps them); at the final layer after a wide call, the final segment's
-    output [1, P + 1, H] (verify checks its drafts there), else None; and the segments whose pending positions the
-    step consumed."""
-
-    token: int
-    layer: int
-    segment: int | None = None
-    state: np.ndarray | None = None
-    decide_s: float = 0.0
-    flushed: list[int] = field(default_factory=list)
-    decided: list[int] = field(default_factory=list)  # the exits whose decision ran (gates skip some)
-    picked: int | None = None  # the exit whose decision picked the candidates
-    exit_input: np.ndarray | None = None  # [1, H]: what the exit read where not the state's last position (a block's)
 
 
 @dataclass

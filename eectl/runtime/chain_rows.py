@@ -1,20 +1,23 @@
-"""A batch's decode step with exits or drafts on bound calls: `rows_step`.
+"""A decode step with exits or drafts on bound calls, for one row or a batch: `rows_step`.
 
-Per segment, every row that reaches it: the rows feeding one position share the batch chain's bound call
-(runtime/chain.py: one call over the span of rows, each at its own length; the others write only their scratch
-slot), then each row carrying more positions (defer's pending states, verify's drafts, drafts from the context) runs
-its wide call, bound once per (segment, width) on its slot's own one-row chain. So a segment's weights are read once
-a step, as the general path (`Runner._steps`) reads them, and nothing is rebound or gathered into fresh arrays between
-calls. After a segment with an active exit, the rows that may exit are tested in one decision (runtime/decide.py,
-on the states in the chains' buffers); a row that exits gets its token and the policy's hooks at once, and its
-deferred state rides along in the deeper calls other rows run anyway (`RunConfig.ride_along`, as `Runner._ride`).
-The rows reaching the final layer share one final head call (a wide row's last position copied to its row of the
-head's input), except where verify checks drafts over a wide row's every position (`KVPolicy.on_final`).
+Per segment, every row that reaches it: the rows feeding one position share the chain's bound call (runtime/chain.py:
+one call over the span of rows from the first active one to the last, each at its own length; the others write only
+their scratch slot), then each row carrying more positions (its prompt, defer's pending states, verify's drafts,
+drafts from the context) runs its wide call, bound once per (segment, width) on its slot's one-row chain (the chain
+itself for one row). So a segment's weights are read once a step, and nothing is rebound or gathered into fresh
+arrays between calls. After a segment with an active exit, the rows that may exit and whose gate opens are tested:
+one row on the exit graphs bound on its chain's buffers (`DecodeChain.exits`: two scalars read), several rows in one
+decision (runtime/decide.py); a row that exits gets its token and the policy's hooks at once, and its deferred state
+rides along in the deeper calls other rows run anyway (`RunConfig.ride_along`, as `Runner._ride`). The rows reaching
+the final layer share one final head call (a wide row's last position copied to its row of the head's input),
+except where verify checks drafts over a wide row's every position (`KVPolicy.on_final`). Sampling picks from an
+exit's K candidates or the head's logits; teacher forcing scores the fed token (an exited one on its exit's full
+vocabulary) and returns it.
 
 The chains' buffers are host memory or device memory alike (a device-resident run's), moved between calls by
 runtime/buffers.py. Same tokens, exit layers and cache as the general path: tests/test_chain_host_decisions.py,
-tests/test_runner.py, tests/test_resident.py.
-What this module does not do: prompts (chain_steps.py), teacher forcing (one row at a time: chain.py `step_exits`).
+tests/test_runner.py, tests/test_resident.py, tests/test_scoring.py.
+What this module does not do: bind graphs (chain.py), choose which steps a run takes (chain_steps.py).
 """
 
 from __future__ import annotations
@@ -22,16 +25,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from eectl.errors import UsageError
+from eectl.exits.gates import gate_open
 from eectl.runtime import buffers
 from eectl.runtime.batch import BatchKV, _past
 from eectl.runtime.buffers import view
 from eectl.runtime.chain import DecodeChain
-from eectl.runtime.chain_parts import BlockCall
+from eectl.runtime.chain_parts import BlockCall, Pick
 from eectl.runtime.device_ops import concat
 from eectl.runtime.exit_logits import Decide
 from eectl.runtime.ort import buffer_shape
@@ -54,6 +59,10 @@ class _Step:
     decided: set[int] = field(default_factory=set)
     riders: dict[int, int] = field(default_factory=dict)
     tokens: dict[int, int] = field(default_factory=dict)
+    picks: dict[int, Pick | None] = field(default_factory=dict)  # how each row's token is picked (None: greedy)
+    elsewhere: set[int] = field(default_factory=set)  # rows whose exited token is not the exit's (forced, predicted)
+    picker: dict[int, int] = field(default_factory=dict)  # the exit that picked each row's candidates
+    keep_wide: bool = True  # wide calls kept bound (False: a prompt's widths)
 
 
 def rows_step(
@@ -62,45 +71,70 @@ def rows_step(
     one: Callable[[int], DecodeChain],
     live: dict[int, RowState],
     drafted: dict[int, int],
-    logits: dict[int, np.ndarray] | None = None,
+    keep: dict[int, np.ndarray] | None = None,
+    *,
+    prompt: bool = False,
+    force_full: bool = False,
+    pick: Pick | None = None,
 ) -> dict[int, int]:
-    """One decode step of the rows `live` (slot -> its state, each feeding its last token, and its drafts from the
-    context where `drafted` has some) on the batch chain `chain` (rows 0..n-1 of the cache, with the run's exits);
-    `one(slot)`: the slot's one-row chain (its wide calls). Returns slot -> token. `logits` (sampling): the final
-    head's logits [V] (copies) of each row reaching it go there, to be picked by the caller in row order with other
-    rows' (their tokens here are -1); an exiting row's token is picked from its exit's candidates at once."""
+    """One decode step of the rows `live` (row of the cache -> its state, each feeding its last token, and the
+    `drafted[row]` tokens before it, waiting at segment 0 as embeddings: drafts from the context, or a prompt) on
+    `chain` (its rows, with the run's exits); `one(row)`: the row's one-row chain (its wide calls; the chain itself for
+    one row). Returns row -> token. `prompt`: the waiting positions are a prompt's (any length: its wide calls bound
+    for this step only). `force_full`: no exit decides (verify's closing pass). `pick`: how tokens are picked in the
+    run's stead (sampling; default the runner's). `keep` (a batch's sampling): the final head's logits [V] (copies)
+    of each row reaching it go there, to be picked by the caller in row order with other rows' (their tokens here are
+    -1); an exiting row's token is picked from its exit's candidates at once."""
     rt, policy = runner.rt, runner.policy
     kv, first = chain.kv, chain.row
     chain.ids[:, 0] = 0
-    may, total = {}, {}
+    step = _Step(live, {}, {}, set(live), keep_wide=not prompt)
+    base = pick if pick is not None else runner.sampler()
     for r, st in live.items():
-        assert st.forced is None, "teacher-forced rows step one at a time"
         n = drafted.get(r, 0)
-        if n:  # the row's tokens before its last as embeddings waiting at segment 0 (drafts from the context)
+        if n:  # the row's tokens before its last as embeddings waiting at segment 0
             st.pending[0] = rt.embed(np.array([st.tokens[-n - 1 : -1]], dtype=np.int64), place=runner.place)
         chain.ids[r - first, 0] = st.tokens[-1]
-        may[r] = policy.may_exit(st) and not n
-        total[r] = int(kv.filled[r, 0]) + (0 if st.pending[0] is None else buffer_shape(st.pending[0])[1]) + 1
-        if total[r] > kv.max_len:
-            raise UsageError(f"the sequence reached {total[r]} tokens, beyond the KV buffer of {kv.max_len}")
-    step = _Step(live, may, total, set(live))
+        step.may[r] = policy.may_exit(st) and not n and not force_full
+        step.total[r] = int(kv.filled[r, 0]) + (0 if st.pending[0] is None else buffer_shape(st.pending[0])[1]) + 1
+        if step.total[r] > kv.max_len:
+            raise UsageError(f"the sequence reached {step.total[r]} tokens, beyond the KV buffer of {kv.max_len}")
+        if st.forced is not None or policy.predicts():  # an exited token is not the exit's: nothing drawn for it
+            step.elsewhere.add(r)
+        forced_or_sampled = st.forced is not None or base is not None
+        step.picks[r] = _final_only(runner, st, base) if r in step.elsewhere and forced_or_sampled else base
     session, io = chain.calls[0]
     session.run_with_iobinding(io)  # embed every row's token
-    segments = len(chain.segment_calls)
-    for s in range(segments):
+    for s in range(len(chain.segment_calls)):
         _segment(runner, chain, one, step, s)
         layer = chain.exit_at.get(s)
         if layer is not None:
             _decide(runner, chain, one, step, s, layer)
-    _final(runner, chain, step, logits)
+    _final(runner, chain, step, keep)
     return step.tokens
+
+
+def _final_only(runner: Runner, st: RowState, sampler: Pick | None) -> Pick:
+    """A row's pick where an exited token is not picked from its exit's K candidates: under teacher forcing (the
+    final head's logits [V] score and return the fed token) or where the policy predicts an exited token itself
+    (`KVPolicy.predicts`, sampled: the final head's logits sampled). At an exit, a stand-in that draws nothing,
+    replaced by `_exited` (the token scored on the exit's full vocabulary, or picked from the policy's own)."""
+
+    def pick(logits: np.ndarray, ids: np.ndarray | None) -> int:
+        if ids is not None:
+            return -1
+        if st.forced is not None:
+            return runner._forced(st, logits)
+        assert sampler is not None
+        return sampler(logits, None)
+
+    return pick
 
 
 def _segment(runner: Runner, chain: DecodeChain, one: Callable[[int], DecodeChain], step: _Step, s: int) -> None:
     """Segment s for the rows that reach it: the batched call for the one-position rows and the riders (where any
     row runs the segment), then each wide row's call."""
     rt, kv, first, live = runner.rt, chain.kv, chain.row, step.live
-    assert isinstance(kv, BatchKV)  # a chain over several rows binds a batch's buffers
     lo, hi = runner.rt.manifest.segments[s].layers
     ones = [r for r in sorted(step.alive) if r not in step.flow and live[r].pending[s] is None]
     wides = [r for r in sorted(step.alive) if r not in ones]
@@ -113,10 +147,12 @@ def _segment(runner: Runner, chain: DecodeChain, one: Callable[[int], DecodeChai
             buffers.put(rt, view(chain.hops[s])[r - first : r - first + 1], waiting)
         rows = np.arange(first, first + chain.rows)
         past = _past(kv, rows, lo, hi)
-        if int(past.max()) + 1 > kv.capacity:  # an idle row already at its maximum has no scratch slot
-            raise RuntimeError(f"row lengths {past} leave no scratch slot in a buffer of {kv.capacity}")
-        chain.seqlens_k[:] = past
         a, b = min(batched) - first, max(batched) + 1 - first  # the rows from the first active to the last
+        if b - a > len(batched):  # idle rows ride along on their scratch slot: a batch's buffers have one
+            assert isinstance(kv, BatchKV)
+            if int(past[a:b].max()) + 1 > kv.capacity:  # an idle row already at its maximum has none
+                raise RuntimeError(f"row lengths {past} leave no scratch slot in a buffer of {kv.capacity}")
+        chain.seqlens_k[:] = past
         call = _part(runner, chain, s, a, b)
         call.total[()] = int(past[a:b].max()) + 1
         active = np.zeros(kv.filled.shape[0], dtype=bool)
@@ -132,7 +168,7 @@ def _segment(runner: Runner, chain: DecodeChain, one: Callable[[int], DecodeChai
         st, c = live[r], one(r)
         if r not in step.flow:  # the token's state arrives from the batched call before
             buffers.put(rt, c.hops[s], view(chain.hops[s])[r - first : r - first + 1])
-        step.flow[r] = c._segment(s, st.pending[s], step.flow.get(r), step.total[r])
+        step.flow[r] = c._segment(s, st.pending[s], step.flow.get(r), step.total[r], keep=step.keep_wide)
         st.pending[s] = None  # flushed: its positions are in the cache now
 
 
@@ -225,18 +261,35 @@ def _where(chain: DecodeChain, one: Callable[[int], DecodeChain], step: _Step, r
 def _decide(
     runner: Runner, chain: DecodeChain, one: Callable[[int], DecodeChain], step: _Step, s: int, layer: int
 ) -> None:
-    """The exit after segment s for the rows that may exit and whose gate opens, in one decision; each row that
-    exits gets its token and the policy's hooks (`_exited`)."""
+    """The exit after segment s for the rows that may exit and whose gate opens: one row on its chain's bound exit
+    graphs, several in one decision; each row that exits gets its token and the policy's hooks (`_exited`)."""
+    place = runner.place
     asks: dict[int, Decide] = {}
     for r in sorted(step.alive):
         st = step.live[r]
         if not step.may[r]:
             continue
         at, layer_in, blocks = _where(chain, one, step, r, s)
-        if not runner.exit_test.gate_opens(runner.gates.get(layer), st, layer, at, runner.place):
+        t0 = time.perf_counter()
+        gate = runner.gates.get(layer)
+        if gate is not None:  # gated: the decision runs only when the gate opens; the first to run picks
+            place.read(("gate", layer, "hidden"))
+            if not gate_open(gate, buffers.host_state(runner.rt, at)):
+                st.decide_s += time.perf_counter() - t0
+                continue
+        st.count_decisions([layer], None if r in step.picker else layer)
+        picker = step.picker.setdefault(r, layer)
+        if chain.rows == 1 and chain.in_graph:  # the exit graphs bound on the row's own buffers
+            ex = chain._decision(layer, None if picker == layer else picker)
+            ex.session.run_with_iobinding(ex.io)
+            passed = ex.passes(place)
+            p = step.picks[r]
+            token = (ex.exit_token(place) if p is None else ex.sampled(p, place)) if passed else -1
+            st.decide_s += time.perf_counter() - t0
+            if passed:
+                _exited(runner, chain, one, step, r, s, layer, partial(int, token))
             continue
-        st.count_decisions([layer], None if r in step.decided else layer)
-        step.decided.add(r)
+        st.decide_s += time.perf_counter() - t0
         asks[r] = Decide(at[0, -1], layer_in, step.cands.get(r), blocks)
     if not asks:
         return
@@ -248,24 +301,42 @@ def _decide(
     for r, (score, i, cands) in answers.items():
         step.cands[r] = cands
         if score is not None:
-            _exited(runner, chain, step, r, s, layer, (score, i))
+            _exited(runner, chain, one, step, r, s, layer, partial(runner._pick_score, score, i))
 
 
-def _exited(runner: Runner, chain: DecodeChain, step: _Step, r: int, s: int, layer: int, scored: Any) -> None:
+def _exited(
+    runner: Runner,
+    chain: DecodeChain,
+    one: Callable[[int], DecodeChain],
+    step: _Step,
+    r: int,
+    s: int,
+    layer: int,
+    exit_pick: Callable[[], int],
+) -> None:
     """Row r's token exits at `layer` (as `Runner._exited`): the policy's own prediction where it has one (the
-    river's), else the exit's (`scored`: its decision's score and the row's index there); the policy's hook on the
-    exit state (a copy: the buffers are the next call's); its deferred state rides along from the next segment."""
-    policy, st = runner.policy, step.live[r]
+    river's), a fed token scored on the exit's full vocabulary (teacher forcing), else the exit's (`exit_pick`, not
+    called where the token is not the exit's); the policy's hook on the exit state (a copy: the buffers are the next
+    call's); its deferred state rides along from the next segment."""
+    policy, st, rt = runner.policy, step.live[r], runner.rt
     i = r - chain.row
-    state = buffers.copy(runner.rt, step.flow[r] if r in step.flow else view(chain.hops[s + 1])[i : i + 1])
+    state = buffers.copy(rt, step.flow[r] if r in step.flow else view(chain.hops[s + 1])[i : i + 1])
     own = policy.predict(r, st, chain.kv, s, state, place=runner.place)
     st.exit_layers.append(layer)
-    token = runner._pick(*own) if own is not None else runner._pick_score(*scored)
+    if st.forced is not None:  # scored on the policy's own, else on the exit's full vocabulary
+        if own is None:
+            at = view(_where(chain, one, step, r, s)[0])[0, -1:]  # what the exit read: a block head's output
+            own = (rt.exit_full(layer, at, runner.cfg.top_k, place=runner.place)[0][0], None)
+        token = runner._forced(st, own[0])
+    elif own is not None:
+        token = runner._pick(*own)
+    else:
+        token = exit_pick()
     policy.on_exit(r, st, chain.kv, s, state, token)
     step.alive.discard(r)
     step.flow.pop(r, None)
     step.tokens[r] = token
-    if runner.cfg.ride_along and policy.pending_states:
+    if runner.cfg.ride_along and policy.pending_states and st.forced is None:
         step.riders[r] = s + 1
 
 
@@ -294,6 +365,13 @@ def _final(runner: Runner, chain: DecodeChain, step: _Step, keep: dict[int, np.n
         logits = chain._sample_head(runner.place)
         keep.update({r: np.array(logits[r - first], copy=True) for r in need})
         step.tokens.update({r: -1 for r in need})
+        return
+    if any(step.picks[r] is not None for r in need):  # sampled or teacher-forced: the logits, rows in order
+        logits = chain._sample_head(runner.place)
+        for r in need:
+            p = step.picks[r]
+            assert p is not None, "a step samples all its rows or none"
+            step.tokens[r] = p(logits[r - first], None)
         return
     rows = np.array(need) - first
     chain._head(runner.place, slice(None) if len(need) == chain.rows else rows)

@@ -11,7 +11,6 @@ step an artifact the chain cannot run (exported before the in-graph token: runne
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -20,9 +19,8 @@ from eectl.runtime.batch import BatchKV, prefill_runs, run_prefill
 from eectl.runtime.blocks import run_block
 from eectl.runtime.buffers import view
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
-from eectl.runtime.chain_parts import HostDecide, Pick
+from eectl.runtime.chain_parts import Pick
 from eectl.runtime.chain_rows import rows_step
-from eectl.runtime.exit_logits import Decide
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.slots import Kept, shared
 from eectl.runtime.state import RowState
@@ -64,99 +62,20 @@ def chain_step(
     force_full: bool = False,
     sampler: Pick | None = None,
 ) -> int:
-    """One decode step of the chain's row with active exits or drafts on the bound chain (full depth:
-    `DecodeChain.step`); the policy's hooks as the general path (`Runner._row_step`) calls them: the pending states the
-    step carried along (defer's flush, verify's drafts: its wide calls) are the policy's no more, an exited token's
-    states go to `on_exit`, and the final segment's wide output to `on_final` (verify's check, which may roll back and
-    return the full model's token). With `drafts` from the context (the row's last tokens), the positions before the
-    last draft wait at segment 0 as embeddings: the step runs every segment wide, exits do not decide, and the final
-    check covers them. `prompt`: the row's first step, its prompt (`chain_prompt`). `force_full`: no exit decides
-    (verify's closing pass over its unchecked drafts, `Runner._settled`). `sampler`: picks in the runner's stead
-    where the run samples (a batch's prompts: `chain_tokens`)."""
-    policy, L = runner.policy, runner.L
-    token = st.tokens[-1]
-    pick = sampler or runner.sampler()
-    elsewhere = st.forced is not None or policy.predicts()  # an exited token's is not the exit's: below
-    if elsewhere and (pick is not None or st.forced is not None):
-        pick = _final_only(runner, st, pick)
-    if drafts:
-        ids = np.array([st.tokens[-drafts - 1 : -1]], dtype=np.int64)
-        st.pending[0] = runner.rt.embed(ids, place=runner.place)  # on the device in a device-resident run
-    # verify's check runs the final head over every position of a wide step itself: the chain skips its own
-    checks = policy.checks_drafts and bool(st.drafts)
-    may_exit = policy.may_exit(st) and not drafts and not force_full
-    done = chain.step_exits(
-        token,
-        may_exit,
-        st.pending,
-        head=not checks,
-        place=runner.place,
-        pick=pick,
-        prompt=prompt,
-        host=None if chain.in_graph else _host(runner, elsewhere),  # the exit graphs decide: nothing asked of it
-    )
-    st.decide_s += done.decide_s
-    st.count_decisions(done.decided, done.picked)
-    for s in done.flushed:
-        st.pending[s] = None
-    if done.segment is not None:
-        assert done.state is not None
-        # as the general path's `_exited`: the policy's own prediction (the river's end) where it has one
-        own = policy.predict(chain.row, st, kv, done.segment, done.state, place=runner.place)
-        st.exit_layers.append(done.layer)
-        token = done.token
-        if st.forced is not None:  # scored on that, else on the exit's full vocabulary
-            if own is None:
-                at = done.state[0, -1:] if done.exit_input is None else done.exit_input  # a block head's output
-                own = (runner.rt.exit_full(done.layer, at, runner.cfg.top_k, place=runner.place)[0][0], None)
-            token = runner._forced(st, own[0])
-        elif own is not None:
-            token = runner._pick(*own)
-        policy.on_exit(chain.row, st, kv, done.segment, done.state, token)
-        return token
-    if done.state is not None:  # the final segment ran wide: the positions it carried, then this token's
-        # host arrays; its token read recorded
-        corrected = policy.on_final(chain.row, st, kv, done.state, place=runner.place)
-        if corrected is not None:
-            return corrected
-    else:  # reached the final layer with nothing pending: no draft to check (drafts are pending states)
-        assert not st.drafts
-    st.exit_layers.append(L)
-    return done.token
-
-
-def _host(runner: Runner, elsewhere: bool) -> HostDecide:
-    """The chain's exits decided on the host where their graphs do not decide the run's signal: the runner's exit
-    test (runtime/decide.py, as the general path's) on the token's state and its last layer's input, the exiting
-    token picked from the exit's prediction (`Runner._pick_score`), unless it is not the exit's to give (`elsewhere`:
-    teacher forcing, a policy's own prediction): then a stand-in, nothing computed or drawn for it."""
-
-    def decide(
-        layer: int, hidden: np.ndarray, layer_input: np.ndarray, blocks: np.ndarray | None, candidates: Any
-    ) -> tuple[int | None, Any]:
-        score, i, picked = runner._decide_rows(layer, {0: Decide(hidden, layer_input, candidates, blocks)})[0]
-        if score is None:
-            return None, picked
-        return (-1 if elsewhere else runner._pick_score(score, i)), picked
-
-    return decide
-
-
-def _final_only(runner: Runner, st: RowState, sampler: Pick | None) -> Pick:
-    """The chain's pick where an exited token is not picked from its exit's K candidates: under teacher forcing (the
-    final head's logits [V] score and return the fed token) or where the policy predicts an exited token itself
-    (`KVPolicy.predicts`, sampled: the final head's logits sampled). At an exit, a stand-in that draws nothing,
-    replaced by `chain_step` (the token scored on the exit's full vocabulary, or picked from the policy's own)."""
-
-    def pick(logits: np.ndarray, ids: np.ndarray | None) -> int:
-        if ids is not None:
-            return -1
-        if st.forced is not None:
-            return runner._forced(st, logits)
-        assert sampler is not None
-        return sampler(logits, None)
-
-    return pick
+    """One decode step of the chain's row with active exits or drafts on the bound chain (chain_rows.py `rows_step`
+    over its one row; full depth: `DecodeChain.step`); the policy's hooks as the general path (`Runner._row_step`)
+    calls them: the pending states the step carried along (defer's flush, verify's drafts: its wide calls) are the
+    policy's no more, an exited token's states go to `on_exit`, and the final segment's wide output to `on_final`
+    (verify's check, which may roll back and return the full model's token). With `drafts` from the context (the
+    row's last tokens), the positions before the last draft wait at segment 0 as embeddings: the step runs every
+    segment wide, exits do not decide, and the final check covers them. `prompt`: the row's first step, its prompt
+    (`chain_prompt`). `force_full`: no exit decides (verify's closing pass over its unchecked drafts,
+    `Runner._settled`). `sampler`: picks in the runner's stead where the run samples (a batch's prompts)."""
+    assert chain.kv is kv and chain.rows == 1
+    row = chain.row
+    live, drafted = {row: st}, {row: drafts}
+    got = rows_step(runner, chain, lambda r: chain, live, drafted, prompt=prompt, force_full=force_full, pick=sampler)
+    return got[row]
 
 
 def chain_prompt(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, sampler: Pick | None = None) -> int:
