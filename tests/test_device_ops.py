@@ -50,6 +50,39 @@ def _check_pieces(ops: DeviceOps, dtype, atol: float) -> None:
     np.testing.assert_allclose(cmin, ref, atol=atol)
     zero = np.zeros((N, H), dtype)  # a zero state: the eps floor, no NaN (torch's cosine gives 0 too)
     np.testing.assert_allclose(ops.cosine(dev(zero), dev(a)), np.zeros(N), atol=atol)
+    _check_moves(ops, dtype, dev)
+
+
+def _check_moves(ops: DeviceOps, dtype, dev) -> None:
+    """What the bound chain's device buffers move with (runtime/buffers.py): a state written into a bound buffer, parts
+    (host or device) joined into one, a copy that outlives its buffer, one position read on the host: exact."""
+    from types import SimpleNamespace
+
+    from eectl.runtime import buffers
+    from eectl.runtime.ort import DeviceView
+
+    rng = np.random.default_rng(1)
+    H = 16
+    rt = SimpleNamespace(ops=ops)
+    buf = dev(np.zeros((3, 1, H), dtype))  # a batch's hop buffer [rows, 1, H]
+    state = rng.standard_normal((1, 1, H)).astype(dtype)
+    buffers.put(rt, buffers.view(buf)[1:2], dev(state))  # row 1 of it, from device memory
+    buffers.put(rt, buffers.view(buf)[2:3], state[0])  # row 2, from a host array of another shape, same size
+    want = np.zeros((3, 1, H), dtype)
+    want[1] = want[2] = state[0]
+    np.testing.assert_array_equal(buf.numpy(), want)
+    pending = rng.standard_normal((1, 2, H)).astype(dtype)
+    wide = dev(np.zeros((1, 3, H), dtype))
+    buffers.join_into(rt, [pending, buffers.view(buf)[1:2]], wide)  # host pending states, then a device row
+    np.testing.assert_array_equal(wide.numpy(), np.concatenate([pending, state], axis=1))
+    kept = buffers.copy(rt, buffers.view(wide)[0, -1:])  # [1, H], new memory
+    assert isinstance(kept, DeviceView) and kept.shape == (1, H)
+    buffers.put(rt, wide, np.zeros((1, 3, H), dtype))  # the buffer rewritten: the copy keeps its values
+    assert not wide.numpy().any()
+    np.testing.assert_array_equal(buffers.host_state(rt, kept.reshape(1, 1, H)), state[0, 0])
+    host = np.zeros((1, 3, H), dtype)
+    buffers.join_into(rt, [pending, state], host)  # host buffers: numpy itself
+    np.testing.assert_array_equal(host, np.concatenate([pending, state], axis=1))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
