@@ -152,6 +152,9 @@ def _segment(runner: Runner, chain: DecodeChain, one: Callable[[int], DecodeChai
             assert isinstance(kv, BatchKV)
             if int(past[a:b].max()) + 1 > kv.capacity:  # an idle row already at its maximum has none
                 raise RuntimeError(f"row lengths {past} leave no scratch slot in a buffer of {kv.capacity}")
+        for r in ones:  # the one check that a row's layers here hold the positions before its token
+            if int(past[r - first]) + 1 != step.total[r]:
+                raise RuntimeError(f"layers {lo}..{hi - 1} of row {r} hold {past[r - first]}, not {step.total[r] - 1}")
         chain.seqlens_k[:] = past
         call = _part(runner, chain, s, a, b)
         call.total[()] = int(past[a:b].max()) + 1
@@ -166,7 +169,7 @@ def _segment(runner: Runner, chain: DecodeChain, one: Callable[[int], DecodeChai
             _rode(runner, chain, step, r, s)
     for r in wides:
         st, c = live[r], one(r)
-        if r not in step.flow:  # the token's state arrives from the batched call before
+        if r not in step.flow and c is not chain:  # the token's state arrives from the batch's call before
             buffers.put(rt, c.hops[s], view(chain.hops[s])[r - first : r - first + 1])
         step.flow[r] = c._segment(s, st.pending[s], step.flow.get(r), step.total[r], keep=step.keep_wide)
         st.pending[s] = None  # flushed: its positions are in the cache now
