@@ -60,7 +60,6 @@ class _Step:
     riders: dict[int, int] = field(default_factory=dict)
     tokens: dict[int, int] = field(default_factory=dict)
     picks: dict[int, Pick | None] = field(default_factory=dict)  # how each row's token is picked (None: greedy)
-    elsewhere: set[int] = field(default_factory=set)  # rows whose exited token is not the exit's (forced, predicted)
     picker: dict[int, int] = field(default_factory=dict)  # the exit that picked each row's candidates
     keep_wide: bool = True  # wide calls kept bound (False: a prompt's widths)
 
@@ -99,10 +98,10 @@ def rows_step(
         step.total[r] = int(kv.filled[r, 0]) + (0 if st.pending[0] is None else buffer_shape(st.pending[0])[1]) + 1
         if step.total[r] > kv.max_len:
             raise UsageError(f"the sequence reached {step.total[r]} tokens, beyond the KV buffer of {kv.max_len}")
-        if st.forced is not None or policy.predicts():  # an exited token is not the exit's: nothing drawn for it
-            step.elsewhere.add(r)
+        # an exited token that is not the exit's (forced, the policy's own): nothing drawn for it at the exit
+        elsewhere = st.forced is not None or policy.predicts()
         forced_or_sampled = st.forced is not None or base is not None
-        step.picks[r] = _final_only(runner, st, base) if r in step.elsewhere and forced_or_sampled else base
+        step.picks[r] = _final_only(runner, st, base) if elsewhere and forced_or_sampled else base
     session, io = chain.calls[0]
     session.run_with_iobinding(io)  # embed every row's token
     for s in range(len(chain.segment_calls)):
@@ -246,19 +245,30 @@ def _rode(runner: Runner, chain: DecodeChain, step: _Step, r: int, s: int) -> No
         st.pending[s + 1] = out if prev is None else concat(runner.rt, [prev, out], 1)
 
 
-def _where(chain: DecodeChain, one: Callable[[int], DecodeChain], step: _Step, r: int, s: int) -> tuple[Any, Any, Any]:
-    """Row r's state after segment s as its exit reads it [1, 1, H], its last layer's input [H] and its segment's
-    block boundaries [layers + 1, H] (or None): in its slot's chain after a wide call, else in the batch chain."""
+def _exit_input(chain: DecodeChain, one: Callable[[int], DecodeChain], step: _Step, r: int, s: int) -> Any:
+    """Row r's state after segment s as its exit reads it [1, 1, H] (a block head's output where it has one): in its
+    slot's chain after a wide call, else in the chain's buffers."""
+    if r in step.flow:
+        return view(one(r).exit_input(s))
+    i = r - chain.row
+    return view(chain.exit_input(s))[i : i + 1]
+
+
+def _layer_inputs(
+    chain: DecodeChain, one: Callable[[int], DecodeChain], step: _Step, r: int, s: int
+) -> tuple[Any, Any]:
+    """What a host-decided signal reads of row r's segment s: its last layer's input [H] and its block boundaries
+    [layers + 1, H] (or None where no exit reads them)."""
     if r in step.flow:
         c = one(r)
         layer_in, blocks = view(c._layer_in[0]), c._layer_in[1]
         if blocks is not None:  # [1, (layers + 1) * P, H]: each boundary's last position
             blocks = view(blocks)
             blocks = last_positions(chain.rt, blocks.reshape(-1, layer_in.shape[1], blocks.shape[-1]))
-        return view(c.exit_input(s)), layer_in[0, -1], blocks
+        return layer_in[0, -1], blocks
     i = r - chain.row
     layer_in, blocks = view(chain.layer_in[s][0]), chain.layer_in[s][1]
-    return view(chain.exit_input(s))[i : i + 1], layer_in[i, -1], None if blocks is None else view(blocks)[i]
+    return layer_in[i, -1], None if blocks is None else view(blocks)[i]
 
 
 def _decide(
@@ -272,7 +282,7 @@ def _decide(
         st = step.live[r]
         if not step.may[r]:
             continue
-        at, layer_in, blocks = _where(chain, one, step, r, s)
+        at = _exit_input(chain, one, step, r, s)
         t0 = time.perf_counter()
         gate = runner.gates.get(layer)
         if gate is not None:  # gated: the decision runs only when the gate opens; the first to run picks
@@ -293,6 +303,7 @@ def _decide(
                 _exited(runner, chain, one, step, r, s, layer, partial(int, token))
             continue
         st.decide_s += time.perf_counter() - t0
+        layer_in, blocks = _layer_inputs(chain, one, step, r, s)
         asks[r] = Decide(at[0, -1], layer_in, step.cands.get(r), blocks)
     if not asks:
         return
@@ -328,7 +339,7 @@ def _exited(
     st.exit_layers.append(layer)
     if st.forced is not None:  # scored on the policy's own, else on the exit's full vocabulary
         if own is None:
-            at = view(_where(chain, one, step, r, s)[0])[0, -1:]  # what the exit read: a block head's output
+            at = _exit_input(chain, one, step, r, s)[0, -1:]  # what the exit read: a block head's output
             own = (rt.exit_full(layer, at, runner.cfg.top_k, place=runner.place)[0][0], None)
         token = runner._forced(st, own[0])
     elif own is not None:
