@@ -23,7 +23,7 @@ import numpy as np
 from eectl.exits.base import CandidateSource, ExitScore, Prediction
 from eectl.exits.gates import gate_open
 from eectl.exits.signals import ExitScoring, Signal
-from eectl.runtime import resident
+from eectl.runtime import buffers, resident
 from eectl.runtime.device_ops import concat, stack
 from eectl.runtime.exit_logits import Decide, OrtExitLogits, _one_torch_thread
 from eectl.runtime.graph_decide import GraphDecisions, decides_in_graph
@@ -105,11 +105,8 @@ class ExitTest:
         if gate is None:
             return True
         t0 = time.perf_counter()
-        h = exit_in[0, -1]
-        if not isinstance(h, np.ndarray):
-            H = self.rt.manifest.dims["hidden_size"]
-            h = self.rt.ops.last(exit_in[0, -1:].reshape(1, 1, H), np.zeros(1, np.int64), on_device=False)
+        if not isinstance(exit_in, np.ndarray):
             place.read(("gate", layer, "hidden"))
-        opened = gate_open(gate, np.asarray(h))
+        opened = gate_open(gate, buffers.host_state(self.rt, exit_in))
         st.decide_s += time.perf_counter() - t0
         return opened
