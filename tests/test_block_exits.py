@@ -1,8 +1,9 @@
 """Block exit heads exported and run (export/block.py, runtime/blocks.py), on tiny models of several families:
-export validates the block's graphs and KV against torch; under defer the runner equals a PyTorch simulation with
-exact KV (the block's own KV included), verify equals full depth and leaves the block's KV equal to the torch
-block's on the exact states after its rollbacks, copy equals an incremental PyTorch copy simulation (the block's KV
-filled from the skipped token's exit state), batch rows equal rows alone."""
+export validates the block's graphs and KV against torch; under defer and copy the runner equals the PyTorch
+simulation (tests/simulation.py: tokens, exit layers, decisions, every layer's K/V and the blocks' own; copy fills a
+block's KV from the skipped token's exit state), and defer's block KV equals the torch block's on the exact states;
+verify equals full depth and leaves the block's KV equal to the torch block's on the exact states after its
+rollbacks; batch rows equal rows alone and the simulation's batch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from eectl.exits.base import ExitHead, signals, topk_candidates
 from eectl.exits.designs import BlockHead
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
@@ -18,6 +18,7 @@ from eectl.models.parts import KVCache
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
+from tests.simulation import Simulation
 
 EXITS = [2, 4]
 L = 6
@@ -67,58 +68,37 @@ def _runner(rt, policy="defer", thresholds=None, exits=EXITS, new=20, **kw) -> R
     return Runner(rt, RunConfig(exits=exits, thresholds=thr, policy=policy, top_k=K, max_new_tokens=new, **kw))
 
 
-def _decide(adapter, exit_states: dict[int, torch.Tensor], thresholds: dict[int, float], probs=None):
-    """topk-prob at exits 2 then 4 on the exits' inputs ([1, H]: block outputs): (token, layer) or None."""
-    lens = ExitHead(adapter)
-    full = lens.full(exit_states[EXITS[0]])
-    cand = topk_candidates(full, K)
-    for e in EXITS:
-        local = full.gather(-1, cand) if e == EXITS[0] else lens.local(exit_states[e], cand)
-        s = signals(local, cand)
-        if probs is not None:
-            probs.setdefault(e, []).append(float(s.prob[0]))
-        if float(s.prob[0]) >= thresholds[e]:
-            return int(s.token[0]), e
-    return None
-
-
-@torch.no_grad()
-def _exact_states(adapter, heads, tokens: list[int]) -> dict[int, torch.Tensor]:
-    """Every position's state at each exit after its block (whole sequence, exact KV), and the final state: [S, H]."""
-    states: dict[int, torch.Tensor] = {}
-    adapter.forward_layers(
-        adapter.embed(torch.tensor([tokens])),
-        torch.arange(len(tokens))[None],
-        0,
-        L,
-        on_layer=lambda i, a, b: states.__setitem__(i + 1, b[0]),
-    )
-    out = {e: heads[e](states[e]) for e in EXITS}
-    out[L] = states[L]
-    return out
-
-
-@torch.no_grad()
-def _defer_simulation(adapter, heads, prompt, new, thresholds, probs=None):
-    """Decisions on states computed with every position's exact KV, the blocks' own KV included (defer's promise)."""
-    tokens, layers = list(prompt), []
-    for step in range(new):
-        st = _exact_states(adapter, heads, tokens)
-        picked = _decide(adapter, {e: st[e][-1:] for e in EXITS}, thresholds, probs) if step else None
-        token, layer = picked if picked is not None else (int(ExitHead(adapter).full(st[L][-1:]).argmax(-1)[0]), L)
-        tokens.append(token)
-        layers.append(layer)
-    return tokens[len(prompt) :], layers
+def _simulation(adapter, heads, policy: str, thresholds: dict[int, float], exits=EXITS) -> Simulation:
+    """The runner's reference (tests/simulation.py) for an artifact with block heads at EXITS, `exits` active,
+    topk-prob at `thresholds` (exit -> prob)."""
+    thr = {e: {"prob": t} for e, t in thresholds.items()}
+    return Simulation(adapter, exits, thr, policy=policy, top_k=K, cuts=EXITS, heads=heads)
 
 
 def _thresholds(adapter, heads, prompt, new=20) -> dict[int, float]:
-    probs: dict[int, list[float]] = {}
-    _defer_simulation(adapter, heads, prompt, new, {e: 2.0 for e in EXITS}, probs)
-    return {e: float(torch.tensor(p).quantile(0.75)) for e, p in probs.items()}
+    """Per exit, the 0.75 quantile of topk-prob over the decode tokens of `prompt` (the simulation never exiting)."""
+    row = _simulation(adapter, heads, "defer", {e: 2.0 for e in EXITS}).generate([prompt], new)[0]
+    return {e: float(torch.tensor(p).quantile(0.75)) for e, p in row.values.items()}
 
 
 def _mixed(layers: list[int]) -> bool:
     return any(x < L for x in layers[1:]) and any(x == L for x in layers[1:])
+
+
+def _same_as_simulation(rt, gen, kv, row: int, ref) -> None:
+    """A runner's generation and its cache row `row` == the simulation's row `ref`: tokens, exit layers, decisions,
+    and every layer's and every active block's K/V up to the runner's length there (within 1e-4; defer's last
+    deferred positions wait for a later flush, so deeper slots may hold fewer; copy's hold all)."""
+    assert gen.token_ids == ref.tokens and gen.exit_layers == ref.layers
+    assert gen.decided == ref.decided
+    assert int(kv.filled[row, 0]) == ref.cache.length(0) == len(ref.sequence) - 1  # every fed position
+    pairs = [(layer, ref.cache, layer) for layer in range(L)]  # (runner slot, simulation cache, its layer)
+    pairs += [(rt.manifest.exit_at(e).block.kv_slot, own, INITS[e]) for e, own in ref.own.items()]
+    for slot, cache, layer in pairs:
+        n = int(kv.filled[row, slot])
+        assert n <= cache.length(layer) and (n == cache.length(layer) or gen.exit_layers[-1] < L), (slot, n)
+        for got, want in ((kv.keys[row][slot], cache.keys[layer]), (kv.values[row][slot], cache.values[layer])):
+            np.testing.assert_allclose(np.asarray(got)[0, :, :n], want[0, :, :n].numpy(), rtol=1e-4, atol=1e-4)
 
 
 def _block_kv_matches(rt, kv, adapter, heads, tokens: list[int]) -> None:
@@ -141,7 +121,7 @@ def _block_kv_matches(rt, kv, adapter, heads, tokens: list[int]) -> None:
         with torch.no_grad():
             heads[e].step(st[e][None, :n], torch.arange(n)[None], cache)
         for got, want in ((kv.keys[0][slot], cache.keys[INITS[e]]), (kv.values[0][slot], cache.values[INITS[e]])):
-            np.testing.assert_allclose(np.asarray(got)[0, :, :n], want[0].numpy(), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(got)[0, :, :n], want[0, :, :n].numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_manifest_names_the_block_graphs_slots_and_cost(block_artifacts):
@@ -155,17 +135,18 @@ def test_manifest_names_the_block_graphs_slots_and_cost(block_artifacts):
     assert {"past_key", "past_value"} <= set(blocks[0].graph.inputs) and blocks[0].graph.outputs["hidden_out"]
 
 
-def test_defer_with_blocks_equals_exact_kv_simulation(block_artifacts, block_family):
+def test_defer_with_blocks_equals_the_simulation(block_artifacts, block_family):
     loaded, heads, rt = block_artifacts[block_family]
     a = loaded.adapter
     prompt = _prompt(2, 9, a.dims.vocab_size)
     thresholds = _thresholds(a, heads, prompt)
     runner = _runner(rt, "defer", thresholds)
     gen = runner.generate([prompt])[0]
-    ref_tokens, ref_layers = _defer_simulation(a, heads, prompt, 20, thresholds)
-    assert _mixed(ref_layers), ref_layers  # some tokens exit early, some do not: deferred positions reach the blocks
-    assert gen.token_ids == ref_tokens and gen.exit_layers == ref_layers
-    _block_kv_matches(rt, runner.last_kv, a, heads, prompt + gen.token_ids)
+    ref = _simulation(a, heads, "defer", thresholds).generate([prompt], 20)[0]
+    assert _mixed(ref.layers), ref.layers  # some tokens exit early, some do not: deferred positions reach the blocks
+    assert set(ref.own) == set(EXITS)
+    _same_as_simulation(rt, gen, runner.last_kv, 0, ref)
+    _block_kv_matches(rt, runner.last_kv, a, heads, prompt + gen.token_ids)  # and the whole sequence's, at once
 
 
 def test_verify_with_blocks_equals_full_depth_and_rolls_their_kv_back(block_artifacts, block_family):
@@ -181,95 +162,72 @@ def test_verify_with_blocks_equals_full_depth_and_rolls_their_kv_back(block_arti
         _block_kv_matches(rt, runner.last_kv, a, heads, prompt + gen.token_ids)
 
 
-@torch.no_grad()
-def _copy_simulation(adapter, heads, prompt, new, thresholds):
-    """Incremental torch decoding, one KV cache per block beside the model's: an exited token's exit state is projected
-    through the K/V path of every later layer and of every later exit's block (CALM-style state copying)."""
-    cache, own = KVCache(), {e: KVCache() for e in EXITS}
-    cuts = list(zip([0, *EXITS], [*EXITS, L], strict=True))
-    lens = ExitHead(adapter)
-    tokens, layers = list(prompt), []
-    for step in range(new):
-        ids = tokens if step == 0 else tokens[-1:]
-        pos = torch.arange(len(tokens) - len(ids), len(tokens))[None]
-        h = adapter.embed(torch.tensor([ids]))
-        cand, picked = None, None
-        for lo, hi in cuts:
-            h = adapter.forward_layers(h, pos, lo, hi, cache)
-            if hi == L:
-                break
-            x = heads[hi].step(h, pos, own[hi])[0, -1:]  # every position that passes the exit runs its block
-            if step == 0:
-                continue  # the prompt: full depth
-            if cand is None:
-                full = lens.full(x)
-                cand = topk_candidates(full, K)
-                local = full.gather(-1, cand)
-            else:
-                local = lens.local(x, cand)
-            s = signals(local, cand)
-            if float(s.prob[0]) >= thresholds[hi]:
-                picked = (int(s.token[0]), hi)
-                for lo2, hi2 in cuts:
-                    if lo2 >= hi:
-                        adapter.project_kv(h, pos, lo2, hi2, cache)
-                        if hi2 < L:
-                            adapter.block_project_kv(heads[hi2].block, h, pos, INITS[hi2], own[hi2])
-                break
-        token, layer = picked if picked is not None else (int(lens.full(h[0, -1:]).argmax(-1)[0]), L)
-        tokens.append(token)
-        layers.append(layer)
-    return tokens[len(prompt) :], layers, own
-
-
-def test_copy_with_blocks_equals_incremental_copy_simulation(block_artifacts, block_family):
+def test_copy_with_blocks_equals_the_simulation(block_artifacts, block_family):
+    """Copy: an exited token's exit state projected through the K/V path of every later layer and of every later
+    exit's block (CALM-style state copying): the runner's tokens, decisions and K/V, the blocks' own included, equal
+    the simulation's."""
     loaded, heads, rt = block_artifacts[block_family]
     a = loaded.adapter
     prompt = _prompt(4, 8, a.dims.vocab_size)
     thresholds = _thresholds(a, heads, prompt)
     runner = _runner(rt, "copy", thresholds)
     gen = runner.generate([prompt])[0]
-    ref_tokens, ref_layers, own = _copy_simulation(a, heads, prompt, 20, thresholds)
-    assert 2 in ref_layers[1:] and _mixed(ref_layers), ref_layers  # exit 2 taken: block 4's KV gets a copied state
-    assert gen.token_ids == ref_tokens and gen.exit_layers == ref_layers
-    kv = runner.last_kv
-    for e in EXITS:  # the blocks' own KV, copied positions included, equal the simulation's
-        slot = rt.manifest.exit_at(e).block.kv_slot
-        n = int(kv.filled[0, slot])
-        assert n == own[e].length(INITS[e]) == int(kv.filled[0, e - 1])
-        for got, want in ((kv.keys[0][slot], own[e].keys[INITS[e]]), (kv.values[0][slot], own[e].values[INITS[e]])):
-            np.testing.assert_allclose(np.asarray(got)[0, :, :n], want[0].numpy(), rtol=1e-4, atol=1e-4)
+    ref = _simulation(a, heads, "copy", thresholds).generate([prompt], 20)[0]
+    assert 2 in ref.layers[1:] and _mixed(ref.layers), ref.layers  # exit 2 taken: block 4's KV gets a copied state
+    assert set(ref.own) == set(EXITS)
+    _same_as_simulation(rt, gen, runner.last_kv, 0, ref)
 
 
-def test_batch_rows_with_blocks_equal_rows_alone(block_artifacts, monkeypatch):
-    """Batched rows (their blocks batched like their segments, rows with several positions alone) == rows alone, on
-    the bound chain and the general path alike, the blocks' K/V included."""
-    import eectl.runtime.segment_rows as segment_rows_module
+def test_batch_rows_with_blocks_equal_rows_alone_and_the_simulation(block_artifacts, monkeypatch):
+    """Batched rows (their blocks run in the chain's call over the one-position rows, as their segments; rows with
+    several positions on their own chains) == rows alone, the blocks' K/V included, under every policy; under defer
+    and copy the batch equals the simulation's batch (tokens, exits, decisions, every layer's and block's K/V), under
+    verify full depth."""
+    from eectl.runtime import chain_steps
 
     loaded, heads, rt = block_artifacts["gemma3_text"]
-    v = loaded.adapter.dims.vocab_size
+    a = loaded.adapter
+    v = a.dims.vocab_size
     prompts = [_prompt(5, 7, v), _prompt(6, 12, v), _prompt(7, 3, v), _prompt(9, 5, v)]
-    thresholds = _thresholds(loaded.adapter, heads, prompts[0], 15)
-    batched = []
-    original = segment_rows_module.run_block_rows
-    monkeypatch.setattr(
-        segment_rows_module, "run_block_rows", lambda *a, **kw: batched.append(int(a[4].sum())) or original(*a, **kw)
-    )
+    thresholds = _thresholds(a, heads, prompts[0], 15)
+    steps: list[int] = []  # the rows of each step on the chain
+    real = chain_steps.rows_step
+
+    def counting(runner, chain, one, live, *args, **kw):
+        steps.append(len(live))
+        return real(runner, chain, one, live, *args, **kw)
+
+    monkeypatch.setattr(chain_steps, "rows_step", counting)
+    full = [_runner(rt, exits=[], new=15).generate([p])[0].token_ids for p in prompts]
     for policy in ("defer", "verify", "copy"):
-        alone = [_runner(rt, policy, thresholds, new=15).generate([p])[0] for p in prompts]
-        caches = []
-        for bound in (True, False):  # the bound chain (runtime/chain_rows.py), then the general path
-            runner = _runner(rt, policy, thresholds, new=15, bound=bound)
-            batch = runner.generate(prompts)
-            assert [g.token_ids for g in batch] == [g.token_ids for g in alone], (policy, bound)
-            assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone], (policy, bound)
-            caches.append(runner.last_kv)
-        chain, general = caches
-        assert (chain.filled == general.filled).all()  # the blocks' own K/V slots included
-        for slot in (rt.manifest.exit_at(e).block.kv_slot for e in EXITS):
-            n = int(chain.filled[:, slot].min())
-            np.testing.assert_array_equal(chain.batch_keys[slot][:, :, :n], general.batch_keys[slot][:, :, :n])
-    assert batched and max(batched) > 1  # the general path's batched block call ran, for several rows at once
+        alone = []
+        for p in prompts:
+            one = _runner(rt, policy, thresholds, new=15)
+            alone.append((one.generate([p])[0], one.last_kv))
+        steps.clear()
+        runner = _runner(rt, policy, thresholds, new=15)
+        batch = runner.generate(prompts)
+        assert max(steps) == len(prompts), (policy, steps)  # the rows stepped together, their blocks batched
+        kv = runner.last_kv
+        for r, (g, (one, kv_one)) in enumerate(zip(batch, alone, strict=True)):
+            assert g.token_ids == one.token_ids and g.exit_layers == one.exit_layers, (policy, r)
+            assert kv.filled[r, 0] == kv_one.filled[0, 0], (policy, r)  # deeper, a batch's riders may flush more
+            for slot in range(rt.manifest.kv_slots):  # the blocks' own K/V slots included
+                n = int(min(kv.filled[r, slot], kv_one.filled[0, slot]))
+                for got, want in ((kv.keys[r], kv_one.keys[0]), (kv.values[r], kv_one.values[0])):
+                    np.testing.assert_allclose(
+                        np.asarray(got[slot])[0, :, :n], np.asarray(want[slot])[0, :, :n], rtol=1e-4, atol=1e-4
+                    )
+        if policy == "verify":
+            assert [g.token_ids for g in batch] == full
+            assert sum(g.drafted for g in batch) > 0 and sum(g.rejected_drafts for g in batch) > 0
+            continue
+        refs = _simulation(a, heads, policy, thresholds).generate(prompts, 15)
+        decode = [x for ref in refs for x in ref.layers[1:]]
+        assert any(x < L for x in decode) and any(x == L for x in decode), policy  # some exit early, some do not
+        for r, (g, ref) in enumerate(zip(batch, refs, strict=True)):
+            assert set(ref.own) == set(EXITS)
+            _same_as_simulation(rt, g, kv, r, ref)
 
 
 def test_inactive_block_exit_costs_nothing_and_a_block_out_of_step_is_refused(block_artifacts):

@@ -1,8 +1,7 @@
 """The learned exit signal (exits.Probe, eectl.exits.probe): its fit is deterministic for a seed, the heads file keeps
-it,
-its score is one number whether torch (calibrate), numpy (Probe.score) or the exit graphs (the runner) compute it,
-and the runner with it keeps verify exact and decides as a torch simulation with exact KV does. Heads without
-probes fail with one clear line."""
+it, its score is one number whether torch (calibrate), numpy (Probe.score) or the exit graphs (the runner) compute
+it, and the runner with it keeps verify exact and decides as the PyTorch simulation (tests/simulation.py) does under
+defer and copy. Heads without probes fail with one clear line."""
 
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
 from tests.conftest import make_heads_meta
+from tests.simulation import Simulation
 
 EXITS = [2, 4]
 K = 8
@@ -234,39 +234,10 @@ def test_score_is_the_same_in_torch_numpy_and_the_exit_graphs(llama, probed):
     assert compared == 2 * 10 * 4
 
 
-def _simulation(loaded, heads, prompt, new, thresholds, scores=None):
-    """Sequential learned exits decided on states computed with the exact KV of every position (defer's cache)."""
-    adapter = loaded.adapter
-    exit_heads = {e: ExitHead(adapter, heads[e]).eval() for e in EXITS}
-    lens = ExitHead(adapter)
-    tokens, layers = list(prompt), []
-    with torch.no_grad():
-        for step in range(new):
-            states: dict[int, torch.Tensor] = {}
-            ids = torch.tensor([tokens])
-            adapter.forward_layers(
-                adapter.embed(ids),
-                torch.arange(len(tokens))[None],
-                0,
-                L,
-                on_layer=lambda i, a, b, states=states: states.__setitem__(i + 1, b[0, -1:]),
-            )
-            token, layer = None, L
-            if step > 0:  # the first token comes from the prefill, at full depth
-                scoring = ExitScoring(LEARNED, TorchExitLogits(exit_heads), K, FIRST)
-                for e in EXITS:
-                    sc = scoring.score(e, states[e])
-                    v = float(sc.values["score"][0])
-                    if scores is not None:
-                        scores.setdefault(e, []).append(v)
-                    if v >= thresholds[e]:
-                        token, layer = int(sc.prediction().token[0]), e
-                        break
-            if token is None:
-                token = int(lens.full(states[L]).argmax(-1)[0])
-            tokens.append(token)
-            layers.append(layer)
-    return tokens[len(prompt) :], layers
+def _simulation(loaded, heads, thresholds: dict[int, float], policy: str = "defer") -> Simulation:
+    """The runner's reference (tests/simulation.py) with the learned signal over `heads` (their probes)."""
+    thr = {e: {"score": t} for e, t in thresholds.items()}
+    return Simulation(loaded.adapter, EXITS, thr, signal="learned", policy=policy, top_k=K, heads=heads)
 
 
 def _run(rt, policy, thresholds, exits=EXITS, new=20, **kw):
@@ -275,32 +246,50 @@ def _run(rt, policy, thresholds, exits=EXITS, new=20, **kw):
     return Runner(rt, cfg)
 
 
+def _as_simulated(gen, kv, row: int, ref) -> None:
+    """A generation and its cache row `row` == the simulation's row: tokens, exit layers, decisions, and each
+    layer's K/V up to the runner's length there (defer's last deferred positions may wait for a later flush)."""
+    assert gen.token_ids == ref.tokens and gen.exit_layers == ref.layers
+    assert gen.decided == ref.decided
+    assert int(kv.filled[row, 0]) == ref.cache.length(0) == len(ref.sequence) - 1
+    for layer in range(L):
+        n = int(kv.filled[row, layer])
+        assert n <= ref.cache.length(layer) and (n == ref.cache.length(layer) or gen.exit_layers[-1] < L), layer
+        for got, want in (
+            (kv.keys[row][layer], ref.cache.keys[layer]),
+            (kv.values[row][layer], ref.cache.values[layer]),
+        ):
+            np.testing.assert_allclose(np.asarray(got)[0, :, :n], want[0, :, :n].numpy(), rtol=1e-4, atol=1e-4)
+
+
 def test_runner_with_the_learned_signal_decides_as_torch_and_verify_is_exact(llama, probed):
+    """The learned score decided in the exit graphs (the chain's bound decision, one row, device-resident, a batch)
+    and under copy: the simulation's tokens, exits, decisions and K/V (the score computed by calibrate's torch code);
+    verify equals full depth."""
     heads, _, folder = probed
     rt = ArtifactRuntime(folder, provider="cpu")
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(3, llama.adapter.dims.vocab_size, (9,), generator=g).tolist()
-    scores: dict[int, list[float]] = {}
-    _simulation(llama, heads, prompt, 20, {e: float("inf") for e in EXITS}, scores)
+    scores = _simulation(llama, heads, {e: float("inf") for e in EXITS}).generate([prompt], 20)[0].values
     thresholds = {e: float(np.quantile(v, 0.6)) for e, v in scores.items()}
-    ref_tokens, ref_layers = _simulation(llama, heads, prompt, 20, thresholds)
-    assert any(x < L for x in ref_layers[1:]) and any(x == L for x in ref_layers[1:]), ref_layers
-    gen = _run(rt, "defer", thresholds).generate([prompt])[0]  # the bound chain (in-graph score) decides
-    assert gen.token_ids == ref_tokens and gen.exit_layers == ref_layers
-    plain = _run(rt, "defer", thresholds, bound=False)  # the general path: the graph decides, another binding
-    again = plain.generate([prompt])[0]
-    assert again.token_ids == ref_tokens and again.exit_layers == ref_layers
+    ref = _simulation(llama, heads, thresholds).generate([prompt], 20)[0]
+    assert any(x < L for x in ref.layers[1:]) and any(x == L for x in ref.layers[1:]), ref.layers
+    runner = _run(rt, "defer", thresholds)
+    _as_simulated(runner.generate([prompt])[0], runner.last_kv, 0, ref)  # the bound chain (in-graph score) decides
     resident = _run(rt, "defer", thresholds, device_resident=True).generate([prompt])[0]  # runtime/resident.py
-    assert resident.token_ids == ref_tokens and resident.exit_layers == ref_layers
+    assert resident.token_ids == ref.tokens and resident.exit_layers == ref.layers
     other = torch.randint(3, llama.adapter.dims.vocab_size, (5,), generator=g).tolist()
-    rows = _run(rt, "defer", thresholds).generate([prompt, other])  # a batch: rows decided in one graph call
-    assert rows[0].token_ids == ref_tokens and rows[0].exit_layers == ref_layers
+    batch = _run(rt, "defer", thresholds)
+    rows = batch.generate([prompt, other])  # a batch: rows decided in one graph call
+    for r, want in enumerate(_simulation(llama, heads, thresholds).generate([prompt, other], 20)):
+        _as_simulated(rows[r], batch.last_kv, r, want)
     full = _run(rt, "defer", {}, exits=[], new=20).generate([prompt])[0]
     verify = _run(rt, "verify", thresholds).generate([prompt])[0]
     assert verify.token_ids == full.token_ids and verify.drafted > 0
-    copy_bound = _run(rt, "copy", thresholds).generate([prompt])[0]
-    copy_plain = _run(rt, "copy", thresholds, bound=False)
-    assert copy_plain.generate([prompt])[0].exit_layers == copy_bound.exit_layers
+    copy = _run(rt, "copy", thresholds)
+    copy_ref = _simulation(llama, heads, thresholds, "copy").generate([prompt], 20)[0]
+    assert any(x < L for x in copy_ref.layers[1:]) and any(x == L for x in copy_ref.layers[1:]), copy_ref.layers
+    _as_simulated(copy.generate([prompt])[0], copy.last_kv, 0, copy_ref)
 
 
 def test_learned_without_probes_is_one_clear_error(llama, exported, tiny_dirs, tmp_path):
