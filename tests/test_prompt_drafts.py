@@ -4,6 +4,7 @@ middle of a run of drafts, in a batch, on the bound one-row chain, at stop token
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,10 +38,8 @@ def _repetitive(seed: int, vocab: int) -> list[int]:
     return phrase * 3 + _ids(seed + 100, 4, vocab)
 
 
-def _gen(rt, prompts, drafts=0, policy="verify", exits=(), thresholds=0.0, new=40, slots=None, stop=(), shortest=1,
-         bound=None):  # fmt: skip
-    """Generate; with `bound` given, the Runner (its RunConfig.bound so) instead, nothing generated."""
-    cfg = RunConfig(
+def _config(drafts=0, policy="verify", exits=(), thresholds=0.0, new=40, stop=(), shortest=1) -> RunConfig:
+    return RunConfig(
         exits=list(exits),
         thresholds={e: {"prob": thresholds} for e in exits},
         policy=policy,
@@ -49,10 +48,11 @@ def _gen(rt, prompts, drafts=0, policy="verify", exits=(), thresholds=0.0, new=4
         prompt_drafts=drafts,
         stop_ids=tuple(stop),
         draft_min=shortest,
-        bound=True if bound is None else bound,
     )
-    if bound is not None:
-        return Runner(rt, cfg)
+
+
+def _gen(rt, prompts, drafts=0, policy="verify", exits=(), thresholds=0.0, new=40, slots=None, stop=(), shortest=1):
+    cfg = _config(drafts, policy, exits, thresholds, new, stop, shortest)
     return Runner(rt, cfg).generate(prompts, slots=slots)
 
 
@@ -167,58 +167,84 @@ def test_prompt_drafts_beside_exit_drafts_equal_full_depth(artifacts, family, at
     assert attempts
 
 
-def test_rows_draft_independently_in_a_batch(artifacts, family, attempts, monkeypatch):
+def _same_kv(kv, r: int, other, slots: range | None = None) -> bool:
+    """Row r of `kv` and row 0 of `other` hold the same K/V (within 1e-4) at `slots` (all by default), each up to
+    the shorter of their lengths there."""
+    for slot in slots or range(kv.filled.shape[1]):
+        n = int(min(kv.filled[r, slot], other.filled[0, slot]))
+        for mine, want in ((kv.keys, other.keys), (kv.values, other.values)):
+            a, b = np.asarray(mine[r][slot])[0, :, :n], np.asarray(want[0][slot])[0, :, :n]
+            if not np.allclose(a, b, rtol=1e-4, atol=1e-4):
+                return False
+    return True
+
+
+def _full_depth_rows(kv, alone) -> None:
+    """Each row of a batch's cache that holds positions holds the K/V of one prompt's full-depth run alone (`alone`:
+    their caches, row 0 each; the prompt found by the first layer's), every layer's, each prompt in one row at
+    most."""
+    held = []
+    for r in range(kv.filled.shape[0]):
+        if kv.filled[r, 0] == 0:
+            continue
+        match = [i for i, other in enumerate(alone) if _same_kv(kv, r, other, range(1))]
+        assert len(match) == 1, (r, match)
+        assert _same_kv(kv, r, alone[match[0]]), r
+        held += match
+    assert held and len(held) == len(set(held)), held
+
+
+def _drafting(g) -> tuple:
+    return g.exit_layers, g.drafted, g.rejected_drafts, g.prompt_drafted, g.prompt_accepted
+
+
+def test_rows_draft_independently_in_a_batch(artifacts, family, attempts):
     """Three prompts on two slots: rows with and without drafts in one step (their wide calls beside the batched
-    one: runtime/chain_rows.py; the general path's alike), each row's tokens those of its prompt at full depth alone,
-    and the chain's drafts, exits and cache those of the general path."""
+    one: runtime/chain_rows.py), each row's tokens those of its prompt at full depth alone, its drafts (from the
+    context and from exits) and exits those of the same run of its prompt alone, and the cache's rows the K/V of the
+    prompts' full-depth runs."""
     rt = artifacts[family]
     V = rt.manifest.dims["vocab_size"]
     prompts = [_repetitive(5, V), _ids(6, 9, V), _repetitive(7, V)[:14]]
-    alone = [_gen(rt, [p], new=24)[0].token_ids for p in prompts]
-    from tests.test_chain_host_decisions import _counting_general_steps
-
-    general = _counting_general_steps(monkeypatch)
-    for exits in ((), (2, 4)):
-        runs = []
-        for bound in (True, False):
-            runner = _gen(rt, prompts, drafts=4, exits=exits, thresholds=0.3, new=24, slots=2, bound=bound)
-            got = runner.generate(prompts, slots=2)
-            assert [g.token_ids for g in got] == alone, (exits, bound)
-            assert sum(g.prompt_accepted for g in got) > 0
-            runs.append((got, runner.last_kv))
-            assert (general == []) == bound, (exits, bound)  # the chain took every step, the general path the others
-            general.clear()
-        (got, kv), (plain, kv_plain) = runs
-        assert [(g.exit_layers, g.drafted, g.prompt_accepted) for g in got] == [
-            (p.exit_layers, p.drafted, p.prompt_accepted) for p in plain
-        ]
-        if not exits:  # the full-depth chain moved its last rows onto the first (slots.py `narrowed`)
-            continue
-        assert (kv.filled == kv_plain.filled).all()
-        n = int(kv.filled.min())
-        mine_all, other_all = kv.batch_keys + kv.batch_values, kv_plain.batch_keys + kv_plain.batch_values
-        for mine, other in zip(mine_all, other_all, strict=True):
-            assert (mine[:, :, :n] == other[:, :, :n]).all()
+    full = []
+    for p in prompts:
+        runner = Runner(rt, _config(new=24))
+        full.append((runner.generate([p])[0].token_ids, runner.last_kv))
+    for exits in ((), (2, 4)):  # drafts from the context; beside exit drafts (many, most rolled back)
+        cfg = _config(drafts=4, exits=exits, thresholds=0.1, new=24)
+        runner = Runner(rt, cfg)
+        got = runner.generate(prompts, slots=2)
+        assert [g.token_ids for g in got] == [f for f, _ in full], exits
+        assert sum(g.prompt_accepted for g in got) > 0, exits
+        assert exits == () or (sum(g.drafted for g in got) > 0 and sum(g.rejected_drafts for g in got) > 0), exits
+        alone = [Runner(rt, cfg).generate([p])[0] for p in prompts]
+        assert [_drafting(g) for g in got] == [_drafting(a) for a in alone], exits
+        _full_depth_rows(runner.last_kv, [kv for _, kv in full])
     assert attempts
 
 
 def test_one_row_drafts_run_on_the_bound_chain(artifacts, monkeypatch, attempts):
-    """One row, greedy, CPU: the wide passes run on the bound chain (embedded drafts waiting at segment 0), not on
-    the general path, which runs no step (the prompt's is the chain's too)."""
+    """One row, greedy, CPU: the wide passes run on the bound chain (`chain_step` with the drafts embedded, waiting
+    at segment 0), one per drafting attempt, as many drafts as proposed, the prompt's positions waiting there too; the
+    tokens are full depth's."""
+    from eectl.runtime import chain_steps
+
     rt = artifacts["llama"]
     prompt = _repetitive(1, rt.manifest.dims["vocab_size"])
     want = _gen(rt, [prompt], new=40)[0].token_ids
-    general = []
-    steps = Runner._steps
+    steps: list[tuple[int, bool]] = []
+    real = chain_steps.chain_step
 
-    def spy(self, kv, work, force_full=False):
-        general.append({r: len(ids) for r, (_, ids) in work.items()})
-        return steps(self, kv, work, force_full)
+    def spy(runner, chain, st, kv, drafts=0, prompt=False, **kw):
+        steps.append((drafts, prompt))
+        return real(runner, chain, st, kv, drafts, prompt, **kw)
 
-    monkeypatch.setattr(Runner, "_steps", spy)
+    monkeypatch.setattr(chain_steps, "chain_step", spy)
     got = _gen(rt, [prompt], drafts=6, new=40)[0]
     assert got.token_ids == want and got.prompt_accepted > 0
-    assert general == []
+    wide = [d for d, p in steps if d and not p]
+    assert wide == [d for d, _ in attempts] and sum(wide) == got.prompt_drafted, (steps, attempts)
+    assert steps[0] == (len(prompt) - 1, True)  # the prompt: its positions but the last waiting at segment 0
 
 
 def test_drafted_steps_are_timed_as_the_runner_takes_them(artifacts, family, monkeypatch):
