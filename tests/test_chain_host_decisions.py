@@ -1,7 +1,8 @@
 """Exits whose graphs do not decide the run's signal (the full-vocabulary softmax and margin, the cosines) run on the
-bound chain with the host deciding them (runtime/chain.py `step_exits`'s `host`, the runner's exit test): the same
-tokens, exit layers, drafts and KV cache as the general path, greedy and sampled, gated, every policy the chain
-takes, block exit heads included."""
+bound chain with the host deciding them (runtime/chain.py `step_exits`'s `host`, the runner's exit test). Under defer
+and copy the runner gives the tokens, exit layers, decisions and KV cache of the simulation (tests/simulation.py),
+greedy and sampled, gated, one row and a batch in slots, block exit heads included (their own K/V, and teacher-forced
+scores); verify gives full depth's tokens (it is lossless), with drafts proposed, and leaves the full model's cache."""
 
 from __future__ import annotations
 
@@ -11,110 +12,170 @@ import numpy as np
 import pytest
 
 from eectl.exits.signals import get_signal
+from eectl.runtime import chain_steps
 from eectl.runtime.chain import chain_exits_supported
 from eectl.runtime.runner import Runner
+from eectl.runtime.state import RunConfig
+from tests.simulation import Row, Simulation
 from tests.test_block_exits import block_artifacts  # noqa: F401 (the fixture)
-from tests.test_resident import _config, _prompts, _thresholds, runtimes  # noqa: F401 (the fixture)
+from tests.test_resident import _config, _prompts, _simulation, _thresholds, runtimes  # noqa: F401 (the fixture)
 
 SIGNALS = ["full-prob", "full-margin", "cosine", "cosine-min"]
 
 
-def _generate(rt, cfg, prompts, monkeypatch):
-    """Generate; returns the generations, the last cache, and how many steps the general path and the chain's host
-    decisions took."""
-    from eectl.runtime import chain_steps
+def _generate(rt, cfg, prompts, monkeypatch, slots=None, gates=None):
+    """Generate on a fresh runner (its gates `gates`); returns the generations, the runner, and per step of the chain
+    with exits (chain_rows.py `rows_step`) its rows and whether the host decided its exits."""
+    steps: list[tuple[int, bool]] = []
+    real = chain_steps.rows_step
 
-    general, host = [], []
-    real_steps, real_exits = Runner._steps, chain_steps.rows_step
-
-    def steps(self, kv, work, *a):
-        general.append(len(work))
-        return real_steps(self, kv, work, *a)
-
-    def exits(runner, chain, *a, **kw):
-        host.append(not chain.in_graph)
-        return real_exits(runner, chain, *a, **kw)
+    def counted(runner, chain, one, live, *a, **kw):
+        steps.append((len(live), not chain.in_graph))
+        return real(runner, chain, one, live, *a, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(Runner, "_steps", steps)
-        m.setattr(chain_steps, "rows_step", exits)
+        m.setattr(chain_steps, "rows_step", counted)
         runner = Runner(rt, cfg)
-        got = runner.generate(prompts)
-    return got, runner.last_kv, general, host
+        if gates is not None:
+            runner.gates = gates
+        got = runner.generate(prompts, slots=slots)
+    return got, runner, steps
+
+
+def _same_row_kv(rt, kv, row: int, ref: Row) -> None:
+    """Row `row` of the runner's cache holds the simulation row's K/V: each decoder layer up to the positions it
+    holds (at most the simulation's: defer's deeper layers may wait), each active block head's slot its own cache's."""
+    m = rt.manifest
+    slots = [(layer, ref.cache, layer) for layer in range(m.num_layers)]
+    slots += [(m.exit_at(e).block.kv_slot, own, m.exit_at(e).block.init_layer) for e, own in ref.own.items()]
+    for slot, cache, layer in slots:
+        n = int(kv.filled[row, slot])
+        assert 0 < n <= cache.length(layer), (row, slot, n, cache.length(layer))
+        for got, want in ((kv.keys[row][slot], cache.keys[layer]), (kv.values[row][slot], cache.values[layer])):
+            np.testing.assert_allclose(np.asarray(got)[0, :, :n], want[0, :, :n].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def _same_kv(rt, kv, refs: list[Row], spare: int = 0) -> None:
+    """Each row of the runner's cache that holds positions holds one simulation row's K/V, layer 0 every position
+    the simulation fed (with fewer slots than prompts a row holds the last prompt seated there: it is found by its
+    positions' layer-0 keys). `spare`: the simulation ran that many positions further (verify's last check may have
+    fed the last token)."""
+    matched: list[int] = []
+    for row in range(kv.filled.shape[0]):
+        n = int(kv.filled[row, 0])
+        if n == 0:
+            continue
+        keys = np.asarray(kv.keys[row][0])[0, :, :n]
+        same = [
+            i
+            for i, ref in enumerate(refs)
+            if i not in matched
+            and ref.cache.length(0) - spare <= n <= ref.cache.length(0)
+            and np.allclose(keys, ref.cache.keys[0][0, :, :n].numpy(), rtol=1e-4, atol=1e-4)
+        ]
+        assert len(same) == 1, (row, kv.filled[row], [r.cache.length(0) for r in refs], same)
+        _same_row_kv(rt, kv, row, refs[same[0]])
+        matched.append(same[0])
+    assert matched
+
+
+def _same_as_simulation(rt, got, kv, want: list[Row]) -> None:
+    assert [g.token_ids for g in got] == [w.tokens for w in want]
+    assert [g.exit_layers for g in got] == [w.layers for w in want]
+    assert [g.decided for g in got] == [w.decided for w in want]
+    _same_kv(rt, kv, want)
+
+
+def _same_as_full_depth(rt, got, kv, exact: Simulation, prompts, new: int, slots=None) -> None:
+    """verify: full depth's tokens (a runner without exits), drafts proposed, and the full model's cache (`exact`:
+    a simulation where nothing exits)."""
+    full = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=new)).generate(prompts, slots=slots)
+    want = exact.generate(prompts, new + 1, slots=slots)  # one token further: the cache holds the last one's position
+    assert [w.tokens[:new] for w in want] == [f.token_ids for f in full]
+    assert [g.token_ids for g in got] == [f.token_ids for f in full]
+    assert sum(g.drafted for g in got) > 0  # the exits proposed drafts: a real comparison
+    _same_kv(rt, kv, want, spare=1)
+
+
+def _never(signal: str, exits) -> dict:
+    return {e: {get_signal(signal).criteria[0]: float("inf")} for e in exits}
 
 
 @pytest.mark.parametrize("signal", SIGNALS)
 @pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
-def test_host_decided_exits_on_the_chain_equal_the_general_path(runtimes, signal, policy, monkeypatch):  # noqa: F811
+def test_host_decided_exits_on_the_chain_equal_the_simulation(runtimes, signal, policy, monkeypatch):  # noqa: F811
     loaded, rt = runtimes["llama"]
     prompts = _prompts(loaded.adapter.dims.vocab_size, 2)[1:]  # one row: 7 tokens
-    thresholds = _thresholds(rt, signal, prompts, monkeypatch)
+    thresholds = _thresholds(loaded, signal, prompts)
     cfg = _config(signal, policy, thresholds, False, new=20)
     assert chain_exits_supported(rt, cfg.exits, get_signal(signal))
-    plain, kv_plain, _, _ = _generate(rt, dataclasses.replace(cfg, bound=False), prompts, monkeypatch)
-    got, kv, general, host = _generate(rt, cfg, prompts, monkeypatch)
-    assert general == [] and host and all(host)  # every step on the chain, its exits decided on the host
+    got, runner, steps = _generate(rt, cfg, prompts, monkeypatch)
+    kv = runner.last_kv
+    assert steps and all(host for _, host in steps)  # every step on the chain, its exits decided on the host
+    if policy == "verify":
+        exact = _simulation(loaded, signal, "defer", _never(signal, cfg.exits))
+        _same_as_full_depth(rt, got, kv, exact, prompts, 20)
+        return
+    want = _simulation(loaded, signal, policy, thresholds).generate(prompts, 20)
     L = rt.manifest.num_layers
-    exited = any(e < L for e in plain[0].exit_layers[1:])
-    assert exited or plain[0].drafted, plain[0].exit_layers  # some tokens exit: a real comparison
-    assert got[0].token_ids == plain[0].token_ids and got[0].exit_layers == plain[0].exit_layers
-    assert (got[0].drafted, got[0].rejected_drafts) == (plain[0].drafted, plain[0].rejected_drafts)
-    assert got[0].decided == plain[0].decided
-    assert (kv.filled == kv_plain.filled).all()
-    n = int(kv.filled[0].min())
-    for mine, other in zip(kv.batch_keys + kv.batch_values, kv_plain.batch_keys + kv_plain.batch_values, strict=True):
-        assert (mine[:, :, :n] == other[:, :, :n]).all()
+    assert any(e < L for e in want[0].layers[1:]), want[0].layers  # some tokens exit: a real comparison
+    _same_as_simulation(rt, got, kv, want)
 
 
-def test_sampled_and_gated_host_decisions_on_the_chain_equal_the_general_path(runtimes, monkeypatch):  # noqa: F811
+def test_sampled_and_gated_host_decisions_on_the_chain_equal_the_simulation(runtimes, monkeypatch):  # noqa: F811
     loaded, rt = runtimes["qwen3"]
     prompts = _prompts(loaded.adapter.dims.vocab_size, 2)[1:]
-    thresholds = _thresholds(rt, "full-prob", prompts, monkeypatch)
+    thresholds = _thresholds(loaded, "full-prob", prompts)
     H = rt.manifest.dims["hidden_size"]
     w = np.random.default_rng(3).standard_normal(H).astype(np.float32)
+    L = rt.manifest.num_layers
     for sampled, gated in ((True, False), (False, True)):
         cfg = dataclasses.replace(_config("full-prob", "defer", thresholds, False, new=20), temperature=0.8 * sampled)
-        runs = []
-        for bound in (True, False):
-            runner = Runner(rt, dataclasses.replace(cfg, bound=bound))
-            if gated:  # exit 2's gate opens for some tokens only: exit 4 picks the candidates of the others
-                runner.gates = {2: (w, 0.0, 0.0)}
-            runs.append(runner.generate(prompts)[0])
-        got, plain = runs
-        assert got.token_ids == plain.token_ids and got.exit_layers == plain.exit_layers, (sampled, gated)
-        assert got.decided == plain.decided, (sampled, gated)
-        assert any(e < rt.manifest.num_layers for e in plain.exit_layers[1:]), (sampled, gated)
+        gates = {2: (w, 0.0, 0.0)} if gated else None  # exit 2's gate opens for some tokens only
+        got, runner, steps = _generate(rt, cfg, prompts, monkeypatch, gates=gates)
+        kv = runner.last_kv
+        assert steps and all(host for _, host in steps)
+        sim = _simulation(
+            loaded, "full-prob", "defer", thresholds, gates=gates, temperature=cfg.temperature, seed=cfg.seed
+        )
+        want = sim.generate(prompts, 20)
+        assert any(e < L for e in want[0].layers[1:]), (sampled, gated)
+        if gated:  # exit 2 decided the tokens its gate opened for, not every decode step's
+            assert 0 < want[0].decided.get(2, 0) < len(want[0].tokens) - 1, want[0].decided
+        _same_as_simulation(rt, got, kv, want)
 
 
 @pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
-def test_block_exit_heads_on_the_chain_equal_the_general_path(block_artifacts, policy, monkeypatch):  # noqa: F811
+def test_block_exit_heads_on_the_chain_equal_the_simulation(block_artifacts, policy, monkeypatch):  # noqa: F811
     """Block exit heads (runtime/blocks.py) run on the chain after their segment, wide where it runs wide, their own
-    K/V advancing with it: every step on the chain, the same tokens, exit layers, KV cache (the blocks' slots
-    included) and teacher-forced scores as the general path."""
-    from tests.test_block_exits import EXITS, _prompt, _runner, _thresholds
+    K/V advancing with it: the simulation's tokens, exit layers, decisions, KV cache (the blocks' slots included) and
+    teacher-forced scores; verify's tokens are full depth's and its cache (the blocks' too) the exact one."""
+    from tests.test_block_exits import EXITS, K, _prompt, _runner
+    from tests.test_block_exits import _thresholds as block_thresholds
 
     loaded, heads, rt = block_artifacts["llama"]
     prompt = _prompt(2, 9, loaded.adapter.dims.vocab_size)
-    thresholds = _thresholds(loaded.adapter, heads, prompt)
+    floats = block_thresholds(loaded.adapter, heads, prompt)
+    thresholds = {e: {"prob": t} for e, t in floats.items()}
     assert chain_exits_supported(rt, EXITS, get_signal("topk-prob")) and set(EXITS) <= set(rt.block_graphs)
-    runs = []
-    for bound in (True, False):
-        cfg = dataclasses.replace(_runner(rt, policy, thresholds).cfg, bound=bound)
-        got, kv, general, host = _generate(rt, cfg, [prompt], monkeypatch)
-        texts = [(prompt + got[0].token_ids, len(prompt))]
-        scored = Runner(rt, cfg).score_many(texts)[0] if policy != "verify" else None  # verify: full depth's
-        runs.append((got[0], kv, general, scored))
-    (gen, kv, general, scored), (plain, kv_plain, plain_steps, plain_scored) = runs
-    assert general == [] and plain_steps  # the chain took every step of the first run, the general path the second's
-    assert gen.token_ids == plain.token_ids and gen.exit_layers == plain.exit_layers
-    assert len(set(plain.exit_layers[1:])) >= 2 or plain.drafted, plain.exit_layers
-    assert (kv.filled == kv_plain.filled).all()
-    for mine, other in zip(kv.batch_keys + kv.batch_values, kv_plain.batch_keys + kv_plain.batch_values, strict=True):
-        n = int(kv.filled[0].min())
-        assert (mine[:, :, :n] == other[:, :, :n]).all()
-    if scored is not None and plain_scored is not None:
-        assert scored.layers == plain_scored.layers and scored.greedy == plain_scored.greedy
-        np.testing.assert_allclose(scored.nll, plain_scored.nll, rtol=1e-5, atol=1e-5)
+    cfg = _runner(rt, policy, floats).cfg
+    got, runner, steps = _generate(rt, cfg, [prompt], monkeypatch)
+    kv = runner.last_kv
+    assert steps  # the chain stepped with the exits
+    sim = lambda pol, thr: Simulation(loaded.adapter, EXITS, thr, policy=pol, top_k=K, cuts=EXITS, heads=heads)  # noqa: E731
+    if policy == "verify":
+        _same_as_full_depth(rt, got, kv, sim("defer", _never("topk-prob", EXITS)), [prompt], cfg.max_new_tokens)
+        return
+    reference = sim(policy, thresholds)
+    want = reference.generate([prompt], cfg.max_new_tokens)
+    assert len(set(want[0].layers[1:])) >= 2, want[0].layers  # some tokens exit, some do not
+    _same_as_simulation(rt, got, kv, want)
+    ids = prompt + got[0].token_ids
+    scored = Runner(rt, cfg).score_many([(ids, len(prompt))])[0]
+    forced = reference.score(ids, len(prompt))
+    assert scored.layers == forced.layers and scored.greedy == forced.greedy
+    assert len(set(forced.layers)) >= 2, forced.layers
+    np.testing.assert_allclose(scored.nll, forced.nll, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
@@ -122,13 +183,14 @@ def test_block_exit_heads_under_a_cached_prompt_prefix(block_artifacts, policy):
     """A prompt fed after the prefix its slot's cache holds (runtime/slots.py `reused`) with block exit heads active
     on the chain: the blocks' own K/V for the prefix are the cache's too, so the tokens, exit layers and every slot's
     K/V (the blocks' included) equal the prompt's fed whole by a fresh runner."""
-    from tests.test_block_exits import _prompt, _runner, _thresholds
+    from tests.test_block_exits import _prompt, _runner
+    from tests.test_block_exits import _thresholds as block_thresholds
 
     loaded, heads, rt = block_artifacts["llama"]
     V = loaded.adapter.dims.vocab_size
     header = _prompt(5, 12, V)
     prompts = [header + _prompt(6, 4, V), header + _prompt(7, 6, V)]
-    thresholds = _thresholds(loaded.adapter, heads, prompts[1], new=12)  # some of its tokens exit
+    thresholds = block_thresholds(loaded.adapter, heads, prompts[1], new=12)  # some of its tokens exit
     one = _runner(rt, policy, thresholds, new=12)
     got = [one.generate([p])[0] for p in prompts]
     assert got[1].reused >= len(header) - 1, got[1].reused  # the second prompt was fed after the cached header
@@ -143,57 +205,35 @@ def test_block_exit_heads_under_a_cached_prompt_prefix(block_artifacts, policy):
         np.testing.assert_array_equal(mine[0, :, :n], other[0, :, :n])
 
 
-def _counting_general_steps(monkeypatch) -> list[int]:
-    """The rows of each step the general path (`Runner._steps`) takes from now on, in the returned list."""
-    general: list[int] = []
-    real = Runner._steps
-
-    def steps(self, kv, work, *a):
-        general.append(len(work))
-        return real(self, kv, work, *a)
-
-    monkeypatch.setattr(Runner, "_steps", steps)
-    return general
-
-
-def _same_batches(got, kv, plain, kv_plain):
-    assert [g.token_ids for g in got] == [p.token_ids for p in plain]
-    assert [g.exit_layers for g in got] == [p.exit_layers for p in plain]
-    assert [g.decided for g in got] == [p.decided for p in plain]
-    assert [(g.drafted, g.rejected_drafts) for g in got] == [(p.drafted, p.rejected_drafts) for p in plain]
-    assert (kv.filled == kv_plain.filled).all()
-    n = int(kv.filled.min())
-    for mine, other in zip(kv.batch_keys + kv.batch_values, kv_plain.batch_keys + kv_plain.batch_values, strict=True):
-        assert (mine[:, :, :n] == other[:, :, :n]).all()
-
-
 @pytest.mark.parametrize("signal", ["topk-prob", "full-prob", "cosine-min"])
 @pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
-def test_a_batch_with_exits_steps_on_the_chain_as_on_the_general_path(runtimes, signal, policy, monkeypatch):  # noqa: F811
+def test_a_batch_with_exits_steps_on_the_chain_as_in_the_simulation(runtimes, signal, policy, monkeypatch):  # noqa: F811
     """A batch's steps with exits (runtime/chain_rows.py: per segment, the one-position rows in the batch chain's
     bound call, the wide rows on their slots' chains; one decision per exit, in the graphs or on the host): 5
-    prompts in 3 slots (rows join freed slots), greedy, then sampled and gated. Every step on the chain, and the
-    same tokens, exit layers, decisions, drafts and KV cache as the general path."""
+    prompts in 3 slots (rows join freed slots), greedy, then sampled and gated. The chain steps the rows together, and
+    gives the simulation's tokens, exit layers, decisions and KV cache in the same slots (verify: full depth's tokens
+    and the full model's cache)."""
     loaded, rt = runtimes["llama"]
     prompts = _prompts(loaded.adapter.dims.vocab_size, 5)
-    thresholds = _thresholds(rt, signal, prompts[1:2], monkeypatch)
+    thresholds = _thresholds(loaded, signal, prompts[1:2])
     H = rt.manifest.dims["hidden_size"]
     w = np.random.default_rng(3).standard_normal(H).astype(np.float32)
-    general = _counting_general_steps(monkeypatch)
+    L = rt.manifest.num_layers
     for sampled, gated in ((False, False), (True, False), (False, True)):
         if sampled and policy == "verify":
             continue  # greedy only
         cfg = dataclasses.replace(_config(signal, policy, thresholds, False, new=16), temperature=0.8 * sampled)
-        runs = []
-        for bound in (True, False):
-            general.clear()
-            runner = Runner(rt, dataclasses.replace(cfg, bound=bound))
-            if gated:  # exit 2's gate opens for some tokens only: exit 4 picks the candidates of the others
-                runner.gates = {2: (w, 0.0, 0.0)}
-            runs.append((runner.generate(prompts, slots=3), runner.last_kv, list(general)))
-            if bound and signal == "topk-prob" and not sampled:  # each decision's flags and tokens read, recorded
-                assert any(key == "passed" for step in runner.step_reads for _, _, key in step)
-        (got, kv, chain_steps), (plain, kv_plain, plain_steps) = runs
-        assert chain_steps == [] and max(plain_steps) > 1, (sampled, gated)  # the chain took every step, batched
-        assert any(e < rt.manifest.num_layers for p in plain for e in p.exit_layers[1:]), (sampled, gated)
-        _same_batches(got, kv, plain, kv_plain)
+        gates = {2: (w, 0.0, 0.0)} if gated else None  # exit 2's gate opens for some tokens only
+        got, runner, steps = _generate(rt, cfg, prompts, monkeypatch, slots=3, gates=gates)
+        kv = runner.last_kv
+        assert max(rows for rows, _ in steps) > 1, (sampled, gated)  # the chain stepped rows together
+        if signal == "topk-prob" and not sampled:  # each decision's flags and tokens read, recorded
+            assert any(key == "passed" for step in runner.step_reads for _, _, key in step)
+        if policy == "verify":
+            exact = _simulation(loaded, signal, "defer", _never(signal, cfg.exits))
+            _same_as_full_depth(rt, got, kv, exact, prompts, 16, slots=3)
+            continue
+        sim = _simulation(loaded, signal, policy, thresholds, gates=gates, temperature=cfg.temperature, seed=cfg.seed)
+        want = sim.generate(prompts, 16, slots=3)
+        assert any(e < L for row in want for e in row.layers[1:]), (sampled, gated)
+        _same_as_simulation(rt, got, kv, want)

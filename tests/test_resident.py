@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from eectl.exits.signals import Signal
+from eectl.exits.signals import get_signal
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
-from eectl.runtime import decide
 from eectl.runtime.binding import plan_for
 from eectl.runtime.ort import DeviceView, cuda_usable
 from eectl.runtime.placement import HOST
@@ -24,6 +23,7 @@ from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
 from tests.conftest import EXPORT_EXITS, EXPORT_TOP_K
+from tests.simulation import Simulation
 
 FAMILIES = ["llama", "qwen3", "gemma3_text"]
 CASES = [
@@ -60,35 +60,39 @@ def _config(signal: str, policy: str, thresholds: dict, resident: bool, new: int
     )
 
 
-def _thresholds(rt, signal: str, prompts, monkeypatch) -> dict:
-    """Per exit, the 70th percentile of the signal's values (nothing exiting): some tokens exit. Read where the
-    signal is scored on the host (the exit graphs decide where they compute it, runtime/graph_decide.py, and no
-    value leaves them: for this harvest only, they are taken as an older artifact's that do not decide)."""
-    seen: dict[int, list[float]] = {}
-    real = Signal.passes
+def _simulation(loaded, signal: str, policy: str, thresholds: dict, **kw) -> Simulation:
+    """The run's reference (tests/simulation.py) with the artifact's exits active: its signal, policy, K and
+    thresholds (`kw`: heads, gates, sampling)."""
+    return Simulation(
+        loaded.adapter,
+        EXPORT_EXITS,
+        thresholds,
+        signal=signal,
+        policy=policy,
+        top_k=EXPORT_TOP_K,
+        cuts=EXPORT_EXITS,
+        **kw,
+    )
 
-    def record(self, values, thresholds):
-        layer = next(e for e, t in never.items() if t is thresholds)
-        seen.setdefault(layer, []).extend(np.asarray(values[self.criteria[0]], np.float64).ravel().tolist())
-        return real(self, values, thresholds)
 
-    criteria = {"topk-prob": "prob", "full-prob": "prob", "full-margin": "margin"}.get(signal, "cosine")
-    never = {e: {criteria: float("inf")} for e in EXPORT_EXITS}
-    with monkeypatch.context() as m:
-        m.setattr(Signal, "passes", record)
-        m.setattr(decide, "decides_in_graph", lambda *a: False)
-        # the general path (not the chain: its exit graphs are bound as they are)
-        Runner(rt, dataclasses.replace(_config(signal, "defer", never, True), bound=False)).generate(prompts)
-    return {e: {criteria: float(np.quantile(v, 0.7))} for e, v in seen.items()}
+def _thresholds(loaded, signal: str, prompts, heads: dict | None = None, new: int = 14) -> dict:
+    """Per exit, the 70th percentile of the signal's values where nothing exits (the simulation's record of each
+    test, `Row.values`): some tokens exit."""
+    criterion = get_signal(signal).criteria[0]
+    never = {e: {criterion: float("inf")} for e in EXPORT_EXITS}
+    rows = _simulation(loaded, signal, "defer", never, heads=heads).generate(prompts, new)
+    seen = {e: [v for r in rows for v in r.values.get(e, [])] for e in EXPORT_EXITS}
+    assert all(seen.values()), seen  # every exit tested some tokens
+    return {e: {criterion: float(np.quantile(v, 0.7))} for e, v in seen.items()}
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
-def test_resident_exit_steps_equal_the_host_path(runtimes, fam, monkeypatch):
+def test_resident_exit_steps_equal_the_host_path(runtimes, fam):
     """Every policy and signal family, one row and four rows: the plan-executing path's tokens and exit layers are
     the host path's, and some tokens exit (so exit steps, deferred positions and rollbacks run resident)."""
     loaded, rt = runtimes[fam]
     prompts = _prompts(loaded.adapter.dims.vocab_size, 4)
-    thresholds = {s: _thresholds(rt, s, prompts, monkeypatch) for s in {s for _, s in CASES}}
+    thresholds = {s: _thresholds(loaded, s, prompts) for s in {s for _, s in CASES}}
     for policy, signal in CASES:
         for rows in (prompts[:1], prompts):
             host = Runner(rt, _config(signal, policy, thresholds[signal], False)).generate(rows)
@@ -111,7 +115,7 @@ def test_what_the_executor_reads_per_step_is_what_the_plan_sends_to_the_host(run
 
     loaded, rt = runtimes["llama"]
     prompts = _prompts(loaded.adapter.dims.vocab_size, 1)
-    thresholds = _thresholds(rt, signal, prompts, monkeypatch)
+    thresholds = _thresholds(loaded, signal, prompts)
     cfg = dataclasses.replace(_config(signal, policy, thresholds, True, new=16), certified_head=False)
     runner = Runner(rt, cfg)
     states = []
@@ -187,13 +191,13 @@ def _in_turns(runners: list[Runner], prompts: list[list[int]]) -> tuple[list, li
 @pytest.mark.parametrize(
     ("policy", "signal"), [("defer", "topk-prob"), ("verify", "topk-prob"), ("copy", "full-prob"), ("defer", "cosine")]
 )
-def test_runners_sharing_a_runtime_keep_their_own_placement(runtimes, policy, signal, monkeypatch):
+def test_runners_sharing_a_runtime_keep_their_own_placement(runtimes, policy, signal):
     """#28: where a run's states live is the run's, not the runtime's. Two Runners on one ArtifactRuntime, one
     device-resident and one not, stepping in turns from two threads, each give exactly the tokens and exit layers
     they give alone, and each records only its own host reads, one row and batched."""
     loaded, rt = runtimes["llama"]
     prompts = _prompts(loaded.adapter.dims.vocab_size, 3)
-    thresholds = _thresholds(rt, signal, prompts, monkeypatch)
+    thresholds = _thresholds(loaded, signal, prompts)
     exited = False  # some tokens exit (verify: drafts rolled back still exited), so exit steps run in turns
     for rows in (prompts[:1], prompts):
         alone = {}
@@ -241,21 +245,22 @@ def block_runtime(tiny_dirs, tmp_path_factory):
     loaded = load_model(str(tiny_dirs["qwen3"]))
     root = tmp_path_factory.mktemp("resident-blocks")
     opts = ExportOptions(exits=EXITS, top_k=K, profile_costs=False, validate=False)
-    export_artifact(loaded, root / "a", opts, heads=_block_heads(loaded.adapter))
-    return loaded, ArtifactRuntime(root / "a", provider="cpu")
+    heads = _block_heads(loaded.adapter)
+    export_artifact(loaded, root / "a", opts, heads=heads)
+    return loaded, heads, ArtifactRuntime(root / "a", provider="cpu")
 
 
-def test_block_heads_run_resident_and_are_in_the_plan(block_runtime, monkeypatch):
+def test_block_heads_run_resident_and_are_in_the_plan(block_runtime):
     """Block exit heads: the plan lists each active block after its segment (and its K/V-only twin under copy), with
     nothing read on the host; the resident path gives the host path's tokens, one row and batched."""
-    loaded, rt = block_runtime
+    loaded, heads, rt = block_runtime
     plan = plan_for(rt.manifest, "cuda", EXPORT_EXITS, "topk-prob", "copy")
     calls = plan.token(EXPORT_EXITS[0])
     assert [c.at for c in calls if c.graph == "block"] == [EXPORT_EXITS[0]]
     assert [c.at for c in calls if c.graph == "block_kv"] == [EXPORT_EXITS[1]]
     assert not plan.host_copies([c for c in calls if c.graph.startswith("block")])
     prompts = _prompts(loaded.adapter.dims.vocab_size, 3)
-    thresholds = _thresholds(rt, "topk-prob", prompts, monkeypatch)
+    thresholds = _thresholds(loaded, "topk-prob", prompts, heads=heads)
     for policy in ("defer", "verify", "copy"):
         for rows in (prompts[:1], prompts):
             host = Runner(rt, _config("topk-prob", policy, thresholds, False)).generate(rows)
@@ -301,32 +306,48 @@ def test_the_chain_binds_and_steps_device_buffers(runtimes, fam, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDAExecutionProvider")
-def test_resident_exit_steps_on_cuda_equal_the_host_path(tiny_dirs, tmp_path, monkeypatch):
-    """On the CUDA EP (fp16): exit steps on the bound chain with the states in device buffers (resident), and with
-    them in host buffers (not resident; sampled too), give the general path's tokens (`bound=False`, host states),
-    one row and a batch in slots; the resident runs read only scalars per row on the host."""
+def test_resident_exit_steps_on_cuda_equal_the_host_buffers_and_the_simulation(tiny_dirs, tmp_path):
+    """On the CUDA EP, fp16: exit steps on the bound chain with the states in device buffers (resident) give the
+    tokens and exit layers of the chain with them in host buffers (the same graphs on the same device), one row and a
+    batch in slots; verify's are full depth's; the resident runs read only scalars per row on the host. fp32: greedy
+    (resident) and sampled runs under defer and copy give the simulation's tokens and exit layers (tests/simulation.py:
+    fp16 rounding is not the torch model's, so only fp32 is held to it)."""
     loaded = load_model(str(tiny_dirs["llama"]))
-    export_artifact(loaded, tmp_path / "a", ExportOptions(exits=EXPORT_EXITS, top_k=EXPORT_TOP_K, dtype="fp16"))
-    rt = ArtifactRuntime(tmp_path / "a", provider="cuda")
     prompts = _prompts(loaded.adapter.dims.vocab_size, 3)
     scalars = {"token", "passed", "exit_token", "candidates", "candidate_logits", "logsumexp", "cosine"}
+    L = loaded.adapter.num_layers
+    rts = {}
+    for dtype in ("fp16", "fp32"):
+        export_artifact(loaded, tmp_path / dtype, ExportOptions(exits=EXPORT_EXITS, top_k=EXPORT_TOP_K, dtype=dtype))
+        rts[dtype] = ArtifactRuntime(tmp_path / dtype, provider="cuda")
     for signal in ("topk-prob", "full-prob", "cosine"):
-        thresholds = _thresholds(rt, signal, prompts, monkeypatch)
-        for policy in ("copy", "defer", "verify"):
-            for slots in (None, 2):
+        thresholds = _thresholds(loaded, signal, prompts)
+        exited = False
+        for slots in (None, 2):
+            full = Runner(rts["fp16"], RunConfig(exits=[], thresholds={}, max_new_tokens=14))
+            want_full = [g.token_ids for g in full.generate(prompts, slots=slots)]
+            for policy in ("copy", "defer", "verify"):
                 cfg = _config(signal, policy, thresholds, False)
-                want = Runner(rt, dataclasses.replace(cfg, bound=False)).generate(prompts, slots=slots)
-                for resident in (False, True):
-                    runner = Runner(rt, dataclasses.replace(cfg, device_resident=resident))
-                    got = runner.generate(prompts, slots=slots)
-                    assert [g.token_ids for g in got] == [g.token_ids for g in want], (signal, policy, resident)
-                    assert [g.exit_layers for g in got] == [g.exit_layers for g in want], (signal, policy, resident)
-                    if resident:
-                        assert {key for reads in runner.step_reads for _, _, key in reads} <= scalars
-            if policy != "verify":  # sampled: the chain's host buffers, the general path's host arrays
-                hot = dataclasses.replace(_config(signal, policy, thresholds, False), temperature=0.8)
-                runs = [Runner(rt, dataclasses.replace(hot, bound=b)).generate(prompts, slots=2) for b in (True, False)]
-                assert [g.token_ids for g in runs[0]] == [g.token_ids for g in runs[1]], (signal, policy)
+                host = Runner(rts["fp16"], cfg).generate(prompts, slots=slots)
+                runner = Runner(rts["fp16"], dataclasses.replace(cfg, device_resident=True))
+                got = runner.generate(prompts, slots=slots)
+                assert [g.token_ids for g in got] == [g.token_ids for g in host], (signal, policy, slots)
+                assert [g.exit_layers for g in got] == [g.exit_layers for g in host], (signal, policy, slots)
+                assert {key for reads in runner.step_reads for _, _, key in reads} <= scalars
+                if policy == "verify":  # lossless: full depth's tokens, its drafts proposed and checked
+                    assert [g.token_ids for g in got] == want_full, (signal, slots)
+                    assert any(g.drafted for g in got), (signal, slots)
+                exited |= any(e < L for g in got for e in g.exit_layers[1:])
+        assert exited, signal
+        for policy in ("copy", "defer"):
+            for temperature in (0.0, 0.8):  # greedy runs resident; sampled ones keep their states on the host
+                cfg = dataclasses.replace(_config(signal, policy, thresholds, True), temperature=temperature)
+                got = Runner(rts["fp32"], cfg).generate(prompts, slots=2)
+                sim = _simulation(loaded, signal, policy, thresholds, temperature=temperature, seed=cfg.seed)
+                want = sim.generate(prompts, cfg.max_new_tokens, slots=2)
+                assert [g.token_ids for g in got] == [w.tokens for w in want], (signal, policy, temperature)
+                assert [g.exit_layers for g in got] == [w.layers for w in want], (signal, policy, temperature)
+                assert any(e < L for w in want for e in w.layers[1:]), (signal, policy, temperature)
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
@@ -334,14 +355,12 @@ def test_device_buffers_take_prompts_drafts_and_sampling_with_host_states(runtim
     """A chain whose buffers are device memory (as full depth's on a device provider) in a run whose states are on
     the host (nothing resident: `Runner._on_device` False) takes its prompts on the chain too (embedded on the host,
     joined into the device buffers): one row and a batch in slots, greedy and sampled, the tokens of the host chain's
-    run, no step on the general path. A device-resident run with drafts from the context (no exit) steps on a device
-    chain with the general path's resident tokens."""
+    run. A device-resident run with drafts from the context (no exit) steps on a device chain, drafts proposed, with
+    full depth's tokens (verify is lossless)."""
     from eectl.runtime.chain import DecodeChain
-    from tests.test_chain_host_decisions import _counting_general_steps
 
     loaded, rt = runtimes[fam]
     prompts = _prompts(loaded.adapter.dims.vocab_size, 4)
-    general = _counting_general_steps(monkeypatch)
 
     def full(temperature: float, device: bool):
         cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=10, temperature=temperature, seed=3)
@@ -361,17 +380,12 @@ def test_device_buffers_take_prompts_drafts_and_sampling_with_host_states(runtim
     monkeypatch.setattr(DecodeChain, "__init__", on_device)
     for t in (0.0, 0.9):
         assert full(t, True) == host[t], t
-    assert general == []
     monkeypatch.undo()
-    general = _counting_general_steps(monkeypatch)
     repetitive = [p * 3 for p in prompts[:2]]
-    runs = []
-    for bound in (True, False):
-        cfg = RunConfig(exits=[], thresholds={}, policy="verify", max_new_tokens=12, prompt_drafts=4,
-                        device_resident=True, bound=bound)  # fmt: skip
-        runner = Runner(rt, cfg)
-        runs.append([g.token_ids for g in runner.generate(repetitive, slots=2)])
-        if bound:
-            assert runner._kept is not None and runner._kept.chain is not None and runner._kept.chain.device
-            assert general == [] and runner.step_reads
-    assert runs[0] == runs[1]
+    cfg = RunConfig(exits=[], thresholds={}, policy="verify", max_new_tokens=12, prompt_drafts=4, device_resident=True)
+    runner = Runner(rt, cfg)
+    got = runner.generate(repetitive, slots=2)
+    assert runner._kept is not None and runner._kept.chain is not None and runner._kept.chain.device
+    assert runner.step_reads and sum(g.prompt_drafted for g in got) > 0  # resident, and drafts were proposed
+    want = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=12)).generate(repetitive, slots=2)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
