@@ -165,11 +165,11 @@ def test_a_certified_step_reads_its_flag_then_a_token(exported):
     assert any(reads == [passed, token] for reads in runner.step_reads)
 
 
-@pytest.mark.parametrize("how", ["lookup", "general"])
-def test_checks_and_the_general_path_use_it_with_the_same_tokens(exported, how, monkeypatch):
-    """Verify's check of drafts from the context (several positions at once) and the general path's greedy head
-    take the certified head's tokens where every row passes: the same tokens as the full head every step, on every
-    family, and the certified head did answer some of those calls."""
+@pytest.mark.parametrize("how", ["lookup", "exits"])
+def test_verifys_checks_use_it_with_the_same_tokens(exported, how, monkeypatch):
+    """Verify's checks of several positions at once (drafts from the context; drafts from exits, every decode token
+    one) take the certified head's tokens where every position passes: the same tokens as the full head every step,
+    on every family, and the certified head did answer some of those checks, several positions in one call."""
     from eectl.runtime.certified_head import CertifiedHead
 
     answered: list[int] = []
@@ -186,16 +186,26 @@ def test_checks_and_the_general_path_use_it_with_the_same_tokens(exported, how, 
         prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # repeats: drafts from the context find matches
         runs = {}
         for on in (True, False):
-            extra = {"policy": "verify", "prompt_drafts": 4} if how == "lookup" else {"bound": False}
-            cfg = RunConfig(exits=[], thresholds={}, top_k=8, max_new_tokens=12, certified_head=on, **extra)
+            exits = [] if how == "lookup" else [2, 4]
+            drafts = 4 if how == "lookup" else 0
+            cfg = RunConfig(
+                exits=exits,
+                thresholds={e: {"prob": 0.0} for e in exits},
+                policy="verify",
+                prompt_drafts=drafts,
+                top_k=8,
+                max_new_tokens=12,
+                certified_head=on,
+            )
             answered.clear()
-            runs[on] = ([g.token_ids for g in Runner(rt, cfg).generate([prompt])], list(answered))
+            gens = Runner(rt, cfg).generate([prompt])
+            assert how == "lookup" or gens[0].drafted > 0, fam
+            runs[on] = ([g.token_ids for g in gens], list(answered))
         assert runs[True][0] == runs[False][0], fam
         assert not runs[False][1]
         if rt.certified_head is not None:
             assert sum(runs[True][1]) > 0, fam
-            if how == "lookup":
-                assert max(runs[True][1]) > 1, fam  # a check of several positions answered in one call
+            assert max(runs[True][1]) > 1, fam  # a check of several positions answered in one call
 
 
 def test_the_kernel_check_passes_here_and_fails_against_a_tighter_bound():
