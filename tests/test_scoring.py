@@ -1,6 +1,7 @@
 """Teacher-forced scoring in one pass (runtime/scoring.py) equals the token-by-token path on every family: full depth
 and defer with exits deciding (softmax, cosine and cosine-min signals, gates, block heads), texts alone and batched
-(padded, different lengths); copy falls back to token by token."""
+(padded, different lengths); copy falls back to token by token. Token by token, defer and copy score as the
+simulation does (tests/simulation.py `score`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from eectl.runtime import scoring
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
+from tests.simulation import Simulation
 
 K = 8
 
@@ -65,8 +67,11 @@ def test_defer_with_exits_in_one_pass_equals_token_by_token(exported, signal, cr
     loaded, folder = exported["llama"]
     rt = ArtifactRuntime(folder, provider="cpu")
     texts = _texts(rt.manifest.dims["vocab_size"])
-    runner = _runner(rt, [2, 4], {e: {criterion: t} for e, t in thresholds.items()}, signal=signal)
+    thr = {e: {criterion: t} for e, t in thresholds.items()}
+    runner = _runner(rt, [2, 4], thr, signal=signal)
     want = _sequential(runner, texts)
+    sim = Simulation(loaded.adapter, [2, 4], thr, signal=signal, top_k=K)
+    _assert_same(want, [scoring.Scored(r.nll, r.greedy, r.layers) for r in (sim.score(*t) for t in texts)])
     layers = [x for w in want for x in w.layers]
     # the thresholds must make both exits and full depth occur, or the comparison shows nothing
     assert len(set(layers)) >= 2, layers
@@ -108,18 +113,19 @@ def test_copy_scores_token_by_token(exported):
 
 
 @pytest.mark.parametrize("policy", ["copy", "defer"])
-def test_token_by_token_on_the_bound_chain_equals_the_general_path(exported, monkeypatch, policy):
+def test_token_by_token_on_the_bound_chain_equals_the_simulation(exported, monkeypatch, policy):
     """Fed token by token, a configuration the bound chain runs (one row, CPU, exits decided in the graphs) steps
     there, the fed tokens scored on the final head's logits or the exit's full vocabulary: the same layers, argmaxes
-    and -log p as the general path's steps (`RunConfig.bound` False), a one-token prompt's first position included."""
+    and -log p as the simulation's teacher-forced scores (tests/simulation.py `score`), a one-token prompt's first
+    position included."""
     from eectl.runtime import chain_steps
 
     loaded, folder = exported["llama"]
     rt = ArtifactRuntime(folder, provider="cpu")
     texts = _texts(rt.manifest.dims["vocab_size"])
     thresholds = {2: {"prob": 0.14}, 4: {"prob": 0.14}}
-    general = Runner(rt, RunConfig(exits=[2, 4], thresholds=thresholds, policy=policy, top_k=K, bound=False))
-    want = _sequential(general, texts)
+    sim = Simulation(loaded.adapter, [2, 4], thresholds, policy=policy, top_k=K)
+    want = [sim.score(ids, p) for ids, p in texts]
     steps: list[int] = []
     real = chain_steps.chain_step
     monkeypatch.setattr(chain_steps, "chain_step", lambda *a, **kw: steps.append(1) or real(*a, **kw))
@@ -128,7 +134,7 @@ def test_token_by_token_on_the_bound_chain_equals_the_general_path(exported, mon
     assert len(steps) == sum(n - p for p, n in ((5, 19), (3, 11), (9, 30), (1, 7)))  # the prompt's and each next
     layers = [x for w in want for x in w.layers]
     assert {2, 4, rt.manifest.num_layers} <= set(layers), layers  # exits at both and full depth: a real comparison
-    _assert_same(got, want)
+    _assert_same(got, [scoring.Scored(w.nll, w.greedy, w.layers) for w in want])
 
 
 def test_bad_texts_are_refused(exported):
