@@ -29,8 +29,9 @@ def _prompt(seed: int, n: int, vocab: int) -> list[int]:
 
 @pytest.fixture
 def step_clock(monkeypatch):
-    """time.perf_counter frozen except that every decode step (general path or bound chain) advances it by 1 s;
-    returns the list whose first item counts the steps."""
+    """time.perf_counter frozen except that every decode step on the bound chain (a step of the generate loop,
+    `chain_tokens`, and verify's closing check, `chain_step`) advances it by 1 s; returns the list whose first item
+    counts the steps."""
     now = [0.0]
     steps = [0]
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
@@ -43,7 +44,7 @@ def step_clock(monkeypatch):
 
         return wrapper
 
-    monkeypatch.setattr(Runner, "_steps", counted(Runner._steps))
+    monkeypatch.setattr(runner_module, "chain_tokens", counted(runner_module.chain_tokens))
     monkeypatch.setattr(runner_module, "chain_step", counted(runner_module.chain_step))
     return steps
 
@@ -57,6 +58,7 @@ def test_latencies_add_up_to_every_decode_step(llama, step_clock, policy):
     if policy == "verify":
         assert gen.rejected_drafts > 0  # the case in question: steps were rolled back
     assert len(gen.latencies_s) == len(gen.token_ids)
+    assert step_clock[0] >= len(gen.token_ids) + gen.rejected_drafts  # every token's step and every discarded one
     assert sum(gen.latencies_s) == pytest.approx(step_clock[0])  # every step's second is in some token's latency
 
 
