@@ -1,11 +1,11 @@
 """Conversations on one cache row (runtime/conversation.py, `eectl run --chat`): a continued turn equals the whole
 conversation generated from scratch (full depth and verify: their outputs do not depend on how the cache was
 filled), feeds only what is new, falls back to a fresh prefill when the cache is not a prefix, and survives a reply
-stopped halfway (verify's unchecked drafts checked first)."""
+stopped halfway (verify's unchecked drafts checked first). Under defer and copy, turn after turn equals the
+simulation (tests/simulation.py) carrying its row's cache over the turns."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pty
@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
 from tests.conftest import EXPORT_EXITS, EXPORT_TOP_K
+from tests.simulation import Row, Simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,31 +126,61 @@ def test_cli_chat_through_a_terminal(runtime):
     assert b"> " in err
 
 
-@pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
-def test_turns_step_on_the_chain_as_on_the_general_path(runtime, policy, monkeypatch):
-    """Each turn (its new tokens after what the cache holds, then the reply) on the bound chain, no step on the
-    general path: the same replies, exit layers and cache as the general path's (RunConfig.bound False), turn after
-    turn, defer's pending positions and verify's drafts carried across turns."""
-    from tests.test_chain_host_decisions import _counting_general_steps
+def _continued(sim: Simulation, row: Row, ids: list[int], new: int) -> Row:
+    """The simulation's `row` continued by the next turn, `ids` (the whole conversation so far): what its cache does
+    not hold fed after it as a prompt (every layer; the last position's token from the final head), then the reply
+    decoded, on the row's cache carried over (defer's exact K/V, copy's copied K/V). tests/simulation.py starts its
+    rows from an empty cache, so the turn's prompt is fed here as its `_step` feeds a prompt."""
+    held = row.cache.length(0)
+    assert ids[:held] == row.sequence[:held] and len(ids) - held > 1 and not sim.blocks  # a prompt, not one token
+    turn = Row(list(ids), cache=row.cache, own=row.own)
+    with torch.no_grad():
+        pos = torch.arange(held, len(ids))[None]
+        h = sim.a.embed(torch.tensor([ids[held:]]))
+        for lo, hi in sim.segments:
+            h = sim.a.forward_layers(h, pos, lo, hi, turn.cache)
+        sim._emit(turn, sim.L, sim.heads[sim.L].full(h[0, -1:])[0], None)
+        while len(turn.tokens) < new:
+            sim._step([turn])
+    return turn
 
-    general = _counting_general_steps(monkeypatch)
+
+@pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
+def test_turns_step_on_the_chain_as_in_the_simulation(exported, runtime, policy):
+    """Each turn (its new tokens after what the cache holds, then the reply) on the bound chain, defer's pending
+    positions and verify's drafts carried across turns. defer and copy: the replies, exit layers, decisions and cache
+    of the simulation carrying its row's cache over the turns (under defer that cache is the full model's: the second
+    turn is also the whole conversation's from scratch); verify: full depth's replies to the whole conversation,
+    drafts proposed, and the full model's cache."""
+    from tests.test_chain_host_decisions import _same_kv
+
+    loaded = exported["llama"][0]
     a = _ids(5, 7)
-    runs = []
-    for bound in (True, False):
-        general.clear()
-        thr = {e: {"prob": 0.05} for e in EXPORT_EXITS}  # some tokens exit, some do not
-        cfg = RunConfig(exits=list(EXPORT_EXITS), thresholds=thr, policy=policy, top_k=EXPORT_TOP_K, max_new_tokens=10)
-        conv = Conversation(Runner(runtime, dataclasses.replace(cfg, bound=bound)), 128)
-        replies = [conv.turn(a)]
-        b = a + replies[0].token_ids + _ids(6, 4)
-        replies.append(conv.turn(b))
-        runs.append((replies, conv, list(general)))
-    (got, conv, steps), (want, plain, plain_steps) = runs
-    assert steps == [] and plain_steps  # the chain took every step, prompts included; the general path the others'
-    assert [(g.token_ids, g.exit_layers) for g in got] == [(w.token_ids, w.exit_layers) for w in want]
-    assert conv.reused > 0 and (conv.kv.filled == plain.kv.filled).all()
-    n = int(conv.kv.filled.min())
-    for mine, other in zip(conv.kv.batch_keys, plain.kv.batch_keys, strict=True):
-        assert (mine[:, :, :n] == other[:, :, :n]).all()
+    never = {e: {"prob": float("inf")} for e in EXPORT_EXITS}
+    seen = Simulation(loaded.adapter, EXPORT_EXITS, never, top_k=EXPORT_TOP_K).generate([a], 20)[0].values
+    thr = {e: {"prob": float(np.quantile(v, 0.6))} for e, v in seen.items()}  # some tokens exit, some do not
+    cfg = RunConfig(exits=list(EXPORT_EXITS), thresholds=thr, policy=policy, top_k=EXPORT_TOP_K, max_new_tokens=10)
+    conv = Conversation(Runner(runtime, cfg), 128)
+    got = [conv.turn(a)]
+    b = a + got[0].token_ids + _ids(6, 4)
+    got.append(conv.turn(b))
+    assert conv.reused >= len(a) + len(got[0].token_ids) - 1  # the second turn fed only what was new
     L = runtime.manifest.num_layers
-    assert any(e < L for g in want for e in g.exit_layers[1:]) or any(g.drafted for g in want)
+    if policy == "verify":
+        full = [_runner(runtime, new=10).generate([ids])[0].token_ids for ids in (a, b)]
+        assert [g.token_ids for g in got] == full
+        assert sum(g.drafted for g in got) > 0  # the exits proposed drafts
+        exact = Simulation(loaded.adapter, EXPORT_EXITS, never, top_k=EXPORT_TOP_K).generate([b], 11)
+        assert exact[0].tokens[:10] == full[1]
+        _same_kv(runtime, conv.kv, exact, spare=1)  # the cache may hold the last token: verify's check fed it
+        return
+    sim = Simulation(loaded.adapter, EXPORT_EXITS, thr, policy=policy, top_k=EXPORT_TOP_K)
+    first = sim.generate([a], 10)[0]
+    want = [first, _continued(sim, first, b, 10)]
+    assert [(g.token_ids, g.exit_layers, g.decided) for g in got] == [(w.tokens, w.layers, w.decided) for w in want]
+    assert all(any(e < L for e in w.layers[1:]) and L in w.layers[1:] for w in want), [w.layers for w in want]
+    _same_kv(runtime, conv.kv, want[1:])
+    if policy == "defer":  # the full model's cache: the conversation from scratch is the same
+        fresh = sim.generate([b], 10)[0]
+        assert (fresh.tokens, fresh.layers) == (want[1].tokens, want[1].layers)
+        _same_kv(runtime, conv.kv, [fresh])
