@@ -43,13 +43,15 @@ from eectl.runtime.sampling import pick_token
 @dataclass
 class Row:
     """One sequence's reference run: its tokens after the prompt, the layer each was decided at, the decisions taken
-    per exit, each decision's signal values, and the KV caches (the model's; each block head's own by exit)."""
+    per exit, each decision's signal values, the exit states a decision could read (before its gate), and the KV
+    caches (the model's; each block head's own by exit)."""
 
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     layers: list[int] = field(default_factory=list)
     decided: dict[int, int] = field(default_factory=dict)
     values: dict[int, list[float]] = field(default_factory=dict)  # exit -> the signal's first criterion per test
+    states: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # exit -> its state [H] where it may decide
     nll: list[float] = field(default_factory=list)  # teacher-forced: per scored position
     greedy: list[int] = field(default_factory=list)
     cache: KVCache = field(default_factory=KVCache)
@@ -150,7 +152,10 @@ class Simulation:
         x = f.h
         if hi in self.blocks:  # a block head runs on every position its segment runs
             x = self.blocks[hi].step(f.h, f.pos, r.own.setdefault(hi, KVCache()))
-        if not f.may_exit or not gate_open(self.gates.get(hi), x[0, -1].float().numpy()):
+        if not f.may_exit:
+            return False
+        r.states.setdefault(hi, []).append(x[0, -1])
+        if not gate_open(self.gates.get(hi), x[0, -1].float().numpy()):
             return False
         blocks = torch.stack([states[0][0][0, -1:], *(y[0, -1:] for _, y in states)])  # [n + 1, 1, H]
         score = f.scoring.score(hi, x[0, -1:], states[-1][0][0, -1:], blocks)

@@ -13,8 +13,7 @@ from typer.testing import CliRunner
 from eectl.cli import app
 from eectl.contracts.gates import GATE, Gate
 from eectl.errors import ArtifactError, UsageError
-from eectl.exits.base import ExitHead, signals, topk_candidates
-from eectl.exits.gates import gate_logits, gate_open
+from eectl.exits.gates import gate_logits
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
 from eectl.run.generate import RunOptions, resolve_config
@@ -26,6 +25,7 @@ from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.slots import ROOM
 from eectl.runtime.state import RunConfig
 from tests.conftest import EXPORT_EXITS, EXPORT_TOP_K, make_calibration
+from tests.simulation import Simulation
 
 EXITS = [2, 4]
 K = 8
@@ -60,76 +60,59 @@ def test_full_depth_equals_transformers_generate(artifacts, family):
     assert gen.exit_layers == [6] * 24 and gen.mean_layers(6) == 6.0
 
 
-def test_full_depth_without_the_token_output_uses_the_logits(artifacts, tmp_path):
-    """An artifact whose final exit graph lists no greedy token output (exported before it existed): the runner
-    takes the argmax of the logits instead, with the same tokens."""
+def test_an_artifact_without_the_in_graph_token_is_refused(artifacts, tmp_path):
+    """An artifact whose final exit graph lists no greedy token output (exported before it existed), or whose
+    segments output no block states for the cosine-min signal: one line naming the fix, before anything runs; the
+    same artifact's graphs otherwise load and run (full depth and a signal that needs no block states)."""
     import shutil
 
     loaded, rt = artifacts["llama"]
-    prompt = _prompt(3, 9, loaded.adapter.dims.vocab_size)
-    want = _runner(rt, exits=[], new=12).generate([prompt])[0].token_ids
     old = tmp_path / "old"
     shutil.copytree(rt.folder, old)
     doc = json.loads((old / "manifest.json").read_text())
     for e in doc["exits"]:
         del e["full"]["outputs"]["token"]
     (old / "manifest.json").write_text(json.dumps(doc))
-    assert _runner(ArtifactRuntime(old, provider="cpu"), exits=[], new=12).generate([prompt])[0].token_ids == want
+    with pytest.raises(ArtifactError, match="exported by an older eectl") as err:
+        _runner(ArtifactRuntime(old, provider="cpu"), exits=[], new=12)
+    assert "export the artifact again" in str(err.value.hint)
+    shutil.rmtree(old)
+    shutil.copytree(rt.folder, old)
+    doc = json.loads((old / "manifest.json").read_text())
+    for seg in doc["segments"]:
+        seg["graph"]["outputs"].pop("layer_states", None)
+    (old / "manifest.json").write_text(json.dumps(doc))
+    stale = ArtifactRuntime(old, provider="cpu", verify=False)
+    with pytest.raises(ArtifactError, match="exported by an older eectl"):
+        Runner(stale, RunConfig(exits=EXITS, thresholds={e: {"cosine": 0.9} for e in EXITS}, signal="cosine-min"))
+    prompt = _prompt(3, 9, loaded.adapter.dims.vocab_size)
+    want = _runner(rt, exits=[], new=8).generate([prompt])[0].token_ids
+    assert _runner(stale, exits=[], new=8).generate([prompt])[0].token_ids == want
 
 
-def _torch_simulation(loaded, prompt, new, thresholds, probs=None, gates=None, seen=None):
-    """Sequential topk-prob exits decided on states computed with the exact (full-model) KV of every position.
+def _thr(thresholds: dict[int, float]) -> dict[int, dict[str, float]]:
+    return {e: {"prob": t} for e, t in thresholds.items()}
 
-    `probs`, when given, collects each exit's top-1 local probability per decode step; `seen` each exit's state.
-    `gates` (exit -> (weight, bias, threshold), eectl.exits.gates): an exit decides only where its gate opens, the first
-    exit that decides picks the candidates.
-    """
-    adapter = loaded.adapter
-    heads = {e: ExitHead(adapter) for e in [*EXITS, 6]}
-    tokens = list(prompt)
-    layers = []
-    with torch.no_grad():
-        for step in range(new):
-            states = {}
-            ids = torch.tensor([tokens])
-            adapter.forward_layers(
-                adapter.embed(ids),
-                torch.arange(len(tokens))[None],
-                0,
-                6,
-                on_layer=lambda i, a, b, states=states: states.__setitem__(i + 1, b[0, -1:]),
-            )
-            token, layer = None, 6
-            if step > 0:  # the first token comes from the prefill, at full depth
-                cand = None
-                for e in EXITS:
-                    if seen is not None:
-                        seen.setdefault(e, []).append(states[e][0])
-                    if gates is not None and not gate_open(gates.get(e), states[e].numpy()):
-                        continue
-                    if cand is None:
-                        full = heads[e].full(states[e])
-                        cand = topk_candidates(full, K)
-                        local = full.gather(-1, cand)
-                    else:
-                        local = heads[e].local(states[e], cand)
-                    s = signals(local, cand)
-                    if probs is not None:
-                        probs.setdefault(e, []).append(float(s.prob[0]))
-                    if float(s.prob[0]) >= thresholds[e]:
-                        token, layer = int(s.token[0]), e
-                        break
-            if token is None:
-                token = int(heads[6].full(states[6]).argmax(-1)[0])
-            tokens.append(token)
-            layers.append(layer)
-    return tokens[len(prompt) :], layers
+
+def _sim(loaded, thresholds, policy="defer", exits=EXITS, **kw) -> Simulation:
+    """The runner's torch reference (tests/simulation.py) under topk-prob at `exits` of the five-family artifacts."""
+    return Simulation(loaded.adapter, exits, _thr(thresholds), policy=policy, top_k=K, cuts=EXPORT_EXITS, **kw)
+
+
+def _same_cache(kv, row: int, ref, layers: int) -> None:
+    """Row `row` of the runner's cache holds, at every layer, the reference's K/V for the positions it filled (to
+    1e-4: ONNX Runtime against torch, both float32)."""
+    for layer in range(layers):
+        n = int(kv.filled[row, layer])
+        assert n > 0 and n <= ref.cache.length(layer), (layer, n)
+        for mine, want in ((kv.batch_keys, ref.cache.keys), (kv.batch_values, ref.cache.values)):
+            got = np.asarray(mine[layer][row, :, :n])
+            np.testing.assert_allclose(got, want[layer][0, :, :n].numpy(), rtol=1e-4, atol=1e-4, err_msg=str(layer))
 
 
 def _median_thresholds(loaded, prompt, new=20):
     """Thresholds that make some tokens exit and others not: 80th percentile of each exit's probability."""
-    probs: dict[int, list[float]] = {}
-    _torch_simulation(loaded, prompt, new, {e: 2.0 for e in EXITS}, probs)
+    probs = _sim(loaded, {e: float("inf") for e in EXITS}).generate([prompt], new)[0].values
     return {e: float(torch.tensor(p).quantile(0.8)) for e, p in probs.items()}
 
 
@@ -137,20 +120,22 @@ def _mixed(layers: list[int]) -> bool:
     return any(x < 6 for x in layers[1:]) and any(x == 6 for x in layers[1:])
 
 
-@pytest.mark.parametrize("path", ["bound", "general", "resident"])
-def test_defer_equals_exact_kv_simulation(artifacts, family, path):
-    """Each path that executes a decode step (the bound chain, the general path alone, the device-resident path)
-    against the PyTorch simulation with exact KV: the same tokens and exit layers."""
+@pytest.mark.parametrize("resident", [False, True], ids=["host", "device-buffers"])
+@pytest.mark.parametrize("policy", ["defer", "copy"])
+def test_exits_equal_the_torch_simulation(artifacts, family, policy, resident):
+    """The executor, its states in host buffers or in device buffers (device-resident; on the CPU EP device memory is
+    host memory), against the PyTorch simulation (tests/simulation.py): defer's cache is the full model's, copy's
+    skipped layers hold K/V projected from the exit state. The same tokens, exit layers, decisions and cache."""
     loaded, rt = artifacts[family]
     prompt = _prompt(2, 9, loaded.adapter.dims.vocab_size)
     thresholds = _median_thresholds(loaded, prompt)
-    kw = {"bound": path == "bound", "device_resident": path == "resident"}
-    runner = _runner(rt, "defer", thresholds, new=20, **kw)
+    runner = _runner(rt, policy, thresholds, new=20, device_resident=resident)
     gen = runner.generate([prompt])[0]
-    ref_tokens, ref_layers = _torch_simulation(loaded, prompt, 20, thresholds)
-    assert _mixed(ref_layers), ref_layers  # some tokens exit early and some do not: deferred KV is exercised
-    assert gen.token_ids == ref_tokens
-    assert gen.exit_layers == ref_layers
+    ref = _sim(loaded, thresholds, policy).generate([prompt], 20)[0]
+    assert _mixed(ref.layers), ref.layers  # some tokens exit early and some do not: deferred or copied KV exercised
+    assert gen.token_ids == ref.tokens and gen.exit_layers == ref.layers and gen.decided == ref.decided
+    assert runner.last_kv is not None
+    _same_cache(runner.last_kv, 0, ref, rt.manifest.num_layers)
 
 
 def test_some_tokens_exit_early(artifacts):
@@ -160,14 +145,14 @@ def test_some_tokens_exit_early(artifacts):
     assert gen.exit_layers == [6] + [2] * 9  # threshold 0: every decode token takes the first exit
 
 
-@pytest.mark.parametrize("path", ["bound", "general", "resident"])
-def test_verify_equals_full_depth(artifacts, family, path):
-    """Verify on each executing path against full depth on the general path (which the chain's full depth is
-    tested against too), and full depth against transformers' greedy above."""
+@pytest.mark.parametrize("resident", [False, True], ids=["host", "device-buffers"])
+def test_verify_equals_full_depth(artifacts, family, resident):
+    """Verify, its states in host or device buffers, against full depth (tested against transformers' greedy
+    above)."""
     loaded, rt = artifacts[family]
     prompt = _prompt(3, 10, loaded.adapter.dims.vocab_size)
-    full = _runner(rt, exits=[], new=30, bound=False).generate([prompt])[0]
-    kw = {"bound": path == "bound", "device_resident": path == "resident"}
+    full = _runner(rt, exits=[], new=30).generate([prompt])[0]
+    kw = {"device_resident": resident}
     for thresholds in ({2: 0.0, 4: 0.0}, _median_thresholds(loaded, prompt, 30)):
         gen = _runner(rt, "verify", thresholds, new=30, **kw).generate([prompt])[0]
         assert gen.token_ids == full.token_ids, thresholds
@@ -203,54 +188,33 @@ def test_copy_fills_every_layer_and_matches_exit_lens_at_one_exit(artifacts, fam
 
 def test_batch_rows_equal_rows_alone(artifacts, family, monkeypatch):
     """Batched rows (one segment call for the rows that reach it, exited rows' deferred states riding along in
-    deeper calls, or waiting with ride_along off) give each row exactly its tokens and exits alone, every policy,
-    on the bound chain (runtime/chain_rows.py) and on the general path alike, with the same cache."""
+    deeper calls, or waiting with ride_along off) give each row exactly its tokens and exits alone, every policy;
+    under defer and copy those of the PyTorch simulation of the rows, with its cache, row by row."""
     from eectl.runtime import chain_rows
 
     loaded, rt = artifacts[family]
     v = loaded.adapter.dims.vocab_size
     prompts = [_prompt(5, 7, v), _prompt(6, 12, v), _prompt(7, 3, v), _prompt(8, 5, v)]
     thresholds = _median_thresholds(loaded, prompts[0], 15)
-    rides: dict[bool, list[int]] = {True: [], False: []}  # bound -> the deeper calls an exited row's state rode in
-    ride, rode = Runner._ride, chain_rows._rode
-
-    def counting(self, st, s):  # the general path's rides
-        gen = ride(self, st, s)
-        try:
-            ask = next(gen)
-            while True:
-                answer = yield ask
-                rides[False].extend([1] if answer is not None else [])
-                ask = gen.send(answer)
-        except StopIteration:
-            return
-
-    def chained(*args):  # the chain's
-        rides[True].append(1)
-        return rode(*args)
-
-    monkeypatch.setattr(Runner, "_ride", counting)
-    monkeypatch.setattr(chain_rows, "_rode", chained)
+    rides: list[int] = []  # the deeper calls an exited row's state rode in
+    rode = chain_rows._rode
+    monkeypatch.setattr(chain_rows, "_rode", lambda *a: rides.append(1) or rode(*a))
     mixed = []
     for policy in rt.manifest.kv_policies:  # river needs an artifact with river copies: tests/test_river.py
         alone = [_runner(rt, policy, thresholds, new=15).generate([p])[0] for p in prompts]
+        ref = _sim(loaded, thresholds, policy).generate(prompts, 15) if policy in ("defer", "copy") else None
         for ride_along in (True, False):
-            caches = []
-            for bound in (True, False):
-                runner = _runner(rt, policy, thresholds, new=15, ride_along=ride_along, bound=bound)
-                batch = runner.generate(prompts)
-                mixed.append(any(_mixed(g.exit_layers) for g in batch))
-                assert [g.token_ids for g in batch] == [g.token_ids for g in alone], (policy, ride_along, bound)
-                assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone], (policy, ride_along, bound)
-                caches.append(runner.last_kv)
-            chain, general = caches
-            assert (chain.filled == general.filled).all()
-            n = int(chain.filled.min())
-            for mine, theirs in zip(
-                chain.batch_keys + chain.batch_values, general.batch_keys + general.batch_values, strict=True
-            ):
-                np.testing.assert_array_equal(mine[:, :, :n], theirs[:, :, :n])
-    assert any(mixed) and rides[True] and rides[False]  # rows exited at different depths, and both rode along
+            runner = _runner(rt, policy, thresholds, new=15, ride_along=ride_along)
+            batch = runner.generate(prompts)
+            mixed.append(any(_mixed(g.exit_layers) for g in batch))
+            assert [g.token_ids for g in batch] == [g.token_ids for g in alone], (policy, ride_along)
+            assert [g.exit_layers for g in batch] == [g.exit_layers for g in alone], (policy, ride_along)
+            if ref is not None:
+                assert [g.token_ids for g in batch] == [r.tokens for r in ref], (policy, ride_along)
+                assert [g.exit_layers for g in batch] == [r.layers for r in ref], (policy, ride_along)
+                for row, r in enumerate(ref):
+                    _same_cache(runner.last_kv, row, r, rt.manifest.num_layers)
+    assert any(mixed) and rides  # rows exited at different depths, and their states rode along
 
 
 def test_rows_join_and_leave_between_steps(artifacts, family):
@@ -342,50 +306,31 @@ def test_sampling_is_deterministic_for_a_seed(artifacts):
 
 
 @pytest.mark.parametrize("policy", ["full", "defer", "copy"])
-def test_sampled_decode_runs_on_the_chain_as_on_the_general_path(artifacts, family, policy, monkeypatch):
-    """Sampling (temperature, top-p) steps on the bound chain: one row at full depth or with exits decided in the
-    graphs (the exiting token sampled from its K candidates), and a batch of rows, its prompts included (each on its
-    slot's chain, every row's final logits picked in row order) and prompts joining freed slots.
-    Same seed, same tokens, exit layers and KV cache as the general path, which then runs no step at all."""
+def test_sampled_decode_equals_the_simulation(artifacts, family, policy):
+    """Sampling (temperature, top-p): one row at full depth or with exits decided in the graphs (the exiting token
+    sampled from its K candidates), and a batch of rows, its prompts included (every row's final logits picked in
+    row order) and prompts joining freed slots. Same seed, same tokens, exit layers and KV cache as the PyTorch
+    simulation drawing from one generator in the runner's order."""
     loaded, rt = artifacts[family]
     V = loaded.adapter.dims.vocab_size
     prompts = [_prompt(31, 7, V), _prompt(32, 5, V), _prompt(33, 9, V)]
     exits = [] if policy == "full" else EXITS
     thresholds = {} if policy == "full" else _median_thresholds(loaded, prompts[0], 20)
+    how = "defer" if policy == "full" else policy
     # (prompts, slots): one, all at once, and 3 prompts in 2 slots (a batch with exits: runtime/chain_rows.py)
-    batches = [(prompts[:1], None), (prompts, None), (prompts, 2)]
-
-    def run(batch, bound=True):
-        runner = _runner(rt, "defer" if policy == "full" else policy, thresholds, exits, 20, temperature=1.3,
-                         top_p=0.9, seed=7, bound=bound)  # fmt: skip
-        return runner.generate(batch[0], slots=batch[1]), runner.last_kv
-
-    general_calls = []
-    general = Runner._steps
-
-    def counted(self, kv, work, force_full=False):
-        general_calls.append(len(work))
-        return general(self, kv, work, force_full)
-
-    monkeypatch.setattr(Runner, "_steps", counted)
-    bound = [run(b) for b in batches]
-    assert sum(general_calls) == 0  # no step on the general path, prompts included
-    plain = [run(b, bound=False) for b in batches]  # the general path alone
-    assert sum(general_calls) > 0
-    if exits:
-        assert _mixed(plain[0][0][0].exit_layers), plain[0][0][0].exit_layers
-    for (got, kv_got), (want, kv_want) in zip(bound, plain, strict=True):
-        assert [g.token_ids for g in got] == [w.token_ids for w in want]
-        assert [g.exit_layers for g in got] == [w.exit_layers for w in want]
-        assert (kv_got.filled == kv_want.filled).all()
-        for mine, other in zip(
-            kv_got.batch_keys + kv_got.batch_values, kv_want.batch_keys + kv_want.batch_values, strict=True
-        ):
-            n = int(kv_got.filled.min())
-            assert (mine[:, :, :n] == other[:, :, :n]).all()
+    for batch, slots in [(prompts[:1], None), (prompts, None), (prompts, 2)]:
+        sampled = {"temperature": 1.3, "top_p": 0.9, "seed": 7}
+        runner = _runner(rt, how, thresholds, exits, 20, **sampled)
+        got = runner.generate(batch, slots=slots)
+        ref = _sim(loaded, thresholds, how, exits, **sampled).generate(batch, 20, slots=slots)
+        assert [g.token_ids for g in got] == [r.tokens for r in ref], slots
+        assert [g.exit_layers for g in got] == [r.layers for r in ref], slots
+        if exits and slots is None:
+            assert any(_mixed(r.layers) for r in ref), [r.layers for r in ref]
+        _same_cache(runner.last_kv, 0, ref[-1] if slots else ref[0], rt.manifest.num_layers)
     # sampled, not greedy: the greedy answer differs
-    greedy = _runner(rt, "defer" if policy == "full" else policy, thresholds, exits, 20).generate(prompts[:1])[0]
-    assert greedy.token_ids != bound[0][0][0].token_ids
+    greedy = _runner(rt, how, thresholds, exits, 20).generate(prompts[:1])[0]
+    assert greedy.token_ids != _sim(loaded, thresholds, how, exits, **sampled).generate(prompts[:1], 20)[0].tokens
 
 
 def test_bad_run_input(artifacts, tmp_path):
@@ -513,80 +458,55 @@ def test_calibrated_thresholds_are_used_and_never_exits_dropped(tiny_dirs, tmp_p
         )
 
 
-def test_full_depth_decode_chain_equals_the_general_path(artifacts, family, monkeypatch):
-    """Full-depth greedy decode of one row runs the bound call chain (runtime/chain.py), its prompt included (wide
-    calls): same tokens and the same KV cache as the general per-segment path, which the chain's runner never
-    calls."""
+def test_full_depth_cache_equals_the_torch_model(artifacts, family):
+    """Full-depth greedy decode of one row on the bound chain, its prompt included (wide calls): the tokens and the
+    KV cache of the torch model decoding the same sequence."""
     loaded, rt = artifacts[family]
     prompt = _prompt(5, 7, loaded.adapter.dims.vocab_size)
     runner = _runner(rt, exits=[], new=16)
-    calls = []
-    general = Runner._steps
-    monkeypatch.setattr(Runner, "_steps", lambda self, *a, **kw: calls.append(1) or general(self, *a, **kw))
-    chained = runner.generate([prompt])[0]
-    kv_chained = runner.last_kv
-    assert calls == []
-    runner.cfg.bound = False  # the general path alone
-    plain = runner.generate([prompt])[0]
-    assert calls and chained.token_ids == plain.token_ids and chained.exit_layers == plain.exit_layers == [6] * 16
-    assert kv_chained is not None and runner.last_kv is not None
-    assert (kv_chained.filled == runner.last_kv.filled).all()
-    n = len(prompt) + 15  # positions written: the prompt and every generated token but the last
-    for mine, theirs in zip(
-        kv_chained.batch_keys + kv_chained.batch_values,
-        runner.last_kv.batch_keys + runner.last_kv.batch_values,
-        strict=True,
-    ):
-        assert (mine[:, :, :n] == theirs[:, :, :n]).all()
+    gen = runner.generate([prompt])[0]
+    ref = _sim(loaded, {}, exits=[]).generate([prompt], 16)[0]
+    assert gen.token_ids == ref.tokens and gen.exit_layers == ref.layers == [6] * 16
+    assert runner.last_kv is not None
+    assert runner.last_kv.filled[0, :6].tolist() == [len(prompt) + 15] * 6  # every token fed but the last
+    _same_cache(runner.last_kv, 0, ref, 6)
 
 
 @pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
-def test_bound_exit_steps_equal_the_general_path(artifacts, family, policy, monkeypatch):
-    """Steps with active exits run the bound chain (decisions inside the exit graphs), steps that meet pending
-    positions included (defer's flush, verify's drafts: wide segment calls): same tokens, exit layers, drafts and
-    KV cache as the general path alone, on which the chain's runner takes no step (its prompt and verify's closing
-    passes run on the chain too)."""
+def test_exit_steps_meet_pending_positions_in_wide_calls(artifacts, family, policy, monkeypatch):
+    """Steps with active exits (decisions inside the exit graphs), steps that meet pending positions included
+    (defer's flush, verify's drafts: wide segment calls): the tokens, exit layers, decisions and cache of the
+    PyTorch simulation (defer, copy), or full depth's tokens and cache (verify: drafts checked, wrong ones rolled
+    back)."""
     loaded, rt = artifacts[family]
     prompt = _prompt(6, 9, loaded.adapter.dims.vocab_size)
     thresholds = _median_thresholds(loaded, prompt, 24)
     runner = _runner(rt, policy, thresholds, new=24)
-    general_steps = []  # the general path's steps: the chain takes every one
-    general = Runner._steps
-
-    def counted(self, kv, work, force_full=False):
-        general_steps.append(len(work))
-        return general(self, kv, work, force_full)
-
-    monkeypatch.setattr(Runner, "_steps", counted)
     wide = []
     wide_call = DecodeChain._wide
     monkeypatch.setattr(
         DecodeChain, "_wide", lambda self, s, n, keep=True: keep and wide.append((s, n)) or wide_call(self, s, n, keep)
     )
-    bound = runner.generate([prompt])[0]
-    kv_bound = runner.last_kv
-    assert general_steps == []
+    gen = runner.generate([prompt])[0]
     # defer and verify met pending positions; copy never has any
     assert (len(wide) > 0) == (policy != "copy") and all(n >= 2 for _, n in wide)
-    runner.cfg.bound = False  # the general path alone
-    plain = runner.generate([prompt])[0]
-    # some tokens exit (verify: are drafted, then kept or rolled back) and some do not
-    assert plain.drafted > 0 if policy == "verify" else _mixed(plain.exit_layers), plain.exit_layers
-    assert bound.token_ids == plain.token_ids and bound.exit_layers == plain.exit_layers
-    assert (bound.drafted, bound.rejected_drafts) == (plain.drafted, plain.rejected_drafts)
-    assert kv_bound is not None and runner.last_kv is not None
-    assert (kv_bound.filled == runner.last_kv.filled).all()
-    n = int(kv_bound.filled[0].min())  # positions every layer holds
-    ours, theirs = kv_bound.batch_keys + kv_bound.batch_values, runner.last_kv.batch_keys + runner.last_kv.batch_values
-    for mine, other in zip(ours, theirs, strict=True):
-        assert (mine[:, :, :n] == other[:, :, :n]).all()
+    assert runner.last_kv is not None
+    if policy == "verify":
+        ref = _sim(loaded, {}, exits=[]).generate([prompt], 24)[0]
+        assert gen.drafted > 0 and gen.rejected_drafts > 0  # drafts were kept and rolled back
+        assert gen.token_ids == ref.tokens
+    else:
+        ref = _sim(loaded, thresholds, policy).generate([prompt], 24)[0]
+        assert _mixed(ref.layers), ref.layers  # some tokens exit and some do not
+        assert (gen.token_ids, gen.exit_layers, gen.decided) == (ref.tokens, ref.layers, ref.decided)
+    _same_cache(runner.last_kv, 0, ref, rt.manifest.num_layers)
 
 
 def _plan_reads(calls) -> list[tuple[str, int, str]]:
     return sorted((c.graph, c.at, b.key) for c in calls for b in c.bindings if b.host_read)
 
 
-def test_bound_chain_steps_record_their_host_reads(artifacts, monkeypatch):
+def test_bound_chain_steps_record_their_host_reads(artifacts):
     """Steps on the bound chain record what they read on the host in the run's placement (`Runner.step_reads`), one
     entry per step, as the device-resident path does. Full depth: each step reads what the binding plan's full-depth
     token sends to the host, the final head's token. With exits (defer: every step decides): the steps the chain
@@ -602,13 +522,8 @@ def test_bound_chain_steps_record_their_host_reads(artifacts, monkeypatch):
     assert len(gen.exit_layers) == 12 and full.step_reads == [[head]] * 12  # the prompt's step included
 
     runner = _runner(rt, "defer", _median_thresholds(loaded, prompt, 24), new=24, certified_head=False)
-    general = []  # steps on the general path: none (the chain takes them, the prompt's included)
-    real = Runner._steps
-    monkeypatch.setattr(
-        Runner, "_steps", lambda self, kv, work, *a: general.append(len(work)) or real(self, kv, work, *a)
-    )
     gen = runner.generate([prompt])[0]
-    assert general == [] and _mixed(gen.exit_layers), gen.exit_layers  # some tokens exit
+    assert _mixed(gen.exit_layers), gen.exit_layers  # some tokens exit
     chain = runner._chain(rt.new_kv(1, 64), 1)
     assert chain is not None
     first, later = (chain.exits[rt.segment_of_layer[e]] for e in EXITS)
@@ -620,7 +535,7 @@ def test_bound_chain_steps_record_their_host_reads(artifacts, monkeypatch):
     # the binding plan of the chain's steps describes the same reads (runtime/binding.py `chain`)
     plan = plan_for(rt.manifest, "cuda", EXITS, runner.cfg.signal, "defer", chain=True)
     for step, (reads, layer) in enumerate(zip(runner.step_reads, gen.exit_layers, strict=True)):
-        if step == 0:  # the prompt: full depth on the general path, no exit test, only the token
+        if step == 0:  # the prompt: full depth, no exit test, only the token
             assert reads == [head]
             continue
         bound = {e: b for e, b in zip(EXITS, (first, later), strict=True)}
@@ -651,8 +566,7 @@ def _gated(loaded, art, prompt, new, shut_first):
     else:
         sim = None
         for _ in range(3):
-            seen: dict[int, list[torch.Tensor]] = {}
-            _torch_simulation(loaded, prompt, new, thresholds, gates=sim, seen=seen)
+            seen = _sim(loaded, thresholds, gates=sim).generate([prompt], new)[0].states
             sim = {}
             for e, q in zip(EXITS, (0.7, 0.2), strict=True):
                 logits = gate_logits(torch.stack(seen[e]), *gates[e].arrays())
@@ -668,10 +582,10 @@ def _gated(loaded, art, prompt, new, shut_first):
 
 @pytest.mark.parametrize("shut_first", [True, False], ids=["first-shut", "mixed"])
 @pytest.mark.parametrize("policy", ["defer", "verify"])
-def test_gated_exits_equal_the_simulation_on_both_paths(exported, family, policy, shut_first, monkeypatch):
+def test_gated_exits_equal_the_simulation(exported, family, policy, shut_first):
     """Gated exits (eectl.exits.gates): a decision runs only where its gate opens, and the first exit whose gate opens
-    picks the candidates. The bound chain and the general path make the same decisions, and under defer (exact KV
-    when read) the same as the PyTorch simulation of that rule; verify stays lossless."""
+    picks the candidates. Under defer, the states in host or device buffers, the same tokens, exit layers and
+    decisions as the PyTorch simulation of that rule; verify stays lossless."""
     loaded, art = exported[family]
     prompt = _prompt(8, 9, loaded.adapter.dims.vocab_size)
     rt, thr, plain_thr, sim = _gated(loaded, art, prompt, 24, shut_first)
@@ -679,34 +593,30 @@ def test_gated_exits_equal_the_simulation_on_both_paths(exported, family, policy
     cfg = RunConfig(exits=EXITS, thresholds=thr, policy=policy, top_k=K, max_new_tokens=24, certified_head=False)
     runner = Runner(rt, cfg)
     assert sorted(runner.gates) == EXITS
-    bound = runner.generate([prompt])[0]
+    host = runner.generate([prompt])[0]
     # the chain records each gate's read of its exit's state, and each decision the open gates let run
     reads = [r for step in runner.step_reads for r in step]
     assert {r[1] for r in reads if r[0] == "gate"} <= set(EXITS) and sum(r[0] == "gate" for r in reads) >= sum(
-        bound.decided.values()
+        host.decided.values()
     )
-    assert sum(r[2] == "passed" for r in reads) == sum(bound.decided.values())
-    runner.cfg.bound = False  # the general path alone
-    plain = runner.generate([prompt])[0]
-    assert bound.token_ids == plain.token_ids and bound.exit_layers == plain.exit_layers
-    assert (bound.decided, bound.picked) == (plain.decided, plain.picked)
+    assert sum(r[2] == "passed" for r in reads) == sum(host.decided.values())
     # device-resident states (here CPU OrtValues): the gate reads the exit's state back to the host
     cfg = RunConfig(exits=EXITS, thresholds=thr, policy=policy, top_k=K, max_new_tokens=24, device_resident=True)
     on_device = Runner(rt, cfg)
     resident = on_device.generate([prompt])[0]
     reads = [r for step in on_device.step_reads for r in step if r[0] == "gate"]
     assert {r[1] for r in reads} <= set(EXITS) and len(reads) >= len(resident.exit_layers) - 1  # one per step at least
-    assert resident.token_ids == plain.token_ids and resident.exit_layers == plain.exit_layers
-    assert (resident.decided, resident.picked) == (plain.decided, plain.picked)
+    assert resident.token_ids == host.token_ids and resident.exit_layers == host.exit_layers
+    assert (resident.decided, resident.picked) == (host.decided, host.picked)
     if shut_first:  # every decode step decides at exit 4 only, on the candidates it picked itself
-        steps = len(plain.exit_layers) - 1 + plain.rejected_drafts  # the first token is the prefill's
-        assert plain.decided == {4: steps} and plain.picked == {4: steps}
+        steps = len(host.exit_layers) - 1 + host.rejected_drafts  # the first token is the prefill's
+        assert host.decided == {4: steps} and host.picked == {4: steps}
     if policy == "defer":
-        tokens, layers = _torch_simulation(loaded, prompt, 24, plain_thr, gates=sim)
-        assert plain.token_ids == tokens and plain.exit_layers == layers
+        ref = _sim(loaded, plain_thr, gates=sim).generate([prompt], 24)[0]
+        assert (host.token_ids, host.exit_layers, host.decided) == (ref.tokens, ref.layers, ref.decided)
     else:
         full = _runner(rt, exits=[], new=24).generate([prompt])[0]
-        assert plain.token_ids == full.token_ids
+        assert host.token_ids == full.token_ids
 
 
 def test_kept_host_bindings_hand_out_copies(artifacts):
@@ -741,8 +651,9 @@ def test_kept_host_bindings_hand_out_copies(artifacts):
 
 def test_one_rows_prompts_run_on_the_chain_bound_for_each_prompt_only(artifacts, monkeypatch):
     """One row on the CPU EP: each prompt's step runs on the bound chain (wide calls over its positions; a prompt of
-    one token decides at the exits as a decode step does), with the same tokens, exit layers and cache as the
-    general path's prefill, and the chain keeps no binding of a prompt's width (prompts come in any length)."""
+    one token decides at the exits as a decode step does), with the tokens, exit layers and cache of the PyTorch
+    simulation (defer, full depth) or of full depth (verify), and the chain keeps no binding of a prompt's width
+    (prompts come in any length)."""
     loaded, rt = artifacts["llama"]
     V, new = loaded.adapter.dims.vocab_size, 10
     prompts = [_prompt(11, 1, V), _prompt(12, 13, V), _prompt(13, 15, V)]  # longer than any decode step's width
@@ -753,26 +664,18 @@ def test_one_rows_prompts_run_on_the_chain_bound_for_each_prompt_only(artifacts,
     for policy, exits in (("verify", EXITS), ("defer", EXITS), ("defer", [])):
         runner = _runner(rt, policy, thresholds, exits=exits, new=new)
         chains.clear()
-        bound = runner.generate(prompts, slots=1)
-        kv_bound = runner.last_kv
+        got = runner.generate(prompts, slots=1)
         assert len(chains) == 1
         # kept: decode steps' wide calls only (pending positions: at most one per new token, and the token's own)
         assert all(n <= new + 1 for _, n in chains[0].wide), sorted(chains[0].wide)
         assert (chains[0].wide == {}) == (not exits)  # full depth: nothing pending, no wide call kept at all
-        runner.cfg.bound = False  # the general path alone
-        plain = runner.generate(prompts, slots=1)
-        runner.cfg.bound = True
-        for a, b in zip(bound, plain, strict=True):
-            assert (a.token_ids, a.exit_layers) == (b.token_ids, b.exit_layers)
+        ref = _sim(loaded, thresholds, exits=[] if policy == "verify" else exits).generate(prompts, new, slots=1)
+        assert [g.token_ids for g in got] == [r.tokens for r in ref], (policy, exits)
+        if policy != "verify":
+            assert [g.exit_layers for g in got] == [r.layers for r in ref], (policy, exits)
         if exits:
-            # some tokens exit (verify: are drafted) and some do not
-            assert any(g.drafted > 0 if policy == "verify" else _mixed(g.exit_layers) for g in bound)
-        assert kv_bound is not None and runner.last_kv is not None  # the last prompt's cache, in the slot
-        assert (kv_bound.filled == runner.last_kv.filled).all()
-        n = int(kv_bound.filled[0].min())
-        for mine, other in zip(
-            kv_bound.batch_keys + kv_bound.batch_values,
-            runner.last_kv.batch_keys + runner.last_kv.batch_values,
-            strict=True,
-        ):
-            assert (mine[:, :, :n] == other[:, :, :n]).all()
+            # some tokens exit (verify: are drafted) and some do not; the one-token prompt decided at the exits
+            assert any(g.drafted > 0 if policy == "verify" else _mixed(g.exit_layers) for g in got)
+            assert sum(got[0].decided.values()) > 0
+        assert runner.last_kv is not None  # the last prompt's cache, in the slot
+        _same_cache(runner.last_kv, 0, ref[-1], rt.manifest.num_layers)

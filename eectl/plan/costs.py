@@ -345,11 +345,11 @@ def _bound_exit_calls(
     the exit graph), time each exit's decision as that chain makes it: its bound graph call and the two scalars it
     reads. Each exit as the first active one (its candidates picked) and as a later one (scoring the candidates an
     earlier exit bound). Nothing where the artifact's exit graphs cannot decide in-graph or the signal is not one
-    they decide: the host decides those, on the chain as on the general path, timed so."""
+    they decide: the host decides those on the chain, timed as `_exit_calls` times them."""
     m = rt.manifest
     exits = list(m.exit_layers)
     if "chain" not in calls or not decides_in_graph(rt, exits, sig):
-        return  # the host decides these exits on the chain: as the general path's decisions are timed
+        return  # the host decides these exits on the chain
     never = {c: float("inf") for c in sig.criteria}  # thresholds do not change the graph's work
 
     def decision(chain: DecodeChain, layer: int) -> Callable[[], object]:

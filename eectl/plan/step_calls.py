@@ -11,10 +11,12 @@ from collections.abc import Callable
 import numpy as np
 
 from eectl.contracts.plan import MAX_NGRAM
+from eectl.runtime.batch import new_batch_kv
 from eectl.runtime.chain import DecodeChain
-from eectl.runtime.chain_steps import chain_for, chain_step
+from eectl.runtime.chain_steps import chain_for, chain_step, chain_tokens
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.slots import Kept
 from eectl.runtime.state import RowState, RunConfig
 
 FULL_STEPS = 16  # room kept in the cache beyond `past`
@@ -137,20 +139,22 @@ def wide_step_calls(rt: ArtifactRuntime, past: int, seed: int = 0) -> dict[str, 
 
 
 def full_step_call(rt: ArtifactRuntime, past: int, seed: int = 0) -> Callable[[], object]:
-    """One full-depth decode step through the runner (`Runner._step`, the path `eectl run` takes), on top of a
-    `past`-token prompt (random ids) prefilled once; each call rewinds the cache and steps again."""
+    """One full-depth decode step through the runner (`chain_steps.chain_tokens`, the path `eectl run` takes), on
+    top of a `past`-token prompt (random ids) prefilled once; each call rewinds the cache and steps again."""
     m = rt.manifest
     prompt = np.random.default_rng(seed).integers(0, m.dims["vocab_size"], size=past).tolist()
     # the full head, as chain_step_ms (Costs.baseline_ms swaps the certified head in)
     cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=FULL_STEPS + 1, stop_ids=(), certified_head=False)
     runner = Runner(rt, cfg)
-    kv = rt.new_kv(1, past + 4)
+    kv = new_batch_kv(rt, 1, past + 4)
+    chain = runner._chain(kv, 1)
+    kept = Kept(kv, chain, cfg)
     st = RowState(list(prompt), past, [None] * len(m.segments))
-    nxt = runner._step(0, st, kv, st.tokens)  # prefill
+    nxt = chain_tokens(runner, chain, kv, {0: (st, st.tokens)}, {0}, {}, kept)[0]  # the prompt
 
     def call() -> object:
         kv.seek(0, past)
         st.exit_layers.clear()
-        return runner._step(0, st, kv, [nxt])
+        return chain_tokens(runner, chain, kv, {0: (st, [nxt])}, set(), {}, kept)
 
     return call

@@ -2,7 +2,7 @@
 are the full head's argmax wherever every row passes; the caller runs the full head for a call that does not.
 
 Bound once: on the bound chain its input is the chain's last hop (the final segment's output); elsewhere
-(`ArtifactRuntime.greedy_token`: verify's check of several positions, the general path) a buffer per row count
+(`ArtifactRuntime.greedy_token`: verify's check of several positions) a buffer per row count
 the rows are copied into. Its outputs are two small host arrays. Only the CPU EP loads the graph
 (`ArtifactRuntime.certified_head`).
 """

@@ -35,7 +35,7 @@ each at its own length, `seqlens_k` per row, as runtime/batch.py's batched calls
 batch alike, on the CPU EP and on a device.
 
 Sampling (temperature > 0) runs the same calls: the step reads the final head's logits, or an exiting token's K
-candidates and their logits, and the runner's sampler picks (`pick`), as the general path does; teacher forcing
+candidates and their logits, and the runner's sampler picks (`pick`); teacher forcing
 (scoring a text token by token) is a pick that returns the fed token (runtime/chain_steps.py). A prompt (one row,
 CPU) is a step whose positions before the last wait at segment 0 as embeddings, as drafts do; its wide calls are
 bound for that step only (`_wide(..., keep=False)`).
@@ -312,7 +312,7 @@ class DecodeChain:
         one's greedy next token. Rows of the span not in `tokens` ride along on their next free position (written,
         never counted: the batched calls' scratch slot). Its host read (the tokens) is recorded in the run's `place`,
         as every step's here. `pick` (sampling): each row's token is picked from the final head's logits [V] instead,
-        row by row in row order (the general path's order), and the logits are what the step reads."""
+        row by row in row order, and the logits are what the step reads."""
         kv, L, first = self.kv, self.rt.manifest.num_layers, self.row
         span = slice(first, first + self.rows)
         past = _past(kv, np.arange(span.start, span.stop), 0, L)

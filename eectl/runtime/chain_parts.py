@@ -50,7 +50,7 @@ class BoundExit:
         return int(self.ids[0, t])
 
     def sampled(self, pick: Pick, place: Placement = HOST) -> int:
-        """The exiting token sampled from the K candidates' logits (as the general path samples an exit's)."""
+        """The exiting token sampled from the K candidates' logits (`pick` over them and their ids)."""
         assert self.logits is not None and self.candidates is not None and self.candidates_from is not None
         place.read((self.graph, self.layer, "candidate_logits"))
         place.read(self.candidates_from)

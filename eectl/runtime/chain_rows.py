@@ -8,15 +8,15 @@ itself for one row). So a segment's weights are read once a step, and nothing is
 arrays between calls. After a segment with an active exit, the rows that may exit and whose gate opens are tested:
 one row on the exit graphs bound on its chain's buffers (`DecodeChain.exits`: two scalars read), several rows in one
 decision (runtime/decide.py); a row that exits gets its token and the policy's hooks at once, and its deferred state
-rides along in the deeper calls other rows run anyway (`RunConfig.ride_along`, as `Runner._ride`). The rows reaching
+rides along in the deeper calls other rows run anyway (`RunConfig.ride_along`). The rows reaching
 the final layer share one final head call (a wide row's last position copied to its row of the head's input),
 except where verify checks drafts over a wide row's every position (`KVPolicy.on_final`). Sampling picks from an
 exit's K candidates or the head's logits; teacher forcing scores the fed token (an exited one on its exit's full
 vocabulary) and returns it.
 
 The chains' buffers are host memory or device memory alike (a device-resident run's), moved between calls by
-runtime/buffers.py. Same tokens, exit layers and cache as the general path: tests/test_chain_host_decisions.py,
-tests/test_runner.py, tests/test_resident.py, tests/test_scoring.py.
+runtime/buffers.py. Its reference is tests/simulation.py (PyTorch): tests/test_runner.py,
+tests/test_chain_host_decisions.py, tests/test_resident.py, tests/test_scoring.py.
 What this module does not do: bind graphs (chain.py), choose which steps a run takes (chain_steps.py).
 """
 
@@ -219,8 +219,9 @@ def _part(runner: Runner, chain: DecodeChain, s: int, a: int, b: int) -> _Part:
 
 
 def _riders(runner: Runner, step: _Step, s: int) -> list[int]:
-    """The exited rows whose deferred state rides along in segment s (one position waiting there), as
-    `Runner._ride`: riding stops at the first segment where the state is not one position, and before the final
+    """The exited rows whose deferred state rides along in segment s (one position waiting there), computing its K/V
+    in a call other rows need anyway (a batched call costs about the same whatever rows are active in it) instead of
+    a later wide call: riding stops at the first segment where the state is not one position, and before the final
     segment where the policy checks states there (verify)."""
     final = len(runner.m.segments) - 1
     end = final if runner.policy.checks_at_final else final + 1
@@ -328,7 +329,7 @@ def _exited(
     layer: int,
     exit_pick: Callable[[], int],
 ) -> None:
-    """Row r's token exits at `layer` (as `Runner._exited`): the policy's own prediction where it has one (the
+    """Row r's token exits at `layer`: the policy's own prediction where it has one (the
     river's), a fed token scored on the exit's full vocabulary (teacher forcing), else the exit's (`exit_pick`, not
     called where the token is not the exit's); the policy's hook on the exit state (a copy: the buffers are the next
     call's); its deferred state rides along from the next segment."""

@@ -1,11 +1,9 @@
 """The runner's steps on the bound chain (runtime/chain.py): which chain a generate call binds (`chain_for`: its
 buffers where the run's states live), which steps it takes (`chain_tokens`: prompts each in a one-row chain of its
 slot within a batch, or padded into one call per segment: `padded_prompts`), and one row's step on it with the KV
-policy's hooks called as the general path calls them (`chain_step`; under teacher forcing, the fed token scored
-where the step decided it).
+policy's hooks (`chain_step`; under teacher forcing, the fed token scored where the step decided it).
 
-What this module does not do: bind or run graphs (chain.py), a batch's step with exits or drafts (chain_rows.py), or
-step an artifact the chain cannot run (exported before the in-graph token: runner.py's general path).
+What this module does not do: bind or run graphs (chain.py), or a step with exits or drafts (chain_rows.py).
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from eectl.runtime import buffers
 from eectl.runtime.batch import BatchKV, prefill_runs, run_prefill
 from eectl.runtime.blocks import run_block
 from eectl.runtime.buffers import view
-from eectl.runtime.chain import DecodeChain, chain_exits_supported
+from eectl.runtime.chain import DecodeChain
 from eectl.runtime.chain_parts import Pick
 from eectl.runtime.chain_rows import rows_step
 from eectl.runtime.kv import KVBuffers
@@ -27,21 +25,17 @@ from eectl.runtime.state import RowState
 from eectl.runtime.stepping import Runner
 
 
-def chain_for(runner: Runner, kv: KVBuffers, rows: int, row: int = 0, host: bool = False) -> DecodeChain | None:
+def chain_for(runner: Runner, kv: KVBuffers, rows: int, row: int = 0, host: bool = False) -> DecodeChain:
     """The bound call chain for decode from `row` over `rows` rows, greedy or sampled, with a final head that has the
-    in-graph argmax, full depth or with active exits under every policy (decided in the exit graphs, or on the host:
-    `chain_exits_supported`; a batch's rows through chain_rows.py). Its buffers are where the run's states live: on a
-    device where it keeps them there (greedy with exits or drafts: `Runner._on_device`; device memory on the CPU EP
-    too), in host memory where the run reads them (the CPU EP; sampling or scoring with exits off it; `host`), and
-    on the device for full depth there (only the tokens are read). None where the general path steps."""
+    in-graph argmax, full depth or with active exits under every policy (decided in the exit graphs, or on the host; a
+    batch's rows through chain_rows.py). Its buffers are where the run's states live: on a device where it keeps them
+    there (greedy with exits or drafts: `Runner._on_device`; device memory on the CPU EP too), in host memory where the
+    run reads them (the CPU EP; sampling or scoring with exits off it; `host`), and on the device for full depth there
+    (only the tokens are read). The runner refuses artifacts whose graphs lack what the chain binds
+    (`Runner.__init__`)."""
     rt, cfg, exits = runner.rt, runner.cfg, runner.exits
-    final = rt.full_graphs[runner.L]
-    if "token" not in final.io.outputs:
-        return None
-    if any(g.session is None for g in rt.segments):  # a runtime holding one segment at a time
-        return None
-    if exits and not chain_exits_supported(rt, exits, runner.signal):
-        return None
+    if any(g.session is None for g in rt.segments):
+        raise RuntimeError("a runtime holding one segment at a time (lazy_segments, export validation) cannot decode")
     device: bool | None = None  # full depth: the provider's own
     if host or (exits and not runner._on_device()):
         device = False
@@ -63,10 +57,10 @@ def chain_step(
     sampler: Pick | None = None,
 ) -> int:
     """One decode step of the chain's row with active exits or drafts on the bound chain (chain_rows.py `rows_step`
-    over its one row; full depth: `DecodeChain.step`); the policy's hooks as the general path (`Runner._row_step`)
-    calls them: the pending states the step carried along (defer's flush, verify's drafts: its wide calls) are the
-    policy's no more, an exited token's states go to `on_exit`, and the final segment's wide output to `on_final`
-    (verify's check, which may roll back and return the full model's token). With `drafts` from the context (the
+    over its one row; full depth: `DecodeChain.step`); the policy's hooks: the pending states the step carried
+    along (defer's flush, verify's drafts: its wide calls) are the policy's no more, an exited token's states go to
+    `on_exit`, and the final segment's wide output to `on_final` (verify's check, which may roll back and return the
+    full model's token). With `drafts` from the context (the
     row's last tokens), the positions before the last draft wait at segment 0 as embeddings: the step runs every
     segment wide, exits do not decide, and the final check covers them. `prompt`: the row's first step, its prompt
     (`chain_prompt`). `force_full`: no exit decides (verify's closing pass over its unchecked drafts,
@@ -82,7 +76,7 @@ def chain_prompt(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers
     """The chain's row's prompt on the bound chain (CPU): its tokens after the `st.reused` its cache rows hold (the
     whole prompt, or what follows a prefix: runtime/slots.py `reused`, `shared`), the positions before the last
     waiting at segment 0 as embeddings, run through every layer in one wide call per segment (bound for this prompt
-    only), the last one's token from the final head, as the general path's prefill (a prompt of one token may exit
+    only), the last one's token from the final head (a prompt of one token may exit
     there, as a decode step)."""
     return chain_step(runner, chain, st, kv, len(st.tokens) - st.reused - 1, prompt=True, sampler=sampler)
 
@@ -95,16 +89,15 @@ def chain_tokens(
     fresh: set[int],
     drafted: dict[int, int],
     kept: Kept,
-) -> dict[int, int] | None:
-    """The step on the bound chain (slot -> token), or None where the general path takes it. One row: its prompt
+) -> dict[int, int]:
+    """One step on the bound chain: slot -> token. One row: its prompt
     (CPU), a full-depth step, or a step with exits or drafts (wide: CPU). A batch: each new prompt on a one-row chain
     of its slot (CPU, prompts not padded into one call: `_pad`), fed after the longest beginning of it another row
     holds (`kept`'s prompts: slots.py `shared`), then the other rows' step over the batch's chain: at full depth its
     `step`, with exits or drafts (CPU) chain_rows.py's, each segment run for every row (the drafted and deferred
     rows' wide calls beside the batched one: a segment's weights read once a step, where rows stepping one after the
     other on their own chains read them once a row, 1.4% slower: docs/results/2026-12-05-one-row-chain.md). Sampled,
-    the logits of the rows reaching the final head are kept and picked in row order afterwards (as the general path
-    picks them)."""
+    the logits of the rows reaching the final head are kept and picked in row order afterwards."""
     # a chain's buffers are where the run's states live (chain_for): every step is the chain's, save prompts padded
     # into one call (off the CPU EP where the run's states are on the host: `_pad`)
     wide = any(drafted.values())

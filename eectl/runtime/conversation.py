@@ -3,7 +3,7 @@
 A turn is given the whole conversation as token ids (the chat template's rendering with a generation prompt).
 When the cache's tokens are a prefix of it (the usual case: the previous reply ended with the template's end-of-turn
 token), only the rest is fed, as one multi-position chunk on top of the past (a prompt on the bound chain fed after
-what its cache holds), then the reply decodes as `Runner.generate` does, on the bound chain where it applies. When
+what its cache holds), then the reply decodes as `Runner.generate` does, on the bound chain. When
 they are not (a reply cut at the token budget, which the template then closes differently), the row is forgotten and
 the whole conversation is fed again: slower, never wrong. KV policies keep their state across turns (defer's pending
 positions are carried by the next turn's chunk); a reply stopped early has its unchecked drafts (verify) checked
@@ -28,8 +28,7 @@ class Conversation:
     def __init__(self, runner: Runner, capacity: int) -> None:
         self.runner = runner
         self.kv = new_batch_kv(runner.rt, 1, capacity)
-        # the bound chain where it runs the configuration, its states on the host (a turn runs outside generate's
-        # placement)
+        # the bound chain, its states on the host (a turn runs outside generate's placement)
         self.chain = runner._chain(self.kv, 1, host=True)
         self.state: RowState | None = None
         self.reused = 0  # tokens of the last turn's input that the cache already held (not fed again)
@@ -67,13 +66,11 @@ class Conversation:
         feed = chunk
         while not st.done:
             t0 = time.perf_counter()
-            if self.chain is not None and len(feed) == 1:
+            if len(feed) == 1:
                 token = chain_step(r, self.chain, st, self.kv)
-            elif self.chain is not None:  # a turn's new tokens after what the cache holds, as a prompt on the chain
+            else:  # a turn's new tokens after what the cache holds, as a prompt on the chain
                 st.reused = len(st.tokens) - len(feed)
                 token = chain_prompt(r, self.chain, st, self.kv)
-            else:
-                token = r._steps(self.kv, {0: (st, feed)})[0]
             st.emit(token, time.perf_counter() - t0)
             st.done = r._finished(0, st, self.kv, self.chain)
             if on_step is not None:

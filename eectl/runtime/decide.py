@@ -13,7 +13,6 @@ What this module does not do: run segments, pick tokens or apply policies (runne
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,15 +20,14 @@ from typing import Any
 import numpy as np
 
 from eectl.exits.base import CandidateSource, ExitScore, Prediction
-from eectl.exits.gates import gate_open
 from eectl.exits.signals import ExitScoring, Signal
-from eectl.runtime import buffers, resident
+from eectl.runtime import resident
 from eectl.runtime.device_ops import concat, stack
 from eectl.runtime.exit_logits import Decide, OrtExitLogits, _one_torch_thread
 from eectl.runtime.graph_decide import GraphDecisions, decides_in_graph
 from eectl.runtime.placement import Placement
 from eectl.runtime.sessions import ArtifactRuntime
-from eectl.runtime.state import RowState, RunConfig
+from eectl.runtime.state import RunConfig
 
 Answer = tuple[ExitScore | None, int, Any]  # (the score when the row exits, else None; its index; its candidates)
 
@@ -97,16 +95,3 @@ class ExitTest:
         got = graph.decide(layer, hidden, given, place)
         score = ExitScore({}, lambda: Prediction(got.logits, got.candidates, got.token))
         return {r: (score if bool(got.passed[i]) else None, i, got.candidates[i : i + 1]) for i, r in enumerate(rows)}
-
-    def gate_opens(self, gate: Any, st: RowState, layer: int, exit_in: Any, place: Placement) -> bool:
-        """Whether the decision at `layer` runs for this row's token: `gate` the run's gate there (`Runner.gates`;
-        None: it does). A device-resident state is read to the host for it ([H]: one more read, recorded in
-        `place`)."""
-        if gate is None:
-            return True
-        t0 = time.perf_counter()
-        if not isinstance(exit_in, np.ndarray):
-            place.read(("gate", layer, "hidden"))
-        opened = gate_open(gate, buffers.host_state(self.rt, exit_in))
-        st.decide_s += time.perf_counter() - t0
-        return opened

@@ -1,11 +1,9 @@
 """KV policies: what happens to the layers a token skipped when it exits early.
 
-The layers after an exit still owe later tokens their K/V. A policy is one class with six hooks the runner calls
-during one token's pass over the segments, on the bound chain (chain_steps.py `chain_step`) and on the general path
-(runner.py `Runner._row_step`) alike:
+The layers after an exit still owe later tokens their K/V. A policy is one class with five hooks a decode step
+calls during one token's pass over the segments (chain_rows.py `rows_step`, for one row or a batch):
 
     may_exit(row)                       before the pass: may this token exit at all?
-    before_segment(row, s, h) -> x      before segment s runs: its input (h, plus positions waiting here)
     predict(row, kv, s, out) -> (logits, ids)?  the token exited after segment s: logits [V] (ids None) or [K]
                                         with their vocabulary ids to pick it from instead of the exit's own
                                         prediction (river: the river's end), or None; `predicts()` says
@@ -38,9 +36,10 @@ are validated against it without importing this module), subclass `KVPolicy`, im
 hook), state its behaviour in its class variables, and decorate it with `@register_policy`; the CLI, the manifest's
 list and bench take the names from `POLICIES`. What the runtime needs to know of a policy beyond its hooks it reads
 from the class, never from its name or its base class: `pending_states`, `checks_drafts`, `checks_at_final` (the
-runner) and `fragment` / `plan_fragment` (its part of the device binding plan, runtime/binding.py: a policy
-without one runs on the host path only). The cost model (`eectl.plan.choose.predict`) prices a policy from its
-`POLICY_SPECS` entry (`later`, `checks_drafts`); the plan chooses among `eectl.contracts.plan.PLAN_POLICIES`.
+step) and `fragment` / `plan_fragment` (its part of the binding plan, runtime/binding.py, the description of a
+device step that the GPU checks compare with what a run reads: a policy without one has no such check). The cost
+model (`eectl.plan.choose.predict`) prices a policy from its `POLICY_SPECS` entry (`later`, `checks_drafts`); the
+plan chooses among `eectl.contracts.plan.PLAN_POLICIES`.
 
 What this module does not do: decide exits (runner.py, exits/signals.py) or build graphs.
 """
@@ -97,13 +96,13 @@ class KVPolicy:
     exact_states: ClassVar[bool] = False
     needs_river_copies: ClassVar[bool] = False  # runs the int4 segment copies of `export --river`
     # exited states wait as pending positions (RowState.pending) that later passes carry: in a batch they may ride
-    # along in the deeper calls other rows need anyway (Runner._ride)
+    # along in the deeper calls other rows need anyway (chain_rows.py `_riders`)
     pending_states: ClassVar[bool] = False
     # the final pass checks every unchecked draft in st.drafts and rolls back at the first wrong one (verify): drafts
     # from the context (runtime/drafts.py) are checked by it too
     checks_drafts: ClassVar[bool] = False
     # on_final checks the states that reach the final layer (verify's drafts): pending states stop riding along in a
-    # batch before the final segment, so the final pass sees them (Runner._ride)
+    # batch before the final segment, so the final pass sees them (chain_rows.py `_riders`)
     checks_at_final: ClassVar[bool] = False
     # its part of the device binding plan (runtime/binding.py); None: no device-resident plan, the host path runs it
     fragment: ClassVar[PlanFragment | None] = None
@@ -128,9 +127,6 @@ class KVPolicy:
 
     def may_exit(self, st: RowState) -> bool:
         return True
-
-    def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
-        return h
 
     def predict(
         self, row: int, st: RowState, kv: KVBuffers, s: int, out: Any, *, place: Placement = HOST
@@ -192,11 +188,6 @@ class Defer(KVPolicy):
     pending_states = True
     exact_states = True
     fragment = PlanFragment(pending=True)
-
-    def before_segment(self, st: RowState, s: int, h: np.ndarray) -> np.ndarray:
-        pend = st.pending[s]
-        st.pending[s] = None
-        return h if pend is None else concat(self.rt, [pend, h], 1)
 
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
         prev = st.pending[s + 1]

@@ -1,23 +1,23 @@
 """The early-exit runner: exits chosen at run time over an exported artifact, with the KV cache kept correct.
 
 Per generated token, the segments run in order; after each segment that ends at an active exit, the exit is
-tested (decide.py): in the exit graph where it computes the signal (graph_decide.py), else through
+tested: in the exit graph where it computes the signal (graph_decide.py), else on the host (decide.py) through
 `eectl.exits.signals.ExitScoring` on the ONNX exit graphs' outputs (`OrtExitLogits`): the same code calibrate runs in
 torch, so a calibrated threshold means the same thing here. What the skipped layers' K/V become is the KV policy's
-business (policies.py): the runner calls its hooks. Steps run on the bound chain (chain_steps.py, chain_rows.py); the
-loop below (the general path) takes every step with `RunConfig.bound` False, and artifacts without the in-graph token.
+business (policies.py): the step calls its hooks. Every step runs on the bound chain (chain.py: its graph calls bound
+once; chain_steps.py chooses the step, chain_rows.py runs one with exits or drafts), the same way for one row or a
+batch, on the host or with device buffers; tests/simulation.py is its reference in PyTorch.
 
-Rows of a batch are independent sequences with their own cache rows and decisions, run in lock-step: per token
-every row's step runs until it needs a graph call, and a segment runs once for all rows that reach it with one new
-position (runtime/batch.py; per-row lengths), the final head once for all rows that reach it. Rows that exited
-early sit out the deeper calls (they ride along on a scratch slot: GQA cannot skip rows); rows with several
-positions (prefill, deferred positions) run single-row calls on their rows of the same buffers, and so do the
-river policy's int4 copies after an exit (`KVPolicy.predict`). Block states (cosine-min) come from the batched call.
+Rows of a batch are independent sequences with their own cache rows and decisions, run in lock-step: a segment
+runs once for all rows that reach it with one new position (per-row lengths), the final head once for all rows that
+reach it. Rows that exited early sit out the deeper calls (they ride along on a scratch slot: GQA cannot skip rows);
+rows with several positions (prompts, deferred positions, drafts) run their slot's one-row wide calls on the same
+buffers, and so do the river policy's int4 copies after an exit (`KVPolicy.predict`).
 
-Device-resident (`RunConfig.device_resident`, the default off the CPU EP; greedy with exits or drafts): every state
-a device value, exit tests reading a flag and a token, K scores or a scalar per row (binding.py). `generate` gives
-its calls a `Placement` of its own (placement.py), which records every host read. A Runner keeps its last call's KV
-cache and bound chains for the next call (`_buffers`).
+Device-resident (`RunConfig.device_resident`, the default off the CPU EP; greedy with exits or drafts): the chain's
+buffers are device memory, exit tests reading a flag and a token (binding.py). `generate` gives its calls a
+`Placement` of its own (placement.py), which records every host read. A Runner keeps its last call's KV cache and
+bound chains for the next call (`_buffers`).
 What this module does not do: tokenise or format output (run/generate.py / cli/), or load torch models.
 """
 
@@ -25,32 +25,28 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Generator
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
 from eectl.contracts.layers import check_exit_layers
-from eectl.errors import UsageError
+from eectl.errors import ArtifactError, UsageError
 from eectl.exits.base import ExitScore, no_probe_error
 from eectl.exits.candidates import CANDIDATE_SOURCES, FirstExitTopK
 from eectl.exits.gates import active_gates
 from eectl.exits.signals import get_signal
-from eectl.runtime import resident, scoring
-from eectl.runtime.asks import Ask, Decision, FinalLogits, FinalToken, Segment, position
+from eectl.runtime import scoring
 from eectl.runtime.batch import new_batch_kv
 from eectl.runtime.blocks import active_block
-from eectl.runtime.chain import DecodeChain
+from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.chain_steps import chain_for, chain_step, chain_tokens, slot_chain
 from eectl.runtime.decide import Answer, ExitTest
-from eectl.runtime.device_ops import concat
 from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
 from eectl.runtime.exit_logits import Decide
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.policies import policy_class
 from eectl.runtime.sampling import pick_token
-from eectl.runtime.segment_rows import segment_rows
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.slots import ROOM, Kept, narrowed, reused
 from eectl.runtime.state import Generation, RowState, RunConfig
@@ -87,6 +83,13 @@ class Runner:
         source = str(self.m.candidate_source.get("name", FirstExitTopK.name))
         self.source = CANDIDATE_SOURCES.get(source, CANDIDATE_SOURCES[FirstExitTopK.name])
         self.exits = check_exit_layers(config.exits, L)
+        if "token" not in runtime.full_graphs[L].io.outputs or not chain_exits_supported(
+            runtime, self.exits, self.signal
+        ):  # graphs of an older eectl: no greedy token from the final head, or no block states for cosine-min
+            raise ArtifactError(
+                f"{runtime.folder} was exported by an older eectl: its graphs lack outputs this runner steps on",
+                hint="export the artifact again with this version of eectl",
+            )
         cal = self.m.calibration
         # gated exits (eectl.exits.gates): the decision runs only where the gate on the exit's state opens
         self.gates = active_gates(cal.gates if cal is not None else None, {e: config.thresholds[e] for e in self.exits})
@@ -110,7 +113,7 @@ class Runner:
         self._kept: Kept | None = None  # the last call's cache and chain, which the next call reuses (`_buffers`)
         # the placement of the call in progress: generate()'s own while it runs, else the host's
         self.place: Placement = HOST
-        # the last generate()'s host reads, per step (device-resident or on the bound chain; none on the host path)
+        # the last generate()'s host reads, per step
         self.step_reads: list[list[tuple[str, int, str]]] = []
 
     # --- sampling --------------------------------------------------------------------------------------------------
@@ -135,161 +138,7 @@ class Runner:
             return int(pred.top1[i])
         return self._pick(np.asarray(pred.logits[i]), None if pred.ids is None else np.asarray(pred.ids[i]))
 
-    # --- one sequence step ------------------------------------------------------------------------------------
-    def _step(self, row: int, st: RowState, kv: KVBuffers, chunk_ids: list[int], force_full: bool = False) -> int:
-        """One row's step on its own (teacher-forced scoring, verify's closing pass): `_steps` with one row."""
-        return self._steps(kv, {row: (st, chunk_ids)}, force_full)[row]
-
-    def _steps(
-        self, kv: KVBuffers, work: dict[int, tuple[RowState, list[int]]], force_full: bool = False
-    ) -> dict[int, int]:
-        """One step for several rows at once: each row's `_row_step` runs until it asks for a graph call (asks.py);
-        the asks are gathered in pass order, so a segment runs once for all rows that reach it with one position
-        (batched, with per-row lengths; runtime/batch.py) and the final head once for all rows that reach it."""
-        gens = {r: self._row_step(r, st, kv, ids, force_full) for r, (st, ids) in work.items()}
-        asks = {r: next(g) for r, g in gens.items()}
-        tokens: dict[int, int] = {}
-        segments = len(self.m.segments)
-        while asks:
-            key = min(position(a, self.rt.segment_of_layer, segments) for a in asks.values())
-            group = {r: a for r, a in asks.items() if position(a, self.rt.segment_of_layer, segments) == key}
-            answers = self._answer(kv, group, work)
-            for r, answer in answers.items():
-                try:
-                    asks[r] = gens[r].send(answer)
-                except StopIteration as done:
-                    tokens[r] = done.value
-                    del asks[r]
-        return tokens
-
-    def _answer(
-        self, kv: KVBuffers, group: dict[int, Ask], work: dict[int, tuple[RowState, list[int]]]
-    ) -> dict[int, Any]:
-        """One batched call for the rows whose asks sit at the same place in the pass (all of one kind)."""
-        first = next(iter(group.values()))
-        if isinstance(first, Segment):
-            segs = {r: a for r, a in group.items() if isinstance(a, Segment)}
-            if all(a.ride for a in segs.values()):
-                return {r: None for r in segs}  # no row needs this segment now: the riders' states wait
-            states = {r for r, a in segs.items() if a.states}
-            block = self.block_after_segment.get(first.at)
-            xs = {r: a.x for r, a in segs.items()}
-            return segment_rows(self.rt, first.at, xs, kv, states, self.place, self._pad(), block)
-        if isinstance(first, Decision):
-            t0 = time.perf_counter()
-            answers = self._decide_rows(first.layer, {r: a.ask for r, a in group.items() if isinstance(a, Decision)})
-            for r in group:  # every row waited for the whole batched decision
-                work[r][0].decide_s += time.perf_counter() - t0
-            return answers
-        rows = sorted(group)
-        hidden = [a.hidden for a in (group[r] for r in rows) if isinstance(a, FinalToken | FinalLogits)]
-        if isinstance(first, FinalToken):  # the final head's in-graph argmax: one token per row leaves the graph
-            h = concat(self.rt, hidden, 0)
-            ids = self.rt.greedy_token(self.L, h, place=self.place, certified=self.cfg.certified_head)
-            return {r: int(ids[i]) for i, r in enumerate(rows)}
-        logits, _, _ = self.rt.exit_full(self.L, np.concatenate(hidden), self.cfg.top_k, place=self.place)
-        return {r: logits[i : i + 1] for i, r in enumerate(rows)}
-
-    def _row_step(
-        self,
-        row: int,
-        st: RowState,
-        kv: KVBuffers,
-        chunk_ids: list[int],
-        force_full: bool = False,
-    ) -> Generator[Ask, Any, int]:
-        """Process chunk_ids (the prompt, or the last token) and decide the next token; returns it.
-
-        Yields the graph calls it needs batched (asks.py: a segment, an exit's decision, the final head's token or
-        logits); `_steps` answers them. Under verify, a final-depth pass may roll back wrong drafts: then st.tokens
-        is shorter afterwards and the returned token is the full model's token at the first wrong position.
-        """
-        m, place = self.m, self.place
-        h = self.rt.embed(np.array([chunk_ids], dtype=np.int64), place=place)
-        cands: Any = None  # this token's candidates, once the first exit picked them
-        decided = False  # a decision ran for this token already (the first one picked its candidates)
-        may_exit = len(chunk_ids) == 1 and not force_full and self.policy.may_exit(st)
-        for s in range(len(m.segments)):
-            x = self.policy.before_segment(st, s, h)
-            layer = self.exit_after_segment.get(s)
-            # signals that read the segment's block boundaries (cosine-min) ask for them at the exits they test
-            wants_blocks = self.signal.needs_blocks and layer is not None and may_exit
-            out, layer_in, blocks, exit_in = yield Segment(s, x, states=wants_blocks)  # exit_in: a block head's, or out
-            if s == self.final_segment:
-                corrected = self.policy.on_final(row, st, kv, out, place=place)
-                if corrected is not None:
-                    return corrected
-                st.exit_layers.append(self.L)
-                if st.forced is None and self.cfg.temperature <= 0:  # greedy: only the token leaves the graph
-                    return int((yield FinalToken(out[0, -1:])))
-                logits = yield FinalLogits(out[0, -1:])
-                if st.forced is not None:
-                    return self._forced(st, logits[0])
-                return self._pick(logits[0])
-            if (
-                layer is not None
-                and may_exit
-                and self.exit_test.gate_opens(self.gates.get(layer), st, layer, exit_in, place)
-            ):
-                last = None if blocks is None else resident.last_positions(self.rt, blocks)
-                st.count_decisions([layer], None if decided else layer)
-                decided = True
-                score, i, cands = yield Decision(layer, Decide(exit_in[0, -1], layer_in[0, -1], cands, last))
-                if score is not None:
-                    return (yield from self._exited(row, st, kv, s, layer, out, exit_in, score, i))
-            h = out
-        raise AssertionError("unreachable: the final segment returns")
-
-    def _exited(
-        self,
-        row: int,
-        st: RowState,
-        kv: KVBuffers,
-        s: int,
-        layer: int,
-        out: Any,
-        exit_in: Any,
-        score: ExitScore,
-        i: int,
-    ) -> Generator[Ask, Any, int]:
-        """The token exits at `layer` (after segment s): its token, the policy's hook, then its ride (`_ride`)."""
-        own = self.policy.predict(row, st, kv, s, out, place=self.place)  # e.g. the river's end (one row)
-        st.exit_layers.append(layer)
-        if st.forced is not None:
-            if own is None:  # the exit's full vocabulary (after its block head, where it has one)
-                logits = self.rt.exit_full(layer, exit_in[0, -1:], self.cfg.top_k, place=self.place)[0]
-                own = (logits[0], None)
-            token = self._forced(st, own[0])
-        else:
-            token = self._pick(*own) if own is not None else self._pick_score(score, i)
-        self.policy.on_exit(row, st, kv, s, out, token)
-        if st.forced is None:
-            yield from self._ride(st, s)
-        return token
-
-    def _ride(self, st: RowState, s: int) -> Generator[Ask, Any, None]:
-        """The token exited after segment s; in a batch, its deferred state rides along in the deeper segments.
-
-        A batched call costs about the same whatever rows are active in it (rows that sit out still ride along on
-        their scratch slot), so computing the exited state's K/V in the calls other rows need anyway is free, and it
-        spares a later single-row flush call (GQA takes several positions per row only one row at a time). A segment
-        no other row needs this token is not run for a rider: its state keeps waiting there (plain defer). Riding
-        stops before the final segment for policies that check states there (`checks_at_final`: verify's drafts)."""
-        if not (self.cfg.ride_along and self.policy.pending_states):
-            return
-        end = self.final_segment if self.policy.checks_at_final else self.final_segment + 1
-        for t in range(s + 1, end):
-            x = st.pending[t]
-            if x is None or x.shape[1] != 1:
-                return
-            result = yield Segment(t, x, ride=True)
-            if result is None:
-                return
-            st.pending[t] = None
-            if t < self.final_segment:  # its output waits at the next segment's input, behind earlier positions
-                prev = st.pending[t + 1]
-                st.pending[t + 1] = result[0] if prev is None else concat(self.rt, [prev, result[0]], 1)
-
+    # --- teacher forcing --------------------------------------------------------------------------------------------
     @staticmethod
     def _forced(st: RowState, logits: np.ndarray) -> int:
         assert st.forced is not None
@@ -328,7 +177,7 @@ class Runner:
         slots: int | None = None,
     ) -> list[Generation]:
         """Generate for each prompt: rows in lock-step, each with its own cache rows and decisions, one graph call
-        per segment for the rows that run it (`_steps`).
+        per segment for the rows that run it (chain_steps.py `chain_tokens`).
 
         `slots`: rows decoded together (default: every prompt at once). With fewer slots than prompts, a row that
         finishes frees its slot between steps and the next prompt joins there (its cache rows forgotten, its prompt
@@ -352,14 +201,13 @@ class Runner:
             )
         width = len(prompts) if slots is None else min(slots, len(prompts))
         kept = self._buffers(width, need)
-        self.last_kv, chain = kept.kv, kept.chain
+        self.last_kv = kept.kv
         rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
         if self.lookup is not None:
             for st in rows:
                 st.lookup = self.lookup.new_state()
-        device = self._on_device()  # the states on the device: the chain's buffers, or the general path's own
-        # host reads recorded per step where every step's reads are named: device-resident, or on the bound chain
-        place = Placement(device=device, record=chain is not None)  # a device run records its reads anyway
+        # the states on the device (the chain's buffers there), and every step's host reads recorded
+        place = Placement(device=self._on_device(), record=True)
         self.step_reads = place.steps
         self.place = place
         try:
@@ -389,7 +237,7 @@ class Runner:
 
         seat()
         while seated:
-            if chain is not None and not queue and not fresh:
+            if not queue and not fresh:
                 chain = narrowed(self.rt, kept, chain, seated)
             t0 = time.perf_counter()  # a step's time includes proposing and settling its drafts
             # a fresh row feeds its prompt after what its cache rows hold, the others their last token
@@ -404,9 +252,7 @@ class Runner:
             for s, n in drafted.items():
                 if n:  # the row's last token, then its drafts: one wide pass through every layer
                     live[s] = (rows[seated[s]], rows[seated[s]].tokens[-n - 1 :])
-            bound = None if chain is None else chain_tokens(self, chain, kv, live, fresh, drafted, kept)
-            # else: exits or drafts off the CPU EP, prompts padded into one call
-            tokens = bound if bound is not None else self._steps(kv, live)
+            tokens = chain_tokens(self, chain, kv, live, fresh, drafted, kept)
             for s in tokens:
                 if drafted.get(s):
                     assert self.lookup is not None
@@ -462,36 +308,32 @@ class Runner:
         and tokens read on the host). Greedy only: sampling and teacher-forced scoring pick on the host."""
         return bool(self._resident_wanted() and (self.exits or self.lookup) and self.cfg.temperature <= 0)
 
-    def _chain(self, kv: KVBuffers, rows: int, host: bool = False) -> DecodeChain | None:
-        """The bound call chain this generate call steps on where it can (runtime/chain_steps.py; `host`: its states
-        in host buffers whatever the run's, for scoring and chat), else None (and always None where the configuration
-        is not `bound`)."""
-        return chain_for(self, kv, rows, host=host) if self.cfg.bound else None
+    def _chain(self, kv: KVBuffers, rows: int, host: bool = False) -> DecodeChain:
+        """The bound call chain a call steps on (runtime/chain_steps.py; `host`: its states in host buffers whatever
+        the run's, for scoring and chat)."""
+        return chain_for(self, kv, rows, host=host)
 
     @staticmethod
     def _confirmed(st: RowState) -> list[int]:
         end = len(st.tokens) if st.done or not st.drafts else min(p for p, _ in st.drafts)
         return st.tokens[st.prompt_len : end]
 
-    def _finished(self, row: int, st: RowState, kv: KVBuffers, chain: DecodeChain | None = None) -> bool:
+    def _finished(self, row: int, st: RowState, kv: KVBuffers, chain: DecodeChain) -> bool:
         generated = len(st.tokens) - st.prompt_len
         if st.tokens[-1] not in self.cfg.stop_ids and generated < self.cfg.max_new_tokens:
             return False
         return self._settled(row, st, kv, chain)
 
-    def _settled(self, row: int, st: RowState, kv: KVBuffers, chain: DecodeChain | None = None) -> bool:
+    def _settled(self, row: int, st: RowState, kv: KVBuffers, chain: DecodeChain) -> bool:
         """Generation stops here: whatever the policy left unchecked is checked first (True), or a wrong draft was
-        rolled back and generation continues from the corrected token (False). `chain`: the generate call's bound
-        chain, which runs the closing pass on the CPU EP (a batch's: on the row's slot's chain)."""
+        rolled back and generation continues from the corrected token (False). `chain`: the call's bound chain, which
+        runs the closing pass (a batch's: on the row's slot's chain)."""
         if not self.policy.unchecked(st):
             return True
         n_before, t0 = len(st.tokens), time.perf_counter()
-        if chain is not None and chain.rows > 1 and self._kept is not None:  # a batch: the row's slot's own chain
+        if chain.rows > 1 and self._kept is not None:  # a batch: the row's slot's own chain
             chain = slot_chain(self, self._kept, row)
-        if chain is not None:
-            extra = chain_step(self, chain, st, kv, force_full=True)
-        else:
-            extra = self._step(row, st, kv, [st.tokens[-1]], force_full=True)
+        extra = chain_step(self, chain, st, kv, force_full=True)
         if len(st.tokens) < n_before:  # a draft was wrong: continue from the corrected token
             st.emit(extra, time.perf_counter() - t0)
             return self._finished(row, st, kv, chain)

@@ -64,8 +64,6 @@ class Runner(stepping.Runner, Protocol):
 
     def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, tuple[Any, int, Any]]: ...
 
-    def _step(self, row: int, st: RowState, kv: Any, chunk_ids: list[int], force_full: bool = False) -> int: ...
-
     def _chain(self, kv: Any, rows: int, host: bool = False) -> Any: ...
 
 
@@ -85,27 +83,20 @@ def one_pass(runner: Runner) -> bool:
 
 
 def token_by_token(runner: Runner, ids: list[int], prompt_len: int) -> RowState:
-    """One text fed token by token through the runner's steps, the exits deciding as in generation (on the bound
-    chain where it runs the configuration, chain_steps.py; else `Runner._step`): its RowState holds each position's
-    -log p, argmax and layer. For any policy that scores text."""
+    """One text fed token by token through the runner's steps on the bound chain (chain_steps.py), the exits
+    deciding as in generation: its RowState holds each position's -log p, argmax and layer. For any policy that
+    scores text."""
     if not runner.policy.scores_text:
         raise UsageError(f"teacher-forced scoring does not cover the {runner.cfg.policy} policy")
     m = runner.m
     check_text(ids, prompt_len, m.max_positions)
     kv = runner.rt.new_kv(1, len(ids) + 1)
     st = RowState(list(ids[:prompt_len]), prompt_len, [None] * len(m.segments), forced=list(ids))
-    # the bound chain where it runs this configuration, as generation's steps, its states on the host (scoring reads
-    # each position's logits)
+    # generation's steps, their states on the host (scoring reads each position's logits)
     chain = runner._chain(kv, 1, host=True)
-    if chain is not None:
-        st.tokens.append(chain_prompt(runner, chain, st, kv))
-    else:
-        st.tokens.append(runner._step(0, st, kv, st.tokens))
+    st.tokens.append(chain_prompt(runner, chain, st, kv))
     while len(st.tokens) < len(ids):
-        if chain is not None:
-            st.tokens.append(chain_step(runner, chain, st, kv))
-        else:
-            st.tokens.append(runner._step(0, st, kv, [st.tokens[-1]]))
+        st.tokens.append(chain_step(runner, chain, st, kv))
     return st
 
 

@@ -36,7 +36,7 @@ class Kept:
     under."""
 
     kv: BatchKV
-    chain: DecodeChain | None
+    chain: DecodeChain
     cfg: RunConfig
     prompt_chains: dict[int, DecodeChain] = field(default_factory=dict)  # slot -> a one-row chain for its prompts
     narrow: dict[int, DecodeChain] = field(default_factory=dict)  # rows -> a full-depth chain over the first rows

@@ -30,22 +30,18 @@ class RunConfig:
     draft_ngram: int = MAX_NGRAM
     draft_min: int = 1  # the shortest run of drafts from the context proposed (the plan's: runtime/drafts.py)
     # batches (defer, verify): an exited row's deferred state joins the deeper segment calls that run anyway for other
-    # rows (its K/V computed now, the same values a later flush computes) instead of waiting; see `_ride`
+    # rows (its K/V computed now, the same values a later flush computes) instead of waiting (chain_rows.py)
     ride_along: bool = True
     # batches: the rows' prompts run as one padded first-prompt call per segment (GQA's no-past case, runtime/batch.py
     # `run_prefill`) rather than one single-row call each. None: on non-CPU providers only; on the CPU EP a prompt
     # call is compute-bound and the padding costs what the shared call saves (default model, 16 HumanEval prompts
     # of 88-189 tokens: padded 14.7 s vs single-row 13.6 s)
     batch_prompts: bool | None = None
-    # greedy steps with active exits executed as the binding plan says: hidden states, KV and logits stay device
-    # values between graphs; only the exit tests' K ids/scores or one scalar per row, and the tokens, are read (the
-    # runner's loop in resident mode; full-depth greedy steps always run on the bound chain, whose buffers live
-    # where the graphs run). None: on non-CPU providers (on the CPU EP the host path's numpy arrays are the same
-    # memory, with less work per call)
+    # greedy steps with active exits or drafts executed as the binding plan says: the chain's buffers device memory,
+    # hidden states, KV and logits staying there between graphs; only the exit tests' flags and tokens are read
+    # (full-depth greedy steps keep their buffers where the graphs run anyway). None: on non-CPU providers (on the
+    # CPU EP host buffers are the same memory, with less work per call)
     device_resident: bool | None = None
-    # steps on the bound call chain wherever it takes them (runtime/chain_steps.py `chain_for`); False: every step on
-    # the general path (runner.py `_steps`), the reference the chain is tested against and a way around it
-    bound: bool = True
     # greedy tokens on the chain from the artifact's certified head where it has one (export/certified_head.py: the
     # full head's argmax, proven from an 8-bit ranking; a row it cannot prove runs the full head); False: the full
     # head every step
