@@ -18,6 +18,30 @@ ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
+def models(tiny_dirs):
+    """family -> the torch model (loaded on first use): the simulation's (tests/simulation.py)."""
+    loaded: dict = {}
+
+    class Models:
+        def __getitem__(self, fam):
+            if fam not in loaded:
+                loaded[fam] = load_model(str(tiny_dirs[fam]))
+            return loaded[fam]
+
+    return Models()
+
+
+def _same_cache(kv, row: int, ref, layers: int) -> None:
+    """Row `row` of the runner's cache holds the reference's K/V at every layer, for the positions it filled."""
+    for layer in range(layers):
+        n = int(kv.filled[row, layer])
+        assert 0 < n <= ref.cache.length(layer), (layer, n)
+        for mine, want in ((kv.batch_keys, ref.cache.keys), (kv.batch_values, ref.cache.values)):
+            got = np.asarray(mine[layer][row, :, :n])
+            np.testing.assert_allclose(got, want[layer][0, :, :n].numpy(), rtol=1e-4, atol=1e-4, err_msg=str(layer))
+
+
+@pytest.fixture(scope="module")
 def runtimes(tiny_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("batch-artifacts")
     out = {}
@@ -142,10 +166,9 @@ def test_batched_rows_on_cuda_equal_cpu(tiny_dirs, tmp_path):
     np.testing.assert_allclose(outs[1], outs[0], atol=0.05)
 
 
-def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch):
-    """Full depth, 3 rows: after the prefill every segment runs once per step for all rows, not once per row: on
-    the general path (one batched call per segment) and on the bound chain (its calls bound once for the batch)."""
-    from eectl.runtime import segment_rows as segment_rows_mod
+def test_generate_runs_one_call_per_segment_for_the_batch(runtimes):
+    """Full depth, 3 rows: after the prompts every step runs the batch chain once for all rows (its calls bound once
+    for the batch), not once per row, and each row gets its tokens alone."""
     from eectl.runtime.chain import DecodeChain
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
@@ -153,67 +176,55 @@ def test_generate_runs_one_call_per_segment_for_the_batch(runtimes, monkeypatch)
     rt = runtimes["qwen2"]
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
     alone = [Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate([p])[0] for p in prompts]
-    calls, steps = [], []
-    real, real_step = segment_rows_mod.run_rows, DecodeChain.step
-
-    def counting(*args, **kwargs):
-        calls.append(int(args[4].sum()))  # active rows
-        return real(*args, **kwargs)
+    steps: list[tuple[int, list[int]]] = []
+    real_step = DecodeChain.step
 
     def stepping(self, tokens, **kwargs):
-        steps.append(sorted(tokens))
+        steps.append((self.rows, sorted(tokens)))
         return real_step(self, tokens, **kwargs)
 
-    monkeypatch.setattr(segment_rows_mod, "run_rows", counting)
-    monkeypatch.setattr(DecodeChain, "step", stepping)
-    gens = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate(prompts)
-    assert calls == [] and steps == [[0, 1, 2]] * 5  # the chain: 5 decode steps after the prefill, all rows each
-    assert [g.token_ids for g in gens] == [g.token_ids for g in alone]
-    general = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6, bound=False))
-    gens = general.generate(prompts)
-    assert calls == [3] * (len(rt.manifest.segments) * 5)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(DecodeChain, "step", stepping)
+        gens = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=6)).generate(prompts)
+    assert steps == [(3, [0, 1, 2])] * 5  # 5 decode steps after the prompts, all rows in each, on the batch's chain
     assert [g.token_ids for g in gens] == [g.token_ids for g in alone]
 
 
 @pytest.mark.parametrize("fam", ["llama", "gemma3_text"])
-def test_the_bound_batch_chain_equals_the_general_path(runtimes, fam):
+def test_the_bound_batch_chain_equals_the_torch_model(runtimes, models, fam):
     """Full-depth greedy decode of a batch on the bound chain (runtime/chain.py `step`: calls bound once over
-    the batch buffers, each row at its own length; each prompt on a one-row chain of its slot) gives the general
-    path's tokens and cache, rows of different lengths finishing at different steps (the finished ones ride along);
+    the batch buffers, each row at its own length; each prompt on a one-row chain of its slot) gives the torch
+    model's tokens and cache, rows of different lengths finishing at different steps (the finished ones ride along);
     the only value read on the host is the token, one per prompt in the prompts' step, then one for all rows."""
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
+    from tests.simulation import Simulation
 
     rt = runtimes[fam]
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [13], [20, 21]]
     probe = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=9)).generate(prompts)
     stop = (probe[2].token_ids[3],)  # row 2 stops after 4 tokens: later steps run without it
-
-    def run(chained: bool):
-        # the full head every step: its token is the one read (the certified head's reads: test_certified_head.py)
-        cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=9, stop_ids=stop, bound=chained, certified_head=False)
-        runner = Runner(rt, cfg)
-        return runner, runner.generate(prompts)
-
-    runner, got = run(True)
+    # the full head every step: its token is the one read (the certified head's reads: test_certified_head.py)
+    cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=9, stop_ids=stop, certified_head=False)
+    runner = Runner(rt, cfg)
+    got = runner.generate(prompts)
+    ref = Simulation(models[fam].adapter, [], {}).generate(prompts, 9, stop_ids=stop)
+    assert [g.token_ids for g in got] == [r.tokens for r in ref]
+    assert [g.exit_layers for g in got] == [r.layers for r in ref]
+    assert len(ref[2].tokens) == 4 and max(len(r.tokens) for r in ref) == 9
     kv_got = runner.last_kv
-    general, ref = run(False)
-    assert [g.token_ids for g in got] == [g.token_ids for g in ref]
-    assert kv_got is not None and general.last_kv is not None and (kv_got.filled == general.last_kv.filled).all()
+    assert kv_got is not None
     for r, g in enumerate(got):
-        n = len(prompts[r]) + len(g.token_ids) - 1  # positions written: the prompt and every token but the last
-        for mine, theirs in zip(kv_got.batch_keys, general.last_kv.batch_keys, strict=True):
-            assert (mine[r, :, :n] == theirs[r, :, :n]).all()
-    assert [g.exit_layers for g in got] == [g.exit_layers for g in ref]
-    assert len(ref[2].token_ids) == 4 and max(len(g.token_ids) for g in ref) == 9
+        assert kv_got.filled[r, : rt.manifest.num_layers].tolist() == [len(prompts[r]) + len(g.token_ids) - 1] * 6
+        _same_cache(kv_got, r, ref[r], rt.manifest.num_layers)
     kv = new_batch_kv(rt, 2, 8)
     chain = runner._chain(kv, 2)
-    assert chain is not None and chain.rows == 2
+    assert chain.rows == 2
     L, final = rt.manifest.num_layers, rt.full_graphs[rt.manifest.num_layers]
     packed = rt.packed_heads.get(L, final, rt.weight_feeds(final), rt.device)
     assert packed is not None and chain.calls[-1][0] is packed  # several rows: the head's table packed once
     one = runner._chain(new_batch_kv(rt, 1, 8), 1)
-    assert one is not None and one.calls[-1][0] is final.session  # one row: the shared table, as fast there
+    assert one.calls[-1][0] is final.session  # one row: the shared table, as fast there
     kv.filled[:] = 1
     kv.filled[1] = 3
     assert sorted(chain.step({0: 5, 1: 6})) == [0, 1]
@@ -228,41 +239,47 @@ def test_the_bound_batch_chain_equals_the_general_path(runtimes, fam):
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDAExecutionProvider")
 def test_plan_executed_on_cuda_equals_the_host_path(tiny_dirs, tmp_path):
-    """On the CUDA EP (fp16), the bound chain's full-depth steps (states in device buffers) give the tokens of the
-    general path: one row (its prompt on the chain: embedded on the host, joined into device buffers), a batch (its
-    prompts padded into one call per segment, then the chain's head), prompts joining freed slots, greedy and
-    sampled."""
+    """On the CUDA EP (fp16), the bound chain's full-depth steps (states in device buffers): one row (its prompt on
+    the chain: embedded on the host, joined into device buffers), a batch (its prompts padded into one call per
+    segment, then the chain's head) and prompts joining freed slots give each row its greedy tokens alone, and those
+    are the greedy choices teacher-forced scoring (host buffers) makes after each prefix; sampling is deterministic
+    for a seed and differs from greedy."""
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
 
     export_artifact(load_model(str(tiny_dirs["llama"])), tmp_path / "a", ExportOptions(exits=[3], dtype="fp16"))
     rt = ArtifactRuntime(tmp_path / "a", provider="cuda")
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15, 16, 17]]
-    for temperature in (0.0, 0.8):
-        for batch, slots in ((prompts[:1], None), (prompts[:3], None), (prompts, 2)):
-            cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=8, temperature=temperature, seed=5)
-            gens = [Runner(rt, replace(cfg, bound=b)).generate(batch, slots=slots) for b in (True, False)]
-            assert [g.token_ids for g in gens[0]] == [g.token_ids for g in gens[1]], (temperature, len(batch), slots)
+    cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=8)
+    alone = [Runner(rt, cfg).generate([p])[0].token_ids for p in prompts]
+    for p, want in zip(prompts, alone, strict=True):  # the token after each prefix, on host buffers
+        assert Runner(rt, cfg).greedy_choices(p + want, len(p)) == want
+    for batch, slots in ((prompts[:3], None), (prompts, 2)):
+        got = Runner(rt, cfg).generate(batch, slots=slots)
+        assert [g.token_ids for g in got] == alone[: len(batch)], (len(batch), slots)
+    sampled = replace(cfg, temperature=0.8, seed=5)
+    for batch, slots in ((prompts[:1], None), (prompts[:3], None), (prompts, 2)):
+        a, b = (Runner(rt, sampled).generate(batch, slots=slots) for _ in range(2))
+        assert [g.token_ids for g in a] == [g.token_ids for g in b], (len(batch), slots)
+    assert Runner(rt, sampled).generate(prompts[:1])[0].token_ids != alone[0]
 
 
 @pytest.mark.parametrize("policy", ["full", "defer", "verify"])
-def test_generate_with_padded_prompt_calls_equals_rows_alone(runtimes, policy, monkeypatch):
-    """The padded prompt calls (on by default only off the CPU EP where a run's states are on the host) give each
-    row its own tokens, on the bound chain (chain_steps.py `padded_prompts`: one call per segment for the runs of
-    empty rows, a prompt of one token on its slot's chain) and on the general path alike, with the same cache;
-    prompts joining freed slots are padded with the others that join in their step."""
+def test_generate_with_padded_prompt_calls_equals_rows_alone(runtimes, models, policy, monkeypatch):
+    """The padded prompt calls (on by default only off the CPU EP where a run's states are on the host: chain_steps.py
+    `padded_prompts`, one call per segment for the runs of empty rows, a prompt of one token on its slot's chain)
+    give each row its own tokens alone, those of the torch simulation (tests/simulation.py: defer; full depth for
+    full and verify), with its cache; prompts joining freed slots are padded with the others that join in their
+    step."""
     from eectl.runtime import chain_steps
-    from eectl.runtime import segment_rows as segment_rows_mod
     from eectl.runtime.runner import Runner
     from eectl.runtime.state import RunConfig
-    from tests.test_chain_host_decisions import _counting_general_steps
+    from tests.simulation import Simulation
 
     rt = runtimes["qwen3"]
     calls: list[int] = []
-    for mod in (segment_rows_mod, chain_steps):
-        real = mod.run_prefill
-        monkeypatch.setattr(mod, "run_prefill", lambda *a, _real=real, **k: calls.append(len(a[2])) or _real(*a, **k))
-    general = _counting_general_steps(monkeypatch)
+    real = chain_steps.run_prefill
+    monkeypatch.setattr(chain_steps, "run_prefill", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16, 17], [18], [19, 20, 21, 22]]
     exits = [] if policy == "full" else [2, 4]
     thr = {e: {"prob": 0.1} for e in exits}  # some tokens exit
@@ -272,26 +289,24 @@ def test_generate_with_padded_prompt_calls_equals_rows_alone(runtimes, policy, m
         return RunConfig(exits=exits, thresholds=thr, policy=pol, top_k=8, max_new_tokens=6, **kw)
 
     alone = [Runner(rt, cfg()).generate([p])[0] for p in prompts]
-    runs = []
-    for bound in (True, False):
-        calls.clear()
-        general.clear()
-        runner = Runner(rt, cfg(batch_prompts=True, bound=bound))
-        gens = runner.generate(prompts[:3])
-        assert calls == [3] * len(rt.manifest.segments)  # one call per segment for all three prompts
-        assert (general == []) == bound
-        assert [g.token_ids for g in gens] == [g.token_ids for g in alone[:3]]
-        slotted = Runner(rt, cfg(batch_prompts=True, bound=bound))
-        got = slotted.generate(prompts, slots=3)  # 5 prompts in 3 slots: the one-token prompt alone on its chain
-        assert [g.token_ids for g in got] == [g.token_ids for g in alone]
-        assert [g.exit_layers for g in got] == [g.exit_layers for g in alone]
-        runs.append((runner.last_kv, gens))
-    (kv, got), (kv_plain, plain) = runs
-    assert [g.exit_layers for g in got] == [g.exit_layers for g in plain]
-    assert (kv.filled == kv_plain.filled).all()
-    n = int(kv.filled.min())
-    for mine, other in zip(kv.batch_keys + kv.batch_values, kv_plain.batch_keys + kv_plain.batch_values, strict=True):
-        assert (mine[:, :, :n] == other[:, :, :n]).all()
+    sim = Simulation(models["qwen3"].adapter, exits if policy == "defer" else [], thr, top_k=8)
+    ref = sim.generate(prompts, 6)
+    assert [g.token_ids for g in alone] == [r.tokens for r in ref]
+    if policy == "defer":
+        assert [g.exit_layers for g in alone] == [r.layers for r in ref]
+        assert any(e < 6 for r in ref for e in r.layers), [r.layers for r in ref]  # some tokens exit
+    runner = Runner(rt, cfg(batch_prompts=True))
+    gens = runner.generate(prompts[:3])
+    assert calls == [3] * len(rt.manifest.segments)  # one call per segment for all three prompts
+    assert [g.token_ids for g in gens] == [g.token_ids for g in alone[:3]]
+    assert [g.exit_layers for g in gens] == [g.exit_layers for g in alone[:3]]
+    assert runner.last_kv is not None
+    for row in range(3):
+        _same_cache(runner.last_kv, row, ref[row], rt.manifest.num_layers)
+    slotted = Runner(rt, cfg(batch_prompts=True))
+    got = slotted.generate(prompts, slots=3)  # 5 prompts in 3 slots: the one-token prompt alone on its chain
+    assert [g.token_ids for g in got] == [g.token_ids for g in alone]
+    assert [g.exit_layers for g in got] == [g.exit_layers for g in alone]
 
 
 def test_kv_lengths_change_through_span_advance_and_rollback_only():
@@ -314,30 +329,6 @@ def test_kv_lengths_change_through_span_advance_and_rollback_only():
     assert kv.filled.tolist() == [[2, 2, 2, 2], [1, 1, 0, 0]]
     kv.seek(1, 5, 2, 4)
     assert kv.filled[1].tolist() == [1, 1, 5, 5]
-
-
-def test_asks_sort_in_pass_order_and_a_segments_riders_join_its_call():
-    """The general path answers the asks of a step in pass order (runtime/asks.py `position`): segment s, the exit
-    after it, segment s + 1, ..., the final head (greedy tokens before logits); a rider and a row wanting block
-    states sit where the segment's plain ask does, so they join its one batched call."""
-    from eectl.runtime.asks import Decision, FinalLogits, FinalToken, Segment, position
-    from eectl.runtime.exit_logits import Decide
-
-    segment_of_layer = {4: 0, 9: 1}  # exits ending segments 0 and 1 of 3
-    ask = Decide(None, None, None, None)
-    pass_order = [
-        Segment(0, None),
-        Decision(4, ask),
-        Segment(1, None),
-        Decision(9, ask),
-        Segment(2, None),
-        FinalToken(None),
-        FinalLogits(None),
-    ]
-    at = [position(a, segment_of_layer, 3) for a in pass_order]
-    assert at == sorted(at) and len(set(at)) == len(at)
-    joined = {position(a, segment_of_layer, 3) for a in (Segment(1, None, states=True), Segment(1, None, ride=True))}
-    assert joined == {position(Segment(1, None), segment_of_layer, 3)}
 
 
 def test_rows_still_decoding_narrow_onto_the_first_rows_and_keep_their_tokens(runtimes, family):
