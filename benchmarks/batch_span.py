@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-from eectl.runtime.batch import new_batch_kv, run_rows
+from eectl.runtime.batch import new_batch_kv
+from eectl.runtime.chain import DecodeChain
 from eectl.runtime.sessions import ArtifactRuntime
 
 
@@ -38,17 +39,22 @@ def main() -> None:
     B = args.batch
     kv = new_batch_kv(rt, B, args.past + 8)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((B, 1, m.dims["hidden_size"])).astype(rt.np_dtype)
     spans = [n for n in (1, 2, 4, 8, 16, 32) if n <= B]
+    # the segment's call as a batch's decode step binds it: over the first n rows of the buffers (the chain's own)
+    chains = {n: DecodeChain(rt, kv, 0, rows=n) for n in spans}
+    for chain in chains.values():
+        chain.hops[args.segment][...] = rng.standard_normal(chain.hops[args.segment].shape).astype(rt.np_dtype)
     times: dict[int, list[float]] = {n: [] for n in spans}
     copies: dict[int, list[float]] = {n: [] for n in spans}
     for k in range(args.calls + 3):
         for n in spans:
-            active = np.zeros(B, dtype=bool)
-            active[:n] = True
-            kv.filled[:] = args.past  # every row at the same length; the call appends one position to the span
+            chain = chains[n]
+            kv.filled[:] = args.past  # every row at the same length; the call writes one position per row
+            chain.seqlens_k[:] = args.past
+            chain.total[()] = args.past + 1
+            session, io = chain.segment_calls[args.segment]
             t0 = time.perf_counter()
-            run_rows(rt, args.segment, x, kv, active)
+            session.run_with_iobinding(io)
             took = time.perf_counter() - t0
             t0 = time.perf_counter()
             for layer in range(lo, hi):  # a gather's copy out and back of the span's K/V (up to the past)

@@ -8,9 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from eectl.errors import UsageError
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models import load_model
-from eectl.runtime.batch import new_batch_kv, prefill_runs, run_prefill, run_rows
+from eectl.runtime.batch import new_batch_kv, prefill_runs, run_prefill
 from eectl.runtime.ort import cuda_usable
 from eectl.runtime.sessions import ArtifactRuntime
 
@@ -51,46 +52,55 @@ def runtimes(tiny_dirs, tmp_path_factory):
     return out
 
 
+def _prompts_on_rows(rt, kv, rows: dict[int, np.ndarray]) -> None:
+    """Each row's prompt (token ids) through every segment on the row's view of the buffers (single-row calls)."""
+    for r, ids in rows.items():
+        h = rt.embed(ids[None])
+        for s in range(len(rt.manifest.segments)):
+            h = rt.run_segment(s, h, kv, row=r)[0]
+
+
+def _same_rows(kv, alone) -> None:
+    """Row r of the batch buffers holds what the one-row buffers alone[r] hold, at every layer."""
+    for r, one in enumerate(alone):
+        assert (kv.filled[r] == one.filled[0]).all(), (r, kv.filled[r], one.filled[0])
+        for layer in range(len(kv.batch_keys)):
+            n = int(kv.filled[r, layer])
+            for mine, theirs in ((kv.batch_keys, one.batch_keys), (kv.batch_values, one.batch_values)):
+                np.testing.assert_allclose(mine[layer][r, :, :n], theirs[layer][0, :, :n], atol=ATOL)
+
+
 def test_batched_rows_equal_rows_alone(runtimes, family):
-    """Prefill (single-row chunks on the batch buffers), then decode steps with some rows sitting out: every
-    active row's outputs and K/V equal the single-row path's; sliding windows (mistral, gemma3) are crossed."""
+    """Prompts of different lengths on the rows of a batch (single-row calls on the batch buffers), then decode steps
+    with some rows sitting out on the batch's bound chain (one call per graph, per-row lengths, idle rows writing only
+    their scratch slot): every row's tokens and K/V equal its own one-row chain's; sliding windows (mistral, gemma3)
+    are crossed."""
+    from eectl.runtime.chain import DecodeChain
+
     rt = runtimes[family]
-    m = rt.manifest
-    H = m.dims["hidden_size"]
+    V = rt.manifest.dims["vocab_size"]
     rng = np.random.default_rng(0)
-    prompts = [5, 19, 2, 11]
+    prompts = {r: rng.integers(3, V, n) for r, n in enumerate([5, 19, 2, 11])}
     B, steps = len(prompts), 9
     kv = new_batch_kv(rt, B, 32)
-    alone = rt.new_kv(B, 32)
-    for s in range(len(m.segments)):
-        for r, n in enumerate(prompts):
-            x = rng.standard_normal((1, n, H)).astype(np.float32)
-            got = rt.run_segment(s, x, kv, row=r)  # on the row's view of the batch buffers
-            ref = rt.run_segment(s, x, alone, row=r)
-            assert got is not None
-            np.testing.assert_allclose(got[0], ref[0], atol=ATOL)
-        for step in range(steps):
-            active = rng.random(B) < 0.7
-            active[step % B] = True
-            x = rng.standard_normal((B, 1, H)).astype(np.float32)
-            out = run_rows(rt, s, x, kv, active, kv_only=step % 4 == 3)
-            for r in np.flatnonzero(active):
-                ref = rt.run_segment(s, x[r : r + 1], alone, row=int(r), kv_only=step % 4 == 3)
-                if out is not None:
-                    np.testing.assert_allclose(out[0][r], ref[0][0], atol=ATOL)
-                    np.testing.assert_allclose(out[1][r], ref[1][0], atol=ATOL)
-    assert (kv.filled == alone.filled).all() and (kv.filled[:, 0] > np.array(prompts)).all()
-    for r in range(B):
-        for layer in range(m.num_layers):
-            n = int(kv.filled[r, layer])
-            np.testing.assert_allclose(kv.batch_keys[layer][r, :, :n], alone.keys[r][layer][0, :, :n], atol=ATOL)
-            np.testing.assert_allclose(kv.batch_values[layer][r, :, :n], alone.values[r][layer][0, :, :n], atol=ATOL)
+    alone = [new_batch_kv(rt, 1, 32) for _ in range(B)]
+    _prompts_on_rows(rt, kv, prompts)
+    for r, ids in prompts.items():
+        _prompts_on_rows(rt, alone[r], {0: ids})
+    chain, ones = DecodeChain(rt, kv, 0, rows=B), [DecodeChain(rt, one, 0) for one in alone]
+    for step in range(steps):
+        active = rng.random(B) < 0.7
+        active[step % B] = True
+        tokens = {int(r): int(rng.integers(3, V)) for r in np.flatnonzero(active)}
+        got = chain.step(tokens)
+        assert got == {r: ones[r].step({0: t})[0] for r, t in tokens.items()}, step
+    assert (kv.filled[:, 0] > np.array([len(p) for p in prompts.values()])).all()
+    _same_rows(kv, alone)
 
 
 def test_padded_prompts_in_one_call_equal_rows_alone(runtimes, family):
     """Prompts of different lengths, right-padded into one first-prompt call per segment (GQA's no-past case),
-    give every row the outputs and K/V of its own single-row prefill (the mistral/gemma3 windows are crossed);
-    then a batched decode step on top of them agrees too."""
+    give every row the outputs and K/V of its own single-row prefill (the mistral/gemma3 windows are crossed)."""
     rt = runtimes[family]
     m = rt.manifest
     H = m.dims["hidden_size"]
@@ -106,11 +116,6 @@ def test_padded_prompts_in_one_call_equal_rows_alone(runtimes, family):
             assert got[r][0].shape == (1, prompts[r], H)
             np.testing.assert_allclose(got[r][0], ref[0], atol=ATOL)
             np.testing.assert_allclose(got[r][1], ref[1], atol=ATOL)
-        x = rng.standard_normal((B, 1, H)).astype(np.float32)
-        out = run_rows(rt, s, x, kv, np.ones(B, dtype=bool))
-        assert out is not None
-        for r in range(B):
-            np.testing.assert_allclose(out[0][r], rt.run_segment(s, x[r : r + 1], alone, row=r)[0][0], atol=ATOL)
     assert (kv.filled == alone.filled).all()
     for r in range(B):
         for layer in range(m.num_layers):
@@ -129,41 +134,45 @@ def test_padded_prompt_calls_take_only_empty_consecutive_rows(runtimes):
         run_prefill(rt, 0, {1: x, 2: x}, kv)
 
 
-def test_batched_call_rejects_a_full_buffer(runtimes):
+def test_a_batch_step_rejects_a_full_buffer_and_idle_rows_keep_theirs(runtimes):
+    """A row at the buffer's end sits out a batch step on its scratch slot (its K/V and length untouched); a step
+    that would take it past the end is refused."""
+    from eectl.runtime.chain import DecodeChain
+
     rt = runtimes["llama"]
     kv = new_batch_kv(rt, 2, 3)
-    x = np.random.default_rng(1).standard_normal((2, 1, rt.manifest.dims["hidden_size"])).astype(np.float32)
-    for _ in range(3):
-        run_rows(rt, 0, x, kv, np.array([True, False]))
+    chain = DecodeChain(rt, kv, 0, rows=2)
+    for t in (5, 6, 7):
+        chain.step({0: t})
     before = kv.batch_keys[0][0].copy()
-    run_rows(rt, 0, x, kv, np.array([False, True]))  # the full row only rides along, on its scratch slot
+    chain.step({1: 8})  # the full row only rides along, on its scratch slot
     assert list(kv.filled[:, 0]) == [3, 1]
     np.testing.assert_array_equal(kv.batch_keys[0][0, :, :3], before[:, :3])  # its real positions are untouched
-    with pytest.raises(Exception, match="beyond the KV buffer"):
-        run_rows(rt, 0, x, kv, np.array([True, True]))
+    with pytest.raises(UsageError, match="beyond the KV buffer"):
+        chain.step({0: 9, 1: 9})
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_usable(), reason="needs a usable CUDAExecutionProvider")
-def test_batched_rows_on_cuda_equal_cpu(tiny_dirs, tmp_path):
-    """The same calls with the KV buffers as CUDA OrtValues (row views by device pointer) give the CPU's outputs."""
+def test_batched_rows_on_cuda_equal_rows_alone(tiny_dirs, tmp_path):
+    """The batch chain with its KV buffers as CUDA OrtValues (row views by device pointer), rows of different lengths
+    and some sitting out: each row's tokens and K/V are its one-row chain's there."""
+    from eectl.runtime.chain import DecodeChain
+
     export_artifact(load_model(str(tiny_dirs["llama"])), tmp_path / "a", ExportOptions(exits=[3], dtype="fp16"))
-    rts = [ArtifactRuntime(tmp_path / "a", provider=p) for p in ("cpu", "cuda")]
-    H = rts[0].manifest.dims["hidden_size"]
+    rt = ArtifactRuntime(tmp_path / "a", provider="cuda")
+    V = rt.manifest.dims["vocab_size"]
     rng = np.random.default_rng(0)
-    prefill = [rng.standard_normal((1, n, H)).astype(np.float16) for n in (4, 9, 2)]
-    decode = rng.standard_normal((3, 1, H)).astype(np.float16)
-    outs = []
-    for rt in rts:
-        kv = new_batch_kv(rt, 3, 16)
-        for r, x in enumerate(prefill):
-            rt.run_segment(0, x, kv, row=r)
-        got = run_rows(rt, 0, decode, kv, np.array([True, False, True]))
-        assert got is not None and list(kv.filled[:, 0]) == [5, 9, 3]
-        padded = new_batch_kv(rt, 3, 16)  # the prompts as one right-padded first-prompt call
-        pre = run_prefill(rt, 0, dict(enumerate(prefill)), padded)
-        outs.append(np.concatenate([got[0][[0, 2]], pre[1][0][:, -1:]]).astype(np.float32))
-    np.testing.assert_allclose(outs[1], outs[0], atol=0.05)
+    prompts = {r: rng.integers(3, V, n) for r, n in enumerate([4, 9, 2])}
+    kv, alone = new_batch_kv(rt, 3, 16), [new_batch_kv(rt, 1, 16) for _ in range(3)]
+    _prompts_on_rows(rt, kv, prompts)
+    for r, ids in prompts.items():
+        _prompts_on_rows(rt, alone[r], {0: ids})
+    chain, ones = DecodeChain(rt, kv, 0, rows=3), [DecodeChain(rt, one, 0) for one in alone]
+    for active in ([0, 2], [0, 1, 2], [1]):
+        tokens = {r: int(rng.integers(3, V)) for r in active}
+        assert chain.step(tokens) == {r: ones[r].step({0: t})[0] for r, t in tokens.items()}
+    assert list(kv.filled[:, 0]) == [6, 11, 4]
 
 
 def test_generate_runs_one_call_per_segment_for_the_batch(runtimes):

@@ -1,4 +1,5 @@
-"""Batched segment calls: one graph call for all rows of a batch, each row at its own length.
+"""A batch's KV buffers (`BatchKV`) and its padded prompt calls (`run_prefill`); the bound chain (chain.py,
+chain_rows.py) runs its batched decode calls on them: one graph call for the rows of a batch, each at its own length.
 
 KV of each layer is one buffer [B, H_kv, capacity, D] for the whole batch. GroupQueryAttention takes per-row
 `seqlens_k` (a row's total length - 1), so rows of different lengths share one call and each row's new K/V lands at
@@ -14,24 +15,22 @@ Two limits of the op shape how calls are made (ONNX Runtime 1.31):
   writes its would-be K/V to the slot just past its length (the scratch slot: never counted as filled, overwritten
   by the row's next real position), its outputs are ignored and its length does not advance. Hence capacity =
   the longest sequence + 1. A call spans only the rows from the first to the last active one (a contiguous view),
-  so finished rows at the ends of the batch cost nothing.
+  so finished rows at the ends of the batch cost nothing (chain_rows.py `_part`).
 
-What this module does not do: decide exits or policies (runner.py); it only runs segments for chosen rows.
+What this module does not do: decide exits or policies, or bind the decode calls (chain.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from eectl.errors import UsageError
-from eectl.runtime.kv import KVBuffers, _Call
+from eectl.runtime.kv import KVBuffers
 from eectl.runtime.memory import check_kv
-from eectl.runtime.ort import DeviceView, Graph, _ort
-from eectl.runtime.placement import HOST, Placement
+from eectl.runtime.ort import DeviceView, _ort
 from eectl.runtime.sessions import ArtifactRuntime
 
 
@@ -103,169 +102,6 @@ def _past(kv: KVBuffers, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
     if (kv.filled[rows, lo:hi] != past[:, None]).any():
         raise RuntimeError(f"layers {lo}..{hi - 1} hold different lengths within a row: {kv.filled[rows, lo:hi]}")
     return past
-
-
-def span_of(active: np.ndarray) -> slice:
-    """A call spans the rows from the first to the last active one (a contiguous range: a view of the buffers);
-    only idle rows between them ride along."""
-    rows = np.flatnonzero(active)
-    if rows.size == 0:
-        raise ValueError("a batched call needs at least one active row")
-    return slice(int(rows[0]), int(rows[-1]) + 1)
-
-
-def join_rows(rt: ArtifactRuntime, xs: dict[int, Any], rows: int) -> tuple[Any, np.ndarray]:
-    """The rows' one-position states xs (row -> [1, 1, H]) as one call's input, and the active flags [rows].
-
-    Host states: [rows, 1, H] (zeros for the rows sitting out). Device-resident states (DeviceViews): only the
-    span's rows, joined on the device, [span, 1, H]; a row sitting out inside the span takes another row's state
-    (its input only ever writes its scratch slot, and its outputs are ignored)."""
-    active = np.zeros(rows, dtype=bool)
-    active[list(xs)] = True
-    any_x = next(iter(xs.values()))
-    if isinstance(any_x, np.ndarray):
-        hidden = np.zeros((rows, 1, any_x.shape[-1]), dtype=rt.np_dtype)
-        for r, x in xs.items():
-            hidden[r] = x[0]
-        return hidden, active
-    span = span_of(active)
-    from eectl.runtime.device_ops import concat
-
-    return concat(rt, [xs.get(r, any_x) for r in range(span.start, span.stop)], 0), active
-
-
-def bind_rows(
-    rt: ArtifactRuntime,
-    g: Graph,
-    kv: BatchKV,
-    slots: Sequence[int],
-    hidden: Any,
-    active: np.ndarray,
-    past: np.ndarray,
-) -> tuple[Any, slice]:
-    """The binding of graph `g` for one call over the active rows of a device-resident run (segments and block exit
-    heads alike): kept per span of rows (`KVBuffers.calls`), its layers' K/V at `slots` and its length scalars bound
-    once (binding after a graph's run costs 15-20x a warm bind: docs/results/2026-12-04-decisions.md), the rows'
-    hidden input [span, 1, H] (`join_rows`) bound per call; the caller binds the outputs. Returns it and the span."""
-    span = span_of(active)
-    first, last = span.start, span.stop
-    assert hidden.shape[0] == last - first, (hidden.shape, span)
-    key = (g.session, first, last - first, "device")
-    call = kv.calls.get(key)
-    if call is None:
-        call = _Call(g.binding(), np.zeros(last - first, np.int32))
-        rt._bind_array(call.io, g.name("seqlens_k"), call.seqlens_k)
-        rt._bind_array(call.io, g.name("total_sequence_length"), call.total)
-        rt.bind_kv(call.io, g, kv, slots, first, last)
-        kv.calls[key] = call
-    call.seqlens_k[:] = past[span]  # total length - 1, the new position included
-    call.total[()] = int(past[span].max()) + 1
-    rt._bind_array(call.io, g.name("hidden"), hidden)
-    return call.io, span
-
-
-@dataclass
-class RowsCall:
-    """Graph `g` bound once over a span of rows of the batch buffers (kept on them: `KVBuffers.calls`), its inputs
-    and outputs host arrays written in place: a call copies the rows' states in and the outputs out, rebinding
-    nothing."""
-
-    session: Any
-    io: Any
-    hidden: np.ndarray  # [n, 1, H]
-    seqlens_k: np.ndarray  # [n] int32
-    total: np.ndarray  # () int32
-    outputs: dict[str, np.ndarray]  # manifest io key -> [n, ...]
-
-    def run(self, hidden: np.ndarray, active: np.ndarray, past: np.ndarray, span: slice) -> None:
-        """hidden [B, 1, H] (the rows outside `active` fed zeros: they only write their scratch slot)."""
-        np.copyto(self.hidden, 0)
-        np.copyto(self.hidden, hidden[span], where=active[span, None, None])
-        self.seqlens_k[:] = past[span]  # total length - 1, the new position included
-        self.total[()] = int(past[span].max()) + 1
-        self.session.run_with_iobinding(self.io)
-
-
-def rows_call(
-    rt: ArtifactRuntime, g: Graph, kv: BatchKV, slots: Sequence[int], span: slice, outputs: dict[str, int]
-) -> RowsCall:
-    """The kept host binding of graph `g` over rows `span` (its layers' K/V at `slots`), with `outputs` (io key ->
-    positions per row) bound to arrays of their own; created on first use."""
-    n = span.stop - span.start
-    key = (g.session, span.start, n, tuple(outputs))
-    call = kv.calls.get(key)
-    if call is None:
-        H = rt.manifest.dims["hidden_size"]
-        io = g.binding()
-        call = RowsCall(
-            g.session, io, np.zeros((n, 1, H), rt.np_dtype), np.zeros(n, np.int32), np.zeros((), np.int32), {}
-        )
-        rt._bind_array(io, g.name("hidden"), call.hidden)
-        rt._bind_array(io, g.name("seqlens_k"), call.seqlens_k)
-        rt._bind_array(io, g.name("total_sequence_length"), call.total)
-        rt.bind_kv(io, g, kv, slots, span.start, span.stop)
-        for name, positions in outputs.items():
-            call.outputs[name] = np.zeros((n, positions, H), rt.np_dtype)
-            rt._bind_array(io, g.name(name), call.outputs[name], output=True)
-        kv.calls[key] = call
-    return call
-
-
-def run_rows(
-    rt: ArtifactRuntime,
-    index: int,
-    hidden: Any,
-    kv: BatchKV,
-    active: np.ndarray,
-    kv_only: bool = False,
-    states: bool = False,
-    *,
-    place: Placement = HOST,
-) -> tuple[Any, ...] | None:
-    """Segment `index` for every row in one call: hidden [B, 1, H] (rows not `active` ignored, zeros fed).
-
-    Active rows append one position to their K/V; the others write only their scratch slot. Returns
-    (hidden_out [B, 1, H], last_layer_input [B, 1, H]) with the inactive rows' entries meaningless, or None with
-    kv_only (the `copy` policy's K/V projection). With `states`, a third item: the residual stream at every block
-    boundary, [B, n_layers + 1, H] (the cosine-min signal's input). Host calls run on a kept binding (`rows_call`).
-
-    Device-resident (`place.device`, hidden from `join_rows`): the outputs stay on the device, for the span's rows
-    only ([span, ...] DeviceViews: row r is at r - span.start).
-    """
-    seg = rt.manifest.segments[index]
-    g = rt.kv_segments[index] if kv_only else rt.segments[index]
-    lo, hi = seg.layers
-    B = kv.rows
-    if isinstance(hidden, np.ndarray) and hidden.shape[:2] != (B, 1) or active.shape != (B,):
-        raise ValueError(f"batched calls take [B={B}, 1, H] hidden states and B flags, got {hidden.shape}")
-    past = _past(kv, np.arange(B), lo, hi)
-    longest = int(past[active].max(initial=0)) + 1
-    if longest > kv.max_len:
-        raise UsageError(f"the sequence reached {longest} tokens, beyond the KV buffer of {kv.max_len}")
-    if int(past.max()) + 1 > kv.capacity:  # an idle row already at its maximum has no scratch slot
-        raise RuntimeError(f"row lengths {past} leave no scratch slot in a buffer of {kv.capacity}")
-    H = rt.manifest.dims["hidden_size"]
-    positions = {"hidden_out": 1, "layer_input": 1, "layer_states": hi - lo + 1}
-    keys = [] if kv_only else ["hidden_out", "layer_input", *(["layer_states"] if states else [])]
-    if place.device:
-        io, span = bind_rows(rt, g, kv, range(lo, hi), hidden, active, past)
-        n = span.stop - span.start
-        outs_dev = [rt._state_out(io, g.name(k), (n, positions[k], H), place) for k in keys]
-        g.session.run_with_iobinding(io)
-        kv.advance(active, lo, hi)
-        return None if kv_only else tuple(outs_dev)
-    span = span_of(active)
-    call = rows_call(rt, g, kv, range(lo, hi), span, {k: positions[k] for k in keys})
-    call.run(hidden, active, past, span)
-    kv.advance(active, lo, hi)
-    if kv_only:
-        return None
-    outs = []
-    for k in keys:  # fresh arrays: callers keep rows of them (pending states); the kept outputs are rewritten
-        full = np.zeros((B, positions[k], H), dtype=rt.np_dtype)
-        full[span] = call.outputs[k]
-        outs.append(full)
-    return tuple(outs)
 
 
 def prefill_runs(kv: BatchKV, rows: list[int], lo: int, hi: int) -> list[list[int]]:

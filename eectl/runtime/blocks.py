@@ -13,9 +13,9 @@ under every policy because each one moves the block with its segment:
 - copy: a skipped segment's K/V-only graph is followed by the block's K/V-only graph on the same exit state;
 - river: the int4 copies' output at a block exit runs the (fp32) block, as the segment's output would.
 
-Batched rows (runtime/batch.py) with one new position each run their blocks in one call, as their segment did
-(`run_block_rows`: per-row lengths, idle rows writing their scratch slot); rows with several positions run alone.
-The bound chain (runtime/chain.py) binds a block after its segment's call, one position or wide, the same way.
+The bound chain (runtime/chain.py, chain_parts.py `BlockCall`) binds a block after its segment's call, one position or
+wide, for one row or the rows of a batch (per-row lengths, idle rows writing their scratch slot); `run_block` runs one
+row's positions (a batch's prompts padded into one call, scoring in one pass, the copy and river policies).
 
 What this module does not do: decide exits (runner.py) or build the graphs (export/block.py).
 """
@@ -25,9 +25,6 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-import numpy as np
-
-from eectl.runtime.batch import BatchKV, bind_rows, rows_call, span_of
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.sessions import ArtifactRuntime
@@ -79,35 +76,4 @@ def run_block(
     out = None if kv_only else rt._state_out(call.io, g.name("hidden_out"), x.shape, place)
     g.session.run_with_iobinding(call.io)
     kv.advance(row, slot, slot + 1, s)
-    return out
-
-
-def run_block_rows(
-    rt: ArtifactRuntime, layer: int, hidden: Any, kv: BatchKV, active: np.ndarray, *, place: Placement = HOST
-) -> Any:
-    """The block head at exit `layer` for every active row in one call: hidden [B, 1, H] (the rows' segment outputs;
-    inactive rows ignored), as `batch.run_rows` runs a segment. Returns the block outputs [B, 1, H] (meaningless
-    for inactive rows); device-resident (hidden from `batch.join_rows`): [span, 1, H] on the device."""
-    block = rt.manifest.exit_at(layer).block
-    assert block is not None
-    g = rt.block_graphs[layer][0]
-    slot = block.kv_slot
-    rows = np.flatnonzero(active)
-    past = kv.filled[:, slot]
-    behind = rows[past[rows] + 1 != kv.filled[rows, layer - 1]]
-    if behind.size:
-        raise RuntimeError(f"the block head at exit {layer} is out of step with its segment in rows {behind.tolist()}")
-    if place.device:
-        io, span = bind_rows(rt, g, kv, [slot], hidden, active, past)
-        shape = (span.stop - span.start, 1, rt.manifest.dims["hidden_size"])
-        out_dev = rt._state_out(io, g.name("hidden_out"), shape, place)
-        g.session.run_with_iobinding(io)
-        kv.advance(active, slot, slot + 1)
-        return out_dev
-    span = span_of(active)
-    call = rows_call(rt, g, kv, [slot], span, {"hidden_out": 1})
-    call.run(hidden, active, past, span)
-    kv.advance(active, slot, slot + 1)
-    out = np.zeros((kv.rows, 1, hidden.shape[-1]), dtype=rt.np_dtype)
-    out[span] = call.outputs["hidden_out"]
     return out
