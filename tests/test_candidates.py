@@ -371,7 +371,7 @@ def test_batched_rows_equal_rows_alone_with_a_candidate_source(planned, source):
     layers = {x for g in batch for x in g.exit_layers[1:]}
     assert len(layers) > 1, layers  # rows at different depths
     # alone, a row decodes on the bound chain; with an int8 source the second exit scores the K rows the first
-    # gathered (its graph's table bound to them, candidates 0..K-1), and decided as the batch's general path above
+    # gathered (its graph's table bound to them, candidates 0..K-1), as the batch above decided
     runner = Runner(rt, cfg)
     chain = runner._chain(runner.rt.new_kv(1, 32), 1)
     assert chain is not None

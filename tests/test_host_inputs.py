@@ -85,7 +85,7 @@ CASES += [("copy", 3, False), ("defer", 1, True), ("verify", 3, True)]
 @pytest.mark.parametrize("fam", ["llama", "gemma3_text"])
 def test_every_decode_path_refreshes_its_host_inputs_on_a_device_provider(exported, fam, monkeypatch):
     """Full depth (the bound chain, one row and a batch), copy/defer/verify with some tokens exiting (the chain's
-    exit steps and the general path), and the device-resident path: with a copy at bind their tokens are those of
+    exit steps, one row and a batch), and the device-resident path: with a copy at bind their tokens are those of
     the plain CPU EP. Without the refresh, the same emulation changes them or fails on the values of the bind (the
     check can fail)."""
     loaded, folder = exported[fam]

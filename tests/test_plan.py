@@ -230,8 +230,9 @@ def test_a_state_only_signal_pays_the_exit_head_only_for_tokens_that_take_their_
 
 
 def test_speedups_are_against_the_chained_full_depth_step_where_the_runner_has_one():
-    # the general path (per-call binding) costs 18 ms, the bound chain 15: exiting tokens and the tokens that pass
-    # every exit take the general path, but full depth with no exit runs the chain, so that is the baseline
+    # costs timed before exit steps ran on the chain (an older manifest: per-call binding 18 ms, the bound chain 15):
+    # exiting tokens and the tokens that pass every exit priced at the per-call step, full depth with no exit at the
+    # chain's, so that is the baseline
     general = _costs(full_step_ms=18.0)
     chained = _costs(full_step_ms=18.0, chain_step_ms=15.0)
     assert chained.baseline_ms() == 15.0 and general.baseline_ms() == 18.0
@@ -245,7 +246,7 @@ def test_speedups_are_against_the_chained_full_depth_step_where_the_runner_has_o
 
 
 def test_bound_exit_steps_pay_the_chain():
-    # general path 18 ms (2 ms of overhead over 3 segments), chain 15 (none): with bound exits, an exiting token
+    # per-call step 18 ms (2 ms of overhead over 3 segments), chain 15 (none): with bound exits, an exiting token
     # pays no overhead, and a passing token the chain's step, pending positions or not (the chain's wide calls:
     # the extra position is charged to the token that exited, in its later segments)
     costs = _costs(full_step_ms=18.0, chain_step_ms=15.0, bound_exits=True)

@@ -31,7 +31,6 @@ class Recheck(KVPolicy):
     lossless = greedy_only = pending_states = exact_states = checks_drafts = checks_at_final = True
     scores_text = False
     fragment = PlanFragment(pending=True, draft_check=True, forced_pass=True)
-    before_segment = Defer.before_segment
     may_exit = Verify.may_exit
     unchecked = Verify.unchecked
     on_final = Verify.on_final
