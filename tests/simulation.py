@@ -1,11 +1,12 @@
 """The runner's reference in PyTorch: early-exit decoding over the torch model, one position at a time, with an
 explicit KV cache per row, written from the rules the runner documents rather than from its code.
 
-Per step, a row feeds its prompt (the first step, full depth; a one-token prompt decides as a decode step) or its
-last token. The layers run segment by segment (the segments cut at the artifact's exits); after a segment that ends
-at an active exit, a block exit head runs on the position (its own KV cache), the exit's gate is read on the exit's
-state, and where it opens the exit's signal is scored through `ExitScoring` over the torch exit heads (the code
-calibrate runs: the first exit that decides picks the K candidates). A token whose test passes leaves there:
+Per step, a row feeds what its cache does not hold yet: its prompt (the first step or a conversation's turn, full depth;
+a one-token prompt decides as a decode step) or its last token. The layers run segment by segment (the segments cut at
+the artifact's exits); after a segment that ends at an active exit, a block exit head runs on the position (its own KV
+cache), the exit's gate is read on the exit's state, and where it opens the exit's signal is scored through
+`ExitScoring` over the torch exit heads (the code calibrate runs: the first exit that decides picks the K candidates). A
+token whose test passes leaves there:
 
 - defer: the position's deeper layers (and the later active exits' blocks) computed on its exit state, as the
   runner's deferred flush computes them later: the cache is the full model's at every position;
@@ -119,6 +120,18 @@ class Simulation:
                 seated = [i for i in seated if len(rows[i].tokens) < new and rows[i].tokens[-1] not in stop_ids]
         return rows
 
+    def turn(self, row: Row, ids: Sequence[int], new: int) -> Row:
+        """A conversation's next turn on `row`'s caches: `ids` (the whole conversation so far, beginning with what
+        the row's cache holds) fed after them as a prompt, then up to `new` tokens (the runner's chat turns)."""
+        held = row.cache.length(0)
+        if list(ids[:held]) != row.sequence[:held] or len(ids) <= held:
+            raise ValueError("a turn continues what the row's cache holds with new tokens")
+        turn = Row(list(ids), cache=row.cache, own=row.own)
+        with torch.no_grad():
+            while len(turn.tokens) < new:
+                self._step([turn])
+        return turn
+
     def score(self, ids: Sequence[int], prompt_len: int) -> Row:
         """Teacher-forced: ids[prompt_len:] fed after the prompt, each position's -log p, argmax and layer."""
         row = Row(list(ids[:prompt_len]), forced=list(ids))
@@ -132,8 +145,8 @@ class Simulation:
         """One step of every row (the runner's order of picks: at each exit the rows leaving there, then the rest)."""
         live = []
         for r in rows:
-            feed = r.sequence if not r.tokens else r.sequence[-1:]
-            past = len(r.sequence) - len(feed)
+            past = r.cache.length(0)  # what the row's cache holds (every fed position passes layer 0)
+            feed = r.sequence[past:]
             scoring = ExitScoring(self.signal, TorchExitLogits(self.heads), self.top_k, self.source)
             pos = torch.arange(past, past + len(feed))[None]
             live.append(_Flow(r, self.a.embed(torch.tensor([feed])), pos, len(feed) == 1, scoring))

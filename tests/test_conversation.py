@@ -24,7 +24,7 @@ from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
 from tests.conftest import EXPORT_EXITS, EXPORT_TOP_K
-from tests.simulation import Row, Simulation
+from tests.simulation import Simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,25 +126,6 @@ def test_cli_chat_through_a_terminal(runtime):
     assert b"> " in err
 
 
-def _continued(sim: Simulation, row: Row, ids: list[int], new: int) -> Row:
-    """The simulation's `row` continued by the next turn, `ids` (the whole conversation so far): what its cache does
-    not hold fed after it as a prompt (every layer; the last position's token from the final head), then the reply
-    decoded, on the row's cache carried over (defer's exact K/V, copy's copied K/V). tests/simulation.py starts its
-    rows from an empty cache, so the turn's prompt is fed here as its `_step` feeds a prompt."""
-    held = row.cache.length(0)
-    assert ids[:held] == row.sequence[:held] and len(ids) - held > 1 and not sim.blocks  # a prompt, not one token
-    turn = Row(list(ids), cache=row.cache, own=row.own)
-    with torch.no_grad():
-        pos = torch.arange(held, len(ids))[None]
-        h = sim.a.embed(torch.tensor([ids[held:]]))
-        for lo, hi in sim.segments:
-            h = sim.a.forward_layers(h, pos, lo, hi, turn.cache)
-        sim._emit(turn, sim.L, sim.heads[sim.L].full(h[0, -1:])[0], None)
-        while len(turn.tokens) < new:
-            sim._step([turn])
-    return turn
-
-
 @pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
 def test_turns_step_on_the_chain_as_in_the_simulation(exported, runtime, policy):
     """Each turn (its new tokens after what the cache holds, then the reply) on the bound chain, defer's pending
@@ -176,7 +157,7 @@ def test_turns_step_on_the_chain_as_in_the_simulation(exported, runtime, policy)
         return
     sim = Simulation(loaded.adapter, EXPORT_EXITS, thr, policy=policy, top_k=EXPORT_TOP_K)
     first = sim.generate([a], 10)[0]
-    want = [first, _continued(sim, first, b, 10)]
+    want = [first, sim.turn(first, b, 10)]
     assert [(g.token_ids, g.exit_layers, g.decided) for g in got] == [(w.tokens, w.layers, w.decided) for w in want]
     assert all(any(e < L for e in w.layers[1:]) and L in w.layers[1:] for w in want), [w.layers for w in want]
     _same_kv(runtime, conv.kv, want[1:])
