@@ -19,6 +19,10 @@ from tests.tiny import GSM8K, TINY_CONFIGS, save_tiny
 torch.set_num_threads(1)
 init_ort(1)  # one global ONNX Runtime pool for the whole test process
 os.environ.setdefault("EECTL_QUIET", "1")
+# fp32 graphs on a GPU compute in fp32 here: ONNX Runtime's CUDA EP (use_tf32 on by default) and torch would otherwise
+# round float32 matmuls' inputs to TF32, and the gpu-marked tests compare fp32 runs with the torch simulation
+# (tests/simulation.py). cuBLAS and cuDNN read this before their first handle, so it is set before any session.
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 
 
 @pytest.fixture(autouse=True)
