@@ -221,3 +221,24 @@ class _Flow:
     pos: torch.Tensor
     may_exit: bool
     scoring: ExitScoring
+
+
+def assert_cache(
+    kv: Any, row: int, ref: Row, manifest: Any, *, tol: float = 1e-4, whole: bool = False, fed: bool = True
+) -> None:
+    """Row `row` of a runner's cache (`KVBuffers`) holds `ref`'s K/V within `tol`: each decoder layer, and each
+    active block head's own slot, up to the positions the runner holds there. Those are at most the reference's
+    (defer's last exited positions wait for a later flush in the deeper layers); with `fed` layer 0 holds every
+    position the reference fed, with `whole` every slot does."""
+    slots = [(layer, ref.cache, layer) for layer in range(manifest.num_layers)]
+    for e, own in ref.own.items():
+        block = manifest.exit_at(e).block
+        slots.append((block.kv_slot, own, block.init_layer))
+    assert not fed or int(kv.filled[row, 0]) == ref.cache.length(0), (row, kv.filled[row, 0], ref.cache.length(0))
+    for slot, cache, layer in slots:
+        n = int(kv.filled[row, slot])
+        assert 0 < n <= cache.length(layer), (row, slot, n, cache.length(layer))
+        assert n == cache.length(layer) or not whole, (row, slot, n, cache.length(layer))
+        for got, want in ((kv.keys[row][slot], cache.keys[layer]), (kv.values[row][slot], cache.values[layer])):
+            mine = np.asarray(got)[0, :, :n]
+            np.testing.assert_allclose(mine, want[0, :, :n].numpy(), rtol=tol, atol=tol, err_msg=f"slot {slot}")

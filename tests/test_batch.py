@@ -14,6 +14,7 @@ from eectl.models import load_model
 from eectl.runtime.batch import new_batch_kv, prefill_runs, run_prefill
 from eectl.runtime.ort import cuda_usable
 from eectl.runtime.sessions import ArtifactRuntime
+from tests.simulation import assert_cache
 
 ATOL = 1e-5
 
@@ -30,16 +31,6 @@ def models(tiny_dirs):
             return loaded[fam]
 
     return Models()
-
-
-def _same_cache(kv, row: int, ref, layers: int) -> None:
-    """Row `row` of the runner's cache holds the reference's K/V at every layer, for the positions it filled."""
-    for layer in range(layers):
-        n = int(kv.filled[row, layer])
-        assert 0 < n <= ref.cache.length(layer), (layer, n)
-        for mine, want in ((kv.batch_keys, ref.cache.keys), (kv.batch_values, ref.cache.values)):
-            got = np.asarray(mine[layer][row, :, :n])
-            np.testing.assert_allclose(got, want[layer][0, :, :n].numpy(), rtol=1e-4, atol=1e-4, err_msg=str(layer))
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +216,7 @@ def test_the_bound_batch_chain_equals_the_torch_model(runtimes, models, fam):
     assert kv_got is not None
     for r, g in enumerate(got):
         assert kv_got.filled[r, : rt.manifest.num_layers].tolist() == [len(prompts[r]) + len(g.token_ids) - 1] * 6
-        _same_cache(kv_got, r, ref[r], rt.manifest.num_layers)
+        assert_cache(kv_got, r, ref[r], rt.manifest)
     kv = new_batch_kv(rt, 2, 8)
     chain = runner._chain(kv, 2)
     assert chain.rows == 2
@@ -311,7 +302,7 @@ def test_generate_with_padded_prompt_calls_equals_rows_alone(runtimes, models, p
     assert [g.exit_layers for g in gens] == [g.exit_layers for g in alone[:3]]
     assert runner.last_kv is not None
     for row in range(3):
-        _same_cache(runner.last_kv, row, ref[row], rt.manifest.num_layers)
+        assert_cache(runner.last_kv, row, ref[row], rt.manifest)
     slotted = Runner(rt, cfg(batch_prompts=True))
     got = slotted.generate(prompts, slots=3)  # 5 prompts in 3 slots: the one-token prompt alone on its chain
     assert [g.token_ids for g in got] == [g.token_ids for g in alone]

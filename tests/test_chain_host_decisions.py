@@ -16,7 +16,7 @@ from eectl.runtime import chain_steps
 from eectl.runtime.chain import chain_exits_supported
 from eectl.runtime.runner import Runner
 from eectl.runtime.state import RunConfig
-from tests.simulation import Row, Simulation
+from tests.simulation import Row, Simulation, assert_cache
 from tests.test_block_exits import block_artifacts  # noqa: F401 (the fixture)
 from tests.test_resident import _config, _prompts, _simulation, _thresholds, runtimes  # noqa: F401 (the fixture)
 
@@ -42,19 +42,6 @@ def _generate(rt, cfg, prompts, monkeypatch, slots=None, gates=None):
     return got, runner, steps
 
 
-def _same_row_kv(rt, kv, row: int, ref: Row) -> None:
-    """Row `row` of the runner's cache holds the simulation row's K/V: each decoder layer up to the positions it
-    holds (at most the simulation's: defer's deeper layers may wait), each active block head's slot its own cache's."""
-    m = rt.manifest
-    slots = [(layer, ref.cache, layer) for layer in range(m.num_layers)]
-    slots += [(m.exit_at(e).block.kv_slot, own, m.exit_at(e).block.init_layer) for e, own in ref.own.items()]
-    for slot, cache, layer in slots:
-        n = int(kv.filled[row, slot])
-        assert 0 < n <= cache.length(layer), (row, slot, n, cache.length(layer))
-        for got, want in ((kv.keys[row][slot], cache.keys[layer]), (kv.values[row][slot], cache.values[layer])):
-            np.testing.assert_allclose(np.asarray(got)[0, :, :n], want[0, :, :n].numpy(), rtol=1e-4, atol=1e-4)
-
-
 def _same_kv(rt, kv, refs: list[Row], spare: int = 0) -> None:
     """Each row of the runner's cache that holds positions holds one simulation row's K/V, layer 0 every position
     the simulation fed (with fewer slots than prompts a row holds the last prompt seated there: it is found by its
@@ -74,7 +61,7 @@ def _same_kv(rt, kv, refs: list[Row], spare: int = 0) -> None:
             and np.allclose(keys, ref.cache.keys[0][0, :, :n].numpy(), rtol=1e-4, atol=1e-4)
         ]
         assert len(same) == 1, (row, kv.filled[row], [r.cache.length(0) for r in refs], same)
-        _same_row_kv(rt, kv, row, refs[same[0]])
+        assert_cache(kv, row, refs[same[0]], rt.manifest, fed=spare == 0)
         matched.append(same[0])
     assert matched
 

@@ -23,7 +23,7 @@ from eectl.models.int4 import to_int4_twin
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
-from tests.simulation import Simulation
+from tests.simulation import Simulation, assert_cache
 
 EXITS = [2, 4]
 PROMPT = [5, 17, 33, 9, 101, 7]
@@ -129,17 +129,6 @@ RIVER_NEW = 16
 RIVERS = {"river": 6e-3, "river0": 1e-4}
 
 
-def _same_cache(kv, row: int, ref, tol: float = 1e-4) -> None:
-    """Row `row` of the runner's cache holds every fed position at every layer (the river writes the deeper ones)
-    and their K/V are the reference's within `tol`."""
-    for layer in range(6):
-        n = int(kv.filled[row, layer])
-        assert n == ref.cache.length(layer) == len(ref.sequence) - 1, layer
-        for got, want in ((kv.keys, ref.cache.keys), (kv.values, ref.cache.values)):
-            mine = np.asarray(got[row][layer])[0, :, :n]
-            np.testing.assert_allclose(mine, want[layer][0].numpy(), rtol=tol, atol=tol)
-
-
 @pytest.mark.parametrize("river", sorted(RIVERS))
 @pytest.mark.parametrize("predict", ["end", "exit"])
 def test_river_steps_equal_the_int4_twin_simulation(llama, arts, twins, river, predict):
@@ -171,7 +160,7 @@ def test_river_steps_equal_the_int4_twin_simulation(llama, arts, twins, river, p
         seen |= set(ref.layers[1:])
         assert gen.token_ids == ref.tokens and gen.exit_layers == ref.layers, temperature
         assert gen.decided == ref.decided
-        _same_cache(runner.last_kv, 0, ref, tol)
+        assert_cache(runner.last_kv, 0, ref, rt.manifest, tol=tol, whole=True)
         ids = PROMPT + gen.token_ids
         scored = runner.score_many([(ids, len(PROMPT))])[0]
         forced = reference().score(ids, len(PROMPT))
@@ -188,7 +177,7 @@ def test_river_steps_equal_the_int4_twin_simulation(llama, arts, twins, river, p
     for r, (gen, ref) in enumerate(zip(rows, reference().generate(prompts, RIVER_NEW), strict=True)):
         assert gen.token_ids == ref.tokens and gen.exit_layers == ref.layers, r
         assert gen.decided == ref.decided, r
-        _same_cache(runner.last_kv, r, ref, tol)
+        assert_cache(runner.last_kv, r, ref, rt.manifest, tol=tol, whole=True)
 
 
 def test_river_end_differs_from_fp32_only_through_int4(arts):

@@ -25,7 +25,7 @@ from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.slots import ROOM
 from eectl.runtime.state import RunConfig
 from tests.conftest import EXPORT_EXITS, EXPORT_TOP_K, make_calibration
-from tests.simulation import Simulation
+from tests.simulation import Simulation, assert_cache
 
 EXITS = [2, 4]
 K = 8
@@ -99,17 +99,6 @@ def _sim(loaded, thresholds, policy="defer", exits=EXITS, **kw) -> Simulation:
     return Simulation(loaded.adapter, exits, _thr(thresholds), policy=policy, top_k=K, cuts=EXPORT_EXITS, **kw)
 
 
-def _same_cache(kv, row: int, ref, layers: int) -> None:
-    """Row `row` of the runner's cache holds, at every layer, the reference's K/V for the positions it filled (to
-    1e-4: ONNX Runtime against torch, both float32)."""
-    for layer in range(layers):
-        n = int(kv.filled[row, layer])
-        assert n > 0 and n <= ref.cache.length(layer), (layer, n)
-        for mine, want in ((kv.batch_keys, ref.cache.keys), (kv.batch_values, ref.cache.values)):
-            got = np.asarray(mine[layer][row, :, :n])
-            np.testing.assert_allclose(got, want[layer][0, :, :n].numpy(), rtol=1e-4, atol=1e-4, err_msg=str(layer))
-
-
 def _median_thresholds(loaded, prompt, new=20):
     """Thresholds that make some tokens exit and others not: 80th percentile of each exit's probability."""
     probs = _sim(loaded, {e: float("inf") for e in EXITS}).generate([prompt], new)[0].values
@@ -135,7 +124,7 @@ def test_exits_equal_the_torch_simulation(artifacts, family, policy, resident):
     assert _mixed(ref.layers), ref.layers  # some tokens exit early and some do not: deferred or copied KV exercised
     assert gen.token_ids == ref.tokens and gen.exit_layers == ref.layers and gen.decided == ref.decided
     assert runner.last_kv is not None
-    _same_cache(runner.last_kv, 0, ref, rt.manifest.num_layers)
+    assert_cache(runner.last_kv, 0, ref, rt.manifest)
 
 
 def test_some_tokens_exit_early(artifacts):
@@ -213,7 +202,7 @@ def test_batch_rows_equal_rows_alone(artifacts, family, monkeypatch):
                 assert [g.token_ids for g in batch] == [r.tokens for r in ref], (policy, ride_along)
                 assert [g.exit_layers for g in batch] == [r.layers for r in ref], (policy, ride_along)
                 for row, r in enumerate(ref):
-                    _same_cache(runner.last_kv, row, r, rt.manifest.num_layers)
+                    assert_cache(runner.last_kv, row, r, rt.manifest)
     assert any(mixed) and rides  # rows exited at different depths, and their states rode along
 
 
@@ -327,7 +316,7 @@ def test_sampled_decode_equals_the_simulation(artifacts, family, policy):
         assert [g.exit_layers for g in got] == [r.layers for r in ref], slots
         if exits and slots is None:
             assert any(_mixed(r.layers) for r in ref), [r.layers for r in ref]
-        _same_cache(runner.last_kv, 0, ref[-1] if slots else ref[0], rt.manifest.num_layers)
+        assert_cache(runner.last_kv, 0, ref[-1] if slots else ref[0], rt.manifest)
     # sampled, not greedy: the greedy answer differs
     greedy = _runner(rt, how, thresholds, exits, 20).generate(prompts[:1])[0]
     assert greedy.token_ids != _sim(loaded, thresholds, how, exits, **sampled).generate(prompts[:1], 20)[0].tokens
@@ -469,7 +458,7 @@ def test_full_depth_cache_equals_the_torch_model(artifacts, family):
     assert gen.token_ids == ref.tokens and gen.exit_layers == ref.layers == [6] * 16
     assert runner.last_kv is not None
     assert runner.last_kv.filled[0, :6].tolist() == [len(prompt) + 15] * 6  # every token fed but the last
-    _same_cache(runner.last_kv, 0, ref, 6)
+    assert_cache(runner.last_kv, 0, ref, rt.manifest)
 
 
 @pytest.mark.parametrize("policy", ["defer", "verify", "copy"])
@@ -499,7 +488,7 @@ def test_exit_steps_meet_pending_positions_in_wide_calls(artifacts, family, poli
         ref = _sim(loaded, thresholds, policy).generate([prompt], 24)[0]
         assert _mixed(ref.layers), ref.layers  # some tokens exit and some do not
         assert (gen.token_ids, gen.exit_layers, gen.decided) == (ref.tokens, ref.layers, ref.decided)
-    _same_cache(runner.last_kv, 0, ref, rt.manifest.num_layers)
+    assert_cache(runner.last_kv, 0, ref, rt.manifest)
 
 
 def _plan_reads(calls) -> list[tuple[str, int, str]]:
@@ -678,4 +667,4 @@ def test_one_rows_prompts_run_on_the_chain_bound_for_each_prompt_only(artifacts,
             assert any(g.drafted > 0 if policy == "verify" else _mixed(g.exit_layers) for g in got)
             assert sum(got[0].decided.values()) > 0
         assert runner.last_kv is not None  # the last prompt's cache, in the slot
-        _same_cache(runner.last_kv, 0, ref[-1], rt.manifest.num_layers)
+        assert_cache(runner.last_kv, 0, ref[-1], rt.manifest)
