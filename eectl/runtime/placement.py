@@ -25,11 +25,12 @@ Read = tuple[str, int, str]  # (graph or device op, exit layer or -1, output key
 @dataclass(frozen=True)
 class Placement:
     """device: the run's states stay device values between graphs. The record of its host reads is kept for a
-    device-resident run and where `record` asks for it (a run on the bound chain), never for the host path's runs:
-    there every output is a host array. Frozen: where a run's states live does not change while it runs."""
+    device-resident run and where `record` asks for it (every generate call), never for `HOST`'s calls (export's
+    checks, cost timing, scoring, chat): there every output is a host array. Frozen: where a run's states live does
+    not change while it runs."""
 
     device: bool = False
-    record: bool = False  # keep the record of host reads with host states (a generate call on the bound chain)
+    record: bool = False  # keep the record of host reads with host states (a generate call)
     reads: list[Read] = field(default_factory=list)  # the step in progress
     steps: list[list[Read]] = field(default_factory=list)  # per finished step, in order
 
@@ -45,4 +46,4 @@ class Placement:
             self.reads.clear()
 
 
-HOST = Placement()  # states on the host, nothing recorded: export's checks, costs, scoring, chat, the host path
+HOST = Placement()  # states on the host, nothing recorded: export's checks, costs, scoring, chat

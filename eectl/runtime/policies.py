@@ -104,7 +104,7 @@ class KVPolicy:
     # on_final checks the states that reach the final layer (verify's drafts): pending states stop riding along in a
     # batch before the final segment, so the final pass sees them (chain_rows.py `_riders`)
     checks_at_final: ClassVar[bool] = False
-    # its part of the device binding plan (runtime/binding.py); None: no device-resident plan, the host path runs it
+    # its part of the binding plan (runtime/binding.py), the description of a device step; None: no such plan
     fragment: ClassVar[PlanFragment | None] = None
 
     def __init__(self, rt: ArtifactRuntime, config: RunConfig) -> None:
