@@ -103,8 +103,8 @@ class Costs(_M):
     exit_predict_ms: dict[str, float] | None = None
     # one-row exit steps run on the bound chain (runtime/chain.py), the decisions above timed as it makes them (in
     # the exit graphs, or on the host for signals they do not compute): a step pays the chain's per-call overhead, a
-    # token that meets pending positions (defer's and verify's flush) included (wide calls). False: every exit step
-    # pays the general path (costs from before 2026-12-05, or artifacts the chain cannot run: older exports)
+    # token that meets pending positions (defer's and verify's flush) included (wide calls). False: costs timed
+    # before 2026-12-05, when exit steps ran per call (a path since deleted): they are priced as they were timed
     bound_exits: bool = False
     # each timed figure above by its path (`full_step_ms`, `segment_ms.2`, `candidates_ms.8`), its milliseconds in
     # every timing round, rounds aligned across graphs (round r of every graph ran in the same pass): each figure is
@@ -212,8 +212,8 @@ class Costs(_M):
         return self.full_head_ms(rows) - self.greedy_head_ms(rows) if self.wide_full_head else 0.0
 
     def overhead_per_segment(self, bound: bool = False) -> float:
-        """The runner's per-step cost outside the timed graphs, spread over the segment calls: on the general path,
-        or (`bound`) on the bound chain."""
+        """The runner's per-step cost outside the timed graphs, spread over the segment calls: as costs timed before
+        the chain took exit steps priced it (per call), or (`bound`) on the bound chain."""
         parts = self.embed_ms + sum(self.segment_ms) + self.final_head_ms
         step = self.baseline_ms() if bound else self.full_step_ms
         return max(0.0, step - parts) / max(1, len(self.segment_ms))

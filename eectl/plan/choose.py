@@ -134,7 +134,7 @@ def predict(
     base = costs.baseline_ms()  # full depth with no exit active (the bound chain where the runner has one)
     bound = costs.bound_exits  # one-row exit steps on the bound chain, every policy's
     over = costs.overhead_per_segment(bound)
-    # a token that passes every exit: the general per-call path, plus its decisions; on the bound chain, the
+    # a token that passes every exit: older costs' per-call step, plus its decisions; on the bound chain, the
     # chain's step (the pending positions it carries along are charged to the tokens that left them: extra_i)
     full = base if bound else costs.full_step_ms
     exits = [layer for layer, _, _ in per_exit]

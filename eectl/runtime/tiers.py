@@ -18,9 +18,10 @@ faster than mapped), unless --mmap-weights maps them too. The slow tier's sessio
 wrapped (`TierSession`): before a call, madvise(MADV_WILLNEED) starts the read of its mapped ranges; after it,
 madvise(MADV_DONTNEED) drops them from this process and posix_fadvise(POSIX_FADV_DONTNEED) from the page cache, so
 the next call reads them from the file again, and a token that exits before a slow segment reads none of it. While a
-slow segment runs its pages are resident too: the peak is the budget plus the largest slow segment. Every call path
-(general, batched, bound chain) goes through the wrapped session, so all pay the same traffic. Bytes read are
-counted per call from /proc/self/io (read_bytes) and from mincore (pages resident just before the release).
+slow segment runs its pages are resident too: the peak is the budget plus the largest slow segment. Every call (the
+bound chain's, one row or a batch, prompts and checks alike) goes through the wrapped session, so all pay the same
+traffic. Bytes read are counted per call from /proc/self/io (read_bytes) and from mincore (pages resident just before
+the release).
 
 What this module does not do: choose exits, know policies, or allocate KV buffers (KV stays on the runtime's device,
 so a placement may not leave it).
