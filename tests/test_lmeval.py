@@ -116,6 +116,9 @@ def test_cli_eval(artifact):
     for flag in ("--tasks", "--configs"):  # an empty list is refused, not an empty table
         bad = CliRunner().invoke(app, ["eval", str(artifact), flag, " ,", "--gsm8k", str(GSM8K)])
         assert bad.exit_code == 2 and f"{flag} names nothing" in bad.stderr
+    for flag, twice in (("--tasks", "eectl_gsm8k,eectl_gsm8k"), ("--configs", "full,copy,full")):  # not run twice
+        bad = CliRunner().invoke(app, ["eval", str(artifact), flag, twice, "--gsm8k", str(GSM8K)])
+        assert bad.exit_code == 2 and f"{flag} names {twice.split(',')[0]} more than once" in bad.stderr
     bad = CliRunner().invoke(app, ["eval", str(artifact), "--batch-size", "0", "--gsm8k", str(GSM8K)])
     assert bad.exit_code == 2
     bad = CliRunner().invoke(app, ["eval", str(artifact), "--tasks", "eectl_gsm8k"])

@@ -75,6 +75,8 @@ def eval_(
     for name, given in (("--tasks", opts.tasks), ("--configs", opts.configs)):
         if not given:
             raise UsageError(f"{name} names nothing")
+        if twice := sorted({x for x in given if given.count(x) > 1}):  # it ran (and printed) the same thing twice
+            raise UsageError(f"{name} names {', '.join(twice)} more than once")
     if limit is not None and limit < 1:
         raise UsageError(f"--limit must be >= 1, got {limit}")
     if max_gen_toks is not None and max_gen_toks < 1:  # 0 ran the task's default budget, a negative one ran too
