@@ -656,3 +656,34 @@ def test_int4_options_on_an_fp32_export_are_refused(tiny_dirs, tmp_path, monkeyp
     for int4 in (["--weights", "int4"], ["--river"]):  # past the options' checks, to the model's load
         res = runner.invoke(app, [*base, *args, *int4])
         assert isinstance(res.exception, AssertionError), res.output
+
+
+# --- 22. export's int4 options under an int4 recipe ----------------------------------------------------------------
+
+
+def test_int4_options_win_over_an_int4_recipe(tmp_path, monkeypatch):
+    """`export --recipe R --int4-block-size 64` with R's `weights: int4` exported block size 32, the recipe's: every
+    --int4-* option and --lm-head was replaced by the recipe's value, silently. An option given wins; the recipe sets
+    the rest."""
+    from eectl.export.quantize import Int4Options
+
+    seen: list[Int4Options] = []
+
+    def captured(recipe, req, out):
+        seen.append(req.options.int4)
+        raise UsageError("stop here")
+
+    monkeypatch.setattr("eectl.export.stage.export", captured)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nweights: int4\nint4:\n  block_size: 128\n  symmetric: true\n  lm_head: int4\n")
+    base = ["export", "model", "--recipe", str(recipe), "--out", str(tmp_path / "a")]
+    given = ["--int4-block-size", "64", "--int4-accuracy-level", "0", "--int4-keep-layers", "0,1", "--lm-head", "int8"]
+    for args in ([], given, ["--int4-symmetric", "--int4-algorithm", "rtn"]):
+        assert runner.invoke(app, [*base, *args]).exit_code == 2
+    assert seen == [
+        Int4Options(block_size=128, symmetric=True, lm_head="int4"),  # the recipe's
+        Int4Options(block_size=64, symmetric=True, accuracy_level=0, lm_head="int8", keep_layers=(0, 1)),
+        Int4Options(block_size=128, symmetric=True, lm_head="int4"),
+    ]
+    assert runner.invoke(app, ["export", "model", "--out", str(tmp_path / "a"), "--weights", "int4"]).exit_code == 2
+    assert seen[-1] == Int4Options()  # no recipe, no option: the defaults

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -58,18 +58,39 @@ RiverOpt = Annotated[
         "--river", help="Add int4 copies of the segments after the first exit.", rich_help_panel="int4", metavar=""
     ),
 ]
-Int4BlockSizeOpt = Annotated[int, typer.Option(help="int4: input channels per scale.", rich_help_panel="int4")]
+# The int4 options below default to None: not given, the recipe's int4 section sets them (under `weights: int4`),
+# else Int4Options' defaults; given, they win over the recipe.
+Int4BlockSizeOpt = Annotated[
+    int | None,
+    typer.Option(help="int4: input channels per scale (default: the recipe's, else 32).", rich_help_panel="int4"),
+]
 Int4SymmetricOpt = Annotated[
-    bool, typer.Option("--int4-symmetric", help="int4: no zero points.", rich_help_panel="int4", metavar="")
+    bool | None,
+    typer.Option(
+        "--int4-symmetric", help="int4: no zero points (default: the recipe's).", rich_help_panel="int4", metavar=""
+    ),
 ]
 Int4AccuracyLevelOpt = Annotated[
-    int, typer.Option(help="int4: MatMulNBits compute, 0 fp32 .. 4 int8.", rich_help_panel="int4")
+    int | None,
+    typer.Option(
+        help="int4: MatMulNBits compute, 0 fp32 .. 4 int8 (default: the recipe's, else 4).", rich_help_panel="int4"
+    ),
 ]
-Int4AlgorithmOpt = Annotated[str, typer.Option(help="int4: rtn (ORT's default) or hqq.", rich_help_panel="int4")]
+Int4AlgorithmOpt = Annotated[
+    str | None,
+    typer.Option(help="int4: rtn (ORT's default) or hqq (default: the recipe's, else rtn).", rich_help_panel="int4"),
+]
 Int4KeepLayersOpt = Annotated[
-    str | None, typer.Option(help="int4: decoder layers left in fp32, e.g. 0,29.", rich_help_panel="int4")
+    str | None,
+    typer.Option(help="int4: decoder layers left in fp32, e.g. 0,29 (default: the recipe's).", rich_help_panel="int4"),
 ]
-LmHeadOpt = Annotated[str, typer.Option(help="int4: the final LM head in fp32, int8 or int4.", rich_help_panel="int4")]
+LmHeadOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="int4: the final LM head in fp32, int8 or int4 (default: the recipe's, else fp32).",
+        rich_help_panel="int4",
+    ),
+]
 ExactWideOpt = Annotated[
     bool | None,
     typer.Option(
@@ -100,12 +121,12 @@ def export(
     force: ForceOpt = False,
     weights: WeightsOpt = None,
     river: RiverOpt = False,
-    int4_block_size: Int4BlockSizeOpt = 32,
-    int4_symmetric: Int4SymmetricOpt = False,
-    int4_accuracy_level: Int4AccuracyLevelOpt = 4,
-    int4_algorithm: Int4AlgorithmOpt = "rtn",
+    int4_block_size: Int4BlockSizeOpt = None,
+    int4_symmetric: Int4SymmetricOpt = None,
+    int4_accuracy_level: Int4AccuracyLevelOpt = None,
+    int4_algorithm: Int4AlgorithmOpt = None,
     int4_keep_layers: Int4KeepLayersOpt = None,
-    lm_head: LmHeadOpt = "fp32",
+    lm_head: LmHeadOpt = None,
     min_agreement: MinAgreementOpt = DEFAULT_MIN_AGREEMENT,
     exact_wide: ExactWideOpt = None,
     recipe: RecipeOpt = None,
@@ -117,23 +138,25 @@ def export(
     from eectl.export.stage import ExportRequest
     from eectl.export.stage import export as run_export
 
-    int4 = Int4Options(
-        block_size=int4_block_size,
-        symmetric=int4_symmetric,
-        accuracy_level=int4_accuracy_level,
-        algorithm=int4_algorithm,
-        lm_head=lm_head,
-        keep_layers=tuple(sorted(set(parse_layers(int4_keep_layers, "--int4-keep-layers") or []))),
-        min_agreement=min_agreement,
-    )
+    keep = parse_layers(int4_keep_layers, "--int4-keep-layers")
+    given: dict[str, Any] = {  # the int4 options given (None: not given)
+        "block_size": int4_block_size,
+        "symmetric": int4_symmetric,
+        "accuracy_level": int4_accuracy_level,
+        "algorithm": int4_algorithm,
+        "lm_head": lm_head,
+        "keep_layers": None if keep is None else tuple(sorted(set(keep))),
+    }
     out_ = Output(json_out)
     r = load_recipe(recipe)
+    int4 = Int4Options(min_agreement=min_agreement)
     if weights is None and r.int4_twin() is not None:  # the recipe's int4 weights: its quantization settings
         spec = r.int4
-        int4 = replace(int4, block_size=spec.block_size, symmetric=spec.symmetric, algorithm=spec.algorithm)
-        int4 = replace(int4, lm_head=spec.lm_head, keep_layers=tuple(spec.keep_layers))
-        int4 = replace(int4, accuracy_level=spec.accuracy_level)
+        int4 = replace(
+            int4, **({field: getattr(spec, field) for field in given} | {"keep_layers": (*spec.keep_layers,)})
+        )
         exact_wide = spec.exact_wide if exact_wide is None else exact_wide
+    int4 = replace(int4, **{field: v for field, v in given.items() if v is not None})  # an option wins over both
     weights = weights or r.weights
     if weights == "fp32" and not river:
         _no_int4_options(int4)
