@@ -687,3 +687,47 @@ def test_int4_options_win_over_an_int4_recipe(tmp_path, monkeypatch):
     ]
     assert runner.invoke(app, ["export", "model", "--out", str(tmp_path / "a"), "--weights", "int4"]).exit_code == 2
     assert seen[-1] == Int4Options()  # no recipe, no option: the defaults
+
+
+# --- 23. a recipe's bench section, checked before the first stage ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bench,text",
+    [
+        ("sweep: [0.9, -1]", "bench.sweep.1: Input should be greater than 0"),
+        ("sweep: [0]", "bench.sweep.0: Input should be greater than 0"),
+        ("configs: []", "bench.configs: List should have at least 1 item"),
+        ("configs: [full, defer, full]", "bench.configs: Value error, names full more than once"),
+    ],
+)
+def test_a_recipes_bench_section_is_refused_at_load(tmp_path, monkeypatch, bench, text):
+    """`bench: {configs: []}`, a configuration twice or a sweep scale <= 0 passed the recipe and --dry-run; the
+    pipeline ran profile, train-heads, calibrate and export, then bench refused them naming --policies or --sweep,
+    options never given (and so did `eectl bench --recipe`). Refused when the recipe is read."""
+    _never_loads(monkeypatch, "the model was loaded before the recipe was checked", "eectl.models.load_model")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\nbench:\n  {bench}\n")
+    for args in (["pipeline", "--recipe", str(recipe), "--dry-run"], ["bench", "art", "--recipe", str(recipe)]):
+        _one_line(runner.invoke(app, args), 2, f"recipe r.yaml: {text}")
+
+
+def test_the_pipeline_checks_bench_configuration_names_as_bench_does(tiny_dirs, tmp_path, monkeypatch):
+    """--dry-run refused lookup, verify+lookup, river-exit, certified and exact-head, which bench runs; the pipeline
+    itself checked no name, so a typo failed at bench, after every other stage. Both check bench's own list."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nbench:\n  configs: [full, lookup, verify+lookup, exact-head]\n")
+    res = runner.invoke(app, ["pipeline", "--recipe", str(recipe), "--model", str(tiny_dirs["llama"]), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    recipe.write_text("name: r\nbench:\n  configs: [full, lokup]\n")
+    monkeypatch.chdir(tmp_path)  # the pipeline's outputs (artifacts/) would land here
+    _never_loads(
+        monkeypatch,
+        "a stage started before the recipe's bench configurations were checked",
+        "eectl.models.load_model",
+        "eectl.models.loading.load_tokenizer",
+    )
+    for args in (["--dry-run"], []):
+        res = runner.invoke(app, ["pipeline", "--recipe", str(recipe), *args])
+        _one_line(res, 2, "recipe r: unknown bench configuration 'lokup'", "verify+lookup")
+    assert list(tmp_path.iterdir()) == [recipe]

@@ -6,7 +6,7 @@ A command's explicit options override the recipe; the recipe overrides the built
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -107,12 +107,21 @@ class BenchSpec(_Strict):
     prompts: int = _count("prompts", 10)
     max_new_tokens: int = _count("max_new_tokens", 64)
     reps: int = _count("reps", 3)
+    # baselines, every KV policy any artifact has; each named once (what bench's --policies is refused for: none, or
+    # one twice), the names checked by the pipeline before its first stage (pipeline/steps.py check_bench_configs)
     configs: list[str] = Field(
-        default_factory=lambda: ["hf", "full", *default_policies()], max_length=MAX_LIST
-    )  # baselines, every KV policy any artifact has
+        default_factory=lambda: ["hf", "full", *default_policies()], min_length=1, max_length=MAX_LIST
+    )
     ppl_tokens: int = _count("ppl_tokens", 1024)  # held-out tokens for teacher-forced perplexity (0: skip)
-    # threshold scales ([]: no sweep)
-    sweep: list[float] = Field(default_factory=lambda: [0.9, 1.0, 1.1], max_length=MAX_LIST)
+    # threshold scales ([]: no sweep), each positive, as bench's --sweep
+    sweep: list[Annotated[float, Field(gt=0)]] = Field(default_factory=lambda: [0.9, 1.0, 1.1], max_length=MAX_LIST)
+
+    @field_validator("configs")
+    @classmethod
+    def _named_once(cls, v: list[str]) -> list[str]:
+        if twice := sorted({c for c in v if v.count(c) > 1}):
+            raise ValueError(f"names {', '.join(twice)} more than once")
+        return v
 
 
 class Int4Spec(_Strict):

@@ -42,7 +42,7 @@ from eectl.evaluate.predicted import RIVER_EXIT, conditions, lookup_model, predi
 from eectl.evaluate.report import markdown, write_report
 from eectl.evaluate.results import (
     AA,
-    BASELINES,
+    BUILT_IN_CONFIGS,
     EXACT_HEAD,
     LOOKUP,
     LOOKUP_CONFIGS,
@@ -356,7 +356,7 @@ def _river_kv(configs: Configs, ids: list[list[int]], log: Any) -> dict[str, Any
 def _check_options(opts: BenchOptions, prompts: list[str]) -> None:
     """Every check that needs no artifact, before it loads: bench's own, and those `run` makes of the options every
     configuration's RunOptions carries (--signal, --exits, --thresholds, --prompt-drafts, --provider)."""
-    built_in = (*BASELINES, *POLICIES, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED, EXACT_HEAD)
+    built_in = BUILT_IN_CONFIGS
     known = (*built_in, *opts.compare)
     clash = [c for c in opts.compare if c in built_in]
     if clash:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from eectl.contracts.names import default_policies
-from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP
+from eectl.contracts.certificate import CERTIFIED
+from eectl.contracts.names import POLICY_SPECS, default_policies
+from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, RIVER_EXIT
 from eectl.runtime.tiers import WeightOptions
 
 AA = "full-aa"  # the A/A control: a second copy of full depth (evaluate/bench.py adds it to every run)
@@ -16,6 +17,9 @@ VERIFY_LOOKUP = "verify+lookup"  # verify's exit drafts and drafts from the cont
 LOOKUP_CONFIGS = (LOOKUP, VERIFY_LOOKUP)
 # CERTIFIED: the setting of the artifact's sequence certificate (calibrate --guarantee sequence)
 EXACT_HEAD = "exact-head"  # full depth with the full LM head every step: what the certified head saves (export/)
+# every configuration bench runs by its name (--compare adds the user's): what --policies and a recipe's bench.configs
+# may list
+BUILT_IN_CONFIGS = (*BASELINES, *POLICY_SPECS, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED, EXACT_HEAD)
 
 
 @dataclass

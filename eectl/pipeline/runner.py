@@ -18,7 +18,7 @@ from typing import Any
 from eectl.contracts.recipe import Recipe, load_recipe
 from eectl.output import Output
 from eectl.phases import Phases
-from eectl.pipeline.steps import Plan, plan
+from eectl.pipeline.steps import Plan, check_bench_configs, plan
 
 
 @dataclass
@@ -73,6 +73,7 @@ def run_pipeline(
 
     hooks = hooks or Hooks()
     recipe = load_recipe(recipe_file, budget)
+    check_bench_configs(recipe)  # bench runs last: its configurations checked before the first stage
     p = plan(recipe, folder)
     check_data(recipe, out)
     stages = _Stages(recipe, recipe_file, p, prompt, cache, threads, out, hooks)

@@ -115,6 +115,18 @@ def _exits_for(exits: list[int] | None, model: str) -> list[int] | None:
     return None
 
 
+def check_bench_configs(recipe: Recipe) -> None:
+    """The recipe's bench configurations are ones bench runs (bench is the last stage: a name it refuses is refused
+    before the first)."""
+    from eectl.evaluate.results import BUILT_IN_CONFIGS
+
+    if unknown := [c for c in recipe.bench.configs if c not in BUILT_IN_CONFIGS]:
+        raise UsageError(
+            f"recipe {recipe.name}: unknown bench configuration '{unknown[0]}'",
+            hint=f"choose from {', '.join(BUILT_IN_CONFIGS)}",
+        )
+
+
 @dataclass
 class DryRun:
     recipe: str
@@ -134,12 +146,11 @@ def dry_run(recipe: Recipe) -> DryRun:
     recipe names, the exits against the layer count, the signal, Top-K against the vocabulary, the head design and
     the bench configurations. Runs no stage."""
     from eectl.data import load_text_data
-    from eectl.evaluate.results import BASELINES
     from eectl.exits.designs import check_design
     from eectl.exits.signals import get_signal
     from eectl.models import load_model
-    from eectl.runtime.policies import POLICIES
 
+    check_bench_configs(recipe)  # needs no model
     loaded = load_model(recipe.model)
     a = loaded.adapter
     L = a.num_layers
@@ -154,9 +165,6 @@ def dry_run(recipe: Recipe) -> DryRun:
     if not 2 <= recipe.top_k <= a.dims.vocab_size:
         raise UsageError(f"recipe {recipe.name}: top_k {recipe.top_k} not in 2..{a.dims.vocab_size}")
     check_design(recipe.heads.design, recipe.heads.rank)
-    unknown = [c for c in recipe.bench.configs if c not in (*BASELINES, *POLICIES)]
-    if unknown:
-        raise UsageError(f"recipe {recipe.name}: unknown bench configuration '{unknown[0]}'")
     text = load_text_data(recipe.data.source, recipe.data.field)
     h, b, pr = recipe.heads, recipe.bench, recipe.profile
     if h.cache is not None:
@@ -177,7 +185,7 @@ def dry_run(recipe: Recipe) -> DryRun:
             f"{recipe.signal or 'learned (heads with probes)'} (K={recipe.top_k}) to {recipe.target} "
             f"on {recipe.data.tokens} tokens",
         ),
-        ("export", f"{len(exits) + 1} segments, exits {exits}, fp32"),
+        ("export", f"{len(exits) + 1} segments, exits {exits}, {recipe.weights}"),
         ("run", f"one sample prompt, policy {recipe.kv_policy}"),
         (
             "bench",
