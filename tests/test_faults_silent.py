@@ -731,3 +731,46 @@ def test_the_pipeline_checks_bench_configuration_names_as_bench_does(tiny_dirs, 
         res = runner.invoke(app, ["pipeline", "--recipe", str(recipe), *args])
         _one_line(res, 2, "recipe r: unknown bench configuration 'lokup'", "verify+lookup")
     assert list(tmp_path.iterdir()) == [recipe]
+
+
+# --- 24. an option of the other --guarantee -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (
+            ["--delta", "-1"],
+            "error: --delta is read by --guarantee sequence only, but this calibration is --guarantee token (drop "
+            "--delta, or give --guarantee sequence)",
+        ),
+        (["--artifact", "art"], "error: --artifact is read by --guarantee sequence only"),
+        (["--grid", "0.9"], "error: --grid is read by --guarantee sequence only"),
+        (["--prompts", "50"], "error: --prompts is read by --guarantee sequence only"),
+        (
+            ["--guarantee", "sequence", "--artifact", "art", "--tokens", "500"],
+            "error: --tokens is read by --guarantee token only, but this calibration is --guarantee sequence (drop "
+            "--tokens, or give --guarantee token)",
+        ),
+        (["--guarantee", "sequence", "--artifact", "art", "--target", "0.9"], "error: --target is read by"),
+        (["--guarantee", "sequence", "--artifact", "art", "--confidence", "0"], "error: --confidence is read by"),
+        (
+            ["--guarantee", "sequence", "art"],
+            "error: MODEL is read by --guarantee token only, but this calibration is --guarantee sequence (the "
+            "sequence guarantee certifies an artifact: give it as --artifact DIR)",
+        ),
+    ],
+)
+def test_an_option_of_the_other_guarantee_is_refused(monkeypatch, args, line):
+    """`calibrate --delta -1` (token guarantee) calibrated as if it were not there, and `--guarantee sequence
+    --tokens 500 --target 0.9` certified with neither: each guarantee read its own options and dropped the other's,
+    silently. Refused before anything loads."""
+    _never_loads(
+        monkeypatch,
+        "the model or artifact was loaded before the options were checked",
+        "eectl.models.load_model",
+        "eectl.runtime.sessions.ArtifactRuntime",
+    )
+    res = runner.invoke(app, ["calibrate", "--data", str(GSM8K), *args])
+    _one_line(res, 2)
+    assert res.stderr.splitlines()[-1].startswith(line), res.stderr

@@ -202,14 +202,14 @@ def calibrate(
 ) -> None:
     """Per-exit thresholds so that exits agree with the full model at a stated rate (sequential, held-out checked);
     with --guarantee sequence, a certified threshold for whole continuations of an exported artifact."""
-    if guarantee not in ("token", "sequence"):
-        raise UsageError(f"--guarantee must be token or sequence, got '{guarantee}'")
+    layers = needed_layers(exits, "calibrate")
+    _one_guarantee(guarantee, locals())
     out, r = Output(json_out), load_recipe(recipe, budget)
     if guarantee == "sequence":
         from eectl.calibrate.stage import certify_artifact
         from eectl.cli.calibrate_sequence import print_certificate, sequence_request
 
-        args = (risk, delta, epsilon, policy, needed_layers(exits, "calibrate"), signal, top_k, grid, gen_batch)
+        args = (risk, delta, epsilon, policy, layers, signal, top_k, grid, gen_batch)
         seq = sequence_request(artifact, data, field, prompts, offset, raw, out_path, *args)
         seq.threads = set_threads(threads, r)
         print_certificate(out, certify_artifact(r, seq, out))
@@ -223,7 +223,7 @@ def calibrate(
         field=field,
         tokens=tokens,
         target=target,
-        exits=needed_layers(exits, "calibrate"),
+        exits=layers,
         signal=signal,
         top_k=top_k,
         heads=heads,
@@ -244,6 +244,48 @@ def calibrate(
     req.threads = set_threads(threads, r)
     done = run_calibrate(r, req, out)
     print_calibration(out, done.calibration, done.path, done.device)
+
+
+# The options only one --guarantee reads (the others, --data, --exits, --signal, ..., both do): given with the other,
+# each was dropped, silently. MODEL is the token guarantee's; the sequence guarantee certifies --artifact.
+ONLY_READ_BY = {
+    "token": (
+        "model",
+        "tokens",
+        "target",
+        "heads",
+        "confidence",
+        "candidates",
+        "shortlist",
+        "compare",
+        "holdout",
+        "gen_share",
+        "gen_tokens",
+        "gate_keep",
+        "device",
+    ),
+    "sequence": ("artifact", "risk", "delta", "epsilon", "policy", "grid", "prompts", "offset"),
+}
+
+
+def _one_guarantee(guarantee: str, given: dict[str, object]) -> None:
+    """--guarantee is token or sequence; an option of the other guarantee set away from its default is refused (one
+    line naming it)."""
+    import inspect
+
+    if guarantee not in ONLY_READ_BY:
+        raise UsageError(f"--guarantee must be token or sequence, got '{guarantee}'")
+    other = "sequence" if guarantee == "token" else "token"
+    defaults = inspect.signature(calibrate).parameters
+    for name in ONLY_READ_BY[other]:
+        if given[name] != defaults[name].default:
+            flag = "MODEL" if name == "model" else f"--{name.replace('_', '-')}"
+            raise UsageError(
+                f"{flag} is read by --guarantee {other} only, but this calibration is --guarantee {guarantee}",
+                hint="the sequence guarantee certifies an artifact: give it as --artifact DIR"
+                if name == "model"
+                else f"drop {flag}, or give --guarantee {other}",
+            )
 
 
 def print_calibration(out: Output, result: object, path: Path, device: str | None = None) -> None:
