@@ -774,3 +774,48 @@ def test_an_option_of_the_other_guarantee_is_refused(monkeypatch, args, line):
     res = runner.invoke(app, ["calibrate", "--data", str(GSM8K), *args])
     _one_line(res, 2)
     assert res.stderr.splitlines()[-1].startswith(line), res.stderr
+
+
+# --- 25. train-heads options the chosen way of training does not read ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (
+            ["--tokens", "500"],
+            "error: --tokens is not read when train-heads trains on the fly (no --cache) (drop --tokens)",
+        ),
+        (["--gen-share", "0.5"], "error: --gen-share is not read when train-heads trains on the fly"),
+        (["--loss", "exact"], "error: --loss is not read when train-heads trains on the fly"),
+        (["--probe-hidden", "0"], "error: --probe-hidden is not read when train-heads trains on the fly"),
+        (
+            ["--cache", "{tmp}/states", "--steps", "5"],
+            "error: --steps is not read when train-heads trains from a state cache (from a state cache, the steps are "
+            "--tokens / --batch-tokens)",
+        ),
+        (
+            ["--cache", "{tmp}/states", "--ce-weight", "0.5"],
+            "error: --ce-weight is not read when train-heads trains from",
+        ),
+        (["--cache", "{tmp}/states", "--probe-hidden", "0"], "error: --probe-hidden is not read when train-heads"),
+        (
+            ["--probe-only", "--heads", "{tmp}/h.safetensors", "--cache", "{tmp}/states", "--lr", "0.1"],
+            "error: --lr is not read when train-heads fits probes only (--probe-only) (drop --lr)",
+        ),
+        (
+            ["--probe-only", "--heads", "{tmp}/h.safetensors", "--cache", "{tmp}/states", "--exits", "2"],
+            "error: --exits is not read",
+        ),
+    ],
+)
+def test_train_heads_refuses_options_its_way_of_training_does_not_read(tiny_dirs, tmp_path, monkeypatch, args, line):
+    """`train-heads --tokens 500` without --cache trained --steps on the fly, --tokens dropped; `--cache DIR --steps 5`
+    trained --tokens / --batch-tokens steps; --probe-hidden only shaped --probe-only's probes; --probe-only read none
+    of the training options. Each was dropped, silently; refused before the model loads or the cache is built."""
+    _never_loads(monkeypatch, "the model was loaded before the options were checked", "eectl.models.load_model")
+    given = [a.format(tmp=tmp_path) for a in args]
+    res = runner.invoke(app, ["train-heads", str(tiny_dirs["llama"]), "--data", str(GSM8K), *given])
+    _one_line(res, 2)
+    assert res.stderr.splitlines()[-1].startswith(line), res.stderr
+    assert list(tmp_path.iterdir()) == []

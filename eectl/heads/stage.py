@@ -72,11 +72,43 @@ def train_heads(recipe: Recipe, req: HeadsRequest, out: Output) -> TrainResult |
     # every way below writes --out and its sidecars: none may land on an input or inside the state cache it reads
     check_outputs([("--out", req.out, heads_sidecars(req.out))], _inputs(r, req), [("--cache", cache_dir)])
     if req.probe_only:
+        _unread(req, "--probe-only")
         return _probe_only(r, req, cache_dir, out)
     config = _config(r, req, cache_dir)
+    _unread(req, "a state cache" if config.from_cache else "on the fly")
     if config.from_cache:  # a cache folder given, or a sequence design (they train from a cache only)
         return _train_cached(r, req, config, out)
     return _train_per_token(r, req, config, out)
+
+
+# The options each way of training does not read (request field -> its option): given, each was dropped, silently.
+# On the fly: the state cache's and the probes' (probes are fitted from a cache); from a cache: --steps (its steps are
+# --tokens over --batch-tokens), --ce-weight, --probe-hidden (--probe-only's); --probe-only: every training option.
+_UNREAD = {
+    "on the fly": ("tokens", "gen_share", "loss", "block_init", "probe_tokens", "probe_hidden", "heads"),
+    "a state cache": ("steps", "ce_weight", "probe_hidden", "heads"),
+    "--probe-only": (
+        *("exits", "steps", "design", "rank", "lr", "batch_tokens", "ce_weight", "eval_tokens", "save_every"),
+        *("resume", "tokens", "gen_share", "loss", "block_init"),
+    ),
+}
+
+
+def _unread(req: HeadsRequest, way: str) -> None:
+    """Refuse an option that training `way` does not read, given (set away from the request's default)."""
+    default = HeadsRequest()
+    for name in _UNREAD[way]:
+        if getattr(req, name) != getattr(default, name):
+            flag = f"--{name.replace('_', '-')}"
+            hint = "from a state cache, the steps are --tokens / --batch-tokens" if name == "steps" else f"drop {flag}"
+            raise UsageError(f"{flag} is not read when train-heads {_WAYS[way]}", hint=hint)
+
+
+_WAYS = {
+    "on the fly": "trains on the fly (no --cache)",
+    "a state cache": "trains from a state cache",
+    "--probe-only": "fits probes only (--probe-only)",
+}
 
 
 def heads_sidecars(path: Path | None) -> list[Path]:
