@@ -819,3 +819,16 @@ def test_train_heads_refuses_options_its_way_of_training_does_not_read(tiny_dirs
     _one_line(res, 2)
     assert res.stderr.splitlines()[-1].startswith(line), res.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# --- 26. an artifact given as a file ------------------------------------------------------------------------------
+
+
+def test_an_artifact_given_as_a_file_says_it_is_a_file(artifact, tmp_path):
+    """`run art/manifest.json` said "artifact not found: art/manifest.json", of a file that is there."""
+    res = runner.invoke(app, ["run", str(artifact / MANIFEST), "hi", "--raw", "-n", "2"])
+    _one_line(res, 5)
+    assert res.stderr.splitlines()[-1] == (
+        f"error: artifact {artifact / MANIFEST} is a file, not a folder (give the folder that holds manifest.json)"
+    )
+    _one_line(runner.invoke(app, ["run", str(tmp_path / "none"), "hi", "--raw"]), 5, "artifact not found")  # as before

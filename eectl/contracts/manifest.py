@@ -294,6 +294,10 @@ def read_manifest(folder: str | Path, verify_hashes: bool = True) -> Manifest:
 def _read_manifest(folder: str | Path, verify_hashes: bool) -> Manifest:
     root = Path(folder)
     path = root / MANIFEST
+    if root.exists() and not root.is_dir():  # was "artifact not found" (e.g. the manifest.json itself given)
+        raise ArtifactError(
+            f"artifact {folder} is a file, not a folder", hint="give the folder that holds manifest.json"
+        )
     if not root.is_dir():
         raise ArtifactError(f"artifact not found: {folder}", hint="create one with `eectl export`")
     if not path.is_file():
