@@ -832,3 +832,19 @@ def test_an_artifact_given_as_a_file_says_it_is_a_file(artifact, tmp_path):
         f"error: artifact {artifact / MANIFEST} is a file, not a folder (give the folder that holds manifest.json)"
     )
     _one_line(runner.invoke(app, ["run", str(tmp_path / "none"), "hi", "--raw"]), 5, "artifact not found")  # as before
+
+
+# --- 27. a recipe name that cannot name a file ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["../../outside", "a/b", ".hidden", "''"])
+def test_a_recipe_name_that_is_not_a_file_name_is_refused(tmp_path, name):
+    """A recipe's name names files: the default state cache `artifacts/<name>-states-...` (a budget's), the pipeline's
+    copy of the recipe. `name: ../../outside` put the cache two folders above artifacts/; refused when read."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: {name}\nbudget: quick\n")
+    res = runner.invoke(app, ["pipeline", "--recipe", str(recipe), "--dry-run"])
+    _one_line(res, 2, "recipe r.yaml: name:", "cannot name a file")
+    fine = tmp_path / "qwen2.5-0.5b-instruct.yaml"  # dots inside a name, as the shipped recipes' file stems
+    fine.write_text("budget: quick\n")
+    assert load_recipe(fine).name == "qwen2.5-0.5b-instruct"

@@ -172,6 +172,14 @@ class Recipe(_Strict):
     bench: BenchSpec = Field(default_factory=BenchSpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
 
+    @field_validator("name")
+    @classmethod
+    def _a_file_name(cls, v: str) -> str:
+        # it names files and folders (the default state cache artifacts/<name>-states-..., the pipeline's recipe copy)
+        if not v or len(v) > 100 or v.startswith(".") or any(c in v for c in "/\\\0"):
+            raise ValueError(f"'{v}' cannot name a file: give 1-100 characters, no path separator, no leading dot")
+        return v
+
     @field_validator("exits")
     @classmethod
     def _sorted_unique(cls, v: list[int] | None) -> list[int] | None:
