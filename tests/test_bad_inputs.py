@@ -27,6 +27,20 @@ def test_manifest_counts_out_of_range_name_the_manifest(exported, tmp_path):
         assert "--top-k" not in res.stderr
 
 
+@pytest.mark.parametrize("eos", [[-5], [10**9]])
+def test_an_end_of_sequence_id_outside_the_vocabulary_names_the_manifest(exported, tmp_path, eos):
+    """An end-of-sequence id no token can take: generation never stopped there (it ran to the token budget)."""
+    art = tmp_path / "a"
+    shutil.copytree(exported["llama"][1], art)
+    doc = json.loads((art / "manifest.json").read_text())
+    doc["eos_token_ids"] = eos
+    (art / "manifest.json").write_text(json.dumps(doc))
+    res = runner.invoke(app, ["run", str(art), "hi", "--raw", "-n", "2"])
+    last = res.stderr.strip().splitlines()[-1]  # after the progress line
+    assert res.exit_code == 5 and last.startswith("error: inconsistent manifest"), res.output
+    assert f"end-of-sequence id {eos[0]} outside 0..383" in last and res.stderr.count("error") == 1
+
+
 def test_a_huge_thread_count_is_one_line(exported):
     res = runner.invoke(app, ["run", str(exported["llama"][1]), "hi", "--threads", "99999999999"])
     assert res.exit_code == 2 and res.stderr == "error: --threads must be in 1..1024, got 99999999999\n"

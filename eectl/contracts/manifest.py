@@ -365,5 +365,8 @@ def _check_consistency(m: Manifest, folder: str | Path) -> None:
             f"inconsistent manifest in {folder}: files not hashed: {unlisted}",
             hint="every graph and weight the manifest names must be in its `files`; re-export the artifact",
         )
+    vocab = int(m.dims.get("vocab_size", 0))
+    if bad := [t for t in m.eos_token_ids if not 0 <= t < vocab]:  # generation would never stop at such an id
+        raise ArtifactError(f"inconsistent manifest in {folder}: end-of-sequence id {bad[0]} outside 0..{vocab - 1}")
     if m.calibration is not None and not set(m.calibration.exit_layers) <= set(m.exit_layers):
         raise ArtifactError(f"inconsistent manifest in {folder}: calibrated exits are not among the artifact's")
