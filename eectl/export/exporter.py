@@ -458,10 +458,12 @@ def _write_exits(
 
 
 def _eos_ids(loaded: LoadedModel) -> list[int]:
-    """The generation config's end-of-sequence ids, else the tokenizer's."""
+    """The generation config's end-of-sequence ids, else the tokenizer's; ids beyond the model's vocabulary (which
+    no step can produce, and a manifest refuses) left out."""
     eos = loaded.model.generation_config.eos_token_id if loaded.model.generation_config is not None else None
     eos = eos if eos is not None else getattr(loaded.tokenizer, "eos_token_id", None)
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+    ids = [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+    return [e for e in ids if 0 <= e < loaded.adapter.dims.vocab_size]
 
 
 def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
