@@ -848,3 +848,18 @@ def test_a_recipe_name_that_is_not_a_file_name_is_refused(tmp_path, name):
     fine = tmp_path / "qwen2.5-0.5b-instruct.yaml"  # dots inside a name, as the shipped recipes' file stems
     fine.write_text("budget: quick\n")
     assert load_recipe(fine).name == "qwen2.5-0.5b-instruct"
+
+
+# --- 28. int4 kept layers outside the model ------------------------------------------------------------------------
+
+
+def test_dry_run_refuses_int4_kept_layers_outside_the_model(tiny_dirs, tmp_path):
+    """`int4: {keep_layers: [-1]}` passed --dry-run; the int4 twin refused it only when a run first loaded it."""
+    recipe = tmp_path / "r.yaml"
+    for bad, word in (("[-1, 2]", "-1"), ("[2, 6]", "6")):  # the tiny Llama has 6 layers
+        recipe.write_text(f"name: r\nweights: int4\nint4:\n  keep_layers: {bad}\n")
+        res = runner.invoke(app, ["pipeline", "--recipe", str(recipe), "--model", str(tiny_dirs["llama"]), "--dry-run"])
+        _one_line(res, 2, f"int4.keep_layers names layer {word}, not in 0..5")
+    recipe.write_text("name: r\nweights: int4\nint4:\n  keep_layers: [0, 5]\n")
+    res = runner.invoke(app, ["pipeline", "--recipe", str(recipe), "--model", str(tiny_dirs["llama"]), "--dry-run"])
+    assert res.exit_code == 0, res.output

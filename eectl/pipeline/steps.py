@@ -160,6 +160,8 @@ def dry_run(recipe: Recipe) -> DryRun:
     bad = [e for e in exits if not 1 <= e < L]
     if bad:
         raise UsageError(f"recipe {recipe.name}: exit {bad[0]} is not in 1..{L - 1} for this {L}-layer model")
+    if bad := [i for i in recipe.int4.keep_layers if not 0 <= i < L]:  # the int4 twin refuses them at its first load
+        raise UsageError(f"recipe {recipe.name}: int4.keep_layers names layer {bad[0]}, not in 0..{L - 1}")
     if recipe.signal is not None:
         get_signal(recipe.signal)
     if not 2 <= recipe.top_k <= a.dims.vocab_size:
