@@ -12,8 +12,8 @@ decisions are timed with the signal computation the runner does after the graph 
 signal's decision reads only block states, and the LM head at the exit is timed apart (`exit_predict_ms`: what an
 exiting token's own prediction costs, which a river predicting at its end never asks for). Where the runner
 decides on the bound chain (runtime/chain.py), the decisions are timed as it makes them there instead: the bound
-exit graph deciding in-graph, two scalars read (`Costs.bound_exits`). The full-depth step is timed through the
-runner itself, so whatever Python adds per step is in the model too.
+exit graph deciding in-graph, two scalars read (`Costs.bound_exits`). The full-depth step is timed on the bound
+chain, as every step of the runner runs, so what the chain adds per step is in the model too.
 
 What this module does not do: predict or choose (plan/choose.py); it only measures.
 """
@@ -36,7 +36,6 @@ from eectl.plan.step_calls import (
     WIDE_WIDTHS,
     certified_call,
     chain_step_call,
-    full_step_call,
     head_rows_calls,
     wide_step_calls,
 )
@@ -119,8 +118,7 @@ def measure_costs(
     # the full-depth step is timed in the same rounds as the graphs, so load from other processes inflates both
     # alike and the runner's own overhead (step minus graphs) stays what it is
     calls: dict[str, Callable[[], object]] = {
-        "step": full_step_call(rt, past, seed),
-        **({"chain": chain} if (chain := chain_step_call(rt, past)) is not None else {}),
+        "step": chain_step_call(rt, past),
         **wide_step_calls(rt, past),
         "embed": lambda: rt.embed(np.array([[1]], dtype=np.int64)),
     }
@@ -148,7 +146,7 @@ def measure_costs(
     _bound_exit_calls(calls, rt, sig, h1, past, k)  # replaces the decisions the exit graphs make on the chain
     # one-row exit steps on the bound chain (runtime/chain_steps.py `chain_for`: host buffers on the CPU EP, device
     # buffers on a device), its decisions in the exit graphs (timed so just above) or on the host
-    bound = "chain" in calls and chain_exits_supported(rt, list(m.exit_layers), sig)
+    bound = chain_exits_supported(rt, list(m.exit_layers), sig)
     timed = after_segments(calls, rt)
     last = calls[f"seg1.{len(m.segments) - 1}"]
     for name in heads:  # right after the final segment, as decode runs them: the certified head's int8 table fits
@@ -210,8 +208,8 @@ def _costs(
     n = len(m.segments)
     extra = {f"segment_extra_ms.{i}": _minus(times[f"seg2.{i}"], times[f"seg1.{i}"]) for i in range(n)}
     samples: dict[str, list[float]] = {
-        "full_step_ms": times["step"],
-        **({"chain_step_ms": times["chain"]} if "chain" in times else {}),
+        "full_step_ms": times["step"],  # every step runs on the chain: one figure for both
+        "chain_step_ms": times["step"],
         "embed_ms": times["embed"],
         **{f"segment_ms.{i}": times[f"seg1.{i}"] for i in range(n)},
         **extra,
@@ -348,7 +346,7 @@ def _bound_exit_calls(
     they decide: the host decides those on the chain, timed as `_exit_calls` times them."""
     m = rt.manifest
     exits = list(m.exit_layers)
-    if "chain" not in calls or not decides_in_graph(rt, exits, sig):
+    if not decides_in_graph(rt, exits, sig):
         return  # the host decides these exits on the chain
     never = {c: float("inf") for c in sig.criteria}  # thresholds do not change the graph's work
 

@@ -1,5 +1,5 @@
-"""Decode steps as the runner takes them, for plan/costs.py to time: full depth through the runner and on the bound
-chain, steps with drafts from the context at each width, and the final heads over a wide pass's rows.
+"""Decode steps as the runner takes them, for plan/costs.py to time: full depth on the bound chain, steps with drafts
+from the context at each width, and the final heads over a wide pass's rows.
 
 What this module does not do: time anything (plan/costs.py's rounds do) or price (plan/choose.py, plan/lookup.py).
 """
@@ -11,12 +11,10 @@ from collections.abc import Callable
 import numpy as np
 
 from eectl.contracts.plan import MAX_NGRAM
-from eectl.runtime.batch import new_batch_kv
 from eectl.runtime.chain import DecodeChain
-from eectl.runtime.chain_steps import chain_for, chain_step, chain_tokens
+from eectl.runtime.chain_steps import chain_for, chain_step
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
-from eectl.runtime.slots import Kept
 from eectl.runtime.state import RowState, RunConfig
 
 FULL_STEPS = 16  # room kept in the cache beyond `past`
@@ -63,12 +61,10 @@ def head_rows_calls(rt: ArtifactRuntime, rng: np.random.Generator) -> dict[str, 
     return calls
 
 
-def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object] | None:
+def chain_step_call(rt: ArtifactRuntime, past: int) -> Callable[[], object]:
     """One full-depth greedy step through the bound decode chain (runtime/chain.py), the path `eectl run` takes for
-    one row with no exit active, on top of `past` cached positions; None where the artifact cannot chain."""
+    one row with no exit active, on top of `past` cached positions."""
     m = rt.manifest
-    if not _chainable(rt):
-        return None
     kv = rt.new_kv(1, past + 4)
     chain = DecodeChain(rt, kv, 0, certified_head=False)  # the full head, as full_step_ms (Costs.baseline_ms)
 
@@ -136,25 +132,3 @@ def wide_step_calls(rt: ArtifactRuntime, past: int, seed: int = 0) -> dict[str, 
 
         calls[f"wide.{w}"] = call
     return calls
-
-
-def full_step_call(rt: ArtifactRuntime, past: int, seed: int = 0) -> Callable[[], object]:
-    """One full-depth decode step through the runner (`chain_steps.chain_tokens`, the path `eectl run` takes), on
-    top of a `past`-token prompt (random ids) prefilled once; each call rewinds the cache and steps again."""
-    m = rt.manifest
-    prompt = np.random.default_rng(seed).integers(0, m.dims["vocab_size"], size=past).tolist()
-    # the full head, as chain_step_ms (Costs.baseline_ms swaps the certified head in)
-    cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=FULL_STEPS + 1, stop_ids=(), certified_head=False)
-    runner = Runner(rt, cfg)
-    kv = new_batch_kv(rt, 1, past + 4)
-    chain = runner._chain(kv, 1)
-    kept = Kept(kv, chain, cfg)
-    st = RowState(list(prompt), past, [None] * len(m.segments))
-    nxt = chain_tokens(runner, chain, kv, {0: (st, st.tokens)}, {0}, {}, kept)[0]  # the prompt
-
-    def call() -> object:
-        kv.seek(0, past)
-        st.exit_layers.clear()
-        return chain_tokens(runner, chain, kv, {0: (st, [nxt])}, set(), {}, kept)
-
-    return call
