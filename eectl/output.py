@@ -130,7 +130,8 @@ class PlainProgress(ProgressTask):
         elapsed = now - self.start
         line = f"{self.description}: {self.done:g}"
         if self.total:
-            eta = elapsed * (self.total - self.done) / self.done if self.done > 0 else float("nan")
+            # a producer may pass its estimated total (a state cache's chunks overshoot it): no ETA below zero
+            eta = elapsed * max(0.0, self.total - self.done) / self.done if self.done > 0 else float("nan")
             line += f"/{self.total} ({self.done / self.total:.0%}), {elapsed:.0f} s elapsed, ETA {eta:.0f} s"
         else:
             line += f", {elapsed:.0f} s elapsed"

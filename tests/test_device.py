@@ -125,7 +125,7 @@ def test_generation_reads_the_host_once_per_batch_and_block_of_steps(on_device, 
     prompts = prompt_ids(tok, text.prompts[:6], 48, raw=True)
 
     def generate(n: int):
-        keep = Keep([2, 4], float16=True)
+        keep = Keep([2, 4])
         return generate_continuations(adapter, prompts, 6 * n, n, tok.eos_token_id, 3, keep=keep)
 
     (short, _), small = reads.during(lambda: generate(2 * EOS_CHECK_EVERY))

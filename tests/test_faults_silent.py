@@ -863,3 +863,20 @@ def test_dry_run_refuses_int4_kept_layers_outside_the_model(tiny_dirs, tmp_path)
     recipe.write_text("name: r\nweights: int4\nint4:\n  keep_layers: [0, 5]\n")
     res = runner.invoke(app, ["pipeline", "--recipe", str(recipe), "--model", str(tiny_dirs["llama"]), "--dry-run"])
     assert res.exit_code == 0, res.output
+
+
+def test_plain_progress_past_its_estimated_total_prints_no_negative_eta():
+    """A state cache's chunks overshoot the total its progress was given ("ETA -1 s" was printed)."""
+    import io
+
+    from rich.console import Console
+
+    from eectl.output import PlainProgress
+
+    buf = io.StringIO()
+    bar = PlainProgress(Console(file=buf, width=200), "base states", total=100, every_s=0.0)
+    for _ in range(4):
+        bar.advance(30)
+    lines = buf.getvalue().splitlines()
+    assert lines[-1].startswith("base states: 120/100") and lines[-1].endswith("ETA 0 s"), lines
+    assert not any("ETA -" in ln for ln in lines), lines

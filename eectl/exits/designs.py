@@ -31,7 +31,7 @@ from torch import nn
 
 from eectl.contracts.heads import FORMAT, HeadsMeta, sidecar_path
 from eectl.contracts.layers import check_exit_layers
-from eectl.errors import ArtifactError, UsageError
+from eectl.errors import ArtifactError, EectlError, UsageError
 from eectl.exits.base import ExitHead, attach_probe
 from eectl.exits.probe import PROBE_FEATURES, attach_probe_tensors, probe_tensors
 from eectl.files import atomic_write_group, existing_file
@@ -256,6 +256,20 @@ class HeadSet:
     def exit_head(self, adapter: Adapter, layer: int) -> ExitHead:
         """The exit after `layer` with its head: `.full(h)` and `.local(h, candidates)` as for the logit lens."""
         return ExitHead(adapter, self.heads[layer])
+
+
+def check_trained(stack: HeadStack, steps: int) -> None:
+    """Refuse heads whose training diverged (NaN or infinite weights) before anything is written or fitted on them:
+    every exit decision on them would be NaN, and calibrate would refuse the file later."""
+    bad = [
+        layer for layer in stack.exits if not all(bool(torch.isfinite(p).all()) for p in stack.head(layer).parameters())
+    ]
+    if bad:
+        raise EectlError(
+            f"head training diverged: the heads at exits {bad} have non-finite weights after {steps} steps",
+            hint="lower --lr, or check the model's states at those layers (a state cache built by an older eectl may "
+            "hold float16 overflows: delete it and build it again)",
+        )
 
 
 def save_heads(stack: HeadStack, meta: HeadsMeta, path: Path) -> Path:

@@ -174,17 +174,16 @@ class _StepStates:
         self.steps: list[tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]] = []
         self.caches: dict[int, KVCache] = {}
 
-    def _select(self, h: torch.Tensor, final: bool = False) -> torch.Tensor:
+    def _select(self, h: torch.Tensor) -> torch.Tensor:
         assert self.keep is not None
-        h = h[:, -1:] if self.keep.last_only else h
-        return h.to(torch.float16) if self.keep.float16 and not final else h
+        return h[:, -1:] if self.keep.last_only else h
 
     def capture(self, positions: torch.Tensor, pad: torch.Tensor) -> Capture | None:
         return None if self.keep is None else self.keep.capture(self._select, positions, pad, self.caches)
 
     def end_step(self, capture: Capture | None, final: torch.Tensor) -> None:
         if capture is not None:
-            self.steps.append(({0: self._select(final, final=True), **capture.states}, capture.layer_inputs))
+            self.steps.append(({0: self._select(final), **capture.states}, capture.layer_inputs))
 
     def fill(self, c: Continuation, r: int) -> None:
         """Continuation c (row r): its states at its prompt (the prefill's last columns: its own, no padding; with
@@ -212,7 +211,6 @@ class Keep:
     # with its own KV cache when decoding, and its output is what is kept at that exit
     heads: dict[int, Any] = field(default_factory=dict)
     last_only: bool = False  # generation: only each step's last position (the one that predicts the next token)
-    float16: bool = False  # generation: the layers' states in float16 (the final state stays as computed)
 
     def capture(
         self,

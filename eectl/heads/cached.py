@@ -39,6 +39,7 @@ from eectl.exits.designs import (
     BlockHead,
     HeadStack,
     build_heads,
+    check_trained,
     head_cost,
     head_width,
     load_heads,
@@ -169,6 +170,7 @@ def train_cached(
     stack.eval()
     if any(p.requires_grad for p in model.parameters()):
         raise EectlError("internal: a base model parameter was unfrozen during training")
+    check_trained(stack, step)
     with phases.time("probes", "probe_tokens"):
         probe_fit = _cached_probes(adapter, cache, config, stack, say)
     with phases.time("held-out report"):

@@ -11,13 +11,15 @@ it stopped: files already there are kept):
     held/...                         the same from the last records of the data (held out from training)
 
 Per sequence of S tokens: `ids` [S]; `measured` [S] bool (the positions whose next-token prediction is trained and
-evaluated: every position after BOS for text, the positions that predict the continuation for generated
-sequences; the prompt's positions are there because attention (the block design) needs their keys and values);
-`state_{l}` [S, H] float16, the hidden state after layer l for every cached layer; `final` [S, H] float16, the last
-layer's state before the final norm (the exact teacher is `adapter.logits(final)`); `teacher_ids` / `teacher_logp`
-[M, k], the final layer's top-k tokens and log-probabilities at the M measured positions, in order (the top-k loss
-needs nothing else; the LM head is not run where nothing is measured). A generated sequence ends at the last token
-the generation fed (prompt + continuation without its last token, which is the last measured position's label).
+evaluated: every position after BOS for text, the positions that predict the continuation for generated sequences; the
+prompt's positions are there because attention (the block design) needs their keys and values); `state_{l}` [S, H]
+float16, the hidden state after layer l for every cached layer; `final` [S, H] float16, the last layer's state before
+the final norm (the exact teacher is `adapter.logits(final)`); `scale_{l}` / `scale_final` [S] float32 where a row
+passes float16's range (`encode_half`: such a row is stored divided by a power of two; Gemma's residual stream reaches
+~1e5 at BOS, which float16 stored as inf and head training turned into NaN); `teacher_ids` / `teacher_logp` [M, k], the
+final layer's top-k tokens and log-probabilities at the M measured positions, in order (the top-k loss needs nothing
+else; the LM head is not run where nothing is measured). A generated sequence ends at the last token the generation fed
+(prompt + continuation without its last token, which is the last measured position's label).
 
 Where the time goes (default model, 2 threads): generation's decode steps, then the prompts' prefill; the base is
 run in batches of `text_batch` chunks for text and not again for generated sequences. `cache.json` keeps the
@@ -109,8 +111,8 @@ class Entry:
 class Sequence:
     ids: torch.Tensor  # [S] long
     measured: torch.Tensor  # [S] bool
-    states: dict[int, torch.Tensor]  # layer -> [S, H] float16
-    final: torch.Tensor  # [S, H] float16
+    states: dict[int, torch.Tensor]  # layer -> [S, H] float16 (float32 where a row needed a scale: `decode_half`)
+    final: torch.Tensor  # [S, H] float16 (or float32, as the states)
     teacher_ids: torch.Tensor  # [M, k] long, at the measured positions
     teacher_logp: torch.Tensor  # [M, k] float32
 
@@ -178,6 +180,30 @@ class StateCache:
         }
 
 
+HALF_MAX = 65504.0  # float16's largest finite value
+
+
+def encode_half(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """States [S, H] as float16 for the cache file, and the rows' scales [S] float32, or None where every row fits
+    float16's range (then the file holds the plain conversion, byte for byte what caches held before scales). A row
+    whose largest |value| passes HALF_MAX is divided by the smallest power of two that brings it inside: exact, and
+    float16's relative precision for the row's other values. (Some models carry massive activations: Gemma 3's
+    residual stream reaches ~1e5 at BOS from its middle layers on.)"""
+    h = h.float()
+    peak = h.abs().amax(dim=-1)
+    over = peak > HALF_MAX  # NaN compares False: a model's non-finite state stays non-finite
+    if not bool(over.any()):
+        return h.to(torch.float16), None
+    scale = torch.ones_like(peak)
+    scale[over] = torch.exp2(torch.ceil(torch.log2(peak[over] / HALF_MAX)))
+    return (h / scale[:, None]).to(torch.float16), scale
+
+
+def decode_half(h: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """What `encode_half` stored: the float16 tensor as it is without scales, float32 with them."""
+    return h if scale is None else h.float() * scale[:, None]
+
+
 def write_sequence(path: Path, seq: Sequence) -> None:
     from safetensors.torch import save_file
 
@@ -186,12 +212,14 @@ def write_sequence(path: Path, seq: Sequence) -> None:
     tensors = {
         "ids": seq.ids.to(torch.int64).contiguous(),
         "measured": seq.measured.to(torch.uint8).contiguous(),
-        "final": seq.final.to(torch.float16).contiguous(),
         "teacher_ids": seq.teacher_ids.to(torch.int32).contiguous(),
         "teacher_logp": seq.teacher_logp.to(torch.float32).contiguous(),
     }
-    for layer, h in seq.states.items():
-        tensors[f"state_{layer}"] = h.to(torch.float16).contiguous()
+    for name, h in [("final", seq.final), *((f"state_{layer}", h) for layer, h in seq.states.items())]:
+        half, scale = encode_half(h)
+        tensors[name] = half.contiguous()
+        if scale is not None:
+            tensors[f"scale_{name.removeprefix('state_')}"] = scale.contiguous()
     _atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
@@ -199,12 +227,18 @@ def read_sequence(path: Path) -> Sequence:
     from safetensors.torch import load_file
 
     t = load_file(str(path))
-    states = {int(k.removeprefix("state_")): v for k, v in t.items() if k.startswith("state_")}
+    states = {
+        int(k.removeprefix("state_")): decode_half(v, t.get(f"scale_{k.removeprefix('state_')}"))
+        for k, v in t.items()
+        if k.startswith("state_")
+    }
+    # a cache written before the scales holds such rows as inf: heads trained on it diverge, and training says so
+    # (exits/designs.py `check_trained`); no check here, which would read every sequence's values once more
     return Sequence(
         ids=t["ids"],
         measured=t["measured"].bool(),
         states=states,
-        final=t["final"],
+        final=decode_half(t["final"], t.get("scale_final")),
         teacher_ids=t["teacher_ids"].long(),
         teacher_logp=t["teacher_logp"],
     )
@@ -223,7 +257,7 @@ class Timing(dict[str, float]):
 def base_states(
     adapter: Any, rows: list[list[int]], layers: list[int], final: bool = True
 ) -> list[dict[int, torch.Tensor]]:
-    """The frozen base on sequences of equal length in one call: per row, the cached layers' states (float16) and
+    """The frozen base on sequences of equal length in one call: per row, the cached layers' states (float32) and
     the final one (key 0, as computed: the teacher is taken from it) [S, H], on the model's device (`make_sequence`
     brings a sequence to the host). Without `final` the base stops after the last of `layers` (no key 0)."""
     wanted = set(layers)
@@ -232,7 +266,7 @@ def base_states(
 
     def on_layer(i: int, _h_in: torch.Tensor, h_out: torch.Tensor) -> None:
         if i + 1 in wanted:
-            states[i + 1] = h_out.to(torch.float16)
+            states[i + 1] = h_out.to(torch.float32, copy=True)  # the file's float16 is `write_sequence`'s
 
     x = torch.tensor(rows, dtype=torch.long, device=adapter.device)
     positions = torch.arange(x.shape[1], device=x.device)[None].expand_as(x)
@@ -256,12 +290,12 @@ def make_sequence(
         raise ValueError("internal: a sequence's measured positions must be its last ones")
     idx = idx.to(final.device)
     teacher = TeacherTopK.of(adapter.logits(final[idx].float()), k)
-    layers = {layer: h.to("cpu", torch.float16) for layer, h in states.items() if layer != 0}
+    layers = {layer: h.to("cpu") for layer, h in states.items() if layer != 0}
     return Sequence(
         torch.tensor(ids, dtype=torch.long),
         measured,
         layers,
-        final.to("cpu", torch.float16),
+        final.to("cpu"),
         teacher.ids.cpu(),
         teacher.logp.cpu(),
     )

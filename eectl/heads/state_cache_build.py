@@ -187,7 +187,7 @@ def widen_cache(
                 seqs = [read_sequence(folder / e.file) for e in part]
                 states = base_states(adapter, [s.ids.tolist() for s in seqs], new, final=False)
                 for entry, seq, st in zip(part, seqs, states, strict=True):
-                    seq.states.update({layer: h.to("cpu", torch.float16) for layer, h in st.items()})
+                    seq.states.update({layer: h.to("cpu") for layer, h in st.items()})
                     write_sequence(folder / entry.file, seq)
                     positions += entry.length
                     if on_tokens is not None:
@@ -319,7 +319,7 @@ def _cache_generated(
                 spec.gen_len,
                 eos,
                 spec.gen_batch,
-                keep=Keep(spec.layers, float16=True),
+                keep=Keep(spec.layers),
             )
             t = timing.add("generation", t)
             for c in conts:

@@ -44,7 +44,7 @@ from eectl.data import TokenStream, count_tokens, split_records
 from eectl.errors import DataError, EectlError, UsageError
 from eectl.exits.base import ExitHead
 from eectl.exits.candidates import DEFAULT_CANDIDATES, DEFAULT_SHORTLIST, frequency_shortlist, make_source
-from eectl.exits.designs import HeadStack, build_heads, head_cost, head_width, save_heads
+from eectl.exits.designs import HeadStack, build_heads, check_trained, head_cost, head_width, save_heads
 from eectl.exits.probe import ProbeConfig, ProbeFit, fit_probes
 from eectl.heads.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from eectl.heads.config import TrainConfig, TrainResult
@@ -348,6 +348,7 @@ def train_heads(
     train_s = time.perf_counter() - start
     if any(p.requires_grad for p in model.parameters()):
         raise EectlError("internal: a base model parameter was unfrozen during training")
+    check_trained(tr.stack, tr.step)
     probe_fit = None
     if dist.main:
         say(f"fitting exit probes (the learned signal) on up to {ProbeConfig().tokens} training tokens")
