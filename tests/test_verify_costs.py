@@ -68,3 +68,17 @@ def test_wide_passes_are_timed_with_the_full_head(artifact, monkeypatch):
     assert c.wide_full_head and set(c.wide_ms) == {"1", *widths}
     assert set(c.head_rows_ms) == set(c.certified_rows_ms) == widths and c.samples_ms is not None
     assert c.certified_rows_ms["3"] == pytest.approx(sum(c.samples_ms["certified_rows_ms.3"]) / 2)  # median of 2
+
+
+def test_a_greedy_verify_runner_packs_the_final_head_when_it_is_made(artifact):
+    """The packed final head (several rows: verify's check) is made with the runner, not inside the first decode
+    step that checks drafts (on Gemma 3's 262K-token table that took 0.7-2 s, paid as the first prompt's decode
+    time); runners that never check drafts make none."""
+    from eectl.runtime.runner import Runner
+    from eectl.runtime.state import RunConfig
+
+    L = ArtifactRuntime(artifact, provider="cpu").manifest.num_layers
+    for policy, packed in (("verify", True), ("defer", False)):
+        rt = ArtifactRuntime(artifact, provider="cpu")
+        Runner(rt, RunConfig(exits=[2], thresholds={2: {"prob": 0.5}}, policy=policy))
+        assert (rt.packed_heads._sessions.get(L) is not None) is packed, policy

@@ -109,6 +109,11 @@ class Runner:
             ngram, shortest = config.draft_ngram, config.draft_min
             self.lookup = PromptLookup(config.prompt_drafts, ngram, min(MIN_NGRAM, ngram), min_draft=shortest)
         self.rng = np.random.default_rng(config.seed)
+        if self.policy.checks_drafts:  # (greedy only: policies.py)
+            # checks of drafts take the final head over several rows, packed (tables.py PackedHeads): its
+            # session is made here, not inside the first decode step that checks (0.7-2 s on Gemma 3's 262K-token
+            # table, which a one-prompt run and a bench's first repetition paid as decode time)
+            self.rt.packed_head(L)
         self.last_kv: KVBuffers | None = None  # the cache of the last generate() call (bench: river's KV cosine)
         self._kept: Kept | None = None  # the last call's cache and chain, which the next call reuses (`_buffers`)
         # the placement of the call in progress: generate()'s own while it runs, else the host's
