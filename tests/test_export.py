@@ -256,6 +256,20 @@ def test_fp16_export_validates_at_fp16_tolerance(tiny_dirs, tmp_path):
     assert np.load(tmp_path / "a" / "weights" / "lm_head.npy").dtype == np.float16
 
 
+def test_fp16_export_of_states_past_float16s_range_fails_saying_fp32(tiny_dirs, tmp_path):
+    """A residual stream past 65,504 in one dimension (Gemma 3's massive activations; here one embedding column set to
+    1e5) is inf in fp16 graphs: validation fails and says to export fp32, where the same model exports and
+    validates."""
+    loaded = load_model(str(tiny_dirs["llama"]))
+    with torch.no_grad():
+        loaded.model.get_input_embeddings().weight[:, 0] = 1e5
+    with pytest.raises(ExportValidationError, match="non-finite values") as err:
+        export_artifact(loaded, tmp_path / "a", ExportOptions(exits=[3], dtype="fp16", profile_costs=False))
+    assert "--dtype fp32" in (err.value.hint or "") and not (tmp_path / "a").exists()
+    m = export_artifact(loaded, tmp_path / "b", ExportOptions(exits=[3], profile_costs=False))
+    assert m.dtype == "fp32" and m.validation["passed"]
+
+
 def test_cli_export_json(tiny_dirs, tmp_path):
     runner = CliRunner()
     out = tmp_path / "cli-art"

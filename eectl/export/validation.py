@@ -248,7 +248,10 @@ def _verdict(result: dict[str, Any], m: Manifest, d: _Diffs, river: bool, log: A
         raise ExportValidationError(
             "exported graphs or the PyTorch reference give non-finite values (NaN or infinity)"
             + (f" at exits {where}" if where else ""),
-            hint="the weights or heads hold NaN or infinity: retrain the heads or check the checkpoint",
+            hint="float16 holds values up to 65,504, and some models' states pass it (Gemma's massive activations): "
+            "export with --dtype fp32; else the weights or heads hold NaN or infinity"
+            if m.dtype == "fp16"
+            else "the weights or heads hold NaN or infinity: retrain the heads or check the checkpoint",
         )
     if m.quantization is not None and (river or m.quantization.scope == "segments"):
         result["graphs"] = "river" if river else "int4"  # before the verdict: its message names them
