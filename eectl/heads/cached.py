@@ -143,10 +143,8 @@ def train_cached(
     lens = ExitHead(adapter)
     shortlist = cache.frequent_tokens(entries, config.shortlist) if config.shortlist > 0 else None
 
-    start = time.perf_counter()
-    train_s = 0.0
+    start, train_s, steps_from = time.perf_counter(), 0.0, step
     stack.train()
-    steps_from = step
     while step < config.steps:
         t0 = time.perf_counter()
         total, kl = _cached_loss(adapter, lens, cache, entries, stream, stack, config, step, shortlist)
