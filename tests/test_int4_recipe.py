@@ -180,3 +180,27 @@ def test_run_warns_where_a_policy_runs_inexact_wide_passes():
         assert wide_warning(level4, quiet) is None  # type: ignore[arg-type]
     for config in (verify, lookup, defer):
         assert wide_warning(exact, config) is None  # type: ignore[arg-type]
+
+
+def test_cached_heads_with_non_finite_weights_are_trained_again(tiny_dirs, tmp_path, monkeypatch):
+    """Heads an older eectl trained to NaN (its state cache stored Gemma 3's states as inf) sit in the pipeline's
+    cache under the same key: they are not restored (calibrate refused them), finite ones are."""
+    import torch
+    from safetensors.torch import save_file
+
+    from eectl.contracts.heads import sidecar_path
+    from eectl.pipeline.cache import PipelineCache
+    from eectl.pipeline.steps import plan
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EECTL_CACHE", str(tmp_path / "cache"))
+    r = Recipe(name="r", model=str(tiny_dirs["llama"]))
+    p = plan(r, Path("artifacts"))
+    p.heads.parent.mkdir(parents=True, exist_ok=True)
+    for value, restored in ((float("nan"), False), (0.5, True)):
+        save_file({"exit_2.weight": torch.full((4, 4), value)}, str(p.heads))
+        sidecar_path(p.heads).write_text("{}", encoding="utf-8")
+        cache = PipelineCache(r, p)
+        cache.store("train-heads")
+        p.heads.unlink()
+        assert (cache.restore("train-heads") is not None) is restored, value

@@ -100,6 +100,8 @@ class PipelineCache:
             return None
         files = self._files(stage)
         if restore_files(stage, key, {f.name: f for f in files}):
+            if stage == "train-heads" and not _finite(self.plan.heads):
+                return None  # heads an older eectl trained to NaN (a state cache overflowed): trained again
             return f"cached: {', '.join(str(f) for f in files)} (same model, data and settings)"
         return None
 
@@ -116,3 +118,11 @@ class PipelineCache:
         else:
             store_files(stage, key, self._files(stage))
         return "ran"
+
+
+def _finite(heads: Path) -> bool:
+    """Whether every float tensor of a heads file is finite."""
+    import torch
+    from safetensors.torch import load_file
+
+    return all(bool(torch.isfinite(t).all()) for t in load_file(str(heads)).values() if t.is_floating_point())
