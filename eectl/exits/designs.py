@@ -258,12 +258,15 @@ class HeadSet:
         return ExitHead(adapter, self.heads[layer])
 
 
+def nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point tensors that hold NaN or infinity, sorted (a diverged training run's)."""
+    return sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+
+
 def check_trained(stack: HeadStack, steps: int) -> None:
     """Refuse heads whose training diverged (NaN or infinite weights) before anything is written or fitted on them:
     every exit decision on them would be NaN, and calibrate would refuse the file later."""
-    bad = [
-        layer for layer in stack.exits if not all(bool(torch.isfinite(p).all()) for p in stack.head(layer).parameters())
-    ]
+    bad = sorted({int(k.split(".")[0].removeprefix("exit_")) for k in nonfinite(stack.state_dict())})
     if bad:
         raise EectlError(
             f"head training diverged: the heads at exits {bad} have non-finite weights after {steps} steps",
@@ -349,11 +352,9 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
     except UsageError as exc:  # the file's content, not the user's options, is wrong
         raise ArtifactError(f"heads in {p.name} have invalid metadata: {exc.message}") from None
     probes = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("probe.")]}
-    nonfinite = sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
-    if nonfinite:  # a diverged training run: every exit decision on them would be NaN
-        raise ArtifactError(
-            f"heads in {p.name} have non-finite weights: {', '.join(nonfinite[:3])}", hint="retrain them"
-        )
+    bad = nonfinite(tensors)
+    if bad:  # a diverged training run: every exit decision on them would be NaN
+        raise ArtifactError(f"heads in {p.name} have non-finite weights: {', '.join(bad[:3])}", hint="retrain them")
     try:
         stack.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:

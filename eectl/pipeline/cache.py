@@ -122,7 +122,8 @@ class PipelineCache:
 
 def _finite(heads: Path) -> bool:
     """Whether every float tensor of a heads file is finite."""
-    import torch
     from safetensors.torch import load_file
 
-    return all(bool(torch.isfinite(t).all()) for t in load_file(str(heads)).values() if t.is_floating_point())
+    from eectl.exits.designs import nonfinite
+
+    return not nonfinite(load_file(str(heads)))
