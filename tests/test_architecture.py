@@ -295,15 +295,26 @@ def test_readme_is_for_users():
 
 
 def test_help_shows_no_bool_metavars_on_flags():
-    """Flags read as flags: no `<bool>` metavar beside any option but typer's own --help."""
+    """Flags read as flags, the help flag too: `-h` of the app and of every command shows no `<bool>` beside any
+    option (issue 63: `--help  -h  <bool>`), while an option taking a value still shows its type."""
+    import re
+
+    import typer
     from typer.testing import CliRunner
 
     from eectl.cli import app
 
     runner = CliRunner()
-    for command in ("profile", "calibrate", "train-heads", "export", "run", "bench", "pipeline", "eval"):
-        lines = runner.invoke(app, [command, "-h"], env={"COLUMNS": "200"}).stdout.splitlines()
-        assert [line for line in lines if "<bool>" in line and "--help" not in line] == [], command
+    commands = list(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    assert {"run", "export", "pipeline"} <= set(commands)
+    for command in ([], *([name] for name in commands)):
+        result = runner.invoke(app, [*command, "-h"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, command
+        assert "<bool>" not in result.stdout, command
+        help_row = next(line for line in result.stdout.splitlines() if "--help" in line)
+        assert re.search(r"--help\s+-h\s+Show this message and exit\.", help_row), (command, help_row)
+        if command:
+            assert re.search(r"<(int|str|float|path)>", result.stdout), command  # values keep their type
 
 
 def test_help_fits_80_columns_without_cut_option_names():

@@ -61,10 +61,22 @@ def _in_context(ctx: Any) -> Iterator[None]:
         raise
 
 
+def _flags_read_as_flags(params: list[Any]) -> list[Any]:
+    """No value column beside a flag: typer shows its type (`<bool>`) for any option without a metavar, the help
+    option it adds (`-h, --help`) included, so every flag without one gets an empty metavar."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
 class _Command(typer.core.TyperCommand):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         with _in_context(ctx):
             return super().parse_args(ctx, args)
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_read_as_flags(super().get_params(ctx))
 
 
 class _Group(typer.core.TyperGroup):
@@ -74,6 +86,9 @@ class _Group(typer.core.TyperGroup):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         with _in_context(ctx):
             return super().parse_args(ctx, args)
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_read_as_flags(super().get_params(ctx))
 
     def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
         with _one_line_usage():
