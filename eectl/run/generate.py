@@ -196,6 +196,8 @@ def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -
         thresholds = parse_thresholds(opts.thresholds, exits, signal.criteria)
     elif exits:
         if cal is None or signal.name != cal.signal or not all(e in calibrated for e in exits):
+            if opts.exits is None and opts.signal is None and opts.policy is None:  # no exit asked for: run anyway
+                return _config(rt, opts, stop_ids, signal.name, "defer", [], {}, _uncalibrated(cal is None))
             raise UsageError(
                 f"no calibrated thresholds for signal {signal.name} at exits {exits}",
                 hint="export with --calibration, or pass --thresholds (e.g. 0.9, or 12:0.9,20:0.8)",
@@ -205,6 +207,13 @@ def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -
         exits = [e for i, e in enumerate(exits) if (keep_first and i == 0) or not never_exits(calibrated[e])]
         thresholds = {e: calibrated[e] for e in exits}
     return _config(rt, opts, stop_ids, signal.name, opts.policy or "defer", exits, thresholds, "")
+
+
+def _uncalibrated(none: bool) -> str:
+    """The note of a run at full depth because nothing asked for exits and the artifact has no thresholds for them
+    (exported without --calibration): the user's first `eectl run` runs, and says why no exit is taken."""
+    why = "the artifact has no calibration" if none else "the calibration has no thresholds for these exits"
+    return f"{why}: running at full depth (export with --calibration for exits, or pass --exits and --thresholds)"
 
 
 def _greedy_only(default: str) -> bool:
@@ -432,6 +441,16 @@ def open_runner(
 ) -> tuple[ArtifactRuntime, Any, RunConfig, Runner]:
     """The artifact's runtime, its tokenizer, the configuration the options resolve to, and a runner for it;
     `note` gets how the configuration was chosen (the plan's line), `warn` warnings about the options."""
+    rt, tok = open_artifact(artifact, opts, note)
+    config, runner = runner_for(rt, opts, warn, note)
+    return rt, tok, config, runner
+
+
+def open_artifact(
+    artifact: str | Path, opts: RunOptions, note: Callable[[str], None] | None = None
+) -> tuple[ArtifactRuntime, Any]:
+    """The artifact's runtime (its weights placed as the options say) and tokenizer, its plan chosen for the run
+    (`choose_plan`): what every runner of the run shares (`runner_for`; a server has one per sampling setting)."""
     check_options(opts)
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads, lazy_segments=opts.weights.active)
     if opts.weights.active:
@@ -440,6 +459,16 @@ def open_runner(
             note(tiers.describe())
     tok = load_tokenizer(rt)
     choose_plan(rt, opts.profile_costs, opts.max_risk, note, opts.max_new_tokens)
+    return rt, tok
+
+
+def runner_for(
+    rt: ArtifactRuntime,
+    opts: RunOptions,
+    warn: Callable[[str], None] | None = None,
+    note: Callable[[str], None] | None = None,
+) -> tuple[RunConfig, Runner]:
+    """The configuration `opts` resolve to on an opened artifact (`open_artifact`), and a runner for it."""
     stop_ids = tuple(rt.manifest.eos_token_ids)
     config = resolve_config(rt, opts, stop_ids)
     # the plan's default, priced as lossless, is not exact on this machine: full depth (an asked policy runs, warned)
@@ -454,4 +483,4 @@ def open_runner(
         warn(wide)
     if rt.certified_refused and warn is not None:  # runtime/certified_bound.py's check at load
         warn(f"the certified final head is off on this machine ({rt.certified_refused}): the full head runs")
-    return rt, tok, config, Runner(rt, config)
+    return config, Runner(rt, config)

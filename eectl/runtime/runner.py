@@ -43,6 +43,7 @@ from eectl.runtime.chain_steps import chain_for, chain_step, chain_tokens, slot_
 from eectl.runtime.decide import Answer, ExitTest
 from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
 from eectl.runtime.exit_logits import Decide
+from eectl.runtime.feed import Feed, Prompts
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.policies import policy_class
@@ -205,45 +206,70 @@ class Runner:
                 f"of {self.m.max_positions}"
             )
         width = len(prompts) if slots is None else min(slots, len(prompts))
+        rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
+        self.run_feed(Prompts(rows), width, need, on_step, record=True)
+        return [st.generation() for st in rows]
+
+    def new_row(self, prompt: list[int], max_new_tokens: int | None = None) -> RowState:
+        """A row for `prompt` to give a feed (`run_feed`), with its own token budget (None: the run's)."""
+        return RowState(list(prompt), len(prompt), [None] * len(self.m.segments), max_new_tokens=max_new_tokens)
+
+    def run_feed(
+        self,
+        feed: Feed,
+        width: int,
+        need: int,
+        on_step: Callable[[int, list[int]], None] | None = None,
+        record: bool = False,
+    ) -> None:
+        """Step the rows of `feed` on `width` slots with room for `need` positions each until the feed ends
+        (runtime/feed.py: `generate`'s prompts, or a server's requests arriving and leaving between steps).
+        `on_step(key, confirmed)` as in `generate`; `record`: every step's host reads kept in `step_reads` (a
+        generate call's; a server's feed runs unbounded and keeps none)."""
         kept = self._buffers(width, need)
         self.last_kv = kept.kv
-        rows = [RowState(list(p), len(p), [None] * len(self.m.segments)) for p in prompts]
-        if self.lookup is not None:
-            for st in rows:
-                st.lookup = self.lookup.new_state()
         # the states on the device (the chain's buffers there), and every step's host reads recorded
-        place = Placement(device=self._on_device(), record=True)
+        place = Placement(device=self._on_device(), record=record)
         self.step_reads = place.steps
         self.place = place
         try:
-            self._loop(kept, rows, on_step)
+            self._loop(kept, feed, on_step)
         finally:
             self.place = HOST  # scoring, chat and cost timing run on the host (their own calls)
-        return [st.generation() for st in rows]
 
-    def _loop(self, kept: Kept, rows: list[RowState], on_step: Callable[[int, list[int]], None] | None) -> None:
-        """Steps until every prompt is done. `seated[slot]` is the prompt in that slot of the cache; a prompt whose
-        first step is still to run (its prefill: the whole prompt, always full depth) is `fresh`. Once no prompt
-        waits, the rows still decoding narrow onto the fewest rows (slots.py)."""
-        kv, chain = kept.kv, kept.chain
-        queue = list(range(len(rows)))
+    def _loop(self, kept: Kept, feed: Feed, on_step: Callable[[int, list[int]], None] | None) -> None:
+        """Steps until the feed ends. `seated[slot]` is the row in that slot of the cache; a row whose first step is
+        still to run (its prefill: the whole prompt, always full depth) is `fresh`; a row the feed drops leaves its
+        slot free before the step. Once no row waits, the rows still decoding narrow onto the fewest rows (slots.py);
+        a row arriving after that steps on the whole batch's chain again."""
+        kv, chain, rows = kept.kv, kept.chain, feed.rows
         seated: dict[int, int] = {}
         fresh: set[int] = set()
 
-        def seat() -> None:  # fill the free slots with the next prompts, in order
+        def seat() -> None:  # fill the free slots with the next rows, in order
             for slot in range(kv.rows):
-                if slot not in seated and queue:
-                    seated[slot] = i = queue.pop(0)
-                    fresh.add(slot)
-                    rows[i].reused = reused(self.rt, kept, slot, rows[i].tokens, self._pad())
-                    # what the slot's last prompt left beyond a prefix the new one shares is forgotten
-                    kv.rollback(slot, rows[i].reused)
-                    kept.prompts[slot] = list(rows[i].tokens)
+                if slot in seated or (i := feed.take()) is None:
+                    continue
+                seated[slot] = i
+                fresh.add(slot)
+                st = rows[i]
+                if self.lookup is not None and st.lookup is None:
+                    st.lookup = self.lookup.new_state()
+                st.reused = reused(self.rt, kept, slot, st.tokens, self._pad())
+                # what the slot's last prompt left beyond a prefix the new one shares is forgotten
+                kv.rollback(slot, st.reused)
+                kept.prompts[slot] = list(st.tokens)
 
         seat()
-        while seated:
-            if not queue and not fresh:
-                chain = narrowed(self.rt, kept, chain, seated)
+        while seated or feed.wait():
+            for s in [s for s, i in seated.items() if feed.dropped(i)]:
+                del seated[s]  # its rows' K/V are a finished row's: the next prompt in the slot cuts them
+                fresh.discard(s)
+            seat()
+            if not seated:
+                continue
+            # a row joining after the batch narrowed steps on the whole batch's chain again
+            chain = narrowed(self.rt, kept, chain, seated) if not feed.waiting() and not fresh else kept.chain
             t0 = time.perf_counter()  # a step's time includes proposing and settling its drafts
             # a fresh row feeds its prompt after what its cache rows hold, the others their last token
             live: dict[int, tuple[RowState, list[int]]] = {}
@@ -252,8 +278,13 @@ class Runner:
                 live[s] = (row, row.tokens[row.reused :] if s in fresh else row.tokens[-1:])
             drafted: dict[int, int] = {}  # slot -> drafts from the context this step (RunConfig.prompt_drafts)
             if self.lookup is not None:
-                args = (self.L, self.cfg.max_new_tokens, self.cfg.stop_ids)
-                drafted = {s: self.lookup.attach(rows[i], *args) for s, i in seated.items() if s not in fresh}
+                lookup, stops = self.lookup, self.cfg.stop_ids
+                budget = self.cfg.max_new_tokens
+                drafted = {
+                    s: lookup.attach(rows[i], self.L, rows[i].budget(budget), stops)
+                    for s, i in seated.items()
+                    if s not in fresh
+                }
             for s, n in drafted.items():
                 if n:  # the row's last token, then its drafts: one wide pass through every layer
                     live[s] = (rows[seated[s]], rows[seated[s]].tokens[-n - 1 :])
@@ -325,7 +356,7 @@ class Runner:
 
     def _finished(self, row: int, st: RowState, kv: KVBuffers, chain: DecodeChain) -> bool:
         generated = len(st.tokens) - st.prompt_len
-        if st.tokens[-1] not in self.cfg.stop_ids and generated < self.cfg.max_new_tokens:
+        if st.tokens[-1] not in self.cfg.stop_ids and generated < st.budget(self.cfg.max_new_tokens):
             return False
         return self._settled(row, st, kv, chain)
 

@@ -85,9 +85,15 @@ class RowState:
     lookup: LookupState | None = None  # prompt drafts (RunConfig.prompt_drafts): the row's drafting state
     reused: int = 0  # prompt tokens whose K/V the row's cache held already (not fed again: runtime/slots.py)
     done: bool = False
+    # the row's own token budget (a server's request: runtime/feed.py); None: the run's (RunConfig.max_new_tokens)
+    max_new_tokens: int | None = None
     # decode time of steps whose tokens are not emitted (drafts a rollback discarded): added to the next emitted
     # token's latency, so a row's latencies add up to its decode time
     carried_s: float = 0.0
+
+    def budget(self, run: int) -> int:
+        """The tokens this row may generate: its own budget, else the run's (`run`)."""
+        return run if self.max_new_tokens is None else self.max_new_tokens
 
     def emit(self, token: int, took: float) -> None:
         """Append a token decided in a step of `took` seconds (plus the time carried from discarded steps)."""
