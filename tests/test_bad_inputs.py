@@ -95,6 +95,30 @@ def test_a_run_option_error_comes_alone_without_the_loading_line(exported, args,
     assert res.exit_code == 2 and res.stderr == line + "\n", res.output
 
 
+def test_an_uncalibrated_artifact_runs_at_full_depth_and_says_why(exported):
+    """`eectl export` without --calibration, then `eectl run A "hi"`, refused: "no calibrated thresholds for signal
+    topk-prob at exits [...]" (issue 63). With no exit asked for it runs at full depth, its tokens those of
+    `--exits none`, and says why on stderr; exits named without thresholds are still refused, in one line."""
+    art = exported["llama"][1]
+    assert json.loads((art / "manifest.json").read_text())["calibration"] is None  # the fixture is uncalibrated
+    args = ["run", str(art), "hi", "--raw", "-n", "6", "--json"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["exits"] == [] and doc["note"].startswith("the artifact has no calibration: running at full depth")
+    said = runner.invoke(app, args[:-1])  # without --json: the note on stderr, the answer on stdout
+    assert said.exit_code == 0 and "the artifact has no calibration: running at full depth" in said.stderr
+    assert "no calibration" not in said.stdout and said.stdout.strip(), said.output
+    full = json.loads(runner.invoke(app, [*args, "--exits", "none"]).stdout)["results"][0]
+    got = doc["results"][0]
+    assert got["token_ids"] == full["token_ids"] and len(got["token_ids"]) == 6
+    assert got["mean_executed_layers"] == full["mean_executed_layers"] == exported["llama"][0].adapter.dims.num_layers
+    asked = runner.invoke(app, ["run", str(art), "hi", "--raw", "-n", "2", "--exits", "2"])
+    assert asked.exit_code == 2 and asked.stderr.splitlines()[-1].startswith(
+        "error: no calibrated thresholds for signal topk-prob at exits [2]"
+    ), asked.output
+
+
 def test_an_exit_the_artifact_lacks_is_named_as_such(exported):
     """--exits 99 without --thresholds said "no calibrated thresholds for signal ... at exits [99]" (export with
     --calibration): the exit does not exist, and no calibration would make it."""
