@@ -95,9 +95,9 @@ ExactWideOpt = Annotated[
     bool | None,
     typer.Option(
         "--exact-wide/--no-exact-wide",
-        help="Pad one-row attention so wide passes (drafts, deferred positions) compute each position exactly as a "
-        "one-position step: lossless drafts on int4 at --int4-accuracy-level 2-4 (on there by default); full depth "
-        "~6% slower on an AVX2 CPU, 7% faster on an AVX-512 one.",
+        help="Run one-row calls with one zero position after theirs (every MatMul on two rows, attention on two "
+        "positions) so wide passes (drafts, deferred positions) compute each position exactly as a one-position step "
+        "on AVX2 and AVX-512 CPUs alike: lossless drafts on int4 at --int4-accuracy-level 2-4 (on there by default).",
         rich_help_panel="int4",
         metavar="",
     ),

@@ -78,14 +78,14 @@ class ExportOptions:
     int4: Int4Options = field(default_factory=Int4Options)  # settings for --weights int4 and --river
     river: bool = False  # add int4 copies of the segments after the first exit (the `river` policy)
     certified_head: bool = True  # add the certified final head where the model allows it (export/certified_head.py)
-    # one-row calls pad their attention so a wide pass computes each position bit for bit as a one-position step
-    # does (export/graphs.py _AttentionPad): lossless drafts on int4 at accuracy levels 2-4; full depth's cost depends
-    # on the CPU (~6% slower on AVX2, 7% faster on AVX-512). None: where drafts rest on it (`pads`)
+    # one-row calls run with one zero position after theirs so a wide pass computes each position bit for bit as a
+    # one-position step does, on AVX2 and AVX-512 CPUs (export/graphs.py _RowPad): lossless drafts on int4 at
+    # accuracy levels 2-4. None: where drafts rest on it (`pads`)
     exact_wide: bool | None = None
 
     def pads(self) -> bool:
-        """Whether one-row calls pad their attention: as `exact_wide` says, else (None) where the artifact's drafts
-        and deferred positions are exact only so: int4 segments computing at accuracy levels 2-4
+        """Whether one-row calls are padded (export/graphs.py _RowPad): as `exact_wide` says, else (None) where the
+        artifact's drafts and deferred positions are exact only so: int4 segments computing at accuracy levels 2-4
         (runtime/wide_check.py `relies_on_exact_wide`)."""
         return exact_wide_for(self.exact_wide, self.weights, self.int4.accuracy_level)
 

@@ -150,22 +150,27 @@ class _Builder:
         return model
 
 
-class _AttentionPad:
-    """A one-row call's attention on its positions plus one zero position after them (`export --exact-wide`).
+class _RowPad:
+    """A one-row call's positions plus one zero position after them, through the whole segment (`export
+    --exact-wide`).
 
-    ONNX Runtime's CPU GroupQueryAttention computes one new position with other kernels (a matrix-vector product)
-    than several, so a position's attention differs in the last bits between a one-position decode step and a wide
-    pass (prefill, verify's check of drafts, defer's pending positions); int8 activations (int4 segments at
-    accuracy level 4) turn such differences into other tokens. With one zero position appended, a single row's call
-    always takes the several-position kernels, and each real position's output is bit for bit the same whatever the
-    width of its call (tests/test_exact_wide.py). The zero position's K/V land in the slot after the call's new
-    positions, never counted as filled and overwritten by the row's next position. A call with no such slot free
-    (in the buffer or the rotary tables), or of several rows (GQA takes several positions per row only one row at
-    a time), runs unpadded. The real positions' K/V are the same either way: GQA writes them before attending, and
-    causal attention never reads a later position.
+    ONNX Runtime's CPU kernels may compute one position with other code than several: GroupQueryAttention takes a
+    matrix-vector product for one new position, and MatMulNBits at accuracy level 4 (int8 activations) takes another
+    kernel for one row than for several on AVX2 CPUs (on AVX-512 ones the same), as MatMulNBits at level 0 does
+    everywhere. So a position's numbers differ in the last bits between a one-position decode step and a wide pass
+    (prefill, verify's check of drafts, defer's pending positions), and int8 activations turn such differences into
+    other tokens. With one zero position appended to the segment's input, a single row's call always runs every
+    MatMul on at least two rows and attention on at least two positions, and each real position's output is bit for
+    bit the same whatever the width of its call (tests/test_exact_wide.py; measured: several rows of MatMulNBits
+    compute each row as two rows do, on AVX2 and AVX-512). The zero position's K/V land in the slot after the call's
+    new positions, never counted as filled and overwritten by the row's next position; its outputs are cut off. A
+    call with no such slot free (in the buffer or the rotary tables), or of several rows (GQA takes several
+    positions per row only one row at a time; several rows are several MatMul rows already), runs unpadded. The real
+    positions' K/V are the same either way where the kernels compute one row as two: GQA writes them before
+    attending, and causal attention never reads a later position.
     """
 
-    def __init__(self, b: _Builder, hidden: str, past_key: str, positions: int) -> None:
+    def __init__(self, b: _Builder, hidden: str, past_key: str, positions: int, width: int) -> None:
         rows = b.op("Shape", [hidden], start=0, end=1)
         self.sequence = b.op("Shape", [hidden], start=1, end=2)
         self.zero = b.const("pad.zero", np.array([0], np.int64), False)
@@ -177,29 +182,25 @@ class _AttentionPad:
             "And", [fits, b.op("Less", [total, b.const("pad.positions", np.array([positions], np.int64), False)])]
         )
         one_row = b.op("Equal", [rows, b.const("pad.one", np.array([1], np.int64), False)])
-        self.count = b.op("Cast", [b.op("And", [one_row, fits])], to=TensorProto.INT64)  # [1]: 1 or 0
-        count32 = b.op("Cast", [self.count], to=TensorProto.INT32)
+        count = b.op("Cast", [b.op("And", [one_row, fits])], to=TensorProto.INT64)  # [1]: 1 or 0
+        count32 = b.op("Cast", [count], to=TensorProto.INT32)
         self.seqlens_k = b.op("Add", ["seqlens_k", count32])
         self.total = b.op("Add", ["total_sequence_length", b.op("Squeeze", [count32])])
-        self._rows = rows
-        self._zeros: dict[int, str] = {}
+        dims = b.op("Concat", [rows, count, b.const("pad.width", np.array([width], np.int64), False)], axis=0)
+        zeros = b.op("ConstantOfShape", [dims], value=helper.make_tensor("z", b.elem, [1], [0]))
+        self.hidden = b.op("Concat", [hidden, zeros], axis=1)  # [B, S + count, width]
+        self.width = width
 
-    def extend(self, b: _Builder, x: str, width: int) -> str:
-        """x [B, S, width] and `count` zero positions after it."""
-        if not x:  # GQA's packed QKV: no separate k or v
-            return x
-        if width not in self._zeros:
-            dims = b.op(
-                "Concat",
-                [self._rows, self.count, b.const(f"pad.width{width}", np.array([width], np.int64), False)],
-                axis=0,
-            )
-            self._zeros[width] = b.op("ConstantOfShape", [dims], value=helper.make_tensor("z", b.elem, [1], [0]))
-        return b.op("Concat", [x, self._zeros[width]], axis=1)
+    def cut(self, b: _Builder, x: str) -> str:
+        """The real positions of a stream: [B, S + count, W] -> [B, S, W]."""
+        return b.op("Slice", [x, self.zero, self.sequence, self.axis])
 
-    def cut(self, b: _Builder, attn: str) -> str:
-        """The real positions of an attention output: [B, S + count, N] -> [B, S, N]."""
-        return b.op("Slice", [attn, self.zero, self.sequence, self.axis])
+    def cut_states(self, b: _Builder, states: str, blocks: int) -> str:
+        """The real positions of `blocks` streams concatenated along positions: [B, blocks * (S + count), W] ->
+        [B, blocks * S, W]."""
+        split = b.op("Reshape", [states, b.const("pad.blocks", np.array([0, blocks, -1, self.width], np.int64), False)])
+        real = b.op("Slice", [split, self.zero, self.sequence, b.const("pad.axis2", np.array([2], np.int64), False)])
+        return b.op("Reshape", [real, b.const("pad.flat", np.array([0, -1, self.width], np.int64), False)])
 
 
 def _rms(b: _Builder, x: str, weight: torch.Tensor, eps: float, name: str) -> str:
@@ -252,7 +253,7 @@ def _layer(
     dims: Any,
     rope: dict[str, tuple[str, str]],
     kv_only: bool,
-    pad: _AttentionPad | None = None,
+    pad: _RowPad | None = None,
 ) -> tuple[str, str | None, str, str, str]:
     """One decoder layer on the residual stream x + delta (delta: an addend not yet added, or None).
 
@@ -266,7 +267,6 @@ def _layer(
     layer_input = x
     qkv = _linear(b, h, [w.q, w.k, w.v], [w.q_bias, w.k_bias, w.v_bias], f"{p}.qkv")
     q, k, v = qkv, "", ""  # packed [B, S, (nh + 2 nkv) D]: GroupQueryAttention splits it itself
-    w_q = (nh + 2 * nkv) * d
     if w.q_norm is not None and w.k_norm is not None:  # per-head norms need q and k apart
         q, k, v = b.op(
             "Split",
@@ -274,7 +274,6 @@ def _layer(
             3,
             axis=-1,
         )
-        w_q = nh * d
         q = _head_norm(b, q, w.q_norm, w.eps, nh, d, f"{p}.q_norm")
         k = _head_norm(b, k, w.k_norm, w.eps, nkv, d, f"{p}.k_norm")
     cos, sin = rope[w.layer_type]
@@ -284,8 +283,6 @@ def _layer(
     if w.softcap:
         attrs["softcap"] = float(w.softcap)
     lengths = ["seqlens_k", "total_sequence_length"] if pad is None else [pad.seqlens_k, pad.total]
-    if pad is not None:
-        q, k, v = (pad.extend(b, t, width) for t, width in ((q, w_q), (k, nkv * d), (v, nkv * d)))
     attn, present_k, present_v = b.op(
         "GroupQueryAttention",
         [q, k, v, names["past_key"], names["past_value"], *lengths, cos, sin],
@@ -293,8 +290,6 @@ def _layer(
         domain="com.microsoft",
         **attrs,
     )
-    if pad is not None:
-        attn = pad.cut(b, attn)
     if kv_only:
         return x, None, layer_input, present_k, present_v
     o = _linear(b, attn, [w.o], [w.o_bias], f"{p}.o")
@@ -325,23 +320,26 @@ def build_segment(
     kv_only: bool = False,
     exact_wide: bool = False,
 ) -> tuple[onnx.ModelProto, GraphIO]:
-    """Layers [lo, hi) as one graph; `exact_wide`: one-row calls pad their attention (`_AttentionPad`)."""
+    """Layers [lo, hi) as one graph; `exact_wide`: one-row calls run with one zero position after theirs (`_RowPad`)."""
     dims = adapter.dims
     b = _Builder(dtype)
     hidden = b.input("hidden_states", None, ["batch", "sequence", dims.hidden_size])
     b.input("seqlens_k", TensorProto.INT32, ["batch"])
     b.input("total_sequence_length", TensorProto.INT32, [])
+    pads = exact_wide and not kv_only
     rope: dict[str, tuple[str, str]] = {}
-    for kind, (cos, sin) in adapter.rotary_tables(max_positions).items():
+    # a padded call's zero position after the model's last one needs a row of its own: every call of a runtime
+    # that allocates the pad slot (runtime/kv.py) fits, the last position's included
+    for kind, (cos, sin) in adapter.rotary_tables(max_positions + int(pads)).items():
         rope[kind] = (b.const(f"rope.{kind}.cos", cos), b.const(f"rope.{kind}.sin", sin))
     kv_shape = ["batch", dims.num_kv_heads, "max_sequence", dims.head_dim]
     names = {k: [] for k in ("past_key", "past_value", "present_key", "present_value")}  # type: dict[str, list[str]]
     for i in range(lo, hi):
         names["past_key"].append(b.input(f"past_key_values.{i}.key", None, kv_shape))
         names["past_value"].append(b.input(f"past_key_values.{i}.value", None, kv_shape))
-    pad = _AttentionPad(b, hidden, names["past_key"][0], max_positions) if exact_wide and not kv_only else None
-    x, delta = hidden, None
-    layer_input = hidden
+    pad = _RowPad(b, hidden, names["past_key"][0], max_positions + 1, dims.hidden_size) if pads else None
+    x, delta = (hidden if pad is None else pad.hidden), None
+    layer_input = x
     boundaries = []  # the residual stream before each layer (materialised as its input), then after the last
     for j, i in enumerate(range(lo, hi)):
         x, delta, layer_input, pk, pv = _layer(
@@ -364,12 +362,14 @@ def build_segment(
     if not kv_only:
         if delta is not None:  # the last layer's MLP output, not yet added to the stream
             x = b.op("Add", [x, delta])
-        b.output(x, "hidden_states_out", None, ["batch", "sequence", dims.hidden_size])
-        b.output(layer_input, "last_layer_input", None, ["batch", "sequence", dims.hidden_size])
-        outputs.update(hidden_out="hidden_states_out", layer_input="last_layer_input")
         # [B, (n_layers + 1) * S, H]: one Concat (no per-layer ops) so a signal can read every block's transition
         # (River's minimum cosine over a segment's blocks); the runner binds it only when its signal needs it
         states = b.op("Concat", [*boundaries, x], axis=1)
+        if pad is not None:
+            x, layer_input, states = pad.cut(b, x), pad.cut(b, layer_input), pad.cut_states(b, states, hi - lo + 1)
+        b.output(x, "hidden_states_out", None, ["batch", "sequence", dims.hidden_size])
+        b.output(layer_input, "last_layer_input", None, ["batch", "sequence", dims.hidden_size])
+        outputs.update(hidden_out="hidden_states_out", layer_input="last_layer_input")
         b.output(states, "layer_states", None, ["batch", "states", dims.hidden_size])
         outputs["layer_states"] = "layer_states"
     kind = "kv" if kv_only else "segment"

@@ -3,8 +3,9 @@
 Verify's check of drafts, drafts from the context and defer's pending positions run several positions of a row in
 one segment call; their output is lossless only if each position comes out as the one-position decode step would
 have made it. Where the graphs compute in int8 (int4 segments at accuracy level 4), the last-bit differences of
-ONNX Runtime's one-position and several-position attention kernels grow into other tokens; export --exact-wide
-pads one-row calls so that both take the same kernels (export/graphs.py `_AttentionPad`). This module checks the
+ONNX Runtime's one-position and several-position kernels (attention everywhere; MatMulNBits on AVX2 CPUs) grow into
+other tokens; export --exact-wide pads one-row calls so that both take the same kernels (export/graphs.py
+`_RowPad`). This module checks the
 result on the graphs themselves: a prompt, then `width` positions once as one call and once one at a time through
 every segment, the states after each segment and every layer's K/V compared.
 
