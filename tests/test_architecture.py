@@ -32,6 +32,8 @@ LAYERS: list[list[str]] = [
     ["eectl.export"],
     ["eectl.evaluate"],
     ["eectl.pipeline"],
+    ["eectl.api"],
+    ["eectl.serve"],
     ["eectl.cli"],
 ]
 # The contracts (the files between stages) are read by every stage; importing them must stay cheap.

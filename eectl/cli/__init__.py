@@ -17,6 +17,7 @@ from eectl.cli import cmd_calibrate  # noqa: F401
 from eectl.cli import cmd_train_heads  # noqa: F401
 from eectl.cli import cmd_export  # noqa: F401
 from eectl.cli import cmd_run  # noqa: F401
+from eectl.cli import cmd_serve  # noqa: F401
 from eectl.cli import cmd_bench  # noqa: F401
 from eectl.cli import cmd_pipeline  # noqa: F401
 from eectl.cli import cmd_eval  # noqa: F401

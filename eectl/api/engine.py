@@ -1,0 +1,283 @@
+"""Continuous batching on one artifact: requests join the running batch at its next step and leave it when done.
+
+One worker thread owns the runners and steps them (ONNX Runtime's sessions are used from it alone); callers on any
+thread `submit` a `Job` and get its confirmed tokens after every step (`Job.on_step`) and its end (`Job.on_done`),
+both called on the worker thread. A job waits in a bounded queue (`QueueFull` past it) until a slot of the batch is
+free; the runner seats it at the next step (runtime/feed.py), prefilling its prompt while the others decode. A job
+cancelled (`Job.cancel`: a client gone, a stop string seen) leaves its slot at the next step.
+
+Sampling settings are the runner's, not a row's (the chain picks the rows' tokens with one sampler), so a batch
+holds the jobs of one setting (`Sampling`): a job of another setting waits at the head of the queue until the batch
+drains, then the engine steps that setting's runner; nothing behind it joins in the meantime (first come, first
+served). Each setting's configuration is resolved as `eectl run` resolves its options (run/generate.py
+`runner_for`), for the batch size the engine runs: the plan prices one row, so with more than one slot the plan's
+default runs full depth unless the plan prices that batch size (contracts/plan.py `batch_note`), and a policy asked
+for explicitly runs anyway (as `eectl run --batch-size N --policy NAME` does).
+
+What this module does not do: tokenise or detokenise (api/model.py), or speak HTTP (eectl/serve).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from eectl.errors import EectlError, UsageError
+from eectl.run.generate import RunOptions, runner_for
+from eectl.runtime.feed import Feed
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import Generation, RowState, RunConfig
+
+MAX_RUNNERS = 4  # sampling settings whose runners are kept (the least recently used is dropped past it)
+
+
+class QueueFull(EectlError):
+    exit_code = 75  # EX_TEMPFAIL: try again later
+
+
+class Stopped(EectlError):
+    exit_code = 75
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+
+
+@dataclass(eq=False)
+class Job:
+    """One request: its prompt ids, budget and sampling; what it is told after each step and at its end."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    # the row's confirmed generated tokens after each step (worker thread)
+    on_step: Callable[[list[int]], None] | None = None
+    # at its end (worker thread): what it generated (None where it never ran a step) and the error that ended it
+    on_done: Callable[[Generation | None, BaseException | None], None] | None = None
+    cancelled: bool = False
+    engine: Engine | None = field(default=None, repr=False)
+
+    def cancel(self) -> None:
+        """Leave the batch at its next step (or the queue now); on_done is still called once."""
+        self.cancelled = True
+        if self.engine is not None:
+            self.engine.wake()
+
+    def _done(self, gen: Generation | None, error: BaseException | None) -> None:
+        if self.on_done is not None:
+            self.on_done(gen, error)
+
+
+class Engine:
+    """The worker thread stepping `slots` rows with room for `context` positions each; at most `queue` jobs
+    waiting. `opts`: the run options (their sampling: the default setting), resolved per setting on `rt`."""
+
+    def __init__(
+        self,
+        rt: ArtifactRuntime,
+        opts: RunOptions,
+        slots: int = 1,
+        context: int = 2048,
+        queue: int = 64,
+        warn: Callable[[str], None] | None = None,
+        note: Callable[[str], None] | None = None,
+    ) -> None:
+        if slots < 1:
+            raise UsageError(f"--max-batch must be >= 1, got {slots}")
+        if queue < 1:
+            raise UsageError(f"--max-queue must be >= 1, got {queue}")
+        self.rt, self.slots, self.queue_limit = rt, slots, queue
+        self.context = min(context, rt.manifest.max_positions)
+        self.opts = dataclasses.replace(opts, batch_size=slots)
+        self.default = Sampling(opts.temperature, opts.top_p)
+        self._runners: dict[Sampling, tuple[RunConfig, Runner]] = {}
+        self._pending: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.running = 0  # jobs seated in the batch now
+        self._runner(self.default, warn, note)  # the default setting's errors at load, not at the first request
+        self._thread = threading.Thread(target=self._work, name="eectl-engine", daemon=True)
+        self._thread.start()
+
+    # --- callers' side ----------------------------------------------------------------------------------------------
+    def config(self, sampling: Sampling | None = None) -> RunConfig:
+        """What a setting runs (the default's unless given): policy, exits, thresholds, the plan's note."""
+        return self._runner(sampling or self.default)[0]
+
+    def check(self, job: Job) -> None:
+        """A job's own errors, before it queues: an empty prompt, a budget below 1, past the context, a sampling
+        setting its configuration refuses (e.g. sampling with verify asked for)."""
+        if not job.prompt:
+            raise UsageError("empty prompt")
+        if job.max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be >= 1, got {job.max_new_tokens}")
+        need = len(job.prompt) + job.max_new_tokens + 1
+        if need > self.context:
+            raise UsageError(
+                f"a prompt of {len(job.prompt)} tokens + {job.max_new_tokens} new tokens exceeds the context of "
+                f"{self.context}"
+            )
+        self._runner(job.sampling)
+
+    def submit(self, job: Job) -> Job:
+        """Queue `job` (checked first: `check`); QueueFull where `queue` jobs wait already beyond the batch's free
+        slots, Stopped after `stop`."""
+        self.check(job)
+        job.engine = self
+        with self._cond:
+            if self._stopping:
+                raise Stopped("the server is shutting down")
+            waiting = len(self._pending) - (self.slots - self.running)  # beyond the slots free at the next step
+            if waiting >= self.queue_limit:
+                raise QueueFull(f"{waiting} requests wait already for a slot (--max-queue {self.queue_limit})")
+            self._pending.append(job)
+            self._cond.notify_all()
+        return job
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel every job (waiting ones end at once, seated ones at the next step) and end the worker."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    # --- the worker -------------------------------------------------------------------------------------------------
+    def _runner(
+        self,
+        sampling: Sampling,
+        warn: Callable[[str], None] | None = None,
+        note: Callable[[str], None] | None = None,
+    ) -> tuple[RunConfig, Runner]:
+        with self._cond:
+            got = self._runners.pop(sampling, None)
+            if got is None:
+                opts = dataclasses.replace(self.opts, temperature=sampling.temperature, top_p=sampling.top_p)
+                got = runner_for(self.rt, opts, warn, note)
+            self._runners[sampling] = got  # the most recently used last
+            while len(self._runners) > MAX_RUNNERS:
+                self._runners.pop(next(iter(self._runners)))
+            return got
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                sampling = self._pending[0].sampling
+            runner = self._runner(sampling)[1]
+            with self._cond:
+                others = list(self._runners.values())
+            for other in others:  # one setting's buffers in memory at a time
+                if other[1] is not runner:
+                    other[1]._kept = None
+            feed = _Jobs(self, sampling, runner)
+            try:
+                runner.run_feed(feed, self.slots, self.context, on_step=feed.step)
+            except BaseException as exc:  # a step failed: its jobs end with the error, the engine goes on
+                runner._kept = None  # the buffers' state is unknown: the next batch allocates new ones
+                feed.fail(exc)
+        with self._cond:
+            left, self._pending = list(self._pending), deque()
+        for job in left:
+            job._done(None, Stopped("the server is shutting down"))
+
+
+class _Jobs(Feed):
+    """The engine's queue as a runner's feed (runtime/feed.py): jobs of one sampling setting, taken in order while the
+    queue's head has that setting; cancelled jobs dropped."""
+
+    _keys = itertools.count()
+
+    def __init__(self, engine: Engine, sampling: Sampling, runner: Runner) -> None:
+        super().__init__()
+        self.engine, self.sampling, self.runner = engine, sampling, runner
+        self.jobs: dict[int, Job] = {}
+
+    def _head(self) -> Job | None:
+        """The queue's first job not cancelled (cancelled ones end here), if it has this feed's setting."""
+        e = self.engine
+        with e._cond:
+            while e._pending and e._pending[0].cancelled:
+                e._pending.popleft()._done(None, None)
+            if e._stopping or not e._pending or e._pending[0].sampling != self.sampling:
+                return None
+            return e._pending[0]
+
+    def waiting(self) -> bool:
+        return self._head() is not None
+
+    def take(self) -> int | None:
+        job = self._head()
+        if job is None:
+            return None
+        with self.engine._cond:
+            self.engine._pending.popleft()
+        key = next(self._keys)
+        self.rows[key] = self.runner.new_row(job.prompt, job.max_new_tokens)
+        self.jobs[key] = job
+        self.engine.running = len(self.jobs)
+        return key
+
+    def dropped(self, key: int) -> bool:
+        job = self.jobs[key]
+        if not (job.cancelled or self.engine._stopping):
+            return False
+        self._end(key, None)
+        return True
+
+    def wait(self) -> bool:
+        e = self.engine
+        with e._cond:
+            while not e._pending and not e._stopping:
+                e._cond.wait()
+        return self.waiting()
+
+    def step(self, key: int, confirmed: list[int]) -> None:
+        job = self.jobs[key]
+        if job.on_step is not None:
+            job.on_step(confirmed)
+        if self.rows[key].done:
+            self._end(key, None)
+
+    def _end(self, key: int, error: BaseException | None) -> None:
+        st, job = self.rows.pop(key), self.jobs.pop(key)
+        self.engine.running = len(self.jobs)
+        job._done(_generation(st), error)
+
+    def fail(self, error: BaseException) -> None:
+        for key in list(self.jobs):
+            self._end(key, error)
+
+
+def _generation(st: RowState) -> Generation | None:
+    """What a row generated so far (None before its first token)."""
+    return st.generation() if st.latencies else None
+
+
+def describe(config: RunConfig) -> dict[str, Any]:
+    """A configuration as fields (what /health and `Model.config` report)."""
+    return {
+        "policy": config.policy,
+        "exits": list(config.exits),
+        "signal": config.signal,
+        "prompt_drafts": config.prompt_drafts,
+        "note": config.note,
+    }

@@ -1,0 +1,153 @@
+"""`eectl serve`: options, `eectl.api.load`, and the OpenAI-compatible server (eectl/serve/app.py) until SIGTERM."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from eectl.cli.app import MaxRiskOpt, RecipeOpt, ThreadsOpt, command, set_threads
+from eectl.cli.cmd_run import (
+    ArtifactOpt,
+    DraftNgramOpt,
+    ExactHeadOpt,
+    ExitsOpt,
+    PolicyOpt,
+    PromptDraftsOpt,
+    ProviderOpt,
+    SeedOpt,
+    SignalOpt,
+    ThresholdScaleOpt,
+    ThresholdsOpt,
+    TopKOpt,
+    TopPOpt,
+)
+from eectl.cli.weights import BudgetOpt, MmapOpt, PlaceOpt, weight_options
+from eectl.contracts.plan import MAX_NGRAM
+from eectl.contracts.recipe import load_recipe, pick
+from eectl.errors import UsageError
+from eectl.output import Output
+
+DEFAULT_PORT = 8000
+
+HostOpt = Annotated[
+    str, typer.Option(help="Address to listen on (0.0.0.0: every interface).", rich_help_panel="Server")
+]
+PortOpt = Annotated[int, typer.Option(help="Port to listen on.", rich_help_panel="Server")]
+MaxBatchOpt = Annotated[
+    int,
+    typer.Option(
+        help="Requests decoded together: a new one joins at the next step, a finished one leaves. The plan prices one "
+        "row: with more than 1, the plan's default runs full depth (--policy NAME runs one anyway).",
+        rich_help_panel="Server",
+    ),
+]
+MaxQueueOpt = Annotated[
+    int, typer.Option(help="Requests waiting for a free slot; past it, 429.", rich_help_panel="Server")
+]
+ContextOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Positions per request, prompt and answer (default: 2048 or the model's, the smaller).",
+        rich_help_panel="Server",
+    ),
+]
+NameOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--name", help="The model id /v1/models lists (default: the artifact's folder name).", rich_help_panel="Server"
+    ),
+]
+MaxTokensOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-new-tokens",
+        "-n",
+        help="Tokens per answer where a request gives no max_tokens.",
+        rich_help_panel="Sampling",
+    ),
+]
+TemperatureOpt = Annotated[
+    float, typer.Option(help="Where a request gives none (0 = greedy).", rich_help_panel="Sampling")
+]
+
+
+@command()
+def serve(
+    artifact: ArtifactOpt,
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = DEFAULT_PORT,
+    max_batch: MaxBatchOpt = 4,
+    max_queue: MaxQueueOpt = 64,
+    context: ContextOpt = None,
+    name: NameOpt = None,
+    exits: ExitsOpt = None,
+    policy: PolicyOpt = None,
+    thresholds: ThresholdsOpt = None,
+    threshold_scale: ThresholdScaleOpt = 1.0,
+    signal: SignalOpt = None,
+    top_k: TopKOpt = None,
+    prompt_drafts: PromptDraftsOpt = None,
+    draft_ngram: DraftNgramOpt = MAX_NGRAM,
+    max_new_tokens: MaxTokensOpt = 128,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    seed: SeedOpt = 0,
+    provider: ProviderOpt = "auto",
+    exact_head: ExactHeadOpt = False,
+    max_risk: MaxRiskOpt = None,
+    mmap_weights: MmapOpt = False,
+    memory_budget: BudgetOpt = None,
+    place: PlaceOpt = None,
+    recipe: RecipeOpt = None,
+    threads: ThreadsOpt = None,
+) -> None:
+    """An OpenAI-compatible server on an artifact: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    from eectl.api import load
+    from eectl.serve.app import run_server
+
+    out = Output(False)
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {port}")
+    if context is not None and context < 2:
+        raise UsageError(f"--context must be >= 2, got {context}")
+    r = load_recipe(recipe)
+    n_threads = set_threads(threads, r)
+    out.log(f"loading {artifact}")
+    model = load(
+        artifact,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        context=context,
+        warn=out.warn,
+        note=out.log,
+        exits=exits,
+        policy=pick(policy, r.kv_policy),
+        thresholds=thresholds,
+        threshold_scale=threshold_scale,
+        signal=signal,
+        top_k=top_k,
+        prompt_drafts=prompt_drafts,
+        draft_ngram=draft_ngram,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        provider=provider,
+        threads=n_threads,
+        max_risk=max_risk,
+        weights=weight_options(mmap_weights, memory_budget, place),
+        exact_head=exact_head,
+    )
+    config = model.config
+    ran = f"{config['policy']} at exits {config['exits']}" if config["exits"] else "full depth"
+    rt = model.runtime
+
+    def ready(url: str) -> None:
+        out.log(
+            f"serving {name or model.name} at {url} ({ran}, batch of up to {max_batch}, {rt.provider}, "
+            f"{rt.threads} threads); SIGTERM or Ctrl-C stops it"
+        )
+
+    run_server(model, host, port, name, on_ready=ready)
+    out.log("stopped")
