@@ -1,0 +1,157 @@
+"""The Python API (eectl/api): docs/api.md's examples run as written (on a tiny artifact); a call's greedy tokens are
+`eectl run`'s; a stream's pieces make the whole answer's text; calls from several threads share the batch and each
+gets its answer alone; stop strings cut the text; a closed stream frees its slot; text pieces never change once
+given; `import eectl` stays light."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import eectl
+from eectl.api.text import TextStream
+from eectl.cli import app
+from eectl.errors import UsageError
+from eectl.export.exporter import ExportOptions, export_artifact
+from eectl.models import load_model
+from tests.tiny import save_tiny
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["12 clips in April", "the cat sat", "one two three", "a b c d", "hello", "7 more"]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("api")
+    export_artifact(
+        load_model(str(save_tiny("llama", root / "model"))), root / "art", ExportOptions(exits=[2, 4], top_k=8)
+    )
+    return root / "art"
+
+
+@pytest.fixture(scope="module")
+def model(artifact):
+    with eectl.load(artifact, exits="none", max_batch=4, max_new_tokens=8) as m:
+        yield m
+
+
+def test_the_docs_examples_run(artifact):
+    text = (ROOT / "docs" / "api.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 4
+    scope: dict = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for block in blocks:
+            exec(block.replace('"artifacts/smollm2-135m-instruct"', repr(str(artifact))), scope)
+    assert scope["answer"].finish_reason in ("stop", "length") and scope["answer"].tokens
+    assert scope["pieces"].completion.text in out.getvalue()
+    assert len(scope["answers"]) == 5 and all(a.tokens for a in scope["answers"])
+    assert "\n" not in scope["reply"].text
+    assert scope["answer"].text in out.getvalue()
+
+
+def test_greedy_tokens_are_eectl_runs(model, artifact):
+    for prompt in PROMPTS[:2]:
+        got = CliRunner().invoke(app, ["run", str(artifact), prompt, "--exits", "none", "-n", "8", "--json"])
+        assert got.exit_code == 0, got.output
+        assert model.generate(prompt).tokens == json.loads(got.stdout)["results"][0]["token_ids"]
+
+
+def test_a_streams_pieces_make_the_whole_text(model):
+    whole = model.generate(PROMPTS[2], max_new_tokens=20)
+    stream = model.generate(PROMPTS[2], max_new_tokens=20, stream=True)
+    assert "".join(stream) == whole.text
+    assert stream.completion is not None and stream.completion.tokens == whole.tokens
+
+
+def test_threads_share_the_batch_and_each_gets_its_answer_alone(model):
+    alone = [model.generate(p, max_new_tokens=4 + i).tokens for i, p in enumerate(PROMPTS)]
+    got: dict[int, list[int]] = {}
+
+    def ask(i: int) -> None:
+        got[i] = model.generate(PROMPTS[i], max_new_tokens=4 + i).tokens
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(len(PROMPTS))] == alone
+    assert [len(t) for t in alone] == [4 + i for i in range(len(PROMPTS))]
+
+
+def test_a_stop_string_cuts_the_text_before_it(model):
+    whole = model.generate(PROMPTS[3], max_new_tokens=24, raw=True)
+    stop = whole.text[5:7]
+    assert len(stop) == 2 and whole.text.find(stop) == 5
+    cut = model.generate(PROMPTS[3], max_new_tokens=24, raw=True, stop=[stop, "never seen"])
+    assert cut.text == whole.text[:5] and cut.finish_reason == "stop"
+    streamed = model.generate(PROMPTS[3], max_new_tokens=24, raw=True, stop=stop, stream=True)
+    assert "".join(streamed) == whole.text[:5]
+
+
+def test_closing_a_stream_frees_its_slot(model):
+    stream = model.generate(PROMPTS[4], max_new_tokens=400, stream=True)
+    next(stream)
+    stream.close()
+    assert stream.completion is not None and stream.completion.finish_reason == "cancelled"
+    assert len(stream.completion.tokens) < 400 and model.engine.running == 0
+
+
+def test_sampling_runs_beside_greedy_and_leaves_it_unchanged(model):
+    greedy = model.generate(PROMPTS[5]).tokens
+    sampled = model.generate(PROMPTS[5], temperature=0.9, top_p=0.9)
+    assert len(sampled.tokens) == 8
+    assert model.generate(PROMPTS[5]).tokens == greedy
+
+
+def test_bad_calls_are_refused_in_one_line(model, artifact):
+    with pytest.raises(UsageError, match="unknown run option"):
+        eectl.load(artifact, exitz="none")
+    with pytest.raises(UsageError, match="exceeds the context"):
+        model.generate(PROMPTS[0], max_new_tokens=600)
+    with pytest.raises(UsageError, match="max_new_tokens"):
+        model.generate(PROMPTS[0], max_new_tokens=0)
+    with pytest.raises(UsageError, match="temperature"):
+        model.generate(PROMPTS[0], temperature=-1)
+    with pytest.raises(UsageError, match="messages"):
+        model.chat([{"role": "robot", "content": "x"}])
+
+
+class _Chars:
+    """A tokenizer whose ids are characters; id 0 is half of a character (decoded as U+FFFD until id 1 follows)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = "".join("\ufffd" if i == 0 else chr(i) for i in ids)
+        return text.replace("\ufffd" + chr(1), "é")
+
+
+def test_text_pieces_never_change_once_given():
+    s = TextStream(_Chars(), stop=["END"])
+    ids = [ord(c) for c in "ab"] + [0]
+    assert s.update(ids) == "ab"  # the half character waits
+    ids += [1, ord("E"), ord("N")]
+    assert s.update(ids) == "é"  # "EN" may begin the stop string: it waits
+    ids += [ord("D"), ord("x")]
+    assert s.update(ids) == "" and s.stopped and s.sent_text == "abé"
+    t = TextStream(_Chars(), stop=["END"])
+    assert t.update([ord("E")]) == "" and t.finish([ord("E"), ord("N")]) == "EN"  # no stop: the held tail at the end
+
+
+def test_import_eectl_stays_light():
+    code = "import eectl; assert callable(eectl.load) and eectl.Completion.__name__ == 'Completion'"
+    light = "import sys, eectl; print(sorted(m for m in ('torch', 'onnxruntime', 'transformers', 'fastapi') if m in sys.modules))"
+    assert (
+        subprocess.run([sys.executable, "-c", light], capture_output=True, text=True, cwd=ROOT).stdout.strip() == "[]"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).returncode == 0
