@@ -2,22 +2,34 @@
 
 It names every file (with its SHA-256), every graph input and output, the KV layout, the exits and their
 thresholds, and the export's validation result. The runner reads names from here and never rebuilds them.
+
+`read_manifest` is the one reading of an artifact: every field checked against the schema (strict types: "512" is
+not 512; ranges; names a registry knows; nothing listed twice) and against the folder (every path confined, every file
+listed, hashed and a regular file, nothing unlisted beside them, the shared weights' dtype, shape, order and
+finiteness), before anything the manifest names is opened by ONNX Runtime: an ArtifactError (exit 5), one line
+naming the field. The graphs' declared shapes are checked against the fields when their sessions are created
+(runtime/ort.py `_check_names`, from `graph_axes` here).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any
+import math
+import os
+import stat
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from eectl.contracts.calibration import Calibration
 from eectl.contracts.certificate import Certificate
 from eectl.contracts.heads import HeadsMeta
+from eectl.contracts.names import CANDIDATE_SOURCE_NAMES, FAMILIES, POLICY_SPECS, SHORTLISTS
 from eectl.contracts.plan import Costs, Plan
 from eectl.errors import ArtifactError
-from eectl.files import atomic_write_text, confined, read_utf8, sha256_file
+from eectl.files import STAGING_MARKER, atomic_write_text, confined, read_utf8, sha256_file
 from eectl.parsing import parse_json
 
 # 2: the calibration and the heads metadata are typed, and per-exit thresholds live only in `calibration`.
@@ -33,6 +45,9 @@ MANIFEST = "manifest.json"
 # rotary tables of that many positions, and a KV cache is sized from it, so a larger value is a damaged manifest or
 # config (a model with max_position_embeddings 2**40 asked torch for an 8 TB table at export).
 MAX_POSITIONS = 1 << 24
+# the precisions an artifact's graphs and shared tables are stored in, and the numpy dtype of each
+DTYPES: dict[str, Any] = {"fp32": np.float32, "fp16": np.float16}
+Dtype = Literal["fp32", "fp16"]
 
 
 class _M(BaseModel):
@@ -49,7 +64,7 @@ class GraphIO(_M):
 
 
 class Segment(_M):
-    index: int
+    index: int = Field(ge=0)
     layers: tuple[int, int]  # decoder layers [lo, hi)
     graph: GraphIO  # hidden + past KV -> hidden + present KV (one graph for prefill, decode and chunks)
     kv_graph: GraphIO  # hidden -> this segment's K/V only (the `copy` policy)
@@ -105,15 +120,15 @@ LM_HEAD_ROWS = "lm_head_rows"
 
 class SharedWeight(_M):
     file: str
-    shape: list[int]
-    dtype: str
+    shape: list[int] = Field(min_length=2, max_length=2)
+    dtype: Dtype  # the .npy file's own dtype (checked against it when read)
     transposed: bool = False  # stored [hidden, vocab] (the LM head's MatMul layout) rather than [vocab, hidden]
 
 
 class KVLayout(_M):
-    layout: str = "BNSH"  # [batch, kv_heads, max_sequence, head_dim]
-    num_kv_heads: int
-    head_dim: int
+    layout: Literal["BNSH"] = "BNSH"  # [batch, kv_heads, max_sequence, head_dim]: the only layout the graphs take
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
     past_key: list[str]  # per decoder layer: past_key_values.{i}.key
     past_value: list[str]
     present_key: list[str]  # per decoder layer: present.{i}.key
@@ -129,14 +144,14 @@ class Manifest(_M):
     schema_version: int
     eectl_version: str
     model: dict[str, Any]
-    family: str
+    family: str  # a name in contracts/names.py FAMILIES
     dims: dict[str, int]
-    dtype: str
-    opset: int
+    dtype: Dtype
+    opset: int = Field(ge=1)
     tokenizer_dir: str
-    eos_token_ids: list[int]
+    eos_token_ids: list[int] = Field(min_length=1)  # none: generation could only stop at its token budget
     max_positions: int = Field(ge=2, le=MAX_POSITIONS)
-    top_k: int = Field(ge=2)
+    top_k: int = Field(ge=2)  # at most the vocabulary (checked with dims)
     embedding: GraphIO
     segments: list[Segment]
     exits: list[ExitPoint]  # in layer order; the last one is the final head (layer == L)
@@ -154,6 +169,57 @@ class Manifest(_M):
     heads: HeadsMeta | None = None
     files: dict[str, str] = Field(default_factory=dict)  # relative path -> sha256
     validation: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, v: str) -> str:
+        if v not in FAMILIES:
+            raise ValueError(f"unknown model family '{v}' (eectl runs {', '.join(FAMILIES)})")
+        return v
+
+    @field_validator("eos_token_ids")
+    @classmethod
+    def _eos_once(cls, v: list[int]) -> list[int]:
+        if twice := sorted({t for t in v if v.count(t) > 1}):
+            raise ValueError(f"lists {twice} more than once")
+        return v
+
+    @field_validator("kv_policies")
+    @classmethod
+    def _known_policies(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("names no KV policy")
+        if unknown := [p for p in v if p not in POLICY_SPECS]:
+            raise ValueError(f"unknown KV policy '{unknown[0]}' (choose from {', '.join(POLICY_SPECS)})")
+        if twice := sorted({p for p in v if v.count(p) > 1}):
+            raise ValueError(f"lists {', '.join(twice)} more than once")
+        return v
+
+    @field_validator("candidate_source")
+    @classmethod
+    def _known_source(cls, v: dict[str, Any]) -> dict[str, Any]:
+        name = v.get("name")
+        if name not in CANDIDATE_SOURCE_NAMES:
+            raise ValueError(f"unknown candidate source {name!r} (choose from {', '.join(CANDIDATE_SOURCE_NAMES)})")
+        if extra := sorted(set(v) - {"name", "size", "ids"}):
+            raise ValueError(f"unknown key {extra[0]!r}")
+        if name in SHORTLISTS:
+            ids, size = v.get("ids"), v.get("size")
+            if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+                raise ValueError(f"a {name} needs its token ids (a list of integers)")
+            if type(size) is not int or size != len(ids) or len(set(ids)) != len(ids):
+                raise ValueError(f"size {size!r} is not the number of its {len(ids)} ids, each listed once")
+        elif "ids" in v or "size" in v:
+            raise ValueError(f"{name} takes no ids or size")
+        return v
+
+    @field_validator("files")
+    @classmethod
+    def _hashes(cls, v: dict[str, str]) -> dict[str, str]:
+        for rel, digest in v.items():
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(f"{rel}: {digest[:80]!r} is not a SHA-256 digest (64 hexadecimal digits)")
+        return v
 
     @property
     def num_layers(self) -> int:
@@ -300,8 +366,13 @@ def _read_manifest(folder: str | Path, verify_hashes: bool) -> Manifest:
         )
     if not root.is_dir():
         raise ArtifactError(f"artifact not found: {folder}", hint="create one with `eectl export`")
-    if not path.is_file():
+    # the manifest is a path inside the artifact like any other: a link out of it is refused before it is read
+    confined(root, MANIFEST, ArtifactError)
+    kind = file_kind(path)
+    if kind == "missing":
         raise ArtifactError(f"not an eectl artifact (no {MANIFEST}): {folder}")
+    if kind != "a regular file":
+        raise ArtifactError(f"the {MANIFEST} of the artifact {folder} is {kind}, not a regular file")
     # NaN / Infinity refused (a NaN threshold never passes), and deep nesting, huge integers, lone surrogates
     raw = parse_json(read_utf8(path, ArtifactError), f"{path} is not valid JSON", ArtifactError)
     version = raw.get("schema_version") if isinstance(raw, dict) else None
@@ -312,8 +383,8 @@ def _read_manifest(folder: str | Path, verify_hashes: bool) -> Manifest:
             f"(this eectl reads {', '.join(map(str, READABLE_VERSIONS))})",
             hint="re-export the artifact with this version of eectl",
         )
-    try:
-        manifest = Manifest.model_validate(raw)
+    try:  # strict, on the JSON text: a string is not a number ("512"), a float not an integer, a bool neither
+        manifest = Manifest.model_validate_json(json.dumps(raw), strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(map(str, first["loc"]))
@@ -321,52 +392,200 @@ def _read_manifest(folder: str | Path, verify_hashes: bool) -> Manifest:
     for rel in artifact_paths(manifest):
         confined(root, rel, ArtifactError)
     _check_consistency(manifest, folder)
-    if not (root / manifest.tokenizer_dir).is_dir():  # else transformers reads the path as a hub repo id
+    tokenizer = file_kind(root / manifest.tokenizer_dir)
+    if tokenizer == "missing":  # else transformers reads the path as a hub repo id
         raise ArtifactError(
             f"the artifact's {manifest.tokenizer_dir}/ folder is missing in {folder}", hint="re-export the artifact"
         )
+    if tokenizer != "a folder":
+        raise ArtifactError(f"the artifact's {manifest.tokenizer_dir}/ in {folder} is {tokenizer}, not a folder")
     if verify_hashes:
         for rel, digest in manifest.files.items():
-            f = root / rel
-            if not f.is_file():
-                raise ArtifactError(f"artifact file missing: {rel} in {folder}")
+            f = _regular_file(root, rel, folder)
             if sha256_file(f) != digest:
                 raise ArtifactError(f"artifact file changed since export: {rel} (hash mismatch)")
-        # The tokenizer loads whatever its folder holds, so everything there must be listed (and so hashed).
-        tok = root / manifest.tokenizer_dir
-        extra = sorted(
-            p.relative_to(root).as_posix()
-            for p in (tok.rglob("*") if tok.is_dir() else [])
-            if p.is_file() and p.relative_to(root).as_posix() not in manifest.files
-        )
-        if extra:
-            raise ArtifactError(f"files in {manifest.tokenizer_dir}/ that the manifest does not list: {extra}")
+        _check_unlisted(root, manifest)
+        for key, w in manifest.shared_weights.items():
+            check_weight(root, key, w, finite=True)
     return manifest
 
 
+def file_kind(path: Path) -> str:
+    """What is at `path`, not following a final link: 'missing', 'a regular file', 'a folder', 'a symbolic link',
+    or 'a FIFO, device or socket'."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "missing"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "a regular file" if stat.S_ISREG(mode) else "a FIFO, device or socket"
+
+
+def _regular_file(root: Path, rel: str, folder: str | Path) -> Path:
+    """`root/rel` where it is a regular file reached through real folders: an artifact holds its files itself (a link
+    inside it, even to another of its files, is refused: what it reads could change behind its hashes); a FIFO would
+    block the hash's read, a folder is no file."""
+    p = root
+    parts = PurePosixPath(rel).parts
+    for i, part in enumerate(parts):
+        p = p / part
+        kind = file_kind(p)
+        if kind == "missing":
+            raise ArtifactError(f"artifact file missing: {rel} in {folder}")
+        last = i == len(parts) - 1
+        if kind != ("a regular file" if last else "a folder"):
+            what = "/".join(parts[: i + 1])
+            raise ArtifactError(
+                f"the artifact's {'file' if last else 'folder'} {what} in {folder} is {kind}, not a regular "
+                f"{'file' if last else 'folder'}",
+                hint="re-export the artifact: it holds its files itself",
+            )
+    return p
+
+
+def _eectl_temporary(name: str) -> bool:
+    """eectl's own files that a killed write may leave (files.atomic_write's `.NAME.xxxx.eectl-part`, a staging
+    marker, a lock): never read as the artifact's."""
+    return name == STAGING_MARKER or name.endswith((".eectl-part", ".eectl-lock"))
+
+
+def _check_unlisted(root: Path, m: Manifest) -> None:
+    """Nothing unlisted in a folder the runtime reads: the artifact's own, the tokenizer's (transformers loads
+    whatever it holds) and every folder holding a listed file (weights/)."""
+    listed = set(m.files) | {MANIFEST}
+    tok = PurePosixPath(m.tokenizer_dir).as_posix().strip("/")
+    parents = {PurePosixPath(rel).parent.as_posix() for rel in listed}
+    read = {"" if d == "." else d for d in parents}
+    extra: dict[str, list[str]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):  # links are not followed: a linked folder is an entry
+        rel_dir = Path(dirpath).relative_to(root).as_posix()
+        rel_dir = "" if rel_dir == "." else rel_dir
+        inside_tok = rel_dir == tok or rel_dir.startswith(f"{tok}/")
+        linked = [d for d in dirnames if (Path(dirpath) / d).is_symlink()]
+        for name in sorted([*filenames, *linked]):
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            if rel in listed or _eectl_temporary(name) or not (rel_dir in read or inside_tok):
+                continue
+            extra.setdefault(tok if inside_tok else rel_dir, []).append(rel)
+    if extra:
+        where, names = next(iter(sorted(extra.items())))
+        place = f"{where}/" if where else f"the artifact's folder {root}"
+        raise ArtifactError(
+            f"files in {place} that the manifest does not list: {names}",
+            hint="the runtime reads these folders: move the files out of the artifact",
+        )
+
+
+def check_weight(root: Path, key: str, w: SharedWeight, finite: bool = False) -> np.ndarray:
+    """The shared table `key` mapped from its .npy file and checked against its manifest entry: the file's dtype is
+    the entry's, its shape the entry's, C-ordered (ORT would read a Fortran-ordered file's column-major bytes as
+    rows), no pickle; with `finite`, every value finite (a NaN LM head hashed as the manifest says gives "\n"
+    tokens, silently), read in blocks of rows."""
+    path = confined(root, w.file, ArtifactError)
+    try:
+        # mapped, not read: pages are read as graphs touch them (a K-row gather reads K rows of a table), and
+        # two keys naming one file (a tied embedding) share its pages; object arrays (pickles) are refused
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ArtifactError(f"cannot load the weight {w.file}: {first}") from None
+    if arr.dtype != DTYPES[w.dtype] or list(arr.shape) != w.shape:
+        raise ArtifactError(
+            f"the weight {w.file} is {arr.dtype} {list(arr.shape)}; the manifest's shared_weights.{key} says "
+            f"{w.dtype} ({np.dtype(DTYPES[w.dtype]).name}) {w.shape}"
+        )
+    if arr.ndim and not arr.flags.c_contiguous:
+        raise ArtifactError(
+            f"the weight {w.file} is Fortran-ordered; eectl reads C-ordered .npy files",
+            hint="re-export the artifact, or save the array with np.ascontiguousarray",
+        )
+    if finite:
+        rows = max(1, (1 << 24) // max(1, arr.itemsize * int(np.prod(arr.shape[1:]))))  # ~16 MB a block
+        for lo in range(0, arr.shape[0], rows):
+            block = np.asarray(arr[lo : lo + rows])
+            if not np.isfinite(block).all():
+                bad = int(np.argwhere(~np.isfinite(block))[0][0]) + lo
+                raise ArtifactError(
+                    f"the weight {w.file} holds non-finite values (NaN or infinity), first in row {bad}",
+                    hint="re-export the artifact from a model with finite weights",
+                )
+    return arr
+
+
 def _check_consistency(m: Manifest, folder: str | Path) -> None:
+    def bad(what: str) -> ArtifactError:
+        return ArtifactError(f"inconsistent manifest in {folder}: {what}")
+
+    for key in ("num_layers", "hidden_size", "vocab_size"):  # what the runtime sizes everything from
+        if m.dims.get(key, 0) < 1:
+            raise bad(f"dims.{key} must be a positive integer, got {m.dims.get(key)!r}")
+    if negative := sorted(k for k, v in m.dims.items() if v < 0):
+        raise bad(f"dims.{negative[0]} is negative ({m.dims[negative[0]]})")
     L = m.num_layers
+    if m.family not in FAMILIES or m.model.get("model_type", m.family) not in FAMILIES[m.family]:
+        raise bad(f"family '{m.family}' does not read the model's model_type {m.model.get('model_type')!r}")
+    if not m.segments:
+        raise bad(f"segments do not tile layers 0..{L}")
+    for i, s in enumerate(m.segments):
+        if s.index != i:
+            raise bad(f"segments.{i}.index is {s.index}, not its place in the list ({i})")
+        if not s.layers[0] < s.layers[1]:
+            raise bad(f"segments.{i}.layers {list(s.layers)} holds no layer")
     bounds = [s.layers for s in m.segments]
-    if (
-        not bounds
-        or bounds[0][0] != 0
-        or bounds[-1][1] != L
-        or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:], strict=False))
-    ):
-        raise ArtifactError(f"inconsistent manifest in {folder}: segments do not tile layers 0..{L}")
+    if bounds[0][0] != 0 or bounds[-1][1] != L or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise bad(f"segments do not tile layers 0..{L}")
+    layers = [e.layer for e in m.exits]
+    if twice := sorted({e for e in layers if layers.count(e) > 1}):  # the runner keys its graphs by exit layer
+        raise bad(f"exits list layer {twice[0]} more than once")
+    if layers != sorted(layers):
+        raise bad(f"exits {layers} are not in layer order")
     cuts = {s.layers[1] for s in m.segments}
     if not m.exits or m.exits[-1].layer != L or any(e.layer not in cuts for e in m.exits):
-        raise ArtifactError(f"inconsistent manifest in {folder}: exits must sit at segment ends, the last at {L}")
-    if len(m.kv.past_key) != L or len(m.kv.present_key) != L:
-        raise ArtifactError(f"inconsistent manifest in {folder}: KV names for {len(m.kv.past_key)} of {L} layers")
+        raise bad(f"exits must sit at segment ends, the last at {L}")
+    blocks = [(e.layer, e.block) for e in m.exits if e.block is not None]
+    for j, (layer, block) in enumerate(blocks):
+        if block.kv_slot != L + j:  # the runner's buffers: L decoder layers', then one per block head in order
+            raise bad(f"the block head at exit {layer} has kv_slot {block.kv_slot}, not {L + j}")
+        if not 0 <= block.init_layer < L:
+            raise bad(f"the block head at exit {layer} runs as layer {block.init_layer}, outside 0..{L - 1}")
+    if any(len(names) != L for names in (m.kv.past_key, m.kv.past_value, m.kv.present_key, m.kv.present_value)):
+        raise bad(f"KV names for {len(m.kv.past_key)} of {L} layers")
     unlisted = sorted(referenced_files(m) - set(m.files))
     if unlisted:  # a graph or weight outside `files` would be opened and run with no hash check
         raise ArtifactError(
             f"inconsistent manifest in {folder}: files not hashed: {unlisted}",
             hint="every graph and weight the manifest names must be in its `files`; re-export the artifact",
         )
-    vocab = int(m.dims.get("vocab_size", 0))
-    if bad := [t for t in m.eos_token_ids if not 0 <= t < vocab]:  # generation would never stop at such an id
-        raise ArtifactError(f"inconsistent manifest in {folder}: end-of-sequence id {bad[0]} outside 0..{vocab - 1}")
+    vocab = m.dims["vocab_size"]
+    if bad_ids := [t for t in m.eos_token_ids if not 0 <= t < vocab]:  # generation would never stop at such an id
+        raise bad(f"end-of-sequence id {bad_ids[0]} outside 0..{vocab - 1}")
+    if m.top_k > vocab:  # was refused as "--top-k must be in 2..V" (exit 2) with no option given
+        raise bad(f"top_k {m.top_k} is outside 2..{vocab} (the vocabulary)")
+    ids = m.candidate_source.get("ids") or []
+    if outside := [t for t in ids if not 0 <= t < vocab]:
+        raise bad(f"candidate_source.ids holds {outside[0]}, outside 0..{vocab - 1}")
+    for key, w in m.shared_weights.items():
+        if w.dtype != m.dtype:  # the graphs take the tables in the artifact's precision
+            raise bad(f"shared_weights.{key}.dtype is {w.dtype}, but the artifact's dtype is {m.dtype}")
+    if m.costs is not None and (where := _not_a_cost(m.costs.model_dump(), "costs")):
+        raise bad(where)
     if m.calibration is not None and not set(m.calibration.exit_layers) <= set(m.exit_layers):
-        raise ArtifactError(f"inconsistent manifest in {folder}: calibrated exits are not among the artifact's")
+        raise bad("calibrated exits are not among the artifact's")
+
+
+def _not_a_cost(doc: Any, where: str) -> str | None:
+    """The first number in a costs document that no timing gives (negative or not finite), as 'costs.x.y is -3.0:
+    ...'; None when every one is a time, a count or a share (all >= 0)."""
+    todo: list[tuple[str, Any]] = [(where, doc)]
+    while todo:
+        path, x = todo.pop()
+        if isinstance(x, dict):
+            todo += [(f"{path}.{k}", v) for k, v in x.items()]
+        elif isinstance(x, list | tuple):
+            todo += [(f"{path}.{i}", v) for i, v in enumerate(x)]
+        elif isinstance(x, int | float) and not isinstance(x, bool) and (x < 0 or not math.isfinite(x)):
+            return f"{path} is {x}: a time, count or share is a finite number >= 0"
+    return None

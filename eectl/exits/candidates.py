@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from eectl.contracts.names import CANDIDATE_SOURCE_NAMES
 from eectl.errors import UsageError
 from eectl.exits.base import CandidateSource
 
@@ -179,6 +180,8 @@ DEFAULT_CANDIDATES = ShortlistInt8.name
 
 
 def register_candidates(source: CandidateSource) -> CandidateSource:
+    if source.name not in CANDIDATE_SOURCE_NAMES:  # a manifest naming it would be refused when read
+        raise TypeError(f"candidate source '{source.name}' is not in eectl.contracts.names.CANDIDATE_SOURCE_NAMES")
     CANDIDATE_SOURCES[source.name] = source
     return source
 

@@ -458,12 +458,20 @@ def _write_exits(
 
 
 def _eos_ids(loaded: LoadedModel) -> list[int]:
-    """The generation config's end-of-sequence ids, else the tokenizer's; ids beyond the model's vocabulary (which
-    no step can produce, and a manifest refuses) left out."""
+    """The generation config's end-of-sequence ids, else the tokenizer's, each once; ids beyond the model's
+    vocabulary (which no step can produce, and a manifest refuses) left out. None left: refused (a manifest without
+    one is: generation could only stop at its token budget)."""
     eos = loaded.model.generation_config.eos_token_id if loaded.model.generation_config is not None else None
     eos = eos if eos is not None else getattr(loaded.tokenizer, "eos_token_id", None)
     ids = [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
-    return [e for e in ids if 0 <= e < loaded.adapter.dims.vocab_size]
+    kept = list(dict.fromkeys(e for e in ids if 0 <= e < loaded.adapter.dims.vocab_size))
+    if not kept:
+        raise ModelLoadError(
+            f"the model {loaded.source.to_dict().get('name')} names no end-of-sequence token in its vocabulary "
+            f"(ids {ids}): generation could never stop",
+            hint="set eos_token_id in its generation_config.json or its tokenizer",
+        )
+    return kept
 
 
 def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:

@@ -105,7 +105,7 @@ class ArtifactRuntime(GraphCalls):
         self.candidate_graphs = {e.layer: load(e.candidates) for e in m.exits if e.candidates is not None}
         # block exit heads: (the block graph, its K/V-only graph) per exit; one decoder layer each (runtime/blocks.py)
         self.block_graphs = {e.layer: (load(e.block.graph), load(e.block.kv_graph)) for e in m.exits if e.block}
-        self.weights = {k: load_weight(self.folder, w, self.np_dtype, self.device) for k, w in m.shared_weights.items()}
+        self.weights = {k: load_weight(self.folder, k, w, self.device) for k, w in m.shared_weights.items()}
         self.segment_of_layer = {s.layers[1]: i for i, s in enumerate(m.segments)}
         self._calls: dict[tuple[str, int], _Call] = {}  # (graph kind, exit layer) -> binding with its weight bound
         self._bounds: dict[tuple[Any, ...], _Bound] = {}  # (graph kind, exit layer, shapes) -> exit graph binding

@@ -21,31 +21,17 @@ from typing import Any
 
 import numpy as np
 
-from eectl.contracts.manifest import GraphIO, SharedWeight
+from eectl.contracts.manifest import GraphIO, SharedWeight, check_weight
 from eectl.errors import ArtifactError
 from eectl.files import confined
-from eectl.runtime.ort import Graph, _first_line, _ort, session_options
+from eectl.runtime.ort import Graph, _ort, session_options
 
 
-def load_weight(folder: Path, weight: SharedWeight, np_dtype: Any, device: str) -> Any:
-    """Shared table `weight` of the artifact in `folder`: mapped host memory on the CPU EP, else a copy on `device`."""
-    path = confined(folder, weight.file, ArtifactError)
-    try:
-        # mapped, not read: pages are read as graphs touch them (a K-row gather reads K rows of a table), and
-        # two keys naming one file (a tied embedding) share its pages; object arrays (pickles) are refused
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
-        raise ArtifactError(f"cannot load the weight {weight.file}: {_first_line(exc)}") from None
-    if arr.dtype != np_dtype or list(arr.shape) != weight.shape:
-        raise ArtifactError(
-            f"the weight {weight.file} is {arr.dtype} {list(arr.shape)}; the manifest says "
-            f"{np.dtype(np_dtype).name} {weight.shape}"
-        )
-    if not arr.flags.c_contiguous:  # a Fortran-ordered .npy: ORT would read its column-major bytes as rows
-        raise ArtifactError(
-            f"the weight {weight.file} is Fortran-ordered; eectl reads C-ordered .npy files",
-            hint="re-export the artifact, or save the array with np.ascontiguousarray",
-        )
+def load_weight(folder: Path, key: str, weight: SharedWeight, device: str) -> Any:
+    """Shared table `key` of the artifact in `folder`: mapped host memory on the CPU EP, else a copy on `device`.
+    Checked against the manifest as read_manifest checks it (`check_weight`: dtype, shape, order; its finiteness
+    there, with the hashes)."""
+    arr = check_weight(folder, key, weight)
     if device == "cpu":
         return arr  # .npy data is C-contiguous; ORT reads it in place
     return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), device, 0)
