@@ -26,10 +26,23 @@ from rich.table import Table
 EMPTY_CELLS = ("", "-", "None")  # what a table cell shows for "no value"
 
 
+def utf8_streams() -> None:
+    """stdout and stderr write UTF-8 where the locale says ASCII (a C locale without Python's UTF-8 mode): eectl
+    reads its text inputs and arguments as UTF-8 whatever the locale, and a generated "é" raised
+    UnicodeEncodeError mid-answer. Other encodings (a UTF-8 or Latin-1 locale) are the terminal's and are kept."""
+    import codecs
+
+    for stream in (sys.stdout, sys.stderr):
+        encoding = getattr(stream, "encoding", None)
+        if encoding and codecs.lookup(encoding).name == "ascii" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(encoding="utf-8")
+
+
 class Output:
     def __init__(self, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
+        utf8_streams()
         self.out = Console(file=sys.stdout, soft_wrap=True)
         self.err = Console(file=sys.stderr, soft_wrap=True)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -354,13 +353,15 @@ def _costs_json(m: Any, samples: bool) -> dict[str, Any] | None:
 
 def _prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
     """The prompt argument (- reads stdin as one prompt), or --prompt-file's prompts (- reads one per stdin line)."""
-    from eectl.files import read_stdin, text_lines
+    from eectl.files import argument_text, read_stdin, text_lines
     from eectl.run.generate import read_prompts
 
     if prompt == "-":
         prompt = read_stdin().strip()  # as from a file: UTF-8 whatever the locale, no byte-order mark
         if not prompt:
             raise UsageError("the prompt read from stdin is empty")
+    elif prompt is not None:
+        prompt = argument_text(prompt)  # its bytes as UTF-8, whatever the locale (a C locale decoded them as ASCII)
     if prompt is not None:
         return [prompt]
     if str(prompt_file) == "-":  # one prompt per line, as read_prompts reads a text file
@@ -373,20 +374,20 @@ def _prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
 
 def _chat(out: Output, artifact: str, opts: Any) -> None:
     """The conversation loop of --chat: "> " on stderr before each turn, the reply streamed on stdout."""
-    from eectl.files import clean_text
+    from eectl.files import read_line, stdin_stream
     from eectl.run.chat import chat
     from eectl.run.generate import check_options
 
     def read() -> str | None:
         out.err.print("> ", end="")
-        line = sys.stdin.readline()
-        return clean_text(line) if line else None  # a byte-order mark from a piped file is no part of the turn
+        return read_line()  # UTF-8 whatever the locale; a byte-order mark from a piped file is no part of the turn
 
     def write(text: str) -> None:
         if not out.json_mode:
             out.out.print(text, end="", markup=False, highlight=False)
 
     check_options(opts)  # an option's error before the progress line, not after it
+    stdin_stream()  # closed (0<&-): one line before the artifact loads
     out.log(f"loading {artifact} (chat: one turn per line, Ctrl-D to end)")
     rt, reports, reused = chat(artifact, opts, read, write, warn=out.warn, note=out.log)
     out.json(

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eectl.contracts.budgets import BUDGETS, get_budget, states_folder
 from eectl.contracts.layers import check_exit_layers
-from eectl.contracts.names import default_policies
+from eectl.contracts.names import SIGNAL_SPECS, default_policies
 from eectl.errors import UsageError
 from eectl.files import existing_file, read_utf8
 from eectl.parsing import parse_yaml
@@ -199,6 +199,13 @@ class Recipe(_Strict):
     def _known_budget(cls, v: str | None) -> str | None:
         if v is not None and v not in BUDGETS:
             raise ValueError(f"unknown budget '{v}' (choose from {', '.join(BUDGETS)})")
+        return v
+
+    @field_validator("signal")
+    @classmethod
+    def _known_signal(cls, v: str | None) -> str | None:
+        if v is not None and v not in SIGNAL_SPECS:  # was read, then dropped where a command took the recipe's
+            raise ValueError(f"unknown signal '{v}' (choose from {', '.join(SIGNAL_SPECS)})")
         return v
 
     @field_validator("kv_policy")

@@ -219,7 +219,8 @@ class Configs:
             policy="river" if policy == RIVER_EXIT else policy,
             river_predict="exit" if policy == RIVER_EXIT else "end",
             thresholds=o.thresholds,
-            threshold_scale=o.threshold_scale * scale,
+            threshold_scale=o.threshold_scale,
+            sweep_scale=scale,
             max_new_tokens=o.max_new_tokens,
             provider=o.provider,
         )

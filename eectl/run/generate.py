@@ -18,7 +18,7 @@ from eectl.contracts.calibration import never_exits
 from eectl.contracts.certificate import CERTIFIED
 from eectl.contracts.gates import GATE
 from eectl.contracts.layers import check_exit_layers, parse_layers
-from eectl.contracts.names import POLICY_SPECS, SIGNAL_SPECS
+from eectl.contracts.names import POLICY_SPECS, SIGNAL_SPECS, threshold_problem
 from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DRAFTS, MAX_NGRAM
 from eectl.contracts.recipe import MAX_SEED
 from eectl.errors import ArtifactError, DataError, UsageError
@@ -40,7 +40,10 @@ class RunOptions:
     policy: str | None = None  # None: the plan's default (full depth when nothing pays), else defer
     river_predict: str = "end"  # river: predict at the river's end (final head) or at the exit
     thresholds: str | None = None  # "0.9" for every exit, or "12:0.9,20:0.8"; None: the calibration's
-    threshold_scale: float = 1.0
+    threshold_scale: float = 1.0  # the scaled thresholds must stay in their criteria's ranges
+    # bench's threshold sweep multiplies them further, unchecked: a scale that puts an exit past its range (1.1 on a
+    # 0.95 probability) is a point of the sweep (no exit there), not a mistake
+    sweep_scale: float = 1.0
     signal: str | None = None  # None: the calibration's, else topk-prob
     top_k: int | None = None
     max_new_tokens: int = 128
@@ -315,10 +318,14 @@ def _config(
                 hint="add --policy verify, or --exits none for full depth with drafts from the context",
             )
         policy = "verify"  # no exit active: full depth, and verify's final pass checks the drafts
-    # the scale is the signal's (a gate's threshold is a logit, not a confidence: left as fitted)
-    thresholds = {
-        e: {c: v if c == GATE else v * opts.threshold_scale for c, v in t.items()} for e, t in thresholds.items()
-    }
+    # the scale is the signal's (a gate's threshold is a logit, not a confidence: left as fitted); a finite threshold
+    # it puts outside its criterion's range is refused (1e308: every probability past 1, no exit could ever fire)
+    for e, t in thresholds.items() if opts.threshold_scale != 1 else ():
+        for c, v in t.items():
+            if c != GATE and math.isfinite(v) and (problem := threshold_problem(c, v * opts.threshold_scale)):
+                raise UsageError(f"--threshold-scale {opts.threshold_scale:g}: exit {e}'s {problem}")
+    scale = opts.threshold_scale * opts.sweep_scale
+    thresholds = {e: {c: v if c == GATE else v * scale for c, v in t.items()} for e, t in thresholds.items()}
     return RunConfig(
         exits=exits,
         thresholds=thresholds,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from eectl.contracts.layers import parse_layers
+from eectl.contracts.names import threshold_problem
 from eectl.errors import UsageError
 
 Entries = list[tuple[int | None, list[float]]]  # (the exit, None for every active exit; its values) per part
@@ -80,6 +81,10 @@ def parse_thresholds(text: str, exits: list[int], criteria: tuple[str, ...]) -> 
     missing = [e for e in exits if e not in out]
     if missing:
         raise UsageError(f"--thresholds gives no value for exits {missing}")
+    for e in exits:  # a probability of 2.0 never passes, -0.5 always does: an exit that can never or always fire
+        for criterion, value in out[e].items():
+            if problem := threshold_problem(criterion, value):
+                raise UsageError(f"--thresholds '{text}': exit {e}'s {problem}")
     return {e: out[e] for e in exits}
 
 
