@@ -156,3 +156,36 @@ def test_import_eectl_stays_light():
         subprocess.run([sys.executable, "-c", light], capture_output=True, text=True, cwd=ROOT).stdout.strip() == "[]"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).returncode == 0
+
+
+def test_a_batch_runs_full_depth_where_the_plan_prices_one_row(artifact):
+    """The engine resolves its configuration for the batch it runs: the plan's one-row default (lookup here) with one
+    slot, full depth (said so) with four, a policy asked for in a batch anyway; lossless either way, so the tokens
+    are the same."""
+    from eectl.contracts.plan import LOOKUP, Choice, LookupChoice, Plan, Prediction
+    from eectl.run.engine import Engine
+    from eectl.run.generate import RunOptions
+    from eectl.runtime.sessions import ArtifactRuntime
+    from tests.conftest import make_calibration
+
+    rt = ArtifactRuntime(artifact, provider="cpu")
+    pred = Prediction(policy=LOOKUP, exits=[], ms_per_token=5.0, full_ms=10.0, speedup=2.0, decision_ms=0.0,
+                      exit_rate=0.0, interval=(1.8, 2.2))  # fmt: skip
+    choice = Choice(policy="verify", exits=[], thresholds={}, option=None, prediction=pred)
+    look = LookupChoice(drafts=5, prediction=pred, on=True, tokens_per_step=2.5, min_draft=2)
+    rt.manifest.plan = Plan(default=LOOKUP, choices={"verify": choice}, lookup=look)
+    loaded = load_model(str(artifact.parent / "model"))
+    rt.manifest.calibration = make_calibration(loaded, {2: {"prob": 0.9}, 4: {"prob": 0.9}})
+    engines = [Engine(rt, RunOptions(), slots=s) for s in (1, 4)] + [Engine(rt, RunOptions(policy=LOOKUP), slots=4)]
+    try:
+        one, four, asked = (e.config() for e in engines)
+        assert (one.policy, one.prompt_drafts) == ("verify", 5)
+        assert (four.policy, four.exits, four.prompt_drafts) == ("defer", [], 0)
+        assert "a batch of 4 runs full depth" in four.note
+        assert (asked.policy, asked.prompt_drafts) == ("verify", 5)
+        prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11], [12, 13, 14, 15, 16]]
+        tokens = [[g.token_ids for g in e.generate(prompts, 10)] for e in engines]
+        assert tokens[0] == tokens[1] == tokens[2] and all(len(t) == 10 for t in tokens[0])
+    finally:
+        for e in engines:
+            e.stop()

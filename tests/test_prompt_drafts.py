@@ -451,11 +451,11 @@ def test_run_hands_its_batch_size_to_the_plans_resolution(monkeypatch):
     class _Stop(Exception):
         pass
 
-    def opened(artifact, opts, warn, log):
+    def opened(artifact, opts, note):  # the options the stage opens the artifact and its engine's runners with
         seen.append(opts)
         raise _Stop
 
-    monkeypatch.setattr("eectl.run.generate.open_runner", opened)
+    monkeypatch.setattr("eectl.run.generate.open_artifact", opened)
     for n in (1, 3):
         with pytest.raises(_Stop):
             run(Recipe(name="r"), RunRequest("art", ["hi"], batch_size=n), Output(quiet=True))

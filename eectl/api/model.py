@@ -2,7 +2,7 @@
 text, its tokens, timings and exit statistics) or, streaming, an iterator of text pieces.
 
 A Model is an artifact opened once (its runtime, tokenizer and plan, as `eectl run` opens it: run/generate.py) with
-an `Engine` (api/engine.py) stepping its requests: calls from several threads share the batch (`max_batch` slots),
+an `Engine` (run/engine.py) stepping its requests: calls from several threads share the batch (`max_batch` slots),
 each call's tokens the same as it would get alone. `Model.start` is the non-blocking form the server builds on.
 
 What this module does not do: speak HTTP (eectl/serve), print, or set up torch (nothing here imports it).
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
 
-from eectl.api.engine import Engine, Job, Sampling, describe
 from eectl.api.text import TextStream, render
 from eectl.errors import UsageError
+from eectl.run.engine import Engine, Job, Sampling, describe
 from eectl.run.generate import RunOptions, check_options, open_artifact
 from eectl.runtime.state import Generation
 

@@ -1,7 +1,7 @@
 """Text in and out of the API: prompts and conversations rendered to ids (`render`), and an answer's text as it
 settles (`TextStream`: pieces that never change afterwards, cut before a stop string).
 
-What this module does not do: generate (api/engine.py), or know about HTTP.
+What this module does not do: generate (run/engine.py), or know about HTTP.
 """
 
 from __future__ import annotations

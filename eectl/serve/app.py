@@ -4,7 +4,7 @@ FastAPI on uvicorn: the request bodies are pydantic models (as eectl's contracts
 `StreamingResponse`, which cancels the response when its client disconnects, and uvicorn's graceful shutdown on
 SIGTERM stops accepting, waits for the requests in flight (up to `grace_s`), then cancels what is left.
 
-Each request is a job of the model's engine (api/engine.py): it joins the running batch at the next step and
+Each request is a job of the model's engine (run/engine.py): it joins the running batch at the next step and
 leaves when done; its text comes back from the engine's thread through the event loop
 (`call_soon_threadsafe`). A request whose client goes away (a closed stream, a dropped connection) is cancelled at
 once: its slot is free at the engine's next step. A full queue is 429, a server shutting down 503, a bad request
@@ -25,9 +25,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from eectl.api.engine import QueueFull, Stopped
 from eectl.api.model import Completion, Model
 from eectl.errors import EectlError, UsageError
+from eectl.run.engine import QueueFull, Stopped
 from eectl.serve.protocol import Asked, BadRequest, Reply, chat_request, completion_request, error_body
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there

@@ -14,12 +14,16 @@ served). Each setting's configuration is resolved as `eectl run` resolves its op
 default runs full depth unless the plan prices that batch size (contracts/plan.py `batch_note`), and a policy asked
 for explicitly runs anyway (as `eectl run --batch-size N --policy NAME` does).
 
-What this module does not do: tokenise or detokenise (api/model.py), or speak HTTP (eectl/serve).
+The run stage (run/stage.py: `eectl run`, the pipeline) queues its prompts here with `slots` = --batch-size; the
+Python API (eectl/api) and the server (eectl/serve) queue their requests as they come.
+
+What this module does not do: tokenise or detokenise (run/stage.py, api/model.py), or speak HTTP (eectl/serve).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 from collections import deque
@@ -96,7 +100,9 @@ class Engine:
             raise UsageError(f"--max-queue must be >= 1, got {queue}")
         self.rt, self.slots, self.queue_limit = rt, slots, queue
         self.context = min(context, rt.manifest.max_positions)
-        self.opts = dataclasses.replace(opts, batch_size=slots)
+        # the batch size the configuration is resolved for: the slots, or more where the caller asks (`eectl run
+        # --batch-size 8` on 3 prompts steps 3 rows, resolved as a batch of 8 as before)
+        self.opts = dataclasses.replace(opts, batch_size=max(opts.batch_size, slots))
         self.default = Sampling(opts.temperature, opts.top_p)
         self._runners: dict[Sampling, tuple[RunConfig, Runner]] = {}
         self._pending: deque[Job] = deque()
@@ -141,6 +147,41 @@ class Engine:
             self._pending.append(job)
             self._cond.notify_all()
         return job
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, on_step: Callable[[int, list[int]], None] | None = None
+    ) -> list[Generation]:
+        """Every prompt queued at once, in order (seated as `Runner.generate` seats them: a finished row's slot takes
+        the next), with the default sampling, and waited for: the run stage's call. `on_step(prompt_index,
+        confirmed)` as in `Runner.generate` (on the worker thread). Interrupted while waiting, every job is
+        cancelled before the interrupt goes on."""
+        finished = threading.Semaphore(0)
+        gens: list[Generation | None] = [None] * len(prompts)
+        errors: list[BaseException] = []
+
+        def ended(i: int, gen: Generation | None, error: BaseException | None) -> None:
+            gens[i] = gen
+            if error is not None:
+                errors.append(error)
+            finished.release()
+
+        jobs = []
+        for i, ids in enumerate(prompts):
+            step = None if on_step is None else functools.partial(on_step, i)
+            jobs.append(Job(ids, max_new_tokens, self.default, on_step=step, on_done=functools.partial(ended, i)))
+        try:
+            for job in jobs:
+                self.submit(job)
+            for _ in jobs:
+                finished.acquire()
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
+        if errors:
+            raise errors[0]
+        assert all(g is not None for g in gens)
+        return [g for g in gens if g is not None]
 
     @property
     def waiting(self) -> int:
