@@ -233,11 +233,13 @@ class Runner:
         self.step_reads = place.steps
         self.place = place
         try:
-            self._loop(kept, feed, on_step)
+            self._loop(kept, feed, on_step, record)
         finally:
             self.place = HOST  # scoring, chat and cost timing run on the host (their own calls)
 
-    def _loop(self, kept: Kept, feed: Feed, on_step: Callable[[int, list[int]], None] | None) -> None:
+    def _loop(
+        self, kept: Kept, feed: Feed, on_step: Callable[[int, list[int]], None] | None, record: bool = True
+    ) -> None:
         """Steps until the feed ends. `seated[slot]` is the row in that slot of the cache; a row whose first step is
         still to run (its prefill: the whole prompt, always full depth) is `fresh`; a row the feed drops leaves its
         slot free before the step. Once no row waits, the rows still decoding narrow onto the fewest rows (slots.py);
@@ -305,6 +307,8 @@ class Runner:
                 if st.done:
                     del seated[s]
             self.place.end_step()
+            if not record:  # a device-resident run records its reads whatever `record` says: a server keeps none
+                self.place.steps.clear()
             seat()
 
     def forget_prompts(self) -> None:
