@@ -330,3 +330,39 @@ def test_a_utf8_prompt_argument_is_accepted_in_a_c_locale(artifact):
     assert res.returncode == 0 and "turn 1:" in res.stderr.decode(), res.stderr.decode()
     res = _eectl(["run", str(artifact), "caf\udce9", "--raw", "-n", "4", "--exits", "none"], env)
     assert res.returncode == 4 and "not UTF-8 text: byte 0xe9" in res.stderr.decode(), res.stderr.decode()
+
+
+def test_calibration_files_and_heads_metadata_are_read_strictly_too(llama, tmp_path):
+    """The same class in the other files between stages: calibration.json's `top_k: "8"` and a heads file's
+    `steps: "0"` were coerced; a key given twice kept the last value; `export --force` took a folder whose
+    manifest.json links to an artifact's elsewhere for an artifact."""
+    import torch
+    from safetensors.torch import save_file
+
+    from eectl.contracts.calibration import read_calibration, write_calibration
+    from eectl.contracts.heads import FORMAT
+    from eectl.contracts.manifest import is_artifact
+    from eectl.exits.designs import load_heads
+    from tests.conftest import make_calibration, make_heads_meta
+
+    cal = tmp_path / "calibration.json"
+    write_calibration(make_calibration(llama, {3: {"prob": 0.9}}), cal)
+    doc = json.loads(cal.read_text())
+    doc["top_k"] = "8"
+    cal.write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match="calibration.json: top_k: Input should be a valid integer"):
+        read_calibration(cal)
+    meta = make_heads_meta(llama, [3]).model_dump(mode="json")
+    heads = tmp_path / "h.safetensors"
+    for text, words in (
+        (json.dumps({**meta, "steps": "0"}), "invalid metadata: steps: Input should be a valid integer"),
+        (json.dumps(meta)[:-1] + ', "steps": 5}', "the key 'steps' is given twice"),
+    ):
+        save_file({"exit_3.weight": torch.zeros(64, 64)}, str(heads), metadata={"format": FORMAT, "eectl": text})
+        with pytest.raises(ArtifactError, match=words):
+            load_heads(heads, llama)
+    art = tmp_path / "notart"
+    art.mkdir()
+    (art / MANIFEST).symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_text('{"schema_version": 3, "eectl_version": "0.1.0"}')
+    assert not is_artifact(art)

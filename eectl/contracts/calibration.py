@@ -9,6 +9,7 @@ What this module does not do: measure or fit anything (exits/measure.py, calibra
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Annotated, Any
@@ -223,8 +224,8 @@ def read_calibration(path: str | Path) -> Calibration:
             f"{p.name} has schema_version {version!r}; this eectl reads {SCHEMA_VERSION}",
             hint="recalibrate with this version of eectl",
         )
-    try:
-        return Calibration.model_validate(raw)
+    try:  # strict, on the JSON text, as a manifest is read: "8" is not 8, 1.5 not an integer
+        return Calibration.model_validate_json(json.dumps(raw), strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"]) or "calibration"

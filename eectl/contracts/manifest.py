@@ -247,9 +247,10 @@ def write_manifest(manifest: Manifest, folder: Path) -> None:
 
 def is_artifact(folder: Path) -> bool:
     """Whether `folder` is an eectl artifact, of any schema version: a real folder whose manifest.json is a JSON
-    object with eectl's `schema_version` and `eectl_version`. `export --force` replaces nothing else."""
+    object with eectl's `schema_version` and `eectl_version`. `export --force` replaces nothing else (a folder whose
+    manifest.json is a link to an artifact's elsewhere is no artifact: read_manifest refuses it too)."""
     path = folder / MANIFEST
-    if folder.is_symlink() or not folder.is_dir() or not path.is_file():
+    if folder.is_symlink() or not folder.is_dir() or file_kind(path) != "a regular file":
         return False
     try:
         raw = parse_json(path.read_text(encoding="utf-8"), str(path), ArtifactError)

@@ -36,6 +36,7 @@ from eectl.exits.base import ExitHead, attach_probe
 from eectl.exits.probe import PROBE_FEATURES, attach_probe_tensors, probe_tensors
 from eectl.files import atomic_write_group, existing_file
 from eectl.models.adapters import Adapter
+from eectl.parsing import parse_json
 
 BLOCK_INITS = ("last", "next", "identity")
 DEFAULT_LOW_RANK = 64
@@ -318,7 +319,9 @@ def load_heads(path: str | Path, adapter: Any, sha256: str | None = None) -> Hea
     if header.get("format") != FORMAT or "eectl" not in header:
         raise ArtifactError(f"not an eectl heads file: {p}", hint="train heads with `eectl train-heads`")
     try:
-        meta = HeadsMeta.model_validate_json(header["eectl"])
+        # strict, as a manifest is read ("8" is not 8); a key given twice refused (parse_json), not the last kept
+        raw = parse_json(header["eectl"], f"heads in {p.name} have invalid metadata", ArtifactError)
+        meta = HeadsMeta.model_validate_json(json.dumps(raw), strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
