@@ -138,8 +138,10 @@ class _Chars:
 
 def test_text_pieces_never_change_once_given():
     s = TextStream(_Chars(), stop=["END"])
-    ids = [ord(c) for c in "ab"] + [0]
-    assert s.update(ids) == "ab"  # the half character waits
+    ids = [ord(c) for c in "ab"]
+    assert s.update(ids) == "ab"
+    ids += [0]
+    assert s.update(ids) == ""  # the half character waits
     ids += [1, ord("E"), ord("N")]
     assert s.update(ids) == "é"  # "EN" may begin the stop string: it waits
     ids += [ord("D"), ord("x")]

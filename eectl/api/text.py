@@ -38,11 +38,18 @@ def render(tokenizer: Any, prompt: str | Sequence[dict[str, str]], raw: bool) ->
 class TextStream:
     """An answer's text from its confirmed tokens, step by step: `update` returns the new piece that can no longer
     change (held back: a character still incomplete, a tail that may begin a stop string), `finish` the rest. Once a
-    stop string appears, the text ends before it (`stopped`)."""
+    stop string appears, the text ends before it (`stopped`).
+
+    The tokens are decoded incrementally (as TGI and vLLM do): each step decodes a window from the last piece's
+    tokens on and keeps what it adds to that piece's own decoding, so a step costs the window, not the answer; the
+    window's first tokens give a tokenizer that drops a leading space at a sequence's start the same text as the
+    whole answer's decoding."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.text = ""  # the answer's text decoded so far (whole characters)
+        self._window = self._read = 0  # tokens: where the window starts, and where its last piece ended
         self.sent = 0  # characters of the text given out
         self.sent_text = ""
         self.stopped = False
@@ -50,14 +57,34 @@ class TextStream:
     def update(self, tokens: list[int]) -> str:
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        cut = self._stop_at(text)
+        self._decode(tokens, final=False)
+        cut = self._stop_at()
         if cut is not None:
             self.stopped = True
-            return self._give(text, cut)
-        safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 sequence decodes to U+FFFD until its bytes arrive
-        hold = max((self._begins(text[:safe], s) for s in self.stop), default=0)
-        return self._give(text, safe - hold)
+            return self._give(cut)
+        hold = max((self._begins(self.text, s) for s in self.stop), default=0)
+        return self._give(len(self.text) - hold)
+
+    def finish(self, tokens: list[int]) -> str:
+        """The rest of the text once the answer ended (nothing held back; cut before a stop string)."""
+        if self.stopped:
+            return ""
+        self._decode(tokens, final=True)
+        cut = self._stop_at()
+        self.stopped = cut is not None
+        return self._give(len(self.text) if cut is None else cut)
+
+    def _decode(self, tokens: list[int], final: bool) -> None:
+        """The text the tokens past the window's last piece add (none while it ends in an incomplete character: an
+        incomplete UTF-8 sequence decodes to U+FFFD until its bytes arrive; at the end, whatever it is)."""
+        if len(tokens) <= self._read and not final:
+            return
+        decode = self.tokenizer.decode
+        before = decode(tokens[self._window : self._read], skip_special_tokens=True)
+        after = decode(tokens[self._window :], skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before) :]
+            self._window, self._read = self._read, len(tokens)
 
     @staticmethod
     def _begins(text: str, stop: str) -> int:
@@ -67,23 +94,20 @@ class TextStream:
                 return n
         return 0
 
-    def finish(self, tokens: list[int]) -> str:
-        """The rest of the text once the answer ended (nothing held back; cut before a stop string)."""
-        if self.stopped:
-            return ""
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        cut = self._stop_at(text)
-        self.stopped = cut is not None
-        return self._give(text, len(text) if cut is None else cut)
-
-    def _stop_at(self, text: str) -> int | None:
-        found = [i for s in self.stop if (i := text.find(s)) >= 0]
+    def _stop_at(self) -> int | None:
+        """Where the first stop string begins (None: none yet). Only the text from a stop's length before the part
+        not given out is searched: nothing earlier holds one, or the answer would have stopped there."""
+        found = []
+        for s in self.stop:
+            i = self.text.find(s, max(0, self.sent - len(s)))
+            if i >= 0:
+                found.append(i)
         return min(found) if found else None
 
-    def _give(self, text: str, end: int) -> str:
+    def _give(self, end: int) -> str:
         if end <= self.sent:
             return ""
-        piece = text[self.sent : end]
+        piece = self.text[self.sent : end]
         self.sent = end
         self.sent_text += piece
         return piece
