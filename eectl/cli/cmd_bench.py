@@ -112,6 +112,15 @@ CompareOpt = Annotated[
         rich_help_panel="Configurations",
     ),
 ]
+PeerOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Other runtimes as configurations: llama.cpp=FILE.gguf runs llama.cpp greedy on the same prompt ids, "
+        "token budget and threads, as rows llama.cpp and llama.cpp+lookup (its prompt lookup); needs "
+        "pip install 'eectl[llamacpp]'.",
+        rich_help_panel="Configurations",
+    ),
+]
 
 
 @command()
@@ -140,12 +149,14 @@ def bench(
     place: PlaceOpt = None,
     prompt_drafts: PromptDraftsOpt = DEFAULT_DRAFTS,
     compare: CompareOpt = None,
+    peer: PeerOpt = None,
     recipe: RecipeOpt = None,
     budget: BudgetNameOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Speed and fidelity against full depth (and transformers generate), side by side, in one run."""
+    from eectl.evaluate.peers import check_peers, parse_peers
     from eectl.evaluate.results import BenchOptions
     from eectl.evaluate.stage import BenchRequest
     from eectl.evaluate.stage import bench as run_bench
@@ -162,8 +173,11 @@ def bench(
     names = [p[0].strip() for p in pairs]
     if twice := sorted({n for n in names if names.count(n) > 1}):  # the last path won, silently
         raise UsageError(f"--compare names {', '.join(twice)} more than once, got '{compare}'")
+    peers = parse_peers(peer)
+    check_peers(peers)  # the extra installed and the files there, before the artifact loads
     options = BenchOptions(
         compare={k.strip(): v.strip() for k, v in pairs},
+        peers=peers,
         exits=exits,
         signal=signal,
         thresholds=thresholds,

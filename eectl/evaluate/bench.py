@@ -11,12 +11,16 @@ Every speed figure is a ratio against baselines measured in the same run, with t
   token predicted at the exit instead of the river's end (river's K/V are also compared with the exact K/V),
 - `lookup`: full depth with drafts from the context (prompt lookup, runtime/drafts.py) checked by verify's deep
   pass; `verify+lookup`: verify's exit drafts and drafts from the context together (both lossless),
-- any other artifact of the same model at full depth (`compare`, e.g. an int4 export: `--compare int4=PATH`).
+- any other artifact of the same model at full depth (`compare`, e.g. an int4 export: `--compare int4=PATH`),
+- peers (`--peer llama.cpp=FILE.gguf`, evaluate/peers.py): llama.cpp on the same prompt ids, plain and with its
+  prompt-lookup decoding, run apart like `hf`.
 
 Fidelity is measured against eectl full depth on the same prompts (token agreement, exact match, first
-divergence), teacher-forced perplexity on held-out text, and GSM8K final-answer accuracy when the data has
-`#### answer` lines. Speed is one statistic, with its interval (evaluate/stats.py); the report is evaluate/report.py;
-the configurations' runners and a pass over the prompts evaluate/configs.py, the timed phase evaluate/timing.py.
+divergence), and, where an fp32 artifact ran (this one or a compared one), against its tokens: the share of them
+each configuration generated before its first divergence (`fp32_reference`); teacher-forced perplexity on
+held-out text, and GSM8K final-answer accuracy when the data has `#### answer` lines. Speed is one statistic,
+with its interval (evaluate/stats.py); the report is evaluate/report.py; the configurations' runners and a pass
+over the prompts evaluate/configs.py, the timed phase evaluate/timing.py.
 What this module does not do: export or calibrate.
 """
 
@@ -38,6 +42,7 @@ from eectl.contracts.plan import MAX_DRAFTS
 from eectl.data import encode_prompt, final_number
 from eectl.errors import UsageError
 from eectl.evaluate.configs import Configs, as_full_depth, open_runtime, threshold_sweep
+from eectl.evaluate.peers import check_peers, open_peers, peer_context, peer_note, peer_specs
 from eectl.evaluate.predicted import RIVER_EXIT, conditions, lookup_model, predictions, run_default
 from eectl.evaluate.report import markdown, write_report
 from eectl.evaluate.results import (
@@ -59,6 +64,7 @@ from eectl.evaluate.stats import (
     block_ratios,
     noise_verdict,
     per_prompt_totals,
+    prefix_agreement,
     ratio_ci,
     ratio_estimate,
     seconds_per_token,
@@ -121,9 +127,9 @@ def heldout_texts(texts: list[str]) -> list[str]:
     return texts[-max(1, len(texts) // 10) :]
 
 
-def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> ConfigResult:
+def _summary(name: str, reps: list[_Run], rss: float, num_layers: int, runtime: str = "") -> ConfigResult:
     """Speed of one configuration over its repetitions (one statistic: total decode time over total decode tokens,
-    every prompt and repetition pooled), and (eectl configurations) where its tokens exited."""
+    every prompt and repetition pooled), and (eectl configurations: no `runtime`) where its tokens exited."""
     per_rep = [1000 * seconds_per_token(per_prompt_totals([r.per_prompt])) for r in reps]
     ms = 1000 * seconds_per_token(per_prompt_totals([r.per_prompt for r in reps]))
     res = ConfigResult(
@@ -134,8 +140,9 @@ def _summary(name: str, reps: list[_Run], rss: float, num_layers: int) -> Config
         throughput=_throughput(reps),
         ttft_ms=1000 * float(np.median([t for r in reps for t in r.ttfts])),
         rss_mb=round(rss, 1),
+        runtime=runtime,
     )
-    if name != "hf":
+    if name != "hf" and not runtime:
         layers = reps[0].exit_layers
         res.mean_layers = float(np.mean(layers)) if layers else float(num_layers)
         res.layer_bound = num_layers / res.mean_layers
@@ -221,7 +228,10 @@ def run_bench(
     cert = m.certificate
     tok = load_tokenizer(rt)
     ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
-    configs = Configs(rt, opts, tuple(m.eos_token_ids), progress)
+    encode = lambda text: [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]  # noqa: E731
+    context = peer_context(ids, opts.max_new_tokens)
+    peers = open_peers(peer_specs(opts.peers), rt.threads, context, encode, m.dims.get("vocab_size"))
+    configs = Configs(rt, opts, tuple(m.eos_token_ids), progress, peers)
     phases.add("open the artifact", time.perf_counter() - t0)
     names, order = _orders(configs, log)
     with phases.time("timed repetitions", "bench_tokens"):
@@ -233,6 +243,7 @@ def run_bench(
     full_tokens = runs["full"][0].generations
     results = [_result(name, timing, configs, tok, answers, verdict) for name in order]
     _readings(results, verdict, resolution)
+    fp32_reference = _fp32_fidelity(configs, results, runs)
     with phases.time("agreement", "bench_answers"):
         _lookup_models(configs, results, ids, runs)
         _step_agreements(configs, runs, ids, results)
@@ -276,6 +287,7 @@ def run_bench(
         certificate_check=check,
         memory=configs.memory.section(),
         block_instances=timing.instances if timing.paired_instances else None,
+        fp32_reference=fp32_reference,
     )
 
 
@@ -305,6 +317,25 @@ def _with_full_depth_rows(
     configs.tick(sum(config_units(c, configs.opts, prompts) for c in alike))
     rows = {r.name: r for r in results} | {c: as_full_depth(results[0], c, configs.configs[c]) for c in alike}
     return [rows[c] for c in names]
+
+
+def _fp32_fidelity(configs: Configs, results: list[ConfigResult], runs: dict[str, list[_Run]]) -> str | None:
+    """Every timed row's tokens against the fp32 model's (first repetition): those of full depth of an fp32 artifact,
+    this one's, else the first compared one's; its name, or None (no fp32 artifact ran: the fields stay empty)."""
+    fp32 = [
+        name for name in ["full", *configs.opts.compare] if name in runs and _is_fp32(configs.runners[name].rt.manifest)
+    ]
+    if not fp32:
+        return None
+    want = runs[fp32[0]][0].generations
+    for r in results:
+        r.fp32_first_divergence, r.fp32_prefix_share = prefix_agreement(runs[r.name][0].generations, want)
+    return fp32[0]
+
+
+def _is_fp32(m: Manifest) -> bool:
+    """Whether an artifact's segments compute in fp32 (no int4 segments, no fp16)."""
+    return m.dtype == "fp32" and (m.quantization is None or m.quantization.scope != "segments")
 
 
 def _noise(timing: _Timing) -> tuple[str, float | None, float | None]:
@@ -357,10 +388,12 @@ def _check_options(opts: BenchOptions, prompts: list[str]) -> None:
     """Every check that needs no artifact, before it loads: bench's own, and those `run` makes of the options every
     configuration's RunOptions carries (--signal, --exits, --thresholds, --prompt-drafts, --provider)."""
     built_in = BUILT_IN_CONFIGS
-    known = (*built_in, *opts.compare)
-    clash = [c for c in opts.compare if c in built_in]
+    peers = [p.name for p in peer_specs(opts.peers)]
+    known = (*built_in, *opts.compare, *peers)
+    clash = [c for c in opts.compare if c in (*built_in, *peers)]
     if clash:
-        raise UsageError(f"--compare name '{clash[0]}' is a built-in configuration; pick another name")
+        raise UsageError(f"--compare name '{clash[0]}' is a built-in or peer configuration; pick another name")
+    check_peers(opts.peers)
     if not opts.configs:  # `--policies ''` (or ','): a bench of nothing
         raise UsageError("--policies names nothing", hint=f"choose from {', '.join(known)}")
     bad = [c for c in opts.configs if c not in known]
@@ -422,6 +455,7 @@ def _notes(rt: ArtifactRuntime, opts: BenchOptions) -> list[str]:
     ]
     notes += [m.plan.summary()] if m.plan is not None else []
     notes += [COMPARE_NOTE] if opts.compare else []
+    notes += [peer_note(opts.peers, rt.threads)] if opts.peers else []
     if why := rt.certified_refused:
         notes.append(f"the certified final head is off on this machine: {why}")
     if m.costs is not None:
@@ -456,7 +490,8 @@ def _result(
     predictions, fidelity against full depth's first repetition."""
     m = configs.rt.manifest
     runs = timing.runs
-    res = _summary(name, runs[name], timing.rss[name], m.num_layers)
+    peer = configs.peers.get(name)
+    res = _summary(name, runs[name], timing.rss[name], m.num_layers, peer.spec.runtime if peer is not None else "")
     if name in configs.configs:
         predictions(res, configs.configs[name], m, runs[name])
     mine, full, strata = timing.array(name), timing.array("full"), timing.strata()

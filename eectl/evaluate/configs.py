@@ -1,5 +1,6 @@
 """The bench's configurations: every configuration's Runner (full depth, its A/A copy, each policy, drafts from the
-context, the certified setting, other artifacts under --compare) and transformers' generate for `hf`, built once
+context, the certified setting, other artifacts under --compare), transformers' generate for `hf` and the peers
+(llama.cpp: evaluate/peers.py, opened by bench.py), built once
 per run (twice, on a mirrored second set of runtimes, under --compare: `Configs`), and one timed pass of one
 configuration over prompts (`Configs.once`), which evaluate/timing.py calls; which configurations run exactly full
 depth (`Configs.at_full_depth`: not timed again, their row full depth's, `as_full_depth`), and the threshold sweep.
@@ -22,6 +23,7 @@ import numpy as np
 from eectl.contracts.certificate import CERTIFIED
 from eectl.errors import UsageError
 from eectl.evaluate.memory import MemoryMeter
+from eectl.evaluate.peers import LlamaCppPeer
 from eectl.evaluate.predicted import RIVER_EXIT
 from eectl.evaluate.results import AA, EXACT_HEAD, LOOKUP, LOOKUP_CONFIGS, BenchOptions, ConfigResult
 from eectl.evaluate.stats import agreement, per_prompt_totals, speed_ratio
@@ -113,8 +115,11 @@ class Configs:
         opts: BenchOptions,
         stop: tuple[int, ...],
         tick: Callable[[int], None] | None = None,
+        peers: dict[str, LlamaCppPeer] | None = None,
     ) -> None:
         self.rt, self.opts, self.stop = rt, opts, stop
+        # configuration -> another runtime on the same prompt ids (one instance each, run apart like `hf`)
+        self.peers: dict[str, LlamaCppPeer] = peers or {}
         self.tick = tick or (lambda n: None)  # progress: one unit per prompt generated and per perplexity pass
         self.memory = MemoryMeter(rt)  # slow-tier traffic per configuration, under --memory-budget
         self.exits: list[int] = []
@@ -211,6 +216,14 @@ class Configs:
             if not cfg.exits and not cfg.prompt_drafts and not cfg.certified and cfg.certified_head
         ]
 
+    def _apart(self, name: str, prompt: list[int]) -> tuple[list[int], float, list[float]]:
+        """One prompt through transformers' generate or a peer: tokens, time to the first, later tokens' latencies."""
+        if name == "hf":
+            assert self.hf is not None
+            return self.hf.run(prompt, self.stop)
+        g = self.peers[name].generate(prompt, self.opts.max_new_tokens, self.stop)
+        return g.token_ids, g.ttft_s, g.latencies_s
+
     def early_options(self, policy: str, scale: float) -> RunOptions:
         o = self.opts
         return RunOptions(
@@ -237,14 +250,15 @@ class Configs:
         for runners in self.sets:
             for runner in runners.values():
                 runner.forget_prompts()
+        for peer in self.peers.values():
+            peer.forget_prompts()
 
     def once(self, name: str, prompt_ids: list[list[int]], on_step: OnStep | None = None, instance: int = 0) -> _Run:
-        """One pass of `name` over the prompts on its `instance` (0, or 1 under --compare); hf has one."""
+        """One pass of `name` over the prompts on its `instance` (0, or 1 under --compare); hf and peers have one."""
         run = _Run([], [], [], [], 0.0)
-        if name == "hf":  # one prompt at a time
-            assert self.hf is not None
+        if name == "hf" or name in self.peers:  # one prompt at a time
             for p in prompt_ids:
-                new, ttft, lat = self.hf.run(p, self.stop)
+                new, ttft, lat = self._apart(name, p)
                 run.generations.append(new)
                 run.ttfts.append(ttft)
                 run.latencies.extend(lat)

@@ -37,7 +37,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _exits(c: ConfigResult) -> str:
-    exits = ",".join(map(str, c.exits)) if c.exits else ("-" if c.name in ("full", "hf") else "none")
+    exits = ",".join(map(str, c.exits)) if c.exits else ("-" if c.name in ("full", "hf") or c.runtime else "none")
     if c.exits and c.decisions_per_step is not None:  # how many decisions a step made (gates skip some)
         exits += f" ({'gated, ' if c.gated else ''}{c.decisions_per_step:.2f} decisions/step)"
     return exits
@@ -78,6 +78,17 @@ def _interval_line(r: BenchResult) -> str:
     return "intervals: the 95% bootstrap intervals, not widened (the A/A control has no finite interval)"
 
 
+def _fp32(c: ConfigResult) -> str:
+    """The share of the fp32 reference's tokens generated before the first divergence from them, and its mean index."""
+    if c.fp32_prefix_share is None:
+        return "-"
+    return f"{c.fp32_prefix_share:.1%} ({_fmt(c.fp32_first_divergence, '.1f')})"
+
+
+def _fp32_header(r: BenchResult) -> str:
+    return f"equal to fp32 ({r.fp32_reference}) before 1st divergence"
+
+
 def summary(result: BenchResult) -> str:
     """The console's short table: what ran, how fast against full depth (with its interval), how faithful, and
     whether this run can say so; then one line per configuration on how it was chosen, and the run's verdict."""
@@ -88,11 +99,13 @@ def summary(result: BenchResult) -> str:
             f"{c.ms_per_token:.1f}",
             _speed(c),
             f"{_fmt(c.token_agreement, '.1%')}",
+            _fp32(c),
             _verdict(c),
         ]
         for c in result.configs
     ]
-    lines = _table(["config", "exits", "ms/token", _speed_header(result), "token agreement", "verdict"], rows)
+    header = ["config", "exits", "ms/token", _speed_header(result), "token agreement", _fp32_header(result)]
+    lines = _table([*header, "verdict"], rows)
     lines += [f"- {c.name}: {c.note}" for c in result.configs if c.note]
     lines += [f"- {c.name} drafts: {_drafts(c)}" for c in result.configs if c.drafted or c.prompt_drafted]
     if result.certificate:
@@ -124,7 +137,7 @@ def _config_table(r: BenchResult) -> list[str]:
         "TTFT ms", _speed_header(r), "verdict", "predicted [90%]", "model at realized exits", "vs hf",
         "mean layers", "bound", "decide share", "drafts", "token agreement [95% CI]", "predicted agreement",
         "step agreement [95% CI]", "calibrated step agreement", "exact match [95% CI]", "first divergence",
-        "perplexity", "GSM8K acc", "RSS MB",
+        _fp32_header(r), "perplexity", "GSM8K acc", "RSS MB",
     ]  # fmt: skip
     rows = []
     for c in r.configs:
@@ -151,6 +164,7 @@ def _config_table(r: BenchResult) -> list[str]:
                 _fmt(c.predicted_step_agreement, ".2%"),
                 f"{_fmt(c.exact_match, '.0%')}{_ci(c.exact_match_ci, '.0%')}",
                 _fmt(c.first_divergence, ".1f"),
+                _fp32(c),
                 _fmt(c.perplexity, ".2f"),
                 _fmt(c.gsm8k_accuracy, ".0%"),
                 f"{c.rss_mb:.0f}",

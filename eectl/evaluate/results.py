@@ -41,6 +41,8 @@ class BenchOptions:
     profile_costs: bool = False  # re-measure the graph costs here and re-plan before benchmarking
     max_risk: float | None = None  # the plan's default may be a certified lossy setting up to this risk (run's)
     compare: dict[str, str] = field(default_factory=dict)  # config name -> another artifact, run at full depth
+    # runtime -> GGUF (evaluate/peers.py): llama.cpp beside eectl, as configurations `llama.cpp`, `llama.cpp+lookup`
+    peers: dict[str, str] = field(default_factory=dict)
     prompt_drafts: int = DEFAULT_DRAFTS  # the lookup configurations' drafts per step
     weights: WeightOptions = field(default_factory=WeightOptions)  # mapped weights, memory budget, placement
 
@@ -63,6 +65,10 @@ class ConfigResult:
     token_agreement: float | None = None  # vs eectl full depth, position-wise over generated tokens
     exact_match: float | None = None
     first_divergence: float | None = None  # mean index of the first differing token (len when none)
+    # against the fp32 reference (BenchResult.fp32_reference): the mean index of the first differing token, and the
+    # share of the reference's tokens generated before it (the tokens equal to the fp32 model's before a divergence)
+    fp32_first_divergence: float | None = None
+    fp32_prefix_share: float | None = None
     perplexity: float | None = None
     gsm8k_accuracy: float | None = None
     exit_histogram: dict[str, int] = field(default_factory=dict)
@@ -107,6 +113,7 @@ class ConfigResult:
     # "full" where the configuration runs exactly full depth (its plan cleared no exit, and it drafts nothing): the
     # row is full depth's figures, not timed apart (configs.Configs.at_full_depth); "" for a timed row
     timed_as: str = ""
+    runtime: str = ""  # "" for eectl's configurations (and hf's transformers); a peer's runtime: "llama.cpp"
 
 
 @dataclass
@@ -143,6 +150,9 @@ class BenchResult:
     # --compare: per repetition, per block, the runtime instance every configuration ran that block on (0: each
     # artifact's first-created runtime, 1: its mirrored second; evaluate/configs.py); None without --compare
     block_instances: list[list[int]] | None = None
+    # the configuration whose tokens are the fp32 model's (full depth of an fp32 artifact: this one's, or the first
+    # compared one's), which every row's fp32_* fidelity is measured against; None when no fp32 artifact ran
+    fp32_reference: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -56,6 +56,7 @@ def bench(recipe: Recipe, req: BenchRequest, out: Output) -> BenchRun:
     if req.report is not None:  # the markdown, its JSON twin and plots (evaluate/report.py write_report)
         others = [("--compare", Path(p)) for p in req.options.compare.values()]
         ins = [("--data", input_file(pick(req.data, r.data.source))), ("--recipe", input_file(req.recipe_file))]
+        ins += [("--peer", Path(p)) for p in req.options.peers.values()]
         check_outputs(
             [("--report", req.report, report_files(req.report))], ins, [("ARTIFACT", Path(req.artifact)), *others]
         )
@@ -65,10 +66,13 @@ def bench(recipe: Recipe, req: BenchRequest, out: Output) -> BenchRun:
     n = min(pick(req.prompts, r.bench.prompts), len(text.prompts) - req.offset)
     window = slice(req.offset, req.offset + n)
     ppl_tokens = pick(req.ppl_tokens, r.bench.ppl_tokens)
+    from eectl.evaluate.peers import peer_specs
+
     listed = pick(req.configs, list(r.bench.configs))
+    added = [*req.options.compare, *(p.name for p in peer_specs(req.options.peers))]  # run whatever --policies lists
     opts = dataclasses.replace(
         req.options,
-        configs=listed + [c for c in req.options.compare if c not in listed],
+        configs=listed + [c for c in added if c not in listed],
         prompts=n,
         max_new_tokens=pick(req.max_new_tokens, r.bench.max_new_tokens),
         reps=pick(req.reps, r.bench.reps),

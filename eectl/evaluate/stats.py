@@ -90,6 +90,19 @@ def agreement(gens: list[list[int]], ref: list[list[int]]) -> tuple[float, float
     return (agree / total if total else 1.0), exact / len(ref), float(np.mean(firsts))
 
 
+def prefix_agreement(gens: list[list[int]], ref: list[list[int]]) -> tuple[float, float]:
+    """How long each generation holds to its reference: the mean index of the first differing token (the shorter
+    one's length when none differs), and the share of the reference's tokens generated before it (pooled over
+    prompts; 1.0 where every generation equals its reference)."""
+    firsts = [_first_difference(g, r) for g, r in zip(gens, ref, strict=True)]
+    total = sum(len(r) for r in ref)
+    return float(np.mean(firsts)) if firsts else 0.0, (sum(firsts) / total if total else 1.0)
+
+
+def _first_difference(g: list[int], r: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(g, r, strict=False)) if a != b), min(len(g), len(r)))
+
+
 def agreement_ci(gens: list[list[int]], ref: list[list[int]], seed: int = 0) -> tuple[float, float]:
     """Bootstrap over prompts of the position-wise token agreement."""
     same = np.array([sum(1 for a, b in zip(g, r, strict=False) if a == b) for g, r in zip(gens, ref, strict=True)])
