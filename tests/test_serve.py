@@ -131,8 +131,13 @@ def test_greedy_answers_equal_eectl_runs_tokens(server, artifact):
     assert chat.usage.completion_tokens == 8 and chat.choices[0].finish_reason == "length"
     text = server.client.completions.create(model="art", prompt=PROMPTS[1], max_tokens=6, temperature=0)
     assert text.model_extra["eectl"]["tokens"] == _run_tokens(artifact, PROMPTS[1], 6, "--raw")
-    # a request without max_tokens gets the server's -n
+    # a request without max_tokens gets the server's -n, or what the context leaves after the prompt
     assert len(_chat(server, PROMPTS[2], None).model_extra["eectl"]["tokens"]) == 16  # type: ignore[arg-type]
+    long = " ".join(["one two three four"] * 30)  # 509 tokens of the tiny model's 512 positions
+    n = len(server.client.completions.create(model="art", prompt=long, max_tokens=1).model_extra["eectl"]["tokens"])
+    assert n == 1
+    rest = server.client.completions.create(model="art", prompt=long).model_extra["eectl"]
+    assert rest["prompt_tokens"] > 512 - 16 and len(rest["tokens"]) == 512 - rest["prompt_tokens"] - 1
 
 
 def test_streamed_answers_equal_the_whole_ones(server):

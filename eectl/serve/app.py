@@ -141,13 +141,20 @@ def _start(
     on_end: Callable[[Completion | None, BaseException | None], None],
     on_text: Callable[[str], None],
 ) -> Any:
-    """The request queued on the model's engine, or its refusal as an HTTP error."""
+    """The request queued on the model's engine, or its refusal as an HTTP error. Without max_tokens, the server's
+    --max-new-tokens, cut to what the context leaves after the prompt (as OpenAI's API: up to the context's end)."""
+    budget = asked.max_tokens
+    if budget is None:
+        budget = min(model.options.max_new_tokens, model.engine.context - len(ids) - 1)
+        if budget < 1:
+            where = "messages" if isinstance(asked.prompt, list) else "prompt"
+            raise BadRequest(f"{where}: {len(ids)} tokens fill the context of {model.engine.context}", where)
     try:
         return model.start(
             ids,
             on_end,
             on_text,
-            max_new_tokens=asked.max_tokens,
+            max_new_tokens=budget,
             temperature=asked.temperature,
             top_p=asked.top_p,
             stop=asked.stop,
