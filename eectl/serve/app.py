@@ -24,6 +24,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from eectl.api.model import Completion, Model
 from eectl.errors import EectlError, UsageError
@@ -108,10 +109,18 @@ async def _answer(model: Model, model_id: str, counts: Counts, request: Request,
     started = _start(model, counts, asked, ids, lambda c, e: put("end", (c, e)), lambda t: put("text", t))
     reply = Reply(model_id, chat)
     if asked.stream:
+        opened = [False]  # whether the stream began: a client gone before it did never runs _stream's clean-up
+
+        async def unopened() -> None:  # Starlette runs the background after the response, cancelled or not
+            if not opened[0]:
+                started.cancel()
+                counts.cancelled += 1
+
         return StreamingResponse(
-            _stream(reply, asked, events, started.cancel, counts),
+            _stream(reply, asked, events, started.cancel, counts, opened),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(unopened),
         )
     try:
         while True:
@@ -188,11 +197,17 @@ def _ended(done: Completion | None, error: BaseException | None) -> Completion:
 
 
 async def _stream(
-    reply: Reply, asked: Asked, events: asyncio.Queue[tuple[str, Any]], cancel: Callable[[], None], counts: Counts
+    reply: Reply,
+    asked: Asked,
+    events: asyncio.Queue[tuple[str, Any]],
+    cancel: Callable[[], None],
+    counts: Counts,
+    opened: list[bool],
 ) -> AsyncIterator[str]:
     """Server-sent events: a chunk per settled piece of text, the last with its finish reason (and the usage where
     stream_options asked), then [DONE]. Cancelled by Starlette when the client disconnects: the job leaves the batch."""
     ended = False
+    opened[0] = True
     try:
         yield _sse(reply.chunk(first=True) if reply.chat else reply.chunk(""))
         while True:
