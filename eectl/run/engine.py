@@ -109,6 +109,7 @@ class Engine:
         self._cond = threading.Condition()
         self._stopping = False
         self.running = 0  # jobs seated in the batch now
+        self.steps = 0  # batch steps taken
         self._runner(self.default, warn, note)  # the default setting's errors at load, not at the first request
         self._thread = threading.Thread(target=self._work, name="eectl-engine", daemon=True)
         self._thread.start()
@@ -290,6 +291,9 @@ class _Jobs(Feed):
             while not e._pending and not e._stopping:
                 e._cond.wait()
         return self.waiting()
+
+    def stepped(self) -> None:
+        self.engine.steps += 1
 
     def step(self, key: int, confirmed: list[int]) -> None:
         job = self.jobs[key]

@@ -40,6 +40,9 @@ class Feed:
         """No row is seated: block until one waits (True) or the feed ends (False). A fixed queue ends at once."""
         return self.waiting()
 
+    def stepped(self) -> None:
+        """After each step of the batch (its rows' `on_step` called, finished rows gone)."""
+
 
 class Prompts(Feed):
     """`generate`'s prompts: keys 0..n-1 in order."""

@@ -307,6 +307,7 @@ class Runner:
                 if st.done:
                     del seated[s]
             self.place.end_step()
+            feed.stepped()
             if not record:  # a device-resident run records its reads whatever `record` says: a server keeps none
                 self.place.steps.clear()
             seat()

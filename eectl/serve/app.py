@@ -62,6 +62,7 @@ def create_app(model: Model, name: str | None = None) -> FastAPI:
             "running": e.running,
             "waiting": e.waiting,
             "max_batch": e.slots,
+            "steps": e.steps,
             "served": counts.served,
             "cancelled": counts.cancelled,
             "refused": counts.refused,
