@@ -19,16 +19,16 @@ import pytest
 import torch
 
 from eectl.contracts.manifest import read_manifest
+from eectl.errors import UsageError
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.export.quantize import Int4Options
 from eectl.models import load_model
 from eectl.plan.choose import wide_inexact
 from eectl.runtime.kv import new_kv
-from eectl.runtime.ort import session_options
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
-from eectl.runtime.wide_check import check_wide
+from eectl.runtime.wide_check import check_wide, one_row_as_two, rows_padded
 
 EXITS = [2, 4]
 K = 8
@@ -58,55 +58,59 @@ def padded_level0(tiny_dirs, tmp_path_factory):
     return art
 
 
-def _one_row_as_two(level: int) -> bool:
-    """Whether this CPU's MatMulNBits (4 bits, block 32, zero points) at `level` computes a one-row call bit for bit as
-    the same row in a call of two rows (on AVX2 not at level 4, on AVX-512 yes; at level 0 not anywhere)."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    k, n, block = 256, 64, 32
-    rng = np.random.default_rng(0)
-    packed = rng.integers(0, 256, (n, k // block, block // 2), dtype=np.uint8)
-    scales = (rng.random(n * k // block, dtype=np.float32) * 0.02).astype(np.float32)
-    zeros = rng.integers(0, 256, n * k // block // 2, dtype=np.uint8)
-    node = helper.make_node(
-        "MatMulNBits", ["a", "b", "s", "z"], ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block,
-        accuracy_level=level,
-    )  # fmt: skip
-    graph = helper.make_graph(
-        [node],
-        "one_row",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
-        [numpy_helper.from_array(x, name) for x, name in ((packed, "b"), (scales, "s"), (zeros, "z"))],
-    )
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
-    opts = session_options()
-    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    a = rng.standard_normal((8, k)).astype(np.float32)
-    two = session.run(None, {"a": np.concatenate([a[:1], a[1:2]])})[0]
-    return all(np.array_equal(session.run(None, {"a": a[i : i + 1]})[0], two[i : i + 1]) for i in range(2))
+def _one_row_as_two(art) -> bool:
+    return one_row_as_two(read_manifest(art))
 
 
-def test_the_cpu_probe_sees_level_0_compute_one_row_otherwise():
-    """The probe the tests below rest on: level 0 computes one row otherwise than two on every CPU (so the probe can
-    say no); at level 4 its answer is this CPU's (AVX-512: yes; AVX2: no)."""
-    assert not _one_row_as_two(0)
-    assert isinstance(_one_row_as_two(4), bool)
+def test_the_cpu_probe_sees_level_0_compute_one_row_otherwise(padded, padded_level0):
+    """The probe the runtime and the tests below rest on: MatMulNBits at level 0 computes one row otherwise than two
+    on every CPU (so the probe can say no, and a level-0 artifact pads rows everywhere); at level 4 its answer is this
+    CPU's (AVX-512: yes, attention only; AVX2: no, rows)."""
+    level0, level4 = read_manifest(padded_level0), read_manifest(padded["llama"])
+    assert not one_row_as_two(level0) and rows_padded(level0)
+    assert rows_padded(level4) is not one_row_as_two(level4)
+    assert rows_padded(level4, asked=True) and not rows_padded(level4, asked=False)
+    assert not rows_padded(read_manifest(padded["llama"]).model_copy(update={"kv": _kv(level4, pad_switch=None)}))
 
 
-def test_padding_runs_every_matmul_on_two_rows(padded_level0):
+def _kv(m, **update):
+    return m.kv.model_copy(update=update)
+
+
+@pytest.mark.parametrize("pad_rows", [True, None])
+def test_padding_runs_every_matmul_on_two_rows(padded_level0, pad_rows):
     """At accuracy level 0, where MatMulNBits computes one row otherwise than several on every CPU, a padded
     artifact's wide pass still equals its one-position steps bit for bit: the padding reaches the MatMuls, not only
-    attention (padding attention alone left level 0 inexact)."""
+    attention (padding attention alone left level 0 inexact), whether asked for or chosen by the runtime."""
     m = read_manifest(padded_level0)
-    assert m.kv.pad == 1 and m.quantization is not None and m.quantization.accuracy_level == 0
+    assert m.kv.pad == 1 and m.kv.pad_switch and m.quantization is not None and m.quantization.accuracy_level == 0
     assert m.validation["wide_exact"]["exact"]
-    rt = ArtifactRuntime(padded_level0, provider="cpu")
+    rt = ArtifactRuntime(padded_level0, provider="cpu", pad_rows=pad_rows)
+    assert rt.pad_rows
     for width in (2, 8):
         got = check_wide(rt, _ids(13, 30 + width, m.dims["vocab_size"]), width=width)
         assert got["exact"] and got["max_abs_diff"] == 0.0, got
+
+
+def test_attention_only_padding_is_exact_only_where_one_row_computes_as_two(padded, padded_level0):
+    """Padding attention only (what the runtime chooses where this CPU computes one row as two) is exact exactly
+    there: at level 4 as this CPU's probe says (AVX-512: exact; AVX2: not), at level 0 not on any CPU."""
+    for art in (padded["llama"], padded_level0):
+        m = read_manifest(art)
+        rt = ArtifactRuntime(art, provider="cpu", pad_rows=False)
+        got = check_wide(rt, _ids(14, 38, m.dims["vocab_size"]), width=8)
+        assert got["exact"] is _one_row_as_two(art), (m.quantization, got)
+        assert got["exact"] or 0.0 < got["max_abs_diff"] < 1.0
+
+
+def test_the_runtime_pads_rows_as_told_by_the_environment(padded, monkeypatch):
+    m = read_manifest(padded["llama"])
+    for value, want in (("1", True), ("0", False), ("auto", not _one_row_as_two(padded["llama"]))):
+        monkeypatch.setenv("EECTL_PAD_ROWS", value)
+        assert rows_padded(m) is want
+    monkeypatch.setenv("EECTL_PAD_ROWS", "yes")
+    with pytest.raises(UsageError, match="EECTL_PAD_ROWS must be auto, 0 or 1"):
+        rows_padded(m)
 
 
 @pytest.fixture(scope="module")
@@ -164,14 +168,17 @@ def test_export_pads_where_drafts_rest_on_it_unless_told(monkeypatch):
     assert ExportOptions(exits=[], exact_wide=True).pads()
 
 
-def test_padded_int4_segments_compute_a_wide_pass_as_one_position_steps(padded, family):
+@pytest.mark.parametrize("pad_rows", [True, None])
+def test_padded_int4_segments_compute_a_wide_pass_as_one_position_steps(padded, family, pad_rows):
     """Export records the padding and its check; the check, run again here on every segment (a 40-token prompt,
-    then 8 positions in one call against 8 one-position calls), finds states and K/V equal bit for bit."""
+    then 8 positions in one call against 8 one-position calls), finds states and K/V equal bit for bit, with every
+    MatMul's rows padded (exact on every CPU) and as the runtime chooses on this CPU (attention only where one row
+    computes as two)."""
     m = read_manifest(padded[family])
     assert m.kv.pad == 1 and m.quantization is not None and m.quantization.accuracy_level == 4
     assert m.validation["wide_exact"]["exact"] and m.validation["wide_exact"]["max_abs_diff"] == 0.0
     assert wide_inexact(m) == ""
-    rt = ArtifactRuntime(padded[family], provider="cpu")
+    rt = ArtifactRuntime(padded[family], provider="cpu", pad_rows=pad_rows)
     for width in (2, 8):
         got = check_wide(rt, _ids(3, 40 + width, m.dims["vocab_size"]), width=width)
         assert got == {"exact": True, "max_abs_diff": 0.0, "width": width, "prompt": 40}
@@ -247,7 +254,7 @@ def test_a_call_with_no_free_slot_runs_unpadded(padded, padded_level0, level):
         caches.append(_cache(kv, 0, 12))
     assert np.asarray(caches[0][0]).shape[-2] == 12
     assert all(np.array_equal(a[..., :11, :], b[..., :11, :]) for a, b in zip(*caches, strict=True))
-    if _one_row_as_two(level):
+    if _one_row_as_two(padded["llama"] if level == 4 else padded_level0):
         assert all(np.array_equal(a, b) for a, b in zip(*caches, strict=True))
     else:
         assert all(np.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(*caches, strict=True))
@@ -277,22 +284,28 @@ def test_the_machine_check_runs_once_per_process_and_artifact(padded, unpadded, 
     assert "differs from one-position steps on this machine (by up to 3.0e-07)" in (wide_check.wide_refused(rt) or "")
 
 
-def test_a_planned_default_that_is_inexact_here_runs_full_depth(padded, monkeypatch):
+def test_a_planned_default_that_is_inexact_here_runs_full_depth(padded, padded_level0, monkeypatch):
     """Where this machine's check fails, the plan's verify (priced as lossless) gives way to full depth with a note;
-    verify asked for by name runs, with a warning."""
+    verify asked for by name runs, with a warning. Inexact for real on every CPU: a level-0 artifact run with
+    attention padded only (EECTL_PAD_ROWS=0), whose one-row MatMulNBits differ from two rows everywhere; and the same
+    artifact as the runtime chooses to run it (rows padded) follows its plan."""
     from eectl.run import generate
     from eectl.run.generate import RunOptions, open_runner
 
     planned = RunConfig(exits=[2], thresholds={2: {"prob": 0.9}}, policy="verify", top_k=K, planned=True)
     monkeypatch.setattr(generate, "resolve_config", lambda rt, opts, stop: planned)
-    monkeypatch.setattr("eectl.run.wide.wide_refused", lambda rt: "a wide pass differs here")
+    monkeypatch.setenv("EECTL_PAD_ROWS", "0")
     notes, warnings = [], []
-    _, _, config, _ = open_runner(padded["llama"], RunOptions(), warn=warnings.append, note=notes.append)
+    _, _, config, _ = open_runner(padded_level0, RunOptions(), warn=warnings.append, note=notes.append)
     assert (config.policy, config.exits, config.prompt_drafts) == ("defer", [], 0)
-    assert config.note == "plan: full depth: a wide pass differs here" and warnings == []
-    _, _, config, _ = open_runner(padded["llama"], RunOptions(policy="verify"), warn=warnings.append)
+    assert config.note.startswith("plan: full depth: a wide pass differs from one-position steps on this machine")
+    assert warnings == []
+    _, _, config, _ = open_runner(padded_level0, RunOptions(policy="verify"), warn=warnings.append)
     assert config.policy == "verify" and config.exits == [2]
-    assert warnings == ["this run's output may differ from full depth's: a wide pass differs here"]
+    assert len(warnings) == 1 and warnings[0].startswith("this run's output may differ from full depth's: a wide")
+    monkeypatch.setenv("EECTL_PAD_ROWS", "auto")
+    _, _, config, _ = open_runner(padded_level0, RunOptions(), warn=warnings.append, note=notes.append)
+    assert (config.policy, config.exits) == ("verify", [2]) and len(warnings) == 1
 
 
 def test_the_check_is_not_fooled_by_nan_and_runs_on_the_host_only(padded, monkeypatch):

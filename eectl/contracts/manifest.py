@@ -135,9 +135,13 @@ class KVLayout(_M):
     present_value: list[str]
     buffer: str = "one preallocated buffer per layer, bound as both past input and present output (written in place)"
     positions: str = "position of a token == its slot in the cache; seqlens_k = total length - 1, per row"
-    # zero positions a one-row segment call's attention appends (export --exact-wide, export/graphs.py
-    # _AttentionPad): written to the slot after the call's positions, so every buffer holds one more slot
+    # zero positions a one-row segment call appends (export --exact-wide, export/graphs.py _RowPad): written to the
+    # slot after the call's positions, so every buffer holds one more slot
     pad: int = Field(default=0, ge=0, le=1)
+    # the segment graphs' initializer ([1], its value in the graphs: every MatMul's rows padded) that a runtime sets to
+    # [0] (attention only) where this CPU computes one row as two (runtime/sessions.py); None: graphs exported before
+    # it, which pad attention only
+    pad_switch: str | None = None
 
 
 class Manifest(_M):

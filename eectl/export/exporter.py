@@ -47,7 +47,7 @@ from eectl.export.block import export_block, is_block
 from eectl.export.candidate_graphs import build_candidates
 from eectl.export.certified_head import build_certified_head, certifiable
 from eectl.export.exit_graphs import build_exit
-from eectl.export.graphs import DTYPES, OPSET, build_embedding, build_segment, save_graph
+from eectl.export.graphs import DTYPES, OPSET, PAD_ROWS, build_embedding, build_segment, save_graph
 from eectl.export.quantize import Int4Options, quantize_graph, quantize_lm_head
 from eectl.export.validation import validate_artifact
 from eectl.files import STAGING_MARKER, locked_staging, output_error, sha256_file
@@ -318,6 +318,7 @@ def _write_artifact(
             present_key=[f"present.{i}.key" for i in range(L)],
             present_value=[f"present.{i}.value" for i in range(L)],
             pad=int(options.pads()),
+            pad_switch=PAD_ROWS if options.pads() else None,
         ),
         kv_policies=[n for n, policy in POLICIES.items() if options.river or not policy.needs_river_copies],
         calibration=calibration,

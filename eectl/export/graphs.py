@@ -150,24 +150,30 @@ class _Builder:
         return model
 
 
+PAD_ROWS = "pad.rows"  # the segment graphs' switch between padding every MatMul's rows and attention only
+
+
 class _RowPad:
-    """A one-row call's positions plus one zero position after them, through the whole segment (`export
-    --exact-wide`).
+    """A one-row call's positions plus one zero position after them (`export --exact-wide`): through the whole
+    segment, or through its attention only, as the initializer `PAD_ROWS` ([1] or [0]) says.
 
     ONNX Runtime's CPU kernels may compute one position with other code than several: GroupQueryAttention takes a
     matrix-vector product for one new position, and MatMulNBits at accuracy level 4 (int8 activations) takes another
     kernel for one row than for several on AVX2 CPUs (on AVX-512 ones the same), as MatMulNBits at level 0 does
     everywhere. So a position's numbers differ in the last bits between a one-position decode step and a wide pass
     (prefill, verify's check of drafts, defer's pending positions), and int8 activations turn such differences into
-    other tokens. With one zero position appended to the segment's input, a single row's call always runs every
-    MatMul on at least two rows and attention on at least two positions, and each real position's output is bit for
-    bit the same whatever the width of its call (tests/test_exact_wide.py; measured: several rows of MatMulNBits
-    compute each row as two rows do, on AVX2 and AVX-512). The zero position's K/V land in the slot after the call's
-    new positions, never counted as filled and overwritten by the row's next position; its outputs are cut off. A
-    call with no such slot free (in the buffer or the rotary tables), or of several rows (GQA takes several
-    positions per row only one row at a time; several rows are several MatMul rows already), runs unpadded. The real
-    positions' K/V are the same either way where the kernels compute one row as two: GQA writes them before
-    attending, and causal attention never reads a later position.
+    other tokens. With one zero position appended to the segment's input (`PAD_ROWS` 1, the graph's own value), a
+    single row's call runs every MatMul on at least two rows and attention on at least two positions, and each real
+    position's output is bit for bit the same whatever the width of its call, on every CPU (tests/test_exact_wide.py;
+    measured: several rows of MatMulNBits compute each row as two rows do, on AVX2 and AVX-512). Where this CPU's
+    MatMulNBits computes one row as two, padding attention only is enough and cheaper (a runtime sets `PAD_ROWS` to 0
+    when it creates the sessions: runtime/sessions.py): the zero position is appended to Q/K/V and cut from the
+    attention output. The zero position's K/V land in the slot after the call's new positions, never counted as
+    filled and overwritten by the row's next position; its outputs are cut off. A call with no such slot free (in
+    the buffer or the rotary tables), or of several rows (GQA takes several positions per row only one row at a
+    time; several rows are several MatMul rows already), runs unpadded. The real positions' K/V are the same either
+    way where the kernels compute one row as two: GQA writes them before attending, and causal attention never
+    reads a later position.
     """
 
     def __init__(self, b: _Builder, hidden: str, past_key: str, positions: int, width: int) -> None:
@@ -182,21 +188,42 @@ class _RowPad:
             "And", [fits, b.op("Less", [total, b.const("pad.positions", np.array([positions], np.int64), False)])]
         )
         one_row = b.op("Equal", [rows, b.const("pad.one", np.array([1], np.int64), False)])
-        count = b.op("Cast", [b.op("And", [one_row, fits])], to=TensorProto.INT64)  # [1]: 1 or 0
+        count = b.op("Cast", [b.op("And", [one_row, fits])], to=TensorProto.INT64)  # [1]: 1 or 0, attention's
+        # the stream's zero positions: 0 or count. Min, not Mul: ORT's optimizer drops a Mul by a constant 1 before a
+        # session's own value of the switch (SessionOptions.add_initializer) would reach it
+        streamed = b.op("Min", [count, b.const(PAD_ROWS, np.array([1], np.int64), False)])
         count32 = b.op("Cast", [count], to=TensorProto.INT32)
         self.seqlens_k = b.op("Add", ["seqlens_k", count32])
         self.total = b.op("Add", ["total_sequence_length", b.op("Squeeze", [count32])])
-        dims = b.op("Concat", [rows, count, b.const("pad.width", np.array([width], np.int64), False)], axis=0)
-        zeros = b.op("ConstantOfShape", [dims], value=helper.make_tensor("z", b.elem, [1], [0]))
-        self.hidden = b.op("Concat", [hidden, zeros], axis=1)  # [B, S + count, width]
+        self._rows, self._more = rows, b.op("Sub", [count, streamed])  # zero positions attention adds: 0 or 1
+        self._attended = b.op("Add", [self.sequence, streamed])  # the stream's positions
+        self.hidden = b.op("Concat", [hidden, self._zeros(b, streamed, width, "stream")], axis=1)  # [B, S + n, W]
         self.width = width
+        self._extra: dict[int, str] = {}
+
+    def _zeros(self, b: _Builder, count: str, width: int, name: str) -> str:
+        dims = b.op("Concat", [self._rows, count, b.const(f"pad.{name}", np.array([width], np.int64), False)], axis=0)
+        return b.op("ConstantOfShape", [dims], value=helper.make_tensor("z", b.elem, [1], [0]))
+
+    def extend(self, b: _Builder, x: str, width: int) -> str:
+        """Q, K or V [B, S + n, width] with the zero positions attention adds after the stream's (none where the
+        stream is padded already)."""
+        if not x:  # GQA's packed QKV: no separate k or v
+            return x
+        if width not in self._extra:
+            self._extra[width] = self._zeros(b, self._more, width, f"width{width}")
+        return b.op("Concat", [x, self._extra[width]], axis=1)
+
+    def cut_attention(self, b: _Builder, attn: str) -> str:
+        """An attention output's stream positions: [B, S + count, N] -> [B, S + n, N]."""
+        return b.op("Slice", [attn, self.zero, self._attended, self.axis])
 
     def cut(self, b: _Builder, x: str) -> str:
-        """The real positions of a stream: [B, S + count, W] -> [B, S, W]."""
+        """The real positions of a stream: [B, S + n, W] -> [B, S, W]."""
         return b.op("Slice", [x, self.zero, self.sequence, self.axis])
 
     def cut_states(self, b: _Builder, states: str, blocks: int) -> str:
-        """The real positions of `blocks` streams concatenated along positions: [B, blocks * (S + count), W] ->
+        """The real positions of `blocks` streams concatenated along positions: [B, blocks * (S + n), W] ->
         [B, blocks * S, W]."""
         split = b.op("Reshape", [states, b.const("pad.blocks", np.array([0, blocks, -1, self.width], np.int64), False)])
         real = b.op("Slice", [split, self.zero, self.sequence, b.const("pad.axis2", np.array([2], np.int64), False)])
@@ -267,6 +294,7 @@ def _layer(
     layer_input = x
     qkv = _linear(b, h, [w.q, w.k, w.v], [w.q_bias, w.k_bias, w.v_bias], f"{p}.qkv")
     q, k, v = qkv, "", ""  # packed [B, S, (nh + 2 nkv) D]: GroupQueryAttention splits it itself
+    w_q = (nh + 2 * nkv) * d
     if w.q_norm is not None and w.k_norm is not None:  # per-head norms need q and k apart
         q, k, v = b.op(
             "Split",
@@ -274,6 +302,7 @@ def _layer(
             3,
             axis=-1,
         )
+        w_q = nh * d
         q = _head_norm(b, q, w.q_norm, w.eps, nh, d, f"{p}.q_norm")
         k = _head_norm(b, k, w.k_norm, w.eps, nkv, d, f"{p}.k_norm")
     cos, sin = rope[w.layer_type]
@@ -283,6 +312,8 @@ def _layer(
     if w.softcap:
         attrs["softcap"] = float(w.softcap)
     lengths = ["seqlens_k", "total_sequence_length"] if pad is None else [pad.seqlens_k, pad.total]
+    if pad is not None:
+        q, k, v = (pad.extend(b, t, width) for t, width in ((q, w_q), (k, nkv * d), (v, nkv * d)))
     attn, present_k, present_v = b.op(
         "GroupQueryAttention",
         [q, k, v, names["past_key"], names["past_value"], *lengths, cos, sin],
@@ -290,6 +321,8 @@ def _layer(
         domain="com.microsoft",
         **attrs,
     )
+    if pad is not None:
+        attn = pad.cut_attention(b, attn)
     if kv_only:
         return x, None, layer_input, present_k, present_v
     o = _linear(b, attn, [w.o], [w.o_bias], f"{p}.o")

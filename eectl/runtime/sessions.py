@@ -42,6 +42,7 @@ from eectl.runtime.ort import (
 )
 from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.tables import PackedHeads, load_weight
+from eectl.runtime.wide_check import rows_padded
 
 
 class ArtifactRuntime(GraphCalls):
@@ -54,9 +55,12 @@ class ArtifactRuntime(GraphCalls):
         threads: int | None = None,
         verify: bool = True,
         lazy_segments: bool = False,
+        pad_rows: bool | None = None,
     ) -> None:
         """lazy_segments: create no segment session until load_segment(i) (a big model's export validates one
-        segment at a time, so its peak memory is the torch model plus one segment, not plus the whole artifact)."""
+        segment at a time, so its peak memory is the torch model plus one segment, not plus the whole artifact).
+        pad_rows: padded segments (export --exact-wide) pad every MatMul's rows (True) or attention only (False);
+        None: rows only where this CPU computes one row otherwise than two (runtime/wide_check.py `rows_padded`)."""
         self.folder = Path(folder)
         self.manifest: Manifest = read_manifest(self.folder, verify_hashes=verify)
         m = self.manifest
@@ -65,7 +69,9 @@ class ArtifactRuntime(GraphCalls):
         self.np_dtype = np.float16 if m.dtype == "fp16" else np.float32
         ep = PROVIDERS[self.provider]
         self.device = ep.device
-        so = session_options(threads)
+        self.pad_rows = rows_padded(m, pad_rows)
+        self._pad_value: Any = None
+        so = self.segment_options(session_options(threads))
 
         def session(io: GraphIO, options: Any = so, providers: Sequence[str] = ep.ort_providers) -> Any:
             """options/providers: a segment's own (runtime/tiers.py: mapped weights, placement)."""
@@ -118,6 +124,16 @@ class ArtifactRuntime(GraphCalls):
         self.exit_scores: dict[int, np.ndarray] = {}
 
     # --- setup ---------------------------------------------------------------------------------------------------
+    def segment_options(self, so: Any) -> Any:
+        """Session options `so` with the padded segments' switch (manifest `kv.pad_switch`) set to attention only
+        where this runtime does not pad rows (`pad_rows`); graphs without the initializer ignore it."""
+        switch = self.manifest.kv.pad_switch
+        if switch and self.manifest.kv.pad and not self.pad_rows:
+            if self._pad_value is None:  # ORT reads it at each session's creation: kept while the runtime lives
+                self._pad_value = _ort().OrtValue.ortvalue_from_numpy(np.zeros(1, dtype=np.int64))
+            so.add_initializer(switch, self._pad_value)
+        return so
+
     def load_segment(self, index: int) -> None:
         """Create segment `index`'s sessions (its graph, its K/V-only graph, its river copy) if not loaded."""
         for g in self._segment_graphs(index):

@@ -335,7 +335,7 @@ class WeightTiers:
     def _load(self, seg: SegmentWeights) -> None:
         """Create segment `seg`'s sessions (graph, K/V-only graph, river copy) on its provider, mapped if asked."""
         rt = self.rt
-        so = session_options(rt.threads)
+        so = rt.segment_options(session_options(rt.threads))
         mapped = self.mapped or seg.slow
         if mapped:
             so.add_session_config_entry("session.disable_prepacking", "1")
