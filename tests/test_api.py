@@ -191,3 +191,44 @@ def test_a_batch_runs_full_depth_where_the_plan_prices_one_row(artifact):
     finally:
         for e in engines:
             e.stop()
+
+
+def test_max_prefills_seats_new_requests_one_a_step_with_the_same_tokens(artifact):
+    """`max_prefills=1`: requests arriving together are seated one per step (each one's first token a step after
+    the previous one's), not all in the first step; every answer is the same either way."""
+    from eectl.run.engine import Engine, Job
+    from eectl.run.generate import RunOptions
+    from eectl.runtime.sessions import ArtifactRuntime
+
+    rt = ArtifactRuntime(artifact, provider="cpu")
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
+    firsts: dict[int | None, list[int]] = {}
+    answers = {}
+    for admit in (None, 1):
+        engine = Engine(rt, RunOptions(exits="none"), slots=4, admit=admit)
+        seen: dict[int, int] = {}
+        done = threading.Semaphore(0)
+        gens: dict[int, list[int]] = {}
+
+        def step(i: int, confirmed: list[int], seen=seen, engine=engine) -> None:
+            seen.setdefault(i, engine.steps)  # the steps taken before this one: its first token's step
+
+        def end(i: int, gen, error, gens=gens, done=done) -> None:
+            gens[i] = gen.token_ids
+            done.release()
+
+        jobs = [
+            Job(p, 6, on_step=lambda c, i=i: step(i, c), on_done=lambda g, e, i=i: end(i, g, e))
+            for i, p in enumerate(prompts)
+        ]
+        with engine._cond:  # all four queued before the worker seats any
+            for job in jobs:
+                engine._pending.append(job)
+            engine._cond.notify_all()
+        for _ in jobs:
+            done.acquire()
+        engine.stop()
+        firsts[admit] = [seen[i] for i in range(len(prompts))]
+        answers[admit] = gens
+    assert firsts[None] == [0, 0, 0, 0] and firsts[1] == [0, 1, 2, 3]
+    assert answers[None] == answers[1] and all(len(t) == 6 for t in answers[1].values())

@@ -290,6 +290,7 @@ def load(
     max_batch: int = 1,
     context: int | None = None,
     max_queue: int = 64,
+    max_prefills: int | None = None,
     warn: Callable[[str], None] | None = None,
     note: Callable[[str], None] | None = None,
     **run_options: Any,
@@ -298,7 +299,8 @@ def load(
     (exits, policy, thresholds, signal, max_new_tokens, temperature, top_p, seed, raw, provider, threads, ...):
     max_new_tokens, temperature and top_p are the calls' defaults. `max_batch`: requests decoded together (from
     several threads or a server); `context`: positions per request (prompt + answer; default min(2048, the
-    model's)); `max_queue`: requests waiting for a slot before `QueueFull`. `warn`/`note`: where the run's warnings
+    model's)); `max_queue`: requests waiting for a slot before `QueueFull`; `max_prefills`: new requests seated per
+    step while others decode (None: every free slot; run/engine.py `Engine`). `warn`/`note`: where the run's warnings
     and the plan's line go (nowhere by default)."""
     from eectl.runtime.ort import init_ort
 
@@ -309,5 +311,6 @@ def load(
     run_options["threads"] = init_ort(run_options.get("threads"))  # one pool per process (the CLI's set_threads)
     opts = RunOptions(**run_options)
     check_options(opts)
-    engine_args = {"slots": max_batch, "context": context or DEFAULT_CONTEXT, "queue": max_queue}
+    engine_args: dict[str, Any] = {"slots": max_batch, "context": context or DEFAULT_CONTEXT, "queue": max_queue}
+    engine_args["admit"] = max_prefills
     return Model(artifact, opts, engine_args, warn=warn, note=note)

@@ -52,6 +52,14 @@ ContextOpt = Annotated[
         rich_help_panel="Server",
     ),
 ]
+MaxPrefillsOpt = Annotated[
+    int,
+    typer.Option(
+        help="New requests whose prompts are prefilled per step while others decode (the first ones get their first "
+        "token sooner); 0: every free slot at once.",
+        rich_help_panel="Server",
+    ),
+]
 NameOpt = Annotated[
     str | None,
     typer.Option(
@@ -80,6 +88,7 @@ def serve(
     max_batch: MaxBatchOpt = 4,
     max_queue: MaxQueueOpt = 64,
     context: ContextOpt = None,
+    max_prefills: MaxPrefillsOpt = 1,
     name: NameOpt = None,
     exits: ExitsOpt = None,
     policy: PolicyOpt = None,
@@ -109,6 +118,8 @@ def serve(
     out = Output(False)
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {port}")
+    if max_prefills < 0:
+        raise UsageError(f"--max-prefills must be >= 0, got {max_prefills}")
     if context is not None and context < 2:
         raise UsageError(f"--context must be >= 2, got {context}")
     r = load_recipe(recipe)
@@ -119,6 +130,7 @@ def serve(
         max_batch=max_batch,
         max_queue=max_queue,
         context=context,
+        max_prefills=max_prefills or None,
         warn=out.warn,
         note=out.log,
         exits=exits,
