@@ -84,6 +84,15 @@ Int4KeepLayersOpt = Annotated[
     str | None,
     typer.Option(help="int4: decoder layers left in fp32, e.g. 0,29 (default: the recipe's).", rich_help_panel="int4"),
 ]
+Int4FromOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--int4-from",
+        help="int4: where the weights come from: gguf (the GGUF's own 4-bit blocks, exactly), ort (ONNX Runtime "
+        "re-quantizes the fp32 weights) or auto (gguf for a GGUF with 4-bit blocks; default: the recipe's, else auto).",
+        rich_help_panel="int4",
+    ),
+]
 LmHeadOpt = Annotated[
     str | None,
     typer.Option(
@@ -126,6 +135,7 @@ def export(
     int4_accuracy_level: Int4AccuracyLevelOpt = None,
     int4_algorithm: Int4AlgorithmOpt = None,
     int4_keep_layers: Int4KeepLayersOpt = None,
+    int4_from: Int4FromOpt = None,
     lm_head: LmHeadOpt = None,
     min_agreement: MinAgreementOpt = DEFAULT_MIN_AGREEMENT,
     exact_wide: ExactWideOpt = None,
@@ -146,6 +156,7 @@ def export(
         "algorithm": int4_algorithm,
         "lm_head": lm_head,
         "keep_layers": None if keep is None else tuple(sorted(set(keep))),
+        "source": int4_from,
     }
     out_ = Output(json_out)
     r = load_recipe(recipe)
@@ -177,6 +188,7 @@ INT4_FLAGS = {
     "algorithm": "--int4-algorithm",
     "keep_layers": "--int4-keep-layers",
     "lm_head": "--lm-head",
+    "source": "--int4-from",
     "min_agreement": "--min-agreement",
 }
 
@@ -207,6 +219,12 @@ def print_export(out: Output, done: ExportResult) -> None:
             for k, d in v.get("max_abs_logit_diff", {}).items()
         ],
     )
+    if w := v.get("int4_weights"):
+        out.line(
+            f"int4 weights: the GGUF's own blocks ({', '.join(f'{n} {t}' for t, n in w['gguf_types'].items())}), "
+            f"largest difference from its dequantized weights {w['max_abs_weight_diff']:.3g}"
+            + (f"; kept fp32: {w['not_held']}" if w["not_held"] else "")
+        )
     for part in (v, v.get("river") or {}):
         if "greedy_agreement" in part:
             agree = part["greedy_agreement"][str(manifest.num_layers)]

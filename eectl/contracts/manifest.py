@@ -110,6 +110,12 @@ class Quantization(_M):
     exit_lm_heads: str  # precision of the intermediate exits' LM head (the shared table)
     keep_layers: list[int]  # decoder layers left in fp32
     min_agreement: float  # the validation floor on greedy agreement with PyTorch at the final exit
+    # where the segments' int4 weights came from: "ort" (ORT's quantizer over the fp32 weights) or "gguf" (the GGUF
+    # file's own blocks, models/gguf_blocks.py: algorithm "gguf", block_size then the int4 one, 32); artifacts
+    # exported before it are "ort"
+    source: Literal["ort", "gguf"] = "ort"
+    gguf_types: dict[str, int] | None = None  # source gguf: the file's projection tensors by type, counted
+    gguf_not_held: dict[str, int] | None = None  # ... and those of types left fp32 in the graphs (not held exactly)
 
 
 # The shared table key of the LM head stored row-major, [V, H] (beside `lm_head`, stored [H, V] for the full

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,10 +48,11 @@ from eectl.export.candidate_graphs import build_candidates
 from eectl.export.certified_head import build_certified_head, certifiable
 from eectl.export.exit_graphs import build_exit
 from eectl.export.graphs import DTYPES, OPSET, PAD_ROWS, build_embedding, build_segment, save_graph
-from eectl.export.quantize import Int4Options, quantize_graph, quantize_lm_head
+from eectl.export.quantize import Int4Options, gguf_graph, quantize_graph, quantize_lm_head
 from eectl.export.validation import validate_artifact
 from eectl.files import STAGING_MARKER, locked_staging, output_error, sha256_file
 from eectl.models.adapters import Adapter
+from eectl.models.gguf_blocks import GgufProjections
 from eectl.models.loading import LoadedModel
 from eectl.output_checks import nearest_existing
 from eectl.runtime.policies import POLICIES
@@ -192,6 +193,11 @@ def export_artifact(
     if options.river and not exits:
         raise UsageError("--river needs at least one exit (the river starts after the first one)")
     options.int4.check(L)
+    gguf, weights_check = None, None
+    if options.weights == "int4":  # where the int4 weights come from, decided for this model (auto: gguf or ort)
+        options = replace(options, int4=options.int4.resolved(loaded.source))
+        if options.int4.source == "gguf":
+            gguf, weights_check = read_gguf_blocks(loaded, log)
     if calibration is not None:
         if calibration.model.sha256 != loaded.source.sha256:
             raise UsageError("the calibration was made for another model (its model hash differs)")
@@ -206,13 +212,15 @@ def export_artifact(
         check_destination(out, options.force)  # again, now that no other eectl export can write it
         tmp = staging.folder
         try:
-            manifest = _write_artifact(loaded, tmp, exits, options, heads, heads_meta, calibration, log)
+            manifest = _write_artifact(loaded, tmp, exits, options, heads, heads_meta, calibration, log, gguf)
             if options.validate:
                 if log is not None:
                     log.log("validating the graphs against PyTorch (prefill + 16 greedy decode steps, every exit)")
                 manifest.validation = validate_artifact(loaded, tmp, heads, log=log)
                 if options.river:
                     manifest.validation["river"] = validate_artifact(loaded, tmp, heads, log=log, river=True)
+            if weights_check is not None:  # the graphs' int4 weights against the file's dequantized ones
+                manifest.validation["int4_weights"] = weights_check
             write_manifest(manifest, tmp)
             if options.profile_costs:
                 if log is not None:
@@ -229,6 +237,32 @@ def export_artifact(
         check_destination(out, options.force)  # and at the rename: something may have appeared meanwhile
         staging.publish(replace=lambda dest: options.force and not dest.is_symlink() and is_artifact(dest))
     return manifest
+
+
+def read_gguf_blocks(loaded: LoadedModel, log: Any = None) -> tuple[GgufProjections, dict[str, Any]]:
+    """The GGUF's own blocks of the model's projections (models/gguf_blocks.py) and their check against the loaded
+    weights (transformers' dequantization of the same file): equal bit for bit, or the export fails here."""
+    from eectl.models.gguf_blocks import MODULES, gguf_file, read_projections, weight_check
+
+    adapter = loaded.adapter
+    path = gguf_file(loaded.source)
+    assert path is not None  # Int4Options.resolved said gguf
+    if log is not None:
+        log.log(f"int4 weights: the GGUF's own blocks ({path.name}), not re-quantized")
+    proj = read_projections(path, adapter.dims.num_heads, adapter.dims.num_kv_heads)
+
+    def weight(layer: int, name: str) -> np.ndarray:
+        parent, child = MODULES[name]
+        return getattr(getattr(adapter.layers[layer], parent), child).weight.detach().float().cpu().numpy()
+
+    check = weight_check(proj, weight)
+    if check["tensors_not_bit_equal"]:
+        raise ModelLoadError(
+            f"the GGUF's blocks of {path.name} differ from the loaded model's weights in "
+            f"{check['tensors_not_bit_equal']} tensors (largest difference {check['max_abs_weight_diff']:.3g})",
+            hint="export with --int4-from ort (the file's tensors map otherwise than eectl reads them)",
+        )
+    return proj, check
 
 
 def candidate_source(
@@ -282,6 +316,7 @@ def _write_artifact(
     heads_meta: HeadsMeta | None,
     calibration: Calibration | None,
     log: Any,
+    gguf: GgufProjections | None = None,
 ) -> Manifest:
     adapter = loaded.adapter
     dims = adapter.dims
@@ -290,7 +325,7 @@ def _write_artifact(
     quantized = options.weights == "int4"
     lm, shared, tied = _write_shared_weights(adapter, folder, options.dtype)
     embedding = _save(folder, options, *build_embedding(adapter, options.dtype, transposed=tied))
-    segments = _write_segments(adapter, folder, exits, options, max_pos, log)
+    segments = _write_segments(adapter, folder, exits, options, max_pos, log, gguf)
     source, source_info = candidate_source(adapter, options.candidates, calibration)
     exit_points = _write_exits(adapter, folder, exits, options, heads, heads_meta, source, lm, max_pos)
     loaded.tokenizer.save_pretrained(str(folder / "tokenizer"))  # type: ignore[attr-defined]
@@ -325,7 +360,7 @@ def _write_artifact(
         candidate_source=source_info,
         quantization=None
         if not (quantized or options.river)
-        else Quantization(**options.int4.record("segments" if quantized else "river")),
+        else Quantization(**options.int4.record("segments" if quantized else "river", gguf)),
         heads=heads_meta,
     )
     manifest.files = {
@@ -337,9 +372,19 @@ def _write_artifact(
     return manifest
 
 
-def _save(folder: Path, options: ExportOptions, model: onnx.ModelProto, io: GraphIO, int4: bool = False) -> GraphIO:
-    # quantized first (MatMulNBits' packed weights), then saved with its weights as external data
-    return save_graph(quantize_graph(model, options.int4) if int4 else model, io, folder)
+def _save(
+    folder: Path,
+    options: ExportOptions,
+    model: onnx.ModelProto,
+    io: GraphIO,
+    int4: bool = False,
+    gguf: GgufProjections | None = None,
+) -> GraphIO:
+    # quantized first (MatMulNBits' packed weights: ORT's quantizer, or the GGUF's own blocks), then saved with its
+    # weights as external data
+    if int4:
+        model = quantize_graph(model, options.int4) if gguf is None else gguf_graph(model, gguf, options.int4)
+    return save_graph(model, io, folder)
 
 
 def _write_shared_weights(
@@ -372,7 +417,13 @@ def _write_shared_weights(
 
 
 def _write_segments(
-    adapter: Adapter, folder: Path, exits: list[int], options: ExportOptions, max_pos: int, log: Any
+    adapter: Adapter,
+    folder: Path,
+    exits: list[int],
+    options: ExportOptions,
+    max_pos: int,
+    log: Any,
+    gguf: GgufProjections | None = None,
 ) -> list[Segment]:
     """One segment graph (plus its K/V-only twin, and with --river an int4 copy after the first exit) per cut."""
     quantized = options.weights == "int4"
@@ -387,9 +438,9 @@ def _write_segments(
             # quantized before the fp32 graph is saved: saving moves a model's weights out of it (external data)
             river_io = seg_io.model_copy(update={"file": f"river_{lo:03d}_{hi:03d}.onnx"})
             river = _save(folder, options, seg_model, river_io, int4=True)
-        graph = _save(folder, options, seg_model, seg_io, quantized)
+        graph = _save(folder, options, seg_model, seg_io, quantized, gguf)
         kv_model, kv_io = build_segment(adapter, lo, hi, options.dtype, max_pos, kv_only=True)
-        kv_graph = _save(folder, options, kv_model, kv_io, int4=quantized)
+        kv_graph = _save(folder, options, kv_model, kv_io, int4=quantized, gguf=gguf)
         segments.append(Segment(index=idx, layers=(lo, hi), graph=graph, kv_graph=kv_graph, river=river))
     return segments
 

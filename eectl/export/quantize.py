@@ -15,13 +15,25 @@ What stays in higher precision, and why:
   intermediate exits);
 - decoder layers listed in `keep_layers` (their MatMuls are excluded from the quantizer).
 
+From a GGUF with 4-bit blocks (`--int4-from gguf`, the default `auto` picks it for such a file), the segments'
+projections are instead the file's own blocks (models/gguf_blocks.py): `gguf_graph` replaces each projection MatMul
+with MatMulNBits nodes whose weights dequantize to the file's values bit for bit, plus, for types with a per-block
+min (Q4_1, Q4_K), llama.cpp's min term:
+
+    x [.., K] --> MatMulNBits(x; q, scale, zero point) --> (Concat of the groups) --> Add --> y
+             |                                                            |
+             +--> Reshape [.., K/32, 32] -> ReduceSum -> MatMul(mins [K/32, N])
+
+(a float zero point would hold the min in the operator itself, but ORT 1.31's CPU kernel then dequantizes B on every
+call: 5.6 ms against 0.13-0.16 ms for a 576 x 1536 product, 2 threads).
+
 What this module does not do: build graphs (export/exporter.py), or write a quantizer of its own (ORT's is the real
-one).
+one), or read GGUF blocks (models/gguf_blocks.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,9 +43,16 @@ from eectl.errors import UsageError
 if TYPE_CHECKING:  # onnx is imported where graphs are touched: the CLI imports this module for its defaults
     import onnx
 
+    from eectl.models.gguf_blocks import GgufProjections, NBitsWeight
+    from eectl.models.loading import ModelSource
+
 ALGORITHMS = ("rtn", "hqq")  # ORT's DefaultWeightOnlyQuantConfig (round to nearest, per block) and HQQ
 LM_HEAD_PRECISIONS = ("fp32", "int8", "int4")
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+# where int4 weights come from: auto (the GGUF's own blocks where the model is a GGUF with 4-bit blocks and no ORT
+# quantizer setting is given, else ORT's quantizer), gguf (the file's blocks, models/gguf_blocks.py) or ort (ORT's
+# quantizer over the fp32 weights, --int4-algorithm)
+INT4_SOURCES = ("auto", "gguf", "ort")
 # Greedy agreement with PyTorch (teacher-forced, final exit) below which an int4 export fails. A floor against broken
 # graphs (random tokens agree on ~1/V), not a quality target: small models lose a lot to int4 (SmolLM2-135M, whose
 # source is a Q4_1 GGUF re-quantized here: 71% at block 32); raise it for models where int4 is known to hold up.
@@ -49,6 +68,7 @@ class Int4Options:
     lm_head: str = "fp32"  # the final exit's LM head: fp32 (shared table), int8 or int4 (own constant copy)
     keep_layers: tuple[int, ...] = ()  # decoder layers whose MatMuls stay fp32
     min_agreement: float = DEFAULT_MIN_AGREEMENT  # validation floor on greedy agreement at the final exit
+    source: str = "auto"  # INT4_SOURCES: where the segments' int4 weights come from (--int4-from)
 
     def check(self, num_layers: int | None) -> Int4Options:
         """Every value in range; the kept layers against `num_layers` when it is known (None: before the model
@@ -69,22 +89,51 @@ class Int4Options:
             raise UsageError(f"--int4-keep-layers {bad} are outside 0..{num_layers - 1}")
         if self.algorithm == "hqq" and self.symmetric:
             raise UsageError("--int4-algorithm hqq is asymmetric (zero points per block); drop --int4-symmetric")
+        if self.source not in INT4_SOURCES:
+            raise UsageError(f"--int4-from must be one of {', '.join(INT4_SOURCES)}, got '{self.source}'")
+        if self.source == "gguf" and (quantizer := self.quantizer_settings()):
+            raise UsageError(
+                f"{quantizer[0]} shapes ORT's re-quantization; --int4-from gguf holds the file's own blocks",
+                hint="drop it, or pass --int4-from ort",
+            )
         if not 0.0 <= self.min_agreement <= 1.0:
             raise UsageError(f"--min-agreement must be in [0, 1], got {self.min_agreement}")
         return self
 
-    def record(self, scope: str) -> dict[str, Any]:
+    def quantizer_settings(self) -> list[str]:
+        """The flags of ORT's quantizer set away from their defaults (they mean nothing for the GGUF's blocks)."""
+        from eectl.models.gguf_blocks import quantizer_flags
+
+        return quantizer_flags(self)
+
+    def resolved(self, model: ModelSource) -> Int4Options:
+        """These options with `source` decided, gguf or ort, for the model loaded from `model`
+        (models/gguf_blocks.py int4_source: auto takes a GGUF's own 4-bit blocks)."""
+        from eectl.models.gguf_blocks import int4_source
+
+        return replace(self, source=int4_source(self, model))
+
+    def record(self, scope: str, gguf: GgufProjections | None = None) -> dict[str, Any]:
         """What the manifest's `quantization` field holds (manifest.Quantization)."""
         import onnxruntime
 
         d = asdict(self)
         d["keep_layers"] = list(self.keep_layers)
+        tool = f"onnxruntime.quantization.matmul_nbits_quantizer {onnxruntime.__version__}"
+        extra: dict[str, Any] = {}
+        if gguf is not None and scope == "segments":
+            d.update(algorithm="gguf", symmetric=False)
+            tool = f"eectl.models.gguf_blocks (the file's own blocks: {gguf.path.name})"
+            extra = gguf.record()
+        else:
+            d["source"] = "ort"
         return {
             **d,
+            **extra,
             "scope": scope,
             "bits": 4,
             "op": "com.microsoft::MatMulNBits",
-            "tool": f"onnxruntime.quantization.matmul_nbits_quantizer {onnxruntime.__version__}",
+            "tool": tool,
             "embedding": "fp32",
             "exit_lm_heads": "fp32",
         }
@@ -135,6 +184,98 @@ def quantize_graph(model: onnx.ModelProto, opts: Int4Options, bits: int = 4) -> 
             if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
                 node.attribute.append(onnx.helper.make_attribute("accuracy_level", opts.accuracy_level))
     return out
+
+
+def gguf_graph(model: onnx.ModelProto, gguf: GgufProjections, opts: Int4Options) -> onnx.ModelProto:
+    """A copy of `model` with each decoder projection MatMul (initializer `layers.{i}.{qkv,o,gate_up,down}`) whose
+    GGUF tensors are held (models/gguf_blocks.py HELD) replaced by MatMulNBits on the file's own blocks, plus the
+    min term where the blocks have one; the layers in `opts.keep_layers`, and projections of other types, stay
+    fp32 MatMuls of the (dequantized) weights."""
+    import onnx
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    wanted: dict[str, list[NBitsWeight]] = {
+        f"layers.{layer}.{name}": parts for (layer, name), parts in gguf.fused.items() if layer not in opts.keep_layers
+    }
+    used = set()
+    nodes: list[onnx.NodeProto] = []
+    new_inits: list[onnx.TensorProto] = []
+    for node in m.graph.node:
+        weight = node.input[1] if node.op_type == "MatMul" and len(node.input) > 1 else ""
+        if weight not in wanted:
+            nodes.append(node)
+            continue
+        used.add(weight)
+        made, inits = _nbits_nodes(node.input[0], node.output[0], weight, wanted[weight], opts.accuracy_level)
+        nodes.extend(made)
+        new_inits.extend(inits)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    keep = [t for t in m.graph.initializer if t.name not in used]
+    del m.graph.initializer[:]
+    m.graph.initializer.extend([*keep, *new_inits])
+    return m
+
+
+def _nbits_nodes(
+    x: str, y: str, name: str, parts: list[NBitsWeight], accuracy_level: int
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """x @ W as MatMulNBits groups (concatenated along N) + BlockSum_32(x) @ mins: the nodes and initializers."""
+    from onnx import helper, numpy_helper
+
+    from eectl.models.gguf_blocks import MIN_BLOCK
+
+    nodes, inits, outs = [], [], []
+    K = parts[0].K
+    N = sum(p.N for p in parts)
+    mins = [p for p in parts if p.mins is not None]
+    for g, p in enumerate(parts):
+        stem = f"{name}.nbits{g}"
+        inits += [
+            numpy_helper.from_array(p.packed(), f"{stem}.B"),
+            numpy_helper.from_array(np.ascontiguousarray(p.scales.reshape(-1)), f"{stem}.scales"),
+            numpy_helper.from_array(p.packed_zero_points(), f"{stem}.zero_points"),
+        ]
+        out = y if len(parts) == 1 and not mins else f"{stem}.y"
+        nodes.append(
+            helper.make_node(
+                "MatMulNBits",
+                [x, f"{stem}.B", f"{stem}.scales", f"{stem}.zero_points"],
+                [out],
+                name=f"{stem}.matmul",
+                domain="com.microsoft",
+                K=K,
+                N=p.N,
+                bits=p.bits,
+                block_size=p.block,
+                accuracy_level=accuracy_level,
+            )
+        )
+        outs.append(out)
+    if len(parts) > 1:
+        joined = y if not mins else f"{name}.nbits.y"
+        nodes.append(helper.make_node("Concat", outs, [joined], name=f"{name}.concat", axis=-1))
+        outs = [joined]
+    if mins:
+        table = np.concatenate(
+            [p.mins if p.mins is not None else np.zeros((K // MIN_BLOCK, p.N), np.float32) for p in parts], axis=1
+        )
+        assert table.shape == (K // MIN_BLOCK, N)
+        inits += [
+            numpy_helper.from_array(np.ascontiguousarray(table), f"{name}.mins"),
+            numpy_helper.from_array(np.array([0, 0, K // MIN_BLOCK, MIN_BLOCK], np.int64), f"{name}.blocks"),
+            numpy_helper.from_array(np.array([-1], np.int64), f"{name}.last_axis"),
+        ]
+        nodes += [
+            helper.make_node("Reshape", [x, f"{name}.blocks"], [f"{name}.xb"], name=f"{name}.reshape"),  # [B,S,K/32,32]
+            helper.make_node(
+                "ReduceSum", [f"{name}.xb", f"{name}.last_axis"], [f"{name}.xs"], name=f"{name}.blocksum", keepdims=0
+            ),  # [B, S, K/32]
+            helper.make_node("MatMul", [f"{name}.xs", f"{name}.mins"], [f"{name}.ym"], name=f"{name}.min_term"),
+            helper.make_node("Add", [outs[0], f"{name}.ym"], [y], name=f"{name}.add_mins"),
+        ]
+    return nodes, inits
 
 
 def quantize_lm_head(

@@ -72,6 +72,8 @@ class Int4Settings(Protocol):
     @property
     def accuracy_level(self) -> int: ...  # 4: int8 activations (Int8Activations); 0-3: float inputs
 
+    # also read where present: `source` (auto | gguf | ort; absent: ort): the GGUF's own blocks (to_gguf_twin)
+
 
 @torch.no_grad()
 def to_int4_twin(loaded: LoadedModel, settings: Int4Settings) -> LoadedModel:
@@ -85,7 +87,7 @@ def to_int4_twin(loaded: LoadedModel, settings: Int4Settings) -> LoadedModel:
     """
     adapter = loaded.adapter
     L = adapter.num_layers
-    if settings.algorithm not in ("rtn", "hqq"):
+    if settings.algorithm not in ("rtn", "hqq") and getattr(settings, "source", "ort") != "gguf":
         raise UsageError(f"the int4 twin quantizes with rtn or hqq, got '{settings.algorithm}'")
     if settings.lm_head not in ("fp32", *_LM_HEAD_BITS):
         raise UsageError(f"the int4 twin's LM head is fp32, int8 or int4, got '{settings.lm_head}'")
@@ -97,7 +99,29 @@ def to_int4_twin(loaded: LoadedModel, settings: Int4Settings) -> LoadedModel:
             hint="load the model in float32 and make the twin before any cast or move",
         )
     int8_inputs = getattr(settings, "accuracy_level", 0) == INT8_LEVEL
-    for i in range(L):
+    from eectl.models.gguf_blocks import int4_source
+
+    if int4_source(settings, loaded.source) == "gguf":
+        to_gguf_twin(loaded, settings)
+    else:
+        _ort_layers(loaded, settings, int8_inputs)
+    if settings.lm_head != "fp32":
+        head = adapter.lm_head
+        table = head.weight.T.cpu().numpy()  # [H, V], as export's final exit graph holds it
+        # export quantizes the head with RTN whatever the layers' algorithm (export/quantize.py quantize_lm_head)
+        table_q = ort_int4_dequantized(table, settings, bits=_LM_HEAD_BITS[settings.lm_head], algorithm="rtn")
+        # a new parameter, not a copy into the old one: a tied embedding keeps the fp32 table
+        weight = torch.from_numpy(np.ascontiguousarray(table_q.T)).to(head.weight.device)
+        head.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if int8_inputs:  # export's head node carries the same accuracy level
+            head.register_forward_pre_hook(Int8Activations(settings.block_size))
+    return loaded
+
+
+def _ort_layers(loaded: LoadedModel, settings: Int4Settings, int8_inputs: bool) -> None:
+    """The decoder projections as ORT's quantizer makes them (export --int4-from ort)."""
+    adapter = loaded.adapter
+    for i in range(adapter.num_layers):
         if i in settings.keep_layers:
             continue
         layer = adapter.layers[i]
@@ -112,17 +136,76 @@ def to_int4_twin(loaded: LoadedModel, settings: Int4Settings) -> LoadedModel:
                 start += out
                 if int8_inputs:
                     lin.register_forward_pre_hook(Int8Activations(settings.block_size))
-    if settings.lm_head != "fp32":
-        head = adapter.lm_head
-        table = head.weight.T.cpu().numpy()  # [H, V], as export's final exit graph holds it
-        # export quantizes the head with RTN whatever the layers' algorithm (export/quantize.py quantize_lm_head)
-        table_q = ort_int4_dequantized(table, settings, bits=_LM_HEAD_BITS[settings.lm_head], algorithm="rtn")
-        # a new parameter, not a copy into the old one: a tied embedding keeps the fp32 table
-        weight = torch.from_numpy(np.ascontiguousarray(table_q.T)).to(head.weight.device)
-        head.weight = torch.nn.Parameter(weight, requires_grad=False)
-        if int8_inputs:  # export's head node carries the same accuracy level
-            head.register_forward_pre_hook(Int8Activations(settings.block_size))
-    return loaded
+
+
+def to_gguf_twin(loaded: LoadedModel, settings: Int4Settings) -> dict[str, Any]:
+    """The decoder projections as export --int4-from gguf runs them (models/gguf_blocks.py): the weights stay the
+    loaded ones, which are the file's dequantized blocks (checked bit for bit: a mismatch is a mapping bug and
+    fails); where a block has a min, the Linear's weight becomes MatMulNBits' part (q - zero point) * scale and a
+    forward hook adds the min term BlockSum_32(x) @ mins in float32 (`BlockMins`), on the unquantized input as the
+    graph computes it; at accuracy level 4 the MatMulNBits part's input is quantized to int8 per block of the
+    tensor's own block size (32, or 16 for Q6_K). Projections of types not held, and the kept layers, stay fp32.
+    Returns the weight check (gguf_blocks.weight_check)."""
+    from eectl.models.gguf_blocks import MODULES, gguf_file, read_projections, weight_check
+
+    adapter = loaded.adapter
+    path = gguf_file(loaded.source)
+    assert path is not None  # int4_source said gguf
+    dims = adapter.dims
+    proj = read_projections(path, dims.num_heads, dims.num_kv_heads)
+
+    def linear(layer: int, name: str) -> torch.nn.Linear:
+        parent, child = MODULES[name]
+        lin: torch.nn.Linear = getattr(getattr(adapter.layers[layer], parent), child)
+        return lin
+
+    check = weight_check(proj, lambda layer, name: linear(layer, name).weight.detach().cpu().numpy())
+    if check["tensors_not_bit_equal"]:
+        raise UsageError(
+            f"the GGUF's blocks of {proj.path.name} differ from the loaded model's weights in "
+            f"{check['tensors_not_bit_equal']} tensors (largest difference {check['max_abs_weight_diff']:.3g})",
+            hint="pass --int4-from ort (and report the model: its tensors map otherwise than eectl reads them)",
+        )
+    level4 = getattr(settings, "accuracy_level", 0) == INT8_LEVEL
+    for (layer, name), w in proj.parts.items():
+        if layer in settings.keep_layers:
+            continue
+        lin = linear(layer, name)
+        mins = None
+        if w.mins is not None:
+            lin.weight.copy_(torch.from_numpy(w.matmulnbits_part().T))
+            mins = torch.from_numpy(w.mins).to(lin.weight.device)
+        if mins is not None or level4:
+            hook = BlockMins(mins, w.block if level4 else None)
+            lin.register_forward_pre_hook(hook.before)
+            if mins is not None:
+                lin.register_forward_hook(hook.after)
+    return check
+
+
+class BlockMins:
+    """A Linear's hooks for a GGUF tensor with per-block mins: `before` keeps the input and (int8_block: the level
+    4 kernel's) quantizes it as MatMulNBits does; `after` adds BlockSum_32(input) @ mins [K/32, N] to the output,
+    the graph's min term (export/quantize.py gguf_graph). The input is kept between the two calls of one forward."""
+
+    def __init__(self, mins: torch.Tensor | None, int8_block: int | None) -> None:
+        self.mins = mins
+        self.int8_block = int8_block
+        self._x: torch.Tensor | None = None
+
+    def before(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        x = args[0]
+        if self.mins is not None:
+            self._x = x
+        if self.int8_block is None:
+            return None
+        return (int8_blocks(x, self.int8_block), *args[1:])
+
+    def after(self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+        x, self._x = self._x, None
+        assert x is not None and self.mins is not None
+        sums = x.reshape(*x.shape[:-1], -1, 32).sum(dim=-1)  # [..., K/32]
+        return output + sums @ self.mins
 
 
 INT8_LEVEL = 4  # MatMulNBits' accuracy level whose kernel quantizes its input to int8 (CompInt8)
