@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -151,15 +151,15 @@ def serve(
         weights=weight_options(mmap_weights, memory_budget, place),
         exact_head=exact_head,
     )
-    config = model.config
-    ran = f"{config['policy']} at exits {config['exits']}" if config["exits"] else "full depth"
-    rt = model.runtime
-
-    def ready(url: str) -> None:
-        out.log(
-            f"serving {name or model.name} at {url} ({ran}, batch of up to {max_batch}, {rt.provider}, "
-            f"{rt.threads} threads); SIGTERM or Ctrl-C stops it"
-        )
-
-    run_server(model, host, port, name, on_ready=ready)
+    run_server(model, host, port, name, on_ready=lambda url: out.log(_serving(model, name, url, max_batch)))
     out.log("stopped")
+
+
+def _serving(model: Any, name: str | None, url: str, max_batch: int) -> str:
+    """The line the server logs once it listens."""
+    config, rt = model.config, model.runtime
+    ran = f"{config['policy']} at exits {config['exits']}" if config["exits"] else "full depth"
+    return (
+        f"serving {name or model.name} at {url} ({ran}, batch of up to {max_batch}, {rt.provider}, {rt.threads} "
+        "threads); SIGTERM or Ctrl-C stops it"
+    )
