@@ -366,3 +366,22 @@ def test_calibration_files_and_heads_metadata_are_read_strictly_too(llama, tmp_p
     (art / MANIFEST).symlink_to(tmp_path / "elsewhere.json")
     (tmp_path / "elsewhere.json").write_text('{"schema_version": 3, "eectl_version": "0.1.0"}')
     assert not is_artifact(art)
+
+
+def test_a_manifest_dtype_that_is_not_the_graphs_is_refused_at_load(artifact, tmp_path):
+    """`dtype: fp16` with its shared weights converted and rehashed, on fp32 graphs: the runner allocated float16
+    states for graphs that take float32 (ONNX Runtime's error mid-run); now the graphs' declared state types are
+    checked against it where their sessions are created, naming the field."""
+    art = _copy(artifact, tmp_path)
+    for rel in ("weights/lm_head.npy", "weights/lm_head_rows.npy"):
+        np.save(art / rel, np.load(art / rel).astype(np.float16))
+        _rehash(art, rel)
+
+    def fp16(doc):
+        doc["dtype"] = "fp16"
+        for w in doc["shared_weights"].values():
+            w["dtype"] = "fp16"
+
+    _edit(art, fp16)
+    line = _one_line(runner.invoke(app, ["run", str(art), "hi", *RUN]), 5)
+    assert "the manifest's dtype is fp16, but the graph embed.onnx declares tensor(float) for its output" in line

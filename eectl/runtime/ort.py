@@ -117,10 +117,27 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def _check_names(io: GraphIO, session: Any, axes: Mapping[str, list[Axis]] | None = None) -> None:
-    """Every input and output name the manifest gives must exist in the graph, and every fixed dimension the graph
-    declares where `axes` (contracts.manifest.graph_axes) expects a manifest field must equal it: both caught at
-    load, naming the field, rather than as ONNX Runtime's error mid-run (the runner sizes its buffers from them)."""
+# the graph io keys that carry states (hidden states, K/V) in the artifact's precision, and ORT's name of each
+STATE_KEYS = (
+    "hidden",
+    "hidden_out",
+    "layer_input",
+    "layer_states",
+    "past_key",
+    "past_value",
+    "present_key",
+    "present_value",
+)
+ORT_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)"}
+
+
+def _check_names(
+    io: GraphIO, session: Any, axes: Mapping[str, list[Axis]] | None = None, dtype: str | None = None
+) -> None:
+    """Every input and output name the manifest gives must exist in the graph, every fixed dimension the graph
+    declares where `axes` (contracts.manifest.graph_axes) expects a manifest field must equal it, and every state
+    (STATE_KEYS) must be of the manifest's `dtype`: caught at load, naming the field, rather than as ONNX Runtime's
+    error mid-run (the runner sizes and types its buffers from them)."""
     # inputs with a default (an initializer, e.g. an exit's decision thresholds) are listed apart by ORT
     inputs = [*session.get_inputs(), *session.get_overridable_initializers()]
     have = {"input": {i.name: i for i in inputs}, "output": {o.name: o for o in session.get_outputs()}}
@@ -129,6 +146,13 @@ def _check_names(io: GraphIO, session: Any, axes: Mapping[str, list[Axis]] | Non
             for name in [value] if isinstance(value, str) else value:
                 if name not in have[kind]:
                     raise ArtifactError(f"the graph {io.file} has no {kind} named {name!r} (the manifest names it)")
+                declared = getattr(have[kind][name], "type", None)
+                if dtype is not None and key in STATE_KEYS and declared != ORT_TYPES[dtype]:
+                    raise ArtifactError(
+                        f"the manifest's dtype is {dtype}, but the graph {io.file} declares {declared} for its "
+                        f"{kind} {name!r}",
+                        hint="the manifest was edited or belongs to other graphs; re-export the artifact",
+                    )
                 shape = list(getattr(have[kind][name], "shape", None) or [])
                 for axis, field_name, want in (axes or {}).get(key, []):
                     got = shape[axis] if -len(shape) <= axis < len(shape) else None

@@ -82,7 +82,7 @@ class ArtifactRuntime(GraphCalls):
                 sess = _ort().InferenceSession(str(path), sess_options=options, providers=list(providers))
             except Exception as exc:  # ORT raises its own pybind types (InvalidProtobuf, Fail, ...) for bad graphs
                 raise ArtifactError(f"cannot load the graph {io.file}: {_first_line(exc)}") from None
-            _check_names(io, sess, graph_axes(m))  # names, and the dimensions the manifest states
+            _check_names(io, sess, graph_axes(m), m.dtype)  # names, the dimensions and dtype the manifest states
             return CheckedSession(sess, io.file)  # its run errors are one line (ArtifactError naming the graph)
 
         def load(io: GraphIO) -> Graph:
