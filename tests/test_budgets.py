@@ -342,3 +342,31 @@ def test_calibrate_continuations_scale_with_their_decode_steps():
     assert CalibrateOptions(exits=[]).gen_share == CALIBRATE_GEN_SHARE  # the size reads calibrate's default
     q, s = BUDGETS["quick"], BUDGETS["standard"]
     assert SIZES["calibrate_gen_steps"](q) == 64 and SIZES["calibrate_gen_steps"](s) == 128
+
+
+def test_the_readme_and_the_default_recipe_give_the_budgets_sizes():
+    """The README's budgets table (state cache, calibration, bench) and the default recipe's comment on the quick
+    budget (profile, state cache, calibration, bench, re-timing) give the sizes BUDGETS holds: issue 63 cut quick's
+    profile and re-timing to keep the main job under 6 minutes, and a stale line would promise a newcomer other
+    sizes."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8").splitlines()
+    for b in BUDGETS.values():
+        row = next(line for line in readme if line.startswith(f"| `{b.name}` |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1:4] == [
+            f"{b.cache_tokens:,}",
+            f"{b.calibrate_tokens:,}",
+            f"{b.bench_prompts} x {b.bench_tokens} x {b.bench_reps}",
+        ], b.name
+    recipe = (root / "recipes" / "smollm2-135m-instruct.yaml").read_text(encoding="utf-8")
+    quick = " ".join(recipe[recipe.index("#   quick") : recipe.index("#   standard")].replace("#", " ").split())
+    q = BUDGETS["quick"]
+    for words in (
+        f"profile {q.profile_tokens:,} tokens",
+        f"state cache {q.cache_tokens:,} tokens",
+        f"calibrate {q.calibrate_tokens:,} tokens",
+        f"bench {q.bench_prompts} prompts x {q.bench_tokens} tokens x {q.bench_reps} reps",
+        f"up to {q.cost_seconds:.0f} s",
+    ):
+        assert words in quick, words
