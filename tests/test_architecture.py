@@ -21,7 +21,7 @@ PACKAGE = ROOT / "eectl"
 LAYERS: list[list[str]] = [
     ["eectl.errors"],
     ["eectl", "eectl.files", "eectl.output"],
-    ["eectl.output_checks"],
+    ["eectl.output_checks", "eectl.stdin"],
     ["eectl.contracts"],
     ["eectl.data", "eectl.cache"],
     ["eectl.models"],

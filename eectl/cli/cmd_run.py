@@ -353,8 +353,9 @@ def _costs_json(m: Any, samples: bool) -> dict[str, Any] | None:
 
 def _prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
     """The prompt argument (- reads stdin as one prompt), or --prompt-file's prompts (- reads one per stdin line)."""
-    from eectl.files import argument_text, read_stdin, text_lines
+    from eectl.files import text_lines
     from eectl.run.generate import read_prompts
+    from eectl.stdin import argument_text, read_stdin
 
     if prompt == "-":
         prompt = read_stdin().strip()  # as from a file: UTF-8 whatever the locale, no byte-order mark
@@ -374,9 +375,9 @@ def _prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
 
 def _chat(out: Output, artifact: str, opts: Any) -> None:
     """The conversation loop of --chat: "> " on stderr before each turn, the reply streamed on stdout."""
-    from eectl.files import read_line, stdin_stream
     from eectl.run.chat import chat
     from eectl.run.generate import check_options
+    from eectl.stdin import read_line, stdin_stream
 
     def read() -> str | None:
         out.err.print("> ", end="")

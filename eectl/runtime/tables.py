@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from eectl.contracts.manifest import GraphIO, SharedWeight, check_weight
+from eectl.contracts.artifact_files import SharedWeight, check_weight
+from eectl.contracts.manifest import GraphIO
 from eectl.errors import ArtifactError
 from eectl.files import confined
 from eectl.runtime.ort import Graph, _ort, session_options
