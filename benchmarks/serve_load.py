@@ -1,0 +1,208 @@
+"""Load on `eectl serve`: throughput, time to first token and per-token latency at 1, 4 and 16 concurrent clients.
+
+    flock /tmp/eectl-heavy.lock timeout 1200 .venv/bin/python benchmarks/serve_load.py ARTIFACT --threads 2 \
+        --clients 1,4,16 --requests 2 --max-tokens 48
+
+Starts `eectl serve ARTIFACT` on 127.0.0.1 (a free port, `--max-batch` the largest client count unless given),
+then for each client count C runs C client threads, each sending `--requests` streamed chat completions one after the
+other (GSM8K questions from --data, in order, each client its own), over the OpenAI API with the `openai` package.
+Per request: the time to its first content chunk (TTFT), the mean time between its later tokens (per-token latency:
+(last chunk - first chunk) / (completion tokens - 1)), and its completion tokens (the usage chunk). Per client count:
+throughput (completion tokens of every request / the wall time of the whole round), p50/p99 of TTFT and per-token
+latency, and throughput against one client's. Bounded: at most `--requests` x C requests a round and `--budget-s`
+seconds in all (a round past it is not started). Localhost only; a peer server (llama.cpp's) is not run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Round:
+    clients: int
+    wall_s: float = 0.0
+    tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    per_token_s: list[float] = field(default_factory=list)
+    errors: int = 0
+
+    def row(self, base: float | None) -> dict[str, float | int | None]:
+        tput = self.tokens / self.wall_s if self.wall_s else 0.0
+        return {
+            "clients": self.clients,
+            "requests": len(self.ttft_s),
+            "errors": self.errors,
+            "tokens": self.tokens,
+            "throughput_tok_s": tput,
+            "vs_one_client": tput / base if base else None,
+            "ttft_p50_ms": _pct(self.ttft_s, 50),
+            "ttft_p99_ms": _pct(self.ttft_s, 99),
+            "per_token_p50_ms": _pct(self.per_token_s, 50),
+            "per_token_p99_ms": _pct(self.per_token_s, 99),
+        }
+
+
+def _pct(xs: list[float], q: int) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return 1000 * s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _questions(path: str, n: int) -> list[str]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            out.append(json.loads(line)["question"])
+            if len(out) == n:
+                break
+    return out
+
+
+def _one(client, question: str, max_tokens: int, rnd: Round, lock: threading.Lock) -> None:
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    try:
+        stream = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or now
+                last = now
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    except Exception as exc:  # a refused or failed request counts as an error, not a measurement
+        print(f"request failed: {exc}", file=sys.stderr)
+        with lock:
+            rnd.errors += 1
+        return
+    with lock:
+        rnd.tokens += tokens
+        if first is not None:
+            rnd.ttft_s.append(first - t0)
+            if tokens > 1 and last is not None:
+                rnd.per_token_s.append((last - first) / (tokens - 1))
+
+
+def run_round(url: str, clients: int, questions: list[str], requests: int, max_tokens: int) -> Round:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    rnd, lock = Round(clients), threading.Lock()
+
+    def work(c: int) -> None:
+        for r in range(requests):
+            _one(client, questions[(c * requests + r) % len(questions)], max_tokens, rnd, lock)
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rnd.wall_s = time.perf_counter() - t0
+    return rnd
+
+
+def start_server(artifact: str, port: int, threads: int, max_batch: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "eectl.cli", "serve", artifact, "--port", str(port), "-t", str(threads)]
+    cmd += ["--max-batch", str(max_batch), "--max-queue", "256", *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                print(f"server: {r.read().decode()}", file=sys.stderr)
+                return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not start")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("artifact")
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client per round")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-batch", type=int, default=None, help="default: the largest client count")
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"))
+    ap.add_argument("--budget-s", type=float, default=900)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--serve-args", default="", help="more `eectl serve` options, e.g. '--policy verify'")
+    a = ap.parse_args()
+    counts = [int(c) for c in a.clients.split(",")]
+    if not (1 <= a.requests <= 64 and all(1 <= c <= 64 for c in counts) and 1 <= a.max_tokens <= 1024):
+        raise SystemExit("bounded: --requests and each client count in 1..64, --max-tokens in 1..1024")
+    questions = _questions(a.data, max(counts) * a.requests)
+    port = _free_port()
+    proc = start_server(a.artifact, port, a.threads, a.max_batch or max(counts), shlex.split(a.serve_args))
+    url = f"http://127.0.0.1:{port}"
+    rounds: list[Round] = []
+    t_start = time.time()
+    try:
+        run_round(url, 1, questions, 1, 8)  # warm-up: the first request's sessions and buffers
+        for c in counts:
+            if time.time() - t_start > a.budget_s:
+                print(f"budget spent: {c} clients not run", file=sys.stderr)
+                break
+            rounds.append(run_round(url, c, questions, a.requests, a.max_tokens))
+            print(f"{c} clients: {rounds[-1].row(None)}", file=sys.stderr)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    base = next((r.tokens / r.wall_s for r in rounds if r.clients == 1 and r.wall_s), None)
+    rows = [r.row(base) for r in rounds]
+    if a.json:
+        print(json.dumps({"artifact": a.artifact, "threads": a.threads, "rows": rows}, indent=1))
+        return
+    head = ["clients", "requests", "tokens", "throughput (tok/s)", "vs 1 client", "TTFT p50 / p99 (ms)"]
+    print("| " + " | ".join([*head, "per token p50 / p99 (ms)"]) + " |")
+    print("|---" * (len(head) + 1) + "|")
+    for r in rows:
+        vs = f"{r['vs_one_client']:.2f}x" if r["vs_one_client"] else "-"
+        ttft = f"{_f(r['ttft_p50_ms'])} / {_f(r['ttft_p99_ms'])}"
+        per_token = f"{_f(r['per_token_p50_ms'])} / {_f(r['per_token_p99_ms'])}"
+        cells = [r["clients"], r["requests"], r["tokens"], f"{r['throughput_tok_s']:.1f}", vs, ttft, per_token]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def _f(x: float | int | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+if __name__ == "__main__":
+    main()
