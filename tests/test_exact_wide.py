@@ -25,10 +25,11 @@ from eectl.export.quantize import Int4Options
 from eectl.models import load_model
 from eectl.plan.choose import wide_inexact
 from eectl.runtime.kv import new_kv
+from eectl.runtime.rows import one_row_as_two, rows_padded
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
-from eectl.runtime.wide_check import check_wide, one_row_as_two, rows_padded
+from eectl.runtime.wide_check import check_wide
 
 EXITS = [2, 4]
 K = 8

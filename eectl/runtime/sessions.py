@@ -41,8 +41,8 @@ from eectl.runtime.ort import (
     session_options,
 )
 from eectl.runtime.placement import HOST, Placement
+from eectl.runtime.rows import rows_padded
 from eectl.runtime.tables import PackedHeads, load_weight
-from eectl.runtime.wide_check import rows_padded
 
 
 class ArtifactRuntime(GraphCalls):
@@ -60,7 +60,7 @@ class ArtifactRuntime(GraphCalls):
         """lazy_segments: create no segment session until load_segment(i) (a big model's export validates one
         segment at a time, so its peak memory is the torch model plus one segment, not plus the whole artifact).
         pad_rows: padded segments (export --exact-wide) pad every MatMul's rows (True) or attention only (False);
-        None: rows only where this CPU computes one row otherwise than two (runtime/wide_check.py `rows_padded`)."""
+        None: rows only where this CPU computes one row otherwise than two (runtime/rows.py `rows_padded`)."""
         self.folder = Path(folder)
         self.manifest: Manifest = read_manifest(self.folder, verify_hashes=verify)
         m = self.manifest
