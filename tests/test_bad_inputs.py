@@ -197,3 +197,22 @@ def test_bench_names_the_count_below_one(exported, option):
 
     res = runner.invoke(app, ["bench", str(exported["llama"][1]), "--data", str(GSM8K), option, "0"])
     assert res.exit_code == 2 and res.stderr.splitlines()[-1] == f"error: {option} must be >= 1, got 0", res.output
+
+
+def test_an_uncalibrated_artifact_is_benched_at_full_depth_and_says_why(exported):
+    """`eectl bench A` on an artifact exported without --calibration refused ("no calibrated thresholds ...") because
+    its default configurations ask for copy, defer and verify: they run full depth with the reason (as `eectl run`
+    does); exits asked for without thresholds are still refused, in one line."""
+    from tests.tiny import GSM8K
+
+    art = exported["llama"][1]
+    base = ["bench", str(art), "--data", str(GSM8K), "--prompts", "1", "--max-new-tokens", "4", "--reps", "1"]
+    res = runner.invoke(app, [*base, "--ppl-tokens", "0", "--sweep", "", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {c["name"]: c for c in json.loads(res.stdout)["configs"]}
+    assert {"full", "copy", "defer", "verify"} <= set(rows)
+    for name in ("copy", "defer", "verify"):
+        assert rows[name]["exits"] == [] and rows[name]["timed_as"] == "full", rows[name]
+        assert "the artifact has no calibration: running at full depth" in rows[name]["note"]
+    asked = runner.invoke(app, [*base, "--exits", "2", "--policies", "full,verify"])
+    assert asked.exit_code == 2 and "no calibrated thresholds for signal topk-prob at exits [2]" in asked.stderr

@@ -28,7 +28,7 @@ from eectl.evaluate.predicted import RIVER_EXIT
 from eectl.evaluate.results import AA, EXACT_HEAD, LOOKUP, LOOKUP_CONFIGS, BenchOptions, ConfigResult
 from eectl.evaluate.stats import agreement, per_prompt_totals, speed_ratio
 from eectl.evaluate.timing import OnStep, _Run
-from eectl.run.generate import RunOptions, resolve_config
+from eectl.run.generate import RunOptions, resolve_config, uncalibrated_note
 from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -148,7 +148,7 @@ class Configs:
         opts, stop = self.opts, self.stop
         configs: dict[str, RunConfig] = {}
         for policy in [c for c in opts.configs if c in POLICIES or c == RIVER_EXIT]:
-            cfg = resolve_config(rt, self.early_options(policy, 1.0), stop)
+            cfg = self._early(rt, self.early_options(policy, 1.0))
             configs[policy] = cfg
             if cfg.exits or not self.exits:
                 self.exits, self.thresholds, self.signal = cfg.exits, cfg.thresholds, cfg.signal
@@ -157,7 +157,7 @@ class Configs:
             lookup = RunOptions(policy=LOOKUP, max_new_tokens=opts.max_new_tokens, provider=opts.provider)
             chosen = lookup if name == LOOKUP else early
             chosen.prompt_drafts = opts.prompt_drafts
-            configs[name] = resolve_config(rt, chosen, stop)
+            configs[name] = resolve_config(rt, chosen, stop) if name == LOOKUP else self._early(rt, chosen)
         if EXACT_HEAD in opts.configs:  # full depth without the certified head (export/certified_head.py)
             full = self._full(rt)
             configs[EXACT_HEAD] = replace(full, certified_head=False, note="full depth, the full LM head every step")
@@ -179,6 +179,13 @@ class Configs:
                 certified=True,
             )
         return configs
+
+    def _early(self, rt: ArtifactRuntime, options: RunOptions) -> RunConfig:
+        """An early-exit configuration's RunConfig; on an artifact exported without calibration, where neither
+        --exits nor --thresholds asked for exits, full depth with the reason (as `eectl run` does), not a refusal."""
+        if rt.manifest.calibration is None and options.exits is None and options.thresholds is None:
+            return replace(self._full(rt), note=uncalibrated_note(True))
+        return resolve_config(rt, options, self.stop)
 
     def _full(self, rt: ArtifactRuntime) -> RunConfig:
         base = RunOptions(exits="none", max_new_tokens=self.opts.max_new_tokens, provider=self.opts.provider)

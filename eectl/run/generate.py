@@ -200,7 +200,7 @@ def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -
     elif exits:
         if cal is None or signal.name != cal.signal or not all(e in calibrated for e in exits):
             if opts.exits is None and opts.signal is None and opts.policy is None:  # no exit asked for: run anyway
-                return _config(rt, opts, stop_ids, signal.name, "defer", [], {}, _uncalibrated(cal is None))
+                return _config(rt, opts, stop_ids, signal.name, "defer", [], {}, uncalibrated_note(cal is None))
             raise UsageError(
                 f"no calibrated thresholds for signal {signal.name} at exits {exits}",
                 hint="export with --calibration, or pass --thresholds (e.g. 0.9, or 12:0.9,20:0.8)",
@@ -212,7 +212,7 @@ def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -
     return _config(rt, opts, stop_ids, signal.name, opts.policy or "defer", exits, thresholds, "")
 
 
-def _uncalibrated(none: bool) -> str:
+def uncalibrated_note(none: bool) -> str:
     """The note of a run at full depth because nothing asked for exits and the artifact has no thresholds for them
     (exported without --calibration): the user's first `eectl run` runs, and says why no exit is taken."""
     why = "the artifact has no calibration" if none else "the calibration has no thresholds for these exits"
