@@ -321,8 +321,20 @@ class _Jobs(Feed):
         job._done(_generation(st), error)
 
     def fail(self, error: BaseException) -> None:
-        for key in list(self.jobs):
+        """A step failed: its seated jobs end with the error. Where none was seated (the batch's buffers were refused
+        before the first step: memory, context), the waiting jobs of this setting end with it, else the worker would
+        try them again and again."""
+        seated = list(self.jobs)
+        for key in seated:
             self._end(key, error)
+        if seated:
+            return
+        e = self.engine
+        with e._cond:
+            mine = [job for job in e._pending if job.sampling == self.sampling]
+            e._pending = deque(job for job in e._pending if job.sampling != self.sampling)
+        for job in mine:
+            job._done(None, error)
 
 
 def _generation(st: RowState) -> Generation | None:
