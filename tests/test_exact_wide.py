@@ -326,3 +326,16 @@ def test_the_check_is_not_fooled_by_nan_and_runs_on_the_host_only(padded, monkey
     assert not got["exact"] and got["max_abs_diff"] == float("inf")
     on_gpu = SimpleNamespace(manifest=rt.manifest, device="cuda", folder=rt.folder)
     assert "CPU EP only" in (wide_check.wide_refused(on_gpu) or "")  # type: ignore[arg-type]
+
+
+def test_a_ggufs_8_bit_tensors_are_probed_too(padded):
+    """An artifact from a GGUF's own blocks holds its 5-, 6- and 8-bit tensors as 8-bit MatMulNBits (block 16 for
+    Q6_K): the CPU probe asks those kernels too, not only the manifest's 4-bit setting."""
+    from eectl.runtime import rows
+
+    m = read_manifest(padded["llama"])
+    assert m.quantization is not None
+    q = m.quantization.model_copy(update={"source": "gguf", "gguf_types": {"Q4_K": 6, "Q6_K": 1}})
+    one_row_as_two(m.model_copy(update={"quantization": q}))
+    level, width = q.accuracy_level, m.dims["hidden_size"]
+    assert ("nbits", 8, 16, False, level, width) in rows._ONE_ROW

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 # auto (the default): pad rows only where this CPU needs it (`one_row_as_two`); 1: always; 0: attention only
 PAD_ROWS_ENV = "EECTL_PAD_ROWS"
-_ONE_ROW: dict[tuple[Any, ...], bool] = {}  # (kind, settings) -> this process's verdict
+_ONE_ROW: dict[tuple[Any, ...], bool] = {}
+# GGUF tensor types held as 8-bit MatMulNBits, and their block size (models/gguf_blocks.py)
+EIGHT_BIT_BLOCKS = {"Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q6_K": 16}  # (kind, settings) -> this process's verdict
 
 
 def one_row_as_two(m: Manifest) -> bool:
@@ -38,6 +40,10 @@ def one_row_as_two(m: Manifest) -> bool:
     kinds: list[tuple[Any, ...]] = [("matmul", m.dtype, width)]
     if q is not None and q.scope == "segments":
         kinds.append(("nbits", q.bits, q.block_size, q.symmetric, q.accuracy_level, width))
+        # a GGUF's own blocks hold its 5-, 6- and 8-bit tensors as 8-bit MatMulNBits (models/gguf_blocks.py)
+        for name in q.gguf_types or {}:
+            if name in EIGHT_BIT_BLOCKS:
+                kinds.append(("nbits", 8, EIGHT_BIT_BLOCKS[name], False, q.accuracy_level, width))
     for kind in kinds:
         if kind not in _ONE_ROW:
             _ONE_ROW[kind] = _probe(kind)
