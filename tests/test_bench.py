@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from eectl.cli import app
 from eectl.contracts.plan import Costs
-from eectl.data import encode_prompt, load_text_data
-from eectl.evaluate.bench import _heldout_ids, final_number, heldout_texts
+from eectl.data import encode_prompt, final_number, load_text_data
+from eectl.evaluate.bench import _heldout_ids, heldout_texts
 from eectl.evaluate.predicted import CONDITIONS_BAND, conditions
 from eectl.evaluate.stats import agreement as _agreement
 from eectl.export.exporter import ExportOptions, export_artifact

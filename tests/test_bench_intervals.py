@@ -32,6 +32,7 @@ class _Sim:
         self.position = position or (lambda name, instance: 1.0)
         self.now, self.last = 0.0, ""
         self.configs: dict = {}
+        self.peers: dict = {}  # Configs' --peer runtimes: none here
         self.rt = types.SimpleNamespace(manifest=types.SimpleNamespace(num_layers=30))
         self.ran: list[tuple[str, int]] = []
         self.forgot: list[int] = []  # the runs before each `forget_prompts` call

@@ -173,11 +173,11 @@ def test_a_peer_is_one_more_configuration_of_the_bench_with_its_fidelity_to_the_
 
 
 def test_fp32_reference_is_an_fp32_artifact(artifact):
-    from eectl.evaluate.bench import _is_fp32
+    from eectl.evaluate.fidelity import is_fp32
 
     m = read_manifest(artifact, verify_hashes=False)
-    assert _is_fp32(m)
-    assert not _is_fp32(m.model_copy(update={"dtype": "fp16"}))
+    assert is_fp32(m)
+    assert not is_fp32(m.model_copy(update={"dtype": "fp16"}))
 
 
 # ---- llama.cpp itself (llama-cpp-python installed: pip install 'eectl[llamacpp]') ---------------------------------

@@ -35,13 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from eectl.calibrate.sequence import realized_risk
 from eectl.contracts.certificate import CERTIFIED
 from eectl.contracts.manifest import Manifest
 from eectl.contracts.plan import MAX_DRAFTS
-from eectl.data import encode_prompt, final_number
+from eectl.data import encode_prompt
 from eectl.errors import UsageError
 from eectl.evaluate.configs import Configs, as_full_depth, open_runtime, threshold_sweep
+from eectl.evaluate.fidelity import accuracy, certificate_check, fp32_fidelity
 from eectl.evaluate.peers import check_peers, open_peers, peer_context, peer_note, peer_specs
 from eectl.evaluate.predicted import RIVER_EXIT, conditions, lookup_model, predictions, run_default
 from eectl.evaluate.report import markdown, write_report
@@ -64,7 +64,6 @@ from eectl.evaluate.stats import (
     block_ratios,
     noise_verdict,
     per_prompt_totals,
-    prefix_agreement,
     ratio_ci,
     ratio_estimate,
     seconds_per_token,
@@ -225,13 +224,9 @@ def run_bench(
     choose_plan(rt, opts.profile_costs, opts.max_risk, log.log if log is not None else None, opts.max_new_tokens)
     m = rt.manifest
     add_artifact_configs(opts, m)
-    cert = m.certificate
     tok = load_tokenizer(rt)
     ids = [encode_prompt(tok, p, opts.raw) for p in prompts[: opts.prompts]]
-    encode = lambda text: [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]  # noqa: E731
-    context = peer_context(ids, opts.max_new_tokens)
-    peers = open_peers(peer_specs(opts.peers), rt.threads, context, encode, m.dims.get("vocab_size"))
-    configs = Configs(rt, opts, tuple(m.eos_token_ids), progress, peers)
+    configs = Configs(rt, opts, tuple(m.eos_token_ids), progress, _peers(opts, rt, tok, ids))
     phases.add("open the artifact", time.perf_counter() - t0)
     names, order = _orders(configs, log)
     with phases.time("timed repetitions", "bench_tokens"):
@@ -243,7 +238,7 @@ def run_bench(
     full_tokens = runs["full"][0].generations
     results = [_result(name, timing, configs, tok, answers, verdict) for name in order]
     _readings(results, verdict, resolution)
-    fp32_reference = _fp32_fidelity(configs, results, runs)
+    fp32_reference = fp32_fidelity(configs, results, runs)
     with phases.time("agreement", "bench_answers"):
         _lookup_models(configs, results, ids, runs)
         _step_agreements(configs, runs, ids, results)
@@ -253,7 +248,6 @@ def run_bench(
     river_kv = _river_kv(configs, ids, log)
     with phases.time("threshold sweep", "bench_answers"):
         sweep = threshold_sweep(configs, ids, full_tokens)
-    check = _certificate_check(cert, runs, tok, answers, opts.max_new_tokens)
     default, plan_line = run_default(m.plan, opts.batch_size)
     for line in configs.memory.lines() if log is not None else []:
         log.log(line)
@@ -283,12 +277,19 @@ def run_bench(
         aa_band=AA_BAND,
         other_load=None if load is None else round(load, 3),
         resolution=resolution,
-        certificate=cert.describe() if cert is not None else "",
-        certificate_check=check,
+        certificate=m.certificate.describe() if m.certificate is not None else "",
+        certificate_check=certificate_check(m.certificate, runs, tok, answers, opts.max_new_tokens),
         memory=configs.memory.section(),
         block_instances=timing.instances if timing.paired_instances else None,
         fp32_reference=fp32_reference,
     )
+
+
+def _peers(opts: BenchOptions, rt: ArtifactRuntime, tok: Any, ids: list[list[int]]) -> dict[str, Any]:
+    """The --peer runtimes (evaluate/peers.py), each given the prompt ids' longest context and the tokenizer."""
+    encode = lambda text: [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]  # noqa: E731
+    context = peer_context(ids, opts.max_new_tokens)
+    return open_peers(peer_specs(opts.peers), rt.threads, context, encode, rt.manifest.dims.get("vocab_size"))
 
 
 def _orders(configs: Configs, log: Any) -> tuple[list[str], list[str]]:
@@ -317,25 +318,6 @@ def _with_full_depth_rows(
     configs.tick(sum(config_units(c, configs.opts, prompts) for c in alike))
     rows = {r.name: r for r in results} | {c: as_full_depth(results[0], c, configs.configs[c]) for c in alike}
     return [rows[c] for c in names]
-
-
-def _fp32_fidelity(configs: Configs, results: list[ConfigResult], runs: dict[str, list[_Run]]) -> str | None:
-    """Every timed row's tokens against the fp32 model's (first repetition): those of full depth of an fp32 artifact,
-    this one's, else the first compared one's; its name, or None (no fp32 artifact ran: the fields stay empty)."""
-    fp32 = [
-        name for name in ["full", *configs.opts.compare] if name in runs and _is_fp32(configs.runners[name].rt.manifest)
-    ]
-    if not fp32:
-        return None
-    want = runs[fp32[0]][0].generations
-    for r in results:
-        r.fp32_first_divergence, r.fp32_prefix_share = prefix_agreement(runs[r.name][0].generations, want)
-    return fp32[0]
-
-
-def _is_fp32(m: Manifest) -> bool:
-    """Whether an artifact's segments compute in fp32 (no int4 segments, no fp16)."""
-    return m.dtype == "fp32" and (m.quantization is None or m.quantization.scope != "segments")
 
 
 def _noise(timing: _Timing) -> tuple[str, float | None, float | None]:
@@ -419,15 +401,6 @@ def _check_options(opts: BenchOptions, prompts: list[str]) -> None:
     check_options(shared)
     early = (*POLICIES, RIVER_EXIT, VERIFY_LOOKUP)
     check_exit_options_used(opts.exits, opts.thresholds, "--policies", opts.configs, early)
-
-
-def _certificate_check(cert: Any, runs: dict[str, Any], tok: Any, answers: Any, generated: int) -> str:
-    """The certificate's risk on this run's prompts (its certified configuration against full depth), as a line."""
-    if cert is None or CERTIFIED not in runs:
-        return ""
-    got, full = runs[CERTIFIED][0].generations, runs["full"][0].generations
-    decode = lambda t: str(tok.decode(t, skip_special_tokens=True))  # noqa: E731
-    return realized_risk(cert, got, full, decode, answers or [None] * len(got), generated)[1]
 
 
 # Measured (docs/results/2026-12-03-bench.md): one artifact loaded three times in one process, full depth, steps
@@ -514,16 +487,8 @@ def _result(
     res.token_agreement_ci = agreement_ci(gens, ref)
     res.exact_match_ci = wilson(sum(g == f for g, f in zip(gens, ref, strict=True)), len(ref))
     if answers and any(a is not None for a in answers):
-        res.gsm8k_accuracy = _accuracy(tok, gens, answers[: len(gens)])
+        res.gsm8k_accuracy = accuracy(tok, gens, answers[: len(gens)])
     return res
-
-
-def _accuracy(tok: Any, gens: list[list[int]], answers: list[str | None]) -> float | None:
-    scored = [(g, a) for g, a in zip(gens, answers, strict=False) if a is not None]
-    if not scored:
-        return None
-    hits = sum(final_number(tok.decode(g, skip_special_tokens=True)) == a for g, a in scored)
-    return hits / len(scored)
 
 
 def _heldout_ids(tok: Any, texts: list[str], n: int, max_positions: int) -> list[int]:
