@@ -10,7 +10,11 @@ Per request: the time to its first content chunk (TTFT), the mean time between i
 (last chunk - first chunk) / (completion tokens - 1)), and its completion tokens (the usage chunk). Per client count:
 throughput (completion tokens of every request / the wall time of the whole round), p50/p99 of TTFT and per-token
 latency, and throughput against one client's. Bounded: at most `--requests` x C requests a round and `--budget-s`
-seconds in all (a round past it is not started). Localhost only; a peer server (llama.cpp's) is not run here.
+seconds in all (a round past it is not started). Localhost only.
+
+`--llama-cpp FILE.gguf` also starts llama-cpp-python's OpenAI server (`python -m llama_cpp.server`, its `[server]`
+extra; n_threads and n_threads_batch = --threads) on the same GGUF and runs the same rounds against it, each client
+count on eectl then on llama.cpp, so a burst of other load falls on both alike.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ def _questions(path: str, n: int) -> list[str]:
 def _one(client, question: str, max_tokens: int, rnd: Round, lock: threading.Lock) -> None:
     t0 = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens = chunks = 0
     try:
         stream = client.chat.completions.create(
             model="m",
@@ -98,6 +102,7 @@ def _one(client, question: str, max_tokens: int, rnd: Round, lock: threading.Loc
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or now
                 last = now
+                chunks += 1
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
     except Exception as exc:  # a refused or failed request counts as an error, not a measurement
@@ -105,6 +110,7 @@ def _one(client, question: str, max_tokens: int, rnd: Round, lock: threading.Loc
         with lock:
             rnd.errors += 1
         return
+    tokens = tokens or chunks  # a server that sends no usage chunk: one content chunk per token
     with lock:
         rnd.tokens += tokens
         if first is not None:
@@ -151,6 +157,30 @@ def start_server(artifact: str, port: int, threads: int, max_batch: int, extra: 
     raise SystemExit("the server did not start")
 
 
+def start_llama_cpp(gguf: str, port: int, threads: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port)]
+    # interrupt_requests off: by default a new request cancels the stream in progress (its server runs one at a time)
+    cmd += ["--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048"]
+    cmd += ["--interrupt_requests", "False"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return _wait(proc, f"http://127.0.0.1:{port}/v1/models")
+
+
+def _wait(proc: subprocess.Popen, url: str) -> subprocess.Popen:
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                print(f"server: {r.read().decode()[:200]}", file=sys.stderr)
+                return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not start")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("artifact")
@@ -163,6 +193,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=900)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--serve-args", default="", help="more `eectl serve` options, e.g. '--policy verify'")
+    ap.add_argument("--llama-cpp", default=None, help="a GGUF: llama-cpp-python's server on it, the same rounds")
     a = ap.parse_args()
     counts = [int(c) for c in a.clients.split(",")]
     if not (1 <= a.requests <= 64 and all(1 <= c <= 64 for c in counts) and 1 <= a.max_tokens <= 1024):
@@ -170,34 +201,44 @@ def main() -> None:
     questions = _questions(a.data, max(counts) * a.requests)
     port = _free_port()
     proc = start_server(a.artifact, port, a.threads, a.max_batch or max(counts), shlex.split(a.serve_args))
-    url = f"http://127.0.0.1:{port}"
-    rounds: list[Round] = []
+    servers = {"eectl": (proc, f"http://127.0.0.1:{port}")}
+    if a.llama_cpp:
+        peer_port = _free_port()
+        servers["llama.cpp"] = (start_llama_cpp(a.llama_cpp, peer_port, a.threads), f"http://127.0.0.1:{peer_port}")
+    rounds: dict[str, list[Round]] = {name: [] for name in servers}
     t_start = time.time()
     try:
-        run_round(url, 1, questions, 1, 8)  # warm-up: the first request's sessions and buffers
+        for _, url in servers.values():
+            run_round(url, 1, questions, 1, 8)  # warm-up: the first request's sessions and buffers
         for c in counts:
             if time.time() - t_start > a.budget_s:
                 print(f"budget spent: {c} clients not run", file=sys.stderr)
                 break
-            rounds.append(run_round(url, c, questions, a.requests, a.max_tokens))
-            print(f"{c} clients: {rounds[-1].row(None)}", file=sys.stderr)
+            for name, (_, url) in servers.items():
+                rounds[name].append(run_round(url, c, questions, a.requests, a.max_tokens))
+                print(f"{name}, {c} clients: {rounds[name][-1].row(None)}", file=sys.stderr)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
-    base = next((r.tokens / r.wall_s for r in rounds if r.clients == 1 and r.wall_s), None)
-    rows = [r.row(base) for r in rounds]
+        for server, _ in servers.values():
+            server.send_signal(signal.SIGTERM)
+            server.wait(120)
+    rows = {}
+    for name, rs in rounds.items():
+        base = next((r.tokens / r.wall_s for r in rs if r.clients == 1 and r.wall_s), None)
+        rows[name] = [r.row(base) for r in rs]
     if a.json:
         print(json.dumps({"artifact": a.artifact, "threads": a.threads, "rows": rows}, indent=1))
         return
-    head = ["clients", "requests", "tokens", "throughput (tok/s)", "vs 1 client", "TTFT p50 / p99 (ms)"]
+    head = ["server", "clients", "requests", "tokens", "throughput (tok/s)", "vs 1 client", "TTFT p50 / p99 (ms)"]
     print("| " + " | ".join([*head, "per token p50 / p99 (ms)"]) + " |")
     print("|---" * (len(head) + 1) + "|")
-    for r in rows:
-        vs = f"{r['vs_one_client']:.2f}x" if r["vs_one_client"] else "-"
-        ttft = f"{_f(r['ttft_p50_ms'])} / {_f(r['ttft_p99_ms'])}"
-        per_token = f"{_f(r['per_token_p50_ms'])} / {_f(r['per_token_p99_ms'])}"
-        cells = [r["clients"], r["requests"], r["tokens"], f"{r['throughput_tok_s']:.1f}", vs, ttft, per_token]
-        print("| " + " | ".join(str(c) for c in cells) + " |")
+    for name, rs in rows.items():
+        for r in rs:
+            vs = f"{r['vs_one_client']:.2f}x" if r["vs_one_client"] else "-"
+            ttft = f"{_f(r['ttft_p50_ms'])} / {_f(r['ttft_p99_ms'])}"
+            per_token = f"{_f(r['per_token_p50_ms'])} / {_f(r['per_token_p99_ms'])}"
+            tput = f"{r['throughput_tok_s']:.1f}"
+            cells = [name, r["clients"], r["requests"], r["tokens"], tput, vs, ttft, per_token]
+            print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def _f(x: float | int | None) -> str:
