@@ -27,7 +27,15 @@ from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.export.quantize import Int4Options, _nbits_nodes
 from eectl.export.validation import validate_artifact
 from eectl.models import load_model
-from eectl.models.gguf_blocks import HELD, from_blocks, groups, has_four_bit_blocks, int4_source, read_projections
+from eectl.models.gguf_blocks import (
+    HELD,
+    MODULES,
+    from_blocks,
+    groups,
+    has_four_bit_blocks,
+    int4_source,
+    read_projections,
+)
 from eectl.models.int4 import BlockMins, to_int4_twin
 from eectl.models.loading import ModelSource
 from eectl.runtime.ort import session_options
@@ -38,9 +46,11 @@ LEVEL4_REL_TOL = 2e-5
 # the tiny GGUF artifact's logits against the twin's at every exit, and the least greedy agreement: at level 0 the
 # same up to float rounding (measured 1.3e-6, all tokens); at level 4 an upstream last-bit difference can flip an
 # int8 input's rounding, which costs more where a block has a min (Q4_1's MatMulNBits part is d q, not centred:
-# measured 3.6e-3 with Q4_0 only, 0.014-0.024 with Q4_1, greedy 0.92-0.97; the kernel itself agrees to 2e-5 above)
+# measured 3.6e-3 with Q4_0 only, 0.014-0.024 with Q4_1, greedy 0.92-0.97 on an AVX-512 CPU, 0.89-0.95 on AVX2 where
+# the int8 kernel sums its blocks in another order; the kernel itself agrees to 2e-5 above). The agreement floor only
+# catches a broken graph (random tokens agree on ~1/V): the logit tolerance is the check of the twin
 TWIN_LOGIT_TOL = {0: 1e-5, 4: 0.05}
-TWIN_AGREEMENT = {0: 1.0, 4: 0.9}
+TWIN_AGREEMENT = {0: 1.0, 4: 0.8}
 
 
 def _random_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -143,15 +153,6 @@ LAYER_TYPES = {  # per tensor, by layer parity: 4-bit blocks mostly, an 8-bit v,
     "ffn_up": "Q4_0",
     "ffn_down": "Q4_1",
 }
-MODULE = {
-    "attn_q": ("self_attn", "q_proj"),
-    "attn_k": ("self_attn", "k_proj"),
-    "attn_v": ("self_attn", "v_proj"),
-    "attn_output": ("self_attn", "o_proj"),
-    "ffn_gate": ("mlp", "gate_proj"),
-    "ffn_up": ("mlp", "up_proj"),
-    "ffn_down": ("mlp", "down_proj"),
-}
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -174,7 +175,7 @@ def _as_gguf(loaded, path) -> None:
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(cfg.num_hidden_layers)
     for i, layer in enumerate(loaded.adapter.layers):
-        for name, (parent, child) in MODULE.items():
+        for name, (parent, child) in MODULES.items():
             lin = getattr(getattr(layer, parent), child)
             w = lin.weight.detach().numpy().astype(np.float32)
             heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(name)
@@ -218,7 +219,7 @@ def test_the_tiny_files_blocks_are_read_in_the_models_order(gguf_model):
     assert (3, "o") not in proj.fused  # its F32 tensor stays an fp32 MatMul
     assert [(g.bits, g.N) for g in proj.fused[(0, "qkv")]] == [(4, 64 + 32), (8, 32)]  # q|k 4-bit, v 8-bit
     for (layer, name), w in proj.parts.items():
-        parent, child = MODULE[name]
+        parent, child = MODULES[name]
         theirs = getattr(getattr(fp32.adapter.layers[layer], parent), child).weight.numpy()
         assert np.array_equal(w.dequantized().T, theirs)
 
