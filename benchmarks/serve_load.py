@@ -143,18 +143,7 @@ def start_server(artifact: str, port: int, threads: int, max_batch: int, extra: 
     cmd = [sys.executable, "-m", "eectl.cli", "serve", artifact, "--port", str(port), "-t", str(threads)]
     cmd += ["--max-batch", str(max_batch), "--max-queue", "256", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                print(f"server: {r.read().decode()}", file=sys.stderr)
-                return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not start")
+    return _wait(proc, f"http://127.0.0.1:{port}/health")
 
 
 def start_llama_cpp(gguf: str, port: int, threads: int) -> subprocess.Popen:

@@ -21,21 +21,14 @@ import eectl
 from eectl.api.text import TextStream
 from eectl.cli import app
 from eectl.errors import UsageError
-from eectl.export.exporter import ExportOptions, export_artifact
-from eectl.models import load_model
-from tests.tiny import save_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["12 clips in April", "the cat sat", "one two three", "a b c d", "hello", "7 more"]
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("api")
-    export_artifact(
-        load_model(str(save_tiny("llama", root / "model"))), root / "art", ExportOptions(exits=[2, 4], top_k=8)
-    )
-    return root / "art"
+def artifact(exported) -> Path:
+    return exported["llama"][1]  # the tiny Llama exported once for the session: exits 2 and 4, K = 8
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +153,7 @@ def test_import_eectl_stays_light():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).returncode == 0
 
 
-def test_a_batch_runs_full_depth_where_the_plan_prices_one_row(artifact):
+def test_a_batch_runs_full_depth_where_the_plan_prices_one_row(artifact, exported):
     """The engine resolves its configuration for the batch it runs: the plan's one-row default (lookup here) with one
     slot, full depth (said so) with four, a policy asked for in a batch anyway; lossless either way, so the tokens
     are the same."""
@@ -176,7 +169,7 @@ def test_a_batch_runs_full_depth_where_the_plan_prices_one_row(artifact):
     choice = Choice(policy="verify", exits=[], thresholds={}, option=None, prediction=pred)
     look = LookupChoice(drafts=5, prediction=pred, on=True, tokens_per_step=2.5, min_draft=2)
     rt.manifest.plan = Plan(default=LOOKUP, choices={"verify": choice}, lookup=look)
-    loaded = load_model(str(artifact.parent / "model"))
+    loaded = exported["llama"][0]
     rt.manifest.calibration = make_calibration(loaded, {2: {"prob": 0.9}, 4: {"prob": 0.9}})
     engines = [Engine(rt, RunOptions(), slots=s) for s in (1, 4)] + [Engine(rt, RunOptions(policy=LOOKUP), slots=4)]
     try:
