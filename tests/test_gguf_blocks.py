@@ -45,9 +45,10 @@ from eectl.runtime.ort import session_options
 LEVEL4_REL_TOL = 2e-5
 # the tiny GGUF artifact's logits against the twin's at every exit, and the least greedy agreement: at level 0 the
 # same up to float rounding (measured 1.3e-6, all tokens); at level 4 an upstream last-bit difference can flip an
-# int8 input's rounding, which costs more where a block has a min (Q4_1's MatMulNBits part is d q, not centred:
-# measured 3.6e-3 with Q4_0 only, 0.014-0.024 with Q4_1, greedy 0.92-0.97 on an AVX-512 CPU, 0.89-0.95 on AVX2 where
-# the int8 kernel sums its blocks in another order; the kernel itself agrees to 2e-5 above). The agreement floor only
+# int8 input's rounding (measured 3.6e-3 with Q4_0 only; with Q4_1, its min's whole steps in the zero point:
+# 0.0045-0.0075, greedy 0.98-1.0 on an AVX-512 CPU; with the min left whole in the fp32 term it was 0.014-0.024,
+# greedy 0.92-0.97, and 0.89-0.95 on AVX2 where the int8 kernel sums its blocks in another order; the kernel itself
+# agrees to 2e-5 above). The agreement floor only
 # catches a broken graph (random tokens agree on ~1/V): the logit tolerance is the check of the twin
 TWIN_LOGIT_TOL = {0: 1e-5, 4: 0.05}
 TWIN_AGREEMENT = {0: 1.0, 4: 0.8}
@@ -308,3 +309,31 @@ def test_a_recipes_int4_source_is_one_of_three(tmp_path):
     assert Int4Spec().source == "auto"
     with pytest.raises(ValueError, match="source"):
         Int4Spec(source="rtn")
+
+
+def test_a_min_goes_into_the_zero_point_and_the_level_4_product_comes_closer():
+    """Q4_1 blocks as llama.cpp writes them (a block's min and step from its weights): the min's whole steps are the
+    zero point (z = round(-m / d), the rest within half a step), the weights stay bit for bit, and at accuracy
+    level 4 the product is nearer the exact one than with the min left whole in the fp32 term (z = 0): the int8
+    rounding of the input then meets weights of their own size, not weights shifted by the min."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(3)
+    n, k = 64, 512
+    weights = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    data = gq.quantize(weights, GGMLQuantizationType.Q4_1)
+    w = from_blocks(data, "Q4_1")
+    raw = data.reshape(-1, 20)
+    d = raw[:, :2].copy().view(np.float16).astype(np.float32).reshape(n, k // 32)
+    m = raw[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, k // 32)
+    assert np.array_equal(w.zero_points, np.clip(np.rint(-m / d), 0, 15).astype(np.uint8))
+    assert (np.abs(w.mins.T) <= d / 2 * (1 + 1e-6)).all()  # [K/32, N] -> [N, K/32]
+    expected = gq.dequantize(data, GGMLQuantizationType.Q4_1).reshape(n, k).T
+    assert np.array_equal(w.dequantized().view(np.uint32), expected.view(np.uint32))
+    whole = replace(w, zero_points=np.zeros_like(w.zero_points), mins=m.T.reshape(k // 32, n).copy())
+    assert np.array_equal(whole.dequantized().view(np.uint32), expected.view(np.uint32))  # the same weights
+    x = rng.standard_normal((1, 256, k)).astype(np.float32)
+    exact = x @ expected
+    centred = np.abs(_graph([w], k, level=4).run(None, {"x": x})[0] - exact).mean()
+    uncentred = np.abs(_graph([whole], k, level=4).run(None, {"x": x})[0] - exact).mean()
+    assert centred < 0.7 * uncentred, (centred, uncentred)

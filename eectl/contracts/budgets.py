@@ -171,9 +171,10 @@ def next_budget(name: str) -> Budget | None:
 
 
 # The int4 twin's revision (models/int4.py): 2 since its projections quantize their inputs as the kernel does at
-# accuracy level 4. A new revision gets a state cache folder of its own and keys the pipeline's cached heads and
-# calibrations, so nothing fitted against an earlier twin is reused.
-TWIN_REVISION = 2
+# accuracy level 4; 3 since a GGUF's per-block mins go into integer zero points (models/gguf_blocks.py). A new
+# revision gets a state cache folder of its own and keys the pipeline's cached heads and calibrations, so nothing
+# fitted against an earlier twin is reused.
+TWIN_REVISION = 3
 
 
 def states_folder(recipe_name: str, data_source: str, weights: str = "fp32") -> str:

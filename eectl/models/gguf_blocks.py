@@ -8,17 +8,19 @@ gguf-py's `dequantize`):
 
     GGUF type  block   what the file holds            MatMulNBits                           + min term
     Q4_0       32      w = d (q - 8)                  bits 4, block 32, scale d, zp 8       -
-    Q4_1       32      w = d q + m                    bits 4, block 32, scale d, zp 0       m
+    Q4_1       32      w = d q + m                    bits 4, block 32, scale d, zp z       m + d z
     Q5_0       32      w = d (q - 16), q 5-bit        bits 8, block 32, scale d, zp 16      -
-    Q5_1       32      w = d q + m, q 5-bit           bits 8, block 32, scale d, zp 0       m
+    Q5_1       32      w = d q + m, q 5-bit           bits 8, block 32, scale d, zp z       m + d z
     Q8_0       32      w = d q, q int8                bits 8, block 32, scale d, zp 128     -
-    Q4_K       256     8 x 32: w = (d sc) q - dmin mn bits 4, block 32, scale d sc, zp 0    -dmin mn
+    Q4_K       256     8 x 32: w = (d sc) q - dmin mn bits 4, block 32, scale d sc, zp z    d sc z - dmin mn
     Q6_K       256     16 x 16: w = (d sc)(q - 32)    bits 8, block 16, scale d sc, zp 32   -
 
 fp16 scales and mins widen to fp32 exactly, and the products d sc, dmin mn and scale (q - zp) are exact in fp32 (at
 most 11 + 8 + 8 significant bits), so every type above is held exactly. A per-block additive min is not an integer
-zero point; it is added the way llama.cpp adds it: y = MatMulNBits(x) + BlockSum_32(x) @ mins, with mins a
-[K/32, N] table (the sum of x over each block of 32 input channels, times the block's min). Other types (Q2_K, Q3_K,
+zero point: its whole steps go into the zero point, z = round(-min / scale) within the zero point's range (where
+every weight of the block stays bit for bit: `_absorb_mins`), and the rest is added as llama.cpp adds a min:
+y = MatMulNBits(x) + BlockSum_32(x) @ mins, with mins a [K/32, N] table (the sum of x over each block of 32 input
+channels, times the block's rest, at most half a step where z fits). Other types (Q2_K, Q3_K,
 Q5_K, the IQ types, F16/BF16) are not read here (`HELD` lists what is): their projections stay fp32 in the artifact.
 
 The GGUF stores a weight as rows of output channels, each row its input channels in blocks: MatMulNBits' own layout
@@ -230,8 +232,33 @@ def from_blocks(data: np.ndarray, type_name: str) -> NBitsWeight:
     q = np.ascontiguousarray(q, dtype=np.uint8).reshape(N, K)
     scales = np.ascontiguousarray(scale, dtype=np.float32).reshape(N, blocks)
     zero_points = np.full((N, blocks), zp, np.uint8)
+    if mins is not None:  # the min's whole steps go into the zero point (block == MIN_BLOCK for every such type)
+        zero_points, mins = _absorb_mins(q.reshape(N, blocks, block), scales, mins.reshape(N, blocks), bits)
     table = None if mins is None else np.ascontiguousarray(mins.reshape(N, K // MIN_BLOCK).T, dtype=np.float32)
     return NBitsWeight(bits, block, q, scales, zero_points, table, {type_name: 1})
+
+
+def _absorb_mins(q: np.ndarray, scales: np.ndarray, mins: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """w = d q + m as d (q - z) + (m + d z), z = round(-m / d) clipped to the zero point's range: the same weights,
+    with the kernel's part centred on the block and the min term only the rest (|m + d z| <= d / 2 where z fits).
+    q [N, blocks, block] uint8, scales and mins [N, blocks]; returns zero points [N, blocks] and the rest, flat.
+
+    Why: at accuracy level 4 the kernel multiplies int8-rounded activations by (q - z); the min term is added on the
+    unrounded input. With z = 0 the rounding error meets weights shifted by the min (all of one sign in a block) and
+    is not cancelled by the min term; centred, it meets weights of the size of w, as in llama.cpp (whose Q4_1 x Q8_1
+    product adds the min on the rounded activations' sum). A block keeps z = 0 unless every one of its weights comes
+    out bit for bit as d q + m does in float32 (export checks the whole tensor again)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(scales > 0, np.rint(-mins / scales), 0.0)
+    z = np.clip(z, 0, (1 << bits) - 1).astype(np.float32)  # [N, blocks]
+    rest = (mins + scales * z).astype(np.float32)
+    qf = q.astype(np.float32)
+    was = scales[..., None] * qf + mins[..., None]
+    now = scales[..., None] * (qf - z[..., None]) + rest[..., None]
+    same = (was == now).all(axis=-1)
+    z = np.where(same, z, 0.0).astype(np.uint8)
+    rest = np.where(same, rest, mins).astype(np.float32)
+    return z, rest.reshape(-1)
 
 
 def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
