@@ -20,6 +20,7 @@ from eectl.evaluate.peers import (
     LLAMA_CPP,
     PeerGeneration,
     PeerSpec,
+    default_peers,
     parse_peers,
     peer_context,
     peer_specs,
@@ -83,6 +84,24 @@ def test_bench_refuses_a_peer_without_the_extra_in_one_line(tmp_path, monkeypatc
     assert len(lines) == 1 and "llama-cpp-python" in lines[0] and INSTALL in lines[0], res.stderr
     res = CliRunner().invoke(app, _bench_args(tmp_path / "no-artifact", tmp_path / "missing.gguf"))
     assert res.exit_code == 2 and "no such file" in res.stderr
+
+
+def test_the_pipelines_bench_adds_llama_cpp_on_the_models_gguf_only_where_both_are_there(tmp_path, monkeypatch):
+    import importlib.util
+
+    from eectl.contracts.recipe import load_recipe
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "llama_cpp" else found(name))
+    assert default_peers(gguf) == {LLAMA_CPP: str(gguf)}
+    assert default_peers(None) == {}  # a model that is not a GGUF
+    assert default_peers(tmp_path / "gone.gguf") == {}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else found(name))
+    assert default_peers(gguf) == {}  # the extra not installed: no peer, no error
+    assert load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-instruct.yaml").bench.peer
+    assert load_recipe(None).bench.peer is True
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,9 @@ class BenchSpec(_Strict):
     ppl_tokens: int = _count("ppl_tokens", 1024)  # held-out tokens for teacher-forced perplexity (0: skip)
     # threshold scales ([]: no sweep), each positive, as bench's --sweep
     sweep: list[Annotated[float, Field(gt=0)]] = Field(default_factory=lambda: [0.9, 1.0, 1.1], max_length=MAX_LIST)
+    # the pipeline's bench adds llama.cpp (plain and its prompt lookup) on the model's own GGUF where the model is a
+    # GGUF and llama-cpp-python is installed (`pip install 'eectl[llamacpp]'`); false: never
+    peer: bool = True
 
     @field_validator("configs")
     @classmethod

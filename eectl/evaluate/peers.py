@@ -77,6 +77,16 @@ def check_peers(peers: dict[str, str]) -> None:
             _llama_cpp()
 
 
+def default_peers(gguf: Path | None) -> dict[str, str]:
+    """The peers a pipeline's bench adds by itself: llama.cpp on the model's own GGUF where the model is one and
+    llama-cpp-python is installed (looked up, not imported); none otherwise."""
+    import importlib.util
+
+    if gguf is None or not gguf.is_file() or importlib.util.find_spec("llama_cpp") is None:
+        return {}
+    return {LLAMA_CPP: str(gguf)}
+
+
 def _llama_cpp() -> Any:
     try:
         import llama_cpp

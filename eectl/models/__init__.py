@@ -34,7 +34,7 @@ def load_model(
         from eectl.models.int4 import INT8_LEVEL, to_int4_twin
 
         if log is not None and hasattr(log, "log"):
-            log.log("int4 twin: the weights an int4 export quantizes, as ONNX Runtime quantizes them")
+            log.log("int4 twin: the weights an int4 export holds (a GGUF's own blocks, else ORT's quantizer's)")
         to_int4_twin(loaded, int4)
         keys = ("block_size", "symmetric", "algorithm", "lm_head", "keep_layers")
         loaded.weights = "int4 " + ", ".join(

@@ -175,6 +175,12 @@ class _Stages:
         p = self.plan
         req = BenchRequest(str(p.artifact), report=p.report, recipe_file=self.recipe_file, threads=self.threads)
         req.offset = bench_offset(self.recipe)
+        if self.recipe.bench.peer:  # llama.cpp on the same GGUF beside eectl's rows, where it is installed
+            from eectl.evaluate.peers import default_peers
+            from eectl.models import resolve_source
+            from eectl.models.gguf_blocks import gguf_file
+
+            req.options.peers = default_peers(gguf_file(resolve_source(self.recipe.model)))
         return bench(self.recipe, req, self.out)
 
 
