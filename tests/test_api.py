@@ -155,8 +155,9 @@ def test_import_eectl_stays_light():
 
 def test_a_batch_runs_full_depth_where_the_plan_prices_one_row(artifact, exported):
     """The engine resolves its configuration for the batch it runs: the plan's one-row default (lookup here) with one
-    slot, full depth (said so) with four, a policy asked for in a batch anyway; lossless either way, so the tokens
-    are the same."""
+    slot; with four, that default priced per batch size (plan/batch.py: tests/test_batch_switch.py), or full depth
+    (said so) where the engine does not switch; a policy asked for in a batch anyway; lossless either way, so the
+    tokens are the same."""
     from eectl.contracts.plan import LOOKUP, Choice, LookupChoice, Plan, Prediction
     from eectl.run.engine import Engine
     from eectl.run.generate import RunOptions
@@ -172,15 +173,19 @@ def test_a_batch_runs_full_depth_where_the_plan_prices_one_row(artifact, exporte
     loaded = exported["llama"][0]
     rt.manifest.calibration = make_calibration(loaded, {2: {"prob": 0.9}, 4: {"prob": 0.9}})
     engines = [Engine(rt, RunOptions(), slots=s) for s in (1, 4)] + [Engine(rt, RunOptions(policy=LOOKUP), slots=4)]
+    engines.append(Engine(rt, RunOptions(), slots=4, switch=False))
     try:
-        one, four, asked = (e.config() for e in engines)
-        assert (one.policy, one.prompt_drafts) == ("verify", 5)
-        assert (four.policy, four.exits, four.prompt_drafts) == ("defer", [], 0)
-        assert "a batch of 4 runs full depth" in four.note
-        assert (asked.policy, asked.prompt_drafts) == ("verify", 5)
+        one, four, asked, fixed = (e.config() for e in engines)
+        assert (one.policy, one.prompt_drafts) == ("verify", 5) and engines[0].batching() is None
+        assert (four.policy, four.prompt_drafts) == ("verify", 5) and "batch prices (lookup" in four.note
+        assert (fixed.policy, fixed.exits, fixed.prompt_drafts) == ("defer", [], 0)
+        assert "a batch of 4 runs full depth" in fixed.note
+        assert (asked.policy, asked.prompt_drafts) == ("verify", 5) and engines[2].batching() is None
         prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11], [12, 13, 14, 15, 16]]
         tokens = [[g.token_ids for g in e.generate(prompts, 10)] for e in engines]
-        assert tokens[0] == tokens[1] == tokens[2] and all(len(t) == 10 for t in tokens[0])
+        assert tokens[0] == tokens[1] == tokens[2] == tokens[3] and all(len(t) == 10 for t in tokens[0])
+        batching = engines[1].batching()
+        assert batching is not None and sum(batching["steps"].values()) > 0
     finally:
         for e in engines:
             e.stop()

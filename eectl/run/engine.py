@@ -11,8 +11,12 @@ holds the jobs of one setting (`Sampling`): a job of another setting waits at th
 drains, then the engine steps that setting's runner; nothing behind it joins in the meantime (first come, first
 served). Each setting's configuration is resolved as `eectl run` resolves its options (run/generate.py
 `runner_for`), for the batch size the engine runs: the plan prices one row, so with more than one slot the plan's
-default runs full depth unless the plan prices that batch size (contracts/plan.py `batch_note`), and a policy asked
-for explicitly runs anyway (as `eectl run --batch-size N --policy NAME` does).
+default would run full depth (contracts/plan.py `batch_note`). Where that default is lossless (drafts from the
+context, verify's exits), the engine prices it at every batch size up to its slots instead (plan/batch.py: full
+depth's batched steps timed when the setting's runner is made) and its runner switches between the plan's
+configuration and full depth before each step, by the rows the step holds (runtime/slots.py `Switch`); every
+request's tokens stay the ones it gets alone. A policy asked for explicitly runs at every batch size (as `eectl run
+--batch-size N --policy NAME` does).
 
 The run stage (run/stage.py: `eectl run`, the pipeline) queues its prompts here with `slots` = --batch-size; the
 Python API (eectl/api) and the server (eectl/serve) queue their requests as they come.
@@ -32,10 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eectl.errors import EectlError, UsageError
+from eectl.plan.batch import BatchPrices, batch_prices
 from eectl.run.generate import RunOptions, runner_for
 from eectl.runtime.feed import Feed
+from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.slots import Switch
 from eectl.runtime.state import Generation, RowState, RunConfig
 
 MAX_RUNNERS = 4  # sampling settings whose runners are kept (the least recently used is dropped past it)
@@ -99,6 +106,7 @@ class Engine:
         admit: int | None = None,
         warn: Callable[[str], None] | None = None,
         note: Callable[[str], None] | None = None,
+        switch: bool = True,
     ) -> None:
         if slots < 1:
             raise UsageError(f"--max-batch must be >= 1, got {slots}")
@@ -112,6 +120,9 @@ class Engine:
         # --batch-size 8` on 3 prompts steps 3 rows, resolved as a batch of 8 as before)
         self.opts = dataclasses.replace(opts, batch_size=max(opts.batch_size, slots))
         self.default = Sampling(opts.temperature, opts.top_p)
+        # `switch`: a lossless plan's default runs where it is priced faster at the rows a step holds (`_switching`)
+        self.switching = switch and slots > 1
+        self.prices: BatchPrices | None = None  # what the plan's default was priced at each batch size
         self._runners: dict[Sampling, tuple[RunConfig, Runner]] = {}
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -126,6 +137,14 @@ class Engine:
     def config(self, sampling: Sampling | None = None) -> RunConfig:
         """What a setting runs (the default's unless given): policy, exits, thresholds, the plan's note."""
         return self._runner(sampling or self.default)[0]
+
+    def batching(self) -> dict[str, Any] | None:
+        """Where the default setting switches configurations: the plan's prices per batch size and the steps each
+        configuration ran (runtime/slots.py `Switch.counts`); None where it runs one configuration."""
+        runner = self._runner(self.default)[1]
+        if self.prices is None or runner.switch is None:
+            return None
+        return {**self.prices.to_dict(), "steps": dict(runner.switch.counts)}
 
     def check(self, job: Job) -> None:
         """A job's own errors, before it queues: an empty prompt, a budget below 1, past the context, a sampling
@@ -218,11 +237,35 @@ class Engine:
             got = self._runners.pop(sampling, None)
             if got is None:
                 opts = dataclasses.replace(self.opts, temperature=sampling.temperature, top_p=sampling.top_p)
-                got = runner_for(self.rt, opts, warn, note)
+                got = self._switching(opts, warn, note) or runner_for(self.rt, opts, warn, note)
             self._runners[sampling] = got  # the most recently used last
             while len(self._runners) > MAX_RUNNERS:
                 self._runners.pop(next(iter(self._runners)))
             return got
+
+    def _switching(
+        self, opts: RunOptions, warn: Callable[[str], None] | None, note: Callable[[str], None] | None
+    ) -> tuple[RunConfig, Runner] | None:
+        """The plan's one-row configuration with a switch to full depth (runtime/slots.py `Switch`) at the batch sizes
+        where it is priced slower (plan/batch.py), where the plan's default is lossless and this engine batches; None
+        elsewhere (one slot, a policy asked for, sampling, a lossy or no default: `runner_for` decides)."""
+        m = self.rt.manifest
+        if not self.switching or m.plan is None or m.costs is None or opts.policy or opts.prompt_drafts is not None:
+            return None
+        one = dataclasses.replace(opts, batch_size=1)
+        config = runner_for(self.rt, one)[0]  # asked quietly: where it does not switch, `runner_for` tells
+        lossless = config.policy in POLICIES and POLICIES[config.policy].lossless
+        if not (config.planned and lossless and (config.exits or config.prompt_drafts)):
+            return None
+        config, runner = runner_for(self.rt, one, warn)
+        full = runner_for(self.rt, dataclasses.replace(opts, policy="full"))[1]
+        if self.prices is None:
+            self.prices = batch_prices(self.rt, config, self.slots, opts.max_new_tokens)
+        runner.switch = Switch(full, self.prices.pays)
+        config.note = "; ".join(x for x in (config.note, self.prices.describe()) if x)
+        if note is not None:
+            note(config.note)
+        return config, runner
 
     def _work(self) -> None:
         while True:
@@ -237,12 +280,12 @@ class Engine:
                 others = list(self._runners.values())
             for other in others:  # one setting's buffers in memory at a time
                 if other[1] is not runner:
-                    other[1]._kept = None
+                    _release(other[1])
             feed = _Jobs(self, sampling, runner)
             try:
                 runner.run_feed(feed, self.slots, self.context, on_step=feed.step)
             except BaseException as exc:  # a step failed: its jobs end with the error, the engine goes on
-                runner._kept = None  # the buffers' state is unknown: the next batch allocates new ones
+                _release(runner)  # the buffers' state is unknown: the next batch allocates new ones
                 feed.fail(exc)
         with self._cond:
             left, self._pending = list(self._pending), deque()
@@ -335,6 +378,13 @@ class _Jobs(Feed):
             e._pending = deque(job for job in e._pending if job.sampling != self.sampling)
         for job in mine:
             job._done(None, error)
+
+
+def _release(runner: Runner) -> None:
+    """Drop a runner's kept buffers (and its switch's full-depth view of them)."""
+    runner._kept = None
+    if runner.switch is not None:
+        runner.switch.full._kept = None
 
 
 def _generation(st: RowState) -> Generation | None:

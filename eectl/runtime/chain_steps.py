@@ -89,6 +89,7 @@ def chain_tokens(
     fresh: set[int],
     drafted: dict[int, int],
     kept: Kept,
+    force_full: bool = False,
 ) -> dict[int, int]:
     """One step on the bound chain: slot -> token. One row: its prompt
     (CPU), a full-depth step, or a step with exits or drafts (wide: CPU). A batch: each new prompt on a one-row chain
@@ -97,7 +98,8 @@ def chain_tokens(
     `step`, with exits or drafts (CPU) chain_rows.py's, each segment run for every row (the drafted and deferred
     rows' wide calls beside the batched one: a segment's weights read once a step, where rows stepping one after the
     other on their own chains read them once a row, 1.4% slower: docs/results/2026-12-05-one-row-chain.md). Sampled,
-    the logits of the rows reaching the final head are kept and picked in row order afterwards."""
+    the logits of the rows reaching the final head are kept and picked in row order afterwards. `force_full`: no exit
+    decides in the rows' step (a batch switching to full depth: slots.py `Switch`)."""
     # a chain's buffers are where the run's states live (chain_for): every step is the chain's, save prompts padded
     # into one call (off the CPU EP where the run's states are on the host: `_pad`)
     wide = any(drafted.values())
@@ -109,7 +111,7 @@ def chain_tokens(
             one = chain.step({0: st.tokens[-1]}, place=runner.place, pick=runner.sampler())
             st.exit_layers.append(runner.L)
             return one
-        return {0: chain_step(runner, chain, st, kv, drafted.get(0, 0))}
+        return {0: chain_step(runner, chain, st, kv, drafted.get(0, 0), force_full=force_full)}
     sampler = runner.sampler()
     tokens: dict[int, int] = {}
     logits: dict[int, np.ndarray] = {}  # sampled: each row's final logits, picked in row order at the end
@@ -130,7 +132,8 @@ def chain_tokens(
     if decode and (wide or runner.exits):  # per segment, every row: chain_rows.py
         rows = {s: live[s][0] for s in decode}
         kept_logits = logits if sampler is not None else None
-        tokens.update(rows_step(runner, chain, lambda s: slot_chain(runner, kept, s), rows, drafted, kept_logits))
+        of = lambda s: slot_chain(runner, kept, s)  # noqa: E731
+        tokens.update(rows_step(runner, chain, of, rows, drafted, kept_logits, force_full=force_full))
     elif decode:
         keep = _keeping(logits, sorted(decode)) if sampler is not None else None  # the chain picks in row order
         stepped = chain.step(decode, place=runner.place, pick=keep)

@@ -49,7 +49,7 @@ from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.policies import policy_class
 from eectl.runtime.sampling import pick_token
 from eectl.runtime.sessions import ArtifactRuntime
-from eectl.runtime.slots import ROOM, Kept, narrowed, reused
+from eectl.runtime.slots import ROOM, Kept, Switch, narrowed, rebound, reused
 from eectl.runtime.state import Generation, RowState, RunConfig
 
 
@@ -121,6 +121,8 @@ class Runner:
         self.place: Placement = HOST
         # the last generate()'s host reads, per step
         self.step_reads: list[list[tuple[str, int, str]]] = []
+        # a batch's steps switch to full depth where the plan's configuration is priced slower (slots.py; the engine)
+        self.switch: Switch | None = None
 
     # --- sampling --------------------------------------------------------------------------------------------------
     def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
@@ -270,8 +272,12 @@ class Runner:
             seat()
             if not seated:
                 continue
+            run, k, drain = self, kept, False  # the configuration this step runs (`Switch`) and its chains
+            if self.switch is not None:
+                run, k, drain = self.switch.pick(self, kept, [rows[i] for i in seated.values()])
+                chain = rebound(self.rt, k, chain)
             # a row joining after the batch narrowed steps on the whole batch's chain again
-            chain = narrowed(self.rt, kept, chain, seated) if not feed.waiting() and not fresh else kept.chain
+            chain = narrowed(self.rt, k, chain, seated) if not feed.waiting() and not fresh else k.chain
             t0 = time.perf_counter()  # a step's time includes proposing and settling its drafts
             # a fresh row feeds its prompt after what its cache rows hold, the others their last token
             live: dict[int, tuple[RowState, list[int]]] = {}
@@ -279,29 +285,28 @@ class Runner:
                 row = rows[i]
                 live[s] = (row, row.tokens[row.reused :] if s in fresh else row.tokens[-1:])
             drafted: dict[int, int] = {}  # slot -> drafts from the context this step (RunConfig.prompt_drafts)
-            if self.lookup is not None:
-                lookup, stops = self.lookup, self.cfg.stop_ids
-                budget = self.cfg.max_new_tokens
-                drafted = {
-                    s: lookup.attach(rows[i], self.L, rows[i].budget(budget), stops)
-                    for s, i in seated.items()
-                    if s not in fresh
-                }
+            lookup = None if drain else run.lookup
+            if lookup is not None:
+                stops, budget = self.cfg.stop_ids, self.cfg.max_new_tokens
+                for s, i in seated.items():
+                    if s not in fresh:
+                        rows[i].lookup = rows[i].lookup or lookup.new_state()  # seated while full depth ran
+                        drafted[s] = lookup.attach(rows[i], self.L, rows[i].budget(budget), stops)
             for s, n in drafted.items():
                 if n:  # the row's last token, then its drafts: one wide pass through every layer
                     live[s] = (rows[seated[s]], rows[seated[s]].tokens[-n - 1 :])
-            tokens = chain_tokens(self, chain, kv, live, fresh, drafted, kept)
+            tokens = chain_tokens(run, chain, kv, live, fresh, drafted, k, force_full=drain)
             for s in tokens:
                 if drafted.get(s):
-                    assert self.lookup is not None
-                    self.lookup.close(rows[seated[s]])
+                    assert lookup is not None
+                    lookup.close(rows[seated[s]])
             took = time.perf_counter() - t0  # a row's latency is its batch step's: rows wait for each other
             fresh.clear()
             for s, token in tokens.items():
                 i = seated[s]
                 st = rows[i]
                 st.emit(token, took)
-                st.done = self._finished(s, st, kv, chain)
+                st.done = run._finished(s, st, kv, chain)
                 if on_step is not None:
                     on_step(i, self._confirmed(st))
                 if st.done:

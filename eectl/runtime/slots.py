@@ -1,7 +1,8 @@
 """A batch's slots across generate calls: the buffers a Runner keeps for its next call (`Kept`), the first tokens
 of a new prompt that its slot's cache already holds from the slot's last prompt (`reused`: a chat template's header
-is computed once per slot), and the rows still decoding narrowed onto the fewest rows once no prompt waits for a slot
-(`narrowed`).
+is computed once per slot), the rows still decoding narrowed onto the fewest rows once no prompt waits for a slot
+(`narrowed`), and the configuration each step of a batch runs where it switches between the plan's and full depth
+as rows join and leave (`Switch`).
 
 A batched full-depth step costs about as much whatever rows it needs a token from: every row of the chain's span
 runs (rows that finished ride along on their scratch slot), and at 16 rows the step is compute-bound. Ragged answers
@@ -17,12 +18,16 @@ What this module does not do: seat prompts or step rows (runner.py, chain_steps.
 
 from __future__ import annotations
 
+import copy
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from eectl.runtime.batch import BatchKV
 from eectl.runtime.chain import DecodeChain
 from eectl.runtime.sessions import ArtifactRuntime
-from eectl.runtime.state import RunConfig
+from eectl.runtime.state import RowState, RunConfig
 from eectl.runtime.wide_check import MIN_REST, prefix_refused
 
 # a Runner's new KV cache has room for the positions a call needs rounded up to this many: calls of about one length
@@ -97,8 +102,66 @@ def narrowed(rt: ArtifactRuntime, kept: Kept, chain: DecodeChain, seated: dict[i
             kept.kv.move(src, dst)
             seated[dst] = seated.pop(src)
             kept.prompts[dst] = kept.prompts.pop(src)
-    rows = 1 << (len(seated) - 1).bit_length()
+    return _narrow(rt, kept, 1 << (len(seated) - 1).bit_length(), chain.device)
+
+
+def _narrow(rt: ArtifactRuntime, kept: Kept, rows: int, device: bool | None) -> DecodeChain:
+    """`kept`'s full-depth chain over the cache's first `rows` rows, bound on first use."""
     if rows not in kept.narrow:
         certified = kept.cfg.certified_head  # its buffers where the chain it narrows keeps them
-        kept.narrow[rows] = DecodeChain(rt, kept.kv, 0, rows=rows, certified_head=certified, device=chain.device)
+        kept.narrow[rows] = DecodeChain(rt, kept.kv, 0, rows=rows, certified_head=certified, device=device)
     return kept.narrow[rows]
+
+
+def rebound(rt: ArtifactRuntime, kept: Kept, chain: DecodeChain) -> DecodeChain:
+    """`kept`'s chain over the rows `chain` (another configuration's, on the same cache: `Switch`) spans: the whole
+    batch's, or the narrowed one over the cache's first rows (a configuration with exits never narrows: its whole
+    batch's chain, the rows where they are)."""
+    if chain.rows == kept.chain.rows or kept.chain.exit_at:
+        return kept.chain
+    return _narrow(rt, kept, chain.rows, chain.device)
+
+
+PLAN, FULL, DRAIN = "plan", "full", "drain"  # what a step of a switching batch ran (`Switch.ran`)
+
+
+@dataclass
+class Switch:
+    """A batch that runs the plan's configuration (the runner's own: drafts from the context, or verify's exits)
+    while it holds few enough rows for it to pay, and full depth (`full`, a runner of the same run at full depth)
+    while it holds more: `pays(rows)` says which (plan/batch.py prices it), asked before every step.
+
+    Both configurations step the same cache (`full`'s `Kept` shares the runner's buffers and their prompts: `view`),
+    and only lossless configurations switch (verify's check makes every token full depth's), so each row's tokens
+    are the ones it gets alone whatever its batch ran. A switch to full depth waits for a cycle boundary: a row with
+    unchecked drafts or deferred states (verify's exits) first takes one step of the plan's configuration with no
+    exit deciding (`DRAIN`: the deep pass checks the drafts and computes the deferred K/V); drafts from the context
+    are checked in the step that carries them, so their rows are always at one. `ran` holds what the recent steps
+    ran (rows, PLAN | FULL | DRAIN) and `counts` the steps of each since the engine started."""
+
+    full: Any  # Runner (runtime/runner.py imports this module)
+    pays: Callable[[int], bool]
+    ran: deque[tuple[int, str]] = field(default_factory=lambda: deque(maxlen=4096))
+    counts: dict[str, int] = field(default_factory=lambda: {PLAN: 0, FULL: 0, DRAIN: 0})
+
+    def pick(self, runner: Any, kept: Kept, rows: list[RowState]) -> tuple[Any, Kept, bool]:
+        """The runner and buffers the next step of these seated `rows` runs on, and whether no exit may decide in it
+        (a drain step)."""
+        if self.pays(len(rows)):
+            mode = PLAN
+        else:
+            mode = DRAIN if any(st.drafts or any(p is not None for p in st.pending) for st in rows) else FULL
+        self.ran.append((len(rows), mode))
+        self.counts[mode] += 1
+        if mode != FULL:
+            return runner, kept, mode == DRAIN
+        self.full.place = runner.place  # the run's placement (its record of host reads)
+        return self.full, self.view(kept), False
+
+    def view(self, kept: Kept) -> Kept:
+        """`full`'s buffers: the runner's cache and the prompts its rows hold, with full depth's chains bound on it."""
+        k = self.full._kept
+        if k is None or k.kv is not kept.kv:
+            cfg = copy.deepcopy(self.full.cfg)
+            k = self.full._kept = Kept(kept.kv, self.full._chain(kept.kv, kept.kv.rows), cfg, prompts=kept.prompts)
+        return k

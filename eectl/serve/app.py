@@ -67,6 +67,8 @@ def create_app(model: Model, name: str | None = None) -> FastAPI:
             "cancelled": counts.cancelled,
             "refused": counts.refused,
             "config": model.config,
+            # where the plan's default switches with the batch: its prices per batch size, the steps each ran
+            "batching": e.batching(),
         }
 
     @app.get("/v1/models")
