@@ -38,7 +38,7 @@ MaxNewTokensOpt = Annotated[
 PoliciesOpt = Annotated[
     str | None,
     typer.Option(
-        help="hf, full, KV policy names, lookup, verify+lookup (default: hf, full and the policies).",
+        help="hf, full, KV policy names, lookup, verify+lookup, ahead (default: hf, full and the policies).",
         rich_help_panel="Configurations",
     ),
 ]
@@ -105,6 +105,21 @@ PromptDraftsOpt = Annotated[
         rich_help_panel="Configurations",
     ),
 ]
+DraftAheadOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="ahead: pin the drafter's bound on its running confidence (default: the bound its price picks).",
+        rich_help_panel="Configurations",
+    ),
+]
+AheadPromptsOpt = Annotated[
+    int,
+    typer.Option(
+        help="ahead: prompts its drafter is replayed on to be priced, the data's before --offset (else after the "
+        "bench's), never timed.",
+        rich_help_panel="Configurations",
+    ),
+]
 CompareOpt = Annotated[
     str | None,
     typer.Option(
@@ -148,6 +163,8 @@ def bench(
     memory_budget: BudgetOpt = None,
     place: PlaceOpt = None,
     prompt_drafts: PromptDraftsOpt = DEFAULT_DRAFTS,
+    draft_ahead: DraftAheadOpt = None,
+    ahead_prompts: AheadPromptsOpt = 8,
     compare: CompareOpt = None,
     peer: PeerOpt = None,
     recipe: RecipeOpt = None,
@@ -188,6 +205,8 @@ def bench(
         profile_costs=profile_costs,
         max_risk=max_risk,
         prompt_drafts=prompt_drafts,
+        draft_ahead=draft_ahead,
+        ahead_replay=ahead_prompts,
         weights=weight_options(mmap_weights, memory_budget, place),
     )
     listed = None if policies is None else [c.strip() for c in policies.split(",") if c.strip()]

@@ -48,9 +48,9 @@ from eectl.evaluate.report import markdown, write_report
 from eectl.evaluate.results import (
     AA,
     BUILT_IN_CONFIGS,
+    DRAFTING_CONFIGS,
     EXACT_HEAD,
     LOOKUP,
-    LOOKUP_CONFIGS,
     VERIFY_LOOKUP,
     BenchOptions,
     BenchResult,
@@ -116,7 +116,7 @@ def add_artifact_configs(opts: BenchOptions, m: Manifest) -> None:
 
 def _changes_tokens(name: str) -> bool:
     """Whether a configuration's tokens may differ from full depth's (a lossless policy's never do)."""
-    if name in ("full", AA, "hf", EXACT_HEAD, *LOOKUP_CONFIGS):
+    if name in ("full", AA, "hf", EXACT_HEAD, *DRAFTING_CONFIGS):
         return False
     return name not in POLICIES or not POLICIES[name].lossless
 
@@ -466,7 +466,7 @@ def _result(
     peer = configs.peers.get(name)
     res = _summary(name, runs[name], timing.rss[name], m.num_layers, peer.spec.runtime if peer is not None else "")
     if name in configs.configs:
-        predictions(res, configs.configs[name], m, runs[name])
+        predictions(res, configs.configs[name], m, runs[name], configs.priced.get(name))
     mine, full, strata = timing.array(name), timing.array("full"), timing.strata()
     res.blocks = [[(float(s), int(n), float(w)) for s, n, w in rep] for rep in timing.blocks[name]]
     if name == "full":

@@ -21,11 +21,13 @@ from typing import Any
 import numpy as np
 
 from eectl.contracts.certificate import CERTIFIED
+from eectl.contracts.plan import Prediction
 from eectl.errors import UsageError
+from eectl.evaluate.ahead import ahead_config
 from eectl.evaluate.memory import MemoryMeter
 from eectl.evaluate.peers import LlamaCppPeer
 from eectl.evaluate.predicted import RIVER_EXIT
-from eectl.evaluate.results import AA, EXACT_HEAD, LOOKUP, LOOKUP_CONFIGS, BenchOptions, ConfigResult
+from eectl.evaluate.results import AA, AHEAD, EXACT_HEAD, LOOKUP, LOOKUP_CONFIGS, BenchOptions, ConfigResult
 from eectl.evaluate.stats import agreement, per_prompt_totals, speed_ratio
 from eectl.evaluate.timing import OnStep, _Run
 from eectl.run.generate import RunOptions, resolve_config, uncalibrated_note
@@ -125,6 +127,7 @@ class Configs:
         self.exits: list[int] = []
         self.thresholds: dict[int, dict[str, float]] = {}
         self.signal = ""
+        self.priced: dict[str, Prediction | None] = {}  # configuration -> its price where not the plan's (ahead)
         self.configs: dict[str, RunConfig] = self._resolve(rt)
         # the runtimes in the order they were created: (artifact, instance), this artifact's named `full`
         self.created: list[tuple[str, int]] = [("full", 0)]
@@ -158,6 +161,8 @@ class Configs:
             chosen = lookup if name == LOOKUP else early
             chosen.prompt_drafts = opts.prompt_drafts
             configs[name] = resolve_config(rt, chosen, stop) if name == LOOKUP else self._early(rt, chosen)
+        if AHEAD in opts.configs:  # verify drafting ahead at the plan's bound, priced on a replay (evaluate/ahead.py)
+            configs[AHEAD], self.priced[AHEAD], _ = ahead_config(rt, opts, stop)
         if EXACT_HEAD in opts.configs:  # full depth without the certified head (export/certified_head.py)
             full = self._full(rt)
             configs[EXACT_HEAD] = replace(full, certified_head=False, note="full depth, the full LM head every step")

@@ -15,14 +15,18 @@ from eectl.evaluate.timing import _Run
 from eectl.runtime.state import RunConfig
 
 
-def predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run]) -> None:
-    """The plan's predicted speedup for this configuration, and the cost model at the exits this run realized."""
+def predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run], priced: Any = None) -> None:
+    """The plan's predicted speedup for this configuration (`priced`: its own price, a Prediction, where the plan
+    does not hold it: the drafter running ahead), and the cost model at the exits this run realized."""
     from eectl.contracts.plan import RIVER_POLICIES
     from eectl.plan.choose import predict, sequence_agreement
 
     res.exits = list(cfg.exits)
     res.gated = any(GATE in cfg.thresholds.get(e, {}) for e in cfg.exits)
     res.note = cfg.note
+    if priced is not None:
+        res.predicted_speedup, res.predicted_interval = priced.speedup, priced.interval
+        return
     if cfg.prompt_drafts:  # drafts from the context: the plan prices them at full depth only (its lookup entry)
         lookup = m.plan.lookup if m.plan is not None else None
         if lookup is not None and not cfg.exits:

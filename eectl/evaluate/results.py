@@ -8,6 +8,7 @@ from typing import Any
 from eectl.contracts.certificate import CERTIFIED
 from eectl.contracts.names import POLICY_SPECS, default_policies
 from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, RIVER_EXIT
+from eectl.plan.ahead import AHEAD
 from eectl.runtime.tiers import WeightOptions
 
 AA = "full-aa"  # the A/A control: a second copy of full depth (evaluate/bench.py adds it to every run)
@@ -19,7 +20,9 @@ LOOKUP_CONFIGS = (LOOKUP, VERIFY_LOOKUP)
 EXACT_HEAD = "exact-head"  # full depth with the full LM head every step: what the certified head saves (export/)
 # every configuration bench runs by its name (--compare adds the user's): what --policies and a recipe's bench.configs
 # may list
-BUILT_IN_CONFIGS = (*BASELINES, *POLICY_SPECS, RIVER_EXIT, *LOOKUP_CONFIGS, CERTIFIED, EXACT_HEAD)
+# AHEAD: verify drafting ahead at the bound plan/ahead.py picks (evaluate/ahead.py)
+BUILT_IN_CONFIGS = (*BASELINES, *POLICY_SPECS, RIVER_EXIT, *LOOKUP_CONFIGS, AHEAD, CERTIFIED, EXACT_HEAD)
+DRAFTING_CONFIGS = (*LOOKUP_CONFIGS, AHEAD)  # configurations of drafts checked by verify: full depth's tokens
 
 
 @dataclass
@@ -45,6 +48,10 @@ class BenchOptions:
     peers: dict[str, str] = field(default_factory=dict)
     prompt_drafts: int = DEFAULT_DRAFTS  # the lookup configurations' drafts per step
     weights: WeightOptions = field(default_factory=WeightOptions)  # mapped weights, memory budget, placement
+    # the ahead configuration: the prompts its drafter is replayed on (not timed), and a bound pinned (None: the plan's)
+    ahead_prompts: list[str] = field(default_factory=list)
+    ahead_replay: int = 8  # how many (evaluate/stage.py takes them from the data)
+    draft_ahead: float | None = None
 
 
 @dataclass

@@ -79,6 +79,7 @@ def bench(recipe: Recipe, req: BenchRequest, out: Output) -> BenchRun:
         sweep=pick(req.sweep, list(r.bench.sweep)),
         ppl_tokens=ppl_tokens,
         threads=req.threads,
+        ahead_prompts=_replayed(text.prompts, window, req.options.ahead_replay),
     )
     heldout = heldout_texts(text.texts) if ppl_tokens > 0 else None
     answers = gsm8k_answers(text.texts[window])
@@ -91,3 +92,12 @@ def bench(recipe: Recipe, req: BenchRequest, out: Output) -> BenchRun:
     with phases.time("report"):
         files = write_report(result, req.report) if req.report is not None else []
     return BenchRun(result, files, phases)
+
+
+def _replayed(prompts: list[str], window: slice, n: int) -> list[str]:
+    """The ahead configuration's replay prompts (evaluate/ahead.py): the n before the bench's window, else the n
+    after it; never one the bench times."""
+    if n < 1:
+        raise UsageError(f"--ahead-prompts must be >= 1, got {n}")
+    before, after = prompts[: window.start], prompts[window.stop :]
+    return before[-n:] if before else after[:n]

@@ -285,6 +285,13 @@ def _decide(
             continue
         at = _exit_input(chain, one, step, r, s)
         t0 = time.perf_counter()
+        if runner.policy.ahead(layer):  # verify drafting ahead: its own rule, no gate (runtime/ahead.py)
+            token = runner.policy.ahead_token(st, layer, buffers.host_state(runner.rt, at)[None])
+            st.decide_s += time.perf_counter() - t0
+            st.count_decisions([layer], layer)
+            if token is not None:
+                _exited(runner, chain, one, step, r, s, layer, partial(int, token))
+            continue
         gate = runner.gates.get(layer)
         if gate is not None:  # gated: the decision runs only when the gate opens; the first to run picks
             place.read(("gate", layer, "hidden"))

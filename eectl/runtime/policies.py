@@ -23,6 +23,7 @@ The built-in policies:
 - `verify`: like defer, but exited tokens are drafts: when a pass reaches the final layer, the final logits of
             the pending positions check the drafts; the first wrong draft and everything after it are rolled back
             by resetting the length counters, and the full model's token is emitted instead. Output == full depth.
+            With `RunConfig.draft_ahead` its first exit drafts ahead by its running confidence (runtime/ahead.py).
 - `river`:  River-LLM's exit river: the exited token flows on through int4 copies of the remaining segments
             (`export --river`), which write its K/V into the same buffers in place (no pending positions, nothing
             recomputed, no rollback; the K/V are approximate). Its token comes from the river's end (final norm +
@@ -53,6 +54,7 @@ import numpy as np
 
 from eectl.contracts.names import POLICY_SPECS
 from eectl.errors import UsageError
+from eectl.runtime.ahead import ahead_token, check_ahead
 from eectl.runtime.blocks import active_block, run_block
 from eectl.runtime.device_ops import concat
 from eectl.runtime.placement import HOST, Placement
@@ -118,6 +120,8 @@ class KVPolicy:
         """Raise UsageError for run options this policy cannot honour."""
         if cls.greedy_only and config.temperature > 0:
             raise UsageError(f"the {cls.name} policy is greedy only (it reproduces full-depth greedy output)")
+        if config.draft_ahead and not cls.checks_drafts:
+            raise UsageError(f"--draft-ahead drafts for verify's check, not under the {cls.name} policy")
 
     @classmethod
     def plan_fragment(cls, river_predict: str = "end") -> PlanFragment | None:
@@ -127,6 +131,13 @@ class KVPolicy:
 
     def may_exit(self, st: RowState) -> bool:
         return True
+
+    def ahead(self, layer: int) -> bool:
+        """Whether the decision at exit `layer` is a run-ahead drafter's (`ahead_token`) instead of the exit's test."""
+        return False
+
+    def ahead_token(self, st: RowState, layer: int, hidden: np.ndarray) -> int | None:
+        raise NotImplementedError
 
     def predict(
         self, row: int, st: RowState, kv: KVBuffers, s: int, out: Any, *, place: Placement = HOST
@@ -206,8 +217,21 @@ class Verify(Defer):
     scores_text = False
     fragment = PlanFragment(pending=True, draft_check=True, forced_pass=True)
 
+    @classmethod
+    def check(cls, config: RunConfig) -> None:
+        super().check(config)
+        check_ahead(config)
+
     def may_exit(self, st: RowState) -> bool:
         return len(st.drafts) < self.cfg.verify_block  # then a forced full-depth pass checks them
+
+    def ahead(self, layer: int) -> bool:
+        """Whether the decision at `layer` is the run-ahead drafter's (runtime/ahead.py): its first active exit."""
+        return self.cfg.draft_ahead > 0.0 and layer == self.cfg.exits[0]
+
+    def ahead_token(self, st: RowState, layer: int, hidden: np.ndarray) -> int | None:
+        """The drafter's token for a row at its exit (hidden [1, H]), or None: the token goes on and checks the run."""
+        return ahead_token(self.rt, self.cfg, st, layer, hidden)
 
     def on_exit(self, row: int, st: RowState, kv: KVBuffers, s: int, out: np.ndarray, token: int) -> None:
         super().on_exit(row, st, kv, s, out, token)
@@ -224,6 +248,7 @@ class Verify(Defer):
         final head call over every position checks them and gives the token after the last (returned, counted at
         the final layer): the head's weights are read once per step, however many drafts it checks.
         """
+        st.ahead = 1.0  # a run of drafts ends at the pass that checks it
         if not st.drafts:
             return None
         base = int(kv.filled[row, self.num_layers - 1]) - out.shape[1]

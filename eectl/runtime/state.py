@@ -29,6 +29,9 @@ class RunConfig:
     prompt_drafts: int = 0
     draft_ngram: int = MAX_NGRAM
     draft_min: int = 1  # the shortest run of drafts from the context proposed (the plan's: runtime/drafts.py)
+    # verify: the first active exit drafts ahead while the product of its top-1 probabilities over the run stays >= this
+    # bound (runtime/ahead.py; 0: off, drafts where the exit's own test passes)
+    draft_ahead: float = 0.0
     # batches (defer, verify): an exited row's deferred state joins the deeper segment calls that run anyway for other
     # rows (its K/V computed now, the same values a later flush computes) instead of waiting (chain_rows.py)
     ride_along: bool = True
@@ -90,6 +93,7 @@ class RowState:
     # decode time of steps whose tokens are not emitted (drafts a rollback discarded): added to the next emitted
     # token's latency, so a row's latencies add up to its decode time
     carried_s: float = 0.0
+    ahead: float = 1.0  # verify drafting ahead: the product of the run's draft probabilities (runtime/ahead.py)
 
     def budget(self, run: int) -> int:
         """The tokens this row may generate: its own budget, else the run's (`run`)."""

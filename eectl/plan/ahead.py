@@ -1,0 +1,178 @@
+"""Drafts that run ahead priced (runtime/ahead.py): the bound and the exit the drafter runs at, chosen from its
+replay on measured traces and this machine's costs, against verify, lookup and full depth.
+
+The replay (`replay_ahead`) is the runtime's rule on a trace of one (prompt, full-depth answer) pair: at each answer
+position i the exit's top-1 probability p_i and whether its token is the answer's next (runtime/ahead.py `traces`).
+A cycle starting at i drafts while the run's product p_i ... p_{i+k-1} stays >= the bound (at most `block`), then the
+token at i + k runs to the final layer and checks the k drafts: the leading correct ones (a) are kept, and the pass
+emits the full model's token after them, so the cycle emits a + 1 tokens and the next starts at i + a + 1. On the
+accepted path the exit's states are the full model's (the layers up to the exit hold every position's exact K/V), so
+the replay is the run's, but for how long a run goes on past its first wrong draft (the trace's probabilities there
+are the answer's; the run's follow the wrong token): that tail's cost only, never the tokens.
+
+Priced per cycle with the cost model's pieces (plan/choose.py `_exit_paid`, `check_excess`):
+
+    k drafts:      k x (the step to the exit + its decision + one more position in every later segment and the head)
+    the check:     the full-depth step + its decision (none where the block forced it) + the wide pass's excess at k
+    ms per token:  sum over cycles / sum over cycles of (a + 1)
+
+The choice maximises the predicted speedup over `BOUNDS` at every exit traced; it runs (`AheadChoice.on`) only when
+its interval's low end (the costs' timing and a bootstrap over the traced prompts, combined) clears 1 + MIN_GAIN.
+`lossless_pick` puts it beside the plan's lossless default (verify, lookup or full depth): the higher low end wins.
+
+What this module does not do: measure the traces or run anything (runtime/ahead.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from eectl.contracts.plan import LEVEL, LOOKUP, MIN_GAIN, VERIFY_BLOCK, Costs, Plan, Prediction
+from eectl.plan.choose import _exit_paid
+from eectl.plan.intervals import Replicates, combined, unit_interval
+from eectl.plan.verify import check_excess
+
+AHEAD = "ahead"  # bench's name of the configuration: verify drafting ahead at the plan's bound
+# the bounds priced: a product of top-1 probabilities (1 drafts only what the exit is sure of)
+BOUNDS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05, 0.02)
+
+Trace = tuple[list[float], list[bool]]  # per answer position: the exit's top-1 probability, its token right
+
+
+def replay_ahead(
+    probs: Sequence[float], right: Sequence[bool], bound: float, block: int = VERIFY_BLOCK
+) -> list[tuple[int, int]]:
+    """The cycles (drafts k, accepted a) the run-ahead drafter takes along one trace (module docstring)."""
+    n, i, out = len(probs), 0, []
+    while i < n:
+        run, k = 1.0, 0
+        while k < block and i + k < n and run * probs[i + k] >= bound:
+            run *= probs[i + k]
+            k += 1
+        a = next((j for j in range(k) if not right[i + j]), k)
+        out.append((k, a))
+        i += a + 1
+    return out
+
+
+@dataclass
+class AheadChoice:
+    """The drafter's priced setting: exit, bound, prediction; `on` where its interval's low end clears the line.
+    `by_position[m]`: of the cycles that drafted m + 1 or more, the share that kept draft m + 1 (acceptance by
+    position); `drafts`, `accepted`: per check pass, the mean drafts and kept drafts (the acceptance length)."""
+
+    exit: int
+    bound: float
+    prediction: Prediction
+    on: bool
+    drafts: float = 0.0
+    accepted: float = 0.0
+    by_position: list[float] = field(default_factory=list)
+
+    def describe(self) -> str:
+        state = "on" if self.on else "off (below the line)"
+        return (
+            f"drafts ahead at exit {self.exit}, bound {self.bound}: {self.prediction.describe()} predicted, {state}; "
+            f"{self.drafts:.2f} drafts and {self.accepted:.2f} kept per check"
+        )
+
+
+def _cycles(traces: Sequence[Trace], bound: float, block: int) -> list[list[tuple[int, int]]]:
+    return [replay_ahead(p, r, bound, block) for p, r in traces]
+
+
+def price(
+    costs: Costs, boundaries: Sequence[int], layer: int, cycles: Sequence[Sequence[tuple[int, int]]], block: int
+) -> Prediction:
+    """The drafter at exit `layer` over these cycles (per prompt), by the costs (module docstring)."""
+    bound = costs.bound_exits
+    base = costs.baseline_ms()
+    full = base if bound else costs.full_step_ms
+    over = costs.overhead_per_segment(bound)
+    decision = costs.candidates_ms[str(layer)]
+    draft = _exit_paid(costs, boundaries, "verify", layer, over) + decision
+    check = check_excess(costs, boundaries, [(layer, 1.0, None)])
+    ms = tokens = steps = 0.0
+    drafted = 0
+    for k, a in (c for per in cycles for c in per):
+        ms += k * draft + full + (decision if k < block else 0.0) + (check(k) if check is not None and k else 0.0)
+        tokens += a + 1
+        steps += k + 1
+        drafted += k
+    if tokens == 0:
+        return Prediction(
+            policy="verify", exits=[layer], ms_per_token=base, full_ms=base, speedup=1.0, decision_ms=0.0, exit_rate=0.0
+        )
+    per_token = ms / tokens
+    return Prediction(
+        policy="verify",
+        exits=[layer],
+        ms_per_token=per_token,
+        full_ms=base,
+        speedup=base / per_token,
+        decision_ms=decision * steps / tokens,
+        exit_rate=drafted / steps,
+        lost_per_step=(steps - tokens) / steps,
+    )
+
+
+def choose_ahead(
+    costs: Costs,
+    boundaries: Sequence[int],
+    traces: Mapping[int, Sequence[Trace]],
+    block: int = VERIFY_BLOCK,
+    min_gain: float = MIN_GAIN,
+    level: float = LEVEL,
+) -> AheadChoice | None:
+    """The fastest (exit, bound) over BOUNDS at the exits traced that the costs price (None: none), with its
+    interval; `on` where its low end clears 1 + min_gain."""
+    priced = [
+        (price(costs, boundaries, layer, _cycles(tr, b, block), block), layer, b)
+        for layer, tr in traces.items()
+        if str(layer) in costs.candidates_ms and layer in boundaries[:-1]
+        for b in BOUNDS
+    ]
+    if not priced:
+        return None
+    pred, layer, b = max(priced, key=lambda x: x[0].speedup)
+    tr = list(traces[layer])
+    timing = Replicates.of(costs).interval(
+        pred.speedup, lambda c: price(c, boundaries, layer, _cycles(tr, b, block), block).speedup, level
+    )
+    sample = unit_interval(
+        pred.speedup,
+        len(tr),
+        lambda picks: price(costs, boundaries, layer, _cycles([tr[i] for i in picks], b, block), block).speedup,
+        level,
+    )
+    span = combined(pred.speedup, timing, sample)
+    if span is not None:
+        pred = pred.model_copy(update={"interval": span, "timing": timing})
+    cycles = [c for per in _cycles(tr, b, block) for c in per]
+    reached = [sum(1 for k, _ in cycles if k > m) for m in range(block)]
+    kept = [sum(1 for _, a in cycles if a > m) for m in range(block)]
+    return AheadChoice(
+        exit=layer,
+        bound=b,
+        prediction=pred,
+        on=pred.low() >= 1.0 + min_gain,
+        drafts=sum(k for k, _ in cycles) / max(len(cycles), 1),
+        accepted=sum(a for _, a in cycles) / max(len(cycles), 1),
+        by_position=[round(kept[m] / reached[m], 4) for m in range(block) if reached[m]],
+    )
+
+
+def lossless_pick(plan: Plan, ahead: AheadChoice | None) -> str:
+    """Among the plan's lossless default (verify, lookup or full) and the drafter: the higher low end of the
+    predicted speedup, the drafter only where it runs (`on`)."""
+    default, verify = plan.default, plan.choices.get("verify")
+    if default == LOOKUP and plan.lookup is not None:
+        low = plan.lookup.prediction.low()
+    elif default == "verify" and verify is not None and verify.exits:
+        low = verify.prediction.low()
+    elif default in ("full", "verify", LOOKUP):
+        default, low = "full", 1.0
+    else:  # a certified lossy setting, the user's risk: not the drafter's to replace
+        return default
+    return AHEAD if ahead is not None and ahead.on and ahead.prediction.low() > low else default
