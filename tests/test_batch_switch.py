@@ -163,7 +163,7 @@ def test_the_engine_switches_its_plans_default_by_the_rows_a_step_holds(exported
     rt.manifest.costs = _costs()
     rt.manifest.calibration = make_calibration(exported["llama"][0], {2: {"prob": 0.9}, 4: {"prob": 0.9}})
     given = BatchPrices(LOOKUP, 1.03, {1: 1.6, 2: 1.1, 3: 0.9, 4: 0.8})
-    monkeypatch.setattr(engine_module, "batch_prices", lambda rt, config, slots, tokens: given)
+    monkeypatch.setattr(engine_module, "batch_prices", lambda *args: given)
     budgets = [14, 3, 5, 9]
     one = Engine(rt, RunOptions(), slots=1)
     alone = [[g.token_ids for g in one.generate([p], n)][0] for p, n in zip(PROMPTS, budgets, strict=False)]
@@ -193,3 +193,33 @@ def test_the_engine_switches_its_plans_default_by_the_rows_a_step_holds(exported
         assert all((mode == PLAN) == (rows <= 2) for rows, mode in ran)
     finally:
         engine.stop()
+
+
+def test_a_batchs_chains_take_the_certified_head_only_where_it_was_timed_faster(exported, monkeypatch):
+    """The engine times full depth's batched steps with the certified head and the full head alone at each batch size
+    it runs (plan/batch.py `time_full`) and binds each chain with the faster (here given: the certified head at one
+    row, the full head at 2 and 4); the tokens are the same either way (the certified head proves the full head's
+    argmax or defers to it)."""
+    from eectl.run import engine as engine_module
+    from eectl.run.engine import Engine
+    from eectl.run.generate import RunOptions
+
+    rt = ArtifactRuntime(exported["llama"][1], provider="cpu")
+    assert rt.certified_head is not None
+    timed = {1: 1.0, 2: 1.5, 4: 2.0}, {1: True, 2: False, 4: False}
+    monkeypatch.setattr(engine_module, "time_full", lambda *args, **kw: timed)
+    prompts = [list(p) for p in PROMPTS[:3]]
+    one = Engine(rt, RunOptions(exits="none"), slots=1)
+    four = Engine(rt, RunOptions(exits="none"), slots=4)
+    try:
+        alone = [g.token_ids for g in one.generate(prompts, 8)]
+        assert [g.token_ids for g in four.generate(prompts, 8)] == alone
+        runner = four._runner(four.default)[1]
+        assert runner.heads == {1: True, 2: False, 4: False} and one._runner(one.default)[1].heads == {}
+        kept = runner._kept
+        assert kept is not None and kept.chain.rows == 4 and kept.chain.certified is None
+        assert kept.prompt_chains and all(c.certified is not None for c in kept.prompt_chains.values())
+        assert all((c.certified is not None) == timed[1][n] for n, c in kept.narrow.items())
+    finally:
+        one.stop()
+        four.stop()

@@ -114,21 +114,29 @@ def widths(max_batch: int) -> list[int]:
 
 def time_full(
     rt: ArtifactRuntime, sizes: Sequence[int], certified_head: bool = True, rounds: int = ROUNDS, past: int = PAST
-) -> dict[int, float]:
+) -> tuple[dict[int, float], dict[int, bool]]:
     """Full depth's decode step over b rows (each row at `past` positions) for each b of `sizes`, on the bound chain as
-    a batch runs it: ms, the median of `rounds` rounds (the sizes interleaved within a round, after one untimed)."""
+    a batch runs it: ms, the median of `rounds` rounds (every chain once a round, after one untimed round). Where the
+    artifact has a certified head and `certified_head`, each size is timed with it and with the full head alone, in
+    the same rounds: returns each size's faster step and whether that is the certified head's. The certified head
+    ranks the vocabulary in 8 bits (runtime/certified_head.py): far cheaper than the full head for one row, but its
+    int8 kernel's cost grows with the rows where the full head's fp32 one is memory-bound, and any row it cannot
+    prove runs the full head for every row too."""
     kv = new_batch_kv(rt, max(sizes), past + 2)
-    chains = {b: DecodeChain(rt, kv, 0, rows=b, certified_head=certified_head) for b in sizes}
+    heads = (True, False) if certified_head and rt.certified_head is not None else (False,)
+    chains = {(b, h): DecodeChain(rt, kv, 0, rows=b, certified_head=h) for b in sizes for h in heads}
     ids = np.random.default_rng(0).integers(1, rt.manifest.dims["vocab_size"], size=max(sizes)).tolist()
-    times: dict[int, list[float]] = {b: [] for b in sizes}
+    times: dict[tuple[int, bool], list[float]] = {k: [] for k in chains}
     for r in range(rounds + 1):
-        for b, chain in chains.items():
+        for (b, h), chain in chains.items():
             kv.filled[:b] = past  # every round decodes the same position
             t0 = time.perf_counter()
             chain.step({i: ids[i] for i in range(b)})
             if r:
-                times[b].append((time.perf_counter() - t0) * 1000.0)
-    return {b: float(statistics.median(v)) for b, v in times.items()}
+                times[b, h].append((time.perf_counter() - t0) * 1000.0)
+    ms = {k: float(statistics.median(v)) for k, v in times.items()}
+    best = {b: min(ms[b, h] for h in heads) for b in sizes}
+    return best, {b: ms[b, heads[0]] <= ms[b, heads[-1]] and heads[0] for b in sizes}
 
 
 def price(
@@ -209,16 +217,16 @@ def _exits_model(
     return out if all(math.isfinite(v) and v > 0 for v in out.values()) else None
 
 
-def batch_prices(rt: ArtifactRuntime, config: RunConfig, max_batch: int, tokens: int) -> BatchPrices:
+def batch_prices(
+    rt: ArtifactRuntime, config: RunConfig, max_batch: int, tokens: int, full_ms: dict[int, float], seconds: float
+) -> BatchPrices:
     """The plan's default (`config`: its one-row configuration, as the run resolved it) priced at each batch size
-    1..max_batch for answers of up to `tokens` tokens: full depth's batched steps timed here (`time_full`), the rest
-    from the manifest (its costs, the plan, calibration's replay of drafts from the context at that length)."""
+    1..max_batch for answers of up to `tokens` tokens, on full depth's batched steps timed here (`time_full`: `full_ms`
+    in `seconds`); the rest from the manifest (its costs, the plan, calibration's replay of drafts from the context at
+    that length)."""
     m = rt.manifest
     plan, costs = m.plan, m.costs
     assert plan is not None and costs is not None
-    t0 = time.perf_counter()
-    full_ms = time_full(rt, widths(max_batch), certified_head=config.certified_head)
-    seconds = time.perf_counter() - t0
     stats = None
     cal = m.calibration
     if plan.default == LOOKUP and cal is not None and cal.lookup is not None:

@@ -30,13 +30,14 @@ import dataclasses
 import functools
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from eectl.errors import EectlError, UsageError
-from eectl.plan.batch import BatchPrices, batch_prices
+from eectl.plan.batch import BatchPrices, batch_prices, time_full, widths
 from eectl.run.generate import RunOptions, runner_for
 from eectl.runtime.feed import Feed
 from eectl.runtime.policies import POLICIES
@@ -123,6 +124,9 @@ class Engine:
         # `switch`: a lossless plan's default runs where it is priced faster at the rows a step holds (`_switching`)
         self.switching = switch and slots > 1
         self.prices: BatchPrices | None = None  # what the plan's default was priced at each batch size
+        # full depth's batched steps timed at engine start (plan/batch.py `time_full`): rows -> ms, rows -> whether
+        # the certified head is the faster there, the seconds it took; None: not timed (one slot)
+        self.timed: tuple[dict[int, float], dict[int, bool], float] | None = None
         self._runners: dict[Sampling, tuple[RunConfig, Runner]] = {}
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -238,6 +242,7 @@ class Engine:
             if got is None:
                 opts = dataclasses.replace(self.opts, temperature=sampling.temperature, top_p=sampling.top_p)
                 got = self._switching(opts, warn, note) or runner_for(self.rt, opts, warn, note)
+                self._heads(got[1])
             self._runners[sampling] = got  # the most recently used last
             while len(self._runners) > MAX_RUNNERS:
                 self._runners.pop(next(iter(self._runners)))
@@ -260,12 +265,33 @@ class Engine:
         config, runner = runner_for(self.rt, one, warn)
         full = runner_for(self.rt, dataclasses.replace(opts, policy="full"))[1]
         if self.prices is None:
-            self.prices = batch_prices(self.rt, config, self.slots, opts.max_new_tokens)
+            full_ms, _, seconds = self._timing(config.certified_head)
+            self.prices = batch_prices(self.rt, config, self.slots, opts.max_new_tokens, full_ms, seconds)
         runner.switch = Switch(full, self.prices.pays)
         config.note = "; ".join(x for x in (config.note, self.prices.describe()) if x)
         if note is not None:
             note(config.note)
         return config, runner
+
+    def _timing(self, certified_head: bool) -> tuple[dict[int, float], dict[int, bool], float]:
+        """Full depth's batched steps at the batch sizes this engine runs (plan/batch.py `time_full`), timed once."""
+        if self.timed is None:
+            t0 = time.perf_counter()
+            full_ms, heads = time_full(self.rt, widths(self.slots), certified_head=certified_head)
+            self.timed = full_ms, heads, time.perf_counter() - t0
+        return self.timed
+
+    def _heads(self, runner: Runner) -> None:
+        """A greedy batch's chains take the certified head only at the row counts where it is the faster
+        (`time_full`): its 8-bit ranking costs more per row than the full head's memory-bound fp32 one in a large
+        batch, and any row it cannot prove runs the full head for all."""
+        cfg = runner.cfg
+        if self.slots < 2 or not cfg.certified_head or cfg.temperature > 0 or self.rt.certified_head is None:
+            return
+        heads = self._timing(True)[1]
+        for r in (runner, runner.switch.full if runner.switch is not None else None):
+            if r is not None:
+                r.heads = dict(heads)
 
     def _work(self) -> None:
         while True:

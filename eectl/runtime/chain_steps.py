@@ -42,7 +42,7 @@ def chain_for(runner: Runner, kv: KVBuffers, rows: int, row: int = 0, host: bool
     elif runner._on_device():
         device = True
     thresholds = {e: cfg.thresholds[e] for e in exits}
-    certified = cfg.certified_head
+    certified = cfg.certified_head and runner.heads.get(rows, True)  # where it is the faster at this many rows
     return DecodeChain(rt, kv, row, thresholds, runner.signal, cfg.top_k, runner.gates, rows, certified, device)
 
 

@@ -123,6 +123,9 @@ class Runner:
         self.step_reads: list[list[tuple[str, int, str]]] = []
         # a batch's steps switch to full depth where the plan's configuration is priced slower (slots.py; the engine)
         self.switch: Switch | None = None
+        # rows -> whether a chain over that many rows takes the certified head (timed where a server batches:
+        # plan/batch.py `time_full`); a count not here: the configuration's `certified_head`
+        self.heads: dict[int, bool] = {}
 
     # --- sampling --------------------------------------------------------------------------------------------------
     def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
@@ -338,7 +341,7 @@ class Runner:
             kv = new_batch_kv(self.rt, width, min(self.m.max_positions, -(-need // ROOM) * ROOM))
         except UsageError:  # the rounded room does not fit in memory: what the call needs, or its one-line error
             kv = new_batch_kv(self.rt, width, need)
-        self._kept = Kept(kv, self._chain(kv, width), copy.deepcopy(self.cfg))
+        self._kept = Kept(kv, self._chain(kv, width), copy.deepcopy(self.cfg), heads=self.heads)
         return self._kept
 
     def _pad(self) -> bool:

@@ -46,6 +46,7 @@ class Kept:
     prompt_chains: dict[int, DecodeChain] = field(default_factory=dict)  # slot -> a one-row chain for its prompts
     narrow: dict[int, DecodeChain] = field(default_factory=dict)  # rows -> a full-depth chain over the first rows
     prompts: dict[int, list[int]] = field(default_factory=dict)  # slot -> the prompt whose K/V begin its cache rows
+    heads: dict[int, bool] = field(default_factory=dict)  # rows -> the certified head on (Runner.heads)
 
 
 def reused(rt: ArtifactRuntime, kept: Kept, slot: int, ids: list[int], pad: bool) -> int:
@@ -108,7 +109,7 @@ def narrowed(rt: ArtifactRuntime, kept: Kept, chain: DecodeChain, seated: dict[i
 def _narrow(rt: ArtifactRuntime, kept: Kept, rows: int, device: bool | None) -> DecodeChain:
     """`kept`'s full-depth chain over the cache's first `rows` rows, bound on first use."""
     if rows not in kept.narrow:
-        certified = kept.cfg.certified_head  # its buffers where the chain it narrows keeps them
+        certified = kept.cfg.certified_head and kept.heads.get(rows, True)
         kept.narrow[rows] = DecodeChain(rt, kept.kv, 0, rows=rows, certified_head=certified, device=device)
     return kept.narrow[rows]
 
@@ -163,5 +164,6 @@ class Switch:
         k = self.full._kept
         if k is None or k.kv is not kept.kv:
             cfg = copy.deepcopy(self.full.cfg)
-            k = self.full._kept = Kept(kept.kv, self.full._chain(kept.kv, kept.kv.rows), cfg, prompts=kept.prompts)
+            chain = self.full._chain(kept.kv, kept.kv.rows)
+            k = self.full._kept = Kept(kept.kv, chain, cfg, prompts=kept.prompts, heads=self.full.heads)
         return k

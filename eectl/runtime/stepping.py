@@ -32,6 +32,7 @@ class Runner(Protocol):
     gates: dict[int, Any]
     L: int
     place: Placement  # the generate call's: the chain's steps record their host reads there
+    heads: dict[int, bool]  # rows -> whether a chain over that many rows takes the certified head
 
     def _resident_wanted(self) -> bool: ...
 
