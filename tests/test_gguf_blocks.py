@@ -32,7 +32,7 @@ from eectl.models.gguf_blocks import (
     MODULES,
     from_blocks,
     groups,
-    has_four_bit_blocks,
+    has_held_blocks,
     int4_source,
     read_projections,
 )
@@ -213,7 +213,7 @@ def _twin(tiny_dirs, path, level: int, settings=None):
 
 def test_the_tiny_files_blocks_are_read_in_the_models_order(gguf_model):
     fp32, path = gguf_model
-    assert has_four_bit_blocks(path)
+    assert has_held_blocks(path)
     proj = read_projections(path, 4, 2)
     assert proj.types == {"Q4_1": 20, "Q4_0": 12, "Q8_0": 9, "F32": 1}
     assert proj.not_held == {"F32": 1}
@@ -223,6 +223,37 @@ def test_the_tiny_files_blocks_are_read_in_the_models_order(gguf_model):
         parent, child = MODULES[name]
         theirs = getattr(getattr(fp32.adapter.layers[layer], parent), child).weight.numpy()
         assert np.array_equal(w.dequantized().T, theirs)
+
+
+@pytest.mark.parametrize(
+    ("types", "held"),
+    [
+        ({"Q5_0": 5, "Q8_0": 1, "Q4_K": 1}, True),  # llama.cpp's Q4_K_M of a model 576 wide: mostly Q5_0 fallbacks
+        ({"Q4_1": 7}, True),
+        ({"F16": 6, "Q4_0": 1}, False),  # mostly unquantized: nothing to hold
+        ({"F32": 7}, False),
+    ],
+)
+def test_auto_holds_a_file_whose_projections_are_mostly_blocks_eectl_holds(tmp_path, types, held):
+    path = tmp_path / "mix.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    names = iter(f"blk.{i}.{name}.weight" for i in range(2) for name in MODULES)
+    for t, n in types.items():
+        for _ in range(n):
+            w = rng.standard_normal((8, 256)).astype(np.float32)
+            if t in ("F32", "F16"):
+                writer.add_tensor(next(names), w.astype(np.float16 if t == "F16" else np.float32))
+            else:  # the header is what counts: a row of 256 weights in random blocks of the type
+                q = _random_blocks(t, 8, 256, rng)
+                writer.add_tensor(next(names), q, raw_dtype=GGMLQuantizationType[t])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert has_held_blocks(path) is held
+    source = ModelSource("mix", "gguf", str(path), path, [path])
+    assert int4_source(Int4Options(), source) == ("gguf" if held else "ort")
 
 
 def test_auto_takes_the_files_blocks_unless_a_quantizer_setting_is_given(gguf_model, tiny_dirs):

@@ -88,8 +88,9 @@ Int4FromOpt = Annotated[
     str | None,
     typer.Option(
         "--int4-from",
-        help="int4: where the weights come from: gguf (the GGUF's own 4-bit blocks, exactly), ort (ONNX Runtime "
-        "re-quantizes the fp32 weights) or auto (gguf for a GGUF with 4-bit blocks; default: the recipe's, else auto).",
+        help="int4: where the weights come from: gguf (the GGUF's own quantized blocks, exactly), ort (ONNX Runtime "
+        "re-quantizes the fp32 weights) or auto (gguf for a GGUF of quantized blocks; default: the recipe's, "
+        "else auto).",
         rich_help_panel="int4",
     ),
 ]

@@ -143,7 +143,7 @@ class Int4Spec(_Strict):
     # levels 2-4; full depth ~6% slower on an AVX2 CPU, 7% faster on an AVX-512 one:
     # docs/results/2026-12-05-int4-twin.md); null: auto, on at levels 2-4
     exact_wide: bool | None = None
-    # where the int4 weights come from (export --int4-from): auto (a GGUF's own 4-bit blocks, held exactly, where
+    # where the int4 weights come from (export --int4-from): auto (a GGUF's own quantized blocks, held exactly, where
     # the model is such a GGUF and block_size/symmetric/algorithm are their defaults; else ORT's quantizer), gguf
     # (the file's blocks: models/gguf_blocks.py), ort (ORT's quantizer over the fp32 weights)
     source: Literal["auto", "gguf", "ort"] = "auto"

@@ -15,7 +15,7 @@ What stays in higher precision, and why:
   intermediate exits);
 - decoder layers listed in `keep_layers` (their MatMuls are excluded from the quantizer).
 
-From a GGUF with 4-bit blocks (`--int4-from gguf`, the default `auto` picks it for such a file), the segments'
+From a GGUF of quantized blocks (`--int4-from gguf`, the default `auto` picks it for such a file), the segments'
 projections are instead the file's own blocks (models/gguf_blocks.py): `gguf_graph` replaces each projection MatMul
 with MatMulNBits nodes whose weights dequantize to the file's values bit for bit, plus, for types with a per-block
 min (Q4_1, Q4_K), llama.cpp's min term:
@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # onnx is imported where graphs are touched: the CLI imports 
 ALGORITHMS = ("rtn", "hqq")  # ORT's DefaultWeightOnlyQuantConfig (round to nearest, per block) and HQQ
 LM_HEAD_PRECISIONS = ("fp32", "int8", "int4")
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
-# where int4 weights come from: auto (the GGUF's own blocks where the model is a GGUF with 4-bit blocks and no ORT
+# where int4 weights come from: auto (the GGUF's own blocks where the model is a GGUF of quantized blocks and no ORT
 # quantizer setting is given, else ORT's quantizer), gguf (the file's blocks, models/gguf_blocks.py) or ort (ORT's
 # quantizer over the fp32 weights, --int4-algorithm)
 INT4_SOURCES = ("auto", "gguf", "ort")
@@ -108,7 +108,7 @@ class Int4Options:
 
     def resolved(self, model: ModelSource) -> Int4Options:
         """These options with `source` decided, gguf or ort, for the model loaded from `model`
-        (models/gguf_blocks.py int4_source: auto takes a GGUF's own 4-bit blocks)."""
+        (models/gguf_blocks.py int4_source: auto takes a GGUF's own quantized blocks)."""
         from eectl.models.gguf_blocks import int4_source
 
         return replace(self, source=int4_source(self, model))

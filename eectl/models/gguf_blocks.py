@@ -43,7 +43,6 @@ import numpy as np
 
 MIN_BLOCK = 32  # the block of the min term (Q4_1, Q5_1, Q4_K sub-blocks)
 HELD = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
-FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # a file with projections in these is "a GGUF with 4-bit blocks"
 # eectl's fused MatMuls (export/graphs.py _layer: the initializer `layers.{i}.{name}`) and their GGUF tensors
 FUSED = {
     "qkv": ("attn_q", "attn_k", "attn_v"),
@@ -300,11 +299,14 @@ def projection_types(path: Path) -> dict[str, int]:
     return counts
 
 
-def has_four_bit_blocks(path: Path) -> bool:
-    """Whether a GGUF file's projections are (mostly) 4-bit blocks: what `--int4-from auto` reads from the file."""
+def has_held_blocks(path: Path) -> bool:
+    """Whether a GGUF file's projections are (mostly) quantized blocks eectl holds exactly (`HELD`): what
+    `--int4-from auto` reads from the file. llama.cpp's Q4_K_M of a model whose rows are not a multiple of 256 (576,
+    640, 896 wide: SmolLM2, Gemma 3 270M, Qwen2.5 0.5B) is mostly Q5_0 and Q8_0 with some Q4_K and Q6_K; those are
+    held (as 8-bit where the file is wider than 4 bits), where re-quantizing them to int4 would make a worse copy."""
     types = projection_types(path)
-    four = sum(n for t, n in types.items() if t in FOUR_BIT)
-    return four > 0 and four * 2 >= sum(types.values())
+    held = sum(n for t, n in types.items() if t in HELD)
+    return held > 0 and held * 2 >= sum(types.values())
 
 
 def read_projections(path: Path, num_heads: int, num_kv_heads: int) -> GgufProjections:
@@ -367,15 +369,15 @@ def int4_source(settings: Any, source: Any) -> str:
 
     asked = getattr(settings, "source", "ort")
     path = gguf_file(source)
-    four_bit = path is not None and has_four_bit_blocks(path)
-    if asked == "gguf" and not four_bit:
+    held = path is not None and has_held_blocks(path)
+    if asked == "gguf" and not held:
         raise UsageError(
-            "--int4-from gguf needs a model loaded from a GGUF file whose projections are 4-bit blocks "
-            "(Q4_0, Q4_1, Q4_K)",
+            "--int4-from gguf needs a model loaded from a GGUF file whose projections are quantized blocks eectl "
+            f"holds ({', '.join(HELD)})",
             hint="pass --int4-from ort to quantize the fp32 weights with ONNX Runtime's quantizer",
         )
     if asked == "auto":
-        return "gguf" if four_bit and not quantizer_flags(settings) else "ort"
+        return "gguf" if held and not quantizer_flags(settings) else "ort"
     return str(asked)
 
 
