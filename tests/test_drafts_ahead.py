@@ -248,3 +248,26 @@ def test_bench_runs_the_ahead_configuration_at_its_price(exported):
     assert pinned.predicted_speedup is not None and pinned.predicted_speedup > 0
     with pytest.raises(UsageError, match="replays"):
         run_bench(art, prompts, replace(opts, ahead_prompts=[]))
+
+
+def test_eectl_run_drafts_ahead_with_full_depths_tokens(exported):
+    """`eectl run --draft-ahead`: verify at the first of --exits drafting ahead gives full depth's tokens; a policy
+    without verify's check, or a bound outside (0, 1], is a one-line error."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+
+    art = str(exported["llama"][1])
+    base = ["run", art, "hello there", "-n", "16", "--json", "--threads", "1"]
+    full = CliRunner().invoke(app, [*base, "--exits", "none"])
+    ahead = CliRunner().invoke(
+        app, [*base, "--exits", "2", "--thresholds", "1.0", "--policy", "verify", "--draft-ahead", "0.01"]
+    )
+    assert full.exit_code == 0 and ahead.exit_code == 0, ahead.output
+    got, want = (json.loads(r.stdout)["results"][0] for r in (ahead, full))
+    assert got["token_ids"] == want["token_ids"] and 2 in got["exit_layers"]
+    for bad in (["--policy", "defer", "--draft-ahead", "0.5"], ["--policy", "verify", "--draft-ahead", "2"]):
+        res = CliRunner().invoke(app, ["run", art, "hello", "-n", "4", "--exits", "2", "--thresholds", "1.0", *bad])
+        assert res.exit_code != 0 and "--draft-ahead" in res.stderr and len(res.stderr.strip().splitlines()) <= 2

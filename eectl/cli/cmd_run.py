@@ -68,6 +68,14 @@ PromptDraftsOpt = Annotated[
         rich_help_panel="Exits",
     ),
 ]
+DraftAheadOpt = Annotated[
+    float,
+    typer.Option(
+        help="verify: the first of --exits drafts ahead while the product of its top-1 probabilities over the run "
+        "stays >= this bound (0: off; eectl bench --policies ahead prices it).",
+        rich_help_panel="Exits",
+    ),
+]
 DraftNgramOpt = Annotated[
     int,
     typer.Option(help="Drafts from the context: the longest suffix matched, in tokens.", rich_help_panel="Exits"),
@@ -145,6 +153,7 @@ def run(
     top_k: TopKOpt = None,
     prompt_drafts: PromptDraftsOpt = None,
     draft_ngram: DraftNgramOpt = MAX_NGRAM,
+    draft_ahead: DraftAheadOpt = 0.0,
     max_new_tokens: MaxNewTokensOpt = 128,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -198,6 +207,7 @@ def run(
         max_risk=max_risk,
         prompt_drafts=prompt_drafts,
         draft_ngram=draft_ngram,
+        draft_ahead=draft_ahead,
         weights=weight_options(mmap_weights, memory_budget, place),
         exact_head=exact_head,
     )

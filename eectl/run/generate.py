@@ -59,6 +59,7 @@ class RunOptions:
     prompt_drafts: int | None = None
     draft_ngram: int = MAX_NGRAM  # drafts from the context: the longest suffix matched
     draft_min: int | None = None  # drafts from the context: the shortest run proposed (None: the plan's, else 1)
+    draft_ahead: float = 0.0  # verify: the first exit drafts ahead by its running confidence (runtime/ahead.py)
     # the largest risk a certified lossy setting may carry to be the plan's default; None: the certificate's own
     # delta, 0: lossless configurations only
     max_risk: float | None = None
@@ -340,6 +341,7 @@ def _config(
         prompt_drafts=drafts,
         draft_ngram=opts.draft_ngram,
         draft_min=opts.draft_min or 1,
+        draft_ahead=opts.draft_ahead,
         stop_ids=stop_ids,
         note=note,
         planned=planned,
