@@ -370,3 +370,15 @@ def test_the_readme_and_the_default_recipe_give_the_budgets_sizes():
         f"up to {q.cost_seconds:.0f} s",
     ):
         assert words in quick, words
+
+
+def test_the_readmes_budget_table_says_the_prompts_each_budget_needs():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    rows = {
+        m[1]: int(m[2].replace(",", ""))
+        for m in re.finditer(r"^\| `(\w+)` \|[^|]*\|[^|]*\|[^|]*\| ([\d,]+) \|", readme, re.M)
+    }
+    assert rows == {name: b.prompts_needed() for name, b in BUDGETS.items()}
