@@ -12,6 +12,12 @@ throughput (completion tokens of every request / the wall time of the whole roun
 latency, and throughput against one client's. Bounded: at most `--requests` x C requests a round and `--budget-s`
 seconds in all (a round past it is not started). Localhost only.
 
+`--compare NAME='SERVE ARGS'` (repeatable) also starts `eectl serve` on the same artifact with those options beside the
+first (e.g. `--compare "full=--policy full"`: batched full depth at every batch size, against the server's own
+configuration) and runs the same rounds on it, each client count on every server in turn. The JSON holds each eectl
+server's /health after the rounds (`batching`: the steps each configuration ran where the plan's default switches
+with the batch).
+
 `--llama-cpp FILE.gguf` also starts llama-cpp-python's OpenAI server (`python -m llama_cpp.server`, its `[server]`
 extra; n_threads and n_threads_batch = --threads) on the same GGUF and runs the same rounds against it, each client
 count on eectl then on llama.cpp, so a burst of other load falls on both alike.
@@ -183,6 +189,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--serve-args", default="", help="more `eectl serve` options, e.g. '--policy verify'")
     ap.add_argument("--llama-cpp", default=None, help="a GGUF: llama-cpp-python's server on it, the same rounds")
+    ap.add_argument("--compare", action="append", default=[], help="NAME='serve args': another eectl server, e.g. "
+                    "\"full=--policy full\"")  # fmt: skip
     a = ap.parse_args()
     counts = [int(c) for c in a.clients.split(",")]
     if not (1 <= a.requests <= 64 and all(1 <= c <= 64 for c in counts) and 1 <= a.max_tokens <= 1024):
@@ -191,6 +199,14 @@ def main() -> None:
     port = _free_port()
     proc = start_server(a.artifact, port, a.threads, a.max_batch or max(counts), shlex.split(a.serve_args))
     servers = {"eectl": (proc, f"http://127.0.0.1:{port}")}
+    for spec in a.compare:
+        name, _, extra = spec.partition("=")
+        other = _free_port()
+        args = [*shlex.split(a.serve_args), *shlex.split(extra)]
+        servers[name] = (
+            start_server(a.artifact, other, a.threads, a.max_batch or max(counts), args),
+            f"http://127.0.0.1:{other}",
+        )
     if a.llama_cpp:
         peer_port = _free_port()
         servers["llama.cpp"] = (start_llama_cpp(a.llama_cpp, peer_port, a.threads), f"http://127.0.0.1:{peer_port}")
@@ -206,6 +222,7 @@ def main() -> None:
             for name, (_, url) in servers.items():
                 rounds[name].append(run_round(url, c, questions, a.requests, a.max_tokens))
                 print(f"{name}, {c} clients: {rounds[name][-1].row(None)}", file=sys.stderr)
+        health = {name: _health(url) for name, (_, url) in servers.items() if name != "llama.cpp"}
     finally:
         for server, _ in servers.values():
             server.send_signal(signal.SIGTERM)
@@ -215,7 +232,7 @@ def main() -> None:
         base = next((r.tokens / r.wall_s for r in rs if r.clients == 1 and r.wall_s), None)
         rows[name] = [r.row(base) for r in rs]
     if a.json:
-        print(json.dumps({"artifact": a.artifact, "threads": a.threads, "rows": rows}, indent=1))
+        print(json.dumps({"artifact": a.artifact, "threads": a.threads, "rows": rows, "health": health}, indent=1))
         return
     head = ["server", "clients", "requests", "tokens", "throughput (tok/s)", "vs 1 client", "TTFT p50 / p99 (ms)"]
     print("| " + " | ".join([*head, "per token p50 / p99 (ms)"]) + " |")
@@ -228,6 +245,11 @@ def main() -> None:
             tput = f"{r['throughput_tok_s']:.1f}"
             cells = [name, r["clients"], r["requests"], r["tokens"], tput, vs, ttft, per_token]
             print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def _health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+        return json.loads(r.read().decode())
 
 
 def _f(x: float | int | None) -> str:

@@ -37,8 +37,9 @@ PortOpt = Annotated[int, typer.Option(help="Port to listen on.", rich_help_panel
 MaxBatchOpt = Annotated[
     int,
     typer.Option(
-        help="Requests decoded together: a new one joins at the next step, a finished one leaves. The plan prices one "
-        "row: with more than 1, the plan's default runs full depth (--policy NAME runs one anyway).",
+        help="Requests decoded together: a new one joins at the next step, a finished one leaves. A lossless plan "
+        "default (lookup, verify) runs while the step's rows are few enough for it to pay (priced per batch size at "
+        "start), full depth while they are not; --policy NAME runs one at every size.",
         rich_help_panel="Server",
     ),
 ]
