@@ -47,6 +47,7 @@ from eectl.plan.lookup import wide_steps
 from eectl.plan.verify import segment_of
 from eectl.runtime.batch import new_batch_kv
 from eectl.runtime.chain import DecodeChain
+from eectl.runtime.placement import HOST
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
 
@@ -116,27 +117,57 @@ def time_full(
     rt: ArtifactRuntime, sizes: Sequence[int], certified_head: bool = True, rounds: int = ROUNDS, past: int = PAST
 ) -> tuple[dict[int, float], dict[int, bool]]:
     """Full depth's decode step over b rows (each row at `past` positions) for each b of `sizes`, on the bound chain as
-    a batch runs it: ms, the median of `rounds` rounds (every chain once a round, after one untimed round). Where the
-    artifact has a certified head and `certified_head`, each size is timed with it and with the full head alone, in
-    the same rounds: returns each size's faster step and whether that is the certified head's. The certified head
-    ranks the vocabulary in 8 bits (runtime/certified_head.py): far cheaper than the full head for one row, but its
-    int8 kernel's cost grows with the rows where the full head's fp32 one is memory-bound, and any row it cannot
-    prove runs the full head for every row too."""
+    a batch runs it with the full head: ms, the median of `rounds` rounds (every size once a round, after one untimed
+    round). Where the artifact has a certified head and `certified_head`, its call over b rows and the full head's
+    are timed too, right after each step, and a step with it priced: the step, less the full head, plus the certified
+    head, plus the full head again where any of the b rows misses (each at export validation's miss rate: the
+    timing's random ids give states it cannot prove). Returns each size's faster step and whether that is the
+    certified head's. It ranks the vocabulary in 8 bits (runtime/certified_head.py): far cheaper than the full head
+    for one row, but its int8 kernel's cost grows with the rows where the full head's fp32 one is memory-bound."""
     kv = new_batch_kv(rt, max(sizes), past + 2)
-    heads = (True, False) if certified_head and rt.certified_head is not None else (False,)
-    chains = {(b, h): DecodeChain(rt, kv, 0, rows=b, certified_head=h) for b in sizes for h in heads}
+    chains = {b: DecodeChain(rt, kv, 0, rows=b, certified_head=False) for b in sizes}
+    bound = {b: DecodeChain(rt, kv, 0, rows=b) for b in sizes} if certified_head else {}  # holds their buffers
+    heads = {b: c.certified for b, c in bound.items() if c.certified is not None}
     ids = np.random.default_rng(0).integers(1, rt.manifest.dims["vocab_size"], size=max(sizes)).tolist()
-    times: dict[tuple[int, bool], list[float]] = {k: [] for k in chains}
+    times: dict[tuple[str, int], list[float]] = {(k, b): [] for b in sizes for k in ("step", "full", "certified")}
+
+    def timed(key: tuple[str, int], r: int, t0: float) -> None:
+        if r:
+            times[key].append((time.perf_counter() - t0) * 1000.0)
+
     for r in range(rounds + 1):
-        for (b, h), chain in chains.items():
+        for b, chain in chains.items():
             kv.filled[:b] = past  # every round decodes the same position
             t0 = time.perf_counter()
             chain.step({i: ids[i] for i in range(b)})
-            if r:
-                times[b, h].append((time.perf_counter() - t0) * 1000.0)
-    ms = {k: float(statistics.median(v)) for k, v in times.items()}
-    best = {b: min(ms[b, h] for h in heads) for b in sizes}
-    return best, {b: ms[b, heads[0]] <= ms[b, heads[-1]] and heads[0] for b in sizes}
+            timed(("step", b), r, t0)
+            session, io = chain.calls[-1]  # the full head again, on the states the step left
+            t0 = time.perf_counter()
+            session.run_with_iobinding(io)
+            timed(("full", b), r, t0)
+            if b in heads:
+                t0 = time.perf_counter()
+                heads[b].run(HOST)
+                timed(("certified", b), r, t0)
+    ms = {k: float(statistics.median(v)) for k, v in times.items() if v}
+    miss = _miss(rt)
+    best, certified = {}, {}
+    for b in sizes:
+        step = ms["step", b]
+        with_it = step - ms["full", b] + ms.get(("certified", b), 0.0) + (1.0 - (1.0 - miss) ** b) * ms["full", b]
+        certified[b] = b in heads and with_it < step
+        best[b] = with_it if certified[b] else step
+    return best, certified
+
+
+def _miss(rt: ArtifactRuntime) -> float:
+    """The certified head's miss rate per row: the costs' (export validation's), else 0 (where the runner takes it)."""
+    from eectl.plan.costs import certified_miss
+
+    m = rt.manifest
+    got = m.costs.certified_miss if m.costs is not None else None
+    got = certified_miss(m) if got is None else got
+    return 0.0 if got is None else float(got)
 
 
 def price(
