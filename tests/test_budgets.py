@@ -382,3 +382,20 @@ def test_the_readmes_budget_table_says_the_prompts_each_budget_needs():
         for m in re.finditer(r"^\| `(\w+)` \|[^|]*\|[^|]*\|[^|]*\| ([\d,]+) \|", readme, re.M)
     }
     assert rows == {name: b.prompts_needed() for name, b in BUDGETS.items()}
+
+
+def test_the_verdict_sets_the_default_and_full_depth_against_llama_cpp_where_the_bench_ran_it():
+    from eectl.pipeline.verdict import _peer_lines
+
+    bench = {
+        "default": "lookup",
+        "configs": [
+            {"name": "full", "ms_per_token": 10.0},
+            {"name": "lookup", "ms_per_token": 5.0},
+            {"name": "llama.cpp", "ms_per_token": 9.0},
+        ],
+    }
+    (line,) = _peer_lines(bench)
+    assert "the default (lookup) 1.80x its speed, full depth 0.90x (9.0 ms a token there" in line
+    bench["configs"] = bench["configs"][:2]
+    assert _peer_lines(bench) == []  # no peer ran: no line

@@ -5,6 +5,8 @@ menu) and the stage times of this run; nothing is re-measured. Three to five lin
 - buys: the default configuration's speedup over full depth with the bench's reported interval (its bootstrap
   interval widened by the A/A reach: evaluate/stats.widened), when the bench was conclusive (else
   why there is no claim), and its fidelity (lossless, or token agreement);
+- against llama.cpp (where the bench ran it on the same GGUF, `bench.peer`): the default's and full depth's speed as a
+  ratio of llama.cpp's, from the same interleaved run;
 - plan: what the plan chose and why (its own summary);
 - budget: this budget's stage times; the next budget's time on this machine, estimated from this run's phases
   (eectl/phases.py): each sized phase scaled by the next budget's size over this one's, the rest of the stage
@@ -45,7 +47,7 @@ def verdict(recipe: Recipe, report: Path, artifact: Path, calibration: Path, sta
     bench = _read(report.with_suffix(".json"))
     if bench is None:
         return []
-    lines = [_buys(bench), *_conditions(bench)]
+    lines = [_buys(bench), *_peer_lines(bench), *_conditions(bench)]
     manifest = _read(artifact / "manifest.json")
     if manifest is not None and manifest.get("plan") is not None:
         from eectl.contracts.plan import Plan
@@ -97,6 +99,22 @@ def _buys(bench: dict[str, Any]) -> str:
         f"buys: the default ({name}) {default['speedup_vs_full']:.2f}x{ci} full depth ({reading or 'measured'}; "
         f"{prompts} held-out prompts, bench conclusive, {reach}), {fidelity}"
     )
+
+
+def _peer_lines(bench: dict[str, Any]) -> list[str]:
+    """The default and full depth against each peer the bench ran (evaluate/peers.py), as ratios of ms per token."""
+    from eectl.evaluate.peers import LLAMA_CPP
+
+    configs = {c.get("name"): c for c in bench.get("configs", [])}
+    peer, default, full = configs.get(LLAMA_CPP), configs.get(bench.get("default")), configs.get("full")
+    if peer is None or not peer.get("ms_per_token") or default is None or full is None:
+        return []
+    ms = peer["ms_per_token"]
+    ratio = lambda c: ms / c["ms_per_token"] if c.get("ms_per_token") else float("nan")  # noqa: E731
+    return [
+        f"against {LLAMA_CPP} on the same GGUF: the default ({default['name']}) {ratio(default):.2f}x its speed, full "
+        f"depth {ratio(full):.2f}x ({ms:.1f} ms a token there; ms per token pooled over the same prompts and run)"
+    ]
 
 
 def _budget_lines(recipe: Recipe, stages: Sequence[Any]) -> list[str]:
