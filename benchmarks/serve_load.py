@@ -191,6 +191,7 @@ def main() -> None:
     ap.add_argument("--llama-cpp", default=None, help="a GGUF: llama-cpp-python's server on it, the same rounds")
     ap.add_argument("--compare", action="append", default=[], help="NAME='serve args': another eectl server, e.g. "
                     "\"full=--policy full\"")  # fmt: skip
+    ap.add_argument("--reverse", action="store_true", help="each client count on the last server first")
     a = ap.parse_args()
     counts = [int(c) for c in a.clients.split(",")]
     if not (1 <= a.requests <= 64 and all(1 <= c <= 64 for c in counts) and 1 <= a.max_tokens <= 1024):
@@ -219,7 +220,7 @@ def main() -> None:
             if time.time() - t_start > a.budget_s:
                 print(f"budget spent: {c} clients not run", file=sys.stderr)
                 break
-            for name, (_, url) in servers.items():
+            for name, (_, url) in reversed(servers.items()) if a.reverse else servers.items():
                 rounds[name].append(run_round(url, c, questions, a.requests, a.max_tokens))
                 print(f"{name}, {c} clients: {rounds[name][-1].row(None)}", file=sys.stderr)
         health = {name: _health(url) for name, (_, url) in servers.items() if name != "llama.cpp"}
