@@ -243,7 +243,7 @@ def test_bench_runs_the_ahead_configuration_at_its_price(exported):
     assert row.exits == [] and "full depth" in row.note and "replayed on 3 prompts" in row.note
     assert row.predicted_speedup == 1.0
     pinned = {c.name: c for c in run_bench(art, prompts, replace(opts, draft_ahead=1e-6)).configs}["ahead"]
-    assert pinned.exits in ([2], [4]) and "bound 1e-06" in pinned.note
+    assert pinned.exits in ([2], [4]) and "pinned by --draft-ahead: " in pinned.note and "bound 1e-06" in pinned.note
     assert pinned.token_agreement == 1.0 and pinned.drafted > 0
     assert pinned.predicted_speedup is not None and pinned.predicted_speedup > 0
     with pytest.raises(UsageError, match="replays"):

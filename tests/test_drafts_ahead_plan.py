@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eectl.contracts.plan import Choice, Costs, Plan, Prediction
-from eectl.plan.ahead import AHEAD, BOUNDS, choose_ahead, lossless_pick, price, replay_ahead
+from eectl.plan.ahead import AHEAD, BOUNDS, ahead_choice, choose_ahead, lossless_pick, price, replay_ahead
 
 BOUNDARIES = [4, 8, 12]  # three segments (L = 12): the drafter can sit at 4 or 8
 
@@ -100,3 +100,17 @@ def test_sure_right_drafts_pay_and_are_picked_where_their_low_end_is_highest():
 
 def test_no_exit_the_costs_price_is_no_choice():
     assert choose_ahead(_costs(candidates_ms={}), BOUNDARIES, {4: [([0.9], [True])]}) is None
+
+
+def test_a_pinned_bound_is_priced_and_described_at_that_bound():
+    probs = [0.97, 0.95, 0.6, 0.99, 0.9] * 8
+    right = [True, True, False, True, True] * 8
+    cycles = replay_ahead(probs, right, 0.05)
+    got = ahead_choice(_costs(), BOUNDARIES, 8, [(probs, right)] * 3, 0.05)
+    assert got.bound == 0.05 and got.exit == 8
+    assert got.prediction.speedup == pytest.approx(price(_costs(), BOUNDARIES, 8, [cycles] * 3, 8).speedup)
+    assert got.drafts == pytest.approx(sum(k for k, _ in cycles) / len(cycles))
+    assert got.accepted == pytest.approx(sum(a for _, a in cycles) / len(cycles))
+    assert got.by_position[0] == pytest.approx(
+        sum(1 for k, a in cycles if a >= 1) / sum(1 for k, _ in cycles if k >= 1)
+    )

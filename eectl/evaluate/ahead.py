@@ -20,7 +20,7 @@ from eectl.data import encode_prompt
 from eectl.errors import UsageError
 from eectl.evaluate.results import BenchOptions
 from eectl.exits.signals import SIGNALS
-from eectl.plan.ahead import AheadChoice, choose_ahead, lossless_pick, price, replay_ahead
+from eectl.plan.ahead import AheadChoice, ahead_choice, choose_ahead, lossless_pick
 from eectl.run.generate import RunOptions, load_tokenizer, resolve_config
 from eectl.runtime.ahead import traces
 from eectl.runtime.runner import Runner
@@ -49,12 +49,14 @@ def ahead_config(
     choice = choose_ahead(m.costs, boundaries, traced, full.verify_block)
     if choice is None:
         return replace(full, note="drafts ahead: no exit the costs price; full depth"), None, None
-    if opts.draft_ahead is not None:  # pinned: the chosen exit at this bound, priced as it is
-        cycles = [replay_ahead(p, r, opts.draft_ahead, full.verify_block) for p, r in traced[choice.exit]]
-        pinned = price(m.costs, boundaries, choice.exit, cycles, full.verify_block)
-        choice = replace(choice, bound=opts.draft_ahead, prediction=pinned, on=True)
+    if opts.draft_ahead is not None:  # pinned: the chosen exit at this bound, priced as it is, run whatever it costs
+        pinned = ahead_choice(
+            m.costs, boundaries, choice.exit, traced[choice.exit], opts.draft_ahead, full.verify_block
+        )
+        choice = replace(pinned, on=True)
     pick = lossless_pick(m.plan, choice) if m.plan is not None else "ahead"
-    note = f"{choice.describe()}; the plan's lossless pick: {pick}; replayed on {len(pairs)} prompts"
+    pinned = "pinned by --draft-ahead: " if opts.draft_ahead is not None else ""
+    note = f"{pinned}{choice.describe()}; the plan's lossless pick: {pick}; replayed on {len(pairs)} prompts"
     if not choice.on:
         return (
             replace(full, note=f"{note}; full depth"),

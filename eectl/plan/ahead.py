@@ -135,26 +135,42 @@ def choose_ahead(
     ]
     if not priced:
         return None
-    pred, layer, b = max(priced, key=lambda x: x[0].speedup)
-    tr = list(traces[layer])
+    _, layer, b = max(priced, key=lambda x: x[0].speedup)
+    return ahead_choice(costs, boundaries, layer, traces[layer], b, block, min_gain, level)
+
+
+def ahead_choice(
+    costs: Costs,
+    boundaries: Sequence[int],
+    layer: int,
+    traces: Sequence[Trace],
+    bound: float,
+    block: int = VERIFY_BLOCK,
+    min_gain: float = MIN_GAIN,
+    level: float = LEVEL,
+) -> AheadChoice:
+    """The drafter at exit `layer` and `bound` priced on these traces, with its interval (the costs' timing and a
+    bootstrap over the traced prompts) and its cycles' drafts, kept drafts and kept share by position."""
+    tr = list(traces)
+    pred = price(costs, boundaries, layer, _cycles(tr, bound, block), block)
     timing = Replicates.of(costs).interval(
-        pred.speedup, lambda c: price(c, boundaries, layer, _cycles(tr, b, block), block).speedup, level
+        pred.speedup, lambda c: price(c, boundaries, layer, _cycles(tr, bound, block), block).speedup, level
     )
     sample = unit_interval(
         pred.speedup,
         len(tr),
-        lambda picks: price(costs, boundaries, layer, _cycles([tr[i] for i in picks], b, block), block).speedup,
+        lambda picks: price(costs, boundaries, layer, _cycles([tr[i] for i in picks], bound, block), block).speedup,
         level,
     )
     span = combined(pred.speedup, timing, sample)
     if span is not None:
         pred = pred.model_copy(update={"interval": span, "timing": timing})
-    cycles = [c for per in _cycles(tr, b, block) for c in per]
+    cycles = [c for per in _cycles(tr, bound, block) for c in per]
     reached = [sum(1 for k, _ in cycles if k > m) for m in range(block)]
     kept = [sum(1 for _, a in cycles if a > m) for m in range(block)]
     return AheadChoice(
         exit=layer,
-        bound=b,
+        bound=bound,
         prediction=pred,
         on=pred.low() >= 1.0 + min_gain,
         drafts=sum(k for k, _ in cycles) / max(len(cycles), 1),
