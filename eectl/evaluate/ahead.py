@@ -55,8 +55,8 @@ def ahead_config(
         )
         choice = replace(pinned, on=True)
     pick = lossless_pick(m.plan, choice) if m.plan is not None else "ahead"
-    pinned = "pinned by --draft-ahead: " if opts.draft_ahead is not None else ""
-    note = f"{pinned}{choice.describe()}; the plan's lossless pick: {pick}; replayed on {len(pairs)} prompts"
+    pinned_note = "pinned by --draft-ahead: " if opts.draft_ahead is not None else ""
+    note = f"{pinned_note}{choice.describe()}; the plan's lossless pick: {pick}; replayed on {len(pairs)} prompts"
     if not choice.on:
         return (
             replace(full, note=f"{note}; full depth"),
