@@ -22,7 +22,8 @@ from pathlib import Path
 CHILD = r"""
 import json, sys, time
 import torch
-art, threads, prompts, new_tokens, exits, thr = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+art, exits, thr = sys.argv[1], sys.argv[5], sys.argv[6]
+threads, prompts, new_tokens = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 torch.set_num_threads(threads)
 try:
     from eectl.run.generate import RunOptions, load_tokenizer, resolve_config
@@ -37,7 +38,10 @@ texts = load_text_data(sys.argv[7], "question").texts[:prompts]
 ids = [encode_prompt(tok, t, False) for t in texts]
 out = {}
 configs = [("full", RunOptions(exits="none", max_new_tokens=new_tokens, threads=threads))]
-configs += [(p, RunOptions(exits=exits, thresholds=thr, policy=p, max_new_tokens=new_tokens, threads=threads)) for p in ("copy", "defer", "verify")]
+configs += [
+    (p, RunOptions(exits=exits, thresholds=thr, policy=p, max_new_tokens=new_tokens, threads=threads))
+    for p in ("copy", "defer", "verify")
+]
 batched = sys.argv[8] == "1" if len(sys.argv) > 8 else False
 if batched:  # the same configurations with every prompt in one batch (batched calls; exits on the general path)
     configs += [(f"{name} batch", opts) for name, opts in configs]
