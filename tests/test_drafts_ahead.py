@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 
 from eectl.errors import UsageError
 from eectl.runtime import ahead
@@ -18,6 +17,7 @@ from eectl.runtime.kv import KVBuffers
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
+from tests.tiny import random_ids as _ids
 
 K = 8
 
@@ -25,11 +25,6 @@ K = 8
 @pytest.fixture(scope="module")
 def artifacts(exported):
     return {fam: ArtifactRuntime(art, provider="cpu") for fam, (_, art) in exported.items()}
-
-
-def _ids(seed: int, n: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
 def _config(bound=0.0, exits=(2,), new=32, block=8, policy="verify", stop=()) -> RunConfig:

@@ -5,30 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from eectl.contracts.plan import Choice, Costs, Plan, Prediction
+from eectl.contracts.plan import Choice, Plan, Prediction
 from eectl.plan.ahead import AHEAD, BOUNDS, ahead_choice, choose_ahead, lossless_pick, price, replay_ahead
+from tests.tiny import toy_costs as _costs
 
 BOUNDARIES = [4, 8, 12]  # three segments (L = 12): the drafter can sit at 4 or 8
-
-
-def _costs(**kw) -> Costs:
-    base = dict(
-        provider="cpu",
-        threads=1,
-        past=128,
-        repeats=5,
-        embed_ms=0.0,
-        segment_ms=[4.0, 4.0, 4.0],
-        segment_extra_ms=[0.5, 0.5, 0.5],
-        kv_ms=[1.0, 1.0, 1.0],
-        final_head_ms=3.0,
-        final_head_extra_ms=0.2,
-        candidates_ms={"4": 0.3, "8": 0.3},
-        local_ms={"4": 0.05, "8": 0.05},
-        full_step_ms=15.0,  # 12 ms of segments + 3 ms of head: no unexplained overhead
-    )
-    base.update(kw)
-    return Costs(**base)
 
 
 def _plan(default: str = "full", verify_low: float | None = None) -> Plan:

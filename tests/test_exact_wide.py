@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from eectl.contracts.manifest import read_manifest
 from eectl.errors import UsageError
@@ -30,6 +29,7 @@ from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
 from eectl.runtime.wide_check import check_wide
+from tests.tiny import random_ids as _ids
 
 EXITS = [2, 4]
 K = 8
@@ -120,11 +120,6 @@ def unpadded(tiny_dirs, tmp_path_factory):
     opts = ExportOptions(exits=EXITS, top_k=K, weights="int4", int4=INT4, profile_costs=False, exact_wide=False)
     export_artifact(load_model(str(tiny_dirs["llama"])), art, opts)
     return art
-
-
-def _ids(seed: int, n: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
 def _run(rt, prompt, policy="verify", exits=(), drafts=0, new=32, slots=None, prompts=None):

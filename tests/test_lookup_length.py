@@ -7,7 +7,6 @@ lengths too (`LookupStats.cuts`), a run of --max-new-tokens N is priced on the l
 from __future__ import annotations
 
 import pytest
-import torch
 
 from eectl.contracts.plan import LOOKUP, Choice, Costs, LookupChoice, LookupStats, Plan, Prediction
 from eectl.plan.length import plan_for_run
@@ -16,11 +15,7 @@ from eectl.runtime.drafts import CUT_LENGTHS, lookup_stats
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
-
-
-def _ids(seed: int, n: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
+from tests.tiny import random_ids as _ids
 
 
 def _pairs(answer_len: int) -> list[tuple[list[int], list[int]]]:

@@ -9,29 +9,10 @@ from eectl.contracts.options import ExitOption, Option
 from eectl.contracts.plan import MIN_GAIN, Costs
 from eectl.plan.choose import choose, predict
 from eectl.plan.verify import verify_cycle
+from tests.tiny import toy_costs as _costs
 
 # three segments ending at layers 4, 8 and 12 (L = 12): exits can sit at 4 and 8
 BOUNDARIES = [4, 8, 12]
-
-
-def _costs(**kw) -> Costs:
-    base = dict(
-        provider="cpu",
-        threads=1,
-        past=128,
-        repeats=5,
-        embed_ms=0.0,
-        segment_ms=[4.0, 4.0, 4.0],
-        segment_extra_ms=[0.5, 0.5, 0.5],
-        kv_ms=[1.0, 1.0, 1.0],
-        final_head_ms=3.0,
-        final_head_extra_ms=0.2,
-        candidates_ms={"4": 0.3, "8": 0.3},
-        local_ms={"4": 0.05, "8": 0.05},
-        full_step_ms=15.0,  # 12 ms of segments + 3 ms of head: no unexplained overhead
-    )
-    base.update(kw)
-    return Costs(**base)
 
 
 def _option(exits, coverage, precision=None, kind="target", target=0.99) -> Option:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from eectl.contracts.plan import LOOKUP, MIN_GAIN, Choice, Costs, LookupChoice, LookupStats, Plan, Prediction
 from eectl.errors import UsageError
@@ -18,6 +17,7 @@ from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
 from tests.conftest import make_calibration
+from tests.tiny import random_ids as _ids
 
 K = 8
 
@@ -25,11 +25,6 @@ K = 8
 @pytest.fixture(scope="module")
 def artifacts(exported):
     return {fam: ArtifactRuntime(art, provider="cpu") for fam, (_, art) in exported.items()}
-
-
-def _ids(seed: int, n: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
 def _repetitive(seed: int, vocab: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""Tiny seeded random models of every supported family, built in-process (no network), with a tiny tokenizer."""
+"""Tiny seeded random models of every supported family, built in-process (no network), with a tiny tokenizer; and
+the seeded token ids and toy artifact costs several test files share."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from eectl.contracts.plan import Costs
 
 
 def _find_gsm8k() -> Path:
@@ -101,3 +104,31 @@ def save_tiny(model_type: str, folder: Path, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     tiny_tokenizer(model.config.vocab_size).save_pretrained(folder)
     return folder
+
+
+def random_ids(seed: int, n: int, vocab: int) -> list[int]:
+    """n seeded random token ids in [3, vocab) (clear of the tiny tokenizer's special ids)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def toy_costs(**kw: object) -> Costs:
+    """The measured costs of a toy artifact of three 4-layer segments (L = 12, exits after 4 and 8), with no
+    unexplained overhead (12 ms of segments + 3 ms of head = the 15 ms full step); `kw` overrides fields."""
+    base: dict[str, object] = dict(
+        provider="cpu",
+        threads=1,
+        past=128,
+        repeats=5,
+        embed_ms=0.0,
+        segment_ms=[4.0, 4.0, 4.0],
+        segment_extra_ms=[0.5, 0.5, 0.5],
+        kv_ms=[1.0, 1.0, 1.0],
+        final_head_ms=3.0,
+        final_head_extra_ms=0.2,
+        candidates_ms={"4": 0.3, "8": 0.3},
+        local_ms={"4": 0.05, "8": 0.05},
+        full_step_ms=15.0,
+    )
+    base.update(kw)
+    return Costs(**base)
