@@ -397,5 +397,12 @@ def test_the_verdict_sets_the_default_and_full_depth_against_llama_cpp_where_the
     }
     (line,) = _peer_lines(bench)
     assert "the default (lookup) 1.80x its speed, full depth 0.90x (9.0 ms a token there" in line
+    assert "divergence" not in line  # no fp32 reference ran: no fidelity clause
+    bench["fp32_reference"] = "hf"
+    bench["configs"][1]["fp32_first_divergence"], bench["configs"][2]["fp32_first_divergence"] = 38.25, 34.125
+    (line,) = _peer_lines(bench)
+    assert line.endswith(
+        "fp32 model's tokens (hf): the default at token 38.2, llama.cpp at 34.1 (mean over the prompts)"
+    )
     bench["configs"] = bench["configs"][:2]
     assert _peer_lines(bench) == []  # no peer ran: no line

@@ -332,3 +332,51 @@ def test_llama_cpp_peer_is_greedy_deterministic_on_token_ids_and_its_fidelity_is
     assert (by["llama.cpp"]["fp32_first_divergence"], by["llama.cpp"]["fp32_prefix_share"]) == pytest.approx(
         (first_div, share)
     )
+
+
+def test_without_an_fp32_artifact_the_fp32_reference_is_transformers_on_the_checkpoint(artifact):
+    """An int4 artifact benched beside a peer, no fp32 artifact compared: the rows' fidelity is read against the `hf`
+    row's tokens (the checkpoint in float32); an fp32 artifact's own full depth wins over it; neither: no reference."""
+    from types import SimpleNamespace
+
+    from eectl.evaluate.fidelity import fp32_fidelity
+
+    fp32 = read_manifest(artifact, verify_hashes=False)
+    quantized = fp32.model_copy(update={"dtype": "fp16"})  # not fp32 (is_fp32 is tested above)
+    ref = [[1, 2, 3, 4], [5, 6, 7]]
+    gens = {"full": [[1, 2, 9, 9], [5, 6, 7]], "hf": ref, "llama.cpp": [[1, 9, 9, 9], [5, 6, 7]]}
+    runs = {name: [SimpleNamespace(generations=g)] for name, g in gens.items()}
+
+    def rows() -> list[SimpleNamespace]:
+        return [SimpleNamespace(name=n, fp32_first_divergence=None, fp32_prefix_share=None) for n in gens]
+
+    def configs(manifest: object) -> SimpleNamespace:
+        return SimpleNamespace(
+            opts=SimpleNamespace(compare={}), runners={"full": SimpleNamespace(rt=SimpleNamespace(manifest=manifest))}
+        )
+
+    got = rows()
+    assert fp32_fidelity(configs(quantized), got, runs) == "hf"  # type: ignore[arg-type]
+    by = {r.name: r for r in got}
+    assert by["hf"].fp32_prefix_share == 1.0
+    assert (by["full"].fp32_first_divergence, by["full"].fp32_prefix_share) == prefix_agreement(gens["full"], ref)
+    assert (
+        by["llama.cpp"].fp32_first_divergence
+        == prefix_agreement(gens["llama.cpp"], ref)[0]
+        < by["full"].fp32_first_divergence
+    )
+    assert fp32_fidelity(configs(fp32), rows(), runs) == "full"  # type: ignore[arg-type]
+    del runs["hf"]
+    assert fp32_fidelity(configs(quantized), rows(), runs) is None  # type: ignore[arg-type]
+
+
+def test_the_pipeline_bench_adds_the_fp32_model_where_a_peer_runs_beside_a_quantized_artifact():
+    from eectl.contracts.recipe import load_recipe
+    from eectl.pipeline.runner import bench_configs
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-instruct.yaml")
+    peers = {LLAMA_CPP: "m.gguf"}
+    assert recipe.weights == "int4" and "hf" not in recipe.bench.configs
+    assert bench_configs(recipe, peers) == [*recipe.bench.configs, "hf"]
+    assert bench_configs(recipe, {}) is None  # no peer: the recipe's configurations
+    assert bench_configs(recipe.model_copy(update={"weights": "fp32"}), peers) is None  # its own full depth is fp32

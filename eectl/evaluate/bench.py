@@ -16,11 +16,11 @@ Every speed figure is a ratio against baselines measured in the same run, with t
   prompt-lookup decoding, run apart like `hf`.
 
 Fidelity is measured against eectl full depth on the same prompts (token agreement, exact match, first
-divergence), and, where an fp32 artifact ran (this one or a compared one), against its tokens: the share of them
-each configuration generated before its first divergence (`fp32_reference`); teacher-forced perplexity on
-held-out text, and GSM8K final-answer accuracy when the data has `#### answer` lines. Speed is one statistic,
-with its interval (evaluate/stats.py); the report is evaluate/report.py; the configurations' runners and a pass
-over the prompts evaluate/configs.py, the timed phase evaluate/timing.py.
+divergence), and, where an fp32 artifact ran (this one or a compared one; else `hf`, the checkpoint in float32),
+against its tokens: the share of them each configuration generated before its first divergence (`fp32_reference`);
+teacher-forced perplexity on held-out text, and GSM8K final-answer accuracy when the data has `#### answer` lines.
+Speed is one statistic, with its interval (evaluate/stats.py); the report is evaluate/report.py; the configurations'
+runners and a pass over the prompts evaluate/configs.py, the timed phase evaluate/timing.py.
 What this module does not do: export or calibrate.
 """
 

@@ -20,10 +20,14 @@ from eectl.evaluate.timing import _Run
 
 def fp32_fidelity(configs: Configs, results: list[ConfigResult], runs: dict[str, list[_Run]]) -> str | None:
     """Every timed row's tokens against the fp32 model's (first repetition): those of full depth of an fp32 artifact,
-    this one's, else the first compared one's; its name, or None (no fp32 artifact ran: the fields stay empty)."""
+    this one's, else the first compared one's, else transformers' greedy generate on the source checkpoint (`hf`,
+    float32 weights: for a GGUF its dequantized tensors); its name, or None (none of them ran: the fields stay
+    empty)."""
     fp32 = [
         name for name in ["full", *configs.opts.compare] if name in runs and is_fp32(configs.runners[name].rt.manifest)
     ]
+    if not fp32 and "hf" in runs:
+        fp32 = ["hf"]
     if not fp32:
         return None
     want = runs[fp32[0]][0].generations

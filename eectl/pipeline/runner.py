@@ -181,7 +181,18 @@ class _Stages:
             from eectl.models.gguf_blocks import gguf_file
 
             req.options.peers = default_peers(gguf_file(resolve_source(self.recipe.model)))
+            req.configs = bench_configs(self.recipe, req.options.peers)
         return bench(self.recipe, req, self.out)
+
+
+def bench_configs(recipe: Recipe, peers: dict[str, str]) -> list[str] | None:
+    """The pipeline bench's configurations: the recipe's (None), plus `hf` where a peer runs beside an artifact that
+    is not fp32: the peer's and the artifact's fidelity to the fp32 model are read against transformers' greedy
+    tokens on the checkpoint then (evaluate/fidelity.py fp32_fidelity; an fp32 artifact is its own reference)."""
+    listed = list(recipe.bench.configs)
+    if not peers or recipe.weights == "fp32" or "hf" in listed:
+        return None
+    return [*listed, "hf"]
 
 
 def bench_offset(recipe: Recipe) -> int:

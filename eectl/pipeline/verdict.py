@@ -111,10 +111,21 @@ def _peer_lines(bench: dict[str, Any]) -> list[str]:
         return []
     ms = peer["ms_per_token"]
     ratio = lambda c: ms / c["ms_per_token"] if c.get("ms_per_token") else float("nan")  # noqa: E731
-    return [
+    line = (
         f"against {LLAMA_CPP} on the same GGUF: the default ({default['name']}) {ratio(default):.2f}x its speed, full "
         f"depth {ratio(full):.2f}x ({ms:.1f} ms a token there; ms per token pooled over the same prompts and run)"
-    ]
+    )
+    ref, mine, theirs = (
+        bench.get("fp32_reference"),
+        default.get("fp32_first_divergence"),
+        peer.get("fp32_first_divergence"),
+    )
+    if ref and mine is not None and theirs is not None:  # evaluate/fidelity.py fp32_fidelity
+        line += (
+            f"; first divergence from the fp32 model's tokens ({ref}): the default at token {mine:.1f}, "
+            f"{LLAMA_CPP} at {theirs:.1f} (mean over the prompts)"
+        )
+    return [line]
 
 
 def _budget_lines(recipe: Recipe, stages: Sequence[Any]) -> list[str]:
