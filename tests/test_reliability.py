@@ -505,3 +505,29 @@ def test_14_a_published_folder_has_output_modes_and_no_marker(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in (tmp_path / "out").iterdir()] == [
         "model.safetensors"
     ]
+
+
+def test_10_a_calibration_file_with_a_threshold_outside_its_criterions_range_is_refused(llama, tmp_path):
+    """A probability threshold below 0 would let every token exit (a lossy exit the calibration never measured), one
+    above 1 could never fire: refused when calibration.json (or the manifest's copy) is read, naming the exit."""
+    cal = make_calibration(llama, {3: {"prob": 0.5}})
+    write_calibration(cal, tmp_path / "c.json")
+    assert read_calibration(tmp_path / "c.json").exits[0].thresholds == {"prob": 0.5}
+    for value, said in [(-0.2, "would always fire"), (1.5, "could never fire")]:
+        raw = json.loads((tmp_path / "c.json").read_text())
+        raw["exits"][0]["thresholds"]["prob"] = value
+        (tmp_path / "c.json").write_text(json.dumps(raw))
+        with pytest.raises(
+            ArtifactError, match=f"exit 3: prob threshold {value:g} is outside \\[0, 1\\]: the exit {said}"
+        ):
+            read_calibration(tmp_path / "c.json")
+    raw["exits"][0]["thresholds"]["prob"] = None  # null: never exits, as calibrate writes it
+    (tmp_path / "c.json").write_text(json.dumps(raw))
+    assert math.isinf(read_calibration(tmp_path / "c.json").exits[0].thresholds["prob"])
+    art = tmp_path / "calibrated"
+    export_artifact(llama, art, ExportOptions(exits=[3], top_k=8), calibration=cal)
+    doc = json.loads((art / MANIFEST).read_text())
+    doc["calibration"]["exits"][0]["thresholds"]["prob"] = -0.2
+    (art / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match="would always fire"):
+        read_manifest(art)

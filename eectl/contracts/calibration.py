@@ -20,7 +20,7 @@ from eectl import __version__
 from eectl.contracts.certificate import Certificate
 from eectl.contracts.gates import GATE, Gate
 from eectl.contracts.layers import check_exit_layers
-from eectl.contracts.names import SIGNAL_SPECS
+from eectl.contracts.names import SIGNAL_SPECS, threshold_problem
 from eectl.contracts.options import Option
 from eectl.contracts.plan import LookupStats
 from eectl.errors import ArtifactError, UsageError
@@ -136,6 +136,27 @@ class ComparedSource(_Model):
     options: list[Option] = Field(default_factory=list)
 
 
+class AheadTraces(_Model):
+    """What verify drafting ahead (runtime/ahead.py) would see on calibration's greedy continuations, for the plan to
+    price (plan/ahead.py): per exit without a block head, per continuation, at each generated token but the last, the
+    exit's top-1 probability over the K candidates its candidate source picks there, negative where that top-1 is
+    not the continuation's next token (one signed number a position keeps the file small)."""
+
+    top_k: int = Field(ge=2)
+    signed: dict[str, list[list[float]]]  # exit layer (str) -> per continuation -> per position
+
+    @model_validator(mode="after")
+    def _probabilities(self) -> AheadTraces:
+        for layer, per in self.signed.items():
+            if any(not 0.0 < abs(x) <= 1.0 for t in per for x in t):
+                raise ValueError(f"exit {layer}: a top-1 probability outside (0, 1]")
+        return self
+
+    def traces(self, layer: int) -> list[tuple[list[float], list[bool]]]:
+        """Exit `layer`'s traces as plan/ahead.py replays them: (probabilities, right) per continuation."""
+        return [([abs(x) for x in t], [x > 0 for x in t]) for t in self.signed.get(str(layer), [])]
+
+
 class Calibration(_Model):
     schema_version: int = SCHEMA_VERSION
     eectl_version: str = __version__
@@ -162,6 +183,8 @@ class Calibration(_Model):
     gate_keep: float | None = None
     # drafts from the context replayed on the generated continuations (the plan prices them); None: no continuations
     lookup: LookupStats | None = None
+    # verify drafting ahead traced on the same continuations (the plan prices it); None: none, or files before it
+    ahead: AheadTraces | None = None
     # calibrate --guarantee sequence: a risk-controlled setting for whole continuations (contracts/certificate.py)
     certificate: Certificate | None = None
     threads: int = 0
@@ -185,6 +208,13 @@ class Calibration(_Model):
         for x in self.exits:
             if set(x.thresholds) != set(self.criteria):
                 raise ValueError(f"exit {x.layer}: thresholds {sorted(x.thresholds)} != criteria {self.criteria}")
+        for where, layer, thresholds in [
+            *(("exit", x.layer, x.thresholds) for x in self.exits),
+            *((f"option at exits {o.exits}, exit", x.layer, x.thresholds) for o in self.options for x in o.per_exit),
+        ]:
+            problems = [threshold_problem(c, v) for c, v in thresholds.items() if not math.isinf(v)]
+            if bad := next((p for p in problems if p), None):  # a file edited by hand, or written by another tool
+                raise ValueError(f"{where} {layer}: {bad}")
         if signal.needs_candidates and (self.top_k is None or self.top_k < 2 or self.candidates_layer != layers[0]):
             raise ValueError(f"{self.signal} needs top_k >= 2 and candidates_layer = the first exit")
         if self.confidence is not None and not 0.0 < self.confidence < 1.0:
