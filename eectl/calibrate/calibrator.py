@@ -52,9 +52,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from eectl.calibrate.ahead import ahead_traces
 from eectl.calibrate.fit import fit, fit_gates, fit_options, options_judge
 from eectl.contracts.budgets import CALIBRATE_GEN_SHARE
-from eectl.contracts.calibration import Calibration, CandidatesInfo, ComparedSource, DataInfo, HeadsInfo, ModelInfo
+from eectl.contracts.calibration import (
+    AheadTraces,
+    Calibration,
+    CandidatesInfo,
+    ComparedSource,
+    DataInfo,
+    HeadsInfo,
+    ModelInfo,
+)
 from eectl.contracts.gates import DEFAULT_GATE_KEEP, Gate
 from eectl.contracts.layers import check_exit_layers
 from eectl.contracts.plan import LookupStats
@@ -187,6 +196,7 @@ class Collected:
     compared: dict[str, Measurements] = field(default_factory=dict)  # other sources on the same tokens
     lookup: LookupStats | None = None  # drafts from the context replayed on the continuations
     gen_s: float = 0.0  # of wall_s, generating the continuations (decode steps: eectl/phases.py)
+    ahead: AheadTraces | None = None  # verify drafting ahead traced on the continuations (calibrate/ahead.py)
 
 
 @torch.no_grad()
@@ -239,6 +249,7 @@ def collect(
         for o in others
     ]
     pairs = topk and opts.options
+    ahead = ahead_traces(scorer, conts) if conts else None  # on the states the generation kept
     states = opts.options and opts.gate_keep > 0  # the exits' states, for fitting gates (then dropped)
     parts: list[list[Measurements]] = [[] for _ in scorers]
     if chunks:
@@ -261,6 +272,7 @@ def collect(
         {o: Measurements.concat(p) for o, p in zip(others, parts[1:], strict=True)},
         lookup,
         gen_s,
+        ahead,
     )
 
 
@@ -360,6 +372,7 @@ def summarise(
         gates={str(layer): g for layer, g in gates.items()},
         gate_keep=opts.gate_keep if gates else None,
         lookup=collected.lookup,
+        ahead=collected.ahead,
         options_judged_on=int(options_judge(meas).sum()) if opts.options else 0,
         compared={name: _compared(m, opts, heads) for name, m in collected.compared.items()},
         target=opts.target,

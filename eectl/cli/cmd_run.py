@@ -337,6 +337,8 @@ def _plan_json(m: Any, config: Any) -> dict[str, Any] | None:
         pred = plan.certified.prediction
     elif config.prompt_drafts and not config.exits and plan.lookup is not None:
         pred = plan.lookup.prediction
+    elif config.planned and config.draft_ahead and plan.ahead is not None:
+        pred = plan.ahead.prediction
     elif config.planned and config.policy in plan.choices and config.exits:
         pred = plan.choices[config.policy].prediction
     return {

@@ -475,6 +475,9 @@ def _check_consistency(m: Manifest, folder: str | Path) -> None:
         raise bad(where)
     if m.calibration is not None and not set(m.calibration.exit_layers) <= set(m.exit_layers):
         raise bad("calibrated exits are not among the artifact's")
+    blocks_at = [e.layer for e in m.exits if e.block is not None]
+    if m.plan is not None and (problem := m.plan.ahead_problem(m.exit_layers, blocks_at)):
+        raise bad(problem)
 
 
 def _not_a_cost(doc: Any, where: str) -> str | None:

@@ -35,6 +35,7 @@ MAX_DRAFTS = 64
 MAX_NGRAM = 5  # the longest suffix of the context matched (measured: runtime/drafts.py)
 MAX_DRAFT_NGRAM = 32
 LOOKUP = "lookup"  # the plan's name for full depth with drafts from the context (a default beside the policies)
+AHEAD = "ahead"  # the plan's name for verify drafting ahead at one exit (runtime/ahead.py; a default beside them)
 
 
 PLAN_POLICIES = ("copy", "defer", "verify")
@@ -338,6 +339,28 @@ class LookupChoice(_M):
     min_draft: int = 1  # the shortest run of drafts proposed (RunConfig.draft_min): the fastest the costs allow
 
 
+class AheadChoice(_M):
+    """The plan's verdict on verify drafting ahead (plan/ahead.py, runtime/ahead.py): the exit that drafts, the bound
+    on the product of its top-1 probabilities, the prediction on calibration's answers; `on` where its interval's low
+    end clears the plan's line. `drafts`, `accepted`: per check pass, the mean drafts and kept drafts;
+    `by_position[m]`: of the cycles that drafted m + 1 or more, the share that kept draft m + 1."""
+
+    exit: int  # an exit that ends a segment before the final layer and has no block head (checked with the manifest)
+    bound: float = Field(gt=0.0, le=1.0)  # RunConfig.draft_ahead
+    prediction: Prediction
+    on: bool
+    drafts: float = 0.0
+    accepted: float = 0.0
+    by_position: list[float] = Field(default_factory=list)
+
+    def describe(self) -> str:
+        state = "on" if self.on else "off (below the line)"
+        return (
+            f"drafts ahead at exit {self.exit}, bound {self.bound}: {self.prediction.describe()} predicted, {state}; "
+            f"{self.drafts:.2f} drafts and {self.accepted:.2f} kept per check"
+        )
+
+
 class Choice(_M):
     policy: str
     exits: list[int]  # [] = full depth
@@ -359,6 +382,7 @@ class Plan(_M):
     min_gain: float = MIN_GAIN
     choices: dict[str, Choice] = Field(default_factory=dict)  # policy -> its best option (full depth if none pays)
     lookup: LookupChoice | None = None  # drafts from the context (None: not measured at calibration or export)
+    ahead: AheadChoice | None = None  # verify drafting ahead (None: not traced at calibration, or no exit can draft)
     level: float = LEVEL  # the predictions' intervals (plans before them: their point estimates decided)
     # the sequence certificate's setting (calibrate --guarantee sequence), priced with its measured exit shares;
     # None without a certificate that covers the user's risk
@@ -409,6 +433,14 @@ class Plan(_M):
                 f"calibration's prompts and the costs' timing; "
                 f"{self.lookup.tokens_per_step:.2f} tokens per step on calibration's answers)"
             )
+        if self.default == AHEAD and self.ahead is not None:
+            a = self.ahead
+            return (
+                f"plan: verify drafting ahead at exit {a.exit} while the product of its top-1 probabilities stays >= "
+                f"{a.bound} (lossless), predicted {a.prediction.describe()} full depth ({self.level:.0%} interval over "
+                f"calibration's prompts and the costs' timing; {a.drafts:.2f} drafts and {a.accepted:.2f} kept per "
+                "check on calibration's answers)"
+            )
         if self.default == CERTIFIED and self.certified is not None:
             c = self.certified
             return (
@@ -436,8 +468,21 @@ class Plan(_M):
         out = [p for p, c in self.choices.items() if c.undecided]
         for name, pred in (
             (LOOKUP, None if self.lookup is None else self.lookup.prediction),
+            (AHEAD, None if self.ahead is None else self.ahead.prediction),
             (CERTIFIED, None if self.certified is None else self.certified.prediction),
         ):
             if pred is not None and pred.straddles(line):
                 out.append(name)
         return out
+
+    def ahead_problem(self, exit_layers: Sequence[int], block_exits: Sequence[int]) -> str | None:
+        """Why the drafter's entry cannot run on an artifact with these exits (before the final layer, each ending a
+        segment) and these block-head exits, in one line naming the field; None where it can (or there is none)."""
+        a = self.ahead
+        if a is None:
+            return None
+        if a.exit not in exit_layers:
+            return f"plan.ahead.exit {a.exit} is no exit ending a segment before the final layer {list(exit_layers)}"
+        if a.exit in block_exits:
+            return f"plan.ahead.exit {a.exit} has a block head (a drafting exit has none)"
+        return None

@@ -50,7 +50,6 @@ from eectl.evaluate.results import (
     BUILT_IN_CONFIGS,
     DRAFTING_CONFIGS,
     EXACT_HEAD,
-    LOOKUP,
     VERIFY_LOOKUP,
     BenchOptions,
     BenchResult,
@@ -100,13 +99,13 @@ def config_units(name: str, opts: BenchOptions, prompts: int) -> int:
 
 
 def add_artifact_configs(opts: BenchOptions, m: Manifest) -> None:
-    """The configurations every bench of this artifact runs beside the asked ones: its default (lookup) and the
-    setting of its sequence certificate, checked on the bench's prompts. Called before the progress total is
+    """The configurations every bench of this artifact runs beside the asked ones: its default (lookup, ahead) and
+    the setting of its sequence certificate, checked on the bench's prompts. Called before the progress total is
     counted (bench_units) and again once the plan is settled."""
     if not opts.configs:  # a bench of nothing: refused by its own check (_check_options), not filled in here
         return
-    if m.plan is not None and m.plan.default == LOOKUP and LOOKUP not in opts.configs:
-        opts.configs.append(LOOKUP)
+    if m.plan is not None and m.plan.default in DRAFTING_CONFIGS and m.plan.default not in opts.configs:
+        opts.configs.append(m.plan.default)
     if (cert := m.certificate) is not None and cert.certified and CERTIFIED not in opts.configs:
         opts.configs.append(CERTIFIED)
     certified_head = m.exits[-1].certified is not None and opts.provider in ("auto", "cpu")  # fp32 only: CPU EP

@@ -10,7 +10,7 @@ accepted path the exit's states are the full model's (the layers up to the exit 
 the replay is the run's, but for how long a run goes on past its first wrong draft (the trace's probabilities there
 are the answer's; the run's follow the wrong token): that tail's cost only, never the tokens.
 
-Priced per cycle with the cost model's pieces (plan/choose.py `_exit_paid`, `check_excess`):
+Priced per cycle with the cost model's pieces (plan/paid.py `exit_paid`, `check_excess`):
 
     k drafts:      k x (the step to the exit + its decision + one more position in every later segment and the head)
     the check:     the full-depth step + its decision (none where the block forced it) + the wide pass's excess at k
@@ -18,7 +18,9 @@ Priced per cycle with the cost model's pieces (plan/choose.py `_exit_paid`, `che
 
 The choice maximises the predicted speedup over `BOUNDS` at every exit traced; it runs (`AheadChoice.on`) only when
 its interval's low end (the costs' timing and a bootstrap over the traced prompts, combined) clears 1 + MIN_GAIN.
-`lossless_pick` puts it beside the plan's lossless default (verify, lookup or full depth): the higher low end wins.
+The plan's entry (`plan_ahead`: export prices calibration's traces, contracts/calibration.py AheadTraces, at the
+exits that can draft) stands beside the plan's other lossless defaults (verify, lookup or full depth) in plan/choose.py
+`lossless_default`: the higher low end wins (`lossless_pick` for a drafter priced elsewhere, bench's replay).
 
 What this module does not do: measure the traces or run anything (runtime/ahead.py).
 """
@@ -26,14 +28,15 @@ What this module does not do: measure the traces or run anything (runtime/ahead.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from typing import Any
 
-from eectl.contracts.plan import LEVEL, LOOKUP, MIN_GAIN, VERIFY_BLOCK, Costs, Plan, Prediction
-from eectl.plan.choose import _exit_paid
+from eectl.contracts.calibration import AheadTraces
+from eectl.contracts.plan import AHEAD, LEVEL, MIN_GAIN, VERIFY_BLOCK, AheadChoice, Costs, Prediction
 from eectl.plan.intervals import Replicates, combined, unit_interval
+from eectl.plan.paid import exit_paid
 from eectl.plan.verify import check_excess
 
-AHEAD = "ahead"  # bench's name of the configuration: verify drafting ahead at the plan's bound
+__all__ = ["AHEAD", "BOUNDS", "AheadChoice", "ahead_choice", "choose_ahead", "plan_ahead"]
 # the bounds priced: a product of top-1 probabilities (1 drafts only what the exit is sure of)
 BOUNDS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05, 0.02)
 
@@ -56,28 +59,6 @@ def replay_ahead(
     return out
 
 
-@dataclass
-class AheadChoice:
-    """The drafter's priced setting: exit, bound, prediction; `on` where its interval's low end clears the line.
-    `by_position[m]`: of the cycles that drafted m + 1 or more, the share that kept draft m + 1 (acceptance by
-    position); `drafts`, `accepted`: per check pass, the mean drafts and kept drafts (the acceptance length)."""
-
-    exit: int
-    bound: float
-    prediction: Prediction
-    on: bool
-    drafts: float = 0.0
-    accepted: float = 0.0
-    by_position: list[float] = field(default_factory=list)
-
-    def describe(self) -> str:
-        state = "on" if self.on else "off (below the line)"
-        return (
-            f"drafts ahead at exit {self.exit}, bound {self.bound}: {self.prediction.describe()} predicted, {state}; "
-            f"{self.drafts:.2f} drafts and {self.accepted:.2f} kept per check"
-        )
-
-
 def _cycles(traces: Sequence[Trace], bound: float, block: int) -> list[list[tuple[int, int]]]:
     return [replay_ahead(p, r, bound, block) for p, r in traces]
 
@@ -91,7 +72,7 @@ def price(
     full = base if bound else costs.full_step_ms
     over = costs.overhead_per_segment(bound)
     decision = costs.candidates_ms[str(layer)]
-    draft = _exit_paid(costs, boundaries, "verify", layer, over) + decision
+    draft = exit_paid(costs, boundaries, "verify", layer, over) + decision
     check = check_excess(costs, boundaries, [(layer, 1.0, None)])
     ms = tokens = steps = 0.0
     drafted = 0
@@ -151,21 +132,21 @@ def ahead_choice(
 ) -> AheadChoice:
     """The drafter at exit `layer` and `bound` priced on these traces, with its interval (the costs' timing and a
     bootstrap over the traced prompts) and its cycles' drafts, kept drafts and kept share by position."""
-    tr = list(traces)
-    pred = price(costs, boundaries, layer, _cycles(tr, bound, block), block)
+    per_prompt = _cycles(list(traces), bound, block)  # replayed once: the resamples below draw whole prompts
+    pred = price(costs, boundaries, layer, per_prompt, block)
     timing = Replicates.of(costs).interval(
-        pred.speedup, lambda c: price(c, boundaries, layer, _cycles(tr, bound, block), block).speedup, level
+        pred.speedup, lambda c: price(c, boundaries, layer, per_prompt, block).speedup, level
     )
     sample = unit_interval(
         pred.speedup,
-        len(tr),
-        lambda picks: price(costs, boundaries, layer, _cycles([tr[i] for i in picks], bound, block), block).speedup,
+        len(per_prompt),
+        lambda picks: price(costs, boundaries, layer, [per_prompt[i] for i in picks], block).speedup,
         level,
     )
     span = combined(pred.speedup, timing, sample)
     if span is not None:
         pred = pred.model_copy(update={"interval": span, "timing": timing})
-    cycles = [c for per in _cycles(tr, bound, block) for c in per]
+    cycles = [c for per in per_prompt for c in per]
     reached = [sum(1 for k, _ in cycles if k > m) for m in range(block)]
     kept = [sum(1 for _, a in cycles if a > m) for m in range(block)]
     return AheadChoice(
@@ -179,16 +160,13 @@ def ahead_choice(
     )
 
 
-def lossless_pick(plan: Plan, ahead: AheadChoice | None) -> str:
-    """Among the plan's lossless default (verify, lookup or full) and the drafter: the higher low end of the
-    predicted speedup, the drafter only where it runs (`on`)."""
-    default, verify = plan.default, plan.choices.get("verify")
-    if default == LOOKUP and plan.lookup is not None:
-        low = plan.lookup.prediction.low()
-    elif default == "verify" and verify is not None and verify.exits:
-        low = verify.prediction.low()
-    elif default in ("full", "verify", LOOKUP):
-        default, low = "full", 1.0
-    else:  # a certified lossy setting, the user's risk: not the drafter's to replace
-        return default
-    return AHEAD if ahead is not None and ahead.on and ahead.prediction.low() > low else default
+def plan_ahead(
+    manifest: Any, costs: Costs, traced: AheadTraces, min_gain: float = MIN_GAIN, level: float = LEVEL
+) -> AheadChoice | None:
+    """The plan's entry for an artifact (a Manifest) with these costs: `choose_ahead` over calibration's traces at
+    the exits that can draft (each ends a segment before the final layer and has no block head); None where none
+    is traced there or the costs price none."""
+    boundaries = [s.layers[1] for s in manifest.segments]
+    blocks = {e.layer for e in manifest.exits if e.block is not None}
+    usable = {e: traced.traces(e) for e in boundaries[:-1] if e not in blocks and traced.signed.get(str(e))}
+    return choose_ahead(costs, boundaries, usable, VERIFY_BLOCK, min_gain, level) if usable else None

@@ -26,10 +26,11 @@ The choice maximises predicted speed: for copy and defer over the options fitted
 verify (lossless) over the options fitted at any precision of a grid (there the threshold is a speed knob). `copy` is
 never the default: its approximate K/V change later tokens in a way calibration does not measure.
 
-Drafts from the context (`lookup`) are priced in plan/lookup.py; the plan makes them the default when their interval
-clears the line and its low end is above the exit configurations' (`lossless_default`).
+Drafts from the context (`lookup`) are priced in plan/lookup.py, verify drafting ahead at one exit (`ahead`) in
+plan/ahead.py from calibration's traces; the plan makes either the default when its interval clears the line and its
+low end is above the exit configurations' and the other's (`lossless_default`).
 
-The default is lossless (verify, lookup, or full depth): copy and defer change the tokens, and a per-token target
+The default is lossless (verify, lookup, ahead, or full depth): copy and defer change the tokens, and a per-token target
 says little of how much a whole answer changes (0.99 per token compounds to 77-90% of 48-token answers unchanged).
 A lossy setting is the default only with a sequence certificate (calibrate --guarantee sequence) at the user's
 risk (`max_risk`, run/bench --max-risk; by default the certificate's own delta): its setting is priced with the
@@ -71,24 +72,27 @@ from collections.abc import Sequence
 import numpy as np
 
 from eectl.contracts.certificate import CERTIFIED, Certificate
-from eectl.contracts.names import KV_CALLS, POLICY_SPECS, RIVER_CALLS, PolicySpec
 from eectl.contracts.plan import (
+    AHEAD,
     INTERVAL_TOP,
     LEVEL,
     LOOKUP,
     MIN_BATCHES,
     MIN_GAIN,
     PLAN_POLICIES,
-    RIVER_EXIT,
+    AheadChoice,
     Choice,
     Costs,
+    LookupChoice,
     Option,
     Plan,
     Prediction,
 )
+from eectl.plan.ahead import plan_ahead
 from eectl.plan.intervals import Replicates, combined, unit_interval
 from eectl.plan.lookup import choose_lookup
-from eectl.plan.verify import check_excess, expected_check, segment_of, verify_cycle
+from eectl.plan.paid import exit_paid, policy_spec
+from eectl.plan.verify import check_excess, expected_check, verify_cycle
 
 
 def sequence_agreement(disagreement: float, new_tokens: int) -> float:
@@ -107,13 +111,6 @@ def sequence_agreement(disagreement: float, new_tokens: int) -> float:
         return 0.0
     keep = 1.0 - h
     return keep * (1.0 - keep**n) / (h * n)
-
-
-def _river_ms(costs: Costs, segment: int) -> float:
-    ms = None if costs.river_ms is None else costs.river_ms[segment]
-    if ms is None:
-        raise ValueError(f"no river timing for segment {segment}: the costs were measured without river copies")
-    return ms
 
 
 def predict(
@@ -162,10 +159,10 @@ def predict(
     paid = 0.0  # the exiting tokens' share of a step's time
     rate = 0.0
     for layer, cov, _ in per_exit:
-        paid += cov * _exit_paid(costs, boundaries, policy, layer, over)
+        paid += cov * exit_paid(costs, boundaries, policy, layer, over)
         rate += cov
     lost = 0.0
-    checks = _spec(policy).checks_drafts
+    checks = policy_spec(policy).checks_drafts
     check = check_excess(costs, boundaries, per_exit) if checks else None
     if checks and lost_rate is None:  # drafts checked in cycles (`verify_cycle`)
         precision = sum(cov * (1.0 if p is None else p) for _, cov, p in per_exit) / rate if rate > 0 else 1.0
@@ -187,39 +184,6 @@ def predict(
         exit_rate=rate,
         lost_per_step=lost,
     )
-
-
-def _exit_paid(costs: Costs, boundaries: Sequence[int], policy: str, layer: int, over: float) -> float:
-    """The ms of a step whose token exits at `layer`: the segments up to it, the exit's prediction, and what the
-    policy's spec (`contracts/names.py` POLICY_SPECS) says the later segments cost it: K/V-only calls (copy), the
-    int4 copies (river), or one more position in a later pass (defer, verify; a draft also one more row of the
-    final head that checks it)."""
-    spec = _spec(policy)
-    s = segment_of(boundaries, layer)
-    paid = costs.embed_ms + sum(costs.segment_ms[: s + 1]) + over * (s + 1)
-    river_end = spec.later == RIVER_CALLS and policy != RIVER_EXIT  # the river's end predicts instead of the exit
-    if costs.exit_predict_ms is not None and not river_end:
-        paid += costs.exit_predict_ms[str(layer)]
-    later = range(s + 1, len(boundaries))
-    if spec.later == KV_CALLS:
-        paid += sum(costs.kv_ms[t] for t in later) + over * len(later)
-    elif spec.later == RIVER_CALLS:  # the exited token flows on through the int4 copies
-        paid += sum(_river_ms(costs, t) for t in later) + over * len(later)
-        if river_end:
-            paid += costs.river_head_ms if costs.river_head_ms is not None else costs.final_head_ms
-    else:  # the exited state rides along with a later step through every later segment
-        paid += sum(costs.segment_extra_ms[t] for t in later)
-        if spec.checks_drafts:
-            paid += costs.final_head_extra_ms
-    return paid
-
-
-def _spec(policy: str) -> PolicySpec:
-    """A policy's spec; `river-exit` (the river predicting at the exit, a run option) is the river's."""
-    name = "river" if policy == RIVER_EXIT else policy
-    if name not in POLICY_SPECS:
-        raise ValueError(f"the cost model has no spec for the policy '{policy}'")
-    return POLICY_SPECS[name]
 
 
 def predict_option(costs: Costs, boundaries: Sequence[int], policy: str, option: Option) -> Prediction:
@@ -365,8 +329,11 @@ def plan_manifest(manifest: object, costs: Costs, max_risk: float | None = None)
     cal = manifest.calibration
     options = cal.options if cal is not None else []
     plan = choose(costs, boundaries, options)
-    if cal is not None and cal.lookup is not None and "verify" in manifest.kv_policies:
-        plan.lookup = choose_lookup(costs, cal.lookup, plan.min_gain, plan.level)
+    if cal is not None and "verify" in manifest.kv_policies:  # drafts checked by verify's deep pass
+        if cal.lookup is not None:
+            plan.lookup = choose_lookup(costs, cal.lookup, plan.min_gain, plan.level)
+        if cal.ahead is not None:
+            plan.ahead = plan_ahead(manifest, costs, cal.ahead, plan.min_gain, plan.level)
         plan.default = lossless_default(plan)
     cert = manifest.certificate
     if cert is not None and cert.covers(max_risk) and cert.policy in manifest.kv_policies:
@@ -379,7 +346,7 @@ def plan_manifest(manifest: object, costs: Costs, max_risk: float | None = None)
         ):
             plan.default = CERTIFIED
     plan.inexact = wide_inexact(manifest)
-    if plan.inexact and plan.default in ("verify", LOOKUP):
+    if plan.inexact and plan.default in ("verify", LOOKUP, AHEAD):
         plan.default = "full"
     plan.unresolved = plan.undecided()
     return plan
@@ -422,21 +389,36 @@ def settled(costs: Costs, plan: Plan) -> bool:
 
 
 def lossless_default(plan: Plan) -> str:
-    """The default among the lossless configurations: drafts from the context where they are on and the low end of
-    their interval is above verify's, else verify's choice where its interval clears the line, else full depth.
+    """The default among the lossless configurations: verify's choice where its interval clears the line, else full
+    depth; then drafts from the context, then verify drafting ahead (plan/ahead.py), each where it is on and the low
+    end of its interval is above the best so far.
 
     The low ends, not the points: near a tie the more certain gain wins, and a tie does not flip with the timing's
     noise (the default model's standard artifact, exported twice: lookup 1.159x [1.132, 1.188] against verify
     1.154x [1.141, 1.167] made lookup the default by its point; on held-out prompts verify ran 1.19x, lookup 1.13x)."""
     verify = plan.choices.get("verify")
     runs_verify = verify is not None and bool(verify.exits) and verify.prediction.low() >= 1.0 + plan.min_gain
-    base, low = ("verify", verify.prediction.low()) if runs_verify and verify is not None else ("full", 1.0)
-    lookup = plan.lookup
-    return LOOKUP if lookup is not None and lookup.on and lookup.prediction.low() > low else base
+    best, low = ("verify", verify.prediction.low()) if runs_verify and verify is not None else ("full", 1.0)
+    drafters: tuple[tuple[str, LookupChoice | AheadChoice | None], ...] = ((LOOKUP, plan.lookup), (AHEAD, plan.ahead))
+    for name, drafter in drafters:
+        if drafter is not None and drafter.on and drafter.prediction.low() > low:
+            best, low = name, drafter.prediction.low()
+    return best
 
 
 def _default_speedup(plan: Plan) -> float:
     if plan.default == LOOKUP and plan.lookup is not None:
         return plan.lookup.prediction.speedup
+    if plan.default == AHEAD and plan.ahead is not None:
+        return plan.ahead.prediction.speedup
     chosen = plan.choices.get(plan.default)
     return chosen.prediction.speedup if chosen is not None and chosen.exits else 1.0
+
+
+def lossless_pick(plan: Plan, ahead: AheadChoice | None) -> str:
+    """Among the plan's lossless default (verify, lookup, full or the plan's own drafter) and this drafter: the
+    higher low end of the predicted speedup, the drafter only where it runs (`on`): `lossless_default` with this
+    drafter in the plan's place. A certified lossy default stays."""
+    if plan.default not in ("full", "verify", LOOKUP, AHEAD):  # a certified lossy setting, the user's risk
+        return plan.default
+    return lossless_default(plan.model_copy(update={"ahead": ahead}))

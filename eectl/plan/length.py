@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eectl.contracts.plan import LOOKUP, Choice, Plan
+from eectl.contracts.plan import AHEAD, LOOKUP, Choice, Plan
 from eectl.plan.choose import lossless_default, predict_option
 from eectl.plan.lookup import lookup_at_length
 
@@ -32,7 +32,7 @@ def plan_for_run(m: Any, tokens: int) -> Plan | None:
     if all(choices[n] is plan.choices[n] for n in choices) and lookup is plan.lookup:
         return plan
     new = plan.model_copy(update={"choices": choices, "lookup": lookup, "tokens": tokens})
-    if plan.default in (LOOKUP, "verify", "full") and not plan.inexact:
+    if plan.default in (LOOKUP, AHEAD, "verify", "full") and not plan.inexact:  # the drafter ahead: as priced
         new.default = lossless_default(new)  # plan/choose.py's rule, on the prices at this length
     return new
 

@@ -65,10 +65,11 @@ def check_excess(
     costs: Costs, boundaries: Sequence[int], per_exit: Sequence[tuple[int, float, float | None]]
 ) -> Callable[[int], float] | None:
     """What the pass checking k drafts costs beyond what the linear model charges them (k drafts' one more position
-    in each later segment and one more head row, in `_exit_paid`), from the wide passes export timed (`Costs.wide_ms`:
-    a step over 1 + k positions on the bound chain): their extra over a one-position step, the later segments' share
-    of it (the segments after the exits, weighted by coverage). A pass's width is not linear in cost: ORT's one-row
-    attention can cost what two rows do (then the second position is free) while the third and later are not.
+    in each later segment and one more head row, in plan/paid.py `exit_paid`), from the wide passes export timed
+    (`Costs.wide_ms`: a step over 1 + k positions on the bound chain): their extra over a one-position step, the later
+    segments' share of it (the segments after the exits, weighted by coverage). A pass's width is not linear in cost:
+    ORT's one-row attention can cost what two rows do (then the second position is free) while the third and later
+    are not.
     None without wide timings."""
     if not costs.wide_ms or not per_exit:
         return None
@@ -78,7 +79,8 @@ def check_excess(
         return None
     share = sum(cov * sum(costs.segment_ms[segment_of(boundaries, layer) + 1 :]) for layer, cov, _ in per_exit)
     share /= rate * total
-    # the linear model's charge per draft (`_exit_paid`): one more position in each later segment, one more head row
+    # the linear model's charge per draft (plan/paid.py `exit_paid`): one more position in each later segment, one
+    # more head row
     later = [sum(costs.segment_extra_ms[segment_of(boundaries, layer) + 1 :]) for layer, _, _ in per_exit]
     linear = sum(cov * x for (_, cov, _), x in zip(per_exit, later, strict=True)) + rate * costs.final_head_extra_ms
     # the steps over 1 .. VERIFY_BLOCK + 1 positions, interpolated once: `predict` prices hundreds of options and

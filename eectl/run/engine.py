@@ -425,5 +425,6 @@ def describe(config: RunConfig) -> dict[str, Any]:
         "exits": list(config.exits),
         "signal": config.signal,
         "prompt_drafts": config.prompt_drafts,
+        "draft_ahead": config.draft_ahead,
         "note": config.note,
     }

@@ -19,7 +19,7 @@ from eectl.contracts.certificate import CERTIFIED
 from eectl.contracts.gates import GATE
 from eectl.contracts.layers import check_exit_layers, parse_layers
 from eectl.contracts.names import POLICY_SPECS, SIGNAL_SPECS, threshold_problem
-from eectl.contracts.plan import DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DRAFTS, MAX_NGRAM
+from eectl.contracts.plan import AHEAD, DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DRAFTS, MAX_NGRAM
 from eectl.contracts.recipe import MAX_SEED
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
@@ -225,7 +225,7 @@ def _greedy_only(default: str) -> bool:
     check of drafts from the context)."""
     from eectl.runtime.policies import POLICIES
 
-    name = "verify" if default == LOOKUP else default
+    name = "verify" if default in (LOOKUP, AHEAD) else default
     return name in POLICIES and POLICIES[name].greedy_only
 
 
@@ -235,6 +235,10 @@ def _from_plan(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...],
     policy = opts.policy or plan.default
     if policy == "full":  # the plan's default: nothing pays
         return _config(rt, opts, stop_ids, signal, "defer", [], {}, plan.summary(), planned=True)
+    if policy == AHEAD and (a := plan.ahead) is not None:  # the drafter decides: the exit's own test never passes
+        never = {a.exit: dict.fromkeys(get_signal(signal).criteria, math.inf)}
+        chosen = replace(opts, draft_ahead=opts.draft_ahead or a.bound)
+        return _config(rt, chosen, stop_ids, signal, "verify", [a.exit], never, plan.summary(), planned=True)
     choice = plan.choices.get(policy)
     if choice is None:
         raise UsageError(f"--policy must be one of {', '.join(plan.choices)}, got '{policy}'")
