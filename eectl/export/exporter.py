@@ -454,11 +454,10 @@ def _write_exits(
             # the final head's own quantized table: for every token (int4 artifact) or the river's end only
             weight_input = full_io.inputs["weight"]
             assert isinstance(weight_input, str)
-            q_model = quantize_lm_head(full_model, weight_input, lm, options.int4)
-            q_io = full_io.model_copy(
-                update={"inputs": {k: v for k, v in full_io.inputs.items() if k != "weight"}},
-                deep=True,
-            )
+            pad = quantized and options.pads()  # a wide check's rows as the one-row step's (quantize_lm_head)
+            q_model = quantize_lm_head(full_model, weight_input, lm, options.int4, pad)
+            inputs = {k: v for k, v in full_io.inputs.items() if k != "weight"}
+            q_io = full_io.model_copy(update={"inputs": inputs}, deep=True)
             if quantized:
                 full_model, full_io = q_model, q_io
             else:

@@ -279,13 +279,19 @@ def _nbits_nodes(
 
 
 def quantize_lm_head(
-    model: onnx.ModelProto, weight_input: str, table: np.ndarray, opts: Int4Options
+    model: onnx.ModelProto, weight_input: str, table: np.ndarray, opts: Int4Options, pad_rows: bool = False
 ) -> onnx.ModelProto:
     """The final exit graph with its LM head as a constant, quantized to opts.lm_head bits.
 
     The exit graph computes logits as MatMul(normed [N, H], weight [H, V]) with the weight a graph input (the shared
     table, stored transposed; `table` is it, [H, V]). The weight becomes a constant, which the quantizer then turns
     into MatMulNBits, and the input is removed from the graph.
+
+    `pad_rows` (an artifact whose one-row calls are padded: ExportOptions.pads): MatMulNBits computes one row with
+    other code than two or more (4 bits at accuracy level 4 on AVX2 CPUs, every width at level 0 or 1), so a draft's
+    logits in a wide check would differ in the last bits from the one-row step's, and a near tie could pick another
+    token. A zero row is appended to the head's input and its logits cut off: every call multiplies >= 2 rows, and
+    each row's logits are the same bit for bit whatever the call's width (tests/test_exact_wide.py).
     """
     import onnx
     from onnx import numpy_helper
@@ -303,7 +309,37 @@ def quantize_lm_head(
     del m.graph.input[:]
     m.graph.input.extend(keep)
     bits = 8 if opts.lm_head == "int8" else 4
-    return quantize_graph(m, Int4Options(**{**asdict(opts), "keep_layers": (), "algorithm": "rtn"}), bits=bits)
+    q = quantize_graph(m, Int4Options(**{**asdict(opts), "keep_layers": (), "algorithm": "rtn"}), bits=bits)
+    if pad_rows:
+        _pad_head_rows(q, int(table.shape[0]))
+    return q
+
+
+def _pad_head_rows(m: onnx.ModelProto, hidden: int) -> None:
+    """The LM head's MatMulNBits on its input plus one zero row, its output cut back to the input's rows."""
+    from onnx import helper, numpy_helper
+
+    g = m.graph
+    (i,) = [k for k, n in enumerate(g.node) if n.op_type == "MatMulNBits"]
+    node = g.node[i]
+    x, y = node.input[0], node.output[0]
+    g.initializer.extend(
+        [
+            numpy_helper.from_array(np.zeros((1, hidden), np.float32), "lm_head.pad_row"),
+            numpy_helper.from_array(np.array([0], np.int64), "lm_head.pad_start"),
+        ]
+    )
+    node.input[0], node.output[0] = f"{x}.padded", f"{y}.padded"
+    before = helper.make_node("Concat", [x, "lm_head.pad_row"], [f"{x}.padded"], name="lm_head.pad", axis=0)
+    after = [
+        helper.make_node("Shape", [x], ["lm_head.rows"], name="lm_head.rows", start=0, end=1),
+        helper.make_node(
+            "Slice", [f"{y}.padded", "lm_head.pad_start", "lm_head.rows", "lm_head.pad_start"], [y], name="lm_head.cut"
+        ),
+    ]
+    nodes = [*g.node[:i], before, node, *after, *g.node[i + 1 :]]
+    del g.node[:]
+    g.node.extend(nodes)
 
 
 def agreement_verdict(result: dict[str, Any], final_layer: int, floor: float) -> str | None:
