@@ -35,7 +35,8 @@ each at its own length, `seqlens_k` per row, as runtime/batch.py's batched calls
 batch alike, on the CPU EP and on a device.
 
 Sampling (temperature > 0) runs the same calls: the step reads the final head's logits, or an exiting token's K
-candidates and their logits, and the runner's sampler picks (`pick`); teacher forcing
+candidates and their logits, and each sampled row's pick (`pick`: its own setting, else the run's) picks, a greedy row
+beside it taking the same head call's argmax; teacher forcing
 (scoring a text token by token) is a pick that returns the fed token (runtime/chain_steps.py). A prompt (one row,
 CPU) is a step whose positions before the last wait at segment 0 as embeddings, as drafts do; its wide calls are
 bound for that step only (`_wide(..., keep=False)`).
@@ -306,13 +307,16 @@ class DecodeChain:
         session.run_with_iobinding(io)
         place.read(self._token_read)
 
-    def step(self, tokens: dict[int, int], *, place: Placement = HOST, pick: Pick | None = None) -> dict[int, int]:
+    def step(
+        self, tokens: dict[int, int], *, place: Placement = HOST, pick: Pick | dict[int, Pick | None] | None = None
+    ) -> dict[int, int]:
         """The full-depth decode step, for one row or the rows of a batch alike: feed each row's token (row -> token,
         rows of the span) at its own next position through every layer, all rows in one call per graph; return each
         one's greedy next token. Rows of the span not in `tokens` ride along on their next free position (written,
         never counted: the batched calls' scratch slot). Its host read (the tokens) is recorded in the run's `place`,
         as every step's here. `pick` (sampling): each row's token is picked from the final head's logits [V] instead,
-        row by row in row order, and the logits are what the step reads."""
+        row by row in row order, and the logits are what the step reads; a mapping row -> pick gives each row its
+        own, None for a greedy row (the full head's in-graph argmax, from the same call)."""
         kv, L, first = self.kv, self.rt.manifest.num_layers, self.row
         span = slice(first, first + self.rows)
         past = _past(kv, np.arange(span.start, span.stop), 0, L)
@@ -328,19 +332,30 @@ class DecodeChain:
         self.total[()] = int(past.max()) + 1
         for session, io in self.calls[:-1]:
             session.run_with_iobinding(io)
-        if pick is not None:
-            logits = self._sample_head(place)
+        picks = pick if isinstance(pick, dict) else dict.fromkeys(tokens, pick)
+        if any(p is not None for p in picks.values()):
+            logits = self._sample_head(place, greedy=any(picks.get(r) is None for r in tokens))
             kv.advance(active, 0, L)
-            return {r: pick(logits[r - first], None) for r in sorted(tokens)}
+            return {r: self._picked(picks.get(r), logits, r) for r in sorted(tokens)}
         rows = slice(None) if len(tokens) == self.rows else np.array(sorted(tokens)) - first  # rows needing a token
         self._head(place, rows)  # one read for every row of the span
         kv.advance(active, 0, L)
         return {r: int(self.token[r - first]) for r in tokens}
 
-    def _sample_head(self, place: Placement) -> np.ndarray:
-        """The final head run for sampling: its logits [rows, V] read on the host (a copy off a device)."""
+    def _picked(self, pick: Pick | None, logits: np.ndarray, r: int) -> int:
+        """Row r's token after `_sample_head`: picked from its logits, or (no pick: a greedy row beside sampled ones)
+        the full head's in-graph argmax the same call wrote (the certified head proves that same token)."""
+        if pick is None:
+            return int(self.token[r - self.row])
+        return pick(logits[r - self.row], None)
+
+    def _sample_head(self, place: Placement, greedy: bool = False) -> np.ndarray:
+        """The final head run for sampling: its logits [rows, V] read on the host (a copy off a device); `greedy`: its
+        in-graph argmax is read too (`token`: greedy rows beside sampled ones)."""
         self.calls[-1][0].run_with_iobinding(self.calls[-1][1])
         place.read(self._logits_read)
+        if greedy:
+            place.read(self._token_read)
         return self.logits if isinstance(self.logits, np.ndarray) else self.logits.numpy()
 
     def _segment(

@@ -81,20 +81,22 @@ def rows_step(
     `chain` (its rows, with the run's exits); `one(row)`: the row's one-row chain (its wide calls; the chain itself for
     one row). Returns row -> token. `prompt`: the waiting positions are a prompt's (any length: its wide calls bound
     for this step only). `force_full`: no exit decides (verify's closing pass). `pick`: how tokens are picked in the
-    run's stead (sampling; default the runner's). `keep` (a batch's sampling): the final head's logits [V] (copies)
-    of each row reaching it go there, to be picked by the caller in row order with other rows' (their tokens here are
-    -1); an exiting row's token is picked from its exit's candidates at once."""
+    row's stead (sampling; default each row's own, `Runner.row_pick`: None for a greedy row). `keep` (a batch with
+    sampled rows): the final head's logits [V] (copies) of each sampled row reaching it go there, to be picked by the
+    caller in row order with other rows' (their tokens here are -1); an exiting row's token is picked from its exit's
+    candidates at once. A greedy-only policy's exits (verify) never decide a sampled row's token."""
     rt, policy = runner.rt, runner.policy
     kv, first = chain.kv, chain.row
     chain.ids[:, 0] = 0
     step = _Step(live, {}, {}, set(live), keep_wide=not prompt)
-    base = pick if pick is not None else runner.sampler()
     for r, st in live.items():
+        base = pick if pick is not None else runner.row_pick(st)
         n = drafted.get(r, 0)
         if n:  # the row's tokens before its last as embeddings waiting at segment 0
             st.pending[0] = rt.embed(np.array([st.tokens[-n - 1 : -1]], dtype=np.int64), place=runner.place)
         chain.ids[r - first, 0] = st.tokens[-1]
-        step.may[r] = policy.may_exit(st) and not n and not force_full
+        sampled = base is not None and st.forced is None
+        step.may[r] = policy.may_exit(st) and not n and not force_full and not (sampled and policy.greedy_only)
         step.total[r] = int(kv.filled[r, 0]) + (0 if st.pending[0] is None else buffer_shape(st.pending[0])[1]) + 1
         if step.total[r] > kv.max_len:
             raise UsageError(f"the sequence reached {step.total[r]} tokens, beyond the KV buffer of {kv.max_len}")
@@ -323,7 +325,7 @@ def _decide(
     for r, (score, i, cands) in answers.items():
         step.cands[r] = cands
         if score is not None:
-            _exited(runner, chain, one, step, r, s, layer, partial(runner._pick_score, score, i))
+            _exited(runner, chain, one, step, r, s, layer, partial(runner._pick_score, score, i, step.live[r]))
 
 
 def _exited(
@@ -351,7 +353,7 @@ def _exited(
             own = (rt.exit_full(layer, at, runner.cfg.top_k, place=runner.place)[0][0], None)
         token = runner._forced(st, own[0])
     elif own is not None:
-        token = runner._pick(*own)
+        token = runner._pick(*own, st=st)
     else:
         token = exit_pick()
     policy.on_exit(r, st, chain.kv, s, state, token)
@@ -365,7 +367,7 @@ def _exited(
 def _final(runner: Runner, chain: DecodeChain, step: _Step, keep: dict[int, np.ndarray] | None) -> None:
     """The rows that passed every exit: verify's check over a wide row's every position where it has drafts
     (`on_final`), else one final head call for all of them (a wide row's last position copied to its row of the
-    head's input); where the run samples, their logits kept in `keep` (`rows_step`)."""
+    head's input); where rows sample, their logits kept in `keep` (`rows_step`)."""
     policy, kv, first, L = runner.policy, chain.kv, chain.row, runner.L
     need = []
     for r in sorted(step.alive):
@@ -383,17 +385,15 @@ def _final(runner: Runner, chain: DecodeChain, step: _Step, keep: dict[int, np.n
         need.append(r)
     if not need:
         return
-    if keep is not None:
-        logits = chain._sample_head(runner.place)
-        keep.update({r: np.array(logits[r - first], copy=True) for r in need})
-        step.tokens.update({r: -1 for r in need})
-        return
-    if any(step.picks[r] is not None for r in need):  # sampled or teacher-forced: the logits, rows in order
-        logits = chain._sample_head(runner.place)
-        for r in need:
-            p = step.picks[r]
-            assert p is not None, "a step samples all its rows or none"
-            step.tokens[r] = p(logits[r - first], None)
+    picks = {r: step.picks[r] for r in need}
+    if any(p is not None for p in picks.values()):  # sampled or teacher-forced: the logits, rows in order
+        logits = chain._sample_head(runner.place, greedy=None in picks.values())
+        for r, p in picks.items():
+            if keep is not None and p is not None:  # picked by the caller, in row order with other rows'
+                keep[r] = np.array(logits[r - first], copy=True)
+                step.tokens[r] = -1
+            else:  # greedy rows beside sampled ones: the same call's argmax
+                step.tokens[r] = chain._picked(p, logits, r)
         return
     rows = np.array(need) - first
     chain._head(runner.place, slice(None) if len(need) == chain.rows else rows)

@@ -72,13 +72,21 @@ def chain_step(
     return got[row]
 
 
-def chain_prompt(runner: Runner, chain: DecodeChain, st: RowState, kv: KVBuffers, sampler: Pick | None = None) -> int:
+def chain_prompt(
+    runner: Runner,
+    chain: DecodeChain,
+    st: RowState,
+    kv: KVBuffers,
+    sampler: Pick | None = None,
+    force_full: bool = False,
+) -> int:
     """The chain's row's prompt on the bound chain (CPU): its tokens after the `st.reused` its cache rows hold (the
     whole prompt, or what follows a prefix: runtime/slots.py `reused`, `shared`), the positions before the last
     waiting at segment 0 as embeddings, run through every layer in one wide call per segment (bound for this prompt
-    only), the last one's token from the final head (a prompt of one token may exit
-    there, as a decode step)."""
-    return chain_step(runner, chain, st, kv, len(st.tokens) - st.reused - 1, prompt=True, sampler=sampler)
+    only), the last one's token from the final head (a prompt of one token may exit there, as a decode step, unless
+    `force_full`: a step where no exit decides)."""
+    n = len(st.tokens) - st.reused - 1
+    return chain_step(runner, chain, st, kv, n, prompt=True, force_full=force_full, sampler=sampler)
 
 
 def chain_tokens(
@@ -97,51 +105,56 @@ def chain_tokens(
     holds (`kept`'s prompts: slots.py `shared`), then the other rows' step over the batch's chain: at full depth its
     `step`, with exits or drafts (CPU) chain_rows.py's, each segment run for every row (the drafted and deferred
     rows' wide calls beside the batched one: a segment's weights read once a step, where rows stepping one after the
-    other on their own chains read them once a row, 1.4% slower: docs/results/2026-12-05-one-row-chain.md). Sampled,
-    the logits of the rows reaching the final head are kept and picked in row order afterwards. `force_full`: no exit
-    decides in the rows' step (a batch switching to full depth: slots.py `Switch`)."""
+    other on their own chains read them once a row, 1.4% slower: docs/results/2026-12-05-one-row-chain.md). Each row
+    picks as it samples (`Runner.row_pick`: its own setting, else the run's): the logits of the sampled rows reaching
+    the final head are kept and picked in row order afterwards, greedy rows beside them take the head's argmax.
+    `force_full`: no exit decides in the step, prompts included (a batch switching to full depth: slots.py
+    `Switch`)."""
     # a chain's buffers are where the run's states live (chain_for): every step is the chain's, save prompts padded
     # into one call (off the CPU EP where the run's states are on the host: `_pad`)
     wide = any(drafted.values())
     if chain.rows == 1:
         st = live[0][0]
         if fresh:
-            return {0: chain_prompt(runner, chain, st, kv)}
+            return {0: chain_prompt(runner, chain, st, kv, force_full=force_full)}
         if not wide and not runner.exits:
-            one = chain.step({0: st.tokens[-1]}, place=runner.place, pick=runner.sampler())
+            one = chain.step({0: st.tokens[-1]}, place=runner.place, pick=runner.row_pick(st))
             st.exit_layers.append(runner.L)
             return one
         return {0: chain_step(runner, chain, st, kv, drafted.get(0, 0), force_full=force_full)}
-    sampler = runner.sampler()
+    picks = {s: runner.row_pick(st) for s, (st, _) in live.items()}  # None: a greedy row
+    sampled = any(p is not None for p in picks.values())
     tokens: dict[int, int] = {}
-    logits: dict[int, np.ndarray] = {}  # sampled: each row's final logits, picked in row order at the end
+    logits: dict[int, np.ndarray] = {}  # the sampled rows' final logits, picked in row order at the end
     held = [s for s in live if s not in fresh]  # rows whose prompts are in the cache
     alone = fresh  # the new prompts each on its slot's chain
     if fresh and runner._pad() and not runner.place.device:  # padded into one call per segment where they can
         new = {s: live[s][0] for s in fresh}
         slot_of = lambda s: slot_chain(runner, kept, s)  # noqa: E731
-        tokens.update(padded_prompts(runner, chain, slot_of, new, logits if sampler is not None else None))
+        tokens.update(padded_prompts(runner, chain, slot_of, new, logits if sampled else None, force_full))
         alone = set()
     for s in sorted(alone):
-        st = live[s][0]
+        st, pick = live[s][0], picks[s]
         st.reused = shared(runner.rt, kept, s, st.tokens, held)  # another row's copy of its beginning, if longer
-        keep = _keeping(logits, [s], sampler) if sampler is not None else None
-        tokens[s] = chain_prompt(runner, slot_chain(runner, kept, s), st, kv, keep)
+        keep = None if pick is None else _keeping(logits, s, pick)
+        tokens[s] = chain_prompt(runner, slot_chain(runner, kept, s), st, kv, keep, force_full)
         held.append(s)
     decode = {s: ids[-1] for s, (_, ids) in live.items() if s not in fresh}
     if decode and (wide or runner.exits):  # per segment, every row: chain_rows.py
         rows = {s: live[s][0] for s in decode}
-        kept_logits = logits if sampler is not None else None
+        kept_logits = logits if sampled else None
         of = lambda s: slot_chain(runner, kept, s)  # noqa: E731
         tokens.update(rows_step(runner, chain, of, rows, drafted, kept_logits, force_full=force_full))
     elif decode:
-        keep = _keeping(logits, sorted(decode)) if sampler is not None else None  # the chain picks in row order
-        stepped = chain.step(decode, place=runner.place, pick=keep)
+        each = {s: None if picks[s] is None else _keeping(logits, s) for s in decode} if sampled else None
+        stepped = chain.step(decode, place=runner.place, pick=each)
         for s in stepped:
             live[s][0].exit_layers.append(runner.L)
         tokens.update(stepped)
-    if sampler is not None:  # the rows that reached the final head, in row order (exits picked at once)
-        tokens.update({s: sampler(logits[s], None) for s in sorted(logits)})
+    for s in sorted(logits):  # the sampled rows that reached the final head, in row order (exits picked at once)
+        pick = picks[s]
+        assert pick is not None
+        tokens[s] = pick(logits[s], None)
     return tokens
 
 
@@ -151,6 +164,7 @@ def padded_prompts(
     one: Callable[[int], DecodeChain],
     live: dict[int, RowState],
     logits: dict[int, np.ndarray] | None = None,
+    force_full: bool = False,
 ) -> dict[int, int]:
     """A batch's new prompts (slot -> its state, each fed after the `reused` tokens its rows hold) where the run pads
     them into one call (`Runner._pad`: off the CPU EP where the run's states are on the host): the runs of two or
@@ -158,16 +172,18 @@ def padded_prompts(
     (batch.run_prefill: each row attends to its own positions) and a block exit head's call per row after its
     segment; the last position of each goes to its row of the chain's final head, one call for them all. Every other
     prompt steps on its slot's chain (`one(slot)`, chain_steps.chain_prompt: a prompt of one token may exit there).
-    Returns slot -> token; `logits` (sampling): each prompt's final logits kept there (its token -1), to be picked in
-    row order with the other rows'."""
+    Returns slot -> token; `logits` (a step with sampled rows): each sampled prompt's final logits kept there (its
+    token -1), to be picked in row order with the other rows'. `force_full`: no prompt's token exits."""
     rt, kv, first, L = runner.rt, chain.kv, chain.row, runner.L
     assert isinstance(kv, BatchKV)
     several = [r for r, st in live.items() if len(st.tokens) - st.reused > 1 and not kv.filled[r].any()]
     padded = [r for run in prefill_runs(kv, several, 0, L) if len(run) > 1 for r in run]
     tokens = {}
+    picks = {r: runner.row_pick(st) for r, st in live.items()}
     for r in sorted(set(live) - set(padded)):
-        keep = None if logits is None else _keeping(logits, [r], runner.sampler())
-        tokens[r] = chain_prompt(runner, one(r), live[r], kv, keep)
+        pick = picks[r]
+        keep = None if logits is None or pick is None else _keeping(logits, r, pick)
+        tokens[r] = chain_prompt(runner, one(r), live[r], kv, keep, force_full)
     if not padded:
         return tokens
     xs = {r: rt.embed(np.array([live[r].tokens[live[r].reused :]], dtype=np.int64)) for r in padded}
@@ -180,10 +196,10 @@ def padded_prompts(
     for r in padded:
         buffers.put(rt, view(chain.hops[-1])[r - first : r - first + 1], xs[r][0, -1:])
         live[r].exit_layers.append(L)
-    if logits is not None:
-        z = chain._sample_head(runner.place)
-        logits.update({r: np.array(z[r - first], copy=True) for r in padded})
-        return tokens | {r: -1 for r in padded}
+    if logits is not None and any(picks[r] is not None for r in padded):  # greedy rows: the same call's argmax
+        z = chain._sample_head(runner.place, greedy=any(picks[r] is None for r in padded))
+        logits.update({r: np.array(z[r - first], copy=True) for r in padded if picks[r] is not None})
+        return tokens | {r: -1 if picks[r] is not None else int(chain.token[r - first]) for r in padded}
     chain._head(runner.place, np.array(padded) - first)
     return tokens | {r: int(chain.token[r - first]) for r in padded}
 
@@ -198,17 +214,16 @@ def slot_chain(runner: Runner, kept: Kept, slot: int) -> DecodeChain:
     return kept.prompt_chains[slot]
 
 
-def _keeping(logits: dict[int, np.ndarray], slots: list[int], sampler: Pick | None = None) -> Pick:
+def _keeping(logits: dict[int, np.ndarray], slot: int, sampler: Pick | None = None) -> Pick:
     """A pick that keeps the final logits [V] it is given (a copy: the chain's buffer is the next call's) in
-    `logits` under each of `slots` in turn, to be picked later; the token it returns (-1) is replaced. An exiting
-    token's K candidates (a prompt of one token may exit) are picked at once by `sampler`."""
-    order = iter(slots)
+    `logits[slot]`, to be picked later; the token it returns (-1) is replaced. An exiting token's K candidates (a
+    prompt of one token may exit) are picked at once by `sampler`."""
 
     def pick(z: np.ndarray, ids: np.ndarray | None) -> int:
         if ids is not None:
             assert sampler is not None
             return sampler(z, ids)
-        logits[next(order)] = np.array(z, copy=True)
+        logits[slot] = np.array(z, copy=True)
         return -1
 
     return pick

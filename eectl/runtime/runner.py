@@ -8,11 +8,12 @@ business (policies.py): the step calls its hooks. Every step runs on the bound c
 once; chain_steps.py chooses the step, chain_rows.py runs one with exits or drafts), the same way for one row or a
 batch, on the host or with device buffers; tests/simulation.py is its reference in PyTorch.
 
-Rows of a batch are independent sequences with their own cache rows and decisions, run in lock-step: a segment
-runs once for all rows that reach it with one new position (per-row lengths), the final head once for all rows that
-reach it. Rows that exited early sit out the deeper calls (they ride along on a scratch slot: GQA cannot skip rows);
-rows with several positions (prompts, deferred positions, drafts) run their slot's one-row wide calls on the same
-buffers, and so do the river policy's int4 copies after an exit (`KVPolicy.predict`).
+Rows of a batch are independent sequences with their own cache rows and decisions (and, an engine's requests, their
+own sampling: `RowState.sampling`), run in lock-step: a segment runs once for all rows that reach it with one new
+position (per-row lengths), the final head once for all rows that reach it. Rows that exited early sit out the
+deeper calls (they ride along on a scratch slot: GQA cannot skip rows); rows with several positions (prompts,
+deferred positions, drafts) run their slot's one-row wide calls on the same buffers, and so do the river policy's
+int4 copies after an exit (`KVPolicy.predict`).
 
 Device-resident (`RunConfig.device_resident`, the default off the CPU EP; greedy with exits or drafts): the chain's
 buffers are device memory, exit tests reading a flag and a token (binding.py). `generate` gives its calls a
@@ -26,6 +27,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
@@ -39,6 +41,7 @@ from eectl.runtime import scoring
 from eectl.runtime.batch import new_batch_kv
 from eectl.runtime.blocks import active_block
 from eectl.runtime.chain import DecodeChain, chain_exits_supported
+from eectl.runtime.chain_parts import Pick
 from eectl.runtime.chain_steps import chain_for, chain_step, chain_tokens, slot_chain
 from eectl.runtime.decide import Answer, ExitTest
 from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
@@ -47,7 +50,7 @@ from eectl.runtime.feed import Feed, Prompts
 from eectl.runtime.kv import KVBuffers
 from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.policies import policy_class
-from eectl.runtime.sampling import pick_token
+from eectl.runtime.sampling import RowSampling, pick_token
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.slots import ROOM, Kept, Switch, narrowed, rebound, reused
 from eectl.runtime.state import Generation, RowState, RunConfig
@@ -127,27 +130,36 @@ class Runner:
         # plan/batch.py `time_full`); a count not here: the configuration's `certified_head`
         self.heads: dict[int, bool] = {}
 
-    # --- sampling --------------------------------------------------------------------------------------------------
-    def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
-        """Greedy or temperature/top-p sampling over logits [V] (or [K] with their vocabulary ids)."""
+    # --- sampling ---------------------------------------------------------------------------------------------------
+    def _pick(self, logits: np.ndarray, ids: np.ndarray | None = None, st: RowState | None = None) -> int:
+        """Greedy or temperature/top-p sampling over logits [V] (or [K] with their vocabulary ids): with row `st`'s
+        own settings and generator where it has them (an engine's request), else the run's."""
+        if st is not None and st.sampling is not None:
+            return st.sampling.pick(logits, ids)
         return pick_token(logits, ids, self.cfg.temperature, self.cfg.top_p, self.rng)
 
-    def sampler(self) -> Callable[[np.ndarray, np.ndarray | None], int] | None:
-        """How the bound chain picks a token where the run samples (`_pick`); None under greedy (the graphs' argmax)."""
-        return self._pick if self.cfg.temperature > 0 else None
+    def samples(self, st: RowState) -> bool:
+        """Whether row `st` samples (its own setting, else the run's)."""
+        return st.sampling.sampled if st.sampling is not None else self.cfg.temperature > 0
+
+    def row_pick(self, st: RowState) -> Pick | None:
+        """How the bound chain picks row `st`'s token where it samples (`_pick` with its settings); None where it is
+        greedy (the graphs' argmax)."""
+        return partial(self._pick, st=st) if self.samples(st) else None
 
     # --- exits -------------------------------------------------------------------------------------------------------
     def _decide_rows(self, layer: int, asks: dict[int, Decide]) -> dict[int, Answer]:
         """The exit test at `layer` for several rows' tokens at once (runtime/decide.py), on this call's placement."""
         return self.exit_test.rows(layer, asks, self.place)
 
-    def _pick_score(self, score: ExitScore, i: int) -> int:
+    def _pick_score(self, score: ExitScore, i: int, st: RowState) -> int:
         """Row i's token from an exit's own prediction (computed once for all rows of the decision, on demand): its
-        top-1 under greedy where the decision knows it (decided in the graph), else picked from its logits."""
+        top-1 where row `st` is greedy and the decision knows it (decided in the graph), else picked from its logits
+        (`_pick`: greedy or with the row's sampling)."""
         pred = score.prediction()  # numpy: the exit graphs' outputs
-        if self.cfg.temperature <= 0 and pred.top1 is not None:
+        if not self.samples(st) and pred.top1 is not None:
             return int(pred.top1[i])
-        return self._pick(np.asarray(pred.logits[i]), None if pred.ids is None else np.asarray(pred.ids[i]))
+        return self._pick(np.asarray(pred.logits[i]), None if pred.ids is None else np.asarray(pred.ids[i]), st)
 
     # --- teacher forcing --------------------------------------------------------------------------------------------
     @staticmethod
@@ -215,9 +227,12 @@ class Runner:
         self.run_feed(Prompts(rows), width, need, on_step, record=True)
         return [st.generation() for st in rows]
 
-    def new_row(self, prompt: list[int], max_new_tokens: int | None = None) -> RowState:
-        """A row for `prompt` to give a feed (`run_feed`), with its own token budget (None: the run's)."""
-        return RowState(list(prompt), len(prompt), [None] * len(self.m.segments), max_new_tokens=max_new_tokens)
+    def new_row(
+        self, prompt: list[int], max_new_tokens: int | None = None, sampling: RowSampling | None = None
+    ) -> RowState:
+        """A row for `prompt` to give a feed (`run_feed`), with its own token budget and sampling (None: the run's)."""
+        segments: list[np.ndarray | None] = [None] * len(self.m.segments)
+        return RowState(list(prompt), len(prompt), segments, max_new_tokens=max_new_tokens, sampling=sampling)
 
     def run_feed(
         self,

@@ -137,8 +137,11 @@ class Switch:
     are the ones it gets alone whatever its batch ran. A switch to full depth waits for a cycle boundary: a row with
     unchecked drafts or deferred states (verify's exits) first takes one step of the plan's configuration with no
     exit deciding (`DRAIN`: the deep pass checks the drafts and computes the deferred K/V); drafts from the context
-    are checked in the step that carries them, so their rows are always at one. `ran` holds what the recent steps
-    ran (rows, PLAN | FULL | DRAIN) and `counts` the steps of each since the engine started."""
+    are checked in the step that carries them, so their rows are always at one. A step holding a sampled row (an
+    engine's request with its own sampling, runtime/sampling.py `RowSampling`) never runs the plan's configuration,
+    which is greedy only: it runs full depth, the sampled row's own configuration, after a drain where one is needed
+    (the drain's deep pass, with no exit deciding, is full depth for the sampled row too). `ran` holds what the
+    recent steps ran (rows, PLAN | FULL | DRAIN) and `counts` the steps of each since the engine started."""
 
     full: Any  # Runner (runtime/runner.py imports this module)
     pays: Callable[[int], bool]
@@ -148,7 +151,7 @@ class Switch:
     def pick(self, runner: Any, kept: Kept, rows: list[RowState]) -> tuple[Any, Kept, bool]:
         """The runner and buffers the next step of these seated `rows` runs on, and whether no exit may decide in it
         (a drain step)."""
-        if self.pays(len(rows)):
+        if self.pays(len(rows)) and not any(runner.samples(st) for st in rows):
             mode = PLAN
         else:
             mode = DRAIN if any(st.drafts or any(p is not None for p in st.pending) for st in rows) else FULL

@@ -10,6 +10,7 @@ import numpy as np
 
 from eectl.contracts.plan import MAX_NGRAM, VERIFY_BLOCK
 from eectl.exits.signals import DEFAULT_SIGNAL
+from eectl.runtime.sampling import RowSampling
 
 
 @dataclass
@@ -94,6 +95,9 @@ class RowState:
     # token's latency, so a row's latencies add up to its decode time
     carried_s: float = 0.0
     ahead: float = 1.0  # verify drafting ahead: the product of the run's draft probabilities (runtime/ahead.py)
+    # the row's own sampling and generator (an engine's request: runtime/sampling.py); None: the run's
+    # (RunConfig.temperature and top_p, the runner's generator)
+    sampling: RowSampling | None = None
 
     def budget(self, run: int) -> int:
         """The tokens this row may generate: its own budget, else the run's (`run`)."""
