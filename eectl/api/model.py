@@ -3,7 +3,8 @@ text, its tokens, timings and exit statistics) or, streaming, an iterator of tex
 
 A Model is an artifact opened once (its runtime, tokenizer and plan, as `eectl run` opens it: run/generate.py) with
 an `Engine` (run/engine.py) stepping its requests: calls from several threads share the batch (`max_batch` slots),
-each call's tokens the same as it would get alone. `Model.start` is the non-blocking form the server builds on.
+each call's tokens the same as it would get alone (a sampled call's too, for its `seed`: each call samples with its
+own settings and generator). `Model.start` is the non-blocking form the server builds on.
 
 What this module does not do: speak HTTP (eectl/serve), print, or set up torch (nothing here imports it).
 """
@@ -196,10 +197,11 @@ class Model:
         temperature: float | None = None,
         top_p: float | None = None,
         stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
     ) -> Request:
         """Queue a generation for `ids` and return at once (the engine's errors, e.g. a full queue, raised here)."""
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        sampling = self._sampling(temperature, top_p)
+        sampling = self._sampling(temperature, top_p, seed)
         n = self.options.max_new_tokens if max_new_tokens is None else max_new_tokens
         req = Request(self, ids, n, sampling, stops, on_text, on_end)
         self.engine.submit(req.job)
@@ -214,6 +216,7 @@ class Model:
         temperature: float | None = ...,
         top_p: float | None = ...,
         stop: str | Sequence[str] | None = ...,
+        seed: int | None = ...,
         stream: Literal[False] = ...,
         raw: bool | None = ...,
     ) -> Completion: ...
@@ -227,6 +230,7 @@ class Model:
         temperature: float | None = ...,
         top_p: float | None = ...,
         stop: str | Sequence[str] | None = ...,
+        seed: int | None = ...,
         stream: Literal[True],
         raw: bool | None = ...,
     ) -> Streaming: ...
@@ -239,14 +243,17 @@ class Model:
         temperature: float | None = None,
         top_p: float | None = None,
         stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
         stream: bool = False,
         raw: bool | None = None,
     ) -> Completion | Streaming:
         """Generate an answer to a prompt (or messages): a Completion, or with stream=True the text pieces as they
-        settle. None takes the load options' value (max_new_tokens, temperature, top_p, raw)."""
+        settle. None takes the load options' value (max_new_tokens, temperature, top_p, raw). `seed` (sampling): the
+        answer's own generator's, so the same seed and settings give the same answer alone or beside other calls;
+        None: a seed drawn from the model's generator (seeded by `load`'s `seed`) as the call starts decoding."""
         ids = self.tokenize(prompt, raw)
         args: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
-        args["stop"] = stop
+        args.update(stop=stop, seed=seed)
         if stream:
             return Streaming(lambda on_text, on_end: self.start(ids, on_end, on_text, **args))
         done: queue.Queue[tuple[Completion | None, BaseException | None]] = queue.Queue()
@@ -277,11 +284,13 @@ class Model:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _sampling(self, temperature: float | None, top_p: float | None) -> Sampling:
+    def _sampling(self, temperature: float | None, top_p: float | None, seed: int | None) -> Sampling:
         t = self.options.temperature if temperature is None else temperature
         p = self.options.top_p if top_p is None else top_p
-        check_options(dataclasses.replace(self.options, temperature=t, top_p=p))
-        return Sampling(float(t), float(p))
+        check_options(
+            dataclasses.replace(self.options, temperature=t, top_p=p, seed=self.options.seed if seed is None else seed)
+        )
+        return Sampling(float(t), float(p), None if seed is None else int(seed))
 
 
 def load(

@@ -6,17 +6,30 @@ both called on the worker thread. A job waits in a bounded queue (`QueueFull` pa
 free; the runner seats it at the next step (runtime/feed.py), prefilling its prompt while the others decode. A job
 cancelled (`Job.cancel`: a client gone, a stop string seen) leaves its slot at the next step.
 
-Sampling settings are the runner's, not a row's (the chain picks the rows' tokens with one sampler), so a batch
-holds the jobs of one setting (`Sampling`): a job of another setting waits at the head of the queue until the batch
-drains, then the engine steps that setting's runner; nothing behind it joins in the meantime (first come, first
-served). Each setting's configuration is resolved as `eectl run` resolves its options (run/generate.py
-`runner_for`), for the batch size the engine runs: the plan prices one row, so with more than one slot the plan's
-default would run full depth (contracts/plan.py `batch_note`). Where that default is lossless (drafts from the
-context, verify's exits), the engine prices it at every batch size up to its slots instead (plan/batch.py: full
-depth's batched steps timed when the setting's runner is made) and its runner switches between the plan's
-configuration and full depth before each step, by the rows the step holds (runtime/slots.py `Switch`); every
-request's tokens stay the ones it gets alone. A policy asked for explicitly runs at every batch size (as `eectl run
---batch-size N --policy NAME` does).
+Sampling is a row's (`Sampling`: temperature, top-p, seed; runtime/sampling.py `RowSampling`): a seated job's row
+picks its tokens with its own settings and generator, seeded by the job's `seed`, else by a seed drawn from the
+engine's generator (seeded by the run options' `seed`) as the row is seated; so a seeded request gets the same
+tokens alone or beside any others. The engine resolves two configurations as `eectl run` resolves its options
+(run/generate.py `runner_for`), for the batch size it runs: a greedy one and a sampling one (the same for every
+temperature and top-p: sampling refuses what is greedy only, e.g. verify's check). The plan prices one row, so with
+more than one slot the plan's default would run full depth (contracts/plan.py `batch_note`); where that default is
+lossless (drafts from the context, verify's exits), the engine prices it at every batch size up to its slots instead
+(plan/batch.py: full depth's batched steps timed when the greedy runner is made) and the greedy runner switches
+between the plan's configuration and full depth before each step, by the rows the step holds (runtime/slots.py
+`Switch`). A policy asked for explicitly runs at every batch size (as `eectl run --batch-size N --policy NAME` does).
+
+One runner steps a batch, and its configuration serves every row in it. Jobs are seated first come, first served,
+whatever their setting: a sampled job joins the greedy runner's batch (`_shares`) where
+- the greedy runner switches and the sampling configuration is full depth (always so with more than one slot when
+  the plan chooses): a step that holds a sampled row runs full depth, after a step with no exit deciding where a
+  greedy row has drafts or deferred states to settle; greedy-only steps run what the switch prices; or
+- the two configurations are one (full depth; a policy asked for) with its states on the host: every step runs it,
+  each row picking its token with its own setting (a greedy row the graphs' argmax).
+Either way each greedy row's tokens are the ones it gets alone (a lossless configuration's are full depth's), and
+each sampled row's are those of its own configuration with its own generator. Elsewhere (one slot under a greedy-only
+plan default, where sampling runs full depth; exits whose states stay on a device) a job of the other configuration
+waits at the queue's head until the batch drains, then that configuration's runner steps the next batch; with one
+slot this is first come, first served anyway.
 
 The run stage (run/stage.py: `eectl run`, the pipeline) queues its prompts here with `slots` = --batch-size; the
 Python API (eectl/api) and the server (eectl/serve) queue their requests as they come.
@@ -36,17 +49,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from eectl.contracts.recipe import MAX_SEED
 from eectl.errors import EectlError, UsageError
 from eectl.plan.batch import BatchPrices, batch_prices, time_full, widths
 from eectl.run.generate import RunOptions, runner_for
 from eectl.runtime.feed import Feed
 from eectl.runtime.policies import POLICIES
 from eectl.runtime.runner import Runner
+from eectl.runtime.sampling import RowSampling
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.slots import Switch
 from eectl.runtime.state import Generation, RowState, RunConfig
-
-MAX_RUNNERS = 4  # sampling settings whose runners are kept (the least recently used is dropped past it)
 
 
 class QueueFull(EectlError):
@@ -59,8 +74,15 @@ class Stopped(EectlError):
 
 @dataclass(frozen=True)
 class Sampling:
+    """A job's sampling: its row picks with these settings and its own generator (`Engine._row_sampling`)."""
+
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
+    seed: int | None = None  # the row's generator's seed; None: one drawn from the engine's as the row is seated
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
 
 
 @dataclass(eq=False)
@@ -90,7 +112,8 @@ class Job:
 
 class Engine:
     """The worker thread stepping `slots` rows with room for `context` positions each; at most `queue` jobs
-    waiting. `opts`: the run options (their sampling: the default setting), resolved per setting on `rt`.
+    waiting. `opts`: the run options (their sampling: the default setting; their seed: the engine's generator's),
+    resolved for greedy and sampled rows on `rt`.
 
     `admit`: at most this many new rows seated per step while others decode (None: every free slot). On the CPU EP
     each new prompt is prefilled on its own in the step that seats it, so 16 requests arriving together all waited
@@ -127,7 +150,10 @@ class Engine:
         # full depth's batched steps timed at engine start (plan/batch.py `time_full`): rows -> ms, rows -> whether
         # the certified head is the faster there, the seconds it took; None: not timed (one slot)
         self.timed: tuple[dict[int, float], dict[int, bool], float] | None = None
-        self._runners: dict[Sampling, tuple[RunConfig, Runner]] = {}
+        # the greedy (False) and sampling (True) configurations' runners, each made on first use
+        self._runners: dict[bool, tuple[RunConfig, Runner]] = {}
+        self._shared = False  # sampled jobs join the greedy runner's batch (`_shares`)
+        self._seeds = np.random.default_rng(opts.seed)  # sampled rows' seeds where their job gives none
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -139,16 +165,17 @@ class Engine:
 
     # --- callers' side ----------------------------------------------------------------------------------------------
     def config(self, sampling: Sampling | None = None) -> RunConfig:
-        """What a setting runs (the default's unless given): policy, exits, thresholds, the plan's note."""
+        """What a setting's rows run (the default's unless given): policy, exits, thresholds, the plan's note."""
         return self._runner(sampling or self.default)[0]
 
     def batching(self) -> dict[str, Any] | None:
-        """Where the default setting switches configurations: the plan's prices per batch size and the steps each
-        configuration ran (runtime/slots.py `Switch.counts`); None where it runs one configuration."""
-        runner = self._runner(self.default)[1]
-        if self.prices is None or runner.switch is None:
+        """Where the greedy runner switches configurations: the plan's prices per batch size and the steps each
+        configuration ran (runtime/slots.py `Switch.counts`: full depth's include the steps sampled rows were in);
+        None where it runs one configuration (or is not made)."""
+        greedy = self._runners.get(False)
+        if self.prices is None or greedy is None or greedy[1].switch is None:
             return None
-        return {**self.prices.to_dict(), "steps": dict(runner.switch.counts)}
+        return {**self.prices.to_dict(), "steps": dict(greedy[1].switch.counts)}
 
     def check(self, job: Job) -> None:
         """A job's own errors, before it queues: an empty prompt, a budget below 1, past the context, a sampling
@@ -184,7 +211,8 @@ class Engine:
         self, prompts: list[list[int]], max_new_tokens: int, on_step: Callable[[int, list[int]], None] | None = None
     ) -> list[Generation]:
         """Every prompt queued at once, in order (seated as `Runner.generate` seats them: a finished row's slot takes
-        the next), with the default sampling, and waited for: the run stage's call. `on_step(prompt_index,
+        the next), with the default sampling, each prompt's generator seeded by the options' seed (`eectl run --seed`:
+        a prompt's tokens the ones it gets alone), and waited for: the run stage's call. `on_step(prompt_index,
         confirmed)` as in `Runner.generate` (on the worker thread). Interrupted while waiting, every job is
         cancelled before the interrupt goes on."""
         finished = threading.Semaphore(0)
@@ -198,9 +226,10 @@ class Engine:
             finished.release()
 
         jobs = []
+        sampling = dataclasses.replace(self.default, seed=self.opts.seed)  # each prompt's own: its tokens alone
         for i, ids in enumerate(prompts):
             step = None if on_step is None else functools.partial(on_step, i)
-            jobs.append(Job(ids, max_new_tokens, self.default, on_step=step, on_done=functools.partial(ended, i)))
+            jobs.append(Job(ids, max_new_tokens, sampling, on_step=step, on_done=functools.partial(ended, i)))
         try:
             for job in jobs:
                 self.submit(job)
@@ -237,16 +266,31 @@ class Engine:
         warn: Callable[[str], None] | None = None,
         note: Callable[[str], None] | None = None,
     ) -> tuple[RunConfig, Runner]:
+        """The configuration and runner of a setting's kind (greedy or sampled), made on first use."""
         with self._cond:
-            got = self._runners.pop(sampling, None)
+            got = self._runners.get(sampling.sampled)
             if got is None:
                 opts = dataclasses.replace(self.opts, temperature=sampling.temperature, top_p=sampling.top_p)
                 got = self._switching(opts, warn, note) or runner_for(self.rt, opts, warn, note)
                 self._heads(got[1])
-            self._runners[sampling] = got  # the most recently used last
-            while len(self._runners) > MAX_RUNNERS:
-                self._runners.pop(next(iter(self._runners)))
+                self._runners[sampling.sampled] = got
+                greedy, sampled = self._runners.get(False), self._runners.get(True)
+                self._shared = greedy is not None and sampled is not None and _shares(greedy, sampled[0])
             return got
+
+    def _home(self, sampling: Sampling) -> Runner:
+        """The runner whose batch a job of this setting joins: the greedy runner's where sampled rows share it."""
+        with self._cond:
+            got = self._runner(sampling)
+            return self._runners[False][1] if sampling.sampled and self._shared else got[1]
+
+    def _row_sampling(self, sampling: Sampling) -> RowSampling:
+        """A seated job's row's own sampling: its generator seeded by the job's seed, else (a sampled row) by one drawn
+        from the engine's generator, in the order rows are seated (on the worker thread)."""
+        seed = sampling.seed
+        if seed is None and sampling.sampled:
+            seed = int(self._seeds.integers(MAX_SEED))
+        return RowSampling(sampling.temperature, sampling.top_p, np.random.default_rng(seed or 0))
 
     def _switching(
         self, opts: RunOptions, warn: Callable[[str], None] | None, note: Callable[[str], None] | None
@@ -301,13 +345,12 @@ class Engine:
                 if self._stopping:
                     break
                 sampling = self._pending[0].sampling
-            runner = self._runner(sampling)[1]
+            runner = self._home(sampling)
             with self._cond:
-                others = list(self._runners.values())
-            for other in others:  # one setting's buffers in memory at a time
-                if other[1] is not runner:
-                    _release(other[1])
-            feed = _Jobs(self, sampling, runner)
+                others = [got[1] for got in self._runners.values() if got[1] is not runner]
+            for other in others:  # one configuration's buffers in memory at a time
+                _release(other)
+            feed = _Jobs(self, runner)
             try:
                 runner.run_feed(feed, self.slots, self.context, on_step=feed.step)
             except BaseException as exc:  # a step failed: its jobs end with the error, the engine goes on
@@ -320,24 +363,25 @@ class Engine:
 
 
 class _Jobs(Feed):
-    """The engine's queue as a runner's feed (runtime/feed.py): jobs of one sampling setting, taken in order while the
-    queue's head has that setting; cancelled jobs dropped."""
+    """The engine's queue as a runner's feed (runtime/feed.py): jobs taken in order while the queue's head joins this
+    runner's batch (`Engine._home`: every job, where sampled rows share the greedy runner's); cancelled jobs
+    dropped."""
 
     _keys = itertools.count()
 
-    def __init__(self, engine: Engine, sampling: Sampling, runner: Runner) -> None:
+    def __init__(self, engine: Engine, runner: Runner) -> None:
         super().__init__()
-        self.engine, self.sampling, self.runner = engine, sampling, runner
+        self.engine, self.runner = engine, runner
         self.jobs: dict[int, Job] = {}
         self.admitted = 0  # rows seated since the last step (`Engine.admit`)
 
     def _head(self) -> Job | None:
-        """The queue's first job not cancelled (cancelled ones end here), if it has this feed's setting."""
+        """The queue's first job not cancelled (cancelled ones end here), if it joins this feed's runner."""
         e = self.engine
         with e._cond:
             while e._pending and e._pending[0].cancelled:
                 e._pending.popleft()._done(None, None)
-            if e._stopping or not e._pending or e._pending[0].sampling != self.sampling:
+            if e._stopping or not e._pending or e._home(e._pending[0].sampling) is not self.runner:
                 return None
             return e._pending[0]
 
@@ -354,7 +398,8 @@ class _Jobs(Feed):
         with self.engine._cond:
             self.engine._pending.popleft()
         key = next(self._keys)
-        self.rows[key] = self.runner.new_row(job.prompt, job.max_new_tokens)
+        row_sampling = self.engine._row_sampling(job.sampling)
+        self.rows[key] = self.runner.new_row(job.prompt, job.max_new_tokens, row_sampling)
         self.jobs[key] = job
         self.engine.running = len(self.jobs)
         return key
@@ -391,8 +436,8 @@ class _Jobs(Feed):
 
     def fail(self, error: BaseException) -> None:
         """A step failed: its seated jobs end with the error. Where none was seated (the batch's buffers were refused
-        before the first step: memory, context), the waiting jobs of this setting end with it, else the worker would
-        try them again and again."""
+        before the first step: memory, context), the waiting jobs of this runner's batch end with it, else the worker
+        would try them again and again."""
         seated = list(self.jobs)
         for key in seated:
             self._end(key, error)
@@ -400,10 +445,21 @@ class _Jobs(Feed):
             return
         e = self.engine
         with e._cond:
-            mine = [job for job in e._pending if job.sampling == self.sampling]
-            e._pending = deque(job for job in e._pending if job.sampling != self.sampling)
+            mine = [job for job in e._pending if e._home(job.sampling) is self.runner]
+            e._pending = deque(job for job in e._pending if e._home(job.sampling) is not self.runner)
         for job in mine:
             job._done(None, error)
+
+
+def _shares(greedy: tuple[RunConfig, Runner], sampled: RunConfig) -> bool:
+    """Whether sampled rows step in the greedy runner's batch (the module's rule): its switch runs full depth for them
+    where the sampling configuration is full depth, or the two are one configuration with its states on the host."""
+    config, runner = greedy
+    if runner.switch is not None:
+        return not sampled.exits and not sampled.prompt_drafts
+    how = ("temperature", "top_p", "seed", "note", "planned", "certified")  # how it picks and was chosen, not runs
+    same = dataclasses.replace(sampled, **{k: getattr(config, k) for k in how}) == config
+    return same and not runner._on_device()
 
 
 def _release(runner: Runner) -> None:

@@ -170,6 +170,7 @@ def _start(
             temperature=asked.temperature,
             top_p=asked.top_p,
             stop=asked.stop,
+            seed=asked.seed,
         )
     except QueueFull as exc:
         counts.refused += 1

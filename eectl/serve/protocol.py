@@ -4,7 +4,9 @@ API's error body.
 
 The fields eectl does not implement are refused by name rather than ignored (n > 1, logprobs, tools, penalties):
 a client that asked for them would otherwise get an answer that silently differs from what it asked. Fields that
-change nothing here (user, seed, metadata, ...) are accepted and ignored.
+change nothing here (user, metadata, ...) are accepted and ignored. `seed` seeds the request's own generator
+(temperature > 0): the same seed, prompt and settings give the same answer whatever else the batch holds; without
+one, the request's seed is drawn from the server's generator (`eectl serve --seed`) as it is seated.
 
 What this module does not do: generate (eectl/api), or route (app.py).
 """
@@ -19,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eectl.api.model import Completion
+from eectl.contracts.recipe import MAX_SEED
 
 
 class BadRequest(Exception):
@@ -41,6 +44,7 @@ class _Body(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
@@ -91,6 +95,7 @@ class Asked:
     stop: list[str]
     stream: bool
     usage_in_stream: bool  # stream_options.include_usage: a last chunk with the usage
+    seed: int | None = None  # the request's generator's (None: drawn from the server's)
 
 
 def _parse(cls: type[_Body], doc: Any) -> Any:
@@ -144,7 +149,7 @@ def completion_request(doc: Any) -> Asked:
 
 def _asked(body: _Body, prompt: Any, budget: int | None, stops: list[str]) -> Asked:
     usage = bool((body.stream_options or {}).get("include_usage"))
-    return Asked(prompt, budget, body.temperature, body.top_p, stops, body.stream, usage)
+    return Asked(prompt, budget, body.temperature, body.top_p, stops, body.stream, usage, body.seed)
 
 
 # --- responses ------------------------------------------------------------------------------------------------------
