@@ -463,7 +463,7 @@ def open_artifact(
     artifact: str | Path, opts: RunOptions, note: Callable[[str], None] | None = None
 ) -> tuple[ArtifactRuntime, Any]:
     """The artifact's runtime (its weights placed as the options say) and tokenizer, its plan chosen for the run
-    (`choose_plan`): what every runner of the run shares (`runner_for`; a server has one per sampling setting)."""
+    (`choose_plan`): what every runner of the run shares (`runner_for`; an engine has a greedy and a sampling one)."""
     check_options(opts)
     rt = ArtifactRuntime(artifact, provider=opts.provider, threads=opts.threads, lazy_segments=opts.weights.active)
     if opts.weights.active:
