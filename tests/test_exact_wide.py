@@ -340,35 +340,43 @@ def test_a_ggufs_8_bit_tensors_are_probed_too(padded):
 def test_a_quantized_lm_head_computes_a_wide_checks_rows_as_one_row_steps(tiny_dirs, tmp_path, level):
     """`--lm-head int4` on an int4 artifact: the final head is MatMulNBits, whose one-row kernel differs from its
     several-row one (level 0 on every CPU, level 4 on AVX2: this CPU's probe says which), so a draft's logits in a
-    wide check would differ in the last bits from the one-row step's. Padded (the head's input gets a zero row), each
-    row's logits are bit for bit the same at every width; unpadded they are exactly where this CPU's probe says."""
+    wide check would differ in the last bits from the one-row step's. Padded, a one-row call's input gets a zero row
+    (as the segments' switch says): with the runtime's own session options each row's logits are bit for bit the same
+    at every width on this CPU; with the switch off, or unpadded, they are exactly where this CPU's probe says."""
     import onnx
     import onnxruntime as ort
 
+    from eectl.export.graphs import PAD_ROWS
     from eectl.runtime.ort import session_options
 
-    got = {}
+    def same(art, m, so) -> bool:
+        final = m.exits[-1].full
+        s = ort.InferenceSession(str(art / final.file), so, providers=["CPUExecutionProvider"])
+        x = np.random.default_rng(level).standard_normal((6, m.dims["hidden_size"])).astype(np.float32)
+        hidden, logits = final.inputs["hidden"], final.outputs["logits"]
+        feed = {i.name: np.array([K], np.int64) for i in s.get_inputs() if i.name != hidden}
+        wide = s.run([logits], {**feed, hidden: x})[0]
+        ones = np.concatenate([s.run([logits], {**feed, hidden: x[i : i + 1]})[0] for i in range(6)])
+        assert wide.shape == ones.shape == (6, m.dims["vocab_size"])
+        return bool(np.array_equal(wide, ones))
+
     for pad in (True, False):
         int4 = Int4Options(min_agreement=0.3, accuracy_level=level, lm_head="int4")
         opts = ExportOptions(exits=EXITS, top_k=K, weights="int4", int4=int4, profile_costs=False, exact_wide=pad)
         art = tmp_path / f"pad{pad}"
         export_artifact(load_model(str(tiny_dirs["llama"])), art, opts)
         m = read_manifest(art)
-        final = m.exits[-1].full
-        assert final.inputs.get("weight") is None  # the head holds its own quantized table
-        s = ort.InferenceSession(str(art / final.file), session_options(), providers=["CPUExecutionProvider"])
-        ops = [n.op_type for n in onnx.load(str(art / final.file), load_external_data=False).graph.node]
+        assert m.exits[-1].full.inputs.get("weight") is None  # the head holds its own quantized table
+        ops = [n.op_type for n in onnx.load(str(art / m.exits[-1].full.file), load_external_data=False).graph.node]
         assert ops.count("MatMulNBits") == 1 and ("Concat" in ops) is pad
-        x = np.random.default_rng(level).standard_normal((6, m.dims["hidden_size"])).astype(np.float32)
-        feed = {i.name: x for i in s.get_inputs() if i.name == final.inputs["hidden"]}
-        feed.update({i.name: np.array([K], np.int64) for i in s.get_inputs() if i.name != final.inputs["hidden"]})
-        logits = final.outputs["logits"]
-        wide = s.run([logits], feed)[0]
-        ones = np.concatenate([s.run([logits], {**feed, final.inputs["hidden"]: x[i : i + 1]})[0] for i in range(6)])
-        assert wide.shape == ones.shape == (6, m.dims["vocab_size"])
-        got[pad] = np.array_equal(wide, ones)
-        same_kernel = one_row_as_two(m)
-    assert got[True], "padded: every width computes each row alike"
-    assert got[False] is same_kernel, (level, got)
+        kernel = one_row_as_two(m)
+        rt = ArtifactRuntime(art, provider="cpu")
+        assert same(art, m, rt.segment_options(session_options())) is (pad or kernel)  # what a run computes
+        assert same(art, m, session_options()) is (pad or kernel)  # the graph's own switch: pad
+        if pad:
+            off, zero = session_options(), np.zeros(1, np.int64)  # ORT reads the value at session creation
+            value = ort.OrtValue.ortvalue_from_numpy(zero)
+            off.add_initializer(PAD_ROWS, value)
+            assert same(art, m, off) is kernel  # the switch off: the one-row kernel's own answer
     if level == 0:
-        assert not same_kernel  # level 0: the one-row kernel differs on every CPU, so the unpadded case is seen
+        assert not kernel  # level 0: the one-row kernel differs on every CPU, so both outcomes are seen here

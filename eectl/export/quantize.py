@@ -290,8 +290,9 @@ def quantize_lm_head(
     `pad_rows` (an artifact whose one-row calls are padded: ExportOptions.pads): MatMulNBits computes one row with
     other code than two or more (4 bits at accuracy level 4 on AVX2 CPUs, every width at level 0 or 1), so a draft's
     logits in a wide check would differ in the last bits from the one-row step's, and a near tie could pick another
-    token. A zero row is appended to the head's input and its logits cut off: every call multiplies >= 2 rows, and
-    each row's logits are the same bit for bit whatever the call's width (tests/test_exact_wide.py).
+    token. A zero row is appended to a one-row call's input and its logits cut off (where this CPU needs it: the
+    segments' switch): every call multiplies >= 2 rows, and each row's logits are the same bit for bit whatever the
+    call's width (tests/test_exact_wide.py).
     """
     import onnx
     from onnx import numpy_helper
@@ -316,8 +317,14 @@ def quantize_lm_head(
 
 
 def _pad_head_rows(m: onnx.ModelProto, hidden: int) -> None:
-    """The LM head's MatMulNBits on its input plus one zero row, its output cut back to the input's rows."""
+    """The LM head's MatMulNBits on its input plus one zero row where the call has one row, its output cut back to
+    the input's rows. The padded segments' switch (export/graphs.py PAD_ROWS, [1]) says whether to: a runtime sets
+    it to 0 where this CPU computes one row as two (runtime/sessions.py segment_options, runtime/rows.py); Min with
+    the call's own row count keeps ORT from folding it before the session's value reaches it."""
+    import onnx
     from onnx import helper, numpy_helper
+
+    from eectl.export.graphs import PAD_ROWS
 
     g = m.graph
     (i,) = [k for k, n in enumerate(g.node) if n.op_type == "MatMulNBits"]
@@ -326,18 +333,23 @@ def _pad_head_rows(m: onnx.ModelProto, hidden: int) -> None:
     g.initializer.extend(
         [
             numpy_helper.from_array(np.zeros((1, hidden), np.float32), "lm_head.pad_row"),
-            numpy_helper.from_array(np.array([0], np.int64), "lm_head.pad_start"),
+            numpy_helper.from_array(np.array([0], np.int64), "lm_head.zero"),
+            numpy_helper.from_array(np.array([1], np.int64), "lm_head.one"),
+            numpy_helper.from_array(np.array([1], np.int64), PAD_ROWS),
         ]
     )
+    make = helper.make_node
     node.input[0], node.output[0] = f"{x}.padded", f"{y}.padded"
-    before = helper.make_node("Concat", [x, "lm_head.pad_row"], [f"{x}.padded"], name="lm_head.pad", axis=0)
-    after = [
-        helper.make_node("Shape", [x], ["lm_head.rows"], name="lm_head.rows", start=0, end=1),
-        helper.make_node(
-            "Slice", [f"{y}.padded", "lm_head.pad_start", "lm_head.rows", "lm_head.pad_start"], [y], name="lm_head.cut"
-        ),
+    before = [
+        make("Shape", [x], ["lm_head.rows"], name="lm_head.rows", start=0, end=1),
+        make("Equal", ["lm_head.rows", "lm_head.one"], ["lm_head.one_row"], name="lm_head.one_row"),
+        make("Cast", ["lm_head.one_row"], ["lm_head.one_row_n"], name="lm_head.one_row_n", to=onnx.TensorProto.INT64),
+        make("Min", ["lm_head.one_row_n", PAD_ROWS], ["lm_head.pads"], name="lm_head.pads"),
+        make("Slice", ["lm_head.pad_row", "lm_head.zero", "lm_head.pads", "lm_head.zero"], ["lm_head.pad"]),
+        make("Concat", [x, "lm_head.pad"], [f"{x}.padded"], name="lm_head.padded", axis=0),
     ]
-    nodes = [*g.node[:i], before, node, *after, *g.node[i + 1 :]]
+    cut = make("Slice", [f"{y}.padded", "lm_head.zero", "lm_head.rows", "lm_head.zero"], [y], name="lm_head.cut")
+    nodes = [*g.node[:i], *before, node, cut, *g.node[i + 1 :]]
     del g.node[:]
     g.node.extend(nodes)
 

@@ -32,9 +32,10 @@ EIGHT_BIT_BLOCKS = {"Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q6_K": 16}  # (kind, se
 def one_row_as_two(m: Manifest) -> bool:
     """Whether this CPU's kernels compute a one-row call of the artifact's segment MatMuls bit for bit as the same row
     in a call of two rows: MatMulNBits with the artifact's bits, block size, zero points and accuracy level (int4
-    segments; on AVX2 CPUs not at level 4, on AVX-512 ones yes, at level 0 not anywhere), and fp32/fp16 MatMul (its
-    layers kept, or every layer). Checked once per process on a small graph of the artifact's input width (a few ms);
-    where it holds, padded segments need pad attention only (export/graphs.py `_RowPad`)."""
+    segments and a quantized final LM head; on AVX2 CPUs not at level 4, on AVX-512 ones yes, at level 0 not
+    anywhere), and fp32/fp16 MatMul (its layers kept, or every layer). Checked once per process on a small graph of
+    the artifact's input width (a few ms); where it holds, padded segments need pad attention only (export/graphs.py
+    `_RowPad`) and a padded quantized head no zero row (export/quantize.py `quantize_lm_head`)."""
     q = m.quantization
     width = int(m.dims["hidden_size"])
     kinds: list[tuple[Any, ...]] = [("matmul", m.dtype, width)]
@@ -44,6 +45,8 @@ def one_row_as_two(m: Manifest) -> bool:
         for name in q.gguf_types or {}:
             if name in EIGHT_BIT_BLOCKS:
                 kinds.append(("nbits", 8, EIGHT_BIT_BLOCKS[name], False, q.accuracy_level, width))
+        if q.lm_head in ("int4", "int8"):  # the final head's own table (export/quantize.py quantize_lm_head)
+            kinds.append(("nbits", 8 if q.lm_head == "int8" else 4, q.block_size, q.symmetric, q.accuracy_level, width))
     for kind in kinds:
         if kind not in _ONE_ROW:
             _ONE_ROW[kind] = _probe(kind)
