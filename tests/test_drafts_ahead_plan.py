@@ -348,3 +348,13 @@ def test_a_plan_without_the_entry_still_loads(exported, tmp_path):
     assert good.plan is not None and good.plan.ahead == _entry(2, 0.5)
     path = write_calibration(make_calibration(exported["llama"][0], {2: {"prob": 0.9}}), tmp_path / "c.json")
     assert read_calibration(path).ahead is None
+
+
+def test_a_server_prices_the_drafter_at_one_row_as_the_plan_did():
+    """plan/batch.py: the drafter's default at one row is the plan's prediction; above one row it has no batch model
+    (full depth's there)."""
+    from eectl.plan.batch import price as batch_price
+
+    plan = _ahead_plan(2, 0.5)
+    got = batch_price(plan, _artifact_costs(), [2, 4, 6], {1: 15.0, 4: 20.0}, 3, None, [2])
+    assert got == {1: plan.ahead.prediction.speedup, 2: 0.0, 3: 0.0}

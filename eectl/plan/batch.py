@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eectl.contracts.certificate import CERTIFIED
-from eectl.contracts.plan import LOOKUP, Choice, Costs, LookupStats, Plan, piecewise
+from eectl.contracts.plan import AHEAD, LOOKUP, Choice, Costs, LookupStats, Plan, piecewise
 from eectl.plan.lookup import wide_steps
 from eectl.plan.verify import segment_of
 from eectl.runtime.batch import new_batch_kv
@@ -188,6 +188,8 @@ def price(
     if plan.default == LOOKUP and plan.lookup is not None:
         one = plan.lookup.prediction.speedup
         model = _lookup_model(costs, lookup, full, scale) if lookup is not None else None
+    elif plan.default == AHEAD and plan.ahead is not None:  # one row as the plan priced it; no batch model of it
+        one, model = plan.ahead.prediction.speedup, None
     else:
         choice = _choice(plan)
         one = choice.prediction.speedup if choice is not None else 1.0
