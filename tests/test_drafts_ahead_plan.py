@@ -319,6 +319,7 @@ def _block_at_2(doc):
         (_set(exit=3), r"plan\.ahead\.exit 3 is no exit ending a segment before the final layer \[2, 4\]"),
         (_set(exit=6), r"plan\.ahead\.exit 6 is no exit ending a segment"),
         (_block_at_2, r"plan\.ahead\.exit 2 has a block head"),
+        (lambda doc: doc["plan"].pop("ahead"), r"plan\.default is ahead, but plan\.ahead holds no entry"),
     ],
 )
 def test_a_bad_plan_entry_is_refused_at_load_in_one_line(exported, tmp_path, edit, message):

@@ -480,7 +480,7 @@ class Plan(_M):
         segment) and these block-head exits, in one line naming the field; None where it can (or there is none)."""
         a = self.ahead
         if a is None:
-            return None
+            return "plan.default is ahead, but plan.ahead holds no entry" if self.default == AHEAD else None
         if a.exit not in exit_layers:
             return f"plan.ahead.exit {a.exit} is no exit ending a segment before the final layer {list(exit_layers)}"
         if a.exit in block_exits:
