@@ -1,0 +1,169 @@
+"""llama.cpp's server with its n-gram speculation (no draft model) against its plain decoding, on one GGUF.
+
+    python benchmarks/llamacpp_server_spec.py --bin BUILD/bin --gguf FILE.gguf --tokenizer ARTIFACT \
+        --data ../shared/data/gsm8k/train.jsonl --offset 3000 --prompts 16 --max-new-tokens 96 --threads 2 --rounds 2
+
+The native `llama-server` (built from llama-cpp-python's vendored llama.cpp: `cmake --build build --target
+llama-server`) drafts from the context with `--spec-type` ngram-simple, ngram-map-k, ngram-mod or ngram-cache, each
+checked by the model's own greedy choice. One server per type (and one with none) runs at once on localhost; each
+prompt goes to every server in a rotating order, round after round (one request at a time: the others idle), as the
+token ids eectl feeds (`eectl.data.encode_prompt`, the artifact's chat template) with temperature 0, no prompt
+cache, `n_predict` tokens. Reported per type: pooled ms per predicted token from the server's own timings
+(`predicted_ms` / `predicted_n`), the ratio to `none` with a bootstrap interval over prompts, and how many answers
+equal `none`'s token for token.
+
+`--eectl ARTIFACT` adds eectl in the same rotation, in this process (ONNX Runtime, the same thread count; the
+servers idle meanwhile): `eectl` (the artifact's plan default, as `eectl run` picks it) and `eectl-full` (full
+depth), each prompt's decode time from the runner's per-token latencies as `eectl bench` reads them; their answers
+are compared with `eectl-full`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+
+
+def prompt_ids(args: argparse.Namespace) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from eectl.data import encode_prompt, load_text_data
+
+    tok = AutoTokenizer.from_pretrained(str(Path(args.tokenizer) / "tokenizer"))
+    texts = load_text_data(args.data).prompts[args.offset : args.offset + args.prompts]
+    return [encode_prompt(tok, t, False) for t in texts]
+
+
+def start(args: argparse.Namespace, kind: str, port: int) -> subprocess.Popen[bytes]:
+    cmd = [
+        str(Path(args.bin) / "llama-server"), "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port),
+        "-t", str(args.threads), "-tb", str(args.threads), "-c", "2048", "-np", "1", "--spec-type", kind,
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def eectl_runners(args: argparse.Namespace) -> dict[str, Any]:
+    """name -> one prompt's (decoded tokens after the first, their milliseconds, the tokens) on the artifact."""
+    from eectl.run.generate import RunOptions, resolve_config
+    from eectl.runtime.runner import Runner
+    from eectl.runtime.sessions import ArtifactRuntime
+
+    rt = ArtifactRuntime(args.eectl, provider="cpu", threads=args.threads)
+    stop = tuple(rt.manifest.eos_token_ids)
+    runners = {
+        "eectl": Runner(rt, resolve_config(rt, RunOptions(max_new_tokens=args.max_new_tokens), stop)),
+        "eectl-full": Runner(
+            rt, resolve_config(rt, RunOptions(exits="none", max_new_tokens=args.max_new_tokens), stop)
+        ),
+    }
+    print(f"eectl: {runners['eectl'].cfg.note or runners['eectl'].cfg.policy}", file=sys.stderr)
+
+    def one(runner: Runner) -> Any:
+        def run(prompt: list[int]) -> tuple[int, float, list[int]]:
+            runner.forget_prompts()
+            (g,) = runner.generate([prompt])
+            lat = g.latencies_s[1:]
+            return len(lat), 1e3 * sum(lat), list(g.token_ids)
+
+        return run
+
+    return {name: one(r) for name, r in runners.items()}
+
+
+def post(port: int, body: dict[str, object]) -> dict[str, object]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return dict(json.loads(r.read()))
+
+
+def wait_ready(port: int) -> None:
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            time.sleep(0.2)
+    raise SystemExit(f"llama-server on port {port} did not start")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--tokenizer", required=True, help="an eectl artifact of the same model (its tokenizer/ folder)")
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--offset", type=int, default=3000)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--port", type=int, default=18400)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--eectl", help="an eectl artifact of the same model to run in the same rotation")
+    args = ap.parse_args()
+    servers_kinds = args.types.split(",")
+    ids = prompt_ids(args)
+    local = eectl_runners(args) if args.eectl else {}
+    kinds = [*servers_kinds, *local]
+    servers = {k: (args.port + i, start(args, k, args.port + i)) for i, k in enumerate(servers_kinds)}
+    try:
+        for port, _ in servers.values():
+            wait_ready(port)
+        got: dict[str, list[list[tuple[int, float, list[int]]]]] = {k: [[] for _ in ids] for k in kinds}
+        body = {"n_predict": args.max_new_tokens, "temperature": 0, "cache_prompt": False, "return_tokens": True}
+        for port, _ in servers.values():  # warm-up
+            post(port, {**body, "prompt": ids[0], "n_predict": 8})
+        for r in range(args.rounds):
+            for i, p in enumerate(ids):
+                shift = (i + r) % len(kinds)
+                for k in kinds[shift:] + kinds[:shift]:
+                    if k in local:
+                        got[k][i].append(local[k](p))
+                        continue
+                    out = post(servers[k][0], {**body, "prompt": p})
+                    t = dict(out["timings"])  # type: ignore[arg-type]
+                    toks = [int(x) for x in out.get("tokens", [])]  # type: ignore[union-attr]
+                    got[k][i].append((int(t["predicted_n"]), float(t["predicted_ms"]), toks))
+    finally:
+        for _, proc in servers.values():
+            proc.terminate()
+    per = {k: [(sum(n for n, _, _ in runs), sum(ms for _, ms, _ in runs)) for runs in got[k]] for k in kinds}
+    rng = random.Random(0)
+
+    def ratio(a: list[tuple[int, float]], b: list[tuple[int, float]], idx: list[int]) -> float:
+        ms = lambda x: sum(x[i][1] for i in idx) / max(1, sum(x[i][0] for i in idx))  # noqa: E731
+        return ms(a) / ms(b)
+
+    report: dict[str, object] = {}
+    for k in kinds:
+        whole = list(range(len(ids)))
+        boots = sorted(ratio(per["none"], per[k], [rng.randrange(len(ids)) for _ in ids]) for _ in range(2000))
+        ref = "eectl-full" if k in local else "none"
+        same = sum(got[k][i][0][2] == got[ref][i][0][2] for i in whole)
+        report[k] = {
+            "ms_per_token": sum(ms for _, ms in per[k]) / max(1, sum(n for n, _ in per[k])),
+            "vs_none": [ratio(per["none"], per[k], whole), boots[50], boots[1949]],
+            f"same_tokens_as_{ref}": f"{same}/{len(ids)}",
+        }
+        print(f"{k:14s} {report[k]}", file=sys.stderr)
+    report["args"] = {k: str(v) for k, v in vars(args).items()}
+    print(json.dumps(report, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
