@@ -113,9 +113,9 @@ def ratio_ci(plain: list[tuple[int, float]], drafted: list[tuple[int, float]], n
     return pooled(list(range(k))), boots[int(0.025 * n)], boots[int(0.975 * n) - 1]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bin", required=True, help="llama.cpp's build/bin folder holding llama-lookup")
+def common_args(ap: argparse.ArgumentParser) -> None:
+    """The options both llama.cpp benchmarks take (this one and llamacpp_server_spec.py)."""
+    ap.add_argument("--bin", required=True, help="llama.cpp's build/bin folder (llama-lookup, llama-server)")
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--tokenizer", required=True, help="an eectl artifact of the same model (its tokenizer/ folder)")
     ap.add_argument("--data", required=True)
@@ -124,9 +124,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_args(ap)
     ap.add_argument("--draft-max", type=int, default=10)
     ap.add_argument("--python", action="store_true", help="also time llama-cpp-python's plain decoding")
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     prompts = prompts_text(args)
     runs: dict[str, list[list[dict[str, object]]]] = {"plain": [], "lookup": []}

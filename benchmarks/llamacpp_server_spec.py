@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from llamacpp_native import common_args, ratio_ci  # benchmarks/: the script's own folder
 
 TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
 
@@ -100,18 +101,9 @@ def wait_ready(port: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bin", required=True)
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--tokenizer", required=True, help="an eectl artifact of the same model (its tokenizer/ folder)")
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--offset", type=int, default=3000)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2)
+    common_args(ap)
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--port", type=int, default=18400)
-    ap.add_argument("--json", type=Path)
     ap.add_argument("--eectl", help="an eectl artifact of the same model to run in the same rotation")
     args = ap.parse_args()
     servers_kinds = args.types.split(",")
@@ -141,21 +133,15 @@ def main() -> None:
         for _, proc in servers.values():
             proc.terminate()
     per = {k: [(sum(n for n, _, _ in runs), sum(ms for _, ms, _ in runs)) for runs in got[k]] for k in kinds}
-    rng = random.Random(0)
-
-    def ratio(a: list[tuple[int, float]], b: list[tuple[int, float]], idx: list[int]) -> float:
-        ms = lambda x: sum(x[i][1] for i in idx) / max(1, sum(x[i][0] for i in idx))  # noqa: E731
-        return ms(a) / ms(b)
 
     report: dict[str, object] = {}
     for k in kinds:
         whole = list(range(len(ids)))
-        boots = sorted(ratio(per["none"], per[k], [rng.randrange(len(ids)) for _ in ids]) for _ in range(2000))
         ref = "eectl-full" if k in local else "none"
         same = sum(got[k][i][0][2] == got[ref][i][0][2] for i in whole)
         report[k] = {
             "ms_per_token": sum(ms for _, ms in per[k]) / max(1, sum(n for n, _ in per[k])),
-            "vs_none": [ratio(per["none"], per[k], whole), boots[50], boots[1949]],
+            "vs_none": list(ratio_ci(per["none"], per[k])),
             f"same_tokens_as_{ref}": f"{same}/{len(ids)}",
         }
         print(f"{k:14s} {report[k]}", file=sys.stderr)
