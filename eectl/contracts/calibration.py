@@ -156,6 +156,16 @@ class AheadTraces(_Model):
         """Exit `layer`'s traces as plan/ahead.py replays them: (probabilities, right) per continuation."""
         return [([abs(x) for x in t], [x > 0 for x in t]) for t in self.signed.get(str(layer), [])]
 
+    def at_length(self, tokens: int) -> AheadTraces:
+        """The traces of a run that generates at most `tokens` tokens (its --max-new-tokens): each continuation's
+        first `tokens - 1` positions (position i decides the answer's token i + 1, and a run's first token comes
+        from the prompt's pass); itself where that cuts nothing (a run as long as calibration's continuations or
+        longer: nothing is known beyond them)."""
+        keep = max(tokens - 1, 0)
+        if all(len(t) <= keep for per in self.signed.values() for t in per):
+            return self
+        return self.model_copy(update={"signed": {e: [t[:keep] for t in per] for e, per in self.signed.items()}})
+
 
 class Calibration(_Model):
     schema_version: int = SCHEMA_VERSION

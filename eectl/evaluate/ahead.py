@@ -1,8 +1,8 @@
 """Bench's `ahead` configuration: verify drafting ahead (runtime/ahead.py) at the exit and bound of the plan's entry
-(`Plan.ahead`, priced at export on calibration's traces), or, for a plan without one (calibrated before the traces),
-at those plan/ahead.py picks from a replay on prompts the bench does not time (`BenchOptions.ahead_prompts`: the
-data's prompts before --offset, else after the bench's window), with the artifact's costs; `--draft-ahead` pins the
-bound (at the replay's exit).
+(`Plan.ahead`, priced at export on calibration's traces and again at the bench's --max-new-tokens by plan/length.py),
+or, for a plan without one (calibrated before the traces), at those plan/ahead.py picks from a replay on prompts the
+bench does not time (`BenchOptions.ahead_prompts`: the data's prompts before --offset, else after the bench's window),
+with the artifact's costs; `--draft-ahead` pins the bound (at the replay's exit).
 
 The replay prompts' full-depth answers are generated here (greedy, the bench's token budget), every exit that ends a
 segment and has no block head is traced on them, and the choice is priced against the plan's lossless default
@@ -41,7 +41,7 @@ def ahead_config(
     base = RunOptions(exits="none", max_new_tokens=opts.max_new_tokens, provider=opts.provider)
     full = replace(resolve_config(rt, base, stop), prompt_drafts=0)
     plan = m.plan
-    if plan is not None and plan.ahead is not None and opts.draft_ahead is None:  # priced on calibration's answers
+    if plan is not None and plan.ahead is not None and opts.draft_ahead is None:  # priced at the bench's length
         return _run(full, plan.ahead, f"the plan's {plan.ahead.describe()}; the plan's default: {plan.default}")
     if not opts.ahead_prompts:
         raise UsageError("the ahead configuration replays its drafter on prompts the bench does not time: none left")

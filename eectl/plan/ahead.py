@@ -20,7 +20,9 @@ The choice maximises the predicted speedup over `BOUNDS` at every exit traced; i
 its interval's low end (the costs' timing and a bootstrap over the traced prompts, combined) clears 1 + MIN_GAIN.
 The plan's entry (`plan_ahead`: export prices calibration's traces, contracts/calibration.py AheadTraces, at the
 exits that can draft) stands beside the plan's other lossless defaults (verify, lookup or full depth) in plan/choose.py
-`lossless_default`: the higher low end wins (`lossless_pick` for a drafter priced elsewhere, bench's replay).
+`lossless_default`: the higher low end wins (`lossless_pick` for a drafter priced elsewhere, bench's replay). A run
+prices the entry again at its own length (`ahead_at_length`, plan/length.py): the same exit and bound on the traces
+cut there, its interval and `on` recomputed as export computed them.
 
 What this module does not do: measure the traces or run anything (runtime/ahead.py).
 """
@@ -31,12 +33,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from eectl.contracts.calibration import AheadTraces
-from eectl.contracts.plan import AHEAD, LEVEL, MIN_GAIN, VERIFY_BLOCK, AheadChoice, Costs, Prediction
+from eectl.contracts.plan import AHEAD, LEVEL, MIN_GAIN, VERIFY_BLOCK, AheadChoice, Costs, Plan, Prediction
 from eectl.plan.intervals import Replicates, combined, unit_interval
 from eectl.plan.paid import exit_paid
 from eectl.plan.verify import check_excess
 
-__all__ = ["AHEAD", "BOUNDS", "AheadChoice", "ahead_choice", "choose_ahead", "plan_ahead"]
+__all__ = ["AHEAD", "BOUNDS", "AheadChoice", "ahead_at_length", "ahead_choice", "choose_ahead", "plan_ahead"]
 # the bounds priced: a product of top-1 probabilities (1 drafts only what the exit is sure of)
 BOUNDS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05, 0.02)
 
@@ -170,3 +172,20 @@ def plan_ahead(
     blocks = {e.layer for e in manifest.exits if e.block is not None}
     usable = {e: traced.traces(e) for e in boundaries[:-1] if e not in blocks and traced.signed.get(str(e))}
     return choose_ahead(costs, boundaries, usable, VERIFY_BLOCK, min_gain, level) if usable else None
+
+
+def ahead_at_length(
+    plan: Plan, costs: Costs, boundaries: Sequence[int], traced: AheadTraces, tokens: int
+) -> AheadChoice | None:
+    """The plan's drafter entry priced for a run of at most `tokens` generated tokens: its exit and bound kept, on
+    calibration's traces cut there (`AheadTraces.at_length`), by `ahead_choice` as export priced it (the interval
+    over the costs' timing and the traced prompts, `on` by the plan's line). The plan's own entry where the length
+    cuts nothing, or its exit holds no traces or no cost."""
+    entry = plan.ahead
+    if entry is None:
+        return None
+    cut = traced.at_length(tokens)
+    at_exit = cut.traces(entry.exit)
+    if cut is traced or not at_exit or str(entry.exit) not in costs.candidates_ms:
+        return entry
+    return ahead_choice(costs, boundaries, entry.exit, at_exit, entry.bound, VERIFY_BLOCK, plan.min_gain, plan.level)
