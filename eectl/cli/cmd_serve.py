@@ -15,7 +15,6 @@ from eectl.cli.cmd_run import (
     PolicyOpt,
     PromptDraftsOpt,
     ProviderOpt,
-    SeedOpt,
     SignalOpt,
     ThresholdScaleOpt,
     ThresholdsOpt,
@@ -78,6 +77,15 @@ MaxTokensOpt = Annotated[
 ]
 TemperatureOpt = Annotated[
     float, typer.Option(help="Where a request gives none (0 = greedy).", rich_help_panel="Sampling")
+]
+SeedOpt = Annotated[
+    int,
+    typer.Option(
+        help="Seeds the server's generator: a sampled request that sends no seed samples with one drawn from it as "
+        "it is seated, first come, first served (a server started with the same seed answers the same requests, "
+        "arriving in the same order, alike); a request's own seed is used as sent; greedy requests draw none.",
+        rich_help_panel="Sampling",
+    ),
 ]
 
 
