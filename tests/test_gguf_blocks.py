@@ -190,6 +190,12 @@ def _as_gguf(loaded, path) -> None:
             deq = gq.dequantize(gq.quantize(w, GGMLQuantizationType[t]), GGMLQuantizationType[t])
             with torch.no_grad():
                 lin.weight.copy_(torch.from_numpy(deq.reshape(w.shape)))
+    head = loaded.adapter.lm_head.weight  # [V, H]: Q8_0, as llama.cpp's files hold the table
+    tied = head.data_ptr() == loaded.adapter.embed_tokens.weight.data_ptr()
+    q8 = gq.quantize(head.detach().numpy().astype(np.float32), GGMLQuantizationType.Q8_0)
+    writer.add_tensor("token_embd.weight" if tied else "output.weight", q8, raw_dtype=GGMLQuantizationType.Q8_0)
+    with torch.no_grad():
+        head.copy_(torch.from_numpy(gq.dequantize(q8, GGMLQuantizationType.Q8_0).reshape(head.shape)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -306,6 +312,7 @@ def test_the_default_ggufs_blocks_are_its_loaded_weights_bit_for_bit():
     assert check["gguf_types"] == {"Q4_1": 210} and check["not_held"] == {}
     assert check["max_abs_weight_diff"] == 0.0 and check["tensors_not_bit_equal"] == 0
     assert len(proj.fused) == 4 * loaded.adapter.num_layers
+    assert check["lm_head"] == {"gguf_type": "Q8_0", "max_abs_weight_diff": 0.0, "bit_equal": True}
 
 
 @pytest.mark.parametrize(
@@ -368,3 +375,63 @@ def test_a_min_goes_into_the_zero_point_and_the_level_4_product_comes_closer():
     centred = np.abs(_graph([w], k, level=4).run(None, {"x": x})[0] - exact).mean()
     uncentred = np.abs(_graph([whole], k, level=4).run(None, {"x": x})[0] - exact).mean()
     assert centred < 0.7 * uncentred, (centred, uncentred)
+
+
+def _head_weight(folder, num_layers: int) -> np.ndarray:
+    """[H, V]: what the final exit graph's LM head MatMulNBits dequantizes to (w = (q - zero point) * scale)."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(folder / f"exit_{num_layers:03d}_full.onnx"))
+    (node,) = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
+    init = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    assert a["bits"] == 8 and a["block_size"] == 32
+    q = init[node.input[1]].astype(np.float32)  # [V, H / 32, 32]
+    scales = init[node.input[2]].reshape(q.shape[0], q.shape[1], 1)
+    zp = init[node.input[3]].reshape(q.shape[0], q.shape[1], 1).astype(np.float32)
+    return ((q - zp) * scales).reshape(q.shape[0], -1).T
+
+
+@pytest.mark.parametrize("level", [0, 4])
+def test_an_int8_head_is_the_files_own_q8_0_table(gguf_model, tiny_dirs, tmp_path, level):
+    """--lm-head int8 on a GGUF whose table is Q8_0: the head's MatMulNBits holds the file's blocks (the loaded
+    table bit for bit, recorded as lm_head_source gguf), and the twin made from the manifest computes it."""
+    fp32, path = gguf_model
+    int4 = Int4Options(accuracy_level=level, min_agreement=0.0, lm_head="int8")
+    export_artifact(fp32, tmp_path / "a", ExportOptions(exits=[2], top_k=8, weights="int4", int4=int4))
+    m = read_manifest(tmp_path / "a")
+    q = m.quantization
+    assert q is not None and (q.lm_head_source, q.lm_head_gguf_type) == ("gguf", "Q8_0")
+    assert m.validation["int4_weights"]["lm_head"]["bit_equal"] is True
+    table = fp32.adapter.lm_head.weight.detach().numpy().T
+    held = _head_weight(tmp_path / "a", fp32.adapter.num_layers)
+    assert np.array_equal(held.view(np.uint32), np.ascontiguousarray(table).view(np.uint32))
+
+    twin = _twin(tiny_dirs, path, level, q)
+    assert twin.adapter.lm_head.weight.data_ptr() != twin.adapter.embed_tokens.weight.data_ptr()
+    t = validate_artifact(twin, tmp_path / "a")
+    assert all(v < TWIN_LOGIT_TOL[level] for v in t["max_abs_logit_diff"].values())
+    assert all(v >= TWIN_AGREEMENT[level] for v in t["greedy_agreement"].values())
+
+
+def test_an_int4_head_of_a_q8_0_table_is_requantized_and_says_so(gguf_model, tmp_path):
+    fp32, _ = gguf_model
+    int4 = Int4Options(min_agreement=0.0, lm_head="int4")
+    export_artifact(fp32, tmp_path / "a", ExportOptions(exits=[2], top_k=8, weights="int4", int4=int4))
+    q = read_manifest(tmp_path / "a").quantization
+    assert q is not None and (q.source, q.lm_head_source, q.lm_head_gguf_type) == ("gguf", "ort", None)
+
+
+def test_a_head_from_the_file_needs_a_quantized_head_from_the_file():
+    from pydantic import ValidationError
+
+    from eectl.contracts.manifest import Quantization
+
+    ok = Int4Options(lm_head="int8").record("segments")
+    assert Quantization(**ok).lm_head_source == "ort"
+    for bad in ({"lm_head_source": "gguf"}, {"lm_head_source": "gguf", "lm_head_gguf_type": "Q8_0"}):
+        with pytest.raises(ValidationError, match="lm_head_source gguf needs source gguf"):
+            Quantization(**{**ok, **bad})
+    with pytest.raises(ValidationError, match="lm_head"):
+        Quantization(**{**ok, "lm_head": "int2"})

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eectl.contracts.artifact_files import (
     Dtype,
@@ -107,22 +107,27 @@ class Quantization(_M):
     symmetric: bool
     accuracy_level: int  # MatMulNBits compute type (0 unset / fp32, 4 int8 activations)
     algorithm: str  # rtn (ORT's default block quantizer) or hqq
-    lm_head: str  # the final exit's LM head: fp32 (the shared table), int8 or int4
+    lm_head: Literal["fp32", "int8", "int4"]  # the final exit's LM head: fp32 (the shared table) or its own
     embedding: str  # precision of the embedding table
     exit_lm_heads: str  # precision of the intermediate exits' LM head (the shared table)
     keep_layers: list[int]  # decoder layers left in fp32
     min_agreement: float  # the validation floor on greedy agreement with PyTorch at the final exit
-    # where the segments' int4 weights came from: "ort" (ORT's quantizer over the fp32 weights) or "gguf" (the GGUF
-    # file's own blocks, models/gguf_blocks.py: algorithm "gguf", block_size then the int4 one, 32); artifacts
-    # exported before it are "ort"
-    source: Literal["ort", "gguf"] = "ort"
+    source: Literal["ort", "gguf"] = "ort"  # the segments' weights: ORT's quantizer (older ones) or the GGUF's blocks
     gguf_types: dict[str, int] | None = None  # source gguf: the file's projection tensors by type, counted
     gguf_not_held: dict[str, int] | None = None  # ... and those of types left fp32 in the graphs (not held exactly)
+    lm_head_source: Literal["ort", "gguf"] = "ort"  # a quantized head's: the file's own table (exactly) or ORT's
+    lm_head_gguf_type: str | None = None  # lm_head_source gguf: the table's GGUF type (models/gguf_blocks.py)
+
+    @model_validator(mode="after")
+    def _head_from_the_file(self) -> Quantization:
+        held = self.source == "gguf" and self.lm_head != "fp32" and self.lm_head_gguf_type
+        if self.lm_head_source == "gguf" and not held:
+            raise ValueError("lm_head_source gguf needs source gguf, a quantized lm_head and lm_head_gguf_type")
+        return self
 
 
-# The shared table key of the LM head stored row-major, [V, H] (beside `lm_head`, stored [H, V] for the full
-# projection): a graph gathering K rows reads K contiguous rows of it instead of K strided columns of `lm_head`.
-# Artifacts exported before it have no such table; their local exits gather columns of `lm_head` and run as they did.
+# The shared table key of the LM head stored row-major, [V, H] (beside `lm_head`, [H, V]): a graph gathering K rows
+# reads K contiguous rows, not K strided columns. Older artifacts have none; their local exits gather columns.
 LM_HEAD_ROWS = "lm_head_rows"
 
 

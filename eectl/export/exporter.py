@@ -301,7 +301,7 @@ def _write_artifact(
     embedding = _save(folder, options, *build_embedding(adapter, options.dtype, transposed=tied))
     segments = _write_segments(adapter, folder, exits, options, max_pos, log, gguf)
     source, source_info = candidate_source(adapter, options.candidates, calibration)
-    exit_points = _write_exits(adapter, folder, exits, options, heads, heads_meta, source, lm, max_pos)
+    exit_points = _write_exits(adapter, folder, exits, options, heads, heads_meta, source, lm, max_pos, gguf)
     loaded.tokenizer.save_pretrained(str(folder / "tokenizer"))  # type: ignore[attr-defined]
     manifest = Manifest(
         schema_version=SCHEMA_VERSION,
@@ -429,9 +429,10 @@ def _write_exits(
     source: CandidateSource,
     lm: np.ndarray,
     max_pos: int,
+    gguf: GgufProjections | None = None,
 ) -> list[ExitPoint]:
     """The full, local and candidate graphs of every exit and of the final layer (and the final head's quantized
-    table for int4 artifacts or the river's end); a block head's own graphs (export/block.py)."""
+    table for int4 artifacts or the river's end, from `gguf`'s blocks where held); a block head's own graphs."""
     L = adapter.num_layers
     quantized = options.weights == "int4"
     exit_points = []
@@ -455,7 +456,7 @@ def _write_exits(
             weight_input = full_io.inputs["weight"]
             assert isinstance(weight_input, str)
             pad = quantized and options.pads()  # a wide check's rows as the one-row step's (quantize_lm_head)
-            q_model = quantize_lm_head(full_model, weight_input, lm, options.int4, pad)
+            q_model = quantize_lm_head(full_model, weight_input, lm, options.int4, pad, gguf if quantized else None)
             inputs = {k: v for k, v in full_io.inputs.items() if k != "weight"}
             q_io = full_io.model_copy(update={"inputs": inputs}, deep=True)
             if quantized:

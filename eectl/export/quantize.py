@@ -122,9 +122,13 @@ class Int4Options:
         tool = f"onnxruntime.quantization.matmul_nbits_quantizer {onnxruntime.__version__}"
         extra: dict[str, Any] = {}
         if gguf is not None and scope == "segments":
+            from eectl.models.gguf_blocks import head_blocks
+
             d.update(algorithm="gguf", symmetric=False)
             tool = f"eectl.models.gguf_blocks (the file's own blocks: {gguf.path.name})"
             extra = gguf.record()
+            if head_blocks(gguf, self) is not None:
+                extra.update(lm_head_source="gguf", lm_head_gguf_type=gguf.head_type)
         else:
             d["source"] = "ort"
         return {
@@ -279,9 +283,16 @@ def _nbits_nodes(
 
 
 def quantize_lm_head(
-    model: onnx.ModelProto, weight_input: str, table: np.ndarray, opts: Int4Options, pad_rows: bool = False
+    model: onnx.ModelProto,
+    weight_input: str,
+    table: np.ndarray,
+    opts: Int4Options,
+    pad_rows: bool = False,
+    gguf: GgufProjections | None = None,
 ) -> onnx.ModelProto:
-    """The final exit graph with its LM head as a constant, quantized to opts.lm_head bits.
+    """The final exit graph with its LM head as a constant, quantized to opts.lm_head bits: the GGUF's own blocks
+    of it where `gguf` holds its table at those bits (models/gguf_blocks.py head_blocks: exactly, as the manifest's
+    quantization records), else ORT's quantizer over `table`.
 
     The exit graph computes logits as MatMul(normed [N, H], weight [H, V]) with the weight a graph input (the shared
     table, stored transposed; `table` is it, [H, V]). The weight becomes a constant, which the quantizer then turns
@@ -302,13 +313,27 @@ def quantize_lm_head(
     users = [n for n in m.graph.node if weight_input in n.input]
     if len(users) != 1 or users[0].op_type != "MatMul" or list(users[0].input).index(weight_input) != 1:
         raise UsageError("--lm-head int4/int8 needs an exit graph whose LM head is one MatMul on the shared weight")
+    keep = [i for i in m.graph.input if i.name != weight_input]
+    del m.graph.input[:]
+    m.graph.input.extend(keep)
+    from eectl.models.gguf_blocks import head_blocks
+
+    blocks = head_blocks(gguf, opts)
+    if blocks is not None:
+        node = users[0]
+        made, inits = _nbits_nodes(node.input[0], node.output[0], "lm_head", [blocks], opts.accuracy_level)
+        at = list(m.graph.node).index(node)
+        nodes = [*m.graph.node[:at], *made, *m.graph.node[at + 1 :]]
+        del m.graph.node[:]
+        m.graph.node.extend(nodes)
+        m.graph.initializer.extend(inits)
+        if pad_rows:
+            _pad_head_rows(m, int(table.shape[0]))
+        return m
     name = "lm_head.weight_hv"
     m.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(table.astype(np.float32)), name))
     users[0].input[1] = name
     users[0].name = users[0].name or "lm_head.matmul"
-    keep = [i for i in m.graph.input if i.name != weight_input]
-    del m.graph.input[:]
-    m.graph.input.extend(keep)
     bits = 8 if opts.lm_head == "int8" else 4
     q = quantize_graph(m, Int4Options(**{**asdict(opts), "keep_layers": (), "algorithm": "rtn"}), bits=bits)
     if pad_rows:
@@ -395,7 +420,7 @@ def summarise(model: onnx.ModelProto) -> QuantSummary:
 def read_gguf_blocks(loaded: LoadedModel, log: Any = None) -> tuple[GgufProjections, dict[str, Any]]:
     """The GGUF's own blocks of the model's projections (models/gguf_blocks.py) and their check against the loaded
     weights (transformers' dequantization of the same file): equal bit for bit, or the export fails here."""
-    from eectl.models.gguf_blocks import MODULES, gguf_file, read_projections, weight_check
+    from eectl.models.gguf_blocks import MODULES, gguf_file, head_check, read_projections, weight_check
 
     adapter = loaded.adapter
     path = gguf_file(loaded.source)
@@ -409,6 +434,9 @@ def read_gguf_blocks(loaded: LoadedModel, log: Any = None) -> tuple[GgufProjecti
         return getattr(getattr(adapter.layers[layer], parent), child).weight.detach().float().cpu().numpy()
 
     check = weight_check(proj, weight)
+    head = head_check(proj, adapter.lm_head.weight.detach().float().cpu().numpy())
+    if head is not None:  # the LM head's table in the file (a quantized final head is made from it: head_blocks)
+        check["lm_head"] = head
     if check["tensors_not_bit_equal"]:
         raise ModelLoadError(
             f"the GGUF's blocks of {path.name} differ from the loaded model's weights in "

@@ -43,6 +43,8 @@ import numpy as np
 
 MIN_BLOCK = 32  # the block of the min term (Q4_1, Q5_1, Q4_K sub-blocks)
 HELD = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
+# the LM head's table in a GGUF: its own, else the token embedding it is tied to (rows: the vocabulary)
+HEAD_TENSORS = ("output.weight", "token_embd.weight")
 # eectl's fused MatMuls (export/graphs.py _layer: the initializer `layers.{i}.{name}`) and their GGUF tensors
 FUSED = {
     "qkv": ("attn_q", "attn_k", "attn_v"),
@@ -278,6 +280,8 @@ class GgufProjections:
     parts: dict[tuple[int, str], NBitsWeight]  # (layer, GGUF projection name): for the twin, per Linear
     types: dict[str, int]  # every projection tensor's type, counted (held or not)
     not_held: dict[str, int]  # the types counted above that stay fp32
+    head: NBitsWeight | None = None  # the LM head's table (HEAD_TENSORS) where its type is held, [K = H, N = V]
+    head_type: str | None = None  # its GGUF type, held or not (None: the file has neither tensor)
 
     def record(self) -> dict[str, Any]:
         """For the manifest's quantization field."""
@@ -319,6 +323,10 @@ def read_projections(path: Path, num_heads: int, num_kv_heads: int) -> GgufProje
     parts: dict[tuple[int, str], NBitsWeight] = {}
     types: dict[str, int] = {}
     not_held: dict[str, int] = {}
+    heads = {t.name: t for t in reader.tensors if t.name in HEAD_TENSORS}
+    head_tensor = next((heads[n] for n in HEAD_TENSORS if n in heads), None)
+    head_type = None if head_tensor is None else head_tensor.tensor_type.name
+    head = from_blocks(np.asarray(head_tensor.data), head_type) if head_tensor and head_type in HELD else None
     for t in reader.tensors:
         pieces = t.name.split(".")
         if len(pieces) != 4 or pieces[0] != "blk" or pieces[2] not in MODULES or pieces[3] != "weight":
@@ -338,7 +346,19 @@ def read_projections(path: Path, num_heads: int, num_kv_heads: int) -> GgufProje
         for name, members in FUSED.items():
             if all((layer, m) in parts for m in members):
                 fused[(layer, name)] = groups([parts[(layer, m)] for m in members])
-    return GgufProjections(path, arch, fused, parts, types, not_held)
+    return GgufProjections(path, arch, fused, parts, types, not_held, head, head_type)
+
+
+def head_blocks(proj: GgufProjections | None, settings: Any) -> NBitsWeight | None:
+    """The file's own blocks of the LM head where a quantized final head (`settings.lm_head` int8/int4, export's
+    Int4Options or a manifest's quantization) is made from them: the segments come from the file (`proj`), its
+    head tensor is held, and its bits and block are the ones asked (Q8_0 for int8, Q4_0/Q4_1/Q4_K for int4, blocks
+    of `settings.block_size`); else None, and ORT's quantizer re-quantizes the dequantized table. A manifest
+    records the choice (`lm_head_source`), and one recorded "ort" is kept."""
+    asked = {"int8": 8, "int4": 4}.get(getattr(settings, "lm_head", "fp32"))
+    if proj is None or proj.head is None or asked is None or getattr(settings, "lm_head_source", "auto") == "ort":
+        return None
+    return proj.head if (proj.head.bits, proj.head.block) == (asked, settings.block_size) else None
 
 
 # The int4 settings that shape ORT's quantizer (their flag, their default): given away from the default, `auto`
@@ -379,6 +399,20 @@ def int4_source(settings: Any, source: Any) -> str:
     if asked == "auto":
         return "gguf" if held and not quantizer_flags(settings) else "ort"
     return str(asked)
+
+
+def head_check(proj: GgufProjections, lm_weight: np.ndarray) -> dict[str, Any] | None:
+    """The file's head blocks against the loaded model's LM head weight ([V, H] float32 numpy): where they are not
+    its values bit for bit (another mapping than eectl reads), `proj.head` is dropped (a quantized head is then
+    re-quantized by ORT's quantizer) and the result says so. None where the file's head is not held."""
+    if proj.head is None:
+        return None
+    mine = proj.head.dequantized().T
+    equal = mine.shape == lm_weight.shape and np.array_equal(mine.view(np.uint32), lm_weight.view(np.uint32))
+    worst = float(np.abs(mine - lm_weight).max()) if mine.shape == lm_weight.shape else float("inf")
+    if not equal:
+        proj.head = None
+    return {"gguf_type": proj.head_type, "max_abs_weight_diff": worst, "bit_equal": equal}
 
 
 def weight_check(proj: GgufProjections, weight_of: Any) -> dict[str, Any]:

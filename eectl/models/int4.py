@@ -101,11 +101,12 @@ def to_int4_twin(loaded: LoadedModel, settings: Int4Settings) -> LoadedModel:
     int8_inputs = getattr(settings, "accuracy_level", 0) == INT8_LEVEL
     from eectl.models.gguf_blocks import int4_source
 
+    head_done = False
     if int4_source(settings, loaded.source) == "gguf":
-        to_gguf_twin(loaded, settings)
+        head_done = to_gguf_twin(loaded, settings).get("lm_head_from_file", False)
     else:
         _ort_layers(loaded, settings, int8_inputs)
-    if settings.lm_head != "fp32":
+    if settings.lm_head != "fp32" and not head_done:
         head = adapter.lm_head
         table = head.weight.T.cpu().numpy()  # [H, V], as export's final exit graph holds it
         # export quantizes the head with RTN whatever the layers' algorithm (export/quantize.py quantize_lm_head)
@@ -145,8 +146,10 @@ def to_gguf_twin(loaded: LoadedModel, settings: Int4Settings) -> dict[str, Any]:
     forward hook adds the min term BlockSum_32(x) @ mins in float32 (`BlockMins`), on the unquantized input as the
     graph computes it; at accuracy level 4 the MatMulNBits part's input is quantized to int8 per block of the
     tensor's own block size (32, or 16 for Q6_K). Projections of types not held, and the kept layers, stay fp32.
-    Returns the weight check (gguf_blocks.weight_check)."""
-    from eectl.models.gguf_blocks import MODULES, gguf_file, read_projections, weight_check
+    A quantized final head made from the file's table (gguf_blocks.head_blocks) is treated the same way, as a new
+    parameter (a tied embedding keeps its table). Returns the weight check (gguf_blocks.weight_check), with
+    `lm_head_from_file` True where the head was made so."""
+    from eectl.models.gguf_blocks import MODULES, gguf_file, head_blocks, head_check, read_projections, weight_check
 
     adapter = loaded.adapter
     path = gguf_file(loaded.source)
@@ -168,19 +171,30 @@ def to_gguf_twin(loaded: LoadedModel, settings: Int4Settings) -> dict[str, Any]:
         )
     level4 = getattr(settings, "accuracy_level", 0) == INT8_LEVEL
     for (layer, name), w in proj.parts.items():
-        if layer in settings.keep_layers:
-            continue
-        lin = linear(layer, name)
-        mins = None
-        if w.mins is not None:
-            lin.weight.copy_(torch.from_numpy(w.matmulnbits_part().T))
-            mins = torch.from_numpy(w.mins).to(lin.weight.device)
-        if mins is not None or level4:
-            hook = BlockMins(mins, w.block if level4 else None)
-            lin.register_forward_pre_hook(hook.before)
-            if mins is not None:
-                lin.register_forward_hook(hook.after)
-    return check
+        if layer not in settings.keep_layers:
+            _as_blocks(linear(layer, name), w, level4)
+    head_check(proj, adapter.lm_head.weight.detach().cpu().numpy())
+    head = head_blocks(proj, settings)
+    if head is not None:
+        lm = adapter.lm_head
+        lm.weight = torch.nn.Parameter(lm.weight.detach().clone(), requires_grad=False)  # untied from the embedding
+        _as_blocks(lm, head, level4)
+    return {**check, "lm_head_from_file": head is not None}
+
+
+def _as_blocks(lin: torch.nn.Linear, w: Any, level4: bool) -> None:
+    """A Linear holding the file's blocks `w` (gguf_blocks.NBitsWeight) computing as export's MatMulNBits nodes do:
+    its weight MatMulNBits' part and the min term added by hooks where the blocks have mins, its input quantized to
+    int8 per block at level 4."""
+    mins = None
+    if w.mins is not None:
+        lin.weight.copy_(torch.from_numpy(w.matmulnbits_part().T))
+        mins = torch.from_numpy(w.mins).to(lin.weight.device)
+    if mins is not None or level4:
+        hook = BlockMins(mins, w.block if level4 else None)
+        lin.register_forward_pre_hook(hook.before)
+        if mins is not None:
+            lin.register_forward_hook(hook.after)
 
 
 class BlockMins:
