@@ -97,7 +97,8 @@ Int4FromOpt = Annotated[
 LmHeadOpt = Annotated[
     str | None,
     typer.Option(
-        help="int4: the final LM head in fp32, int8 or int4 (default: the recipe's, else fp32).",
+        help="int4: the final LM head in fp32, int8 or int4 (default: the recipe's, else fp32); from a GGUF whose "
+        "table is of that width (Q8_0 for int8), the file's own blocks.",
         rich_help_panel="int4",
     ),
 ]
