@@ -214,8 +214,49 @@ def test_the_plans_replay_is_what_the_run_checks(artifacts, family, monkeypatch,
     got = Runner(rt, _config(b, new=40, block=3)).generate([prompt])[0]
     assert got.token_ids == answer
     want = [c for c in replay_ahead(probs, right, b, block=3) if c[0]]  # cycles without drafts check nothing
-    assert seen and [a for _, a in seen[:-1]] == [a for _, a in want[: len(seen) - 1]]
-    assert all(k == wk for (k, a), (wk, _) in zip(seen[:-1], want, strict=False) if a == k)
+    assert seen and [a for _, a in seen[:-1]] == [c.kept for c in want[: len(seen) - 1]]
+    assert all(k == c.drafts for (k, a), c in zip(seen[:-1], want, strict=False) if a == k)
+
+
+def test_the_replay_makes_the_runs_passes_and_tokens(artifacts, family, monkeypatch):
+    """At a bound of ~0 the drafter drafts wherever the block lets it (on the answer's path or past a wrong draft),
+    so a run's cycles are the replay's: a run of n tokens (n = 2..16) makes exactly the replay's passes on the trace
+    cut at n - 1 positions and decodes the replay's tokens, n - 1, among them the runs whose last drafts are right
+    up to the n-th token (the closing pass emits nothing: runner.py `_settled`). Exit 4 drafts (of the tiny models'
+    two, the one right more often), on the prompt where it is right most."""
+    from eectl.plan.ahead import replay_ahead
+    from eectl.runtime import runner as runner_module
+
+    rt = artifacts[family]
+    V = rt.manifest.dims["vocab_size"]
+    traced = []
+    for seed in (1, 2, 3, 4, 5):
+        prompt = _ids(seed, 10, V)
+        answer = Runner(rt, _config(exits=(), new=16)).generate([prompt])[0].token_ids
+        (probs, right), *_ = traces(rt, 4, [(prompt, answer)], K)
+        traced.append((sum(right), prompt, answer, probs, right))
+    _, prompt, answer, probs, right = max(traced, key=lambda t: t[0])
+    passes = [0]
+
+    def counted(real):
+        def call(*args, **kw):
+            passes[0] += 1
+            return real(*args, **kw)
+
+        return call
+
+    for name in ("chain_tokens", "chain_step"):  # a step's pass; the closing pass at the end
+        monkeypatch.setattr(runner_module, name, counted(getattr(runner_module, name)))
+    closing = 0
+    for n in range(2, 17):
+        passes[0] = 0
+        got = Runner(rt, _config(1e-9, exits=(4,), new=n, block=3)).generate([prompt])[0]
+        assert got.token_ids == answer[:n]
+        cycles = replay_ahead(probs[: n - 1], right[: n - 1], 1e-9, block=3)
+        assert passes[0] - 1 == sum(c.drafts + 1 for c in cycles)  # the prompt's pass aside
+        assert sum(c.tokens for c in cycles) == len(got.token_ids) - 1 == n - 1
+        closing += cycles[-1].kept == cycles[-1].drafts > 0  # right up to the end: no check token
+    assert closing > 0, "no run ended on right drafts"
 
 
 def test_bench_runs_the_ahead_configuration_at_its_price(exported):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from eectl.contracts.plan import Choice, Plan, Prediction
-from eectl.plan.ahead import AHEAD, BOUNDS, ahead_choice, choose_ahead, price, replay_ahead
+from eectl.plan.ahead import AHEAD, BOUNDS, Cycle, ahead_choice, choose_ahead, price, replay_ahead
 from eectl.plan.choose import lossless_pick
 from tests.tiny import toy_costs as _costs
 
@@ -36,22 +36,48 @@ def test_the_replay_drafts_while_the_product_holds_and_keeps_the_leading_right_d
     probs = [0.9, 0.9, 0.9, 0.1, 0.9]
     right = [True, True, False, True, True]
     # 0.9, 0.81, 0.729 >= 0.5, then 0.0729: three drafts, the third wrong (two kept, the full model's token third);
-    # at 3 the exit is unsure (no draft); at 4 one draft, the trace's last
-    assert replay_ahead(probs, right, 0.5) == [(3, 2), (0, 0), (1, 1)]
-    assert replay_ahead(probs, right, 0.75) == [(2, 2), (0, 0), (1, 1)]  # 0.729 < 0.75: runs of two
-    assert replay_ahead([0.9] * 5, [True] * 5, 0.0, block=2) == [(2, 2), (2, 2)]  # the block ends a run
+    # at 3 the exit is unsure (no draft); at 4 one draft, the trace's last, right: it ends the answer (1 token)
+    assert replay_ahead(probs, right, 0.5) == [(3, 2, 3), (0, 0, 1), (1, 1, 1)]
+    assert replay_ahead(probs, right, 0.75) == [(2, 2, 3), (0, 0, 1), (1, 1, 1)]  # 0.729 < 0.75: runs of two
+    assert replay_ahead([0.9] * 5, [True] * 5, 0.0, block=2) == [(2, 2, 3), (2, 2, 2)]  # the block ends a run
+
+
+def test_drafts_right_to_the_end_emit_no_check_token():
+    """A run of n tokens stops at its n-th (runtime/runner.py `_finished`); where that is a draft, its closing pass
+    checks the drafts and emits nothing (`_settled`). Worked by hand on an answer a0..a6 (max_new_tokens 7: a0 from
+    the prompt's pass, a trace of 6 positions; position j feeds a_j, its draft is a_{j+1}), bound 0.5, block 8:
+
+        pass 1 feeds a0: 0.9 >= 0.5, drafts a1       pass 4 feeds a3: 0.0729, checks a1 a2 a3 (all right), emits a4
+        pass 2 feeds a1: 0.81, drafts a2             pass 5 feeds a4: 0.9, drafts a5
+        pass 3 feeds a2: 0.729, drafts a3            pass 6 feeds a5: 0.81, drafts a6: the 7th token, the run stops
+                                                     pass 7 (closing) feeds a6: checks a5 a6 (right), emits nothing
+
+    7 passes and 6 decode tokens (a1..a6): cycles (3 drafts, 3 kept, 4 tokens) and (2, 2, 2), not (2, 2, 3) (the
+    check token a7 a run of 7 tokens never emits). With a6's draft wrong the closing pass rolls it back and emits
+    the full model's a6 in its place: (2, 1, 2), the same passes and tokens."""
+    probs = [0.9, 0.9, 0.9, 0.1, 0.9, 0.9]
+    cycles = replay_ahead(probs, [True] * 6, 0.5)
+    assert cycles == [(3, 3, 4), (2, 2, 2)]
+    assert sum(c.drafts + 1 for c in cycles) == 7 and sum(c.tokens for c in cycles) == 6
+    assert replay_ahead(probs, [True] * 5 + [False], 0.5) == [(3, 3, 4), (2, 1, 2)]
+    # priced per the 6 tokens: 5 drafts at 5.5 ms, two checks at 15.3 (toy costs: no excess; the closing pass
+    # priced as a check, its decision included)
+    pred = price(_costs(), BOUNDARIES, 4, [cycles], block=8)
+    assert pred.ms_per_token == pytest.approx((5 * 5.5 + 2 * 15.3) / 6)
+    assert pred.lost_per_step == pytest.approx(1 / 7)
 
 
 def test_a_cycle_is_priced_as_its_drafts_and_its_check():
     # a draft at exit 4: segment 0 (4) + one more position in segments 1, 2 (0.5 each) + a head row (0.2) + its
     # decision (0.3) = 5.5; a check: the full step (15) + its decision (0.3) unless the block forced it
-    cycles = [[(3, 2), (0, 0), (1, 1)]]
+    # (the replays of the test above: 5 tokens, the last cycle's one draft ending the answer)
+    cycles = [[Cycle(3, 2, 3), Cycle(0, 0, 1), Cycle(1, 1, 1)]]
     ms = (3 * 5.5 + 15.3) + 15.3 + (5.5 + 15.3)
     pred = price(_costs(), BOUNDARIES, 4, cycles, block=8)
-    assert pred.ms_per_token == pytest.approx(ms / 6)
-    assert pred.speedup == pytest.approx(15.0 / (ms / 6))
-    forced = price(_costs(), BOUNDARIES, 4, [[(2, 2), (2, 2)]], block=2)
-    assert forced.ms_per_token == pytest.approx(2 * (2 * 5.5 + 15.0) / 6)
+    assert pred.ms_per_token == pytest.approx(ms / 5)
+    assert pred.speedup == pytest.approx(15.0 / (ms / 5))
+    forced = price(_costs(), BOUNDARIES, 4, [[Cycle(2, 2, 3), Cycle(2, 2, 2)]], block=2)
+    assert forced.ms_per_token == pytest.approx(2 * (2 * 5.5 + 15.0) / 5)
 
 
 def test_drafts_that_cannot_pay_leave_full_depth():
@@ -93,10 +119,10 @@ def test_a_pinned_bound_is_priced_and_described_at_that_bound():
     got = ahead_choice(_costs(), BOUNDARIES, 8, [(probs, right)] * 3, 0.05)
     assert got.bound == 0.05 and got.exit == 8
     assert got.prediction.speedup == pytest.approx(price(_costs(), BOUNDARIES, 8, [cycles] * 3, 8).speedup)
-    assert got.drafts == pytest.approx(sum(k for k, _ in cycles) / len(cycles))
-    assert got.accepted == pytest.approx(sum(a for _, a in cycles) / len(cycles))
+    assert got.drafts == pytest.approx(sum(c.drafts for c in cycles) / len(cycles))
+    assert got.accepted == pytest.approx(sum(c.kept for c in cycles) / len(cycles))
     assert got.by_position[0] == pytest.approx(
-        sum(1 for k, a in cycles if a >= 1) / sum(1 for k, _ in cycles if k >= 1)
+        sum(1 for c in cycles if c.kept >= 1) / sum(1 for c in cycles if c.drafts >= 1)
     )
 
 

@@ -5,7 +5,10 @@ The replay (`replay_ahead`) is the runtime's rule on a trace of one (prompt, ful
 position i the exit's top-1 probability p_i and whether its token is the answer's next (runtime/ahead.py `traces`).
 A cycle starting at i drafts while the run's product p_i ... p_{i+k-1} stays >= the bound (at most `block`), then the
 token at i + k runs to the final layer and checks the k drafts: the leading correct ones (a) are kept, and the pass
-emits the full model's token after them, so the cycle emits a + 1 tokens and the next starts at i + a + 1. On the
+emits the full model's token after them, so the cycle emits a + 1 tokens and the next starts at i + a + 1. At the
+trace's end (the answer's last token: its stop token, or the run's --max-new-tokens) a cycle whose drafts are right up
+to that token emits those a alone: the run stops there, its closing pass checks them and emits nothing
+(runtime/runner.py `_settled`), so every trace's cycles emit exactly its length, what a run decodes. On the
 accepted path the exit's states are the full model's (the layers up to the exit hold every position's exact K/V), so
 the replay is the run's, but for how long a run goes on past its first wrong draft (the trace's probabilities there
 are the answer's; the run's follow the wrong token): that tail's cost only, never the tokens.
@@ -14,7 +17,7 @@ Priced per cycle with the cost model's pieces (plan/paid.py `exit_paid`, `check_
 
     k drafts:      k x (the step to the exit + its decision + one more position in every later segment and the head)
     the check:     the full-depth step + its decision (none where the block forced it) + the wide pass's excess at k
-    ms per token:  sum over cycles / sum over cycles of (a + 1)
+    ms per token:  sum over cycles / sum over cycles of their tokens (a + 1; a for the closing one above)
 
 The choice maximises the predicted speedup over `BOUNDS` at every exit traced; it runs (`AheadChoice.on`) only when
 its interval's low end (the costs' timing and a bootstrap over the traced prompts, combined) clears 1 + MIN_GAIN.
@@ -30,7 +33,7 @@ What this module does not do: measure the traces or run anything (runtime/ahead.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from eectl.contracts.calibration import AheadTraces
 from eectl.contracts.plan import AHEAD, LEVEL, MIN_GAIN, VERIFY_BLOCK, AheadChoice, Costs, Plan, Prediction
@@ -38,17 +41,24 @@ from eectl.plan.intervals import Replicates, combined, unit_interval
 from eectl.plan.paid import exit_paid
 from eectl.plan.verify import check_excess
 
-__all__ = ["AHEAD", "BOUNDS", "AheadChoice", "ahead_at_length", "ahead_choice", "choose_ahead", "plan_ahead"]
+__all__ = ["AHEAD", "BOUNDS", "AheadChoice", "Cycle", "ahead_at_length", "ahead_choice", "choose_ahead", "plan_ahead"]
 # the bounds priced: a product of top-1 probabilities (1 drafts only what the exit is sure of)
 BOUNDS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05, 0.02)
 
 Trace = tuple[list[float], list[bool]]  # per answer position: the exit's top-1 probability, its token right
 
 
-def replay_ahead(
-    probs: Sequence[float], right: Sequence[bool], bound: float, block: int = VERIFY_BLOCK
-) -> list[tuple[int, int]]:
-    """The cycles (drafts k, accepted a) the run-ahead drafter takes along one trace (module docstring)."""
+class Cycle(NamedTuple):
+    """One check pass and the drafts before it: k + 1 passes."""
+
+    drafts: int  # k
+    kept: int  # a: the leading right drafts
+    tokens: int  # emitted: a + 1, or a where the drafts are right up to the trace's end (no check token)
+
+
+def replay_ahead(probs: Sequence[float], right: Sequence[bool], bound: float, block: int = VERIFY_BLOCK) -> list[Cycle]:
+    """The cycles the run-ahead drafter takes along one trace (module docstring): their tokens add up to its
+    length."""
     n, i, out = len(probs), 0, []
     while i < n:
         run, k = 1.0, 0
@@ -56,17 +66,18 @@ def replay_ahead(
             run *= probs[i + k]
             k += 1
         a = next((j for j in range(k) if not right[i + j]), k)
-        out.append((k, a))
+        # a = k = n - i: the drafts reach the answer's last token, where the run stops (its closing pass emits nothing)
+        out.append(Cycle(k, a, min(a + 1, n - i)))
         i += a + 1
     return out
 
 
-def _cycles(traces: Sequence[Trace], bound: float, block: int) -> list[list[tuple[int, int]]]:
+def _cycles(traces: Sequence[Trace], bound: float, block: int) -> list[list[Cycle]]:
     return [replay_ahead(p, r, bound, block) for p, r in traces]
 
 
 def price(
-    costs: Costs, boundaries: Sequence[int], layer: int, cycles: Sequence[Sequence[tuple[int, int]]], block: int
+    costs: Costs, boundaries: Sequence[int], layer: int, cycles: Sequence[Sequence[Cycle]], block: int
 ) -> Prediction:
     """The drafter at exit `layer` over these cycles (per prompt), by the costs (module docstring)."""
     bound = costs.bound_exits
@@ -78,9 +89,9 @@ def price(
     check = check_excess(costs, boundaries, [(layer, 1.0, None)])
     ms = tokens = steps = 0.0
     drafted = 0
-    for k, a in (c for per in cycles for c in per):
+    for k, _, emitted in (c for per in cycles for c in per):
         ms += k * draft + full + (decision if k < block else 0.0) + (check(k) if check is not None and k else 0.0)
-        tokens += a + 1
+        tokens += emitted
         steps += k + 1
         drafted += k
     if tokens == 0:
@@ -149,15 +160,15 @@ def ahead_choice(
     if span is not None:
         pred = pred.model_copy(update={"interval": span, "timing": timing})
     cycles = [c for per in per_prompt for c in per]
-    reached = [sum(1 for k, _ in cycles if k > m) for m in range(block)]
-    kept = [sum(1 for _, a in cycles if a > m) for m in range(block)]
+    reached = [sum(1 for c in cycles if c.drafts > m) for m in range(block)]
+    kept = [sum(1 for c in cycles if c.kept > m) for m in range(block)]
     return AheadChoice(
         exit=layer,
         bound=bound,
         prediction=pred,
         on=pred.low() >= 1.0 + min_gain,
-        drafts=sum(k for k, _ in cycles) / max(len(cycles), 1),
-        accepted=sum(a for _, a in cycles) / max(len(cycles), 1),
+        drafts=sum(c.drafts for c in cycles) / max(len(cycles), 1),
+        accepted=sum(c.kept for c in cycles) / max(len(cycles), 1),
         by_position=[round(kept[m] / reached[m], 4) for m in range(block) if reached[m]],
     )
 
