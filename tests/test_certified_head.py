@@ -11,6 +11,7 @@ from eectl.export.certified_head import certifiable
 from eectl.export.exporter import ExportOptions, export_artifact
 from eectl.models.loading import load_model
 from eectl.runtime.certified_bound import BLOCK, check_kernel, quantize_blocks
+from eectl.runtime.certified_head import CertifiedHead
 from eectl.runtime.chain import DecodeChain
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -163,6 +164,54 @@ def test_a_certified_step_reads_its_flag_then_a_token(exported):
     assert len(runner.step_reads) == len(gen.token_ids) == 8
     assert all(reads in ([passed, token], [passed, ("exit_full", L, "token")]) for reads in runner.step_reads)
     assert any(reads == [passed, token] for reads in runner.step_reads)
+
+
+class _MissingRow1:
+    """A certified head's session whose row 1 never passes (the head's `passed` written after each run)."""
+
+    def __init__(self, session, passed):
+        self.session, self.passed = session, passed
+
+    def run_with_iobinding(self, io):
+        self.session.run_with_iobinding(io)
+        self.passed[1] = False
+
+
+def test_a_batch_runs_the_full_head_over_the_rows_the_certified_head_missed_alone(exported, monkeypatch):
+    """A batch's step where the certified head proves some rows and not another (row 1, forced) gives every row its
+    tokens alone and with the full head every step; the full head ran over the missed row alone (not the batch),
+    and such a step read the certified flags, its tokens, then the full head's token."""
+    loaded, folder = exported["qwen2"]
+    rt = ArtifactRuntime(folder, provider="cpu")
+    assert rt.certified_head is not None
+    bind = CertifiedHead.bind.__func__
+
+    def missing(cls, rt, hidden, rows):
+        head = bind(cls, rt, hidden, rows)
+        if head is not None and rows > 1:
+            head.session = _MissingRow1(head.session, head.passed)
+        return head
+
+    monkeypatch.setattr(CertifiedHead, "bind", classmethod(missing))
+    heads: list[int] = []
+    greedy = ArtifactRuntime.greedy_token
+
+    def spy(self, layer, hidden, *a, **k):
+        heads.append(hidden.shape[0])
+        return greedy(self, layer, hidden, *a, **k)
+
+    monkeypatch.setattr(ArtifactRuntime, "greedy_token", spy)
+    prompts = _prompts(loaded.adapter.dims.vocab_size, 3)
+    cfg = RunConfig(exits=[], thresholds={}, max_new_tokens=8)
+    runner = Runner(rt, cfg)
+    batch = [g.token_ids for g in runner.generate(prompts, slots=3)]
+    assert heads and set(heads) == {1}  # every step: row 1 alone
+    L = rt.manifest.num_layers
+    reads = [("head_certified", L, "passed"), ("head_certified", L, "token"), ("exit_full", L, "token")]
+    assert reads in runner.step_reads
+    full = Runner(rt, RunConfig(exits=[], thresholds={}, max_new_tokens=8, certified_head=False))
+    assert batch == [g.token_ids for g in full.generate(prompts, slots=3)]
+    assert batch == [g.token_ids for p in prompts for g in Runner(rt, cfg).generate([p])]
 
 
 @pytest.mark.parametrize("how", ["lookup", "exits"])

@@ -328,7 +328,7 @@ class Engine:
     def _heads(self, runner: Runner) -> None:
         """A greedy batch's chains take the certified head only at the row counts where it is the faster
         (`time_full`): its 8-bit ranking costs more per row than the full head's memory-bound fp32 one in a large
-        batch, and any row it cannot prove runs the full head for all."""
+        batch (a row it cannot prove runs the full head over the rows it missed: chain.py `_missed`)."""
         cfg = runner.cfg
         if self.slots < 2 or not cfg.certified_head or cfg.temperature > 0 or self.rt.certified_head is None:
             return

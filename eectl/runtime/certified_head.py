@@ -1,5 +1,6 @@
 """The certified final head at run time (export/certified_head.py): one call per greedy final head, whose tokens
-are the full head's argmax wherever every row passes; the caller runs the full head for a call that does not.
+are the full head's argmax wherever a row passes; the caller runs the full head for the rows that do not (a bound
+chain over several rows: over those rows alone, chain.py `_missed`; elsewhere over the call).
 
 Bound once: on the bound chain its input is the chain's last hop (the final segment's output); elsewhere
 (`ArtifactRuntime.greedy_token`: verify's check of several positions) a buffer per row count
