@@ -42,7 +42,7 @@ from eectl.runtime.ort import (
 )
 from eectl.runtime.placement import HOST, Placement
 from eectl.runtime.rows import rows_padded
-from eectl.runtime.tables import PackedHeads, load_weight
+from eectl.runtime.tables import PackedHeads, load_weight, row_embedding
 
 
 class ArtifactRuntime(GraphCalls):
@@ -91,7 +91,8 @@ class ArtifactRuntime(GraphCalls):
         self._session = session
         self.tiers: Any = None  # runtime/tiers.WeightTiers where run/bench asked for mapped, budgeted or placed weights
         self.packed_heads = PackedHeads(self.folder, threads)  # several rows at the final head (verify's check)
-        self.embedding = load(m.embedding)
+        # the embedding: LM head rows gathered where it is that table (tables.py `row_embedding`), else the graph's
+        self.embedding = row_embedding(m, so, self.device) or load(m.embedding)
         self.segments = [Graph(s.graph, None, self.device) for s in m.segments]
         self.kv_segments = [Graph(s.kv_graph, None, self.device) for s in m.segments]
         self.river_segments = {i: Graph(s.river, None, self.device) for i, s in enumerate(m.segments) if s.river}

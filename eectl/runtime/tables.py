@@ -1,7 +1,8 @@
 """The artifact's shared tables (the LM head, the embedding: `Manifest.shared_weights`), as the graphs take them.
 
 `load_weight`: a table mapped from its .npy file and checked against the manifest; on the CPU EP the graphs read the
-mapped pages in place. `PackedHeads`: exit heads with their LM head table packed once, for final-head calls over
+mapped pages in place. `row_embedding`: where the embedding is the LM head's table, token ids gathered from the
+row-major copy of it. `PackedHeads`: exit heads with their LM head table packed once, for final-head calls over
 several rows. A full exit graph takes the shared table as a graph input, and ONNX Runtime packs an input matrix
 again on every call with more than one row: on the default model at 2 threads, 9 rows took 14 ms that way and 5.8
 ms packed (one row 3.2 ms either way, so one row keeps the shared graph). A packed head is a session of the same
@@ -22,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from eectl.contracts.artifact_files import SharedWeight, check_weight
-from eectl.contracts.manifest import GraphIO
+from eectl.contracts.manifest import LM_HEAD_ROWS, GraphIO, Manifest
 from eectl.errors import ArtifactError
 from eectl.files import confined
-from eectl.runtime.ort import Graph, _ort, session_options
+from eectl.runtime.ort import CheckedSession, Graph, _ort, session_options
 
 
 def load_weight(folder: Path, key: str, weight: SharedWeight, device: str) -> Any:
@@ -36,6 +37,42 @@ def load_weight(folder: Path, key: str, weight: SharedWeight, device: str) -> An
     if device == "cpu":
         return arr  # .npy data is C-contiguous; ORT reads it in place
     return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), device, 0)
+
+
+def row_embedding(m: Manifest, options: Any, device: str) -> Graph | None:
+    """The embedding as a gather of rows of the row-major LM head table (`LM_HEAD_ROWS`, [V, H]), on the CPU EP where
+    the artifact's embedding is the LM head's own table (tied weights) and it holds that copy; None elsewhere. The
+    exported embedding gathers columns of the [H, V] table: each token's H values from H rows one table row (196 KB on
+    the default model) apart, 34 us a token there against 3 us for a row (a step of 16 rows, a 70-token prompt:
+    docs/results/2026-12-07-int4-batched-step.md). A gather copies: the same states either way. Its inputs are
+    `input_ids` and `rows` (bound from the shared tables by `ArtifactRuntime.bind_weights`), its output `hidden`."""
+    shared = m.shared_weights
+    embed, head, rows = shared.get("embed"), shared.get("lm_head"), shared.get(LM_HEAD_ROWS)
+    if device != "cpu" or embed is None or head is None or rows is None or m.embedding.inputs.get("weight") is None:
+        return None
+    if embed.file != head.file or rows.transposed or rows.dtype != embed.dtype or rows.dtype not in ("fp32", "fp16"):
+        return None
+    from onnx import TensorProto, helper
+
+    V, H = rows.shape
+    elem = TensorProto.FLOAT16 if rows.dtype == "fp16" else TensorProto.FLOAT
+    node = helper.make_node("Gather", ["rows", "input_ids"], ["hidden"], axis=0)
+    graph = helper.make_graph(
+        [node],
+        "embedding_rows",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
+            helper.make_tensor_value_info("rows", elem, [V, H]),
+        ],
+        [helper.make_tensor_value_info("hidden", elem, ["batch", "sequence", H])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", m.opset)])
+    model.ir_version = 10
+    file = "embedding gathering LM head rows (in memory)"
+    cpu = ["CPUExecutionProvider"]
+    session = _ort().InferenceSession(model.SerializeToString(), sess_options=options, providers=cpu)
+    io = GraphIO(file=file, inputs={"input_ids": "input_ids", "rows": "rows"}, outputs={"hidden": "hidden"})
+    return Graph(io, CheckedSession(session, file), device)
 
 
 class PackedHeads:
