@@ -22,6 +22,7 @@ Prints one JSON document.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -44,10 +45,16 @@ class Timed:
         return getattr(self.session, name)
 
     def run_with_iobinding(self, io: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        out = self.session.run_with_iobinding(io, *args, **kwargs)
-        self.clock[self.label] += time.perf_counter() - t0
-        return out
+        return self.wrap(self.session.run_with_iobinding)(io, *args, **kwargs)
+
+    def wrap(self, call: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = call(*args, **kwargs)
+            self.clock[self.label] += time.perf_counter() - t0
+            return out
+
+        return timed
 
 
 def questions(n: int) -> list[str]:
@@ -70,6 +77,8 @@ def timed_steps(chain: Any, tokens: dict[int, int], steps: int) -> tuple[list[fl
     chain.calls[:] = [(Timed(s, label, clock), io) for (s, io), label in zip(chain.calls, labels, strict=True)]
     if chain.certified is not None:
         chain.certified.session = Timed(chain.certified.session, "certified head", clock)
+    rt, greedy = chain.rt, chain.rt.greedy_token
+    rt.greedy_token = Timed(None, "full head", clock).wrap(greedy)  # the rows a certified head missed, alone
     times, got = [], [[t] for t in tokens.values()]
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -78,6 +87,7 @@ def timed_steps(chain: Any, tokens: dict[int, int], steps: int) -> tuple[list[fl
         for r, t in tokens.items():
             got[r].append(t)
     chain.calls[:] = [(s.session, io) for s, io in chain.calls]
+    del rt.greedy_token
     if chain.certified is not None:
         chain.certified.session = chain.certified.session.session
     return times, {k: v * 1000.0 / steps for k, v in clock.items()}, got
@@ -96,12 +106,23 @@ def profiled_chain(artifact: str, folder: Path, threads: int, kv: Any, rows: int
         so.profile_file_prefix = str(folder / "ort")
         return so
 
+    onnxruntime, count = ort._ort(), itertools.count()
+    made = onnxruntime.InferenceSession
+
+    def session(*args: Any, sess_options: Any = None, **kwargs: Any) -> Any:
+        """A file of its own per session (the runtime's sessions share one options object)."""
+        if sess_options is not None and sess_options.enable_profiling:
+            sess_options.profile_file_prefix = str(folder / f"ort{next(count):03d}")
+        return made(*args, sess_options=sess_options, **kwargs)
+
     sessions.session_options = tables.session_options = options
+    onnxruntime.InferenceSession = session
     try:
         rt = ArtifactRuntime(artifact, threads=threads)
         return DecodeChain(rt, kv, 0, rows=rows, certified_head=certified)
     finally:
         sessions.session_options = tables.session_options = ort.session_options
+        onnxruntime.InferenceSession = made
 
 
 def profile_rows(args: argparse.Namespace, runner: Any, prompts: list[list[int]], tokens: list[list[int]]) -> dict:
@@ -126,7 +147,9 @@ def profile_rows(args: argparse.Namespace, runner: Any, prompts: list[list[int]]
     prt = pchain.rt
     files = {"embed": prt.embedding.session.end_profiling()}
     files |= {f"segment {i}": g.session.end_profiling() for i, g in enumerate(prt.segments)}
-    files["full head"] = pchain.calls[-1][0].end_profiling()
+    files["full head"] = prt.full_graphs[prt.manifest.num_layers].session.end_profiling()
+    if pchain.calls[-1][0] is not prt.full_graphs[prt.manifest.num_layers].session:
+        files["full head (packed)"] = pchain.calls[-1][0].end_profiling()
     if pchain.certified is not None:
         files["certified head"] = pchain.certified.session.end_profiling()
     ops, runs_ms, nodes_ms = op_times(files, args.steps, args.warmup)
