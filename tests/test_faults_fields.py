@@ -385,3 +385,32 @@ def test_a_manifest_dtype_that_is_not_the_graphs_is_refused_at_load(artifact, tm
     _edit(art, fp16)
     line = _one_line(runner.invoke(app, ["run", str(art), "hi", *RUN]), 5)
     assert "the manifest's dtype is fp16, but the graph embed.onnx declares tensor(float) for its output" in line
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("scope", "everything"),
+        ("bits", 3),
+        ("block_size", 8),
+        ("block_size", 48),
+        ("accuracy_level", 7),
+        ("algorithm", "gptq"),
+        ("lm_head", "int2"),
+        ("embedding", "int4"),
+        ("exit_lm_heads", "int8"),
+        ("min_agreement", 1.5),
+        ("lm_head_source", "gguf"),  # with source ort: not the file's table
+    ],
+)
+def test_every_quantization_field_is_checked_at_read(artifact, tmp_path, field, value):
+    """The quantization record (what the row probe, the int4 twin and bench read) against its schema: a bit width,
+    block or level the kernels do not take was read as given and failed later, in ONNX Runtime or torch."""
+    from eectl.export.quantize import Int4Options
+
+    record = Int4Options().record("river")
+    art = _edit(_copy(artifact, tmp_path), lambda d: d.__setitem__("quantization", record))
+    assert read_manifest(art).quantization is not None  # the record as export writes it reads
+    _edit(art, lambda d: d["quantization"].__setitem__(field, value))
+    with pytest.raises(ArtifactError, match=f"quantization(.{field}|: .*{field})"):
+        read_manifest(art)

@@ -99,19 +99,19 @@ class ExitPoint(_M):
 class Quantization(_M):
     """Weight-only quantization (export/quantize.py): which graphs, and ORT's MatMulNBits settings."""
 
-    scope: str  # "segments": every segment graph (export --weights int4); "river": only the river copies
+    scope: Literal["segments", "river"]  # every segment graph (export --weights int4), or only the river copies
     op: str  # com.microsoft::MatMulNBits
     tool: str  # ORT's quantizer and version
-    bits: int
-    block_size: int
+    bits: Literal[4]
+    block_size: Literal[16, 32, 64, 128, 256, 512, 1024, 2048, 4096]  # input channels per scale
     symmetric: bool
-    accuracy_level: int  # MatMulNBits compute type (0 unset / fp32, 4 int8 activations)
-    algorithm: str  # rtn (ORT's default block quantizer) or hqq
+    accuracy_level: int = Field(ge=0, le=4)  # MatMulNBits compute type (0 unset / fp32, 4 int8 activations)
+    algorithm: Literal["rtn", "hqq", "gguf"]  # ORT's default block quantizer, HQQ, or the GGUF's own blocks
     lm_head: Literal["fp32", "int8", "int4"]  # the final exit's LM head: fp32 (the shared table) or its own
-    embedding: str  # precision of the embedding table
-    exit_lm_heads: str  # precision of the intermediate exits' LM head (the shared table)
+    embedding: Literal["fp32"]  # precision of the embedding table
+    exit_lm_heads: Literal["fp32"]  # precision of the intermediate exits' LM head (the shared table)
     keep_layers: list[int]  # decoder layers left in fp32
-    min_agreement: float  # the validation floor on greedy agreement with PyTorch at the final exit
+    min_agreement: float = Field(ge=0.0, le=1.0)  # the validation floor on greedy agreement at the final exit
     source: Literal["ort", "gguf"] = "ort"  # the segments' weights: ORT's quantizer (older ones) or the GGUF's blocks
     gguf_types: dict[str, int] | None = None  # source gguf: the file's projection tensors by type, counted
     gguf_not_held: dict[str, int] | None = None  # ... and those of types left fp32 in the graphs (not held exactly)
