@@ -28,3 +28,30 @@ def test_the_embedding_gathers_lm_head_rows_where_it_is_that_table(exported):
         else:
             assert rt.embedding.io.file == m.embedding.file, fam
     assert tied  # the tiny families include tied embeddings (the default model's)
+
+
+def test_a_scaled_tied_embedding_keeps_its_scale(tiny_dirs, tmp_path):
+    """Gemma multiplies the embedding by sqrt(H) and ties it to the LM head (the tiny Gemma is untied): the row
+    gather keeps the exported graph's scale."""
+    import torch
+
+    from eectl.export.exporter import ExportOptions, export_artifact
+    from eectl.models import load_model
+
+    loaded = load_model(str(tiny_dirs["gemma3_text"]))
+    a = loaded.adapter
+    assert a.embed_scale() != 1.0
+    a.lm_head.weight = a.embed_tokens.weight  # tied, as Gemma 3's checkpoints are
+    with torch.no_grad():
+        assert a.lm_head.weight.data_ptr() == a.embed_tokens.weight.data_ptr()
+    export_artifact(loaded, tmp_path / "a", ExportOptions(exits=[2], top_k=8))
+    rt = ArtifactRuntime(tmp_path / "a", provider="cpu")
+    m = rt.manifest
+    assert "rows" in rt.embedding.io.inputs
+    graph = _ort().InferenceSession(
+        str(tmp_path / "a" / m.embedding.file), session_options(), providers=["CPUExecutionProvider"]
+    )
+    ids = np.array([[1, 5, 7, 2]], np.int64) % m.dims["vocab_size"]
+    names = m.embedding.inputs
+    want = graph.run(None, {names["input_ids"]: ids, names["weight"]: rt.weights["embed"]})[0]
+    assert np.array_equal(rt.embed(ids), want)

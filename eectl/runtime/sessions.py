@@ -92,7 +92,7 @@ class ArtifactRuntime(GraphCalls):
         self.tiers: Any = None  # runtime/tiers.WeightTiers where run/bench asked for mapped, budgeted or placed weights
         self.packed_heads = PackedHeads(self.folder, threads)  # several rows at the final head (verify's check)
         # the embedding: LM head rows gathered where it is that table (tables.py `row_embedding`), else the graph's
-        self.embedding = row_embedding(m, so, self.device) or load(m.embedding)
+        self.embedding = row_embedding(self.folder, m, so, self.device) or load(m.embedding)
         self.segments = [Graph(s.graph, None, self.device) for s in m.segments]
         self.kv_segments = [Graph(s.kv_graph, None, self.device) for s in m.segments]
         self.river_segments = {i: Graph(s.river, None, self.device) for i, s in enumerate(m.segments) if s.river}

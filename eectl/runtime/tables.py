@@ -39,39 +39,46 @@ def load_weight(folder: Path, key: str, weight: SharedWeight, device: str) -> An
     return _ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), device, 0)
 
 
-def row_embedding(m: Manifest, options: Any, device: str) -> Graph | None:
-    """The embedding as a gather of rows of the row-major LM head table (`LM_HEAD_ROWS`, [V, H]), on the CPU EP where
-    the artifact's embedding is the LM head's own table (tied weights) and it holds that copy; None elsewhere. The
-    exported embedding gathers columns of the [H, V] table: each token's H values from H rows one table row (196 KB on
-    the default model) apart: a 16-row step's embedding took 0.66 ms that way, 0.06 ms gathering rows
-    (docs/results/2026-12-07-int4-batched-step.md). A gather copies: the same states either way. Its inputs are
-    `input_ids` and `rows` (bound from the shared tables by `ArtifactRuntime.bind_weights`), its output `hidden`."""
+def row_embedding(folder: Path, m: Manifest, options: Any, device: str) -> Graph | None:
+    """The exported embedding graph with its column gather of the [H, V] LM head table (Gather on axis 1, then a
+    Transpose) turned into a row gather of the row-major copy (`LM_HEAD_ROWS`, [V, H]), on the CPU EP where the
+    embedding is the LM head's own table (tied weights) and the artifact holds that copy; None elsewhere. What follows
+    the gather (Gemma's embedding scale) stays the graph's. Each token's H values came from H rows one table row (196
+    KB on the default model) apart: a 16-row step's embedding took 0.66 ms that way, 0.06 ms gathering rows
+    (docs/results/2026-12-07-int4-batched-step.md); a gather copies, so the states are the same. Inputs `input_ids`
+    and `rows` (bound from the shared tables by `ArtifactRuntime.bind_weights`), output `hidden`."""
     shared = m.shared_weights
     embed, head, rows = shared.get("embed"), shared.get("lm_head"), shared.get(LM_HEAD_ROWS)
-    if device != "cpu" or embed is None or head is None or rows is None or m.embedding.inputs.get("weight") is None:
+    weight = m.embedding.inputs.get("weight")
+    if device != "cpu" or embed is None or head is None or rows is None or not isinstance(weight, str):
         return None
-    if embed.file != head.file or rows.transposed or rows.dtype != embed.dtype or rows.dtype not in ("fp32", "fp16"):
+    if embed.file != head.file or rows.transposed or rows.dtype != embed.dtype:
         return None
-    from onnx import TensorProto, helper
+    import onnx
+    from onnx import helper
 
-    V, H = rows.shape
-    elem = TensorProto.FLOAT16 if rows.dtype == "fp16" else TensorProto.FLOAT
-    node = helper.make_node("Gather", ["rows", "input_ids"], ["hidden"], axis=0)
-    graph = helper.make_graph(
-        [node],
-        "embedding_rows",
-        [
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
-            helper.make_tensor_value_info("rows", elem, [V, H]),
-        ],
-        [helper.make_tensor_value_info("hidden", elem, ["batch", "sequence", H])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", m.opset)])
-    model.ir_version = 10
+    model = onnx.load(str(confined(folder, m.embedding.file, ArtifactError)))
+    g = model.graph
+    gathers = [n for n in g.node if n.op_type == "Gather" and n.input[0] == weight]
+    after = [n for n in g.node if gathers and list(n.input) == [gathers[0].output[0]]]
+    if len(gathers) != 1 or len(after) != 1 or after[0].op_type != "Transpose":
+        return None  # not the column gather export writes for a tied table
+    gather, transpose = gathers[0], after[0]
+    if next((helper.get_attribute_value(a) for a in gather.attribute if a.name == "axis"), 0) != 1:
+        return None
+    row_gather = helper.make_node("Gather", ["rows", gather.input[1]], [transpose.output[0]], axis=0)
+    nodes = [row_gather if n is gather else n for n in g.node if n is not transpose]
+    del g.node[:]
+    g.node.extend(nodes)
+    (table,) = [i for i in g.input if i.name == weight]
+    table.name = "rows"
+    dims = table.type.tensor_type.shape.dim
+    dims[0].dim_value, dims[1].dim_value = int(rows.shape[0]), int(rows.shape[1])
     file = "embedding gathering LM head rows (in memory)"
     cpu = ["CPUExecutionProvider"]
     session = _ort().InferenceSession(model.SerializeToString(), sess_options=options, providers=cpu)
-    io = GraphIO(file=file, inputs={"input_ids": "input_ids", "rows": "rows"}, outputs={"hidden": "hidden"})
+    inputs = {**{k: v for k, v in m.embedding.inputs.items() if k != "weight"}, "rows": "rows"}
+    io = m.embedding.model_copy(update={"file": file, "inputs": inputs})
     return Graph(io, CheckedSession(session, file), device)
 
 
