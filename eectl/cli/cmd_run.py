@@ -11,7 +11,7 @@ import typer
 from eectl.cli.app import JsonOpt, MaxRiskOpt, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.cli.weights import BudgetOpt, MmapOpt, PlaceOpt, weight_options
 from eectl.contracts.names import SIGNAL_SPECS
-from eectl.contracts.plan import MAX_NGRAM
+from eectl.contracts.plan import DRAFT_MEMORY, MAX_NGRAM
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.output import Output
@@ -79,6 +79,15 @@ DraftAheadOpt = Annotated[
 DraftNgramOpt = Annotated[
     int,
     typer.Option(help="Drafts from the context: the longest suffix matched, in tokens.", rich_help_panel="Exits"),
+]
+DraftMemoryOpt = Annotated[
+    int,
+    typer.Option(
+        help="Drafts from the context: where a row's own context has no match, the latest TOKENS of the answers "
+        "finished before it (prompts and answers) are searched too (0: off).",
+        metavar="TOKENS",
+        rich_help_panel="Exits",
+    ),
 ]
 MaxNewTokensOpt = Annotated[
     int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt.", rich_help_panel="Sampling")
@@ -153,6 +162,7 @@ def run(
     top_k: TopKOpt = None,
     prompt_drafts: PromptDraftsOpt = None,
     draft_ngram: DraftNgramOpt = MAX_NGRAM,
+    draft_memory: DraftMemoryOpt = DRAFT_MEMORY,
     draft_ahead: DraftAheadOpt = 0.0,
     max_new_tokens: MaxNewTokensOpt = 128,
     temperature: TemperatureOpt = 0.0,
@@ -207,6 +217,7 @@ def run(
         max_risk=max_risk,
         prompt_drafts=prompt_drafts,
         draft_ngram=draft_ngram,
+        draft_memory=draft_memory,
         draft_ahead=draft_ahead,
         weights=weight_options(mmap_weights, memory_budget, place),
         exact_head=exact_head,

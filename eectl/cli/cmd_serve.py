@@ -9,6 +9,7 @@ import typer
 from eectl.cli.app import MaxRiskOpt, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.cli.cmd_run import (
     ArtifactOpt,
+    DraftMemoryOpt,
     DraftNgramOpt,
     ExactHeadOpt,
     ExitsOpt,
@@ -22,7 +23,7 @@ from eectl.cli.cmd_run import (
     TopPOpt,
 )
 from eectl.cli.weights import BudgetOpt, MmapOpt, PlaceOpt, weight_options
-from eectl.contracts.plan import MAX_NGRAM
+from eectl.contracts.plan import DRAFT_MEMORY, MAX_NGRAM
 from eectl.contracts.recipe import load_recipe, pick
 from eectl.errors import UsageError
 from eectl.output import Output
@@ -107,6 +108,7 @@ def serve(
     top_k: TopKOpt = None,
     prompt_drafts: PromptDraftsOpt = None,
     draft_ngram: DraftNgramOpt = MAX_NGRAM,
+    draft_memory: DraftMemoryOpt = DRAFT_MEMORY,
     max_new_tokens: MaxTokensOpt = 128,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -150,6 +152,7 @@ def serve(
         top_k=top_k,
         prompt_drafts=prompt_drafts,
         draft_ngram=draft_ngram,
+        draft_memory=draft_memory,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,

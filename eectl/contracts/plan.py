@@ -33,6 +33,7 @@ INTERVAL_TOP = 8  # per policy, the options with the highest point estimates get
 DEFAULT_DRAFTS = 12
 MAX_DRAFTS = 64
 MAX_NGRAM = 5  # the longest suffix of the context matched (measured: runtime/drafts.py)
+DRAFT_MEMORY = 32_768  # earlier answers' tokens searched for drafts where a run has them (runtime/drafts.py)
 MAX_DRAFT_NGRAM = 32
 LOOKUP = "lookup"  # the plan's name for full depth with drafts from the context (a default beside the policies)
 AHEAD = "ahead"  # the plan's name for verify drafting ahead at one exit (runtime/ahead.py; a default beside them)

@@ -19,7 +19,7 @@ from eectl.contracts.certificate import CERTIFIED
 from eectl.contracts.gates import GATE
 from eectl.contracts.layers import check_exit_layers, parse_layers
 from eectl.contracts.names import POLICY_SPECS, SIGNAL_SPECS, threshold_problem
-from eectl.contracts.plan import AHEAD, DEFAULT_DRAFTS, LOOKUP, MAX_DRAFT_NGRAM, MAX_DRAFTS, MAX_NGRAM
+from eectl.contracts.plan import AHEAD, DEFAULT_DRAFTS, DRAFT_MEMORY, LOOKUP, MAX_DRAFT_NGRAM, MAX_DRAFTS, MAX_NGRAM
 from eectl.contracts.recipe import MAX_SEED
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
@@ -41,8 +41,7 @@ class RunOptions:
     river_predict: str = "end"  # river: predict at the river's end (final head) or at the exit
     thresholds: str | None = None  # "0.9" for every exit, or "12:0.9,20:0.8"; None: the calibration's
     threshold_scale: float = 1.0  # the scaled thresholds must stay in their criteria's ranges
-    # bench's threshold sweep multiplies them further, unchecked: a scale that puts an exit past its range (1.1 on a
-    # 0.95 probability) is a point of the sweep (no exit there), not a mistake
+    # bench's sweep multiplies them further, unchecked: an exit put past its range is a sweep point, not a mistake
     sweep_scale: float = 1.0
     signal: str | None = None  # None: the calibration's, else topk-prob
     top_k: int | None = None
@@ -54,14 +53,13 @@ class RunOptions:
     provider: str = "auto"
     threads: int | None = None
     profile_costs: bool = False  # re-measure the graph costs here and re-plan before running
-    # verify: up to this many drafts per step from n-gram matches of the context (runtime/drafts.py); 0: off, None:
-    # the plan's
+    # verify: drafts per step from n-gram matches of the context (runtime/drafts.py); 0: off, None: the plan's
     prompt_drafts: int | None = None
     draft_ngram: int = MAX_NGRAM  # drafts from the context: the longest suffix matched
+    draft_memory: int = DRAFT_MEMORY  # drafts from the context: earlier answers' tokens searched too (0: none)
     draft_min: int | None = None  # drafts from the context: the shortest run proposed (None: the plan's, else 1)
     draft_ahead: float = 0.0  # verify: the first exit drafts ahead by its running confidence (runtime/ahead.py)
-    # the largest risk a certified lossy setting may carry to be the plan's default; None: the certificate's own
-    # delta, 0: lossless configurations only
+    # the largest risk a certified lossy setting may carry to be the plan's default (None: the certificate's delta)
     max_risk: float | None = None
     # where the segments' weights live (runtime/tiers.py): mapped, a memory budget with a slow tier, placement
     weights: WeightOptions = field(default_factory=WeightOptions)
@@ -136,6 +134,8 @@ def check_options(opts: RunOptions) -> None:
         raise UsageError(f"--top-k must be >= 2, got {opts.top_k}")
     if not 1 <= opts.draft_ngram <= MAX_DRAFT_NGRAM:
         raise UsageError(f"--draft-ngram must be in 1..{MAX_DRAFT_NGRAM}, got {opts.draft_ngram}")
+    if opts.draft_memory < 0:
+        raise UsageError(f"--draft-memory must be >= 0 tokens, got {opts.draft_memory}")
     if opts.provider != "auto" and opts.provider not in PROVIDERS:
         raise UsageError(f"--provider must be auto or one of {', '.join(PROVIDERS)}, got '{opts.provider}'")
 
@@ -171,8 +171,7 @@ def _resolve(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...]) -
     priced = plan is not None and (opts.policy in (None, "full", LOOKUP) or opts.policy in plan.choices)
     follow = priced and bool(plan and plan.choices) and opts.exits is None and opts.thresholds is None and same_signal
     if follow and opts.policy is None and plan is not None and opts.temperature > 0 and _greedy_only(plan.default):
-        # the plan's default reproduces greedy full depth (verify's check, drafts from the context): sampling, asked
-        # for, runs at full depth rather than refusing the plan's own choice
+        # the plan's default reproduces greedy full depth (verify's check): sampling runs at full depth instead
         note = f"plan: the default ({plan.default}) reproduces greedy full depth; sampling runs at full depth"
         return _config(rt, opts, stop_ids, signal.name, "defer", [], {}, note, planned=True)
     if follow and opts.policy is None and plan is not None and (batched := plan.batch_note(opts.batch_size)):
@@ -344,6 +343,7 @@ def _config(
         seed=opts.seed,
         prompt_drafts=drafts,
         draft_ngram=opts.draft_ngram,
+        draft_memory=opts.draft_memory,
         draft_min=opts.draft_min or 1,
         draft_ahead=opts.draft_ahead,
         stop_ids=stop_ids,

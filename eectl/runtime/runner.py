@@ -44,7 +44,7 @@ from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.chain_parts import Pick
 from eectl.runtime.chain_steps import chain_for, chain_step, chain_tokens, slot_chain
 from eectl.runtime.decide import Answer, ExitTest
-from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
+from eectl.runtime.drafts import MIN_NGRAM, DraftMemory, PromptLookup
 from eectl.runtime.exit_logits import Decide
 from eectl.runtime.feed import Feed, Prompts
 from eectl.runtime.kv import KVBuffers
@@ -111,7 +111,10 @@ class Runner:
                     f"--prompt-drafts needs a policy that checks drafts at full depth (verify), not {config.policy}"
                 )
             ngram, shortest = config.draft_ngram, config.draft_min
-            self.lookup = PromptLookup(config.prompt_drafts, ngram, min(MIN_NGRAM, ngram), min_draft=shortest)
+            memory = DraftMemory(config.draft_memory, ngram) if config.draft_memory else None
+            self.lookup = PromptLookup(
+                config.prompt_drafts, ngram, min(MIN_NGRAM, ngram), min_draft=shortest, memory=memory
+            )
         self.rng = np.random.default_rng(config.seed)
         if self.policy.checks_drafts:  # (greedy only: policies.py)
             # checks of drafts take the final head over several rows, packed (tables.py PackedHeads): its
@@ -329,17 +332,22 @@ class Runner:
                     on_step(i, self._confirmed(st))
                 if st.done:
                     del seated[s]
+                    if self.lookup is not None and self.lookup.memory is not None:  # later requests draft from it
+                        self.lookup.memory.remember(st.tokens)
             self.place.end_step()
             feed.stepped()
             if not record:  # a device-resident run records its reads whatever `record` says: a server keeps none
                 self.place.steps.clear()
             seat()
 
-    def forget_prompts(self) -> None:
+    def forget_prompts(self, memory: bool = True) -> None:
         """The next prompts are fed whole (unless they share a beginning with each other): the cache's rows keep no
-        prompt to reuse (slots.py `reused`). A bench's repetition starts so, or its prompts would find themselves."""
+        prompt to reuse (slots.py `reused`), and (`memory`) drafts find nothing of the answers before
+        (drafts.py `DraftMemory`). A bench's repetition starts so, or its prompts would find themselves."""
         if self._kept is not None:
             self._kept.prompts.clear()
+        if memory and self.lookup is not None and self.lookup.memory is not None:
+            self.lookup.memory.clear()
 
     def _buffers(self, width: int, need: int) -> Kept:
         """The KV cache of `width` rows with room for `need` positions and the bound chains over it (`Kept`): the

@@ -1,0 +1,123 @@
+"""Drafts from earlier requests (runtime/drafts.py `DraftMemory`): what the memory finds and keeps, that a row's own
+context comes first, and on every tiny family that a runner's finished answers become later rows' drafts with the
+output still full depth's, forgotten where a bench's repetition starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from eectl.contracts.plan import DRAFT_MEMORY
+from eectl.errors import UsageError
+from eectl.run.generate import RunOptions, check_options, resolve_config
+from eectl.runtime.drafts import MEMORY_NGRAM, DraftMemory, PromptLookup, replay
+from eectl.runtime.runner import Runner
+from eectl.runtime.sessions import ArtifactRuntime
+from eectl.runtime.state import RunConfig
+from tests.tiny import random_ids
+
+
+@pytest.fixture(scope="module")
+def artifacts(exported):
+    return {fam: ArtifactRuntime(art, provider="cpu") for fam, (_, art) in exported.items()}
+
+
+# --- the memory ----------------------------------------------------------------------------------------------------
+def test_memory_returns_what_followed_the_longest_suffix_at_its_latest_occurrence():
+    mem = DraftMemory(1000)
+    mem.remember([1, 2, 3, 4, 5, 6, 7])
+    mem.remember([9, 2, 3, 4, 8, 8, 8])
+    assert mem.find([0, 2, 3, 4], 3) == [8, 8, 8]  # [2, 3, 4] in both requests: the later one's
+    assert mem.find([1, 2, 3, 4], 2) == [5, 6]  # [1, 2, 3, 4] only in the first: the longer match wins
+    assert mem.find([5, 6, 7], 4) == []  # at the end of its request: nothing follows it there
+    assert mem.find([4, 5, 6], 4) == [7]  # never past the end of the request it occurred in
+    assert mem.find([0, 3, 4], 4) == []  # two tokens only: shorter than MEMORY_NGRAM
+    assert MEMORY_NGRAM == 3
+    assert mem.find([2, 3, 4], 0) == []
+    assert mem.find([2, 3, 4], 3, stop_ids=(8,)) == []  # a stop token first: nothing before it
+    assert mem.find([1, 2, 3], 9, stop_ids=(6,)) == [4, 5]  # cut before the stop token
+
+
+def test_memory_keeps_the_latest_tokens_within_its_capacity_and_clears():
+    mem = DraftMemory(12)
+    mem.remember([1, 2, 3, 4, 5])
+    mem.remember([6, 7, 8, 9, 10])
+    assert len(mem) == 10 and mem.find([1, 2, 3], 1) == [4]
+    mem.remember([11, 12, 13, 14, 15])  # 15 tokens held > 12: the oldest request goes
+    assert len(mem) == 10
+    assert mem.find([1, 2, 3], 1) == [] and mem.find([6, 7, 8], 1) == [9] and mem.find([11, 12, 13], 2) == [14, 15]
+    mem.remember(list(range(100, 130)))  # longer than the whole memory: its last 12 tokens
+    assert len(mem) == 12 and mem.find([118, 119, 120], 2) == [121, 122] and mem.find([6, 7, 8], 1) == []
+    mem.clear()
+    assert len(mem) == 0 and mem.find([118, 119, 120], 2) == []
+    off = DraftMemory(0)
+    off.remember([1, 2, 3, 4, 5])
+    assert len(off) == 0 and off.find([1, 2, 3], 2) == []
+    with pytest.raises(UsageError, match="draft-memory must be >= 0"):
+        DraftMemory(-1)
+
+
+def test_the_rows_own_context_comes_before_the_memory():
+    mem = DraftMemory(100)
+    mem.remember([5, 6, 7, 40, 41, 42])
+    look = PromptLookup(3, memory=mem)
+    ls = look.new_state()
+    assert look.drafts_for(ls, [5, 6, 7, 1, 2, 5, 6, 7], 3, ()) == [1, 2, 5]  # the context's own match
+    ls = look.new_state()
+    assert look.drafts_for(ls, [9, 9, 8, 5, 6, 7], 3, ()) == [40, 41, 42]  # none in the context: the memory's
+    assert PromptLookup(3).drafts_for(PromptLookup(3).new_state(), [9, 9, 8, 5, 6, 7], 3, ()) == []
+
+
+def test_replay_with_the_memory_drafts_a_repeated_answer_whole():
+    prompt, answer = [7, 3, 9, 4, 11], [20, 21, 22, 23, 24, 25, 26, 27]
+    mem = DraftMemory(100)
+    look = PromptLookup(8, memory=mem)
+    assert replay(look, prompt, answer) == [1] * (len(answer) - 1)  # nothing repeats: one token a step
+    mem.remember(prompt + answer)
+    # the prompt's end and the first answer token (the prefill's) occur in the memory: the other 7 in one step, 6 of
+    # them drafts, accepted
+    assert replay(look, prompt, answer) == [len(answer) - 1]
+
+
+def test_the_option_is_checked_and_reaches_the_runner(artifacts):
+    with pytest.raises(UsageError, match="draft-memory must be >= 0 tokens, got -1"):
+        check_options(RunOptions(draft_memory=-1))
+    rt = artifacts["llama"]
+    cfg = resolve_config(rt, RunOptions(exits="none", prompt_drafts=4), ())
+    assert cfg.draft_memory == DRAFT_MEMORY
+    look = Runner(rt, cfg).lookup
+    assert look is not None and look.memory is not None and look.memory.capacity == DRAFT_MEMORY
+    look = Runner(rt, resolve_config(rt, RunOptions(exits="none", prompt_drafts=4, draft_memory=0), ())).lookup
+    assert look is not None and look.memory is None
+
+
+# --- the runner ----------------------------------------------------------------------------------------------------
+def _config(drafts: int, memory: int, new: int = 24) -> RunConfig:
+    return RunConfig(exits=[], thresholds={}, policy="verify", top_k=8, max_new_tokens=new, prompt_drafts=drafts,
+                     draft_memory=memory)  # fmt: skip
+
+
+def test_finished_answers_become_later_rows_drafts_and_the_output_stays_full_depth(artifacts, family):
+    """Prompts of random tokens (little for the context to copy): answered once, a prompt asked again drafts its
+    answer from the memory, accepted; every answer full depth's; `forget_prompts` empties the memory."""
+    rt = artifacts[family]
+    V = rt.manifest.dims["vocab_size"]
+    prompts = [random_ids(s, 9, V) for s in (11, 12)]
+    full = [Runner(rt, _config(0, 0)).generate([p])[0].token_ids for p in prompts]
+    alone = Runner(rt, _config(6, 0))
+    runner = Runner(rt, _config(6, 4096))
+    for p, want in zip(prompts, full, strict=True):
+        assert alone.generate([p])[0].token_ids == want
+        assert runner.generate([p])[0].token_ids == want
+    assert runner.lookup is not None and runner.lookup.memory is not None
+    assert len(runner.lookup.memory) == sum(len(p) + len(f) for p, f in zip(prompts, full, strict=True))
+    again = runner.generate(prompts, slots=2)  # a batch: each row finds its earlier answer
+    assert [g.token_ids for g in again] == full
+    first = [alone.generate([p])[0] for p in prompts]
+    assert sum(g.prompt_accepted for g in again) > sum(g.prompt_accepted for g in first)
+    assert all(g.prompt_accepted >= len(g.token_ids) // 2 for g in again), [g.prompt_accepted for g in again]
+    runner.forget_prompts()
+    assert len(runner.lookup.memory) == 0
+    runner.forget_prompts(memory=False)  # the cache's prompts only: what the rows finish stays remembered
+    runner.generate(prompts[:1])
+    runner.forget_prompts(memory=False)
+    assert len(runner.lookup.memory) == len(prompts[0]) + len(full[0])
