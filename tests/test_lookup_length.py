@@ -142,6 +142,25 @@ def test_the_default_is_chosen_again_at_the_runs_length(verify, base):
     assert plan_for_run(_manifest(plan, costs, None), 16) is plan
 
 
+def test_what_stays_undecided_is_the_plan_at_the_runs_length():
+    """Lookup straddling the line on 64-token continuations (as if the timing budget ran out there) is clearly below
+    it at 16 tokens: the run's plan no longer names it undecided; a policy's own undecided choice stays so."""
+    costs, stats, plan = _costs(), _stats(), _plan(LOOKUP, 1.2)
+    assert plan.lookup is not None
+    straddling = plan.lookup.prediction.model_copy(update={"interval": (0.99, 1.9), "timing": (0.99, 1.9)})
+    verify = plan.choices["verify"].model_copy(update={"undecided": True})
+    plan = plan.model_copy(
+        update={"lookup": plan.lookup.model_copy(update={"prediction": straddling}), "choices": {"verify": verify}}
+    )
+    plan.unresolved = plan.undecided()
+    assert plan.unresolved == ["verify", LOOKUP]
+    short = plan_for_run(_manifest(plan, costs, stats), 16)
+    assert short is not None and short.lookup is not None and short.lookup.prediction.high() < 1.0 + short.min_gain
+    assert short.unresolved == ["verify"]
+    assert "undecided at the line" in short.summary() and LOOKUP not in short.summary().split("undecided")[1]
+    assert plan.unresolved == ["verify", LOOKUP]  # the manifest's plan is not changed
+
+
 def test_a_certified_or_inexact_default_stays_at_any_length():
     costs, stats = _costs(), _stats()
     assert plan_for_run(_manifest(_plan("certified", 1.2), costs, stats), 16).default == "certified"

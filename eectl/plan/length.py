@@ -5,8 +5,8 @@ step over 16 tokens, 1.28 over 64). `eectl run` and `eectl bench` price the plan
 chosen option on its first `tokens` positions (`Option.at_length`), lookup on its replay cut there
 (`LookupStats.at_length`), verify drafting ahead on calibration's traces cut there (`AheadTraces.at_length`,
 plan/ahead.py `ahead_at_length`: its interval and `on` recomputed), and the default chosen again between them by
-plan/choose.py's rule. The exits each policy runs, and the drafter's exit and bound, stay the plan's; only their
-prices and the default move. Calibration files without the drafter's traces leave its entry as exported.
+plan/choose.py's rule, with what stays undecided at the line (`Plan.unresolved`). The exits each policy runs, and
+the drafter's exit and bound, stay the plan's; only their prices, the default and what is undecided move. Calibration files without the drafter's traces leave its entry as exported.
 
 What this module does not do: choose exits (plan/choose.py) or time anything (plan/costs.py).
 """
@@ -41,6 +41,7 @@ def plan_for_run(m: Any, tokens: int) -> Plan | None:
     new = plan.model_copy(update={"choices": choices, "lookup": lookup, "ahead": ahead, "tokens": tokens})
     if plan.default in (LOOKUP, AHEAD, "verify", "full") and not plan.inexact:
         new.default = lossless_default(new)  # plan/choose.py's rule, on the prices at this length
+    new.unresolved = new.undecided()  # an interval that straddles the line at one length may not at another
     return new
 
 
