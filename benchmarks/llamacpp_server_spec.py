@@ -13,9 +13,15 @@ cache, `n_predict` tokens. Reported per type: pooled ms per predicted token from
 equal `none`'s token for token.
 
 `--eectl ARTIFACT` adds eectl in the same rotation, in this process (ONNX Runtime, the same thread count; the
-servers idle meanwhile): `eectl` (the artifact's plan default, as `eectl run` picks it) and `eectl-full` (full
-depth), each prompt's decode time from the runner's per-token latencies as `eectl bench` reads them; their answers
-are compared with `eectl-full`'s.
+servers idle meanwhile): `eectl` (the artifact's plan default, as `eectl run` picks it), `eectl-no-memory` (the same
+without drafts from earlier answers: `--draft-memory 0`) and `eectl-full` (full depth), each prompt's decode time
+from the runner's per-token latencies as `eectl bench` reads them; their answers are compared with `eectl-full`'s.
+eectl keeps its memory of earlier answers from request to request as the servers keep their pools: round 1 is a
+workload of prompts each seen once, round 2 one of prompts seen before, for every runtime alike.
+
+With `--rounds` above 1 each type is also reported round by round (`by_round`): a server keeps its n-gram pool from
+request to request (ngram-mod, ngram-cache), so from round 2 on it drafts from its own earlier answers to the same
+prompts; round 1 is the workload of prompts each seen once.
 """
 
 from __future__ import annotations
@@ -60,8 +66,10 @@ def eectl_runners(args: argparse.Namespace) -> dict[str, Any]:
 
     rt = ArtifactRuntime(args.eectl, provider="cpu", threads=args.threads)
     stop = tuple(rt.manifest.eos_token_ids)
+    n = args.max_new_tokens
     runners = {
-        "eectl": Runner(rt, resolve_config(rt, RunOptions(max_new_tokens=args.max_new_tokens), stop)),
+        "eectl": Runner(rt, resolve_config(rt, RunOptions(max_new_tokens=n), stop)),
+        "eectl-no-memory": Runner(rt, resolve_config(rt, RunOptions(max_new_tokens=n, draft_memory=0), stop)),
         "eectl-full": Runner(
             rt, resolve_config(rt, RunOptions(exits="none", max_new_tokens=args.max_new_tokens), stop)
         ),
@@ -69,8 +77,10 @@ def eectl_runners(args: argparse.Namespace) -> dict[str, Any]:
     print(f"eectl: {runners['eectl'].cfg.note or runners['eectl'].cfg.policy}", file=sys.stderr)
 
     def one(runner: Runner) -> Any:
-        def run(prompt: list[int]) -> tuple[int, float, list[int]]:
-            runner.forget_prompts()
+        def run(prompt: list[int], first: bool) -> tuple[int, float, list[int]]:
+            # each prompt fed whole, as the servers get it (no prompt cache); the drafts' memory of earlier answers
+            # kept from request to request, as a server's n-gram pool is (`first`: the run starts, nothing remembered)
+            runner.forget_prompts(memory=first)
             (g,) = runner.generate([prompt])
             lat = g.latencies_s[1:]
             return len(lat), 1e3 * sum(lat), list(g.token_ids)
@@ -123,7 +133,7 @@ def main() -> None:
                 shift = (i + r) % len(kinds)
                 for k in kinds[shift:] + kinds[:shift]:
                     if k in local:
-                        got[k][i].append(local[k](p))
+                        got[k][i].append(local[k](p, i == 0 and r == 0))
                         continue
                     out = post(servers[k][0], {**body, "prompt": p})
                     t = dict(out["timings"])  # type: ignore[arg-type]
@@ -144,6 +154,16 @@ def main() -> None:
             "vs_none": list(ratio_ci(per["none"], per[k])),
             f"same_tokens_as_{ref}": f"{same}/{len(ids)}",
         }
+        if args.rounds > 1:  # a server's n-gram pool outlives a request: from round 2 on it holds round 1's answers
+            by_round = {r: [runs[r][:2] for runs in got[k]] for r in range(args.rounds)}
+            base = {r: [runs[r][:2] for runs in got["none"]] for r in range(args.rounds)}
+            report[k]["by_round"] = [  # type: ignore[index]
+                {
+                    "ms_per_token": sum(ms for _, ms in v) / max(1, sum(n for n, _ in v)),
+                    "vs_none": list(ratio_ci(base[r], v)),
+                }
+                for r, v in by_round.items()
+            ]
         print(f"{k:14s} {report[k]}", file=sys.stderr)
     report["args"] = {k: str(v) for k, v in vars(args).items()}
     print(json.dumps(report, indent=1))
