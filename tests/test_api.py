@@ -111,6 +111,8 @@ def test_sampling_runs_beside_greedy_and_leaves_it_unchanged(model):
 def test_bad_calls_are_refused_in_one_line(model, artifact):
     with pytest.raises(UsageError, match="unknown run option"):
         eectl.load(artifact, exitz="none")
+    with pytest.raises(UsageError, match="draft-memory must be >= 0"):
+        eectl.load(artifact, draft_memory=-1)
     with pytest.raises(UsageError, match="exceeds the context"):
         model.generate(PROMPTS[0], max_new_tokens=600)
     with pytest.raises(UsageError, match="max_new_tokens"):
