@@ -6,7 +6,8 @@ chosen option on its first `tokens` positions (`Option.at_length`), lookup on it
 (`LookupStats.at_length`), verify drafting ahead on calibration's traces cut there (`AheadTraces.at_length`,
 plan/ahead.py `ahead_at_length`: its interval and `on` recomputed), and the default chosen again between them by
 plan/choose.py's rule, with what stays undecided at the line (`Plan.unresolved`). The exits each policy runs, and
-the drafter's exit and bound, stay the plan's; only their prices, the default and what is undecided move. Calibration files without the drafter's traces leave its entry as exported.
+the drafter's exit and bound, stay the plan's; only their prices, the default and what is undecided move.
+Calibration files without the drafter's traces leave its entry as exported.
 
 What this module does not do: choose exits (plan/choose.py) or time anything (plan/costs.py).
 """
