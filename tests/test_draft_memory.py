@@ -1,6 +1,6 @@
-"""Drafts from earlier requests (runtime/drafts.py `DraftMemory`): what the memory finds and keeps, that a row's own
-context comes first, and on every tiny family that a runner's finished answers become later rows' drafts with the
-output still full depth's, forgotten where a bench's repetition starts."""
+"""Drafts from earlier requests (runtime/draft_memory.py `DraftMemory`): what the memory drafts and keeps, that a
+row's own context comes first, and on every tiny family that a runner's finished answers become later rows' drafts
+with the output still full depth's, forgotten where a bench's repetition starts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 from eectl.contracts.plan import DRAFT_MEMORY
 from eectl.errors import UsageError
 from eectl.run.generate import RunOptions, check_options, resolve_config
-from eectl.runtime.drafts import MEMORY_NGRAM, DraftMemory, PromptLookup, replay
+from eectl.runtime.draft_memory import MEMORY_NGRAM, MIN_SHARE, DraftMemory
+from eectl.runtime.drafts import PromptLookup, replay
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
@@ -22,19 +23,23 @@ def artifacts(exported):
 
 
 # --- the memory ----------------------------------------------------------------------------------------------------
-def test_memory_returns_what_followed_the_longest_suffix_at_its_latest_occurrence():
+def test_memory_drafts_the_most_frequent_follower_while_it_is_the_majority():
     mem = DraftMemory(1000)
-    mem.remember([1, 2, 3, 4, 5, 6, 7])
-    mem.remember([9, 2, 3, 4, 8, 8, 8])
-    assert mem.find([0, 2, 3, 4], 3) == [8, 8, 8]  # [2, 3, 4] in both requests: the later one's
-    assert mem.find([1, 2, 3, 4], 2) == [5, 6]  # [1, 2, 3, 4] only in the first: the longer match wins
-    assert mem.find([5, 6, 7], 4) == []  # at the end of its request: nothing follows it there
-    assert mem.find([4, 5, 6], 4) == [7]  # never past the end of the request it occurred in
-    assert mem.find([0, 3, 4], 4) == []  # two tokens only: shorter than MEMORY_NGRAM
-    assert MEMORY_NGRAM == 3
-    assert mem.find([2, 3, 4], 0) == []
-    assert mem.find([2, 3, 4], 3, stop_ids=(8,)) == []  # a stop token first: nothing before it
-    assert mem.find([1, 2, 3], 9, stop_ids=(6,)) == [4, 5]  # cut before the stop token
+    for tail in ([5, 6, 7], [8, 8, 8], [8, 8, 8]):
+        mem.remember([1, 2, 3, 4, *tail])
+    assert mem.find([0, 2, 3, 4], 1) == [8]  # [2, 3, 4] followed by 5 once, by 8 twice
+    assert mem.find([0, 2, 3, 4], 9) == [8, 8, 8]  # chained; nothing followed the requests' ends
+    assert mem.find([0, 2, 3, 4], 2) == [8, 8]  # at most `limit`
+    assert mem.find([1, 2, 3, 4, 5], 9) == [6, 7]  # the longest held run decides: [2, 3, 4, 5] was followed by 6
+    assert mem.find([0, 0, 0], 4) == [] and mem.find([3, 4], 4) == []  # no run held; two tokens: below MEMORY_NGRAM
+    assert MEMORY_NGRAM == 3 and MIN_SHARE == 0.5
+    assert mem.find([0, 2, 3, 4], 0) == []
+    assert mem.find([0, 2, 3, 4], 3, stop_ids=(8,)) == []  # a stop token first: nothing before it
+    mem.remember([1, 2, 3, 4, 9, 9, 9])
+    mem.remember([1, 2, 3, 4, 10, 10, 10])
+    assert mem.find([0, 2, 3, 4], 3) == []  # 8 twice of five: no majority, no draft
+    mem.remember([1, 2, 3, 4, 8, 8, 8])
+    assert mem.find([0, 2, 3, 4], 3) == [8, 8, 8]  # three of six: half, drafted
 
 
 def test_memory_keeps_the_latest_tokens_within_its_capacity_and_clears():
@@ -42,11 +47,13 @@ def test_memory_keeps_the_latest_tokens_within_its_capacity_and_clears():
     mem.remember([1, 2, 3, 4, 5])
     mem.remember([6, 7, 8, 9, 10])
     assert len(mem) == 10 and mem.find([1, 2, 3], 1) == [4]
-    mem.remember([11, 12, 13, 14, 15])  # 15 tokens held > 12: the oldest request goes
+    mem.remember([1, 2, 3, 7, 7])  # 15 tokens held > 12: the oldest request goes, its counts with it
     assert len(mem) == 10
-    assert mem.find([1, 2, 3], 1) == [] and mem.find([6, 7, 8], 1) == [9] and mem.find([11, 12, 13], 2) == [14, 15]
+    assert mem.find([1, 2, 3], 2) == [7, 7]  # [1, 2, 3] -> 4 forgotten: 7 alone, not a tie
+    assert mem.find([6, 7, 8], 1) == [9] and mem.find([2, 3, 4], 1) == []
     mem.remember(list(range(100, 130)))  # longer than the whole memory: its last 12 tokens
     assert len(mem) == 12 and mem.find([118, 119, 120], 2) == [121, 122] and mem.find([6, 7, 8], 1) == []
+    assert mem.find([105, 106, 107], 1) == []
     mem.clear()
     assert len(mem) == 0 and mem.find([118, 119, 120], 2) == []
     off = DraftMemory(0)

@@ -14,13 +14,9 @@ one, and never below `min_draft`, the shortest run the costs let pay; the plan c
 attempts in a row that accepted nothing, the row drafts again only once its context gains a longer match (`backoff`
 steps later at the earliest).
 
-Across requests (`DraftMemory`, RunConfig.draft_memory): where a row's own context has no match, the tokens of the
-answers the runner finished before it (their prompts and answers, the latest `capacity` tokens) are searched for
-the context's last MEMORY_NGRAM..max_ngram tokens, as llama.cpp's server keeps its n-gram pool (`--spec-type
-ngram-mod`): requests of one kind share phrases (a GSM8K answer's "<<48/2=24>>", a code edit's unchanged lines). A
-continuation never runs past the end of the answer it was found in. Measured on the default int4 model
-(docs/results/2026-12-07-draft-memory.md). Calibration prices drafts without it (each prompt alone): a run of
-one prompt has nothing remembered.
+Across requests: where a row's own context has no match, the drafts come from the answers the runner finished before
+it (runtime/draft_memory.py `DraftMemory`, RunConfig.draft_memory), as llama.cpp's server keeps its n-gram pool.
+Calibration prices drafts without them (each prompt alone): a run of one prompt has nothing remembered.
 
 What this module does not do: run graphs or check drafts (runner.py, policies.py).
 """
@@ -29,17 +25,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from eectl.contracts.plan import DEFAULT_DRAFTS, DRAFT_MEMORY, MAX_DRAFTS, MAX_NGRAM, LookupStats
+from eectl.contracts.plan import DEFAULT_DRAFTS, MAX_DRAFTS, MAX_NGRAM, LookupStats
 from eectl.errors import UsageError
+from eectl.runtime.draft_memory import DraftMemory
 from eectl.runtime.state import LookupState, RowState
 
 __all__ = [
     "DEFAULT_DRAFTS",
-    "DRAFT_MEMORY",
     "MAX_DRAFTS",
     "MAX_NGRAM",
     "SHORTEST_RUNS",
-    "DraftMemory",
     "PromptLookup",
     "lookup_stats",
     "replay",
@@ -50,67 +45,6 @@ __all__ = [
 MIN_NGRAM = 2
 # the shortest runs calibration replays besides 1 (the plan keeps the one its costs price fastest)
 SHORTEST_RUNS = (2, 3, 4)
-# the shortest match searched in earlier requests' tokens (DRAFT_MEMORY of them where a user runs): a 2-token match in
-# another answer is mostly chance
-MEMORY_NGRAM = 3
-
-
-class DraftMemory:
-    """The tokens of finished requests (prompt and answer each), the latest `capacity` of them, indexed by their
-    n-grams of MEMORY_NGRAM..max_ngram tokens: `find` returns what followed the latest earlier occurrence of the
-    longest suffix of a context, within the request it occurred in."""
-
-    def __init__(self, capacity: int, max_ngram: int = MAX_NGRAM) -> None:
-        if capacity < 0:
-            raise UsageError(f"--draft-memory must be >= 0 tokens, got {capacity}")
-        self.capacity = capacity
-        self.max_ngram = max_ngram
-        self.lengths = range(min(MEMORY_NGRAM, max_ngram), max_ngram + 1)
-        self.clear()
-
-    def clear(self) -> None:
-        self._requests: list[list[int]] = []
-        self._held = 0
-        self._index: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (request, position after it)
-        self._first = 0  # the number of the oldest request kept
-
-    def __len__(self) -> int:
-        return self._held
-
-    def remember(self, tokens: list[int]) -> None:
-        """A finished request's tokens (its prompt and answer); the oldest requests go beyond `capacity`."""
-        if not self.capacity or len(tokens) <= self.lengths.start:
-            return
-        tokens = list(tokens[-self.capacity :])
-        number = self._first + len(self._requests)
-        self._requests.append(tokens)
-        self._held += len(tokens)
-        for n in self.lengths:
-            for i in range(n, len(tokens)):  # the latest occurrence wins: later requests, later positions
-                self._index[tuple(tokens[i - n : i])] = (number, i)
-        while self._held > self.capacity:
-            self._held -= len(self._requests.pop(0))
-            self._first += 1
-        if len(self._index) > 8 * max(self._held, 1):  # entries of forgotten requests: rebuilt now and then
-            self._index = {k: v for k, v in self._index.items() if v[0] >= self._first}
-
-    def find(self, tokens: list[int], limit: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
-        """Up to `limit` tokens that followed the longest suffix of `tokens` (max_ngram down to MEMORY_NGRAM tokens)
-        at its latest occurrence in a kept request, cut before a stop id; [] when none occurs."""
-        if limit < 1 or not self._requests:
-            return []
-        for n in reversed(self.lengths):
-            if len(tokens) < n:
-                continue
-            at = self._index.get(tuple(tokens[len(tokens) - n :]))
-            if at is None or at[0] < self._first:
-                continue
-            request, i = at
-            draft = self._requests[request - self._first][i : i + limit]
-            cut = next((k for k, t in enumerate(draft) if t in stop_ids), len(draft))
-            if cut:
-                return draft[:cut]
-        return []
 
 
 class PromptLookup:

@@ -44,7 +44,8 @@ from eectl.runtime.chain import DecodeChain, chain_exits_supported
 from eectl.runtime.chain_parts import Pick
 from eectl.runtime.chain_steps import chain_for, chain_step, chain_tokens, slot_chain
 from eectl.runtime.decide import Answer, ExitTest
-from eectl.runtime.drafts import MIN_NGRAM, DraftMemory, PromptLookup
+from eectl.runtime.draft_memory import DraftMemory
+from eectl.runtime.drafts import MIN_NGRAM, PromptLookup
 from eectl.runtime.exit_logits import Decide
 from eectl.runtime.feed import Feed, Prompts
 from eectl.runtime.kv import KVBuffers
