@@ -83,8 +83,8 @@ DraftNgramOpt = Annotated[
 DraftMemoryOpt = Annotated[
     int,
     typer.Option(
-        help="Drafts from the context: where a row's own context has no match, the latest TOKENS of the answers "
-        "finished before it (prompts and answers) are searched too (0: off).",
+        help="Drafts from the context: where a row's own context has no match, drafts come from the requests "
+        "finished before it (an n-gram table of their latest TOKENS tokens, prompts and answers; 0: off).",
         metavar="TOKENS",
         rich_help_panel="Exits",
     ),
