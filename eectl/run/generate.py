@@ -56,7 +56,7 @@ class RunOptions:
     # verify: drafts per step from n-gram matches of the context (runtime/drafts.py); 0: off, None: the plan's
     prompt_drafts: int | None = None
     draft_ngram: int = MAX_NGRAM  # drafts from the context: the longest suffix matched
-    draft_memory: int = DRAFT_MEMORY  # drafts from the context: earlier answers' tokens searched too (0: none)
+    draft_memory: int = DRAFT_MEMORY  # drafts from the context: tokens of earlier requests drafted from (0: none)
     draft_min: int | None = None  # drafts from the context: the shortest run proposed (None: the plan's, else 1)
     draft_ahead: float = 0.0  # verify: the first exit drafts ahead by its running confidence (runtime/ahead.py)
     # the largest risk a certified lossy setting may carry to be the plan's default (None: the certificate's delta)

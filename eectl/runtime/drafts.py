@@ -30,15 +30,7 @@ from eectl.errors import UsageError
 from eectl.runtime.draft_memory import DraftMemory
 from eectl.runtime.state import LookupState, RowState
 
-__all__ = [
-    "DEFAULT_DRAFTS",
-    "MAX_DRAFTS",
-    "MAX_NGRAM",
-    "SHORTEST_RUNS",
-    "PromptLookup",
-    "lookup_stats",
-    "replay",
-]
+__all__ = ["DEFAULT_DRAFTS", "MAX_DRAFTS", "MAX_NGRAM", "SHORTEST_RUNS", "PromptLookup", "lookup_stats", "replay"]
 
 # measured defaults (docs/results/2026-12-01-prompt-drafts.md): suffixes of MAX_NGRAM = 5 tokens down to 2, runs of
 # up to DEFAULT_DRAFTS = 12 (eectl.contracts.plan)
@@ -70,7 +62,7 @@ class PromptLookup:
         # fewer drafts than this are not proposed: where a pass over 1 + d positions costs more than d + 1 one-position
         # steps (int4 segments: a second position costs about a step), a run of d drafts cannot pay even when accepted
         self.min_draft = max(1, min(min_draft, max_draft))
-        self.memory = memory  # earlier requests' tokens, searched where the context has no match
+        self.memory = memory  # earlier requests' n-gram table, drafted from where the context has no match
 
     def new_state(self) -> LookupState:
         return LookupState(span=self.max_draft)

@@ -30,8 +30,8 @@ class RunConfig:
     prompt_drafts: int = 0
     draft_ngram: int = MAX_NGRAM
     draft_min: int = 1  # the shortest run of drafts from the context proposed (the plan's: runtime/drafts.py)
-    # drafts from the context: the latest tokens of the runner's finished requests searched too where the row's own
-    # context has no match (runtime/drafts.py DraftMemory; 0: none, a run's default: DRAFT_MEMORY)
+    # drafts from the context: where the row's own context has no match, drafted from the latest this many tokens of
+    # the runner's finished requests (runtime/draft_memory.py; 0: none, a run's default: DRAFT_MEMORY)
     draft_memory: int = 0
     # verify: the first active exit drafts ahead while the product of its top-1 probabilities over the run stays >= this
     # bound (runtime/ahead.py; 0: off, drafts where the exit's own test passes)
