@@ -128,3 +128,29 @@ def test_finished_answers_become_later_rows_drafts_and_the_output_stays_full_dep
     runner.generate(prompts[:1])
     runner.forget_prompts(memory=False)
     assert len(runner.lookup.memory) == len(prompts[0]) + len(full[0])
+
+
+def test_bench_takes_the_option_for_its_lookup_configurations(exported, monkeypatch):
+    """`eectl bench --draft-memory`: the lookup configuration's runner remembers the prompts it finished (0: none;
+    a repetition starts with an empty memory: tests/test_draft_memory.py above); a negative value is refused before
+    anything runs."""
+    from typer.testing import CliRunner
+
+    from eectl.cli import app
+    from eectl.evaluate.bench import _check_options
+    from eectl.evaluate.results import BenchOptions
+    from tests.tiny import GSM8K
+
+    with pytest.raises(UsageError, match="draft-memory must be >= 0 tokens, got -2"):
+        _check_options(BenchOptions(draft_memory=-2), ["a prompt"])
+    remembered: list[int] = []
+    remember = DraftMemory.remember
+    monkeypatch.setattr(DraftMemory, "remember", lambda self, t: (remembered.append(len(t)), remember(self, t)))
+    art = exported["llama"][1]
+    args = ["bench", str(art), "--data", str(GSM8K), "--prompts", "3", "--max-new-tokens", "8", "--reps", "1"]
+    args += ["--policies", "full,lookup", "--sweep", "", "--raw", "--ppl-tokens", "0", "--threads", "1"]
+    for memory in ("0", "4096"):
+        remembered.clear()
+        res = CliRunner().invoke(app, [*args, "--draft-memory", memory])
+        assert res.exit_code == 0, res.output
+        assert bool(remembered) == (memory != "0"), (memory, remembered)  # the timed prompts and the untimed runs

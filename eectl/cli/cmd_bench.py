@@ -10,7 +10,7 @@ import typer
 from eectl.cli.app import BudgetNameOpt, JsonOpt, MaxRiskOpt, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.cli.weights import BudgetOpt, MmapOpt, PlaceOpt, weight_options
 from eectl.contracts.names import SIGNAL_SPECS
-from eectl.contracts.plan import DEFAULT_DRAFTS
+from eectl.contracts.plan import DEFAULT_DRAFTS, DRAFT_MEMORY
 from eectl.contracts.recipe import load_recipe
 from eectl.errors import UsageError
 from eectl.output import Output
@@ -105,6 +105,15 @@ PromptDraftsOpt = Annotated[
         rich_help_panel="Configurations",
     ),
 ]
+DraftMemoryOpt = Annotated[
+    int,
+    typer.Option(
+        help="lookup, verify+lookup: drafts from the requests each configuration finished earlier in the repetition "
+        "(an n-gram table of their latest TOKENS tokens; 0: off; emptied where a repetition starts).",
+        metavar="TOKENS",
+        rich_help_panel="Configurations",
+    ),
+]
 DraftAheadOpt = Annotated[
     float | None,
     typer.Option(
@@ -163,6 +172,7 @@ def bench(
     memory_budget: BudgetOpt = None,
     place: PlaceOpt = None,
     prompt_drafts: PromptDraftsOpt = DEFAULT_DRAFTS,
+    draft_memory: DraftMemoryOpt = DRAFT_MEMORY,
     draft_ahead: DraftAheadOpt = None,
     ahead_prompts: AheadPromptsOpt = 8,
     compare: CompareOpt = None,
@@ -205,6 +215,7 @@ def bench(
         profile_costs=profile_costs,
         max_risk=max_risk,
         prompt_drafts=prompt_drafts,
+        draft_memory=draft_memory,
         draft_ahead=draft_ahead,
         ahead_replay=ahead_prompts,
         weights=weight_options(mmap_weights, memory_budget, place),

@@ -396,7 +396,7 @@ def _check_options(opts: BenchOptions, prompts: list[str]) -> None:
     if opts.max_risk is not None and not 0 <= opts.max_risk < 1:
         raise UsageError(f"--max-risk must be in [0, 1), got {opts.max_risk}")
     shared = RunOptions(exits=opts.exits, signal=opts.signal, thresholds=opts.thresholds, provider=opts.provider)
-    shared.prompt_drafts = opts.prompt_drafts
+    shared.prompt_drafts, shared.draft_memory = opts.prompt_drafts, opts.draft_memory
     check_options(shared)
     early = (*POLICIES, RIVER_EXIT, VERIFY_LOOKUP)
     check_exit_options_used(opts.exits, opts.thresholds, "--policies", opts.configs, early)

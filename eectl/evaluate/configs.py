@@ -159,7 +159,7 @@ class Configs:
             early = self.early_options("verify", 1.0)
             lookup = RunOptions(policy=LOOKUP, max_new_tokens=opts.max_new_tokens, provider=opts.provider)
             chosen = lookup if name == LOOKUP else early
-            chosen.prompt_drafts = opts.prompt_drafts
+            chosen.prompt_drafts, chosen.draft_memory = opts.prompt_drafts, opts.draft_memory
             configs[name] = resolve_config(rt, chosen, stop) if name == LOOKUP else self._early(rt, chosen)
         if AHEAD in opts.configs:  # verify drafting ahead at the plan's bound, priced on a replay (evaluate/ahead.py)
             configs[AHEAD], self.priced[AHEAD], _ = ahead_config(rt, opts, stop)
