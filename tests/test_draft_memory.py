@@ -10,7 +10,7 @@ from eectl.contracts.plan import DRAFT_MEMORY
 from eectl.errors import UsageError
 from eectl.run.generate import RunOptions, check_options, resolve_config
 from eectl.runtime.draft_memory import MEMORY_NGRAM, MIN_SHARE, DraftMemory
-from eectl.runtime.drafts import PromptLookup, replay
+from eectl.runtime.drafts import PromptLookup, lookup_stats, replay
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
@@ -154,3 +154,27 @@ def test_bench_takes_the_option_for_its_lookup_configurations(exported, monkeypa
         res = CliRunner().invoke(app, [*args, "--draft-memory", memory])
         assert res.exit_code == 0, res.output
         assert bool(remembered) == (memory != "0"), (memory, remembered)  # the timed prompts and the untimed runs
+
+
+def test_the_replay_with_the_memory_makes_the_runners_attempts_exactly(artifacts, family, monkeypatch):
+    """A run of prompts one after the other with the memory drafts as `lookup_stats(..., memory=N)` replays them in
+    that order (bench's predicted figure for lookup): the same attempts, drafts and accepted tokens; the memory's
+    drafts are accepted on a prompt asked again."""
+    rt = artifacts[family]
+    V = rt.manifest.dims["vocab_size"]
+    seen: list[tuple[int, int]] = []
+    settle = PromptLookup.settle
+    monkeypatch.setattr(
+        PromptLookup, "settle", lambda self, ls, d, a, n: (seen.append((d, a)), settle(self, ls, d, a, n))[1]
+    )
+    prompts = [random_ids(21, 9, V), random_ids(22, 9, V)]
+    prompts.append(prompts[0])  # asked again
+    runner = Runner(rt, _config(6, 4096))
+    answers = [runner.generate([p])[0].token_ids for p in prompts]
+    ran = list(seen)
+    seen.clear()
+    stats = lookup_stats(list(zip(prompts, answers, strict=True)), max_draft=6, memory=4096)
+    assert seen[: len(ran)] == ran and any(a > 0 for _, a in ran)  # then the replays of the answers' cuts
+    alone = lookup_stats(list(zip(prompts, answers, strict=True)), max_draft=6)
+    assert sum(stats.steps.values()) < sum(alone.steps.values())  # fewer steps: the third prompt's answer drafted
+    assert stats.per_prompt[2][1] != stats.per_prompt[0][1]

@@ -71,14 +71,17 @@ def predictions(res: ConfigResult, cfg: RunConfig, m: Any, reps: list[_Run], pri
 
 def lookup_model(cfg: RunConfig, m: Any, ids: list[list[int]], answers: list[list[int]]) -> float | None:
     """Full depth with drafts from the context: what the plan's price (plan/choose.py `predict_lookup`) says of
-    the drafts replayed on this run's answers (its output is full depth's), with the manifest's costs."""
+    the drafts replayed on this run's answers (its output is full depth's), with the manifest's costs; in the
+    prompts' order with the run's memory of earlier answers (RunConfig.draft_memory), as a repetition drafts."""
     if m.costs is None:
         return None
     from eectl.plan.lookup import predict_lookup
     from eectl.runtime.drafts import lookup_stats
 
     pairs = list(zip(ids, answers, strict=True))
-    stats = lookup_stats(pairs, cfg.prompt_drafts, cfg.stop_ids, cfg.draft_ngram, min_draft=cfg.draft_min)
+    stats = lookup_stats(
+        pairs, cfg.prompt_drafts, cfg.stop_ids, cfg.draft_ngram, min_draft=cfg.draft_min, memory=cfg.draft_memory
+    )
     pred = predict_lookup(m.costs, stats)
     return None if pred is None else pred.speedup
 

@@ -178,13 +178,16 @@ def lookup_stats(
     stop_ids: tuple[int, ...] = (),
     max_ngram: int = MAX_NGRAM,
     min_draft: int = 1,
+    memory: int = 0,
 ) -> LookupStats:
     """`replay` over (prompt, greedy answer) pairs: the steps by width, the drafts proposed and accepted; and the
-    same over the answers cut at each of CUT_LENGTHS shorter than the longest (`LookupStats.cuts`)."""
-    stats = _replayed(pairs, max_draft, stop_ids, max_ngram, min_draft)
+    same over the answers cut at each of CUT_LENGTHS shorter than the longest (`LookupStats.cuts`). `memory`: the
+    pairs replayed in order, each remembered after its replay in a DraftMemory of that many tokens, as a run of
+    them drafts (RunConfig.draft_memory); 0: each prompt alone (calibration's price: what a first request gets)."""
+    stats = _replayed(pairs, max_draft, stop_ids, max_ngram, min_draft, memory)
     longest = max((len(a) for _, a in pairs), default=0)
     stats.cuts = [
-        _replayed([(p, a[:n]) for p, a in pairs], max_draft, stop_ids, max_ngram, min_draft).model_copy(
+        _replayed([(p, a[:n]) for p, a in pairs], max_draft, stop_ids, max_ngram, min_draft, memory).model_copy(
             update={"length": n}
         )
         for n in CUT_LENGTHS
@@ -199,14 +202,18 @@ def _replayed(
     stop_ids: tuple[int, ...],
     max_ngram: int,
     min_draft: int,
+    memory: int = 0,
 ) -> LookupStats:
-    lookup = PromptLookup(max_draft, max_ngram, min(MIN_NGRAM, max_ngram), min_draft=min_draft)
+    kept = DraftMemory(memory, max_ngram) if memory else None
+    lookup = PromptLookup(max_draft, max_ngram, min(MIN_NGRAM, max_ngram), min_draft=min_draft, memory=kept)
     per_prompt: list[tuple[int, dict[str, int]]] = []
     for prompt, answer in pairs:
         own: dict[str, int] = {}
         for width in replay(lookup, prompt, answer, stop_ids):
             own[str(width)] = own.get(str(width), 0) + 1
         per_prompt.append((max(0, len(answer) - 1), own))
+        if kept is not None:
+            kept.remember([*prompt, *answer])
     tokens, steps = LookupStats.pool(per_prompt)
     # every step emits one token of its own and its accepted drafts
     drafted = sum((int(w) - 1) * n for w, n in steps.items())
