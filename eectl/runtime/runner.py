@@ -344,7 +344,7 @@ class Runner:
     def forget_prompts(self, memory: bool = True) -> None:
         """The next prompts are fed whole (unless they share a beginning with each other): the cache's rows keep no
         prompt to reuse (slots.py `reused`), and (`memory`) drafts find nothing of the answers before
-        (drafts.py `DraftMemory`). A bench's repetition starts so, or its prompts would find themselves."""
+        (draft_memory.py `DraftMemory`). A bench's repetition starts so, or its prompts would find themselves."""
         if self._kept is not None:
             self._kept.prompts.clear()
         if memory and self.lookup is not None and self.lookup.memory is not None:
