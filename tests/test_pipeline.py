@@ -7,6 +7,8 @@ import json
 from typer.testing import CliRunner
 
 from eectl.cli import app
+from eectl.contracts.plan import DEFAULT_DRAFTS
+from eectl.runtime.drafts import LONGEST_RUNS, SHORTEST_RUNS
 from tests.tiny import GSM8K
 
 
@@ -44,6 +46,9 @@ bench: {{prompts: 2, max_new_tokens: 4, reps: 1, configs: [full, defer, verify]}
     exact = ["exact-head"] if manifest["exits"][-1].get("certified") else []  # full depth without the certified head
     assert [c["name"] for c in bench["configs"]] == ["full", "full-aa", "defer", "verify", *default, *exact]
     assert manifest["calibration"]["lookup"]["tokens"] > 0 and manifest["costs"]["wide_ms"]  # what priced it
+    # ... replayed at every run length the plan chooses among (runtime/drafts.py SHORTEST_RUNS, LONGEST_RUNS)
+    variants = [(v["min_draft"], v["max_draft"]) for v in manifest["calibration"]["lookup"]["shortest"]]
+    assert variants == [*((d, DEFAULT_DRAFTS) for d in SHORTEST_RUNS), *((1, n) for n in LONGEST_RUNS)]
     assert "bench report:" in res.stdout and "bench verdict: " in res.stdout  # the run ends on its verdict
 
     # Again: profile, heads, calibration and the artifact are reused (same inputs), bench measures afresh

@@ -12,7 +12,7 @@ from eectl.errors import UsageError
 from eectl.plan.choose import plan_manifest
 from eectl.plan.lookup import choose_lookup, predict_lookup, wide_ms
 from eectl.run.generate import RunOptions, resolve_config
-from eectl.runtime.drafts import PromptLookup, lookup_stats, replay
+from eectl.runtime.drafts import LONGEST_RUNS, PromptLookup, lookup_stats, replay
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
 from eectl.runtime.state import RunConfig
@@ -387,6 +387,31 @@ def test_the_plan_keeps_the_shortest_run_its_costs_price_fastest():
     assert choose_lookup(dear, ones).min_draft == 1  # calibrations written before: the one replay there is
 
 
+def test_the_plan_keeps_the_longest_run_its_costs_price_fastest():
+    """Calibration also replays the drafts with shorter longest runs (runtime/drafts.py LONGEST_RUNS, in
+    `LookupStats.shortest`): where each drafted position costs much, runs of 4 that keep what runs of 12 mostly keep
+    price faster, and the plan's drafts per step (what a run proposes) are the kept replay's."""
+    # runs of up to 12: 10 passes over 13 positions keep 50 drafts; runs of up to 4: 20 passes over 5 keep 40
+    twelve = LookupStats(max_draft=12, max_ngram=3, prompts=1, tokens=100, steps={"1": 40, "13": 10}, drafted=120,
+                         accepted=50, per_prompt=[(100, {"1": 40, "13": 10})])  # fmt: skip
+    four = LookupStats(max_draft=4, max_ngram=3, prompts=1, tokens=100, steps={"1": 40, "5": 20}, drafted=80,
+                       accepted=40, per_prompt=[(100, {"1": 40, "5": 20})])  # fmt: skip
+    both = twelve.model_copy(update={"shortest": [four]})
+    cheap = _costs(wide_ms={"5": 11.0, "13": 12.0})  # full depth 10 ms a step
+    dear = _costs(wide_ms={"5": 18.0, "13": 44.0})
+    on_cheap, on_dear = choose_lookup(cheap, both), choose_lookup(dear, both)
+    assert on_cheap is not None and on_cheap.drafts == 12
+    assert on_cheap.prediction.speedup == pytest.approx(1000 / (40 * 10 + 10 * 12), abs=1e-3)
+    assert on_dear is not None and on_dear.drafts == 4
+    assert on_dear.prediction.speedup == pytest.approx(1000 / (40 * 10 + 20 * 18), abs=1e-3)
+    # calibration replays every length it offers on the same answers: each variant's runs within its bounds
+    pairs = [(list(range(3, 40)) * 2, list(range(3, 40)) + [5, 6, 7])]
+    variants = [lookup_stats(pairs, max_draft=n) for n in LONGEST_RUNS]
+    assert [v.max_draft for v in variants] == list(LONGEST_RUNS)
+    assert all(max(int(w) for w in v.steps) <= v.max_draft + 1 for v in variants)
+    assert max(int(w) for w in variants[-1].steps) > LONGEST_RUNS[0] + 1  # the longer bound drafted longer runs
+
+
 def test_the_plans_lookup_default_is_what_run_follows(exported):
     """A plan whose default is lookup: run with no options runs full depth with the plan's drafts (verify's pass);
     --prompt-drafts overrides their number; explicit exits bypass the plan; lookup with exits is refused."""
@@ -432,6 +457,19 @@ def test_the_plans_lookup_default_is_what_run_follows(exported):
 
     assert run_default(rt.manifest.plan, 1)[0] == LOOKUP and run_default(rt.manifest.plan, 4)[0] == "full"
     assert "a batch of 4 runs full depth" in run_default(rt.manifest.plan, 4)[1] and run_default(None, 4) == ("", "")
+
+    # bench's lookup configurations draft as run does: the plan's drafts per step (and shortest run), unless
+    # --prompt-drafts says otherwise
+    from eectl.evaluate.configs import Configs
+    from eectl.evaluate.results import BenchOptions
+
+    for asked_drafts, drafts in ((None, 5), (3, 3)):
+        bench = object.__new__(Configs)  # its configurations resolved alone, no runtime made for them
+        bench.opts = BenchOptions(configs=["full", LOOKUP, "verify+lookup"], prompt_drafts=asked_drafts)
+        bench.stop, bench.exits, bench.thresholds, bench.signal, bench.priced = (), [], {}, "", {}
+        got = bench._resolve(rt)
+        assert (got[LOOKUP].prompt_drafts, got[LOOKUP].draft_min) == (drafts, 2)
+        assert got["verify+lookup"].prompt_drafts == drafts
 
 
 def test_run_hands_its_batch_size_to_the_plans_resolution(monkeypatch):

@@ -88,7 +88,7 @@ from eectl.exits.measure import (
 )
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
 from eectl.exits.thresholds import min_tokens_for
-from eectl.runtime.drafts import SHORTEST_RUNS, lookup_stats
+from eectl.runtime.drafts import LONGEST_RUNS, SHORTEST_RUNS, lookup_stats
 
 
 @dataclass
@@ -308,8 +308,12 @@ def _continuations(
     # what verify with drafts from the context would do on these prompts: its output is these continuations
     pairs, stops = [(c.prompt, c.generated) for c in conts], (eos,) if eos is not None else ()
     lookup = lookup_stats(pairs, stop_ids=stops)
-    # and with the shortest runs proposed longer: where a wide pass costs what a step does, short runs cannot pay
-    lookup.shortest = [lookup_stats(pairs, stop_ids=stops, min_draft=d) for d in SHORTEST_RUNS]
+    # and with the shortest runs proposed longer (where a wide pass costs what a step does, short runs cannot pay),
+    # or the longest shorter (where each drafted position costs much and the drafts hold for a few tokens)
+    lookup.shortest = [
+        *(lookup_stats(pairs, stop_ids=stops, min_draft=d) for d in SHORTEST_RUNS),
+        *(lookup_stats(pairs, max_draft=n, stop_ids=stops) for n in LONGEST_RUNS),
+    ]
     return conts, prompts_used, lookup
 
 

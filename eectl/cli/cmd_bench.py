@@ -10,7 +10,7 @@ import typer
 from eectl.cli.app import BudgetNameOpt, JsonOpt, MaxRiskOpt, RecipeOpt, ThreadsOpt, command, set_threads
 from eectl.cli.weights import BudgetOpt, MmapOpt, PlaceOpt, weight_options
 from eectl.contracts.names import SIGNAL_SPECS
-from eectl.contracts.plan import DEFAULT_DRAFTS, DRAFT_MEMORY
+from eectl.contracts.plan import DRAFT_MEMORY
 from eectl.contracts.recipe import load_recipe
 from eectl.errors import UsageError
 from eectl.output import Output
@@ -99,9 +99,10 @@ ProfileCostsOpt = Annotated[
     ),
 ]
 PromptDraftsOpt = Annotated[
-    int,
+    int | None,
     typer.Option(
-        help="lookup, verify+lookup: drafts per step from n-gram matches in the context.",
+        help="lookup, verify+lookup: drafts per step from n-gram matches in the context (default: the artifact's "
+        "plan's, else 12).",
         rich_help_panel="Configurations",
     ),
 ]
@@ -171,7 +172,7 @@ def bench(
     mmap_weights: MmapOpt = False,
     memory_budget: BudgetOpt = None,
     place: PlaceOpt = None,
-    prompt_drafts: PromptDraftsOpt = DEFAULT_DRAFTS,
+    prompt_drafts: PromptDraftsOpt = None,
     draft_memory: DraftMemoryOpt = DRAFT_MEMORY,
     draft_ahead: DraftAheadOpt = None,
     ahead_prompts: AheadPromptsOpt = 8,

@@ -291,7 +291,8 @@ class LookupStats(_M):
     # (empty in calibration files written before it: the interval is then the costs' timing alone)
     per_prompt: list[tuple[int, dict[str, int]]] = Field(default_factory=list)
     min_draft: int = 1  # runs shorter than this were not proposed (runtime/drafts.py `PromptLookup.min_draft`)
-    # the same replay with longer shortest runs (min_draft 2, 3, ...): the plan prices each against the costs
+    # the same replay with other run lengths: longer shortest runs (min_draft 2, 3, ...) and shorter longest runs
+    # (max_draft 4, 8: runtime/drafts.py LONGEST_RUNS); the plan prices each against the costs and keeps the fastest
     shortest: list[LookupStats] = Field(default_factory=list)
     # the same replay on the continuations cut at shorter lengths (CUT_LENGTHS), ascending: what a run of that
     # --max-new-tokens takes (`at_length`; none in calibration files written before them)
@@ -487,3 +488,9 @@ class Plan(_M):
         if a.exit in block_exits:
             return f"plan.ahead.exit {a.exit} has a block head (a drafting exit has none)"
         return None
+
+
+def plan_drafts(plan: Plan | None) -> int:
+    """The drafts per step from the context a run proposes without --prompt-drafts: the plan's lookup entry's (the
+    run length its costs price fastest), else DEFAULT_DRAFTS."""
+    return plan.lookup.drafts if plan is not None and plan.lookup is not None else DEFAULT_DRAFTS

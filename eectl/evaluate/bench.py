@@ -387,7 +387,7 @@ def _check_options(opts: BenchOptions, prompts: list[str]) -> None:
         raise UsageError(f"{low[0][0]} must be >= 1, got {low[0][1]}")
     if opts.ppl_tokens < 0:
         raise UsageError(f"--ppl-tokens must be >= 0 (0: no perplexity), got {opts.ppl_tokens}")
-    if not 0 <= opts.prompt_drafts <= MAX_DRAFTS:  # as run checks it
+    if opts.prompt_drafts is not None and not 0 <= opts.prompt_drafts <= MAX_DRAFTS:  # as run checks it
         raise UsageError(f"--prompt-drafts must be in 0..{MAX_DRAFTS}, got {opts.prompt_drafts}")
     if not prompts:
         raise UsageError("no prompts to benchmark")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from eectl.contracts.certificate import CERTIFIED
-from eectl.contracts.plan import Prediction
+from eectl.contracts.plan import Prediction, plan_drafts
 from eectl.errors import UsageError
 from eectl.evaluate.ahead import ahead_config
 from eectl.evaluate.memory import MemoryMeter
@@ -160,6 +160,8 @@ class Configs:
             lookup = RunOptions(policy=LOOKUP, max_new_tokens=opts.max_new_tokens, provider=opts.provider)
             chosen = lookup if name == LOOKUP else early
             chosen.prompt_drafts, chosen.draft_memory = opts.prompt_drafts, opts.draft_memory
+            if name != LOOKUP and chosen.prompt_drafts is None:  # lookup's own resolution takes the plan's drafts
+                chosen.prompt_drafts = plan_drafts(rt.manifest.plan)
             configs[name] = resolve_config(rt, chosen, stop) if name == LOOKUP else self._early(rt, chosen)
         if AHEAD in opts.configs:  # verify drafting ahead at the plan's bound, priced on a replay (evaluate/ahead.py)
             configs[AHEAD], self.priced[AHEAD], _ = ahead_config(rt, opts, stop)

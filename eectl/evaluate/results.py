@@ -7,7 +7,7 @@ from typing import Any
 
 from eectl.contracts.certificate import CERTIFIED
 from eectl.contracts.names import POLICY_SPECS, default_policies
-from eectl.contracts.plan import DEFAULT_DRAFTS, DRAFT_MEMORY, LOOKUP, RIVER_EXIT
+from eectl.contracts.plan import DRAFT_MEMORY, LOOKUP, RIVER_EXIT
 from eectl.plan.ahead import AHEAD
 from eectl.runtime.tiers import WeightOptions
 
@@ -46,7 +46,7 @@ class BenchOptions:
     compare: dict[str, str] = field(default_factory=dict)  # config name -> another artifact, run at full depth
     # runtime -> GGUF (evaluate/peers.py): llama.cpp beside eectl, as configurations `llama.cpp`, `llama.cpp+lookup`
     peers: dict[str, str] = field(default_factory=dict)
-    prompt_drafts: int = DEFAULT_DRAFTS  # the lookup configurations' drafts per step
+    prompt_drafts: int | None = None  # the lookup configurations' drafts per step (None: the plan's, else 12)
     draft_memory: int = DRAFT_MEMORY  # the lookup configurations' memory of earlier requests (runtime/draft_memory.py)
     weights: WeightOptions = field(default_factory=WeightOptions)  # mapped weights, memory budget, placement
     # the ahead configuration: the prompts its drafter is replayed on (not timed), and a bound pinned (None: the plan's)

@@ -108,8 +108,10 @@ def choose_lookup(
 ) -> LookupChoice | None:
     """The lookup prediction with its interval over the costs' timing and calibration's prompts (the drafts' pay
     varies from prompt to prompt far more than the costs' timing); on when its low end clears the line. Of the
-    replays calibration made with longer shortest runs (`LookupStats.shortest`), the one these costs price fastest:
-    where a wide pass costs about what a step does, runs of one draft cannot pay."""
+    replays calibration made with other run lengths (`LookupStats.shortest`), the one these costs price fastest:
+    where a wide pass costs about what a step does, runs of one draft cannot pay; where each drafted position costs
+    much and the drafts hold for a few tokens, long runs cost more than they keep. Its drafts per step and shortest
+    run are what a run then proposes."""
     priced = [(p, v) for v in [stats, *stats.shortest] if (p := predict_lookup(costs, v)) is not None]
     if not priced:
         return None

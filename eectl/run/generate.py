@@ -19,7 +19,7 @@ from eectl.contracts.certificate import CERTIFIED
 from eectl.contracts.gates import GATE
 from eectl.contracts.layers import check_exit_layers, parse_layers
 from eectl.contracts.names import POLICY_SPECS, SIGNAL_SPECS, threshold_problem
-from eectl.contracts.plan import AHEAD, DEFAULT_DRAFTS, DRAFT_MEMORY, LOOKUP, MAX_DRAFT_NGRAM, MAX_DRAFTS, MAX_NGRAM
+from eectl.contracts.plan import AHEAD, DRAFT_MEMORY, LOOKUP, MAX_DRAFT_NGRAM, MAX_DRAFTS, MAX_NGRAM, plan_drafts
 from eectl.contracts.recipe import MAX_SEED
 from eectl.errors import ArtifactError, DataError, UsageError
 from eectl.exits.signals import DEFAULT_SIGNAL, get_signal
@@ -283,7 +283,7 @@ def _lookup(rt: ArtifactRuntime, opts: RunOptions, stop_ids: tuple[int, ...], si
     plan's default. The drafts per step: --prompt-drafts, else the plan's, else DEFAULT_DRAFTS."""
     plan = rt.manifest.plan
     measured = plan.lookup if plan is not None else None
-    drafts = opts.prompt_drafts if opts.prompt_drafts is not None else (measured.drafts if measured else DEFAULT_DRAFTS)
+    drafts = opts.prompt_drafts if opts.prompt_drafts is not None else plan_drafts(plan)
     if drafts < 1:
         raise UsageError("--policy lookup drafts from the context: --prompt-drafts must be >= 1 with it")
     if plan is not None and measured is not None:

@@ -30,13 +30,26 @@ from eectl.errors import UsageError
 from eectl.runtime.draft_memory import DraftMemory
 from eectl.runtime.state import LookupState, RowState
 
-__all__ = ["DEFAULT_DRAFTS", "MAX_DRAFTS", "MAX_NGRAM", "SHORTEST_RUNS", "PromptLookup", "lookup_stats", "replay"]
+__all__ = [
+    "DEFAULT_DRAFTS",
+    "LONGEST_RUNS",
+    "MAX_DRAFTS",
+    "MAX_NGRAM",
+    "SHORTEST_RUNS",
+    "PromptLookup",
+    "lookup_stats",
+    "replay",
+]
 
 # measured defaults (docs/results/2026-12-01-prompt-drafts.md): suffixes of MAX_NGRAM = 5 tokens down to 2, runs of
 # up to DEFAULT_DRAFTS = 12 (eectl.contracts.plan)
 MIN_NGRAM = 2
 # the shortest runs calibration replays besides 1 (the plan keeps the one its costs price fastest)
 SHORTEST_RUNS = (2, 3, 4)
+# ... and the longest runs besides DEFAULT_DRAFTS: where a wide pass's positions cost much (int4 segments: ~20% of a
+# step each) and the workload's drafts are right for a few tokens at a time (GSM8K answers), runs of 4 price faster
+# than runs of 12 (docs/results/2026-12-08-draft-lengths.md); copying workloads (code edits) keep the long runs
+LONGEST_RUNS = (4, 8)
 
 
 class PromptLookup:
