@@ -31,7 +31,7 @@ from eectl.data import encode_prompt, load_text_data
 from eectl.plan.lookup import predict_lookup
 from eectl.run.generate import RunOptions, load_tokenizer, resolve_config
 from eectl.runtime.draft_memory import DraftMemory
-from eectl.runtime.drafts import PromptLookup
+from eectl.runtime.drafts import PromptLookup, cut_at_stop, suffix_matches
 from eectl.runtime.ort import init_ort
 from eectl.runtime.runner import Runner
 from eectl.runtime.sessions import ArtifactRuntime
@@ -61,14 +61,9 @@ def branches(
     (longest suffix first, latest occurrence first), then the memory's; the first is lookup's own draft."""
     arr, n_tok, out = np.asarray(tokens, dtype=np.int64), len(tokens), []
     for n in range(min(lk.max_ngram, n_tok - 1), lk.min_ngram - 1, -1):
-        span = n_tok - n
-        hit = np.ones(span, dtype=bool)
-        for j in range(n):
-            hit &= arr[j : j + span] == arr[n_tok - n + j]
-        for i in np.flatnonzero(hit)[::-1]:
+        for i in suffix_matches(arr, n)[::-1]:
             cap = limit if not out else min(limit, side)
-            d = arr[i + n : i + n + cap].tolist()
-            d = d[: next((k for k, t in enumerate(d) if t in stop), len(d))]
+            d = cut_at_stop(arr[i + n : i + n + cap].tolist(), stop)
             if d and all(c[0] != d[0] for c in out):
                 out.append(d)
             if len(out) >= b:

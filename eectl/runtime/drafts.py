@@ -37,8 +37,10 @@ __all__ = [
     "MAX_NGRAM",
     "SHORTEST_RUNS",
     "PromptLookup",
+    "cut_at_stop",
     "lookup_stats",
     "replay",
+    "suffix_matches",
 ]
 
 # measured defaults (docs/results/2026-12-01-prompt-drafts.md): suffixes of MAX_NGRAM = 5 tokens down to 2, runs of
@@ -89,21 +91,11 @@ class PromptLookup:
             return []
         arr = np.asarray(tokens, dtype=np.int64)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
-            key = arr[n_tok - n :]
-            # starts i < n_tok - n of earlier windows arr[i : i + n] equal to the suffix, each followed by a token
-            span = n_tok - n
-            hit = np.ones(span, dtype=bool)
-            for j in range(n):
-                hit &= arr[j : j + span] == key[j]
-            found = np.flatnonzero(hit)
+            found = suffix_matches(arr, n)
             if found.size == 0:
                 continue
             start = int(found[-1]) + n
-            draft = arr[start : start + limit].tolist()
-            for k, t in enumerate(draft):
-                if t in stop_ids:
-                    draft = draft[:k]
-                    break
+            draft = cut_at_stop(arr[start : start + limit].tolist(), stop_ids)
             if draft:
                 return draft
         return []
@@ -158,6 +150,21 @@ class PromptLookup:
         if ls.misses >= self.patience:
             ls.resume_at = length + self.backoff
             ls.misses = 0
+
+
+def suffix_matches(arr: np.ndarray, n: int) -> np.ndarray:
+    """The starts i < len(arr) - n of the earlier windows arr[i : i + n] equal to arr's last n tokens (each followed
+    by a token), ascending."""
+    span = len(arr) - n
+    hit = np.ones(span, dtype=bool)
+    for j in range(n):
+        hit &= arr[j : j + span] == arr[span + j]
+    return np.flatnonzero(hit)
+
+
+def cut_at_stop(draft: list[int], stop_ids: tuple[int, ...]) -> list[int]:
+    """`draft` up to its first stop id (a stop token ends the answer: nothing after it is drafted)."""
+    return draft[: next((k for k, t in enumerate(draft) if t in stop_ids), len(draft))]
 
 
 def replay(lookup: PromptLookup, prompt: list[int], answer: list[int], stop_ids: tuple[int, ...] = ()) -> list[int]:
